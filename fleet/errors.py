@@ -1,0 +1,49 @@
+"""Domain errors shared by the core and the shells.
+
+Every error carries a `code` naming the gRPC status it maps to, so servicers translate without a
+table of special cases, and a message a person can act on (what was wrong, what to do instead).
+The core raises these; it never imports grpc.
+"""
+
+from __future__ import annotations
+
+
+class KvfleetError(Exception):
+    """Base class. `code` is the name of a grpc.StatusCode member."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(KvfleetError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(KvfleetError, KeyError):
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else "not found"
+
+
+class AlreadyExists(KvfleetError):
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(KvfleetError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(KvfleetError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(KvfleetError):
+    code = "UNAVAILABLE"
+
+
+class Unauthenticated(KvfleetError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KvfleetError):
+    code = "PERMISSION_DENIED"
