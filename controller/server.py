@@ -1,0 +1,183 @@
+"""The controller's grpc.aio server: kvfleet.v1 services, gRPC health and reflection, graceful stop.
+
+    ctl = await build_server(ControllerConfig(listen="127.0.0.1:0", store_url="sqlite:///x.db"))
+    ...  # clients talk to ctl.address
+    await ctl.stop(grace=5)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controller.auth import Authenticator, TokenBook
+from controller.leader import LeaderLock, make_leader_lock
+from controller.metrics import Metrics
+from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
+from fleet.errors import InvalidArgument
+
+log = logging.getLogger("kvfleet.controller")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Everything `kvfleet controller` configures. tokens_file=None turns auth off (one machine only)."""
+
+    listen: str = "127.0.0.1:50051"
+    store_url: str = "sqlite:///./var/kvfleet.db"
+    tokens_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_blob_bytes: int = 64 << 20
+    salt_secret: bytes | None = None  # None: generated once and kept in the store
+    ray_address: str | None = None  # accepted and kept for the session actors
+    leader_election: bool = False
+    leader_ttl_s: float = 10.0
+    start_router: bool = True
+    store_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if ":" not in self.listen:
+            raise InvalidArgument(f"--listen {self.listen!r} must be HOST:PORT, e.g. 0.0.0.0:50051")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("TLS needs both --tls-cert and --tls-key (PEM files)")
+        if self.max_blob_bytes <= 0:
+            raise InvalidArgument(f"max_blob_bytes must be positive, got {self.max_blob_bytes}")
+
+
+class Controller:
+    """A running controller: `address`, `port`, `ctx` (store, router, auth, metrics) and `stop()`."""
+
+    def __init__(self, cfg: ControllerConfig, server: grpc.aio.Server, port: int, ctx: ServiceContext,
+                 health_servicer: Any, router_config: Any) -> None:
+        self.cfg, self.server, self.port, self.ctx = cfg, server, port, ctx
+        self.health, self._router_config = health_servicer, router_config
+        self._lead_task: asyncio.Task[None] | None = None
+        self._lock: LeaderLock | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.listen.rsplit(':', 1)[0]}:{self.port}"
+
+    async def _set_serving(self, on: bool) -> None:
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, SERVING if on else NOT_SERVING)
+
+    async def become_leader(self) -> None:
+        if self.cfg.start_router and self.ctx.router is None:
+            from controller.router import Router, RouterConfig
+
+            router = Router(self.ctx.store, self.ctx.metrics, self._router_config or RouterConfig())
+            await router.start()
+            self.ctx.router = router
+        self.ctx.leader = True
+        await self._set_serving(True)
+
+    async def step_down(self) -> None:
+        self.ctx.leader = False
+        await self._set_serving(False)
+        router, self.ctx.router = self.ctx.router, None
+        if router is not None:
+            await router.stop()
+
+    async def _lead(self, lock: LeaderLock) -> None:
+        """Standby until the lock is ours; serve while we keep renewing it; step down when we cannot."""
+        self._lock = lock
+        while True:
+            await lock.acquire()
+            log.info("controller on %s took the leader lock", self.address)
+            await self.become_leader()
+            while await lock.renew():
+                await asyncio.sleep(lock.ttl_s / 3)
+            log.warning("controller on %s lost the leader lock; standing by", self.address)
+            await self.step_down()
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Graceful stop: NOT_SERVING, drain in-flight RPCs for `grace` s, stop the router, close the store."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self._lead_task is not None:
+            self._lead_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lead_task
+        if self._lock is not None:
+            with contextlib.suppress(Exception):
+                await self._lock.release()
+        if self.ctx.router is not None:
+            await self.ctx.router.stop()
+        self.ctx.executor.shutdown(wait=True)
+        self.ctx.store.close()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def _salt_secret(store: Any, cfg: ControllerConfig) -> bytes:
+    """The cache_salt secret must survive restarts (or every warm prefix would go cold): keep it in the store."""
+    if cfg.salt_secret:
+        return cfg.salt_secret
+    secret = store.kv_get("controller", "cache_salt_secret")
+    if not secret:
+        store.kv_put("controller", "cache_salt_secret", secrets.token_bytes(32))
+        secret = store.kv_get("controller", "cache_salt_secret")
+    return bytes(secret)
+
+
+def _bind(server: grpc.aio.Server, cfg: ControllerConfig) -> int:
+    if cfg.tls_cert and cfg.tls_key:
+        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        port = server.add_secure_port(cfg.listen, creds)
+    else:
+        port = server.add_insecure_port(cfg.listen)
+    if not port:
+        raise InvalidArgument(f"cannot listen on {cfg.listen}: address in use or not local")
+    return port
+
+
+async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None, store: Any = None,
+                       router_config: Any = None) -> Controller:
+    """Open the store, register services + health + reflection, start serving; return the Controller.
+
+    Args:
+        cfg: the controller configuration.
+        metrics: the Metrics to record into (a fresh one if None).
+        store: an already open fleet.cas store (tests); opened from cfg.store_url if None.
+        router_config: a controller.router.RouterConfig (its defaults if None).
+    """
+    if store is None:
+        from fleet.cas import open_store
+
+        store = await asyncio.to_thread(open_store, cfg.store_url, max_blob_bytes=cfg.max_blob_bytes)
+    book = TokenBook(cfg.tokens_file) if cfg.tokens_file else None
+    auth = Authenticator(book, await asyncio.to_thread(_salt_secret, store, cfg))
+    limit = min(cfg.max_blob_bytes, int(getattr(store, "max_blob_bytes", cfg.max_blob_bytes)))
+    ctx = ServiceContext(auth=auth, metrics=metrics or Metrics(), store=store, router=None, max_blob_bytes=limit,
+                         store_url=cfg.store_url, leader=False,
+                         executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"))
+    server = grpc.aio.server()
+    names = add_servicers(server, ctx)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = _bind(server, cfg)
+    await server.start()
+    ctl = Controller(cfg, server, port, ctx, health_servicer, router_config)
+    await ctl._set_serving(False)
+    if cfg.leader_election:
+        ctl._lead_task = asyncio.create_task(ctl._lead(make_leader_lock(cfg.store_url, cfg.leader_ttl_s)))
+    else:
+        await ctl.become_leader()
+    log.info("controller listening on %s (store %s)", ctl.address, cfg.store_url)
+    return ctl

@@ -1,0 +1,91 @@
+"""BlobService: chunked put/get and stat over fleet.cas, tenant taken from the token.
+
+Memory: a put holds the received chunks (one copy) and the store joins them (a second copy), so a
+put never holds more than ~2 copies of the blob; a get streams the store's chunks as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from controller.auth import Identity, Role
+from controller.servicers.common import ServiceContext, server_stream, unary
+from fleet.api.kvfleet.v1 import blobs_pb2 as pb
+from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
+from fleet.errors import InvalidArgument, ResourceExhausted
+
+DEFAULT_CHUNK = 1 << 20
+MAX_CHUNK = 2 << 20
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class BlobServicer(pbg.BlobServiceServicer):
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    @unary(Role.TENANT)
+    async def PutBlob(self, request_iterator: AsyncIterator[pb.PutBlobRequest], context: grpc.aio.ServicerContext,
+                      ident: Identity) -> pb.PutBlobResponse:
+        header, chunks = await self._receive(request_iterator)
+        ref: str = await self.ctx.blocking(self.ctx.store.put_stream, iter(chunks), ident.tenant,
+                                           header.expected_ref or None)
+        self.ctx.metrics.cas_ops.labels(op="put", outcome="ok").inc()
+        self.ctx.metrics.cas_bytes.labels(direction="in").inc(header.size)
+        return pb.PutBlobResponse(ref=ref, size=header.size)
+
+    async def _receive(self, requests: AsyncIterator[pb.PutBlobRequest]) -> tuple[pb.PutBlobHeader, list[bytes]]:
+        """Read the header, then the chunks; refuse early (before storing anything) on a size problem."""
+        first = await anext(aiter(requests), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("PutBlob's first message must be a header {size, expected_ref}; chunks follow it")
+        header, limit = first.header, self.ctx.max_blob_bytes
+        if header.size > limit:
+            self.ctx.metrics.cas_ops.labels(op="put", outcome="too_large").inc()
+            raise ResourceExhausted(f"blob of {header.size} bytes ({_mib(header.size)}) exceeds the store limit of "
+                                    f"{limit} bytes ({_mib(limit)}); split it or raise the controller's --max-blob-bytes")
+        chunks, got = [], 0
+        async for msg in requests:
+            if msg.WhichOneof("kind") != "chunk":
+                raise InvalidArgument("PutBlob got a second header; send exactly one header, then chunks")
+            got += len(msg.chunk)
+            if got > header.size:
+                raise InvalidArgument(f"PutBlob received more bytes than the header's size={header.size}; "
+                                      "send the exact blob size in the header")
+            chunks.append(msg.chunk)
+        if got != header.size:
+            raise InvalidArgument(f"PutBlob stream ended after {got} of the {header.size} bytes its header announced; "
+                                  "nothing was stored")
+        return header, chunks
+
+    @server_stream(Role.TENANT)
+    async def GetBlob(self, request: pb.GetBlobRequest, context: grpc.aio.ServicerContext,
+                      ident: Identity) -> AsyncIterator[pb.GetBlobResponse]:
+        size = request.chunk_size or DEFAULT_CHUNK
+        if size > MAX_CHUNK:
+            raise InvalidArgument(f"chunk_size {size} is over the maximum of {MAX_CHUNK} bytes (2 MiB)")
+        it = await self.ctx.blocking(self.ctx.store.get_stream, request.ref, ident.tenant, size)
+        sent, done = 0, object()
+        while (chunk := await self.ctx.blocking(next, it, done)) is not done:
+            assert isinstance(chunk, bytes)
+            sent += len(chunk)
+            yield pb.GetBlobResponse(chunk=chunk)
+        self.ctx.metrics.cas_ops.labels(op="get", outcome="ok").inc()
+        self.ctx.metrics.cas_bytes.labels(direction="out").inc(sent)
+
+    @unary(Role.TENANT)
+    async def StatBlob(self, request: pb.StatBlobRequest, context: grpc.aio.ServicerContext,
+                       ident: Identity) -> pb.StatBlobResponse:
+        meta = await self.ctx.blocking(self.ctx.store.stat, request.ref, ident.tenant)
+        return pb.StatBlobResponse(meta=meta_to_proto(meta))
+
+
+def meta_to_proto(m: Any) -> pb.BlobMeta:
+    return pb.BlobMeta(ref=m.ref, size=m.size, created=float(m.created or 0), pins=int(m.pins or 0),
+                       refs=int(m.refs or 0), verdict=str(m.verdict or ""), reasons=list(m.reasons or ()),
+                       lease_expires=float(m.lease_expires or 0))

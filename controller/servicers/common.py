@@ -1,0 +1,112 @@
+"""What every servicer shares: the service context, auth, and error -> status mapping.
+
+Servicers are thin: authenticate, translate proto -> domain, call the core, translate back. Every
+failure leaves as a gRPC status with a message a person can act on; nothing crashes the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from controller.auth import Authenticator, Identity, Role
+from controller.metrics import Metrics
+from fleet.errors import KvfleetError, Unavailable
+
+log = logging.getLogger("kvfleet.controller")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServiceContext:
+    """Dependencies of the servicers. `leader` gates every kvfleet RPC (standby -> UNAVAILABLE)."""
+
+    auth: Authenticator
+    metrics: Metrics
+    store: Any  # fleet.cas.BlobStore
+    router: Any  # controller.router.Router, or None before it started
+    max_blob_bytes: int
+    store_url: str = ""
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="kvfleet-store"))
+    leader: bool = True
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking store call off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def need_router(self) -> Any:
+        if self.router is None:
+            raise Unavailable("the router is not running on this controller yet; retry shortly")
+        return self.router
+
+
+def status_of(err: KvfleetError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
+
+
+def _check(ctx: ServiceContext, context: grpc.aio.ServicerContext, role: Role, method: str) -> Identity:
+    ident = ctx.auth.authenticate(context.invocation_metadata())
+    ctx.auth.authorize(ident, role, method)
+    if not ctx.leader:
+        raise Unavailable("this controller is a standby (another one holds the leader lock); retry, "
+                          "or point the client at the leader")
+    return ident
+
+
+async def _fail(ctx: ServiceContext, context: grpc.aio.ServicerContext, method: str, e: BaseException) -> None:
+    if isinstance(e, KvfleetError):
+        code, msg = status_of(e), str(e)
+    else:
+        log.exception("%s failed", method)
+        code, msg = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e} (see controller log)"
+    ctx.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+    await context.abort(code, msg)
+
+
+Handler = Callable[..., Awaitable[Any]]
+
+
+def unary(role: Role) -> Callable[[Handler], Handler]:
+    """Wrap `async def M(self, request, context, ident)` (unary or client-streaming) with auth and errors."""
+
+    def wrap(fn: Handler) -> Handler:
+        @functools.wraps(fn)
+        async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                ident = _check(self.ctx, context, role, fn.__name__)
+                return await fn(self, request, context, ident)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await _fail(self.ctx, context, fn.__name__, e)
+
+        return method
+
+    return wrap
+
+
+def server_stream(role: Role) -> Callable[[Callable[..., AsyncIterator[Any]]], Callable[..., AsyncIterator[Any]]]:
+    """Wrap `async def M(self, request, context, ident)` async generators with auth and errors."""
+
+    def wrap(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        @functools.wraps(fn)
+        async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                ident = _check(self.ctx, context, role, fn.__name__)
+                async for msg in fn(self, request, context, ident):
+                    yield msg
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await _fail(self.ctx, context, fn.__name__, e)
+
+        return method
+
+    return wrap

@@ -1,0 +1,36 @@
+"""FleetService: who am I (any valid token) and the fleet listing (operator role)."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+
+from controller.auth import Identity, Role
+from controller.servicers.common import ServiceContext, unary
+from controller.servicers.convert import status_to_proto
+from fleet.api.kvfleet.v1 import fleet_pb2 as pb
+from fleet.api.kvfleet.v1 import fleet_pb2_grpc as pbg
+
+VERSION = "0.1.0"
+
+
+def redact(url: str) -> str:
+    return re.sub(r"//([^/@:]*):[^/@]*@", r"//\1:***@", url)
+
+
+class FleetServicer(pbg.FleetServiceServicer):
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    @unary(Role.TENANT)
+    async def WhoAmI(self, request: pb.WhoAmIRequest, context: grpc.aio.ServicerContext,
+                     ident: Identity) -> pb.WhoAmIResponse:
+        return pb.WhoAmIResponse(tenant=ident.tenant, role=ident.role.value, name=ident.name)
+
+    @unary(Role.OPERATOR)
+    async def GetFleet(self, request: pb.GetFleetRequest, context: grpc.aio.ServicerContext,
+                       ident: Identity) -> pb.GetFleetResponse:
+        workers = self.ctx.router.workers() if self.ctx.router is not None else []
+        return pb.GetFleetResponse(controller_version=VERSION, store=redact(self.ctx.store_url),
+                                   leader=self.ctx.leader, workers=[status_to_proto(w) for w in workers])

@@ -1,0 +1,52 @@
+"""WorkerService: the worker registry and lifecycle verbs (operator role only)."""
+
+from __future__ import annotations
+
+import grpc
+
+from controller.auth import Identity, Role
+from controller.servicers.common import ServiceContext, unary
+from controller.servicers.convert import spec_from_proto, status_to_proto, witness_to_proto
+from fleet.api.kvfleet.v1 import workers_pb2 as pb
+from fleet.api.kvfleet.v1 import workers_pb2_grpc as pbg
+from fleet.errors import InvalidArgument
+
+VERBS = ("sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "release_kv_cache_memory")
+
+
+class WorkerServicer(pbg.WorkerServiceServicer):
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    @unary(Role.OPERATOR)
+    async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext,
+                             ident: Identity) -> pb.RegisterWorkerResponse:
+        status = await self.ctx.need_router().register_worker(spec_from_proto(request.spec))
+        return pb.RegisterWorkerResponse(status=status_to_proto(status))
+
+    @unary(Role.OPERATOR)
+    async def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: grpc.aio.ServicerContext,
+                               ident: Identity) -> pb.UnregisterWorkerResponse:
+        await self.ctx.need_router().unregister_worker(request.name)
+        return pb.UnregisterWorkerResponse()
+
+    @unary(Role.OPERATOR)
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext,
+                          ident: Identity) -> pb.ListWorkersResponse:
+        return pb.ListWorkersResponse(workers=[status_to_proto(s) for s in self.ctx.need_router().workers()])
+
+    @unary(Role.OPERATOR)
+    async def Lifecycle(self, request: pb.LifecycleRequest, context: grpc.aio.ServicerContext,
+                        ident: Identity) -> pb.LifecycleResponse:
+        if request.verb not in VERBS:
+            raise InvalidArgument(f"unknown lifecycle verb {request.verb!r}; use one of {', '.join(VERBS)}")
+        r = request
+        witness = await self.ctx.need_router().lifecycle(
+            r.name, r.verb,
+            level=r.level if r.HasField("level") else None,
+            mode=r.mode if r.HasField("mode") else None,
+            tags=list(r.tags) or None,
+            clear_cache=r.clear_cache if r.HasField("clear_cache") else None,
+            dp_rank=r.dp_rank if r.HasField("dp_rank") else None,
+        )
+        return pb.LifecycleResponse(worker=r.name, witness=witness_to_proto(witness))

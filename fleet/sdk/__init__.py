@@ -1,0 +1,30 @@
+"""The kvfleet Python SDK: a gRPC client of the controller, sync (FleetClient) and asyncio (AsyncFleetClient).
+
+    from fleet.sdk import FleetClient
+    with FleetClient("127.0.0.1:50051", token="kvf_...") as c:
+        ref = c.put_blob(b"tool output")
+        d = c.route([1, 2, 3], model="m")   # d.worker, d.url, d.verdict, d.matched_tokens, d.epoch
+
+Errors are raised as fleet.errors.* carrying the server's message; UNAVAILABLE is retried with
+exponential backoff and jitter (RetryPolicy) until its deadline.
+"""
+
+from __future__ import annotations
+
+from fleet.sdk.aio import AsyncFleetClient
+from fleet.sdk.base import NO_RETRY, RetryPolicy
+from fleet.sdk.client import FleetClient
+from fleet.sdk.types import (
+                             BlobInfo,
+                             BlobRef,
+                             Caller,
+                             FleetInfo,
+                             RankInfo,
+                             RouteCandidate,
+                             RouteDecision,
+                             Witness,
+                             WorkerInfo,
+)
+
+__all__ = ["FleetClient", "AsyncFleetClient", "RetryPolicy", "NO_RETRY", "BlobRef", "BlobInfo", "RouteDecision",
+           "RouteCandidate", "Witness", "WorkerInfo", "RankInfo", "Caller", "FleetInfo"]

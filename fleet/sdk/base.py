@@ -1,0 +1,131 @@
+"""What the sync and asyncio clients share: options, retry policy, error mapping, request building."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from fleet import errors
+from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2, workers_pb2
+from fleet.errors import InvalidArgument, KvfleetError, Unavailable
+
+CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
+_BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
+                                errors.ResourceExhausted, errors.Unavailable, errors.Unauthenticated,
+                                errors.PermissionDenied)}
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Exponential backoff with jitter, on UNAVAILABLE only, within an overall deadline.
+
+    Attempt n (0-based) waits min(max_backoff_s, initial_backoff_s * multiplier**n) * U(1 - jitter, 1 + jitter).
+    """
+
+    max_attempts: int = 8
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 3.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    deadline_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        assert self.max_attempts >= 1 and self.initial_backoff_s >= 0 and self.multiplier >= 1
+        assert 0 <= self.jitter < 1 and self.deadline_s > 0
+
+    def backoff(self, attempt: int) -> float:
+        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** attempt)
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def credentials(tls: bool, root_certificates: bytes | str | Path | None) -> grpc.ChannelCredentials | None:
+    """None for plaintext; TLS credentials (system roots unless a CA PEM, bytes or path, is given)."""
+    if not tls and root_certificates is None:
+        return None
+    roots = root_certificates
+    if isinstance(roots, (str, Path)):
+        roots = Path(roots).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
+    """A gRPC status as the fleet.errors class of the same code, carrying the server's message."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else None) or str(e)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return Unavailable(f"{method} at {target}: deadline exceeded ({details}); the controller is slow or "
+                           "unreachable, raise the client's timeout or check the controller")
+    cls = _BY_CODE.get(code.name)
+    if cls is not None:
+        return cls(details)
+    err = KvfleetError(f"{method} at {target}: {code.name}: {details}")
+    err.code = code.name
+    return err
+
+
+def gave_up(method: str, target: str, attempts: int, elapsed: float, last: BaseException | None) -> Unavailable:
+    last_msg = last.details() if isinstance(last, grpc.RpcError) and hasattr(last, "details") else str(last)
+    return Unavailable(f"{method}: controller at {target} unavailable after {attempts} attempt(s) over {elapsed:.1f}s "
+                       f"(last error: {last_msg}); check that `kvfleet controller` is running and reachable")
+
+
+def put_requests(data: bytes, expected_ref: str | None) -> Iterator[blobs_pb2.PutBlobRequest]:
+    yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data), expected_ref=expected_ref or ""))
+    view = memoryview(data)
+    for off in range(0, len(data), CHUNK):
+        yield blobs_pb2.PutBlobRequest(chunk=bytes(view[off:off + CHUNK]))
+
+
+def expected(data: bytes, expected_ref: str | None, verify: bool) -> str | None:
+    return expected_ref if expected_ref is not None or not verify else hashlib.sha256(data).hexdigest()
+
+
+def check_got(ref: str, data: bytes) -> bytes:
+    if hashlib.sha256(data).hexdigest() != ref:
+        raise KvfleetError(f"blob {ref} arrived corrupted (its sha256 differs); retry the get")
+    return data
+
+
+def ref_str(ref: object) -> str:
+    return str(ref)
+
+
+def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp_ranks: int,
+                block_size: int | None, hash_algo: str, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
+    spec = workers_pb2.WorkerSpec(name=name, url=url, kv_events=kv_events, replay=replay, model=model,
+                                  dp_ranks=dp_ranks, block_size=block_size or 0, hash_algo=hash_algo)
+    if hash_seed is not None:
+        spec.hash_seed = str(hash_seed)
+    return spec
+
+
+def lifecycle_request(name: str, verb: str, level: int | None, mode: str | None, tags: Sequence[str] | None,
+                      clear_cache: bool | None, dp_rank: int | None) -> workers_pb2.LifecycleRequest:
+    req = workers_pb2.LifecycleRequest(name=name, verb=verb, tags=list(tags or ()))
+    for key, val in (("level", level), ("mode", mode), ("clear_cache", clear_cache), ("dp_rank", dp_rank)):
+        if val is not None:
+            setattr(req, key, val)
+    return req
+
+
+def route_request(token_ids: Sequence[int], model: str, lora: str | None, probe: bool | None) -> route_pb2.RouteRequest:
+    if any(t < 0 or t >= 1 << 32 for t in token_ids):
+        raise InvalidArgument("token ids must be integers in [0, 2**32)")
+    req = route_pb2.RouteRequest(token_ids=list(token_ids), model=model)
+    if lora is not None:
+        req.lora = lora
+    if probe is not None:
+        req.probe = probe
+    return req

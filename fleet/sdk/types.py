@@ -1,0 +1,142 @@
+"""Typed results of the SDK (frozen dataclasses), built from the kvfleet.v1 messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """A stored blob: `ref` is the SHA-256 hex of its bytes. `str(ref)` is the hex."""
+
+    ref: str
+    size: int
+
+    def __str__(self) -> str:
+        return self.ref
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    ref: str
+    size: int
+    created: float
+    pins: int
+    refs: int
+    verdict: str
+    reasons: tuple[str, ...]
+    lease_expires: float
+
+
+@dataclass(frozen=True, slots=True)
+class RouteCandidate:
+    worker: str
+    dp_rank: int
+    matched_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where to send a request. verdict is "WARM" (prefix resident and worker serving) or "COLD".
+
+    Send `cache_salt` to vLLM with the request so the worker's block hashes match the router's.
+    """
+
+    worker: str
+    url: str
+    dp_rank: int
+    verdict: str
+    matched_tokens: int
+    epoch: int
+    cache_salt: str
+    candidates: tuple[RouteCandidate, ...] = ()
+
+    @property
+    def warm(self) -> bool:
+        return self.verdict == "WARM"
+
+
+@dataclass(frozen=True, slots=True)
+class Witness:
+    """A lifecycle action's cache-loss witness (DESIGN §9). kv: "preserved" | "forgotten" | "unknown"."""
+
+    worker: str
+    action: str
+    phase: str
+    kv: str
+    warm_demoted: bool
+    serving: bool
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    dp_rank: int
+    epoch: int
+    serving: bool
+    phase: str
+    kv: str
+    num_blocks: int
+    last_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    name: str
+    url: str
+    kv_events: str
+    replay: str
+    model: str
+    dp_ranks: int
+    block_size: int | None
+    hash_algo: str
+    hash_seed: str | None
+    ranks: tuple[RankInfo, ...] = ()
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def serving(self) -> bool:
+        return any(r.serving for r in self.ranks)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What the controller says the presented token is."""
+
+    tenant: str
+    role: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class FleetInfo:
+    controller_version: str
+    store: str
+    leader: bool
+    workers: tuple[WorkerInfo, ...]
+
+
+def blob_info(m: Any) -> BlobInfo:
+    return BlobInfo(m.ref, m.size, m.created, m.pins, m.refs, m.verdict, tuple(m.reasons), m.lease_expires)
+
+
+def route_decision(r: Any) -> RouteDecision:
+    cands = tuple(RouteCandidate(c.worker, c.dp_rank, c.matched_tokens) for c in r.candidates)
+    return RouteDecision(r.worker, r.url, r.dp_rank, r.verdict, r.matched_tokens, r.epoch, r.cache_salt, cands)
+
+
+def witness(r: Any) -> Witness:
+    w = r.witness
+    return Witness(r.worker, w.action, w.phase, w.kv, w.warm_demoted, w.serving, w.epoch)
+
+
+def worker_info(s: Any) -> WorkerInfo:
+    p = s.spec
+    ranks = tuple(RankInfo(r.dp_rank, r.epoch, r.serving, r.phase, r.kv, r.num_blocks, r.last_seq) for r in s.ranks)
+    return WorkerInfo(p.name, p.url, p.kv_events, p.replay, p.model, p.dp_ranks, p.block_size or None, p.hash_algo,
+                      p.hash_seed if p.HasField("hash_seed") else None, ranks, dict(s.extra))
+
+
+def fleet_info(r: Any) -> FleetInfo:
+    return FleetInfo(r.controller_version, r.store, r.leader, tuple(worker_info(w) for w in r.workers))
