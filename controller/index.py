@@ -1,0 +1,108 @@
+"""Prefix index: which block hashes each (worker, dp_rank) holds, per (group_idx, medium).
+
+Only medium "GPU" (or None, vLLM's GPU pool before tiers existed) counts toward a warm hit
+(reference §6 rule 8). A rank that has reported more than one KV group (hybrid models) is never
+matched: without per-group logic a hit cannot be proven for every group, so it fails closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+RankKey = tuple[str, int]  # (worker, dp_rank)
+Tier = tuple[int | None, str]  # (group_idx, medium)
+
+
+def tier_of(group_idx: int | None, medium: str | None) -> Tier:
+    return (group_idx, "GPU" if medium is None else medium.upper())
+
+
+@dataclass(slots=True)
+class RankIndex:
+    """Resident hashes of one (worker, dp_rank), by tier."""
+
+    tiers: dict[Tier, set[int]] = field(default_factory=dict)
+    groups: set[int | None] = field(default_factory=set)
+
+    def store(self, ev: BlockStored) -> None:
+        self.tiers.setdefault(tier_of(ev.group_idx, ev.medium), set()).update(ev.block_hashes)
+        if tier_of(ev.group_idx, ev.medium)[1] == "GPU":
+            self.groups.add(ev.group_idx)
+
+    def remove(self, ev: BlockRemoved) -> None:
+        s = self.tiers.get(tier_of(ev.group_idx, ev.medium))
+        if s is not None:
+            s.difference_update(ev.block_hashes)
+
+    def clear(self) -> None:
+        self.tiers.clear()
+        self.groups.clear()
+
+    def gpu(self) -> set[int] | None:
+        """The GPU hash set when there is exactly one KV group, else None (fail closed)."""
+        if len(self.groups) != 1:
+            return None
+        g = next(iter(self.groups))
+        return self.tiers.get((g, "GPU"))
+
+    def num_blocks(self) -> int:
+        return sum(len(s) for s in self.tiers.values())
+
+
+class PrefixIndex:
+    """All ranks' resident hashes; `match` walks a request's hash chain from block 0."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[RankKey, RankIndex] = {}
+
+    def rank(self, key: RankKey) -> RankIndex:
+        r = self._ranks.get(key)
+        if r is None:
+            r = self._ranks[key] = RankIndex()
+        return r
+
+    def apply(self, key: RankKey, ev: Event) -> None:
+        """Apply one event in stream order (a store after a clear in one batch is valid)."""
+        r = self.rank(key)
+        if isinstance(ev, BlockStored):
+            r.store(ev)
+        elif isinstance(ev, BlockRemoved):
+            r.remove(ev)
+        elif isinstance(ev, AllBlocksCleared):
+            r.clear()
+
+    def drop(self, key: RankKey) -> None:
+        """Forget everything about a rank (epoch bump)."""
+        self._ranks.pop(key, None)
+
+    def drop_worker(self, worker: str) -> None:
+        for k in [k for k in self._ranks if k[0] == worker]:
+            del self._ranks[k]
+
+    def match(self, key: RankKey, hashes: Sequence[int]) -> int:
+        """Number of leading blocks of `hashes` resident on the rank's GPU tier."""
+        r = self._ranks.get(key)
+        s = r.gpu() if r is not None else None
+        if not s:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in s:
+                break
+            n += 1
+        return n
+
+    def resident(self, key: RankKey) -> set[int]:
+        r = self._ranks.get(key)
+        s = r.gpu() if r is not None else None
+        return set(s or ())
+
+    def num_blocks(self, key: RankKey) -> int:
+        r = self._ranks.get(key)
+        return r.num_blocks() if r is not None else 0
+
+    def keys(self) -> Iterable[RankKey]:
+        return list(self._ranks)

@@ -1,0 +1,140 @@
+"""`kvfleet sim-vllm`: a vLLM stand-in that speaks the real protocol (HTTP + ZMQ PUB + replay).
+
+In-process use (several in one event loop):
+
+    sim = SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=256)))
+    await sim.start(); sim.url, sim.kv_events, sim.replay; await sim.stop()
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from controller.sim_vllm.app import build_app
+from controller.sim_vllm.engine import SimEngine, SimEngineConfig
+from controller.sim_vllm.publisher import Publisher
+
+
+@dataclass(slots=True)
+class SimConfig:
+    engine: SimEngineConfig = field(default_factory=SimEngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_events_port: int = 0
+    replay_port: int | None = 0
+    topic: str = ""
+    buffer_steps: int = 10000
+    legacy_replay: bool = False
+
+
+class SimVllm:
+    """One stand-in vLLM server (one DP rank): HTTP app, engine, publisher."""
+
+    def __init__(self, cfg: SimConfig | None = None) -> None:
+        self.cfg = cfg or SimConfig()
+        self.publisher: Publisher | None = None  # type: ignore[assignment]
+        self.engine = SimEngine(self.cfg.engine, self._publish)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def _publish(self, events: list[object]) -> None:
+        assert self.publisher is not None
+        self.publisher.publish(events)
+
+    async def start(self) -> SimVllm:
+        c = self.cfg
+        self.publisher = Publisher(host=c.host, port=c.kv_events_port, replay_port=c.replay_port, topic=c.topic,
+                                   buffer_steps=c.buffer_steps, legacy_replay=c.legacy_replay)
+        self.publisher.start()
+        self._runner = web.AppRunner(build_app(self), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def restart(self) -> None:
+        """A fast restart: empty cache, seq back to 0, replay buffer lost; same endpoints."""
+        self.engine.restart()
+        assert self.publisher is not None
+        self.publisher.restart()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def kv_events(self) -> str:
+        assert self.publisher is not None
+        return self.publisher.endpoint
+
+    @property
+    def replay(self) -> str | None:
+        assert self.publisher is not None
+        return self.publisher.replay_endpoint
+
+    def endpoints(self) -> dict[str, object]:
+        return {"url": self.url, "kv_events": self.kv_events, "replay": self.replay, "model": self.cfg.engine.model,
+                "block_size": self.cfg.engine.block_size}
+
+
+def _parse(argv: list[str]) -> SimConfig:
+    p = argparse.ArgumentParser(prog="kvfleet sim-vllm", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = pick)")
+    p.add_argument("--kv-events-port", type=int, default=0, help="ZMQ PUB port (0 = pick)")
+    p.add_argument("--replay-port", type=int, default=0, help="ZMQ replay ROUTER port (0 = pick, -1 = none)")
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor"])
+    p.add_argument("--hash-seed", default=None, help="the PYTHONHASHSEED the worker runs with (default: unset)")
+    p.add_argument("--lora", action="append", default=[], help="NAME=PATH adapter (repeatable)")
+    p.add_argument("--topic", default="")
+    p.add_argument("--buffer-steps", type=int, default=10000)
+    a = p.parse_args(argv)
+    loras = dict(x.split("=", 1) for x in a.lora)
+    eng = SimEngineConfig(model=a.model, block_size=a.block_size, num_blocks=a.num_blocks, hash_algo=a.hash_algo,
+                          hash_seed=a.hash_seed, loras=loras)
+    return SimConfig(engine=eng, host=a.host, port=a.port, kv_events_port=a.kv_events_port,
+                     replay_port=None if a.replay_port < 0 else a.replay_port, topic=a.topic,
+                     buffer_steps=a.buffer_steps)
+
+
+async def _serve(cfg: SimConfig) -> None:
+    sim = await SimVllm(cfg).start()
+    print(json.dumps(sim.endpoints()), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sim.stop()
+
+
+def main(argv: list[str]) -> int:
+    cfg = _parse(argv)
+    try:
+        asyncio.run(_serve(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

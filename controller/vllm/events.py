@@ -1,0 +1,187 @@
+"""Decoding vLLM KV-event batches (vllm/distributed/kv_events.py) with msgspec.
+
+Wire shape: the batch is a positional array `[ts, [event, ...], data_parallel_rank]`; each event
+is a map tagged by "type" (vLLM >= 0.24) or, in the legacy encoding (<= 0.23), a positional
+array whose first element is the tag. Both are decoded by tag; unknown fields are ignored, an
+unknown event *type* raises `UnknownEventType` (the watcher invalidates the worker rather than
+skip it), anything else malformed raises `EventDecodeError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from controller.vllm.hashing import normalize
+from fleet.errors import InvalidArgument
+
+KNOWN_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+Hash = bytes | int
+
+
+class EventDecodeError(InvalidArgument):
+    """A KV-event frame that does not decode as a vLLM KVEventBatch."""
+
+
+class UnknownEventType(EventDecodeError):
+    """A well-formed event whose tag this controller does not know."""
+
+
+# map encoding (vLLM >= 0.24): tag key "type", fields by name
+class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+# legacy array encoding (vLLM <= 0.23): ["BlockStored", f1, f2, ...], trailing defaults omitted
+class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_BATCH = msgspec.msgpack.Decoder(_RawBatch)
+_MAP = msgspec.msgpack.Decoder(_MapStored | _MapRemoved | _MapCleared)
+_ARR = msgspec.msgpack.Decoder(_ArrStored | _ArrRemoved | _ArrCleared)
+_ANY = msgspec.msgpack.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None
+
+
+def _is_map(raw: bytes) -> bool:
+    b = raw[0] if raw else 0
+    return 0x80 <= b <= 0x8F or b in (0xDE, 0xDF)
+
+
+def _tag_of(raw: bytes) -> Any:
+    try:
+        obj = _ANY.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(obj, dict):
+        return obj.get("type")
+    if isinstance(obj, list) and obj:
+        return obj[0]
+    return None
+
+
+def _convert(ev: Any) -> Event:
+    if isinstance(ev, _MapStored | _ArrStored):
+        if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size and ev.block_size > 0 \
+                and len(ev.block_hashes) > 1:
+            raise EventDecodeError(f"BlockStored with {len(ev.block_hashes)} hashes but {len(ev.token_ids)} tokens")
+        parent = None if ev.parent_block_hash is None else normalize(ev.parent_block_hash)
+        return BlockStored(tuple(normalize(h) for h in ev.block_hashes), parent, tuple(ev.token_ids), ev.block_size,
+                           ev.medium, ev.lora_name, None if ev.extra_keys is None else tuple(ev.extra_keys),
+                           ev.group_idx)
+    if isinstance(ev, _MapRemoved | _ArrRemoved):
+        return BlockRemoved(tuple(normalize(h) for h in ev.block_hashes), ev.medium, ev.group_idx)
+    return AllBlocksCleared()
+
+
+def decode_event(raw: bytes) -> Event:
+    """Decode one event (map or legacy array) by its tag."""
+    dec = _MAP if _is_map(raw) else _ARR
+    try:
+        return _convert(dec.decode(raw))
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        tag = _tag_of(raw)
+        if isinstance(tag, str) and tag not in KNOWN_TYPES:
+            raise UnknownEventType(f"unknown KV event type {tag!r}") from e
+        raise EventDecodeError(f"malformed KV event: {e}") from e
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode a KVEventBatch payload (third frame of a PUB message).
+
+    Raises:
+        UnknownEventType: an event tag outside BlockStored/BlockRemoved/AllBlocksCleared.
+        EventDecodeError: anything else that is not a valid batch.
+    """
+    try:
+        b = _BATCH.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise EventDecodeError(f"malformed KV event batch: {e}") from e
+    except Exception as e:  # msgspec raises plain errors on some truncated inputs
+        raise EventDecodeError(f"malformed KV event batch: {e!r}") from e
+    return EventBatch(b.ts, tuple(decode_event(bytes(r)) for r in b.events), b.data_parallel_rank)
+
+
+def parse_seq(frame: bytes) -> int:
+    """The seq frame: >= 8 bytes, first 8 big-endian (a 24-byte frame also carries a publisher id)."""
+    if len(frame) < 8:
+        raise EventDecodeError(f"seq frame of {len(frame)} bytes (need >= 8)")
+    return int.from_bytes(frame[:8], "big")
