@@ -206,6 +206,13 @@ class Session:
         self._last = None
         return self.rope_invariant_delta(start, len(self._tokens))
 
+    def kv_numpy(self, lo: int, hi: int) -> np.ndarray:
+        """A numpy copy of positions [lo, hi): [3, n_layers, n_kv_heads, hi-lo, head_dim] holding
+        (K post-RoPE, Kraw pre-RoPE, V). For witnesses and tests."""
+        if not (_is_int(lo) and _is_int(hi) and 0 <= lo < hi <= len(self._tokens)):
+            raise InvalidArgument(f"kv_numpy needs 0 <= lo < hi <= {len(self._tokens)}, got {lo!r}, {hi!r}")
+        return np.array(self.kernel.ops.to_numpy(self._kv.rows(lo, hi)), copy=True)
+
     def rope_invariant_delta(self, lo: int = 0, hi: int | None = None) -> float:
         """max|K[i] - RoPE(Kraw[i], i)| over positions [lo, hi) (0.0 when the invariant holds)."""
         hi = len(self._tokens) if hi is None else hi

@@ -1,0 +1,114 @@
+"""Must show 2-3: write-time eviction, middle eviction (exact / reposition), the RoPE invariant."""
+
+from __future__ import annotations
+
+import pytest
+from kernel_factories import make_kernel, rand_ids
+
+from fleet.kernel import max_abs_delta
+from fleet.kernel.rope import rope_np, tables
+from fleet.kernel.types import K_POST
+
+PRE, SPAN, POST, QUERY = rand_ids(1, 45), rand_ids(2, 13), rand_ids(3, 37), rand_ids(4, 6)
+
+
+def _never(backend: str, n_layers: int) -> tuple[list[float], str]:
+    s = make_kernel(backend, n_layers=n_layers).session()
+    s.append(PRE + POST)
+    return s.append(QUERY), s.digest()
+
+
+def _poisoned(backend: str, n_layers: int) -> object:
+    s = make_kernel(backend, n_layers=n_layers).session()
+    s.append(PRE + SPAN + POST)
+    return s.append(QUERY)
+
+
+def test_write_time_eviction_equals_never_saw(backend: str) -> None:
+    k = make_kernel(backend)
+    never = k.session()
+    never.append(PRE)
+    ref = never.append(POST + QUERY)
+    s = k.session()
+    s.append(PRE)
+    s.append(SPAN)  # the tool result lands ...
+    r = s.evict(len(PRE), len(SPAN), mode="reposition")  # ... and is evicted before anything attends to it
+    assert r.tail and r.exact and r.logits_fresh
+    d = max_abs_delta(s.append(POST + QUERY), ref)
+    kept = k.session()
+    kept.append(PRE + SPAN)
+    c = max_abs_delta(kept.append(POST + QUERY), ref)
+    print(f"[evict-vs-never {backend}] write-time: max|Δ|={d:.1e}   control (span kept) max|Δ|={c:.3e}")
+    assert d == 0.0 and c > 0 and s.digest() == never.digest()
+
+
+@pytest.mark.parametrize("n_layers", [2, 3])
+def test_middle_exact_equals_never_saw_at_depth(backend: str, n_layers: int) -> None:
+    ref, ref_digest = _never(backend, n_layers)
+    s = make_kernel(backend, n_layers=n_layers).session()
+    s.append(PRE + SPAN + POST)
+    r = s.evict(len(PRE), len(SPAN), mode="exact")
+    assert (r.exact, r.tail, r.num_recomputed, r.num_rerotated) == (True, False, len(POST), 0)
+    assert s.tokens == PRE + POST and s.positions == list(range(len(PRE + POST)))
+    d = max_abs_delta(s.append(QUERY), ref)
+    c = max_abs_delta(_poisoned(backend, n_layers), ref)
+    print(f"[evict exact {backend} L={n_layers}] max|Δ|={d:.1e}   control (span kept) max|Δ|={c:.3e}")
+    assert d == 0.0 and c > 0 and s.digest() == ref_digest
+
+
+def test_reposition_keeps_rope_invariant(backend: str) -> None:
+    k = make_kernel(backend, n_layers=2)
+    s = k.session()
+    s.append(PRE + SPAN + POST)
+    lo, n = len(PRE), len(POST)
+    old_k = s.kv_numpy(lo + len(SPAN), lo + len(SPAN) + n)[K_POST]  # survivors' keys at old positions
+    r = s.evict(lo, len(SPAN), mode="reposition")
+    assert (r.exact, r.tail, r.num_rerotated, r.logits_fresh) == (False, False, n, False)
+    assert s.tokens == PRE + POST and s.positions == list(range(lo + n))
+    inv = s.rope_invariant_delta()
+    # Control: a composed rotation (rotate the old post-RoPE key back by -length, llama.cpp K-shift
+    # style) is not bit-exact, so the one-rotation-from-Kraw zero is a real property.
+    cos, sin = tables(k.config, len(SPAN) + 1)  # [P, hd/2]
+    composed = rope_np(old_k, cos[len(SPAN)], -sin[len(SPAN)])
+    c = max_abs_delta(composed, s.kv_numpy(lo, lo + n)[K_POST])
+    print(f"[reposition invariant {backend}] K==RoPE(Kraw,i): max|Δ|={inv:.1e} (report {r.invariant_delta:.1e})"
+          f"   control (composed rotation) max|Δ|={c:.3e}")
+    assert inv == 0.0 and r.invariant_delta == 0.0 and c > 0
+
+
+def test_reposition_exact_on_one_layer(backend: str) -> None:
+    ref, ref_digest = _never(backend, 1)
+    s = make_kernel(backend, n_layers=1).session()
+    s.append(PRE + SPAN + POST)
+    r = s.evict(len(PRE), len(SPAN), mode="reposition")
+    d = max_abs_delta(s.append(QUERY), ref)
+    c = max_abs_delta(_poisoned(backend, 1), ref)
+    print(f"[reposition L=1 {backend}] vs never-saw max|Δ|={d:.1e} (report exact={r.exact})   control max|Δ|={c:.3e}")
+    assert r.exact and d == 0.0 and c > 0 and s.digest() == ref_digest
+
+
+@pytest.mark.parametrize("n_layers", [2, 4])
+def test_reposition_reports_divergence_on_deep_models(backend: str, n_layers: int) -> None:
+    ref, ref_digest = _never(backend, n_layers)
+    s = make_kernel(backend, n_layers=n_layers).session()
+    s.append(PRE + SPAN + POST)
+    r = s.evict(len(PRE), len(SPAN), mode="reposition")
+    d = max_abs_delta(s.append(QUERY), ref)
+    c = max_abs_delta(_poisoned(backend, n_layers), ref)
+    # Honest: survivors' layer>=1 K/V attended to the span at layer 0, so reposition is not exact.
+    print(f"[reposition L={n_layers} {backend}] vs never-saw max|Δ|={d:.3e} (report exact={r.exact}, "
+          f"not claimed)   span kept max|Δ|={c:.3e}")
+    assert not r.exact and d > 0 and s.digest() != ref_digest and s.rope_invariant_delta() == 0.0
+
+
+def test_evict_then_generate_rederives_logits(backend: str) -> None:
+    k = make_kernel(backend)
+    s, never = k.session(), k.session()
+    s.append(PRE + SPAN + POST)
+    never.append(PRE + POST)
+    s.evict(len(PRE), len(SPAN), mode="exact")
+    assert s.generate(8) == never.generate(8) and s.digest() == never.digest()
+    b = k.session()
+    b.append(PRE + SPAN + POST)
+    b.evict(len(PRE), len(SPAN), mode="reposition")
+    assert b.last_logits is None and len(b.generate(3)) == 3 and b.last_logits is not None
