@@ -66,6 +66,7 @@ class Controller:
         self.health, self._router_config = health_servicer, router_config
         self._lead_task: asyncio.Task[None] | None = None
         self._lock: LeaderLock | None = None
+        self.stopped = False
 
     @property
     def address(self) -> str:
@@ -106,6 +107,9 @@ class Controller:
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Graceful stop: NOT_SERVING, drain in-flight RPCs for `grace` s, stop the router, close the store."""
+        if self.stopped:
+            return
+        self.stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         if self._lead_task is not None:

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 from fleet.api.kvfleet.v1 import route_pb2, workers_pb2
-from fleet.errors import InvalidArgument
 
 _SPEC_FIELDS = ("name", "url", "kv_events", "replay", "model", "dp_ranks", "block_size", "hash_algo", "hash_seed")
 _RANK_FIELDS = ("dp_rank", "epoch", "serving", "phase", "kv", "num_blocks", "last_seq")
@@ -15,8 +14,6 @@ _RANK_FIELDS = ("dp_rank", "epoch", "serving", "phase", "kv", "num_blocks", "las
 def spec_from_proto(p: workers_pb2.WorkerSpec) -> Any:
     from controller.router import WorkerSpec
 
-    if not p.name:
-        raise InvalidArgument("worker spec needs a name (e.g. 'w0')")
     seed: Any = p.hash_seed if p.HasField("hash_seed") else None
     return WorkerSpec(name=p.name, url=p.url, kv_events=p.kv_events, replay=p.replay, model=p.model,
                       dp_ranks=p.dp_ranks or 1, block_size=p.block_size or None,

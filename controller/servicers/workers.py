@@ -21,7 +21,10 @@ class WorkerServicer(pbg.WorkerServiceServicer):
     @unary(Role.OPERATOR)
     async def RegisterWorker(self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext,
                              ident: Identity) -> pb.RegisterWorkerResponse:
-        status = await self.ctx.need_router().register_worker(spec_from_proto(request.spec))
+        if not request.spec.name:
+            raise InvalidArgument("worker spec needs a name (e.g. 'w0')")
+        router = self.ctx.need_router()
+        status = await router.register_worker(spec_from_proto(request.spec))
         return pb.RegisterWorkerResponse(status=status_to_proto(status))
 
     @unary(Role.OPERATOR)

@@ -1,0 +1,112 @@
+"""`kvfleet controller`: run the gRPC controller, or mint a bearer token.
+
+    kvfleet controller --listen 0.0.0.0:50051 --store redis://redis:6379/0 --tokens-file tokens.json
+    kvfleet controller --mint-token acme --role tenant --tokens-file tokens.json   # prints the token once
+
+Environment variables are read here and nowhere else (flags win): KVFLEET_LISTEN, KVFLEET_STORE,
+KVFLEET_TOKENS_FILE, KVFLEET_METRICS_PORT, KVFLEET_TLS_CERT, KVFLEET_TLS_KEY, KVFLEET_RAY_ADDRESS,
+KVFLEET_SALT_SECRET (hex; default: generated once and kept in the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from controller.auth import mint_token
+from controller.metrics import Metrics
+from controller.server import ControllerConfig, build_server
+from fleet.errors import KvfleetError
+
+
+def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
+    e = env.get
+    p = argparse.ArgumentParser(prog="kvfleet controller", description=__doc__.splitlines()[0])
+    p.add_argument("--listen", default=e("KVFLEET_LISTEN", "127.0.0.1:50051"), help="HOST:PORT of the gRPC server")
+    p.add_argument("--metrics-port", type=int, default=int(e("KVFLEET_METRICS_PORT", "9400")),
+                   help="Prometheus /metrics port (0: any free port; -1: off)")
+    p.add_argument("--store", default=e("KVFLEET_STORE", "sqlite:///./var/kvfleet.db"),
+                   help="store URL: sqlite:///PATH (embedded) or redis://HOST:PORT/DB")
+    p.add_argument("--tokens-file", default=e("KVFLEET_TOKENS_FILE"),
+                   help="JSON file of hashed bearer tokens; without it auth is OFF (one machine only)")
+    p.add_argument("--tls-cert", default=e("KVFLEET_TLS_CERT"), help="PEM certificate (TLS needs --tls-key too)")
+    p.add_argument("--tls-key", default=e("KVFLEET_TLS_KEY"), help="PEM private key")
+    p.add_argument("--ray-address", default=e("KVFLEET_RAY_ADDRESS"), help="Ray cluster to join (default: local)")
+    p.add_argument("--leader-election", action="store_true",
+                   help="serve only while holding the store's leader lock (Redis); a no-op on sqlite")
+    p.add_argument("--max-blob-bytes", type=int, default=64 << 20, help="largest blob accepted (default 64 MiB)")
+    p.add_argument("--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit")
+    p.add_argument("--role", default="tenant", choices=("tenant", "operator"), help="role of the minted token")
+    p.add_argument("--name", default="", help="label of the minted token (default: the tenant)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerConfig:
+    secret = env.get("KVFLEET_SALT_SECRET")
+    return ControllerConfig(listen=args.listen, store_url=args.store, tokens_file=args.tokens_file,
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, max_blob_bytes=args.max_blob_bytes,
+                            salt_secret=bytes.fromhex(secret) if secret else None, ray_address=args.ray_address,
+                            leader_election=args.leader_election)
+
+
+def _prepare_sqlite(url: str) -> None:
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def _start_metrics(metrics: Metrics, port: int) -> int | None:
+    if port < 0:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, registry=metrics.registry)
+    return int(server.server_port)
+
+
+async def serve(cfg: ControllerConfig, metrics_port: int) -> int:
+    metrics = Metrics()
+    ctl = await build_server(cfg, metrics=metrics)
+    mport = _start_metrics(metrics, metrics_port)
+    auth = f"tokens {cfg.tokens_file}" if cfg.tokens_file else "auth OFF (no --tokens-file): every caller is operator"
+    print(f"kvfleet controller listening on {ctl.address} ({'TLS' if cfg.tls_cert else 'plaintext'}, {auth}); "
+          f"metrics on :{mport}; store {cfg.store_url}" + ("; leader election on" if cfg.leader_election else ""),
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("kvfleet controller: stopping (draining in-flight calls)", flush=True)
+    await ctl.stop(grace=5.0)
+    return 0
+
+
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), env)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.mint_token:
+            if not args.tokens_file:
+                print("kvfleet controller: --mint-token needs --tokens-file", file=sys.stderr)
+                return 2
+            print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
+            return 0
+        cfg = config_from(args, env)
+        _prepare_sqlite(cfg.store_url)
+        return asyncio.run(serve(cfg, args.metrics_port))
+    except (KvfleetError, OSError, ValueError) as e:
+        print(f"kvfleet controller: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The controller server: health, reflection, bad input never crashes it, graceful stop, leader election, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from ctl_helpers import code_of, make_tokens, md, start_controller, store_url
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from controller.servicers import SERVICE_NAMES
+from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, route_pb2, workers_pb2
+from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
+from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
+from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
+from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
+from fleet.sdk import FleetClient
+
+ROOT = Path(__file__).resolve().parents[2]
+HS = health_pb2.HealthCheckResponse
+
+
+async def _health(ch: grpc.aio.Channel, service: str = "") -> int:
+    return (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+
+async def test_health_and_reflection(tmp_path: Path) -> None:
+    ctl = await start_controller(store_url("sqlite", tmp_path), make_tokens(tmp_path))
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            for name in ("", *SERVICE_NAMES):
+                assert await _health(ch, name) == HS.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as ei:  # control: an unknown service is not SERVING
+                await _health(ch, "kvfleet.v1.NoSuchService")
+            assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            reqs = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvfleet.v1.RouteService")]
+            answers = [r async for r in stub.ServerReflectionInfo(iter(reqs))]
+            listed = {s.name for s in answers[0].list_services_response.service}
+            print("reflection lists:", sorted(listed))
+            assert set(SERVICE_NAMES) | {"grpc.health.v1.Health"} <= listed
+            assert answers[1].file_descriptor_response.file_descriptor_proto  # the descriptor itself
+    finally:
+        await ctl.stop(0)
+
+
+async def test_bad_input_gets_a_status_and_the_server_stays_up(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            op, a = md(tok.op), md(tok.a)
+            bad = {
+                "route without model": RouteServiceStub(ch).Route(route_pb2.RouteRequest(token_ids=[1]), metadata=a),
+                "lifecycle bad verb": WorkerServiceStub(ch).Lifecycle(workers_pb2.LifecycleRequest(name="w", verb="nap"), metadata=op),
+                "stat bad ref": BlobServiceStub(ch).StatBlob(blobs_pb2.StatBlobRequest(ref="../../etc"), metadata=a),
+                "register without name": WorkerServiceStub(ch).RegisterWorker(workers_pb2.RegisterWorkerRequest(), metadata=op),
+            }
+            for label, call in bad.items():
+                code = await code_of(call)
+                print(f"{label}: {code.name}")
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, label
+            assert await _health(ch) == HS.SERVING
+            assert (await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=a)).tenant == "acme"
+        errors = ctl.ctx.metrics.registry.get_sample_value("kvfleet_rpc_errors_total", {"method": "Lifecycle", "code": "INVALID_ARGUMENT"})
+        assert errors == 1.0
+    finally:
+        await ctl.stop(0)
+
+
+async def test_graceful_stop_finishes_in_flight_calls(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    data = os.urandom(8 << 20)
+    async with grpc.aio.insecure_channel(ctl.address) as ch:
+        stub = BlobServiceStub(ch)
+
+        async def slow_put():
+            yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data)))
+            for off in range(0, len(data), 1 << 20):
+                await asyncio.sleep(0.05)
+                yield blobs_pb2.PutBlobRequest(chunk=data[off:off + (1 << 20)])
+        call = asyncio.ensure_future(stub.PutBlob(slow_put(), metadata=md(tok.a)))
+        await asyncio.sleep(0.1)
+        await ctl.stop(grace=10)
+        r = await call
+        assert r.size == len(data)
+        code = await code_of(FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=md(tok.a), timeout=2))
+        assert code == grpc.StatusCode.UNAVAILABLE  # control: after the stop, nothing answers
+
+
+async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    first = await start_controller(redis_url, tok, leader_election=True, leader_ttl_s=1.0)
+    second = await start_controller(redis_url, tok, leader_election=True, leader_ttl_s=1.0)
+    try:
+        for _ in range(100):
+            if first.ctx.leader or second.ctx.leader:
+                break
+            await asyncio.sleep(0.05)
+        leader, standby = (first, second) if first.ctx.leader else (second, first)
+        await asyncio.sleep(0.5)
+        assert leader.ctx.leader and not standby.ctx.leader
+        async with grpc.aio.insecure_channel(standby.address) as ch:
+            assert await _health(ch) == HS.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=md(tok.a))
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in ei.value.details()
+            await leader.stop(0)
+            for _ in range(100):
+                if await _health(ch) == HS.SERVING:
+                    break
+                await asyncio.sleep(0.05)
+            assert await _health(ch) == HS.SERVING and standby.ctx.leader
+            assert (await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=md(tok.a))).tenant == "acme"
+    finally:
+        for c in (first, second):
+            await c.stop(0)  # idempotent
+
+
+def test_kvfleet_controller_cli(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    kv = [sys.executable, "-m", "fleet.cli.main", "controller"]
+    op = subprocess.run([*kv, "--mint-token", "ops", "--role", "operator", "--tokens-file", str(tokens)],
+                        env=env, capture_output=True, text=True, check=True).stdout.strip()
+    proc = subprocess.Popen([*kv, "--listen", "127.0.0.1:0", "--metrics-port", "0", "--tokens-file", str(tokens),
+                             "--store", f"sqlite:///{tmp_path / 'var' / 'kv.db'}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        print(line.strip())
+        m = re.search(r"listening on (\S+) .*metrics on :(\d+)", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
+        with FleetClient(m.group(1), token=op) as c:
+            assert c.whoami().role == "operator"
+            c.put_blob(b"hello")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{m.group(2)}/metrics", timeout=5).read().decode()
+        assert 'kvfleet_cas_ops_total{op="put",outcome="ok"} 1.0' in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    bad = subprocess.run([*kv, "--listen", "nowhere"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
