@@ -140,14 +140,19 @@ def _salt_secret(store: Any, cfg: ControllerConfig) -> bytes:
 
 
 def _bind(server: grpc.aio.Server, cfg: ControllerConfig) -> int:
-    if cfg.tls_cert and cfg.tls_key:
-        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-        port = server.add_secure_port(cfg.listen, creds)
+    try:
+        if cfg.tls_cert and cfg.tls_key:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            port = server.add_secure_port(cfg.listen, creds)
+        else:
+            port = server.add_insecure_port(cfg.listen)
+    except RuntimeError as e:
+        port, why = 0, str(e)
     else:
-        port = server.add_insecure_port(cfg.listen)
+        why = "address in use or not local"
     if not port:
-        raise InvalidArgument(f"cannot listen on {cfg.listen}: address in use or not local")
-    return port
+        raise InvalidArgument(f"cannot listen on {cfg.listen}: {why}; pick another --listen HOST:PORT")
+    return int(port)
 
 
 async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None, store: Any = None,
