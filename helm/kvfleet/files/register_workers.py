@@ -1,0 +1,36 @@
+"""Register the chart's vLLM workers with the controller (a Helm post-install/upgrade hook).
+
+Env: KVFLEET_CONTROLLER (host:port), KVFLEET_TOKEN (operator bearer token), KVFLEET_WORKERS (JSON
+list of {name, url, kvEvents, replay, model}), KVFLEET_TLS ("1" for TLS), KVFLEET_CA (CA file).
+A worker that is already registered is left as it is, so upgrades are idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> int:
+    from fleet.errors import AlreadyExists
+    from fleet.sdk import FleetClient
+
+    workers = json.loads(os.environ["KVFLEET_WORKERS"])
+    tls = os.environ.get("KVFLEET_TLS") == "1"
+    ca = os.environ.get("KVFLEET_CA") or None
+    ca = ca if ca and os.path.exists(ca) else None  # a TLS Secret without ca.crt: system roots
+    with FleetClient(os.environ["KVFLEET_CONTROLLER"], token=os.environ["KVFLEET_TOKEN"], tls=tls,
+                     root_certificates=ca, timeout=30.0) as client:
+        for w in workers:
+            try:
+                client.register_worker(w["name"], url=w["url"], kv_events=w["kvEvents"],
+                                       replay=w.get("replay", ""), model=w.get("model", ""))
+                print(f"registered {w['name']}: {w['url']} kv-events {w['kvEvents']}")
+            except AlreadyExists:
+                print(f"{w['name']} is already registered; left as it is")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

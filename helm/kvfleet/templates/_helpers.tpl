@@ -1,0 +1,133 @@
+{{/* Names, labels and the addresses the components give each other. */}}
+
+{{- define "kvfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component name>", e.g. demo-kvfleet-controller. Call with (list $ "controller"). */}}
+{{- define "kvfleet.componentName" -}}
+{{- $root := index . 0 }}
+{{- $comp := index $root.Values (index . 1) }}
+{{- printf "%s-%s" (include "kvfleet.fullname" $root) $comp.name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvfleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every kvfleet pod carries; the Redis NetworkPolicy admits exactly these. */}}
+{{- define "kvfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvfleet.labels" -}}
+helm.sh/chart: {{ include "kvfleet.chart" . }}
+{{ include "kvfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvfleet
+{{- end }}
+
+{{/* Component labels; call with (list $ "controller"). */}}
+{{- define "kvfleet.componentSelectorLabels" -}}
+{{ include "kvfleet.selectorLabels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "kvfleet.componentLabels" -}}
+{{ include "kvfleet.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "kvfleet.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.image.variant) }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "kvfleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvfleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.authSecretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "kvfleet.fullname" .)) }}
+{{- end }}
+
+{{- define "kvfleet.redisUrl" -}}
+{{- if .Values.redis.create }}
+{{- printf "redis://%s:6379/%d" (include "kvfleet.componentName" (list . "redis")) (int .Values.redis.database) }}
+{{- else }}
+{{- .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.controllerAddress" -}}
+{{- printf "%s:%d" (include "kvfleet.componentName" (list . "controller")) (int .Values.controller.grpcPort) }}
+{{- end }}
+
+{{/* The KubeRay head Service is "<raycluster name>-head-svc"; its Ray client port is 10001. */}}
+{{- define "kvfleet.rayAddress" -}}
+{{- printf "ray://%s-head-svc:10001" (include "kvfleet.componentName" (list . "workers")) }}
+{{- end }}
+
+{{/* Container security context for kvfleet's own containers. */}}
+{{- define "kvfleet.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end }}
+
+{{/* Refuse value combinations a JSON schema cannot say clearly (also enforced in values.schema.json
+     where it can, so `helm lint` catches them too). */}}
+{{- define "kvfleet.validate" -}}
+{{- if and (gt (int .Values.controller.replicas) 1) (not .Values.controller.leaderElection.enabled) }}
+{{- fail (printf "controller.replicas=%d needs controller.leaderElection.enabled=true: two active controllers would both run the vLLM watchers and bump route epochs" (int .Values.controller.replicas)) }}
+{{- end }}
+{{- if and .Values.redis.create .Values.redis.external.url }}
+{{- fail "redis.external.url is set but redis.create=true: set redis.create=false to use your own Redis, or clear redis.external.url" }}
+{{- end }}
+{{- if and (not .Values.redis.create) (not .Values.redis.external.url) }}
+{{- fail "redis.create=false needs redis.external.url (redis://HOST:PORT/DB)" }}
+{{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
+{{- fail "tls.enabled=true needs tls.secretName (a kubernetes.io/tls Secret with tls.crt and tls.key)" }}
+{{- end }}
+{{- if and .Values.auth.existingSecret (or .Values.auth.tokens) }}
+{{- fail "auth.tokens is ignored with auth.existingSecret: put those tokens in your Secret's tokens.json" }}
+{{- end }}
+{{- if and (not .Values.auth.existingSecret) (not .Values.auth.bootstrapOperator) (not .Values.auth.tokens) }}
+{{- fail "no tokens: set auth.bootstrapOperator=true, add auth.tokens, or give auth.existingSecret" }}
+{{- end }}
+{{- range .Values.workers.groups }}
+{{- if and (gt (int .gpus) 0) (ne $.Values.image.variant "cuda") (not $.Values.image.tag) }}
+{{- fail (printf "workers.groups[%s] asks for %d GPU(s) but image.variant=%s: set image.variant=cuda" .name (int .gpus) $.Values.image.variant) }}
+{{- end }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "workers.groups[%s]: minReplicas=%d > maxReplicas=%d" .name (int .minReplicas) (int .maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.watcher.create (not .Values.controller.create) }}
+{{- fail "watcher.create=true needs controller.create=true (the Job registers workers with this release's controller)" }}
+{{- end }}
+{{- if and .Values.watcher.create (not .Values.watcher.tokenSecret.name) (or .Values.auth.existingSecret (not .Values.auth.bootstrapOperator)) }}
+{{- fail "watcher.create=true needs an operator token: set watcher.tokenSecret.name, or keep auth.bootstrapOperator=true without auth.existingSecret" }}
+{{- end }}
+{{- end }}
