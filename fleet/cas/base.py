@@ -1,0 +1,338 @@
+"""The blob-store interface: validation, hashing and size limits shared by every backend.
+
+A blob's ref is the lowercase SHA-256 hex of its bytes. Every public method validates its input
+*before* touching the backend, so bad input raises a clear `fleet.errors` error and writes nothing.
+Backends implement the `_`-prefixed primitives; each primitive is one transaction (SQLite) or one
+script/command (Redis), which is where atomicity comes from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
+
+DEFAULT_MAX_BLOB_BYTES = 64 << 20
+DEFAULT_LEASE_S = 600.0
+
+VERDICT_UNKNOWN = "UNKNOWN"
+VERDICT_CLEAN = "CLEAN"
+VERDICT_QUARANTINED = "QUARANTINED"
+VERDICTS = (VERDICT_UNKNOWN, VERDICT_CLEAN, VERDICT_QUARANTINED)
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_ID_RE = re.compile(r"[A-Za-z0-9_.:/@-]{1,128}")
+_REF_RE = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlobMeta:
+    """Metadata of one stored blob (per tenant)."""
+
+    ref: str
+    size: int
+    created: float
+    pins: int
+    refs: int
+    verdict: str
+    reasons: tuple[str, ...]
+    lease_expires: float
+
+    def __post_init__(self) -> None:
+        assert self.size >= 0 and self.pins >= 0 and self.refs >= 0, self
+
+    @property
+    def quarantined(self) -> bool:
+        return self.verdict == VERDICT_QUARANTINED
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """How a store is opened: URL plus limits. `clock` is injectable for lease tests."""
+
+    url: str
+    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
+    lease_s: float = DEFAULT_LEASE_S
+    clock: Callable[[], float] = field(default=time.time, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_blob_bytes <= 0:
+            raise InvalidArgument(f"max_blob_bytes must be positive, got {self.max_blob_bytes}")
+        if self.lease_s < 0:
+            raise InvalidArgument(f"lease_s must be >= 0, got {self.lease_s}")
+
+
+def check_tenant(tenant: object) -> str:
+    """Validate a tenant name: 1-64 chars of [A-Za-z0-9_.-]."""
+    if not isinstance(tenant, str) or not _NAME_RE.fullmatch(tenant):
+        raise InvalidArgument(f"invalid tenant {tenant!r}: expected 1-64 characters of [A-Za-z0-9_.-]")
+    return tenant
+
+
+def check_name(what: str, name: object) -> str:
+    """Validate a namespace / session id: 1-128 chars of [A-Za-z0-9_.:/@-]."""
+    if not isinstance(name, str) or not _ID_RE.fullmatch(name):
+        raise InvalidArgument(f"invalid {what} {name!r}: expected 1-128 characters of [A-Za-z0-9_.:/@-]")
+    return name
+
+
+def check_key(key: object) -> str:
+    """Validate a kv key: any non-empty str of at most 1024 printable characters."""
+    if not isinstance(key, str) or not 0 < len(key) <= 1024 or not key.isprintable():
+        raise InvalidArgument(f"invalid key {key!r}: expected 1-1024 printable characters")
+    return key
+
+
+def check_ref(ref: object) -> str:
+    """Validate a ref: 64 lowercase hex characters (a SHA-256 digest)."""
+    if not isinstance(ref, str) or not _REF_RE.fullmatch(ref):
+        raise InvalidArgument(f"malformed ref {ref!r}: expected 64 lowercase hex characters (sha256)")
+    return ref
+
+
+def check_bytes(what: str, data: object) -> memoryview:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{what} must be bytes, got {type(data).__name__}")
+    return memoryview(data).cast("B")
+
+
+def not_found(ref: str, tenant: str) -> NotFound:
+    # NOTE: the message names only what the caller supplied, so another tenant's ref and a ref that
+    # was never stored are indistinguishable (same type, same text).
+    return NotFound(f"blob {ref} not found for tenant {tenant!r}")
+
+
+def encode_op(op: object) -> str:
+    if not isinstance(op, dict):
+        raise InvalidArgument(f"op must be a dict, got {type(op).__name__}")
+    try:
+        return json.dumps(op, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"op is not JSON-serialisable: {e}") from e
+
+
+class BlobStore(ABC):
+    """Content-addressed, tenant-namespaced blob store plus small controller state and op logs."""
+
+    def __init__(self, cfg: StoreConfig) -> None:
+        self.cfg = cfg
+
+    # ---- blobs -------------------------------------------------------------------------------
+    def put(self, data: bytes | bytearray | memoryview, tenant: str, expected_ref: str | None = None) -> str:
+        """Store `data` once for `tenant` and return its ref.
+
+        Args:
+            data: the blob bytes (not copied before the backend write).
+            tenant: owning tenant.
+            expected_ref: if given, the sha256 the caller claims; checked before anything is written.
+
+        Returns:
+            The lowercase sha256 hex of `data`. A second put of the same bytes stores nothing new
+            (it only extends the lease).
+
+        Raises:
+            InvalidArgument: bad tenant, malformed expected_ref or hash mismatch.
+            ResourceExhausted: `data` exceeds `max_blob_bytes`.
+        """
+        check_tenant(tenant)
+        view = check_bytes("data", data)
+        if expected_ref is not None:
+            check_ref(expected_ref)
+        self._check_size(view.nbytes)
+        ref = hashlib.sha256(view).hexdigest()
+        self._check_expected(ref, expected_ref)
+        self._put(tenant, ref, view, self.cfg.clock())
+        return ref
+
+    def put_stream(self, chunks: Iterable[bytes], tenant: str, expected_ref: str | None = None) -> str:
+        """Like `put`, for data arriving in chunks; hashes incrementally, refuses oversize early.
+
+        NOTE: the chunks are gathered into one buffer (the only full copy held here) because the
+        write must be a single transaction; the size limit is enforced as chunks arrive.
+        """
+        check_tenant(tenant)
+        if expected_ref is not None:
+            check_ref(expected_ref)
+        h, buf = hashlib.sha256(), bytearray()
+        for chunk in chunks:
+            view = check_bytes("chunk", chunk)
+            self._check_size(len(buf) + view.nbytes)
+            h.update(view)
+            buf += view
+        ref = h.hexdigest()
+        self._check_expected(ref, expected_ref)
+        self._put(tenant, ref, memoryview(buf), self.cfg.clock())
+        return ref
+
+    def get(self, ref: str, tenant: str) -> bytes:
+        """Return the blob's bytes. Unknown or another tenant's ref -> NotFound (same message)."""
+        check_tenant(tenant)
+        check_ref(ref)
+        data = self._get(tenant, ref)
+        if data is None:
+            raise not_found(ref, tenant)
+        return data
+
+    def get_stream(self, ref: str, tenant: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        """Yield the blob in chunks of at most `chunk_size` bytes (validated eagerly)."""
+        check_tenant(tenant)
+        check_ref(ref)
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise InvalidArgument(f"chunk_size must be a positive int, got {chunk_size!r}")
+        size = self.stat(ref, tenant).size
+        return self._iter_chunks(tenant, ref, size, chunk_size)
+
+    def _iter_chunks(self, tenant: str, ref: str, size: int, chunk_size: int) -> Iterator[bytes]:
+        for start in range(0, size, chunk_size):
+            chunk = self._get_range(tenant, ref, start, min(chunk_size, size - start))
+            if chunk is None:
+                raise not_found(ref, tenant)
+            yield chunk
+
+    def stat(self, ref: str, tenant: str) -> BlobMeta:
+        """Return the blob's metadata; NotFound like `get`."""
+        check_tenant(tenant)
+        check_ref(ref)
+        meta = self._stat(tenant, ref)
+        if meta is None:
+            raise not_found(ref, tenant)
+        return meta
+
+    def exists(self, ref: str, tenant: str) -> bool:
+        check_tenant(tenant)
+        check_ref(ref)
+        return self._stat(tenant, ref) is not None
+
+    def pin(self, ref: str, tenant: str) -> None:
+        self._bump(ref, tenant, "pins", +1)
+
+    def unpin(self, ref: str, tenant: str) -> None:
+        self._bump(ref, tenant, "pins", -1)
+
+    def add_ref(self, ref: str, tenant: str) -> None:
+        self._bump(ref, tenant, "refs", +1)
+
+    def drop_ref(self, ref: str, tenant: str) -> None:
+        self._bump(ref, tenant, "refs", -1)
+
+    def _bump(self, ref: str, tenant: str, counter: str, delta: int) -> None:
+        check_tenant(tenant)
+        check_ref(ref)
+        result = self._incr(tenant, ref, counter, delta)
+        if result is None:
+            raise not_found(ref, tenant)
+        if result < 0:
+            from fleet.errors import FailedPrecondition  # noqa: PLC0415
+
+            raise FailedPrecondition(f"blob {ref}: {counter} is already 0 for tenant {tenant!r}")
+
+    def set_verdict(self, ref: str, tenant: str, verdict: str, reasons: list[str]) -> None:
+        """Record a quarantine verdict (UNKNOWN, CLEAN or QUARANTINED) with its reasons."""
+        check_tenant(tenant)
+        check_ref(ref)
+        if verdict not in VERDICTS:
+            raise InvalidArgument(f"invalid verdict {verdict!r}: expected one of {', '.join(VERDICTS)}")
+        if not isinstance(reasons, list | tuple) or not all(isinstance(r, str) for r in reasons):
+            raise InvalidArgument("reasons must be a list of str")
+        if not self._set_verdict(tenant, ref, verdict, json.dumps(list(reasons))):
+            raise not_found(ref, tenant)
+
+    def gc(self, now: float | None = None) -> int:
+        """Delete unpinned, unreferenced blobs whose lease ran out; return how many were deleted."""
+        return self._gc(self.cfg.clock() if now is None else float(now))
+
+    # ---- controller state (global) -------------------------------------------------------------
+    def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+        check_name("namespace", namespace)
+        check_key(key)
+        self._kv_put(namespace, key, bytes(check_bytes("value", value)))
+
+    def kv_get(self, namespace: str, key: str) -> bytes | None:
+        return self._kv_get(check_name("namespace", namespace), check_key(key))
+
+    def kv_scan(self, namespace: str) -> dict[str, bytes]:
+        return self._kv_scan(check_name("namespace", namespace))
+
+    def kv_delete(self, namespace: str, key: str) -> None:
+        self._kv_delete(check_name("namespace", namespace), check_key(key))
+
+    # ---- op log (per tenant, per session) ------------------------------------------------------
+    def oplog_append(self, tenant: str, session_id: str, op: dict[str, Any]) -> int:
+        """Append one op (JSON) durably and return its 0-based index. Call before acknowledging."""
+        check_tenant(tenant)
+        check_name("session_id", session_id)
+        return self._oplog_append(tenant, session_id, encode_op(op))
+
+    def oplog_read(self, tenant: str, session_id: str) -> list[dict[str, Any]]:
+        check_tenant(tenant)
+        check_name("session_id", session_id)
+        return [json.loads(s) for s in self._oplog_read(tenant, session_id)]
+
+    def oplog_delete(self, tenant: str, session_id: str) -> None:
+        check_tenant(tenant)
+        check_name("session_id", session_id)
+        self._oplog_delete(tenant, session_id)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the store must not be used afterwards."""
+
+    def __enter__(self) -> BlobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _check_size(self, size: int) -> None:
+        limit = self.cfg.max_blob_bytes
+        if size > limit:
+            raise ResourceExhausted(
+                f"blob exceeds the size limit: {size} bytes > max_blob_bytes={limit}; "
+                "split the tool result or raise max_blob_bytes when opening the store"
+            )
+
+    @staticmethod
+    def _check_expected(ref: str, expected_ref: str | None) -> None:
+        if expected_ref is not None and ref != expected_ref:
+            raise InvalidArgument(f"hash mismatch: expected_ref {expected_ref} but the bytes hash to {ref}")
+
+    def _lease(self, now: float) -> float:
+        return now + self.cfg.lease_s
+
+    # ---- backend primitives ----------------------------------------------------------------------
+    @abstractmethod
+    def _put(self, tenant: str, ref: str, data: memoryview, now: float) -> None: ...
+    @abstractmethod
+    def _get(self, tenant: str, ref: str) -> bytes | None: ...
+    @abstractmethod
+    def _get_range(self, tenant: str, ref: str, start: int, length: int) -> bytes | None: ...
+    @abstractmethod
+    def _stat(self, tenant: str, ref: str) -> BlobMeta | None: ...
+    @abstractmethod
+    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
+        """Apply delta unless it would go below 0; return the new value, -1 if refused, None if missing."""
+    @abstractmethod
+    def _set_verdict(self, tenant: str, ref: str, verdict: str, reasons_json: str) -> bool: ...
+    @abstractmethod
+    def _gc(self, now: float) -> int: ...
+    @abstractmethod
+    def _kv_put(self, namespace: str, key: str, value: bytes) -> None: ...
+    @abstractmethod
+    def _kv_get(self, namespace: str, key: str) -> bytes | None: ...
+    @abstractmethod
+    def _kv_scan(self, namespace: str) -> dict[str, bytes]: ...
+    @abstractmethod
+    def _kv_delete(self, namespace: str, key: str) -> None: ...
+    @abstractmethod
+    def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int: ...
+    @abstractmethod
+    def _oplog_read(self, tenant: str, session_id: str) -> list[str]: ...
+    @abstractmethod
+    def _oplog_delete(self, tenant: str, session_id: str) -> None: ...
