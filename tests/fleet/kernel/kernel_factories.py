@@ -11,7 +11,7 @@ from fleet.kernel import Kernel, ModelConfig
 BACKENDS = ["numpy", "torch"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_kernel(backend: str = "numpy", seed: int = 0, tile_size: int = 32, **overrides: object) -> Kernel:
     """A tiny seeded kernel (cached: weights are immutable and sessions are independent)."""
     return Kernel.synthetic(ModelConfig.tiny(**overrides), seed=seed, backend=backend, tile_size=tile_size)

@@ -71,8 +71,10 @@ def test_reposition_keeps_rope_invariant(backend: str) -> None:
     cos, sin = tables(k.config, len(SPAN) + 1)  # [P, hd/2]
     composed = rope_np(old_k, cos[len(SPAN)], -sin[len(SPAN)])
     c = max_abs_delta(composed, s.kv_numpy(lo, lo + n)[K_POST])
-    print(f"[reposition invariant {backend}] K==RoPE(Kraw,i): max|Δ|={inv:.1e} (report {r.invariant_delta:.1e})"
-          f"   control (composed rotation) max|Δ|={c:.3e}")
+    print(
+        f"[reposition invariant {backend}] K==RoPE(Kraw,i): max|Δ|={inv:.1e} (report {r.invariant_delta:.1e})"
+        f"   control (composed rotation) max|Δ|={c:.3e}"
+    )
     assert inv == 0.0 and r.invariant_delta == 0.0 and c > 0
 
 
@@ -83,7 +85,9 @@ def test_reposition_exact_on_one_layer(backend: str) -> None:
     r = s.evict(len(PRE), len(SPAN), mode="reposition")
     d = max_abs_delta(s.append(QUERY), ref)
     c = max_abs_delta(_poisoned(backend, 1), ref)
-    print(f"[reposition L=1 {backend}] vs never-saw max|Δ|={d:.1e} (report exact={r.exact})   control max|Δ|={c:.3e}")
+    print(
+        f"[reposition L=1 {backend}] vs never-saw max|Δ|={d:.1e} (report exact={r.exact})   control max|Δ|={c:.3e}"
+    )
     assert r.exact and d == 0.0 and c > 0 and s.digest() == ref_digest
 
 
@@ -96,8 +100,10 @@ def test_reposition_reports_divergence_on_deep_models(backend: str, n_layers: in
     d = max_abs_delta(s.append(QUERY), ref)
     c = max_abs_delta(_poisoned(backend, n_layers), ref)
     # Honest: survivors' layer>=1 K/V attended to the span at layer 0, so reposition is not exact.
-    print(f"[reposition L={n_layers} {backend}] vs never-saw max|Δ|={d:.3e} (report exact={r.exact}, "
-          f"not claimed)   span kept max|Δ|={c:.3e}")
+    print(
+        f"[reposition L={n_layers} {backend}] vs never-saw max|Δ|={d:.3e} (report exact={r.exact}, "
+        f"not claimed)   span kept max|Δ|={c:.3e}"
+    )
     assert not r.exact and d > 0 and s.digest() != ref_digest and s.rope_invariant_delta() == 0.0
 
 

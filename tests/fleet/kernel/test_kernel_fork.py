@@ -22,7 +22,9 @@ def test_evicting_in_a_branch_leaves_the_sibling_bit_identical(backend: str) -> 
     ref = alone.append(tail_b)
     d = max_abs_delta(got, ref)
     c = max_abs_delta(a.append(tail_b), ref)
-    print(f"[sibling isolation {backend}] B after A's evictions vs B alone: max|Δ|={d:.1e}   control (A) max|Δ|={c:.3e}")
+    print(
+        f"[sibling isolation {backend}] B after A's evictions vs B alone: max|Δ|={d:.1e}   control (A) max|Δ|={c:.3e}"
+    )
     assert d == 0.0 and c > 0 and b.digest() == alone.digest()
     assert parent.tokens == base and len(parent) == 70
 
@@ -57,8 +59,10 @@ def test_eight_forks_cost_prefix_plus_eight_suffixes(backend: str) -> None:
     eager = sum(r.bytes_total for r in reps)  # what 8 eager copies would hold
     prefix_blocks = prefix_len // bs  # full blocks stay shared
     suffix_blocks = -(-(prefix_len + suffix_len) // bs) - prefix_blocks  # partial block copied + new ones
-    print(f"[fork memory {backend}] 8 forks: {total} B with CoW vs {eager} B eager "
-          f"({eager / total:.2f}x); prefix {prefix_blocks} blocks + 8 x {suffix_blocks} suffix blocks")
+    print(
+        f"[fork memory {backend}] 8 forks: {total} B with CoW vs {eager} B eager "
+        f"({eager / total:.2f}x); prefix {prefix_blocks} blocks + 8 x {suffix_blocks} suffix blocks"
+    )
     assert all(r.bytes_shared == prefix_blocks * bb for r in reps)
     assert all(r.bytes_alone == suffix_blocks * bb for r in reps)
     assert total == (prefix_blocks + 8 * suffix_blocks) * bb

@@ -20,7 +20,9 @@ def _control(backend: str, ids: list[int]) -> float:
     ref = k.session().append(ids)
     perturbed = max_abs_delta(k.session().append(poke), ref)
     shape = max_abs_delta(make_kernel(backend, tile_size=64).session().append(ids), ref)
-    print(f"[prefix-reuse {backend}] control: one token changed max|Δ|={perturbed:.3e}; tile 32 vs 64 max|Δ|={shape:.3e}")
+    print(
+        f"[prefix-reuse {backend}] control: one token changed max|Δ|={perturbed:.3e}; tile 32 vs 64 max|Δ|={shape:.3e}"
+    )
     assert perturbed > 0
     if backend == "numpy":
         assert shape > 0
@@ -39,7 +41,9 @@ def test_split_anywhere_equals_all_at_once(backend: str, seed: int) -> None:
         s = k.session()
         s.append(ids[:split])
         d = max_abs_delta(s.append(ids[split:]), ref)
-        print(f"[prefix-reuse {backend}] n={n} split={split}: max|Δ|={d:.1e} digest_equal={s.digest() == whole.digest()}")
+        print(
+            f"[prefix-reuse {backend}] n={n} split={split}: max|Δ|={d:.1e} digest_equal={s.digest() == whole.digest()}"
+        )
         assert d == 0.0 and s.digest() == whole.digest()
     _control(backend, ids)
 

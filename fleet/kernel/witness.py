@@ -1,0 +1,221 @@
+"""The kernel's exactness witnesses, run live: each is a measured max|Δ| with its control.
+
+Used by `kvfleet witness`, bench/gpu_check.py and the CUDA test. Every exactness row pairs its
+zero with a non-vacuous control (> 0) measured the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fleet.kernel.config import ModelConfig
+from fleet.kernel.kernel import Kernel
+from fleet.kernel.rope import rope_np, tables
+from fleet.kernel.types import K_POST, max_abs_delta
+
+
+@dataclass(frozen=True, slots=True)
+class WitnessResult:
+    """One witness row. `claim`: "== 0" (bit-exact), "> 0" (a control), "<= 1e-4", or "reported"."""
+
+    name: str
+    claim: str
+    value: float
+    control: float | None
+    ok: bool
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "claim": self.claim,
+            "value": self.value,
+            "control": self.control,
+            "ok": self.ok,
+            "note": self.note,
+        }
+
+
+def _ids(seed: int, n: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def _exact(name: str, value: float, control: float, note: str = "") -> WitnessResult:
+    return WitnessResult(name, "== 0", value, control, value == 0.0 and control > 0, note)
+
+
+class _Bench:
+    """Kernels and token streams shared by the witnesses of one run."""
+
+    def __init__(self, backend: str, device: str, threads: int, seed: int) -> None:
+        self.kw = dict(seed=seed, backend=backend, device=device, threads=threads)
+        self.kernels: dict[int, Kernel] = {}
+        V = ModelConfig.tiny().vocab_size
+        self.pre, self.span, self.post, self.query = (
+            _ids(s, n, V) for s, n in ((1, 45), (2, 13), (3, 37), (4, 6))
+        )
+
+    def kernel(self, n_layers: int = 2) -> Kernel:
+        if n_layers not in self.kernels:
+            self.kernels[n_layers] = Kernel.synthetic(ModelConfig.tiny(n_layers=n_layers), **self.kw)  # type: ignore[arg-type]
+        return self.kernels[n_layers]
+
+    def run(self, tokens: list[int], n_layers: int = 2) -> np.ndarray:
+        s = self.kernel(n_layers).session()
+        s.append(tokens)
+        return s.append(self.query)
+
+    def evicted(self, mode: str, n_layers: int) -> tuple[np.ndarray, Any]:
+        s = self.kernel(n_layers).session()
+        s.append(self.pre + self.span + self.post)
+        r = s.evict(len(self.pre), len(self.span), mode=mode)
+        return s.append(self.query), r
+
+
+def prefix_reuse(b: _Bench) -> WitnessResult:
+    k = b.kernel()
+    ids = _ids(9, 400, k.config.vocab_size)
+    ref = k.session().append(ids)
+    worst = 0.0
+    for split in (1, 31, 32, 177, 399):
+        s = k.session()
+        s.append(ids[:split])
+        worst = max(worst, max_abs_delta(s.append(ids[split:]), ref))
+    poke = [(ids[0] + 1) % k.config.vocab_size] + ids[1:]
+    return _exact(
+        "prefix reuse (A then B == A+B, 5 splits of 400)",
+        worst,
+        max_abs_delta(k.session().append(poke), ref),
+        "control: first token changed",
+    )
+
+
+def evict_vs_never(b: _Bench) -> list[WitnessResult]:
+    k = b.kernel()
+    never = k.session()
+    never.append(b.pre)
+    ref = never.append(b.post + b.query)
+    s = k.session()
+    s.append(b.pre)
+    s.append(b.span)
+    s.evict(len(b.pre), len(b.span))
+    d = max_abs_delta(s.append(b.post + b.query), ref)
+    c = max_abs_delta(b.run(b.pre + b.span + b.post), ref)
+    return [
+        _exact("evict-vs-never (write-time span)", d, c, "control: poison-vs-never"),
+        WitnessResult("poison-vs-never (control: span kept)", "> 0", c, None, c > 0),
+    ]
+
+
+def middle_exact(b: _Bench) -> WitnessResult:
+    ref = b.run(b.pre + b.post)
+    got, _ = b.evicted("exact", 2)
+    return _exact(
+        "middle eviction, exact mode (2 layers)",
+        max_abs_delta(got, ref),
+        max_abs_delta(b.run(b.pre + b.span + b.post), ref),
+        "control: span kept",
+    )
+
+
+def reposition_invariant(b: _Bench) -> WitnessResult:
+    k = b.kernel()
+    s = k.session()
+    s.append(b.pre + b.span + b.post)
+    lo, n, L = len(b.pre), len(b.post), len(b.span)
+    old_k = s.kv_numpy(lo + L, lo + L + n)[K_POST]
+    s.evict(lo, L, mode="reposition")
+    cos, sin = tables(k.config, L + 1)
+    c = max_abs_delta(rope_np(old_k, cos[L], -sin[L]), s.kv_numpy(lo, lo + n)[K_POST])
+    return _exact(
+        "reposition invariant K[i] == RoPE(Kraw[i], i)",
+        s.rope_invariant_delta(),
+        c,
+        "control: composed rotation",
+    )
+
+
+def reposition_depth(b: _Bench) -> list[WitnessResult]:
+    out = []
+    for L in (1, 4):
+        ref = b.run(b.pre + b.post, L)
+        got, r = b.evicted("reposition", L)
+        d, c = max_abs_delta(got, ref), max_abs_delta(b.run(b.pre + b.span + b.post, L), ref)
+        if L == 1:
+            out.append(_exact("reposition vs never-saw (1 layer)", d, c, f"report.exact={r.exact}"))
+        else:
+            ok = (not r.exact) and d > 0
+            out.append(
+                WitnessResult(
+                    f"reposition divergence ({L} layers, not exact)",
+                    "reported",
+                    d,
+                    c,
+                    ok,
+                    f"report.exact={r.exact}: survivors attended to the span",
+                )
+            )
+    return out
+
+
+def sibling_isolation(b: _Bench) -> WitnessResult:
+    k = b.kernel()
+    parent = k.session()
+    parent.append(b.pre + b.span)
+    a, sib = parent.fork(), parent.fork()
+    a.evict(10, 20, mode="reposition")
+    a.append(b.post)
+    got = sib.append(b.query)
+    alone = k.session()
+    alone.append(b.pre + b.span)
+    ref = alone.append(b.query)
+    return _exact(
+        "sibling isolation (evict+append in A; B vs B alone)",
+        max_abs_delta(got, ref),
+        max_abs_delta(a.append(b.query), ref),
+        "control: branch A",
+    )
+
+
+def prefix_adoption(b: _Bench) -> WitnessResult:
+    k = b.kernel()
+    src = k.session()
+    src.append(b.pre + b.span)
+    ids = b.pre + b.span + b.post
+    adopted = k.session(prefix=src.export_prefix(48))
+    got = adopted.append(ids[48:])
+    ref = k.session().append(ids)
+    return _exact(
+        "exported prefix adopted (zero-copy) + suffix",
+        max_abs_delta(got, ref),
+        max_abs_delta(b.run(b.pre + b.span + b.post), b.run(b.pre + b.post)),
+        "control: span kept",
+    )
+
+
+def run_witnesses(
+    backend: str = "numpy", device: str = "cpu", threads: int = 1, seed: int = 0, hf: bool = True
+) -> list[WitnessResult]:
+    """Run every witness on fresh synthetic kernels (and HF parity when transformers imports)."""
+    b = _Bench(backend, device, threads, seed)
+    rows = [
+        prefix_reuse(b),
+        *evict_vs_never(b),
+        middle_exact(b),
+        reposition_invariant(b),
+        *reposition_depth(b),
+        sibling_isolation(b),
+        prefix_adoption(b),
+    ]
+    if hf:
+        from fleet.kernel.hf_check import hf_parity
+
+        rows.extend(hf_parity(backend, device, threads))
+    return rows
+
+
+def environment(backend: str = "numpy", device: str = "cpu", threads: int = 1) -> dict[str, Any]:
+    return Kernel.synthetic(ModelConfig.tiny(), backend=backend, device=device, threads=threads).env()
