@@ -232,8 +232,7 @@ class RankState:
         """After a verb answered: adopt its witness; a forgetting verb fences again."""
         s = self
         if w.warm_demoted:
-            fence = "clear" if clear_queued else (self.fence if self.fence == "reset" else "")
-            s = self.invalidate(fence=fence)
+            s = self.invalidate(fence="clear" if clear_queued else self.fence)
         return dataclasses.replace(s, phase=w.phase, kv=w.kv, serving=w.serving)
 
     def to_json(self) -> dict[str, Any]:

@@ -227,4 +227,10 @@ def metrics_text(sim: SimVllm) -> str:
               f'vllm:cache_config_info{{block_size="{c.block_size}",enable_prefix_caching="True",engine="0",'
               f'prefix_caching_hash_algo="{c.hash_algo}"}} 1.0',
               "# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {e.start_time}"]
+    if e.sleep_ops:  # created lazily on the first sleep-mode call, as vLLM does: absent != 0
+        lines.append("# TYPE vllm:sleep_mode_operation_duration_seconds histogram")
+        for op, n in sorted(e.sleep_ops.items()):
+            lines += [f'vllm:sleep_mode_operation_duration_seconds_bucket{{{lab},operation="{op}",le="+Inf"}} {float(n)}',
+                      f'vllm:sleep_mode_operation_duration_seconds_count{{{lab},operation="{op}"}} {float(n)}',
+                      f'vllm:sleep_mode_operation_duration_seconds_sum{{{lab},operation="{op}"}} {0.001 * n}']
     return "\n".join(lines) + "\n"

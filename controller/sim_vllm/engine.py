@@ -67,6 +67,7 @@ class SimEngine:
         self.hits = 0
         self.start_time = time.time()
         self.generation = 0
+        self.sleep_ops: dict[str, int] = {}  # vllm:sleep_mode_operation_duration_seconds_count, lazily created
         self._serving = asyncio.Event()
         self._serving.set()
 
@@ -86,6 +87,7 @@ class SimEngine:
 
     # lifecycle verbs
     def sleep(self, level: int, mode: str) -> None:
+        self.sleep_ops["sleep"] = self.sleep_ops.get("sleep", 0) + 1
         if self.sleeping_tags or self.paused_by == "sleep":
             return  # a second sleep while asleep is a logged no-op
         self.paused_by, self.pause_mode = "sleep", mode
@@ -97,6 +99,7 @@ class SimEngine:
 
     def wake_up(self, tags: list[str] | None) -> bool:
         """Returns True when fully awake; partial wakes leave the engine asleep."""
+        self.sleep_ops["wake"] = self.sleep_ops.get("wake", 0) + 1
         if tags is None:
             self.sleeping_tags.clear()
         else:
@@ -144,6 +147,7 @@ class SimEngine:
         self.paused_by = None
         self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         self.start_time = time.time()
+        self.sleep_ops = {}
         self.generation += 1
         self._update_serving()
 

@@ -1,0 +1,144 @@
+"""aiohttp client for one vLLM server: the reconcile reads and the lifecycle verbs.
+
+Everything a worker answers is treated as untrusted: a non-2xx status, a body that is not the
+expected JSON shape, or a timeout raises `WorkerHttpError` (an Unavailable), and the caller
+fails closed (the worker is not serving and not warm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleet.errors import Unavailable
+
+
+class WorkerHttpError(Unavailable):
+    """The worker did not answer, or answered something that is not vLLM's contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMetrics:
+    """What /metrics says about one engine (DP rank). None = series absent."""
+
+    sleep_state: dict[str, float] = field(default_factory=dict)
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    start_time: float | None = None
+    in_flight: float = 0.0
+    sleep_ops: float | None = None  # count of /sleep operations (histogram created on first use)
+
+    @property
+    def awake(self) -> float | None:
+        return self.sleep_state.get("awake")
+
+
+def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
+    """Parse Prometheus text; vllm:engine_sleep_state is three series, filtered by label."""
+    sleep: dict[str, float] = {}
+    vals: dict[str, float] = {}
+    block_size: int | None = None
+    start: float | None = None
+    in_flight = 0.0
+    sleep_ops: float | None = None
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as e:
+        raise WorkerHttpError(f"/metrics is not Prometheus text: {e}") from e
+    for fam in families:
+        for s in fam.samples:
+            eng = s.labels.get("engine")
+            if s.name == "process_start_time_seconds":
+                start = s.value
+            if eng is not None and eng != engine:
+                continue
+            if s.name == "vllm:engine_sleep_state":
+                sleep[s.labels.get("sleep_state", "")] = s.value
+            elif s.name == "vllm:cache_config_info" and "block_size" in s.labels:
+                block_size = int(s.labels["block_size"])
+            elif s.name == "vllm:sleep_mode_operation_duration_seconds_count" and s.labels.get("operation") == "sleep":
+                sleep_ops = (sleep_ops or 0.0) + s.value
+            elif s.name == "vllm:sleep_mode_operations_in_flight":
+                in_flight += s.value
+            elif s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+                vals[s.name] = s.value
+    return WorkerMetrics(sleep, vals.get("vllm:num_requests_running", 0.0), vals.get("vllm:num_requests_waiting", 0.0),
+                         vals.get("vllm:kv_cache_usage_perc", 0.0), block_size, start, in_flight, sleep_ops)
+
+
+class VllmHttp:
+    """One worker's HTTP surface. The session is shared and owned by the caller."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, timeout_s: float = 2.0) -> None:
+        self.url = url.rstrip("/")
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def request(self, method: str, path: str, params: Any = None) -> tuple[int, str]:
+        try:
+            async with self.session.request(method, self.url + path, params=params, timeout=self.timeout) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as e:
+            raise WorkerHttpError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+
+    async def json(self, method: str, path: str, params: Any = None, *, empty_ok: bool = False) -> Any:
+        status, text = await self.request(method, path, params)
+        if not 200 <= status < 300:
+            raise WorkerHttpError(f"{self.url}{path} answered HTTP {status}: {text[:200]}")
+        if empty_ok and not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkerHttpError(f"{self.url}{path} answered non-JSON: {text[:80]!r}") from e
+
+    async def is_sleeping(self) -> bool:
+        body = await self.json("GET", "/is_sleeping")
+        if not isinstance(body, dict) or not isinstance(body.get("is_sleeping"), bool):
+            raise WorkerHttpError(f"{self.url}/is_sleeping: unexpected body {str(body)[:80]}")
+        return bool(body["is_sleeping"])
+
+    async def metrics(self, engine: int = 0) -> WorkerMetrics:
+        status, text = await self.request("GET", "/metrics")
+        if status != 200:
+            raise WorkerHttpError(f"{self.url}/metrics answered HTTP {status}")
+        return parse_metrics(text, str(engine))
+
+    async def health(self) -> bool:
+        status, _ = await self.request("GET", "/health")
+        return status == 200
+
+    async def version(self) -> str:
+        body = await self.json("GET", "/version")
+        if not isinstance(body, dict) or not isinstance(body.get("version"), str):
+            raise WorkerHttpError(f"{self.url}/version: unexpected body {str(body)[:80]}")
+        return str(body["version"])
+
+    async def models(self) -> dict[str, str]:
+        """Served model ids -> root (for a LoRA card, root is the adapter path the hash needs)."""
+        body = await self.json("GET", "/v1/models")
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise WorkerHttpError(f"{self.url}/v1/models: unexpected body {str(body)[:80]}")
+        return {str(c["id"]): str(c.get("root") or c["id"]) for c in data if isinstance(c, dict) and "id" in c}
+
+    async def server_info(self) -> dict[str, Any]:
+        """block_size and prefix_caching_hash_algo, when /server_info exposes them."""
+        body = await self.json("GET", "/server_info", {"config_format": "json"})
+        text = json.dumps(body)
+        out: dict[str, Any] = {}
+        m = re.search(r'"?block_size"?\s*[:=]\s*(\d+)', text)
+        if m:
+            out["block_size"] = int(m.group(1))
+        m = re.search(r'"?prefix_caching_hash_algo"?\s*[:=]\s*"?([a-z0-9_]+)', text)
+        if m:
+            out["hash_algo"] = m.group(1)
+        return out

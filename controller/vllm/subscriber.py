@@ -1,0 +1,166 @@
+"""ZMQ SUB for one (worker, dp_rank) KV-event stream, with gap repair over a DEALER replay socket.
+
+Frames: [topic, seq (>= 8 bytes, first 8 big-endian), payload]. The subscriber keeps the stream
+contiguous: a gap asks the replay ROUTER for `[b"", start_seq]` and accepts 3-frame (>= 0.26:
+topic, seq, payload) or 2-frame (older: seq, payload) replies up to the end marker (seq = 0xFF*8).
+A gap that replay does not fill, a seq going backwards (publisher restart), a decode error or an
+unknown event type is reported to the sink as an invalidation; the sink then fails closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from controller.metrics import Metrics
+from controller.vllm.events import EventBatch, EventDecodeError, UnknownEventType, decode_batch, parse_seq
+
+log = logging.getLogger(__name__)
+END_SEQ = (1 << 64) - 1
+
+
+class StreamSink(Protocol):
+    def last_seq(self) -> int: ...
+
+    def on_batch(self, seq: int, batch: EventBatch) -> None: ...
+
+    def on_invalidate(self, reason: str, seq: int | None) -> None: ...
+
+
+class Subscriber:
+    """Reads one PUB endpoint; calls the sink in strict seq order."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay: str | None, sink: StreamSink,
+                 metrics: Metrics, *, topic: bytes = b"", replay_timeout_s: float = 1.0) -> None:
+        self.ctx, self.endpoint, self.replay_endpoint = ctx, endpoint, replay
+        self.sink, self.metrics, self.topic = sink, metrics, topic
+        self.replay_timeout_s = replay_timeout_s
+        self._replayed: dict[int, bytes] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, catch_up_from: int | None = None) -> None:
+        """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sock.connect(self.endpoint)
+        self._sock = sock
+        if catch_up_from is not None and self.replay_endpoint:
+            batches = await self.replay(catch_up_from)
+            self.metrics.kv_event_replays.labels("catch_up" if batches is not None else "failed").inc()
+            for seq, payload in batches or []:
+                self._replayed[seq] = payload
+                self._apply(seq, payload)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._sock is not None:
+            self._sock.close(0)
+
+    async def _run(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                await self.handle(frames)
+            except Exception:  # the watcher must outlive any bad frame
+                log.exception("KV event handling failed for %s", self.endpoint)
+                self.sink.on_invalidate("decode_error", None)
+
+    async def handle(self, frames: list[bytes]) -> None:
+        """One live message, in order: duplicate check, reset, gap repair, then apply."""
+        if len(frames) < 3:
+            self.metrics.kv_event_decode_errors.inc()
+            self.sink.on_invalidate("decode_error", None)
+            return
+        try:
+            seq = parse_seq(frames[1])
+        except EventDecodeError:
+            self.metrics.kv_event_decode_errors.inc()
+            self.sink.on_invalidate("decode_error", None)
+            return
+        last = self.sink.last_seq()
+        if seq <= last:
+            if self._replayed.get(seq) == frames[2]:
+                return  # already applied from a replay
+            self._replayed.clear()
+            self.sink.on_invalidate("seq_reset", None)
+            last = -1
+        if seq > last + 1:
+            await self._repair(last, seq)
+        self._apply(seq, frames[2])
+
+    async def _repair(self, last: int, seq: int) -> None:
+        self.metrics.kv_event_gaps.inc()
+        batches = await self.replay(last + 1) if self.replay_endpoint else None
+        got = {s: p for s, p in (batches or []) if last < s < seq}
+        if last < 0:
+            # first message of a fresh stream: any contiguous tail ending at seq-1 is sound
+            tail = []
+            for s in range(seq - 1, -1, -1):
+                if s not in got:
+                    break
+                tail.append(s)
+            for s in reversed(tail):
+                self._apply(s, got[s])
+            self.metrics.kv_event_replays.labels("ok" if batches is not None else "failed").inc()
+            return
+        if all(s in got for s in range(last + 1, seq)):
+            self.metrics.kv_event_replays.labels("ok").inc()
+            self.metrics.kv_event_replayed_batches.inc(seq - last - 1)
+            for s in range(last + 1, seq):
+                self._apply(s, got[s])
+            return
+        self.metrics.kv_event_replays.labels("unrepaired").inc()
+        self.sink.on_invalidate("gap", seq - 1)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except UnknownEventType:
+            self.metrics.kv_event_decode_errors.inc()
+            self.sink.on_invalidate("unknown_event_type", seq)
+            return
+        except EventDecodeError:
+            self.metrics.kv_event_decode_errors.inc()
+            self.sink.on_invalidate("decode_error", seq)
+            return
+        self.metrics.kv_event_batches.inc()
+        self.sink.on_batch(seq, batch)
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure."""
+        assert self.replay_endpoint is not None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        out: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_s)
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) == 3:      # >= 0.26: topic, seq, payload
+                    seq_f, payload = body[1], body[2]
+                elif len(body) == 2:    # older: seq, payload
+                    seq_f, payload = body[0], body[1]
+                else:
+                    return None
+                seq = parse_seq(seq_f)
+                if seq == END_SEQ:
+                    return out
+                out.append((seq, payload))
+        except (asyncio.TimeoutError, EventDecodeError, zmq.ZMQError):
+            return None
+        finally:
+            sock.close(0)
