@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 
 from fleet.errors import KvfleetError
 
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _table(env: dict, rows: list) -> None:
+def _table(env: dict[str, Any], rows: list[Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 

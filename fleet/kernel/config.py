@@ -61,7 +61,7 @@ class ModelConfig:
             )
 
     def rope_scaling_dict(self) -> dict[str, Any]:
-        return dict(self.rope_scaling or ())  # type: ignore[arg-type]
+        return dict(self.rope_scaling or ())
 
     @property
     def n_groups(self) -> int:

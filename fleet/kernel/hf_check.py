@@ -6,6 +6,7 @@ transformers is imported lazily: without it the witness reports itself as not ru
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -22,14 +23,15 @@ def hf_parity(
     """Logits max|Δ| over `steps` greedy steps (<= 1e-4) and identical greedy continuation."""
     try:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from transformers.utils import logging as hf_logging
+        import transformers
     except ImportError as e:
         return [
             WitnessResult(
                 "HF parity (transformers not importable)", "<= 1e-4", float("nan"), None, True, str(e)
             )
         ]
+    tf: Any = transformers
+    LlamaConfig, LlamaForCausalLM, hf_logging = tf.LlamaConfig, tf.LlamaForCausalLM, tf.utils.logging
     cfg = LlamaConfig(
         vocab_size=256,
         hidden_size=64,

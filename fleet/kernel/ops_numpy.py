@@ -40,6 +40,11 @@ def _cat_bias(parts: list[np.ndarray | None], sizes: list[int]) -> np.ndarray | 
     )
 
 
+def _add(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x + bias, or x itself when the layer has no bias (no extra op: bits unchanged)."""
+    return x if bias is None else x + bias
+
+
 class NumpyOps:
     """Decoder math and array primitives for the numpy backend (CPU, fp32, pinned BLAS threads)."""
 
@@ -97,7 +102,8 @@ class NumpyOps:
     # -- model --
     def _norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         var = np.mean(x * x, axis=-1, keepdims=True)  # [T, 1]
-        return x * (np.float32(1.0) / np.sqrt(var + np.float32(self.cfg.norm_eps))) * w
+        out: np.ndarray = x * (np.float32(1.0) / np.sqrt(var + np.float32(self.cfg.norm_eps))) * w
+        return out
 
     def embed(self, ids: np.ndarray, slot0: int, T: int) -> np.ndarray:
         """Tile input [T, dim]: embeddings at rows slot0.., zeros elsewhere."""
@@ -118,8 +124,7 @@ class NumpyOps:
         T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
         h = self._norm(x, self.n1[l])  # [T, dim]
         qkv = h @ self.wqkv[l]  # [T, (H+2KV)*hd]
-        if self.bqkv[l] is not None:
-            qkv = qkv + self.bqkv[l]
+        qkv = _add(qkv, self.bqkv[l])
         cos, sin = self.cos[pos0 : pos0 + T], self.sin[pos0 : pos0 + T]  # [T, hd/2]
         q = qkv[:, : H * hd].reshape(T, KV, G, hd).transpose(1, 2, 0, 3)  # [KV, G, T, hd]
         q = rope_np(q, cos, sin).reshape(KV, G * T, hd) * self.scale  # [KV, G*T, hd]
@@ -134,20 +139,21 @@ class NumpyOps:
         p = (s / s.sum(axis=-1, keepdims=True)).reshape(KV, G * T, -1)  # [KV, G*T, Lk]
         o = np.matmul(p, V).reshape(KV, G, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
         a = o @ self.wo[l]  # [T, dim]
-        x = x + (a if self.bo[l] is None else a + self.bo[l])
+        x = x + _add(a, self.bo[l])
         gu = self._norm(x, self.n2[l]) @ self.wgu[l]  # [T, 2F]
-        if self.bgu[l] is not None:
-            gu = gu + self.bgu[l]
+        gu = _add(gu, self.bgu[l])
         F = cfg.hidden_dim
         g = gu[:, :F]
         m = (g / (np.float32(1.0) + np.exp(-g))) * gu[:, F:]  # SwiGLU [T, F]
         d = m @ self.wd[l]  # [T, dim]
-        return x + (d if self.bd[l] is None else d + self.bd[l])
+        out: np.ndarray = x + _add(d, self.bd[l])
+        return out
 
     def logits(self, row: np.ndarray) -> np.ndarray:
         """Next-token logits [V] for one final hidden row [dim] (always shape [1, dim] -> fixed)."""
         h = self._norm(row[None, :], self.final_norm)  # [1, dim]
-        return np.asarray((h @ self.lm_head)[0], dtype=np.float32)  # [V]
+        out: np.ndarray = np.asarray((h @ self.lm_head)[0], dtype=np.float32)  # [V]
+        return out
 
     def blas_info(self) -> str:
         info = [i for i in _controller().info() if i.get("user_api") == "blas"]

@@ -28,6 +28,11 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + bias, or x itself when the layer has no bias (no extra op: bits unchanged)."""
+    return x if bias is None else x + bias
+
+
 class TorchOps:
     """Decoder math and array primitives for the torch backend."""
 
@@ -41,18 +46,21 @@ class TorchOps:
         self.cfg, self.threads, self.device = cfg, threads, device
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
-        def t(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(device)
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(device)
+
+        def t_opt(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else t(a)
 
         self.embed_w = t(w.embed)
         self.wqkv = [t(np.concatenate([L.wq, L.wk, L.wv]).T) for L in w.layers]  # [dim, (H+2KV)hd]
-        self.bqkv = [t(_cat_bias([L.bq, L.bk, L.bv], [H * hd, KV * hd, KV * hd])) for L in w.layers]
+        self.bqkv = [t_opt(_cat_bias([L.bq, L.bk, L.bv], [H * hd, KV * hd, KV * hd])) for L in w.layers]
         self.wo = [t(L.wo.T) for L in w.layers]  # [H*hd, dim]
-        self.bo = [t(L.bo) for L in w.layers]
+        self.bo = [t_opt(L.bo) for L in w.layers]
         self.wgu = [t(np.concatenate([L.w_gate, L.w_up]).T) for L in w.layers]  # [dim, 2F]
-        self.bgu = [t(_cat_bias([L.b_gate, L.b_up], [cfg.hidden_dim] * 2)) for L in w.layers]
+        self.bgu = [t_opt(_cat_bias([L.b_gate, L.b_up], [cfg.hidden_dim] * 2)) for L in w.layers]
         self.wd = [t(L.w_down.T) for L in w.layers]  # [F, dim]
-        self.bd = [t(L.b_down) for L in w.layers]
+        self.bd = [t_opt(L.b_down) for L in w.layers]
         self.n1 = [t(L.attn_norm) for L in w.layers]
         self.n2 = [t(L.mlp_norm) for L in w.layers]
         self.final_norm = t(w.final_norm)
@@ -121,8 +129,7 @@ class TorchOps:
         cfg = self.cfg
         T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
         qkv = self._norm(x, self.n1[l]) @ self.wqkv[l]  # [T, (H+2KV)*hd]
-        if self.bqkv[l] is not None:
-            qkv = qkv + self.bqkv[l]
+        qkv = _add(qkv, self.bqkv[l])
         cos, sin = self.cos[pos0 : pos0 + T], self.sin[pos0 : pos0 + T]  # [T, hd/2]
         q = qkv[:, : H * hd].reshape(T, KV, G, hd).permute(1, 2, 0, 3)  # [KV, G, T, hd]
         q = rope_torch(q, cos, sin).reshape(KV, G * T, hd) * self.scale  # [KV, G*T, hd]
@@ -135,15 +142,15 @@ class TorchOps:
         p = (s / s.sum(dim=-1, keepdim=True)).reshape(KV, G * T, -1)  # [KV, G*T, Lk]
         o = torch.matmul(p, V).reshape(KV, G, T, hd).permute(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
         a = o @ self.wo[l]  # [T, dim]
-        x = x + (a if self.bo[l] is None else a + self.bo[l])
+        x = x + _add(a, self.bo[l])
         gu = self._norm(x, self.n2[l]) @ self.wgu[l]  # [T, 2F]
-        if self.bgu[l] is not None:
-            gu = gu + self.bgu[l]
+        gu = _add(gu, self.bgu[l])
         F = cfg.hidden_dim
         g = gu[:, :F]
         m = (g / (1.0 + torch.exp(-g))) * gu[:, F:]  # SwiGLU [T, F]
         d = m @ self.wd[l]  # [T, dim]
-        return x + (d if self.bd[l] is None else d + self.bd[l])
+        out: torch.Tensor = x + _add(d, self.bd[l])
+        return out
 
     def logits(self, row: torch.Tensor) -> np.ndarray:
         h = self._norm(row[None, :], self.final_norm)  # [1, dim]

@@ -122,7 +122,8 @@ class Session:
                 x = ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T)  # [T, dim]
                 for l in range(k.config.n_layers):
                     x = ops.layer(x, l, pos0, kv_io)
-            return ops.logits(x[hi - 1 - pos0])  # [V]
+            logits: np.ndarray = ops.logits(x[hi - 1 - pos0])  # [V]
+        return logits
 
     def _truncate(self, n: int) -> None:
         self._kv.truncate(n)

@@ -54,16 +54,20 @@ def synthetic(cfg: ModelConfig, seed: int) -> Weights:
     d, hd = cfg.dim, cfg.head_dim
 
     def mat(out: int, inp: int) -> np.ndarray:
-        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+        w: np.ndarray = (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+        return w
 
     def vec(n: int, on: bool, scale: float = 0.1, center: float = 0.0) -> np.ndarray | None:
         return (center + scale * rng.standard_normal(n)).astype(np.float32) if on else None
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     layers = []
     for _ in range(cfg.n_layers):
         layers.append(
             LayerWeights(
-                attn_norm=vec(d, True, 0.1, 1.0),
+                attn_norm=norm(d),
                 wq=mat(cfg.n_heads * hd, d),
                 wk=mat(cfg.n_kv_heads * hd, d),
                 wv=mat(cfg.n_kv_heads * hd, d),
@@ -72,7 +76,7 @@ def synthetic(cfg: ModelConfig, seed: int) -> Weights:
                 bk=vec(cfg.n_kv_heads * hd, cfg.qkv_bias),
                 bv=vec(cfg.n_kv_heads * hd, cfg.qkv_bias),
                 bo=vec(d, cfg.o_bias),
-                mlp_norm=vec(d, True, 0.1, 1.0),
+                mlp_norm=norm(d),
                 w_gate=mat(cfg.hidden_dim, d),
                 w_up=mat(cfg.hidden_dim, d),
                 w_down=mat(d, cfg.hidden_dim),
@@ -82,9 +86,9 @@ def synthetic(cfg: ModelConfig, seed: int) -> Weights:
             )
         )
     embed = rng.standard_normal((cfg.vocab_size, d)).astype(np.float32)
-    final_norm = vec(d, True, 0.1, 1.0)
+    final_norm = norm(d)
     lm_head = embed if cfg.tie_embeddings else mat(cfg.vocab_size, d)
-    return Weights(embed, tuple(layers), final_norm, lm_head, f"synthetic:seed={seed}")  # type: ignore[arg-type]
+    return Weights(embed, tuple(layers), final_norm, lm_head, f"synthetic:seed={seed}")
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

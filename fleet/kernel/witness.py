@@ -40,7 +40,8 @@ class WitnessResult:
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+    out: list[int] = np.random.default_rng(seed).integers(0, vocab, n).tolist()
+    return out
 
 
 def _exact(name: str, value: float, control: float, note: str = "") -> WitnessResult:
