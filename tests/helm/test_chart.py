@@ -477,3 +477,36 @@ def test_templates_refuse_bad_combinations_even_without_the_schema(
     assert message in str(e.value)
     # Control: the same chart without the schema renders the default values.
     assert chart_without_schema.render(None, name=RELEASE, namespace=NAMESPACE)
+
+
+# ---- the chart README ---------------------------------------------------------------------------
+
+def _leaves(node: Any, path: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [leaf for k, v in node.items() for leaf in _leaves(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list) and node and isinstance(node[0], dict):
+        return _leaves(node[0], f"{path}[]")
+    return [path]
+
+
+def test_readme_values_table_is_current_and_complete() -> None:
+    import values_table  # tests/helm/values_table.py
+
+    text = (CHART / "values.yaml").read_text()
+    readme = (CHART / "README.md").read_text()
+    section = readme[readme.index(values_table.BEGIN) + len(values_table.BEGIN):readme.index(values_table.END)]
+    assert section.strip() == values_table.table(text), "run: .venv/bin/python tests/helm/values_table.py"
+    documented = [k for k, _ in values_table.documented_keys(text)]
+    undocumented = [leaf for leaf in _leaves(yaml.safe_load(text))
+                    if not any(leaf == k or leaf.startswith(k + ".") or leaf.startswith(k + "[]") for k in documented)]
+    assert undocumented == []
+    assert len(documented) >= 60
+    # Every top-level block of the schema is a block of values.yaml and vice versa.
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]) - {"global"} == set(yaml.safe_load(text))
+
+
+def test_each_component_block_has_create_name_resources() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for comp in ("controller", "proxy", "workers", "redis", "watcher"):
+        assert {"create", "name", "resources"} <= set(values[comp]), comp
