@@ -171,7 +171,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
         store = await asyncio.to_thread(open_store, cfg.store_url, max_blob_bytes=cfg.max_blob_bytes)
     book = TokenBook(cfg.tokens_file) if cfg.tokens_file else None
     auth = Authenticator(book, await asyncio.to_thread(_salt_secret, store, cfg))
-    limit = min(cfg.max_blob_bytes, int(getattr(store, "max_blob_bytes", cfg.max_blob_bytes)))
+    store_limit = getattr(getattr(store, "cfg", None), "max_blob_bytes", cfg.max_blob_bytes)
+    limit = min(cfg.max_blob_bytes, int(store_limit))
     ctx = ServiceContext(auth=auth, metrics=metrics or Metrics(), store=store, router=None, max_blob_bytes=limit,
                          store_url=cfg.store_url, leader=False,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"))

@@ -53,9 +53,9 @@ class AsyncFleetClient:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise base.to_error(e, method, self.target) from e
                 last = e
-            delay = self.retry.backoff(attempt)
-            if attempt + 1 < self.retry.max_attempts and time.monotonic() - start + delay < self.retry.deadline_s:
-                await asyncio.sleep(delay)
+            if attempt + 1 < self.retry.max_attempts:  # never sleep past the deadline
+                left = self.retry.deadline_s - (time.monotonic() - start)
+                await asyncio.sleep(max(0.0, min(self.retry.backoff(attempt), left)))
         raise base.gave_up(method, self.target, attempts, time.monotonic() - start, last)
 
     # blobs
