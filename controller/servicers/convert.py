@@ -1,80 +1,59 @@
-"""Router domain objects <-> proto messages (controller.router's WorkerSpec/WorkerStatus/Witness/RouteDecision)."""
+"""controller.router's domain objects <-> kvfleet.v1 messages."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from fleet.api.kvfleet.v1 import route_pb2, workers_pb2
 
-_SPEC_FIELDS = ("name", "url", "kv_events", "replay", "model", "dp_ranks", "block_size", "hash_algo", "hash_seed")
-_RANK_FIELDS = ("dp_rank", "epoch", "serving", "phase", "kv", "num_blocks", "last_seq")
+if TYPE_CHECKING:
+    from controller.router import RouteDecision, WorkerSpec, WorkerStatus
+    from fleet.lifecycle import Witness
 
 
-def spec_from_proto(p: workers_pb2.WorkerSpec) -> Any:
+def spec_from_proto(p: workers_pb2.WorkerSpec) -> WorkerSpec:
+    """Proto -> WorkerSpec; zero values mean the router's defaults. WorkerSpec validates (InvalidArgument)."""
     from controller.router import WorkerSpec
 
-    seed: Any = p.hash_seed if p.HasField("hash_seed") else None
-    return WorkerSpec(name=p.name, url=p.url, kv_events=p.kv_events, replay=p.replay, model=p.model,
+    return WorkerSpec(name=p.name, url=p.url, kv_events=p.kv_events, replay=p.replay or None, model=p.model,
                       dp_ranks=p.dp_ranks or 1, block_size=p.block_size or None,
-                      hash_algo=p.hash_algo or "sha256", hash_seed=seed)
+                      hash_algo=p.hash_algo or "sha256", hash_seed=p.hash_seed if p.HasField("hash_seed") else None)
 
 
-def spec_to_proto(s: Any) -> workers_pb2.WorkerSpec:
-    out = workers_pb2.WorkerSpec(name=s.name, url=s.url or "", kv_events=s.kv_events or "", replay=s.replay or "",
-                                 model=s.model or "", dp_ranks=int(s.dp_ranks or 1), block_size=int(s.block_size or 0),
-                                 hash_algo=s.hash_algo or "")
-    if getattr(s, "hash_seed", None) is not None:
+def spec_to_proto(s: WorkerSpec) -> workers_pb2.WorkerSpec:
+    out = workers_pb2.WorkerSpec(name=s.name, url=s.url, kv_events=s.kv_events, replay=s.replay or "",
+                                 model=s.model, dp_ranks=s.dp_ranks, block_size=s.block_size or 0,
+                                 hash_algo=s.hash_algo)
+    if s.hash_seed is not None:
         out.hash_seed = str(s.hash_seed)
     return out
 
 
-def _fields(obj: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return dict(obj)
-    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+def rank_to_proto(s: WorkerStatus) -> workers_pb2.RankStatus:
+    return workers_pb2.RankStatus(dp_rank=s.dp_rank, epoch=s.epoch, serving=s.serving, phase=s.phase, kv=s.kv,
+                                  num_blocks=s.num_blocks, last_seq=s.last_seq, warm=s.warm, load=s.load,
+                                  kv_usage=s.kv_usage, fence=s.fence)
 
 
-def _rank_to_proto(r: Any) -> workers_pb2.RankStatus:
-    f = _fields(r)
-    return workers_pb2.RankStatus(dp_rank=int(f.get("dp_rank") or 0), epoch=int(f.get("epoch") or 0),
-                                  serving=bool(f.get("serving")), phase=str(f.get("phase") or ""),
-                                  kv=str(f.get("kv") or ""), num_blocks=int(f.get("num_blocks") or 0),
-                                  last_seq=int(f["last_seq"]) if f.get("last_seq") is not None else -1)
+def statuses_to_proto(statuses: Iterable[WorkerStatus]) -> list[workers_pb2.WorkerStatus]:
+    """The router lists one WorkerStatus per (worker, dp_rank); the wire groups them per worker."""
+    by_name: dict[str, workers_pb2.WorkerStatus] = {}
+    for s in statuses:
+        if s.name not in by_name:
+            by_name[s.name] = workers_pb2.WorkerStatus(spec=spec_to_proto(s.spec))
+        by_name[s.name].ranks.append(rank_to_proto(s))
+    return list(by_name.values())
 
 
-def status_to_proto(st: Any) -> workers_pb2.WorkerStatus:
-    """WorkerStatus -> proto: spec, per-rank state, and every other scalar field stringified in `extra`."""
-    f = _fields(st)
-    spec = f.pop("spec", None) or st
-    ranks = f.pop("ranks", None) or []
-    if isinstance(ranks, dict):
-        ranks = list(ranks.values())
-    extra = {k: str(v) for k, v in f.items() if k not in _SPEC_FIELDS and isinstance(v, (str, int, float, bool))}
-    if not ranks and any(k in f for k in _RANK_FIELDS if k != "dp_rank"):
-        ranks = [f]  # a flat single-rank status
-    return workers_pb2.WorkerStatus(spec=spec_to_proto(spec), ranks=[_rank_to_proto(r) for r in ranks], extra=extra)
+def witness_to_proto(w: Witness) -> workers_pb2.Witness:
+    return workers_pb2.Witness(action=w.action, phase=w.phase, kv=w.kv, warm_demoted=w.warm_demoted,
+                               serving=w.serving, epoch=w.epoch)
 
 
-def witness_to_proto(w: Any) -> workers_pb2.Witness:
-    return workers_pb2.Witness(action=str(w.action), phase=str(w.phase), kv=str(w.kv),
-                               warm_demoted=bool(w.warm_demoted), serving=bool(w.serving), epoch=int(w.epoch or 0))
-
-
-def _candidate(c: Any) -> route_pb2.RouteCandidate:
-    if hasattr(c, "_asdict"):
-        f = c._asdict()
-    elif isinstance(c, tuple):
-        f = dict(zip(("worker", "dp_rank", "matched_tokens"), c, strict=False))
-    else:
-        f = _fields(c)
-    return route_pb2.RouteCandidate(worker=str(f.get("worker", "")), dp_rank=int(f.get("dp_rank") or 0),
-                                    matched_tokens=int(f.get("matched_tokens") or 0))
-
-
-def decision_to_proto(d: Any, cache_salt: str) -> route_pb2.RouteResponse:
-    return route_pb2.RouteResponse(worker=d.worker, url=d.url, dp_rank=int(d.dp_rank or 0), verdict=str(d.verdict),
-                                   matched_tokens=int(d.matched_tokens), epoch=int(d.epoch or 0),
-                                   candidates=[_candidate(c) for c in (d.candidates or ())], cache_salt=cache_salt)
+def decision_to_proto(d: RouteDecision, cache_salt: str) -> route_pb2.RouteResponse:
+    cands = [route_pb2.RouteCandidate(worker=c.worker, dp_rank=c.dp_rank, matched_tokens=c.matched_tokens)
+             for c in d.candidates]
+    return route_pb2.RouteResponse(worker=d.worker, url=d.url, dp_rank=d.dp_rank, verdict=d.verdict,
+                                   matched_tokens=d.matched_tokens, epoch=d.epoch, candidates=cands,
+                                   cache_salt=cache_salt)

@@ -8,7 +8,7 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, unary
-from controller.servicers.convert import status_to_proto
+from controller.servicers.convert import statuses_to_proto
 from fleet.api.kvfleet.v1 import fleet_pb2 as pb
 from fleet.api.kvfleet.v1 import fleet_pb2_grpc as pbg
 
@@ -33,4 +33,4 @@ class FleetServicer(pbg.FleetServiceServicer):
                        ident: Identity) -> pb.GetFleetResponse:
         workers = self.ctx.router.workers() if self.ctx.router is not None else []
         return pb.GetFleetResponse(controller_version=VERSION, store=redact(self.ctx.store_url),
-                                   leader=self.ctx.leader, workers=[status_to_proto(w) for w in workers])
+                                   leader=self.ctx.leader, workers=statuses_to_proto(workers))

@@ -6,7 +6,7 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, unary
-from controller.servicers.convert import spec_from_proto, status_to_proto, witness_to_proto
+from controller.servicers.convert import spec_from_proto, statuses_to_proto, witness_to_proto
 from fleet.api.kvfleet.v1 import workers_pb2 as pb
 from fleet.api.kvfleet.v1 import workers_pb2_grpc as pbg
 from fleet.errors import InvalidArgument
@@ -25,7 +25,8 @@ class WorkerServicer(pbg.WorkerServiceServicer):
             raise InvalidArgument("worker spec needs a name (e.g. 'w0')")
         router = self.ctx.need_router()
         status = await router.register_worker(spec_from_proto(request.spec))
-        return pb.RegisterWorkerResponse(status=status_to_proto(status))
+        ranks = [s for s in router.workers() if s.name == status.name] or [status]  # every DP rank
+        return pb.RegisterWorkerResponse(status=statuses_to_proto(ranks)[0])
 
     @unary(Role.OPERATOR)
     async def UnregisterWorker(self, request: pb.UnregisterWorkerRequest, context: grpc.aio.ServicerContext,
@@ -36,7 +37,7 @@ class WorkerServicer(pbg.WorkerServiceServicer):
     @unary(Role.OPERATOR)
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext,
                           ident: Identity) -> pb.ListWorkersResponse:
-        return pb.ListWorkersResponse(workers=[status_to_proto(s) for s in self.ctx.need_router().workers()])
+        return pb.ListWorkersResponse(workers=statuses_to_proto(self.ctx.need_router().workers()))
 
     @unary(Role.OPERATOR)
     async def Lifecycle(self, request: pb.LifecycleRequest, context: grpc.aio.ServicerContext,

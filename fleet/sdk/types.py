@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -72,6 +72,8 @@ class Witness:
 
 @dataclass(frozen=True, slots=True)
 class RankInfo:
+    """One (worker, dp_rank): serving and warm are separate questions (DESIGN §9)."""
+
     dp_rank: int
     epoch: int
     serving: bool
@@ -79,6 +81,10 @@ class RankInfo:
     kv: str
     num_blocks: int
     last_seq: int
+    warm: bool
+    load: float
+    kv_usage: float
+    fence: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +99,6 @@ class WorkerInfo:
     hash_algo: str
     hash_seed: str | None
     ranks: tuple[RankInfo, ...] = ()
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def serving(self) -> bool:
@@ -133,9 +138,10 @@ def witness(r: Any) -> Witness:
 
 def worker_info(s: Any) -> WorkerInfo:
     p = s.spec
-    ranks = tuple(RankInfo(r.dp_rank, r.epoch, r.serving, r.phase, r.kv, r.num_blocks, r.last_seq) for r in s.ranks)
+    ranks = tuple(RankInfo(r.dp_rank, r.epoch, r.serving, r.phase, r.kv, r.num_blocks, r.last_seq, r.warm, r.load,
+                           r.kv_usage, r.fence) for r in s.ranks)
     return WorkerInfo(p.name, p.url, p.kv_events, p.replay, p.model, p.dp_ranks, p.block_size or None, p.hash_algo,
-                      p.hash_seed if p.HasField("hash_seed") else None, ranks, dict(s.extra))
+                      p.hash_seed if p.HasField("hash_seed") else None, ranks)
 
 
 def fleet_info(r: Any) -> FleetInfo:

@@ -125,3 +125,71 @@ async def test_retries_while_the_redis_store_is_down(redis_server, redis_url: st
     finally:
         await ctl.stop(0)
 
+
+
+async def _until(fn, pred, timeout: float = 10.0):
+    """Poll an async call until pred(result) (KV events and reconcile are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await fn()
+        if pred(r) or time.monotonic() > deadline:
+            return r
+        await asyncio.sleep(0.05)
+
+
+async def test_workers_route_lifecycle_through_the_sdk(tmp_path: Path) -> None:
+    import aiohttp
+
+    from controller.sim_vllm.engine import SimEngineConfig
+    from controller.sim_vllm.main import SimConfig, SimVllm
+
+    sims = [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
+            for _ in range(2)]
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, start_router=True)
+    prompt = list(range(100, 164))  # 64 tokens = 4 blocks of 16
+    try:
+        async with AsyncFleetClient(ctl.address, token=tok.op) as op, \
+                   AsyncFleetClient(ctl.address, token=tok.a) as a, \
+                   AsyncFleetClient(ctl.address, token=tok.b) as b, aiohttp.ClientSession() as http:
+            for i, s in enumerate(sims):
+                info = await op.register_worker(f"w{i}", url=s.url, kv_events=s.kv_events, replay=s.replay, model="m")
+                assert info.name == f"w{i}" and info.url == s.url and len(info.ranks) == 1
+            listed = await _until(op.workers, lambda ws: all(w.serving for w in ws))
+            assert sorted(w.name for w in listed) == ["w0", "w1"] and all(w.serving for w in listed)
+            cold = await a.route(prompt, model="m")
+            assert cold.verdict == "COLD" and cold.matched_tokens == 0
+            assert cold.cache_salt == ctl.ctx.auth.cache_salt("acme")
+            # the worker prefills the prompt with the tenant's salt; its BlockStored events make it WARM
+            async with http.post(f"{cold.url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1,
+                                                                     "cache_salt": cold.cache_salt}) as r:
+                assert r.status == 200
+            warm = await _until(lambda: a.route(prompt, model="m"), lambda d: d.verdict == "WARM")
+            other = await b.route(prompt, model="m")
+            print(f"tenant A: {warm.verdict} {warm.matched_tokens} tokens on {warm.worker} epoch {warm.epoch}; "
+                  f"tenant B (other salt, control): {other.verdict} {other.matched_tokens}")
+            assert warm.verdict == "WARM" and warm.worker == cold.worker and 0 < warm.matched_tokens <= 64
+            assert other.verdict == "COLD" and other.matched_tokens == 0  # warmth is never shared across tenants
+            # lifecycle through the controller: sleep forgets, the route never answers WARM for it
+            w = await op.lifecycle(warm.worker, "sleep", level=1)
+            print("sleep witness:", w)
+            assert (w.phase, w.kv, w.warm_demoted, w.serving) == ("sleeping", "forgotten", True, False)
+            assert w.epoch > warm.epoch and w.worker == warm.worker
+            after = await a.route(prompt, model="m")
+            assert after.worker != warm.worker and after.verdict == "COLD"
+            woke = await op.lifecycle(warm.worker, "wake_up")
+            assert (woke.phase, woke.kv, woke.serving) == ("serving", "unknown", True)
+            again = await a.route(prompt, model="m")
+            assert again.verdict == "COLD"  # nothing is warm until new events re-prove it
+            fleet = await op.fleet()
+            assert {x.name for x in fleet.workers} == {"w0", "w1"} and fleet.leader
+            with pytest.raises(NotFound, match="no worker named 'w9'"):
+                await op.lifecycle("w9", "sleep", level=1)
+            with pytest.raises(InvalidArgument, match="worker url"):
+                await op.register_worker("bad", url="not a url", kv_events="tcp://127.0.0.1:1", model="m")
+            await op.unregister_worker("w1")
+            assert [x.name for x in await op.workers()] == ["w0"]
+    finally:
+        await ctl.stop(0)
+        for s in sims:
+            await s.stop()

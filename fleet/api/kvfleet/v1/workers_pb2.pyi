@@ -30,7 +30,7 @@ class WorkerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., kv_events: _Optional[str] = ..., replay: _Optional[str] = ..., model: _Optional[str] = ..., dp_ranks: _Optional[int] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("dp_rank", "epoch", "serving", "phase", "kv", "num_blocks", "last_seq")
+    __slots__ = ("dp_rank", "epoch", "serving", "phase", "kv", "num_blocks", "last_seq", "warm", "load", "kv_usage", "fence")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,10 @@ class RankStatus(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     epoch: int
     serving: bool
@@ -45,24 +49,19 @@ class RankStatus(_message.Message):
     kv: str
     num_blocks: int
     last_seq: int
-    def __init__(self, dp_rank: _Optional[int] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., phase: _Optional[str] = ..., kv: _Optional[str] = ..., num_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    warm: bool
+    load: float
+    kv_usage: float
+    fence: str
+    def __init__(self, dp_rank: _Optional[int] = ..., epoch: _Optional[int] = ..., serving: _Optional[bool] = ..., phase: _Optional[str] = ..., kv: _Optional[str] = ..., num_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., warm: _Optional[bool] = ..., load: _Optional[float] = ..., kv_usage: _Optional[float] = ..., fence: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("spec", "ranks", "extra")
-    class ExtraEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("spec", "ranks")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_FIELD_NUMBER: _ClassVar[int]
     spec: WorkerSpec
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    extra: _containers.ScalarMap[str, str]
-    def __init__(self, spec: _Optional[_Union[WorkerSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[WorkerSpec, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("spec",)
