@@ -22,6 +22,7 @@ class LeaderLock(Protocol):
     async def acquire(self) -> None: ...
     async def renew(self) -> bool: ...
     async def release(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 class NoopLock:
@@ -36,6 +37,9 @@ class NoopLock:
         return True
 
     async def release(self) -> None:
+        return None
+
+    async def close(self) -> None:
         return None
 
 
@@ -70,8 +74,11 @@ class RedisLock:
     async def release(self) -> None:
         try:
             await self._r.eval(_RELEASE, 1, self.key, self.owner)
-        finally:
-            await self._r.aclose()
+        except Exception:
+            pass  # redis down: the lock expires on its own after ttl_s
+
+    async def close(self) -> None:
+        await self._r.aclose()
 
 
 def make_leader_lock(store_url: str, ttl_s: float = 10.0) -> LeaderLock:

@@ -99,10 +99,15 @@ class Controller:
         while True:
             await lock.acquire()
             log.info("controller on %s took the leader lock", self.address)
-            await self.become_leader()
-            while await lock.renew():
-                await asyncio.sleep(lock.ttl_s / 3)
-            log.warning("controller on %s lost the leader lock; standing by", self.address)
+            try:
+                await self.become_leader()
+                while await lock.renew():
+                    await asyncio.sleep(lock.ttl_s / 3)
+                log.warning("controller on %s lost the leader lock; standing by", self.address)
+            except Exception:
+                log.exception("controller on %s failed while leading; handing the lock on", self.address)
+                await lock.release()
+                await asyncio.sleep(lock.ttl_s)
             await self.step_down()
 
     async def stop(self, grace: float | None = 5.0) -> None:
@@ -119,6 +124,7 @@ class Controller:
         if self._lock is not None:
             with contextlib.suppress(Exception):
                 await self._lock.release()
+                await self._lock.close()
         if self.ctx.router is not None:
             await self.ctx.router.stop()
         self.ctx.executor.shutdown(wait=True)

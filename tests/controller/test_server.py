@@ -101,8 +101,9 @@ async def test_graceful_stop_finishes_in_flight_calls(tmp_path: Path) -> None:
 
 async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
-    first = await start_controller(redis_url, tok, leader_election=True, leader_ttl_s=1.0)
-    second = await start_controller(redis_url, tok, leader_election=True, leader_ttl_s=1.0)
+    kw = {"leader_election": True, "leader_ttl_s": 1.0, "start_router": True}
+    first = await start_controller(redis_url, tok, **kw)
+    second = await start_controller(redis_url, tok, **kw)
     try:
         for _ in range(100):
             if first.ctx.leader or second.ctx.leader:
@@ -111,6 +112,7 @@ async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
         leader, standby = (first, second) if first.ctx.leader else (second, first)
         await asyncio.sleep(0.5)
         assert leader.ctx.leader and not standby.ctx.leader
+        assert leader.ctx.router is not None and standby.ctx.router is None  # only the leader routes
         async with grpc.aio.insecure_channel(standby.address) as ch:
             assert await _health(ch) == HS.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as ei:
@@ -121,7 +123,7 @@ async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
                 if await _health(ch) == HS.SERVING:
                     break
                 await asyncio.sleep(0.05)
-            assert await _health(ch) == HS.SERVING and standby.ctx.leader
+            assert await _health(ch) == HS.SERVING and standby.ctx.leader and standby.ctx.router is not None
             assert (await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=md(tok.a))).tenant == "acme"
     finally:
         for c in (first, second):
