@@ -103,8 +103,8 @@ async def test_gives_up_after_the_deadline() -> None:
     m = re.search(r"unavailable after (\d+) attempt\(s\) over (\d+\.\d)s", msg)
     assert m and f"127.0.0.1:{port}" in msg and "kvfleet controller" in msg
     # backoffs 0.05, 0.1, 0.2, 0.2, ... (+-20%) inside a 1 s deadline: a handful of attempts, not a spin
-    assert 4 <= int(m.group(1)) <= 12 and len(policy.log) >= int(m.group(1)) - 1
-    assert float(m.group(2)) <= 1.5
+    assert 3 <= int(m.group(1)) <= 12 and len(policy.log) >= int(m.group(1)) - 1
+    assert float(m.group(2)) < 3.0  # gave up at its 1 s deadline (slack for a loaded machine), not after 30 s
 
 
 async def test_retries_while_the_redis_store_is_down(redis_server, redis_url: str, tmp_path: Path) -> None:

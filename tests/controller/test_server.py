@@ -119,7 +119,7 @@ async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
                 await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=md(tok.a))
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in ei.value.details()
             await leader.stop(0)
-            for _ in range(100):
+            for _ in range(400):
                 if await _health(ch) == HS.SERVING:
                     break
                 await asyncio.sleep(0.05)
