@@ -157,3 +157,16 @@ def test_kvfleet_controller_cli(tmp_path: Path) -> None:
             proc.wait()
     bad = subprocess.run([*kv, "--listen", "nowhere"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
+
+
+def test_env_is_read_at_the_edge_and_flags_win() -> None:
+    from controller.main import config_from, parse_args
+
+    env = {"KVFLEET_LISTEN": "0.0.0.0:6000", "KVFLEET_STORE": "redis://r:6379/0", "KVFLEET_SALT_SECRET": "00ff",
+           "KVFLEET_RAY_ADDRESS": "ray://head:10001"}
+    cfg = config_from(parse_args([], env), env)
+    assert (cfg.listen, cfg.store_url, cfg.salt_secret, cfg.ray_address) == (
+        "0.0.0.0:6000", "redis://r:6379/0", b"\x00\xff", "ray://head:10001")
+    cfg = config_from(parse_args(["--listen", "127.0.0.1:7000"], env), env)
+    assert cfg.listen == "127.0.0.1:7000"
+    assert config_from(parse_args([], {}), {}).store_url == "sqlite:///./var/kvfleet.db"  # the embedded default
