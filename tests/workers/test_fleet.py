@@ -1,0 +1,112 @@
+"""Session actors on a real local Ray cluster: lifecycle, prefix sharing, fork isolation, regeneration."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+from workers_helpers import SPEC, replay_locally
+
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound
+from fleet.kernel import max_abs_delta
+from workers.fleet import KernelFleet
+from workers.placement import NAMESPACE, session_actor_name
+from workers.spec import make_kernel
+
+SYSTEM = "You are agent zero. Answer briefly."   # 35 bytes: 2 whole blocks of 16
+
+
+def test_session_lifecycle_and_errors(kfleet: KernelFleet, tenant: str) -> None:
+    rec = kfleet.create_session(tenant, "s1", SYSTEM)
+    assert rec["state"] == "active" and rec["node"] in kfleet.supervisors
+    with pytest.raises(AlreadyExists):
+        kfleet.create_session(tenant, "s1", SYSTEM)
+    r = kfleet.append(tenant, "s1", " hello")
+    assert r.num_tokens == len(SYSTEM) + 6 and r.logits.shape == (512,) and r.op_index == 1
+    with pytest.raises(InvalidArgument):
+        kfleet.append(tenant, "s1", [1, 2, 99999])              # bad id: nothing changes
+    assert len(kfleet.tokens(tenant, "s1")) == len(SYSTEM) + 6
+    [row] = kfleet.list_sessions(fleet=True, tenant=tenant)
+    assert (row["session"], row["tenant"], row["tokens"], row["state"], row["epoch"]) == (
+        "s1", tenant, len(SYSTEM) + 6, "active", 0)
+    assert row["actor"] == session_actor_name(tenant, "s1") and row["bytes_alone"] > 0
+    kfleet.close(tenant, "s1")
+    for call in (lambda: kfleet.append(tenant, "s1", "x"), lambda: kfleet.close(tenant, "s1"),
+                 lambda: kfleet.digest(tenant, "nope")):
+        with pytest.raises(NotFound):
+            call()
+    assert kfleet.list_sessions(tenant=tenant) == []
+
+
+def test_second_session_adopts_prefix_blocks_bit_identically(kfleet: KernelFleet, tenant: str) -> None:
+    kfleet.create_session(tenant, "a", SYSTEM)
+    rec_b = kfleet.create_session(tenant, "b", SYSTEM)          # same node (warm), adopts 2 blocks
+    assert rec_b["adopted_tokens"] == 32
+    [stats] = kfleet.node_stats()
+    assert (stats["queried_tokens"], stats["hit_tokens"]) == (70, 32)
+    own = replay_locally(SPEC, [{"op": "create", "tokens": list(SYSTEM.encode())}])   # prefilled itself
+    assert kfleet.digest(tenant, "b") == kfleet.digest(tenant, "a") == own.digest()
+    info_b = kfleet.info(tenant, "b")
+    assert info_b["bytes_shared"] == 2 * make_kernel(SPEC).block_bytes
+    la = kfleet.append(tenant, "a", " next").logits
+    lb = kfleet.append(tenant, "b", " next").logits
+    lc = kfleet.append(tenant, "b", "!").logits                    # control: a different token
+    print(f"adopted vs prefilled: max|d| = {max_abs_delta(la, lb)}; control {max_abs_delta(la, lc)}")
+    assert max_abs_delta(la, lb) == 0.0 and max_abs_delta(la, lc) > 0.0
+    other = kfleet.create_session("other" + tenant, "c", SYSTEM)  # tenants never share blocks
+    assert other["adopted_tokens"] == 0
+
+
+def test_fork_isolation_across_actors(kfleet: KernelFleet, tenant: str) -> None:
+    kfleet.create_session(tenant, "p", SYSTEM)
+    kfleet.append(tenant, "p", " tool result: 42.")
+    kfleet.fork(tenant, "p", "c")
+    before = kfleet.digest(tenant, "c")
+    kfleet.evict(tenant, "p", start=len(SYSTEM) + 1, length=6, mode="exact")   # only in the parent
+    kfleet.append(tenant, "p", " more")
+    assert kfleet.digest(tenant, "c") == before                   # the child did not move
+    ops_child = [op for op in ray.get(ray.get_actor(session_actor_name(tenant, "c"), NAMESPACE).ops.remote())]
+    alone = replay_locally(SPEC, [op for op in ops_child if op["op"] != "fork"])
+    assert alone.digest() == before
+    lp = kfleet.append(tenant, "p", "?").logits
+    lc = kfleet.append(tenant, "c", "?").logits
+    print(f"fork: child vs built-alone digest equal; parent vs child max|d| = {max_abs_delta(lp, lc)} (> 0)")
+    assert max_abs_delta(lc, alone.append([ord("?")])) == 0.0 and max_abs_delta(lp, lc) > 0.0
+
+
+def test_killed_actor_mid_append_is_regenerated_bit_identically(kfleet: KernelFleet, tenant: str) -> None:
+    kfleet.create_session(tenant, "k", SYSTEM)
+    acked = [kfleet.append(tenant, "k", f" step {i}.").num_tokens for i in range(3)]
+    long_input = [int(t) for t in np.random.default_rng(0).integers(0, 256, 4000)]
+    result: dict[str, object] = {}
+    worker = threading.Thread(target=lambda: result.update(r=kfleet.append(tenant, "k", long_input)))
+    actor = ray.get_actor(session_actor_name(tenant, "k"), NAMESPACE)
+    worker.start()
+    # The append computes on the actor's event loop, so a ping that gets no answer within 0.2 s
+    # means the actor is inside the append right now: kill it there.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _ = ray.wait([actor.ping.remote()], timeout=0.2)
+        if not ready:
+            break
+    ray.kill(actor, no_restart=True)
+    worker.join(timeout=180)
+    assert not worker.is_alive() and "r" in result                 # transparent: no hang, no error
+    print(f"kill mid-append: regenerations={kfleet.num_regenerations}, "
+          f"in-flight op already logged before the kill: {result['r'].replayed}")  # type: ignore[attr-defined]
+    assert kfleet.num_regenerations == 1 and result["r"].replayed is False  # type: ignore[attr-defined]
+    assert result["r"].num_tokens == acked[-1] + 4000              # type: ignore[attr-defined]
+    ops = kfleet.store.oplog_read(tenant, "k")
+    assert [op["op"] for op in ops] == ["create", "append", "append", "append", "append"]  # logged once
+    ref = replay_locally(SPEC, ops)
+    assert kfleet.digest(tenant, "k") == ref.digest()
+    control = replay_locally(SPEC, ops[:-1])
+    lk = kfleet.last_logits(tenant, "k")
+    print(f"regenerated vs replayed: max|d| = {max_abs_delta(lk, ref.last_logits)}; "
+          f"control (last op missing) {max_abs_delta(lk, control.last_logits)}")
+    assert max_abs_delta(lk, ref.last_logits) == 0.0 and max_abs_delta(lk, control.last_logits) > 0.0
+    [row] = kfleet.list_sessions(tenant=tenant)
+    assert (row["epoch"], row["regenerated"], row["witness"]["kv"], row["state"]) == (1, 1, "forgotten", "active")

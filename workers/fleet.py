@@ -1,0 +1,238 @@
+"""KernelFleet: the small Python API over the Ray fleet of session kernels (wrapped in gRPC later).
+
+    fleet = KernelFleet("sqlite:///kvfleet.db", {"kind": "synthetic"})
+    fleet.create_session("acme", "s1", "You are a helpful agent.")
+    r = fleet.append("acme", "s1", "hello")          # r.logits, r.num_tokens
+    fleet.list_sessions(fleet=True)                   # one row per session, across nodes
+
+Calls go straight to the session's actor. A dead actor (killed, its worker process gone) is
+marked lost (witness kv="forgotten", epoch + 1) and regenerated from its op log by its node's
+supervisor, then the call is retried once with the same op id (so an op that was logged just
+before the crash is not applied twice). Every wait has a timeout: a fault never hangs a caller.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from fleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, Unavailable
+from fleet.lifecycle import Witness
+from workers.placement import NAMESPACE, NodeOffer, choose_node, on_node, session_actor_name, supervisor_name
+from workers.spec import KernelSpec, make_kernel, make_tokenizer
+from workers.supervisor import NodeSupervisor
+
+REGISTRY = "kvfleet.sessions"
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    logits: np.ndarray | None
+    num_tokens: int
+    op_index: int | None
+    replayed: bool
+
+
+class KernelFleet:
+    """Sessions on Ray actors, one supervisor per node, state durable in the store."""
+
+    def __init__(self, store_url: str, kernel_spec: dict[str, Any] | KernelSpec | None = None, *,
+                 node_budget_bytes: int = 64 << 20, policy: str = "lru", call_timeout_s: float = 60.0) -> None:
+        from fleet.cas import open_store
+
+        if not ray.is_initialized():
+            ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+        self.store_url, self.call_timeout_s = store_url, call_timeout_s
+        self.spec = KernelSpec.from_dict(kernel_spec or {})
+        self.kernel = make_kernel(self.spec)
+        self.tokenizer = make_tokenizer(self.kernel)
+        self.store = open_store(store_url)
+        self._budget, self._policy = node_budget_bytes, policy
+        self.supervisors = self._ensure_supervisors()
+        self.num_regenerations = 0
+
+    # -- supervisors and placement ------------------------------------------------------------
+
+    def _ensure_supervisors(self) -> dict[str, Any]:
+        out = {}
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            nid = node["NodeID"]
+            out[nid] = ray.remote(NodeSupervisor).options(
+                name=supervisor_name(nid), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+                max_restarts=3, scheduling_strategy=on_node(nid),
+            ).remote(nid, self.store_url, self.spec.to_dict(), self._budget, self._policy)
+        return out
+
+    def _place(self, tenant: str, tokens: list[int]) -> str:
+        nids = list(self.supervisors)
+        answers = self._get([self.supervisors[n].match_len.remote(tenant, tokens) for n in nids])
+        return choose_node([NodeOffer(n, m, s) for n, (m, s) in zip(nids, answers, strict=True)])
+
+    # -- registry (in the store: survives the driver) -----------------------------------------
+
+    def _record(self, tenant: str, session_id: str) -> dict[str, Any]:
+        raw = self.store.kv_get(REGISTRY, f"{tenant}/{session_id}")
+        if raw is None:
+            raise NotFound(f"session {session_id!r} not found (unknown or closed)")
+        return dict(json.loads(raw))
+
+    def _save(self, rec: dict[str, Any]) -> None:
+        self.store.kv_put(REGISTRY, f"{rec['tenant']}/{rec['session']}", json.dumps(rec).encode())
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def _get(self, refs: Any) -> Any:
+        try:
+            return ray.get(refs, timeout=self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise Unavailable(f"a worker did not answer within {self.call_timeout_s:.0f}s") from e
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, KvfleetError):
+                raise e.cause from None
+            raise
+
+    def _call(self, tenant: str, session_id: str, method: str, *args: Any) -> Any:
+        rec = self._record(tenant, session_id)
+        for attempt in range(2):
+            try:
+                actor = ray.get_actor(session_actor_name(tenant, session_id), namespace=NAMESPACE)
+            except ValueError:  # no live actor by that name: it died and its name was released
+                actor = None
+            if actor is not None:
+                try:
+                    return self._get(getattr(actor, method).remote(*args))
+                except ray.exceptions.RayActorError as e:
+                    if attempt:
+                        raise Unavailable(f"session {session_id}: actor lost again after regeneration") from e
+            elif attempt:
+                raise Unavailable(f"session {session_id}: no actor after regeneration")
+            rec = self._regenerate(rec)
+        raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
+
+    def _regenerate(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Mark the session lost (kv forgotten), rebuild it from its op log, mark it active."""
+        rec["epoch"] = int(rec.get("epoch", 0)) + 1
+        lost = Witness("actor_lost", "error", "forgotten", True, False, rec["epoch"])
+        rec.update(state="lost", witness=lost.to_dict())
+        self._save(rec)
+        node = rec["node"] if rec["node"] in self.supervisors else self._place(rec["tenant"], [])
+        self._get(self.supervisors[node].regenerate.remote(rec["tenant"], rec["session"]))
+        rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
+        self._save(rec)
+        self.num_regenerations += 1
+        return rec
+
+    def _tokens(self, x: str | bytes | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(x) if isinstance(x, str | bytes) else list(x)
+        vocab = self.kernel.config.vocab_size
+        if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
+            raise InvalidArgument(f"token ids must be ints in [0, {vocab})")
+        return [int(t) for t in ids]
+
+    # -- session verbs ------------------------------------------------------------------------
+
+    def create_session(self, tenant: str, session_id: str, system_prompt: str | list[int]) -> dict[str, Any]:
+        """Place and start a session; it adopts the node's warm prefix blocks if it has them."""
+        from fleet.cas.base import check_name, check_tenant
+
+        check_tenant(tenant)
+        check_name("session_id", session_id)
+        tokens = self._tokens(system_prompt)
+        if not tokens:
+            raise InvalidArgument("the system prompt must not be empty")
+        if self.store.kv_get(REGISTRY, f"{tenant}/{session_id}") is not None:
+            raise AlreadyExists(f"session {session_id!r} already exists")
+        node = self._place(tenant, tokens)
+        rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
+               "created": time.time()}
+        self._save(rec)
+        out = self._get(self.supervisors[node].create_session.remote(tenant, session_id, tokens, uuid.uuid4().hex))
+        rec.update(state="active", adopted_tokens=out["adopted_tokens"])
+        self._save(rec)
+        return rec
+
+    def append(self, tenant: str, session_id: str, tokens: str | list[int]) -> AppendResult:
+        r = self._call(tenant, session_id, "append", self._tokens(tokens), uuid.uuid4().hex)
+        return AppendResult(r["result"], r["num_tokens"], r["op_index"], r["replayed"])
+
+    def generate(self, tenant: str, session_id: str, n: int) -> list[int]:
+        r = self._call(tenant, session_id, "generate", n, uuid.uuid4().hex)
+        return list(r["result"]) if r["result"] is not None else []
+
+    def evict(self, tenant: str, session_id: str, start: int, length: int, mode: str = "exact") -> Any:
+        return self._call(tenant, session_id, "evict", start, length, mode, uuid.uuid4().hex)["result"]
+
+    def fork(self, tenant: str, session_id: str, child_id: str) -> dict[str, Any]:
+        """A branch in its own actor (on the parent's node): the parent's ops replayed, isolated."""
+        from fleet.cas.base import check_name
+
+        check_name("session_id", child_id)
+        parent = self._record(tenant, session_id)
+        if self.store.kv_get(REGISTRY, f"{tenant}/{child_id}") is not None:
+            raise AlreadyExists(f"session {child_id!r} already exists")
+        ops = self._call(tenant, session_id, "ops")
+        rec = {"tenant": tenant, "session": child_id, "node": parent["node"], "state": "creating", "epoch": 0,
+               "created": time.time(), "parent": session_id}
+        self._save(rec)
+        sup = self.supervisors[parent["node"]]
+        self._get(sup.fork.remote(tenant, ops, session_id, child_id, uuid.uuid4().hex))
+        rec["state"] = "active"
+        self._save(rec)
+        return rec
+
+    def close(self, tenant: str, session_id: str) -> None:
+        rec = self._record(tenant, session_id)
+        if rec["node"] in self.supervisors:
+            self._get(self.supervisors[rec["node"]].close.remote(tenant, session_id))
+        self.store.oplog_delete(tenant, session_id)
+        self.store.kv_delete(REGISTRY, f"{tenant}/{session_id}")
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def digest(self, tenant: str, session_id: str) -> str:
+        return str(self._call(tenant, session_id, "digest"))
+
+    def last_logits(self, tenant: str, session_id: str) -> np.ndarray | None:
+        return self._call(tenant, session_id, "last_logits")  # type: ignore[no-any-return]
+
+    def tokens(self, tenant: str, session_id: str) -> list[int]:
+        return list(self._call(tenant, session_id, "tokens"))
+
+    def info(self, tenant: str, session_id: str) -> dict[str, Any]:
+        return dict(self._call(tenant, session_id, "info"))
+
+    def node_stats(self) -> list[dict[str, Any]]:
+        return list(self._get([s.stats.remote() for s in self.supervisors.values()]))
+
+    def list_sessions(self, fleet: bool = True, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Rows: session, tenant, node, actor, tokens, bytes alone/shared, hit rate, quarantined
+        spans, state, epoch, last active. `fleet=False` lists only this process's node."""
+        here = ray.get_runtime_context().get_node_id()
+        sups = {n: s for n, s in self.supervisors.items() if fleet or n == here}
+        live = {(r["tenant"], r["session"]): r for rows in self._get([s.rows.remote(tenant) for s in sups.values()])
+                for r in rows}
+        out = []
+        for _key, raw in sorted(self.store.kv_scan(REGISTRY).items()):
+            rec = json.loads(raw)
+            if (tenant is not None and rec["tenant"] != tenant) or rec["node"] not in sups:
+                continue
+            row = {**rec, **live.get((rec["tenant"], rec["session"]), {"state": "lost", "tokens": 0})}
+            row["epoch"] = max(int(rec.get("epoch", 0)), int(row.get("epoch", 0)))
+            row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
+            out.append(row)
+        return out
+
+    def shutdown(self) -> None:
+        """Kill the supervisors (and with them every session actor they own); the logs stay."""
+        for s in self.supervisors.values():
+            ray.kill(s, no_restart=True)
+        self.supervisors = {}
+        self.store.close()

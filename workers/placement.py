@@ -1,0 +1,48 @@
+"""Placement helpers: node affinity, actor names, tenant salts, and the node choice rule."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+NAMESPACE = "kvfleet"
+SALT_BASE = 1 << 40  # salt tokens lie far outside any vocabulary: they never collide with real ids
+
+
+def session_actor_name(tenant: str, session_id: str) -> str:
+    return f"session:{tenant}:{session_id}"
+
+
+def supervisor_name(node_id: str) -> str:
+    return f"supervisor:{node_id}"
+
+
+def tenant_salt(tenant: str, page_size: int) -> list[int]:
+    """One page of tenant-specific pseudo-tokens put in front of every radix key, so tenants never
+    match each other's prefixes (the same idea as vLLM's cache_salt folded into block 0)."""
+    digest = hashlib.sha256(tenant.encode()).digest()
+    return [SALT_BASE + int.from_bytes(digest[(4 * i) % 32:(4 * i) % 32 + 4], "big") for i in range(page_size)]
+
+
+def on_node(node_id: str) -> Any:
+    """A hard node-affinity scheduling strategy (Ray's own; we do not write a scheduler)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOffer:
+    """One node's answer to "how much of this prompt do you hold warm, and how busy are you?"."""
+
+    node_id: str
+    num_matched: int
+    num_sessions: int
+
+
+def choose_node(offers: Sequence[NodeOffer]) -> str:
+    """Prefer the node holding the longest warm prefix, then the least loaded, then the id."""
+    best = min(offers, key=lambda o: (-o.num_matched, o.num_sessions, o.node_id))
+    return best.node_id

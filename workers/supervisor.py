@@ -1,0 +1,171 @@
+"""NodeSupervisor: one per Ray node; owns the node's session actors and its radix prefix cache.
+
+    KernelFleet ──create──▶ NodeSupervisor(node) ──match_prefix──▶ RadixTree (values: ObjectRefs of blocks)
+                                 │  spawn KernelActor on this node, hand it the matched block refs
+                                 │  (zero-copy, read-only numpy views through Ray's object store)
+                                 └─ export the new session's block-aligned prompt, ray.put each new
+                                    block, insert into the tree (LRU eviction under the node budget)
+
+Sessions adopt shared blocks copy-on-write (`Kernel.session(prefix=...)`), so a hit costs no
+prefill; the radix key starts with a per-tenant salt page, so tenants never share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from fleet.errors import AlreadyExists, NotFound
+from fleet.radix import RadixTree
+from workers.placement import NAMESPACE, on_node, session_actor_name, tenant_salt
+from workers.session_actor import KernelActor
+from workers.spec import KernelSpec, make_kernel
+
+ACTOR_CPUS = 0.05  # dozens of sessions fit on a 2-core machine
+
+
+class NodeSupervisor:
+    """Owns the session actors of one node (tree-of-actors) and the node's prefix cache."""
+
+    def __init__(self, node_id: str, store_url: str, kernel_spec: dict[str, Any],
+                 budget_bytes: int = 64 << 20, policy: str = "lru") -> None:
+        self.node_id, self.store_url, self.kernel_spec = node_id, store_url, kernel_spec
+        kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
+        self.block_size = kernel.block_size
+        bytes_per_token = kernel.block_bytes // kernel.block_size
+        capacity = max(budget_bytes // bytes_per_token, 2 * self.block_size)
+        self.tree = RadixTree(page_size=self.block_size, capacity_tokens=capacity, policy=policy)
+        self.actors: dict[tuple[str, str], Any] = {}
+        self.epochs: dict[tuple[str, str], int] = {}
+        self.num_queried_tokens = self.num_hit_tokens = 0
+        self.num_evicted_blocks = 0
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def _key(self, tenant: str, tokens: list[int]) -> list[int]:
+        return tenant_salt(tenant, self.block_size) + list(tokens)
+
+    async def match_len(self, tenant: str, tokens: list[int]) -> tuple[int, int]:
+        """(tokens of `tokens` this node holds warm, sessions on this node); counts nothing."""
+        m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
+        return max(0, m.num_matched - self.block_size), len(self.actors)
+
+    def _adoptable(self, tenant: str, tokens: list[int]) -> tuple[Any, list[Any]]:
+        """Lock and return the cached blocks a new session may adopt (at most len - 1 tokens,
+        so the session computes its own last logits)."""
+        m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
+        limit = (len(tokens) - 1) // self.block_size
+        refs = []
+        for v in m.values[1:1 + limit]:  # a page inserted without a value ends what can be adopted
+            if v is None:
+                break
+            refs.append(v)
+        self.tree.inc_lock_ref(m.node)
+        return m.node, refs
+
+    async def _publish(self, tenant: str, tokens: list[int], actor: Any) -> None:
+        """Put the session's block-aligned prompt in the tree (only blocks the tree lacks)."""
+        n = len(tokens) - len(tokens) % self.block_size
+        key = self._key(tenant, tokens[:n])
+        if n == 0 or self._num_cached_pages(key) >= n // self.block_size:
+            return
+        prefix = await actor.export_prefix.remote(n)          # zero-copy on this node
+        have = self._num_cached_pages(key)                    # again: other creates ran meanwhile
+        values = [None] * (1 + have) + [ray.put(b) for b in prefix.blocks[have:]]
+        self.tree.insert(key, values)
+        self._drain_events()
+
+    def _num_cached_pages(self, key: list[int]) -> int:
+        """Session pages of `key` already cached (the salt page not counted)."""
+        return max(0, self.tree.match_prefix(key, count=False).num_matched // self.block_size - 1)
+
+    def _drain_events(self) -> None:
+        from fleet.radix import BlockRemoved
+
+        self.num_evicted_blocks += sum(len(e.block_ids) for e in self.tree.take_events()
+                                       if isinstance(e, BlockRemoved))
+
+    async def evict_node(self, tenant: str, tokens: list[int], start: int | None = None) -> dict[str, Any]:
+        """Policy eviction by name: drop the cached subtree at this token path (a verdict said so)."""
+        salt = self.block_size
+        r = self.tree.evict_node(self._key(tenant, tokens), None if start is None else start + salt)
+        self._drain_events()
+        return {"num_evicted": r.num_evicted, "block_ids": list(r.block_ids)}
+
+    # -- session actors -----------------------------------------------------------------------
+
+    def _spawn(self, tenant: str, session_id: str) -> Any:
+        key = (tenant, session_id)
+        self.epochs[key] = self.epochs.get(key, -1) + 1
+        actor = ray.remote(KernelActor).options(
+            name=session_actor_name(tenant, session_id), namespace=NAMESPACE, get_if_exists=True,
+            num_cpus=ACTOR_CPUS, max_restarts=0, scheduling_strategy=on_node(self.node_id),
+        ).remote(tenant, session_id, self.store_url, self.kernel_spec, self.node_id, self.epochs[key])
+        self.actors[key] = actor
+        return actor
+
+    async def create_session(self, tenant: str, session_id: str, tokens: list[int], op_id: str) -> dict[str, Any]:
+        """Spawn the session's actor here; it adopts the warm prefix instead of prefilling it."""
+        if (tenant, session_id) in self.actors:
+            raise AlreadyExists(f"session {session_id} already exists")
+        node, refs = self._adoptable(tenant, tokens)
+        try:
+            actor = self._spawn(tenant, session_id)
+            await actor.create.remote(tokens, refs, op_id)
+        finally:
+            self.tree.dec_lock_ref(node)
+        self.num_queried_tokens += len(tokens)
+        self.num_hit_tokens += len(refs) * self.block_size
+        await self._publish(tenant, tokens, actor)
+        return {"adopted_tokens": len(refs) * self.block_size, "epoch": self.epochs[(tenant, session_id)]}
+
+    async def regenerate(self, tenant: str, session_id: str) -> dict[str, Any]:
+        """Replace a lost actor by a new one rebuilt from the op log (bit-identical)."""
+        old = self.actors.pop((tenant, session_id), None)
+        if old is not None:
+            ray.kill(old, no_restart=True)
+        for attempt in range(20):  # the dead actor's name is released asynchronously
+            actor = self._spawn(tenant, session_id)
+            try:
+                return dict(await actor.restore.remote())
+            except ray.exceptions.RayActorError:
+                self.actors.pop((tenant, session_id), None)
+                await asyncio.sleep(0.05 * (attempt + 1))
+        raise NotFound(f"session {session_id}: could not regenerate its actor")
+
+    async def fork(self, tenant: str, parent_ops: list[dict[str, Any]], parent_id: str, child_id: str,
+                   op_id: str) -> dict[str, Any]:
+        if (tenant, child_id) in self.actors:
+            raise AlreadyExists(f"session {child_id} already exists")
+        actor = self._spawn(tenant, child_id)
+        return dict(await actor.init_fork.remote(parent_ops, parent_id, op_id))
+
+    async def close(self, tenant: str, session_id: str) -> None:
+        actor = self.actors.pop((tenant, session_id), None)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
+    async def forget(self, tenant: str, session_id: str) -> None:
+        """Drop the handle of an actor that died (so a regeneration elsewhere is not blocked)."""
+        self.actors.pop((tenant, session_id), None)
+
+    async def rows(self, tenant: str | None = None, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """One info row per live session actor on this node (sessions that do not answer: lost)."""
+        keys = [k for k in self.actors if tenant is None or k[0] == tenant]
+        refs = [self.actors[k].info.remote() for k in keys]
+        out = []
+        for key, ref in zip(keys, refs, strict=True):
+            try:
+                out.append(dict(await asyncio.wait_for(ref, timeout_s)))
+            except Exception:  # noqa: BLE001 - dead or stuck: reported, never waited on forever
+                out.append({"session": key[1], "tenant": key[0], "node": self.node_id, "state": "lost",
+                            "actor": session_actor_name(*key), "epoch": self.epochs.get(key, 0)})
+        return out
+
+    async def stats(self) -> dict[str, Any]:
+        return {"node": self.node_id, "sessions": len(self.actors), "cached_tokens": self.tree.num_cached_tokens,
+                "capacity_tokens": self.tree.capacity_tokens, "queried_tokens": self.num_queried_tokens,
+                "hit_tokens": self.num_hit_tokens, "evicted_blocks": self.num_evicted_blocks,
+                "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0}
