@@ -60,7 +60,7 @@ class Kernel:
         device: str = "cpu",
         threads: int = 1,
         block_size: int = 16,
-        tile_size: int = 32,
+        tile_size: int = 64,
     ) -> None:
         if not (isinstance(threads, int) and threads >= 1):
             raise InvalidArgument(f"threads must be a positive integer, got {threads!r}")

@@ -113,8 +113,8 @@ class NumpyOps:
 
     def _mask_for(self, pos0: int, T: int, Lk: int) -> np.ndarray:
         if self._mask_key != (pos0, T, Lk):
-            q = pos0 + np.arange(T)[:, None]  # [T, 1]
-            self._mask = np.arange(Lk)[None, :] > q  # [T, Lk] True = masked (key after query)
+            q = np.arange(T)[:, None]  # [T, 1] query offset in the tile
+            self._mask = np.arange(Lk - pos0)[None, :] > q  # [T, Lk-pos0] True = key after query
             self._mask_key = (pos0, T, Lk)
         return self._mask
 
@@ -134,7 +134,8 @@ class NumpyOps:
         v = np.ascontiguousarray(qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(1, 0, 2))  # [KV, T, hd]
         K, V = kv_io(l, rope_np(kraw, cos, sin), kraw, v)  # [KV, Lk, hd] each
         s = np.matmul(q, K.transpose(0, 2, 1)).reshape(KV, G, T, -1)  # [KV, G, T, Lk]
-        np.copyto(s, np.float32(-np.inf), where=self._mask_for(pos0, T, s.shape[-1]))
+        # keys < pos0 are visible to every row of the tile: mask only the tail [pos0, Lk)
+        np.copyto(s[..., pos0:], np.float32(-np.inf), where=self._mask_for(pos0, T, s.shape[-1]))
         s = np.exp(s - s.max(axis=-1, keepdims=True))  # masked -> exact 0
         p = (s / s.sum(axis=-1, keepdims=True)).reshape(KV, G * T, -1)  # [KV, G*T, Lk]
         o = np.matmul(p, V).reshape(KV, G, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]

@@ -120,8 +120,10 @@ class TorchOps:
 
     def _mask_for(self, pos0: int, T: int, Lk: int) -> torch.Tensor:
         if self._mask_key != (pos0, T, Lk) or self._mask is None:
-            q = pos0 + torch.arange(T, device=self.device)[:, None]  # [T, 1]
-            self._mask = torch.arange(Lk, device=self.device)[None, :] > q  # [T, Lk] True = masked
+            q = torch.arange(T, device=self.device)[:, None]  # [T, 1] query offset in the tile
+            self._mask = (
+                torch.arange(Lk - pos0, device=self.device)[None, :] > q
+            )  # [T, Lk-pos0] True = masked
             self._mask_key = (pos0, T, Lk)
         return self._mask
 
@@ -137,7 +139,9 @@ class TorchOps:
         v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).permute(1, 0, 2).contiguous()  # [KV, T, hd]
         K, V = kv_io(l, rope_torch(kraw, cos, sin), kraw, v)  # [KV, Lk, hd]
         s = torch.matmul(q, K.transpose(1, 2)).reshape(KV, G, T, -1)  # [KV, G, T, Lk]
-        s = s.masked_fill(self._mask_for(pos0, T, s.shape[-1]), float("-inf"))
+        s[..., pos0:].masked_fill_(
+            self._mask_for(pos0, T, s.shape[-1]), float("-inf")
+        )  # keys < pos0: visible
         s = torch.exp(s - s.amax(dim=-1, keepdim=True))  # masked -> exact 0
         p = (s / s.sum(dim=-1, keepdim=True)).reshape(KV, G * T, -1)  # [KV, G*T, Lk]
         o = torch.matmul(p, V).reshape(KV, G, T, hd).permute(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]

@@ -196,7 +196,7 @@ class Session:
     def _reposition(self, start: int, end: int) -> float:
         ops, n = self.kernel.ops, len(self._tokens)
         survivors = self._tokens[end:]
-        data = self.kernel.ops.copy(self._kv.rows(end, n))  # [3, L, KV, m, hd]
+        data = self._kv.rows(end, n)  # [3, L, KV, m, hd], a fresh copy (cat)
         self._truncate(start)
         new_pos = np.arange(start, start + len(survivors))
         data[K_POST] = ops.rope(data[K_RAW], new_pos)  # [L, KV, m, hd]: one rotation from pre-RoPE

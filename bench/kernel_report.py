@@ -1,0 +1,57 @@
+"""Shared helpers for the kernel benchmarks: timing and the docs/benchmarks.md section.
+
+The kernel owns one section, `<!-- bench:kernel -->` ... `<!-- /bench:kernel -->`, holding one
+sub-section per script (`<!-- bench:kernel_prefill -->` ...). Rewriting is idempotent and touches
+nothing outside the kernel section.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+PARTS = ("kernel_prefill", "kernel_evict", "kernel_fork")
+HEADER = """## KV kernel (`fleet/kernel`)
+
+Rerun each part with `./dev.sh bench kernel_prefill`, `./dev.sh bench kernel_evict`,
+`./dev.sh bench kernel_fork` (each rewrites only its own block below). The GPU check is
+`python bench/gpu_check.py` on a CUDA machine. Figures are wall-clock on the machine named in each
+block, best of the stated repetitions; the machine is shared, so treat them as ratios measured side
+by side in one run, not absolute speeds.
+"""
+
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """Fastest wall-clock seconds of `reps` calls."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _block(name: str, body: str) -> str:
+    return f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
+
+
+def _replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < 0:
+        return text.rstrip() + "\n\n" + _block(name, body) + "\n"
+    return text[:i] + _block(name, body) + text[j + len(end) :]
+
+
+def write_part(part: str, body: str) -> None:
+    """Replace sub-section `part` inside the kernel section of docs/benchmarks.md (create as needed)."""
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    if "<!-- bench:kernel -->" not in text:
+        inner = HEADER + "\n" + "\n\n".join(_block(p, "_(not run yet)_") for p in PARTS)
+        text = _replace(text, "kernel", inner)
+    i, j = text.find("<!-- bench:kernel -->"), text.find("<!-- /bench:kernel -->")
+    section = _replace(text[i:j], part, body)
+    DOC.write_text(text[:i] + section + text[j:])
+    print(f"wrote the {part} block of {DOC.relative_to(DOC.parent.parent)}")
