@@ -1,0 +1,312 @@
+"""The BlobStore contract: one behavioural suite, run against every backend.
+
+A backend module imports these test functions and provides a `store_env` fixture (a `StoreEnv`).
+`footprint()` is a complete dump of the backend's state, so "writes nothing" is checked exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import tracemalloc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from fleet.cas import BlobStore, open_store
+from fleet.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+
+
+class Clock:
+    """An injectable clock: `now` only moves when a test moves it."""
+
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class StoreEnv:
+    name: str
+    url: str
+    footprint: Callable[[], object]
+    crash: Callable[[], None]  # a server crash (SIGKILL); a no-op for an embedded database
+    restart: Callable[[], None]
+    has_server: bool
+    opened: list[BlobStore] = field(default_factory=list)
+
+    def open(self, **kw: object) -> BlobStore:
+        store = open_store(self.url, **kw)  # type: ignore[arg-type]
+        self.opened.append(store)
+        return store
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+BAD_TENANTS = ["", "a:b", "x" * 65, "sp ace", "ümlaut", "a/b", None, 7]
+BAD_REFS = ["abc", "A" * 64, "g" * 64, "0" * 63, "0" * 65, sha(b"x").upper(), None]
+
+
+# ---- put / get ------------------------------------------------------------------------------------
+def test_put_get_roundtrip_ref_is_sha256(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    data = os.urandom(3000)
+    ref = store.put(data, "acme")
+    assert ref == sha(data) and ref == ref.lower() and len(ref) == 64
+    assert store.get(ref, "acme") == data
+    assert store.put(b"", "acme") == sha(b"") and store.get(sha(b""), "acme") == b""
+
+
+def test_dedup_second_put_stores_nothing_new(store_env: StoreEnv) -> None:
+    store = store_env.open(clock=Clock())
+    ref = store.put(b"same bytes", "acme")
+    before = store_env.footprint()
+    assert store.put(b"same bytes", "acme") == ref
+    assert store.put_stream([b"same ", b"bytes"], "acme") == ref
+    assert store_env.footprint() == before  # exactly nothing changed (the clock did not move)
+    store.put(b"other bytes", "acme")
+    assert store_env.footprint() != before  # control: the footprint does see a new blob
+
+
+def test_expected_ref_verified_before_anything_is_written(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    data = b"tool output"
+    assert store.put(data, "acme", expected_ref=sha(data)) == sha(data)
+    before = store_env.footprint()
+    for put in (lambda: store.put(b"tampered", "acme", expected_ref=sha(data)),
+                lambda: store.put_stream([b"tam", b"pered"], "acme", expected_ref=sha(data))):
+        with pytest.raises(InvalidArgument, match="hash mismatch"):
+            put()
+    with pytest.raises(InvalidArgument, match="malformed ref"):
+        store.put(data, "acme", expected_ref=sha(data).upper())
+    assert store_env.footprint() == before
+    assert not store.exists(sha(b"tampered"), "acme")
+
+
+def test_size_limit_refuses_with_clear_error_and_writes_nothing(store_env: StoreEnv) -> None:
+    store = store_env.open(max_blob_bytes=1024)
+    before = store_env.footprint()
+    with pytest.raises(ResourceExhausted, match=r"1025 bytes > max_blob_bytes=1024"):
+        store.put(b"x" * 1025, "acme")
+
+    def endless() -> Iterator[bytes]:  # refused as soon as the limit is crossed, not at the end
+        while True:
+            yield b"y" * 100
+
+    with pytest.raises(ResourceExhausted, match="max_blob_bytes=1024"):
+        store.put_stream(endless(), "acme")
+    assert store_env.footprint() == before
+    assert store.put(b"x" * 1024, "acme") == sha(b"x" * 1024)  # control: at the limit it fits
+    assert open_store(store_env.url).cfg.max_blob_bytes == 64 << 20  # the default
+
+
+def test_stream_roundtrip_and_chunking(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    data = os.urandom(100_003)
+    ref = store.put_stream((data[i:i + 4096] for i in range(0, len(data), 4096)), "acme")
+    assert ref == sha(data)
+    chunks = list(store.get_stream(ref, "acme", chunk_size=7000))
+    assert b"".join(chunks) == data and max(map(len, chunks)) == 7000 and len(chunks) == 15
+    with pytest.raises(InvalidArgument, match="chunk_size"):
+        store.get_stream(ref, "acme", chunk_size=0)
+    with pytest.raises(NotFound):
+        store.get_stream(sha(b"nope"), "acme")
+
+
+# ---- tenants and bad input ---------------------------------------------------------------------------
+def test_other_tenants_ref_answers_exactly_like_a_missing_one(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    ref = store.put(b"acme's secret tool output", "acme")
+    store.pin(ref, "acme")
+    missing = sha(b"never stored")
+    for op in ("get", "stat", "pin", "unpin", "add_ref", "drop_ref", "get_stream"):
+        errs = []
+        for r in (ref, missing):
+            with pytest.raises(NotFound) as ei:
+                getattr(store, op)(r, "globex")
+            errs.append((type(ei.value), str(ei.value).replace(r, "<ref>")))
+        assert errs[0] == errs[1], op
+    with pytest.raises(NotFound) as ei:
+        store.set_verdict(ref, "globex", "QUARANTINED", [])
+    assert str(ei.value) == f"blob {ref} not found for tenant 'globex'"
+    assert not store.exists(ref, "globex")
+    # the same bytes put by globex become globex's own object; acme's metadata is untouched
+    assert store.put(b"acme's secret tool output", "globex") == ref
+    assert store.stat(ref, "globex").pins == 0 and store.stat(ref, "acme").pins == 1
+
+
+def test_bad_tenant_is_invalid_argument_and_writes_nothing(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    ref = store.put(b"ok", "acme")
+    before = store_env.footprint()
+    for t in BAD_TENANTS:
+        for call in (lambda t=t: store.put(b"data", t), lambda t=t: store.put_stream([b"d"], t),
+                     lambda t=t: store.get(ref, t), lambda t=t: store.pin(ref, t),
+                     lambda t=t: store.oplog_append(t, "s1", {"op": "x"})):
+            with pytest.raises(InvalidArgument, match="invalid tenant"):
+                call()
+    assert store_env.footprint() == before
+    store.put(b"data", "A-z_0.9")  # control: a valid unusual name is accepted
+
+
+def test_malformed_ref_is_invalid_argument(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    before = store_env.footprint()
+    for r in BAD_REFS:
+        for op in ("get", "stat", "pin", "add_ref", "get_stream", "exists"):
+            with pytest.raises(InvalidArgument, match="malformed ref"):
+                getattr(store, op)(r, "acme")
+    with pytest.raises(InvalidArgument, match="must be bytes"):
+        store.put("a str", "acme")  # type: ignore[arg-type]
+    assert store_env.footprint() == before
+
+
+# ---- metadata, leases, gc ----------------------------------------------------------------------------
+def test_metadata_counters_and_verdict(store_env: StoreEnv) -> None:
+    clock = Clock(500.0)
+    store = store_env.open(clock=clock, lease_s=60.0)
+    ref = store.put(b"z" * 10, "acme")
+    m = store.stat(ref, "acme")
+    assert (m.ref, m.size, m.created, m.pins, m.refs, m.verdict, m.reasons, m.lease_expires) == \
+        (ref, 10, 500.0, 0, 0, "UNKNOWN", (), 560.0)
+    store.pin(ref, "acme"), store.add_ref(ref, "acme"), store.add_ref(ref, "acme")
+    store.set_verdict(ref, "acme", "QUARANTINED", ["instruction_override", "exfiltration"])
+    m = store.stat(ref, "acme")
+    assert (m.pins, m.refs, m.verdict, m.reasons, m.quarantined) == \
+        (1, 2, "QUARANTINED", ("instruction_override", "exfiltration"), True)
+    store.unpin(ref, "acme")
+    before = store_env.footprint()
+    with pytest.raises(FailedPrecondition, match="pins is already 0"):
+        store.unpin(ref, "acme")
+    with pytest.raises(InvalidArgument, match="invalid verdict"):
+        store.set_verdict(ref, "acme", "EVIL", [])
+    assert store_env.footprint() == before
+
+
+def test_gc_removes_only_unpinned_unreferenced_expired(store_env: StoreEnv) -> None:
+    clock = Clock(1000.0)
+    store = store_env.open(clock=clock, lease_s=100.0)
+    fresh, pinned, referenced, dropped = (store.put(n, "acme") for n in (b"fresh", b"pinned", b"ref'd", b"dropped"))
+    store.pin(pinned, "acme")
+    store.add_ref(referenced, "acme")
+    store.add_ref(dropped, "acme")
+    assert store.gc() == 0 and store.gc(now=1099.0) == 0  # every lease still runs
+    store.drop_ref(dropped, "acme")
+    clock.t = 1050.0
+    store.put(b"fresh", "acme")  # a re-put extends the lease of the unreferenced blob to 1150
+    assert store.gc(now=1100.0) == 1  # only `dropped`: unreferenced, unpinned, lease ran out
+    assert not store.exists(dropped, "acme")
+    assert store.gc(now=10**9) == 1  # `fresh` goes once its renewed lease runs out
+    assert {r for r in (fresh, pinned, referenced) if store.exists(r, "acme")} == {pinned, referenced}
+    assert store.get(referenced, "acme") == b"ref'd"
+
+
+# ---- controller state and op log ----------------------------------------------------------------------
+def test_kv_namespaces(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    assert store.kv_get("workers", "w1") is None and store.kv_scan("workers") == {}
+    store.kv_put("workers", "w1", b"\x00one")
+    store.kv_put("workers", "http://10.0.0.1:8000", b"two")
+    store.kv_put("routes", "w1", b"other ns")
+    store.kv_put("workers", "w1", b"one'")
+    assert store.kv_scan("workers") == {"w1": b"one'", "http://10.0.0.1:8000": b"two"}
+    store.kv_delete("workers", "w1")
+    store.kv_delete("workers", "absent")
+    assert store.kv_scan("workers") == {"http://10.0.0.1:8000": b"two"} and store.kv_get("routes", "w1") == b"other ns"
+    with pytest.raises(InvalidArgument, match="invalid namespace"):
+        store.kv_put("", "k", b"v")
+    with pytest.raises(InvalidArgument, match="must be bytes"):
+        store.kv_put("workers", "k", "v")  # type: ignore[arg-type]
+
+
+def test_oplog_append_read_delete(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    ops = [{"op": "append", "kind": "system", "tokens": [1, 2, 3]},
+           {"op": "append", "kind": "tool_result", "ref": sha(b"r"), "tokens": [4]},
+           {"op": "evict", "start": 3, "length": 1, "mode": "exact"},
+           {"op": "fork", "parent": "s1", "at": 3}]
+    assert [store.oplog_append("acme", "s1", op) for op in ops] == [0, 1, 2, 3]
+    store.oplog_append("globex", "s1", {"op": "append", "tokens": [9]})
+    assert store.oplog_read("acme", "s1") == ops and store.oplog_read("acme", "s2") == []
+    before = store_env.footprint()
+    for bad in ({"op": float("nan")}, {"op": object()}, ["not", "a", "dict"]):
+        with pytest.raises(InvalidArgument):
+            store.oplog_append("acme", "s1", bad)  # type: ignore[arg-type]
+    assert store_env.footprint() == before
+    store.oplog_delete("acme", "s1")
+    assert store.oplog_read("acme", "s1") == [] and store.oplog_read("globex", "s1") == [{"op": "append", "tokens": [9]}]
+
+
+def test_concurrent_puts_and_appends_are_atomic(store_env: StoreEnv) -> None:
+    stores = [store_env.open() for _ in range(4)]
+    data = os.urandom(50_000)
+    idx: list[int] = []
+
+    def work(s: BlobStore, k: int) -> None:
+        for i in range(10):
+            s.put(data, "acme")
+            idx.append(s.oplog_append("acme", "s1", {"op": "append", "w": k, "i": i}))
+
+    threads = [threading.Thread(target=work, args=(s, k)) for k, s in enumerate(stores)]
+    [t.start() for t in threads], [t.join() for t in threads]
+    assert sorted(idx) == list(range(40)) and len(stores[0].oplog_read("acme", "s1")) == 40
+    assert stores[0].get(sha(data), "acme") == data
+
+
+# ---- memory and durability -----------------------------------------------------------------------------
+def test_put_stream_and_get_hold_at_most_two_copies(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    size, chunk = 8 << 20, os.urandom(1 << 20)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        ref = store.put_stream((chunk for _ in range(8)), "acme")
+        put_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        got = store.get(ref, "acme")
+        get_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"[{store_env.name}] put_stream peak {put_peak / size:.2f}x, get peak {get_peak / size:.2f}x of {size} B")
+    assert len(got) == size and put_peak < 2.2 * size and get_peak < 2.2 * size
+
+
+_WRITER = """
+import os, sys, time
+from fleet.cas import open_store
+store = open_store(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    ref = store.put(b"acknowledged %d " % i + os.urandom(1000), "acme")
+    print(ref, flush=True)
+print("DONE", flush=True)
+time.sleep(60)
+"""
+
+
+def test_crash_and_restart_keeps_acknowledged_puts(store_env: StoreEnv) -> None:
+    """A writer acknowledges puts, is SIGKILLed, then the server crashes (SIGKILL) and restarts."""
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, store_env.url, "20"], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None
+    refs = [line.strip() for line in iter(writer.stdout.readline, "DONE\n")]
+    writer.send_signal(signal.SIGKILL), writer.wait()
+    store = store_env.open()
+    store_env.crash()
+    if store_env.has_server:  # during the outage every call fails with a clear, actionable error
+        for call in (lambda: store.get(refs[0], "acme"), lambda: store.put(b"during outage", "acme"),
+                     lambda: store.kv_get("workers", "w1"), lambda: store.oplog_append("acme", "s", {"op": "x"})):
+            with pytest.raises(Unavailable, match=r"redis at 127\.0\.0\.1:\d+ unreachable"):
+                call()
+    store_env.restart()
+    assert len(refs) == 20
+    for s in (store, store_env.open()):  # the old handle reconnects; a new one sees the same data
+        assert all(s.get(r, "acme").startswith(b"acknowledged %d " % i) for i, r in enumerate(refs))
+    assert not store.exists(sha(b"during outage"), "acme")
