@@ -324,6 +324,8 @@ def test_existing_secret_is_used_and_none_created(chart: Any) -> None:
     ctrl = one(objs, "Deployment", "-controller")
     vol = next(v for v in ctrl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tokens")
     assert vol["secret"]["secretName"] == "my-tokens"
+    proxy_env = {e["name"]: e for e in container(one(objs, "Deployment", "-proxy"))["env"]}
+    assert proxy_env["KVFLEET_PROXY_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-tokens", "key": "operator-token"}
 
 
 def test_external_redis(rendered: dict[str, dict[str, str]]) -> None:
@@ -469,6 +471,8 @@ def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> Any:
     ({"workers": {"groups": [GPU_GROUP]}}, "workers.groups[gpu] asks for 2 GPU(s) but image.variant=cpu"),
     ({"workers": {"groups": [dict(CPU_GROUP, minReplicas=5)]}}, "workers.groups[cpu]: minReplicas=5 > maxReplicas=4"),
     ({"auth": {"bootstrapOperator": False}}, "no tokens: set auth.bootstrapOperator=true"),
+    ({"auth": {"bootstrapOperator": False, "tokens": [{"name": "a", "tenant": "a", "role": "operator", "sha256": "ab" * 32}]}},
+     "proxy.create=true needs an operator token: set proxy.tokenSecret.name"),
 ])
 def test_templates_refuse_bad_combinations_even_without_the_schema(
         chart: Any, chart_without_schema: Any, values: dict[str, Any], message: str) -> None:

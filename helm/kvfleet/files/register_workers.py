@@ -2,7 +2,8 @@
 
 Env: KVFLEET_CONTROLLER (host:port), KVFLEET_TOKEN (operator bearer token), KVFLEET_WORKERS (JSON
 list of {name, url, kvEvents, replay, model}), KVFLEET_TLS ("1" for TLS), KVFLEET_CA (CA file).
-A worker that is already registered is left as it is, so upgrades are idempotent.
+Registering the same spec again is a no-op (upgrades are idempotent); a worker whose values changed
+is unregistered and registered with the new spec. Workers removed from the values stay registered.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ def main() -> int:
                 client.register_worker(w["name"], url=w["url"], kv_events=w["kvEvents"],
                                        replay=w.get("replay", ""), model=w.get("model", ""))
                 print(f"registered {w['name']}: {w['url']} kv-events {w['kvEvents']}")
-            except AlreadyExists:
-                print(f"{w['name']} is already registered; left as it is")
+            except AlreadyExists:  # registered with another spec: the values changed, so replace it
+                client.unregister_worker(w["name"])
+                client.register_worker(w["name"], url=w["url"], kv_events=w["kvEvents"],
+                                       replay=w.get("replay", ""), model=w.get("model", ""))
+                print(f"re-registered {w['name']} with its new spec: {w['url']} kv-events {w['kvEvents']}")
     return 0
 
 

@@ -127,7 +127,13 @@ capabilities:
 {{- if and .Values.watcher.create (not .Values.controller.create) }}
 {{- fail "watcher.create=true needs controller.create=true (the Job registers workers with this release's controller)" }}
 {{- end }}
-{{- if and .Values.watcher.create (not .Values.watcher.tokenSecret.name) (or .Values.auth.existingSecret (not .Values.auth.bootstrapOperator)) }}
-{{- fail "watcher.create=true needs an operator token: set watcher.tokenSecret.name, or keep auth.bootstrapOperator=true without auth.existingSecret" }}
+{{- /* Without tokenSecret.name the proxy and the Job read `operator-token` from the auth Secret:
+       the chart's (bootstrapOperator=true) or yours (existingSecret). */}}
+{{- $hasOperatorToken := or .Values.auth.bootstrapOperator .Values.auth.existingSecret }}
+{{- range $comp := list "proxy" "watcher" }}
+{{- $v := index $.Values $comp }}
+{{- if and $v.create (not $v.tokenSecret.name) (not $hasOperatorToken) }}
+{{- fail (printf "%s.create=true needs an operator token: set %s.tokenSecret.name, or keep auth.bootstrapOperator=true" $comp $comp) }}
+{{- end }}
 {{- end }}
 {{- end }}
