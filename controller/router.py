@@ -13,6 +13,7 @@ import dataclasses
 import json
 import re
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -162,9 +163,13 @@ class Router:
                 return self._status(self._workers[spec.name], 0)
             raise AlreadyExists(f"worker {spec.name!r} is registered with another spec; unregister it first")
         self.store.kv_put("workers", spec.name, json.dumps(dataclasses.asdict(spec)).encode())
+        ranks = {}
         for r in range(spec.dp_ranks):
-            self.store.kv_put("epochs", f"{spec.name}/{r}", json.dumps(RankState().to_json()).encode())
-        w = await self._launch(spec, None, catch_up=False)
+            prior = self.store.kv_get("epochs", f"{spec.name}/{r}")  # epochs stay monotonic across re-registration
+            epoch = RankState.from_json(json.loads(prior)).epoch + 1 if prior else 0
+            ranks[r] = RankState(epoch=epoch)
+            self.store.kv_put("epochs", f"{spec.name}/{r}", json.dumps(ranks[r].to_json()).encode())
+        w = await self._launch(spec, ranks, catch_up=False)
         return self._status(w, 0)
 
     async def unregister_worker(self, name: str) -> None:
@@ -172,9 +177,7 @@ class Router:
         await w.stop()
         del self._workers[name]
         self.index.drop_worker(name)
-        self.store.kv_delete("workers", name)
-        for r in range(w.spec.dp_ranks):
-            self.store.kv_delete("epochs", f"{name}/{r}")
+        self.store.kv_delete("workers", name)  # NOTE: its epochs stay, so a re-registration continues them
 
     def _get(self, name: str) -> Worker:
         w = self._workers.get(name)
@@ -248,7 +251,7 @@ class Router:
             if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
                 continue
             for r in w.ranks:
-                if not w.ranks[r].serving or w.lock.locked():
+                if not w.ranks[r].serving or w.transitioning:
                     continue
                 blocks = 0
                 if w.warmable(r) and w.hash_cfg is not None:
@@ -257,7 +260,10 @@ class Router:
                         lk = (adapter, w.loras[adapter]) if adapter else None
                         chains[ck] = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
                     blocks = self.index.match((name, r), chains[ck])
-                out.append((blocks, (w.load.running + w.load.waiting, w.load.kv_usage), name, r))
+                # ties: load (running + waiting, KV usage), then a per-prefix spread so cold
+                # sessions do not all land on one worker
+                spread = zlib.crc32(name.encode() + repr(token_ids[:64]).encode())
+                out.append((blocks, (w.load.running + w.load.waiting, w.load.kv_usage, spread), name, r))
         out.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
         return out
 

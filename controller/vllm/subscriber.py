@@ -43,6 +43,7 @@ class Subscriber:
         self._replayed: dict[int, bytes] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
 
     async def start(self, catch_up_from: int | None = None) -> None:
         """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
@@ -72,7 +73,8 @@ class Subscriber:
         while True:
             frames = await self._sock.recv_multipart()
             try:
-                await self.handle(frames)
+                async with self._lock:
+                    await self.handle(frames)
             except Exception:  # the watcher must outlive any bad frame
                 log.exception("KV event handling failed for %s", self.endpoint)
                 self.sink.on_invalidate("decode_error", None)
@@ -99,6 +101,28 @@ class Subscriber:
         if seq > last + 1:
             await self._repair(last, seq)
         self._apply(seq, frames[2])
+
+    async def poll_tail(self) -> int:
+        """Ask replay for anything after the last seq (a lost final batch shows no gap until the
+        next one arrives); apply a contiguous run. Returns the number of batches recovered."""
+        if not self.replay_endpoint:
+            return 0
+        async with self._lock:
+            last = self.sink.last_seq()
+            batches = await self.replay(last + 1) if last >= 0 else None
+            n = 0
+            for seq, payload in batches or []:
+                if seq != self.sink.last_seq() + 1:
+                    break
+                self._replayed[seq] = payload
+                self._apply(seq, payload)
+                n += 1
+            if n:
+                self.metrics.kv_event_replays.labels("tail").inc()
+                self.metrics.kv_event_replayed_batches.inc(n)
+            for s in [s for s in self._replayed if s < self.sink.last_seq() - 4096]:
+                del self._replayed[s]
+            return n
 
     async def _repair(self, last: int, seq: int) -> None:
         self.metrics.kv_event_gaps.inc()

@@ -71,6 +71,7 @@ class Worker:
         self.load = WorkerMetrics()
         self.calibrated = True
         self.lock = asyncio.Lock()
+        self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
         self.sleep_ops: float | None = None
         self._reset_seen: set[int] = set()
         self._subs: list[Subscriber] = []
@@ -142,37 +143,44 @@ class Worker:
 
     def warmable(self, rank: int) -> bool:
         st = self.ranks[rank]
-        return st.serving and self.calibrated and self.hash_cfg is not None and not self.lock.locked()
+        return st.serving and self.calibrated and self.hash_cfg is not None and not self.transitioning
 
     # lifecycle verbs
     async def lifecycle(self, call: lc.Call) -> Witness:
         """Demote (or stop serving) first, then call vLLM, then adopt and record the witness."""
         async with self.lock:
-            for r in self.ranks:
-                self._set(r, self.ranks[r].begin(call.before))
-                if call.before.warm_demoted:
-                    self.index.drop((self.spec.name, r))
-                    self.metrics.epoch_bumps.labels(call.verb).inc()
+            self.transitioning = True
             try:
-                resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
-                w = lc.witness(call, resp)
-                if w.serving and await self.http.is_sleeping():
-                    w = dataclasses.replace(w, serving=False, phase="sleeping")
-            except WorkerHttpError:
-                for r in self.ranks:
-                    self.invalidate(r, "verb_failed", fence=self.ranks[r].fence, phase="error", kv="unknown",
-                                    serving=False)
-                raise
-            clear = lc.queues_clear(call, resp)
+                return await self._lifecycle(call)
+            finally:
+                self.transitioning = False
+
+    async def _lifecycle(self, call: lc.Call) -> Witness:
+        for r in self.ranks:
+            self._set(r, self.ranks[r].begin(call.before))
+            if call.before.warm_demoted:
+                self.index.drop((self.spec.name, r))
+                self.metrics.epoch_bumps.labels(call.verb).inc()
+        try:
+            resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
+            w = lc.witness(call, resp)
+            if w.serving and await self.http.is_sleeping():
+                w = dataclasses.replace(w, serving=False, phase="sleeping")
+        except WorkerHttpError:
             for r in self.ranks:
-                if w.warm_demoted:
-                    self.index.drop((self.spec.name, r))
-                self._set(r, self.ranks[r].finish(w, clear_queued=clear))
-            self.sleep_ops = None
-            w = dataclasses.replace(w, epoch=self.ranks[0].epoch)
-            self.store.kv_put("witness", self.spec.name, json.dumps(w.to_dict()).encode())
-            self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
-            return w
+                self.invalidate(r, "verb_failed", fence=self.ranks[r].fence, phase="error", kv="unknown",
+                                serving=False)
+            raise
+        clear = lc.queues_clear(call, resp)
+        for r in self.ranks:
+            if w.warm_demoted:
+                self.index.drop((self.spec.name, r))
+            self._set(r, self.ranks[r].finish(w, clear_queued=clear))
+        self.sleep_ops = None
+        w = dataclasses.replace(w, epoch=self.ranks[0].epoch)
+        self.store.kv_put("witness", self.spec.name, json.dumps(w.to_dict()).encode())
+        self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
+        return w
 
     # reconcile
     async def fetch(self) -> tuple[bool, WorkerMetrics, bool, str] | None:
@@ -238,7 +246,7 @@ class Worker:
 
     async def probe(self) -> bool:
         """Route-time probe: one fresh look; True when the worker is serving right now."""
-        if self.lock.locked():
+        if self.transitioning:
             return False
         async with self.lock:
             self.apply_observation(await self.fetch())
@@ -275,6 +283,8 @@ class Worker:
             t0 = time.monotonic()
             try:
                 await self.reconcile_once()
+                for sub in self._subs:
+                    await sub.poll_tail()
             except Exception:
                 log.exception("reconcile of %s failed", self.spec.name)
                 self._mark_down("reconcile_error")

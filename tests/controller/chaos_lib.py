@@ -1,0 +1,269 @@
+"""Lifecycle chaos driver: sim workers, random actions and routes, an oracle from /sim/cache.
+
+Stale warm route = a WARM verdict for a worker that is not serving, or whose TRUE cache (as
+/sim/cache reports it at route time) lacks the matched prefix. Hit rate = tokens the router's
+verdicts correctly claimed / tokens the best serving worker truly held (the oracle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from controller.baseline import BaselineRouter
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from controller.sim_vllm.engine import SimEngineConfig
+from controller.sim_vllm.main import SimConfig, SimVllm
+from controller.vllm.hashing import HashConfig, external_chain
+from fleet.cas import open_store
+from fleet.errors import KvfleetError, Unavailable
+
+B = 16
+VERBS_THROUGH = ["sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "restart", "drop"]
+VERBS_BEHIND = ["sleep", "wake_up", "pause", "resume", "restart", "drop"]
+VERBS_INVISIBLE = ["reset_prefix_cache", "pause_clear_resume"]
+
+
+@dataclass
+class Tally:
+    routes: int = 0
+    warm: int = 0
+    stale: int = 0
+    stale_not_serving: int = 0
+    claimed_ok: int = 0
+    oracle: int = 0
+    unavailable: int = 0
+
+    def hit_rate(self) -> float:
+        return self.claimed_ok / self.oracle if self.oracle else 1.0
+
+
+@dataclass
+class Result:
+    router: Tally = field(default_factory=Tally)
+    baseline: Tally = field(default_factory=Tally)
+    actions: dict[str, int] = field(default_factory=dict)
+    detect_ms: list[float] = field(default_factory=list)
+    undetected: int = 0
+    restarts_of_controller: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Chaos:
+    def __init__(self, *, seed: int, mode: str, probe: bool = False, n_workers: int = 3, num_blocks: int = 256,
+                 reconcile_s: float = 0.2, restart_controller_at: int | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.mode, self.probe, self.n = mode, probe, n_workers
+        self.num_blocks, self.reconcile_s, self.restart_at = num_blocks, reconcile_s, restart_controller_at
+        self.res = Result()
+        self.debug = False
+        self.sims: list[SimVllm] = []
+        self.specs: list[WorkerSpec] = []
+        self.sessions: list[tuple[str, list[int]]] = []
+        self._pending: list[tuple[float, str, int, str]] = []
+
+    async def __aenter__(self) -> Chaos:
+        self.tmp = tempfile.TemporaryDirectory()
+        self.store = open_store(f"sqlite:///{self.tmp.name}/kv.db")
+        self.http = aiohttp.ClientSession()
+        for _ in range(self.n):
+            self.sims.append(await SimVllm(SimConfig(engine=SimEngineConfig(
+                model="m", block_size=B, num_blocks=self.num_blocks))).start())
+        self.router = await self._new_router()
+        self.baseline = BaselineRouter(HashConfig("sha256", None, B))
+        for i, s in enumerate(self.sims):
+            spec = WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m", block_size=B)
+            self.specs.append(spec)
+            await self.router.register_worker(spec)
+            self.baseline.add_worker(spec.name, s.kv_events)
+        await asyncio.sleep(0.2)  # SUB sockets join
+        for k in range(9):
+            self.sessions.append((f"tenant-{k % 2}", [self.rng.randrange(100, 150000) for _ in range(40)]))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.router.stop()
+        await self.baseline.stop()
+        for s in self.sims:
+            await s.stop()
+        await self.http.close()
+        self.store.close()
+        self.tmp.cleanup()
+
+    async def _new_router(self) -> Router:
+        r = Router(self.store, Metrics(), RouterConfig(reconcile_interval_s=self.reconcile_s, probe_on_route=self.probe))
+        await r.start()
+        return r
+
+    # ---- oracle
+    async def truth(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for spec in self.specs:
+            async with self.http.get(spec.url + "/sim/cache") as r:
+                out[spec.name] = await r.json()
+        return out
+
+    # ---- one route
+    async def route_once(self) -> None:
+        k = self.rng.randrange(len(self.sessions))
+        salt, toks = self.sessions[k]
+        if len(toks) > 320:  # a new conversation
+            toks = [self.rng.randrange(100, 150000) for _ in range(40)]
+        toks = toks + [self.rng.randrange(100, 150000) for _ in range(self.rng.randrange(8, 40))]
+        try:
+            d = await self.router.route(toks, "m", cache_salt=salt)
+        except Unavailable:
+            self.res.router.unavailable += 1
+            return
+        bd = self.baseline.route(toks, cache_salt=salt)
+        truth = await self.truth()
+        hashes = external_chain(HashConfig("sha256", None, B), toks, cache_salt=salt)
+
+        def true_match(name: str) -> int:
+            s = set(truth[name]["block_hashes"])
+            n = 0
+            while n < len(hashes) and hashes[n] in s:
+                n += 1
+            return n * B
+
+        best = max((true_match(n) for n, t in truth.items() if t["serving"]), default=0)
+        if self.debug and d.matched_tokens < best:
+            bw = max((n for n, t in truth.items() if t["serving"]), key=true_match)
+            print("MISS", best, "best", bw, "router", d.worker, d.verdict, d.matched_tokens,
+                  "idx-on-best", self.router.index.match((bw, 0), hashes) * B, self.router.worker(bw).ranks[0],
+                  "cands", d.candidates)
+        for tally, worker, verdict, matched in ((self.res.router, d.worker, d.verdict, d.matched_tokens),
+                                                (self.res.baseline, bd.worker, bd.verdict, bd.matched_tokens)):
+            tally.routes += 1
+            tally.oracle += best
+            serving = truth[worker]["serving"]
+            if verdict == "WARM":
+                tally.warm += 1
+                if not serving or true_match(worker) < matched:
+                    tally.stale += 1
+                    tally.stale_not_serving += int(not serving)
+                else:
+                    tally.claimed_ok += matched
+        if truth[d.worker]["serving"]:
+            sim = self.sims[int(d.worker[1:])]
+            async with self.http.post(d.url + "/v1/completions",
+                                      json={"prompt": toks, "max_tokens": 8, "cache_salt": salt,
+                                            "extra_args": {"kv_cache_report_mode": "full"}}) as r:
+                await r.read()
+            if r.status == 200:
+                out = [100 + (i * 7919 + len(toks)) % 150000 for i in range(8)]
+                self.sessions[k] = (salt, toks + out)
+            await self._settle(d.worker, sim)
+        else:
+            self.sessions[k] = (salt, toks)  # NOTE: not sent: a request to a sleeping vLLM hangs
+
+    async def _settle(self, name: str, sim: SimVllm, timeout: float = 0.25) -> None:
+        """Wait until both routers have seen every batch the sim published (the next turn comes later)."""
+        assert sim.publisher is not None
+        want = sim.publisher.seq - 1
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            st = self.router.worker(name).ranks[0]
+            if st.seq >= want and self.baseline.seq.get(name, -1) >= want:
+                return
+            await asyncio.sleep(0.002)
+
+    # ---- one action
+    async def act(self) -> None:
+        i = self.rng.randrange(self.n)
+        name, sim = self.specs[i].name, self.sims[i]
+        verbs = {"through": VERBS_THROUGH, "behind": VERBS_BEHIND, "invisible": VERBS_INVISIBLE}[self.mode]
+        verb = self.rng.choice(verbs)
+        if sim.engine.is_sleeping() and self.rng.random() < 0.7:  # a dormant worker is mostly woken next
+            verb = "resume" if sim.engine.paused_by == "pause" else "wake_up"
+        elif not sim.engine.is_sleeping() and verb in ("wake_up", "resume"):  # no-op verbs on awake workers
+            verb = self.rng.choice([v for v in verbs if v not in ("wake_up", "resume")])
+        kw = self._params(verb)
+        self.res.actions[verb] = self.res.actions.get(verb, 0) + 1
+        if verb == "drop":
+            await self.http.post(sim.url + f"/sim/drop_next_events?n={self.rng.randint(1, 3)}")
+        elif verb == "restart":
+            await self._restart(i)
+        elif self.mode == "through":
+            try:
+                await self.router.lifecycle(name, verb, **kw)
+            except KvfleetError as e:
+                self.res.errors.append(f"{verb}: {e}")
+        else:
+            await self._behind(i, verb, kw)
+
+    def _params(self, verb: str) -> dict[str, Any]:
+        r = self.rng
+        if verb == "sleep":
+            return {"level": r.choice([0, 1, 1, 2])}
+        if verb == "wake_up":
+            return {"tags": r.choice([None, None, ["weights"]])}
+        if verb == "pause":
+            return {"mode": r.choice(["abort", "keep"]), "clear_cache": r.choice([True, False])} \
+                if self.mode == "through" else {"mode": "keep", "clear_cache": False}
+        return {}
+
+    async def _restart(self, i: int) -> None:
+        spec, sim = self.specs[i], self.sims[i]
+        if self.mode == "through":  # an orchestrated restart: the operator deregisters, restarts, registers
+            await self.router.unregister_worker(spec.name)
+            sim.restart()
+            await self.router.register_worker(spec)
+        else:
+            epoch = self.router.worker(spec.name).ranks[0].epoch
+            await self.http.post(sim.url + "/sim/restart")
+            self._pending.append((time.monotonic(), spec.name, epoch, "restart"))
+
+    async def _behind(self, i: int, verb: str, kw: dict[str, Any]) -> None:
+        spec, sim = self.specs[i], self.sims[i]
+        st = self.router.worker(spec.name).ranks[0]
+        q: list[tuple[str, str]] = []
+        for k, v in kw.items():
+            for x in (v if isinstance(v, list) else [] if v is None else [v]):
+                q.append((k, str(x).lower()))
+        if verb == "pause_clear_resume":
+            await self.http.post(sim.url + "/pause", params=[("clear_cache", "true")])
+            await self.http.post(sim.url + "/resume")
+            return
+        async with self.http.post(sim.url + "/" + verb, params=q) as r:
+            await r.read()
+        if verb in ("sleep", "pause") and st.serving:
+            self._pending.append((time.monotonic(), spec.name, st.epoch, verb))
+
+    async def watch_detection(self) -> None:
+        """Background: when does the router notice a behind-the-back sleep/pause/restart?"""
+        while True:
+            now = time.monotonic()
+            for p in list(self._pending):
+                t0, name, epoch, _ = p
+                st = self.router.worker(name).ranks[0]
+                if st.epoch != epoch or not st.serving:
+                    self.res.detect_ms.append((now - t0) * 1000)
+                    self._pending.remove(p)
+                elif now - t0 > 5:
+                    self.res.undetected += 1
+                    self._pending.remove(p)
+            await asyncio.sleep(0.002)
+
+    async def run(self, steps: int, p_action: float = 0.2) -> Result:
+        watcher = asyncio.create_task(self.watch_detection())
+        try:
+            for step in range(steps):
+                if self.restart_at is not None and step == self.restart_at:
+                    await self.router.stop()
+                    self.router = await self._new_router()
+                    self.res.restarts_of_controller += 1
+                if self.rng.random() < p_action:
+                    await self.act()
+                else:
+                    await self.route_once()
+        finally:
+            watcher.cancel()
+        return self.res
