@@ -74,13 +74,15 @@ class TorchOps:
     @contextmanager
     def limit(self) -> Iterator[None]:
         """Pin torch's intra-op threads to the kernel's count for the duration (then restore)."""
-        prev = torch.get_num_threads()
+        prev, tf32 = torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32
         torch.set_num_threads(self.threads)
+        torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: fp32 means fp32 on CUDA too (HF parity)
         try:
             with torch.no_grad():
                 yield
         finally:
             torch.set_num_threads(prev)
+            torch.backends.cuda.matmul.allow_tf32 = tf32
 
     def blas_info(self) -> str:
         cuda = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else ""
