@@ -56,6 +56,7 @@ class KernelFleet:
         self._budget, self._policy = node_budget_bytes, policy
         self.supervisors = self._ensure_supervisors()
         self.num_regenerations = 0
+        self._handles: dict[tuple[str, str], Any] = {}
 
     # -- supervisors and placement ------------------------------------------------------------
 
@@ -100,22 +101,31 @@ class KernelFleet:
             raise
 
     def _call(self, tenant: str, session_id: str, method: str, *args: Any) -> Any:
-        rec = self._record(tenant, session_id)
+        """Call the session's actor; a dead one is regenerated and the call retried once."""
+        key = (tenant, session_id)
         for attempt in range(2):
-            try:
-                actor = ray.get_actor(session_actor_name(tenant, session_id), namespace=NAMESPACE)
-            except ValueError:  # no live actor by that name: it died and its name was released
-                actor = None
+            actor = self._handles.get(key) or self._lookup(tenant, session_id)
             if actor is not None:
                 try:
                     return self._get(getattr(actor, method).remote(*args))
                 except ray.exceptions.RayActorError as e:
+                    self._handles.pop(key, None)
                     if attempt:
                         raise Unavailable(f"session {session_id}: actor lost again after regeneration") from e
             elif attempt:
                 raise Unavailable(f"session {session_id}: no actor after regeneration")
-            rec = self._regenerate(rec)
+            self._regenerate(self._record(tenant, session_id))   # NotFound when closed meanwhile
         raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
+
+    def _lookup(self, tenant: str, session_id: str) -> Any:
+        """The live actor of a registered session (None if it is gone); NotFound if unregistered."""
+        self._record(tenant, session_id)
+        try:
+            actor = ray.get_actor(session_actor_name(tenant, session_id), namespace=NAMESPACE)
+        except ValueError:  # no live actor by that name: it died and its name was released
+            return None
+        self._handles[(tenant, session_id)] = actor
+        return actor
 
     def _regenerate(self, rec: dict[str, Any]) -> dict[str, Any]:
         """Mark the session lost (kv forgotten), rebuild it from its op log, mark it active."""
@@ -190,6 +200,7 @@ class KernelFleet:
 
     def close(self, tenant: str, session_id: str) -> None:
         rec = self._record(tenant, session_id)
+        self._handles.pop((tenant, session_id), None)
         if rec["node"] in self.supervisors:
             self._get(self.supervisors[rec["node"]].close.remote(tenant, session_id))
         self.store.oplog_delete(tenant, session_id)
