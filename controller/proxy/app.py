@@ -1,0 +1,147 @@
+"""The proxy's aiohttp app: OpenAI-compatible routes in front of the vLLM workers.
+
+    POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Route (client's token)
+                                                 -> forward with the tenant's cache_salt -> relay bytes
+    GET  /v1/models    the union of the registered workers' model cards
+    GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
+    GET  /health, /metrics
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from controller.proxy.errors import ProxyError, error_response, from_fleet
+from fleet.errors import KvfleetError
+
+if TYPE_CHECKING:
+    from controller.proxy.server import Proxy
+
+log = logging.getLogger("kvfleet.proxy")
+
+
+def build_app(proxy: Proxy) -> web.Application:
+    app = web.Application(client_max_size=proxy.cfg.max_body_bytes, middlewares=[_errors(proxy)])
+    h = Handlers(proxy)
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/v1/workers", h.workers)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
+    return app
+
+
+def _errors(proxy: Proxy) -> Any:
+    @web.middleware
+    async def middleware(req: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(req)  # type: ignore[no-any-return]
+        except ProxyError as e:
+            err = e
+        except KvfleetError as e:
+            err = from_fleet(e)
+        except web.HTTPRequestEntityTooLarge:
+            err = ProxyError(413, f"request body is larger than the proxy's limit of {proxy.cfg.max_body_bytes} bytes")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = ProxyError(e.status, f"{e.reason}: {req.method} {req.path}")
+        except Exception as e:  # the proxy stays up; the client gets a 500 it can report
+            log.exception("proxy: %s %s failed", req.method, req.path)
+            err = ProxyError(500, f"internal proxy error: {type(e).__name__}: {e}")
+        proxy.metrics.errors.labels(str(err.status)).inc()
+        return error_response(err.status, err.message, err.param)
+
+    return middleware
+
+
+async def read_json(req: web.Request, limit: int) -> dict[str, Any]:
+    """The request's JSON object; 413 past `limit` bytes, 400 if it is not a JSON object with a model."""
+    if req.content_length is not None and req.content_length > limit:
+        raise ProxyError(413, f"request body of {req.content_length} bytes is larger than the proxy's limit of "
+                              f"{limit} bytes")
+    raw = await req.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProxyError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise ProxyError(400, "'model' is required (a model id from GET /v1/models)", "model")
+    if not isinstance(body.get("stream", False), bool):
+        raise ProxyError(400, "'stream' must be true or false", "stream")
+    return body
+
+
+class Handlers:
+    def __init__(self, proxy: Proxy) -> None:
+        self.p = proxy
+
+    def _token(self, req: web.Request) -> str | None:
+        """The bearer token the controller should see: the client's (passthrough) or the proxy's own."""
+        if not self.p.cfg.token_passthrough:
+            return self.p.cfg.token
+        value = req.headers.get("Authorization")
+        if value is None:
+            return None
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ProxyError(401, "malformed Authorization header: expected 'Bearer <token>'")
+        return token.strip()
+
+    async def completions(self, req: web.Request) -> web.StreamResponse:
+        return await self._complete(req, chat=False)
+
+    async def chat(self, req: web.Request) -> web.StreamResponse:
+        return await self._complete(req, chat=True)
+
+    async def _complete(self, req: web.Request, chat: bool) -> web.StreamResponse:
+        p, t0 = self.p, time.perf_counter()
+        body = await read_json(req, p.cfg.max_body_bytes)
+        token = self._token(req)
+        caller = await p.control.whoami(token)  # 401 before any worker is touched
+        base, lora = p.directory.resolve(body["model"])
+        ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant)
+        d = await p.control.route(ids, base, lora=lora, token=token)
+        fwd = {**body, "cache_salt": d.cache_salt} if d.cache_salt else body  # NOTE: the tenant's salt always wins
+        opened = await p.forwarder.open(req.path, json.dumps(fwd).encode(), d, base)
+        t = opened.target
+        extra = {"x-kvfleet-worker": t.worker, "x-kvfleet-verdict": t.verdict,
+                 "x-kvfleet-matched-tokens": str(t.matched_tokens), "x-kvfleet-epoch": str(t.epoch),
+                 "x-kvfleet-attempts": str(opened.num_sends)}
+        out, t_first = await p.forwarder.relay(req, opened, extra)
+        self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))
+        return out
+
+    def _record(self, t: Any, status: int, num_prompt: int, added_s: float) -> None:
+        m = self.p.metrics
+        m.requests.labels(t.worker, t.verdict, str(status)).inc()
+        m.matched_tokens.labels(t.worker, t.verdict).inc(t.matched_tokens)
+        m.prompt_tokens.labels(t.worker, t.verdict).inc(num_prompt)
+        m.added_latency.labels(t.worker, t.verdict).observe(max(added_s, 0.0))
+
+    async def models(self, req: web.Request) -> web.Response:
+        await self.p.control.whoami(self._token(req))
+        return web.json_response({"object": "list", "data": self.p.directory.models()})
+
+    async def workers(self, req: web.Request) -> web.Response:
+        ws = await self.p.control.workers(self._token(req))
+        return web.json_response({"object": "list", "data": [
+            {"name": w.name, "url": w.url, "model": w.model, "serving": w.serving,
+             "ranks": [{"dp_rank": r.dp_rank, "epoch": r.epoch, "serving": r.serving, "phase": r.phase, "kv": r.kv}
+                       for r in w.ranks]} for w in ws]})
+
+    async def health(self, req: web.Request) -> web.Response:
+        d = self.p.directory
+        return web.json_response({"status": "ok", "workers": len(d.workers),
+                                  "serving": sum(d.serving(n) for n in d.workers), "directory_error": d.last_error})
+
+    async def metrics(self, req: web.Request) -> web.Response:
+        return web.Response(body=self.p.metrics.render(), content_type="text/plain", charset="utf-8")

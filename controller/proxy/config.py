@@ -1,0 +1,53 @@
+"""ProxyConfig: everything `kvfleet proxy` configures (flags and env are read in controller/proxy/main.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleet.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Settings of one proxy.
+
+    `token` is the proxy's own bearer token, used only to list the workers (operator role; not needed
+    when the controller runs with auth off). With `token_passthrough` each client's own bearer token
+    is what the controller sees on Route, so auth and tenancy (cache_salt) stay the controller's.
+    """
+
+    controller: str
+    listen: str = "127.0.0.1:8000"
+    token: str | None = None
+    token_passthrough: bool = True
+    tokenizer: str | None = None  # None: each worker's own /tokenize; "hf:PATH": a local HF tokenizer
+    first_byte_timeout_s: float = 1.0  # then probe /is_sleeping: a sleeping vLLM accepts and hangs
+    probe_timeout_s: float = 0.5
+    connect_timeout_s: float = 2.0
+    route_timeout_s: float = 2.0
+    tokenize_timeout_s: float = 5.0
+    refresh_s: float = 1.0  # worker directory poll (ListWorkers)
+    models_refresh_s: float = 15.0  # each worker's /v1/models (LoRA cards)
+    suspect_s: float = 5.0  # a worker found asleep behind the controller's back is skipped this long
+    auth_cache_s: float = 5.0
+    max_body_bytes: int = 8 << 20
+    tokenize_cache_size: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("controller", "listen"):
+            if ":" not in getattr(self, name):
+                raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT")
+        if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
+            raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
+        if min(self.first_byte_timeout_s, self.probe_timeout_s, self.connect_timeout_s, self.refresh_s) <= 0:
+            raise InvalidArgument("proxy timeouts and intervals must be positive")
+        if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0:
+            raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")
+
+    @property
+    def host(self) -> str:
+        return self.listen.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])

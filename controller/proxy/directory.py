@@ -1,0 +1,134 @@
+"""The proxy's view of the fleet: registered workers (ListWorkers), their model cards, local suspicion.
+
+The controller's Route answer is authoritative for where to go; the directory supplies what a route
+answer does not carry: the URLs of the fallback candidates, which workers are serving right now,
+the union of the workers' /v1/models cards, and a short local "suspect" mark on a worker the proxy
+itself found asleep behind the controller's back (so later requests skip it until the controller's
+reconcile loop catches up, instead of each paying a failed attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from controller.proxy.config import ProxyConfig
+from controller.proxy.control import ControlClient
+from controller.proxy.errors import ProxyError
+from fleet.errors import KvfleetError
+from fleet.sdk.types import WorkerInfo
+
+log = logging.getLogger("kvfleet.proxy")
+
+
+def _card(model_id: str, parent: str | None = None) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvfleet", "root": model_id,
+            "parent": parent}
+
+
+class WorkerDirectory:
+    """Workers by name, refreshed every cfg.refresh_s; model cards every cfg.models_refresh_s."""
+
+    def __init__(self, cfg: ProxyConfig, control: ControlClient, http: aiohttp.ClientSession) -> None:
+        self.cfg, self.control, self.http = cfg, control, http
+        self.workers: dict[str, WorkerInfo] = {}
+        self.cards: dict[str, list[dict[str, Any]]] = {}  # worker name -> its /v1/models cards
+        self._cards_at: dict[str, float] = {}
+        self._suspect: dict[str, float] = {}
+        self._rr = itertools.count()
+        self.last_error: str | None = "not refreshed yet"
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.refresh_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        try:
+            workers = await self.control.workers(self.cfg.token)
+        except KvfleetError as e:
+            if self.last_error != str(e):
+                log.warning("proxy cannot list workers (%s); give it an operator token (--token)", e)
+            self.last_error = str(e)
+            return
+        merged: dict[str, WorkerInfo] = {}
+        for w in workers:  # the controller lists one entry per (worker, dp_rank): merge the ranks
+            prev = merged.get(w.name)
+            merged[w.name] = w if prev is None else dataclasses.replace(prev, ranks=prev.ranks + w.ranks)
+        self.workers, self.last_error = merged, None
+        now = time.monotonic()
+        stale = [w for w in workers if self._cards_at.get(w.name, -1e9) + self.cfg.models_refresh_s <= now]
+        await asyncio.gather(*(self._fetch_cards(w, now) for w in stale))
+        for gone in set(self.cards) - set(self.workers):
+            self.cards.pop(gone, None)
+            self._cards_at.pop(gone, None)
+
+    async def _fetch_cards(self, w: WorkerInfo, now: float) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.probe_timeout_s * 4)
+            async with self.http.get(w.url.rstrip("/") + "/v1/models", timeout=timeout) as r:
+                data = (await r.json())["data"] if r.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError):
+            data = None
+        self.cards[w.name] = list(data) if isinstance(data, list) else [_card(w.model)]
+        self._cards_at[w.name] = now
+
+    # queries
+    def get(self, name: str) -> WorkerInfo | None:
+        return self.workers.get(name)
+
+    def serving(self, name: str) -> bool:
+        w = self.workers.get(name)
+        return w is not None and w.serving and not self.is_suspect(name)
+
+    def is_suspect(self, name: str) -> bool:
+        until = self._suspect.get(name)
+        return until is not None and until > time.monotonic()
+
+    def suspect(self, name: str) -> None:
+        self._suspect[name] = time.monotonic() + self.cfg.suspect_s
+
+    def models(self) -> list[dict[str, Any]]:
+        """The union of the registered workers' model cards (first card per id wins)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in sorted(self.workers):
+            for c in self.cards.get(name) or [_card(self.workers[name].model)]:
+                out.setdefault(str(c.get("id")), c)
+        return list(out.values())
+
+    def resolve(self, model: str) -> tuple[str, str | None]:
+        """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it."""
+        if not self.workers and self.last_error:
+            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error})")
+        for c in self.models():
+            if c.get("id") == model:
+                parent = c.get("parent")
+                return (str(parent), model) if parent else (model, None)
+        raise ProxyError(404, f"The model `{model}` does not exist.", "model")
+
+    def tokenizer_urls(self, base: str) -> list[str]:
+        """URLs of workers of `base` (serving ones, else any), rotated so tokenize load spreads."""
+        ws = [w for w in self.workers.values() if w.model == base]
+        ws = [w for w in ws if self.serving(w.name)] or ws
+        if not ws:
+            return []
+        k = next(self._rr) % len(ws)
+        return [w.url for w in ws[k:] + ws[:k]]

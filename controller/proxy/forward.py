@@ -1,0 +1,185 @@
+"""Send a routed request to a worker, fail over once before the first byte, relay the answer unchanged.
+
+    chosen worker ──POST──► first byte within first_byte_timeout_s? ── yes ──► relay bytes as they come
+         │                        │ no
+         │                        ▼
+         │                 GET /is_sleeping ── false (busy, e.g. a long non-streaming answer) ──► keep waiting
+         │                        │ true, or no answer
+         ▼                        ▼
+    connection error / 503 ─► one retry on the next serving candidate (the worker is marked suspect)
+
+vLLM queues requests to a sleeping engine and they hang (reference §1.3), and a streaming vLLM
+may send its headers before the engine runs, so "first byte" means the first body bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from controller.proxy.config import ProxyConfig
+from controller.proxy.directory import WorkerDirectory
+from controller.proxy.errors import ProxyError
+from controller.proxy.metrics import ProxyMetrics
+from fleet.sdk.types import RouteDecision
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
+MAX_SENDS = 2  # the chosen worker, then ONE retry
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    worker: str
+    url: str
+    verdict: str
+    matched_tokens: int
+    epoch: int
+
+
+@dataclass(slots=True)
+class Opened:
+    """An upstream response whose first body bytes arrived (t_sent/t_first: perf_counter seconds)."""
+
+    target: Target
+    resp: aiohttp.ClientResponse
+    first: bytes
+    t_sent: float
+    t_first: float
+    num_sends: int
+    failures: tuple[str, ...]
+
+
+class AttemptFailed(Exception):
+    """The worker failed before the first byte: retry elsewhere."""
+
+
+def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> list[Target]:
+    """The chosen worker, then the router's other candidates, then any other worker of the model."""
+    out = [Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch)]
+    seen = {d.worker}
+    for c in d.candidates:
+        w = directory.get(c.worker)
+        if w is not None and c.worker not in seen:
+            seen.add(c.worker)
+            epoch = next((r.epoch for r in w.ranks if r.dp_rank == c.dp_rank), 0)
+            out.append(Target(c.worker, w.url, "WARM" if c.matched_tokens else "COLD", c.matched_tokens, epoch))
+    for w in sorted(directory.workers.values(), key=lambda w: w.name):
+        if w.model == base and w.name not in seen:
+            epoch = max((r.epoch for r in w.ranks), default=0)
+            out.append(Target(w.name, w.url, "COLD", 0, epoch))
+    return out
+
+
+class Forwarder:
+    def __init__(self, cfg: ProxyConfig, directory: WorkerDirectory, http: aiohttp.ClientSession,
+                 metrics: ProxyMetrics) -> None:
+        self.cfg, self.directory, self.http, self.metrics = cfg, directory, http, metrics
+
+    async def open(self, path: str, body: bytes, d: RouteDecision, base: str) -> Opened:
+        """Open the request on the chosen worker or, after one failure before the first byte, the next one."""
+        failures: list[str] = []
+        sends = 0
+        for t in targets(d, self.directory, base):
+            if sends == MAX_SENDS:
+                break
+            if t.worker in self.directory.workers and not self.directory.serving(t.worker):
+                reason = "suspect" if self.directory.is_suspect(t.worker) else "not_serving"
+                self.metrics.skips.labels(t.worker, reason).inc()
+                failures.append(f"{t.worker}: skipped ({reason})")
+                continue
+            sends += 1
+            try:
+                return await self._attempt(t, path, body, sends, failures)
+            except AttemptFailed as e:
+                self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
+                failures.append(f"{t.worker}: {e}")
+        raise ProxyError(503, "no serving worker answered (" + "; ".join(failures or ["no candidate"]) + ")")
+
+    async def _attempt(self, t: Target, path: str, body: bytes, sends: int, failures: list[str]) -> Opened:
+        t_sent = time.perf_counter()
+        task = asyncio.create_task(self._open(t.url.rstrip("/") + path, body))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.cfg.first_byte_timeout_s)
+            if not done and await self._asleep(t.url):
+                self.directory.suspect(t.worker)
+                raise AttemptFailed(f"asleep: no first byte within {self.cfg.first_byte_timeout_s}s "
+                                    "and /is_sleeping says so")
+            resp, first = await task
+        except BaseException:
+            await _discard(task)
+            raise
+        return Opened(t, resp, first, t_sent, time.perf_counter(), sends, tuple(failures))
+
+    async def _open(self, url: str, body: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
+        try:
+            resp = await self.http.post(url, data=body, headers={"Content-Type": "application/json"},
+                                        timeout=timeout)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise AttemptFailed(f"connect: {type(e).__name__}: {e}") from e
+        try:
+            if resp.status == 503:
+                raise AttemptFailed(f"503: {(await resp.content.read(512)).decode(errors='replace')}")
+            return resp, await resp.content.readany()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            resp.close()
+            raise AttemptFailed(f"broken: {type(e).__name__}: {e}") from e
+        except BaseException:
+            resp.close()
+            raise
+
+    async def _asleep(self, url: str) -> bool:
+        """True if the worker says it is sleeping or paused, or does not answer the probe in time.
+
+        404 (vLLM without dev mode) means it cannot have been put to sleep: just busy.
+        """
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.cfg.probe_timeout_s)
+            async with self.http.get(url.rstrip("/") + "/is_sleeping", timeout=timeout) as r:
+                if r.status == 404:
+                    return False
+                return r.status != 200 or bool((await r.json(content_type=None)).get("is_sleeping"))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError):
+            return True
+
+    async def relay(self, request: web.Request, o: Opened, extra: dict[str, str]) -> tuple[web.StreamResponse, float]:
+        """Relay status, headers and body bytes unchanged as they come; returns (response, t_first_client).
+
+        Cancellation (the client went away) closes the upstream connection, which is how vLLM learns
+        to abort the request.
+        """
+        resp = o.resp
+        headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS)
+        headers.update(extra)
+        out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
+        try:
+            await out.prepare(request)
+            if o.first:
+                await out.write(o.first)
+            t_first = time.perf_counter()
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.cancelled.labels(o.target.worker).inc()
+            resp.close()
+            raise
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()  # fully read: the keep-alive connection goes back to the pool
+        return out, t_first
+
+
+async def _discard(task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:
+    """Cancel an attempt; close its response if it had already opened one."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        resp, _ = await task
+        resp.close()

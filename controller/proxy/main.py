@@ -1,0 +1,82 @@
+"""`kvfleet proxy`: an OpenAI-compatible routing proxy in front of the vLLM workers a controller knows.
+
+    kvfleet proxy --controller 127.0.0.1:50051 --listen 0.0.0.0:8000 --token "$KVFLEET_PROXY_TOKEN"
+    curl -H "Authorization: Bearer $TENANT_TOKEN" localhost:8000/v1/chat/completions -d '{"model": ...}'
+
+Environment variables are read here and nowhere else (flags win): KVFLEET_CONTROLLER,
+KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own operator token, to list workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+
+from controller.proxy.config import ProxyConfig
+from controller.proxy.server import Proxy
+from fleet.errors import KvfleetError
+
+
+def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
+    e = env.get
+    p = argparse.ArgumentParser(prog="kvfleet proxy", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--controller", default=e("KVFLEET_CONTROLLER", "127.0.0.1:50051"), help="controller HOST:PORT")
+    p.add_argument("--listen", default=e("KVFLEET_PROXY_LISTEN", "127.0.0.1:8000"), help="HOST:PORT to serve on")
+    p.add_argument("--token", default=e("KVFLEET_PROXY_TOKEN"),
+                   help="the proxy's own bearer token (operator role) to list workers; not needed with auth off")
+    p.add_argument("--token-passthrough", action=argparse.BooleanOptionalAction, default=True,
+                   help="forward each client's bearer token to the controller (default on); off: use --token "
+                        "for every request (single-tenant, trusted network)")
+    p.add_argument("--tokenizer", default=None, metavar="hf:PATH",
+                   help="tokenize with a local Hugging Face tokenizer (the workers' own) instead of their /tokenize")
+    p.add_argument("--first-byte-timeout", type=float, default=1.0,
+                   help="seconds without a first byte before probing the worker's /is_sleeping (default 1.0)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def config_from(a: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
+                       tokenizer=a.tokenizer, first_byte_timeout_s=a.first_byte_timeout,
+                       max_body_bytes=a.max_body_bytes)
+
+
+async def serve(cfg: ProxyConfig) -> int:
+    proxy = await Proxy(cfg).start()
+    d = proxy.directory
+    print(f"kvfleet proxy listening on {proxy.url} -> controller {cfg.controller}; "
+          f"{len(d.workers)} worker(s) known" + (f" (cannot list workers: {d.last_error})" if d.last_error else "")
+          + ("; client tokens passed through" if cfg.token_passthrough else "; the proxy's token for every request"),
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await proxy.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), os.environ if env is None else env)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(config_from(args)))
+    except (KvfleetError, OSError, ValueError) as e:
+        print(f"kvfleet proxy: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Proxy: one running proxy (in-process for tests, or under `kvfleet proxy`).
+
+    proxy = await Proxy(ProxyConfig(controller="127.0.0.1:50051", listen="127.0.0.1:0")).start()
+    ...  # OpenAI clients talk to proxy.url
+    await proxy.stop()
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from controller.proxy.app import build_app
+from controller.proxy.config import ProxyConfig
+from controller.proxy.control import ControlClient
+from controller.proxy.directory import WorkerDirectory
+from controller.proxy.forward import Forwarder
+from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.tokenize import Tokenizer
+
+
+class Proxy:
+    """Controller link, worker directory, tokenizer, forwarder, metrics and the HTTP server."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.metrics = ProxyMetrics()
+        self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> Proxy:
+        # NOTE: no pool limit (the default 100 would queue the 101st concurrent stream); no decompression,
+        # so the bytes relayed are the worker's bytes.
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        self.directory = WorkerDirectory(self.cfg, self.control, self.http)
+        self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
+        self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)
+        await self.tokenizer.start()
+        await self.directory.start()
+        # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request
+        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.directory.stop()
+        await self.http.close()
+        await self.control.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"

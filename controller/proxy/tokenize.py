@@ -1,0 +1,126 @@
+"""Token ids exactly as the target vLLM computes them: its own /tokenize (chat template included), cached.
+
+Every worker of a model tokenizes identically, so any serving worker of the model may answer
+before the router has chosen one. Or, with `--tokenizer hf:PATH`, a local Hugging Face tokenizer
+(which must be the one the workers load, with the same chat template).
+
+The cache is keyed by (tenant, model, SHA-256 of the tokenize request), so one tenant's hit
+never reveals another tenant's text through timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections import OrderedDict
+from typing import Any
+
+import aiohttp
+
+from controller.proxy.config import ProxyConfig
+from controller.proxy.directory import WorkerDirectory
+from controller.proxy.errors import ProxyError
+
+CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+             "add_special_tokens", "mm_processor_kwargs")
+
+
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int]:
+    """The /tokenize body for an OpenAI request, or the ids themselves when the prompt is already ids.
+
+    A batched completions prompt (a list of prompts) is routed by its first prompt.
+    """
+    model = body["model"]
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ProxyError(400, "'messages' must be a non-empty list of message objects", "messages")
+        return {"model": model, "messages": msgs, **{k: body[k] for k in CHAT_KEYS if k in body}}
+    p = body.get("prompt")
+    if isinstance(p, list) and p and (isinstance(p[0], str) or _is_ids(p[0])):
+        p = p[0]
+    if isinstance(p, list) and _is_ids(p):
+        return [int(t) for t in p]
+    if not isinstance(p, str):
+        raise ProxyError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
+    out: dict[str, Any] = {"model": model, "prompt": p}
+    if "add_special_tokens" in body:
+        out["add_special_tokens"] = body["add_special_tokens"]
+    return out
+
+
+class Tokenizer:
+    """token_ids(body, chat, base, tenant): via a worker's /tokenize (default) or a local HF tokenizer."""
+
+    def __init__(self, cfg: ProxyConfig, directory: WorkerDirectory, http: aiohttp.ClientSession) -> None:
+        self.cfg, self.directory, self.http = cfg, directory, http
+        self._cache: OrderedDict[tuple[str, str, str], list[int]] = OrderedDict()
+        self._hf: Any = None
+        self.num_calls = 0
+        self.num_hits = 0
+
+    async def start(self) -> None:
+        if self.cfg.tokenizer:
+            from transformers import AutoTokenizer
+
+            path = self.cfg.tokenizer[len("hf:"):]
+            self._hf = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
+
+    async def token_ids(self, body: dict[str, Any], chat: bool, base: str, tenant: str) -> list[int]:
+        req = tokenize_request(body, chat)
+        if isinstance(req, list):
+            return req
+        key = (tenant, base, hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest())
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self.num_hits += 1
+            return hit
+        ids = await (asyncio.to_thread(self._hf_ids, req) if self._hf is not None else self._remote(req, base))
+        self._remember(key, ids)
+        return ids
+
+    def _remember(self, key: tuple[str, str, str], ids: list[int]) -> None:
+        if self.cfg.tokenize_cache_size == 0:
+            return
+        self._cache[key] = ids
+        while len(self._cache) > self.cfg.tokenize_cache_size:
+            self._cache.popitem(last=False)
+
+    async def _remote(self, req: dict[str, Any], base: str) -> list[int]:
+        urls = self.directory.tokenizer_urls(base)
+        if not urls:
+            raise ProxyError(503, f"no registered worker of model {base!r} to tokenize with")
+        last = ""
+        for url in urls[:2]:
+            try:
+                return await self._post_tokenize(url, req)
+            except (TimeoutError, aiohttp.ClientError) as e:
+                last = f"{url}: {type(e).__name__}: {e}"
+        raise ProxyError(503, f"tokenize failed on the model's workers ({last})")
+
+    async def _post_tokenize(self, url: str, req: dict[str, Any]) -> list[int]:
+        self.num_calls += 1
+        timeout = aiohttp.ClientTimeout(total=self.cfg.tokenize_timeout_s, sock_connect=self.cfg.connect_timeout_s)
+        async with self.http.post(url.rstrip("/") + "/tokenize", json=req, timeout=timeout) as r:
+            doc = await r.json(content_type=None)
+        if r.status != 200:
+            err = doc.get("error") if isinstance(doc, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else (doc.get("detail") if isinstance(doc, dict) else doc)
+            raise ProxyError(400 if r.status in (400, 422) else 502, f"tokenize: {msg}")
+        return [int(t) for t in doc["tokens"]]
+
+    def _hf_ids(self, req: dict[str, Any]) -> list[int]:
+        tok = self._hf
+        if "messages" in req:
+            kw = {k: req[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template", "tools")
+                  if k in req}
+            kw.setdefault("add_generation_prompt", True)
+            ids = tok.apply_chat_template(req["messages"], tokenize=True, **kw, **(req.get("chat_template_kwargs") or {}))
+            return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+        return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))]

@@ -1,0 +1,142 @@
+"""A real fleet on loopback for the proxy tests: a controller (router on, auth on), sim-vllm workers
+registered through the SDK, and a proxy in front. Each sim's HTTP app gets an observing middleware
+(it records, per request, the path, how the handler ended and its connection) so a test can see
+exactly which requests a worker received and whether it saw the client go away. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+import controller.sim_vllm.main as sim_main
+from controller.auth import mint_token
+from controller.metrics import Metrics
+from controller.proxy import Proxy, ProxyConfig
+from controller.server import Controller, ControllerConfig, build_server
+from controller.sim_vllm.engine import SimEngineConfig
+from controller.sim_vllm.main import SimConfig, SimVllm
+from fleet.sdk import AsyncFleetClient
+
+BLOCK = 16
+MODEL = "sim-model"
+
+
+@dataclasses.dataclass(slots=True)
+class Seen:
+    """One request a sim received."""
+
+    method: str
+    path: str
+    proto: Any
+    outcome: str = "running"  # "ok" | "running" | the exception's class name
+
+    @property
+    def disconnected(self) -> bool:
+        return self.proto.transport is None
+
+
+def observing_build_app(sim: SimVllm) -> web.Application:
+    app = _real_build_app(sim)
+    sim.seen = []  # type: ignore[attr-defined]
+
+    @web.middleware
+    async def observe(req: web.Request, handler: Any) -> web.StreamResponse:
+        s = Seen(req.method, req.path, req.protocol)
+        sim.seen.append(s)  # type: ignore[attr-defined]
+        try:
+            resp = await handler(req)
+            s.outcome = "ok"
+            return resp  # type: ignore[no-any-return]
+        except BaseException as e:
+            s.outcome = type(e).__name__
+            raise
+
+    app.middlewares.insert(0, observe)
+    return app
+
+
+_real_build_app = sim_main.build_app
+
+
+def served(sim: SimVllm, path: str | None = None) -> list[Seen]:
+    """Requests the sim received from the proxy's paths (the controller's reconcile polls are left out)."""
+    paths = {"/v1/completions", "/v1/chat/completions", "/tokenize"} if path is None else {path}
+    return [s for s in sim.seen if s.path in paths]  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass(slots=True)
+class Fleet:
+    ctl: Controller
+    sims: dict[str, SimVllm]
+    tokens: dict[str, str]  # "a", "b" (tenants acme, bravo), "op" (operator)
+    proxy: Proxy
+    http: aiohttp.ClientSession
+    op: AsyncFleetClient
+
+    def headers(self, who: str = "a") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[who]}"}
+
+    async def post(self, path: str, body: dict[str, Any], who: str = "a") -> tuple[int, dict[str, str], bytes]:
+        async with self.http.post(self.proxy.url + path, json=body, headers=self.headers(who)) as r:
+            return r.status, dict(r.headers), await r.read()
+
+    async def blocks_known(self, worker: str) -> int:
+        """How many of the worker's blocks the controller's index holds (KV events arrive asynchronously)."""
+        return sum(r.num_blocks for w in await self.op.workers() if w.name == worker for r in w.ranks)
+
+    async def stop(self) -> None:
+        await self.http.close()
+        await self.proxy.stop()
+        await self.op.close()
+        await self.ctl.stop(0)
+        for s in self.sims.values():
+            await s.stop()
+
+
+async def start_fleet(tmp_path: Path, num_workers: int = 3, **proxy_kw: Any) -> Fleet:
+    """Controller + sims + proxy on loopback; proxy_kw override ProxyConfig fields."""
+    sim_main.build_app = observing_build_app  # type: ignore[assignment]
+    try:
+        sims = {f"w{i}": await SimVllm(SimConfig(engine=SimEngineConfig(model=MODEL, block_size=BLOCK,
+                                                                          num_blocks=512))).start()
+                for i in range(num_workers)}
+    finally:
+        sim_main.build_app = _real_build_app
+    f = tmp_path / "tokens.json"
+    tokens = {"a": mint_token(f, "acme", "tenant"), "b": mint_token(f, "bravo", "tenant"),
+              "op": mint_token(f, "ops", "operator")}
+    ctl = await build_server(ControllerConfig(listen="127.0.0.1:0", store_url=f"sqlite:///{tmp_path / 'kv.db'}",
+                                              tokens_file=str(f)), metrics=Metrics())
+    op = AsyncFleetClient(ctl.address, token=tokens["op"])
+    for name, s in sims.items():
+        await op.register_worker(name, url=s.url, kv_events=s.kv_events, replay=s.replay or "", model=MODEL)
+    await until(op.workers, lambda ws: len(ws) == num_workers and all(w.serving for w in ws))
+    kw: dict[str, Any] = {"first_byte_timeout_s": 0.3, "refresh_s": 0.2, "suspect_s": 3.0}
+    kw.update(proxy_kw)
+    proxy = await Proxy(ProxyConfig(controller=ctl.address, listen="127.0.0.1:0", token=tokens["op"], **kw)).start()
+    return Fleet(ctl, sims, tokens, proxy, aiohttp.ClientSession(), op)
+
+
+async def until(fn: Callable[[], Awaitable[Any]], pred: Callable[[Any], bool], timeout: float = 10.0) -> Any:
+    """Poll an async call until pred(result) holds; fail loudly on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await fn()
+        if pred(r):
+            return r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s; last value: {r!r}")
+        await asyncio.sleep(0.05)
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    return [line[len("data: "):] for line in raw.decode().split("\n\n") if line.startswith("data: ")]

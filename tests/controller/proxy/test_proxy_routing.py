@@ -1,0 +1,63 @@
+"""The turns of one conversation land on the worker holding its prefix; tenants never share warmth."""
+
+from __future__ import annotations
+
+import json
+
+from proxy_fleet import BLOCK, MODEL, Fleet, served, until
+
+SYSTEM = "You are a careful assistant. " * 8
+
+
+async def _turn(fleet: Fleet, messages: list[dict[str, str]], who: str = "a") -> tuple[dict[str, str], dict]:
+    status, headers, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                     "max_tokens": 8}, who)
+    assert status == 200, raw
+    return headers, json.loads(raw)
+
+
+async def test_conversation_turns_land_warm_on_the_prefix_holder(fleet: Fleet) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Plan a trip to Lisbon."}]
+    rows = []
+    first_worker = None
+    for turn in range(4):
+        h, body = await _turn(fleet, messages)
+        worker, verdict, matched = h["x-kvfleet-worker"], h["x-kvfleet-verdict"], int(h["x-kvfleet-matched-tokens"])
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # what the worker itself reused
+        prompt = body["usage"]["prompt_tokens"]
+        rows.append((turn, worker, verdict, matched, cached, prompt, h["x-kvfleet-epoch"]))
+        first_worker = first_worker or worker
+        if turn == 0:
+            assert verdict == "COLD" and matched == 0 and cached == 0
+        else:
+            assert (worker, verdict) == (first_worker, "WARM")
+            assert matched == cached > 0  # the router's matched length is exactly what the worker reused
+            assert matched >= (rows[-2][5] // BLOCK) * BLOCK - BLOCK  # nearly all of the previous turn's prompt
+        # the controller learns the new blocks from the worker's KV events (asynchronous), then the user replies
+        await until(lambda w=worker: fleet.blocks_known(w), lambda n, p=prompt: n >= p // BLOCK)
+        messages = messages + [body["choices"][0]["message"], {"role": "user", "content": f"And day {turn + 2}?"}]
+    for r in rows:
+        print("turn %d -> %s %s matched=%d worker-cached=%d prompt=%d epoch=%s" % r)
+    # control: tenant B sends the very same conversation; its cache_salt differs, so nothing is warm for it
+    hb, bb = await _turn(fleet, messages, who="b")
+    print("tenant B, same text:", hb["x-kvfleet-verdict"], hb["x-kvfleet-matched-tokens"],
+          "worker-cached:", bb["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert hb["x-kvfleet-verdict"] == "COLD" and bb["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # every completion went to the chosen worker only; the others got none
+    others = [n for n in fleet.sims if n != first_worker and n != hb["x-kvfleet-worker"]]
+    assert all(not served(fleet.sims[n], "/v1/chat/completions") for n in others)
+
+
+async def test_models_health_and_metrics(fleet: Fleet) -> None:
+    async with fleet.http.get(fleet.proxy.url + "/v1/models", headers=fleet.headers()) as r:
+        models = await r.json()
+    assert r.status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    async with fleet.http.get(fleet.proxy.url + "/health") as r:
+        health = await r.json()
+    assert health == {"status": "ok", "workers": 3, "serving": 3, "directory_error": None}
+    status, h, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 2})
+    assert status == 200
+    async with fleet.http.get(fleet.proxy.url + "/metrics") as r:
+        text = await r.text()
+    line = f'kvfleet_proxy_requests_total{{status="200",verdict="COLD",worker="{h["x-kvfleet-worker"]}"}} 1.0'
+    assert line in text and "kvfleet_proxy_added_latency_seconds_bucket" in text
