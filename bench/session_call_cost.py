@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 Median of {args.calls} single-token appends on one session (tiny synthetic model, numpy
 backend, SQLite store), all three measured in one run on the same machine. The fleet call adds
-the registry read, the named-actor lookup and the op-log write that must land before the reply.
+the op-log write that must land before the reply (the actor handle is cached after the first call).
 
 {md}
 """)
