@@ -232,3 +232,37 @@ def test_parser_sees_a_broken_dockerfile() -> None:
         test_runs_as_a_non_root_user(bad)
     with pytest.raises((AssertionError, ValueError)):
         test_every_python_dependency_is_pinned(bad)
+
+
+def test_the_wheel_built_from_the_docker_context_is_complete(instrs: list[Instr], tmp_path: Path) -> None:
+    """Build the wheel the way the image does: from exactly the COPYed paths (minus .dockerignore)."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    src = tmp_path / "src"
+    copied = []
+    for ins in instrs:
+        if ins.op == "COPY" and "--from" not in ins.args and not ins.heredoc:
+            for s in ins.args.split()[:-1]:
+                for f in [ROOT / s] if (ROOT / s).is_file() else sorted((ROOT / s).rglob("*")):
+                    rel = f.relative_to(ROOT).as_posix()
+                    if f.is_file() and not _ignored(rel, patterns):
+                        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(f, src / rel)
+                        copied.append(rel)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "--wheel-dir", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    (wheel,) = (tmp_path / "dist").glob("kvfleet-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    data_ext = tuple(e.lstrip("*") for e in pyproject()["tool"]["setuptools"]["package-data"]["*"])
+    modules = {c for c in copied if c.endswith((".py", *data_ext)) and c.split("/")[0] in ("fleet", "controller", "workers")}
+    print(f"{len(copied)} files in the context, {len(modules)} modules, {len(names)} entries in {wheel.name}")
+    assert modules and modules <= names, sorted(modules - names)[:10]
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "kvfleet = fleet.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert not [n for n in names if "__pycache__" in n or n.startswith("tests/")]
