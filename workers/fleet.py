@@ -198,6 +198,19 @@ class KernelFleet:
         self._save(rec)
         return rec
 
+    def evict_prefix(self, tenant: str, prompt: str | list[int], start: int = 0) -> int:
+        """Policy eviction by name on every node: drop the cached blocks of this prompt prefix from
+        position `start` (a block multiple) on, and everything below them, regardless of recency. Sessions that
+        already adopted the blocks keep their own references. Returns blocks dropped fleet-wide."""
+        tokens = self._tokens(prompt)
+        total = 0
+        for sup in self.supervisors.values():
+            try:
+                total += len(self._get(sup.evict_node.remote(tenant, tokens, start))["block_ids"])
+            except NotFound:
+                continue
+        return total
+
     def close(self, tenant: str, session_id: str) -> None:
         rec = self._record(tenant, session_id)
         self._handles.pop((tenant, session_id), None)

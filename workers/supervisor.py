@@ -87,10 +87,11 @@ class NodeSupervisor:
         self.num_evicted_blocks += sum(len(e.block_ids) for e in self.tree.take_events()
                                        if isinstance(e, BlockRemoved))
 
-    async def evict_node(self, tenant: str, tokens: list[int], start: int | None = None) -> dict[str, Any]:
-        """Policy eviction by name: drop the cached subtree at this token path (a verdict said so)."""
-        salt = self.block_size
-        r = self.tree.evict_node(self._key(tenant, tokens), None if start is None else start + salt)
+    async def evict_node(self, tenant: str, tokens: list[int], start: int = 0) -> dict[str, Any]:
+        """Policy eviction by name: drop the tenant's cached blocks on this token path from
+        position `start` (a block multiple) down, with everything cached below them, regardless
+        of recency. Raises NotFound when the path is not cached here."""
+        r = self.tree.evict_node(self._key(tenant, tokens), start=self.block_size + start)
         self._drain_events()
         return {"num_evicted": r.num_evicted, "block_ids": list(r.block_ids)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,6 +59,24 @@ def test_second_session_adopts_prefix_blocks_bit_identically(kfleet: KernelFleet
     assert max_abs_delta(la, lb) == 0.0 and max_abs_delta(la, lc) > 0.0
     other = kfleet.create_session("other" + tenant, "c", SYSTEM)  # tenants never share blocks
     assert other["adopted_tokens"] == 0
+    assert kfleet.evict_prefix(tenant, SYSTEM[:32]) == 2          # policy eviction by name
+    assert kfleet.create_session(tenant, "d", SYSTEM)["adopted_tokens"] == 0
+    assert len(kfleet.tokens(tenant, "a")) == len(SYSTEM) + 5
+
+
+def test_node_budget_evicts_least_recently_used_prefix(ray_cluster: None, tmp_path: Path, tenant: str) -> None:
+    block_bytes = make_kernel(SPEC).block_bytes
+    small = KernelFleet(f"sqlite:///{tmp_path / 'b.db'}", SPEC, node_budget_bytes=4 * block_bytes)
+    try:
+        prompt_a, prompt_b = "A" * 33, "B" * 33                     # 2 whole blocks each (+ a salt page)
+        small.create_session(tenant, "a", prompt_a)
+        small.create_session(tenant, "b", prompt_b)                 # 5 pages > 4: evicts A's blocks
+        [stats] = small.node_stats()
+        assert (stats["cached_tokens"], stats["evicted_blocks"]) == (3 * 16, 2)
+        assert small.create_session(tenant, "b2", prompt_b)["adopted_tokens"] == 32   # B still warm
+        assert small.create_session(tenant, "a2", prompt_a)["adopted_tokens"] == 0    # A was evicted
+    finally:
+        small.shutdown()
 
 
 def test_fork_isolation_across_actors(kfleet: KernelFleet, tenant: str) -> None:
