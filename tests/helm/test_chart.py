@@ -283,6 +283,10 @@ def test_network_policy_admits_only_kvfleet_pods_to_redis(rendered: dict[str, di
     # Control: a pod of another release (same chart) is not admitted.
     other = dict(pods["ray-head"], **{"app.kubernetes.io/instance": "other"})
     assert not _matches(peer["podSelector"]["matchLabels"], other)
+    # KubeRay labels Ray pods app.kubernetes.io/name=kuberay and may select on it: the chart leaves it alone,
+    # and the policy does not need it.
+    assert "app.kubernetes.io/name" not in pods["ray-head"] and "app.kubernetes.io/name" not in peer["podSelector"]["matchLabels"]
+    assert _matches(peer["podSelector"]["matchLabels"], dict(pods["ray-cpu"], **{"app.kubernetes.io/name": "kuberay"}))
 
 
 def test_auth_secret_holds_a_working_operator_token(rendered: dict[str, dict[str, str]]) -> None:

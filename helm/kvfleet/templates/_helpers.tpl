@@ -28,7 +28,23 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Labels every kvfleet pod carries; the Redis NetworkPolicy admits exactly these. */}}
+{{/* Labels every pod of this release carries (Ray pods included); the Redis NetworkPolicy
+     admits exactly the pods that have them. */}}
+{{- define "kvfleet.peerLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: kvfleet
+{{- end }}
+
+{{/* Ray pods: KubeRay sets app.kubernetes.io/name (kuberay) and created-by itself and may select
+     on them, so these leave both alone. Call with (list $ "workers"). */}}
+{{- define "kvfleet.rayPodLabels" -}}
+{{- $root := index . 0 }}
+helm.sh/chart: {{ include "kvfleet.chart" $root }}
+{{ include "kvfleet.peerLabels" $root }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
 {{- define "kvfleet.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "kvfleet.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
