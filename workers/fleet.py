@@ -62,7 +62,7 @@ class KernelFleet:
 
     def _ensure_supervisors(self) -> dict[str, Any]:
         out = {}
-        for node in ray.nodes():
+        for node in ray.nodes():  # type: ignore[no-untyped-call]
             if not node.get("Alive"):
                 continue
             nid = node["NodeID"]
@@ -164,7 +164,11 @@ class KernelFleet:
         rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time()}
         self._save(rec)
-        out = self._get(self.supervisors[node].create_session.remote(tenant, session_id, tokens, uuid.uuid4().hex))
+        try:
+            out = self._get(self.supervisors[node].create_session.remote(tenant, session_id, tokens, uuid.uuid4().hex))
+        except BaseException:  # not acknowledged: leave nothing behind
+            self._discard(tenant, session_id, node)
+            raise
         rec.update(state="active", adopted_tokens=out["adopted_tokens"])
         self._save(rec)
         return rec
@@ -212,12 +216,16 @@ class KernelFleet:
         return total
 
     def close(self, tenant: str, session_id: str) -> None:
+        """Stop the session's actor and delete its op log; later calls raise NotFound."""
         rec = self._record(tenant, session_id)
+        self._discard(tenant, session_id, rec["node"])
+
+    def _discard(self, tenant: str, session_id: str, node: str) -> None:
         self._handles.pop((tenant, session_id), None)
-        if rec["node"] in self.supervisors:
-            self._get(self.supervisors[rec["node"]].close.remote(tenant, session_id))
-        self.store.oplog_delete(tenant, session_id)
         self.store.kv_delete(REGISTRY, f"{tenant}/{session_id}")
+        if node in self.supervisors:
+            self._get(self.supervisors[node].close.remote(tenant, session_id))
+        self.store.oplog_delete(tenant, session_id)
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ already applied (e.g. logged just before a crash, then replayed) is answered, no
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from fleet.errors import FailedPrecondition, NotFound, Unavailable
-from fleet.kernel import PrefixKV
+from fleet.kernel import PrefixKV, Session
 from workers.host import SessionHost
 from workers.spec import KernelSpec, make_kernel
 
@@ -165,11 +166,11 @@ class KernelActor:
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
             "adopted_tokens": self.host.num_adopted_tokens, "num_ops": self.host.num_ops,
             "replayed_ops": self.num_replayed_ops, "quarantined_spans": 0, "state": self.state,
-            "epoch": self.epoch, "last_active": self.last_active,
+            "epoch": self.epoch, "last_active": self.last_active, "pid": os.getpid(),
         }
 
     @property
-    def _s(self) -> Any:
+    def _s(self) -> Session:
         if self.host.session is None:
             raise FailedPrecondition(f"session {self.session_id} has no state yet")
         return self.host.session

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -34,12 +36,16 @@ def test_session_lifecycle_and_errors(kfleet: KernelFleet, tenant: str) -> None:
     assert (row["session"], row["tenant"], row["tokens"], row["state"], row["epoch"]) == (
         "s1", tenant, len(SYSTEM) + 6, "active", 0)
     assert row["actor"] == session_actor_name(tenant, "s1") and row["bytes_alone"] > 0
+    os.kill(kfleet.info(tenant, "s1")["pid"], signal.SIGKILL)     # the Ray worker process dies
+    r2 = kfleet.append(tenant, "s1", "!")                         # transparently regenerated
+    assert r2.num_tokens == len(SYSTEM) + 7 and kfleet.num_regenerations == 1
     kfleet.close(tenant, "s1")
     for call in (lambda: kfleet.append(tenant, "s1", "x"), lambda: kfleet.close(tenant, "s1"),
                  lambda: kfleet.digest(tenant, "nope")):
         with pytest.raises(NotFound):
             call()
     assert kfleet.list_sessions(tenant=tenant) == []
+    assert kfleet.store.oplog_read(tenant, "s1") == []
 
 
 def test_second_session_adopts_prefix_blocks_bit_identically(kfleet: KernelFleet, tenant: str) -> None:
