@@ -136,9 +136,11 @@ class NumpyOps:
         s = np.matmul(q, K.transpose(0, 2, 1)).reshape(KV, G, T, -1)  # [KV, G, T, Lk]
         # keys < pos0 are visible to every row of the tile: mask only the tail [pos0, Lk)
         np.copyto(s[..., pos0:], np.float32(-np.inf), where=self._mask_for(pos0, T, s.shape[-1]))
-        s = np.exp(s - s.max(axis=-1, keepdims=True))  # masked -> exact 0
-        p = (s / s.sum(axis=-1, keepdims=True)).reshape(KV, G * T, -1)  # [KV, G*T, Lk]
-        o = np.matmul(p, V).reshape(KV, G, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
+        np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
+        np.exp(s, out=s)  # masked -> exact 0
+        den = s.sum(axis=-1, keepdims=True).reshape(KV, G * T, 1)  # [KV, G*T, 1]
+        o = np.matmul(s.reshape(KV, G * T, -1), V) / den  # [KV, G*T, hd]: normalise after P@V (hd < Lk)
+        o = o.reshape(KV, G, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
         a = o @ self.wo[l]  # [T, dim]
         x = x + _add(a, self.bo[l])
         gu = self._norm(x, self.n2[l]) @ self.wgu[l]  # [T, 2F]

@@ -144,9 +144,10 @@ class TorchOps:
         s[..., pos0:].masked_fill_(
             self._mask_for(pos0, T, s.shape[-1]), float("-inf")
         )  # keys < pos0: visible
-        s = torch.exp(s - s.amax(dim=-1, keepdim=True))  # masked -> exact 0
-        p = (s / s.sum(dim=-1, keepdim=True)).reshape(KV, G * T, -1)  # [KV, G*T, Lk]
-        o = torch.matmul(p, V).reshape(KV, G, T, hd).permute(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
+        s = s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # masked -> exact 0
+        den = s.sum(dim=-1, keepdim=True).reshape(KV, G * T, 1)  # [KV, G*T, 1]
+        o = torch.matmul(s.reshape(KV, G * T, -1), V) / den  # [KV, G*T, hd]: normalise after P@V
+        o = o.reshape(KV, G, T, hd).permute(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
         a = o @ self.wo[l]  # [T, dim]
         x = x + _add(a, self.bo[l])
         gu = self._norm(x, self.n2[l]) @ self.wgu[l]  # [T, 2F]
