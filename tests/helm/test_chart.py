@@ -521,3 +521,19 @@ def test_each_component_block_has_create_name_resources() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for comp in ("controller", "proxy", "workers", "redis", "watcher"):
         assert {"create", "name", "resources"} <= set(values[comp]), comp
+
+
+def test_docs_name_the_objects_a_release_called_kvfleet_creates(chart: Any) -> None:
+    """docs/deploy.md's commands use release `kvfleet` in namespace `kvfleet`: those names must exist."""
+    import re
+
+    objs = _docs(chart.render({}, name="kvfleet", namespace="kvfleet"))
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    kinds = {"svc": "Service", "secret": "Secret", "deploy": "Deployment"}
+    used = set(re.findall(r"\b(svc|deploy)/(kvfleet-[a-z-]+)", doc)) | set(re.findall(r"get (secret) (kvfleet-[a-z-]+)", doc))
+    print(sorted(used))
+    assert {("svc", "kvfleet-controller"), ("svc", "kvfleet-proxy"), ("secret", "kvfleet-auth")} <= used
+    for kind, name in used:
+        assert (kinds[kind], name) in names, (kind, name)
+    assert "kvfleet-controller.kvfleet.svc:50051" in doc
