@@ -43,7 +43,18 @@ class KernelFleet:
     """Sessions on Ray actors, one supervisor per node, state durable in the store."""
 
     def __init__(self, store_url: str, kernel_spec: dict[str, Any] | KernelSpec | None = None, *,
-                 node_budget_bytes: int = 64 << 20, policy: str = "lru", call_timeout_s: float = 60.0) -> None:
+                 node_budget_bytes: int = 64 << 20, policy: str = "lru", call_timeout_s: float = 60.0,
+                 detached: bool = False) -> None:
+        """Args:
+            store_url: the store every actor opens (op logs, session registry).
+            kernel_spec: which kernel every session runs (KernelSpec or its dict).
+            node_budget_bytes: per-node memory budget of the radix prefix cache.
+            policy: its eviction policy ("lru", "lfu", "mru", "next-use").
+            call_timeout_s: the longest any call waits; past it, Unavailable.
+            detached: supervisors (and the sessions they own) outlive this process, so a restarted
+                controller finds them warm; otherwise they go with it and are regenerated from the
+                op logs on first use.
+        """
         from fleet.cas import open_store
 
         if not ray.is_initialized():
@@ -53,7 +64,7 @@ class KernelFleet:
         self.kernel = make_kernel(self.spec)
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
-        self._budget, self._policy = node_budget_bytes, policy
+        self._budget, self._policy, self._detached = node_budget_bytes, policy, detached
         self.supervisors = self._ensure_supervisors()
         self.num_regenerations = 0
         self._handles: dict[tuple[str, str], Any] = {}
@@ -68,7 +79,7 @@ class KernelFleet:
             nid = node["NodeID"]
             out[nid] = ray.remote(NodeSupervisor).options(
                 name=supervisor_name(nid), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-                max_restarts=3, scheduling_strategy=on_node(nid),
+                max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
             ).remote(nid, self.store_url, self.spec.to_dict(), self._budget, self._policy)
         return out
 
