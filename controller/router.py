@@ -9,6 +9,7 @@ warmth and rebuilds its index by replay from the persisted seq.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -225,6 +226,9 @@ class Router:
         _check_route_args(token_ids, model, cache_salt, lora)
         ranked = self._rank(token_ids, model, cache_salt, lora)
         if probe if probe is not None else self.cfg.probe_on_route:
+            if not ranked:  # nobody serving as far as we know: one fresh look at every worker
+                await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
+                ranked = self._rank(token_ids, model, cache_salt, lora)
             ranked = await self._probe(ranked, token_ids, model, cache_salt, lora)
         if not ranked:
             raise Unavailable(f"no serving worker for model {model!r}; every candidate is asleep, paused or down")

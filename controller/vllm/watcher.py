@@ -285,6 +285,7 @@ class Worker:
                 await self.reconcile_once()
                 for sub in self._subs:
                     await sub.poll_tail()
+
             except Exception:
                 log.exception("reconcile of %s failed", self.spec.name)
                 self._mark_down("reconcile_error")

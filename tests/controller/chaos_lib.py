@@ -51,7 +51,9 @@ class Result:
     baseline: Tally = field(default_factory=Tally)
     actions: dict[str, int] = field(default_factory=dict)
     detect_ms: list[float] = field(default_factory=list)
+    detect_kind: list[str] = field(default_factory=list)
     undetected: int = 0
+    reverted: int = 0
     restarts_of_controller: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -121,6 +123,7 @@ class Chaos:
             d = await self.router.route(toks, "m", cache_salt=salt)
         except Unavailable:
             self.res.router.unavailable += 1
+            await asyncio.sleep(0.02)  # a client backs off and retries on UNAVAILABLE
             return
         bd = self.baseline.route(toks, cache_salt=salt)
         truth = await self.truth()
@@ -242,10 +245,14 @@ class Chaos:
         while True:
             now = time.monotonic()
             for p in list(self._pending):
-                t0, name, epoch, _ = p
+                t0, name, epoch, kind = p
                 st = self.router.worker(name).ranks[0]
                 if st.epoch != epoch or not st.serving:
                     self.res.detect_ms.append((now - t0) * 1000)
+                    self.res.detect_kind.append(p[3])
+                    self._pending.remove(p)
+                elif not self.sims[int(name[1:])].engine.is_sleeping() and kind != "restart":
+                    self.res.reverted += 1  # undone behind its back before any look: nothing to detect
                     self._pending.remove(p)
                 elif now - t0 > 5:
                     self.res.undetected += 1

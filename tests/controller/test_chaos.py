@@ -45,12 +45,13 @@ async def test_chaos_through_controller_and_restart() -> None:
 async def test_chaos_behind_the_back() -> None:
     b = await _run(seed=11, mode="behind")
     bp = await _run(seed=11, mode="behind", probe=True)
-    inv = await _run(seed=13, mode="invisible")
-    invp = await _run(seed=13, mode="invisible", probe=True)
-    print("\n" + _row("(b) behind the back, reconcile 200ms", b))
-    print(_row("(b) behind the back + route probe", bp))
-    print(_row("(b') invisible reset/pause+resume", inv))
-    print(_row("(b') invisible + route probe", invp))
-    assert bp.router.stale == 0
-    assert b.detect_ms and b.undetected == 0
-    assert b.baseline.stale > 0 and bp.router.warm > 50
+    inv = await _run(seed=13, mode="invisible", probe=True)
+    print("\n" + _row("(b) behind the back, reconcile 200ms", b), f"reverted-before-any-look={b.reverted}")
+    print(_row("(b) behind the back + route probe", bp), f"reverted-before-any-look={bp.reverted}")
+    print(_row("(b') reset / pause+resume, + probe", inv))
+    print("    (b') is invisible to polling and to the probe: only the AllBlocksCleared that vLLM publishes with "
+          "the next step reveals it; owning the verbs (a) is the fix")
+    assert bp.router.stale == 0 and bp.router.warm > 50           # the probe closes the window
+    assert b.detect_ms and b.undetected == 0 and bp.undetected == 0
+    assert b.baseline.stale > b.router.stale >= 0                 # (c) the baseline is worse on the same trace
+    assert inv.router.stale <= inv.baseline.stale
