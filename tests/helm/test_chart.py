@@ -187,12 +187,20 @@ SERVICE_MONITOR_SCHEMA = {  # monitoring.coreos.com/v1, the fields the chart use
 def test_service_monitor(rendered: dict[str, dict[str, str]]) -> None:
     assert not [o for o in objects(rendered, "default") if o["kind"] == "ServiceMonitor"]
     objs = objects(rendered, "monitoring")
-    sm = one(objs, "ServiceMonitor")
-    jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
-    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    svc = one(objs, "Service", "-controller")
-    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    for comp, port in (("controller", "metrics"), ("proxy", "http")):
+        sm = one(objs, "ServiceMonitor", f"-{comp}")
+        jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
+        assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        (svc,) = [o for o in objs if o["kind"] == "Service"
+                  and _matches(sm["spec"]["selector"]["matchLabels"], o["metadata"]["labels"])]
+        assert svc["metadata"]["name"].endswith(f"-{comp}")
+        assert sm["spec"]["endpoints"] == [{"port": port, "path": "/metrics", "interval": "30s"}]
+        assert port in {p["name"] for p in svc["spec"]["ports"]}
+    # Control: the schema refuses an endpoint with a bad interval.
+    bad = copy.deepcopy(sm)
+    bad["spec"]["endpoints"][0]["interval"] = "30 seconds"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, SERVICE_MONITOR_SCHEMA)
 
 
 # ---- Helm lint ----------------------------------------------------------------------------------
