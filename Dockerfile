@@ -16,7 +16,7 @@ ARG VARIANT=cpu
 ARG TORCH_CUDA=cu128
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 
-COPY <<'CONSTRAINTS' /constraints.txt
+COPY <<CONSTRAINTS /constraints.txt
 aiohappyeyeballs==2.7.1
 aiohttp==3.14.5
 aiosignal==1.4.0
