@@ -20,6 +20,7 @@ import controller.sim_vllm.main as sim_main
 from controller.auth import mint_token
 from controller.metrics import Metrics
 from controller.proxy import Proxy, ProxyConfig
+from controller.router import RouterConfig
 from controller.server import Controller, ControllerConfig, build_server
 from controller.sim_vllm.engine import SimEngineConfig
 from controller.sim_vllm.main import SimConfig, SimVllm
@@ -93,6 +94,9 @@ class Fleet:
         return sum(r.num_blocks for w in await self.op.workers() if w.name == worker for r in w.ranks)
 
     async def stop(self) -> None:
+        for s in self.sims.values():  # wake sleepers so their queued requests end (a sim's stop waits for them)
+            async with self.http.post(s.url + "/wake_up") as r:
+                assert r.status == 200
         await self.http.close()
         await self.proxy.stop()
         await self.op.close()
@@ -101,8 +105,9 @@ class Fleet:
             await s.stop()
 
 
-async def start_fleet(tmp_path: Path, num_workers: int = 3, **proxy_kw: Any) -> Fleet:
-    """Controller + sims + proxy on loopback; proxy_kw override ProxyConfig fields."""
+async def start_fleet(tmp_path: Path, num_workers: int = 3, reconcile_s: float = 0.5, **proxy_kw: Any) -> Fleet:
+    """Controller + sims + proxy on loopback; reconcile_s is the controller's reconcile interval (how long a
+    sleep behind its back goes unseen); proxy_kw override ProxyConfig fields."""
     sim_main.build_app = observing_build_app  # type: ignore[assignment]
     try:
         sims = {f"w{i}": await SimVllm(SimConfig(engine=SimEngineConfig(model=MODEL, block_size=BLOCK,
@@ -114,7 +119,8 @@ async def start_fleet(tmp_path: Path, num_workers: int = 3, **proxy_kw: Any) -> 
     tokens = {"a": mint_token(f, "acme", "tenant"), "b": mint_token(f, "bravo", "tenant"),
               "op": mint_token(f, "ops", "operator")}
     ctl = await build_server(ControllerConfig(listen="127.0.0.1:0", store_url=f"sqlite:///{tmp_path / 'kv.db'}",
-                                              tokens_file=str(f)), metrics=Metrics())
+                                              tokens_file=str(f)), metrics=Metrics(),
+                             router_config=RouterConfig(reconcile_interval_s=reconcile_s))
     op = AsyncFleetClient(ctl.address, token=tokens["op"])
     for name, s in sims.items():
         await op.register_worker(name, url=s.url, kv_events=s.kv_events, replay=s.replay or "", model=MODEL)

@@ -1,0 +1,100 @@
+"""Sleep through the controller: the worker gets nothing. Sleep behind its back: at most one failed
+attempt per request until the controller's reconcile loop sees it, and every request succeeds elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+from proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
+
+PROMPT = "Summarise the quarterly report for the board, section by section, with numbers. " * 3
+
+
+async def _warm(fleet: Fleet) -> str:
+    """One completion through the proxy; wait until the controller indexed its blocks; return the worker."""
+    status, h, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert status == 200, raw
+    worker = h["x-kvfleet-worker"]
+    n = json.loads(raw)["usage"]["prompt_tokens"]
+    await until(lambda: fleet.blocks_known(worker), lambda k: k >= n // BLOCK)
+    return worker
+
+
+async def _hangs(url: str, timeout: float = 0.6) -> bool:
+    """Control: a request straight to the worker; True if it hangs (a sleeping vLLM queues it)."""
+    try:
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 1}, timeout=aiohttp.ClientTimeout(total=timeout)):
+            return False
+    except TimeoutError:
+        return True
+
+
+async def test_sleep_through_the_controller_sends_it_nothing(fleet: Fleet) -> None:
+    x = await _warm(fleet)
+    w = await fleet.op.lifecycle(x, "sleep", level=1)
+    assert not w.serving
+    await until(lambda: _health(fleet), lambda h: h["serving"] == 2)  # the proxy's directory caught up
+    before = len(served(fleet.sims[x]))
+    bodies = [("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}),
+              ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})]
+    got = await asyncio.gather(*(fleet.post(p, {"model": MODEL, **b}) for p, b in bodies * 3))
+    workers = sorted({h["x-kvfleet-worker"] for _, h, _ in got})
+    print(f"slept {x} through the controller (witness {w.phase}/{w.kv}); 12 requests went to {workers}; "
+          f"{x} received {len(served(fleet.sims[x])) - before} proxied requests")
+    assert all(s == 200 and h["x-kvfleet-attempts"] == "1" for s, h, _ in got)
+    assert x not in workers and len(served(fleet.sims[x])) == before
+    assert _sum(fleet, "kvfleet_proxy_retries_total") == 0
+    assert await _hangs(fleet.sims[x].url)  # control: the worker really is asleep (a request to it hangs)
+    for name in fleet.sims:  # all asleep: the proxy answers 503 itself and stays up
+        await fleet.op.lifecycle(name, "sleep", level=1)
+    status, h, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert status == 503 and h.get("Retry-After") == "1"
+    assert json.loads(raw)["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_sleep_behind_the_controllers_back_costs_at_most_one_attempt(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, reconcile_s=3.0)  # a wide detection window, on purpose
+    try:
+        x = await _warm(fleet)
+        async with fleet.http.post(fleet.sims[x].url + "/sleep?level=1") as r:  # NOT through the controller
+            assert r.status == 200
+        before = len(served(fleet.sims[x], "/v1/completions"))
+        burst = await asyncio.gather(*(fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT,
+                                                                      "max_tokens": 4}) for _ in range(6)))
+        later = [await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+                 for _ in range(4)]
+        hit_x = served(fleet.sims[x], "/v1/completions")[before:]
+        attempts = [int(h["x-kvfleet-attempts"]) for _, h, _ in burst + later]
+        retries, skips = _sum(fleet, "kvfleet_proxy_retries_total"), _sum(fleet, "kvfleet_proxy_skipped_workers_total")
+        print(f"{x} slept behind the controller's back: attempts per request {attempts}; failed attempts {retries} "
+              f"for {len(attempts)} requests; skipped as suspect {skips}; {x} got {len(hit_x)} proxied requests, "
+              f"all abandoned by the proxy: {all(s.disconnected for s in hit_x)}")
+        assert all(s == 200 and h["x-kvfleet-worker"] != x for s, h, _ in burst + later)
+        assert all(a <= 2 for a in attempts) and retries == len(hit_x) <= len(attempts)
+        assert len(hit_x) >= 1  # the window was really exercised: the controller still chose the sleeper
+        assert all(s.disconnected for s in hit_x)  # every abandoned attempt was closed, not left queued
+        assert await _hangs(fleet.sims[x].url)  # control: without the proxy's failover the request hangs
+        # once the controller's reconcile loop sees the sleep, the proxy does not even try it
+        await until(fleet.op.workers, lambda ws: not next(w for w in ws if w.name == x).serving)
+        s, h, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert s == 200 and h["x-kvfleet-worker"] != x and h["x-kvfleet-attempts"] == "1"
+    finally:
+        await fleet.stop()
+
+
+async def _health(fleet: Fleet) -> dict:
+    async with fleet.http.get(fleet.proxy.url + "/health") as r:
+        return await r.json()
+
+
+def _sum(fleet: Fleet, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = fleet.proxy.metrics.render().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
