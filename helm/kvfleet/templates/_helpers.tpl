@@ -38,7 +38,7 @@ app.kubernetes.io/part-of: kvfleet
 {{/* Ray pods: KubeRay sets app.kubernetes.io/name (kuberay) and created-by itself and may select
      on them, so these leave both alone. Call with (list $ "workers"). */}}
 {{- define "kvfleet.rayPodLabels" -}}
-{{- $root := index . 0 }}
+{{- $root := index . 0 -}}
 helm.sh/chart: {{ include "kvfleet.chart" $root }}
 {{ include "kvfleet.peerLabels" $root }}
 app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
