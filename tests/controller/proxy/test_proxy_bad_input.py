@@ -1,0 +1,63 @@
+"""Bad input gets an OpenAI-style error body with the right status, touches no worker, and the proxy stays up."""
+
+from __future__ import annotations
+
+import json
+
+from proxy_fleet import MODEL, Fleet, served
+
+GOOD = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+JSON = {"Content-Type": "application/json"}
+
+
+def _cases(fleet: Fleet) -> list[tuple[str, str, str, bytes, dict[str, str], int]]:
+    a, b = fleet.headers("a"), fleet.headers("b")
+    big = json.dumps({"model": MODEL, "prompt": "x" * (fleet.proxy.cfg.max_body_bytes + 1)}).encode()
+    chat = "/v1/chat/completions"
+    return [
+        ("malformed JSON", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": ', a, 400),
+        ("not UTF-8", "POST", "/v1/completions", b"\xff\xfe{}", a, 400),
+        ("JSON but not an object", "POST", "/v1/completions", b"[1, 2, 3]", a, 400),
+        ("no model", "POST", "/v1/completions", b'{"prompt": "hi"}', a, 400),
+        ("stream not a bool", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": "hi", "stream": "yes"}',
+         a, 400),
+        ("prompt of wrong type", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": {"a": 1}}', a, 400),
+        ("messages not a list", "POST", chat, b'{"model": "sim-model", "messages": "hi"}', a, 400),
+        ("message without content", "POST", chat, b'{"model": "sim-model", "messages": [{"role": "user"}]}', a, 400),
+        ("token ids out of range", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": [1, -5]}', a, 400),
+        ("unknown model", "POST", "/v1/completions", b'{"model": "gpt-17", "prompt": "hi"}', a, 404),
+        ("oversized body", "POST", "/v1/completions", big, a, 413),
+        ("missing token", "POST", "/v1/completions", GOOD, {}, 401),
+        ("wrong token", "POST", "/v1/completions", GOOD, {"Authorization": "Bearer kvf_not-a-token"}, 401),
+        ("malformed Authorization", "POST", "/v1/completions", GOOD, {"Authorization": "Basic dXNlcg=="}, 401),
+        ("missing token on /v1/models", "GET", "/v1/models", b"", {}, 401),
+        ("tenant token on the operator view", "GET", "/v1/workers", b"", b, 403),
+        ("unknown path", "GET", "/v1/embeddings", b"", a, 404),
+        ("wrong method", "GET", "/v1/completions", b"", a, 405),
+    ]
+
+
+async def test_bad_input_table(fleet: Fleet) -> None:
+    before = {n: len(served(s, "/v1/completions")) + len(served(s, "/v1/chat/completions"))
+              for n, s in fleet.sims.items()}
+    for name, method, path, data, headers, want in _cases(fleet):
+        async with fleet.http.request(method, fleet.proxy.url + path, data=data, headers={**JSON, **headers}) as r:
+            status, body = r.status, await r.json()
+        err = body["error"]
+        print(f"{name:36s} -> {status} {err['type']}: {err['message'][:90]}")
+        assert status == want, (name, status, body)
+        assert err["code"] == want and isinstance(err["message"], str) and err["message"] and err["type"]
+    async def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(9):
+            yield b" " * (1 << 20)
+
+    async with fleet.http.post(fleet.proxy.url + "/v1/completions", data=chunks(), headers=fleet.headers()) as r:
+        assert r.status == 413 and (await r.json())["error"]["code"] == 413
+    after = {n: len(served(s, "/v1/completions")) + len(served(s, "/v1/chat/completions"))
+             for n, s in fleet.sims.items()}
+    assert after == before  # no bad request reached a worker's completion endpoint
+    # the proxy is still up and serving
+    async with fleet.http.post(fleet.proxy.url + "/v1/completions", data=GOOD, headers={**JSON, **fleet.headers()}) as r:
+        assert r.status == 200 and (await r.json())["choices"]
+    async with fleet.http.get(fleet.proxy.url + "/v1/workers", headers=fleet.headers("op")) as r:
+        assert r.status == 200 and len((await r.json())["data"]) == 3  # control: the operator may list them
