@@ -545,3 +545,15 @@ def test_docs_name_the_objects_a_release_called_kvfleet_creates(chart: Any) -> N
     for kind, name in used:
         assert (kinds[kind], name) in names, (kind, name)
     assert "kvfleet-controller.kvfleet.svc:50051" in doc
+
+
+def test_chart_packages_and_the_package_renders(tmp_path: Path) -> None:
+    tgz = helm.package(CHART, destination=tmp_path)
+    assert Path(tgz).name == "kvfleet-0.1.0.tgz"
+    with helm.Chart.load(tgz) as packed:
+        assert packed.schema == json.loads((CHART / "values.schema.json").read_text())
+        assert "files/register_workers.py" in {f["name"] for f in packed.files}
+        kinds = sorted(o["kind"] for o in _docs(packed.render({}, name=RELEASE, namespace=NAMESPACE)))
+    print(kinds)
+    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "RayCluster", "Secret",
+                     "Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
