@@ -1,0 +1,241 @@
+"""Router: fail-closed verdicts, controller-owned verbs, bad input, junk workers, restart from the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+from aiohttp import web
+
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from controller.sim_vllm.engine import SimEngineConfig
+from controller.sim_vllm.main import SimConfig, SimVllm
+from fleet.cas import open_store
+from fleet.errors import InvalidArgument, NotFound, Unavailable
+from vllm_vectors import frames, load
+
+TOKS = list(range(1000, 1100))  # 6 full blocks
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request, tmp_path):
+    url = f"sqlite:///{tmp_path}/kv.db" if request.param == "sqlite" else request.getfixturevalue("redis_url")
+    s = open_store(url)
+    yield s
+    s.close()
+
+
+async def _sims(n, **kw):
+    return [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64, **kw))).start() for _ in range(n)]
+
+
+async def _router(store, **kw) -> Router:
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, **kw))
+    await r.start()
+    return r
+
+
+async def _complete(sim, toks, **kw):
+    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks, **kw}) as r:
+        assert r.status == 200
+    await asyncio.sleep(0.15)
+
+
+def _spec(i, s, **kw):
+    return WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m", **kw)
+
+
+async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
+    sims = await _sims(2)
+    r = await _router(store)
+    try:
+        for i, s in enumerate(sims):
+            await r.register_worker(_spec(i, s))
+        d = await r.route(TOKS, "m")
+        assert d.verdict == "COLD"
+        await _complete(sims[int(d.worker[1:])], TOKS)
+        d = await r.route(TOKS, "m")
+        assert (d.verdict, d.matched_tokens) == ("WARM", 96)
+        w = await r.lifecycle(d.worker, "pause", mode="keep")       # preserving: index kept, not serving
+        assert (w.phase, w.kv, w.warm_demoted, w.serving) == ("paused", "preserved", False, False)
+        d2 = await r.route(TOKS, "m")
+        assert d2.worker != d.worker and d2.verdict == "COLD"
+        w = await r.lifecycle(d.worker, "resume")                    # warmth intact
+        assert (w.kv, w.serving) == ("preserved", True) and (await r.route(TOKS, "m")).verdict == "WARM"
+        e0 = r.worker(d.worker).ranks[0].epoch
+        w = await r.lifecycle(d.worker, "reset_prefix_cache")
+        assert (w.kv, w.serving, w.epoch) == ("forgotten", True, e0 + 2)  # bumped before and after the call
+        assert json.loads(store.kv_get("epochs", f"{d.worker}/0"))["epoch"] == e0 + 2
+        assert (await r.route(TOKS, "m")).verdict == "COLD"
+        await _complete(sims[int(d.worker[1:])], TOKS)               # publishes [AllBlocksCleared, BlockStored]
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+        await r.stop()
+        r = await _router(store)                                     # a new controller on the same store
+        assert sorted(s.name for s in r.workers()) == ["w0", "w1"]
+        d3 = await r.route(TOKS, "m")
+        assert (d3.worker, d3.verdict, d3.matched_tokens) == (d.worker, "WARM", 96)  # rebuilt by replay
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+
+
+async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    r = await _router(store)
+    try:
+        await r.register_worker(_spec(0, sim))
+        await _complete(sim, TOKS, cache_salt="tenant-a")
+        assert (await r.route(TOKS, "m", cache_salt="tenant-a")).verdict == "WARM"
+        assert (await r.route(TOKS, "m", cache_salt="tenant-b")).verdict == "COLD"  # nothing leaks across tenants
+        assert (await r.route(TOKS, "m")).verdict == "COLD"
+        w = await r.lifecycle("w0", "sleep", level=1)
+        assert (w.phase, w.kv, w.serving) == ("sleeping", "forgotten", False)
+        with pytest.raises(Unavailable):
+            await r.route(TOKS, "m")
+        w = await r.lifecycle("w0", "wake_up", tags=["weights"])
+        assert (w.phase, w.kv, w.serving) == ("sleeping", "unknown", False)  # partial wake: still asleep
+        w = await r.lifecycle("w0", "wake_up")
+        assert (w.phase, w.kv, w.serving) == ("serving", "unknown", True)
+        assert (await r.route(TOKS, "m", cache_salt="tenant-a")).verdict == "COLD"
+        # reset refused while a request is held: success:false -> unknown, still demoted
+        await r.lifecycle("w0", "sleep", level=0)
+        async with aiohttp.ClientSession() as h:
+            held = asyncio.create_task(h.post(sim.url + "/v1/completions", json={"prompt": TOKS}))
+            await asyncio.sleep(0.1)
+            w = await r.lifecycle("w0", "reset_prefix_cache")
+            assert (w.kv, w.warm_demoted) == ("unknown", True)
+            await r.lifecycle("w0", "wake_up")
+            (await held).close()
+        assert r.metrics.epoch_bumps.labels("reset_prefix_cache")._value.get() >= 1
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
+async def test_bad_input_changes_nothing(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    r = await _router(store)
+    try:
+        for bad in (dict(url="ftp://x"), dict(url="http://h:1", kv_events="nope"), dict(name="../x"),
+                    dict(hash_algo="xxhash"), dict(dp_ranks=0), dict(model="")):
+            with pytest.raises(InvalidArgument):
+                WorkerSpec(**{"name": "w", "url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:2",
+                              "replay": None, "model": "m", **bad})
+        assert store.kv_scan("workers") == {}
+        with pytest.raises(Unavailable):
+            await r.route(TOKS, "m")
+        await r.register_worker(_spec(0, sim))
+        before = r.worker("w0").ranks[0]
+        with pytest.raises(NotFound):
+            await r.lifecycle("nope", "sleep", level=1)
+        for verb, kw in (("nap", {}), ("sleep", {"level": 5}), ("pause", {"mode": "x"}), ("resume", {"tags": ["x"]})):
+            with pytest.raises(InvalidArgument):
+                await r.lifecycle("w0", verb, **kw)
+        with pytest.raises(InvalidArgument):
+            await r.route([1, -2], "m")
+        with pytest.raises(InvalidArgument):
+            await r.route("abc", "m")  # type: ignore[arg-type]
+        assert r.worker("w0").ranks[0] == before
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
+async def _junk_server(mode: str):
+    async def junk(req: web.Request) -> web.Response:
+        if mode == "500":
+            return web.Response(status=500, text="boom")
+        return web.Response(text="<html>not json</html>", content_type="text/html")
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", junk)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def test_junk_http_and_malformed_frames_fail_closed(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    runner, junk_url = await _junk_server("html")
+    r = await _router(store)
+    V = load()
+    toks = V["token_ids"][:48]
+    try:
+        # a worker whose event stream we control, HTTP from the real stand-in
+        await r.register_worker(WorkerSpec("ev", sim.url, f"tcp://127.0.0.1:{port}", None, "m", block_size=16))
+        await r.register_worker(WorkerSpec("junk", junk_url, "tcp://127.0.0.1:1", None, "m", block_size=16))
+        await asyncio.sleep(0.3)
+        topic, _, payload = frames(V["vectors"][0])
+
+        async def send(seq: int, body: bytes, parts: int = 3) -> None:
+            pub.send_multipart([topic, seq.to_bytes(8, "big"), body][:parts])
+            await asyncio.sleep(0.1)
+
+        await send(0, payload)
+        d = await r.route(toks, "m")
+        assert (d.worker, d.verdict, d.matched_tokens) == ("ev", "WARM", 48)   # the vector re-proves residency
+        seq = 1
+        for bad in (b"\xc1junk", msgspec.msgpack.encode([1.0, [{"type": "BlockTeleported"}], 0]), None):
+            if bad is None:
+                await send(seq, payload, parts=2)          # a 2-frame message: malformed
+            else:
+                await send(seq, bad)
+                seq += 1
+            d = await r.route(toks, "m")
+            assert d.verdict == "COLD", d                 # invalidated; the router stays up
+            await send(seq, payload)                      # BlockStored of the new epoch re-proves residency
+            seq += 1
+            assert (await r.route(toks, "m")).verdict == "WARM"
+        junk = [s for s in r.workers() if s.name == "junk"][0]
+        assert not junk.serving and not junk.warm and junk.kv == "unknown"
+        with pytest.raises(Unavailable):
+            await r.lifecycle("junk", "sleep", level=1)                       # worker HTTP failure
+        assert not [s for s in r.workers() if s.name == "junk"][0].serving
+        assert r.metrics.kv_event_decode_errors._value.get() == 3
+    finally:
+        await r.stop()
+        await runner.cleanup()
+        pub.close(0)
+        ctx.term()
+        await sim.stop()
+        store.close()
+
+
+async def test_probe_closes_behind_the_back_window(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sims = await _sims(2)
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=30.0))  # reconcile effectively off
+    await r.start()
+    try:
+        for i, s in enumerate(sims):
+            await r.register_worker(_spec(i, s))
+        d = await r.route(TOKS, "m")
+        await _complete(sims[int(d.worker[1:])], TOKS)
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+        async with aiohttp.ClientSession() as h:
+            await h.post(sims[int(d.worker[1:])].url + "/sleep", params={"level": "1"})  # behind its back
+        stale = await r.route(TOKS, "m")
+        assert (stale.worker, stale.verdict) == (d.worker, "WARM")   # control: without a look, the window is open
+        probed = await r.route(TOKS, "m", probe=True)
+        assert probed.worker != d.worker and probed.verdict == "COLD"
+        assert r.metrics.stale_route_guard.labels("probe")._value.get() == 1
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+        store.close()

@@ -1,0 +1,159 @@
+"""The vLLM stand-in speaks vLLM's surfaces and reproduces its hazards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from controller.sim_vllm.engine import SimEngineConfig
+from controller.sim_vllm.main import SimConfig, SimVllm
+from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
+from controller.vllm.hashing import HashConfig, external_chain
+from controller.vllm.http import parse_metrics
+
+
+@pytest.fixture
+async def sim():
+    s = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=8, loras={"sql": "/adapters/sql"}))).start()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(s.kv_events)
+    async with aiohttp.ClientSession() as http:
+        await asyncio.sleep(0.2)
+        yield s, http, sub
+    sub.close(0)
+    ctx.term()
+    await s.stop()
+
+
+async def _recv(sub, timeout=1.0):
+    f = await asyncio.wait_for(sub.recv_multipart(), timeout)
+    return parse_seq(f[1]), decode_batch(f[2]).events
+
+
+async def _post(http, url, **kw):
+    async with http.post(url, **kw) as r:
+        return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+
+async def test_dev_endpoints_exact_bodies(sim) -> None:
+    s, http, _ = sim
+    u = s.url
+    assert await _post(http, u + "/sleep", params={"level": "3"}) == (422, {"detail": "invalid level or mode"})
+    assert await _post(http, u + "/sleep", params={"level": "1"}) == (200, {"status": "sleeping", "level": 1})
+    async with http.get(u + "/health") as r:
+        assert r.status == 200  # NOTE: 200 while asleep, as vLLM
+    async with http.get(u + "/is_sleeping") as r:
+        assert await r.json() == {"is_sleeping": True}
+    m = parse_metrics(await (await http.get(u + "/metrics")).text())
+    assert m.sleep_state == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0} and m.block_size == 16
+    assert await _post(http, u + "/wake_up", params=[("tags", "weights")]) == \
+        (200, {"status": "sleeping", "tags": ["weights"]})  # partial wake: still asleep
+    assert await _post(http, u + "/wake_up") == (200, {"status": "awake", "tags": None})
+    assert await _post(http, u + "/reset_prefix_cache") == (200, {"success": True})
+    assert (await _post(http, u + "/release_kv_cache_memory"))[0] == 400  # needs a completed pause
+    assert await _post(http, u + "/pause", params={"mode": "bogus"}) == \
+        (400, {"error": "invalid pause mode 'bogus' or clear_cache"})
+    assert await _post(http, u + "/pause") == (200, {"status": "paused"})
+    assert (await _post(http, u + "/v1/completions", json={"prompt": [1, 2, 3]}))[0] == 503  # abort: rejected
+    assert await _post(http, u + "/release_kv_cache_memory") == (200, {"status": "kv_cache_released"})
+    assert await _post(http, u + "/resume") == (200, {"status": "resumed"})
+    async with http.get(u + "/version") as r:
+        assert await r.json() == {"version": "0.33.0"}
+    async with http.get(u + "/v1/models") as r:
+        cards = {c["id"]: c for c in (await r.json())["data"]}
+    assert cards["sql"]["root"] == "/adapters/sql" and cards["sql"]["parent"] == "m"
+
+
+async def test_tokenize_and_completions(sim) -> None:
+    s, http, _ = sim
+    st, body = await _post(http, s.url + "/tokenize", json={"prompt": "hello world, again"})
+    assert st == 200 and body["count"] == len(body["tokens"]) == 4
+    st, chat = await _post(http, s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"][0] == 151644
+    st, c = await _post(http, s.url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 3})
+    assert st == 200 and c["usage"]["prompt_tokens"] == 40 and c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    st, c2 = await _post(http, s.url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 3})
+    assert c2["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 and c2["choices"] == c["choices"]
+    async with http.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "stream": True, "max_tokens": 2}) as r:
+        text = await r.text()
+    assert text.count("data: ") == 4 and text.rstrip().endswith("data: [DONE]")
+    assert (await _post(http, s.url + "/v1/completions", json={"model": "nope", "prompt": "x"}))[0] == 404
+    assert (await _post(http, s.url + "/v1/completions", data=b"{junk"))[0] == 400
+
+
+async def test_hazards_queued_clear_hang_eviction_restart(sim) -> None:
+    s, http, sub = sim
+    cfg = HashConfig("sha256", None, 16)
+    await _post(http, s.url + "/v1/completions", json={"prompt": list(range(64))})
+    seq, evs = await _recv(sub)
+    assert seq == 0 and isinstance(evs[0], BlockStored) and list(evs[0].block_hashes) == \
+        external_chain(cfg, list(range(64)))
+    await _post(http, s.url + "/sleep", params={"level": "1"})
+    with pytest.raises(asyncio.TimeoutError):
+        await _recv(sub, 0.3)  # AllBlocksCleared is only queued
+    hung = asyncio.create_task(_post(http, s.url + "/v1/completions", json={"prompt": list(range(100, 164))}))
+    await asyncio.sleep(0.3)
+    assert not hung.done()  # a request to a sleeping engine hangs
+    await _post(http, s.url + "/wake_up")
+    assert (await hung)[0] == 200
+    seq, evs = await _recv(sub)
+    assert seq == 1 and isinstance(evs[0], AllBlocksCleared) and isinstance(evs[1], BlockStored)
+    # 8 blocks of capacity: a second 4-block prompt evicts LRU blocks one BlockRemoved each
+    await _post(http, s.url + "/v1/completions", json={"prompt": list(range(200, 280))})
+    seq, evs = await _recv(sub)
+    assert [type(e).__name__ for e in evs].count("BlockRemoved") == 1 and isinstance(evs[-1], BlockStored)
+    async with http.get(s.url + "/sim/cache") as r:
+        truth = await r.json()
+    assert len(truth["block_hashes"]) == 8
+    removed = [h for e in evs if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert not set(removed) & set(truth["block_hashes"])
+    await _post(http, s.url + "/sim/restart")
+    await _post(http, s.url + "/v1/completions", json={"prompt": list(range(32))})
+    seq, _ = await _recv(sub)
+    assert seq == 0  # seq restarts at 0
+
+
+async def test_dropped_events_stay_replayable(sim) -> None:
+    s, http, sub = sim
+    await _post(http, s.url + "/sim/drop_next_events", params={"n": "1"})
+    await _post(http, s.url + "/v1/completions", json={"prompt": list(range(32))})
+    await _post(http, s.url + "/v1/completions", json={"prompt": list(range(50, 82))})
+    seq, _ = await _recv(sub)
+    assert seq == 1  # seq 0 was lost on PUB
+    d = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    d.connect(s.replay)
+    await d.send_multipart([b"", (0).to_bytes(8, "big")])
+    got = []
+    while True:
+        f = await asyncio.wait_for(d.recv_multipart(), 1)
+        if f[2] == b"\xff" * 8:
+            break
+        got.append(parse_seq(f[2]))
+    d.close(0)
+    assert got == [0, 1]
+
+
+def test_cli_prints_endpoints_json() -> None:
+    p = subprocess.Popen([sys.executable, "-m", "fleet.cli.main", "sim-vllm", "--port", "0", "--kv-events-port", "0",
+                          "--replay-port", "0", "--model", "m", "--block-size", "16", "--num-blocks", "32"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(p.stdout.readline())
+        assert info["model"] == "m" and info["url"].startswith("http://127.0.0.1:")
+        assert info["kv_events"].startswith("tcp://") and info["replay"].startswith("tcp://")
+        import urllib.request
+        with urllib.request.urlopen(info["url"] + "/is_sleeping", timeout=5) as r:
+            assert json.loads(r.read()) == {"is_sleeping": False}
+    finally:
+        p.terminate()
+        assert p.wait(10) == 0
