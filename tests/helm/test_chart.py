@@ -557,3 +557,20 @@ def test_chart_packages_and_the_package_renders(tmp_path: Path) -> None:
     print(kinds)
     assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "RayCluster", "Secret",
                      "Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
+
+
+def test_values_files_in_the_docs_are_valid(chart: Any) -> None:
+    """Every `# NAME-values.yaml` block in docs/deploy.md passes the schema and renders."""
+    import re
+
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = re.findall(r"```yaml\n# ([a-z-]+-values\.yaml)\n(.*?)```", doc, re.S)
+    assert {name for name, _ in blocks} >= {"small-values.yaml", "gpu-values.yaml", "workers-values.yaml"}
+    for name, body in blocks:
+        values = yaml.safe_load(body)
+        chart.validate_schema(values)
+        objs = _docs(chart.render(values, name="kvfleet", namespace="kvfleet"))
+        print(name, len(objs), "objects")
+        for o in objs:
+            if o["kind"] not in CRD_KINDS:
+                kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
