@@ -234,20 +234,23 @@ class Router:
             raise Unavailable(f"no serving worker for model {model!r}; every candidate is asleep, paused or down")
         blocks, _, name, r = ranked[0]
         w = self._workers[name]
-        B = w.hash_cfg.block_size if w.hash_cfg else 0
+        B = self._block_size(name)
         verdict = "WARM" if blocks > 0 else "COLD"
         self.metrics.route_total.labels(verdict).inc()
         self._routed += len(token_ids)
         self._matched += blocks * B
         if self._routed:
             self.metrics.hit_rate.set(self._matched / self._routed)
-        cands = tuple(Candidate(n, rr, b * (self._workers[n].hash_cfg.block_size if self._workers[n].hash_cfg else 0))
-                      for b, _, n, rr in ranked)
+        cands = tuple(Candidate(n, rr, b * self._block_size(n)) for b, _, n, rr in ranked)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
         return RouteDecision(name, w.spec.url, r, verdict, blocks * B, w.ranks[r].epoch, cands)
 
+    def _block_size(self, name: str) -> int:
+        cfg = self._workers[name].hash_cfg
+        return cfg.block_size if cfg is not None else 0
+
     def _rank(self, token_ids: Sequence[int], model: str, salt: str | None,
-              lora: str | None) -> list[tuple[int, tuple[float, float], str, int]]:
+              lora: str | None) -> list[tuple[int, tuple[float, float, int], str, int]]:
         chains: dict[Any, list[int]] = {}
         out = []
         for name, w in self._workers.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -94,12 +95,14 @@ def build_app(sim: SimVllm) -> web.Application:
         return _j({"status": "restarted", "start_time": eng.start_time})
 
     async def drop(req: web.Request) -> web.Response:
-        sim.publisher.drop_next += int(req.query.get("n", "1"))
-        return _j({"drop_next": sim.publisher.drop_next})
+        pub = sim.publisher
+        assert pub is not None
+        pub.drop_next += int(req.query.get("n", "1"))
+        return _j({"drop_next": pub.drop_next})
 
     async def cache(req: web.Request) -> web.Response:
         return _j({"block_hashes": eng.resident_external(), "is_sleeping": eng.is_sleeping(),
-                   "serving": not eng.is_sleeping(), "seq": sim.publisher.seq, "start_time": eng.start_time})
+                   "serving": not eng.is_sleeping(), "seq": sim.publisher.seq if sim.publisher else -1, "start_time": eng.start_time})
 
     async def is_sleeping(req: web.Request) -> web.Response:
         return _j({"is_sleeping": eng.is_sleeping()})
@@ -131,14 +134,15 @@ def build_app(sim: SimVllm) -> web.Application:
                     ("/health", health), ("/version", version), ("/v1/models", models), ("/metrics", metrics),
                     ("/sim/cache", cache)):
         r.add_get(path, h)
-    app.middlewares.append(_errors)
+    app.middlewares.append(_errors)  # type: ignore[arg-type]  # aiohttp types the decorator loosely
     return app
 
 
 @web.middleware
-async def _errors(req: web.Request, handler: Any) -> web.StreamResponse:
+async def _errors(req: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
     try:
-        return await handler(req)  # type: ignore[no-any-return]
+        return await handler(req)
     except (InvalidArgument, KeyError, ValueError, TypeError) as e:
         return _j({"error": {"message": str(e), "type": "BadRequestError", "code": 400}}, 400)
 

@@ -40,7 +40,7 @@ class SimVllm:
 
     def __init__(self, cfg: SimConfig | None = None) -> None:
         self.cfg = cfg or SimConfig()
-        self.publisher: Publisher | None = None  # type: ignore[assignment]
+        self.publisher: Publisher | None = None
         self.engine = SimEngine(self.cfg.engine, self._publish)
         self._runner: web.AppRunner | None = None
         self.port = 0

@@ -40,7 +40,7 @@ class Publisher:
         self.drop_next = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.asyncio.Context()
-        self._pub = zmq.Context.instance().socket(zmq.PUB)
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self.port = _bind(self._pub, host, port)
         self.endpoint = f"tcp://{host}:{self.port}"

@@ -18,7 +18,7 @@ VOCAB = 150000
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
-def tokenize(text: str) -> list[int]:
+def tokenize(text: Any) -> list[int]:
     """Deterministic ids for `text` (words and punctuation)."""
     if not isinstance(text, str):
         raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}")

@@ -7,7 +7,6 @@ fails closed (the worker is not serving and not warm).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass, field
@@ -86,7 +85,7 @@ class VllmHttp:
         try:
             async with self.session.request(method, self.url + path, params=params, timeout=self.timeout) as r:
                 return r.status, await r.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as e:
+        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as e:
             raise WorkerHttpError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
     async def json(self, method: str, path: str, params: Any = None, *, empty_ok: bool = False) -> Any:

@@ -184,7 +184,7 @@ class Subscriber:
                 if seq == END_SEQ:
                     return out
                 out.append((seq, payload))
-        except (asyncio.TimeoutError, EventDecodeError, zmq.ZMQError):
+        except (TimeoutError, EventDecodeError, zmq.ZMQError):
             return None
         finally:
             sock.close(0)

@@ -9,13 +9,13 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from vllm_vectors import frames, load
 
 from controller.index import PrefixIndex, tier_of
 from controller.metrics import Metrics
 from controller.vllm.events import EventDecodeError, UnknownEventType, decode_batch, parse_seq
 from controller.vllm.hashing import normalize
 from controller.vllm.subscriber import Subscriber
-from vllm_vectors import frames, load
 
 V = load()
 KEY = ("w", 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from vllm_vectors import frames, load, unhex
 
 from controller.vllm.hashing import (
     HashConfig,
@@ -14,7 +15,6 @@ from controller.vllm.hashing import (
     to_external,
 )
 from fleet.errors import InvalidArgument
-from vllm_vectors import frames, load, unhex
 
 V = load()
 HP = V["hash_params"]

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 from aiohttp import web
+from vllm_vectors import frames, load
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -17,7 +18,6 @@ from controller.sim_vllm.engine import SimEngineConfig
 from controller.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.errors import InvalidArgument, NotFound, Unavailable
-from vllm_vectors import frames, load
 
 TOKS = list(range(1000, 1100))  # 6 full blocks
 
