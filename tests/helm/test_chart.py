@@ -593,3 +593,17 @@ def test_set_flags_in_the_docs_are_valid(chart: Any) -> None:
             checked += 1
     print(checked, "command lines")
     assert checked >= 8
+
+
+def test_longest_release_name_gives_valid_names(chart: Any) -> None:
+    release = "r" * 53  # Helm's longest release name
+    helm.validate_release_name(release)
+    objs = _docs(chart.render({"watcher": {"create": True, "vllmWorkers": VLLM}}, name=release, namespace=NAMESPACE))
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    print(sorted({n for _, n in names}, key=len)[-3:])
+    assert len(names) == len(objs) and all(len(n) <= 63 for _, n in names)
+    # A StatefulSet's controller-revision-hash label is its name + 11 characters (labels: <= 63).
+    assert all(len(n) <= 52 for k, n in names if k in ("StatefulSet", "Deployment", "Job", "RayCluster", "Service"))
+    for o in objs:
+        if o["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(o, KUBE_VERSION, strict=True)

@@ -17,11 +17,12 @@
 {{- end }}
 {{- end }}
 
-{{/* "<fullname>-<component name>", e.g. demo-kvfleet-controller. Call with (list $ "controller"). */}}
+{{/* "<fullname>-<component name>", e.g. demo-kvfleet-controller. Call with (list $ "controller").
+     At most 52 characters: a StatefulSet's controller-revision-hash label appends 11 to its name. */}}
 {{- define "kvfleet.componentName" -}}
 {{- $root := index . 0 }}
 {{- $comp := index $root.Values (index . 1) }}
-{{- printf "%s-%s" (include "kvfleet.fullname" $root) $comp.name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" (include "kvfleet.fullname" $root | trunc 40 | trimSuffix "-") $comp.name | trunc 52 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "kvfleet.chart" -}}
@@ -83,7 +84,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
 {{- define "kvfleet.authSecretName" -}}
-{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "kvfleet.fullname" .)) }}
+{{- .Values.auth.existingSecret | default (printf "%s-auth" (include "kvfleet.fullname" . | trunc 40 | trimSuffix "-")) }}
 {{- end }}
 
 {{- define "kvfleet.redisUrl" -}}
