@@ -109,10 +109,11 @@ class Subscriber:
             return 0
         async with self._lock:
             last = self.sink.last_seq()
-            batches = await self.replay(last + 1) if last >= 0 else None
+            batches = await self.replay(last + 1)
             n = 0
             for seq, payload in batches or []:
-                if seq != self.sink.last_seq() + 1:
+                # a fresh stream (-1) may start anywhere: a suffix of the stream is sound
+                if seq != self.sink.last_seq() + 1 and self.sink.last_seq() >= 0:
                     break
                 self._replayed[seq] = payload
                 self._apply(seq, payload)

@@ -40,10 +40,14 @@ async def _router(store, **kw) -> Router:
     return r
 
 
-async def _complete(sim, toks, **kw):
+async def _complete(sim, toks, router=None, **kw):
     async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks, **kw}) as r:
         assert r.status == 200
-    await asyncio.sleep(0.15)
+    for _ in range(200):  # until the router has ingested every batch the worker published
+        await asyncio.sleep(0.01)
+        if router is not None and all(s.last_seq >= sim.publisher.seq - 1 for s in router.workers()
+                                      if s.url == sim.url):
+            return
 
 
 def _spec(i, s, **kw):
@@ -58,7 +62,7 @@ async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
             await r.register_worker(_spec(i, s))
         d = await r.route(TOKS, "m")
         assert d.verdict == "COLD"
-        await _complete(sims[int(d.worker[1:])], TOKS)
+        await _complete(sims[int(d.worker[1:])], TOKS, r)
         d = await r.route(TOKS, "m")
         assert (d.verdict, d.matched_tokens) == ("WARM", 96)
         w = await r.lifecycle(d.worker, "pause", mode="keep")       # preserving: index kept, not serving
@@ -72,7 +76,7 @@ async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
         assert (w.kv, w.serving, w.epoch) == ("forgotten", True, e0 + 2)  # bumped before and after the call
         assert json.loads(store.kv_get("epochs", f"{d.worker}/0"))["epoch"] == e0 + 2
         assert (await r.route(TOKS, "m")).verdict == "COLD"
-        await _complete(sims[int(d.worker[1:])], TOKS)               # publishes [AllBlocksCleared, BlockStored]
+        await _complete(sims[int(d.worker[1:])], TOKS, r)               # publishes [AllBlocksCleared, BlockStored]
         assert (await r.route(TOKS, "m")).verdict == "WARM"
         await r.stop()
         r = await _router(store)                                     # a new controller on the same store
@@ -91,7 +95,7 @@ async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
     r = await _router(store)
     try:
         await r.register_worker(_spec(0, sim))
-        await _complete(sim, TOKS, cache_salt="tenant-a")
+        await _complete(sim, TOKS, r, cache_salt="tenant-a")
         assert (await r.route(TOKS, "m", cache_salt="tenant-a")).verdict == "WARM"
         assert (await r.route(TOKS, "m", cache_salt="tenant-b")).verdict == "COLD"  # nothing leaks across tenants
         assert (await r.route(TOKS, "m")).verdict == "COLD"
@@ -225,7 +229,7 @@ async def test_probe_closes_behind_the_back_window(tmp_path) -> None:
         for i, s in enumerate(sims):
             await r.register_worker(_spec(i, s))
         d = await r.route(TOKS, "m")
-        await _complete(sims[int(d.worker[1:])], TOKS)
+        await _complete(sims[int(d.worker[1:])], TOKS, r)
         assert (await r.route(TOKS, "m")).verdict == "WARM"
         async with aiohttp.ClientSession() as h:
             await h.post(sims[int(d.worker[1:])].url + "/sleep", params={"level": "1"})  # behind its back
