@@ -1,0 +1,143 @@
+"""Detector interface and the shipped prompt-injection detector.
+
+A detector reads a tool result (str or bytes) and returns a `Verdict`. The shipped one scores
+categories of attack (see `rules.py`) over several views of the text — normalised, hidden, decoded —
+and quarantines when the score reaches 1.0. A match that is only *mentioned* (inside quotes or code,
+in a document that discusses attacks) counts a quarter: a security article quoting an injection is
+not an injection.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fleet.quarantine import rules as R
+from fleet.quarantine import text as T
+
+THRESHOLD = 1.0
+MENTION_FACTOR = 0.25
+_QUOTED_RE = re.compile(r"\"[^\"\n]{3,400}\"|“[^”\n]{3,400}”|«[^»\n]{3,400}»|„[^“\n]{3,400}“|'[^'\n]{8,400}'|`[^`\n]+`|```.*?```", re.S)
+# Reported speech: "phrases such as ...", "attempts to override ..." (only consulted in documents about attacks).
+_MENTION_VERB_RE = re.compile(
+    r"(?:like|such as|e\.g\.|phrase|string|text|wrote|writes|says|saying|reads|containing|contains|"
+    r"(?:attempts?|attempting|tries|trying|try|designed|used|intended|meant|able|seeks?|aims?|wants?)\s+to)\W*$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A detector's answer: quarantined or not, why, and how strongly."""
+
+    quarantined: bool
+    reasons: list[str] = field(default_factory=list)
+    score: float = 0.0
+
+
+class Detector(Protocol):
+    """Anything with `inspect(text) -> Verdict` is a detector (pluggable)."""
+
+    def inspect(self, text: str | bytes) -> Verdict: ...
+
+
+class PromptInjectionDetector:
+    """Rule-based prompt-injection detector over normalised, hidden and decoded views (multilingual)."""
+
+    def __init__(self, threshold: float = THRESHOLD, max_depth: int = 2) -> None:
+        self.threshold, self.max_depth = threshold, max_depth
+
+    def inspect(self, text: str | bytes | bytearray | memoryview) -> Verdict:
+        """Score `text` and return a Verdict.
+
+        Args:
+            text: the tool result (bytes are decoded as UTF-8, or UTF-16 with a BOM).
+
+        Returns:
+            Verdict(quarantined = score >= threshold, reasons = the categories that fired, sorted).
+        """
+        scores = self._score(T.decode_bytes(text), depth=0)
+        total = round(sum(scores.values()), 4)
+        reasons = sorted(c for c, s in scores.items() if s >= 0.1)
+        return Verdict(quarantined=total >= self.threshold, reasons=reasons, score=total)
+
+    # ---- scoring ------------------------------------------------------------------------------------
+    def _score(self, raw: str, depth: int) -> dict[str, float]:
+        norm = T.normalize(raw)
+        scores = self._language(norm)
+        self._hidden(raw, scores, depth)
+        if depth < self.max_depth:
+            self._encoded(raw, norm, scores, depth)
+        return scores
+
+    def _language(self, norm: str) -> dict[str, float]:
+        scores: dict[str, float] = {}
+        quoted = [m.span() for m in _QUOTED_RE.finditer(norm)]
+        meta = R.MENTION_MARKERS.search(norm) is not None
+        for rule in R.RULES:
+            for m in rule.pattern.finditer(norm):
+                w = self._exfil_weight(norm, m) if rule.exfil else rule.weight
+                if w and meta and self._is_mention(norm, m, quoted):
+                    w *= MENTION_FACTOR
+                _bump(scores, rule.category, w)
+        if R.MARKDOWN_EXFIL.search(norm):
+            _bump(scores, "exfiltration", 1.0)
+        if R.DECODE_HINT.search(norm):
+            _bump(scores, "encoded_instructions", 0.5)
+        return scores
+
+    @staticmethod
+    def _exfil_weight(norm: str, m: re.Match[str]) -> float:
+        """An exfiltration verb counts only with something sensitive and a destination nearby."""
+        window = norm[max(0, m.start() - 150): m.end() + 250]
+        sensitive = R.SENSITIVE.search(window)
+        if sensitive is None or R.DESTINATION.search(window) is None:
+            return 0.0
+        # NOTE: "send your password reset request to support@..." speaks to a human about their own
+        # data; an attack asks the reader to ship someone else's (the conversation, the user's keys).
+        own = window[max(0, sensitive.start() - 5): sensitive.start()].endswith("your ")
+        return 0.5 if own else 1.0
+
+    @staticmethod
+    def _is_mention(norm: str, m: re.Match[str], quoted: list[tuple[int, int]]) -> bool:
+        inside = any(a <= m.start() and m.end() <= b for a, b in quoted)
+        return inside or _MENTION_VERB_RE.search(norm[max(0, m.start() - 40): m.start()]) is not None
+
+    def _hidden(self, raw: str, scores: dict[str, float], depth: int) -> None:
+        n_invisible = T.count_invisible(raw)
+        if n_invisible >= 3:
+            _bump(scores, "hidden_text", 0.5)
+        if T.mixed_script_words(raw) >= 2:
+            _bump(scores, "hidden_text", 0.5)
+        for segment in T.hidden_segments(raw):
+            inner = self._score(segment, depth + 1) if depth < self.max_depth else {}
+            if sum(inner.values()) >= 0.5:  # hidden *and* instructive: the attack is what is hidden
+                _bump(scores, "hidden_text", 0.5)
+                for c, s in inner.items():
+                    _bump(scores, c, s)
+
+    def _encoded(self, raw: str, norm: str, scores: dict[str, float], depth: int) -> None:
+        for _, decoded in T.decoded_payloads(raw):
+            inner = self._score(decoded, depth + 1)
+            if sum(inner.values()) >= 0.5:
+                _bump(scores, "encoded_instructions", min(1.0, sum(inner.values())))
+        rotated = self._language(T.normalize(T.rot13(raw)))
+        strong = sum(s for c, s in rotated.items() if c in ("instruction_override", "system_prompt_leak", "exfiltration"))
+        if strong >= 1.0:
+            _bump(scores, "encoded_instructions", 1.0)
+
+
+def _bump(scores: dict[str, float], category: str, weight: float) -> None:
+    if weight > scores.get(category, 0.0):
+        scores[category] = weight
+
+
+_DEFAULT: PromptInjectionDetector | None = None
+
+
+def default_detector() -> PromptInjectionDetector:
+    """The shipped prompt-injection detector (shared, stateless)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = PromptInjectionDetector()
+    return _DEFAULT
