@@ -19,6 +19,8 @@ from fleet.kernel.weights import Weights, load_pretrained, synthetic
 
 BACKENDS = ("numpy", "torch")
 MAX_TILE = 1024
+DEFAULT_TILE = 64  # rows per fixed-shape tile (bench/kernel_prefill.py: prefill vs decode trade-off)
+DEFAULT_BLOCK = 16  # tokens per cache block
 
 
 def cpu_name() -> str:
@@ -59,8 +61,8 @@ class Kernel:
         backend: str = "numpy",
         device: str = "cpu",
         threads: int = 1,
-        block_size: int = 16,
-        tile_size: int = 64,
+        block_size: int = DEFAULT_BLOCK,
+        tile_size: int = DEFAULT_TILE,
     ) -> None:
         if not (isinstance(threads, int) and threads >= 1):
             raise InvalidArgument(f"threads must be a positive integer, got {threads!r}")
