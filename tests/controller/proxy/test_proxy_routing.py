@@ -36,8 +36,8 @@ async def test_conversation_turns_land_warm_on_the_prefix_holder(fleet: Fleet) -
         # the controller learns the new blocks from the worker's KV events (asynchronous), then the user replies
         await until(lambda w=worker: fleet.blocks_known(w), lambda n, p=prompt: n >= p // BLOCK)
         messages = messages + [body["choices"][0]["message"], {"role": "user", "content": f"And day {turn + 2}?"}]
-    for r in rows:
-        print("turn %d -> %s %s matched=%d worker-cached=%d prompt=%d epoch=%s" % r)
+    for t, w, v, m, c, n, e in rows:
+        print(f"turn {t} -> {w} {v} matched={m} worker-cached={c} prompt={n} epoch={e}")
     # control: tenant B sends the very same conversation; its cache_salt differs, so nothing is warm for it
     hb, bb = await _turn(fleet, messages, who="b")
     print("tenant B, same text:", hb["x-kvfleet-verdict"], hb["x-kvfleet-matched-tokens"],
