@@ -253,6 +253,7 @@ class Router:
               lora: str | None) -> list[tuple[int, tuple[float, float, int], str, int]]:
         chains: dict[Any, list[int]] = {}
         out = []
+        head = repr(token_ids[:64]).encode()
         for name, w in self._workers.items():
             adapter = lora or (model if model in w.loras else None)
             if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
@@ -269,7 +270,7 @@ class Router:
                     blocks = self.index.match((name, r), chains[ck])
                 # ties: load (running + waiting, KV usage), then a per-prefix spread so cold
                 # sessions do not all land on one worker
-                spread = zlib.crc32(name.encode() + repr(token_ids[:64]).encode())
+                spread = zlib.crc32(head, zlib.crc32(name.encode()))
                 out.append((blocks, (w.load.running + w.load.waiting, w.load.kv_usage, spread), name, r))
         out.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
         return out
