@@ -97,6 +97,7 @@ class Forwarder:
             try:
                 return await self._attempt(t, path, body, sends, failures)
             except AttemptFailed as e:
+                self.directory.suspect(t.worker)  # later requests skip it until the controller catches up
                 self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
                 failures.append(f"{t.worker}: {e}")
         raise ProxyError(503, "no serving worker answered (" + "; ".join(failures or ["no candidate"]) + ")")
@@ -107,7 +108,6 @@ class Forwarder:
         try:
             done, _ = await asyncio.wait({task}, timeout=self.cfg.first_byte_timeout_s)
             if not done and await self._asleep(t.url):
-                self.directory.suspect(t.worker)
                 raise AttemptFailed(f"asleep: no first byte within {self.cfg.first_byte_timeout_s}s "
                                     "and /is_sleeping says so")
             resp, first = await task

@@ -98,3 +98,31 @@ def _sum(fleet: Fleet, name: str) -> float:
 
     text = fleet.proxy.metrics.render().decode()
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+async def test_paused_or_dead_worker_costs_at_most_one_attempt(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, reconcile_s=3.0)
+    try:
+        x = await _warm(fleet)
+        async with fleet.http.post(fleet.sims[x].url + "/pause?mode=abort") as r:  # vLLM answers 503 while paused
+            assert r.status == 200
+        paused = [await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+                  for _ in range(3)]
+        print("paused behind the back -> attempts", [h["x-kvfleet-attempts"] for _, h, _ in paused])
+        assert all(s == 200 and h["x-kvfleet-worker"] != x for s, h, _ in paused)
+        assert [h["x-kvfleet-attempts"] for _, h, _ in paused] == ["2", "1", "1"]  # then skipped as suspect
+        async with fleet.http.post(fleet.sims[x].url + "/resume") as r:
+            assert r.status == 200
+        fleet.proxy.directory._suspect.clear()
+        # a dead worker: connection refused
+        y = next(n for n in fleet.sims if n != x)
+        await fleet.sims.pop(y).stop()  # the controller still lists it as serving
+        got = await asyncio.gather(*(fleet.post("/v1/completions", {"model": MODEL, "prompt": f"{PROMPT} {i}",
+                                                                    "max_tokens": 2}) for i in range(6)))
+        assert all(s == 200 for s, _, _ in got), [b[:300] for s, _, b in got if s != 200]
+        attempts = [int(h["x-kvfleet-attempts"]) for _, h, _ in got]
+        print(f"{y} dead -> served by", sorted({h["x-kvfleet-worker"] for _, h, _ in got}), "attempts", attempts)
+        assert all(s == 200 and h["x-kvfleet-worker"] != y for s, h, _ in got)
+        assert all(a <= 2 for a in attempts)
+    finally:
+        await fleet.stop()
