@@ -1,0 +1,75 @@
+"""ModelConfig parsing from config.json dicts, RoPE scaling, and the byte tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fleet.errors import InvalidArgument
+from fleet.kernel import ByteTokenizer, ModelConfig
+from fleet.kernel.rope import inv_freq
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 176,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def test_from_hf_reads_v4_and_v5_rope_fields() -> None:
+    v5 = ModelConfig.from_hf(
+        {
+            **LLAMA,
+            "rope_parameters": {
+                "rope_theta": 5e5,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+    )
+    v4 = ModelConfig.from_hf(
+        {
+            **LLAMA,
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        }
+    )
+    assert v4 == v5 and v5.rope_theta == 5e5 and v5.rope_scaling_dict()["rope_type"] == "llama3"
+    assert (v5.head_dim, v5.n_groups, v5.max_context, v5.sliding_window) == (16, 2, 2048, None)
+    plain = ModelConfig.from_hf({**LLAMA, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
+    # Llama-3 scaling leaves high frequencies alone and divides the lowest by `factor`.
+    f3, f0 = inv_freq(v5), inv_freq(plain)
+    assert f3[0] == f0[0] and np.isclose(f3[-1], f0[-1] / 8.0)
+
+
+def test_qwen2_and_mistral_specifics() -> None:
+    q = ModelConfig.from_hf(
+        {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 32}
+    )
+    assert q.qkv_bias and not q.o_bias and q.sliding_window is None
+    m = ModelConfig.from_hf({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 512})
+    assert m.max_context == 512
+
+
+def test_byte_tokenizer_round_trip() -> None:
+    tok = ByteTokenizer(512)
+    ids = tok.encode("héllo, agent")
+    assert max(ids) < 256 and tok.decode(ids) == "héllo, agent".encode()
+    assert tok.decode([*ids, 300]) == "héllo, agent".encode()  # ids past the byte range are dropped
+    with pytest.raises(InvalidArgument):
+        ByteTokenizer(100)
