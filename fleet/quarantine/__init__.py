@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from fleet.quarantine.admit import Admission, admit_tool_result
 from fleet.quarantine.detector import Detector, PromptInjectionDetector, Verdict, default_detector
 
-__all__ = ["Detector", "PromptInjectionDetector", "Verdict", "default_detector"]
+__all__ = ["Admission", "Detector", "PromptInjectionDetector", "Verdict", "admit_tool_result", "default_detector"]

@@ -1,0 +1,261 @@
+"""SessionContext: a kernel Session plus the ledger of the pieces its context is made of, and its op log.
+
+Pure core (no ray, grpc, redis or zmq). The ledger says which token span of the KV cache holds which
+piece (system prompt, message, tool result by CAS ref, model output):
+
+```
+    KV positions:  0 ........ 12 ............... 40 ............. 97 ...... 110
+    pieces:        | system #0 | message #1 (user) | tool_result #2 | output #3 |
+                                                    ref=ab12..., tenant=acme
+```
+
+Every mutation is described by a JSON op, handed to `sink` (the shell writes it to
+`store.oplog_append`) BEFORE it is applied, then recorded in `ops`. `SessionContext.replay(ops, ...)`
+rebuilds a context whose cache is bit-identical (equal `digest()`):
+
+    {"op": "append", "piece": 2, "kind": "tool_result", "ref": "<sha256>", "tenant": "acme", "num_tokens": 57}
+    {"op": "append", "piece": 1, "kind": "message", "role": "user", "tenant": "acme", "tokens": [...]}
+    {"op": "evict", "piece": 2, "start": 40, "length": 57, "mode": "exact", "reason": "quarantine"}
+    {"op": "quarantine", "ref": "<sha256>", "reasons": ["instruction_override"]}
+    {"op": "fork", "parent": "s1", "at": 7}    (a child's log = the parent's first `at` ops + this marker)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
+
+if TYPE_CHECKING:
+    from fleet.kernel import EvictReport, Kernel, Session
+
+KINDS = ("system", "message", "tool_result", "output")
+RESIDENT, EVICTED, QUARANTINED, SHIFTED, LOST = "resident", "evicted", "quarantined", "shifted", "lost"
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str | bytes) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One ledger entry. `start`/`length` locate its tokens in the KV cache while it is resident.
+
+    state: resident (KV valid) | evicted (dropped, bytes elsewhere) | quarantined (held out) |
+           shifted (a reposition eviction moved it; its layer>=1 KV still carries the evicted span) |
+           lost (the cache was lost).
+    """
+
+    piece_id: int
+    kind: str
+    start: int
+    length: int
+    tenant: str
+    tokens: tuple[int, ...]
+    ref: str | None = None
+    role: str | None = None
+    state: str = RESIDENT
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS and self.length == len(self.tokens), self
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class SessionContext:
+    """A kernel session with its piece ledger and op log (see module docstring)."""
+
+    def __init__(self, session: Session, tokenizer: Tokenizer, tenant: str = "default", session_id: str = "s0",
+                 sink: Callable[[dict[str, Any]], object] | None = None, store: Any = None) -> None:
+        self.session, self.tokenizer, self.tenant, self.session_id = session, tokenizer, tenant, session_id
+        self.sink, self.store = sink, store  # store: optional BlobStore, consulted for quarantine verdicts
+        self.pieces: list[Piece] = []
+        self.ops: list[dict[str, Any]] = []
+        self.quarantined: dict[str, list[str]] = {}
+        self.witnesses: list[dict[str, Any]] = []
+
+    @classmethod
+    def new(cls, kernel: Kernel, tokenizer: Tokenizer, tenant: str = "default", session_id: str = "s0",
+            sink: Callable[[dict[str, Any]], object] | None = None, store: Any = None) -> SessionContext:
+        return cls(kernel.session(), tokenizer, tenant, session_id, sink, store)
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.session.kernel
+
+    # ---- appends ------------------------------------------------------------------------------------
+    def add_system(self, text: str) -> Piece:
+        """Append a system prompt piece."""
+        return self._append_tokens("system", self.tokenizer.encode(_text(text)), role="system")
+
+    def add_message(self, role: str, text: str) -> Piece:
+        """Append a chat message piece (`role` e.g. user / assistant)."""
+        if not isinstance(role, str) or not role:
+            raise InvalidArgument(f"role must be a non-empty str, got {role!r}")
+        return self._append_tokens("message", self.tokenizer.encode(_text(text)), role=role)
+
+    def add_output(self, token_ids: list[int]) -> Piece:
+        """Append model output (token ids the session generated)."""
+        return self._append_tokens("output", list(token_ids))
+
+    def generate(self, n: int) -> Piece:
+        """Greedy-decode `n` tokens on a scratch fork, then append them as one output piece."""
+        branch = self.session.fork()
+        try:
+            ids = branch.generate(n)
+        finally:
+            branch.close()
+        return self.add_output(ids)
+
+    def add_tool_result(self, ref: str, data: bytes, tenant: str | None = None) -> Piece:
+        """Append a tool result (its bytes, which must hash to `ref`); quarantined refs are refused.
+
+        Raises:
+            InvalidArgument: the bytes do not hash to `ref`.
+            FailedPrecondition: `ref` is quarantined (held out of every context).
+        """
+        if not isinstance(data, bytes | bytearray) or hashlib.sha256(data).hexdigest() != ref:
+            raise InvalidArgument(f"tool result bytes do not hash to ref {ref!r}")
+        self._refuse_quarantined(ref)
+        tokens = self.tokenizer.encode(bytes(data))
+        op = {"op": "append", "piece": len(self.pieces), "kind": "tool_result", "ref": ref,
+              "tenant": tenant or self.tenant, "num_tokens": len(tokens)}
+        return self._apply_append(op, tokens)
+
+    def _append_tokens(self, kind: str, tokens: list[int], role: str | None = None) -> Piece:
+        op: dict[str, Any] = {"op": "append", "piece": len(self.pieces), "kind": kind, "tenant": self.tenant,
+                              "tokens": tokens}
+        if role is not None:
+            op["role"] = role
+        return self._apply_append(op, tokens)
+
+    def _apply_append(self, op: dict[str, Any], tokens: list[int]) -> Piece:
+        vocab = self.kernel.config.vocab_size
+        if not tokens or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+            raise InvalidArgument(f"a piece needs >= 1 token id in [0, {vocab}); nothing was appended")
+        self._log(op)
+        self.session.append(tokens)
+        piece = Piece(op["piece"], op["kind"], len(self.session) - len(tokens), len(tokens), op["tenant"],
+                      tuple(tokens), op.get("ref"), op.get("role"))
+        self.pieces.append(piece)
+        return piece
+
+    # ---- eviction, quarantine, fork ---------------------------------------------------------------------
+    def evict_piece(self, piece_id: int, mode: str = "exact", reason: str = "evict") -> EvictReport:
+        """Drop a resident piece's tokens from the KV cache; later pieces move down.
+
+        Args:
+            piece_id: the piece.
+            mode: "exact" (survivors re-derived: bit-identical to never-saw) or "reposition"
+                (survivors re-rotated; marked `shifted` unless the kernel reports exactness).
+            reason: recorded in the op ("evict", "quarantine", ...).
+        """
+        p = self.piece(piece_id)
+        if p.state not in (RESIDENT, SHIFTED):
+            raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")
+        self._log({"op": "evict", "piece": piece_id, "start": p.start, "length": p.length, "mode": mode,
+                   "reason": reason})
+        report = self.session.evict(p.start, p.length, mode)
+        gone = QUARANTINED if reason == "quarantine" else EVICTED
+        for i, q in enumerate(self.pieces):
+            if q.piece_id == piece_id:
+                self.pieces[i] = dataclasses.replace(q, state=gone)
+            elif q.state in (RESIDENT, SHIFTED) and q.start >= p.end:
+                # exact mode re-derived the survivors; reposition keeps them exact only if the kernel says so
+                state = RESIDENT if report.exact and mode == "exact" else q.state if report.exact else SHIFTED
+                self.pieces[i] = dataclasses.replace(q, start=q.start - p.length, state=state)
+        return report
+
+    def quarantine(self, ref: str, reasons: list[str]) -> None:
+        """Hold `ref` out of this context from now on (recorded in the op log)."""
+        self._log({"op": "quarantine", "ref": ref, "reasons": list(reasons)})
+        self.quarantined[ref] = list(reasons)
+
+    def fork(self, session_id: str, sink: Callable[[dict[str, Any]], object] | None = None) -> SessionContext:
+        """A copy-on-write branch with its own ledger; its op log starts with the parent's ops."""
+        child = SessionContext(self.session.fork(), self.tokenizer, self.tenant, session_id, sink, self.store)
+        child.pieces, child.quarantined = list(self.pieces), dict(self.quarantined)
+        for op in self.ops:
+            child._log(op)
+        child._log({"op": "fork", "parent": self.session_id, "at": len(self.ops)})
+        return child
+
+    def mark_lost(self) -> None:
+        """The shell saw the KV cache go (worker reset / actor loss): resident pieces become `lost`."""
+        self.pieces = [dataclasses.replace(p, state=LOST) if p.state in (RESIDENT, SHIFTED) else p
+                       for p in self.pieces]
+
+    # ---- queries ----------------------------------------------------------------------------------------
+    def piece(self, piece_id: int) -> Piece:
+        if not isinstance(piece_id, int) or not 0 <= piece_id < len(self.pieces):
+            raise NotFound(f"no piece {piece_id!r} in session {self.session_id!r}")
+        return self.pieces[piece_id]
+
+    def is_resident(self, p: Piece) -> bool:
+        """The piece's tokens sit at its span in the live session (and it is marked resident)."""
+        toks = self.session.tokens
+        return p.state == RESIDENT and p.end <= len(toks) and tuple(toks[p.start:p.end]) == p.tokens
+
+    def digest(self) -> str:
+        return self.session.digest()
+
+    # ---- op log -----------------------------------------------------------------------------------------
+    def _log(self, op: dict[str, Any]) -> None:
+        if self.sink is not None:
+            self.sink(op)  # durable before the op is applied (write-ahead)
+        self.ops.append(op)
+
+    def _refuse_quarantined(self, ref: str) -> None:
+        if ref not in self.quarantined and self.store is not None and self.store.exists(ref, self.tenant):
+            meta = self.store.stat(ref, self.tenant)
+            if meta.quarantined:
+                self.quarantined[ref] = list(meta.reasons)
+        if ref in self.quarantined:
+            raise FailedPrecondition(f"blob {ref} is quarantined ({', '.join(self.quarantined[ref])}); "
+                                     "it is held out of every context")
+
+    @classmethod
+    def replay(cls, ops: list[dict[str, Any]], kernel: Kernel, tokenizer: Tokenizer,
+               fetch: Callable[[str], bytes], tenant: str = "default", session_id: str = "s0") -> SessionContext:
+        """Rebuild a context from its op log; the cache is bit-identical to the original's.
+
+        Args:
+            ops: the op log (as written to the store).
+            kernel, tokenizer: the same model and tokenizer as the original.
+            fetch: ref -> bytes (e.g. `lambda r: store.get(r, tenant)`), for tool-result appends.
+        """
+        ctx = cls.new(kernel, tokenizer, tenant, session_id)
+        for op in ops:
+            ctx._replay_one(op, fetch)
+        return ctx
+
+    def _replay_one(self, op: dict[str, Any], fetch: Callable[[str], bytes]) -> None:
+        kind = op.get("op")
+        if kind == "append" and op["kind"] == "tool_result":
+            tokens = self.tokenizer.encode(fetch(op["ref"]))
+            if len(tokens) != op["num_tokens"]:
+                raise FailedPrecondition(f"replay: ref {op['ref']} tokenizes to {len(tokens)} tokens, "
+                                         f"the log says {op['num_tokens']} (different tokenizer?)")
+            self._apply_append(dict(op), tokens)
+        elif kind == "append":
+            self._apply_append(dict(op), list(op["tokens"]))
+        elif kind == "evict":
+            self.evict_piece(op["piece"], op["mode"], op.get("reason", "evict"))
+        elif kind == "quarantine":
+            self.quarantine(op["ref"], op["reasons"])
+        elif kind == "fork":
+            self._log(dict(op))
+        else:
+            raise InvalidArgument(f"replay: unknown op {op!r}")
+
+
+def _text(text: object) -> str:
+    if not isinstance(text, str):
+        raise InvalidArgument(f"text must be a str, got {type(text).__name__}")
+    return text
