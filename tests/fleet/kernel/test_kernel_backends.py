@@ -65,12 +65,16 @@ def test_cuda_backend_witnesses() -> None:
     from fleet.kernel.witness import run_witnesses
 
     rows = run_witnesses(backend="torch", device="cuda")
-    for r in rows:
-        print(f"[cuda] {r.name}: max|Δ|={r.value:.2e} control={r.control} ok={r.ok}")
-    ref = make_kernel("numpy").session().append(rand_ids(50, 300))
+    for r in rows:  # CUDA aims for the same zeros; its measured max|Δ| is reported, bounded by 1e-4
+        print(f"[cuda] {r.name}: max|Δ|={r.value:.2e} control={r.control} holds={r.ok}")
+    assert all(r.value <= 1e-4 for r in rows if r.claim in ("== 0", "<= 1e-4"))
+    ids = rand_ids(50, 300)
+    ref = make_kernel("numpy").session().append(ids)
     got = (
-        Kernel.synthetic(ModelConfig.tiny(), seed=0, backend="torch", device="cuda")
+        Kernel.synthetic(ModelConfig.tiny(), seed=0, backend="torch", device="cuda", tile_size=32)
         .session()
-        .append(rand_ids(50, 300))
+        .append(ids)
     )
-    assert max_abs_delta(got, ref) <= 1e-4
+    d = max_abs_delta(got, ref)
+    print(f"[cuda] numpy vs torch/cuda logits max|Δ|={d:.2e}")
+    assert d <= 1e-4
