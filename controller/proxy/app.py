@@ -139,9 +139,10 @@ class Handlers:
                        for r in w.ranks]} for w in ws]})
 
     async def health(self, req: web.Request) -> web.Response:
-        d = self.p.directory
+        d, t = self.p.directory, self.p.tokenizer
         return web.json_response({"status": "ok", "workers": len(d.workers),
-                                  "serving": sum(d.serving(n) for n in d.workers), "directory_error": d.last_error})
+                                  "serving": sum(d.serving(n) for n in d.workers), "directory_error": d.last_error,
+                                  "tokenizer": {"local": self.p.cfg.tokenizer, "parity": t.parity}})
 
     async def metrics(self, req: web.Request) -> web.Response:
         return web.Response(body=self.p.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -22,6 +23,13 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 
+log = logging.getLogger("kvfleet.proxy")
+# NOTE: a local tokenizer is used for a model only after it gave the worker's own ids on these probes
+PROBES: tuple[dict[str, Any], ...] = (
+    {"prompt": "Hello, world! The quick brown fox jumps over the lazy dog."},
+    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is 2 + 2?"}]},
+)
 CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
              "add_special_tokens", "mm_processor_kwargs")
 
@@ -61,6 +69,8 @@ class Tokenizer:
         self.cfg, self.directory, self.http = cfg, directory, http
         self._cache: OrderedDict[tuple[str, str, str], list[int]] = OrderedDict()
         self._hf: Any = None
+        self.parity: dict[str, bool] = {}  # model -> the local tokenizer gave the worker's ids on PROBES
+        self._parity_lock = asyncio.Lock()
         self.num_calls = 0
         self.num_hits = 0
 
@@ -81,9 +91,37 @@ class Tokenizer:
             self._cache.move_to_end(key)
             self.num_hits += 1
             return hit
-        ids = await (asyncio.to_thread(self._hf_ids, req) if self._hf is not None else self._remote(req, base))
+        local = self._hf is not None and await self.local_ok(base)
+        ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(req, base))
         self._remember(key, ids)
         return ids
+
+    async def local_ok(self, base: str) -> bool:
+        """Whether the local tokenizer may stand in for `base`'s workers (checked once, on PROBES)."""
+        if base not in self.parity:
+            async with self._parity_lock:
+                if base not in self.parity:
+                    await self._check_parity(base)
+        return self.parity.get(base, False)
+
+    async def _check_parity(self, base: str) -> None:
+        urls = self.directory.tokenizer_urls(base)
+        if not urls:
+            return  # no worker to compare with yet: use the workers' /tokenize, check again next time
+        try:
+            for probe in PROBES:
+                req = {"model": base, **probe}
+                remote, local = await self._post_tokenize(urls[0], req), await asyncio.to_thread(self._hf_ids, req)
+                if remote != local:
+                    log.error("local tokenizer %s differs from the workers of %s (%s: %d vs %d ids); using the "
+                              "workers' /tokenize for it", self.cfg.tokenizer, base, next(iter(probe)), len(local),
+                              len(remote))
+                    self.parity[base] = False
+                    return
+        except (aiohttp.ClientError, TimeoutError, ProxyError) as e:
+            log.warning("tokenizer parity check for %s failed (%s); will retry", base, e)
+            return
+        self.parity[base] = True
 
     def _remember(self, key: tuple[str, str, str], ids: list[int]) -> None:
         if self.cfg.tokenize_cache_size == 0:
@@ -122,5 +160,5 @@ class Tokenizer:
                   if k in req}
             kw.setdefault("add_generation_prompt", True)
             ids = tok.apply_chat_template(req["messages"], tokenize=True, **kw, **(req.get("chat_template_kwargs") or {}))
-            return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+            return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]  # BatchEncoding or list
         return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))]

@@ -54,7 +54,8 @@ async def test_models_health_and_metrics(fleet: Fleet) -> None:
     assert r.status == 200 and [m["id"] for m in models["data"]] == [MODEL]
     async with fleet.http.get(fleet.proxy.url + "/health") as r:
         health = await r.json()
-    assert health == {"status": "ok", "workers": 3, "serving": 3, "directory_error": None}
+    assert health == {"status": "ok", "workers": 3, "serving": 3, "directory_error": None,
+                      "tokenizer": {"local": None, "parity": {}}}
     status, h, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 2})
     assert status == 200
     async with fleet.http.get(fleet.proxy.url + "/metrics") as r:

@@ -1,0 +1,84 @@
+"""`--tokenizer hf:PATH`: a local Hugging Face tokenizer stands in for the workers' /tokenize only for
+models where it gave the workers' own ids on the parity probes; a tokenizer that differs is refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+
+from proxy_fleet import MODEL, served, start_fleet, until
+
+from controller.proxy.tokenize import PROBES
+from controller.sim_vllm import tokenizer as simtok
+
+PROMPTS = ["Plan the delivery route for truck seven, then report.", "And the return trip?"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_hf_tokenizer(path: Path, skew_word: str | None = None) -> Path:
+    """A WordLevel tokenizer with the stand-in's ids and ChatML template; skew_word gets a wrong id."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [p["prompt"] if "prompt" in p else json.dumps(p["messages"]) for p in PROBES] + PROMPTS
+    words = set(re.findall(r"\w+|[^\w\s]", " ".join(texts + ["system user assistant"])))
+    vocab = {w: 100 + zlib.crc32(w.encode()) % simtok.VOCAB for w in words}
+    if skew_word is not None:
+        vocab[skew_word] += 1
+    vocab.update({"[UNK]": 0, "\n": simtok.NEWLINE, "<|im_start|>": simtok.IM_START, "<|im_end|>": simtok.IM_END})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), "removed"),
+                                                pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), "isolated")])
+    tk.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+async def test_local_tokenizer_with_parity_replaces_the_tokenize_hop(tmp_path: Path) -> None:
+    hf = build_hf_tokenizer(tmp_path / "tok")
+    fleet = await start_fleet(tmp_path, tokenizer=f"hf:{hf}")
+    try:
+        msgs = [{"role": "user", "content": PROMPTS[0]}]
+        local = fleet.proxy.tokenizer._hf_ids({"messages": msgs})
+        print("local ids == the worker's chat-template ids:", local == simtok.apply_chat_template(msgs), len(local))
+        assert local == simtok.apply_chat_template(msgs)
+        rows = []
+        for turn in range(3):
+            status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                                                       "max_tokens": 4})
+            assert status == 200, raw
+            body = json.loads(raw)
+            rows.append((h["x-kvfleet-worker"], h["x-kvfleet-verdict"], int(h["x-kvfleet-matched-tokens"]),
+                         body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            await until(lambda w=h["x-kvfleet-worker"]: fleet.blocks_known(w),
+                        lambda n, p=body["usage"]["prompt_tokens"]: n >= p // 16)
+            # NOTE: user turns only: this toy vocabulary has no entry for the stand-in's generated words
+            msgs = msgs + [{"role": "user", "content": PROMPTS[1]}]
+        tokenize_calls = sum(len(served(s, "/tokenize")) for s in fleet.sims.values())
+        print("turns (worker, verdict, matched, worker-cached):", rows, "| worker /tokenize calls:", tokenize_calls)
+        assert fleet.proxy.tokenizer.parity == {MODEL: True}
+        assert tokenize_calls == len(PROBES)  # only the parity probes; every request was tokenized locally
+        assert [r[1] for r in rows] == ["COLD", "WARM", "WARM"] and all(r[2] == r[3] for r in rows)
+    finally:
+        await fleet.stop()
+
+
+async def test_a_tokenizer_that_differs_is_not_used(tmp_path: Path) -> None:
+    hf = build_hf_tokenizer(tmp_path / "tok", skew_word="fox")  # one probe word maps to another id
+    fleet = await start_fleet(tmp_path, tokenizer=f"hf:{hf}")
+    try:
+        for _ in range(2):
+            status, _, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[0] + " x",
+                                                                  "max_tokens": 2})
+            assert status == 200, raw
+        tokenize_calls = sum(len(served(s, "/tokenize")) for s in fleet.sims.values())
+        print("skewed tokenizer: parity", fleet.proxy.tokenizer.parity, "| worker /tokenize calls:", tokenize_calls)
+        assert fleet.proxy.tokenizer.parity == {MODEL: False}
+        assert tokenize_calls == 1 + 1  # the failed probe, then the workers' /tokenize (cached for the repeat)
+    finally:
+        await fleet.stop()
