@@ -48,7 +48,7 @@ async def test_local_tokenizer_with_parity_replaces_the_tokenize_hop(tmp_path: P
         print("local ids == the worker's chat-template ids:", local == simtok.apply_chat_template(msgs), len(local))
         assert local == simtok.apply_chat_template(msgs)
         rows = []
-        for turn in range(3):
+        for _ in range(3):
             status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs,
                                                                        "max_tokens": 4})
             assert status == 200, raw
