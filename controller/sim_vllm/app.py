@@ -130,7 +130,14 @@ def build_app(sim: SimVllm) -> web.Application:
                     ("/v1/completions", complete), ("/v1/chat/completions", chat), ("/sim/restart", restart),
                     ("/sim/drop_next_events", drop)):
         r.add_post(path, h)
-    for path, h in (("/is_sleeping", is_sleeping), ("/is_paused", is_paused), ("/server_info", server_info),
+    async def kv_event_sources(req: web.Request) -> web.Response:
+        pub = sim.publisher
+        assert pub is not None
+        return _j({"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub.endpoint,
+                         "replay_endpoint": pub.replay_endpoint, "buffer_steps": sim.cfg.buffer_steps,
+                         "topic": sim.cfg.topic}})
+
+    for path, h in (("/kv_event_sources", kv_event_sources), ("/is_sleeping", is_sleeping), ("/is_paused", is_paused), ("/server_info", server_info),
                     ("/health", health), ("/version", version), ("/v1/models", models), ("/metrics", metrics),
                     ("/sim/cache", cache)):
         r.add_get(path, h)

@@ -74,6 +74,7 @@ class Worker:
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
         self.sleep_ops: float | None = None
         self._reset_seen: set[int] = set()
+        self._persisted_seq: dict[int, int] = {}
         self._subs: list[Subscriber] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -108,6 +109,10 @@ class Worker:
     # events
     def on_batch(self, rank: int, seq: int, batch: EventBatch) -> None:
         key = (self.spec.name, rank)
+        if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
+            self.ranks[rank] = dataclasses.replace(self.ranks[rank], seq=seq)
+            self.invalidate(rank, "wrong_dp_rank")  # another rank's batch on this socket: fail closed
+            return
         st = dataclasses.replace(self.ranks[rank], seq=seq)
         bumped = False
         for ev in batch.events:
@@ -285,11 +290,19 @@ class Worker:
                 await self.reconcile_once()
                 for sub in self._subs:
                     await sub.poll_tail()
+                self._persist_seqs()
 
             except Exception:
                 log.exception("reconcile of %s failed", self.spec.name)
                 self._mark_down("reconcile_error")
             _ = t0
+
+    def _persist_seqs(self) -> None:
+        """The last seq seen, persisted at most once per reconcile tick (epoch changes persist at once)."""
+        for r, st in self.ranks.items():
+            if self._persisted_seq.get(r) != st.seq:
+                self.persist(r)
+                self._persisted_seq[r] = st.seq
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -243,3 +243,35 @@ async def test_probe_closes_behind_the_back_window(tmp_path) -> None:
         for s in sims:
             await s.stop()
         store.close()
+
+
+async def test_lora_routes_wrong_seed_never_warm_and_dp_rank_check(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sims = await _sims(2, loras={"sql": "/adapters/sql"})
+    r = await _router(store)
+    try:
+        await r.register_worker(_spec(0, sims[0]))
+        await r.register_worker(_spec(1, sims[1], hash_seed="42"))  # wrong PYTHONHASHSEED for that worker
+        await _complete(sims[0], TOKS, r, model="sql")
+        assert (await r.route(TOKS, "m", lora="sql")).verdict == "WARM"   # ("lora", name, root) on every block
+        assert (await r.route(TOKS, "sql")).verdict == "WARM"             # the adapter name as model
+        assert (await r.route(TOKS, "m")).verdict == "COLD"               # base model: other hashes
+        with pytest.raises(Unavailable):
+            await r.route(TOKS, "other-model")
+        await _complete(sims[1], TOKS[:64], r)
+        w1 = r.worker("w1")
+        assert not w1.calibrated and r.index.num_blocks(("w1", 0)) == 0    # self-calibration failed: fail closed
+        d = await r.route(TOKS[:64], "m")
+        assert d.matched_tokens == 0 and d.verdict == "COLD"
+        # control: the same request on the correctly configured worker is predicted warm
+        await _complete(sims[0], TOKS[:64], r)
+        assert (await r.route(TOKS[:64], "m")).verdict == "WARM"
+        from controller.vllm.events import EventBatch
+        e0 = r.worker("w0").ranks[0].epoch
+        r.worker("w0").on_batch(0, r.worker("w0").ranks[0].seq + 1, EventBatch(0.0, (), 1))
+        assert r.worker("w0").ranks[0].epoch == e0 + 1 and (await r.route(TOKS[:64], "m")).verdict == "COLD"
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+        store.close()
