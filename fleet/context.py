@@ -157,6 +157,8 @@ class SessionContext:
             reason: recorded in the op ("evict", "quarantine", ...).
         """
         p = self.piece(piece_id)
+        if mode not in ("exact", "reposition"):
+            raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         if p.state not in (RESIDENT, SHIFTED):
             raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")
         self._log({"op": "evict", "piece": piece_id, "start": p.start, "length": p.length, "mode": mode,

@@ -1,0 +1,114 @@
+"""SessionContext: the piece ledger, the write-ahead op log, and exact replay (digest equality)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleet.cas import open_store
+from fleet.context import EVICTED, RESIDENT, SHIFTED, SessionContext
+from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.kernel import ByteTokenizer, Kernel, ModelConfig
+
+TOOL = b"Search results: 1. Lisbon hotels from 80 EUR. 2. Porto hostels from 25 EUR."
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    return Kernel.synthetic(ModelConfig.tiny(), seed=0)
+
+
+def _build(kernel: Kernel, store: Any, sink: Any = None) -> SessionContext:
+    ctx = SessionContext.new(kernel, ByteTokenizer(512), "acme", "s1", sink=sink, store=store)
+    ctx.add_system("You are a travel agent.")
+    ctx.add_message("user", "Find a cheap hotel.")
+    ctx.add_tool_result(store.put(TOOL, "acme"), TOOL)
+    ctx.generate(4)
+    ctx.add_message("user", "And in Porto?")
+    return ctx
+
+
+def test_ledger_spans_are_contiguous_and_typed(kernel: Kernel, tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/s.db")
+    ctx = _build(kernel, store)
+    assert [p.kind for p in ctx.pieces] == ["system", "message", "tool_result", "output", "message"]
+    assert [p.start for p in ctx.pieces] == [0, 23, 42, 42 + len(TOOL), 46 + len(TOOL)]
+    assert sum(p.length for p in ctx.pieces) == len(ctx.session)
+    assert ctx.pieces[2].ref == store.put(TOOL, "acme") and all(p.state == RESIDENT for p in ctx.pieces)
+    assert all(ctx.is_resident(p) for p in ctx.pieces)
+
+
+def test_ops_reach_the_sink_before_they_are_applied(kernel: Kernel, tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/s.db")
+    seen: list[tuple[str, int]] = []
+    ctx: SessionContext | None = None
+
+    def sink(op: dict[str, Any]) -> None:
+        seen.append((op["op"], len(ctx.session) if ctx else 0))
+        store.oplog_append("acme", "s1", op)
+
+    ctx = SessionContext.new(kernel, ByteTokenizer(512), "acme", "s1", sink=sink, store=store)
+    ctx.add_system("sys")
+    ctx.add_message("user", "hi")
+    assert seen == [("append", 0), ("append", 3)]  # the session had not grown yet when the op was written
+    assert store.oplog_read("acme", "s1") == ctx.ops
+
+
+def test_replay_from_the_store_is_bit_identical(kernel: Kernel, tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/s.db")
+    ctx = _build(kernel, store, sink=lambda op: store.oplog_append("acme", "s1", op))
+    ctx.evict_piece(1, mode="reposition")
+    ctx.evict_piece(3, mode="exact")
+    ops = store.oplog_read("acme", "s1")
+    again = SessionContext.replay(ops, kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme", "s1")
+    assert again.digest() == ctx.digest() and again.pieces == ctx.pieces
+    control = SessionContext.replay(ops[:-1], kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme")
+    print(f"replay digest equal: {again.digest() == ctx.digest()}; control (last op dropped) equal: "
+          f"{control.digest() == ctx.digest()}")
+    assert control.digest() != ctx.digest()
+
+
+def test_eviction_states_exact_vs_reposition(kernel: Kernel, tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/s.db")
+    a = _build(kernel, store)
+    a.evict_piece(1, mode="exact")
+    assert [p.state for p in a.pieces] == [RESIDENT, EVICTED, RESIDENT, RESIDENT, RESIDENT]
+    assert a.pieces[2].start == 23 and all(a.is_resident(p) for p in a.pieces if p.state == RESIDENT)
+    b = _build(kernel, store)
+    b.evict_piece(1, mode="reposition")  # 2 layers: the survivors' layer-1 KV still carries the span
+    assert [p.state for p in b.pieces] == [RESIDENT, EVICTED, SHIFTED, SHIFTED, SHIFTED]
+    with pytest.raises(FailedPrecondition, match="evicted"):
+        b.evict_piece(1)
+
+
+def test_fork_log_starts_with_the_parents_ops_and_replays(kernel: Kernel, tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/s.db")
+    parent = _build(kernel, store)
+    child = parent.fork("s2")
+    child.add_message("user", "branch only")
+    parent.evict_piece(2)
+    assert child.ops[len(parent.ops) - 1] == {"op": "fork", "parent": "s1", "at": len(parent.ops) - 1}
+    again = SessionContext.replay(child.ops, kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme", "s2")
+    assert again.digest() == child.digest() != parent.digest()
+    assert child.pieces[2].state == RESIDENT  # the parent's eviction did not touch the branch
+
+
+def test_bad_input_changes_nothing(kernel: Kernel, tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/s.db")
+    ctx = _build(kernel, store)
+    before = (ctx.digest(), list(ctx.ops), list(ctx.pieces))
+    with pytest.raises(InvalidArgument, match="do not hash"):
+        ctx.add_tool_result(store.put(TOOL, "acme"), TOOL + b"tampered")
+    with pytest.raises(InvalidArgument, match="token id"):
+        ctx.add_output([1, 2, 512])
+    with pytest.raises(InvalidArgument, match="token id"):
+        ctx.add_output([])
+    with pytest.raises(InvalidArgument, match="must be a str"):
+        ctx.add_message("user", b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="evict mode"):
+        ctx.evict_piece(1, mode="fast")
+    with pytest.raises(NotFound, match="no piece 9"):
+        ctx.evict_piece(9)
+    assert (ctx.digest(), ctx.ops, ctx.pieces) == before
