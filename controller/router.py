@@ -299,8 +299,8 @@ class Router:
 def _check_route_args(token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> None:
     if not isinstance(model, str) or not model:
         raise InvalidArgument("route needs a model name")
-    if not isinstance(token_ids, list | tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+    if not isinstance(token_ids, list | tuple) or not set(map(type, token_ids)) <= {int} \
+            or (token_ids and min(token_ids) < 0):
         raise InvalidArgument("token_ids must be a list of non-negative ints")
     if salt is not None and not isinstance(salt, str):
         raise InvalidArgument("cache_salt must be a string")
