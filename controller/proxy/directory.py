@@ -117,7 +117,8 @@ class WorkerDirectory:
     def resolve(self, model: str) -> tuple[str, str | None]:
         """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it."""
         if not self.workers and self.last_error:
-            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error})")
+            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error}); start it with an operator "
+                                  "token (--token or KVFLEET_PROXY_TOKEN)")
         for c in self.models():
             if c.get("id") == model:
                 parent = c.get("parent")

@@ -1,0 +1,45 @@
+"""Proxy configurations: no token passthrough (one trusted tenant), and a proxy token that cannot list workers."""
+
+from __future__ import annotations
+
+import json
+
+from proxy_fleet import MODEL, Fleet
+
+from controller.proxy import Proxy, ProxyConfig
+
+
+async def _second_proxy(fleet: Fleet, **kw: object) -> Proxy:
+    return await Proxy(ProxyConfig(controller=fleet.ctl.address, listen="127.0.0.1:0", refresh_s=0.2,
+                                   **kw)).start()  # type: ignore[arg-type]
+
+
+async def test_without_passthrough_every_request_is_the_proxys_tenant(fleet: Fleet) -> None:
+    proxy = await _second_proxy(fleet, token=fleet.tokens["op"], token_passthrough=False)
+    try:
+        body = {"model": MODEL, "prompt": "one shared tenant", "max_tokens": 1}
+        async with fleet.http.post(proxy.url + "/v1/completions", json=body) as r:  # no Authorization at all
+            assert r.status == 200, await r.text()
+        async with fleet.http.post(proxy.url + "/v1/completions", json=body,
+                                   headers={"Authorization": "Bearer kvf_ignored"}) as r:
+            assert r.status == 200  # the client's header is not used in this mode
+        # control: the passthrough proxy refuses the same anonymous request
+        async with fleet.http.post(fleet.proxy.url + "/v1/completions", json=body) as r:
+            assert r.status == 401
+    finally:
+        await proxy.stop()
+
+
+async def test_a_proxy_token_without_the_operator_role_is_reported(fleet: Fleet) -> None:
+    proxy = await _second_proxy(fleet, token=fleet.tokens["a"])
+    try:
+        async with fleet.http.get(proxy.url + "/health") as r:
+            health = await r.json()
+        async with fleet.http.post(proxy.url + "/v1/completions", headers=fleet.headers(),
+                                   json={"model": MODEL, "prompt": "hi"}) as r:
+            status, err = r.status, json.loads(await r.read())["error"]
+        print("health:", health["directory_error"][:80], "| request:", status, err["message"][:100])
+        assert health["workers"] == 0 and "operator role" in health["directory_error"]
+        assert status == 503 and "cannot see the fleet" in err["message"]
+    finally:
+        await proxy.stop()
