@@ -105,13 +105,14 @@ class Fleet:
             await s.stop()
 
 
-async def start_fleet(tmp_path: Path, num_workers: int = 3, reconcile_s: float = 0.5, **proxy_kw: Any) -> Fleet:
+async def start_fleet(tmp_path: Path, num_workers: int = 3, reconcile_s: float = 0.5,
+                      loras: dict[str, str] | None = None, **proxy_kw: Any) -> Fleet:
     """Controller + sims + proxy on loopback; reconcile_s is the controller's reconcile interval (how long a
     sleep behind its back goes unseen); proxy_kw override ProxyConfig fields."""
     sim_main.build_app = observing_build_app  # type: ignore[assignment]
     try:
-        sims = {f"w{i}": await SimVllm(SimConfig(engine=SimEngineConfig(model=MODEL, block_size=BLOCK,
-                                                                          num_blocks=512))).start()
+        sims = {f"w{i}": await SimVllm(SimConfig(engine=SimEngineConfig(model=MODEL, block_size=BLOCK, num_blocks=512,
+                                                                          loras=dict(loras or {})))).start()
                 for i in range(num_workers)}
     finally:
         sim_main.build_app = _real_build_app

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from proxy_fleet import BLOCK, MODEL, Fleet, served, until
+from proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
 
 SYSTEM = "You are a careful assistant. " * 8
 
@@ -62,3 +63,29 @@ async def test_models_health_and_metrics(fleet: Fleet) -> None:
         text = await r.text()
     line = f'kvfleet_proxy_requests_total{{status="200",verdict="COLD",worker="{h["x-kvfleet-worker"]}"}} 1.0'
     assert line in text and "kvfleet_proxy_added_latency_seconds_bucket" in text
+
+
+async def test_lora_cards_are_listed_and_routed_with_the_adapter(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, loras={"sql-lora": "/adapters/sql"})
+    try:
+        async with fleet.http.get(fleet.proxy.url + "/v1/models", headers=fleet.headers()) as r:
+            cards = {m["id"]: m.get("parent") for m in (await r.json())["data"]}
+        assert cards == {MODEL: None, "sql-lora": MODEL}
+        rows = []
+        for _ in range(2):
+            status, h, raw = await fleet.post("/v1/completions", {"model": "sql-lora", "prompt": SYSTEM,
+                                                                  "max_tokens": 2})
+            assert status == 200, raw
+            body = json.loads(raw)
+            rows.append((h["x-kvfleet-worker"], h["x-kvfleet-verdict"], int(h["x-kvfleet-matched-tokens"]),
+                         body["usage"]["prompt_tokens_details"]["cached_tokens"], body["model"]))
+            await until(lambda w=h["x-kvfleet-worker"]: fleet.blocks_known(w),
+                        lambda n, p=body["usage"]["prompt_tokens"]: n >= p // BLOCK)
+        # control: the base model on the same text shares no blocks with the adapter (LoRA is in every block hash)
+        status, hb, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": SYSTEM, "max_tokens": 2})
+        print("LoRA turns (worker, verdict, matched, worker-cached, model):", rows,
+              "| base model, same text:", hb["x-kvfleet-verdict"], hb["x-kvfleet-matched-tokens"])
+        assert rows[0][1] == "COLD" and rows[1][:2] == (rows[0][0], "WARM") and rows[1][2] == rows[1][3] > 0
+        assert rows[1][4] == "sql-lora" and hb["x-kvfleet-verdict"] == "COLD"
+    finally:
+        await fleet.stop()
