@@ -221,8 +221,11 @@ class Worker:
         restarted = (st.start_time is not None and m.start_time is not None and m.start_time != st.start_time) \
             or (st.version is not None and version != st.version)
         if restarted and r not in self._reset_seen:
-            fence = "reset" if st.seq >= 0 else ""
-            self.invalidate(r, "restart", fence=fence, phase="serving", kv="forgotten")
+            if self._subs:  # old batches may still sit in our SUB queue: wait for the new publisher's seq
+                self.invalidate(r, "restart", fence="reset" if st.seq >= 0 else "", phase="serving", kv="forgotten")
+            else:  # not subscribed yet (controller start): the stream we will read is the new publisher's
+                self.invalidate(r, "restart", phase="serving", kv="forgotten")
+                self._set(r, dataclasses.replace(self.ranks[r], seq=-1, epoch_seq=0, fence=""))
         self._reset_seen.discard(r)
         if (m.start_time, version) != (self.ranks[r].start_time, self.ranks[r].version):
             self._set(r, dataclasses.replace(self.ranks[r], start_time=m.start_time, version=version))
@@ -311,3 +314,5 @@ class Worker:
                 await self._task
         for s in self._subs:
             await s.stop()
+        self._subs = []
+        self._persist_seqs()  # a graceful stop leaves the last seq in the store

@@ -275,3 +275,29 @@ async def test_lora_routes_wrong_seed_never_warm_and_dp_rank_check(tmp_path) -> 
         for s in sims:
             await s.stop()
         store.close()
+
+
+async def test_worker_restarted_while_controller_was_down(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    r = await _router(store)
+    other = list(range(5000, 5064))
+    try:
+        await r.register_worker(_spec(0, sim))
+        await _complete(sim, TOKS, r)
+        await _complete(sim, other, r)
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+        await r.stop()
+        sim.restart()                                   # seq back to 0, cache empty, new start time
+        async with aiohttp.ClientSession() as h:
+            async with h.post(sim.url + "/v1/completions", json={"prompt": other}) as resp:
+                assert resp.status == 200
+        r = await _router(store)
+        await asyncio.sleep(0.3)
+        assert (await r.route(TOKS, "m")).verdict == "COLD"                    # died with the old process
+        assert (await r.route(other, "m")).verdict == "WARM"                   # rebuilt from the new publisher
+        assert r.metrics.epoch_bumps.labels("restart")._value.get() == 1
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
