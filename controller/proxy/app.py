@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from controller.proxy.errors import ProxyError, error_response, from_fleet
+from controller.proxy.forward import FORWARDED
 from fleet.errors import KvfleetError
 
 if TYPE_CHECKING:
@@ -80,6 +81,13 @@ async def read_json(req: web.Request, limit: int) -> dict[str, Any]:
     return body
 
 
+def upstream_headers(req: web.Request) -> dict[str, str]:
+    """What the worker gets: JSON, the client's tracing and encoding headers (identity unless it asked)."""
+    out = {k: req.headers[k] for k in FORWARDED if k in req.headers}
+    out.setdefault("Accept-Encoding", "identity")  # relayed bytes must be ones the client accepts
+    return {**out, "Content-Type": "application/json"}
+
+
 class Handlers:
     def __init__(self, proxy: Proxy) -> None:
         self.p = proxy
@@ -111,7 +119,7 @@ class Handlers:
         ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant)
         d = await p.control.route(ids, base, lora=lora, token=token)
         fwd = {**body, "cache_salt": d.cache_salt} if d.cache_salt else body  # NOTE: the tenant's salt always wins
-        opened = await p.forwarder.open(req.path, json.dumps(fwd).encode(), d, base)
+        opened = await p.forwarder.open(req.path, json.dumps(fwd).encode(), d, base, upstream_headers(req))
         t = opened.target
         extra = {"x-kvfleet-worker": t.worker, "x-kvfleet-verdict": t.verdict,
                  "x-kvfleet-matched-tokens": str(t.matched_tokens), "x-kvfleet-epoch": str(t.epoch),

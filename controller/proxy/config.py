@@ -21,6 +21,7 @@ class ProxyConfig:
     token: str | None = None
     token_passthrough: bool = True
     tokenizer: str | None = None  # None: each worker's own /tokenize; "hf:PATH": a local HF tokenizer
+    worker_api_key: str | None = None  # vLLM's --api-key, sent to the workers (never the client's token)
     first_byte_timeout_s: float = 1.0  # then probe /is_sleeping: a sleeping vLLM accepts and hangs
     probe_timeout_s: float = 0.5
     connect_timeout_s: float = 2.0

@@ -29,6 +29,7 @@ from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
 from fleet.sdk.types import RouteDecision
 
+FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
 
@@ -81,7 +82,7 @@ class Forwarder:
                  metrics: ProxyMetrics) -> None:
         self.cfg, self.directory, self.http, self.metrics = cfg, directory, http, metrics
 
-    async def open(self, path: str, body: bytes, d: RouteDecision, base: str) -> Opened:
+    async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str]) -> Opened:
         """Open the request on the chosen worker or, after one failure before the first byte, the next one."""
         failures: list[str] = []
         sends = 0
@@ -95,16 +96,17 @@ class Forwarder:
                 continue
             sends += 1
             try:
-                return await self._attempt(t, path, body, sends, failures)
+                return await self._attempt(t, path, body, headers, sends, failures)
             except AttemptFailed as e:
                 self.directory.suspect(t.worker)  # later requests skip it until the controller catches up
                 self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
                 failures.append(f"{t.worker}: {e}")
         raise ProxyError(503, "no serving worker answered (" + "; ".join(failures or ["no candidate"]) + ")")
 
-    async def _attempt(self, t: Target, path: str, body: bytes, sends: int, failures: list[str]) -> Opened:
+    async def _attempt(self, t: Target, path: str, body: bytes, headers: dict[str, str], sends: int,
+                       failures: list[str]) -> Opened:
         t_sent = time.perf_counter()
-        task = asyncio.create_task(self._open(t.url.rstrip("/") + path, body))
+        task = asyncio.create_task(self._open(t.url.rstrip("/") + path, body, headers))
         try:
             done, _ = await asyncio.wait({task}, timeout=self.cfg.first_byte_timeout_s)
             if not done and await self._asleep(t.url):
@@ -116,11 +118,10 @@ class Forwarder:
             raise
         return Opened(t, resp, first, t_sent, time.perf_counter(), sends, tuple(failures))
 
-    async def _open(self, url: str, body: bytes) -> tuple[aiohttp.ClientResponse, bytes]:
+    async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         try:
-            resp = await self.http.post(url, data=body, headers={"Content-Type": "application/json"},
-                                        timeout=timeout)
+            resp = await self.http.post(url, data=body, headers=headers, timeout=timeout)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AttemptFailed(f"connect: {type(e).__name__}: {e}") from e
         try:

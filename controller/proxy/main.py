@@ -4,7 +4,8 @@
     curl -H "Authorization: Bearer $TENANT_TOKEN" localhost:8000/v1/chat/completions -d '{"model": ...}'
 
 Environment variables are read here and nowhere else (flags win): KVFLEET_CONTROLLER,
-KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own operator token, to list workers).
+KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own operator token, to list workers),
+KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "for every request (single-tenant, trusted network)")
     p.add_argument("--tokenizer", default=None, metavar="hf:PATH",
                    help="tokenize with a local Hugging Face tokenizer (the workers' own) instead of their /tokenize")
+    p.add_argument("--worker-api-key", default=e("KVFLEET_WORKER_API_KEY"),
+                   help="the workers' vLLM --api-key, if they have one (sent to them, never to the controller)")
     p.add_argument("--first-byte-timeout", type=float, default=1.0,
                    help="seconds without a first byte before probing the worker's /is_sleeping (default 1.0)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
@@ -44,7 +47,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
 
 def config_from(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
-                       tokenizer=a.tokenizer, first_byte_timeout_s=a.first_byte_timeout,
+                       tokenizer=a.tokenizer, worker_api_key=a.worker_api_key,
+                       first_byte_timeout_s=a.first_byte_timeout,
                        max_body_bytes=a.max_body_bytes)
 
 

@@ -32,7 +32,9 @@ class Proxy:
     async def start(self) -> Proxy:
         # NOTE: no pool limit (the default 100 would queue the 101st concurrent stream); no decompression,
         # so the bytes relayed are the worker's bytes.
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        key = self.cfg.worker_api_key
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                                          headers={"Authorization": f"Bearer {key}"} if key else None)
         self.directory = WorkerDirectory(self.cfg, self.control, self.http)
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 import controller.sim_vllm.main as sim_main
 from controller.auth import mint_token
@@ -37,6 +38,7 @@ class Seen:
     method: str
     path: str
     proto: Any
+    headers: CIMultiDict[str]
     outcome: str = "running"  # "ok" | "running" | the exception's class name
 
     @property
@@ -50,7 +52,7 @@ def observing_build_app(sim: SimVllm) -> web.Application:
 
     @web.middleware
     async def observe(req: web.Request, handler: Any) -> web.StreamResponse:
-        s = Seen(req.method, req.path, req.protocol)
+        s = Seen(req.method, req.path, req.protocol, CIMultiDict(req.headers))
         sim.seen.append(s)  # type: ignore[attr-defined]
         try:
             resp = await handler(req)

@@ -43,3 +43,26 @@ async def test_a_proxy_token_without_the_operator_role_is_reported(fleet: Fleet)
         assert status == 503 and "cannot see the fleet" in err["message"]
     finally:
         await proxy.stop()
+
+
+async def test_headers_the_worker_gets(fleet: Fleet) -> None:
+    from proxy_fleet import served
+
+    proxy = await _second_proxy(fleet, token=fleet.tokens["op"], worker_api_key="vllm-key")
+    try:
+        for url in (fleet.proxy.url, proxy.url):
+            async with fleet.http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "trace me"},
+                                       headers={**fleet.headers(), "X-Request-Id": "req-42"}) as r:
+                assert r.status == 200
+                worker = r.headers["x-kvfleet-worker"]
+            got = served(fleet.sims[worker], "/v1/completions")[-1].headers
+            print(url, {k: got.get(k) for k in ("X-Request-Id", "Accept-Encoding", "Authorization")})
+            assert got["X-Request-Id"] == "req-42" and got["Accept-Encoding"] == "gzip, deflate"  # the client's
+            assert fleet.tokens["a"] not in str(got)  # the client's bearer token never reaches a worker
+            assert got.get("Authorization") == (None if url == fleet.proxy.url else "Bearer vllm-key")
+        async with fleet.http.post(proxy.url + "/v1/completions", json={"model": MODEL, "prompt": "no encoding"},
+                                   headers=fleet.headers(), skip_auto_headers={"Accept-Encoding"}) as r:
+            worker = r.headers["x-kvfleet-worker"]
+        assert served(fleet.sims[worker], "/v1/completions")[-1].headers["Accept-Encoding"] == "identity"
+    finally:
+        await proxy.stop()
