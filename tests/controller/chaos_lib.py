@@ -55,6 +55,7 @@ class Result:
     undetected: int = 0
     reverted: int = 0
     restarts_of_controller: int = 0
+    rebuilt: tuple[dict[str, Any], dict[str, Any]] | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -264,8 +265,10 @@ class Chaos:
         try:
             for step in range(steps):
                 if self.restart_at is not None and step == self.restart_at:
+                    before = {s.name: (s.epoch, s.num_blocks) for s in self.router.workers()}
                     await self.router.stop()
-                    self.router = await self._new_router()
+                    self.router = await self._new_router()  # empty index: rebuilt by replay from the store's seqs
+                    self.res.rebuilt = (before, {s.name: (s.epoch, s.num_blocks) for s in self.router.workers()})
                     self.res.restarts_of_controller += 1
                 if self.rng.random() < p_action:
                     await self.act()

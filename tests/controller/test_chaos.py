@@ -38,7 +38,12 @@ async def test_chaos_through_controller_and_restart() -> None:
         assert r.router.stale == 0
         assert r.router.hit_rate() >= 0.95, r.router.hit_rate()
         assert r.router.warm > 50 and r.router.oracle > 0  # non-vacuous: many warm verdicts were checked
-    assert d.restarts_of_controller == 1
+    assert d.restarts_of_controller == 1 and d.rebuilt is not None
+    print("    controller restart: (epoch, indexed blocks) per worker before stop", d.rebuilt[0],
+          "| after the new controller's replay", d.rebuilt[1])
+    blocks = [{k: v[1] for k, v in x.items()} for x in d.rebuilt]
+    assert blocks[0] == blocks[1] and sum(blocks[0].values()) > 0  # same index; epochs may only grow
+    assert all(d.rebuilt[1][k][0] >= e for k, (e, _) in d.rebuilt[0].items())
     assert a.baseline.stale > 0  # (c) control: the AllBlocksCleared-only baseline routes stale on the same trace
 
 
