@@ -33,10 +33,19 @@ REGISTRY = "kvfleet.sessions"
 
 @dataclass(frozen=True, slots=True)
 class AppendResult:
+    """What a mutating call returned: `result` is the verb's (a Piece, an EvictReport, an
+    Admission); `logits` the session's next-token logits; `replayed` True when the op was already
+    in the log (a retry after a crash) and was answered, not applied again."""
+
+    result: Any
     logits: np.ndarray | None
     num_tokens: int
     op_index: int | None
     replayed: bool
+
+
+def _result(r: dict[str, Any]) -> AppendResult:
+    return AppendResult(r["result"], r["logits"], r["num_tokens"], r["op_index"], r["replayed"])
 
 
 class KernelFleet:
@@ -160,15 +169,15 @@ class KernelFleet:
 
     # -- session verbs ------------------------------------------------------------------------
 
-    def create_session(self, tenant: str, session_id: str, system_prompt: str | list[int]) -> dict[str, Any]:
+    def create_session(self, tenant: str, session_id: str, system_prompt: str) -> dict[str, Any]:
         """Place and start a session; it adopts the node's warm prefix blocks if it has them."""
         from fleet.cas.base import check_name, check_tenant
 
         check_tenant(tenant)
         check_name("session_id", session_id)
+        if not isinstance(system_prompt, str) or not system_prompt:
+            raise InvalidArgument("the system prompt must be a non-empty str")
         tokens = self._tokens(system_prompt)
-        if not tokens:
-            raise InvalidArgument("the system prompt must not be empty")
         if self.store.kv_get(REGISTRY, f"{tenant}/{session_id}") is not None:
             raise AlreadyExists(f"session {session_id!r} already exists")
         node = self._place(tenant, tokens)
@@ -176,7 +185,8 @@ class KernelFleet:
                "created": time.time()}
         self._save(rec)
         try:
-            out = self._get(self.supervisors[node].create_session.remote(tenant, session_id, tokens, uuid.uuid4().hex))
+            out = self._get(self.supervisors[node].create_session.remote(
+                tenant, session_id, system_prompt, tokens, uuid.uuid4().hex))
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
@@ -184,16 +194,36 @@ class KernelFleet:
         self._save(rec)
         return rec
 
-    def append(self, tenant: str, session_id: str, tokens: str | list[int]) -> AppendResult:
-        r = self._call(tenant, session_id, "append", self._tokens(tokens), uuid.uuid4().hex)
-        return AppendResult(r["result"], r["num_tokens"], r["op_index"], r["replayed"])
+    def _op(self, tenant: str, session_id: str, verb: str, *args: Any) -> AppendResult:
+        return _result(self._call(tenant, session_id, verb, *args, uuid.uuid4().hex))
+
+    def append(self, tenant: str, session_id: str, content: str | list[int], role: str = "user") -> AppendResult:
+        """Append a message (text, with its role) or model output (token ids); result: the Piece."""
+        if isinstance(content, list):
+            content = self._tokens(content)
+        elif not isinstance(content, str):
+            raise InvalidArgument(f"append takes text or token ids, got {type(content).__name__}")
+        return self._op(tenant, session_id, "append", content, role)
 
     def generate(self, tenant: str, session_id: str, n: int) -> list[int]:
-        r = self._call(tenant, session_id, "generate", n, uuid.uuid4().hex)
-        return list(r["result"]) if r["result"] is not None else []
+        """Greedy-decode `n` tokens and append them as an output piece; returns them."""
+        return list(self._op(tenant, session_id, "generate", n).result.tokens)
 
-    def evict(self, tenant: str, session_id: str, start: int, length: int, mode: str = "exact") -> Any:
-        return self._call(tenant, session_id, "evict", start, length, mode, uuid.uuid4().hex)["result"]
+    def evict(self, tenant: str, session_id: str, piece_id: int, mode: str = "exact") -> Any:
+        """Evict one piece from the session's KV cache; returns the kernel's EvictReport."""
+        return self._op(tenant, session_id, "evict", piece_id, mode).result
+
+    def add_tool_result(self, tenant: str, session_id: str, ref: str) -> AppendResult:
+        """Append a tool result stored in the CAS (by ref); quarantined refs are refused."""
+        return self._op(tenant, session_id, "add_tool_result", ref)
+
+    def admit_tool_result(self, tenant: str, session_id: str, ref: str) -> Any:
+        """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness (Admission)."""
+        return self._op(tenant, session_id, "admit_tool_result", ref).result
+
+    def working_set(self, tenant: str, session_id: str, budget_tokens: int) -> Any:
+        """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
+        return self._call(tenant, session_id, "working_set", budget_tokens)
 
     def fork(self, tenant: str, session_id: str, child_id: str) -> dict[str, Any]:
         """A branch in its own actor (on the parent's node): the parent's ops replayed, isolated."""
@@ -204,11 +234,15 @@ class KernelFleet:
         if self.store.kv_get(REGISTRY, f"{tenant}/{child_id}") is not None:
             raise AlreadyExists(f"session {child_id!r} already exists")
         ops = self._call(tenant, session_id, "ops")
+        ops = [*ops, {"op": "fork", "parent": session_id, "at": len(ops)}]
         rec = {"tenant": tenant, "session": child_id, "node": parent["node"], "state": "creating", "epoch": 0,
                "created": time.time(), "parent": session_id}
         self._save(rec)
-        sup = self.supervisors[parent["node"]]
-        self._get(sup.fork.remote(tenant, ops, session_id, child_id, uuid.uuid4().hex))
+        try:
+            self._get(self.supervisors[parent["node"]].fork.remote(tenant, ops, child_id))
+        except BaseException:
+            self._discard(tenant, child_id, parent["node"])
+            raise
         rec["state"] = "active"
         self._save(rec)
         return rec
@@ -245,6 +279,9 @@ class KernelFleet:
 
     def last_logits(self, tenant: str, session_id: str) -> np.ndarray | None:
         return self._call(tenant, session_id, "last_logits")  # type: ignore[no-any-return]
+
+    def pieces(self, tenant: str, session_id: str) -> list[Any]:
+        return list(self._call(tenant, session_id, "pieces"))
 
     def tokens(self, tenant: str, session_id: str) -> list[int]:
         return list(self._call(tenant, session_id, "tokens"))

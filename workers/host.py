@@ -1,82 +1,93 @@
-"""What one session actor hosts: a kernel session driven only by op dicts.
+"""What one session actor hosts: a SessionContext (kernel session + piece ledger + op log).
 
-Every mutation is an op (`create`, `append`, `generate`, `evict`, `fork`); the live path and the
-regeneration path call the same `apply`, so replaying a session's op log rebuilds it
-bit-identically (the kernel is batch-invariant: prefilling A+B at once == A then B, and adopting
-a shared prefix == prefilling it). No Ray here: the actor shell adds the store and the I/O.
+The context writes every op through `sink` before applying it (write-ahead); `SessionContext.replay`
+rebuilds it bit-identically from the log. This module adds two things the shell needs and the pure
+context does not know about:
+
+  * adoption: a new session may start from shared prefix blocks (Ray object store, copy-on-write);
+    its first piece then appends only the tokens the adopted prefix lacks. The op logged is the
+    whole piece, so a replay prefills everything and lands on the same bytes (batch invariance);
+  * op ids: every op carries the caller's `op_id`, so a retry after a crash is answered, not
+    applied twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
+from fleet.context import Piece, SessionContext
 from fleet.errors import FailedPrecondition, InvalidArgument
-from fleet.kernel import Kernel, PrefixKV, Session
+from fleet.kernel import Kernel, PrefixKV
 
-OPS = ("create", "append", "generate", "evict", "fork")
+
+class AdoptingContext(SessionContext):
+    """A SessionContext whose session may already hold adopted prefix blocks before its first piece."""
+
+    def _apply_append(self, op: dict[str, Any], tokens: list[int]) -> Piece:
+        n = len(self.session)
+        if self.pieces or n == 0:
+            return super()._apply_append(op, tokens)
+        if n >= len(tokens) or list(self.session.tokens) != list(tokens[:n]):
+            raise InvalidArgument("the adopted prefix must be a strict prefix of the first piece")
+        vocab = self.kernel.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+            raise InvalidArgument(f"a piece needs token ids in [0, {vocab}); nothing was appended")
+        self._log(op)
+        self.session.append(tokens[n:])                  # only what the shared blocks lack
+        piece = Piece(op["piece"], op["kind"], 0, len(tokens), op["tenant"], tuple(tokens), op.get("ref"),
+                      op.get("role"))
+        self.pieces.append(piece)
+        return piece
 
 
 class SessionHost:
-    """A kernel session plus the ids of the ops already applied to it (for idempotent retries)."""
+    """The context of one session plus the op ids already in its log.
 
-    def __init__(self, kernel: Kernel) -> None:
-        self.kernel = kernel
-        self.session: Session | None = None
+    Args:
+        sink: writes one op durably (the store's op log) and returns its index.
+        store: the BlobStore (tool-result bytes, quarantine verdicts).
+    """
+
+    def __init__(self, kernel: Kernel, tokenizer: Any, tenant: str, session_id: str,
+                 sink: Callable[[dict[str, Any]], int], store: Any = None) -> None:
+        self.kernel, self.tokenizer, self.tenant, self.session_id = kernel, tokenizer, tenant, session_id
+        self._sink, self.store = sink, store
+        self.ctx: SessionContext | None = None
         self.op_ids: set[str] = set()
-        self.num_ops = 0
+        self.op_id = ""                 # the op id stamped on the ops of the call in progress
+        self.last_op_index: int | None = None
         self.num_adopted_tokens = 0
 
-    def apply(self, op: dict[str, Any], prefix: PrefixKV | None = None) -> Any:
-        """Apply one op. Bad input raises (InvalidArgument / FailedPrecondition), state unchanged.
+    def _write(self, op: dict[str, Any]) -> None:
+        if self.op_id:
+            op["op_id"] = self.op_id
+        self.last_op_index = self._sink(op)
+        if self.op_id:
+            self.op_ids.add(self.op_id)
 
-        Args:
-            op: {"op": name, ...fields}; `op_id` (optional) makes a retry idempotent.
-            prefix: for "create" only: shared blocks to adopt instead of prefilling them.
-        Returns:
-            the op's result: logits (create/append), token ids (generate), EvictReport, or None.
-        """
-        name = op.get("op")
-        if name not in OPS:
-            raise InvalidArgument(f"unknown op {name!r}; expected one of {OPS}")
-        if (name == "create") != (self.session is None):
-            raise FailedPrecondition("create must be the first op of a session, and only the first")
-        result = getattr(self, f"_op_{name}")(op, prefix)
-        self.num_ops += 1
-        if op.get("op_id"):
-            self.op_ids.add(str(op["op_id"]))
-        return result
+    def create(self, system_prompt: str, prefix: PrefixKV | None = None) -> Piece:
+        """The first piece (system prompt), over adopted shared blocks when `prefix` is given."""
+        if self.ctx is not None:
+            raise FailedPrecondition(f"session {self.session_id} already has a context")
+        ctx = AdoptingContext(self.kernel.session(prefix=prefix), self.tokenizer, self.tenant, self.session_id,
+                              self._write, self.store)
+        piece = ctx.add_system(system_prompt)
+        self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
+        return piece
 
-    def replay(self, ops: Iterable[dict[str, Any]]) -> None:
-        """Apply a whole op log in order (regeneration)."""
-        for op in ops:
-            self.apply(op)
+    def replay(self, ops: list[dict[str, Any]]) -> None:
+        """Rebuild the context from its op log (regeneration, forks); nothing is written."""
+        def fetch(ref: str) -> bytes:
+            return bytes(self.store.get(ref, self.tenant))
 
-    def _op_create(self, op: dict[str, Any], prefix: PrefixKV | None) -> np.ndarray | None:
-        tokens = list(op["tokens"])
-        if prefix is not None and (len(prefix.tokens) >= len(tokens) or list(prefix.tokens) != tokens[:len(prefix.tokens)]):
-            raise InvalidArgument("the adopted prefix must be a strict prefix of the session's first tokens")
-        session = self.kernel.session(prefix=prefix)
-        n = len(session)
-        logits = session.append(tokens[n:]) if len(tokens) > n else None
-        self.session, self.num_adopted_tokens = session, n
-        return logits
-
-    def _op_append(self, op: dict[str, Any], _: Any) -> np.ndarray:
-        return self._s.append(list(op["tokens"]))
-
-    def _op_generate(self, op: dict[str, Any], _: Any) -> list[int]:
-        return self._s.generate(int(op["n"]))
-
-    def _op_evict(self, op: dict[str, Any], _: Any) -> Any:
-        return self._s.evict(start=op["start"], length=op["length"], mode=op.get("mode", "exact"))
-
-    def _op_fork(self, op: dict[str, Any], _: Any) -> None:
-        return None  # marker: the ops before it were copied from the parent's log
+        ctx = AdoptingContext.replay(ops, self.kernel, self.tokenizer, fetch, self.tenant, self.session_id)
+        ctx.sink, ctx.store = self._write, self.store
+        self.ctx = ctx
+        self.op_ids = {str(op["op_id"]) for op in ops if op.get("op_id")}
 
     @property
-    def _s(self) -> Session:
-        assert self.session is not None
-        return self.session
+    def context(self) -> SessionContext:
+        if self.ctx is None:
+            raise FailedPrecondition(f"session {self.session_id} has no state yet")
+        return self.ctx

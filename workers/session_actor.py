@@ -1,15 +1,17 @@
-"""KernelActor: one Ray actor per session, hosting its kernel session (DESIGN §3, STYLE §15).
+"""KernelActor: one Ray actor per session, hosting its SessionContext (DESIGN §3, STYLE §15).
 
-Write path of every mutating call:
+Write path of every mutating call (write-ahead, the context's own contract):
 
-    caller ──append(tokens, op_id)──▶ KernelActor
-                                        1. host.apply(op)          bad input raises here, nothing changed
-                                        2. store.oplog_append(op)  durable before the reply
-                                        3. reply (logits)          = acknowledged
+    caller ──append(text, op_id)──▶ KernelActor ──(store thread)──▶ ctx.add_message
+                                                                       1. validate        bad input: nothing logged, nothing changed
+                                                                       2. oplog_append    durable
+                                                                       3. apply to the KV cache
+                                    ◀── reply (logits) ─────────────── acknowledged
 
-If step 2 fails the actor rebuilds itself from the log (dropping the unlogged op) and raises
-Unavailable, so memory never holds an op the log lacks. Retries carry the same `op_id`; an op
-already applied (e.g. logged just before a crash, then replayed) is answered, not re-applied.
+The context's work runs on one dedicated thread (the store is used from it only), so the actor's
+event loop stays free to answer `info` / `ping` while a long prefill runs. Ops of one session never
+interleave (a lock). Every op carries the caller's op id; a retried op already in the log (written
+just before a crash, then replayed) is answered from the current state, not applied twice.
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from fleet.errors import FailedPrecondition, NotFound, Unavailable
+from fleet.context import QUARANTINED
+from fleet.errors import NotFound
 from fleet.kernel import PrefixKV, Session
 from workers.host import SessionHost
-from workers.spec import KernelSpec, make_kernel
+from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 
 class KernelActor:
@@ -33,110 +35,113 @@ class KernelActor:
 
     def __init__(self, tenant: str, session_id: str, store_url: str, kernel_spec: dict[str, Any],
                  node_id: str = "", epoch: int = 0) -> None:
+        from fleet.cas import open_store
+
         self.tenant, self.session_id, self.node_id, self.epoch = tenant, session_id, node_id, epoch
         self.kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
-        self.host = SessionHost(self.kernel)
-        self._store_url = store_url
-        self._store: Any = None
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="store")  # the store is used from one thread
-        self._lock = asyncio.Lock()                                   # ops of one session never interleave
+        self.store = open_store(store_url)
+        self.host = self._new_host()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="session")
+        self._lock = asyncio.Lock()
         self.created_at = self.last_active = time.time()
         self.num_replayed_ops = 0
-        self.state = "new"
+        self.state, self.in_flight = "new", ""
 
-    # -- store I/O (off the event loop) --------------------------------------------------------
+    def _new_host(self) -> SessionHost:
+        sink = lambda op: int(self.store.oplog_append(self.tenant, self.session_id, op))  # noqa: E731
+        return SessionHost(self.kernel, make_tokenizer(self.kernel), self.tenant, self.session_id, sink, self.store)
 
-    def _store_sync(self, fn: str, args: tuple[Any, ...]) -> Any:
-        if self._store is None:
-            from fleet.cas import open_store
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn)
 
-            self._store = open_store(self._store_url)
-        return getattr(self._store, fn)(*args)
-
-    async def _store_call(self, fn: str, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._io, self._store_sync, fn, args)
-
-    # -- the one mutation path ----------------------------------------------------------------
-
-    async def _mutate(self, op: dict[str, Any], prefix: PrefixKV | None = None) -> dict[str, Any]:
+    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any]) -> dict[str, Any]:
+        """Run one mutating call: idempotent on `op_id`, serialised, off the event loop."""
         async with self._lock:
-            if op.get("op_id") and op["op_id"] in self.host.op_ids:
-                return self._reply(op, None, replayed=True)
-            if op["op"] != "create" and self.host.session is None:
-                raise FailedPrecondition(f"session {self.session_id} has no state yet (create or restore it)")
-            result = self.host.apply(op, prefix)
+            if op_id and op_id in self.host.op_ids:
+                return self._reply(None, replayed=True)
+            self.host.op_id, self.in_flight = op_id, verb
             try:
-                index = await self._store_call("oplog_append", self.tenant, self.session_id, op)
-            except Exception as e:  # noqa: BLE001 - any failure: the op is not durable
-                await self._rebuild()
-                raise Unavailable(f"op log write failed, op not applied ({type(e).__name__}: {e})") from e
+                result = await self._run(fn)
+            finally:
+                self.host.op_id, self.in_flight = "", ""
             self.last_active, self.state = time.time(), "active"
-            return self._reply(op, result, index=index)
+            return self._reply(result)
 
-    def _reply(self, op: dict[str, Any], result: Any, index: int | None = None,
-               replayed: bool = False) -> dict[str, Any]:
-        s = self.host.session
-        assert s is not None
-        if replayed:  # answer from the current state: the op's effect is already in it
-            result = s.last_logits if op["op"] in ("create", "append") else None
-        return {"result": result, "num_tokens": len(s), "op_index": index, "replayed": replayed}
-
-    async def _rebuild(self) -> None:
-        ops = await self._store_call("oplog_read", self.tenant, self.session_id)
-        self.host = SessionHost(self.kernel)
-        self.host.replay(ops)
-        self.num_replayed_ops = len(ops)
+    def _reply(self, result: Any, replayed: bool = False) -> dict[str, Any]:
+        s = self._s
+        return {"result": result, "num_tokens": len(s), "op_index": self.host.last_op_index,
+                "logits": s.last_logits, "replayed": replayed}
 
     # -- verbs --------------------------------------------------------------------------------
 
-    async def create(self, tokens: list[int], prefix_refs: list[Any] | None = None,
-                     op_id: str = "") -> dict[str, Any]:
-        """First op of a session; adopts the shared blocks in `prefix_refs` (ObjectRefs) if any."""
-        prefix = await self._adopt(tokens, prefix_refs or [])
-        return await self._mutate({"op": "create", "tokens": list(tokens), "op_id": op_id}, prefix)
+    async def create(self, system_prompt: str, prefix_refs: list[Any] | None = None, op_id: str = "") -> dict[str, Any]:
+        """First piece of a session; adopts the shared blocks in `prefix_refs` (ObjectRefs) if any."""
+        prefix = await self._adopt(system_prompt, prefix_refs or [])
+        return await self._mutate("create", op_id, lambda: self.host.create(system_prompt, prefix))
 
-    async def _adopt(self, tokens: list[int], refs: list[Any]) -> PrefixKV | None:
+    async def _adopt(self, system_prompt: str, refs: list[Any]) -> PrefixKV | None:
         if not refs:
             return None
         blocks = tuple(await asyncio.gather(*refs))  # zero-copy, read-only views on this node
         n = len(blocks) * self.kernel.block_size
-        return PrefixKV(tuple(tokens[:n]), self.kernel.block_size, blocks, self.kernel.model_id)
+        tokens = make_tokenizer(self.kernel).encode(system_prompt)[:n]
+        return PrefixKV(tuple(tokens), self.kernel.block_size, blocks, self.kernel.model_id)
 
-    async def restore(self) -> dict[str, Any]:
-        """Regenerate from the op log (after the previous actor was lost)."""
+    async def restore(self, ops: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Regenerate from the op log (after the previous actor was lost); or, for a fork, write
+        `ops` (the parent's log + a fork marker) as this session's log first, then replay it."""
         async with self._lock:
-            await self._rebuild()
-            if self.host.session is None:
-                raise NotFound(f"session {self.session_id}: no op log to regenerate from")
-            self.state = "regenerated"
+            def work() -> None:
+                if ops is not None:
+                    self.store.oplog_delete(self.tenant, self.session_id)
+                    for op in ops:
+                        self.store.oplog_append(self.tenant, self.session_id, op)
+                log = self.store.oplog_read(self.tenant, self.session_id)
+                if not log:
+                    raise NotFound(f"session {self.session_id}: no op log to regenerate from")
+                host = self._new_host()
+                host.replay(log)
+                self.host, self.num_replayed_ops = host, len(log)
+
+            await self._run(work)
+            self.state = "regenerated" if ops is None else "active"
             return self._info()
 
-    async def init_fork(self, parent_ops: list[dict[str, Any]], parent_id: str, op_id: str) -> dict[str, Any]:
-        """Become a branch: copy the parent's ops into this session's log, then replay them."""
-        async with self._lock:
-            await self._store_call("oplog_delete", self.tenant, self.session_id)
-            for op in parent_ops:
-                await self._store_call("oplog_append", self.tenant, self.session_id, op)
-            self.host = SessionHost(self.kernel)
-            self.host.replay(parent_ops)
-        return await self._mutate({"op": "fork", "parent": parent_id, "parent_ops": len(parent_ops),
-                                   "op_id": op_id})
-
-    async def append(self, tokens: list[int], op_id: str = "") -> dict[str, Any]:
-        return await self._mutate({"op": "append", "tokens": list(tokens), "op_id": op_id})
+    async def append(self, content: str | list[int], role: str = "user", op_id: str = "") -> dict[str, Any]:
+        """A message (text) or model output (token ids)."""
+        if isinstance(content, list):
+            return await self._mutate("append", op_id, lambda: self.host.context.add_output(list(content)))
+        return await self._mutate("append", op_id, lambda: self.host.context.add_message(role, content))
 
     async def generate(self, n: int, op_id: str = "") -> dict[str, Any]:
-        return await self._mutate({"op": "generate", "n": int(n), "op_id": op_id})
+        return await self._mutate("generate", op_id, lambda: self.host.context.generate(n))
 
-    async def evict(self, start: int, length: int, mode: str = "exact", op_id: str = "") -> dict[str, Any]:
-        return await self._mutate({"op": "evict", "start": start, "length": length, "mode": mode,
-                                   "op_id": op_id})
+    async def evict(self, piece_id: int, mode: str = "exact", op_id: str = "") -> dict[str, Any]:
+        return await self._mutate("evict", op_id, lambda: self.host.context.evict_piece(piece_id, mode))
+
+    async def add_tool_result(self, ref: str, op_id: str = "") -> dict[str, Any]:
+        """Append a stored tool result by ref (refused if quarantined)."""
+        return await self._mutate("add_tool_result", op_id, lambda: self.host.context.add_tool_result(
+            ref, self.store.get(ref, self.tenant)))
+
+    async def admit_tool_result(self, ref: str, op_id: str = "") -> dict[str, Any]:
+        """Run the detector on a stored tool result; a quarantine evicts its tokens with a witness."""
+        from fleet.quarantine import admit_tool_result
+
+        return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
+            self.host.context, ref, self.store, self.tenant))
 
     # -- reads --------------------------------------------------------------------------------
 
+    async def working_set(self, budget_tokens: int) -> Any:
+        from fleet.working_set import working_set
+
+        async with self._lock:
+            return await self._run(lambda: working_set(self.host.context, budget_tokens, store=self.store))
+
     async def ops(self) -> list[dict[str, Any]]:
         async with self._lock:
-            return list(await self._store_call("oplog_read", self.tenant, self.session_id))
+            return list(self.host.context.ops)
 
     async def export_prefix(self, num_tokens: int) -> PrefixKV:
         return self._s.export_prefix(num_tokens)
@@ -144,11 +149,14 @@ class KernelActor:
     async def digest(self) -> str:
         return self._s.digest()
 
-    async def last_logits(self) -> np.ndarray | None:
+    async def last_logits(self) -> Any:
         return self._s.last_logits
 
     async def tokens(self) -> list[int]:
         return list(self._s.tokens)
+
+    async def pieces(self) -> list[Any]:
+        return list(self.host.context.pieces)
 
     async def info(self) -> dict[str, Any]:
         return self._info()
@@ -157,20 +165,20 @@ class KernelActor:
         return "ok"
 
     def _info(self) -> dict[str, Any]:
-        s = self.host.session
+        ctx = self.host.ctx
+        s = ctx.session if ctx is not None else None
         mem = s.memory() if s is not None else None
-        num_tokens = len(s) if s is not None else 0
         return {
             "session": self.session_id, "tenant": self.tenant, "node": self.node_id,
-            "actor": f"session:{self.tenant}:{self.session_id}", "tokens": num_tokens,
+            "actor": f"session:{self.tenant}:{self.session_id}", "tokens": len(s) if s is not None else 0,
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
-            "adopted_tokens": self.host.num_adopted_tokens, "num_ops": self.host.num_ops,
-            "replayed_ops": self.num_replayed_ops, "quarantined_spans": 0, "state": self.state,
-            "epoch": self.epoch, "last_active": self.last_active, "pid": os.getpid(),
+            "adopted_tokens": self.host.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
+            "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,
+            "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
+            "state": self.state, "in_flight": self.in_flight, "epoch": self.epoch,
+            "last_active": self.last_active, "pid": os.getpid(),
         }
 
     @property
     def _s(self) -> Session:
-        if self.host.session is None:
-            raise FailedPrecondition(f"session {self.session_id} has no state yet")
-        return self.host.session
+        return self.host.context.session

@@ -107,14 +107,19 @@ class NodeSupervisor:
         self.actors[key] = actor
         return actor
 
-    async def create_session(self, tenant: str, session_id: str, tokens: list[int], op_id: str) -> dict[str, Any]:
-        """Spawn the session's actor here; it adopts the warm prefix instead of prefilling it."""
+    async def create_session(self, tenant: str, session_id: str, system_prompt: str, tokens: list[int],
+                             op_id: str) -> dict[str, Any]:
+        """Spawn the session's actor here; it adopts the warm prefix instead of prefilling it.
+
+        Args:
+            tokens: `system_prompt` tokenized (the radix key).
+        """
         if (tenant, session_id) in self.actors:
             raise AlreadyExists(f"session {session_id} already exists")
         node, refs = self._adoptable(tenant, tokens)
         try:
             actor = self._spawn(tenant, session_id)
-            await actor.create.remote(tokens, refs, op_id)
+            await actor.create.remote(system_prompt, refs, op_id)
         finally:
             self.tree.dec_lock_ref(node)
         self.num_queried_tokens += len(tokens)
@@ -136,12 +141,12 @@ class NodeSupervisor:
                 await asyncio.sleep(0.05 * (attempt + 1))
         raise NotFound(f"session {session_id}: could not regenerate its actor")
 
-    async def fork(self, tenant: str, parent_ops: list[dict[str, Any]], parent_id: str, child_id: str,
-                   op_id: str) -> dict[str, Any]:
+    async def fork(self, tenant: str, ops: list[dict[str, Any]], child_id: str) -> dict[str, Any]:
+        """A branch in its own actor: `ops` (the parent's log + a fork marker) become its log."""
         if (tenant, child_id) in self.actors:
             raise AlreadyExists(f"session {child_id} already exists")
         actor = self._spawn(tenant, child_id)
-        return dict(await actor.init_fork.remote(parent_ops, parent_id, op_id))
+        return dict(await actor.restore.remote(ops))
 
     async def close(self, tenant: str, session_id: str) -> None:
         actor = self.actors.pop((tenant, session_id), None)

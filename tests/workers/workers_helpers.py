@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet.kernel import Session
-from workers.host import SessionHost
-from workers.spec import KernelSpec, make_kernel
+from fleet.context import SessionContext
+from workers.host import AdoptingContext
+from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 SPEC = KernelSpec(block_size=16)
 
 
-def replay_locally(spec: KernelSpec, ops: list[dict[str, Any]]) -> Session:
-    host = SessionHost(make_kernel(spec))
-    host.replay(ops)
-    assert host.session is not None
-    return host.session
+def replay_locally(ops: list[dict[str, Any]], store: Any = None, tenant: str = "default") -> SessionContext:
+    kernel = make_kernel(SPEC)
+    return AdoptingContext.replay(ops, kernel, make_tokenizer(kernel), lambda ref: store.get(ref, tenant), tenant)
+
+
+def prefilled(system_prompt: str) -> SessionContext:
+    """A session that prefilled its system prompt itself (no adopted blocks)."""
+    kernel = make_kernel(SPEC)
+    ctx = SessionContext.new(kernel, make_tokenizer(kernel))
+    ctx.add_system(system_prompt)
+    return ctx
