@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet.shutdown()
     ray.shutdown()
     rows = [("bare Ray actor ping", ping), ("bare Ray actor kernel append", bare_append),
-            ("KernelFleet.append (op log + registry)", fleet_append)]
+            ("KernelFleet.append (SessionContext, op log)", fleet_append)]
     md = "\n".join(["| call | median µs | × bare append |", "|---|---|---|"] +
                    [f"| {name} | {us:.0f} | {us / bare_append:.2f} |" for name, us in rows])
     print(md)
