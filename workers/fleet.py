@@ -302,8 +302,8 @@ class KernelFleet:
         out = []
         for _key, raw in sorted(self.store.kv_scan(REGISTRY).items()):
             rec = json.loads(raw)
-            if (tenant is not None and rec["tenant"] != tenant) or rec["node"] not in sups:
-                continue
+            if (tenant is not None and rec["tenant"] != tenant) or (not fleet and rec["node"] not in sups):
+                continue  # fleet=True also lists sessions whose node is gone (state: lost)
             row = {**rec, **live.get((rec["tenant"], rec["session"]), {"state": "lost", "tokens": 0})}
             row["epoch"] = max(int(rec.get("epoch", 0)), int(row.get("epoch", 0)))
             row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
