@@ -45,12 +45,12 @@ def capacity_sweep(name: str = "agents") -> dict[str, list[tuple[int, float]]]:
 
 def table(rows: list[dict[str, object]]) -> str:
     head = ["trace", "requests", "prompt tokens", "seeds reported", "unbounded (optimal)", "cap (tokens)",
-            *[f"{p} @ cap" for p in POLICY_NAMES]]
+            *[f"{p} @ cap" for p in POLICY_NAMES], "next-use / optimal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         seeds = "—" if r["seeds"] is None else f"{r['seeds']:.1f}%"
         cells = [r["trace"], r["requests"], r["prompt_tokens"], seeds, f"{r['optimal']:.1f}%", r["cap"],
-                 *[f"{r[p]:.1f}%" for p in POLICY_NAMES]]
+                 *[f"{r[p]:.1f}%" for p in POLICY_NAMES], f"{float(r['next-use']) / float(r['optimal']):.2f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
