@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import time
 from typing import Any
 
 import aiohttp
@@ -288,7 +287,6 @@ class Worker:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.reconcile_interval_s)
-            t0 = time.monotonic()
             try:
                 await self.reconcile_once()
                 for sub in self._subs:
@@ -298,7 +296,6 @@ class Worker:
             except Exception:
                 log.exception("reconcile of %s failed", self.spec.name)
                 self._mark_down("reconcile_error")
-            _ = t0
 
     def _persist_seqs(self) -> None:
         """The last seq seen, persisted at most once per reconcile tick (epoch changes persist at once)."""

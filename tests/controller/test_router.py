@@ -205,6 +205,14 @@ async def test_junk_http_and_malformed_frames_fail_closed(tmp_path) -> None:
             await send(seq, payload)                      # BlockStored of the new epoch re-proves residency
             seq += 1
             assert (await r.route(toks, "m")).verdict == "WARM"
+        # an unrepaired gap (no replay endpoint) voids everything before it; the batch after it counts
+        other = V["vectors"][2]  # stored_lora: different hashes (LoRA chain), parentless
+        await send(seq + 1, frames(other)[2])
+        assert (await r.route(toks, "m")).verdict == "COLD"
+        assert r.metrics.kv_event_gaps._value.get() == 1
+        assert r.metrics.kv_event_replays.labels("unrepaired")._value.get() == 1
+        await send(0, payload)                            # seq back to 0: a publisher restart, then re-proof
+        assert r.worker("ev").ranks[0].seq == 0 and (await r.route(toks, "m")).verdict == "WARM"
         junk = [s for s in r.workers() if s.name == "junk"][0]
         assert not junk.serving and not junk.warm and junk.kv == "unknown"
         with pytest.raises(Unavailable):
