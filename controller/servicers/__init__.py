@@ -8,6 +8,7 @@ from controller.servicers.blobs import BlobServicer
 from controller.servicers.common import ServiceContext
 from controller.servicers.fleet import FleetServicer
 from controller.servicers.route import RouteServicer
+from controller.servicers.sessions import SessionServicer
 from controller.servicers.workers import WorkerServicer
 from fleet.api.kvfleet.v1 import (
     blobs_pb2,
@@ -16,12 +17,15 @@ from fleet.api.kvfleet.v1 import (
     fleet_pb2_grpc,
     route_pb2,
     route_pb2_grpc,
+    sessions_pb2,
+    sessions_pb2_grpc,
     workers_pb2,
     workers_pb2_grpc,
 )
 
 SERVICE_NAMES = tuple(m.DESCRIPTOR.services_by_name[n].full_name for m, n in (
-    (blobs_pb2, "BlobService"), (workers_pb2, "WorkerService"), (route_pb2, "RouteService"), (fleet_pb2, "FleetService")))
+    (blobs_pb2, "BlobService"), (workers_pb2, "WorkerService"), (route_pb2, "RouteService"), (fleet_pb2, "FleetService"),
+    (sessions_pb2, "SessionService")))
 
 
 def add_servicers(server: grpc.aio.Server, ctx: ServiceContext) -> tuple[str, ...]:
@@ -30,6 +34,7 @@ def add_servicers(server: grpc.aio.Server, ctx: ServiceContext) -> tuple[str, ..
     workers_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(ctx), server)
     route_pb2_grpc.add_RouteServiceServicer_to_server(RouteServicer(ctx), server)
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(ctx), server)
+    sessions_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(ctx), server)
     return SERVICE_NAMES
 
 
