@@ -309,3 +309,41 @@ async def test_worker_restarted_while_controller_was_down(tmp_path) -> None:
         await r.stop()
         await sim.stop()
         store.close()
+
+
+async def test_dp_ranks_are_keyed_separately(tmp_path) -> None:
+    import shutil
+    import tempfile
+
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    d = tempfile.mkdtemp()
+    ctx = zmq.Context()
+    pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
+    pubs[0].bind(f"ipc://{d}/kv")
+    pubs[1].bind(f"ipc://{d}/kv_dp1")   # vLLM's per-rank endpoint for ipc: suffix _dp<rank>
+    r = await _router(store)
+    V = load()
+    by = {v["name"]: v for v in V["vectors"]}
+    toks = V["token_ids"][:16]
+    try:
+        await r.register_worker(WorkerSpec("dp", sim.url, f"ipc://{d}/kv", None, "m", dp_ranks=2, block_size=16))
+        await asyncio.sleep(0.3)
+        assert sorted(s.dp_rank for s in r.workers()) == [0, 1]
+        topic, seq_f, payload = frames(by["dp_rank1_default_topic"])  # data_parallel_rank = 1, seq 0
+        pubs[1].send_multipart([topic, seq_f, payload])
+        await asyncio.sleep(0.1)
+        dec = await r.route(toks, "m")
+        assert (dec.dp_rank, dec.verdict, dec.matched_tokens) == (1, "WARM", 16)
+        pubs[0].send_multipart([topic, seq_f, payload])               # a rank-1 batch on rank 0's socket
+        await asyncio.sleep(0.1)
+        st = {s.dp_rank: s for s in r.workers()}
+        assert st[0].num_blocks == 0 and st[0].epoch == 1 and st[1].num_blocks == 1
+    finally:
+        await r.stop()
+        for p in pubs:
+            p.close(0)
+        ctx.term()
+        await sim.stop()
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
