@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -73,6 +73,7 @@ return 0
 # NOTE: a duplicate of a large blob is detected with one small round trip before the bytes are sent.
 _PRECHECK_BYTES = 256 << 10
 _GET_CHUNK = 512 << 10
+_PIPE_BYTES = 8 << 20
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -128,23 +129,66 @@ class RedisBlobStore(BlobStore):
         self._s_put(keys=[data_key, meta_key], args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN])
 
     @_unavailable
-    def _get(self, tenant: str, ref: str) -> bytes | None:
-        # NOTE: a plain GET of a large value peaks at ~3 copies inside redis-py's reader; reading it
-        # in pipelined GETRANGE chunks and joining them peaks at ~2 (the chunks + the result).
-        key = self._keys(tenant, ref)[0]
+    def _put_many(self, tenant: str, items: Iterable[tuple[str, memoryview]], now: float) -> list[str]:
+        # groups of <= _PIPE_BYTES: bounded server buffering, and the next group hashes while this one flies
+        refs: list[str] = []
+        group: list[tuple[str, memoryview]] = []
+        for ref, data in items:
+            refs.append(ref)
+            group.append((ref, data))
+            if sum(d.nbytes for _, d in group) >= _PIPE_BYTES:
+                self._put_group(tenant, group, now)
+                group = []
+        if group:
+            self._put_group(tenant, group, now)
+        return refs
+
+    def _put_group(self, tenant: str, group: list[tuple[str, memoryview]], now: float) -> None:
+        lease = repr(self._lease(now))
         pipe = self.r.pipeline(transaction=False)
-        pipe.exists(key).strlen(key).getrange(key, 0, _GET_CHUNK - 1)
-        exists, size, first = pipe.execute()
-        if not exists:
-            return None
-        if size <= _GET_CHUNK:
-            return first  # type: ignore[no-any-return]
+        large = [ref for ref, data in group if data.nbytes >= _PRECHECK_BYTES]
+        for ref in large:  # dedup pre-check of the large ones, one round trip for the group
+            self._s_touch(keys=[self._keys(tenant, ref)[1]], args=[lease], client=pipe)
+        present = {ref for ref, hit in zip(large, pipe.execute() if large else [], strict=True) if hit}
+        for ref, data in group:
+            if ref not in present:  # one atomic script per blob
+                self._s_put(keys=list(self._keys(tenant, ref)),
+                            args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN], client=pipe)
+        if len(pipe):
+            pipe.execute()
+
+    @_unavailable
+    def _get_many(self, tenant: str, refs: list[str]) -> list[bytes | None]:
+        # one round trip of GETRANGE 0..CHUNK-1 each; only blobs that fill the chunk need more
+        pipe = self.r.pipeline(transaction=False)
+        for ref in refs:
+            pipe.getrange(self._keys(tenant, ref)[0], 0, _GET_CHUNK - 1)
+        firsts = pipe.execute()
+        return [self._rest(self._keys(tenant, ref)[0], first) for ref, first in zip(refs, firsts, strict=True)]
+
+    @_unavailable
+    def _get(self, tenant: str, ref: str) -> bytes | None:
+        key = self._keys(tenant, ref)[0]
+        return self._rest(key, self.r.getrange(key, 0, _GET_CHUNK - 1))  # type: ignore[arg-type]
+
+    def _rest(self, key: str, first: bytes) -> bytes | None:
+        """Complete a read that fetched the first chunk (an empty one means empty or missing).
+
+        NOTE: a plain GET of a large value peaks at ~3 copies inside redis-py's reader; reading it
+        in pipelined GETRANGE chunks and joining them peaks at ~2 (the chunks + the result).
+        """
+        if not first:
+            return b"" if self.r.exists(key) else None
+        if len(first) < _GET_CHUNK:
+            return first
+        size = int(self.r.strlen(key))  # type: ignore[arg-type]
+        pipe = self.r.pipeline(transaction=False)
         for start in range(_GET_CHUNK, size, _GET_CHUNK):
             pipe.getrange(key, start, min(start + _GET_CHUNK, size) - 1)
-        chunks = [first, *pipe.execute()]
+        chunks = [first, *pipe.execute()] if size > _GET_CHUNK else [first]
         if sum(map(len, chunks)) != size:  # collected by gc while we read: as if missing
             return None
-        return b"".join(chunks)
+        return b"".join(chunks) if len(chunks) > 1 else first
 
     @_unavailable
     def _get_range(self, tenant: str, ref: str, start: int, length: int) -> bytes | None:

@@ -122,6 +122,22 @@ def test_stream_roundtrip_and_chunking(store_env: StoreEnv) -> None:
         store.get_stream(sha(b"nope"), "acme")
 
 
+def test_put_many_get_many_batches(store_env: StoreEnv) -> None:
+    store = store_env.open(max_blob_bytes=1 << 20)
+    blobs = [os.urandom(n) for n in (0, 10, 4096, 300_000, 1 << 20)] + [b"dup", b"dup"]
+    refs = store.put_many(blobs, "acme")
+    assert refs == [sha(b) for b in blobs] and store.get_many(refs, "acme") == blobs
+    assert store.put_many(blobs[:4], "acme") == refs[:4]  # dedup inside and across batches
+    before = store_env.footprint()
+    with pytest.raises(ResourceExhausted, match="max_blob_bytes"):  # validated before anything is written
+        store.put_many([b"new small blob", b"z" * ((1 << 20) + 1)], "acme")
+    with pytest.raises(NotFound, match="not found"):
+        store.get_many([refs[1], sha(b"missing")], "acme")
+    with pytest.raises(NotFound):
+        store.get_many(refs[:2], "globex")
+    assert store_env.footprint() == before
+
+
 # ---- tenants and bad input ---------------------------------------------------------------------------
 def test_other_tenants_ref_answers_exactly_like_a_missing_one(store_env: StoreEnv) -> None:
     store = store_env.open()
