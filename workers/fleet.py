@@ -13,6 +13,7 @@ before the crash is not applied twice). Every wait has a timeout: a fault never 
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -94,7 +95,7 @@ class KernelFleet:
 
     def _place(self, tenant: str, tokens: list[int]) -> str:
         nids = list(self.supervisors)
-        answers = self._get([self.supervisors[n].match_len.remote(tenant, tokens) for n in nids])
+        answers = [self._sup(n, "match_len", tenant, tokens) for n in nids]
         return choose_node([NodeOffer(n, m, s) for n, (m, s) in zip(nids, answers, strict=True)])
 
     # -- registry (in the store: survives the driver) -----------------------------------------
@@ -119,6 +120,19 @@ class KernelFleet:
             if isinstance(e.cause, KvfleetError):
                 raise e.cause from None
             raise
+
+    def _sup(self, node: str, method: str, *args: Any) -> Any:
+        """Call a node's supervisor; while Ray restarts it (ActorUnavailableError), retry until
+        the call timeout (supervisor calls are safe to repeat)."""
+        deadline = time.monotonic() + self.call_timeout_s
+        for attempt in itertools.count():
+            try:
+                return self._get(getattr(self.supervisors[node], method).remote(*args))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"the supervisor of node {node} stayed unavailable") from None
+                time.sleep(min(0.05 * (attempt + 1), 1.0))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _call(self, tenant: str, session_id: str, method: str, *args: Any) -> Any:
         """Call the session's actor; a dead one is regenerated and the call retried once."""
@@ -154,7 +168,7 @@ class KernelFleet:
         rec.update(state="lost", witness=lost.to_dict())
         self._save(rec)
         node = rec["node"] if rec["node"] in self.supervisors else self._place(rec["tenant"], [])
-        self._get(self.supervisors[node].regenerate.remote(rec["tenant"], rec["session"]))
+        self._sup(node, "regenerate", rec["tenant"], rec["session"])
         rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
         self._save(rec)
         self.num_regenerations += 1
@@ -185,8 +199,7 @@ class KernelFleet:
                "created": time.time()}
         self._save(rec)
         try:
-            out = self._get(self.supervisors[node].create_session.remote(
-                tenant, session_id, system_prompt, tokens, uuid.uuid4().hex))
+            out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
@@ -239,7 +252,7 @@ class KernelFleet:
                "created": time.time(), "parent": session_id}
         self._save(rec)
         try:
-            self._get(self.supervisors[parent["node"]].fork.remote(tenant, ops, child_id))
+            self._sup(parent["node"], "fork", tenant, ops, child_id)
         except BaseException:
             self._discard(tenant, child_id, parent["node"])
             raise
@@ -253,9 +266,9 @@ class KernelFleet:
         already adopted the blocks keep their own references. Returns blocks dropped fleet-wide."""
         tokens = self._tokens(prompt)
         total = 0
-        for sup in self.supervisors.values():
+        for node in self.supervisors:
             try:
-                total += len(self._get(sup.evict_node.remote(tenant, tokens, start))["block_ids"])
+                total += len(self._sup(node, "evict_node", tenant, tokens, start)["block_ids"])
             except NotFound:
                 continue
         return total
@@ -269,7 +282,7 @@ class KernelFleet:
         self._handles.pop((tenant, session_id), None)
         self.store.kv_delete(REGISTRY, f"{tenant}/{session_id}")
         if node in self.supervisors:
-            self._get(self.supervisors[node].close.remote(tenant, session_id))
+            self._sup(node, "close", tenant, session_id)
         self.store.oplog_delete(tenant, session_id)
 
     # -- reads --------------------------------------------------------------------------------
@@ -290,15 +303,14 @@ class KernelFleet:
         return dict(self._call(tenant, session_id, "info"))
 
     def node_stats(self) -> list[dict[str, Any]]:
-        return list(self._get([s.stats.remote() for s in self.supervisors.values()]))
+        return [self._sup(n, "stats") for n in self.supervisors]
 
     def list_sessions(self, fleet: bool = True, tenant: str | None = None) -> list[dict[str, Any]]:
         """Rows: session, tenant, node, actor, tokens, bytes alone/shared, hit rate, quarantined
         spans, state, epoch, last active. `fleet=False` lists only this process's node."""
         here = ray.get_runtime_context().get_node_id()
-        sups = {n: s for n, s in self.supervisors.items() if fleet or n == here}
-        live = {(r["tenant"], r["session"]): r for rows in self._get([s.rows.remote(tenant) for s in sups.values()])
-                for r in rows}
+        sups = [n for n in self.supervisors if fleet or n == here]
+        live = {(r["tenant"], r["session"]): r for n in sups for r in self._sup(n, "rows", tenant)}
         out = []
         for _key, raw in sorted(self.store.kv_scan(REGISTRY).items()):
             rec = json.loads(raw)

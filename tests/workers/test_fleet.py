@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from workers_helpers import SPEC, prefilled, replay_locally
+from workers_helpers import SPEC, prefilled, replay_locally, wait_dead
 
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import max_abs_delta
@@ -149,10 +149,25 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
     ws = kfleet.working_set(tenant, "q", budget_tokens=10_000)
     assert ws.verdicts() == ["HIT", "HIT", "REFUSE"]
     digest = kfleet.digest(tenant, "q")
-    ray.kill(ray.get_actor(session_actor_name(tenant, "q"), NAMESPACE), no_restart=True)
+    actor = ray.get_actor(session_actor_name(tenant, "q"), NAMESPACE)
+    ray.kill(actor, no_restart=True)
+    wait_dead(actor)
     assert kfleet.digest(tenant, "q") == digest                   # regenerated from the log (+ CAS bytes)
+    assert kfleet.num_regenerations == 1
     assert kfleet.working_set(tenant, "q", budget_tokens=10_000).verdicts() == ["HIT", "HIT", "REFUSE"]
     [row] = kfleet.list_sessions(tenant=tenant)
     assert row["quarantined_spans"] == 1
     with pytest.raises(FailedPrecondition, match="quarantined"):
         kfleet.add_tool_result(tenant, "q", bad)                   # held out of the context from now on
+
+
+def test_supervisor_restart_regenerates_its_sessions(kfleet: KernelFleet, tenant: str) -> None:
+    kfleet.create_session(tenant, "v", SYSTEM)
+    kfleet.append(tenant, "v", " hello")
+    digest = kfleet.digest(tenant, "v")
+    [sup] = kfleet.supervisors.values()
+    actor = ray.get_actor(session_actor_name(tenant, "v"), NAMESPACE)
+    ray.kill(sup, no_restart=False)              # Ray restarts it empty; the sessions it owned die with it
+    wait_dead(actor)                             # owner death reaps the session actor asynchronously
+    assert kfleet.digest(tenant, "v") == digest and kfleet.num_regenerations == 1
+    assert kfleet.append(tenant, "v", "!").num_tokens == len(SYSTEM) + 7

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+import ray
 
 from fleet.context import SessionContext
 from workers.host import AdoptingContext
@@ -22,3 +25,15 @@ def prefilled(system_prompt: str) -> SessionContext:
     ctx = SessionContext.new(kernel, make_tokenizer(kernel))
     ctx.add_system(system_prompt)
     return ctx
+
+
+def wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
+    """Block until Ray reports the actor dead (kills and owner deaths are processed asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the actor is still alive")
