@@ -181,7 +181,7 @@ class RedisBlobStore(BlobStore):
             return b"" if self.r.exists(key) else None
         if len(first) < _GET_CHUNK:
             return first
-        size = int(self.r.strlen(key))  # type: ignore[arg-type]
+        size = int(self.r.strlen(key))
         pipe = self.r.pipeline(transaction=False)
         for start in range(_GET_CHUNK, size, _GET_CHUNK):
             pipe.getrange(key, start, min(start + _GET_CHUNK, size) - 1)
@@ -242,7 +242,7 @@ class RedisBlobStore(BlobStore):
     # ---- op log -------------------------------------------------------------------------------------
     @_unavailable
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int:
-        return int(self.r.rpush(f"kvf:t:{tenant}:op:{session_id}", op_json)) - 1  # type: ignore[arg-type]
+        return int(self.r.rpush(f"kvf:t:{tenant}:op:{session_id}", op_json)) - 1
 
     @_unavailable
     def _oplog_read(self, tenant: str, session_id: str) -> list[str]:

@@ -17,6 +17,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from fleet.cas.base import VERDICT_UNKNOWN, BlobMeta, BlobStore, StoreConfig
 from fleet.errors import InvalidArgument, Unavailable
@@ -79,7 +80,7 @@ class SqliteBlobStore(BlobStore):
                 raise
             self._db.execute("COMMIT")
 
-    def _one(self, sql: str, args: tuple[object, ...]) -> tuple[object, ...] | None:
+    def _one(self, sql: str, args: tuple[object, ...]) -> tuple[Any, ...] | None:
         with self._lock:
             row = self._db.execute(sql, args).fetchone()
         return tuple(row) if row is not None else None
@@ -101,13 +102,13 @@ class SqliteBlobStore(BlobStore):
 
     def _get(self, tenant: str, ref: str) -> bytes | None:
         row = self._one("SELECT data FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref))
-        return bytes(row[0]) if row is not None else None  # type: ignore[arg-type]
+        return bytes(row[0]) if row is not None else None
 
     def _get_range(self, tenant: str, ref: str, start: int, length: int) -> bytes | None:
         row = self._one("SELECT id FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref))
         if row is None:
             return None
-        with self._lock, self._db.blobopen("blobs", "data", int(row[0]), readonly=True) as blob:  # type: ignore[call-overload]
+        with self._lock, self._db.blobopen("blobs", "data", int(row[0]), readonly=True) as blob:
             blob.seek(start)
             return bytes(blob.read(length))
 
@@ -147,7 +148,7 @@ class SqliteBlobStore(BlobStore):
 
     def _kv_get(self, namespace: str, key: str) -> bytes | None:
         row = self._one("SELECT value FROM kv WHERE namespace = ? AND key = ?", (namespace, key))
-        return bytes(row[0]) if row is not None else None  # type: ignore[arg-type]
+        return bytes(row[0]) if row is not None else None
 
     def _kv_scan(self, namespace: str) -> dict[str, bytes]:
         with self._lock:
@@ -185,10 +186,10 @@ class SqliteBlobStore(BlobStore):
             self._db.close()
 
 
-def _meta(row: tuple[object, ...]) -> BlobMeta:
+def _meta(row: tuple[Any, ...]) -> BlobMeta:
     import json  # noqa: PLC0415
 
     ref, size, created, pins, refs, verdict, reasons, lease = row
-    return BlobMeta(ref=str(ref), size=int(size), created=float(created), pins=int(pins),  # type: ignore[arg-type]
-                    refs=int(refs), verdict=str(verdict), reasons=tuple(json.loads(str(reasons))),  # type: ignore[arg-type]
-                    lease_expires=float(lease))  # type: ignore[arg-type]
+    return BlobMeta(ref=str(ref), size=int(size), created=float(created), pins=int(pins),
+                    refs=int(refs), verdict=str(verdict), reasons=tuple(json.loads(str(reasons))),
+                    lease_expires=float(lease))
