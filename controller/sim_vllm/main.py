@@ -54,7 +54,8 @@ class SimVllm:
         self.publisher = Publisher(host=c.host, port=c.kv_events_port, replay_port=c.replay_port, topic=c.topic,
                                    buffer_steps=c.buffer_steps, legacy_replay=c.legacy_replay)
         self.publisher.start()
-        self._runner = web.AppRunner(build_app(self), access_log=None)
+        # NOTE: like vLLM, a request whose client went away is aborted (handler cancelled), not left queued.
+        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, c.host, c.port)
         await site.start()
