@@ -1,0 +1,350 @@
+"""Session calls of the SDK: typed results and the mixins FleetClient / AsyncFleetClient inherit.
+
+    with FleetClient("127.0.0.1:50051", token=tok) as c:
+        c.create_session("agent-0", "You are a careful agent.")
+        r = c.append("agent-0", "list the files", return_logits=True)   # r.piece, r.logits
+        ids = c.generate("agent-0", 4)
+        c.sessions(fleet=True)                                          # rows across the fleet
+
+Reads (get, list, working set) are retried on UNAVAILABLE like every other call. Mutating calls
+(create, append, generate, evict, fork, admit, close) are sent once: a retry after an ambiguous
+failure could apply an op twice, so the caller decides.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from fleet.api.kvfleet.v1 import sessions_pb2 as pb
+from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
+from fleet.errors import InvalidArgument
+from fleet.sdk import base
+
+T = TypeVar("T")
+SESSION_TIMEOUT_S = 120.0  # a fork or a regeneration replays a whole op log
+
+
+@dataclass(frozen=True, slots=True)
+class PieceInfo:
+    """One ledger entry of a session's context (fleet.context.Piece)."""
+
+    piece_id: int
+    kind: str
+    start: int
+    length: int
+    state: str
+    ref: str
+    role: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    """One row of `kvfleet session ls --fleet`."""
+
+    session_id: str
+    tenant: str
+    node: str
+    actor: str
+    num_tokens: int
+    bytes_alone: int
+    bytes_shared: int
+    hit_rate: float
+    quarantined_spans: int
+    state: str
+    epoch: int
+    last_active: float
+    parent: str
+    adopted_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    """One kernel node (Ray node with a supervisor and its radix prefix cache)."""
+
+    node: str
+    num_sessions: int
+    cached_tokens: int
+    capacity_tokens: int
+    queried_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+    hit_rate: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSessions:
+    sessions: tuple[SessionRow, ...]
+    nodes: tuple[NodeRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """`logits` (float32 [vocab]) only when asked for with return_logits=True."""
+
+    piece: PieceInfo | None
+    num_tokens: int
+    op_index: int
+    replayed: bool
+    logits: np.ndarray | None
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    mode: str
+    start: int
+    length: int
+    tail: bool
+    num_evicted: int
+    num_recomputed: int
+    num_rerotated: int
+    exact: bool
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineWitness:
+    """max|Δ| evict-vs-never (0 when exact) with its control kept-vs-never (> 0)."""
+
+    piece_id: int
+    start: int
+    length: int
+    mode: str
+    write_time: bool
+    exact: bool
+    num_recomputed: int
+    max_abs_delta: float
+    control: float
+    cache_digest_equal: bool
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    verdict: str
+    reasons: tuple[str, ...]
+    evicted: bool
+    witness: QuarantineWitness | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSetItem:
+    piece: PieceInfo
+    verdict: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSetResult:
+    items: tuple[WorkingSetItem, ...]
+    tokens_reused: int
+    tokens_to_prefill: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    row: SessionRow
+    digest: str
+    token_ids: tuple[int, ...]
+
+
+# -- proto -> types ---------------------------------------------------------------------------
+
+def piece(p: Any) -> PieceInfo:
+    return PieceInfo(p.piece_id, p.kind, p.start, p.length, p.state, p.ref, p.role, tuple(p.token_ids))
+
+
+def session_row(r: Any) -> SessionRow:
+    return SessionRow(r.session_id, r.tenant, r.node, r.actor, r.num_tokens, r.bytes_alone, r.bytes_shared,
+                      r.hit_rate, r.quarantined_spans, r.state, r.epoch, r.last_active, r.parent, r.adopted_tokens)
+
+
+def node_row(n: Any) -> NodeRow:
+    return NodeRow(n.node, n.num_sessions, n.cached_tokens, n.capacity_tokens, n.queried_tokens, n.hit_tokens,
+                   n.evicted_blocks, n.hit_rate)
+
+
+def append_result(r: pb.AppendResponse) -> AppendResult:
+    logits = np.frombuffer(r.logits_f32, dtype="<f4").copy() if r.logits_f32 else None
+    return AppendResult(piece(r.piece) if r.HasField("piece") else None, r.num_tokens, r.op_index, r.replayed, logits)
+
+
+def evict_result(r: pb.EvictResponse) -> EvictResult:
+    return EvictResult(r.mode, r.start, r.length, r.tail, r.num_evicted, r.num_recomputed, r.num_rerotated, r.exact)
+
+
+def admission(r: pb.AdmitToolResultResponse) -> Admission:
+    w = None
+    if r.HasField("witness"):
+        x = r.witness
+        w = QuarantineWitness(x.piece_id, x.start, x.length, x.mode, x.write_time, x.exact, x.num_recomputed,
+                              x.max_abs_delta_evict_vs_never, x.control_kept_vs_never, x.cache_digest_equal,
+                              json.loads(x.detail_json or "{}"))
+    return Admission(r.verdict, tuple(r.reasons), r.evicted, w)
+
+
+def working_set(r: pb.WorkingSetResponse) -> WorkingSetResult:
+    items = tuple(WorkingSetItem(piece(i.piece), i.verdict, i.reason) for i in r.items)
+    return WorkingSetResult(items, r.tokens_reused, r.tokens_to_prefill)
+
+
+def append_request(session_id: str, content: str | Sequence[int], role: str, return_logits: bool) -> pb.AppendRequest:
+    req = pb.AppendRequest(session_id=session_id, role=role, return_logits=return_logits)
+    if isinstance(content, str):
+        req.text = content
+    elif isinstance(content, (list, tuple)) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in content):
+        req.token_ids.ids.extend(content)
+    else:
+        raise InvalidArgument("append takes text (str) or token ids (a list of ints in [0, 2**32))")
+    return req
+
+
+# -- the mixins -------------------------------------------------------------------------------
+
+class _Base:
+    _channel: Any
+    _md: tuple[tuple[str, str], ...]
+    target: str
+
+    @property
+    def _sessions_stub(self) -> SessionServiceStub:
+        stub = self.__dict__.get("_session_service")
+        if stub is None:
+            stub = self.__dict__["_session_service"] = SessionServiceStub(self._channel)
+        return stub
+
+
+class SessionsMixin(_Base):
+    """Session calls of FleetClient (the tenant is the token's)."""
+
+    _call: Callable[..., Any]
+
+    def _once(self, method: str, req: Any) -> Any:
+        try:
+            return getattr(self._sessions_stub, method)(req, timeout=SESSION_TIMEOUT_S, metadata=self._md)
+        except grpc.RpcError as e:
+            raise base.to_error(e, method, self.target) from e
+
+    def _read(self, method: str, req: Any) -> Any:
+        fn = getattr(self._sessions_stub, method)
+        return self._call(method, lambda t: fn(req, timeout=t, metadata=self._md), SESSION_TIMEOUT_S)
+
+    def create_session(self, session_id: str, system_prompt: str) -> SessionRow:
+        """Place and start a session whose first piece is `system_prompt`."""
+        r = self._once("CreateSession", pb.CreateSessionRequest(session_id=session_id, system_prompt=system_prompt))
+        return session_row(r.session)
+
+    def append(self, session_id: str, content: str | Sequence[int], *, role: str = "user",
+               return_logits: bool = False) -> AppendResult:
+        """Append a message (text, with its role) or model output (token ids)."""
+        return append_result(self._once("Append", append_request(session_id, content, role, return_logits)))
+
+    def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False) -> AppendResult:
+        """Append a tool result stored in the CAS (put_blob first); quarantined refs are refused."""
+        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits)
+        return append_result(self._once("Append", req))
+
+    def generate(self, session_id: str, num_tokens: int) -> list[int]:
+        """Greedy-decode `num_tokens` tokens, appended to the session as one output piece."""
+        return list(self._once("Generate", pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens)).token_ids)
+
+    def evict(self, session_id: str, piece_id: int, mode: str = "exact") -> EvictResult:
+        return evict_result(self._once("Evict", pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)))
+
+    def fork(self, session_id: str, child_id: str) -> SessionRow:
+        return session_row(self._once("Fork", pb.ForkRequest(session_id=session_id, child_id=child_id)).session)
+
+    def admit_tool_result(self, session_id: str, ref: Any) -> Admission:
+        """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness."""
+        return admission(self._once("AdmitToolResult", pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))))
+
+    def working_set(self, session_id: str, budget_tokens: int) -> WorkingSetResult:
+        return working_set(self._read("WorkingSet", pb.WorkingSetRequest(session_id=session_id,
+                                                                          budget_tokens=budget_tokens)))
+
+    def get_session(self, session_id: str, *, include_tokens: bool = False) -> SessionState:
+        r = self._read("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
+        return SessionState(session_row(r.session), r.digest, tuple(r.token_ids))
+
+    def close_session(self, session_id: str) -> None:
+        self._once("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    def fleet_sessions(self, fleet: bool = True, tenant: str | None = None) -> FleetSessions:
+        """Sessions (and, for the operator, kernel nodes) across the fleet."""
+        r = self._read("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
+        return FleetSessions(tuple(map(session_row, r.sessions)), tuple(map(node_row, r.nodes)))
+
+    def sessions(self, fleet: bool = True, tenant: str | None = None) -> list[SessionRow]:
+        return list(self.fleet_sessions(fleet, tenant).sessions)
+
+
+class AsyncSessionsMixin(_Base):
+    """Session calls of AsyncFleetClient (same surface, coroutines)."""
+
+    _call: Callable[..., Awaitable[Any]]
+
+    async def _once(self, method: str, req: Any) -> Any:
+        try:
+            return await getattr(self._sessions_stub, method)(req, timeout=SESSION_TIMEOUT_S, metadata=self._md)
+        except grpc.RpcError as e:
+            raise base.to_error(e, method, self.target) from e
+
+    async def _read(self, method: str, req: Any) -> Any:
+        fn = getattr(self._sessions_stub, method)
+        return await self._call(method, lambda t: fn(req, timeout=t, metadata=self._md), SESSION_TIMEOUT_S)
+
+    async def create_session(self, session_id: str, system_prompt: str) -> SessionRow:
+        req = pb.CreateSessionRequest(session_id=session_id, system_prompt=system_prompt)
+        return session_row((await self._once("CreateSession", req)).session)
+
+    async def append(self, session_id: str, content: str | Sequence[int], *, role: str = "user",
+                     return_logits: bool = False) -> AppendResult:
+        return append_result(await self._once("Append", append_request(session_id, content, role, return_logits)))
+
+    async def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False) -> AppendResult:
+        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits)
+        return append_result(await self._once("Append", req))
+
+    async def generate(self, session_id: str, num_tokens: int) -> list[int]:
+        r = await self._once("Generate", pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens))
+        return list(r.token_ids)
+
+    async def evict(self, session_id: str, piece_id: int, mode: str = "exact") -> EvictResult:
+        req = pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)
+        return evict_result(await self._once("Evict", req))
+
+    async def fork(self, session_id: str, child_id: str) -> SessionRow:
+        return session_row((await self._once("Fork", pb.ForkRequest(session_id=session_id, child_id=child_id))).session)
+
+    async def admit_tool_result(self, session_id: str, ref: Any) -> Admission:
+        req = pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))
+        return admission(await self._once("AdmitToolResult", req))
+
+    async def working_set(self, session_id: str, budget_tokens: int) -> WorkingSetResult:
+        req = pb.WorkingSetRequest(session_id=session_id, budget_tokens=budget_tokens)
+        return working_set(await self._read("WorkingSet", req))
+
+    async def get_session(self, session_id: str, *, include_tokens: bool = False) -> SessionState:
+        r = await self._read("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
+        return SessionState(session_row(r.session), r.digest, tuple(r.token_ids))
+
+    async def close_session(self, session_id: str) -> None:
+        await self._once("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    async def fleet_sessions(self, fleet: bool = True, tenant: str | None = None) -> FleetSessions:
+        r = await self._read("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
+        return FleetSessions(tuple(map(session_row, r.sessions)), tuple(map(node_row, r.nodes)))
+
+    async def sessions(self, fleet: bool = True, tenant: str | None = None) -> list[SessionRow]:
+        return list((await self.fleet_sessions(fleet, tenant)).sessions)
