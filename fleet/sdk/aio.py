@@ -17,11 +17,12 @@ from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.sdk import base, types
 from fleet.sdk.base import RetryPolicy
+from fleet.sdk.sessions import AsyncSessionsMixin
 
 T = TypeVar("T")
 
 
-class AsyncFleetClient:
+class AsyncFleetClient(AsyncSessionsMixin):
     """asyncio client of a kvfleet controller (arguments as FleetClient). Use `async with` or `await close()`."""
 
     def __init__(self, target: str, token: str | None = None, *, tls: bool = False,

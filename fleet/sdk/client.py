@@ -16,11 +16,12 @@ from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.sdk import base, types
 from fleet.sdk.base import RetryPolicy
+from fleet.sdk.sessions import SessionsMixin
 
 T = TypeVar("T")
 
 
-class FleetClient:
+class FleetClient(SessionsMixin):
     """Synchronous client of a kvfleet controller.
 
     Args:
