@@ -607,3 +607,32 @@ def test_longest_release_name_gives_valid_names(chart: Any) -> None:
     for o in objs:
         if o["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+
+
+def test_notes_commands_use_flags_the_cli_has(rendered: dict[str, dict[str, str]]) -> None:
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    from fleet.cli.main import COMMANDS
+
+    notes = rendered["default"]["kvfleet/templates/NOTES.txt"]
+    commands = [shlex.split(line.strip()) for line in notes.splitlines()
+                if line.strip().startswith("kvfleet ") and line.split()[1] in COMMANDS]
+    assert {tuple(c[:3]) for c in commands} >= {("kvfleet", "session", "ls"), ("kvfleet", "worker", "ls")}
+    for cmd in commands:
+        if cmd[1] == "controller":
+            continue  # --mint-token: checked against controller.main's parser below
+        out = subprocess.run([sys.executable, "-m", "fleet.cli.main", *cmd[1:3], "--help"], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        for flag in [w for w in cmd[3:] if w.startswith("--")]:
+            assert re.search(rf"{flag}\b", out.stdout), f"`{' '.join(cmd[:3])}` has no {flag}"
+        assert not re.search(r"--no-such-flag\b", out.stdout)  # control
+    from controller.main import parse_args
+
+    (mint,) = [c for c in commands if c[1] == "controller"]
+    a = parse_args(mint[2:], {})
+    assert (a.mint_token, a.role, a.tokens_file) == ("TENANT", "tenant", "./tokens.json")
+    assert "--tls" not in notes and "tls=True" in rendered["tls"]["kvfleet/templates/NOTES.txt"]
