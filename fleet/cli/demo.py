@@ -1,0 +1,131 @@
+"""`kvfleet demo`: the main job on one machine (controller, local Ray, embedded store, vLLM
+stand-ins) running an agent fleet workload, then the summary and the fleet dashboard.
+
+    kvfleet demo [--agents 5] [--turns 50] [--workers 3] [--json] [--ray-address ADDR]
+
+What runs and what every figure means: docs/demo.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from fleet.demo.workload import DemoConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOutput:
+    summary: dict[str, Any]
+    sessions: list[Any]   # fleet.sdk.sessions.SessionRow, as the dashboard shows them
+    workers: list[Any]
+    nodes: list[Any]
+
+
+async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address: str | None = None,
+                   state_dir: str | None = None) -> DemoOutput:
+    """Start everything, run the workload, summarize; `console` shows progress (None: quiet)."""
+    from fleet.demo.live import LiveRun
+    from fleet.demo.stack import Stack, StackConfig
+    from fleet.demo.summary import summarize
+
+    with tempfile.TemporaryDirectory(prefix="kvfleet-demo-") as tmp:
+        root = Path(state_dir or tmp)
+        scfg = StackConfig(store_url=f"sqlite:///{root / 'kvfleet.db'}", state_dir=str(root), workers=cfg.workers,
+                           num_blocks=cfg.num_blocks, block_size=cfg.block_size, tenant=cfg.tenant_name,
+                           ray_address=ray_address)
+        total = cfg.agents * cfg.turns + cfg.branches * cfg.branch_turns
+        with _progress(console) as prog:
+            task = prog.add_task("starting controller, local Ray, store, stand-in workers", total=total)
+            stack = await Stack.start(scfg)
+            try:
+                prog.update(task, description=f"{cfg.agents} agents x {cfg.turns} turns")
+
+                def report(msg: str, done: int) -> None:
+                    prog.update(task, completed=done, **({"description": msg} if msg else {}))
+                    if msg and console is not None:
+                        prog.console.log(msg)
+
+                res = await LiveRun(cfg, stack, report).run()
+                prog.update(task, description="replaying the trace under the oracle and the baselines")
+                summary = await asyncio.to_thread(summarize, cfg, res)
+                listing = await stack.admin.fleet_sessions(fleet=True)
+                workers = await stack.admin.workers()
+            finally:
+                await stack.stop()
+    return DemoOutput(summary, list(listing.sessions), workers, list(listing.nodes))
+
+
+class _Quiet:
+    console = Console(quiet=True)
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, *a: Any, **k: Any) -> int:
+        return 0
+
+    def update(self, *a: Any, **k: Any) -> None:
+        return None
+
+
+def _progress(console: Console | None) -> Any:
+    if console is None:
+        return _Quiet()
+    return Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfleet demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--agents", type=int, default=5)
+    p.add_argument("--turns", type=int, default=50)
+    p.add_argument("--workers", type=int, default=3, help="vLLM stand-in workers (>= 3)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per stand-in worker")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    try:
+        cfg = DemoConfig(agents=a.agents, turns=a.turns, workers=a.workers, num_blocks=a.num_blocks)
+    except ValueError as e:
+        print(f"kvfleet demo: {e}", file=sys.stderr)
+        return 2
+    err = Console(stderr=True)
+    out = asyncio.run(run_demo(cfg, None if a.quiet else err, a.ray_address))
+    if a.json:
+        print(json.dumps(out.summary, indent=1))
+        return 0
+    from fleet.cli.session import render_sessions
+    from fleet.cli.worker import render_workers
+    from fleet.demo.summary import render
+
+    con = Console()
+    con.print(render(out.summary))
+    con.print(render_sessions(out.sessions, title="fleet dashboard (kvfleet session ls --fleet)"))
+    con.print(render_workers(out.workers, out.nodes))
+    con.print(f"demo finished in {out.summary['wall_s']}s of workload")
+    return 0
