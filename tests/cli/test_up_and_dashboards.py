@@ -1,0 +1,69 @@
+"""`kvfleet up` as a real process (its own local Ray, embedded store, one stand-in), driven with
+the SDK and looked at with `kvfleet session ls --fleet --json` and `kvfleet worker ls --json`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.cli import session as session_cli
+from fleet.cli import worker as worker_cli
+from fleet.sdk import FleetClient
+
+
+def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    cmd = [sys.executable, "-m", "fleet.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path),
+           "--sim-workers", "1", "--num-cpus", "2", "--tenant", "acme", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    deadline = time.monotonic() + 240
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("{"):
+            return proc, json.loads(line)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail(f"kvfleet up did not come up: rc={proc.poll()} stderr={proc.stderr.read() if proc.stderr else ''}")
+
+
+def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proc, info = _start_up(tmp_path)
+    try:
+        addr, op, tok = str(info["controller"]), str(info["operator_token"]), str(info["tenant_token"])
+        assert str(info["store"]).startswith("sqlite:///") and (tmp_path / "kvfleet.db").exists()
+        with FleetClient(addr, tok) as c:
+            c.create_session("s1", "You are agent zero. Answer briefly.")
+            c.append("s1", " hello")
+        capsys.readouterr()
+        assert session_cli.main(["ls", "--fleet", "--json", "--controller", addr, "--token", op]) == 0
+        [row] = json.loads(capsys.readouterr().out)
+        assert (row["session_id"], row["tenant"], row["num_tokens"], row["state"]) == ("s1", "acme", 41, "active")
+        assert row["actor"] == "session:acme:s1" and row["bytes_alone"] > 0 and row["node"]
+        assert session_cli.main(["ls", "--fleet", "--controller", addr, "--token", op]) == 0
+        table = capsys.readouterr().out
+        assert "s1" in table and "acme" in table and "active / 0" in table
+        assert worker_cli.main(["ls", "--json", "--controller", addr, "--token", op]) == 0
+        snap = json.loads(capsys.readouterr().out)
+        assert [w["name"] for w in snap["workers"]] == ["w0"] and snap["nodes"][0]["num_sessions"] == 1
+        # a tenant token may not list workers: a clear status, exit code 2
+        assert worker_cli.main(["ls", "--controller", addr, "--token", tok]) == 2
+        assert "PermissionDenied" in capsys.readouterr().err
+        assert session_cli.main(["ls", "--fleet", "--controller", addr, "--token", "kvf_wrong"]) == 2
+        assert "Unauthenticated" in capsys.readouterr().err
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0
