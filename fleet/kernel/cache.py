@@ -87,13 +87,12 @@ class PagedKV:
             kv[V_IDX, l, :, r : r + n] = v[:, s]
             p += n
 
-    def read(self, l: int, num_blocks: int) -> tuple[Any, Any]:
-        """K (post-RoPE) and V of layer l over blocks [0, num_blocks): each [KV, num_blocks*BS, hd].
-        Blocks past the table read as zeros (always masked)."""
-        if self._zero is None:
-            self._zero = self.ops.zeros((3, self.n_layers, self.n_kv, self.block_size, self.head_dim))
-        parts = [self.blocks[b].kv if b < len(self.blocks) else self._zero for b in range(num_blocks)]
-        return (self.ops.cat([p[K_POST, l] for p in parts], 1), self.ops.cat([p[V_IDX, l] for p in parts], 1))
+    def window(self, p0: int, p1: int, num_blocks: int) -> KVWindow:
+        """A contiguous working copy of positions [0, num_blocks*BS) for a forward pass that
+        writes positions [p0, p1): K and V of the blocks before p0 are copied in once (not once
+        per tile and layer); everything else reads as zeros, as blocks past the table do.
+        The blocks stay the source of truth: `KVWindow.commit` writes [p0, p1) back."""
+        return KVWindow(self, p0, p1, num_blocks)
 
     def rows(self, lo: int, hi: int) -> Any:
         """All tensors for positions [lo, hi): [3, L, KV, hi-lo, hd] (a copy)."""
@@ -113,3 +112,38 @@ class PagedKV:
             n = min(lo + m - p, BS - r)
             self.blocks[b].kv[:, :, :, r : r + n] = data[:, :, :, p - lo : p - lo + n]
             p += n
+
+
+class KVWindow:
+    """Per-call contiguous K/Kraw/V [3, L, KV, num_blocks*BS, hd] mirroring the block table.
+
+    Every row a tile reads holds the same bytes the blocks hold at that moment (copied prefix
+    blocks, rows written by earlier tiles of this call, zeros), so reading a view of it is the
+    same arithmetic as gathering the blocks; only the copying is gone.
+    """
+
+    __slots__ = ("kv", "p0", "p1", "paged")
+
+    def __init__(self, paged: PagedKV, p0: int, p1: int, num_blocks: int) -> None:
+        BS = paged.block_size
+        self.paged, self.p0, self.p1 = paged, p0, p1
+        self.kv = paged.ops.zeros((3, paged.n_layers, paged.n_kv, num_blocks * BS, paged.head_dim))
+        for b in range(min(-(-p0 // BS), len(paged.blocks), num_blocks)):  # blocks holding [0, p0)
+            src, dst = paged.blocks[b].kv, self.kv[:, :, :, b * BS : (b + 1) * BS]  # [3, L, KV, BS, hd]
+            dst[K_POST] = src[K_POST]
+            dst[V_IDX] = src[V_IDX]  # Kraw is never read during a forward pass
+
+    def write(self, l: int, pos0: int, lo: int, hi: int, k: Any, kraw: Any, v: Any) -> None:
+        """Rows for positions [lo, hi) of layer l from tile arrays [KV, T, hd] (slot 0 = pos0)."""
+        s = slice(lo - pos0, hi - pos0)
+        self.kv[K_POST, l, :, lo:hi] = k[:, s]
+        self.kv[K_RAW, l, :, lo:hi] = kraw[:, s]
+        self.kv[V_IDX, l, :, lo:hi] = v[:, s]
+
+    def read(self, l: int, num_keys: int) -> tuple[Any, Any]:
+        """K (post-RoPE) and V of layer l over positions [0, num_keys): views [KV, num_keys, hd]."""
+        return self.kv[K_POST, l, :, :num_keys], self.kv[V_IDX, l, :, :num_keys]
+
+    def commit(self) -> None:
+        """Write positions [p0, p1) back into the (writable) blocks: one copy per block."""
+        self.paged.put_rows(self.p0, self.kv[:, :, :, self.p0 : self.p1])

@@ -100,11 +100,13 @@ class Session:
         T, BS, p1 = k.tile_size, k.block_size, p0 + len(ids)
         self._kv.ensure(p1)
         self._kv.make_writable(p0, p1)
+        t0, t1 = p0 // T, (p1 - 1) // T
+        win = self._kv.window(p0, p1, -(-(t1 + 1) * T // BS))  # the last tile's key blocks
         with ops.limit():
-            for t in range(p0 // T, (p1 - 1) // T + 1):
+            for t in range(t0, t1 + 1):
                 pos0 = t * T
                 lo, hi = max(p0, pos0), min(p1, pos0 + T)
-                nb = -(-(pos0 + T) // BS)  # key blocks for tile t: fixed by t alone
+                nk = -(-(pos0 + T) // BS) * BS  # key positions for tile t: fixed by t alone
 
                 def kv_io(
                     l: int,
@@ -114,14 +116,15 @@ class Session:
                     pos0: int = pos0,
                     lo: int = lo,
                     hi: int = hi,
-                    nb: int = nb,
+                    nk: int = nk,
                 ) -> tuple[Any, Any]:
-                    self._kv.write(l, pos0, lo, hi, kk, kraw, v)
-                    return self._kv.read(l, nb)
+                    win.write(l, pos0, lo, hi, kk, kraw, v)
+                    return win.read(l, nk)
 
                 x = ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T)  # [T, dim]
                 for l in range(k.config.n_layers):
                     x = ops.layer(x, l, pos0, kv_io)
+            win.commit()
             logits: np.ndarray = ops.logits(x[hi - 1 - pos0])  # [V]
         return logits
 
