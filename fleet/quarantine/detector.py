@@ -9,6 +9,7 @@ not an injection.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +19,8 @@ from fleet.quarantine import text as T
 
 THRESHOLD = 1.0
 MENTION_FACTOR = 0.25
+MENTION_RADIUS = 1500  # how far from a match the "this text discusses attacks" markers may be
+STRIDE = 1000  # signals are summed within windows of two adjacent STRIDE-sized buckets
 _QUOTED_RE = re.compile(r"\"[^\"\n]{3,400}\"|“[^”\n]{3,400}”|«[^»\n]{3,400}»|„[^“\n]{3,400}“|'[^'\n]{8,400}'|`[^`\n]+`|```.*?```", re.S)
 # Reported speech: "phrases such as ...", "attempts to override ..." (only consulted in documents about attacks).
 _MENTION_VERB_RE = re.compile(
@@ -71,20 +74,20 @@ class PromptInjectionDetector:
         return scores
 
     def _language(self, norm: str) -> dict[str, float]:
-        scores: dict[str, float] = {}
+        """Category scores of the best window: an attack's signals sit together, within ~2000 chars."""
         quoted = [m.span() for m in _QUOTED_RE.finditer(norm)]
-        meta = R.MENTION_MARKERS.search(norm) is not None
+        buckets: dict[int, dict[str, float]] = {}
         for rule in R.RULES:
             for m in rule.pattern.finditer(norm):
                 w = self._exfil_weight(norm, m) if rule.exfil else rule.weight
-                if w and meta and self._is_mention(norm, m, quoted):
+                if w and self._is_mention(norm, m, quoted):
                     w *= MENTION_FACTOR
-                _bump(scores, rule.category, w)
-        if R.MARKDOWN_EXFIL.search(norm):
-            _bump(scores, "exfiltration", 1.0)
-        if R.DECODE_HINT.search(norm):
-            _bump(scores, "encoded_instructions", 0.5)
-        return scores
+                _bump(buckets.setdefault(m.start() // STRIDE, {}), rule.category, w)
+        for m in R.MARKDOWN_EXFIL.finditer(norm):
+            _bump(buckets.setdefault(m.start() // STRIDE, {}), "exfiltration", 1.0)
+        for m in R.DECODE_HINT.finditer(norm):
+            _bump(buckets.setdefault(m.start() // STRIDE, {}), "encoded_instructions", 0.5)
+        return _best_window(buckets)
 
     @staticmethod
     def _exfil_weight(norm: str, m: re.Match[str]) -> float:
@@ -100,7 +103,11 @@ class PromptInjectionDetector:
 
     @staticmethod
     def _is_mention(norm: str, m: re.Match[str], quoted: list[tuple[int, int]]) -> bool:
-        inside = any(a <= m.start() and m.end() <= b for a, b in quoted)
+        """Quoted or reported speech, near words that show the text is *about* attacks."""
+        if R.MENTION_MARKERS.search(norm, max(0, m.start() - MENTION_RADIUS), m.end() + MENTION_RADIUS) is None:
+            return False
+        i = bisect.bisect_right(quoted, (m.start(), len(norm))) - 1
+        inside = i >= 0 and quoted[i][0] <= m.start() and m.end() <= quoted[i][1]
         return inside or _MENTION_VERB_RE.search(norm[max(0, m.start() - 40): m.start()]) is not None
 
     def _hidden(self, raw: str, scores: dict[str, float], depth: int) -> None:
@@ -121,10 +128,23 @@ class PromptInjectionDetector:
             inner = self._score(decoded, depth + 1)
             if sum(inner.values()) >= 0.5:
                 _bump(scores, "encoded_instructions", min(1.0, sum(inner.values())))
+        if not T.looks_rot13(norm):
+            return
         rotated = self._language(T.normalize(T.rot13(raw)))
         strong = sum(s for c, s in rotated.items() if c in ("instruction_override", "system_prompt_leak", "exfiltration"))
         if strong >= 1.0:
             _bump(scores, "encoded_instructions", 1.0)
+
+
+def _best_window(buckets: dict[int, dict[str, float]]) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for k, bucket in buckets.items():  # window k = buckets k and k+1 (<= 2 * STRIDE chars)
+        merged = dict(bucket)
+        for c, w in buckets.get(k + 1, {}).items():
+            _bump(merged, c, w)
+        if sum(merged.values()) > sum(best.values()):
+            best = merged
+    return best
 
 
 def _bump(scores: dict[str, float], category: str, weight: float) -> None:

@@ -37,12 +37,15 @@ _B64_RE = re.compile(r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/_-]{24,}={0,2}(?![A-Za-z
 _HEX_RE = re.compile(r"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}[\s:]?){16,}(?![0-9A-Fa-f])")
 
 # Latin look-alikes from Cyrillic and Greek, folded only inside words that mix scripts.
-_CONFUSABLES = str.maketrans({
+_CONFUSABLES_SRC = {
     "а": "a", "е": "e", "о": "o", "р": "p", "с": "c", "х": "x", "у": "y", "і": "i", "ѕ": "s", "ј": "j",
     "к": "k", "м": "m", "т": "t", "н": "h", "в": "b", "ԁ": "d", "ɡ": "g",
     "α": "a", "ε": "e", "ο": "o", "ρ": "p", "ι": "i", "κ": "k", "ν": "v", "τ": "t", "υ": "u", "χ": "x",
-})
+}
+_CONFUSABLES = str.maketrans(_CONFUSABLES_SRC)
+_CONFUSABLE_CHAR_RE = re.compile("[" + "".join(_CONFUSABLES_SRC) + "]")
 _WORD_RE = re.compile(r"\w+")
+_ROT13_WORDS = re.compile(r"\b(?:gur|naq|lbh|lbhe|nyy|bs|gb|vf|vg|sbe|abj|guvf|jvgu|vafgehpgvbaf|cebzcg|flfgrz|cerivbhf)\b")
 
 
 def decode_bytes(data: str | bytes | bytearray | memoryview) -> str:
@@ -71,13 +74,17 @@ def _fold_word(m: re.Match[str]) -> str:
 
 def mixed_script_words(text: str) -> int:
     """How many words mix Latin letters with Cyrillic/Greek look-alikes (a homoglyph trick)."""
-    return sum(1 for m in _WORD_RE.finditer(text.casefold()) if _fold_word(m) != m.group(0))
+    t = text.casefold()
+    if _CONFUSABLE_CHAR_RE.search(t) is None:  # NOTE: keeps pure-ASCII text (the common case) linear and cheap
+        return 0
+    return sum(1 for m in _WORD_RE.finditer(t) if _fold_word(m) != m.group(0))
 
 
 def normalize(text: str) -> str:
     """NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces."""
     t = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text)).casefold()
-    t = _WORD_RE.sub(_fold_word, t)
+    if _CONFUSABLE_CHAR_RE.search(t) is not None:
+        t = _WORD_RE.sub(_fold_word, t)
     return re.sub(r"[ \t\r\f\v]+", " ", t)
 
 
@@ -118,6 +125,11 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
         if len(digits) % 2 == 0 and (decoded := _printable_text(bytes.fromhex(digits))) is not None:
             out.append(("hex", decoded))
     return out[:limit]
+
+
+def looks_rot13(norm: str) -> bool:
+    """Worth a rot13 view: the text names rot13, or carries several rot13'd common English words."""
+    return "rot13" in norm or "rot-13" in norm or len(_ROT13_WORDS.findall(norm, 0, 1 << 20)) >= 2
 
 
 def rot13(text: str) -> str:
