@@ -108,7 +108,10 @@ def check_ref(ref: object) -> str:
 def check_bytes(what: str, data: object) -> memoryview:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise InvalidArgument(f"{what} must be bytes, got {type(data).__name__}")
-    return memoryview(data).cast("B")
+    try:
+        return memoryview(data).cast("B")
+    except TypeError as e:  # a non-contiguous view
+        raise InvalidArgument(f"{what} must be a contiguous bytes-like object: {e}") from e
 
 
 def not_found(ref: str, tenant: str) -> NotFound:

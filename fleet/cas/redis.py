@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fleet.cas.base import VERDICT_UNKNOWN, BlobMeta, BlobStore, StoreConfig
-from fleet.errors import Unavailable
+from fleet.errors import ResourceExhausted, Unavailable
 
 _PUT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -90,6 +90,12 @@ def _unavailable(fn: F) -> F:
                 f"redis at {self.host}:{self.port} unreachable: {e}; "
                 "check that redis-server is running and the store URL is right"
             ) from e
+        except redis.exceptions.ResponseError as e:
+            if "OOM command not allowed" in str(e):
+                raise ResourceExhausted(f"redis at {self.host}:{self.port} is out of memory (maxmemory): {e}") from e
+            if any(code in str(e) for code in ("MISCONF", "READONLY", "LOADING")):
+                raise Unavailable(f"redis at {self.host}:{self.port} cannot accept writes now: {e}") from e
+            raise
 
     return wrapper  # type: ignore[return-value]
 

@@ -71,7 +71,7 @@ class SqliteBlobStore(BlobStore):
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         """One IMMEDIATE transaction: everything inside commits together or not at all."""
-        with self._lock:
+        with self._lock, self._busy():
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -80,8 +80,15 @@ class SqliteBlobStore(BlobStore):
                 raise
             self._db.execute("COMMIT")
 
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as e:  # locked past the timeout, disk full, file gone
+            raise Unavailable(f"sqlite database {self.path} unavailable: {e}") from e
+
     def _one(self, sql: str, args: tuple[object, ...]) -> tuple[Any, ...] | None:
-        with self._lock:
+        with self._lock, self._busy():
             row = self._db.execute(sql, args).fetchone()
         return tuple(row) if row is not None else None
 
