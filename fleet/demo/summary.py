@@ -15,7 +15,7 @@ from fleet.demo.model import PolicyResult, replay_all
 from fleet.demo.workload import DemoConfig
 
 ORDER = ("kvfleet", "oracle", "blind", "round_robin")
-LABELS = {"kvfleet": "kvfleet (live)", "oracle": "oracle (true caches)", "blind": "prefix-aware, lifecycle-blind",
+LABELS = {"kvfleet": "kvfleet (live)", "oracle": "greedy oracle (true caches)", "blind": "prefix-aware, lifecycle-blind",
           "round_robin": "round-robin"}
 
 
