@@ -17,6 +17,7 @@ Policies (one `choose` method each):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ class Fleet:
         f = cls({})
         for name in trace.workers:
             cfg = SimEngineConfig(block_size=trace.block_size, num_blocks=trace.num_blocks)
-            f.engines[name] = SimEngine(cfg, lambda evs, n=name: f._deliver(n, evs))
+            f.engines[name] = SimEngine(cfg, functools.partial(f._deliver, name))
         return f
 
     def _deliver(self, name: str, events: list[Any]) -> None:

@@ -64,7 +64,7 @@ class SessionRow:
     adopted_tokens: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        return {f: getattr(self, f) for f in self.__slots__}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class NodeRow:
     hit_rate: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        return {f: getattr(self, f) for f in self.__slots__}
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +221,7 @@ class _Base:
     def _sessions_stub(self) -> SessionServiceStub:
         stub = self.__dict__.get("_session_service")
         if stub is None:
-            stub = self.__dict__["_session_service"] = SessionServiceStub(self._channel)
+            stub = self.__dict__["_session_service"] = SessionServiceStub(self._channel)  # type: ignore[no-untyped-call]
         return stub
 
 
