@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     from fleet.cli.worker import render_workers
     from fleet.demo.summary import render
 
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 160)  # piped output: room for every column
     con.print(render(out.summary))
     con.print(render_sessions(out.sessions, title="fleet dashboard (kvfleet session ls --fleet)"))
     con.print(render_workers(out.workers, out.nodes))
