@@ -127,6 +127,9 @@ class Controller:
                 await self._lock.close()
         if self.ctx.router is not None:
             await self.ctx.router.stop()
+        for hook in self.ctx.on_stop:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(hook)
         self.ctx.executor.shutdown(wait=True)
         self.ctx.store.close()
 
@@ -180,7 +183,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
     store_limit = getattr(getattr(store, "cfg", None), "max_blob_bytes", cfg.max_blob_bytes)
     limit = min(cfg.max_blob_bytes, int(store_limit))
     ctx = ServiceContext(auth=auth, metrics=metrics or Metrics(), store=store, router=None, max_blob_bytes=limit,
-                         store_url=cfg.store_url, leader=False,
+                         store_url=cfg.store_url, ray_address=cfg.ray_address, leader=False,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"))
     server = grpc.aio.server()
     names = add_servicers(server, ctx)

@@ -25,7 +25,15 @@ import ray
 
 from fleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, Unavailable
 from fleet.lifecycle import Witness
-from workers.placement import NAMESPACE, NodeOffer, choose_node, on_node, session_actor_name, supervisor_name
+from workers.placement import (
+    NAMESPACE,
+    NodeOffer,
+    choose_node,
+    fleet_scope,
+    on_node,
+    session_actor_name,
+    supervisor_name,
+)
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 from workers.supervisor import NodeSupervisor
 
@@ -88,7 +96,7 @@ class KernelFleet:
                 continue
             nid = node["NodeID"]
             out[nid] = ray.remote(NodeSupervisor).options(
-                name=supervisor_name(nid), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+                name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
                 max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
             ).remote(nid, self.store_url, self.spec.to_dict(), self._budget, self._policy)
         return out
@@ -155,7 +163,7 @@ class KernelFleet:
         """The live actor of a registered session (None if it is gone); NotFound if unregistered."""
         self._record(tenant, session_id)
         try:
-            actor = ray.get_actor(session_actor_name(tenant, session_id), namespace=NAMESPACE)
+            actor = ray.get_actor(session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE)
         except ValueError:  # no live actor by that name: it died and its name was released
             return None
         self._handles[(tenant, session_id)] = actor

@@ -11,12 +11,18 @@ NAMESPACE = "kvfleet"
 SALT_BASE = 1 << 40  # salt tokens lie far outside any vocabulary: they never collide with real ids
 
 
-def session_actor_name(tenant: str, session_id: str) -> str:
-    return f"session:{tenant}:{session_id}"
+def fleet_scope(store_url: str) -> str:
+    """A short id of the store a fleet writes to. Actor names carry it, so two fleets on different
+    stores in one Ray cluster never adopt each other's supervisors or sessions (and op logs)."""
+    return hashlib.sha256(store_url.encode()).hexdigest()[:10]
 
 
-def supervisor_name(node_id: str) -> str:
-    return f"supervisor:{node_id}"
+def session_actor_name(tenant: str, session_id: str, scope: str) -> str:
+    return f"session:{scope}:{tenant}:{session_id}"
+
+
+def supervisor_name(node_id: str, scope: str) -> str:
+    return f"supervisor:{scope}:{node_id}"
 
 
 def tenant_salt(tenant: str, page_size: int) -> list[int]:

@@ -27,6 +27,7 @@ from fleet.context import QUARANTINED
 from fleet.errors import NotFound
 from fleet.kernel import PrefixKV, Session
 from workers.host import SessionHost
+from workers.placement import fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 
@@ -38,6 +39,7 @@ class KernelActor:
         from fleet.cas import open_store
 
         self.tenant, self.session_id, self.node_id, self.epoch = tenant, session_id, node_id, epoch
+        self.actor_name = session_actor_name(tenant, session_id, fleet_scope(store_url))
         self.kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
         self.store = open_store(store_url)
         self.host = self._new_host()
@@ -170,7 +172,7 @@ class KernelActor:
         mem = s.memory() if s is not None else None
         return {
             "session": self.session_id, "tenant": self.tenant, "node": self.node_id,
-            "actor": f"session:{self.tenant}:{self.session_id}", "tokens": len(s) if s is not None else 0,
+            "actor": self.actor_name, "tokens": len(s) if s is not None else 0,
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
             "adopted_tokens": self.host.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
             "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,

@@ -19,7 +19,7 @@ import ray
 
 from fleet.errors import AlreadyExists, NotFound
 from fleet.radix import RadixTree
-from workers.placement import NAMESPACE, on_node, session_actor_name, tenant_salt
+from workers.placement import NAMESPACE, fleet_scope, on_node, session_actor_name, tenant_salt
 from workers.session_actor import KernelActor
 from workers.spec import KernelSpec, make_kernel
 
@@ -101,7 +101,7 @@ class NodeSupervisor:
         key = (tenant, session_id)
         self.epochs[key] = self.epochs.get(key, -1) + 1
         actor = ray.remote(KernelActor).options(
-            name=session_actor_name(tenant, session_id), namespace=NAMESPACE, get_if_exists=True,
+            name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True,
             num_cpus=ACTOR_CPUS, max_restarts=0, scheduling_strategy=on_node(self.node_id),
         ).remote(tenant, session_id, self.store_url, self.kernel_spec, self.node_id, self.epochs[key])
         self.actors[key] = actor
@@ -167,7 +167,7 @@ class NodeSupervisor:
                 out.append(dict(await asyncio.wait_for(ref, timeout_s)))
             except Exception:  # noqa: BLE001 - dead or stuck: reported, never waited on forever
                 out.append({"session": key[1], "tenant": key[0], "node": self.node_id, "state": "lost",
-                            "actor": session_actor_name(*key), "epoch": self.epochs.get(key, 0)})
+                            "actor": session_actor_name(*key, fleet_scope(self.store_url)), "epoch": self.epochs.get(key, 0)})
         return out
 
     async def stats(self) -> dict[str, Any]:

@@ -34,6 +34,8 @@ class ServiceContext:
     router: Any  # controller.router.Router, or None before it started
     max_blob_bytes: int
     store_url: str = ""
+    ray_address: str | None = None  # the Ray cluster session actors run on (None: local / RAY_ADDRESS)
+    on_stop: list[Callable[[], None]] = field(default_factory=list)  # run by Controller.stop
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="kvfleet-store"))
     leader: bool = True
 

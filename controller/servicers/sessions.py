@@ -97,9 +97,16 @@ class SessionServicer(pbg.SessionServiceServicer):
         return self.fleet
 
     def _build(self) -> Any:
-        from workers.fleet import KernelFleet
+        import ray
 
-        return KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store))
+        from workers.fleet import KernelFleet
+        from workers.placement import NAMESPACE
+
+        if self.ctx.ray_address and not ray.is_initialized():
+            ray.init(address=self.ctx.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store))
+        self.ctx.on_stop.append(fleet.shutdown)  # its (non-detached) supervisors go with this controller
+        return fleet
 
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))

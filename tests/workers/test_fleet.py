@@ -16,7 +16,7 @@ from workers_helpers import SPEC, prefilled, replay_locally, wait_dead
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import max_abs_delta
 from workers.fleet import KernelFleet
-from workers.placement import NAMESPACE, session_actor_name
+from workers.placement import NAMESPACE, fleet_scope, session_actor_name
 from workers.spec import make_kernel
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 bytes: 2 whole blocks of 16
@@ -36,7 +36,7 @@ def test_session_lifecycle_and_errors(kfleet: KernelFleet, tenant: str) -> None:
     assert len(kfleet.tokens(tenant, "s1")) == 41                # nothing changed
     [row] = kfleet.list_sessions(fleet=True, tenant=tenant)
     assert (row["session"], row["tenant"], row["tokens"], row["state"], row["epoch"]) == ("s1", tenant, 41, "active", 0)
-    assert row["actor"] == session_actor_name(tenant, "s1") and row["bytes_alone"] > 0
+    assert row["actor"] == session_actor_name(tenant, "s1", fleet_scope(kfleet.store_url)) and row["bytes_alone"] > 0
     os.kill(kfleet.info(tenant, "s1")["pid"], signal.SIGKILL)    # the Ray worker process dies
     r2 = kfleet.append(tenant, "s1", "!")                        # transparently regenerated
     assert r2.num_tokens == 42 and kfleet.num_regenerations == 1
@@ -109,7 +109,7 @@ def test_killed_actor_mid_append_is_regenerated_bit_identically(kfleet: KernelFl
     long_text = "".join(random.Random(0).choices("abcdefghij klmnop.", k=4000))
     result: dict[str, object] = {}
     worker = threading.Thread(target=lambda: result.update(r=kfleet.append(tenant, "k", long_text)))
-    actor = ray.get_actor(session_actor_name(tenant, "k"), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "k", fleet_scope(kfleet.store_url)), NAMESPACE)
     worker.start()
     deadline = time.monotonic() + 60                               # wait until the append is in flight
     while ray.get(actor.info.remote())["in_flight"] != "append" and time.monotonic() < deadline:
@@ -149,7 +149,7 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
     ws = kfleet.working_set(tenant, "q", budget_tokens=10_000)
     assert ws.verdicts() == ["HIT", "HIT", "REFUSE"]
     digest = kfleet.digest(tenant, "q")
-    actor = ray.get_actor(session_actor_name(tenant, "q"), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "q", fleet_scope(kfleet.store_url)), NAMESPACE)
     ray.kill(actor, no_restart=True)
     wait_dead(actor)
     assert kfleet.digest(tenant, "q") == digest                   # regenerated from the log (+ CAS bytes)
@@ -166,7 +166,7 @@ def test_supervisor_restart_regenerates_its_sessions(kfleet: KernelFleet, tenant
     kfleet.append(tenant, "v", " hello")
     digest = kfleet.digest(tenant, "v")
     [sup] = kfleet.supervisors.values()
-    actor = ray.get_actor(session_actor_name(tenant, "v"), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "v", fleet_scope(kfleet.store_url)), NAMESPACE)
     ray.kill(sup, no_restart=False)              # Ray restarts it empty; the sessions it owned die with it
     wait_dead(actor)                             # owner death reaps the session actor asynchronously
     assert kfleet.digest(tenant, "v") == digest and kfleet.num_regenerations == 1
