@@ -73,7 +73,7 @@ return 0
 # NOTE: a duplicate of a large blob is detected with one small round trip before the bytes are sent.
 _PRECHECK_BYTES = 256 << 10
 _GET_CHUNK = 512 << 10
-_PIPE_BYTES = 8 << 20
+_PIPE_BYTES = 16 << 20
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -136,7 +136,7 @@ class RedisBlobStore(BlobStore):
 
     @_unavailable
     def _put_many(self, tenant: str, items: Iterable[tuple[str, memoryview]], now: float) -> list[str]:
-        # groups of <= _PIPE_BYTES: bounded server buffering, and the next group hashes while this one flies
+        # pipelined groups of <= _PIPE_BYTES: one round trip each, bounded server-side buffering
         refs: list[str] = []
         group: list[tuple[str, memoryview]] = []
         for ref, data in items:
@@ -150,10 +150,9 @@ class RedisBlobStore(BlobStore):
         return refs
 
     def _put_group(self, tenant: str, group: list[tuple[str, memoryview]], now: float) -> None:
-        lease = repr(self._lease(now))
-        pipe = self.r.pipeline(transaction=False)
+        lease, pipe = repr(self._lease(now)), self.r.pipeline(transaction=False)
         large = [ref for ref, data in group if data.nbytes >= _PRECHECK_BYTES]
-        for ref in large:  # dedup pre-check of the large ones, one round trip for the group
+        for ref in large:  # dedup pre-check of the large ones: one small round trip for the group
             self._s_touch(keys=[self._keys(tenant, ref)[1]], args=[lease], client=pipe)
         present = {ref for ref, hit in zip(large, pipe.execute() if large else [], strict=True) if hit}
         for ref, data in group:
