@@ -10,119 +10,34 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
+from fleet.cas.types import (
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_BLOB_BYTES,
+    VERDICT_CLEAN,
+    VERDICT_QUARANTINED,
+    VERDICT_UNKNOWN,
+    VERDICTS,
+    BlobMeta,
+    StoreConfig,
+    _sha_hex,
+    check_bytes,
+    check_key,
+    check_name,
+    check_ref,
+    check_tenant,
+    encode_op,
+    not_found,
+)
+from fleet.errors import InvalidArgument, ResourceExhausted
 
-DEFAULT_MAX_BLOB_BYTES = 64 << 20
-DEFAULT_LEASE_S = 600.0
-
-VERDICT_UNKNOWN = "UNKNOWN"
-VERDICT_CLEAN = "CLEAN"
-VERDICT_QUARANTINED = "QUARANTINED"
-VERDICTS = (VERDICT_UNKNOWN, VERDICT_CLEAN, VERDICT_QUARANTINED)
-
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_ID_RE = re.compile(r"[A-Za-z0-9_.:/@-]{1,128}")
-_REF_RE = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True, slots=True)
-class BlobMeta:
-    """Metadata of one stored blob (per tenant)."""
-
-    ref: str
-    size: int
-    created: float
-    pins: int
-    refs: int
-    verdict: str
-    reasons: tuple[str, ...]
-    lease_expires: float
-
-    def __post_init__(self) -> None:
-        assert self.size >= 0 and self.pins >= 0 and self.refs >= 0, self
-
-    @property
-    def quarantined(self) -> bool:
-        return self.verdict == VERDICT_QUARANTINED
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """How a store is opened: URL plus limits. `clock` is injectable for lease tests."""
-
-    url: str
-    max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES
-    lease_s: float = DEFAULT_LEASE_S
-    clock: Callable[[], float] = field(default=time.time, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.max_blob_bytes <= 0:
-            raise InvalidArgument(f"max_blob_bytes must be positive, got {self.max_blob_bytes}")
-        if self.lease_s < 0:
-            raise InvalidArgument(f"lease_s must be >= 0, got {self.lease_s}")
-
-
-def _sha_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
-
-
-def check_tenant(tenant: object) -> str:
-    """Validate a tenant name: 1-64 chars of [A-Za-z0-9_.-]."""
-    if not isinstance(tenant, str) or not _NAME_RE.fullmatch(tenant):
-        raise InvalidArgument(f"invalid tenant {tenant!r}: expected 1-64 characters of [A-Za-z0-9_.-]")
-    return tenant
-
-
-def check_name(what: str, name: object) -> str:
-    """Validate a namespace / session id: 1-128 chars of [A-Za-z0-9_.:/@-]."""
-    if not isinstance(name, str) or not _ID_RE.fullmatch(name):
-        raise InvalidArgument(f"invalid {what} {name!r}: expected 1-128 characters of [A-Za-z0-9_.:/@-]")
-    return name
-
-
-def check_key(key: object) -> str:
-    """Validate a kv key: any non-empty str of at most 1024 printable characters."""
-    if not isinstance(key, str) or not 0 < len(key) <= 1024 or not key.isprintable():
-        raise InvalidArgument(f"invalid key {key!r}: expected 1-1024 printable characters")
-    return key
-
-
-def check_ref(ref: object) -> str:
-    """Validate a ref: 64 lowercase hex characters (a SHA-256 digest)."""
-    if not isinstance(ref, str) or not _REF_RE.fullmatch(ref):
-        raise InvalidArgument(f"malformed ref {ref!r}: expected 64 lowercase hex characters (sha256)")
-    return ref
-
-
-def check_bytes(what: str, data: object) -> memoryview:
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise InvalidArgument(f"{what} must be bytes, got {type(data).__name__}")
-    try:
-        return memoryview(data).cast("B")
-    except TypeError as e:  # a non-contiguous view
-        raise InvalidArgument(f"{what} must be a contiguous bytes-like object: {e}") from e
-
-
-def not_found(ref: str, tenant: str) -> NotFound:
-    # NOTE: the message names only what the caller supplied, so another tenant's ref and a ref that
-    # was never stored are indistinguishable (same type, same text).
-    return NotFound(f"blob {ref} not found for tenant {tenant!r}")
-
-
-def encode_op(op: object) -> str:
-    if not isinstance(op, dict):
-        raise InvalidArgument(f"op must be a dict, got {type(op).__name__}")
-    try:
-        return json.dumps(op, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"op is not JSON-serialisable: {e}") from e
+__all__ = [
+    "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES", "VERDICTS", "VERDICT_CLEAN", "VERDICT_QUARANTINED", "VERDICT_UNKNOWN",
+    "BlobMeta", "BlobStore", "StoreConfig", "check_bytes", "check_key", "check_name", "check_ref", "check_tenant",
+]
 
 
 class BlobStore(ABC):
