@@ -111,7 +111,7 @@ class TorchOps:
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         var = (x * x).mean(dim=-1, keepdim=True)  # [T, 1]
-        return x * (1.0 / torch.sqrt(var + self.cfg.norm_eps)) * w
+        return x * torch.rsqrt(var.add_(self.cfg.norm_eps)) * w
 
     def embed(self, ids: np.ndarray, slot0: int, T: int) -> torch.Tensor:
         x = torch.zeros((T, self.cfg.dim), dtype=torch.float32, device=self.device)
@@ -121,43 +121,55 @@ class TorchOps:
         return x
 
     def _mask_for(self, pos0: int, T: int, Lk: int) -> torch.Tensor:
+        """[T, Lk-pos0] True where key pos0+j is after query pos0+r (keys < pos0: all visible)."""
         if self._mask_key != (pos0, T, Lk) or self._mask is None:
-            q = torch.arange(T, device=self.device)[:, None]  # [T, 1] query offset in the tile
-            self._mask = (
-                torch.arange(Lk - pos0, device=self.device)[None, :] > q
-            )  # [T, Lk-pos0] True = masked
+            r = torch.arange(T, device=self.device)[:, None]  # [T, 1] query offset in the tile
+            self._mask = torch.arange(Lk - pos0, device=self.device)[None, :] > r
             self._mask_key = (pos0, T, Lk)
         return self._mask
 
+    def _rope_qk(self, qk: torch.Tensor, pos0: int) -> torch.Tensor:
+        """RoPE on q and k heads at once: qk [T, H+KV, hd] (a strided view) -> new [T, H+KV, hd].
+        Per element the same products and sum as `rope_torch`, so K == rope(Kraw) bit for bit."""
+        T, h = qk.shape[0], qk.shape[-1] // 2
+        cos, sin = self.cos[pos0 : pos0 + T, None], self.sin[pos0 : pos0 + T, None]  # [T, 1, hd/2]
+        x1, x2 = qk[..., :h], qk[..., h:]
+        out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+        torch.mul(x1, cos, out=out[..., :h]).sub_(x2 * sin)
+        torch.mul(x2, cos, out=out[..., h:]).add_(x1 * sin)
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int, T: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [KV, G*T, hd] (scaled) over keys K, V [KV, Lk, hd] -> unnormalised P@V [KV, G*T, hd]
+        and the softmax denominators [KV, G*T, 1]; masked entries exp to an exact 0."""
+        KV, Lk = K.shape[0], K.shape[1]
+        s = torch.bmm(q, K.transpose(1, 2))  # [KV, G*T, Lk]
+        s.view(KV, -1, T, Lk)[..., pos0:].masked_fill_(self._mask_for(pos0, T, Lk), float("-inf"))
+        s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # keys < pos0 are visible to every row
+        return torch.bmm(s, V), s.sum(dim=-1, keepdim=True)
+
     def layer(self, x: torch.Tensor, l: int, pos0: int, kv_io: KvIO) -> torch.Tensor:
+        """One decoder layer on tile x [T, dim] (row r = position pos0 + r); updates x in place."""
         cfg = self.cfg
         T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
-        qkv = self._norm(x, self.n1[l]) @ self.wqkv[l]  # [T, (H+2KV)*hd]
-        qkv = _add(qkv, self.bqkv[l])
-        cos, sin = self.cos[pos0 : pos0 + T], self.sin[pos0 : pos0 + T]  # [T, hd/2]
-        q = qkv[:, : H * hd].reshape(T, KV, G, hd).permute(1, 2, 0, 3)  # [KV, G, T, hd]
-        q = rope_torch(q, cos, sin).reshape(KV, G * T, hd) * self.scale  # [KV, G*T, hd]
-        kraw = qkv[:, H * hd : (H + KV) * hd].reshape(T, KV, hd).permute(1, 0, 2).contiguous()  # [KV, T, hd]
-        v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).permute(1, 0, 2).contiguous()  # [KV, T, hd]
-        K, V = kv_io(l, rope_torch(kraw, cos, sin), kraw, v)  # [KV, Lk, hd]
-        s = torch.matmul(q, K.transpose(1, 2)).reshape(KV, G, T, -1)  # [KV, G, T, Lk]
-        s[..., pos0:].masked_fill_(
-            self._mask_for(pos0, T, s.shape[-1]), float("-inf")
-        )  # keys < pos0: visible
-        s = s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # masked -> exact 0
-        den = s.sum(dim=-1, keepdim=True).reshape(KV, G * T, 1)  # [KV, G*T, 1]
-        o = torch.matmul(s.reshape(KV, G * T, -1), V) / den  # [KV, G*T, hd]: normalise after P@V
-        o = o.reshape(KV, G, T, hd).permute(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
-        a = o @ self.wo[l]  # [T, dim]
-        x = x + _add(a, self.bo[l])
-        gu = self._norm(x, self.n2[l]) @ self.wgu[l]  # [T, 2F]
-        gu = _add(gu, self.bgu[l])
+        qkv = _add(torch.mm(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
+        rot = self._rope_qk(qkv[:, : (H + KV) * hd].view(T, H + KV, hd), pos0)  # [T, H+KV, hd]
+        q = torch.empty((KV, G, T, hd), dtype=x.dtype, device=x.device)
+        torch.mul(rot[:, :H].view(T, KV, G, hd).permute(1, 2, 0, 3), self.scale, out=q)  # [KV, G, T, hd]
+        kraw = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd).transpose(0, 1)  # [KV, T, hd] views
+        v = qkv[:, (H + KV) * hd :].view(T, KV, hd).transpose(0, 1)
+        K, V = kv_io(l, rot[:, H:].transpose(0, 1), kraw, v)  # [KV, Lk, hd]
+        pv, den = self._attend(q.view(KV, G * T, hd), K, V, pos0, T)  # [KV, G*T, hd], [KV, G*T, 1]
+        o = torch.empty((T, KV, G, hd), dtype=x.dtype, device=x.device)
+        torch.div(pv.view(KV, G, T, hd).permute(2, 0, 1, 3), den.view(KV, G, T, 1).permute(2, 0, 1, 3), out=o)
+        x += _add(torch.mm(o.view(T, H * hd), self.wo[l]), self.bo[l])  # [T, dim]
+        gu = _add(torch.mm(self._norm(x, self.n2[l]), self.wgu[l]), self.bgu[l])  # [T, 2F]
         F = cfg.hidden_dim
-        g = gu[:, :F]
-        m = (g / (1.0 + torch.exp(-g))) * gu[:, F:]  # SwiGLU [T, F]
-        d = m @ self.wd[l]  # [T, dim]
-        out: torch.Tensor = x + _add(d, self.bd[l])
-        return out
+        m = torch.nn.functional.silu(gu[:, :F]).mul_(gu[:, F:])  # SwiGLU [T, F]
+        x += _add(torch.mm(m, self.wd[l]), self.bd[l])  # [T, dim]
+        return x
 
     def logits(self, row: torch.Tensor) -> np.ndarray:
         h = self._norm(row[None, :], self.final_norm)  # [1, dim]
