@@ -25,9 +25,9 @@ class ControlClient:
     def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
         self._channel = grpc.aio.insecure_channel(target)
-        self._route = RouteServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._fleet = FleetServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self._workers = WorkerServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self._route = RouteServiceStub(self._channel)
+        self._fleet = FleetServiceStub(self._channel)
+        self._workers = WorkerServiceStub(self._channel)
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
 
     async def route(self, token_ids: Sequence[int], model: str, *, lora: str | None,

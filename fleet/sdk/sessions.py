@@ -221,7 +221,7 @@ class _Base:
     def _sessions_stub(self) -> SessionServiceStub:
         stub = self.__dict__.get("_session_service")
         if stub is None:
-            stub = self.__dict__["_session_service"] = SessionServiceStub(self._channel)  # type: ignore[no-untyped-call]
+            stub = self.__dict__["_session_service"] = SessionServiceStub(self._channel)
         return stub
 
 
