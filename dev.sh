@@ -27,7 +27,13 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   demo)  exec kvfleet demo "$@" ;;
   test)  exec python -m pytest "$@" ;;
-  bench) name=$1; shift; exec python "bench/$name.py" "$@" ;;
+  bench) name=$1; shift
+    # The CAS benchmark compares against redis-benchmark (Debian's redis-tools) when it can be had.
+    if [ "$name" = cas_throughput ] && ! command -v redis-benchmark >/dev/null && [ "$(id -u)" = 0 ] \
+       && command -v apt-get >/dev/null; then
+      apt-get install -y -q redis-tools >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-tools >/dev/null 2>&1; } || true
+    fi
+    exec python "bench/$name.py" "$@" ;;
   kvfleet) exec kvfleet "$@" ;;
   *) sed -n '2,6p' "$0"; exit 2 ;;
 esac
