@@ -257,6 +257,93 @@ class SessionContext:
             raise InvalidArgument(f"replay: unknown op {op!r}")
 
 
+    # ---- replay over an adopted prefix (a fork sharing its parent's blocks) ---------------------------
+    @classmethod
+    def replay_over(cls, ops: list[dict[str, Any]], session: Session, tokenizer: Tokenizer,
+                    fetch: Callable[[str], bytes], tenant: str = "default",
+                    session_id: str = "s0") -> SessionContext:
+        """Rebuild a context from its op log over a session that already holds adopted blocks.
+
+        The ledger (pieces, quarantines, ops) is replayed without the kernel; the session, which
+        adopted a block-aligned prefix of the log's final tokens (`Kernel.session(prefix=...)`),
+        then computes only the tokens past that prefix. Bit-identical to `replay` whenever the
+        log's KV is a function of its tokens alone (appends, exact evictions, tail evictions):
+        the kernel is batch-invariant, so the adopted blocks equal what a replay would compute.
+
+        ```
+            log:       append append evict(exact) append ... fork    -> final tokens T (n of them)
+            session:   | adopted blocks: T[0:m] (no compute) | T[m:n] appended here (m < n) |
+        ```
+
+        Args:
+            ops: the op log.
+            session: a session holding exactly T[0:m] for some m < n (m = 0 allowed).
+            tokenizer, fetch, tenant, session_id: as for `replay`.
+
+        Raises:
+            FailedPrecondition: the log holds a reposition eviction with survivors (their KV is
+                not a function of the tokens: use `replay`), or the session's tokens are not a
+                strict prefix of the log's final tokens. Nothing is computed in either case.
+        """
+        ctx = cls(session, tokenizer, tenant, session_id)
+        toks: list[int] = []
+        for op in ops:
+            ctx._ledger_one(op, fetch, toks)
+        m = len(session)
+        if m >= len(toks) or list(session.tokens) != toks[:m]:
+            raise FailedPrecondition(f"replay_over: the session's {m} tokens are not a strict prefix of the "
+                                     f"log's {len(toks)} tokens")
+        session.append(toks[m:])  # only what the adopted blocks lack (>= 1 token: own last logits)
+        return ctx
+
+    def _ledger_one(self, op: dict[str, Any], fetch: Callable[[str], bytes], toks: list[int]) -> None:
+        """Apply one op to the ledger and to `toks` (the token list), never to the kernel."""
+        kind = op.get("op")
+        if kind == "append":
+            tokens = self._logged_tokens(op, fetch)
+            if op["piece"] != len(self.pieces):
+                raise FailedPrecondition(f"replay: op {op!r} is out of sequence")
+            self.pieces.append(Piece(op["piece"], op["kind"], len(toks), len(tokens), op["tenant"], tuple(tokens),
+                                     op.get("ref"), op.get("role")))
+            toks.extend(tokens)
+            self.ops.append(dict(op))
+        elif kind == "evict":
+            self._ledger_evict(op, toks)
+        elif kind == "quarantine":
+            self.quarantine(op["ref"], op["reasons"])
+        elif kind == "fork":
+            self._log(dict(op))
+        else:
+            raise InvalidArgument(f"replay: unknown op {op!r}")
+
+    def _ledger_evict(self, op: dict[str, Any], toks: list[int]) -> None:
+        p = self.piece(op["piece"])
+        if p.state not in (RESIDENT, SHIFTED) or (p.start, p.length) != (op["start"], op["length"]):
+            raise FailedPrecondition(f"replay: evict op {op!r} does not match the ledger")
+        if op["mode"] != "exact" and p.end != len(toks):
+            raise FailedPrecondition("replay_over: a reposition eviction with survivors leaves KV that is not a "
+                                     "function of the tokens; replay the log instead")
+        del toks[p.start:p.end]
+        gone = QUARANTINED if op.get("reason", "evict") == "quarantine" else EVICTED
+        for i, q in enumerate(self.pieces):  # as evict_piece with an exact report
+            if q.piece_id == p.piece_id:
+                self.pieces[i] = dataclasses.replace(q, state=gone)
+            elif q.state in (RESIDENT, SHIFTED) and q.start >= p.end:
+                self.pieces[i] = dataclasses.replace(q, start=q.start - p.length, state=RESIDENT)
+        self.ops.append({"op": "evict", "piece": p.piece_id, "start": p.start, "length": p.length,
+                         "mode": op["mode"], "reason": op.get("reason", "evict")})  # as `replay` logs it
+
+    def _logged_tokens(self, op: dict[str, Any], fetch: Callable[[str], bytes]) -> list[int]:
+        """The token ids an append op added (a tool result's are re-tokenized from its bytes)."""
+        if op["kind"] != "tool_result":
+            return list(op["tokens"])
+        tokens = self.tokenizer.encode(fetch(op["ref"]))
+        if len(tokens) != op["num_tokens"]:
+            raise FailedPrecondition(f"replay: ref {op['ref']} tokenizes to {len(tokens)} tokens, "
+                                     f"the log says {op['num_tokens']} (different tokenizer?)")
+        return tokens
+
+
 def _text(text: object) -> str:
     if not isinstance(text, str):
         raise InvalidArgument(f"text must be a str, got {type(text).__name__}")
