@@ -64,6 +64,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ls.add_argument("--fleet", action="store_true", help="every node of the fleet (default: the controller's node)")
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
     ls.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print the rows as JSON")
     ls.add_argument("--tenant", default=None, help="operator only: one tenant")
     ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
             if args.json:
                 print(json.dumps([r.to_dict() for r in rows()], indent=1))
             elif args.watch:
-                _watch(console, rows, args.interval)
+                _watch(console, rows, args.interval, args.count)
             else:
                 console.print(render_sessions(rows()))
     except KvfleetError as e:
@@ -95,10 +96,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _watch(console: Console, rows: Any, interval: float) -> None:
+def _watch(console: Console, rows: Any, interval: float, count: int = 0) -> None:
+    """Re-poll the controller every `interval` s and redraw in place; `count` > 0 stops after that many polls."""
     from rich.live import Live
 
+    polls = 1
     with Live(render_sessions(rows()), console=console, refresh_per_second=4) as live:
-        while True:
+        while not count or polls < count:
             time.sleep(max(0.1, interval))
-            live.update(render_sessions(rows()))
+            live.update(render_sessions(rows()), refresh=True)
+            polls += 1

@@ -51,9 +51,24 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert session_cli.main(["ls", "--fleet", "--controller", addr, "--token", op]) == 0
         table = capsys.readouterr().out
         assert "s1" in table and "acme" in table and "active / 0" in table
+        # --watch re-polls live: a session created while it runs shows up in a later frame
+        import threading
+
+        def _create_later() -> None:
+            time.sleep(0.6)
+            with FleetClient(addr, tok) as c2:
+                c2.create_session("s2", "Second agent.")
+
+        t = threading.Thread(target=_create_later)
+        t.start()
+        assert session_cli.main(["ls", "--fleet", "--watch", "--interval", "0.3", "--count", "30",
+                                 "--controller", addr, "--token", op]) == 0
+        t.join()
+        frames = capsys.readouterr().out
+        assert "s1" in frames and "s2" in frames
         assert worker_cli.main(["ls", "--json", "--controller", addr, "--token", op]) == 0
         snap = json.loads(capsys.readouterr().out)
-        assert [w["name"] for w in snap["workers"]] == ["w0"] and snap["nodes"][0]["num_sessions"] == 1
+        assert [w["name"] for w in snap["workers"]] == ["w0"] and snap["nodes"][0]["num_sessions"] == 2
         # a tenant token may not list workers: a clear status, exit code 2
         assert worker_cli.main(["ls", "--controller", addr, "--token", tok]) == 2
         assert "PermissionDenied" in capsys.readouterr().err
