@@ -246,25 +246,38 @@ class KernelFleet:
         """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
         return self._call(tenant, session_id, "working_set", budget_tokens)
 
-    def fork(self, tenant: str, session_id: str, child_id: str) -> dict[str, Any]:
-        """A branch in its own actor (on the parent's node): the parent's ops replayed, isolated."""
+    def fork(self, tenant: str, session_id: str, child_id: str, share: bool = True) -> dict[str, Any]:
+        """A branch in its own actor, isolated from the parent (copy-on-write).
+
+        On the parent's node (the usual case) the child adopts the parent's block-aligned prefix
+        from the node's object store and computes only the tokens past it, so N branches cost
+        about the prefix once plus N suffixes. If the parent's node is gone the child is placed
+        elsewhere and replays the parent's log instead: blocks are shared zero-copy only within a
+        node's object store, and a remote fetch would copy them anyway. `share=False` replays too
+        (a full private copy). Either way the child's log is the parent's + a fork marker, so a
+        regeneration replays it bit-identically.
+        """
         from fleet.cas.base import check_name
 
         check_name("session_id", child_id)
-        parent = self._record(tenant, session_id)
+        self._record(tenant, session_id)
         if self.store.kv_get(REGISTRY, f"{tenant}/{child_id}") is not None:
             raise AlreadyExists(f"session {child_id!r} already exists")
-        ops = self._call(tenant, session_id, "ops")
-        ops = [*ops, {"op": "fork", "parent": session_id, "at": len(ops)}]
-        rec = {"tenant": tenant, "session": child_id, "node": parent["node"], "state": "creating", "epoch": 0,
+        point = self._call(tenant, session_id, "fork_point")       # ops and tokens read together
+        parent = self._record(tenant, session_id)                  # its node, after any regeneration
+        ops = [*point["ops"], {"op": "fork", "parent": session_id, "at": len(point["ops"])}]
+        node = parent["node"] if parent["node"] in self.supervisors else self._place(tenant, [])
+        same_node = share and node == parent["node"]             # another node: replay (no sharing)
+        rec = {"tenant": tenant, "session": child_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time(), "parent": session_id}
         self._save(rec)
         try:
-            self._sup(parent["node"], "fork", tenant, ops, child_id)
+            args = (session_id, point["tokens"]) if same_node else ()
+            out = self._sup(node, "fork", tenant, ops, child_id, *args)
         except BaseException:
-            self._discard(tenant, child_id, parent["node"])
+            self._discard(tenant, child_id, node)
             raise
-        rec["state"] = "active"
+        rec.update(state="active", adopted_tokens=out["adopted_tokens"])
         self._save(rec)
         return rec
 

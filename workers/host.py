@@ -7,6 +7,9 @@ context does not know about:
   * adoption: a new session may start from shared prefix blocks (Ray object store, copy-on-write);
     its first piece then appends only the tokens the adopted prefix lacks. The op logged is the
     whole piece, so a replay prefills everything and lands on the same bytes (batch invariance);
+  * fork sharing: a fork replays its log over the parent's adopted blocks, computing only the
+    tokens past them (`SessionContext.replay_over`); its log is still the whole history, so a
+    regeneration replays everything and lands on the same bytes;
   * op ids: every op carries the caller's `op_id`, so a retry after a crash is answered, not
     applied twice.
 """
@@ -76,12 +79,28 @@ class SessionHost:
         self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
         return piece
 
-    def replay(self, ops: list[dict[str, Any]]) -> None:
-        """Rebuild the context from its op log (regeneration, forks); nothing is written."""
+    def replay(self, ops: list[dict[str, Any]], prefix: PrefixKV | None = None) -> None:
+        """Rebuild the context from its op log (regeneration, forks); nothing is written.
+
+        With `prefix` (a fork sharing its parent's blocks) the session adopts them copy-on-write
+        and computes only the tokens past them (`SessionContext.replay_over`); a log whose KV is
+        not a function of its tokens (a reposition eviction), or a prefix that does not match
+        it, falls back to a full replay. Either way the cache is bit-identical to the replay's.
+        """
         def fetch(ref: str) -> bytes:
             return bytes(self.store.get(ref, self.tenant))
 
-        ctx = AdoptingContext.replay(ops, self.kernel, self.tokenizer, fetch, self.tenant, self.session_id)
+        ctx: SessionContext | None = None
+        if prefix is not None:
+            try:
+                ctx = AdoptingContext.replay_over(ops, self.kernel.session(prefix=prefix), self.tokenizer, fetch,
+                                                  self.tenant, self.session_id)
+                self.num_adopted_tokens = prefix.num_tokens
+            except (FailedPrecondition, InvalidArgument):
+                ctx = None
+        if ctx is None:
+            ctx = AdoptingContext.replay(ops, self.kernel, self.tokenizer, fetch, self.tenant, self.session_id)
+            self.num_adopted_tokens = 0
         ctx.sink, ctx.store = self._write, self.store
         self.ctx = ctx
         self.op_ids = {str(op["op_id"]) for op in ops if op.get("op_id")}

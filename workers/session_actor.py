@@ -84,14 +84,24 @@ class KernelActor:
     async def _adopt(self, system_prompt: str, refs: list[Any]) -> PrefixKV | None:
         if not refs:
             return None
-        blocks = tuple(await asyncio.gather(*refs))  # zero-copy, read-only views on this node
-        n = len(blocks) * self.kernel.block_size
-        tokens = make_tokenizer(self.kernel).encode(system_prompt)[:n]
-        return PrefixKV(tuple(tokens), self.kernel.block_size, blocks, self.kernel.model_id)
+        blocks = await asyncio.gather(*refs)  # zero-copy, read-only views on this node
+        return self._prefix(make_tokenizer(self.kernel).encode(system_prompt), blocks)
 
-    async def restore(self, ops: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _prefix(self, tokens: list[int], blocks: list[Any]) -> PrefixKV:
+        """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`."""
+        n = len(blocks) * self.kernel.block_size
+        return PrefixKV(tuple(tokens[:n]), self.kernel.block_size, tuple(blocks), self.kernel.model_id)
+
+    async def restore(self, ops: list[dict[str, Any]] | None = None, prefix_refs: list[Any] | None = None,
+                      tokens: list[int] | None = None) -> dict[str, Any]:
         """Regenerate from the op log (after the previous actor was lost); or, for a fork, write
-        `ops` (the parent's log + a fork marker) as this session's log first, then replay it."""
+        `ops` (the parent's log + a fork marker) as this session's log first, then replay it.
+
+        A fork on the parent's node also gets `prefix_refs` (ObjectRefs of the parent's blocks,
+        one per block of `tokens`, its tokens at the fork point): they are adopted copy-on-write
+        and only the tokens past them are computed (`SessionHost.replay`). A regeneration always
+        replays the whole log."""
+        prefix = self._prefix(tokens or [], await asyncio.gather(*prefix_refs)) if prefix_refs else None
         async with self._lock:
             def work() -> None:
                 if ops is not None:
@@ -102,7 +112,7 @@ class KernelActor:
                 if not log:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")
                 host = self._new_host()
-                host.replay(log)
+                host.replay(log, prefix)
                 self.host, self.num_replayed_ops = host, len(log)
 
             await self._run(work)
@@ -145,8 +155,14 @@ class KernelActor:
         async with self._lock:
             return list(self.host.context.ops)
 
+    async def fork_point(self) -> dict[str, Any]:
+        """The op log and the tokens at one instant (a fork's starting point), read together."""
+        async with self._lock:
+            return {"ops": list(self.host.context.ops), "tokens": list(self._s.tokens)}
+
     async def export_prefix(self, num_tokens: int) -> PrefixKV:
-        return self._s.export_prefix(num_tokens)
+        async with self._lock:  # never while an op is writing the cache on the session thread
+            return self._s.export_prefix(num_tokens)
 
     async def digest(self) -> str:
         return self._s.digest()

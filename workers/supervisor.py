@@ -66,12 +66,18 @@ class NodeSupervisor:
         return m.node, refs
 
     async def _publish(self, tenant: str, tokens: list[int], actor: Any) -> None:
-        """Put the session's block-aligned prompt in the tree (only blocks the tree lacks)."""
+        """Put the session's block-aligned `tokens` in the tree (only blocks the tree lacks).
+
+        The key is the exported prefix's own tokens, so a session that moved on meanwhile (a fork
+        point read earlier) never files blocks under tokens they do not hold."""
         n = len(tokens) - len(tokens) % self.block_size
-        key = self._key(tenant, tokens[:n])
-        if n == 0 or self._num_cached_pages(key) >= n // self.block_size:
+        if n == 0 or self._num_cached_pages(self._key(tenant, tokens[:n])) >= n // self.block_size:
             return
-        prefix = await actor.export_prefix.remote(n)          # zero-copy on this node
+        try:
+            prefix = await actor.export_prefix.remote(n)      # zero-copy on this node
+        except Exception:  # noqa: BLE001 - the session got shorter meanwhile: nothing to publish
+            return
+        key = self._key(tenant, list(prefix.tokens))
         have = self._num_cached_pages(key)                    # again: other creates ran meanwhile
         values = [None] * (1 + have) + [ray.put(b) for b in prefix.blocks[have:]]
         self.tree.insert(key, values)
@@ -141,12 +147,34 @@ class NodeSupervisor:
                 await asyncio.sleep(0.05 * (attempt + 1))
         raise NotFound(f"session {session_id}: could not regenerate its actor")
 
-    async def fork(self, tenant: str, ops: list[dict[str, Any]], child_id: str) -> dict[str, Any]:
-        """A branch in its own actor: `ops` (the parent's log + a fork marker) become its log."""
+    async def fork(self, tenant: str, ops: list[dict[str, Any]], child_id: str, parent_id: str | None = None,
+                   tokens: list[int] | None = None) -> dict[str, Any]:
+        """A branch in its own actor: `ops` (the parent's log + a fork marker) become its log.
+
+        With `parent_id` (a live session on this node) and `tokens` (its tokens at the fork
+        point), the branch shares the parent's blocks copy-on-write instead of recomputing them:
+
+            parent actor ──export_prefix──▶ radix tree (ray.put once per block, per node)
+                                               │ match salt(tenant) + tokens, lock
+            child actor  ◀──block refs──────────┘ adopts them zero-copy, replays the ledger only,
+                                                 computes the last 1..block_size tokens itself
+
+        N forks of a long prefix then hold the prefix once (in the object store) plus N suffixes.
+        Without them (the parent lives on another node, or is gone) the child replays the log.
+        """
         if (tenant, child_id) in self.actors:
             raise AlreadyExists(f"session {child_id} already exists")
-        actor = self._spawn(tenant, child_id)
-        return dict(await actor.restore.remote(ops))
+        parent = self.actors.get((tenant, parent_id)) if parent_id is not None else None
+        if parent is None or not tokens:
+            return dict(await self._spawn(tenant, child_id).restore.remote(ops))
+        await self._publish(tenant, tokens, parent)          # the blocks the tree lacks, once
+        node, refs = self._adoptable(tenant, tokens)
+        try:
+            actor = self._spawn(tenant, child_id)
+            out = dict(await actor.restore.remote(ops, refs, tokens))
+        finally:
+            self.tree.dec_lock_ref(node)
+        return out
 
     async def close(self, tenant: str, session_id: str) -> None:
         actor = self.actors.pop((tenant, session_id), None)
