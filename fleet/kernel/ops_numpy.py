@@ -8,9 +8,8 @@ so every shape depends only on t — never on how the caller chunked the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -18,9 +17,6 @@ from threadpoolctl import ThreadpoolController
 from fleet.kernel.config import ModelConfig
 from fleet.kernel.rope import rope_np, tables
 from fleet.kernel.weights import Weights
-
-# kv_io(layer, k [KV,T,hd] post-RoPE, kraw [KV,T,hd] pre-RoPE, v [KV,T,hd]) -> (K, V) each [KV, Lk, hd]
-KvIO = Callable[[int, Any, Any, Any], tuple[Any, Any]]
 
 _TPC: ThreadpoolController | None = None
 
@@ -112,45 +108,80 @@ class NumpyOps:
         return x
 
     def _mask_for(self, pos0: int, T: int, Lk: int) -> np.ndarray:
+        """[T, Lk-pos0] True where key pos0+j is after query pos0+r (keys < pos0: all visible)."""
         if self._mask_key != (pos0, T, Lk):
-            q = np.arange(T)[:, None]  # [T, 1] query offset in the tile
-            self._mask = np.arange(Lk - pos0)[None, :] > q  # [T, Lk-pos0] True = key after query
+            r = np.arange(T)[:, None]  # [T, 1] query offset in the tile
+            self._mask = np.arange(Lk - pos0)[None, :] > r
             self._mask_key = (pos0, T, Lk)
         return self._mask
 
-    def layer(self, x: np.ndarray, l: int, pos0: int, kv_io: KvIO) -> np.ndarray:
-        """One decoder layer on tile x [T, dim] whose row r holds absolute position pos0 + r."""
-        cfg = self.cfg
-        T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
-        h = self._norm(x, self.n1[l])  # [T, dim]
-        qkv = h @ self.wqkv[l]  # [T, (H+2KV)*hd]
-        qkv = _add(qkv, self.bqkv[l])
-        cos, sin = self.cos[pos0 : pos0 + T], self.sin[pos0 : pos0 + T]  # [T, hd/2]
-        q = qkv[:, : H * hd].reshape(T, KV, G, hd).transpose(1, 2, 0, 3)  # [KV, G, T, hd]
-        q = rope_np(q, cos, sin).reshape(KV, G * T, hd) * self.scale  # [KV, G*T, hd]
-        kraw = np.ascontiguousarray(
-            qkv[:, H * hd : (H + KV) * hd].reshape(T, KV, hd).transpose(1, 0, 2)
-        )  # [KV,T,hd]
-        v = np.ascontiguousarray(qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(1, 0, 2))  # [KV, T, hd]
-        K, V = kv_io(l, rope_np(kraw, cos, sin), kraw, v)  # [KV, Lk, hd] each
-        s = np.matmul(q, K.transpose(0, 2, 1)).reshape(KV, G, T, -1)  # [KV, G, T, Lk]
+    def _rope_qk(self, qk: np.ndarray, pos0: int) -> np.ndarray:
+        """RoPE on q and k heads at once: qk [T, H+KV, hd] (a strided view) -> new [T, H+KV, hd].
+        Per element the same products and difference/sum as `rope_np`: K == rope(Kraw) bit for bit."""
+        T, h = qk.shape[0], qk.shape[-1] // 2
+        cos, sin = self.cos[pos0 : pos0 + T, None], self.sin[pos0 : pos0 + T, None]  # [T, 1, hd/2]
+        x1, x2 = qk[..., :h], qk[..., h:]
+        out = np.empty(qk.shape, np.float32)
+        np.subtract(np.multiply(x1, cos, out=out[..., :h]), x2 * sin, out=out[..., :h])
+        np.add(np.multiply(x2, cos, out=out[..., h:]), x1 * sin, out=out[..., h:])
+        return out
+
+    def _attend(
+        self, q: np.ndarray, K: np.ndarray, V: np.ndarray, pos0: int, T: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """q [KV, G*T, hd] (scaled) over keys K, V [KV, Lk, hd] -> unnormalised P@V [KV, G*T, hd]
+        and the softmax denominators [KV, G*T, 1]; masked entries exp to an exact 0."""
+        KV, Lk = K.shape[0], K.shape[1]
+        s = np.matmul(q, K.transpose(0, 2, 1))  # [KV, G*T, Lk]
         # keys < pos0 are visible to every row of the tile: mask only the tail [pos0, Lk)
-        np.copyto(s[..., pos0:], np.float32(-np.inf), where=self._mask_for(pos0, T, s.shape[-1]))
+        np.copyto(
+            s.reshape(KV, -1, T, Lk)[..., pos0:], np.float32(-np.inf), where=self._mask_for(pos0, T, Lk)
+        )
         np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
         np.exp(s, out=s)  # masked -> exact 0
-        den = s.sum(axis=-1, keepdims=True).reshape(KV, G * T, 1)  # [KV, G*T, 1]
-        o = np.matmul(s.reshape(KV, G * T, -1), V) / den  # [KV, G*T, hd]: normalise after P@V (hd < Lk)
-        o = o.reshape(KV, G, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)  # [T, H*hd]
-        a = o @ self.wo[l]  # [T, dim]
-        x = x + _add(a, self.bo[l])
-        gu = self._norm(x, self.n2[l]) @ self.wgu[l]  # [T, 2F]
-        gu = _add(gu, self.bgu[l])
-        F = cfg.hidden_dim
-        g = gu[:, :F]
-        m = (g / (np.float32(1.0) + np.exp(-g))) * gu[:, F:]  # SwiGLU [T, F]
-        d = m @ self.wd[l]  # [T, dim]
-        out: np.ndarray = x + _add(d, self.bd[l])
-        return out
+        return np.matmul(s, V), s.sum(axis=-1, keepdims=True)
+
+    def qkv(self, x: np.ndarray, l: int, pos0: int) -> tuple[np.ndarray, ...]:
+        """Layer l's attention inputs for tile x [T, dim] whose row r holds position pos0 + r.
+
+        Returns:
+            q [KV, G*T, hd] (post-RoPE, scaled), then k (post-RoPE), kraw (pre-RoPE), v: [KV, T, hd].
+        """
+        cfg = self.cfg
+        T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
+        qkv = _add(self._norm(x, self.n1[l]) @ self.wqkv[l], self.bqkv[l])  # [T, (H+2KV)*hd]
+        rot = self._rope_qk(qkv[:, : (H + KV) * hd].reshape(T, H + KV, hd), pos0)  # [T, H+KV, hd]
+        q = np.empty((KV, G, T, hd), np.float32)
+        np.multiply(rot[:, :H].reshape(T, KV, G, hd).transpose(1, 2, 0, 3), self.scale, out=q)
+        kraw = qkv[:, H * hd : (H + KV) * hd].reshape(T, KV, hd).transpose(1, 0, 2)  # [KV, T, hd] views
+        v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(1, 0, 2)
+        return q.reshape(KV, G * T, hd), rot[:, H:].transpose(1, 0, 2), kraw, v
+
+    def attention(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, pos0: int) -> np.ndarray:
+        """Tile queries q [KV, G*T, hd] over keys K, V [KV, Lk, hd] -> o [T, H*hd] (Lk fixed by the tile)."""
+        KV, G, hd = self.cfg.n_kv_heads, self.cfg.n_groups, self.cfg.head_dim
+        T = q.shape[1] // G
+        pv, den = self._attend(q, K, V, pos0, T)  # normalise after P@V (hd < Lk)
+        o = np.empty((T, KV, G, hd), np.float32)
+        np.divide(
+            pv.reshape(KV, G, T, hd).transpose(2, 0, 1, 3),
+            den.reshape(KV, G, T, 1).transpose(2, 0, 1, 3),
+            out=o,
+        )
+        return o.reshape(T, KV * G * hd)
+
+    def mlp(self, x: np.ndarray, l: int, o: np.ndarray) -> np.ndarray:
+        """Output projection of o [T, H*hd] and the SwiGLU MLP, added to x [T, dim] in place."""
+        x += _add(o @ self.wo[l], self.bo[l])  # [T, dim]
+        gu = _add(self._norm(x, self.n2[l]) @ self.wgu[l], self.bgu[l])  # [T, 2F]
+        F = self.cfg.hidden_dim
+        g, m = gu[:, :F], np.negative(gu[:, :F])  # SwiGLU [T, F]: g / (1 + exp(-g)) * u, in place
+        np.exp(m, out=m)
+        m += np.float32(1.0)
+        np.divide(g, m, out=m)
+        m *= gu[:, F:]
+        x += _add(m @ self.wd[l], self.bd[l])  # [T, dim]
+        return x
 
     def logits(self, row: np.ndarray) -> np.ndarray:
         """Next-token logits [V] for one final hidden row [dim] (always shape [1, dim] -> fixed)."""

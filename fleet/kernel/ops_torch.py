@@ -16,7 +16,7 @@ import torch
 
 from fleet.errors import InvalidArgument
 from fleet.kernel.config import ModelConfig
-from fleet.kernel.ops_numpy import KvIO, _cat_bias
+from fleet.kernel.ops_numpy import _cat_bias
 from fleet.kernel.rope import tables
 from fleet.kernel.weights import Weights
 
@@ -150,8 +150,9 @@ class TorchOps:
         s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # keys < pos0 are visible to every row
         return torch.bmm(s, V), s.sum(dim=-1, keepdim=True)
 
-    def layer(self, x: torch.Tensor, l: int, pos0: int, kv_io: KvIO) -> torch.Tensor:
-        """One decoder layer on tile x [T, dim] (row r = position pos0 + r); updates x in place."""
+    def qkv(self, x: torch.Tensor, l: int, pos0: int) -> tuple[torch.Tensor, ...]:
+        """Layer l's attention inputs for tile x [T, dim]: q [KV, G*T, hd] (post-RoPE, scaled),
+        k (post-RoPE), kraw (pre-RoPE), v: [KV, T, hd] (views)."""
         cfg = self.cfg
         T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
         qkv = _add(torch.mm(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
@@ -160,13 +161,22 @@ class TorchOps:
         torch.mul(rot[:, :H].view(T, KV, G, hd).permute(1, 2, 0, 3), self.scale, out=q)  # [KV, G, T, hd]
         kraw = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd).transpose(0, 1)  # [KV, T, hd] views
         v = qkv[:, (H + KV) * hd :].view(T, KV, hd).transpose(0, 1)
-        K, V = kv_io(l, rot[:, H:].transpose(0, 1), kraw, v)  # [KV, Lk, hd]
-        pv, den = self._attend(q.view(KV, G * T, hd), K, V, pos0, T)  # [KV, G*T, hd], [KV, G*T, 1]
-        o = torch.empty((T, KV, G, hd), dtype=x.dtype, device=x.device)
+        return q.view(KV, G * T, hd), rot[:, H:].transpose(0, 1), kraw, v
+
+    def attention(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int) -> torch.Tensor:
+        """Tile queries q [KV, G*T, hd] over keys K, V [KV, Lk, hd] -> o [T, H*hd] (Lk fixed by the tile)."""
+        KV, G, hd = self.cfg.n_kv_heads, self.cfg.n_groups, self.cfg.head_dim
+        T = q.shape[1] // G
+        pv, den = self._attend(q, K, V, pos0, T)  # [KV, G*T, hd], [KV, G*T, 1]: normalise after P@V
+        o = torch.empty((T, KV, G, hd), dtype=q.dtype, device=q.device)
         torch.div(pv.view(KV, G, T, hd).permute(2, 0, 1, 3), den.view(KV, G, T, 1).permute(2, 0, 1, 3), out=o)
-        x += _add(torch.mm(o.view(T, H * hd), self.wo[l]), self.bo[l])  # [T, dim]
+        return o.view(T, KV * G * hd)
+
+    def mlp(self, x: torch.Tensor, l: int, o: torch.Tensor) -> torch.Tensor:
+        """Output projection of o [T, H*hd] and the SwiGLU MLP, added to x [T, dim] in place."""
+        x += _add(torch.mm(o, self.wo[l]), self.bo[l])  # [T, dim]
         gu = _add(torch.mm(self._norm(x, self.n2[l]), self.wgu[l]), self.bgu[l])  # [T, 2F]
-        F = cfg.hidden_dim
+        F = self.cfg.hidden_dim
         m = torch.nn.functional.silu(gu[:, :F]).mul_(gu[:, F:])  # SwiGLU [T, F]
         x += _add(torch.mm(m, self.wd[l]), self.bd[l])  # [T, dim]
         return x

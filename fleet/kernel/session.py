@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fleet.errors import InvalidArgument, ResourceExhausted
-from fleet.kernel.cache import PagedKV
+from fleet.kernel.cache import KVWindow, PagedKV
 from fleet.kernel.types import K_POST, K_RAW, EvictReport, MemoryReport, PrefixKV, max_abs_delta
 
 if TYPE_CHECKING:
     from fleet.kernel.kernel import Kernel
 
 EVICT_MODES = ("exact", "reposition")
+GROUP_TOKENS = 2048  # positions per layer-major group of tiles (bounds the working set)
 
 
 def _is_int(x: object) -> bool:
@@ -103,30 +104,38 @@ class Session:
         t0, t1 = p0 // T, (p1 - 1) // T
         win = self._kv.window(p0, p1, -(-(t1 + 1) * T // BS))  # the last tile's key blocks
         with ops.limit():
-            for t in range(t0, t1 + 1):
-                pos0 = t * T
-                lo, hi = max(p0, pos0), min(p1, pos0 + T)
-                nk = -(-(pos0 + T) // BS) * BS  # key positions for tile t: fixed by t alone
-
-                def kv_io(
-                    l: int,
-                    kk: Any,
-                    kraw: Any,
-                    v: Any,
-                    pos0: int = pos0,
-                    lo: int = lo,
-                    hi: int = hi,
-                    nk: int = nk,
-                ) -> tuple[Any, Any]:
-                    win.write(l, pos0, lo, hi, kk, kraw, v)
-                    return win.read(l, nk)
-
-                x = ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T)  # [T, dim]
-                for l in range(k.config.n_layers):
-                    x = ops.layer(x, l, pos0, kv_io)
+            for g0 in range(t0, t1 + 1, self._group(T)):
+                x = self._tile_group(ids, p0, p1, range(g0, min(g0 + self._group(T), t1 + 1)), win)
             win.commit()
-            logits: np.ndarray = ops.logits(x[hi - 1 - pos0])  # [V]
+            logits: np.ndarray = ops.logits(x[(p1 - 1) % T])  # [V]: the last token's row
         return logits
+
+    @staticmethod
+    def _group(T: int) -> int:
+        """Tiles run layer by layer in groups of about GROUP_TOKENS positions (bounded memory)."""
+        return max(1, GROUP_TOKENS // T)
+
+    def _tile_group(self, ids: np.ndarray, p0: int, p1: int, tiles: range, win: KVWindow) -> Any:
+        """Run tiles t in `tiles` (positions [t*T, (t+1)*T)) through every layer, layer-major: each
+        tile's ops keep their fixed shapes (a function of t alone), only their order changes, so the
+        bits are those of one tile at a time. Returns the last tile's hidden states [T, dim]."""
+        k, ops, T, BS = self.kernel, self.kernel.ops, self.kernel.tile_size, self.kernel.block_size
+        spans = [(t * T, max(p0, t * T), min(p1, t * T + T)) for t in tiles]  # (pos0, lo, hi)
+        xs = [ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T) for pos0, lo, hi in spans]  # [T, dim] each
+        for l in range(k.config.n_layers):
+            qs = []
+            for x, (pos0, lo, hi) in zip(xs, spans, strict=True):
+                q, kk, kraw, v = ops.qkv(x, l, pos0)  # q [KV, G*T, hd]; k/kraw/v [KV, T, hd]
+                win.write(l, pos0, lo, hi, kk, kraw, v)
+                qs.append(q)
+            # tile t attends over key positions [0, ceil((t+1)*T / BS) * BS): fixed by t alone
+            os_ = [
+                ops.attention(q, *win.read(l, -(-(pos0 + T) // BS) * BS), pos0)
+                for q, (pos0, _, _) in zip(qs, spans, strict=True)
+            ]
+            for x, o in zip(xs, os_, strict=True):
+                ops.mlp(x, l, o)  # in place
+        return xs[-1]
 
     def _truncate(self, n: int) -> None:
         self._kv.truncate(n)
