@@ -87,6 +87,8 @@ def test_eight_forks_hold_the_prefix_once(kfleet: KernelFleet, tenant: str) -> N
           f"shared once = {alone + shared_once} B; eager copies (replay) = {eager} B "
           f"({eager / (alone + shared_once):.1f}x); the parent holds {root} B of its own")
     assert rows["replayed"]["bytes_shared"] == 0 and rows["replayed"]["adopted_tokens"] == 0
+    [stats] = kfleet.node_stats()                                  # the object-store copies: the prefix once
+    assert stats["cached_tokens"] <= rows["root"]["tokens"] + BS    # (+ the tenant's salt page)
     assert shared_once == rows["f0"]["adopted_tokens"] // BS * make_kernel(SPEC).block_bytes > 0
     assert alone <= 8 * 3 * make_kernel(SPEC).block_bytes          # <= 16 recomputed + the suffix, each
     assert alone + shared_once < eager / 4
