@@ -66,8 +66,7 @@ class NumpyOps:
         self.lm_head = np.ascontiguousarray(w.lm_head.T)  # [dim, V]
         self.cos, self.sin = tables(cfg, cfg.max_context + 1024)  # [P, hd/2] float32 (+ tile slack)
         self.scale = np.float32(1.0 / np.sqrt(hd))
-        self._mask_key: tuple[int, int, int] | None = None
-        self._mask = np.zeros((0, 0), bool)
+        self._masks: dict[tuple[int, int], np.ndarray] = {}
 
     # -- array primitives (the cache code is backend-agnostic through these) --
     @contextmanager
@@ -107,13 +106,13 @@ class NumpyOps:
         x[slot0 : slot0 + len(ids)] = self.embed_w[ids]
         return x
 
-    def _mask_for(self, pos0: int, T: int, Lk: int) -> np.ndarray:
-        """[T, Lk-pos0] True where key pos0+j is after query pos0+r (keys < pos0: all visible)."""
-        if self._mask_key != (pos0, T, Lk):
-            r = np.arange(T)[:, None]  # [T, 1] query offset in the tile
-            self._mask = np.arange(Lk - pos0)[None, :] > r
-            self._mask_key = (pos0, T, Lk)
-        return self._mask
+    def _mask_for(self, T: int, n: int) -> np.ndarray:
+        """[T, n] True where key pos0+j is after query pos0+r, for the n keys from the tile's first
+        position on (keys before it are visible to every row). Cached per (T, n): immutable."""
+        m = self._masks.get((T, n))
+        if m is None:
+            m = self._masks[(T, n)] = np.arange(n)[None, :] > np.arange(T)[:, None]
+        return m
 
     def _rope_qk(self, qk: np.ndarray, pos0: int) -> np.ndarray:
         """RoPE on q and k heads at once: qk [T, H+KV, hd] (a strided view) -> new [T, H+KV, hd].
@@ -135,7 +134,7 @@ class NumpyOps:
         s = np.matmul(q, K.transpose(0, 2, 1))  # [KV, G*T, Lk]
         # keys < pos0 are visible to every row of the tile: mask only the tail [pos0, Lk)
         np.copyto(
-            s.reshape(KV, -1, T, Lk)[..., pos0:], np.float32(-np.inf), where=self._mask_for(pos0, T, Lk)
+            s.reshape(KV, -1, T, Lk)[..., pos0:], np.float32(-np.inf), where=self._mask_for(T, Lk - pos0)
         )
         np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
         np.exp(s, out=s)  # masked -> exact 0

@@ -68,8 +68,7 @@ class TorchOps:
         cos, sin = tables(cfg, cfg.max_context + 1024)
         self.cos, self.sin = t(cos), t(sin)  # [P, hd/2]
         self.scale = float(np.float32(1.0 / np.sqrt(hd)))
-        self._mask_key: tuple[int, int, int] | None = None
-        self._mask: torch.Tensor | None = None
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}
 
     @contextmanager
     def limit(self) -> Iterator[None]:
@@ -120,13 +119,14 @@ class TorchOps:
         ]
         return x
 
-    def _mask_for(self, pos0: int, T: int, Lk: int) -> torch.Tensor:
-        """[T, Lk-pos0] True where key pos0+j is after query pos0+r (keys < pos0: all visible)."""
-        if self._mask_key != (pos0, T, Lk) or self._mask is None:
+    def _mask_for(self, T: int, n: int) -> torch.Tensor:
+        """[T, n] True where key pos0+j is after query pos0+r, for the n keys from the tile's first
+        position on (keys before it are visible to every row). Cached per (T, n): immutable."""
+        m = self._masks.get((T, n))
+        if m is None:
             r = torch.arange(T, device=self.device)[:, None]  # [T, 1] query offset in the tile
-            self._mask = torch.arange(Lk - pos0, device=self.device)[None, :] > r
-            self._mask_key = (pos0, T, Lk)
-        return self._mask
+            m = self._masks[(T, n)] = torch.arange(n, device=self.device)[None, :] > r
+        return m
 
     def _rope_qk(self, qk: torch.Tensor, pos0: int) -> torch.Tensor:
         """RoPE on q and k heads at once: qk [T, H+KV, hd] (a strided view) -> new [T, H+KV, hd].
@@ -146,7 +146,7 @@ class TorchOps:
         and the softmax denominators [KV, G*T, 1]; masked entries exp to an exact 0."""
         KV, Lk = K.shape[0], K.shape[1]
         s = torch.bmm(q, K.transpose(1, 2))  # [KV, G*T, Lk]
-        s.view(KV, -1, T, Lk)[..., pos0:].masked_fill_(self._mask_for(pos0, T, Lk), float("-inf"))
+        s.view(KV, -1, T, Lk)[..., pos0:].masked_fill_(self._mask_for(T, Lk - pos0), float("-inf"))
         s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # keys < pos0 are visible to every row
         return torch.bmm(s, V), s.sum(dim=-1, keepdim=True)
 
