@@ -165,7 +165,7 @@ class NodeSupervisor:
         if (tenant, child_id) in self.actors:
             raise AlreadyExists(f"session {child_id} already exists")
         parent = self.actors.get((tenant, parent_id)) if parent_id is not None else None
-        if parent is None or not tokens:
+        if parent is None or not tokens or not _kv_follows_tokens(ops):
             return dict(await self._spawn(tenant, child_id).restore.remote(ops))
         await self._publish(tenant, tokens, parent)          # the blocks the tree lacks, once
         node, refs = self._adoptable(tenant, tokens)
@@ -203,3 +203,10 @@ class NodeSupervisor:
                 "capacity_tokens": self.tree.capacity_tokens, "queried_tokens": self.num_queried_tokens,
                 "hit_tokens": self.num_hit_tokens, "evicted_blocks": self.num_evicted_blocks,
                 "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0}
+
+
+def _kv_follows_tokens(ops: list[dict[str, Any]]) -> bool:
+    """Whether a log's KV is a function of its tokens alone (so its blocks may be filed in the
+    tree under those tokens): no reposition eviction (its survivors keep KV that attended to the
+    evicted span). Conservative: a reposition of the last piece would be exact too."""
+    return not any(op.get("op") == "evict" and op.get("mode") != "exact" for op in ops)

@@ -92,3 +92,17 @@ def test_eight_forks_hold_the_prefix_once(kfleet: KernelFleet, tenant: str) -> N
     assert shared_once == rows["f0"]["adopted_tokens"] // BS * make_kernel(SPEC).block_bytes > 0
     assert alone <= 8 * 3 * make_kernel(SPEC).block_bytes          # <= 16 recomputed + the suffix, each
     assert alone + shared_once < eager / 4
+
+
+def test_fork_after_a_reposition_eviction_replays_and_files_nothing(kfleet: KernelFleet, tenant: str) -> None:
+    kfleet.create_session(tenant, "r", PROMPT)
+    kfleet.append(tenant, "r", " a long aside that the agent later drops, and then some.")
+    kfleet.append(tenant, "r", " the point.")
+    kfleet.evict(tenant, "r", 1, mode="reposition")                 # survivors keep KV that saw the aside
+    [before] = kfleet.node_stats()
+    kfleet.fork(tenant, "r", "rc")
+    [after] = kfleet.node_stats()
+    ops = kfleet.store.oplog_read(tenant, "rc")
+    assert kfleet.info(tenant, "rc")["adopted_tokens"] == 0          # replayed: its KV is not f(tokens)
+    assert after["cached_tokens"] == before["cached_tokens"]        # and the tree got none of its blocks
+    assert kfleet.digest(tenant, "rc") == kfleet.digest(tenant, "r") == replay_locally(ops).digest()
