@@ -36,6 +36,12 @@ def _cat_bias(parts: list[np.ndarray | None], sizes: list[int]) -> np.ndarray | 
     )
 
 
+def _lin(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """a [T, in] times weight w [out, in]: computed as w @ a^T -> [out, T], returned as a [T, out] view."""
+    out: np.ndarray = (w @ a.T).T
+    return out
+
+
 def _add(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """x + bias, or x itself when the layer has no bias (no extra op: bits unchanged)."""
     return x if bias is None else x + bias
@@ -50,15 +56,16 @@ class NumpyOps:
         self.cfg, self.threads, self.device = cfg, threads, "cpu"
         H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.embed_w = w.embed  # [V, dim]
+        # weights kept [out, in]: `_lin` runs W @ x^T (OpenBLAS is faster that way round for a tile)
         self.wqkv = [
-            np.ascontiguousarray(np.concatenate([L.wq, L.wk, L.wv]).T) for L in w.layers
-        ]  # [dim, (H+2KV)hd]
+            np.ascontiguousarray(np.concatenate([L.wq, L.wk, L.wv])) for L in w.layers
+        ]  # [(H+2KV)hd, dim]
         self.bqkv = [_cat_bias([L.bq, L.bk, L.bv], [H * hd, KV * hd, KV * hd]) for L in w.layers]
-        self.wo = [np.ascontiguousarray(L.wo.T) for L in w.layers]  # [H*hd, dim]
+        self.wo = [np.ascontiguousarray(L.wo) for L in w.layers]  # [dim, H*hd]
         self.bo = [L.bo for L in w.layers]
-        self.wgu = [np.ascontiguousarray(np.concatenate([L.w_gate, L.w_up]).T) for L in w.layers]  # [dim, 2F]
+        self.wgu = [np.ascontiguousarray(np.concatenate([L.w_gate, L.w_up])) for L in w.layers]  # [2F, dim]
         self.bgu = [_cat_bias([L.b_gate, L.b_up], [cfg.hidden_dim] * 2) for L in w.layers]
-        self.wd = [np.ascontiguousarray(L.w_down.T) for L in w.layers]  # [F, dim]
+        self.wd = [np.ascontiguousarray(L.w_down) for L in w.layers]  # [dim, F]
         self.bd = [L.b_down for L in w.layers]
         self.n1 = [L.attn_norm for L in w.layers]
         self.n2 = [L.mlp_norm for L in w.layers]
@@ -148,7 +155,7 @@ class NumpyOps:
         """
         cfg = self.cfg
         T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
-        qkv = _add(self._norm(x, self.n1[l]) @ self.wqkv[l], self.bqkv[l])  # [T, (H+2KV)*hd]
+        qkv = _add(_lin(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
         rot = self._rope_qk(qkv[:, : (H + KV) * hd].reshape(T, H + KV, hd), pos0)  # [T, H+KV, hd]
         q = np.empty((KV, G, T, hd), np.float32)
         np.multiply(rot[:, :H].reshape(T, KV, G, hd).transpose(1, 2, 0, 3), self.scale, out=q)
@@ -171,15 +178,15 @@ class NumpyOps:
 
     def mlp(self, x: np.ndarray, l: int, o: np.ndarray) -> np.ndarray:
         """Output projection of o [T, H*hd] and the SwiGLU MLP, added to x [T, dim] in place."""
-        x += _add(o @ self.wo[l], self.bo[l])  # [T, dim]
-        gu = _add(self._norm(x, self.n2[l]) @ self.wgu[l], self.bgu[l])  # [T, 2F]
+        x += _add(_lin(o, self.wo[l]), self.bo[l])  # [T, dim]
+        gu = _add(_lin(self._norm(x, self.n2[l]), self.wgu[l]), self.bgu[l])  # [T, 2F]
         F = self.cfg.hidden_dim
         g, m = gu[:, :F], np.negative(gu[:, :F])  # SwiGLU [T, F]: g / (1 + exp(-g)) * u, in place
         np.exp(m, out=m)
         m += np.float32(1.0)
         np.divide(g, m, out=m)
         m *= gu[:, F:]
-        x += _add(m @ self.wd[l], self.bd[l])  # [T, dim]
+        x += _add(_lin(m, self.wd[l]), self.bd[l])  # [T, dim]
         return x
 
     def logits(self, row: np.ndarray) -> np.ndarray:
