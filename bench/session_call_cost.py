@@ -86,7 +86,7 @@ def controller(store_url: str) -> Iterator[str]:
 def call_costs(tmp: str, calls: int) -> list[tuple[str, float]]:
     from fleet.sdk import FleetClient
 
-    bare = BareActor.remote(SPEC.to_dict())
+    bare = BareActor.remote(SPEC.to_dict())  # type: ignore[attr-defined]
     fleet = KernelFleet(f"sqlite:///{tmp}/direct.db", SPEC)
     fleet.create_session("bench", "s", PROMPT)
     with controller(f"sqlite:///{tmp}/controller.db") as address:
