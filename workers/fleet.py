@@ -29,6 +29,7 @@ from workers.placement import (
     NAMESPACE,
     NodeOffer,
     choose_node,
+    drop_blob_refs,
     fleet_scope,
     on_node,
     session_actor_name,
@@ -304,6 +305,7 @@ class KernelFleet:
         self.store.kv_delete(REGISTRY, f"{tenant}/{session_id}")
         if node in self.supervisors:
             self._sup(node, "close", tenant, session_id)
+        drop_blob_refs(self.store, self.store.oplog_read(tenant, session_id))
         self.store.oplog_delete(tenant, session_id)
 
     # -- reads --------------------------------------------------------------------------------

@@ -52,3 +52,24 @@ def choose_node(offers: Sequence[NodeOffer]) -> str:
     """Prefer the node holding the longest warm prefix, then the least loaded, then the id."""
     best = min(offers, key=lambda o: (-o.num_matched, o.num_sessions, o.node_id))
     return best.node_id
+
+
+def _blob_refs(ops: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(str(op["ref"]), str(op["tenant"])) for op in ops if op.get("op") == "append" and op.get("ref")]
+
+
+def add_blob_refs(store: Any, ops: Sequence[dict[str, Any]]) -> None:
+    """Each logged tool result references its blob once per session log that holds it."""
+    for ref, tenant in _blob_refs(ops):
+        store.add_ref(ref, tenant)
+
+
+def drop_blob_refs(store: Any, ops: Sequence[dict[str, Any]]) -> None:
+    """Undo add_blob_refs when a session's log is deleted (a blob already collected is skipped)."""
+    from fleet.errors import NotFound
+
+    for ref, tenant in _blob_refs(ops):
+        try:
+            store.drop_ref(ref, tenant)
+        except NotFound:
+            pass

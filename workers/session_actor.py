@@ -27,7 +27,7 @@ from fleet.context import QUARANTINED
 from fleet.errors import NotFound
 from fleet.kernel import PrefixKV, Session
 from workers.host import SessionHost
-from workers.placement import fleet_scope, session_actor_name
+from workers.placement import add_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 
@@ -50,8 +50,15 @@ class KernelActor:
         self.state, self.in_flight = "new", ""
 
     def _new_host(self) -> SessionHost:
-        sink = lambda op: int(self.store.oplog_append(self.tenant, self.session_id, op))  # noqa: E731
-        return SessionHost(self.kernel, make_tokenizer(self.kernel), self.tenant, self.session_id, sink, self.store)
+        return SessionHost(self.kernel, make_tokenizer(self.kernel), self.tenant, self.session_id, self._sink,
+                           self.store)
+
+    def _sink(self, op: dict[str, Any]) -> int:
+        """Write-ahead: log the op (before it is applied and acknowledged); a logged tool result
+        references its blob, so the store's GC never collects it while a session holds it."""
+        index = int(self.store.oplog_append(self.tenant, self.session_id, op))
+        add_blob_refs(self.store, [op])
+        return index
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
@@ -108,6 +115,7 @@ class KernelActor:
                     self.store.oplog_delete(self.tenant, self.session_id)
                     for op in ops:
                         self.store.oplog_append(self.tenant, self.session_id, op)
+                    add_blob_refs(self.store, ops)  # the fork references its parent's tool results too
                 log = self.store.oplog_read(self.tenant, self.session_id)
                 if not log:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")
