@@ -43,8 +43,9 @@ _META_COLS = "ref, size, created, pins, refs, verdict, reasons, lease_expires"
 
 
 def sqlite_path(url: str) -> str:
-    """`sqlite:///abs/path.db` -> `/abs/path.db`; `sqlite://rel/path.db` -> `rel/path.db`."""
-    path = url[len("sqlite://"):]
+    """SQLAlchemy's convention: `sqlite:///rel/path.db` -> `rel/path.db` (relative to the working
+    directory); `sqlite:////abs/path.db` -> `/abs/path.db`. (`sqlite://rel.db` is read as relative too.)"""
+    path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else url[len("sqlite://"):]
     if not path or path == "/":
         raise InvalidArgument(f"sqlite URL {url!r} names no file: use sqlite:///path/to/kvfleet.db")
     return path

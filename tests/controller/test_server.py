@@ -169,4 +169,9 @@ def test_env_is_read_at_the_edge_and_flags_win() -> None:
         "0.0.0.0:6000", "redis://r:6379/0", b"\x00\xff", "ray://head:10001")
     cfg = config_from(parse_args(["--listen", "127.0.0.1:7000"], env), env)
     assert cfg.listen == "127.0.0.1:7000"
-    assert config_from(parse_args([], {}), {}).store_url == "sqlite:///./var/kvfleet.db"  # the embedded default
+    default = config_from(parse_args([], {}), {}).store_url
+    assert default == "sqlite:///./var/kvfleet.db"  # the embedded default, relative to the working dir
+    from fleet.cas.sqlite import sqlite_path
+
+    assert sqlite_path(default) == "./var/kvfleet.db"            # never the system's /var
+    assert sqlite_path("sqlite:////abs/kvfleet.db") == "/abs/kvfleet.db"

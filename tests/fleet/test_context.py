@@ -31,7 +31,7 @@ def _build(kernel: Kernel, store: Any, sink: Any = None) -> SessionContext:
 
 
 def test_ledger_spans_are_contiguous_and_typed(kernel: Kernel, tmp_path: Path) -> None:
-    store = open_store(f"sqlite://{tmp_path}/s.db")
+    store = open_store(f"sqlite:///{tmp_path}/s.db")
     ctx = _build(kernel, store)
     assert [p.kind for p in ctx.pieces] == ["system", "message", "tool_result", "output", "message"]
     assert [p.start for p in ctx.pieces] == [0, 23, 42, 42 + len(TOOL), 46 + len(TOOL)]
@@ -41,7 +41,7 @@ def test_ledger_spans_are_contiguous_and_typed(kernel: Kernel, tmp_path: Path) -
 
 
 def test_ops_reach_the_sink_before_they_are_applied(kernel: Kernel, tmp_path: Path) -> None:
-    store = open_store(f"sqlite://{tmp_path}/s.db")
+    store = open_store(f"sqlite:///{tmp_path}/s.db")
     seen: list[tuple[str, int]] = []
     ctx: SessionContext | None = None
 
@@ -59,7 +59,7 @@ def test_ops_reach_the_sink_before_they_are_applied(kernel: Kernel, tmp_path: Pa
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])
 def test_replay_from_the_store_is_bit_identical(kernel: Kernel, tmp_path: Path, backend: str,
                                                 request: pytest.FixtureRequest) -> None:
-    url = f"sqlite://{tmp_path}/s.db" if backend == "sqlite" else request.getfixturevalue("redis_url")
+    url = f"sqlite:///{tmp_path}/s.db" if backend == "sqlite" else request.getfixturevalue("redis_url")
     store = open_store(url)
     ctx = _build(kernel, store, sink=lambda op: store.oplog_append("acme", "s1", op))
     ctx.evict_piece(1, mode="reposition")
@@ -76,7 +76,7 @@ def test_replay_from_the_store_is_bit_identical(kernel: Kernel, tmp_path: Path, 
 
 
 def test_eviction_states_exact_vs_reposition(kernel: Kernel, tmp_path: Path) -> None:
-    store = open_store(f"sqlite://{tmp_path}/s.db")
+    store = open_store(f"sqlite:///{tmp_path}/s.db")
     a = _build(kernel, store)
     a.evict_piece(1, mode="exact")
     assert [p.state for p in a.pieces] == [RESIDENT, EVICTED, RESIDENT, RESIDENT, RESIDENT]
@@ -89,7 +89,7 @@ def test_eviction_states_exact_vs_reposition(kernel: Kernel, tmp_path: Path) -> 
 
 
 def test_fork_log_starts_with_the_parents_ops_and_replays(kernel: Kernel, tmp_path: Path) -> None:
-    store = open_store(f"sqlite://{tmp_path}/s.db")
+    store = open_store(f"sqlite:///{tmp_path}/s.db")
     parent = _build(kernel, store)
     child = parent.fork("s2")
     child.add_message("user", "branch only")
@@ -101,7 +101,7 @@ def test_fork_log_starts_with_the_parents_ops_and_replays(kernel: Kernel, tmp_pa
 
 
 def test_bad_input_changes_nothing(kernel: Kernel, tmp_path: Path) -> None:
-    store = open_store(f"sqlite://{tmp_path}/s.db")
+    store = open_store(f"sqlite:///{tmp_path}/s.db")
     ctx = _build(kernel, store)
     before = (ctx.digest(), list(ctx.ops), list(ctx.pieces))
     with pytest.raises(InvalidArgument, match="do not hash"):

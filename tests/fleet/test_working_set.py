@@ -24,7 +24,7 @@ def kernel() -> Kernel:
 
 @pytest.fixture
 def store(tmp_path: Path) -> BlobStore:
-    return open_store(f"sqlite://{tmp_path}/kvfleet.db", lease_s=10.0, clock=lambda: 100.0)
+    return open_store(f"sqlite:///{tmp_path}/kvfleet.db", lease_s=10.0, clock=lambda: 100.0)
 
 
 def _ctx(kernel: Kernel, store: BlobStore) -> SessionContext:

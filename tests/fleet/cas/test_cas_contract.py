@@ -46,7 +46,7 @@ def _redis_footprint(url: str) -> object:
 def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreEnv]:
     if request.param == "sqlite":
         path = str(tmp_path / "kvfleet.db")
-        env = StoreEnv("sqlite", f"sqlite://{path}", lambda: _sqlite_footprint(path),
+        env = StoreEnv("sqlite", f"sqlite:///{path}", lambda: _sqlite_footprint(path),
                        crash=lambda: None, restart=lambda: None, has_server=False)
     else:
         url = request.getfixturevalue("redis_url")

@@ -25,7 +25,7 @@ def kernel() -> Kernel:
 
 @pytest.fixture
 def store(tmp_path: Path) -> BlobStore:
-    return open_store(f"sqlite://{tmp_path}/kvfleet.db")
+    return open_store(f"sqlite:///{tmp_path}/kvfleet.db")
 
 
 def _ctx(kernel: Kernel, store: BlobStore) -> SessionContext:
