@@ -180,8 +180,13 @@ class SessionServicer(pbg.SessionServiceServicer):
             raise InvalidArgument("admit_tool_result needs the blob's ref (sha256 hex from PutBlob)")
         a = await self._call("admit_tool_result", ident.tenant, sid, request.ref)
         out = pb.AdmitToolResultResponse(verdict=a.verdict, reasons=list(a.reasons), evicted=a.evicted)
+        m = self.ctx.metrics
+        if a.verdict == "QUARANTINED":
+            m.quarantines.inc()
         if a.witness is not None:
             out.witness.CopyFrom(witness_to_proto(a.witness))
+            m.witness_max_delta.labels(kind="evict_vs_never").set(float(a.witness["max_abs_delta_evict_vs_never"]))
+            m.witness_max_delta.labels(kind="control_kept_vs_never").set(float(a.witness["control_kept_vs_never"]))
         return out
 
     @unary(Role.TENANT)

@@ -77,6 +77,10 @@ async def test_session_lifecycle_over_grpc(ray_cluster: None, tmp_path: Path) ->
         print(f"quarantine over gRPC: max|d| evict-vs-never = {w.max_abs_delta}; control kept-vs-never = {w.control}")
         assert adm.verdict == "QUARANTINED" and adm.evicted and w.write_time
         assert w.max_abs_delta == 0.0 and w.control > 0.0 and w.cache_digest_equal
+        reg = ctl.ctx.metrics.registry                                   # the same figures on /metrics
+        assert reg.get_sample_value("kvfleet_quarantines_total") == 1.0
+        assert reg.get_sample_value("kvfleet_witness_max_abs_delta", {"kind": "evict_vs_never"}) == 0.0
+        assert reg.get_sample_value("kvfleet_witness_max_abs_delta", {"kind": "control_kept_vs_never"}) == w.control
         ws = await c.working_set("s1", budget_tokens=10_000)
         assert [i.verdict for i in ws.items] == ["HIT", "HIT", "HIT", "REFUSE"]
         assert ws.tokens_reused == 45 and ws.tokens_to_prefill == 0
