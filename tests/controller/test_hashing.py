@@ -81,7 +81,8 @@ def test_self_calibration() -> None:
     t, B = V["token_ids"], HP["block_size"]
     h0 = frames(V["vectors"][0])  # parentless, extra-free vector
     first = V["vectors"][0]["decoded"]["events"][0]["block_hashes"][0]
-    assert h0 and calibrates(HashConfig("sha256", None, B), t, first)
+    assert h0, "the vector has frames"
+    assert calibrates(HashConfig("sha256", None, B), t, first)
     assert not calibrates(HashConfig("sha256", "42", B), t, first)
     assert not calibrates(HashConfig("sha256", None, 8), t, first)
     assert not calibrates(HashConfig("sha256_cbor", None, B), t, first)

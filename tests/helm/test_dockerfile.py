@@ -201,7 +201,7 @@ def test_build_context_holds_what_the_wheel_needs(instrs: list[Instr]) -> None:
         assert _ignored(junk, patterns), junk
 
 
-def test_kuberay_can_start_ray_in_the_image(instrs: list[Instr]) -> None:
+def test_image_carries_what_kuberay_needs_to_start_ray(instrs: list[Instr]) -> None:
     final = stages(instrs)[-1]
     run = " ".join(i.args for i in final if i.op == "RUN")
     # KubeRay runs `bash -lc 'ray start ...'` (a login shell resets PATH) and probes with wget.

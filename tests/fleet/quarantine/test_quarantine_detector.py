@@ -68,8 +68,9 @@ def test_signals_count_together_only_within_a_window() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_large_degenerate_inputs_stay_linear() -> None:
+def test_large_degenerate_inputs_finish_within_the_timeout() -> None:
     # one giant word, a long hex run and a wall of quotes once took quadratic time; now they finish
+    # well inside the timeout (a guard, not a speed measurement)
     d = default_detector()
     for text in ("a" * (1 << 18), bytes(range(256)).hex() * 256, '"' * (1 << 18), "ignore the " * 20000):
         assert not d.inspect(text).quarantined
