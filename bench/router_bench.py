@@ -182,7 +182,7 @@ def _section(r: dict[str, Any]) -> str:
         f"| route p50 / p99, us, over gRPC (SDK -> controller, loopback, same process) | {grpc_cell} | | |",
         "",
         f"Hashing the prompt's chain alone takes {r['hash_p50_us']:.0f} us (p50) of the in-process route: "
-        "it is the price of predicting vLLM's block hashes; the index walk itself is the floor column.",
+        "it is the price of predicting vLLM's block hashes. The floor column is a bare set-lookup loop over precomputed hashes, a lower bound rather than our index walk.",
         "<!-- /bench:router -->",
     ])
 
