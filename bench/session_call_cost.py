@@ -109,20 +109,26 @@ def call_costs(tmp: str, calls: int) -> list[tuple[str, float]]:
             ("gRPC FleetClient.append (logits back)", us["grpc_logits"])]
 
 
+def _span(ns: list[int]) -> str:
+    return f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+
+
 def fork_memory(tmp: str) -> dict[str, Any]:
     """8 forks of a long session, sharing vs replaying: bytes held, median seconds per fork."""
     fleet = KernelFleet(f"sqlite:///{tmp}/forks.db", SPEC)
     text = "".join(random.Random(1).choices("abcdefgh ijklmnop.", k=1500))
     fleet.create_session("bench", "root", PROMPT)
     fleet.append("bench", "root", text)
-    out: dict[str, Any] = {"tokens": len(fleet.tokens("bench", "root"))}
+    out: dict[str, Any] = {"tokens": len(fleet.tokens("bench", "root")), "suffix": []}
     for mode, share in (("shared", True), ("replayed", False)):
         secs, ids = [], [f"{mode}{i}" for i in range(NUM_FORKS)]
         for i, child in enumerate(ids):
             t0 = time.perf_counter()
             fleet.fork("bench", "root", child, share=share)
             secs.append(time.perf_counter() - t0)
+            before = len(fleet.tokens("bench", child))
             fleet.append("bench", child, f" branch {i}: try the next step.")
+            out["suffix"].append(len(fleet.tokens("bench", child)) - before)
         rows = [fleet.info("bench", c) for c in ids]
         shared_once = max(r["bytes_shared"] for r in rows)   # every fork adopts the same object-store blocks
         out[mode] = {"alone": sum(r["bytes_alone"] for r in rows), "shared": shared_once,
@@ -167,7 +173,7 @@ which calls the same KernelFleet off its event loop.
 {md}
 
 Fork memory: {NUM_FORKS} forks of a {forks['tokens']}-token session, each then appending its own
-30-token suffix (KV bytes from each session's `memory()`; "shared, once" is the object-store
+{_span(forks['suffix'])}-token suffix (KV bytes from each session's `memory()`; "shared, once" is the object-store
 copy of the parent's blocks that every sharing fork adopted; the parent itself holds
 {forks['root']:,} B either way). Sharing costs about the prefix once plus {NUM_FORKS} suffixes; replay
 costs {NUM_FORKS} full copies and recomputes the prefix in every fork. The time of a fork is mostly
