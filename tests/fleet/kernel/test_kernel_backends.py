@@ -50,13 +50,15 @@ def test_kernel_pins_its_own_thread_count(backend: str) -> None:
             blas = {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
             inner = torch.get_num_threads()
         got = k.session().append(ids)
+        poked = k.session().append([(ids[0] + 1) % k.config.vocab_size, *ids[1:]])  # control input
         after = torch.get_num_threads()
     torch.set_num_threads(prev)
-    d = max_abs_delta(got, ref)
+    d, c = max_abs_delta(got, ref), max_abs_delta(poked, ref)
     print(
         f"[threads {backend}] caller 2 threads, inside kernel blas={blas} torch={inner}; logits max|Δ|={d:.1e}"
+        f"   control (one token changed) max|Δ|={c:.3e}"
     )
-    assert after == 2 and d == 0.0
+    assert after == 2 and d == 0.0 and c > 0
     assert blas == {1} if backend == "numpy" else inner == 1
 
 
@@ -68,6 +70,8 @@ def test_cuda_backend_witnesses() -> None:
     for r in rows:  # CUDA aims for the same zeros; its measured max|Δ| is reported, bounded by 1e-4
         print(f"[cuda] {r.name}: max|Δ|={r.value:.2e} control={r.control} holds={r.ok}")
     assert all(r.value <= 1e-4 for r in rows if r.claim in ("== 0", "<= 1e-4"))
+    assert all(r.control is None or r.control > 0 for r in rows)  # no vacuous control
+    assert all(r.ok for r in rows if r.claim != "== 0")  # controls, bounds and reported rows hold as run
     ids = rand_ids(50, 300)
     ref = make_kernel("numpy").session().append(ids)
     got = (
