@@ -43,13 +43,23 @@ STEPS = 32
 MARGIN = 1e-3  # every greedy step's top-1 lead over top-2 (>> the 1e-4 logit bound)
 
 
-def _save(tmp: Path, model_cls: Any, cfg: Any, seed: int, dtype: torch.dtype = torch.float32) -> Any:
+def _save(
+    tmp: Path,
+    model_cls: Any,
+    cfg: Any,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    keep: dict[str, torch.Tensor] | None = None,
+) -> Any:
+    """Save a seeded model as `dtype` safetensors; `keep` receives its fp32 tensors before the cast."""
     torch.manual_seed(seed)
     m = model_cls(cfg).float().eval()
     with torch.no_grad():  # random biases (HF zero-inits them) so the bias path is really checked
         for name, p in m.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
+    if keep is not None:
+        keep.update({n: v.detach().clone() for n, v in m.state_dict().items()})
     m.to(dtype).save_pretrained(tmp, safe_serialization=True)
     # The reference loads the same files (fp32, eager attention), as our kernel does.
     return model_cls.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager").eval()
@@ -107,11 +117,48 @@ def test_mistral_without_sliding_window(tmp_path: Path) -> None:
     _check(tmp_path, _save(tmp_path, MistralForCausalLM, cfg, seed=2), "numpy", "mistral")
 
 
+_LAYER_FIELDS = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+
+
+def _loaded(k: Kernel) -> dict[str, np.ndarray]:
+    """The kernel's weights under their checkpoint names."""
+    w = k.weights
+    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.lm_head}
+    for i, layer in enumerate(w.layers):
+        out.update({f"model.layers.{i}.{hf}": getattr(layer, f) for f, hf in _LAYER_FIELDS.items()})
+    return out
+
+
 def test_bf16_checkpoint_is_widened_exactly(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
     cfg = LlamaConfig(**SMALL, attn_implementation="eager")
-    _check(
-        tmp_path, _save(tmp_path, LlamaForCausalLM, cfg, seed=3, dtype=torch.bfloat16), "numpy", "llama-bf16"
+    pre: dict[str, torch.Tensor] = {}  # the fp32 weights before the bf16 rounding
+    m = _save(tmp_path, LlamaForCausalLM, cfg, seed=3, dtype=torch.bfloat16, keep=pre)
+    ckpt: dict[str, torch.Tensor] = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        ckpt.update(load_file(f))
+    ours = _loaded(Kernel.from_pretrained(tmp_path))
+    assert set(ours) == set(ckpt) and all(ckpt[n].dtype == torch.bfloat16 for n in ours)
+    assert all(v.dtype == np.float32 for v in ours.values())
+    d = max(max_abs_delta(v, ckpt[n].float().numpy()) for n, v in ours.items())  # widened bf16
+    c = max(max_abs_delta(v, pre[n].numpy()) for n, v in ours.items())  # control: pre-rounding fp32
+    print(
+        f"[hf bf16] {len(ours)} loaded fp32 tensors vs checkpoint bf16 .float(): max|Δ|={d:.1e}"
+        f"   control (fp32 weights before the bf16 cast) max|Δ|={c:.3e}"
     )
+    assert d == 0.0 and c > 0
+    _check(tmp_path, m, "numpy", "llama-bf16")
 
 
 def test_mistral_sliding_window_shorter_than_sequence_is_refused(tmp_path: Path) -> None:
