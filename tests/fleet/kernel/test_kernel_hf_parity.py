@@ -133,7 +133,11 @@ _LAYER_FIELDS = {
 def _loaded(k: Kernel) -> dict[str, np.ndarray]:
     """The kernel's weights under their checkpoint names."""
     w = k.weights
-    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.lm_head}
+    out = {
+        "model.embed_tokens.weight": w.embed,
+        "model.norm.weight": w.final_norm,
+        "lm_head.weight": w.lm_head,
+    }
     for i, layer in enumerate(w.layers):
         out.update({f"model.layers.{i}.{hf}": getattr(layer, f) for f, hf in _LAYER_FIELDS.items()})
     return out
