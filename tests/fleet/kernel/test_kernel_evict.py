@@ -7,7 +7,7 @@ from kernel_factories import make_kernel, rand_ids
 
 from fleet.kernel import max_abs_delta
 from fleet.kernel.rope import rope_np, tables
-from fleet.kernel.types import K_POST
+from fleet.kernel.types import K_POST, V_IDX
 
 PRE, SPAN, POST, QUERY = rand_ids(1, 45), rand_ids(2, 13), rand_ids(3, 37), rand_ids(4, 6)
 
@@ -76,6 +76,30 @@ def test_reposition_keeps_rope_invariant(backend: str) -> None:
         f"   control (composed rotation) max|Δ|={c:.3e}"
     )
     assert inv == 0.0 and r.invariant_delta == 0.0 and c > 0
+
+
+def test_reposition_layer0_equals_never_saw(backend: str) -> None:
+    """Independent of the invariant: layer-0 K (post-RoPE) and V depend only on the token and its
+    position, so after a middle reposition the survivors' layer-0 rows equal a never-saw session's."""
+    k = make_kernel(backend, n_layers=2)
+    lo, n, m = len(PRE), len(POST), len(SPAN)
+    kept = k.session()
+    kept.append(PRE + SPAN + POST)
+    old = kept.kv_numpy(lo + m, lo + m + n)  # [3, L, KV, n, hd]: survivors at their old positions
+    s = k.session()
+    s.append(PRE + SPAN + POST)
+    s.evict(lo, m, mode="reposition")
+    never = k.session()
+    never.append(PRE + POST)
+    got, ref = s.kv_numpy(lo, lo + n), never.kv_numpy(lo, lo + n)  # [3, L, KV, n, hd]
+    d = max(max_abs_delta(got[i, 0], ref[i, 0]) for i in (K_POST, V_IDX))
+    # Control: span kept, survivors at their old positions: layer-0 K carries the old RoPE angle.
+    c = max(max_abs_delta(old[i, 0], ref[i, 0]) for i in (K_POST, V_IDX))
+    print(
+        f"[reposition layer-0 {backend}] survivors' K,V vs never-saw: max|Δ|={d:.1e}"
+        f"   control (span kept, old positions) max|Δ|={c:.3e}"
+    )
+    assert d == 0.0 and c > 0
 
 
 def test_reposition_exact_on_one_layer(backend: str) -> None:
