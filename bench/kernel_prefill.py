@@ -2,8 +2,9 @@
 
     ./dev.sh bench kernel_prefill [--tokens 2048] [--threads 1] [--reps 5] [--tiles 32,64,128] [--no-write]
 
-Also reports decode tokens/s per tile size: every decode step runs a whole fixed-shape tile, the
-price of batch invariance on CPU BLAS (see docs/kernel.md).
+Also reports decode tokens/s per tile size (16 greedy steps after a 512-token prompt, same timer
+and best-of-reps as prefill): every decode step runs a whole fixed-shape tile, the price of batch
+invariance on CPU BLAS (see docs/kernel.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from kernel_report import best_of, write_part
+from kernel_report import write_part
 
 from fleet.kernel import Kernel, ModelConfig, max_abs_delta
 from fleet.kernel.kernel import DEFAULT_TILE, cpu_name
@@ -58,6 +59,15 @@ def interleaved(
             f()
             best[n] = min(best[n], now() - t)
     return best
+
+
+def verdict(backend: str, pre: float, eager: float, sdpa: float) -> str:
+    """The >= 1.0x target, met or not, against each transformers path, from the measured ratios."""
+    parts = [
+        f"{'met' if pre / ref >= 1.0 else 'not met'} against {name} ({pre / ref:.2f}x)"
+        for name, ref in (("eager", eager), ("sdpa", sdpa))
+    ]
+    return f"{backend}: " + ", ".join(parts)
 
 
 def exactness(ids: list[int], threads: int) -> list[str]:
@@ -110,11 +120,15 @@ def main() -> None:
     with torch.no_grad():
         tps = {n: a.tokens / t for n, t in interleaved(fns, a.reps, now).items()}
     eager, sdpa = tps["transformers eager"], tps["transformers sdpa"]
-    rows = []
+    decs: dict[str, Callable[[], object]] = {}
     for (backend, tile), k in kernels.items():
         s = k.session()
         s.append(ids[:512])
-        dec = 16 / best_of(lambda s=s: s.fork().generate(16), 1)
+        decs[f"{backend} {tile}"] = lambda s=s: s.fork().generate(16)
+    dec_s = interleaved(decs, a.reps, now)  # same timer, warm-up and best-of as prefill
+    rows = []
+    for backend, tile in kernels:
+        dec = 16 / dec_s[f"{backend} {tile}"]
         pre = tps[f"kvfleet {backend} {tile}"]
         rows.append((backend, tile, pre, dec))
         print(
@@ -123,7 +137,7 @@ def main() -> None:
             flush=True,
         )
     table = [
-        "| engine | tile | prefill tok/s | vs HF eager | vs HF sdpa | decode tok/s (after 512) |",
+        "| engine | tile | prefill tok/s | vs HF eager | vs HF sdpa | decode tok/s (16 steps after 512) |",
         "|---|---|---|---|---|---|",
     ]
     table += [
@@ -135,7 +149,8 @@ def main() -> None:
         for b, t, p, d in rows
     ]
     default = [(b, p) for b, t, p, _ in rows if t == DEFAULT_TILE]
-    verdict = "; ".join(f"{b} {p / eager:.2f}x eager / {p / sdpa:.2f}x sdpa" for b, p in default)
+    met = "; ".join(verdict(b, p, eager, sdpa) for b, p in default)
+    print(f"target >= 1.0x at tile {DEFAULT_TILE}: {met}", flush=True)
     timer = "CPU time of the process" if a.threads == 1 else "wall-clock time"
     body = f"""### Prefill throughput vs transformers (`./dev.sh bench kernel_prefill`)
 
@@ -143,13 +158,13 @@ Llama config dim={CFG.dim}, {CFG.n_layers} layers, {CFG.n_heads} heads / {CFG.n_
 hidden {CFG.hidden_dim}, vocab {CFG.vocab_size}, fp32; one prefill of {a.tokens} tokens into an empty
 cache (transformers: one forward with use_cache, logits for the last token only). {a.threads} thread(s)
 for every engine; {timer}, best of {a.reps} rounds, every round running every engine once
-(interleaved, so load on the shared machine hits all alike). CPU: {cpu_name()} ({platform.machine()}),
+(interleaved, so load on the shared machine hits all alike). Decode: 16 greedy steps on a fork of a
+512-token session, timed the same way (same timer, warm-up, best of {a.reps} interleaved rounds). CPU: {cpu_name()} ({platform.machine()}),
 torch {torch.__version__}.
 
 {chr(10).join(table)}
 
-Target >= 1.0x transformers on CPU, at the default tile ({DEFAULT_TILE}): {verdict}.
-Met against the eager attention path; not met against `sdpa` whenever that ratio is below 1.
+Target >= 1.0x transformers prefill on CPU, at the default tile ({DEFAULT_TILE}): {met}.
 
 Exactness at this config, measured in the same run (tile {DEFAULT_TILE}):
 
