@@ -17,9 +17,10 @@ HEADER = """## KV kernel (`fleet/kernel`)
 
 Rerun each part with `./dev.sh bench kernel_prefill`, `./dev.sh bench kernel_evict`,
 `./dev.sh bench kernel_fork` (each rewrites only its own block below). The GPU check is
-`python bench/gpu_check.py` on a CUDA machine. Figures are wall-clock on the machine named in each
-block, best of the stated repetitions; the machine is shared, so treat them as ratios measured side
-by side in one run, not absolute speeds.
+`python bench/gpu_check.py` on a CUDA machine. Each block states its clock (the prefill block uses
+the process's CPU time at 1 thread; the others wall-clock), best of the stated repetitions, on the
+machine it names; the machine is shared, so treat them as ratios measured side by side in one run,
+not absolute speeds.
 """
 
 
