@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
             if args.json:
                 print(json.dumps([r.to_dict() for r in rows()], indent=1))
             elif args.watch:
-                _watch(console, rows, args.interval, args.count)
+                watch(console, lambda: render_sessions(rows()), args.interval, args.count)
             else:
                 console.print(render_sessions(rows()))
     except KvfleetError as e:
@@ -96,13 +96,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _watch(console: Console, rows: Any, interval: float, count: int = 0) -> None:
-    """Re-poll the controller every `interval` s and redraw in place; `count` > 0 stops after that many polls."""
+def watch(console: Console, render: Callable[[], Any], interval: float, count: int = 0) -> None:
+    """Redraw `render()` in place every `interval` s (it re-polls the controller); `count` > 0 stops
+    after that many polls. Shared by `session ls --watch` and `worker ls --watch`."""
     from rich.live import Live
 
     polls = 1
-    with Live(render_sessions(rows()), console=console, refresh_per_second=4) as live:
+    with Live(render(), console=console, refresh_per_second=4) as live:
         while not count or polls < count:
             time.sleep(max(0.1, interval))
-            live.update(render_sessions(rows()), refresh=True)
+            live.update(render(), refresh=True)
             polls += 1

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +63,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list vLLM workers and kernel nodes")
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    ls.add_argument("--interval", type=float, default=1.0)
+    ls.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
     ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
@@ -81,12 +81,9 @@ def main(argv: list[str]) -> int:
             if args.json:
                 print(as_json(snapshot(c)))
             elif args.watch:
-                from rich.live import Live
+                from fleet.cli.session import watch
 
-                with Live(render_workers(**snapshot(c)), console=console, refresh_per_second=4) as live:
-                    while True:
-                        time.sleep(max(0.1, args.interval))
-                        live.update(render_workers(**snapshot(c)))
+                watch(console, lambda: render_workers(**snapshot(c)), args.interval, args.count)
             else:
                 console.print(render_workers(**snapshot(c)))
     except KvfleetError as e:

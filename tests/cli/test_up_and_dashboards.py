@@ -66,6 +66,9 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
         t.join()
         frames = capsys.readouterr().out
         assert "s1" in frames and "s2" in frames
+        assert worker_cli.main(["ls", "--watch", "--interval", "0.1", "--count", "2",
+                                "--controller", addr, "--token", op]) == 0
+        assert "w0" in capsys.readouterr().out
         assert worker_cli.main(["ls", "--json", "--controller", addr, "--token", op]) == 0
         snap = json.loads(capsys.readouterr().out)
         assert [w["name"] for w in snap["workers"]] == ["w0"] and snap["nodes"][0]["num_sessions"] == 2
