@@ -6,6 +6,7 @@ Prints the witness table (measured max|Δ| beside each control), numpy-vs-CUDA a
 prefill tokens/s of the kernel (torch/CUDA) vs transformers on the same GPU, config and length.
 Exits 1 when a 1e-4 bound fails (numpy vs CUDA, HF parity, any exactness witness beyond 1e-4);
 whether every exactness witness held at exactly 0 on CUDA is reported, not assumed. Needs a CUDA device; on a CPU-only machine it says so.
+`--device cpu --tokens 256` runs the same script on the CPU as a dry run of its code paths.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ CFG = ModelConfig(
 
 def _timed(fn, reps: int = 3) -> float:  # type: ignore[no-untyped-def]
     best = float("inf")
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -70,11 +72,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device; run this on a CUDA machine", file=sys.stderr)
         return 2
     env = environment("torch", a.device)
-    print(f"device: {torch.cuda.get_device_name(a.device)} | torch {torch.__version__} | {env['cpu']}")
+    gpu = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu (dry run)"
+    print(f"device: {gpu} | torch {torch.__version__} | {env['cpu']}")
     rows = run_witnesses(backend="torch", device=a.device)
     for r in rows:
         ctrl = "-" if r.control is None else f"{r.control:.3e}"
@@ -107,7 +110,7 @@ def main() -> int:
                     "witnesses": [r.as_dict() for r in rows],
                     "numpy_vs_cuda": agree,
                     "prefill_tok_s": speed,
-                    "gpu": torch.cuda.get_device_name(a.device),
+                    "gpu": gpu,
                 },
                 f,
                 indent=2,
