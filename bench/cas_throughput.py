@@ -155,17 +155,6 @@ def render(rows: list[tuple[str, int, int, dict[str, float]]], bench_bin: str | 
     return "\n".join(lines)
 
 
-def write_section(path: Path, name: str, body: str) -> None:
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n## CAS throughput (bench/cas_throughput.py)\n\n{body}\n{end}"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mib", type=int, default=24, help="bytes moved per size and client (bounds the run)")
@@ -189,7 +178,9 @@ def main() -> int:
         shutil.rmtree(server.dir, ignore_errors=True)  # the AOF grows to GBs
     print(body)
     if not args.no_write:
-        write_section(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md", "cas", body)
+        from benchdoc import write_section
+
+        write_section("cas", f"## CAS throughput (bench/cas_throughput.py)\n\n{body}")
     return 0
 
 

@@ -18,23 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchdoc import write_section
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fleet.cli.demo import run_demo  # noqa: E402
 from fleet.demo.summary import LABELS, ORDER  # noqa: E402
 from fleet.demo.workload import DemoConfig  # noqa: E402
-
-
-def write_section(path: Path, name: str, body: str) -> None:
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{start}\n{body.strip()}\n{end}"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def run_one(agents: int, turns: int, num_blocks: int) -> dict[str, Any]:
@@ -118,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "![fleet prefill](fleet_prefill.png)",
     ])
-    write_section(a.out, "fleet", body)
+    write_section("fleet", body, a.out)
     print(f"wrote {a.out} (section fleet) and {png}")
     return 0
 

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchdoc import replace_section
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 PARTS = ("kernel_prefill", "kernel_evict", "kernel_fork")
 HEADER = """## KV kernel (`fleet/kernel`)
@@ -34,25 +36,13 @@ def best_of(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
-def _block(name: str, body: str) -> str:
-    return f"<!-- bench:{name} -->\n{body.strip()}\n<!-- /bench:{name} -->"
-
-
-def _replace(text: str, name: str, body: str) -> str:
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    i, j = text.find(start), text.find(end)
-    if i < 0 or j < 0:
-        return text.rstrip() + "\n\n" + _block(name, body) + "\n"
-    return text[:i] + _block(name, body) + text[j + len(end) :]
-
-
 def write_part(part: str, body: str) -> None:
     """Replace sub-section `part` inside the kernel section of docs/benchmarks.md (create as needed)."""
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     if "<!-- bench:kernel -->" not in text:
-        inner = HEADER + "\n" + "\n\n".join(_block(p, "_(not run yet)_") for p in PARTS)
-        text = _replace(text, "kernel", inner)
+        inner = HEADER + "\n" + "\n\n".join(f"<!-- bench:{p} -->\n_(not run yet)_\n<!-- /bench:{p} -->" for p in PARTS)
+        text = replace_section(text, "kernel", inner)
     i, j = text.find("<!-- bench:kernel -->"), text.find("<!-- /bench:kernel -->")
-    section = _replace(text[i:j], part, body)
+    section = replace_section(text[i:j], part, body)
     DOC.write_text(text[:i] + section + text[j:])
     print(f"wrote the {part} block of {DOC.relative_to(DOC.parent.parent)}")

@@ -184,7 +184,6 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace) -> str:
         rows += [_row(f"{clients}, straight to the worker", d), _row(f"{clients}, through the proxy", p), _added(d, p)]
     p = res[(a.clients, "proxy")]
     return "\n".join([
-        "<!-- bench:proxy -->",
         "## Proxy: added latency and throughput (`python bench/proxy_load.py`)",
         "",
         f"{a.clients} concurrent streaming clients (and, for the unloaded cost, 1 client), each holding one "
@@ -203,18 +202,13 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace) -> str:
         "competes for the same two cores, so that row is mostly queueing. Against a real vLLM the tokenize "
         "hop can be removed with `--tokenizer hf:PATH`, and a time to first token of tens of milliseconds "
         "dwarfs the unloaded cost.",
-        "<!-- /bench:proxy -->",
     ])
 
 
 def write_docs(section: str) -> None:
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    start, end = "<!-- bench:proxy -->", "<!-- /bench:proxy -->"
-    if start in text and end in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOCS.write_text(text)
+    from benchdoc import write_section
+
+    write_section("proxy", section, DOCS)
 
 
 def main() -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
+from benchdoc import write_section
+
 from fleet.radix import POLICIES
 from fleet.radix.traces import REALISTIC_TRACES, SEED_TRACES, longest_request, optimal_hits, simulate
 
@@ -79,18 +81,6 @@ def plot(rows: list[dict[str, object]], sweep: dict[str, list[tuple[int, float]]
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def write_section(name: str, body: str) -> None:
-    path = DOCS / "benchmarks.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{start}\n{body.strip()}\n{end}"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 def main() -> int:

@@ -166,7 +166,6 @@ def _section(r: dict[str, Any]) -> str:
     g = r["grpc"]
     grpc_cell = (f"{g['p50_us']:.0f} / {g['p99_us']:.0f}" if isinstance(g, dict) else str(g or "not run"))
     return "\n".join([
-        "<!-- bench:router -->",
         "## Router: KV-event ingestion and route latency (`bench/router_bench.py`)",
         "",
         f"{r['workers']} workers x {r['blocks']:,} resident blocks each, block size {B}, prompts of "
@@ -183,20 +182,13 @@ def _section(r: dict[str, Any]) -> str:
         "",
         f"Hashing the prompt's chain alone takes {r['hash_p50_us']:.0f} us (p50) of the in-process route: "
         "it is the price of predicting vLLM's block hashes. The floor column is a bare set-lookup loop over precomputed hashes, a lower bound rather than our index walk.",
-        "<!-- /bench:router -->",
     ])
 
 
 def write_docs(section: str) -> None:
-    p = ROOT / "docs" / "benchmarks.md"
-    text = p.read_text() if p.exists() else "# Benchmarks\n"
-    start, end = "<!-- bench:router -->", "<!-- /bench:router -->"
-    if start in text and end in text:
-        a, b = text.index(start), text.index(end) + len(end)
-        text = text[:a] + section + text[b:]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    p.write_text(text)
+    from benchdoc import write_section
+
+    write_section("router", section, ROOT / "docs" / "benchmarks.md")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| replaying the parent's log (share=False) | {rp['alone']:,} | {rp['shared']:,} | {rp['total']:,} | "
         f"{rp['total'] / sh['total']:.2f} | {rp['s']:.2f} |"])
     print(md, fk, sep="\n\n")
-    from radix_traces import write_section
+    from benchdoc import write_section
 
     write_section("session-call", f"""
 ## Session call cost through gRPC and Ray (`python bench/session_call_cost.py`)
