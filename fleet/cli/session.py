@@ -57,18 +57,23 @@ def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)"
     return t
 
 
+def add_ls_options(ls: argparse.ArgumentParser) -> None:
+    """The options `session ls` and `worker ls` share: live refresh, JSON, where and as whom."""
+    ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
+    ls.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
+    ls.add_argument("--json", action="store_true", help="print as JSON")
+    ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
+    ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet session", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list sessions")
     ls.add_argument("--fleet", action="store_true", help="every node of the fleet (default: the controller's node)")
-    ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    ls.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
-    ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
-    ls.add_argument("--json", action="store_true", help="print the rows as JSON")
     ls.add_argument("--tenant", default=None, help="operator only: one tenant")
-    ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
-    ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
+    add_ls_options(ls)
     return p.parse_args(argv)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
+from fleet.cli.session import add_ls_options
 from fleet.errors import KvfleetError
 
 
@@ -62,12 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet worker", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list vLLM workers and kernel nodes")
-    ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    ls.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
-    ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
-    ls.add_argument("--json", action="store_true", help="print as JSON")
-    ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
-    ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
+    add_ls_options(ls)
     return p.parse_args(argv)
 
 

@@ -15,6 +15,17 @@ from fleet.kernel.types import max_abs_delta
 from fleet.kernel.witness import WitnessResult
 
 PROMPT = [(7 * i + 3) % 256 for i in range(37)]
+# A small random Llama-family config with a clear top-1 margin (init std 0.2); the parity tests use it too.
+SMALL_HF_CONFIG: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
 
 
 def hf_parity(
@@ -32,17 +43,7 @@ def hf_parity(
         ]
     tf: Any = transformers
     LlamaConfig, LlamaForCausalLM, hf_logging = tf.LlamaConfig, tf.LlamaForCausalLM, tf.utils.logging
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        attn_implementation="eager",
-    )
+    cfg = LlamaConfig(**SMALL_HF_CONFIG, attn_implementation="eager")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     torch.manual_seed(0)

@@ -19,17 +19,9 @@ from transformers import (
 
 from fleet.errors import ResourceExhausted
 from fleet.kernel import Kernel, max_abs_delta
+from fleet.kernel.hf_check import SMALL_HF_CONFIG
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-)
+SMALL = SMALL_HF_CONFIG
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
