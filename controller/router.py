@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from controller.index import PrefixIndex
 from controller.metrics import Metrics
-from controller.vllm.hashing import ALGOS, HashConfig, external_chain
+from controller.vllm.hashing import ALGOS, external_chain
 from controller.vllm.watcher import Worker
 from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
@@ -291,9 +291,6 @@ class Router:
             self.metrics.stale_route_guard.labels("probe").inc()
             ranked = self._rank(token_ids, model, salt, lora)
         return ranked
-
-    def hash_config(self, name: str) -> HashConfig | None:
-        return self._get(name).hash_cfg
 
 
 def _check_route_args(token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> None:

@@ -98,10 +98,6 @@ def check_got(ref: str, data: bytes) -> bytes:
     return data
 
 
-def ref_str(ref: object) -> str:
-    return str(ref)
-
-
 def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp_ranks: int,
                 block_size: int | None, hash_algo: str, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
     spec = workers_pb2.WorkerSpec(name=name, url=url, kv_events=kv_events, replay=replay, model=model,
