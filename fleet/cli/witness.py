@@ -2,7 +2,8 @@
 
     kvfleet witness [--backend numpy|torch] [--device cpu|cuda] [--threads N] [--no-hf] [--json]
 
-Exit status 0 when every witness holds, 1 otherwise.
+Exit status 0 when every witness ran and holds; 1 when one fails or could not run (the row says
+"not run" and what to install); 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _table(env: dict[str, Any], rows: list[Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(
@@ -43,13 +45,23 @@ def _table(env: dict[str, Any], rows: list[Any]) -> None:
         f"threads={env['threads']}\nCPU: {env['cpu']} · {env['blas']} · tile={env['tile_size']} "
         f"block={env['block_size']}"
     )
-    for col in ("witness", "claim", "max|Δ|", "control", "holds", "note"):
+    for col in ("witness", "claim", "max|Δ|", "control", "1-ulp control", "status", "note"):
         t.add_column(col)
+    style = {"holds": "[green]holds[/]", "FAILS": "[red]FAILS[/]", "not run": "[yellow]not run[/]"}
     for r in rows:
         t.add_row(
-            r.name, r.claim, _fmt(r.value), _fmt(r.control), "[green]yes[/]" if r.ok else "[red]NO[/]", r.note
+            escape(r.name),
+            r.claim,
+            _fmt(r.value),
+            _fmt(r.control),
+            _fmt(r.ulp_control),
+            style[r.status],
+            escape(r.note),
         )
-    Console().print(t)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: no 80-column wrap of the witness names
+        console = Console(width=200)
+    console.print(t)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"env": env, "ok": ok, "witnesses": [r.as_dict() for r in rows]}, indent=2))
     else:
         _table(env, rows)
+    for r in rows:
+        if not r.ran:
+            print(f"kvfleet witness: {r.name}: {r.note}", file=sys.stderr)
     return 0 if ok else 1
 
 

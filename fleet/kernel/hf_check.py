@@ -12,7 +12,9 @@ import numpy as np
 
 from fleet.kernel.kernel import Kernel
 from fleet.kernel.types import max_abs_delta
-from fleet.kernel.witness import WitnessResult
+from fleet.kernel.witness import WitnessResult, not_run
+
+INSTALL_HINT = "pip install 'kvfleet[hf]' (./dev.sh installs it), or pass --no-hf to skip this witness"
 
 PROMPT = [(7 * i + 3) % 256 for i in range(37)]
 # A small random Llama-family config with a clear top-1 margin (init std 0.2); the parity tests use it too.
@@ -36,11 +38,7 @@ def hf_parity(
         import torch
         import transformers
     except ImportError as e:
-        return [
-            WitnessResult(
-                "HF parity (transformers not importable)", "<= 1e-4", float("nan"), None, True, str(e)
-            )
-        ]
+        return [not_run("HF parity LlamaForCausalLM", "<= 1e-4", f"not run: {e}; {INSTALL_HINT}")]
     tf: Any = transformers
     LlamaConfig, LlamaForCausalLM, hf_logging = tf.LlamaConfig, tf.LlamaForCausalLM, tf.utils.logging
     cfg = LlamaConfig(**SMALL_HF_CONFIG, attn_implementation="eager")

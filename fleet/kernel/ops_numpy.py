@@ -8,6 +8,7 @@ so every shape depends only on t — never on how the caller chunked the tokens.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ from fleet.kernel.rope import rope_np, tables
 from fleet.kernel.weights import Weights
 
 _TPC: ThreadpoolController | None = None
+L0_MEMO_BYTES = 64 << 20  # layer-0 projections kept per kernel (oldest dropped first)
 
 
 def _controller() -> ThreadpoolController:
@@ -74,6 +76,13 @@ class NumpyOps:
         self.cos, self.sin = tables(cfg, cfg.max_context + 1024)  # [P, hd/2] float32 (+ tile slack)
         self.scale = np.float32(1.0 / np.sqrt(hd))
         self._masks: dict[tuple[int, int], np.ndarray] = {}
+        # layer 0, one token at a time: fixed buffers (same shapes, same addresses every call)
+        W = (H + 2 * KV) * hd
+        self._e1, self._h1 = np.zeros((1, cfg.dim), np.float32), np.zeros((1, cfg.dim), np.float32)
+        self._y1 = np.zeros((W, 1), np.float32)
+        self._l0: dict[int, np.ndarray] = {}
+        self._l0_cap = max(1, L0_MEMO_BYTES // (W * 4))
+        self._l0_lock = threading.Lock()
 
     # -- array primitives (the cache code is backend-agnostic through these) --
     @contextmanager
@@ -147,21 +156,80 @@ class NumpyOps:
         np.exp(s, out=s)  # masked -> exact 0
         return np.matmul(s, V), s.sum(axis=-1, keepdims=True)
 
-    def qkv(self, x: np.ndarray, l: int, pos0: int) -> tuple[np.ndarray, ...]:
+    def _row0(self, tok: int) -> np.ndarray:
+        """Layer 0's fused q/k/v projection (pre-RoPE, bias added) of token `tok` [(H+2KV)*hd].
+
+        NOTE: at layer 0 a token's hidden state is its embedding, so this is a function of the
+        token id alone. It is computed alone, in one fixed [1, dim] shape and fixed buffers, never
+        inside a tile: a BLAS GEMM may give a row different bits in a different row slot (OpenBLAS
+        Haswell kernels do), and `reposition` moves survivors to new slots. Computed this way the
+        survivors' layer-0 Kraw/V are a never-saw session's by construction, on every CPU.
+        """
+        row = self._l0.get(tok)
+        if row is None:
+            with self._l0_lock:
+                self._e1[0] = self.embed_w[tok]
+                var = np.mean(self._e1 * self._e1, axis=-1, keepdims=True)  # [1, 1]
+                np.multiply(
+                    self._e1 * (np.float32(1.0) / np.sqrt(var + np.float32(self.cfg.norm_eps))),
+                    self.n1[0],
+                    out=self._h1,
+                )  # [1, dim] RMSNorm
+                np.matmul(self.wqkv[0], self._h1.T, out=self._y1)  # [W, 1]
+                row = _add(self._y1[:, 0].copy(), self.bqkv[0])
+                if len(self._l0) >= self._l0_cap:
+                    del self._l0[next(iter(self._l0))]
+                self._l0[tok] = row
+        return row
+
+    def _proj0(self, ids: np.ndarray, slot0: int, T: int) -> np.ndarray:
+        """Layer-0 projections of a tile [T, (H+2KV)*hd]: `ids` at rows slot0.., zeros elsewhere."""
+        out = np.zeros((T, self._y1.shape[0]), np.float32)
+        for j, tok in enumerate(ids.tolist()):
+            out[slot0 + j] = self._row0(tok)
+        return out
+
+    def qkv(
+        self, x: np.ndarray, l: int, pos0: int, ids: np.ndarray | None = None, slot0: int = 0
+    ) -> tuple[np.ndarray, ...]:
         """Layer l's attention inputs for tile x [T, dim] whose row r holds position pos0 + r.
+
+        At layer 0 pass the tile's token `ids` (at rows slot0..): their projections come from
+        `_row0`, slot-invariant by construction.
 
         Returns:
             q [KV, G*T, hd] (post-RoPE, scaled), then k (post-RoPE), kraw (pre-RoPE), v: [KV, T, hd].
         """
+        if l == 0 and ids is not None:
+            qkv = self._proj0(ids, slot0, x.shape[0])  # [T, (H+2KV)*hd]
+        else:
+            qkv = _add(_lin(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
+        return self.split_qkv(qkv, pos0)
+
+    def split_qkv(self, qkv: np.ndarray, pos0: int) -> tuple[np.ndarray, ...]:
+        """Fused projections qkv [T, (H+2KV)*hd] of positions pos0.. -> (q, k, kraw, v) as `qkv`."""
         cfg = self.cfg
-        T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
-        qkv = _add(_lin(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
+        T, H, KV, G, hd = qkv.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
         rot = self._rope_qk(qkv[:, : (H + KV) * hd].reshape(T, H + KV, hd), pos0)  # [T, H+KV, hd]
         q = np.empty((KV, G, T, hd), np.float32)
         np.multiply(rot[:, :H].reshape(T, KV, G, hd).transpose(1, 2, 0, 3), self.scale, out=q)
         kraw = qkv[:, H * hd : (H + KV) * hd].reshape(T, KV, hd).transpose(1, 0, 2)  # [KV, T, hd] views
         v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(1, 0, 2)
         return q.reshape(KV, G * T, hd), rot[:, H:].transpose(1, 0, 2), kraw, v
+
+    def layer0(self, ids: np.ndarray, pos0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layer-0 (K post-RoPE, Kraw pre-RoPE, V) [KV, n, hd] of `ids` at positions pos0.., by the
+        prefill path (`_row0` then the tile RoPE): a reference independent of `rope()`."""
+        _, k, kraw, v = self.split_qkv(self._proj0(ids, 0, len(ids)), pos0)
+        return k, kraw, v
+
+    def rope_rows(self, kraw: np.ndarray, pos0: int) -> np.ndarray:
+        """kraw [L, KV, m, hd] pre-RoPE at positions pos0..pos0+m -> post-RoPE, by the prefill
+        path's RoPE (`_rope_qk`: table slices, in-place ufuncs): an independent check of `rope()`."""
+        L, KV, m, hd = kraw.shape
+        rot = self._rope_qk(kraw.transpose(2, 0, 1, 3).reshape(m, L * KV, hd), pos0)  # [m, L*KV, hd]
+        out: np.ndarray = rot.reshape(m, L, KV, hd).transpose(1, 2, 0, 3)
+        return out
 
     def attention(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, pos0: int) -> np.ndarray:
         """Tile queries q [KV, G*T, hd] over keys K, V [KV, Lk, hd] -> o [T, H*hd] (Lk fixed by the tile)."""

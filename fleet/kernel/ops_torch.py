@@ -7,6 +7,7 @@ aimed for the same way (fixed shapes per tile); the tests report the measured ma
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ import torch
 
 from fleet.errors import InvalidArgument
 from fleet.kernel.config import ModelConfig
-from fleet.kernel.ops_numpy import _cat_bias
+from fleet.kernel.ops_numpy import L0_MEMO_BYTES, _cat_bias
 from fleet.kernel.rope import tables
 from fleet.kernel.weights import Weights
 
@@ -69,6 +70,13 @@ class TorchOps:
         self.cos, self.sin = t(cos), t(sin)  # [P, hd/2]
         self.scale = float(np.float32(1.0 / np.sqrt(hd)))
         self._masks: dict[tuple[int, int], torch.Tensor] = {}
+        # layer 0, one token at a time: fixed buffers (same shapes, same addresses every call)
+        W = (H + 2 * KV) * hd
+        self._h1 = torch.zeros((1, cfg.dim), dtype=torch.float32, device=device)
+        self._y1 = torch.zeros((1, W), dtype=torch.float32, device=device)
+        self._l0: dict[int, torch.Tensor] = {}
+        self._l0_cap = max(1, L0_MEMO_BYTES // (W * 4))
+        self._l0_lock = threading.Lock()
 
     @contextmanager
     def limit(self) -> Iterator[None]:
@@ -150,18 +158,60 @@ class TorchOps:
         s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # keys < pos0 are visible to every row
         return torch.bmm(s, V), s.sum(dim=-1, keepdim=True)
 
-    def qkv(self, x: torch.Tensor, l: int, pos0: int) -> tuple[torch.Tensor, ...]:
+    def _row0(self, tok: int) -> torch.Tensor:
+        """Layer 0's fused q/k/v projection (pre-RoPE, bias added) of token `tok` [(H+2KV)*hd]:
+        computed alone in one fixed [1, dim] shape, never inside a tile (see NumpyOps._row0)."""
+        row = self._l0.get(tok)
+        if row is None:
+            with self._l0_lock:
+                self._h1.copy_(self._norm(self.embed_w[tok : tok + 1], self.n1[0]))  # [1, dim] RMSNorm
+                torch.mm(self._h1, self.wqkv[0], out=self._y1)  # [1, W]
+                row = _add(self._y1[0].clone(), self.bqkv[0])
+                if len(self._l0) >= self._l0_cap:
+                    del self._l0[next(iter(self._l0))]
+                self._l0[tok] = row
+        return row
+
+    def _proj0(self, ids: np.ndarray, slot0: int, T: int) -> torch.Tensor:
+        """Layer-0 projections of a tile [T, (H+2KV)*hd]: `ids` at rows slot0.., zeros elsewhere."""
+        out = torch.zeros((T, self._y1.shape[1]), dtype=torch.float32, device=self.device)
+        rows = [self._row0(tok) for tok in np.asarray(ids).tolist()]
+        if rows:
+            out[slot0 : slot0 + len(rows)] = torch.stack(rows)
+        return out
+
+    def qkv(
+        self, x: torch.Tensor, l: int, pos0: int, ids: np.ndarray | None = None, slot0: int = 0
+    ) -> tuple[torch.Tensor, ...]:
         """Layer l's attention inputs for tile x [T, dim]: q [KV, G*T, hd] (post-RoPE, scaled),
-        k (post-RoPE), kraw (pre-RoPE), v: [KV, T, hd] (views)."""
+        k (post-RoPE), kraw (pre-RoPE), v: [KV, T, hd] (views). At layer 0 pass the tile's `ids`."""
+        if l == 0 and ids is not None:
+            qkv = self._proj0(ids, slot0, x.shape[0])  # [T, (H+2KV)*hd]
+        else:
+            qkv = _add(torch.mm(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
+        return self.split_qkv(qkv, pos0)
+
+    def split_qkv(self, qkv: torch.Tensor, pos0: int) -> tuple[torch.Tensor, ...]:
+        """Fused projections qkv [T, (H+2KV)*hd] of positions pos0.. -> (q, k, kraw, v) as `qkv`."""
         cfg = self.cfg
-        T, H, KV, G, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
-        qkv = _add(torch.mm(self._norm(x, self.n1[l]), self.wqkv[l]), self.bqkv[l])  # [T, (H+2KV)*hd]
-        rot = self._rope_qk(qkv[:, : (H + KV) * hd].view(T, H + KV, hd), pos0)  # [T, H+KV, hd]
-        q = torch.empty((KV, G, T, hd), dtype=x.dtype, device=x.device)
-        torch.mul(rot[:, :H].view(T, KV, G, hd).permute(1, 2, 0, 3), self.scale, out=q)  # [KV, G, T, hd]
-        kraw = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd).transpose(0, 1)  # [KV, T, hd] views
-        v = qkv[:, (H + KV) * hd :].view(T, KV, hd).transpose(0, 1)
+        T, H, KV, G, hd = qkv.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.n_groups, cfg.head_dim
+        rot = self._rope_qk(qkv[:, : (H + KV) * hd].reshape(T, H + KV, hd), pos0)  # [T, H+KV, hd]
+        q = torch.empty((KV, G, T, hd), dtype=qkv.dtype, device=qkv.device)
+        torch.mul(rot[:, :H].reshape(T, KV, G, hd).permute(1, 2, 0, 3), self.scale, out=q)  # [KV, G, T, hd]
+        kraw = qkv[:, H * hd : (H + KV) * hd].reshape(T, KV, hd).transpose(0, 1)  # [KV, T, hd] views
+        v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(0, 1)
         return q.view(KV, G * T, hd), rot[:, H:].transpose(0, 1), kraw, v
+
+    def layer0(self, ids: np.ndarray, pos0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer-0 (K, Kraw, V) [KV, n, hd] of `ids` at positions pos0.., by the prefill path."""
+        _, k, kraw, v = self.split_qkv(self._proj0(ids, 0, len(ids)), pos0)
+        return k, kraw, v
+
+    def rope_rows(self, kraw: torch.Tensor, pos0: int) -> torch.Tensor:
+        """kraw [L, KV, m, hd] at positions pos0.. -> post-RoPE by the prefill path's `_rope_qk`."""
+        L, KV, m, hd = kraw.shape
+        rot = self._rope_qk(kraw.permute(2, 0, 1, 3).reshape(m, L * KV, hd), pos0)  # [m, L*KV, hd]
+        return rot.reshape(m, L, KV, hd).permute(1, 2, 0, 3)
 
     def attention(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos0: int) -> torch.Tensor:
         """Tile queries q [KV, G*T, hd] over keys K, V [KV, Lk, hd] -> o [T, H*hd] (Lk fixed by the tile)."""

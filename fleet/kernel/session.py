@@ -125,7 +125,8 @@ class Session:
         for l in range(k.config.n_layers):
             qs = []
             for x, (pos0, lo, hi) in zip(xs, spans, strict=True):
-                q, kk, kraw, v = ops.qkv(x, l, pos0)  # q [KV, G*T, hd]; k/kraw/v [KV, T, hd]
+                # q [KV, G*T, hd]; k/kraw/v [KV, T, hd]; layer 0 from the token ids (slot-invariant)
+                q, kk, kraw, v = ops.qkv(x, l, pos0, ids[lo - p0 : hi - p0], lo - pos0)
                 win.write(l, pos0, lo, hi, kk, kraw, v)
                 qs.append(q)
             # tile t attends over key positions [0, ceil((t+1)*T / BS) * BS): fixed by t alone
@@ -192,7 +193,10 @@ class Session:
                 self._refresh_last()
             return EvictReport(mode, start, length, tail, length, len(survivors), 0, True, None, True)
         delta = self._reposition(start, end)
-        exact = self.kernel.config.n_layers == 1
+        # NOTE: measured, not assumed. A 1-layer cache is exactly never-saw's when every survivor's
+        # layer-0 row equals the one the prefill path derives from its token id at its new
+        # position (the rows before the span are untouched). Deeper layers carry the span.
+        exact = self.kernel.config.n_layers == 1 and delta == 0.0
         return EvictReport(mode, start, length, False, length, 0, len(survivors), exact, delta, False)
 
     def _check_span(self, start: Any, length: Any, mode: Any) -> None:
@@ -217,7 +221,8 @@ class Session:
         self._kv.put_rows(start, data)
         self._tokens.extend(survivors)
         self._last = None
-        return self.rope_invariant_delta(start, len(self._tokens))
+        n1 = len(self._tokens)
+        return max(self.rope_invariant_delta(start, n1), self.layer0_delta(start, n1))
 
     def kv_numpy(self, lo: int, hi: int) -> np.ndarray:
         """A numpy copy of positions [lo, hi): [3, n_layers, n_kv_heads, hi-lo, head_dim] holding
@@ -227,15 +232,30 @@ class Session:
         return np.array(self.kernel.ops.to_numpy(self._kv.rows(lo, hi)), copy=True)
 
     def rope_invariant_delta(self, lo: int = 0, hi: int | None = None) -> float:
-        """max|K[i] - RoPE(Kraw[i], i)| over positions [lo, hi) (0.0 when the invariant holds)."""
+        """max|K[i] - RoPE(Kraw[i], i)| over positions [lo, hi), every layer (0.0 when it holds).
+
+        The reference is computed by the prefill path's RoPE (`ops.rope_rows`: table slices from
+        `lo`), not by `ops.rope` that `reposition` uses: a rotation at a wrong position or a wrong
+        table row in the eviction path shows up here as > 0.
+        """
         hi = len(self._tokens) if hi is None else hi
         if hi <= lo:
             return 0.0
         ops = self.kernel.ops
         rows = self._kv.rows(lo, hi)  # [3, L, KV, m, hd]
-        return max_abs_delta(
-            ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope(rows[K_RAW], np.arange(lo, hi)))
-        )
+        return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
+
+    def layer0_delta(self, lo: int = 0, hi: int | None = None) -> float:
+        """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
+        the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store)."""
+        hi = len(self._tokens) if hi is None else hi
+        if hi <= lo:
+            return 0.0
+        ops = self.kernel.ops
+        rows = self._kv.rows(lo, hi)  # [3, L, KV, m, hd]
+        with ops.limit():
+            ref = ops.layer0(np.asarray(self._tokens[lo:hi], np.int64), lo)  # 3 x [KV, m, hd]
+        return max(max_abs_delta(ops.to_numpy(rows[i, 0]), ops.to_numpy(r)) for i, r in enumerate(ref))
 
     # -- decode --
     def generate(self, n: int) -> list[int]:

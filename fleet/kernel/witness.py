@@ -6,6 +6,7 @@ zero with a non-vacuous control (> 0) measured the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +15,18 @@ import numpy as np
 from fleet.kernel.config import ModelConfig
 from fleet.kernel.kernel import Kernel
 from fleet.kernel.rope import rope_np, tables
-from fleet.kernel.types import K_POST, max_abs_delta
+from fleet.kernel.types import K_POST, K_RAW, max_abs_delta
 
 
 @dataclass(frozen=True, slots=True)
 class WitnessResult:
-    """One witness row. `claim`: "== 0" (bit-exact), "> 0" (a control), "<= 1e-4", or "reported"."""
+    """One witness row. `claim`: "== 0" (bit-exact), "> 0" (a control), "<= 1e-4", or "reported".
+
+    `control` is the coarse control (e.g. one token changed); `ulp_control` is the same comparison
+    against a run whose input differs by one ulp (one embedding element nudged), which shows the
+    check resolves a 1-ulp difference, not only a large one. A row that could not run has
+    `ran=False` and is never ok.
+    """
 
     name: str
     claim: str
@@ -27,6 +34,12 @@ class WitnessResult:
     control: float | None
     ok: bool
     note: str = ""
+    ulp_control: float | None = None
+    ran: bool = True
+
+    @property
+    def status(self) -> str:
+        return "not run" if not self.ran else ("holds" if self.ok else "FAILS")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -34,9 +47,16 @@ class WitnessResult:
             "claim": self.claim,
             "value": self.value,
             "control": self.control,
+            "ulp_control": self.ulp_control,
             "ok": self.ok,
+            "status": self.status,
             "note": self.note,
         }
+
+
+def not_run(name: str, claim: str, why: str) -> WitnessResult:
+    """A witness that did not run: reported as such, never ok."""
+    return WitnessResult(name, claim, float("nan"), None, False, why, None, False)
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -44,8 +64,20 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
     return out
 
 
-def _exact(name: str, value: float, control: float, note: str = "") -> WitnessResult:
-    return WitnessResult(name, "== 0", value, control, value == 0.0 and control > 0, note)
+def _exact(name: str, value: float, control: float, ulp: float | None, note: str = "") -> WitnessResult:
+    ok = value == 0.0 and control > 0 and (ulp is None or ulp > 0)
+    return WitnessResult(name, "== 0", value, control, ok, note, ulp)
+
+
+def nudge_embedding(k: Kernel, tok: int) -> None:
+    """Move one element of token `tok`'s embedding up by one ulp (in place, this kernel only)."""
+    e = k.ops.embed_w
+    if isinstance(e, np.ndarray):
+        e[tok, 0] = np.nextafter(e[tok, 0], np.float32(np.inf))
+    else:
+        import torch
+
+        e[tok, 0] = torch.nextafter(e[tok, 0], torch.tensor(float("inf"), device=e.device))
 
 
 class _Bench:
@@ -53,21 +85,33 @@ class _Bench:
 
     def __init__(self, backend: str, device: str, threads: int, seed: int) -> None:
         self.kw = dict(seed=seed, backend=backend, device=device, threads=threads)
-        self.kernels: dict[int, Kernel] = {}
+        self.kernels: dict[tuple[int, int | None], Kernel] = {}
         V = ModelConfig.tiny().vocab_size
         self.pre, self.span, self.post, self.query = (
             _ids(s, n, V) for s, n in ((1, 45), (2, 13), (3, 37), (4, 6))
         )
 
-    def kernel(self, n_layers: int = 2) -> Kernel:
-        if n_layers not in self.kernels:
-            self.kernels[n_layers] = Kernel.synthetic(ModelConfig.tiny(n_layers=n_layers), **self.kw)  # type: ignore[arg-type]
-        return self.kernels[n_layers]
+    def kernel(self, n_layers: int = 2, nudged: int | None = None) -> Kernel:
+        """The shared kernel, or (nudged=tok) a twin whose embedding of `tok` is 1 ulp off."""
+        key = (n_layers, nudged)
+        if key not in self.kernels:
+            k = Kernel.synthetic(ModelConfig.tiny(n_layers=n_layers), **self.kw)  # type: ignore[arg-type]
+            if nudged is not None:
+                nudge_embedding(k, nudged)
+            self.kernels[key] = k
+        return self.kernels[key]
 
-    def run(self, tokens: list[int], n_layers: int = 2) -> np.ndarray:
-        s = self.kernel(n_layers).session()
+    def run(self, tokens: list[int], n_layers: int = 2, nudged: bool = False) -> np.ndarray:
+        s = self.kernel(n_layers, self.query[-1] if nudged else None).session()
         s.append(tokens)
         return s.append(self.query)
+
+    def ulp(self, tokens: list[int], ref: np.ndarray, n_layers: int = 2) -> float:
+        """The 1-ulp control: `tokens` + query with the last token's embedding 1 ulp off, vs ref.
+
+        NOTE: the last token, because its own embedding feeds the logits through the residual
+        stream; a 1-ulp change further back can round away inside one attention sum."""
+        return max_abs_delta(self.run(tokens, n_layers, nudged=True), ref)
 
     def evicted(self, mode: str, n_layers: int) -> tuple[np.ndarray, Any]:
         s = self.kernel(n_layers).session()
@@ -90,7 +134,26 @@ def prefix_reuse(b: _Bench) -> WitnessResult:
         "prefix reuse (A then B == A+B, 5 splits of 400)",
         worst,
         max_abs_delta(k.session().append(poke), ref),
+        max_abs_delta(b.kernel(nudged=ids[-1]).session().append(ids), ref),
         "control: first token changed",
+    )
+
+
+def decode(b: _Bench) -> WitnessResult:
+    k = b.kernel()
+    ids = _ids(10, 120, k.config.vocab_size)
+    ref = k.session().append(ids)
+    s = k.session()
+    s.append(ids[:80])
+    for t in ids[80:]:
+        got = s.append([t])  # token-by-token decode across a tile boundary (tile 64)
+    poke = ids[:-1] + [(ids[-1] + 1) % k.config.vocab_size]
+    return _exact(
+        "decode (80 + 40 one at a time == 120 at once)",
+        max_abs_delta(got, ref),
+        max_abs_delta(k.session().append(poke), ref),
+        max_abs_delta(b.kernel(nudged=ids[-1]).session().append(ids), ref),
+        "control: last token changed",
     )
 
 
@@ -106,7 +169,9 @@ def evict_vs_never(b: _Bench) -> list[WitnessResult]:
     d = max_abs_delta(s.append(b.post + b.query), ref)
     c = max_abs_delta(b.run(b.pre + b.span + b.post), ref)
     return [
-        _exact("evict-vs-never (write-time span)", d, c, "control: poison-vs-never"),
+        _exact(
+            "evict-vs-never (write-time span)", d, c, b.ulp(b.pre + b.post, ref), "control: poison-vs-never"
+        ),
         WitnessResult("poison-vs-never (control: span kept)", "> 0", c, None, c > 0),
     ]
 
@@ -118,8 +183,15 @@ def middle_exact(b: _Bench) -> WitnessResult:
         "middle eviction, exact mode (2 layers)",
         max_abs_delta(got, ref),
         max_abs_delta(b.run(b.pre + b.span + b.post), ref),
+        b.ulp(b.pre + b.post, ref),
         "control: span kept",
     )
+
+
+def _sabotaged_rope(k: Kernel, shift: int) -> Any:
+    """`k.ops.rope` rotating every key `shift` positions too far (a wrong-position bug)."""
+    rope = k.ops.rope
+    return lambda x, positions: rope(x, np.asarray(positions) + shift)
 
 
 def reposition_invariant(b: _Bench) -> WitnessResult:
@@ -128,14 +200,28 @@ def reposition_invariant(b: _Bench) -> WitnessResult:
     s.append(b.pre + b.span + b.post)
     lo, n, L = len(b.pre), len(b.post), len(b.span)
     old_k = s.kv_numpy(lo + L, lo + L + n)[K_POST]
-    s.evict(lo, L, mode="reposition")
+    r = s.evict(lo, L, mode="reposition")
     cos, sin = tables(k.config, L + 1)
     c = max_abs_delta(rope_np(old_k, cos[L], -sin[L]), s.kv_numpy(lo, lo + n)[K_POST])
-    return _exact(
+    # sabotage: the same eviction with the rotation 3 positions off must be caught
+    bad = Kernel.synthetic(k.config, **b.kw)  # type: ignore[arg-type]  # its own ops instance
+    bad.ops.rope = _sabotaged_rope(bad, 3)
+    t = bad.session()
+    t.append(b.pre + b.span + b.post)
+    sab = t.evict(lo, L, mode="reposition").invariant_delta or 0.0
+    # 1 ulp: the check against the first survivor's stored Kraw row nudged by one ulp per element
+    rows = s.kv_numpy(lo, lo + n)
+    rows[K_RAW, :, :, 0] = np.nextafter(rows[K_RAW, :, :, 0], np.float32(np.inf))
+    ulp = max_abs_delta(rows[K_POST], k.ops.to_numpy(k.ops.rope_rows(k.ops.from_numpy(rows[K_RAW]), lo)))
+    ok = s.rope_invariant_delta() == 0.0 and r.invariant_delta == 0.0 and c > 0 and sab > 0 and ulp > 0
+    return WitnessResult(
         "reposition invariant K[i] == RoPE(Kraw[i], i)",
-        s.rope_invariant_delta(),
-        c,
-        "control: composed rotation",
+        "== 0",
+        max(s.rope_invariant_delta(), r.invariant_delta or 0.0),
+        sab,
+        ok,
+        f"control: rope at position+3 caught ({sab:.2e}); composed rotation {c:.2e}",
+        ulp,
     )
 
 
@@ -146,7 +232,14 @@ def reposition_depth(b: _Bench) -> list[WitnessResult]:
         got, r = b.evicted("reposition", L)
         d, c = max_abs_delta(got, ref), max_abs_delta(b.run(b.pre + b.span + b.post, L), ref)
         if L == 1:
-            out.append(_exact("reposition vs never-saw (1 layer)", d, c, f"report.exact={r.exact}"))
+            row = _exact(
+                "reposition vs never-saw (1 layer)",
+                d,
+                c,
+                b.ulp(b.pre + b.post, ref, 1),
+                f"report.exact={r.exact} (measured, invariant_delta={r.invariant_delta})",
+            )
+            out.append(dataclasses.replace(row, ok=row.ok and r.exact))
         else:
             ok = (not r.exact) and d > 0
             out.append(
@@ -177,6 +270,7 @@ def sibling_isolation(b: _Bench) -> WitnessResult:
         "sibling isolation (evict+append in A; B vs B alone)",
         max_abs_delta(got, ref),
         max_abs_delta(a.append(b.query), ref),
+        b.ulp(b.pre + b.span, ref),
         "control: branch A",
     )
 
@@ -193,6 +287,7 @@ def prefix_adoption(b: _Bench) -> WitnessResult:
         "exported prefix adopted (zero-copy) + suffix",
         max_abs_delta(got, ref),
         max_abs_delta(b.run(b.pre + b.span + b.post), b.run(b.pre + b.post)),
+        max_abs_delta(b.kernel(nudged=ids[-1]).session().append(ids), ref),
         "control: span kept",
     )
 
@@ -204,6 +299,7 @@ def run_witnesses(
     b = _Bench(backend, device, threads, seed)
     rows = [
         prefix_reuse(b),
+        decode(b),
         *evict_vs_never(b),
         middle_exact(b),
         reposition_invariant(b),

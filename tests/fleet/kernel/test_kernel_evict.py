@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from kernel_factories import make_kernel, rand_ids
 
-from fleet.kernel import max_abs_delta
+from fleet.kernel import Kernel, ModelConfig, max_abs_delta
 from fleet.kernel.rope import rope_np, tables
 from fleet.kernel.types import K_POST, V_IDX
 
@@ -142,3 +143,57 @@ def test_evict_then_generate_rederives_logits(backend: str) -> None:
     b.append(PRE + SPAN + POST)
     b.evict(len(PRE), len(SPAN), mode="reposition")
     assert b.last_logits is None and len(b.generate(3)) == 3 and b.last_logits is not None
+
+
+def _sabotage_rope(k: object, shift: int) -> None:
+    """Make this kernel's `ops.rope` (the eviction path's rotation) rotate `shift` positions too far."""
+    ops = k.ops  # type: ignore[attr-defined]
+    rope = ops.rope
+    ops.rope = lambda x, positions: rope(x, np.asarray(positions) + shift)
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_reposition_at_a_wrong_position_is_caught(backend: str, n_layers: int) -> None:
+    """The invariant is checked by an independent path (the prefill path's RoPE and layer 0 from the
+    token ids), so a rotation at position+3 in the eviction path shows up, and exact goes False."""
+    good = make_kernel(backend, n_layers=n_layers).session()
+    good.append(PRE + SPAN + POST)
+    ok = good.evict(len(PRE), len(SPAN), mode="reposition")
+    bad_k = Kernel.synthetic(ModelConfig.tiny(n_layers=n_layers), seed=0, backend=backend, tile_size=32)
+    _sabotage_rope(bad_k, 3)
+    bad = bad_k.session()
+    bad.append(PRE + SPAN + POST)
+    r = bad.evict(len(PRE), len(SPAN), mode="reposition")
+    print(
+        f"[reposition sabotage {backend} L={n_layers}] correct: invariant_delta={ok.invariant_delta:.1e} "
+        f"exact={ok.exact}   rope at position+3: invariant_delta={r.invariant_delta:.3e} exact={r.exact}"
+    )
+    assert ok.invariant_delta == 0.0 and ok.exact == (n_layers == 1)
+    assert r.invariant_delta is not None and r.invariant_delta > 0 and not r.exact
+    assert bad.rope_invariant_delta() > 0 and bad.layer0_delta() > 0
+
+
+def test_layer0_is_slot_invariant(backend: str) -> None:
+    """A token's layer-0 Kraw and V are the same bits in every tile row slot (they are computed per
+    token id, never inside a tile GEMM), which is what makes a 1-layer reposition exact on any CPU.
+    Printed beside it: the same rows through a tile GEMM at two slots (may or may not differ by CPU)."""
+    k = make_kernel(backend, n_layers=1)
+    tok = PRE[:1]
+    rows = []
+    for pad in (0, 5, 31):  # the token at row slot 0, 5 and 31 of a 32-row tile
+        s = k.session()
+        if pad:
+            s.append(PRE[1 : 1 + pad])
+        s.append(tok)
+        rows.append(s.kv_numpy(pad, pad + 1))  # [3, 1, KV, 1, hd]
+    d = max(max_abs_delta(r[i], rows[0][i]) for r in rows for i in (1, 2))  # Kraw, V
+    x = k.ops.embed(np.array(tok * 32), 0, 32)  # the tile GEMM path: the same row in every slot
+    gemm = k.ops.to_numpy(k.ops.qkv(x, 0, 0)[2])  # kraw [KV, 32, hd], no ids: projected as a tile
+    g = max(max_abs_delta(gemm[:, j], gemm[:, 0]) for j in range(32))
+    # Control: K (post-RoPE) does depend on the position, so the comparison sees differences.
+    c = max_abs_delta(rows[1][0], rows[0][0])
+    print(
+        f"[layer-0 slots {backend}] Kraw,V over slots 0/5/31: max|Δ|={d:.1e}   "
+        f"control (K at other positions) {c:.3e}   tile-GEMM row across slots (reported) {g:.1e}"
+    )
+    assert d == 0.0 and c > 0
