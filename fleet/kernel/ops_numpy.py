@@ -16,11 +16,11 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from fleet.kernel.config import ModelConfig
+from fleet.kernel.l0memo import L0Slots, memo_rows
 from fleet.kernel.rope import rope_np, tables
 from fleet.kernel.weights import Weights
 
 _TPC: ThreadpoolController | None = None
-L0_MEMO_BYTES = 64 << 20  # layer-0 projections kept per kernel (oldest dropped first)
 
 
 def _controller() -> ThreadpoolController:
@@ -80,8 +80,8 @@ class NumpyOps:
         W = (H + 2 * KV) * hd
         self._e1, self._h1 = np.zeros((1, cfg.dim), np.float32), np.zeros((1, cfg.dim), np.float32)
         self._y1 = np.zeros((W, 1), np.float32)
-        self._l0: dict[int, np.ndarray] = {}
-        self._l0_cap = max(1, L0_MEMO_BYTES // (W * 4))
+        self._slots = L0Slots(memo_rows(W * 4))
+        self._tab = np.zeros((min(self._slots.capacity, 1024), W), np.float32)  # grows to capacity
         self._l0_lock = threading.Lock()
 
     # -- array primitives (the cache code is backend-agnostic through these) --
@@ -156,8 +156,9 @@ class NumpyOps:
         np.exp(s, out=s)  # masked -> exact 0
         return np.matmul(s, V), s.sum(axis=-1, keepdims=True)
 
-    def _row0(self, tok: int) -> np.ndarray:
-        """Layer 0's fused q/k/v projection (pre-RoPE, bias added) of token `tok` [(H+2KV)*hd].
+    def _row0(self, tok: int, row: int) -> None:
+        """Compute layer 0's fused q/k/v projection (pre-RoPE, bias added) of token `tok` into memo
+        row `row` [(H+2KV)*hd].
 
         NOTE: at layer 0 a token's hidden state is its embedding, so this is a function of the
         token id alone. It is computed alone, in one fixed [1, dim] shape and fixed buffers, never
@@ -165,28 +166,33 @@ class NumpyOps:
         Haswell kernels do), and `reposition` moves survivors to new slots. Computed this way the
         survivors' layer-0 Kraw/V are a never-saw session's by construction, on every CPU.
         """
-        row = self._l0.get(tok)
-        if row is None:
-            with self._l0_lock:
-                self._e1[0] = self.embed_w[tok]
-                var = np.mean(self._e1 * self._e1, axis=-1, keepdims=True)  # [1, 1]
-                np.multiply(
-                    self._e1 * (np.float32(1.0) / np.sqrt(var + np.float32(self.cfg.norm_eps))),
-                    self.n1[0],
-                    out=self._h1,
-                )  # [1, dim] RMSNorm
-                np.matmul(self.wqkv[0], self._h1.T, out=self._y1)  # [W, 1]
-                row = _add(self._y1[:, 0].copy(), self.bqkv[0])
-                if len(self._l0) >= self._l0_cap:
-                    del self._l0[next(iter(self._l0))]
-                self._l0[tok] = row
-        return row
+        if row >= len(self._tab):  # grow the table (doubling, up to capacity)
+            grown = np.zeros(
+                (min(self._slots.capacity, max(2 * len(self._tab), row + 1)), self._tab.shape[1]), np.float32
+            )
+            grown[: len(self._tab)] = self._tab
+            self._tab = grown
+        self._e1[0] = self.embed_w[tok]
+        var = np.mean(self._e1 * self._e1, axis=-1, keepdims=True)  # [1, 1]
+        np.multiply(
+            self._e1 * (np.float32(1.0) / np.sqrt(var + np.float32(self.cfg.norm_eps))),
+            self.n1[0],
+            out=self._h1,
+        )  # [1, dim] RMSNorm
+        np.matmul(self.wqkv[0], self._h1.T, out=self._y1)  # [W, 1]
+        self._tab[row] = self._y1[:, 0] if self.bqkv[0] is None else self._y1[:, 0] + self.bqkv[0]
 
     def _proj0(self, ids: np.ndarray, slot0: int, T: int) -> np.ndarray:
         """Layer-0 projections of a tile [T, (H+2KV)*hd]: `ids` at rows slot0.., zeros elsewhere."""
-        out = np.zeros((T, self._y1.shape[0]), np.float32)
-        for j, tok in enumerate(ids.tolist()):
-            out[slot0 + j] = self._row0(tok)
+        out = np.zeros((T, self._tab.shape[1]), np.float32)
+        step = self._slots.capacity // 2
+        toks = np.asarray(ids).tolist()
+        with self._l0_lock:
+            for c in range(0, len(toks), step):
+                rows, misses = self._slots.lookup(toks[c : c + step])
+                for tok, row in misses:
+                    self._row0(tok, row)
+                out[slot0 + c : slot0 + c + len(rows)] = self._tab[rows]  # one gather
         return out
 
     def qkv(

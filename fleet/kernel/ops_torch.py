@@ -17,7 +17,8 @@ import torch
 
 from fleet.errors import InvalidArgument
 from fleet.kernel.config import ModelConfig
-from fleet.kernel.ops_numpy import L0_MEMO_BYTES, _cat_bias
+from fleet.kernel.l0memo import L0Slots, memo_rows
+from fleet.kernel.ops_numpy import _cat_bias
 from fleet.kernel.rope import tables
 from fleet.kernel.weights import Weights
 
@@ -74,8 +75,8 @@ class TorchOps:
         W = (H + 2 * KV) * hd
         self._h1 = torch.zeros((1, cfg.dim), dtype=torch.float32, device=device)
         self._y1 = torch.zeros((1, W), dtype=torch.float32, device=device)
-        self._l0: dict[int, torch.Tensor] = {}
-        self._l0_cap = max(1, L0_MEMO_BYTES // (W * 4))
+        self._slots = L0Slots(memo_rows(W * 4))
+        self._tab = torch.zeros((min(self._slots.capacity, 1024), W), dtype=torch.float32, device=device)
         self._l0_lock = threading.Lock()
 
     @contextmanager
@@ -158,26 +159,30 @@ class TorchOps:
         s.sub_(s.amax(dim=-1, keepdim=True)).exp_()  # keys < pos0 are visible to every row
         return torch.bmm(s, V), s.sum(dim=-1, keepdim=True)
 
-    def _row0(self, tok: int) -> torch.Tensor:
-        """Layer 0's fused q/k/v projection (pre-RoPE, bias added) of token `tok` [(H+2KV)*hd]:
-        computed alone in one fixed [1, dim] shape, never inside a tile (see NumpyOps._row0)."""
-        row = self._l0.get(tok)
-        if row is None:
-            with self._l0_lock:
-                self._h1.copy_(self._norm(self.embed_w[tok : tok + 1], self.n1[0]))  # [1, dim] RMSNorm
-                torch.mm(self._h1, self.wqkv[0], out=self._y1)  # [1, W]
-                row = _add(self._y1[0].clone(), self.bqkv[0])
-                if len(self._l0) >= self._l0_cap:
-                    del self._l0[next(iter(self._l0))]
-                self._l0[tok] = row
-        return row
+    def _row0(self, tok: int, row: int) -> None:
+        """Compute layer 0's fused q/k/v projection (pre-RoPE, bias added) of token `tok` into memo
+        row `row`: alone in one fixed [1, dim] shape, never inside a tile (see NumpyOps._row0)."""
+        if row >= len(self._tab):  # grow the table (doubling, up to capacity)
+            n = min(self._slots.capacity, max(2 * len(self._tab), row + 1))
+            grown = torch.zeros((n, self._tab.shape[1]), dtype=torch.float32, device=self.device)
+            grown[: len(self._tab)] = self._tab
+            self._tab = grown
+        self._h1.copy_(self._norm(self.embed_w[tok : tok + 1], self.n1[0]))  # [1, dim] RMSNorm
+        torch.mm(self._h1, self.wqkv[0], out=self._y1)  # [1, W]
+        self._tab[row] = _add(self._y1[0], self.bqkv[0])
 
     def _proj0(self, ids: np.ndarray, slot0: int, T: int) -> torch.Tensor:
         """Layer-0 projections of a tile [T, (H+2KV)*hd]: `ids` at rows slot0.., zeros elsewhere."""
-        out = torch.zeros((T, self._y1.shape[1]), dtype=torch.float32, device=self.device)
-        rows = [self._row0(tok) for tok in np.asarray(ids).tolist()]
-        if rows:
-            out[slot0 : slot0 + len(rows)] = torch.stack(rows)
+        out = torch.zeros((T, self._tab.shape[1]), dtype=torch.float32, device=self.device)
+        step = self._slots.capacity // 2
+        toks = np.asarray(ids).tolist()
+        with self._l0_lock:
+            for c in range(0, len(toks), step):
+                rows, misses = self._slots.lookup(toks[c : c + step])
+                for tok, row in misses:
+                    self._row0(tok, row)
+                idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                out[slot0 + c : slot0 + c + len(rows)] = self._tab[idx]  # one gather
         return out
 
     def qkv(
