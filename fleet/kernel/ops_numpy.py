@@ -225,9 +225,14 @@ class NumpyOps:
 
     def layer0(self, ids: np.ndarray, pos0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer-0 (K post-RoPE, Kraw pre-RoPE, V) [KV, n, hd] of `ids` at positions pos0.., by the
-        prefill path (`_row0` then the tile RoPE): a reference independent of `rope()`."""
-        _, k, kraw, v = self.split_qkv(self._proj0(ids, 0, len(ids)), pos0)
-        return k, kraw, v
+        prefill path (`_row0` then the tile RoPE on the key heads): a reference independent of `rope()`."""
+        H, KV, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        n = len(ids)
+        proj = self._proj0(ids, 0, n)  # [n, (H+2KV)*hd]
+        kraw = proj[:, H * hd : (H + KV) * hd].reshape(n, KV, hd)  # [n, KV, hd]
+        k = self._rope_qk(kraw, pos0)  # [n, KV, hd]
+        v = proj[:, (H + KV) * hd :].reshape(n, KV, hd)
+        return k.transpose(1, 0, 2), kraw.transpose(1, 0, 2), v.transpose(1, 0, 2)
 
     def rope_rows(self, kraw: np.ndarray, pos0: int) -> np.ndarray:
         """kraw [L, KV, m, hd] pre-RoPE at positions pos0..pos0+m -> post-RoPE, by the prefill

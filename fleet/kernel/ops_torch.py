@@ -209,8 +209,13 @@ class TorchOps:
 
     def layer0(self, ids: np.ndarray, pos0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer-0 (K, Kraw, V) [KV, n, hd] of `ids` at positions pos0.., by the prefill path."""
-        _, k, kraw, v = self.split_qkv(self._proj0(ids, 0, len(ids)), pos0)
-        return k, kraw, v
+        H, KV, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        n = len(ids)
+        proj = self._proj0(ids, 0, n)  # [n, (H+2KV)*hd]
+        kraw = proj[:, H * hd : (H + KV) * hd].reshape(n, KV, hd)  # [n, KV, hd]
+        k = self._rope_qk(kraw, pos0)  # [n, KV, hd]
+        v = proj[:, (H + KV) * hd :].reshape(n, KV, hd)
+        return k.transpose(0, 1), kraw.transpose(0, 1), v.transpose(0, 1)
 
     def rope_rows(self, kraw: torch.Tensor, pos0: int) -> torch.Tensor:
         """kraw [L, KV, m, hd] at positions pos0.. -> post-RoPE by the prefill path's `_rope_qk`."""
