@@ -3,6 +3,11 @@
 Only medium "GPU" (or None, vLLM's GPU pool before tiers existed) counts toward a warm hit
 (reference §6 rule 8). A rank that has reported more than one KV group (hybrid models) is never
 matched: without per-group logic a hit cannot be proven for every group, so it fails closed.
+
+The index also learns a rank's GPU capacity when vLLM does not export it: a GPU BlockRemoved means
+the pool had to evict, so the blocks resident just before it were as many as fit (the router's KV
+pressure term, controller/cost.py). The learned capacity survives epoch drops (the pool's size does
+not change with its contents) and is forgotten with the worker.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ class RankIndex:
         if s is not None:
             s.difference_update(ev.block_hashes)
 
+    def num_gpu_blocks(self) -> int:
+        """GPU-resident blocks over every KV group (what occupies the pool)."""
+        return sum(len(s) for (_, medium), s in self.tiers.items() if medium == "GPU")
+
     def clear(self) -> None:
         self.tiers.clear()
         self.groups.clear()
@@ -57,6 +66,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._ranks: dict[RankKey, RankIndex] = {}
+        self._capacity: dict[RankKey, int] = {}
 
     def rank(self, key: RankKey) -> RankIndex:
         r = self._ranks.get(key)
@@ -70,6 +80,8 @@ class PrefixIndex:
         if isinstance(ev, BlockStored):
             r.store(ev)
         elif isinstance(ev, BlockRemoved):
+            if tier_of(ev.group_idx, ev.medium)[1] == "GPU":
+                self._capacity[key] = max(self._capacity.get(key, 0), r.num_gpu_blocks())
             r.remove(ev)
         elif isinstance(ev, AllBlocksCleared):
             r.clear()
@@ -81,6 +93,8 @@ class PrefixIndex:
     def drop_worker(self, worker: str) -> None:
         for k in [k for k in self._ranks if k[0] == worker]:
             del self._ranks[k]
+        for k in [k for k in self._capacity if k[0] == worker]:
+            del self._capacity[k]
 
     def match(self, key: RankKey, hashes: Sequence[int]) -> int:
         """Number of leading blocks of `hashes` resident on the rank's GPU tier."""
@@ -103,6 +117,15 @@ class PrefixIndex:
     def num_blocks(self, key: RankKey) -> int:
         r = self._ranks.get(key)
         return r.num_blocks() if r is not None else 0
+
+    def num_resident(self, key: RankKey) -> int:
+        """GPU blocks resident on the rank (0 if unknown)."""
+        r = self._ranks.get(key)
+        return r.num_gpu_blocks() if r is not None else 0
+
+    def learned_capacity(self, key: RankKey) -> int | None:
+        """GPU blocks that fit on the rank, as its evictions showed (None before its first eviction)."""
+        return self._capacity.get(key)
 
     def keys(self) -> Iterable[RankKey]:
         return list(self._ranks)

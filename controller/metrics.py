@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+COST_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0)
+
 
 class Metrics:
     """All controller metrics. One instance per controller process (tests may make their own)."""
@@ -15,31 +17,97 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         # routing
-        self.route_total = Counter("kvfleet_route_total", "Route decisions by verdict.", ["verdict"], registry=r)
+        self.route_total = Counter(
+            "kvfleet_route_total", "Route decisions by verdict.", ["verdict"], registry=r
+        )
         self.route_latency = Histogram(
-            "kvfleet_route_latency_seconds", "Time to answer one route request.", registry=r,
+            "kvfleet_route_latency_seconds",
+            "Time to answer one route request.",
+            registry=r,
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5),
         )
         self.stale_route_guard = Counter(
             "kvfleet_stale_route_guard_total",
             "Warm candidates refused at route time because the worker's epoch, serving state or probe disagreed.",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
-        self.hit_rate = Gauge("kvfleet_route_hit_rate", "Matched prompt tokens / routed prompt tokens.", registry=r)
+        self.hit_rate = Gauge(
+            "kvfleet_route_hit_rate", "Matched prompt tokens / routed prompt tokens.", registry=r
+        )
+        # placement by cost (controller/cost.py): the chosen cost and how close the runner-up came
+        self.route_cost = Histogram(
+            "kvfleet_route_cost_tokens",
+            "Cost of the chosen candidate, in prefill-token units.",
+            registry=r,
+            buckets=COST_BUCKETS,
+        )
+        self.route_cost_margin = Histogram(
+            "kvfleet_route_cost_margin_tokens",
+            "Runner-up's cost minus the chosen candidate's, in prefill-token units (routes with a runner-up).",
+            registry=r,
+            buckets=COST_BUCKETS,
+        )
+        self.inflight_requests = Gauge(
+            "kvfleet_route_inflight_requests",
+            "Tracked routes not yet seen to end, per worker.",
+            ["worker"],
+            registry=r,
+        )
+        self.inflight_queued_tokens = Gauge(
+            "kvfleet_route_inflight_queued_tokens",
+            "Prefill tokens of tracked routes the worker has not been seen to schedule, per worker.",
+            ["worker"],
+            registry=r,
+        )
+        self.route_releases = Counter(
+            "kvfleet_route_releases_total",
+            "ReleaseRoute calls by outcome (released, unknown).",
+            ["outcome"],
+            registry=r,
+        )
+        self.inflight_dropped = Counter(
+            "kvfleet_route_inflight_dropped_total",
+            "In-flight routes dropped without a release, by reason (ttl, reconcile, unregistered).",
+            ["reason"],
+            registry=r,
+        )
         # lifecycle
-        self.epoch_bumps = Counter("kvfleet_epoch_bumps_total", "Epoch bumps per (worker) by reason.", ["reason"], registry=r)
-        self.lifecycle_actions = Counter("kvfleet_lifecycle_actions_total", "Lifecycle verbs driven.", ["verb", "kv"], registry=r)
+        self.epoch_bumps = Counter(
+            "kvfleet_epoch_bumps_total", "Epoch bumps per (worker) by reason.", ["reason"], registry=r
+        )
+        self.lifecycle_actions = Counter(
+            "kvfleet_lifecycle_actions_total", "Lifecycle verbs driven.", ["verb", "kv"], registry=r
+        )
         # KV events
-        self.kv_events = Counter("kvfleet_kv_events_total", "KV events applied, by type.", ["type"], registry=r)
-        self.kv_event_batches = Counter("kvfleet_kv_event_batches_total", "KV event batches received.", registry=r)
-        self.kv_event_gaps = Counter("kvfleet_kv_event_gaps_total", "Sequence gaps seen on KV event streams.", registry=r)
-        self.kv_event_replays = Counter("kvfleet_kv_event_replays_total", "Replay requests sent, by outcome.", ["outcome"], registry=r)
-        self.kv_event_replayed_batches = Counter("kvfleet_kv_event_replayed_batches_total", "Batches recovered by replay.", registry=r)
-        self.kv_event_decode_errors = Counter("kvfleet_kv_event_decode_errors_total", "Undecodable KV event frames.", registry=r)
+        self.kv_events = Counter(
+            "kvfleet_kv_events_total", "KV events applied, by type.", ["type"], registry=r
+        )
+        self.kv_event_batches = Counter(
+            "kvfleet_kv_event_batches_total", "KV event batches received.", registry=r
+        )
+        self.kv_event_gaps = Counter(
+            "kvfleet_kv_event_gaps_total", "Sequence gaps seen on KV event streams.", registry=r
+        )
+        self.kv_event_replays = Counter(
+            "kvfleet_kv_event_replays_total", "Replay requests sent, by outcome.", ["outcome"], registry=r
+        )
+        self.kv_event_replayed_batches = Counter(
+            "kvfleet_kv_event_replayed_batches_total", "Batches recovered by replay.", registry=r
+        )
+        self.kv_event_decode_errors = Counter(
+            "kvfleet_kv_event_decode_errors_total", "Undecodable KV event frames.", registry=r
+        )
         # CAS
-        self.cas_ops = Counter("kvfleet_cas_ops_total", "Blob store operations.", ["op", "outcome"], registry=r)
+        self.cas_ops = Counter(
+            "kvfleet_cas_ops_total", "Blob store operations.", ["op", "outcome"], registry=r
+        )
         self.cas_bytes = Counter("kvfleet_cas_bytes_total", "Blob bytes moved.", ["direction"], registry=r)
         # quarantine / kernel witnesses
         self.quarantines = Counter("kvfleet_quarantines_total", "Tool results quarantined.", registry=r)
-        self.witness_max_delta = Gauge("kvfleet_witness_max_abs_delta", "Last witness max|delta| by kind.", ["kind"], registry=r)
-        self.rpc_errors = Counter("kvfleet_rpc_errors_total", "RPCs answered with an error status.", ["method", "code"], registry=r)
+        self.witness_max_delta = Gauge(
+            "kvfleet_witness_max_abs_delta", "Last witness max|delta| by kind.", ["kind"], registry=r
+        )
+        self.rpc_errors = Counter(
+            "kvfleet_rpc_errors_total", "RPCs answered with an error status.", ["method", "code"], registry=r
+        )

@@ -5,6 +5,11 @@ and the request's leading blocks are resident on its GPU tier under the current 
 decision carries the epoch it was computed under. The worker registry and each rank's epoch and
 last seq live in the store, so a new Router on the same store knows every worker, trusts no
 warmth and rebuilds its index by replay from the persisted seq.
+
+Among the serving candidates the cheapest wins (controller/cost.py, docs/routing.md): prefill
+tokens there, plus the work queued there (what this router sent and has not seen end: released
+by the proxy, reconciled against /metrics, or expired), plus the warm prefixes its new blocks
+would evict. Serving and proven warmth stay hard rules; cost only orders what they allow.
 """
 
 from __future__ import annotations
@@ -13,16 +18,19 @@ import asyncio
 import dataclasses
 import json
 import re
+import secrets
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import aiohttp
 import zmq.asyncio
 
-from controller.index import PrefixIndex
+from controller import cost
+from controller.cost import CandidateState, CostConfig, CostTerms, Flight, InFlight, Ranked
+from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
 from controller.vllm.hashing import ALGOS, external_chain
 from controller.vllm.watcher import Worker
@@ -33,6 +41,7 @@ from fleet.lifecycle import RankState, Witness
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _HTTP = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")
 _ZMQ = re.compile(r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
+_ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +50,7 @@ class RouterConfig:
     probe_on_route: bool = False
     http_timeout_s: float = 2.0
     replay_timeout_s: float = 1.0
+    cost: CostConfig = field(default_factory=CostConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +75,9 @@ class WorkerSpec:
         if not isinstance(self.kv_events, str) or not _ZMQ.match(self.kv_events):
             raise InvalidArgument(f"kv_events {self.kv_events!r} must be a ZMQ endpoint like tcp://host:5557")
         if self.replay is not None and self.replay != "" and not _ZMQ.match(str(self.replay)):
-            raise InvalidArgument(f"replay {self.replay!r} must be a ZMQ endpoint like tcp://host:5558, or empty")
+            raise InvalidArgument(
+                f"replay {self.replay!r} must be a ZMQ endpoint like tcp://host:5558, or empty"
+            )
         if not isinstance(self.model, str) or not self.model:
             raise InvalidArgument("worker model must be a non-empty string (the served model name)")
         if not isinstance(self.dp_ranks, int) or not 1 <= self.dp_ranks <= 256:
@@ -73,7 +85,9 @@ class WorkerSpec:
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
             raise InvalidArgument(f"block_size must be a positive int or None, got {self.block_size!r}")
         if self.hash_algo not in ALGOS:
-            raise InvalidArgument(f"hash_algo must be one of {', '.join(ALGOS)} (xxhash cannot be recomputed)")
+            raise InvalidArgument(
+                f"hash_algo must be one of {', '.join(ALGOS)} (xxhash cannot be recomputed)"
+            )
         if self.replay == "":
             object.__setattr__(self, "replay", None)
 
@@ -101,10 +115,17 @@ class Candidate(NamedTuple):
     worker: str
     dp_rank: int
     matched_tokens: int
+    cost: CostTerms | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
+    """Where to send a request: the cheapest serving candidate, its cost terms and the runner-up.
+
+    `route_id` names the request in the router's in-flight ledger; release it when the request ends.
+    `candidates` are every serving candidate, cheapest first (the proxy fails over in this order).
+    """
+
     worker: str
     url: str
     dp_rank: int
@@ -112,18 +133,36 @@ class RouteDecision:
     matched_tokens: int
     epoch: int
     candidates: tuple[Candidate, ...]
+    route_id: str = ""
+    cost: CostTerms | None = None
+    runner_up: Candidate | None = None
+
+
+class _Ranking(NamedTuple):
+    ranked: list[Ranked]
+    last_hash: dict[RankKey, int | None]  # the prompt's last full block hash per proven rank
 
 
 class Router:
     """The domain object the gRPC servicers call. Single event loop; no threads."""
 
-    def __init__(self, store: Any, metrics: Metrics | None = None, config: RouterConfig | None = None) -> None:
+    def __init__(
+        self, store: Any, metrics: Metrics | None = None, config: RouterConfig | None = None
+    ) -> None:
         self.store, self.metrics, self.cfg = store, metrics or Metrics(), config or RouterConfig()
         self.index = PrefixIndex()
         self._workers: dict[str, Worker] = {}
         self._session: aiohttp.ClientSession | None = None
         self._zctx: zmq.asyncio.Context | None = None
         self._routed = self._matched = 0
+        c = self.cfg.cost
+        self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
+        self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
+
+    def set_cost_config(self, c: CostConfig) -> None:
+        """New placement weights from now on; the in-flight ledger keeps its routes (new TTL and grace)."""
+        self.cfg = dataclasses.replace(self.cfg, cost=c)
+        self.flights.ttl_s, self.flights.grace_s = c.inflight_ttl_s, c.reconcile_grace_s
 
     async def start(self) -> None:
         """Open clients and resume every worker the store knows (cold, rebuilt by replay)."""
@@ -147,10 +186,20 @@ class Router:
         if self._zctx is not None:
             self._zctx.term()
 
-    async def _launch(self, spec: WorkerSpec, ranks: dict[int, RankState] | None, *, catch_up: bool) -> Worker:
+    async def _launch(
+        self, spec: WorkerSpec, ranks: dict[int, RankState] | None, *, catch_up: bool
+    ) -> Worker:
         assert self._session is not None and self._zctx is not None, "Router.start() first"
-        w = Worker(spec, store=self.store, metrics=self.metrics, index=self.index, cfg=self.cfg,
-                   session=self._session, zctx=self._zctx, ranks=ranks)
+        w = Worker(
+            spec,
+            store=self.store,
+            metrics=self.metrics,
+            index=self.index,
+            cfg=self.cfg,
+            session=self._session,
+            zctx=self._zctx,
+            ranks=ranks,
+        )
         self._workers[spec.name] = w
         await w.start(catch_up=catch_up)
         return w
@@ -166,7 +215,9 @@ class Router:
         self.store.kv_put("workers", spec.name, json.dumps(dataclasses.asdict(spec)).encode())
         ranks = {}
         for r in range(spec.dp_ranks):
-            prior = self.store.kv_get("epochs", f"{spec.name}/{r}")  # epochs stay monotonic across re-registration
+            prior = self.store.kv_get(
+                "epochs", f"{spec.name}/{r}"
+            )  # epochs stay monotonic across re-registration
             epoch = RankState.from_json(json.loads(prior)).epoch + 1 if prior else 0
             ranks[r] = RankState(epoch=epoch)
             self.store.kv_put("epochs", f"{spec.name}/{r}", json.dumps(ranks[r].to_json()).encode())
@@ -178,17 +229,28 @@ class Router:
         await w.stop()
         del self._workers[name]
         self.index.drop_worker(name)
+        self._ended(self.flights.drop_worker(name), "unregistered")
         self.store.kv_delete("workers", name)  # NOTE: its epochs stay, so a re-registration continues them
 
     def _get(self, name: str) -> Worker:
         w = self._workers.get(name)
         if w is None:
-            raise NotFound(f"no worker named {name!r}; register it first (known: {', '.join(sorted(self._workers))})")
+            raise NotFound(
+                f"no worker named {name!r}; register it first (known: {', '.join(sorted(self._workers))})"
+            )
         return w
 
-    async def lifecycle(self, name: str, verb: str, *, level: int | None = None, mode: str | None = None,
-                        tags: list[str] | None = None, clear_cache: bool | None = None,
-                        dp_rank: int | None = None) -> Witness:
+    async def lifecycle(
+        self,
+        name: str,
+        verb: str,
+        *,
+        level: int | None = None,
+        mode: str | None = None,
+        tags: list[str] | None = None,
+        clear_cache: bool | None = None,
+        dp_rank: int | None = None,
+    ) -> Witness:
         """Drive one lifecycle verb through the controller and return its witness.
 
         NOTE: vLLM's verbs act on the whole engine (every DP rank); `dp_rank` only selects which
@@ -209,14 +271,41 @@ class Router:
 
     def _status(self, w: Worker, r: int) -> WorkerStatus:
         st, key = w.ranks[r], (w.spec.name, r)
-        return WorkerStatus(w.spec.name, w.spec.url, w.spec.model, r, st.phase, st.kv, st.serving,
-                            w.warmable(r) and bool(self.index.resident(key)), st.epoch, st.seq,
-                            self.index.num_blocks(key), w.load.running + w.load.waiting, w.load.kv_usage, st.fence,
-                            w.spec)
+        return WorkerStatus(
+            w.spec.name,
+            w.spec.url,
+            w.spec.model,
+            r,
+            st.phase,
+            st.kv,
+            st.serving,
+            w.warmable(r) and bool(self.index.resident(key)),
+            st.epoch,
+            st.seq,
+            self.index.num_blocks(key),
+            w.load.running + w.load.waiting,
+            w.load.kv_usage,
+            st.fence,
+            w.spec,
+        )
 
-    async def route(self, token_ids: Sequence[int], model: str, *, cache_salt: str | None = None,
-                    lora: str | None = None, probe: bool | None = None) -> RouteDecision:
-        """Pick the serving (worker, rank) holding the longest resident prefix; ties by load.
+    async def route(
+        self,
+        token_ids: Sequence[int],
+        model: str,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        probe: bool | None = None,
+        track: bool = False,
+        owner: str | None = None,
+    ) -> RouteDecision:
+        """Pick the cheapest serving (worker, rank).
+
+        Only serving ranks are candidates, and only proven warmth (current epoch) lowers a cost.
+        With `track` the request counts as in flight on the chosen rank until `release_route` (or
+        the reconcile/TTL fallbacks); only `owner` (the tenant) may release it. A caller that will
+        not release leaves `track` off: its requests are seen through /metrics alone.
 
         Raises:
             InvalidArgument: bad token ids, model or salt.
@@ -224,80 +313,181 @@ class Router:
         """
         t0 = time.perf_counter()
         _check_route_args(token_ids, model, cache_salt, lora)
-        ranked = self._rank(token_ids, model, cache_salt, lora)
+        self._ended(self.flights.expire(time.monotonic()), "ttl")
+        ranking = self._rank(token_ids, model, cache_salt, lora)
         if probe if probe is not None else self.cfg.probe_on_route:
-            if not ranked:  # nobody serving as far as we know: one fresh look at every worker
+            if not ranking.ranked:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
-                ranked = self._rank(token_ids, model, cache_salt, lora)
-            ranked = await self._probe(ranked, token_ids, model, cache_salt, lora)
-        if not ranked:
-            raise Unavailable(f"no serving worker for model {model!r}; every candidate is asleep, paused or down")
-        blocks, _, name, r = ranked[0]
-        w = self._workers[name]
-        B = self._block_size(name)
-        verdict = "WARM" if blocks > 0 else "COLD"
-        self.metrics.route_total.labels(verdict).inc()
-        self._routed += len(token_ids)
-        self._matched += blocks * B
-        if self._routed:
-            self.metrics.hit_rate.set(self._matched / self._routed)
-        cands = tuple(Candidate(n, rr, b * self._block_size(n)) for b, _, n, rr in ranked)
+                ranking = self._rank(token_ids, model, cache_salt, lora)
+            ranking = await self._probe(ranking, token_ids, model, cache_salt, lora)
+        if not ranking.ranked:
+            raise Unavailable(
+                f"no serving worker for model {model!r}; every candidate is asleep, paused or down"
+            )
+        best = ranking.ranked[0]
+        name, r, t = best.state.worker, best.state.dp_rank, best.terms
+        route_id = ""
+        if track:
+            route_id = secrets.token_hex(16)
+            self.flights.add(
+                Flight(
+                    route_id,
+                    (name, r),
+                    t.prefill_tokens,
+                    ranking.last_hash.get((name, r)),
+                    owner,
+                    time.monotonic(),
+                )
+            )
+            self._gauge(name)
+        cands = tuple(
+            Candidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ranking.ranked
+        )
+        self._observe(token_ids, t, cands)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
-        return RouteDecision(name, w.spec.url, r, verdict, blocks * B, w.ranks[r].epoch, cands)
+        w = self._workers[name]
+        return RouteDecision(
+            name,
+            w.spec.url,
+            r,
+            "WARM" if t.cached_tokens else "COLD",
+            t.cached_tokens,
+            w.ranks[r].epoch,
+            cands,
+            route_id,
+            t,
+            cands[1] if len(cands) > 1 else None,
+        )
 
-    def _block_size(self, name: str) -> int:
-        cfg = self._workers[name].hash_cfg
-        return cfg.block_size if cfg is not None else 0
+    def release_route(self, route_id: str, owner: str | None = None) -> bool:
+        """The routed request ended: its worker's in-flight load drops now. False if already gone.
 
-    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None,
-              lora: str | None) -> list[tuple[int, tuple[float, float, int], str, int]]:
-        chains: dict[Any, list[int]] = {}
-        out = []
-        head = repr(token_ids[:64]).encode()
+        Raises:
+            InvalidArgument: `route_id` is not the 32 hex digits a route answer carries.
+        """
+        if not isinstance(route_id, str) or not _ROUTE_ID.match(route_id):
+            raise InvalidArgument("route_id must be the 32 lowercase hex digits a Route answer carried")
+        f = self.flights.release(route_id, owner)
+        self.metrics.route_releases.labels("released" if f else "unknown").inc()
+        if f is not None:
+            self._gauge(f.key[0])
+        return f is not None
+
+    def _observe(self, token_ids: Sequence[int], t: CostTerms, cands: tuple[Candidate, ...]) -> None:
+        m = self.metrics
+        m.route_total.labels("WARM" if t.cached_tokens else "COLD").inc()
+        m.route_cost.observe(t.total)
+        if len(cands) > 1 and cands[1].cost is not None:
+            m.route_cost_margin.observe(cands[1].cost.total - t.total)
+        self._routed += len(token_ids)
+        self._matched += t.cached_tokens
+        if self._routed:
+            m.hit_rate.set(self._matched / self._routed)
+
+    def _ended(self, flights: list[Flight], reason: str) -> None:
+        if flights:
+            self.metrics.inflight_dropped.labels(reason).inc(len(flights))
+        for worker in {f.key[0] for f in flights}:
+            self._gauge(worker)
+
+    def _gauge(self, worker: str) -> None:
+        w = self._workers.get(worker)
+        loads = [self.flights.load((worker, r)) for r in (w.ranks if w is not None else (0,))]
+        self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
+        self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
+
+    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> _Ranking:
+        chains: dict[
+            Any, tuple[list[int], dict[RankKey, int]]
+        ] = {}  # per hash config: chain, extended routes
+        last: dict[RankKey, int | None] = {}
+        states = []
+        seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
         for name, w in self._workers.items():
             adapter = lora or (model if model in w.loras else None)
             if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
                 continue
             for r in w.ranks:
                 if not w.ranks[r].serving or w.transitioning:
-                    continue
-                blocks = 0
-                if w.warmable(r) and w.hash_cfg is not None:
+                    continue  # not a candidate at all, whatever it would cost
+                key, cached, ext = (name, r), 0, None
+                proven = w.warmable(r) and w.hash_cfg is not None
+                if proven and w.hash_cfg is not None:
                     ck = (w.hash_cfg, adapter, w.loras.get(adapter or ""))
-                    if ck not in chains:
+                    hit = chains.get(ck)
+                    if hit is None:
                         lk = (adapter, w.loras[adapter]) if adapter else None
-                        chains[ck] = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
-                    blocks = self.index.match((name, r), chains[ck])
-                # ties: load (running + waiting, KV usage), then a per-prefix spread so cold
-                # sessions do not all land on one worker
-                spread = zlib.crc32(head, zlib.crc32(name.encode()))
-                out.append((blocks, (w.load.running + w.load.waiting, w.load.kv_usage, spread), name, r))
-        out.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
-        return out
+                        chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
+                        hit = chains[ck] = (chain, self.flights.extended(chain))
+                    chain, ext = hit
+                    cached = self.index.match(key, chain) * w.hash_cfg.block_size
+                    last[key] = chain[-1] if chain else None
+                states.append(self._state(w, key, proven, cached, ext, seed))
+        return _Ranking(cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens()), last)
 
-    async def _probe(self, ranked: list[Any], token_ids: Sequence[int], model: str, salt: str | None,
-                     lora: str | None) -> list[Any]:
+    def _state(
+        self,
+        w: Worker,
+        key: RankKey,
+        proven: bool,
+        cached: int,
+        extended: dict[RankKey, int] | None,
+        seed: int,
+    ) -> CandidateState:
+        """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
+        m = w.load
+        if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
+            self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
+            self._ended(self.flights.reconcile(key, m.running, m.waiting, w.load_at), "reconcile")
+        n, nq, toks = self.flights.load(key)
+        if nq and extended:
+            toks -= extended.get(key, 0)
+        B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
+        return CandidateState(
+            key[0],
+            key[1],
+            True,
+            proven,
+            B,
+            cached,
+            n,
+            nq,
+            toks,
+            m.running,
+            m.waiting,
+            self.index.num_resident(key),
+            m.num_gpu_blocks or self.index.learned_capacity(key),
+            m.kv_usage,
+            zlib.crc32(key[0].encode(), seed),
+        )
+
+    async def _probe(
+        self, ranking: _Ranking, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None
+    ) -> _Ranking:
         """Route-time probe of the chosen worker; on a bad answer, fail over to the next one."""
         tried: set[str] = set()
-        while ranked:
-            _, _, name, r = ranked[0]
+        while ranking.ranked:
+            name, r = ranking.ranked[0].state.worker, ranking.ranked[0].state.dp_rank
             if name in tried:
-                return ranked  # probed during this call and still the best choice
+                return ranking  # probed during this call and still the best choice
             tried.add(name)
             w = self._workers[name]
             epoch = w.ranks[r].epoch
             if await w.probe() and w.ranks[r].epoch == epoch:
-                return ranked
+                return ranking
             self.metrics.stale_route_guard.labels("probe").inc()
-            ranked = self._rank(token_ids, model, salt, lora)
-        return ranked
+            ranking = self._rank(token_ids, model, salt, lora)
+        return ranking
 
 
 def _check_route_args(token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> None:
     if not isinstance(model, str) or not model:
         raise InvalidArgument("route needs a model name")
-    if not isinstance(token_ids, list | tuple) or not set(map(type, token_ids)) <= {int} \
-            or (token_ids and min(token_ids) < 0):
+    if (
+        not isinstance(token_ids, list | tuple)
+        or not set(map(type, token_ids)) <= {int}
+        or (token_ids and min(token_ids) < 0)
+    ):
         raise InvalidArgument("token_ids must be a list of non-negative ints")
     if salt is not None and not isinstance(salt, str):
         raise InvalidArgument("cache_salt must be a string")

@@ -34,6 +34,7 @@ class WorkerMetrics:
     start_time: float | None = None
     in_flight: float = 0.0
     sleep_ops: float | None = None  # count of /sleep operations (histogram created on first use)
+    num_gpu_blocks: int | None = None  # KV pool size, vllm:cache_config_info{num_gpu_blocks} (None: absent)
 
     @property
     def awake(self) -> float | None:
@@ -45,6 +46,7 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
     sleep: dict[str, float] = {}
     vals: dict[str, float] = {}
     block_size: int | None = None
+    num_gpu_blocks: int | None = None
     start: float | None = None
     in_flight = 0.0
     sleep_ops: float | None = None
@@ -61,16 +63,39 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
                 continue
             if s.name == "vllm:engine_sleep_state":
                 sleep[s.labels.get("sleep_state", "")] = s.value
-            elif s.name == "vllm:cache_config_info" and "block_size" in s.labels:
-                block_size = int(s.labels["block_size"])
-            elif s.name == "vllm:sleep_mode_operation_duration_seconds_count" and s.labels.get("operation") == "sleep":
+            elif s.name == "vllm:cache_config_info":
+                block_size = _label_int(s.labels, "block_size", block_size)
+                num_gpu_blocks = _label_int(s.labels, "num_gpu_blocks", num_gpu_blocks)
+            elif (
+                s.name == "vllm:sleep_mode_operation_duration_seconds_count"
+                and s.labels.get("operation") == "sleep"
+            ):
                 sleep_ops = (sleep_ops or 0.0) + s.value
             elif s.name == "vllm:sleep_mode_operations_in_flight":
                 in_flight += s.value
-            elif s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            elif s.name in (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc",
+            ):
                 vals[s.name] = s.value
-    return WorkerMetrics(sleep, vals.get("vllm:num_requests_running", 0.0), vals.get("vllm:num_requests_waiting", 0.0),
-                         vals.get("vllm:kv_cache_usage_perc", 0.0), block_size, start, in_flight, sleep_ops)
+    return WorkerMetrics(
+        sleep,
+        vals.get("vllm:num_requests_running", 0.0),
+        vals.get("vllm:num_requests_waiting", 0.0),
+        vals.get("vllm:kv_cache_usage_perc", 0.0),
+        block_size,
+        start,
+        in_flight,
+        sleep_ops,
+        num_gpu_blocks,
+    )
+
+
+def _label_int(labels: dict[str, str], name: str, default: int | None) -> int | None:
+    """A positive int label of an info metric; vLLM writes "None" for unset config (then: default)."""
+    v = labels.get(name)
+    return int(v) if v is not None and v.isdigit() and int(v) > 0 else default
 
 
 class VllmHttp:
@@ -83,7 +108,9 @@ class VllmHttp:
 
     async def request(self, method: str, path: str, params: Any = None) -> tuple[int, str]:
         try:
-            async with self.session.request(method, self.url + path, params=params, timeout=self.timeout) as r:
+            async with self.session.request(
+                method, self.url + path, params=params, timeout=self.timeout
+            ) as r:
                 return r.status, await r.text()
         except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as e:
             raise WorkerHttpError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
@@ -127,7 +154,9 @@ class VllmHttp:
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise WorkerHttpError(f"{self.url}/v1/models: unexpected body {str(body)[:80]}")
-        return {str(c["id"]): str(c.get("root") or c["id"]) for c in data if isinstance(c, dict) and "id" in c}
+        return {
+            str(c["id"]): str(c.get("root") or c["id"]) for c in data if isinstance(c, dict) and "id" in c
+        }
 
     async def server_info(self) -> dict[str, Any]:
         """block_size and prefix_caching_hash_algo, when /server_info exposes them."""

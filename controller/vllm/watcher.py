@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -68,6 +69,8 @@ class Worker:
                                             if spec.block_size else None)
         self.loras: dict[str, str] = {}
         self.load = WorkerMetrics()
+        self.load_at: float | None = None  # time.monotonic() when the look that gave `load` began
+        self._look_at: float | None = None
         self.calibrated = True
         self.lock = asyncio.Lock()
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
@@ -188,6 +191,7 @@ class Worker:
 
     # reconcile
     async def fetch(self) -> tuple[bool, WorkerMetrics, bool, str] | None:
+        self._look_at = time.monotonic()
         try:
             s, m, h, v = await asyncio.gather(self.http.is_sleeping(), self.http.metrics(), self.http.health(),
                                               self.http.version())
@@ -202,7 +206,7 @@ class Worker:
             self._mark_down("health")
             return
         sleeping, m, _, version = obs
-        self.load = m
+        self.load, self.load_at = m, self._look_at or time.monotonic()
         for r in self.ranks:
             self._check_restart(r, m, version)
         ops = m.sleep_ops or 0.0

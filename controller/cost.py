@@ -1,0 +1,318 @@
+"""Placement by cost: what one request costs on each serving candidate, in prefill-token units.
+
+Pure: no I/O, no clock of its own (callers pass `now`). The router builds one `CandidateState` per
+serving (worker, dp_rank) from its index, its in-flight ledger and the last /metrics look, and
+`rank` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and SGLang compare.
+
+    cost(w) = prefill(w) + queue_weight * queued(w) + request_weight * active(w)
+              + pressure_weight * evicted(w)
+
+    prompt      |<------------------------- num_prompt_tokens ------------------------->|
+    on w        |<--- cached: proven warm under the current epoch --->|<-- prefill(w) -->|
+
+    queued(w)   prefill tokens waiting ahead on w: tracked routes vLLM has not scheduled yet, plus
+                requests in vllm:num_requests_waiting beyond those, each at the mean routed size
+    active(w)   requests on w: tracked routes not yet ended, or /metrics' running + waiting if more
+    evicted(w)  tokens of other prefixes that the new blocks push out of w's GPU cache:
+                max(0, occupied + new blocks - capacity) blocks; without a capacity, the share of
+                the new blocks that kv_cache_usage_perc above `kv_high_water` implies
+
+Hard rules stay outside the arithmetic: a candidate that is not serving is never ranked, and one
+that is not proven (epoch, calibration, fences) gets no cached tokens, whatever it would cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from fleet.errors import InvalidArgument
+
+RankKey = tuple[str, int]  # (worker, dp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """Weights of the cost, in prefill tokens per unit (defaults reasoned in docs/routing.md).
+
+    Args:
+        queue_weight: cost of one prefill token waiting ahead on a worker. 0.5: a token recomputed
+            elsewhere is paid twice (this request's wait and the work every later request there
+            waits behind), a queued token once; a warm request moves when the gap in queued tokens
+            exceeds twice its warm prefix.
+        request_weight: cost of one more active request on a worker (decode batch slot and a token
+            of every step's budget), in tokens. 16: small next to any prefill, it spreads equal
+            prefill costs by load.
+        pressure_weight: cost of one token of another prefix evicted. 1.0: in an agent fleet the
+            evicted history comes back and is prefilled again.
+        kv_high_water: without a known capacity, KV usage above this share counts as eviction.
+        untracked_request_tokens: the size assumed for a request /metrics shows but the router did
+            not track, until the router has routed any (then the running mean is used).
+        inflight_ttl_s: a tracked route not released within this long stops counting (a leak bound).
+        reconcile_grace_s: a route older than this at a /metrics look has reached the worker; the
+            look's waiting and running counts then tell which tracked routes were scheduled or ended.
+    """
+
+    queue_weight: float = 0.5
+    request_weight: float = 16.0
+    pressure_weight: float = 1.0
+    kv_high_water: float = 0.8
+    untracked_request_tokens: int = 256
+    inflight_ttl_s: float = 120.0
+    reconcile_grace_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("queue_weight", "request_weight", "pressure_weight", "reconcile_grace_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise InvalidArgument(f"{name} must be a finite number >= 0, got {v!r}")
+        if (
+            isinstance(self.kv_high_water, bool)
+            or not isinstance(self.kv_high_water, int | float)
+            or not 0 <= self.kv_high_water < 1
+        ):
+            raise InvalidArgument(f"kv_high_water must be in [0, 1), got {self.kv_high_water!r}")
+        if (
+            isinstance(self.inflight_ttl_s, bool)
+            or not isinstance(self.inflight_ttl_s, int | float)
+            or not 0 < self.inflight_ttl_s < math.inf
+        ):
+            raise InvalidArgument(
+                f"inflight_ttl_s must be a positive number of seconds, got {self.inflight_ttl_s!r}"
+            )
+        if (
+            isinstance(self.untracked_request_tokens, bool)
+            or not isinstance(self.untracked_request_tokens, int)
+            or self.untracked_request_tokens < 0
+        ):
+            raise InvalidArgument(
+                f"untracked_request_tokens must be an int >= 0, got {self.untracked_request_tokens!r}"
+            )
+
+
+class CandidateState(NamedTuple):
+    """What the router knows about one (worker, dp_rank) when a request arrives."""
+
+    worker: str
+    dp_rank: int
+    serving: bool
+    proven: bool  # warm-able: serving, calibrated, current epoch, no fence; else cached tokens count 0
+    block_size: int  # 0 when unknown (no pressure estimate then)
+    num_cached_tokens: int
+    num_inflight_requests: int = 0  # tracked routes not yet ended
+    num_queued_requests: int = 0  # of those, not yet scheduled by vLLM
+    num_queued_tokens: int = 0  # their prefill tokens (less routes this prompt extends: Router)
+    num_running: float = 0.0  # vllm:num_requests_running at the last look
+    num_waiting: float = 0.0  # vllm:num_requests_waiting at the last look
+    num_resident_blocks: int = 0  # GPU blocks the index holds for the rank
+    num_gpu_blocks: int | None = None  # capacity: vllm:cache_config_info, or learned from evictions
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc
+    spread: int = 0  # tie-break hash (prompt x worker)
+
+
+class CostTerms(NamedTuple):
+    total: float
+    prefill_tokens: int
+    cached_tokens: int
+    queued_tokens: float
+    active_requests: float
+    evicted_tokens: int
+
+
+class Ranked(NamedTuple):
+    terms: CostTerms
+    state: CandidateState
+
+
+def evicted_tokens(cfg: CostConfig, num_prefill_tokens: int, s: CandidateState) -> int:
+    """Tokens of other prefixes the request's new blocks would evict on the candidate."""
+    B = s.block_size
+    if B <= 0 or num_prefill_tokens <= 0:
+        return 0
+    new_blocks = -(-num_prefill_tokens // B)
+    if s.num_gpu_blocks:
+        occupied = max(s.num_resident_blocks, math.ceil(s.kv_usage * s.num_gpu_blocks))
+        return max(0, min(occupied + new_blocks - s.num_gpu_blocks, new_blocks)) * B
+    share = min(1.0, max(0.0, (s.kv_usage - cfg.kv_high_water) / (1.0 - cfg.kv_high_water)))
+    return round(new_blocks * share) * B
+
+
+def terms(
+    cfg: CostConfig, num_prompt_tokens: int, s: CandidateState, mean_request_tokens: float
+) -> CostTerms:
+    """The cost of sending a `num_prompt_tokens` request to the candidate, term by term."""
+    _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage, _ = s
+    cached = min(cached, num_prompt_tokens) if proven else 0
+    prefill = num_prompt_tokens - cached
+    queued = float(tracked)
+    if waiting > n_queued:  # waiting requests /metrics shows beyond the ones we track, at the mean size
+        queued += (waiting - n_queued) * mean_request_tokens
+    active = max(n_active, running + waiting)
+    # NOTE: the fast path skips the block arithmetic where nothing can be evicted
+    pressured = prefill > 0 and (capacity or kv_usage > cfg.kv_high_water)
+    evicted = evicted_tokens(cfg, prefill, s) if pressured else 0
+    total = prefill + cfg.queue_weight * queued + cfg.request_weight * active + cfg.pressure_weight * evicted
+    return CostTerms(total, prefill, cached, queued, active, evicted)
+
+
+def rank(
+    cfg: CostConfig, num_prompt_tokens: int, states: Iterable[CandidateState], mean_request_tokens: float
+) -> list[Ranked]:
+    """Serving candidates, cheapest first.
+
+    Ties (equal cost) go to the rank holding fewer resident blocks (more room: SGLang's "smallest
+    tree" rule for cold requests), then by `spread`, a hash of the whole prompt and the worker, so
+    sessions that share only a system prompt do not all tie-break the same way.
+    """
+    keyed = []
+    for i, s in enumerate(states):
+        worker, dp_rank, serving = s[0], s[1], s[2]
+        if serving:
+            t = terms(cfg, num_prompt_tokens, s, mean_request_tokens)
+            keyed.append((t[0], s.num_resident_blocks, s.spread, worker, dp_rank, i, t, s))
+    keyed.sort()
+    return [Ranked(k[6], k[7]) for k in keyed]
+
+
+class Flight(NamedTuple):
+    """One tracked route the router has not seen end. `t` is the caller's clock at routing."""
+
+    route_id: str
+    key: RankKey
+    num_tokens: int  # prompt tokens it had to prefill there (uncached at routing time)
+    last_hash: int | None  # its prompt's last full block hash on that rank (None: under one block)
+    owner: str | None
+    t: float
+
+
+class InFlight:
+    """The router's ledger of tracked, unfinished routes per (worker, dp_rank).
+
+    A route is added when decided and queued until vLLM is seen to schedule it; it leaves by
+    `release` (the proxy's answer ended), `expire` (older than the TTL: a leaked route decays) or
+    `reconcile` (the worker no longer shows it). Like Dynamo's active-sequence tracking and llm-d's
+    active-request scorer, it raises a worker's cost at once, before any /metrics look could.
+    """
+
+    def __init__(self, ttl_s: float, grace_s: float, default_tokens: int) -> None:
+        self.ttl_s, self.grace_s = ttl_s, grace_s
+        self._all: OrderedDict[str, Flight] = OrderedDict()  # routing order == time order
+        self._by_key: dict[RankKey, OrderedDict[str, Flight]] = {}
+        self._queued: dict[RankKey, OrderedDict[str, Flight]] = {}  # not yet scheduled, oldest first
+        self._queued_tokens: dict[RankKey, int] = {}
+        self._by_hash: dict[int, dict[str, Flight]] = {}  # queued routes by their last block hash
+        self._mean, self._num_seen = float(default_tokens), 0
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def add(self, f: Flight) -> None:
+        """Track a route (its id must be new); it counts as queued until scheduled."""
+        assert f.route_id not in self._all, f.route_id
+        self._all[f.route_id] = f
+        self._by_key.setdefault(f.key, OrderedDict())[f.route_id] = f
+        self._queued.setdefault(f.key, OrderedDict())[f.route_id] = f
+        self._queued_tokens[f.key] = self._queued_tokens.get(f.key, 0) + f.num_tokens
+        if f.last_hash is not None:
+            self._by_hash.setdefault(f.last_hash, {})[f.route_id] = f
+        self._num_seen += 1
+        self._mean += (f.num_tokens - self._mean) / min(self._num_seen, 64)
+
+    def _unqueue(self, f: Flight) -> None:
+        queued = self._queued.get(f.key)
+        if queued is None or f.route_id not in queued:
+            return
+        del queued[f.route_id]
+        self._queued_tokens[f.key] -= f.num_tokens
+        if not queued:
+            del self._queued[f.key], self._queued_tokens[f.key]
+        if f.last_hash is not None:
+            same = self._by_hash[f.last_hash]
+            del same[f.route_id]
+            if not same:
+                del self._by_hash[f.last_hash]
+
+    def _remove(self, f: Flight) -> None:
+        self._unqueue(f)
+        del self._all[f.route_id]
+        by_key = self._by_key[f.key]
+        del by_key[f.route_id]
+        if not by_key:
+            del self._by_key[f.key]
+
+    def release(self, route_id: str, owner: str | None = None) -> Flight | None:
+        """End a route; None if unknown, already ended, or `owner` is not the one that routed it."""
+        f = self._all.get(route_id)
+        if f is None or (owner is not None and f.owner is not None and f.owner != owner):
+            return None
+        self._remove(f)
+        return f
+
+    def expire(self, now: float) -> list[Flight]:
+        """Drop routes older than the TTL (oldest first)."""
+        out = []
+        while self._all:
+            f = next(iter(self._all.values()))
+            if now - f.t < self.ttl_s:
+                break
+            self._remove(f)
+            out.append(f)
+        return out
+
+    def reconcile(
+        self, key: RankKey, num_running: float, num_waiting: float, polled_at: float
+    ) -> list[Flight]:
+        """Fold in a /metrics look that began at `polled_at`; return the routes found ended.
+
+        Routes older than the grace have reached the worker. vLLM schedules first come, first
+        served, so where it shows fewer requests than such routes the oldest have ended unreleased
+        (dropped), and of the rest all but the newest `num_waiting` have been scheduled (their
+        prefill no longer waits; they stay active until released).
+        """
+        flights = self._by_key.get(key)
+        if not flights:
+            return []
+        due = [f for f in flights.values() if f.t <= polled_at - self.grace_s]
+        num_ended = max(len(due) - math.floor(num_running + num_waiting), 0)
+        for f in due[:num_ended]:
+            self._remove(f)
+        for f in due[num_ended : max(len(due) - math.floor(num_waiting), num_ended)]:
+            self._unqueue(f)
+        return due[:num_ended]
+
+    def drop_worker(self, worker: str) -> list[Flight]:
+        out = [f for f in self._all.values() if f.key[0] == worker]
+        for f in out:
+            self._remove(f)
+        return out
+
+    def load(self, key: RankKey) -> tuple[int, int, int]:
+        """(active requests, queued requests, queued tokens) tracked on the rank."""
+        flights = self._by_key.get(key)
+        if not flights:
+            return 0, 0, 0
+        queued = self._queued.get(key)
+        return (len(flights), len(queued), self._queued_tokens[key]) if queued else (len(flights), 0, 0)
+
+    def extended(self, chain: Sequence[int]) -> dict[RankKey, int]:
+        """Queued tokens per rank of routes whose whole prompt this chain extends (or repeats).
+
+        Such a route is this conversation's earlier turn (turns are sequential: it has ended) or the
+        same prompt, which vLLM prefills once; either way its tokens are not queued ahead of this one.
+        """
+        out: dict[RankKey, int] = {}
+        if not self._by_hash:
+            return out
+        for h in chain:
+            same = self._by_hash.get(h)
+            if same:
+                for f in same.values():
+                    out[f.key] = out.get(f.key, 0) + f.num_tokens
+        return out
+
+    def mean_tokens(self) -> float:
+        """Running mean of tracked routes' prefill tokens (the configured default before any)."""
+        return self._mean

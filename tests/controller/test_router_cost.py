@@ -1,0 +1,386 @@
+"""Placement by cost (controller/cost.py): exact choices of the pure model, then the real Router on sims.
+
+Every expected choice below is worked out from the formula in docs/routing.md with the default
+weights (queue 0.5, request 16, pressure 1.0); the comments show the arithmetic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import aiohttp
+import grpc
+import pytest
+
+from controller.auth import mint_token
+from controller.cost import CandidateState, CostConfig, Flight, InFlight, rank, terms
+from controller.index import PrefixIndex
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from controller.server import ControllerConfig, build_server
+from controller.sim_vllm.engine import SimEngineConfig
+from controller.sim_vllm.main import SimConfig, SimVllm
+from controller.vllm.events import BlockRemoved, BlockStored
+from controller.vllm.http import parse_metrics
+from fleet.api.kvfleet.v1 import route_pb2
+from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
+from fleet.cas import open_store
+from fleet.errors import InvalidArgument
+from fleet.sdk import base, types
+
+CFG = CostConfig()
+B = 16
+
+
+def _state(
+    worker: str, cached: int = 0, *, serving: bool = True, proven: bool = True, **kw: object
+) -> CandidateState:
+    return CandidateState(worker, 0, serving, proven, B, cached, **kw)  # type: ignore[arg-type]
+
+
+class Fleet:
+    """The router's bookkeeping in miniature: candidates, index residency and the in-flight ledger."""
+
+    def __init__(self, cached: dict[str, int], cfg: CostConfig = CFG) -> None:
+        self.cfg, self.cached = cfg, cached
+        self.flights = InFlight(cfg.inflight_ttl_s, cfg.reconcile_grace_s, cfg.untracked_request_tokens)
+        self.n = 0
+
+    def states(self, spread: int) -> list[CandidateState]:
+        out = []
+        for w, cached in self.cached.items():
+            n, nq, toks = self.flights.load((w, 0))
+            out.append(
+                _state(
+                    w,
+                    cached,
+                    num_inflight_requests=n,
+                    num_queued_requests=nq,
+                    num_queued_tokens=toks,
+                    spread=zlib.crc32(w.encode(), spread),
+                )
+            )
+        return out
+
+    def route(self, num_prompt_tokens: int, now: float = 0.0) -> str:
+        ranked = rank(self.cfg, num_prompt_tokens, self.states(self.n), self.flights.mean_tokens())
+        best = ranked[0]
+        self.n += 1
+        self.flights.add(
+            Flight(f"r{self.n}", (best.state.worker, 0), best.terms.prefill_tokens, None, None, now)
+        )
+        return best.state.worker
+
+
+def test_cold_sessions_sharing_only_the_system_prompt_spread_evenly() -> None:
+    S, U = 256, 128  # every worker holds the 256-token system prompt; each session adds 128 of its own
+    f = Fleet({"w0": S, "w1": S, "w2": S})
+    picks = [f.route(S + U) for _ in range(9)]
+    print("9 cold sessions over 3 workers holding only the system prompt:", picks)
+    assert sorted(picks.count(w) for w in ("w0", "w1", "w2")) == [3, 3, 3]
+    # control: the load terms do the spreading. Without them every worker costs the same 128 tokens,
+    # and sessions that tie-break alike (one spread value) all pile onto one worker
+    flat = Fleet({"w0": S, "w1": S, "w2": S}, CostConfig(queue_weight=0, request_weight=0))
+    flat.n = 0
+    same = []
+    for _ in range(9):
+        same.append(rank(flat.cfg, S + U, flat.states(0), 0)[0].state.worker)
+        flat.flights.add(Flight(f"{len(same):032x}", (same[-1], 0), U, None, None, 0.0))
+    assert len(set(same)) == 1
+
+
+def test_system_prompt_holder_takes_cold_sessions_until_its_queue_outweighs_the_prompt() -> None:
+    S, U = 256, 128  # only w0 holds the system prompt
+    f = Fleet({"w0": S, "w1": 0, "w2": 0})
+    picks = [f.route(S + U) for _ in range(5)]
+    # w0 costs 128 + 0.5 * 128k + 16k after k routes (128, 208, 288, 368, 448); w1 and w2 cost 384
+    assert picks[:4] == ["w0"] * 4 and picks[4] != "w0"
+    r = rank(CFG, S + U, f.states(0), f.flights.mean_tokens())
+    assert [c.terms.total for c in r if c.state.worker == "w0"] == [128 + 0.5 * 4 * 128 + 16 * 4]
+
+
+@pytest.mark.parametrize("queued, stays", [(4062, True), (4066, False)])
+def test_warm_session_stays_until_its_workers_queue_exceeds_twice_its_warm_prefix(
+    queued: int, stays: bool
+) -> None:
+    # 2048 tokens warm on w0, 52 new; one request of `queued` prefill tokens waits there, w1 is idle:
+    # w0 costs 52 + 0.5 * queued + 16, w1 costs 2100: it stays while queued < 2 * (2048 - 16) = 4064
+    w0 = _state("w0", 2048, num_inflight_requests=1, num_queued_requests=1, num_queued_tokens=queued)
+    best, runner_up = rank(CFG, 2100, [w0, _state("w1")], 0)
+    assert (best.state.worker == "w0") is stays
+    assert {best.terms.total, runner_up.terms.total} == {52 + 0.5 * queued + 16, 2100}
+    assert best.terms.total < runner_up.terms.total
+
+
+def test_a_tracked_route_raises_cost_at_once_and_release_lowers_it() -> None:
+    flights = InFlight(CFG.inflight_ttl_s, CFG.reconcile_grace_s, CFG.untracked_request_tokens)
+    before = terms(CFG, 500, _state("w0", 0), 0)
+    flights.add(Flight("a" * 32, ("w0", 0), 300, None, "acme", 0.0))
+    n, nq, toks = flights.load(("w0", 0))
+    during = terms(
+        CFG, 500, _state("w0", 0, num_inflight_requests=n, num_queued_requests=nq, num_queued_tokens=toks), 0
+    )
+    assert (before.total, during.total) == (500, 500 + 0.5 * 300 + 16)  # no /metrics look involved
+    assert flights.release("a" * 32, owner="bravo") is None and flights.load(("w0", 0)) == (1, 1, 300)
+    assert flights.release("a" * 32, owner="acme") is not None and flights.load(("w0", 0)) == (0, 0, 0)
+    assert flights.release("a" * 32, owner="acme") is None  # released once
+
+
+def test_ttl_expiry_drops_leaked_routes_oldest_first() -> None:
+    flights = InFlight(ttl_s=10.0, grace_s=0.25, default_tokens=256)
+    for i, t in enumerate((0.0, 4.0, 8.0)):
+        flights.add(Flight(f"{i:032x}", ("w0", 0), 100, None, None, t))
+    assert flights.expire(9.9) == []
+    assert [f.route_id for f in flights.expire(14.5)] == [f"{0:032x}", f"{1:032x}"]
+    assert flights.load(("w0", 0)) == (1, 1, 100)
+
+
+def test_reconcile_against_metrics_ends_and_schedules_routes_first_come_first_served() -> None:
+    flights = InFlight(ttl_s=120.0, grace_s=0.25, default_tokens=256)
+    for i, t in enumerate((0.0, 0.1, 0.2, 0.9)):
+        flights.add(Flight(f"{i:032x}", ("w0", 0), 100 * (i + 1), None, None, t))
+    # a look begun at t=1.0 shows 1 running, 0 waiting: of the three routes older than the grace the two
+    # oldest ended unreleased, the third is running (scheduled: its 300 prefill tokens no longer wait);
+    # the route from t=0.9 may not have reached the worker yet and keeps its 400 queued tokens
+    ended = flights.reconcile(("w0", 0), num_running=1, num_waiting=0, polled_at=1.0)
+    assert [f.num_tokens for f in ended] == [100, 200]
+    assert flights.load(("w0", 0)) == (2, 1, 400)
+    # a later look showing it waiting keeps it queued; one showing nothing ends both
+    assert flights.reconcile(("w0", 0), num_running=1, num_waiting=1, polled_at=2.0) == []
+    assert flights.load(("w0", 0)) == (2, 1, 400)
+    assert len(flights.reconcile(("w0", 0), num_running=0, num_waiting=0, polled_at=3.0)) == 2
+    assert flights.load(("w0", 0)) == (0, 0, 0) and len(flights) == 0
+
+
+def test_untracked_requests_seen_in_metrics_count_at_the_mean_routed_size() -> None:
+    # w0 shows 3 waiting requests nobody tracked, at the configured 256 tokens each before any route
+    t = terms(CFG, 100, _state("w0", num_waiting=3.0, num_running=2.0), 256)
+    assert (t.queued_tokens, t.active_requests, t.total) == (768, 5, 100 + 0.5 * 768 + 16 * 5)
+
+
+def test_a_route_extending_a_queued_one_does_not_wait_behind_it() -> None:
+    flights = InFlight(120.0, 0.25, 256)
+    flights.add(Flight("1" * 32, ("w0", 0), 300, 0xBEEF, None, 0.0))
+    # the next turn's chain contains the queued route's last block hash: its 300 tokens are not ahead of it
+    assert flights.extended([0x1, 0xBEEF, 0x2]) == {("w0", 0): 300}
+    assert flights.extended([0x1, 0x2]) == {}
+
+
+@pytest.mark.parametrize(
+    "resident, session, expected",
+    [
+        (990, 1600, "w1"),  # 100 new blocks on w0: 990 + 100 - 1000 = 90 evicted -> 1600 + 1440 > 1664 on w1
+        (500, 1600, "w0"),  # control: room for them on w0 -> 1600 < 1664
+        (990, 32, "w0"),  # a short session: 2 new blocks fit (992 <= 1000) -> 32 < 96
+    ],
+)
+def test_kv_pressure_steers_a_long_new_session_away_from_a_nearly_full_worker(
+    resident: int, session: int, expected: str
+) -> None:
+    S = 64  # the system prompt is warm only on w0, which is nearly full; w1 is empty
+    w0 = _state("w0", S, num_resident_blocks=resident, num_gpu_blocks=1000)
+    w1 = _state("w1", 0, num_resident_blocks=0, num_gpu_blocks=1000)
+    best = rank(CFG, S + session, [w0, w1], 0)[0]
+    assert best.state.worker == expected
+
+
+def test_kv_pressure_falls_back_to_kv_usage_without_a_capacity() -> None:
+    # no num_gpu_blocks: usage 0.95 over the 0.8 high-water mark -> 75% of the 100 new blocks evict
+    t = terms(CFG, 64 + 1600, _state("w0", 64, kv_usage=0.95), 0)
+    assert (t.evicted_tokens, t.total) == (75 * B, 1600 + 75 * B)
+    assert terms(CFG, 64 + 1600, _state("w0", 64, kv_usage=0.5), 0).evicted_tokens == 0
+
+
+def test_a_sleeping_worker_is_never_chosen_and_an_unproven_one_never_credited_even_if_cheapest() -> None:
+    asleep = _state("asleep", 1024, serving=False)  # would cost 0: holds the whole prompt
+    unproven = _state("unproven", 1024, proven=False)  # its index claims it all, but e.g. under a stale epoch
+    warm = _state("warm", 512)  # proven, half the prompt
+    ranked = rank(CFG, 1024, [asleep, unproven, warm], 0)
+    assert [(c.state.worker, c.terms.cached_tokens, c.terms.total) for c in ranked] == [
+        ("warm", 512, 512),
+        ("unproven", 0, 1024),
+    ]
+    assert rank(CFG, 1024, [asleep], 0) == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(queue_weight=-1),
+        dict(request_weight=float("nan")),
+        dict(kv_high_water=1.0),
+        dict(inflight_ttl_s=0),
+        dict(untracked_request_tokens=-5),
+        dict(pressure_weight=True),
+    ],
+)
+def test_cost_config_refuses_bad_weights(bad: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument):
+        CostConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_capacity_from_metrics_and_learned_from_evictions() -> None:
+    text = (
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="8192"} 1.0\n'
+        'vllm:num_requests_running{engine="0"} 3.0\n'
+    )
+    assert (parse_metrics(text).num_gpu_blocks, parse_metrics(text).block_size) == (8192, 16)
+    assert parse_metrics(text.replace('"8192"', '"None"')).num_gpu_blocks is None
+    idx = PrefixIndex()
+    idx.apply(("w0", 0), BlockStored(tuple(range(10)), None, tuple(range(160)), 16, "GPU", group_idx=0))
+    assert idx.learned_capacity(("w0", 0)) is None and idx.num_resident(("w0", 0)) == 10
+    idx.apply(("w0", 0), BlockRemoved((0,), "GPU", 0))
+    assert idx.learned_capacity(("w0", 0)) == 10 and idx.num_resident(("w0", 0)) == 9
+    idx.drop(("w0", 0))  # an epoch bump forgets the blocks, not the pool's size
+    assert idx.learned_capacity(("w0", 0)) == 10 and idx.num_resident(("w0", 0)) == 0
+
+
+# ---- the real Router on real sim-vllm workers -------------------------------------------------------
+
+SYSTEM = list(range(2000, 2064))  # 4 blocks
+
+
+async def _fleet(tmp_path, n: int, **cost_kw: object) -> tuple[Router, list[SimVllm], object]:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sims = [
+        await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=256))).start() for _ in range(n)
+    ]
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, cost=CostConfig(**cost_kw)))  # type: ignore[arg-type]
+    await r.start()
+    for i, s in enumerate(sims):
+        await r.register_worker(WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m"))
+    return r, sims, store
+
+
+async def _prefill(r: Router, sim: SimVllm, toks: list[int], name: str) -> None:
+    async with (
+        aiohttp.ClientSession() as h,
+        h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp,
+    ):
+        assert resp.status == 200
+    for _ in range(300):
+        if r.index.num_resident((name, 0)) >= len(toks) // B:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{name} never indexed {len(toks) // B} blocks")
+
+
+async def test_live_cold_sessions_spread_with_cost_terms_and_runner_up(tmp_path) -> None:
+    # grace 30 s: no /metrics look may end these routes during the test (the sims answer instantly)
+    r, sims, store = await _fleet(tmp_path, 3, reconcile_grace_s=30.0)
+    try:
+        await _prefill(r, sims[0], SYSTEM, "w0")  # only w0 holds the system prompt
+        sessions = [SYSTEM + [5000 + 100 * k + i for i in range(48)] for k in range(6)]
+        # control: untracked routes leave no load behind, so every cold session goes to the prompt's holder
+        assert {(await r.route(s, "m")).worker for s in sessions} == {"w0"}
+        ds = [await r.route(s, "m", track=True, owner="acme") for s in sessions]
+        picks = [d.worker for d in ds]
+        print("6 cold sessions, system prompt on w0 only:", picks, [d.cost.total for d in ds if d.cost])
+        # w0 costs 48 + 0.5 * 48k + 16k after k routes (48, 88, 128, ...); the others 112 + their own load
+        assert (
+            picks[:2] == ["w0", "w0"]
+            and picks[2] != "w0"
+            and sorted(picks.count(w) for w in set(picks)) == [1, 1, 4]
+        )
+        d = ds[1]
+        assert (
+            d.verdict == "WARM"
+            and d.cost is not None
+            and d.runner_up is not None
+            and d.runner_up.cost is not None
+        )
+        assert (
+            d.cost.cached_tokens,
+            d.cost.prefill_tokens,
+            d.cost.queued_tokens,
+            d.cost.active_requests,
+        ) == (64, 48, 48, 1)
+        assert (
+            d.cost.total == 48 + 0.5 * 48 + 16
+            and d.runner_up.cost.total == 112
+            and d.runner_up.worker != "w0"
+        )
+        assert [c.worker for c in d.candidates][0] == "w0" and len(d.candidates) == 3
+        assert r.metrics.inflight_requests.labels("w0")._value.get() == 4
+        for x in ds:
+            assert r.release_route(x.route_id, owner="acme")
+        assert len(r.flights) == 0 and r.metrics.inflight_requests.labels("w0")._value.get() == 0
+        assert not r.release_route(ds[0].route_id, owner="acme")
+        with pytest.raises(InvalidArgument):
+            r.release_route("not-an-id")
+        counts = {
+            x.name: x.value for x in r.metrics.route_cost.collect()[0].samples if x.name.endswith("_count")
+        }
+        assert counts == {"kvfleet_route_cost_tokens_count": 12}  # every route's chosen cost is observed
+        margins = r.metrics.route_cost_margin.collect()[0].samples
+        assert [x.value for x in margins if x.name.endswith("_count")] == [12]
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+        store.close()
+
+
+async def test_live_reconcile_ends_unreleased_routes_at_the_next_look(tmp_path) -> None:
+    r, sims, store = await _fleet(tmp_path, 2, reconcile_grace_s=0.05)
+    try:
+        d = await r.route(SYSTEM, "m", track=True)
+        assert len(r.flights) == 1
+        await _prefill(r, sims[int(d.worker[1:])], SYSTEM, d.worker)  # served and done; never released
+        for _ in range(200):  # the next look shows nothing running: the route ends by reconcile
+            await asyncio.sleep(0.02)
+            await r.route([1, 2, 3], "m")
+            if not r.flights:
+                break
+        assert len(r.flights) == 0 and r.metrics.inflight_dropped.labels("reconcile")._value.get() == 1
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+        store.close()
+
+
+async def test_route_over_grpc_carries_cost_and_release_is_the_tenants(tmp_path) -> None:
+    (sim,) = [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start()]
+    tokens = tmp_path / "tokens.json"
+    acme, bravo = mint_token(tokens, "acme", "tenant"), mint_token(tokens, "bravo", "tenant")
+    ctl = await build_server(
+        ControllerConfig(
+            listen="127.0.0.1:0", store_url=f"sqlite:///{tmp_path}/ctl.db", tokens_file=str(tokens)
+        ),
+        metrics=Metrics(),
+    )
+    router = ctl.ctx.need_router()
+    await router.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
+    channel = grpc.aio.insecure_channel(ctl.address)
+    stub = RouteServiceStub(channel)
+    try:
+        req = route_pb2.RouteRequest(token_ids=SYSTEM, model="m", track=True)
+        resp = await stub.Route(req, metadata=base.metadata(acme))
+        d = types.route_decision(resp)
+        assert d.route_id and d.cost is not None and d.cost.prefill_tokens == 64 and d.runner_up is None
+        assert len(router.flights) == 1
+        untracked = await stub.Route(
+            route_pb2.RouteRequest(token_ids=SYSTEM, model="m"), metadata=base.metadata(acme)
+        )
+        assert untracked.route_id == "" and len(router.flights) == 1
+        rel = route_pb2.ReleaseRouteRequest(route_id=d.route_id)
+        assert not (await stub.ReleaseRoute(rel, metadata=base.metadata(bravo))).released  # not bravo's route
+        assert (await stub.ReleaseRoute(rel, metadata=base.metadata(acme))).released
+        assert not (await stub.ReleaseRoute(rel, metadata=base.metadata(acme))).released
+        for bad in ("", "XYZ"):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ReleaseRoute(
+                    route_pb2.ReleaseRouteRequest(route_id=bad), metadata=base.metadata(acme)
+                )
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "route_id" in (
+                e.value.details() or ""
+            )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.ReleaseRoute(rel)  # no token
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await channel.close()
+        await ctl.stop(0)
+        await sim.stop()
