@@ -1,4 +1,4 @@
-"""RouteService: one unary call on the hot path; the tenant's cache_salt comes from its token."""
+"""RouteService: Route and ReleaseRoute, unary; the tenant's cache_salt and ownership come from its token."""
 
 from __future__ import annotations
 
@@ -17,14 +17,28 @@ class RouteServicer(pbg.RouteServiceServicer):
         self.ctx = ctx
 
     @unary(Role.TENANT)
-    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext,
-                    ident: Identity) -> pb.RouteResponse:
+    async def Route(
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, ident: Identity
+    ) -> pb.RouteResponse:
         if not request.model:
             raise InvalidArgument("route needs a model name (the one the workers were registered with)")
         salt = self.ctx.auth.cache_salt(ident.tenant)
         decision = await self.ctx.need_router().route(
-            list(request.token_ids), request.model, cache_salt=salt,
+            list(request.token_ids),
+            request.model,
+            cache_salt=salt,
             lora=request.lora if request.HasField("lora") else None,
             probe=request.probe if request.HasField("probe") else None,
+            track=request.track,
+            owner=ident.tenant,
         )
         return decision_to_proto(decision, salt)
+
+    @unary(Role.TENANT)
+    async def ReleaseRoute(
+        self, request: pb.ReleaseRouteRequest, context: grpc.aio.ServicerContext, ident: Identity
+    ) -> pb.ReleaseRouteResponse:
+        if not request.route_id:
+            raise InvalidArgument("ReleaseRoute needs the route_id a Route answer carried")
+        released = self.ctx.need_router().release_route(request.route_id, owner=ident.tenant)
+        return pb.ReleaseRouteResponse(released=released)

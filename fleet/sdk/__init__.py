@@ -15,16 +15,31 @@ from fleet.sdk.aio import AsyncFleetClient
 from fleet.sdk.base import NO_RETRY, RetryPolicy
 from fleet.sdk.client import FleetClient
 from fleet.sdk.types import (
-                             BlobInfo,
-                             BlobRef,
-                             Caller,
-                             FleetInfo,
-                             RankInfo,
-                             RouteCandidate,
-                             RouteDecision,
-                             Witness,
-                             WorkerInfo,
+    BlobInfo,
+    BlobRef,
+    Caller,
+    FleetInfo,
+    RankInfo,
+    RouteCandidate,
+    RouteCost,
+    RouteDecision,
+    Witness,
+    WorkerInfo,
 )
 
-__all__ = ["FleetClient", "AsyncFleetClient", "RetryPolicy", "NO_RETRY", "BlobRef", "BlobInfo", "RouteDecision",
-           "RouteCandidate", "Witness", "WorkerInfo", "RankInfo", "Caller", "FleetInfo"]
+__all__ = [
+    "FleetClient",
+    "AsyncFleetClient",
+    "RetryPolicy",
+    "NO_RETRY",
+    "BlobRef",
+    "BlobInfo",
+    "RouteDecision",
+    "RouteCandidate",
+    "RouteCost",
+    "Witness",
+    "WorkerInfo",
+    "RankInfo",
+    "Caller",
+    "FleetInfo",
+]

@@ -30,10 +30,24 @@ class BlobInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteCost:
+    """A candidate's cost in prefill-token units (docs/routing.md):
+    prefill + queue_weight * queued + request_weight * active + pressure_weight * evicted."""
+
+    total: float
+    prefill_tokens: int
+    cached_tokens: int
+    queued_tokens: float
+    active_requests: float
+    evicted_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class RouteCandidate:
     worker: str
     dp_rank: int
     matched_tokens: int
+    cost: RouteCost | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +55,8 @@ class RouteDecision:
     """Where to send a request. verdict is "WARM" (prefix resident and worker serving) or "COLD".
 
     Send `cache_salt` to vLLM with the request so the worker's block hashes match the router's.
+    `cost` is the chosen candidate's cost terms, `runner_up` the cheapest one not chosen.
+    `route_id` is set when the route was tracked; release it (ReleaseRoute) when the request ends.
     """
 
     worker: str
@@ -51,6 +67,9 @@ class RouteDecision:
     epoch: int
     cache_salt: str
     candidates: tuple[RouteCandidate, ...] = ()
+    route_id: str = ""
+    cost: RouteCost | None = None
+    runner_up: RouteCandidate | None = None
 
     @property
     def warm(self) -> bool:
@@ -126,9 +145,33 @@ def blob_info(m: Any) -> BlobInfo:
     return BlobInfo(m.ref, m.size, m.created, m.pins, m.refs, m.verdict, tuple(m.reasons), m.lease_expires)
 
 
+def route_cost(m: Any) -> RouteCost:
+    return RouteCost(
+        m.total, m.prefill_tokens, m.cached_tokens, m.queued_tokens, m.active_requests, m.evicted_tokens
+    )
+
+
+def route_candidate(c: Any) -> RouteCandidate:
+    return RouteCandidate(
+        c.worker, c.dp_rank, c.matched_tokens, route_cost(c.cost) if c.HasField("cost") else None
+    )
+
+
 def route_decision(r: Any) -> RouteDecision:
-    cands = tuple(RouteCandidate(c.worker, c.dp_rank, c.matched_tokens) for c in r.candidates)
-    return RouteDecision(r.worker, r.url, r.dp_rank, r.verdict, r.matched_tokens, r.epoch, r.cache_salt, cands)
+    cands = tuple(route_candidate(c) for c in r.candidates)
+    return RouteDecision(
+        r.worker,
+        r.url,
+        r.dp_rank,
+        r.verdict,
+        r.matched_tokens,
+        r.epoch,
+        r.cache_salt,
+        cands,
+        r.route_id,
+        route_cost(r.cost) if r.HasField("cost") else None,
+        route_candidate(r.runner_up) if r.HasField("runner_up") else None,
+    )
 
 
 def witness(r: Any) -> Witness:
@@ -138,10 +181,34 @@ def witness(r: Any) -> Witness:
 
 def worker_info(s: Any) -> WorkerInfo:
     p = s.spec
-    ranks = tuple(RankInfo(r.dp_rank, r.epoch, r.serving, r.phase, r.kv, r.num_blocks, r.last_seq, r.warm, r.load,
-                           r.kv_usage, r.fence) for r in s.ranks)
-    return WorkerInfo(p.name, p.url, p.kv_events, p.replay, p.model, p.dp_ranks, p.block_size or None, p.hash_algo,
-                      p.hash_seed if p.HasField("hash_seed") else None, ranks)
+    ranks = tuple(
+        RankInfo(
+            r.dp_rank,
+            r.epoch,
+            r.serving,
+            r.phase,
+            r.kv,
+            r.num_blocks,
+            r.last_seq,
+            r.warm,
+            r.load,
+            r.kv_usage,
+            r.fence,
+        )
+        for r in s.ranks
+    )
+    return WorkerInfo(
+        p.name,
+        p.url,
+        p.kv_events,
+        p.replay,
+        p.model,
+        p.dp_ranks,
+        p.block_size or None,
+        p.hash_algo,
+        p.hash_seed if p.HasField("hash_seed") else None,
+        ranks,
+    )
 
 
 def fleet_info(r: Any) -> FleetInfo:

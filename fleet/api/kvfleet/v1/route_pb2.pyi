@@ -8,29 +8,49 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("token_ids", "model", "lora", "probe")
+    __slots__ = ("token_ids", "model", "lora", "probe", "track")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    TRACK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     model: str
     lora: str
     probe: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
+    track: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., probe: _Optional[bool] = ..., track: _Optional[bool] = ...) -> None: ...
+
+class RouteCost(_message.Message):
+    __slots__ = ("total", "prefill_tokens", "cached_tokens", "queued_tokens", "active_requests", "evicted_tokens")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    total: float
+    prefill_tokens: int
+    cached_tokens: int
+    queued_tokens: float
+    active_requests: float
+    evicted_tokens: int
+    def __init__(self, total: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queued_tokens: _Optional[float] = ..., active_requests: _Optional[float] = ..., evicted_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("worker", "dp_rank", "matched_tokens")
+    __slots__ = ("worker", "dp_rank", "matched_tokens", "cost")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     worker: str
     dp_rank: int
     matched_tokens: int
-    def __init__(self, worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., matched_tokens: _Optional[int] = ...) -> None: ...
+    cost: RouteCost
+    def __init__(self, worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., cost: _Optional[_Union[RouteCost, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker", "url", "dp_rank", "verdict", "matched_tokens", "epoch", "candidates", "cache_salt")
+    __slots__ = ("worker", "url", "dp_rank", "verdict", "matched_tokens", "epoch", "candidates", "cache_salt", "cost", "runner_up", "route_id")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +59,9 @@ class RouteResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_ID_FIELD_NUMBER: _ClassVar[int]
     worker: str
     url: str
     dp_rank: int
@@ -47,4 +70,19 @@ class RouteResponse(_message.Message):
     epoch: int
     candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
     cache_salt: str
-    def __init__(self, worker: _Optional[str] = ..., url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., verdict: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    cost: RouteCost
+    runner_up: RouteCandidate
+    route_id: str
+    def __init__(self, worker: _Optional[str] = ..., url: _Optional[str] = ..., dp_rank: _Optional[int] = ..., verdict: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., epoch: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., cost: _Optional[_Union[RouteCost, _Mapping]] = ..., runner_up: _Optional[_Union[RouteCandidate, _Mapping]] = ..., route_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRouteRequest(_message.Message):
+    __slots__ = ("route_id",)
+    ROUTE_ID_FIELD_NUMBER: _ClassVar[int]
+    route_id: str
+    def __init__(self, route_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRouteResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -40,6 +40,11 @@ class RouteServiceStub:
                 request_serializer=kvfleet_dot_v1_dot_route__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_route__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.ReleaseRoute = channel.unary_unary(
+                '/kvfleet.v1.RouteService/ReleaseRoute',
+                request_serializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteResponse.FromString,
+                _registered_method=True)
 
 
 class RouteServiceServicer:
@@ -47,7 +52,16 @@ class RouteServiceServicer:
 
     def Route(self, request, context):
         """Wraps controller.router.Router.route with the caller's tenant cache_salt (derived from the
-        token, never sent by the client).
+        token, never sent by the client). The answer's route_id is tracked as in flight on the worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseRoute(self, request, context):
+        """Wraps controller.router.Router.release_route: the routed request ended (answered, failed or
+        abandoned), so its worker's in-flight load drops now instead of at the next /metrics look or the
+        TTL. Only the tenant that routed it can release it; an unknown or ended id answers released=false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -60,6 +74,11 @@ def add_RouteServiceServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvfleet_dot_v1_dot_route__pb2.RouteRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_route__pb2.RouteResponse.SerializeToString,
+            ),
+            'ReleaseRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRoute,
+                    request_deserializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +108,33 @@ class RouteService:
             '/kvfleet.v1.RouteService/Route',
             kvfleet_dot_v1_dot_route__pb2.RouteRequest.SerializeToString,
             kvfleet_dot_v1_dot_route__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.RouteService/ReleaseRoute',
+            kvfleet_dot_v1_dot_route__pb2.ReleaseRouteRequest.SerializeToString,
+            kvfleet_dot_v1_dot_route__pb2.ReleaseRouteResponse.FromString,
             options,
             channel_credentials,
             insecure,
