@@ -1,10 +1,10 @@
 """The proxy's aiohttp app: OpenAI-compatible routes in front of the vLLM workers.
 
-    POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Route (client's token)
-                                                 -> forward with the tenant's cache_salt -> relay bytes
-    GET  /v1/models    the union of the registered workers' model cards
-    GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
-    GET  /health, /metrics
+POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Route (client's token)
+                                             -> forward with the tenant's cache_salt -> relay bytes
+GET  /v1/models    the union of the registered workers' model cards
+GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
+GET  /health, /metrics
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def _errors(proxy: Proxy) -> Any:
         except KvfleetError as e:
             err = from_fleet(e)
         except web.HTTPRequestEntityTooLarge:
-            err = ProxyError(413, f"request body is larger than the proxy's limit of {proxy.cfg.max_body_bytes} bytes")
+            err = ProxyError(
+                413, f"request body is larger than the proxy's limit of {proxy.cfg.max_body_bytes} bytes"
+            )
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -65,8 +67,10 @@ def _errors(proxy: Proxy) -> Any:
 async def read_json(req: web.Request, limit: int) -> dict[str, Any]:
     """The request's JSON object; 413 past `limit` bytes, 400 if it is not a JSON object with a model."""
     if req.content_length is not None and req.content_length > limit:
-        raise ProxyError(413, f"request body of {req.content_length} bytes is larger than the proxy's limit of "
-                              f"{limit} bytes")
+        raise ProxyError(
+            413,
+            f"request body of {req.content_length} bytes is larger than the proxy's limit of {limit} bytes",
+        )
     raw = await req.read()
     try:
         body = json.loads(raw)
@@ -118,15 +122,29 @@ class Handlers:
         base, lora = p.directory.resolve(body["model"])
         ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant)
         d = await p.control.route(ids, base, lora=lora, token=token)
-        fwd = {**body, "cache_salt": d.cache_salt} if d.cache_salt else body  # NOTE: the tenant's salt always wins
-        opened = await p.forwarder.open(req.path, json.dumps(fwd).encode(), d, base, upstream_headers(req))
-        t = opened.target
-        extra = {"x-kvfleet-worker": t.worker, "x-kvfleet-verdict": t.verdict,
-                 "x-kvfleet-matched-tokens": str(t.matched_tokens), "x-kvfleet-epoch": str(t.epoch),
-                 "x-kvfleet-attempts": str(opened.num_sends)}
-        out, t_first = await p.forwarder.relay(req, opened, extra)
-        self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))
-        return out
+        try:
+            fwd = (
+                {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
+            )  # NOTE: the tenant's salt always wins
+            opened = await p.forwarder.open(
+                req.path, json.dumps(fwd).encode(), d, base, upstream_headers(req)
+            )
+            t = opened.target
+            extra = {
+                "x-kvfleet-worker": t.worker,
+                "x-kvfleet-verdict": t.verdict,
+                "x-kvfleet-matched-tokens": str(t.matched_tokens),
+                "x-kvfleet-epoch": str(t.epoch),
+                "x-kvfleet-attempts": str(opened.num_sends),
+            }
+            out, t_first = await p.forwarder.relay(req, opened, extra)
+            self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))
+            return out
+        finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends
+            if d.route_id:
+                p.control.release_soon(
+                    d.route_id, token, lambda outcome: p.metrics.releases.labels(outcome).inc()
+                )
 
     def _record(self, t: Any, status: int, num_prompt: int, added_s: float) -> None:
         m = self.p.metrics
@@ -141,16 +159,42 @@ class Handlers:
 
     async def workers(self, req: web.Request) -> web.Response:
         ws = await self.p.control.workers(self._token(req))
-        return web.json_response({"object": "list", "data": [
-            {"name": w.name, "url": w.url, "model": w.model, "serving": w.serving,
-             "ranks": [{"dp_rank": r.dp_rank, "epoch": r.epoch, "serving": r.serving, "phase": r.phase, "kv": r.kv}
-                       for r in w.ranks]} for w in ws]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "name": w.name,
+                        "url": w.url,
+                        "model": w.model,
+                        "serving": w.serving,
+                        "ranks": [
+                            {
+                                "dp_rank": r.dp_rank,
+                                "epoch": r.epoch,
+                                "serving": r.serving,
+                                "phase": r.phase,
+                                "kv": r.kv,
+                            }
+                            for r in w.ranks
+                        ],
+                    }
+                    for w in ws
+                ],
+            }
+        )
 
     async def health(self, req: web.Request) -> web.Response:
         d, t = self.p.directory, self.p.tokenizer
-        return web.json_response({"status": "ok", "workers": len(d.workers),
-                                  "serving": sum(d.serving(n) for n in d.workers), "directory_error": d.last_error,
-                                  "tokenizer": {"local": self.p.cfg.tokenizer, "parity": t.parity}})
+        return web.json_response(
+            {
+                "status": "ok",
+                "workers": len(d.workers),
+                "serving": sum(d.serving(n) for n in d.workers),
+                "directory_error": d.last_error,
+                "tokenizer": {"local": self.p.cfg.tokenizer, "parity": t.parity},
+            }
+        )
 
     async def metrics(self, req: web.Request) -> web.Response:
         return web.Response(body=self.p.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -1,22 +1,29 @@
-"""The proxy's gRPC link to the controller: Route and WhoAmI with the CLIENT's token, ListWorkers with its own.
+"""The proxy's gRPC link to the controller: Route, ReleaseRoute and WhoAmI with the CLIENT's token,
+ListWorkers with its own.
 
 One channel for every caller; the bearer token travels as per-call metadata, so the controller
 authenticates each client and derives its tenant's cache_salt itself. No retries here: the proxy
 is on the request path and answers 503 (Retry-After) when the controller is unavailable.
+ReleaseRoute runs off the response path (`release_soon`): the answer never waits for it, and a
+lost release only leaves the route to the controller's reconcile and TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
-from fleet.api.kvfleet.v1 import fleet_pb2, workers_pb2
+from fleet.api.kvfleet.v1 import fleet_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.sdk import base, types
+
+log = logging.getLogger("kvfleet.proxy")
 
 
 class ControlClient:
@@ -29,15 +36,39 @@ class ControlClient:
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
+        self._releases: set[asyncio.Task[None]] = set()
 
-    async def route(self, token_ids: Sequence[int], model: str, *, lora: str | None,
-                    token: str | None) -> types.RouteDecision:
+    async def route(
+        self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None
+    ) -> types.RouteDecision:
         req = base.route_request(token_ids, model, lora, None)
+        req.track = True  # the proxy releases every route when its answer ends (Handlers._complete)
         try:
             r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))
         except grpc.RpcError as e:
             raise base.to_error(e, "Route", self.target) from e
         return types.route_decision(r)
+
+    def release_soon(
+        self, route_id: str, token: str | None, done: Callable[[str], None] | None = None
+    ) -> None:
+        """Release a route in the background; `done` gets "released", "unknown" or "failed"."""
+        task = asyncio.get_running_loop().create_task(self._release(route_id, token, done))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, route_id: str, token: str | None, done: Callable[[str], None] | None) -> None:
+        req = route_pb2.ReleaseRouteRequest(route_id=route_id)
+        try:
+            r = await self._route.ReleaseRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+            outcome = "released" if r.released else "unknown"
+        except grpc.RpcError as e:
+            log.info(
+                "proxy: ReleaseRoute %s failed: %s", route_id, base.to_error(e, "ReleaseRoute", self.target)
+            )
+            outcome = "failed"
+        if done is not None:
+            done(outcome)
 
     async def whoami(self, token: str | None) -> types.Caller:
         """Who the controller says `token` is; good answers are cached auth_cache_s (Route re-checks anyway)."""
@@ -45,8 +76,9 @@ class ControlClient:
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
         try:
-            r = await self._fleet.WhoAmI(fleet_pb2.WhoAmIRequest(), timeout=self.timeout_s,
-                                         metadata=base.metadata(token))
+            r = await self._fleet.WhoAmI(
+                fleet_pb2.WhoAmIRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
+            )
         except grpc.RpcError as e:
             raise base.to_error(e, "WhoAmI", self.target) from e
         caller = types.Caller(r.tenant, r.role, r.name)
@@ -57,11 +89,15 @@ class ControlClient:
 
     async def workers(self, token: str | None) -> list[types.WorkerInfo]:
         try:
-            r = await self._workers.ListWorkers(workers_pb2.ListWorkersRequest(), timeout=self.timeout_s,
-                                                metadata=base.metadata(token))
+            r = await self._workers.ListWorkers(
+                workers_pb2.ListWorkersRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
+            )
         except grpc.RpcError as e:
             raise base.to_error(e, "ListWorkers", self.target) from e
         return [types.worker_info(w) for w in r.workers]
 
     async def close(self) -> None:
+        """Let pending releases finish (up to the RPC timeout), then close the channel."""
+        if self._releases:
+            await asyncio.wait(set(self._releases), timeout=self.timeout_s)
         await self._channel.close()

@@ -12,25 +12,55 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvfleet_proxy_requests", "Requests answered, by serving worker, verdict and status",
-                                ["worker", "verdict", "status"], registry=r)
-        self.matched_tokens = Counter("kvfleet_proxy_matched_prefix_tokens",
-                                      "Prefix tokens the router matched on the serving worker",
-                                      ["worker", "verdict"], registry=r)
-        self.prompt_tokens = Counter("kvfleet_proxy_prompt_tokens", "Prompt tokens routed", ["worker", "verdict"],
-                                     registry=r)
-        self.added_latency = Histogram("kvfleet_proxy_added_latency_seconds",
-                                       "Time to first byte at the client minus the worker's own time to first byte",
-                                       ["worker", "verdict"], buckets=LATENCY_BUCKETS, registry=r)
-        self.retries = Counter("kvfleet_proxy_retries", "Failed first attempts retried on the next candidate",
-                               ["worker", "verdict", "reason"], registry=r)
-        self.skips = Counter("kvfleet_proxy_skipped_workers",
-                             "Chosen workers skipped without sending (known not serving or found asleep)",
-                             ["worker", "reason"], registry=r)
-        self.errors = Counter("kvfleet_proxy_errors", "Requests the proxy answered with an error itself",
-                              ["status"], registry=r)
-        self.cancelled = Counter("kvfleet_proxy_client_disconnects",
-                                 "Client disconnects that cancelled the upstream request", ["worker"], registry=r)
+        self.requests = Counter(
+            "kvfleet_proxy_requests",
+            "Requests answered, by serving worker, verdict and status",
+            ["worker", "verdict", "status"],
+            registry=r,
+        )
+        self.matched_tokens = Counter(
+            "kvfleet_proxy_matched_prefix_tokens",
+            "Prefix tokens the router matched on the serving worker",
+            ["worker", "verdict"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvfleet_proxy_prompt_tokens", "Prompt tokens routed", ["worker", "verdict"], registry=r
+        )
+        self.added_latency = Histogram(
+            "kvfleet_proxy_added_latency_seconds",
+            "Time to first byte at the client minus the worker's own time to first byte",
+            ["worker", "verdict"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvfleet_proxy_retries",
+            "Failed first attempts retried on the next candidate",
+            ["worker", "verdict", "reason"],
+            registry=r,
+        )
+        self.skips = Counter(
+            "kvfleet_proxy_skipped_workers",
+            "Chosen workers skipped without sending (known not serving or found asleep)",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "kvfleet_proxy_errors", "Requests the proxy answered with an error itself", ["status"], registry=r
+        )
+        self.releases = Counter(
+            "kvfleet_proxy_route_releases",
+            "Routes released to the controller when the answer ended, by outcome (released, unknown, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "kvfleet_proxy_client_disconnects",
+            "Client disconnects that cancelled the upstream request",
+            ["worker"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from multidict import CIMultiDict
 
 import controller.sim_vllm.main as sim_main
 from controller.auth import mint_token
+from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.proxy import Proxy, ProxyConfig
 from controller.router import RouterConfig
@@ -87,7 +88,9 @@ class Fleet:
     def headers(self, who: str = "a") -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[who]}"}
 
-    async def post(self, path: str, body: dict[str, Any], who: str = "a") -> tuple[int, dict[str, str], bytes]:
+    async def post(
+        self, path: str, body: dict[str, Any], who: str = "a"
+    ) -> tuple[int, dict[str, str], bytes]:
         async with self.http.post(self.proxy.url + path, json=body, headers=self.headers(who)) as r:
             return r.status, dict(r.headers), await r.read()
 
@@ -96,7 +99,9 @@ class Fleet:
         return sum(r.num_blocks for w in await self.op.workers() if w.name == worker for r in w.ranks)
 
     async def stop(self) -> None:
-        for s in self.sims.values():  # wake sleepers so their queued requests end (a sim's stop waits for them)
+        for (
+            s
+        ) in self.sims.values():  # wake sleepers so their queued requests end (a sim's stop waits for them)
             async with self.http.post(s.url + "/wake_up") as r:
                 assert r.status == 200
         await self.http.close()
@@ -107,30 +112,52 @@ class Fleet:
             await s.stop()
 
 
-async def start_fleet(tmp_path: Path, num_workers: int = 3, reconcile_s: float = 0.5,
-                      loras: dict[str, str] | None = None, **proxy_kw: Any) -> Fleet:
+async def start_fleet(
+    tmp_path: Path,
+    num_workers: int = 3,
+    reconcile_s: float = 0.5,
+    loras: dict[str, str] | None = None,
+    cost: CostConfig | None = None,
+    **proxy_kw: Any,
+) -> Fleet:
     """Controller + sims + proxy on loopback; reconcile_s is the controller's reconcile interval (how long a
-    sleep behind its back goes unseen); proxy_kw override ProxyConfig fields."""
+    sleep behind its back goes unseen), cost its placement weights; proxy_kw override ProxyConfig fields."""
     sim_main.build_app = observing_build_app  # type: ignore[assignment]
     try:
-        sims = {f"w{i}": await SimVllm(SimConfig(engine=SimEngineConfig(model=MODEL, block_size=BLOCK, num_blocks=512,
-                                                                          loras=dict(loras or {})))).start()
-                for i in range(num_workers)}
+        sims = {
+            f"w{i}": await SimVllm(
+                SimConfig(
+                    engine=SimEngineConfig(
+                        model=MODEL, block_size=BLOCK, num_blocks=512, loras=dict(loras or {})
+                    )
+                )
+            ).start()
+            for i in range(num_workers)
+        }
     finally:
         sim_main.build_app = _real_build_app
     f = tmp_path / "tokens.json"
-    tokens = {"a": mint_token(f, "acme", "tenant"), "b": mint_token(f, "bravo", "tenant"),
-              "op": mint_token(f, "ops", "operator")}
-    ctl = await build_server(ControllerConfig(listen="127.0.0.1:0", store_url=f"sqlite:///{tmp_path / 'kv.db'}",
-                                              tokens_file=str(f)), metrics=Metrics(),
-                             router_config=RouterConfig(reconcile_interval_s=reconcile_s))
+    tokens = {
+        "a": mint_token(f, "acme", "tenant"),
+        "b": mint_token(f, "bravo", "tenant"),
+        "op": mint_token(f, "ops", "operator"),
+    }
+    ctl = await build_server(
+        ControllerConfig(
+            listen="127.0.0.1:0", store_url=f"sqlite:///{tmp_path / 'kv.db'}", tokens_file=str(f)
+        ),
+        metrics=Metrics(),
+        router_config=RouterConfig(reconcile_interval_s=reconcile_s, cost=cost or CostConfig()),
+    )
     op = AsyncFleetClient(ctl.address, token=tokens["op"])
     for name, s in sims.items():
         await op.register_worker(name, url=s.url, kv_events=s.kv_events, replay=s.replay or "", model=MODEL)
     await until(op.workers, lambda ws: len(ws) == num_workers and all(w.serving for w in ws))
     kw: dict[str, Any] = {"first_byte_timeout_s": 0.3, "refresh_s": 0.2, "suspect_s": 3.0}
     kw.update(proxy_kw)
-    proxy = await Proxy(ProxyConfig(controller=ctl.address, listen="127.0.0.1:0", token=tokens["op"], **kw)).start()
+    proxy = await Proxy(
+        ProxyConfig(controller=ctl.address, listen="127.0.0.1:0", token=tokens["op"], **kw)
+    ).start()
     return Fleet(ctl, sims, tokens, proxy, aiohttp.ClientSession(), op)
 
 
@@ -148,4 +175,4 @@ async def until(fn: Callable[[], Awaitable[Any]], pred: Callable[[Any], bool], t
 
 def sse_events(raw: bytes) -> list[str]:
     """The `data:` payloads of an SSE body, in order."""
-    return [line[len("data: "):] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in raw.decode().split("\n\n") if line.startswith("data: ")]

@@ -1,0 +1,69 @@
+"""The proxy releases each route when its answer ends (done, a worker's error, or the client leaving),
+so the controller's in-flight count for the worker falls at once rather than at a /metrics look.
+
+The fleets here use a 30 s reconcile grace: no /metrics look may end a route, only the release.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from proxy_fleet import MODEL, start_fleet, until
+
+from controller.cost import CostConfig
+from controller.router import Router
+
+NO_RECONCILE = CostConfig(reconcile_grace_s=30.0)
+
+
+async def _flights(router: Router) -> int:
+    return len(router.flights)
+
+
+async def test_answers_and_worker_errors_release_their_routes(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, cost=NO_RECONCILE)
+    try:
+        router = fleet.ctl.ctx.need_router()
+        for i in range(3):
+            status, _, _ = await fleet.post(
+                "/v1/completions", {"model": MODEL, "prompt": f"hi {i}", "max_tokens": 4}
+            )
+            assert status == 200
+        status, _, body = await fleet.post(
+            "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}
+        )
+        assert status == 400, body  # the worker's own error answer, relayed
+        await until(lambda: _flights(router), lambda n: n == 0)
+        assert fleet.proxy.metrics.releases.labels("released")._value.get() == 4
+        assert router.metrics.route_releases.labels("released")._value.get() == 4
+        assert (
+            router.metrics.inflight_dropped.labels("reconcile")._value.get() == 0
+        )  # control: not by reconcile
+    finally:
+        await fleet.stop()
+
+
+async def test_a_stream_is_in_flight_until_the_client_leaves(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, cost=NO_RECONCILE)
+    try:
+        router = fleet.ctl.ctx.need_router()
+        body = {"model": MODEL, "prompt": "Count to a million.", "max_tokens": 100_000, "stream": True}
+        async with fleet.http.post(
+            fleet.proxy.url + "/v1/completions", json=body, headers=fleet.headers()
+        ) as r:
+            worker = r.headers["x-kvfleet-worker"]
+            await r.content.readuntil(b"\n\n")
+            n, _, _ = router.flights.load((worker, 0))
+            assert n == 1 and router.metrics.inflight_requests.labels(worker)._value.get() == 1
+            d = await fleet.op.route([1, 2, 3], model=MODEL)  # what a route sees meanwhile
+            costs = {c.worker: c.cost for c in d.candidates}
+            assert costs[worker] is not None and costs[worker].active_requests == 1
+            r.close()  # the client leaves mid-stream
+        await until(lambda: _flights(router), lambda k: k == 0)
+        assert router.metrics.inflight_requests.labels(worker)._value.get() == 0
+        assert fleet.proxy.metrics.releases.labels("released")._value.get() == 1
+        print(
+            f"a 100000-token stream held 1 route in flight on {worker}; the client left and the proxy released it"
+        )
+    finally:
+        await fleet.stop()
