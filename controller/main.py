@@ -6,6 +6,9 @@
 Environment variables are read here and nowhere else (flags win): KVFLEET_LISTEN, KVFLEET_STORE,
 KVFLEET_TOKENS_FILE, KVFLEET_METRICS_PORT, KVFLEET_TLS_CERT, KVFLEET_TLS_KEY, KVFLEET_RAY_ADDRESS,
 KVFLEET_SALT_SECRET (hex; default: generated once and kept in the store).
+
+The --route-* flags set the placement cost's weights (controller/cost.py, docs/routing.md); unset
+ones keep CostConfig's defaults.
 """
 
 from __future__ import annotations
@@ -20,29 +23,113 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from controller.auth import mint_token
+from controller.cost import CostConfig
 from controller.metrics import Metrics
+from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
-from fleet.errors import KvfleetError
+from fleet.errors import InvalidArgument, KvfleetError
+
+# flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
+COST_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--route-queue-weight": ("queue_weight", float, "cost of one prefill token waiting ahead on a worker"),
+    "--route-request-weight": (
+        "request_weight",
+        float,
+        "cost, in tokens, of one more active request on a worker",
+    ),
+    "--route-pressure-weight": ("pressure_weight", float, "cost of one token of another prefix evicted"),
+    "--route-kv-high-water": (
+        "kv_high_water",
+        float,
+        "without a known KV capacity, usage above this share counts as eviction",
+    ),
+    "--route-untracked-request-tokens": (
+        "untracked_request_tokens",
+        int,
+        "size assumed for a waiting request the router did not track",
+    ),
+    "--route-inflight-ttl": (
+        "inflight_ttl_s",
+        float,
+        "seconds after which an unreleased route stops counting",
+    ),
+    "--route-reconcile-grace": (
+        "reconcile_grace_s",
+        float,
+        "seconds after which a route must show in the worker's /metrics",
+    ),
+}
+
+
+def add_cost_flags(p: argparse.ArgumentParser) -> None:
+    """The --route-* flags (shared by `kvfleet controller` and `kvfleet up`)."""
+    defaults = CostConfig()
+    for flag, (field, kind, text) in COST_FLAGS.items():
+        p.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            dest=field,
+            help=f"{text} (default {getattr(defaults, field)}; docs/routing.md)",
+        )
+
+
+def cost_config_from(args: argparse.Namespace) -> CostConfig:
+    """CostConfig from the --route-* flags given; raises InvalidArgument on a bad weight."""
+    given = {
+        field: getattr(args, field) for field, _, _ in COST_FLAGS.values() if getattr(args, field) is not None
+    }
+    try:
+        return CostConfig(**given)
+    except InvalidArgument as e:
+        flag = next((f for f, (field, _, _) in COST_FLAGS.items() if str(e).startswith(field)), "--route-*")
+        raise InvalidArgument(f"{flag}: {e}") from None
 
 
 def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     e = env.get
     p = argparse.ArgumentParser(prog="kvfleet controller", description=__doc__.splitlines()[0])
-    p.add_argument("--listen", default=e("KVFLEET_LISTEN", "127.0.0.1:50051"), help="HOST:PORT of the gRPC server")
-    p.add_argument("--metrics-port", type=int, default=int(e("KVFLEET_METRICS_PORT", "9400")),
-                   help="Prometheus /metrics port (0: any free port; -1: off)")
-    p.add_argument("--store", default=e("KVFLEET_STORE", "sqlite:///./var/kvfleet.db"),
-                   help="store URL: sqlite:///PATH (embedded) or redis://HOST:PORT/DB")
-    p.add_argument("--tokens-file", default=e("KVFLEET_TOKENS_FILE"),
-                   help="JSON file of hashed bearer tokens; without it auth is OFF (one machine only)")
-    p.add_argument("--tls-cert", default=e("KVFLEET_TLS_CERT"), help="PEM certificate (TLS needs --tls-key too)")
+    p.add_argument(
+        "--listen", default=e("KVFLEET_LISTEN", "127.0.0.1:50051"), help="HOST:PORT of the gRPC server"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(e("KVFLEET_METRICS_PORT", "9400")),
+        help="Prometheus /metrics port (0: any free port; -1: off)",
+    )
+    p.add_argument(
+        "--store",
+        default=e("KVFLEET_STORE", "sqlite:///./var/kvfleet.db"),
+        help="store URL: sqlite:///PATH (embedded) or redis://HOST:PORT/DB",
+    )
+    p.add_argument(
+        "--tokens-file",
+        default=e("KVFLEET_TOKENS_FILE"),
+        help="JSON file of hashed bearer tokens; without it auth is OFF (one machine only)",
+    )
+    p.add_argument(
+        "--tls-cert", default=e("KVFLEET_TLS_CERT"), help="PEM certificate (TLS needs --tls-key too)"
+    )
     p.add_argument("--tls-key", default=e("KVFLEET_TLS_KEY"), help="PEM private key")
-    p.add_argument("--ray-address", default=e("KVFLEET_RAY_ADDRESS"), help="Ray cluster to join (default: local)")
-    p.add_argument("--leader-election", action="store_true",
-                   help="serve only while holding the store's leader lock (Redis); a no-op on sqlite")
-    p.add_argument("--max-blob-bytes", type=int, default=64 << 20, help="largest blob accepted (default 64 MiB)")
-    p.add_argument("--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit")
-    p.add_argument("--role", default="tenant", choices=("tenant", "operator"), help="role of the minted token")
+    p.add_argument(
+        "--ray-address", default=e("KVFLEET_RAY_ADDRESS"), help="Ray cluster to join (default: local)"
+    )
+    p.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="serve only while holding the store's leader lock (Redis); a no-op on sqlite",
+    )
+    p.add_argument(
+        "--max-blob-bytes", type=int, default=64 << 20, help="largest blob accepted (default 64 MiB)"
+    )
+    add_cost_flags(p)
+    p.add_argument(
+        "--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit"
+    )
+    p.add_argument(
+        "--role", default="tenant", choices=("tenant", "operator"), help="role of the minted token"
+    )
     p.add_argument("--name", default="", help="label of the minted token (default: the tenant)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -50,15 +137,22 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
 
 def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerConfig:
     secret = env.get("KVFLEET_SALT_SECRET")
-    return ControllerConfig(listen=args.listen, store_url=args.store, tokens_file=args.tokens_file,
-                            tls_cert=args.tls_cert, tls_key=args.tls_key, max_blob_bytes=args.max_blob_bytes,
-                            salt_secret=bytes.fromhex(secret) if secret else None, ray_address=args.ray_address,
-                            leader_election=args.leader_election)
+    return ControllerConfig(
+        listen=args.listen,
+        store_url=args.store,
+        tokens_file=args.tokens_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_blob_bytes=args.max_blob_bytes,
+        salt_secret=bytes.fromhex(secret) if secret else None,
+        ray_address=args.ray_address,
+        leader_election=args.leader_election,
+    )
 
 
 def _prepare_sqlite(url: str) -> None:
     if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(url[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
 def _start_metrics(metrics: Metrics, port: int) -> int | None:
@@ -70,14 +164,21 @@ def _start_metrics(metrics: Metrics, port: int) -> int | None:
     return int(server.server_port)
 
 
-async def serve(cfg: ControllerConfig, metrics_port: int) -> int:
+async def serve(cfg: ControllerConfig, metrics_port: int, router_config: RouterConfig | None = None) -> int:
     metrics = Metrics()
-    ctl = await build_server(cfg, metrics=metrics)
+    ctl = await build_server(cfg, metrics=metrics, router_config=router_config)
     mport = _start_metrics(metrics, metrics_port)
-    auth = f"tokens {cfg.tokens_file}" if cfg.tokens_file else "auth OFF (no --tokens-file): every caller is operator"
-    print(f"kvfleet controller listening on {ctl.address} ({'TLS' if cfg.tls_cert else 'plaintext'}, {auth}); "
-          f"metrics on :{mport}; store {cfg.store_url}" + ("; leader election on" if cfg.leader_election else ""),
-          flush=True)
+    auth = (
+        f"tokens {cfg.tokens_file}"
+        if cfg.tokens_file
+        else "auth OFF (no --tokens-file): every caller is operator"
+    )
+    print(
+        f"kvfleet controller listening on {ctl.address} ({'TLS' if cfg.tls_cert else 'plaintext'}, {auth}); "
+        f"metrics on :{mport}; store {cfg.store_url}"
+        + ("; leader election on" if cfg.leader_election else ""),
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -91,8 +192,10 @@ async def serve(cfg: ControllerConfig, metrics_port: int) -> int:
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = parse_args(list(sys.argv[1:] if argv is None else argv), env)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         if args.mint_token:
             if not args.tokens_file:
@@ -101,8 +204,9 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
             return 0
         cfg = config_from(args, env)
+        router_config = RouterConfig(cost=cost_config_from(args))
         _prepare_sqlite(cfg.store_url)
-        return asyncio.run(serve(cfg, args.metrics_port))
+        return asyncio.run(serve(cfg, args.metrics_port, router_config))
     except (KvfleetError, OSError, ValueError) as e:
         print(f"kvfleet controller: error: {e}", file=sys.stderr)
         return 2

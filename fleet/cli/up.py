@@ -3,6 +3,7 @@
     kvfleet up                                   # sqlite under ./var, local Ray, 127.0.0.1:50051
     kvfleet up --store redis://127.0.0.1:6379/0 --ray-address 10.0.0.2:6379
     kvfleet up --sim-workers 2                   # also two vLLM stand-ins, registered
+    kvfleet up --route-queue-weight 1.0          # placement weights, as `kvfleet controller` (docs/routing.md)
 
 Prints the controller's address and an operator token (minted into STATE_DIR/tokens.json), and
 the commands to look at the fleet.
@@ -26,28 +27,46 @@ if TYPE_CHECKING:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    from controller.main import add_cost_flags
+
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT of the controller (port 0: any free)")
+    p.add_argument(
+        "--listen", default="127.0.0.1:50051", help="HOST:PORT of the controller (port 0: any free)"
+    )
     p.add_argument("--state-dir", default="./var", help="where the embedded store and the tokens file live")
-    p.add_argument("--store", default=None, help="store URL (default: sqlite:///STATE_DIR/kvfleet.db); redis://… "
-                                                 "uses a real Redis")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="store URL (default: sqlite:///STATE_DIR/kvfleet.db); redis://… uses a real Redis",
+    )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--sim-workers", type=int, default=0, help="also start N vLLM stand-ins and register them")
     p.add_argument("--tenant", default="local", help="tenant of the extra tenant token printed")
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
+    add_cost_flags(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from controller.main import cost_config_from
     from fleet.demo.stack import Stack, StackConfig
 
+    cost = cost_config_from(args)  # bad weights fail before anything starts
     state = Path(args.state_dir).expanduser().resolve()
     state.mkdir(parents=True, exist_ok=True)
     store = args.store or f"sqlite:///{state / 'kvfleet.db'}"
-    cfg = StackConfig(store_url=store, state_dir=str(state), listen=args.listen, workers=args.sim_workers,
-                      tenant=args.tenant, ray_address=args.ray_address, ray_num_cpus=args.num_cpus)
+    cfg = StackConfig(
+        store_url=store,
+        state_dir=str(state),
+        listen=args.listen,
+        workers=args.sim_workers,
+        tenant=args.tenant,
+        ray_address=args.ray_address,
+        ray_num_cpus=args.num_cpus,
+    )
     stack = await Stack.start(cfg)
+    stack.ctl.ctx.need_router().set_cost_config(cost)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,18 +81,27 @@ async def serve(args: argparse.Namespace) -> int:
 
 def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
     addr = stack.ctl.address
-    info = {"controller": addr, "store": store, "operator_token": stack.operator_token,
-            "tenant": args.tenant, "tenant_token": stack.tenant_token,
-            "workers": {n: s.url for n, s in stack.sims.items()}}
+    info = {
+        "controller": addr,
+        "store": store,
+        "operator_token": stack.operator_token,
+        "tenant": args.tenant,
+        "tenant_token": stack.tenant_token,
+        "workers": {n: s.url for n, s in stack.sims.items()},
+    }
     if args.json:
         print(json.dumps(info), flush=True)
         return
-    print(f"kvfleet up: controller on {addr}; store {store}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}")
+    print(
+        f"kvfleet up: controller on {addr}; store {store}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
+    )
     print(f"operator token: {stack.operator_token}")
     print(f"tenant token ({args.tenant}): {stack.tenant_token}")
     for n, s in stack.sims.items():
         print(f"stand-in worker {n}: {s.url}")
-    print(f"try:  KVFLEET_CONTROLLER={addr} KVFLEET_TOKEN={stack.operator_token} kvfleet session ls --fleet --watch")
+    print(
+        f"try:  KVFLEET_CONTROLLER={addr} KVFLEET_TOKEN={stack.operator_token} kvfleet session ls --fleet --watch"
+    )
     print("      (same env) kvfleet worker ls        Ctrl-C stops everything", flush=True)
 
 
