@@ -49,6 +49,11 @@ case "$cmd" in
        && command -v apt-get >/dev/null; then
       apt-get install -y -q redis-tools >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-tools >/dev/null 2>&1; } || true
     fi
+    # The fleet routing benchmark runs real peer routers (Rust binaries in their PyPI wheels);
+    # only this bench needs them, so the test suite never depends on them.
+    if [ "$name" = fleet_routing ] && { [ ! -x "$VENV/bin/vllm-router" ] || [ ! -x "$VENV/bin/sglang-router" ]; }; then
+      python -m pip install -q 'vllm-router==0.1.17' 'sglang-router==0.3.2'
+    fi
     exec python "bench/$name.py" "$@" ;;
   kvfleet) exec kvfleet "$@" ;;
   *) sed -n '2,7p' "$0"; exit 2 ;;

@@ -1,0 +1,425 @@
+"""Fleet routing: kvfleet's router against real, independently written routers, side by side in one run.
+
+    ./dev.sh bench fleet_routing                    # the full matrix (~10-15 min on 2 cores); writes the docs
+    ./dev.sh bench fleet_routing --quick            # a few minutes, validation only (no docs)
+    python bench/fleet_routing.py --contenders kvfleet,sticky --workloads agents16x4 --caches tight --no-docs
+
+For every cell (workload x per-worker cache size) each contender gets FRESH `kvfleet sim-vllm`
+workers built from the same config, and the same trace: agents whose conversations grow turn by
+turn, each request re-sending the whole history as OpenAI chat messages, streamed. At fixed points
+of the trace (fractions of its requests issued) one worker is slept (level 1) and woken, and one
+worker's prefix cache is reset; behind every router's back (HTTP straight to the worker), except
+for "kvfleet-ctl", whose actions go through the kvfleet controller. Contenders: bench/peers/launch.py.
+
+Figures per contender: prefilled tokens and hit rate from the workers' own counters, client-side
+time to first token (first SSE event), completed requests/s, per-worker request and token
+shares, requests timed out (--timeout) and requests that reached a sleeping worker (counted at the
+worker), and, for kvfleet's routers, stale warm routes (a WARM verdict whose matched tokens the
+worker did not actually have cached: its usage.cached_tokens < the verdict's matched tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+from peers import launch  # noqa: E402
+from peers.launch import CONTENDERS, Running, Spec, Unavailable  # noqa: E402
+from peers.report import plot, report  # noqa: E402
+from peers.workers import MODEL, SimFleet, engine_config  # noqa: E402
+from routing_trace import CACHES, WORKLOADS, Session, Workload, workload  # noqa: E402
+
+DEFAULT_CELLS = (
+    ("agents16x4", "ample"),
+    ("agents16x4", "tight"),
+    ("agents16x4", "very-tight"),
+    ("demo", "tight"),
+    ("agents16x8", "tight"),
+    ("tenants2", "tight"),
+    ("cold-burst", "tight"),
+)
+QUICK_CELLS = (("agents16x4", "tight"), ("cold-burst", "tight"))
+BLOCK_SIZE = 16
+MAX_TOKENS = 16
+# NOTE: applied only where the stand-in has the field: its clock in real time, as `kvfleet sim-vllm` serves
+SIM_DEFAULTS: dict[str, Any] = {"time_scale": 1.0}
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as the client saw it. status: HTTP status, 0 = timed out, -1 = connection error."""
+
+    session: str
+    turn: int
+    status: int = 0
+    ttft_s: float | None = None
+    total_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    verdict: str | None = None  # kvfleet's route verdict (WARM/COLD), from its response headers
+    matched_tokens: int = 0
+    attempts: int = 1
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Options:
+    timeout_s: float = 10.0
+    sleep_min_s: float = 1.5
+    sleep_max_s: float = 8.0
+    seed: int = 0
+    think_s: float = 0.1
+    sim_opts: dict[str, Any] = field(default_factory=dict)
+
+
+def usage_of(raw: bytes) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) from the SSE stream's usage chunk, if it has one."""
+    for line in reversed(raw.decode(errors="replace").split("\n\n")):
+        if line.startswith("data: {") and '"usage"' in line:
+            u = json.loads(line[6:]).get("usage") or {}
+            return u.get("prompt_tokens"), (u.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return None, None
+
+
+class Driver:
+    """Runs one trace against one running contender; lifecycle actions fire as requests are issued."""
+
+    def __init__(self, wl: Workload, run: Running, fleet: SimFleet, opt: Options) -> None:
+        self.wl, self.run, self.fleet, self.opt = wl, run, fleet, opt
+        n = wl.num_requests
+        self.sleep_n, self.wake_n, self.reset_n = (
+            max(1, math.ceil(f * n)) for f in (wl.sleep_at, wl.wake_at, wl.reset_at)
+        )
+        self.issued = 0
+        self.records: list[Record] = []
+        self.events: list[dict[str, Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._done = False
+        self._t0 = 0.0
+
+    async def drive(self) -> float:
+        """Run every session to its end; returns the wall time from the first request to the last answer."""
+        self._t0 = time.monotonic()
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as self.http:
+            await asyncio.gather(*(self._session(s) for s in self.wl.sessions))
+            wall = time.monotonic() - self._t0
+            self._done = True
+            await asyncio.wait_for(asyncio.gather(*self._tasks), self.opt.sleep_max_s + 30)
+        return wall
+
+    async def _session(self, s: Session) -> None:
+        for t in range(len(s.turns)):
+            await asyncio.sleep(s.think_s[t])
+            self._issue()
+            self.records.append(await self._send(s, t))
+
+    def _issue(self) -> None:
+        self.issued += 1
+        if self.issued == self.sleep_n:
+            self._tasks.append(asyncio.create_task(self._sleep_window()))
+        if self.issued == self.reset_n:
+            self._tasks.append(asyncio.create_task(self._action("reset_prefix_cache", self.fleet.busiest())))
+
+    async def _action(self, verb: str, worker: str) -> None:
+        ev = await self.run.lifecycle(verb, worker, self.fleet)
+        self.events.append({**ev, "at_request": self.issued, "t_s": round(time.monotonic() - self._t0, 3)})
+
+    async def _sleep_window(self) -> None:
+        """Sleep the busiest worker; wake it once the wake point of the trace was issued and at least
+        sleep_min_s went by, or after sleep_max_s (or when every session is done)."""
+        w = self.fleet.busiest()
+        await self._action("sleep", w)
+        t = time.monotonic()
+        while not self._done:
+            el = time.monotonic() - t
+            if el >= self.opt.sleep_max_s or (self.issued >= self.wake_n and el >= self.opt.sleep_min_s):
+                break
+            await asyncio.sleep(0.02)
+        await self._action("wake_up", w)
+        self.events[-1]["slept_s"] = round(time.monotonic() - t, 3)
+
+    async def _send(self, s: Session, t: int) -> Record:
+        rec = Record(s.session_id, t)
+        body = {
+            "model": MODEL,
+            "messages": s.messages(t),
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "user": s.session_id,
+        }
+        headers = {**self.run.headers(s.tenant), "x-session-id": s.session_id}
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.opt.timeout_s):
+                async with self.http.post(
+                    self.run.url + "/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    rec.status = r.status
+                    h = r.headers
+                    rec.verdict = h.get("x-kvfleet-verdict") or h.get("x-blind-verdict")
+                    rec.matched_tokens = int(
+                        h.get("x-kvfleet-matched-tokens") or h.get("x-blind-matched-tokens") or 0
+                    )
+                    rec.attempts = int(h.get("x-kvfleet-attempts") or 1)
+                    first = await r.content.readuntil(b"\n\n") if r.status == 200 else b""
+                    rec.ttft_s = time.perf_counter() - t0 if first else None
+                    raw = first + await r.read()
+                    rec.total_s = time.perf_counter() - t0
+                    if r.status == 200:
+                        rec.prompt_tokens, rec.cached_tokens = usage_of(raw)
+                    else:
+                        rec.error = raw[:200].decode(errors="replace")
+        except TimeoutError:
+            rec.status, rec.error = 0, f"no complete answer within {self.opt.timeout_s}s"
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            rec.status, rec.error = -1, f"{type(e).__name__}: {e}"[:200]
+        return rec
+
+
+async def sim_ttft(fleet: SimFleet, http: aiohttp.ClientSession) -> dict[float, float]:
+    """The workers' own TTFT histogram (vllm:time_to_first_token_seconds), summed: {le: cumulative count};
+    empty when the stand-in does not export one."""
+    out: dict[float, float] = {}
+    for url in fleet.urls():
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        for line in text.splitlines():
+            if line.startswith("vllm:time_to_first_token_seconds_bucket"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                key = float("inf") if le == "+Inf" else float(le)
+                out[key] = out.get(key, 0.0) + float(line.split()[-1])
+    return out
+
+
+async def warm_up(run: Running, tenants: tuple[str, ...], timeout_s: float = 30.0) -> None:
+    """Until one tiny request per tenant answers 200 (shorter than a block: it caches nothing)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        for tenant in tenants:
+            while True:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+                try:
+                    async with http.post(
+                        run.url + "/v1/chat/completions",
+                        json=body,
+                        headers=run.headers(tenant),
+                        timeout=aiohttp.ClientTimeout(total=3),
+                    ) as r:
+                        if r.status == 200:
+                            break
+                        last = f"{r.status} {(await r.text())[:200]}"
+                except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                    last = repr(e)
+                if time.monotonic() > deadline or not run.alive():
+                    raise Unavailable(
+                        f"no successful request within {timeout_s:.0f}s (last: {last}); {run.log_tail(400)}"
+                    )
+                await asyncio.sleep(0.2)
+    await asyncio.sleep(0.5)  # KV-event subscribers connected and caught up
+
+
+async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: Path) -> dict[str, Any]:
+    cfg, _ = engine_config(num_blocks, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
+    fleet = await SimFleet.start(wl.num_workers, cfg)
+    out: dict[str, Any] = {"contender": spec.name, "label": spec.label, "kind": spec.kind, "via": spec.via}
+    try:
+        try:
+            run = await launch.start(spec, fleet, tmp, wl.tenants)
+        except Unavailable as e:
+            return {**out, "unavailable": str(e)}
+        try:
+            await warm_up(run, wl.tenants)
+            async with aiohttp.ClientSession() as http:
+                h0 = await sim_ttft(fleet, http)
+                await fleet.snapshot(http)
+                d = Driver(wl, run, fleet, opt)
+                wall = await d.drive()
+                h1 = await sim_ttft(fleet, http)
+                stats = await fleet.stats(http)
+            if any(r.status != 200 for r in d.records):  # keep what the contender logged, to explain it
+                out["log_tail"] = run.log_tail(3000)
+        except Unavailable as e:
+            return {**out, "unavailable": str(e)}
+        finally:
+            await run.stop()
+        return {
+            **out,
+            "command": run.command,
+            "wall_s": wall,
+            "events": d.events,
+            "records": [asdict(r) for r in d.records],
+            "workers": {n: asdict(s) for n, s in stats.items()},
+            "sim_ttft": {str(k): h1.get(k, 0) - h0.get(k, 0) for k in h1},
+        }
+    finally:
+        await fleet.stop()
+
+
+async def run_all(
+    cells: list[tuple[str, str]], contenders: list[Spec], opt: Options, quick: bool
+) -> dict[str, Any]:
+    results: dict[str, Any] = {"cells": []}
+    with tempfile.TemporaryDirectory(prefix="fleet_routing_") as tmp:
+        for i, (wname, size) in enumerate(cells):
+            wl = workload(wname, opt.seed, quick=quick, think_s=opt.think_s)
+            nb = wl.cache_blocks(size, BLOCK_SIZE)
+            cell: dict[str, Any] = {"workload": wl.describe(), "cache": size, "num_blocks": nb, "runs": []}
+            order = contenders[i % len(contenders) :] + contenders[: i % len(contenders)]  # spread drift
+            for spec in order:
+                t0 = time.monotonic()
+                state = Path(tmp) / f"{i}-{spec.name}"  # a fresh store and tokens file per run
+                state.mkdir()
+                r = await run_one(spec, wl, nb, opt, state)
+                cell["runs"].append(r)
+                print(progress(wname, size, r, time.monotonic() - t0), flush=True)
+            cell["runs"].sort(key=lambda r: [c.name for c in contenders].index(r["contender"]))
+            results["cells"].append(cell)
+    return results
+
+
+def progress(wname: str, size: str, r: dict[str, Any], took: float) -> str:
+    head = f"{wname:11s} {size:10s} {r['contender']:19s}"
+    if "unavailable" in r:
+        return f"{head} UNAVAILABLE: {r['unavailable'][:300]}"
+    ws = r["workers"].values()
+    q, hit = sum(w["queries"] for w in ws), sum(w["hits"] for w in ws)
+    ok = sum(x["status"] == 200 for x in r["records"])
+    return (
+        f"{head} prefilled {q - hit:>9,}  hit {100 * hit / max(q, 1):5.1f}%  ok {ok}/{len(r['records'])}  "
+        f"to-sleeping {sum(w['to_sleeping'] for w in ws)}  ({took:.1f}s)"
+    )
+
+
+def parse_cells(a: argparse.Namespace) -> list[tuple[str, str]]:
+    if not a.workloads and not a.caches:
+        return list(QUICK_CELLS if a.quick else DEFAULT_CELLS)
+    ws = a.workloads.split(",") if a.workloads else list(WORKLOADS)
+    cs = a.caches.split(",") if a.caches else ["tight"]
+    for w in ws:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; expected one of {', '.join(WORKLOADS)}")
+    for c in cs:
+        if c not in CACHES:
+            raise SystemExit(f"unknown cache size {c!r}; expected one of {', '.join(CACHES)}")
+    return [(w, c) for w in ws for c in cs]
+
+
+def parse_sim_opts(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        if not k or not _:
+            raise SystemExit(f"--sim-opt takes KEY=VALUE, got {item!r}")
+        out[k] = json.loads(v) if v[:1] in "0123456789-[{tf" or v in ("true", "false", "null") else v
+    return out
+
+
+def git_head() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "controller", "fleet")
+    return head + (" (plus uncommitted changes under controller/ or fleet/)" if dirty else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="two small cells (a few minutes); writes no docs")
+    p.add_argument("--contenders", default="all", help=f"comma-separated, from: {', '.join(CONTENDERS)}")
+    p.add_argument("--workloads", default="", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    p.add_argument("--caches", default="", help=f"comma-separated, from: {', '.join(CACHES)} (default tight)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
+    p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
+    p.add_argument("--sleep-min", type=float, default=1.5, help="shortest sleep window, seconds")
+    p.add_argument("--sleep-max", type=float, default=8.0, help="longest sleep window, seconds")
+    p.add_argument(
+        "--sim-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a SimEngineConfig field for every stand-in (ignored, with a warning, if it has none)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    p.add_argument(
+        "--from-json", type=Path, default=None, help="run nothing: report the results saved by --json"
+    )
+    p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    a = p.parse_args(argv)
+    names = list(CONTENDERS) if a.contenders == "all" else a.contenders.split(",")
+    bad = [n for n in names if n not in CONTENDERS]
+    if bad:
+        raise SystemExit(f"unknown contender(s) {bad}; expected some of {', '.join(CONTENDERS)}")
+    opt = Options(a.timeout, a.sleep_min, a.sleep_max, a.seed, a.think_ms / 1000, parse_sim_opts(a.sim_opt))
+    cfg, ignored = engine_config(1024, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
+    if ignored:
+        print(f"warning: this sim-vllm has no config field(s) {sorted(ignored)}; ignored", file=sys.stderr)
+    # NOTE: sglang-router probes each worker over gRPC first; the stand-ins' aiohttp servers log that as an error
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # so that finally blocks and atexit stop everything
+    t0 = time.monotonic()
+    if a.from_json:
+        results = json.loads(a.from_json.read_text())
+    else:
+        try:
+            results = asyncio.run(run_all(parse_cells(a), [CONTENDERS[n] for n in names], opt, a.quick))
+        finally:
+            launch.kill_all()
+        results.update(meta(a, opt, cfg, time.monotonic() - t0))
+    if a.json and not a.from_json:
+        a.json.write_text(json.dumps(results))
+    section = report(results)
+    print(section)
+    if not results["quick"] and not a.no_docs:
+        from benchdoc import write_section
+
+        plot(results, a.out.parent / "fleet_routing.png")
+        write_section("fleet-routing", section, a.out)
+        print(f"wrote {a.out} (section fleet-routing) and {a.out.parent / 'fleet_routing.png'}")
+    return 0
+
+
+def meta(a: argparse.Namespace, opt: Options, cfg: Any, took: float) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "commit": git_head(),
+        "quick": a.quick,
+        "options": asdict(opt),
+        "took_s": took,
+        "sim_config": asdict(cfg) | {"num_blocks": "per cell"},
+        "max_tokens": MAX_TOKENS,
+        "versions": {p: ver(p) for p in ("vllm-router", "sglang-router")},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

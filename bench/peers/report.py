@@ -1,0 +1,367 @@
+"""The fleet routing bench's figures: per-run summaries, the markdown section and the plot.
+
+Ratios are against the best PEER (vllm-router, sglang-router, the sticky hash) of the same cell,
+on each metric separately: prefilled tokens against the peer that prefilled least, TTFT p99
+against the peer with the lowest p99, requests/s against the fastest peer.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+PEER_KINDS = ("vllm", "sglang", "sticky")
+OURS = ("kvfleet", "kvfleet-ctl", "kvfleet-blind")
+
+
+def pct(xs: list[float], p: float) -> float | None:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else None
+
+
+def hist_quantile(h: dict[str, float], q: float) -> float | None:
+    """Upper bound of the histogram bucket holding quantile q ({le: cumulative count})."""
+    items = sorted((float(k), v) for k, v in h.items())
+    if not items or items[-1][1] <= 0:
+        return None
+    return next(le for le, c in items if c >= q * items[-1][1])
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    recs, ws = run["records"], list(run["workers"].values())
+    ok = [r for r in recs if r["status"] == 200]
+    q, hits = sum(w["queries"] for w in ws), sum(w["hits"] for w in ws)
+    arrivals, tokens = [w["arrivals"] for w in ws], [w["queries"] for w in ws]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    ours = run["kind"] in ("kvfleet", "blind")
+    slept = [e.get("slept_s") for e in run["events"] if e["verb"] == "wake_up"]
+    return {
+        "prefilled": q - hits,
+        "queries": q,
+        "hit_rate": hits / q if q else 0.0,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "rps": len(ok) / run["wall_s"] if run["wall_s"] else 0.0,
+        "ok": len(ok),
+        "n": len(recs),
+        "timed_out": sum(r["status"] == 0 for r in recs),
+        "errors": sum(r["status"] != 200 and r["status"] != 0 for r in recs),
+        "to_sleeping": sum(w["to_sleeping"] for w in ws),
+        "req_share_max": max(arrivals) / max(sum(arrivals), 1),
+        "req_share_min": min(arrivals) / max(sum(arrivals), 1),
+        "tok_share_max": max(tokens) / max(sum(tokens), 1),
+        "warm": sum(r["verdict"] == "WARM" for r in recs) if ours else None,
+        "stale_warm": sum(
+            r["verdict"] == "WARM"
+            and r["cached_tokens"] is not None
+            and r["cached_tokens"] < r["matched_tokens"]
+            for r in recs
+        )
+        if ours
+        else None,
+        "retried": sum(r["attempts"] > 1 for r in recs) if ours else None,
+        "sim_ttft_p50": hist_quantile(run.get("sim_ttft") or {}, 0.5),
+        "sim_ttft_p99": hist_quantile(run.get("sim_ttft") or {}, 0.99),
+        "slept_s": slept[0] if slept else None,
+    }
+
+
+def best_peers(cell: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]] | None]:
+    peers = [
+        (r["contender"], r["summary"]) for r in cell["runs"] if r["kind"] in PEER_KINDS and "summary" in r
+    ]
+    if not peers:
+        return {"prefilled": None, "ttft_p99": None, "rps": None}
+    with_ttft = [p for p in peers if p[1]["ttft_p99"] is not None]
+    return {
+        "prefilled": min(peers, key=lambda p: p[1]["prefilled"]),
+        "ttft_p99": min(with_ttft, key=lambda p: p[1]["ttft_p99"]) if with_ttft else None,
+        "rps": max(peers, key=lambda p: p[1]["rps"]),
+    }
+
+
+def _ratio(x: float | None, best: tuple[str, dict[str, Any]] | None, key: str) -> str:
+    if x is None or best is None or not best[1][key]:
+        return "-"
+    return f"{x / best[1][key]:.2f}x"
+
+
+def _name(best: dict[str, Any], key: str) -> str:
+    return best[key][0] if best[key] else "-"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f}" if x >= 0.01 else f"{1e3 * x:.1f}"
+
+
+def cell_title(cell: dict[str, Any]) -> str:
+    w = cell["workload"]
+    return f"{w['name']}, {cell['cache']} cache ({cell['num_blocks']:,} blocks/worker)"
+
+
+def headline(cells: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| workload, cache | best peer: prefill | kvfleet prefill | kvfleet-ctl prefill | best peer: TTFT p99 | "
+        "kvfleet TTFT p99 | best peer: req/s | kvfleet req/s | kvfleet stale warm / to sleeping |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|",
+    ]
+    for c in cells:
+        b, s = c["best"], {r["contender"]: r["summary"] for r in c["runs"] if "summary" in r}
+        k, kc = s.get("kvfleet"), s.get("kvfleet-ctl")
+        rows.append(
+            f"| {c['workload']['name']}, {c['cache']} | {_name(b, 'prefilled')} | "
+            f"{_ratio(k and k['prefilled'], b['prefilled'], 'prefilled')} | "
+            f"{_ratio(kc and kc['prefilled'], b['prefilled'], 'prefilled')} | {_name(b, 'ttft_p99')} | "
+            f"{_ratio(k and k['ttft_p99'], b['ttft_p99'], 'ttft_p99')} | {_name(b, 'rps')} | "
+            f"{_ratio(k and k['rps'], b['rps'], 'rps')} | "
+            f"{(str(k['stale_warm']) + ' / ' + str(k['to_sleeping'])) if k else '-'} |"
+        )
+    return rows
+
+
+def detail(cell: dict[str, Any]) -> list[str]:
+    w = cell["workload"]
+    rows = [
+        f"**{cell_title(cell)}**: {w['description']}; {w['requests']} requests, working set "
+        f"{w['working_set_tokens']:,} tokens, longest prompt {w['longest_prompt']:,}.",
+        "",
+        "| contender | prefilled tokens | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
+        "to sleeping | req share max / min | token share max | stale warm (of WARM) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    b = cell["best"]["prefilled"]
+    sim = any(r.get("summary", {}).get("sim_ttft_p50") is not None for r in cell["runs"])
+    if sim:
+        rows[2] = rows[2].replace("TTFT p50 / p99 ms |", "TTFT p50 / p99 ms | workers' TTFT p50 / p99 ms |")
+        rows[3] += "---:|"
+    for r in cell["runs"]:
+        if "summary" not in r:
+            rows.append(
+                f"| {r['contender']} | not run: {first_sentence(r['unavailable'])} |" + " |" * (9 + sim)
+            )
+            continue
+        s = r["summary"]
+        stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})"
+        rows.append(
+            f"| {r['contender']} | {s['prefilled']:,} | {_ratio(s['prefilled'], b, 'prefilled')} | "
+            f"{100 * s['hit_rate']:.1f}% | {_ms(s['ttft_p50'])} / {_ms(s['ttft_p99'])} | "
+            + (f"{_ms(s['sim_ttft_p50'])} / {_ms(s['sim_ttft_p99'])} | " if sim else "")
+            + f"{s['rps']:.0f} | "
+            f"{s['ok']} / {s['timed_out']} | {s['to_sleeping']} | {100 * s['req_share_max']:.0f}% / "
+            f"{100 * s['req_share_min']:.0f}% | {100 * s['tok_share_max']:.0f}% | {stale} |"
+        )
+    return rows
+
+
+def first_sentence(text: str) -> str:
+    return re.sub(r"\s+", " ", text.split(";")[0])[:160].replace("|", "/")
+
+
+def verdicts(cells: list[dict[str, Any]]) -> list[str]:
+    """Where kvfleet (behind its back) prefilled less than the best peer, and where it did not."""
+    wins, losses = [], []
+    for c in cells:
+        s = {r["contender"]: r["summary"] for r in c["runs"] if "summary" in r}
+        b = c["best"]["prefilled"]
+        if "kvfleet" not in s or b is None:
+            continue
+        ratio = s["kvfleet"]["prefilled"] / max(b[1]["prefilled"], 1)
+        (wins if ratio < 0.995 else losses).append(
+            f"{c['workload']['name']}/{c['cache']} {ratio:.2f}x vs {b[0]}"
+        )
+    out = []
+    if wins:
+        out.append(
+            f"kvfleet prefilled fewer tokens than the best peer in {len(wins)} of {len(wins) + len(losses)} "
+            f"cells: {'; '.join(wins)}."
+        )
+    if losses:
+        out.append(f"It did not (equal or more) in {len(losses)}: {'; '.join(losses)}.")
+    return out
+
+
+def observations(cells: list[dict[str, Any]]) -> list[str]:
+    """Facts of this run worth a sentence: idle workers under kvfleet, failed requests, the workers' TTFT."""
+    out, idle = [], []
+    for c in cells:
+        for r in c["runs"]:
+            if r["contender"] == "kvfleet" and "workers" in r:
+                n = sum(w["arrivals"] == 0 for w in r["workers"].values())
+                if n:
+                    idle.append(f"{c['workload']['name']}/{c['cache']} ({n} of {len(r['workers'])})")
+            if "summary" in r and r["summary"]["ok"] < r["summary"]["n"]:
+                errs: dict[str, int] = {}
+                for x in r["records"]:
+                    if x["status"] != 200:
+                        key = first_sentence(x["error"])[:110]
+                        errs[key] = errs.get(key, 0) + 1
+                top = max(errs, key=lambda k: errs[k])
+                out.append(
+                    f"{r['contender']} in {c['workload']['name']}/{c['cache']}: "
+                    f"{r['summary']['n'] - r['summary']['ok']} of {r['summary']['n']} requests failed "
+                    f"(most often, {errs[top]}x: `{top}`)."
+                )
+    if idle:
+        out.insert(
+            0,
+            "kvfleet sent no request at all to some workers in: " + ", ".join(idle) + " (longest-prefix "
+            "placement: every session matches the shared system prompt on the worker that cached it first).",
+        )
+    return out
+
+
+def normalize(cmd: list[str]) -> str:
+    """A launch command with this run's ports, tokens and paths replaced by placeholders."""
+    text = " ".join(cmd)
+    text = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", text)
+    text = re.sub(r"(--port|--prometheus-port) \d+", r"\1 PORT", text)
+    text = re.sub(r"\S*/python[\d.]*(?=\s)", "python", text)
+    text = re.sub(r"\S*/(vllm-router|sglang-router)(?=\s)", r"\1", text)
+    text = re.sub(r"\S*/bench/peers/", "bench/peers/", text)
+    text = re.sub(r"sqlite:///\S+", "sqlite:///STATE/kv.db", text)
+    return re.sub(r"--tokens-file \S+", "--tokens-file STATE/tokens.json", text)
+
+
+def commands(cells: list[dict[str, Any]]) -> list[str]:
+    seen: dict[str, str] = {}
+    for c in cells:
+        for r in c["runs"]:
+            if "command" in r and r["contender"] not in seen:
+                seen[r["contender"]] = f"{normalize(r['command'])}   # {c['workload']['workers']} workers"
+    return [f"{n}: {cmd}" for n, cmd in seen.items()]
+
+
+def report(results: dict[str, Any]) -> str:
+    cells = results["cells"]
+    for c in cells:
+        for r in c["runs"]:
+            if "records" in r:
+                r["summary"] = summarize(r)
+        c["best"] = best_peers(c)
+    o, v, sc = results["options"], results["versions"], results["sim_config"]
+    not_run = sorted(
+        {
+            f"{r['contender']}: {first_sentence(r['unavailable'])}"
+            for c in cells
+            for r in c["runs"]
+            if "unavailable" in r
+        }
+    )
+    clock = {
+        k: x
+        for k, x in sc.items()
+        if k not in ("model", "block_size", "num_blocks", "hash_algo", "hash_seed", "loras", "max_model_len")
+    }
+    lines = [
+        "## Fleet routing: kvfleet vs vllm-router, sglang-router and a sticky hash (`./dev.sh bench fleet_routing`)",
+        "",
+        f"Measured at commit `{results['commit']}` ({'quick run' if results['quick'] else 'default size'}, "
+        f"{results['took_s'] / 60:.1f} min on this machine's 2 shared cores). Every contender gets fresh "
+        f"`kvfleet sim-vllm` stand-ins (block size {sc['block_size']}, sha256 block hashes; engine options beyond "
+        f"the cache size: {clock or 'none'}) and the same trace: agents whose conversations grow by a tool result, "
+        "an instruction and an answer per turn, every turn re-sending the whole history as streamed OpenAI "
+        f"`/v1/chat/completions` (max_tokens {results['max_tokens']}), with a seeded think time (mean "
+        f"{1e3 * o['think_s']:.0f} ms) between an agent's turns. Behind every router's back (HTTP straight to the "
+        "worker) the busiest worker is slept (level 1) when 35% of the trace's requests were issued and woken once "
+        f"50% were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s); at 70% the busiest "
+        "awake worker's prefix cache is reset. `kvfleet-ctl` gets the same actions through the kvfleet "
+        f"controller instead. Client timeout {o['timeout_s']:.0f} s per request. Peers: vllm-router "
+        f"{v['vllm-router']}, sglang-router {v['sglang-router']} (PyPI).",
+        "",
+        "Prefilled tokens and hit rates are the stand-ins' own counters (prompt tokens run minus prefix-cache "
+        "hits, as vLLM's `prefix_cache_queries`/`prefix_cache_hits`); TTFT is client side (first SSE event, "
+        'router included); "to sleeping" counts requests that reached a worker while it slept (counted at '
+        "the worker); a stale warm route is a kvfleet WARM verdict whose matched tokens exceed the tokens "
+        "the worker reported cached for that request (whatever the cause: a lifecycle action behind its back, or "
+        "an eviction its index had not yet seen). Ratios are against the best peer of the cell on "
+        "each metric (lower is better for prefill and TTFT, higher for req/s). There is no oracle here: the "
+        "offline optimum is in the fleet prefill section above. Each contender ran once per cell, and placement "
+        "depends on how concurrent requests interleave: while this bench was written, three runs of one quick "
+        "cell moved kvfleet's prefilled tokens by about +-10%, so smaller differences are not findings.",
+        "",
+        *headline(cells),
+        "",
+        *verdicts(cells),
+        "",
+        *[f"- {x}" for x in observations(cells)],
+        "",
+        "![prefilled tokens per contender, relative to the best peer](fleet_routing.png)",
+        "",
+    ]
+    for c in cells:
+        lines += [*detail(c), ""]
+    lines += [
+        "How each contender was launched (ports, tokens and paths replaced):",
+        "",
+        "```",
+        *commands(cells),
+        "```",
+        "",
+    ]
+    if not_run:
+        lines += ["Not run: " + "; ".join(not_run) + ".", ""]
+    lines += NOTES
+    return "\n".join(lines)
+
+
+NOTES = [
+    "Reading it:",
+    "",
+    "- The stand-ins answer as fast as this machine runs them unless their engine options above include a "
+    "latency model, so TTFT and req/s compare the routers' own overheads (a Python proxy making a "
+    "tokenize call and a gRPC route call per request, against Rust routers) more than cache effects. "
+    "Prefilled tokens are the figure that does not depend on the machine.",
+    "- A request that reached a sleeping stand-in waits (vLLM queues it) until the wake or until the client "
+    "gives up; one still queued at the wake is then run, and its prompt counts as prefilled.",
+    "- vllm-router's kv_aware and cache_aware ask each worker for `/v1/chat/completions/render` (the "
+    "stand-in answers 404) and then use its `/tokenize`; kv_aware then matches the token ids against the "
+    "blocks the KV events announced. sglang-router's cache_aware matches request text in its own radix tree, "
+    "without KV events. kvfleet's proxy also calls the worker's `/tokenize` before routing.",
+    "- kvfleet-blind (controller/baseline.py) trusts AllBlocksCleared only and breaks ties by worker name, so "
+    "cold requests all go to the same worker; it exists to count what lifecycle blindness costs, not as a "
+    "placement policy.",
+]
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    cells = results["cells"]
+    names = [r["contender"] for r in cells[0]["runs"]]
+    fig, ax = plt.subplots(figsize=(13, 4.8))
+    width = 0.85 / len(names)
+    for k, name in enumerate(names):
+        xs, ys = [], []
+        for i, c in enumerate(cells):
+            r = next((r for r in c["runs"] if r["contender"] == name and "summary" in r), None)
+            b = c["best"]["prefilled"]
+            if r is not None and b is not None:
+                xs.append(i + k * width)
+                ys.append(r["summary"]["prefilled"] / max(b[1]["prefilled"], 1))
+        ax.bar(
+            xs, ys, width, label=name, hatch="//" if name in OURS else None, edgecolor="black", linewidth=0.3
+        )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(
+        [i + 0.425 - width / 2 for i in range(len(cells))],
+        [f"{c['workload']['name']}\n{c['cache']}" for c in cells],
+        fontsize=8,
+    )
+    ax.set_yscale("log")
+    fmt = FuncFormatter(lambda y, _: f"{y:g}x")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(fmt)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.set_ylabel("prefilled tokens / best peer's (log; lower is better)")
+    ax.set_title(
+        f"Fleet routing: prefilled tokens relative to the best peer per cell (commit {results['commit'][:7]})"
+    )
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,59 @@
+"""The fleet routing harness itself, on a tiny trace: real stand-ins, the sticky router and a real
+kvfleet controller + proxy (separate processes), the lifecycle actions behind their backs.
+The peer routers from PyPI are not needed (bench/fleet_routing.py runs them)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import fleet_routing as fr  # noqa: E402
+from peers.launch import CONTENDERS  # noqa: E402
+from peers.report import report, summarize  # noqa: E402
+from routing_trace import agents  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: Path) -> None:
+    wl = agents("smoke", 0, num_agents=4, num_workers=2, turns=3, think_s=0.02, system_words=120)
+    opt = fr.Options(timeout_s=5.0, sleep_min_s=0.3, sleep_max_s=2.0, think_s=0.02)
+    cell = {"workload": wl.describe(), "cache": "tight", "num_blocks": 256, "runs": []}
+    for name in ("sticky", "kvfleet"):
+        (tmp_path / name).mkdir()
+        r = await fr.run_one(CONTENDERS[name], wl, 256, opt, tmp_path / name)
+        assert "unavailable" not in r, r.get("unavailable")
+        assert [x["status"] for x in r["records"]] == [200] * wl.num_requests
+        assert sorted((e["verb"], e["ok"]) for e in r["events"]) == [
+            ("reset_prefix_cache", True),
+            ("sleep", True),
+            ("wake_up", True),
+        ], r["events"]
+        s = summarize(r)
+        # every prompt ran exactly once on some worker (a request to the sleeper waited, or was retried
+        # by kvfleet's proxy before the worker ran it), and the shared system prompt was reused
+        assert s["queries"] == wl.prompt_tokens()
+        assert 0 < s["prefilled"] < s["queries"]
+        assert sum(w["arrivals"] for w in r["workers"].values()) >= wl.num_requests
+        if name == "kvfleet":
+            assert {x["verdict"] for x in r["records"]} <= {"WARM", "COLD"}
+            assert s["warm"] > 0 and s["stale_warm"] is not None
+        cell["runs"].append(r)
+    doc = report(
+        {
+            "cells": [cell],
+            "commit": "test",
+            "quick": True,
+            "took_s": 1.0,
+            "max_tokens": fr.MAX_TOKENS,
+            "options": {"think_s": 0.02, "sleep_min_s": 0.3, "sleep_max_s": 2.0, "timeout_s": 5.0},
+            "versions": {"vllm-router": "-", "sglang-router": "-"},
+            "sim_config": {"block_size": 16},
+        }
+    )
+    assert "| sticky |" in doc and "| kvfleet |" in doc
