@@ -139,6 +139,7 @@ class SessionContext:
         vocab = self.kernel.config.vocab_size
         if not tokens or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
             raise InvalidArgument(f"a piece needs >= 1 token id in [0, {vocab}); nothing was appended")
+        self.session.check_append(tokens)  # NOTE: before the log: a refused append must leave no op behind
         self._log(op)
         self.session.append(tokens)
         piece = Piece(op["piece"], op["kind"], len(self.session) - len(tokens), len(tokens), op["tenant"],

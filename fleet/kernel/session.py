@@ -70,6 +70,16 @@ class Session:
         self._last = logits
         return logits.copy()
 
+    def check_append(self, ids: Any) -> None:
+        """Raise exactly what `append(ids)` would raise for bad or overflowing input, appending
+        nothing (callers that log an op before applying it validate with this first).
+
+        Raises:
+            InvalidArgument: empty, non-integer or out-of-vocabulary ids.
+            ResourceExhausted: the sequence would exceed the model's context.
+        """
+        self._check_ids(ids)
+
     def _check_ids(self, ids: Any) -> np.ndarray:
         if isinstance(ids, str | bytes | bytearray):
             raise InvalidArgument("append takes token ids, not text: encode it first (ByteTokenizer.encode)")

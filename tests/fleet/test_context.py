@@ -117,3 +117,24 @@ def test_bad_input_changes_nothing(kernel: Kernel, tmp_path: Path) -> None:
     with pytest.raises(NotFound, match="no piece 9"):
         ctx.evict_piece(9)
     assert (ctx.digest(), ctx.ops, ctx.pieces) == before
+
+
+def test_an_append_refused_for_context_overflow_logs_nothing_and_the_session_still_replays(
+    tmp_path: Path,
+) -> None:
+    """Regression: an overflowing append used to be logged before the kernel refused it, so the
+    log held an op the session never applied and replay/fork failed for ever after."""
+    from fleet.errors import ResourceExhausted
+
+    small = Kernel.synthetic(ModelConfig.tiny(max_seq_len=128), seed=0)
+    store = open_store(f"sqlite:///{tmp_path}/s.db")
+    logged: list[dict[str, Any]] = []
+    ctx = SessionContext.new(small, ByteTokenizer(512), "acme", "s1", sink=logged.append, store=store)
+    ctx.add_system("You are a travel agent.")
+    before = (ctx.digest(), list(ctx.ops), list(logged))
+    with pytest.raises(ResourceExhausted, match="exceed the context"):
+        ctx.add_message("user", "x" * 200)  # 200 byte tokens > the 128-token context
+    assert (ctx.digest(), ctx.ops, logged) == before  # nothing appended, nothing logged
+    ctx.add_message("user", "short")  # the session goes on ...
+    again = SessionContext.replay(list(logged), small, ByteTokenizer(512), fetch=lambda r: b"")
+    assert again.digest() == ctx.digest()  # ... and its log replays bit-identically
