@@ -31,8 +31,17 @@ def _bind(sock: zmq.Socket[Any], host: str, port: int) -> int:
 class Publisher:
     """One DP rank's publisher. `drop_next` simulates lossy PUB (HWM): batches stay replayable."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, replay_port: int | None = 0,
-                 topic: str = "", buffer_steps: int = 10000, dp_rank: int = 0, legacy_replay: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        replay_port: int | None = 0,
+        topic: str = "",
+        buffer_steps: int = 10000,
+        dp_rank: int = 0,
+        legacy_replay: bool = False,
+    ) -> None:
         self.topic = topic.encode()
         self.dp_rank = dp_rank
         self.legacy_replay = legacy_replay
@@ -93,8 +102,11 @@ class Publisher:
             ident, start = frames[0], int.from_bytes(frames[2][:8], "big")
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    body = [seq.to_bytes(8, "big"), payload] if self.legacy_replay else \
-                        [self.topic, seq.to_bytes(8, "big"), payload]
+                    body = (
+                        [seq.to_bytes(8, "big"), payload]
+                        if self.legacy_replay
+                        else [self.topic, seq.to_bytes(8, "big"), payload]
+                    )
                     await self._router.send_multipart([ident, b"", *body])
             end = [END_SEQ, b""] if self.legacy_replay else [b"", END_SEQ, b""]
             await self._router.send_multipart([ident, b"", *end])

@@ -29,7 +29,11 @@ def apply_chat_template(messages: Sequence[dict[str, Any]], add_generation_promp
     """ChatML-shaped: <|im_start|>role\\ncontent<|im_end|>\\n ... then <|im_start|>assistant\\n."""
     out: list[int] = []
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
             raise InvalidArgument("each message needs string 'role' and 'content'")
         out += [IM_START, *tokenize(m["role"]), NEWLINE, *tokenize(m["content"]), IM_END, NEWLINE]
     if add_generation_prompt:

@@ -21,7 +21,9 @@ from controller.vllm.http import parse_metrics
 
 @pytest.fixture
 async def sim():
-    s = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=8, loras={"sql": "/adapters/sql"}))).start()
+    s = await SimVllm(
+        SimConfig(engine=SimEngineConfig(model="m", num_blocks=8, loras={"sql": "/adapters/sql"}))
+    ).start()
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -47,21 +49,30 @@ async def _post(http, url, **kw):
 async def test_dev_endpoints_exact_bodies(sim) -> None:
     s, http, _ = sim
     u = s.url
-    assert await _post(http, u + "/sleep", params={"level": "3"}) == (422, {"detail": "invalid level or mode"})
+    assert await _post(http, u + "/sleep", params={"level": "3"}) == (
+        422,
+        {"detail": "invalid level or mode"},
+    )
     assert await _post(http, u + "/sleep", params={"level": "1"}) == (200, {"status": "sleeping", "level": 1})
     async with http.get(u + "/health") as r:
         assert r.status == 200  # NOTE: 200 while asleep, as vLLM
     async with http.get(u + "/is_sleeping") as r:
         assert await r.json() == {"is_sleeping": True}
     m = parse_metrics(await (await http.get(u + "/metrics")).text())
-    assert m.sleep_state == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0} and m.block_size == 16
-    assert await _post(http, u + "/wake_up", params=[("tags", "weights")]) == \
-        (200, {"status": "sleeping", "tags": ["weights"]})  # partial wake: still asleep
+    assert (
+        m.sleep_state == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0} and m.block_size == 16
+    )
+    assert await _post(http, u + "/wake_up", params=[("tags", "weights")]) == (
+        200,
+        {"status": "sleeping", "tags": ["weights"]},
+    )  # partial wake: still asleep
     assert await _post(http, u + "/wake_up") == (200, {"status": "awake", "tags": None})
     assert await _post(http, u + "/reset_prefix_cache") == (200, {"success": True})
     assert (await _post(http, u + "/release_kv_cache_memory"))[0] == 400  # needs a completed pause
-    assert await _post(http, u + "/pause", params={"mode": "bogus"}) == \
-        (400, {"error": "invalid pause mode 'bogus' or clear_cache"})
+    assert await _post(http, u + "/pause", params={"mode": "bogus"}) == (
+        400,
+        {"error": "invalid pause mode 'bogus' or clear_cache"},
+    )
     assert await _post(http, u + "/pause") == (200, {"status": "paused"})
     assert (await _post(http, u + "/v1/completions", json={"prompt": [1, 2, 3]}))[0] == 503  # abort: rejected
     assert await _post(http, u + "/release_kv_cache_memory") == (200, {"status": "kv_cache_released"})
@@ -80,11 +91,17 @@ async def test_tokenize_and_completions(sim) -> None:
     st, chat = await _post(http, s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat["tokens"][0] == 151644
     st, c = await _post(http, s.url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 3})
-    assert st == 200 and c["usage"]["prompt_tokens"] == 40 and c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (
+        st == 200
+        and c["usage"]["prompt_tokens"] == 40
+        and c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    )
     st, c2 = await _post(http, s.url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 3})
     assert c2["usage"]["prompt_tokens_details"]["cached_tokens"] == 32 and c2["choices"] == c["choices"]
-    async with http.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                               "stream": True, "max_tokens": 2}) as r:
+    async with http.post(
+        s.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2},
+    ) as r:
         text = await r.text()
     assert text.count("data: ") == 4 and text.rstrip().endswith("data: [DONE]")
     assert (await _post(http, s.url + "/v1/completions", json={"model": "nope", "prompt": "x"}))[0] == 404
@@ -96,8 +113,11 @@ async def test_hazards_queued_clear_hang_eviction_restart(sim) -> None:
     cfg = HashConfig("sha256", None, 16)
     await _post(http, s.url + "/v1/completions", json={"prompt": list(range(64))})
     seq, evs = await _recv(sub)
-    assert seq == 0 and isinstance(evs[0], BlockStored) and list(evs[0].block_hashes) == \
-        external_chain(cfg, list(range(64)))
+    assert (
+        seq == 0
+        and isinstance(evs[0], BlockStored)
+        and list(evs[0].block_hashes) == external_chain(cfg, list(range(64)))
+    )
     await _post(http, s.url + "/sleep", params={"level": "1"})
     with pytest.raises(asyncio.TimeoutError):
         await _recv(sub, 0.3)  # AllBlocksCleared is only queued
@@ -144,16 +164,100 @@ async def test_dropped_events_stay_replayable(sim) -> None:
 
 
 def test_cli_prints_endpoints_json() -> None:
-    p = subprocess.Popen([sys.executable, "-m", "fleet.cli.main", "sim-vllm", "--port", "0", "--kv-events-port", "0",
-                          "--replay-port", "0", "--model", "m", "--block-size", "16", "--num-blocks", "32"],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleet.cli.main",
+            "sim-vllm",
+            "--port",
+            "0",
+            "--kv-events-port",
+            "0",
+            "--replay-port",
+            "0",
+            "--model",
+            "m",
+            "--block-size",
+            "16",
+            "--num-blocks",
+            "32",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         info = json.loads(p.stdout.readline())
         assert info["model"] == "m" and info["url"].startswith("http://127.0.0.1:")
         assert info["kv_events"].startswith("tcp://") and info["replay"].startswith("tcp://")
         import urllib.request
+
         with urllib.request.urlopen(info["url"] + "/is_sleeping", timeout=5) as r:
             assert json.loads(r.read()) == {"is_sleeping": False}
     finally:
         p.terminate()
         assert p.wait(10) == 0
+
+
+@pytest.fixture
+async def clocked():
+    """The stand-in with its clock on (fast: a hundredth of real time), 8 blocks of KV."""
+    cfg = SimEngineConfig(model="m", num_blocks=8, time_scale=0.01)
+    s = await SimVllm(SimConfig(engine=cfg)).start()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(s.kv_events)
+    async with aiohttp.ClientSession() as http:
+        await asyncio.sleep(0.2)
+        yield s, http, sub
+    sub.close(0)
+    ctx.term()
+    await s.stop()
+
+
+async def test_clocked_hazards_still_hold(clocked) -> None:
+    s, http, sub = clocked
+    assert (await _post(http, s.url + "/v1/completions", json={"prompt": list(range(64))}))[0] == 200
+    seq, evs = await _recv(sub)
+    assert seq == 0 and isinstance(evs[0], BlockStored)
+    await _post(http, s.url + "/sleep", params={"level": "1"})
+    hung = asyncio.create_task(_post(http, s.url + "/v1/completions", json={"prompt": list(range(100, 164))}))
+    await _until_waiting(http, s, 1)  # queued on the sleeping engine
+    with pytest.raises(asyncio.TimeoutError):
+        await _recv(sub, 0.3)  # AllBlocksCleared is only queued
+    assert not hung.done()
+    await _post(http, s.url + "/wake_up")
+    assert (await hung)[0] == 200
+    seq, evs = await _recv(sub)
+    assert seq == 1 and isinstance(evs[0], AllBlocksCleared) and isinstance(evs[1], BlockStored)
+    # a stream in flight holds its blocks: reset answers success:false; sleep(abort) ends the stream
+    async with http.post(
+        s.url + "/v1/completions", json={"prompt": list(range(32)), "max_tokens": 100_000, "stream": True}
+    ) as r:
+        await r.content.readuntil(b"\n\n")
+        assert await _post(http, s.url + "/reset_prefix_cache") == (200, {"success": False})
+        await _post(http, s.url + "/sleep", params={"level": "0"})  # mode abort (the default)
+        chunks = [
+            json.loads(line[6:]) for line in (await r.text()).split("\n\n") if line.startswith("data: {")
+        ]
+    fins = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert (
+        fins[-1] == "abort"
+        and set(fins[:-1]) == {None}
+        and chunks[-1]["usage"]["completion_tokens"] < 100_000
+    )
+    assert parse_metrics(await (await http.get(s.url + "/metrics")).text()).running == 0
+    # restart while a request waits on the sleeping engine: it fails with 503, as before
+    queued = asyncio.create_task(_post(http, s.url + "/v1/completions", json={"prompt": [1, 2, 3]}))
+    await _until_waiting(http, s, 1)
+    await _post(http, s.url + "/sim/restart")
+    assert (await queued)[0] == 503
+
+
+async def _until_waiting(http, s, n: int, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if parse_metrics(await (await http.get(s.url + "/metrics")).text()).waiting == n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"vllm:num_requests_waiting never reached {n}")
