@@ -29,6 +29,7 @@ from typing import Any
 from fleet.errors import InvalidArgument
 
 KV_STATES = ("preserved", "forgotten", "unknown")
+SEQ_LIMIT = (1 << 63) - 2  # the largest event seq a vLLM publisher sends (controller.vllm.events.MAX_SEQ)
 PHASES = ("serving", "paused", "sleeping", "error", "unknown")
 VERBS = ("sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "release_kv_cache_memory")
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -240,5 +241,12 @@ class RankState:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankState:
+        """A persisted state; a seq outside vLLM's int64 range (a corrupt record) reads as -1, a
+        fresh stream, and its epoch_seq as 0: nothing is trusted from it (fail closed)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        st = cls(**{k: v for k, v in d.items() if k in names})
+        if not (isinstance(st.seq, int) and -1 <= st.seq <= SEQ_LIMIT) or not (
+            isinstance(st.epoch_seq, int) and 0 <= st.epoch_seq <= SEQ_LIMIT + 1
+        ):
+            st = dataclasses.replace(st, seq=-1, epoch_seq=0, serving=False)
+        return st

@@ -180,8 +180,21 @@ def decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(b.ts, tuple(decode_event(bytes(r)) for r in b.events), b.data_parallel_rank)
 
 
-def parse_seq(frame: bytes) -> int:
-    """The seq frame: >= 8 bytes, first 8 big-endian (a 24-byte frame also carries a publisher id)."""
+END_SEQ = (1 << 64) - 1  # the replay stream's end marker (vLLM sends (-1).to_bytes(8, signed=True))
+MAX_SEQ = (1 << 63) - 2  # vLLM's seq is a non-negative int64 counter; seq + 1 must still fit
+
+
+def parse_seq(frame: bytes, *, allow_end: bool = False) -> int:
+    """The seq frame: >= 8 bytes, first 8 big-endian (a 24-byte frame also carries a publisher id).
+
+    Raises:
+        EventDecodeError: a short frame, or a seq no vLLM publisher can send (> MAX_SEQ; the end
+            marker only where `allow_end`, i.e. in a replay reply). NOTE: one such frame used to
+            be applied and persisted, and its seq + 1 overflowed every later int64 use of it.
+    """
     if len(frame) < 8:
         raise EventDecodeError(f"seq frame of {len(frame)} bytes (need >= 8)")
-    return int.from_bytes(frame[:8], "big")
+    seq = int.from_bytes(frame[:8], "big")
+    if seq > MAX_SEQ and not (allow_end and seq == END_SEQ):
+        raise EventDecodeError(f"seq {seq} is outside vLLM's range [0, {MAX_SEQ}]")
+    return seq

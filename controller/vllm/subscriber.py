@@ -18,10 +18,17 @@ import zmq
 import zmq.asyncio
 
 from controller.metrics import Metrics
-from controller.vllm.events import EventBatch, EventDecodeError, UnknownEventType, decode_batch, parse_seq
+from controller.vllm.events import (
+    END_SEQ,
+    MAX_SEQ,
+    EventBatch,
+    EventDecodeError,
+    UnknownEventType,
+    decode_batch,
+    parse_seq,
+)
 
 log = logging.getLogger(__name__)
-END_SEQ = (1 << 64) - 1
 
 
 class StreamSink(Protocol):
@@ -166,6 +173,8 @@ class Subscriber:
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure."""
         assert self.replay_endpoint is not None
+        if not 0 <= start <= MAX_SEQ:
+            return None  # an impossible start (e.g. a corrupt persisted seq): replay cannot help
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_endpoint)
@@ -181,7 +190,7 @@ class Subscriber:
                     seq_f, payload = body[0], body[1]
                 else:
                     return None
-                seq = parse_seq(seq_f)
+                seq = parse_seq(seq_f, allow_end=True)
                 if seq == END_SEQ:
                     return out
                 out.append((seq, payload))
