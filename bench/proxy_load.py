@@ -1,6 +1,6 @@
 """Proxy load test on loopback: added latency and requests/s against sending straight to the workers.
 
-Separate processes, as deployed: 2 `kvfleet sim-vllm` workers, `kvfleet controller` (auth on,
+Separate processes, as deployed: 2 `kvfleet sim-vllm` workers (clock off, `--time-scale 0`: the proxy's own cost is what is measured), `kvfleet controller` (auth on,
 SQLite store), `kvfleet proxy`; this script is the load generator. Each of C concurrent clients
 holds one conversation and sends R streaming chat turns one after another (each turn appends the
 reply and a new user message, so the prefix grows and the router sees it warm). The same turns go
@@ -124,7 +124,7 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str],
     try:
         sims = []
         for i in range(a.workers):
-            procs.append(spawn(["sim-vllm", "--model", MODEL, "--num-blocks", "65536"], tmp / f"sim{i}.log"))
+            procs.append(spawn(["sim-vllm", "--model", MODEL, "--num-blocks", "65536", "--time-scale", "0"], tmp / f"sim{i}.log"))
             sims.append(json.loads(first_line(procs[-1], "sim-vllm")))
         tokens = tmp / "tokens.json"
         op, tenant = mint_token(tokens, "ops", "operator"), mint_token(tokens, "acme", "tenant")
