@@ -2,7 +2,8 @@
 
 `num_blocks` blocks hold full prompt blocks. A block is pinned while a running request holds it
 (ref_cnt > 0) and cached-but-free once none does; new blocks take free slots first, then evict the
-least recently *admitted* unpinned block (one BlockRemoved each). Events are queued and published
+least recently used unpinned block (one BlockRemoved each). As in vLLM, a request's blocks are
+released in reverse order, so of one request the tail blocks are evicted first and its prefix stays. Events are queued and published
 with the engine step (`_flush`). Pure: the publisher is a callable, no I/O here.
 """
 
@@ -77,11 +78,15 @@ class PrefixCache:
         return res.num_cached_tokens
 
     def free(self, seq: Seq) -> None:
-        for d in seq.pinned:
+        """Unpin the request's blocks; those no running request holds join the LRU end in reverse
+        order, so the tail blocks are evicted first (vLLM's `KVCacheManager.free`)."""
+        for d in reversed(seq.pinned):
             if self.ref_cnt.get(d, 0) > 1:
                 self.ref_cnt[d] -= 1
             else:
                 self.ref_cnt.pop(d, None)
+                if d in self.cache:
+                    self.cache.move_to_end(d)
         seq.pinned = []
 
     # internals
@@ -116,6 +121,8 @@ class PrefixCache:
         self._evict(len(self.cache) + len(new) - self.num_blocks, keep=held | set(digests))
         for d in new:
             self.cache[d] = None
+        for d in reversed(digests[: hit + len(new)]):
+            self.cache.move_to_end(d)  # tail first: vLLM frees a request's blocks in reverse order
         first_new = 0 if report_full else hit
         stored = digests[first_new : hit + len(new)]
         if stored:

@@ -152,7 +152,9 @@ def test_kv_capacity_bounds_running_and_usage_moves() -> None:
     assert s3 is not None and s3.prefill == ((b, 80),) and eng.kv_usage() == 5 / 8
     eng.finish(s3)
     removed = [h for e in published[0] if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    assert removed == external_chain(HashConfig("sha256", None, 16), a_ids)[:2]  # LRU: a's two oldest
+    # LRU, tail first (vLLM frees a request's blocks in reverse order): a's last two blocks go, its
+    # first three (the prefix a repeat would hit) stay
+    assert removed == external_chain(HashConfig("sha256", None, 16), a_ids)[3:][::-1]
     assert isinstance(published[0][-1], BlockStored) and len(eng.cache) == 8
 
 
@@ -378,3 +380,16 @@ def test_cli_clock_flags() -> None:
     assert c.cost_model().step_s(0, 2) == pytest.approx(0.001 + 0.01 + 0.0002)
     with pytest.raises(SystemExit):
         _parse(["--max-num-seqs", "0"])
+
+
+def test_instant_path_evicts_a_requests_tail_first() -> None:
+    """vLLM frees a finished request's blocks in reverse order, so under pressure an old
+    conversation loses its tail, not its head: a repeat still hits its first blocks."""
+    eng, _ = make_engine(num_blocks=8)
+    a_ids, b_ids = list(range(80)), list(range(1000, 1048))  # 5 and 3 full blocks
+    eng._step(a_ids, None, None, False)
+    eng._step(b_ids, None, None, False)  # fills the pool exactly
+    eng._step(list(range(2000, 2032)), None, None, False)  # 2 more blocks: evicts a's last two
+    again = eng._step(a_ids, None, None, False)
+    print(f"repeat of a after pressure: {again.num_cached_tokens} of 80 tokens cached")
+    assert again.num_cached_tokens == 48  # a's head (3 blocks) survived; head-first LRU would give 0
