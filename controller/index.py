@@ -118,6 +118,20 @@ class PrefixIndex:
         r = self._ranks.get(key)
         return r.num_blocks() if r is not None else 0
 
+    def residency(self, key: RankKey, hashes: Sequence[int] | None) -> tuple[int, int, int | None]:
+        """One lookup for the router's cost: (`match` of `hashes` or 0, `num_resident`, `learned_capacity`)."""
+        r = self._ranks.get(key)
+        if r is None:
+            return 0, 0, self._capacity.get(key)
+        n = 0
+        s = r.gpu() if hashes else None
+        if s:
+            for h in hashes or ():
+                if h not in s:
+                    break
+                n += 1
+        return n, r.num_gpu_blocks(), self._capacity.get(key)
+
     def num_resident(self, key: RankKey) -> int:
         """GPU blocks resident on the rank (0 if unknown)."""
         r = self._ranks.get(key)

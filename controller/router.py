@@ -397,9 +397,8 @@ class Router:
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 
     def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> _Ranking:
-        chains: dict[
-            Any, tuple[list[int], dict[RankKey, int]]
-        ] = {}  # per hash config: chain, extended routes
+        # per hash config: the prompt's chain, and the tracked routes it extends
+        chains: dict[Any, tuple[list[int], dict[RankKey, int]]] = {}
         last: dict[RankKey, int | None] = {}
         states = []
         seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
@@ -410,7 +409,7 @@ class Router:
             for r in w.ranks:
                 if not w.ranks[r].serving or w.transitioning:
                     continue  # not a candidate at all, whatever it would cost
-                key, cached, ext = (name, r), 0, None
+                key, chain, ext = (name, r), None, None
                 proven = w.warmable(r) and w.hash_cfg is not None
                 if proven and w.hash_cfg is not None:
                     ck = (w.hash_cfg, adapter, w.loras.get(adapter or ""))
@@ -420,9 +419,8 @@ class Router:
                         chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
                         hit = chains[ck] = (chain, self.flights.extended(chain))
                     chain, ext = hit
-                    cached = self.index.match(key, chain) * w.hash_cfg.block_size
                     last[key] = chain[-1] if chain else None
-                states.append(self._state(w, key, proven, cached, ext, seed))
+                states.append(self._state(w, key, proven, chain, ext, seed))
         return _Ranking(cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens()), last)
 
     def _state(
@@ -430,33 +428,36 @@ class Router:
         w: Worker,
         key: RankKey,
         proven: bool,
-        cached: int,
+        chain: list[int] | None,
         extended: dict[RankKey, int] | None,
         seed: int,
     ) -> CandidateState:
         """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
         m = w.load
-        if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
-            self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
-            self._ended(self.flights.reconcile(key, m.running, m.waiting, w.load_at), "reconcile")
-        n, nq, toks = self.flights.load(key)
-        if nq and extended:
-            toks -= extended.get(key, 0)
+        n = nq = toks = 0
+        if self.flights:  # NOTE: nothing to reconcile or count while no route is tracked (the common case)
+            if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
+                self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
+                self._ended(self.flights.reconcile(key, m.running, m.waiting, w.load_at), "reconcile")
+            n, nq, toks = self.flights.load(key)
+            if nq and extended:
+                toks -= extended.get(key, 0)
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
+        matched, resident, learned = self.index.residency(key, chain)
         return CandidateState(
             key[0],
             key[1],
             True,
             proven,
             B,
-            cached,
+            matched * B,
             n,
             nq,
             toks,
             m.running,
             m.waiting,
-            self.index.num_resident(key),
-            m.num_gpu_blocks or self.index.learned_capacity(key),
+            resident,
+            m.num_gpu_blocks or learned,
             m.kv_usage,
             zlib.crc32(key[0].encode(), seed),
         )
