@@ -205,8 +205,7 @@ def observations(cells: list[dict[str, Any]]) -> list[str]:
     if idle:
         out.insert(
             0,
-            "kvfleet sent no request at all to some workers in: " + ", ".join(idle) + " (longest-prefix "
-            "placement: every session matches the shared system prompt on the worker that cached it first).",
+            "kvfleet sent no request at all to some workers in: " + ", ".join(idle) + ".",
         )
     return out
 
