@@ -39,9 +39,11 @@ class DemoOutput:
 
 
 async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address: str | None = None,
-                   state_dir: str | None = None) -> DemoOutput:
-    """Start everything, run the workload, summarize; `console` shows progress (None: quiet)."""
+                   state_dir: str | None = None, with_peers: bool = True) -> DemoOutput:
+    """Start everything, run the workload, summarize; `console` shows progress (None: quiet).
+    With `with_peers` and `vllm-router` on PATH, the trace is also replayed live through it."""
     from fleet.demo.live import LiveRun
+    from fleet.demo.peers import replay_vllm_router, vllm_router_binary
     from fleet.demo.stack import Stack, StackConfig
     from fleet.demo.summary import summarize
 
@@ -63,12 +65,16 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
                         prog.console.log(msg)
 
                 res = await LiveRun(cfg, stack, report).run()
-                prog.update(task, description="replaying the trace under the oracle and the baselines")
-                summary = await asyncio.to_thread(summarize, cfg, res)
                 listing = await stack.admin.fleet_sessions(fleet=True)
                 workers = await stack.admin.workers()
             finally:
                 await stack.stop()
+            peer = None
+            if with_peers and vllm_router_binary():
+                prog.update(task, description="the same trace through vllm-router kv_aware (fresh stand-ins)")
+                peer = await replay_vllm_router(res.trace, cfg.num_blocks, cfg.block_size)
+            prog.update(task, description="replaying the trace under the other routings")
+            summary = await asyncio.to_thread(summarize, cfg, res, peer)
     return DemoOutput(summary, list(listing.sessions), workers, list(listing.nodes))
 
 
@@ -99,8 +105,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvfleet demo",
         description="The main job on one machine: controller, local Ray, embedded store and vLLM stand-ins, an "
-                    "agent fleet workload routed through kvfleet, then the summary beside an oracle and two "
-                    "baseline routers, and the fleet dashboard.",
+                    "agent fleet workload routed through kvfleet, then the summary beside the same trace under "
+                    "session-sticky hashing, greedy longest-prefix with perfect knowledge, a lifecycle-blind prefix "
+                    "router, round-robin and (when installed) vLLM's own vllm-router, and the fleet dashboard.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--agents", type=int, default=5, help="agent sessions sharing one system prompt")
     p.add_argument("--turns", type=int, default=50, help="turns per agent")
@@ -109,6 +116,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--no-peers", action="store_true", help="skip the live vllm-router replay even when installed")
     return p.parse_args(argv)
 
 
@@ -120,7 +128,7 @@ def main(argv: list[str]) -> int:
         print(f"kvfleet demo: {e}", file=sys.stderr)
         return 2
     err = Console(stderr=True)
-    out = asyncio.run(run_demo(cfg, None if a.quiet else err, a.ray_address))
+    out = asyncio.run(run_demo(cfg, None if a.quiet else err, a.ray_address, with_peers=not a.no_peers))
     if a.json:
         print(json.dumps(out.summary, indent=1))
         return 0

@@ -7,7 +7,11 @@ policy routes it again without that worker — as the live demo does.
 
 Policies (one `choose` method each):
     recorded   kvfleet's live choices, replayed: a fidelity check (must give the live numbers)
-    oracle     knows every worker's true cache and serving state: longest true prefix
+    greedy     "greedy, perfect knowledge": knows every worker's true cache and serving state and
+               takes the longest true prefix per request (ties: fewest cached blocks). NOT an
+               oracle: it knows no future, ignores load, and piles agents onto one worker
+    sticky     session-sticky consistent hashing (the agent's name on a ring of workers), skipping
+               sleeping workers: what a sticky-session load balancer does
     blind      a prefix-aware router that trusts its KV-event index and clears a worker only on
                AllBlocksCleared *as delivered* (vLLM queues it until the next engine step): no
                serving state, no epochs (what shipped routers do; controller/baseline.py)
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +46,9 @@ class PolicyResult:
     warm_routes: int = 0
     stale_warm_routes: int = 0
     to_sleeping: int = 0
+    failed: int = 0  # requests that got no answer at all (live replays only)
+    per_worker: dict[str, int] = field(default_factory=dict)  # requests served by each worker
+    per_worker_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens sent to each worker
 
     @property
     def prefill_tokens(self) -> int:
@@ -54,7 +62,20 @@ class PolicyResult:
         return {"policy": self.policy, "requests": self.num_requests, "total_tokens": self.total_tokens,
                 "reused_tokens": self.reused_tokens, "prefill_tokens": self.prefill_tokens,
                 "hit_rate": round(self.hit_rate, 6), "warm_routes": self.warm_routes,
-                "stale_warm_routes": self.stale_warm_routes, "to_sleeping": self.to_sleeping}
+                "stale_warm_routes": self.stale_warm_routes, "to_sleeping": self.to_sleeping, "failed": self.failed,
+                "per_worker": dict(sorted(self.per_worker.items())),
+                "per_worker_tokens": dict(sorted(self.per_worker_tokens.items())),
+                "max_min_share": max_min_share(self.per_worker)}
+
+    def count(self, worker: str, num_tokens: int) -> None:
+        self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
+        self.per_worker_tokens[worker] = self.per_worker_tokens.get(worker, 0) + num_tokens
+
+
+def max_min_share(per_worker: dict[str, int]) -> float | None:
+    """Requests of the busiest worker over the idlest (None when a worker served none: unbounded)."""
+    vals = list(per_worker.values())
+    return round(max(vals) / min(vals), 3) if vals and min(vals) > 0 else None
 
 
 @dataclass(slots=True)
@@ -124,8 +145,8 @@ class Recorded(Policy):
         return req.worker, req.claimed_tokens // self.block_size
 
 
-class Oracle(Policy):
-    name = "oracle"
+class Greedy(Policy):
+    name = "greedy"
 
     def choose(self, fleet: Fleet, req: Request, i: int, tried: frozenset[str] = frozenset()) -> tuple[str, int]:
         awake = [n for n in fleet.engines if n not in fleet.asleep]
@@ -142,6 +163,30 @@ class Blind(Policy):
         names = [n for n in fleet.engines if n not in tried]
         best = max(names, key=lambda n: (fleet.delivered.match((n, 0), hashes), n))  # as BaselineRouter
         return best, fleet.delivered.match((best, 0), hashes)
+
+
+class Sticky(Policy):
+    """Consistent hashing of the session (agent) name over the workers, skipping sleeping ones."""
+
+    name = "sticky"
+    VNODES = 64
+
+    def __init__(self, workers: Sequence[str]) -> None:
+        ring = [(self._h(f"{w}#{v}"), w) for w in workers for v in range(self.VNODES)]
+        self.ring = sorted(ring)
+
+    @staticmethod
+    def _h(key: str) -> int:
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+
+    def choose(self, fleet: Fleet, req: Request, i: int, tried: frozenset[str] = frozenset()) -> tuple[str, int]:
+        h = self._h(req.agent)
+        start = next((j for j, (p, _) in enumerate(self.ring) if p >= h), 0)
+        for j in range(len(self.ring)):
+            w = self.ring[(start + j) % len(self.ring)][1]
+            if w not in fleet.asleep and w not in tried:
+                return w, 0
+        raise ValueError("no awake worker")
 
 
 class RoundRobin(Policy):
@@ -166,6 +211,7 @@ def replay(trace: Trace, policy: Policy) -> PolicyResult:
     for kvfleet's recorded choices that is the very worker the live run put to sleep.
     """
     fleet, out, i = Fleet.build(trace), PolicyResult(policy.name), 0
+    out.per_worker, out.per_worker_tokens = dict.fromkeys(trace.workers, 0), dict.fromkeys(trace.workers, 0)
     served: dict[str, int] = {}
     slept: dict[str, str] = {}
     for ev in trace.events:
@@ -190,11 +236,13 @@ def replay(trace: Trace, policy: Policy) -> PolicyResult:
             tried.add(worker)
         i += 1
         served[worker] = served.get(worker, 0) + 1
+        out.count(worker, ev.num_tokens)
         fleet.serve(worker, ev, out)
     return out
 
 
 def replay_all(trace: Trace) -> dict[str, PolicyResult]:
     """The same trace under every policy (kvfleet's recorded choices first)."""
-    policies: Sequence[Policy] = (Recorded(trace.block_size), Oracle(), Blind(), RoundRobin())
+    policies: Sequence[Policy] = (Recorded(trace.block_size), Greedy(), Sticky(trace.workers), Blind(),
+                                  RoundRobin())
     return {p.name: replay(trace, p) for p in policies}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.demo.model import Oracle, Recorded, replay, replay_all
+from fleet.demo.model import Greedy, Recorded, Sticky, max_min_share, replay, replay_all
 from fleet.demo.trace import Lifecycle, Request, Trace
 
 B = 16
@@ -30,7 +30,11 @@ def test_each_policy_counts_exact_tokens() -> None:
         assert p.total_tokens == want_total and p.reused_tokens + p.prefill_tokens == want_total
     # kvfleet's recorded choices: 0 + 96 + 0 (cold on w1 after the sleep) + 160
     assert (r["kvfleet"].reused_tokens, r["kvfleet"].stale_warm_routes, r["kvfleet"].to_sleeping) == (256, 0, 0)
-    assert r["oracle"].reused_tokens == 256 and r["oracle"].to_sleeping == 0
+    assert r["greedy"].reused_tokens == 256 and r["greedy"].to_sleeping == 0
+    # sticky: every turn of "a" on its ring worker; the sleep hits that worker (its busiest), turn 2
+    # goes cold to the other one without hanging (it skips sleepers), turn 3 returns to the emptied one
+    assert (r["sticky"].reused_tokens, r["sticky"].to_sleeping) == (96, 0)
+    assert sorted(r["sticky"].per_worker.values()) == [1, 3] and r["sticky"].to_dict()["max_min_share"] == 3.0
     # blind: its index still holds w0's blocks while w0 sleeps -> one hung request, stale warm, then fails over
     assert (r["blind"].to_sleeping, r["blind"].stale_warm_routes, r["blind"].reused_tokens) == (1, 1, 256)
     # round-robin: w0, w1; its busiest is then w1 (tie, larger name), so the sleep clears w1;
@@ -43,4 +47,14 @@ def test_recorded_replay_detects_a_wrong_live_figure() -> None:
     t = trace()
     t.events[1] = req("a", 1, 64, claimed=160, cached=96)          # claimed more than was resident
     assert replay(t, Recorded(B)).stale_warm_routes == 1
-    assert replay(t, Oracle()).stale_warm_routes == 0
+    assert replay(t, Greedy()).stale_warm_routes == 0
+
+
+def test_sticky_spreads_sessions_and_share_is_bounded_only_when_every_worker_serves() -> None:
+    ring = Sticky(["w0", "w1", "w2", "w3"])
+    t = Trace(["w0", "w1", "w2", "w3"], B, 1024)
+    t.events += [req(f"agent-{i}", 0, 16) for i in range(64)]
+    r = replay(t, ring)
+    print("sticky share over 64 agents:", r.per_worker)
+    assert sum(r.per_worker.values()) == 64 and min(r.per_worker.values()) > 0
+    assert max_min_share({"w0": 3, "w1": 0}) is None and max_min_share({"w0": 3, "w1": 1}) == 3.0
