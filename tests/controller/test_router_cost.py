@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -384,3 +385,55 @@ async def test_route_over_grpc_carries_cost_and_release_is_the_tenants(tmp_path)
         await channel.close()
         await ctl.stop(0)
         await sim.stop()
+
+
+# ---- configuration: flags and Helm values reach CostConfig --------------------------------------
+
+
+def test_route_flags_make_the_cost_config_and_bad_weights_stop_the_controller(tmp_path, capsys) -> None:
+    from controller.main import cost_config_from, main, parse_args
+    from fleet.cli.up import parse as parse_up
+
+    args = parse_args(["--route-queue-weight", "1.5", "--route-untracked-request-tokens", "64"], {})
+    assert cost_config_from(args) == CostConfig(queue_weight=1.5, untracked_request_tokens=64)
+    assert cost_config_from(parse_args([], {})) == CostConfig()
+    assert cost_config_from(parse_up(["--route-pressure-weight", "0"])) == CostConfig(pressure_weight=0.0)
+    assert main(["--route-kv-high-water", "1.0", "--store", f"sqlite:///{tmp_path}/x.db"], {}) == 2
+    assert "--route-kv-high-water" in capsys.readouterr().err
+    assert not (tmp_path / "x.db").exists()  # refused before anything started
+
+
+def test_helm_routing_values_become_flags_the_controller_parses() -> None:
+    helm = pytest.importorskip("helm_python")
+    import yaml
+
+    from controller.main import cost_config_from, parse_args
+
+    def args(values: dict[str, object]) -> list[str]:
+        with helm.Chart.load(Path(__file__).resolve().parents[2] / "helm" / "kvfleet") as chart:
+            out = chart.render(values, name="demo", namespace="kvfleet")
+        dep = next(
+            d for p, t in out.items() if "controller-deployment" in p for d in yaml.safe_load_all(t) if d
+        )
+        return list(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    assert not [a for a in args({}) if a.startswith("--route-")]  # null values: the controller's defaults
+    routing = {
+        "queueWeight": 1,
+        "requestWeight": 0,
+        "kvHighWater": 0.9,
+        "untrackedRequestTokens": 1000000,
+        "inflightTtlSeconds": 300,
+        "reconcileGraceSeconds": 0.5,
+        "pressureWeight": 2.5,
+    }
+    got = cost_config_from(parse_args(args({"controller": {"routing": routing}})[1:], {}))
+    assert got == CostConfig(
+        queue_weight=1.0,
+        request_weight=0.0,
+        pressure_weight=2.5,
+        kv_high_water=0.9,
+        untracked_request_tokens=1000000,
+        inflight_ttl_s=300.0,
+        reconcile_grace_s=0.5,
+    )
