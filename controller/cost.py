@@ -4,12 +4,15 @@ Pure: no I/O, no clock of its own (callers pass `now`). The router builds one `C
 serving (worker, dp_rank) from its index, its in-flight ledger and the last /metrics look, and
 `rank` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and SGLang compare.
 
-    cost(w) = prefill(w) + queue_weight * queued(w) + request_weight * active(w)
-              + pressure_weight * evicted(w)
+    cost(w) = prefill(w) - (1 - shared_prefix_weight) * amortized(w)
+              + queue_weight * queued(w) + request_weight * active(w) + pressure_weight * evicted(w)
 
     prompt      |<------------------------- num_prompt_tokens ------------------------->|
     on w        |<--- cached: proven warm under the current epoch --->|<-- prefill(w) -->|
 
+    amortized(w) the part of prefill(w) that is a prefix other conversations share (a system
+                prompt: a block seen followed by two different blocks): each worker pays it once
+                for every conversation it will host, so it does not glue new ones to its holder
     queued(w)   prefill tokens waiting ahead on w: tracked routes vLLM has not scheduled yet, plus
                 requests in vllm:num_requests_waiting beyond those, each at the mean routed size
     active(w)   requests on w: tracked routes not yet ended, or /metrics' running + waiting if more
@@ -48,6 +51,9 @@ class CostConfig:
             prefill costs by load.
         pressure_weight: cost of one token of another prefix evicted. 1.0: in an agent fleet the
             evicted history comes back and is prefilled again.
+        shared_prefix_weight: share of a missing shared prefix (a system prompt) that counts. 0:
+            a worker prefills it once and then hosts every later conversation with it, so a new
+            conversation is placed by load and room, not glued to whoever holds the prompt.
         kv_high_water: without a known capacity, KV usage above this share counts as eviction.
         untracked_request_tokens: the size assumed for a request /metrics shows but the router did
             not track, until the router has routed any (then the running mean is used).
@@ -59,12 +65,21 @@ class CostConfig:
     queue_weight: float = 0.5
     request_weight: float = 16.0
     pressure_weight: float = 1.0
+    shared_prefix_weight: float = 0.0
     kv_high_water: float = 0.8
     untracked_request_tokens: int = 256
     inflight_ttl_s: float = 120.0
     reconcile_grace_s: float = 0.25
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.shared_prefix_weight, bool)
+            or not isinstance(self.shared_prefix_weight, int | float)
+            or not 0 <= self.shared_prefix_weight <= 1
+        ):
+            raise InvalidArgument(
+                f"shared_prefix_weight must be in [0, 1], got {self.shared_prefix_weight!r}"
+            )
         for name in ("queue_weight", "request_weight", "pressure_weight", "reconcile_grace_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
@@ -120,6 +135,9 @@ class CostTerms(NamedTuple):
     queued_tokens: float
     active_requests: float
     evicted_tokens: int
+    amortized_tokens: int = (
+        0  # of prefill_tokens: a shared prefix the rank lacks (counted at shared_prefix_weight)
+    )
 
 
 class Ranked(NamedTuple):
@@ -141,12 +159,20 @@ def evicted_tokens(cfg: CostConfig, num_prefill_tokens: int, s: CandidateState) 
 
 
 def terms(
-    cfg: CostConfig, num_prompt_tokens: int, s: CandidateState, mean_request_tokens: float
+    cfg: CostConfig,
+    num_prompt_tokens: int,
+    s: CandidateState,
+    mean_request_tokens: float,
+    num_shared_tokens: int = 0,
 ) -> CostTerms:
-    """The cost of sending a `num_prompt_tokens` request to the candidate, term by term."""
+    """The cost of sending a `num_prompt_tokens` request to the candidate, term by term.
+
+    `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`).
+    """
     _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage, _ = s
     cached = min(cached, num_prompt_tokens) if proven else 0
     prefill = num_prompt_tokens - cached
+    amortized = max(0, min(num_shared_tokens, num_prompt_tokens) - cached)
     queued = float(tracked)
     if waiting > n_queued:  # waiting requests /metrics shows beyond the ones we track, at the mean size
         queued += (waiting - n_queued) * mean_request_tokens
@@ -154,12 +180,22 @@ def terms(
     # NOTE: the fast path skips the block arithmetic where nothing can be evicted
     pressured = prefill > 0 and (capacity or kv_usage > cfg.kv_high_water)
     evicted = evicted_tokens(cfg, prefill, s) if pressured else 0
-    total = prefill + cfg.queue_weight * queued + cfg.request_weight * active + cfg.pressure_weight * evicted
-    return CostTerms(total, prefill, cached, queued, active, evicted)
+    total = (
+        prefill
+        - (1.0 - cfg.shared_prefix_weight) * amortized
+        + cfg.queue_weight * queued
+        + cfg.request_weight * active
+        + cfg.pressure_weight * evicted
+    )
+    return CostTerms(total, prefill, cached, queued, active, evicted, amortized)
 
 
 def rank(
-    cfg: CostConfig, num_prompt_tokens: int, states: Iterable[CandidateState], mean_request_tokens: float
+    cfg: CostConfig,
+    num_prompt_tokens: int,
+    states: Iterable[CandidateState],
+    mean_request_tokens: float,
+    num_shared_tokens: int = 0,
 ) -> list[Ranked]:
     """Serving candidates, cheapest first.
 
@@ -171,10 +207,41 @@ def rank(
     for i, s in enumerate(states):
         worker, dp_rank, serving = s[0], s[1], s[2]
         if serving:
-            t = terms(cfg, num_prompt_tokens, s, mean_request_tokens)
+            t = terms(cfg, num_prompt_tokens, s, mean_request_tokens, num_shared_tokens)
             keyed.append((t[0], s.num_resident_blocks, s.spread, worker, dp_rank, i, t, s))
     keyed.sort()
     return [Ranked(k[6], k[7]) for k in keyed]
+
+
+class Branches:
+    """Which block hashes are shared prefixes: seen followed by two different blocks (a radix fork).
+
+    A system prompt is one (every conversation continues it differently); a conversation's own
+    history is not (each turn continues it the same way), so warm affinity keeps its full credit.
+    Bounded: past `max_blocks` hashes it forgets everything and learns again.
+    """
+
+    def __init__(self, max_blocks: int = 1 << 20) -> None:
+        self.max_blocks = max_blocks
+        self._next: dict[int, int] = {}  # block hash -> the first block seen after it
+        self._forks: set[int] = set()
+
+    def observe(self, chain: Sequence[int]) -> int:
+        """Record the chain's transitions; return how many leading blocks are shared (up to its last fork)."""
+        if len(self._next) > self.max_blocks:
+            self._next.clear()
+            self._forks.clear()
+        nxt, forks, shared = self._next, self._forks, 0
+        for i in range(len(chain) - 1):
+            h, after = chain[i], chain[i + 1]
+            seen = nxt.setdefault(h, after)
+            if seen != after:
+                forks.add(h)
+            if h in forks:
+                shared = i + 1
+        if chain and chain[-1] in forks:
+            shared = len(chain)
+        return shared
 
 
 class Flight(NamedTuple):

@@ -38,6 +38,11 @@ COST_FLAGS: dict[str, tuple[str, type, str]] = {
         "cost, in tokens, of one more active request on a worker",
     ),
     "--route-pressure-weight": ("pressure_weight", float, "cost of one token of another prefix evicted"),
+    "--route-shared-prefix-weight": (
+        "shared_prefix_weight",
+        float,
+        "share of a missing shared prefix (a system prompt) that counts, 0..1",
+    ),
     "--route-kv-high-water": (
         "kv_high_water",
         float,

@@ -29,7 +29,7 @@ import aiohttp
 import zmq.asyncio
 
 from controller import cost
-from controller.cost import CandidateState, CostConfig, CostTerms, Flight, InFlight, Ranked
+from controller.cost import Branches, CandidateState, CostConfig, CostTerms, Flight, InFlight, Ranked
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
 from controller.vllm.hashing import ALGOS, external_chain
@@ -158,6 +158,7 @@ class Router:
         c = self.cfg.cost
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
         self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
+        self.branches = Branches()
 
     def set_cost_config(self, c: CostConfig) -> None:
         """New placement weights from now on; the in-flight ledger keeps its routes (new TTL and grace)."""
@@ -401,6 +402,7 @@ class Router:
         chains: dict[Any, tuple[list[int], dict[RankKey, int]]] = {}
         last: dict[RankKey, int | None] = {}
         states = []
+        shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
         seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
         for name, w in self._workers.items():
             adapter = lora or (model if model in w.loras else None)
@@ -418,10 +420,12 @@ class Router:
                         lk = (adapter, w.loras[adapter]) if adapter else None
                         chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
                         hit = chains[ck] = (chain, self.flights.extended(chain))
+                        shared = max(shared, self.branches.observe(chain) * w.hash_cfg.block_size)
                     chain, ext = hit
                     last[key] = chain[-1] if chain else None
                 states.append(self._state(w, key, proven, chain, ext, seed))
-        return _Ranking(cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens()), last)
+        ranked = cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens(), shared)
+        return _Ranking(ranked, last)
 
     def _state(
         self,

@@ -88,6 +88,7 @@ def cost_to_proto(t: CostTerms | None) -> route_pb2.RouteCost | None:
         queued_tokens=t.queued_tokens,
         active_requests=t.active_requests,
         evicted_tokens=t.evicted_tokens,
+        amortized_tokens=t.amortized_tokens,
     )
 
 

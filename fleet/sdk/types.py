@@ -32,7 +32,8 @@ class BlobInfo:
 @dataclass(frozen=True, slots=True)
 class RouteCost:
     """A candidate's cost in prefill-token units (docs/routing.md):
-    prefill + queue_weight * queued + request_weight * active + pressure_weight * evicted."""
+    prefill - (1 - shared_prefix_weight) * amortized + queue_weight * queued + request_weight * active
+    + pressure_weight * evicted."""
 
     total: float
     prefill_tokens: int
@@ -40,6 +41,7 @@ class RouteCost:
     queued_tokens: float
     active_requests: float
     evicted_tokens: int
+    amortized_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +149,13 @@ def blob_info(m: Any) -> BlobInfo:
 
 def route_cost(m: Any) -> RouteCost:
     return RouteCost(
-        m.total, m.prefill_tokens, m.cached_tokens, m.queued_tokens, m.active_requests, m.evicted_tokens
+        m.total,
+        m.prefill_tokens,
+        m.cached_tokens,
+        m.queued_tokens,
+        m.active_requests,
+        m.evicted_tokens,
+        m.amortized_tokens,
     )
 
 

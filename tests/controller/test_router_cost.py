@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from controller.auth import mint_token
-from controller.cost import CandidateState, CostConfig, Flight, InFlight, rank, terms
+from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, rank, terms
 from controller.index import PrefixIndex
 from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
+from controller.router import RouteDecision, Router, RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
 from controller.sim_vllm.engine import SimEngineConfig
 from controller.sim_vllm.main import SimConfig, SimVllm
@@ -45,8 +45,15 @@ class Fleet:
 
     def __init__(self, cached: dict[str, int], cfg: CostConfig = CFG) -> None:
         self.cfg, self.cached = cfg, cached
+        self.resident = {w: c // B for w, c in cached.items()}
         self.flights = InFlight(cfg.inflight_ttl_s, cfg.reconcile_grace_s, cfg.untracked_request_tokens)
         self.n = 0
+
+    def complete(self, worker: str, route_id: str, num_tokens: int, num_system_tokens: int) -> None:
+        """The routed request ended: released, and its worker now holds the system prompt and its blocks."""
+        assert self.flights.release(route_id) is not None
+        self.cached[worker] = max(self.cached[worker], num_system_tokens)
+        self.resident[worker] += num_tokens // B
 
     def states(self, spread: int) -> list[CandidateState]:
         out = []
@@ -59,13 +66,16 @@ class Fleet:
                     num_inflight_requests=n,
                     num_queued_requests=nq,
                     num_queued_tokens=toks,
+                    num_resident_blocks=self.resident[w],
                     spread=zlib.crc32(w.encode(), spread),
                 )
             )
         return out
 
-    def route(self, num_prompt_tokens: int, now: float = 0.0) -> str:
-        ranked = rank(self.cfg, num_prompt_tokens, self.states(self.n), self.flights.mean_tokens())
+    def route(self, num_prompt_tokens: int, now: float = 0.0, num_shared_tokens: int = 0) -> str:
+        ranked = rank(
+            self.cfg, num_prompt_tokens, self.states(self.n), self.flights.mean_tokens(), num_shared_tokens
+        )
         best = ranked[0]
         self.n += 1
         self.flights.add(
@@ -91,14 +101,59 @@ def test_cold_sessions_sharing_only_the_system_prompt_spread_evenly() -> None:
     assert len(set(same)) == 1
 
 
-def test_system_prompt_holder_takes_cold_sessions_until_its_queue_outweighs_the_prompt() -> None:
-    S, U = 256, 128  # only w0 holds the system prompt
-    f = Fleet({"w0": S, "w1": 0, "w2": 0})
-    picks = [f.route(S + U) for _ in range(5)]
-    # w0 costs 128 + 0.5 * 128k + 16k after k routes (128, 208, 288, 368, 448); w1 and w2 cost 384
+def _sessions(f: Fleet, n: int, *, complete: bool) -> list[str]:
+    """n cold sessions: the 256-token system prompt (16 blocks) and 128 tokens of their own."""
+    S, U = 256, 128
+    branches, system, picks = Branches(), list(range(1, S // B + 1)), []
+    for k in range(n):
+        chain = system + [1000 * (k + 1) + i for i in range(U // B)]
+        picks.append(f.route(S + U, num_shared_tokens=branches.observe(chain) * B))
+        if complete:
+            f.complete(picks[-1], f"r{f.n}", S + U, S)
+    return picks
+
+
+def test_cold_sessions_are_spread_not_glued_to_the_system_prompts_holder() -> None:
+    # one after another, each done before the next (no load anywhere); only w0 holds the prompt at first.
+    # Session 1 shows no fork yet, so the prompt counts in full: w0 (128 vs 384). From session 2 on the
+    # prompt is shared (two sessions continue it differently): the 256 tokens a worker lacks count at
+    # weight 0, every worker costs 128, and ties go to the emptier worker
+    picks = _sessions(Fleet({"w0": 256, "w1": 0, "w2": 0}), 9, complete=True)
+    print("9 sequential cold sessions, system prompt on w0 only:", picks)
+    assert picks[0] == "w0" and set(picks[1:3]) == {"w1", "w2"}
+    assert [picks.count(w) for w in ("w0", "w1", "w2")] == [3, 3, 3]
+    # control, the old glue: counting the prompt in full (weight 1), w0 costs 128 and the others 384, always
+    glued = _sessions(
+        Fleet({"w0": 256, "w1": 0, "w2": 0}, CostConfig(shared_prefix_weight=1.0)), 9, complete=True
+    )
+    assert glued == ["w0"] * 9
+
+
+def test_a_burst_of_cold_sessions_is_spread_by_the_work_queued() -> None:
+    # nine at once, none done: w1 and w2 must prefill the prompt too, so each of their requests queues
+    # 384 tokens against w0's 128. After routes 1-3 (one each): w0 128 + 64 + 16 = 208, w1 and w2
+    # 128 + 192 + 16 = 336; w0 takes 4 and 5 (208, 288), then 368 > 336 spills, and so on
+    picks = _sessions(Fleet({"w0": 256, "w1": 0, "w2": 0}), 9, complete=False)
+    print("9 cold sessions at once, system prompt on w0 only:", picks)
+    assert picks[0] == "w0" and set(picks[1:3]) == {"w1", "w2"} and picks[3:5] == ["w0", "w0"]
+    assert sorted(picks.count(w) for w in ("w0", "w1", "w2")) == [2, 2, 5]
+    # control: the old glue keeps the first four on w0 (128, 208, 288, 368 against 384)
+    glued = Fleet({"w0": 256, "w1": 0, "w2": 0}, CostConfig(shared_prefix_weight=1.0))
+    picks = _sessions(glued, 5, complete=False)
     assert picks[:4] == ["w0"] * 4 and picks[4] != "w0"
-    r = rank(CFG, S + U, f.states(0), f.flights.mean_tokens())
+    r = rank(glued.cfg, 384, glued.states(0), glued.flights.mean_tokens(), 256)
     assert [c.terms.total for c in r if c.state.worker == "w0"] == [128 + 0.5 * 4 * 128 + 16 * 4]
+
+
+def test_branches_find_the_shared_prefix_not_a_conversations_own_history() -> None:
+    b = Branches()
+    assert b.observe([1, 2, 3, 10, 11]) == 0  # one conversation: nothing is shared yet
+    assert b.observe([1, 2, 3, 20, 21]) == 3  # a second continues block 3 differently: 1-3 are shared
+    assert b.observe([1, 2, 3, 10, 11, 12]) == 3  # the first's next turn: its history stays its own
+    assert b.observe([1, 2, 3]) == 3 and b.observe([7, 8]) == 0
+    t = terms(CFG, 400, _state("w1", 0), 0, num_shared_tokens=3 * B)
+    assert (t.prefill_tokens, t.amortized_tokens, t.total) == (400, 48, 400 - 48)
+    assert terms(CFG, 400, _state("w0", 3 * B), 0, num_shared_tokens=3 * B).amortized_tokens == 0
 
 
 @pytest.mark.parametrize("queued, stays", [(4062, True), (4066, False)])
@@ -212,6 +267,7 @@ def test_a_sleeping_worker_is_never_chosen_and_an_unproven_one_never_credited_ev
         dict(request_weight=float("nan")),
         dict(kv_high_water=1.0),
         dict(inflight_ttl_s=0),
+        dict(shared_prefix_weight=1.5),
         dict(untracked_request_tokens=-5),
         dict(pressure_weight=True),
     ],
@@ -271,39 +327,42 @@ async def test_live_cold_sessions_spread_with_cost_terms_and_runner_up(tmp_path)
     # grace 30 s: no /metrics look may end these routes during the test (the sims answer instantly)
     r, sims, store = await _fleet(tmp_path, 3, reconcile_grace_s=30.0)
     try:
-        await _prefill(r, sims[0], SYSTEM, "w0")  # only w0 holds the system prompt
-        sessions = [SYSTEM + [5000 + 100 * k + i for i in range(48)] for k in range(6)]
-        # control: untracked routes leave no load behind, so every cold session goes to the prompt's holder
-        assert {(await r.route(s, "m")).worker for s in sessions} == {"w0"}
-        ds = [await r.route(s, "m", track=True, owner="acme") for s in sessions]
+        await _prefill(r, sims[0], SYSTEM, "w0")  # only w0 holds the 64-token system prompt
+
+        async def sessions(base: int) -> list[RouteDecision]:
+            out = [
+                await r.route(SYSTEM + [base + 100 * k + i for i in range(48)], "m", track=True, owner="acme")
+                for k in range(6)
+            ]
+            return out
+
+        # control, the old glue: with the missing prompt counted in full, w0 costs 48 + 0.5 * 48k + 16k
+        # after k routes (48, 88, 128, ...) against 112 + load elsewhere: w0, w0, then the others, 4 / 1 / 1
+        r.set_cost_config(CostConfig(shared_prefix_weight=1.0, reconcile_grace_s=30.0))
+        glued = [d.worker for d in await sessions(5000)]
+        assert glued[:2] == ["w0", "w0"] and sorted(glued.count(w) for w in set(glued)) == [1, 1, 4]
+        assert all(await _released(r))
+        # the defaults: the prompt is shared (six sessions continued it), so the 64 tokens w1 and w2 lack
+        # count at weight 0. Every worker costs 48 + its load; ties go to the emptier worker: 2 / 2 / 2
+        r.set_cost_config(CostConfig(reconcile_grace_s=30.0))
+        ds = await sessions(9000)
         picks = [d.worker for d in ds]
-        print("6 cold sessions, system prompt on w0 only:", picks, [d.cost.total for d in ds if d.cost])
-        # w0 costs 48 + 0.5 * 48k + 16k after k routes (48, 88, 128, ...); the others 112 + their own load
+        print("6 cold sessions, system prompt on w0 only:", picks, "(glued control:", glued, ")")
+        assert picks[0] != "w0" and sorted(picks.count(w) for w in ("w0", "w1", "w2")) == [2, 2, 2]
+        d = ds[0]
         assert (
-            picks[:2] == ["w0", "w0"]
-            and picks[2] != "w0"
-            and sorted(picks.count(w) for w in set(picks)) == [1, 1, 4]
-        )
-        d = ds[1]
-        assert (
-            d.verdict == "WARM"
+            d.verdict == "COLD"
             and d.cost is not None
             and d.runner_up is not None
             and d.runner_up.cost is not None
         )
+        assert (d.cost.prefill_tokens, d.cost.amortized_tokens, d.cost.total) == (112, 64, 48)
+        assert d.runner_up.worker not in ("w0", d.worker) and d.runner_up.cost.total == 48
+        w0 = next(c for c in d.candidates if c.worker == "w0")
         assert (
-            d.cost.cached_tokens,
-            d.cost.prefill_tokens,
-            d.cost.queued_tokens,
-            d.cost.active_requests,
-        ) == (64, 48, 48, 1)
-        assert (
-            d.cost.total == 48 + 0.5 * 48 + 16
-            and d.runner_up.cost.total == 112
-            and d.runner_up.worker != "w0"
+            w0.cost is not None and (w0.matched_tokens, w0.cost.total) == (64, 48) and len(d.candidates) == 3
         )
-        assert [c.worker for c in d.candidates][0] == "w0" and len(d.candidates) == 3
-        assert r.metrics.inflight_requests.labels("w0")._value.get() == 4
+        assert r.metrics.inflight_requests.labels("w0")._value.get() == 2
         for x in ds:
             assert r.release_route(x.route_id, owner="acme")
         assert len(r.flights) == 0 and r.metrics.inflight_requests.labels("w0")._value.get() == 0
@@ -321,6 +380,12 @@ async def test_live_cold_sessions_spread_with_cost_terms_and_runner_up(tmp_path)
         for s in sims:
             await s.stop()
         store.close()
+
+
+async def _released(r: Router) -> list[bool]:
+    """Release every tracked route (the glued control's), oldest first."""
+    ids = [f.route_id for f in list(r.flights._all.values())]
+    return [r.release_route(i, owner="acme") for i in ids]
 
 
 async def test_live_reconcile_ends_unreleased_routes_at_the_next_look(tmp_path) -> None:

@@ -22,20 +22,22 @@ class RouteRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., probe: _Optional[bool] = ..., track: _Optional[bool] = ...) -> None: ...
 
 class RouteCost(_message.Message):
-    __slots__ = ("total", "prefill_tokens", "cached_tokens", "queued_tokens", "active_requests", "evicted_tokens")
+    __slots__ = ("total", "prefill_tokens", "cached_tokens", "queued_tokens", "active_requests", "evicted_tokens", "amortized_tokens")
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AMORTIZED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     total: float
     prefill_tokens: int
     cached_tokens: int
     queued_tokens: float
     active_requests: float
     evicted_tokens: int
-    def __init__(self, total: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queued_tokens: _Optional[float] = ..., active_requests: _Optional[float] = ..., evicted_tokens: _Optional[int] = ...) -> None: ...
+    amortized_tokens: int
+    def __init__(self, total: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queued_tokens: _Optional[float] = ..., active_requests: _Optional[float] = ..., evicted_tokens: _Optional[int] = ..., amortized_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
     __slots__ = ("worker", "dp_rank", "matched_tokens", "cost")
