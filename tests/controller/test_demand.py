@@ -1,0 +1,41 @@
+"""The router's working-set ledger: exact demand per rank as conversations grow, move and expire."""
+
+from __future__ import annotations
+
+from controller.demand import WorkingSet
+
+SYS = [1, 2, 3, 4]  # 4 blocks every conversation shares
+
+
+def conv(tag: int, turns: int) -> list[int]:
+    return SYS + [tag * 1000 + i for i in range(turns)]
+
+
+def test_demand_counts_own_blocks_and_the_shared_prefix_once() -> None:
+    ws = WorkingSet()
+    ws.place(("w0", 0), conv(1, 3), 4, now=0.0)  # 7 blocks, 4 shared
+    ws.place(("w0", 0), conv(2, 5), 4, now=0.0)  # 9 blocks, 4 shared
+    assert ws.demand(("w0", 0)) == 4 + 3 + 5 and ws.demand(("w1", 0)) == 0
+
+
+def test_the_next_turn_replaces_its_record_and_can_move_it() -> None:
+    ws = WorkingSet()
+    ws.place(("w0", 0), conv(1, 3), 4, now=0.0)
+    ws.place(("w0", 0), conv(2, 5), 4, now=0.0)
+    ws.place(("w0", 0), conv(1, 6), 4, now=1.0)  # conversation 1's next turn: 3 -> 6 own blocks
+    assert ws.demand(("w0", 0)) == 4 + 6 + 5 and len(ws) == 2
+    prev = ws.previous(conv(2, 7))
+    assert prev is not None and prev[1].num_blocks == 9
+    assert ws.demand(("w0", 0), without=prev[1]) == 4 + 6  # what w0 needs if conversation 2 leaves
+    ws.place(("w1", 0), conv(2, 7), 4, now=2.0)  # conversation 2 moves to w1
+    assert (ws.demand(("w0", 0)), ws.demand(("w1", 0))) == (4 + 6, 4 + 7) and len(ws) == 2
+
+
+def test_records_expire_after_their_ttl_and_with_their_rank() -> None:
+    ws = WorkingSet(ttl_s=10.0)
+    ws.place(("w0", 0), conv(1, 3), 4, now=0.0)
+    ws.place(("w1", 0), conv(2, 3), 4, now=5.0)
+    ws.expire(now=12.0)  # conversation 1 idle 12 s > 10 s; conversation 2 idle 7 s
+    assert (ws.demand(("w0", 0)), ws.demand(("w1", 0))) == (0, 7)
+    ws.forget_rank(("w1", 0))
+    assert ws.demand(("w1", 0)) == 0 and len(ws) == 0
