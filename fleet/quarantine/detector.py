@@ -29,13 +29,38 @@ _MENTION_VERB_RE = re.compile(
 )
 
 
+_NOUN_USE_RE = re.compile(r"\b(?:the|this|that|an|a|my|your|his|her|our|their|each|every|new|previous|looking|blog)\s+$")
+QUOTE_CONTEXT = 300  # how close to a quoted span a discussion marker must be for the span to count as a quotation
+
+
+def unquoted_view(text: str | bytes | bytearray | memoryview) -> str:
+    """The normalised text, with every quoted span that sits next to a discussion marker blanked out.
+
+    NOTE: a security article quoting "ignore all previous instructions" is not an injection; the learned
+    layer has no notion of quotation, so it reads this view. A marker *inside* the span does not count
+    (an attack cannot hide itself by naming itself), and a text without markers is returned unchanged.
+    """
+    norm = T.normalize(T.decode_bytes(text))
+    if R.DISCUSSION_MARKERS.search(norm) is None:
+        return norm
+    parts, last = [], 0
+    for m in _QUOTED_RE.finditer(norm):
+        s, e = m.span()
+        around = norm[max(0, s - QUOTE_CONTEXT): s] + " " + norm[e: e + QUOTE_CONTEXT]
+        if R.DISCUSSION_MARKERS.search(around) is not None:
+            parts += [norm[last:s], '"…"']
+            last = e
+    return "".join(parts) + norm[last:]
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """A detector's answer: quarantined or not, why, and how strongly."""
 
     quarantined: bool
     reasons: list[str] = field(default_factory=list)
-    score: float = 0.0
+    score: float = 0.0  # the rules' score (the layered detector keeps this meaning)
+    learned_score: float | None = None  # P(injection) from the learned layer, None when it did not run
 
 
 class Detector(Protocol):
@@ -47,8 +72,14 @@ class Detector(Protocol):
 class PromptInjectionDetector:
     """Rule-based prompt-injection detector over normalised, hidden and decoded views (multilingual)."""
 
-    def __init__(self, threshold: float = THRESHOLD, max_depth: int = 2) -> None:
+    def __init__(self, threshold: float = THRESHOLD, max_depth: int = 2, categories: frozenset[str] | None = None) -> None:
+        """Args:
+            threshold: quarantine when the summed category scores reach it.
+            max_depth: how deep hidden and decoded views are re-read.
+            categories: the rule set: only these categories count (None: all of `rules.CATEGORIES`).
+        """
         self.threshold, self.max_depth = threshold, max_depth
+        self.categories = categories
 
     def inspect(self, text: str | bytes | bytearray | memoryview) -> Verdict:
         """Score `text` and return a Verdict.
@@ -60,6 +91,8 @@ class PromptInjectionDetector:
             Verdict(quarantined = score >= threshold, reasons = the categories that fired, sorted).
         """
         scores = self._score(T.decode_bytes(text), depth=0)
+        if self.categories is not None:
+            scores = {c: s for c, s in scores.items() if c in self.categories}
         total = round(sum(scores.values()), 4)
         reasons = sorted(c for c, s in scores.items() if s >= 0.1)
         return Verdict(quarantined=total >= self.threshold, reasons=reasons, score=total)
@@ -79,7 +112,7 @@ class PromptInjectionDetector:
         buckets: dict[int, dict[str, float]] = {}
         for rule in R.RULES:
             for m in rule.pattern.finditer(norm):
-                w = self._exfil_weight(norm, m) if rule.exfil else rule.weight
+                w = self._exfil_weight(norm, m, quoted) if rule.exfil else rule.weight
                 if w and self._is_mention(norm, m, quoted):
                     w *= MENTION_FACTOR
                 _bump(buckets.setdefault(m.start() // STRIDE, {}), rule.category, w)
@@ -90,9 +123,16 @@ class PromptInjectionDetector:
         return _best_window(buckets)
 
     @staticmethod
-    def _exfil_weight(norm: str, m: re.Match[str]) -> float:
+    def _exfil_weight(norm: str, m: re.Match[str], quoted: list[tuple[int, int]]) -> float:
         """An exfiltration verb counts only with something sensitive and a destination nearby."""
-        window = norm[max(0, m.start() - 150): m.end() + 250]
+        if _NOUN_USE_RE.search(norm[max(0, m.start() - 12): m.start()]) and m.group(0).strip() in ("email", "e-mail", "forward", "post"):
+            return 0.0  # NOTE: "ignore this email", "looking forward", "the post": a noun, not an order
+        lo, hi = max(0, m.start() - 150), m.end() + 250
+        window = norm[lo:hi]
+        if R.MENTION_MARKERS.search(norm, max(0, m.start() - MENTION_RADIUS), m.end() + MENTION_RADIUS) is not None:
+            # NOTE: in a text about attacks, what a *quotation* names ("send the chat history to this URL")
+            # does not confirm a verb outside it ("... made the assistant leak meeting notes").
+            window = _blank_quotes(window, lo, m, quoted)
         sensitive = R.SENSITIVE.search(window)
         if sensitive is None or R.DESTINATION.search(window) is None:
             return 0.0
@@ -134,6 +174,20 @@ class PromptInjectionDetector:
         strong = sum(s for c, s in rotated.items() if c in ("instruction_override", "system_prompt_leak", "exfiltration"))
         if strong >= 1.0:
             _bump(scores, "encoded_instructions", 1.0)
+
+
+def _blank_quotes(window: str, lo: int, m: re.Match[str], quoted: list[tuple[int, int]]) -> str:
+    """`window` (which starts at `lo`) with the quoted spans that do not hold the match `m` blanked."""
+    chars, hi = list(window), lo + len(window)
+    # NOTE: the spans are sorted and disjoint, so only the one before the first start >= lo can reach in
+    for s, e in quoted[max(0, bisect.bisect_left(quoted, (lo, -1)) - 1):]:
+        if s >= hi:
+            break
+        if e <= lo or s <= m.start() < e:
+            continue
+        for i in range(max(s, lo) - lo, min(e, hi) - lo):
+            chars[i] = " "
+    return "".join(chars)
 
 
 def _best_window(buckets: dict[int, dict[str, float]]) -> dict[str, float]:

@@ -187,5 +187,15 @@ MENTION_MARKERS = re.compile(
     r"example|template|format|documentation|tutorial"
 )
 
+# The narrower set that shows a text is *about* attacks (no generic "example" / "format"): near one of
+# these, a quoted span is a quotation, and the learned layer reads the text without it.
+DISCUSSION_MARKERS = re.compile(
+    r"prompt[\s-]injection|jailbreak|attack|malicious|adversar|payload|researchers?|red[\s-]team|vulnerab|phishing|"
+    r"threat\s+model|inyecci[oó]n|injection\s+de\s+prompt|angriff|提示注入|инъекци|injeção"
+)
+
 RULES: tuple[Rule, ...] = (_OVERRIDE, _NEW_RULES, _PERSONA, _TOOL_HIJACK, _LEAK, _ROLE, _ESCAPE, _SAFETY, _ROLE_HEADER, _ADDRESSED, _DECEPTION,
                            _EXFIL_VERB)
+
+# Every category a verdict can name: the language rules' plus the views' (hidden text, encoded payloads).
+CATEGORIES: frozenset[str] = frozenset(r.category for r in RULES) | {"exfiltration", "encoded_instructions", "hidden_text"}

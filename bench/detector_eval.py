@@ -1,0 +1,154 @@
+"""Held-out evaluation of the quarantine detector: rules alone, learned alone, layered.
+
+    python bench/detector_eval.py            # prints the tables, rewrites the `detector-eval` section
+    python bench/detector_eval.py --no-doc   # prints only
+
+Reads the shipped model and the test split that `scripts/train_detector.py` wrote (never used while
+tuning), the benign tool-output set (fleet/quarantine/tool_outputs.py, seed 0) and the repo's own
+corpus (tests/fleet/quarantine/quarantine_corpus.py). Writes the figures to
+tests/fleet/quarantine/data/heldout_report.json, which the tests recompute and compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchdoc import write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "fleet" / "quarantine"))
+
+import quarantine_corpus as C  # noqa: E402
+
+from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
+from fleet.quarantine.evaluate import load_heldout, score, tool_outputs  # noqa: E402
+from fleet.quarantine.learned import load_model  # noqa: E402
+
+DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
+CONFIGS = {"rules alone": ("rules",), "learned alone": ("learned",), "layered": ("rules", "learned")}
+
+
+def evaluate() -> dict[str, Any]:
+    rows = load_heldout(DATA / "heldout_test.jsonl")
+    labels = [r["label"] for r in rows]
+    tools = [t for _, t in tool_outputs()]
+    out: dict[str, Any] = {
+        "num_test": len(rows),
+        "num_test_injections": sum(labels),
+        "num_tool_outputs": len(tools),
+        "detectors": {},
+    }
+    for name, layers in CONFIGS.items():
+        det = make_detector(DetectorConfig(layers=layers))
+        test = score([det.inspect(r["text"]) for r in rows], labels)
+        tool = score([det.inspect(t) for t in tools], [0] * len(tools))
+        corpus = score(
+            [det.inspect(t) for t in C.POISONED + C.BENIGN], [1] * len(C.POISONED) + [0] * len(C.BENIGN)
+        )
+        held = score(
+            [det.inspect(t) for t in C.HELDOUT_POISONED + C.HELDOUT_BENIGN],
+            [1] * len(C.HELDOUT_POISONED) + [0] * len(C.HELDOUT_BENIGN),
+        )
+        by_source = {}
+        for src in sorted({r["source"] for r in rows}):
+            idx = [i for i, r in enumerate(rows) if r["source"] == src]
+            by_source[src] = score(
+                [det.inspect(rows[i]["text"]) for i in idx], [labels[i] for i in idx]
+            ).to_dict()
+        out["detectors"][name] = {
+            "test": test.to_dict(),
+            "tool_outputs": tool.to_dict(),
+            "repo_corpus": corpus.to_dict(),
+            "repo_heldout": held.to_dict(),
+            "test_by_source": by_source,
+        }
+    return out
+
+
+def latency() -> dict[str, dict[str, float]]:
+    """Median ms per KiB over the tool-output set, concatenated into inputs of 1, 16 and 256 KiB."""
+    blob = "\n".join(t for _, t in tool_outputs())
+    out: dict[str, dict[str, float]] = {}
+    for name, layers in CONFIGS.items():
+        det = make_detector(DetectorConfig(layers=layers))
+        out[name] = {}
+        for kib in (1, 16, 256):
+            text = (blob * (1 + (kib << 10) // len(blob)))[: kib << 10]
+            times = []
+            for _ in range(max(3, 48 // kib)):
+                t0 = time.perf_counter()
+                det.inspect(text)
+                times.append(time.perf_counter() - t0)
+            out[name][f"{kib} KiB"] = round(statistics.median(times) * 1000 / kib, 3)
+    return out
+
+
+def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
+    meta = load_model().meta
+    thr = load_model().threshold
+    lines = [
+        "## Quarantine detector, held-out (bench/detector_eval.py)",
+        "",
+        f"Test split: {ev['num_test']} tool results ({ev['num_test_injections']} injections), never read while "
+        f"tuning; learned threshold {thr:.4f} chosen on validation only. Benign tool-output set: "
+        f"{ev['num_tool_outputs']} items (seed 0). Corpora:",
+        "",
+    ]
+    lines += [
+        f"- {c['package']} {c['version']} ({c['licence']}): {c['num_examples']}" for c in meta["corpora"]
+    ]
+    lines += [
+        "",
+        "| detector | test precision | test recall | tp / fp / fn | tool-output FPR | repo corpus P / R "
+        "| repo held-out P / R |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, d in ev["detectors"].items():
+        t, o, c, h = d["test"], d["tool_outputs"], d["repo_corpus"], d["repo_heldout"]
+        lines.append(
+            f"| {name} | {t['precision']:.3f} | {t['recall']:.3f} | {t['tp']} / {t['fp']} / {t['fn']} | "
+            f"{o['fpr']:.4f} ({o['fp']}/{o['fp'] + o['tn']}) | {c['precision']:.3f} / {c['recall']:.3f} | "
+            f"{h['precision']:.3f} / {h['recall']:.3f} |"
+        )
+    lines += [
+        "",
+        "Layered detector on the test split, by source:",
+        "",
+        "| source | precision | recall | tp / fp / fn |",
+        "|---|---|---|---|",
+    ]
+    for src, s in ev["detectors"]["layered"]["test_by_source"].items():
+        recall = f"{s['recall']:.3f}" if s["tp"] + s["fn"] else "n/a (benign only)"
+        lines.append(f"| {src} | {s['precision']:.3f} | {recall} | {s['tp']} / {s['fp']} / {s['fn']} |")
+    lines += [
+        "",
+        "Latency, median ms per KiB (one CPU core, tool-output text):",
+        "",
+        "| detector | 1 KiB | 16 KiB | 256 KiB |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {v['1 KiB']} | {v['16 KiB']} | {v['256 KiB']} |" for n, v in lat.items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    a = ap.parse_args()
+    ev, lat = evaluate(), latency()
+    body = render(ev, lat)
+    print(body)
+    (DATA / "heldout_report.json").write_text(json.dumps(ev, indent=1, sort_keys=True) + "\n")
+    if not a.no_doc:
+        write_section("detector-eval", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Verdict cache: the same bytes under the same detector config get the same verdict, fleet-wide.
+
+Pure: it talks to any store-like object with `kv_get(namespace, key)` / `kv_put(namespace, key, value)`
+(`fleet.cas.BlobStore`, SQLite or Redis). The key is the bytes' SHA-256 and the detector's config id,
+so a tenant whose config differs (another threshold, another rule set, another model) never reads a
+verdict computed under someone else's policy:
+
+    kv  namespace "quarantine.verdicts"   key "<sha256 hex>:<config_id>"   value JSON Verdict
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Protocol
+
+from fleet.quarantine.detector import Verdict
+
+NAMESPACE = "quarantine.verdicts"
+
+
+class KVStore(Protocol):
+    def kv_get(self, namespace: str, key: str) -> bytes | None: ...
+    def kv_put(self, namespace: str, key: str, value: bytes) -> None: ...
+
+
+class ConfiguredDetector(Protocol):
+    """A detector with a stable `config_id` (e.g. `LayeredDetector`)."""
+
+    config_id: str
+
+    def inspect(self, text: str | bytes | bytearray | memoryview) -> Verdict: ...
+
+
+class VerdictCache:
+    """Memoises `detector.inspect` in `store`'s kv space, keyed by sha256(bytes) + detector config id."""
+
+    def __init__(self, store: KVStore, detector: ConfiguredDetector, namespace: str = NAMESPACE) -> None:
+        self.store, self.detector, self.namespace = store, detector, namespace
+        self.num_hits = self.num_misses = 0
+
+    def key(self, data: bytes | bytearray | memoryview) -> str:
+        return f"{hashlib.sha256(data).hexdigest()}:{self.detector.config_id}"
+
+    def inspect(self, data: bytes | bytearray | memoryview) -> Verdict:
+        """The cached verdict for `data`, or the detector's (then stored).
+
+        Args:
+            data: the tool result's bytes (the blob, exactly as stored).
+
+        Returns:
+            The Verdict; equal to `detector.inspect(data)` for the same bytes and config.
+        """
+        key = self.key(data)
+        raw = self.store.kv_get(self.namespace, key)
+        if raw is not None:
+            self.num_hits += 1
+            return verdict_from_json(raw)
+        self.num_misses += 1
+        v = self.detector.inspect(data)
+        self.store.kv_put(self.namespace, key, verdict_to_json(v))
+        return v
+
+
+def verdict_to_json(v: Verdict) -> bytes:
+    doc = {
+        "quarantined": v.quarantined,
+        "reasons": v.reasons,
+        "score": v.score,
+        "learned_score": v.learned_score,
+    }
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def verdict_from_json(raw: bytes) -> Verdict:
+    d = json.loads(raw)
+    return Verdict(
+        bool(d["quarantined"]),
+        list(d["reasons"]),
+        float(d["score"]),
+        None if d["learned_score"] is None else float(d["learned_score"]),
+    )

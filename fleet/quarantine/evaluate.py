@@ -1,0 +1,63 @@
+"""Held-out evaluation of a detector: the shipped test split, the benign tool-output set, the repo corpus.
+
+Shared by `bench/detector_eval.py` (which prints and documents the numbers) and the tests (which
+recompute them live and compare), so the figure in the docs and the figure in CI are one computation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fleet.quarantine.detector import Verdict
+from fleet.quarantine.tool_outputs import benign_tool_outputs
+
+TOOL_OUTPUT_SEED, TOOL_OUTPUT_N = 0, 440  # the reported FPR set (training tuned on seed 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """Confusion counts and the derived rates of one detector on one labelled set."""
+
+    tp: int
+    fp: int
+    fn: int
+    tn: int
+
+    @property
+    def precision(self) -> float:
+        return self.tp / (self.tp + self.fp) if self.tp + self.fp else 1.0
+
+    @property
+    def recall(self) -> float:
+        return self.tp / (self.tp + self.fn) if self.tp + self.fn else 0.0
+
+    @property
+    def fpr(self) -> float:
+        return self.fp / (self.fp + self.tn) if self.fp + self.tn else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "precision": round(self.precision, 4),
+            "recall": round(self.recall, 4),
+            "fpr": round(self.fpr, 4),
+        }
+
+
+def load_heldout(path: Path) -> list[dict[str, Any]]:
+    """The test split written by `scripts/train_detector.py`: rows of text, label, source, group, kind."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def score(verdicts: list[Verdict], labels: list[int]) -> Scores:
+    hits = [v.quarantined for v in verdicts]
+    tp = sum(h and y == 1 for h, y in zip(hits, labels, strict=True))
+    fp = sum(h and y == 0 for h, y in zip(hits, labels, strict=True))
+    pos = sum(1 for y in labels if y == 1)
+    return Scores(tp, fp, pos - tp, len(labels) - pos - fp)
+
+
+def tool_outputs() -> list[tuple[str, str]]:
+    return benign_tool_outputs(TOOL_OUTPUT_N, seed=TOOL_OUTPUT_SEED)

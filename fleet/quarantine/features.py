@@ -1,0 +1,130 @@
+"""Hashed n-gram features for the learned layer: numpy only, deterministic across processes.
+
+A text becomes a list of *feature events*: (position, bucket). Character n-grams of the normalised
+text (see `text.normalize`) sit at the character where they start; word n-grams sit at the start of
+their first word. The learned layer sums weights of the events that fall inside a window:
+
+    normalised text   i g n o r e _ a l l _ p r e v i o u s ...
+    char 3-grams      [ign][gno][nor] ...            one event per start position and n
+    word 1/2-grams    [ignore]     [all] [ignore all] ...
+    window            |<----------- window_chars ----------->|   stride window_chars // 2
+
+NOTE: Python's `hash()` is salted per process; buckets come from a fixed 64-bit mix instead, so a
+model trained on one machine scores the same on every other.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from fleet.quarantine import text as T
+
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+_MUL = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, used as the polynomial base
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 finaliser
+_WORD_RE = re.compile(r"\w+", re.U)
+
+
+@dataclass(frozen=True, slots=True)
+class FeaturizerConfig:
+    """How a text is cut into hashed n-grams."""
+
+    num_buckets: int = 1 << 18
+    char_ngrams: tuple[int, ...] = (3, 4, 5)
+    word_ngrams: tuple[int, ...] = (1, 2)
+    max_chars: int = 1 << 20  # NOTE: longer inputs are scored on their first max_chars (the rules read all)
+
+    def __post_init__(self) -> None:
+        assert self.num_buckets > 0 and self.num_buckets & (self.num_buckets - 1) == 0, (
+            "num_buckets: a power of two"
+        )
+        assert all(n >= 1 for n in self.char_ngrams + self.word_ngrams), "n-gram sizes must be >= 1"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FeaturizerConfig:
+        return cls(
+            int(d["num_buckets"]), tuple(d["char_ngrams"]), tuple(d["word_ngrams"]), int(d["max_chars"])
+        )
+
+
+def _mix(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint64(30))
+    h = (h * _MIX1) & _MASK
+    h = h ^ (h >> np.uint64(27))
+    h = (h * _MIX2) & _MASK
+    return h ^ (h >> np.uint64(31))
+
+
+def _char_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarray]:
+    codes = np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)  # (L,)
+    pos, buckets = [], []
+    with np.errstate(over="ignore"):
+        for n in cfg.char_ngrams:
+            m = len(codes) - n + 1
+            if m <= 0:
+                continue
+            h = np.full(
+                m, np.uint64(n), dtype=np.uint64
+            )  # seed with n: a 3-gram and a 4-gram never share a hash
+            for k in range(n):
+                h = (h * _MUL + codes[k : k + m]) & _MASK  # (m,)
+            pos.append(np.arange(m, dtype=np.int64))
+            buckets.append(_mix(h) & np.uint64(cfg.num_buckets - 1))
+    if not pos:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(pos), np.concatenate(buckets).astype(np.int64)
+
+
+def _word_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarray]:
+    matches = list(_WORD_RE.finditer(norm))
+    words = [m.group(0) for m in matches]
+    pos: list[int] = []
+    hashes: list[int] = []
+    for n in cfg.word_ngrams:
+        for i in range(len(words) - n + 1):
+            pos.append(matches[i].start())
+            hashes.append(zlib.crc32(f"w{n}|{' '.join(words[i : i + n])}".encode()))
+    if not pos:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    with np.errstate(over="ignore"):
+        b = _mix(np.asarray(hashes, dtype=np.uint64) | np.uint64(1 << 40)) & np.uint64(cfg.num_buckets - 1)
+    return np.asarray(pos, dtype=np.int64), b.astype(np.int64)
+
+
+def feature_events(
+    text: str | bytes | bytearray | memoryview, cfg: FeaturizerConfig
+) -> tuple[str, np.ndarray, np.ndarray]:
+    """The normalised text and its feature events, sorted by position.
+
+    Args:
+        text: the tool result (bytes decoded as in `text.decode_bytes`).
+        cfg: the featurizer configuration.
+
+    Returns:
+        (norm, positions (E,) int64, buckets (E,) int64), positions ascending.
+    """
+    norm = T.normalize(T.decode_bytes(text)[: cfg.max_chars])
+    cp, cb = _char_events(norm, cfg)
+    wp, wb = _word_events(norm, cfg)
+    pos, buckets = np.concatenate([cp, wp]), np.concatenate([cb, wb])
+    order = np.argsort(pos, kind="stable")
+    return norm, pos[order], buckets[order]
+
+
+def bag(buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sparse binary, L2-normalised vector of one span: (unique buckets (U,), values (U,) = 1 / sqrt(U)).
+
+    NOTE: presence, not counts: a frequent n-gram (" th") must not grow with the span's length, or a long
+    benign page outscores a short attack.
+    """
+    idx = np.unique(buckets)
+    return idx.astype(np.int64), np.full(len(idx), 1.0 / np.sqrt(max(1, len(idx))))

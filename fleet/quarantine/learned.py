@@ -1,0 +1,114 @@
+"""The learned layer: hashed n-grams + logistic regression, scored over sliding windows (CPU, numpy).
+
+The model ships inside the package (`model/injection_lr.npz` weights, `model/injection_lr.json`
+featurizer, threshold and corpus provenance) and is reproduced by `scripts/train_detector.py`.
+Nothing is downloaded at run time.
+
+A long tool result is scored window by window and the strongest window wins, because an injection
+is a short span inside an otherwise ordinary page: averaged over the whole page it would fade.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from fleet.quarantine.features import FeaturizerConfig, bag, feature_events
+
+MODEL_NAME = "injection_lr"
+
+
+@dataclass(frozen=True, slots=True)
+class LearnedModel:
+    """Weights (num_buckets,), bias, featurizer, window and the validation-chosen threshold."""
+
+    weights: np.ndarray
+    bias: float
+    featurizer: FeaturizerConfig
+    window_chars: int
+    threshold: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert self.weights.shape == (self.featurizer.num_buckets,), "one weight per bucket"
+        assert self.window_chars > 0 and 0.0 <= self.threshold <= 1.0
+
+    def window_logits(self, text: str | bytes | bytearray | memoryview) -> np.ndarray:
+        """Logit of every window of `text` (at least one: an empty text scores the bias alone).
+
+        Returns:
+            (num_windows,) float64: w . bag(window) + bias, bag = binary L2-normalised (features.bag).
+        """
+        norm, pos, buckets = feature_events(text, self.featurizer)
+        starts = window_starts(len(norm), self.window_chars)  # (num_windows,)
+        lo = np.searchsorted(pos, starts, side="left")
+        hi = np.searchsorted(pos, starts + self.window_chars, side="left")
+        out = np.empty(len(starts))
+        for i, (a, b) in enumerate(zip(lo, hi, strict=True)):
+            idx, val = bag(buckets[a:b])
+            out[i] = float(self.weights[idx] @ val) + self.bias
+        return out
+
+    def score(self, text: str | bytes | bytearray | memoryview) -> float:
+        """P(injection) of the strongest window, in [0, 1]."""
+        z = float(np.max(self.window_logits(text)))
+        return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+    def digest(self) -> str:
+        """sha256 of what decides a score: the weights as shipped (float16), bias, featurizer, window, threshold."""
+        h = hashlib.sha256(self.weights.astype(np.float16).tobytes())
+        h.update(
+            json.dumps([self.bias, self.featurizer.to_dict(), self.window_chars, self.threshold]).encode()
+        )
+        return h.hexdigest()
+
+    def save(self, stem: str) -> None:
+        """Write `<stem>.npz` (float16 weights) and `<stem>.json` (everything else)."""
+        np.savez_compressed(f"{stem}.npz", weights=self.weights.astype(np.float16))
+        doc = {
+            "bias": self.bias,
+            "featurizer": self.featurizer.to_dict(),
+            "window_chars": self.window_chars,
+            "threshold": self.threshold,
+            "meta": self.meta,
+        }
+        with open(f"{stem}.json", "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True, ensure_ascii=False)
+            f.write("\n")
+
+    @classmethod
+    def from_parts(cls, weights: np.ndarray, doc: dict[str, Any]) -> LearnedModel:
+        return cls(
+            weights.astype(np.float32),
+            float(doc["bias"]),
+            FeaturizerConfig.from_dict(doc["featurizer"]),
+            int(doc["window_chars"]),
+            float(doc["threshold"]),
+            dict(doc.get("meta", {})),
+        )
+
+
+def window_starts(length: int, window: int) -> np.ndarray:
+    """Starts of windows of `window` chars, stride window // 2, the last one flush with the end."""
+    if length <= window:
+        return np.zeros(1, dtype=np.int64)
+    stride = max(1, window // 2)
+    starts = np.arange(0, length - window + 1, stride, dtype=np.int64)
+    return starts if starts[-1] == length - window else np.append(starts, length - window)
+
+
+@lru_cache(maxsize=4)
+def load_model(name: str = MODEL_NAME) -> LearnedModel:
+    """The shipped model `name` from `fleet/quarantine/model/` (cached: it is read-only)."""
+    root = resources.files("fleet.quarantine") / "model"
+    doc = json.loads((root / f"{name}.json").read_text())
+    with resources.as_file(root / f"{name}.npz") as path, np.load(path) as npz:
+        weights = np.asarray(npz["weights"])
+    return LearnedModel.from_parts(weights, doc)
