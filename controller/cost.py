@@ -58,6 +58,8 @@ class CostConfig:
         untracked_request_tokens: the size assumed for a request /metrics shows but the router did
             not track, until the router has routed any (then the running mean is used).
         inflight_ttl_s: a tracked route not released within this long stops counting (a leak bound).
+        working_set_ttl_s: a conversation with no turn for this long leaves its rank's working set
+            (controller.demand); 600 s: agents pause for tools and people, a closed one must decay.
         reconcile_grace_s: a route older than this at a /metrics look has reached the worker; the
             look's waiting and running counts then tell which tracked routes were scheduled or ended.
     """
@@ -69,6 +71,7 @@ class CostConfig:
     kv_high_water: float = 0.8
     untracked_request_tokens: int = 256
     inflight_ttl_s: float = 120.0
+    working_set_ttl_s: float = 600.0
     reconcile_grace_s: float = 0.25
 
     def __post_init__(self) -> None:
@@ -98,6 +101,10 @@ class CostConfig:
             raise InvalidArgument(
                 f"inflight_ttl_s must be a positive number of seconds, got {self.inflight_ttl_s!r}"
             )
+        for name in ("working_set_ttl_s",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise InvalidArgument(f"{name} must be a positive number of seconds, got {v!r}")
         if (
             isinstance(self.untracked_request_tokens, bool)
             or not isinstance(self.untracked_request_tokens, int)
@@ -126,6 +133,8 @@ class CandidateState(NamedTuple):
     num_gpu_blocks: int | None = None  # capacity: vllm:cache_config_info, or learned from evictions
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc
     spread: int = 0  # tie-break hash (prompt x worker)
+    # the rank's working set with this request placed there (controller.demand), -1 when unknown
+    num_demand_blocks: int = -1
 
 
 class CostTerms(NamedTuple):
@@ -158,6 +167,19 @@ def evicted_tokens(cfg: CostConfig, num_prefill_tokens: int, s: CandidateState) 
     return round(new_blocks * share) * B
 
 
+def overcommit_tokens(s: CandidateState) -> int:
+    """Tokens by which the rank's working set, this request included, exceeds its KV capacity.
+
+    With vLLM's LRU (tail blocks first) a rank whose recent conversations need more blocks than it
+    has evicts, every round, the blocks the next turns will ask for, so the excess is prefilled
+    again round after round; a request placed on a rank with room pays its prefill once. Counting
+    the whole excess (not just this request's new blocks) makes conversations leave an
+    over-committed rank for one with room until the working sets fit (docs/routing.md).
+    """
+    assert s.num_gpu_blocks
+    return max(0, s.num_demand_blocks - s.num_gpu_blocks) * s.block_size
+
+
 def terms(
     cfg: CostConfig,
     num_prompt_tokens: int,
@@ -169,7 +191,7 @@ def terms(
 
     `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`).
     """
-    _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage, _ = s
+    _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage = s[:14]
     cached = min(cached, num_prompt_tokens) if proven else 0
     prefill = num_prompt_tokens - cached
     amortized = max(0, min(num_shared_tokens, num_prompt_tokens) - cached)
@@ -178,8 +200,13 @@ def terms(
         queued += (waiting - n_queued) * mean_request_tokens
     active = max(n_active, running + waiting)
     # NOTE: the fast path skips the block arithmetic where nothing can be evicted
-    pressured = prefill > 0 and (capacity or kv_usage > cfg.kv_high_water)
-    evicted = evicted_tokens(cfg, prefill, s) if pressured else 0
+    if s.num_demand_blocks >= 0 and capacity and s.block_size > 0:
+        # NOTE: the working set over capacity, not only this request's new blocks: on an
+        # over-committed rank LRU evicts what the next turns need, every round (see overcommit)
+        evicted = overcommit_tokens(s)
+    else:
+        pressured = prefill > 0 and (capacity or kv_usage > cfg.kv_high_water)
+        evicted = evicted_tokens(cfg, prefill, s) if pressured else 0
     total = (
         prefill
         - (1.0 - cfg.shared_prefix_weight) * amortized

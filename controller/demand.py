@@ -58,6 +58,17 @@ class WorkingSet:
             shared[without.num_shared] -= 1
         return own + max((s for s, n in shared.items() if n > 0), default=0)
 
+    def demand_with(self, key: RankKey, prev: Conversation | None, num_blocks: int, num_shared: int) -> int:
+        """The rank's demand if this turn (`num_blocks`, `num_shared` of them shared) went there;
+        `prev`: the record of the conversation's earlier turn, wherever it is."""
+        own = self._own.get(key, 0) + num_blocks - min(num_shared, num_blocks)
+        shared = dict(self._shared.get(key, {}))
+        if prev is not None and prev.key == key:
+            own -= prev.num_blocks - prev.num_shared
+            shared[prev.num_shared] -= 1
+        top = max((s for s, n in shared.items() if n > 0), default=0)
+        return own + max(top, min(num_shared, num_blocks))
+
     def place(self, key: RankKey, chain: Sequence[int], num_shared: int, now: float) -> None:
         """This turn of the conversation went to `key` (an earlier turn's record moves with it)."""
         self.expire(now)

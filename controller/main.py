@@ -58,6 +58,11 @@ COST_FLAGS: dict[str, tuple[str, type, str]] = {
         float,
         "seconds after which an unreleased route stops counting",
     ),
+    "--route-working-set-ttl": (
+        "working_set_ttl_s",
+        float,
+        "seconds after its last turn that a conversation leaves its worker's working set",
+    ),
     "--route-reconcile-grace": (
         "reconcile_grace_s",
         float,

@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from controller import cost
 from controller.cost import Branches, CandidateState, CostConfig, CostTerms, Flight, InFlight, Ranked
+from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
 from controller.vllm.hashing import ALGOS, external_chain
@@ -141,6 +142,7 @@ class RouteDecision:
 class _Ranking(NamedTuple):
     ranked: list[Ranked]
     last_hash: dict[RankKey, int | None]  # the prompt's last full block hash per proven rank
+    chains: dict[RankKey, tuple[list[int], int]]  # per proven rank: the prompt's chain, its shared blocks
 
 
 class Router:
@@ -159,11 +161,13 @@ class Router:
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
         self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
         self.branches = Branches()
+        self.demand = WorkingSet(c.working_set_ttl_s)
 
     def set_cost_config(self, c: CostConfig) -> None:
         """New placement weights from now on; the in-flight ledger keeps its routes (new TTL and grace)."""
         self.cfg = dataclasses.replace(self.cfg, cost=c)
         self.flights.ttl_s, self.flights.grace_s = c.inflight_ttl_s, c.reconcile_grace_s
+        self.demand.ttl_s = c.working_set_ttl_s
 
     async def start(self) -> None:
         """Open clients and resume every worker the store knows (cold, rebuilt by replay)."""
@@ -231,6 +235,8 @@ class Router:
         del self._workers[name]
         self.index.drop_worker(name)
         self._ended(self.flights.drop_worker(name), "unregistered")
+        for r in w.ranks:
+            self.demand.forget_rank((name, r))
         self.store.kv_delete("workers", name)  # NOTE: its epochs stay, so a re-registration continues them
 
     def _get(self, name: str) -> Worker:
@@ -327,6 +333,9 @@ class Router:
             )
         best = ranking.ranked[0]
         name, r, t = best.state.worker, best.state.dp_rank, best.terms
+        placed = ranking.chains.get((name, r))
+        if placed is not None:  # this turn's conversation now lives on (name, r)
+            self.demand.place((name, r), placed[0], placed[1], time.monotonic())
         route_id = ""
         if track:
             route_id = secrets.token_hex(16)
@@ -399,8 +408,10 @@ class Router:
 
     def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> _Ranking:
         # per hash config: the prompt's chain, and the tracked routes it extends
-        chains: dict[Any, tuple[list[int], dict[RankKey, int]]] = {}
+        chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
         last: dict[RankKey, int | None] = {}
+        placed: dict[RankKey, tuple[list[int], int]] = {}
+        self.demand.expire(time.monotonic())
         states = []
         shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
         seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
@@ -419,13 +430,19 @@ class Router:
                     if hit is None:
                         lk = (adapter, w.loras[adapter]) if adapter else None
                         chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
-                        hit = chains[ck] = (chain, self.flights.extended(chain))
-                        shared = max(shared, self.branches.observe(chain) * w.hash_cfg.block_size)
-                    chain, ext = hit
+                        nshared = self.branches.observe(chain)
+                        prev = self.demand.previous(chain)
+                        hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
+                        shared = max(shared, nshared * w.hash_cfg.block_size)
+                    chain, ext, nshared, prev = hit
                     last[key] = chain[-1] if chain else None
-                states.append(self._state(w, key, proven, chain, ext, seed))
+                    placed[key] = (hit[0], nshared)
+                    need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
+                else:
+                    need = -1
+                states.append(self._state(w, key, proven, chain, ext, seed, need))
         ranked = cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens(), shared)
-        return _Ranking(ranked, last)
+        return _Ranking(ranked, last, placed)
 
     def _state(
         self,
@@ -435,6 +452,7 @@ class Router:
         chain: list[int] | None,
         extended: dict[RankKey, int] | None,
         seed: int,
+        demand_blocks: int = -1,
     ) -> CandidateState:
         """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
         m = w.load
@@ -464,6 +482,7 @@ class Router:
             m.num_gpu_blocks or learned,
             m.kv_usage,
             zlib.crc32(key[0].encode(), seed),
+            demand_blocks,
         )
 
     async def _probe(

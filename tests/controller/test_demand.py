@@ -39,3 +39,16 @@ def test_records_expire_after_their_ttl_and_with_their_rank() -> None:
     assert (ws.demand(("w0", 0)), ws.demand(("w1", 0))) == (0, 7)
     ws.forget_rank(("w1", 0))
     assert ws.demand(("w1", 0)) == 0 and len(ws) == 0
+
+
+def test_demand_with_a_turn_placed_here_or_elsewhere() -> None:
+    ws = WorkingSet()
+    ws.place(("w0", 0), conv(1, 3), 4, now=0.0)
+    ws.place(("w0", 0), conv(2, 5), 4, now=0.0)
+    prev = ws.previous(conv(1, 6))
+    assert prev is not None
+    # conversation 1's next turn (10 blocks, 4 shared): on w0 it replaces its 3 own blocks with 6 ...
+    assert ws.demand_with(("w0", 0), prev[1], 10, 4) == 4 + 6 + 5
+    # ... on w1 it brings the shared prefix and its 6 own blocks there (w0 keeps its record until placed)
+    assert ws.demand_with(("w1", 0), prev[1], 10, 4) == 4 + 6
+    assert ws.demand_with(("w1", 0), None, 3, 0) == 3  # a new conversation sharing nothing
