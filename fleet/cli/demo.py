@@ -1,7 +1,7 @@
 """`kvfleet demo`: the main job on one machine (controller, local Ray, embedded store, vLLM
 stand-ins) running an agent fleet workload, then the summary and the fleet dashboard.
 
-    kvfleet demo [--agents 5] [--turns 50] [--workers 3] [--json] [--ray-address ADDR]
+    kvfleet demo [--agents 12] [--turns 30] [--workers 4] [--num-blocks 1024] [--json] [--no-peers]
 
 What runs and what every figure means: docs/demo.md.
 """
@@ -109,10 +109,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     "session-sticky hashing, greedy longest-prefix with perfect knowledge, a lifecycle-blind prefix "
                     "router, round-robin and (when installed) vLLM's own vllm-router, and the fleet dashboard.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--agents", type=int, default=5, help="agent sessions sharing one system prompt")
-    p.add_argument("--turns", type=int, default=50, help="turns per agent")
-    p.add_argument("--workers", type=int, default=3, help="vLLM stand-in workers (>= 3)")
-    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per stand-in worker")
+    d = DemoConfig()
+    p.add_argument("--agents", type=int, default=d.agents, help="agent sessions sharing one system prompt")
+    p.add_argument("--turns", type=int, default=d.turns, help="turns per agent")
+    p.add_argument("--workers", type=int, default=d.workers, help="vLLM stand-in workers (>= 3)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per stand-in worker")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (progress on stderr)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     p.add_argument("--quiet", action="store_true", help="no progress display")

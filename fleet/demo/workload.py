@@ -27,10 +27,12 @@ TASKS = ("check the build", "find the failing test", "read the config", "count o
 class DemoConfig:
     """What `kvfleet demo` runs. Rounds are turn-major: every agent does turn t before turn t+1."""
 
-    agents: int = 5
-    turns: int = 50
-    workers: int = 3
-    num_blocks: int = 2048        # per stand-in worker (block_size tokens each)
+    # NOTE: sized so placement matters: the agents' final histories (~2,700 blocks) exceed one
+    # worker's cache 2.6x and fit the fleet's; one worker holding everyone would thrash
+    agents: int = 12
+    turns: int = 30
+    workers: int = 4
+    num_blocks: int = 1024        # per stand-in worker (block_size tokens each)
     block_size: int = 16
     output_tokens: int = 4        # greedy tokens per turn from the agent's kernel session
     branches: int = 2             # fan-out of the fork
