@@ -258,17 +258,15 @@ class Branches:
         if len(self._next) > self.max_blocks:
             self._next.clear()
             self._forks.clear()
-        nxt, forks, shared = self._next, self._forks, 0
-        for i in range(len(chain) - 1):
-            h, after = chain[i], chain[i + 1]
-            seen = nxt.setdefault(h, after)
-            if seen != after:
+        nxt, forks = self._next, self._forks
+        for h, after in zip(chain, chain[1:]):
+            if nxt.setdefault(h, after) != after:
                 forks.add(h)
-            if h in forks:
-                shared = i + 1
-        if chain and chain[-1] in forks:
-            shared = len(chain)
-        return shared
+        if forks:
+            for i in range(len(chain) - 1, -1, -1):  # NOTE: the last fork; usually a system prompt's end
+                if chain[i] in forks:
+                    return i + 1
+        return 0
 
 
 class Flight(NamedTuple):
