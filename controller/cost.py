@@ -259,7 +259,7 @@ class Branches:
             self._next.clear()
             self._forks.clear()
         nxt, forks = self._next, self._forks
-        for h, after in zip(chain, chain[1:]):
+        for h, after in zip(chain, chain[1:], strict=False):  # NOTE: each block and the next
             if nxt.setdefault(h, after) != after:
                 forks.add(h)
         if forks:

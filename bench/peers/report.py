@@ -274,8 +274,9 @@ def report(results: dict[str, Any]) -> str:
         "the worker); a stale warm route is a kvfleet WARM verdict whose matched tokens exceed the tokens "
         "the worker reported cached for that request (whatever the cause: a lifecycle action behind its back, or "
         "an eviction its index had not yet seen). Ratios are against the best peer of the cell on "
-        "each metric (lower is better for prefill and TTFT, higher for req/s). There is no oracle here: the "
-        "offline optimum is in the fleet prefill section above. Each contender ran once per cell, and placement "
+        "each metric (lower is better for prefill and TTFT, higher for req/s). There is no oracle here (no "
+        "offline optimum is computed anywhere in this repo; the greedy rule with perfect knowledge in the "
+        "fleet prefill section is not one). Each contender ran once per cell, and placement "
         "depends on how concurrent requests interleave: while this bench was written, three runs of one quick "
         "cell moved kvfleet's prefilled tokens by about +-10%, so smaller differences are not findings.",
         "",
