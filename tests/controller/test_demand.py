@@ -52,3 +52,48 @@ def test_demand_with_a_turn_placed_here_or_elsewhere() -> None:
     # ... on w1 it brings the shared prefix and its 6 own blocks there (w0 keeps its record until placed)
     assert ws.demand_with(("w1", 0), prev[1], 10, 4) == 4 + 6
     assert ws.demand_with(("w1", 0), None, 3, 0) == 3  # a new conversation sharing nothing
+
+
+def test_an_over_committed_worker_loses_a_conversation_it_holds_warm() -> None:
+    """Cost: warm on w0 but w0's working set is 400 blocks over its capacity; w1 has room. The
+    request moves (its prefill on w1 is less than w0's recurring excess); with w0 within capacity
+    it stays (control)."""
+    from controller.cost import CandidateState, CostConfig, rank
+
+    B, n = 16, 2000  # a 2,000-token conversation, 1,900 tokens warm on w0
+
+    def cands(w0_demand: int) -> list[CandidateState]:
+        w0 = CandidateState(
+            "w0",
+            0,
+            True,
+            True,
+            B,
+            1900,
+            num_resident_blocks=1000,
+            num_gpu_blocks=1000,
+            num_demand_blocks=w0_demand,
+        )
+        w1 = CandidateState(
+            "w1",
+            0,
+            True,
+            True,
+            B,
+            0,
+            num_resident_blocks=200,
+            num_gpu_blocks=1000,
+            num_demand_blocks=200 + n // B,
+        )
+        return [w0, w1]
+
+    over = rank(CostConfig(), n, cands(1400), 256.0)
+    fits = rank(CostConfig(), n, cands(900), 256.0)
+    print(
+        "over-committed:",
+        [(r.state.worker, r.terms.total) for r in over],
+        "within capacity:",
+        [(r.state.worker, r.terms.total) for r in fits],
+    )
+    assert over[0].state.worker == "w1" and over[1].terms.evicted_tokens == 400 * B
+    assert fits[0].state.worker == "w0" and fits[0].terms.evicted_tokens == 0
