@@ -217,7 +217,7 @@ def demo_agents(name: str, seed: int, *, num_agents: int, turns: int, think_s: f
         )
     return Workload(
         name,
-        f"the demo's {num_agents} agents x {turns} turns (short shared system prompt) over 3 workers",
+        f"the first demo's shape: {num_agents} agents x {turns} turns (short shared system prompt) over 3 workers",
         3,
         tuple(sessions),
     )
