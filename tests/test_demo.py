@@ -14,7 +14,7 @@ from fleet.demo.workload import DemoConfig
 async def test_short_demo_invariants(ray_cluster: None, num_blocks: int) -> None:
     # The demo's fleet is scoped by its own store (actor names carry a hash of the store URL) and its
     # supervisors stop with its controller, so it shares the run's Ray cluster safely.
-    cfg = DemoConfig(agents=3, turns=8, num_blocks=num_blocks)
+    cfg = DemoConfig(agents=3, turns=8, workers=3, num_blocks=num_blocks)
     out = await run_demo(cfg, with_peers=False)
     s, pol = out.summary, out.summary["policies"]
     live, blind = pol["kvfleet"], pol["blind"]
@@ -47,4 +47,4 @@ async def test_short_demo_invariants(ray_cluster: None, num_blocks: int) -> None
     rows = {r.session_id: r for r in out.sessions}
     assert set(rows) == {"agent-0", "agent-1", "agent-2"}                    # the branches were closed
     assert rows["agent-1"].quarantined_spans == 1 and rows["agent-0"].quarantined_spans == 0
-    assert len(out.workers) == 3 and out.nodes and out.nodes[0].hit_tokens > 0  # agents adopted the prompt
+    assert len(out.workers) == cfg.workers and out.nodes and out.nodes[0].hit_tokens > 0  # agents adopted the prompt
