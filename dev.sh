@@ -37,8 +37,9 @@ case "$cmd" in
       # The whole suite runs natively; before it, the kernel's exactness tests and `kvfleet witness`
       # run again with the AVX2 (Haswell) code paths of OpenBLAS, numpy and torch forced, so a
       # claim of max|Δ| = 0 is checked on two CPU paths on every machine (docs/kernel.md).
-      echo "== kernel exactness on forced AVX2 paths: $(python scripts/cpu_paths.py | head -c 300)"
-      ( eval "$(python scripts/cpu_paths.py)"
+      paths=$(python scripts/cpu_paths.py)
+      echo "== kernel exactness on forced AVX2 paths: ${paths:0:300}"
+      ( eval "$paths"
         python -m pytest -q -p no:cacheprovider tests/fleet/kernel
         kvfleet witness >/dev/null || { kvfleet witness; exit 1; } )
     fi
