@@ -231,8 +231,8 @@ class Session:
         self._kv.put_rows(start, data)
         self._tokens.extend(survivors)
         self._last = None
-        n1 = len(self._tokens)
-        return max(self.rope_invariant_delta(start, n1), self.layer0_delta(start, n1))
+        rows = self._kv.rows(start, len(self._tokens))  # [3, L, KV, m, hd]: read once for both checks
+        return max(self._rope_delta(rows, start), self._layer0_delta(rows, start))
 
     def kv_numpy(self, lo: int, hi: int) -> np.ndarray:
         """A numpy copy of positions [lo, hi): [3, n_layers, n_kv_heads, hi-lo, head_dim] holding
@@ -249,22 +249,22 @@ class Session:
         table row in the eviction path shows up here as > 0.
         """
         hi = len(self._tokens) if hi is None else hi
-        if hi <= lo:
-            return 0.0
-        ops = self.kernel.ops
-        rows = self._kv.rows(lo, hi)  # [3, L, KV, m, hd]
-        return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
+        return self._rope_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
 
     def layer0_delta(self, lo: int = 0, hi: int | None = None) -> float:
         """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
         the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store)."""
         hi = len(self._tokens) if hi is None else hi
-        if hi <= lo:
-            return 0.0
-        ops = self.kernel.ops
-        rows = self._kv.rows(lo, hi)  # [3, L, KV, m, hd]
+        return self._layer0_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
+
+    def _rope_delta(self, rows: Any, lo: int) -> float:
+        ops = self.kernel.ops  # rows [3, L, KV, m, hd] of positions lo..
+        return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
+
+    def _layer0_delta(self, rows: Any, lo: int) -> float:
+        ops, m = self.kernel.ops, rows.shape[3]
         with ops.limit():
-            ref = ops.layer0(np.asarray(self._tokens[lo:hi], np.int64), lo)  # 3 x [KV, m, hd]
+            ref = ops.layer0(np.asarray(self._tokens[lo : lo + m], np.int64), lo)  # 3 x [KV, m, hd]
         return max(max_abs_delta(ops.to_numpy(rows[i, 0]), ops.to_numpy(r)) for i, r in enumerate(ref))
 
     # -- decode --

@@ -188,7 +188,7 @@ def middle_exact(b: _Bench) -> WitnessResult:
     )
 
 
-def _sabotaged_rope(k: Kernel, shift: int) -> Any:
+def sabotaged_rope(k: Kernel, shift: int) -> Any:
     """`k.ops.rope` rotating every key `shift` positions too far (a wrong-position bug)."""
     rope = k.ops.rope
     return lambda x, positions: rope(x, np.asarray(positions) + shift)
@@ -205,7 +205,7 @@ def reposition_invariant(b: _Bench) -> WitnessResult:
     c = max_abs_delta(rope_np(old_k, cos[L], -sin[L]), s.kv_numpy(lo, lo + n)[K_POST])
     # sabotage: the same eviction with the rotation 3 positions off must be caught
     bad = Kernel.synthetic(k.config, **b.kw)  # type: ignore[arg-type]  # its own ops instance
-    bad.ops.rope = _sabotaged_rope(bad, 3)
+    bad.ops.rope = sabotaged_rope(bad, 3)
     t = bad.session()
     t.append(b.pre + b.span + b.post)
     sab = t.evict(lo, L, mode="reposition").invariant_delta or 0.0

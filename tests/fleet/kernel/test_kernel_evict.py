@@ -9,6 +9,7 @@ from kernel_factories import make_kernel, rand_ids
 from fleet.kernel import Kernel, ModelConfig, max_abs_delta
 from fleet.kernel.rope import rope_np, tables
 from fleet.kernel.types import K_POST, V_IDX
+from fleet.kernel.witness import sabotaged_rope
 
 PRE, SPAN, POST, QUERY = rand_ids(1, 45), rand_ids(2, 13), rand_ids(3, 37), rand_ids(4, 6)
 
@@ -145,13 +146,6 @@ def test_evict_then_generate_rederives_logits(backend: str) -> None:
     assert b.last_logits is None and len(b.generate(3)) == 3 and b.last_logits is not None
 
 
-def _sabotage_rope(k: object, shift: int) -> None:
-    """Make this kernel's `ops.rope` (the eviction path's rotation) rotate `shift` positions too far."""
-    ops = k.ops  # type: ignore[attr-defined]
-    rope = ops.rope
-    ops.rope = lambda x, positions: rope(x, np.asarray(positions) + shift)
-
-
 @pytest.mark.parametrize("n_layers", [1, 2])
 def test_reposition_at_a_wrong_position_is_caught(backend: str, n_layers: int) -> None:
     """The invariant is checked by an independent path (the prefill path's RoPE and layer 0 from the
@@ -160,7 +154,7 @@ def test_reposition_at_a_wrong_position_is_caught(backend: str, n_layers: int) -
     good.append(PRE + SPAN + POST)
     ok = good.evict(len(PRE), len(SPAN), mode="reposition")
     bad_k = Kernel.synthetic(ModelConfig.tiny(n_layers=n_layers), seed=0, backend=backend, tile_size=32)
-    _sabotage_rope(bad_k, 3)
+    bad_k.ops.rope = sabotaged_rope(bad_k, 3)  # the eviction path rotates 3 positions too far
     bad = bad_k.session()
     bad.append(PRE + SPAN + POST)
     r = bad.evict(len(PRE), len(SPAN), mode="reposition")
