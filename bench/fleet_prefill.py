@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fleet.cli.demo import run_demo  # noqa: E402
-from fleet.demo.summary import LABELS, ORDER  # noqa: E402
+from fleet.demo.summary import LABELS, NO_CLAIMS, ORDER  # noqa: E402
 from fleet.demo.workload import DemoConfig  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def table(runs: list[tuple[int, dict[str, Any]]]) -> str:
         ours = s["policies"]["kvfleet"]["prefill_tokens"] or 1
         for name in [n for n in ORDER if n in s["policies"]]:
             p = s["policies"][name]
-            stale = "n/a" if name in ("round_robin", "sticky", "vllm_router") else str(p["stale_warm_routes"])
+            stale = "n/a" if name in NO_CLAIMS else str(p["stale_warm_routes"])
             share = "/".join(str(v) for v in p["per_worker"].values())
             rows.append(f"| {nb} | {LABELS[name]} | {p['prefill_tokens']:,} | {p['prefill_tokens'] / ours:.2f}x | "
                         f"{100 * p['hit_rate']:.1f}% | {share} | {stale} | {p['to_sleeping']} |")

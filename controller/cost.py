@@ -93,15 +93,7 @@ class CostConfig:
             or not 0 <= self.kv_high_water < 1
         ):
             raise InvalidArgument(f"kv_high_water must be in [0, 1), got {self.kv_high_water!r}")
-        if (
-            isinstance(self.inflight_ttl_s, bool)
-            or not isinstance(self.inflight_ttl_s, int | float)
-            or not 0 < self.inflight_ttl_s < math.inf
-        ):
-            raise InvalidArgument(
-                f"inflight_ttl_s must be a positive number of seconds, got {self.inflight_ttl_s!r}"
-            )
-        for name in ("working_set_ttl_s",):
+        for name in ("inflight_ttl_s", "working_set_ttl_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {v!r}")

@@ -49,14 +49,9 @@ class WorkingSet:
                 return h, c
         return None
 
-    def demand(self, key: RankKey, without: Conversation | None = None) -> int:
-        """Blocks the rank's conversations need (less `without`, a record on this rank)."""
-        own = self._own.get(key, 0)
-        shared = dict(self._shared.get(key, {}))
-        if without is not None and without.key == key:
-            own -= without.num_blocks - without.num_shared
-            shared[without.num_shared] -= 1
-        return own + max((s for s, n in shared.items() if n > 0), default=0)
+    def demand(self, key: RankKey) -> int:
+        """Blocks the rank's conversations need now."""
+        return self.demand_with(key, None, 0, 0)
 
     def demand_with(self, key: RankKey, prev: Conversation | None, num_blocks: int, num_shared: int) -> int:
         """The rank's demand if this turn (`num_blocks`, `num_shared` of them shared) went there;

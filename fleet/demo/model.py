@@ -67,6 +67,11 @@ class PolicyResult:
                 "per_worker_tokens": dict(sorted(self.per_worker_tokens.items())),
                 "max_min_share": max_min_share(self.per_worker)}
 
+    @classmethod
+    def for_workers(cls, policy: str, workers: Sequence[str]) -> PolicyResult:
+        """An empty result with every worker listed (a worker that serves nothing shows as 0)."""
+        return cls(policy, per_worker=dict.fromkeys(workers, 0), per_worker_tokens=dict.fromkeys(workers, 0))
+
     def count(self, worker: str, num_tokens: int) -> None:
         self.per_worker[worker] = self.per_worker.get(worker, 0) + 1
         self.per_worker_tokens[worker] = self.per_worker_tokens.get(worker, 0) + num_tokens
@@ -210,8 +215,7 @@ def replay(trace: Trace, policy: Policy) -> PolicyResult:
     A sleep hits the policy's own busiest worker (`busiest`), its wake the worker that sleep hit;
     for kvfleet's recorded choices that is the very worker the live run put to sleep.
     """
-    fleet, out, i = Fleet.build(trace), PolicyResult(policy.name), 0
-    out.per_worker, out.per_worker_tokens = dict.fromkeys(trace.workers, 0), dict.fromkeys(trace.workers, 0)
+    fleet, out, i = Fleet.build(trace), PolicyResult.for_workers(policy.name, trace.workers), 0
     served: dict[str, int] = {}
     slept: dict[str, str] = {}
     for ev in trace.events:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 from typing import Any
 
@@ -26,17 +25,12 @@ from controller.sim_vllm.engine import SimEngineConfig
 from controller.sim_vllm.main import SimConfig, SimVllm
 from fleet.demo.model import PolicyResult
 from fleet.demo.trace import Lifecycle, Request, Trace
+from fleet.redis_server import free_port
 
 MODEL = "sim-model"
 SEND_TIMEOUT_S = 1.0  # shorter than the live demo's 2 s: this router keeps sending to a sleeper
 ATTEMPTS = 3
 READY_TIMEOUT_S = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_router_binary() -> str | None:
@@ -45,7 +39,7 @@ def vllm_router_binary() -> str | None:
 
 def _command(exe: str, port: int, sims: dict[str, SimVllm], block_size: int) -> list[str]:
     cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware", "--worker-urls",
-           *[s.url for s in sims.values()], "--prometheus-port", str(_free_port()), "--log-level", "warning"]
+           *[s.url for s in sims.values()], "--prometheus-port", str(free_port()), "--log-level", "warning"]
     for s in sims.values():
         cmd += ["--kv-event-source", f"{s.url}={s.kv_events}"]
         if s.replay:
@@ -84,14 +78,12 @@ async def replay_vllm_router(trace: Trace, num_blocks: int, block_size: int) -> 
         return None
     cfg = SimEngineConfig(model=MODEL, block_size=block_size, num_blocks=num_blocks)
     sims: dict[str, SimVllm] = {}
-    out = PolicyResult("vllm_router")
-    out.per_worker = dict.fromkeys(trace.workers, 0)
-    out.per_worker_tokens = dict.fromkeys(trace.workers, 0)
+    out = PolicyResult.for_workers("vllm_router", trace.workers)
     proc: subprocess.Popen[bytes] | None = None
     try:
         for name in trace.workers:
             sims[name] = await SimVllm(SimConfig(engine=cfg)).start()
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(_command(exe, port, sims, block_size), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"

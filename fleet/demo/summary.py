@@ -19,12 +19,12 @@ LABELS = {"kvfleet": "kvfleet (live)", "vllm_router": "vllm-router kv_aware (liv
           "sticky": "session-sticky hash (skips sleeping)",
           "greedy": "greedy longest prefix, perfect knowledge", "blind": "prefix-aware, lifecycle-blind",
           "round_robin": "round-robin"}
+NO_CLAIMS = frozenset({"round_robin", "sticky", "vllm_router"})  # routings that claim no warmth: stale is n/a
 
 
 def live_figures(res: LiveResult) -> PolicyResult:
     """kvfleet's figures from the live run: the stand-ins' own reused-token counts."""
-    out = PolicyResult("kvfleet")
-    out.per_worker, out.per_worker_tokens = dict.fromkeys(res.trace.workers, 0), dict.fromkeys(res.trace.workers, 0)
+    out = PolicyResult.for_workers("kvfleet", res.trace.workers)
     for r in res.trace.requests():
         out.num_requests += 1
         out.count(r.worker, r.num_tokens)
@@ -89,7 +89,7 @@ def render(summary: dict[str, Any]) -> Group:
     ours = summary["policies"]["kvfleet"]["prefill_tokens"] or 1
     for name in [n for n in ORDER if n in summary["policies"]]:
         p = summary["policies"][name]
-        stale = "n/a" if name in ("round_robin", "sticky", "vllm_router") else str(p["stale_warm_routes"])
+        stale = "n/a" if name in NO_CLAIMS else str(p["stale_warm_routes"])
         share = "/".join(str(v) for v in p["per_worker"].values())
         mm = "inf" if p["max_min_share"] is None else f"{p['max_min_share']:.2f}"
         t.add_row(LABELS[name], f"{p['prefill_tokens']:,}", f"{p['prefill_tokens'] / ours:.2f}x",

@@ -26,7 +26,7 @@ def test_the_next_turn_replaces_its_record_and_can_move_it() -> None:
     assert ws.demand(("w0", 0)) == 4 + 6 + 5 and len(ws) == 2
     prev = ws.previous(conv(2, 7))
     assert prev is not None and prev[1].num_blocks == 9
-    assert ws.demand(("w0", 0), without=prev[1]) == 4 + 6  # what w0 needs if conversation 2 leaves
+    assert ws.demand_with(("w0", 0), prev[1], 0, 0) == 4 + 6  # what w0 needs if conversation 2 leaves
     ws.place(("w1", 0), conv(2, 7), 4, now=2.0)  # conversation 2 moves to w1
     assert (ws.demand(("w0", 0)), ws.demand(("w1", 0))) == (4 + 6, 4 + 7) and len(ws) == 2
 
