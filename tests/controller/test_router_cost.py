@@ -267,6 +267,8 @@ def test_a_sleeping_worker_is_never_chosen_and_an_unproven_one_never_credited_ev
         dict(request_weight=float("nan")),
         dict(kv_high_water=1.0),
         dict(inflight_ttl_s=0),
+        dict(working_set_ttl_s=0),
+        dict(working_set_ttl_s=float("inf")),
         dict(shared_prefix_weight=1.5),
         dict(untracked_request_tokens=-5),
         dict(pressure_weight=True),
@@ -489,6 +491,7 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         "kvHighWater": 0.9,
         "untrackedRequestTokens": 1000000,
         "inflightTtlSeconds": 300,
+        "workingSetTtlSeconds": 900,
         "reconcileGraceSeconds": 0.5,
         "pressureWeight": 2.5,
     }
@@ -500,5 +503,6 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         kv_high_water=0.9,
         untracked_request_tokens=1000000,
         inflight_ttl_s=300.0,
+        working_set_ttl_s=900.0,
         reconcile_grace_s=0.5,
     )
