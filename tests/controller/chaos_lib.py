@@ -45,6 +45,9 @@ class Tally:
         return self.claimed_ok / self.oracle if self.oracle else 1.0
 
 
+HTTP_TIMEOUT_S = 20.0
+
+
 @dataclass
 class Result:
     router: Tally = field(default_factory=Tally)
@@ -75,7 +78,8 @@ class Chaos:
     async def __aenter__(self) -> Chaos:
         self.tmp = tempfile.TemporaryDirectory()
         self.store = open_store(f"sqlite:///{self.tmp.name}/kv.db")
-        self.http = aiohttp.ClientSession()
+        # NOTE: bounded: a stand-in that never answers must show as an error, not hang the suite
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S))
         for _ in range(self.n):
             self.sims.append(await SimVllm(SimConfig(engine=SimEngineConfig(
                 model="m", block_size=B, num_blocks=self.num_blocks))).start())
@@ -157,10 +161,14 @@ class Chaos:
                     tally.claimed_ok += matched
         if truth[d.worker]["serving"]:
             sim = self.sims[int(d.worker[1:])]
-            async with self.http.post(d.url + "/v1/completions",
-                                      json={"prompt": toks, "max_tokens": 8, "cache_salt": salt,
-                                            "extra_args": {"kv_cache_report_mode": "full"}}) as r:
-                await r.read()
+            try:
+                async with self.http.post(d.url + "/v1/completions",
+                                          json={"prompt": toks, "max_tokens": 8, "cache_salt": salt,
+                                                "extra_args": {"kv_cache_report_mode": "full"}}) as r:
+                    await r.read()
+            except TimeoutError:
+                self.res.errors.append(f"completion on {d.worker} got no answer in {HTTP_TIMEOUT_S}s")
+                return
             if r.status == 200:
                 out = [100 + (i * 7919 + len(toks)) % 150000 for i in range(8)]
                 self.sessions[k] = (salt, toks + out)

@@ -22,7 +22,8 @@ def _row(label: str, r: Result) -> str:
            if r.detect_ms else "detect n=0")
     return (f"{label:<34} routes={t.routes:4d} warm={t.warm:4d} STALE={t.stale:3d} "
             f"(not serving {t.stale_not_serving}) hit={t.hit_rate():.3f} unavail={t.unavailable:3d} | "
-            f"baseline warm={b.warm:4d} STALE={b.stale:3d} (not serving {b.stale_not_serving}) | {det}")
+            f"baseline warm={b.warm:4d} STALE={b.stale:3d} (not serving {b.stale_not_serving}) | {det}"
+            + (f" | errors: {r.errors}" if r.errors else ""))
 
 
 async def _run(steps: int = STEPS, **kw) -> Result:
