@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -69,6 +70,9 @@ if tonumber(m[1]) == 0 and tonumber(m[2]) == 0 and tonumber(m[3]) <= tonumber(AR
 end
 return 0
 """
+
+# A blob's metadata key, exactly: tenants exclude ':' and a ref is 64 lowercase hex.
+_META_KEY = re.compile(r"kvf:t:([A-Za-z0-9_.-]{1,64}):m:([0-9a-f]{64})")
 
 # NOTE: a duplicate of a large blob is detected with one small round trip before the bytes are sent.
 _PRECHECK_BYTES = 256 << 10
@@ -220,10 +224,13 @@ class RedisBlobStore(BlobStore):
 
     @_unavailable
     def _gc(self, now: float) -> int:
+        """Collect blob by blob; a key that only looks like metadata (the op log of a session named
+        `x:m:y` matches the scan pattern too) is skipped, so no key can abort GC for every tenant."""
         deleted = 0
         for key in self.r.scan_iter(match="kvf:t:*:m:*", count=1000):
-            _, _, tenant, _, ref = key.decode().split(":")
-            deleted += int(self._s_gc(keys=list(self._keys(tenant, ref)), args=[repr(now)]))
+            m = _META_KEY.fullmatch(key.decode("utf-8", "replace"))
+            if m is not None:
+                deleted += int(self._s_gc(keys=list(self._keys(*m.groups())), args=[repr(now)]))
         return deleted
 
     # ---- controller state -------------------------------------------------------------------------

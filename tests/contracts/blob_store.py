@@ -326,3 +326,18 @@ def test_crash_and_restart_keeps_acknowledged_puts(store_env: StoreEnv) -> None:
     for s in (store, store_env.open()):  # the old handle reconnects; a new one sees the same data
         assert all(s.get(r, "acme").startswith(b"acknowledged %d " % i) for i, r in enumerate(refs))
     assert not store.exists(sha(b"during outage"), "acme")
+
+
+def test_gc_survives_session_ids_that_look_like_blob_keys(store_env: StoreEnv) -> None:
+    """Op logs of sessions named like `x:m:y` (a legal session id) sit beside blob metadata; one odd
+    key must never abort GC for every tenant (Redis once split such keys and raised)."""
+    clock = Clock(1000.0)
+    store = store_env.open(clock=clock, lease_s=10.0)
+    for sid in ("x:m:y", "a:b:m:" + sha(b"n"), "m:" + sha(b"m"), "op:m:z"):
+        store.oplog_append("acme", sid, {"op": "append", "tokens": [1]})
+    gone = [store.put(b"expired %d" % i, t) for i, t in enumerate(("acme", "beta"))]
+    kept = store.put(b"pinned", "beta")
+    store.pin(kept, "beta")
+    assert store.gc(now=2000.0) == 2
+    assert not store.exists(gone[0], "acme") and not store.exists(gone[1], "beta") and store.exists(kept, "beta")
+    assert store.oplog_read("acme", "x:m:y") == [{"op": "append", "tokens": [1]}]
