@@ -4,7 +4,7 @@
     kvfleet controller --mint-token acme --role tenant --tokens-file tokens.json   # prints the token once
 
 Environment variables are read here and nowhere else (flags win): KVFLEET_LISTEN, KVFLEET_STORE,
-KVFLEET_TOKENS_FILE, KVFLEET_METRICS_PORT, KVFLEET_TLS_CERT, KVFLEET_TLS_KEY, KVFLEET_RAY_ADDRESS,
+KVFLEET_TOKENS_FILE, KVFLEET_METRICS_PORT, KVFLEET_TLS_CERT, KVFLEET_TLS_KEY, KVFLEET_RAY_ADDRESS, KVFLEET_GC_INTERVAL,
 KVFLEET_SALT_SECRET (hex; default: generated once and kept in the store).
 
 The --route-* flags set the placement cost's weights (controller/cost.py, docs/routing.md); unset
@@ -27,6 +27,7 @@ from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
+from controller.store_gc import DEFAULT_GC_INTERVAL_S
 from fleet.errors import InvalidArgument, KvfleetError
 
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
@@ -133,6 +134,12 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument(
         "--max-blob-bytes", type=int, default=64 << 20, help="largest blob accepted (default 64 MiB)"
     )
+    p.add_argument(
+        "--gc-interval",
+        type=float,
+        default=float(e("KVFLEET_GC_INTERVAL", str(DEFAULT_GC_INTERVAL_S))),
+        help=f"seconds between the leader's store GC runs; 0: off (default {DEFAULT_GC_INTERVAL_S:.0f})",
+    )
     add_cost_flags(p)
     p.add_argument(
         "--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit"
@@ -157,6 +164,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         salt_secret=bytes.fromhex(secret) if secret else None,
         ray_address=args.ray_address,
         leader_election=args.leader_election,
+        gc_interval_s=args.gc_interval,
     )
 
 

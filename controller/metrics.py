@@ -98,6 +98,17 @@ class Metrics:
         self.kv_event_decode_errors = Counter(
             "kvfleet_kv_event_decode_errors_total", "Undecodable KV event frames.", registry=r
         )
+        self.kv_blocks_refused = Counter(
+            "kvfleet_kv_blocks_refused_total",
+            "Stored block hashes refused: the rank would hold more than its capacity bound.",
+            registry=r,
+        )
+        self.worker_errors = Counter(
+            "kvfleet_worker_errors_total",
+            "Failures contained to one worker (start, reconcile, tail replay, status), by where.",
+            ["where"],
+            registry=r,
+        )
         # CAS
         self.cas_ops = Counter(
             "kvfleet_cas_ops_total", "Blob store operations.", ["op", "outcome"], registry=r
@@ -107,6 +118,26 @@ class Metrics:
         self.quarantines = Counter("kvfleet_quarantines_total", "Tool results quarantined.", registry=r)
         self.witness_max_delta = Gauge(
             "kvfleet_witness_max_abs_delta", "Last witness max|delta| by kind.", ["kind"], registry=r
+        )
+        # store GC (controller/store_gc.py; the leader runs it on a schedule)
+        self.store_gc_runs = Counter(
+            "kvfleet_store_gc_runs_total", "Store GC runs by outcome (ok, error).", ["outcome"], registry=r
+        )
+        self.store_gc_collected = Counter(
+            "kvfleet_store_gc_collected_blobs_total",
+            "Blobs deleted by GC (unpinned, unreferenced, lease run out).",
+            registry=r,
+        )
+        self.store_gc_duration = Histogram(
+            "kvfleet_store_gc_duration_seconds",
+            "Time one store GC run took.",
+            registry=r,
+            buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0),
+        )
+        self.store_gc_last_success = Gauge(
+            "kvfleet_store_gc_last_success_timestamp_seconds",
+            "Unix time of the last store GC run that succeeded (0: none yet).",
+            registry=r,
         )
         self.rpc_errors = Counter(
             "kvfleet_rpc_errors_total", "RPCs answered with an error status.", ["method", "code"], registry=r

@@ -24,6 +24,7 @@ from controller.auth import Authenticator, TokenBook
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
+from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from fleet.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller")
@@ -47,6 +48,7 @@ class ControllerConfig:
     leader_ttl_s: float = 10.0
     start_router: bool = True
     store_threads: int = 4
+    gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
 
     def __post_init__(self) -> None:
         if ":" not in self.listen:
@@ -55,6 +57,7 @@ class ControllerConfig:
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key (PEM files)")
         if self.max_blob_bytes <= 0:
             raise InvalidArgument(f"max_blob_bytes must be positive, got {self.max_blob_bytes}")
+        GcConfig(self.gc_interval_s)  # raises InvalidArgument on a bad interval
 
 
 class Controller:
@@ -84,11 +87,13 @@ class Controller:
             await router.start()
             self.ctx.router = router
         self.ctx.leader = True
+        await self.ctx.store_gc.start()
         await self._set_serving(True)
 
     async def step_down(self) -> None:
         self.ctx.leader = False
         await self._set_serving(False)
+        await self.ctx.store_gc.stop()
         router, self.ctx.router = self.ctx.router, None
         if router is not None:
             await router.stop()
@@ -127,6 +132,7 @@ class Controller:
                 await self._lock.close()
         if self.ctx.router is not None:
             await self.ctx.router.stop()
+        await self.ctx.store_gc.stop()
         for hook in self.ctx.on_stop:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(hook)
@@ -185,6 +191,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
     ctx = ServiceContext(auth=auth, metrics=metrics or Metrics(), store=store, router=None, max_blob_bytes=limit,
                          store_url=cfg.store_url, ray_address=cfg.ray_address, leader=False,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"))
+    ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     server = grpc.aio.server()
     names = add_servicers(server, ctx)
     health_servicer = health.aio.HealthServicer()

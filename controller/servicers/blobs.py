@@ -15,7 +15,7 @@ from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, server_stream, unary
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
-from fleet.errors import InvalidArgument, ResourceExhausted
+from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
 
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 2 << 20
@@ -83,6 +83,38 @@ class BlobServicer(pbg.BlobServiceServicer):
                        ident: Identity) -> pb.StatBlobResponse:
         meta = await self.ctx.blocking(self.ctx.store.stat, request.ref, ident.tenant)
         return pb.StatBlobResponse(meta=meta_to_proto(meta))
+
+    # -- operations: pins and GC -----------------------------------------------------------------
+
+    @unary(Role.TENANT)
+    async def PinBlob(self, request: pb.PinBlobRequest, context: grpc.aio.ServicerContext,
+                      ident: Identity) -> pb.PinBlobResponse:
+        return await self._pin(request, ident, self.ctx.store.pin)
+
+    @unary(Role.TENANT)
+    async def UnpinBlob(self, request: pb.PinBlobRequest, context: grpc.aio.ServicerContext,
+                        ident: Identity) -> pb.PinBlobResponse:
+        return await self._pin(request, ident, self.ctx.store.unpin)
+
+    async def _pin(self, request: pb.PinBlobRequest, ident: Identity, verb: Any) -> pb.PinBlobResponse:
+        tenant = _pin_tenant(request, ident)
+        await self.ctx.blocking(verb, request.ref, tenant)
+        return pb.PinBlobResponse(meta=meta_to_proto(await self.ctx.blocking(self.ctx.store.stat, request.ref, tenant)))
+
+    @unary(Role.OPERATOR)
+    async def CollectGarbage(self, request: pb.CollectGarbageRequest, context: grpc.aio.ServicerContext,
+                             ident: Identity) -> pb.CollectGarbageResponse:
+        return pb.CollectGarbageResponse(num_collected=await self.ctx.store_gc.run_once())
+
+
+def _pin_tenant(request: pb.PinBlobRequest, ident: Identity) -> str:
+    """The tenant whose blob a pin names: an operator may name any; a tenant only its own, and
+    another tenant's blob answers exactly like a missing one (NOT_FOUND)."""
+    if not request.tenant or request.tenant == ident.tenant:
+        return ident.tenant
+    if ident.role is Role.OPERATOR:
+        return request.tenant
+    raise NotFound(f"blob {request.ref} not found for tenant {ident.tenant!r}")
 
 
 def meta_to_proto(m: Any) -> pb.BlobMeta:

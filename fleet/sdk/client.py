@@ -90,6 +90,25 @@ class FleetClient(SessionsMixin):
                                                                   timeout=t, metadata=self._md))
         return types.blob_info(r.meta)
 
+    def pin_blob(self, ref: types.BlobRef | str, *, tenant: str = "") -> types.BlobInfo:
+        """Pin a blob: GC never collects it until as many unpins. `tenant`: operators only (another
+        tenant's blob); a retry after a lost reply may pin twice (read `pins` in the answer)."""
+        req = blobs_pb2.PinBlobRequest(ref=str(ref), tenant=tenant)
+        r = self._call("PinBlob", lambda t: self._blobs.PinBlob(req, timeout=t, metadata=self._md))
+        return types.blob_info(r.meta)
+
+    def unpin_blob(self, ref: types.BlobRef | str, *, tenant: str = "") -> types.BlobInfo:
+        """Drop one pin (FailedPrecondition when it has none)."""
+        req = blobs_pb2.PinBlobRequest(ref=str(ref), tenant=tenant)
+        r = self._call("UnpinBlob", lambda t: self._blobs.UnpinBlob(req, timeout=t, metadata=self._md))
+        return types.blob_info(r.meta)
+
+    def collect_garbage(self) -> int:
+        """Operator: run the store's GC now (every tenant); returns the blobs deleted."""
+        req = blobs_pb2.CollectGarbageRequest()
+        r = self._call("CollectGarbage", lambda t: self._blobs.CollectGarbage(req, timeout=t, metadata=self._md))
+        return int(r.num_collected)
+
     # workers (operator)
     def register_worker(self, name: str, *, url: str, kv_events: str, replay: str = "", model: str = "",
                         dp_ranks: int = 1, block_size: int | None = None, hash_algo: str = "sha256",

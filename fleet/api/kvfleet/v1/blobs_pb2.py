@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvfleet/v1/blobs.proto\x12\nkvfleet.v1\"3\n\rPutBlobHeader\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x14\n\x0c\x65xpected_ref\x18\x02 \x01(\t\"V\n\x0ePutBlobRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.kvfleet.v1.PutBlobHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\",\n\x0fPutBlobResponse\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"1\n\x0eGetBlobRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x12\n\nchunk_size\x18\x02 \x01(\r\" \n\x0fGetBlobResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\"\x1e\n\x0fStatBlobRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"\x8b\x01\n\x08\x42lobMeta\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x01\x12\x0c\n\x04pins\x18\x04 \x01(\x03\x12\x0c\n\x04refs\x18\x05 \x01(\x03\x12\x0f\n\x07verdict\x18\x06 \x01(\t\x12\x0f\n\x07reasons\x18\x07 \x03(\t\x12\x15\n\rlease_expires\x18\x08 \x01(\x01\"6\n\x10StatBlobResponse\x12\"\n\x04meta\x18\x01 \x01(\x0b\x32\x14.kvfleet.v1.BlobMeta2\xe0\x01\n\x0b\x42lobService\x12\x44\n\x07PutBlob\x12\x1a.kvfleet.v1.PutBlobRequest\x1a\x1b.kvfleet.v1.PutBlobResponse(\x01\x12\x44\n\x07GetBlob\x12\x1a.kvfleet.v1.GetBlobRequest\x1a\x1b.kvfleet.v1.GetBlobResponse0\x01\x12\x45\n\x08StatBlob\x12\x1b.kvfleet.v1.StatBlobRequest\x1a\x1c.kvfleet.v1.StatBlobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvfleet/v1/blobs.proto\x12\nkvfleet.v1\"3\n\rPutBlobHeader\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x14\n\x0c\x65xpected_ref\x18\x02 \x01(\t\"V\n\x0ePutBlobRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.kvfleet.v1.PutBlobHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\",\n\x0fPutBlobResponse\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"1\n\x0eGetBlobRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x12\n\nchunk_size\x18\x02 \x01(\r\" \n\x0fGetBlobResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\"\x1e\n\x0fStatBlobRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\"\x8b\x01\n\x08\x42lobMeta\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x01\x12\x0c\n\x04pins\x18\x04 \x01(\x03\x12\x0c\n\x04refs\x18\x05 \x01(\x03\x12\x0f\n\x07verdict\x18\x06 \x01(\t\x12\x0f\n\x07reasons\x18\x07 \x03(\t\x12\x15\n\rlease_expires\x18\x08 \x01(\x01\"6\n\x10StatBlobResponse\x12\"\n\x04meta\x18\x01 \x01(\x0b\x32\x14.kvfleet.v1.BlobMeta\"-\n\x0ePinBlobRequest\x12\x0b\n\x03ref\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"5\n\x0fPinBlobResponse\x12\"\n\x04meta\x18\x01 \x01(\x0b\x32\x14.kvfleet.v1.BlobMeta\"\x17\n\x15\x43ollectGarbageRequest\"/\n\x16\x43ollectGarbageResponse\x12\x15\n\rnum_collected\x18\x01 \x01(\x04\x32\xc3\x03\n\x0b\x42lobService\x12\x44\n\x07PutBlob\x12\x1a.kvfleet.v1.PutBlobRequest\x1a\x1b.kvfleet.v1.PutBlobResponse(\x01\x12\x44\n\x07GetBlob\x12\x1a.kvfleet.v1.GetBlobRequest\x1a\x1b.kvfleet.v1.GetBlobResponse0\x01\x12\x45\n\x08StatBlob\x12\x1b.kvfleet.v1.StatBlobRequest\x1a\x1c.kvfleet.v1.StatBlobResponse\x12\x42\n\x07PinBlob\x12\x1a.kvfleet.v1.PinBlobRequest\x1a\x1b.kvfleet.v1.PinBlobResponse\x12\x44\n\tUnpinBlob\x12\x1a.kvfleet.v1.PinBlobRequest\x1a\x1b.kvfleet.v1.PinBlobResponse\x12W\n\x0e\x43ollectGarbage\x12!.kvfleet.v1.CollectGarbageRequest\x1a\".kvfleet.v1.CollectGarbageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,6 +48,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOBMETA']._serialized_end=482
   _globals['_STATBLOBRESPONSE']._serialized_start=484
   _globals['_STATBLOBRESPONSE']._serialized_end=538
-  _globals['_BLOBSERVICE']._serialized_start=541
-  _globals['_BLOBSERVICE']._serialized_end=765
+  _globals['_PINBLOBREQUEST']._serialized_start=540
+  _globals['_PINBLOBREQUEST']._serialized_end=585
+  _globals['_PINBLOBRESPONSE']._serialized_start=587
+  _globals['_PINBLOBRESPONSE']._serialized_end=640
+  _globals['_COLLECTGARBAGEREQUEST']._serialized_start=642
+  _globals['_COLLECTGARBAGEREQUEST']._serialized_end=665
+  _globals['_COLLECTGARBAGERESPONSE']._serialized_start=667
+  _globals['_COLLECTGARBAGERESPONSE']._serialized_end=714
+  _globals['_BLOBSERVICE']._serialized_start=717
+  _globals['_BLOBSERVICE']._serialized_end=1168
 # @@protoc_insertion_point(module_scope)

@@ -76,3 +76,27 @@ class StatBlobResponse(_message.Message):
     META_FIELD_NUMBER: _ClassVar[int]
     meta: BlobMeta
     def __init__(self, meta: _Optional[_Union[BlobMeta, _Mapping]] = ...) -> None: ...
+
+class PinBlobRequest(_message.Message):
+    __slots__ = ("ref", "tenant")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    tenant: str
+    def __init__(self, ref: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class PinBlobResponse(_message.Message):
+    __slots__ = ("meta",)
+    META_FIELD_NUMBER: _ClassVar[int]
+    meta: BlobMeta
+    def __init__(self, meta: _Optional[_Union[BlobMeta, _Mapping]] = ...) -> None: ...
+
+class CollectGarbageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CollectGarbageResponse(_message.Message):
+    __slots__ = ("num_collected",)
+    NUM_COLLECTED_FIELD_NUMBER: _ClassVar[int]
+    num_collected: int
+    def __init__(self, num_collected: _Optional[int] = ...) -> None: ...

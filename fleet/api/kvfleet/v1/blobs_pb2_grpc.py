@@ -51,6 +51,21 @@ class BlobServiceStub:
                 request_serializer=kvfleet_dot_v1_dot_blobs__pb2.StatBlobRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_blobs__pb2.StatBlobResponse.FromString,
                 _registered_method=True)
+        self.PinBlob = channel.unary_unary(
+                '/kvfleet.v1.BlobService/PinBlob',
+                request_serializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobResponse.FromString,
+                _registered_method=True)
+        self.UnpinBlob = channel.unary_unary(
+                '/kvfleet.v1.BlobService/UnpinBlob',
+                request_serializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobResponse.FromString,
+                _registered_method=True)
+        self.CollectGarbage = channel.unary_unary(
+                '/kvfleet.v1.BlobService/CollectGarbage',
+                request_serializer=kvfleet_dot_v1_dot_blobs__pb2.CollectGarbageRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_blobs__pb2.CollectGarbageResponse.FromString,
+                _registered_method=True)
 
 
 class BlobServiceServicer:
@@ -80,6 +95,28 @@ class BlobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinBlob(self, request, context):
+        """Wraps fleet.cas.BlobStore.pin: a pinned blob is never collected, referenced or not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinBlob(self, request, context):
+        """Wraps fleet.cas.BlobStore.unpin. Unpinning a blob with no pins is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectGarbage(self, request, context):
+        """Wraps fleet.cas.BlobStore.gc (operator role): collect now every unpinned, unreferenced
+        blob whose lease ran out, of every tenant. The leader also runs it on a schedule.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +134,21 @@ def add_BlobServiceServicer_to_server(servicer, server):
                     servicer.StatBlob,
                     request_deserializer=kvfleet_dot_v1_dot_blobs__pb2.StatBlobRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_blobs__pb2.StatBlobResponse.SerializeToString,
+            ),
+            'PinBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinBlob,
+                    request_deserializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobResponse.SerializeToString,
+            ),
+            'UnpinBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinBlob,
+                    request_deserializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_blobs__pb2.PinBlobResponse.SerializeToString,
+            ),
+            'CollectGarbage': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectGarbage,
+                    request_deserializer=kvfleet_dot_v1_dot_blobs__pb2.CollectGarbageRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_blobs__pb2.CollectGarbageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +233,87 @@ class BlobService:
             '/kvfleet.v1.BlobService/StatBlob',
             kvfleet_dot_v1_dot_blobs__pb2.StatBlobRequest.SerializeToString,
             kvfleet_dot_v1_dot_blobs__pb2.StatBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.BlobService/PinBlob',
+            kvfleet_dot_v1_dot_blobs__pb2.PinBlobRequest.SerializeToString,
+            kvfleet_dot_v1_dot_blobs__pb2.PinBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.BlobService/UnpinBlob',
+            kvfleet_dot_v1_dot_blobs__pb2.PinBlobRequest.SerializeToString,
+            kvfleet_dot_v1_dot_blobs__pb2.PinBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectGarbage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.BlobService/CollectGarbage',
+            kvfleet_dot_v1_dot_blobs__pb2.CollectGarbageRequest.SerializeToString,
+            kvfleet_dot_v1_dot_blobs__pb2.CollectGarbageResponse.FromString,
             options,
             channel_credentials,
             insecure,
