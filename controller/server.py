@@ -12,8 +12,7 @@ import contextlib
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,10 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controller.auth import Authenticator, TokenBook
+from controller.edge import DecodeGuard, GrpcLimits, server_credentials
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
+from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
+from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller")
@@ -41,7 +43,11 @@ class ControllerConfig:
     tokens_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: mutual TLS, every client shows a certificate this CA signed
     max_blob_bytes: int = 64 << 20
+    max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS
+    uploads: UploadLimits = field(default_factory=UploadLimits)
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
     salt_secret: bytes | None = None  # None: generated once and kept in the store
     ray_address: str | None = None  # accepted and kept for the session actors
     leader_election: bool = False
@@ -55,6 +61,10 @@ class ControllerConfig:
             raise InvalidArgument(f"--listen {self.listen!r} must be HOST:PORT, e.g. 0.0.0.0:50051")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key (PEM files)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgument("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        if self.max_route_tokens <= 0:
+            raise InvalidArgument(f"--max-route-tokens must be positive, got {self.max_route_tokens}")
         if self.max_blob_bytes <= 0:
             raise InvalidArgument(f"max_blob_bytes must be positive, got {self.max_blob_bytes}")
         GcConfig(self.gc_interval_s)  # raises InvalidArgument on a bad interval
@@ -157,7 +167,7 @@ def _salt_secret(store: Any, cfg: ControllerConfig) -> bytes:
 def _bind(server: grpc.aio.Server, cfg: ControllerConfig) -> int:
     try:
         if cfg.tls_cert and cfg.tls_key:
-            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
             port = server.add_secure_port(cfg.listen, creds)
         else:
             port = server.add_insecure_port(cfg.listen)
@@ -190,9 +200,11 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
     limit = min(cfg.max_blob_bytes, int(store_limit))
     ctx = ServiceContext(auth=auth, metrics=metrics or Metrics(), store=store, router=None, max_blob_bytes=limit,
                          store_url=cfg.store_url, ray_address=cfg.ray_address, leader=False,
-                         executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"))
+                         executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"),
+                         uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens)
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[DecodeGuard()], options=cfg.grpc_limits.options(),
+                             maximum_concurrent_rpcs=cfg.grpc_limits.max_concurrent_rpcs)
     names = add_servicers(server, ctx)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

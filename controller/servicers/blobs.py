@@ -2,6 +2,8 @@
 
 Memory: a put holds the received chunks (one copy) and the store joins them (a second copy), so a
 put never holds more than ~2 copies of the blob; a get streams the store's chunks as they come.
+Unfinished puts are bounded by controller/uploads.py: a put reserves its announced size per tenant
+and in total when its header arrives, and one that sends no bytes for the idle timeout is dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, server_stream, unary
+from controller.uploads import progressing
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
 from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -32,16 +35,20 @@ class BlobServicer(pbg.BlobServiceServicer):
     @unary(Role.TENANT)
     async def PutBlob(self, request_iterator: AsyncIterator[pb.PutBlobRequest], context: grpc.aio.ServicerContext,
                       ident: Identity) -> pb.PutBlobResponse:
-        header, chunks = await self._receive(request_iterator)
-        ref: str = await self.ctx.blocking(self.ctx.store.put_stream, iter(chunks), ident.tenant,
-                                           header.expected_ref or None)
+        gate = self.ctx.uploads
+        requests = aiter(progressing(request_iterator, idle_s=gate.limits.idle_s))
+        header = await self._header(requests)
+        with gate.admit(ident.tenant, header.size):  # held until the store has the bytes (or refused them)
+            chunks = await self._chunks(requests, header)
+            ref: str = await self.ctx.blocking(self.ctx.store.put_stream, iter(chunks), ident.tenant,
+                                               header.expected_ref or None)
         self.ctx.metrics.cas_ops.labels(op="put", outcome="ok").inc()
         self.ctx.metrics.cas_bytes.labels(direction="in").inc(header.size)
         return pb.PutBlobResponse(ref=ref, size=header.size)
 
-    async def _receive(self, requests: AsyncIterator[pb.PutBlobRequest]) -> tuple[pb.PutBlobHeader, list[bytes]]:
-        """Read the header, then the chunks; refuse early (before storing anything) on a size problem."""
-        first = await anext(aiter(requests), None)
+    async def _header(self, requests: AsyncIterator[pb.PutBlobRequest]) -> pb.PutBlobHeader:
+        """Read the header; refuse early (before buffering anything) on a size problem."""
+        first = await anext(requests, None)
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("PutBlob's first message must be a header {size, expected_ref}; chunks follow it")
         header, limit = first.header, self.ctx.max_blob_bytes
@@ -49,6 +56,11 @@ class BlobServicer(pbg.BlobServiceServicer):
             self.ctx.metrics.cas_ops.labels(op="put", outcome="too_large").inc()
             raise ResourceExhausted(f"blob of {header.size} bytes ({_mib(header.size)}) exceeds the store limit of "
                                     f"{limit} bytes ({_mib(limit)}); split it or raise the controller's --max-blob-bytes")
+        return header
+
+    @staticmethod
+    async def _chunks(requests: AsyncIterator[pb.PutBlobRequest], header: pb.PutBlobHeader) -> list[bytes]:
+        """Read the chunks after the header: exactly header.size bytes, or nothing is stored."""
         chunks, got = [], 0
         async for msg in requests:
             if msg.WhichOneof("kind") != "chunk":
@@ -61,7 +73,7 @@ class BlobServicer(pbg.BlobServiceServicer):
         if got != header.size:
             raise InvalidArgument(f"PutBlob stream ended after {got} of the {header.size} bytes its header announced; "
                                   "nothing was stored")
-        return header, chunks
+        return chunks
 
     @server_stream(Role.TENANT)
     async def GetBlob(self, request: pb.GetBlobRequest, context: grpc.aio.ServicerContext,

@@ -18,10 +18,12 @@ import grpc
 
 from controller.auth import Authenticator, Identity, Role
 from controller.metrics import Metrics
+from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import KvfleetError, Unavailable
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
+DEFAULT_MAX_ROUTE_TOKENS = 1 << 20
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class ServiceContext:
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # run by Controller.stop
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="kvfleet-store"))
     leader: bool = True
+    uploads: UploadGate = field(default_factory=lambda: UploadGate(UploadLimits()))
+    max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS  # a Route longer than this is refused (--max-route-tokens)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking store call off the event loop."""
@@ -48,6 +52,19 @@ class ServiceContext:
         if self.router is None:
             raise Unavailable("the router is not running on this controller yet; retry shortly")
         return self.router
+
+
+MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut: never echo a client's megabytes back
+
+
+def clip(value: object, limit: int = 64) -> str:
+    """repr(value), cut to `limit` characters with the rest counted (for echoing client input in errors)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def _cut(msg: str) -> str:
+    return msg if len(msg) <= MAX_MESSAGE_CHARS else f"{msg[:MAX_MESSAGE_CHARS]}… (message cut)"
 
 
 def status_of(err: KvfleetError) -> grpc.StatusCode:
@@ -70,7 +87,7 @@ async def _fail(ctx: ServiceContext, context: grpc.aio.ServicerContext, method: 
         log.exception("%s failed", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e} (see controller log)"
     ctx.metrics.rpc_errors.labels(method=method, code=code.name).inc()
-    await context.abort(code, msg)
+    await context.abort(code, _cut(msg))
 
 
 Handler = Callable[..., Awaitable[Any]]

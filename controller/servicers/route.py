@@ -1,15 +1,21 @@
-"""RouteService: Route and ReleaseRoute, unary; the tenant's cache_salt and ownership come from its token."""
+"""RouteService: Route and ReleaseRoute, unary; the tenant's cache_salt and ownership come from its token.
+
+A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
+MAX_MODEL_CHARS characters; the router hashes the prompt off the event loop.
+"""
 
 from __future__ import annotations
 
 import grpc
 
 from controller.auth import Identity, Role
-from controller.servicers.common import ServiceContext, unary
+from controller.servicers.common import ServiceContext, clip, unary
 from controller.servicers.convert import decision_to_proto
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
 from fleet.errors import InvalidArgument
+
+MAX_MODEL_CHARS = 1024
 
 
 class RouteServicer(pbg.RouteServiceServicer):
@@ -22,6 +28,13 @@ class RouteServicer(pbg.RouteServiceServicer):
     ) -> pb.RouteResponse:
         if not request.model:
             raise InvalidArgument("route needs a model name (the one the workers were registered with)")
+        if len(request.model) > MAX_MODEL_CHARS:
+            raise InvalidArgument(f"model name of {len(request.model)} characters ({clip(request.model)}) is over "
+                                  f"the limit of {MAX_MODEL_CHARS}; use the name the workers were registered with")
+        if len(request.token_ids) > self.ctx.max_route_tokens:
+            raise InvalidArgument(f"route of {len(request.token_ids)} tokens is over the controller's limit of "
+                                  f"{self.ctx.max_route_tokens} (--max-route-tokens); send at most the model's "
+                                  "context length, or raise the limit")
         salt = self.ctx.auth.cache_salt(ident.tenant)
         decision = await self.ctx.need_router().route(
             list(request.token_ids),

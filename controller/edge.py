@@ -1,0 +1,155 @@
+"""The gRPC edge of the controller: transport limits, TLS/mTLS credentials, and undecodable requests.
+
+Transport limits are gRPC core channel arguments (see gRPC's doc/keepalive.md):
+
+    max_receive_bytes        grpc.max_receive_message_length   one message larger is RESOURCE_EXHAUSTED
+    max_concurrent_streams   grpc.max_concurrent_streams        open RPCs per client connection
+    keepalive_s/_timeout_s   grpc.keepalive_time_ms/_timeout_ms the server pings idle peers, drops dead ones
+    min_ping_interval_s      grpc.http2.min_ping_interval_without_data_ms  faster client pings are strikes;
+                             after grpc.http2.max_ping_strikes the connection gets GOAWAY
+
+A request whose bytes do not parse (e.g. a string field that is not UTF-8) would leave as UNKNOWN
+from inside grpc; DecodeGuard answers INVALID_ARGUMENT with the parser's reason instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from fleet.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcLimits:
+    """Transport limits of the gRPC server (flags of `kvfleet controller` in parentheses)."""
+
+    max_receive_bytes: int = 4 << 20  # --grpc-max-receive-bytes
+    max_concurrent_streams: int = 100  # --grpc-max-concurrent-streams (per connection)
+    max_concurrent_rpcs: int = 1000  # --grpc-max-concurrent-rpcs (whole server; more: RESOURCE_EXHAUSTED)
+    keepalive_s: float = 60.0  # --grpc-keepalive
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 10.0  # --grpc-min-ping-interval
+    max_ping_strikes: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_receive_bytes", "max_concurrent_streams", "max_concurrent_rpcs", "keepalive_s",
+                     "keepalive_timeout_s", "min_ping_interval_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"gRPC limit {name} must be positive, got {getattr(self, name)}")
+
+    def options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_bytes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
+            ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
+        ]
+
+
+def ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
+    """TLS credentials; with `client_ca` every client must present a certificate that CA signed (mTLS)."""
+    pair = [(_read(key, "--tls-key"), _read(cert, "--tls-cert"))]
+    if client_ca is None:
+        return grpc.ssl_server_credentials(pair)
+    return grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca, "--tls-client-ca"),
+                                       require_client_auth=True)
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidArgument(f"{flag} {path}: cannot read it ({e.strerror}); give a PEM file") from None
+    if b"-----BEGIN" not in data:
+        raise InvalidArgument(f"{flag} {path} is not PEM (no '-----BEGIN' line)")
+    return data
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    type_name: str
+    reason: str
+
+
+def _guard_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+    owner = getattr(deserialize, "__self__", None)
+    type_name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "the request message")
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as e:
+            return _Undecodable(type_name, str(e))
+
+    return parse
+
+
+async def _refuse(bad: _Undecodable, method: str, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{method}: the request is not a valid {bad.type_name} ({bad.reason[-200:]}); "
+                        "strings must be UTF-8 and the message must match the kvfleet.v1 protos")
+
+
+async def _checked_stream(requests: AsyncIterator[Any], method: str,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async for msg in requests:
+        if isinstance(msg, _Undecodable):
+            await _refuse(msg, method, context)
+        yield msg
+
+
+def _wrap(behavior: Callable[..., Any], method: str, stream_in: bool, stream_out: bool) -> Callable[..., Any]:
+    async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if stream_in:
+            return _checked_stream(request, method, context)
+        if isinstance(request, _Undecodable):
+            await _refuse(request, method, context)
+        return request
+
+    if not stream_out:
+        async def unary_out(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await prepare(request, context), context)
+        return unary_out
+
+    async def stream_out_(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        result = behavior(await prepare(request, context), context)
+        if inspect.isasyncgen(result):
+            async for msg in result:
+                yield msg
+        elif inspect.isawaitable(result):
+            await result  # a handler that writes with context.write()
+        else:
+            for msg in result:
+                yield msg
+    return stream_out_
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
+    """Turn an unparseable request into INVALID_ARGUMENT (grpc would answer UNKNOWN)."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        stream_in, stream_out = handler.request_streaming, handler.response_streaming
+        slot = ("stream" if stream_in else "unary") + "_" + ("stream" if stream_out else "unary")
+        method = str(handler_call_details.method).rsplit("/", 1)[-1]
+        return handler._replace(request_deserializer=_guard_deserializer(handler.request_deserializer),
+                                **{slot: _wrap(getattr(handler, slot), method, stream_in, stream_out)})

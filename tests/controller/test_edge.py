@@ -1,0 +1,239 @@
+"""The gRPC edge: undecodable requests, echoed input, route size, upload caps and idle streams, transport limits."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from ctl_helpers import make_tokens, md, start_controller, store_url
+
+import controller.router as router_mod
+from controller.edge import GrpcLimits
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from controller.sim_vllm.engine import SimEngineConfig
+from controller.sim_vllm.main import SimConfig, SimVllm
+from controller.uploads import UploadLimits
+from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
+from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
+from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
+from fleet.cas import open_store
+
+Code = grpc.StatusCode
+
+
+async def _raw(ch: grpc.aio.Channel, method: str, payload: bytes, metadata: tuple = ()) -> grpc.aio.AioRpcError:
+    call = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await call(payload, timeout=10, metadata=metadata)
+    return ei.value
+
+
+async def test_invalid_utf8_is_invalid_argument_not_unknown(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            good = route_pb2.RouteRequest(token_ids=[1], model="mmm").SerializeToString()
+            bad = good.replace(b"mmm", b"m\xffm")
+            err = await _raw(ch, "/kvfleet.v1.RouteService/Route", bad, md(tok.a))
+            print("unary:", err.code().name, err.details())
+            assert err.code() == Code.INVALID_ARGUMENT and "UTF-8" in err.details() and "RouteRequest" in err.details()
+            # streaming requests too: a PutBlob header whose expected_ref is not UTF-8
+            header = blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=1, expected_ref="abc"))
+            raw = header.SerializeToString().replace(b"abc", b"a\xfec")
+            call = ch.stream_unary("/kvfleet.v1.BlobService/PutBlob", request_serializer=None,
+                                   response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call(iter([raw]), timeout=10, metadata=md(tok.a))
+            print("stream:", ei.value.code().name, ei.value.details())
+            assert ei.value.code() == Code.INVALID_ARGUMENT and "PutBlobRequest" in ei.value.details()
+            # control: the same bytes, valid, pass the decoder (and reach the servicer's own checks)
+            err = await _raw(ch, "/kvfleet.v1.RouteService/Route", good, md(tok.a))
+            assert err.code() == Code.UNAVAILABLE  # no router on this controller: past decoding
+    finally:
+        await ctl.stop(0)
+
+
+async def test_huge_model_name_and_route_are_refused_without_echoing_them(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, max_route_tokens=100)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address, options=[("grpc.max_send_message_length", -1)]) as ch:
+            stub = RouteServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Route(route_pb2.RouteRequest(token_ids=[1], model="M" * (1 << 20)), metadata=md(tok.a))
+            print("model:", ei.value.details())
+            assert ei.value.code() == Code.INVALID_ARGUMENT and len(ei.value.details()) < 1100
+            assert "1048576 characters" in ei.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Route(route_pb2.RouteRequest(token_ids=[1] * 101, model="m"), metadata=md(tok.a))
+            print("tokens:", ei.value.details())
+            assert ei.value.code() == Code.INVALID_ARGUMENT and "--max-route-tokens" in ei.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:  # control: at the limit it reaches the router
+                await stub.Route(route_pb2.RouteRequest(token_ids=[1] * 100, model="m"), metadata=md(tok.a))
+            assert ei.value.code() == Code.UNAVAILABLE
+    finally:
+        await ctl.stop(0)
+
+
+async def test_route_hashes_the_prompt_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = router_mod.external_chain
+
+    def spy(*a, **kw):  # the real hash, recording the thread it ran on
+        seen.append(threading.get_ident())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(router_mod, "external_chain", spy)
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start()
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+    await r.start()
+    try:
+        await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
+        d = await r.route(list(range(5000)), "m")
+        assert d.worker == "w0"
+        assert seen, "the router hashed nothing: the check would be vacuous"
+        assert threading.get_ident() not in seen, "block hashes were computed on the event loop's thread"
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
+async def _held(size: int, first: bytes, release: asyncio.Event):
+    """A put that sends its header and `first`, then waits (an unfinished upload)."""
+    yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=size))
+    yield blobs_pb2.PutBlobRequest(chunk=first)
+    await release.wait()
+
+
+async def _put(stub: BlobServiceStub, data: bytes, token: str) -> grpc.StatusCode:
+    async def reqs():
+        yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data)))
+        yield blobs_pb2.PutBlobRequest(chunk=data)
+    try:
+        await stub.PutBlob(reqs(), metadata=md(token), timeout=10)
+    except grpc.aio.AioRpcError as e:
+        print(" ", e.code().name, e.details())
+        return e.code()
+    return Code.OK
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+async def test_unfinished_uploads_are_capped_per_tenant_and_in_total(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    limits = UploadLimits(tenant_uploads=2, total_uploads=3, tenant_bytes=3000, total_bytes=5000, idle_s=30)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=limits)
+    gate, release = ctl.ctx.uploads, asyncio.Event()
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = BlobServiceStub(ch)
+            held = [asyncio.ensure_future(stub.PutBlob(_held(1000, b"a", release), metadata=md(tok.a)))
+                    for _ in range(2)]
+            await _until(lambda: gate.uploads["acme"] == 2, "two acme uploads admitted")
+            assert await _put(stub, b"x" * 10, tok.a) == Code.RESOURCE_EXHAUSTED  # acme: 2 open uploads
+            assert await _put(stub, b"y" * 1500, tok.b) == Code.OK  # control: another tenant is not blocked
+            held.append(asyncio.ensure_future(stub.PutBlob(_held(2500, b"b", release), metadata=md(tok.b))))
+            await _until(lambda: gate.uploads["bravo"] == 1, "a bravo upload admitted")
+            assert await _put(stub, b"z" * 600, tok.b) == Code.RESOURCE_EXHAUSTED  # total: 3 open uploads
+            assert gate.total_bytes == 4500  # announced sizes are reserved, not bytes received
+            release.set()
+            for t in held:  # each held put ends with too few bytes: refused, and its reservation freed
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await t
+                assert ei.value.code() == Code.INVALID_ARGUMENT
+            assert (gate.total_uploads, gate.total_bytes) == (0, 0)
+            assert await _put(stub, b"x" * 10, tok.a) == Code.OK  # control: room again
+            assert await _put(stub, b"q" * 3001, tok.a) == Code.RESOURCE_EXHAUSTED  # over acme's byte quota
+            assert (gate.total_uploads, gate.total_bytes) == (0, 0)
+    finally:
+        release.set()
+        await ctl.stop(0)
+
+
+async def test_byte_quota_names_its_flag(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    limits = UploadLimits(tenant_bytes=1000, total_bytes=1500)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=limits)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub, release = BlobServiceStub(ch), asyncio.Event()
+            t = asyncio.ensure_future(stub.PutBlob(_held(800, b"a", release), metadata=md(tok.a)))
+            await _until(lambda: ctl.ctx.uploads.total_bytes == 800, "800 bytes reserved")
+            async def reqs(n: int):
+                yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=n))
+                yield blobs_pb2.PutBlobRequest(chunk=b"c" * n)
+            for token, n, flag in ((tok.a, 300, "--max-upload-bytes-per-tenant=1000"),
+                                   (tok.b, 800, "--max-upload-bytes=1500")):
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.PutBlob(reqs(n), metadata=md(token))
+                print(ei.value.details())
+                assert ei.value.code() == Code.RESOURCE_EXHAUSTED and flag in ei.value.details()
+            release.set()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await t
+    finally:
+        await ctl.stop(0)
+
+
+async def test_stalled_upload_times_out_even_while_sending_empty_chunks(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=UploadLimits(idle_s=0.5))
+    stop = asyncio.Event()
+
+    async def empties():
+        yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=100))
+        yield blobs_pb2.PutBlobRequest(chunk=b"x" * 10)
+        while not stop.is_set():  # empty chunks forever: they must not count as progress
+            yield blobs_pb2.PutBlobRequest(chunk=b"")
+            await asyncio.sleep(0.05)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = BlobServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.PutBlob(empties(), metadata=md(tok.a), timeout=30)
+            print(ei.value.code().name, ei.value.details())
+            assert ei.value.code() == Code.RESOURCE_EXHAUSTED and "--upload-idle-timeout" in ei.value.details()
+            assert (ctl.ctx.uploads.total_uploads, ctl.ctx.uploads.total_bytes) == (0, 0)
+            data = b"d" * 100  # control: a put that keeps sending is not cut
+            assert await _put(stub, data, tok.a) == Code.OK
+            ctl.ctx.store.stat(hashlib.sha256(data).hexdigest(), "acme")
+    finally:
+        stop.set()
+        await ctl.stop(0)
+
+
+async def test_transport_limits_reach_the_server(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    limits = GrpcLimits(max_receive_bytes=64 << 10, max_concurrent_rpcs=1)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, grpc_limits=limits)
+    release = asyncio.Event()
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = BlobServiceStub(ch)
+            assert await _put(stub, b"s" * (60 << 10), tok.a) == Code.OK  # under the message limit
+            assert await _put(stub, b"s" * (70 << 10), tok.a) == Code.RESOURCE_EXHAUSTED  # one message over it
+            held = asyncio.ensure_future(stub.PutBlob(_held(1000, b"a", release), metadata=md(tok.a)))
+            await _until(lambda: ctl.ctx.uploads.total_uploads == 1, "the held upload admitted")
+            assert await _put(stub, b"t", tok.a) == Code.RESOURCE_EXHAUSTED  # max_concurrent_rpcs=1
+            release.set()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await held
+            assert await _put(stub, b"t", tok.a) == Code.OK
+        assert ("grpc.http2.min_ping_interval_without_data_ms", 10000) in GrpcLimits().options()
+    finally:
+        release.set()
+        await ctl.stop(0)
