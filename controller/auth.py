@@ -5,7 +5,8 @@ Tokens file (JSON; only SHA-256 digests of the tokens are kept, never a token it
     {"tokens": [{"sha256": "<hex>", "tenant": "acme", "role": "tenant", "name": "acme-ci"}]}
 
 A caller sends `authorization: Bearer <token>` metadata. No or unknown token is UNAUTHENTICATED; a
-tenant calling an operator RPC is PERMISSION_DENIED. Each tenant's routes use its own cache_salt,
+tenant calling an operator RPC is PERMISSION_DENIED, and so is a reader calling anything but the
+listings (ListWorkers, GetFleet, WhoAmI). Each tenant's routes use its own cache_salt,
 HMAC-SHA256(server secret, tenant), so a WARM verdict reveals nothing across tenants.
 """
 
@@ -16,22 +17,34 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleet.cas.types import check_tenant
 from fleet.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 TOKEN_PREFIX = "kvf_"
 
 
 class Role(enum.StrEnum):
+    """tenant: its own blobs, sessions, routes. reader: list workers and the fleet, nothing else (the
+    proxy's token). operator: everything, across tenants."""
+
     TENANT = "tenant"
+    READER = "reader"
     OPERATOR = "operator"
+
+
+# which token roles an RPC marked with a role admits; an RPC may also name a set of roles (ANYONE)
+ADMITS: dict[Role, frozenset[Role]] = {
+    Role.TENANT: frozenset({Role.TENANT, Role.OPERATOR}),
+    Role.READER: frozenset({Role.READER, Role.OPERATOR}),
+    Role.OPERATOR: frozenset({Role.OPERATOR}),
+}
+ANYONE = frozenset(Role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +56,11 @@ class Identity:
     name: str
 
     def __post_init__(self) -> None:
-        assert _TENANT.match(self.tenant), self.tenant
+        check_tenant(self.tenant)
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def check_tenant(tenant: str) -> str:
-    if not _TENANT.match(tenant):
-        raise InvalidArgument(f"tenant {tenant!r} is invalid: use 1-64 characters from [A-Za-z0-9_.-], starting alphanumeric")
-    return tenant
 
 
 def _load(path: Path) -> dict[str, Identity]:
@@ -66,14 +73,14 @@ def _load(path: Path) -> dict[str, Identity]:
                               f"`kvfleet controller --mint-token TENANT --role operator --tokens-file {path}`") from None
     except (ValueError, KeyError, TypeError) as e:
         raise InvalidArgument(f"tokens file {path} is malformed ({e!r}); expected "
-                              '{"tokens": [{"sha256": ..., "tenant": ..., "role": "tenant"|"operator", "name": ...}]}') from None
+                              '{"tokens": [{"sha256": ..., "tenant": ..., "role": "tenant"|"reader"|"operator", "name": ...}]}') from None
 
 
 def mint_token(path: str | Path, tenant: str, role: str, name: str = "") -> str:
     """Create a token, append its SHA-256 to the tokens file (created 0600 if missing); return the token."""
     path, role_ = Path(path), Role(role) if role in Role._value2member_map_ else None
     if role_ is None:
-        raise InvalidArgument(f"role {role!r} is invalid: use 'tenant' or 'operator'")
+        raise InvalidArgument(f"role {role!r} is invalid: use 'tenant', 'reader' or 'operator'")
     check_tenant(tenant)
     doc = {"tokens": []} if not path.exists() or not path.read_text().strip() else json.loads(path.read_text())
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -142,9 +149,11 @@ class Authenticator:
         return ident
 
     @staticmethod
-    def authorize(ident: Identity, needed: Role, method: str) -> None:
-        if needed is Role.OPERATOR and ident.role is not Role.OPERATOR:
-            raise PermissionDenied(f"{method} needs the operator role; token {ident.name!r} of tenant "
+    def authorize(ident: Identity, needed: Role | frozenset[Role], method: str) -> None:
+        admitted = ADMITS[needed] if isinstance(needed, Role) else needed
+        if ident.role not in admitted:
+            roles = " or ".join(sorted(r.value for r in admitted))
+            raise PermissionDenied(f"{method} needs the {roles} role; token {ident.name!r} of tenant "
                                    f"{ident.tenant!r} has role {ident.role.value!r}")
 
     def cache_salt(self, tenant: str) -> str:

@@ -145,7 +145,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         "--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit"
     )
     p.add_argument(
-        "--role", default="tenant", choices=("tenant", "operator"), help="role of the minted token"
+        "--role", default="tenant", choices=("tenant", "reader", "operator"), help="role of the minted token"
     )
     p.add_argument("--name", default="", help="label of the minted token (default: the tenant)")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -57,8 +57,9 @@ class ControllerConfig:
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
 
     def __post_init__(self) -> None:
-        if ":" not in self.listen:
-            raise InvalidArgument(f"--listen {self.listen!r} must be HOST:PORT, e.g. 0.0.0.0:50051")
+        port = self.listen.rsplit(":", 1)[-1]
+        if ":" not in self.listen or not port.isdigit() or int(port) > 65535 or self.listen != self.listen.strip():
+            raise InvalidArgument(f"--listen {self.listen!r} must be HOST:PORT with a port in 0-65535, e.g. 0.0.0.0:50051")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key (PEM files)")
         if self.tls_client_ca and not self.tls_cert:

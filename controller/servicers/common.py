@@ -71,7 +71,8 @@ def status_of(err: KvfleetError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
 
 
-def _check(ctx: ServiceContext, context: grpc.aio.ServicerContext, role: Role, method: str) -> Identity:
+def _check(ctx: ServiceContext, context: grpc.aio.ServicerContext, role: Role | frozenset[Role],
+           method: str) -> Identity:
     ident = ctx.auth.authenticate(context.invocation_metadata())
     ctx.auth.authorize(ident, role, method)
     if not ctx.leader:
@@ -93,7 +94,7 @@ async def _fail(ctx: ServiceContext, context: grpc.aio.ServicerContext, method: 
 Handler = Callable[..., Awaitable[Any]]
 
 
-def unary(role: Role) -> Callable[[Handler], Handler]:
+def unary(role: Role | frozenset[Role]) -> Callable[[Handler], Handler]:
     """Wrap `async def M(self, request, context, ident)` (unary or client-streaming) with auth and errors."""
 
     def wrap(fn: Handler) -> Handler:
@@ -112,7 +113,7 @@ def unary(role: Role) -> Callable[[Handler], Handler]:
     return wrap
 
 
-def server_stream(role: Role) -> Callable[[Callable[..., AsyncIterator[Any]]], Callable[..., AsyncIterator[Any]]]:
+def server_stream(role: Role | frozenset[Role]) -> Callable[[Callable[..., AsyncIterator[Any]]], Callable[..., AsyncIterator[Any]]]:
     """Wrap `async def M(self, request, context, ident)` async generators with auth and errors."""
 
     def wrap(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:

@@ -1,4 +1,4 @@
-"""FleetService: who am I (any valid token) and the fleet listing (operator role)."""
+"""FleetService: who am I (any valid token) and the fleet listing (reader or operator role)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import grpc
 
-from controller.auth import Identity, Role
+from controller.auth import ANYONE, Identity, Role
 from controller.servicers.common import ServiceContext, unary
 from controller.servicers.convert import statuses_to_proto
 from fleet.api.kvfleet.v1 import fleet_pb2 as pb
@@ -23,12 +23,12 @@ class FleetServicer(pbg.FleetServiceServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
 
-    @unary(Role.TENANT)
+    @unary(ANYONE)
     async def WhoAmI(self, request: pb.WhoAmIRequest, context: grpc.aio.ServicerContext,
                      ident: Identity) -> pb.WhoAmIResponse:
         return pb.WhoAmIResponse(tenant=ident.tenant, role=ident.role.value, name=ident.name)
 
-    @unary(Role.OPERATOR)
+    @unary(Role.READER)
     async def GetFleet(self, request: pb.GetFleetRequest, context: grpc.aio.ServicerContext,
                        ident: Identity) -> pb.GetFleetResponse:
         workers = self.ctx.router.workers() if self.ctx.router is not None else []

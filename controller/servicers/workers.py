@@ -1,15 +1,29 @@
-"""WorkerService: the worker registry and lifecycle verbs (operator role only)."""
+"""WorkerService: the worker registry and lifecycle verbs (operator role; ListWorkers: reader too)."""
 
 from __future__ import annotations
+
+import re
 
 import grpc
 
 from controller.auth import Identity, Role
-from controller.servicers.common import ServiceContext, unary
+from controller.servicers.common import ServiceContext, clip, unary
 from controller.servicers.convert import spec_from_proto, statuses_to_proto, witness_to_proto
 from fleet.api.kvfleet.v1 import workers_pb2 as pb
 from fleet.api.kvfleet.v1 import workers_pb2_grpc as pbg
 from fleet.errors import InvalidArgument
+
+_PORT = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://(?:\[[^\]]*\]|[^/:\[]*):(\d+)")
+
+
+def check_endpoint(what: str, value: str) -> None:
+    """Refuse whitespace/control characters (a trailing newline too) and ports outside 1-65535."""
+    if any(c.isspace() or not c.isprintable() for c in value):
+        raise InvalidArgument(f"worker {what} {clip(value)} contains whitespace or control characters")
+    m = _PORT.match(value)
+    if m and not 1 <= int(m.group(1)) <= 65535:
+        raise InvalidArgument(f"worker {what} {clip(value)}: port {int(m.group(1))} is outside 1-65535")
+
 
 VERBS = ("sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "release_kv_cache_memory")
 
@@ -23,6 +37,10 @@ class WorkerServicer(pbg.WorkerServiceServicer):
                              ident: Identity) -> pb.RegisterWorkerResponse:
         if not request.spec.name:
             raise InvalidArgument("worker spec needs a name (e.g. 'w0')")
+        spec = request.spec
+        for what, value in (("name", spec.name), ("url", spec.url), ("kv_events", spec.kv_events),
+                            ("replay", spec.replay), ("model", spec.model)):
+            check_endpoint(what, value)
         router = self.ctx.need_router()
         status = await router.register_worker(spec_from_proto(request.spec))
         ranks = [s for s in router.workers() if s.name == status.name] or [status]  # every DP rank
@@ -34,7 +52,7 @@ class WorkerServicer(pbg.WorkerServiceServicer):
         await self.ctx.need_router().unregister_worker(request.name)
         return pb.UnregisterWorkerResponse()
 
-    @unary(Role.OPERATOR)
+    @unary(Role.READER)
     async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext,
                           ident: Identity) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(workers=statuses_to_proto(self.ctx.need_router().workers()))

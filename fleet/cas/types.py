@@ -19,7 +19,7 @@ VERDICT_CLEAN = "CLEAN"
 VERDICT_QUARANTINED = "QUARANTINED"
 VERDICTS = (VERDICT_UNKNOWN, VERDICT_CLEAN, VERDICT_QUARANTINED)
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: `$` would allow a trailing newline
 _ID_RE = re.compile(r"[A-Za-z0-9_.:/@-]{1,128}")
 _REF_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -66,9 +66,11 @@ def _sha_hex(view: memoryview) -> str:
 
 
 def check_tenant(tenant: object) -> str:
-    """Validate a tenant name: 1-64 chars of [A-Za-z0-9_.-]."""
+    """Validate a tenant name: 1-64 chars of [A-Za-z0-9_.-], the first a letter or digit (the only rule)."""
     if not isinstance(tenant, str) or not _NAME_RE.fullmatch(tenant):
-        raise InvalidArgument(f"invalid tenant {tenant!r}: expected 1-64 characters of [A-Za-z0-9_.-]")
+        shown = repr(tenant) if len(repr(tenant)) <= 80 else repr(tenant)[:80] + "…"
+        raise InvalidArgument(f"invalid tenant {shown}: expected 1-64 characters of [A-Za-z0-9_.-], "
+                              "starting with a letter or digit")
     return tenant
 
 

@@ -13,6 +13,7 @@ import pytest
 from ctl_helpers import code_of, make_tokens, md, start_controller, store_url
 
 from controller.auth import Authenticator, TokenBook, mint_token
+from fleet.cas.types import check_tenant
 from controller.main import main as controller_main
 from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
@@ -26,7 +27,7 @@ C = grpc.StatusCode
 
 
 def _calls(ch: grpc.aio.Channel):
-    """(name, needs operator, fn(metadata) -> awaitable) for one RPC of every service."""
+    """(name, role it needs, fn(metadata) -> awaitable) for one RPC of every service."""
     blobs, workers, route, fleet = BlobServiceStub(ch), WorkerServiceStub(ch), RouteServiceStub(ch), FleetServiceStub(ch)
 
     def put(m):
@@ -40,44 +41,50 @@ def _calls(ch: grpc.aio.Channel):
 
     spec = workers_pb2.WorkerSpec(name="w0", url="http://127.0.0.1:1", kv_events="tcp://127.0.0.1:2", model="m")
     return [
-        ("WhoAmI", False, lambda m: fleet.WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=m)),
-        ("PutBlob", False, put),
-        ("GetBlob", False, get),
-        ("StatBlob", False, lambda m: blobs.StatBlob(blobs_pb2.StatBlobRequest(ref="0" * 64), metadata=m)),
-        ("Route", False, lambda m: route.Route(route_pb2.RouteRequest(token_ids=[1, 2], model="m"), metadata=m)),
-        ("RegisterWorker", True, lambda m: workers.RegisterWorker(workers_pb2.RegisterWorkerRequest(spec=spec), metadata=m)),
-        ("UnregisterWorker", True, lambda m: workers.UnregisterWorker(workers_pb2.UnregisterWorkerRequest(name="w0"), metadata=m)),
-        ("ListWorkers", True, lambda m: workers.ListWorkers(workers_pb2.ListWorkersRequest(), metadata=m)),
-        ("Lifecycle", True, lambda m: workers.Lifecycle(workers_pb2.LifecycleRequest(name="w0", verb="sleep", level=1), metadata=m)),
-        ("GetFleet", True, lambda m: fleet.GetFleet(fleet_pb2.GetFleetRequest(), metadata=m)),
+        ("WhoAmI", "any", lambda m: fleet.WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=m)),
+        ("PutBlob", "tenant", put),
+        ("GetBlob", "tenant", get),
+        ("StatBlob", "tenant", lambda m: blobs.StatBlob(blobs_pb2.StatBlobRequest(ref="0" * 64), metadata=m)),
+        ("Route", "tenant", lambda m: route.Route(route_pb2.RouteRequest(token_ids=[1, 2], model="m"), metadata=m)),
+        ("RegisterWorker", "operator", lambda m: workers.RegisterWorker(workers_pb2.RegisterWorkerRequest(spec=spec), metadata=m)),
+        ("UnregisterWorker", "operator", lambda m: workers.UnregisterWorker(workers_pb2.UnregisterWorkerRequest(name="w0"), metadata=m)),
+        ("ListWorkers", "reader", lambda m: workers.ListWorkers(workers_pb2.ListWorkersRequest(), metadata=m)),
+        ("Lifecycle", "operator", lambda m: workers.Lifecycle(workers_pb2.LifecycleRequest(name="w0", verb="sleep", level=1), metadata=m)),
+        ("GetFleet", "reader", lambda m: fleet.GetFleet(fleet_pb2.GetFleetRequest(), metadata=m)),
     ]
 
 
 async def test_auth_matrix(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
+    reader = mint_token(tok.file, "proxy", "reader")  # the proxy's scoped, read-only token
+    admits = {"any": {"tenant", "reader", "operator"}, "tenant": {"tenant", "operator"},
+              "reader": {"reader", "operator"}, "operator": {"operator"}}
     ctl = await start_controller(store_url("sqlite", tmp_path), tok)
     try:
         async with grpc.aio.insecure_channel(ctl.address) as ch:
             rows = []
-            for name, op_only, call in _calls(ch):
+            for name, needs, call in _calls(ch):
                 got = {who: await code_of(call(m)) for who, m in (
                     ("none", ()), ("wrong", md("kvf_not-a-token")), ("basic", (("authorization", "Basic abc"),)),
-                    ("tenant", md(tok.a)), ("operator", md(tok.op)))}
+                    ("tenant", md(tok.a)), ("reader", md(reader)), ("operator", md(tok.op)))}
                 rows.append((name, got))
                 print(f"{name:17s}", {k: v.name for k, v in got.items()})
                 assert got["none"] == got["wrong"] == got["basic"] == C.UNAUTHENTICATED
-                if op_only:
-                    assert got["tenant"] == C.PERMISSION_DENIED
-                assert got["operator"] not in (C.UNAUTHENTICATED, C.PERMISSION_DENIED)
-                if not op_only:
-                    assert got["tenant"] not in (C.UNAUTHENTICATED, C.PERMISSION_DENIED)
+                for who in ("tenant", "reader", "operator"):
+                    denied = got[who] in (C.UNAUTHENTICATED, C.PERMISSION_DENIED)
+                    assert denied == (who not in admits[needs]), (name, who, got[who])
             # control: the matrix saw both refusals and at least one accepted call per role
             assert sum(g["tenant"] == C.PERMISSION_DENIED for _, g in rows) == 5
-            assert any(g["tenant"] == C.OK for _, g in rows) and any(g["operator"] == C.OK for _, g in rows)
+            assert sum(g["reader"] == C.PERMISSION_DENIED for _, g in rows) == 7
+            assert all(any(g[who] == C.OK for _, g in rows) for who in ("tenant", "reader", "operator"))
             # the error messages say what to do
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await FleetServiceStub(ch).GetFleet(fleet_pb2.GetFleetRequest(), metadata=md(tok.b))
-            assert "needs the operator role" in ei.value.details() and "bravo" in ei.value.details()
+            assert "needs the operator or reader role" in ei.value.details() and "bravo" in ei.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await WorkerServiceStub(ch).Lifecycle(workers_pb2.LifecycleRequest(name="w0", verb="sleep", level=1),
+                                                      metadata=md(reader))
+            assert "needs the operator role" in ei.value.details() and "'reader'" in ei.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest())
             assert "authorization: Bearer" in ei.value.details()
@@ -110,7 +117,12 @@ def test_tokens_file_holds_only_hashes(tmp_path: Path, capsys: pytest.CaptureFix
     assert book.lookup(token).tenant == "acme" and book.lookup(token + "x") is None
     # bad input: nothing appended, a clear error
     assert controller_main(["--mint-token", "bad tenant!", "--tokens-file", str(f)], env={}) == 2
-    assert "tenant 'bad tenant!' is invalid" in capsys.readouterr().err
+    assert "invalid tenant 'bad tenant!'" in capsys.readouterr().err
+    for bad in ("acme\n", ".hidden", "a" * 65):  # one validator, fullmatch: no trailing newline
+        with pytest.raises(InvalidArgument, match="invalid tenant"):
+            mint_token(f, bad, "tenant")
+        with pytest.raises(InvalidArgument, match="invalid tenant"):
+            check_tenant(bad)
     with pytest.raises(InvalidArgument, match="role"):
         mint_token(f, "acme", "root")
     assert f.read_text() == text

@@ -237,3 +237,40 @@ async def test_transport_limits_reach_the_server(tmp_path: Path) -> None:
     finally:
         release.set()
         await ctl.stop(0)
+
+
+async def test_worker_endpoints_need_real_ports_and_no_control_characters(tmp_path: Path) -> None:
+    from fleet.api.kvfleet.v1 import workers_pb2
+    from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
+
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = WorkerServiceStub(ch)
+
+            async def register(**kw: str) -> grpc.aio.AioRpcError:
+                spec = dict(name="w0", url="http://127.0.0.1:8000", kv_events="tcp://127.0.0.1:5557", model="m") | kw
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.RegisterWorker(workers_pb2.RegisterWorkerRequest(spec=workers_pb2.WorkerSpec(**spec)),
+                                              metadata=md(tok.op))
+                print(kw, ei.value.code().name, ei.value.details())
+                return ei.value
+            for kw in ({"url": "http://127.0.0.1:70000"}, {"kv_events": "tcp://127.0.0.1:65536"},
+                       {"replay": "tcp://[::1]:99999"}, {"url": "http://127.0.0.1:8000\n"}, {"name": "w0\n"}):
+                err = await register(**kw)
+                assert err.code() == Code.INVALID_ARGUMENT
+            assert "outside 1-65535" in (await register(url="http://h:70000")).details()
+            assert (await register()).code() == Code.UNAVAILABLE  # control: a good spec reaches the router
+    finally:
+        await ctl.stop(0)
+
+
+def test_listen_port_must_be_a_port() -> None:
+    from controller.server import ControllerConfig
+    from fleet.errors import InvalidArgument
+
+    for bad in ("127.0.0.1:70000", "127.0.0.1:http", "127.0.0.1:50051\n"):
+        with pytest.raises(InvalidArgument, match="port in 0-65535"):
+            ControllerConfig(listen=bad)
+    assert ControllerConfig(listen="127.0.0.1:65535").listen.endswith("65535")
