@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.kernel.tokenizer import encode_message
 
 if TYPE_CHECKING:
     from fleet.kernel import EvictReport, Kernel, Session
@@ -92,13 +93,13 @@ class SessionContext:
     # ---- appends ------------------------------------------------------------------------------------
     def add_system(self, text: str) -> Piece:
         """Append a system prompt piece."""
-        return self._append_tokens("system", self.tokenizer.encode(_text(text)), role="system")
+        return self._append_tokens("system", encode_message(self.tokenizer, "system", _text(text)), role="system")
 
     def add_message(self, role: str, text: str) -> Piece:
         """Append a chat message piece (`role` e.g. user / assistant)."""
         if not isinstance(role, str) or not role:
             raise InvalidArgument(f"role must be a non-empty str, got {role!r}")
-        return self._append_tokens("message", self.tokenizer.encode(_text(text)), role=role)
+        return self._append_tokens("message", encode_message(self.tokenizer, role, _text(text)), role=role)
 
     def add_output(self, token_ids: list[int]) -> Piece:
         """Append model output (token ids the session generated)."""

@@ -24,6 +24,7 @@ import numpy as np
 import ray
 
 from fleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, Unavailable
+from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
 from workers.placement import (
     NAMESPACE,
@@ -200,7 +201,7 @@ class KernelFleet:
         check_name("session_id", session_id)
         if not isinstance(system_prompt, str) or not system_prompt:
             raise InvalidArgument("the system prompt must be a non-empty str")
-        tokens = self._tokens(system_prompt)
+        tokens = self._tokens(encode_message(self.tokenizer, "system", system_prompt))  # the piece's own tokens
         if self.store.kv_get(REGISTRY, f"{tenant}/{session_id}") is not None:
             raise AlreadyExists(f"session {session_id!r} already exists")
         node = self._place(tenant, tokens)

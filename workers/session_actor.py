@@ -26,6 +26,7 @@ from typing import Any
 from fleet.context import QUARANTINED
 from fleet.errors import NotFound
 from fleet.kernel import PrefixKV, Session
+from fleet.kernel.tokenizer import encode_message
 from workers.host import SessionHost
 from workers.placement import add_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
@@ -92,7 +93,7 @@ class KernelActor:
         if not refs:
             return None
         blocks = await asyncio.gather(*refs)  # zero-copy, read-only views on this node
-        return self._prefix(make_tokenizer(self.kernel).encode(system_prompt), blocks)
+        return self._prefix(encode_message(make_tokenizer(self.kernel), "system", system_prompt), blocks)
 
     def _prefix(self, tokens: list[int], blocks: list[Any]) -> PrefixKV:
         """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from fleet.errors import InvalidArgument
 from fleet.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.kernel.hf_tokenizer import HFTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,5 +65,18 @@ def make_kernel(spec: KernelSpec) -> Kernel:
     return Kernel.synthetic(cfg, seed=spec.seed, backend=spec.backend, device=spec.device, **kw)
 
 
-def make_tokenizer(kernel: Kernel) -> ByteTokenizer:
+def make_tokenizer(kernel: Kernel) -> ByteTokenizer | HFTokenizer:
+    """The kernel's tokenizer: a pretrained checkpoint's own (tokenizer.json + chat template, from
+    its directory, local files only), the byte tokenizer for the synthetic model."""
+    if kernel.checkpoint:
+        return _hf_tokenizer(kernel.checkpoint, kernel.config.vocab_size)
     return ByteTokenizer(kernel.config.vocab_size)
+
+
+@lru_cache(maxsize=4)
+def _hf_tokenizer(path: str, vocab_size: int) -> HFTokenizer:
+    tok = HFTokenizer.from_dir(path)
+    if tok.vocab_size > vocab_size:
+        raise InvalidArgument(f"{path}: the tokenizer has {tok.vocab_size} ids but the model only "
+                              f"{vocab_size} embeddings; the tokenizer files belong to another model")
+    return tok

@@ -77,6 +77,7 @@ class Kernel:
         self.block_bytes = 3 * cfg.n_layers * cfg.n_kv_heads * block_size * cfg.head_dim * 4
         ident = f"{cfg!r}|{weights.source}|{backend}|{self.device}|{threads}|{block_size}|{tile_size}"
         self.model_id = hashlib.sha256(ident.encode()).hexdigest()[:16]
+        self.checkpoint = ""  # the checkpoint directory of a pretrained kernel (its tokenizer lives there)
 
     @classmethod
     def synthetic(
@@ -103,7 +104,9 @@ class Kernel:
         except json.JSONDecodeError as e:
             raise InvalidArgument(f"{cfg_file}: not valid JSON ({e})") from e
         cfg = ModelConfig.from_hf(hf)
-        return cls(cfg, load_pretrained(p, cfg), backend, device, **kw)
+        kernel = cls(cfg, load_pretrained(p, cfg), backend, device, **kw)
+        kernel.checkpoint = str(p)
+        return kernel
 
     def env(self) -> dict[str, Any]:
         """What the exactness witnesses hold for: backend, device, CPU, threads, BLAS, geometry."""
