@@ -9,6 +9,12 @@ Calls go straight to the session's actor. A dead actor (killed, its worker proce
 marked lost (witness kv="forgotten", epoch + 1) and regenerated from its op log by its node's
 supervisor, then the call is retried once with the same op id (so an op that was logged just
 before the crash is not applied twice). Every wait has a timeout: a fault never hangs a caller.
+
+Nodes come and go: the supervisors follow Ray's node table (re-read at most every
+`node_refresh_s`, and at once after a failure). A node that joins and has the session actor's
+resources gets a supervisor and takes new sessions; a node that dies is dropped, and its sessions
+are regenerated on a survivor on their next call (or by `reconcile()`). Placement skips nodes
+whose KV budget is spent; when none has room, ResourceExhausted.
 """
 
 from __future__ import annotations
@@ -28,18 +34,25 @@ from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
 from workers.placement import (
     NAMESPACE,
+    REGISTRY,
     NodeOffer,
     choose_node,
     drop_blob_refs,
+    eligible_nodes,
     fleet_scope,
     on_node,
     session_actor_name,
+    session_resources,
     supervisor_name,
 )
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 from workers.supervisor import NodeSupervisor
 
-REGISTRY = "kvfleet.sessions"
+__all__ = ["REGISTRY", "AppendResult", "KernelFleet", "NodeGone"]
+
+
+class NodeGone(Unavailable):
+    """A node's supervisor is dead (the node left the cluster); it has been dropped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +77,22 @@ class KernelFleet:
 
     def __init__(self, store_url: str, kernel_spec: dict[str, Any] | KernelSpec | None = None, *,
                  node_budget_bytes: int = 64 << 20, policy: str = "lru", call_timeout_s: float = 60.0,
-                 detached: bool = False) -> None:
+                 detached: bool = False, node_kv_bytes: int = 2 << 30, resources: dict[str, float] | None = None,
+                 node_refresh_s: float = 1.0) -> None:
         """Args:
             store_url: the store every actor opens (op logs, session registry).
             kernel_spec: which kernel every session runs (KernelSpec or its dict).
             node_budget_bytes: per-node memory budget of the radix prefix cache.
             policy: its eviction policy ("lru", "lfu", "mru", "next-use").
             call_timeout_s: the longest any call waits; past it, Unavailable.
-            detached: supervisors (and the sessions they own) outlive this process, so a restarted
-                controller finds them warm; otherwise they go with it and are regenerated from the
-                op logs on first use.
+            detached: supervisors and session actors outlive this process (detached, named in
+                the kvfleet namespace), so a restarted controller reattaches to them warm; otherwise
+                they go with it and are regenerated from the op logs on first use.
+            node_kv_bytes: each node's KV budget (cached blocks + sessions' private blocks); a
+                node whose budget is spent takes no new session.
+            resources: custom Ray resources every session actor asks for (e.g. {"accel": 0.01});
+                nodes without them (and without CPU, like a 0-CPU head) get no session.
+            node_refresh_s: how often, at most, Ray's node table is re-read to follow nodes.
         """
         from fleet.cas import open_store
 
@@ -85,36 +104,79 @@ class KernelFleet:
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
         self._budget, self._policy, self._detached = node_budget_bytes, policy, detached
-        self.supervisors = self._ensure_supervisors()
+        self._kv_bytes, self._resources = node_kv_bytes, dict(resources or {})
+        self._refresh_s, self._refreshed = node_refresh_s, float("-inf")
+        self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size
+        self.supervisors: dict[str, Any] = {}
         self.num_regenerations = 0
         self._handles: dict[tuple[str, str], Any] = {}
+        self.refresh_nodes(force=True)
+        if not self.supervisors:
+            raise Unavailable(f"no Ray node has the resources a session needs ({session_resources(self._resources)})")
 
     # -- supervisors and placement ------------------------------------------------------------
 
-    def _ensure_supervisors(self) -> dict[str, Any]:
-        out = {}
-        for node in ray.nodes():  # type: ignore[no-untyped-call]
-            if not node.get("Alive"):
-                continue
-            nid = node["NodeID"]
-            out[nid] = ray.remote(NodeSupervisor).options(
-                name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-                max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
-            ).remote(nid, self.store_url, self.spec.to_dict(), self._budget, self._policy)
-        return out
+    def refresh_nodes(self, force: bool = False) -> list[str]:
+        """Follow Ray's node table: a supervisor for every alive node with the session actor's
+        resources (new ones included), none for dead ones. Returns the node ids."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < self._refresh_s:
+            return list(self.supervisors)
+        self._refreshed = now
+        alive = eligible_nodes(ray.nodes(), session_resources(self._resources))  # type: ignore[no-untyped-call]
+        for nid in set(self.supervisors) - set(alive):
+            self.supervisors.pop(nid)
+        for nid in alive:
+            if nid not in self.supervisors:
+                self.supervisors[nid] = self._supervisor(nid)
+        return list(self.supervisors)
 
-    def _place(self, tenant: str, tokens: list[int]) -> str:
-        nids = list(self.supervisors)
-        answers = [self._sup(n, "match_len", tenant, tokens) for n in nids]
-        return choose_node([NodeOffer(n, m, s) for n, (m, s) in zip(nids, answers, strict=True)])
+    def _supervisor(self, nid: str) -> Any:
+        """The node's supervisor: an existing one by name (a restarted controller reattaches), or a new one."""
+        return ray.remote(NodeSupervisor).options(
+            name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+            max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
+        ).remote(nid, self.store_url, self.spec.to_dict(), self._budget, self._policy, self._kv_bytes,
+                 self._resources, self._detached)
+
+    def _place(self, tenant: str, tokens: list[int], exclude: str = "") -> str:
+        """The node a new (or regenerated) session goes to; nodes that fail to answer are dropped.
+
+        Raises:
+            ResourceExhausted: no node has room for the session's tokens."""
+        offers = []
+        for nid in [n for n in self.refresh_nodes() if n != exclude]:
+            try:
+                o = self._sup(nid, "offer", tenant, tokens)
+            except Unavailable:
+                continue
+            offers.append(NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"]))
+        return choose_node(offers, len(tokens), self.bytes_per_token)
+
+    def _alive(self, nid: str) -> bool:
+        return nid in self.refresh_nodes()
 
     # -- registry (in the store: survives the driver) -----------------------------------------
 
     def _record(self, tenant: str, session_id: str) -> dict[str, Any]:
+        """The session's registry record. A record still `creating` belongs to a create or fork
+        that was never acknowledged (in flight, or its controller crashed): the session is absent."""
         raw = self.store.kv_get(REGISTRY, f"{tenant}/{session_id}")
-        if raw is None:
+        rec = None if raw is None else dict(json.loads(raw))
+        if rec is None or rec.get("state") == "creating":
             raise NotFound(f"session {session_id!r} not found (unknown or closed)")
-        return dict(json.loads(raw))
+        return rec
+
+    def _claim(self, tenant: str, session_id: str) -> None:
+        """Make `session_id` free for a create or fork: AlreadyExists if a session holds it;
+        otherwise clear what a create, fork or close that never completed left behind (a record
+        still `creating`, its actor, an op log without a record), so a crash never strands a name."""
+        raw = self.store.kv_get(REGISTRY, f"{tenant}/{session_id}")
+        rec = None if raw is None else dict(json.loads(raw))
+        if rec is not None and rec.get("state") != "creating":
+            raise AlreadyExists(f"session {session_id!r} already exists")
+        if rec is not None or self.store.oplog_read(tenant, session_id):
+            self._discard(tenant, session_id, rec["node"] if rec is not None else "")
 
     def _save(self, rec: dict[str, Any]) -> None:
         self.store.kv_put(REGISTRY, f"{rec['tenant']}/{rec['session']}", json.dumps(rec).encode())
@@ -133,16 +195,28 @@ class KernelFleet:
 
     def _sup(self, node: str, method: str, *args: Any) -> Any:
         """Call a node's supervisor; while Ray restarts it (ActorUnavailableError), retry until
-        the call timeout (supervisor calls are safe to repeat)."""
+        the call timeout (supervisor calls are safe to repeat). A dead supervisor, or one whose
+        node left the node table, is dropped: NodeGone."""
         deadline = time.monotonic() + self.call_timeout_s
         for attempt in itertools.count():
+            sup = self.supervisors.get(node)
+            if sup is None:
+                raise NodeGone(f"node {node} has left the cluster")
             try:
-                return self._get(getattr(self.supervisors[node], method).remote(*args))
+                return self._get(getattr(sup, method).remote(*args))
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"the supervisor of node {node} stayed unavailable") from None
+                if not self._alive_now(node):
+                    raise NodeGone(f"node {node} has left the cluster") from None
                 time.sleep(min(0.05 * (attempt + 1), 1.0))
+            except ray.exceptions.RayActorError:
+                self.supervisors.pop(node, None)
+                raise NodeGone(f"the supervisor of node {node} is dead (node lost)") from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _alive_now(self, node: str) -> bool:
+        return node in self.refresh_nodes(force=True)
 
     def _call(self, tenant: str, session_id: str, method: str, *args: Any) -> Any:
         """Call the session's actor; a dead one is regenerated and the call retried once."""
@@ -177,8 +251,12 @@ class KernelFleet:
         lost = Witness("actor_lost", "error", "forgotten", True, False, rec["epoch"])
         rec.update(state="lost", witness=lost.to_dict())
         self._save(rec)
-        node = rec["node"] if rec["node"] in self.supervisors else self._place(rec["tenant"], [])
-        self._sup(node, "regenerate", rec["tenant"], rec["session"])
+        node = rec["node"] if self._alive(rec["node"]) else self._place(rec["tenant"], [])
+        try:
+            self._sup(node, "regenerate", rec["tenant"], rec["session"])
+        except NodeGone:  # its node died just now: a survivor rebuilds it
+            node = self._place(rec["tenant"], [], exclude=node)
+            self._sup(node, "regenerate", rec["tenant"], rec["session"])
         rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
         self._save(rec)
         self.num_regenerations += 1
@@ -202,14 +280,18 @@ class KernelFleet:
         if not isinstance(system_prompt, str) or not system_prompt:
             raise InvalidArgument("the system prompt must be a non-empty str")
         tokens = self._tokens(encode_message(self.tokenizer, "system", system_prompt))  # the piece's own tokens
-        if self.store.kv_get(REGISTRY, f"{tenant}/{session_id}") is not None:
-            raise AlreadyExists(f"session {session_id!r} already exists")
+        self._claim(tenant, session_id)
         node = self._place(tenant, tokens)
         rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time()}
         self._save(rec)
         try:
-            out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
+            try:
+                out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
+            except NodeGone:  # its node died after placement: once more, on a survivor
+                rec["node"] = node = self._place(tenant, tokens, exclude=node)
+                self._save(rec)
+                out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
@@ -217,28 +299,31 @@ class KernelFleet:
         self._save(rec)
         return rec
 
-    def _op(self, tenant: str, session_id: str, verb: str, *args: Any) -> AppendResult:
-        return _result(self._call(tenant, session_id, verb, *args, uuid.uuid4().hex))
+    def _op(self, tenant: str, session_id: str, verb: str, *args: Any, op_id: str = "") -> AppendResult:
+        """A mutating call under `op_id` (the caller's idempotency key; a fresh one if empty): an
+        op id already in the session's log is answered (replayed=True), not applied again."""
+        return _result(self._call(tenant, session_id, verb, *args, op_id or uuid.uuid4().hex))
 
-    def append(self, tenant: str, session_id: str, content: str | list[int], role: str = "user") -> AppendResult:
+    def append(self, tenant: str, session_id: str, content: str | list[int], role: str = "user",
+               op_id: str = "") -> AppendResult:
         """Append a message (text, with its role) or model output (token ids); result: the Piece."""
         if isinstance(content, list):
             content = self._tokens(content)
         elif not isinstance(content, str):
             raise InvalidArgument(f"append takes text or token ids, got {type(content).__name__}")
-        return self._op(tenant, session_id, "append", content, role)
+        return self._op(tenant, session_id, "append", content, role, op_id=op_id)
 
-    def generate(self, tenant: str, session_id: str, n: int) -> list[int]:
+    def generate(self, tenant: str, session_id: str, n: int, op_id: str = "") -> list[int]:
         """Greedy-decode `n` tokens and append them as an output piece; returns them."""
-        return list(self._op(tenant, session_id, "generate", n).result.tokens)
+        return list(self._op(tenant, session_id, "generate", n, op_id=op_id).result.tokens)
 
     def evict(self, tenant: str, session_id: str, piece_id: int, mode: str = "exact") -> Any:
         """Evict one piece from the session's KV cache; returns the kernel's EvictReport."""
         return self._op(tenant, session_id, "evict", piece_id, mode).result
 
-    def add_tool_result(self, tenant: str, session_id: str, ref: str) -> AppendResult:
+    def add_tool_result(self, tenant: str, session_id: str, ref: str, op_id: str = "") -> AppendResult:
         """Append a tool result stored in the CAS (by ref); quarantined refs are refused."""
-        return self._op(tenant, session_id, "add_tool_result", ref)
+        return self._op(tenant, session_id, "add_tool_result", ref, op_id=op_id)
 
     def admit_tool_result(self, tenant: str, session_id: str, ref: str) -> Any:
         """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness (Admission)."""
@@ -248,40 +333,66 @@ class KernelFleet:
         """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
         return self._call(tenant, session_id, "working_set", budget_tokens)
 
-    def fork(self, tenant: str, session_id: str, child_id: str, share: bool = True) -> dict[str, Any]:
+    def fork(self, tenant: str, session_id: str, child_id: str, share: bool = True,
+             node: str | None = None) -> dict[str, Any]:
         """A branch in its own actor, isolated from the parent (copy-on-write).
 
-        On the parent's node (the usual case) the child adopts the parent's block-aligned prefix
-        from the node's object store and computes only the tokens past it, so N branches cost
-        about the prefix once plus N suffixes. If the parent's node is gone the child is placed
-        elsewhere and replays the parent's log instead: blocks are shared zero-copy only within a
-        node's object store, and a remote fetch would copy them anyway. `share=False` replays too
-        (a full private copy). Either way the child's log is the parent's + a fork marker, so a
-        regeneration replays it bit-identically.
+        On the parent's node (the usual case, while its KV budget has room) the child adopts the
+        parent's block-aligned prefix from the node's object store zero-copy and computes only
+        the tokens past it, so N branches cost about the prefix once plus N suffixes. On another
+        node (the parent's is full, or `node` names another) the child adopts the same blocks,
+        which Ray moves from the parent's node through the object store (`moved_bytes` in the
+        record): a copy, but no recompute. `share=False` replays the log (a full private copy).
+        Either way the child's log is the parent's + a fork marker, so a regeneration replays it
+        bit-identically. A parent whose node is gone is regenerated first (by its fork point).
         """
         from fleet.cas.base import check_name
 
         check_name("session_id", child_id)
+        if node is not None and not self._alive(node):
+            raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)
-        if self.store.kv_get(REGISTRY, f"{tenant}/{child_id}") is not None:
-            raise AlreadyExists(f"session {child_id!r} already exists")
+        self._claim(tenant, child_id)
         point = self._call(tenant, session_id, "fork_point")       # ops and tokens read together
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
         ops = [*point["ops"], {"op": "fork", "parent": session_id, "at": len(point["ops"])}]
-        node = parent["node"] if parent["node"] in self.supervisors else self._place(tenant, [])
-        same_node = share and node == parent["node"]             # another node: replay (no sharing)
+        node = node or self._fork_node(tenant, parent["node"], point["tokens"])
         rec = {"tenant": tenant, "session": child_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time(), "parent": session_id}
         self._save(rec)
         try:
-            args = (session_id, point["tokens"]) if same_node else ()
+            args, moved = self._fork_args(tenant, session_id, parent["node"], node, point["tokens"], share)
             out = self._sup(node, "fork", tenant, ops, child_id, *args)
         except BaseException:
             self._discard(tenant, child_id, node)
             raise
-        rec.update(state="active", adopted_tokens=out["adopted_tokens"])
+        rec.update(state="active", adopted_tokens=out["adopted_tokens"], moved_bytes=moved)
         self._save(rec)
         return rec
+
+    def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:
+        """The parent's node while its KV budget has room (zero-copy sharing), else placement."""
+        try:
+            if self._sup(parent_node, "offer", tenant, tokens)["free_bytes"] > 0:
+                return parent_node
+        except Unavailable:
+            pass
+        return self._place(tenant, tokens, exclude=parent_node)
+
+    def _fork_args(self, tenant: str, parent_id: str, parent_node: str, node: str, tokens: list[int],
+                   share: bool) -> tuple[tuple[Any, ...], int]:
+        """The supervisor's fork arguments past (tenant, ops, child), and the bytes Ray moves:
+        same node: the parent's id (zero-copy); another node: the parent's block refs (fetched
+        across); no sharing, or a parent its supervisor no longer knows: none (replay)."""
+        if not share:
+            return (), 0
+        if node == parent_node:
+            return (parent_id, tokens), 0
+        try:
+            refs = self._sup(parent_node, "share_prefix", tenant, parent_id, tokens)
+        except (NotFound, Unavailable):
+            return (), 0
+        return (None, tokens, refs), len(refs) * self.kernel.block_bytes
 
     def evict_prefix(self, tenant: str, prompt: str | list[int], start: int = 0) -> int:
         """Policy eviction by name on every node: drop the cached blocks of this prompt prefix from
@@ -289,10 +400,10 @@ class KernelFleet:
         already adopted the blocks keep their own references. Returns blocks dropped fleet-wide."""
         tokens = self._tokens(prompt)
         total = 0
-        for node in self.supervisors:
+        for node in self.refresh_nodes():
             try:
                 total += len(self._sup(node, "evict_node", tenant, tokens, start)["block_ids"])
-            except NotFound:
+            except (NotFound, NodeGone):
                 continue
         return total
 
@@ -301,11 +412,24 @@ class KernelFleet:
         rec = self._record(tenant, session_id)
         self._discard(tenant, session_id, rec["node"])
 
+    def release_session(self, tenant: str, session_id: str) -> None:
+        """Stop the session's actor to free its process and KV memory (idle reaping); its record
+        (state `idle`) and op log stay, so its next call regenerates it from the log."""
+        rec = self._record(tenant, session_id)
+        self._handles.pop((tenant, session_id), None)
+        if rec["node"] in self.supervisors:
+            self._sup(rec["node"], "close", tenant, session_id)
+        rec.update(state="idle")
+        self._save(rec)
+
     def _discard(self, tenant: str, session_id: str, node: str) -> None:
         self._handles.pop((tenant, session_id), None)
         self.store.kv_delete(REGISTRY, f"{tenant}/{session_id}")
         if node in self.supervisors:
-            self._sup(node, "close", tenant, session_id)
+            try:
+                self._sup(node, "close", tenant, session_id)
+            except NodeGone:  # its actor went with the node
+                pass
         drop_blob_refs(self.store, self.store.oplog_read(tenant, session_id))
         self.store.oplog_delete(tenant, session_id)
 
@@ -327,28 +451,59 @@ class KernelFleet:
         return dict(self._call(tenant, session_id, "info"))
 
     def node_stats(self) -> list[dict[str, Any]]:
-        return [self._sup(n, "stats") for n in self.supervisors]
+        """One row per alive node of the fleet (sessions, cache, KV budget used)."""
+        return [row for row in (self._answer(n, "stats") for n in self.refresh_nodes()) if row is not None]
+
+    def _answer(self, node: str, method: str, *args: Any) -> Any:
+        """A supervisor's answer, or None when its node is gone (it is dropped)."""
+        try:
+            return self._sup(node, method, *args)
+        except NodeGone:
+            return None
 
     def list_sessions(self, fleet: bool = True, tenant: str | None = None) -> list[dict[str, Any]]:
         """Rows: session, tenant, node, actor, tokens, bytes alone/shared, hit rate, quarantined
         spans, state, epoch, last active. `fleet=False` lists only this process's node."""
         here = ray.get_runtime_context().get_node_id()
-        sups = [n for n in self.supervisors if fleet or n == here]
-        live = {(r["tenant"], r["session"]): r for n in sups for r in self._sup(n, "rows", tenant)}
+        sups = [n for n in self.refresh_nodes() if fleet or n == here]
+        live = {(r["tenant"], r["session"]): r for n in sups for r in self._answer(n, "rows", tenant) or []}
         out = []
         for _key, raw in sorted(self.store.kv_scan(REGISTRY).items()):
             rec = json.loads(raw)
             if (tenant is not None and rec["tenant"] != tenant) or (not fleet and rec["node"] not in sups):
                 continue  # fleet=True also lists sessions whose node is gone (state: lost)
-            row = {**rec, **live.get((rec["tenant"], rec["session"]), {"state": "lost", "tokens": 0})}
+            row = {**rec, **live.get((rec["tenant"], rec["session"]),
+                                     {"state": "idle" if rec.get("state") == "idle" else "lost", "tokens": 0})}
             row["epoch"] = max(int(rec.get("epoch", 0)), int(row.get("epoch", 0)))
             row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
             out.append(row)
         return out
 
+    def reconcile(self) -> int:
+        """Proactively regenerate, on surviving nodes, every session whose node left the
+        cluster (instead of on its next call). Returns how many were regenerated."""
+        alive = set(self.refresh_nodes(force=True))
+        lost = [json.loads(raw) for raw in self.store.kv_scan(REGISTRY).values()]
+        lost = [r for r in lost if r.get("state") != "creating" and r.get("node") not in alive]
+        for rec in lost:
+            self._handles.pop((rec["tenant"], rec["session"]), None)
+            self._regenerate(rec)
+        return len(lost)
+
+    def release(self) -> None:
+        """Let go of the fleet without stopping it (a detached fleet's controller stopping):
+        supervisors and sessions stay up for the next controller to reattach."""
+        self.supervisors = {}
+        self.store.close()
+
     def shutdown(self) -> None:
-        """Kill the supervisors (and with them every session actor they own); the logs stay."""
-        for s in self.supervisors.values():
+        """Kill the supervisors and every session actor they own; the logs stay."""
+        for nid, s in self.supervisors.items():
+            if self._detached:  # detached session actors do not die with their supervisor
+                try:
+                    self._sup(nid, "stop")
+                except (Unavailable, ray.exceptions.RayError):
+                    pass
             ray.kill(s, no_restart=True)
         self.supervisors = {}
         self.store.close()

@@ -7,7 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.errors import ResourceExhausted
+
 NAMESPACE = "kvfleet"
+REGISTRY = "kvfleet.sessions"  # the store's session registry: one record per (tenant, session)
+ACTOR_CPUS = 0.05  # a session actor's CPU request: dozens of sessions fit on a 2-core machine
 SALT_BASE = 1 << 40  # salt tokens lie far outside any vocabulary: they never collide with real ids
 
 
@@ -39,18 +43,51 @@ def on_node(node_id: str) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
+def session_resources(extra: dict[str, float] | None = None) -> dict[str, float]:
+    """What one session actor asks Ray for: ACTOR_CPUS CPU plus `extra` (custom resources such
+    as an accelerator label). A node that lacks any of them never hosts a session."""
+    return {"CPU": ACTOR_CPUS, **(extra or {})}
+
+
+def eligible_nodes(nodes: Sequence[dict[str, Any]], need: dict[str, float]) -> list[str]:
+    """Ids of the alive nodes (rows of `ray.nodes()`) whose total resources cover `need`.
+
+    The head of the chart runs with `num-cpus: 0`: it has no CPU, so it gets no supervisor and
+    no session (a hard-pinned actor there could never be scheduled)."""
+    return sorted(n["NodeID"] for n in nodes if n.get("Alive")
+                  and all(float(n.get("Resources", {}).get(k, 0.0)) >= v for k, v in need.items()))
+
+
 @dataclass(frozen=True, slots=True)
 class NodeOffer:
-    """One node's answer to "how much of this prompt do you hold warm, and how busy are you?"."""
+    """One node's answer to "how much of this prompt do you hold warm, how busy are you, and how
+    much of your KV budget is left?". `num_free_bytes` may be negative (budget overspent)."""
 
     node_id: str
     num_matched: int
     num_sessions: int
+    num_free_bytes: int = 1 << 62
 
 
-def choose_node(offers: Sequence[NodeOffer]) -> str:
-    """Prefer the node holding the longest warm prefix, then the least loaded, then the id."""
-    best = min(offers, key=lambda o: (-o.num_matched, o.num_sessions, o.node_id))
+def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_token: int = 0) -> str:
+    """Among the nodes with room for a session of `num_tokens` (what a node holds warm is
+    adopted, not held twice), prefer the node holding the longest warm prefix, then the least
+    loaded, then the id.
+
+    Raises:
+        ResourceExhausted: no node has room (every KV budget is spent), or there is no node.
+    """
+    def need(o: NodeOffer) -> int:
+        return max(0, num_tokens - o.num_matched) * bytes_per_token
+
+    fits = [o for o in offers if o.num_free_bytes > 0 and o.num_free_bytes >= need(o)]
+    if not fits:
+        free = max((o.num_free_bytes for o in offers), default=0)
+        raise ResourceExhausted(
+            f"no node has room for a session of {num_tokens} tokens (~{num_tokens * bytes_per_token} KV bytes; "
+            f"{len(offers)} eligible nodes, the most free: {max(free, 0)} bytes): close idle sessions, add nodes, "
+            "or raise the per-node KV budget (--node-kv-bytes)")
+    best = min(fits, key=lambda o: (-o.num_matched, o.num_sessions, o.node_id))
     return best.node_id
 
 

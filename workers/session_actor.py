@@ -48,6 +48,7 @@ class KernelActor:
         self._lock = asyncio.Lock()
         self.created_at = self.last_active = time.time()
         self.num_replayed_ops = 0
+        self.num_prefilled_tokens = 0  # tokens this actor computed (appends, replays); adopted blocks not counted
         self.state, self.in_flight = "new", ""
 
     def _new_host(self) -> SessionHost:
@@ -68,19 +69,33 @@ class KernelActor:
         """Run one mutating call: idempotent on `op_id`, serialised, off the event loop."""
         async with self._lock:
             if op_id and op_id in self.host.op_ids:
-                return self._reply(None, replayed=True)
+                return self._replayed(op_id)
             self.host.op_id, self.in_flight = op_id, verb
+            before = len(self.host.ctx.session) if self.host.ctx is not None else None
             try:
                 result = await self._run(fn)
             finally:
                 self.host.op_id, self.in_flight = "", ""
+            base = self.host.num_adopted_tokens if before is None else before  # a create: adopted blocks are free
+            self.num_prefilled_tokens += max(0, len(self._s) - base)
             self.last_active, self.state = time.time(), "active"
             return self._reply(result)
 
-    def _reply(self, result: Any, replayed: bool = False) -> dict[str, Any]:
+    def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> dict[str, Any]:
         s = self._s
-        return {"result": result, "num_tokens": len(s), "op_index": self.host.last_op_index,
+        return {"result": result, "num_tokens": len(s),
+                "op_index": self.host.last_op_index if op_index is None else op_index,
                 "logits": s.last_logits, "replayed": replayed}
+
+    def _replayed(self, op_id: str) -> dict[str, Any]:
+        """The answer to a retried op already in the log: the piece its append added (None for
+        other verbs) and its index in the log; nothing is applied again."""
+        ops = self.host.context.ops
+        index = next((i for i, op in enumerate(ops) if op.get("op_id") == op_id), None)
+        op = ops[index] if index is not None else {}
+        pieces = self.host.context.pieces
+        piece = pieces[op["piece"]] if op.get("op") == "append" and op["piece"] < len(pieces) else None
+        return self._reply(piece, replayed=True, op_index=index)
 
     # -- verbs --------------------------------------------------------------------------------
 
@@ -123,6 +138,7 @@ class KernelActor:
                 host = self._new_host()
                 host.replay(log, prefix)
                 self.host, self.num_replayed_ops = host, len(log)
+                self.num_prefilled_tokens += len(host.context.session) - host.num_adopted_tokens
 
             await self._run(work)
             self.state = "regenerated" if ops is None else "active"
@@ -201,6 +217,7 @@ class KernelActor:
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
             "adopted_tokens": self.host.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
             "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,
+            "prefilled_tokens": self.num_prefilled_tokens,
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
             "state": self.state, "in_flight": self.in_flight, "epoch": self.epoch,
             "last_active": self.last_active, "pid": os.getpid(),

@@ -8,49 +8,112 @@
 
 Sessions adopt shared blocks copy-on-write (`Kernel.session(prefix=...)`), so a hit costs no
 prefill; the radix key starts with a per-tenant salt page, so tenants never share.
+
+Each node has a KV budget (`kv_budget_bytes`): the blocks its tree holds plus what its sessions
+hold privately. Placement asks every node for an `offer` and skips the ones whose budget is spent.
+A detached supervisor (and its detached session actors) outlives the controller; one that Ray
+restarts finds its node's surviving session actors again through the store's session registry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import ray
 
 from fleet.errors import AlreadyExists, NotFound
 from fleet.radix import RadixTree
-from workers.placement import NAMESPACE, fleet_scope, on_node, session_actor_name, tenant_salt
+from workers.placement import (
+    ACTOR_CPUS,
+    NAMESPACE,
+    REGISTRY,
+    fleet_scope,
+    on_node,
+    session_actor_name,
+    tenant_salt,
+)
 from workers.session_actor import KernelActor
 from workers.spec import KernelSpec, make_kernel
-
-ACTOR_CPUS = 0.05  # dozens of sessions fit on a 2-core machine
 
 
 class NodeSupervisor:
     """Owns the session actors of one node (tree-of-actors) and the node's prefix cache."""
 
     def __init__(self, node_id: str, store_url: str, kernel_spec: dict[str, Any],
-                 budget_bytes: int = 64 << 20, policy: str = "lru") -> None:
+                 budget_bytes: int = 64 << 20, policy: str = "lru", kv_budget_bytes: int = 2 << 30,
+                 resources: dict[str, float] | None = None, detached: bool = False) -> None:
+        """Args:
+            budget_bytes: the radix prefix cache's budget (part of `kv_budget_bytes`).
+            kv_budget_bytes: the node's KV budget: cached blocks + the sessions' private blocks.
+            resources: custom Ray resources each session actor asks for (beyond ACTOR_CPUS CPU).
+            detached: session actors outlive this supervisor's owner (the controller).
+        """
         self.node_id, self.store_url, self.kernel_spec = node_id, store_url, kernel_spec
         kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
         self.block_size = kernel.block_size
-        bytes_per_token = kernel.block_bytes // kernel.block_size
-        capacity = max(budget_bytes // bytes_per_token, 2 * self.block_size)
+        self.bytes_per_token = kernel.block_bytes // kernel.block_size
+        capacity = max(budget_bytes // self.bytes_per_token, 2 * self.block_size)
         self.tree = RadixTree(page_size=self.block_size, capacity_tokens=capacity, policy=policy)
+        self.kv_budget_bytes, self.resources, self.detached = kv_budget_bytes, dict(resources or {}), detached
         self.actors: dict[tuple[str, str], Any] = {}
         self.epochs: dict[tuple[str, str], int] = {}
         self.num_queried_tokens = self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
+        if detached:
+            self._find_survivors()
+
+    def _find_survivors(self) -> None:
+        """After a restart of this supervisor: take back the node's live (detached) session
+        actors, listed in the store's registry (nothing else knew them)."""
+        import json
+
+        from fleet.cas import open_store
+
+        store = open_store(self.store_url)
+        try:
+            for raw in store.kv_scan(REGISTRY).values():
+                rec = json.loads(raw)
+                if rec.get("node") != self.node_id:
+                    continue
+                try:
+                    name = session_actor_name(rec["tenant"], rec["session"], fleet_scope(self.store_url))
+                    actor = ray.get_actor(name, namespace=NAMESPACE)
+                except ValueError:  # gone: regenerated on its next call
+                    continue
+                self.actors[(rec["tenant"], rec["session"])] = actor
+                self.epochs[(rec["tenant"], rec["session"])] = int(rec.get("epoch", 0))
+        finally:
+            store.close()
 
     # -- prefix cache -------------------------------------------------------------------------
 
     def _key(self, tenant: str, tokens: list[int]) -> list[int]:
         return tenant_salt(tenant, self.block_size) + list(tokens)
 
-    async def match_len(self, tenant: str, tokens: list[int]) -> tuple[int, int]:
-        """(tokens of `tokens` this node holds warm, sessions on this node); counts nothing."""
+    async def offer(self, tenant: str, tokens: list[int]) -> dict[str, int]:
+        """Placement probe (counts nothing): tokens of `tokens` this node holds warm, its number
+        of sessions, and its KV bytes left (budget - cached blocks - sessions' private blocks)."""
         m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
-        return max(0, m.num_matched - self.block_size), len(self.actors)
+        used = await self.used_bytes()
+        return {"matched": max(0, m.num_matched - self.block_size), "sessions": len(self.actors),
+                "free_bytes": self.kv_budget_bytes - used}
+
+    async def used_bytes(self, timeout_s: float = 5.0) -> int:
+        """KV bytes held on this node: the tree's blocks (each once, in the object store) plus every
+        session's blocks except those it adopted from the tree (zero-copy views of the same)."""
+        async def held(actor: Any) -> int:
+            try:
+                i = await asyncio.wait_for(actor.info.remote(), timeout_s)
+            except Exception:  # noqa: BLE001 - a dead or stuck actor holds nothing we can count
+                return 0
+            return max(0, int(i["bytes_alone"]) + int(i["bytes_shared"])
+                       - int(i["adopted_tokens"]) * self.bytes_per_token)
+
+        private = await asyncio.gather(*(held(a) for a in self.actors.values()))
+        salt = self.block_size * len(self.tree.root.children)   # one salt page per tenant: no KV
+        return (self.tree.num_cached_tokens - salt) * self.bytes_per_token + sum(private)
 
     def _adoptable(self, tenant: str, tokens: list[int]) -> tuple[Any, list[Any]]:
         """Lock and return the cached blocks a new session may adopt (at most len - 1 tokens,
@@ -108,7 +171,8 @@ class NodeSupervisor:
         self.epochs[key] = self.epochs.get(key, -1) + 1
         actor = ray.remote(KernelActor).options(
             name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True,
-            num_cpus=ACTOR_CPUS, max_restarts=0, scheduling_strategy=on_node(self.node_id),
+            num_cpus=ACTOR_CPUS, resources=self.resources, max_restarts=0, scheduling_strategy=on_node(self.node_id),
+            lifetime="detached" if self.detached else None,
         ).remote(tenant, session_id, self.store_url, self.kernel_spec, self.node_id, self.epochs[key])
         self.actors[key] = actor
         return actor
@@ -147,8 +211,20 @@ class NodeSupervisor:
                 await asyncio.sleep(0.05 * (attempt + 1))
         raise NotFound(f"session {session_id}: could not regenerate its actor")
 
+    async def share_prefix(self, tenant: str, session_id: str, tokens: list[int]) -> list[Any]:
+        """The ObjectRefs of a live session's blocks at its fork point (`tokens`), for a fork on
+        another node: Ray moves them there through the object store (at most len - 1 tokens, so
+        the child computes its own last logits). Raises NotFound when the session is not here."""
+        parent = self.actors.get((tenant, session_id))
+        if parent is None:
+            raise NotFound(f"session {session_id} is not on node {self.node_id}")
+        await self._publish(tenant, tokens, parent)
+        node, refs = self._adoptable(tenant, tokens)
+        self.tree.dec_lock_ref(node)  # the caller's refs keep the objects alive from here on
+        return refs
+
     async def fork(self, tenant: str, ops: list[dict[str, Any]], child_id: str, parent_id: str | None = None,
-                   tokens: list[int] | None = None) -> dict[str, Any]:
+                   tokens: list[int] | None = None, prefix_refs: list[Any] | None = None) -> dict[str, Any]:
         """A branch in its own actor: `ops` (the parent's log + a fork marker) become its log.
 
         With `parent_id` (a live session on this node) and `tokens` (its tokens at the fork
@@ -160,10 +236,14 @@ class NodeSupervisor:
                                                  computes the last 1..block_size tokens itself
 
         N forks of a long prefix then hold the prefix once (in the object store) plus N suffixes.
-        Without them (the parent lives on another node, or is gone) the child replays the log.
+        With `prefix_refs` instead (the parent lives on another node: its supervisor's
+        `share_prefix`), the child adopts those blocks, which Ray fetches from the parent's node.
+        Without either (the parent is gone) the child replays the log.
         """
         if (tenant, child_id) in self.actors:
             raise AlreadyExists(f"session {child_id} already exists")
+        if prefix_refs and tokens and _kv_follows_tokens(ops):
+            return dict(await self._spawn(tenant, child_id).restore.remote(ops, prefix_refs, tokens))
         parent = self.actors.get((tenant, parent_id)) if parent_id is not None else None
         if parent is None or not tokens or not _kv_follows_tokens(ops):
             return dict(await self._spawn(tenant, child_id).restore.remote(ops))
@@ -180,6 +260,13 @@ class NodeSupervisor:
         actor = self.actors.pop((tenant, session_id), None)
         if actor is not None:
             ray.kill(actor, no_restart=True)
+
+    async def stop(self) -> int:
+        """Kill every session actor of this node (detached ones do not die with their owner)."""
+        actors, self.actors = list(self.actors.values()), {}
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        return len(actors)
 
     async def forget(self, tenant: str, session_id: str) -> None:
         """Drop the handle of an actor that died (so a regeneration elsewhere is not blocked)."""
@@ -199,8 +286,9 @@ class NodeSupervisor:
         return out
 
     async def stats(self) -> dict[str, Any]:
-        return {"node": self.node_id, "sessions": len(self.actors), "cached_tokens": self.tree.num_cached_tokens,
-                "capacity_tokens": self.tree.capacity_tokens, "queried_tokens": self.num_queried_tokens,
+        return {"node": self.node_id, "pid": os.getpid(), "sessions": len(self.actors), "cached_tokens": self.tree.num_cached_tokens,
+                "capacity_tokens": self.tree.capacity_tokens, "kv_budget_bytes": self.kv_budget_bytes,
+                "kv_used_bytes": await self.used_bytes(), "queried_tokens": self.num_queried_tokens,
                 "hit_tokens": self.num_hit_tokens, "evicted_blocks": self.num_evicted_blocks,
                 "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0}
 

@@ -104,8 +104,11 @@ class SessionServicer(pbg.SessionServiceServicer):
 
         if self.ctx.ray_address and not ray.is_initialized():
             ray.init(address=self.ctx.ray_address, namespace=NAMESPACE, log_to_driver=False)
-        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store))
-        self.ctx.on_stop.append(fleet.shutdown)  # its (non-detached) supervisors go with this controller
+        # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
+        # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
+        detached = bool(self.ctx.ray_address)
+        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached)
+        self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)
         return fleet
 
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:

@@ -1,0 +1,310 @@
+"""Multi-node scenarios on a real Ray cluster of several raylets on this machine (run as a script).
+
+    python tests/workers/multinode_scenarios.py OUT.json
+
+`ray.cluster_utils.Cluster` starts a head with 0 CPUs (as the chart's KubeRay head) and small
+CPU nodes, one of them advertising a custom `accel` resource: real multi-node scheduling, object
+transfer between raylets and node death. Each scenario writes its findings (and its timings, for
+bench/fleet_nodes.py; the tests assert none of them) under its name in OUT.json as soon as it
+ends, or {"error": traceback} when it fails, so one failure does not hide the others.
+
+It runs in its own process: the pytest process already holds a single-node Ray, and a process
+has one Ray connection. The Cluster must not leak either: `Cluster` writes its address to Ray's
+default temp dir, where every other `ray.init()` on the machine would pick it up; we give it a
+private temp dir and do not write the address file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+from fleet.errors import ResourceExhausted  # noqa: E402
+from workers.fleet import KernelFleet  # noqa: E402
+from workers.placement import NAMESPACE, fleet_scope, session_actor_name  # noqa: E402
+from workers.spec import KernelSpec  # noqa: E402
+
+SPEC = KernelSpec(block_size=16)
+HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}
+T = "acme"
+
+
+def start_cluster(num_nodes: int = 2, accel_node: bool = True) -> Any:
+    """A head with 0 CPUs + `num_nodes` nodes of 1 CPU (the last one with an `accel` resource)."""
+    import ray._private.utils as ray_utils
+    from ray.cluster_utils import Cluster
+
+    ray_utils.write_ray_address = lambda *a, **k: None   # never advertise this cluster machine-wide
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvmn")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH})
+    for i in range(num_nodes):
+        extra = {"accel": 1.0} if accel_node and i == num_nodes - 1 else {}
+        cluster.add_node(num_cpus=1, resources=extra)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    return cluster
+
+
+def wait_node_dead(node_id: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"node {node_id} still alive")
+
+
+def actor_info(url: str, tenant: str, sid: str) -> dict[str, Any]:
+    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=NAMESPACE)
+    return dict(ray.get(actor.info.remote(), timeout=60))
+
+
+def max_delta(a: Any, b: Any) -> float:
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+def placement(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """The 0-CPU head gets no supervisor; sessions spread over the CPU nodes; a fleet whose
+    sessions need `accel` uses only the node that has it."""
+    head = cluster.head_node.node_id
+    cpu_nodes = sorted(n.node_id for n in cluster.worker_nodes)
+    f = KernelFleet(f"sqlite:///{tmp / 'place.db'}", SPEC, node_refresh_s=0.0)
+    g = KernelFleet(f"sqlite:///{tmp / 'accel.db'}", SPEC, node_refresh_s=0.0, resources={"accel": 0.01})
+    try:
+        prompts = ["You are a planner.", "Answer tersely, as a critic."]   # no shared prefix: load decides
+        nodes = [f.create_session(T, f"p{i}", p)["node"] for i, p in enumerate(prompts)]
+        accel = [g.create_session(T, f"a{i}", p)["node"] for i, p in enumerate(prompts)]
+        accel_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("accel"))
+        return {"head": head, "cpu_nodes": cpu_nodes, "supervised": sorted(f.supervisors),
+                "session_nodes": nodes, "accel_supervised": sorted(g.supervisors), "accel_session_nodes": accel,
+                "accel_node": accel_node}
+    finally:
+        f.shutdown()
+        g.shutdown()
+
+
+def budget(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """Per-node KV budget of 4 blocks (one session of a 40-token prompt spends it): the second
+    session, warm on the first node, goes to the other node; the third finds no room."""
+    f = KernelFleet(f"sqlite:///{tmp / 'budget.db'}", SPEC, node_refresh_s=0.0,
+                    node_kv_bytes=4 * f_block_bytes())
+    try:
+        prompt = "You are a budget agent; answer in one line."       # 44 bytes: 3 blocks
+        first = f.create_session(T, "b1", prompt)["node"]
+        second = f.create_session(T, "b2", prompt)["node"]
+        try:
+            f.create_session(T, "b3", prompt)
+            third = "created"
+        except ResourceExhausted as e:
+            third = f"{e.code}: {e}"
+        left = [r["session"] for r in f.list_sessions(tenant=T)]
+        return {"first": first, "second": second, "third": third, "listed": left}
+    finally:
+        f.shutdown()
+
+
+def f_block_bytes() -> int:
+    from workers.spec import make_kernel
+
+    return int(make_kernel(SPEC).block_bytes)
+
+
+def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """A node joins and takes the next session; it dies with live sessions: listing and creating
+    still work, one session answers on its next call, the rest are regenerated by reconcile(),
+    all bit-identical (digest and logits) on surviving nodes."""
+    f = KernelFleet(f"sqlite:///{tmp / 'churn.db'}", SPEC, node_refresh_s=0.0)
+    try:
+        for i in range(2):
+            f.create_session(T, f"old{i}", f"You are resident agent {i}.")
+        t0 = time.perf_counter()
+        new = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        join_s = time.perf_counter() - t0
+        placed = [f.create_session(T, f"new{i}", f"You are newcomer agent number {i}.")["node"] for i in range(2)]
+        sids = [f"old{i}" for i in range(2)] + [f"new{i}" for i in range(2)]
+        for sid in sids:
+            f.append(T, sid, f"Work item for {sid}: summarise the log.")
+        before = {sid: (f.digest(T, sid), f.last_logits(T, sid)) for sid in sids}
+        on_new = [sid for sid in sids if f._record(T, sid)["node"] == new.node_id]
+        cluster.remove_node(new, allow_graceful=False)                  # SIGKILL its raylet
+        wait_node_dead(new.node_id)
+        rows = {r["session"]: r["state"] for r in f.list_sessions(tenant=T)}
+        extra = f.create_session(T, "after", "You are created after the loss.")["node"]
+        t0 = time.perf_counter()
+        first = f.digest(T, on_new[0])                                  # regenerated on its next call
+        next_call_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        reconciled = f.reconcile()
+        reconcile_s = time.perf_counter() - t0
+        after = {sid: (f.digest(T, sid), f.last_logits(T, sid)) for sid in sids}
+        return {
+            "new_node": new.node_id, "placed": placed, "on_new": on_new, "rows_after_loss": rows,
+            "created_after_loss_on": extra, "supervised_after": sorted(f.supervisors),
+            "first_digest_equal": first == before[on_new[0]][0], "reconciled": reconciled,
+            "digests_equal": {s: after[s][0] == before[s][0] for s in sids},
+            "logits_max_delta": max(max_delta(after[s][1], before[s][1]) for s in sids),
+            "control_delta": max_delta(before[sids[0]][1], before[sids[1]][1]),
+            "nodes_after": {s: f._record(T, s)["node"] for s in sids},
+            "regenerations": f.num_regenerations, "join_s": join_s, "next_call_regen_s": next_call_s,
+            "reconcile_s": reconcile_s,
+        }
+    finally:
+        f.shutdown()
+
+
+def cross_node_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """A fork on another node adopts the parent's blocks (moved by Ray) and equals a replayed
+    fork bit for bit; control: the two branches differ once they diverge."""
+    url = f"sqlite:///{tmp / 'fork.db'}"
+    f = KernelFleet(url, SPEC, node_refresh_s=0.0)
+    try:
+        parent = f.create_session(T, "parent", "You are the parent agent. " * 4)
+        f.append(T, "parent", "Here is a long task description that both branches will share. " * 3)
+        other = next(n for n in f.supervisors if n != parent["node"])
+        t0 = time.perf_counter()
+        shared = f.fork(T, "parent", "shared", node=other)
+        shared_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        replayed = f.fork(T, "parent", "replayed", share=False, node=other)
+        replay_s = time.perf_counter() - t0
+        equal_now = max_delta(f.last_logits(T, "shared"), f.last_logits(T, "replayed"))
+        f.append(T, "shared", "Continue with step two.")
+        f.append(T, "replayed", "Continue with step two.")
+        equal_after = max_delta(f.last_logits(T, "shared"), f.last_logits(T, "replayed"))
+        f.append(T, "replayed", "But first, a detour.")
+        control = max_delta(f.last_logits(T, "shared"), f.last_logits(T, "replayed"))
+        si, ri = actor_info(url, T, "shared"), actor_info(url, T, "replayed")
+        return {"parent_node": parent["node"], "other": other, "shared_node": shared["node"],
+                "replayed_node": replayed["node"], "moved_bytes": shared["moved_bytes"],
+                "replay_moved_bytes": replayed["moved_bytes"], "adopted_tokens": shared["adopted_tokens"],
+                "shared_prefilled": si["prefilled_tokens"], "replayed_prefilled": ri["prefilled_tokens"],
+                "shared_tokens": si["tokens"], "max_delta": equal_now, "max_delta_after_append": equal_after,
+                "control_delta": control, "shared_fork_s": shared_s, "replayed_fork_s": replay_s}
+    finally:
+        f.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _controller(url: str, port: int, tmp: Path) -> subprocess.Popen[bytes]:
+    log = open(tmp / f"controller-{time.time_ns()}.log", "wb")  # noqa: SIM115 - lives as long as the process
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli.main", "controller", "--listen", f"127.0.0.1:{port}",
+         "--metrics-port", "-1", "--store", url, "--ray-address", ray.get_runtime_context().gcs_address],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def controller_restart(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """A real `kvfleet controller` joined with --ray-address is SIGKILLed and started again:
+    its sessions are still there, in the same processes, and nothing is prefilled again."""
+    from fleet.sdk import FleetClient
+
+    url, port = f"sqlite:///{tmp / 'ctl.db'}", _free_port()
+    sids = ["c1", "c2"]
+    proc = _controller(url, port, tmp)
+    try:
+        with FleetClient(f"127.0.0.1:{port}") as c:
+            tenant = _create(c, sids, proc)
+        before = {sid: actor_info(url, tenant, sid) for sid in sids}
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        t0 = time.perf_counter()
+        proc = _controller(url, port, tmp)
+        with FleetClient(f"127.0.0.1:{port}") as c:
+            appended = [_retry(lambda sid=sid: c.append(sid, "After the restart, go on."), proc).num_tokens
+                        for sid in sids]
+            first_call_s = time.perf_counter() - t0
+            rows = {r.session_id: r.state for r in c.sessions(fleet=True)}
+        after = {sid: actor_info(url, tenant, sid) for sid in sids}
+        return {
+            "same_pid": {s: after[s]["pid"] == before[s]["pid"] for s in sids},
+            "replayed_ops": {s: after[s]["replayed_ops"] for s in sids},
+            "prefilled_before": {s: before[s]["prefilled_tokens"] for s in sids},
+            "prefilled_after": {s: after[s]["prefilled_tokens"] for s in sids},
+            "tokens_added": {s: after[s]["tokens"] - before[s]["tokens"] for s in sids},
+            "rows": rows, "appended": appended, "restart_to_first_answer_s": first_call_s,
+        }
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        _stop_detached(url)
+
+
+def _create(c: Any, sids: list[str], proc: subprocess.Popen[bytes]) -> str:
+    for sid in sids:
+        _retry(lambda sid=sid: c.create_session(sid, f"You are durable agent {sid}."), proc)
+        c.append(sid, f"Remember the number {len(sid) * 7}.")
+    return str(c.whoami().tenant)
+
+
+def _retry(fn: Callable[[], Any], proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> Any:
+    """Call through the controller until it is up (it starts while we wait); fail at once if it exited."""
+    from fleet.errors import Unavailable
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except Unavailable:
+            if proc.poll() is not None:
+                raise AssertionError(f"the controller exited ({proc.returncode}); see its log") from None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _stop_detached(url: str) -> None:
+    """The controller's fleet is detached: take it down from here (reattach, then shut down)."""
+    KernelFleet(url, SPEC, detached=True).shutdown()
+
+
+SCENARIOS: dict[str, Callable[[Any, Path], dict[str, Any]]] = {
+    "placement": placement, "budget": budget, "nodes_come_and_go": nodes_come_and_go,
+    "cross_node_fork": cross_node_fork, "controller_restart": controller_restart,
+}
+
+
+def main(out: Path, names: list[str]) -> None:
+    results: dict[str, Any] = {}
+    cluster = start_cluster()
+    tmp = Path(tempfile.mkdtemp(prefix="kvfleet-mn-"))
+    try:
+        for name in names or list(SCENARIOS):
+            t0 = time.perf_counter()
+            try:
+                results[name] = SCENARIOS[name](cluster, tmp)
+            except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+                results[name] = {"error": traceback.format_exc()}
+            results[name]["wall_s"] = time.perf_counter() - t0
+            out.write_text(json.dumps(results, default=str))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,89 @@
+"""The fleet on a real multi-node Ray: nodes join and die, a controller is SIGKILLed, forks cross nodes.
+
+How it runs, and why: the scenarios (tests/workers/multinode_scenarios.py) need a Ray cluster of
+several raylets (`ray.cluster_utils.Cluster`: a head with 0 CPUs like the chart's KubeRay head,
+two 1-CPU nodes, one advertising a custom `accel` resource, and a third that joins and is then
+killed), but this pytest process already holds the session's single-node Ray, and a process has
+one Ray connection. So one module-scoped fixture runs every scenario once, in a child process
+with a timeout, on one cluster started once (starting raylets costs seconds on 2 cores), and
+each test asserts on its scenario's JSON. A scenario that raised carries its traceback, which
+the test prints. Timings in the JSON feed bench/fleet_nodes.py; nothing here asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("multinode_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("multinode") / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, timeout=420,
+                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+    if not out.exists():
+        pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return dict(json.loads(out.read_text()))
+
+
+def _get(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
+    r = scenarios.get(name)
+    assert r is not None, f"scenario {name} did not run (the script stopped before it)"
+    assert "error" not in r, r["error"]
+    return dict(r)
+
+
+def test_zero_cpu_head_gets_nothing_and_custom_resources_decide_placement(scenarios: dict[str, Any]) -> None:
+    r = _get(scenarios, "placement")
+    assert r["head"] not in r["supervised"] and r["supervised"] == r["cpu_nodes"]
+    assert sorted(r["session_nodes"]) == r["cpu_nodes"]           # two unrelated prompts: one per node
+    assert r["accel_supervised"] == [r["accel_node"]]             # sessions that need `accel` go only there
+    assert r["accel_session_nodes"] == [r["accel_node"]] * 2
+
+
+def test_spent_kv_budget_places_elsewhere_then_resource_exhausted(scenarios: dict[str, Any]) -> None:
+    r = _get(scenarios, "budget")
+    assert r["second"] != r["first"]              # warm on the first node, but its budget is spent
+    assert r["third"].startswith("RESOURCE_EXHAUSTED: no node has room")
+    assert "--node-kv-bytes" in r["third"]
+    assert r["listed"] == ["b1", "b2"]             # the refused session left nothing behind
+
+
+def test_a_joining_node_is_used_and_a_dead_nodes_sessions_come_back_bit_identical(scenarios: dict[str, Any]) -> None:
+    r = _get(scenarios, "nodes_come_and_go")
+    assert r["placed"] == [r["new_node"]] * 2                   # the empty newcomer takes the next sessions
+    assert r["on_new"] == ["new0", "new1"]
+    assert r["rows_after_loss"] == {"old0": "active", "old1": "active", "new0": "lost", "new1": "lost"}
+    assert r["created_after_loss_on"] != r["new_node"] and r["new_node"] not in r["supervised_after"]
+    assert r["first_digest_equal"] and r["reconciled"] == 1 and r["regenerations"] == 2
+    assert all(r["digests_equal"].values()) and r["logits_max_delta"] == 0.0
+    assert r["control_delta"] > 0                               # the comparison does discriminate
+    assert r["new_node"] not in r["nodes_after"].values()
+
+
+def test_cross_node_fork_moves_the_parents_blocks_and_equals_a_replayed_fork(scenarios: dict[str, Any]) -> None:
+    r = _get(scenarios, "cross_node_fork")
+    assert r["shared_node"] == r["other"] != r["parent_node"] and r["replayed_node"] == r["other"]
+    assert r["adopted_tokens"] > 0 and r["moved_bytes"] > 0 and r["replay_moved_bytes"] == 0
+    assert r["shared_prefilled"] == r["shared_tokens"] - r["adopted_tokens"]     # only the tail computed
+    assert r["replayed_prefilled"] > r["shared_prefilled"]
+    assert r["max_delta"] == 0.0 and r["max_delta_after_append"] == 0.0
+    assert r["control_delta"] > 0
+
+
+def test_controller_sigkill_and_restart_keeps_sessions_warm(scenarios: dict[str, Any]) -> None:
+    r = _get(scenarios, "controller_restart")
+    assert all(r["same_pid"].values()) and set(r["replayed_ops"].values()) == {0}
+    for sid, before in r["prefilled_before"].items():            # only the appended tokens were computed
+        assert r["prefilled_after"][sid] == before + r["tokens_added"][sid]
+    assert set(r["rows"].values()) == {"active"}

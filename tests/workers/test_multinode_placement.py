@@ -1,0 +1,68 @@
+"""Placement rules (pure) and the per-node KV budget on the shared single-node Ray.
+
+The multi-node behaviour itself is in test_multinode.py (its own cluster, in a child process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+from workers_helpers import SPEC
+
+from fleet.errors import ResourceExhausted
+from workers.fleet import REGISTRY, KernelFleet
+from workers.placement import (
+    NAMESPACE,
+    NodeOffer,
+    choose_node,
+    eligible_nodes,
+    fleet_scope,
+    session_actor_name,
+    session_resources,
+)
+from workers.spec import make_kernel
+
+HEAD = {"NodeID": "head", "Alive": True, "Resources": {"memory": 1e9, "node:__internal_head__": 1.0}}
+CPU = {"NodeID": "cpu", "Alive": True, "Resources": {"CPU": 2.0}}
+ACCEL = {"NodeID": "acc", "Alive": True, "Resources": {"CPU": 1.0, "accel": 1.0}}
+DEAD = {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 8.0}}
+
+
+def test_only_alive_nodes_with_the_session_resources_are_eligible() -> None:
+    nodes = [HEAD, CPU, ACCEL, DEAD]
+    assert eligible_nodes(nodes, session_resources()) == ["acc", "cpu"]            # no 0-CPU head, no dead
+    assert eligible_nodes(nodes, session_resources({"accel": 0.01})) == ["acc"]
+
+
+def test_choice_prefers_warm_then_idle_among_nodes_with_room() -> None:
+    offers = [NodeOffer("a", 32, 5, 10_000), NodeOffer("b", 0, 0, 20_000), NodeOffer("c", 64, 0, 0)]
+    assert choose_node(offers, 40, 100) == "a"                 # c is warmer but its budget is spent
+    assert choose_node(offers, 132, 100) == "a"                # a holds 32 warm: 100 tokens of its own fit
+    assert choose_node(offers, 133, 100) == "b"
+    assert choose_node(offers, 200, 100) == "b"
+    with pytest.raises(ResourceExhausted, match="no node has room.*--node-kv-bytes"):
+        choose_node(offers, 201, 100)
+    with pytest.raises(ResourceExhausted):
+        choose_node([], 0, 0)
+
+
+def test_a_full_fleet_refuses_a_session_with_resource_exhausted_and_leaves_nothing(
+        ray_cluster: None, tmp_path: Path, tenant: str) -> None:
+    url = f"sqlite:///{tmp_path / 'full.db'}"
+    f = KernelFleet(url, SPEC, node_kv_bytes=4 * make_kernel(SPEC).block_bytes)
+    try:
+        prompt = "You are a budget agent; answer in one line."          # 44 tokens: 3 private blocks + 2 cached
+        f.create_session(tenant, "b1", prompt)
+        [stats] = f.node_stats()
+        assert stats["kv_used_bytes"] == 5 * make_kernel(SPEC).block_bytes > stats["kv_budget_bytes"]
+        with pytest.raises(ResourceExhausted, match="no node has room") as e:
+            f.create_session(tenant, "b2", prompt)
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        assert f.store.kv_get(REGISTRY, f"{tenant}/b2") is None and f.store.oplog_read(tenant, "b2") == []
+        with pytest.raises(ValueError):
+            ray.get_actor(session_actor_name(tenant, "b2", fleet_scope(url)), namespace=NAMESPACE)
+        f.close(tenant, "b1")                                           # room again (the cached blocks stay)
+        assert f.create_session(tenant, "b3", prompt)["adopted_tokens"] == 32
+    finally:
+        f.shutdown()
