@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controller.auth import Authenticator, TokenBook
 from controller.edge import DecodeGuard, GrpcLimits, server_credentials
+from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S, FleetMetricsPoller
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
@@ -55,6 +56,7 @@ class ControllerConfig:
     start_router: bool = True
     store_threads: int = 4
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
+    fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
 
     def __post_init__(self) -> None:
         port = self.listen.rsplit(":", 1)[-1]
@@ -144,6 +146,7 @@ class Controller:
         if self.ctx.router is not None:
             await self.ctx.router.stop()
         await self.ctx.store_gc.stop()
+        await self.ctx.fleet_metrics.stop()
         for hook in self.ctx.on_stop:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(hook)
@@ -204,6 +207,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"),
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens)
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
+    ctx.fleet_metrics = FleetMetricsPoller(lambda: ctx.kernel_fleet, ctx.metrics, cfg.fleet_metrics_interval_s)
+    await ctx.fleet_metrics.start()
     server = grpc.aio.server(interceptors=[DecodeGuard()], options=cfg.grpc_limits.options(),
                              maximum_concurrent_rpcs=cfg.grpc_limits.max_concurrent_rpcs)
     names = add_servicers(server, ctx)

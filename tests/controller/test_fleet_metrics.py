@@ -1,0 +1,117 @@
+"""Prometheus metrics of the kernel fleet: exact aggregation of the fleet listing (pure), and the
+same families on a real controller over a real local Ray fleet (sessions, KV bytes, radix hit
+rate, a fork that shared its parent's blocks, a regeneration after an actor is killed)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import ray
+from ctl_helpers import start_controller
+
+from controller.fleet_metrics import FleetMetricsPoller, snapshot
+from controller.metrics import Metrics
+from fleet.errors import InvalidArgument
+from fleet.sdk import NO_RETRY, AsyncFleetClient
+from workers.placement import NAMESPACE, fleet_scope, session_actor_name
+
+SYSTEM = "You are a fleet agent. Keep every answer short and exact."  # 57 bytes: 3 whole blocks
+
+ROWS = [
+    {"node": "n1", "state": "active", "bytes_alone": 100, "bytes_shared": 0, "regenerated": 1},
+    {"node": "n1", "state": "active", "bytes_alone": 10, "bytes_shared": 300, "parent": "a",
+     "adopted_tokens": 48},
+    {"node": "n2", "state": "lost", "tokens": 0, "parent": "a", "adopted_tokens": 0, "regenerated": 2},
+]
+STATS = [{"node": "n1", "hit_rate": 0.5, "cached_tokens": 48, "capacity_tokens": 4096, "evicted_blocks": 3}]
+
+
+def test_snapshot_counts_exactly() -> None:
+    s = snapshot(ROWS, STATS)
+    assert s.sessions == {("n1", "active"): 2, ("n2", "lost"): 1}
+    assert s.kv_bytes == {("n1", "alone"): 110, ("n1", "shared"): 300, ("n2", "alone"): 0, ("n2", "shared"): 0}
+    assert (s.regenerations, s.forks, s.fork_adopted_tokens) == (3, {"shared": 1, "replayed": 1}, 48)
+    assert s.nodes == {"n1": {"hit_rate": 0.5, "cached_tokens": 48.0, "capacity_tokens": 4096.0,
+                              "evicted_blocks": 3.0}}
+
+
+class _Fleet:
+    """A fleet listing that answers what it is given (the pure part; the real fleet is below)."""
+
+    def __init__(self, stats: list[dict]) -> None:
+        self.stats = stats
+
+    def node_stats(self) -> list[dict]:
+        return self.stats
+
+    def list_sessions(self, fleet: bool = True) -> list[dict]:
+        return ROWS
+
+
+def test_collector_renders_the_last_poll_and_counts_supervisor_restarts() -> None:
+    m = Metrics()
+    fleet: _Fleet | None = None
+    poller = FleetMetricsPoller(lambda: fleet, m, interval_s=0)
+    assert poller.poll() is None and m.registry.get_sample_value("kvfleet_fleet_sessions", {"node": "n1",
+                                                                                              "state": "active"}) is None
+    fleet = _Fleet([{**STATS[0], "pid": 11}])
+    poller.poll()
+    fleet.stats = [{**STATS[0], "pid": 12}]      # Ray restarted the supervisor: another process answers
+    poller.poll()
+    get = m.registry.get_sample_value
+    assert get("kvfleet_fleet_sessions", {"node": "n1", "state": "active"}) == 2
+    assert get("kvfleet_fleet_kv_bytes", {"node": "n1", "kind": "shared"}) == 300
+    assert get("kvfleet_fleet_radix_hit_rate", {"node": "n1"}) == 0.5
+    assert get("kvfleet_fleet_regenerations_total") == 3
+    assert get("kvfleet_fleet_actor_restarts_total", {"kind": "supervisor"}) == 1
+    assert get("kvfleet_fleet_actor_restarts_total", {"kind": "session"}) == 3
+    assert get("kvfleet_fleet_forks", {"mode": "shared"}) == 1 and get("kvfleet_fleet_forks", {"mode": "replayed"}) == 1
+    with pytest.raises(InvalidArgument, match="--fleet-metrics-interval"):
+        FleetMetricsPoller(lambda: None, Metrics(), interval_s=-1)
+
+
+async def test_a_real_fleet_on_the_controllers_metrics(ray_cluster: None, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'kvfleet.db'}"
+    ctl = await start_controller(url, None, fleet_metrics_interval_s=0)  # polled by hand below
+    try:
+        async with AsyncFleetClient(ctl.address, retry=NO_RETRY) as c:
+            await c.create_session("a", SYSTEM)
+            await c.create_session("b", SYSTEM)            # adopts a's 3 cached blocks
+            await c.fork("a", "a-fork")                     # shares a's blocks copy-on-write
+            scope = fleet_scope(url)
+            tenant = (await c.whoami()).tenant
+            ray.kill(ray.get_actor(session_actor_name(tenant, "b", scope), namespace=NAMESPACE))
+            await c.append("b", " next turn")               # b's actor is lost: regenerated, then answered
+            await asyncio.to_thread(ctl.ctx.fleet_metrics.poll)
+            rows = await c.sessions(fleet=True)
+        get = ctl.ctx.metrics.registry.get_sample_value
+        nodes = {r.node for r in rows}
+        by_node = {n: sum(get("kvfleet_fleet_sessions", {"node": n, "state": s}) or 0
+                          for s in ("active", "regenerated", "lost", "idle")) for n in nodes}
+        print("sessions by node:", by_node, "| forks shared/replayed:",
+              get("kvfleet_fleet_forks", {"mode": "shared"}), get("kvfleet_fleet_forks", {"mode": "replayed"}))
+        assert sum(by_node.values()) == 3
+        assert get("kvfleet_fleet_forks", {"mode": "shared"}) == 1
+        assert get("kvfleet_fleet_forks", {"mode": "replayed"}) == 0
+        assert get("kvfleet_fleet_regenerations_total") == 1
+        assert get("kvfleet_fleet_actor_restarts_total", {"kind": "session"}) == 1
+        assert sum(get("kvfleet_fleet_kv_bytes", {"node": n, "kind": "alone"}) for n in nodes) == \
+            sum(r.bytes_alone for r in rows)
+        hit = [get("kvfleet_fleet_radix_hit_rate", {"node": n}) for n in nodes]
+        assert any(h and h > 0 for h in hit)                # b's create hit a's blocks
+    finally:
+        await ctl.stop(0)
+
+
+def test_docs_list_every_fleet_and_gc_family() -> None:
+    """docs/metrics.md names every kernel-fleet and store-GC family the controller exports."""
+    m = Metrics()
+    poller = FleetMetricsPoller(lambda: _Fleet(STATS), m, interval_s=0)
+    poller.poll()
+    names = {s.name for fam in m.registry.collect() for s in fam.samples
+             if s.name.startswith(("kvfleet_fleet_", "kvfleet_store_gc_")) and not s.name.endswith("_created")}
+    names = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in names}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    assert len(names) == 14 and sorted(n for n in names if f"`{n}`" not in doc) == []
