@@ -24,6 +24,7 @@ from pathlib import Path
 
 from controller.auth import mint_token
 from controller.cost import CostConfig
+from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
 from controller.metrics import Metrics
 from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
@@ -140,6 +141,13 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         default=float(e("KVFLEET_GC_INTERVAL", str(DEFAULT_GC_INTERVAL_S))),
         help=f"seconds between the leader's store GC runs; 0: off (default {DEFAULT_GC_INTERVAL_S:.0f})",
     )
+    p.add_argument(
+        "--fleet-metrics-interval",
+        type=float,
+        default=DEFAULT_FLEET_METRICS_INTERVAL_S,
+        help="seconds between two polls of the kernel fleet for its Prometheus metrics; 0: off "
+        f"(default {DEFAULT_FLEET_METRICS_INTERVAL_S:.0f})",
+    )
     add_cost_flags(p)
     p.add_argument(
         "--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit"
@@ -165,6 +173,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         ray_address=args.ray_address,
         leader_election=args.leader_election,
         gc_interval_s=args.gc_interval,
+        fleet_metrics_interval_s=args.fleet_metrics_interval,
     )
 
 

@@ -108,6 +108,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
         detached = bool(self.ctx.ray_address)
         fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached)
+        self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
         self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)
         return fleet
 
