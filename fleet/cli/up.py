@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     from controller.main import add_cost_flags
+    from controller.quotas import add_session_flags
 
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument(
@@ -45,14 +46,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tenant", default="local", help="tenant of the extra tenant token printed")
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
     add_cost_flags(p)
+    add_session_flags(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
     from controller.main import cost_config_from
+    from controller.quotas import session_limits_from
     from fleet.demo.stack import Stack, StackConfig
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
+    limits = session_limits_from(args)
     state = Path(args.state_dir).expanduser().resolve()
     state.mkdir(parents=True, exist_ok=True)
     store = args.store or f"sqlite:///{state / 'kvfleet.db'}"
@@ -67,6 +71,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     stack = await Stack.start(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
+    stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,14 +6,18 @@
         ids = c.generate("agent-0", 4)
         c.sessions(fleet=True)                                          # rows across the fleet
 
-Reads (get, list, working set) are retried on UNAVAILABLE like every other call. Mutating calls
-(create, append, generate, evict, fork, admit, close) are sent once: a retry after an ambiguous
-failure could apply an op twice, so the caller decides.
+Reads (get, list, working set) are retried on UNAVAILABLE like every other call. Appends (text,
+token ids, tool results) and generate carry an op id — the caller's `op_id`, or one the SDK draws
+per call — so they are retried on UNAVAILABLE too: a retry of an op whose response was lost is
+answered with the piece it appended (`replayed=True`), never applied twice. Pass your own `op_id`
+to retry safely across clients or processes. The other mutating calls (create, evict, fork,
+admit, close) are sent once: the caller decides.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -199,8 +203,16 @@ def working_set(r: pb.WorkingSetResponse) -> WorkingSetResult:
     return WorkingSetResult(items, r.tokens_reused, r.tokens_to_prefill)
 
 
-def append_request(session_id: str, content: str | Sequence[int], role: str, return_logits: bool) -> pb.AppendRequest:
-    req = pb.AppendRequest(session_id=session_id, role=role, return_logits=return_logits)
+def new_op_id(op_id: str | None) -> str:
+    """The caller's idempotency key, or a fresh one (one per logical call, kept across its retries)."""
+    if op_id is not None and not isinstance(op_id, str):
+        raise InvalidArgument(f"op_id must be a str, got {type(op_id).__name__}")
+    return op_id or uuid.uuid4().hex
+
+
+def append_request(session_id: str, content: str | Sequence[int], role: str, return_logits: bool,
+                   op_id: str | None = None) -> pb.AppendRequest:
+    req = pb.AppendRequest(session_id=session_id, role=role, return_logits=return_logits, op_id=new_op_id(op_id))
     if isinstance(content, str):
         req.text = content
     elif isinstance(content, (list, tuple)) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in content):
@@ -236,7 +248,7 @@ class SessionsMixin(_Base):
         except grpc.RpcError as e:
             raise base.to_error(e, method, self.target) from e
 
-    def _read(self, method: str, req: Any) -> Any:
+    def _retried(self, method: str, req: Any) -> Any:
         fn = getattr(self._sessions_stub, method)
         return self._call(method, lambda t: fn(req, timeout=t, metadata=self._md), SESSION_TIMEOUT_S)
 
@@ -246,18 +258,26 @@ class SessionsMixin(_Base):
         return session_row(r.session)
 
     def append(self, session_id: str, content: str | Sequence[int], *, role: str = "user",
-               return_logits: bool = False) -> AppendResult:
-        """Append a message (text, with its role) or model output (token ids)."""
-        return append_result(self._once("Append", append_request(session_id, content, role, return_logits)))
+               return_logits: bool = False, op_id: str | None = None) -> AppendResult:
+        """Append a message (text, with its role) or model output (token ids).
 
-    def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False) -> AppendResult:
-        """Append a tool result stored in the CAS (put_blob first); quarantined refs are refused."""
-        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits)
-        return append_result(self._once("Append", req))
+        Idempotent on `op_id` (drawn if not given): retried on UNAVAILABLE; an op already applied
+        is answered with its piece and `replayed=True`."""
+        return append_result(self._retried("Append", append_request(session_id, content, role, return_logits, op_id)))
 
-    def generate(self, session_id: str, num_tokens: int) -> list[int]:
-        """Greedy-decode `num_tokens` tokens, appended to the session as one output piece."""
-        return list(self._once("Generate", pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens)).token_ids)
+    def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False,
+                        op_id: str | None = None) -> AppendResult:
+        """Append a tool result stored in the CAS (put_blob first); quarantined refs are refused.
+        Idempotent on `op_id`, as `append`."""
+        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits,
+                               op_id=new_op_id(op_id))
+        return append_result(self._retried("Append", req))
+
+    def generate(self, session_id: str, num_tokens: int, *, op_id: str | None = None) -> list[int]:
+        """Greedy-decode `num_tokens` tokens, appended to the session as one output piece.
+        Idempotent on `op_id`, as `append` (a retry returns the tokens generated the first time)."""
+        req = pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens, op_id=new_op_id(op_id))
+        return list(self._retried("Generate", req).token_ids)
 
     def evict(self, session_id: str, piece_id: int, mode: str = "exact") -> EvictResult:
         return evict_result(self._once("Evict", pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)))
@@ -270,11 +290,11 @@ class SessionsMixin(_Base):
         return admission(self._once("AdmitToolResult", pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))))
 
     def working_set(self, session_id: str, budget_tokens: int) -> WorkingSetResult:
-        return working_set(self._read("WorkingSet", pb.WorkingSetRequest(session_id=session_id,
+        return working_set(self._retried("WorkingSet", pb.WorkingSetRequest(session_id=session_id,
                                                                           budget_tokens=budget_tokens)))
 
     def get_session(self, session_id: str, *, include_tokens: bool = False) -> SessionState:
-        r = self._read("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
+        r = self._retried("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
         return SessionState(session_row(r.session), r.digest, tuple(r.token_ids))
 
     def close_session(self, session_id: str) -> None:
@@ -282,7 +302,7 @@ class SessionsMixin(_Base):
 
     def fleet_sessions(self, fleet: bool = True, tenant: str | None = None) -> FleetSessions:
         """Sessions (and, for the operator, kernel nodes) across the fleet."""
-        r = self._read("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
+        r = self._retried("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
         return FleetSessions(tuple(map(session_row, r.sessions)), tuple(map(node_row, r.nodes)))
 
     def sessions(self, fleet: bool = True, tenant: str | None = None) -> list[SessionRow]:
@@ -300,7 +320,7 @@ class AsyncSessionsMixin(_Base):
         except grpc.RpcError as e:
             raise base.to_error(e, method, self.target) from e
 
-    async def _read(self, method: str, req: Any) -> Any:
+    async def _retried(self, method: str, req: Any) -> Any:
         fn = getattr(self._sessions_stub, method)
         return await self._call(method, lambda t: fn(req, timeout=t, metadata=self._md), SESSION_TIMEOUT_S)
 
@@ -309,16 +329,19 @@ class AsyncSessionsMixin(_Base):
         return session_row((await self._once("CreateSession", req)).session)
 
     async def append(self, session_id: str, content: str | Sequence[int], *, role: str = "user",
-                     return_logits: bool = False) -> AppendResult:
-        return append_result(await self._once("Append", append_request(session_id, content, role, return_logits)))
+                     return_logits: bool = False, op_id: str | None = None) -> AppendResult:
+        req = append_request(session_id, content, role, return_logits, op_id)
+        return append_result(await self._retried("Append", req))
 
-    async def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False) -> AppendResult:
-        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits)
-        return append_result(await self._once("Append", req))
+    async def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False,
+                              op_id: str | None = None) -> AppendResult:
+        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits,
+                               op_id=new_op_id(op_id))
+        return append_result(await self._retried("Append", req))
 
-    async def generate(self, session_id: str, num_tokens: int) -> list[int]:
-        r = await self._once("Generate", pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens))
-        return list(r.token_ids)
+    async def generate(self, session_id: str, num_tokens: int, *, op_id: str | None = None) -> list[int]:
+        req = pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens, op_id=new_op_id(op_id))
+        return list((await self._retried("Generate", req)).token_ids)
 
     async def evict(self, session_id: str, piece_id: int, mode: str = "exact") -> EvictResult:
         req = pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)
@@ -333,17 +356,17 @@ class AsyncSessionsMixin(_Base):
 
     async def working_set(self, session_id: str, budget_tokens: int) -> WorkingSetResult:
         req = pb.WorkingSetRequest(session_id=session_id, budget_tokens=budget_tokens)
-        return working_set(await self._read("WorkingSet", req))
+        return working_set(await self._retried("WorkingSet", req))
 
     async def get_session(self, session_id: str, *, include_tokens: bool = False) -> SessionState:
-        r = await self._read("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
+        r = await self._retried("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
         return SessionState(session_row(r.session), r.digest, tuple(r.token_ids))
 
     async def close_session(self, session_id: str) -> None:
         await self._once("CloseSession", pb.CloseSessionRequest(session_id=session_id))
 
     async def fleet_sessions(self, fleet: bool = True, tenant: str | None = None) -> FleetSessions:
-        r = await self._read("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
+        r = await self._retried("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
         return FleetSessions(tuple(map(session_row, r.sessions)), tuple(map(node_row, r.nodes)))
 
     async def sessions(self, fleet: bool = True, tenant: str | None = None) -> list[SessionRow]:

@@ -42,20 +42,22 @@ class CreateSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRow, _Mapping]] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "tool_result_ref", "role", "return_logits")
+    __slots__ = ("session_id", "text", "token_ids", "tool_result_ref", "role", "return_logits", "op_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOOL_RESULT_REF_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: TokenIds
     tool_result_ref: str
     role: str
     return_logits: bool
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., tool_result_ref: _Optional[str] = ..., role: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    op_id: str
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., tool_result_ref: _Optional[str] = ..., role: _Optional[str] = ..., return_logits: _Optional[bool] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -78,12 +80,14 @@ class AppendResponse(_message.Message):
     def __init__(self, piece: _Optional[_Union[Piece, _Mapping]] = ..., num_tokens: _Optional[int] = ..., op_index: _Optional[int] = ..., replayed: _Optional[bool] = ..., logits_f32: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "num_tokens")
+    __slots__ = ("session_id", "num_tokens", "op_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    op_id: str
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids",)

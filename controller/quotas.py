@@ -1,0 +1,205 @@
+"""Per-tenant limits of the session fleet: quotas, call lanes, and what counts as idle.
+
+One tenant must not starve the others (issue #13, finding 3). Three mechanisms, all per tenant:
+
+  * quotas: at most `max_sessions_per_tenant` sessions and `max_kv_bytes_per_tenant` bytes of KV
+    cache; a create, fork, append or generate that would pass one is refused with
+    RESOURCE_EXHAUSTED naming the quota and its flag, before anything is logged or spawned;
+  * lanes: each tenant's session calls run on its own few threads (`tenant_concurrency`), so a
+    tenant whose calls wait on a slow or stuck actor parks only its own lane, never another
+    tenant's reads (`TenantLanes`);
+  * idle reaping: a session no call touched for `idle_ttl_s` has its actor released (its Ray
+    worker process and KV memory freed); its registry record and op log stay, so its next call
+    regenerates it bit-identically from the log (controller/servicers/sessions.py runs the loop).
+
+KV bytes are counted as a session's tokens times the kernel's bytes per token (K, Kraw and V of
+every layer), whether or not its prefix blocks are shared with another session: the bound holds
+even if every shared block were to be copied. The ledger lives in the controller's memory and is
+rebuilt from the registry and the op logs the first time a tenant calls after a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.errors import InvalidArgument, ResourceExhausted
+
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_MAX_KV_BYTES = 1 << 30
+DEFAULT_IDLE_TTL_S = 1800.0
+DEFAULT_TENANT_CONCURRENCY = 4
+MIN_REAP_INTERVAL_S, MAX_REAP_INTERVAL_S = 0.25, 60.0
+
+# The one rule for a session id at the API edge (documented in docs/api.md): 1-128 characters, a
+# letter or digit first, then letters, digits and `_ . @ -`. No `:` or `/`: they separate the
+# parts of the store's keys and Ray actor names (a session named `x:m:y` once made Redis GC fail
+# for every tenant).
+SESSION_ID_RULE = "1-128 characters: a letter or digit, then letters, digits, '_', '.', '@' or '-'"
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
+OP_ID_RULE = "1-64 characters of [A-Za-z0-9_.:-]"
+OP_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def check_session_id(what: str, sid: object) -> str:
+    """Validate a session id (or a fork's child id) against SESSION_ID_RE; InvalidArgument names the rule."""
+    if not isinstance(sid, str) or not SESSION_ID_RE.fullmatch(sid):
+        raise InvalidArgument(f"invalid {what} {sid!r}: expected {SESSION_ID_RULE}")
+    return sid
+
+
+def check_op_id(op_id: object) -> str:
+    """Validate a client's idempotency key (empty: none given)."""
+    if not isinstance(op_id, str) or (op_id and not OP_ID_RE.fullmatch(op_id)):
+        raise InvalidArgument(f"invalid op_id {op_id!r}: expected {OP_ID_RULE}, or empty")
+    return op_id
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLimits:
+    """Per-tenant limits (0 turns a quota or the reaping off).
+
+    Invariants: every field >= 0; tenant_concurrency >= 1.
+    """
+
+    max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS
+    max_kv_bytes_per_tenant: int = DEFAULT_MAX_KV_BYTES
+    idle_ttl_s: float = DEFAULT_IDLE_TTL_S
+    tenant_concurrency: int = DEFAULT_TENANT_CONCURRENCY
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--max-sessions-per-tenant", self.max_sessions_per_tenant),
+                        ("--max-kv-bytes-per-tenant", self.max_kv_bytes_per_tenant),
+                        ("--session-idle-ttl", self.idle_ttl_s)):
+            if v < 0:
+                raise InvalidArgument(f"{flag} must be >= 0 (0: no limit), got {v}")
+        if self.tenant_concurrency < 1:
+            raise InvalidArgument(f"--session-concurrency-per-tenant must be >= 1, got {self.tenant_concurrency}")
+
+    @property
+    def reap_interval_s(self) -> float:
+        """How often the reaper looks: a quarter of the TTL, within [0.25 s, 60 s]."""
+        return min(max(self.idle_ttl_s / 4, MIN_REAP_INTERVAL_S), MAX_REAP_INTERVAL_S)
+
+
+def tokens_of_log(ops: list[dict[str, Any]]) -> int:
+    """The tokens a session holds after its op log: appends add, evictions remove."""
+    n = 0
+    for op in ops:
+        if op.get("op") == "append":
+            n += len(op["tokens"]) if "tokens" in op else int(op.get("num_tokens", 0))
+        elif op.get("op") == "evict":
+            n -= int(op.get("length", 0))
+    return max(n, 0)
+
+
+@dataclass(slots=True)
+class TenantLedger:
+    """Tokens held per session of each tenant, with the growth of calls in flight reserved.
+
+    Used from the event loop only (no locks): a check and its reservation happen with no await
+    between them, so concurrent calls of one tenant can never pass a quota together.
+    """
+
+    bytes_per_token: int
+    tokens: dict[str, dict[str, int]] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)
+
+    def seeded(self, tenant: str) -> bool:
+        return tenant in self.tokens
+
+    def seed(self, tenant: str, sessions: dict[str, int]) -> None:
+        self.tokens.setdefault(tenant, dict(sessions))
+
+    def kv_bytes(self, tenant: str) -> int:
+        held = sum(self.tokens.get(tenant, {}).values()) + self.pending.get(tenant, 0)
+        return held * self.bytes_per_token
+
+    def reserve(self, limits: SessionLimits, tenant: str, num_tokens: int, new_session: str | None = None) -> int:
+        """Reserve `num_tokens` more tokens (and, with `new_session`, one more session) for a call
+        about to run; `release` it when the call ends. Returns the reservation.
+
+        Raises:
+            ResourceExhausted: the tenant would pass a quota; nothing is reserved.
+        """
+        sessions = self.tokens.setdefault(tenant, {})
+        cap = limits.max_sessions_per_tenant
+        if new_session is not None and cap and len(sessions) >= cap:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already has {len(sessions)} sessions, its quota "
+                f"(--max-sessions-per-tenant {cap}); close sessions it no longer needs, or ask the operator "
+                "to raise the quota")
+        want, cap_bytes = self.kv_bytes(tenant) + num_tokens * self.bytes_per_token, limits.max_kv_bytes_per_tenant
+        if cap_bytes and want > cap_bytes:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} would hold {want:,} bytes of KV cache ({num_tokens} more tokens at "
+                f"{self.bytes_per_token:,} bytes each), over its quota (--max-kv-bytes-per-tenant {cap_bytes:,}); "
+                "evict pieces or close sessions, or ask the operator to raise the quota")
+        if new_session is not None:
+            sessions[new_session] = 0
+        self.pending[tenant] = self.pending.get(tenant, 0) + num_tokens
+        return num_tokens
+
+    def release(self, tenant: str, reserved: int) -> None:
+        self.pending[tenant] = self.pending.get(tenant, 0) - reserved
+
+    def update(self, tenant: str, session_id: str, num_tokens: int) -> None:
+        """What a call answered: the session now holds `num_tokens` tokens."""
+        self.tokens.setdefault(tenant, {})[session_id] = int(num_tokens)
+
+    def drop(self, tenant: str, session_id: str) -> None:
+        self.tokens.get(tenant, {}).pop(session_id, None)
+
+    def num_tokens(self, tenant: str, session_id: str) -> int:
+        return self.tokens.get(tenant, {}).get(session_id, 0)
+
+
+class TenantLanes:
+    """One small thread pool per tenant for its (blocking) session calls.
+
+    A call that blocks (an actor that does not answer parks its thread up to the fleet's call
+    timeout) holds a thread of its own tenant's lane only: another tenant's calls run on threads
+    no other tenant can take. Calls past a lane's width wait in that lane's queue, not on a thread.
+    """
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._lanes: dict[str, ThreadPoolExecutor] = {}
+
+    def lane(self, tenant: str) -> ThreadPoolExecutor:
+        pool = self._lanes.get(tenant)
+        if pool is None:
+            pool = self._lanes[tenant] = ThreadPoolExecutor(self.width, thread_name_prefix=f"kvfleet-sessions-{tenant}")
+        return pool
+
+    def shutdown(self) -> None:
+        for pool in self._lanes.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._lanes.clear()
+
+
+# -- flags (shared by `kvfleet controller` and `kvfleet up`) ------------------------------------------
+
+def add_session_flags(p: argparse.ArgumentParser) -> None:
+    """The per-tenant session limits' flags; defaults are SessionLimits'."""
+    d = SessionLimits()
+    p.add_argument("--max-sessions-per-tenant", type=int, default=d.max_sessions_per_tenant,
+                   help=f"sessions one tenant may hold (default {d.max_sessions_per_tenant}; 0: no limit)")
+    p.add_argument("--max-kv-bytes-per-tenant", type=int, default=d.max_kv_bytes_per_tenant,
+                   help=f"bytes of KV cache one tenant's sessions may hold, tokens x bytes per token "
+                        f"(default {d.max_kv_bytes_per_tenant} = 1 GiB; 0: no limit)")
+    p.add_argument("--session-idle-ttl", type=float, default=d.idle_ttl_s,
+                   help=f"seconds without a call after which a session's actor is released; its op log "
+                        f"stays and its next call regenerates it (default {d.idle_ttl_s:.0f}; 0: never)")
+    p.add_argument("--session-concurrency-per-tenant", type=int, default=d.tenant_concurrency,
+                   help=f"session calls of one tenant running at once; more wait in that tenant's queue "
+                        f"(default {d.tenant_concurrency})")
+
+
+def session_limits_from(args: argparse.Namespace) -> SessionLimits:
+    """SessionLimits from the flags; InvalidArgument (naming the flag) on a bad value."""
+    return SessionLimits(args.max_sessions_per_tenant, args.max_kv_bytes_per_tenant, args.session_idle_ttl,
+                         args.session_concurrency_per_tenant)

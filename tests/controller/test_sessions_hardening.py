@@ -1,0 +1,255 @@
+"""Sessions hardening (issue #13): session ids checked at the edge, idempotent appends, a create
+that crashed half-way never strands its name, per-tenant quotas and lanes, idle reaping.
+
+Real parts only: a controller on loopback gRPC over the shared local Ray cluster, a SQLite store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import ray
+from ctl_helpers import make_tokens, md, start_controller
+
+from controller.quotas import SESSION_ID_RULE, SessionLimits
+from fleet.api.kvfleet.v1 import sessions_pb2 as pb
+from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
+from fleet.cas import open_store
+from fleet.errors import AlreadyExists, NotFound, ResourceExhausted
+from fleet.sdk import AsyncFleetClient, FleetClient
+from workers.placement import NAMESPACE, fleet_scope, session_actor_name
+from workers.spec import KernelSpec, make_kernel
+
+SYSTEM = "You are agent zero. Answer briefly."   # 35 tokens (byte tokenizer)
+REGISTRY = "kvfleet.sessions"
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'kvfleet.db'}"
+
+
+def _bytes_per_token() -> int:
+    k = make_kernel(KernelSpec(block_size=16))
+    return int(k.block_bytes // k.block_size)
+
+
+async def _code(aw: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        await aw
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+# ---- finding 6: one validator for session ids at the API edge ------------------------------------
+
+async def test_session_ids_are_checked_at_the_edge(ray_cluster: None, tmp_path: Path) -> None:
+    ctl = await start_controller(_url(tmp_path), None)
+    ch = grpc.aio.insecure_channel(ctl.address)
+    stub = SessionServiceStub(ch)
+    try:
+        for bad in ("x:m:y", "a/b", "", ".hidden", "-x", "a" * 129, "sp ace", "é"):
+            for call in (stub.CreateSession(pb.CreateSessionRequest(session_id=bad, system_prompt=SYSTEM)),
+                         stub.Append(pb.AppendRequest(session_id=bad, text="x")),
+                         stub.Fork(pb.ForkRequest(session_id="ok", child_id=bad))):
+                code, msg = await _code(call)
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (bad, code, msg)
+                assert SESSION_ID_RULE in msg
+        ok = "Agent-0.b1@x_" + "a" * 115                             # 128 characters, every allowed kind
+        assert (await _code(stub.CreateSession(pb.CreateSessionRequest(session_id=ok, system_prompt=SYSTEM))))[0] \
+            == grpc.StatusCode.OK                                   # control: the rule admits it
+        assert open_store(_url(tmp_path)).oplog_read("local", "x:m:y") == []   # nothing was written
+    finally:
+        await ch.close()
+        await ctl.stop(grace=1)
+
+
+# ---- low: idempotent appends -----------------------------------------------------------------------
+
+async def test_a_retried_append_with_the_same_op_id_is_applied_once(ray_cluster: None, tmp_path: Path) -> None:
+    ctl = await start_controller(_url(tmp_path), None)
+    c = AsyncFleetClient(ctl.address)
+    store = open_store(_url(tmp_path))
+    try:
+        await c.create_session("s1", SYSTEM)
+        first = await c.append("s1", " hello", op_id="turn-1")
+        again = await c.append("s1", " hello", op_id="turn-1")        # the retry after a lost response
+        assert (first.replayed, again.replayed) == (False, True)
+        assert (again.piece, again.op_index, again.num_tokens) == (first.piece, first.op_index, first.num_tokens)
+        ids = await c.generate("s1", 3, op_id="gen-1")
+        assert await c.generate("s1", 3, op_id="gen-1") == ids        # the same tokens, not 3 more
+        other = await c.append("s1", " hello")                       # control: no op id given, a new op
+        assert not other.replayed and other.num_tokens == first.num_tokens + 3 + 6
+
+        def sync_retry() -> tuple[Any, Any]:                          # the sync SDK, the same contract
+            with FleetClient(ctl.address) as s:
+                return s.append("s1", [7, 8], op_id="turn-9"), s.append("s1", [7, 8], op_id="turn-9")
+
+        a, b = await asyncio.to_thread(sync_retry)
+        assert (a.replayed, b.replayed, b.piece, b.op_index) == (False, True, a.piece, a.op_index)
+        log = store.oplog_read("local", "s1")
+        assert [op.get("op_id") for op in log].count("turn-1") == 1
+        assert [op.get("op_id") for op in log].count("gen-1") == 1
+        assert [op.get("op_id") for op in log].count("turn-9") == 1
+        assert len(log) == 5                                          # system, turn-1, gen-1, other, turn-9
+        assert (await c.get_session("s1")).row.num_tokens == 35 + 6 + 3 + 6 + 2
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            code, msg = await _code(SessionServiceStub(ch).Append(
+                pb.AppendRequest(session_id="s1", text="x", op_id="no spaces")))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "op_id" in msg
+    finally:
+        store.close()
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+# ---- finding 9: a create that never completed does not strand its name -----------------------------
+
+async def test_a_create_cut_short_by_a_crash_leaves_the_name_usable(ray_cluster: None, tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    store = open_store(url)
+    node = ray.get_runtime_context().get_node_id()
+    # What a controller killed between the registry write and the actor's first op leaves behind:
+    store.kv_put(REGISTRY, "local/s9", json.dumps({"tenant": "local", "session": "s9", "node": node,
+                                                   "state": "creating", "epoch": 0, "created": 1.0}).encode())
+    # ... and one killed between a close's registry delete and its op-log delete:
+    store.oplog_append("local", "s10", {"op": "append", "piece": 0, "kind": "system", "tenant": "local",
+                                        "tokens": [1, 2, 3], "role": "system"})
+    ctl = await start_controller(url, None)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        with pytest.raises(NotFound):
+            await c.append("s9", "x")                                 # never acknowledged: absent
+        with pytest.raises(NotFound):
+            await c.get_session("s10")
+        for sid in ("s9", "s10"):
+            row = await c.create_session(sid, SYSTEM)
+            assert (row.state, row.num_tokens) == ("active", 35)
+            assert len(store.oplog_read("local", sid)) == 1           # its own first op only
+            assert (await c.append(sid, " hi")).num_tokens == 38
+        with pytest.raises(AlreadyExists):                            # control: a live session keeps its name
+            await c.create_session("s9", SYSTEM)
+    finally:
+        store.close()
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+# ---- finding 3: per-tenant quotas ------------------------------------------------------------------
+
+async def test_tenant_quotas_on_sessions_and_kv_bytes(ray_cluster: None, tmp_path: Path) -> None:
+    tokens = make_tokens(tmp_path)
+    limits = SessionLimits(max_sessions_per_tenant=2, max_kv_bytes_per_tenant=100 * _bytes_per_token())
+    ctl = await start_controller(_url(tmp_path), tokens, sessions=limits)
+    a, b = AsyncFleetClient(ctl.address, tokens.a), AsyncFleetClient(ctl.address, tokens.b)
+    try:
+        await a.create_session("s1", SYSTEM)
+        await a.create_session("s2", SYSTEM)                          # 2 sessions, 70 tokens
+        with pytest.raises(ResourceExhausted, match="--max-sessions-per-tenant 2"):
+            await a.create_session("s3", SYSTEM)
+        with pytest.raises(ResourceExhausted, match="--max-sessions-per-tenant"):
+            await a.fork("s1", "s1.b")
+        await b.create_session("b1", SYSTEM)                          # another tenant is not affected
+        await a.append("s1", " hello")                                # 76 tokens
+        with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+            await a.append("s1", "x" * 25)                            # would be 101 > 100
+        with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+            await a.generate("s1", 25)
+        assert (await a.get_session("s1")).row.num_tokens == 41       # refused: nothing applied
+        assert (await a.append("s1", "x" * 24)).num_tokens == 65      # exactly at the quota: 100
+        await a.close_session("s2")                                   # frees a session and 35 tokens
+        with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+            await a.fork("s1", "s1.b")                                # 65 more tokens: 130 > 100
+        assert (await a.create_session("s3", SYSTEM)).num_tokens == 35
+        assert {r.session_id for r in await a.sessions()} == {"s1", "s3"}
+    finally:
+        for x in (a, b):
+            await x.close()
+        await ctl.stop(grace=1)
+
+
+async def test_the_quota_ledger_is_rebuilt_after_a_restart(ray_cluster: None, tmp_path: Path) -> None:
+    limits = SessionLimits(max_sessions_per_tenant=2, max_kv_bytes_per_tenant=0)
+    ctl = await start_controller(_url(tmp_path), None, sessions=limits)
+    c = AsyncFleetClient(ctl.address)
+    await c.create_session("s1", SYSTEM)
+    await c.create_session("s2", SYSTEM)
+    await c.close()
+    await ctl.stop(grace=0)
+    ctl = await start_controller(_url(tmp_path), None, sessions=limits)   # a new controller, same store
+    c = AsyncFleetClient(ctl.address)
+    try:
+        with pytest.raises(ResourceExhausted, match="already has 2 sessions"):
+            await c.create_session("s3", SYSTEM)
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+# ---- finding 3: one tenant's stuck calls do not starve another's reads --------------------------------
+
+def _actor_pid(url: str, tenant: str, sid: str) -> int:
+    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=NAMESPACE)
+    return int(ray.get(actor.info.remote(), timeout=30)["pid"])
+
+
+async def test_a_tenant_saturating_its_calls_does_not_starve_another(ray_cluster: None, tmp_path: Path) -> None:
+    tokens, url = make_tokens(tmp_path), _url(tmp_path)
+    ctl = await start_controller(url, tokens)
+    a, b = AsyncFleetClient(ctl.address, tokens.a), AsyncFleetClient(ctl.address, tokens.b)
+    ch = grpc.aio.insecure_channel(ctl.address)
+    stub = SessionServiceStub(ch)
+    await a.create_session("a1", SYSTEM)
+    await b.create_session("b1", SYSTEM)
+    pid = _actor_pid(url, "acme", "a1")
+    os.kill(pid, signal.SIGSTOP)                                      # acme's actor stops answering
+    stuck: list[Any] = []
+    try:
+        stuck = [asyncio.ensure_future(stub.GetSession(pb.GetSessionRequest(session_id="a1"), timeout=120,
+                                                       metadata=md(tokens.a))) for _ in range(16)]
+        await asyncio.sleep(1.0)  # NOTE: lets acme's calls reach the controller first (ordering, not a timing check)
+        assert not any(f.done() for f in stuck)                       # control: acme's calls are really stuck
+        row = await asyncio.wait_for(b.get_session("b1"), timeout=30)  # bravo's read still gets through
+        assert row.row.num_tokens == 35
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        done = await asyncio.gather(*stuck, return_exceptions=True)
+        for x in (a, b):
+            await x.close()
+        await ch.close()
+        await ctl.stop(grace=1)
+    assert all(not isinstance(d, BaseException) for d in done)        # and acme's calls complete afterwards
+
+
+# ---- finding 3: idle sessions are reaped and come back from their op log ---------------------------
+
+async def test_an_idle_session_is_released_and_regenerates_on_its_next_call(ray_cluster: None,
+                                                                            tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    ctl = await start_controller(url, None, sessions=SessionLimits(idle_ttl_s=1.0))
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)
+        await c.append("s1", " hello")
+        digest = (await c.get_session("s1")).digest
+        deadline = time.monotonic() + 60
+        while (rows := {r.session_id: r for r in await c.sessions()})["s1"].state != "idle":
+            assert time.monotonic() < deadline, f"never reaped: {rows['s1']}"
+            await asyncio.sleep(0.2)
+        with pytest.raises(ValueError):                               # its actor (and process) is gone
+            ray.get_actor(session_actor_name("local", "s1", fleet_scope(url)), namespace=NAMESPACE)
+        assert len(open_store(url).oplog_read("local", "s1")) == 2    # its op log stays
+        again = await c.get_session("s1")                             # the next call regenerates it
+        assert again.digest == digest and again.row.epoch == 1
+        assert (await c.append("s1", " again")).num_tokens == 47
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
