@@ -9,6 +9,7 @@ GET  /health, /metrics
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -59,23 +60,35 @@ def _errors(proxy: Proxy) -> Any:
             log.exception("proxy: %s %s failed", req.method, req.path)
             err = ProxyError(500, f"internal proxy error: {type(e).__name__}: {e}")
         proxy.metrics.errors.labels(str(err.status)).inc()
-        return error_response(err.status, err.message, err.param)
+        resp = error_response(err.status, err.message, err.param)
+        if err.status == 408:
+            resp.force_close()  # NOTE: the rest of a stalled body would never come; do not wait for it
+        return resp
 
     return middleware
 
 
-async def read_json(req: web.Request, limit: int) -> dict[str, Any]:
-    """The request's JSON object; 413 past `limit` bytes, 400 if it is not a JSON object with a model."""
+async def read_json(req: web.Request, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The request's JSON object; 413 past `limit` bytes, 408 if it takes longer than `timeout_s` to arrive,
+    400 if it is not a JSON object with a model."""
     if req.content_length is not None and req.content_length > limit:
         raise ProxyError(
             413,
             f"request body of {req.content_length} bytes is larger than the proxy's limit of {limit} bytes",
         )
-    raw = await req.read()
     try:
-        body = json.loads(raw)
+        async with asyncio.timeout(timeout_s):
+            raw = await req.read()
+    except TimeoutError:
+        raise ProxyError(408, f"the request body did not arrive within {timeout_s}s (the proxy's "
+                              "client body timeout); send it at once") from None
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProxyError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ProxyError(400, "request body is nested too deeply to parse (arrays/objects within each "
+                              "other, ~1000 levels)") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
@@ -83,6 +96,11 @@ async def read_json(req: web.Request, limit: int) -> dict[str, Any]:
     if not isinstance(body.get("stream", False), bool):
         raise ProxyError(400, "'stream' must be true or false", "stream")
     return body
+
+
+def _no_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON (RFC 8259); Python's parser takes them, vLLM's would forward them."""
+    raise ProxyError(400, f"request body is not valid JSON: {name} is not a JSON number (use a finite number)")
 
 
 def upstream_headers(req: web.Request) -> dict[str, str]:
@@ -116,7 +134,7 @@ class Handlers:
 
     async def _complete(self, req: web.Request, chat: bool) -> web.StreamResponse:
         p, t0 = self.p, time.perf_counter()
-        body = await read_json(req, p.cfg.max_body_bytes)
+        body = await read_json(req, p.cfg.max_body_bytes, p.cfg.client_body_timeout_s)
         token = self._token(req)
         caller = await p.control.whoami(token)  # 401 before any worker is touched
         base, lora = p.directory.resolve(body["model"])

@@ -32,6 +32,9 @@ class ProxyConfig:
     suspect_s: float = 5.0  # a worker found asleep behind the controller's back is skipped this long
     auth_cache_s: float = 5.0
     max_body_bytes: int = 8 << 20
+    client_header_timeout_s: float = 30.0  # a connection must deliver a request's headers within this (also
+    # the idle keep-alive limit): a client that trickles headers (slowloris) is closed
+    client_body_timeout_s: float = 60.0  # the whole body must arrive within this, else 408
     tokenize_cache_size: int = 4096
 
     def __post_init__(self) -> None:
@@ -40,7 +43,8 @@ class ProxyConfig:
                 raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT")
         if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
             raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
-        if min(self.first_byte_timeout_s, self.probe_timeout_s, self.connect_timeout_s, self.refresh_s) <= 0:
+        if min(self.first_byte_timeout_s, self.probe_timeout_s, self.connect_timeout_s, self.refresh_s,
+               self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0:
             raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")

@@ -3,13 +3,18 @@
     chosen worker ──POST──► first byte within first_byte_timeout_s? ── yes ──► relay bytes as they come
          │                        │ no
          │                        ▼
-         │                 GET /is_sleeping ── false (busy, e.g. a long non-streaming answer) ──► keep waiting
-         │                        │ true, or no answer
+         │                 GET /is_sleeping ── awake (busy, e.g. a long non-streaming answer) ──► keep waiting
+         │                        │            no answer in probe_timeout_s (busy: unknown)  ──► keep waiting,
+         │                        │                                                    probe again later
+         │                        │ is_sleeping true, or the probe's connection refused
          ▼                        ▼
     connection error / 503 ─► one retry on the next serving candidate (the worker is marked suspect)
 
 vLLM queues requests to a sleeping engine and they hang (reference §1.3), and a streaming vLLM
 may send its headers before the engine runs, so "first byte" means the first body bytes.
+NOTE: only a sleeping answer (or a refused connection) fails an attempt over. A probe that times out
+says the worker is busy or unknown, not asleep: a loaded vLLM answers /is_sleeping slowly, and failing
+over every slow worker turned load into 503s (#13 finding 8).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from fleet.sdk.types import RouteDecision
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
+MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8)
+ASLEEP, AWAKE, BUSY, GONE = "asleep", "awake", "busy", "unreachable"  # what a probe observed
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +115,26 @@ class Forwarder:
         t_sent = time.perf_counter()
         task = asyncio.create_task(self._open(t.url.rstrip("/") + path, body, headers))
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.cfg.first_byte_timeout_s)
-            if not done and await self._asleep(t.url):
-                raise AttemptFailed(f"asleep: no first byte within {self.cfg.first_byte_timeout_s}s "
-                                    "and /is_sleeping says so")
+            await self._wait_first_byte(t, task)
             resp, first = await task
         except BaseException:
             await _discard(task)
             raise
         return Opened(t, resp, first, t_sent, time.perf_counter(), sends, tuple(failures))
+
+    async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:
+        """Wait for `task`'s first byte; fail the attempt only if a probe finds the worker asleep or gone."""
+        gap = 1
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.cfg.first_byte_timeout_s * gap)
+            if done:
+                return
+            seen, detail = await self._probe(t.url)
+            self.metrics.probes.labels(t.worker, seen).inc()
+            if seen in (ASLEEP, GONE):
+                raise AttemptFailed(f"{seen}: no first byte within {self.cfg.first_byte_timeout_s * gap}s "
+                                    f"and GET /is_sleeping {detail}")
+            gap = min(gap * 2, MAX_PROBE_GAP)
 
     async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
@@ -135,19 +153,29 @@ class Forwarder:
             resp.close()
             raise
 
-    async def _asleep(self, url: str) -> bool:
-        """True if the worker says it is sleeping or paused, or does not answer the probe in time.
+    async def _probe(self, url: str) -> tuple[str, str]:
+        """(what GET /is_sleeping observed, a phrase saying so): ASLEEP, AWAKE, BUSY or GONE.
 
-        404 (vLLM without dev mode) means it cannot have been put to sleep: just busy.
+        404 (vLLM without dev mode) means it cannot have been put to sleep: awake. No answer within
+        probe_timeout_s, or an answer that is not one, is BUSY (unknown): the worker may just be loaded.
         """
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.probe_timeout_s)
             async with self.http.get(url.rstrip("/") + "/is_sleeping", timeout=timeout) as r:
                 if r.status == 404:
-                    return False
-                return r.status != 200 or bool((await r.json(content_type=None)).get("is_sleeping"))
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError):
-            return True
+                    return AWAKE, "answered 404 (no dev mode: it cannot sleep)"
+                doc = await r.json(content_type=None) if r.status == 200 else None
+        except TimeoutError:
+            return BUSY, f"did not answer within {self.cfg.probe_timeout_s}s"
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            if isinstance(e, aiohttp.ClientConnectorError):
+                return GONE, f"could not connect ({e})"
+            return BUSY, f"failed ({type(e).__name__}: {e})"
+        except ValueError as e:
+            return BUSY, f"answered something that is not JSON ({e})"
+        if not isinstance(doc, dict) or not isinstance(doc.get("is_sleeping"), bool):
+            return BUSY, f"answered {r.status} without an is_sleeping flag"
+        return (ASLEEP, "says is_sleeping=true") if doc["is_sleeping"] else (AWAKE, "says is_sleeping=false")
 
     async def relay(self, request: web.Request, o: Opened, extra: dict[str, str]) -> tuple[web.StreamResponse, float]:
         """Relay status, headers and body bytes unchanged as they come; returns (response, t_first_client).

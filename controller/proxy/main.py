@@ -41,6 +41,11 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument("--first-byte-timeout", type=float, default=1.0,
                    help="seconds without a first byte before probing the worker's /is_sleeping (default 1.0)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
+    p.add_argument("--client-header-timeout", type=float, default=30.0,
+                   help="seconds a connection has to deliver a request's headers, also the idle keep-alive "
+                        "limit; slower clients are disconnected (default 30)")
+    p.add_argument("--client-body-timeout", type=float, default=60.0,
+                   help="seconds a request body has to arrive in full, else 408 (default 60)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -49,6 +54,7 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
                        tokenizer=a.tokenizer, worker_api_key=a.worker_api_key,
                        first_byte_timeout_s=a.first_byte_timeout,
+                       client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        max_body_bytes=a.max_body_bytes)
 
 

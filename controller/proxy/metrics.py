@@ -46,6 +46,13 @@ class ProxyMetrics:
             ["worker", "reason"],
             registry=r,
         )
+        self.probes = Counter(
+            "kvfleet_proxy_sleep_probes",
+            "GET /is_sleeping probes of a worker that sent no first byte in time, by what they observed "
+            "(asleep, awake, busy: no answer in time, unreachable); only asleep and unreachable fail over",
+            ["worker", "observed"],
+            registry=r,
+        )
         self.errors = Counter(
             "kvfleet_proxy_errors", "Requests the proxy answered with an error itself", ["status"], registry=r
         )

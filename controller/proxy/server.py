@@ -41,7 +41,10 @@ class Proxy:
         await self.tokenizer.start()
         await self.directory.start()
         # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request
-        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
+        # NOTE: aiohttp arms keepalive_timeout when a connection opens and after each answer, and closes the
+        # connection if a request's headers are not complete by then: our header-read deadline (slowloris)
+        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
+                                     keepalive_timeout=self.cfg.client_header_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()

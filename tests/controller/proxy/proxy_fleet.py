@@ -118,17 +118,20 @@ async def start_fleet(
     reconcile_s: float = 0.5,
     loras: dict[str, str] | None = None,
     cost: CostConfig | None = None,
+    engine_kw: dict[str, Any] | None = None,
     **proxy_kw: Any,
 ) -> Fleet:
     """Controller + sims + proxy on loopback; reconcile_s is the controller's reconcile interval (how long a
-    sleep behind its back goes unseen), cost its placement weights; proxy_kw override ProxyConfig fields."""
+    sleep behind its back goes unseen), cost its placement weights, engine_kw override the sims'
+    SimEngineConfig fields (e.g. time_scale=1 for a clocked, busy worker); proxy_kw override ProxyConfig fields."""
     sim_main.build_app = observing_build_app  # type: ignore[assignment]
     try:
         sims = {
             f"w{i}": await SimVllm(
                 SimConfig(
                     engine=SimEngineConfig(
-                        model=MODEL, block_size=BLOCK, num_blocks=512, loras=dict(loras or {})
+                        model=MODEL, block_size=BLOCK, num_blocks=512, loras=dict(loras or {}),
+                        **(engine_kw or {}),
                     )
                 )
             ).start()

@@ -1,0 +1,73 @@
+"""Edge hardening of the proxy (#13): a busy worker is not called asleep; hostile bodies and slow clients
+get a clear answer (or a closed connection) instead of a 500 or a held socket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from proxy_fleet import MODEL, served, start_fleet
+
+PROMPT = "Draft the incident review for the storage outage, with a timeline and the follow-ups."
+
+
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name}
+
+
+async def test_a_probe_that_times_out_means_busy_not_asleep(tmp_path: Path) -> None:
+    # One clocked worker (a long non-streaming answer sends no byte for ~0.3 s) whose /is_sleeping never answers
+    # within the probe timeout: what a vLLM under load looks like. It is busy, not asleep: the request waits.
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw={"time_scale": 1.0},
+                              first_byte_timeout_s=0.05, probe_timeout_s=1e-6)
+    try:
+        (name, sim), = fleet.sims.items()
+        status, h, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 30})
+        probes = _samples(fleet.proxy.metrics.render().decode(), "kvfleet_proxy_sleep_probes_total")
+        print(f"busy worker, probe timing out: status {status}, attempts {h.get('x-kvfleet-attempts')}, "
+              f"probes {probes}")
+        assert status == 200, raw  # before: 503 "asleep: no first byte ... and /is_sleeping says so"
+        assert h["x-kvfleet-worker"] == name and h["x-kvfleet-attempts"] == "1"
+        assert json.loads(raw)["usage"]["completion_tokens"] == 30
+        assert probes.get((("observed", "busy"), ("worker", name)), 0) >= 1  # the probe really timed out
+        assert not fleet.proxy.directory.is_suspect(name)
+        assert len(served(sim, "/v1/completions")) == 1
+    finally:
+        await fleet.stop()
+
+
+async def _raw(fleet_port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    r, w = await asyncio.open_connection("127.0.0.1", fleet_port)
+    w.write(data)
+    await w.drain()
+    return r, w
+
+
+async def test_slow_clients_are_cut_off(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, num_workers=1, client_header_timeout_s=0.3, client_body_timeout_s=0.3)
+    try:
+        port, auth = fleet.proxy.port, f"Authorization: Bearer {fleet.tokens['a']}\r\n"
+        # headers that never end (slowloris): the proxy closes the connection
+        r, w = await _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: 1\r\n")
+        closed = await asyncio.wait_for(r.read(), 5.0)  # before: held open (aiohttp's default is an hour)
+        w.close()
+        # a body that never completes: 408 with an OpenAI-style error
+        r, w = await _raw(port, (f"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n{auth}"
+                                 "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+                          + b'{"model": "sim-model", "prompt": "')
+        answer = await asyncio.wait_for(r.readuntil(b"}}"), 5.0)  # before: waits for the body forever
+        w.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        print(f"trickled headers -> connection closed ({closed!r}); stalled body -> {head.splitlines()[0]!r} "
+              f"{body[-160:]!r}")
+        assert closed == b""
+        assert head.startswith(b"HTTP/1.1 408")
+        assert b'"RequestTimeoutError"' in body and b"client body timeout" in body
+        # control: a prompt client on a fresh connection is served
+        status, _, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert status == 200
+    finally:
+        await fleet.stop()
