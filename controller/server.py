@@ -24,6 +24,7 @@ from controller.edge import DecodeGuard, GrpcLimits, server_credentials
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S, FleetMetricsPoller
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
+from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
@@ -49,6 +50,7 @@ class ControllerConfig:
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS
     uploads: UploadLimits = field(default_factory=UploadLimits)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
+    sessions: SessionLimits = field(default_factory=SessionLimits)  # per-tenant session quotas, idle TTL
     salt_secret: bytes | None = None  # None: generated once and kept in the store
     ray_address: str | None = None  # accepted and kept for the session actors
     leader_election: bool = False
@@ -205,7 +207,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
     ctx = ServiceContext(auth=auth, metrics=metrics or Metrics(), store=store, router=None, max_blob_bytes=limit,
                          store_url=cfg.store_url, ray_address=cfg.ray_address, leader=False,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"),
-                         uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens)
+                         uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
+                         session_limits=cfg.sessions)
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     ctx.fleet_metrics = FleetMetricsPoller(lambda: ctx.kernel_fleet, ctx.metrics, cfg.fleet_metrics_interval_s)
     await ctx.fleet_metrics.start()

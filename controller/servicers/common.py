@@ -18,6 +18,7 @@ import grpc
 
 from controller.auth import Authenticator, Identity, Role
 from controller.metrics import Metrics
+from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import KvfleetError, Unavailable
 
@@ -45,6 +46,7 @@ class ServiceContext:
     leader: bool = True
     uploads: UploadGate = field(default_factory=lambda: UploadGate(UploadLimits()))
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS  # a Route longer than this is refused (--max-route-tokens)
+    session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking store call off the event loop."""

@@ -1,17 +1,22 @@
 """SessionService: agent sessions on the Ray fleet of session kernels (workers.fleet.KernelFleet).
 
-Thin: authenticate, translate proto -> domain, call KernelFleet off the event loop (its calls
-block on Ray), translate back. The fleet is built on the first session call (it joins the Ray
-cluster `ray.init` already started in this process, or starts a local one). The kernel spec lives
-in the store (`controller/kernel_spec`), so a restarted controller regenerates every session
-with the same model, bit-identically.
+Thin: authenticate, validate, check the tenant's quotas, translate proto -> domain, call
+KernelFleet off the event loop on the tenant's own lane of threads (its calls block on Ray; a
+stuck actor parks only its own tenant's lane), translate back. The fleet is built on the first
+session call (it joins the Ray cluster `ray.init` already started in this process, or starts a
+local one), and with it the idle reaper. The kernel spec lives in the store
+(`controller/kernel_spec`), so a restarted controller regenerates every session with the same
+model, bit-identically. Limits and their flags: controller/quotas.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -19,11 +24,21 @@ import grpc
 import numpy as np
 
 from controller.auth import Identity, Role
+from controller.quotas import (
+    SessionLimits,
+    TenantLanes,
+    TenantLedger,
+    check_op_id,
+    check_session_id,
+    tokens_of_log,
+)
 from controller.servicers.common import ServiceContext, unary
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
-from fleet.errors import InvalidArgument, NotFound
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound
+from fleet.kernel.tokenizer import encode_message
 
+log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
 KERNEL_SPEC_KEY = ("controller", "kernel_spec")
 MAX_GENERATE = 256
@@ -72,28 +87,48 @@ def witness_to_proto(w: dict[str, Any]) -> pb.QuarantineWitness:
         detail_json=json.dumps(detail, default=str, sort_keys=True))
 
 
-def _session_id(sid: str) -> str:
-    from fleet.cas.base import check_name
-
-    if not sid:
-        raise InvalidArgument("session_id is empty: name the session (1-128 characters of [A-Za-z0-9_.:/@-])")
-    return check_name("session_id", sid)
+def _limits(ctx: ServiceContext) -> SessionLimits:
+    return getattr(ctx, "session_limits", None) or SessionLimits()
 
 
 class SessionServicer(pbg.SessionServiceServicer):
-    """kvfleet.v1.SessionService over one KernelFleet (built on first use)."""
+    """kvfleet.v1.SessionService over one KernelFleet (built on first use).
 
-    def __init__(self, ctx: ServiceContext, threads: int = 8) -> None:
+    Invariants: a call reserves its tenant's quota (and a create its session's name) before it
+    runs and releases it when it ends, so nothing that passes a quota is ever logged or spawned;
+    every fleet call of a tenant runs on that tenant's lane (`TenantLanes`).
+    """
+
+    def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.fleet: Any = None
         self._init = asyncio.Lock()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfleet-sessions")
+        self._seed_lock = asyncio.Lock()
+        self._admin = ThreadPoolExecutor(2, thread_name_prefix="kvfleet-sessions-admin")  # build, seed, reap
+        self._lanes = TenantLanes(1)  # its width is set from the limits when the fleet is built
+        self._ledger: TenantLedger | None = None
+        self._creating: set[tuple[str, str]] = set()
+        self._in_flight: dict[tuple[str, str], int] = {}
+        self._touched: dict[tuple[str, str], float] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def limits(self) -> SessionLimits:
+        return _limits(self.ctx)
+
+    # -- the fleet, its lanes and the ledger ------------------------------------------------------
 
     async def _fleet(self) -> Any:
         if self.fleet is None:
             async with self._init:
                 if self.fleet is None:
-                    self.fleet = await self._run(self._build)
+                    fleet = await self._run_admin(self._build)
+                    self._ledger = TenantLedger(fleet.kernel.block_bytes // fleet.kernel.block_size)
+                    self._lanes.width = self.limits.tenant_concurrency
+                    self._loop = asyncio.get_running_loop()
+                    self._reaper = asyncio.create_task(self._reap_loop())
+                    self.fleet = fleet
         return self.fleet
 
     def _build(self) -> Any:
@@ -109,37 +144,124 @@ class SessionServicer(pbg.SessionServiceServicer):
         detached = bool(self.ctx.ray_address)
         fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached)
         self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
+        self.ctx.on_stop.append(self.close)         # the reaper first, then the fleet
         self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)
         return fleet
 
-    async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kw))
+    async def _run_admin(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._admin, functools.partial(fn, *args, **kw))
 
-    async def _call(self, method: str, *args: Any, **kw: Any) -> Any:
+    async def _run(self, tenant: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """Run a blocking call on `tenant`'s lane (never on a thread another tenant needs)."""
+        pool = self._lanes.lane(tenant)
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
+
+    async def _call(self, method: str, tenant: str, *args: Any, **kw: Any) -> Any:
+        """A KernelFleet call for `tenant` (args[0], when given, is the session: marked in flight
+        and touched, so the reaper leaves it alone)."""
         fleet = await self._fleet()
-        return await self._run(getattr(fleet, method), *args, **kw)
+        key = (tenant, str(args[0])) if args else None
+        if key is not None:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        try:
+            return await self._run(tenant, getattr(fleet, method), tenant, *args, **kw)
+        finally:
+            if key is not None:
+                self._in_flight[key] -= 1
+                if not self._in_flight[key]:
+                    del self._in_flight[key]
+                self._touched[key] = time.time()
+
+    async def _quota(self, tenant: str) -> TenantLedger:
+        """The ledger, with `tenant`'s sessions counted (rebuilt from the store the first time)."""
+        await self._fleet()
+        ledger = self._ledger
+        assert ledger is not None
+        if not ledger.seeded(tenant):
+            async with self._seed_lock:
+                if not ledger.seeded(tenant):
+                    ledger.seed(tenant, await self._run_admin(self._held_tokens, tenant))
+        return ledger
+
+    def _held_tokens(self, tenant: str) -> dict[str, int]:
+        """Tokens per registered session of `tenant`, from the op logs (a restart loses nothing)."""
+        from workers.fleet import REGISTRY
+
+        out = {}
+        for raw in self.fleet.store.kv_scan(REGISTRY).values():
+            rec = json.loads(raw)
+            if rec["tenant"] == tenant and rec.get("state") != "creating":
+                out[rec["session"]] = tokens_of_log(self.fleet.store.oplog_read(tenant, rec["session"]))
+        return out
+
+    async def _mutate(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any, **kw: Any) -> Any:
+        """A call that may grow session `sid` by up to `num_tokens` tokens, within the KV quota."""
+        ledger = await self._quota(tenant)
+        held = ledger.reserve(self.limits, tenant, num_tokens)
+        try:
+            r = await self._call(method, tenant, sid, *args, **kw)
+        finally:
+            ledger.release(tenant, held)
+        if getattr(r, "num_tokens", None) is not None:
+            ledger.update(tenant, sid, r.num_tokens)
+        return r
+
+    async def _new_session(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any) -> Any:
+        """A create or fork of session `sid`: one session and `num_tokens` tokens within quota,
+        and its name held (a concurrent create of the same name is refused, never interleaved)."""
+        key = (tenant, sid)
+        if key in self._creating:
+            raise AlreadyExists(f"session {sid!r} is being created by another call")
+        ledger = await self._quota(tenant)
+        existed = sid in ledger.tokens.get(tenant, {})
+        held = ledger.reserve(self.limits, tenant, num_tokens, new_session=None if existed else sid)
+        self._creating.add(key)
+        try:
+            rec = await self._call(method, tenant, *args)
+        except BaseException:
+            if not existed:
+                ledger.drop(tenant, sid)
+            raise
+        finally:
+            ledger.release(tenant, held)
+            self._creating.discard(key)
+        ledger.update(tenant, sid, num_tokens)
+        return rec
 
     async def _row(self, tenant: str, rec: dict[str, Any]) -> pb.SessionRow:
         info = await self._call("info", tenant, rec["session"])
+        if self._ledger is not None and self._ledger.seeded(tenant):
+            self._ledger.update(tenant, rec["session"], int(info.get("tokens", 0)))
         return row_to_proto({**rec, **info, "epoch": max(int(rec.get("epoch", 0)), int(info.get("epoch", 0)))})
+
+    # -- RPCs -------------------------------------------------------------------------------------
 
     @unary(Role.TENANT)
     async def CreateSession(self, request: pb.CreateSessionRequest, context: grpc.aio.ServicerContext,
                             ident: Identity) -> pb.CreateSessionResponse:
-        sid = _session_id(request.session_id)
-        rec = await self._call("create_session", ident.tenant, sid, request.system_prompt)
+        sid = check_session_id("session_id", request.session_id)
+        if not request.system_prompt:
+            raise InvalidArgument("the system prompt must be a non-empty str")
+        fleet = await self._fleet()
+        n = len(await self._run(ident.tenant, encode_message, fleet.tokenizer, "system", request.system_prompt))
+        rec = await self._new_session(ident.tenant, sid, n, "create_session", sid, request.system_prompt)
         return pb.CreateSessionResponse(session=await self._row(ident.tenant, rec))
 
     @unary(Role.TENANT)
     async def Append(self, request: pb.AppendRequest, context: grpc.aio.ServicerContext,
                      ident: Identity) -> pb.AppendResponse:
-        sid, which = _session_id(request.session_id), request.WhichOneof("content")
+        sid, which = check_session_id("session_id", request.session_id), request.WhichOneof("content")
+        op_id, fleet, t = check_op_id(request.op_id), await self._fleet(), ident.tenant
         if which == "text":
-            r = await self._call("append", ident.tenant, sid, request.text, request.role or "user")
+            role = request.role or "user"
+            n = len(await self._run(t, encode_message, fleet.tokenizer, role, request.text))
+            r = await self._mutate(t, sid, n, "append", request.text, role, op_id=op_id)
         elif which == "token_ids":
-            r = await self._call("append", ident.tenant, sid, [int(t) for t in request.token_ids.ids])
+            ids = [int(x) for x in request.token_ids.ids]
+            r = await self._mutate(t, sid, len(ids), "append", ids, op_id=op_id)
         elif which == "tool_result_ref":
-            r = await self._call("add_tool_result", ident.tenant, sid, request.tool_result_ref)
+            n = await self._run(t, self._blob_tokens, t, request.tool_result_ref)
+            r = await self._mutate(t, sid, n, "add_tool_result", request.tool_result_ref, op_id=op_id)
         else:
             raise InvalidArgument("append needs content: text, token_ids or tool_result_ref")
         out = pb.AppendResponse(num_tokens=r.num_tokens, replayed=r.replayed,
@@ -150,36 +272,55 @@ class SessionServicer(pbg.SessionServiceServicer):
             out.logits_f32 = np.asarray(r.logits, dtype="<f4").tobytes()
         return out
 
+    def _blob_tokens(self, tenant: str, ref: str) -> int:
+        """An upper bound of a stored tool result's tokens (its size: a token is >= 1 byte); 0 when
+        the blob is missing or malformed (the append itself then says why)."""
+        try:
+            return int(self.fleet.store.stat(ref, tenant).size)
+        except Exception:  # noqa: BLE001 - the append reports the real error
+            return 0
+
     @unary(Role.TENANT)
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        ident: Identity) -> pb.GenerateResponse:
-        sid = _session_id(request.session_id)
+        sid, op_id = check_session_id("session_id", request.session_id), check_op_id(request.op_id)
         if not 1 <= request.num_tokens <= MAX_GENERATE:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_GENERATE}, got {request.num_tokens}")
-        ids = await self._call("generate", ident.tenant, sid, int(request.num_tokens))
+        n = int(request.num_tokens)
+        ids = await self._mutate(ident.tenant, sid, n, "generate", n, op_id=op_id)
+        self._shrink(ident.tenant, sid, -len(ids))
         return pb.GenerateResponse(token_ids=ids)
 
     @unary(Role.TENANT)
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext,
                     ident: Identity) -> pb.EvictResponse:
-        sid, mode = _session_id(request.session_id), request.mode or "exact"
+        sid, mode = check_session_id("session_id", request.session_id), request.mode or "exact"
         if mode not in ("exact", "reposition"):
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         r = await self._call("evict", ident.tenant, sid, int(request.piece_id), mode)
+        self._shrink(ident.tenant, sid, r.length)
         return pb.EvictResponse(mode=r.mode, start=r.start, length=r.length, tail=r.tail, num_evicted=r.num_evicted,
                                 num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact)
+
+    def _shrink(self, tenant: str, sid: str, num_tokens: int) -> None:
+        """Count `num_tokens` fewer tokens for the session (negative: more); the next row read
+        sets the exact figure."""
+        ledger = self._ledger
+        if ledger is not None and ledger.seeded(tenant):
+            ledger.update(tenant, sid, max(0, ledger.num_tokens(tenant, sid) - int(num_tokens)))
 
     @unary(Role.TENANT)
     async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext,
                    ident: Identity) -> pb.ForkResponse:
-        sid, child = _session_id(request.session_id), _session_id(request.child_id)
-        rec = await self._call("fork", ident.tenant, sid, child)
+        sid, child = check_session_id("session_id", request.session_id), check_session_id("child_id", request.child_id)
+        n = (await self._quota(ident.tenant)).num_tokens(ident.tenant, sid)
+        rec = await self._new_session(ident.tenant, child, n, "fork", sid, child)
         return pb.ForkResponse(session=await self._row(ident.tenant, rec))
 
     @unary(Role.TENANT)
     async def AdmitToolResult(self, request: pb.AdmitToolResultRequest, context: grpc.aio.ServicerContext,
                               ident: Identity) -> pb.AdmitToolResultResponse:
-        sid = _session_id(request.session_id)
+        sid = check_session_id("session_id", request.session_id)
         if not request.ref:
             raise InvalidArgument("admit_tool_result needs the blob's ref (sha256 hex from PutBlob)")
         a = await self._call("admit_tool_result", ident.tenant, sid, request.ref)
@@ -188,6 +329,8 @@ class SessionServicer(pbg.SessionServiceServicer):
         if a.verdict == "QUARANTINED":
             m.quarantines.inc()
         if a.witness is not None:
+            if a.evicted:
+                self._shrink(ident.tenant, sid, int(a.witness["length"]))
             out.witness.CopyFrom(witness_to_proto(a.witness))
             m.witness_max_delta.labels(kind="evict_vs_never").set(float(a.witness["max_abs_delta_evict_vs_never"]))
             m.witness_max_delta.labels(kind="control_kept_vs_never").set(float(a.witness["control_kept_vs_never"]))
@@ -196,7 +339,7 @@ class SessionServicer(pbg.SessionServiceServicer):
     @unary(Role.TENANT)
     async def WorkingSet(self, request: pb.WorkingSetRequest, context: grpc.aio.ServicerContext,
                          ident: Identity) -> pb.WorkingSetResponse:
-        sid = _session_id(request.session_id)
+        sid = check_session_id("session_id", request.session_id)
         ws = await self._call("working_set", ident.tenant, sid, int(request.budget_tokens))
         items = [pb.WorkingSetItem(piece=piece_to_proto(i.piece), verdict=i.verdict, reason=i.reason or "")
                  for i in ws.items]
@@ -206,7 +349,7 @@ class SessionServicer(pbg.SessionServiceServicer):
     @unary(Role.TENANT)
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext,
                          ident: Identity) -> pb.GetSessionResponse:
-        sid = _session_id(request.session_id)
+        sid = check_session_id("session_id", request.session_id)
         out = pb.GetSessionResponse(session=await self._row(ident.tenant, {"session": sid}),
                                     digest=await self._call("digest", ident.tenant, sid))
         if request.include_tokens:
@@ -216,8 +359,19 @@ class SessionServicer(pbg.SessionServiceServicer):
     @unary(Role.TENANT)
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext,
                            ident: Identity) -> pb.CloseSessionResponse:
-        await self._call("close", ident.tenant, _session_id(request.session_id))
+        sid = check_session_id("session_id", request.session_id)
+        try:
+            await self._call("close", ident.tenant, sid)
+        except NotFound:  # not there: it holds nothing either
+            self._forget(ident.tenant, sid)
+            raise
+        self._forget(ident.tenant, sid)
         return pb.CloseSessionResponse()
+
+    def _forget(self, tenant: str, sid: str) -> None:
+        if self._ledger is not None:
+            self._ledger.drop(tenant, sid)
+        self._touched.pop((tenant, sid), None)
 
     @unary(Role.TENANT)
     async def ListSessions(self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext,
@@ -226,11 +380,13 @@ class SessionServicer(pbg.SessionServiceServicer):
         if request.tenant and not operator and request.tenant != ident.tenant:
             raise NotFound(f"no sessions visible for tenant {request.tenant!r}")
         tenant = (request.tenant or None) if operator else ident.tenant
-        rows = await self._call("list_sessions", fleet=request.fleet, tenant=tenant)
-        rows += await self._run(self._orphans, {(r["tenant"], r["session"]) for r in rows}, tenant, request.fleet)
+        fleet = await self._fleet()
+        rows = await self._run(ident.tenant, fleet.list_sessions, request.fleet, tenant)
+        rows += await self._run(ident.tenant, self._orphans, {(r["tenant"], r["session"]) for r in rows}, tenant,
+                                request.fleet)
         out = pb.ListSessionsResponse(sessions=[row_to_proto(r) for r in rows])
         if operator:
-            out.nodes.extend(node_to_proto(s) for s in await self._call("node_stats"))
+            out.nodes.extend(node_to_proto(s) for s in await self._run(ident.tenant, fleet.node_stats))
         return out
 
     def _orphans(self, seen: set[tuple[str, str]], tenant: str | None, fleet: bool) -> list[dict[str, Any]]:
@@ -248,5 +404,44 @@ class SessionServicer(pbg.SessionServiceServicer):
             out.append({**rec, "state": "lost", "tokens": 0})
         return sorted(out, key=lambda r: (r["tenant"], r["session"]))
 
+    # -- idle reaping -----------------------------------------------------------------------------
+
+    async def _reap_loop(self) -> None:
+        """Every reap interval, release the actors of sessions idle past the TTL (0: never)."""
+        while True:
+            limits = self.limits
+            await asyncio.sleep(limits.reap_interval_s)
+            if not limits.idle_ttl_s:
+                continue
+            try:
+                await self.reap_idle(limits.idle_ttl_s)
+            except Exception:  # noqa: BLE001 - one failed pass (a node going away) never stops reaping
+                log.exception("idle-session reaping failed; retrying next interval")
+
+    async def reap_idle(self, ttl_s: float, now: float | None = None) -> list[tuple[str, str]]:
+        """Release the actor of every live session that no call touched for `ttl_s` seconds (none
+        in flight); their records and op logs stay, so each regenerates on its next call.
+        Returns the (tenant, session) pairs released."""
+        now = time.time() if now is None else now
+        rows = await self._run_admin(self.fleet.list_sessions, True)
+        out = []
+        for r in rows:
+            key = (r["tenant"], r["session"])
+            if r.get("state") not in ("active", "regenerated") or key in self._in_flight or key in self._creating:
+                continue
+            last = max(float(r.get("last_active") or 0.0), float(r.get("created") or 0.0), self._touched.get(key, 0.0))
+            if now - last > ttl_s:
+                with contextlib.suppress(NotFound):   # closed meanwhile
+                    await self._run_admin(self.fleet.release_session, *key)
+                    out.append(key)
+        if out:
+            log.info("released %d idle session actor(s) (idle > %.0fs): %s", len(out), ttl_s, out)
+        return out
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the reaper and the lanes (run by Controller.stop, from any thread)."""
+        if self._reaper is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self._loop.call_soon_threadsafe(self._reaper.cancel)
+        self._lanes.shutdown()
+        self._admin.shutdown(wait=False, cancel_futures=True)
