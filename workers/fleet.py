@@ -34,6 +34,7 @@ from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
 from workers.placement import (
     NAMESPACE,
+    NODE_KV_BYTES,
     REGISTRY,
     NodeOffer,
     choose_node,
@@ -77,7 +78,7 @@ class KernelFleet:
 
     def __init__(self, store_url: str, kernel_spec: dict[str, Any] | KernelSpec | None = None, *,
                  node_budget_bytes: int = 64 << 20, policy: str = "lru", call_timeout_s: float = 60.0,
-                 detached: bool = False, node_kv_bytes: int = 2 << 30, resources: dict[str, float] | None = None,
+                 detached: bool = False, node_kv_bytes: int = NODE_KV_BYTES, resources: dict[str, float] | None = None,
                  node_refresh_s: float = 1.0) -> None:
         """Args:
             store_url: the store every actor opens (op logs, session registry).
@@ -104,6 +105,8 @@ class KernelFleet:
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
         self._budget, self._policy, self._detached = node_budget_bytes, policy, detached
+        if not isinstance(node_kv_bytes, int) or node_kv_bytes <= 0:
+            raise InvalidArgument(f"node_kv_bytes must be a positive int (bytes of KV per node), got {node_kv_bytes!r}")
         self._kv_bytes, self._resources = node_kv_bytes, dict(resources or {})
         self._refresh_s, self._refreshed = node_refresh_s, float("-inf")
         self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size

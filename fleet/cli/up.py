@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     from controller.main import add_cost_flags
+    from controller.node_flags import add_node_flags
     from controller.quotas import add_session_flags
 
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -47,6 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
     add_cost_flags(p)
     add_session_flags(p)
+    add_node_flags(p)
     return p.parse_args(argv)
 
 
@@ -72,6 +74,7 @@ async def serve(args: argparse.Namespace) -> int:
     stack = await Stack.start(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
+    stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
