@@ -138,6 +138,8 @@ class Handlers:
         token = self._token(req)
         caller = await p.control.whoami(token)  # 401 before any worker is touched
         base, lora = p.directory.resolve(body["model"])
+        # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
+        body, hits = await p.enforcer.enforce(body, chat, caller.tenant, token)
         ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant)
         d = await p.control.route(ids, base, lora=lora, token=token)
         try:
@@ -155,7 +157,10 @@ class Handlers:
                 "x-kvfleet-epoch": str(t.epoch),
                 "x-kvfleet-attempts": str(opened.num_sends),
             }
-            out, t_first = await p.forwarder.relay(req, opened, extra)
+            if hits:
+                extra["x-kvfleet-quarantined"] = ",".join(dict.fromkeys(h.ref for h in hits))
+            note = {"quarantined": [h.as_json() for h in hits]} if hits else None
+            out, t_first = await p.forwarder.relay(req, opened, extra, note)
             self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))
             return out
         finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends

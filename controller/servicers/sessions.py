@@ -142,8 +142,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
         # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
         detached = bool(self.ctx.ray_address)
-        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached,
-                            node_kv_bytes=self.ctx.node_kv_bytes)
+        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached)
         self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
         self.ctx.on_stop.append(self.close)         # the reaper first, then the fleet
         self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)
@@ -154,8 +153,11 @@ class SessionServicer(pbg.SessionServiceServicer):
 
     async def _run(self, tenant: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """Run a blocking call on `tenant`'s lane (never on a thread another tenant needs)."""
-        pool = self._lanes.lane(tenant)
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
+        pool = self._lanes.acquire(tenant)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
+        finally:
+            self._lanes.release(tenant)
 
     async def _call(self, method: str, tenant: str, *args: Any, **kw: Any) -> Any:
         """A KernelFleet call for `tenant` (args[0], when given, is the session: marked in flight
