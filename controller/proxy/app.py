@@ -46,6 +46,13 @@ def _errors(proxy: Proxy) -> Any:
             return await handler(req)  # type: ignore[no-any-return]
         except ProxyError as e:
             err = e
+        except ConnectionResetError as e:
+            if req.transport is not None and not req.transport.is_closing():
+                raise
+            # NOTE: the client went away and a write failed before aiohttp cancelled the handler; nothing can be
+            # answered, and it is not the proxy's error (relay counted it in kvfleet_proxy_client_disconnects)
+            log.info("proxy: %s %s: the client went away (%s)", req.method, req.path, e)
+            return web.Response(status=499, reason="Client Closed Request")
         except KvfleetError as e:
             err = from_fleet(e)
         except web.HTTPRequestEntityTooLarge:
