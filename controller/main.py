@@ -31,6 +31,7 @@ from controller.cost import CostConfig
 from controller.edge import add_edge_flags, edge_config_from
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
 from controller.metrics import Metrics
+from controller.node_flags import add_node_flags
 from controller.quotas import add_session_flags, session_limits_from
 from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
@@ -168,6 +169,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     add_cost_flags(p)
     add_edge_flags(p)
     add_session_flags(p)
+    add_node_flags(p, env)
     p.add_argument(
         "--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit"
     )
@@ -196,6 +198,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         gc_interval_s=args.gc_interval,
         fleet_metrics_interval_s=args.fleet_metrics_interval,
         sessions=session_limits_from(args),
+        node_kv_bytes=args.node_kv_bytes,
     )
 
 

@@ -31,6 +31,7 @@ from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
+from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -52,6 +53,7 @@ class ControllerConfig:
     uploads: UploadLimits = field(default_factory=UploadLimits)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
     sessions: SessionLimits = field(default_factory=SessionLimits)  # per-tenant session quotas, idle TTL
+    node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
     salt_secret: bytes | None = None  # None: generated once and kept in the store
     ray_address: str | None = None  # accepted and kept for the session actors
     leader_election: bool = False
@@ -209,7 +211,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          store_url=cfg.store_url, ray_address=cfg.ray_address, leader=False,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"),
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
-                         session_limits=cfg.sessions)
+                         session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes)
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     ctx.fleet_metrics = FleetMetricsPoller(lambda: ctx.kernel_fleet, ctx.metrics, cfg.fleet_metrics_interval_s)
     await ctx.fleet_metrics.start()

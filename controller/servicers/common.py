@@ -21,6 +21,7 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import KvfleetError, Unavailable
+from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class ServiceContext:
     uploads: UploadGate = field(default_factory=lambda: UploadGate(UploadLimits()))
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS  # a Route longer than this is refused (--max-route-tokens)
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
+    node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking store call off the event loop."""

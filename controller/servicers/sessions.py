@@ -142,7 +142,8 @@ class SessionServicer(pbg.SessionServiceServicer):
         # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
         # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
         detached = bool(self.ctx.ray_address)
-        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached)
+        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached,
+                            node_kv_bytes=self.ctx.node_kv_bytes)
         self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
         self.ctx.on_stop.append(self.close)         # the reaper first, then the fleet
         self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)

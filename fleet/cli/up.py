@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 def parse(argv: list[str]) -> argparse.Namespace:
     from controller.edge import add_edge_flags
     from controller.main import add_cost_flags
+    from controller.node_flags import add_node_flags
     from controller.quotas import add_session_flags
 
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -49,6 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_cost_flags(p)
     add_edge_flags(p)
     add_session_flags(p)
+    add_node_flags(p)
     return p.parse_args(argv)
 
 
@@ -77,6 +79,7 @@ async def serve(args: argparse.Namespace) -> int:
     stack = await Stack.start(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
+    stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
