@@ -22,12 +22,12 @@ from grpc_reflection.v1alpha import reflection
 from controller.auth import Authenticator, TokenBook
 from controller.edge import DecodeGuard, GrpcLimits, server_credentials
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S, FleetMetricsPoller
+from controller.kernel_placement import set_kernel_placement
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
-from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
@@ -62,6 +62,7 @@ class ControllerConfig:
     store_threads: int = 4
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
+    kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
 
     def __post_init__(self) -> None:
         port = self.listen.rsplit(":", 1)[-1]
@@ -213,6 +214,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes)
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
+    if cfg.kernel:  # before any session call builds the fleet from the stored spec
+        await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)
     ctx.fleet_metrics = FleetMetricsPoller(lambda: ctx.kernel_fleet, ctx.metrics, cfg.fleet_metrics_interval_s)
     await ctx.fleet_metrics.start()
     server = grpc.aio.server(interceptors=[DecodeGuard()], options=cfg.grpc_limits.options(),
@@ -229,5 +232,5 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
         ctl._lead_task = asyncio.create_task(ctl._lead(make_leader_lock(cfg.store_url, cfg.leader_ttl_s)))
     else:
         await ctl.become_leader()
-    log.info("controller listening on %s (store %s)", ctl.address, redact(cfg.store_url))
+    log.info("controller listening on %s (store %s)", ctl.address, cfg.store_url)
     return ctl

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -102,7 +101,7 @@ class KernelFleet:
             ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
         self.store_url, self.call_timeout_s = store_url, call_timeout_s
         self.spec = KernelSpec.from_dict(kernel_spec or {})
-        self.kernel = make_kernel(self.spec)
+        self.kernel = make_kernel(self.spec.host())  # tokenizer and geometry; a CUDA spec runs on its nodes only
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
         self._budget, self._policy, self._detached = node_budget_bytes, policy, detached
@@ -110,7 +109,6 @@ class KernelFleet:
             raise InvalidArgument(f"node_kv_bytes must be a positive int (bytes of KV per node), got {node_kv_bytes!r}")
         self._kv_bytes, self._resources = node_kv_bytes, dict(resources or {})
         self._refresh_s, self._refreshed = node_refresh_s, float("-inf")
-        self._nodes_lock = threading.Lock()
         self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size
         self.supervisors: dict[str, Any] = {}
         self.num_regenerations = 0
@@ -124,28 +122,27 @@ class KernelFleet:
     def refresh_nodes(self, force: bool = False) -> list[str]:
         """Follow Ray's node table: a supervisor for every alive node with the session actor's
         resources (new ones included), none for dead ones. Returns the node ids."""
-        with self._nodes_lock:  # the servicer calls from many threads
-            return self._refresh_nodes(force)
-
-    def _refresh_nodes(self, force: bool) -> list[str]:
         now = time.monotonic()
         if not force and now - self._refreshed < self._refresh_s:
             return list(self.supervisors)
         self._refreshed = now
-        alive = eligible_nodes(ray.nodes(), session_resources(self._resources))  # type: ignore[no-untyped-call]
+        nodes = ray.nodes()  # type: ignore[no-untyped-call]
+        specs = {n["NodeID"]: self.spec.for_node(n) for n in nodes}  # None: no GPU for a CUDA group
+        alive = [n for n in eligible_nodes(nodes, session_resources(self._resources)) if specs.get(n) is not None]
         for nid in set(self.supervisors) - set(alive):
-            self.supervisors.pop(nid, None)
+            self.supervisors.pop(nid)
         for nid in alive:
             if nid not in self.supervisors:
-                self.supervisors[nid] = self._supervisor(nid)
+                self.supervisors[nid] = self._supervisor(nid, specs[nid] or self.spec)
         return list(self.supervisors)
 
-    def _supervisor(self, nid: str) -> Any:
-        """The node's supervisor: an existing one by name (a restarted controller reattaches), or a new one."""
+    def _supervisor(self, nid: str, spec: KernelSpec) -> Any:
+        """The node's supervisor: an existing one by name (a restarted controller reattaches), or a
+        new one, running the node group's kernel spec (workers/spec.py)."""
         return ray.remote(NodeSupervisor).options(
             name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
             max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
-        ).remote(nid, self.store_url, self.spec.to_dict(), self._budget, self._policy, self._kv_bytes,
+        ).remote(nid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
                  self._resources, self._detached)
 
     def _place(self, tenant: str, tokens: list[int], exclude: str = "") -> str:

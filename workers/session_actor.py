@@ -221,6 +221,7 @@ class KernelActor:
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
             "state": self.state, "in_flight": self.in_flight, "epoch": self.epoch,
             "last_active": self.last_active, "pid": os.getpid(),
+            "backend": self.kernel.backend, "device": str(self.kernel.device),
         }
 
     @property

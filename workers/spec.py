@@ -1,15 +1,34 @@
-"""Which kernel a worker builds: a small, serialisable spec (the same in every actor)."""
+"""Which kernel a worker builds: a small, serialisable spec, resolved per node group.
+
+The model (kind, config, seed, path, block_size) is the same on every node, so any node can
+regenerate any session from its op log. Where it runs (backend, device, threads) is a deployment
+choice per *node group*: a Ray node's group is its `kvfleet.dev/group` label (the chart sets it
+from each KubeRay worker group's name; `ray start --labels kvfleet.dev/group=gpu` by hand).
+
+    spec = KernelSpec(backend="numpy", groups=(("gpu", "torch", "cuda"),))
+    spec.for_node(row)      # ray.nodes() row -> the node's spec, or None when the node cannot run it
+
+Invariant: a node without a GPU never builds a CUDA kernel (`for_node` answers None: it gets no
+supervisor and no session), and every actor of a CUDA spec asks Ray for a share of a GPU
+(`actor_gpus`), without which Ray hides the devices from it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from fleet.errors import InvalidArgument
-from fleet.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.kernel import BACKENDS, ByteTokenizer, Kernel, ModelConfig
 from fleet.kernel.hf_tokenizer import HFTokenizer
+
+GROUP_LABEL = "kvfleet.dev/group"
+ACTOR_GPUS = 0.01  # GPU share per actor of a CUDA spec: Ray exposes the device; ~100 sessions per GPU
+_GROUP_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +49,7 @@ class KernelSpec:
     block_size: int = 16
     tile_size: int = 32
     threads: int = 1
+    groups: tuple[tuple[str, str, str], ...] = ()  # (node group, backend, device) overrides
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -37,10 +57,46 @@ class KernelSpec:
             raise InvalidArgument(f"kernel kind must be 'synthetic' or 'pretrained', got {self.kind!r}")
         if self.kind == "pretrained" and not self.path:
             raise InvalidArgument("a pretrained kernel spec needs a checkpoint path")
+        check_placement("the kernel", self.backend, self.device)
+        for group, backend, device in self.groups:
+            if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
+                raise InvalidArgument(f"node group {group!r} must be a DNS label (a-z, 0-9, '-'), e.g. 'gpu'")
+            check_placement(f"node group {group!r}", backend, device)
+        if len({g for g, _, _ in self.groups}) != len(self.groups):
+            raise InvalidArgument(f"a node group is named twice in {[g for g, _, _ in self.groups]}")
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def actor_gpus(self) -> float:
+        """The GPU share each actor of this spec asks Ray for (0 on CPU)."""
+        return ACTOR_GPUS if self.needs_gpu else 0.0
+
+    def host(self) -> KernelSpec:
+        """The same model on numpy/CPU: what a CPU-only process (the controller, a supervisor
+        sizing its cache) builds to tokenize and to know the block geometry."""
+        return dataclasses.replace(self, backend="numpy", device="cpu", groups=())
+
+    def for_group(self, group: str) -> KernelSpec:
+        """The spec a node of `group` runs (the default's backend/device unless overridden)."""
+        for g, backend, device in self.groups:
+            if g == group:
+                return dataclasses.replace(self, backend=backend, device=device, groups=())
+        return dataclasses.replace(self, groups=())
+
+    def for_node(self, node: dict[str, Any]) -> KernelSpec | None:
+        """The spec of a `ray.nodes()` row, or None when that node has no GPU for a CUDA spec."""
+        spec = self.for_group(node_group(node))
+        if spec.needs_gpu and float(node.get("Resources", {}).get("GPU", 0.0)) < 1.0:
+            return None
+        return spec
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["config"] = dict(self.config)
+        d["groups"] = {g: {"backend": b, "device": dev} for g, b, dev in self.groups}
         return d
 
     @classmethod
@@ -49,10 +105,45 @@ class KernelSpec:
             return d
         d = dict(d)
         d["config"] = tuple(sorted(dict(d.get("config") or {}).items()))
+        d["groups"] = _groups(d.get("groups") or {})
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise InvalidArgument(f"unknown kernel spec fields: {sorted(unknown)}")
         return cls(**d)
+
+
+def _groups(raw: Any) -> tuple[tuple[str, str, str], ...]:
+    """{group: {backend, device}} (or already a tuple of triples) -> sorted triples."""
+    if isinstance(raw, tuple | list):
+        return tuple(sorted(tuple(t) for t in raw))
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise InvalidArgument(f"kernel spec groups must map a group to {{backend, device}}, got {raw!r}")
+    return tuple(sorted((g, str(v.get("backend", "numpy")), str(v.get("device", "cpu"))) for g, v in raw.items()))
+
+
+def check_placement(what: str, backend: str, device: str) -> None:
+    """Refuse a backend/device pair no kernel can run (before any actor tries)."""
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"{what}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
+        raise InvalidArgument(f"{what}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if backend == "numpy" and device != "cpu":
+        raise InvalidArgument(f"{what}: the numpy backend runs on 'cpu' only (got {device!r}); use torch for CUDA")
+
+
+def node_group(node: dict[str, Any]) -> str:
+    """A `ray.nodes()` row's node group: its `kvfleet.dev/group` label ('' when unlabelled)."""
+    return str((node.get("Labels") or {}).get(GROUP_LABEL, ""))
+
+
+def parse_group(text: str) -> tuple[str, str, str]:
+    """`GROUP=BACKEND:DEVICE` (the --kernel-group flag), e.g. `gpu=torch:cuda`."""
+    group, sep, rest = text.partition("=")
+    backend, sep2, device = rest.partition(":")
+    if not (sep and sep2 and group and backend and device):
+        raise InvalidArgument(f"--kernel-group {text!r}: expected GROUP=BACKEND:DEVICE, e.g. gpu=torch:cuda")
+    check_placement(f"--kernel-group {group!r}", backend, device)
+    return group, backend, device
 
 
 @lru_cache(maxsize=4)

@@ -51,7 +51,7 @@ class NodeSupervisor:
             detached: session actors outlive this supervisor's owner (the controller).
         """
         self.node_id, self.store_url, self.kernel_spec = node_id, store_url, kernel_spec
-        kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
+        kernel = make_kernel(KernelSpec.from_dict(kernel_spec).host())  # geometry only: never a device
         self.block_size = kernel.block_size
         self.bytes_per_token = kernel.block_bytes // kernel.block_size
         capacity = max(budget_bytes // self.bytes_per_token, 2 * self.block_size)
@@ -171,7 +171,8 @@ class NodeSupervisor:
         self.epochs[key] = self.epochs.get(key, -1) + 1
         actor = ray.remote(KernelActor).options(
             name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True,
-            num_cpus=ACTOR_CPUS, resources=self.resources, max_restarts=0, scheduling_strategy=on_node(self.node_id),
+            num_cpus=ACTOR_CPUS, num_gpus=KernelSpec.from_dict(self.kernel_spec).actor_gpus, resources=self.resources,
+            max_restarts=0, scheduling_strategy=on_node(self.node_id),
             lifetime="detached" if self.detached else None,
         ).remote(tenant, session_id, self.store_url, self.kernel_spec, self.node_id, self.epochs[key])
         self.actors[key] = actor

@@ -66,7 +66,8 @@ def row_to_proto(r: dict[str, Any]) -> pb.SessionRow:
         bytes_shared=int(r.get("bytes_shared", 0)), hit_rate=float(r.get("hit_rate", 0.0)),
         quarantined_spans=int(r.get("quarantined_spans", 0)), state=str(r.get("state", "")),
         epoch=int(r.get("epoch", 0)), last_active=float(r.get("last_active", 0.0) or 0.0),
-        parent=str(r.get("parent", "") or ""), adopted_tokens=int(r.get("adopted_tokens", 0)))
+        parent=str(r.get("parent", "") or ""), adopted_tokens=int(r.get("adopted_tokens", 0)),
+        backend=str(r.get("backend", "") or ""), device=str(r.get("device", "") or ""))
 
 
 def node_to_proto(s: dict[str, Any]) -> pb.NodeRow:
@@ -154,11 +155,8 @@ class SessionServicer(pbg.SessionServiceServicer):
 
     async def _run(self, tenant: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """Run a blocking call on `tenant`'s lane (never on a thread another tenant needs)."""
-        pool = self._lanes.acquire(tenant)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
-        finally:
-            self._lanes.release(tenant)
+        pool = self._lanes.lane(tenant)
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
 
     async def _call(self, method: str, tenant: str, *args: Any, **kw: Any) -> Any:
         """A KernelFleet call for `tenant` (args[0], when given, is the session: marked in flight

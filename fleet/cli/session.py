@@ -2,8 +2,8 @@
 
     kvfleet session ls --fleet [--watch [--interval S]] [--json] [--controller HOST:PORT] [--token T]
 
-Columns: session, tenant, node and actor, tokens, bytes held alone and shared, hit rate (shared
-prefix tokens / tokens), quarantined spans, lifecycle state and epoch, last active. --watch
+Columns: session, tenant, node and actor, kernel backend and device, tokens, bytes held alone and
+shared, hit rate (shared prefix tokens / tokens), quarantined spans, lifecycle state and epoch, last active. --watch
 refreshes live; --json prints the rows for scripts. KVFLEET_CONTROLLER / KVFLEET_TOKEN are the
 defaults of --controller / --token.
 """
@@ -21,7 +21,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleet.cli.tls import add_client_tls, client_tls
 from fleet.errors import KvfleetError
 
 
@@ -40,21 +39,27 @@ def _ago(ts: float, now: float) -> str:
     return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.0f}h ago"
 
 
+def _kernel(r: Any) -> str:
+    """backend/device of the session's kernel ('-' when no live actor answered)."""
+    backend, device = getattr(r, "backend", ""), getattr(r, "device", "")
+    return f"{backend}/{device}" if backend else "-"
+
+
 def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)", now: float | None = None) -> Table:
     """The dashboard table (rows: fleet.sdk.sessions.SessionRow)."""
     now = time.time() if now is None else now
     t = Table(title=title, title_justify="left")
-    for col, right in (("session", False), ("tenant", False), ("node / actor", False), ("tokens", True),
+    for col, right in (("session", False), ("tenant", False), ("node / actor", False), ("kernel", False), ("tokens", True),
                        ("alone", True), ("shared", True), ("hit rate", True), ("quarantined", True),
                        ("state / epoch", False), ("last active", True)):
         t.add_column(col, justify="right" if right else "left", no_wrap=not right and col != "node / actor")
     for r in rows:
         style = "red" if r.state == "lost" else "yellow" if r.state == "regenerated" else None
-        t.add_row(r.session_id, r.tenant, f"{r.node[:8]} / {r.actor or '-'}", f"{r.num_tokens:,}",
+        t.add_row(r.session_id, r.tenant, f"{r.node[:8]} / {r.actor or '-'}", _kernel(r), f"{r.num_tokens:,}",
                   _bytes(r.bytes_alone), _bytes(r.bytes_shared), f"{100 * r.hit_rate:.1f}%",
                   str(r.quarantined_spans), f"{r.state} / {r.epoch}", _ago(r.last_active, now), style=style)
     if not rows:
-        t.add_row("(no sessions)", *[""] * 9)
+        t.add_row("(no sessions)", *[""] * 10)
     return t
 
 
@@ -66,7 +71,6 @@ def add_ls_options(ls: argparse.ArgumentParser) -> None:
     ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
     ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
-    add_client_tls(ls)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -85,7 +89,7 @@ def main(argv: list[str]) -> int:
 
     console = Console()
     try:
-        with FleetClient(args.controller, args.token, **client_tls(args)) as c:
+        with FleetClient(args.controller, args.token) as c:
             def rows() -> list[Any]:
                 return c.sessions(fleet=args.fleet, tenant=args.tenant)
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from controller.edge import add_edge_flags
+    from controller.kernel_placement import add_kernel_flags
     from controller.main import add_cost_flags
     from controller.node_flags import add_node_flags
     from controller.quotas import add_session_flags
@@ -48,20 +48,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tenant", default="local", help="tenant of the extra tenant token printed")
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
     add_cost_flags(p)
-    add_edge_flags(p)
+    add_kernel_flags(p)
     add_session_flags(p)
     add_node_flags(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from controller.edge import edge_config_from
+    from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
     from controller.main import cost_config_from
     from controller.quotas import session_limits_from
     from fleet.demo.stack import Stack, StackConfig
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
-    edge = edge_config_from(args)
+    kernel = kernel_overrides_from(args)
     limits = session_limits_from(args)
     state = Path(args.state_dir).expanduser().resolve()
     state.mkdir(parents=True, exist_ok=True)
@@ -74,10 +74,10 @@ async def serve(args: argparse.Namespace) -> int:
         tenant=args.tenant,
         ray_address=args.ray_address,
         ray_num_cpus=args.num_cpus,
-        controller=edge,
     )
     stack = await Stack.start(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
+    await asyncio.to_thread(set_kernel_placement, stack.ctl.ctx.store, kernel)  # before the first session
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
     stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
     stop = asyncio.Event()
@@ -93,12 +93,10 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
-    from controller.servicers.fleet import redact
-
     addr = stack.ctl.address
     info = {
         "controller": addr,
-        "store": redact(store),
+        "store": store,
         "operator_token": stack.operator_token,
         "tenant": args.tenant,
         "tenant_token": stack.tenant_token,
@@ -108,7 +106,7 @@ def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
         print(json.dumps(info), flush=True)
         return
     print(
-        f"kvfleet up: controller on {addr}; store {redact(store)}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
+        f"kvfleet up: controller on {addr}; store {store}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
     )
     print(f"operator token: {stack.operator_token}")
     print(f"tenant token ({args.tenant}): {stack.tenant_token}")
@@ -121,9 +119,6 @@ def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from controller.main import quiet_ray_signals
-
-    quiet_ray_signals()  # a stop longer than 3 s must not end in Ray's SIGABRT (see there)
     args = parse(argv)
     try:
         return asyncio.run(serve(args))

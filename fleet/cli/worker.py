@@ -72,9 +72,7 @@ def main(argv: list[str]) -> int:
 
     console = Console()
     try:
-        from fleet.cli.tls import client_tls
-
-        with FleetClient(args.controller, args.token, **client_tls(args)) as c:
+        with FleetClient(args.controller, args.token) as c:
             if args.json:
                 print(as_json(snapshot(c)))
             elif args.watch:

@@ -66,6 +66,8 @@ class SessionRow:
     last_active: float
     parent: str
     adopted_tokens: int
+    backend: str = ""  # numpy | torch ("" for a lost session)
+    device: str = ""  # cpu | cuda[:N]
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -171,7 +173,8 @@ def piece(p: Any) -> PieceInfo:
 
 def session_row(r: Any) -> SessionRow:
     return SessionRow(r.session_id, r.tenant, r.node, r.actor, r.num_tokens, r.bytes_alone, r.bytes_shared,
-                      r.hit_rate, r.quarantined_spans, r.state, r.epoch, r.last_active, r.parent, r.adopted_tokens)
+                      r.hit_rate, r.quarantined_spans, r.state, r.epoch, r.last_active, r.parent, r.adopted_tokens,
+                      r.backend, r.device)
 
 
 def node_row(n: Any) -> NodeRow:

@@ -43,6 +43,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "tls": {"tls": {"enabled": True, "secretName": "kvfleet-tls"}, "proxy": {"create": False},
             "watcher": {"create": True, "vllmWorkers": VLLM}},
     "ha": {"controller": {"replicas": 3, "leaderElection": {"enabled": True}}},
+    "gpu-kernels": {"image": {"variant": "cuda"},
+                    "controller": {"gcIntervalSeconds": 60, "fleetMetricsIntervalSeconds": 30},
+                    "workers": {"kernel": {"backend": "numpy"},
+                                "groups": [CPU_GROUP, dict(GPU_GROUP, kernel={"backend": "torch", "device": "cuda"})]}},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
                    "watcher": {"create": True, "vllmWorkers": VLLM},
                    "auth": {"tokens": [{"name": "acme-ci", "tenant": "acme", "role": "tenant", "sha256": "ab" * 32}]}},
@@ -235,9 +239,7 @@ def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, di
     c = container(one(objs, "Deployment", "-proxy"))
     ctrl_svc = one(objs, "Service", "-controller")
     grpc_port = next(p["port"] for p in ctrl_svc["spec"]["ports"] if p["name"] == "grpc")
-    assert c["args"] == ["proxy", "--controller", f"{ctrl_svc['metadata']['name']}:{grpc_port}", "--listen", "0.0.0.0:8080",
-                         "--quarantine-policy", "placeholder", "--client-header-timeout", "30",
-                         "--client-body-timeout", "60"]
+    assert c["args"] == ["proxy", "--controller", f"{ctrl_svc['metadata']['name']}:{grpc_port}", "--listen", "0.0.0.0:8080"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     pdb = one(objs, "PodDisruptionBudget")
@@ -638,3 +640,44 @@ def test_notes_commands_use_flags_the_cli_has(rendered: dict[str, dict[str, str]
     a = parse_args(mint[2:], {})
     assert (a.mint_token, a.role, a.tokens_file) == ("TENANT", "tenant", "./tokens.json")
     assert "--tls" not in notes and "tls=True" in rendered["tls"]["kvfleet/templates/NOTES.txt"]
+
+
+# ---- kernel specs per node group, store GC, fleet metrics (docs/kernel_specs.md, docs/metrics.md) ----
+
+def test_kernel_specs_per_group_reach_the_controller_and_label_the_pods(rendered: dict[str, dict[str, str]]) -> None:
+    objs = objects(rendered, "gpu-kernels")
+    args = container(one(objs, "Deployment", "-controller"))["args"]
+    flag = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+    assert flag["--kernel-backend"] == "numpy" and "--kernel-device" not in flag
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--kernel-group"] == ["gpu=torch:cuda"]  # cpu: the default
+    assert (flag["--gc-interval"], flag["--fleet-metrics-interval"]) == ("60", "30")
+    groups = one(objs, "RayCluster")["spec"]["workerGroupSpecs"]
+    assert {g["groupName"]: g["labels"] for g in groups} == {"cpu": {"kvfleet.dev/group": "cpu"},
+                                                             "gpu": {"kvfleet.dev/group": "gpu"}}
+    default = container(one(objects(rendered, "default"), "Deployment", "-controller"))["args"]
+    assert not [a for a in default if a.startswith(("--kernel", "--gc-", "--fleet-metrics"))]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"workers": {"groups": [dict(CPU_GROUP, kernel={"backend": "torch", "device": "cuda"})]}},
+     "workers.groups[cpu].kernel.device=cuda needs gpus > 0"),
+    ({"image": {"variant": "cuda"}, "workers": {"groups": [dict(GPU_GROUP, kernel={"backend": "numpy", "device": "cuda:1"})]}},
+     "the numpy backend runs on cpu only"),
+])
+def test_a_cuda_kernel_without_a_gpu_is_refused(chart_without_schema: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError) as e:
+        chart_without_schema.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"workers": {"kernel": {"backend": "jax"}}}, "/workers/kernel/backend"),
+    ({"workers": {"kernel": {"device": "tpu"}}}, "/workers/kernel/device"),
+    ({"workers": {"groups": [dict(CPU_GROUP, kernel={"device": "gpu0"})]}}, "/workers/groups/0/kernel/device"),
+    ({"controller": {"gcIntervalSeconds": -1}}, "/controller/gcIntervalSeconds"),
+    ({"controller": {"fleetMetricsIntervalSeconds": -5}}, "/controller/fleetMetricsIntervalSeconds"),
+])
+def test_schema_refuses_bad_kernel_gc_and_metrics_values(chart: Any, values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as e:
+        chart.validate_schema(values)
+    assert f"at '{where}'" in str(e.value)

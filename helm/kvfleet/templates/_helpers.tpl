@@ -143,6 +143,13 @@ capabilities:
 {{- if gt (int .minReplicas) (int .maxReplicas) }}
 {{- fail (printf "workers.groups[%s]: minReplicas=%d > maxReplicas=%d" .name (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
+{{- $kdev := toString (default "cpu" (dig "device" "cpu" (default dict .kernel))) }}
+{{- if and (hasPrefix "cuda" $kdev) (eq (int .gpus) 0) }}
+{{- fail (printf "workers.groups[%s].kernel.device=%s needs gpus > 0 on that group: a node without a GPU never runs a CUDA kernel (it would get no sessions)" .name $kdev) }}
+{{- end }}
+{{- if and (hasPrefix "cuda" $kdev) (eq (toString (dig "backend" "numpy" (default dict .kernel))) "numpy") }}
+{{- fail (printf "workers.groups[%s].kernel: the numpy backend runs on cpu only; use backend: torch for %s" .name $kdev) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.watcher.create (not .Values.controller.create) }}
 {{- fail "watcher.create=true needs controller.create=true (the Job registers workers with this release's controller)" }}

@@ -1,0 +1,79 @@
+"""Kernel specs per node group on a real multi-node Ray (run as a script: OUT.json).
+
+    python tests/workers/node_groups_scenario.py OUT.json
+
+A head with 0 CPUs and three 1-CPU raylets labelled kvfleet.dev/group = cpu, fast, gpu (none has
+a GPU). The fleet's spec runs numpy by default, torch on `fast` and torch/CUDA on `gpu`: the `gpu`
+node must get no supervisor and no session (it has no GPU, so it never builds a CUDA kernel), the
+`fast` node's sessions must run torch and the `cpu` node's numpy. Run in its own process for the
+reasons given in tests/workers/multinode_scenarios.py (one Ray connection per process; the
+cluster's address is never advertised machine-wide).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+
+from workers.fleet import KernelFleet  # noqa: E402
+from workers.placement import NAMESPACE  # noqa: E402
+from workers.spec import GROUP_LABEL, KernelSpec  # noqa: E402
+
+SPEC = KernelSpec(block_size=16, groups=(("fast", "torch", "cpu"), ("gpu", "torch", "cuda")))
+PROMPTS = ["You are a planner.", "Answer tersely, as a critic.", "Summarise the log.", "Check the math."]
+
+
+def start_cluster() -> Any:
+    import ray._private.utils as ray_utils
+    from ray.cluster_utils import Cluster
+
+    ray_utils.write_ray_address = lambda *a, **k: None   # never advertise this cluster machine-wide
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvng")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for group in ("cpu", "fast", "gpu"):
+        cluster.add_node(num_cpus=1, labels={GROUP_LABEL: group})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    return cluster
+
+
+def scenario(tmp: Path) -> dict[str, Any]:
+    groups = {n["NodeID"]: (n.get("Labels") or {}).get(GROUP_LABEL, "") for n in ray.nodes() if n["Alive"]}
+    f = KernelFleet(f"sqlite:///{tmp / 'groups.db'}", SPEC, node_refresh_s=0.0)
+    try:
+        for i, p in enumerate(PROMPTS):
+            f.create_session("acme", f"s{i}", p)
+        rows = f.list_sessions(fleet=True)
+        return {"supervised": sorted(groups[n] for n in f.supervisors),
+                "sessions": sorted((groups[r["node"]], r["backend"], r["device"]) for r in rows),
+                "driver_backend": f.kernel.backend}
+    finally:
+        f.shutdown()
+
+
+def main(out: Path) -> None:
+    cluster = start_cluster()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                result = scenario(Path(d))
+            except Exception:  # noqa: BLE001 - reported to the test, which prints it
+                result = {"error": traceback.format_exc()}
+        out.write_text(json.dumps(result))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,71 @@
+"""Kernel specs per node group: pure resolution rules, and a real multi-node Ray where a group
+mapped to CUDA on a node without a GPU gets nothing and each other group runs its own backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleet.errors import InvalidArgument
+from workers.spec import ACTOR_GPUS, GROUP_LABEL, KernelSpec, node_group, parse_group
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = KernelSpec(groups=(("fast", "torch", "cpu"), ("gpu", "torch", "cuda")))
+
+
+def _node(group: str = "", gpus: float = 0.0) -> dict:
+    labels = {GROUP_LABEL: group} if group else {}
+    return {"NodeID": "n", "Alive": True, "Labels": labels, "Resources": {"CPU": 4.0, **({"GPU": gpus} if gpus else {})}}
+
+
+def test_a_node_runs_its_groups_spec_and_never_cuda_without_a_gpu() -> None:
+    assert node_group(_node("fast")) == "fast" and node_group(_node()) == ""
+    assert (SPEC.for_node(_node()).backend, SPEC.for_node(_node()).device) == ("numpy", "cpu")
+    assert (SPEC.for_node(_node("fast")).backend, SPEC.for_node(_node("fast")).device) == ("torch", "cpu")
+    assert SPEC.for_node(_node("gpu")) is None                      # labelled gpu, but no GPU: nothing runs there
+    gpu = SPEC.for_node(_node("gpu", gpus=2))
+    assert (gpu.backend, gpu.device, gpu.actor_gpus, gpu.groups) == ("torch", "cuda", ACTOR_GPUS, ())
+    assert SPEC.for_node(_node("cpu")).actor_gpus == 0.0             # a CPU group asks Ray for no GPU
+    cuda_default = KernelSpec(backend="torch", device="cuda")
+    assert cuda_default.for_node(_node()) is None and cuda_default.host().device == "cpu"
+    assert cuda_default.host().backend == "numpy"
+
+
+def test_specs_round_trip_and_bad_placements_are_refused() -> None:
+    assert KernelSpec.from_dict(SPEC.to_dict()) == SPEC
+    assert SPEC.to_dict()["groups"] == {"fast": {"backend": "torch", "device": "cpu"},
+                                        "gpu": {"backend": "torch", "device": "cuda"}}
+    assert KernelSpec.from_dict({"block_size": 16}).groups == ()   # a spec stored before groups existed
+    for bad, msg in [({"backend": "numpy", "device": "cuda"}, "numpy backend runs on 'cpu' only"),
+                     ({"backend": "jax"}, "unknown backend 'jax'"),
+                     ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+                     ({"groups": {"GPU!": {"backend": "torch", "device": "cuda"}}}, "must be a DNS label"),
+                     ({"groups": {"gpu": {"backend": "numpy", "device": "cuda:0"}}}, "node group 'gpu'")]:
+        with pytest.raises(InvalidArgument, match=msg):
+            KernelSpec.from_dict(bad)
+    assert parse_group("gpu=torch:cuda:1") == ("gpu", "torch", "cuda:1")
+    for bad in ("gpu", "gpu=torch", "=torch:cuda", "gpu=numpy:cuda"):
+        with pytest.raises(InvalidArgument, match="--kernel-group"):
+            parse_group(bad)
+
+
+@pytest.mark.slow
+def test_node_groups_on_a_real_multi_node_ray(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("node_groups_scenario.py")), str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+    if not out.exists():
+        pytest.fail(f"the scenario wrote nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    r = json.loads(out.read_text())
+    assert "error" not in r, r["error"]
+    print("supervised groups:", r["supervised"], "| sessions (group, backend, device):", r["sessions"])
+    assert r["supervised"] == ["cpu", "fast"]                    # the GPU-less `gpu` node builds nothing
+    assert {g for g, _, _ in r["sessions"]} == {"cpu", "fast"} and len(r["sessions"]) == 4
+    assert all((b, d) == ({"cpu": "numpy", "fast": "torch"}[g], "cpu") for g, b, d in r["sessions"])
+    assert r["driver_backend"] == "numpy"
