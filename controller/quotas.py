@@ -162,12 +162,34 @@ class TenantLanes:
 
     A call that blocks (an actor that does not answer parks its thread up to the fleet's call
     timeout) holds a thread of its own tenant's lane only: another tenant's calls run on threads
-    no other tenant can take. Calls past a lane's width wait in that lane's queue, not on a thread.
+    no other tenant can take. Calls past a lane's width wait in that lane's queue, not on a
+    thread; at most QUEUE_FACTOR x width of them per tenant, so one tenant cannot hold all of the
+    server's concurrent RPCs either (past that: RESOURCE_EXHAUSTED, retry later).
     """
+
+    QUEUE_FACTOR = 16
 
     def __init__(self, width: int) -> None:
         self.width = width
         self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._load: dict[str, int] = {}
+
+    def acquire(self, tenant: str) -> ThreadPoolExecutor:
+        """Admit one call of `tenant` (running or waiting in its lane); `release` it when it ends.
+
+        Raises:
+            ResourceExhausted: the tenant already has QUEUE_FACTOR x width calls admitted.
+        """
+        n, cap = self._load.get(tenant, 0), self.QUEUE_FACTOR * self.width
+        if n >= cap:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already has {n} session calls running or waiting ({self.QUEUE_FACTOR} x "
+                f"--session-concurrency-per-tenant {self.width}); retry when some have finished")
+        self._load[tenant] = n + 1
+        return self.lane(tenant)
+
+    def release(self, tenant: str) -> None:
+        self._load[tenant] -= 1
 
     def lane(self, tenant: str) -> ThreadPoolExecutor:
         pool = self._lanes.get(tenant)

@@ -155,8 +155,11 @@ class SessionServicer(pbg.SessionServiceServicer):
 
     async def _run(self, tenant: str, fn: Any, *args: Any, **kw: Any) -> Any:
         """Run a blocking call on `tenant`'s lane (never on a thread another tenant needs)."""
-        pool = self._lanes.lane(tenant)
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
+        pool = self._lanes.acquire(tenant)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kw))
+        finally:
+            self._lanes.release(tenant)
 
     async def _call(self, method: str, tenant: str, *args: Any, **kw: Any) -> Any:
         """A KernelFleet call for `tenant` (args[0], when given, is the session: marked in flight
