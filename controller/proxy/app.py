@@ -46,6 +46,13 @@ def _errors(proxy: Proxy) -> Any:
             return await handler(req)  # type: ignore[no-any-return]
         except ProxyError as e:
             err = e
+        except ConnectionResetError as e:
+            if req.transport is not None and not req.transport.is_closing():
+                raise
+            # NOTE: the client went away and a write failed before aiohttp cancelled the handler; nothing can be
+            # answered, and it is not the proxy's error (relay counted it in kvfleet_proxy_client_disconnects)
+            log.info("proxy: %s %s: the client went away (%s)", req.method, req.path, e)
+            return web.Response(status=499, reason="Client Closed Request")
         except KvfleetError as e:
             err = from_fleet(e)
         except web.HTTPRequestEntityTooLarge:
@@ -138,6 +145,8 @@ class Handlers:
         token = self._token(req)
         caller = await p.control.whoami(token)  # 401 before any worker is touched
         base, lora = p.directory.resolve(body["model"])
+        # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
+        body, hits = await p.enforcer.enforce(body, chat, caller.tenant, token)
         ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant)
         d = await p.control.route(ids, base, lora=lora, token=token)
         try:
@@ -155,7 +164,10 @@ class Handlers:
                 "x-kvfleet-epoch": str(t.epoch),
                 "x-kvfleet-attempts": str(opened.num_sends),
             }
-            out, t_first = await p.forwarder.relay(req, opened, extra)
+            if hits:
+                extra["x-kvfleet-quarantined"] = ",".join(dict.fromkeys(h.ref for h in hits))
+            note = {"quarantined": [h.as_json() for h in hits]} if hits else None
+            out, t_first = await p.forwarder.relay(req, opened, extra, note)
             self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))
             return out
         finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends

@@ -35,6 +35,8 @@ class ProxyConfig:
     client_header_timeout_s: float = 30.0  # a connection must deliver a request's headers within this (also
     # the idle keep-alive limit): a client that trickles headers (slowloris) is closed
     client_body_timeout_s: float = 60.0  # the whole body must arrive within this, else 408
+    quarantine_policy: str = "placeholder"  # what a quarantined tool result gets: placeholder | refuse | off
+    quarantine_tenant_policies: tuple[tuple[str, str], ...] = ()  # (tenant, policy) overrides
     tokenize_cache_size: int = 4096
 
     def __post_init__(self) -> None:
@@ -48,6 +50,10 @@ class ProxyConfig:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0:
             raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")
+        for who, policy in (("--quarantine-policy", self.quarantine_policy),
+                            *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
+            if policy not in ("placeholder", "refuse", "off"):
+                raise InvalidArgument(f"{who}{policy!r}: expected placeholder, refuse or off")
 
     @property
     def host(self) -> str:

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from fleet.api.kvfleet.v1 import fleet_pb2, route_pb2, workers_pb2
+from fleet.api.kvfleet.v1 import fleet_pb2, quarantine_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
+from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.sdk import base, types
@@ -35,6 +36,7 @@ class ControlClient:
         self._route = RouteServiceStub(self._channel)
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)
+        self._quarantine = QuarantineServiceStub(self._channel)
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -95,6 +97,15 @@ class ControlClient:
         except grpc.RpcError as e:
             raise base.to_error(e, "ListWorkers", self.target) from e
         return [types.worker_info(w) for w in r.workers]
+
+    async def judge(self, results: list[bytes], action: str, token: str | None) -> list[quarantine_pb2.Judgement]:
+        """The controller's verdict on each tool result (JudgeToolResults, with the client's token)."""
+        req = quarantine_pb2.JudgeToolResultsRequest(results=results, action=action)
+        try:
+            r = await self._quarantine.JudgeToolResults(req, timeout=self.timeout_s, metadata=base.metadata(token))
+        except grpc.RpcError as e:
+            raise base.to_error(e, "JudgeToolResults", self.target) from e
+        return list(r.judgements)
 
     async def close(self) -> None:
         """Let pending releases finish (up to the RPC timeout), then close the channel."""

@@ -66,7 +66,7 @@ class WorkerDirectory:
             workers = await self.control.workers(self.cfg.token)
         except KvfleetError as e:
             if self.last_error != str(e):
-                log.warning("proxy cannot list workers (%s); give it an operator token (--token)", e)
+                log.warning("proxy cannot list workers (%s); give it a reader (or operator) token (--token)", e)
             self.last_error = str(e)
             return
         merged: dict[str, WorkerInfo] = {}
@@ -117,7 +117,7 @@ class WorkerDirectory:
     def resolve(self, model: str) -> tuple[str, str | None]:
         """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it."""
         if not self.workers and self.last_error:
-            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error}); start it with an operator "
+            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error}); start it with a reader "
                                   "token (--token or KVFLEET_PROXY_TOKEN)")
         for c in self.models():
             if c.get("id") == model:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -177,13 +179,18 @@ class Forwarder:
             return BUSY, f"answered {r.status} without an is_sleeping flag"
         return (ASLEEP, "says is_sleeping=true") if doc["is_sleeping"] else (AWAKE, "says is_sleeping=false")
 
-    async def relay(self, request: web.Request, o: Opened, extra: dict[str, str]) -> tuple[web.StreamResponse, float]:
+    async def relay(self, request: web.Request, o: Opened, extra: dict[str, str],
+                    note: dict[str, Any] | None = None) -> tuple[web.StreamResponse, float]:
         """Relay status, headers and body bytes unchanged as they come; returns (response, t_first_client).
 
+        With `note`, a complete (non-streamed, uncompressed) JSON object answer gets it as its top-level
+        "kvfleet" field; streams and anything else are relayed unchanged (the headers still carry it).
         Cancellation (the client went away) closes the upstream connection, which is how vLLM learns
         to abort the request.
         """
         resp = o.resp
+        if note is not None and _annotatable(resp):
+            return await self._relay_noted(request, o, extra, note)
         headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS)
         headers.update(extra)
         out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
@@ -204,6 +211,36 @@ class Forwarder:
             raise
         resp.release()  # fully read: the keep-alive connection goes back to the pool
         return out, t_first
+
+    async def _relay_noted(self, request: web.Request, o: Opened, extra: dict[str, str],
+                           note: dict[str, Any]) -> tuple[web.StreamResponse, float]:
+        raw = _with_note(await _read_rest(o), note)
+        o.resp.release()
+        headers = CIMultiDict((k, v) for k, v in o.resp.headers.items()
+                              if k.lower() not in HOP_HEADERS and k.lower() != "content-length")
+        headers.update(extra)
+        out = web.Response(status=o.resp.status, reason=o.resp.reason, body=raw, headers=headers)
+        return out, time.perf_counter()
+
+
+def _annotatable(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content_type == "application/json" and "Content-Encoding" not in resp.headers
+
+
+async def _read_rest(o: Opened) -> bytes:
+    try:
+        return o.first + await o.resp.content.read()
+    except BaseException:
+        o.resp.close()
+        raise
+
+
+def _with_note(raw: bytes, note: dict[str, Any]) -> bytes:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return raw
+    return json.dumps({**doc, "kvfleet": note}).encode() if isinstance(doc, dict) else raw
 
 
 async def _discard(task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:

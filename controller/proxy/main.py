@@ -46,6 +46,11 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "limit; slower clients are disconnected (default 30)")
     p.add_argument("--client-body-timeout", type=float, default=60.0,
                    help="seconds a request body has to arrive in full, else 408 (default 60)")
+    p.add_argument("--quarantine-policy", choices=("placeholder", "refuse", "off"), default="placeholder",
+                   help="a quarantined tool result is replaced by a placeholder naming its ref (default), or the "
+                        "request is refused (400), or tool results are not inspected (off); docs/quarantine.md")
+    p.add_argument("--quarantine-tenant-policy", action="append", default=[], metavar="TENANT=POLICY",
+                   help="a tenant's own quarantine policy (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -55,7 +60,16 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        tokenizer=a.tokenizer, worker_api_key=a.worker_api_key,
                        first_byte_timeout_s=a.first_byte_timeout,
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
+                       quarantine_policy=a.quarantine_policy,
+                       quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),
                        max_body_bytes=a.max_body_bytes)
+
+
+def _pair(spec: str) -> tuple[str, str]:
+    tenant, sep, policy = spec.partition("=")
+    if not sep or not tenant:
+        raise ValueError(f"--quarantine-tenant-policy {spec!r}: expected TENANT=POLICY, e.g. acme=refuse")
+    return tenant, policy
 
 
 async def serve(cfg: ProxyConfig) -> int:

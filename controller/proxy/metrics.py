@@ -53,6 +53,18 @@ class ProxyMetrics:
             ["worker", "observed"],
             registry=r,
         )
+        self.judged = Counter(
+            "kvfleet_proxy_tool_results_judged",
+            "Distinct tool results judged per request, by verdict and its source (detector, operator)",
+            ["verdict", "source"],
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "kvfleet_proxy_quarantined_tool_results",
+            "Quarantined tool results kept from the workers, by action (placeholder, refuse) and source",
+            ["action", "source"],
+            registry=r,
+        )
         self.errors = Counter(
             "kvfleet_proxy_errors", "Requests the proxy answered with an error itself", ["status"], registry=r
         )

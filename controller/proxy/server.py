@@ -16,6 +16,7 @@ from controller.proxy.control import ControlClient
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.forward import Forwarder
 from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.quarantine import Enforcer
 from controller.proxy.tokenize import Tokenizer
 
 
@@ -38,6 +39,8 @@ class Proxy:
         self.directory = WorkerDirectory(self.cfg, self.control, self.http)
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)
+        self.enforcer = Enforcer(self.cfg.quarantine_policy, dict(self.cfg.quarantine_tenant_policies), self.control,
+                                 self.metrics)
         await self.tokenizer.start()
         await self.directory.start()
         # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request

@@ -7,6 +7,7 @@ import grpc
 from controller.servicers.blobs import BlobServicer
 from controller.servicers.common import ServiceContext
 from controller.servicers.fleet import FleetServicer
+from controller.servicers.quarantine import QuarantineServicer
 from controller.servicers.route import RouteServicer
 from controller.servicers.sessions import SessionServicer
 from controller.servicers.workers import WorkerServicer
@@ -15,6 +16,8 @@ from fleet.api.kvfleet.v1 import (
     blobs_pb2_grpc,
     fleet_pb2,
     fleet_pb2_grpc,
+    quarantine_pb2,
+    quarantine_pb2_grpc,
     route_pb2,
     route_pb2_grpc,
     sessions_pb2,
@@ -25,7 +28,7 @@ from fleet.api.kvfleet.v1 import (
 
 SERVICE_NAMES = tuple(m.DESCRIPTOR.services_by_name[n].full_name for m, n in (
     (blobs_pb2, "BlobService"), (workers_pb2, "WorkerService"), (route_pb2, "RouteService"), (fleet_pb2, "FleetService"),
-    (sessions_pb2, "SessionService")))
+    (sessions_pb2, "SessionService"), (quarantine_pb2, "QuarantineService")))
 
 
 def add_servicers(server: grpc.aio.Server, ctx: ServiceContext) -> tuple[str, ...]:
@@ -35,6 +38,7 @@ def add_servicers(server: grpc.aio.Server, ctx: ServiceContext) -> tuple[str, ..
     route_pb2_grpc.add_RouteServiceServicer_to_server(RouteServicer(ctx), server)
     fleet_pb2_grpc.add_FleetServiceServicer_to_server(FleetServicer(ctx), server)
     sessions_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(ctx), server)
+    quarantine_pb2_grpc.add_QuarantineServiceServicer_to_server(QuarantineServicer(ctx), server)
     return SERVICE_NAMES
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -21,6 +22,34 @@ from fleet.errors import InvalidArgument
 if TYPE_CHECKING:
     from controller.sim_vllm.loop import Ticket
     from controller.sim_vllm.main import SimVllm
+
+
+@dataclass(slots=True)
+class Received:
+    """The last `maxlen` completion requests this stand-in received: (path, raw body, prompt text).
+
+    For tests that must show some bytes never reached a worker: `contains` looks in the raw body and in
+    the prompt as the model would read it (message contents or the prompt string, JSON escapes undone).
+    """
+
+    maxlen: int = 1000
+    items: deque[tuple[str, str, str]] = field(default_factory=deque)
+
+    def add(self, path: str, raw: str, body: dict[str, Any]) -> None:
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            text = "\n".join(str(m.get("content")) for m in msgs if isinstance(m, dict))
+        else:
+            text = str(body.get("prompt"))
+        self.items.append((path, raw, text))
+        while len(self.items) > self.maxlen:
+            self.items.popleft()
+
+    def contains(self, needle: str) -> bool:
+        return any(needle in raw or needle in text for _, raw, text in self.items)
+
+    def prompts(self) -> list[str]:
+        return [text for _, _, text in self.items]
 
 
 def _j(body: Any, status: int = 200) -> web.Response:
@@ -129,6 +158,7 @@ async def _prepare(req: web.Request) -> web.StreamResponse:
 
 async def completions(sim: SimVllm, req: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await body_of(req)
+    sim.received.add(req.path, await req.text(), body)
     c = sim.cfg.engine
     model = body.get("model", c.model)
     if model != c.model and model not in c.loras:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from controller.sim_vllm.app import build_app
+from controller.sim_vllm.completions import Received
 from controller.sim_vllm.engine import SimEngine, SimEngineConfig
 from controller.sim_vllm.loop import EngineLoop
 from controller.sim_vllm.publisher import Publisher
@@ -47,6 +48,7 @@ class SimVllm:
         self.publisher: Publisher | None = None
         self.engine = SimEngine(self.cfg.engine, self._publish)
         self.loop = EngineLoop(self.engine) if self.cfg.engine.time_scale > 0 else None
+        self.received = Received()  # the completion requests it got (tests: bytes that must never arrive)
         self._runner: web.AppRunner | None = None
         self.port = 0
 

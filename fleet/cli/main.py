@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("fleet.cli.demo:main", "the main job: an agent fleet workload on one machine"),
     "session": ("fleet.cli.session:main", "session ls --fleet: the fleet dashboard"),
     "worker": ("fleet.cli.worker:main", "worker ls: vLLM workers and kernel nodes"),
+    "quarantine": ("fleet.cli.quarantine:main", "quarantine ls: tool results the proxy withheld; set: a verdict"),
 }
 
 

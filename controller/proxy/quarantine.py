@@ -1,0 +1,150 @@
+"""Quarantine enforcement: every tool result in a request is judged before any worker sees it.
+
+Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
+
+    /v1/chat/completions  each message whose role is "tool" or "function": its content, a string or a
+                          list of parts whose "text" parts are joined ("" between them)
+    /v1/completions       each <tool_result>...</tool_result> span of a string prompt (or of each string of
+                          a batched prompt): the text between the tags. Token-id prompts are not inspected.
+
+The controller judges (JudgeToolResults, with the client's token: its tenant's records, one verdict per
+bytes fleet-wide, an operator's late verdict first). The proxy keeps no verdicts of its own, so a verdict
+set later applies to the very next request that carries the bytes. Per tenant policy:
+
+    placeholder  the quarantined text is replaced by PLACEHOLDER (naming its ref) before tokenizing,
+                 routing and forwarding: the worker never receives the bytes, and the route follows the
+                 changed prefix (blocks past the replaced span are not this conversation's prefix any more)
+    refuse       400 naming the refs and where they sit; nothing is forwarded
+    off          no inspection
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controller.proxy.control import ControlClient
+from controller.proxy.errors import ProxyError
+from controller.proxy.metrics import ProxyMetrics
+
+POLICIES = ("placeholder", "refuse", "off")
+TOOL_ROLES = ("tool", "function")
+ENVELOPE = re.compile(r"(<tool_result>)(.*?)(</tool_result>)", re.S)
+PLACEHOLDER = "[tool result sha256:{ref} withheld: quarantined by kvfleet]"
+
+Rewrite = Callable[[str, str], str | None]  # (text, where) -> replacement, or None to keep it
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A quarantined tool result of this request: where it sat, its ref, why, and who decided."""
+
+    where: str
+    ref: str
+    reasons: tuple[str, ...]
+    source: str
+    action: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"where": self.where, "ref": self.ref, "reasons": list(self.reasons), "source": self.source,
+                "action": self.action}
+
+
+def _tool_text(m: Any) -> str | None:
+    if not isinstance(m, dict) or m.get("role") not in TOOL_ROLES:
+        return None
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        return "".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return None
+
+
+def _in_prompt(p: str, where: str, fn: Rewrite) -> str:
+    def one(m: re.Match[str]) -> str:
+        new = fn(m.group(2), f"{where}@{m.start(2)}")
+        return m.group(0) if new is None else m.group(1) + new + m.group(3)
+
+    return ENVELOPE.sub(one, p)
+
+
+def rewrite(body: dict[str, Any], chat: bool, fn: Rewrite) -> dict[str, Any]:
+    """`body` with each tool result's text replaced by fn(text, where) where that is not None.
+
+    The input is not mutated; parts that change are copied. `where` names the place for people:
+    "messages[3].content", or "prompt@120" (the character offset of the span in the prompt).
+    """
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return body
+        out = []
+        for i, m in enumerate(msgs):
+            text = _tool_text(m)
+            new = None if text is None else fn(text, f"messages[{i}].content")
+            out.append(m if new is None else {**m, "content": new})
+        return {**body, "messages": out}
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return {**body, "prompt": _in_prompt(p, "prompt", fn)}
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        return {**body, "prompt": [_in_prompt(x, f"prompt[{i}]", fn) for i, x in enumerate(p)]}
+    return body
+
+
+def tool_results(body: dict[str, Any], chat: bool) -> list[tuple[str, str]]:
+    """(where, text) of every tool result in the request, in order."""
+    found: list[tuple[str, str]] = []
+
+    def note(text: str, where: str) -> None:
+        found.append((where, text))
+
+    rewrite(body, chat, note)
+    return found
+
+
+class Enforcer:
+    """Judges a request's tool results through the controller and applies the tenant's policy."""
+
+    def __init__(self, default: str, per_tenant: Mapping[str, str], control: ControlClient,
+                 metrics: ProxyMetrics) -> None:
+        self.default, self.per_tenant, self.control, self.metrics = default, dict(per_tenant), control, metrics
+
+    def policy(self, tenant: str) -> str:
+        return self.per_tenant.get(tenant, self.default)
+
+    async def enforce(self, body: dict[str, Any], chat: bool, tenant: str,
+                      token: str | None) -> tuple[dict[str, Any], list[Hit]]:
+        """(the body to tokenize and forward, the quarantined tool results it had).
+
+        Raises:
+            ProxyError(400): the tenant's policy is "refuse" and a tool result is quarantined.
+        """
+        policy = self.policy(tenant)
+        found = tool_results(body, chat) if policy != "off" else []
+        if not found:
+            return body, []
+        texts = list(dict.fromkeys(text for _, text in found))
+        judged = dict(zip(texts, await self.control.judge([t.encode() for t in texts], policy, token), strict=True))
+        for j in judged.values():
+            self.metrics.judged.labels("QUARANTINED" if j.quarantined else "CLEAN", j.source).inc()
+        hits = [Hit(where, judged[t].ref, tuple(judged[t].reasons), judged[t].source, policy)
+                for where, t in found if judged[t].quarantined]
+        for h in hits:
+            self.metrics.quarantined.labels(policy, h.source).inc()
+        if not hits:
+            return body, []
+        if policy == "refuse":
+            raise ProxyError(400, "the request carries quarantined tool results and this tenant's policy refuses "
+                                  "it: " + "; ".join(f"{h.where} (sha256:{h.ref}, {h.source}: "
+                                                     f"{', '.join(h.reasons)})" for h in hits)
+                             + ". Drop or replace them and send again.", hits[0].where.split("@")[0])
+
+        def fn(text: str, where: str) -> str | None:
+            j = judged[text]
+            return PLACEHOLDER.format(ref=j.ref) if j.quarantined else None
+
+        return rewrite(body, chat, fn), hits

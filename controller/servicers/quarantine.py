@@ -1,0 +1,66 @@
+"""QuarantineService: the proxy's tool-result verdicts (tenant), operator verdicts, recent quarantines.
+
+Thin: authenticate, translate, run controller.verdicts.Judge off the event loop (store I/O and the
+detector's CPU), translate back. The Judge is built on first use, so a controller that never sees a
+tool result never loads a detector.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from controller.auth import Identity, Role
+from controller.servicers.common import ServiceContext, unary
+from controller.verdicts import Judge, QuarantineRecord
+from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
+from fleet.api.kvfleet.v1 import quarantine_pb2_grpc as pbg
+from fleet.errors import PermissionDenied
+
+DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
+
+
+class QuarantineServicer(pbg.QuarantineServiceServicer):
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self._judge: Judge | None = None
+
+    async def judge(self) -> Judge:
+        if self._judge is None:
+            self._judge = await self.ctx.blocking(Judge, self.ctx.store)
+        return self._judge
+
+    @unary(Role.TENANT)
+    async def JudgeToolResults(self, request: pb.JudgeToolResultsRequest, context: grpc.aio.ServicerContext,
+                               ident: Identity) -> pb.JudgeToolResultsResponse:
+        j = await self.judge()
+        out = await self.ctx.blocking(j.judge, list(request.results), ident.tenant, request.action)
+        self.ctx.metrics.quarantines.inc(sum(x.quarantined for x in out))
+        return pb.JudgeToolResultsResponse(
+            judgements=[pb.Judgement(ref=x.ref, quarantined=x.quarantined, reasons=x.reasons, source=x.source)
+                        for x in out],
+            detector_config_id=j.config_id)
+
+    @unary(Role.OPERATOR)
+    async def SetVerdict(self, request: pb.SetVerdictRequest, context: grpc.aio.ServicerContext,
+                         ident: Identity) -> pb.SetVerdictResponse:
+        j = await self.judge()
+        await self.ctx.blocking(j.set_verdict, request.ref, request.verdict, list(request.reasons))
+        return pb.SetVerdictResponse(ref=request.ref, verdict=request.verdict)
+
+    @unary(Role.TENANT)
+    async def ListQuarantines(self, request: pb.ListQuarantinesRequest, context: grpc.aio.ServicerContext,
+                              ident: Identity) -> pb.ListQuarantinesResponse:
+        tenant: str | None = request.tenant or ident.tenant
+        if ident.role is Role.OPERATOR:
+            tenant = request.tenant or None
+        elif tenant != ident.tenant:
+            # NOTE: another tenant's records answer like none at all would leak nothing, but a refusal is clearer
+            raise PermissionDenied("a tenant token lists only its own tenant's quarantines; leave --tenant out")
+        limit = min(request.limit or DEFAULT_LIMIT, MAX_LIMIT)
+        recs = await self.ctx.blocking((await self.judge()).recent, tenant, limit)
+        return pb.ListQuarantinesResponse(records=[_to_proto(r) for r in recs])
+
+
+def _to_proto(r: QuarantineRecord) -> pb.QuarantineRecord:
+    return pb.QuarantineRecord(tenant=r.tenant, ref=r.ref, reasons=r.reasons, source=r.source, action=r.action,
+                               first_seen=r.first_seen, last_seen=r.last_seen, num_seen=r.num_seen)

@@ -1,0 +1,129 @@
+"""Judge: tool-result verdicts for the proxy, kept in the store so every proxy and controller agree.
+
+    verdict(bytes) = operator verdict on sha256(bytes), if one is set        (late verdicts, SetVerdict)
+                   else VerdictCache(store, detector).inspect(bytes)         (one inspection per bytes+config)
+
+Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
+
+    quarantine.verdicts  "<sha256>:<detector config id>"  JSON Verdict            (fleet.quarantine.cache)
+    quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
+    quarantine.seen      "<tenant>/<sha256>"              QuarantineRecord as JSON (recent quarantines)
+
+Blocking (store I/O, the detector's CPU): the servicer runs these methods off the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fleet.errors import InvalidArgument
+from fleet.quarantine import DetectorConfig, VerdictCache, make_detector
+
+OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
+QUARANTINED, CLEAN = "QUARANTINED", "CLEAN"
+ACTIONS = ("placeholder", "refuse")
+MAX_RESULTS = 256  # tool results per JudgeToolResults call
+MAX_REASONS, MAX_REASON_LEN = 16, 200
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """One tool result's verdict: `source` is "operator" when an operator's verdict decided it."""
+
+    ref: str
+    quarantined: bool
+    reasons: tuple[str, ...]
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineRecord:
+    """A tool result quarantined for a tenant: first and last time a request carried it, how often."""
+
+    tenant: str
+    ref: str
+    reasons: tuple[str, ...]
+    source: str
+    action: str
+    first_seen: float
+    last_seen: float
+    num_seen: int
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Judge:
+    """Verdicts on tool results' bytes; the detector defaults to the rules layer (docs/quarantine.md)."""
+
+    def __init__(self, store: Any, config: DetectorConfig | None = None) -> None:
+        self.store = store
+        self.cache = VerdictCache(store, make_detector(config or DetectorConfig(layers=("rules",))))
+
+    @property
+    def config_id(self) -> str:
+        return str(self.cache.detector.config_id)
+
+    def judge(self, results: list[bytes], tenant: str, action: str) -> list[Judgement]:
+        """One Judgement per result, in order; quarantined ones are recorded for `tenant`.
+
+        Raises:
+            InvalidArgument: too many results, or an action other than ACTIONS.
+        """
+        if len(results) > MAX_RESULTS:
+            raise InvalidArgument(f"{len(results)} tool results in one call; at most {MAX_RESULTS}")
+        if action not in ACTIONS:
+            raise InvalidArgument(f"action {action!r}: expected one of {ACTIONS}")
+        out = [self._one(data) for data in results]
+        now = time.time()
+        for j in {j.ref: j for j in out if j.quarantined}.values():
+            self._record(tenant, j, action, now)
+        return out
+
+    def _one(self, data: bytes) -> Judgement:
+        ref = sha256_hex(data)
+        raw = self.store.kv_get(OPERATOR_NS, ref)
+        if raw is not None:
+            op = json.loads(raw)
+            return Judgement(ref, op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator")
+        v = self.cache.inspect(data)
+        return Judgement(ref, v.quarantined, tuple(v.reasons), "detector")
+
+    def _record(self, tenant: str, j: Judgement, action: str, now: float) -> None:
+        # NOTE: read-modify-write; two proxies recording the same ref at once may lose one count, never a record
+        key = f"{tenant}/{j.ref}"
+        raw = self.store.kv_get(SEEN_NS, key)
+        first, n = (now, 0) if raw is None else (float(json.loads(raw)["first_seen"]), int(json.loads(raw)["num_seen"]))
+        rec = QuarantineRecord(tenant, j.ref, j.reasons, j.source, action, first, now, n + 1)
+        self.store.kv_put(SEEN_NS, key, json.dumps(asdict(rec)).encode())
+
+    def set_verdict(self, ref: str, verdict: str, reasons: list[str]) -> None:
+        """Set (or with verdict "" drop) the operator's verdict on the bytes whose sha256 is `ref`."""
+        if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
+            raise InvalidArgument(f"ref {ref!r}: expected the 64 lowercase hex digits of the bytes' SHA-256")
+        if verdict == "":
+            self.store.kv_delete(OPERATOR_NS, ref)
+            return
+        if verdict not in (QUARANTINED, CLEAN):
+            raise InvalidArgument(f"verdict {verdict!r}: expected QUARANTINED, CLEAN, or '' to drop it")
+        if len(reasons) > MAX_REASONS or any(len(r) > MAX_REASON_LEN for r in reasons):
+            raise InvalidArgument(f"at most {MAX_REASONS} reasons of at most {MAX_REASON_LEN} characters")
+        doc = {"verdict": verdict, "reasons": list(reasons) or ["operator"], "at": time.time()}
+        self.store.kv_put(OPERATOR_NS, ref, json.dumps(doc).encode())
+
+    def recent(self, tenant: str | None, limit: int) -> list[QuarantineRecord]:
+        """Quarantine records of `tenant` (None: every tenant), most recently seen first, at most `limit`."""
+        recs = [_record_of(v) for k, v in self.store.kv_scan(SEEN_NS).items()
+                if tenant is None or k.startswith(tenant + "/")]
+        return sorted(recs, key=lambda r: -r.last_seen)[:limit]
+
+
+def _record_of(raw: bytes) -> QuarantineRecord:
+    d = json.loads(raw)
+    return QuarantineRecord(d["tenant"], d["ref"], tuple(d["reasons"]), d["source"], d["action"],
+                            float(d["first_seen"]), float(d["last_seen"]), int(d["num_seen"]))
