@@ -153,3 +153,49 @@ class DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc shi
         method = str(handler_call_details.method).rsplit("/", 1)[-1]
         return handler._replace(request_deserializer=_guard_deserializer(handler.request_deserializer),
                                 **{slot: _wrap(getattr(handler, slot), method, stream_in, stream_out)})
+
+
+# flag -> (where, field, type, help); defaults come from UploadLimits / GrpcLimits / the route cap
+EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
+    "--max-route-tokens": ("route", "max_route_tokens", int, "most tokens one Route may carry"),
+    "--max-uploads-per-tenant": ("uploads", "tenant_uploads", int, "unfinished blob uploads per tenant"),
+    "--max-uploads": ("uploads", "total_uploads", int, "unfinished blob uploads in total"),
+    "--max-upload-bytes-per-tenant": ("uploads", "tenant_bytes", int, "bytes of unfinished uploads per tenant"),
+    "--max-upload-bytes": ("uploads", "total_bytes", int, "bytes of unfinished uploads in total"),
+    "--upload-idle-timeout": ("uploads", "idle_s", float, "seconds an upload may send no bytes before it is dropped"),
+    "--grpc-max-receive-bytes": ("grpc", "max_receive_bytes", int, "largest gRPC message received"),
+    "--grpc-max-concurrent-streams": ("grpc", "max_concurrent_streams", int, "open RPCs per client connection"),
+    "--grpc-max-concurrent-rpcs": ("grpc", "max_concurrent_rpcs", int, "open RPCs on the whole server"),
+    "--grpc-keepalive": ("grpc", "keepalive_s", float, "seconds between the server's keepalive pings"),
+    "--grpc-min-ping-interval": ("grpc", "min_ping_interval_s", float,
+                                 "fastest client ping accepted without calls, seconds (faster: GOAWAY)"),
+}
+
+
+def add_edge_flags(p: Any) -> None:
+    """The edge limits as flags (shared by `kvfleet controller` and `kvfleet up`); defaults in --help."""
+    from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
+    from controller.uploads import UploadLimits
+
+    defaults = {"route": {"max_route_tokens": DEFAULT_MAX_ROUTE_TOKENS}, "uploads": UploadLimits(),
+                "grpc": GrpcLimits()}
+    for flag, (where, name, kind, text) in EDGE_FLAGS.items():
+        d = defaults[where]
+        shown = d[name] if isinstance(d, dict) else getattr(d, name)
+        p.add_argument(flag, type=kind, default=None, dest=f"edge_{name}", help=f"{text} (default {shown})")
+
+
+def edge_config_from(args: Any) -> dict[str, Any]:
+    """ControllerConfig keyword arguments from the flags given; InvalidArgument names the bad flag."""
+    from controller.uploads import UploadLimits
+
+    given: dict[str, dict[str, Any]] = {"route": {}, "uploads": {}, "grpc": {}}
+    for flag, (where, name, _, _) in EDGE_FLAGS.items():
+        value = getattr(args, f"edge_{name}", None)
+        if value is not None:
+            if not value > 0:
+                raise InvalidArgument(f"{flag} must be positive, got {value}")
+            given[where][name] = value
+    out: dict[str, Any] = {"uploads": UploadLimits(**given["uploads"]), "grpc_limits": GrpcLimits(**given["grpc"])}
+    out.update(given["route"])
+    return out

@@ -5,7 +5,11 @@
 
 Environment variables are read here and nowhere else (flags win): KVFLEET_LISTEN, KVFLEET_STORE,
 KVFLEET_TOKENS_FILE, KVFLEET_METRICS_PORT, KVFLEET_TLS_CERT, KVFLEET_TLS_KEY, KVFLEET_RAY_ADDRESS, KVFLEET_GC_INTERVAL,
-KVFLEET_SALT_SECRET (hex; default: generated once and kept in the store).
+KVFLEET_SALT_SECRET (hex; default: generated once and kept in the store), KVFLEET_TLS_CLIENT_CA,
+KVFLEET_METRICS_HOST.
+
+The edge limits (--max-route-tokens, --max-upload*, --upload-idle-timeout, --grpc-*) are in
+controller/edge.py and controller/uploads.py; each refusal names the flag that sets it.
 
 The --route-* flags set the placement cost's weights (controller/cost.py, docs/routing.md); unset
 ones keep CostConfig's defaults.
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from controller.auth import mint_token
 from controller.cost import CostConfig
+from controller.edge import add_edge_flags, edge_config_from
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
 from controller.kernel_placement import add_kernel_flags, kernel_overrides_from
 from controller.metrics import Metrics
@@ -31,6 +36,7 @@ from controller.node_flags import add_node_flags
 from controller.quotas import add_session_flags, session_limits_from
 from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
+from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S
 from fleet.errors import InvalidArgument, KvfleetError
 
@@ -128,6 +134,16 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     )
     p.add_argument("--tls-key", default=e("KVFLEET_TLS_KEY"), help="PEM private key")
     p.add_argument(
+        "--tls-client-ca",
+        default=e("KVFLEET_TLS_CLIENT_CA"),
+        help="PEM CA: require every client to show a certificate it signed (mutual TLS; needs --tls-cert)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=e("KVFLEET_METRICS_HOST"),
+        help="address /metrics binds (default: the --listen host, so a loopback controller serves metrics on loopback)",
+    )
+    p.add_argument(
         "--ray-address", default=e("KVFLEET_RAY_ADDRESS"), help="Ray cluster to join (default: local)"
     )
     p.add_argument(
@@ -153,6 +169,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     )
     add_cost_flags(p)
     add_kernel_flags(p)
+    add_edge_flags(p)
     add_session_flags(p)
     add_node_flags(p, env)
     p.add_argument(
@@ -174,10 +191,12 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         tokens_file=args.tokens_file,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         max_blob_bytes=args.max_blob_bytes,
         salt_secret=bytes.fromhex(secret) if secret else None,
         ray_address=args.ray_address,
         leader_election=args.leader_election,
+        **edge_config_from(args),
         gc_interval_s=args.gc_interval,
         fleet_metrics_interval_s=args.fleet_metrics_interval,
         kernel=kernel_overrides_from(args),
@@ -191,19 +210,33 @@ def _prepare_sqlite(url: str) -> None:
         Path(url[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
-def _start_metrics(metrics: Metrics, port: int) -> int | None:
+def metrics_host(listen: str, host: str | None) -> str:
+    """Where /metrics binds: --metrics-host, else the gRPC --listen host (never wider than it)."""
+    if host:
+        return host
+    listen_host = listen.rsplit(":", 1)[0].strip("[]")
+    return listen_host or "0.0.0.0"
+
+
+def _start_metrics(metrics: Metrics, port: int, host: str) -> int | None:
     if port < 0:
         return None
     from prometheus_client import start_http_server
 
-    server, _ = start_http_server(port, registry=metrics.registry)
+    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
     return int(server.server_port)
 
 
-async def serve(cfg: ControllerConfig, metrics_port: int, router_config: RouterConfig | None = None) -> int:
+async def serve(
+    cfg: ControllerConfig,
+    metrics_port: int,
+    router_config: RouterConfig | None = None,
+    metrics_addr: str | None = None,
+) -> int:
     metrics = Metrics()
     ctl = await build_server(cfg, metrics=metrics, router_config=router_config)
-    mport = _start_metrics(metrics, metrics_port)
+    mhost = metrics_host(cfg.listen, metrics_addr)
+    mport = _start_metrics(metrics, metrics_port, mhost)
     auth = (
         f"tokens {cfg.tokens_file}"
         if cfg.tokens_file
@@ -211,7 +244,7 @@ async def serve(cfg: ControllerConfig, metrics_port: int, router_config: RouterC
     )
     print(
         f"kvfleet controller listening on {ctl.address} ({'TLS' if cfg.tls_cert else 'plaintext'}, {auth}); "
-        f"metrics on :{mport}; store {cfg.store_url}"
+        f"metrics on {mhost}:{mport}; store {redact(cfg.store_url)}"
         + ("; leader election on" if cfg.leader_election else ""),
         flush=True,
     )
@@ -225,8 +258,16 @@ async def serve(cfg: ControllerConfig, metrics_port: int, router_config: RouterC
     return 0
 
 
+def quiet_ray_signals() -> None:
+    """NOTE: Ray's driver installs abseil's failure handler for SIGTERM, which arms a 3 s abort alarm;
+    a graceful stop (drain RPCs, stop the fleet, Ray) takes longer, so the controller died with
+    SIGABRT on every Kubernetes stop. Without that handler, SIGTERM reaches our own graceful stop."""
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
+    quiet_ray_signals()
     args = parse_args(list(sys.argv[1:] if argv is None else argv), env)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -242,7 +283,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         cfg = config_from(args, env)
         router_config = RouterConfig(cost=cost_config_from(args))
         _prepare_sqlite(cfg.store_url)
-        return asyncio.run(serve(cfg, args.metrics_port, router_config))
+        return asyncio.run(serve(cfg, args.metrics_port, router_config, args.metrics_host))
     except (KvfleetError, OSError, ValueError) as e:
         print(f"kvfleet controller: error: {e}", file=sys.stderr)
         return 2

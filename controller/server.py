@@ -28,6 +28,7 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
+from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
@@ -232,5 +233,5 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
         ctl._lead_task = asyncio.create_task(ctl._lead(make_leader_lock(cfg.store_url, cfg.leader_ttl_s)))
     else:
         await ctl.become_leader()
-    log.info("controller listening on %s (store %s)", ctl.address, cfg.store_url)
+    log.info("controller listening on %s (store %s)", ctl.address, redact(cfg.store_url))
     return ctl

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ class KernelFleet:
             raise InvalidArgument(f"node_kv_bytes must be a positive int (bytes of KV per node), got {node_kv_bytes!r}")
         self._kv_bytes, self._resources = node_kv_bytes, dict(resources or {})
         self._refresh_s, self._refreshed = node_refresh_s, float("-inf")
+        self._nodes_lock = threading.Lock()
         self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size
         self.supervisors: dict[str, Any] = {}
         self.num_regenerations = 0
@@ -122,6 +124,10 @@ class KernelFleet:
     def refresh_nodes(self, force: bool = False) -> list[str]:
         """Follow Ray's node table: a supervisor for every alive node with the session actor's
         resources (new ones included), none for dead ones. Returns the node ids."""
+        with self._nodes_lock:  # the servicer calls from many threads
+            return self._refresh_nodes(force)
+
+    def _refresh_nodes(self, force: bool) -> list[str]:
         now = time.monotonic()
         if not force and now - self._refreshed < self._refresh_s:
             return list(self.supervisors)
@@ -130,7 +136,7 @@ class KernelFleet:
         specs = {n["NodeID"]: self.spec.for_node(n) for n in nodes}  # None: no GPU for a CUDA group
         alive = [n for n in eligible_nodes(nodes, session_resources(self._resources)) if specs.get(n) is not None]
         for nid in set(self.supervisors) - set(alive):
-            self.supervisors.pop(nid)
+            self.supervisors.pop(nid, None)
         for nid in alive:
             if nid not in self.supervisors:
                 self.supervisors[nid] = self._supervisor(nid, specs[nid] or self.spec)

@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fleet.cli.tls import add_client_tls, client_tls
 from fleet.errors import KvfleetError
 
 
@@ -71,6 +72,7 @@ def add_ls_options(ls: argparse.ArgumentParser) -> None:
     ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
     ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
+    add_client_tls(ls)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -89,7 +91,7 @@ def main(argv: list[str]) -> int:
 
     console = Console()
     try:
-        with FleetClient(args.controller, args.token) as c:
+        with FleetClient(args.controller, args.token, **client_tls(args)) as c:
             def rows() -> list[Any]:
                 return c.sessions(fleet=args.fleet, tenant=args.tenant)
 

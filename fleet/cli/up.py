@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    from controller.edge import add_edge_flags
     from controller.kernel_placement import add_kernel_flags
     from controller.main import add_cost_flags
     from controller.node_flags import add_node_flags
@@ -49,12 +50,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
     add_cost_flags(p)
     add_kernel_flags(p)
+    add_edge_flags(p)
     add_session_flags(p)
     add_node_flags(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from controller.edge import edge_config_from
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
     from controller.main import cost_config_from
     from controller.quotas import session_limits_from
@@ -62,6 +65,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
     kernel = kernel_overrides_from(args)
+    edge = edge_config_from(args)
     limits = session_limits_from(args)
     state = Path(args.state_dir).expanduser().resolve()
     state.mkdir(parents=True, exist_ok=True)
@@ -74,6 +78,7 @@ async def serve(args: argparse.Namespace) -> int:
         tenant=args.tenant,
         ray_address=args.ray_address,
         ray_num_cpus=args.num_cpus,
+        controller=edge,
     )
     stack = await Stack.start(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
@@ -93,10 +98,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
+    from controller.servicers.fleet import redact
+
     addr = stack.ctl.address
     info = {
         "controller": addr,
-        "store": store,
+        "store": redact(store),
         "operator_token": stack.operator_token,
         "tenant": args.tenant,
         "tenant_token": stack.tenant_token,
@@ -106,7 +113,7 @@ def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
         print(json.dumps(info), flush=True)
         return
     print(
-        f"kvfleet up: controller on {addr}; store {store}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
+        f"kvfleet up: controller on {addr}; store {redact(store)}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
     )
     print(f"operator token: {stack.operator_token}")
     print(f"tenant token ({args.tenant}): {stack.tenant_token}")
@@ -119,6 +126,9 @@ def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from controller.main import quiet_ray_signals
+
+    quiet_ray_signals()  # a stop longer than 3 s must not end in Ray's SIGABRT (see there)
     args = parse(argv)
     try:
         return asyncio.run(serve(args))

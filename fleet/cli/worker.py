@@ -72,7 +72,9 @@ def main(argv: list[str]) -> int:
 
     console = Console()
     try:
-        with FleetClient(args.controller, args.token) as c:
+        from fleet.cli.tls import client_tls
+
+        with FleetClient(args.controller, args.token, **client_tls(args)) as c:
             if args.json:
                 print(as_json(snapshot(c)))
             elif args.watch:

@@ -42,6 +42,7 @@ class StackConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     kernel_spec: dict[str, Any] = field(default_factory=lambda: {"block_size": 16})
+    controller: dict[str, Any] = field(default_factory=dict)  # more ControllerConfig fields (kvfleet up's flags)
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
@@ -75,7 +76,7 @@ class Stack:
         tokens = Path(cfg.state_dir) / "tokens.json"
         op = mint_token(tokens, "ops", "operator", "kvfleet-up")
         tenant = mint_token(tokens, cfg.tenant, "tenant", cfg.tenant)
-        ccfg = ControllerConfig(listen=cfg.listen, store_url=cfg.store_url, tokens_file=str(tokens))
+        ccfg = ControllerConfig(listen=cfg.listen, store_url=cfg.store_url, tokens_file=str(tokens), **cfg.controller)
         ctl = await build_server(ccfg, router_config=RouterConfig(probe_on_route=True))
         await asyncio.to_thread(kernel_spec_of, ctl.ctx.store, cfg.kernel_spec)
         sims = {}

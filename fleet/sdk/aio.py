@@ -26,13 +26,14 @@ class AsyncFleetClient(AsyncSessionsMixin):
     """asyncio client of a kvfleet controller (arguments as FleetClient). Use `async with` or `await close()`."""
 
     def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
-                 root_certificates: bytes | str | Path | None = None, timeout: float = 10.0,
+                 root_certificates: bytes | str | Path | None = None, client_cert: bytes | str | Path | None = None,
+                 client_key: bytes | str | Path | None = None, timeout: float = 10.0,
                  blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
         self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
         self.retry = retry or RetryPolicy()
         self._md = base.metadata(token)
-        creds = base.credentials(tls, root_certificates)
+        creds = base.credentials(tls, root_certificates, client_cert, client_key)
         self._channel = (grpc.aio.secure_channel(target, creds, options) if creds
                          else grpc.aio.insecure_channel(target, options))
         self._blobs = BlobServiceStub(self._channel)

@@ -46,14 +46,32 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(max_attempts=1)
 
 
-def credentials(tls: bool, root_certificates: bytes | str | Path | None) -> grpc.ChannelCredentials | None:
-    """None for plaintext; TLS credentials (system roots unless a CA PEM, bytes or path, is given)."""
-    if not tls and root_certificates is None:
+Pem = bytes | str | Path
+
+
+def _pem(value: Pem | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return Path(value).read_bytes()
+    except OSError as e:
+        raise InvalidArgument(f"{what} {value}: cannot read it ({e.strerror}); give a PEM file") from None
+
+
+def credentials(tls: bool, root_certificates: Pem | None, client_cert: Pem | None = None,
+                client_key: Pem | None = None) -> grpc.ChannelCredentials | None:
+    """None for plaintext; TLS credentials (system roots unless a CA PEM, bytes or path, is given).
+
+    With client_cert and client_key (PEM) the client proves itself too: mutual TLS, for a controller
+    started with --tls-client-ca. Any of the three implies TLS.
+    """
+    if (client_cert is None) != (client_key is None):
+        raise InvalidArgument("mutual TLS needs both a client certificate and its private key (PEM)")
+    if not tls and root_certificates is None and client_cert is None:
         return None
-    roots = root_certificates
-    if isinstance(roots, (str, Path)):
-        roots = Path(roots).read_bytes()
-    return grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.ssl_channel_credentials(root_certificates=_pem(root_certificates, "TLS CA"),
+                                        private_key=_pem(client_key, "TLS client key"),
+                                        certificate_chain=_pem(client_cert, "TLS client certificate"))
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -29,19 +29,22 @@ class FleetClient(SessionsMixin):
         token: bearer token (from `kvfleet controller --mint-token`); None if auth is off.
         tls: use TLS (system roots unless root_certificates is given).
         root_certificates: CA bundle (PEM bytes or a path) that signed the controller's certificate.
+        client_cert, client_key: this client's certificate and key (PEM bytes or paths), for a controller
+            that requires mutual TLS (--tls-client-ca).
         timeout: per-attempt deadline of unary calls, seconds.
         blob_timeout: per-attempt deadline of a blob put or get, seconds.
         retry: backoff policy for UNAVAILABLE (the only status retried).
     """
 
     def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
-                 root_certificates: bytes | str | Path | None = None, timeout: float = 10.0,
+                 root_certificates: bytes | str | Path | None = None, client_cert: bytes | str | Path | None = None,
+                 client_key: bytes | str | Path | None = None, timeout: float = 10.0,
                  blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
         self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
         self.retry = retry or RetryPolicy()
         self._md = base.metadata(token)
-        creds = base.credentials(tls, root_certificates)
+        creds = base.credentials(tls, root_certificates, client_cert, client_key)
         self._channel = (grpc.secure_channel(target, creds, options) if creds
                          else grpc.insecure_channel(target, options))
         self._blobs = BlobServiceStub(self._channel)
