@@ -217,18 +217,20 @@ class SessionServicer(pbg.SessionServiceServicer):
         key = (tenant, sid)
         if key in self._creating:
             raise AlreadyExists(f"session {sid!r} is being created by another call")
-        ledger = await self._quota(tenant)
-        existed = sid in ledger.tokens.get(tenant, {})
-        held = ledger.reserve(self.limits, tenant, num_tokens, new_session=None if existed else sid)
-        self._creating.add(key)
+        self._creating.add(key)  # NOTE: before any await, so two creates of one name never interleave
         try:
-            rec = await self._call(method, tenant, *args)
-        except BaseException:
-            if not existed:
-                ledger.drop(tenant, sid)
-            raise
+            ledger = await self._quota(tenant)
+            existed = sid in ledger.tokens.get(tenant, {})
+            held = ledger.reserve(self.limits, tenant, num_tokens, new_session=None if existed else sid)
+            try:
+                rec = await self._call(method, tenant, *args)
+            except BaseException:
+                if not existed:
+                    ledger.drop(tenant, sid)
+                raise
+            finally:
+                ledger.release(tenant, held)
         finally:
-            ledger.release(tenant, held)
             self._creating.discard(key)
         ledger.update(tenant, sid, num_tokens)
         return rec

@@ -137,6 +137,10 @@ async def test_a_create_cut_short_by_a_crash_leaves_the_name_usable(ray_cluster:
             assert (await c.append(sid, " hi")).num_tokens == 38
         with pytest.raises(AlreadyExists):                            # control: a live session keeps its name
             await c.create_session("s9", SYSTEM)
+        twins = await asyncio.gather(*(c.create_session("twin", SYSTEM) for _ in range(3)), return_exceptions=True)
+        assert sorted(type(t).__name__ for t in twins) == ["AlreadyExists", "AlreadyExists", "SessionRow"], twins
+        assert (await c.get_session("twin")).row.num_tokens == 35     # the winner was not undone by the losers
+        assert len(store.oplog_read("local", "twin")) == 1
     finally:
         store.close()
         await c.close()
