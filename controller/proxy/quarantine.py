@@ -33,6 +33,13 @@ POLICIES = ("placeholder", "refuse", "off")
 TOOL_ROLES = ("tool", "function")
 ENVELOPE = re.compile(r"(<tool_result>)(.*?)(</tool_result>)", re.S)
 PLACEHOLDER = "[tool result sha256:{ref} withheld: quarantined by kvfleet]"
+# NOTE: below the controller's default gRPC message limit (4 MiB) with room for framing; larger sets of
+# tool results go in several calls, and one larger tool result is refused (413) rather than sent
+MAX_JUDGE_BYTES = 3 << 20
+MAX_JUDGE_RESULTS = 256  # the controller's limit per call (controller.verdicts.MAX_RESULTS)
+# NOTE: a first inspection costs CPU in the controller (the rules read several views of the text: about 3 s
+# per MiB on a loaded 2-core machine), far more than a route; later ones are a store lookup
+JUDGE_TIMEOUT_S = 30.0
 
 Rewrite = Callable[[str, str], str | None]  # (text, where) -> replacement, or None to keep it
 
@@ -128,7 +135,10 @@ class Enforcer:
         if not found:
             return body, []
         texts = list(dict.fromkeys(text for _, text in found))
-        judged = dict(zip(texts, await self.control.judge([t.encode() for t in texts], policy, token), strict=True))
+        judged: dict[str, Any] = {}
+        for batch in _batches([t.encode() for t in texts], found):
+            judged.update(zip((b.decode() for b in batch), await self.control.judge(batch, policy, token, JUDGE_TIMEOUT_S),
+                              strict=True))
         for j in judged.values():
             self.metrics.judged.labels("QUARANTINED" if j.quarantined else "CLEAN", j.source).inc()
         hits = [Hit(where, judged[t].ref, tuple(judged[t].reasons), judged[t].source, policy)
@@ -148,3 +158,21 @@ class Enforcer:
             return PLACEHOLDER.format(ref=j.ref) if j.quarantined else None
 
         return rewrite(body, chat, fn), hits
+
+
+def _batches(blobs: list[bytes], found: list[tuple[str, str]]) -> list[list[bytes]]:
+    """`blobs` in calls of at most MAX_JUDGE_BYTES and MAX_JUDGE_RESULTS each; 413 for one tool result larger
+    than MAX_JUDGE_BYTES."""
+    out: list[list[bytes]] = [[]]
+    size = 0
+    for b in blobs:
+        if len(b) > MAX_JUDGE_BYTES:
+            where = next(w for w, t in found if t.encode() == b)
+            raise ProxyError(413, f"the tool result at {where} is {len(b)} bytes; the proxy has tool results of "
+                                  f"at most {MAX_JUDGE_BYTES} bytes judged: split or shorten it", where.split("@")[0])
+        if (size + len(b) > MAX_JUDGE_BYTES or len(out[-1]) == MAX_JUDGE_RESULTS) and out[-1]:
+            out.append([])
+            size = 0
+        out[-1].append(b)
+        size += len(b)
+    return out

@@ -191,3 +191,24 @@ async def test_late_operator_verdict_excludes_the_result_and_reroutes_the_prefix
         assert unchanged.worker == worker and unchanged.matched_tokens >= n1 // BLOCK * BLOCK > span
     finally:
         await fleet.stop()
+
+
+async def test_many_or_huge_tool_results_get_a_clear_answer(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        (sim,) = fleet.sims.values()
+        # 300 distinct tool results (more than one JudgeToolResults call takes): judged in batches, served
+        many = [{"role": "tool", "tool_call_id": f"c{i}", "content": f"row {i}: ok"} for i in range(300)]
+        status, h, doc = await _chat(fleet, [{"role": "user", "content": "dump the table"}, *many])
+        assert status == 200, doc  # before: 400 "controller: 300 tool results in one call; at most 256"
+        assert _metric(fleet, "kvfleet_proxy_tool_results_judged_total", verdict="CLEAN") == 300
+        # one tool result larger than a judge call may carry: 413 naming it, nothing forwarded
+        n = len(sim.received.items)
+        huge = "x" * ((3 << 20) + 1)
+        status, h, doc = await _chat(fleet, [{"role": "user", "content": "read it"},
+                                             {"role": "tool", "tool_call_id": "c1", "content": huge}])
+        print("huge tool result ->", status, doc["error"]["message"][:120])
+        assert status == 413 and doc["error"]["param"] == "messages[1].content"  # before: 429 from the controller
+        assert len(sim.received.items) == n
+    finally:
+        await fleet.stop()
