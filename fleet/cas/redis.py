@@ -62,9 +62,11 @@ return 1
 """
 
 _GC_ONE = """
+if redis.call('TYPE', KEYS[2])['ok'] ~= 'hash' then return 0 end
 local m = redis.call('HMGET', KEYS[2], 'pins', 'refs', 'lease_expires')
-if not m[1] then return 0 end
-if tonumber(m[1]) == 0 and tonumber(m[2]) == 0 and tonumber(m[3]) <= tonumber(ARGV[1]) then
+local pins, refs, lease = tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
+if pins == nil or refs == nil or lease == nil then return 0 end  -- unreadable metadata: never collected
+if pins == 0 and refs == 0 and lease <= tonumber(ARGV[1]) then
   redis.call('DEL', KEYS[1], KEYS[2])
   return 1
 end
@@ -225,7 +227,8 @@ class RedisBlobStore(BlobStore):
     @_unavailable
     def _gc(self, now: float) -> int:
         """Collect blob by blob; a key that only looks like metadata (the op log of a session named
-        `x:m:y` matches the scan pattern too) is skipped, so no key can abort GC for every tenant."""
+        `x:m:y` matches the scan pattern too), or metadata that is not a hash of numbers, is skipped
+        and kept, so no key can abort GC for every tenant."""
         deleted = 0
         for key in self.r.scan_iter(match="kvf:t:*:m:*", count=1000):
             m = _META_KEY.fullmatch(key.decode("utf-8", "replace"))
