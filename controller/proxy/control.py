@@ -98,15 +98,6 @@ class ControlClient:
             raise base.to_error(e, "ListWorkers", self.target) from e
         return [types.worker_info(w) for w in r.workers]
 
-    async def judge(self, results: list[bytes], action: str, token: str | None) -> list[quarantine_pb2.Judgement]:
-        """The controller's verdict on each tool result (JudgeToolResults, with the client's token)."""
-        req = quarantine_pb2.JudgeToolResultsRequest(results=results, action=action)
-        try:
-            r = await self._quarantine.JudgeToolResults(req, timeout=self.timeout_s, metadata=base.metadata(token))
-        except grpc.RpcError as e:
-            raise base.to_error(e, "JudgeToolResults", self.target) from e
-        return list(r.judgements)
-
     async def judge(self, results: list[bytes], action: str, token: str | None,
                     timeout_s: float | None = None) -> list[quarantine_pb2.Judgement]:
         """The controller's verdict on each tool result (JudgeToolResults, with the client's token)."""
