@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
+
 from fleet.errors import InvalidArgument
 
 
@@ -11,7 +13,7 @@ from fleet.errors import InvalidArgument
 class ProxyConfig:
     """Settings of one proxy.
 
-    `token` is the proxy's own bearer token, used only to list the workers (operator role; not needed
+    `token` is the proxy's own bearer token, used only to list the workers (role reader suffices; not needed
     when the controller runs with auth off). With `token_passthrough` each client's own bearer token
     is what the controller sees on Route, so auth and tenancy (cache_salt) stay the controller's.
     """
@@ -38,6 +40,10 @@ class ProxyConfig:
     quarantine_policy: str = "placeholder"  # what a quarantined tool result gets: placeholder | refuse | off
     quarantine_tenant_policies: tuple[tuple[str, str], ...] = ()  # (tenant, policy) overrides
     tokenize_cache_size: int = 4096
+    tls: bool = False  # TLS to the controller (implied by any tls_* file below)
+    tls_ca: str | None = None  # CA that signed the controller's certificate (None: system roots)
+    tls_client_cert: str | None = None  # mutual TLS: the proxy's certificate and key
+    tls_client_key: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("controller", "listen"):
@@ -50,6 +56,14 @@ class ProxyConfig:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0:
             raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise InvalidArgument("mutual TLS needs both --tls-cert and --tls-key (the proxy's own, PEM)")
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """The channel credentials to the controller: None for plaintext."""
+        from fleet.sdk.base import credentials
+
+        return credentials(self.tls, self.tls_ca, self.tls_client_cert, self.tls_client_key)
         for who, policy in (("--quarantine-policy", self.quarantine_policy),
                             *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
             if policy not in ("placeholder", "refuse", "off"):

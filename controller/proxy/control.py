@@ -30,9 +30,11 @@ log = logging.getLogger("kvfleet.proxy")
 class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.errors.*."""
 
-    def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
+                         else grpc.aio.insecure_channel(target))
         self._route = RouteServiceStub(self._channel)
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)

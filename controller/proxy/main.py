@@ -4,8 +4,9 @@
     curl -H "Authorization: Bearer $TENANT_TOKEN" localhost:8000/v1/chat/completions -d '{"model": ...}'
 
 Environment variables are read here and nowhere else (flags win): KVFLEET_CONTROLLER,
-KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own operator token, to list workers),
-KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key).
+KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own token, to list workers: role reader),
+KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key), KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT /
+KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.server import Proxy
+from fleet.cli.tls import add_client_tls
 from fleet.errors import KvfleetError
 
 
@@ -30,7 +32,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument("--controller", default=e("KVFLEET_CONTROLLER", "127.0.0.1:50051"), help="controller HOST:PORT")
     p.add_argument("--listen", default=e("KVFLEET_PROXY_LISTEN", "127.0.0.1:8000"), help="HOST:PORT to serve on")
     p.add_argument("--token", default=e("KVFLEET_PROXY_TOKEN"),
-                   help="the proxy's own bearer token (operator role) to list workers; not needed with auth off")
+                   help="the proxy's own bearer token to list workers: a read-only one is enough "
+                        "(`kvfleet controller --mint-token proxy --role reader`); not needed with auth off")
     p.add_argument("--token-passthrough", action=argparse.BooleanOptionalAction, default=True,
                    help="forward each client's bearer token to the controller (default on); off: use --token "
                         "for every request (single-tenant, trusted network)")
@@ -51,6 +54,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "request is refused (400), or tool results are not inspected (off); docs/quarantine.md")
     p.add_argument("--quarantine-tenant-policy", action="append", default=[], metavar="TENANT=POLICY",
                    help="a tenant's own quarantine policy (repeatable)")
+    add_client_tls(p, env)
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -62,7 +66,8 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),
-                       max_body_bytes=a.max_body_bytes)
+                       max_body_bytes=a.max_body_bytes, tls=a.tls, tls_ca=a.tls_ca,
+                       tls_client_cert=a.tls_cert, tls_client_key=a.tls_key)
 
 
 def _pair(spec: str) -> tuple[str, str]:

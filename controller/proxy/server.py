@@ -26,7 +26,8 @@ class Proxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
-        self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s)
+        self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
+                                     credentials=cfg.credentials())
         self._runner: web.AppRunner | None = None
         self.port = 0
 

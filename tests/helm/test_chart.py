@@ -454,7 +454,7 @@ BAD_VALUES = [
     ({"redis": {"create": False}}, "at '/redis/external/url': minLength: got 0, want 1"),
     ({"redis": {"external": {"url": "redis://r:6379/0"}}}, "at '/redis/external/url': maxLength: got 16, want 0"),
     ({"tls": {"enabled": True}, "proxy": {"create": False}}, "at '/tls/secretName': minLength: got 0, want 1"),
-    ({"tls": {"enabled": True, "secretName": "t"}}, "at '/proxy/create': value must be false"),
+    ({"tls": {"enabled": True, "secretName": "t", "clientCa": True}}, "at '/tls/clientSecretName': minLength: got 0, want 1"),
     ({"image": {"tag": "latest"}}, "at '/image/tag'"),
     ({"workers": {"head": {"rayStartParams": {"num-cpus": 0}}}}, "at '/workers/head/rayStartParams/num-cpus'"),
     ({"auth": {"tokens": [{"name": "x", "tenant": "t", "role": "admin", "sha256": "ab" * 32}]}},
@@ -491,7 +491,7 @@ def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> Any:
     ({"workers": {"groups": [GPU_GROUP]}}, "workers.groups[gpu] asks for 2 GPU(s) but image.variant=cpu"),
     ({"workers": {"groups": [dict(CPU_GROUP, minReplicas=5)]}}, "workers.groups[cpu]: minReplicas=5 > maxReplicas=4"),
     ({"auth": {"bootstrapOperator": False}}, "no tokens: set auth.bootstrapOperator=true"),
-    ({"tls": {"enabled": True, "secretName": "t"}}, "`kvfleet proxy` dials the controller in plaintext gRPC"),
+    ({"tls": {"enabled": True, "secretName": "t", "clientCa": True}}, "tls.clientCa=true needs tls.clientSecretName"),
     ({"auth": {"bootstrapOperator": False, "tokens": [{"name": "a", "tenant": "a", "role": "operator", "sha256": "ab" * 32}]}},
      "proxy.create=true needs an operator token: set proxy.tokenSecret.name"),
 ])

@@ -1,7 +1,8 @@
 """Register the chart's vLLM workers with the controller (a Helm post-install/upgrade hook).
 
 Env: KVFLEET_CONTROLLER (host:port), KVFLEET_TOKEN (operator bearer token), KVFLEET_WORKERS (JSON
-list of {name, url, kvEvents, replay, model}), KVFLEET_TLS ("1" for TLS), KVFLEET_CA (CA file).
+list of {name, url, kvEvents, replay, model}), KVFLEET_TLS ("1" for TLS), KVFLEET_CA (CA file),
+KVFLEET_TLS_CLIENT_CERT / KVFLEET_TLS_CLIENT_KEY (mutual TLS: this job's certificate and key).
 Registering the same spec again is a no-op (upgrades are idempotent); a worker whose values changed
 is unregistered and registered with the new spec. Workers removed from the values stay registered.
 """
@@ -21,8 +22,9 @@ def main() -> int:
     tls = os.environ.get("KVFLEET_TLS") == "1"
     ca = os.environ.get("KVFLEET_CA") or None
     ca = ca if ca and os.path.exists(ca) else None  # a TLS Secret without ca.crt: system roots
+    cert, key = os.environ.get("KVFLEET_TLS_CLIENT_CERT"), os.environ.get("KVFLEET_TLS_CLIENT_KEY")
     with FleetClient(os.environ["KVFLEET_CONTROLLER"], token=os.environ["KVFLEET_TOKEN"], tls=tls,
-                     root_certificates=ca, timeout=30.0) as client:
+                     root_certificates=ca, client_cert=cert, client_key=key, timeout=30.0) as client:
         for w in workers:
             try:
                 client.register_worker(w["name"], url=w["url"], kv_events=w["kvEvents"],

@@ -124,8 +124,11 @@ capabilities:
 {{- if and (not .Values.redis.create) (not .Values.redis.external.url) }}
 {{- fail "redis.create=false needs redis.external.url (redis://HOST:PORT/DB)" }}
 {{- end }}
-{{- if and .Values.tls.enabled .Values.proxy.create }}
-{{- fail "tls.enabled=true with proxy.create=true: `kvfleet proxy` dials the controller in plaintext gRPC, so it could not reach a TLS controller; set proxy.create=false, or keep tls.enabled=false and terminate TLS in a service mesh" }}
+{{- if and .Values.tls.clientCa (not .Values.tls.enabled) }}
+{{- fail "tls.clientCa=true (mutual TLS) needs tls.enabled=true and tls.secretName" }}
+{{- end }}
+{{- if and .Values.tls.clientCa (not .Values.tls.clientSecretName) }}
+{{- fail "tls.clientCa=true needs tls.clientSecretName: a kubernetes.io/tls Secret with the client certificate the proxy and the watcher job present" }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled=true needs tls.secretName (a kubernetes.io/tls Secret with tls.crt and tls.key)" }}

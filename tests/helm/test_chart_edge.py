@@ -1,0 +1,84 @@
+"""The chart's gRPC edge values: the controller's limits reach its flags; TLS and mutual TLS reach the
+controller, the proxy and the watcher job (which see only the CA of the server's Secret, never its key)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+from test_chart import CHART, KUBE_VERSION, NAMESPACE, RELEASE, VLLM, _docs, container, one
+
+from controller.edge import EDGE_FLAGS
+from controller.main import parse_args
+
+LIMITS = {"maxRouteTokens": 65536, "uploadsPerTenant": 4, "uploads": 32, "uploadBytesPerTenant": 1 << 27,
+          "uploadBytes": 1 << 29, "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
+          "grpcMaxConcurrentStreams": 50, "grpcMaxConcurrentRpcs": 500, "grpcKeepaliveSeconds": 30,
+          "grpcMinPingIntervalSeconds": 5}
+MTLS = {"tls": {"enabled": True, "secretName": "kvfleet-tls", "clientCa": True, "clientSecretName": "kvfleet-client"},
+        "watcher": {"create": True, "vllmWorkers": VLLM}}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    with helm.Chart.load(CHART) as ch:
+        yield ch
+
+
+def _objs(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    return _docs(chart.render(values, name=RELEASE, namespace=NAMESPACE))
+
+
+def test_limits_reach_the_controller_flags(chart: Any) -> None:
+    args = container(one(_objs(chart, {"controller": {"limits": LIMITS}}), "Deployment", "-controller"))["args"]
+    flag = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--") and i + 1 < len(args)}
+    print(args)
+    assert flag["--max-route-tokens"] == "65536" and flag["--max-upload-bytes-per-tenant"] == str(1 << 27)
+    assert flag["--upload-idle-timeout"] == "12.5" and flag["--grpc-min-ping-interval"] == "5"
+    assert set(EDGE_FLAGS) <= set(flag)  # every edge flag has a value
+    # the controller's own parser takes them all
+    cli = parse_args(args[1:], {})
+    assert (cli.edge_max_route_tokens, cli.edge_idle_s, cli.edge_max_concurrent_streams) == (65536, 12.5, 50)
+    # control: the default values pass none of them
+    args = container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
+    assert not set(EDGE_FLAGS) & set(args)
+
+
+def test_schema_refuses_a_bad_limit(chart: Any) -> None:
+    with pytest.raises(helm.HelmValuesError) as e:
+        chart.validate_schema({"controller": {"limits": {"uploads": 0}}})
+    assert "at '/controller/limits/uploads': minimum: got 0, want 1" in str(e.value)
+    with pytest.raises(helm.HelmValuesError) as e:
+        chart.validate_schema({"tls": {"clientCa": True, "clientSecretName": "c"}})
+    assert "at '/tls/enabled'" in str(e.value)
+
+
+def test_mutual_tls_reaches_controller_proxy_and_watcher(chart: Any) -> None:
+    objs = _objs(chart, MTLS)
+    ctl = container(one(objs, "Deployment", "-controller"))["args"]
+    assert ctl[ctl.index("--tls-client-ca") + 1] == "/etc/kvfleet/tls/ca.crt"
+    proxy_dep = one(objs, "Deployment", "-proxy")
+    p = container(proxy_dep)
+    flag = {a: p["args"][i + 1] for i, a in enumerate(p["args"]) if a.startswith("--tls")}
+    assert flag == {"--tls-ca": "/etc/kvfleet/tls/ca.crt", "--tls-cert": "/etc/kvfleet/tls-client/tls.crt",
+                    "--tls-key": "/etc/kvfleet/tls-client/tls.key"}
+    vols = {v["name"]: v for v in proxy_dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["tls-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the server's key
+    assert vols["tls-client"]["secret"]["secretName"] == "kvfleet-client"
+    job = container(one(objs, "Job"))
+    env = {e["name"]: e.get("value") for e in job["env"]}
+    assert env["KVFLEET_TLS_CLIENT_CERT"] == "/etc/kvfleet/tls-client/tls.crt" and env["KVFLEET_CA"].endswith("ca.crt")
+    for o in objs:
+        if o["kind"] in ("Deployment", "Job", "Secret", "Service"):
+            assert kubernetes_validate.validate(o, KUBE_VERSION, strict=True) == "1.32", o["metadata"]["name"]
+    # the proxy's flags are ones `kvfleet proxy` has
+    from controller.proxy.main import config_from
+    from controller.proxy.main import parse_args as proxy_args
+
+    cfg = config_from(proxy_args(p["args"][1:], {}))
+    assert cfg.tls_client_key == "/etc/kvfleet/tls-client/tls.key"
+    # control: server-only TLS gives the proxy the CA and no client certificate
+    plain = container(one(_objs(chart, {"tls": {"enabled": True, "secretName": "kvfleet-tls"}}), "Deployment", "-proxy"))
+    assert "--tls-ca" in plain["args"] and "--tls-cert" not in plain["args"]
