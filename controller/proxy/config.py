@@ -56,6 +56,10 @@ class ProxyConfig:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0:
             raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")
+        for who, policy in (("--quarantine-policy", self.quarantine_policy),
+                            *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
+            if policy not in ("placeholder", "refuse", "off"):
+                raise InvalidArgument(f"{who}{policy!r}: expected placeholder, refuse or off")
         if bool(self.tls_client_cert) != bool(self.tls_client_key):
             raise InvalidArgument("mutual TLS needs both --tls-cert and --tls-key (the proxy's own, PEM)")
 
@@ -64,10 +68,6 @@ class ProxyConfig:
         from fleet.sdk.base import credentials
 
         return credentials(self.tls, self.tls_ca, self.tls_client_cert, self.tls_client_key)
-        for who, policy in (("--quarantine-policy", self.quarantine_policy),
-                            *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
-            if policy not in ("placeholder", "refuse", "off"):
-                raise InvalidArgument(f"{who}{policy!r}: expected placeholder, refuse or off")
 
     @property
     def host(self) -> str:
