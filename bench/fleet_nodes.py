@@ -15,6 +15,8 @@ paths (placement probes, cross-node calls), not a speed-up.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        for d in (tmp, Path(os.environ["RAY_TMPDIR"])):
+            shutil.rmtree(d, ignore_errors=True)
     body = report(args, one, three, loss, fork, ctl)
     print(body)
     from benchdoc import write_section

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,7 +52,7 @@ def start_cluster(num_nodes: int = 2, accel_node: bool = True) -> Any:
     from ray.cluster_utils import Cluster
 
     ray_utils.write_ray_address = lambda *a, **k: None   # never advertise this cluster machine-wide
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvmn")
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="kvmn")   # short: Ray's socket paths must fit
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH})
     for i in range(num_nodes):
@@ -69,6 +70,17 @@ def wait_node_dead(node_id: str, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"node {node_id} still alive")
+
+
+def wait_unreachable(actor: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.1)
+    raise AssertionError("an actor of the dead node still answers")
 
 
 def actor_info(url: str, tenant: str, sid: str) -> dict[str, Any]:
@@ -146,8 +158,11 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
             f.append(T, sid, f"Work item for {sid}: summarise the log.")
         before = {sid: (f.digest(T, sid), f.last_logits(T, sid)) for sid in sids}
         on_new = [sid for sid in sids if f._record(T, sid)["node"] == new.node_id]
+        handles = [f._handles[(T, sid)] for sid in on_new]
         cluster.remove_node(new, allow_graceful=False)                  # SIGKILL its raylet
         wait_node_dead(new.node_id)
+        for actor in handles:       # its worker processes notice a moment later; until then they answer
+            wait_unreachable(actor)
         rows = {r["session"]: r["state"] for r in f.list_sessions(tenant=T)}
         extra = f.create_session(T, "after", "You are created after the loss.")["node"]
         t0 = time.perf_counter()
@@ -304,6 +319,8 @@ def main(out: Path, names: list[str]) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        for d in (tmp, Path(os.environ["RAY_TMPDIR"])):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

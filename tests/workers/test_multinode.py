@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,15 @@ SCRIPT = Path(__file__).with_name("multinode_scenarios.py")
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("multinode") / "out.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, timeout=420,
-                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:    # its raylets and controller are in its process group: all go
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
     if not out.exists():
-        pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{err[-3000:]}")
     return dict(json.loads(out.read_text()))
 
 
