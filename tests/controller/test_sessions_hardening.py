@@ -269,3 +269,67 @@ async def test_an_idle_session_is_released_and_regenerates_on_its_next_call(ray_
     finally:
         await c.close()
         await ctl.stop(grace=1)
+
+
+# ---- finding 9, with a real crash: the process creating a session is SIGKILLed mid-create ----------
+
+CREATOR = """
+import sys, ray
+from workers.fleet import KernelFleet
+ray.init(address=sys.argv[1], namespace="kvfleet", log_to_driver=False)
+f = KernelFleet(sys.argv[2], {"block_size": 16})
+print("ready", flush=True)
+f.create_session("local", "s1", "x" * 8000)     # a long prefill: the create is in flight for a while
+print("created", flush=True)
+"""
+
+
+def _supervisor_gone(url: str) -> bool:
+    from workers.placement import supervisor_name
+
+    for node in ray.nodes():
+        try:
+            ray.get_actor(supervisor_name(node["NodeID"], fleet_scope(url)), namespace=NAMESPACE)
+            return False
+        except ValueError:
+            pass
+    return True
+
+
+async def test_a_driver_killed_mid_create_leaves_the_name_usable(ray_cluster: None, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    url, root = _url(tmp_path), Path(__file__).resolve().parents[2]
+    store = open_store(url)
+    proc = subprocess.Popen([sys.executable, "-c", CREATOR, ray.get_runtime_context().gcs_address, url],
+                            stdout=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert (await asyncio.to_thread(proc.stdout.readline)).strip() == "ready"   # type: ignore[union-attr]
+        deadline = time.monotonic() + 120
+        while store.kv_get(REGISTRY, "local/s1") is None:            # the registry record is written ...
+            assert time.monotonic() < deadline and proc.poll() is None
+            await asyncio.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)                             # ... and the creator dies mid-create
+    finally:
+        proc.kill()
+        proc.wait()
+    raw = store.kv_get(REGISTRY, "local/s1")
+    state = json.loads(raw or b"{}").get("state")
+    assert state == "creating", f"the create finished before the kill ({state}); nothing was tested"
+    deadline = time.monotonic() + 60
+    while not _supervisor_gone(url):                                  # its actors go with their driver
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    ctl = await start_controller(url, None)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        with pytest.raises(NotFound):
+            await c.get_session("s1")                                 # never acknowledged: absent
+        row = await c.create_session("s1", SYSTEM)                    # and the name can be used again
+        assert (row.state, row.num_tokens) == ("active", 35)
+        assert len(store.oplog_read("local", "s1")) == 1
+    finally:
+        store.close()
+        await c.close()
+        await ctl.stop(grace=1)
