@@ -274,3 +274,22 @@ def test_listen_port_must_be_a_port() -> None:
         with pytest.raises(InvalidArgument, match="port in 0-65535"):
             ControllerConfig(listen=bad)
     assert ControllerConfig(listen="127.0.0.1:65535").listen.endswith("65535")
+
+
+def test_edge_flags_reach_the_config_of_controller_and_up() -> None:
+    from controller.edge import edge_config_from
+    from controller.main import config_from, parse_args
+    from fleet.cli.up import parse as up_parse
+    from fleet.errors import InvalidArgument
+
+    argv = ["--max-route-tokens", "4096", "--max-uploads-per-tenant", "3", "--upload-idle-timeout", "2.5",
+            "--grpc-max-receive-bytes", "1048576", "--tls-client-ca", "ca.pem", "--tls-cert", "c.pem", "--tls-key", "k"]
+    cfg = config_from(parse_args(argv, {}), {})
+    assert (cfg.max_route_tokens, cfg.uploads.tenant_uploads, cfg.uploads.idle_s) == (4096, 3, 2.5)
+    assert cfg.grpc_limits.max_receive_bytes == 1 << 20 and cfg.tls_client_ca == "ca.pem"
+    assert cfg.uploads.total_uploads == UploadLimits().total_uploads  # unset flags keep the defaults
+    up = edge_config_from(up_parse(["--max-upload-bytes", "1000", "--grpc-max-concurrent-streams", "7"]))
+    assert up["uploads"].total_bytes == 1000 and up["grpc_limits"].max_concurrent_streams == 7
+    for bad in (["--max-uploads", "0"], ["--grpc-keepalive", "-1"]):
+        with pytest.raises(InvalidArgument, match=bad[0]):
+            edge_config_from(parse_args(bad, {}))
