@@ -167,6 +167,8 @@ async def test_tenant_quotas_on_sessions_and_kv_bytes(ray_cluster: None, tmp_pat
             await a.append("s1", "x" * 25)                            # would be 101 > 100
         with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
             await a.generate("s1", 25)
+        with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+            await a.add_tool_result("s1", await a.put_blob(b"y" * 25))  # a tool result counts its bytes
         assert (await a.get_session("s1")).row.num_tokens == 41       # refused: nothing applied
         assert (await a.append("s1", "x" * 24)).num_tokens == 65      # exactly at the quota: 100
         await a.close_session("s2")                                   # frees a session and 35 tokens
