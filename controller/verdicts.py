@@ -5,7 +5,7 @@
 
 Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
 
-    quarantine.verdicts  "<sha256>:<detector config id>"  JSON Verdict            (fleet.quarantine.cache)
+    quarantine.verdicts  "<sha256>:<config id>.<code>"    JSON Verdict            (fleet.quarantine.cache)
     quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
     quarantine.seen      "<tenant>/<sha256>"              QuarantineRecord as JSON (recent quarantines)
 
@@ -18,10 +18,12 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+import fleet.quarantine as quarantine_pkg
 from fleet.errors import InvalidArgument
-from fleet.quarantine import DetectorConfig, VerdictCache, make_detector
+from fleet.quarantine import DetectorConfig, Verdict, VerdictCache, make_detector
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
 QUARANTINED, CLEAN = "QUARANTINED", "CLEAN"
@@ -58,12 +60,36 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def detector_code_digest() -> str:
+    """sha256 (12 hex) of the fleet.quarantine package's source files.
+
+    NOTE: a detector's config_id covers its config and model weights, not its rules' code; folding this in
+    makes a rule update a new verdict space, so bytes judged clean before it are judged again (a late verdict).
+    """
+    h = hashlib.sha256()
+    for path in sorted(Path(quarantine_pkg.__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+@dataclass(slots=True)
+class _Versioned:
+    """A detector whose config_id also names the code that judges."""
+
+    detector: Any
+    config_id: str
+
+    def inspect(self, data: str | bytes | bytearray | memoryview) -> Verdict:
+        return self.detector.inspect(data)  # type: ignore[no-any-return]
+
+
 class Judge:
     """Verdicts on tool results' bytes; the detector defaults to the rules layer (docs/quarantine.md)."""
 
     def __init__(self, store: Any, config: DetectorConfig | None = None) -> None:
         self.store = store
-        self.cache = VerdictCache(store, make_detector(config or DetectorConfig(layers=("rules",))))
+        det = make_detector(config or DetectorConfig(layers=("rules",)))
+        self.cache = VerdictCache(store, _Versioned(det, f"{det.config_id}.{detector_code_digest()}"))
 
     @property
     def config_id(self) -> str:
