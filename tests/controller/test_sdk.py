@@ -57,7 +57,7 @@ def _sync_typed(address: str, tok) -> None:
         assert c.whoami() == type(c.whoami())("acme", "tenant", "acme")
         with pytest.raises(NotFound) as nf:
             c.get_blob("ab" * 32)
-        with pytest.raises(PermissionDenied, match="needs the operator role"):
+        with pytest.raises(PermissionDenied, match="needs the operator or reader role"):
             c.workers()
         with pytest.raises(InvalidArgument, match="token ids"):
             c.route([-1], model="m")

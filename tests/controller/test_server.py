@@ -142,7 +142,7 @@ def test_kvfleet_controller_cli(tmp_path: Path) -> None:
     try:
         line = proc.stdout.readline()
         print(line.strip())
-        m = re.search(r"listening on (\S+) .*metrics on :(\d+)", line)
+        m = re.search(r"listening on (\S+) .*metrics on [^\s:]*:(\d+)", line)
         assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
         with FleetClient(m.group(1), token=op) as c:
             assert c.whoami().role == "operator"
