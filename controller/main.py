@@ -37,7 +37,7 @@ from controller.quotas import add_session_flags, session_limits_from
 from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
-from controller.store_gc import DEFAULT_GC_INTERVAL_S
+from controller.store_gc import add_gc_flag
 from fleet.errors import InvalidArgument, KvfleetError
 
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
@@ -154,12 +154,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument(
         "--max-blob-bytes", type=int, default=64 << 20, help="largest blob accepted (default 64 MiB)"
     )
-    p.add_argument(
-        "--gc-interval",
-        type=float,
-        default=float(e("KVFLEET_GC_INTERVAL", str(DEFAULT_GC_INTERVAL_S))),
-        help=f"seconds between the leader's store GC runs; 0: off (default {DEFAULT_GC_INTERVAL_S:.0f})",
-    )
+    add_gc_flag(p, env)
     p.add_argument(
         "--fleet-metrics-interval",
         type=float,

@@ -11,11 +11,12 @@ A run deletes every unpinned, unreferenced blob whose lease ran out (`BlobStore.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,25 @@ class GcConfig:
         if not self.interval_s >= 0 or self.interval_s == float("inf"):
             raise InvalidArgument(f"--gc-interval must be a finite number of seconds >= 0 (0: off), "
                                   f"got {self.interval_s}")
+
+
+def add_gc_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """--gc-interval (env KVFLEET_GC_INTERVAL), shared by `kvfleet controller` and `kvfleet up`.
+
+    The default is a string on purpose: argparse converts it like a command-line value, so a bad
+    KVFLEET_GC_INTERVAL is a usage error naming the flag, never a traceback."""
+    p.add_argument(
+        "--gc-interval",
+        type=float,
+        default=env.get("KVFLEET_GC_INTERVAL", str(DEFAULT_GC_INTERVAL_S)),
+        help=f"seconds between the leader's store GC runs; 0: off (default {DEFAULT_GC_INTERVAL_S:.0f}; "
+        "env KVFLEET_GC_INTERVAL)",
+    )
+
+
+def gc_interval_from(args: argparse.Namespace) -> float:
+    """The --gc-interval given, validated (InvalidArgument names the flag)."""
+    return GcConfig(float(args.gc_interval)).interval_s
 
 
 async def _to_thread(fn: Callable[..., Any], *args: Any) -> Any:

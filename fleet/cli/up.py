@@ -4,6 +4,7 @@
     kvfleet up --store redis://127.0.0.1:6379/0 --ray-address 10.0.0.2:6379
     kvfleet up --sim-workers 2                   # also two vLLM stand-ins, registered
     kvfleet up --route-queue-weight 1.0          # placement weights, as `kvfleet controller` (docs/routing.md)
+    kvfleet up --gc-interval 60                  # the store's GC every minute (default 300 s; 0: off)
 
 Prints the controller's address and an operator token (minted into STATE_DIR/tokens.json), and
 the commands to look at the fleet.
@@ -18,7 +19,7 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fleet.errors import KvfleetError
 
@@ -32,6 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     from controller.main import add_cost_flags
     from controller.node_flags import add_node_flags
     from controller.quotas import add_session_flags
+    from controller.store_gc import add_gc_flag
 
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument(
@@ -53,11 +55,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_edge_flags(p)
     add_session_flags(p)
     add_node_flags(p)
+    add_gc_flag(p, {})
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> int:
+def controller_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """ControllerConfig fields from `kvfleet up`'s flags (edge limits, GC schedule); raises
+    InvalidArgument, naming the flag, on a bad value (before anything starts)."""
     from controller.edge import edge_config_from
+    from controller.store_gc import gc_interval_from
+
+    return {**edge_config_from(args), "gc_interval_s": gc_interval_from(args)}
+
+
+async def serve(args: argparse.Namespace) -> int:
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
     from controller.main import cost_config_from
     from controller.quotas import session_limits_from
@@ -65,7 +76,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
     kernel = kernel_overrides_from(args)
-    edge = edge_config_from(args)
+    overrides = controller_overrides(args)
     limits = session_limits_from(args)
     state = Path(args.state_dir).expanduser().resolve()
     state.mkdir(parents=True, exist_ok=True)
@@ -78,7 +89,7 @@ async def serve(args: argparse.Namespace) -> int:
         tenant=args.tenant,
         ray_address=args.ray_address,
         ray_num_cpus=args.num_cpus,
-        controller=edge,
+        controller=overrides,
     )
     stack = await Stack.start(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)

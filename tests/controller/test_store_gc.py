@@ -125,3 +125,29 @@ def test_gc_interval_flag() -> None:
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(InvalidArgument, match="--gc-interval"):
             config_from(parse_args(["--gc-interval", bad], {}), {})
+
+
+def test_a_bad_gc_interval_env_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """KVFLEET_GC_INTERVAL=abc is argparse's usage error naming the flag (before: a ValueError
+    traceback out of parse_args)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([], {"KVFLEET_GC_INTERVAL": "abc"})
+    assert exit_.value.code == 2 and "--gc-interval: invalid float value: 'abc'" in capsys.readouterr().err
+
+
+def test_kvfleet_up_takes_gc_interval() -> None:
+    """`kvfleet up --gc-interval` reaches the stack's ControllerConfig; a bad one is refused, naming it."""
+    from controller.server import ControllerConfig
+    from fleet.cli.up import controller_overrides
+    from fleet.cli.up import parse as up_parse
+
+    def cfg(argv: list[str]) -> ControllerConfig:
+        return ControllerConfig(listen="127.0.0.1:0", store_url="sqlite:///unused.db",
+                                **controller_overrides(up_parse(argv)))
+
+    assert cfg(["--gc-interval", "7.5"]).gc_interval_s == 7.5
+    assert cfg(["--gc-interval", "0"]).gc_interval_s == 0.0
+    assert cfg([]).gc_interval_s == GcConfig().interval_s
+    for bad in ("-1", "nan"):
+        with pytest.raises(InvalidArgument, match="--gc-interval"):
+            controller_overrides(up_parse(["--gc-interval", bad]))
