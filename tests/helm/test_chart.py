@@ -641,7 +641,7 @@ def test_notes_commands_use_flags_the_cli_has(rendered: dict[str, dict[str, str]
     (mint,) = [c for c in commands if c[1] == "controller"]
     a = parse_args(mint[2:], {})
     assert (a.mint_token, a.role, a.tokens_file) == ("TENANT", "tenant", "./tokens.json")
-    assert "--tls" not in notes and "tls=True" in rendered["tls"]["kvfleet/templates/NOTES.txt"]
+    assert "--tls" not in notes and "--tls-ca ca.crt" in rendered["tls"]["kvfleet/templates/NOTES.txt"]
 
 
 # ---- kernel specs per node group, store GC, fleet metrics (docs/kernel_specs.md, docs/metrics.md) ----

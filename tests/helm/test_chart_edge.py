@@ -82,3 +82,18 @@ def test_mutual_tls_reaches_controller_proxy_and_watcher(chart: Any) -> None:
     # control: server-only TLS gives the proxy the CA and no client certificate
     plain = container(one(_objs(chart, {"tls": {"enabled": True, "secretName": "kvfleet-tls"}}), "Deployment", "-proxy"))
     assert "--tls-ca" in plain["args"] and "--tls-cert" not in plain["args"]
+
+
+def test_notes_give_tls_flags_the_cli_has(chart: Any) -> None:
+    import shlex
+
+    from fleet.cli.session import parse as session_parse
+    from fleet.cli.worker import parse as worker_parse
+
+    notes = chart.render(MTLS, name=RELEASE, namespace=NAMESPACE)["kvfleet/templates/NOTES.txt"]
+    commands = [shlex.split(line.strip()) for line in notes.splitlines() if line.strip().startswith("kvfleet ")
+                and line.split()[1] in ("session", "worker")]
+    assert len(commands) == 2
+    for cmd in commands:
+        args = (session_parse if cmd[1] == "session" else worker_parse)(cmd[2:])
+        assert (args.tls_ca, args.tls_cert, args.tls_key) == ("ca.crt", "client.crt", "client.key")
