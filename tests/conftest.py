@@ -35,7 +35,9 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+        # address="local": always a fresh cluster of our own, never one another process left running
+        # on this machine (ray.init() would join it and refuse num_cpus).
+        ray.init(address="local", num_cpus=4, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
                  configure_logging=False, runtime_env={"env_vars": {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}})
     yield None
     ray.shutdown()
