@@ -56,8 +56,9 @@ class FleetSnapshot:
 def snapshot(rows: Sequence[dict[str, Any]], node_stats: Sequence[dict[str, Any]]) -> FleetSnapshot:
     """Aggregate `KernelFleet.list_sessions(fleet=True)` rows and `node_stats()` (pure).
 
-    A row's `regenerated` (kept in the session registry) counts the times its actor was rebuilt,
-    so the total survives a controller restart; a fork is `shared` when it adopted blocks."""
+    A row's `regenerated` (kept in the session registry) counts the times its actor was rebuilt;
+    `regenerations` sums it over the sessions listed (the exported counter is the poller's, which
+    never falls). A fork is `shared` when it adopted blocks."""
     sessions: Counter[tuple[str, str]] = Counter()
     kv: Counter[tuple[str, str]] = Counter()
     forks: Counter[str] = Counter()
@@ -90,7 +91,9 @@ class FleetMetricsPoller:
         self.last: FleetSnapshot | None = None
         self.num_errors = 0
         self.supervisor_restarts = 0
+        self.regenerations = 0  # monotonic: a deleted session never takes its rebuilds back
         self._pids: dict[str, int] = {}
+        self._regenerated: dict[tuple[str, str], int] = {}  # (tenant, session) -> its count last poll
         self._task: asyncio.Task[None] | None = None
         metrics.registry.register(FleetCollector(self))
 
@@ -101,8 +104,21 @@ class FleetMetricsPoller:
             return None
         stats = fleet.node_stats()
         self._count_supervisor_restarts(stats)
-        self.last = snapshot(fleet.list_sessions(fleet=True), stats)
+        rows = fleet.list_sessions(fleet=True)
+        self._count_regenerations(rows)
+        self.last = snapshot(rows, stats)
         return self.last
+
+    def _count_regenerations(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Add each session's rebuilds since the last poll. The rows' own counts sum over live
+        sessions only, so exporting that sum would make a counter fall when a session that was
+        rebuilt is deleted (Prometheus reads a fall as a reset and rate() spikes)."""
+        seen: dict[tuple[str, str], int] = {}
+        for r in rows:
+            key, n = (str(r.get("tenant", "")), str(r.get("session", ""))), int(r.get("regenerated", 0) or 0)
+            self.regenerations += max(0, n - self._regenerated.get(key, 0))  # a new session of an old name: 0
+            seen[key] = n
+        self._regenerated = seen
 
     def _count_supervisor_restarts(self, stats: Sequence[dict[str, Any]]) -> None:
         """A supervisor answering from another process than last time was restarted by Ray."""
@@ -149,17 +165,17 @@ class FleetCollector(Collector):
         s = p.last
         if s is None:
             return
-        yield from _sessions(s)
+        yield from _sessions(s, p.regenerations)
         yield from _nodes(s)
         restarts = CounterMetricFamily("kvfleet_fleet_actor_restarts",
                                        "Actors replaced: session (lost, rebuilt from its log), supervisor "
                                        "(restarted by Ray, seen by the poller).", labels=["kind"])
-        restarts.add_metric(["session"], s.regenerations)
+        restarts.add_metric(["session"], p.regenerations)
         restarts.add_metric(["supervisor"], p.supervisor_restarts)
         yield restarts
 
 
-def _sessions(s: FleetSnapshot) -> Iterator[Metric]:
+def _sessions(s: FleetSnapshot, regenerations: int) -> Iterator[Metric]:
     g = GaugeMetricFamily("kvfleet_fleet_sessions", "Sessions per node and state.", labels=["node", "state"])
     for (node, state), n in sorted(s.sessions.items()):
         g.add_metric([node, state], n)
@@ -170,7 +186,7 @@ def _sessions(s: FleetSnapshot) -> Iterator[Metric]:
         kv.add_metric([node, kind], n)
     yield kv
     regen = CounterMetricFamily("kvfleet_fleet_regenerations", "Sessions rebuilt from their op log.")
-    regen.add_metric([], s.regenerations)
+    regen.add_metric([], regenerations)
     yield regen
     forks = GaugeMetricFamily("kvfleet_fleet_forks", "Live forks by how they were built: shared (adopted the "
                               "parent's blocks copy-on-write) or replayed (recomputed).", labels=["mode"])

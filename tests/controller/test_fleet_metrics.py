@@ -105,6 +105,31 @@ async def test_a_real_fleet_on_the_controllers_metrics(ray_cluster: None, tmp_pa
         await ctl.stop(0)
 
 
+def test_regenerations_never_fall_when_a_rebuilt_session_is_deleted() -> None:
+    """The rebuild counters are Prometheus counters: deleting a session that was rebuilt (or
+    creating a new one under its name) must not lower them (before: the live rows' sum, 3 -> 1)."""
+    m = Metrics()
+    rows = [{"tenant": "acme", "session": "a", "node": "n1", "state": "active", "regenerated": 2},
+            {"tenant": "acme", "session": "b", "node": "n1", "state": "active", "regenerated": 1}]
+
+    class Fleet(_Fleet):
+        def list_sessions(self, fleet: bool = True) -> list[dict]:
+            return rows
+
+    poller = FleetMetricsPoller(lambda: Fleet(STATS), m, interval_s=0)
+    get = m.registry.get_sample_value
+    seen = []
+    for now in ([rows[0], rows[1]],                                       # 2 + 1 rebuilds
+                [rows[1]],                                                # a deleted: still 3
+                [{**rows[0], "regenerated": 0}, {**rows[1], "regenerated": 2}],  # a again (new); b rebuilt once more
+                [{**rows[0], "regenerated": 1}, {**rows[1], "regenerated": 2}]):  # the new a rebuilt once
+        rows[:] = now
+        poller.poll()
+        seen.append((get("kvfleet_fleet_regenerations_total"),
+                     get("kvfleet_fleet_actor_restarts_total", {"kind": "session"})))
+    assert seen == [(3, 3), (3, 3), (4, 4), (5, 5)]
+
+
 def test_docs_list_every_fleet_and_gc_family() -> None:
     """docs/metrics.md names every kernel-fleet and store-GC family the controller exports."""
     m = Metrics()
