@@ -293,3 +293,18 @@ def test_edge_flags_reach_the_config_of_controller_and_up() -> None:
     for bad in (["--max-uploads", "0"], ["--grpc-keepalive", "-1"]):
         with pytest.raises(InvalidArgument, match=bad[0]):
             edge_config_from(parse_args(bad, {}))
+
+
+async def test_no_error_echoes_a_megabyte_back(tmp_path: Path) -> None:
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:  # the store's own message repeats the ref
+                await BlobServiceStub(ch).StatBlob(blobs_pb2.StatBlobRequest(ref="x" * (1 << 20)), metadata=md(tok.a))
+            details = ei.value.details()
+            print(len(details), details[:120])
+            assert ei.value.code() == Code.INVALID_ARGUMENT and details.startswith("malformed ref")
+            assert len(details) <= 1100 and details.endswith("(message cut)")
+    finally:
+        await ctl.stop(0)
