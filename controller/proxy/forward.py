@@ -6,15 +6,17 @@
          │                 GET /is_sleeping ── awake (busy, e.g. a long non-streaming answer) ──► keep waiting
          │                        │            no answer in probe_timeout_s (busy: unknown)  ──► keep waiting,
          │                        │                                                    probe again later
-         │                        │ is_sleeping true, or the probe's connection refused
+         │                        │ is_sleeping true, the probe's connection refused, or no answer
+         │                        │ from a worker the controller no longer lists as serving
          ▼                        ▼
     connection error / 503 ─► one retry on the next serving candidate (the worker is marked suspect)
 
 vLLM queues requests to a sleeping engine and they hang (reference §1.3), and a streaming vLLM
 may send its headers before the engine runs, so "first byte" means the first body bytes.
-NOTE: only a sleeping answer (or a refused connection) fails an attempt over. A probe that times out
-says the worker is busy or unknown, not asleep: a loaded vLLM answers /is_sleeping slowly, and failing
-over every slow worker turned load into 503s (#13 finding 8).
+NOTE: only a sleeping answer, a refused connection, or silence from a worker the controller has stopped
+listing as serving (a frozen process: its reconcile lost /health) fails an attempt over. A probe that
+times out says the worker is busy or unknown, not asleep: a loaded vLLM answers /is_sleeping slowly, and
+failing over every slow worker turned load into 503s (#13 finding 8).
 """
 
 from __future__ import annotations
@@ -136,6 +138,11 @@ class Forwarder:
             if seen in (ASLEEP, GONE):
                 raise AttemptFailed(f"{seen}: no first byte within {self.cfg.first_byte_timeout_s * gap}s "
                                     f"and GET /is_sleeping {detail}")
+            if seen == BUSY and t.worker in self.directory.workers and not self.directory.serving(t.worker):
+                # NOTE: busy is the benefit of the doubt; a worker the controller no longer calls serving (its
+                # reconcile lost /health, or it was slept) and that does not answer a probe is given up on
+                raise AttemptFailed(f"unresponsive: no first byte, GET /is_sleeping {detail}, and the controller "
+                                    "no longer lists it as serving")
             gap = min(gap * 2, MAX_PROBE_GAP)
 
     async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:

@@ -120,3 +120,22 @@ async def test_a_client_reset_mid_answer_is_not_a_500(tmp_path: Path, caplog: py
 
 async def _now(x: object) -> object:
     return x
+
+
+async def test_a_silent_worker_the_controller_stops_serving_is_given_up(tmp_path: Path) -> None:
+    # Busy is the benefit of the doubt, not a promise to wait forever. A worker slept behind the controller's
+    # back queues our request and (here) never answers the probe in time; once the controller's reconcile
+    # stops listing it as serving, the proxy gives up on it instead of waiting on it forever.
+    fleet = await start_fleet(tmp_path, num_workers=1, first_byte_timeout_s=0.1, probe_timeout_s=1e-6)
+    try:
+        (name, sim), = fleet.sims.items()
+        async with fleet.http.post(sim.url + "/sleep?level=1") as r:  # NOT through the controller
+            assert r.status == 200
+        status, h, raw = await asyncio.wait_for(
+            fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}), 30.0)
+        err = json.loads(raw)["error"]["message"]
+        print(f"{name} asleep behind the controller's back, probe silent -> {status}: {err}")
+        assert status == 503 and "unresponsive" in err and "no longer lists it as serving" in err  # before: hung
+        assert len(served(sim, "/v1/completions")) == 1 and served(sim, "/v1/completions")[0].disconnected
+    finally:
+        await fleet.stop()
