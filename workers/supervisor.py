@@ -59,6 +59,7 @@ class NodeSupervisor:
         self.kv_budget_bytes, self.resources, self.detached = kv_budget_bytes, dict(resources or {}), detached
         self.actors: dict[tuple[str, str], Any] = {}
         self.epochs: dict[tuple[str, str], int] = {}
+        self.remote_adopters: set[tuple[str, str]] = set()  # adopted blocks copied from another node
         self.num_queried_tokens = self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
         if detached:
@@ -102,16 +103,17 @@ class NodeSupervisor:
 
     async def used_bytes(self, timeout_s: float = 5.0) -> int:
         """KV bytes held on this node: the tree's blocks (each once, in the object store) plus every
-        session's blocks except those it adopted from the tree (zero-copy views of the same)."""
-        async def held(actor: Any) -> int:
+        session's blocks except those it adopted from this node's tree (zero-copy views of the same;
+        blocks a cross-node fork adopted were copied here, so they count)."""
+        async def held(key: tuple[str, str], actor: Any) -> int:
             try:
                 i = await asyncio.wait_for(actor.info.remote(), timeout_s)
             except Exception:  # noqa: BLE001 - a dead or stuck actor holds nothing we can count
                 return 0
-            return max(0, int(i["bytes_alone"]) + int(i["bytes_shared"])
-                       - int(i["adopted_tokens"]) * self.bytes_per_token)
+            adopted = 0 if key in self.remote_adopters else int(i["adopted_tokens"]) * self.bytes_per_token
+            return max(0, int(i["bytes_alone"]) + int(i["bytes_shared"]) - adopted)
 
-        private = await asyncio.gather(*(held(a) for a in self.actors.values()))
+        private = await asyncio.gather(*(held(k, a) for k, a in list(self.actors.items())))
         salt = self.block_size * len(self.tree.root.children)   # one salt page per tenant: no KV
         return (self.tree.num_cached_tokens - salt) * self.bytes_per_token + sum(private)
 
@@ -169,6 +171,7 @@ class NodeSupervisor:
     def _spawn(self, tenant: str, session_id: str) -> Any:
         key = (tenant, session_id)
         self.epochs[key] = self.epochs.get(key, -1) + 1
+        self.remote_adopters.discard(key)
         actor = ray.remote(KernelActor).options(
             name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True,
             num_cpus=ACTOR_CPUS, num_gpus=KernelSpec.from_dict(self.kernel_spec).actor_gpus, resources=self.resources,
@@ -244,7 +247,9 @@ class NodeSupervisor:
         if (tenant, child_id) in self.actors:
             raise AlreadyExists(f"session {child_id} already exists")
         if prefix_refs and tokens and _kv_follows_tokens(ops):
-            return dict(await self._spawn(tenant, child_id).restore.remote(ops, prefix_refs, tokens))
+            actor = self._spawn(tenant, child_id)
+            self.remote_adopters.add((tenant, child_id))
+            return dict(await actor.restore.remote(ops, prefix_refs, tokens))
         parent = self.actors.get((tenant, parent_id)) if parent_id is not None else None
         if parent is None or not tokens or not _kv_follows_tokens(ops):
             return dict(await self._spawn(tenant, child_id).restore.remote(ops))

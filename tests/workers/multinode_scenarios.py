@@ -115,21 +115,32 @@ def placement(cluster: Any, tmp: Path) -> dict[str, Any]:
 
 
 def budget(cluster: Any, tmp: Path) -> dict[str, Any]:
-    """Per-node KV budget of 4 blocks (one session of a 40-token prompt spends it): the second
-    session, warm on the first node, goes to the other node; the third finds no room."""
-    f = KernelFleet(f"sqlite:///{tmp / 'budget.db'}", SPEC, node_refresh_s=0.0,
-                    node_kv_bytes=4 * f_block_bytes())
+    """Per-node KV budget of 6 blocks; a 44-token prompt holds 3 blocks, plus 2 cached on its node.
+
+    b1 -> some node A (5 blocks). b2, same prompt: A still fits it, because it adopts A's 2 cached
+    blocks and holds 1 of its own (A: 6, full). A fork of b1: A is full, so it goes to the other
+    node B and adopts b1's blocks moved by Ray (copies: they count on B, 3 blocks). b3, same
+    prompt: warm on A but A is full: B (3 + 3 + 2 cached = 8). b4: no room anywhere."""
+    bb = f_block_bytes()
+    url = f"sqlite:///{tmp / 'budget.db'}"
+    f = KernelFleet(url, SPEC, node_refresh_s=0.0, node_kv_bytes=6 * bb)
     try:
         prompt = "You are a budget agent; answer in one line."       # 44 bytes: 3 blocks
-        first = f.create_session(T, "b1", prompt)["node"]
-        second = f.create_session(T, "b2", prompt)["node"]
+        b1 = f.create_session(T, "b1", prompt)
+        b2 = f.create_session(T, "b2", prompt)
+        fork = f.fork(T, "b1", "b1f")
+        b3 = f.create_session(T, "b3", prompt)
         try:
-            f.create_session(T, "b3", prompt)
-            third = "created"
+            f.create_session(T, "b4", prompt)
+            refused = "created"
         except ResourceExhausted as e:
-            third = f"{e.code}: {e}"
-        left = [r["session"] for r in f.list_sessions(tenant=T)]
-        return {"first": first, "second": second, "third": third, "listed": left}
+            refused = f"{e.code}: {e}"
+        used = {s["node"]: s["kv_used_bytes"] // bb for s in f.node_stats()}
+        return {"b1": b1["node"], "b2": b2["node"], "b2_adopted": b2["adopted_tokens"], "fork": fork["node"],
+                "fork_moved_blocks": fork["moved_bytes"] // bb,
+                "fork_delta": max_delta(f.last_logits(T, "b1f"), f.last_logits(T, "b1")),
+                "b3": b3["node"], "b4": refused, "used_blocks": used,
+                "listed": [r["session"] for r in f.list_sessions(tenant=T)]}
     finally:
         f.shutdown()
 

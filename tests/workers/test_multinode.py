@@ -59,10 +59,14 @@ def test_zero_cpu_head_gets_nothing_and_custom_resources_decide_placement(scenar
 
 def test_spent_kv_budget_places_elsewhere_then_resource_exhausted(scenarios: dict[str, Any]) -> None:
     r = _get(scenarios, "budget")
-    assert r["second"] != r["first"]              # warm on the first node, but its budget is spent
-    assert r["third"].startswith("RESOURCE_EXHAUSTED: no node has room")
-    assert "--node-kv-bytes" in r["third"]
-    assert r["listed"] == ["b1", "b2"]             # the refused session left nothing behind
+    a, b = r["b1"], r["fork"]
+    assert r["b2"] == a and r["b2_adopted"] == 32          # fits on A only because it adopts A's blocks
+    assert b != a and r["fork_moved_blocks"] == 2          # A is full: the fork crosses, with b1's blocks
+    assert r["fork_delta"] == 0.0
+    assert r["b3"] == b                                    # warm on A, but A's budget is spent
+    assert r["used_blocks"] == {a: 6, b: 8}                # copies moved to B count there
+    assert r["b4"].startswith("RESOURCE_EXHAUSTED: no node has room") and "--node-kv-bytes" in r["b4"]
+    assert r["listed"] == ["b1", "b1f", "b2", "b3"]         # the refused session left nothing behind
 
 
 def test_a_joining_node_is_used_and_a_dead_nodes_sessions_come_back_bit_identical(scenarios: dict[str, Any]) -> None:
