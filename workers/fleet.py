@@ -113,6 +113,7 @@ class KernelFleet:
         self._nodes_lock = threading.Lock()
         self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size
         self.supervisors: dict[str, Any] = {}
+        self.node_specs: dict[str, KernelSpec] = {}  # node -> the kernel spec its group runs (workers/spec.py)
         self.num_regenerations = 0
         self._handles: dict[tuple[str, str], Any] = {}
         self.refresh_nodes(force=True)
@@ -138,8 +139,9 @@ class KernelFleet:
         for nid in set(self.supervisors) - set(alive):
             self.supervisors.pop(nid, None)
         for nid in alive:
+            self.node_specs[nid] = specs[nid] or self.spec
             if nid not in self.supervisors:
-                self.supervisors[nid] = self._supervisor(nid, specs[nid] or self.spec)
+                self.supervisors[nid] = self._supervisor(nid, self.node_specs[nid])
         return list(self.supervisors)
 
     def _supervisor(self, nid: str, spec: KernelSpec) -> Any:
@@ -395,11 +397,14 @@ class KernelFleet:
                    share: bool) -> tuple[tuple[Any, ...], int]:
         """The supervisor's fork arguments past (tenant, ops, child), and the bytes Ray moves:
         same node: the parent's id (zero-copy); another node: the parent's block refs (fetched
-        across); no sharing, or a parent its supervisor no longer knows: none (replay)."""
+        across); no sharing, a node of another kernel spec (node group), or a parent its supervisor
+        no longer knows: none (replay)."""
         if not share:
             return (), 0
         if node == parent_node:
             return (parent_id, tokens), 0
+        if self.node_specs.get(node) != self.node_specs.get(parent_node):
+            return (), 0  # another backend/device (node group): its KV is not portable, replay it there
         try:
             refs = self._sup(parent_node, "share_prefix", tenant, parent_id, tokens)
         except (NotFound, Unavailable):

@@ -56,9 +56,25 @@ def scenario(tmp: Path) -> dict[str, Any]:
         rows = f.list_sessions(fleet=True)
         return {"supervised": sorted(groups[n] for n in f.supervisors),
                 "sessions": sorted((groups[r["node"]], r["backend"], r["device"]) for r in rows),
-                "driver_backend": f.kernel.backend}
+                "driver_backend": f.kernel.backend, "cross_group_fork": cross_group_fork(f, groups, rows)}
     finally:
         f.shutdown()
+
+
+def cross_group_fork(f: KernelFleet, groups: dict[str, str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fork a torch (`fast`) session onto the numpy (`cpu`) node: its KV is not portable there, so
+    the child must replay the log (nothing adopted, nothing moved) and hold the parent's tokens."""
+    parent = next(r for r in rows if groups[r["node"]] == "fast")
+    cpu = next(n for n, g in groups.items() if g == "cpu")
+    f.append("acme", parent["session"], " a turn long enough to fill more blocks of KV. " * 2)
+    try:
+        rec = f.fork("acme", parent["session"], "child", share=True, node=cpu)
+    except Exception as e:  # noqa: BLE001 - reported: a fork across groups must not fail either
+        return {"error": f"{type(e).__name__}: {e}"}
+    child = f.info("acme", "child")
+    return {"adopted_tokens": rec["adopted_tokens"], "moved_bytes": rec["moved_bytes"],
+            "child": (groups[rec["node"]], child["backend"]),
+            "same_tokens": f.tokens("acme", "child") == f.tokens("acme", parent["session"])}
 
 
 def main(out: Path) -> None:

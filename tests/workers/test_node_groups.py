@@ -69,3 +69,6 @@ def test_node_groups_on_a_real_multi_node_ray(tmp_path: Path) -> None:
     assert {g for g, _, _ in r["sessions"]} == {"cpu", "fast"} and len(r["sessions"]) == 4
     assert all((b, d) == ({"cpu": "numpy", "fast": "torch"}[g], "cpu") for g, b, d in r["sessions"])
     assert r["driver_backend"] == "numpy"
+    # a fork from the torch group onto the numpy node replays (torch-made KV is not numpy's)
+    assert r["cross_group_fork"] == {"adopted_tokens": 0, "moved_bytes": 0, "child": ["cpu", "numpy"],
+                                     "same_tokens": True}
