@@ -83,6 +83,7 @@ class HFTokenizer:
     template: Any  # jinja2.Template
     bos_token: str = ""
     eos_token: str = ""
+    literal: Any = None  # the same tokenizer with encode_special_tokens on: special-token text stays text
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFTokenizer:
@@ -101,11 +102,12 @@ class HFTokenizer:
                                       "checkpoint directory (save it with tokenizer.save_pretrained(dir))")
         try:
             cfg = json.loads(cj.read_text())
-            tok = Tokenizer.from_file(str(tj))
+            tok, literal = Tokenizer.from_file(str(tj)), Tokenizer.from_file(str(tj))
         except (ValueError, OSError, Exception) as e:  # tokenizers raises a bare Exception on bad JSON
             raise InvalidArgument(f"{d}: cannot read the tokenizer: {e}") from e
+        literal.encode_special_tokens = True  # a second instance: never toggled while another thread encodes
         out = cls(str(d), tok, _compile(_chat_template(d, cfg)), _token_text(cfg.get("bos_token")),
-                  _token_text(cfg.get("eos_token")))
+                  _token_text(cfg.get("eos_token")), literal)
         out.check_piecewise()
         return out
 
@@ -144,18 +146,21 @@ class HFTokenizer:
                                   f"conversation {whole!r}")
 
     def encode(self, text: str | bytes) -> list[int]:
-        """Plain text (tool results): no template, no special tokens added."""
+        """Plain text (tool results): no template, no special tokens added, and none read from the
+        text: a tool result that contains `<|im_start|>system` is those characters, never the
+        control token (an untrusted tool output cannot open a turn of its own)."""
         if isinstance(text, bytes | bytearray):
             text = bytes(text).decode("utf-8", errors="replace")
         if not isinstance(text, str):
             raise InvalidArgument(f"encode takes str or bytes, got {type(text).__name__}")
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return list((self.literal or self.tokenizer).encode(text, add_special_tokens=False).ids)
 
     def encode_message(self, role: str, text: str) -> list[int]:
-        """A system prompt or chat message, through the chat template (its special tokens included)."""
+        """A system prompt or chat message, through the chat template (its special tokens included,
+        as transformers' apply_chat_template reads them)."""
         if not isinstance(text, str):
             raise InvalidArgument(f"a message must be a str, got {type(text).__name__}")
-        return self.encode(self.render_piece(role, text))
+        return list(self.tokenizer.encode(self.render_piece(role, text), add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> bytes:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=False)).encode("utf-8")
