@@ -27,7 +27,7 @@ def add_kernel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", default=None, choices=("numpy", "torch"),
                    help="backend of the session kernels on nodes of no listed group (default: the store's, numpy)")
     p.add_argument("--kernel-device", default=None,
-                   help="their device: cpu, cuda or cuda:N (cuda needs --kernel-backend torch)")
+                   help="their device: cpu or cuda (cuda needs --kernel-backend torch; Ray assigns each actor its GPU)")
     p.add_argument("--kernel-group", action="append", default=None, metavar="GROUP=BACKEND:DEVICE",
                    help="backend and device on Ray nodes labelled kvfleet.dev/group=GROUP, e.g. gpu=torch:cuda "
                         "(repeatable; replaces the stored groups)")

@@ -28,7 +28,7 @@ from fleet.kernel.hf_tokenizer import HFTokenizer
 GROUP_LABEL = "kvfleet.dev/group"
 ACTOR_GPUS = 0.01  # GPU share per actor of a CUDA spec: Ray exposes the device; ~100 sessions per GPU
 _GROUP_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
+_DEVICE_RE = re.compile(r"cpu|cuda(:0)?")  # Ray shows a session actor only its own GPU, as cuda:0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,9 @@ def check_placement(what: str, backend: str, device: str) -> None:
     if backend not in BACKENDS:
         raise InvalidArgument(f"{what}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
-        raise InvalidArgument(f"{what}: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        hint = (" (Ray shows each session actor only the GPU it assigned, as cuda:0; choose GPUs with "
+                "node groups and Ray's GPU resources, not a device index)" if str(device).startswith("cuda:") else "")
+        raise InvalidArgument(f"{what}: device must be 'cpu' or 'cuda', got {device!r}{hint}")
     if backend == "numpy" and device != "cpu":
         raise InvalidArgument(f"{what}: the numpy backend runs on 'cpu' only (got {device!r}); use torch for CUDA")
 

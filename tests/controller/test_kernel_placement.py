@@ -24,14 +24,15 @@ def test_flags_become_placement_overrides() -> None:
     assert config_from(args, {}).kernel == {"backend": "numpy", "groups": {
         "gpu": {"backend": "torch", "device": "cuda"}, "fast": {"backend": "torch", "device": "cpu"}}}
     assert config_from(parse_args([], {}), {}).kernel == {}
-    assert kernel_overrides_from(parse_args(["--kernel-device", "cuda:1"], {})) == {"device": "cuda:1",
-                                                                                     "backend": "torch"}
+    assert kernel_overrides_from(parse_args(["--kernel-device", "cuda"], {})) == {"device": "cuda",
+                                                                                   "backend": "torch"}
     up = parse_up(["--kernel-group", "gpu=torch:cuda"])
     assert kernel_overrides_from(up) == {"groups": {"gpu": {"backend": "torch", "device": "cuda"}}}
     for bad, msg in [(["--kernel-backend", "numpy", "--kernel-device", "cuda"], "numpy backend runs on 'cpu' only"),
                      (["--kernel-group", "gpu:torch"], "GROUP=BACKEND:DEVICE"),
                      (["--kernel-group", "a=torch:cpu", "--kernel-group", "a=numpy:cpu"], "names a group twice"),
-                     (["--kernel-device", "tpu"], "device must be")]:
+                     (["--kernel-device", "tpu"], "device must be"),
+                     (["--kernel-device", "cuda:1"], "Ray shows each session actor only the GPU it assigned")]:
         with pytest.raises(InvalidArgument, match=msg):
             kernel_overrides_from(parse_args(bad, {}))
 

@@ -675,6 +675,7 @@ def test_a_cuda_kernel_without_a_gpu_is_refused(chart_without_schema: Any, value
 @pytest.mark.parametrize(("values", "where"), [
     ({"workers": {"kernel": {"backend": "jax"}}}, "/workers/kernel/backend"),
     ({"workers": {"kernel": {"device": "tpu"}}}, "/workers/kernel/device"),
+    ({"workers": {"kernel": {"backend": "torch", "device": "cuda:1"}}}, "/workers/kernel/device"),
     ({"workers": {"groups": [dict(CPU_GROUP, kernel={"device": "gpu0"})]}}, "/workers/groups/0/kernel/device"),
     ({"controller": {"gcIntervalSeconds": -1}}, "/controller/gcIntervalSeconds"),
     ({"controller": {"fleetMetricsIntervalSeconds": -5}}, "/controller/fleetMetricsIntervalSeconds"),

@@ -43,13 +43,14 @@ def test_specs_round_trip_and_bad_placements_are_refused() -> None:
     assert KernelSpec.from_dict({"block_size": 16}).groups == ()   # a spec stored before groups existed
     for bad, msg in [({"backend": "numpy", "device": "cuda"}, "numpy backend runs on 'cpu' only"),
                      ({"backend": "jax"}, "unknown backend 'jax'"),
-                     ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+                     ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
+                     ({"backend": "torch", "device": "cuda:1"}, "only the GPU it assigned, as cuda:0"),
                      ({"groups": {"GPU!": {"backend": "torch", "device": "cuda"}}}, "must be a DNS label"),
                      ({"groups": {"gpu": {"backend": "numpy", "device": "cuda:0"}}}, "node group 'gpu'")]:
         with pytest.raises(InvalidArgument, match=msg):
             KernelSpec.from_dict(bad)
-    assert parse_group("gpu=torch:cuda:1") == ("gpu", "torch", "cuda:1")
-    for bad in ("gpu", "gpu=torch", "=torch:cuda", "gpu=numpy:cuda"):
+    assert parse_group("gpu=torch:cuda:0") == ("gpu", "torch", "cuda:0")
+    for bad in ("gpu", "gpu=torch", "=torch:cuda", "gpu=numpy:cuda", "gpu=torch:cuda:1"):
         with pytest.raises(InvalidArgument, match="--kernel-group"):
             parse_group(bad)
 
