@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import secrets
 import time
@@ -34,6 +35,7 @@ from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
 from controller.vllm.hashing import ALGOS, external_chain
+from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
 from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
@@ -44,13 +46,15 @@ _HTTP = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")
 _ZMQ = re.compile(r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
 _ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     reconcile_interval_s: float = 0.5
     probe_on_route: bool = False
     http_timeout_s: float = 2.0
-    replay_timeout_s: float = 1.0
+    stream: StreamLimits = field(default_factory=StreamLimits)
     cost: CostConfig = field(default_factory=CostConfig)
 
 
@@ -170,17 +174,41 @@ class Router:
         self.demand.ttl_s = c.working_set_ttl_s
 
     async def start(self) -> None:
-        """Open clients and resume every worker the store knows (cold, rebuilt by replay)."""
+        """Open clients and resume every worker the store knows (cold, rebuilt by replay).
+
+        NOTE: one worker's bad record or failing start is contained to that worker (counted in
+        kvfleet_worker_errors_total{where="start"}); it used to abort the whole start.
+        """
         self._session = aiohttp.ClientSession()
         self._zctx = zmq.asyncio.Context()
         for name, raw in sorted(self.store.kv_scan("workers").items()):
-            spec = WorkerSpec(**json.loads(raw))
-            ranks = {}
-            for r in range(spec.dp_ranks):
-                saved = self.store.kv_get("epochs", f"{name}/{r}")
+            try:
+                spec = WorkerSpec(**json.loads(raw))
+            except Exception:
+                self.metrics.worker_errors.labels("start").inc()
+                log.exception("worker %r: its stored spec is unreadable; skipped (re-register it)", name)
+                continue
+            w = self._resume(spec)
+            try:
+                await w.start(catch_up=True)
+            except Exception as e:
+                w.errors.failed("start", e)
+                w.mark_down_contained("start_error")
+
+    def _resume(self, spec: WorkerSpec) -> Worker:
+        """A known worker with its persisted rank states (a corrupt one reads as a fresh, cold rank)."""
+        ranks = {}
+        for r in range(spec.dp_ranks):
+            try:
+                saved = self.store.kv_get("epochs", f"{spec.name}/{r}")
                 st = RankState.from_json(json.loads(saved)) if saved else RankState()
-                ranks[r] = dataclasses.replace(st, serving=False)  # trust nothing until seen
-            await self._launch(spec, ranks, catch_up=True)
+                _check_rank_state(st)
+            except Exception:
+                self.metrics.worker_errors.labels("start").inc()
+                log.exception("worker %s rank %d: persisted state unreadable; starting it cold", spec.name, r)
+                st = RankState()
+            ranks[r] = dataclasses.replace(st, serving=False)  # trust nothing until seen
+        return self._new_worker(spec, ranks)
 
     async def stop(self) -> None:
         for w in list(self._workers.values()):
@@ -194,6 +222,11 @@ class Router:
     async def _launch(
         self, spec: WorkerSpec, ranks: dict[int, RankState] | None, *, catch_up: bool
     ) -> Worker:
+        w = self._new_worker(spec, ranks)
+        await w.start(catch_up=catch_up)
+        return w
+
+    def _new_worker(self, spec: WorkerSpec, ranks: dict[int, RankState] | None) -> Worker:
         assert self._session is not None and self._zctx is not None, "Router.start() first"
         w = Worker(
             spec,
@@ -206,7 +239,6 @@ class Router:
             ranks=ranks,
         )
         self._workers[spec.name] = w
-        await w.start(catch_up=catch_up)
         return w
 
     async def register_worker(self, spec: WorkerSpec) -> WorkerStatus:
@@ -271,28 +303,40 @@ class Router:
         return dataclasses.replace(wit, epoch=w.ranks[dp_rank or 0].epoch)
 
     def workers(self) -> list[WorkerStatus]:
-        return [self._status(w, r) for w in self._workers.values() for r in w.ranks]
+        """Every (worker, rank); a worker whose state cannot be read lists as "error", not serving."""
+        out: list[WorkerStatus] = []
+        for w in self._workers.values():
+            try:
+                rows = [self._status(w, r) for r in w.ranks]
+            except Exception as e:
+                w.errors.failed("status", e)
+                rows = [_error_status(w.spec, r) for r in range(w.spec.dp_ranks)]
+            else:
+                w.errors.ok("status")
+            out += rows
+        return out
 
     def worker(self, name: str) -> Worker:
         return self._get(name)
 
     def _status(self, w: Worker, r: int) -> WorkerStatus:
+        """One rank's row; every field checked for its wire type (a bad one raises here, not in proto)."""
         st, key = w.ranks[r], (w.spec.name, r)
         return WorkerStatus(
             w.spec.name,
             w.spec.url,
             w.spec.model,
             r,
-            st.phase,
-            st.kv,
-            st.serving,
-            w.warmable(r) and bool(self.index.resident(key)),
-            st.epoch,
-            st.seq,
+            _typed(st.phase, str),
+            _typed(st.kv, str),
+            _typed(st.serving, bool),
+            _typed(w.warmable(r), bool) and bool(self.index.resident(key)),
+            _typed(st.epoch, int),
+            _typed(st.seq, int),
             self.index.num_blocks(key),
-            w.load.running + w.load.waiting,
-            w.load.kv_usage,
-            st.fence,
+            float(w.load.running + w.load.waiting),
+            float(w.load.kv_usage),
+            _typed(st.fence, str),
             w.spec,
         )
 
@@ -321,8 +365,7 @@ class Router:
         t0 = time.perf_counter()
         _check_route_args(token_ids, model, cache_salt, lora)
         self._ended(self.flights.expire(time.monotonic()), "ttl")
-        pre = await asyncio.to_thread(_hash_chains, self._hash_jobs(token_ids, model, lora), token_ids, cache_salt)
-        ranking = self._rank(token_ids, model, cache_salt, lora, pre)
+        ranking = self._rank(token_ids, model, cache_salt, lora)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ranking.ranked:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
@@ -407,21 +450,7 @@ class Router:
         self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 
-    def _hash_jobs(self, token_ids: Sequence[int], model: str, lora: str | None) -> dict[Any, Any]:
-        """The block-hash chains _rank will need, keyed as _rank keys them (cheap; no hashing here)."""
-        jobs: dict[Any, Any] = {}
-        for w in self._workers.values():
-            adapter = lora or (model if model in w.loras else None)
-            if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
-                continue
-            if w.hash_cfg is not None and not w.transitioning and any(w.ranks[r].serving for r in w.ranks):
-                lk = (adapter, w.loras[adapter]) if adapter else None
-                jobs[(w.hash_cfg, adapter, w.loras.get(adapter or ""))] = (w.hash_cfg, lk)
-        return jobs
-
-    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
-              pre: dict[Any, list[int]] | None = None) -> _Ranking:
-        """Rank the candidates; `pre` holds chains hashed off the event loop (see _hash_chains)."""
+    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> _Ranking:
         # per hash config: the prompt's chain, and the tracked routes it extends
         chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
         last: dict[RankKey, int | None] = {}
@@ -431,33 +460,36 @@ class Router:
         shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
         seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
         for name, w in self._workers.items():
-            adapter = lora or (model if model in w.loras else None)
-            if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
-                continue
-            for r in w.ranks:
-                if not w.ranks[r].serving or w.transitioning:
-                    continue  # not a candidate at all, whatever it would cost
-                key, chain, ext = (name, r), None, None
-                proven = w.warmable(r) and w.hash_cfg is not None
-                if proven and w.hash_cfg is not None:
-                    ck = (w.hash_cfg, adapter, w.loras.get(adapter or ""))
-                    hit = chains.get(ck)
-                    if hit is None:
-                        lk = (adapter, w.loras[adapter]) if adapter else None
-                        chain = (pre or {}).get(ck)
-                        if chain is None:
+            try:
+                adapter = lora or (model if model in w.loras else None)
+                if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
+                    continue
+                ranks = [r for r in w.ranks if w.ranks[r].serving is True and not w.transitioning]
+                mine: list[CandidateState] = []
+                for r in ranks:
+                    key, chain, ext = (name, r), None, None
+                    proven = w.warmable(r) and w.hash_cfg is not None
+                    if proven and w.hash_cfg is not None:
+                        ck = (w.hash_cfg, adapter, w.loras.get(adapter or ""))
+                        hit = chains.get(ck)
+                        if hit is None:
+                            lk = (adapter, w.loras[adapter]) if adapter else None
                             chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
-                        nshared = self.branches.observe(chain)
-                        prev = self.demand.previous(chain)
-                        hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
-                        shared = max(shared, nshared * w.hash_cfg.block_size)
-                    chain, ext, nshared, prev = hit
-                    last[key] = chain[-1] if chain else None
-                    placed[key] = (hit[0], nshared)
-                    need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
-                else:
-                    need = -1
-                states.append(self._state(w, key, proven, chain, ext, seed, need))
+                            nshared = self.branches.observe(chain)
+                            prev = self.demand.previous(chain)
+                            hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
+                            shared = max(shared, nshared * w.hash_cfg.block_size)
+                        chain, ext, nshared, prev = hit
+                        last[key] = chain[-1] if chain else None
+                        placed[key] = (hit[0], nshared)
+                        need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
+                    else:
+                        need = -1
+                    mine.append(self._state(w, key, proven, chain, ext, seed, need))
+            except Exception as e:  # one worker's bad state costs that worker its candidacy, no more
+                w.errors.failed("route", e)
+                continue
+            states += mine
         ranked = cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens(), shared)
         return _Ranking(ranked, last, placed)
 
@@ -521,9 +553,23 @@ class Router:
         return ranking
 
 
-def _hash_chains(jobs: dict[Any, Any], token_ids: Sequence[int], salt: str | None) -> dict[Any, list[int]]:
-    """Hash a prompt's block chains (pure; run in a thread so a long prompt never stalls the loop)."""
-    return {ck: external_chain(cfg, token_ids, lora=lk, cache_salt=salt) for ck, (cfg, lk) in jobs.items()}
+def _typed(v: Any, kind: type) -> Any:
+    if type(v) is not kind:
+        raise TypeError(f"expected {kind.__name__}, got {v!r:.40}")
+    return v
+
+
+def _check_rank_state(st: RankState) -> None:
+    """A persisted rank state with the types it was written with (else: corrupt)."""
+    for name in ("epoch", "seq", "epoch_seq"):
+        _typed(getattr(st, name), int)
+    _typed(st.serving, bool)
+
+
+def _error_status(spec: WorkerSpec, r: int) -> WorkerStatus:
+    """The fail-closed row of a worker whose state cannot be read: not serving, nothing warm."""
+    return WorkerStatus(spec.name, spec.url, spec.model, r, "error", "unknown", False, False, -1, -1, 0,
+                        0.0, 0.0, "", spec)
 
 
 def _check_route_args(token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> None:

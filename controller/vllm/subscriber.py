@@ -5,6 +5,13 @@ contiguous: a gap asks the replay ROUTER for `[b"", start_seq]` and accepts 3-fr
 topic, seq, payload) or 2-frame (older: seq, payload) replies up to the end marker (seq = 0xFF*8).
 A gap that replay does not fill, a seq going backwards (publisher restart), a decode error or an
 unknown event type is reported to the sink as an invalidation; the sink then fails closed.
+
+Everything a worker sends is bounded (`StreamLimits`): a live frame larger than `max_msg_bytes`
+is dropped by ZMQ itself (ZMQ_MAXMSGSIZE; the peer is disconnected and the gap shows on the next
+frame), and one replay stops at an overall deadline, a batch count and a byte total. A replay
+over any bound fails like one that got no answer: the gap is unrepaired and the rank fails closed.
+NOTE: a ROUTER that trickles frames just under the per-frame timeout, or floods without an end
+marker, used to hold the replay (and the reconcile loop behind it) forever and grow without bound.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
@@ -27,8 +36,38 @@ from controller.vllm.events import (
     decode_batch,
     parse_seq,
 )
+from fleet.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """Bounds on what one worker's KV-event stream may cost the controller.
+
+    Defaults: vLLM keeps `buffer_steps` = 10,000 batches for replay and sets its replay SNDHWM to
+    2 * (buffer_steps + 1), so a whole honest replay fits `replay_max_batches`.
+    """
+
+    replay_timeout_s: float = 1.0  # silence between two replay frames
+    replay_deadline_s: float = 10.0  # one whole replay, first request to end marker
+    replay_max_batches: int = 20_002
+    replay_max_bytes: int = 256 << 20
+    max_msg_bytes: int = 64 << 20  # one ZMQ message (ZMQ_MAXMSGSIZE on SUB and DEALER)
+
+    def __post_init__(self) -> None:
+        for name in ("replay_timeout_s", "replay_deadline_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not v > 0:
+                raise InvalidArgument(f"{name} must be > 0 seconds, got {v!r}")
+        for name in ("replay_max_batches", "replay_max_bytes", "max_msg_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InvalidArgument(f"{name} must be a positive int, got {v!r}")
+
+
+class _OverLimit(Exception):
+    """A replay passed one of its StreamLimits bounds (the message says which)."""
 
 
 class StreamSink(Protocol):
@@ -43,19 +82,21 @@ class Subscriber:
     """Reads one PUB endpoint; calls the sink in strict seq order."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay: str | None, sink: StreamSink,
-                 metrics: Metrics, *, topic: bytes = b"", replay_timeout_s: float = 1.0) -> None:
+                 metrics: Metrics, *, topic: bytes = b"", limits: StreamLimits | None = None) -> None:
         self.ctx, self.endpoint, self.replay_endpoint = ctx, endpoint, replay
         self.sink, self.metrics, self.topic = sink, metrics, topic
-        self.replay_timeout_s = replay_timeout_s
+        self.limits = limits or StreamLimits()
         self._replayed: dict[int, bytes] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._closing = False
 
     async def start(self, catch_up_from: int | None = None) -> None:
         """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_msg_bytes)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.endpoint)
         self._sock = sock
@@ -68,6 +109,7 @@ class Subscriber:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        self._closing = True  # NOTE: a cancel swallowed by asyncio.wait_for (3.11) still ends _run
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -77,14 +119,17 @@ class Subscriber:
 
     async def _run(self) -> None:
         assert self._sock is not None
-        while True:
+        while not self._closing:
             frames = await self._sock.recv_multipart()
             try:
                 async with self._lock:
                     await self.handle(frames)
             except Exception:  # the watcher must outlive any bad frame
                 log.exception("KV event handling failed for %s", self.endpoint)
-                self.sink.on_invalidate("decode_error", None)
+                try:
+                    self.sink.on_invalidate("decode_error", None)
+                except Exception:  # NOTE: raising here would end this task and freeze the stream
+                    log.exception("invalidation after a bad frame failed for %s", self.endpoint)
 
     async def handle(self, frames: list[bytes]) -> None:
         """One live message, in order: duplicate check, reset, gap repair, then apply."""
@@ -171,30 +216,55 @@ class Subscriber:
         self.sink.on_batch(seq, batch)
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure."""
+        """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure.
+
+        Failure includes passing any `StreamLimits` bound (counted as outcome "over_limit").
+        """
         assert self.replay_endpoint is not None
         if not 0 <= start <= MAX_SEQ:
             return None  # an impossible start (e.g. a corrupt persisted seq): replay cannot help
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_msg_bytes)
         sock.connect(self.replay_endpoint)
-        out: list[tuple[int, bytes]] = []
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_s)
-                body = frames[1:] if frames and frames[0] == b"" else frames
-                if len(body) == 3:      # >= 0.26: topic, seq, payload
-                    seq_f, payload = body[1], body[2]
-                elif len(body) == 2:    # older: seq, payload
-                    seq_f, payload = body[0], body[1]
-                else:
-                    return None
-                seq = parse_seq(seq_f, allow_end=True)
-                if seq == END_SEQ:
-                    return out
-                out.append((seq, payload))
+            return await self._read_replay(sock)
+        except _OverLimit as e:
+            self.metrics.kv_event_replays.labels("over_limit").inc()
+            log.warning("replay from %s abandoned: %s", self.replay_endpoint, e)
+            return None
         except (TimeoutError, EventDecodeError, zmq.ZMQError):
             return None
         finally:
             sock.close(0)
+
+    async def _read_replay(self, sock: zmq.asyncio.Socket) -> list[tuple[int, bytes]] | None:
+        lim = self.limits
+        deadline = time.monotonic() + lim.replay_deadline_s
+        out: list[tuple[int, bytes]] = []
+        nbytes = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _OverLimit(f"no end marker within {lim.replay_deadline_s}s ({len(out)} batches)")
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), min(lim.replay_timeout_s, left))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise _OverLimit(f"no end marker within {lim.replay_deadline_s}s ({len(out)} batches)") from None
+                raise
+            body = frames[1:] if frames and frames[0] == b"" else frames
+            if len(body) == 3:      # >= 0.26: topic, seq, payload
+                seq_f, payload = body[1], body[2]
+            elif len(body) == 2:    # older: seq, payload
+                seq_f, payload = body[0], body[1]
+            else:
+                return None
+            seq = parse_seq(seq_f, allow_end=True)
+            if seq == END_SEQ:
+                return out
+            nbytes += len(payload)
+            if len(out) >= lim.replay_max_batches or nbytes > lim.replay_max_bytes:
+                raise _OverLimit(f"more than {lim.replay_max_batches} batches or {lim.replay_max_bytes} bytes")
+            out.append((seq, payload))

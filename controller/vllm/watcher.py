@@ -4,6 +4,11 @@ State per (worker, dp_rank) is a `fleet.lifecycle.RankState`, persisted in the s
 namespace "epochs", key "<worker>/<rank>") on every epoch change. The index holds only what
 BlockStored events of the current epoch proved; `fence` makes BlockStored wait for the
 AllBlocksCleared a forgetting verb queued ("clear") or for the restarted publisher ("reset").
+
+Failures stay with their worker (controller/contain.py): a store write that fails is retried on
+the next tick, a reconcile or tail replay that raises marks this worker down and is counted and
+logged once. Health polling and tail replay run as two loops, so a slow or flooding replay
+endpoint cannot delay the look that notices a worker put to sleep behind the controller's back.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
+from controller.contain import Contained
 from controller.index import PrefixIndex
 from controller.metrics import Metrics
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
@@ -77,12 +83,23 @@ class Worker:
         self.sleep_ops: float | None = None
         self._reset_seen: set[int] = set()
         self._persisted_seq: dict[int, int] = {}
+        self._unpersisted: set[int] = set()
         self._subs: list[Subscriber] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self.errors = Contained(metrics, spec.name)
 
     # persistence
     def persist(self, rank: int) -> None:
-        self.store.kv_put("epochs", f"{self.spec.name}/{rank}", json.dumps(self.ranks[rank].to_json()).encode())
+        """Write the rank's state; a store that is down is counted and retried on the next tick."""
+        try:
+            self.store.kv_put("epochs", f"{self.spec.name}/{rank}", json.dumps(self.ranks[rank].to_json()).encode())
+        except Exception as e:  # the in-memory state stays authoritative (and fails closed) meanwhile
+            self._unpersisted.add(rank)
+            self.errors.failed("persist", e)
+            return
+        self._unpersisted.discard(rank)
+        self.errors.ok("persist")
 
     def _set(self, rank: int, st: RankState, *, persist: bool = True) -> None:
         self.ranks[rank] = st
@@ -279,40 +296,64 @@ class Worker:
         for r in self.ranks:
             ep = rank_endpoint(self.spec.kv_events, r)
             rp = rank_endpoint(self.spec.replay, r) if self.spec.replay else None
-            sub = Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics,
-                             replay_timeout_s=self.cfg.replay_timeout_s)
+            sub = Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics, limits=self.cfg.stream)
             st = self.ranks[r]
             # a restarted controller rebuilds the current epoch from its first seq; a new worker
             # replays whatever its publisher still buffers (a suffix of the stream is sound)
             await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
             self._subs.append(sub)
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._reconcile_loop()), loop.create_task(self._tail_loop())]
 
-    async def _loop(self) -> None:
-        while True:
+    async def _reconcile_loop(self) -> None:
+        """Health, sleep state, restarts: never waits on the event stream or its replay."""
+        while not self._closing:
             await asyncio.sleep(self.cfg.reconcile_interval_s)
             try:
                 await self.reconcile_once()
+                self._persist_seqs()
+            except Exception as e:
+                self.errors.failed("reconcile", e)
+                self.mark_down_contained("reconcile_error")
+            else:
+                self.errors.ok("reconcile")
+
+    async def _tail_loop(self) -> None:
+        """Replay of a lost final batch; bounded by StreamLimits, and off the reconcile path."""
+        while not self._closing:
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
+            try:
                 for sub in self._subs:
                     await sub.poll_tail()
-                self._persist_seqs()
+            except Exception as e:
+                self.errors.failed("tail_replay", e)
+                self.mark_down_contained("tail_replay_error")
+            else:
+                self.errors.ok("tail_replay")
 
-            except Exception:
-                log.exception("reconcile of %s failed", self.spec.name)
-                self._mark_down("reconcile_error")
+    def mark_down_contained(self, reason: str) -> None:
+        try:
+            self._mark_down(reason)
+        except Exception as e:  # NOTE: used to escape the except clause and end the loop for good
+            self.errors.failed("mark_down", e)
 
     def _persist_seqs(self) -> None:
         """The last seq seen, persisted at most once per reconcile tick (epoch changes persist at once)."""
         for r, st in self.ranks.items():
-            if self._persisted_seq.get(r) != st.seq:
+            if self._persisted_seq.get(r) != st.seq or r in self._unpersisted:
                 self.persist(r)
-                self._persisted_seq[r] = st.seq
+                if r not in self._unpersisted:
+                    self._persisted_seq[r] = st.seq
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        # NOTE: on Python 3.11 asyncio.wait_for can swallow a cancel that lands as its inner
+        # future completes; the flag ends the loops anyway (stop used to hang, now and then).
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await t
+        self._tasks = []
         for s in self._subs:
             await s.stop()
         self._subs = []
