@@ -191,7 +191,8 @@ class Forwarder:
         """Relay status, headers and body bytes unchanged as they come; returns (response, t_first_client).
 
         With `note`, a complete (non-streamed, uncompressed) JSON object answer gets it as its top-level
-        "kvfleet" field; streams and anything else are relayed unchanged (the headers still carry it).
+        "kvfleet" field, and so does a stream's usage chunk (the SSE event whose JSON has a "usage");
+        every other byte is relayed unchanged (the headers carry the note too).
         Cancellation (the client went away) closes the upstream connection, which is how vLLM learns
         to abort the request.
         """
@@ -201,13 +202,16 @@ class Forwarder:
         headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS)
         headers.update(extra)
         out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
+        sse = _SseNoter(note) if note is not None and resp.content_type == "text/event-stream" else None
         try:
             await out.prepare(request)
             if o.first:
-                await out.write(o.first)
+                await out.write(sse.feed(o.first) if sse else o.first)
             t_first = time.perf_counter()
             async for chunk in resp.content.iter_any():
-                await out.write(chunk)
+                await out.write(sse.feed(chunk) if sse else chunk)
+            if sse:
+                await out.write(sse.flush())
             await out.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.cancelled.labels(o.target.worker).inc()
@@ -228,6 +232,35 @@ class Forwarder:
         headers.update(extra)
         out = web.Response(status=o.resp.status, reason=o.resp.reason, body=raw, headers=headers)
         return out, time.perf_counter()
+
+
+class _SseNoter:
+    """Adds `note` as "kvfleet" to a stream's usage chunk; passes every other event through unchanged.
+
+    NOTE: holds back at most one incomplete event (bytes after the last blank line) until it completes.
+    """
+
+    def __init__(self, note: dict[str, Any]) -> None:
+        self.note, self.buf = note, b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        head, sep, self.buf = (self.buf + chunk).rpartition(b"\n\n")
+        return b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep if sep else b""
+
+    def flush(self) -> bytes:
+        rest, self.buf = self.buf, b""
+        return rest
+
+    def _event(self, e: bytes) -> bytes:
+        if not e.startswith(b"data: {") or b'"usage"' not in e:
+            return e
+        try:
+            doc = json.loads(e[len(b"data: "):])
+        except ValueError:
+            return e
+        if not isinstance(doc, dict) or not doc.get("usage"):
+            return e
+        return b"data: " + json.dumps({**doc, "kvfleet": self.note}).encode()
 
 
 def _annotatable(resp: aiohttp.ClientResponse) -> bool:

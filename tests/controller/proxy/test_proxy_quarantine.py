@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_fleet import BLOCK, MODEL, Fleet, start_fleet, until
+from proxy_fleet import BLOCK, MODEL, Fleet, sse_events, start_fleet, until
 
 from controller.proxy.quarantine import PLACEHOLDER
 from controller.sim_vllm import tokenizer as simtok
@@ -104,12 +104,21 @@ async def test_poisoned_tool_result_is_withheld_and_the_next_turn_routes_warm(
         assert h3["x-kvfleet-worker"] == worker and h3["x-kvfleet-verdict"] == "WARM"
         assert int(h3["x-kvfleet-matched-tokens"]) >= n2 // BLOCK * BLOCK
         assert _stand_ins_saw(fleet, POISON) == []
-        # the CLI lists it for the tenant (seen twice: judged once, from the store's cache the second time)
+        # streamed: the usage chunk carries the same field; every other event is the worker's own
+        status, hs, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs3,
+                                                                    "max_tokens": 4, "stream": True})
+        events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
+        print("streamed turn 3, last event:", events[-1])
+        assert status == 200 and hs["x-kvfleet-quarantined"] == ref and sse_events(raw)[-1] == "[DONE]"
+        assert events[-1]["usage"] and events[-1]["kvfleet"]["quarantined"][0]["ref"] == ref
+        assert all("kvfleet" not in e for e in events[:-1]) and len(events) == 5  # 4 tokens, then usage
+        assert _stand_ins_saw(fleet, POISON) == []
+        # the CLI lists it for the tenant (seen three times: judged once, from the store's cache after that)
         rc, out = await _cli(capsys, fleet, "a", "ls", "--json")
         recs = json.loads(out)
         print("kvfleet quarantine ls --json (tenant acme):", recs)
         assert rc == 0 and [(r["tenant"], r["ref"], r["num_seen"], r["action"]) for r in recs] == [
-            ("acme", ref, 2, "placeholder")]
+            ("acme", ref, 3, "placeholder")]
         rc, table = await _cli(capsys, fleet, "op", "ls")
         assert rc == 0 and "acme" in table and ref[:16] in table and "instruction_override" in table
         # control: a tenant whose policy is "off" sends the same bytes, and the stand-in does receive them
