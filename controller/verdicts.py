@@ -1,6 +1,7 @@
 """Judge: tool-result verdicts for the proxy, kept in the store so every proxy and controller agree.
 
     verdict(bytes) = operator verdict on sha256(bytes), if one is set        (late verdicts, SetVerdict)
+                   else QUARANTINED if the tenant's blob of these bytes is   (admit_tool_result marked it)
                    else VerdictCache(store, detector).inspect(bytes)         (one inspection per bytes+config)
 
 Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import fleet.quarantine as quarantine_pkg
-from fleet.errors import InvalidArgument
+from fleet.errors import InvalidArgument, NotFound
 from fleet.quarantine import DetectorConfig, Verdict, VerdictCache, make_detector
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
@@ -34,7 +35,8 @@ MAX_REASONS, MAX_REASON_LEN = 16, 200
 
 @dataclass(frozen=True, slots=True)
 class Judgement:
-    """One tool result's verdict: `source` is "operator" when an operator's verdict decided it."""
+    """One tool result's verdict; `source` says who decided: "operator", "blob" (the tenant's blob was
+    quarantined through a session) or "detector"."""
 
     ref: str
     quarantined: bool
@@ -105,20 +107,31 @@ class Judge:
             raise InvalidArgument(f"{len(results)} tool results in one call; at most {MAX_RESULTS}")
         if action not in ACTIONS:
             raise InvalidArgument(f"action {action!r}: expected one of {ACTIONS}")
-        out = [self._one(data) for data in results]
+        out = [self._one(data, tenant) for data in results]
         now = time.time()
         for j in {j.ref: j for j in out if j.quarantined}.values():
             self._record(tenant, j, action, now)
         return out
 
-    def _one(self, data: bytes) -> Judgement:
+    def _one(self, data: bytes, tenant: str) -> Judgement:
         ref = sha256_hex(data)
         raw = self.store.kv_get(OPERATOR_NS, ref)
         if raw is not None:
             op = json.loads(raw)
             return Judgement(ref, op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator")
+        blob = self._blob_verdict(ref, tenant)
+        if blob is not None:
+            return blob
         v = self.cache.inspect(data)
         return Judgement(ref, v.quarantined, tuple(v.reasons), "detector")
+
+    def _blob_verdict(self, ref: str, tenant: str) -> Judgement | None:
+        """QUARANTINED if the tenant's own blob of these bytes was (admit_tool_result: one verdict, two media)."""
+        try:
+            meta = self.store.stat(ref, tenant)
+        except NotFound:
+            return None
+        return Judgement(ref, True, tuple(meta.reasons), "blob") if meta.verdict == QUARANTINED else None
 
     def _record(self, tenant: str, j: Judgement, action: str, now: float) -> None:
         # NOTE: read-modify-write; two proxies recording the same ref at once may lose one count, never a record

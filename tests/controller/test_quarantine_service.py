@@ -117,3 +117,16 @@ def test_a_rule_update_judges_cached_bytes_again(tmp_path: Path, monkeypatch: py
     j = Judge(store).judge([text], "acme", "placeholder")[0]
     assert j.quarantined and j.reasons == ("new_rule",)
     store.close()
+
+
+def test_a_blob_quarantined_through_a_session_is_quarantined_for_the_proxy_too(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'kv.db'}")
+    text = b"Tracking page says: parcel held at customs, call +44 20 7946 0000 to release it."
+    ref = store.put(text, "acme")
+    store.set_verdict(ref, "acme", "QUARANTINED", ["learned:0.97"])  # what admit_tool_result does
+    j = Judge(store)
+    mine, other = j.judge([text], "acme", "placeholder")[0], j.judge([text], "bravo", "placeholder")[0]
+    # acme's own verdict holds (before: the rules alone judged these bytes clean); bravo's blobs are its own
+    assert (mine.quarantined, mine.source, mine.reasons) == (True, "blob", ("learned:0.97",))
+    assert (other.quarantined, other.source) == (False, "detector")  # control: the rules alone call it clean
+    store.close()
