@@ -28,7 +28,7 @@ from fleet.errors import NotFound
 from fleet.kernel import PrefixKV, Session
 from fleet.kernel.tokenizer import encode_message
 from workers.host import SessionHost
-from workers.placement import add_blob_refs, fleet_scope, session_actor_name
+from workers.placement import add_blob_refs, drop_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 
@@ -57,10 +57,17 @@ class KernelActor:
 
     def _sink(self, op: dict[str, Any]) -> int:
         """Write-ahead: log the op (before it is applied and acknowledged); a logged tool result
-        references its blob, so the store's GC never collects it while a session holds it."""
-        index = int(self.store.oplog_append(self.tenant, self.session_id, op))
+        references its blob, so the store's GC never collects it while a session holds it.
+
+        The reference is taken first: a blob the leader's GC collected meanwhile (its lease ran
+        out after the actor read it) refuses the op with nothing logged, instead of a log entry
+        no replay could ever fetch; an op log write that fails gives the reference back."""
         add_blob_refs(self.store, [op])
-        return index
+        try:
+            return int(self.store.oplog_append(self.tenant, self.session_id, op))
+        except BaseException:
+            drop_blob_refs(self.store, [op])
+            raise
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)

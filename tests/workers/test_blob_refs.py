@@ -4,9 +4,14 @@ live session; closing every session that logged it releases it (real Ray, real S
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
+import pytest
+
+from fleet.cas import open_store
 from fleet.errors import NotFound
 from workers.fleet import KernelFleet
+from workers.session_actor import KernelActor
 
 
 def test_sessions_reference_their_tool_results_until_closed(kfleet: KernelFleet, tenant: str) -> None:
@@ -30,3 +35,21 @@ def test_sessions_reference_their_tool_results_until_closed(kfleet: KernelFleet,
     assert store.stat(ref, tenant).refs == 1 and store.gc(now=later) == 0
     kfleet.close(tenant, "b")
     assert store.stat(ref, tenant).refs == 0 and store.gc(now=later) == 1
+
+
+def test_a_blob_collected_before_its_op_is_logged_leaves_nothing_logged(tmp_path: Path) -> None:
+    """The leader's GC may collect a blob whose lease ran out right after a session actor read it.
+    Its write-ahead step must then refuse the op whole: before, the op was logged first and the
+    reference failed after, leaving a log entry that no regeneration could ever fetch."""
+    url = f"sqlite:///{tmp_path / 'refs.db'}"
+    actor = KernelActor("acme", "s1", url, {"block_size": 16})   # the class itself: its store step only
+    with open_store(url, lease_s=0.0) as store:
+        ref = store.put(b"tool output read just before GC ran", "acme")
+        assert store.gc() == 1                                     # the leader's GC, at that instant
+        op = {"op": "append", "piece": 1, "kind": "tool_result", "ref": ref, "tenant": "acme", "num_tokens": 3}
+        with pytest.raises(NotFound):
+            actor._sink(op)
+        assert store.oplog_read("acme", "s1") == []                # nothing half-written
+        kept = store.put(b"a live tool output", "acme")
+        assert actor._sink({**op, "ref": kept}) == 0               # control: a present blob is logged
+        assert store.stat(kept, "acme").refs == 1 and store.gc() == 0
