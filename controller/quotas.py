@@ -147,7 +147,14 @@ class TenantLedger:
         self.pending[tenant] = self.pending.get(tenant, 0) - reserved
 
     def update(self, tenant: str, session_id: str, num_tokens: int) -> None:
-        """What a call answered: the session now holds `num_tokens` tokens."""
+        """What a call answered: the session now holds `num_tokens` tokens. A session the ledger
+        no longer counts (closed while the call was in flight) stays uncounted."""
+        sessions = self.tokens.get(tenant)
+        if sessions is not None and session_id in sessions:
+            sessions[session_id] = int(num_tokens)
+
+    def add(self, tenant: str, session_id: str, num_tokens: int) -> None:
+        """A create or fork completed: the new session holds `num_tokens` tokens."""
         self.tokens.setdefault(tenant, {})[session_id] = int(num_tokens)
 
     def drop(self, tenant: str, session_id: str) -> None:
@@ -190,6 +197,17 @@ class TenantLanes:
 
     def release(self, tenant: str) -> None:
         self._load[tenant] -= 1
+        if not self._load[tenant]:
+            del self._load[tenant]
+
+    def prune(self) -> int:
+        """Shut down the lanes of tenants with no call running or waiting (a tenant that went
+        away keeps no threads); the next call of such a tenant starts a fresh lane. Returns how
+        many lanes were shut down. Called from the event loop, like acquire/release."""
+        idle = [t for t in self._lanes if t not in self._load]
+        for t in idle:
+            self._lanes.pop(t).shutdown(wait=False)
+        return len(idle)
 
     def lane(self, tenant: str) -> ThreadPoolExecutor:
         pool = self._lanes.get(tenant)

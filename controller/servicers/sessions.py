@@ -111,6 +111,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         self._creating: set[tuple[str, str]] = set()
         self._in_flight: dict[tuple[str, str], int] = {}
         self._touched: dict[tuple[str, str], float] = {}
+        self._reaping: dict[tuple[str, str], asyncio.Event] = {}  # sessions whose actor is being released
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -163,19 +164,30 @@ class SessionServicer(pbg.SessionServiceServicer):
 
     async def _call(self, method: str, tenant: str, *args: Any, **kw: Any) -> Any:
         """A KernelFleet call for `tenant` (args[0], when given, is the session: marked in flight
-        and touched, so the reaper leaves it alone)."""
+        and touched, so the reaper leaves it alone). A call for a session whose actor the reaper
+        is releasing waits for the release to end, then runs on the regenerated actor (never on
+        an actor being stopped under it)."""
         fleet = await self._fleet()
         key = (tenant, str(args[0])) if args else None
         if key is not None:
-            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+            while (releasing := self._reaping.get(key)) is not None:
+                await releasing.wait()
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1  # NOTE: no await since the check above
+        exists = True
         try:
             return await self._run(tenant, getattr(fleet, method), tenant, *args, **kw)
+        except NotFound:
+            exists = False  # no such session: nothing to remember about it (ids a tenant made up)
+            raise
         finally:
             if key is not None:
                 self._in_flight[key] -= 1
                 if not self._in_flight[key]:
                     del self._in_flight[key]
-                self._touched[key] = time.time()
+                if exists:
+                    self._touched[key] = time.time()
+                else:
+                    self._touched.pop(key, None)
 
     async def _quota(self, tenant: str) -> TenantLedger:
         """The ledger, with `tenant`'s sessions counted (rebuilt from the store the first time)."""
@@ -208,7 +220,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         finally:
             ledger.release(tenant, held)
         if getattr(r, "num_tokens", None) is not None:
-            ledger.update(tenant, sid, r.num_tokens)
+            ledger.update(tenant, sid, r.num_tokens)  # the session's count after the call, replayed or not
         return r
 
     async def _new_session(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any) -> Any:
@@ -232,7 +244,7 @@ class SessionServicer(pbg.SessionServiceServicer):
                 ledger.release(tenant, held)
         finally:
             self._creating.discard(key)
-        ledger.update(tenant, sid, num_tokens)
+        ledger.add(tenant, sid, num_tokens)
         return rec
 
     async def _row(self, tenant: str, rec: dict[str, Any]) -> pb.SessionRow:
@@ -294,9 +306,10 @@ class SessionServicer(pbg.SessionServiceServicer):
         if not 1 <= request.num_tokens <= MAX_GENERATE:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_GENERATE}, got {request.num_tokens}")
         n = int(request.num_tokens)
-        ids = await self._mutate(ident.tenant, sid, n, "generate", n, op_id=op_id)
-        self._shrink(ident.tenant, sid, -len(ids))
-        return pb.GenerateResponse(token_ids=ids)
+        # KernelFleet._op, not .generate: its AppendResult carries the session's token count, so the
+        # ledger is set exactly (a replayed Generate adds nothing; see _mutate)
+        r = await self._mutate(ident.tenant, sid, n, "_op", "generate", n, op_id=op_id)
+        return pb.GenerateResponse(token_ids=list(r.result.tokens))
 
     @unary(Role.TENANT)
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext,
@@ -304,17 +317,17 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid, mode = check_session_id("session_id", request.session_id), request.mode or "exact"
         if mode not in ("exact", "reposition"):
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
-        r = await self._call("evict", ident.tenant, sid, int(request.piece_id), mode)
-        self._shrink(ident.tenant, sid, r.length)
+        a = await self._call("_op", ident.tenant, sid, "evict", int(request.piece_id), mode)
+        self._set_tokens(ident.tenant, sid, a.num_tokens)   # exact, like an append's
+        r = a.result
         return pb.EvictResponse(mode=r.mode, start=r.start, length=r.length, tail=r.tail, num_evicted=r.num_evicted,
                                 num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact)
 
-    def _shrink(self, tenant: str, sid: str, num_tokens: int) -> None:
-        """Count `num_tokens` fewer tokens for the session (negative: more); the next row read
-        sets the exact figure."""
+    def _set_tokens(self, tenant: str, sid: str, num_tokens: int) -> None:
+        """The session now holds `num_tokens` tokens (a call's answer)."""
         ledger = self._ledger
         if ledger is not None and ledger.seeded(tenant):
-            ledger.update(tenant, sid, max(0, ledger.num_tokens(tenant, sid) - int(num_tokens)))
+            ledger.update(tenant, sid, num_tokens)
 
     @unary(Role.TENANT)
     async def Fork(self, request: pb.ForkRequest, context: grpc.aio.ServicerContext,
@@ -330,14 +343,14 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid = check_session_id("session_id", request.session_id)
         if not request.ref:
             raise InvalidArgument("admit_tool_result needs the blob's ref (sha256 hex from PutBlob)")
-        a = await self._call("admit_tool_result", ident.tenant, sid, request.ref)
+        res = await self._call("_op", ident.tenant, sid, "admit_tool_result", request.ref)
+        self._set_tokens(ident.tenant, sid, res.num_tokens)   # a quarantine evicts: exact, like an append's
+        a = res.result
         out = pb.AdmitToolResultResponse(verdict=a.verdict, reasons=list(a.reasons), evicted=a.evicted)
         m = self.ctx.metrics
         if a.verdict == "QUARANTINED":
             m.quarantines.inc()
         if a.witness is not None:
-            if a.evicted:
-                self._shrink(ident.tenant, sid, int(a.witness["length"]))
             out.witness.CopyFrom(witness_to_proto(a.witness))
             m.witness_max_delta.labels(kind="evict_vs_never").set(float(a.witness["max_abs_delta_evict_vs_never"]))
             m.witness_max_delta.labels(kind="control_kept_vs_never").set(float(a.witness["control_kept_vs_never"]))
@@ -376,7 +389,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         return pb.CloseSessionResponse()
 
     def _forget(self, tenant: str, sid: str) -> None:
-        if self._ledger is not None:
+        if self._ledger is not None and (tenant, sid) not in self._creating:  # a create's reservation stays
             self._ledger.drop(tenant, sid)
         self._touched.pop((tenant, sid), None)
 
@@ -418,6 +431,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         while True:
             limits = self.limits
             await asyncio.sleep(limits.reap_interval_s)
+            self._lanes.prune()  # the lanes of tenants with no call running or waiting
             if not limits.idle_ttl_s:
                 continue
             try:
@@ -425,22 +439,35 @@ class SessionServicer(pbg.SessionServiceServicer):
             except Exception:  # noqa: BLE001 - one failed pass (a node going away) never stops reaping
                 log.exception("idle-session reaping failed; retrying next interval")
 
-    async def reap_idle(self, ttl_s: float, now: float | None = None) -> list[tuple[str, str]]:
+    async def reap_idle(self, ttl_s: float, now: float | None = None,
+                        rows: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
         """Release the actor of every live session that no call touched for `ttl_s` seconds (none
         in flight); their records and op logs stay, so each regenerates on its next call.
-        Returns the (tenant, session) pairs released."""
+        `rows`: the fleet's session rows (default: listed now). Returns the (tenant, session)
+        pairs released.
+
+        Invariant: a session is released only with no call of it in flight, and a call arriving
+        during its release waits for it (`_call`), so no actor is stopped under a call."""
         now = time.time() if now is None else now
-        rows = await self._run_admin(self.fleet.list_sessions, True)
+        if rows is None:
+            rows = await self._run_admin(self.fleet.list_sessions, True)
         out = []
         for r in rows:
             key = (r["tenant"], r["session"])
-            if r.get("state") not in ("active", "regenerated") or key in self._in_flight or key in self._creating:
+            if r.get("state") not in ("active", "regenerated") or key in self._in_flight or key in self._creating \
+                    or key in self._reaping:
                 continue
             last = max(float(r.get("last_active") or 0.0), float(r.get("created") or 0.0), self._touched.get(key, 0.0))
-            if now - last > ttl_s:
+            if now - last <= ttl_s:
+                continue
+            released = self._reaping[key] = asyncio.Event()  # NOTE: no await since the checks above
+            try:
                 with contextlib.suppress(NotFound):   # closed meanwhile
                     await self._run_admin(self.fleet.release_session, *key)
                     out.append(key)
+            finally:
+                del self._reaping[key]
+                released.set()
         if out:
             log.info("released %d idle session actor(s) (idle > %.0fs): %s", len(out), ttl_s, out)
         return out

@@ -335,3 +335,94 @@ async def test_a_driver_killed_mid_create_leaves_the_name_usable(ray_cluster: No
         store.close()
         await c.close()
         await ctl.stop(grace=1)
+
+
+# ---- the KV ledger stays exact: replayed generate, fork, evict, reaping, close, restart --------------
+
+def _servicer(ctl: Any) -> Any:
+    """The controller's SessionServicer (its stop hook is registered once the fleet is built)."""
+    from controller.servicers.sessions import SessionServicer
+
+    return next(h.__self__ for h in ctl.ctx.on_stop if isinstance(getattr(h, "__self__", None), SessionServicer))
+
+
+async def _fits_exactly(c: Any, sid: str, free: int) -> None:
+    """Exactly `free` more tokens fit under the tenant's KV quota: one more is refused."""
+    with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+        await c.append(sid, [5] * (free + 1))
+    if free:
+        await c.append(sid, [5] * free)
+    with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+        await c.append(sid, [5])
+
+
+async def test_the_kv_ledger_stays_exact_through_every_verb(ray_cluster: None, tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    limits = SessionLimits(max_kv_bytes_per_tenant=200 * _bytes_per_token(), idle_ttl_s=0)
+    ctl = await start_controller(url, None, sessions=limits)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)                         # 35
+        await c.append("s1", " hello")                               # 41
+        ids = await c.generate("s1", 3, op_id="g1")                  # 44
+        assert await c.generate("s1", 3, op_id="g1") == ids          # replayed: still 44 (before: counted 47)
+        await c.fork("s1", "s1.b")                                   # 44 + 44
+        assert (await c.evict("s1.b", 1)).length == 6                # 44 + 38
+        released = await _servicer(ctl).reap_idle(0.0, now=time.time() + 1)
+        assert sorted(released) == [("local", "s1"), ("local", "s1.b")]  # reaped: the tokens stay counted
+        await _fits_exactly(c, "s1.b", 200 - 82)                     # 44 + 156 = 200
+        await c.close_session("s1")                                  # 156
+        await _fits_exactly(c, "s1.b", 44)                           # 200 again, all in s1.b
+        assert (await c.get_session("s1.b")).row.num_tokens == 200
+        await c.close()
+        await ctl.stop(grace=0)
+        ctl = await start_controller(url, None, sessions=limits)     # rebuilt from the op logs
+        c = AsyncFleetClient(ctl.address)
+        await _fits_exactly(c, "s1.b", 0)
+        assert (await c.evict("s1.b", 3)).length == 118              # the first fill: 82 held
+        await _fits_exactly(c, "s1.b", 118)
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+# ---- the reaper never stops an actor under a call ---------------------------------------------------
+
+def _supervisor_pid(url: str) -> int:
+    from workers.placement import supervisor_name
+
+    node = ray.get_runtime_context().get_node_id()
+    sup = ray.get_actor(supervisor_name(node, fleet_scope(url)), namespace=NAMESPACE)
+    return int(ray.get(sup.stats.remote(), timeout=30)["pid"])
+
+
+async def test_a_call_arriving_while_its_session_is_released_runs_after_the_release(ray_cluster: None,
+                                                                                   tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    ctl = await start_controller(url, None, sessions=SessionLimits(idle_ttl_s=0))
+    c = AsyncFleetClient(ctl.address)
+    pid = 0
+    try:
+        await c.create_session("s1", SYSTEM)
+        svc = _servicer(ctl)
+        rows = await asyncio.to_thread(svc.fleet.list_sessions, True)
+        pid = _supervisor_pid(url)
+        os.kill(pid, signal.SIGSTOP)             # the release (the supervisor stops the actor) hangs
+        reap = asyncio.ensure_future(svc.reap_idle(0.0, now=time.time() + 1, rows=rows))
+        await asyncio.sleep(0)                   # the reaper has chosen s1 and waits on its supervisor
+        append = asyncio.ensure_future(c.append("s1", " hello"))
+        # NOTE: ordering, not a timing check: before the fix the append ran on the actor being released
+        done, _ = await asyncio.wait({append}, timeout=3.0)
+        assert not done, "the append ran while its session's actor was being released"
+        os.kill(pid, signal.SIGCONT)
+        pid = 0
+        assert await reap == [("local", "s1")]
+        assert (await append).num_tokens == 41   # after the release, on the regenerated actor
+        row = {r.session_id: r for r in await c.sessions()}["s1"]
+        assert row.state != "idle" and row.epoch >= 1, row    # live again, not marked idle under the call
+        assert len(open_store(url).oplog_read("local", "s1")) == 2    # system + the append, once
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        await c.close()
+        await ctl.stop(grace=1)
