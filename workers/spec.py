@@ -115,9 +115,15 @@ class KernelSpec:
 def _groups(raw: Any) -> tuple[tuple[str, str, str], ...]:
     """{group: {backend, device}} (or already a tuple of triples) -> sorted triples."""
     if isinstance(raw, tuple | list):
-        return tuple(sorted(tuple(t) for t in raw))
+        if not all(isinstance(t, tuple | list) and len(t) == 3 and all(isinstance(x, str) for x in t) for t in raw):
+            raise InvalidArgument(f"kernel spec groups must be (group, backend, device) triples, got {raw!r}")
+        return tuple(sorted((str(t[0]), str(t[1]), str(t[2])) for t in raw))
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
         raise InvalidArgument(f"kernel spec groups must map a group to {{backend, device}}, got {raw!r}")
+    for g, v in raw.items():  # a misspelt key would silently run the group on numpy/CPU
+        if set(v) - {"backend", "device"}:
+            raise InvalidArgument(f"node group {g!r}: unknown keys {sorted(set(v) - {'backend', 'device'})}; "
+                                  "a group sets only backend and device")
     return tuple(sorted((g, str(v.get("backend", "numpy")), str(v.get("device", "cpu"))) for g, v in raw.items()))
 
 

@@ -46,7 +46,9 @@ def test_specs_round_trip_and_bad_placements_are_refused() -> None:
                      ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
                      ({"backend": "torch", "device": "cuda:1"}, "only the GPU it assigned, as cuda:0"),
                      ({"groups": {"GPU!": {"backend": "torch", "device": "cuda"}}}, "must be a DNS label"),
-                     ({"groups": {"gpu": {"backend": "numpy", "device": "cuda:0"}}}, "node group 'gpu'")]:
+                     ({"groups": {"gpu": {"backend": "numpy", "device": "cuda:0"}}}, "node group 'gpu'"),
+                     ({"groups": {"gpu": {"backend": "torch", "devcie": "cuda"}}}, "unknown keys \\['devcie'\\]"),
+                     ({"groups": [["gpu", "torch"]]}, "triples")]:
         with pytest.raises(InvalidArgument, match=msg):
             KernelSpec.from_dict(bad)
     assert parse_group("gpu=torch:cuda:0") == ("gpu", "torch", "cuda:0")
