@@ -35,10 +35,11 @@ from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
 from controller.vllm.hashing import ALGOS, external_chain
+from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
 from fleet import lifecycle as lc
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from fleet.lifecycle import RankState, Witness
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -60,7 +61,11 @@ class RouterConfig:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """A vLLM worker as registered: HTTP URL, KV-event PUB and replay endpoints, hash settings."""
+    """A vLLM worker as registered: HTTP URL, KV-event PUB and replay endpoints, hash settings.
+
+    `hash_algo` None means "read it from the worker" (/server_info, else vllm:cache_config_info);
+    registration stores the algorithm it found, and refuses a spec the worker contradicts.
+    """
 
     name: str
     url: str
@@ -69,7 +74,7 @@ class WorkerSpec:
     model: str
     dp_ranks: int = 1
     block_size: int | None = None
-    hash_algo: str = "sha256"
+    hash_algo: str | None = None
     hash_seed: str | None = None
 
     def __post_init__(self) -> None:
@@ -89,7 +94,7 @@ class WorkerSpec:
             raise InvalidArgument(f"dp_ranks must be 1..256, got {self.dp_ranks!r}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
             raise InvalidArgument(f"block_size must be a positive int or None, got {self.block_size!r}")
-        if self.hash_algo not in ALGOS:
+        if self.hash_algo is not None and self.hash_algo not in ALGOS:
             raise InvalidArgument(
                 f"hash_algo must be one of {', '.join(ALGOS)} (xxhash cannot be recomputed)"
             )
@@ -245,10 +250,12 @@ class Router:
         """Validate, persist and start watching a worker; its warmth starts empty."""
         if not isinstance(spec, WorkerSpec):
             raise InvalidArgument("register_worker takes a WorkerSpec")
-        if spec.name in self._workers:
-            if self._workers[spec.name].spec == spec:
-                return self._status(self._workers[spec.name], 0)
+        known = self._workers.get(spec.name)
+        if known is not None:
+            if known.spec == dataclasses.replace(spec, hash_algo=spec.hash_algo or known.spec.hash_algo):
+                return self._status(known, 0)
             raise AlreadyExists(f"worker {spec.name!r} is registered with another spec; unregister it first")
+        spec = await self._agreed(spec)
         self.store.kv_put("workers", spec.name, json.dumps(dataclasses.asdict(spec)).encode())
         ranks = {}
         for r in range(spec.dp_ranks):
@@ -260,6 +267,31 @@ class Router:
             self.store.kv_put("epochs", f"{spec.name}/{r}", json.dumps(ranks[r].to_json()).encode())
         w = await self._launch(spec, ranks, catch_up=False)
         return self._status(w, 0)
+
+    async def _agreed(self, spec: WorkerSpec) -> WorkerSpec:
+        """The spec with the worker's own hash algorithm; refuse one the worker contradicts.
+
+        NOTE: a sha256_cbor worker registered as sha256 (the old default) was never warm, while
+        its index filled and `worker ls` said warm.
+
+        Raises:
+            FailedPrecondition: the worker reports another hash algorithm or block size than the
+                spec, or an algorithm nobody outside it can recompute (xxhash).
+        """
+        assert self._session is not None, "Router.start() first"
+        seen = await worker_hash_settings(VllmHttp(spec.url, self._session, self.cfg.http_timeout_s))
+        algo, bs = seen.get("hash_algo"), seen.get("block_size")
+        where = f"worker {spec.name!r} ({spec.url}) reports"
+        if algo is not None and algo not in ALGOS:
+            raise FailedPrecondition(f"{where} prefix_caching_hash_algo={algo!r}, which cannot be recomputed "
+                                     f"outside it; run vLLM with --prefix-caching-hash-algo sha256_cbor")
+        if algo is not None and spec.hash_algo is not None and algo != spec.hash_algo:
+            raise FailedPrecondition(f"{where} prefix_caching_hash_algo={algo!r} but the spec says "
+                                     f"{spec.hash_algo!r}; register it with hash_algo={algo!r} or leave it empty")
+        if isinstance(bs, int) and spec.block_size is not None and bs != spec.block_size:
+            raise FailedPrecondition(f"{where} block_size={bs} but the spec says {spec.block_size}; "
+                                     f"register it with block_size={bs} or leave it empty")
+        return dataclasses.replace(spec, hash_algo=spec.hash_algo or algo or "sha256")  # vLLM's default
 
     async def unregister_worker(self, name: str) -> None:
         w = self._get(name)

@@ -25,7 +25,7 @@ def spec_from_proto(p: workers_pb2.WorkerSpec) -> WorkerSpec:
         model=p.model,
         dp_ranks=p.dp_ranks or 1,
         block_size=p.block_size or None,
-        hash_algo=p.hash_algo or "sha256",
+        hash_algo=p.hash_algo or None,  # empty: read it from the worker
         hash_seed=p.hash_seed if p.HasField("hash_seed") else None,
     )
 
@@ -39,7 +39,7 @@ def spec_to_proto(s: WorkerSpec) -> workers_pb2.WorkerSpec:
         model=s.model,
         dp_ranks=s.dp_ranks,
         block_size=s.block_size or 0,
-        hash_algo=s.hash_algo,
+        hash_algo=s.hash_algo or "",
     )
     if s.hash_seed is not None:
         out.hash_seed = str(s.hash_seed)

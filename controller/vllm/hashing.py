@@ -124,8 +124,10 @@ def external_chain(cfg: HashConfig, token_ids: Sequence[int], **kw: Any) -> list
     return [to_external(d) for d in chain(cfg, token_ids, **kw)]
 
 
-def calibrates(cfg: HashConfig, token_ids: Sequence[int], first_hash: bytes | int) -> bool:
-    """Self-calibration on a parentless, extra-free BlockStored: does block 0 recompute?"""
+def calibrates(cfg: HashConfig, token_ids: Sequence[int], first_hash: bytes | int, *,
+               cache_salt: str | None = None) -> bool:
+    """Self-calibration on a parentless BlockStored: does block 0 recompute (with its salt, if salted)?"""
     if len(token_ids) < cfg.block_size:
         return False
-    return to_external(hash_block(cfg, None, token_ids[:cfg.block_size])) == normalize(first_hash)
+    extra = block_extra(0, None, cache_salt)
+    return to_external(hash_block(cfg, None, token_ids[:cfg.block_size], extra)) == normalize(first_hash)

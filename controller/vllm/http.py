@@ -35,6 +35,7 @@ class WorkerMetrics:
     in_flight: float = 0.0
     sleep_ops: float | None = None  # count of /sleep operations (histogram created on first use)
     num_gpu_blocks: int | None = None  # KV pool size, vllm:cache_config_info{num_gpu_blocks} (None: absent)
+    hash_algo: str | None = None  # vllm:cache_config_info{prefix_caching_hash_algo} (None: absent)
 
     @property
     def awake(self) -> float | None:
@@ -47,6 +48,7 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
     vals: dict[str, float] = {}
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    hash_algo: str | None = None
     start: float | None = None
     in_flight = 0.0
     sleep_ops: float | None = None
@@ -66,6 +68,7 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
             elif s.name == "vllm:cache_config_info":
                 block_size = _label_int(s.labels, "block_size", block_size)
                 num_gpu_blocks = _label_int(s.labels, "num_gpu_blocks", num_gpu_blocks)
+                hash_algo = s.labels.get("prefix_caching_hash_algo") or hash_algo
             elif (
                 s.name == "vllm:sleep_mode_operation_duration_seconds_count"
                 and s.labels.get("operation") == "sleep"
@@ -89,6 +92,7 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
         in_flight,
         sleep_ops,
         num_gpu_blocks,
+        hash_algo,
     )
 
 
@@ -170,3 +174,27 @@ class VllmHttp:
         if m:
             out["hash_algo"] = m.group(1)
         return out
+
+
+async def worker_hash_settings(http: VllmHttp) -> dict[str, Any]:
+    """What the worker says about its block hashing: `hash_algo`, `block_size` (either may be absent).
+
+    /server_info (dev mode) first, then the vllm:cache_config_info labels of /metrics (always served).
+    An unreachable worker gives {} (the caller keeps its spec; self-calibration still checks it).
+    """
+    out: dict[str, Any] = {}
+    try:
+        out = await http.server_info()
+    except WorkerHttpError:
+        pass
+    if "hash_algo" in out and "block_size" in out:
+        return out
+    try:
+        m = await http.metrics()
+    except WorkerHttpError:
+        return out
+    if m.hash_algo and "hash_algo" not in out:
+        out["hash_algo"] = m.hash_algo
+    if m.block_size and "block_size" not in out:
+        out["block_size"] = m.block_size
+    return out

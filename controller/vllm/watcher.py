@@ -29,9 +29,10 @@ from controller.index import PrefixIndex
 from controller.metrics import Metrics
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.hashing import HashConfig, calibrates
-from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics
+from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
 from controller.vllm.subscriber import Subscriber
 from fleet import lifecycle as lc
+from fleet.errors import FailedPrecondition
 from fleet.lifecycle import RankState, Witness
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class Worker:
         self.http = VllmHttp(spec.url, session, cfg.http_timeout_s)
         self.zctx = zctx
         self.ranks: dict[int, RankState] = ranks or {r: RankState() for r in range(spec.dp_ranks)}
-        self.hash_cfg: HashConfig | None = (HashConfig(spec.hash_algo, spec.hash_seed, spec.block_size)
+        self.hash_cfg: HashConfig | None = (HashConfig(spec.hash_algo or "sha256", spec.hash_seed, spec.block_size)
                                             if spec.block_size else None)
         self.loras: dict[str, str] = {}
         self.load = WorkerMetrics()
@@ -157,13 +158,22 @@ class Worker:
     def _calibrate(self, ev: BlockStored) -> bool:
         """Self-calibration: a parentless, extra-free block 0 must recompute with this worker's config."""
         if self.hash_cfg is None:
-            self.hash_cfg = HashConfig(self.spec.hash_algo, self.spec.hash_seed, ev.block_size)
+            self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, ev.block_size)
         if ev.block_size != self.hash_cfg.block_size:
             self.calibrated = False
-        elif ev.parent_block_hash is None and ev.lora_name is None and ev.block_hashes \
-                and all(k is None for k in (ev.extra_keys or ())):
-            self.calibrated = calibrates(self.hash_cfg, ev.token_ids, ev.block_hashes[0])
+        elif ev.parent_block_hash is None and ev.lora_name is None and ev.block_hashes:
+            salt = _block0_salt(ev.extra_keys)
+            if salt is not False:
+                self.calibrated = calibrates(self.hash_cfg, ev.token_ids, ev.block_hashes[0],
+                                             cache_salt=salt if isinstance(salt, str) else None)
         return self.calibrated
+
+    def _check_algo(self, algo: str | None, where: str) -> None:
+        """A worker that says it hashes otherwise than we compute is never warm (fail closed)."""
+        if algo and self.hash_cfg is not None and algo != self.hash_cfg.algo and self.calibrated:
+            self.calibrated = False
+            self.errors.failed("hash_algo", FailedPrecondition(
+                f"{where} says prefix_caching_hash_algo={algo!r}, the spec {self.hash_cfg.algo!r}"))
 
     def warmable(self, rank: int) -> bool:
         st = self.ranks[rank]
@@ -224,6 +234,7 @@ class Worker:
             return
         sleeping, m, _, version = obs
         self.load, self.load_at = m, self._look_at or time.monotonic()
+        self._check_algo(m.hash_algo, "/metrics")
         for r in self.ranks:
             self._check_restart(r, m, version)
         ops = m.sleep_ops or 0.0
@@ -284,11 +295,11 @@ class Worker:
         """Block size (/server_info, else first events) and LoRA adapter paths (/v1/models root)."""
         with contextlib.suppress(WorkerHttpError):
             self.loras = {k: v for k, v in (await self.http.models()).items() if k != self.spec.model}
-        if self.hash_cfg is None:
-            with contextlib.suppress(WorkerHttpError):
-                bs = (await self.http.server_info()).get("block_size")
-                if isinstance(bs, int) and bs > 0:
-                    self.hash_cfg = HashConfig(self.spec.hash_algo, self.spec.hash_seed, bs)
+        seen = await worker_hash_settings(self.http)
+        bs = seen.get("block_size")
+        if self.hash_cfg is None and isinstance(bs, int) and bs > 0:
+            self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, bs)
+        self._check_algo(seen.get("hash_algo"), "the worker")
 
     async def start(self, *, catch_up: bool) -> None:
         await self.discover()
@@ -358,3 +369,15 @@ class Worker:
             await s.stop()
         self._subs = []
         self._persist_seqs()  # a graceful stop leaves the last seq in the store
+
+
+def _block0_salt(extra_keys: tuple[Any, ...] | None) -> str | None | bool:
+    """Block 0's cache salt from a parentless BlockStored's extra keys: None when block 0 has no
+    extra key, the salt when its only key is one string (vLLM publishes ("cache_salt", s) as (s,)),
+    False when its keys are anything else (multimodal, prompt embeds: not recomputable here)."""
+    k = extra_keys[0] if extra_keys else None
+    if k is None:
+        return None
+    if isinstance(k, list | tuple) and len(k) == 1 and isinstance(k[0], str):
+        return str(k[0])
+    return False

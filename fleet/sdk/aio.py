@@ -102,7 +102,7 @@ class AsyncFleetClient(AsyncSessionsMixin):
 
     # workers (operator)
     async def register_worker(self, name: str, *, url: str, kv_events: str, replay: str = "", model: str = "",
-                              dp_ranks: int = 1, block_size: int | None = None, hash_algo: str = "sha256",
+                              dp_ranks: int = 1, block_size: int | None = None, hash_algo: str | None = None,
                               hash_seed: str | int | None = None) -> types.WorkerInfo:
         spec = base.worker_spec(name, url, kv_events, replay, model, dp_ranks, block_size, hash_algo, hash_seed)
         req = workers_pb2.RegisterWorkerRequest(spec=spec)

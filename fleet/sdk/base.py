@@ -117,9 +117,9 @@ def check_got(ref: str, data: bytes) -> bytes:
 
 
 def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp_ranks: int,
-                block_size: int | None, hash_algo: str, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
+                block_size: int | None, hash_algo: str | None, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
     spec = workers_pb2.WorkerSpec(name=name, url=url, kv_events=kv_events, replay=replay, model=model,
-                                  dp_ranks=dp_ranks, block_size=block_size or 0, hash_algo=hash_algo)
+                                  dp_ranks=dp_ranks, block_size=block_size or 0, hash_algo=hash_algo or "")
     if hash_seed is not None:
         spec.hash_seed = str(hash_seed)
     return spec
