@@ -395,9 +395,11 @@ class Router:
             Unavailable: no serving worker for the model.
         """
         t0 = time.perf_counter()
-        _check_route_args(token_ids, model, cache_salt, lora)
+        _check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
         self._ended(self.flights.expire(time.monotonic()), "ttl")
-        ranking = self._rank(token_ids, model, cache_salt, lora)
+        jobs = self._hash_jobs(model, lora)
+        pre = await asyncio.to_thread(_checked_chains, jobs, token_ids, model, cache_salt, lora)
+        ranking = self._rank(token_ids, model, cache_salt, lora, pre)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ranking.ranked:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
@@ -482,7 +484,21 @@ class Router:
         self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 
-    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> _Ranking:
+    def _hash_jobs(self, model: str, lora: str | None) -> dict[Any, Any]:
+        """The block-hash chains _rank will need, keyed as _rank keys them (cheap; no hashing here)."""
+        jobs: dict[Any, Any] = {}
+        for w in self._workers.values():
+            adapter = lora or (model if model in w.loras else None)
+            if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
+                continue
+            if w.hash_cfg is not None and not w.transitioning and any(w.ranks[r].serving for r in w.ranks):
+                lk = (adapter, w.loras[adapter]) if adapter else None
+                jobs[(w.hash_cfg, adapter, w.loras.get(adapter or ""))] = (w.hash_cfg, lk)
+        return jobs
+
+    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
+              pre: dict[Any, list[int]] | None = None) -> _Ranking:
+        """Rank the candidates; `pre` holds chains hashed off the event loop (see _checked_chains)."""
         # per hash config: the prompt's chain, and the tracked routes it extends
         chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
         last: dict[RankKey, int | None] = {}
@@ -506,7 +522,9 @@ class Router:
                         hit = chains.get(ck)
                         if hit is None:
                             lk = (adapter, w.loras[adapter]) if adapter else None
-                            chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
+                            chain = (pre or {}).get(ck)
+                            if chain is None:
+                                chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
                             nshared = self.branches.observe(chain)
                             prev = self.demand.previous(chain)
                             hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
@@ -583,6 +601,14 @@ class Router:
             self.metrics.stale_route_guard.labels("probe").inc()
             ranking = self._rank(token_ids, model, salt, lora)
         return ranking
+
+
+def _checked_chains(jobs: dict[Any, Any], token_ids: Sequence[int], model: str, salt: str | None,
+                    lora: str | None) -> dict[Any, list[int]]:
+    """Check a prompt's tokens, then hash its block chains. Pure: runs in a thread, because both are
+    O(tokens) (about 0.2 s and 1 s per million tokens) and would stall every other call on the loop."""
+    _check_route_args(token_ids, model, salt, lora)
+    return {ck: external_chain(cfg, token_ids, lora=lk, cache_salt=salt) for ck, (cfg, lk) in jobs.items()}
 
 
 def _typed(v: Any, kind: type) -> Any:
