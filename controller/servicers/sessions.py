@@ -35,7 +35,7 @@ from controller.quotas import (
 from controller.servicers.common import ServiceContext, unary
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.kernel.tokenizer import encode_message
 
 log = logging.getLogger("kvfleet.controller")
@@ -212,9 +212,17 @@ class SessionServicer(pbg.SessionServiceServicer):
         return out
 
     async def _mutate(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any, **kw: Any) -> Any:
-        """A call that may grow session `sid` by up to `num_tokens` tokens, within the KV quota."""
+        """A call that may grow session `sid` by up to `num_tokens` tokens, within the KV quota.
+        A retry of an op already in the session's log (its `op_id`) is answered even at the quota:
+        it grows nothing."""
         ledger = await self._quota(tenant)
-        held = ledger.reserve(self.limits, tenant, num_tokens)
+        try:
+            held = ledger.reserve(self.limits, tenant, num_tokens)
+        except ResourceExhausted:
+            op_id = str(kw.get("op_id") or "")
+            if not op_id or not await self._run(tenant, self._logged, tenant, sid, op_id):
+                raise
+            held = 0  # the actor answers it from its log (replayed), applying nothing
         try:
             r = await self._call(method, tenant, sid, *args, **kw)
         finally:
@@ -222,6 +230,10 @@ class SessionServicer(pbg.SessionServiceServicer):
         if getattr(r, "num_tokens", None) is not None:
             ledger.update(tenant, sid, r.num_tokens)  # the session's count after the call, replayed or not
         return r
+
+    def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
+        """Whether op `op_id` is in the session's op log (written before an op is applied)."""
+        return any(op.get("op_id") == op_id for op in self.fleet.store.oplog_read(tenant, sid))
 
     async def _new_session(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any) -> Any:
         """A create or fork of session `sid`: one session and `num_tokens` tokens within quota,

@@ -346,12 +346,12 @@ def _servicer(ctl: Any) -> Any:
     return next(h.__self__ for h in ctl.ctx.on_stop if isinstance(getattr(h, "__self__", None), SessionServicer))
 
 
-async def _fits_exactly(c: Any, sid: str, free: int) -> None:
+async def _fits_exactly(c: Any, sid: str, free: int, op_id: str | None = None) -> None:
     """Exactly `free` more tokens fit under the tenant's KV quota: one more is refused."""
     with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
         await c.append(sid, [5] * (free + 1))
     if free:
-        await c.append(sid, [5] * free)
+        await c.append(sid, [5] * free, op_id=op_id)
     with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
         await c.append(sid, [5])
 
@@ -372,12 +372,15 @@ async def test_the_kv_ledger_stays_exact_through_every_verb(ray_cluster: None, t
         assert sorted(released) == [("local", "s1"), ("local", "s1.b")]  # reaped: the tokens stay counted
         await _fits_exactly(c, "s1.b", 200 - 82)                     # 44 + 156 = 200
         await c.close_session("s1")                                  # 156
-        await _fits_exactly(c, "s1.b", 44)                           # 200 again, all in s1.b
+        await _fits_exactly(c, "s1.b", 44, op_id="fill-2")           # 200 again, all in s1.b
         assert (await c.get_session("s1.b")).row.num_tokens == 200
         await c.close()
         await ctl.stop(grace=0)
         ctl = await start_controller(url, None, sessions=limits)     # rebuilt from the op logs
         c = AsyncFleetClient(ctl.address)
+        await _fits_exactly(c, "s1.b", 0)
+        again = await c.append("s1.b", [5] * 44, op_id="fill-2")    # a retry at the quota: answered, not refused
+        assert (again.replayed, again.num_tokens) == (True, 200)       # (its op id came back from the log)
         await _fits_exactly(c, "s1.b", 0)
         assert (await c.evict("s1.b", 3)).length == 118              # the first fill: 82 held
         await _fits_exactly(c, "s1.b", 118)
