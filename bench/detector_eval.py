@@ -4,8 +4,9 @@
     python bench/detector_eval.py --no-doc   # prints only
 
 Reads the shipped model and the test split that `scripts/train_detector.py` wrote (never used while
-tuning), the benign tool-output set (fleet/quarantine/tool_outputs.py, seed 0) and the repo's own
-corpus (tests/fleet/quarantine/quarantine_corpus.py). Writes the figures to
+tuning), two benign tool-output sets -- real files from PyPI wheels whose *packages* are in the test split
+(source "pypi-files"), and the generated set (fleet/quarantine/tool_outputs.py, seed 0) -- and the repo's
+own corpus (tests/fleet/quarantine/quarantine_corpus.py). Writes the figures to
 tests/fleet/quarantine/data/heldout_report.json, which the tests recompute and compare.
 """
 
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fleet" / "quarantine"))
 import quarantine_corpus as C  # noqa: E402
 
 from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
-from fleet.quarantine.evaluate import load_heldout, score, tool_outputs  # noqa: E402
+from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs  # noqa: E402
 from fleet.quarantine.learned import load_model  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
@@ -36,19 +37,23 @@ CONFIGS = {"rules alone": ("rules",), "learned alone": ("learned",), "layered": 
 
 
 def evaluate() -> dict[str, Any]:
-    rows = load_heldout(DATA / "heldout_test.jsonl")
+    rows = load_heldout(DATA / HELDOUT_FILE)
     labels = [r["label"] for r in rows]
     tools = [t for _, t in tool_outputs()]
+    real = [r["text"] for r in rows if r["source"] == REAL_BENIGN_SOURCE]
     out: dict[str, Any] = {
         "num_test": len(rows),
         "num_test_injections": sum(labels),
         "num_tool_outputs": len(tools),
+        "num_real_benign": len(real),
+        "real_benign_packages": sorted({r["group"].split(":")[0] for r in rows if r["source"] == REAL_BENIGN_SOURCE}),
         "detectors": {},
     }
     for name, layers in CONFIGS.items():
         det = make_detector(DetectorConfig(layers=layers))
         test = score([det.inspect(r["text"]) for r in rows], labels)
         tool = score([det.inspect(t) for t in tools], [0] * len(tools))
+        real_scores = score([det.inspect(t) for t in real], [0] * len(real))
         corpus = score(
             [det.inspect(t) for t in C.POISONED + C.BENIGN], [1] * len(C.POISONED) + [0] * len(C.BENIGN)
         )
@@ -65,6 +70,7 @@ def evaluate() -> dict[str, Any]:
         out["detectors"][name] = {
             "test": test.to_dict(),
             "tool_outputs": tool.to_dict(),
+            "real_benign": real_scores.to_dict(),
             "repo_corpus": corpus.to_dict(),
             "repo_heldout": held.to_dict(),
             "test_by_source": by_source,
@@ -91,42 +97,54 @@ def latency() -> dict[str, dict[str, float]]:
 
 
 def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
-    meta = load_model().meta
-    thr = load_model().threshold
+    model = load_model()
+    meta, val = model.meta, model.meta["validation"]
     lines = [
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
         f"Test split: {ev['num_test']} tool results ({ev['num_test_injections']} injections), never read while "
-        f"tuning; learned threshold {thr:.4f} chosen on validation only. Benign tool-output set: "
-        f"{ev['num_tool_outputs']} items (seed 0). Corpora:",
+        f"tuning; learned threshold {model.threshold:.4f} chosen on the validation split only (validation, layered: "
+        f"precision {val['precision']:.3f}, recall {val['recall']:.3f}). Real benign tool output: "
+        f"{ev['num_real_benign']} chunks of files from {len(ev['real_benign_packages'])} PyPI wheels whose packages "
+        f"are in the test split ({', '.join(ev['real_benign_packages'])}). Generated benign tool output: "
+        f"{ev['num_tool_outputs']} items (seed 0).",
+        "",
+        "Labelled corpora (PyPI wheels, read as zip files; sha256 in fleet/quarantine/model/injection_lr.json):",
         "",
     ]
     lines += [
         f"- {c['package']} {c['version']} ({c['licence']}): {c['num_examples']}" for c in meta["corpora"]
     ]
+    files = meta["benign_files"]
+    licences = sorted({f["licence"] for f in files})
     lines += [
         "",
-        "| detector | test precision | test recall | tp / fp / fn | tool-output FPR | repo corpus P / R "
-        "| repo held-out P / R |",
-        "|---|---|---|---|---|---|---|",
+        f"Real benign files: {len(files)} wheels ({sum(f['num_chunks'] for f in files)} chunks; licences: "
+        f"{', '.join(licences)}), split by package.",
+        "",
+        "| detector | test precision | test recall | tp / fp / fn | real benign FPR | generated tool-output FPR "
+        "| repo corpus P / R | repo held-out P / R |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, d in ev["detectors"].items():
-        t, o, c, h = d["test"], d["tool_outputs"], d["repo_corpus"], d["repo_heldout"]
+        t, o, r, c, h = d["test"], d["tool_outputs"], d["real_benign"], d["repo_corpus"], d["repo_heldout"]
         lines.append(
             f"| {name} | {t['precision']:.3f} | {t['recall']:.3f} | {t['tp']} / {t['fp']} / {t['fn']} | "
-            f"{o['fpr']:.4f} ({o['fp']}/{o['fp'] + o['tn']}) | {c['precision']:.3f} / {c['recall']:.3f} | "
-            f"{h['precision']:.3f} / {h['recall']:.3f} |"
+            f"{r['fpr']:.4f} ({r['fp']}/{r['fp'] + r['tn']}) | {o['fpr']:.4f} ({o['fp']}/{o['fp'] + o['tn']}) | "
+            f"{c['precision']:.3f} / {c['recall']:.3f} | {h['precision']:.3f} / {h['recall']:.3f} |"
         )
     lines += [
         "",
         "Layered detector on the test split, by source:",
         "",
-        "| source | precision | recall | tp / fp / fn |",
+        "| source | precision | recall | tp / fp / fn / tn |",
         "|---|---|---|---|",
     ]
     for src, s in ev["detectors"]["layered"]["test_by_source"].items():
         recall = f"{s['recall']:.3f}" if s["tp"] + s["fn"] else "n/a (benign only)"
-        lines.append(f"| {src} | {s['precision']:.3f} | {recall} | {s['tp']} / {s['fp']} / {s['fn']} |")
+        lines.append(
+            f"| {src} | {s['precision']:.3f} | {recall} | {s['tp']} / {s['fp']} / {s['fn']} / {s['tn']} |"
+        )
     lines += [
         "",
         "Latency, median ms per KiB (one CPU core, tool-output text):",

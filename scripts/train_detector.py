@@ -1,17 +1,16 @@
 """Train the learned quarantine layer from public prompt-injection corpora shipped in PyPI wheels.
 
-    pip download --no-deps -d CORPUS bastioncorpus==0.6.0 agentdojo==0.1.35 agent-injection-bench==0.1.0 spikee==0.9.2
+    pip download --no-deps --only-binary=:all: -d CORPUS $(python scripts/train_detector.py --requirements)
     python scripts/train_detector.py --corpus-dir CORPUS
 
-Reads the wheels as zip files (nothing is installed or imported from them), checks their sha256,
+Reads the wheels as zip files (nothing is installed or imported from them), records their sha256,
 builds one labelled set, splits it train / validation / test with a fixed seed, trains a hashed
-n-gram logistic regression on train, picks the regularisation, window and threshold on validation
-only, and writes:
+n-gram logistic regression on train, picks the threshold on validation only, and writes:
 
-    fleet/quarantine/model/injection_lr.npz / .json   the shipped model (+ provenance, validation metrics)
-    tests/fleet/quarantine/data/heldout_test.jsonl    the test split, never read while tuning
+    fleet/quarantine/model/injection_lr.npz / .json      the shipped model (+ provenance, validation metrics)
+    tests/fleet/quarantine/data/heldout_test.jsonl.gz    the test split, never read while tuning
 
-Sources (MIT, spikee Apache-2.0):
+Labelled sources (MIT or Apache-2.0; see WHEELS):
   bastioncorpus     labelled rows (malicious / benign false-positive traps), en/de/fr/es/it
   agent-injection-bench  tool-result attacks with their sources cited; "control" rows are benign
   agentdojo         the AgentDojo benchmark's tool environments (benign) and its attack templates
@@ -19,8 +18,17 @@ Sources (MIT, spikee Apache-2.0):
                     vector, so a test attack carries a goal and sits in a place never trained on
   spikee            its jailbreak templates x its instructions (attack goals), placed in AgentDojo items;
                     split by jailbreak type, so test attacks come from template families never trained on
-  package docs      the four packages' READMEs, cut into paragraphs: benign text *about* injection
-  package code      the four packages' Python files (not those that build attacks), cut into chunks: benign code
+  prompt-armor      known_attacks_v2.jsonl (rows it relays from public sets; two chat-CTF sets left out)
+                    and its benign exemplars; oubliette-shield's injection_train.json (both labels);
+                    bastionprobe, nullsec-promptinject, jailbreak-corpus-mini-py, hermes-jailbench and
+                    dual-llm-bench payload lists. Each text is placed into a benign AgentDojo item of its
+                    split (attacks with a clean twin); split by group (first words / template), <= 3 rows
+                    per group
+  package docs      the four first packages' READMEs, cut into paragraphs: benign text *about* injection
+  package code      their Python files (not those that build attacks), cut into chunks: benign code
+  pypi-files        real benign text: chunks of the files shipped in 39 wheels (BENIGN_WHEELS: tools that
+                    discuss prompt injection, and popular libraries: code, JSON, HTML, Markdown, config);
+                    split by *package*, so test chunks come from packages never trained on
 Same inputs, same bytes out: every random choice draws from one seeded generator.
 """
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
 import hashlib
 import json
 import random
@@ -52,24 +61,70 @@ from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E4
 from fleet.quarantine.learned import LearnedModel, window_starts  # noqa: E402
 from fleet.quarantine.tool_outputs import benign_tool_outputs  # noqa: E402
 
-SEED = 0
+SEED = 1  # NOTE: 0 until the corpora grew; the split was redrawn with the new sources, never tuned on
 FRACTIONS = (0.6, 0.2, 0.2)  # train / val / test
 WHEELS = {
     "bastioncorpus": ("bastioncorpus-0.6.0-py3-none-any.whl", "MIT"),
     "agentdojo": ("agentdojo-0.1.35-py3-none-any.whl", "MIT"),
     "agent-injection-bench": ("agent_injection_bench-0.1.0-py3-none-any.whl", "MIT"),
     "spikee": ("spikee-0.9.2-py3-none-any.whl", "Apache-2.0"),
+    "prompt-armor": ("prompt_armor-0.9.1-py3-none-any.whl", "Apache-2.0"),
+    "oubliette-shield": ("oubliette_shield-1.2.0-py3-none-any.whl", "Apache-2.0"),
+    "bastionprobe": ("bastionprobe-0.19.0-py3-none-any.whl", "MIT"),
+    "nullsec-promptinject": ("nullsec_promptinject-0.1.0-py3-none-any.whl", "MIT"),
+    "jailbreak-corpus-mini-py": ("jailbreak_corpus_mini_py-0.1.0-py3-none-any.whl", "MIT"),
+    "hermes-jailbench": ("hermes_jailbench-0.2.2-py3-none-any.whl", "MIT"),
+    "dual-llm-bench": ("dual_llm_bench-0.1.1-py3-none-any.whl", "MIT"),
 }
+# Real benign text: files shipped inside these wheels (licence read from each wheel's METADATA).
+# "injection-docs": tools that *discuss* prompt injection (READMEs quoting attacks, detector code);
+# "general": popular libraries (code, JSON schemas and data, HTML templates, Markdown/reST docs, config).
+BENIGN_WHEELS = {
+    "injection-docs": (
+        "aco_prompt_shield-0.2.0-py3-none-any.whl", "agent_cordon-0.3.0-py3-none-any.whl",
+        "ctxsentry-0.5.0-py3-none-any.whl", "fireguard-0.2.1-py3-none-any.whl", "guardix-1.0.0-py3-none-any.whl",
+        "ipi_scanner-0.1.0-py3-none-any.whl", "llm_guard-0.3.16-py3-none-any.whl",
+        "llm_injection_guard-0.3.3-py3-none-any.whl", "pdf_injection_scanner-0.2.1-py3-none-any.whl",
+        "prompt_inject_detect-0.1.0-py3-none-any.whl", "promptsanitizer-1.1.1-py3-none-any.whl",
+        "rag_sanitizer-0.1.0-py3-none-any.whl", "redoubt-0.1.0-py3-none-any.whl",
+        "skillshield-1.0.0-py3-none-any.whl", "unicode_smuggling_guard-1.3.0-py3-none-any.whl",
+    ),
+    "general": (
+        "attrs-26.1.0-py3-none-any.whl", "boto3-1.44.8-py3-none-any.whl", "click-8.5.1-py3-none-any.whl",
+        "coverage-7.17.5-cp311-cp311-manylinux1_x86_64.manylinux_2_28_x86_64.manylinux_2_5_x86_64.whl",
+        "fastapi-0.165.0-py3-none-any.whl", "flask-3.1.3-py3-none-any.whl", "httpx-0.28.1-py3-none-any.whl",
+        "jinja2-3.1.6-py3-none-any.whl", "jsonschema_specifications-2025.9.1-py3-none-any.whl",
+        "language_tags-1.3.2-py3-none-any.whl", "markdown-3.11.3-py3-none-any.whl",
+        "mkdocs-1.6.1-py3-none-any.whl", "nbformat-5.11.1-py3-none-any.whl", "packaging-26.4-py3-none-any.whl",
+        "pdoc-16.0.0-py3-none-any.whl", "pygments-2.21.0-py3-none-any.whl", "redis-8.1.0-py3-none-any.whl",
+        "requests-2.34.2-py3-none-any.whl", "rich-15.0.0-py3-none-any.whl", "sphinx-9.0.4-py3-none-any.whl",
+        "tomlkit-0.15.2-py3-none-any.whl", "tqdm-4.70.1-py3-none-any.whl", "typer-0.29.2-py3-none-any.whl",
+        "werkzeug-3.1.9-py3-none-any.whl",
+    ),
+}
+FILE_KINDS = {
+    ".py": "code", ".js": "code", ".css": "code", ".json": "json", ".md": "docs", ".rst": "docs", ".txt": "docs",
+    ".html": "html", ".jinja2": "html", ".j2": "html", ".yml": "config", ".yaml": "config", ".toml": "config",
+    ".cfg": "config", ".ini": "config",
+}
+# NOTE: data files that *hold attack text* (attack lists, training sets, detection patterns) are neither clean
+# benign text nor attacks: left out by name. Detector *code* stays in: an agent reading it reads code.
+ATTACK_DATA_RE = re.compile(r"attack|payload|jailbreak|corpus|dataset|train|exemplar|pattern|signature|rules?\.", re.I)
+MAX_FILE_CHUNKS, MAX_PKG_CHUNKS, CHUNK_CHARS = 4, 40, 1500
 MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_lr"
-HELDOUT = ROOT / "tests" / "fleet" / "quarantine" / "data" / "heldout_test.jsonl"
-L2_GRID = (1e-5, 1e-4, 1e-3)
-WINDOW_GRID = (512, 1024)
-VAL_MIN_PRECISION, VAL_MAX_FPR = (
-    0.97,
-    0.005,
-)  # a margin over the targets (0.95, 0.01): tuned on validation only
+HELDOUT = ROOT / "tests" / "fleet" / "quarantine" / "data" / "heldout_test.jsonl.gz"
+# NOTE: chosen on validation in earlier runs of this script (best validation recall at precision >= 0.95 and
+# generated tool-output FPR <= 0.5%): window 512, l2 1e-5: 0.684, l2 2e-6: 0.659; with positives cut to the
+# window around the attack, l2 1e-4: window 512 0.594, window 256 0.489. One cell is kept so that a rerun
+# takes minutes, not an hour.
+L2_GRID = (1e-5,)
+WINDOW_GRID = (512,)
+# NOTE: 0.97 before the corpora grew; on the new validation split no threshold reaches it (the rules alone
+# quarantine 6 benign validation items), so the bound is the target itself, with no margin.
+VAL_MIN_PRECISION, VAL_MAX_FPR = 0.95, 0.005
 VAL_TOOL_SEED, VAL_TOOL_N = 1, 440
 MAX_CODE_CHUNKS = 300
+ORIGINAL = ("bastioncorpus", "agentdojo", "agent-injection-bench", "spikee")  # their READMEs and code are benign examples
 OMITTED_TEMPLATES = ("SwearwordsDoSAttack", "FelonyDoSAttack", "OffensiveEmailDoSAttack")
 
 
@@ -411,6 +466,146 @@ def _place(attack: str, item: Any, rng: random.Random) -> tuple[str, str | None]
     )
 
 
+# ---- more attack corpora: short texts, placed into tool results -----------------------------------
+# prompt-armor relays rows from public sets; two of them are left out: SaTML CTF 2024 and Lakera Gandalf are
+# chat turns against a secret-keeping bot ("great, i forget it. please reiterate it"), not text that reads
+# as an injection out of context.
+PROMPT_ARMOR_LEFT_OUT = ("satml-ctf-2024", "lakera/gandalf")
+
+
+def _key(text: str, n: int) -> str:
+    """The first `n` words, casefolded: variants of one template share a group, so never straddle splits."""
+    return " ".join(re.findall(r"\w+", text.casefold())[:n])
+
+
+def _call_args(z: zipfile.ZipFile, name: str, func: str, field: str) -> list[str]:
+    """The string each `func(...)` call in `name` passes first (or as `field=`), where it is a literal."""
+    out = []
+    for node in ast.walk(ast.parse(z.read(name))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == func:
+            arg = next((k.value for k in node.keywords if k.arg == field), node.args[0] if node.args else None)
+            try:
+                v = _Eval({}).eval(arg) if arg is not None else None
+            except KeyError:
+                continue
+            if isinstance(v, str):
+                out.append(v)
+    return out
+
+
+def short_rows(w: dict[str, zipfile.ZipFile], goals: list[str], rng: random.Random) -> list[tuple[str, str, int, str, str]]:
+    """(source, text, label, group, kind) of the short labelled corpora."""
+    rows: list[tuple[str, str, int, str, str]] = []
+    for r in _jsonl(w["prompt-armor"], "prompt_armor/data/attacks/known_attacks_v2.jsonl"):
+        if r["source"] not in PROMPT_ARMOR_LEFT_OUT:
+            rows.append(("prompt-armor", r["text"], 1, f"{r['source']}:{_key(r['text'], 4)}", f"{r['source']}:{r['category']}"))
+    for r in _jsonl(w["prompt-armor"], "prompt_armor/data/attacks/benign_exemplars.jsonl"):
+        rows.append(("prompt-armor", r["text"], 0, f"benign:{_key(r['text'], 4)}", f"benign:{r['lang']}"))
+    for r in json.loads(w["oubliette-shield"].read("oubliette_shield/data/injection_train.json")):
+        n = 2 if r["label"] else 3  # the attacks are "<verb> all <rules> and <ask>" combinations: one group per verb
+        rows.append(("oubliette-shield", r["message"], int(r["label"]), _key(r["message"], n), r["category"]))
+    for r in _jsonl(w["bastionprobe"], "bastionprobe/payloads.jsonl"):
+        canary = "BP-" + hashlib.sha256(r["id"].encode()).hexdigest()[:8].upper()
+        rows.append(("bastionprobe", r["text"].replace("{canary}", canary), 1, r["id"], r["tactic"]))
+    for t in _call_args(w["nullsec-promptinject"], "nullsec_promptinject/payloads.py", "Payload", "text"):
+        rows.append(("nullsec-promptinject", t, 1, _key(t, 4), "payload"))
+    for r in json.loads(w["jailbreak-corpus-mini-py"].read("jailbreak_corpus_mini/corpus.json")):
+        rows.append(("jailbreak-corpus-mini-py", r["prompt"], 1, r["id"], r["category"]))
+    for t in _call_args(w["hermes-jailbench"], "hermes_jailbench/attacks.py", "Attack", "template"):
+        rows.append(("hermes-jailbench", t.replace("{TARGET}", rng.choice(goals)), 1, _key(t, 4), "template"))
+    for r in json.loads(w["dual-llm-bench"].read("dual_llm_bench/datasets/pycon_core.json")):
+        rows.append(("dual-llm-bench", r["untrusted_input"], 1, r["id"], r["attack_type"]))
+    return rows
+
+
+MAX_PER_GROUP = 3
+
+
+def load_short(w: dict[str, zipfile.ZipFile], pool: dict[str, list[Any]], goals: list[str], rng: random.Random) -> list[Example]:
+    """The short corpora, each text placed into a benign AgentDojo item of its split (attacks with clean twins).
+
+    Split by group (per source and label): template variants and rows sharing their first words stay together.
+    """
+    rows, seen = [], {}
+    for r in short_rows(w, goals, rng):  # NOTE: at most MAX_PER_GROUP rows of one template: no source is mostly one template
+        seen[r[0], r[2], r[3]] = n = seen.get((r[0], r[2], r[3]), 0) + 1
+        if n <= MAX_PER_GROUP:
+            rows.append(r)
+    splits: dict[tuple[str, int], dict[str, str]] = {}
+    for src, label in sorted({(r[0], r[2]) for r in rows}):
+        splits[src, label] = split_of([r[3] for r in rows if (r[0], r[2]) == (src, label)], rng)
+    out = []
+    for src, text, label, group, kind in rows:
+        split = splits[src, label][group]
+        placed, clean = _place(text, rng.choice(pool[split]), rng)
+        out.append(Example(placed, label, src, f"{src}:{group}", split, kind))
+        if label and clean is not None:
+            out.append(Example(clean, 0, src, f"{src}:{group}", split, "twin"))
+    return out
+
+
+# ---- real benign text: files shipped inside popular wheels -------------------------------------------
+def _chunks(text: str) -> list[str]:
+    """`text` cut at line ends into pieces of at most ~CHUNK_CHARS (what a file-read or fetch tool returns)."""
+    out, buf = [], ""
+    for line in text.splitlines(keepends=True):
+        if len(buf) + len(line) > CHUNK_CHARS and buf:
+            out.append(buf)
+            buf = ""
+        buf += line[: 4 * CHUNK_CHARS]
+    return [c for c in [*out, buf] if len(c.strip()) >= 200][:MAX_FILE_CHUNKS]
+
+
+def package_chunks(z: zipfile.ZipFile) -> list[tuple[str, str, str]]:
+    """(path, kind, text) of every text chunk of the wheel's files (README = METADATA's body)."""
+    out = []
+    for name in sorted(z.namelist()):
+        base = name.rsplit("/", 1)[-1]
+        ext = "." + base.rsplit(".", 1)[-1] if "." in base else ""
+        readme = name.endswith(".dist-info/METADATA")
+        if not readme and (".dist-info/" in name or ext not in FILE_KINDS or ATTACK_DATA_RE.search(base)):
+            continue
+        raw = z.read(name)
+        if len(raw) > 2_000_000 or b"\x00" in raw:
+            continue
+        text = raw.decode("utf-8", errors="replace")
+        if readme:
+            text = text.split("\n\n", 1)[-1]
+        out += [(name, "readme" if readme else FILE_KINDS[ext], c) for c in _chunks(text)]
+    return out
+
+
+def load_package_files(corpus_dir: Path, rng: random.Random) -> tuple[list[Example], list[dict[str, Any]]]:
+    """Benign chunks of real files, split by *package* within each group (injection-docs / general)."""
+    out, provenance = [], []
+    for group, fnames in BENIGN_WHEELS.items():
+        splits = split_of(list(fnames), rng)
+        for fname in fnames:
+            path = corpus_dir / fname
+            z = zipfile.ZipFile(path)
+            pkg, version = fname.split("-")[0], fname.split("-")[1]
+            chunks = package_chunks(z)
+            picked = sorted(rng.sample(range(len(chunks)), min(MAX_PKG_CHUNKS, len(chunks))))
+            out += [
+                Example(chunks[i][2], 0, "pypi-files", f"{pkg}=={version}:{chunks[i][0]}", splits[fname], f"{group}/{chunks[i][1]}")
+                for i in picked
+            ]
+            provenance.append({
+                "package": pkg, "version": version, "licence": _licence(z), "wheel": fname, "group": group,
+                "split": splits[fname], "num_chunks": len(picked),
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            })
+    return out, provenance
+
+
+def _licence(z: zipfile.ZipFile) -> str:
+    meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode(errors="replace")
+    for pat in (r"^License-Expression: *(.+)$", r"^Classifier: License :: .*:: (.+)$", r"^License: *(.+)$"):
+        if m := re.search(pat, meta, re.M):
+            return m.group(1).strip()[:60]
+    return "unknown"
+
+
 # ---- package docs -------------------------------------------------------------------------------------
 def load_docs(wheels: dict[str, zipfile.ZipFile], rng: random.Random) -> list[Example]:
     chunks: list[tuple[str, str]] = []
@@ -469,7 +664,11 @@ def design(texts: list[str], fc: FeaturizerConfig) -> tuple[np.ndarray, np.ndarr
 
 def benign_windows(examples: list[Example], window: int) -> list[Example]:
     """Every window of every benign example longer than `window`: the detector scores windows, so the
-    negatives it learns from must include windows too (positives stay whole: a window may miss the attack)."""
+    negatives it learns from must include windows too (positives stay whole: a window may miss the attack).
+
+    NOTE: measured on validation (l2 1e-5, window 512): training positives as the window centred on the
+    placed attack (its other windows negative) gave recall 0.656 at precision >= 0.95, whole positives 0.684.
+    """
     out = []
     for e in examples:
         if e.label == 0 and len(e.text) > window:
@@ -541,8 +740,9 @@ def choose_threshold(
     return best
 
 
-def build_data(corpus_dir: Path) -> tuple[list[Example], list[dict[str, Any]]]:
-    """Every labelled example with its split, and the provenance (package, version, licence, sha256) of each wheel."""
+def build_data(corpus_dir: Path) -> tuple[list[Example], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every labelled example with its split, and the provenance (package, version, licence, sha256) of each
+    labelled corpus and of each wheel the real benign files come from."""
     wheels, provenance = {}, []
     for pkg, (fname, licence) in WHEELS.items():
         path = corpus_dir / fname
@@ -563,10 +763,18 @@ def build_data(corpus_dir: Path) -> tuple[list[Example], list[dict[str, Any]]]:
         + load_aib(wheels["agent-injection-bench"], rng)
         + dojo
         + load_spikee(wheels["spikee"], pool, rng)
-        + load_docs(wheels, rng)
-        + load_code(wheels, rng)
+        + load_docs({k: wheels[k] for k in ORIGINAL}, rng)
+        + load_code({k: wheels[k] for k in ORIGINAL}, rng)
+        + load_short(wheels, pool, dojo_goals(wheels["agentdojo"]), rng)
     )
-    return data, provenance
+    files, benign_provenance = load_package_files(corpus_dir, rng)
+    return data + files, provenance, benign_provenance
+
+
+def requirements() -> list[str]:
+    """`name==version` of every wheel the training reads (labelled corpora, then the real benign files)."""
+    fnames = [f for f, _ in WHEELS.values()] + [f for group in BENIGN_WHEELS.values() for f in group]
+    return [f"{f.split('-')[0]}=={f.split('-')[1]}" for f in fnames]
 
 
 def _p(det: LayeredDetector, text: str) -> float:
@@ -577,11 +785,15 @@ def _p(det: LayeredDetector, text: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus-dir", type=Path, required=True, help="folder holding the three wheels")
+    ap.add_argument("--corpus-dir", type=Path, required=True, help="folder holding the wheels that --requirements lists")
     ap.add_argument("--dry-run", action="store_true", help="print the data set and stop")
+    ap.add_argument("--requirements", action="store_true", help="print the pinned wheels to download and stop")
+    if "--requirements" in sys.argv:
+        print("\n".join(requirements()))
+        return
     a = ap.parse_args()
     t0 = time.perf_counter()
-    data, provenance = build_data(a.corpus_dir)
+    data, provenance, benign_provenance = build_data(a.corpus_dir)
     counts: dict[str, dict[str, int]] = {}
     for e in data:
         key = f"{e.source}/{'injection' if e.label else 'benign'}"
@@ -622,6 +834,7 @@ def main() -> None:
     l2, window, thr, w, b, vm = best[1]
     meta = {
         "corpora": provenance,
+        "benign_files": benign_provenance,
         "seed": SEED,
         "fractions": list(FRACTIONS),
         "l2": l2,
@@ -638,13 +851,12 @@ def main() -> None:
     MODEL_STEM.parent.mkdir(parents=True, exist_ok=True)
     model.save(str(MODEL_STEM))
     HELDOUT.parent.mkdir(parents=True, exist_ok=True)
-    with open(HELDOUT, "w") as f:
-        for e in data:
-            if e.split == "test":
-                f.write(
-                    json.dumps({k: v for k, v in asdict(e).items() if k != "split"}, ensure_ascii=False)
-                    + "\n"
-                )
+    lines = [
+        json.dumps({k: v for k, v in asdict(e).items() if k != "split"}, ensure_ascii=False) + "\n"
+        for e in data
+        if e.split == "test"
+    ]
+    HELDOUT.write_bytes(gzip.compress("".join(lines).encode(), compresslevel=9, mtime=0))  # same bytes every run
     print(
         f"chose l2={l2:g} window={window} threshold={thr:.4f}; wrote {MODEL_STEM}.npz/.json and {HELDOUT} "
         f"in {time.perf_counter() - t0:.0f}s"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleet.context import RESIDENT, SHIFTED, Piece, SessionContext
-from fleet.quarantine.detector import Detector, default_detector
+from fleet.quarantine.detector import Detector
 
 if TYPE_CHECKING:
     import numpy as np
@@ -48,14 +48,15 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         ref: the blob's sha256 ref.
         store: a BlobStore (any object with get / set_verdict).
         tenant: the blob's tenant.
-        detector: defaults to the shipped prompt-injection detector.
+        detector: defaults to the shipped layered detector (`make_detector()`: rules + learned layer; see
+            docs/quarantine.md for why it, not the rules alone, is the default).
         probe: the query whose next-token logits the witness compares.
 
     Returns:
         Admission(verdict, reasons, evicted, witness); the witness is also appended to `ctx.witnesses`.
     """
     data = store.get(ref, tenant)
-    v = (detector or default_detector()).inspect(data)
+    v = (detector or default_admission_detector()).inspect(data)
     if not v.quarantined:
         store.set_verdict(ref, tenant, CLEAN, list(v.reasons))
         return Admission(CLEAN, list(v.reasons))
@@ -68,6 +69,19 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         witness = _evict_with_witness(ctx, p, probe)
         ctx.witnesses.append(witness)
     return Admission(QUARANTINED, list(v.reasons), evicted=witness is not None, witness=witness)
+
+
+def default_admission_detector() -> Detector:
+    """The detector `admit_tool_result` uses when given none: the layered default (built once, stateless)."""
+    global _DEFAULT_ADMISSION
+    if _DEFAULT_ADMISSION is None:
+        from fleet.quarantine.layered import make_detector  # noqa: PLC0415 - numpy only when it is used
+
+        _DEFAULT_ADMISSION = make_detector()
+    return _DEFAULT_ADMISSION
+
+
+_DEFAULT_ADMISSION: Detector | None = None
 
 
 def _evict_with_witness(ctx: SessionContext, p: Piece, probe: str) -> dict[str, Any]:

