@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,11 @@ def _compile(source: str) -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    # NOTE: no strftime_now (transformers defines it): a piece's tokens must not depend on the day it
+    # was rendered (the controller and the session's actor tokenize the same system prompt, and the
+    # radix cache keys blocks by those tokens). Templates that test `strftime_now is defined` (Llama
+    # 3.x) use their own fixed date; one that calls it unconditionally is refused at load.
+    env.globals.update(raise_exception=raise_exception)
     try:
         return env.from_string(source)
     except TemplateError as e:
@@ -123,7 +126,9 @@ class HFTokenizer:
             return str(self.template.render(messages=messages, add_generation_prompt=False,
                                             bos_token=self.bos_token, eos_token=self.eos_token))
         except TemplateError as e:
-            raise InvalidArgument(f"the chat template refused {[m['role'] for m in messages]}: {e}") from e
+            hint = (" (the fleet renders templates without the current date, so that a piece's tokens never "
+                    "depend on the day)" if "strftime_now" in str(e) else "")
+            raise InvalidArgument(f"the chat template refused {[m['role'] for m in messages]}: {e}{hint}") from e
 
     def render_piece(self, role: str, text: str) -> str:
         """One piece's text: a system prompt rendered alone, any other message by delta rendering."""

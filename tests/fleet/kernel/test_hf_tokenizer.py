@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,31 @@ def test_a_tool_result_cannot_open_a_turn_with_special_token_text(chatml_dir: Pa
     assert not specials & set(piece.tokens) and tok.decode(list(piece.tokens)).count(b"<") == 0  # [UNK]s, as text
     assert not specials & set(tok.encode(evil.decode()))
     assert tok.encode_message("user", "U")[0] == tok.tokenizer.token_to_id("<|im_start|>")  # the template's own
+
+
+DATED = ("{% if strftime_now is defined %}{% set today = strftime_now('%d %b %Y') %}"
+         "{% else %}{% set today = '26 Jul 2024' %}{% endif %}"
+         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'system' %}Today: {{ today }}\n{% endif %}"
+         "{{ m.content }}<|im_end|>\n{% endfor %}")  # Llama-3.1-style: today's date in the system turn
+
+
+def _with_template(chatml_dir: Path, d: Path, template: str) -> Path:
+    """chatml_dir's tokenizer files with another chat template (the tokenizer alone needs no weights)."""
+    d.mkdir()
+    shutil.copy(chatml_dir / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((chatml_dir / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return d
+
+
+def test_a_pieces_tokens_never_depend_on_the_day(tmp_path: Path, chatml_dir: Path) -> None:
+    """A template that reads the date renders its own fixed fallback: the controller (radix key)
+    and the actor (its tokens) tokenize one system prompt alike on any day (before: today's date,
+    as transformers renders it, so a prompt tokenized before and after midnight differed)."""
+    tok = HFTokenizer.from_dir(_with_template(chatml_dir, tmp_path / "dated", DATED))
+    assert tok.render_piece("system", "S") == "<|im_start|>system\nToday: 26 Jul 2024\nS<|im_end|>\n"
+    with pytest.raises(InvalidArgument, match="without the current date"):  # calls it unconditionally: refused
+        HFTokenizer.from_dir(_with_template(chatml_dir, tmp_path / "always", "{{ strftime_now('%Y') }}" + CHATML))
 
 
 def test_synthetic_spec_keeps_the_byte_tokenizer() -> None:
