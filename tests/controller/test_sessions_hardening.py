@@ -429,3 +429,22 @@ async def test_a_call_arriving_while_its_session_is_released_runs_after_the_rele
             os.kill(pid, signal.SIGCONT)
         await c.close()
         await ctl.stop(grace=1)
+
+
+def test_a_tenant_lane_is_shut_down_once_no_call_of_it_runs_or_waits() -> None:
+    from controller.quotas import TenantLanes
+
+    lanes = TenantLanes(2)
+    acme, bravo = lanes.acquire("acme"), lanes.acquire("bravo")
+    assert acme.submit(lambda: 1).result() == 1
+    assert lanes.prune() == 0                                     # both have a call admitted
+    lanes.release("acme")
+    assert lanes.prune() == 1                                     # acme went away: its threads go
+    with pytest.raises(RuntimeError):
+        acme.submit(lambda: 1)
+    assert lanes.lane("bravo") is bravo                           # bravo's call still has its lane
+    assert lanes.acquire("acme") is not acme                      # acme's next call: a fresh lane
+    for t in ("acme", "bravo"):
+        lanes.release(t)
+    assert lanes.prune() == 2
+    lanes.shutdown()
