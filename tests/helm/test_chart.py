@@ -663,6 +663,9 @@ def test_kernel_specs_per_group_reach_the_controller_and_label_the_pods(rendered
 @pytest.mark.parametrize(("values", "message"), [
     ({"workers": {"groups": [dict(CPU_GROUP, kernel={"backend": "torch", "device": "cuda"})]}},
      "workers.groups[cpu].kernel.device=cuda needs gpus > 0"),
+    ({"image": {"variant": "cuda"}, "workers": {"kernel": {"backend": "torch", "device": "cuda"},
+                                                "groups": [CPU_GROUP, GPU_GROUP]}},
+     "workers.groups[cpu] has no GPU (gpus: 0) but runs the default kernel, workers.kernel.device=cuda"),
     ({"image": {"variant": "cuda"}, "workers": {"groups": [dict(GPU_GROUP, kernel={"backend": "numpy", "device": "cuda:1"})]}},
      "the numpy backend runs on cpu only"),
 ])
@@ -670,6 +673,16 @@ def test_a_cuda_kernel_without_a_gpu_is_refused(chart_without_schema: Any, value
     with pytest.raises(helm.HelmRenderError) as e:
         chart_without_schema.render(values, name=RELEASE, namespace=NAMESPACE)
     assert message in str(e.value)
+
+
+def test_a_cuda_default_renders_when_gpu_less_groups_say_cpu(chart_without_schema: Any) -> None:
+    """Control for the case above: the same CUDA default, the CPU group given its own kernel."""
+    out = chart_without_schema.render({"image": {"variant": "cuda"}, "workers": {
+        "kernel": {"backend": "torch", "device": "cuda"},
+        "groups": [dict(CPU_GROUP, kernel={"backend": "numpy", "device": "cpu"}), GPU_GROUP]}},
+        name=RELEASE, namespace=NAMESPACE)
+    args = container(one(objects({"x": out}, "x"), "Deployment", "-controller"))["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--kernel-group"] == ["cpu=numpy:cpu"]
 
 
 @pytest.mark.parametrize(("values", "where"), [

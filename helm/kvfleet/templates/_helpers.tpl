@@ -147,6 +147,10 @@ capabilities:
 {{- fail (printf "workers.groups[%s]: minReplicas=%d > maxReplicas=%d" .name (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
 {{- $kdev := toString (default "cpu" (dig "device" "cpu" (default dict .kernel))) }}
+{{- $default := toString (default "cpu" (dig "device" "cpu" (default dict $.Values.workers.kernel))) }}
+{{- if and (not .kernel) (hasPrefix "cuda" $default) (eq (int .gpus) 0) }}
+{{- fail (printf "workers.groups[%s] has no GPU (gpus: 0) but runs the default kernel, workers.kernel.device=%s: a node without a GPU never runs a CUDA kernel, so it would get no sessions; give the group kernel: {backend: numpy, device: cpu}, or gpus > 0" .name $default) }}
+{{- end }}
 {{- if and (hasPrefix "cuda" $kdev) (eq (int .gpus) 0) }}
 {{- fail (printf "workers.groups[%s].kernel.device=%s needs gpus > 0 on that group: a node without a GPU never runs a CUDA kernel (it would get no sessions)" .name $kdev) }}
 {{- end }}
