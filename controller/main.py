@@ -25,6 +25,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from controller.auth import mint_token
 from controller.cost import CostConfig
@@ -80,6 +81,42 @@ COST_FLAGS: dict[str, tuple[str, type, str]] = {
         "seconds after which a route must show in the worker's /metrics",
     ),
 }
+
+
+# flag -> (StreamLimits field, type, help): bounds on each vLLM worker's KV-event stream
+STREAM_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--kv-replay-deadline": ("replay_deadline_s", float, "seconds one KV-event replay may take in all"),
+    "--kv-replay-max-batches": ("replay_max_batches", int, "batches one KV-event replay may return"),
+    "--kv-replay-max-bytes": ("replay_max_bytes", int, "payload bytes one KV-event replay may return"),
+    "--kv-event-max-message-bytes": ("max_msg_bytes", int, "largest KV-event ZMQ message (ZMQ_MAXMSGSIZE)"),
+    "--kv-max-resident-blocks": (
+        "max_resident_blocks",
+        int,
+        "blocks one worker rank may hold when its /metrics gives no num_gpu_blocks",
+    ),
+}
+
+
+def add_stream_flags(p: argparse.ArgumentParser) -> None:
+    """The --kv-* flags: StreamLimits (controller/vllm/subscriber.py)."""
+    from controller.vllm.subscriber import StreamLimits
+
+    defaults = StreamLimits()
+    for flag, (field, kind, text) in STREAM_FLAGS.items():
+        p.add_argument(flag, type=kind, default=None, dest=field,
+                       help=f"{text} (default {getattr(defaults, field)})")
+
+
+def stream_limits_from(args: argparse.Namespace) -> Any:
+    """StreamLimits from the --kv-* flags given; raises InvalidArgument naming the flag."""
+    from controller.vllm.subscriber import StreamLimits
+
+    given = {f: getattr(args, f) for f, _, _ in STREAM_FLAGS.values() if getattr(args, f, None) is not None}
+    try:
+        return StreamLimits(**given)
+    except InvalidArgument as e:
+        flag = next((f for f, (field, _, _) in STREAM_FLAGS.items() if str(e).startswith(field)), "--kv-*")
+        raise InvalidArgument(f"{flag}: {e}") from None
 
 
 def add_cost_flags(p: argparse.ArgumentParser) -> None:
@@ -163,6 +200,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         f"(default {DEFAULT_FLEET_METRICS_INTERVAL_S:.0f})",
     )
     add_cost_flags(p)
+    add_stream_flags(p)
     add_kernel_flags(p)
     add_edge_flags(p)
     add_session_flags(p)
@@ -276,7 +314,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
             return 0
         cfg = config_from(args, env)
-        router_config = RouterConfig(cost=cost_config_from(args))
+        router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args))
         _prepare_sqlite(cfg.store_url)
         return asyncio.run(serve(cfg, args.metrics_port, router_config, args.metrics_host))
     except (KvfleetError, OSError, ValueError) as e:

@@ -54,13 +54,14 @@ class StreamLimits:
     replay_max_batches: int = 20_002
     replay_max_bytes: int = 256 << 20
     max_msg_bytes: int = 64 << 20  # one ZMQ message (ZMQ_MAXMSGSIZE on SUB and DEALER)
+    max_resident_blocks: int = 1 << 20  # per rank, when its /metrics gives no num_gpu_blocks
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout_s", "replay_deadline_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not v > 0:
                 raise InvalidArgument(f"{name} must be > 0 seconds, got {v!r}")
-        for name in ("replay_max_batches", "replay_max_bytes", "max_msg_bytes"):
+        for name in ("replay_max_batches", "replay_max_bytes", "max_msg_bytes", "max_resident_blocks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {v!r}")

@@ -25,7 +25,7 @@ import aiohttp
 import zmq.asyncio
 
 from controller.contain import Contained
-from controller.index import PrefixIndex
+from controller.index import PrefixIndex, tier_of
 from controller.metrics import Metrics
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.hashing import HashConfig, calibrates
@@ -144,7 +144,7 @@ class Worker:
                 self.index.apply(key, ev)
                 bumped = True
             elif isinstance(ev, BlockStored):
-                if st.fence:
+                if st.fence or self._over_capacity(key, ev):
                     continue
                 if not self._calibrate(ev):
                     self.ranks[rank] = st
@@ -154,6 +154,25 @@ class Worker:
             else:
                 self.index.apply(key, ev)
         self._set(rank, st, persist=bumped)
+
+    def _over_capacity(self, key: tuple[str, int], ev: BlockStored) -> bool:
+        """A store that would take the rank past what it can hold is refused and counted.
+
+        The bound is the pool's size from /metrics (vllm:cache_config_info num_gpu_blocks), else
+        StreamLimits.max_resident_blocks. NOTE: vLLM announces an eviction (BlockRemoved) before
+        the store that reuses the block, so an honest stream never passes it; one claiming
+        millions of blocks used to grow the index (and the controller) without bound.
+        """
+        tier = tier_of(ev.group_idx, ev.medium)
+        gpu = tier[1] == "GPU"
+        bound = (self.load.num_gpu_blocks if gpu else None) or self.cfg.stream.max_resident_blocks
+        rank = self.index.rank(key)
+        held = rank.num_gpu_blocks() if gpu else len(rank.tiers.get(tier, ()))
+        new = set(ev.block_hashes) - rank.tiers.get(tier, set())
+        if held + len(new) <= bound:
+            return False
+        self.metrics.kv_blocks_refused.inc(len(new))
+        return True
 
     def _calibrate(self, ev: BlockStored) -> bool:
         """Self-calibration: a parentless, extra-free block 0 must recompute with this worker's config."""
