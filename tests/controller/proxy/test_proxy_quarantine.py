@@ -217,7 +217,8 @@ async def test_many_or_huge_tool_results_get_a_clear_answer(tmp_path: Path) -> N
         status, h, doc = await _chat(fleet, [{"role": "user", "content": "read it"},
                                              {"role": "tool", "tool_call_id": "c1", "content": huge}])
         print("huge tool result ->", status, doc["error"]["message"][:120])
-        assert status == 413 and doc["error"]["param"] == "messages[1].content"  # before: 429 from the controller
+        # (new limit: one call must stay under the controller's 4 MiB gRPC message; past it, a 429 came back)
+        assert status == 413 and doc["error"]["param"] == "messages[1].content"
         assert len(sim.received.items) == n
     finally:
         await fleet.stop()
