@@ -116,7 +116,12 @@ class KernelFleet:
         self.node_specs: dict[str, KernelSpec] = {}  # node -> the kernel spec its group runs (workers/spec.py)
         self.num_regenerations = 0
         self._handles: dict[tuple[str, str], Any] = {}
+        self.num_nodes_without_gpu = 0  # eligible nodes whose group's spec is CUDA but that have no GPU
         self.refresh_nodes(force=True)
+        if not self.supervisors and self.num_nodes_without_gpu:
+            raise Unavailable(f"no Ray node can run the kernel spec: {self.num_nodes_without_gpu} node(s) have no GPU "
+                              "for the CUDA kernel of their group (a node without a GPU never runs one); add GPU "
+                              "nodes, or give those groups a CPU kernel (--kernel-group GROUP=numpy:cpu)")
         if not self.supervisors:
             raise Unavailable(f"no Ray node has the resources a session needs ({session_resources(self._resources)})")
 
@@ -135,7 +140,9 @@ class KernelFleet:
         self._refreshed = now
         nodes = ray.nodes()  # type: ignore[no-untyped-call]
         specs = {n["NodeID"]: self.spec.for_node(n) for n in nodes}  # None: no GPU for a CUDA group
-        alive = [n for n in eligible_nodes(nodes, session_resources(self._resources)) if specs.get(n) is not None]
+        eligible = eligible_nodes(nodes, session_resources(self._resources))
+        alive = [n for n in eligible if specs.get(n) is not None]
+        self.num_nodes_without_gpu = len(eligible) - len(alive)
         for nid in set(self.supervisors) - set(alive):
             self.supervisors.pop(nid, None)
         for nid in alive:

@@ -56,9 +56,19 @@ def scenario(tmp: Path) -> dict[str, Any]:
         rows = f.list_sessions(fleet=True)
         return {"supervised": sorted(groups[n] for n in f.supervisors),
                 "sessions": sorted((groups[r["node"]], r["backend"], r["device"]) for r in rows),
-                "driver_backend": f.kernel.backend, "cross_group_fork": cross_group_fork(f, groups, rows)}
+                "driver_backend": f.kernel.backend, "cross_group_fork": cross_group_fork(f, groups, rows),
+                "cuda_everywhere": cuda_everywhere(tmp)}
     finally:
         f.shutdown()
+
+
+def cuda_everywhere(tmp: Path) -> str:
+    """A CUDA default on a cluster without a GPU: the fleet must say so, not blame resources."""
+    try:
+        KernelFleet(f"sqlite:///{tmp / 'cuda.db'}", KernelSpec(backend="torch", device="cuda"), node_refresh_s=0.0)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "built"
 
 
 def cross_group_fork(f: KernelFleet, groups: dict[str, str], rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -75,3 +75,5 @@ def test_node_groups_on_a_real_multi_node_ray(tmp_path: Path) -> None:
     # a fork from the torch group onto the numpy node replays (torch-made KV is not numpy's)
     assert r["cross_group_fork"] == {"adopted_tokens": 0, "moved_bytes": 0, "child": ["cpu", "numpy"],
                                      "same_tokens": True}
+    # a CUDA default on GPU-less nodes is named as such (before: "no Ray node has the resources")
+    assert r["cuda_everywhere"].startswith("Unavailable: no Ray node can run the kernel spec: 3 node(s) have no GPU")
