@@ -3,14 +3,15 @@
     from fleet.quarantine import default_detector, make_detector, DetectorConfig
     v = default_detector().inspect("tool result text")    # layer 1 (rules): v.quarantined, v.reasons, v.score
     v = make_detector(DetectorConfig()).inspect(data)      # rules + learned: v.reasons carry "learned:<p>"
+    admit_tool_result(ctx, ref, store, tenant)             # default detector: make_detector() (layered)
 """
 
 from __future__ import annotations
 
-from fleet.quarantine.admit import Admission, admit_tool_result
+from fleet.quarantine.admit import Admission, admit_tool_result, default_admission_detector
 from fleet.quarantine.cache import VerdictCache
 from fleet.quarantine.detector import Detector, PromptInjectionDetector, Verdict, default_detector
 from fleet.quarantine.layered import DetectorConfig, LayeredDetector, make_detector
 
 __all__ = ["Admission", "Detector", "DetectorConfig", "LayeredDetector", "PromptInjectionDetector", "Verdict",
-           "VerdictCache", "admit_tool_result", "default_detector", "make_detector"]
+           "VerdictCache", "admit_tool_result", "default_admission_detector", "default_detector", "make_detector"]
