@@ -45,6 +45,7 @@ async def test_chaos_through_controller_and_restart() -> None:
           f"baseline stale={sum(r.baseline.stale for r in runs.values())}")
     print(_row("(d) seed 7, controller restarted", d), "actions:", d.actions)
     for r in (*runs.values(), a7, d):
+        assert r.errors == []  # nothing swallowed: every verb and completion answered
         assert r.router.stale == 0
         assert r.router.warm > 30 and r.router.oracle > 0  # non-vacuous: many warm verdicts were checked
         assert r.baseline.stale > 0  # (c) control: the AllBlocksCleared-only baseline routes stale on the same trace
@@ -67,6 +68,7 @@ async def test_chaos_behind_the_back() -> None:
     print(_row("(b') reset / pause+resume, + probe", inv))
     print("    (b') is invisible to polling and to the probe: only the AllBlocksCleared that vLLM publishes with "
           "the next step reveals it; owning the verbs (a) is the fix")
+    assert (b.errors, bp.errors, inv.errors) == ([], [], [])       # nothing swallowed
     assert bp.router.stale == 0 and bp.router.warm > 50           # the probe closes the window
     assert b.detect_ms and b.undetected == 0 and bp.undetected == 0
     assert b.baseline.stale > b.router.stale                      # (c) the baseline is worse on the same trace
