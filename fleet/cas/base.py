@@ -47,33 +47,39 @@ class BlobStore(ABC):
         self.cfg = cfg
 
     # ---- blobs -------------------------------------------------------------------------------
-    def put(self, data: bytes | bytearray | memoryview, tenant: str, expected_ref: str | None = None) -> str:
+    def put(self, data: bytes | bytearray | memoryview, tenant: str, expected_ref: str | None = None, *,
+            quota: int = 0) -> str:
         """Store `data` once for `tenant` and return its ref.
 
         Args:
             data: the blob bytes (not copied before the backend write).
             tenant: owning tenant.
             expected_ref: if given, the sha256 the caller claims; checked before anything is written.
+            quota: if > 0, the most blob bytes `tenant` may have stored (see `stored_bytes`); checked
+                in the same transaction/script as the write, so concurrent puts cannot overshoot it.
 
         Returns:
             The lowercase sha256 hex of `data`. A second put of the same bytes stores nothing new
-            (it only extends the lease).
+            (it only extends the lease) and so costs nothing against `quota`.
 
         Raises:
             InvalidArgument: bad tenant, malformed expected_ref or hash mismatch.
-            ResourceExhausted: `data` exceeds `max_blob_bytes`.
+            ResourceExhausted: `data` exceeds `max_blob_bytes`, or storing it would take the
+                tenant's stored bytes past `quota` (nothing is written).
         """
         check_tenant(tenant)
         view = check_bytes("data", data)
         if expected_ref is not None:
             check_ref(expected_ref)
+        self._check_quota(quota)
         self._check_size(view.nbytes)
         ref = hashlib.sha256(view).hexdigest()
         self._check_expected(ref, expected_ref)
-        self._put(tenant, ref, view, self.cfg.clock())
+        self._put_checked(tenant, ref, view, self.cfg.clock(), quota)
         return ref
 
-    def put_stream(self, chunks: Iterable[bytes], tenant: str, expected_ref: str | None = None) -> str:
+    def put_stream(self, chunks: Iterable[bytes], tenant: str, expected_ref: str | None = None, *,
+                   quota: int = 0) -> str:
         """Like `put`, for data arriving in chunks; hashes incrementally, refuses oversize early.
 
         NOTE: the chunks are gathered into one buffer (the only full copy held here) because the
@@ -82,6 +88,7 @@ class BlobStore(ABC):
         check_tenant(tenant)
         if expected_ref is not None:
             check_ref(expected_ref)
+        self._check_quota(quota)
         h, buf = hashlib.sha256(), bytearray()
         for chunk in chunks:
             view = check_bytes("chunk", chunk)
@@ -90,13 +97,14 @@ class BlobStore(ABC):
             buf += view
         ref = h.hexdigest()
         self._check_expected(ref, expected_ref)
-        self._put(tenant, ref, memoryview(buf), self.cfg.clock())
+        self._put_checked(tenant, ref, memoryview(buf), self.cfg.clock(), quota)
         return ref
 
     def put_many(self, blobs: list[bytes], tenant: str) -> list[str]:
         """Put several blobs in one batch; every blob is validated before any is written.
 
         Each blob is still its own atomic put (a failure mid-batch leaves whole blobs, never parts).
+        No per-tenant quota here: it is the store's internal batch path, not a tenant-facing one.
         """
         check_tenant(tenant)
         views = [check_bytes("data", b) for b in blobs]
@@ -120,9 +128,30 @@ class BlobStore(ABC):
     def _put_many(self, tenant: str, items: Iterable[tuple[str, memoryview]], now: float) -> list[str]:
         refs = []
         for ref, view in items:
-            self._put(tenant, ref, view, now)
+            self._put(tenant, ref, view, now, 0)
             refs.append(ref)
         return refs
+
+    @staticmethod
+    def _check_quota(quota: object) -> None:
+        if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
+            raise InvalidArgument(f"quota must be an int >= 0 (0: none), got {quota!r}")
+
+    def _put_checked(self, tenant: str, ref: str, view: memoryview, now: float, quota: int) -> None:
+        used = self._put(tenant, ref, view, now, quota)
+        if used is not None:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {used} blob bytes stored; this blob of {view.nbytes} bytes would take it past "
+                f"its quota of {quota} bytes (--max-blob-bytes-per-tenant); nothing was stored. Unpin blobs you no "
+                "longer need (stored blobs count until the store GC collects them: unpinned, unreferenced, lease "
+                "expired) or ask the operator to raise the quota"
+            )
+
+    def stored_bytes(self, tenant: str) -> int:
+        """The bytes of every blob `tenant` has stored now (each distinct blob counted once, until GC
+        deletes it); maintained by the backend atomically with each put and each GC delete."""
+        check_tenant(tenant)
+        return self._stored_bytes(tenant)
 
     def _get_many(self, tenant: str, refs: list[str]) -> list[bytes | None]:
         return [self._get(tenant, ref) for ref in refs]
@@ -264,7 +293,12 @@ class BlobStore(ABC):
 
     # ---- backend primitives ----------------------------------------------------------------------
     @abstractmethod
-    def _put(self, tenant: str, ref: str, data: memoryview, now: float) -> None: ...
+    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
+        """Store the blob, or only extend its lease if present. With quota > 0, a NEW blob that would
+        take the tenant's stored bytes past quota is not written and the stored bytes are returned;
+        otherwise None. Check and write are one transaction/script."""
+    @abstractmethod
+    def _stored_bytes(self, tenant: str) -> int: ...
     @abstractmethod
     def _get(self, tenant: str, ref: str) -> bytes | None: ...
     @abstractmethod

@@ -5,11 +5,16 @@ Key layout (tenant names exclude ':', so a tenant can never reach another tenant
     kvf:t:{tenant}:b:{ref}          STRING  the blob bytes
     kvf:t:{tenant}:m:{ref}          HASH    size, created, pins, refs, verdict, reasons, lease_expires
     kvf:t:{tenant}:op:{session_id}  LIST    the session's op log, one JSON op per element
+    kvf:t:{tenant}:bytes            STRING  the tenant's stored blob bytes (sum of its blobs' sizes),
+                                            changed by the same script that writes or deletes a blob
     kvf:kv:{namespace}              HASH    controller state, key -> value
 
 Atomicity: a put is ONE EVALSHA whose arguments carry the bytes; Redis runs a script only after its
 whole command has arrived, and runs it without interleaving, so the data key and the metadata hash
-appear together or not at all. A client killed mid-transfer leaves nothing.
+appear together or not at all. A client killed mid-transfer leaves nothing. The same script keeps the
+tenant's byte count (and checks its quota), and the GC script that deletes a blob lowers it.
+NOTE: blobs a Redis store held before the byte count existed are not in it (no backfill scan: it
+would race live puts); they leave it as they are collected, the count never going below 0.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
   if cur == nil or cur < tonumber(ARGV[4]) then redis.call('HSET', KEYS[2], 'lease_expires', ARGV[4]) end
   return 0
 end
+local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+local quota = tonumber(ARGV[6])
+if quota > 0 and used + tonumber(ARGV[2]) > quota then return {used} end
+redis.call('INCRBY', KEYS[3], ARGV[2])
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'size', ARGV[2], 'created', ARGV[3], 'pins', '0', 'refs', '0',
            'verdict', ARGV[5], 'reasons', '[]', 'lease_expires', ARGV[4])
@@ -67,7 +76,9 @@ local m = redis.call('HMGET', KEYS[2], 'pins', 'refs', 'lease_expires')
 local pins, refs, lease = tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
 if pins == nil or refs == nil or lease == nil then return 0 end  -- unreadable metadata: never collected
 if pins == 0 and refs == 0 and lease <= tonumber(ARGV[1]) then
+  local size = tonumber(redis.call('HGET', KEYS[2], 'size')) or 0
   redis.call('DEL', KEYS[1], KEYS[2])
+  if redis.call('DECRBY', KEYS[3], size) <= 0 then redis.call('DEL', KEYS[3]) end
   return 1
 end
 return 0
@@ -131,14 +142,26 @@ class RedisBlobStore(BlobStore):
     def _keys(tenant: str, ref: str) -> tuple[str, str]:
         return f"kvf:t:{tenant}:b:{ref}", f"kvf:t:{tenant}:m:{ref}"
 
+    @staticmethod
+    def _usage_key(tenant: str) -> str:
+        return f"kvf:t:{tenant}:bytes"
+
+    def _put_keys(self, tenant: str, ref: str) -> list[str]:
+        return [*self._keys(tenant, ref), self._usage_key(tenant)]
+
     # ---- blobs ----------------------------------------------------------------------------------
     @_unavailable
-    def _put(self, tenant: str, ref: str, data: memoryview, now: float) -> None:
-        data_key, meta_key = self._keys(tenant, ref)
+    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
+        keys = self._put_keys(tenant, ref)
         lease = repr(self._lease(now))
-        if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[meta_key], args=[lease]):
-            return
-        self._s_put(keys=[data_key, meta_key], args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN])
+        if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):
+            return None
+        out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN, quota])
+        return int(out[0]) if isinstance(out, list) else None
+
+    @_unavailable
+    def _stored_bytes(self, tenant: str) -> int:
+        return int(self.r.get(self._usage_key(tenant)) or 0)
 
     @_unavailable
     def _put_many(self, tenant: str, items: Iterable[tuple[str, memoryview]], now: float) -> list[str]:
@@ -163,8 +186,8 @@ class RedisBlobStore(BlobStore):
         present = {ref for ref, hit in zip(large, pipe.execute() if large else [], strict=True) if hit}
         for ref, data in group:
             if ref not in present:  # one atomic script per blob
-                self._s_put(keys=list(self._keys(tenant, ref)),
-                            args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN], client=pipe)
+                self._s_put(keys=self._put_keys(tenant, ref),
+                            args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN, 0], client=pipe)
         if len(pipe):
             pipe.execute()
 
@@ -233,7 +256,7 @@ class RedisBlobStore(BlobStore):
         for key in self.r.scan_iter(match="kvf:t:*:m:*", count=1000):
             m = _META_KEY.fullmatch(key.decode("utf-8", "replace"))
             if m is not None:
-                deleted += int(self._s_gc(keys=list(self._keys(*m.groups())), args=[repr(now)]))
+                deleted += int(self._s_gc(keys=self._put_keys(*m.groups()), args=[repr(now)]))
         return deleted
 
     # ---- controller state -------------------------------------------------------------------------

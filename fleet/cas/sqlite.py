@@ -3,6 +3,7 @@
 Tables (every blob row is keyed by (tenant, ref), so tenants never see each other's rows):
 
     blobs(id, tenant, ref, data, size, created, pins, refs, verdict, reasons, lease_expires)
+    tenant_bytes(tenant, num_bytes)   the sum of blobs.size per tenant, kept by triggers on blobs
     kv(namespace, key, value)
     oplog(tenant, session_id, idx, op)
 
@@ -39,6 +40,19 @@ CREATE TABLE IF NOT EXISTS oplog (
 );
 """
 
+# Per-tenant stored bytes, kept by triggers, so every write path (put, GC's bulk DELETE) counts.
+_USAGE_DDL = (
+    "CREATE TABLE IF NOT EXISTS tenant_bytes (tenant TEXT PRIMARY KEY, num_bytes INTEGER NOT NULL)",
+    """CREATE TRIGGER IF NOT EXISTS blobs_count_in AFTER INSERT ON blobs BEGIN
+        INSERT INTO tenant_bytes (tenant, num_bytes) VALUES (NEW.tenant, NEW.size)
+            ON CONFLICT (tenant) DO UPDATE SET num_bytes = num_bytes + NEW.size;
+    END""",
+    """CREATE TRIGGER IF NOT EXISTS blobs_count_out AFTER DELETE ON blobs BEGIN
+        UPDATE tenant_bytes SET num_bytes = num_bytes - OLD.size WHERE tenant = OLD.tenant;
+        DELETE FROM tenant_bytes WHERE tenant = OLD.tenant AND num_bytes <= 0;
+    END""",
+)
+
 _META_COLS = "ref, size, created, pins, refs, verdict, reasons, lease_expires"
 
 
@@ -68,6 +82,12 @@ class SqliteBlobStore(BlobStore):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        with self._tx() as db:  # one writer at a time: the backfill below runs once per file
+            fresh = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tenant_bytes'").fetchone() is None
+            for stmt in _USAGE_DDL:
+                db.execute(stmt)
+            if fresh:  # a file from before the table: count the blobs it already holds
+                db.execute("INSERT INTO tenant_bytes SELECT tenant, SUM(size) FROM blobs GROUP BY tenant")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -94,19 +114,29 @@ class SqliteBlobStore(BlobStore):
         return tuple(row) if row is not None else None
 
     # ---- blobs ----------------------------------------------------------------------------------
-    def _put(self, tenant: str, ref: str, data: memoryview, now: float) -> None:
+    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
         lease = self._lease(now)
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE blobs SET lease_expires = MAX(lease_expires, ?) WHERE tenant = ? AND ref = ?",
                 (lease, tenant, ref),
             )
-            if cur.rowcount == 0:  # new blob: data and metadata in the same row, same transaction
-                db.execute(
-                    "INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (tenant, ref, data, data.nbytes, now, VERDICT_UNKNOWN, lease),
-                )
+            if cur.rowcount:  # already stored: costs nothing
+                return None
+            used = _tenant_bytes(db, tenant)
+            if quota and used + data.nbytes > quota:
+                return used
+            # new blob: data and metadata in the same row, same transaction (the trigger counts it)
+            db.execute(
+                "INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (tenant, ref, data, data.nbytes, now, VERDICT_UNKNOWN, lease),
+            )
+            return None
+
+    def _stored_bytes(self, tenant: str) -> int:
+        with self._lock, self._busy():
+            return _tenant_bytes(self._db, tenant)
 
     def _get(self, tenant: str, ref: str) -> bytes | None:
         row = self._one("SELECT data FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref))
@@ -192,6 +222,11 @@ class SqliteBlobStore(BlobStore):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _tenant_bytes(db: sqlite3.Connection, tenant: str) -> int:
+    row = db.execute("SELECT num_bytes FROM tenant_bytes WHERE tenant = ?", (tenant,)).fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 def _meta(row: tuple[Any, ...]) -> BlobMeta:

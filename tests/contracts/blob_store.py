@@ -361,3 +361,70 @@ def test_gc_skips_unreadable_metadata_and_collects_the_rest(store_env: StoreEnv)
     assert store.gc(now=5000.0) == 2
     assert not store.exists(good, "acme") and not store.exists(other, "beta")
     assert store.get(no_lease, "acme") == b"damaged 2"
+
+
+# ---- per-tenant stored bytes and their quota ---------------------------------------------------------
+def test_stored_bytes_quota_counts_each_blob_once_until_gc(store_env: StoreEnv) -> None:
+    clock = Clock(1000.0)
+    store = store_env.open(clock=clock, lease_s=10.0)
+    big = os.urandom(300 << 10)  # past redis' dedup pre-check size, so that path is covered too
+    quota = len(big) + 1000
+    assert store.stored_bytes("acme") == 0
+    store.put(big, "acme", quota=quota)
+    first = store.put_stream([b"x" * 600], "acme", quota=quota)
+    assert store.stored_bytes("acme") == len(big) + 600
+    # dedup: storing the same bytes again costs nothing, even at the quota
+    assert store.put(big, "acme", quota=quota) == sha(big)
+    assert store.put(b"x" * 600, "acme", quota=quota) == first
+    assert store.stored_bytes("acme") == len(big) + 600
+    before = store_env.footprint()
+    for put in (lambda: store.put(b"y" * 401, "acme", quota=quota),
+                lambda: store.put_stream([b"y" * 200, b"y" * 201], "acme", quota=quota)):
+        with pytest.raises(ResourceExhausted, match=r"--max-blob-bytes-per-tenant") as e:
+            put()
+        assert f"has {len(big) + 600} blob bytes stored" in str(e.value) and f"quota of {quota} bytes" in str(e.value)
+    assert store_env.footprint() == before  # a refused put writes nothing
+    assert store.stored_bytes("acme") == len(big) + 600
+    store.put(b"y" * 400, "acme", quota=quota)  # exactly at the quota is allowed
+    assert store.stored_bytes("acme") == quota
+    store.put(b"z" * 5000, "beta", quota=quota)  # another tenant has its own count
+    assert store.put(b"z" * 5000, "acme") == sha(b"z" * 5000)  # quota 0: none
+    assert (store.stored_bytes("acme"), store.stored_bytes("beta")) == (quota + 5000, 5000)
+    store.pin(first, "acme")
+    assert store.gc(now=2000.0) == 4  # every blob but the pinned one: GC gives their bytes back
+    assert (store.stored_bytes("acme"), store.stored_bytes("beta")) == (600, 0)
+    store.put(big, "acme", quota=quota)  # room again
+    assert store.stored_bytes("acme") == len(big) + 600
+
+
+def test_bad_quota_is_invalid_argument_and_writes_nothing(store_env: StoreEnv) -> None:
+    store = store_env.open()
+    before = store_env.footprint()
+    for bad in (-1, 1.5, "10", True):
+        with pytest.raises(InvalidArgument, match="quota must be an int"):
+            store.put(b"data", "acme", quota=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="quota must be an int"):
+            store.put_stream([b"data"], "acme", quota=bad)  # type: ignore[arg-type]
+    assert store_env.footprint() == before and store.stored_bytes("acme") == 0
+
+
+def test_concurrent_puts_never_overshoot_the_quota(store_env: StoreEnv) -> None:
+    quota, size, n = 10_000, 1000, 24
+    stores = [store_env.open() for _ in range(4)]
+    outcomes: list[str] = []
+
+    def worker(k: int) -> None:
+        for i in range(k, n, len(stores)):
+            try:
+                stores[k].put(i.to_bytes(2, "big") * (size // 2), "acme", quota=quota)
+                outcomes.append("ok")
+            except ResourceExhausted:
+                outcomes.append("refused")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["ok"] * 10 + ["refused"] * (n - 10)
+    assert stores[0].stored_bytes("acme") == quota

@@ -19,7 +19,7 @@ from contracts.blob_store import StoreEnv  # noqa: E402
 
 def _sqlite_footprint(path: str) -> object:
     with sqlite3.connect(path) as db:
-        dump = {t: sorted(map(repr, db.execute(f"SELECT * FROM {t}").fetchall())) for t in ("blobs", "kv", "oplog")}
+        dump = {t: sorted(map(repr, db.execute(f"SELECT * FROM {t}").fetchall())) for t in ("blobs", "kv", "oplog", "tenant_bytes")}
     return dump
 
 
@@ -55,3 +55,21 @@ def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreE
     yield env
     for s in env.opened:
         s.close()
+
+
+def test_sqlite_file_from_before_the_byte_count_is_counted_once(tmp_path: Path) -> None:
+    """A database written before tenant_bytes existed gets its blobs counted when first opened, once."""
+    from fleet.cas import open_store
+    from fleet.cas.sqlite import _SCHEMA
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(_SCHEMA)
+        for tenant, data in (("acme", b"a" * 700), ("acme", b"b" * 300), ("beta", b"c" * 50)):
+            db.execute("INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires) "
+                       "VALUES (?, ?, ?, ?, 0, 'UNKNOWN', 0)",
+                       (tenant, hashlib.sha256(data).hexdigest(), data, len(data)))
+    for _ in range(2):  # the second open must not count them again
+        store = open_store(f"sqlite:///{path}")
+        assert (store.stored_bytes("acme"), store.stored_bytes("beta"), store.stored_bytes("none")) == (1000, 50, 0)
+        store.close()

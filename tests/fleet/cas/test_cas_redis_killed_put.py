@@ -3,7 +3,7 @@
 The client talks to Redis through a small TCP forwarder that stalls after 1 MiB of the request; the
 client process is SIGKILLed while stalled, the bytes that did arrive are delivered, the connection is
 closed, and Redis is inspected: exactly the pre-existing keys remain. Control: the same put through
-the same forwarder without a stall creates exactly the blob's two keys.
+the same forwarder without a stall creates exactly the blob's two keys and its tenant's byte count.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def test_client_killed_mid_put_leaves_no_key(redis_url: str, redis_server) -> No
     r = redis.Redis.from_url(redis_url)
     with open_store(redis_url) as store:
         store.put(b"pre-existing blob", "acme")
-    before = _keys(r)
-    assert len(before) == 2
+    before, count = _keys(r), r.get("kvf:t:acme:bytes")
+    assert len(before) == 3 and count == str(len(b"pre-existing blob")).encode()  # blob, metadata, byte count
     baseline = int(r.info("clients")["connected_clients"])
 
     proxy = StallingProxy(redis_server.port, stall_after=1 << 20)
@@ -104,14 +104,16 @@ def test_client_killed_mid_put_leaves_no_key(redis_url: str, redis_server) -> No
     print(f"forwarded {proxy.forwarded} of >{16 << 20} request bytes before the client died; "
           f"keys before {len(before)}, after {r.dbsize()}")
     assert 1 << 20 <= proxy.forwarded < 16 << 20
-    assert _keys(r) == before and r.dbsize() == 2
+    assert _keys(r) == before and r.dbsize() == 3
+    assert r.get("kvf:t:acme:bytes") == count  # the dead put counted nothing
 
 
-def test_control_same_put_through_the_proxy_without_stall_stores_two_keys(redis_url: str, redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_control_same_put_through_the_proxy_without_stall_stores_its_keys(redis_url: str, redis_server) -> None:  # type: ignore[no-untyped-def]
     r = redis.Redis.from_url(redis_url)
     proxy = StallingProxy(redis_server.port, stall_after=None)
     out = subprocess.run([sys.executable, "-c", _CLIENT, f"redis://127.0.0.1:{proxy.port}/0"],
                          capture_output=True, check=True, timeout=60)
     ref = out.stdout.decode().strip()
     assert proxy.forwarded > 16 << 20
-    assert _keys(r) == {f"kvf:t:acme:b:{ref}".encode(), f"kvf:t:acme:m:{ref}".encode()}
+    assert _keys(r) == {f"kvf:t:acme:b:{ref}".encode(), f"kvf:t:acme:m:{ref}".encode(), b"kvf:t:acme:bytes"}
+    assert int(r.get("kvf:t:acme:bytes")) == int(r.strlen(f"kvf:t:acme:b:{ref}"))  # type: ignore[arg-type]
