@@ -86,11 +86,11 @@ class _Versioned:
 
 
 class Judge:
-    """Verdicts on tool results' bytes; the detector defaults to the rules layer (docs/quarantine.md)."""
+    """Verdicts on tool results' bytes; the detector defaults to the shipped policy, DetectorConfig()."""
 
     def __init__(self, store: Any, config: DetectorConfig | None = None) -> None:
         self.store = store
-        det = make_detector(config or DetectorConfig(layers=("rules",)))
+        det = make_detector(config or DetectorConfig())  # the shipped policy (rules + learned)
         self.cache = VerdictCache(store, _Versioned(det, f"{det.config_id}.{detector_code_digest()}"))
 
     @property

@@ -115,7 +115,7 @@ def test_a_rule_update_judges_cached_bytes_again(tmp_path: Path, monkeypatch: py
     # ... and the code that judges is new: the bytes are judged again (before: the cached CLEAN stood)
     monkeypatch.setattr(verdicts, "detector_code_digest", lambda: "rules-v2")
     j = Judge(store).judge([text], "acme", "placeholder")[0]
-    assert j.quarantined and j.reasons == ("new_rule",)
+    assert j.quarantined and "new_rule" in j.reasons
     store.close()
 
 
