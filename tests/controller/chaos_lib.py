@@ -274,7 +274,10 @@ class Chaos:
             for step in range(steps):
                 if self.restart_at is not None and step == self.restart_at:
                     before = {s.name: (s.epoch, s.num_blocks) for s in self.router.workers()}
+                    crashed = self.store.kv_scan("epochs")  # what a crash leaves: nothing persisted on the way out
                     await self.router.stop()
+                    for k, v in crashed.items():
+                        self.store.kv_put("epochs", k, v)  # undo the graceful stop's last writes
                     self.router = await self._new_router()  # empty index: rebuilt by replay from the store's seqs
                     self.res.rebuilt = (before, {s.name: (s.epoch, s.num_blocks) for s in self.router.workers()})
                     self.res.restarts_of_controller += 1

@@ -3,7 +3,7 @@
 (a) every action through the controller: zero stale warm routes, hit rate >= 95% of the oracle;
 (b) actions behind its back: detection latency and stale routes in the window; zero with the probe;
 (c) a baseline that clears only on AllBlocksCleared, on the same traces;
-(d) a controller restart in the middle changes neither number.
+(d) a controller crash in the middle (its store as it was: no writes on the way out) changes neither number.
 """
 
 from __future__ import annotations
