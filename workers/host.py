@@ -103,7 +103,9 @@ class SessionHost:
             self.num_adopted_tokens = 0
         ctx.sink, ctx.store = self._write, self.store
         self.ctx = ctx
-        self.op_ids = {str(op["op_id"]) for op in ops if op.get("op_id")}
+        # op ids are the session's own: a fork's log starts with its parent's ops, whose ids are not its
+        forked = max((i for i, op in enumerate(ops) if op.get("op") == "fork"), default=-1)
+        self.op_ids = {str(op["op_id"]) for op in ops[forked + 1:] if op.get("op_id")}
 
     @property
     def context(self) -> SessionContext:

@@ -98,7 +98,8 @@ class KernelActor:
         """The answer to a retried op already in the log: the piece its append added (None for
         other verbs) and its index in the log; nothing is applied again."""
         ops = self.host.context.ops
-        index = next((i for i, op in enumerate(ops) if op.get("op_id") == op_id), None)
+        index = next((i for i in range(len(ops) - 1, -1, -1) if ops[i].get("op_id") == op_id), None)  # the last:
+        # a fork's log starts with its parent's ops, and the child may reuse their ids for its own
         op = ops[index] if index is not None else {}
         pieces = self.host.context.pieces
         piece = pieces[op["piece"]] if op.get("op") == "append" and op["piece"] < len(pieces) else None

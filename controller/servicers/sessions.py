@@ -232,8 +232,11 @@ class SessionServicer(pbg.SessionServiceServicer):
         return r
 
     def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
-        """Whether op `op_id` is in the session's op log (written before an op is applied)."""
-        return any(op.get("op_id") == op_id for op in self.fleet.store.oplog_read(tenant, sid))
+        """Whether op `op_id` is one of the session's own ops in its log (written before an op is
+        applied); a fork's log starts with its parent's ops, whose ids are not the child's."""
+        ops = self.fleet.store.oplog_read(tenant, sid)
+        forked = max((i for i, op in enumerate(ops) if op.get("op") == "fork"), default=-1)
+        return any(op.get("op_id") == op_id for op in ops[forked + 1:])
 
     async def _new_session(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any) -> Any:
         """A create or fork of session `sid`: one session and `num_tokens` tokens within quota,

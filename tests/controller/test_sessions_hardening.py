@@ -448,3 +448,31 @@ def test_a_tenant_lane_is_shut_down_once_no_call_of_it_runs_or_waits() -> None:
         lanes.release(t)
     assert lanes.prune() == 2
     lanes.shutdown()
+
+
+# ---- op ids are a session's own: a fork's child does not inherit its parent's ---------------------------
+
+async def test_a_fork_child_does_not_answer_its_parents_op_ids(ray_cluster: None, tmp_path: Path) -> None:
+    url = _url(tmp_path)
+    limits = SessionLimits(max_kv_bytes_per_tenant=95 * _bytes_per_token(), idle_ttl_s=0)
+    ctl = await start_controller(url, None, sessions=limits)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)
+        await c.append("s1", " hello", op_id="turn-1")               # 41
+        await c.append("s1", " hi", op_id="p-only")                  # 44
+        await c.fork("s1", "s1.b")                                   # 44 + 44
+        mine = await c.append("s1.b", " branch", op_id="turn-1")     # per-branch numbering: a new op
+        assert (mine.replayed, mine.num_tokens, mine.piece.piece_id) == (False, 51, 3)   # 44 + 51 = 95: full
+        again = await c.append("s1.b", " branch", op_id="turn-1")    # its own retry is answered, quota or not
+        assert (again.replayed, again.op_index, again.piece) == (True, mine.op_index, mine.piece)
+        assert await _servicer(ctl).reap_idle(0.0, now=time.time() + 1)   # regenerated from the log
+        after = await c.append("s1.b", " branch", op_id="turn-1")
+        assert (after.replayed, after.op_index, after.piece, after.num_tokens) == (True, mine.op_index, mine.piece, 51)
+        with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
+            await c.append("s1.b", [5], op_id="p-only")              # the parent's id is no retry of the child's
+        assert (await c.append("s1", " more", op_id="turn-1")).replayed   # the parent's own retry still is
+        assert (await c.get_session("s1.b")).row.num_tokens == 51
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
