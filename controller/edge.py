@@ -155,9 +155,12 @@ class DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc shi
                                 **{slot: _wrap(getattr(handler, slot), method, stream_in, stream_out)})
 
 
-# flag -> (where, field, type, help); defaults come from UploadLimits / GrpcLimits / the route cap
+# flag -> (where, field, type, help); defaults come from UploadLimits / GrpcLimits / servicers.common
+# ("config": a plain ControllerConfig field)
 EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
-    "--max-route-tokens": ("route", "max_route_tokens", int, "most tokens one Route may carry"),
+    "--max-route-tokens": ("config", "max_route_tokens", int, "most tokens one Route may carry"),
+    "--max-blob-bytes-per-tenant": ("config", "max_blob_bytes_per_tenant", int,
+                                    "blob bytes one tenant may have stored until GC collects them, 0 = no quota"),
     "--max-uploads-per-tenant": ("uploads", "tenant_uploads", int, "unfinished blob uploads per tenant"),
     "--max-uploads": ("uploads", "total_uploads", int, "unfinished blob uploads in total"),
     "--max-upload-bytes-per-tenant": ("uploads", "tenant_bytes", int, "bytes of unfinished uploads per tenant"),
@@ -171,13 +174,17 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
                                  "fastest client ping accepted without calls, seconds (faster: GOAWAY)"),
 }
 
+_ZERO_IS_OFF = frozenset({"--max-blob-bytes-per-tenant"})
+
 
 def add_edge_flags(p: Any) -> None:
     """The edge limits as flags (shared by `kvfleet controller` and `kvfleet up`); defaults in --help."""
-    from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
+    from controller.servicers.common import DEFAULT_MAX_BLOB_BYTES_PER_TENANT, DEFAULT_MAX_ROUTE_TOKENS
     from controller.uploads import UploadLimits
 
-    defaults = {"route": {"max_route_tokens": DEFAULT_MAX_ROUTE_TOKENS}, "uploads": UploadLimits(),
+    defaults = {"config": {"max_route_tokens": DEFAULT_MAX_ROUTE_TOKENS,
+                          "max_blob_bytes_per_tenant": DEFAULT_MAX_BLOB_BYTES_PER_TENANT},
+                "uploads": UploadLimits(),
                 "grpc": GrpcLimits()}
     for flag, (where, name, kind, text) in EDGE_FLAGS.items():
         d = defaults[where]
@@ -189,13 +196,16 @@ def edge_config_from(args: Any) -> dict[str, Any]:
     """ControllerConfig keyword arguments from the flags given; InvalidArgument names the bad flag."""
     from controller.uploads import UploadLimits
 
-    given: dict[str, dict[str, Any]] = {"route": {}, "uploads": {}, "grpc": {}}
+    given: dict[str, dict[str, Any]] = {"config": {}, "uploads": {}, "grpc": {}}
     for flag, (where, name, _, _) in EDGE_FLAGS.items():
         value = getattr(args, f"edge_{name}", None)
         if value is not None:
-            if not value > 0:
-                raise InvalidArgument(f"{flag} must be positive, got {value}")
+            if flag in _ZERO_IS_OFF and value == 0:
+                pass
+            elif not value > 0:
+                raise InvalidArgument(f"{flag} must be positive{' (or 0: off)' if flag in _ZERO_IS_OFF else ''}, "
+                                      f"got {value}")
             given[where][name] = value
     out: dict[str, Any] = {"uploads": UploadLimits(**given["uploads"]), "grpc_limits": GrpcLimits(**given["grpc"])}
-    out.update(given["route"])
+    out.update(given["config"])
     return out

@@ -27,7 +27,7 @@ from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
-from controller.servicers.common import DEFAULT_MAX_ROUTE_TOKENS
+from controller.servicers.common import DEFAULT_MAX_BLOB_BYTES_PER_TENANT, DEFAULT_MAX_ROUTE_TOKENS
 from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
@@ -51,6 +51,7 @@ class ControllerConfig:
     tls_client_ca: str | None = None  # set: mutual TLS, every client shows a certificate this CA signed
     max_blob_bytes: int = 64 << 20
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS
+    max_blob_bytes_per_tenant: int = DEFAULT_MAX_BLOB_BYTES_PER_TENANT  # stored blob bytes per tenant, 0: no quota
     uploads: UploadLimits = field(default_factory=UploadLimits)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
     sessions: SessionLimits = field(default_factory=SessionLimits)  # per-tenant session quotas, idle TTL
@@ -77,6 +78,9 @@ class ControllerConfig:
             raise InvalidArgument(f"--max-route-tokens must be positive, got {self.max_route_tokens}")
         if self.max_blob_bytes <= 0:
             raise InvalidArgument(f"max_blob_bytes must be positive, got {self.max_blob_bytes}")
+        if self.max_blob_bytes_per_tenant < 0:
+            raise InvalidArgument(f"--max-blob-bytes-per-tenant must be >= 0 (0: no quota), "
+                                  f"got {self.max_blob_bytes_per_tenant}")
         GcConfig(self.gc_interval_s)  # raises InvalidArgument on a bad interval
 
 
@@ -213,6 +217,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          store_url=cfg.store_url, ray_address=cfg.ray_address, leader=False,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"),
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
+                         blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes)
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec

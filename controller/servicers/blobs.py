@@ -4,10 +4,14 @@ Memory: a put holds the received chunks (one copy) and the store joins them (a s
 put never holds more than ~2 copies of the blob; a get streams the store's chunks as they come.
 Unfinished puts are bounded by controller/uploads.py: a put reserves its announced size per tenant
 and in total when its header arrives, and one that sends no bytes for the idle timeout is dropped.
+Stored bytes are bounded per tenant (--max-blob-bytes-per-tenant): the store checks the quota in the
+same transaction as the write; a header with an expected_ref (not yet stored) that cannot fit is
+refused before any chunk is buffered.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +22,7 @@ from controller.servicers.common import ServiceContext, server_stream, unary
 from controller.uploads import progressing
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
+from fleet.cas.base import OverQuota, over_quota
 from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
 
 DEFAULT_CHUNK = 1 << 20
@@ -38,10 +43,15 @@ class BlobServicer(pbg.BlobServiceServicer):
         gate = self.ctx.uploads
         requests = aiter(progressing(request_iterator, idle_s=gate.limits.idle_s))
         header = await self._header(requests)
+        await self._check_stored(ident.tenant, header)
+        put = functools.partial(self.ctx.store.put_stream, quota=self.ctx.blob_bytes_per_tenant)
         with gate.admit(ident.tenant, header.size):  # held until the store has the bytes (or refused them)
             chunks = await self._chunks(requests, header)
-            ref: str = await self.ctx.blocking(self.ctx.store.put_stream, iter(chunks), ident.tenant,
-                                               header.expected_ref or None)
+            try:
+                ref: str = await self.ctx.blocking(put, iter(chunks), ident.tenant, header.expected_ref or None)
+            except OverQuota:
+                self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
+                raise
         self.ctx.metrics.cas_ops.labels(op="put", outcome="ok").inc()
         self.ctx.metrics.cas_bytes.labels(direction="in").inc(header.size)
         return pb.PutBlobResponse(ref=ref, size=header.size)
@@ -57,6 +67,24 @@ class BlobServicer(pbg.BlobServiceServicer):
             raise ResourceExhausted(f"blob of {header.size} bytes ({_mib(header.size)}) exceeds the store limit of "
                                     f"{limit} bytes ({_mib(limit)}); split it or raise the controller's --max-blob-bytes")
         return header
+
+    async def _check_stored(self, tenant: str, header: pb.PutBlobHeader) -> None:
+        """Refuse a put that cannot fit the tenant's stored-bytes quota before its bytes arrive.
+
+        Advisory (the store's own check, atomic with the write, decides). A blob the tenant already
+        stores costs nothing, so only a header naming its expected_ref (the SDK sends it by default)
+        can be judged here: one without it may be a re-put, and is judged once its bytes are in.
+        """
+        quota = self.ctx.blob_bytes_per_tenant
+        if not quota or not header.expected_ref:
+            return
+        used: int = await self.ctx.blocking(self.ctx.store.stored_bytes, tenant)
+        if used + header.size <= quota:
+            return
+        if await self.ctx.blocking(self.ctx.store.exists, header.expected_ref, tenant):
+            return
+        self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
+        raise over_quota(tenant, used, header.size, quota)
 
     @staticmethod
     async def _chunks(requests: AsyncIterator[pb.PutBlobRequest], header: pb.PutBlobHeader) -> list[bytes]:

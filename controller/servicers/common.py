@@ -26,6 +26,7 @@ from workers.placement import NODE_KV_BYTES
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
 DEFAULT_MAX_ROUTE_TOKENS = 1 << 20
+DEFAULT_MAX_BLOB_BYTES_PER_TENANT = 1 << 30  # --max-blob-bytes-per-tenant (0: no quota)
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class ServiceContext:
     leader: bool = True
     uploads: UploadGate = field(default_factory=lambda: UploadGate(UploadLimits()))
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS  # a Route longer than this is refused (--max-route-tokens)
+    blob_bytes_per_tenant: int = 0  # blob bytes a tenant may have stored, 0: no quota (--max-blob-bytes-per-tenant)
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
 

@@ -37,7 +37,22 @@ from fleet.errors import InvalidArgument, ResourceExhausted
 __all__ = [
     "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES", "VERDICTS", "VERDICT_CLEAN", "VERDICT_QUARANTINED", "VERDICT_UNKNOWN",
     "BlobMeta", "BlobStore", "StoreConfig", "check_bytes", "check_key", "check_name", "check_ref", "check_tenant",
+    "OverQuota", "over_quota",
 ]
+
+
+class OverQuota(ResourceExhausted):
+    """A put refused because it would take its tenant's stored blob bytes past the quota."""
+
+
+def over_quota(tenant: str, used: int, size: int, quota: int) -> OverQuota:
+    """The refusal of a put that would take `tenant`'s stored blob bytes past `quota`."""
+    return OverQuota(
+        f"tenant {tenant!r} has {used} blob bytes stored; this blob of {size} bytes would take it past "
+        f"its quota of {quota} bytes (--max-blob-bytes-per-tenant); nothing was stored. Unpin blobs you no "
+        "longer need (stored blobs count until the store GC collects them: unpinned, unreferenced, lease "
+        "expired) or ask the operator to raise the quota"
+    )
 
 
 class BlobStore(ABC):
@@ -140,12 +155,7 @@ class BlobStore(ABC):
     def _put_checked(self, tenant: str, ref: str, view: memoryview, now: float, quota: int) -> None:
         used = self._put(tenant, ref, view, now, quota)
         if used is not None:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {used} blob bytes stored; this blob of {view.nbytes} bytes would take it past "
-                f"its quota of {quota} bytes (--max-blob-bytes-per-tenant); nothing was stored. Unpin blobs you no "
-                "longer need (stored blobs count until the store GC collects them: unpinned, unreferenced, lease "
-                "expired) or ask the operator to raise the quota"
-            )
+            raise over_quota(tenant, used, view.nbytes, quota)
 
     def stored_bytes(self, tenant: str) -> int:
         """The bytes of every blob `tenant` has stored now (each distinct blob counted once, until GC

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ctl_helpers import make_tokens, md, start_controller, store_url
+from ctl_helpers import code_of, make_tokens, md, start_controller, store_url
 
 import controller.router as router_mod
 from controller.edge import GrpcLimits
@@ -106,16 +106,18 @@ async def test_route_hashes_the_prompt_off_the_event_loop(tmp_path: Path, monkey
         store.close()
 
 
-async def _held(size: int, first: bytes, release: asyncio.Event):
+async def _held(size: int, first: bytes, release: asyncio.Event, ref: str = ""):
     """A put that sends its header and `first`, then waits (an unfinished upload)."""
-    yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=size))
+    yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=size, expected_ref=ref))
     yield blobs_pb2.PutBlobRequest(chunk=first)
     await release.wait()
 
 
-async def _put(stub: BlobServiceStub, data: bytes, token: str) -> grpc.StatusCode:
+async def _put(stub: BlobServiceStub, data: bytes, token: str, expected: bool = False) -> grpc.StatusCode:
+    ref = hashlib.sha256(data).hexdigest() if expected else ""
+
     async def reqs():
-        yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data)))
+        yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data), expected_ref=ref))
         yield blobs_pb2.PutBlobRequest(chunk=data)
     try:
         await stub.PutBlob(reqs(), metadata=md(token), timeout=10)
@@ -290,9 +292,13 @@ def test_edge_flags_reach_the_config_of_controller_and_up() -> None:
     assert cfg.uploads.total_uploads == UploadLimits().total_uploads  # unset flags keep the defaults
     up = edge_config_from(up_parse(["--max-upload-bytes", "1000", "--grpc-max-concurrent-streams", "7"]))
     assert up["uploads"].total_bytes == 1000 and up["grpc_limits"].max_concurrent_streams == 7
-    for bad in (["--max-uploads", "0"], ["--grpc-keepalive", "-1"]):
+    for bad in (["--max-uploads", "0"], ["--grpc-keepalive", "-1"], ["--max-blob-bytes-per-tenant", "-1"]):
         with pytest.raises(InvalidArgument, match=bad[0]):
             edge_config_from(parse_args(bad, {}))
+    # the stored-bytes quota: 1 GiB unless given, 0 turns it off; kvfleet up takes it too
+    assert cfg.max_blob_bytes_per_tenant == 1 << 30
+    assert config_from(parse_args(["--max-blob-bytes-per-tenant", "0"], {}), {}).max_blob_bytes_per_tenant == 0
+    assert edge_config_from(up_parse(["--max-blob-bytes-per-tenant", "5000"]))["max_blob_bytes_per_tenant"] == 5000
 
 
 async def test_no_error_echoes_a_megabyte_back(tmp_path: Path) -> None:
@@ -308,3 +314,53 @@ async def test_no_error_echoes_a_megabyte_back(tmp_path: Path) -> None:
             assert len(details) <= 1100 and details.endswith("(message cut)")
     finally:
         await ctl.stop(0)
+
+
+async def test_stored_blob_bytes_quota_per_tenant(tmp_path: Path) -> None:
+    """--max-blob-bytes-per-tenant bounds the bytes a tenant has STORED (not only those in flight):
+    a re-put of stored bytes costs nothing, a header that cannot fit is refused before its chunks,
+    and two puts that each fit on their own cannot both be stored past the quota."""
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, max_blob_bytes_per_tenant=1000)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = BlobServiceStub(ch)
+            assert await _put(stub, b"a" * 600, tok.a) == Code.OK
+            assert await _put(stub, b"a" * 600, tok.a) == Code.OK  # dedup: costs nothing
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.PutBlob(_stored_req(b"b" * 500), metadata=md(tok.a), timeout=10)
+            print(ei.value.details())
+            assert ei.value.code() == Code.RESOURCE_EXHAUSTED
+            assert "--max-blob-bytes-per-tenant" in ei.value.details() and "has 600 blob bytes stored" in ei.value.details()
+            # a header with an expected_ref is refused on the header alone: the stream is still open,
+            # its chunk not sent (a header without one may be a free re-put: judged when its bytes are in)
+            release = asyncio.Event()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.PutBlob(_held(500, b"", release, ref="c" * 64), metadata=md(tok.a), timeout=10)
+            assert ei.value.code() == Code.RESOURCE_EXHAUSTED and "--max-blob-bytes-per-tenant" in ei.value.details()
+            assert not release.is_set()
+            # a header naming a blob the tenant already stores is let through, even at the quota
+            assert await _put(stub, b"a" * 600, tok.a, expected=True) == Code.OK
+            assert await _put(stub, b"b" * 500, tok.b) == Code.OK  # another tenant: its own count
+            # two puts of 300 pass the header check (600 + 300 each) but only one can be stored
+            go = asyncio.Event()
+            racing = [asyncio.ensure_future(code_of(stub.PutBlob(_gated(bytes([c]) * 300, go), metadata=md(tok.a))))
+                      for c in b"xy"]
+            await _until(lambda: ctl.ctx.uploads.uploads["acme"] == 2, "both puts admitted")
+            go.set()
+            assert sorted(c.name for c in await asyncio.gather(*racing)) == ["OK", "RESOURCE_EXHAUSTED"]
+            assert ctl.ctx.store.stored_bytes("acme") == 900
+            assert ctl.ctx.uploads.total_uploads == 0
+    finally:
+        await ctl.stop(0)
+
+
+async def _stored_req(data: bytes):
+    yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data)))
+    yield blobs_pb2.PutBlobRequest(chunk=data)
+
+
+async def _gated(data: bytes, go: asyncio.Event):
+    yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data)))
+    await go.wait()
+    yield blobs_pb2.PutBlobRequest(chunk=data)
