@@ -14,7 +14,7 @@ from controller.edge import EDGE_FLAGS
 from controller.main import parse_args
 
 LIMITS = {"maxRouteTokens": 65536, "uploadsPerTenant": 4, "uploads": 32, "uploadBytesPerTenant": 1 << 27,
-          "uploadBytes": 1 << 29, "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
+          "uploadBytes": 1 << 29, "blobBytesPerTenant": 0, "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
           "grpcMaxConcurrentStreams": 50, "grpcMaxConcurrentRpcs": 500, "grpcKeepaliveSeconds": 30,
           "grpcMinPingIntervalSeconds": 5}
 MTLS = {"tls": {"enabled": True, "secretName": "kvfleet-tls", "clientCa": True, "clientSecretName": "kvfleet-client"},
@@ -37,10 +37,12 @@ def test_limits_reach_the_controller_flags(chart: Any) -> None:
     print(args)
     assert flag["--max-route-tokens"] == "65536" and flag["--max-upload-bytes-per-tenant"] == str(1 << 27)
     assert flag["--upload-idle-timeout"] == "12.5" and flag["--grpc-min-ping-interval"] == "5"
+    assert flag["--max-blob-bytes-per-tenant"] == "0"  # 0 (no quota) is a value, not "unset"
     assert set(EDGE_FLAGS) <= set(flag)  # every edge flag has a value
     # the controller's own parser takes them all
     cli = parse_args(args[1:], {})
     assert (cli.edge_max_route_tokens, cli.edge_idle_s, cli.edge_max_concurrent_streams) == (65536, 12.5, 50)
+    assert cli.edge_max_blob_bytes_per_tenant == 0
     # control: the default values pass none of them
     args = container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
     assert not set(EDGE_FLAGS) & set(args)
@@ -50,6 +52,9 @@ def test_schema_refuses_a_bad_limit(chart: Any) -> None:
     with pytest.raises(helm.HelmValuesError) as e:
         chart.validate_schema({"controller": {"limits": {"uploads": 0}}})
     assert "at '/controller/limits/uploads': minimum: got 0, want 1" in str(e.value)
+    with pytest.raises(helm.HelmValuesError) as e:
+        chart.validate_schema({"controller": {"limits": {"blobBytesPerTenant": -1}}})
+    assert "at '/controller/limits/blobBytesPerTenant': minimum: got -1, want 0" in str(e.value)
     with pytest.raises(helm.HelmValuesError) as e:
         chart.validate_schema({"tls": {"clientCa": True, "clientSecretName": "c"}})
     assert "at '/tls/enabled'" in str(e.value)
