@@ -165,13 +165,16 @@ class KernelFleet:
 
         Raises:
             ResourceExhausted: no node has room for the session's tokens."""
-        offers = []
+        offers, errors = [], []
         for nid in [n for n in self.refresh_nodes() if n != exclude]:
             try:
                 o = self._sup(nid, "offer", tenant, tokens)
-            except Unavailable:
+            except Unavailable as e:
+                errors.append(str(e))
                 continue
             offers.append(NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"]))
+        if not offers and errors:  # not a full fleet: a fleet that does not answer
+            raise Unavailable(f"no node's supervisor answered ({len(errors)} nodes); the last: {errors[-1]}")
         return choose_node(offers, len(tokens), self.bytes_per_token)
 
     def _alive(self, nid: str) -> bool:
@@ -217,8 +220,9 @@ class KernelFleet:
     def _sup(self, node: str, method: str, *args: Any) -> Any:
         """Call a node's supervisor; while Ray restarts it (ActorUnavailableError), retry until
         the call timeout (supervisor calls are safe to repeat). A dead supervisor, or one whose
-        node left the node table, is dropped: NodeGone."""
-        deadline = time.monotonic() + self.call_timeout_s
+        node left the node table, is dropped: NodeGone. A dead supervisor on a node that is still
+        alive (one that could not start, or exhausted its restarts) is replaced once."""
+        deadline, replaced = time.monotonic() + self.call_timeout_s, False
         for attempt in itertools.count():
             sup = self.supervisors.get(node)
             if sup is None:
@@ -231,9 +235,11 @@ class KernelFleet:
                 if not self._alive_now(node):
                     raise NodeGone(f"node {node} has left the cluster") from None
                 time.sleep(min(0.05 * (attempt + 1), 1.0))
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as e:
                 self.supervisors.pop(node, None)
-                raise NodeGone(f"the supervisor of node {node} is dead (node lost)") from None
+                if replaced or not self._alive_now(node):   # an alive node gets a new supervisor here
+                    raise NodeGone(f"the supervisor of node {node} is dead: {str(e)[:300]}") from None
+                replaced = True
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _alive_now(self, node: str) -> bool:

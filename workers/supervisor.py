@@ -18,6 +18,7 @@ restarts finds its node's surviving session actors again through the store's ses
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -63,7 +64,10 @@ class NodeSupervisor:
         self.num_queried_tokens = self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
         if detached:
-            self._find_survivors()
+            try:
+                self._find_survivors()
+            except Exception:  # noqa: BLE001 - best effort: an unknown session still answers by name
+                logging.getLogger("kvfleet.workers").exception("supervisor %s: survivors not looked up", node_id)
 
     def _find_survivors(self) -> None:
         """After a restart of this supervisor: take back the node's live (detached) session

@@ -44,6 +44,7 @@ from workers.spec import KernelSpec  # noqa: E402
 SPEC = KernelSpec(block_size=16)
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}
 T = "acme"
+LOGS: dict[int, Path] = {}  # controller pid -> its log (its tail goes into a failure's message)
 
 
 def start_cluster(num_nodes: int = 2, accel_node: bool = True) -> Any:
@@ -162,6 +163,9 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         new = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
+        deadline = time.monotonic() + 60      # in the node table; then its supervisor must answer
+        while new.node_id not in {s["node"] for s in f.node_stats()} and time.monotonic() < deadline:
+            time.sleep(0.2)
         join_s = time.perf_counter() - t0
         placed = [f.create_session(T, f"new{i}", f"You are newcomer agent number {i}.")["node"] for i in range(2)]
         sids = [f"old{i}" for i in range(2)] + [f"new{i}" for i in range(2)]
@@ -169,6 +173,8 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
             f.append(T, sid, f"Work item for {sid}: summarise the log.")
         before = {sid: (f.digest(T, sid), f.last_logits(T, sid)) for sid in sids}
         on_new = [sid for sid in sids if f._record(T, sid)["node"] == new.node_id]
+        if not on_new:
+            raise AssertionError(f"no session on the new node {new.node_id}: placed on {placed}")
         handles = [f._handles[(T, sid)] for sid in on_new]
         cluster.remove_node(new, allow_graceful=False)                  # SIGKILL its raylet
         wait_node_dead(new.node_id)
@@ -237,11 +243,14 @@ def _free_port() -> int:
 
 
 def _controller(url: str, port: int, tmp: Path) -> subprocess.Popen[bytes]:
-    log = open(tmp / f"controller-{time.time_ns()}.log", "wb")  # noqa: SIM115 - lives as long as the process
-    return subprocess.Popen(
+    path = tmp / f"controller-{time.time_ns()}.log"
+    log = open(path, "wb")  # noqa: SIM115 - lives as long as the process
+    proc = subprocess.Popen(
         [sys.executable, "-m", "fleet.cli.main", "controller", "--listen", f"127.0.0.1:{port}",
          "--metrics-port", "-1", "--store", url, "--ray-address", ray.get_runtime_context().gcs_address],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    LOGS[proc.pid] = path
+    return proc
 
 
 def controller_restart(cluster: Any, tmp: Path) -> dict[str, Any]:
@@ -297,7 +306,8 @@ def _retry(fn: Callable[[], Any], proc: subprocess.Popen[bytes], timeout_s: floa
             return fn()
         except Unavailable:
             if proc.poll() is not None:
-                raise AssertionError(f"the controller exited ({proc.returncode}); see its log") from None
+                log = LOGS[proc.pid].read_text(errors="replace")[-3000:]
+                raise AssertionError(f"the controller exited ({proc.returncode}):\n{log}") from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
