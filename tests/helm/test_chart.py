@@ -311,8 +311,9 @@ def test_auth_secret_holds_a_working_operator_token(rendered: dict[str, dict[str
     token = data["operator-token"]
     doc = json.loads(data["tokens.json"])
     assert token.startswith("kvf_") and len(token) == 47
-    assert doc["tokens"] == [{"sha256": hashlib.sha256(token.encode()).hexdigest(), "tenant": "ops",
-                              "role": "operator", "name": "helm-bootstrap-operator"}]
+    assert doc["tokens"][0] == {"sha256": hashlib.sha256(token.encode()).hexdigest(), "tenant": "ops",
+                                "role": "operator", "name": "helm-bootstrap-operator"}
+    assert [t["name"] for t in doc["tokens"]] == ["helm-bootstrap-operator", "helm-proxy-reader"]  # test_chart_edge
     assert token not in data["tokens.json"]  # only its digest
     # The controller's own TokenBook reads the file the chart writes.
     import tempfile
@@ -333,8 +334,8 @@ def test_auth_secret_holds_a_working_operator_token(rendered: dict[str, dict[str
 def test_extra_tokens_by_digest(rendered: dict[str, dict[str, str]]) -> None:
     secret = one(objects(rendered, "monitoring"), "Secret", "-auth")
     doc = json.loads(base64.b64decode(secret["data"]["tokens.json"]))
-    assert [t["name"] for t in doc["tokens"]] == ["helm-bootstrap-operator", "acme-ci"]
-    assert doc["tokens"][1] == {"sha256": "ab" * 32, "tenant": "acme", "role": "tenant", "name": "acme-ci"}
+    assert [t["name"] for t in doc["tokens"]] == ["helm-bootstrap-operator", "helm-proxy-reader", "acme-ci"]
+    assert doc["tokens"][2] == {"sha256": "ab" * 32, "tenant": "acme", "role": "tenant", "name": "acme-ci"}
 
 
 def test_existing_secret_is_used_and_none_created(chart: Any) -> None:
@@ -492,7 +493,11 @@ def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> Any:
     ({"workers": {"groups": [dict(CPU_GROUP, minReplicas=5)]}}, "workers.groups[cpu]: minReplicas=5 > maxReplicas=4"),
     ({"auth": {"bootstrapOperator": False}}, "no tokens: set auth.bootstrapOperator=true"),
     ({"tls": {"enabled": True, "secretName": "t", "clientCa": True}}, "tls.clientCa=true needs tls.clientSecretName"),
-    ({"auth": {"bootstrapOperator": False, "tokens": [{"name": "a", "tenant": "a", "role": "operator", "sha256": "ab" * 32}]}},
+    ({"auth": {"bootstrapOperator": False, "tokens": [{"name": "a", "tenant": "a", "role": "operator", "sha256": "ab" * 32}]},
+      "watcher": {"create": True, "vllmWorkers": VLLM}},
+     "watcher.create=true needs an operator token: set watcher.tokenSecret.name"),
+    ({"auth": {"bootstrapOperator": False, "tokens": [{"name": "a", "tenant": "a", "role": "operator", "sha256": "ab" * 32}]},
+      "proxy": {"tokenSecret": {"key": "operator-token"}}},
      "proxy.create=true needs an operator token: set proxy.tokenSecret.name"),
 ])
 def test_templates_refuse_bad_combinations_even_without_the_schema(

@@ -102,3 +102,54 @@ def test_notes_give_tls_flags_the_cli_has(chart: Any) -> None:
     for cmd in commands:
         args = (session_parse if cmd[1] == "session" else worker_parse)(cmd[2:])
         assert (args.tls_ca, args.tls_cert, args.tls_key) == ("ca.crt", "client.crt", "client.key")
+
+
+def _secret_data(objs: list[dict[str, Any]]) -> dict[str, str]:
+    import base64
+
+    return {k: base64.b64decode(v).decode() for k, v in one(objs, "Secret", "-auth")["data"].items()}
+
+
+def _proxy_token_ref(objs: list[dict[str, Any]]) -> dict[str, str]:
+    env = {e["name"]: e for e in container(one(objs, "Deployment", "-proxy"))["env"]}
+    return dict(env["KVFLEET_PROXY_TOKEN"]["valueFrom"]["secretKeyRef"])
+
+
+def test_the_proxy_gets_a_reader_token_of_its_own(chart: Any, tmp_path: Any) -> None:
+    """By default the chart mints the proxy a reader token (it only lists workers), not the operator's."""
+    import hashlib
+    import json
+
+    from controller.auth import Role, TokenBook
+
+    objs = _objs(chart, {})
+    data = _secret_data(objs)
+    token = data["proxy-token"]
+    assert token.startswith("kvf_") and token != data["operator-token"] and token not in data["tokens.json"]
+    entry = json.loads(data["tokens.json"])["tokens"][1]
+    assert entry == {"sha256": hashlib.sha256(token.encode()).hexdigest(), "tenant": "ops", "role": "reader",
+                     "name": "helm-proxy-reader"}
+    (tmp_path / "tokens.json").write_text(data["tokens.json"])
+    ident = TokenBook(tmp_path / "tokens.json").lookup(token)
+    assert ident is not None and ident.role is Role.READER  # the controller reads it as a reader
+    assert _proxy_token_ref(objs) == {"name": f"{RELEASE}-kvfleet-auth", "key": "proxy-token"}
+    # without a bootstrap operator the proxy still has its token (before: a render error)
+    objs = _objs(chart, {"auth": {"bootstrapOperator": False,
+                                  "tokens": [{"name": "a", "tenant": "a", "role": "tenant", "sha256": "ab" * 32}]}})
+    assert set(_secret_data(objs)) == {"tokens.json", "proxy-token"}
+    assert _proxy_token_ref(objs)["key"] == "proxy-token"
+
+
+@pytest.mark.parametrize(("values", "ref"), [
+    ({"proxy": {"create": False}}, None),
+    ({"proxy": {"tokenSecret": {"name": "mine"}}}, {"name": "mine", "key": "operator-token"}),
+    ({"proxy": {"tokenSecret": {"name": "mine", "key": "t"}}}, {"name": "mine", "key": "t"}),
+    ({"proxy": {"tokenSecret": {"key": "operator-token"}}}, {"name": f"{RELEASE}-kvfleet-auth", "key": "operator-token"}),
+])
+def test_no_reader_token_is_minted_when_the_proxy_has_another(chart: Any, values: dict[str, Any],
+                                                              ref: dict[str, str] | None) -> None:
+    objs = _objs(chart, values)
+    assert "proxy-token" not in _secret_data(objs)
+    assert "helm-proxy-reader" not in _secret_data(objs)["tokens.json"]
+    if ref is not None:
+        assert _proxy_token_ref(objs) == ref

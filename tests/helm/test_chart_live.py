@@ -161,5 +161,5 @@ def test_proxy_args_parse_with_the_proxys_parser() -> None:
     assert (cfg.controller, cfg.listen, cfg.token, cfg.token_passthrough) == (
         "demo-kvfleet-controller:50051", "0.0.0.0:8080", "kvf_x", True)
     ref = next(e for e in c["env"] if e["name"] == "KVFLEET_PROXY_TOKEN")["valueFrom"]["secretKeyRef"]
-    assert ref == {"name": "demo-kvfleet-auth", "key": "operator-token"}
+    assert ref == {"name": "demo-kvfleet-auth", "key": "proxy-token"}  # the reader token the chart mints
     assert json.loads(json.dumps(c["ports"])) == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]

@@ -166,8 +166,22 @@ capabilities:
 {{- $hasOperatorToken := or .Values.auth.bootstrapOperator .Values.auth.existingSecret }}
 {{- range $comp := list "proxy" "watcher" }}
 {{- $v := index $.Values $comp }}
-{{- if and $v.create (not $v.tokenSecret.name) (not $hasOperatorToken) }}
+{{- $readsOperator := or (eq $comp "watcher") (eq (include "kvfleet.proxyTokenKey" $) "operator-token") }}
+{{- if and $v.create (not $v.tokenSecret.name) (not $hasOperatorToken) $readsOperator }}
 {{- fail (printf "%s.create=true needs an operator token: set %s.tokenSecret.name, or keep auth.bootstrapOperator=true" $comp $comp) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{- /* The proxy's own token (it only lists the workers): without proxy.tokenSecret.name/key, a reader
+       token the chart mints into its auth Secret (`proxy-token`); with existingSecret, that Secret's
+       `operator-token` (as before); with a name but no key, `operator-token` of that Secret. */}}
+{{- define "kvfleet.proxyMintsToken" -}}
+{{- $t := .Values.proxy.tokenSecret -}}
+{{- and .Values.proxy.create (not .Values.auth.existingSecret) (not $t.name) (not $t.key) -}}
+{{- end }}
+
+{{- define "kvfleet.proxyTokenKey" -}}
+{{- $t := .Values.proxy.tokenSecret -}}
+{{- if $t.key }}{{ $t.key }}{{ else if eq (include "kvfleet.proxyMintsToken" .) "true" }}proxy-token{{ else }}operator-token{{ end -}}
 {{- end }}
