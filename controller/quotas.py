@@ -21,6 +21,7 @@ rebuilt from the registry and the op logs the first time a tenant calls after a 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,8 +75,8 @@ class SessionLimits:
         for flag, v in (("--max-sessions-per-tenant", self.max_sessions_per_tenant),
                         ("--max-kv-bytes-per-tenant", self.max_kv_bytes_per_tenant),
                         ("--session-idle-ttl", self.idle_ttl_s)):
-            if v < 0:
-                raise InvalidArgument(f"{flag} must be >= 0 (0: no limit), got {v}")
+            if not math.isfinite(v) or v < 0:  # NOTE: a NaN TTL once passed `< 0` and reaped every session at once
+                raise InvalidArgument(f"{flag} must be a finite number >= 0 (0: no limit), got {v}")
         if self.tenant_concurrency < 1:
             raise InvalidArgument(f"--session-concurrency-per-tenant must be >= 1, got {self.tenant_concurrency}")
 

@@ -25,6 +25,7 @@ def test_flags_make_the_session_limits(tmp_path: Path, capsys: pytest.CaptureFix
     assert config_from(parse_args(FLAGS, {}), {}).sessions == WANT
     assert session_limits_from(parse_up(FLAGS)) == WANT
     for flag, bad in (("--max-sessions-per-tenant", "-1"), ("--session-idle-ttl", "-5"),
+                      ("--session-idle-ttl", "nan"), ("--session-idle-ttl", "inf"),
                       ("--session-concurrency-per-tenant", "0")):
         assert main([flag, bad, "--store", f"sqlite:///{tmp_path}/x.db", "--metrics-port", "-1"], {}) == 2
         assert flag in capsys.readouterr().err
