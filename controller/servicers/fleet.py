@@ -16,7 +16,9 @@ VERSION = "0.1.0"
 
 
 def redact(url: str) -> str:
-    return re.sub(r"//([^/@:]*):[^/@]*@", r"//\1:***@", url)
+    """Hide a URL's password. Up to the LAST '@' of the authority: redis-py (urlparse) reads
+    `redis://:p@ss@host` as password 'p@ss', so stopping at the first '@' would print 'ss'."""
+    return re.sub(r"//([^/@:]*):[^/]*@", r"//\1:***@", url)
 
 
 class FleetServicer(pbg.FleetServiceServicer):

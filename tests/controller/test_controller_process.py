@@ -101,3 +101,15 @@ def test_metrics_host_follows_listen_unless_given() -> None:
     assert metrics_host("[::1]:50051", None) == "::1"
     assert metrics_host("0.0.0.0:50051", None) == "0.0.0.0"
     assert metrics_host("127.0.0.1:50051", "0.0.0.0") == "0.0.0.0"
+
+
+def test_redact_hides_a_password_holding_at_signs() -> None:
+    from urllib.parse import urlparse
+
+    from controller.servicers.fleet import redact
+
+    url = "redis://:p@ss@w0rd@db:6379/0"
+    assert urlparse(url).password == "p@ss@w0rd"  # what redis-py will send
+    assert redact(url) == "redis://:***@db:6379/0"
+    assert redact("redis://user:secret@db/0") == "redis://user:***@db/0"
+    assert redact("redis://db:6379/0") == "redis://db:6379/0" and redact("sqlite:///var/a@b.db") == "sqlite:///var/a@b.db"
