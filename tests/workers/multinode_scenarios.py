@@ -158,8 +158,10 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
     all bit-identical (digest and logits) on surviving nodes."""
     f = KernelFleet(f"sqlite:///{tmp / 'churn.db'}", SPEC, node_refresh_s=0.0)
     try:
-        for i in range(2):
-            f.create_session(T, f"old{i}", f"You are resident agent {i}.")
+        # no shared first block: least-loaded placement puts one on each node (a warm prefix would
+        # put both on one node, and the newcomer would then tie with the other on load)
+        for i, prompt in enumerate(["Resident planner: keep notes.", "Archivist on duty; be terse."]):
+            f.create_session(T, f"old{i}", prompt)
         t0 = time.perf_counter()
         new = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
