@@ -14,7 +14,8 @@
 vLLM queues requests to a sleeping engine and they hang (reference §1.3), and a streaming vLLM
 may send its headers before the engine runs, so "first byte" means the first body bytes.
 NOTE: only a sleeping answer, a refused connection, or silence from a worker the controller has stopped
-listing as serving (a frozen process: its reconcile lost /health) fails an attempt over. A probe that
+listing as serving (a frozen process: its reconcile lost /health) fails an attempt over, and so does no
+first byte within max_first_byte_wait_s whatever the probes say (the overall bound per attempt). A probe that
 times out says the worker is busy or unknown, not asleep: a loaded vLLM answers /is_sleeping slowly, and
 failing over every slow worker turned load into 503s (#13 finding 8).
 """
@@ -128,11 +129,18 @@ class Forwarder:
 
     async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:
         """Wait for `task`'s first byte; fail the attempt only if a probe finds the worker asleep or gone."""
-        gap = 1
+        gap, limit = 1, self.cfg.max_first_byte_wait_s
+        deadline = time.monotonic() + limit
         while True:
-            done, _ = await asyncio.wait({task}, timeout=self.cfg.first_byte_timeout_s * gap)
+            left = deadline - time.monotonic()
+            done, _ = await asyncio.wait({task}, timeout=max(min(self.cfg.first_byte_timeout_s * gap, left), 0.0))
             if done:
                 return
+            if time.monotonic() >= deadline:
+                # NOTE: the overall bound: a worker that keeps the connection open but never answers (a dead
+                # engine behind a live socket) while the controller still lists it would otherwise hold the
+                # request forever
+                raise AttemptFailed(f"timeout: no first byte within {limit}s (the proxy's --max-first-byte-wait)")
             seen, detail = await self._probe(t.url)
             self.metrics.probes.labels(t.worker, seen).inc()
             if seen in (ASLEEP, GONE):

@@ -43,6 +43,9 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                    help="the workers' vLLM --api-key, if they have one (sent to them, never to the controller)")
     p.add_argument("--first-byte-timeout", type=float, default=1.0,
                    help="seconds without a first byte before probing the worker's /is_sleeping (default 1.0)")
+    p.add_argument("--max-first-byte-wait", type=float, default=600.0,
+                   help="seconds an attempt may go without a first byte, whatever the probes say, before it fails "
+                        "over (once); must exceed the longest non-streaming answer (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
     p.add_argument("--client-header-timeout", type=float, default=30.0,
                    help="seconds a connection has to deliver a request's headers, also the idle keep-alive "
@@ -62,7 +65,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
 def config_from(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
                        tokenizer=a.tokenizer, worker_api_key=a.worker_api_key,
-                       first_byte_timeout_s=a.first_byte_timeout,
+                       first_byte_timeout_s=a.first_byte_timeout, max_first_byte_wait_s=a.max_first_byte_wait,
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),

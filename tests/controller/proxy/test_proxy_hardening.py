@@ -139,3 +139,21 @@ async def test_a_silent_worker_the_controller_stops_serving_is_given_up(tmp_path
         assert len(served(sim, "/v1/completions")) == 1 and served(sim, "/v1/completions")[0].disconnected
     finally:
         await fleet.stop()
+
+
+async def test_a_worker_that_never_sends_a_first_byte_is_given_up_after_the_overall_bound(tmp_path: Path) -> None:
+    # A clocked worker whose answer is far off and whose /is_sleeping never answers in time, while the controller
+    # keeps listing it as serving: every probe says "busy". Without an overall bound the proxy waited on it for as
+    # long as the worker took (forever for a dead engine behind a live socket); with max_first_byte_wait_s it
+    # gives the attempt up.
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw={"time_scale": 1.0},
+                              first_byte_timeout_s=0.05, probe_timeout_s=1e-6, max_first_byte_wait_s=0.5)
+    try:
+        (name, sim), = fleet.sims.items()
+        status, _, raw = await asyncio.wait_for(
+            fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5000}), 20.0)
+        err = json.loads(raw)["error"]["message"]
+        assert status == 503 and f"{name}: timeout: no first byte within 0.5s" in err, (status, err)
+        assert served(sim, "/v1/completions")[0].disconnected  # the worker learnt the request was dropped
+    finally:
+        await fleet.stop()
