@@ -50,12 +50,20 @@ Pem = bytes | str | Path
 
 
 def _pem(value: Pem | None, what: str) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    try:
-        return Path(value).read_bytes()
-    except OSError as e:
-        raise InvalidArgument(f"{what} {value}: cannot read it ({e.strerror}); give a PEM file") from None
+    """The PEM bytes of `value` (bytes, or a path to read). NOTE: grpc takes non-PEM bytes without a
+    word and only fails each handshake later, which callers see as an unreachable controller."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        data, shown = value, "(bytes)"
+    else:
+        try:
+            data, shown = Path(value).read_bytes(), str(value)
+        except OSError as e:
+            raise InvalidArgument(f"{what} {value}: cannot read it ({e.strerror}); give a PEM file") from None
+    if b"-----BEGIN" not in data:
+        raise InvalidArgument(f"{what} {shown} is not PEM (no '-----BEGIN' line)")
+    return data
 
 
 def credentials(tls: bool, root_certificates: Pem | None, client_cert: Pem | None = None,

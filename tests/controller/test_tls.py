@@ -96,6 +96,13 @@ async def test_sdk_mutual_tls(tmp_path: Path, pki: Pki) -> None:
             assert (await ac.whoami()).tenant == "acme"
         with pytest.raises(InvalidArgument, match="both a client certificate and its private key"):
             FleetClient(target, tok.a, root_certificates=pki.ca, client_cert=pki.client_cert)
+        # a file that is not PEM is named at once (grpc would fail every handshake: "unavailable")
+        not_pem = tmp_path / "ca.der"
+        not_pem.write_bytes(b"\x30\x82 not a PEM file")
+        for kw in ({"root_certificates": not_pem}, {"root_certificates": not_pem.read_bytes()},
+                   {"root_certificates": pki.ca, "client_cert": pki.client_cert, "client_key": not_pem}):
+            with pytest.raises(InvalidArgument, match="is not PEM"):
+                FleetClient(target, tok.a, **kw)
     finally:
         await ctl.stop(0)
 
