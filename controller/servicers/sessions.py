@@ -248,7 +248,8 @@ class SessionServicer(pbg.SessionServiceServicer):
         try:
             ledger = await self._quota(tenant)
             existed = sid in ledger.tokens.get(tenant, {})
-            held = ledger.reserve(self.limits, tenant, num_tokens, new_session=None if existed else sid)
+            # a name already counted reserves nothing: the fleet answers ALREADY_EXISTS, not the quota
+            held = ledger.reserve(self.limits, tenant, 0 if existed else num_tokens, new_session=None if existed else sid)
             try:
                 rec = await self._call(method, tenant, *args)
             except BaseException:

@@ -379,6 +379,8 @@ async def test_the_kv_ledger_stays_exact_through_every_verb(ray_cluster: None, t
         ctl = await start_controller(url, None, sessions=limits)     # rebuilt from the op logs
         c = AsyncFleetClient(ctl.address)
         await _fits_exactly(c, "s1.b", 0)
+        with pytest.raises(AlreadyExists):                           # at the quota, a taken name is still that
+            await c.create_session("s1.b", SYSTEM)
         again = await c.append("s1.b", [5] * 44, op_id="fill-2")    # a retry at the quota: answered, not refused
         assert (again.replayed, again.num_tokens) == (True, 200)       # (its op id came back from the log)
         await _fits_exactly(c, "s1.b", 0)
