@@ -2,10 +2,12 @@
 
 Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
 
-    /v1/chat/completions  each message whose role is "tool" or "function": its content, a string or a
-                          list of parts whose "text" parts are joined ("" between them)
-    /v1/completions       each <tool_result>...</tool_result> span of a string prompt (or of each string of
-                          a batched prompt): the text between the tags. Token-id prompts are not inspected.
+    /v1/chat/completions  each message whose role is "tool", "function" or "ipython" (any case): its content,
+                          a string or a list of parts whose text (string parts, "text" and "refusal") is
+                          joined ("" between them); content that cannot be inspected is a 400
+    /v1/completions       each <tool_result ...>...</tool_result> span (any case, attributes allowed; one left
+                          open runs to the end) of a string prompt (or of each string of a batched prompt):
+                          the text between the tags. Token-id prompts are not inspected.
 
 The controller judges (JudgeToolResults, with the client's token: its tenant's records, one verdict per
 bytes fleet-wide, an operator's late verdict first). The proxy keeps no verdicts of its own, so a verdict
@@ -30,8 +32,12 @@ from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
 
 POLICIES = ("placeholder", "refuse", "off")
-TOOL_ROLES = ("tool", "function")
-ENVELOPE = re.compile(r"(<tool_result>)(.*?)(</tool_result>)", re.S)
+TOOL_ROLES = ("tool", "function", "ipython")  # compared stripped and lowercased; "ipython": Llama 3's tool role
+# NOTE: any case, attributes allowed; an envelope left open runs to the end of the prompt (a client cannot end
+# inspection by leaving out the closing tag). A closing tag inside the tool's own text still ends the span: the
+# client must escape it (the text after it is the client's, not the tool's)
+ENVELOPE = re.compile(r"(<tool_result\b[^>]*>)(.*?)(</tool_result\s*>|\Z)", re.S | re.I)
+TEXT_KEYS = ("text", "refusal")  # the keys of a content part vLLM renders as text
 PLACEHOLDER = "[tool result sha256:{ref} withheld: quarantined by kvfleet]"
 # NOTE: below the controller's default gRPC message limit (4 MiB) with room for framing; larger sets of
 # tool results go in several calls, and one larger tool result is refused (413) rather than sent
@@ -59,15 +65,36 @@ class Hit:
                 "action": self.action}
 
 
-def _tool_text(m: Any) -> str | None:
-    if not isinstance(m, dict) or m.get("role") not in TOOL_ROLES:
+def _tool_text(m: Any, where: str) -> str | None:
+    """The text of a tool message as the worker would render it (None: not a tool message, or no content).
+
+    Plain-string parts and a part's "text"/"refusal" are text (vLLM renders them); media parts carry none.
+    Raises:
+        ProxyError(400): content the proxy cannot inspect (not a string, a list of parts, or null; a part that
+            is neither a string nor an object; a text key that is not a string): fail closed, never forward it.
+    """
+    role = m.get("role") if isinstance(m, dict) else None
+    if not isinstance(role, str) or role.strip().lower() not in TOOL_ROLES:
         return None
     c = m.get("content")
-    if isinstance(c, str):
+    if c is None or isinstance(c, str):
         return c
-    if isinstance(c, list):
-        return "".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return None
+    if not isinstance(c, list):
+        raise ProxyError(400, f"{where} is a {type(c).__name__}; a tool result's content must be a string or a "
+                              "list of content parts", where)
+    texts = []
+    for j, p in enumerate(c):
+        if isinstance(p, str):
+            texts.append(p)
+            continue
+        if not isinstance(p, dict):
+            raise ProxyError(400, f"{where}[{j}] is a {type(p).__name__}; a content part must be a string or an "
+                                  "object such as {\"type\": \"text\", \"text\": ...}", where)
+        for k in TEXT_KEYS:
+            if k in p and p[k] is not None and not isinstance(p[k], str):
+                raise ProxyError(400, f"{where}[{j}].{k} is a {type(p[k]).__name__}; it must be a string", where)
+        texts.extend(p[k] for k in TEXT_KEYS if isinstance(p.get(k), str))
+    return "".join(texts)
 
 
 def _in_prompt(p: str, where: str, fn: Rewrite) -> str:
@@ -90,8 +117,9 @@ def rewrite(body: dict[str, Any], chat: bool, fn: Rewrite) -> dict[str, Any]:
             return body
         out = []
         for i, m in enumerate(msgs):
-            text = _tool_text(m)
-            new = None if text is None else fn(text, f"messages[{i}].content")
+            where = f"messages[{i}].content"
+            text = _tool_text(m, where)
+            new = None if text is None else fn(text, where)
             out.append(m if new is None else {**m, "content": new})
         return {**body, "messages": out}
     p = body.get("prompt")

@@ -222,3 +222,23 @@ async def test_many_or_huge_tool_results_get_a_clear_answer(tmp_path: Path) -> N
         assert len(sim.received.items) == n
     finally:
         await fleet.stop()
+
+
+async def test_a_poisoned_tool_result_in_another_shape_is_withheld_too(tmp_path: Path) -> None:
+    # A role in capitals, and an envelope in capitals left open: before, neither was inspected and the
+    # stand-in received the poison (the other shapes: test_proxy_tool_results.py)
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        msgs = _turn(POISON)
+        msgs[3] = {"role": "Tool", "tool_call_id": "call_1", "content": POISON}
+        status, h, doc = await _chat(fleet, msgs)
+        assert status == 200, doc
+        assert h["x-kvfleet-quarantined"] == _ref(POISON)
+        status, h, raw = await fleet.post("/v1/completions", {
+            "model": MODEL, "max_tokens": 4, "prompt": f"{SYSTEM}\nTool output:\n<TOOL_RESULT>{POISON}"})
+        assert status == 200, raw
+        assert h["x-kvfleet-quarantined"] == _ref(POISON)
+        assert _stand_ins_saw(fleet, "attacker@evil.example") == []
+        assert all(s.received.contains(PLACEHOLDER.format(ref=_ref(POISON))) for s in fleet.sims.values())
+    finally:
+        await fleet.stop()

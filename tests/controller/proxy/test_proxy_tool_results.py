@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from controller.proxy.errors import ProxyError
 from controller.proxy.quarantine import rewrite, tool_results
 
 
@@ -39,3 +42,34 @@ def test_completions_envelope_in_string_and_batched_prompts() -> None:
     assert rewrite(batched, False, _upper)["prompt"] == ["<tool_result><prompt[0]@13></tool_result>", "no tools"]
     ids = {"prompt": [1, 2, 3]}
     assert tool_results(ids, chat=False) == [] and rewrite(ids, False, _upper) is ids  # ids: not inspectable
+
+
+def test_no_tool_result_escapes_inspection_by_its_shape() -> None:
+    # Each of these reaches the worker as text of a tool turn (vLLM renders string parts and "refusal" parts,
+    # roles as given, Llama 3's "ipython" as its tool role); before, every one was forwarded unjudged.
+    body = {"model": "m", "messages": [
+        {"role": "Tool", "tool_call_id": "1", "content": "upper-case role"},
+        {"role": " function ", "name": "f", "content": "padded role"},
+        {"role": "ipython", "content": "llama tool role"},
+        {"role": "tool", "tool_call_id": "2", "content": ["a plain ", {"type": "refusal", "refusal": "string part"}]},
+    ]}
+    assert tool_results(body, chat=True) == [
+        ("messages[0].content", "upper-case role"), ("messages[1].content", "padded role"),
+        ("messages[2].content", "llama tool role"), ("messages[3].content", "a plain string part")]
+    p = "<TOOL_RESULT>shout</Tool_Result> <tool_result id='7'>attrs</tool_result > <tool_result>left open"
+    assert [t for _, t in tool_results({"prompt": p}, chat=False)] == ["shout", "attrs", "left open"]
+    assert rewrite({"prompt": p}, False, _upper)["prompt"] == (
+        "<TOOL_RESULT><prompt@13></Tool_Result> <tool_result id='7'><prompt@53></tool_result > "
+        "<tool_result><prompt@87>")
+    assert tool_results({"prompt": "<tool_results>not the envelope</tool_results>"}, chat=False) == []
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"text": "an object"}, "messages[0].content is a dict"),
+    ([{"type": "text", "text": ["nested"]}], "messages[0].content[0].text is a list"),
+    ([42], "messages[0].content[0] is a int"),
+])
+def test_tool_content_that_cannot_be_inspected_is_a_400(content: Any, message: str) -> None:
+    with pytest.raises(ProxyError) as e:
+        tool_results({"model": "m", "messages": [{"role": "TOOL", "content": content}]}, chat=True)
+    assert e.value.status == 400 and message in e.value.message and e.value.param == "messages[0].content"
