@@ -63,14 +63,18 @@ def sha256_hex(data: bytes) -> str:
 
 
 def detector_code_digest() -> str:
-    """sha256 (12 hex) of the fleet.quarantine package's source files.
+    """sha256 (12 hex) of the fleet.quarantine package's source files, subpackages included.
 
+    Deterministic across processes and machines: files in order of their package-relative POSIX path, line
+    endings as LF (a CRLF checkout judges like an LF one). Judge computes it once, at start.
     NOTE: a detector's config_id covers its config and model weights, not its rules' code; folding this in
     makes a rule update a new verdict space, so bytes judged clean before it are judged again (a late verdict).
+    Any edit to a .py file of the package counts, even one that changes no verdict: the cache starts afresh.
     """
+    root = Path(quarantine_pkg.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(Path(quarantine_pkg.__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for rel in sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")):
+        h.update(rel.encode() + b"\0" + (root / rel).read_bytes().replace(b"\r\n", b"\n") + b"\0")
     return h.hexdigest()[:12]
 
 

@@ -130,3 +130,22 @@ def test_a_blob_quarantined_through_a_session_is_quarantined_for_the_proxy_too(t
     assert (mine.quarantined, mine.source, mine.reasons) == (True, "blob", ("learned:0.97",))
     assert (other.quarantined, other.source) == (False, "detector")  # control: the rules alone call it clean
     store.close()
+
+
+def test_the_code_digest_is_the_same_everywhere_and_sees_every_source_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A copy of the package stands in for it: the digest must not depend on line endings (a CRLF checkout on
+    # another machine shares the verdict cache), and must change when a subpackage's source does.
+    src = Path(verdicts.quarantine_pkg.__file__).parent
+    pkg = tmp_path / "quarantine"
+    for p in src.rglob("*.py"):
+        (pkg / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / p.relative_to(src)).write_bytes(p.read_bytes())
+    monkeypatch.setattr(verdicts.quarantine_pkg, "__file__", str(pkg / "__init__.py"))
+    lf = verdicts.detector_code_digest()
+    for p in pkg.rglob("*.py"):
+        p.write_bytes(p.read_bytes().replace(b"\n", b"\r\n"))
+    assert verdicts.detector_code_digest() == lf  # before: another digest, every verdict judged again
+    (pkg / "rules_extra").mkdir()
+    (pkg / "rules_extra" / "more.py").write_text("PATTERNS = ['new']\n")
+    assert verdicts.detector_code_digest() != lf  # before: a subpackage's rules were not in the digest
