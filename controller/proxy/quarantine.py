@@ -125,8 +125,9 @@ def rewrite(body: dict[str, Any], chat: bool, fn: Rewrite) -> dict[str, Any]:
     p = body.get("prompt")
     if isinstance(p, str):
         return {**body, "prompt": _in_prompt(p, "prompt", fn)}
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        return {**body, "prompt": [_in_prompt(x, f"prompt[{i}]", fn) for i, x in enumerate(p)]}
+    if isinstance(p, list) and any(isinstance(x, str) for x in p):  # NOTE: any: a mixed list is inspected too
+        return {**body, "prompt": [_in_prompt(x, f"prompt[{i}]", fn) if isinstance(x, str) else x
+                                   for i, x in enumerate(p)]}
     return body
 
 

@@ -242,3 +242,31 @@ async def test_a_poisoned_tool_result_in_another_shape_is_withheld_too(tmp_path:
         assert all(s.received.contains(PLACEHOLDER.format(ref=_ref(POISON))) for s in fleet.sims.values())
     finally:
         await fleet.stop()
+
+
+@pytest.mark.parametrize("fault", ["timeout", "error"])
+async def test_no_verdict_means_nothing_is_forwarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     fault: str) -> None:
+    # Fail closed: when the controller's judge does not answer in time, or fails, the request is refused and
+    # the tool result's bytes reach no worker (unjudged bytes are never forwarded).
+    import time
+
+    from controller import verdicts
+    from controller.proxy import quarantine
+
+    def broken(self: verdicts.Judge, results: list[bytes], tenant: str, action: str) -> list[verdicts.Judgement]:
+        if fault == "timeout":
+            time.sleep(1.0)
+        raise RuntimeError("the judge broke")
+
+    monkeypatch.setattr(verdicts.Judge, "judge", broken)
+    monkeypatch.setattr(quarantine, "JUDGE_TIMEOUT_S", 0.2)
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        status, _, doc = await _chat(fleet, _turn(BENIGN))
+        want = (503, "deadline exceeded") if fault == "timeout" else (500, "JudgeToolResults")
+        assert (status, want[1] in doc["error"]["message"]) == (want[0], True), doc
+        assert _stand_ins_saw(fleet, "JD014600006512345678") == []
+        assert all(not s.received.items for s in fleet.sims.values())  # no completion request at all
+    finally:
+        await fleet.stop()

@@ -62,6 +62,9 @@ def test_no_tool_result_escapes_inspection_by_its_shape() -> None:
         "<TOOL_RESULT><prompt@13></Tool_Result> <tool_result id='7'><prompt@53></tool_result > "
         "<tool_result><prompt@87>")
     assert tool_results({"prompt": "<tool_results>not the envelope</tool_results>"}, chat=False) == []
+    mixed = {"prompt": [[1, 2], "<tool_result>in a mixed batch</tool_result>"]}
+    assert tool_results(mixed, chat=False) == [("prompt[1]@13", "in a mixed batch")]
+    assert rewrite(mixed, False, _upper)["prompt"] == [[1, 2], "<tool_result><prompt[1]@13></tool_result>"]
 
 
 @pytest.mark.parametrize("content, message", [
