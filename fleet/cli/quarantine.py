@@ -44,12 +44,23 @@ def as_json(records: Sequence[Any]) -> str:
                         "last_seen": r.last_seen} for r in records], indent=1)
 
 
+def _limit(text: str) -> int:
+    """--limit: 1..1000 (the controller answers at most 1000 rows; the field is unsigned)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= 1000:
+        raise argparse.ArgumentTypeError(f"{n}: expected 1 to 1000")
+    return n
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet quarantine", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="recent quarantined tool results")
     ls.add_argument("--tenant", default="", help="operator: one tenant (default: every tenant)")
-    ls.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100)")
+    ls.add_argument("--limit", type=_limit, default=100, help="at most this many rows, 1-1000 (default 100)")
     add_ls_options(ls)
     st = sub.add_parser("set", help="operator: set or clear a verdict on a tool result's bytes")
     st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes")

@@ -76,3 +76,13 @@ def test_tool_content_that_cannot_be_inspected_is_a_400(content: Any, message: s
     with pytest.raises(ProxyError) as e:
         tool_results({"model": "m", "messages": [{"role": "TOOL", "content": content}]}, chat=True)
     assert e.value.status == 400 and message in e.value.message and e.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "5000000000", "ten"])
+def test_quarantine_ls_limit_out_of_range_is_a_usage_error(limit: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # before: -1 and 5000000000 did not fit the request's uint32 and raised a ValueError traceback
+    from fleet.cli import quarantine as cli_quarantine
+
+    with pytest.raises(SystemExit) as e:
+        cli_quarantine.parse(["ls", "--limit", limit])
+    assert e.value.code == 2 and "--limit" in capsys.readouterr().err
