@@ -488,12 +488,15 @@ class Router:
         """The block-hash chains _rank will need, keyed as _rank keys them (cheap; no hashing here)."""
         jobs: dict[Any, Any] = {}
         for w in self._workers.values():
-            adapter = lora or (model if model in w.loras else None)
-            if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
-                continue
-            if w.hash_cfg is not None and not w.transitioning and any(w.ranks[r].serving for r in w.ranks):
-                lk = (adapter, w.loras[adapter]) if adapter else None
-                jobs[(w.hash_cfg, adapter, w.loras.get(adapter or ""))] = (w.hash_cfg, lk)
+            try:
+                adapter = lora or (model if model in w.loras else None)
+                if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
+                    continue
+                if w.hash_cfg is not None and not w.transitioning and any(w.ranks[r].serving for r in w.ranks):
+                    lk = (adapter, w.loras[adapter]) if adapter else None
+                    jobs[(w.hash_cfg, adapter, w.loras.get(adapter or ""))] = (w.hash_cfg, lk)
+            except Exception as e:  # contained: _rank drops this worker too
+                w.errors.failed("route", e)
         return jobs
 
     def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,

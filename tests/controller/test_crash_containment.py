@@ -113,6 +113,9 @@ async def test_a_worker_whose_state_raises_is_contained_counted_and_logged_once(
         assert rows["w0"].phase == "serving" and rows["w0"].serving
         assert (await r.route(TOKS, "m")).worker == "w0"
         assert _errors(m, "status") == 1 and _errors(m, "route") == 1
+        loras, bad.loras = bad.loras, None  # type: ignore[assignment]  # state every route reads first
+        assert (await r.route(TOKS, "m")).worker == "w0"
+        bad.loras = loras
         # reconcile: every tick fails and is counted; the traceback is logged once
         caplog.set_level(logging.INFO, logger="controller.contain")
         bad.fetch = fetch_boom  # type: ignore[method-assign]
