@@ -7,6 +7,8 @@ tool result never loads a detector.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from controller.auth import Identity, Role
@@ -23,10 +25,13 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self._judge: Judge | None = None
+        self._judge_lock = asyncio.Lock()
 
     async def judge(self) -> Judge:
-        if self._judge is None:
-            self._judge = await self.ctx.blocking(Judge, self.ctx.store)
+        """The Judge, built once: calls that arrive while it loads wait for that one (loading is seconds)."""
+        async with self._judge_lock:
+            if self._judge is None:
+                self._judge = await self.ctx.blocking(Judge, self.ctx.store)
         return self._judge
 
     @unary(Role.TENANT)

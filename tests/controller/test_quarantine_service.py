@@ -3,6 +3,7 @@ operator verdicts first, records per tenant, and every bad input a clear status 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 
@@ -149,3 +150,28 @@ def test_the_code_digest_is_the_same_everywhere_and_sees_every_source_file(
     (pkg / "rules_extra").mkdir()
     (pkg / "rules_extra" / "more.py").write_text("PATTERNS = ['new']\n")
     assert verdicts.detector_code_digest() != lf  # before: a subpackage's rules were not in the digest
+
+
+async def test_concurrent_first_calls_build_one_judge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Judge (the detector and its model) is built on first use; calls that arrive while it loads wait for
+    # that one (before: each built its own, paying the load several times over at a controller's start).
+    from controller.servicers import quarantine as servicer
+
+    built: list[Judge] = []
+
+    def counting(store: object) -> Judge:
+        built.append(Judge(store))
+        return built[-1]
+
+    monkeypatch.setattr(servicer, "Judge", counting)
+    t = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), t)
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            q = QuarantineServiceStub(ch)
+            req = pb.JudgeToolResultsRequest(results=[CLEAN], action="placeholder")
+            rs = await asyncio.gather(*(q.JudgeToolResults(req, metadata=md(t.a)) for _ in range(4)))
+        assert [r.judgements[0].quarantined for r in rs] == [False] * 4
+        assert len(built) == 1
+    finally:
+        await ctl.stop(0)
