@@ -86,3 +86,19 @@ def test_quarantine_ls_limit_out_of_range_is_a_usage_error(limit: str, capsys: p
     with pytest.raises(SystemExit) as e:
         cli_quarantine.parse(["ls", "--limit", limit])
     assert e.value.code == 2 and "--limit" in capsys.readouterr().err
+
+
+def test_judge_calls_stay_within_the_controllers_message_and_count_limits() -> None:
+    from controller.proxy.quarantine import MAX_JUDGE_BYTES, MAX_JUDGE_RESULTS, _batches
+
+    big = [bytes([65 + i]) * (MAX_JUDGE_BYTES // 2 + 1) for i in range(3)]  # no two fit in one call
+    found = [(f"messages[{i}].content", b.decode()) for i, b in enumerate(big)]
+    assert [len(b) for b in _batches(big, found)] == [1, 1, 1]
+    small = [str(i).encode() for i in range(2 * MAX_JUDGE_RESULTS + 1)]
+    assert [len(b) for b in _batches(small, [])] == [MAX_JUDGE_RESULTS, MAX_JUDGE_RESULTS, 1]
+    exact = [b"x" * MAX_JUDGE_BYTES]
+    assert _batches(exact, [("m", exact[0].decode())]) == [exact]  # one at the limit still goes
+    over = [b"y" * (MAX_JUDGE_BYTES + 1)]
+    with pytest.raises(ProxyError) as e:
+        _batches(over, [("messages[4].content", over[0].decode())])
+    assert e.value.status == 413 and e.value.param == "messages[4].content"
