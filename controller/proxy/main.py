@@ -22,8 +22,8 @@ from collections.abc import Mapping
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.server import Proxy
-from fleet.cli.tls import add_client_tls
 from fleet.errors import KvfleetError
+from fleet.sdk.tls_flags import add_client_tls
 
 
 def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:

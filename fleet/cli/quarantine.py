@@ -75,7 +75,7 @@ def _client(args: argparse.Namespace) -> Any:
 
     kw: dict[str, Any] = {}
     if getattr(args, "tls_ca", None) is not None or getattr(args, "tls", False):
-        from fleet.cli.tls import client_tls
+        from fleet.sdk.tls_flags import client_tls
 
         kw = client_tls(args)
     return FleetClient(args.controller, args.token, **kw)

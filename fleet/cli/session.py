@@ -21,8 +21,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleet.cli.tls import add_client_tls, client_tls
 from fleet.errors import KvfleetError
+from fleet.sdk.tls_flags import add_client_tls, client_tls
 
 
 def _bytes(n: int) -> str:

@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
 
     console = Console()
     try:
-        from fleet.cli.tls import client_tls
+        from fleet.sdk.tls_flags import client_tls
 
         with FleetClient(args.controller, args.token, **client_tls(args)) as c:
             if args.json:

@@ -1,4 +1,5 @@
-"""Client-side TLS options shared by the CLI verbs that talk to the controller (and `kvfleet proxy`).
+"""Client-side TLS command-line options of FleetClient, shared by the CLI verbs that talk to the controller
+and by `kvfleet proxy` (here, in the SDK layer, so the proxy need not import the CLI).
 
     kvfleet worker ls --tls-ca ca.pem                                   # TLS, verify with this CA
     kvfleet worker ls --tls-ca ca.pem --tls-cert me.pem --tls-key me.key  # mutual TLS
