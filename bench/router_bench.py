@@ -28,12 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from controller.metrics import Metrics  # noqa: E402
 from controller.router import Router, RouterConfig, WorkerSpec  # noqa: E402
-from controller.sim_vllm import wire  # noqa: E402
 from controller.vllm.events import decode_batch  # noqa: E402
 from controller.vllm.hashing import HashConfig, external_chain  # noqa: E402
 from controller.vllm.watcher import Worker  # noqa: E402
 from fleet.cas import open_store  # noqa: E402
 from fleet.lifecycle import RankState  # noqa: E402
+from fleet.testkit.sim_vllm import wire  # noqa: E402
 
 B, PER_BATCH, PROMPT_BLOCKS = 16, 64, 128
 

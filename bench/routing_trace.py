@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from controller.sim_vllm.tokenizer import apply_chat_template
+from fleet.testkit.sim_vllm.tokenizer import apply_chat_template
 
 SYLLABLES = (
     "ka",

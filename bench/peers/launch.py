@@ -52,7 +52,7 @@ CONTENDERS = {
     for s in (
         Spec("kvfleet", "kvfleet proxy, lifecycle behind its back", "kvfleet"),
         Spec("kvfleet-ctl", "kvfleet proxy, lifecycle through the controller", "kvfleet", via="controller"),
-        Spec("kvfleet-blind", "kvfleet lifecycle-blind prefix router (controller/baseline.py)", "blind"),
+        Spec("kvfleet-blind", "kvfleet lifecycle-blind prefix router (fleet/testkit/baseline.py)", "blind"),
         Spec("vllm-kv_aware", "vllm-router kv_aware (KV events)", "vllm", "kv_aware"),
         Spec("vllm-cache_aware", "vllm-router cache_aware", "vllm", "cache_aware"),
         Spec("vllm-power_of_two", "vllm-router power_of_two", "vllm", "power_of_two"),

@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-import controller.sim_vllm.main as sim_main
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
+import fleet.testkit.sim_vllm.main as sim_main
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 MODEL = "sim-model"
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")

@@ -11,7 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "witness": ("fleet.cli.witness:main", "run the kernel exactness witnesses live and print the table"),
     "controller": ("controller.main:main", "run the gRPC controller"),
-    "sim-vllm": ("controller.sim_vllm.main:main", "run a vLLM stand-in that speaks vLLM's protocol"),
+    "sim-vllm": ("fleet.testkit.sim_vllm.main:main", "run a vLLM stand-in that speaks vLLM's protocol"),
     "proxy": ("controller.proxy.main:main", "OpenAI-compatible routing proxy in front of vLLM workers"),
     "up": ("fleet.cli.up:main", "controller + local Ray + embedded store in one command"),
     "demo": ("fleet.cli.demo:main", "the main job: an agent fleet workload on one machine"),

@@ -1,6 +1,6 @@
 """Offline model of the workers' caches: the trace replayed under each routing policy.
 
-Each worker is the stand-in's own engine (`controller.sim_vllm.engine.SimEngine`: vLLM's block
+Each worker is the stand-in's own engine (`fleet.testkit.sim_vllm.engine.SimEngine`: vLLM's block
 hashing, LRU eviction, sleep/wake hazards), so the model is the same code the live workers run.
 A request sent to a sleeping worker hangs there until the client's timeout (counted), then the
 policy routes it again without that worker — as the live demo does.
@@ -14,7 +14,7 @@ Policies (one `choose` method each):
                sleeping workers: what a sticky-session load balancer does
     blind      a prefix-aware router that trusts its KV-event index and clears a worker only on
                AllBlocksCleared *as delivered* (vLLM queues it until the next engine step): no
-               serving state, no epochs (what shipped routers do; controller/baseline.py)
+               serving state, no epochs (what shipped routers do; fleet/testkit/baseline.py)
     round_robin  request i -> worker i mod N, each worker with its own prefix cache
 """
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.index import PrefixIndex
-from controller.sim_vllm import wire
-from controller.sim_vllm.engine import SimEngine, SimEngineConfig
 from controller.vllm.events import decode_batch
 from controller.vllm.hashing import chain, external_chain
 from fleet.demo.trace import Lifecycle, Request, Trace
+from fleet.testkit.sim_vllm import wire
+from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 
 
 @dataclass(slots=True)

@@ -20,10 +20,10 @@ from controller.auth import mint_token
 from controller.router import RouterConfig
 from controller.server import Controller, ControllerConfig, build_server
 from controller.servicers.sessions import kernel_spec_of
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from fleet.errors import Unavailable
 from fleet.sdk import AsyncFleetClient
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 MODEL = "sim-model"
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import aiohttp
 
-from controller.baseline import BaselineRouter
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from controller.vllm.hashing import HashConfig, external_chain
 from fleet.cas import open_store
 from fleet.errors import KvfleetError, Unavailable
+from fleet.testkit.baseline import BaselineRouter
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 B = 16
 VERBS_THROUGH = ["sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "restart", "drop"]

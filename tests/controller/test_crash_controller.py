@@ -24,12 +24,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from controller.vllm.hashing import HashConfig, external_chain
 from fleet.errors import Unavailable
 from fleet.redis_server import RedisServer
 from fleet.sdk import NO_RETRY, AsyncFleetClient
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16

@@ -22,8 +22,8 @@ import aiohttp
 from controller.metrics import Metrics
 from controller.router import RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "m"

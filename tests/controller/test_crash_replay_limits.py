@@ -20,13 +20,13 @@ import zmq.asyncio
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.sim_vllm import wire
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from controller.vllm.hashing import HashConfig, external_chain
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.cas import open_store
 from fleet.errors import InvalidArgument
+from fleet.testkit.sim_vllm import wire
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 PAYLOAD = wire.encode_batch(0.0, [])
 

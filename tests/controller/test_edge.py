@@ -15,13 +15,13 @@ import controller.router as router_mod
 from controller.edge import GrpcLimits
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from controller.uploads import UploadLimits
 from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.cas import open_store
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 Code = grpc.StatusCode
 

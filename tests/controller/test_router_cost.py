@@ -20,8 +20,6 @@ from controller.index import PrefixIndex
 from controller.metrics import Metrics
 from controller.router import RouteDecision, Router, RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from controller.vllm.events import BlockRemoved, BlockStored
 from controller.vllm.http import parse_metrics
 from fleet.api.kvfleet.v1 import route_pb2
@@ -29,6 +27,8 @@ from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.cas import open_store
 from fleet.errors import InvalidArgument
 from fleet.sdk import base, types
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 CFG = CostConfig()
 B = 16

@@ -140,8 +140,8 @@ async def _until(fn, pred, timeout: float = 10.0):
 async def test_workers_route_lifecycle_through_the_sdk(tmp_path: Path) -> None:
     import aiohttp
 
-    from controller.sim_vllm.engine import SimEngineConfig
-    from controller.sim_vllm.main import SimConfig, SimVllm
+    from fleet.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
     sims = [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
             for _ in range(2)]

@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
 from controller.vllm.hashing import HashConfig, external_chain
 from controller.vllm.http import parse_metrics
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 
 @pytest.fixture

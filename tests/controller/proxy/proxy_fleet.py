@@ -17,16 +17,16 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-import controller.sim_vllm.main as sim_main
+import fleet.testkit.sim_vllm.main as sim_main
 from controller.auth import mint_token
 from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.proxy import Proxy, ProxyConfig
 from controller.router import RouterConfig
 from controller.server import Controller, ControllerConfig, build_server
-from controller.sim_vllm.engine import SimEngineConfig
-from controller.sim_vllm.main import SimConfig, SimVllm
 from fleet.sdk import AsyncFleetClient
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 BLOCK = 16
 MODEL = "sim-model"

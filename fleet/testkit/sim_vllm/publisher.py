@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from controller.sim_vllm.wire import encode_batch
+from fleet.testkit.sim_vllm.wire import encode_batch
 
 END_SEQ = b"\xff" * 8
 

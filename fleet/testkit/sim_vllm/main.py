@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from controller.sim_vllm.app import build_app
-from controller.sim_vllm.completions import Received
-from controller.sim_vllm.engine import SimEngine, SimEngineConfig
-from controller.sim_vllm.loop import EngineLoop
-from controller.sim_vllm.publisher import Publisher
+from fleet.testkit.sim_vllm.app import build_app
+from fleet.testkit.sim_vllm.completions import Received
+from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.testkit.sim_vllm.loop import EngineLoop
+from fleet.testkit.sim_vllm.publisher import Publisher
 
 
 @dataclass(slots=True)

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from controller.sim_vllm import tokenizer as tok
-from controller.sim_vllm.engine import EnginePaused, EngineRestarted
 from fleet.errors import InvalidArgument
+from fleet.testkit.sim_vllm import tokenizer as tok
+from fleet.testkit.sim_vllm.engine import EnginePaused, EngineRestarted
 
 if TYPE_CHECKING:
-    from controller.sim_vllm.loop import Ticket
-    from controller.sim_vllm.main import SimVllm
+    from fleet.testkit.sim_vllm.loop import Ticket
+    from fleet.testkit.sim_vllm.main import SimVllm
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from controller.sim_vllm.metrics import TTFT_BUCKETS, Histogram
+from fleet.testkit.sim_vllm.metrics import TTFT_BUCKETS, Histogram
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 

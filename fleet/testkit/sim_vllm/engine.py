@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.sim_vllm import wire
-from controller.sim_vllm.cache import PrefixCache, StepResult
-from controller.sim_vllm.sched import CostModel, Scheduler, Seq, Step, lone_ttft_s
 from controller.vllm.hashing import HashConfig
+from fleet.testkit.sim_vllm import wire
+from fleet.testkit.sim_vllm.cache import PrefixCache, StepResult
+from fleet.testkit.sim_vllm.sched import CostModel, Scheduler, Seq, Step, lone_ttft_s
 
 
 class EnginePaused(Exception):

@@ -1,6 +1,6 @@
 """The stand-in's /metrics: vLLM's series, names, labels and buckets (vllm/v1/metrics/loggers.py).
 
-Timing series are in *modelled* seconds (controller/sim_vllm/sched.py): `time_scale` sets how fast
+Timing series are in *modelled* seconds (fleet/testkit/sim_vllm/sched.py): `time_scale` sets how fast
 the sim plays the model out, never what the metrics say.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from controller.sim_vllm.engine import SimEngine
+    from fleet.testkit.sim_vllm.engine import SimEngine
 
 # vLLM's vllm:time_to_first_token_seconds buckets (PrometheusStatLogger, unchanged from 0.6 to 0.33).
 TTFT_BUCKETS = (

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from controller.sim_vllm.engine import SimEngine
-from controller.sim_vllm.sched import FINISHED, Output, Seq
+from fleet.testkit.sim_vllm.engine import SimEngine
+from fleet.testkit.sim_vllm.sched import FINISHED, Output, Seq
 
 log = logging.getLogger("kvfleet.sim_vllm")
 

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from controller.sim_vllm import tokenizer as tok
-from controller.sim_vllm.completions import body_of, completions
-from controller.sim_vllm.metrics import metrics_text
 from fleet.errors import InvalidArgument
+from fleet.testkit.sim_vllm import tokenizer as tok
+from fleet.testkit.sim_vllm.completions import body_of, completions
+from fleet.testkit.sim_vllm.metrics import metrics_text
 
 if TYPE_CHECKING:
-    from controller.sim_vllm.main import SimVllm
+    from fleet.testkit.sim_vllm.main import SimVllm
 
 VERSION = "0.33.0"
 

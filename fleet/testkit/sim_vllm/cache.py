@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from controller.sim_vllm import wire
 from controller.vllm.hashing import HashConfig, chain, to_external
+from fleet.testkit.sim_vllm import wire
 
 if TYPE_CHECKING:
-    from controller.sim_vllm.sched import Seq
+    from fleet.testkit.sim_vllm.sched import Seq
 
 
 @dataclass(frozen=True, slots=True)
