@@ -184,10 +184,6 @@ class KernelActor:
         async with self._lock:
             return await self._run(lambda: working_set(self.host.context, budget_tokens, store=self.store))
 
-    async def ops(self) -> list[dict[str, Any]]:
-        async with self._lock:
-            return list(self.host.context.ops)
-
     async def fork_point(self) -> dict[str, Any]:
         """The op log and the tokens at one instant (a fork's starting point), read together."""
         async with self._lock:

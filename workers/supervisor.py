@@ -278,10 +278,6 @@ class NodeSupervisor:
             ray.kill(actor, no_restart=True)
         return len(actors)
 
-    async def forget(self, tenant: str, session_id: str) -> None:
-        """Drop the handle of an actor that died (so a regeneration elsewhere is not blocked)."""
-        self.actors.pop((tenant, session_id), None)
-
     async def rows(self, tenant: str | None = None, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """One info row per live session actor on this node (sessions that do not answer: lost)."""
         keys = [k for k in self.actors if tenant is None or k[0] == tenant]
