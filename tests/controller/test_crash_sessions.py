@@ -39,6 +39,11 @@ class Controller:
     def start(self) -> None:
         # NOTE: on a loaded machine Ray's GCS can take longer than Ray's default 30 s to bind its port
         env = dict(os.environ, RAY_TMPDIR=self.tmp, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
+        # NOTE: the test run's own ray.init() exported RAY_ADDRESS and its auth settings
+        # (RAY_AUTH_MODE, ...); inherited, they make this controller join or authenticate against the
+        # run's cluster instead of starting its own, and its calls hang
+        for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
+            del env[k]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleet.cli.main", "controller", "--listen", "127.0.0.1:0", "--store", self.store,
              "--metrics-port", "-1"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
