@@ -25,9 +25,9 @@ from typing import Any
 import fleet.quarantine as quarantine_pkg
 from fleet.errors import InvalidArgument, NotFound
 from fleet.quarantine import DetectorConfig, Verdict, VerdictCache, make_detector
+from fleet.verdict import CLEAN, QUARANTINED
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
-QUARANTINED, CLEAN = "QUARANTINED", "CLEAN"
 ACTIONS = ("placeholder", "refuse")
 MAX_RESULTS = 256  # tool results per JudgeToolResults call
 MAX_REASONS, MAX_REASON_LEN = 16, 200

@@ -30,6 +30,7 @@ from typing import Any
 from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
+from fleet.verdict import CLEAN, QUARANTINED
 
 POLICIES = ("placeholder", "refuse", "off")
 TOOL_ROLES = ("tool", "function", "ipython")  # compared stripped and lowercased; "ipython": Llama 3's tool role
@@ -169,7 +170,7 @@ class Enforcer:
             judged.update(zip((b.decode() for b in batch), await self.control.judge(batch, policy, token, JUDGE_TIMEOUT_S),
                               strict=True))
         for j in judged.values():
-            self.metrics.judged.labels("QUARANTINED" if j.quarantined else "CLEAN", j.source).inc()
+            self.metrics.judged.labels(QUARANTINED if j.quarantined else CLEAN, j.source).inc()
         hits = [Hit(where, judged[t].ref, tuple(judged[t].reasons), judged[t].source, policy)
                 for where, t in found if judged[t].quarantined]
         for h in hits:

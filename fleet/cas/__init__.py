@@ -14,10 +14,6 @@ from collections.abc import Callable
 from fleet.cas.base import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_BLOB_BYTES,
-    VERDICT_CLEAN,
-    VERDICT_QUARANTINED,
-    VERDICT_UNKNOWN,
-    VERDICTS,
     BlobMeta,
     BlobStore,
     StoreConfig,
@@ -25,8 +21,8 @@ from fleet.cas.base import (
 from fleet.errors import InvalidArgument
 
 __all__ = [
-    "BlobMeta", "BlobStore", "StoreConfig", "open_store", "make_store", "VERDICTS",
-    "VERDICT_UNKNOWN", "VERDICT_CLEAN", "VERDICT_QUARANTINED", "DEFAULT_MAX_BLOB_BYTES", "DEFAULT_LEASE_S",
+    "BlobMeta", "BlobStore", "StoreConfig", "open_store", "make_store",
+    "DEFAULT_MAX_BLOB_BYTES", "DEFAULT_LEASE_S",
 ]
 
 

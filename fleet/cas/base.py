@@ -17,10 +17,6 @@ from typing import Any
 from fleet.cas.types import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_BLOB_BYTES,
-    VERDICT_CLEAN,
-    VERDICT_QUARANTINED,
-    VERDICT_UNKNOWN,
-    VERDICTS,
     BlobMeta,
     StoreConfig,
     _sha_hex,
@@ -33,9 +29,10 @@ from fleet.cas.types import (
     not_found,
 )
 from fleet.errors import InvalidArgument, ResourceExhausted
+from fleet.verdict import VERDICTS
 
 __all__ = [
-    "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES", "VERDICTS", "VERDICT_CLEAN", "VERDICT_QUARANTINED", "VERDICT_UNKNOWN",
+    "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES",
     "BlobMeta", "BlobStore", "StoreConfig", "check_bytes", "check_key", "check_name", "check_ref", "check_tenant",
     "OverQuota", "over_quota",
 ]

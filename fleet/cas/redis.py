@@ -30,8 +30,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fleet.cas.base import VERDICT_UNKNOWN, BlobMeta, BlobStore, StoreConfig
+from fleet.cas.base import BlobMeta, BlobStore, StoreConfig
 from fleet.errors import ResourceExhausted, Unavailable
+from fleet.verdict import UNKNOWN
 
 _PUT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -156,7 +157,7 @@ class RedisBlobStore(BlobStore):
         lease = repr(self._lease(now))
         if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):
             return None
-        out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN, quota])
+        out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota])
         return int(out[0]) if isinstance(out, list) else None
 
     @_unavailable
@@ -187,7 +188,7 @@ class RedisBlobStore(BlobStore):
         for ref, data in group:
             if ref not in present:  # one atomic script per blob
                 self._s_put(keys=self._put_keys(tenant, ref),
-                            args=[data, data.nbytes, repr(now), lease, VERDICT_UNKNOWN, 0], client=pipe)
+                            args=[data, data.nbytes, repr(now), lease, UNKNOWN, 0], client=pipe)
         if len(pipe):
             pipe.execute()
 

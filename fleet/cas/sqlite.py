@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fleet.cas.base import VERDICT_UNKNOWN, BlobMeta, BlobStore, StoreConfig
+from fleet.cas.base import BlobMeta, BlobStore, StoreConfig
 from fleet.errors import InvalidArgument, Unavailable
+from fleet.verdict import UNKNOWN
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (
@@ -130,7 +131,7 @@ class SqliteBlobStore(BlobStore):
             db.execute(
                 "INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (tenant, ref, data, data.nbytes, now, VERDICT_UNKNOWN, lease),
+                (tenant, ref, data, data.nbytes, now, UNKNOWN, lease),
             )
             return None
 

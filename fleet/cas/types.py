@@ -10,14 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleet.errors import InvalidArgument, NotFound
+from fleet.verdict import QUARANTINED
 
 DEFAULT_MAX_BLOB_BYTES = 64 << 20
 DEFAULT_LEASE_S = 600.0
 
-VERDICT_UNKNOWN = "UNKNOWN"
-VERDICT_CLEAN = "CLEAN"
-VERDICT_QUARANTINED = "QUARANTINED"
-VERDICTS = (VERDICT_UNKNOWN, VERDICT_CLEAN, VERDICT_QUARANTINED)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: `$` would allow a trailing newline
 _ID_RE = re.compile(r"[A-Za-z0-9_.:/@-]{1,128}")
@@ -42,7 +39,7 @@ class BlobMeta:
 
     @property
     def quarantined(self) -> bool:
-        return self.verdict == VERDICT_QUARANTINED
+        return self.verdict == QUARANTINED
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from fleet.cli.session import add_ls_options
 from fleet.errors import KvfleetError
+from fleet.verdict import CLEAN, QUARANTINED
 
 
 def render(records: Sequence[Any], now: float | None = None) -> Table:
@@ -64,7 +65,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_ls_options(ls)
     st = sub.add_parser("set", help="operator: set or clear a verdict on a tool result's bytes")
     st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes")
-    st.add_argument("verdict", choices=("QUARANTINED", "CLEAN", "clear"))
+    st.add_argument("verdict", choices=(QUARANTINED, CLEAN, "clear"))
     st.add_argument("--reason", action="append", default=[], help="why (repeatable)")
     add_ls_options(st)
     return p.parse_args(argv)

@@ -20,6 +20,7 @@ from fleet.demo.stack import MODEL, Stack
 from fleet.demo.trace import Lifecycle, Request, Trace
 from fleet.demo.workload import POISON, DemoConfig, agent_name, tool_result, user_message
 from fleet.errors import FailedPrecondition
+from fleet.verdict import QUARANTINED
 
 SEND_TIMEOUT_S = 2.0  # a request to a sleeping vLLM hangs: give up, count it, route again
 
@@ -106,7 +107,7 @@ class LiveRun:
         r = await self.c.add_tool_result(a.name, ref)
         a.pieces.append((r.piece.piece_id, r.piece.token_ids))          # type: ignore[union-attr]
         adm = await self.c.admit_tool_result(a.name, ref)
-        if adm.verdict == "QUARANTINED":
+        if adm.verdict == QUARANTINED:
             a.pieces = [p for p in a.pieces if p[0] != r.piece.piece_id]  # type: ignore[union-attr]
             self._record_quarantine(a, t, str(ref), adm)
         elif poisoned:

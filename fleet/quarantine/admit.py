@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.context import RESIDENT, SHIFTED, Piece, SessionContext
 from fleet.quarantine.detector import Detector
+from fleet.verdict import CLEAN, QUARANTINED
 
 if TYPE_CHECKING:
     import numpy as np
 
     from fleet.kernel import Session
 
-CLEAN, QUARANTINED = "CLEAN", "QUARANTINED"
 DEFAULT_PROBE = "\nuser: what should I do next?\nassistant:"
 
 
