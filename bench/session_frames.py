@@ -1,0 +1,170 @@
+"""How many Python frames of kvfleet's own code one session append runs through (issue #14).
+
+Two processes serve an append: the controller (SessionService -> KernelFleet -> a Ray call) and
+the session's actor (KernelActor -> its context -> the kernel). This counts, in each, the Python
+'call' events whose file lies under the repo's `fleet/`, `controller/` or `workers/` (the
+generated `fleet/api` stubs and the kernel's own math, `fleet/kernel`, left out), from the
+servicer's entry to the Ray call and from the actor's entry to the kernel's `Session.append`; and
+the depth of kvfleet frames on the stack when the kernel is entered (the forwarding chain).
+
+    python bench/session_frames.py
+
+The controller side runs a real SessionServicer over a local Ray cluster; the actor side runs the
+KernelActor class in this process (no Ray), so one profiler sees every frame of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OWN = tuple(str(ROOT / d) + "/" for d in ("fleet", "controller", "workers"))
+SKIP = tuple(str(ROOT / d) + "/" for d in ("fleet/api", "fleet/kernel"))
+PROMPT = "You are agent zero. Answer briefly."
+
+
+class Counter:
+    """A profiler for every thread: counts kvfleet 'call' events while `on`."""
+
+    def __init__(self) -> None:
+        self.on, self.depth_at_kernel = False, -1
+        self.frames: list[Any] = []  # held, so no frame id is reused while counting
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def calls(self) -> int:
+        return len(self.frames)
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{Path(f.f_code.co_filename).relative_to(ROOT)}:{f.f_code.co_name}" for f in self.frames]
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or not self.on:
+            return
+        f = frame.f_code.co_filename
+        if f.endswith("fleet/kernel/session.py") and frame.f_code.co_name == "append" and self.depth_at_kernel < 0:
+            self.depth_at_kernel = _own_depth(frame.f_back)
+        if f.startswith(OWN) and not f.startswith(SKIP):
+            with self._lock:  # a coroutine resumed is one frame, not a new call
+                if id(frame) not in self._seen:
+                    self._seen.add(id(frame))
+                    self.frames.append(frame)
+
+
+def _own_depth(frame: Any) -> int:
+    n = 0
+    while frame is not None:
+        f = frame.f_code.co_filename
+        n += f.startswith(OWN) and not f.startswith(SKIP)
+        frame = frame.f_back
+    return n
+
+
+def count(fn: Any) -> Counter:
+    """Run `fn(counter)` with the profiler on every thread started from now on (executor threads
+    included); `fn` switches `counter.on` around the one request it measures."""
+    c = Counter()
+    threading.setprofile(c)
+    sys.setprofile(c)
+    try:
+        fn(c)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    return c
+
+
+def actor_side(tmp: str) -> Counter:
+    """KernelActor.append (the actor's entry) down to the kernel, in this process."""
+    from workers.session_actor import KernelActor
+    from workers.spec import KernelSpec
+
+    def run(c: Counter) -> None:
+        actor = KernelActor("acme", "s1", f"sqlite:///{tmp}/actor.db", KernelSpec(block_size=16).to_dict())
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(_create(actor))
+        loop.run_until_complete(actor.append(" warm", "user", "op-0"))
+        c.on = True
+        loop.run_until_complete(actor.append(" hello", "user", "op-1"))
+        c.on = False
+
+    return count(run)
+
+
+async def _create(actor: Any) -> Any:
+    """The actor's create, whichever signature this tree's KernelActor has (the script runs on the
+    code before and after a refactor)."""
+    try:
+        return await actor.create(PROMPT)
+    except TypeError:
+        from fleet.kernel.tokenizer import encode_message
+        from workers.spec import make_tokenizer
+
+        return await actor.create(encode_message(make_tokenizer(actor.kernel), "system", PROMPT))
+
+
+class _Context:
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    async def abort(self, code: Any, msg: str) -> None:
+        raise RuntimeError(f"{code}: {msg}")
+
+
+def controller_side(tmp: str) -> Counter:
+    """SessionService.Append (the servicer's entry) down to the Ray call, with a real fleet."""
+    import ray
+
+    from controller.auth import Authenticator
+    from controller.metrics import Metrics
+    from controller.servicers.common import ServiceContext
+    from controller.servicers.sessions import SessionServicer
+    from fleet.api.kvfleet.v1 import sessions_pb2 as pb
+    from fleet.cas import open_store
+
+    url = f"sqlite:///{tmp}/ctl.db"
+    ctx = ServiceContext(auth=Authenticator(None, b"secret"), metrics=Metrics(), store=open_store(url), router=None,
+                         max_blob_bytes=1 << 20, store_url=url)
+
+    def run(c: Counter) -> None:
+        svc, loop, ctxt = SessionServicer(ctx), asyncio.new_event_loop(), _Context()
+        req = pb.CreateSessionRequest(session_id="s1", system_prompt=PROMPT)
+        loop.run_until_complete(svc.CreateSession(req, ctxt))
+        loop.run_until_complete(svc.Append(pb.AppendRequest(session_id="s1", text=" warm"), ctxt))
+        c.on = True
+        loop.run_until_complete(svc.Append(pb.AppendRequest(session_id="s1", text=" hello"), ctxt))
+        c.on = False
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+
+    try:
+        return count(run)
+    finally:
+        for fn in ctx.on_stop:
+            fn()
+        ray.shutdown()
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        a = actor_side(tmp)
+        c = controller_side(tmp)
+    verbose = "-v" in sys.argv
+    for name, ctr in (("controller (servicer -> Ray call)", c), ("actor (KernelActor -> kernel)", a)):
+        print(f"{name}: {ctr.calls} kvfleet frames")
+        if verbose:
+            print("  " + "\n  ".join(ctr.names))
+    print(f"actor: kvfleet frames on the stack at the kernel's Session.append: {a.depth_at_kernel}")
+    print(f"total: {a.calls + c.calls} kvfleet frames for one append")
+
+
+if __name__ == "__main__":
+    main()
