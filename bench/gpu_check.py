@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fleet.kernel import Kernel, ModelConfig, max_abs_delta
-from fleet.kernel.witness import environment, run_witnesses
+from fleet.kernel.exactness import environment, run_checks
 
 CFG = ModelConfig(
     vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=8192
@@ -78,7 +78,7 @@ def main() -> int:
     env = environment("torch", a.device)
     gpu = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu (dry run)"
     print(f"device: {gpu} | torch {torch.__version__} | {env['cpu']}")
-    rows = run_witnesses(backend="torch", device=a.device)
+    rows = run_checks(backend="torch", device=a.device)
     for r in rows:
         ctrl = "-" if r.control is None else f"{r.control:.3e}"
         ulp = "-" if r.ulp_control is None else f"{r.ulp_control:.3e}"

@@ -66,11 +66,11 @@ def _table(env: dict[str, Any], rows: list[Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from fleet.kernel.witness import environment, run_witnesses
+    from fleet.kernel.exactness import environment, run_checks
 
     try:
         env = environment(args.backend, args.device, args.threads)
-        rows = run_witnesses(args.backend, args.device, args.threads, hf=not args.no_hf)
+        rows = run_checks(args.backend, args.device, args.threads, hf=not args.no_hf)
     except KvfleetError as e:
         print(f"kvfleet witness: {e}", file=sys.stderr)
         return 2

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from fleet.kernel.exactness import ExactnessCheck, not_run
 from fleet.kernel.kernel import Kernel
 from fleet.kernel.types import max_abs_delta
-from fleet.kernel.witness import WitnessResult, not_run
 
 INSTALL_HINT = "pip install 'kvfleet[hf]' (./dev.sh installs it), or pass --no-hf to skip this witness"
 
@@ -32,7 +32,7 @@ SMALL_HF_CONFIG: dict[str, Any] = dict(
 
 def hf_parity(
     backend: str = "numpy", device: str = "cpu", threads: int = 1, steps: int = 32
-) -> list[WitnessResult]:
+) -> list[ExactnessCheck]:
     """Logits max|Δ| over `steps` greedy steps (<= 1e-4) and identical greedy continuation."""
     try:
         import torch
@@ -70,7 +70,7 @@ def hf_parity(
     greedy_ok = g.generate(steps) == hf_tokens
     note = f"argmax equal={same}, greedy {steps} equal={greedy_ok}"
     return [
-        WitnessResult(
+        ExactnessCheck(
             f"HF parity LlamaForCausalLM ({steps} greedy steps)",
             "<= 1e-4",
             d,

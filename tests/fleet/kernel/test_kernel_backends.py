@@ -64,9 +64,9 @@ def test_kernel_pins_its_own_thread_count(backend: str) -> None:
 
 @pytest.mark.gpu
 def test_cuda_backend_witnesses() -> None:
-    from fleet.kernel.witness import run_witnesses
+    from fleet.kernel.exactness import run_checks
 
-    rows = run_witnesses(backend="torch", device="cuda")
+    rows = run_checks(backend="torch", device="cuda")
     for r in rows:  # a row that claims == 0 is checked as 0 on CUDA too; bounds as bounds
         print(f"[cuda] {r.name}: max|Δ|={r.value:.2e} control={r.control} ulp={r.ulp_control} {r.status}")
     assert all(r.value == 0.0 for r in rows if r.claim == "== 0")

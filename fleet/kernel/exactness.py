@@ -1,7 +1,11 @@
-"""The kernel's exactness witnesses, run live: each is a measured max|Δ| with its control.
+"""The kernel's exactness checks, run live: each is a measured max|Δ| with its control.
 
-Used by `kvfleet witness`, bench/gpu_check.py and the CUDA test. Every exactness row pairs its
-zero with a non-vacuous control (> 0) measured the same way.
+Used by `kvfleet witness` (the command keeps the design card's name), bench/gpu_check.py and the CUDA
+test. Every exactness row pairs its zero with a non-vacuous control (> 0) measured the same way.
+
+"Witness" names other things elsewhere, so this module does not: fleet.lifecycle's Witness is the
+cache-loss witness of a dormancy action (DESIGN section 9), and a session's eviction record is its
+eviction proof. Here a row is an ExactnessCheck.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from fleet.kernel.types import K_POST, K_RAW, max_abs_delta
 
 
 @dataclass(frozen=True, slots=True)
-class WitnessResult:
-    """One witness row. `claim`: "== 0" (bit-exact), "> 0" (a control), "<= 1e-4", or "reported".
+class ExactnessCheck:
+    """One exactness row. `claim`: "== 0" (bit-exact), "> 0" (a control), "<= 1e-4", or "reported".
 
     `control` is the coarse control (e.g. one token changed); `ulp_control` is the same comparison
     against a run whose input differs by one ulp (one embedding element nudged), which shows the
@@ -54,9 +58,9 @@ class WitnessResult:
         }
 
 
-def not_run(name: str, claim: str, why: str) -> WitnessResult:
-    """A witness that did not run: reported as such, never ok."""
-    return WitnessResult(name, claim, float("nan"), None, False, why, None, False)
+def not_run(name: str, claim: str, why: str) -> ExactnessCheck:
+    """A check that did not run: reported as such, never ok."""
+    return ExactnessCheck(name, claim, float("nan"), None, False, why, None, False)
 
 
 def _ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -64,9 +68,9 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
     return out
 
 
-def _exact(name: str, value: float, control: float, ulp: float | None, note: str = "") -> WitnessResult:
+def _exact(name: str, value: float, control: float, ulp: float | None, note: str = "") -> ExactnessCheck:
     ok = value == 0.0 and control > 0 and (ulp is None or ulp > 0)
-    return WitnessResult(name, "== 0", value, control, ok, note, ulp)
+    return ExactnessCheck(name, "== 0", value, control, ok, note, ulp)
 
 
 def nudge_embedding(k: Kernel, tok: int) -> None:
@@ -81,7 +85,7 @@ def nudge_embedding(k: Kernel, tok: int) -> None:
 
 
 class _Bench:
-    """Kernels and token streams shared by the witnesses of one run."""
+    """Kernels and token streams shared by the checks of one run."""
 
     def __init__(self, backend: str, device: str, threads: int, seed: int) -> None:
         self.kw = dict(seed=seed, backend=backend, device=device, threads=threads)
@@ -120,7 +124,7 @@ class _Bench:
         return s.append(self.query), r
 
 
-def prefix_reuse(b: _Bench) -> WitnessResult:
+def prefix_reuse(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
     ids = _ids(9, 400, k.config.vocab_size)
     ref = k.session().append(ids)
@@ -139,7 +143,7 @@ def prefix_reuse(b: _Bench) -> WitnessResult:
     )
 
 
-def decode(b: _Bench) -> WitnessResult:
+def decode(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
     ids = _ids(10, 120, k.config.vocab_size)
     ref = k.session().append(ids)
@@ -157,7 +161,7 @@ def decode(b: _Bench) -> WitnessResult:
     )
 
 
-def evict_vs_never(b: _Bench) -> list[WitnessResult]:
+def evict_vs_never(b: _Bench) -> list[ExactnessCheck]:
     k = b.kernel()
     never = k.session()
     never.append(b.pre)
@@ -172,11 +176,11 @@ def evict_vs_never(b: _Bench) -> list[WitnessResult]:
         _exact(
             "evict-vs-never (write-time span)", d, c, b.ulp(b.pre + b.post, ref), "control: poison-vs-never"
         ),
-        WitnessResult("poison-vs-never (control: span kept)", "> 0", c, None, c > 0),
+        ExactnessCheck("poison-vs-never (control: span kept)", "> 0", c, None, c > 0),
     ]
 
 
-def middle_exact(b: _Bench) -> WitnessResult:
+def middle_exact(b: _Bench) -> ExactnessCheck:
     ref = b.run(b.pre + b.post)
     got, _ = b.evicted("exact", 2)
     return _exact(
@@ -194,7 +198,7 @@ def sabotaged_rope(k: Kernel, shift: int) -> Any:
     return lambda x, positions: rope(x, np.asarray(positions) + shift)
 
 
-def reposition_invariant(b: _Bench) -> WitnessResult:
+def reposition_invariant(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
     s = k.session()
     s.append(b.pre + b.span + b.post)
@@ -214,7 +218,7 @@ def reposition_invariant(b: _Bench) -> WitnessResult:
     rows[K_RAW, :, :, 0] = np.nextafter(rows[K_RAW, :, :, 0], np.float32(np.inf))
     ulp = max_abs_delta(rows[K_POST], k.ops.to_numpy(k.ops.rope_rows(k.ops.from_numpy(rows[K_RAW]), lo)))
     ok = s.rope_invariant_delta() == 0.0 and r.invariant_delta == 0.0 and c > 0 and sab > 0 and ulp > 0
-    return WitnessResult(
+    return ExactnessCheck(
         "reposition invariant K[i] == RoPE(Kraw[i], i)",
         "== 0",
         max(s.rope_invariant_delta(), r.invariant_delta or 0.0),
@@ -225,7 +229,7 @@ def reposition_invariant(b: _Bench) -> WitnessResult:
     )
 
 
-def reposition_depth(b: _Bench) -> list[WitnessResult]:
+def reposition_depth(b: _Bench) -> list[ExactnessCheck]:
     out = []
     for L in (1, 4):
         ref = b.run(b.pre + b.post, L)
@@ -243,7 +247,7 @@ def reposition_depth(b: _Bench) -> list[WitnessResult]:
         else:
             ok = (not r.exact) and d > 0
             out.append(
-                WitnessResult(
+                ExactnessCheck(
                     f"reposition divergence ({L} layers, not exact)",
                     "reported",
                     d,
@@ -255,7 +259,7 @@ def reposition_depth(b: _Bench) -> list[WitnessResult]:
     return out
 
 
-def sibling_isolation(b: _Bench) -> WitnessResult:
+def sibling_isolation(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
     parent = k.session()
     parent.append(b.pre + b.span)
@@ -275,7 +279,7 @@ def sibling_isolation(b: _Bench) -> WitnessResult:
     )
 
 
-def prefix_adoption(b: _Bench) -> WitnessResult:
+def prefix_adoption(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
     src = k.session()
     src.append(b.pre + b.span)
@@ -292,10 +296,10 @@ def prefix_adoption(b: _Bench) -> WitnessResult:
     )
 
 
-def run_witnesses(
+def run_checks(
     backend: str = "numpy", device: str = "cpu", threads: int = 1, seed: int = 0, hf: bool = True
-) -> list[WitnessResult]:
-    """Run every witness on fresh synthetic kernels (and HF parity when transformers imports)."""
+) -> list[ExactnessCheck]:
+    """Run every check on fresh synthetic kernels (and HF parity when transformers imports)."""
     b = _Bench(backend, device, threads, seed)
     rows = [
         prefix_reuse(b),
