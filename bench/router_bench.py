@@ -43,7 +43,7 @@ def _payloads(rng: random.Random, n_blocks: int) -> list[bytes]:
     out = []
     for i in range(0, n_blocks, PER_BATCH):
         hashes = [rng.getrandbits(64) for _ in range(min(PER_BATCH, n_blocks - i))]
-        ev = wire.BlockStored(block_hashes=hashes, parent_block_hash=rng.getrandbits(64),
+        ev = wire.VllmBlockStored(block_hashes=hashes, parent_block_hash=rng.getrandbits(64),
                               token_ids=toks[:len(hashes) * B], block_size=B, lora_id=None, medium="GPU",
                               lora_name=None, extra_keys=[None] * len(hashes), group_idx=0,
                               kv_cache_spec_kind="full_attention")

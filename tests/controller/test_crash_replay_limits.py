@@ -145,7 +145,7 @@ async def test_a_rank_claiming_more_blocks_than_it_holds_is_refused(tmp_path: Pa
     def stored(n: int, first_token: int, seq: int) -> list[bytes]:
         toks = list(range(first_token, first_token + 16 * n))
         hashes = external_chain(HashConfig("sha256", None, 16), toks)  # honest hashes: calibration passes
-        ev = wire.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks,
+        ev = wire.VllmBlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks,
                               block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
         return [b"", seq.to_bytes(8, "big"), wire.encode_batch(0.0, [ev])]
 

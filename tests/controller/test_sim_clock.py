@@ -19,7 +19,7 @@ from controller.vllm.hashing import HashConfig, external_chain
 from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
 from fleet.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output, lone_ttft_s
-from fleet.testkit.sim_vllm.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from fleet.testkit.sim_vllm.wire import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
 
 # round figures, so that each expected duration is easy to read off the config
 COST = {
@@ -151,11 +151,11 @@ def test_kv_capacity_bounds_running_and_usage_moves() -> None:
     s3 = eng.plan()
     assert s3 is not None and s3.prefill == ((b, 80),) and eng.kv_usage() == 5 / 8
     eng.finish(s3)
-    removed = [h for e in published[0] if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    removed = [h for e in published[0] if isinstance(e, VllmBlockRemoved) for h in e.block_hashes]
     # LRU, tail first (vLLM frees a request's blocks in reverse order): a's last two blocks go, its
     # first three (the prefix a repeat would hit) stay
     assert removed == external_chain(HashConfig("sha256", None, 16), a_ids)[3:][::-1]
-    assert isinstance(published[0][-1], BlockStored) and len(eng.cache) == 8
+    assert isinstance(published[0][-1], VllmBlockStored) and len(eng.cache) == 8
 
 
 def test_chunked_prefill_shares_the_token_budget() -> None:
@@ -182,7 +182,7 @@ def test_sleep_abort_ends_in_flight_and_queued_clear_waits_for_a_step() -> None:
     eng.wake_up(None)
     play(eng)
     assert late.state == FINISHED and late.num_cached_tokens == 0
-    assert isinstance(published[0][0], AllBlocksCleared) and isinstance(published[0][1], BlockStored)
+    assert isinstance(published[0][0], VllmAllBlocksCleared) and isinstance(published[0][1], VllmBlockStored)
 
 
 def test_sleep_keep_preempts_and_recomputes_after_wake() -> None:
@@ -209,11 +209,11 @@ def test_sleep_wait_drains_then_clears() -> None:
     assert eng.is_sleeping() and len(eng.cache) == 2  # drains first: cache untouched
     play(eng)
     assert a.state == FINISHED and a.finish_reason == "length" and b.state == WAITING
-    assert len(eng.cache) == 0 and isinstance(eng.pending[-1], AllBlocksCleared)  # reset after the drain
-    assert not any(isinstance(e, AllBlocksCleared) for batch in published for e in batch)  # only queued
+    assert len(eng.cache) == 0 and isinstance(eng.pending[-1], VllmAllBlocksCleared)  # reset after the drain
+    assert not any(isinstance(e, VllmAllBlocksCleared) for batch in published for e in batch)  # only queued
     eng.wake_up(None)
     play(eng)
-    assert b.state == FINISHED and isinstance(published[-1][0], AllBlocksCleared)
+    assert b.state == FINISHED and isinstance(published[-1][0], VllmAllBlocksCleared)
 
 
 def test_abort_frees_the_slot_for_the_queue() -> None:

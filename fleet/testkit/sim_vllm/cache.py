@@ -134,7 +134,7 @@ class PrefixCache:
     def _evict(self, n: int, keep: set[bytes]) -> None:
         for d in [d for d in self.cache if d not in keep][: max(n, 0)]:
             del self.cache[d]
-            self.pending.append(wire.BlockRemoved(block_hashes=[to_external(d)], medium="GPU", group_idx=0))
+            self.pending.append(wire.VllmBlockRemoved(block_hashes=[to_external(d)], medium="GPU", group_idx=0))
 
     def _stored_event(
         self,
@@ -144,13 +144,13 @@ class PrefixCache:
         n: int,
         lora: str | None,
         salt: str | None,
-    ) -> wire.BlockStored:
+    ) -> wire.VllmBlockStored:
         B = self.hash_cfg.block_size
         extra: list[tuple[Any, ...] | None] = []
         for i in range(start, start + n):
             keys = ([lora] if lora else []) + ([salt] if salt is not None and i == 0 else [])
             extra.append(tuple(keys) or None)
-        return wire.BlockStored(
+        return wire.VllmBlockStored(
             block_hashes=[to_external(d) for d in digests[start : start + n]],
             parent_block_hash=to_external(digests[start - 1]) if start > 0 else None,
             token_ids=list(token_ids[start * B : (start + n) * B]),

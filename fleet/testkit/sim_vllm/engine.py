@@ -133,7 +133,7 @@ class SimEngine(PrefixCache):
         self.sched.preempt_all()  # NOTE: vLLM resets with reset_running_requests=True
         assert not self.ref_cnt, "blocks still pinned after preemption"
         self.cache.clear()
-        self.pending.append(wire.AllBlocksCleared())  # NOTE: queued, published with the next step
+        self.pending.append(wire.VllmAllBlocksCleared())  # NOTE: queued, published with the next step
 
     def _hold_in_flight(self, mode: str, reset: bool) -> None:
         """What a pause does to requests in flight: abort ends them, keep freezes, wait drains first."""

@@ -1,7 +1,9 @@
 """vLLM 0.33.0's KV-event structs (vllm/distributed/kv_events.py), for byte-exact encoding.
 
-The outer batch is a positional array; each event is a map tagged "type" = class name, with
-fields in declaration order and defaulted fields omitted when equal to their default.
+The outer batch is a positional array; each event is a map tagged "type" = vLLM's class name, with
+fields in declaration order and defaulted fields omitted when equal to their default. The classes carry a
+Vllm prefix (their tags stay vLLM's names) so they are not confused with the controller's decoded events
+(controller.vllm.events) or the radix tree's page events (fleet.radix.events).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class BlockStored(KVCacheEvent):
+class VllmBlockStored(KVCacheEvent, tag="BlockStored"):
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
     token_ids: list[int]
@@ -39,7 +41,7 @@ class BlockStored(KVCacheEvent):
     lookahead_token_ids: list[list[int]] | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class VllmBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
@@ -47,7 +49,7 @@ class BlockRemoved(KVCacheEvent):
     ownership: str | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
+class VllmAllBlocksCleared(KVCacheEvent, tag="AllBlocksCleared"):
     pass
 
 
