@@ -20,7 +20,6 @@ whose KV budget is spent; when none has room, ResourceExhausted.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 import uuid
@@ -36,7 +35,6 @@ from fleet.lifecycle import Witness
 from workers.placement import (
     NAMESPACE,
     NODE_KV_BYTES,
-    REGISTRY,
     NodeOffer,
     choose_node,
     drop_blob_refs,
@@ -47,10 +45,11 @@ from workers.placement import (
     session_resources,
     supervisor_name,
 )
+from workers.registry import CREATING, SessionRegistry
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 from workers.supervisor import NodeSupervisor
 
-__all__ = ["REGISTRY", "AppendResult", "KernelFleet", "NodeGone"]
+__all__ = ["AppendResult", "KernelFleet", "NodeGone"]
 
 
 class NodeGone(Unavailable):
@@ -105,6 +104,7 @@ class KernelFleet:
         self.kernel = make_kernel(self.spec.host())  # tokenizer and geometry; a CUDA spec runs on its nodes only
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
+        self.registry = SessionRegistry(self.store)
         self._budget, self._policy, self._detached = node_budget_bytes, policy, detached
         if not isinstance(node_kv_bytes, int) or node_kv_bytes <= 0:
             raise InvalidArgument(f"node_kv_bytes must be a positive int (bytes of KV per node), got {node_kv_bytes!r}")
@@ -185,9 +185,8 @@ class KernelFleet:
     def _record(self, tenant: str, session_id: str) -> dict[str, Any]:
         """The session's registry record. A record still `creating` belongs to a create or fork
         that was never acknowledged (in flight, or its controller crashed): the session is absent."""
-        raw = self.store.kv_get(REGISTRY, f"{tenant}/{session_id}")
-        rec = None if raw is None else dict(json.loads(raw))
-        if rec is None or rec.get("state") == "creating":
+        rec = self.registry.get(tenant, session_id)
+        if rec is None or rec.get("state") == CREATING:
             raise NotFound(f"session {session_id!r} not found (unknown or closed)")
         return rec
 
@@ -195,15 +194,11 @@ class KernelFleet:
         """Make `session_id` free for a create or fork: AlreadyExists if a session holds it;
         otherwise clear what a create, fork or close that never completed left behind (a record
         still `creating`, its actor, an op log without a record), so a crash never strands a name."""
-        raw = self.store.kv_get(REGISTRY, f"{tenant}/{session_id}")
-        rec = None if raw is None else dict(json.loads(raw))
-        if rec is not None and rec.get("state") != "creating":
+        rec = self.registry.get(tenant, session_id)
+        if rec is not None and rec.get("state") != CREATING:
             raise AlreadyExists(f"session {session_id!r} already exists")
         if rec is not None or self.store.oplog_read(tenant, session_id):
             self._discard(tenant, session_id, rec["node"] if rec is not None else "")
-
-    def _save(self, rec: dict[str, Any]) -> None:
-        self.store.kv_put(REGISTRY, f"{rec['tenant']}/{rec['session']}", json.dumps(rec).encode())
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -277,7 +272,7 @@ class KernelFleet:
         rec["epoch"] = int(rec.get("epoch", 0)) + 1
         lost = Witness("actor_lost", "error", "forgotten", True, False, rec["epoch"])
         rec.update(state="lost", witness=lost.to_dict())
-        self._save(rec)
+        self.registry.save(rec)
         node = rec["node"] if self._alive(rec["node"]) else self._place(rec["tenant"], [])
         try:
             self._sup(node, "regenerate", rec["tenant"], rec["session"])
@@ -285,7 +280,7 @@ class KernelFleet:
             node = self._place(rec["tenant"], [], exclude=node)
             self._sup(node, "regenerate", rec["tenant"], rec["session"])
         rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
-        self._save(rec)
+        self.registry.save(rec)
         self.num_regenerations += 1
         return rec
 
@@ -311,19 +306,19 @@ class KernelFleet:
         node = self._place(tenant, tokens)
         rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time()}
-        self._save(rec)
+        self.registry.save(rec)
         try:
             try:
                 out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
             except NodeGone:  # its node died after placement: once more, on a survivor
                 rec["node"] = node = self._place(tenant, tokens, exclude=node)
-                self._save(rec)
+                self.registry.save(rec)
                 out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
         rec.update(state="active", adopted_tokens=out["adopted_tokens"])
-        self._save(rec)
+        self.registry.save(rec)
         return rec
 
     def _op(self, tenant: str, session_id: str, verb: str, *args: Any, op_id: str = "") -> AppendResult:
@@ -386,7 +381,7 @@ class KernelFleet:
         node = node or self._fork_node(tenant, parent["node"], point["tokens"])
         rec = {"tenant": tenant, "session": child_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time(), "parent": session_id}
-        self._save(rec)
+        self.registry.save(rec)
         try:
             args, moved = self._fork_args(tenant, session_id, parent["node"], node, point["tokens"], share)
             out = self._sup(node, "fork", tenant, ops, child_id, *args)
@@ -394,7 +389,7 @@ class KernelFleet:
             self._discard(tenant, child_id, node)
             raise
         rec.update(state="active", adopted_tokens=out["adopted_tokens"], moved_bytes=moved)
-        self._save(rec)
+        self.registry.save(rec)
         return rec
 
     def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:
@@ -450,11 +445,11 @@ class KernelFleet:
         if rec["node"] in self.supervisors:
             self._sup(rec["node"], "close", tenant, session_id)
         rec.update(state="idle")
-        self._save(rec)
+        self.registry.save(rec)
 
     def _discard(self, tenant: str, session_id: str, node: str) -> None:
         self._handles.pop((tenant, session_id), None)
-        self.store.kv_delete(REGISTRY, f"{tenant}/{session_id}")
+        self.registry.delete(tenant, session_id)
         if node in self.supervisors:
             try:
                 self._sup(node, "close", tenant, session_id)
@@ -498,9 +493,8 @@ class KernelFleet:
         sups = [n for n in self.refresh_nodes() if fleet or n == here]
         live = {(r["tenant"], r["session"]): r for n in sups for r in self._answer(n, "rows", tenant) or []}
         out = []
-        for _key, raw in sorted(self.store.kv_scan(REGISTRY).items()):
-            rec = json.loads(raw)
-            if (tenant is not None and rec["tenant"] != tenant) or (not fleet and rec["node"] not in sups):
+        for rec in self.registry.records(tenant):
+            if not fleet and rec["node"] not in sups:
                 continue  # fleet=True also lists sessions whose node is gone (state: lost)
             row = {**rec, **live.get((rec["tenant"], rec["session"]),
                                      {"state": "idle" if rec.get("state") == "idle" else "lost", "tokens": 0})}
@@ -513,8 +507,7 @@ class KernelFleet:
         """Proactively regenerate, on surviving nodes, every session whose node left the
         cluster (instead of on its next call). Returns how many were regenerated."""
         alive = set(self.refresh_nodes(force=True))
-        lost = [json.loads(raw) for raw in self.store.kv_scan(REGISTRY).values()]
-        lost = [r for r in lost if r.get("state") != "creating" and r.get("node") not in alive]
+        lost = [r for r in self.registry.records() if r.get("state") != CREATING and r.get("node") not in alive]
         for rec in lost:
             self._handles.pop((rec["tenant"], rec["session"]), None)
             self._regenerate(rec)

@@ -29,12 +29,12 @@ from fleet.radix import RadixTree
 from workers.placement import (
     ACTOR_CPUS,
     NAMESPACE,
-    REGISTRY,
     fleet_scope,
     on_node,
     session_actor_name,
     tenant_salt,
 )
+from workers.registry import SessionRegistry
 from workers.session_actor import KernelActor
 from workers.spec import KernelSpec, make_kernel
 
@@ -72,14 +72,11 @@ class NodeSupervisor:
     def _find_survivors(self) -> None:
         """After a restart of this supervisor: take back the node's live (detached) session
         actors, listed in the store's registry (nothing else knew them)."""
-        import json
-
         from fleet.cas import open_store
 
         store = open_store(self.store_url)
         try:
-            for raw in store.kv_scan(REGISTRY).values():
-                rec = json.loads(raw)
+            for rec in SessionRegistry(store).records():
                 if rec.get("node") != self.node_id:
                     continue
                 try:

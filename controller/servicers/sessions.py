@@ -202,14 +202,11 @@ class SessionServicer(pbg.SessionServiceServicer):
 
     def _held_tokens(self, tenant: str) -> dict[str, int]:
         """Tokens per registered session of `tenant`, from the op logs (a restart loses nothing)."""
-        from workers.fleet import REGISTRY
+        from workers.registry import CREATING
 
-        out = {}
-        for raw in self.fleet.store.kv_scan(REGISTRY).values():
-            rec = json.loads(raw)
-            if rec["tenant"] == tenant and rec.get("state") != "creating":
-                out[rec["session"]] = tokens_of_log(self.fleet.store.oplog_read(tenant, rec["session"]))
-        return out
+        store = self.fleet.store
+        return {r["session"]: tokens_of_log(store.oplog_read(tenant, r["session"]))
+                for r in self.fleet.registry.records(tenant) if r.get("state") != CREATING}
 
     async def _mutate(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any, **kw: Any) -> Any:
         """A call that may grow session `sid` by up to `num_tokens` tokens, within the KV quota.
@@ -418,27 +415,10 @@ class SessionServicer(pbg.SessionServiceServicer):
         tenant = (request.tenant or None) if operator else ident.tenant
         fleet = await self._fleet()
         rows = await self._run(ident.tenant, fleet.list_sessions, request.fleet, tenant)
-        rows += await self._run(ident.tenant, self._orphans, {(r["tenant"], r["session"]) for r in rows}, tenant,
-                                request.fleet)
         out = pb.ListSessionsResponse(sessions=[row_to_proto(r) for r in rows])
         if operator:
             out.nodes.extend(node_to_proto(s) for s in await self._run(ident.tenant, fleet.node_stats))
         return out
-
-    def _orphans(self, seen: set[tuple[str, str]], tenant: str | None, fleet: bool) -> list[dict[str, Any]]:
-        """Registered sessions whose node is not in this Ray cluster (e.g. after a restart on a
-        fresh cluster): listed as lost; their next call regenerates them from the op log."""
-        from workers.fleet import REGISTRY
-
-        if not fleet:
-            return []
-        out = []
-        for raw in self.fleet.store.kv_scan(REGISTRY).values():
-            rec = json.loads(raw)
-            if (rec["tenant"], rec["session"]) in seen or (tenant is not None and rec["tenant"] != tenant):
-                continue
-            out.append({**rec, "state": "lost", "tokens": 0})
-        return sorted(out, key=lambda r: (r["tenant"], r["session"]))
 
     # -- idle reaping -----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import ray
 from workers_helpers import SPEC
 
 from fleet.errors import ResourceExhausted
-from workers.fleet import REGISTRY, KernelFleet
+from workers.fleet import KernelFleet
 from workers.placement import (
     NAMESPACE,
     NodeOffer,
@@ -59,7 +59,7 @@ def test_a_full_fleet_refuses_a_session_with_resource_exhausted_and_leaves_nothi
         with pytest.raises(ResourceExhausted, match="no node has room") as e:
             f.create_session(tenant, "b2", prompt)
         assert e.value.code == "RESOURCE_EXHAUSTED"
-        assert f.store.kv_get(REGISTRY, f"{tenant}/b2") is None and f.store.oplog_read(tenant, "b2") == []
+        assert f.registry.get(tenant, "b2") is None and f.store.oplog_read(tenant, "b2") == []
         with pytest.raises(ValueError):
             ray.get_actor(session_actor_name(tenant, "b2", fleet_scope(url)), namespace=NAMESPACE)
         f.close(tenant, "b1")                                           # room again (the cached blocks stay)
