@@ -44,13 +44,13 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
     With `with_peers` and `vllm-router` on PATH, the trace is also replayed live through it."""
     from fleet.demo.live import LiveRun
     from fleet.demo.peers import replay_vllm_router, vllm_router_binary
-    from fleet.demo.stack import Stack, StackConfig
     from fleet.demo.summary import summarize
+    from fleet.testkit.stack import Stack, StackConfig
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-demo-") as tmp:
         root = Path(state_dir or tmp)
         scfg = StackConfig(store_url=f"sqlite:///{root / 'kvfleet.db'}", state_dir=str(root), workers=cfg.workers,
-                           num_blocks=cfg.num_blocks, block_size=cfg.block_size, tenant=cfg.tenant_name,
+                           num_blocks=cfg.num_blocks, block_size=cfg.block_size, tenants=(cfg.tenant_name,),
                            ray_address=ray_address)
         total = cfg.agents * cfg.turns + cfg.branches * cfg.branch_turns
         with _progress(console) as prog:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from fleet.errors import KvfleetError
 
 if TYPE_CHECKING:
-    from fleet.demo.stack import Stack
+    from fleet.testkit.stack import Stack
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -72,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
     from controller.main import cost_config_from
     from controller.quotas import session_limits_from
-    from fleet.demo.stack import Stack, StackConfig
+    from fleet.testkit.stack import Stack, StackConfig
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
     kernel = kernel_overrides_from(args)
@@ -86,7 +86,7 @@ async def serve(args: argparse.Namespace) -> int:
         state_dir=str(state),
         listen=args.listen,
         workers=args.sim_workers,
-        tenant=args.tenant,
+        tenants=(args.tenant,),
         ray_address=args.ray_address,
         ray_num_cpus=args.num_cpus,
         controller=overrides,

@@ -16,10 +16,10 @@ from typing import Any
 
 import aiohttp
 
-from fleet.demo.stack import MODEL, Stack
 from fleet.demo.trace import Lifecycle, Request, Trace
 from fleet.demo.workload import POISON, DemoConfig, agent_name, tool_result, user_message
 from fleet.errors import FailedPrecondition
+from fleet.testkit.stack import MODEL, Stack
 from fleet.verdict import QUARANTINED
 
 SEND_TIMEOUT_S = 2.0  # a request to a sleeping vLLM hangs: give up, count it, route again

@@ -18,6 +18,7 @@ import json
 import signal
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -45,6 +46,7 @@ class SimVllm:
 
     def __init__(self, cfg: SimConfig | None = None) -> None:
         self.cfg = cfg or SimConfig()
+        self.middlewares: tuple[Any, ...] = ()  # aiohttp middlewares put first in its app (tests observe with them)
         self.publisher: Publisher | None = None
         self.engine = SimEngine(self.cfg.engine, self._publish)
         self.loop = EngineLoop(self.engine) if self.cfg.engine.time_scale > 0 else None
@@ -70,7 +72,9 @@ class SimVllm:
         if self.loop is not None:
             self.loop.start()
         # NOTE: like vLLM, a request whose client went away is aborted (handler cancelled), not left queued.
-        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
+        app = build_app(self)
+        app.middlewares[:0] = self.middlewares
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, c.host, c.port)
         await site.start()

@@ -17,16 +17,13 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-import fleet.testkit.sim_vllm.main as sim_main
-from controller.auth import mint_token
 from controller.cost import CostConfig
-from controller.metrics import Metrics
-from controller.proxy import Proxy, ProxyConfig
+from controller.proxy import Proxy
 from controller.router import RouterConfig
-from controller.server import Controller, ControllerConfig, build_server
+from controller.server import Controller
 from fleet.sdk import AsyncFleetClient
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.testkit.sim_vllm.main import SimVllm
+from fleet.testkit.stack import StackConfig, start_stack
 
 BLOCK = 16
 MODEL = "sim-model"
@@ -47,12 +44,12 @@ class Seen:
         return self.proto.transport is None
 
 
-def observing_build_app(sim: SimVllm) -> web.Application:
-    app = _real_build_app(sim)
+def observe(sim: SimVllm) -> list[Any]:
+    """The stand-in's observing middleware: it records each request in `sim.seen`."""
     sim.seen = []  # type: ignore[attr-defined]
 
     @web.middleware
-    async def observe(req: web.Request, handler: Any) -> web.StreamResponse:
+    async def middleware(req: web.Request, handler: Any) -> web.StreamResponse:
         s = Seen(req.method, req.path, req.protocol, CIMultiDict(req.headers))
         sim.seen.append(s)  # type: ignore[attr-defined]
         try:
@@ -63,11 +60,7 @@ def observing_build_app(sim: SimVllm) -> web.Application:
             s.outcome = type(e).__name__
             raise
 
-    app.middlewares.insert(0, observe)
-    return app
-
-
-_real_build_app = sim_main.build_app
+    return [middleware]
 
 
 def served(sim: SimVllm, path: str | None = None) -> list[Seen]:
@@ -121,47 +114,20 @@ async def start_fleet(
     engine_kw: dict[str, Any] | None = None,
     **proxy_kw: Any,
 ) -> Fleet:
-    """Controller + sims + proxy on loopback; reconcile_s is the controller's reconcile interval (how long a
+    """Controller + sims + proxy on loopback (fleet.testkit.stack); reconcile_s is the controller's reconcile interval (how long a
     sleep behind its back goes unseen), cost its placement weights, engine_kw override the sims'
     SimEngineConfig fields (e.g. time_scale=1 for a clocked, busy worker); proxy_kw override ProxyConfig fields."""
-    sim_main.build_app = observing_build_app  # type: ignore[assignment]
-    try:
-        sims = {
-            f"w{i}": await SimVllm(
-                SimConfig(
-                    engine=SimEngineConfig(
-                        model=MODEL, block_size=BLOCK, num_blocks=512, loras=dict(loras or {}),
-                        **(engine_kw or {}),
-                    )
-                )
-            ).start()
-            for i in range(num_workers)
-        }
-    finally:
-        sim_main.build_app = _real_build_app
-    f = tmp_path / "tokens.json"
-    tokens = {
-        "a": mint_token(f, "acme", "tenant"),
-        "b": mint_token(f, "bravo", "tenant"),
-        "op": mint_token(f, "ops", "operator"),
-    }
-    ctl = await build_server(
-        ControllerConfig(
-            listen="127.0.0.1:0", store_url=f"sqlite:///{tmp_path / 'kv.db'}", tokens_file=str(f)
-        ),
-        metrics=Metrics(),
-        router_config=RouterConfig(reconcile_interval_s=reconcile_s, cost=cost or CostConfig()),
-    )
-    op = AsyncFleetClient(ctl.address, token=tokens["op"])
-    for name, s in sims.items():
-        await op.register_worker(name, url=s.url, kv_events=s.kv_events, replay=s.replay or "", model=MODEL)
-    await until(op.workers, lambda ws: len(ws) == num_workers and all(w.serving for w in ws))
     kw: dict[str, Any] = {"first_byte_timeout_s": 0.3, "refresh_s": 0.2, "suspect_s": 3.0}
     kw.update(proxy_kw)
-    proxy = await Proxy(
-        ProxyConfig(controller=ctl.address, listen="127.0.0.1:0", token=tokens["op"], **kw)
-    ).start()
-    return Fleet(ctl, sims, tokens, proxy, aiohttp.ClientSession(), op)
+    stack = await start_stack(StackConfig(
+        store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=num_workers, num_blocks=512,
+        block_size=BLOCK, model=MODEL, engine={"loras": dict(loras or {}), **(engine_kw or {})},
+        tenants=("acme", "bravo"), operator="ops", operator_name="", sessions=False, metrics=True, proxy=kw,
+        router=RouterConfig(reconcile_interval_s=reconcile_s, cost=cost or CostConfig())), observe=observe)
+    assert stack.proxy is not None
+    await stack.client.close()
+    tokens = {"a": stack.tokens["acme"], "b": stack.tokens["bravo"], "op": stack.tokens["ops"]}
+    return Fleet(stack.ctl, stack.sims, tokens, stack.proxy, aiohttp.ClientSession(), stack.admin)
 
 
 async def until(fn: Callable[[], Awaitable[Any]], pred: Callable[[Any], bool], timeout: float = 10.0) -> Any:
