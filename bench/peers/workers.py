@@ -17,13 +17,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-import fleet.testkit.sim_vllm.main as sim_main
 from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.testkit.sim_vllm.main import SimVllm
+from fleet.testkit.stack import start_sims
 
 MODEL = "sim-model"
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
-_real_build_app = sim_main.build_app
 
 
 @dataclass(slots=True)
@@ -51,8 +50,8 @@ def engine_config(
     )
 
 
-def _observing_build_app(sim: SimVllm) -> web.Application:
-    app = _real_build_app(sim)
+def _observe(sim: SimVllm) -> list[Any]:
+    """Count, per stand-in, the completion requests that arrived and those that found it asleep."""
     sim.observed = WorkerStats()  # type: ignore[attr-defined]
 
     @web.middleware
@@ -63,8 +62,7 @@ def _observing_build_app(sim: SimVllm) -> web.Application:
             st.to_sleeping += sim.engine.is_sleeping()
         return await handler(req)  # type: ignore[no-any-return]
 
-    app.middlewares.insert(0, observe)
-    return app
+    return [observe]
 
 
 class SimFleet:
@@ -76,17 +74,7 @@ class SimFleet:
 
     @classmethod
     async def start(cls, num_workers: int, cfg: SimEngineConfig) -> SimFleet:
-        sims: dict[str, SimVllm] = {}
-        sim_main.build_app = _observing_build_app  # type: ignore[assignment]
-        try:
-            for i in range(num_workers):
-                sims[f"w{i}"] = await SimVllm(SimConfig(engine=dataclasses.replace(cfg))).start()
-        except BaseException:
-            for s in sims.values():
-                await s.stop()
-            raise
-        finally:
-            sim_main.build_app = _real_build_app
+        sims = await start_sims(num_workers, cfg, observe=_observe)
         return cls(sims)
 
     def _arrivals(self, name: str) -> int:

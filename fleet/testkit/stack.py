@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -89,11 +90,16 @@ async def start_sims(n: int, engine: SimEngineConfig, *, observe: Observe | None
                      prefix: str = "w") -> dict[str, SimVllm]:
     """n stand-ins named {prefix}0.. on loopback, all from one engine config; `observe` gives each its
     middlewares (tests and benches record what a worker received with them)."""
-    sims = {}
-    for i in range(n):
-        sim = SimVllm(SimConfig(engine=engine))
-        sim.middlewares = tuple(observe(sim)) if observe else ()
-        sims[f"{prefix}{i}"] = await sim.start()
+    sims: dict[str, SimVllm] = {}
+    try:
+        for i in range(n):
+            sim = SimVllm(SimConfig(engine=dataclasses.replace(engine)))  # each its own (mutable) config
+            sim.middlewares = tuple(observe(sim)) if observe else ()
+            sims[f"{prefix}{i}"] = await sim.start()
+    except BaseException:
+        for s in sims.values():
+            await s.stop()
+        raise
     return sims
 
 
