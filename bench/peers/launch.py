@@ -26,6 +26,7 @@ import aiohttp
 from controller.auth import mint_token
 from fleet.redis_server import free_port
 from fleet.sdk import AsyncFleetClient
+from fleet.testkit.stack import register_sims
 
 from .workers import MODEL, SimFleet
 
@@ -289,15 +290,7 @@ async def _start_kvfleet(
         run.procs.append(spawn(c_cmd, logs[0]))
         run.op = AsyncFleetClient(ctl, token=op)
         await _until(lambda: run.op.whoami(), run.procs)  # type: ignore[union-attr]
-        for name, s in fleet.sims.items():
-            await run.op.register_worker(
-                name,
-                url=s.url,
-                kv_events=s.kv_events,
-                replay=s.replay or "",
-                model=MODEL,
-                block_size=fleet.block_size,
-            )
+        await register_sims(run.op, fleet.sims, MODEL, fleet.block_size)
         await _until(
             run.op.workers, run.procs, lambda ws: len(ws) == len(fleet.sims) and all(w.serving for w in ws)
         )
