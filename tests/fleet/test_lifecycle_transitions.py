@@ -1,0 +1,170 @@
+"""The fence and epoch rules of `fleet.lifecycle` transitions, pure: no ZMQ, no HTTP, no store.
+
+Each test pins exact values and pairs the rule with a control: the neighbouring input the rule
+must treat differently, so that a rule dropped or inverted fails here.
+"""
+
+from __future__ import annotations
+
+from fleet import lifecycle as lc
+from fleet.lifecycle import Look, RankState, Transition
+
+P, F, U = "preserved", "forgotten", "unknown"
+SERVING = RankState(epoch=3, phase="serving", kv=P, serving=True, seq=9, epoch_seq=4, start_time=100.0,
+                    version="0.33.0")
+
+
+def look(asleep: bool = False, slept_between: bool = False, level: int = 0) -> Look:
+    return Look(asleep, slept_between, level)
+
+
+# the event stream
+
+def test_all_blocks_cleared_restarts_the_epoch_at_its_seq_and_lifts_only_a_clear_fence() -> None:
+    t = RankState(epoch=5, seq=20, fence="clear").cleared(21)
+    assert (t.state.epoch, t.state.epoch_seq, t.state.fence) == (6, 21, "")
+    assert (t.drop_index, t.reason, t.persist) == (False, "all_blocks_cleared", True)  # the event clears the index
+    control = RankState(epoch=5, seq=20, fence="reset").cleared(21)  # a restart is awaited, not a clear
+    assert (control.state.epoch, control.state.fence) == (6, "reset")
+
+
+def test_only_an_unfenced_rank_accepts_stores() -> None:
+    assert RankState().accepts_stores
+    assert not RankState(fence="clear").accepts_stores and not RankState(fence="reset").accepts_stores
+
+
+def test_a_seq_reset_is_a_new_publisher_so_it_drops_any_fence() -> None:
+    t = RankState(epoch=2, seq=50, fence="clear").stream_invalidated("seq_reset", None)
+    assert (t.state.epoch, t.state.seq, t.state.epoch_seq, t.state.fence) == (3, -1, 0, "")
+    assert (t.drop_index, t.reason, t.persist) == (True, "seq_reset", True)
+    gap = RankState(epoch=2, seq=50, fence="clear").stream_invalidated("gap", 60)  # control: same publisher
+    assert (gap.state.epoch, gap.state.seq, gap.state.epoch_seq, gap.state.fence) == (3, 60, 61, "clear")
+
+
+def test_a_stream_failure_never_moves_the_seq_backwards() -> None:
+    t = RankState(seq=50).stream_invalidated("unknown_event_type", 40)
+    assert (t.state.seq, t.state.epoch_seq) == (50, 51)
+    control = RankState(seq=50).stream_invalidated("unknown_event_type", 70)
+    assert (control.state.seq, control.state.epoch_seq) == (70, 71)
+    none = RankState(seq=50).stream_invalidated("decode_error", None)
+    assert (none.state.seq, none.state.epoch_seq) == (50, 51)
+
+
+# lifecycle verbs
+
+def test_a_forgetting_verb_drops_and_counts_before_and_fences_after() -> None:
+    call = lc.plan("sleep", level=1)
+    b = SERVING.verb_started(call)
+    assert (b.state.epoch, b.state.epoch_seq, b.state.serving, b.state.phase) == (4, 10, False, "unknown")
+    assert (b.drop_index, b.reason, b.persist) == (True, "sleep", True)
+    a = b.state.verb_answered(lc.witness(call, {}), clear_queued=True)
+    assert (a.state.epoch, a.state.fence, a.state.phase, a.state.kv) == (5, "clear", "sleeping", F)
+    assert (a.drop_index, a.reason, a.persist) == (True, "", True)  # the second bump is not counted again
+    nofence = b.state.verb_answered(lc.witness(call, {}), clear_queued=False)  # control: nothing queued
+    assert (nofence.state.epoch, nofence.state.fence) == (5, "")
+
+
+def test_a_preserving_verb_keeps_epoch_and_index() -> None:
+    call = lc.plan("pause", mode="keep")
+    b = SERVING.verb_started(call)
+    assert (b.state.epoch, b.state.serving, b.state.phase, b.drop_index, b.reason) == (3, False, "serving", False, "")
+    a = b.state.verb_answered(lc.witness(call, {}), clear_queued=False)
+    assert (a.state.epoch, a.state.phase, a.state.kv, a.drop_index) == (3, "paused", P, False)
+    r = a.state.verb_answered(lc.witness(lc.plan("resume"), {}), clear_queued=False)
+    assert (r.state.epoch, r.state.serving, r.state.kv, r.drop_index) == (3, True, P, False)
+
+
+def test_a_failed_verb_leaves_the_rank_in_error_and_keeps_its_fence() -> None:
+    t = RankState(epoch=1, phase="serving", serving=True, seq=3, fence="clear").verb_failed()
+    assert (t.state.epoch, t.state.phase, t.state.kv, t.state.serving, t.state.fence) == (2, "error", U, False,
+                                                                                         "clear")
+    assert (t.drop_index, t.reason) == (True, "verb_failed")
+
+
+def test_a_serving_witness_is_checked_against_is_sleeping() -> None:
+    resumed = lc.witness(lc.plan("resume"), {})
+    assert lc.confirm_awake(resumed, sleeping=True) == lc.Witness("resume", "sleeping", P, False, False)
+    assert lc.confirm_awake(resumed, sleeping=False) == resumed  # control
+    slept = lc.witness(lc.plan("sleep", level=1), {})
+    assert lc.confirm_awake(slept, sleeping=True) == slept  # claims no serving: nothing to check
+
+
+# reconcile looks
+
+def test_marked_down_invalidates_unless_already_down_cold_and_unknown() -> None:
+    down = RankState(epoch=4, phase="unknown", kv=U, serving=False)
+    assert down.marked_down("health", has_blocks=False) == Transition(down)
+    t = down.marked_down("health", has_blocks=True)  # control: blocks left in the index
+    assert (t.state.epoch, t.drop_index, t.reason, t.state.serving) == (5, True, "health", False)
+    s = SERVING.marked_down("health", has_blocks=False)
+    assert (s.state.epoch, s.state.phase, s.state.kv, s.state.serving) == (4, "unknown", U, False)
+
+
+def test_a_restart_seen_while_subscribed_fences_until_the_new_publisher() -> None:
+    t = SERVING.restarted(200.0, "0.33.0", stream_reset_seen=False, subscribed=True)
+    assert (t.state.epoch, t.state.fence, t.state.phase, t.state.kv, t.state.seq) == (4, "reset", "serving", F, 9)
+    assert (t.state.start_time, t.state.serving, t.drop_index, t.reason) == (200.0, True, True, "restart")
+    fresh = RankState(seq=-1, start_time=100.0).restarted(200.0, "v", stream_reset_seen=False, subscribed=True)
+    assert fresh.state.fence == ""  # control: no seq seen yet, nothing old can follow
+
+
+def test_a_restart_seen_before_subscribing_starts_the_stream_over() -> None:
+    t = SERVING.restarted(SERVING.start_time, "0.34.0", stream_reset_seen=False, subscribed=False)
+    assert (t.state.epoch, t.state.seq, t.state.epoch_seq, t.state.fence, t.state.version) == (4, -1, 0, "", "0.34.0")
+
+
+def test_a_restart_the_stream_already_reported_is_not_counted_twice() -> None:
+    t = SERVING.restarted(200.0, "0.33.0", stream_reset_seen=True, subscribed=True)
+    assert (t.state.epoch, t.drop_index, t.reason, t.state.start_time, t.persist) == (3, False, "", 200.0, True)
+
+
+def test_a_first_look_records_start_time_and_version_without_a_restart() -> None:
+    t = RankState().restarted(100.0, "0.33.0", stream_reset_seen=False, subscribed=True)
+    assert (t.state.epoch, t.state.start_time, t.state.version, t.reason, t.persist) == (0, 100.0, "0.33.0", "", True)
+    same = SERVING.restarted(100.0, "0.33.0", stream_reset_seen=False, subscribed=True)  # control: no change
+    assert same == Transition(SERVING)
+    absent = SERVING.restarted(None, "0.33.0", stream_reset_seen=False, subscribed=True)  # series absent
+    assert (absent.state.epoch, absent.state.start_time) == (3, None)
+
+
+def test_found_asleep_at_level_1_or_2_fences_for_the_queued_clear() -> None:
+    t = SERVING.observed(look(asleep=True, level=1))
+    assert (t.state.epoch, t.state.phase, t.state.kv, t.state.serving, t.state.fence) == (4, "sleeping", U, False,
+                                                                                         "clear")
+    assert (t.drop_index, t.reason) == (True, "is_sleeping")
+    l0 = SERVING.observed(look(asleep=True, level=0))  # control: level 0 queues no clear
+    assert (l0.state.epoch, l0.state.phase, l0.state.fence) == (4, "paused", "")
+
+
+def test_asleep_after_a_preserving_verb_the_controller_drove_keeps_everything() -> None:
+    paused = RankState(epoch=3, phase="paused", kv=P, serving=False, seq=9)
+    assert paused.observed(look(asleep=True)) == Transition(paused)
+    forgot = RankState(epoch=3, phase="paused", kv=F, serving=False, seq=9)
+    assert forgot.observed(look(asleep=True)) == Transition(forgot)  # down and not serving: nothing new
+    unknown = RankState(epoch=3, phase="unknown", kv=U, serving=False, seq=9)  # control: we did not drive it
+    assert unknown.observed(look(asleep=True, level=2)).state.epoch == 4
+
+
+def test_slept_between_two_looks_invalidates_even_when_awake_now_and_then_serves() -> None:
+    t = SERVING.observed(look(slept_between=True, level=0))
+    assert (t.state.epoch, t.state.serving, t.state.phase, t.state.kv, t.reason) == (4, True, "serving", U,
+                                                                                     "sleep_ops")
+    steady = SERVING.observed(look())  # control: same count
+    assert steady == Transition(SERVING)
+    paused = RankState(epoch=3, phase="paused", kv=P, seq=9)  # even a rank we paused: the count moved
+    assert paused.observed(look(slept_between=True)).state.epoch == 4
+
+
+def test_awake_and_not_serving_resumes_with_warmth_intact() -> None:
+    down = RankState(epoch=3, phase="unknown", kv=U, serving=False, seq=9)
+    t = down.observed(look())
+    assert (t.state.epoch, t.state.serving, t.state.phase, t.drop_index, t.reason, t.persist) == (
+        3, True, "serving", False, "", True)
+
+
+def test_look_folds_is_sleeping_the_sleep_state_and_the_op_count() -> None:
+    assert Look.of(False, {"awake": 1.0}, 2.0, 2.0) == Look(False, False, 0, 2.0)
+    assert Look.of(False, {"awake": 0.0, "weights_offloaded": 1.0}, 2.0, 2.0) == Look(True, False, 1, 2.0)
+    assert Look.of(True, {"discard_all": 1.0}, 3.0, 2.0) == Look(True, True, 2, 3.0)
+    assert Look.of(False, {}, None, None) == Look(False, False, 0, 0.0)  # first look: nothing to compare
+    assert Look.of(False, {}, None, 1.0) == Look(False, True, 0, 0.0)  # the histogram vanished: moved
