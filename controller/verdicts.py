@@ -24,7 +24,7 @@ from typing import Any
 
 import fleet.quarantine as quarantine_pkg
 from fleet.errors import InvalidArgument, NotFound
-from fleet.quarantine import DetectorConfig, Verdict, VerdictCache, make_detector
+from fleet.quarantine import DetectorConfig, VerdictCache, make_detector
 from fleet.verdict import CLEAN, QUARANTINED
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
@@ -78,28 +78,18 @@ def detector_code_digest() -> str:
     return h.hexdigest()[:12]
 
 
-@dataclass(slots=True)
-class _Versioned:
-    """A detector whose config_id also names the code that judges."""
-
-    detector: Any
-    config_id: str
-
-    def inspect(self, data: str | bytes | bytearray | memoryview) -> Verdict:
-        return self.detector.inspect(data)  # type: ignore[no-any-return]
-
-
 class Judge:
     """Verdicts on tool results' bytes; the detector defaults to the shipped policy, DetectorConfig()."""
 
     def __init__(self, store: Any, config: DetectorConfig | None = None) -> None:
         self.store = store
         det = make_detector(config or DetectorConfig())  # the shipped policy (rules + learned)
-        self.cache = VerdictCache(store, _Versioned(det, f"{det.config_id}.{detector_code_digest()}"))
+        # the verdict space names the code that judges too (detector_code_digest)
+        self.cache = VerdictCache(store, det, config_id=f"{det.config_id}.{detector_code_digest()}")
 
     @property
     def config_id(self) -> str:
-        return str(self.cache.detector.config_id)
+        return self.cache.config_id
 
     def judge(self, results: list[bytes], tenant: str, action: str) -> list[Judgement]:
         """One Judgement per result, in order; quarantined ones are recorded for `tenant`.

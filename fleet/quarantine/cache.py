@@ -35,12 +35,15 @@ class ConfiguredDetector(Protocol):
 class VerdictCache:
     """Memoises `detector.inspect` in `store`'s kv space, keyed by sha256(bytes) + detector config id."""
 
-    def __init__(self, store: KVStore, detector: ConfiguredDetector, namespace: str = NAMESPACE) -> None:
+    def __init__(self, store: KVStore, detector: ConfiguredDetector, namespace: str = NAMESPACE,
+                 config_id: str | None = None) -> None:
+        """config_id: the verdict space (default: the detector's own; a caller may name more, e.g. the code)."""
         self.store, self.detector, self.namespace = store, detector, namespace
+        self.config_id = detector.config_id if config_id is None else config_id
         self.num_hits = self.num_misses = 0
 
     def key(self, data: bytes | bytearray | memoryview) -> str:
-        return f"{hashlib.sha256(data).hexdigest()}:{self.detector.config_id}"
+        return f"{hashlib.sha256(data).hexdigest()}:{self.config_id}"
 
     def inspect(self, data: bytes | bytearray | memoryview) -> Verdict:
         """The cached verdict for `data`, or the detector's (then stored).
