@@ -24,7 +24,6 @@ A scrape never waits on Ray: it renders the snapshot the poller took last. Until
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controller.metrics import Metrics
+from controller.periodic import Periodic
 from fleet.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller.fleet_metrics")
@@ -94,7 +94,8 @@ class FleetMetricsPoller:
         self.regenerations = 0  # monotonic: a deleted session never takes its rebuilds back
         self._pids: dict[str, int] = {}
         self._regenerated: dict[tuple[str, str], int] = {}  # (tenant, session) -> its count last poll
-        self._task: asyncio.Task[None] | None = None
+        self._schedule = Periodic("kvfleet-fleet-metrics", interval_s, lambda: asyncio.to_thread(self.poll),
+                                  self._failed)
         metrics.registry.register(FleetCollector(self))
 
     def poll(self) -> FleetSnapshot | None:
@@ -130,25 +131,15 @@ class FleetMetricsPoller:
                 self.supervisor_restarts += 1
             self._pids[node] = int(pid)
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.poll)
-            except Exception as e:  # noqa: BLE001 - counted; the last snapshot stays
-                self.num_errors += 1
-                log.warning("fleet metrics poll failed: %s", e)
-            await asyncio.sleep(self.interval_s)
+    def _failed(self, e: Exception) -> None:  # counted; the last snapshot stays
+        self.num_errors += 1
+        log.warning("fleet metrics poll failed: %s", e)
 
     async def start(self) -> None:
-        if self.interval_s > 0 and self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="kvfleet-fleet-metrics")
+        await self._schedule.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._schedule.stop()
 
 
 class FleetCollector(Collector):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.metrics import Metrics
+from controller.periodic import Periodic
 from fleet.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller.gc")
@@ -71,8 +71,8 @@ class StoreGc:
     def __init__(self, store: Any, metrics: Metrics, cfg: GcConfig | None = None,
                  blocking: Blocking = _to_thread) -> None:
         self.store, self.metrics, self.cfg, self._blocking = store, metrics, cfg or GcConfig(), blocking
-        self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._schedule = Periodic("kvfleet-store-gc", self.cfg.interval_s, self._scheduled, self._failed)
 
     async def run_once(self) -> int:
         """One collection; returns the blobs deleted. Raises what the store raised (counted)."""
@@ -90,28 +90,21 @@ class StoreGc:
             self.metrics.store_gc_last_success.set(time.time())
             return n
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                n = await self.run_once()
-                if n:
-                    log.info("store gc collected %d blob(s)", n)
-            except Exception as e:  # noqa: BLE001 - logged and counted; the next run retries
-                log.warning("store gc failed (retrying in %.0fs): %s", self.cfg.interval_s, e)
-            await asyncio.sleep(self.cfg.interval_s)
+    async def _scheduled(self) -> None:
+        n = await self.run_once()
+        if n:
+            log.info("store gc collected %d blob(s)", n)
+
+    def _failed(self, e: Exception) -> None:  # counted in run_once; logged here
+        log.warning("store gc failed (retrying in %.0fs): %s", self.cfg.interval_s, e)
 
     async def start(self) -> None:
         """Start the schedule (no-op when interval_s is 0 or it already runs)."""
-        if self.cfg.interval_s > 0 and self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="kvfleet-store-gc")
+        await self._schedule.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._schedule.stop()
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._schedule.running
