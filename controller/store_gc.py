@@ -5,7 +5,8 @@
     ...                       # then one every interval_s
     await gc.stop()
 
-A run deletes every unpinned, unreferenced blob whose lease ran out (`BlobStore.gc`). A failing run
+A run deletes every unpinned, unreferenced blob whose lease ran out (`BlobStore.gc`), then prunes the
+quarantine records no request carried for `record_ttl_s` (controller.verdicts.prune_records). A failing run
 (the store down) is logged and counted and the loop goes on: GC never takes the controller down.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from controller.metrics import Metrics
 from controller.periodic import Periodic
+from controller.verdicts import RECORD_TTL_S, prune_records
 from fleet.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller.gc")
@@ -69,8 +71,9 @@ class StoreGc:
     """Runs `store.gc()` now and then; records every run in `metrics`."""
 
     def __init__(self, store: Any, metrics: Metrics, cfg: GcConfig | None = None,
-                 blocking: Blocking = _to_thread) -> None:
+                 blocking: Blocking = _to_thread, record_ttl_s: float = RECORD_TTL_S) -> None:
         self.store, self.metrics, self.cfg, self._blocking = store, metrics, cfg or GcConfig(), blocking
+        self.record_ttl_s = record_ttl_s
         self._lock = asyncio.Lock()
         self._schedule = Periodic("kvfleet-store-gc", self.cfg.interval_s, self._scheduled, self._failed)
 
@@ -80,6 +83,7 @@ class StoreGc:
             t0 = time.monotonic()
             try:
                 n = int(await self._blocking(self.store.gc))
+                pruned = await self._blocking(prune_records, self.store, time.time(), self.record_ttl_s)
             except Exception:
                 self.metrics.store_gc_runs.labels(outcome="error").inc()
                 raise
@@ -88,6 +92,8 @@ class StoreGc:
             self.metrics.store_gc_runs.labels(outcome="ok").inc()
             self.metrics.store_gc_collected.inc(n)
             self.metrics.store_gc_last_success.set(time.time())
+            if pruned:
+                log.info("store gc pruned %d quarantine record(s) older than %.0fs", pruned, self.record_ttl_s)
             return n
 
     async def _scheduled(self) -> None:

@@ -31,6 +31,7 @@ OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
 ACTIONS = ("placeholder", "refuse")
 MAX_RESULTS = 256  # tool results per JudgeToolResults call
 MAX_REASONS, MAX_REASON_LEN = 16, 200
+RECORD_TTL_S = 30 * 86400.0  # a quarantine record no request carried for this long is pruned by the leader's GC
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,22 @@ class Judge:
         recs = [_record_of(v) for k, v in self.store.kv_scan(SEEN_NS).items()
                 if tenant is None or k.startswith(tenant + "/")]
         return sorted(recs, key=lambda r: -r.last_seen)[:limit]
+
+
+def prune_records(store: Any, now: float, ttl_s: float = RECORD_TTL_S) -> int:
+    """Delete the quarantine records (every tenant's) last seen more than `ttl_s` before `now`, and any that
+    cannot be read (they would fail every listing); returns how many. The verdicts themselves stay: this
+    prunes only the "recent quarantines" listing."""
+    n = 0
+    for key, raw in store.kv_scan(SEEN_NS).items():
+        try:
+            last = float(json.loads(raw)["last_seen"])
+        except (ValueError, KeyError, TypeError):
+            last = float("-inf")
+        if now - last > ttl_s:
+            store.kv_delete(SEEN_NS, key)
+            n += 1
+    return n
 
 
 def _record_of(raw: bytes) -> QuarantineRecord:

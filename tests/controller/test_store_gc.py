@@ -151,3 +151,31 @@ def test_kvfleet_up_takes_gc_interval() -> None:
     for bad in ("-1", "nan"):
         with pytest.raises(InvalidArgument, match="--gc-interval"):
             controller_overrides(up_parse(["--gc-interval", bad]))
+
+
+async def test_gc_prunes_quarantine_records_past_their_ttl(url: str) -> None:
+    """A GC run prunes the "recent quarantines" records no request carried for record_ttl_s, and any
+    record that cannot be read (it would fail every ListQuarantines); fresh records and verdicts stay."""
+    import json
+    import time
+
+    from controller.metrics import Metrics
+    from controller.store_gc import StoreGc
+    from controller.verdicts import OPERATOR_NS, SEEN_NS
+
+    now = time.time()
+    with open_store(url) as s:
+        rec = {"tenant": "acme", "reasons": ["x"], "source": "detector", "action": "refuse", "num_seen": 1}
+        s.kv_put(SEEN_NS, "acme/" + "a" * 64, json.dumps({**rec, "ref": "a" * 64, "first_seen": now - 100,
+                                                          "last_seen": now - 100}).encode())
+        s.kv_put(SEEN_NS, "acme/" + "b" * 64, json.dumps({**rec, "ref": "b" * 64, "first_seen": now - 5,
+                                                          "last_seen": now - 5}).encode())
+        s.kv_put(SEEN_NS, "acme/damaged", b"{not json")
+        s.kv_put(OPERATOR_NS, "a" * 64, json.dumps({"verdict": "QUARANTINED", "reasons": ["op"]}).encode())
+        gc = StoreGc(s, Metrics(), GcConfig(0), record_ttl_s=60.0)
+        await gc.run_once()
+        assert sorted(s.kv_scan(SEEN_NS)) == ["acme/" + "b" * 64]  # the old one and the damaged one went
+        assert s.kv_get(OPERATOR_NS, "a" * 64) is not None            # the verdict itself stays
+        # control: a TTL longer than the record's age keeps it
+        await StoreGc(s, Metrics(), GcConfig(0), record_ttl_s=3600.0).run_once()
+        assert sorted(s.kv_scan(SEEN_NS)) == ["acme/" + "b" * 64]
