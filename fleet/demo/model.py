@@ -130,7 +130,7 @@ class Fleet:
         self.asleep.discard(ev.worker)
 
 
-class Policy:
+class RoutingPolicy:
     """Chooses a worker for a request: `(worker, claimed_blocks)`; claimed 0 means COLD."""
 
     name = "policy"
@@ -140,7 +140,7 @@ class Policy:
         raise NotImplementedError
 
 
-class Recorded(Policy):
+class Recorded(RoutingPolicy):
     name = "kvfleet"
 
     def __init__(self, block_size: int) -> None:
@@ -150,7 +150,7 @@ class Recorded(Policy):
         return req.worker, req.claimed_tokens // self.block_size
 
 
-class Greedy(Policy):
+class Greedy(RoutingPolicy):
     name = "greedy"
 
     def choose(self, fleet: Fleet, req: Request, i: int, tried: frozenset[str] = frozenset()) -> tuple[str, int]:
@@ -159,7 +159,7 @@ class Greedy(Policy):
         return best, fleet.true_blocks(best, req)
 
 
-class Blind(Policy):
+class Blind(RoutingPolicy):
     name = "blind"
 
     def choose(self, fleet: Fleet, req: Request, i: int, tried: frozenset[str] = frozenset()) -> tuple[str, int]:
@@ -170,7 +170,7 @@ class Blind(Policy):
         return best, fleet.delivered.match((best, 0), hashes)
 
 
-class Sticky(Policy):
+class Sticky(RoutingPolicy):
     """Consistent hashing of the session (agent) name over the workers, skipping sleeping ones."""
 
     name = "sticky"
@@ -194,7 +194,7 @@ class Sticky(Policy):
         raise ValueError("no awake worker")
 
 
-class RoundRobin(Policy):
+class RoundRobin(RoutingPolicy):
     name = "round_robin"
 
     def choose(self, fleet: Fleet, req: Request, i: int, tried: frozenset[str] = frozenset()) -> tuple[str, int]:
@@ -209,7 +209,7 @@ def busiest(fleet: Fleet, served: dict[str, int]) -> str:
     return max(awake, key=lambda n: (served.get(n, 0), n))
 
 
-def replay(trace: Trace, policy: Policy) -> PolicyResult:
+def replay(trace: Trace, policy: RoutingPolicy) -> PolicyResult:
     """Run the trace's requests and lifecycle events, in order, with `policy` choosing workers.
 
     A sleep hits the policy's own busiest worker (`busiest`), its wake the worker that sleep hit;
@@ -247,6 +247,6 @@ def replay(trace: Trace, policy: Policy) -> PolicyResult:
 
 def replay_all(trace: Trace) -> dict[str, PolicyResult]:
     """The same trace under every policy (kvfleet's recorded choices first)."""
-    policies: Sequence[Policy] = (Recorded(trace.block_size), Greedy(), Sticky(trace.workers), Blind(),
+    policies: Sequence[RoutingPolicy] = (Recorded(trace.block_size), Greedy(), Sticky(trace.workers), Blind(),
                                   RoundRobin())
     return {p.name: replay(trace, p) for p in policies}
