@@ -12,8 +12,8 @@ exponential backoff and jitter (RetryPolicy) until its deadline.
 from __future__ import annotations
 
 from fleet.sdk.aio import AsyncFleetClient
-from fleet.sdk.base import NO_RETRY, RetryPolicy
 from fleet.sdk.client import FleetClient
+from fleet.sdk.retry import NO_RETRY, RetryPolicy
 from fleet.sdk.types import (
     BlobInfo,
     BlobRef,

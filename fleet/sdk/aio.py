@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +15,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.sdk import base, types
-from fleet.sdk.base import RetryPolicy
+from fleet.sdk.retry import Attempts, RetryPolicy, retryable
 from fleet.sdk.sessions import AsyncSessionsMixin
 
 T = TypeVar("T")
@@ -43,22 +42,17 @@ class AsyncFleetClient(AsyncSessionsMixin):
 
     async def _call(self, method: str, fn: Callable[[float], Awaitable[T]], timeout: float | None = None) -> T:
         """Await fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline."""
-        start, last, attempts = time.monotonic(), None, 0
-        for attempt in range(self.retry.max_attempts):
-            remaining = self.retry.deadline_s - (time.monotonic() - start)
-            if remaining <= 0:
-                break
-            attempts += 1
+        tries = Attempts(self.retry)
+        while (left := tries.next()) is not None:
             try:
-                return await fn(min(timeout or self.timeout, remaining))
+                return await fn(min(timeout or self.timeout, left))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                if not retryable(e):
                     raise base.to_error(e, method, self.target) from e
-                last = e
-            if attempt + 1 < self.retry.max_attempts:  # never sleep past the deadline
-                left = self.retry.deadline_s - (time.monotonic() - start)
-                await asyncio.sleep(max(0.0, min(self.retry.backoff(attempt), left)))
-        raise base.gave_up(method, self.target, attempts, time.monotonic() - start, last)
+                pause = tries.failed(e)
+                if pause is not None:  # never past the deadline
+                    await asyncio.sleep(pause)
+        raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
 
     # blobs
     async def put_blob(self, data: bytes, *, expected_ref: str | None = None, verify: bool = True) -> types.BlobRef:

@@ -1,11 +1,9 @@
-"""What the sync and asyncio clients share: options, retry policy, error mapping, request building."""
+"""What the sync and asyncio clients share: options, error mapping, request building (the retry policy: retry.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -13,37 +11,13 @@ import grpc
 from fleet import errors
 from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2, workers_pb2
 from fleet.errors import InvalidArgument, KvfleetError, Unavailable
+from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
+from fleet.sdk.retry import RetryPolicy as RetryPolicy
 
 CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
 _BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
                                 errors.ResourceExhausted, errors.Unavailable, errors.Unauthenticated,
                                 errors.PermissionDenied)}
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """Exponential backoff with jitter, on UNAVAILABLE only, within an overall deadline.
-
-    Attempt n (0-based) waits min(max_backoff_s, initial_backoff_s * multiplier**n) * U(1 - jitter, 1 + jitter).
-    """
-
-    max_attempts: int = 8
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 3.0
-    multiplier: float = 2.0
-    jitter: float = 0.2
-    deadline_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        assert self.max_attempts >= 1 and self.initial_backoff_s >= 0 and self.multiplier >= 1
-        assert 0 <= self.jitter < 1 and self.deadline_s > 0
-
-    def backoff(self, attempt: int) -> float:
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** attempt)
-        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
-
-
-NO_RETRY = RetryPolicy(max_attempts=1)
 
 
 Pem = bytes | str | Path
