@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel.tokenizer import encode_message
+from fleet.session_types import check_token_ids
 
 if TYPE_CHECKING:
     from fleet.kernel import EvictReport, Kernel, Session
@@ -93,7 +94,12 @@ class SessionContext:
     # ---- appends ------------------------------------------------------------------------------------
     def add_system(self, text: str) -> Piece:
         """Append a system prompt piece."""
-        return self._append_tokens("system", encode_message(self.tokenizer, "system", _text(text)), role="system")
+        return self.add_system_tokens(encode_message(self.tokenizer, "system", _text(text)))
+
+    def add_system_tokens(self, tokens: list[int]) -> Piece:
+        """Append a system prompt piece already encoded (`encode_message(tokenizer, "system", text)`),
+        e.g. by the caller that placed the session on the prompt's tokens: it is not encoded again."""
+        return self._append_tokens("system", list(tokens), role="system")
 
     def add_message(self, role: str, text: str) -> Piece:
         """Append a chat message piece (`role` e.g. user / assistant)."""
@@ -137,9 +143,9 @@ class SessionContext:
         return self._apply_append(op, tokens)
 
     def _apply_append(self, op: dict[str, Any], tokens: list[int]) -> Piece:
-        vocab = self.kernel.config.vocab_size
-        if not tokens or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-            raise InvalidArgument(f"a piece needs >= 1 token id in [0, {vocab}); nothing was appended")
+        tokens = check_token_ids(tokens, self.kernel.config.vocab_size)
+        if "tokens" in op:
+            op["tokens"] = tokens
         self.session.check_append(tokens)  # NOTE: before the log: a refused append must leave no op behind
         self._log(op)
         self.session.append(tokens)

@@ -23,7 +23,6 @@ import itertools
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ import ray
 from fleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, Unavailable
 from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
+from fleet.session_types import OpResult, check_token_ids
 from workers.placement import (
     NAMESPACE,
     NODE_KV_BYTES,
@@ -49,28 +49,11 @@ from workers.registry import CREATING, SessionRegistry
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 from workers.supervisor import NodeSupervisor
 
-__all__ = ["AppendResult", "KernelFleet", "NodeGone"]
+__all__ = ["KernelFleet", "NodeGone", "OpResult"]
 
 
 class NodeGone(Unavailable):
     """A node's supervisor is dead (the node left the cluster); it has been dropped."""
-
-
-@dataclass(frozen=True, slots=True)
-class AppendResult:
-    """What a mutating call returned: `result` is the verb's (a Piece, an EvictReport, an
-    Admission); `logits` the session's next-token logits; `replayed` True when the op was already
-    in the log (a retry after a crash) and was answered, not applied again."""
-
-    result: Any
-    logits: np.ndarray | None
-    num_tokens: int
-    op_index: int | None
-    replayed: bool
-
-
-def _result(r: dict[str, Any]) -> AppendResult:
-    return AppendResult(r["result"], r["logits"], r["num_tokens"], r["op_index"], r["replayed"])
 
 
 class KernelFleet:
@@ -275,33 +258,39 @@ class KernelFleet:
         self.registry.save(rec)
         node = rec["node"] if self._alive(rec["node"]) else self._place(rec["tenant"], [])
         try:
-            self._sup(node, "regenerate", rec["tenant"], rec["session"])
+            self._sup(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
         except NodeGone:  # its node died just now: a survivor rebuilds it
             node = self._place(rec["tenant"], [], exclude=node)
-            self._sup(node, "regenerate", rec["tenant"], rec["session"])
+            self._sup(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
         rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
         self.registry.save(rec)
         self.num_regenerations += 1
         return rec
 
     def _tokens(self, x: str | bytes | list[int]) -> list[int]:
-        ids = self.tokenizer.encode(x) if isinstance(x, str | bytes) else list(x)
-        vocab = self.kernel.config.vocab_size
-        if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
-            raise InvalidArgument(f"token ids must be ints in [0, {vocab})")
-        return [int(t) for t in ids]
+        """Text encoded, or token ids checked (the one rule: check_token_ids); the Python API's edge."""
+        if isinstance(x, str | bytes):
+            return self.tokenizer.encode(x)
+        return check_token_ids(x, self.kernel.config.vocab_size) if len(x) else []
 
     # -- session verbs ------------------------------------------------------------------------
 
-    def create_session(self, tenant: str, session_id: str, system_prompt: str) -> dict[str, Any]:
-        """Place and start a session; it adopts the node's warm prefix blocks if it has them."""
+    def create_session(self, tenant: str, session_id: str, system_prompt: str,
+                       tokens: list[int] | None = None) -> dict[str, Any]:
+        """Place and start a session; it adopts the node's warm prefix blocks if it has them.
+
+        Args:
+            tokens: `system_prompt` already encoded (`encode_message(self.tokenizer, "system", ...)`),
+                by a caller that counted them; encoded here when None. Never encoded again below.
+        """
         from fleet.cas.base import check_name, check_tenant
 
         check_tenant(tenant)
         check_name("session_id", session_id)
         if not isinstance(system_prompt, str) or not system_prompt:
             raise InvalidArgument("the system prompt must be a non-empty str")
-        tokens = self._tokens(encode_message(self.tokenizer, "system", system_prompt))  # the piece's own tokens
+        if tokens is None:
+            tokens = encode_message(self.tokenizer, "system", system_prompt)  # the piece's own tokens
         self._claim(tenant, session_id)
         node = self._place(tenant, tokens)
         rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
@@ -309,11 +298,11 @@ class KernelFleet:
         self.registry.save(rec)
         try:
             try:
-                out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
+                out = self._sup(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
             except NodeGone:  # its node died after placement: once more, on a survivor
                 rec["node"] = node = self._place(tenant, tokens, exclude=node)
                 self.registry.save(rec)
-                out = self._sup(node, "create_session", tenant, session_id, system_prompt, tokens, uuid.uuid4().hex)
+                out = self._sup(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
@@ -321,35 +310,37 @@ class KernelFleet:
         self.registry.save(rec)
         return rec
 
-    def _op(self, tenant: str, session_id: str, verb: str, *args: Any, op_id: str = "") -> AppendResult:
-        """A mutating call under `op_id` (the caller's idempotency key; a fresh one if empty): an
-        op id already in the session's log is answered (replayed=True), not applied again."""
-        return _result(self._call(tenant, session_id, verb, *args, op_id or uuid.uuid4().hex))
+    def op(self, tenant: str, session_id: str, verb: str, *args: Any, op_id: str = "") -> OpResult:
+        """A mutating call of the session's actor (`verb`: append, generate, evict,
+        add_tool_result, admit_tool_result) under `op_id` (the caller's idempotency key; a fresh
+        one if empty): an op id already in the session's log is answered (replayed=True), not
+        applied again."""
+        return self._call(tenant, session_id, verb, *args, op_id or uuid.uuid4().hex)  # type: ignore[no-any-return]
 
     def append(self, tenant: str, session_id: str, content: str | list[int], role: str = "user",
-               op_id: str = "") -> AppendResult:
+               op_id: str = "") -> OpResult:
         """Append a message (text, with its role) or model output (token ids); result: the Piece."""
         if isinstance(content, list):
             content = self._tokens(content)
         elif not isinstance(content, str):
             raise InvalidArgument(f"append takes text or token ids, got {type(content).__name__}")
-        return self._op(tenant, session_id, "append", content, role, op_id=op_id)
+        return self.op(tenant, session_id, "append", content, role, op_id=op_id)
 
     def generate(self, tenant: str, session_id: str, n: int, op_id: str = "") -> list[int]:
         """Greedy-decode `n` tokens and append them as an output piece; returns them."""
-        return list(self._op(tenant, session_id, "generate", n, op_id=op_id).result.tokens)
+        return list(self.op(tenant, session_id, "generate", n, op_id=op_id).result.tokens)
 
     def evict(self, tenant: str, session_id: str, piece_id: int, mode: str = "exact") -> Any:
         """Evict one piece from the session's KV cache; returns the kernel's EvictReport."""
-        return self._op(tenant, session_id, "evict", piece_id, mode).result
+        return self.op(tenant, session_id, "evict", piece_id, mode).result
 
-    def add_tool_result(self, tenant: str, session_id: str, ref: str, op_id: str = "") -> AppendResult:
+    def add_tool_result(self, tenant: str, session_id: str, ref: str, op_id: str = "") -> OpResult:
         """Append a tool result stored in the CAS (by ref); quarantined refs are refused."""
-        return self._op(tenant, session_id, "add_tool_result", ref, op_id=op_id)
+        return self.op(tenant, session_id, "add_tool_result", ref, op_id=op_id)
 
     def admit_tool_result(self, tenant: str, session_id: str, ref: str) -> Any:
-        """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness (Admission)."""
-        return self._op(tenant, session_id, "admit_tool_result", ref).result
+        """Detector verdict on a stored tool result; QUARANTINED evicts it with a proof (ToolAdmission)."""
+        return self.op(tenant, session_id, "admit_tool_result", ref).result
 
     def working_set(self, tenant: str, session_id: str, budget_tokens: int) -> Any:
         """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
@@ -498,7 +489,6 @@ class KernelFleet:
                 continue  # fleet=True also lists sessions whose node is gone (state: lost)
             row = {**rec, **live.get((rec["tenant"], rec["session"]),
                                      {"state": "idle" if rec.get("state") == "idle" else "lost", "tokens": 0})}
-            row["epoch"] = max(int(rec.get("epoch", 0)), int(row.get("epoch", 0)))
             row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
             out.append(row)
         return out

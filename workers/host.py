@@ -22,6 +22,7 @@ from typing import Any
 from fleet.context import Piece, SessionContext
 from fleet.errors import FailedPrecondition, InvalidArgument
 from fleet.kernel import Kernel, PrefixKV
+from fleet.session_types import check_token_ids
 
 
 class AdoptingContext(SessionContext):
@@ -31,11 +32,11 @@ class AdoptingContext(SessionContext):
         n = len(self.session)
         if self.pieces or n == 0:
             return super()._apply_append(op, tokens)
-        if n >= len(tokens) or list(self.session.tokens) != list(tokens[:n]):
+        tokens = check_token_ids(tokens, self.kernel.config.vocab_size)
+        if n >= len(tokens) or list(self.session.tokens) != tokens[:n]:
             raise InvalidArgument("the adopted prefix must be a strict prefix of the first piece")
-        vocab = self.kernel.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-            raise InvalidArgument(f"a piece needs token ids in [0, {vocab}); nothing was appended")
+        if "tokens" in op:
+            op["tokens"] = tokens
         self._log(op)
         self.session.append(tokens[n:])                  # only what the shared blocks lack
         piece = Piece(op["piece"], op["kind"], 0, len(tokens), op["tenant"], tuple(tokens), op.get("ref"),
@@ -69,13 +70,14 @@ class SessionHost:
         if self.op_id:
             self.op_ids.add(self.op_id)
 
-    def create(self, system_prompt: str, prefix: PrefixKV | None = None) -> Piece:
-        """The first piece (system prompt), over adopted shared blocks when `prefix` is given."""
+    def create(self, tokens: list[int], prefix: PrefixKV | None = None) -> Piece:
+        """The first piece: the system prompt's `tokens` (already encoded), over adopted shared
+        blocks when `prefix` is given."""
         if self.ctx is not None:
             raise FailedPrecondition(f"session {self.session_id} already has a context")
         ctx = AdoptingContext(self.kernel.session(prefix=prefix), self.tokenizer, self.tenant, self.session_id,
                               self._write, self.store)
-        piece = ctx.add_system(system_prompt)
+        piece = ctx.add_system_tokens(tokens)
         self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
         return piece
 

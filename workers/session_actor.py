@@ -26,7 +26,7 @@ from typing import Any
 from fleet.context import QUARANTINED
 from fleet.errors import NotFound
 from fleet.kernel import PrefixKV, Session
-from fleet.kernel.tokenizer import encode_message
+from fleet.session_types import OpResult, ToolAdmission
 from workers.host import SessionHost
 from workers.placement import add_blob_refs, drop_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
@@ -72,7 +72,7 @@ class KernelActor:
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
 
-    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any]) -> dict[str, Any]:
+    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any]) -> OpResult:
         """Run one mutating call: idempotent on `op_id`, serialised, off the event loop."""
         async with self._lock:
             if op_id and op_id in self.host.op_ids:
@@ -88,13 +88,12 @@ class KernelActor:
             self.last_active, self.state = time.time(), "active"
             return self._reply(result)
 
-    def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> dict[str, Any]:
+    def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> OpResult:
         s = self._s
-        return {"result": result, "num_tokens": len(s),
-                "op_index": self.host.last_op_index if op_index is None else op_index,
-                "logits": s.last_logits, "replayed": replayed}
+        return OpResult(result, s.last_logits, len(s), self.host.last_op_index if op_index is None else op_index,
+                        replayed)
 
-    def _replayed(self, op_id: str) -> dict[str, Any]:
+    def _replayed(self, op_id: str) -> OpResult:
         """The answer to a retried op already in the log: the piece its append added (None for
         other verbs) and its index in the log; nothing is applied again."""
         ops = self.host.context.ops
@@ -107,16 +106,11 @@ class KernelActor:
 
     # -- verbs --------------------------------------------------------------------------------
 
-    async def create(self, system_prompt: str, prefix_refs: list[Any] | None = None, op_id: str = "") -> dict[str, Any]:
-        """First piece of a session; adopts the shared blocks in `prefix_refs` (ObjectRefs) if any."""
-        prefix = await self._adopt(system_prompt, prefix_refs or [])
-        return await self._mutate("create", op_id, lambda: self.host.create(system_prompt, prefix))
-
-    async def _adopt(self, system_prompt: str, refs: list[Any]) -> PrefixKV | None:
-        if not refs:
-            return None
-        blocks = await asyncio.gather(*refs)  # zero-copy, read-only views on this node
-        return self._prefix(encode_message(make_tokenizer(self.kernel), "system", system_prompt), blocks)
+    async def create(self, tokens: list[int], prefix_refs: list[Any] | None = None, op_id: str = "") -> OpResult:
+        """First piece of a session: the system prompt's `tokens` (encoded once, by the fleet that
+        placed it); adopts the shared blocks in `prefix_refs` (ObjectRefs, the first of `tokens`) if any."""
+        prefix = self._prefix(tokens, await asyncio.gather(*prefix_refs)) if prefix_refs else None  # zero-copy views
+        return await self._mutate("create", op_id, lambda: self.host.create(tokens, prefix))
 
     def _prefix(self, tokens: list[int], blocks: list[Any]) -> PrefixKV:
         """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`."""
@@ -152,29 +146,29 @@ class KernelActor:
             self.state = "regenerated" if ops is None else "active"
             return self._info()
 
-    async def append(self, content: str | list[int], role: str = "user", op_id: str = "") -> dict[str, Any]:
+    async def append(self, content: str | list[int], role: str = "user", op_id: str = "") -> OpResult:
         """A message (text) or model output (token ids)."""
         if isinstance(content, list):
             return await self._mutate("append", op_id, lambda: self.host.context.add_output(list(content)))
         return await self._mutate("append", op_id, lambda: self.host.context.add_message(role, content))
 
-    async def generate(self, n: int, op_id: str = "") -> dict[str, Any]:
+    async def generate(self, n: int, op_id: str = "") -> OpResult:
         return await self._mutate("generate", op_id, lambda: self.host.context.generate(n))
 
-    async def evict(self, piece_id: int, mode: str = "exact", op_id: str = "") -> dict[str, Any]:
+    async def evict(self, piece_id: int, mode: str = "exact", op_id: str = "") -> OpResult:
         return await self._mutate("evict", op_id, lambda: self.host.context.evict_piece(piece_id, mode))
 
-    async def add_tool_result(self, ref: str, op_id: str = "") -> dict[str, Any]:
+    async def add_tool_result(self, ref: str, op_id: str = "") -> OpResult:
         """Append a stored tool result by ref (refused if quarantined)."""
         return await self._mutate("add_tool_result", op_id, lambda: self.host.context.add_tool_result(
             ref, self.store.get(ref, self.tenant)))
 
-    async def admit_tool_result(self, ref: str, op_id: str = "") -> dict[str, Any]:
-        """Run the detector on a stored tool result; a quarantine evicts its tokens with a witness."""
+    async def admit_tool_result(self, ref: str, op_id: str = "") -> OpResult:
+        """Run the detector on a stored tool result; a quarantine evicts its tokens with a proof."""
         from fleet.quarantine import admit_tool_result
 
-        return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
-            self.host.context, ref, self.store, self.tenant))
+        return await self._mutate("admit_tool_result", op_id, lambda: ToolAdmission.of(admit_tool_result(
+            self.host.context, ref, self.store, self.tenant)))
 
     # -- reads --------------------------------------------------------------------------------
 

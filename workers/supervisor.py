@@ -169,9 +169,10 @@ class NodeSupervisor:
 
     # -- session actors -----------------------------------------------------------------------
 
-    def _spawn(self, tenant: str, session_id: str) -> Any:
+    def _spawn(self, tenant: str, session_id: str, epoch: int = 0) -> Any:
+        """The session's actor on this node, at `epoch` (the registry's: KernelFleet counts them)."""
         key = (tenant, session_id)
-        self.epochs[key] = self.epochs.get(key, -1) + 1
+        self.epochs[key] = epoch
         self.remote_adopters.discard(key)
         actor = ray.remote(KernelActor).options(
             name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True,
@@ -182,19 +183,18 @@ class NodeSupervisor:
         self.actors[key] = actor
         return actor
 
-    async def create_session(self, tenant: str, session_id: str, system_prompt: str, tokens: list[int],
-                             op_id: str) -> dict[str, Any]:
+    async def create_session(self, tenant: str, session_id: str, tokens: list[int], op_id: str) -> dict[str, Any]:
         """Spawn the session's actor here; it adopts the warm prefix instead of prefilling it.
 
         Args:
-            tokens: `system_prompt` tokenized (the radix key).
+            tokens: the system prompt, encoded (its first piece, and the radix key).
         """
         if (tenant, session_id) in self.actors:
             raise AlreadyExists(f"session {session_id} already exists")
         node, refs = self._adoptable(tenant, tokens)
         try:
             actor = self._spawn(tenant, session_id)
-            await actor.create.remote(system_prompt, refs, op_id)
+            await actor.create.remote(tokens, refs, op_id)
         finally:
             self.tree.dec_lock_ref(node)
         self.num_queried_tokens += len(tokens)
@@ -202,13 +202,13 @@ class NodeSupervisor:
         await self._publish(tenant, tokens, actor)
         return {"adopted_tokens": len(refs) * self.block_size, "epoch": self.epochs[(tenant, session_id)]}
 
-    async def regenerate(self, tenant: str, session_id: str) -> dict[str, Any]:
-        """Replace a lost actor by a new one rebuilt from the op log (bit-identical)."""
+    async def regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
+        """Replace a lost actor by a new one at `epoch`, rebuilt from the op log (bit-identical)."""
         old = self.actors.pop((tenant, session_id), None)
         if old is not None:
             ray.kill(old, no_restart=True)
         for attempt in range(20):  # the dead actor's name is released asynchronously
-            actor = self._spawn(tenant, session_id)
+            actor = self._spawn(tenant, session_id, epoch)
             try:
                 return dict(await actor.restore.remote())
             except ray.exceptions.RayActorError:

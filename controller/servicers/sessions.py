@@ -37,6 +37,8 @@ from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.kernel.tokenizer import encode_message
+from fleet.session_types import EvictionProof, SessionRow, ToolAdmission, check_token_ids
+from fleet.verdict import QUARANTINED
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
@@ -59,15 +61,12 @@ def piece_to_proto(p: Any) -> pb.Piece:
                     ref=p.ref or "", role=p.role or "", token_ids=list(p.tokens))
 
 
-def row_to_proto(r: dict[str, Any]) -> pb.SessionRow:
+def row_to_proto(r: SessionRow) -> pb.SessionRow:
     return pb.SessionRow(
-        session_id=r.get("session", ""), tenant=r.get("tenant", ""), node=r.get("node", ""),
-        actor=r.get("actor", ""), num_tokens=int(r.get("tokens", 0)), bytes_alone=int(r.get("bytes_alone", 0)),
-        bytes_shared=int(r.get("bytes_shared", 0)), hit_rate=float(r.get("hit_rate", 0.0)),
-        quarantined_spans=int(r.get("quarantined_spans", 0)), state=str(r.get("state", "")),
-        epoch=int(r.get("epoch", 0)), last_active=float(r.get("last_active", 0.0) or 0.0),
-        parent=str(r.get("parent", "") or ""), adopted_tokens=int(r.get("adopted_tokens", 0)),
-        backend=str(r.get("backend", "") or ""), device=str(r.get("device", "") or ""))
+        session_id=r.session_id, tenant=r.tenant, node=r.node, actor=r.actor, num_tokens=r.num_tokens,
+        bytes_alone=r.bytes_alone, bytes_shared=r.bytes_shared, hit_rate=r.hit_rate,
+        quarantined_spans=r.quarantined_spans, state=r.state, epoch=r.epoch, last_active=r.last_active,
+        parent=r.parent, adopted_tokens=r.adopted_tokens, backend=r.backend, device=r.device)
 
 
 def node_to_proto(s: dict[str, Any]) -> pb.NodeRow:
@@ -76,16 +75,26 @@ def node_to_proto(s: dict[str, Any]) -> pb.NodeRow:
                       hit_tokens=s["hit_tokens"], evicted_blocks=s["evicted_blocks"], hit_rate=s["hit_rate"])
 
 
-def witness_to_proto(w: dict[str, Any]) -> pb.QuarantineWitness:
-    known = {"piece_id", "start", "length", "mode", "write_time", "exact", "num_recomputed",
-             "max_abs_delta_evict_vs_never", "control_kept_vs_never", "cache_digest_equal"}
-    detail = {k: v for k, v in w.items() if k not in known}
+def proof_to_proto(w: EvictionProof) -> pb.QuarantineWitness:
+    detail = {"env": dict(w.env), "late": w.late, "probe_tokens": w.probe_tokens, "ref": w.ref}
     return pb.QuarantineWitness(
-        piece_id=w["piece_id"], start=w["start"], length=w["length"], mode=w["mode"],
-        write_time=w["write_time"], exact=w["exact"], num_recomputed=w["num_recomputed"],
-        max_abs_delta_evict_vs_never=w["max_abs_delta_evict_vs_never"],
-        control_kept_vs_never=w["control_kept_vs_never"], cache_digest_equal=w["cache_digest_equal"],
+        piece_id=w.piece_id, start=w.start, length=w.length, mode=w.mode, write_time=w.write_time, exact=w.exact,
+        num_recomputed=w.num_recomputed, max_abs_delta_evict_vs_never=w.max_abs_delta_evict_vs_never,
+        control_kept_vs_never=w.control_kept_vs_never, cache_digest_equal=w.cache_digest_equal,
         detail_json=json.dumps(detail, default=str, sort_keys=True))
+
+
+def admission_to_proto(a: ToolAdmission) -> pb.AdmitToolResultResponse:
+    out = pb.AdmitToolResultResponse(verdict=a.verdict, reasons=list(a.reasons), evicted=a.evicted)
+    if a.proof is not None:
+        out.witness.CopyFrom(proof_to_proto(a.proof))
+    return out
+
+
+def evict_to_proto(r: Any) -> pb.EvictResponse:
+    """From the kernel's EvictReport."""
+    return pb.EvictResponse(mode=r.mode, start=r.start, length=r.length, tail=r.tail, num_evicted=r.num_evicted,
+                            num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact)
 
 
 def _limits(ctx: ServiceContext) -> SessionLimits:
@@ -261,10 +270,11 @@ class SessionServicer(pbg.SessionServiceServicer):
         return rec
 
     async def _row(self, tenant: str, rec: dict[str, Any]) -> pb.SessionRow:
-        info = await self._call("info", tenant, rec["session"])
-        if self._ledger is not None and self._ledger.seeded(tenant):
-            self._ledger.update(tenant, rec["session"], int(info.get("tokens", 0)))
-        return row_to_proto({**rec, **info, "epoch": max(int(rec.get("epoch", 0)), int(info.get("epoch", 0)))})
+        """The session's row: its registry record `rec` and its actor's info (whose epoch is the
+        registry's: one counter, kept by KernelFleet)."""
+        row = SessionRow.from_row({**rec, **await self._call("info", tenant, rec["session"])})
+        self._set_tokens(tenant, row.session_id, row.num_tokens)
+        return row_to_proto(row)
 
     # -- RPCs -------------------------------------------------------------------------------------
 
@@ -274,9 +284,10 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid = check_session_id("session_id", request.session_id)
         if not request.system_prompt:
             raise InvalidArgument("the system prompt must be a non-empty str")
-        fleet = await self._fleet()
-        n = len(await self._run(ident.tenant, encode_message, fleet.tokenizer, "system", request.system_prompt))
-        rec = await self._new_session(ident.tenant, sid, n, "create_session", sid, request.system_prompt)
+        fleet = await self._fleet()  # the prompt is encoded once, here: counted, placed and appended
+        tokens = await self._run(ident.tenant, encode_message, fleet.tokenizer, "system", request.system_prompt)
+        rec = await self._new_session(ident.tenant, sid, len(tokens), "create_session", sid, request.system_prompt,
+                                      tokens)
         return pb.CreateSessionResponse(session=await self._row(ident.tenant, rec))
 
     @unary(Role.TENANT)
@@ -287,13 +298,13 @@ class SessionServicer(pbg.SessionServiceServicer):
         if which == "text":
             role = request.role or "user"
             n = len(await self._run(t, encode_message, fleet.tokenizer, role, request.text))
-            r = await self._mutate(t, sid, n, "append", request.text, role, op_id=op_id)
+            r = await self._mutate(t, sid, n, "op", "append", request.text, role, op_id=op_id)
         elif which == "token_ids":
-            ids = [int(x) for x in request.token_ids.ids]
-            r = await self._mutate(t, sid, len(ids), "append", ids, op_id=op_id)
+            ids = check_token_ids(request.token_ids.ids, fleet.kernel.config.vocab_size)  # the edge: checked once
+            r = await self._mutate(t, sid, len(ids), "op", "append", ids, "user", op_id=op_id)
         elif which == "tool_result_ref":
             n = await self._run(t, self._blob_tokens, t, request.tool_result_ref)
-            r = await self._mutate(t, sid, n, "add_tool_result", request.tool_result_ref, op_id=op_id)
+            r = await self._mutate(t, sid, n, "op", "add_tool_result", request.tool_result_ref, op_id=op_id)
         else:
             raise InvalidArgument("append needs content: text, token_ids or tool_result_ref")
         out = pb.AppendResponse(num_tokens=r.num_tokens, replayed=r.replayed,
@@ -319,9 +330,9 @@ class SessionServicer(pbg.SessionServiceServicer):
         if not 1 <= request.num_tokens <= MAX_GENERATE:
             raise InvalidArgument(f"num_tokens must be 1..{MAX_GENERATE}, got {request.num_tokens}")
         n = int(request.num_tokens)
-        # KernelFleet._op, not .generate: its AppendResult carries the session's token count, so the
+        # KernelFleet.op, not .generate: its OpResult carries the session's token count, so the
         # ledger is set exactly (a replayed Generate adds nothing; see _mutate)
-        r = await self._mutate(ident.tenant, sid, n, "_op", "generate", n, op_id=op_id)
+        r = await self._mutate(ident.tenant, sid, n, "op", "generate", n, op_id=op_id)
         return pb.GenerateResponse(token_ids=list(r.result.tokens))
 
     @unary(Role.TENANT)
@@ -330,11 +341,9 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid, mode = check_session_id("session_id", request.session_id), request.mode or "exact"
         if mode not in ("exact", "reposition"):
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
-        a = await self._call("_op", ident.tenant, sid, "evict", int(request.piece_id), mode)
+        a = await self._call("op", ident.tenant, sid, "evict", int(request.piece_id), mode)
         self._set_tokens(ident.tenant, sid, a.num_tokens)   # exact, like an append's
-        r = a.result
-        return pb.EvictResponse(mode=r.mode, start=r.start, length=r.length, tail=r.tail, num_evicted=r.num_evicted,
-                                num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact)
+        return evict_to_proto(a.result)
 
     def _set_tokens(self, tenant: str, sid: str, num_tokens: int) -> None:
         """The session now holds `num_tokens` tokens (a call's answer)."""
@@ -356,18 +365,16 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid = check_session_id("session_id", request.session_id)
         if not request.ref:
             raise InvalidArgument("admit_tool_result needs the blob's ref (sha256 hex from PutBlob)")
-        res = await self._call("_op", ident.tenant, sid, "admit_tool_result", request.ref)
+        res = await self._call("op", ident.tenant, sid, "admit_tool_result", request.ref)
         self._set_tokens(ident.tenant, sid, res.num_tokens)   # a quarantine evicts: exact, like an append's
-        a = res.result
-        out = pb.AdmitToolResultResponse(verdict=a.verdict, reasons=list(a.reasons), evicted=a.evicted)
+        a: ToolAdmission = res.result
         m = self.ctx.metrics
-        if a.verdict == "QUARANTINED":
+        if a.verdict == QUARANTINED:
             m.quarantines.inc()
-        if a.witness is not None:
-            out.witness.CopyFrom(witness_to_proto(a.witness))
-            m.witness_max_delta.labels(kind="evict_vs_never").set(float(a.witness["max_abs_delta_evict_vs_never"]))
-            m.witness_max_delta.labels(kind="control_kept_vs_never").set(float(a.witness["control_kept_vs_never"]))
-        return out
+        if a.proof is not None:
+            m.witness_max_delta.labels(kind="evict_vs_never").set(a.proof.max_abs_delta_evict_vs_never)
+            m.witness_max_delta.labels(kind="control_kept_vs_never").set(a.proof.control_kept_vs_never)
+        return admission_to_proto(a)
 
     @unary(Role.TENANT)
     async def WorkingSet(self, request: pb.WorkingSetRequest, context: grpc.aio.ServicerContext,
@@ -415,7 +422,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         tenant = (request.tenant or None) if operator else ident.tenant
         fleet = await self._fleet()
         rows = await self._run(ident.tenant, fleet.list_sessions, request.fleet, tenant)
-        out = pb.ListSessionsResponse(sessions=[row_to_proto(r) for r in rows])
+        out = pb.ListSessionsResponse(sessions=[row_to_proto(SessionRow.from_row(r)) for r in rows])
         if operator:
             out.nodes.extend(node_to_proto(s) for s in await self._run(ident.tenant, fleet.node_stats))
         return out

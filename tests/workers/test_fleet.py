@@ -142,10 +142,10 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
     kfleet.add_tool_result(tenant, "q", clean)
     kfleet.add_tool_result(tenant, "q", bad)
     adm = kfleet.admit_tool_result(tenant, "q", bad)
-    w = adm.witness
-    print(f"quarantine witness: evict-vs-never max|d| = {w['max_abs_delta_evict_vs_never']}, "
-          f"control {w['control_kept_vs_never']}")
-    assert adm.verdict == "QUARANTINED" and w["max_abs_delta_evict_vs_never"] == 0.0 and w["control_kept_vs_never"] > 0
+    w = adm.proof                                                  # a typed EvictionProof (fleet/session_types.py)
+    print(f"quarantine proof: evict-vs-never max|d| = {w.max_abs_delta_evict_vs_never}, "
+          f"control {w.control_kept_vs_never}")
+    assert adm.verdict == "QUARANTINED" and w.max_abs_delta_evict_vs_never == 0.0 and w.control_kept_vs_never > 0
     ws = kfleet.working_set(tenant, "q", budget_tokens=10_000)
     assert ws.verdicts() == ["HIT", "HIT", "REFUSE"]
     digest = kfleet.digest(tenant, "q")
