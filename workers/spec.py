@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -50,7 +50,6 @@ class KernelSpec:
     tile_size: int = 32
     threads: int = 1
     groups: tuple[tuple[str, str, str], ...] = ()  # (node group, backend, device) overrides
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("synthetic", "pretrained"):
@@ -104,6 +103,7 @@ class KernelSpec:
         if isinstance(d, KernelSpec):
             return d
         d = dict(d)
+        d.pop("extra", None)  # NOTE: compat: specs stored before it was removed carry an unused, empty `extra`
         d["config"] = tuple(sorted(dict(d.get("config") or {}).items()))
         d["groups"] = _groups(d.get("groups") or {})
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}

@@ -53,6 +53,19 @@ def test_placement_changes_where_not_what(tmp_path: Path) -> None:
         assert store.kv_get(*KERNEL_SPEC_KEY) == before  # a refused change writes nothing
 
 
+def test_a_spec_stored_with_the_removed_extra_field_still_loads(tmp_path: Path) -> None:
+    """KernelSpec.extra (never read) was removed; specs stored with it (to_dict wrote "extra": {})
+    load as before, and the next placement change drops it from the store."""
+    from workers.spec import KernelSpec
+
+    old = {**KernelSpec(seed=7).to_dict(), "extra": {}}
+    assert KernelSpec.from_dict(old) == KernelSpec(seed=7) and "extra" not in KernelSpec(seed=7).to_dict()
+    with open_store(f"sqlite:///{tmp_path / 'k.db'}") as store:
+        store.kv_put(*KERNEL_SPEC_KEY, json.dumps(old).encode())
+        out = set_kernel_placement(store, {"backend": "torch"})
+        assert "extra" not in out and json.loads(store.kv_get(*KERNEL_SPEC_KEY)) == out and out["seed"] == 7
+
+
 async def test_session_rows_show_backend_and_device(ray_cluster: None, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'kvfleet.db'}"
     ctl = await start_controller(url, None, kernel={"backend": "torch", "device": "cpu"}, fleet_metrics_interval_s=0)
