@@ -1,44 +1,29 @@
-"""AsyncFleetClient: the asyncio kvfleet SDK, same surface as FleetClient with coroutines."""
+"""AsyncFleetClient: the asyncio kvfleet SDK, same surface as FleetClient with coroutines.
+
+Its calls are the rows of fleet/sdk/table.py, run by `aio`; FleetClient runs the same rows.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import grpc
 
-from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, workers_pb2
-from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
-from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
-from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
-from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.sdk import base, types
-from fleet.sdk.retry import Attempts, RetryPolicy, retryable
-from fleet.sdk.sessions import AsyncSessionsMixin
+from fleet.sdk import base
+from fleet.sdk import table as t
+from fleet.sdk.retry import Attempts, retryable
 
+P = ParamSpec("P")
+R = TypeVar("R")
 T = TypeVar("T")
 
 
-class AsyncFleetClient(AsyncSessionsMixin):
-    """asyncio client of a kvfleet controller (arguments as FleetClient). Use `async with` or `await close()`."""
+class AsyncTransport(base.Transport):
+    """Runs a table row on a grpc.aio channel: one attempt, or retries under the client's RetryPolicy."""
 
-    def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
-                 root_certificates: bytes | str | Path | None = None, client_cert: bytes | str | Path | None = None,
-                 client_key: bytes | str | Path | None = None, timeout: float = 10.0,
-                 blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
-        self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
-        self.retry = retry or RetryPolicy()
-        self._md = base.metadata(token)
-        creds = base.credentials(tls, root_certificates, client_cert, client_key)
-        self._channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                         else grpc.aio.insecure_channel(target, options))
-        self._blobs = BlobServiceStub(self._channel)
-        self._workers = WorkerServiceStub(self._channel)
-        self._route = RouteServiceStub(self._channel)
-        self._fleet = FleetServiceStub(self._channel)
+    _grpc: ClassVar[Any] = grpc.aio
 
     async def _call(self, method: str, fn: Callable[[float], Awaitable[T]], timeout: float | None = None) -> T:
         """Await fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline."""
@@ -54,88 +39,61 @@ class AsyncFleetClient(AsyncSessionsMixin):
                     await asyncio.sleep(pause)
         raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
 
+    async def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
+        stub_method, per = self._stub_method(rpc)
+
+        async def attempt(timeout: float) -> Any:
+            reply = stub_method(rpc.wire(req), timeout=timeout, metadata=self._md)
+            return await reply if rpc.each is None else [rpc.each(m) async for m in reply]
+
+        if rpc.retry:
+            return await self._call(rpc.method, attempt, per)
+        try:
+            return await attempt(per)
+        except grpc.RpcError as e:
+            raise base.to_error(e, rpc.method, self.target) from e
+
+
+def aio(rpc: t.Rpc[P, R]) -> Callable[Concatenate[AsyncTransport, P], Coroutine[Any, Any, R]]:
+    """The coroutine client method that runs `rpc`."""
+    async def call(self: AsyncTransport, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        req = rpc.request(*args, **kwargs)
+        return rpc.response(await self._send(rpc, req), req)
+    return rpc.method_of(call)
+
+
+class AsyncFleetClient(AsyncTransport):
+    """asyncio client of a kvfleet controller (arguments as FleetClient). Use `async with` or `await close()`."""
+
     # blobs
-    async def put_blob(self, data: bytes, *, expected_ref: str | None = None, verify: bool = True) -> types.BlobRef:
-        exp = base.expected(data, expected_ref, verify)
-        r = await self._call("PutBlob", lambda t: self._blobs.PutBlob(base.put_requests(data, exp), timeout=t,
-                                                                        metadata=self._md), self.blob_timeout)
-        return types.BlobRef(r.ref, r.size)
-
-    async def get_blob(self, ref: types.BlobRef | str, *, verify: bool = True) -> bytes:
-        req = blobs_pb2.GetBlobRequest(ref=str(ref))
-
-        async def get(t: float) -> bytes:
-            return b"".join([m.chunk async for m in self._blobs.GetBlob(req, timeout=t, metadata=self._md)])
-
-        data = await self._call("GetBlob", get, self.blob_timeout)
-        return base.check_got(str(ref), data) if verify else data
-
-    async def stat_blob(self, ref: types.BlobRef | str) -> types.BlobInfo:
-        req = blobs_pb2.StatBlobRequest(ref=str(ref))
-        r = await self._call("StatBlob", lambda t: self._blobs.StatBlob(req, timeout=t, metadata=self._md))
-        return types.blob_info(r.meta)
-
-    async def pin_blob(self, ref: types.BlobRef | str, *, tenant: str = "") -> types.BlobInfo:
-        """Pin a blob: GC never collects it until as many unpins. `tenant`: operators only (another
-        tenant's blob); a retry after a lost reply may pin twice (read `pins` in the answer)."""
-        req = blobs_pb2.PinBlobRequest(ref=str(ref), tenant=tenant)
-        r = await self._call("PinBlob", lambda t: self._blobs.PinBlob(req, timeout=t, metadata=self._md))
-        return types.blob_info(r.meta)
-
-    async def unpin_blob(self, ref: types.BlobRef | str, *, tenant: str = "") -> types.BlobInfo:
-        """Drop one pin (FailedPrecondition when it has none)."""
-        req = blobs_pb2.PinBlobRequest(ref=str(ref), tenant=tenant)
-        r = await self._call("UnpinBlob", lambda t: self._blobs.UnpinBlob(req, timeout=t, metadata=self._md))
-        return types.blob_info(r.meta)
-
-    async def collect_garbage(self) -> int:
-        """Operator: run the store's GC now (every tenant); returns the blobs deleted."""
-        req = blobs_pb2.CollectGarbageRequest()
-        r = await self._call("CollectGarbage", lambda t: self._blobs.CollectGarbage(req, timeout=t, metadata=self._md))
-        return int(r.num_collected)
-
+    put_blob = aio(t.PUT_BLOB)
+    get_blob = aio(t.GET_BLOB)
+    stat_blob = aio(t.STAT_BLOB)
+    pin_blob = aio(t.PIN_BLOB)
+    unpin_blob = aio(t.UNPIN_BLOB)
+    collect_garbage = aio(t.COLLECT_GARBAGE)
     # workers (operator)
-    async def register_worker(self, name: str, *, url: str, kv_events: str, replay: str = "", model: str = "",
-                              dp_ranks: int = 1, block_size: int | None = None, hash_algo: str | None = None,
-                              hash_seed: str | int | None = None) -> types.WorkerInfo:
-        spec = base.worker_spec(name, url, kv_events, replay, model, dp_ranks, block_size, hash_algo, hash_seed)
-        req = workers_pb2.RegisterWorkerRequest(spec=spec)
-        r = await self._call("RegisterWorker", lambda t: self._workers.RegisterWorker(req, timeout=t, metadata=self._md))
-        return types.worker_info(r.status)
-
-    async def unregister_worker(self, name: str) -> None:
-        req = workers_pb2.UnregisterWorkerRequest(name=name)
-        await self._call("UnregisterWorker", lambda t: self._workers.UnregisterWorker(req, timeout=t, metadata=self._md))
-
-    async def workers(self) -> list[types.WorkerInfo]:
-        req = workers_pb2.ListWorkersRequest()
-        r = await self._call("ListWorkers", lambda t: self._workers.ListWorkers(req, timeout=t, metadata=self._md))
-        return [types.worker_info(w) for w in r.workers]
-
-    async def lifecycle(self, name: str, verb: str, *, level: int | None = None, mode: str | None = None,
-                        tags: Sequence[str] | None = None, clear_cache: bool | None = None,
-                        dp_rank: int | None = None) -> types.Witness:
-        req = base.lifecycle_request(name, verb, level, mode, tags, clear_cache, dp_rank)
-        r = await self._call("Lifecycle", lambda t: self._workers.Lifecycle(req, timeout=t, metadata=self._md))
-        return types.witness(r)
-
-    # routing
-    async def route(self, token_ids: Sequence[int], model: str, *, lora: str | None = None,
-                    probe: bool | None = None) -> types.RouteDecision:
-        req = base.route_request(token_ids, model, lora, probe)
-        return types.route_decision(await self._call("Route", lambda t: self._route.Route(req, timeout=t,
-                                                                                          metadata=self._md)))
-
-    # fleet
-    async def whoami(self) -> types.Caller:
-        r = await self._call("WhoAmI", lambda t: self._fleet.WhoAmI(fleet_pb2.WhoAmIRequest(), timeout=t,
-                                                                    metadata=self._md))
-        return types.Caller(r.tenant, r.role, r.name)
-
-    async def fleet(self) -> types.FleetInfo:
-        r = await self._call("GetFleet", lambda t: self._fleet.GetFleet(fleet_pb2.GetFleetRequest(), timeout=t,
-                                                                        metadata=self._md))
-        return types.fleet_info(r)
+    register_worker = aio(t.REGISTER_WORKER)
+    unregister_worker = aio(t.UNREGISTER_WORKER)
+    workers = aio(t.WORKERS)
+    lifecycle = aio(t.LIFECYCLE)
+    # routing, fleet
+    route = aio(t.ROUTE)
+    whoami = aio(t.WHOAMI)
+    fleet = aio(t.FLEET)
+    # sessions (the tenant is the token's)
+    create_session = aio(t.CREATE_SESSION)
+    append = aio(t.APPEND)
+    add_tool_result = aio(t.ADD_TOOL_RESULT)
+    generate = aio(t.GENERATE)
+    evict = aio(t.EVICT)
+    fork = aio(t.FORK)
+    admit_tool_result = aio(t.ADMIT_TOOL_RESULT)
+    working_set = aio(t.WORKING_SET)
+    get_session = aio(t.GET_SESSION)
+    close_session = aio(t.CLOSE_SESSION)
+    fleet_sessions = aio(t.FLEET_SESSIONS)
+    sessions = aio(t.SESSIONS)
 
     async def close(self) -> None:
         await self._channel.close()

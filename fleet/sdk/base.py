@@ -1,10 +1,11 @@
-"""What the sync and asyncio clients share: options, error mapping, request building (the retry policy: retry.py)."""
+"""What the sync and asyncio clients share: options and channel (Transport), error mapping, request building."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
 
@@ -13,6 +14,10 @@ from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2, workers_pb2
 from fleet.errors import InvalidArgument, KvfleetError, Unavailable
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
+from fleet.sdk.sessions import SESSION_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from fleet.sdk.table import Rpc
 
 CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
 _BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
@@ -125,3 +130,31 @@ def route_request(token_ids: Sequence[int], model: str, lora: str | None, probe:
     if probe is not None:
         req.probe = probe
     return req
+
+
+class Transport:
+    """What FleetClient and AsyncFleetClient share: options, the channel, the bearer token, the stubs
+    (arguments: FleetClient)."""
+
+    _grpc: ClassVar[Any] = grpc  # where channels come from: grpc, or grpc.aio
+
+    def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, client_cert: bytes | str | Path | None = None,
+                 client_key: bytes | str | Path | None = None, timeout: float = 10.0,
+                 blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
+        self.retry = retry or RetryPolicy()
+        self._md = metadata(token)
+        creds = credentials(tls, root_certificates, client_cert, client_key)
+        self._channel = (self._grpc.secure_channel(target, creds, options) if creds
+                         else self._grpc.insecure_channel(target, options))
+        self._stubs: dict[Any, Any] = {}
+
+    def _stub_method(self, rpc: Rpc[..., Any]) -> tuple[Callable[..., Any], float]:
+        """The stub's callable for `rpc`, and its per-attempt deadline (seconds)."""
+        stub = self._stubs.get(rpc.stub)
+        if stub is None:
+            stub = self._stubs[rpc.stub] = rpc.stub(self._channel)
+        per = {"unary": self.timeout, "blob": self.blob_timeout, "session": SESSION_TIMEOUT_S}[rpc.timeout]
+        return getattr(stub, rpc.method), per

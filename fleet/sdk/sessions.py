@@ -1,4 +1,5 @@
-"""Session calls of the SDK: typed results and the mixins FleetClient / AsyncFleetClient inherit.
+"""Session calls of the SDK: typed results and the request builders of the session rows of the
+table (fleet/sdk/table.py), which FleetClient and AsyncFleetClient run.
 
     with FleetClient("127.0.0.1:50051", token=tok) as c:
         c.create_session("agent-0", "You are a careful agent.")
@@ -18,19 +19,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 import numpy as np
 
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
-from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.errors import InvalidArgument
-from fleet.sdk import base
 
-T = TypeVar("T")
 SESSION_TIMEOUT_S = 120.0  # a fork or a regeneration replays a whole op log
 
 
@@ -201,7 +198,7 @@ def admission(r: pb.AdmitToolResultResponse) -> Admission:
     return Admission(r.verdict, tuple(r.reasons), r.evicted, w)
 
 
-def working_set(r: pb.WorkingSetResponse) -> WorkingSetResult:
+def working_set_result(r: pb.WorkingSetResponse) -> WorkingSetResult:
     items = tuple(WorkingSetItem(piece(i.piece), i.verdict, i.reason) for i in r.items)
     return WorkingSetResult(items, r.tokens_reused, r.tokens_to_prefill)
 
@@ -225,152 +222,65 @@ def append_request(session_id: str, content: str | Sequence[int], role: str, ret
     return req
 
 
-# -- the mixins -------------------------------------------------------------------------------
+# -- request builders: the session calls' signatures (fleet/sdk/table.py) --------------------------
 
-class _Base:
-    _channel: Any
-    _md: tuple[tuple[str, str], ...]
-    target: str
-
-    @property
-    def _sessions_stub(self) -> SessionServiceStub:
-        stub = self.__dict__.get("_session_service")
-        if stub is None:
-            stub = self.__dict__["_session_service"] = SessionServiceStub(self._channel)
-        return stub
+def create_session(session_id: str, system_prompt: str) -> pb.CreateSessionRequest:
+    """Place and start a session whose first piece is `system_prompt`."""
+    return pb.CreateSessionRequest(session_id=session_id, system_prompt=system_prompt)
 
 
-class SessionsMixin(_Base):
-    """Session calls of FleetClient (the tenant is the token's)."""
+def append(session_id: str, content: str | Sequence[int], *, role: str = "user", return_logits: bool = False,
+           op_id: str | None = None) -> pb.AppendRequest:
+    """Append a message (text, with its role) or model output (token ids).
 
-    _call: Callable[..., Any]
-
-    def _once(self, method: str, req: Any) -> Any:
-        try:
-            return getattr(self._sessions_stub, method)(req, timeout=SESSION_TIMEOUT_S, metadata=self._md)
-        except grpc.RpcError as e:
-            raise base.to_error(e, method, self.target) from e
-
-    def _retried(self, method: str, req: Any) -> Any:
-        fn = getattr(self._sessions_stub, method)
-        return self._call(method, lambda t: fn(req, timeout=t, metadata=self._md), SESSION_TIMEOUT_S)
-
-    def create_session(self, session_id: str, system_prompt: str) -> SessionRow:
-        """Place and start a session whose first piece is `system_prompt`."""
-        r = self._once("CreateSession", pb.CreateSessionRequest(session_id=session_id, system_prompt=system_prompt))
-        return session_row(r.session)
-
-    def append(self, session_id: str, content: str | Sequence[int], *, role: str = "user",
-               return_logits: bool = False, op_id: str | None = None) -> AppendResult:
-        """Append a message (text, with its role) or model output (token ids).
-
-        Idempotent on `op_id` (drawn if not given): retried on UNAVAILABLE; an op already applied
-        is answered with its piece and `replayed=True`."""
-        return append_result(self._retried("Append", append_request(session_id, content, role, return_logits, op_id)))
-
-    def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False,
-                        op_id: str | None = None) -> AppendResult:
-        """Append a tool result stored in the CAS (put_blob first); quarantined refs are refused.
-        Idempotent on `op_id`, as `append`."""
-        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits,
-                               op_id=new_op_id(op_id))
-        return append_result(self._retried("Append", req))
-
-    def generate(self, session_id: str, num_tokens: int, *, op_id: str | None = None) -> list[int]:
-        """Greedy-decode `num_tokens` tokens, appended to the session as one output piece.
-        Idempotent on `op_id`, as `append` (a retry returns the tokens generated the first time)."""
-        req = pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens, op_id=new_op_id(op_id))
-        return list(self._retried("Generate", req).token_ids)
-
-    def evict(self, session_id: str, piece_id: int, mode: str = "exact") -> EvictResult:
-        return evict_result(self._once("Evict", pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)))
-
-    def fork(self, session_id: str, child_id: str) -> SessionRow:
-        return session_row(self._once("Fork", pb.ForkRequest(session_id=session_id, child_id=child_id)).session)
-
-    def admit_tool_result(self, session_id: str, ref: Any) -> Admission:
-        """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness."""
-        return admission(self._once("AdmitToolResult", pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))))
-
-    def working_set(self, session_id: str, budget_tokens: int) -> WorkingSetResult:
-        return working_set(self._retried("WorkingSet", pb.WorkingSetRequest(session_id=session_id,
-                                                                          budget_tokens=budget_tokens)))
-
-    def get_session(self, session_id: str, *, include_tokens: bool = False) -> SessionState:
-        r = self._retried("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
-        return SessionState(session_row(r.session), r.digest, tuple(r.token_ids))
-
-    def close_session(self, session_id: str) -> None:
-        self._once("CloseSession", pb.CloseSessionRequest(session_id=session_id))
-
-    def fleet_sessions(self, fleet: bool = True, tenant: str | None = None) -> FleetSessions:
-        """Sessions (and, for the operator, kernel nodes) across the fleet."""
-        r = self._retried("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
-        return FleetSessions(tuple(map(session_row, r.sessions)), tuple(map(node_row, r.nodes)))
-
-    def sessions(self, fleet: bool = True, tenant: str | None = None) -> list[SessionRow]:
-        return list(self.fleet_sessions(fleet, tenant).sessions)
+    Idempotent on `op_id` (drawn if not given): retried on UNAVAILABLE; an op already applied
+    is answered with its piece and `replayed=True`."""
+    return append_request(session_id, content, role, return_logits, op_id)
 
 
-class AsyncSessionsMixin(_Base):
-    """Session calls of AsyncFleetClient (same surface, coroutines)."""
+def add_tool_result(session_id: str, ref: Any, *, return_logits: bool = False,
+                    op_id: str | None = None) -> pb.AppendRequest:
+    """Append a tool result stored in the CAS (put_blob first); quarantined refs are refused.
+    Idempotent on `op_id`, as `append`."""
+    return pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits,
+                            op_id=new_op_id(op_id))
 
-    _call: Callable[..., Awaitable[Any]]
 
-    async def _once(self, method: str, req: Any) -> Any:
-        try:
-            return await getattr(self._sessions_stub, method)(req, timeout=SESSION_TIMEOUT_S, metadata=self._md)
-        except grpc.RpcError as e:
-            raise base.to_error(e, method, self.target) from e
+def generate(session_id: str, num_tokens: int, *, op_id: str | None = None) -> pb.GenerateRequest:
+    """Greedy-decode `num_tokens` tokens, appended to the session as one output piece.
+    Idempotent on `op_id`, as `append` (a retry returns the tokens generated the first time)."""
+    return pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens, op_id=new_op_id(op_id))
 
-    async def _retried(self, method: str, req: Any) -> Any:
-        fn = getattr(self._sessions_stub, method)
-        return await self._call(method, lambda t: fn(req, timeout=t, metadata=self._md), SESSION_TIMEOUT_S)
 
-    async def create_session(self, session_id: str, system_prompt: str) -> SessionRow:
-        req = pb.CreateSessionRequest(session_id=session_id, system_prompt=system_prompt)
-        return session_row((await self._once("CreateSession", req)).session)
+def evict(session_id: str, piece_id: int, mode: str = "exact") -> pb.EvictRequest:
+    return pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)
 
-    async def append(self, session_id: str, content: str | Sequence[int], *, role: str = "user",
-                     return_logits: bool = False, op_id: str | None = None) -> AppendResult:
-        req = append_request(session_id, content, role, return_logits, op_id)
-        return append_result(await self._retried("Append", req))
 
-    async def add_tool_result(self, session_id: str, ref: Any, *, return_logits: bool = False,
-                              op_id: str | None = None) -> AppendResult:
-        req = pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits,
-                               op_id=new_op_id(op_id))
-        return append_result(await self._retried("Append", req))
+def fork(session_id: str, child_id: str) -> pb.ForkRequest:
+    return pb.ForkRequest(session_id=session_id, child_id=child_id)
 
-    async def generate(self, session_id: str, num_tokens: int, *, op_id: str | None = None) -> list[int]:
-        req = pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens, op_id=new_op_id(op_id))
-        return list((await self._retried("Generate", req)).token_ids)
 
-    async def evict(self, session_id: str, piece_id: int, mode: str = "exact") -> EvictResult:
-        req = pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)
-        return evict_result(await self._once("Evict", req))
+def admit_tool_result(session_id: str, ref: Any) -> pb.AdmitToolResultRequest:
+    """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness."""
+    return pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))
 
-    async def fork(self, session_id: str, child_id: str) -> SessionRow:
-        return session_row((await self._once("Fork", pb.ForkRequest(session_id=session_id, child_id=child_id))).session)
 
-    async def admit_tool_result(self, session_id: str, ref: Any) -> Admission:
-        req = pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))
-        return admission(await self._once("AdmitToolResult", req))
+def working_set(session_id: str, budget_tokens: int) -> pb.WorkingSetRequest:
+    return pb.WorkingSetRequest(session_id=session_id, budget_tokens=budget_tokens)
 
-    async def working_set(self, session_id: str, budget_tokens: int) -> WorkingSetResult:
-        req = pb.WorkingSetRequest(session_id=session_id, budget_tokens=budget_tokens)
-        return working_set(await self._retried("WorkingSet", req))
 
-    async def get_session(self, session_id: str, *, include_tokens: bool = False) -> SessionState:
-        r = await self._retried("GetSession", pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens))
-        return SessionState(session_row(r.session), r.digest, tuple(r.token_ids))
+def get_session(session_id: str, *, include_tokens: bool = False) -> pb.GetSessionRequest:
+    return pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens)
 
-    async def close_session(self, session_id: str) -> None:
-        await self._once("CloseSession", pb.CloseSessionRequest(session_id=session_id))
 
-    async def fleet_sessions(self, fleet: bool = True, tenant: str | None = None) -> FleetSessions:
-        r = await self._retried("ListSessions", pb.ListSessionsRequest(fleet=fleet, tenant=tenant or ""))
-        return FleetSessions(tuple(map(session_row, r.sessions)), tuple(map(node_row, r.nodes)))
+def close_session(session_id: str) -> pb.CloseSessionRequest:
+    return pb.CloseSessionRequest(session_id=session_id)
 
-    async def sessions(self, fleet: bool = True, tenant: str | None = None) -> list[SessionRow]:
-        return list((await self.fleet_sessions(fleet, tenant)).sessions)
+
+def fleet_sessions(fleet: bool = True, tenant: str | None = None) -> pb.ListSessionsRequest:
+    """Sessions (and, for the operator, kernel nodes) across the fleet."""
+    return pb.ListSessionsRequest(fleet=fleet, tenant=tenant or "")
+
+
+def sessions(fleet: bool = True, tenant: str | None = None) -> pb.ListSessionsRequest:
+    return fleet_sessions(fleet, tenant)

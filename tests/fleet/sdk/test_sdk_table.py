@@ -1,0 +1,198 @@
+"""The SDK's table (fleet/sdk/table.py) and the two transports that run it, without a server: fake
+stubs stand in for the controller's services."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
+from fleet.api.kvfleet.v1 import sessions_pb2 as spb
+from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
+from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
+from fleet.errors import InvalidArgument, KvfleetError, NotFound, Unavailable
+from fleet.sdk import AsyncFleetClient, BlobRef, FleetClient, RetryPolicy, base
+from fleet.sdk import table as t
+from fleet.sdk.sessions import SESSION_TIMEOUT_S
+
+FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, jitter=0.0, deadline_s=300.0)  # per-attempt deadlines win
+SENT_ONCE = {"create_session", "evict", "fork", "admit_tool_result", "close_session"}  # docs/api.md
+
+
+class Status(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_every_row_is_a_method_of_both_clients_with_its_builders_signature() -> None:
+    assert len({r.name for r in t.TABLE}) == len(t.TABLE) == 25
+    for rpc in t.TABLE:
+        want = list(inspect.signature(rpc.request).parameters.values())
+        for cls in (FleetClient, AsyncFleetClient):
+            method = getattr(cls, rpc.name)
+            assert method.__name__ == rpc.name and method.__doc__ == rpc.request.__doc__
+            assert list(inspect.signature(method).parameters.values())[1:] == want
+            assert inspect.iscoroutinefunction(method) == (cls is AsyncFleetClient)
+    public = {n for n in dir(FleetClient) if not n.startswith("_")}
+    assert public == {n for n in dir(AsyncFleetClient) if not n.startswith("_")}
+    assert public == {r.name for r in t.TABLE} | {"close"}
+
+
+def test_only_idempotent_calls_are_retried() -> None:
+    assert {r.name for r in t.TABLE if not r.retry} == SENT_ONCE
+    assert {r.name for r in t.TABLE if r.timeout == "session"} == {r.name for r in t.TABLE
+                                                                  if r.stub is SessionServiceStub}
+    assert {(r.name, r.streaming) for r in t.TABLE if r.streaming != "unary"} == {("put_blob", "client"),
+                                                                                  ("get_blob", "server")}
+
+
+def test_builders_validate_before_any_io_and_draw_one_op_id_per_call() -> None:
+    with pytest.raises(InvalidArgument, match="token ids"):
+        t.route([-1], model="m")
+    assert t.route([1, 2], "m", probe=False) == route_pb2.RouteRequest(token_ids=[1, 2], model="m", probe=False)
+    a, b = t.APPEND.request("s", "hi"), t.APPEND.request("s", "hi")
+    assert a.op_id and b.op_id and a.op_id != b.op_id and a.text == "hi" and a.role == "user"
+    assert t.GENERATE.request("s", 4, op_id="turn-7").op_id == "turn-7"
+    with pytest.raises(InvalidArgument, match="op_id must be a str"):
+        t.ADD_TOOL_RESULT.request("s", "ab" * 32, op_id=7)  # type: ignore[arg-type]
+
+
+def test_a_put_stream_is_opened_afresh_for_each_attempt() -> None:
+    data = b"x" * (base.CHUNK + 5)
+    req = t.PUT_BLOB.request(data)
+    first, second = list(t.PUT_BLOB.wire(req)), list(t.PUT_BLOB.wire(req))
+    assert first == second and len(first) == 3
+    assert first[0].header.size == len(data) and first[0].header.expected_ref == hashlib.sha256(data).hexdigest()
+    assert t.PUT_BLOB.request(data, verify=False)().__next__().header.expected_ref == ""
+
+
+# -- both transports against fake stubs ------------------------------------------------------------
+
+class FakeBlobs:
+    """BlobService: each method fails with the queued statuses first, then answers."""
+
+    def __init__(self, fails: list[grpc.StatusCode], data: bytes, aio: bool) -> None:
+        self.fails, self.data, self.aio = list(fails), data, aio
+        self.calls: list[tuple[str, float]] = []
+
+    def _attempt(self, method: str, timeout: float) -> None:
+        self.calls.append((method, timeout))
+        if self.fails:
+            code = self.fails.pop(0)
+            raise Status(code, f"{method}: {code.name.lower()}")
+
+    def PutBlob(self, requests: Iterator[blobs_pb2.PutBlobRequest], *, timeout: float, metadata: Any) -> Any:
+        msgs = list(requests)  # the stream is read before the answer (or the failure)
+        self._attempt("PutBlob", timeout)
+        got = b"".join(m.chunk for m in msgs[1:])
+        assert hashlib.sha256(got).hexdigest() == msgs[0].header.expected_ref
+        return self._reply(blobs_pb2.PutBlobResponse(ref=msgs[0].header.expected_ref, size=len(got)))
+
+    def GetBlob(self, req: blobs_pb2.GetBlobRequest, *, timeout: float, metadata: Any) -> Any:
+        chunks = [blobs_pb2.GetBlobResponse(chunk=self.data[i:i + 4]) for i in range(0, len(self.data), 4)]
+        if not self.aio:
+            self._attempt("GetBlob", timeout)
+            return iter(chunks)
+
+        async def stream() -> AsyncIterator[blobs_pb2.GetBlobResponse]:
+            self._attempt("GetBlob", timeout)
+            for c in chunks:
+                yield c
+        return stream()
+
+    def _reply(self, r: Any) -> Any:
+        if not self.aio:
+            return r
+
+        async def answer() -> Any:
+            return r
+        return answer()
+
+
+class FakeSessions(FakeBlobs):
+    def CreateSession(self, req: spb.CreateSessionRequest, *, timeout: float, metadata: Any) -> Any:
+        self._attempt("CreateSession", timeout)
+        return self._reply(spb.CreateSessionResponse(session=spb.SessionRow(session_id=req.session_id)))
+
+    def Append(self, req: spb.AppendRequest, *, timeout: float, metadata: Any) -> Any:
+        self._attempt(f"Append {req.op_id}", timeout)
+        return self._reply(spb.AppendResponse(num_tokens=len(req.text), op_index=3))
+
+
+def client(cls: type[Any], fake: FakeBlobs) -> Any:
+    c = cls("127.0.0.1:1", token="kvf_t", retry=FAST, timeout=7.0, blob_timeout=60.0)
+    c._stubs.update({BlobServiceStub: fake, SessionServiceStub: fake})
+    return c
+
+
+async def drive(cls: type[Any], fails: list[grpc.StatusCode], call: str, *args: Any, data: bytes = b"",
+                **kwargs: Any) -> tuple[Any, FakeSessions]:
+    fake = FakeSessions(fails, data, aio=cls is AsyncFleetClient)
+    c = client(cls, fake)
+    try:
+        out = getattr(c, call)(*args, **kwargs)
+        return (await out if fake.aio else out), fake
+    finally:
+        await c.close() if fake.aio else c.close()
+
+
+CLIENTS = pytest.mark.parametrize("cls", [FleetClient, AsyncFleetClient])
+U, NF = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND
+
+
+@CLIENTS
+async def test_unavailable_is_retried_with_a_fresh_stream_each_attempt(cls: type[Any]) -> None:
+    ref, fake = await drive(cls, [U, U], "put_blob", b"tool output")
+    assert ref == BlobRef(hashlib.sha256(b"tool output").hexdigest(), 11)
+    assert fake.calls == [("PutBlob", 60.0)] * 3
+
+
+@CLIENTS
+async def test_a_server_stream_is_read_whole_and_checked(cls: type[Any]) -> None:
+    data = b"0123456789abcdef!"
+    ref = hashlib.sha256(data).hexdigest()
+    got, fake = await drive(cls, [U], "get_blob", ref, data=data)
+    assert got == data and fake.calls == [("GetBlob", 60.0)] * 2
+    with pytest.raises(KvfleetError, match="arrived corrupted"):
+        await drive(cls, [], "get_blob", "ab" * 32, data=data)
+    assert (await drive(cls, [], "get_blob", "ab" * 32, data=data, verify=False))[0] == data
+
+
+@CLIENTS
+async def test_other_statuses_are_raised_at_once_as_fleet_errors(cls: type[Any]) -> None:
+    with pytest.raises(NotFound, match="GetBlob: not_found"):
+        await drive(cls, [NF, U], "get_blob", "ab" * 32)
+
+
+@CLIENTS
+async def test_exhausted_retries_raise_unavailable_naming_the_attempts(cls: type[Any]) -> None:
+    with pytest.raises(Unavailable, match=r"PutBlob: controller at 127.0.0.1:1 unavailable after 4 attempt"):
+        await drive(cls, [U] * 9, "put_blob", b"x")
+
+
+@CLIENTS
+async def test_an_append_keeps_its_op_id_across_retries(cls: type[Any]) -> None:
+    r, fake = await drive(cls, [U, U], "append", "s1", "hello")
+    assert (r.num_tokens, r.op_index, r.piece) == (5, 3, None)
+    assert len({m for m, _ in fake.calls}) == 1 and len(fake.calls) == 3
+    assert fake.calls[0][1] == SESSION_TIMEOUT_S
+
+
+@CLIENTS
+async def test_a_call_sent_once_is_not_retried(cls: type[Any]) -> None:
+    with pytest.raises(Unavailable, match="^CreateSession: unavailable$") as ei:
+        await drive(cls, [U], "create_session", "s1", "sys")
+    assert "attempt" not in str(ei.value)
+    row, fake = await drive(cls, [], "create_session", "s1", "sys")
+    assert row.session_id == "s1" and fake.calls == [("CreateSession", SESSION_TIMEOUT_S)]
