@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
@@ -61,6 +62,19 @@ class RankIndex:
         return sum(len(s) for s in self.tiers.values())
 
 
+class IndexSink(Protocol):
+    """What a watcher may do to the router's index: apply its ranks' events in stream order, drop
+    a rank (epoch bump), and read what a capacity check needs. PrefixIndex implements it."""
+
+    def apply(self, key: RankKey, ev: Event) -> None: ...
+
+    def drop(self, key: RankKey) -> None: ...
+
+    def num_blocks(self, key: RankKey) -> int: ...
+
+    def held_and_new(self, key: RankKey, ev: BlockStored) -> tuple[int, int]: ...
+
+
 class PrefixIndex:
     """All ranks' resident hashes; `match` walks a request's hash chain from block 0."""
 
@@ -85,6 +99,14 @@ class PrefixIndex:
             r.remove(ev)
         elif isinstance(ev, AllBlocksCleared):
             r.clear()
+
+    def held_and_new(self, key: RankKey, ev: BlockStored) -> tuple[int, int]:
+        """For a capacity check: the blocks the rank holds where `ev` would go (every GPU group for a
+        GPU store, else `ev`'s tier), and how many of `ev`'s hashes are not there yet."""
+        tier = tier_of(ev.group_idx, ev.medium)
+        r = self._ranks.get(key) or RankIndex()
+        held = r.num_gpu_blocks() if tier[1] == "GPU" else len(r.tiers.get(tier, ()))
+        return held, len(set(ev.block_hashes) - r.tiers.get(tier, set()))
 
     def drop(self, key: RankKey) -> None:
         """Forget everything about a rank (epoch bump)."""

@@ -3,8 +3,12 @@
 A WARM verdict needs both: the (worker, dp_rank) is serving (not asleep, not paused, healthy),
 and the request's leading blocks are resident on its GPU tier under the current epoch. Every
 decision carries the epoch it was computed under. The worker registry and each rank's epoch and
-last seq live in the store, so a new Router on the same store knows every worker, trusts no
-warmth and rebuilds its index by replay from the persisted seq.
+last seq live in the store (controller/registry.py), so a new Router on the same store knows
+every worker, trusts no warmth and rebuilds its index by replay from the persisted seq. The
+router's own store calls run off the event loop (`blocking`).
+
+The router reads a worker through `Worker.view()` only (a frozen WorkerView per decision), and
+watchers change the index through `IndexSink` only.
 
 Among the serving candidates the cheapest wins (controller/cost.py, docs/routing.md): prefill
 tokens there, plus the work queued there (what this router sent and has not seen end: released
@@ -16,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import re
 import secrets
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,17 +37,17 @@ from controller.cost import Branches, CandidateState, CostConfig, CostTerms, Fli
 from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
+from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.vllm.hashing import ALGOS, external_chain
 from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.subscriber import StreamLimits
-from controller.vllm.watcher import Worker
+from controller.vllm.watcher import Worker, WorkerView
 from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from fleet.lifecycle import RankState, Witness
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_HTTP = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")
-_ZMQ = re.compile(r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+|inproc://\S+)$")
+__all__ = ["Candidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
+Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
 _ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 log = logging.getLogger(__name__)
@@ -57,49 +60,6 @@ class RouterConfig:
     http_timeout_s: float = 2.0
     stream: StreamLimits = field(default_factory=StreamLimits)
     cost: CostConfig = field(default_factory=CostConfig)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """A vLLM worker as registered: HTTP URL, KV-event PUB and replay endpoints, hash settings.
-
-    `hash_algo` None means "read it from the worker" (/server_info, else vllm:cache_config_info);
-    registration stores the algorithm it found, and refuses a spec the worker contradicts.
-    """
-
-    name: str
-    url: str
-    kv_events: str
-    replay: str | None
-    model: str
-    dp_ranks: int = 1
-    block_size: int | None = None
-    hash_algo: str | None = None
-    hash_seed: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise InvalidArgument(f"worker name {self.name!r} must match {_NAME.pattern}")
-        if not isinstance(self.url, str) or not _HTTP.match(self.url):
-            raise InvalidArgument(f"worker url {self.url!r} must look like http://host:port")
-        if not isinstance(self.kv_events, str) or not _ZMQ.match(self.kv_events):
-            raise InvalidArgument(f"kv_events {self.kv_events!r} must be a ZMQ endpoint like tcp://host:5557")
-        if self.replay is not None and self.replay != "" and not _ZMQ.match(str(self.replay)):
-            raise InvalidArgument(
-                f"replay {self.replay!r} must be a ZMQ endpoint like tcp://host:5558, or empty"
-            )
-        if not isinstance(self.model, str) or not self.model:
-            raise InvalidArgument("worker model must be a non-empty string (the served model name)")
-        if not isinstance(self.dp_ranks, int) or not 1 <= self.dp_ranks <= 256:
-            raise InvalidArgument(f"dp_ranks must be 1..256, got {self.dp_ranks!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
-            raise InvalidArgument(f"block_size must be a positive int or None, got {self.block_size!r}")
-        if self.hash_algo is not None and self.hash_algo not in ALGOS:
-            raise InvalidArgument(
-                f"hash_algo must be one of {', '.join(ALGOS)} (xxhash cannot be recomputed)"
-            )
-        if self.replay == "":
-            object.__setattr__(self, "replay", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +115,16 @@ class _Ranking(NamedTuple):
 
 
 class Router:
-    """The domain object the gRPC servicers call. Single event loop; no threads."""
+    """The domain object the gRPC servicers call. Single event loop; its own store calls (start,
+    registration) run through `blocking`, the controller's store threads (asyncio.to_thread alone)."""
 
     def __init__(
-        self, store: Any, metrics: Metrics | None = None, config: RouterConfig | None = None
+        self, store: KvStore, metrics: Metrics | None = None, config: RouterConfig | None = None,
+        blocking: Blocking | None = None,
     ) -> None:
         self.store, self.metrics, self.cfg = store, metrics or Metrics(), config or RouterConfig()
+        self.registry, self.epochs = WorkerRegistry(store), EpochTable(store)
+        self._blocking: Blocking = blocking or asyncio.to_thread
         self.index = PrefixIndex()
         self._workers: dict[str, Worker] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -186,34 +150,33 @@ class Router:
         """
         self._session = aiohttp.ClientSession()
         self._zctx = zmq.asyncio.Context()
-        for name, raw in sorted(self.store.kv_scan("workers").items()):
+        for name, raw in await self._blocking(self.registry.entries):
             try:
-                spec = WorkerSpec(**json.loads(raw))
+                spec = self.registry.decode(raw)
             except Exception:
                 self.metrics.worker_errors.labels("start").inc()
                 log.exception("worker %r: its stored spec is unreadable; skipped (re-register it)", name)
                 continue
-            w = self._resume(spec)
+            w = self._new_worker(spec, await self._blocking(self._resumed_ranks, spec))
             try:
                 await w.start(catch_up=True)
             except Exception as e:
                 w.errors.failed("start", e)
                 w.mark_down_contained("start_error")
 
-    def _resume(self, spec: WorkerSpec) -> Worker:
-        """A known worker with its persisted rank states (a corrupt one reads as a fresh, cold rank)."""
+    def _resumed_ranks(self, spec: WorkerSpec) -> dict[int, RankState]:
+        """A known worker's persisted rank states (a corrupt one reads as a fresh, cold rank). Blocking."""
         ranks = {}
         for r in range(spec.dp_ranks):
             try:
-                saved = self.store.kv_get("epochs", f"{spec.name}/{r}")
-                st = RankState.from_json(json.loads(saved)) if saved else RankState()
+                st = self.epochs.get(spec.name, r) or RankState()
                 _check_rank_state(st)
             except Exception:
                 self.metrics.worker_errors.labels("start").inc()
                 log.exception("worker %s rank %d: persisted state unreadable; starting it cold", spec.name, r)
                 st = RankState()
             ranks[r] = dataclasses.replace(st, serving=False)  # trust nothing until seen
-        return self._new_worker(spec, ranks)
+        return ranks
 
     async def stop(self) -> None:
         for w in list(self._workers.values()):
@@ -256,15 +219,8 @@ class Router:
                 return self._status(known, 0)
             raise AlreadyExists(f"worker {spec.name!r} is registered with another spec; unregister it first")
         spec = await self._agreed(spec)
-        self.store.kv_put("workers", spec.name, json.dumps(dataclasses.asdict(spec)).encode())
-        ranks = {}
-        for r in range(spec.dp_ranks):
-            prior = self.store.kv_get(
-                "epochs", f"{spec.name}/{r}"
-            )  # epochs stay monotonic across re-registration
-            epoch = RankState.from_json(json.loads(prior)).epoch + 1 if prior else 0
-            ranks[r] = RankState(epoch=epoch)
-            self.store.kv_put("epochs", f"{spec.name}/{r}", json.dumps(ranks[r].to_json()).encode())
+        await self._blocking(self.registry.put, spec)
+        ranks = await self._blocking(self.epochs.next_epochs, spec)  # epochs stay monotonic across re-registration
         w = await self._launch(spec, ranks, catch_up=False)
         return self._status(w, 0)
 
@@ -296,12 +252,16 @@ class Router:
     async def unregister_worker(self, name: str) -> None:
         w = self._get(name)
         await w.stop()
-        del self._workers[name]
-        self.index.drop_worker(name)
-        self._ended(self.flights.drop_worker(name), "unregistered")
-        for r in w.ranks:
-            self.demand.forget_rank((name, r))
-        self.store.kv_delete("workers", name)  # NOTE: its epochs stay, so a re-registration continues them
+        try:
+            # NOTE: deleted before the worker leaves memory: a registration of the same name that
+            # starts meanwhile sees it still known, so the delete cannot land after its put
+            await self._blocking(self.registry.delete, name)
+        finally:
+            del self._workers[name]
+            self.index.drop_worker(name)
+            self._ended(self.flights.drop_worker(name), "unregistered")
+            for r in w.ranks:
+                self.demand.forget_rank((name, r))
 
     def _get(self, name: str) -> Worker:
         w = self._workers.get(name)
@@ -353,21 +313,21 @@ class Router:
 
     def _status(self, w: Worker, r: int) -> WorkerStatus:
         """One rank's row; every field checked for its wire type (a bad one raises here, not in proto)."""
-        st, key = w.ranks[r], (w.spec.name, r)
+        st, v, key = w.ranks[r], w.view(), (w.spec.name, r)
         return WorkerStatus(
-            w.spec.name,
-            w.spec.url,
-            w.spec.model,
+            v.name,
+            v.url,
+            v.model,
             r,
             _typed(st.phase, str),
             _typed(st.kv, str),
             _typed(st.serving, bool),
-            _typed(w.warmable(r), bool) and bool(self.index.resident(key)),
+            _typed(v.rank(r).warmable, bool) and bool(self.index.resident(key)),
             _typed(st.epoch, int),
             _typed(st.seq, int),
             self.index.num_blocks(key),
-            float(w.load.running + w.load.waiting),
-            float(w.load.kv_usage),
+            float(v.load.running + v.load.waiting),
+            float(v.load.kv_usage),
             _typed(st.fence, str),
             w.spec,
         )
@@ -433,14 +393,14 @@ class Router:
         )
         self._observe(token_ids, t, cands)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
-        w = self._workers[name]
+        v = self._workers[name].view()
         return RouteDecision(
             name,
-            w.spec.url,
+            v.url,
             r,
             "WARM" if t.cached_tokens else "COLD",
             t.cached_tokens,
-            w.ranks[r].epoch,
+            v.rank(r).epoch,
             cands,
             route_id,
             t,
@@ -480,7 +440,7 @@ class Router:
 
     def _gauge(self, worker: str) -> None:
         w = self._workers.get(worker)
-        loads = [self.flights.load((worker, r)) for r in (w.ranks if w is not None else (0,))]
+        loads = [self.flights.load((worker, r)) for r in (range(w.spec.dp_ranks) if w is not None else (0,))]
         self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 
@@ -489,14 +449,14 @@ class Router:
         jobs: dict[Any, Any] = {}
         for w in self._workers.values():
             try:
-                adapter = lora or (model if model in w.loras else None)
-                if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
+                v = w.view()
+                adapter = v.adapter(model, lora)
+                if adapter is False:
                     continue
-                if w.hash_cfg is not None and not w.transitioning and any(w.ranks[r].serving for r in w.ranks):
-                    lk = (adapter, w.loras[adapter]) if adapter else None
-                    jobs[(w.hash_cfg, adapter, w.loras.get(adapter or ""))] = (w.hash_cfg, lk)
-            except Exception as e:  # contained: _rank drops this worker too
-                w.errors.failed("route", e)
+                if v.hash_cfg is not None and any(rv.serving for rv in v.ranks):
+                    jobs[v.chain_key(adapter)] = (v.hash_cfg, v.lora_key(adapter))
+            except Exception:  # NOTE: contained and counted once, by _rank, which takes the same view
+                continue
         return jobs
 
     def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
@@ -512,33 +472,32 @@ class Router:
         seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
         for name, w in self._workers.items():
             try:
-                adapter = lora or (model if model in w.loras else None)
-                if model != w.spec.model and model not in w.loras or (adapter and adapter not in w.loras):
+                v = w.view()
+                adapter = v.adapter(model, lora)
+                if adapter is False:
                     continue
-                ranks = [r for r in w.ranks if w.ranks[r].serving is True and not w.transitioning]
                 mine: list[CandidateState] = []
-                for r in ranks:
-                    key, chain, ext = (name, r), None, None
-                    proven = w.warmable(r) and w.hash_cfg is not None
-                    if proven and w.hash_cfg is not None:
-                        ck = (w.hash_cfg, adapter, w.loras.get(adapter or ""))
+                for rv in (rv for rv in v.ranks if rv.serving):
+                    key, chain, ext = (name, rv.dp_rank), None, None
+                    proven = rv.warmable
+                    if proven and v.hash_cfg is not None:
+                        ck = v.chain_key(adapter)
                         hit = chains.get(ck)
                         if hit is None:
-                            lk = (adapter, w.loras[adapter]) if adapter else None
                             chain = (pre or {}).get(ck)
                             if chain is None:
-                                chain = external_chain(w.hash_cfg, token_ids, lora=lk, cache_salt=salt)
+                                chain = external_chain(v.hash_cfg, token_ids, lora=v.lora_key(adapter), cache_salt=salt)
                             nshared = self.branches.observe(chain)
                             prev = self.demand.previous(chain)
                             hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
-                            shared = max(shared, nshared * w.hash_cfg.block_size)
+                            shared = max(shared, nshared * v.hash_cfg.block_size)
                         chain, ext, nshared, prev = hit
                         last[key] = chain[-1] if chain else None
                         placed[key] = (hit[0], nshared)
                         need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
                     else:
                         need = -1
-                    mine.append(self._state(w, key, proven, chain, ext, seed, need))
+                    mine.append(self._state(v, key, proven, chain, ext, seed, need))
             except Exception as e:  # one worker's bad state costs that worker its candidacy, no more
                 w.errors.failed("route", e)
                 continue
@@ -548,7 +507,7 @@ class Router:
 
     def _state(
         self,
-        w: Worker,
+        w: WorkerView,
         key: RankKey,
         proven: bool,
         chain: list[int] | None,
@@ -598,8 +557,8 @@ class Router:
                 return ranking  # probed during this call and still the best choice
             tried.add(name)
             w = self._workers[name]
-            epoch = w.ranks[r].epoch
-            if await w.probe() and w.ranks[r].epoch == epoch:
+            epoch = w.view().rank(r).epoch
+            if await w.probe() and w.view().rank(r).epoch == epoch:
                 return ranking
             self.metrics.stale_route_guard.labels("probe").inc()
             ranking = self._rank(token_ids, model, salt, lora)

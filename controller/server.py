@@ -107,7 +107,8 @@ class Controller:
         if self.cfg.start_router and self.ctx.router is None:
             from controller.router import Router, RouterConfig
 
-            router = Router(self.ctx.store, self.ctx.metrics, self._router_config or RouterConfig())
+            router = Router(self.ctx.store, self.ctx.metrics, self._router_config or RouterConfig(),
+                            blocking=self.ctx.blocking)  # its store calls share the store's threads
             await router.start()
             self.ctx.router = router
         self.ctx.leader = True

@@ -1,9 +1,14 @@
 """One registered vLLM worker: its per-rank lifecycle state, event stream and reconcile loop.
 
-State per (worker, dp_rank) is a `fleet.lifecycle.RankState`, persisted in the store (kv
-namespace "epochs", key "<worker>/<rank>") on every epoch change. The index holds only what
-BlockStored events of the current epoch proved; `fence` makes BlockStored wait for the
-AllBlocksCleared a forgetting verb queued ("clear") or for the restarted publisher ("reset").
+State per (worker, dp_rank) is a `fleet.lifecycle.RankState`, persisted through the EpochTable
+(controller/registry.py) on every epoch change. Every transition of it is a pure function in
+fleet/lifecycle.py that returns a `Transition`; this shell only does the I/O (ZMQ, HTTP, store),
+calls them, and carries out what they ask (`_apply`). The index holds only what BlockStored
+events of the current epoch proved; `fence` makes BlockStored wait for the AllBlocksCleared a
+forgetting verb queued ("clear") or for the restarted publisher ("reset").
+
+The router reads a worker only through `view()` (a frozen WorkerView), and the watcher touches
+the router's index only through `IndexSink` (controller/index.py).
 
 Failures stay with their worker (controller/contain.py): a store write that fails is retried on
 the next tick, a reconcile or tail replay that raises marks this worker down and is counted and
@@ -16,24 +21,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import aiohttp
 import zmq.asyncio
 
 from controller.contain import Contained
-from controller.index import PrefixIndex, tier_of
+from controller.index import IndexSink, tier_of
 from controller.metrics import Metrics
+from controller.registry import EpochTable, KvStore, WorkerSpec
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.hashing import HashConfig, calibrates
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
-from controller.vllm.subscriber import Subscriber
+from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet import lifecycle as lc
 from fleet.errors import FailedPrecondition
-from fleet.lifecycle import RankState, Witness
+from fleet.lifecycle import Look, RankState, Transition, Witness
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,66 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         host, port = endpoint.rsplit(":", 1)
         return f"{host}:{int(port) + rank}"
     return f"{endpoint}_dp{rank}"
+
+
+class WatchConfig(Protocol):
+    """What a watcher reads of the router's configuration (controller.router.RouterConfig)."""
+
+    @property
+    def reconcile_interval_s(self) -> float: ...
+
+    @property
+    def http_timeout_s(self) -> float: ...
+
+    @property
+    def stream(self) -> StreamLimits: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank as the router may see it. `serving`: a candidate (serving, no verb in flight);
+    `warmable`: its index may lower a cost (serving, calibrated, block size known)."""
+
+    dp_rank: int
+    epoch: int
+    serving: bool
+    warmable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A snapshot of one worker for one routing decision: what it serves, how it hashes, its last
+    /metrics look (`load`, taken at monotonic `load_at`) and its ranks."""
+
+    name: str
+    url: str
+    model: str
+    loras: Mapping[str, str]
+    hash_cfg: HashConfig | None
+    load: WorkerMetrics
+    load_at: float | None
+    ranks: tuple[RankView, ...]
+
+    def rank(self, dp_rank: int) -> RankView:
+        rv = self.ranks[dp_rank]
+        assert rv.dp_rank == dp_rank, (rv, dp_rank)
+        return rv
+
+    def adapter(self, model: str, lora: str | None) -> str | None | Literal[False]:
+        """The LoRA adapter a request for `model` (and `lora`) runs here, None for the base model;
+        False: this worker does not serve it."""
+        adapter = lora or (model if model in self.loras else None)
+        if model != self.model and model not in self.loras or (adapter and adapter not in self.loras):
+            return False
+        return adapter
+
+    def lora_key(self, adapter: str | None) -> tuple[str, str] | None:
+        """The (name, path) a LoRA adds to the block hash's extra keys (None: base model)."""
+        return (adapter, self.loras[adapter]) if adapter else None
+
+    def chain_key(self, adapter: str | None) -> tuple[HashConfig | None, str | None, str | None]:
+        """Workers with equal keys hash a prompt to the same block chain (hashed once per decision)."""
+        return (self.hash_cfg, adapter, self.loras.get(adapter or ""))
 
 
 class _Sink:
@@ -65,10 +132,11 @@ class _Sink:
 class Worker:
     """Runtime of one worker. All mutation happens on the event loop (no threads)."""
 
-    def __init__(self, spec: Any, *, store: Any, metrics: Metrics, index: PrefixIndex, cfg: Any,
+    def __init__(self, spec: WorkerSpec, *, store: KvStore, metrics: Metrics, index: IndexSink, cfg: WatchConfig,
                  session: aiohttp.ClientSession, zctx: zmq.asyncio.Context,
                  ranks: dict[int, RankState] | None = None) -> None:
-        self.spec, self.store, self.metrics, self.index, self.cfg = spec, store, metrics, index, cfg
+        self.spec, self.metrics, self.index, self.cfg = spec, metrics, index, cfg
+        self.epochs = EpochTable(store)
         self.http = VllmHttp(spec.url, session, cfg.http_timeout_s)
         self.zctx = zctx
         self.ranks: dict[int, RankState] = ranks or {r: RankState() for r in range(spec.dp_ranks)}
@@ -92,9 +160,16 @@ class Worker:
 
     # persistence
     def persist(self, rank: int) -> None:
-        """Write the rank's state; a store that is down is counted and retried on the next tick."""
+        """Write the rank's state; a store that is down is counted and retried on the next tick.
+
+        NOTE: synchronous, on the event loop, on purpose: it is called from the stream callbacks
+        (on_batch, on_stream_invalidate), which are synchronous, and the store must see one rank's
+        writes in the order the states were made. A write handed to a thread pool could land after a
+        newer one (an older epoch persisted); making it async needs one ordered writer per worker and
+        a flush before each vLLM verb, which changes what a crash loses: not in a no-behaviour-change step.
+        """
         try:
-            self.store.kv_put("epochs", f"{self.spec.name}/{rank}", json.dumps(self.ranks[rank].to_json()).encode())
+            self.epochs.put(self.spec.name, rank, self.ranks[rank])
         except Exception as e:  # the in-memory state stays authoritative (and fails closed) meanwhile
             self._unpersisted.add(rank)
             self.errors.failed("persist", e)
@@ -102,58 +177,53 @@ class Worker:
         self._unpersisted.discard(rank)
         self.errors.ok("persist")
 
-    def _set(self, rank: int, st: RankState, *, persist: bool = True) -> None:
-        self.ranks[rank] = st
-        if persist:
+    def _apply(self, rank: int, t: Transition) -> None:
+        """Carry out one transition: adopt its state, drop the index, count the bump, persist."""
+        self.ranks[rank] = t.state
+        if t.drop_index:
+            self.index.drop((self.spec.name, rank))
+        if t.reason:
+            self.metrics.epoch_bumps.labels(t.reason).inc()
+        if t.persist:
             self.persist(rank)
 
-    # invalidation
-    def invalidate(self, rank: int, reason: str, *, fence: str = "", **changes: Any) -> None:
-        """Epoch bump + index dropped for one rank; nothing is warm until new BlockStored events."""
-        st = self.ranks[rank].invalidate(fence=fence)
-        self.index.drop((self.spec.name, rank))
-        self.metrics.epoch_bumps.labels(reason).inc()
-        self._set(rank, dataclasses.replace(st, **changes))
-
-    def on_stream_invalidate(self, rank: int, reason: str, seq: int | None) -> None:
-        if reason == "seq_reset":
-            self._reset_seen.add(rank)
-            st = dataclasses.replace(self.ranks[rank], seq=-1)
-            self.ranks[rank] = st
-            self.invalidate(rank, reason, fence="")  # a new publisher: no old batch can follow
-            return
-        if seq is not None:
-            self.ranks[rank] = dataclasses.replace(self.ranks[rank], seq=max(seq, self.ranks[rank].seq))
-        self.invalidate(rank, reason, fence=self.ranks[rank].fence)
+    def view(self) -> WorkerView:
+        """What the router reads of this worker for one decision (see WorkerView)."""
+        s = self.spec
+        ranks = tuple(RankView(r, st.epoch, st.serving is True and not self.transitioning, self.warmable(r))
+                      for r, st in self.ranks.items())
+        return WorkerView(s.name, s.url, s.model, self.loras, self.hash_cfg, self.load, self.load_at, ranks)
 
     # events
+    def on_stream_invalidate(self, rank: int, reason: str, seq: int | None) -> None:
+        if reason == "seq_reset":
+            self._reset_seen.add(rank)  # the next look's restart check must not count it again
+        self._apply(rank, self.ranks[rank].stream_invalidated(reason, seq))
+
     def on_batch(self, rank: int, seq: int, batch: EventBatch) -> None:
         key = (self.spec.name, rank)
+        st = self.ranks[rank].at_seq(seq)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
-            self.ranks[rank] = dataclasses.replace(self.ranks[rank], seq=seq)
-            self.invalidate(rank, "wrong_dp_rank")  # another rank's batch on this socket: fail closed
+            self._apply(rank, st.invalidated("wrong_dp_rank"))  # another rank's batch on this socket: fail closed
             return
-        st = dataclasses.replace(self.ranks[rank], seq=seq)
-        bumped = False
+        persist = False
         for ev in batch.events:
             self.metrics.kv_events.labels(type(ev).__name__).inc()
             if isinstance(ev, AllBlocksCleared):
-                st = dataclasses.replace(st, epoch=st.epoch + 1, epoch_seq=seq,
-                                         fence="" if st.fence == "clear" else st.fence)
-                self.metrics.epoch_bumps.labels("all_blocks_cleared").inc()
+                t = st.cleared(seq)
+                st, persist = t.state, persist or t.persist
+                self.metrics.epoch_bumps.labels(t.reason).inc()
                 self.index.apply(key, ev)
-                bumped = True
             elif isinstance(ev, BlockStored):
-                if st.fence or self._over_capacity(key, ev):
+                if not st.accepts_stores or self._over_capacity(key, ev):
                     continue
                 if not self._calibrate(ev):
-                    self.ranks[rank] = st
-                    self.invalidate(rank, "calibration")
+                    self._apply(rank, st.invalidated("calibration"))
                     return
                 self.index.apply(key, ev)
             else:
                 self.index.apply(key, ev)
-        self._set(rank, st, persist=bumped)
+        self._apply(rank, Transition(st, persist=persist))
 
     def _over_capacity(self, key: tuple[str, int], ev: BlockStored) -> bool:
         """A store that would take the rank past what it can hold is refused and counted.
@@ -163,15 +233,12 @@ class Worker:
         the store that reuses the block, so an honest stream never passes it; one claiming
         millions of blocks used to grow the index (and the controller) without bound.
         """
-        tier = tier_of(ev.group_idx, ev.medium)
-        gpu = tier[1] == "GPU"
+        gpu = tier_of(ev.group_idx, ev.medium)[1] == "GPU"
         bound = (self.load.num_gpu_blocks if gpu else None) or self.cfg.stream.max_resident_blocks
-        rank = self.index.rank(key)
-        held = rank.num_gpu_blocks() if gpu else len(rank.tiers.get(tier, ()))
-        new = set(ev.block_hashes) - rank.tiers.get(tier, set())
-        if held + len(new) <= bound:
+        held, new = self.index.held_and_new(key, ev)
+        if held + new <= bound:
             return False
-        self.metrics.kv_blocks_refused.inc(len(new))
+        self.metrics.kv_blocks_refused.inc(new)
         return True
 
     def _calibrate(self, ev: BlockStored) -> bool:
@@ -210,30 +277,22 @@ class Worker:
 
     async def _lifecycle(self, call: lc.Call) -> Witness:
         for r in self.ranks:
-            self._set(r, self.ranks[r].begin(call.before))
-            if call.before.warm_demoted:
-                self.index.drop((self.spec.name, r))
-                self.metrics.epoch_bumps.labels(call.verb).inc()
+            self._apply(r, self.ranks[r].verb_started(call))
         try:
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
             w = lc.witness(call, resp)
-            if w.serving and await self.http.is_sleeping():
-                w = dataclasses.replace(w, serving=False, phase="sleeping")
+            if w.serving:
+                w = lc.confirm_awake(w, await self.http.is_sleeping())
         except WorkerHttpError:
             for r in self.ranks:
-                self.invalidate(r, "verb_failed", fence=self.ranks[r].fence, phase="error", kv="unknown",
-                                serving=False)
+                self._apply(r, self.ranks[r].verb_failed())
             raise
         clear = lc.queues_clear(call, resp)
         for r in self.ranks:
-            if w.warm_demoted:
-                self.index.drop((self.spec.name, r))
-            self._set(r, self.ranks[r].finish(w, clear_queued=clear))
+            self._apply(r, self.ranks[r].verb_answered(w, clear_queued=clear))
         self.sleep_ops = None
-        w = dataclasses.replace(w, epoch=self.ranks[0].epoch)
-        self.store.kv_put("witness", self.spec.name, json.dumps(w.to_dict()).encode())
         self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
-        return w
+        return dataclasses.replace(w, epoch=self.ranks[0].epoch)
 
     # reconcile
     async def fetch(self) -> tuple[bool, WorkerMetrics, bool, str] | None:
@@ -255,46 +314,18 @@ class Worker:
         self.load, self.load_at = m, self._look_at or time.monotonic()
         self._check_algo(m.hash_algo, "/metrics")
         for r in self.ranks:
-            self._check_restart(r, m, version)
-        ops = m.sleep_ops or 0.0
-        slept_between = self.sleep_ops is not None and ops is not None and ops != self.sleep_ops
-        self.sleep_ops = ops
-        asleep = sleeping or m.awake == 0.0
-        for r, st in list(self.ranks.items()):
-            if asleep or slept_between:
-                self._observe_asleep(r, m, asleep, slept_between)
-            elif not st.serving:
-                self._set(r, dataclasses.replace(self.ranks[r], serving=True, phase="serving"))
-
-    def _check_restart(self, r: int, m: WorkerMetrics, version: str) -> None:
-        st = self.ranks[r]
-        restarted = (st.start_time is not None and m.start_time is not None and m.start_time != st.start_time) \
-            or (st.version is not None and version != st.version)
-        if restarted and r not in self._reset_seen:
-            if self._subs:  # old batches may still sit in our SUB queue: wait for the new publisher's seq
-                self.invalidate(r, "restart", fence="reset" if st.seq >= 0 else "", phase="serving", kv="forgotten")
-            else:  # not subscribed yet (controller start): the stream we will read is the new publisher's
-                self.invalidate(r, "restart", phase="serving", kv="forgotten")
-                self._set(r, dataclasses.replace(self.ranks[r], seq=-1, epoch_seq=0, fence=""))
-        self._reset_seen.discard(r)
-        if (m.start_time, version) != (self.ranks[r].start_time, self.ranks[r].version):
-            self._set(r, dataclasses.replace(self.ranks[r], start_time=m.start_time, version=version))
-
-    def _observe_asleep(self, r: int, m: WorkerMetrics, asleep: bool, slept_between: bool) -> None:
-        st = self.ranks[r]
-        if asleep and st.phase == "paused" and st.kv == "preserved":
-            return  # a preserving verb the controller drove: keep the index, do not serve
-        if st.serving or st.phase in ("serving", "unknown") or slept_between:
-            level = 2 if m.sleep_state.get("discard_all") else 1 if m.sleep_state.get("weights_offloaded") else 0
-            self.invalidate(r, "is_sleeping" if asleep else "sleep_ops", fence="clear" if level else "",
-                            phase="sleeping" if level else "paused", kv="unknown", serving=False)
-        if not asleep and not self.ranks[r].serving:
-            self._set(r, dataclasses.replace(self.ranks[r], serving=True, phase="serving"))
+            self._apply(r, self.ranks[r].restarted(m.start_time, version, stream_reset_seen=r in self._reset_seen,
+                                                   subscribed=bool(self._subs)))
+            self._reset_seen.discard(r)
+        look = Look.of(sleeping, m.sleep_state, m.sleep_ops, self.sleep_ops)
+        self.sleep_ops = look.sleep_ops
+        for r in list(self.ranks):
+            self._apply(r, self.ranks[r].observed(look))
 
     def _mark_down(self, reason: str) -> None:
-        for r, st in self.ranks.items():
-            if st.serving or st.phase != "unknown" or self.index.num_blocks((self.spec.name, r)):
-                self.invalidate(r, reason, fence=st.fence, phase="unknown", kv="unknown", serving=False)
+        for r in list(self.ranks):
+            has_blocks = bool(self.index.num_blocks((self.spec.name, r)))
+            self._apply(r, self.ranks[r].marked_down(reason, has_blocks=has_blocks))
 
     async def reconcile_once(self) -> None:
         if self.lock.locked():
