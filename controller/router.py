@@ -38,10 +38,11 @@ from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
+from controller.view import WorkerView
 from controller.vllm.hashing import ALGOS, external_chain
 from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.subscriber import StreamLimits
-from controller.vllm.watcher import Worker, WorkerView
+from controller.vllm.watcher import Worker
 from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from fleet.lifecycle import RankState, Witness

@@ -7,8 +7,8 @@ calls them, and carries out what they ask (`_apply`). The index holds only what 
 events of the current epoch proved; `fence` makes BlockStored wait for the AllBlocksCleared a
 forgetting verb queued ("clear") or for the restarted publisher ("reset").
 
-The router reads a worker only through `view()` (a frozen WorkerView), and the watcher touches
-the router's index only through `IndexSink` (controller/index.py).
+The router reads a worker only through `view()` (a frozen WorkerView, controller/view.py), and
+the watcher touches the router's index only through `IndexSink` (controller/index.py).
 
 Failures stay with their worker (controller/contain.py): a store write that fails is retried on
 the next tick, a reconcile or tail replay that raises marks this worker down and is counted and
@@ -23,9 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import zmq.asyncio
@@ -34,6 +32,7 @@ from controller.contain import Contained
 from controller.index import IndexSink, tier_of
 from controller.metrics import Metrics
 from controller.registry import EpochTable, KvStore, WorkerSpec
+from controller.view import RankView, WorkerView
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.hashing import HashConfig, calibrates
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
@@ -66,53 +65,6 @@ class WatchConfig(Protocol):
 
     @property
     def stream(self) -> StreamLimits: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RankView:
-    """One rank as the router may see it. `serving`: a candidate (serving, no verb in flight);
-    `warmable`: its index may lower a cost (serving, calibrated, block size known)."""
-
-    dp_rank: int
-    epoch: int
-    serving: bool
-    warmable: bool
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """A snapshot of one worker for one routing decision: what it serves, how it hashes, its last
-    /metrics look (`load`, taken at monotonic `load_at`) and its ranks."""
-
-    name: str
-    url: str
-    model: str
-    loras: Mapping[str, str]
-    hash_cfg: HashConfig | None
-    load: WorkerMetrics
-    load_at: float | None
-    ranks: tuple[RankView, ...]
-
-    def rank(self, dp_rank: int) -> RankView:
-        rv = self.ranks[dp_rank]
-        assert rv.dp_rank == dp_rank, (rv, dp_rank)
-        return rv
-
-    def adapter(self, model: str, lora: str | None) -> str | None | Literal[False]:
-        """The LoRA adapter a request for `model` (and `lora`) runs here, None for the base model;
-        False: this worker does not serve it."""
-        adapter = lora or (model if model in self.loras else None)
-        if model != self.model and model not in self.loras or (adapter and adapter not in self.loras):
-            return False
-        return adapter
-
-    def lora_key(self, adapter: str | None) -> tuple[str, str] | None:
-        """The (name, path) a LoRA adds to the block hash's extra keys (None: base model)."""
-        return (adapter, self.loras[adapter]) if adapter else None
-
-    def chain_key(self, adapter: str | None) -> tuple[HashConfig | None, str | None, str | None]:
-        """Workers with equal keys hash a prompt to the same block chain (hashed once per decision)."""
-        return (self.hash_cfg, adapter, self.loras.get(adapter or ""))
 
 
 class _Sink:

@@ -1,0 +1,62 @@
+"""Where the router and a watcher meet: a frozen snapshot of one worker, taken per decision.
+
+The router reads workers only through these (`Worker.view()`, controller/vllm/watcher.py); it
+never reads a watcher's fields or lifecycle state directly. A view is a value: it does not change
+under the router while it ranks, and an await (a probe) means taking a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from controller.vllm.hashing import HashConfig
+from controller.vllm.http import WorkerMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One rank as the router may see it. `serving`: a candidate (serving, no verb in flight);
+    `warmable`: its index may lower a cost (serving, calibrated, block size known)."""
+
+    dp_rank: int
+    epoch: int
+    serving: bool
+    warmable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A snapshot of one worker for one routing decision: what it serves, how it hashes, its last
+    /metrics look (`load`, taken at monotonic `load_at`) and its ranks."""
+
+    name: str
+    url: str
+    model: str
+    loras: Mapping[str, str]
+    hash_cfg: HashConfig | None
+    load: WorkerMetrics
+    load_at: float | None
+    ranks: tuple[RankView, ...]
+
+    def rank(self, dp_rank: int) -> RankView:
+        rv = self.ranks[dp_rank]
+        assert rv.dp_rank == dp_rank, (rv, dp_rank)
+        return rv
+
+    def adapter(self, model: str, lora: str | None) -> str | None | Literal[False]:
+        """The LoRA adapter a request for `model` (and `lora`) runs here, None for the base model;
+        False: this worker does not serve it."""
+        adapter = lora or (model if model in self.loras else None)
+        if model != self.model and model not in self.loras or (adapter and adapter not in self.loras):
+            return False
+        return adapter
+
+    def lora_key(self, adapter: str | None) -> tuple[str, str] | None:
+        """The (name, path) a LoRA adds to the block hash's extra keys (None: base model)."""
+        return (adapter, self.loras[adapter]) if adapter else None
+
+    def chain_key(self, adapter: str | None) -> tuple[HashConfig | None, str | None, str | None]:
+        """Workers with equal keys hash a prompt to the same block chain (hashed once per decision)."""
+        return (self.hash_cfg, adapter, self.loras.get(adapter or ""))
