@@ -1,22 +1,25 @@
 """Where the router and a watcher meet: a frozen snapshot of one worker, taken per decision.
 
-The router reads workers only through these (`Worker.view()`, controller/vllm/watcher.py); it
-never reads a watcher's fields or lifecycle state directly. A view is a value: it does not change
-under the router while it ranks, and an await (a probe) means taking a new one.
+Routing reads workers only through these (`Worker.view()`, controller/vllm/watcher.py), never a
+watcher's fields; the listing adds each rank's RankState (a frozen value too). A view does not
+change under the router while it ranks; after an await (the hashing thread, a probe) it takes a
+new one.
+
+NOTE: NamedTuples, not frozen dataclasses: the router takes two views of every worker per route
+(before and after it hashes off the loop), and a frozen slotted dataclass of eight fields takes
+about three times as long to build (measured 2.0 vs 0.6 us on the dev machine).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from controller.vllm.hashing import HashConfig
 from controller.vllm.http import WorkerMetrics
 
 
-@dataclass(frozen=True, slots=True)
-class RankView:
+class RankView(NamedTuple):
     """One rank as the router may see it. `serving`: a candidate (serving, no verb in flight);
     `warmable`: its index may lower a cost (serving, calibrated, block size known)."""
 
@@ -26,8 +29,7 @@ class RankView:
     warmable: bool
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerView:
+class WorkerView(NamedTuple):
     """A snapshot of one worker for one routing decision: what it serves, how it hashes, its last
     /metrics look (`load`, taken at monotonic `load_at`) and its ranks."""
 
