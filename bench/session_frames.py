@@ -102,13 +102,14 @@ def actor_side(tmp: str) -> Counter:
 async def _create(actor: Any) -> Any:
     """The actor's create, whichever signature this tree's KernelActor has (the script runs on the
     code before and after a refactor)."""
-    try:
-        return await actor.create(PROMPT)
-    except TypeError:
-        from fleet.kernel.tokenizer import encode_message
-        from workers.spec import make_tokenizer
+    import inspect
 
-        return await actor.create(encode_message(make_tokenizer(actor.kernel), "system", PROMPT))
+    from fleet.kernel.tokenizer import encode_message
+    from workers.spec import make_tokenizer
+
+    if "system_prompt" in inspect.signature(actor.create).parameters:
+        return await actor.create(PROMPT)
+    return await actor.create(encode_message(make_tokenizer(actor.kernel), "system", PROMPT))
 
 
 class _Context:

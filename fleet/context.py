@@ -143,12 +143,22 @@ class SessionContext:
         return self._apply_append(op, tokens)
 
     def _apply_append(self, op: dict[str, Any], tokens: list[int]) -> Piece:
+        """Check, log, then apply one append op whose piece holds `tokens`.
+
+        A session that adopted shared prefix blocks (`Kernel.session(prefix=...)`) before its
+        first piece holds that piece's first tokens already: only the rest is computed. The op
+        logged is the whole piece, so a replay prefills everything and lands on the same bytes
+        (batch invariance).
+        """
         tokens = check_token_ids(tokens, self.kernel.config.vocab_size)
         if "tokens" in op:
             op["tokens"] = tokens
-        self.session.check_append(tokens)  # NOTE: before the log: a refused append must leave no op behind
+        n = 0 if self.pieces else len(self.session)  # tokens adopted before the first piece
+        if n and (n >= len(tokens) or self.session.tokens != tokens[:n]):
+            raise InvalidArgument("the adopted prefix must be a strict prefix of the first piece")
+        self.session.check_append(tokens[n:])  # NOTE: before the log: a refused append must leave no op behind
         self._log(op)
-        self.session.append(tokens)
+        self.session.append(tokens[n:])
         piece = Piece(op["piece"], op["kind"], len(self.session) - len(tokens), len(tokens), op["tenant"],
                       tuple(tokens), op.get("ref"), op.get("role"))
         self.pieces.append(piece)

@@ -23,11 +23,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fleet.context import QUARANTINED
-from fleet.errors import NotFound
+from fleet.context import QUARANTINED, Piece, SessionContext
+from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import PrefixKV, Session
 from fleet.session_types import OpResult, ToolAdmission
-from workers.host import SessionHost
 from workers.placement import add_blob_refs, drop_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
@@ -43,7 +42,12 @@ class KernelActor:
         self.actor_name = session_actor_name(tenant, session_id, fleet_scope(store_url))
         self.kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
         self.store = open_store(store_url)
-        self.host = self._new_host()
+        self.tokenizer = make_tokenizer(self.kernel)
+        self.ctx: SessionContext | None = None   # None until the first piece (create) or a replay (restore)
+        self.op_ids: set[str] = set()            # the op ids already in this session's own log
+        self.op_id = ""                          # the op id stamped on the ops of the call in progress
+        self.last_op_index: int | None = None
+        self.num_adopted_tokens = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="session")
         self._lock = asyncio.Lock()
         self.created_at = self.last_active = time.time()
@@ -51,23 +55,34 @@ class KernelActor:
         self.num_prefilled_tokens = 0  # tokens this actor computed (appends, replays); adopted blocks not counted
         self.state, self.in_flight = "new", ""
 
-    def _new_host(self) -> SessionHost:
-        return SessionHost(self.kernel, make_tokenizer(self.kernel), self.tenant, self.session_id, self._sink,
-                           self.store)
-
-    def _sink(self, op: dict[str, Any]) -> int:
-        """Write-ahead: log the op (before it is applied and acknowledged); a logged tool result
-        references its blob, so the store's GC never collects it while a session holds it.
+    def _write(self, op: dict[str, Any]) -> None:
+        """Write-ahead (the context's sink): log the op, stamped with the call's op id, before it is
+        applied and acknowledged; a logged tool result references its blob, so the store's GC never
+        collects it while a session holds it.
 
         The reference is taken first: a blob the leader's GC collected meanwhile (its lease ran
         out after the actor read it) refuses the op with nothing logged, instead of a log entry
         no replay could ever fetch; an op log write that fails gives the reference back."""
+        if self.op_id:
+            op["op_id"] = self.op_id
         add_blob_refs(self.store, [op])
         try:
-            return int(self.store.oplog_append(self.tenant, self.session_id, op))
+            self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, op))
         except BaseException:
             drop_blob_refs(self.store, [op])
             raise
+        if self.op_id:
+            self.op_ids.add(self.op_id)
+
+    def _fetch(self, ref: str) -> bytes:
+        """A logged tool result's bytes (a replay re-tokenizes them)."""
+        return bytes(self.store.get(ref, self.tenant))
+
+    @property
+    def context(self) -> SessionContext:
+        if self.ctx is None:
+            raise FailedPrecondition(f"session {self.session_id} has no state yet")
+        return self.ctx
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
@@ -75,32 +90,31 @@ class KernelActor:
     async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any]) -> OpResult:
         """Run one mutating call: idempotent on `op_id`, serialised, off the event loop."""
         async with self._lock:
-            if op_id and op_id in self.host.op_ids:
+            if op_id and op_id in self.op_ids:
                 return self._replayed(op_id)
-            self.host.op_id, self.in_flight = op_id, verb
-            before = len(self.host.ctx.session) if self.host.ctx is not None else None
+            self.op_id, self.in_flight = op_id, verb
+            before = len(self.ctx.session) if self.ctx is not None else None
             try:
                 result = await self._run(fn)
             finally:
-                self.host.op_id, self.in_flight = "", ""
-            base = self.host.num_adopted_tokens if before is None else before  # a create: adopted blocks are free
+                self.op_id, self.in_flight = "", ""
+            base = self.num_adopted_tokens if before is None else before  # a create: adopted blocks are free
             self.num_prefilled_tokens += max(0, len(self._s) - base)
             self.last_active, self.state = time.time(), "active"
             return self._reply(result)
 
     def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> OpResult:
         s = self._s
-        return OpResult(result, s.last_logits, len(s), self.host.last_op_index if op_index is None else op_index,
-                        replayed)
+        return OpResult(result, s.last_logits, len(s), self.last_op_index if op_index is None else op_index, replayed)
 
     def _replayed(self, op_id: str) -> OpResult:
         """The answer to a retried op already in the log: the piece its append added (None for
         other verbs) and its index in the log; nothing is applied again."""
-        ops = self.host.context.ops
+        ops = self.context.ops
         index = next((i for i in range(len(ops) - 1, -1, -1) if ops[i].get("op_id") == op_id), None)  # the last:
         # a fork's log starts with its parent's ops, and the child may reuse their ids for its own
         op = ops[index] if index is not None else {}
-        pieces = self.host.context.pieces
+        pieces = self.context.pieces
         piece = pieces[op["piece"]] if op.get("op") == "append" and op["piece"] < len(pieces) else None
         return self._reply(piece, replayed=True, op_index=index)
 
@@ -110,7 +124,16 @@ class KernelActor:
         """First piece of a session: the system prompt's `tokens` (encoded once, by the fleet that
         placed it); adopts the shared blocks in `prefix_refs` (ObjectRefs, the first of `tokens`) if any."""
         prefix = self._prefix(tokens, await asyncio.gather(*prefix_refs)) if prefix_refs else None  # zero-copy views
-        return await self._mutate("create", op_id, lambda: self.host.create(tokens, prefix))
+        return await self._mutate("create", op_id, lambda: self._create(tokens, prefix))
+
+    def _create(self, tokens: list[int], prefix: PrefixKV | None) -> Piece:
+        if self.ctx is not None:
+            raise FailedPrecondition(f"session {self.session_id} already has a context")
+        ctx = SessionContext(self.kernel.session(prefix=prefix), self.tokenizer, self.tenant, self.session_id,
+                             self._write, self.store)  # its first piece appends only what the prefix lacks
+        piece = ctx.add_system_tokens(tokens)
+        self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
+        return piece
 
     def _prefix(self, tokens: list[int], blocks: list[Any]) -> PrefixKV:
         """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`."""
@@ -124,7 +147,7 @@ class KernelActor:
 
         A fork on the parent's node also gets `prefix_refs` (ObjectRefs of the parent's blocks,
         one per block of `tokens`, its tokens at the fork point): they are adopted copy-on-write
-        and only the tokens past them are computed (`SessionHost.replay`). A regeneration always
+        and only the tokens past them are computed (`_replay`). A regeneration always
         replays the whole log."""
         prefix = self._prefix(tokens or [], await asyncio.gather(*prefix_refs)) if prefix_refs else None
         async with self._lock:
@@ -137,30 +160,49 @@ class KernelActor:
                 log = self.store.oplog_read(self.tenant, self.session_id)
                 if not log:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")
-                host = self._new_host()
-                host.replay(log, prefix)
-                self.host, self.num_replayed_ops = host, len(log)
-                self.num_prefilled_tokens += len(host.context.session) - host.num_adopted_tokens
+                ctx, adopted = self._replay(log, prefix)
+                ctx.sink, ctx.store = self._write, self.store
+                self.ctx, self.num_adopted_tokens, self.op_ids = ctx, adopted, _own_op_ids(log)
+                self.last_op_index, self.num_replayed_ops = None, len(log)
+                self.num_prefilled_tokens += len(ctx.session) - adopted
 
             await self._run(work)
             self.state = "regenerated" if ops is None else "active"
             return self._info()
 
+    def _replay(self, log: list[dict[str, Any]], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
+        """The context rebuilt from its log (nothing is written), and the tokens it adopted.
+
+        With `prefix` (a fork sharing its parent's blocks) the session adopts them copy-on-write
+        and computes only the tokens past them (`SessionContext.replay_over`); a log whose KV is
+        not a function of its tokens (a reposition eviction), or a prefix that does not match
+        it, falls back to a full replay. Either way the cache is bit-identical to the replay's.
+        """
+        if prefix is not None:
+            try:
+                session = self.kernel.session(prefix=prefix)
+                ctx = SessionContext.replay_over(log, session, self.tokenizer, self._fetch, self.tenant,
+                                                 self.session_id)
+                return ctx, prefix.num_tokens
+            except (FailedPrecondition, InvalidArgument):
+                pass
+        return SessionContext.replay(log, self.kernel, self.tokenizer, self._fetch, self.tenant, self.session_id), 0
+
     async def append(self, content: str | list[int], role: str = "user", op_id: str = "") -> OpResult:
         """A message (text) or model output (token ids)."""
         if isinstance(content, list):
-            return await self._mutate("append", op_id, lambda: self.host.context.add_output(list(content)))
-        return await self._mutate("append", op_id, lambda: self.host.context.add_message(role, content))
+            return await self._mutate("append", op_id, lambda: self.context.add_output(list(content)))
+        return await self._mutate("append", op_id, lambda: self.context.add_message(role, content))
 
     async def generate(self, n: int, op_id: str = "") -> OpResult:
-        return await self._mutate("generate", op_id, lambda: self.host.context.generate(n))
+        return await self._mutate("generate", op_id, lambda: self.context.generate(n))
 
     async def evict(self, piece_id: int, mode: str = "exact", op_id: str = "") -> OpResult:
-        return await self._mutate("evict", op_id, lambda: self.host.context.evict_piece(piece_id, mode))
+        return await self._mutate("evict", op_id, lambda: self.context.evict_piece(piece_id, mode))
 
     async def add_tool_result(self, ref: str, op_id: str = "") -> OpResult:
         """Append a stored tool result by ref (refused if quarantined)."""
-        return await self._mutate("add_tool_result", op_id, lambda: self.host.context.add_tool_result(
+        return await self._mutate("add_tool_result", op_id, lambda: self.context.add_tool_result(
             ref, self.store.get(ref, self.tenant)))
 
     async def admit_tool_result(self, ref: str, op_id: str = "") -> OpResult:
@@ -168,7 +210,7 @@ class KernelActor:
         from fleet.quarantine import admit_tool_result
 
         return await self._mutate("admit_tool_result", op_id, lambda: ToolAdmission.of(admit_tool_result(
-            self.host.context, ref, self.store, self.tenant)))
+            self.context, ref, self.store, self.tenant)))
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -176,12 +218,12 @@ class KernelActor:
         from fleet.working_set import working_set
 
         async with self._lock:
-            return await self._run(lambda: working_set(self.host.context, budget_tokens, store=self.store))
+            return await self._run(lambda: working_set(self.context, budget_tokens, store=self.store))
 
     async def fork_point(self) -> dict[str, Any]:
         """The op log and the tokens at one instant (a fork's starting point), read together."""
         async with self._lock:
-            return {"ops": list(self.host.context.ops), "tokens": list(self._s.tokens)}
+            return {"ops": list(self.context.ops), "tokens": list(self._s.tokens)}
 
     async def export_prefix(self, num_tokens: int) -> PrefixKV:
         async with self._lock:  # never while an op is writing the cache on the session thread
@@ -197,7 +239,7 @@ class KernelActor:
         return list(self._s.tokens)
 
     async def pieces(self) -> list[Any]:
-        return list(self.host.context.pieces)
+        return list(self.context.pieces)
 
     async def info(self) -> dict[str, Any]:
         return self._info()
@@ -206,14 +248,14 @@ class KernelActor:
         return "ok"
 
     def _info(self) -> dict[str, Any]:
-        ctx = self.host.ctx
+        ctx = self.ctx
         s = ctx.session if ctx is not None else None
         mem = s.memory() if s is not None else None
         return {
             "session": self.session_id, "tenant": self.tenant, "node": self.node_id,
             "actor": self.actor_name, "tokens": len(s) if s is not None else 0,
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
-            "adopted_tokens": self.host.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
+            "adopted_tokens": self.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
             "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,
             "prefilled_tokens": self.num_prefilled_tokens,
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
@@ -224,4 +266,10 @@ class KernelActor:
 
     @property
     def _s(self) -> Session:
-        return self.host.context.session
+        return self.context.session
+
+
+def _own_op_ids(log: list[dict[str, Any]]) -> set[str]:
+    """The op ids of a session's own ops: a fork's log starts with its parent's, whose ids are not its."""
+    forked = max((i for i, op in enumerate(log) if op.get("op") == "fork"), default=-1)
+    return {str(op["op_id"]) for op in log[forked + 1:] if op.get("op_id")}

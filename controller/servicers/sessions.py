@@ -97,10 +97,6 @@ def evict_to_proto(r: Any) -> pb.EvictResponse:
                             num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact)
 
 
-def _limits(ctx: ServiceContext) -> SessionLimits:
-    return getattr(ctx, "session_limits", None) or SessionLimits()
-
-
 class SessionServicer(pbg.SessionServiceServicer):
     """kvfleet.v1.SessionService over one KernelFleet (built on first use).
 
@@ -126,7 +122,7 @@ class SessionServicer(pbg.SessionServiceServicer):
 
     @property
     def limits(self) -> SessionLimits:
-        return _limits(self.ctx)
+        return getattr(self.ctx, "session_limits", None) or SessionLimits()
 
     # -- the fleet, its lanes and the ledger ------------------------------------------------------
 

@@ -108,7 +108,7 @@ async def test_session_lifecycle_over_grpc(ray_cluster: None, tmp_path: Path) ->
 
 async def test_controller_killed_sessions_come_back_bit_identical(ray_cluster: None, tmp_path: Path) -> None:
     from fleet.cas import open_store
-    from workers.host import AdoptingContext
+    from fleet.context import SessionContext
     from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
     ids = [f"a{uuid.uuid4().hex[:6]}", f"b{uuid.uuid4().hex[:6]}"]
@@ -135,7 +135,7 @@ async def test_controller_killed_sessions_come_back_bit_identical(ray_cluster: N
         store = open_store(_url(tmp_path))
         kernel = make_kernel(KernelSpec(block_size=16))
         ops = store.oplog_read("local", ids[0])[:-1]
-        ref = AdoptingContext.replay(ops, kernel, make_tokenizer(kernel), lambda r: b"", "local", ids[0])
+        ref = SessionContext.replay(ops, kernel, make_tokenizer(kernel), lambda r: b"", "local", ids[0])
         assert ref.session.digest() == digests[ids[0]]
         want = ref.session.fork().append(make_tokenizer(kernel).encode(" after restart"))
         control = ref.session.fork().append(make_tokenizer(kernel).encode(" after restarT"))

@@ -182,3 +182,21 @@ def test_tool_admission_types_the_quarantine_witness(kernel: Kernel, tmp_path: P
     clean = store.put(b"weather: sunny", "acme")
     c = ToolAdmission.of(admit_tool_result(ctx, clean, store, "acme"))
     assert (c.verdict, c.evicted, c.proof) == ("CLEAN", False, None) and isinstance(c.reasons, tuple)
+
+
+def test_first_piece_over_adopted_blocks_computes_only_the_rest(kernel: Kernel) -> None:
+    """A session that adopted a prefix (zero-copy blocks) appends only what its first piece lacks;
+    the op logged is the whole piece, so the log replays to the same bytes."""
+    prompt = "You are a travel agent. Book cheap hotels."        # 47 tokens with the template
+    own = SessionContext.new(kernel, ByteTokenizer(512))
+    own.add_system(prompt)
+    prefix = own.session.export_prefix(32)                       # 2 blocks of 16
+    logged: list[dict[str, Any]] = []
+    adopter = SessionContext(kernel.session(prefix=prefix), ByteTokenizer(512), sink=logged.append)
+    piece = adopter.add_system(prompt)
+    assert (piece.start, piece.length) == (0, len(own.session)) and adopter.digest() == own.digest()
+    assert logged == own.ops and SessionContext.replay(logged, kernel, ByteTokenizer(512), bytes).digest() == own.digest()
+    other = SessionContext(kernel.session(prefix=prefix), ByteTokenizer(512), sink=logged.append)
+    with pytest.raises(InvalidArgument, match="strict prefix"):
+        other.add_system("Something else entirely, and long enough.")
+    assert len(logged) == 1 and len(other.session) == 32 and other.pieces == []   # nothing logged or appended

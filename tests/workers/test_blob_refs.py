@@ -48,8 +48,9 @@ def test_a_blob_collected_before_its_op_is_logged_leaves_nothing_logged(tmp_path
         assert store.gc() == 1                                     # the leader's GC, at that instant
         op = {"op": "append", "piece": 1, "kind": "tool_result", "ref": ref, "tenant": "acme", "num_tokens": 3}
         with pytest.raises(NotFound):
-            actor._sink(op)
+            actor._write(op)
         assert store.oplog_read("acme", "s1") == []                # nothing half-written
         kept = store.put(b"a live tool output", "acme")
-        assert actor._sink({**op, "ref": kept}) == 0               # control: a present blob is logged
+        actor._write({**op, "ref": kept})
+        assert actor.last_op_index == 0                            # control: a present blob is logged
         assert store.stat(kept, "acme").refs == 1 and store.gc() == 0

@@ -8,7 +8,6 @@ from typing import Any
 import ray
 
 from fleet.context import SessionContext
-from workers.host import AdoptingContext
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 SPEC = KernelSpec(block_size=16)
@@ -16,7 +15,7 @@ SPEC = KernelSpec(block_size=16)
 
 def replay_locally(ops: list[dict[str, Any]], store: Any = None, tenant: str = "default") -> SessionContext:
     kernel = make_kernel(SPEC)
-    return AdoptingContext.replay(ops, kernel, make_tokenizer(kernel), lambda ref: store.get(ref, tenant), tenant)
+    return SessionContext.replay(ops, kernel, make_tokenizer(kernel), lambda ref: store.get(ref, tenant), tenant)
 
 
 def prefilled(system_prompt: str) -> SessionContext:
