@@ -347,3 +347,30 @@ async def test_dp_ranks_are_keyed_separately(tmp_path) -> None:
         await sim.stop()
         store.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+async def test_the_routers_store_calls_run_through_blocking(tmp_path) -> None:
+    """Registration, restart and unregistration touch the store off the event loop, in order."""
+    calls: list[str] = []
+
+    async def blocking(fn, *args):  # type: ignore[no-untyped-def]
+        calls.append(fn.__name__)
+        return await asyncio.to_thread(fn, *args)
+
+    sim = (await _sims(1))[0]
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1), blocking=blocking)
+    await r.start()
+    try:
+        await r.register_worker(_spec(0, sim, dp_ranks=1))
+        assert calls == ["entries", "put", "next_epochs"]
+        await r.stop()
+        r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1), blocking=blocking)
+        await r.start()
+        assert calls[3:] == ["entries", "_resumed_ranks"] and [w.name for w in r.workers()] == ["w0"]
+        await r.unregister_worker("w0")
+        assert calls[5:] == ["delete"] and store.kv_scan("workers") == {}
+    finally:
+        await r.stop()
+        store.close()
+        await sim.stop()
