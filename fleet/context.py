@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from fleet.kernel import EvictReport, Kernel, Session
 
 KINDS = ("system", "message", "tool_result", "output")
-RESIDENT, EVICTED, QUARANTINED, SHIFTED, LOST = "resident", "evicted", "quarantined", "shifted", "lost"
+RESIDENT, EVICTED, QUARANTINED, SHIFTED = "resident", "evicted", "quarantined", "shifted"
 
 
 class Tokenizer(Protocol):
@@ -48,8 +48,9 @@ class Piece:
     """One ledger entry. `start`/`length` locate its tokens in the KV cache while it is resident.
 
     state: resident (KV valid) | evicted (dropped, bytes elsewhere) | quarantined (held out) |
-           shifted (a reposition eviction moved it; its layer>=1 KV still carries the evicted span) |
-           lost (the cache was lost).
+           shifted (a reposition eviction moved it; its layer>=1 KV still carries the evicted span).
+           A resident piece whose tokens the live session no longer holds at its span reads as
+           "KV cache lost" in the working set (`is_resident`); no state marks it (docs/kernel.md).
     """
 
     piece_id: int
@@ -205,11 +206,6 @@ class SessionContext:
             child._log(op)
         child._log({"op": "fork", "parent": self.session_id, "at": len(self.ops)})
         return child
-
-    def mark_lost(self) -> None:
-        """The shell saw the KV cache go (worker reset / actor loss): resident pieces become `lost`."""
-        self.pieces = [dataclasses.replace(p, state=LOST) if p.state in (RESIDENT, SHIFTED) else p
-                       for p in self.pieces]
 
     # ---- queries ----------------------------------------------------------------------------------------
     def piece(self, piece_id: int) -> Piece:

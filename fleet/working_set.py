@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from fleet.context import EVICTED, LOST, QUARANTINED, RESIDENT, SHIFTED, Piece, SessionContext
+from fleet.context import EVICTED, QUARANTINED, RESIDENT, SHIFTED, Piece, SessionContext
 from fleet.errors import InvalidArgument
 
 HIT, FAULT, RECOMPUTE, REFUSE, ABSTAIN = "HIT", "FAULT", "RECOMPUTE", "REFUSE", "ABSTAIN"
@@ -108,7 +108,7 @@ def _classify(ctx: SessionContext, p: Piece, policy: Policy, store: Any, at: int
         return HIT, f"KV resident at [{p.start}, {p.end})"
     if (missing := _bytes_missing(p, store, ctx)) is not None:
         return ABSTAIN, missing
-    if p.state == LOST or (p.state == RESIDENT and not ctx.is_resident(p)):
+    if p.state == RESIDENT and not ctx.is_resident(p):  # the ledger says resident, the session lacks it
         return RECOMPUTE, "KV cache lost"
     if p.state == SHIFTED:
         return RECOMPUTE, "positions shifted by a reposition eviction (layer>=1 KV still carries the evicted span)"

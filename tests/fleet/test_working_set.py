@@ -56,7 +56,7 @@ def test_evicted_tool_result_faults_and_what_follows_recomputes(kernel: Kernel, 
 
 def test_lost_cache_and_reposition_shift_recompute(kernel: Kernel, store: BlobStore) -> None:
     lost = _ctx(kernel, store)
-    lost.mark_lost()
+    lost.session.close()  # the KV cache goes (what a lost actor's would look like), the ledger stays
     ws = working_set(lost, 10_000, store=store)
     assert _v(ws) == [RECOMPUTE] * 3 and ws.items[0].reason == "KV cache lost" and ws.tokens_reused == 0
     shifted = _ctx(kernel, store)
