@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,29 +33,6 @@ DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_IDLE_TTL_S = 1800.0
 DEFAULT_TENANT_CONCURRENCY = 4
 MIN_REAP_INTERVAL_S, MAX_REAP_INTERVAL_S = 0.25, 60.0
-
-# The one rule for a session id at the API edge (documented in docs/api.md): 1-128 characters, a
-# letter or digit first, then letters, digits and `_ . @ -`. No `:` or `/`: they separate the
-# parts of the store's keys and Ray actor names (a session named `x:m:y` once made Redis GC fail
-# for every tenant).
-SESSION_ID_RULE = "1-128 characters: a letter or digit, then letters, digits, '_', '.', '@' or '-'"
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
-OP_ID_RULE = "1-64 characters of [A-Za-z0-9_.:-]"
-OP_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-
-
-def check_session_id(what: str, sid: object) -> str:
-    """Validate a session id (or a fork's child id) against SESSION_ID_RE; InvalidArgument names the rule."""
-    if not isinstance(sid, str) or not SESSION_ID_RE.fullmatch(sid):
-        raise InvalidArgument(f"invalid {what} {sid!r}: expected {SESSION_ID_RULE}")
-    return sid
-
-
-def check_op_id(op_id: object) -> str:
-    """Validate a client's idempotency key (empty: none given)."""
-    if not isinstance(op_id, str) or (op_id and not OP_ID_RE.fullmatch(op_id)):
-        raise InvalidArgument(f"invalid op_id {op_id!r}: expected {OP_ID_RULE}, or empty")
-    return op_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,13 +4,15 @@
     KernelFleet.list_sessions rows ──SessionRow.from_row──▶ SessionService ──row_to_proto──▶ SessionRow (proto)
 
 The actor builds these, Ray pickles them, the servicer converts each to its proto in one function
-(controller/servicers/sessions.py); nothing on the way re-lists a dict's keys. Token ids are checked
-by one rule, `check_token_ids`, at the edge (the servicer) and by the pure context before an op is
-logged.
+(controller/servicers/sessions.py); nothing on the way re-lists a dict's keys. What callers name
+is checked by one rule each: session ids (`check_session_id`), op ids (`check_op_id`) and token ids
+(`check_token_ids`, at the edge and by the pure context before an op is logged). Tenant names have
+theirs in the store (`fleet.cas.types.check_tenant`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +22,30 @@ from fleet.verdict import CLEAN, QUARANTINED
 
 if TYPE_CHECKING:
     import numpy as np
+
+
+# The one rule for a session id (documented in docs/api.md), at the API edge and in KernelFleet:
+# 1-128 characters, a letter or digit first, then letters, digits and `_ . @ -`. No `:` or `/`: they
+# separate the parts of the store's keys and Ray actor names (a session named `x:m:y` once made
+# Redis GC fail for every tenant).
+SESSION_ID_RULE = "1-128 characters: a letter or digit, then letters, digits, '_', '.', '@' or '-'"
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
+OP_ID_RULE = "1-64 characters of [A-Za-z0-9_.:-]"
+OP_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def check_session_id(what: str, sid: object) -> str:
+    """Validate a session id (or a fork's child id) against SESSION_ID_RE; InvalidArgument names the rule."""
+    if not isinstance(sid, str) or not SESSION_ID_RE.fullmatch(sid):
+        raise InvalidArgument(f"invalid {what} {sid!r}: expected {SESSION_ID_RULE}")
+    return sid
+
+
+def check_op_id(op_id: object) -> str:
+    """Validate a client's idempotency key (empty: none given)."""
+    if not isinstance(op_id, str) or (op_id and not OP_ID_RE.fullmatch(op_id)):
+        raise InvalidArgument(f"invalid op_id {op_id!r}: expected {OP_ID_RULE}, or empty")
+    return op_id
 
 
 def check_token_ids(ids: Sequence[Any], vocab_size: int) -> list[int]:

@@ -31,7 +31,7 @@ import ray
 from fleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, Unavailable
 from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
-from fleet.session_types import OpResult, check_token_ids
+from fleet.session_types import OpResult, check_session_id, check_token_ids
 from workers.placement import (
     NAMESPACE,
     NODE_KV_BYTES,
@@ -283,10 +283,10 @@ class KernelFleet:
             tokens: `system_prompt` already encoded (`encode_message(self.tokenizer, "system", ...)`),
                 by a caller that counted them; encoded here when None. Never encoded again below.
         """
-        from fleet.cas.base import check_name, check_tenant
+        from fleet.cas.base import check_tenant
 
         check_tenant(tenant)
-        check_name("session_id", session_id)
+        check_session_id("session_id", session_id)
         if not isinstance(system_prompt, str) or not system_prompt:
             raise InvalidArgument("the system prompt must be a non-empty str")
         if tokens is None:
@@ -359,9 +359,7 @@ class KernelFleet:
         Either way the child's log is the parent's + a fork marker, so a regeneration replays it
         bit-identically. A parent whose node is gone is regenerated first (by its fork point).
         """
-        from fleet.cas.base import check_name
-
-        check_name("session_id", child_id)
+        check_session_id("child_id", child_id)
         if node is not None and not self._alive(node):
             raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)

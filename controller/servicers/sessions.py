@@ -24,20 +24,20 @@ import grpc
 import numpy as np
 
 from controller.auth import Identity, Role
-from controller.quotas import (
-    SessionLimits,
-    TenantLanes,
-    TenantLedger,
-    check_op_id,
-    check_session_id,
-    tokens_of_log,
-)
+from controller.quotas import SessionLimits, TenantLanes, TenantLedger, tokens_of_log
 from controller.servicers.common import ServiceContext, unary
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.kernel.tokenizer import encode_message
-from fleet.session_types import EvictionProof, SessionRow, ToolAdmission, check_token_ids
+from fleet.session_types import (
+    EvictionProof,
+    SessionRow,
+    ToolAdmission,
+    check_op_id,
+    check_session_id,
+    check_token_ids,
+)
 from fleet.verdict import QUARANTINED
 
 log = logging.getLogger("kvfleet.controller")

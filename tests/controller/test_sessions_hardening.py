@@ -19,12 +19,13 @@ import pytest
 import ray
 from ctl_helpers import make_tokens, md, start_controller
 
-from controller.quotas import SESSION_ID_RULE, SessionLimits
+from controller.quotas import SessionLimits
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.cas import open_store
 from fleet.errors import AlreadyExists, NotFound, ResourceExhausted
 from fleet.sdk import AsyncFleetClient, FleetClient
+from fleet.session_types import SESSION_ID_RULE
 from workers.placement import NAMESPACE, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel
 

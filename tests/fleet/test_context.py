@@ -200,3 +200,14 @@ def test_first_piece_over_adopted_blocks_computes_only_the_rest(kernel: Kernel) 
     with pytest.raises(InvalidArgument, match="strict prefix"):
         other.add_system("Something else entirely, and long enough.")
     assert len(logged) == 1 and len(other.session) == 32 and other.pieces == []   # nothing logged or appended
+
+
+def test_session_ids_have_one_rule() -> None:
+    """check_session_id: the servicer's edge and KernelFleet's create/fork use the same rule."""
+    from fleet.session_types import SESSION_ID_RULE, check_session_id
+
+    assert check_session_id("session_id", "agent-0@team.x") == "agent-0@team.x"
+    for bad in ("", "x:m:y", "a/b", "-lead", "x" * 129, None):
+        with pytest.raises(InvalidArgument, match="invalid session_id"):
+            check_session_id("session_id", bad)
+    assert "'@'" in SESSION_ID_RULE
