@@ -22,6 +22,16 @@ KERNEL_SPEC_KEY = ("controller", "kernel_spec")
 DEFAULT_SPEC: dict[str, Any] = {"block_size": 16}  # what the sessions servicer writes when none is stored
 
 
+def kernel_spec_of(store: Any, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fleet's kernel spec from the store; `default` (or DEFAULT_SPEC, the synthetic tiny
+    model) is written there the first time, so every later controller on this store runs the same kernel."""
+    raw = store.kv_get(*KERNEL_SPEC_KEY)
+    if raw is None:
+        store.kv_put(*KERNEL_SPEC_KEY, json.dumps(default or DEFAULT_SPEC).encode())
+        raw = store.kv_get(*KERNEL_SPEC_KEY)
+    return dict(json.loads(raw))
+
+
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
     """--kernel-backend, --kernel-device, --kernel-group (shared by `kvfleet controller` and `up`)."""
     p.add_argument("--kernel-backend", default=None, choices=("numpy", "torch"),

@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from controller.auth import Identity, Role
+from controller.kernel_placement import kernel_spec_of
 from controller.quotas import SessionLimits, TenantLanes, TenantLedger, tokens_of_log
 from controller.servicers.common import ServiceContext, unary
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
@@ -42,18 +43,7 @@ from fleet.verdict import QUARANTINED
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
-KERNEL_SPEC_KEY = ("controller", "kernel_spec")
 MAX_GENERATE = 256
-
-
-def kernel_spec_of(store: Any, default: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fleet's kernel spec from the store; `default` (or the synthetic tiny model) is written
-    there the first time, so every later controller on this store runs the same kernel."""
-    raw = store.kv_get(*KERNEL_SPEC_KEY)
-    if raw is None:
-        store.kv_put(*KERNEL_SPEC_KEY, json.dumps(default or {"block_size": 16}).encode())
-        raw = store.kv_get(*KERNEL_SPEC_KEY)
-    return dict(json.loads(raw))
 
 
 def piece_to_proto(p: Any) -> pb.Piece:
