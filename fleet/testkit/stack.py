@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from controller.auth import mint_token
+from controller.kernel_placement import kernel_spec_of
 from controller.metrics import Metrics
 from controller.proxy import Proxy, ProxyConfig
 from controller.router import RouterConfig
 from controller.server import Controller, ControllerConfig, build_server
-from controller.servicers.sessions import kernel_spec_of
 from fleet.errors import Unavailable
 from fleet.sdk import AsyncFleetClient
 from fleet.testkit.sim_vllm.engine import SimEngineConfig
@@ -107,8 +107,8 @@ async def register_sims(op: AsyncFleetClient, sims: Mapping[str, SimVllm], model
                         block_size: int | None = None) -> None:
     """Register each stand-in with the controller under its name (operator client)."""
     for name, s in sims.items():
-        kw = {} if block_size is None else {"block_size": block_size}
-        await op.register_worker(name, url=s.url, kv_events=s.kv_events, replay=s.replay or "", model=model, **kw)
+        await op.register_worker(name, url=s.url, kv_events=s.kv_events, replay=s.replay or "", model=model,
+                                 block_size=block_size)
 
 
 async def wait_serving(op: AsyncFleetClient, n: int, timeout_s: float = 30.0) -> None:
