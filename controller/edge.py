@@ -9,7 +9,10 @@ Transport limits are gRPC core channel arguments (see gRPC's doc/keepalive.md):
                              after grpc.http2.max_ping_strikes the connection gets GOAWAY
 
 A request whose bytes do not parse (e.g. a string field that is not UTF-8) would leave as UNKNOWN
-from inside grpc; DecodeGuard answers INVALID_ARGUMENT with the parser's reason instead.
+from inside grpc; DecodeGuard answers INVALID_ARGUMENT with the parser's reason instead. It swaps each
+method's deserializer for one that returns an `Undecodable` instead of raising; kvfleet's own methods
+refuse it in their one wrapper (controller.servicers.common), other services (health, reflection) get a
+wrapper here. Both are built once per method, not per call.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def _read(path: str, flag: str) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class _Undecodable:
+class Undecodable:
     type_name: str
     reason: str
 
@@ -95,31 +98,31 @@ def _guard_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[
         try:
             return deserialize(raw)
         except DecodeError as e:
-            return _Undecodable(type_name, str(e))
+            return Undecodable(type_name, str(e))
 
     return parse
 
 
-async def _refuse(bad: _Undecodable, method: str, context: grpc.aio.ServicerContext) -> None:
+async def refuse(bad: Undecodable, method: str, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                         f"{method}: the request is not a valid {bad.type_name} ({bad.reason[-200:]}); "
                         "strings must be UTF-8 and the message must match the kvfleet.v1 protos")
 
 
-async def _checked_stream(requests: AsyncIterator[Any], method: str,
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def checked_stream(requests: AsyncIterator[Any], method: str,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
     async for msg in requests:
-        if isinstance(msg, _Undecodable):
-            await _refuse(msg, method, context)
+        if isinstance(msg, Undecodable):
+            await refuse(msg, method, context)
         yield msg
 
 
 def _wrap(behavior: Callable[..., Any], method: str, stream_in: bool, stream_out: bool) -> Callable[..., Any]:
     async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if stream_in:
-            return _checked_stream(request, method, context)
-        if isinstance(request, _Undecodable):
-            await _refuse(request, method, context)
+            return checked_stream(request, method, context)
+        if isinstance(request, Undecodable):
+            await refuse(request, method, context)
         return request
 
     if not stream_out:
@@ -140,19 +143,36 @@ def _wrap(behavior: Callable[..., Any], method: str, stream_in: bool, stream_out
     return stream_out_
 
 
+OWN_SERVICES = "/kvfleet.v1."  # methods whose servicer wrapper (servicers.common) refuses an Undecodable
+
+
 class DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
     """Turn an unparseable request into INVALID_ARGUMENT (grpc would answer UNKNOWN)."""
+
+    def __init__(self) -> None:
+        self._guarded: dict[str, tuple[Any, Any]] = {}  # method path -> (grpc's handler, the guarded one)
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        stream_in, stream_out = handler.request_streaming, handler.response_streaming
-        slot = ("stream" if stream_in else "unary") + "_" + ("stream" if stream_out else "unary")
-        method = str(handler_call_details.method).rsplit("/", 1)[-1]
-        return handler._replace(request_deserializer=_guard_deserializer(handler.request_deserializer),
-                                **{slot: _wrap(getattr(handler, slot), method, stream_in, stream_out)})
+        path = str(handler_call_details.method)
+        seen = self._guarded.get(path)
+        if seen is None or seen[0] is not handler:
+            seen = (handler, _guard(handler, path))
+            self._guarded[path] = seen
+        return seen[1]
+
+
+def _guard(handler: Any, path: str) -> Any:
+    guarded = handler._replace(request_deserializer=_guard_deserializer(handler.request_deserializer))
+    if path.startswith(OWN_SERVICES):
+        return guarded
+    stream_in, stream_out = handler.request_streaming, handler.response_streaming
+    slot = ("stream" if stream_in else "unary") + "_" + ("stream" if stream_out else "unary")
+    method = path.rsplit("/", 1)[-1]
+    return guarded._replace(**{slot: _wrap(getattr(handler, slot), method, stream_in, stream_out)})
 
 
 # flag -> (where, field, type, help); defaults come from UploadLimits / GrpcLimits / servicers.common

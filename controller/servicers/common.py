@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from controller.auth import Authenticator, Identity, Role
+from controller.edge import Undecodable, checked_stream, refuse
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
@@ -109,6 +110,10 @@ def unary(role: Role | frozenset[Role]) -> Callable[[Handler], Handler]:
         @functools.wraps(fn)
         async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                if isinstance(request, Undecodable):  # before auth, as an unparseable request always was
+                    await refuse(request, fn.__name__, context)
+                elif hasattr(request, "__aiter__"):  # client streaming: each message is checked as it comes
+                    request = checked_stream(request, fn.__name__, context)
                 ident = _check(self.ctx, context, role, fn.__name__)
                 return await fn(self, request, context, ident)
             except grpc.aio.AbortError:
@@ -128,6 +133,8 @@ def server_stream(role: Role | frozenset[Role]) -> Callable[[Callable[..., Async
         @functools.wraps(fn)
         async def method(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                if isinstance(request, Undecodable):
+                    await refuse(request, fn.__name__, context)
                 ident = _check(self.ctx, context, role, fn.__name__)
                 async for msg in fn(self, request, context, ident):
                     yield msg
