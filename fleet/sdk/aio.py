@@ -40,10 +40,10 @@ class AsyncTransport(base.Transport):
         raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
 
     async def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
-        stub_method, per = self._stub_method(rpc)
+        stub_method, per = self._methods.get(id(rpc)) or self._stub_method(rpc)
 
         async def attempt(timeout: float) -> Any:
-            reply = stub_method(rpc.wire(req), timeout=timeout, metadata=self._md)
+            reply = stub_method(req if rpc.wire is None else rpc.wire(req), timeout=timeout, metadata=self._md)
             return await reply if rpc.each is None else [rpc.each(m) async for m in reply]
 
         if rpc.retry:

@@ -150,6 +150,7 @@ class Transport:
         self._channel = (self._grpc.secure_channel(target, creds, options) if creds
                          else self._grpc.insecure_channel(target, options))
         self._stubs: dict[Any, Any] = {}
+        self._methods: dict[int, tuple[Callable[..., Any], float]] = {}  # id(rpc) -> _stub_method(rpc)
 
     def _stub_method(self, rpc: Rpc[..., Any]) -> tuple[Callable[..., Any], float]:
         """The stub's callable for `rpc`, and its per-attempt deadline (seconds)."""
@@ -157,4 +158,5 @@ class Transport:
         if stub is None:
             stub = self._stubs[rpc.stub] = rpc.stub(self._channel)
         per = {"unary": self.timeout, "blob": self.blob_timeout, "session": SESSION_TIMEOUT_S}[rpc.timeout]
-        return getattr(stub, rpc.method), per
+        self._methods[id(rpc)] = (getattr(stub, rpc.method), per)  # the rows live as long as the module
+        return self._methods[id(rpc)]

@@ -38,10 +38,6 @@ Timeout = Literal["unary", "blob", "session"]  # the client's `timeout`, its `bl
 Streaming = Literal["unary", "client", "server"]
 
 
-def _same(req: Any) -> Any:
-    return req
-
-
 @dataclass(frozen=True, slots=True)
 class Rpc(Generic[P, R]):
     """One call of the SDK, named after its request builder.
@@ -60,12 +56,12 @@ class Rpc(Generic[P, R]):
     retry: bool = True
     timeout: Timeout = "unary"
     streaming: Streaming = "unary"
-    wire: Callable[[Any], Any] = _same
+    wire: Callable[[Any], Any] | None = None  # None: the request is sent as built
     each: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         assert (self.streaming == "server") == (self.each is not None), self.method
-        assert self.streaming != "client" or self.wire is not _same, f"{self.method}: a stream is re-opened per attempt"
+        assert self.streaming != "client" or self.wire is not None, f"{self.method}: a stream is re-opened per attempt"
 
     @property
     def name(self) -> str:
