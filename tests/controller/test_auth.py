@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ctl_helpers import code_of, make_tokens, md, start_controller, store_url
+from support.controller import code_of, make_tokens, md, start_controller, store_url
 
 from controller.auth import Authenticator, TokenBook, mint_token
 from fleet.cas.types import check_tenant

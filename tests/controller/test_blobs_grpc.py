@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ctl_helpers import make_tokens, md, start_controller, store_url
+from support.controller import make_tokens, md, start_controller, store_url
 
 from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from chaos_lib import Chaos, Result
+from support.chaos import Chaos, Result
 
 STEPS = 300
 SEEDS = (1, 2, 3, 4, 7)

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 import aiohttp
-from ctl_helpers import start_controller, store_url
+from support.controller import start_controller, store_url
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec

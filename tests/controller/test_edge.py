@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ctl_helpers import code_of, make_tokens, md, start_controller, store_url
+from support.controller import code_of, make_tokens, md, start_controller, store_url
 
 import controller.router as router_mod
 from controller.edge import GrpcLimits

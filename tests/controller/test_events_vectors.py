@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from vllm_vectors import frames, load
+from support.vllm_vectors import frames, load
 
 from controller.index import PrefixIndex, tier_of
 from controller.metrics import Metrics

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from ctl_helpers import start_controller
+from support.controller import start_controller
 
 from controller.fleet_metrics import FleetMetricsPoller, snapshot
 from controller.metrics import Metrics

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from ctl_helpers import start_controller, store_url
+from support.controller import start_controller, store_url
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from vllm_vectors import frames, load, unhex
+from support.vllm_vectors import frames, load, unhex
 
 from controller.vllm.hashing import (
     HashConfig,

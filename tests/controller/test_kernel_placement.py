@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ctl_helpers import start_controller
+from support.controller import start_controller
 
 from controller.kernel_placement import KERNEL_SPEC_KEY, kernel_overrides_from, set_kernel_placement
 from controller.main import config_from, parse_args

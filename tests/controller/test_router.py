@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 from aiohttp import web
-from vllm_vectors import frames, load
+from support.vllm_vectors import frames, load
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec

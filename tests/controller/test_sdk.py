@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ctl_helpers import make_tokens, start_controller, store_url
+from support.controller import make_tokens, start_controller, store_url
 
 from fleet.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from fleet.redis_server import free_port

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from ctl_helpers import code_of, make_tokens, md, start_controller, store_url
+from support.controller import code_of, make_tokens, md, start_controller, store_url
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

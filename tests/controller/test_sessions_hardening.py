@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import ray
-from ctl_helpers import make_tokens, md, start_controller
+from support.controller import make_tokens, md, start_controller
 
 from controller.quotas import SessionLimits
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb

@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from ctl_helpers import make_tokens, start_controller, store_url
+from support.controller import make_tokens, start_controller, store_url
 
 from controller.main import config_from, parse_args
 from controller.store_gc import GcConfig

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ctl_helpers import make_tokens, start_controller, store_url
+from support.controller import make_tokens, start_controller, store_url
 
 from controller.auth import mint_token
 from controller.proxy import Proxy, ProxyConfig

@@ -520,12 +520,12 @@ def _leaves(node: Any, path: str = "") -> list[str]:
 
 
 def test_readme_values_table_is_current_and_complete() -> None:
-    import values_table  # tests/helm/values_table.py
+    import support.helm_values as values_table  # tests/support/helm_values.py
 
     text = (CHART / "values.yaml").read_text()
     readme = (CHART / "README.md").read_text()
     section = readme[readme.index(values_table.BEGIN) + len(values_table.BEGIN):readme.index(values_table.END)]
-    assert section.strip() == values_table.table(text), "run: .venv/bin/python tests/helm/values_table.py"
+    assert section.strip() == values_table.table(text), "run: .venv/bin/python tests/support/helm_values.py"
     documented = [k for k, _ in values_table.documented_keys(text)]
     undocumented = [leaf for leaf in _leaves(yaml.safe_load(text))
                     if not any(leaf == k or leaf.startswith(k + ".") or leaf.startswith(k + "[]") for k in documented)]

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from workers_helpers import SPEC
+from support.workers import SPEC
 
 from workers.fleet import KernelFleet
 

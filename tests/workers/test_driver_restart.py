@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import ray
-from workers_helpers import SPEC
+from support.workers import SPEC
 
 from workers.fleet import KernelFleet
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from workers_helpers import SPEC, prefilled, replay_locally, wait_dead
+from support.workers import SPEC, prefilled, replay_locally, wait_dead
 
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import max_abs_delta

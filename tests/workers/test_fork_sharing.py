@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import ray
-from workers_helpers import SPEC, replay_locally, wait_dead
+from support.workers import SPEC, replay_locally, wait_dead
 
 from fleet.kernel import max_abs_delta
 from workers.fleet import KernelFleet

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from workers_helpers import SPEC
+from support.workers import SPEC
 
 from workers.fleet import KernelFleet
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from workers_helpers import SPEC
+from support.workers import SPEC
 
 from fleet.errors import ResourceExhausted
 from workers.fleet import KernelFleet

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from proxy_fleet import Fleet, start_fleet
+from support.proxy_fleet import Fleet, start_fleet
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from proxy_fleet import MODEL, Fleet, served
+from support.proxy_fleet import MODEL, Fleet, served
 
 GOOD = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
 JSON = {"Content-Type": "application/json"}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_fleet import MODEL, served, start_fleet, until
+from support.proxy_fleet import MODEL, served, start_fleet, until
 
 PROMPT = "Draft the incident review for the storage outage, with a timeline and the follow-ups."
 

@@ -8,7 +8,7 @@ import re
 import zlib
 from pathlib import Path
 
-from proxy_fleet import MODEL, served, start_fleet, until
+from support.proxy_fleet import MODEL, served, start_fleet, until
 
 from controller.proxy.tokenize import PROBES
 from fleet.testkit.sim_vllm import tokenizer as simtok

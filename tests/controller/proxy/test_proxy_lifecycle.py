@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import aiohttp
-from proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
+from support.proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
 
 PROMPT = "Summarise the quarterly report for the board, section by section, with numbers. " * 3
 

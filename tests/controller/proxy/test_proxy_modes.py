@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from proxy_fleet import MODEL, Fleet
+from support.proxy_fleet import MODEL, Fleet
 
 from controller.proxy import Proxy, ProxyConfig
 
@@ -46,7 +46,7 @@ async def test_a_proxy_token_without_the_operator_role_is_reported(fleet: Fleet)
 
 
 async def test_headers_the_worker_gets(fleet: Fleet) -> None:
-    from proxy_fleet import served
+    from support.proxy_fleet import served
 
     proxy = await _second_proxy(fleet, token=fleet.tokens["op"], worker_api_key="vllm-key")
     try:

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_fleet import BLOCK, MODEL, Fleet, sse_events, start_fleet, until
+from support.proxy_fleet import BLOCK, MODEL, Fleet, sse_events, start_fleet, until
 
 from controller.proxy.quarantine import PLACEHOLDER
 from fleet.api.kvfleet.v1 import quarantine_pb2 as qpb

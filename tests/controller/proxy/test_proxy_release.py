@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proxy_fleet import MODEL, start_fleet, until
+from support.proxy_fleet import MODEL, start_fleet, until
 
 from controller.cost import CostConfig
 from controller.router import Router

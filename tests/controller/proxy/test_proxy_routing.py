@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
+from support.proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
 
 SYSTEM = "You are a careful assistant. " * 8
 

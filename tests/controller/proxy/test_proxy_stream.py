@@ -6,7 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from proxy_fleet import MODEL, Fleet, served, sse_events, start_fleet, until
+from support.proxy_fleet import MODEL, Fleet, served, sse_events, start_fleet, until
 
 from fleet.testkit.sim_vllm import tokenizer as simtok
 

@@ -1,4 +1,4 @@
-"""Runs the BlobStore contract (tests/contracts/blob_store.py) against SQLite and a real redis-server."""
+"""Runs the BlobStore contract (tests/support/blob_store_contract.py) against SQLite and a real redis-server."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests/ (appended: tests/fleet must not shadow fleet)
-pytest.register_assert_rewrite("contracts.blob_store")
+pytest.register_assert_rewrite("support.blob_store_contract")
 
-from contracts.blob_store import *  # noqa: E402,F401,F403 - the contract's test functions
-from contracts.blob_store import StoreEnv  # noqa: E402
+from support.blob_store_contract import *  # noqa: E402,F401,F403 - the contract's test functions
+from support.blob_store_contract import StoreEnv  # noqa: E402
 
 
 def _sqlite_footprint(path: str) -> object:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kernel_factories import BACKENDS
+from support.kernels import BACKENDS
 
 
 @pytest.fixture(params=BACKENDS)

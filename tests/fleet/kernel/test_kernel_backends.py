@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_factories import make_kernel, rand_ids
+from support.kernels import make_kernel, rand_ids
 
 from fleet.kernel import Kernel, ModelConfig, max_abs_delta
 

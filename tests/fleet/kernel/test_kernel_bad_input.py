@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kernel_factories import make_kernel, rand_ids
+from support.kernels import make_kernel, rand_ids
 
 from fleet.errors import InvalidArgument
 from fleet.kernel import Kernel, ModelConfig, PrefixKV

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernel_factories import make_kernel, rand_ids
+from support.kernels import make_kernel, rand_ids
 
 from fleet.kernel import max_abs_delta
 

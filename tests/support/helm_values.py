@@ -1,6 +1,6 @@
 """The chart README's values table, generated from values.yaml and its `# --` comments.
 
-    .venv/bin/python tests/helm/values_table.py      # rewrite the table in helm/kvfleet/README.md
+    .venv/bin/python tests/support/helm_values.py      # rewrite the table in helm/kvfleet/README.md
 
 A key preceded by a `# -- text` comment (continued by `#    more`) becomes one row whose default is
 its whole value; test_chart.py checks the README matches and that every leaf is documented.
