@@ -10,7 +10,7 @@ from typing import Any
 
 def vectors_path() -> Path:
     """A verbatim copy of the design's reference/vllm-kv-event-vectors.json."""
-    return Path(__file__).resolve().parents[1] / "controller" / "data" / "vllm-kv-event-vectors.json"
+    return Path(__file__).resolve().parents[1] / "controller" / "vllm" / "data" / "vllm-kv-event-vectors.json"
 
 
 def load() -> dict[str, Any]:
