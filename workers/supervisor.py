@@ -154,10 +154,10 @@ class NodeSupervisor:
         return max(0, self.tree.match_prefix(key, count=False).num_matched // self.block_size - 1)
 
     def _drain_events(self) -> None:
-        from fleet.radix import BlockRemoved
+        from fleet.radix import PagesRemoved
 
         self.num_evicted_blocks += sum(len(e.block_ids) for e in self.tree.take_events()
-                                       if isinstance(e, BlockRemoved))
+                                       if isinstance(e, PagesRemoved))
 
     async def evict_node(self, tenant: str, tokens: list[int], start: int = 0) -> dict[str, Any]:
         """Policy eviction by name: drop the tenant's cached blocks on this token path from

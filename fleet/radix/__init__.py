@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, RadixEvent
+from fleet.radix.events import AllPagesCleared, PagesRemoved, PagesStored, RadixEvent
 from fleet.radix.node import EvictResult, InsertResult, MatchResult, TreeNode
 from fleet.radix.policies import (
     POLICIES,
@@ -16,7 +16,7 @@ from fleet.radix.policies import (
 from fleet.radix.tree import RadixTree
 
 __all__ = [
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "EvictResult", "EvictionPolicy", "InsertResult",
+    "AllPagesCleared", "PagesRemoved", "PagesStored", "EvictResult", "EvictionPolicy", "InsertResult",
     "LFUPolicy", "LRUPolicy", "MRUPolicy", "MatchResult", "NextUsePolicy", "POLICIES", "RadixEvent",
     "RadixTree", "TreeNode", "make_policy",
 ]

@@ -1,8 +1,10 @@
 """Events the radix tree emits; the shell drains them with `RadixTree.take_events()`.
 
-They mirror vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared) so a consumer that
-understands one understands the other. Block ids are the tree's own page ids (ints, allocated in
-order, never reused while the tree lives), not content hashes.
+They mirror vLLM's KV events (BlockStored / BlockRemoved / AllBlocksCleared) in shape, so a consumer
+that understands one understands the other, but they speak of the tree's own pages: block ids are
+page ids (ints, allocated in order, never reused while the tree lives), not content hashes. Hence
+their own names (PagesStored / PagesRemoved / AllPagesCleared): the vLLM events a controller decodes
+are controller.vllm.events, the structs the stand-in publishes are fleet.testkit.sim_vllm.wire.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class BlockStored:
+class PagesStored:
     """Pages newly cached, in order. `token_ids` holds only these pages' tokens.
 
     Attributes:
@@ -28,7 +30,7 @@ class BlockStored:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class PagesRemoved:
     """Pages dropped from the tree (memory eviction or policy eviction by name)."""
 
     block_ids: tuple[int, ...]
@@ -36,8 +38,8 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllPagesCleared:
     """Every page is gone (`reset`). Consumers must drop all state derived from this tree."""
 
 
-RadixEvent = BlockStored | BlockRemoved | AllBlocksCleared
+RadixEvent = PagesStored | PagesRemoved | AllPagesCleared

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleet.radix.events import AllBlocksCleared, BlockRemoved, BlockStored, RadixEvent
+from fleet.radix.events import AllPagesCleared, PagesRemoved, PagesStored, RadixEvent
 from fleet.radix.node import NO_EVICTION, EvictResult, InsertResult, MatchResult, TreeNode
 from fleet.radix.policies import EvictionPolicy, make_policy
 
@@ -193,9 +193,9 @@ class RadixTree:
         return EvictResult(freed, tuple(node_ids), tuple(block_ids))
 
     def reset(self) -> None:
-        """Drop every page and emit AllBlocksCleared. Hit counters and block ids carry on."""
+        """Drop every page and emit AllPagesCleared. Hit counters and block ids carry on."""
         self._init_root()
-        self._events.append(AllBlocksCleared())
+        self._events.append(AllPagesCleared())
 
     def take_events(self) -> list[RadixEvent]:
         """Drain the event queue (oldest first)."""
@@ -275,7 +275,7 @@ class RadixTree:
         parent.children[key[:self.page_size]] = leaf
         self.num_cached_tokens += len(key)
         parent_block = parent.block_ids[-1] if parent.block_ids else None
-        self._events.append(BlockStored(tuple(block_ids), parent_block, key, self.page_size))
+        self._events.append(PagesStored(tuple(block_ids), parent_block, key, self.page_size))
         return leaf
 
     def _fit(self, leaf: TreeNode) -> EvictResult:
@@ -291,7 +291,7 @@ class RadixTree:
         return [n for n in self.nodes() if n.is_leaf and n.lock_ref == 0]
 
     def _remove(self, node: TreeNode, reason: str, node_ids: list[int], block_ids: list[int]) -> int:
-        """Detach `node` with its subtree; emit one BlockRemoved per node, parents first."""
+        """Detach `node` with its subtree; emit one PagesRemoved per node, parents first."""
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[:self.page_size]]
@@ -301,7 +301,7 @@ class RadixTree:
             node_ids.append(n.node_id)
             block_ids.extend(n.block_ids)
             freed += n.num_tokens
-            self._events.append(BlockRemoved(tuple(n.block_ids), reason))
+            self._events.append(PagesRemoved(tuple(n.block_ids), reason))
             stack.extend(reversed(n.children.values()))
         self.num_cached_tokens -= freed
         return freed

@@ -5,21 +5,21 @@ from __future__ import annotations
 import pytest
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleet.radix import AllBlocksCleared, BlockRemoved, BlockStored, RadixTree
+from fleet.radix import AllPagesCleared, PagesRemoved, PagesStored, RadixTree
 
 
 def test_insert_match_split_exact_ids_and_events() -> None:
     t = RadixTree.simulated(page_size=2)
     r = t.insert([1, 2, 3, 4, 5])                     # trailing partial page is not cached
     assert (r.num_existing, r.num_inserted, r.block_ids, r.node.node_id) == (0, 4, (0, 1), 1)
-    assert t.take_events() == [BlockStored((0, 1), None, (1, 2, 3, 4), 2)]
+    assert t.take_events() == [PagesStored((0, 1), None, (1, 2, 3, 4), 2)]
     m = t.match_prefix([1, 2, 3, 4, 9, 9])
     assert (m.num_matched, m.block_ids, m.node.node_id) == (4, (0, 1), 1)
     r = t.insert([1, 2, 7, 8])                         # splits node 1 after page 0
     assert (r.num_existing, r.num_inserted, r.block_ids) == (2, 2, (0, 2))
     assert [(n.node_id, n.key, n.block_ids) for n in t.nodes()] == [
         (2, (1, 2), [0]), (1, (3, 4), [1]), (3, (7, 8), [2])]
-    assert t.take_events() == [BlockStored((2,), 0, (7, 8), 2)]
+    assert t.take_events() == [PagesStored((2,), 0, (7, 8), 2)]
     m = t.match_prefix([1, 2, 3])                      # page-aligned: matches only [1, 2]
     assert (m.num_matched, m.block_ids, m.node.node_id) == (2, (0,), 2)
     assert (t.num_queried_tokens, t.num_hit_tokens, t.num_cached_tokens) == (9, 6, 6)
@@ -43,7 +43,7 @@ def test_lru_eviction_order_is_exact() -> None:
     assert (r.num_evicted, r.node_ids, r.block_ids) == (2, (2,), (2, 3))
     r = t.evict(3)
     assert (r.num_evicted, r.node_ids, r.block_ids) == (4, (3, 1), (4, 5, 0, 1))
-    assert t.take_events() == [BlockRemoved((2, 3)), BlockRemoved((4, 5)), BlockRemoved((0, 1))]
+    assert t.take_events() == [PagesRemoved((2, 3)), PagesRemoved((4, 5)), PagesRemoved((0, 1))]
     assert t.num_cached_tokens == 0
 
 
@@ -116,8 +116,8 @@ def test_evict_node_by_path_and_by_node() -> None:
     assert (r.node_ids, r.block_ids) == ((3,), (3,))
     r = t.evict_node([1, 1, 2, 2], start=2)            # prune everything below [1,1] via [2,2]
     assert (r.node_ids, r.block_ids) == ((2, 1), (1, 2))
-    assert t.take_events() == [BlockRemoved((3,), "policy"), BlockRemoved((1,), "policy"),
-                               BlockRemoved((2,), "policy")]
+    assert t.take_events() == [PagesRemoved((3,), "policy"), PagesRemoved((1,), "policy"),
+                               PagesRemoved((2,), "policy")]
     assert t.match_prefix([1, 1, 5, 5]).num_matched == 4   # the sibling branch is untouched
     node = t.match_prefix([1, 1, 5, 5]).node
     assert t.evict_node(node).node_ids == (5,)
@@ -162,7 +162,7 @@ def test_reset_clears_everything_and_block_ids_carry_on() -> None:
     t.match_prefix([1, 2])
     t.take_events()
     t.reset()
-    assert t.take_events() == [AllBlocksCleared()]
+    assert t.take_events() == [AllPagesCleared()]
     assert t.num_cached_tokens == 0 and t.match_prefix([1, 2]).num_matched == 0
     assert t.insert([1, 2]).block_ids == (2, 3)
     assert (t.num_queried_tokens, t.num_hit_tokens) == (4, 2)
