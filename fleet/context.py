@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel.tokenizer import encode_message
-from fleet.session_types import check_token_ids
+from fleet.session_types import EvictionProof, check_token_ids
 
 if TYPE_CHECKING:
     from fleet.kernel import EvictReport, Kernel, Session
@@ -81,7 +81,7 @@ class SessionContext:
         self.pieces: list[Piece] = []
         self.ops: list[dict[str, Any]] = []
         self.quarantined: dict[str, list[str]] = {}
-        self.witnesses: list[dict[str, Any]] = []
+        self.proofs: list[EvictionProof] = []  # quarantine evictions (fleet/quarantine/admit.py)
 
     @classmethod
     def new(cls, kernel: Kernel, tokenizer: Tokenizer, tenant: str = "default", session_id: str = "s0",

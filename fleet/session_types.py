@@ -93,7 +93,7 @@ class OpResult:
 
 @dataclass(frozen=True, slots=True)
 class EvictionProof:
-    """The witness of a quarantine eviction (fleet/quarantine/admit.py): the piece's span, how it
+    """The proof of a quarantine eviction (fleet/quarantine/admit.py): the piece's span, how it
     was evicted, and the measured max|Δ| of next-token logits (after a probe) evicted vs a session
     that never saw the piece, beside the control (piece kept vs never) that shows the probe sees it.
     Not the lifecycle witness (fleet/lifecycle.py) nor the kernel's exactness witnesses."""
@@ -129,13 +129,6 @@ class ToolAdmission:
 
     def __post_init__(self) -> None:
         assert self.verdict in (CLEAN, QUARANTINED) and self.evicted == (self.proof is not None), self
-
-    @classmethod
-    def of(cls, admission: Any) -> ToolAdmission:
-        """From fleet.quarantine's Admission (its witness a dict with EvictionProof's fields)."""
-        w = admission.witness
-        return cls(admission.verdict, tuple(admission.reasons), admission.evicted,
-                   None if w is None else EvictionProof(**w))
 
 
 @dataclass(frozen=True, slots=True)

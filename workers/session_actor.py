@@ -26,7 +26,7 @@ from typing import Any
 from fleet.context import QUARANTINED, Piece, SessionContext
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import PrefixKV, Session
-from fleet.session_types import OpResult, ToolAdmission
+from fleet.session_types import OpResult
 from workers.placement import add_blob_refs, drop_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
@@ -209,8 +209,8 @@ class KernelActor:
         """Run the detector on a stored tool result; a quarantine evicts its tokens with a proof."""
         from fleet.quarantine import admit_tool_result
 
-        return await self._mutate("admit_tool_result", op_id, lambda: ToolAdmission.of(admit_tool_result(
-            self.context, ref, self.store, self.tenant)))
+        return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
+            self.context, ref, self.store, self.tenant))
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import sys
 # subcommand -> "module:function" taking (argv: list[str]) -> int. Modules are imported lazily so
 # that `kvfleet witness` never pays for grpc/ray imports and vice versa.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "witness": ("fleet.cli.witness:main", "run the kernel exactness witnesses live and print the table"),
+    "witness": ("fleet.cli.witness:main", "run the kernel exactness checks live and print the table"),
     "controller": ("controller.main:main", "run the gRPC controller"),
     "sim-vllm": ("fleet.testkit.sim_vllm.main:main", "run a vLLM stand-in that speaks vLLM's protocol"),
     "proxy": ("controller.proxy.main:main", "OpenAI-compatible routing proxy in front of vLLM workers"),

@@ -8,10 +8,10 @@
 
 from __future__ import annotations
 
-from fleet.quarantine.admit import Admission, admit_tool_result, default_admission_detector
+from fleet.quarantine.admit import admit_tool_result, default_admission_detector
 from fleet.quarantine.cache import VerdictCache
 from fleet.quarantine.detector import Detector, PromptInjectionDetector, Verdict, default_detector
 from fleet.quarantine.layered import DetectorConfig, LayeredDetector, make_detector
 
-__all__ = ["Admission", "Detector", "DetectorConfig", "LayeredDetector", "PromptInjectionDetector", "Verdict",
+__all__ = ["Detector", "DetectorConfig", "LayeredDetector", "PromptInjectionDetector", "Verdict",
            "VerdictCache", "admit_tool_result", "default_admission_detector", "default_detector", "make_detector"]

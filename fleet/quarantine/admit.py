@@ -14,11 +14,11 @@ Witness (probe = a fixed query appended on scratch forks; the real session is ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleet.context import RESIDENT, SHIFTED, Piece, SessionContext
 from fleet.quarantine.detector import Detector
+from fleet.session_types import EvictionProof, ToolAdmission
 from fleet.verdict import CLEAN, QUARANTINED
 
 if TYPE_CHECKING:
@@ -29,18 +29,8 @@ if TYPE_CHECKING:
 DEFAULT_PROBE = "\nuser: what should I do next?\nassistant:"
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """The outcome of admitting one tool result."""
-
-    verdict: str
-    reasons: list[str] = field(default_factory=list)
-    evicted: bool = False
-    witness: dict[str, Any] | None = None
-
-
 def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, detector: Detector | None = None,
-                      probe: str = DEFAULT_PROBE) -> Admission:
+                      probe: str = DEFAULT_PROBE) -> ToolAdmission:
     """Inspect the blob `ref` and act on the verdict in the store and in `ctx`'s KV cache.
 
     Args:
@@ -50,25 +40,25 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         tenant: the blob's tenant.
         detector: defaults to the shipped layered detector (`make_detector()`: rules + learned layer; see
             docs/quarantine.md for why it, not the rules alone, is the default).
-        probe: the query whose next-token logits the witness compares.
+        probe: the query whose next-token logits the eviction proof compares.
 
     Returns:
-        Admission(verdict, reasons, evicted, witness); the witness is also appended to `ctx.witnesses`.
+        ToolAdmission(verdict, reasons, evicted, proof); the proof is also appended to `ctx.proofs`.
     """
     data = store.get(ref, tenant)
     v = (detector or default_admission_detector()).inspect(data)
     if not v.quarantined:
         store.set_verdict(ref, tenant, CLEAN, list(v.reasons))
-        return Admission(CLEAN, list(v.reasons))
+        return ToolAdmission(CLEAN, tuple(v.reasons))
     store.set_verdict(ref, tenant, QUARANTINED, list(v.reasons))
     ctx.quarantine(ref, list(v.reasons))
-    witness = None
+    proof = None
     # evict from the end backwards so earlier spans keep their positions while we work
     for p in sorted((p for p in ctx.pieces if p.ref == ref and p.state in (RESIDENT, SHIFTED)),
                     key=lambda p: -p.start):
-        witness = _evict_with_witness(ctx, p, probe)
-        ctx.witnesses.append(witness)
-    return Admission(QUARANTINED, list(v.reasons), evicted=witness is not None, witness=witness)
+        proof = _evict_with_proof(ctx, p, probe)
+        ctx.proofs.append(proof)
+    return ToolAdmission(QUARANTINED, tuple(v.reasons), evicted=proof is not None, proof=proof)
 
 
 def default_admission_detector() -> Detector:
@@ -84,7 +74,7 @@ def default_admission_detector() -> Detector:
 _DEFAULT_ADMISSION: Detector | None = None
 
 
-def _evict_with_witness(ctx: SessionContext, p: Piece, probe: str) -> dict[str, Any]:
+def _evict_with_proof(ctx: SessionContext, p: Piece, probe: str) -> EvictionProof:
     from fleet.kernel import max_abs_delta  # noqa: PLC0415 - keep the detector importable without numpy
 
     probe_ids = ctx.tokenizer.encode(probe)
@@ -94,16 +84,17 @@ def _evict_with_witness(ctx: SessionContext, p: Piece, probe: str) -> dict[str, 
     report = ctx.evict_piece(p.piece_id, mode="exact", reason="quarantine")
     evict_logits = _probe(ctx.session, probe_ids)
     never_logits = _probe(never, probe_ids)
-    witness = {
-        "ref": p.ref, "piece_id": p.piece_id, "start": p.start, "length": p.length, "mode": report.mode,
-        "late": late, "write_time": not late, "exact": report.exact, "num_recomputed": report.num_recomputed,
-        "max_abs_delta_evict_vs_never": max_abs_delta(evict_logits, never_logits),
-        "control_kept_vs_never": max_abs_delta(kept_logits, never_logits),
-        "cache_digest_equal": ctx.session.digest() == never.digest(),
-        "probe_tokens": len(probe_ids), "env": ctx.kernel.env(),
-    }
+    assert p.ref is not None, p
+    proof = EvictionProof(
+        ref=p.ref, piece_id=p.piece_id, start=p.start, length=p.length, mode=report.mode,
+        late=late, write_time=not late, exact=report.exact, num_recomputed=report.num_recomputed,
+        max_abs_delta_evict_vs_never=max_abs_delta(evict_logits, never_logits),
+        control_kept_vs_never=max_abs_delta(kept_logits, never_logits),
+        cache_digest_equal=ctx.session.digest() == never.digest(),
+        probe_tokens=len(probe_ids), env=ctx.kernel.env(),
+    )
     never.close()
-    return witness
+    return proof
 
 
 def _never_saw(ctx: SessionContext, p: Piece) -> Session:

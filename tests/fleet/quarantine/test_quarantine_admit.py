@@ -36,9 +36,9 @@ def _ctx(kernel: Kernel, store: BlobStore) -> SessionContext:
 
 
 def _show(label: str, w: dict) -> None:
-    print(f"{label}: evict-vs-never max|Δ| = {w['max_abs_delta_evict_vs_never']:.3g}   "
-          f"control kept-vs-never max|Δ| = {w['control_kept_vs_never']:.3g}   late={w['late']} mode={w['mode']} "
-          f"recomputed={w['num_recomputed']} cache digest equal={w['cache_digest_equal']}")
+    print(f"{label}: evict-vs-never max|Δ| = {w.max_abs_delta_evict_vs_never:.3g}   "
+          f"control kept-vs-never max|Δ| = {w.control_kept_vs_never:.3g}   late={w.late} mode={w.mode} "
+          f"recomputed={w.num_recomputed} cache digest equal={w.cache_digest_equal}")
 
 
 def test_write_time_quarantine_evicts_with_witness(kernel: Kernel, store: BlobStore) -> None:
@@ -46,11 +46,11 @@ def test_write_time_quarantine_evicts_with_witness(kernel: Kernel, store: BlobSt
     ref = store.put(POISON, "acme")
     ctx.add_tool_result(ref, POISON)
     adm = admit_tool_result(ctx, ref, store, "acme")
-    w = adm.witness
+    w = adm.proof
     assert adm.verdict == "QUARANTINED" and adm.evicted and w is not None
     _show("write-time", w)
-    assert w["late"] is False and w["max_abs_delta_evict_vs_never"] == 0.0 and w["control_kept_vs_never"] > 0
-    assert w["cache_digest_equal"] and ctx.witnesses == [w] and w["env"]["backend"] == "numpy"
+    assert w.late is False and w.max_abs_delta_evict_vs_never == 0.0 and w.control_kept_vs_never > 0
+    assert w.cache_digest_equal and ctx.proofs == [w] and w.env["backend"] == "numpy"
     assert ctx.pieces[2].state == QUARANTINED and len(ctx.session) == ctx.pieces[1].end
     assert "instruction_override" in adm.reasons and store.stat(ref, "acme").verdict == "QUARANTINED"
     # held out of every context built from it: this one, and a fresh one that only shares the store
@@ -66,11 +66,11 @@ def test_late_verdict_uses_exact_mode_and_says_so(kernel: Kernel, store: BlobSto
     ctx.generate(3)
     ctx.add_message("user", "Book the cheapest one.")
     adm = admit_tool_result(ctx, ref, store, "acme")
-    w = adm.witness
+    w = adm.proof
     assert w is not None
     _show("late", w)
-    assert w["late"] is True and w["mode"] == "exact" and w["num_recomputed"] == ctx.pieces[3].length + ctx.pieces[4].length
-    assert w["max_abs_delta_evict_vs_never"] == 0.0 and w["control_kept_vs_never"] > 0 and w["cache_digest_equal"]
+    assert w.late is True and w.mode == "exact" and w.num_recomputed == ctx.pieces[3].length + ctx.pieces[4].length
+    assert w.max_abs_delta_evict_vs_never == 0.0 and w.control_kept_vs_never > 0 and w.cache_digest_equal
     assert [p.state for p in ctx.pieces] == [RESIDENT, RESIDENT, QUARANTINED, RESIDENT, RESIDENT]
     again = SessionContext.replay(ctx.ops, kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme")
     assert again.digest() == ctx.digest() and ref in again.quarantined
@@ -82,7 +82,7 @@ def test_clean_result_is_admitted_untouched(kernel: Kernel, store: BlobStore) ->
     ctx.add_tool_result(ref, CLEAN)
     before = ctx.digest()
     adm = admit_tool_result(ctx, ref, store, "acme")
-    assert (adm.verdict, adm.evicted, adm.witness) == ("CLEAN", False, None)
+    assert (adm.verdict, adm.evicted, adm.proof) == ("CLEAN", False, None)
     assert ctx.digest() == before and store.stat(ref, "acme").verdict == "CLEAN"
 
 
@@ -91,7 +91,7 @@ def test_verdict_before_prefill_only_marks_and_refuses(kernel: Kernel, store: Bl
     ref = store.put(POISON, "acme")
     before = ctx.digest()
     adm = admit_tool_result(ctx, ref, store, "acme")
-    assert adm.verdict == "QUARANTINED" and not adm.evicted and adm.witness is None and ctx.digest() == before
+    assert adm.verdict == "QUARANTINED" and not adm.evicted and adm.proof is None and ctx.digest() == before
     with pytest.raises(FailedPrecondition, match="quarantined"):
         ctx.add_tool_result(ref, POISON)
 
