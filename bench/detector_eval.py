@@ -116,7 +116,11 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
         "",
     ]
     lines += [
-        f"- {c['package']} {c['version']} ({c['licence']}): {c['num_examples']}" for c in meta["corpora"]
+        f"- {c['package']} {c['version']} ({c['licence']})"
+        + (f", relaying {c['dataset']} ({c['dataset_licence']}) as source {c['source']}" if "dataset" in c else "")
+        + (" [added for issue #15]" if c.get("added") else "")
+        + f": {c['num_examples']}"
+        for c in meta["corpora"]
     ]
     files = meta["benign_files"]
     licences = sorted({f["licence"] for f in files})

