@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fleet.errors import InvalidArgument
+from fleet.route_types import RouteCost
 
 RankKey = tuple[str, int]  # (worker, dp_rank)
 
@@ -129,20 +130,8 @@ class CandidateState(NamedTuple):
     num_demand_blocks: int = -1
 
 
-class CostTerms(NamedTuple):
-    total: float
-    prefill_tokens: int
-    cached_tokens: int
-    queued_tokens: float
-    active_requests: float
-    evicted_tokens: int
-    amortized_tokens: int = (
-        0  # of prefill_tokens: a shared prefix the rank lacks (counted at shared_prefix_weight)
-    )
-
-
 class Ranked(NamedTuple):
-    terms: CostTerms
+    terms: RouteCost
     state: CandidateState
 
 
@@ -178,7 +167,7 @@ def terms(
     s: CandidateState,
     mean_request_tokens: float,
     num_shared_tokens: int = 0,
-) -> CostTerms:
+) -> RouteCost:
     """The cost of sending a `num_prompt_tokens` request to the candidate, term by term.
 
     `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`).
@@ -206,7 +195,7 @@ def terms(
         + cfg.request_weight * active
         + cfg.pressure_weight * evicted
     )
-    return CostTerms(total, prefill, cached, queued, active, evicted, amortized)
+    return RouteCost(total, prefill, cached, queued, active, evicted, amortized)
 
 
 def rank(

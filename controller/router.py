@@ -33,7 +33,7 @@ import aiohttp
 import zmq.asyncio
 
 from controller import cost
-from controller.cost import Branches, CandidateState, CostConfig, CostTerms, Flight, InFlight, Ranked
+from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Ranked
 from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
@@ -46,8 +46,9 @@ from controller.vllm.watcher import Worker
 from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from fleet.lifecycle import RankState, Witness
+from fleet.route_types import RouteCandidate, RouteCost, RouteDecision
 
-__all__ = ["Candidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
+__all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
 _ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -80,33 +81,6 @@ class WorkerStatus:
     kv_usage: float
     fence: str
     spec: WorkerSpec
-
-
-class Candidate(NamedTuple):
-    worker: str
-    dp_rank: int
-    matched_tokens: int
-    cost: CostTerms | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """Where to send a request: the cheapest serving candidate, its cost terms and the runner-up.
-
-    `route_id` names the request in the router's in-flight ledger; release it when the request ends.
-    `candidates` are every serving candidate, cheapest first (the proxy fails over in this order).
-    """
-
-    worker: str
-    url: str
-    dp_rank: int
-    verdict: str
-    matched_tokens: int
-    epoch: int
-    candidates: tuple[Candidate, ...]
-    route_id: str = ""
-    cost: CostTerms | None = None
-    runner_up: Candidate | None = None
 
 
 class _Ranking(NamedTuple):
@@ -390,7 +364,7 @@ class Router:
             )
             self._gauge(name)
         cands = tuple(
-            Candidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ranking.ranked
+            RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ranking.ranked
         )
         self._observe(token_ids, t, cands)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
@@ -402,6 +376,7 @@ class Router:
             "WARM" if t.cached_tokens else "COLD",
             t.cached_tokens,
             v.rank(r).epoch,
+            cache_salt or "",
             cands,
             route_id,
             t,
@@ -422,7 +397,7 @@ class Router:
             self._gauge(f.key[0])
         return f is not None
 
-    def _observe(self, token_ids: Sequence[int], t: CostTerms, cands: tuple[Candidate, ...]) -> None:
+    def _observe(self, token_ids: Sequence[int], t: RouteCost, cands: tuple[RouteCandidate, ...]) -> None:
         m = self.metrics
         m.route_total.labels("WARM" if t.cached_tokens else "COLD").inc()
         m.route_cost.observe(t.total)

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from fleet.api.kvfleet.v1 import route_pb2, workers_pb2
 
 if TYPE_CHECKING:
-    from controller.cost import CostTerms
-    from controller.router import Candidate, RouteDecision, WorkerSpec, WorkerStatus
+    from controller.router import WorkerSpec, WorkerStatus
     from fleet.lifecycle import Witness
+    from fleet.route_types import RouteCandidate, RouteCost, RouteDecision
 
 
 def spec_from_proto(p: workers_pb2.WorkerSpec) -> WorkerSpec:
@@ -78,7 +78,7 @@ def witness_to_proto(w: Witness) -> workers_pb2.Witness:
     )
 
 
-def cost_to_proto(t: CostTerms | None) -> route_pb2.RouteCost | None:
+def cost_to_proto(t: RouteCost | None) -> route_pb2.RouteCost | None:
     if t is None:
         return None
     return route_pb2.RouteCost(
@@ -92,13 +92,13 @@ def cost_to_proto(t: CostTerms | None) -> route_pb2.RouteCost | None:
     )
 
 
-def candidate_to_proto(c: Candidate) -> route_pb2.RouteCandidate:
+def candidate_to_proto(c: RouteCandidate) -> route_pb2.RouteCandidate:
     return route_pb2.RouteCandidate(
         worker=c.worker, dp_rank=c.dp_rank, matched_tokens=c.matched_tokens, cost=cost_to_proto(c.cost)
     )
 
 
-def decision_to_proto(d: RouteDecision, cache_salt: str) -> route_pb2.RouteResponse:
+def decision_to_proto(d: RouteDecision) -> route_pb2.RouteResponse:
     out = route_pb2.RouteResponse(
         worker=d.worker,
         url=d.url,
@@ -107,7 +107,7 @@ def decision_to_proto(d: RouteDecision, cache_salt: str) -> route_pb2.RouteRespo
         matched_tokens=d.matched_tokens,
         epoch=d.epoch,
         candidates=[candidate_to_proto(c) for c in d.candidates],
-        cache_salt=cache_salt,
+        cache_salt=d.cache_salt,
         cost=cost_to_proto(d.cost),
         route_id=d.route_id,
     )

@@ -45,7 +45,7 @@ class RouteServicer(pbg.RouteServiceServicer):
             track=request.track,
             owner=ident.tenant,
         )
-        return decision_to_proto(decision, salt)
+        return decision_to_proto(decision)
 
     @unary(Role.TENANT)
     async def ReleaseRoute(

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.route_types import RouteCandidate as RouteCandidate  # the SDK returns the core types
+from fleet.route_types import RouteCost as RouteCost
+from fleet.route_types import RouteDecision as RouteDecision
+
 
 @dataclass(frozen=True, slots=True)
 class BlobRef:
@@ -27,55 +31,6 @@ class BlobInfo:
     verdict: str
     reasons: tuple[str, ...]
     lease_expires: float
-
-
-@dataclass(frozen=True, slots=True)
-class RouteCost:
-    """A candidate's cost in prefill-token units (docs/routing.md):
-    prefill - (1 - shared_prefix_weight) * amortized + queue_weight * queued + request_weight * active
-    + pressure_weight * evicted."""
-
-    total: float
-    prefill_tokens: int
-    cached_tokens: int
-    queued_tokens: float
-    active_requests: float
-    evicted_tokens: int
-    amortized_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class RouteCandidate:
-    worker: str
-    dp_rank: int
-    matched_tokens: int
-    cost: RouteCost | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """Where to send a request. verdict is "WARM" (prefix resident and worker serving) or "COLD".
-
-    Send `cache_salt` to vLLM with the request so the worker's block hashes match the router's.
-    `cost` is the chosen candidate's cost terms, `runner_up` the cheapest one not chosen.
-    `route_id` is set when the route was tracked; release it (ReleaseRoute) when the request ends.
-    """
-
-    worker: str
-    url: str
-    dp_rank: int
-    verdict: str
-    matched_tokens: int
-    epoch: int
-    cache_salt: str
-    candidates: tuple[RouteCandidate, ...] = ()
-    route_id: str = ""
-    cost: RouteCost | None = None
-    runner_up: RouteCandidate | None = None
-
-    @property
-    def warm(self) -> bool:
-        return self.verdict == "WARM"
 
 
 @dataclass(frozen=True, slots=True)
