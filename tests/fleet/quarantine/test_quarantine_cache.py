@@ -41,7 +41,7 @@ def test_same_bytes_same_verdict_across_workers(tmp_path: Path) -> None:
 def test_config_id_separates_tenants_policies(tmp_path: Path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/kvfleet.db")
     strict, lax = (
-        Counting(DetectorConfig(learned_threshold=0.01)),
+        Counting(DetectorConfig(learned_threshold=0.0)),  # quarantines everything: the strictest policy
         Counting(DetectorConfig(layers=("rules",))),
     )
     clean = b'{"city": "Oslo", "temp_c": 4.5}'
