@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fleet.radix.events import AllPagesCleared, PagesRemoved, PagesStored, RadixEvent
-from fleet.radix.node import EvictResult, InsertResult, MatchResult, TreeNode
+from fleet.radix.node import EvictedPages, InsertResult, MatchResult, TreeNode
 from fleet.radix.policies import (
     POLICIES,
     EvictionPolicy,
@@ -16,7 +16,7 @@ from fleet.radix.policies import (
 from fleet.radix.tree import RadixTree
 
 __all__ = [
-    "AllPagesCleared", "PagesRemoved", "PagesStored", "EvictResult", "EvictionPolicy", "InsertResult",
+    "AllPagesCleared", "PagesRemoved", "PagesStored", "EvictedPages", "EvictionPolicy", "InsertResult",
     "LFUPolicy", "LRUPolicy", "MRUPolicy", "MatchResult", "NextUsePolicy", "POLICIES", "RadixEvent",
     "RadixTree", "TreeNode", "make_policy",
 ]

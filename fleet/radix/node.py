@@ -87,11 +87,11 @@ class InsertResult:
     num_inserted: int
     node: TreeNode
     block_ids: tuple[int, ...]
-    evicted: EvictResult
+    evicted: EvictedPages
 
 
 @dataclass(frozen=True, slots=True)
-class EvictResult:
+class EvictedPages:
     """Nodes and pages removed by `evict` or `evict_node`, in removal order."""
 
     num_evicted: int
@@ -99,4 +99,4 @@ class EvictResult:
     block_ids: tuple[int, ...]
 
 
-NO_EVICTION = EvictResult(0, (), ())
+NO_EVICTION = EvictedPages(0, (), ())

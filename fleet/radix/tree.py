@@ -20,7 +20,7 @@ from typing import Any
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.radix.events import AllPagesCleared, PagesRemoved, PagesStored, RadixEvent
-from fleet.radix.node import NO_EVICTION, EvictResult, InsertResult, MatchResult, TreeNode
+from fleet.radix.node import NO_EVICTION, EvictedPages, InsertResult, MatchResult, TreeNode
 from fleet.radix.policies import EvictionPolicy, make_policy
 
 
@@ -147,7 +147,7 @@ class RadixTree:
 
     # -- eviction -----------------------------------------------------------------------------
 
-    def evict(self, num_tokens: int) -> EvictResult:
+    def evict(self, num_tokens: int) -> EvictedPages:
         """Evict unlocked leaves, policy order, until at least `num_tokens` are freed.
 
         Whole nodes go (a node may free more than asked). A parent left childless and unlocked
@@ -166,9 +166,9 @@ class RadixTree:
             freed += self._remove(node, "evict", node_ids, block_ids)
             if parent is not self.root and parent is not None and parent.is_leaf and parent.lock_ref == 0:
                 heapq.heappush(heap, (self.policy.priority(parent), parent.node_id, parent))
-        return EvictResult(freed, tuple(node_ids), tuple(block_ids))
+        return EvictedPages(freed, tuple(node_ids), tuple(block_ids))
 
-    def evict_node(self, target: TreeNode | Sequence[int], start: int | None = None) -> EvictResult:
+    def evict_node(self, target: TreeNode | Sequence[int], start: int | None = None) -> EvictedPages:
         """Policy eviction by name: prune a subtree regardless of recency or frequency.
 
         Args:
@@ -177,7 +177,7 @@ class RadixTree:
                 default: the start of the node holding the path's last page. Pages before
                 `start` stay; everything cached at or after it below the path goes.
         Returns:
-            EvictResult in removal order (parents before children).
+            EvictedPages in removal order (parents before children).
         Raises:
             NotFound: the node or path is not cached. FailedPrecondition: it is locked.
             InvalidArgument: bad `start`. Nothing is changed on error.
@@ -190,7 +190,7 @@ class RadixTree:
         node_ids: list[int] = []
         block_ids: list[int] = []
         freed = self._remove(node, "policy", node_ids, block_ids)
-        return EvictResult(freed, tuple(node_ids), tuple(block_ids))
+        return EvictedPages(freed, tuple(node_ids), tuple(block_ids))
 
     def reset(self) -> None:
         """Drop every page and emit AllPagesCleared. Hit counters and block ids carry on."""
@@ -278,7 +278,7 @@ class RadixTree:
         self._events.append(PagesStored(tuple(block_ids), parent_block, key, self.page_size))
         return leaf
 
-    def _fit(self, leaf: TreeNode) -> EvictResult:
+    def _fit(self, leaf: TreeNode) -> EvictedPages:
         if self.capacity_tokens is None or self.num_cached_tokens <= self.capacity_tokens:
             return NO_EVICTION
         self.inc_lock_ref(leaf)
