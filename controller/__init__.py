@@ -1,0 +1,3 @@
+"""The controller: gRPC servicers, router, vLLM watchers, proxy (docs/architecture.md)."""
+
+import fleet  # noqa: F401  - first: its environment defaults (gRPC fork handlers) precede any grpc import

@@ -13,9 +13,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -87,18 +86,6 @@ class Controller:
                     pass
 
 
-def _slow_start(call: Callable[[], Any]) -> Any:
-    """`call`, retried while the controller's Ray is still starting (the SDK's session deadline is
-    fixed, and on a loaded 2-core machine a Ray start can outlast it)."""
-    for _ in range(4):
-        try:
-            return call()
-        except KvfleetError as e:
-            if "deadline exceeded" not in str(e).lower():
-                raise
-    return call()
-
-
 @pytest.fixture
 def controller(redis_url: str) -> Iterator[Controller]:
     c = Controller(redis_url)
@@ -107,17 +94,18 @@ def controller(redis_url: str) -> Iterator[Controller]:
         c.sigkill()
 
 
-# NOTE: in the full suite the new controller's first session call (its fresh local Ray starting)
-# sometimes runs past every deadline (1 run in 3 on a loaded 2-core machine; passes alone); cause not
-# found yet. Not strict, so it still runs and reports XPASS when it passes.
-@pytest.mark.xfail(reason="first session call after a controller start with a fresh local Ray sometimes hangs under load (under investigation)", strict=False, raises=KvfleetError)
+# NOTE: this test used to hang 1 run in 3 in the full suite: the restarted controller's first session call
+# starts a local Ray from inside the running gRPC server, and gRPC's fork handlers crashed the forked child
+# before it could exec Ray's GCS server, so ray.init waited out its 30 s start. fleet/__init__.py turns
+# those handlers off (GRPC_ENABLE_FORK_SUPPORT=false); no retry or xfail hides a slow first call any more.
 def test_sigkill_mid_appends_keeps_every_acknowledged_write(controller: Controller) -> None:
     controller.start()
     texts = [f"turn {i}: look up order {1000 + i}" for i in range(40)]
     acked: list[int] = []  # num_tokens after each acknowledged append, in order
     failed: list[str] = []
     with FleetClient(controller.address, retry=NO_RETRY, timeout=180) as c:
-        _slow_start(lambda: c.get_session("s1") if c.sessions(fleet=False) else c.create_session("s1", SYSTEM))
+        if not c.sessions(fleet=False):
+            c.create_session("s1", SYSTEM)
         c.append("s1", texts[0])
         acked.append(c.get_session("s1").row.num_tokens)
 
@@ -139,7 +127,7 @@ def test_sigkill_mid_appends_keeps_every_acknowledged_write(controller: Controll
     assert len(acked) >= 4 and failed, (acked, failed)  # killed mid-traffic, not after it
     controller.start()
     with FleetClient(controller.address, retry=NO_RETRY, timeout=180) as c:
-        st = _slow_start(lambda: c.get_session("s1", include_tokens=True))  # regenerated on a new Ray
+        st = c.get_session("s1", include_tokens=True)  # regenerated on a new Ray
         n_applied = len(acked) + (1 if st.row.num_tokens > acked[-1] else 0)  # the one in flight may be logged
         print(f"acknowledged {len(acked)} appends ({acked[-1]} tokens); after the crash {st.row.num_tokens} tokens")
         assert st.row.num_tokens >= acked[-1]  # every acknowledged append is there
