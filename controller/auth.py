@@ -134,11 +134,11 @@ class Authenticator:
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Identity:
         if self.book is None:
             return self._open
-        values = [v for k, v in (metadata or ()) if k == "authorization"]
-        if not values:
+        raw = next((v for k, v in (metadata or ()) if k == "authorization"), None)  # the first one counts
+        if raw is None:
             raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token>' "
                                   "(FleetClient(token=...) does)")
-        value = values[0].decode() if isinstance(values[0], bytes) else values[0]
+        value = raw.decode() if isinstance(raw, bytes) else raw
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("malformed authorization metadata: expected 'Bearer <token>'")

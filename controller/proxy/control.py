@@ -22,7 +22,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.sdk import base, types
+from fleet.sdk import base, table, types
 
 log = logging.getLogger("kvfleet.proxy")
 
@@ -45,7 +45,7 @@ class ControlClient:
     async def route(
         self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None
     ) -> types.RouteDecision:
-        req = base.route_request(token_ids, model, lora, None)
+        req = table.route(token_ids, model, lora=lora)
         req.track = True  # the proxy releases every route when its answer ends (Handlers._complete)
         try:
             r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))

@@ -111,10 +111,12 @@ def chain(cfg: HashConfig, token_ids: Sequence[int], *, lora: tuple[str, str] | 
         parent: full digest of the block before `start_block` (None at block 0).
         start_block: index of the first block in `token_ids` (matters for the salt).
     """
-    B = cfg.block_size
+    B, h = cfg.block_size, hash_fn(cfg.algo)  # hash_block's step, with H and NONE_HASH looked up once per chain
+    root = none_hash(cfg.algo, cfg.seed)
     out: list[bytes] = []
     for i in range(len(token_ids) // B):
-        parent = hash_block(cfg, parent, token_ids[i * B:(i + 1) * B], block_extra(start_block + i, lora, cache_salt))
+        extra = block_extra(start_block + i, lora, cache_salt)
+        parent = h((parent if parent is not None else root, tuple(token_ids[i * B:(i + 1) * B]), extra or None))
         out.append(parent)
     return out
 

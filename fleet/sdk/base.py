@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import grpc
 
 from fleet import errors
-from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2, workers_pb2
+from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
 from fleet.errors import InvalidArgument, KvfleetError, Unavailable
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
@@ -118,17 +118,6 @@ def lifecycle_request(name: str, verb: str, level: int | None, mode: str | None,
     for key, val in (("level", level), ("mode", mode), ("clear_cache", clear_cache), ("dp_rank", dp_rank)):
         if val is not None:
             setattr(req, key, val)
-    return req
-
-
-def route_request(token_ids: Sequence[int], model: str, lora: str | None, probe: bool | None) -> route_pb2.RouteRequest:
-    if any(t < 0 or t >= 1 << 32 for t in token_ids):
-        raise InvalidArgument("token ids must be integers in [0, 2**32)")
-    req = route_pb2.RouteRequest(token_ids=list(token_ids), model=model)
-    if lora is not None:
-        req.lora = lora
-    if probe is not None:
-        req.probe = probe
     return req
 
 
