@@ -4,7 +4,9 @@ Two requests, each on a real fleet on loopback (controller with a SQLite store, 
 all in this process so one profiler sees every layer), with every background loop made quiet (reconcile and
 proxy refresh intervals of an hour, no traffic to the stand-ins during the window):
 
-    route        one Route RPC through the SDK (client -> controller -> router -> index/cost -> answer)
+    route        the Route RPC a proxied request makes (the proxy's ControlClient -> controller -> router ->
+                 index/cost -> answer; tracked, as the proxy tracks it)
+    route_sdk    the same RPC through the SDK's AsyncFleetClient.route (an agent framework's path)
     quarantine   one /v1/chat/completions through the proxy carrying a poisoned tool result, under the
                  "refuse" policy (proxy -> JudgeToolResults -> verdicts -> detector -> 400), first time the
                  bytes are seen (cold: the detector runs) and again (warm: the stored verdict answers)
@@ -93,7 +95,9 @@ async def run(tracer: Tracer) -> dict[str, Any]:
             assert status == 200, status
             await asyncio.sleep(1.0)  # the warm-up's ReleaseRoute and KV events land before the window opens
             out: dict[str, Any] = {}
-            for name, call in (("route", lambda: client.route(tokens, model="sim-model")),
+            for name, call in (("route_sdk", lambda: client.route(tokens, model="sim-model")),
+                               ("route", lambda: fleet.proxy.control.route(tokens, "sim-model", lora=None,
+                                                                             token=fleet.tokens["a"])),
                                ("quarantine_cold", lambda: fleet.post("/v1/chat/completions", body)),
                                ("quarantine_warm", lambda: fleet.post("/v1/chat/completions", body))):
                 tracer.on = True
