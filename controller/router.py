@@ -331,7 +331,7 @@ class Router:
         """
         t0 = time.perf_counter()
         _check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
-        if expired := self.flights.expire(time.monotonic()):
+        if expired := self.flights.expire(time.monotonic()):  # hot path: most routes expire nothing
             self._ended(expired, "ttl")
         jobs = self._hash_jobs(model, lora)
         pre = await asyncio.to_thread(_checked_chains, jobs, token_ids, model, cache_salt, lora)
@@ -410,9 +410,8 @@ class Router:
             m.hit_rate.set(self._matched / self._routed)
 
     def _ended(self, flights: list[Flight], reason: str) -> None:
-        if not flights:  # the common case on every route: nothing expired
-            return
-        self.metrics.inflight_dropped.labels(reason).inc(len(flights))
+        if flights:
+            self.metrics.inflight_dropped.labels(reason).inc(len(flights))
         for worker in {f.key[0] for f in flights}:
             self._gauge(worker)
 

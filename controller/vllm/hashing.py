@@ -111,12 +111,10 @@ def chain(cfg: HashConfig, token_ids: Sequence[int], *, lora: tuple[str, str] | 
         parent: full digest of the block before `start_block` (None at block 0).
         start_block: index of the first block in `token_ids` (matters for the salt).
     """
-    B, h = cfg.block_size, hash_fn(cfg.algo)  # hash_block's step, with H and NONE_HASH looked up once per chain
-    root = none_hash(cfg.algo, cfg.seed)
+    B = cfg.block_size
     out: list[bytes] = []
     for i in range(len(token_ids) // B):
-        extra = block_extra(start_block + i, lora, cache_salt)
-        parent = h((parent if parent is not None else root, tuple(token_ids[i * B:(i + 1) * B]), extra or None))
+        parent = hash_block(cfg, parent, token_ids[i * B:(i + 1) * B], block_extra(start_block + i, lora, cache_salt))
         out.append(parent)
     return out
 
