@@ -45,7 +45,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
     from fleet.demo.live import LiveRun
     from fleet.demo.peers import replay_vllm_router, vllm_router_binary
     from fleet.demo.summary import summarize
-    from fleet.testkit.stack import Stack, StackConfig
+    from fleet.testkit.stack import StackConfig, start_stack
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-demo-") as tmp:
         root = Path(state_dir or tmp)
@@ -55,7 +55,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
         total = cfg.agents * cfg.turns + cfg.branches * cfg.branch_turns
         with _progress(console) as prog:
             task = prog.add_task("starting controller, local Ray, store, stand-in workers", total=total)
-            stack = await Stack.start(scfg)
+            stack = await start_stack(scfg)
             try:
                 prog.update(task, description=f"{cfg.agents} agents x {cfg.turns} turns")
 

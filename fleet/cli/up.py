@@ -72,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
     from controller.main import cost_config_from
     from controller.quotas import session_limits_from
-    from fleet.testkit.stack import Stack, StackConfig
+    from fleet.testkit.stack import StackConfig, start_stack
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
     kernel = kernel_overrides_from(args)
@@ -91,7 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
         ray_num_cpus=args.num_cpus,
         controller=overrides,
     )
-    stack = await Stack.start(cfg)
+    stack = await start_stack(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
     await asyncio.to_thread(set_kernel_placement, stack.ctl.ctx.store, kernel)  # before the first session
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts

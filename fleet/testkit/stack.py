@@ -148,37 +148,6 @@ class Stack:
         self.client = AsyncFleetClient(ctl.address, self.tenant_token)
         self.proxy: Proxy | None = None
 
-    @classmethod
-    async def start(cls, cfg: StackConfig, *, observe: Observe | None = None) -> Stack:
-        """observe: each stand-in's own aiohttp middlewares (to record what it receives)."""
-        owns_ray = await asyncio.to_thread(init_ray, cfg.ray_address, cfg.ray_num_cpus) if cfg.sessions else False
-        tokens = mint_tokens(Path(cfg.state_dir) / "tokens.json", cfg.tenants, cfg.operator, cfg.operator_name)
-        ccfg = ControllerConfig(listen=cfg.listen, store_url=cfg.store_url,
-                                tokens_file=str(Path(cfg.state_dir) / "tokens.json"), **cfg.controller)
-        ctl = await build_server(ccfg, router_config=cfg.router or RouterConfig(probe_on_route=True),
-                                 **({"metrics": Metrics()} if cfg.metrics else {}))
-        await asyncio.to_thread(kernel_spec_of, ctl.ctx.store, dict(cfg.kernel_spec))
-        eng = SimEngineConfig(**{"model": cfg.model, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
-                                 **cfg.engine})
-        stack = cls(cfg, ctl, {}, tokens, owns_ray)
-        try:
-            stack.sims.update(await start_sims(cfg.workers, eng, observe=observe))
-            await register_sims(stack.admin, stack.sims, cfg.model, cfg.block_size)
-            await wait_serving(stack.admin, len(stack.sims))
-            if cfg.sessions:
-                await stack.admin.fleet_sessions()  # builds the session fleet (Ray supervisors) now
-            if cfg.proxy is not None:
-                pcfg = ProxyConfig(**{"controller": ctl.address, "listen": "127.0.0.1:0",
-                                      "token": stack.operator_token, **cfg.proxy})
-                stack.proxy = await Proxy(pcfg).start()
-        except BaseException:
-            await stack.stop()
-            raise
-        return stack
-
-    async def wait_serving(self, timeout_s: float = 30.0) -> None:
-        await wait_serving(self.admin, len(self.sims), timeout_s)
-
     async def stop(self) -> None:
         if self.proxy is not None:
             with contextlib.suppress(Exception):
@@ -197,5 +166,28 @@ class Stack:
 
 
 async def start_stack(cfg: StackConfig, *, observe: Observe | None = None) -> Stack:
-    """`Stack.start`: a running fleet as `cfg` says."""
-    return await Stack.start(cfg, observe=observe)
+    """observe: each stand-in's own aiohttp middlewares (to record what it receives)."""
+    owns_ray = await asyncio.to_thread(init_ray, cfg.ray_address, cfg.ray_num_cpus) if cfg.sessions else False
+    tokens_file = Path(cfg.state_dir) / "tokens.json"
+    tokens = mint_tokens(tokens_file, cfg.tenants, cfg.operator, cfg.operator_name)
+    ccfg = ControllerConfig(listen=cfg.listen, store_url=cfg.store_url, tokens_file=str(tokens_file), **cfg.controller)
+    ctl = await build_server(ccfg, router_config=cfg.router or RouterConfig(probe_on_route=True),
+                             **({"metrics": Metrics()} if cfg.metrics else {}))
+    await asyncio.to_thread(kernel_spec_of, ctl.ctx.store, dict(cfg.kernel_spec))
+    eng = SimEngineConfig(**{"model": cfg.model, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
+                             **cfg.engine})
+    stack = Stack(cfg, ctl, {}, tokens, owns_ray)
+    try:
+        stack.sims.update(await start_sims(cfg.workers, eng, observe=observe))
+        await register_sims(stack.admin, stack.sims, cfg.model, cfg.block_size)
+        await wait_serving(stack.admin, len(stack.sims))
+        if cfg.sessions:
+            await stack.admin.fleet_sessions()  # builds the session fleet (Ray supervisors) now
+        if cfg.proxy is not None:
+            pcfg = ProxyConfig(**{"controller": ctl.address, "listen": "127.0.0.1:0",
+                                  "token": stack.operator_token, **cfg.proxy})
+            stack.proxy = await Proxy(pcfg).start()
+    except BaseException:
+        await stack.stop()
+        raise
+    return stack
