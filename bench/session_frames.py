@@ -18,76 +18,23 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
+from frames import Tracer, profile  # bench/frames.py
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-OWN = tuple(str(ROOT / d) + "/" for d in ("fleet", "controller", "workers"))
-SKIP = tuple(str(ROOT / d) + "/" for d in ("fleet/api", "fleet/kernel"))
+SKIP = ("fleet/api", "fleet/kernel")  # generated stubs and the kernel's own math
 PROMPT = "You are agent zero. Answer briefly."
 
 
-class Counter:
-    """A profiler for every thread: counts kvfleet 'call' events while `on`."""
-
-    def __init__(self) -> None:
-        self.on, self.depth_at_kernel = False, -1
-        self.frames: list[Any] = []  # held, so no frame id is reused while counting
-        self._seen: set[int] = set()
-        self._lock = threading.Lock()
-
-    @property
-    def calls(self) -> int:
-        return len(self.frames)
-
-    @property
-    def names(self) -> list[str]:
-        return [f"{Path(f.f_code.co_filename).relative_to(ROOT)}:{f.f_code.co_name}" for f in self.frames]
-
-    def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event != "call" or not self.on:
-            return
-        f = frame.f_code.co_filename
-        if f.endswith("fleet/kernel/session.py") and frame.f_code.co_name == "append" and self.depth_at_kernel < 0:
-            self.depth_at_kernel = _own_depth(frame.f_back)
-        if f.startswith(OWN) and not f.startswith(SKIP):
-            with self._lock:  # a coroutine resumed is one frame, not a new call
-                if id(frame) not in self._seen:
-                    self._seen.add(id(frame))
-                    self.frames.append(frame)
-
-
-def _own_depth(frame: Any) -> int:
-    n = 0
-    while frame is not None:
-        f = frame.f_code.co_filename
-        n += f.startswith(OWN) and not f.startswith(SKIP)
-        frame = frame.f_back
-    return n
-
-
-def count(fn: Any) -> Counter:
-    """Run `fn(counter)` with the profiler on every thread started from now on (executor threads
-    included); `fn` switches `counter.on` around the one request it measures."""
-    c = Counter()
-    threading.setprofile(c)
-    sys.setprofile(c)
-    try:
-        fn(c)
-    finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
-    return c
-
-
-def actor_side(tmp: str) -> Counter:
+def actor_side(tmp: str) -> dict[str, Any]:
     """KernelActor.append (the actor's entry) down to the kernel, in this process."""
     from workers.session_actor import KernelActor
     from workers.spec import KernelSpec
 
-    def run(c: Counter) -> None:
+    def run(c: Tracer) -> None:
         actor = KernelActor("acme", "s1", f"sqlite:///{tmp}/actor.db", KernelSpec(block_size=16).to_dict())
         loop = asyncio.new_event_loop()
         loop.run_until_complete(_create(actor))
@@ -96,7 +43,9 @@ def actor_side(tmp: str) -> Counter:
         loop.run_until_complete(actor.append(" hello", "user", "op-1"))
         c.on = False
 
-    return count(run)
+    t = Tracer(skip=SKIP, at=("fleet/kernel/session.py", "append"))
+    profile(t, lambda: run(t))
+    return t.take()
 
 
 async def _create(actor: Any) -> Any:
@@ -120,7 +69,7 @@ class _Context:
         raise RuntimeError(f"{code}: {msg}")
 
 
-def controller_side(tmp: str) -> Counter:
+def controller_side(tmp: str) -> dict[str, Any]:
     """SessionService.Append (the servicer's entry) down to the Ray call, with a real fleet."""
     import ray
 
@@ -135,7 +84,7 @@ def controller_side(tmp: str) -> Counter:
     ctx = ServiceContext(auth=Authenticator(None, b"secret"), metrics=Metrics(), store=open_store(url), router=None,
                          max_blob_bytes=1 << 20, store_url=url)
 
-    def run(c: Counter) -> None:
+    def run(c: Tracer) -> None:
         svc, loop, ctxt = SessionServicer(ctx), asyncio.new_event_loop(), _Context()
         req = pb.CreateSessionRequest(session_id="s1", system_prompt=PROMPT)
         loop.run_until_complete(svc.CreateSession(req, ctxt))
@@ -146,8 +95,10 @@ def controller_side(tmp: str) -> Counter:
         for task in asyncio.all_tasks(loop):
             task.cancel()
 
+    t = Tracer(skip=SKIP)
     try:
-        return count(run)
+        profile(t, lambda: run(t))
+        return t.take()
     finally:
         for fn in ctx.on_stop:
             fn()
@@ -159,12 +110,13 @@ def main() -> None:
         a = actor_side(tmp)
         c = controller_side(tmp)
     verbose = "-v" in sys.argv
-    for name, ctr in (("controller (servicer -> Ray call)", c), ("actor (KernelActor -> kernel)", a)):
-        print(f"{name}: {ctr.calls} kvfleet frames")
+    for name, t in (("controller (servicer -> Ray call)", c), ("actor (KernelActor -> kernel)", a)):
+        print(f"{name}: {t['calls']} kvfleet frames entered, {t['distinct']} functions")
         if verbose:
-            print("  " + "\n  ".join(ctr.names))
-    print(f"actor: kvfleet frames on the stack at the kernel's Session.append: {a.depth_at_kernel}")
-    print(f"total: {a.calls + c.calls} kvfleet frames for one append")
+            print("  " + "\n  ".join(t["functions"]))
+    print(f"actor: kvfleet frames on the stack at the kernel's Session.append: {a['depth_at']}")
+    print(f"total: {a['calls'] + c['calls']} kvfleet frames entered, {a['distinct'] + c['distinct']} functions "
+          "for one append")
 
 
 if __name__ == "__main__":
