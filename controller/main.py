@@ -40,6 +40,7 @@ from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
 from fleet.errors import InvalidArgument, KvfleetError
+from fleet.quarantine.layered import DEFAULT_LAYERS, LAYERS, parse_layers
 
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
 COST_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -199,6 +200,12 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         help="seconds between two polls of the kernel fleet for its Prometheus metrics; 0: off "
         f"(default {DEFAULT_FLEET_METRICS_INTERVAL_S:.0f})",
     )
+    p.add_argument(
+        "--detector-layers",
+        default=e("KVFLEET_DETECTOR_LAYERS", ",".join(DEFAULT_LAYERS)),
+        help="quarantine detector layers the controller judges tool results with, comma-separated, of "
+        f"{', '.join(LAYERS)} (default {','.join(DEFAULT_LAYERS)}; encoder needs kvfleet[encoder]; docs/quarantine.md)",
+    )
     add_cost_flags(p)
     add_stream_flags(p)
     add_kernel_flags(p)
@@ -235,7 +242,16 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         kernel=kernel_overrides_from(args),
         sessions=session_limits_from(args),
         node_kv_bytes=args.node_kv_bytes,
+        detector_layers=detector_layers_from(args.detector_layers),
     )
+
+
+def detector_layers_from(text: str) -> tuple[str, ...]:
+    """--detector-layers parsed; InvalidArgument names the flag and the fix."""
+    try:
+        return parse_layers(text)
+    except ValueError as e:
+        raise InvalidArgument(f"--detector-layers: {e}") from None
 
 
 def _prepare_sqlite(url: str) -> None:

@@ -32,6 +32,7 @@ from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
+from fleet.quarantine.layered import DEFAULT_LAYERS, DetectorConfig
 from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
@@ -65,6 +66,7 @@ class ControllerConfig:
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
+    detector_layers: tuple[str, ...] = DEFAULT_LAYERS  # the Judge's detector layers (--detector-layers)
 
     def __post_init__(self) -> None:
         port = self.listen.rsplit(":", 1)[-1]
@@ -219,7 +221,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          executor=ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvfleet-store"),
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
                          blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
-                         session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes)
+                         session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes,
+                         detector=DetectorConfig(layers=cfg.detector_layers))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
         await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)

@@ -84,7 +84,7 @@ class Judge:
 
     def __init__(self, store: Any, config: DetectorConfig | None = None) -> None:
         self.store = store
-        det = make_detector(config or DetectorConfig())  # the shipped policy (rules + learned)
+        det = make_detector(config or DetectorConfig())  # the shipped policy (rules + learned + encoder)
         # the verdict space names the code that judges too (detector_code_digest)
         self.cache = VerdictCache(store, det, config_id=f"{det.config_id}.{detector_code_digest()}")
 

@@ -22,6 +22,7 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import KvfleetError, Unavailable
+from fleet.quarantine.layered import DetectorConfig
 from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
@@ -52,6 +53,7 @@ class ServiceContext:
     blob_bytes_per_tenant: int = 0  # blob bytes a tenant may have stored, 0: no quota (--max-blob-bytes-per-tenant)
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
+    detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking store call off the event loop."""

@@ -31,7 +31,7 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
         """The Judge, built once: calls that arrive while it loads wait for that one (loading is seconds)."""
         async with self._judge_lock:
             if self._judge is None:
-                self._judge = await self.ctx.blocking(Judge, self.ctx.store)
+                self._judge = await self.ctx.blocking(Judge, self.ctx.store, self.ctx.detector)
         return self._judge
 
     @unary(Role.TENANT)

@@ -71,6 +71,7 @@ def verdict_to_json(v: Verdict) -> bytes:
         "reasons": v.reasons,
         "score": v.score,
         "learned_score": v.learned_score,
+        "encoder_score": v.encoder_score,
     }
     return json.dumps(doc, sort_keys=True).encode()
 
@@ -82,4 +83,5 @@ def verdict_from_json(raw: bytes) -> Verdict:
         list(d["reasons"]),
         float(d["score"]),
         None if d["learned_score"] is None else float(d["learned_score"]),
+        None if d.get("encoder_score") is None else float(d["encoder_score"]),  # absent before the encoder layer
     )

@@ -61,6 +61,7 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     score: float = 0.0  # the rules' score (the layered detector keeps this meaning)
     learned_score: float | None = None  # P(injection) from the learned layer, None when it did not run
+    encoder_score: float | None = None  # P(injection) from the encoder layer, None when it did not run
 
 
 class Detector(Protocol):

@@ -127,7 +127,7 @@ def test_one_kvfleet_entrypoint(instrs: list[Instr]) -> None:
 def test_every_python_dependency_is_pinned(instrs: list[Instr]) -> None:
     pins = constraints(instrs)
     project = pyproject()["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["hf"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["hf"] + project["optional-dependencies"]["encoder"]
     for spec in wanted:
         req = Requirement(spec)
         name = canonicalize_name(req.name)
