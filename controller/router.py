@@ -37,6 +37,7 @@ from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlig
 from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.metrics import Metrics
+from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.view import WorkerView
 from controller.vllm.hashing import ALGOS, external_chain
@@ -110,6 +111,8 @@ class Router:
         self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
         self.branches = Branches()
         self.demand = WorkingSet(c.working_set_ttl_s)
+        self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, self._settle_flights,
+                                 on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
 
     def set_cost_config(self, c: CostConfig) -> None:
         """New placement weights from now on; the in-flight ledger keeps its routes (new TTL and grace)."""
@@ -125,6 +128,7 @@ class Router:
         """
         self._session = aiohttp.ClientSession()
         self._zctx = zmq.asyncio.Context()
+        await self._settler.start()
         for name, raw in await self._blocking(self.registry.entries):
             try:
                 spec = self.registry.decode(raw)
@@ -154,6 +158,7 @@ class Router:
         return ranks
 
     async def stop(self) -> None:
+        await self._settler.stop()
         for w in list(self._workers.values()):
             await w.stop()
         self._workers.clear()
@@ -496,9 +501,7 @@ class Router:
         m = w.load
         n = nq = toks = 0
         if self.flights:  # NOTE: nothing to reconcile or count while no route is tracked (the common case)
-            if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
-                self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
-                self._ended(self.flights.reconcile(key, m.running, m.waiting, w.load_at), "reconcile")
+            self._reconcile(w, key)
             n, nq, toks = self.flights.load(key)
             if nq and extended:
                 toks -= extended.get(key, 0)
@@ -522,6 +525,25 @@ class Router:
             zlib.crc32(key[0].encode(), seed),
             demand_blocks,
         )
+
+    def _reconcile(self, w: WorkerView, key: RankKey) -> None:
+        """Fold the worker's newest /metrics look into the in-flight ledger, once per look."""
+        if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
+            self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
+            self._ended(self.flights.reconcile(key, w.load.running, w.load.waiting, w.load_at), "reconcile")
+
+    async def _settle_flights(self) -> None:
+        """Between routes too: expire and reconcile tracked routes, so routes a dead caller never released
+        (a proxy SIGKILLed mid-request) leave the ledger once the worker's /metrics show them ended, not
+        only when the next route happens to look at that worker."""
+        if not self.flights:
+            return
+        if expired := self.flights.expire(time.monotonic()):
+            self._ended(expired, "ttl")
+        for w in list(self._workers.values()):
+            v = w.view()
+            for r in v.ranks:
+                self._reconcile(v, (v.name, r.dp_rank))
 
     async def _probe(
         self, ranking: _Ranking, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None

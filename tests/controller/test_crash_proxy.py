@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -92,11 +93,13 @@ async def test_proxy_sigkill_with_requests_in_flight(tmp_path: Path) -> None:
         proc, url = await asyncio.to_thread(_start_proxy, ctl.address)
         for turn in range(4, 7):
             await asyncio.gather(*(ask(k, turn, True) for k in range(4)))
+        t_drop = time.monotonic()
         for _ in range(200):  # the dead proxy's routes were never released: the router drops them
             if not router.flights:
                 break
             await asyncio.sleep(0.05)
         left = len(router.flights)
+        print(f"phantoms dropped after {time.monotonic() - t_drop:.1f}s")
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
