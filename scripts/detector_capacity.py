@@ -177,10 +177,49 @@ def strongest(E: np.ndarray, owner: np.ndarray, n: int, w: np.ndarray, b: float)
     return 1 / (1 + np.exp(-z))
 
 
+def int8_cell(val: list[TD.Example], tools: list[str], labels: list[int], lr: Any, vr: list[bool],
+              tr: list[bool]) -> None:
+    """The shipped encoder against its int8 copy (torch dynamic quantisation of every Linear): validation
+    figures as a third layer next to rules + learned, verdict agreement, and CPU per KiB."""
+    import copy
+    import time
+
+    import torch
+
+    from fleet.quarantine.encoder import load_encoder
+    from fleet.quarantine.learned import load_model
+
+    enc, ranker = load_encoder(), load_model()
+    q = copy.copy(enc)
+    object.__setattr__(q, "encoder", torch.ao.quantization.quantize_dynamic(
+        copy.deepcopy(enc.encoder), {torch.nn.Linear}, dtype=torch.qint8))
+    texts = [e.text for e in val] + tools
+    two = [r or s >= load_model().threshold for r, s in zip(vr + tr, lr, strict=True)]
+    nv = len(val)
+
+    def rank(s: str) -> float:
+        return float(np.max(ranker.window_logits(s)))
+
+    cpu: dict[str, float] = {}
+    base: list[bool] = []  # the fp32 verdicts, compared with int8's
+    for name, m in (("fp32 (shipped)", enc), ("int8", q)):
+        c0 = time.process_time()
+        s = np.asarray([m.score(unquoted_view(t), rank=rank) for t in texts])
+        kib = sum(len(t.encode()) for t in texts) / 1024
+        cpu[name] = (time.process_time() - c0) * 1000 / kib
+        report(f"encoder {name} as a third layer", s[:nv], s[nv:], labels, two[:nv], two[nv:])
+        hits = [h or x >= enc.threshold for h, x in zip(two, s, strict=True)]
+        if name == "int8":
+            print(f"  verdicts equal to fp32's at the shipped threshold: {sum(a == b for a, b in zip(hits, base, strict=True))}"
+                  f"/{len(hits)}", flush=True)
+        base = hits
+    print("  CPU ms per KiB over these texts: " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus-dir", type=Path, required=True)
-    ap.add_argument("--only", default="lr3,mlp,emb", help="comma-separated subset of lr3, mlp, emb")
+    ap.add_argument("--only", default="lr3,mlp,emb", help="comma-separated subset of lr3, mlp, emb, int8")
     a = ap.parse_args()
     only = set(a.only.split(","))
     data, _, _ = TD.build_data(a.corpus_dir)
@@ -211,6 +250,8 @@ def main() -> None:
                     vr,
                     tr,
                 )
+    if "int8" in only:
+        int8_cell(val, tools, labels, lr, vr, tr)
     if "emb" in only:
         shipped_hit = [r or s >= shipped.learned_threshold for r, s in zip(vr + tr, lr, strict=True)]
         Ex, ox = embed(texts)
