@@ -153,3 +153,18 @@ def test_no_reader_token_is_minted_when_the_proxy_has_another(chart: Any, values
     assert "helm-proxy-reader" not in _secret_data(objs)["tokens.json"]
     if ref is not None:
         assert _proxy_token_ref(objs) == ref
+
+
+def test_detector_layers_reach_the_controller_flag(chart: Any) -> None:
+    """controller.detectorLayers becomes --detector-layers, which the controller's parser takes; unset, the
+    flag is absent (the controller's default, all three layers); a list with an unknown layer fails the schema."""
+    from controller.main import config_from
+
+    args = container(one(_objs(chart, {"controller": {"detectorLayers": "rules,learned"}}), "Deployment",
+                         "-controller"))["args"]
+    assert args[args.index("--detector-layers") + 1] == "rules,learned"
+    assert config_from(parse_args(args[1:], {}), {}).detector_layers == ("rules", "learned")
+    default = container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
+    assert "--detector-layers" not in default
+    with pytest.raises(Exception, match="detectorLayers|pattern"):
+        _objs(chart, {"controller": {"detectorLayers": "rules,bert"}})
