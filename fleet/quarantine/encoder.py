@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -50,8 +50,8 @@ class EncoderModel:
     stride_tokens: int
     max_windows: int
     threshold: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    digest_hex: str = ""
+    meta: dict[str, Any]
+    digest_hex: str  # see digest()
 
     def windows(self, text: str) -> list[tuple[list[int], tuple[int, int]]]:
         """Token windows of `text`: ([CLS] ids [SEP], (first char, end char)), at least one."""
@@ -151,11 +151,8 @@ def base_model_path() -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @lru_cache(maxsize=2)

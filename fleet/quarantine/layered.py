@@ -25,7 +25,7 @@ import numpy as np
 
 from fleet.quarantine import rules as R
 from fleet.quarantine.detector import THRESHOLD, PromptInjectionDetector, Verdict, unquoted_view
-from fleet.quarantine.encoder import ENCODER_NAME, EncoderModel, load_encoder
+from fleet.quarantine.encoder import ENCODER_NAME, INSTALL_HINT, EncoderModel, load_encoder, missing_modules
 from fleet.quarantine.learned import MODEL_NAME, LearnedModel, load_model
 
 LAYERS = ("rules", "learned", "encoder")
@@ -138,8 +138,6 @@ def parse_layers(text: str) -> tuple[str, ...]:
     The encoder layer's packages are checked here (without loading the model), so a controller started
     with it but without `kvfleet[encoder]` installed stops at once with the fix, not on its first verdict.
     """
-    from fleet.quarantine.encoder import INSTALL_HINT, missing_modules  # noqa: PLC0415
-
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(names) - set(LAYERS))
     if not names or unknown:

@@ -187,7 +187,7 @@ async def test_detector_layers_flag_sets_the_judges_policy(tmp_path: Path, monke
     start with the flag and the fix named."""
     from controller.main import config_from, parse_args
     from fleet.errors import InvalidArgument
-    from fleet.quarantine import encoder
+    from fleet.quarantine import layered
 
     assert config_from(parse_args([], {}), {}).detector_layers == ("rules", "learned", "encoder")
     two = config_from(parse_args(["--detector-layers", "learned, rules"], {}), {}).detector_layers
@@ -209,6 +209,6 @@ async def test_detector_layers_flag_sets_the_judges_policy(tmp_path: Path, monke
     print(f"three layers: {reasons[0]}; rules,learned: {reasons[1]}")
     assert ids[0] != ids[1]
     assert any(x.startswith("encoder:") for x in reasons[0][1]) and not any(x.startswith("encoder:") for x in reasons[1][1])
-    monkeypatch.setattr(encoder, "missing_modules", lambda: ["peft"])  # as on a machine without kvfleet[encoder]
+    monkeypatch.setattr(layered, "missing_modules", lambda: ["peft"])  # as on a machine without kvfleet[encoder]
     with pytest.raises(InvalidArgument, match=r"needs peft \(pip install 'kvfleet\[encoder\]'\).*rules,learned"):
         config_from(parse_args([], {}), {})
