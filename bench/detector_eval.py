@@ -171,10 +171,16 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
         "Latency, median CPU ms per KiB (process CPU time summed over torch's threads, tool-output text; past "
         f"{enc.max_windows} token windows the encoder reads only the {enc.max_windows} the learned layer ranks highest):",
         "",
-        "| detector | 1 KiB | 16 KiB | 256 KiB |",
-        "|---|---|---|---|",
+        "| detector | 1 KiB | 16 KiB | 256 KiB | x rules + learned (1 / 16 / 256 KiB) |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {n} | {v['1 KiB']} | {v['16 KiB']} | {v['256 KiB']} |" for n, v in lat.items()]
+    two = lat["rules + learned"]
+    lines += [
+        f"| {n} | {v['1 KiB']} | {v['16 KiB']} | {v['256 KiB']} | "
+        + " / ".join(f"{v[k] / two[k]:.2f}" for k in ("1 KiB", "16 KiB", "256 KiB"))
+        + " |"
+        for n, v in lat.items()
+    ]
     return "\n".join(lines)
 
 
