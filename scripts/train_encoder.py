@@ -15,6 +15,12 @@ loads them back through `load_encoder` (the artefact as shipped, not the trainin
 threshold on validation for the shipped policy, rules OR learned OR encoder, with the learned layer's
 bounds: validation precision >= 0.95 and generated tool-output FPR (seed 1) <= 0.5%.
 
+Options for the experiments docs/quarantine.md reports: `--checkpoints N` also keeps N-1 evenly spaced
+checkpoints and ships the one with the best validation recall under those bounds (early stopping on
+validation; encoder.json lists every checkpoint's validation figures), `--init-from FOLDER` continues from
+an adapter and head, `--epochs/--lr/--head-lr/--seed` change the recipe, and `--out` writes somewhere other
+than the shipped folder (the default overwrites it).
+
 Same inputs, same CPU kind, same thread count: same bytes (torch's CPU kernels are deterministic there;
 another instruction set can change the last bits of the weights).
 """
@@ -24,8 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +52,7 @@ from fleet.quarantine.encoder import (  # noqa: E402
     ENCODER_NAME,
     base_model_path,
     file_sha256,
-    load_encoder,
+    load_encoder_from,
     model_dir,
     token_windows,
 )
@@ -63,35 +72,58 @@ def windows_of(tok: Any, text: str) -> list[list[int]]:
     return [ids for ids, _ in token_windows(tok, unquoted_view(text), WINDOW_TOKENS, STRIDE_TOKENS)]
 
 
-def train(train_rows: list[TD.Example], threads: int, log: Any, max_steps: int = 0) -> tuple[Any, Any]:
-    """Fine-tune; returns (peft model, head)."""
+def train(
+    train_rows: list[TD.Example],
+    threads: int,
+    log: Any,
+    max_steps: int = 0,
+    init_from: Path | None = None,
+    epochs: float = EPOCHS,
+    lr: float = LR,
+    head_lr: float = HEAD_LR,
+    seed: int = SEED,
+    checkpoint: Callable[[int, int, Any, Any], None] | None = None,
+    every: int = 0,
+) -> tuple[Any, Any]:
+    """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
     from transformers import AutoModel, AutoTokenizer
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     torch.set_num_threads(threads)
     base = str(base_model_path())
     tok = AutoTokenizer.from_pretrained(base)
-    enc = get_peft_model(AutoModel.from_pretrained(base, dtype=torch.float32), LoraConfig(**LORA))
-    head = torch.nn.Linear(enc.config.hidden_size, 1)
+    model = AutoModel.from_pretrained(base, dtype=torch.float32)
+    if init_from is None:
+        enc = get_peft_model(model, LoraConfig(**LORA))
+        head = torch.nn.Linear(enc.config.hidden_size, 1)
+    else:
+        enc = PeftModel.from_pretrained(model, str(init_from / "adapter"), is_trainable=True)
+        enc = enc.float()  # the shipped adapter is float16
+        head = torch.nn.Linear(enc.config.hidden_size, 1)
+        hw = load_file(str(init_from / "head.safetensors"))
+        with torch.no_grad():
+            head.weight[0] = hw["weight"].float()
+            head.bias[:] = hw["bias"].float()
     tw = [windows_of(tok, e.text) for e in train_rows]
     log(f"{len(tw)} results, {sum(map(len, tw))} windows")
     y = torch.tensor([e.label for e in train_rows], dtype=torch.float32)
     cw = torch.where(y == 1, 0.5 / y.sum(), 0.5 / (1 - y).sum()) * len(y)
     order = sorted(range(len(tw)), key=lambda i: (max(len(w) for w in tw[i]), len(tw[i])))  # similar lengths
     batches = [order[k : k + BATCH] for k in range(0, len(order), BATCH)]
-    steps = int(len(batches) * EPOCHS)
+    steps = int(len(batches) * epochs)
     steps = min(steps, max_steps) if max_steps else steps
     opt = torch.optim.AdamW(
-        [{"params": [p for p in enc.parameters() if p.requires_grad], "lr": LR},
-         {"params": head.parameters(), "lr": HEAD_LR}],
+        [{"params": [p for p in enc.parameters() if p.requires_grad], "lr": lr},
+         {"params": head.parameters(), "lr": head_lr}],
         weight_decay=WEIGHT_DECAY,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, s / (WARMUP * steps)) * max(0.0, (steps - s) / steps)
     )
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     enc.train()
     step = 0
     while step < steps:
@@ -118,6 +150,8 @@ def train(train_rows: list[TD.Example], threads: int, log: Any, max_steps: int =
             step += 1
             if step % 50 == 0 or step == steps:
                 log(f"step {step}/{steps} loss {loss.item():.4f}")
+            if checkpoint is not None and every and step % every == 0 and step < steps:
+                checkpoint(step, steps, enc, head)
     return enc, head
 
 
@@ -147,7 +181,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads while training (the figures: 2)")
     ap.add_argument("--max-steps", type=int, default=0, help="smoke runs only: stop after N steps")
     ap.add_argument("--val-limit", type=int, default=0, help="smoke runs only: score the first N validation rows")
+    ap.add_argument("--init-from", type=Path, help="continue from the adapter and head in this folder")
+    ap.add_argument("--epochs", type=float, default=EPOCHS)
+    ap.add_argument("--lr", type=float, default=LR, help="adapter learning rate (peak)")
+    ap.add_argument("--head-lr", type=float, default=HEAD_LR, help="head learning rate (peak)")
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--checkpoints", type=int, default=1,
+                    help="score this many evenly spaced checkpoints on validation and ship the best (early "
+                         "stopping); 1: the end of training only")
+    ap.add_argument("--out", type=Path, default=model_dir(ENCODER_NAME),
+                    help="where to write the artefact (default: the shipped one, overwritten)")
     a = ap.parse_args()
+    prior = json.loads((a.init_from / "encoder.json").read_text())["training"] if a.init_from else None
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -155,51 +200,81 @@ def main() -> None:
 
     data, _, _ = TD.build_data(a.corpus_dir)
     train_rows = [e for e in data if e.split == "train"]
-    val = [e for e in data if e.split == "val"]
-    enc, head = train(train_rows, a.threads, log, a.max_steps)
-    if a.val_limit:
-        val = val[: a.val_limit]
-    folder = model_dir(ENCODER_NAME)
-    folder.mkdir(parents=True, exist_ok=True)
-    save(enc, head, folder)
+    val = [e for e in data if e.split == "val"][: a.val_limit or None]
     base = base_model_path()
     doc: dict[str, Any] = {
         "base": BASE | {"sha256": file_sha256(base / "model.safetensors"), "import": BASE_PACKAGE},
         "window": {"tokens": WINDOW_TOKENS, "stride": STRIDE_TOKENS, "max_windows": MAX_WINDOWS},
         "threshold": 1.0,  # placeholder until validation picks it below
-        "training": {"lora": LORA, "epochs": EPOCHS, "batch_results": BATCH, "lr": LR, "head_lr": HEAD_LR,
-                     "weight_decay": WEIGHT_DECAY, "warmup": WARMUP, "seed": SEED, "threads": a.threads,
+        "training": {"lora": LORA, "epochs": a.epochs, "batch_results": BATCH, "lr": a.lr, "head_lr": a.head_lr,
+                     "weight_decay": WEIGHT_DECAY, "warmup": WARMUP, "seed": a.seed, "threads": a.threads,
                      "loss": "class-balanced BCE on the max window logit per result",
-                     "split": "train_detector.build_data, train split", "seconds": round(time.perf_counter() - t0)},
+                     "split": "train_detector.build_data, train split"},
     }
-    (folder / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    load_encoder.cache_clear()
-    model = load_encoder(ENCODER_NAME)
+    if prior is not None:
+        doc["training"]["continued_from"] = prior  # this run started from that run's adapter and head
+    work = Path(tempfile.mkdtemp(prefix="encoder-ckpt-"))
+    kept: list[tuple[int, Path]] = []
+
+    def keep(step: int, steps: int, enc: Any, head: Any) -> None:
+        folder = work / f"step-{step}"
+        save(enc, head, folder)
+        (folder / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        kept.append((step, folder))
+        log(f"checkpoint at step {step}/{steps}")
+
+    total = int(-(-len(train_rows) // BATCH) * a.epochs)  # as train() counts its steps
+    total = min(total, a.max_steps) if a.max_steps else total
+    every = max(1, total // a.checkpoints) if a.checkpoints > 1 else 0
+    enc, head = train(train_rows, a.threads, log, a.max_steps, a.init_from, a.epochs, a.lr, a.head_lr, a.seed,
+                      keep, every)
+    keep(total, total, enc, head)
+    doc["training"]["seconds"] = round(time.perf_counter() - t0)
+
     lr = load_model()
     layered = LayeredDetector(DetectorConfig(layers=("rules", "learned")))
     tools = [t for _, t in benign_tool_outputs(TD.VAL_TOOL_N, seed=TD.VAL_TOOL_SEED)]
-
-    def p(text: str) -> float:
-        return model.score(unquoted_view(text), rank=lambda s: float(np.max(lr.window_logits(s))))
-
-    vs, ts = [p(e.text) for e in val], [p(t) for t in tools]
-    log("scored validation")
     labels = [e.label for e in val]
     vl, tl = [layered.inspect(e.text).quarantined for e in val], [layered.inspect(t).quarantined for t in tools]
-    alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, labels, [False] * len(ts), ts)
-    thr, vm = TD.choose_threshold(vl, vs, labels, tl, ts)
-    assert vm, "no encoder threshold meets the validation bounds"
-    doc["threshold"] = thr
+    scored: list[dict[str, Any]] = []
+    for step, folder in kept:
+        model = load_encoder_from(folder)
+
+        def p(text: str, model: Any = model) -> float:
+            return float(model.score(unquoted_view(text), rank=lambda s: float(np.max(lr.window_logits(s)))))
+
+        vs, ts = [p(e.text) for e in val], [p(t) for t in tools]
+        alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, labels, [False] * len(ts), ts)
+        thr, vm = TD.choose_threshold(vl, vs, labels, tl, ts)
+        scored.append({"step": step, "threshold": thr, "layered": vm,
+                       "encoder_alone": alone | {"threshold": alone_thr} if alone else None})
+        log(f"step {step}: threshold {thr:.4f}, validation {vm}; encoder alone {alone}")
+    # early stopping on validation: the checkpoint with the best layered recall in bounds (ties: the later one)
+    best = max(scored, key=lambda c: (c["layered"].get("recall", -1.0), c["step"]))
+    assert best["layered"], "no checkpoint has an encoder threshold that meets the validation bounds"
+    chosen = dict(kept)[best["step"]]
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "adapter", ignore_errors=True)
+    shutil.copytree(chosen / "adapter", out / "adapter")
+    shutil.copy2(chosen / "head.safetensors", out / "head.safetensors")
+    doc["threshold"] = best["threshold"]
+    doc["training"]["chosen_step"] = best["step"]
     doc["validation"] = {
-        "layered": vm,
-        "encoder_alone": alone | {"threshold": alone_thr} if alone else None,
+        "layered": best["layered"],
+        "encoder_alone": best["encoder_alone"],
         "rules_and_learned": TD.metrics(vl, labels),
         "bounds": {"min_precision": TD.VAL_MIN_PRECISION, "max_tool_output_fpr": TD.VAL_MAX_FPR,
                    "tool_output_seed": TD.VAL_TOOL_SEED, "tool_output_n": TD.VAL_TOOL_N},
     }
-    (folder / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    log(f"threshold {thr:.4f}: validation {vm}; encoder alone {alone}; wrote {folder}")
-
+    if len(scored) > 1:
+        doc["validation"]["checkpoints"] = [
+            {"step": c["step"], "threshold": c["threshold"], "recall": c["layered"].get("recall"),
+             "precision": c["layered"].get("precision")} for c in scored
+        ]
+    (out / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(work)
+    log(f"chose step {best['step']}, threshold {best['threshold']:.4f}: validation {best['layered']}; wrote {out}")
 
 if __name__ == "__main__":
     main()
