@@ -1,5 +1,8 @@
 """Judge: tool-result verdicts for the proxy, kept in the store so every proxy and controller agree.
 
+Both the proxy (JudgeToolResults) and sessions (AdmitToolResult, `Judge.admission`) ask it, so the
+controller's --detector-layers is the one policy, loaded once per controller, never in a session actor.
+
     verdict(bytes) = operator verdict on sha256(bytes), if one is set        (late verdicts, SetVerdict)
                    else QUARANTINED if the tenant's blob of these bytes is   (admit_tool_result marked it)
                    else VerdictCache(store, detector).inspect(bytes)         (one inspection per bytes+config)
@@ -107,6 +110,19 @@ class Judge:
         for j in {j.ref: j for j in out if j.quarantined}.values():
             self._record(tenant, j, action, now)
         return out
+
+    def admission(self, ref: str, tenant: str) -> Judgement:
+        """The verdict on the tenant's stored blob `ref` for AdmitToolResult: the same rule, detector and
+        verdict cache as the proxy's (so a session and the proxy agree on the same bytes, and bytes judged
+        once are not judged again); a quarantine is recorded for the tenant with action "evict".
+
+        Raises:
+            NotFound: the tenant has no blob `ref`.
+        """
+        j = self._one(bytes(self.store.get(ref, tenant)), tenant)
+        if j.quarantined:
+            self._record(tenant, j, "evict", time.time())
+        return j
 
     def _one(self, data: bytes, tenant: str) -> Judgement:
         ref = sha256_hex(data)

@@ -173,6 +173,10 @@ class KernelFleet:
             raise NotFound(f"session {session_id!r} not found (unknown or closed)")
         return rec
 
+    def check_session(self, tenant: str, session_id: str) -> None:
+        """NotFound unless `session_id` is a registered session of `tenant` (a check before costly work)."""
+        self._record(tenant, session_id)
+
     def _claim(self, tenant: str, session_id: str) -> None:
         """Make `session_id` free for a create or fork: AlreadyExists if a session holds it;
         otherwise clear what a create, fork or close that never completed left behind (a record
@@ -338,9 +342,10 @@ class KernelFleet:
         """Append a tool result stored in the CAS (by ref); quarantined refs are refused."""
         return self.op(tenant, session_id, "add_tool_result", ref, op_id=op_id)
 
-    def admit_tool_result(self, tenant: str, session_id: str, ref: str) -> Any:
-        """Detector verdict on a stored tool result; QUARANTINED evicts it with a proof (ToolAdmission)."""
-        return self.op(tenant, session_id, "admit_tool_result", ref).result
+    def admit_tool_result(self, tenant: str, session_id: str, ref: str, verdict: Any = None) -> Any:
+        """A verdict on a stored tool result (`verdict`, or the session's default detector when None);
+        QUARANTINED evicts it with a proof (ToolAdmission)."""
+        return self.op(tenant, session_id, "admit_tool_result", ref, verdict).result
 
     def working_set(self, tenant: str, session_id: str, budget_tokens: int) -> Any:
         """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""

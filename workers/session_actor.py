@@ -205,12 +205,14 @@ class KernelActor:
         return await self._mutate("add_tool_result", op_id, lambda: self.context.add_tool_result(
             ref, self.store.get(ref, self.tenant)))
 
-    async def admit_tool_result(self, ref: str, op_id: str = "") -> OpResult:
-        """Run the detector on a stored tool result; a quarantine evicts its tokens with a proof."""
+    async def admit_tool_result(self, ref: str, verdict: Any = None, op_id: str = "") -> OpResult:
+        """Act on a verdict on a stored tool result (`verdict`: a fleet.quarantine Verdict the caller reached,
+        the controller's Judge; None: run the default detector here); a quarantine evicts its tokens with a
+        proof."""
         from fleet.quarantine import admit_tool_result
 
         return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
-            self.context, ref, self.store, self.tenant))
+            self.context, ref, self.store, self.tenant, verdict=verdict))
 
     # -- reads --------------------------------------------------------------------------------
 

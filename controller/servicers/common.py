@@ -21,6 +21,7 @@ from controller.edge import Undecodable, checked_stream, refuse
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
+from controller.verdicts import Judge
 from fleet.errors import KvfleetError, Unavailable
 from fleet.quarantine.layered import DetectorConfig
 from workers.placement import NODE_KV_BYTES
@@ -54,6 +55,16 @@ class ServiceContext:
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
     detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
+    _judge: Judge | None = None
+    _judge_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def judge(self) -> Judge:
+        """The controller's one Judge (proxy verdicts and session admissions), built on first use: calls that
+        arrive while it loads wait for that one (loading the encoder takes seconds)."""
+        async with self._judge_lock:
+            if self._judge is None:
+                self._judge = await self.blocking(Judge, self.store, self.detector)
+        return self._judge
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking store call off the event loop."""

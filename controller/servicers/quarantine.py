@@ -7,8 +7,6 @@ tool result never loads a detector.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from controller.auth import Identity, Role
@@ -24,15 +22,10 @@ DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
 class QuarantineServicer(pbg.QuarantineServiceServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
-        self._judge: Judge | None = None
-        self._judge_lock = asyncio.Lock()
 
     async def judge(self) -> Judge:
-        """The Judge, built once: calls that arrive while it loads wait for that one (loading is seconds)."""
-        async with self._judge_lock:
-            if self._judge is None:
-                self._judge = await self.ctx.blocking(Judge, self.ctx.store, self.ctx.detector)
-        return self._judge
+        """The controller's Judge (shared with SessionService.AdmitToolResult; built on first use)."""
+        return await self.ctx.judge()
 
     @unary(Role.TENANT)
     async def JudgeToolResults(self, request: pb.JudgeToolResultsRequest, context: grpc.aio.ServicerContext,

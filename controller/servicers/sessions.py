@@ -31,6 +31,7 @@ from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.kernel.tokenizer import encode_message
+from fleet.quarantine.detector import Verdict
 from fleet.session_types import (
     EvictionProof,
     SessionRow,
@@ -351,7 +352,13 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid = check_session_id("session_id", request.session_id)
         if not request.ref:
             raise InvalidArgument("admit_tool_result needs the blob's ref (sha256 hex from PutBlob)")
-        res = await self._call("op", ident.tenant, sid, "admit_tool_result", request.ref)
+        # the controller's Judge decides (its layers, the store-wide verdict cache, an operator's verdict);
+        # the session actor only acts on it, so no session process loads a detector
+        await self._call("check_session", ident.tenant, sid)  # an unknown session costs no inspection
+        judge = await self.ctx.judge()
+        j = await self.ctx.blocking(judge.admission, request.ref, ident.tenant)
+        res = await self._call("op", ident.tenant, sid, "admit_tool_result", request.ref,
+                               Verdict(j.quarantined, list(j.reasons)))
         self._set_tokens(ident.tenant, sid, res.num_tokens)   # a quarantine evicts: exact, like an append's
         a: ToolAdmission = res.result
         m = self.ctx.metrics

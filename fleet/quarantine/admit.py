@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fleet.context import RESIDENT, SHIFTED, Piece, SessionContext
-from fleet.quarantine.detector import Detector
+from fleet.quarantine.detector import Detector, Verdict
 from fleet.session_types import EvictionProof, ToolAdmission
 from fleet.verdict import CLEAN, QUARANTINED
 
@@ -30,23 +30,25 @@ DEFAULT_PROBE = "\nuser: what should I do next?\nassistant:"
 
 
 def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, detector: Detector | None = None,
-                      probe: str = DEFAULT_PROBE) -> ToolAdmission:
-    """Inspect the blob `ref` and act on the verdict in the store and in `ctx`'s KV cache.
+                      probe: str = DEFAULT_PROBE, verdict: Verdict | None = None) -> ToolAdmission:
+    """Inspect the blob `ref` (or take `verdict` on it) and act on the verdict in the store and in `ctx`'s
+    KV cache.
 
     Args:
         ctx: the session context that may hold the blob's tokens.
         ref: the blob's sha256 ref.
         store: a BlobStore (any object with get / set_verdict).
         tenant: the blob's tenant.
-        detector: defaults to the shipped layered detector (`make_detector()`: rules + learned layer; see
-            docs/quarantine.md for why it, not the rules alone, is the default).
+        detector: defaults to the shipped layered detector (`make_detector()`: rules + learned + encoder; see
+            docs/quarantine.md). Not used when `verdict` is given.
         probe: the query whose next-token logits the eviction proof compares.
+        verdict: a verdict already reached on the blob's bytes (the controller's Judge: its configured
+            layers, its store-wide verdict cache, an operator's verdict); the session runs no detector.
 
     Returns:
         ToolAdmission(verdict, reasons, evicted, proof); the proof is also appended to `ctx.proofs`.
     """
-    data = store.get(ref, tenant)
-    v = (detector or default_admission_detector()).inspect(data)
+    v = verdict if verdict is not None else (detector or default_admission_detector()).inspect(store.get(ref, tenant))
     if not v.quarantined:
         store.set_verdict(ref, tenant, CLEAN, list(v.reasons))
         return ToolAdmission(CLEAN, tuple(v.reasons))

@@ -155,7 +155,8 @@ def test_the_code_digest_is_the_same_everywhere_and_sees_every_source_file(
 async def test_concurrent_first_calls_build_one_judge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The Judge (the detector and its model) is built on first use; calls that arrive while it loads wait for
     # that one (before: each built its own, paying the load several times over at a controller's start).
-    from controller.servicers import quarantine as servicer
+    # One Judge per controller: ServiceContext holds it for the proxy's verdicts and sessions' admissions.
+    from controller.servicers import common as servicer
 
     built: list[Judge] = []
 

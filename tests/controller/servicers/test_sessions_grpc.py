@@ -147,3 +147,54 @@ async def test_controller_killed_sessions_come_back_bit_identical(ray_cluster: N
     finally:
         await c2.close()
         await ctl2.stop(grace=1)
+
+
+async def test_admission_is_judged_by_the_controllers_judge(ray_cluster: None, tmp_path: Path) -> None:
+    """AdmitToolResult asks the controller's Judge, the proxy's: its --detector-layers (here rules,learned:
+    no encoder score in the reasons, where a session's own default detector would add one), its store-wide
+    verdict cache (bytes a session admitted are not inspected again for the proxy), and its record of recent
+    quarantines. The session actor only acts on the verdict: it never builds a detector."""
+    from controller.verdicts import sha256_hex
+    from workers.placement import session_actor_name
+
+    clean = b'{"status": "ok", "items": [{"id": 1, "name": "widget", "price": 9.5}]}'
+    ctl = await build_server(ControllerConfig(listen="127.0.0.1:0", store_url=_url(tmp_path),
+                                              detector_layers=("rules", "learned")))
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)
+        bad, good = await c.put_blob(POISON), await c.put_blob(clean)
+        await c.add_tool_result("s1", bad)
+        adm = await c.admit_tool_result("s1", bad)
+        ok = await c.admit_tool_result("s1", good)
+        print(f"admitted: {adm.verdict} {list(adm.reasons)}; {ok.verdict} {list(ok.reasons)}")
+        assert adm.verdict == "QUARANTINED" and adm.evicted and adm.witness.max_abs_delta == 0.0
+        assert any(r.startswith("learned:") for r in adm.reasons)
+        assert not any(r.startswith("encoder:") for r in [*adm.reasons, *ok.reasons])  # the flag's policy
+        assert ok.verdict == "CLEAN" and not ok.evicted
+        judge = await ctl.ctx.judge()
+        hits, misses = judge.cache.num_hits, judge.cache.num_misses
+        out = judge.judge([clean], "local", "placeholder")                    # the proxy's path, same bytes
+        assert (out[0].quarantined, out[0].source) == (False, "detector")
+        assert (judge.cache.num_hits, judge.cache.num_misses) == (hits + 1, misses)  # judged once
+        recs = judge.recent("local", 10)
+        assert [(r.ref, r.action, r.source) for r in recs] == [(sha256_hex(POISON), "evict", "detector")]
+        with pytest.raises(NotFound):                                      # an unknown session: nothing judged
+            await c.admit_tool_result("nope", good)
+        assert (judge.cache.num_hits, judge.cache.num_misses) == (hits + 1, misses)
+        actor = ray.get_actor(session_actor_name("local", "s1", fleet_scope(_url(tmp_path))), namespace=NAMESPACE)
+
+        def probe(_: object) -> tuple[bool, bool, str]:
+            import sys
+
+            from fleet.quarantine import admit
+            rss = next(x for x in open("/proc/self/status").read().splitlines() if x.startswith("VmRSS"))
+            return admit._DEFAULT_ADMISSION is None, "torch" in sys.modules, rss
+
+        no_detector, torch_loaded, rss = ray.get(actor.__ray_call__.remote(probe))
+        print(f"session actor after two admissions: no detector built = {no_detector}, torch imported = "
+              f"{torch_loaded}; {rss}")
+        assert no_detector and not torch_loaded
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
