@@ -40,7 +40,7 @@ from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
 from fleet.errors import InvalidArgument, KvfleetError
-from fleet.quarantine.layered import DEFAULT_LAYERS, LAYERS, parse_layers
+from fleet.quarantine.layered import DEFAULT_LAYERS, LAYERS, DetectorConfig, parse_detector, parse_layers
 
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
 COST_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -206,6 +206,15 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         help="quarantine detector layers the controller judges tool results with, comma-separated, of "
         f"{', '.join(LAYERS)} (default {','.join(DEFAULT_LAYERS)}; encoder needs kvfleet[encoder]; docs/quarantine.md)",
     )
+    p.add_argument(
+        "--detector-tenant",
+        action="append",
+        metavar="TENANT=LAYERS",
+        default=[x for x in e("KVFLEET_DETECTOR_TENANTS", "").split(";") if x.strip()],
+        help="a tenant's own detector (repeatable; env KVFLEET_DETECTOR_TENANTS, ';'-separated): its layers, "
+        "each with an optional threshold, e.g. acme=rules,learned:0.99 or beta=rules,encoder:0.995 "
+        "(other tenants: --detector-layers)",
+    )
     add_cost_flags(p)
     add_stream_flags(p)
     add_kernel_flags(p)
@@ -243,6 +252,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         sessions=session_limits_from(args),
         node_kv_bytes=args.node_kv_bytes,
         detector_layers=detector_layers_from(args.detector_layers),
+        detector_tenants=detector_tenants_from(args.detector_tenant),
     )
 
 
@@ -252,6 +262,22 @@ def detector_layers_from(text: str) -> tuple[str, ...]:
         return parse_layers(text)
     except ValueError as e:
         raise InvalidArgument(f"--detector-layers: {e}") from None
+
+
+def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig], ...]:
+    """--detector-tenant TENANT=LAYERS, each parsed; InvalidArgument names the flag, the item and the fix."""
+    out: dict[str, DetectorConfig] = {}
+    for item in items:
+        tenant, sep, spec = (x.strip() for x in item.partition("="))
+        if not sep or not tenant or not spec:
+            raise InvalidArgument(f"--detector-tenant {item!r}: expected TENANT=LAYERS, e.g. acme=rules,learned:0.99")
+        if tenant in out:
+            raise InvalidArgument(f"--detector-tenant: tenant {tenant!r} is given twice")
+        try:
+            out[tenant] = parse_detector(spec)
+        except ValueError as e:
+            raise InvalidArgument(f"--detector-tenant {tenant}: {e}") from None
+    return tuple(out.items())
 
 
 def _prepare_sqlite(url: str) -> None:

@@ -67,6 +67,7 @@ class ControllerConfig:
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
     detector_layers: tuple[str, ...] = DEFAULT_LAYERS  # the Judge's detector layers (--detector-layers)
+    detector_tenants: tuple[tuple[str, DetectorConfig], ...] = ()  # per-tenant detectors (--detector-tenant)
 
     def __post_init__(self) -> None:
         port = self.listen.rsplit(":", 1)[-1]
@@ -222,7 +223,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
                          blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes,
-                         detector=DetectorConfig(layers=cfg.detector_layers))
+                         detector=DetectorConfig(layers=cfg.detector_layers),
+                         detector_tenants=dict(cfg.detector_tenants))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
         await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -83,17 +84,35 @@ def detector_code_digest() -> str:
 
 
 class Judge:
-    """Verdicts on tool results' bytes; the detector defaults to the shipped policy, DetectorConfig()."""
+    """Verdicts on tool results' bytes; the detector defaults to the shipped policy, DetectorConfig(), and a
+    tenant named in `tenants` gets its own (its own verdict space: another config id)."""
 
-    def __init__(self, store: Any, config: DetectorConfig | None = None) -> None:
+    def __init__(self, store: Any, config: DetectorConfig | None = None,
+                 tenants: Mapping[str, DetectorConfig] | None = None) -> None:
         self.store = store
-        det = make_detector(config or DetectorConfig())  # the shipped policy (rules + learned + encoder)
-        # the verdict space names the code that judges too (detector_code_digest)
-        self.cache = VerdictCache(store, det, config_id=f"{det.config_id}.{detector_code_digest()}")
+        code = detector_code_digest()  # the verdict space names the code that judges too
+        caches: dict[DetectorConfig, VerdictCache] = {}
+
+        def cache_of(cfg: DetectorConfig) -> VerdictCache:
+            if cfg not in caches:  # tenants with equal configs share one detector (and the models are shared)
+                det = make_detector(cfg)
+                caches[cfg] = VerdictCache(store, det, config_id=f"{det.config_id}.{code}")
+            return caches[cfg]
+
+        self.cache = cache_of(config or DetectorConfig())  # the shipped policy (rules + learned + encoder)
+        self.tenant_caches = {t: cache_of(c) for t, c in (tenants or {}).items()}
 
     @property
     def config_id(self) -> str:
+        """The default detector's verdict space."""
         return self.cache.config_id
+
+    def cache_for(self, tenant: str) -> VerdictCache:
+        return self.tenant_caches.get(tenant, self.cache)
+
+    def config_id_for(self, tenant: str) -> str:
+        """The verdict space `tenant`'s results are judged in."""
+        return self.cache_for(tenant).config_id
 
     def judge(self, results: list[bytes], tenant: str, action: str) -> list[Judgement]:
         """One Judgement per result, in order; quarantined ones are recorded for `tenant`.
@@ -133,7 +152,7 @@ class Judge:
         blob = self._blob_verdict(ref, tenant)
         if blob is not None:
             return blob
-        v = self.cache.inspect(data)
+        v = self.cache_for(tenant).inspect(data)
         return Judgement(ref, v.quarantined, tuple(v.reasons), "detector")
 
     def _blob_verdict(self, ref: str, tenant: str) -> Judgement | None:

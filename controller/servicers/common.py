@@ -55,6 +55,7 @@ class ServiceContext:
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
     detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
+    detector_tenants: dict[str, DetectorConfig] = field(default_factory=dict)  # --detector-tenant overrides
     _judge: Judge | None = None
     _judge_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -63,7 +64,7 @@ class ServiceContext:
         arrive while it loads wait for that one (loading the encoder takes seconds)."""
         async with self._judge_lock:
             if self._judge is None:
-                self._judge = await self.blocking(Judge, self.store, self.detector)
+                self._judge = await self.blocking(Judge, self.store, self.detector, self.detector_tenants)
         return self._judge
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:

@@ -36,7 +36,7 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
         return pb.JudgeToolResultsResponse(
             judgements=[pb.Judgement(ref=x.ref, quarantined=x.quarantined, reasons=x.reasons, source=x.source)
                         for x in out],
-            detector_config_id=j.config_id)
+            detector_config_id=j.config_id_for(ident.tenant))
 
     @unary(Role.OPERATOR)
     async def SetVerdict(self, request: pb.SetVerdictRequest, context: grpc.aio.ServicerContext,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -147,6 +148,29 @@ def parse_layers(text: str) -> tuple[str, ...]:
         raise ValueError(f"the encoder layer needs {', '.join(missing)} ({INSTALL_HINT}); or leave it out: "
                          f"{','.join(n for n in LAYERS if n in names and n != 'encoder') or 'rules,learned'}")
     return tuple(n for n in LAYERS if n in names)
+
+
+def parse_detector(text: str) -> DetectorConfig:
+    """`"rules,learned:0.99,encoder:0.995"` -> the DetectorConfig: the layers (as `parse_layers`), each with
+    an optional threshold after a colon (rules: the summed rule score, > 0; learned and encoder: P(injection)
+    in [0, 1]; none given: the shipped threshold). ValueError names what is wrong."""
+    names, thresholds = [], {}
+    for item in (x.strip() for x in text.split(",")):
+        name, sep, value = (x.strip() for x in item.partition(":"))
+        names.append(name)
+        if not sep or name not in LAYERS:
+            continue
+        try:
+            t = float(value)
+        except ValueError:
+            raise ValueError(f"detector {text!r}: the {name} threshold {value!r} is not a number") from None
+        if not math.isfinite(t) or (t <= 0 if name == "rules" else not 0.0 <= t <= 1.0):
+            raise ValueError(f"detector {text!r}: the {name} threshold {t} must be "
+                             + ("> 0" if name == "rules" else "in [0, 1]"))
+        thresholds[name] = t
+    layers = parse_layers(",".join(names))
+    return DetectorConfig(layers=layers, rule_threshold=thresholds.get("rules", THRESHOLD),
+                          learned_threshold=thresholds.get("learned"), encoder_threshold=thresholds.get("encoder"))
 
 
 def make_detector(cfg: DetectorConfig | None = None) -> LayeredDetector:

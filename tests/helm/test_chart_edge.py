@@ -168,3 +168,19 @@ def test_detector_layers_reach_the_controller_flag(chart: Any) -> None:
     assert "--detector-layers" not in default
     with pytest.raises(Exception, match="detectorLayers|pattern"):
         _objs(chart, {"controller": {"detectorLayers": "rules,bert"}})
+
+
+def test_detector_tenants_reach_the_controller_flag(chart: Any) -> None:
+    """controller.detectorTenants becomes one --detector-tenant per tenant, which the controller's parser takes;
+    a spec with an unknown layer fails the schema."""
+    from controller.main import config_from
+
+    values = {"controller": {"detectorTenants": {"acme": "rules,learned:0.99", "bravo": "rules"}}}
+    args = container(one(_objs(chart, values), "Deployment", "-controller"))["args"]
+    given = [args[i + 1] for i, a in enumerate(args) if a == "--detector-tenant"]
+    assert sorted(given) == ["acme=rules,learned:0.99", "bravo=rules"]
+    tenants = dict(config_from(parse_args(args[1:], {}), {}).detector_tenants)
+    assert (tenants["acme"].layers, tenants["acme"].learned_threshold) == (("rules", "learned"), 0.99)
+    assert "--detector-tenant" not in container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
+    with pytest.raises(Exception, match="detectorTenants|pattern"):
+        _objs(chart, {"controller": {"detectorTenants": {"acme": "rules,bert"}}})

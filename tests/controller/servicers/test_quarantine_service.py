@@ -12,6 +12,7 @@ import pytest
 from support.controller import code_of, make_tokens, md, start_controller, store_url
 
 from controller import verdicts
+from controller.auth import mint_token
 from controller.verdicts import OPERATOR_NS, SEEN_NS, Judge
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
@@ -160,8 +161,8 @@ async def test_concurrent_first_calls_build_one_judge(tmp_path: Path, monkeypatc
 
     built: list[Judge] = []
 
-    def counting(store: object, config: object = None) -> Judge:
-        built.append(Judge(store, config))  # type: ignore[arg-type]
+    def counting(store: object, config: object = None, tenants: object = None) -> Judge:
+        built.append(Judge(store, config, tenants))  # type: ignore[arg-type]
         return built[-1]
 
     monkeypatch.setattr(servicer, "Judge", counting)
@@ -213,3 +214,41 @@ async def test_detector_layers_flag_sets_the_judges_policy(tmp_path: Path, monke
     monkeypatch.setattr(layered, "missing_modules", lambda: ["peft"])  # as on a machine without kvfleet[encoder]
     with pytest.raises(InvalidArgument, match=r"needs peft \(pip install 'kvfleet\[encoder\]'\).*rules,learned"):
         config_from(parse_args([], {}), {})
+
+
+async def test_a_tenant_gets_its_own_detector(tmp_path: Path) -> None:
+    """--detector-tenant: acme judges with the rules alone and bravo with the learned layer at a threshold of
+    of its own (0.3: low enough to quarantine CLEAN, p 0.37), everyone else with the controller's layers. The same bytes get each tenant's verdict, in each
+    tenant's verdict space (config id); a bad spec is refused at start naming the flag."""
+    from controller.main import config_from, parse_args
+    from fleet.errors import InvalidArgument
+
+    args = ["--detector-layers", "rules,learned", "--detector-tenant", "acme=rules",
+            "--detector-tenant", "bravo=learned:0.3"]
+    cfg = config_from(parse_args(args, {}), {})
+    t = make_tokens(tmp_path)
+    other = mint_token(t.file, "charlie", "tenant")
+    ctl = await start_controller(store_url("sqlite", tmp_path), t, detector_layers=cfg.detector_layers,
+                                 detector_tenants=cfg.detector_tenants)
+    try:
+        got = {}
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            for name, tok in (("acme", t.a), ("bravo", t.b), ("charlie", other)):
+                r = await QuarantineServiceStub(ch).JudgeToolResults(
+                    pb.JudgeToolResultsRequest(results=[ENCODER_ONLY, CLEAN], action="placeholder"), metadata=md(tok))
+                got[name] = (r.detector_config_id, [(j.quarantined, list(j.reasons)) for j in r.judgements])
+        for name, (cid, js) in got.items():
+            print(f"{name}: {cid} {js}")
+        assert len({cid for cid, _ in got.values()}) == 3                   # three verdict spaces
+        assert got["acme"][1][0] == (False, [])                              # rules alone: no phrase matches
+        assert got["charlie"][1][0][0] and any(r.startswith("learned:") for r in got["charlie"][1][0][1])
+        assert not any(r.startswith("encoder:") for _, js in got.values() for _, rs in js for r in rs)
+        assert got["bravo"][1][1][1] == got["charlie"][1][1][1]              # the same score for CLEAN ...
+        assert got["bravo"][1][1][0] and not got["charlie"][1][1][0]         # ... bravo's threshold quarantines it
+    finally:
+        await ctl.stop(0)
+    for bad, msg in ((["--detector-tenant", "acme"], "expected TENANT=LAYERS"),
+                     (["--detector-tenant", "acme=learned:2"], r"acme: .*learned threshold 2.0 must be in \[0, 1\]"),
+                     (["--detector-tenant", "acme=rules", "--detector-tenant", "acme=learned"], "given twice")):
+        with pytest.raises(InvalidArgument, match=f"--detector-tenant.*{msg}"):
+            config_from(parse_args(bad, {}), {})
