@@ -83,7 +83,7 @@ def train(
     head_lr: float = HEAD_LR,
     seed: int = SEED,
     checkpoint: Callable[[int, int, Any, Any], None] | None = None,
-    every: int = 0,
+    checkpoints: int = 1,
 ) -> tuple[Any, Any]:
     """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head)."""
     import torch
@@ -115,6 +115,7 @@ def train(
     batches = [order[k : k + BATCH] for k in range(0, len(order), BATCH)]
     steps = int(len(batches) * epochs)
     steps = min(steps, max_steps) if max_steps else steps
+    every = max(1, steps // max(1, checkpoints))
     opt = torch.optim.AdamW(
         [{"params": [p for p in enc.parameters() if p.requires_grad], "lr": lr},
          {"params": head.parameters(), "lr": head_lr}],
@@ -150,8 +151,8 @@ def train(
             step += 1
             if step % 50 == 0 or step == steps:
                 log(f"step {step}/{steps} loss {loss.item():.4f}")
-            if checkpoint is not None and every and step % every == 0 and step < steps:
-                checkpoint(step, steps, enc, head)
+            if checkpoint is not None and (step == steps or (step % every == 0 and step < steps)):
+                checkpoint(step, steps, enc, head)  # `checkpoints` evenly spaced ones, the last at the end
     return enc, head
 
 
@@ -223,12 +224,8 @@ def main() -> None:
         kept.append((step, folder))
         log(f"checkpoint at step {step}/{steps}")
 
-    total = int(-(-len(train_rows) // BATCH) * a.epochs)  # as train() counts its steps
-    total = min(total, a.max_steps) if a.max_steps else total
-    every = max(1, total // a.checkpoints) if a.checkpoints > 1 else 0
-    enc, head = train(train_rows, a.threads, log, a.max_steps, a.init_from, a.epochs, a.lr, a.head_lr, a.seed,
-                      keep, every)
-    keep(total, total, enc, head)
+    train(train_rows, a.threads, log, a.max_steps, a.init_from, a.epochs, a.lr, a.head_lr, a.seed, keep,
+          a.checkpoints)
     doc["training"]["seconds"] = round(time.perf_counter() - t0)
 
     lr = load_model()

@@ -1,8 +1,9 @@
 """QuarantineService: the proxy's tool-result verdicts (tenant), operator verdicts, recent quarantines.
 
 Thin: authenticate, translate, run controller.verdicts.Judge off the event loop (store I/O and the
-detector's CPU), translate back. The Judge is built on first use, so a controller that never sees a
-tool result never loads a detector.
+detector's CPU), translate back. The Judge is the controller's one (ServiceContext.judge, shared with
+SessionService.AdmitToolResult) and is built on first use, so a controller that never sees a tool result
+never loads a detector.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, unary
-from controller.verdicts import Judge, QuarantineRecord
+from controller.verdicts import QuarantineRecord
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1 import quarantine_pb2_grpc as pbg
 from fleet.errors import PermissionDenied
@@ -23,14 +24,10 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
 
-    async def judge(self) -> Judge:
-        """The controller's Judge (shared with SessionService.AdmitToolResult; built on first use)."""
-        return await self.ctx.judge()
-
     @unary(Role.TENANT)
     async def JudgeToolResults(self, request: pb.JudgeToolResultsRequest, context: grpc.aio.ServicerContext,
                                ident: Identity) -> pb.JudgeToolResultsResponse:
-        j = await self.judge()
+        j = await self.ctx.judge()
         out = await self.ctx.blocking(j.judge, list(request.results), ident.tenant, request.action)
         self.ctx.metrics.quarantines.inc(sum(x.quarantined for x in out))
         return pb.JudgeToolResultsResponse(
@@ -41,7 +38,7 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
     @unary(Role.OPERATOR)
     async def SetVerdict(self, request: pb.SetVerdictRequest, context: grpc.aio.ServicerContext,
                          ident: Identity) -> pb.SetVerdictResponse:
-        j = await self.judge()
+        j = await self.ctx.judge()
         await self.ctx.blocking(j.set_verdict, request.ref, request.verdict, list(request.reasons))
         return pb.SetVerdictResponse(ref=request.ref, verdict=request.verdict)
 
@@ -55,7 +52,7 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
             # NOTE: another tenant's records answer like none at all would leak nothing, but a refusal is clearer
             raise PermissionDenied("a tenant token lists only its own tenant's quarantines; leave --tenant out")
         limit = min(request.limit or DEFAULT_LIMIT, MAX_LIMIT)
-        recs = await self.ctx.blocking((await self.judge()).recent, tenant, limit)
+        recs = await self.ctx.blocking((await self.ctx.judge()).recent, tenant, limit)
         return pb.ListQuarantinesResponse(records=[_to_proto(r) for r in recs])
 
 
