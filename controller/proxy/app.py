@@ -164,8 +164,10 @@ class Handlers:
                 "x-kvfleet-epoch": str(t.epoch),
                 "x-kvfleet-attempts": str(opened.num_sends),
             }
-            if hits:
-                extra["x-kvfleet-quarantined"] = ",".join(dict.fromkeys(h.ref for h in hits))
+            if any(h.ref for h in hits):
+                extra["x-kvfleet-quarantined"] = ",".join(dict.fromkeys(h.ref for h in hits if h.ref))
+            if any(h.source == "media" for h in hits):
+                extra["x-kvfleet-withheld-media"] = ",".join(h.where for h in hits if h.source == "media")
             note = {"quarantined": [h.as_json() for h in hits]} if hits else None
             out, t_first = await p.forwarder.relay(req, opened, extra, note)
             self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))

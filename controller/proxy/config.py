@@ -41,6 +41,7 @@ class ProxyConfig:
     client_body_timeout_s: float = 60.0  # the whole body must arrive within this, else 408
     quarantine_policy: str = "placeholder"  # what a quarantined tool result gets: placeholder | refuse | off
     quarantine_tenant_policies: tuple[tuple[str, str], ...] = ()  # (tenant, policy) overrides
+    tool_media: str = "pass"  # a tool result's media parts (not inspectable as text): pass | withhold | refuse
     tokenize_cache_size: int = 4096
     tls: bool = False  # TLS to the controller (implied by any tls_* file below)
     tls_ca: str | None = None  # CA that signed the controller's certificate (None: system roots)
@@ -63,6 +64,8 @@ class ProxyConfig:
                             *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
             if policy not in ("placeholder", "refuse", "off"):
                 raise InvalidArgument(f"{who}{policy!r}: expected placeholder, refuse or off")
+        if self.tool_media not in ("pass", "withhold", "refuse"):
+            raise InvalidArgument(f"--tool-media {self.tool_media!r}: expected pass, withhold or refuse")
         if bool(self.tls_client_cert) != bool(self.tls_client_key):
             raise InvalidArgument("mutual TLS needs both --tls-cert and --tls-key (the proxy's own, PEM)")
 

@@ -57,6 +57,10 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "request is refused (400), or tool results are not inspected (off); docs/quarantine.md")
     p.add_argument("--quarantine-tenant-policy", action="append", default=[], metavar="TENANT=POLICY",
                    help="a tenant's own quarantine policy (repeatable)")
+    p.add_argument("--tool-media", choices=("pass", "withhold", "refuse"), default=e("KVFLEET_TOOL_MEDIA", "pass"),
+                   help="media parts of tool results (images, audio, video, embeddings), which no text detector "
+                        "can judge: forwarded (pass, default), each replaced by a text part saying it was withheld "
+                        "(withhold), or the request refused with a 400 (refuse); counted either way")
     add_client_tls(p, env)
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -69,6 +73,7 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),
+                       tool_media=a.tool_media,
                        max_body_bytes=a.max_body_bytes, tls=a.tls, tls_ca=a.tls_ca,
                        tls_client_cert=a.tls_cert, tls_client_key=a.tls_key)
 

@@ -65,6 +65,13 @@ class ProxyMetrics:
             ["action", "source"],
             registry=r,
         )
+        self.tool_media = Counter(
+            "kvfleet_proxy_tool_media_parts",
+            "Media parts of tool results (no text detector can judge them), by type and what the proxy did "
+            "(--tool-media: pass, withhold, refuse)",
+            ["type", "action"],
+            registry=r,
+        )
         self.errors = Counter(
             "kvfleet_proxy_errors", "Requests the proxy answered with an error itself", ["status"], registry=r
         )

@@ -3,8 +3,11 @@
 Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
 
     /v1/chat/completions  each message whose role is "tool", "function" or "ipython" (any case): its content,
-                          a string or a list of parts whose text (string parts, "text" and "refusal") is
-                          joined ("" between them); content that cannot be inspected is a 400
+                          a string or a list of parts whose text is joined ("" between them): string parts and
+                          every part type vLLM renders as text (TEXT_PARTS: text, input_text, output_text,
+                          refusal, thinking, tool_reference); media parts (MEDIA_PARTS) carry no text and get
+                          the proxy's media policy (pass, withhold, refuse); content that cannot be inspected
+                          (an unknown part type, a part without a type or media) is a 400
     /v1/completions       each <tool_result ...>...</tool_result> span (any case, attributes allowed; one left
                           open runs to the end) of a string prompt (or of each string of a batched prompt):
                           the text between the tags. Token-id prompts are not inspected.
@@ -38,8 +41,15 @@ TOOL_ROLES = ("tool", "function", "ipython")  # compared stripped and lowercased
 # inspection by leaving out the closing tag). A closing tag inside the tool's own text still ends the span: the
 # client must escape it (the text after it is the client's, not the tool's)
 ENVELOPE = re.compile(r"(<tool_result\b[^>]*>)(.*?)(</tool_result\s*>|\Z)", re.S | re.I)
-TEXT_KEYS = ("text", "refusal")  # the keys of a content part vLLM renders as text
+# NOTE: vLLM's chat_utils (MM_PARSER_MAP): these part types are rendered as text, read from this key. Any other
+# type is media (MEDIA_PARTS) or one vLLM rejects too, so the proxy refuses it rather than guess
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking", "tool_reference": "name"}
+MEDIA_PARTS = ("image_url", "input_image", "image_embeds", "audio_embeds", "prompt_embeds", "image_pil", "audio_url",
+               "input_audio", "video_url")  # also how vLLM recognises a media part that has no "type"
+MEDIA_POLICIES = ("pass", "withhold", "refuse")
 PLACEHOLDER = "[tool result sha256:{ref} withheld: quarantined by kvfleet]"
+MEDIA_PLACEHOLDER = "[tool result {kind} part withheld: kvfleet cannot inspect media]"
 # NOTE: below the controller's default gRPC message limit (4 MiB) with room for framing; larger sets of
 # tool results go in several calls, and one larger tool result is refused (413) rather than sent
 MAX_JUDGE_BYTES = 3 << 20
@@ -66,36 +76,82 @@ class Hit:
                 "action": self.action}
 
 
-def _tool_text(m: Any, where: str) -> str | None:
-    """The text of a tool message as the worker would render it (None: not a tool message, or no content).
-
-    Plain-string parts and a part's "text"/"refusal" are text (vLLM renders them); media parts carry none.
-    Raises:
-        ProxyError(400): content the proxy cannot inspect (not a string, a list of parts, or null; a part that
-            is neither a string nor an object; a text key that is not a string): fail closed, never forward it.
-    """
+def _tool_content(m: Any) -> Any:
+    """The content of a tool message (None: not a tool message, or no content)."""
     role = m.get("role") if isinstance(m, dict) else None
     if not isinstance(role, str) or role.strip().lower() not in TOOL_ROLES:
         return None
-    c = m.get("content")
+    return m.get("content")
+
+
+def part_kind(p: Any, where: str, param: str) -> tuple[str, str | None]:
+    """("text", its text) or (a media type, None) for one content part of a tool result, as vLLM reads it.
+
+    Raises:
+        ProxyError(400): a part that is neither a string nor an object, an unknown or missing type, a text that
+            is not a string: the proxy cannot tell what the worker would render, so it never forwards it.
+    """
+    if isinstance(p, str):
+        return "text", p
+    if not isinstance(p, dict):
+        raise ProxyError(400, f"{where} is a {type(p).__name__}; a content part must be a string or an object "
+                              "such as {\"type\": \"text\", \"text\": ...}", param)
+    t = p.get("type")
+    if t is None:
+        t = next((k for k in MEDIA_PARTS if k in p), None)
+        if t is None:
+            raise ProxyError(400, f"{where} has no \"type\"; give each content part of a tool result its type "
+                                  f"(text parts: {', '.join(TEXT_PARTS)})", param)
+    if t in MEDIA_PARTS:
+        return t, None
+    if not isinstance(t, str) or t not in TEXT_PARTS:
+        raise ProxyError(400, f"{where}.type {t!r} is not a content part type the proxy can inspect in a tool "
+                              f"result; use one of {', '.join([*TEXT_PARTS, *MEDIA_PARTS])}", param)
+    text = p.get(TEXT_PARTS[t])
+    if text is not None and not isinstance(text, str):
+        raise ProxyError(400, f"{where}.{TEXT_PARTS[t]} is a {type(text).__name__}; it must be a string", param)
+    return "text", text or ""
+
+
+def _tool_text(m: Any, where: str) -> str | None:
+    """The text of a tool message as the worker would render it (None: not a tool message, or no content).
+
+    Raises:
+        ProxyError(400): content the proxy cannot inspect (not a string, a list of parts, or null; a part
+            part_kind refuses): fail closed, never forward it.
+    """
+    c = _tool_content(m)
     if c is None or isinstance(c, str):
         return c
     if not isinstance(c, list):
         raise ProxyError(400, f"{where} is a {type(c).__name__}; a tool result's content must be a string or a "
                               "list of content parts", where)
-    texts = []
-    for j, p in enumerate(c):
-        if isinstance(p, str):
-            texts.append(p)
-            continue
-        if not isinstance(p, dict):
-            raise ProxyError(400, f"{where}[{j}] is a {type(p).__name__}; a content part must be a string or an "
-                                  "object such as {\"type\": \"text\", \"text\": ...}", where)
-        for k in TEXT_KEYS:
-            if k in p and p[k] is not None and not isinstance(p[k], str):
-                raise ProxyError(400, f"{where}[{j}].{k} is a {type(p[k]).__name__}; it must be a string", where)
-        texts.extend(p[k] for k in TEXT_KEYS if isinstance(p.get(k), str))
-    return "".join(texts)
+    kinds = [part_kind(p, f"{where}[{j}]", where) for j, p in enumerate(c)]
+    return "".join(text for kind, text in kinds if kind == "text" and text is not None)
+
+
+def media_parts(body: dict[str, Any], chat: bool) -> list[tuple[str, str]]:
+    """(where, media type) of every media part of a tool message (chat only: a raw prompt has no parts)."""
+    msgs = body.get("messages") if chat else None
+    found: list[tuple[str, str]] = []
+    for i, m in enumerate(msgs if isinstance(msgs, list) else []):
+        c = _tool_content(m)
+        for j, part in enumerate(c if isinstance(c, list) else []):
+            kind, _ = part_kind(part, f"messages[{i}].content[{j}]", f"messages[{i}].content")
+            if kind != "text":
+                found.append((f"messages[{i}].content[{j}]", kind))
+    return found
+
+
+def withhold_media(body: dict[str, Any], found: list[tuple[str, str]]) -> dict[str, Any]:
+    """`body` with each media part in `found` replaced by a text part saying it was withheld (not mutated)."""
+    msgs = list(body["messages"])
+    for where, kind in found:
+        i, j = (int(x) for x in re.findall(r"\d+", where))
+        parts = list(msgs[i]["content"])
+        parts[j] = {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind=kind)}
+        msgs[i] = {**msgs[i], "content": parts}
+    return {**body, "messages": msgs}
 
 
 def _in_prompt(p: str, where: str, fn: Rewrite) -> str:
@@ -147,21 +203,51 @@ class Enforcer:
     """Judges a request's tool results through the controller and applies the tenant's policy."""
 
     def __init__(self, default: str, per_tenant: Mapping[str, str], control: ControlClient,
-                 metrics: ProxyMetrics) -> None:
+                 metrics: ProxyMetrics, media: str = "pass") -> None:
         self.default, self.per_tenant, self.control, self.metrics = default, dict(per_tenant), control, metrics
+        self.media = media
 
     def policy(self, tenant: str) -> str:
         return self.per_tenant.get(tenant, self.default)
 
     async def enforce(self, body: dict[str, Any], chat: bool, tenant: str,
                       token: str | None) -> tuple[dict[str, Any], list[Hit]]:
-        """(the body to tokenize and forward, the quarantined tool results it had).
+        """(the body to tokenize and forward, what was kept from the workers: its quarantined tool results and,
+        with --tool-media withhold, its tool results' media parts).
 
         Raises:
-            ProxyError(400): the tenant's policy is "refuse" and a tool result is quarantined.
+            ProxyError(400): the tenant's policy is "refuse" and a tool result is quarantined, or the proxy's
+                media policy is "refuse" and a tool result carries a media part.
         """
         policy = self.policy(tenant)
-        found = tool_results(body, chat) if policy != "off" else []
+        if policy == "off":
+            return body, []
+        body, withheld = self.media_policy(body, chat)
+        body, hits = await self.judge(body, chat, policy, token)
+        return body, withheld + hits
+
+    def media_policy(self, body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], list[Hit]]:
+        """Tool results' media parts, which no text detector can judge: passed as they are, withheld (each
+        replaced by a text part saying so), or the request refused (400), per --tool-media.
+
+        Raises:
+            ProxyError(400): the proxy's media policy is "refuse" and a tool result carries a media part.
+        """
+        found = media_parts(body, chat)
+        for _, kind in found:
+            self.metrics.tool_media.labels(kind, self.media).inc()
+        if not found or self.media == "pass":
+            return body, []
+        if self.media == "refuse":
+            raise ProxyError(400, "tool results carry media parts, which the proxy cannot inspect, and its "
+                                  "--tool-media policy refuses them: " + ", ".join(f"{w} ({k})" for w, k in found)
+                             + ". Send the tool's output as text.", found[0][0])
+        return withhold_media(body, found), [Hit(w, "", (f"media:{k}",), "media", "withhold") for w, k in found]
+
+    async def judge(self, body: dict[str, Any], chat: bool, policy: str,
+                    token: str | None) -> tuple[dict[str, Any], list[Hit]]:
+        """The controller's verdicts on the body's tool results, applied per `policy` (enforce's contract)."""
+        found = tool_results(body, chat)
         if not found:
             return body, []
         texts = list(dict.fromkeys(text for _, text in found))

@@ -41,7 +41,7 @@ class Proxy:
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)
         self.enforcer = Enforcer(self.cfg.quarantine_policy, dict(self.cfg.quarantine_tenant_policies), self.control,
-                                 self.metrics)
+                                 self.metrics, self.cfg.tool_media)
         await self.tokenizer.start()
         await self.directory.start()
         # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request

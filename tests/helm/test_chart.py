@@ -240,7 +240,7 @@ def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, di
     ctrl_svc = one(objs, "Service", "-controller")
     grpc_port = next(p["port"] for p in ctrl_svc["spec"]["ports"] if p["name"] == "grpc")
     assert c["args"] == ["proxy", "--controller", f"{ctrl_svc['metadata']['name']}:{grpc_port}", "--listen", "0.0.0.0:8080",
-                         "--quarantine-policy", "placeholder", "--client-header-timeout", "30",
+                         "--quarantine-policy", "placeholder", "--tool-media", "pass", "--client-header-timeout", "30",
                          "--client-body-timeout", "60", "--max-first-byte-wait", "600"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}

@@ -184,3 +184,15 @@ def test_detector_tenants_reach_the_controller_flag(chart: Any) -> None:
     assert "--detector-tenant" not in container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
     with pytest.raises(Exception, match="detectorTenants|pattern"):
         _objs(chart, {"controller": {"detectorTenants": {"acme": "rules,bert"}}})
+
+
+def test_tool_media_policy_reaches_the_proxy_flag(chart: Any) -> None:
+    """proxy.quarantine.media becomes --tool-media, which the proxy's parser takes; an unknown one fails the schema."""
+    from controller.proxy.main import config_from
+    from controller.proxy.main import parse_args as proxy_args
+
+    args = container(one(_objs(chart, {"proxy": {"quarantine": {"media": "withhold"}}}), "Deployment", "-proxy"))["args"]
+    assert args[args.index("--tool-media") + 1] == "withhold"
+    assert config_from(proxy_args(args[1:], {})).tool_media == "withhold"
+    with pytest.raises(Exception, match="media|enum"):
+        _objs(chart, {"proxy": {"quarantine": {"media": "drop"}}})

@@ -25,17 +25,37 @@ def tokenize(text: Any) -> list[int]:
     return [100 + zlib.crc32(w.encode()) % VOCAB for w in _WORD.findall(text)]
 
 
+# NOTE: as vLLM's chat_utils renders content parts for a text-only model: these types are text, read from this
+# key, and joined with "\n"; a media part is refused (the stand-in serves no multimodal model)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking", "tool_reference": "name"}
+
+
+def content_text(content: Any) -> str:
+    """A message's content as the chat template sees it: a string, or a list of parts rendered as vLLM does."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument("each message needs string 'role' and string or list 'content'")
+    texts = []
+    for p in content:
+        t = p.get("type") if isinstance(p, dict) else "text"
+        if t not in TEXT_PARTS:
+            raise InvalidArgument(f"this model is text-only: a content part of type {t!r} is not supported")
+        text = p if isinstance(p, str) else p.get(TEXT_PARTS[t])
+        if not isinstance(text, str):
+            raise InvalidArgument(f"a {t!r} content part needs a string {TEXT_PARTS[t]!r}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def apply_chat_template(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
     """ChatML-shaped: <|im_start|>role\\ncontent<|im_end|>\\n ... then <|im_start|>assistant\\n."""
     out: list[int] = []
     for m in messages:
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise InvalidArgument("each message needs string 'role' and 'content'")
-        out += [IM_START, *tokenize(m["role"]), NEWLINE, *tokenize(m["content"]), IM_END, NEWLINE]
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidArgument("each message needs string 'role' and string or list 'content'")
+        out += [IM_START, *tokenize(m["role"]), NEWLINE, *tokenize(content_text(m.get("content"))), IM_END, NEWLINE]
     if add_generation_prompt:
         out += [IM_START, *tokenize("assistant"), NEWLINE]
     return out

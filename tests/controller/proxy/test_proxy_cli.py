@@ -14,15 +14,18 @@ def test_flags_and_env() -> None:
                                                                                False)
     cfg = config_from(parse_args(["--controller", "c:1", "--tokenizer", "hf:/models/tok"], env))
     assert (cfg.controller, cfg.token_passthrough, cfg.tokenizer) == ("c:1", True, "hf:/models/tok")
+    assert cfg.tool_media == "pass" and config_from(parse_args([], {**env, "KVFLEET_TOOL_MEDIA": "refuse"})).tool_media \
+        == "refuse"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--listen", "nowhere"], "must be HOST:PORT"),
     (["--tokenizer", "gpt2"], "use hf:PATH"),
     (["--first-byte-timeout", "0"], "must be positive"),
+    ([], "--tool-media 'strip': expected pass, withhold or refuse"),  # from KVFLEET_TOOL_MEDIA
 ])
 def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv, env={}) == 2
+    assert main(argv, env={"KVFLEET_TOOL_MEDIA": "strip"} if not argv else {}) == 2
     err = capsys.readouterr().err
     print(err.strip())
     assert message in err

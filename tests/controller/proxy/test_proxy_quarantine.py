@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.proxy_fleet import BLOCK, MODEL, Fleet, sse_events, start_fleet, until
 
-from controller.proxy.quarantine import PLACEHOLDER
+from controller.proxy.quarantine import MEDIA_PLACEHOLDER, PLACEHOLDER
 from fleet.api.kvfleet.v1 import quarantine_pb2 as qpb
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.cli import main as cli
@@ -240,6 +240,43 @@ async def test_a_poisoned_tool_result_in_another_shape_is_withheld_too(tmp_path:
         assert h["x-kvfleet-quarantined"] == _ref(POISON)
         assert _stand_ins_saw(fleet, "attacker@evil.example") == []
         assert all(s.received.contains(PLACEHOLDER.format(ref=_ref(POISON))) for s in fleet.sims.values())
+    finally:
+        await fleet.stop()
+
+
+async def test_media_parts_follow_the_media_policy_and_thinking_parts_are_judged(tmp_path: Path) -> None:
+    # A screenshot or audio clip in a tool result cannot be read by a text detector: --tool-media withhold
+    # replaces it by a note, refuse answers 400, pass forwards it (counted either way). And a "thinking" part,
+    # which vLLM renders as text, is judged like any tool text (before, it reached the worker unjudged).
+    fleet = await start_fleet(tmp_path, num_workers=1, tool_media="withhold")
+    try:
+        (sim,) = fleet.sims.values()
+        url = "https://evil.example/screenshot-that-says-ignore-previous-instructions.png"
+        parts = [{"type": "text", "text": BENIGN}, {"type": "image_url", "image_url": {"url": url}}]
+        status, h, doc = await _chat(fleet, _turn(parts))  # type: ignore[arg-type]
+        print(f"withhold -> {status}, x-kvfleet-withheld-media {h.get('x-kvfleet-withheld-media')}, "
+              f"kvfleet field {doc.get('kvfleet')}")
+        assert status == 200, doc
+        assert h["x-kvfleet-withheld-media"] == "messages[3].content[1]" and "x-kvfleet-quarantined" not in h
+        assert doc["kvfleet"]["quarantined"] == [{"where": "messages[3].content[1]", "ref": "", "source": "media",
+                                                  "reasons": ["media:image_url"], "action": "withhold"}]
+        assert sim.received.contains(BENIGN) and not sim.received.contains(url)
+        assert sim.received.prompts()[-1].count(MEDIA_PLACEHOLDER.format(kind="image_url")) == 1
+        assert _metric(fleet, "kvfleet_proxy_tool_media_parts_total", type="image_url", action="withhold") == 1
+        status, h, doc = await _chat(fleet, _turn([{"type": "thinking", "thinking": POISON}]))  # type: ignore[arg-type]
+        assert status == 200 and h["x-kvfleet-quarantined"] == _ref(POISON), doc
+        assert _stand_ins_saw(fleet, "attacker@evil.example") == []
+        fleet.proxy.enforcer.media = "refuse"  # what --tool-media refuse sets (ProxyConfig.tool_media)
+        n = len(sim.received.items)
+        status, _, doc = await _chat(fleet, _turn(parts))  # type: ignore[arg-type]
+        print(f"refuse -> {status}: {doc['error']['message']}")
+        assert status == 400 and doc["error"]["param"] == "messages[3].content[1]"
+        assert "--tool-media" in doc["error"]["message"] and len(sim.received.items) == n
+        fleet.proxy.enforcer.media = "pass"  # control: forwarded, and this text-only stand-in refuses it itself
+        status, _, doc = await _chat(fleet, _turn(parts))  # type: ignore[arg-type]
+        print(f"pass -> {status}: {doc}")
+        assert _metric(fleet, "kvfleet_proxy_tool_media_parts_total", type="image_url", action="pass") == 1
+        assert status == 400 and "text-only" in json.dumps(doc)
     finally:
         await fleet.stop()
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from controller.proxy.errors import ProxyError
-from controller.proxy.quarantine import rewrite, tool_results
+from controller.proxy.quarantine import MEDIA_PLACEHOLDER, media_parts, rewrite, tool_results, withhold_media
 
 
 def _upper(text: str, where: str) -> str | None:
@@ -67,10 +67,41 @@ def test_no_tool_result_escapes_inspection_by_its_shape() -> None:
     assert rewrite(mixed, False, _upper)["prompt"] == [[1, 2], "<tool_result><prompt[1]@13></tool_result>"]
 
 
+def test_every_part_type_vllm_renders_as_text_is_inspected() -> None:
+    # vLLM's chat_utils renders these part types as text (MM_PARSER_MAP); before, the proxy read only the "text"
+    # and "refusal" keys, so an attack in a "thinking" part or a tool_reference's name reached the worker unjudged
+    parts: list[Any] = [{"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"},
+                        {"type": "thinking", "thinking": "c"}, {"type": "tool_reference", "name": "d"},
+                        {"type": "text", "text": None}, {"image_url": {"url": "https://x/e.png"}}]
+    body = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "1", "content": parts}]}
+    assert tool_results(body, chat=True) == [("messages[0].content", "abcd")]
+    assert media_parts(body, chat=True) == [("messages[0].content[5]", "image_url")]  # no "type": vLLM's keys
+
+
+def test_media_parts_are_found_and_withheld_without_touching_the_rest() -> None:
+    image = {"type": "image_url", "image_url": {"url": "https://evil.example/ignore-previous.png"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    msgs: list[Any] = [{"role": "user", "content": [image]},  # not a tool message: the client's own
+                       {"role": "tool", "tool_call_id": "1", "content": ["see ", image, audio]},
+                       {"role": "tool", "tool_call_id": "2", "content": "plain"}]
+    body = {"model": "m", "messages": msgs}
+    found = media_parts(body, chat=True)
+    assert found == [("messages[1].content[1]", "image_url"), ("messages[1].content[2]", "input_audio")]
+    out = withhold_media(body, found)
+    assert out["messages"][1]["content"] == ["see ", {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind="image_url")},
+                                             {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind="input_audio")}]
+    assert out["messages"][1]["tool_call_id"] == "1" and out["messages"][0] is msgs[0] and out["messages"][2] is msgs[2]
+    assert msgs[1]["content"][1] is image  # the input is not mutated
+    assert media_parts(out, chat=True) == [] and media_parts({"prompt": "x"}, chat=False) == []
+
+
 @pytest.mark.parametrize("content, message", [
     ({"text": "an object"}, "messages[0].content is a dict"),
     ([{"type": "text", "text": ["nested"]}], "messages[0].content[0].text is a list"),
+    ([{"type": "thinking", "thinking": 7}], "messages[0].content[0].thinking is a int"),
     ([42], "messages[0].content[0] is a int"),
+    ([{"text": "no type"}], 'messages[0].content[0] has no "type"'),
+    ([{"type": "markdown", "text": "x"}], "messages[0].content[0].type 'markdown' is not a content part type"),
 ])
 def test_tool_content_that_cannot_be_inspected_is_a_400(content: Any, message: str) -> None:
     with pytest.raises(ProxyError) as e:
