@@ -112,7 +112,7 @@ def train(
     seed: int = SEED,
     checkpoint: Callable[[int, int, Any, Any], None] | None = None,
     checkpoints: int = 1,
-    span_labels: bool = False,
+    span_labels: bool = True,
 ) -> tuple[Any, Any]:
     """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head)."""
     import torch

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from controller.proxy.quarantine import MEDIA_POLICIES, POLICIES
 from fleet.errors import InvalidArgument
 
 
@@ -62,9 +63,9 @@ class ProxyConfig:
             raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")
         for who, policy in (("--quarantine-policy", self.quarantine_policy),
                             *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
-            if policy not in ("placeholder", "refuse", "off"):
+            if policy not in POLICIES:
                 raise InvalidArgument(f"{who}{policy!r}: expected placeholder, refuse or off")
-        if self.tool_media not in ("pass", "withhold", "refuse"):
+        if self.tool_media not in MEDIA_POLICIES:
             raise InvalidArgument(f"--tool-media {self.tool_media!r}: expected pass, withhold or refuse")
         if bool(self.tls_client_cert) != bool(self.tls_client_key):
             raise InvalidArgument("mutual TLS needs both --tls-cert and --tls-key (the proxy's own, PEM)")

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Mapping
 
 from controller.proxy.config import ProxyConfig
+from controller.proxy.quarantine import MEDIA_POLICIES
 from controller.proxy.server import Proxy
 from fleet.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls
@@ -57,7 +58,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "request is refused (400), or tool results are not inspected (off); docs/quarantine.md")
     p.add_argument("--quarantine-tenant-policy", action="append", default=[], metavar="TENANT=POLICY",
                    help="a tenant's own quarantine policy (repeatable)")
-    p.add_argument("--tool-media", choices=("pass", "withhold", "refuse"), default=e("KVFLEET_TOOL_MEDIA", "pass"),
+    p.add_argument("--tool-media", choices=MEDIA_POLICIES, default=e("KVFLEET_TOOL_MEDIA", "pass"),
                    help="media parts of tool results (images, audio, video, embeddings), which no text detector "
                         "can judge: forwarded (pass, default), each replaced by a text part saying it was withheld "
                         "(withhold), or the request refused with a 400 (refuse); counted either way")

@@ -127,27 +127,40 @@ def _tool_text(m: Any, where: str) -> str | None:
         raise ProxyError(400, f"{where} is a {type(c).__name__}; a tool result's content must be a string or a "
                               "list of content parts", where)
     kinds = [part_kind(p, f"{where}[{j}]", where) for j, p in enumerate(c)]
-    return "".join(text for kind, text in kinds if kind == "text" and text is not None)
+    return "".join(text for _, text in kinds if text is not None)  # media parts have no text
 
 
-def media_parts(body: dict[str, Any], chat: bool) -> list[tuple[str, str]]:
-    """(where, media type) of every media part of a tool message (chat only: a raw prompt has no parts)."""
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """A media part of a tool message: messages[i].content[j], of this type."""
+
+    i: int
+    j: int
+    kind: str
+
+    @property
+    def where(self) -> str:
+        return f"messages[{self.i}].content[{self.j}]"
+
+
+def media_parts(body: dict[str, Any], chat: bool) -> list[MediaPart]:
+    """Every media part of a tool message (chat only: a raw prompt has no parts)."""
     msgs = body.get("messages") if chat else None
-    found: list[tuple[str, str]] = []
+    found: list[MediaPart] = []
     for i, m in enumerate(msgs if isinstance(msgs, list) else []):
         c = _tool_content(m)
         for j, part in enumerate(c if isinstance(c, list) else []):
-            kind, _ = part_kind(part, f"messages[{i}].content[{j}]", f"messages[{i}].content")
-            if kind != "text":
-                found.append((f"messages[{i}].content[{j}]", kind))
+            kind, text = part_kind(part, f"messages[{i}].content[{j}]", f"messages[{i}].content")
+            if text is None:
+                found.append(MediaPart(i, j, kind))
     return found
 
 
-def withhold_media(body: dict[str, Any], found: list[tuple[str, str]]) -> dict[str, Any]:
+def withhold_media(body: dict[str, Any], found: list[MediaPart]) -> dict[str, Any]:
     """`body` with each media part in `found` replaced by a text part saying it was withheld (not mutated)."""
     msgs = list(body["messages"])
-    for where, kind in found:
-        i, j = (int(x) for x in re.findall(r"\d+", where))
+    for mp in found:
+        i, j, kind = mp.i, mp.j, mp.kind
         parts = list(msgs[i]["content"])
         parts[j] = {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind=kind)}
         msgs[i] = {**msgs[i], "content": parts}
@@ -234,15 +247,17 @@ class Enforcer:
             ProxyError(400): the proxy's media policy is "refuse" and a tool result carries a media part.
         """
         found = media_parts(body, chat)
-        for _, kind in found:
-            self.metrics.tool_media.labels(kind, self.media).inc()
+        for mp in found:
+            self.metrics.tool_media.labels(mp.kind, self.media).inc()
         if not found or self.media == "pass":
             return body, []
         if self.media == "refuse":
             raise ProxyError(400, "tool results carry media parts, which the proxy cannot inspect, and its "
-                                  "--tool-media policy refuses them: " + ", ".join(f"{w} ({k})" for w, k in found)
-                             + ". Send the tool's output as text.", found[0][0])
-        return withhold_media(body, found), [Hit(w, "", (f"media:{k}",), "media", "withhold") for w, k in found]
+                                  "--tool-media policy refuses them: "
+                             + ", ".join(f"{mp.where} ({mp.kind})" for mp in found)
+                             + ". Send the tool's output as text.", found[0].where)
+        return withhold_media(body, found), [Hit(mp.where, "", (f"media:{mp.kind}",), "media", "withhold")
+                                             for mp in found]
 
     async def judge(self, body: dict[str, Any], chat: bool, policy: str,
                     token: str | None) -> tuple[dict[str, Any], list[Hit]]:

@@ -75,7 +75,8 @@ def test_every_part_type_vllm_renders_as_text_is_inspected() -> None:
                         {"type": "text", "text": None}, {"image_url": {"url": "https://x/e.png"}}]
     body = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "1", "content": parts}]}
     assert tool_results(body, chat=True) == [("messages[0].content", "abcd")]
-    assert media_parts(body, chat=True) == [("messages[0].content[5]", "image_url")]  # no "type": vLLM's keys
+    assert [(m.where, m.kind) for m in media_parts(body, chat=True)] == [
+        ("messages[0].content[5]", "image_url")]  # no "type": vLLM's keys
 
 
 def test_media_parts_are_found_and_withheld_without_touching_the_rest() -> None:
@@ -86,7 +87,8 @@ def test_media_parts_are_found_and_withheld_without_touching_the_rest() -> None:
                        {"role": "tool", "tool_call_id": "2", "content": "plain"}]
     body = {"model": "m", "messages": msgs}
     found = media_parts(body, chat=True)
-    assert found == [("messages[1].content[1]", "image_url"), ("messages[1].content[2]", "input_audio")]
+    assert [(m.where, m.kind) for m in found] == [("messages[1].content[1]", "image_url"),
+                                                  ("messages[1].content[2]", "input_audio")]
     out = withhold_media(body, found)
     assert out["messages"][1]["content"] == ["see ", {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind="image_url")},
                                              {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind="input_audio")}]
