@@ -24,23 +24,21 @@ import logging
 import re
 import secrets
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import aiohttp
 import zmq.asyncio
 
-from controller import cost
-from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Ranked
-from controller.demand import Conversation, WorkingSet
-from controller.index import PrefixIndex, RankKey
+from controller.cost import Branches, CostConfig, Flight, InFlight
+from controller.demand import WorkingSet
+from controller.index import PrefixIndex
 from controller.metrics import Metrics
 from controller.periodic import Periodic
+from controller.ranking import Ranker, Ranking, check_route_args, checked_chains
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
-from controller.view import WorkerView
-from controller.vllm.hashing import ALGOS, external_chain
+from controller.vllm.hashing import ALGOS
 from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
@@ -84,12 +82,6 @@ class WorkerStatus:
     spec: WorkerSpec
 
 
-class _Ranking(NamedTuple):
-    ranked: list[Ranked]
-    last_hash: dict[RankKey, int | None]  # the prompt's last full block hash per proven rank
-    chains: dict[RankKey, tuple[list[int], int]]  # per proven rank: the prompt's chain, its shared blocks
-
-
 class Router:
     """The domain object the gRPC servicers call. Single event loop; its own store calls (start,
     registration) run through `blocking`, the controller's store threads (asyncio.to_thread alone)."""
@@ -108,9 +100,10 @@ class Router:
         self._routed = self._matched = 0
         c = self.cfg.cost
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
-        self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
         self.branches = Branches()
         self.demand = WorkingSet(c.working_set_ttl_s)
+        self.ranker = Ranker(self._workers, self.index, self.flights, self.demand, self.branches,
+                             lambda: self.cfg.cost, self._ended)
         self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, self._settle_flights,
                                  on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
 
@@ -335,16 +328,16 @@ class Router:
             Unavailable: no serving worker for the model.
         """
         t0 = time.perf_counter()
-        _check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
+        check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
         if expired := self.flights.expire(time.monotonic()):  # hot path: most routes expire nothing
             self._ended(expired, "ttl")
-        jobs = self._hash_jobs(model, lora)
-        pre = await asyncio.to_thread(_checked_chains, jobs, token_ids, model, cache_salt, lora)
-        ranking = self._rank(token_ids, model, cache_salt, lora, pre)
+        jobs = self.ranker.hash_jobs(model, lora)
+        pre = await asyncio.to_thread(checked_chains, jobs, token_ids, model, cache_salt, lora)
+        ranking = self.ranker.rank(token_ids, model, cache_salt, lora, pre)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ranking.ranked:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
-                ranking = self._rank(token_ids, model, cache_salt, lora)
+                ranking = self.ranker.rank(token_ids, model, cache_salt, lora)
             ranking = await self._probe(ranking, token_ids, model, cache_salt, lora)
         if not ranking.ranked:
             raise Unavailable(
@@ -426,112 +419,6 @@ class Router:
         self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 
-    def _hash_jobs(self, model: str, lora: str | None) -> dict[Any, Any]:
-        """The block-hash chains _rank will need, keyed as _rank keys them (cheap; no hashing here)."""
-        jobs: dict[Any, Any] = {}
-        for w in self._workers.values():
-            try:
-                v = w.view()
-                adapter = v.adapter(model, lora)
-                if adapter is False:
-                    continue
-                if v.hash_cfg is not None and any(rv.serving for rv in v.ranks):
-                    jobs[v.chain_key(adapter)] = (v.hash_cfg, v.lora_key(adapter))
-            except Exception:  # NOTE: contained and counted once, by _rank, which takes the same view
-                continue
-        return jobs
-
-    def _rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
-              pre: dict[Any, list[int]] | None = None) -> _Ranking:
-        """Rank the candidates; `pre` holds chains hashed off the event loop (see _checked_chains)."""
-        # per hash config: the prompt's chain, and the tracked routes it extends
-        chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
-        last: dict[RankKey, int | None] = {}
-        placed: dict[RankKey, tuple[list[int], int]] = {}
-        self.demand.expire(time.monotonic())
-        states = []
-        shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
-        seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
-        for name, w in self._workers.items():
-            try:
-                v = w.view()
-                adapter = v.adapter(model, lora)
-                if adapter is False:
-                    continue
-                mine: list[CandidateState] = []
-                for rv in (rv for rv in v.ranks if rv.serving):
-                    key, chain, ext = (name, rv.dp_rank), None, None
-                    proven = rv.warmable
-                    if proven and v.hash_cfg is not None:
-                        ck = v.chain_key(adapter)
-                        hit = chains.get(ck)
-                        if hit is None:
-                            chain = (pre or {}).get(ck)
-                            if chain is None:
-                                chain = external_chain(v.hash_cfg, token_ids, lora=v.lora_key(adapter), cache_salt=salt)
-                            nshared = self.branches.observe(chain)
-                            prev = self.demand.previous(chain)
-                            hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
-                            shared = max(shared, nshared * v.hash_cfg.block_size)
-                        chain, ext, nshared, prev = hit
-                        last[key] = chain[-1] if chain else None
-                        placed[key] = (hit[0], nshared)
-                        need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
-                    else:
-                        need = -1
-                    mine.append(self._state(v, key, proven, chain, ext, seed, need))
-            except Exception as e:  # one worker's bad state costs that worker its candidacy, no more
-                w.errors.failed("route", e)
-                continue
-            states += mine
-        ranked = cost.rank(self.cfg.cost, len(token_ids), states, self.flights.mean_tokens(), shared)
-        return _Ranking(ranked, last, placed)
-
-    def _state(
-        self,
-        w: WorkerView,
-        key: RankKey,
-        proven: bool,
-        chain: list[int] | None,
-        extended: dict[RankKey, int] | None,
-        seed: int,
-        demand_blocks: int = -1,
-    ) -> CandidateState:
-        """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
-        m = w.load
-        n = nq = toks = 0
-        if self.flights:  # NOTE: nothing to reconcile or count while no route is tracked (the common case)
-            self._reconcile(w, key)
-            n, nq, toks = self.flights.load(key)
-            if nq and extended:
-                toks -= extended.get(key, 0)
-        B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
-        matched, resident, learned = self.index.residency(key, chain)
-        return CandidateState(
-            key[0],
-            key[1],
-            True,
-            proven,
-            B,
-            matched * B,
-            n,
-            nq,
-            toks,
-            m.running,
-            m.waiting,
-            resident,
-            m.num_gpu_blocks or learned,
-            m.kv_usage,
-            zlib.crc32(key[0].encode(), seed),
-            demand_blocks,
-        )
-
-    def _reconcile(self, w: WorkerView, key: RankKey) -> None:
-        """Fold the worker's newest /metrics look into the in-flight ledger, once per look."""
-        if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
-            self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
-            self._ended(self.flights.reconcile(key, w.load.running, w.load.waiting, w.load_at), "reconcile")
-
     async def _settle_flights(self) -> None:
         """Between routes too: expire and reconcile tracked routes, so routes a dead caller never released
         (a proxy SIGKILLed mid-request) leave the ledger once the worker's /metrics show them ended, not
@@ -543,11 +430,11 @@ class Router:
         for w in list(self._workers.values()):
             v = w.view()
             for r in v.ranks:
-                self._reconcile(v, (v.name, r.dp_rank))
+                self.ranker.reconcile(v, (v.name, r.dp_rank))
 
     async def _probe(
-        self, ranking: _Ranking, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None
-    ) -> _Ranking:
+        self, ranking: Ranking, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None
+    ) -> Ranking:
         """Route-time probe of the chosen worker; on a bad answer, fail over to the next one."""
         tried: set[str] = set()
         while ranking.ranked:
@@ -560,16 +447,8 @@ class Router:
             if await w.probe() and w.view().rank(r).epoch == epoch:
                 return ranking
             self.metrics.stale_route_guard.labels("probe").inc()
-            ranking = self._rank(token_ids, model, salt, lora)
+            ranking = self.ranker.rank(token_ids, model, salt, lora)
         return ranking
-
-
-def _checked_chains(jobs: dict[Any, Any], token_ids: Sequence[int], model: str, salt: str | None,
-                    lora: str | None) -> dict[Any, list[int]]:
-    """Check a prompt's tokens, then hash its block chains. Pure: runs in a thread, because both are
-    O(tokens) (about 0.2 s and 1 s per million tokens) and would stall every other call on the loop."""
-    _check_route_args(token_ids, model, salt, lora)
-    return {ck: external_chain(cfg, token_ids, lora=lk, cache_salt=salt) for ck, (cfg, lk) in jobs.items()}
 
 
 def _typed(v: Any, kind: type) -> Any:
@@ -591,16 +470,3 @@ def _error_status(spec: WorkerSpec, r: int) -> WorkerStatus:
                         0.0, 0.0, "", spec)
 
 
-def _check_route_args(token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> None:
-    if not isinstance(model, str) or not model:
-        raise InvalidArgument("route needs a model name")
-    if (
-        not isinstance(token_ids, list | tuple)
-        or not set(map(type, token_ids)) <= {int}
-        or (token_ids and min(token_ids) < 0)
-    ):
-        raise InvalidArgument("token_ids must be a list of non-negative ints")
-    if salt is not None and not isinstance(salt, str):
-        raise InvalidArgument("cache_salt must be a string")
-    if lora is not None and (not isinstance(lora, str) or not lora):
-        raise InvalidArgument("lora must be a non-empty adapter name")

@@ -1,0 +1,181 @@
+"""Ranking a prompt's serving candidates by cost (controller/cost.py, docs/routing.md).
+
+The Router (controller/router.py) owns the workers and the request lifecycle; a Ranker reads them: for
+each serving (worker, rank) it gathers the cost's inputs (the prefix index's proven match, the in-flight
+ledger reconciled against the worker's last /metrics look, the conversation working set) and asks
+`cost.rank` for the order. Hashing a prompt's block chains is O(tokens), so `checked_chains` runs off the
+event loop and hands `rank` its result.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from controller import cost
+from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Ranked
+from controller.demand import Conversation, WorkingSet
+from controller.index import PrefixIndex, RankKey
+from controller.view import WorkerView
+from controller.vllm.hashing import external_chain
+from controller.vllm.watcher import Worker
+from fleet.errors import InvalidArgument
+
+
+class Ranking(NamedTuple):
+    """The serving candidates, cheapest first, and what the router keeps of the prompt's chains."""
+
+    ranked: list[Ranked]
+    last_hash: dict[RankKey, int | None]  # the prompt's last full block hash per proven rank
+    chains: dict[RankKey, tuple[list[int], int]]  # per proven rank: the prompt's chain, its shared blocks
+
+
+class Ranker:
+    """The state routing reads, and the ranking over it. Single event loop, like the Router."""
+
+    def __init__(
+        self,
+        workers: Mapping[str, Worker],
+        index: PrefixIndex,
+        flights: InFlight,
+        demand: WorkingSet,
+        branches: Branches,
+        cost_config: Callable[[], CostConfig],
+        ended: Callable[[list[Flight], str], None],
+    ) -> None:
+        """`workers` is the router's live registry (read, never changed here); `ended` is told of
+        tracked routes the reconcile ends."""
+        self.workers, self.index, self.flights, self.demand, self.branches = workers, index, flights, demand, branches
+        self.cost, self.ended = cost_config, ended
+        self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
+
+    def hash_jobs(self, model: str, lora: str | None) -> dict[Any, Any]:
+        """The block-hash chains _rank will need, keyed as rank keys them (cheap; no hashing here)."""
+        jobs: dict[Any, Any] = {}
+        for w in self.workers.values():
+            try:
+                v = w.view()
+                adapter = v.adapter(model, lora)
+                if adapter is False:
+                    continue
+                if v.hash_cfg is not None and any(rv.serving for rv in v.ranks):
+                    jobs[v.chain_key(adapter)] = (v.hash_cfg, v.lora_key(adapter))
+            except Exception:  # NOTE: contained and counted once, by rank, which takes the same view
+                continue
+        return jobs
+
+    def rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
+              pre: dict[Any, list[int]] | None = None) -> Ranking:
+        """Rank the candidates; `pre` holds chains hashed off the event loop (see checked_chains)."""
+        # per hash config: the prompt's chain, and the tracked routes it extends
+        chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
+        last: dict[RankKey, int | None] = {}
+        placed: dict[RankKey, tuple[list[int], int]] = {}
+        self.demand.expire(time.monotonic())
+        states = []
+        shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
+        seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
+        for name, w in self.workers.items():
+            try:
+                v = w.view()
+                adapter = v.adapter(model, lora)
+                if adapter is False:
+                    continue
+                mine: list[CandidateState] = []
+                for rv in (rv for rv in v.ranks if rv.serving):
+                    key, chain, ext = (name, rv.dp_rank), None, None
+                    proven = rv.warmable
+                    if proven and v.hash_cfg is not None:
+                        ck = v.chain_key(adapter)
+                        hit = chains.get(ck)
+                        if hit is None:
+                            chain = (pre or {}).get(ck)
+                            if chain is None:
+                                chain = external_chain(v.hash_cfg, token_ids, lora=v.lora_key(adapter), cache_salt=salt)
+                            nshared = self.branches.observe(chain)
+                            prev = self.demand.previous(chain)
+                            hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
+                            shared = max(shared, nshared * v.hash_cfg.block_size)
+                        chain, ext, nshared, prev = hit
+                        last[key] = chain[-1] if chain else None
+                        placed[key] = (hit[0], nshared)
+                        need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
+                    else:
+                        need = -1
+                    mine.append(self._state(v, key, proven, chain, ext, seed, need))
+            except Exception as e:  # one worker's bad state costs that worker its candidacy, no more
+                w.errors.failed("route", e)
+                continue
+            states += mine
+        ranked = cost.rank(self.cost(), len(token_ids), states, self.flights.mean_tokens(), shared)
+        return Ranking(ranked, last, placed)
+
+    def _state(
+        self,
+        w: WorkerView,
+        key: RankKey,
+        proven: bool,
+        chain: list[int] | None,
+        extended: dict[RankKey, int] | None,
+        seed: int,
+        demand_blocks: int = -1,
+    ) -> CandidateState:
+        """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
+        m = w.load
+        n = nq = toks = 0
+        if self.flights:  # NOTE: nothing to reconcile or count while no route is tracked (the common case)
+            self.reconcile(w, key)
+            n, nq, toks = self.flights.load(key)
+            if nq and extended:
+                toks -= extended.get(key, 0)
+        B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
+        matched, resident, learned = self.index.residency(key, chain)
+        return CandidateState(
+            key[0],
+            key[1],
+            True,
+            proven,
+            B,
+            matched * B,
+            n,
+            nq,
+            toks,
+            m.running,
+            m.waiting,
+            resident,
+            m.num_gpu_blocks or learned,
+            m.kv_usage,
+            zlib.crc32(key[0].encode(), seed),
+            demand_blocks,
+        )
+
+    def reconcile(self, w: WorkerView, key: RankKey) -> None:
+        """Fold the worker's newest /metrics look into the in-flight ledger, once per look."""
+        if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
+            self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
+            self.ended(self.flights.reconcile(key, w.load.running, w.load.waiting, w.load_at), "reconcile")
+
+
+def checked_chains(jobs: dict[Any, Any], token_ids: Sequence[int], model: str, salt: str | None,
+                    lora: str | None) -> dict[Any, list[int]]:
+    """Check a prompt's tokens, then hash its block chains. Pure: runs in a thread, because both are
+    O(tokens) (about 0.2 s and 1 s per million tokens) and would stall every other call on the loop."""
+    check_route_args(token_ids, model, salt, lora)
+    return {ck: external_chain(cfg, token_ids, lora=lk, cache_salt=salt) for ck, (cfg, lk) in jobs.items()}
+
+
+def check_route_args(token_ids: Sequence[int], model: str, salt: str | None, lora: str | None) -> None:
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("route needs a model name")
+    if (
+        not isinstance(token_ids, list | tuple)
+        or not set(map(type, token_ids)) <= {int}
+        or (token_ids and min(token_ids) < 0)
+    ):
+        raise InvalidArgument("token_ids must be a list of non-negative ints")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidArgument("cache_salt must be a string")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise InvalidArgument("lora must be a non-empty adapter name")
