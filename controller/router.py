@@ -38,12 +38,12 @@ from controller.metrics import Metrics
 from controller.periodic import Periodic
 from controller.ranking import Ranker, Ranking, check_route_args, checked_chains
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
-from controller.vllm.hashing import ALGOS
-from controller.vllm.http import VllmHttp, worker_hash_settings
+from controller.vllm.http import VllmHttp
 from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
+from controller.worker_status import WorkerStatus, agreed_spec, error_status, resumed_ranks, status_row
 from fleet import lifecycle as lc
-from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.lifecycle import RankState, Witness
 from fleet.route_types import RouteCandidate, RouteCost, RouteDecision
 
@@ -61,25 +61,6 @@ class RouterConfig:
     http_timeout_s: float = 2.0
     stream: StreamLimits = field(default_factory=StreamLimits)
     cost: CostConfig = field(default_factory=CostConfig)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStatus:
-    name: str
-    url: str
-    model: str
-    dp_rank: int
-    phase: str
-    kv: str
-    serving: bool
-    warm: bool
-    epoch: int
-    last_seq: int
-    num_blocks: int
-    load: float
-    kv_usage: float
-    fence: str
-    spec: WorkerSpec
 
 
 class Router:
@@ -129,26 +110,12 @@ class Router:
                 self.metrics.worker_errors.labels("start").inc()
                 log.exception("worker %r: its stored spec is unreadable; skipped (re-register it)", name)
                 continue
-            w = self._new_worker(spec, await self._blocking(self._resumed_ranks, spec))
+            w = self._new_worker(spec, await self._blocking(resumed_ranks, self.epochs, spec, self.metrics))
             try:
                 await w.start(catch_up=True)
             except Exception as e:
                 w.errors.failed("start", e)
                 w.mark_down_contained("start_error")
-
-    def _resumed_ranks(self, spec: WorkerSpec) -> dict[int, RankState]:
-        """A known worker's persisted rank states (a corrupt one reads as a fresh, cold rank). Blocking."""
-        ranks = {}
-        for r in range(spec.dp_ranks):
-            try:
-                st = self.epochs.get(spec.name, r) or RankState()
-                _check_rank_state(st)
-            except Exception:
-                self.metrics.worker_errors.labels("start").inc()
-                log.exception("worker %s rank %d: persisted state unreadable; starting it cold", spec.name, r)
-                st = RankState()
-            ranks[r] = dataclasses.replace(st, serving=False)  # trust nothing until seen
-        return ranks
 
     async def stop(self) -> None:
         await self._settler.stop()
@@ -189,38 +156,14 @@ class Router:
         known = self._workers.get(spec.name)
         if known is not None:
             if known.spec == dataclasses.replace(spec, hash_algo=spec.hash_algo or known.spec.hash_algo):
-                return self._status(known, 0)
+                return status_row(known, 0, self.index)
             raise AlreadyExists(f"worker {spec.name!r} is registered with another spec; unregister it first")
-        spec = await self._agreed(spec)
+        assert self._session is not None, "Router.start() first"
+        spec = await agreed_spec(spec, VllmHttp(spec.url, self._session, self.cfg.http_timeout_s))
         await self._blocking(self.registry.put, spec)
         ranks = await self._blocking(self.epochs.next_epochs, spec)  # epochs stay monotonic across re-registration
         w = await self._launch(spec, ranks, catch_up=False)
-        return self._status(w, 0)
-
-    async def _agreed(self, spec: WorkerSpec) -> WorkerSpec:
-        """The spec with the worker's own hash algorithm; refuse one the worker contradicts.
-
-        NOTE: a sha256_cbor worker registered as sha256 (the old default) was never warm, while
-        its index filled and `worker ls` said warm.
-
-        Raises:
-            FailedPrecondition: the worker reports another hash algorithm or block size than the
-                spec, or an algorithm nobody outside it can recompute (xxhash).
-        """
-        assert self._session is not None, "Router.start() first"
-        seen = await worker_hash_settings(VllmHttp(spec.url, self._session, self.cfg.http_timeout_s))
-        algo, bs = seen.get("hash_algo"), seen.get("block_size")
-        where = f"worker {spec.name!r} ({spec.url}) reports"
-        if algo is not None and algo not in ALGOS:
-            raise FailedPrecondition(f"{where} prefix_caching_hash_algo={algo!r}, which cannot be recomputed "
-                                     f"outside it; run vLLM with --prefix-caching-hash-algo sha256_cbor")
-        if algo is not None and spec.hash_algo is not None and algo != spec.hash_algo:
-            raise FailedPrecondition(f"{where} prefix_caching_hash_algo={algo!r} but the spec says "
-                                     f"{spec.hash_algo!r}; register it with hash_algo={algo!r} or leave it empty")
-        if isinstance(bs, int) and spec.block_size is not None and bs != spec.block_size:
-            raise FailedPrecondition(f"{where} block_size={bs} but the spec says {spec.block_size}; "
-                                     f"register it with block_size={bs} or leave it empty")
-        return dataclasses.replace(spec, hash_algo=spec.hash_algo or algo or "sha256")  # vLLM's default
+        return status_row(w, 0, self.index)
 
     async def unregister_worker(self, name: str) -> None:
         w = self._get(name)
@@ -272,10 +215,10 @@ class Router:
         out: list[WorkerStatus] = []
         for w in self._workers.values():
             try:
-                rows = [self._status(w, r) for r in w.ranks]
+                rows = [status_row(w, r, self.index) for r in w.ranks]
             except Exception as e:
                 w.errors.failed("status", e)
-                rows = [_error_status(w.spec, r) for r in range(w.spec.dp_ranks)]
+                rows = [error_status(w.spec, r) for r in range(w.spec.dp_ranks)]
             else:
                 w.errors.ok("status")
             out += rows
@@ -283,27 +226,6 @@ class Router:
 
     def worker(self, name: str) -> Worker:
         return self._get(name)
-
-    def _status(self, w: Worker, r: int) -> WorkerStatus:
-        """One rank's row; every field checked for its wire type (a bad one raises here, not in proto)."""
-        st, v, key = w.ranks[r], w.view(), (w.spec.name, r)
-        return WorkerStatus(
-            v.name,
-            v.url,
-            v.model,
-            r,
-            _typed(st.phase, str),
-            _typed(st.kv, str),
-            _typed(st.serving, bool),
-            _typed(v.rank(r).warmable, bool) and bool(self.index.resident(key)),
-            _typed(st.epoch, int),
-            _typed(st.seq, int),
-            self.index.num_blocks(key),
-            float(v.load.running + v.load.waiting),
-            float(v.load.kv_usage),
-            _typed(st.fence, str),
-            w.spec,
-        )
 
     async def route(
         self,
@@ -449,24 +371,5 @@ class Router:
             self.metrics.stale_route_guard.labels("probe").inc()
             ranking = self.ranker.rank(token_ids, model, salt, lora)
         return ranking
-
-
-def _typed(v: Any, kind: type) -> Any:
-    if type(v) is not kind:
-        raise TypeError(f"expected {kind.__name__}, got {v!r:.40}")
-    return v
-
-
-def _check_rank_state(st: RankState) -> None:
-    """A persisted rank state with the types it was written with (else: corrupt)."""
-    for name in ("epoch", "seq", "epoch_seq"):
-        _typed(getattr(st, name), int)
-    _typed(st.serving, bool)
-
-
-def _error_status(spec: WorkerSpec, r: int) -> WorkerStatus:
-    """The fail-closed row of a worker whose state cannot be read: not serving, nothing warm."""
-    return WorkerStatus(spec.name, spec.url, spec.model, r, "error", "unknown", False, False, -1, -1, 0,
-                        0.0, 0.0, "", spec)
 
 

@@ -367,7 +367,7 @@ async def test_the_routers_store_calls_run_through_blocking(tmp_path) -> None:
         await r.stop()
         r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1), blocking=blocking)
         await r.start()
-        assert calls[3:] == ["entries", "_resumed_ranks"] and [w.name for w in r.workers()] == ["w0"]
+        assert calls[3:] == ["entries", "resumed_ranks"] and [w.name for w in r.workers()] == ["w0"]
         await r.unregister_worker("w0")
         assert calls[5:] == ["delete"] and store.kv_scan("workers") == {}
     finally:
