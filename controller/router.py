@@ -44,7 +44,8 @@ from controller.vllm.watcher import Worker
 from controller.worker_status import WorkerStatus, agreed_spec, error_status, resumed_ranks, status_row
 from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
-from fleet.lifecycle import RankState, Witness
+from fleet.lifecycle import Witness
+from fleet.rank_state import RankState
 from fleet.route_types import RouteCandidate, RouteCost, RouteDecision
 
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]

@@ -16,7 +16,7 @@ from controller.vllm.hashing import ALGOS
 from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.watcher import Worker
 from fleet.errors import FailedPrecondition
-from fleet.lifecycle import RankState
+from fleet.rank_state import RankState
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """One registered vLLM worker: its per-rank lifecycle state, event stream and reconcile loop.
 
-State per (worker, dp_rank) is a `fleet.lifecycle.RankState`, persisted through the EpochTable
+State per (worker, dp_rank) is a `fleet.rank_state.RankState`, persisted through the EpochTable
 (controller/registry.py) on every epoch change. Every transition of it is a pure function in
-fleet/lifecycle.py that returns a `Transition`; this shell only does the I/O (ZMQ, HTTP, store),
+fleet/rank_state.py that returns a `Transition`; this shell only does the I/O (ZMQ, HTTP, store),
 calls them, and carries out what they ask (`_apply`). The index holds only what BlockStored
 events of the current epoch proved; `fence` makes BlockStored wait for the AllBlocksCleared a
 forgetting verb queued ("clear") or for the restarted publisher ("reset").
@@ -39,7 +39,8 @@ from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worke
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet import lifecycle as lc
 from fleet.errors import FailedPrecondition
-from fleet.lifecycle import Look, RankState, Transition, Witness
+from fleet.lifecycle import Witness
+from fleet.rank_state import Look, RankState, Transition
 
 log = logging.getLogger(__name__)
 

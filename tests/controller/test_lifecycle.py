@@ -6,7 +6,7 @@ import pytest
 
 from fleet import lifecycle as lc
 from fleet.errors import InvalidArgument
-from fleet.lifecycle import RankState
+from fleet.rank_state import RankState
 
 P, F, U = "preserved", "forgotten", "unknown"
 

@@ -12,7 +12,7 @@ import zmq.asyncio
 from controller.metrics import Metrics
 from controller.vllm.events import END_SEQ, MAX_SEQ, EventDecodeError, parse_seq
 from controller.vllm.subscriber import Subscriber
-from fleet.lifecycle import RankState
+from fleet.rank_state import RankState
 
 
 class _Sink:
