@@ -19,8 +19,6 @@ whose KV budget is spent; when none has room, ResourceExhausted.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 import uuid
 from typing import Any
@@ -28,32 +26,23 @@ from typing import Any
 import numpy as np
 import ray
 
-from fleet.errors import AlreadyExists, InvalidArgument, KvfleetError, NotFound, Unavailable
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
 from fleet.session_types import OpResult, check_session_id, check_token_ids
+from workers.nodes import FleetNodes, NodeGone, ray_get
 from workers.placement import (
     NAMESPACE,
     NODE_KV_BYTES,
-    NodeOffer,
-    choose_node,
     drop_blob_refs,
-    eligible_nodes,
     fleet_scope,
-    on_node,
     session_actor_name,
     session_resources,
-    supervisor_name,
 )
 from workers.registry import CREATING, SessionRegistry
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
-from workers.supervisor import NodeSupervisor
 
 __all__ = ["KernelFleet", "NodeGone", "OpResult"]
-
-
-class NodeGone(Unavailable):
-    """A node's supervisor is dead (the node left the cluster); it has been dropped."""
 
 
 class KernelFleet:
@@ -88,80 +77,33 @@ class KernelFleet:
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
         self.registry = SessionRegistry(self.store)
-        self._budget, self._policy, self._detached = node_budget_bytes, policy, detached
+        self._detached = detached
         if not isinstance(node_kv_bytes, int) or node_kv_bytes <= 0:
             raise InvalidArgument(f"node_kv_bytes must be a positive int (bytes of KV per node), got {node_kv_bytes!r}")
-        self._kv_bytes, self._resources = node_kv_bytes, dict(resources or {})
-        self._refresh_s, self._refreshed = node_refresh_s, float("-inf")
-        self._nodes_lock = threading.Lock()
         self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size
-        self.supervisors: dict[str, Any] = {}
-        self.node_specs: dict[str, KernelSpec] = {}  # node -> the kernel spec its group runs (workers/spec.py)
+        self.nodes = FleetNodes(self.spec, store_url, budget=node_budget_bytes, policy=policy, kv_bytes=node_kv_bytes,
+                                resources=dict(resources or {}), detached=detached, refresh_s=node_refresh_s,
+                                call_timeout_s=call_timeout_s, bytes_per_token=self.bytes_per_token)
         self.num_regenerations = 0
         self._handles: dict[tuple[str, str], Any] = {}
-        self.num_nodes_without_gpu = 0  # eligible nodes whose group's spec is CUDA but that have no GPU
         self.refresh_nodes(force=True)
-        if not self.supervisors and self.num_nodes_without_gpu:
-            raise Unavailable(f"no Ray node can run the kernel spec: {self.num_nodes_without_gpu} node(s) have no GPU "
+        if not self.supervisors and self.nodes.num_without_gpu:
+            raise Unavailable(f"no Ray node can run the kernel spec: {self.nodes.num_without_gpu} node(s) have no GPU "
                               "for the CUDA kernel of their group (a node without a GPU never runs one); add GPU "
                               "nodes, or give those groups a CPU kernel (--kernel-group GROUP=numpy:cpu)")
         if not self.supervisors:
-            raise Unavailable(f"no Ray node has the resources a session needs ({session_resources(self._resources)})")
+            raise Unavailable(f"no Ray node has the resources a session needs ({session_resources(resources or {})})")
 
-    # -- supervisors and placement ------------------------------------------------------------
+    # -- supervisors and placement (workers/nodes.py) ----------------------------------------
+
+    @property
+    def supervisors(self) -> dict[str, Any]:
+        """The supervisors, by Ray node id."""
+        return self.nodes.supervisors
 
     def refresh_nodes(self, force: bool = False) -> list[str]:
-        """Follow Ray's node table: a supervisor for every alive node with the session actor's
-        resources (new ones included), none for dead ones. Returns the node ids."""
-        with self._nodes_lock:  # the servicer calls from many threads
-            return self._refresh_nodes(force)
-
-    def _refresh_nodes(self, force: bool) -> list[str]:
-        now = time.monotonic()
-        if not force and now - self._refreshed < self._refresh_s:
-            return list(self.supervisors)
-        self._refreshed = now
-        nodes = ray.nodes()  # type: ignore[no-untyped-call]
-        specs = {n["NodeID"]: self.spec.for_node(n) for n in nodes}  # None: no GPU for a CUDA group
-        eligible = eligible_nodes(nodes, session_resources(self._resources))
-        alive = [n for n in eligible if specs.get(n) is not None]
-        self.num_nodes_without_gpu = len(eligible) - len(alive)
-        for nid in set(self.supervisors) - set(alive):
-            self.supervisors.pop(nid, None)
-        for nid in alive:
-            self.node_specs[nid] = specs[nid] or self.spec
-            if nid not in self.supervisors:
-                self.supervisors[nid] = self._supervisor(nid, self.node_specs[nid])
-        return list(self.supervisors)
-
-    def _supervisor(self, nid: str, spec: KernelSpec) -> Any:
-        """The node's supervisor: an existing one by name (a restarted controller reattaches), or a
-        new one, running the node group's kernel spec (workers/spec.py)."""
-        return ray.remote(NodeSupervisor).options(
-            name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-            max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
-        ).remote(nid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
-                 self._resources, self._detached)
-
-    def _place(self, tenant: str, tokens: list[int], exclude: str = "") -> str:
-        """The node a new (or regenerated) session goes to; nodes that fail to answer are dropped.
-
-        Raises:
-            ResourceExhausted: no node has room for the session's tokens."""
-        offers, errors = [], []
-        for nid in [n for n in self.refresh_nodes() if n != exclude]:
-            try:
-                o = self._sup(nid, "offer", tenant, tokens)
-            except Unavailable as e:
-                errors.append(str(e))
-                continue
-            offers.append(NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"]))
-        if not offers and errors:  # not a full fleet: a fleet that does not answer
-            raise Unavailable(f"no node's supervisor answered ({len(errors)} nodes); the last: {errors[-1]}")
-        return choose_node(offers, len(tokens), self.bytes_per_token)
-
-    def _alive(self, nid: str) -> bool:
-        return nid in self.refresh_nodes()
+        """Follow Ray's node table (FleetNodes.refresh); returns the node ids with a supervisor."""
+        return self.nodes.refresh(force)
 
     # -- registry (in the store: survives the driver) -----------------------------------------
 
@@ -189,44 +131,6 @@ class KernelFleet:
 
     # -- calls --------------------------------------------------------------------------------
 
-    def _get(self, refs: Any) -> Any:
-        try:
-            return ray.get(refs, timeout=self.call_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise Unavailable(f"a worker did not answer within {self.call_timeout_s:.0f}s") from e
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, KvfleetError):
-                raise e.cause from None
-            raise
-
-    def _sup(self, node: str, method: str, *args: Any) -> Any:
-        """Call a node's supervisor; while Ray restarts it (ActorUnavailableError), retry until
-        the call timeout (supervisor calls are safe to repeat). A dead supervisor, or one whose
-        node left the node table, is dropped: NodeGone. A dead supervisor on a node that is still
-        alive (one that could not start, or exhausted its restarts) is replaced once."""
-        deadline, replaced = time.monotonic() + self.call_timeout_s, False
-        for attempt in itertools.count():
-            sup = self.supervisors.get(node)
-            if sup is None:
-                raise NodeGone(f"node {node} has left the cluster")
-            try:
-                return self._get(getattr(sup, method).remote(*args))
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"the supervisor of node {node} stayed unavailable") from None
-                if not self._alive_now(node):
-                    raise NodeGone(f"node {node} has left the cluster") from None
-                time.sleep(min(0.05 * (attempt + 1), 1.0))
-            except ray.exceptions.RayActorError as e:
-                self.supervisors.pop(node, None)
-                if replaced or not self._alive_now(node):   # an alive node gets a new supervisor here
-                    raise NodeGone(f"the supervisor of node {node} is dead: {str(e)[:300]}") from None
-                replaced = True
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _alive_now(self, node: str) -> bool:
-        return node in self.refresh_nodes(force=True)
-
     def _call(self, tenant: str, session_id: str, method: str, *args: Any) -> Any:
         """Call the session's actor; a dead one is regenerated and the call retried once."""
         key = (tenant, session_id)
@@ -234,7 +138,7 @@ class KernelFleet:
             actor = self._handles.get(key) or self._lookup(tenant, session_id)
             if actor is not None:
                 try:
-                    return self._get(getattr(actor, method).remote(*args))
+                    return ray_get(getattr(actor, method).remote(*args), self.call_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     self._handles.pop(key, None)
                     if attempt:
@@ -260,12 +164,12 @@ class KernelFleet:
         lost = Witness("actor_lost", "error", "forgotten", True, False, rec["epoch"])
         rec.update(state="lost", witness=lost.to_dict())
         self.registry.save(rec)
-        node = rec["node"] if self._alive(rec["node"]) else self._place(rec["tenant"], [])
+        node = rec["node"] if self.nodes.alive(rec["node"]) else self.nodes.place(rec["tenant"], [])
         try:
-            self._sup(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
+            self.nodes.call(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
         except NodeGone:  # its node died just now: a survivor rebuilds it
-            node = self._place(rec["tenant"], [], exclude=node)
-            self._sup(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
+            node = self.nodes.place(rec["tenant"], [], exclude=node)
+            self.nodes.call(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
         rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
         self.registry.save(rec)
         self.num_regenerations += 1
@@ -296,17 +200,17 @@ class KernelFleet:
         if tokens is None:
             tokens = encode_message(self.tokenizer, "system", system_prompt)  # the piece's own tokens
         self._claim(tenant, session_id)
-        node = self._place(tenant, tokens)
+        node = self.nodes.place(tenant, tokens)
         rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time()}
         self.registry.save(rec)
         try:
             try:
-                out = self._sup(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
+                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
             except NodeGone:  # its node died after placement: once more, on a survivor
-                rec["node"] = node = self._place(tenant, tokens, exclude=node)
+                rec["node"] = node = self.nodes.place(tenant, tokens, exclude=node)
                 self.registry.save(rec)
-                out = self._sup(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
+                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
@@ -365,7 +269,7 @@ class KernelFleet:
         bit-identically. A parent whose node is gone is regenerated first (by its fork point).
         """
         check_session_id("child_id", child_id)
-        if node is not None and not self._alive(node):
+        if node is not None and not self.nodes.alive(node):
             raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)
         self._claim(tenant, child_id)
@@ -378,7 +282,7 @@ class KernelFleet:
         self.registry.save(rec)
         try:
             args, moved = self._fork_args(tenant, session_id, parent["node"], node, point["tokens"], share)
-            out = self._sup(node, "fork", tenant, ops, child_id, *args)
+            out = self.nodes.call(node, "fork", tenant, ops, child_id, *args)
         except BaseException:
             self._discard(tenant, child_id, node)
             raise
@@ -389,11 +293,11 @@ class KernelFleet:
     def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:
         """The parent's node while its KV budget has room (zero-copy sharing), else placement."""
         try:
-            if self._sup(parent_node, "offer", tenant, tokens)["free_bytes"] > 0:
+            if self.nodes.call(parent_node, "offer", tenant, tokens)["free_bytes"] > 0:
                 return parent_node
         except Unavailable:
             pass
-        return self._place(tenant, tokens, exclude=parent_node)
+        return self.nodes.place(tenant, tokens, exclude=parent_node)
 
     def _fork_args(self, tenant: str, parent_id: str, parent_node: str, node: str, tokens: list[int],
                    share: bool) -> tuple[tuple[Any, ...], int]:
@@ -405,10 +309,10 @@ class KernelFleet:
             return (), 0
         if node == parent_node:
             return (parent_id, tokens), 0
-        if self.node_specs.get(node) != self.node_specs.get(parent_node):
+        if self.nodes.specs.get(node) != self.nodes.specs.get(parent_node):
             return (), 0  # another backend/device (node group): its KV is not portable, replay it there
         try:
-            refs = self._sup(parent_node, "share_prefix", tenant, parent_id, tokens)
+            refs = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
         except (NotFound, Unavailable):
             return (), 0
         return (None, tokens, refs), len(refs) * self.kernel.block_bytes
@@ -421,7 +325,7 @@ class KernelFleet:
         total = 0
         for node in self.refresh_nodes():
             try:
-                total += len(self._sup(node, "evict_node", tenant, tokens, start)["block_ids"])
+                total += len(self.nodes.call(node, "evict_node", tenant, tokens, start)["block_ids"])
             except (NotFound, NodeGone):
                 continue
         return total
@@ -437,7 +341,7 @@ class KernelFleet:
         rec = self._record(tenant, session_id)
         self._handles.pop((tenant, session_id), None)
         if rec["node"] in self.supervisors:
-            self._sup(rec["node"], "close", tenant, session_id)
+            self.nodes.call(rec["node"], "close", tenant, session_id)
         rec.update(state="idle")
         self.registry.save(rec)
 
@@ -446,7 +350,7 @@ class KernelFleet:
         self.registry.delete(tenant, session_id)
         if node in self.supervisors:
             try:
-                self._sup(node, "close", tenant, session_id)
+                self.nodes.call(node, "close", tenant, session_id)
             except NodeGone:  # its actor went with the node
                 pass
         drop_blob_refs(self.store, self.store.oplog_read(tenant, session_id))
@@ -476,7 +380,7 @@ class KernelFleet:
     def _answer(self, node: str, method: str, *args: Any) -> Any:
         """A supervisor's answer, or None when its node is gone (it is dropped)."""
         try:
-            return self._sup(node, method, *args)
+            return self.nodes.call(node, method, *args)
         except NodeGone:
             return None
 
@@ -509,7 +413,7 @@ class KernelFleet:
     def release(self) -> None:
         """Let go of the fleet without stopping it (a detached fleet's controller stopping):
         supervisors and sessions stay up for the next controller to reattach."""
-        self.supervisors = {}
+        self.nodes.supervisors = {}
         self.store.close()
 
     def shutdown(self) -> None:
@@ -517,9 +421,9 @@ class KernelFleet:
         for nid, s in self.supervisors.items():
             if self._detached:  # detached session actors do not die with their supervisor
                 try:
-                    self._sup(nid, "stop")
+                    self.nodes.call(nid, "stop")
                 except (Unavailable, ray.exceptions.RayError):
                     pass
             ray.kill(s, no_restart=True)
-        self.supervisors = {}
+        self.nodes.supervisors = {}
         self.store.close()
