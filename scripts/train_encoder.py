@@ -23,8 +23,9 @@ bounds: validation precision >= 0.95 and generated tool-output FPR (seed 1) <= 0
 Options for the experiments docs/quarantine.md reports: `--checkpoints N` also keeps N-1 evenly spaced
 checkpoints and ships the one with the best validation recall under those bounds (early stopping on
 validation; encoder.json lists every checkpoint's validation figures), `--init-from FOLDER` continues from
-an adapter and head, `--epochs/--lr/--head-lr/--seed` change the recipe, and `--out` writes somewhere other
-than the shipped folder (the default overwrites it).
+an adapter and head, `--averages` also scores two averages of the trained weights (an EMA, and the uniform
+mean over the second half of training) as checkpoints of their own, `--epochs/--lr/--head-lr/--seed` change
+the recipe, and `--out` writes somewhere other than the shipped folder (the default overwrites it).
 
 Same inputs, same CPU kind, same thread count: same bytes (torch's CPU kernels are deterministic there;
 another instruction set can change the last bits of the weights).
