@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import random
 import shutil
@@ -246,6 +247,40 @@ class WeightAverages:
                     p.copy_(h)
 
 
+
+@dataclasses.dataclass
+class ValidationSet:
+    """The validation rows, the generated tool outputs of the FPR bound, and what rules + learned say on both."""
+
+    val: list[TD.Example]
+    tools: list[str]
+    labels: list[int]
+    vl: list[bool]  # rules OR learned, per validation row
+    tl: list[bool]  # the same, per generated tool output
+    lr: Any
+
+    @classmethod
+    def build(cls, val: list[TD.Example]) -> ValidationSet:
+        layered = LayeredDetector(DetectorConfig(layers=("rules", "learned")))
+        tools = [t for _, t in benign_tool_outputs(TD.VAL_TOOL_N, seed=TD.VAL_TOOL_SEED)]
+        return cls(val, tools, [e.label for e in val], [layered.inspect(e.text).quarantined for e in val],
+                   [layered.inspect(t).quarantined for t in tools], load_model())
+
+
+def score_on_validation(folder: Path, v: ValidationSet) -> dict[str, Any]:
+    """The encoder in `folder`, as shipped (float16, merged at load): its threshold for the layered policy
+    under the validation bounds, the layered figures there, and the encoder alone at its own threshold."""
+    model = load_encoder_from(folder)
+
+    def p(text: str) -> float:
+        return float(model.score(unquoted_view(text), rank=lambda s: float(np.max(v.lr.window_logits(s)))))
+
+    vs, ts = [p(e.text) for e in v.val], [p(t) for t in v.tools]
+    alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, v.labels, [False] * len(ts), ts)
+    thr, vm = TD.choose_threshold(v.vl, vs, v.labels, v.tl, ts)
+    return {"threshold": thr, "layered": vm, "encoder_alone": alone | {"threshold": alone_thr} if alone else None}
+
+
 def save(enc: Any, head: Any, folder: Path) -> None:
     """The adapter (peft's format) and head, float16; the adapter config names the model, not a local path."""
     import torch
@@ -328,24 +363,12 @@ def main() -> None:
           a.checkpoints, a.span_labels, a.averages)
     doc["training"]["seconds"] = round(time.perf_counter() - t0)
 
-    lr = load_model()
-    layered = LayeredDetector(DetectorConfig(layers=("rules", "learned")))
-    tools = [t for _, t in benign_tool_outputs(TD.VAL_TOOL_N, seed=TD.VAL_TOOL_SEED)]
-    labels = [e.label for e in val]
-    vl, tl = [layered.inspect(e.text).quarantined for e in val], [layered.inspect(t).quarantined for t in tools]
+    vset = ValidationSet.build(val)
     scored: list[dict[str, Any]] = []
     for step, folder in kept:
-        model = load_encoder_from(folder)
-
-        def p(text: str, model: Any = model) -> float:
-            return float(model.score(unquoted_view(text), rank=lambda s: float(np.max(lr.window_logits(s)))))
-
-        vs, ts = [p(e.text) for e in val], [p(t) for t in tools]
-        alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, labels, [False] * len(ts), ts)
-        thr, vm = TD.choose_threshold(vl, vs, labels, tl, ts)
-        scored.append({"step": step, "threshold": thr, "layered": vm,
-                       "encoder_alone": alone | {"threshold": alone_thr} if alone else None})
-        log(f"step {step}: threshold {thr:.4f}, validation {vm}; encoder alone {alone}")
+        scored.append({"step": step} | score_on_validation(folder, vset))
+        log(f"step {step}: threshold {scored[-1]['threshold']:.4f}, validation {scored[-1]['layered']}; "
+            f"encoder alone {scored[-1]['encoder_alone']}")
     # early stopping on validation: the checkpoint with the best layered recall in bounds (ties: the later one)
     best = max(enumerate(scored), key=lambda ic: (ic[1]["layered"].get("recall", -1.0), ic[0]))[1]
     assert best["layered"], "no checkpoint has an encoder threshold that meets the validation bounds"
@@ -363,7 +386,7 @@ def main() -> None:
     doc["validation"] = {
         "layered": best["layered"],
         "encoder_alone": best["encoder_alone"],
-        "rules_and_learned": TD.metrics(vl, labels),
+        "rules_and_learned": TD.metrics(vset.vl, vset.labels),
         "bounds": {"min_precision": TD.VAL_MIN_PRECISION, "max_tool_output_fpr": TD.VAL_MAX_FPR,
                    "tool_output_seed": TD.VAL_TOOL_SEED, "tool_output_n": TD.VAL_TOOL_N},
     }
