@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_detector as TD  # noqa: E402
-from train_encoder import ValidationSet, score_on_validation  # noqa: E402
+from train_encoder import ValidationSet, publish, score_on_validation  # noqa: E402
 
 
 def run_doc(run: Path) -> dict[str, Any]:
@@ -111,17 +111,12 @@ def main() -> None:
             soup, best = [*soup, r], cand
     doc = run_doc(best["folder"])
     doc["threshold"] = best["threshold"]
-    doc["validation"] = {"layered": best["layered"], "encoder_alone": best["encoder_alone"],
-                         "rules_and_learned": TD.metrics(vset.vl, vset.labels), "greedy": trail}
+    doc["validation"] = vset.doc(best) | {"greedy": trail}
     if a.uniform and len(runs) > 2:
         uni = score(runs)
         print(f"uniform soup of all {len(runs)}: threshold {uni['threshold']:.4f}, validation {uni['layered']}")
         doc["validation"]["uniform_all"] = {"threshold": uni["threshold"], "layered": uni["layered"]}
-    a.out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(a.out / "adapter", ignore_errors=True)
-    shutil.copytree(best["folder"] / "adapter", a.out / "adapter")
-    shutil.copy2(best["folder"] / "head.safetensors", a.out / "head.safetensors")
-    (a.out / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    publish(best["folder"], doc, a.out)
     shutil.rmtree(work)
     print(f"chose the soup of {[str(s) for s in soup]}: threshold {best['threshold']:.4f}; wrote {a.out}")
 

@@ -247,7 +247,6 @@ class WeightAverages:
                     p.copy_(h)
 
 
-
 @dataclasses.dataclass
 class ValidationSet:
     """The validation rows, the generated tool outputs of the FPR bound, and what rules + learned say on both."""
@@ -266,6 +265,13 @@ class ValidationSet:
         return cls(val, tools, [e.label for e in val], [layered.inspect(e.text).quarantined for e in val],
                    [layered.inspect(t).quarantined for t in tools], load_model())
 
+    def doc(self, best: dict[str, Any]) -> dict[str, Any]:
+        """encoder.json's `validation` for the scored model `best` (score_on_validation's answer)."""
+        return {"layered": best["layered"], "encoder_alone": best["encoder_alone"],
+                "rules_and_learned": TD.metrics(self.vl, self.labels),
+                "bounds": {"min_precision": TD.VAL_MIN_PRECISION, "max_tool_output_fpr": TD.VAL_MAX_FPR,
+                           "tool_output_seed": TD.VAL_TOOL_SEED, "tool_output_n": TD.VAL_TOOL_N}}
+
 
 def score_on_validation(folder: Path, v: ValidationSet) -> dict[str, Any]:
     """The encoder in `folder`, as shipped (float16, merged at load): its threshold for the layered policy
@@ -279,6 +285,15 @@ def score_on_validation(folder: Path, v: ValidationSet) -> dict[str, Any]:
     alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, v.labels, [False] * len(ts), ts)
     thr, vm = TD.choose_threshold(v.vl, vs, v.labels, v.tl, ts)
     return {"threshold": thr, "layered": vm, "encoder_alone": alone | {"threshold": alone_thr} if alone else None}
+
+
+def publish(chosen: Path, doc: dict[str, Any], out: Path) -> None:
+    """Write the model in `chosen` (adapter and head) with `doc` as its encoder.json to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out / "adapter", ignore_errors=True)
+    shutil.copytree(chosen / "adapter", out / "adapter")
+    shutil.copy2(chosen / "head.safetensors", out / "head.safetensors")
+    (out / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 def save(enc: Any, head: Any, folder: Path) -> None:
@@ -373,31 +388,20 @@ def main() -> None:
     best = max(enumerate(scored), key=lambda ic: (ic[1]["layered"].get("recall", -1.0), ic[0]))[1]
     assert best["layered"], "no checkpoint has an encoder threshold that meets the validation bounds"
     chosen = dict(kept)[best["step"]]
-    out = a.out
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "adapter", ignore_errors=True)
-    shutil.copytree(chosen / "adapter", out / "adapter")
-    shutil.copy2(chosen / "head.safetensors", out / "head.safetensors")
     doc["threshold"] = best["threshold"]
     step_s, _, weights = best["step"].partition("-")
     doc["training"]["chosen_step"] = int(step_s)
     if a.averages:
         doc["training"]["weights"] = {"": "trained", "ema": f"ema {EMA_DECAY}", "swa": "swa, second half"}[weights]
-    doc["validation"] = {
-        "layered": best["layered"],
-        "encoder_alone": best["encoder_alone"],
-        "rules_and_learned": TD.metrics(vset.vl, vset.labels),
-        "bounds": {"min_precision": TD.VAL_MIN_PRECISION, "max_tool_output_fpr": TD.VAL_MAX_FPR,
-                   "tool_output_seed": TD.VAL_TOOL_SEED, "tool_output_n": TD.VAL_TOOL_N},
-    }
+    doc["validation"] = vset.doc(best)
     if len(scored) > 1:
         doc["validation"]["checkpoints"] = [
             {"step": c["step"], "threshold": c["threshold"], "recall": c["layered"].get("recall"),
              "precision": c["layered"].get("precision")} for c in scored
         ]
-    (out / "encoder.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    publish(chosen, doc, a.out)
     shutil.rmtree(work)
-    log(f"chose step {best['step']}, threshold {best['threshold']:.4f}: validation {best['layered']}; wrote {out}")
+    log(f"chose step {best['step']}, threshold {best['threshold']:.4f}: validation {best['layered']}; wrote {a.out}")
 
 if __name__ == "__main__":
     main()
