@@ -24,7 +24,8 @@ Options for the experiments docs/quarantine.md reports: `--checkpoints N` also k
 checkpoints and ships the one with the best validation recall under those bounds (early stopping on
 validation; encoder.json lists every checkpoint's validation figures), `--init-from FOLDER` continues from
 an adapter and head, `--averages` also scores two averages of the trained weights (an EMA, and the uniform
-mean over the second half of training) as checkpoints of their own, `--epochs/--lr/--head-lr/--seed` change
+mean over the second half of training) as checkpoints of their own, `--twin-weight W` multiplies the loss
+weight of the benign twins, `--lora-rank R` sets the adapter's rank, `--epochs/--lr/--head-lr/--seed` change
 the recipe, and `--out` writes somewhere other than the shipped folder (the default overwrites it).
 
 Same inputs, same CPU kind, same thread count: same bytes (torch's CPU kernels are deterministic there;
@@ -118,6 +119,8 @@ def train(
     checkpoints: int = 1,
     span_labels: bool = True,
     averages: bool = False,
+    twin_weight: float = 1.0,
+    lora: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
     """Fine-tune (from scratch, or on from the adapter and head in `init_from`); returns (peft model, head).
 
@@ -136,7 +139,7 @@ def train(
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModel.from_pretrained(base, dtype=torch.float32)
     if init_from is None:
-        enc = get_peft_model(model, LoraConfig(**LORA))
+        enc = get_peft_model(model, LoraConfig(**(lora or LORA)))
         head = torch.nn.Linear(enc.config.hidden_size, 1)
     else:
         enc = PeftModel.from_pretrained(model, str(init_from / "adapter"), is_trainable=True)
@@ -152,6 +155,7 @@ def train(
     log(f"{len(tw)} results, {sum(map(len, tw))} windows, {sum(not m for w in may for m in w)} left out of the max")
     y = torch.tensor([e.label for e in train_rows], dtype=torch.float32)
     cw = torch.where(y == 1, 0.5 / y.sum(), 0.5 / (1 - y).sum()) * len(y)
+    cw = cw * negative_emphasis(train_rows, twin_weight)
     order = sorted(range(len(tw)), key=lambda i: (max(len(w) for w in tw[i]), len(tw[i])))  # similar lengths
     batches = [order[k : k + BATCH] for k in range(0, len(order), BATCH)]
     steps = int(len(batches) * epochs)
@@ -205,6 +209,16 @@ def train(
                         with avg.swapped_in(kind):
                             checkpoint(f"{step}-{kind}", enc, head)
     return enc, head
+
+
+def negative_emphasis(rows: list[TD.Example], twin_weight: float) -> Any:
+    """Per result, a factor on its class-balanced loss weight: `twin_weight` for a benign twin (the clean copy
+    of a document an attack was placed in; round nine: most of the false positives that bind the precision
+    bound are such twins), 1 for every other result (`--twin-weight`; all ones at 1, the shipped recipe)."""
+    import torch
+
+    assert twin_weight > 0, "--twin-weight must be > 0"
+    return torch.tensor([twin_weight if e.label == 0 and e.kind == "twin" else 1.0 for e in rows])
 
 
 class WeightAverages:
@@ -338,9 +352,15 @@ def main() -> None:
     ap.add_argument("--averages", action="store_true",
                     help="also score two averages of the final weights on validation (EMA, and the uniform mean "
                          "over the second half of training) and ship whichever checkpoint is best")
+    ap.add_argument("--lora-rank", type=int, default=LORA["r"],
+                    help="the adapter's rank (alpha = 2 x rank, as shipped: 16 / 32)")
+    ap.add_argument("--twin-weight", type=float, default=1.0,
+                    help="multiply a benign twin's loss weight by this (the other results keep theirs); 1: the "
+                         "shipped recipe")
     ap.add_argument("--out", type=Path, default=model_dir(ENCODER_NAME),
                     help="where to write the artefact (default: the shipped one, overwritten)")
     a = ap.parse_args()
+    lora = LORA | {"r": a.lora_rank, "lora_alpha": 2 * a.lora_rank}
     prior = json.loads((a.init_from / "encoder.json").read_text())["training"] if a.init_from else None
     t0 = time.perf_counter()
 
@@ -355,12 +375,13 @@ def main() -> None:
         "base": BASE | {"sha256": file_sha256(base / "model.safetensors"), "import": BASE_PACKAGE},
         "window": {"tokens": WINDOW_TOKENS, "stride": STRIDE_TOKENS, "max_windows": MAX_WINDOWS},
         "threshold": 1.0,  # placeholder until validation picks it below
-        "training": {"lora": LORA, "epochs": a.epochs, "batch_results": BATCH, "lr": a.lr, "head_lr": a.head_lr,
+        "training": {"lora": lora, "epochs": a.epochs, "batch_results": BATCH, "lr": a.lr, "head_lr": a.head_lr,
                      "weight_decay": WEIGHT_DECAY, "warmup": WARMUP, "seed": a.seed, "threads": a.threads,
                      "loss": "class-balanced BCE on the max window logit per result"
                              + (" (a poisoned result with a clean twin: max over the windows overlapping the "
                                 "attack)" if a.span_labels else ""),
-                     "split": "train_detector.build_data, train split"},
+                     "split": "train_detector.build_data, train split"}
+                    | ({"twin_weight": a.twin_weight} if a.twin_weight != 1.0 else {}),
     }
     if prior is not None:
         doc["training"]["continued_from"] = prior  # this run started from that run's adapter and head
@@ -375,7 +396,7 @@ def main() -> None:
         log(f"checkpoint {name}")
 
     train(train_rows, a.threads, log, a.max_steps, a.init_from, a.epochs, a.lr, a.head_lr, a.seed, keep,
-          a.checkpoints, a.span_labels, a.averages)
+          a.checkpoints, a.span_labels, a.averages, a.twin_weight, lora)
     doc["training"]["seconds"] = round(time.perf_counter() - t0)
 
     vset = ValidationSet.build(val)

@@ -48,6 +48,21 @@ def test_weight_averages_are_the_ema_and_the_uniform_mean_and_swap_back() -> Non
     assert abs(float(ema[0]) - swa) > 1.0 and swa != 16.0  # control: the three differ, so the checks bite
 
 
+def test_twin_weight_scales_the_benign_twins_only() -> None:
+    import train_detector as TD
+
+    def ex(label: int, kind: str) -> TD.Example:
+        return TD.Example(text="x", label=label, source="s", group="g", split="train", kind=kind)
+
+    rows = [ex(1, "injection"), ex(0, "twin"), ex(0, "benign"), ex(1, "twin"), ex(0, "twin")]
+    w = TE.negative_emphasis(rows, 2.0)
+    print("factors", w.tolist())
+    assert w.tolist() == [1.0, 2.0, 1.0, 1.0, 2.0]  # a poisoned row's kind never makes it a twin
+    assert TE.negative_emphasis(rows, 1.0).tolist() == [1.0] * 5  # control: 1 is the shipped recipe
+    with pytest.raises(AssertionError, match="> 0"):
+        TE.negative_emphasis(rows, 0.0)
+
+
 def test_a_soup_is_the_mean_of_the_runs_merged_weights_and_a_soup_of_one_is_the_run(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     import soup_encoder as SE
