@@ -13,7 +13,7 @@ windows); then:
     <= 0.5%), rules and learned layers at their shipped thresholds;
   - joint thresholds (RUN0): the learned layer's threshold and the encoder's searched together, under a
     stricter precision bound (`--joint-min-precision`, 0.955), because a two-dimensional search on the
-    same rows is more optimistic than the one-dimensional one; the grid around the optimum is printed.
+    same rows is more optimistic than the one-dimensional one; the best pair is printed.
 """
 
 from __future__ import annotations
@@ -28,21 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_detector as TD  # noqa: E402
-from train_encoder import ValidationSet  # noqa: E402
+from train_encoder import ValidationSet, encoder_scores  # noqa: E402
 
-from fleet.quarantine.detector import THRESHOLD, unquoted_view  # noqa: E402
-from fleet.quarantine.encoder import load_encoder_from  # noqa: E402
-from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
-
-
-def run_scores(folder: Path, v: ValidationSet) -> tuple[np.ndarray, np.ndarray]:
-    """The encoder in `folder` on every validation row and tool output: P(injection), as the layer scores."""
-    model = load_encoder_from(folder)
-
-    def p(text: str) -> float:
-        return float(model.score(unquoted_view(text), rank=lambda s: float(np.max(v.lr.window_logits(s)))))
-
-    return np.array([p(e.text) for e in v.val]), np.array([p(t) for t in v.tools])
+from fleet.quarantine.detector import THRESHOLD  # noqa: E402
 
 
 def logit(p: np.ndarray) -> np.ndarray:
@@ -87,7 +75,7 @@ def main() -> None:
     a = ap.parse_args()
     data, _, _ = TD.build_data(a.corpus_dir)
     v = ValidationSet.build([e for e in data if e.split == "val"])
-    scored = [run_scores(r, v) for r in a.runs]
+    scored = [tuple(map(np.array, encoder_scores(r, v))) for r in a.runs]
     print(f"{'encoder runs (logit mean)':40s} threshold  layered recall / precision (tp / fp)")
     for k in range(1, len(scored) + 1):
         for combo in itertools.combinations(range(len(scored)), k):
@@ -98,8 +86,7 @@ def main() -> None:
             name = " + ".join(a.runs[i].name for i in combo)
             got = f"{m['recall']:.4f} / {m['precision']:.4f} ({m['tp']} / {m['fp']})" if m else "none in bounds"
             print(f"{name:40s} {thr:.4f}     {got}", flush=True)
-    det = LayeredDetector(DetectorConfig(layers=("rules", "learned")))
-    vv, tv = [det.inspect(e.text) for e in v.val], [det.inspect(t) for t in v.tools]
+    vv, tv = v.val_verdicts, v.tool_verdicts
     rules = (np.array([x.score >= THRESHOLD for x in vv]), np.array([x.score >= THRESHOLD for x in tv]))
     learned_v, learned_t = np.array([x.learned_score for x in vv]), np.array([x.learned_score for x in tv])
     assert list(rules[0] | (learned_v >= v.lr.threshold)) == v.vl, "rules OR learned differs from the layer's verdicts"

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_detector as TD  # noqa: E402
 
-from fleet.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.quarantine.detector import Verdict, unquoted_view  # noqa: E402
 from fleet.quarantine.encoder import (  # noqa: E402
     BASE_PACKAGE,
     ENCODER_NAME,
@@ -268,16 +268,26 @@ class ValidationSet:
     val: list[TD.Example]
     tools: list[str]
     labels: list[int]
-    vl: list[bool]  # rules OR learned, per validation row
-    tl: list[bool]  # the same, per generated tool output
+    val_verdicts: list[Verdict]  # rules + learned, per validation row (scores kept for encoder_policies.py)
+    tool_verdicts: list[Verdict]  # the same, per generated tool output
     lr: Any
 
     @classmethod
     def build(cls, val: list[TD.Example]) -> ValidationSet:
         layered = LayeredDetector(DetectorConfig(layers=("rules", "learned")))
         tools = [t for _, t in benign_tool_outputs(TD.VAL_TOOL_N, seed=TD.VAL_TOOL_SEED)]
-        return cls(val, tools, [e.label for e in val], [layered.inspect(e.text).quarantined for e in val],
-                   [layered.inspect(t).quarantined for t in tools], load_model())
+        return cls(val, tools, [e.label for e in val], [layered.inspect(e.text) for e in val],
+                   [layered.inspect(t) for t in tools], load_model())
+
+    @property
+    def vl(self) -> list[bool]:
+        """rules OR learned, per validation row."""
+        return [x.quarantined for x in self.val_verdicts]
+
+    @property
+    def tl(self) -> list[bool]:
+        """rules OR learned, per generated tool output."""
+        return [x.quarantined for x in self.tool_verdicts]
 
     def doc(self, best: dict[str, Any]) -> dict[str, Any]:
         """encoder.json's `validation` for the scored model `best` (score_on_validation's answer)."""
@@ -287,15 +297,21 @@ class ValidationSet:
                            "tool_output_seed": TD.VAL_TOOL_SEED, "tool_output_n": TD.VAL_TOOL_N}}
 
 
-def score_on_validation(folder: Path, v: ValidationSet) -> dict[str, Any]:
-    """The encoder in `folder`, as shipped (float16, merged at load): its threshold for the layered policy
-    under the validation bounds, the layered figures there, and the encoder alone at its own threshold."""
+def encoder_scores(folder: Path, v: ValidationSet) -> tuple[list[float], list[float]]:
+    """The encoder in `folder`, as shipped (float16, merged at load), on every validation row and tool output:
+    P(injection) as the layer scores it (max over its windows, past the budget the learned layer's ranking)."""
     model = load_encoder_from(folder)
 
     def p(text: str) -> float:
         return float(model.score(unquoted_view(text), rank=lambda s: float(np.max(v.lr.window_logits(s)))))
 
-    vs, ts = [p(e.text) for e in v.val], [p(t) for t in v.tools]
+    return [p(e.text) for e in v.val], [p(t) for t in v.tools]
+
+
+def score_on_validation(folder: Path, v: ValidationSet) -> dict[str, Any]:
+    """The encoder in `folder`: its threshold for the layered policy under the validation bounds, the layered
+    figures there, and the encoder alone at its own threshold."""
+    vs, ts = encoder_scores(folder, v)
     alone_thr, alone = TD.choose_threshold([False] * len(vs), vs, v.labels, [False] * len(ts), ts)
     thr, vm = TD.choose_threshold(v.vl, vs, v.labels, v.tl, ts)
     return {"threshold": thr, "layered": vm, "encoder_alone": alone | {"threshold": alone_thr} if alone else None}
