@@ -13,13 +13,13 @@ import pytest
 from support.controller import code_of, make_tokens, md, start_controller, store_url
 
 from controller.auth import Authenticator, TokenBook, mint_token
-from fleet.cas.types import check_tenant
 from controller.main import main as controller_main
 from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
+from fleet.cas.types import check_tenant
 from fleet.errors import InvalidArgument, Unavailable
 from fleet.sdk import NO_RETRY, FleetClient
 
