@@ -1,5 +1,6 @@
 """Validation-only comparison of ways to use trained encoders in the layered policy (docs/quarantine.md,
-"Round nine"): logit ensembles of several runs, and the learned and encoder thresholds searched together.
+"Round nine", "Round ten"): logit ensembles of several runs, the learned and encoder thresholds searched
+together, and a committee of two runs (either one quarantines) with their thresholds searched together.
 Writes nothing into the repository; never reads the test split.
 
     pip download --no-deps --only-binary=:all: -d CORPUS $(python scripts/train_detector.py --requirements)
@@ -13,7 +14,10 @@ windows); then:
     <= 0.5%), rules and learned layers at their shipped thresholds;
   - joint thresholds (RUN0): the learned layer's threshold and the encoder's searched together, under a
     stricter precision bound (`--joint-min-precision`, 0.955), because a two-dimensional search on the
-    same rows is more optimistic than the one-dimensional one; the best pair is printed.
+    same rows is more optimistic than the one-dimensional one; the best pair is printed;
+  - committee (RUN0 and RUN1, when given): rules and learned at their shipped thresholds, OR RUN0 >= t0, OR
+    RUN1 >= t1, with (t0, t1) over the distinct 4-decimal scores >= 0.9, searched together under the same
+    stricter bound (the round-ten committee, `layered.ENCODER_MODELS`, was chosen so).
 """
 
 from __future__ import annotations
@@ -47,12 +51,16 @@ def ensemble(scores: list[np.ndarray]) -> list[float]:
 
 
 def joint(v: ValidationSet, rules: tuple[np.ndarray, np.ndarray], learned: tuple[np.ndarray, np.ndarray],
-          enc: tuple[np.ndarray, np.ndarray], min_precision: float) -> tuple[float, float, int, int, float] | None:
-    """(learned threshold, encoder threshold, tp, fp, tool FPR) with the best validation recall under
-    precision >= min_precision and tool-output FPR <= TD.VAL_MAX_FPR (ties: fewer false positives)."""
+          enc: tuple[np.ndarray, np.ndarray], min_precision: float, mins: tuple[float, float] = (0.5, 0.05),
+          ties_low: bool = False) -> tuple[float, float, int, int, float] | None:
+    """(first threshold, second threshold, tp, fp, tool FPR) with the best validation recall of `rules` OR
+    `learned` >= first OR `enc` >= second (each a (validation, tool outputs) pair; thresholds over their
+    distinct 4-decimal scores >= `mins`) under precision >= min_precision and tool-output FPR <=
+    TD.VAL_MAX_FPR (ties: fewer false positives; with `ties_low`: the lower first,
+    then the lower second threshold)."""
     y = np.array(v.labels, bool)
-    grid_l = sorted({round(float(x), 4) for x in np.concatenate(learned) if x >= 0.5} | {1.01})
-    grid_e = sorted({round(float(x), 4) for x in np.concatenate(enc) if x > 0.05} | {1.01}, reverse=True)
+    grid_l = sorted({round(float(x), 4) for x in np.concatenate(learned) if x >= mins[0]} | {1.01})
+    grid_e = sorted({round(float(x), 4) for x in np.concatenate(enc) if x >= mins[1]} | {1.01}, reverse=True)
     best: tuple[float, float, int, int, float] | None = None
     for a in grid_l:
         base_v, base_t = rules[0] | (learned[0] >= a), rules[1] | (learned[1] >= a)
@@ -62,7 +70,8 @@ def joint(v: ValidationSet, rules: tuple[np.ndarray, np.ndarray], learned: tuple
                 break  # FPR only grows as the encoder threshold falls
             pv = base_v | (enc[0] >= b)
             tp, fp = int((pv & y).sum()), int((pv & ~y).sum())
-            if tp and tp / (tp + fp) >= min_precision and (best is None or (tp, -fp) > (best[2], -best[3])):
+            better = best is None or (tp, -fp) > (best[2], -best[3]) or (ties_low and (a, tp, fp) == (best[0], *best[2:4]))
+            if tp and tp / (tp + fp) >= min_precision and better:
                 best = (a, b, tp, fp, float(pt.mean()))
     return best
 
@@ -100,6 +109,17 @@ def main() -> None:
     n = sum(v.labels)
     print(f"  learned {la}, encoder {eb}: recall {tp / n:.4f}, precision {tp / (tp + fp):.4f} ({tp} / {fp}), "
           f"tool-output FPR {fpr:.4f}")
+    if len(scored) > 1:
+        r4 = [tuple(np.round(x, 4) for x in s) for s in scored[:2]]  # the layer compares 4-decimal scores
+        base = (np.array(v.vl), np.array(v.tl))
+        best = joint(v, base, r4[0], r4[1], a.joint_min_precision, mins=(0.9, 0.9), ties_low=True)
+        print(f"\ncommittee {a.runs[0].name} OR {a.runs[1].name}, precision >= {a.joint_min_precision}:")
+        if best is None:
+            print("  none in bounds")
+            return
+        t0, t1, tp, fp, fpr = best
+        print(f"  {t0} / {t1}: recall {tp / n:.4f}, precision {tp / (tp + fp):.4f} ({tp} / {fp}), "
+              f"tool-output FPR {fpr:.4f}")
 
 
 if __name__ == "__main__":
