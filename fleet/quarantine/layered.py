@@ -3,7 +3,8 @@ encoder (layer 3), per-tenant config.
 
     rules   (rules.py, detector.py)  score >= rule_threshold  -> QUARANTINED, reasons = rule categories
     learned (learned.py)             P(injection) >= learned_threshold -> QUARANTINED, reason "learned:0.913"
-    encoder (encoder.py)             P(injection) >= encoder_threshold -> QUARANTINED, reason "encoder:0.874"
+    encoder (encoder.py)             any member's P(injection) >= its threshold -> QUARANTINED,
+                                     reason "encoder:<member>:0.874" per member (ENCODER_MODELS: two runs)
                                      both read `unquoted_view`: quotations inside texts about attacks are blanked
 
 Policy: a tool result is quarantined when *any* enabled layer says so; every verdict lists the rule
@@ -26,7 +27,7 @@ import numpy as np
 
 from fleet.quarantine import rules as R
 from fleet.quarantine.detector import THRESHOLD, PromptInjectionDetector, Verdict, unquoted_view
-from fleet.quarantine.encoder import ENCODER_NAME, INSTALL_HINT, EncoderModel, load_encoder, missing_modules
+from fleet.quarantine.encoder import ENCODER_MODELS, INSTALL_HINT, EncoderModel, load_encoder, missing_modules
 from fleet.quarantine.learned import MODEL_NAME, LearnedModel, load_model
 
 LAYERS = ("rules", "learned", "encoder")
@@ -45,9 +46,11 @@ class DetectorConfig:
         learned_threshold: P(injection) at which the learned layer quarantines (None: the model's
             threshold, chosen on the validation split by `scripts/train_detector.py`).
         model: the shipped model's name under `fleet/quarantine/model/`.
-        encoder_threshold: P(injection) at which the encoder layer quarantines (None: the threshold
-            `scripts/train_encoder.py` chose on the validation split).
-        encoder_model: the shipped encoder adapter's folder under `fleet/quarantine/model/`.
+        encoder_threshold: P(injection) at which an encoder member quarantines: one float for every
+            member, or one per member (None: each member's shipped threshold, chosen on the validation split
+            for the shipped committee; see docs/quarantine.md, round ten).
+        encoder_models: the encoder layer's members, adapter folders under `fleet/quarantine/model/`; the
+            layer quarantines when any member does (default: the two shipped runs).
     """
 
     layers: tuple[str, ...] = DEFAULT_LAYERS
@@ -55,8 +58,8 @@ class DetectorConfig:
     rule_categories: tuple[str, ...] | None = None
     learned_threshold: float | None = None
     model: str = MODEL_NAME
-    encoder_threshold: float | None = None
-    encoder_model: str = ENCODER_NAME
+    encoder_threshold: float | tuple[float, ...] | None = None
+    encoder_models: tuple[str, ...] = ENCODER_MODELS
 
     def __post_init__(self) -> None:
         assert self.layers and set(self.layers) <= set(LAYERS), (
@@ -66,8 +69,12 @@ class DetectorConfig:
         assert self.learned_threshold is None or 0.0 <= self.learned_threshold <= 1.0, (
             "learned_threshold in [0, 1]"
         )
-        assert self.encoder_threshold is None or 0.0 <= self.encoder_threshold <= 1.0, (
-            "encoder_threshold in [0, 1]"
+        assert self.encoder_models, "encoder_models: one member or more"
+        t = self.encoder_threshold
+        ts = () if t is None else t if isinstance(t, tuple) else (t,)
+        assert all(0.0 <= x <= 1.0 for x in ts), "encoder_threshold in [0, 1]"
+        assert not isinstance(t, tuple) or len(t) == len(self.encoder_models), (
+            f"encoder_threshold: one per member ({len(self.encoder_models)}: {', '.join(self.encoder_models)})"
         )
         unknown = set(self.rule_categories or ()) - R.CATEGORIES
         assert not unknown, f"unknown rule categories {sorted(unknown)}; known: {sorted(R.CATEGORIES)}"
@@ -77,12 +84,12 @@ class LayeredDetector:
     """Rules, learned, encoder; quarantines when any enabled layer does. Stateless, thread-safe."""
 
     def __init__(
-        self, cfg: DetectorConfig, model: LearnedModel | None = None, encoder: EncoderModel | None = None
+        self, cfg: DetectorConfig, model: LearnedModel | None = None, encoders: tuple[EncoderModel, ...] = ()
     ) -> None:
         """Args:
         cfg: the configuration.
         model: the learned model (defaults to the shipped `cfg.model`); tests and training pass their own.
-        encoder: the encoder (defaults to the shipped `cfg.encoder_model`).
+        encoders: the encoder layer's members (default: the shipped `cfg.encoder_models`).
 
         Raises:
             encoder.EncoderUnavailable: "encoder" is enabled and its packages or base weights are missing.
@@ -98,39 +105,47 @@ class LayeredDetector:
             if cfg.learned_threshold is not None
             else (self.model.threshold if self.model is not None else 1.0)
         )
-        self.encoder = (encoder or load_encoder(cfg.encoder_model)) if "encoder" in cfg.layers else None
-        self.encoder_threshold = (
-            cfg.encoder_threshold
-            if cfg.encoder_threshold is not None
-            else (self.encoder.threshold if self.encoder is not None else 1.0)
+        on = "encoder" in cfg.layers
+        self.encoders = (encoders or tuple(load_encoder(n) for n in cfg.encoder_models)) if on else ()
+        assert len(self.encoders) in (0, len(cfg.encoder_models)), "encoders: one per cfg.encoder_models member"
+        self.member_names = cfg.encoder_models if self.encoders else ()
+        t = cfg.encoder_threshold
+        self.encoder_thresholds = (
+            t if isinstance(t, tuple) else tuple(m.threshold if t is None else t for m in self.encoders)
         )
         # Past its window budget the encoder reads the windows the n-gram model scores highest.
-        self._ranker = self.model or (load_model(cfg.model) if self.encoder is not None else None)
-        self.config_id = _config_id(cfg, self.learned_threshold, self.model, self.encoder_threshold, self.encoder)
+        self._ranker = self.model or (load_model(cfg.model) if self.encoders else None)
+        self.config_id = _config_id(cfg, self.learned_threshold, self.model, self.encoder_thresholds, self.encoders)
 
     def inspect(self, text: str | bytes | bytearray | memoryview) -> Verdict:
         """Run every enabled layer on `text`.
 
         Returns:
-            Verdict(quarantined, reasons = rule categories (sorted) + ["learned:<p>"] and ["encoder:<p>"]
-            for the model layers that ran, score = the rules' score, learned_score / encoder_score = those
-            layers' P(injection)).
+            Verdict(quarantined, reasons = rule categories (sorted) + ["learned:<p>"] and one
+            "encoder:<member>:<p>" per encoder member, for the model layers that ran; score = the rules'
+            score, learned_score = the learned layer's P(injection), encoder_score = the highest member's).
         """
         rv = self.rules.inspect(text) if self.rules is not None else Verdict(False)
         reasons, hit = list(rv.reasons), rv.quarantined
         p = q = None
-        view = unquoted_view(text) if self.model is not None or self.encoder is not None else ""
+        view = unquoted_view(text) if self.model is not None or self.encoders else ""
         if self.model is not None:
             p = round(self.model.score(view), 4)
             reasons.append(f"learned:{p:.4f}")
             hit = hit or p >= self.learned_threshold
-        if self.encoder is not None:
-            ranker = self._ranker
+        ranker = self._ranker
+        for enc, threshold, name in zip(self.encoders, self.encoder_thresholds, self.member_names, strict=True):
             assert ranker is not None
-            q = round(self.encoder.score(view, rank=lambda s: float(np.max(ranker.window_logits(s)))), 4)
-            reasons.append(f"encoder:{q:.4f}")
-            hit = hit or q >= self.encoder_threshold
+            qm = round(enc.score(view, rank=lambda s: float(np.max(ranker.window_logits(s)))), 4)
+            reasons.append(f"encoder:{name}:{qm:.4f}")
+            hit = hit or qm >= threshold
+            q = qm if q is None else max(q, qm)
         return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p, encoder_score=q)
+
+
+def member_scores(v: Verdict) -> dict[str, float]:
+    """{encoder member: its P(injection)} from a verdict's "encoder:<member>:<p>" reasons (empty: no encoder ran)."""
+    return {m: float(p) for tag, m, p in (r.split(":") for r in v.reasons if r.count(":") == 2) if tag == "encoder"}
 
 
 def parse_layers(text: str) -> tuple[str, ...]:
@@ -153,24 +168,38 @@ def parse_layers(text: str) -> tuple[str, ...]:
 def parse_detector(text: str) -> DetectorConfig:
     """`"rules,learned:0.99,encoder:0.995"` -> the DetectorConfig: the layers (as `parse_layers`), each with
     an optional threshold after a colon (rules: the summed rule score, > 0; learned and encoder: P(injection)
-    in [0, 1]; none given: the shipped threshold). ValueError names what is wrong."""
-    names, thresholds = [], {}
+    in [0, 1]; none given: the shipped threshold). The encoder takes one threshold for every member or one
+    per member, in ENCODER_MODELS order, joined by "/" ("encoder:0.9702/0.9764"). ValueError names what is
+    wrong."""
+    names: list[str] = []
+    thresholds: dict[str, tuple[float, ...]] = {}
     for item in (x.strip() for x in text.split(",")):
         name, sep, value = (x.strip() for x in item.partition(":"))
         names.append(name)
         if not sep or name not in LAYERS:
             continue
-        try:
-            t = float(value)
-        except ValueError:
-            raise ValueError(f"detector {text!r}: the {name} threshold {value!r} is not a number") from None
-        if not math.isfinite(t) or (t <= 0 if name == "rules" else not 0.0 <= t <= 1.0):
-            raise ValueError(f"detector {text!r}: the {name} threshold {t} must be "
-                             + ("> 0" if name == "rules" else "in [0, 1]"))
-        thresholds[name] = t
+        parts = value.split("/")
+        if len(parts) not in ((1, len(ENCODER_MODELS)) if name == "encoder" else (1,)):
+            raise ValueError(f"detector {text!r}: {len(parts)} {name} thresholds; give one"
+                             + (f" or {len(ENCODER_MODELS)} ({'/'.join(ENCODER_MODELS)})" if name == "encoder" else ""))
+        thresholds[name] = tuple(_threshold(text, name, v) for v in parts)
     layers = parse_layers(",".join(names))
-    return DetectorConfig(layers=layers, rule_threshold=thresholds.get("rules", THRESHOLD),
-                          learned_threshold=thresholds.get("learned"), encoder_threshold=thresholds.get("encoder"))
+    enc = thresholds.get("encoder")
+    return DetectorConfig(layers=layers, rule_threshold=thresholds.get("rules", (THRESHOLD,))[0],
+                          learned_threshold=thresholds.get("learned", (None,))[0],
+                          encoder_threshold=enc if enc is None or len(enc) > 1 else enc[0])
+
+
+def _threshold(text: str, name: str, value: str) -> float:
+    """One threshold of `parse_detector`'s spec `text`, checked for layer `name`."""
+    try:
+        t = float(value)
+    except ValueError:
+        raise ValueError(f"detector {text!r}: the {name} threshold {value.strip()!r} is not a number") from None
+    if not math.isfinite(t) or (t <= 0 if name == "rules" else not 0.0 <= t <= 1.0):
+        raise ValueError(f"detector {text!r}: the {name} threshold {t} must be "
+                         + ("> 0" if name == "rules" else "in [0, 1]"))
+    return t
 
 
 def make_detector(cfg: DetectorConfig | None = None) -> LayeredDetector:
@@ -182,15 +211,15 @@ def _config_id(
     cfg: DetectorConfig,
     learned_threshold: float,
     model: LearnedModel | None,
-    encoder_threshold: float,
-    encoder: EncoderModel | None,
+    encoder_thresholds: tuple[float, ...],
+    encoders: tuple[EncoderModel, ...],
 ) -> str:
     """sha256 of the config, the effective thresholds and the models' weights: equal ids, equal verdicts."""
     doc = {
         "cfg": asdict(cfg),
         "learned_threshold": learned_threshold,
         "model": model.digest() if model else None,
-        "encoder_threshold": encoder_threshold,
-        "encoder": encoder.digest() if encoder else None,
+        "encoder_thresholds": list(encoder_thresholds),
+        "encoders": [e.digest() for e in encoders],
     }
     return "det-" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:20]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import quarantine_corpus as C
 
 from fleet.quarantine import DetectorConfig, PromptInjectionDetector, Verdict, default_detector, make_detector
+from fleet.quarantine.encoder import ENCODER_MODELS
 from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs
+from fleet.quarantine.layered import member_scores, parse_detector
 from fleet.quarantine.learned import load_model
 
 DATA = Path(__file__).parent / "data"
@@ -68,7 +71,10 @@ def test_reasons_carry_rule_ids_and_learned_score(layered) -> None:
     assert f"learned:{v.learned_score:.4f}" in v.reasons
     clean = layered.inspect('{"city": "Oslo", "temp_c": 4.5}')
     assert not clean.quarantined
-    assert clean.reasons == [f"learned:{clean.learned_score:.4f}", f"encoder:{clean.encoder_score:.4f}"]
+    members = [r for r in clean.reasons if r.startswith("encoder:")]
+    assert clean.reasons == [f"learned:{clean.learned_score:.4f}", *members]
+    assert [m.rsplit(":", 1)[0] for m in members] == [f"encoder:{n}" for n in ENCODER_MODELS]
+    assert clean.encoder_score == max(float(m.rsplit(":", 1)[1]) for m in members)
 
 
 def test_config_per_tenant_changes_the_verdict() -> None:
@@ -135,7 +141,7 @@ def test_heldout_figures_are_what_the_docs_report(layered, heldout) -> None:
     assert close(live.to_dict(), report["layered"]["test"])
     assert live.recall > live_two.recall > live_rules.recall  # each model layer adds recall on unseen attacks
     # the encoder's score is in every verdict, and the verdict is the OR of the layers
-    assert all(v.encoder_score is not None and f"encoder:{v.encoder_score:.4f}" in v.reasons for v in verdicts)
+    assert all(v.encoder_score == max(member_scores(v).values()) and len(member_scores(v)) == 2 for v in verdicts)
 
 
 def test_tool_output_fpr_is_what_the_docs_report(layered) -> None:
@@ -167,3 +173,17 @@ def test_test_split_never_shares_a_package_or_group_with_training() -> None:
     train_pkgs = {f["package"] for f in m.meta["benign_files"] if f["split"] == "train"}
     test_pkgs = {f["package"] for f in m.meta["benign_files"] if f["split"] == "test"}
     assert test_pkgs and not train_pkgs & test_pkgs
+
+
+def test_detector_spec_takes_one_encoder_threshold_or_one_per_member() -> None:
+    assert parse_detector("rules,encoder:0.97").encoder_threshold == 0.97  # every member
+    both = parse_detector("rules,learned:0.99,encoder:0.9702/0.9764")
+    assert both.encoder_threshold == (0.9702, 0.9764) and both.learned_threshold == 0.99
+    assert parse_detector("rules,learned").encoder_threshold is None  # control: the shipped thresholds
+    for bad, why in [("encoder:0.9/0.9/0.9", "3 encoder thresholds; give one or 2"),
+                     ("learned:0.9/0.8", "2 learned thresholds; give one"),
+                     ("encoder:0.9/x", "'x' is not a number"), ("encoder:0.9/1.5", "must be in")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            parse_detector(bad)
+    with pytest.raises(AssertionError, match="one per member"):
+        DetectorConfig(encoder_threshold=(0.9,))
