@@ -80,8 +80,13 @@ class EncoderModel:
                 out[part] = z.double().numpy()
         return out
 
-    def score(self, text: str, rank: Callable[[str], float] | None = None) -> float:
-        """P(injection) of the strongest window of `text` (already `unquoted_view`), in [0, 1].
+    @property
+    def window_key(self) -> tuple[int, int, int]:
+        """Encoders with equal keys read the same windows of a text (one base, so one tokenizer: load checks it)."""
+        return self.window_tokens, self.stride_tokens, self.max_windows
+
+    def read_windows(self, text: str, rank: Callable[[str], float] | None = None) -> list[list[int]]:
+        """The token ids of the windows of `text` (already `unquoted_view`) that the encoder reads.
 
         Args:
             rank: scores a window's text; when `text` has more than `max_windows` windows, only the
@@ -95,8 +100,17 @@ class EncoderModel:
                 keys = [rank(text[a:b]) for _, (a, b) in ws]
                 keep = sorted(sorted(range(len(ws)), key=lambda i: -keys[i])[: self.max_windows])
                 ws = [ws[i] for i in keep]
-        z = float(np.max(self.window_logits([w for w, _ in ws])))
+        return [w for w, _ in ws]
+
+    def score_windows(self, windows: list[list[int]]) -> float:
+        """P(injection) of the strongest of `windows` (from `read_windows`), in [0, 1]."""
+        z = float(np.max(self.window_logits(windows)))
         return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+    def score(self, text: str, rank: Callable[[str], float] | None = None) -> float:
+        """P(injection) of the strongest window of `text` (already `unquoted_view`), in [0, 1]; `rank` as in
+        `read_windows`."""
+        return self.score_windows(self.read_windows(text, rank))
 
     def digest(self) -> str:
         """sha256 of what decides a score: base weights, adapter, head, windowing and threshold."""

@@ -134,9 +134,12 @@ class LayeredDetector:
             reasons.append(f"learned:{p:.4f}")
             hit = hit or p >= self.learned_threshold
         ranker = self._ranker
+        read: dict[tuple[int, int, int], list[list[int]]] = {}  # members that window alike tokenize and rank once
         for enc, threshold, name in zip(self.encoders, self.encoder_thresholds, self.member_names, strict=True):
             assert ranker is not None
-            qm = round(enc.score(view, rank=lambda s: float(np.max(ranker.window_logits(s)))), 4)
+            if enc.window_key not in read:
+                read[enc.window_key] = enc.read_windows(view, rank=lambda s: float(np.max(ranker.window_logits(s))))
+            qm = round(enc.score_windows(read[enc.window_key]), 4)
             reasons.append(f"encoder:{name}:{qm:.4f}")
             hit = hit or qm >= threshold
             q = qm if q is None else max(q, qm)
