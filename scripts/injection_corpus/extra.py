@@ -22,7 +22,7 @@ from typing import Any
 
 from injection_corpus.agentdojo import dojo_goals, load_agentdojo
 from injection_corpus.build import earlier_texts
-from injection_corpus.original import place_attack
+from injection_corpus.original import placed_examples
 from injection_corpus.short import _key, _norm, more_rows, near_duplicates, slabs_capped, split_more
 from injection_corpus.sources import MORE_SEED, MORE_WHEELS, SEED, WHEELS, Example
 
@@ -65,11 +65,8 @@ def extra_slabs(corpus_dir: Path, per_label: int) -> tuple[list[Example], dict[s
         pick = rng.sample(texts, min(per_label, len(texts)))
         stats[str(label)] |= {"eligible": len(texts), "used": len(pick), "max_jaccard_to_held_out_or_earlier": overlap(pick, known)}
         for t in pick:
-            group = f"s-labs:{label}:{_key(t, 4)}"
-            placed, clean = place_attack(t, rng.choice(pool["train"]), rng)
-            out.append(Example(placed, label, "s-labs", group, "train", "injection" if label else "benign"))
-            if label and clean is not None:
-                out.append(Example(clean, 0, "s-labs", group, "train", "twin"))
+            kind = "injection" if label else "benign"
+            out += placed_examples(t, label, "s-labs", f"s-labs:{label}:{_key(t, 4)}", "train", kind, pool, rng)
     return out, stats
 
 

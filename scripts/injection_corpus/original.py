@@ -94,12 +94,19 @@ def load_spikee(z: zipfile.ZipFile, pool: dict[str, list[Any]], rng: random.Rand
         mine = sorted(i for i in ins if isplit[i] == split)
         for instruction in rng.sample(mine, min(3, len(mine))):
             attack = text.replace("<INSTRUCTION>", instruction)
-            poisoned, clean = place_attack(attack, rng.choice(pool[split]), rng)
-            group = f"type:{jb['jailbreak_type']}"
-            out.append(Example(poisoned, 1, "spikee", group, split, f"jailbreak:{jb['jailbreak_type']}"))
-            if clean is not None:  # the clean twin, as for AgentDojo
-                out.append(Example(clean, 0, "spikee", group, split, "twin"))
+            kind = f"jailbreak:{jb['jailbreak_type']}"  # with its clean twin, as for AgentDojo
+            out += placed_examples(attack, 1, "spikee", f"type:{jb['jailbreak_type']}", split, kind, pool, rng)
     return out
+
+
+def placed_examples(
+    text: str, label: int, source: str, group: str, split: str, kind: str, pool: dict[str, list[Any]], rng: random.Random
+) -> list[Example]:
+    """`text` placed into a benign item of `split`'s pool (`place_attack`), then, for an attack placed inside
+    an item, its clean twin, right after it (train_encoder's span labels pair the two by that order)."""
+    poisoned, clean = place_attack(text, rng.choice(pool[split]), rng)
+    twin = [Example(clean, 0, source, group, split, "twin")] if label and clean is not None else []
+    return [Example(poisoned, label, source, group, split, kind), *twin]
 
 
 def place_attack(attack: str, item: Any, rng: random.Random) -> tuple[str, str | None]:

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from injection_corpus.agentdojo import LiteralEval
-from injection_corpus.original import place_attack, read_jsonl
+from injection_corpus.original import placed_examples, read_jsonl
 from injection_corpus.sources import (
     MAX_SLABS_PER_LABEL,
     MORE_SEED,
@@ -99,10 +99,7 @@ def load_short(w: dict[str, zipfile.ZipFile], pool: dict[str, list[Any]], goals:
     out = []
     for src, text, label, group, kind in rows:
         split = splits[src, label][group]
-        placed, clean = place_attack(text, rng.choice(pool[split]), rng)
-        out.append(Example(placed, label, src, f"{src}:{group}", split, kind))
-        if label and clean is not None:
-            out.append(Example(clean, 0, src, f"{src}:{group}", split, "twin"))
+        out += placed_examples(text, label, src, f"{src}:{group}", split, kind, pool, rng)
     return out
 
 
@@ -267,10 +264,5 @@ def load_more(
     """The corpora added for issue #15 (`split_more`), placed like the short corpora: into a benign AgentDojo
     item of their split, attacks with clean twins; and how many rows of each source each dedupe step dropped."""
     rows, dropped, rng = split_more(w, earlier)
-    out = []
-    for r in rows:
-        placed, clean = place_attack(r.text, rng.choice(pool[r.split]), rng)
-        out.append(Example(placed, r.label, r.source, r.group, r.split, r.kind))
-        if r.label and clean is not None:
-            out.append(Example(clean, 0, r.source, r.group, r.split, "twin"))
+    out = [e for r in rows for e in placed_examples(r.text, r.label, r.source, r.group, r.split, r.kind, pool, rng)]
     return out, dropped
