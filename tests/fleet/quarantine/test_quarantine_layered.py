@@ -71,10 +71,9 @@ def test_reasons_carry_rule_ids_and_learned_score(layered) -> None:
     assert f"learned:{v.learned_score:.4f}" in v.reasons
     clean = layered.inspect('{"city": "Oslo", "temp_c": 4.5}')
     assert not clean.quarantined
-    members = [r for r in clean.reasons if r.startswith("encoder:")]
-    assert clean.reasons == [f"learned:{clean.learned_score:.4f}", *members]
-    assert [m.rsplit(":", 1)[0] for m in members] == [f"encoder:{n}" for n in ENCODER_MODELS]
-    assert clean.encoder_score == max(float(m.rsplit(":", 1)[1]) for m in members)
+    scores = member_scores(clean)
+    assert clean.reasons == [f"learned:{clean.learned_score:.4f}", *(f"encoder:{n}:{p:.4f}" for n, p in scores.items())]
+    assert list(scores) == list(ENCODER_MODELS) and clean.encoder_score == max(scores.values())
 
 
 def test_config_per_tenant_changes_the_verdict() -> None:
@@ -141,7 +140,8 @@ def test_heldout_figures_are_what_the_docs_report(layered, heldout) -> None:
     assert close(live.to_dict(), report["layered"]["test"])
     assert live.recall > live_two.recall > live_rules.recall  # each model layer adds recall on unseen attacks
     # the encoder's score is in every verdict, and the verdict is the OR of the layers
-    assert all(v.encoder_score == max(member_scores(v).values()) and len(member_scores(v)) == 2 for v in verdicts)
+    members = [member_scores(v) for v in verdicts]
+    assert all(list(m) == list(ENCODER_MODELS) and v.encoder_score == max(m.values()) for v, m in zip(verdicts, members, strict=True))
 
 
 def test_tool_output_fpr_is_what_the_docs_report(layered) -> None:
