@@ -381,8 +381,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=model_dir(ENCODER_NAME),
                     help="where to write the artefact (default: the shipped one, overwritten)")
     a = ap.parse_args()
-    if a.lora_rank < 1 or not a.twin_weight > 0:
-        ap.error(f"--lora-rank must be >= 1 (got {a.lora_rank}) and --twin-weight > 0 (got {a.twin_weight})")
+    if a.lora_rank < 1 or not a.twin_weight > 0 or a.extra_slabs < 0:
+        ap.error(f"--lora-rank must be >= 1 (got {a.lora_rank}), --twin-weight > 0 (got {a.twin_weight}) and "
+                 f"--extra-slabs >= 0 (got {a.extra_slabs})")
     lora = LORA | {"r": a.lora_rank, "lora_alpha": 2 * a.lora_rank}
     prior = json.loads((a.init_from / "encoder.json").read_text())["training"] if a.init_from else None
     t0 = time.perf_counter()
