@@ -13,9 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.controller import code_of, make_tokens, md, start_controller, store_url
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.controller import code_of, make_tokens, md, start_controller, store_url
 
 from controller.servicers import SERVICE_NAMES
 from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, route_pb2, workers_pb2
