@@ -1,4 +1,4 @@
-"""fleet/, controller/ and workers/ type-check under mypy --strict (STYLE §9; config in pyproject)."""
+"""fleet/, controller/ and workers/ type-check under mypy --strict (CONTRIBUTING §9; config in pyproject)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KernelActor: one Ray actor per session, hosting its SessionContext (DESIGN §3, STYLE §15).
+"""KernelActor: one Ray actor per session, hosting its SessionContext (DESIGN §3, CONTRIBUTING §15).
 
 Write path of every mutating call (write-ahead, the context's own contract):
 

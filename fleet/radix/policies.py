@@ -1,4 +1,4 @@
-"""Eviction policies: one-method strategy objects (STYLE §5).
+"""Eviction policies: one-method strategy objects (CONTRIBUTING §5).
 
 The tree owns a heap of evictable leaves; a policy supplies only the sort key. The leaf with the
 smallest `priority(node)` is evicted first. Clocks are the tree's logical clock (one tick per

@@ -51,7 +51,7 @@ class RadixTree:
     @classmethod
     def simulated(cls, page_size: int = 1, capacity_tokens: int | None = None,
                   policy: EvictionPolicy | str = "lru") -> RadixTree:
-        """A device-free tree for tests and trace simulation: values stay None (STYLE §11)."""
+        """A device-free tree for tests and trace simulation: values stay None (CONTRIBUTING §11)."""
         return cls(page_size=page_size, capacity_tokens=capacity_tokens, policy=policy)
 
     def _init_root(self) -> None:

@@ -1,4 +1,4 @@
-"""RadixTree: exact block ids, node ids, events and eviction order (STYLE §11)."""
+"""RadixTree: exact block ids, node ids, events and eviction order (CONTRIBUTING §11)."""
 
 from __future__ import annotations
 
