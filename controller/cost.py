@@ -16,9 +16,12 @@ serving (worker, dp_rank) from its index, its in-flight ledger and the last /met
     queued(w)   prefill tokens waiting ahead on w: tracked routes vLLM has not scheduled yet, plus
                 requests in vllm:num_requests_waiting beyond those, each at the mean routed size
     active(w)   requests on w: tracked routes not yet ended, or /metrics' running + waiting if more
-    evicted(w)  tokens of other prefixes that the new blocks push out of w's GPU cache:
-                max(0, occupied + new blocks - capacity) blocks; without a capacity, the share of
-                the new blocks that kv_cache_usage_perc above `kv_high_water` implies
+    evicted(w)  tokens of other prefixes that the new blocks push out of w's GPU cache: the
+                rank's working set over its capacity (controller.demand, weighted by return
+                rates); without one, max(0, occupied + new blocks - capacity) blocks; without a
+                capacity, the share of the new blocks that kv_cache_usage_perc above
+                `kv_high_water` implies. 0 when every full block of the prompt is resident on w:
+                a request that adds no block evicts nothing
 
 Hard rules stay outside the arithmetic: a candidate that is not serving is never ranked, and one
 that is not proven (epoch, calibration, fences) gets no cached tokens, whatever it would cost.
@@ -181,7 +184,9 @@ def terms(
         queued += (waiting - n_queued) * mean_request_tokens
     active = max(n_active, running + waiting)
     # NOTE: the fast path skips the block arithmetic where nothing can be evicted
-    if s.num_demand_blocks >= 0 and capacity and s.block_size > 0:
+    if s.block_size > 0 and num_prompt_tokens // s.block_size <= cached // s.block_size:
+        evicted = 0  # every full block is resident there: it adds none, so it evicts none (issue #27)
+    elif s.num_demand_blocks >= 0 and capacity and s.block_size > 0:
         # NOTE: the working set over capacity, not only this request's new blocks: on an
         # over-committed rank LRU evicts what the next turns need, every round (see overcommit)
         evicted = overcommit_tokens(s)

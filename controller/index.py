@@ -12,7 +12,7 @@ not change with its contents) and is forgotten with the worker.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -81,6 +81,9 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._ranks: dict[RankKey, RankIndex] = {}
         self._capacity: dict[RankKey, int] = {}
+        # told of every event applied and of every drop (None): the router's demand ledger and
+        # block-pool shadow follow the index (a clear or an epoch drop is a cache loss)
+        self.observer: Callable[[RankKey, Event | None], None] | None = None
 
     def rank(self, key: RankKey) -> RankIndex:
         r = self._ranks.get(key)
@@ -99,6 +102,8 @@ class PrefixIndex:
             r.remove(ev)
         elif isinstance(ev, AllBlocksCleared):
             r.clear()
+        if self.observer is not None:
+            self.observer(key, ev)
 
     def held_and_new(self, key: RankKey, ev: BlockStored) -> tuple[int, int]:
         """For a capacity check: the blocks the rank holds where `ev` would go (every GPU group for a
@@ -111,6 +116,8 @@ class PrefixIndex:
     def drop(self, key: RankKey) -> None:
         """Forget everything about a rank (epoch bump)."""
         self._ranks.pop(key, None)
+        if self.observer is not None:
+            self.observer(key, None)
 
     def drop_worker(self, worker: str) -> None:
         for k in [k for k in self._ranks if k[0] == worker]:

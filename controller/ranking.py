@@ -18,6 +18,7 @@ from controller import cost
 from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Ranked
 from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
+from controller.shadow_pool import ShadowPools
 from controller.view import WorkerView
 from controller.vllm.hashing import external_chain
 from controller.vllm.watcher import Worker
@@ -44,10 +45,13 @@ class Ranker:
         branches: Branches,
         cost_config: Callable[[], CostConfig],
         ended: Callable[[list[Flight], str], None],
+        shadow: ShadowPools | None = None,
     ) -> None:
         """`workers` is the router's live registry (read, never changed here); `ended` is told of
-        tracked routes the reconcile ends."""
+        tracked routes the reconcile ends; `shadow` (controller.shadow_pool) hides blocks it knows
+        LRU dropped before their BlockRemoved arrived."""
         self.workers, self.index, self.flights, self.demand, self.branches = workers, index, flights, demand, branches
+        self.shadow = shadow or ShadowPools()
         self.cost, self.ended = cost_config, ended
         self._looked: dict[RankKey, float] = {}  # the /metrics look each rank was last reconciled with
 
@@ -101,7 +105,8 @@ class Ranker:
                         chain, ext, nshared, prev = hit
                         last[key] = chain[-1] if chain else None
                         placed[key] = (hit[0], nshared)
-                        need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared)
+                        group = chain[nshared - 1] if nshared else 0
+                        need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared, group)
                     else:
                         need = -1
                     mine.append(self._state(v, key, proven, chain, ext, seed, need))
@@ -132,6 +137,8 @@ class Ranker:
                 toks -= extended.get(key, 0)
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
         matched, resident, learned = self.index.residency(key, chain)
+        if matched and chain:
+            matched = self.shadow.resident_prefix(key, chain, matched, time.monotonic())
         return CandidateState(
             key[0],
             key[1],

@@ -38,6 +38,8 @@ from controller.metrics import Metrics
 from controller.periodic import Periodic
 from controller.ranking import Ranker, Ranking, check_route_args, checked_chains
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
+from controller.shadow_pool import ShadowPools
+from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from controller.vllm.http import VllmHttp
 from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
@@ -84,8 +86,10 @@ class Router:
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
         self.branches = Branches()
         self.demand = WorkingSet(c.working_set_ttl_s)
+        self.shadow = ShadowPools()
+        self.index.observer = self._on_cache_event
         self.ranker = Ranker(self._workers, self.index, self.flights, self.demand, self.branches,
-                             lambda: self.cfg.cost, self._ended)
+                             lambda: self.cfg.cost, self._ended, self.shadow)
         self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, self._settle_flights,
                                  on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
 
@@ -179,6 +183,7 @@ class Router:
             self._ended(self.flights.drop_worker(name), "unregistered")
             for r in w.ranks:
                 self.demand.forget_rank((name, r))
+            self.shadow.drop_worker(name)
 
     def _get(self, name: str) -> Worker:
         w = self._workers.get(name)
@@ -269,11 +274,13 @@ class Router:
         best = ranking.ranked[0]
         name, r, t = best.state.worker, best.state.dp_rank, best.terms
         placed = ranking.chains.get((name, r))
+        route_id = secrets.token_hex(16) if track else ""
         if placed is not None:  # this turn's conversation now lives on (name, r)
-            self.demand.place((name, r), placed[0], placed[1], time.monotonic())
-        route_id = ""
+            chain, nshared = placed
+            now = time.monotonic()
+            self.demand.place((name, r), chain, nshared, now, chain[nshared - 1] if nshared else 0)
+            self._shadow_route((name, r), route_id, chain, len(token_ids), now)
         if track:
-            route_id = secrets.token_hex(16)
             self.flights.add(
                 Flight(
                     route_id,
@@ -316,6 +323,8 @@ class Router:
         f = self.flights.release(route_id, owner)
         self.metrics.route_releases.labels("released" if f else "unknown").inc()
         if f is not None:
+            self.shadow.free(route_id)
+        if f is not None:
             self._gauge(f.key[0])
         return f is not None
 
@@ -330,9 +339,41 @@ class Router:
         if self._routed:
             m.hit_rate.set(self._matched / self._routed)
 
+    def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
+                      now: float) -> None:
+        """Replay the route on the rank's block-pool shadow (controller.shadow_pool): the blocks LRU
+        drops for it are known before their BlockRemoved arrives. An untracked route is freed at once
+        (its end is never told); a tracked one when released or dropped from the ledger."""
+        w = self._workers[key[0]].view()
+        B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
+        cap = w.load.num_gpu_blocks or self.index.learned_capacity(key)
+        if not B:
+            return
+        rid = route_id or secrets.token_hex(8)
+        self.shadow.allocate(key, rid, chain, 1 if num_tokens % B else 0, cap, now)
+        if not route_id:
+            self.shadow.free(rid)
+
+    def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
+        """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a
+        cache loss, so the rank's conversations leave its working set."""
+        if ev is None or isinstance(ev, AllBlocksCleared):
+            self.demand.forget_rank(key)
+            self.shadow.forget(key)
+            return
+        pool = self.shadow.get(key)
+        if pool is None or (ev.medium or "GPU").upper() != "GPU":
+            return
+        if isinstance(ev, BlockStored):
+            pool.stored(ev.block_hashes, time.monotonic())
+        elif isinstance(ev, BlockRemoved):
+            pool.removed(ev.block_hashes)
+
     def _ended(self, flights: list[Flight], reason: str) -> None:
         if flights:
             self.metrics.inflight_dropped.labels(reason).inc(len(flights))
+        for f in flights:
+            self.shadow.free(f.route_id)
         for worker in {f.key[0] for f in flights}:
             self._gauge(worker)
 

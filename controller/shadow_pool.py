@@ -1,0 +1,237 @@
+"""A shadow of each rank's vLLM block pool, fed by the router's own routes and corrected by KV events.
+
+Pure: no I/O, no clock of its own (callers pass `now`). vLLM announces an eviction (BlockRemoved)
+only after the engine has scheduled the request that caused it, and the event then crosses ZMQ and
+the watcher: a route decided in between trusts blocks that are gone (a stale WARM route). The
+router knows what it just sent, so it can replay vLLM's own eviction rule ahead of the events.
+
+The model mirrors vLLM v1's `BlockPool` and `FreeKVCacheBlockQueue` (vllm/v1/core/block_pool.py,
+kv_cache_utils.py):
+
+- the pool holds `num_gpu_blocks - 1` usable blocks (block 0 is the null block);
+- free blocks wait in one queue in eviction order; at start every block is free and unhashed;
+- a request's cache hit `touch`es its blocks: ref_cnt += 1, and a block whose ref_cnt was 0 leaves
+  the free queue (it can no longer be evicted);
+- its new blocks are popped from the queue's front (`popleft_n`); a popped block that still
+  carries a hash is evicted (`_maybe_evict_cached_block`: one BlockRemoved);
+- when the request ends its blocks are freed in reverse order (`KVCacheManager.free`): ref_cnt
+  -= 1, and those at 0 are appended to the queue's tail, so of one request the tail is evicted
+  first and its prefix last;
+- `reset_prefix_cache` (AllBlocksCleared) drops every hash and keeps the blocks.
+
+Every block here is named by its hash; unhashed ones (never used, a prompt's partial last block)
+are anonymous. Events correct the model: a BlockStored it did not predict takes a slot (the real
+pool had to), a BlockRemoved it did not predict frees the hash, a clear or an epoch drop empties
+it. A predicted eviction is kept until its BlockRemoved confirms it, or for `grace_s` (a
+prediction the events never confirm was wrong: the index's view is trusted again).
+
+    pool = RankPool(num_gpu_blocks=5)             # 4 usable blocks
+    pool.allocate("r1", [11, 12], 1, now=0.0)     # 2 hashed blocks + 1 partial: [] evicted
+    pool.free("r1")                               # queue: fresh, partial, 12, 11 (front first)
+    pool.allocate("r2", [21, 22], 0, now=1.0)     # fresh, then the partial: [] evicted
+    pool.allocate("r3", [31], 0, now=2.0)         # -> [12]: the tail of r1 goes first
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+RankKey = tuple[str, int]
+
+
+class _Anon:
+    """An unhashed free block (a partial block freed, or a hash cleared in place)."""
+
+    __slots__ = ()
+
+
+class RankPool:
+    """One rank's pool: the free queue in eviction order, ref counts of pinned hashed blocks."""
+
+    def __init__(self, num_gpu_blocks: int, grace_s: float = 5.0) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be >= 2 (one is vLLM's null block), got {num_gpu_blocks}")
+        self.num_gpu_blocks, self.grace_s = num_gpu_blocks, grace_s
+        self._fresh = num_gpu_blocks - 1  # never-used blocks at the queue's front
+        self._free: OrderedDict[object, None] = OrderedDict()  # then these, front first: hashes or _Anon
+        self._ref: dict[int, int] = {}  # pinned hashed blocks: hash -> ref_cnt (> 0)
+        self._anon_pinned = 0
+        self._held: dict[str, list[int | None]] = {}  # route -> its blocks in order (None: unhashed)
+        self.evicted: OrderedDict[int, float] = OrderedDict()  # predicted evictions -> when, oldest first
+
+    # what the router reads
+    def cached(self, h: int) -> bool:
+        return h in self._ref or h in self._free
+
+    def queue(self) -> list[int | None]:
+        """The free queue, front (next evicted) first: hashes, None for unhashed blocks (fresh last seen)."""
+        return [None] * self._fresh + [k if isinstance(k, int) else None for k in self._free]
+
+    def num_free(self) -> int:
+        return self._fresh + len(self._free)
+
+    def resident_prefix(self, chain: Sequence[int], matched: int, now: float) -> int:
+        """Of the `matched` leading blocks the index holds, how many are not known to be evicted."""
+        self.expire(now)
+        if self.evicted:
+            for i, h in enumerate(chain[:matched]):
+                if h in self.evicted:
+                    return i
+        return matched
+
+    # the router's routes
+    def allocate(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
+        """A request with these full-block hashes (and `num_partial` unhashed blocks) is scheduled:
+        touch its cached prefix, pop new blocks from the front. Returns the hashes evicted, in order."""
+        if route in self._held:
+            raise ValueError(f"route {route!r} already holds blocks")
+        held: list[int | None] = []
+        hit = 0
+        while hit < len(chain) and self.cached(chain[hit]):
+            self._touch(chain[hit])
+            held.append(chain[hit])
+            hit += 1
+        out: list[int] = []
+        for h in [*chain[hit:], *([None] * num_partial)]:
+            if h is not None and self.cached(h):  # a later block cached on its own: vLLM reuses it too
+                self._touch(h)
+                held.append(h)
+                continue
+            if not self.num_free():
+                break  # the engine would wait (or preempt); what fits is what is known
+            gone = self._popleft()
+            if gone is not None:
+                out.append(gone)
+                self.evicted[gone] = now
+                self.evicted.move_to_end(gone)
+            if h is None:
+                self._anon_pinned += 1
+            else:
+                self._ref[h] = 1
+                self.evicted.pop(h, None)
+            held.append(h)
+        self._held[route] = held
+        return out
+
+    def free(self, route: str) -> None:
+        """The request ended: its blocks return to the queue's tail, last block first."""
+        for h in reversed(self._held.pop(route, [])):
+            if h is None or h not in self._ref:  # unhashed, or its hash was dropped meanwhile
+                self._anon_pinned = max(0, self._anon_pinned - 1)
+                self._free[_Anon()] = None
+            elif self._ref[h] > 1:
+                self._ref[h] -= 1
+            else:
+                del self._ref[h]
+                self._free[h] = None
+
+    # KV events
+    def stored(self, hashes: Iterable[int], now: float) -> None:
+        """BlockStored: a block the model did not place takes a slot, the way the pool had to."""
+        for h in hashes:
+            self.evicted.pop(h, None)
+            if self.cached(h):
+                continue
+            if self.num_free():
+                gone = self._popleft()
+                if gone is not None:
+                    self.evicted[gone] = now
+                self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
+
+    def removed(self, hashes: Iterable[int]) -> None:
+        """BlockRemoved: confirmed. A hash the model still held frees its slot (an unknown request took it)."""
+        for h in hashes:
+            self.evicted.pop(h, None)
+            if h in self._free:
+                del self._free[h]
+                self._fresh += 1  # NOTE: at the front: reused by someone, it is the next slot taken
+            elif h in self._ref:
+                del self._ref[h]
+                self._anon_pinned += 1
+
+    def cleared(self) -> None:
+        """AllBlocksCleared, an epoch drop (sleep, reset, restart): every hash is gone, blocks stay."""
+        self._anon_pinned += sum(self._ref.values())
+        self._ref.clear()
+        self._fresh += len(self._free)
+        self._free.clear()
+        self.evicted.clear()
+
+    def expire(self, now: float) -> None:
+        ev = self.evicted
+        while ev and now - next(iter(ev.values())) >= self.grace_s:
+            ev.popitem(last=False)
+
+    # internals
+    def _touch(self, h: int) -> None:
+        if h in self._free:
+            del self._free[h]
+            self._ref[h] = 1
+        else:
+            self._ref[h] += 1
+
+    def _popleft(self) -> int | None:
+        """Take the front block; the hash it carried (evicted), or None."""
+        if self._fresh:
+            self._fresh -= 1
+            return None
+        k, _ = self._free.popitem(last=False)
+        return k if isinstance(k, int) else None
+
+
+class ShadowPools:
+    """A RankPool per (worker, dp_rank), created once its capacity is known, rebuilt if it changes."""
+
+    def __init__(self, grace_s: float = 5.0) -> None:
+        self.grace_s = grace_s
+        self._pools: dict[RankKey, RankPool] = {}
+        self._route_key: dict[str, RankKey] = {}
+
+    def get(self, key: RankKey) -> RankPool | None:
+        return self._pools.get(key)
+
+    def pool(self, key: RankKey, num_gpu_blocks: int | None) -> RankPool | None:
+        p = self._pools.get(key)
+        if num_gpu_blocks is None or num_gpu_blocks < 2:
+            return p
+        if p is None or p.num_gpu_blocks != num_gpu_blocks:
+            p = self._pools[key] = RankPool(num_gpu_blocks, self.grace_s)
+        return p
+
+    def allocate(
+        self,
+        key: RankKey,
+        route: str,
+        chain: Sequence[int],
+        num_partial: int,
+        num_gpu_blocks: int | None,
+        now: float,
+    ) -> list[int]:
+        p = self.pool(key, num_gpu_blocks)
+        if p is None:
+            return []
+        self._route_key[route] = key
+        return p.allocate(route, chain, num_partial, now)
+
+    def free(self, route: str) -> None:
+        key = self._route_key.pop(route, None)
+        p = self._pools.get(key) if key is not None else None
+        if p is not None:
+            p.free(route)
+
+    def resident_prefix(self, key: RankKey, chain: Sequence[int], matched: int, now: float) -> int:
+        p = self._pools.get(key)
+        return p.resident_prefix(chain, matched, now) if p is not None and matched else matched
+
+    def forget(self, key: RankKey) -> None:
+        """Every hash on the rank is gone (a clear, an epoch drop)."""
+        p = self._pools.get(key)
+        if p is not None:
+            p.cleared()
+
+    def drop_worker(self, worker: str) -> None:
+        for k in [k for k in self._pools if k[0] == worker]:
+            del self._pools[k]
+        for r in [r for r, k in self._route_key.items() if k[0] == worker]:
+            del self._route_key[r]

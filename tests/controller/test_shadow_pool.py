@@ -1,0 +1,92 @@
+"""The block-pool shadow (controller/shadow_pool.py): vLLM's free queue and ref counts, exact block ids and
+eviction order, fed by routes and corrected by KV events."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.shadow_pool import RankPool, ShadowPools
+
+
+def test_the_docstring_walk_through_null_block_fresh_blocks_then_lru_tail_first() -> None:
+    p = RankPool(num_gpu_blocks=5)  # block 0 is the null block: 4 usable
+    assert p.num_free() == 4
+    assert p.allocate("r1", [11, 12], 1, now=0.0) == []
+    assert p.queue() == [None] and p.num_free() == 1
+    p.free("r1")  # reversed: the partial block, then 12, then 11 join the tail
+    assert p.queue() == [None, None, 12, 11]
+    assert p.allocate("r2", [21, 22], 0, now=1.0) == []  # the fresh block, then the freed partial one
+    assert p.queue() == [12, 11]
+    assert p.allocate("r3", [31], 0, now=2.0) == [12]  # r1's tail first, its head stays
+    assert p.queue() == [11] and p.cached(11) and not p.cached(12)
+
+
+def test_a_hit_touches_its_blocks_out_of_the_queue_and_pinned_blocks_are_never_evicted() -> None:
+    p = RankPool(num_gpu_blocks=5)
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a")
+    assert p.queue() == [None, 3, 2, 1]
+    assert p.allocate("b", [1, 2, 9], 0, now=1.0) == []  # hit 1, 2 (touched out), 9 takes the fresh block
+    assert p.queue() == [3]
+    assert p.allocate("c", [7], 0, now=2.0) == [3]
+    assert p.allocate("d", [8], 0, now=3.0) == []  # nothing free: 1, 2, 9 and 7 are pinned
+    assert p.queue() == [] and not p.cached(8)
+    p.free("b")  # 9, 2, 1 in that order
+    assert p.queue() == [9, 2, 1]
+    p.free("c")
+    assert p.allocate("e", [5, 6], 0, now=4.0) == [9, 2]
+    assert p.queue() == [1, 7]
+
+
+def test_shared_blocks_count_references_and_rejoin_the_queue_only_when_the_last_one_ends() -> None:
+    p = RankPool(num_gpu_blocks=6)  # 5 usable
+    p.allocate("a", [1, 2], 0, now=0.0)
+    p.allocate("b", [1, 2, 3], 0, now=0.0)  # shares 1, 2 (ref 2)
+    p.free("a")
+    assert p.queue() == [None, None]  # 1 and 2 still held by b
+    p.free("b")
+    assert p.queue() == [None, None, 3, 2, 1]
+    assert p.allocate("c", [4, 5, 6, 7], 0, now=1.0) == [3, 2]
+
+
+def test_predicted_evictions_hide_index_matches_until_confirmed_or_past_the_grace() -> None:
+    p = RankPool(num_gpu_blocks=4, grace_s=5.0)  # 3 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a")
+    assert p.allocate("b", [4, 5], 0, now=1.0) == [3, 2]
+    # the index still holds 1, 2, 3 (no BlockRemoved yet): only block 1 is resident as far as LRU goes
+    assert p.resident_prefix([1, 2, 3], 3, now=1.5) == 1
+    p.removed([3])  # confirmed: no longer a prediction (the index drops it itself)
+    assert list(p.evicted) == [2]
+    assert p.resident_prefix([1, 2, 3], 3, now=6.0) == 3  # 2's BlockRemoved never came: the index is trusted
+
+
+def test_events_correct_the_model() -> None:
+    p = RankPool(num_gpu_blocks=4)  # 3 usable
+    p.allocate("a", [1, 2], 0, now=0.0)
+    p.free("a")
+    p.stored([1, 8], now=1.0)  # 1 known; 8 unpredicted (another router's request): takes the fresh slot
+    assert p.queue() == [2, 1, 8]
+    p.stored([9], now=2.0)  # no fresh block left: LRU drops 2 for it
+    assert p.queue() == [1, 8, 9] and list(p.evicted) == [2]
+    p.removed([8])  # an eviction the model missed: its slot is the next one taken
+    assert p.queue() == [None, 1, 9]
+    assert p.allocate("b", [5], 0, now=3.0) == []
+    p.cleared()
+    assert p.queue() == [None, None] and not p.cached(1) and not p.evicted
+    p.free("b")
+    assert p.queue() == [None, None, None]  # its hash was cleared while it ran: it comes back unhashed
+
+
+def test_pools_per_rank_are_made_once_the_capacity_is_known_and_follow_the_routes() -> None:
+    s = ShadowPools()
+    assert s.allocate(("w0", 0), "r1", [1, 2], 0, None, now=0.0) == []
+    assert s.get(("w0", 0)) is None
+    s.allocate(("w0", 0), "r1", [1, 2], 0, 3, now=0.0)
+    s.free("r1")
+    assert s.allocate(("w0", 0), "r2", [3, 4], 0, 3, now=1.0) == [2, 1]
+    assert s.resident_prefix(("w0", 0), [1, 2], 2, now=1.0) == 0
+    s.drop_worker("w0")
+    assert s.get(("w0", 0)) is None and s.resident_prefix(("w0", 0), [1, 2], 2, now=1.0) == 2
+    with pytest.raises(ValueError, match="null block"):
+        RankPool(1)
