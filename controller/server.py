@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from controller.auth import Authenticator, TokenBook
 from controller.edge import DecodeGuard, GrpcLimits, server_credentials
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S, FleetMetricsPoller
+from controller.judge_lanes import JudgeLanes, JudgeLimits
 from controller.kernel_placement import set_kernel_placement
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
@@ -32,7 +33,7 @@ from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
-from fleet.quarantine.layered import DEFAULT_LAYERS, DetectorConfig
+from fleet.quarantine.layered import DetectorConfig, default_layers
 from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
@@ -66,8 +67,10 @@ class ControllerConfig:
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
-    detector_layers: tuple[str, ...] = DEFAULT_LAYERS  # the Judge's detector layers (--detector-layers)
+    # the Judge's detector layers (--detector-layers; default: the default layers installed here)
+    detector_layers: tuple[str, ...] = field(default_factory=default_layers)
     detector_tenants: tuple[tuple[str, DetectorConfig], ...] = ()  # per-tenant detectors (--detector-tenant)
+    judge: JudgeLimits = field(default_factory=JudgeLimits)  # judge pool and per-tenant lanes (--judge-*)
 
     def __post_init__(self) -> None:
         port = self.listen.rsplit(":", 1)[-1]
@@ -162,6 +165,7 @@ class Controller:
             await self.ctx.router.stop()
         await self.ctx.store_gc.stop()
         await self.ctx.fleet_metrics.stop()
+        await self.ctx.judge_lanes.aclose()  # queued verdicts dropped, running ones finish before the store closes
         for hook in self.ctx.on_stop:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(hook)
@@ -224,7 +228,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes,
                          detector=DetectorConfig(layers=cfg.detector_layers),
-                         detector_tenants=dict(cfg.detector_tenants))
+                         detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
         await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)

@@ -5,15 +5,22 @@ controller's --detector-layers is the one policy, loaded once per controller, ne
 
     verdict(bytes) = operator verdict on sha256(bytes), if one is set        (late verdicts, SetVerdict)
                    else QUARANTINED if the tenant's blob of these bytes is   (admit_tool_result marked it)
-                   else VerdictCache(store, detector).inspect(bytes)         (one inspection per bytes+config)
+                   else the tenant's full verdict, if the store has it       (every layer, the heavy ones too)
+                   else the tenant's fast verdict (layers not in HEAVY_LAYERS, computed now if need be),
+                        and the full one is computed in the background (`heavy`): a late verdict
+
+A config with only heavy layers has no fast verdict and is judged in full at once (`judge` does the
+whole rule inline: tests, scripts). docs/quarantine_path.md states the policy.
 
 Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
 
-    quarantine.verdicts  "<sha256>:<config id>.<code>"    JSON Verdict            (fleet.quarantine.cache)
+    quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict       (fleet.quarantine.cache)
     quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
     quarantine.seen      "<tenant>/<sha256>"              QuarantineRecord as JSON (recent quarantines)
 
-Blocking (store I/O, the detector's CPU): the servicer runs these methods off the event loop.
+Verdicts are cached per tenant (issue #28): a tenant never reads a verdict another tenant's bytes made.
+Blocking (store I/O, the detector's CPU): the servicers run these methods in the tenant's judge lane
+(controller/judge_lanes.py), never on the event loop or the store executor.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,7 @@ ACTIONS = ("placeholder", "refuse")
 MAX_RESULTS = 256  # tool results per JudgeToolResults call
 MAX_REASONS, MAX_REASON_LEN = 16, 200
 RECORD_TTL_S = 30 * 86400.0  # a quarantine record no request carried for this long is pruned by the leader's GC
+HEAVY_LAYERS = frozenset({"encoder"})  # run off the request path when the config has a faster layer too
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +107,15 @@ class Judge:
                 caches[cfg] = VerdictCache(store, det, config_id=f"{det.config_id}.{code}")
             return caches[cfg]
 
-        self.cache = cache_of(config or DetectorConfig())  # the shipped policy (rules + learned + encoder)
+        def fast_of(cfg: DetectorConfig) -> VerdictCache | None:
+            fast = tuple(x for x in cfg.layers if x not in HEAVY_LAYERS)
+            return cache_of(replace(cfg, layers=fast)) if fast and fast != cfg.layers else None
+
+        default = config or DetectorConfig()
+        self.cache = cache_of(default)  # the shipped policy, every layer
         self.tenant_caches = {t: cache_of(c) for t, c in (tenants or {}).items()}
+        self.fast = fast_of(default)  # its fast layers (None: it has no heavy layer, or only heavy ones)
+        self.tenant_fast = {t: fast_of(c) for t, c in (tenants or {}).items()}
 
     @property
     def config_id(self) -> str:
@@ -108,7 +123,12 @@ class Judge:
         return self.cache.config_id
 
     def cache_for(self, tenant: str) -> VerdictCache:
+        """`tenant`'s full verdicts (every layer of its config)."""
         return self.tenant_caches.get(tenant, self.cache)
+
+    def fast_for(self, tenant: str) -> VerdictCache | None:
+        """`tenant`'s fast verdicts (its config without HEAVY_LAYERS), or None: nothing to run later."""
+        return self.tenant_fast[tenant] if tenant in self.tenant_fast else self.fast
 
     def config_id_for(self, tenant: str) -> str:
         """The verdict space `tenant`'s results are judged in."""
@@ -120,40 +140,88 @@ class Judge:
         Raises:
             InvalidArgument: too many results, or an action other than ACTIONS.
         """
-        if len(results) > MAX_RESULTS:
-            raise InvalidArgument(f"{len(results)} tool results in one call; at most {MAX_RESULTS}")
-        if action not in ACTIONS:
-            raise InvalidArgument(f"action {action!r}: expected one of {ACTIONS}")
+        self.check(len(results), action)
         out = [self._one(data, tenant) for data in results]
-        now = time.time()
-        for j in {j.ref: j for j in out if j.quarantined}.values():
-            self._record(tenant, j, action, now)
+        self.record(tenant, out, action)
         return out
 
-    def admission(self, ref: str, tenant: str) -> Judgement:
+    @staticmethod
+    def check(num_results: int, action: str) -> None:
+        """Raises InvalidArgument: too many results in one call, or an action other than ACTIONS."""
+        if num_results > MAX_RESULTS:
+            raise InvalidArgument(f"{num_results} tool results in one call; at most {MAX_RESULTS}")
+        if action not in ACTIONS:
+            raise InvalidArgument(f"action {action!r}: expected one of {ACTIONS}")
+
+    def admission(self, ref: str, tenant: str, fast: bool = False) -> tuple[Judgement, bytes | None]:
         """The verdict on the tenant's stored blob `ref` for AdmitToolResult: the same rule, detector and
         verdict cache as the proxy's (so a session and the proxy agree on the same bytes, and bytes judged
-        once are not judged again); a quarantine is recorded for the tenant with action "evict".
+        once are not judged again); a quarantine is recorded for the tenant with action "evict". With
+        `fast`, (the fast verdict, the blob's bytes) when the full verdict is still to come (`heavy`).
 
         Raises:
             NotFound: the tenant has no blob `ref`.
         """
-        j = self._one(bytes(self.store.get(ref, tenant)), tenant)
+        data = bytes(self.store.get(ref, tenant))
+        j, later = self.now(data, tenant, fast)
         if j.quarantined:
             self._record(tenant, j, "evict", time.time())
-        return j
+        return j, data if later else None
 
     def _one(self, data: bytes, tenant: str) -> Judgement:
+        j, _ = self.now(data, tenant, fast=False)
+        return j
+
+    def now(self, data: bytes, tenant: str, fast: bool = True) -> tuple[Judgement, bool]:
+        """(the verdict a request gets now, whether the full verdict is still to come: run `heavy` later).
+
+        fast=False: the full verdict, computed now if need be (the second element is then False).
+        """
         ref = sha256_hex(data)
         raw = self.store.kv_get(OPERATOR_NS, ref)
         if raw is not None:
             op = json.loads(raw)
-            return Judgement(ref, op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator")
+            return Judgement(ref, op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator"), False
         blob = self._blob_verdict(ref, tenant)
         if blob is not None:
-            return blob
-        v = self.cache_for(tenant).inspect(data)
-        return Judgement(ref, v.quarantined, tuple(v.reasons), "detector")
+            return blob, False
+        full, quick = self.cache_for(tenant), self.fast_for(tenant)
+        if fast and quick is not None:
+            v = full.cached(data, tenant)
+            if v is None:
+                v = quick.inspect(data, tenant)
+                return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), not v.quarantined
+        else:
+            v = full.inspect(data, tenant)
+        return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), False
+
+    def heavy(self, data: bytes, tenant: str) -> Judgement:
+        """The full verdict (every layer), stored in the tenant's verdict space; a quarantine found late is
+        recorded for the tenant (action "late") and marks the tenant's blob of these bytes, if it has one, so
+        sessions refuse to append it and the next AdmitToolResult evicts it (a late eviction)."""
+        j = self._one(data, tenant)
+        if j.quarantined and j.source == "detector":
+            self._record(tenant, j, "late", time.time())
+            try:
+                self.store.set_verdict(j.ref, tenant, QUARANTINED, list(j.reasons))
+            except NotFound:
+                pass  # the proxy saw it; the tenant never stored it as a blob
+        return j
+
+    def heavy_blob(self, ref: str, tenant: str) -> Judgement | None:
+        """`heavy` on the tenant's blob `ref` (None: it is gone), read when the job runs (PutBlob's hook:
+        a queued job holds a ref, not the bytes)."""
+        try:
+            data = bytes(self.store.get(ref, tenant))
+        except NotFound:
+            return None
+        return self.heavy(data, tenant)
+
+    def record(self, tenant: str, out: list[Judgement], action: str) -> None:
+        """Record `out`'s quarantined refs for `tenant` (ListQuarantines), once per ref."""
+        now = time.time()
+        for j in {j.ref: j for j in out if j.quarantined}.values():
+            self._record(tenant, j, action, now)
 
     def _blob_verdict(self, ref: str, tenant: str) -> Judgement | None:
         """QUARANTINED if the tenant's own blob of these bytes was (admit_tool_result: one verdict, two media)."""

@@ -6,7 +6,8 @@ Unfinished puts are bounded by controller/uploads.py: a put reserves its announc
 and in total when its header arrives, and one that sends no bytes for the idle timeout is dropped.
 Stored bytes are bounded per tenant (--max-blob-bytes-per-tenant): the store checks the quota in the
 same transaction as the write; a header with an expected_ref (not yet stored) that cannot fit is
-refused before any chunk is buffered.
+refused before any chunk is buffered. A stored blob is queued for the heavy detector layers in the tenant's
+judge lane (ServiceContext.judge_blob_later; docs/quarantine_path.md): the put never waits for it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class BlobServicer(pbg.BlobServiceServicer):
                 raise
         self.ctx.metrics.cas_ops.labels(op="put", outcome="ok").inc()
         self.ctx.metrics.cas_bytes.labels(direction="in").inc(header.size)
+        self.ctx.judge_blob_later(ident.tenant, ref)  # a heavy layer's verdict, in the tenant's lane, not waited for
         return pb.PutBlobResponse(ref=ref, size=header.size)
 
     async def _header(self, requests: AsyncIterator[pb.PutBlobRequest]) -> pb.PutBlobHeader:

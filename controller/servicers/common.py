@@ -18,10 +18,11 @@ import grpc
 
 from controller.auth import Authenticator, Identity, Role
 from controller.edge import Undecodable, checked_stream, refuse
+from controller.judge_lanes import JudgeLanes
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
-from controller.verdicts import Judge
+from controller.verdicts import Judge, Judgement
 from fleet.errors import KvfleetError, Unavailable
 from fleet.quarantine.layered import DetectorConfig
 from workers.placement import NODE_KV_BYTES
@@ -56,16 +57,73 @@ class ServiceContext:
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
     detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
     detector_tenants: dict[str, DetectorConfig] = field(default_factory=dict)  # --detector-tenant overrides
+    judge_lanes: JudgeLanes = field(default_factory=JudgeLanes)  # the detector's own pool, per-tenant lanes
     _judge: Judge | None = None
     _judge_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _heavy_pending: set[tuple[str, str]] = field(default_factory=set)  # (tenant, ref) queued for `heavy`
 
     async def judge(self) -> Judge:
         """The controller's one Judge (proxy verdicts and session admissions), built on first use: calls that
-        arrive while it loads wait for that one (loading the encoder takes seconds)."""
+        arrive while it loads wait for that one (loading the encoder takes seconds). Built on a judge
+        thread, not the store executor; torch's intra-op threads are pinned to one (see pin_torch_threads)."""
         async with self._judge_lock:
             if self._judge is None:
-                self._judge = await self.blocking(Judge, self.store, self.detector, self.detector_tenants)
+                loop = asyncio.get_running_loop()
+                build = functools.partial(Judge, self.store, self.detector, self.detector_tenants)
+                self._judge = await loop.run_in_executor(self.judge_lanes.pool, build)
+                pin_torch_threads()
         return self._judge
+
+    async def judge_now(self, tenant: str, results: list[bytes], action: str) -> list[Judgement]:
+        """JudgeToolResults' verdicts: each distinct result judged in `tenant`'s lane (fast layers; a heavy
+        layer's verdict is waited for only when already stored), the heavy layers queued in the background,
+        quarantines recorded for the tenant."""
+        j = await self.judge()
+        j.check(len(results), action)
+        distinct = list(dict.fromkeys(results))
+        got = await asyncio.gather(*(self.judge_lanes.run(tenant, j.now, data, tenant) for data in distinct))
+        verdicts = {}
+        for data, (jm, later) in zip(distinct, got, strict=True):
+            verdicts[data] = jm
+            if later:
+                self.judge_later(j, tenant, jm.ref, data)
+        out = [verdicts[data] for data in results]
+        if any(x.quarantined for x in out):
+            await self.judge_lanes.run(tenant, j.record, tenant, out, action)
+        return out
+
+    async def admission(self, ref: str, tenant: str) -> Judgement:
+        """AdmitToolResult's verdict on the tenant's blob `ref`, in the tenant's lane (as judge_now)."""
+        j = await self.judge()
+        jm, data = await self.judge_lanes.run(tenant, j.admission, ref, tenant, True)
+        if data is not None:
+            self.judge_later(j, tenant, jm.ref, data)
+        return jm
+
+    def judge_blob_later(self, tenant: str, ref: str) -> None:
+        """PutBlob's hook: the tenant's new blob gets its full verdict in the background when the tenant's
+        config has a heavy layer, so a later AdmitToolResult (or the proxy) finds it stored. Nothing when the
+        Judge is not built yet: a controller that never judged loads no detector for an upload."""
+        j = self._judge
+        if j is not None and j.fast_for(tenant) is not None:
+            self.judge_later(j, tenant, ref, None)
+
+    def judge_later(self, j: Judge, tenant: str, ref: str, data: bytes | None) -> None:
+        """Queue the full verdict (heavy layers) on `data` (None: the tenant's blob `ref`, read when the job
+        runs) in `tenant`'s lane, once while it is pending."""
+        key = (tenant, ref)
+        if key in self._heavy_pending:
+            return
+
+        def heavy() -> None:
+            try:
+                j.heavy(data, tenant) if data is not None else j.heavy_blob(ref, tenant)
+            finally:
+                self._heavy_pending.discard(key)  # NOTE: set.discard is atomic under the GIL
+
+        self._heavy_pending.add(key)
+        if not self.judge_lanes.background(tenant, heavy):
+            self._heavy_pending.discard(key)  # the tenant's background queue is full: judged when next seen
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking store call off the event loop."""
@@ -75,6 +133,18 @@ class ServiceContext:
         if self.router is None:
             raise Unavailable("the router is not running on this controller yet; retry shortly")
         return self.router
+
+
+def pin_torch_threads() -> None:
+    """One intra-op thread for torch in this process (if the encoder loaded it): a judge job then runs on
+    its judge thread alone, so time.thread_time() is its whole CPU and `--judge-threads` bounds the cores
+    judging takes (torch's default, one thread per core, let one inspection take every core). The
+    controller runs no other torch work (sessions run in their own processes)."""
+    import sys  # noqa: PLC0415
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut: never echo a client's megabytes back

@@ -1,9 +1,10 @@
 """QuarantineService: the proxy's tool-result verdicts (tenant), operator verdicts, recent quarantines.
 
-Thin: authenticate, translate, run controller.verdicts.Judge off the event loop (store I/O and the
-detector's CPU), translate back. The Judge is the controller's one (ServiceContext.judge, shared with
+Thin: authenticate, translate, run controller.verdicts.Judge in the caller's judge lane (its CPU on the
+judge pool, paced per tenant: controller/judge_lanes.py; never the store executor that uploads use),
+translate back. The Judge is the controller's one (ServiceContext.judge, shared with
 SessionService.AdmitToolResult) and is built on first use, so a controller that never sees a tool result
-never loads a detector.
+never loads a detector. A heavy layer's verdict is not waited for (ServiceContext.judge_now).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
     async def JudgeToolResults(self, request: pb.JudgeToolResultsRequest, context: grpc.aio.ServicerContext,
                                ident: Identity) -> pb.JudgeToolResultsResponse:
         j = await self.ctx.judge()
-        out = await self.ctx.blocking(j.judge, list(request.results), ident.tenant, request.action)
+        out = await self.ctx.judge_now(ident.tenant, list(request.results), request.action)
         self.ctx.metrics.quarantines.inc(sum(x.quarantined for x in out))
         return pb.JudgeToolResultsResponse(
             judgements=[pb.Judgement(ref=x.ref, quarantined=x.quarantined, reasons=x.reasons, source=x.source)

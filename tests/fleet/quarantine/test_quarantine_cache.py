@@ -52,3 +52,18 @@ def test_config_id_separates_tenants_policies(tmp_path: Path) -> None:
     )  # control: a different config never reads the other's verdict
     assert v_strict.quarantined and not v_lax.quarantined
     assert len(store.kv_scan(NAMESPACE)) == 2
+
+
+def test_a_tenant_never_reads_another_tenants_verdict(tmp_path: Path) -> None:
+    """Issue #28: the verdict cache was keyed by bytes + config only, so tenant B's first look at bytes tenant A
+    had sent was a hit (111 ms against 600 ms for a miss): B could test what A's tool results held."""
+    store = open_store(f"sqlite:///{tmp_path}/kvfleet.db")
+    det = Counting(DetectorConfig(layers=("rules",)))
+    cache = VerdictCache(store, det)
+    assert cache.inspect(POISON, tenant="acme").quarantined
+    assert cache.cached(POISON, tenant="bravo") is None  # nothing of acme's is visible to bravo
+    assert cache.inspect(POISON, tenant="bravo").quarantined  # computed again, in bravo's own space
+    assert (det.num_calls, cache.num_misses, cache.num_hits) == (2, 2, 0)
+    assert cache.inspect(POISON, tenant="acme") == cache.inspect(POISON, tenant="bravo")  # control: both hit now
+    assert (det.num_calls, cache.num_hits) == (2, 2)
+    assert sorted(store.kv_scan(NAMESPACE)) == sorted([cache.key(POISON, "acme"), cache.key(POISON, "bravo")])
