@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: sets up .venv (idempotent), then runs what you ask.
 #   ./dev.sh demo [args]   the main job: kvfleet demo on the embedded defaults
 #   ./dev.sh test [args]   the whole test suite (pytest args pass through); with no args it first reruns
-#                          the kernel exactness tests on forced AVX2 code paths
+#                          the kernel exactness tests on forced AVX2 code paths and checks that a plain
+#                          `pip install .` runs the demo and the controller (scripts/plain_install_check.sh)
 #   ./dev.sh bench NAME    a benchmark from bench/ (writes docs/benchmarks.md sections)
 #   ./dev.sh kvfleet ...   any kvfleet command inside the venv
 set -euo pipefail
@@ -42,6 +43,9 @@ case "$cmd" in
       ( eval "$paths"
         python -m pytest -q -p no:cacheprovider tests/fleet/kernel
         kvfleet witness >/dev/null || { kvfleet witness; exit 1; } )
+      # A plain `pip install .` (no extras: no torch, transformers or peft), in its own cached venv
+      # (.venv-plain), runs `kvfleet demo` and starts `kvfleet controller`.
+      scripts/plain_install_check.sh
     fi
     exec python -m pytest "$@" ;;
   bench) name=${1:?usage: ./dev.sh bench NAME (a script in bench/, without .py)}; shift
@@ -57,5 +61,5 @@ case "$cmd" in
     fi
     exec python "bench/$name.py" "$@" ;;
   kvfleet) exec kvfleet "$@" ;;
-  *) sed -n '2,7p' "$0"; exit 2 ;;
+  *) sed -n '2,8p' "$0"; exit 2 ;;
 esac

@@ -95,4 +95,10 @@ if [ "$rc" != 0 ]; then
   cat ctl.log >&2; echo "plain install check: kvfleet controller stopped with exit code $rc" >&2; exit 1
 fi
 grep "detector layers:" ctl.log
+# A layer named explicitly but not installed stays an error at start, naming the command that installs it.
+rc=0; "$VENV/bin/kvfleet" controller --listen "127.0.0.1:$port" --store "sqlite:///$work/ctl2.db" --metrics-port -1 \
+  --detector-layers encoder > named.log 2>&1 || rc=$?
+if [ "$rc" != 2 ] || ! grep -q "pip install 'kvfleet\[encoder\]'" named.log; then
+  cat named.log >&2; echo "plain install check: --detector-layers encoder without it installed: exit $rc, not a clear error" >&2; exit 1
+fi
 step "ok: kvfleet demo ran and kvfleet controller started and stopped, without torch, transformers or peft"
