@@ -33,7 +33,7 @@ from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
-from fleet.quarantine.layered import DEFAULT_LAYERS, DetectorConfig
+from fleet.quarantine.layered import DetectorConfig, default_layers
 from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
@@ -67,7 +67,8 @@ class ControllerConfig:
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
-    detector_layers: tuple[str, ...] = DEFAULT_LAYERS  # the Judge's detector layers (--detector-layers)
+    # the Judge's detector layers (--detector-layers; default: the default layers installed here)
+    detector_layers: tuple[str, ...] = field(default_factory=default_layers)
     detector_tenants: tuple[tuple[str, DetectorConfig], ...] = ()  # per-tenant detectors (--detector-tenant)
     judge: JudgeLimits = field(default_factory=JudgeLimits)  # judge pool and per-tenant lanes (--judge-*)
 
