@@ -79,7 +79,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         payloads = _payloads(rng, args.blocks - PROMPT_BLOCKS)
         t0 = time.perf_counter()
         for seq, p in enumerate(payloads):
-            w.on_batch(0, seq, decode_batch(p))
+            await w.on_batch(0, seq, decode_batch(p))
         t_ing += time.perf_counter() - t0
         n_hashes += args.blocks - PROMPT_BLOCKS
         floor: set[int] = set()

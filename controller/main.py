@@ -103,17 +103,27 @@ STREAM_FLAGS: dict[str, tuple[str, type, str]] = {
         int,
         "blocks one worker rank may hold when its /metrics gives no num_gpu_blocks",
     ),
+    "--kv-max-events-per-s": (
+        "max_events_per_s",
+        int,
+        "KV events per second one worker rank may send, live or replayed (an AllBlocksCleared counts 1,000); "
+        "past its budget the worker is faulty: not routed to",
+    ),
+    "--kv-max-event-burst": ("max_event_burst", int, "depth of that event budget (events at once)"),
+    "--kv-faulty-hold": ("faulty_hold_s", float, "seconds a worker over its event budget stays faulty"),
 }
 
 
-def add_stream_flags(p: argparse.ArgumentParser) -> None:
-    """The --kv-* flags: StreamLimits (controller/vllm/subscriber.py)."""
+def add_stream_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """The --kv-* flags: StreamLimits (controller/vllm/subscriber.py); each also read from the
+    environment as KVFLEET_ + the flag in capitals (--kv-max-events-per-s: KVFLEET_KV_MAX_EVENTS_PER_S)."""
     from controller.vllm.subscriber import StreamLimits
 
     defaults = StreamLimits()
     for flag, (field, kind, text) in STREAM_FLAGS.items():
-        p.add_argument(flag, type=kind, default=None, dest=field,
-                       help=f"{text} (default {getattr(defaults, field)})")
+        var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
+        p.add_argument(flag, type=kind, default=(env or {}).get(var), dest=field,
+                       help=f"{text} (default {getattr(defaults, field)}; env {var})")
 
 
 def stream_limits_from(args: argparse.Namespace) -> Any:
@@ -225,7 +235,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         "encoder:0.97/0.98 (one per member) (other tenants: --detector-layers)",
     )
     add_cost_flags(p)
-    add_stream_flags(p)
+    add_stream_flags(p, env)
     add_kernel_flags(p)
     add_edge_flags(p)
     add_session_flags(p)

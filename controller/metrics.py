@@ -103,6 +103,17 @@ class Metrics:
             "Stored block hashes refused: the rank would hold more than its capacity bound.",
             registry=r,
         )
+        self.worker_faulty = Gauge(
+            "kvfleet_worker_faulty",
+            "1 while a worker is faulty: over its KV-event budget, not routed to (--kv-max-events-per-s).",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_events_over_budget = Counter(
+            "kvfleet_kv_events_over_budget_total",
+            "KV events refused because their worker was over its event budget.",
+            registry=r,
+        )
         self.worker_errors = Counter(
             "kvfleet_worker_errors_total",
             "Failures contained to one worker (start, reconcile, tail replay, status), by where.",

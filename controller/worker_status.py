@@ -43,14 +43,15 @@ class WorkerStatus:
 def status_row(w: Worker, r: int, index: PrefixIndex) -> WorkerStatus:
     """One rank's row; every field checked for its wire type (a bad one raises here, not in proto)."""
     st, v, key = w.ranks[r], w.view(), (w.spec.name, r)
+    faulty = w.faulty()  # over its KV-event budget (controller/vllm/budget.py): listed as such, not serving
     return WorkerStatus(
         v.name,
         v.url,
         v.model,
         r,
-        _typed(st.phase, str),
+        "faulty" if faulty else _typed(st.phase, str),
         _typed(st.kv, str),
-        _typed(st.serving, bool),
+        _typed(st.serving, bool) and not faulty,
         _typed(v.rank(r).warmable, bool) and bool(index.resident(key)),
         _typed(st.epoch, int),
         _typed(st.seq, int),

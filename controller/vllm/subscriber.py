@@ -10,6 +10,9 @@ Everything a worker sends is bounded (`StreamLimits`): a live frame larger than 
 is dropped by ZMQ itself (ZMQ_MAXMSGSIZE; the peer is disconnected and the gap shows on the next
 frame), and one replay stops at an overall deadline, a batch count and a byte total. A replay
 over any bound fails like one that got no answer: the gap is unrepaired and the rank fails closed.
+Events are applied in slices that yield to the event loop (controller/vllm/budget.py), and a sink
+that is muted (its worker overran its event budget: faulty) gets only the seqs, nothing decoded,
+and no replay is asked for it.
 NOTE: a ROUTER that trickles frames just under the per-frame timeout, or floods without an end
 marker, used to hold the replay (and the reconcile loop behind it) forever and grow without bound.
 """
@@ -18,15 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
 from controller.metrics import Metrics
+from controller.vllm.budget import Slicer
 from controller.vllm.events import (
     END_SEQ,
     MAX_SEQ,
@@ -55,13 +60,17 @@ class StreamLimits:
     replay_max_bytes: int = 256 << 20
     max_msg_bytes: int = 64 << 20  # one ZMQ message (ZMQ_MAXMSGSIZE on SUB and DEALER)
     max_resident_blocks: int = 1 << 20  # per rank, when its /metrics gives no num_gpu_blocks
+    max_events_per_s: int = 20_000  # per rank: the event budget's refill (controller/vllm/budget.py)
+    max_event_burst: int = 200_000  # per rank: the budget's depth (a full honest catch-up replay fits)
+    faulty_hold_s: float = 60.0  # a worker over its budget is faulty (not serving) this long
 
     def __post_init__(self) -> None:
-        for name in ("replay_timeout_s", "replay_deadline_s"):
+        for name in ("replay_timeout_s", "replay_deadline_s", "faulty_hold_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or not v > 0:
                 raise InvalidArgument(f"{name} must be > 0 seconds, got {v!r}")
-        for name in ("replay_max_batches", "replay_max_bytes", "max_msg_bytes", "max_resident_blocks"):
+        for name in ("replay_max_batches", "replay_max_bytes", "max_msg_bytes", "max_resident_blocks",
+                     "max_events_per_s", "max_event_burst"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {v!r}")
@@ -72,9 +81,13 @@ class _OverLimit(Exception):
 
 
 class StreamSink(Protocol):
+    """Where a stream's batches go. `on_batch` may be a coroutine function (it then yields while it
+    applies a large batch); a sink may also have `muted() -> bool` and `skip(seq)`: while muted, it
+    is told only the seq of each live batch, and no replay is asked for it."""
+
     def last_seq(self) -> int: ...
 
-    def on_batch(self, seq: int, batch: EventBatch) -> None: ...
+    def on_batch(self, seq: int, batch: EventBatch) -> Any: ...
 
     def on_invalidate(self, reason: str, seq: int | None) -> None: ...
 
@@ -92,6 +105,11 @@ class Subscriber:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._closing = False
+        self.slicer = Slicer()
+
+    def muted(self) -> bool:
+        m = getattr(self.sink, "muted", None)
+        return bool(m()) if m is not None else False
 
     async def start(self, catch_up_from: int | None = None) -> None:
         """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
@@ -105,8 +123,10 @@ class Subscriber:
             batches = await self.replay(catch_up_from)
             self.metrics.kv_event_replays.labels("catch_up" if batches is not None else "failed").inc()
             for seq, payload in batches or []:
+                if self.muted():
+                    break
                 self._replayed[seq] = payload
-                self._apply(seq, payload)
+                await self._apply(seq, payload)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -122,6 +142,7 @@ class Subscriber:
         assert self._sock is not None
         while not self._closing:
             frames = await self._sock.recv_multipart()
+            await self.slicer.tick()  # a live flood yields too (even muted: skip decodes nothing)
             try:
                 async with self._lock:
                     await self.handle(frames)
@@ -144,6 +165,9 @@ class Subscriber:
             self.metrics.kv_event_decode_errors.inc()
             self.sink.on_invalidate("decode_error", None)
             return
+        if self.muted():
+            self.sink.skip(seq)  # type: ignore[attr-defined]  # muted() is only True for a sink that has skip
+            return
         last = self.sink.last_seq()
         if seq <= last:
             if self._replayed.get(seq) == frames[2]:
@@ -153,12 +177,12 @@ class Subscriber:
             last = -1
         if seq > last + 1:
             await self._repair(last, seq)
-        self._apply(seq, frames[2])
+        await self._apply(seq, frames[2])
 
     async def poll_tail(self) -> int:
         """Ask replay for anything after the last seq (a lost final batch shows no gap until the
         next one arrives); apply a contiguous run. Returns the number of batches recovered."""
-        if not self.replay_endpoint:
+        if not self.replay_endpoint or self.muted():
             return 0
         async with self._lock:
             last = self.sink.last_seq()
@@ -166,10 +190,10 @@ class Subscriber:
             n = 0
             for seq, payload in batches or []:
                 # a fresh stream (-1) may start anywhere: a suffix of the stream is sound
-                if seq != self.sink.last_seq() + 1 and self.sink.last_seq() >= 0:
+                if (seq != self.sink.last_seq() + 1 and self.sink.last_seq() >= 0) or self.muted():
                     break
                 self._replayed[seq] = payload
-                self._apply(seq, payload)
+                await self._apply(seq, payload)
                 n += 1
             if n:
                 self.metrics.kv_event_replays.labels("tail").inc()
@@ -190,19 +214,27 @@ class Subscriber:
                     break
                 tail.append(s)
             for s in reversed(tail):
-                self._apply(s, got[s])
+                if self.muted():
+                    break
+                await self._apply(s, got[s])
             self.metrics.kv_event_replays.labels("ok" if batches is not None else "failed").inc()
             return
         if all(s in got for s in range(last + 1, seq)):
             self.metrics.kv_event_replays.labels("ok").inc()
             self.metrics.kv_event_replayed_batches.inc(seq - last - 1)
             for s in range(last + 1, seq):
-                self._apply(s, got[s])
+                if self.muted():
+                    break
+                await self._apply(s, got[s])
             return
         self.metrics.kv_event_replays.labels("unrepaired").inc()
         self.sink.on_invalidate("gap", seq - 1)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        await self.slicer.tick()
+        if self.muted():
+            self.sink.skip(seq)  # type: ignore[attr-defined]
+            return
         try:
             batch = decode_batch(payload)
         except UnknownEventType:
@@ -214,7 +246,9 @@ class Subscriber:
             self.sink.on_invalidate("decode_error", seq)
             return
         self.metrics.kv_event_batches.inc()
-        self.sink.on_batch(seq, batch)
+        done = self.sink.on_batch(seq, batch)
+        if inspect.isawaitable(done):
+            await done
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure.
@@ -266,6 +300,7 @@ class Subscriber:
             if seq == END_SEQ:
                 return out
             nbytes += len(payload)
+            await self.slicer.tick()  # NOTE: a ready ZMQ socket answers recv without yielding
             if len(out) >= lim.replay_max_batches or nbytes > lim.replay_max_bytes:
                 raise _OverLimit(f"more than {lim.replay_max_batches} batches or {lim.replay_max_bytes} bytes")
             out.append((seq, payload))

@@ -14,6 +14,9 @@ Failures stay with their worker (controller/contain.py): a store write that fail
 the next tick, a reconcile or tail replay that raises marks this worker down and is counted and
 logged once. Health polling and tail replay run as two loops, so a slow or flooding replay
 endpoint cannot delay the look that notices a worker put to sleep behind the controller's back.
+Events are applied in slices that yield to the loop, within a per-rank event budget; a worker
+over its budget is faulty for a while (controller/vllm/budget.py): not serving, its index
+dropped, its stream only counted, no replay asked.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from controller.index import IndexSink, tier_of
 from controller.metrics import Metrics
 from controller.registry import EpochTable, KvStore, WorkerSpec
 from controller.view import RankView, WorkerView
+from controller.vllm.budget import FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.hashing import HashConfig, calibrates
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
@@ -75,8 +79,14 @@ class _Sink:
     def last_seq(self) -> int:
         return self.w.ranks[self.r].seq
 
-    def on_batch(self, seq: int, batch: EventBatch) -> None:
-        self.w.on_batch(self.r, seq, batch)
+    async def on_batch(self, seq: int, batch: EventBatch) -> None:
+        await self.w.on_batch(self.r, seq, batch)
+
+    def muted(self) -> bool:
+        return self.w.guard.faulty()
+
+    def skip(self, seq: int) -> None:
+        self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq)
 
     def on_invalidate(self, reason: str, seq: int | None) -> None:
         self.w.on_stream_invalidate(self.r, reason, seq)
@@ -110,6 +120,10 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.errors = Contained(metrics, spec.name)
+        lim = cfg.stream
+        self.guard = FaultGuard(spec.name, spec.dp_ranks, rate=lim.max_events_per_s, depth=lim.max_event_burst,
+                                hold_s=lim.faulty_hold_s, metrics=metrics)
+        self.slicer = Slicer()
 
     # persistence
     def persist(self, rank: int) -> None:
@@ -142,8 +156,9 @@ class Worker:
 
     def view(self) -> WorkerView:
         """What the router reads of this worker for one decision (see WorkerView)."""
-        s = self.spec
-        ranks = tuple(RankView(r, st.epoch, st.serving is True and not self.transitioning, self.warmable(r))
+        s, faulty = self.spec, self.guard.faulty()
+        ranks = tuple(RankView(r, st.epoch, st.serving is True and not self.transitioning and not faulty,
+                               self.warmable(r))
                       for r, st in self.ranks.items())
         return WorkerView(s.name, s.url, s.model, self.loras, self.hash_cfg, self.load, self.load_at, ranks)
 
@@ -153,14 +168,28 @@ class Worker:
             self._reset_seen.add(rank)  # the next look's restart check must not count it again
         self._apply(rank, self.ranks[rank].stream_invalidated(reason, seq))
 
-    def on_batch(self, rank: int, seq: int, batch: EventBatch) -> None:
+    async def on_batch(self, rank: int, seq: int, batch: EventBatch) -> None:
+        """Apply one batch in slices: each slice's state is adopted before yielding to the loop (a
+        verb may run meanwhile), and the next slice starts from the rank's state as it then is. The
+        store write, if the batch stepped the epoch, is one, at its end."""
         key = (self.spec.name, rank)
         st = self.ranks[rank].at_seq(seq)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
             self._apply(rank, st.invalidated("wrong_dp_rank"))  # another rank's batch on this socket: fail closed
             return
+        if not self.guard.admit(rank, batch_cost(batch)):
+            self._trip(rank, seq, len(batch.events))
+            return
         persist = False
         for ev in batch.events:
+            if self.slicer.due():
+                self.ranks[rank] = st
+                await self.slicer.tick()
+                st = self.ranks[rank]
+                if self.guard.faulty():  # another rank tripped the worker meanwhile
+                    if persist:
+                        self.persist(rank)
+                    return
             self.metrics.kv_events.labels(type(ev).__name__).inc()
             if isinstance(ev, AllBlocksCleared):
                 t = st.cleared(seq)
@@ -177,6 +206,19 @@ class Worker:
             else:
                 self.index.apply(key, ev)
         self._apply(rank, Transition(st, persist=persist))
+
+    def _trip(self, rank: int, seq: int, n: int) -> None:
+        """Over the event budget: faulty; every rank's index dropped (epoch step); seq kept."""
+        self.ranks[rank] = self.ranks[rank].at_seq(seq)
+        log.warning("worker %s rank %d sent a batch of %d events over its budget (--kv-max-events-per-s %d, "
+                    "--kv-max-event-burst %d): faulty, not serving, for %g s", self.spec.name, rank, n,
+                    self.cfg.stream.max_events_per_s, self.cfg.stream.max_event_burst, self.guard.hold_s)
+        for r in self.ranks:
+            self._apply(r, self.ranks[r].stream_invalidated("event_budget", None))
+
+    def faulty(self) -> bool:
+        """Over its event budget lately: not serving, whatever its ranks say (controller/vllm/budget.py)."""
+        return self.guard.faulty()
 
     def _over_capacity(self, key: tuple[str, int], ev: BlockStored) -> bool:
         """A store that would take the rank past what it can hold is refused and counted.
@@ -216,7 +258,8 @@ class Worker:
 
     def warmable(self, rank: int) -> bool:
         st = self.ranks[rank]
-        return st.serving and self.calibrated and self.hash_cfg is not None and not self.transitioning
+        return (st.serving and self.calibrated and self.hash_cfg is not None and not self.transitioning
+                and not self.guard.faulty())
 
     # lifecycle verbs
     async def lifecycle(self, call: lc.Call) -> Witness:
@@ -326,6 +369,7 @@ class Worker:
             try:
                 await self.reconcile_once()
                 self._persist_seqs()
+                self.guard.settle()
             except Exception as e:
                 self.errors.failed("reconcile", e)
                 self.mark_down_contained("reconcile_error")
@@ -372,6 +416,7 @@ class Worker:
             await s.stop()
         self._subs = []
         self._persist_seqs()  # a graceful stop leaves the last seq in the store
+        self.guard.forget()
 
 
 def _block0_salt(extra_keys: tuple[Any, ...] | None) -> str | None | bool:

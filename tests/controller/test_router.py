@@ -276,7 +276,7 @@ async def test_lora_routes_wrong_seed_never_warm_and_dp_rank_check(tmp_path) -> 
         assert (await r.route(TOKS[:64], "m")).verdict == "WARM"
         from controller.vllm.events import EventBatch
         e0 = r.worker("w0").ranks[0].epoch
-        r.worker("w0").on_batch(0, r.worker("w0").ranks[0].seq + 1, EventBatch(0.0, (), 1))
+        await r.worker("w0").on_batch(0, r.worker("w0").ranks[0].seq + 1, EventBatch(0.0, (), 1))
         assert r.worker("w0").ranks[0].epoch == e0 + 1 and (await r.route(TOKS[:64], "m")).verdict == "COLD"
     finally:
         await r.stop()

@@ -1,0 +1,118 @@
+"""What one worker's KV-event stream may cost the controller's event loop (issue #31 item 1).
+
+Two bounds, both per (worker, dp_rank) stream:
+
+- time: events, live or replayed, are applied in slices; `Slicer.tick()` yields to the event loop
+  once `SLICE_S` has passed since the last yield, so no stream holds the loop longer than about
+  that (plus one event) at a time, however many events it sends;
+- volume: `EventBudget` is a token bucket of events (rate `max_events_per_s`, depth
+  `max_event_burst`, controller/vllm/subscriber.py StreamLimits; an AllBlocksCleared counts as
+  STEP_COST events: it steps the epoch and writes the store). A batch that does not fit what
+  is left is not applied: the worker is then faulty (controller/vllm/watcher.py) for
+  `faulty_hold_s`: not serving, listed as phase "faulty", counted in kvfleet_worker_faulty.
+
+NOTE: the bucket starts full, so a controller restart's catch-up replay (vLLM buffers 10,000
+batches) fits the default depth; a flood of AllBlocksCleared batches (each event an epoch step
+and an index clear) used to take the loop for 20 s per replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SLICE_S = 0.002  # the longest a stream's events run before yielding to the event loop
+STEP_COST = 1000  # what one AllBlocksCleared costs of the budget: an epoch step, and a store write
+
+
+def batch_cost(batch: Any) -> int:
+    """A batch's cost in budget units: 1 per event, STEP_COST per AllBlocksCleared (vLLM sends one
+    when its cache is reset or put to sleep: rare; each steps the rank's epoch and is persisted)."""
+    return sum(STEP_COST if type(ev).__name__ == "AllBlocksCleared" else 1 for ev in batch.events)
+
+
+@dataclass(slots=True)
+class EventBudget:
+    """A token bucket of events: refills at `rate` per second up to `depth`."""
+
+    rate: float
+    depth: float
+    tokens: float = -1.0
+    at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0 or not self.depth > 0:
+            raise ValueError(f"an event budget needs rate > 0 and depth > 0, got {self.rate}, {self.depth}")
+        if self.tokens < 0:
+            self.tokens = self.depth
+
+    def take(self, n: int) -> bool:
+        """Spend `n` events if they fit what is left (after refilling); False (nothing spent) if not."""
+        now = time.monotonic()
+        self.tokens = min(self.depth, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if n > self.tokens:
+            return False
+        self.tokens -= n
+        return True
+
+
+class Slicer:
+    """Yields to the event loop once `slice_s` has passed since its last yield."""
+
+    def __init__(self, slice_s: float = SLICE_S) -> None:
+        self.slice_s = slice_s
+        self._since = time.perf_counter()
+        self.yields = 0
+
+    def due(self) -> bool:
+        return time.perf_counter() - self._since >= self.slice_s
+
+    async def tick(self) -> None:
+        if self.due():
+            await asyncio.sleep(0)
+            self.yields += 1
+            self._since = time.perf_counter()
+
+
+class FaultGuard:
+    """One worker's event budgets (one per rank) and its faulty state, as the watcher keeps them.
+
+    `admit(rank, n)` spends a batch of `n` events from the rank's budget; False trips the worker:
+    faulty until `hold_s` from now (metrics: kvfleet_worker_faulty{worker} = 1 meanwhile, and the
+    events refused in kvfleet_kv_events_over_budget_total). `faulty()` ends on its own; `settle()`
+    (called by the reconcile loop) then resets the gauge.
+    """
+
+    def __init__(
+        self, worker: str, ranks: int, *, rate: float, depth: float, hold_s: float, metrics: Any
+    ) -> None:
+        self.worker, self.hold_s, self.metrics = worker, hold_s, metrics
+        self.budgets = [EventBudget(rate, depth) for _ in range(ranks)]
+        self.until = 0.0
+        self.trips = 0
+
+    def faulty(self) -> bool:
+        return time.monotonic() < self.until
+
+    def admit(self, rank: int, n: int) -> bool:
+        if self.budgets[rank].take(n):
+            return True
+        self.until = time.monotonic() + self.hold_s
+        self.trips += 1
+        self.metrics.kv_events_over_budget.inc(n)
+        self.metrics.worker_faulty.labels(self.worker).set(1)
+        return False
+
+    def settle(self) -> None:
+        if self.until and not self.faulty():
+            self.until = 0.0
+            self.metrics.worker_faulty.labels(self.worker).set(0)
+
+    def forget(self) -> None:
+        """The worker is gone (unregistered or the router stopped): drop its gauge."""
+        with contextlib.suppress(KeyError):
+            self.metrics.worker_faulty.remove(self.worker)
