@@ -6,7 +6,7 @@ policy (one encoder) and the shipped layered policy (rules + learned + the two-m
 
 Reads the shipped models and the test split that `scripts/train_detector.py` wrote (never used while
 tuning), two benign tool-output sets -- real files from PyPI wheels whose *packages* are in the test split
-(source "pypi-files"), and the generated set (fleet/quarantine/tool_outputs.py, seed 0) -- and the repo's
+(source "pypi-files"), and the generated set (scripts/injection_corpus/tool_outputs.py, seed 0) -- and the repo's
 own corpus (tests/fleet/quarantine/quarantine_corpus.py). Writes the figures to
 tests/fleet/quarantine/data/heldout_report.json, which the tests recompute and compare.
 """
@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "tests" / "fleet" / "quarantine"))
 
 import quarantine_corpus as C  # noqa: E402
 
+from bench.detector_heldout import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs  # noqa: E402
 from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
 from fleet.quarantine.encoder import ENCODER_MODELS, ENCODER_NAME, load_encoder  # noqa: E402
-from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs  # noqa: E402
 from fleet.quarantine.learned import load_model  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"

@@ -22,13 +22,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_detector as TD  # noqa: E402
+from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
 from fleet.quarantine import text as T  # noqa: E402
 from fleet.quarantine.detector import unquoted_view  # noqa: E402
 from fleet.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
 from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
 from fleet.quarantine.learned import LearnedModel, window_starts  # noqa: E402
-from fleet.quarantine.tool_outputs import benign_tool_outputs  # noqa: E402
 
 WIN = 512
 

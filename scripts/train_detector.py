@@ -57,12 +57,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from injection_corpus.build import build_data, requirements  # noqa: E402
 from injection_corpus.sources import FRACTIONS, SEED, Example  # noqa: E402
+from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
 from fleet.quarantine.detector import unquoted_view  # noqa: E402
 from fleet.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
 from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
 from fleet.quarantine.learned import LearnedModel, window_starts  # noqa: E402
-from fleet.quarantine.tool_outputs import benign_tool_outputs  # noqa: E402
 
 MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_lr"
 HELDOUT = ROOT / "tests" / "fleet" / "quarantine" / "data" / "heldout_test.jsonl.gz"

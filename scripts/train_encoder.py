@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_detector as TD  # noqa: E402
 from injection_corpus.extra import extra_slabs  # noqa: E402
+from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
 from fleet.quarantine.detector import Verdict, unquoted_view  # noqa: E402
 from fleet.quarantine.encoder import (  # noqa: E402
@@ -69,7 +70,6 @@ from fleet.quarantine.encoder import (  # noqa: E402
 )
 from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
 from fleet.quarantine.learned import load_model  # noqa: E402
-from fleet.quarantine.tool_outputs import benign_tool_outputs  # noqa: E402
 
 WINDOW_TOKENS, STRIDE_TOKENS, MAX_WINDOWS = 128, 94, 16
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["query", "key", "value", "dense"]}

@@ -1,9 +1,11 @@
-"""The layered detector: rules + shipped learned model, per-tenant config, reasons, held-out figures."""
+"""The layered detector: rules + shipped learned model, per-tenant config, reasons, the learned model pinned.
+The held-out figures are recomputed by bench/detector_eval.py (docs/quarantine.md), not in the test suite."""
 
 from __future__ import annotations
 
-import json
+import hashlib
 import re
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,6 @@ import quarantine_corpus as C
 
 from fleet.quarantine import DetectorConfig, PromptInjectionDetector, Verdict, default_detector, make_detector
 from fleet.quarantine.encoder import ENCODER_MODELS
-from fleet.quarantine.evaluate import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs
 from fleet.quarantine.layered import member_scores, parse_detector
 from fleet.quarantine.learned import load_model
 
@@ -25,11 +26,6 @@ ATTACK = (
 @pytest.fixture(scope="module")
 def layered() -> object:
     return make_detector()
-
-
-@pytest.fixture(scope="module")
-def heldout() -> list[dict]:
-    return load_heldout(DATA / HELDOUT_FILE)
 
 
 def test_layered_still_catches_what_the_rules_caught(layered) -> None:
@@ -108,63 +104,20 @@ def test_rule_detector_keeps_its_api() -> None:
     assert default_detector().inspect("Nice post.").learned_score is None
 
 
-# The encoder layer multiplies float32 matrices with torch's CPU kernels, whose last bits depend on the
-# instruction set; a score that sits on the 4-decimal rounding edge of the threshold can flip on another
-# CPU. So counts that involve the encoder may differ from the report by this many; the numpy layers must
-# match exactly.
-ENCODER_SLACK = 2
+# The shipped learned model's files (sha256): a change is a new model; rerun bench/detector_eval.py (the held-out
+# table) and update docs/quarantine.md with it before changing these pins.
+LEARNED_FILES = {
+    "injection_lr.json": "6ece9ac205cfa11981975e237fea69271c5c6596a988dd359c53624071767973",
+    "injection_lr.npz": "3db79b3bef514e86bde47d892a07645526489a4183dc615a2340389f1f65fbf0",
+}
 
 
-def close(live: dict, reported: dict) -> bool:
-    return all(abs(live[k] - reported[k]) <= ENCODER_SLACK for k in ("tp", "fp", "fn", "tn"))
-
-
-def test_heldout_figures_are_what_the_docs_report(layered, heldout) -> None:
-    """Recomputes the held-out table live from the shipped models and compares it with the report the
-    bench wrote into docs/benchmarks.md and docs/quarantine.md (heldout_report.json)."""
-    report = json.loads((DATA / "heldout_report.json").read_text())["detectors"]
-    labels = [r["label"] for r in heldout]
-    rules = make_detector(DetectorConfig(layers=("rules",)))
-    two = make_detector(DetectorConfig(layers=("rules", "learned")))
-    verdicts = [layered.inspect(r["text"]) for r in heldout]
-    live = score(verdicts, labels)
-    live_rules = score([rules.inspect(r["text"]) for r in heldout], labels)
-    live_two = score([two.inspect(r["text"]) for r in heldout], labels)
-    print(
-        f"test split: layered P={live.precision:.3f} R={live.recall:.3f} (report {report['layered']['test']}); "
-        f"rules + learned P={live_two.precision:.3f} R={live_two.recall:.3f}; rules P={live_rules.precision:.3f} "
-        f"R={live_rules.recall:.3f}"
-    )
-    assert live_rules.to_dict() == report["rules alone"]["test"]
-    assert live_two.to_dict() == report["rules + learned"]["test"]
-    assert close(live.to_dict(), report["layered"]["test"])
-    assert live.recall > live_two.recall > live_rules.recall  # each model layer adds recall on unseen attacks
-    # the encoder's score is in every verdict, and the verdict is the OR of the layers
-    members = [member_scores(v) for v in verdicts]
-    assert all(list(m) == list(ENCODER_MODELS) and v.encoder_score == max(m.values()) for v, m in zip(verdicts, members, strict=True))
-
-
-def test_tool_output_fpr_is_what_the_docs_report(layered) -> None:
-    report = json.loads((DATA / "heldout_report.json").read_text())["detectors"]["layered"]["tool_outputs"]
-    items = tool_outputs()
-    assert len(items) >= 400 and len({k for k, _ in items}) >= 10
-    live = score([layered.inspect(t) for _, t in items], [0] * len(items))
-    print(f"tool outputs: FPR={live.fpr:.4f} ({live.fp}/{len(items)})")
-    assert close(live.to_dict(), report) and live.fpr <= 0.01
-
-
-def test_real_benign_fpr_is_what_the_docs_report(layered, heldout) -> None:
-    """Real tool output (chunks of files shipped in PyPI wheels of the test split's packages: code, JSON,
-    HTML, docs that discuss prompt injection): the FPR the docs report, recomputed live."""
-    report = json.loads((DATA / "heldout_report.json").read_text())["detectors"]["layered"]["real_benign"]
-    rows = [r for r in heldout if r["source"] == REAL_BENIGN_SOURCE]
-    packages = {r["group"].split(":")[0] for r in rows}
-    kinds = {r["kind"] for r in rows}
-    assert len(rows) >= 200 and len(packages) >= 5 and {"injection-docs/readme", "general/code"} <= kinds
-    assert all(r["label"] == 0 for r in rows)
-    live = score([layered.inspect(r["text"]) for r in rows], [0] * len(rows))
-    print(f"real benign: FPR={live.fpr:.4f} ({live.fp}/{len(rows)}) over {len(packages)} packages")
-    assert close(live.to_dict(), report) and live.fpr <= 0.01
+def test_shipped_learned_model_is_the_pinned_files() -> None:
+    folder = resources.files("fleet.quarantine") / "model"  # where load_model reads them
+    got = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in LEARNED_FILES}
+    assert got == LEARNED_FILES
+    # the digest of what decides a score (weights, bias, featurizer, window, threshold) as loaded from them
+    assert load_model().digest() == "5cd2e695f71610b053f083506ab75747e59856ec14ad82015ab5e15799ae57ed"
 
 
 def test_test_split_never_shares_a_package_or_group_with_training() -> None:

@@ -1,19 +1,22 @@
 """Held-out evaluation of a detector: the shipped test split, the benign tool-output sets, the repo corpus.
 
-Shared by `bench/detector_eval.py` (which prints and documents the numbers) and the tests (which
-recompute them live and compare), so the figure in the docs and the figure in CI are one computation.
+Used by `bench/detector_eval.py`, which computes the held-out table and writes it into the docs (the test
+suite pins the shipped models' digests and a handful of verdicts instead of recomputing the table). Not part
+of the runtime package: import it with the repository root on sys.path, as `bench.detector_heldout`.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from fleet.quarantine.detector import Verdict
-from fleet.quarantine.tool_outputs import benign_tool_outputs
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"  # injection_corpus: the generated benign set
 
 TOOL_OUTPUT_SEED, TOOL_OUTPUT_N = 0, 440  # the reported FPR set (training tuned on seed 1)
 HELDOUT_FILE = "heldout_test.jsonl.gz"  # written by scripts/train_detector.py next to the tests
@@ -68,4 +71,9 @@ def score(verdicts: list[Verdict], labels: list[int]) -> Scores:
 
 
 def tool_outputs() -> list[tuple[str, str]]:
+    """The generated benign tool-output set the docs report (scripts/injection_corpus/tool_outputs.py, seed 0)."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: PLC0415
+
     return benign_tool_outputs(TOOL_OUTPUT_N, seed=TOOL_OUTPUT_SEED)
