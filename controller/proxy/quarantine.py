@@ -2,7 +2,8 @@
 
 Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
 
-    /v1/chat/completions  each message whose role is "tool", "function" or "ipython" (any case): its content,
+    /v1/chat/completions  each message whose role is "tool", "function", "ipython" or "observation" (any case):
+                          its content (and its `name`, judged alone: controller/proxy/judged.py),
                           a string or a list of parts whose text is joined ("" between them): string parts and
                           every part type vLLM renders as text (TEXT_PARTS: text, input_text, output_text,
                           refusal, thinking, tool_reference); media parts (MEDIA_PARTS) carry no text and get
@@ -11,6 +12,9 @@ Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
     /v1/completions       each <tool_result ...>...</tool_result> span (any case, attributes allowed; one left
                           open runs to the end) of a string prompt (or of each string of a batched prompt):
                           the text between the tags. Token-id prompts are not inspected.
+
+Beyond each alone (controller/proxy/judged.py): the tool results of a turn together, and assistant
+messages that quote a withheld result verbatim.
 
 The controller judges (JudgeToolResults, with the client's token: its tenant's records, one verdict per
 bytes fleet-wide, an operator's late verdict first). The proxy keeps no verdicts of its own, so a verdict
@@ -32,11 +36,13 @@ from typing import Any
 
 from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
+from controller.proxy.judged import JOIN, NAME_PLACEHOLDER, rename, tool_names, turns, unquote, windows
 from controller.proxy.metrics import ProxyMetrics
 from fleet.verdict import CLEAN, QUARANTINED
 
 POLICIES = ("placeholder", "refuse", "off")
-TOOL_ROLES = ("tool", "function", "ipython")  # compared stripped and lowercased; "ipython": Llama 3's tool role
+# compared stripped and lowercased; "ipython": Llama 3's tool role, "observation": GLM's (and ReAct-style agents')
+TOOL_ROLES = ("tool", "function", "ipython", "observation")
 # NOTE: any case, attributes allowed; an envelope left open runs to the end of the prompt (a client cannot end
 # inspection by leaving out the closing tag). A closing tag inside the tool's own text still ends the span: the
 # client must escape it (the text after it is the client's, not the tool's)
@@ -261,19 +267,34 @@ class Enforcer:
 
     async def judge(self, body: dict[str, Any], chat: bool, policy: str,
                     token: str | None) -> tuple[dict[str, Any], list[Hit]]:
-        """The controller's verdicts on the body's tool results, applied per `policy` (enforce's contract)."""
+        """The controller's verdicts on the body's tool results, applied per `policy` (enforce's contract): each
+        result and each tool message's name alone, then each turn's results together (joined as sent, so a
+        piece withheld alone cannot cut the phrase the joined text is caught by), then assistant quotes of
+        withheld ones."""
         found = tool_results(body, chat)
-        if not found:
+        names = tool_names(body, chat, TOOL_ROLES)
+        if not found and not names:
             return body, []
-        texts = list(dict.fromkeys(text for _, text in found))
-        judged: dict[str, Any] = {}
-        for batch in _batches([t.encode() for t in texts], found):
-            judged.update(zip((b.decode() for b in batch), await self.control.judge(batch, policy, token, JUDGE_TIMEOUT_S),
-                              strict=True))
-        for j in judged.values():
-            self.metrics.judged.labels(QUARANTINED if j.quarantined else CLEAN, j.source).inc()
+        text_of = dict(found + names)
+        judged = await self._verdicts([t for _, t in found + names], found + names, policy, token)
         hits = [Hit(where, judged[t].ref, tuple(judged[t].reasons), judged[t].source, policy)
-                for where, t in found if judged[t].quarantined]
+                for where, t in found + names if judged[t].quarantined]
+        repl = {h.where: (NAME_PLACEHOLDER if h.where.endswith(".name") else PLACEHOLDER.format(ref=h.ref))
+                for h in hits}
+        groups = [g for run in turns(body, chat, TOOL_ROLES, ENVELOPE)
+                  for g in windows(run, lambda w: len(text_of[w].encode()))]
+        joined = {JOIN.join(text_of[w] for w in g): g for g in groups if any(w not in repl for w in g)}
+        together = await self._verdicts(list(joined), [(g[0], t) for t, g in joined.items()], policy, token)
+        for text, g in joined.items():
+            j = together[text]
+            if j.quarantined:
+                for w in (w for w in g if w not in repl):
+                    hits.append(Hit(w, j.ref, (*j.reasons, f"turn:{g[0]}..{g[-1]}"), j.source, policy))
+                    repl[w] = PLACEHOLDER.format(ref=j.ref)
+        body, quoted = unquote(body, chat, {text_of[w]: repl[w] for w in repl if not w.endswith(".name")})
+        for where, t in quoted:
+            src = next(h for h in hits if h.where in text_of and text_of[h.where] == t)
+            hits.append(Hit(where, src.ref, (*src.reasons, f"quotes:{src.where}"), src.source, policy))
         for h in hits:
             self.metrics.quarantined.labels(policy, h.source).inc()
         if not hits:
@@ -283,12 +304,22 @@ class Enforcer:
                                   "it: " + "; ".join(f"{h.where} (sha256:{h.ref}, {h.source}: "
                                                      f"{', '.join(h.reasons)})" for h in hits)
                              + ". Drop or replace them and send again.", hits[0].where.split("@")[0])
+        body = rename(body, {w: r for w, r in repl.items() if w.endswith(".name")})
+        return rewrite(body, chat, lambda text, where: repl.get(where)), hits
 
-        def fn(text: str, where: str) -> str | None:
-            j = judged[text]
-            return PLACEHOLDER.format(ref=j.ref) if j.quarantined else None
-
-        return rewrite(body, chat, fn), hits
+    async def _verdicts(self, texts: list[str], found: list[tuple[str, str]], policy: str,
+                        token: str | None) -> dict[str, Any]:
+        """{text: the controller's Judgement} for each distinct text, in calls within the controller's limits."""
+        distinct = list(dict.fromkeys(texts))
+        judged: dict[str, Any] = {}
+        if not distinct:
+            return judged
+        for batch in _batches([t.encode() for t in distinct], found):
+            got = await self.control.judge(batch, policy, token, JUDGE_TIMEOUT_S)
+            judged.update(zip((b.decode() for b in batch), got, strict=True))
+        for j in judged.values():
+            self.metrics.judged.labels(QUARANTINED if j.quarantined else CLEAN, j.source).inc()
+        return judged
 
 
 def _batches(blobs: list[bytes], found: list[tuple[str, str]]) -> list[list[bytes]]:

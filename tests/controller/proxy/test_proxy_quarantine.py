@@ -210,7 +210,8 @@ async def test_many_or_huge_tool_results_get_a_clear_answer(tmp_path: Path) -> N
         many = [{"role": "tool", "tool_call_id": f"c{i}", "content": f"row {i}: ok"} for i in range(300)]
         status, h, doc = await _chat(fleet, [{"role": "user", "content": "dump the table"}, *many])
         assert status == 200, doc  # before: 400 "controller: 300 tool results in one call; at most 256"
-        assert _metric(fleet, "kvfleet_proxy_tool_results_judged_total", verdict="CLEAN") == 300
+        # each alone, and the 300 together (one turn: consecutive tool messages, judged joined too)
+        assert _metric(fleet, "kvfleet_proxy_tool_results_judged_total", verdict="CLEAN") == 301
         # one tool result larger than a judge call may carry: 413 naming it, nothing forwarded
         n = len(sim.received.items)
         huge = "x" * ((3 << 20) + 1)
@@ -291,12 +292,12 @@ async def test_no_verdict_means_nothing_is_forwarded(tmp_path: Path, monkeypatch
     from controller import verdicts
     from controller.proxy import quarantine
 
-    def broken(self: verdicts.Judge, results: list[bytes], tenant: str, action: str) -> list[verdicts.Judgement]:
+    def broken(self: verdicts.Judge, data: bytes, tenant: str, fast: bool = True) -> tuple[verdicts.Judgement, bool]:
         if fault == "timeout":
             time.sleep(1.0)
         raise RuntimeError("the judge broke")
 
-    monkeypatch.setattr(verdicts.Judge, "judge", broken)
+    monkeypatch.setattr(verdicts.Judge, "now", broken)
     monkeypatch.setattr(quarantine, "JUDGE_TIMEOUT_S", 0.2)
     fleet = await start_fleet(tmp_path, num_workers=1)
     try:
