@@ -22,11 +22,12 @@ one asyncio loop (the controller's); the jobs run on the pool.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -269,3 +270,26 @@ class JudgeLanes:
                 q.clear()
         self._order.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def add_judge_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """--judge-threads, --judge-inflight-per-tenant, --judge-cpu-per-tenant (env KVFLEET_JUDGE_*)."""
+    d = JudgeLimits()
+    p.add_argument("--judge-threads", type=int, default=int(env.get("KVFLEET_JUDGE_THREADS", d.threads)),
+                   help="threads that run the quarantine detector, for every tenant together (env "
+                   f"KVFLEET_JUDGE_THREADS; default {d.threads}); never the store's threads")
+    p.add_argument("--judge-inflight-per-tenant", type=int,
+                   default=int(env.get("KVFLEET_JUDGE_INFLIGHT_PER_TENANT", d.tenant_inflight)),
+                   help="a tenant's detector jobs running at once (env KVFLEET_JUDGE_INFLIGHT_PER_TENANT; "
+                   f"default {d.tenant_inflight}); the rest wait in its lane, lanes served in turn")
+    p.add_argument("--judge-cpu-per-tenant", type=float,
+                   default=float(env.get("KVFLEET_JUDGE_CPU_PER_TENANT", d.tenant_cpu)),
+                   help="CPU-seconds per second a tenant's judging may use on average, bursts of "
+                   f"{d.burst_s:g} CPU-seconds (env KVFLEET_JUDGE_CPU_PER_TENANT; default {d.tenant_cpu:g}; "
+                   "0: no budget); over it, only that tenant's verdicts wait")
+
+
+def judge_limits_from(args: argparse.Namespace) -> JudgeLimits:
+    """The JudgeLimits of parsed `add_judge_flags` flags (InvalidArgument names a bad one)."""
+    return JudgeLimits(threads=args.judge_threads, tenant_inflight=args.judge_inflight_per_tenant,
+                       tenant_cpu=args.judge_cpu_per_tenant)

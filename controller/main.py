@@ -31,6 +31,7 @@ from controller.auth import mint_token
 from controller.cost import CostConfig
 from controller.edge import add_edge_flags, edge_config_from
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
+from controller.judge_lanes import add_judge_flags, judge_limits_from
 from controller.kernel_placement import add_kernel_flags, kernel_overrides_from
 from controller.metrics import Metrics
 from controller.node_flags import add_node_flags
@@ -240,6 +241,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     add_edge_flags(p)
     add_session_flags(p)
     add_node_flags(p, env)
+    add_judge_flags(p, env)
     p.add_argument(
         "--mint-token", metavar="TENANT", help="mint a token for TENANT, append its hash, print it, exit"
     )
@@ -272,6 +274,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         node_kv_bytes=args.node_kv_bytes,
         detector_layers=detector_layers_from(args.detector_layers),
         detector_tenants=detector_tenants_from(args.detector_tenant),
+        judge=judge_limits_from(args),
     )
 
 
