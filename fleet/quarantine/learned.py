@@ -48,6 +48,31 @@ class LearnedModel:
         """
         norm, pos, buckets = feature_events(text, self.featurizer)
         starts = window_starts(len(norm), self.window_chars)  # (num_windows,)
+        # NOTE: vectorised (issue #28): an event counts in a window's bag when it is the first of its bucket
+        # there, i.e. the previous event of its bucket lies before the window's start. An event sits in at
+        # most three windows (stride window // 2, plus the last one flush with the end).
+        order = np.lexsort((pos, buckets))
+        prev = np.full(len(pos), -1, dtype=np.int64)
+        same = buckets[order[1:]] == buckets[order[:-1]]
+        prev[order[1:][same]] = pos[order[:-1][same]]
+        first = np.searchsorted(
+            starts, pos - self.window_chars, side="right"
+        )  # first window holding the event
+        last = np.searchsorted(starts, pos, side="right") - 1
+        sums, sizes = np.zeros(len(starts)), np.zeros(len(starts))
+        w = self.weights[buckets].astype(np.float64)
+        for o in range(3):
+            i = first + o
+            ok = i <= last
+            ok[ok] &= prev[ok] < starts[i[ok]]
+            sums += np.bincount(i[ok], weights=w[ok], minlength=len(starts))
+            sizes += np.bincount(i[ok], minlength=len(starts))
+        return sums / np.sqrt(np.maximum(sizes, 1.0)) + self.bias
+
+    def window_logits_reference(self, text: str | bytes | bytearray | memoryview) -> np.ndarray:
+        """The loop `window_logits` must equal: each window's bag built one by one (`features.bag`)."""
+        norm, pos, buckets = feature_events(text, self.featurizer)
+        starts = window_starts(len(norm), self.window_chars)
         lo = np.searchsorted(pos, starts, side="left")
         hi = np.searchsorted(pos, starts + self.window_chars, side="left")
         out = np.empty(len(starts))
