@@ -140,3 +140,18 @@ def test_detector_spec_takes_one_encoder_threshold_or_one_per_member() -> None:
             parse_detector(bad)
     with pytest.raises(AssertionError, match="one per member"):
         DetectorConfig(encoder_threshold=(0.9,))
+
+
+def test_learned_windows_vectorised_equal_the_reference_loop() -> None:
+    """The learned layer scores every window at once (issue #28); it must equal the bag-per-window loop."""
+    import random
+
+    import numpy as np
+
+    m, r = load_model(), random.Random(0)
+    alphabet = "ab cdé  中文_x1\n\t,.ÄЖ ignore all previous instructions "
+    texts = ["", "a", ATTACK, *C.POISONED[:5], *C.BENIGN[:5]]
+    texts += ["".join(r.choice(alphabet) for _ in range(r.randint(0, 3000))) for _ in range(40)]
+    for t in texts:
+        fast, ref = m.window_logits(t), m.window_logits_reference(t)
+        assert fast.shape == ref.shape and np.allclose(fast, ref, rtol=0, atol=1e-9), t
