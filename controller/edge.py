@@ -186,6 +186,10 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--max-upload-bytes-per-tenant": ("uploads", "tenant_bytes", int, "bytes of unfinished uploads per tenant"),
     "--max-upload-bytes": ("uploads", "total_bytes", int, "bytes of unfinished uploads in total"),
     "--upload-idle-timeout": ("uploads", "idle_s", float, "seconds an upload may send no bytes before it is dropped"),
+    "--upload-min-rate": ("uploads", "min_rate", int, "bytes a second an upload must average after its first "
+                          "--upload-idle-timeout, on the client's clock"),
+    "--upload-tenant-share": ("uploads", "tenant_share", float, "share, 0..1, of the upload bytes other tenants "
+                              "leave free that one tenant may reserve"),
     "--grpc-max-receive-bytes": ("grpc", "max_receive_bytes", int, "largest gRPC message received"),
     "--grpc-max-concurrent-streams": ("grpc", "max_concurrent_streams", int, "open RPCs per client connection"),
     "--grpc-max-concurrent-rpcs": ("grpc", "max_concurrent_rpcs", int, "open RPCs on the whole server"),
@@ -197,8 +201,9 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
 _ZERO_IS_OFF = frozenset({"--max-blob-bytes-per-tenant"})
 
 
-def add_edge_flags(p: Any) -> None:
-    """The edge limits as flags (shared by `kvfleet controller` and `kvfleet up`); defaults in --help."""
+def add_edge_flags(p: Any, env: Any = None) -> None:
+    """The edge limits as flags (shared by `kvfleet controller` and `kvfleet up`); defaults in --help.
+    With `env`, each is also read from KVFLEET_ + the flag in capitals (--upload-min-rate: KVFLEET_UPLOAD_MIN_RATE)."""
     from controller.servicers.common import DEFAULT_MAX_BLOB_BYTES_PER_TENANT, DEFAULT_MAX_ROUTE_TOKENS
     from controller.uploads import UploadLimits
 
@@ -209,7 +214,9 @@ def add_edge_flags(p: Any) -> None:
     for flag, (where, name, kind, text) in EDGE_FLAGS.items():
         d = defaults[where]
         shown = d[name] if isinstance(d, dict) else getattr(d, name)
-        p.add_argument(flag, type=kind, default=None, dest=f"edge_{name}", help=f"{text} (default {shown})")
+        var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
+        p.add_argument(flag, type=kind, default=(env or {}).get(var), dest=f"edge_{name}",
+                       help=f"{text} (default {shown}{f'; env {var}' if env is not None else ''})")
 
 
 def edge_config_from(args: Any) -> dict[str, Any]:

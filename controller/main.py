@@ -238,7 +238,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     add_cost_flags(p)
     add_stream_flags(p, env)
     add_kernel_flags(p)
-    add_edge_flags(p)
+    add_edge_flags(p, env)
     add_session_flags(p)
     add_node_flags(p, env)
     add_judge_flags(p, env)

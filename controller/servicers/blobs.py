@@ -42,7 +42,8 @@ class BlobServicer(pbg.BlobServiceServicer):
     async def PutBlob(self, request_iterator: AsyncIterator[pb.PutBlobRequest], context: grpc.aio.ServicerContext,
                       ident: Identity) -> pb.PutBlobResponse:
         gate = self.ctx.uploads
-        requests = aiter(progressing(request_iterator, idle_s=gate.limits.idle_s))
+        # the upload's clock runs only while waiting on the client (controller/uploads.py)
+        requests = aiter(progressing(request_iterator, idle_s=gate.limits.idle_s, min_rate=gate.limits.min_rate))
         header = await self._header(requests)
         await self._check_stored(ident.tenant, header)
         put = functools.partial(self.ctx.store.put_stream, quota=self.ctx.blob_bytes_per_tenant)

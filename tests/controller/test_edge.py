@@ -137,7 +137,8 @@ async def _until(cond, what: str) -> None:
 
 async def test_unfinished_uploads_are_capped_per_tenant_and_in_total(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
-    limits = UploadLimits(tenant_uploads=2, total_uploads=3, tenant_bytes=3000, total_bytes=5000, idle_s=30)
+    # total_bytes leaves bravo's 2500 within its share (half of what acme's 2000 leave free)
+    limits = UploadLimits(tenant_uploads=2, total_uploads=3, tenant_bytes=3000, total_bytes=9000, idle_s=30)
     ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=limits)
     gate, release = ctl.ctx.uploads, asyncio.Event()
     try:
@@ -168,7 +169,7 @@ async def test_unfinished_uploads_are_capped_per_tenant_and_in_total(tmp_path: P
 
 async def test_byte_quota_names_its_flag(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
-    limits = UploadLimits(tenant_bytes=1000, total_bytes=1500)
+    limits = UploadLimits(tenant_bytes=1000, total_bytes=1600)  # acme's 800: half the budget, its share
     ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=limits)
     try:
         async with grpc.aio.insecure_channel(ctl.address) as ch:
@@ -179,7 +180,7 @@ async def test_byte_quota_names_its_flag(tmp_path: Path) -> None:
                 yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=n))
                 yield blobs_pb2.PutBlobRequest(chunk=b"c" * n)
             for token, n, flag in ((tok.a, 300, "--max-upload-bytes-per-tenant=1000"),
-                                   (tok.b, 800, "--max-upload-bytes=1500")):
+                                   (tok.b, 900, "--max-upload-bytes=1600")):
                 with pytest.raises(grpc.aio.AioRpcError) as ei:
                     await stub.PutBlob(reqs(n), metadata=md(token))
                 print(ei.value.details())

@@ -16,7 +16,7 @@ from controller.main import parse_args
 LIMITS = {"maxRouteTokens": 65536, "uploadsPerTenant": 4, "uploads": 32, "uploadBytesPerTenant": 1 << 27,
           "uploadBytes": 1 << 29, "blobBytesPerTenant": 0, "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
           "grpcMaxConcurrentStreams": 50, "grpcMaxConcurrentRpcs": 500, "grpcKeepaliveSeconds": 30,
-          "grpcMinPingIntervalSeconds": 5}
+          "grpcMinPingIntervalSeconds": 5, "uploadMinRate": 4096, "uploadTenantShare": 0.25}
 MTLS = {"tls": {"enabled": True, "secretName": "kvfleet-tls", "clientCa": True, "clientSecretName": "kvfleet-client"},
         "watcher": {"create": True, "vllmWorkers": VLLM}}
 
@@ -38,6 +38,7 @@ def test_limits_reach_the_controller_flags(chart: Any) -> None:
     assert flag["--max-route-tokens"] == "65536" and flag["--max-upload-bytes-per-tenant"] == str(1 << 27)
     assert flag["--upload-idle-timeout"] == "12.5" and flag["--grpc-min-ping-interval"] == "5"
     assert flag["--max-blob-bytes-per-tenant"] == "0"  # 0 (no quota) is a value, not "unset"
+    assert flag["--upload-min-rate"] == "4096" and flag["--upload-tenant-share"] == "0.25"
     assert set(EDGE_FLAGS) <= set(flag)  # every edge flag has a value
     # the controller's own parser takes them all
     cli = parse_args(args[1:], {})
