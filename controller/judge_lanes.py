@@ -86,6 +86,7 @@ class _Lane:
     cpu_s: float = 0.0  # CPU charged in total
     jobs: int = 0
     dropped: int = 0  # background jobs dropped on a full queue
+    throttled: int = 0  # times its turn came with jobs waiting and its budget spent
 
     def pending(self) -> int:
         return len(self.now) + len(self.later)
@@ -169,6 +170,7 @@ class JudgeLanes:
                 self.limits.tenant_cpu > 0 and lane.balance <= 0
             ):
                 if lane.balance <= 0 and self.limits.tenant_cpu > 0:
+                    lane.throttled += 1
                     due = -lane.balance / self.limits.tenant_cpu + 1e-3
                     wait = due if wait is None else min(wait, due)
                 tried += 1
@@ -232,7 +234,8 @@ class JudgeLanes:
             self._pump()
 
     def stats(self, tenant: str) -> dict[str, float]:
-        """{"cpu_s", "jobs", "queued", "inflight", "dropped", "balance"} of `tenant`'s lane (zeros if none)."""
+        """{"cpu_s", "jobs", "queued", "inflight", "dropped", "throttled", "balance"} of `tenant`'s lane (zeros if
+        none)."""
         lane = self._lanes.get(tenant)
         if lane is None:
             return {
@@ -241,6 +244,7 @@ class JudgeLanes:
                 "queued": 0,
                 "inflight": 0,
                 "dropped": 0,
+                "throttled": 0,
                 "balance": self.limits.burst_s,
             }
         return {
@@ -249,6 +253,7 @@ class JudgeLanes:
             "queued": lane.pending(),
             "inflight": lane.inflight,
             "dropped": lane.dropped,
+            "throttled": lane.throttled,
             "balance": lane.balance,
         }
 
@@ -275,21 +280,34 @@ class JudgeLanes:
 def add_judge_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """--judge-threads, --judge-inflight-per-tenant, --judge-cpu-per-tenant (env KVFLEET_JUDGE_*)."""
     d = JudgeLimits()
-    p.add_argument("--judge-threads", type=int, default=int(env.get("KVFLEET_JUDGE_THREADS", d.threads)),
-                   help="threads that run the quarantine detector, for every tenant together (env "
-                   f"KVFLEET_JUDGE_THREADS; default {d.threads}); never the store's threads")
-    p.add_argument("--judge-inflight-per-tenant", type=int,
-                   default=int(env.get("KVFLEET_JUDGE_INFLIGHT_PER_TENANT", d.tenant_inflight)),
-                   help="a tenant's detector jobs running at once (env KVFLEET_JUDGE_INFLIGHT_PER_TENANT; "
-                   f"default {d.tenant_inflight}); the rest wait in its lane, lanes served in turn")
-    p.add_argument("--judge-cpu-per-tenant", type=float,
-                   default=float(env.get("KVFLEET_JUDGE_CPU_PER_TENANT", d.tenant_cpu)),
-                   help="CPU-seconds per second a tenant's judging may use on average, bursts of "
-                   f"{d.burst_s:g} CPU-seconds (env KVFLEET_JUDGE_CPU_PER_TENANT; default {d.tenant_cpu:g}; "
-                   "0: no budget); over it, only that tenant's verdicts wait")
+    p.add_argument(
+        "--judge-threads",
+        type=int,
+        default=int(env.get("KVFLEET_JUDGE_THREADS", d.threads)),
+        help="threads that run the quarantine detector, for every tenant together (env "
+        f"KVFLEET_JUDGE_THREADS; default {d.threads}); never the store's threads",
+    )
+    p.add_argument(
+        "--judge-inflight-per-tenant",
+        type=int,
+        default=int(env.get("KVFLEET_JUDGE_INFLIGHT_PER_TENANT", d.tenant_inflight)),
+        help="a tenant's detector jobs running at once (env KVFLEET_JUDGE_INFLIGHT_PER_TENANT; "
+        f"default {d.tenant_inflight}); the rest wait in its lane, lanes served in turn",
+    )
+    p.add_argument(
+        "--judge-cpu-per-tenant",
+        type=float,
+        default=float(env.get("KVFLEET_JUDGE_CPU_PER_TENANT", d.tenant_cpu)),
+        help="CPU-seconds per second a tenant's judging may use on average, bursts of "
+        f"{d.burst_s:g} CPU-seconds (env KVFLEET_JUDGE_CPU_PER_TENANT; default {d.tenant_cpu:g}; "
+        "0: no budget); over it, only that tenant's verdicts wait",
+    )
 
 
 def judge_limits_from(args: argparse.Namespace) -> JudgeLimits:
     """The JudgeLimits of parsed `add_judge_flags` flags (InvalidArgument names a bad one)."""
-    return JudgeLimits(threads=args.judge_threads, tenant_inflight=args.judge_inflight_per_tenant,
-                       tenant_cpu=args.judge_cpu_per_tenant)
+    return JudgeLimits(
+        threads=args.judge_threads,
+        tenant_inflight=args.judge_inflight_per_tenant,
+        tenant_cpu=args.judge_cpu_per_tenant,
+    )

@@ -28,7 +28,9 @@ def test_judge_values_reach_the_controller_flags(chart: Any) -> None:
     args = _args(chart, {"controller": {"judge": {"threads": 3, "inflightPerTenant": 2, "cpuPerTenant": 0}}})
     flag = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--judge-")}
     assert flag == {"--judge-threads": "3", "--judge-inflight-per-tenant": "2", "--judge-cpu-per-tenant": "0"}
-    assert config_from(parse_args(args[1:], {}), {}).judge == JudgeLimits(threads=3, tenant_inflight=2, tenant_cpu=0)
+    assert config_from(parse_args(args[1:], {}), {}).judge == JudgeLimits(
+        threads=3, tenant_inflight=2, tenant_cpu=0
+    )
     assert not any(a.startswith("--judge-") for a in _args(chart, {}))  # control: unset, no flag
     with pytest.raises(Exception, match="threads|minimum"):
         _args(chart, {"controller": {"judge": {"threads": 0}}})
