@@ -160,11 +160,12 @@ class KernelFleet:
 
     def _regenerate(self, rec: dict[str, Any]) -> dict[str, Any]:
         """Mark the session lost (kv forgotten), rebuild it from its op log, mark it active."""
-        rec["epoch"] = int(rec.get("epoch", 0)) + 1
+        if rec.get("state") != "lost":  # one loss, one epoch step: a rebuild that failed is retried at it
+            rec["epoch"] = int(rec.get("epoch", 0)) + 1
         lost = Witness("actor_lost", "error", "forgotten", True, False, rec["epoch"])
         rec.update(state="lost", witness=lost.to_dict())
         self.registry.save(rec)
-        node = rec["node"] if self.nodes.alive(rec["node"]) else self.nodes.place(rec["tenant"], [])
+        node = rec["node"] if self.nodes.answers(rec["node"]) else self.nodes.place(rec["tenant"], [])
         try:
             self.nodes.call(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
         except NodeGone:  # its node died just now: a survivor rebuilds it
@@ -375,7 +376,7 @@ class KernelFleet:
 
     def node_stats(self) -> list[dict[str, Any]]:
         """One row per alive node of the fleet (sessions, cache, KV budget used)."""
-        return [row for row in (self._answer(n, "stats") for n in self.refresh_nodes()) if row is not None]
+        return [row for row in self.nodes.ask_all("stats").values() if isinstance(row, dict)]
 
     def _answer(self, node: str, method: str, *args: Any) -> Any:
         """A supervisor's answer, or None when its node is gone (it is dropped)."""
@@ -389,7 +390,8 @@ class KernelFleet:
         spans, state, epoch, last active. `fleet=False` lists only this process's node."""
         here = ray.get_runtime_context().get_node_id()
         sups = [n for n in self.refresh_nodes() if fleet or n == here]
-        live = {(r["tenant"], r["session"]): r for n in sups for r in self._answer(n, "rows", tenant) or []}
+        ask = self.nodes.ask_all("rows", tenant) if fleet else {n: self._answer(n, "rows", tenant) for n in sups}
+        live = {(r["tenant"], r["session"]): r for rows in ask.values() if isinstance(rows, list) for r in rows}
         out = []
         for rec in self.registry.records(tenant):
             if not fleet and rec["node"] not in sups:

@@ -1,6 +1,17 @@
 """The nodes a KernelFleet runs on: one supervisor per alive Ray node that has the session actor's
 resources, following Ray's node table (re-read at most every `refresh_s`, and at once after a failure),
 placement of a new session among them, and calls to a node's supervisor that survive its restarts.
+
+A node dies before Ray's node table says so: its raylet is gone, but the table lists it alive
+until the GCS health checks give up (seconds; 15 s with Ray's defaults). Meanwhile a call to its
+supervisor waits for a restart that cannot happen, then raises ActorUnschedulableError (the node
+named by the hard node affinity is gone). So a node is held *down* here (`down`) as soon as
+either shows: an ActorUnschedulableError (down until the table agrees, or `DOWN_HOLD_S`), or a
+supervisor that does not answer a ping within `PROBE_S` after one of its actors died (down for
+`SUSPECT_S`, then asked again). A down node is not placed on, not listed, not asked: its sessions
+are rebuilt on a live node on their next call (issue #31 item 2). Listings and placement ask every
+node at once (`ask_all`), and stop waiting `PROBE_S` after the first answer: a node that has not
+answered by then is held down too, so a dead node delays them by `PROBE_S` at most, once.
 """
 
 from __future__ import annotations
@@ -25,6 +36,10 @@ from workers.placement import (
 )
 from workers.spec import KernelSpec
 from workers.supervisor import NodeSupervisor
+
+PROBE_S = 1.0  # how long a live supervisor may take to answer a ping or a fan-out, after the first answer
+SUSPECT_S = 10.0  # a node that did not answer is held down this long, then asked again
+DOWN_HOLD_S = 120.0  # a node Ray could not schedule on is held down until its table agrees, at most this long
 
 
 class NodeGone(Unavailable):
@@ -58,6 +73,7 @@ class FleetNodes:
         self.supervisors: dict[str, Any] = {}
         self.specs: dict[str, KernelSpec] = {}  # node -> the kernel spec its group runs
         self.num_without_gpu = 0  # eligible nodes whose group's spec is CUDA but that have no GPU
+        self.down: dict[str, float] = {}  # node -> time.monotonic() until which it is held down
 
     def refresh(self, force: bool = False) -> list[str]:
         """Follow Ray's node table: a supervisor for every alive node with the session actor's
@@ -68,7 +84,7 @@ class FleetNodes:
     def _refresh(self, force: bool) -> list[str]:
         now = time.monotonic()
         if not force and now - self._refreshed < self._refresh_s:
-            return list(self.supervisors)
+            return self._up()
         self._refreshed = now
         nodes = ray.nodes()  # type: ignore[no-untyped-call]
         specs = {n["NodeID"]: self.spec.for_node(n) for n in nodes}  # None: no GPU for a CUDA group
@@ -77,11 +93,24 @@ class FleetNodes:
         self.num_without_gpu = len(eligible) - len(alive)
         for nid in set(self.supervisors) - set(alive):
             self.supervisors.pop(nid, None)
+        for nid in [n for n, until in self.down.items() if n not in alive or until <= now]:
+            del self.down[nid]  # the table agrees it is dead (or the hold ran out: ask it again)
         for nid in alive:
             self.specs[nid] = specs[nid] or self.spec
-            if nid not in self.supervisors:
+            if nid not in self.supervisors and nid not in self.down:
                 self.supervisors[nid] = self._supervisor(nid, self.specs[nid])
-        return list(self.supervisors)
+        return self._up()
+
+    def _up(self) -> list[str]:
+        now = time.monotonic()
+        return [n for n in self.supervisors if self.down.get(n, 0.0) <= now]
+
+    def hold_down(self, nid: str, seconds: float, *, drop: bool = False) -> None:
+        """Treat `nid` as dead for `seconds` (`drop`: forget its supervisor too: Ray cannot restart it)."""
+        with self._lock:
+            self.down[nid] = max(self.down.get(nid, 0.0), time.monotonic() + seconds)
+            if drop:
+                self.supervisors.pop(nid, None)
 
     def _supervisor(self, nid: str, spec: KernelSpec) -> Any:
         """The node's supervisor: an existing one by name (a restarted controller reattaches), or a
@@ -97,20 +126,61 @@ class FleetNodes:
 
         Raises:
             ResourceExhausted: no node has room for the session's tokens."""
-        offers, errors = [], []
-        for nid in [n for n in self.refresh() if n != exclude]:
-            try:
-                o = self.call(nid, "offer", tenant, tokens)
-            except Unavailable as e:
-                errors.append(str(e))
-                continue
-            offers.append(NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"]))
+        answers = self.ask_all("offer", tenant, tokens, exclude=exclude)
+        offers = [NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"])
+                  for nid, o in answers.items() if not isinstance(o, Exception)]
+        errors = [str(o) for o in answers.values() if isinstance(o, Exception)]
         if not offers and errors:  # not a full fleet: a fleet that does not answer
             raise Unavailable(f"no node's supervisor answered ({len(errors)} nodes); the last: {errors[-1]}")
         return choose_node(offers, len(tokens), self.bytes_per_token)
 
+    def ask_all(self, method: str, *args: Any, exclude: str = "") -> dict[str, Any]:
+        """Every up node's answer to one supervisor call, asked at once: node -> answer, or the
+        exception it raised (a kvfleet error, or Unavailable). A node that has not answered
+        `PROBE_S` after the first answer (or within the call timeout, if none answers) is held
+        down and left out: one dead node never holds up a listing or a placement for long."""
+        sups = {nid: self.supervisors.get(nid) for nid in self.refresh() if nid != exclude}
+        refs = {getattr(sup, method).remote(*args): nid for nid, sup in sups.items() if sup is not None}
+        out: dict[str, Any] = {}
+        pending, deadline = list(refs), time.monotonic() + self.call_timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in done:
+                nid = refs[ref]
+                try:
+                    out[nid] = ray_get(ref, self.call_timeout_s)
+                except ray.exceptions.ActorUnschedulableError:
+                    self.hold_down(nid, DOWN_HOLD_S, drop=True)
+                except ray.exceptions.RayActorError as e:
+                    out[nid] = Unavailable(f"the supervisor of node {nid} did not answer: {str(e)[:200]}")
+                except KvfleetError as e:
+                    out[nid] = e
+            if done:
+                deadline = min(deadline, time.monotonic() + PROBE_S)
+        for ref in pending:
+            self.hold_down(refs[ref], SUSPECT_S)
+        return out
+
     def alive(self, nid: str) -> bool:
         return nid in self.refresh()
+
+    def answers(self, nid: str) -> bool:
+        """Whether `nid` is up and its supervisor answers a ping within PROBE_S (else: held down).
+        Asked before rebuilding a lost session where it was: its actor died, maybe with its node."""
+        sup = self.supervisors.get(nid) if self.alive(nid) else None
+        if sup is None:
+            return False
+        try:
+            ray.get(sup.ping.remote(), timeout=PROBE_S)
+            return True
+        except ray.exceptions.ActorUnschedulableError:
+            self.hold_down(nid, DOWN_HOLD_S, drop=True)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            self.hold_down(nid, SUSPECT_S)
+        return False
 
     def call(self, node: str, method: str, *args: Any) -> Any:
         """Call a node's supervisor; while Ray restarts it (ActorUnavailableError), retry until
@@ -120,10 +190,13 @@ class FleetNodes:
         deadline, replaced = time.monotonic() + self.call_timeout_s, False
         for attempt in itertools.count():
             sup = self.supervisors.get(node)
-            if sup is None:
+            if sup is None or self.down.get(node, 0.0) > time.monotonic():
                 raise NodeGone(f"node {node} has left the cluster")
             try:
                 return ray_get(getattr(sup, method).remote(*args), self.call_timeout_s)
+            except ray.exceptions.ActorUnschedulableError:  # Ray cannot restart it: its node is gone
+                self.hold_down(node, DOWN_HOLD_S, drop=True)
+                raise NodeGone(f"node {node} has left the cluster (its supervisor cannot be restarted)") from None
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"the supervisor of node {node} stayed unavailable") from None

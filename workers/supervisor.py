@@ -288,6 +288,9 @@ class NodeSupervisor:
                             "actor": session_actor_name(*key, fleet_scope(self.store_url)), "epoch": self.epochs.get(key, 0)})
         return out
 
+    async def ping(self) -> str:
+        return "ok"
+
     async def stats(self) -> dict[str, Any]:
         return {"node": self.node_id, "pid": os.getpid(), "sessions": len(self.actors), "cached_tokens": self.tree.num_cached_tokens,
                 "capacity_tokens": self.tree.capacity_tokens, "kv_budget_bytes": self.kv_budget_bytes,
