@@ -77,6 +77,7 @@ class Record:
     matched_tokens: int = 0
     attempts: int = 1
     error: str = ""
+    issued: int = 0  # its place in issue order (lifecycle events carry the same count: at_request)
 
 
 @dataclass(slots=True)
@@ -119,7 +120,10 @@ class Driver:
         self._t0 = time.monotonic()
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as self.http:
-            await asyncio.gather(*(self._session(s) for s in self.wl.sessions))
+            if self.wl.arrivals:  # open loop: a replayed trace's requests at their own times
+                await asyncio.gather(*(self._at(t, self.wl.sessions[i]) for t, i in self.wl.arrivals))
+            else:
+                await asyncio.gather(*(self._session(s) for s in self.wl.sessions))
             wall = time.monotonic() - self._t0
             self._done = True
             await asyncio.wait_for(asyncio.gather(*self._tasks), self.opt.sleep_max_s + 30)
@@ -129,7 +133,16 @@ class Driver:
         for t in range(len(s.turns)):
             await asyncio.sleep(s.think_s[t])
             self._issue()
+            n = self.issued
             self.records.append(await self._send(s, t))
+            self.records[-1].issued = n
+
+    async def _at(self, t_s: float, s: Session) -> None:
+        await asyncio.sleep(max(0.0, self._t0 + t_s - time.monotonic()))
+        self._issue()
+        n = self.issued
+        self.records.append(await self._send(s, 0))
+        self.records[-1].issued = n
 
     def _issue(self) -> None:
         self.issued += 1
@@ -139,7 +152,15 @@ class Driver:
             self._tasks.append(asyncio.create_task(self._action("reset_prefix_cache", self.fleet.busiest())))
 
     async def _action(self, verb: str, worker: str) -> None:
-        ev = await self.run.lifecycle(verb, worker, self.fleet)
+        """One lifecycle action; an HTTP call that times out (a loaded machine) is tried twice more,
+        then recorded as failed (the run goes on; the report shows the event)."""
+        ev: dict[str, Any] = {"verb": verb, "worker": worker, "ok": False}
+        for _ in range(3):
+            try:
+                ev = await self.run.lifecycle(verb, worker, self.fleet)
+                break
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                ev["error"] = f"{type(e).__name__}: {e}"[:200]
         self.events.append({**ev, "at_request": self.issued, "t_s": round(time.monotonic() - self._t0, 3)})
 
     async def _sleep_window(self) -> None:
@@ -309,6 +330,12 @@ def progress(wname: str, size: str, r: dict[str, Any], took: float) -> str:
 
 
 def parse_cells(a: argparse.Namespace) -> list[tuple[str, str]]:
+    if a.cells:
+        cells = [tuple(c.split("/", 1)) for c in a.cells.split(",")]
+        for c in cells:
+            if len(c) != 2 or c[0] not in WORKLOADS or c[1] not in CACHES:
+                raise SystemExit(f"--cells takes WORKLOAD/CACHE pairs, got {'/'.join(c)!r}")
+        return [(w, c) for w, c in cells]
     if not a.workloads and not a.caches:
         return list(QUICK_CELLS if a.quick else DEFAULT_CELLS)
     ws = a.workloads.split(",") if a.workloads else list(WORKLOADS)
@@ -347,6 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", default="all", help=f"comma-separated, from: {', '.join(CONTENDERS)}")
     p.add_argument("--workloads", default="", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
     p.add_argument("--caches", default="", help=f"comma-separated, from: {', '.join(CACHES)} (default tight)")
+    p.add_argument(
+        "--cells", default="", help="comma-separated WORKLOAD/CACHE pairs, e.g. mooncake/very-tight"
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="a Mooncake-format trace for the mooncake workload "
+        "(default: the slice committed in bench/data/)",
+    )
+    p.add_argument("--section", default="fleet-routing", help="the docs/benchmarks.md section to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
@@ -366,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     a = p.parse_args(argv)
+    if a.trace is not None:
+        import mooncake
+
+        mooncake.SOURCE = a.trace
     names = list(CONTENDERS) if a.contenders == "all" else a.contenders.split(",")
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
@@ -395,9 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     if not results["quick"] and not a.no_docs:
         from benchdoc import write_section
 
-        plot(results, a.out.parent / "fleet_routing.png")
-        write_section("fleet-routing", section, a.out)
-        print(f"wrote {a.out} (section fleet-routing) and {a.out.parent / 'fleet_routing.png'}")
+        png = a.out.parent / (a.section.replace("-", "_") + ".png")
+        plot(results, png)
+        write_section(a.section, section.replace("(fleet_routing.png)", f"({png.name})"), a.out)
+        print(f"wrote {a.out} (section {a.section}) and {png}")
     return 0
 
 
@@ -418,7 +461,20 @@ def meta(a: argparse.Namespace, opt: Options, cfg: Any, took: float) -> dict[str
         "sim_config": asdict(cfg) | {"num_blocks": "per cell"},
         "max_tokens": MAX_TOKENS,
         "versions": {p: ver(p) for p in ("vllm-router", "sglang-router")},
+        "detector": detector_setting(),
+        "cells_arg": a.cells,
     }
+
+
+def detector_setting() -> str:
+    """The quarantine detector kvfleet's controller judged tool results with in this run (the bench
+    passes no --detector-layers, so the tree's default)."""
+    try:
+        from fleet.quarantine.layered import default_layers
+
+        return "controller default (no --detector-layers): " + ",".join(default_layers())
+    except Exception as e:  # the report says so rather than failing the run
+        return f"unknown ({type(e).__name__}: {e})"
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class Session:
 
     session_id: str
     tenant: str
-    system: str
+    system: str | None  # None: no system message (a replayed request is one user message)
     turns: tuple[tuple[str, str], ...]
     think_s: tuple[float, ...]
 
@@ -60,7 +60,7 @@ class Session:
 
     def messages(self, t: int) -> list[dict[str, str]]:
         """The request of turn t: the whole history, then the new user message."""
-        out = [{"role": "system", "content": self.system}]
+        out = [] if self.system is None else [{"role": "system", "content": self.system}]
         for user, assistant in self.turns[:t]:
             out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
         return out + [{"role": "user", "content": self.turns[t][0]}]
@@ -81,9 +81,16 @@ class Workload:
     sleep_at: float = 0.35
     wake_at: float = 0.5
     reset_at: float = 0.7
+    # open loop (a replayed trace): (seconds from the start, session index), each session one request;
+    # empty: closed loop, every session sends its next turn when the last one answered and it thought
+    arrivals: tuple[tuple[float, int], ...] = ()
+    # working set in tokens when the sessions do not say it (a trace: its distinct blocks)
+    distinct_tokens: int = 0
+    scale: str = ""  # how a replayed trace was scaled, for the report
 
     def __post_init__(self) -> None:
         assert self.num_workers >= 2 and 0 < self.sleep_at < self.wake_at < 1 and 0 < self.reset_at < 1
+        assert all(len(self.sessions[i].turns) == 1 for _, i in self.arrivals)
 
     @property
     def num_requests(self) -> int:
@@ -94,7 +101,10 @@ class Workload:
         return tuple(sorted({s.tenant for s in self.sessions}))
 
     def working_set_tokens(self) -> int:
-        """Sum over sessions of the final history (each session's longest prompt)."""
+        """Sum over sessions of the final history (each session's longest prompt); for a replayed
+        trace, its distinct blocks."""
+        if self.distinct_tokens:
+            return self.distinct_tokens
         return sum(s.num_tokens(len(s.turns) - 1) for s in self.sessions)
 
     def prompt_tokens(self) -> int:
@@ -118,6 +128,8 @@ class Workload:
             "tenants": list(self.tenants),
             "working_set_tokens": self.working_set_tokens(),
             "longest_prompt": self.longest_prompt(),
+            **({"open_loop_s": round(self.arrivals[-1][0], 1)} if self.arrivals else {}),
+            **({"scale": self.scale} if self.scale else {}),
         }
 
 
@@ -223,6 +235,84 @@ def demo_agents(name: str, seed: int, *, num_agents: int, turns: int, think_s: f
     )
 
 
+def few_shot_agents(
+    name: str, seed: int, *, num_agents: int, turns: int, num_one_shots: int, think_s: float = 0.1
+) -> Workload:
+    """Agents (their own system prompt) mixed with one-shot requests that share a few-shot preamble and
+    never come back (a classification or extraction endpoint): the one-shots arrive spread over the
+    agents' run, each one a new question after the same ~1k-token examples."""
+    rng = random.Random(f"{name}/{seed}")
+    system = "operations agent. " + words(rng, 1400)
+    shots = "answer like these examples. " + words(rng, 1000)
+    agents_ = [
+        agent_session(rng, f"{name}-a{i}", "tenant0", system, turns, think_s) for i in range(num_agents)
+    ]
+    span = turns * (think_s + 0.05) * 1.5  # about the agents' run
+    one = [
+        Session(
+            f"{name}-q{i}",
+            "tenant0",
+            shots,
+            (("question: " + words(rng, rng.randint(20, 60)), ""),),
+            (round(rng.uniform(0, span), 4),),
+        )
+        for i in range(num_one_shots)
+    ]
+    # the working set: the agents' histories, the preamble once, each one-shot's own question
+    base = one[0].num_tokens(0) - len(apply_chat_template([{"role": "user", "content": one[0].turns[0][0]}]))
+    distinct = sum(a.num_tokens(turns - 1) for a in agents_) + sum(o.num_tokens(0) - base for o in one) + base
+    return Workload(
+        name,
+        f"{num_agents} agents x {turns} turns + {num_one_shots} one-shot requests sharing a ~1k-token "
+        "few-shot preamble (never returning), over 4 workers",
+        4,
+        tuple(agents_ + one),
+        distinct_tokens=distinct,
+    )
+
+
+def long_context(
+    name: str, seed: int, *, num_sessions: int, turns: int, doc_words: int, think_s: float = 0.1
+) -> Workload:
+    """Sessions over their own long document (questions about it, short answers): every turn re-sends
+    the document; scaled 1:8 (a 4k-token document stands for 32k tokens)."""
+    rng = random.Random(f"{name}/{seed}")
+    sessions = []
+    for i in range(num_sessions):
+        doc = f"document {i}. " + words(rng, doc_words)
+        ts = tuple(
+            ("question: " + words(rng, rng.randint(15, 40)), words(rng, rng.randint(20, 50)))
+            for _ in range(turns)
+        )
+        sessions.append(Session(f"{name}-s{i}", "tenant0", doc, ts, tuple(think(rng, think_s) for _ in ts)))
+    return Workload(
+        name,
+        f"{num_sessions} long-context sessions x {turns} turns over 4 workers, each over its own "
+        f"~{doc_words * 12 // 11 // 1000}k-token document (1:8 scale of >= 32k tokens)",
+        4,
+        tuple(sessions),
+        scale="1:8 tokens (a 4k-token document stands for 32k)",
+    )
+
+
+def short_chats(name: str, seed: int, *, num_sessions: int, turns: int, think_s: float = 0.1) -> Workload:
+    """Many short chats: a short shared system prompt, a few short turns each."""
+    rng = random.Random(f"{name}/{seed}")
+    system = "you are a helpful assistant. " + words(rng, 40)
+    sessions = []
+    for i in range(num_sessions):
+        ts = tuple((words(rng, rng.randint(8, 30)), words(rng, rng.randint(15, 45))) for _ in range(turns))
+        sessions.append(
+            Session(f"{name}-s{i}", "tenant0", system, ts, tuple(think(rng, think_s) for _ in ts))
+        )
+    return Workload(
+        name,
+        f"{num_sessions} short chats x {turns} turns (short shared system prompt) over 4 workers",
+        4,
+        tuple(sessions),
+    )
+
+
 def workload(name: str, seed: int = 0, quick: bool = False, think_s: float = 0.1) -> Workload:
     """The named workload; `quick` shrinks turns and sessions for a short validation run."""
     turns = 6 if quick else 12
@@ -243,7 +333,33 @@ def workload(name: str, seed: int = 0, quick: bool = False, think_s: float = 0.1
             turns=2 if quick else 3,
             think_s=think_s,
         )
+    if name == "fewshot-agents":
+        return few_shot_agents(
+            name, seed, num_agents=8, turns=turns, num_one_shots=48 if quick else 96, think_s=think_s
+        )
+    if name == "long-context":
+        return long_context(
+            name, seed, num_sessions=6, turns=4 if quick else 8, doc_words=3800, think_s=think_s
+        )
+    if name == "short-chats":
+        return short_chats(
+            name, seed, num_sessions=32 if quick else 64, turns=3 if quick else 4, think_s=think_s
+        )
+    if name == "mooncake":
+        from mooncake import mooncake
+
+        return mooncake(name, num_requests=300 if quick else 600)
     raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
 
 
-WORKLOADS = ("demo", "agents16x4", "agents16x8", "tenants2", "cold-burst")
+WORKLOADS = (
+    "demo",
+    "agents16x4",
+    "agents16x8",
+    "tenants2",
+    "cold-burst",
+    "fewshot-agents",
+    "long-context",
+    "short-chats",
+    "mooncake",
+)

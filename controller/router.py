@@ -323,7 +323,7 @@ class Router:
         f = self.flights.release(route_id, owner)
         self.metrics.route_releases.labels("released" if f else "unknown").inc()
         if f is not None:
-            self.shadow.free(route_id)
+            self.shadow.free(route_id, time.monotonic())
         if f is not None:
             self._gauge(f.key[0])
         return f is not None
@@ -352,7 +352,7 @@ class Router:
         rid = route_id or secrets.token_hex(8)
         self.shadow.allocate(key, rid, chain, 1 if num_tokens % B else 0, cap, now)
         if not route_id:
-            self.shadow.free(rid)
+            self.shadow.free(rid, now)
 
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a
@@ -372,8 +372,9 @@ class Router:
     def _ended(self, flights: list[Flight], reason: str) -> None:
         if flights:
             self.metrics.inflight_dropped.labels(reason).inc(len(flights))
+        now = time.monotonic()
         for f in flights:
-            self.shadow.free(f.route_id)
+            self.shadow.free(f.route_id, now)
         for worker in {f.key[0] for f in flights}:
             self._gauge(worker)
 

@@ -17,7 +17,12 @@ kv_cache_utils.py):
 - when the request ends its blocks are freed in reverse order (`KVCacheManager.free`): ref_cnt
   -= 1, and those at 0 are appended to the queue's tail, so of one request the tail is evicted
   first and its prefix last;
-- `reset_prefix_cache` (AllBlocksCleared) drops every hash and keeps the blocks.
+- `reset_prefix_cache` (AllBlocksCleared) drops every hash and keeps the blocks;
+- the scheduler admits waiting requests first come, first served: a request whose blocks do not
+  fit (pinned blocks of running requests hold the pool) waits, and every later one waits behind it
+  until frees make room. A waiting request will take the queue's front blocks when admitted, so a
+  route decided meanwhile must not count on them: `resident_prefix` stops at any block within the
+  first (waiting requests' new blocks) of the eviction order ("at risk").
 
 Every block here is named by its hash; unhashed ones (never used, a prompt's partial last block)
 are anonymous. Events correct the model: a BlockStored it did not predict takes a slot (the real
@@ -56,8 +61,12 @@ class RankPool:
         self._fresh = num_gpu_blocks - 1  # never-used blocks at the queue's front
         self._free: OrderedDict[object, None] = OrderedDict()  # then these, front first: hashes or _Anon
         self._ref: dict[int, int] = {}  # pinned hashed blocks: hash -> ref_cnt (> 0)
-        self._anon_pinned = 0
+        self._anon_pinned = 0  # pinned unhashed blocks (partial ones)
+        self._ghost: dict[int, int] = {}  # pinned blocks whose hash was dropped meanwhile -> ref_cnt
         self._held: dict[str, list[int | None]] = {}  # route -> its blocks in order (None: unhashed)
+        # routes not admitted yet (FCFS): their chain, partial blocks, and the new blocks they will take
+        self._waiting: OrderedDict[str, tuple[Sequence[int], int, int]] = OrderedDict()
+        self._pending = 0  # sum of the waiting routes' new blocks
         self.evicted: OrderedDict[int, float] = OrderedDict()  # predicted evictions -> when, oldest first
 
     # what the router reads
@@ -72,20 +81,66 @@ class RankPool:
         return self._fresh + len(self._free)
 
     def resident_prefix(self, chain: Sequence[int], matched: int, now: float) -> int:
-        """Of the `matched` leading blocks the index holds, how many are not known to be evicted."""
+        """Of the `matched` leading blocks the index holds, how many are not known to be evicted, nor
+        at risk from the waiting requests admitted before this one."""
         self.expire(now)
-        if self.evicted:
+        risk = self.at_risk()
+        if self.evicted or risk:
             for i, h in enumerate(chain[:matched]):
-                if h in self.evicted:
+                if h in self.evicted or h in risk:
                     return i
         return matched
 
+    def at_risk(self) -> set[int]:
+        """Hashes the waiting requests will evict when admitted: the front of the queue they will take."""
+        n = self._pending - self._fresh
+        if n <= 0:
+            return set()
+        out = set()
+        for k in self._free:
+            if n <= 0:
+                break
+            if isinstance(k, int):
+                out.add(k)
+            n -= 1
+        return out
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
     # the router's routes
     def allocate(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
-        """A request with these full-block hashes (and `num_partial` unhashed blocks) is scheduled:
-        touch its cached prefix, pop new blocks from the front. Returns the hashes evicted, in order."""
-        if route in self._held:
+        """A request with these full-block hashes (and `num_partial` unhashed blocks) arrives: it is
+        admitted if nothing waits and its blocks fit, else it waits (first come, first served).
+        Returns the hashes its admission evicted, in order (none while it waits)."""
+        if route in self._held or route in self._waiting:
             raise ValueError(f"route {route!r} already holds blocks")
+        need = self._need(chain, num_partial)
+        if self._waiting or (need > self.num_free() and self._pinned()):
+            new = need - sum(1 for h in chain if h in self._free)
+            self._waiting[route] = (chain, num_partial, max(new, 0))
+            self._pending += max(new, 0)
+            return []
+        return self._admit(route, chain, num_partial, now)
+
+    def _need(self, chain: Sequence[int], num_partial: int) -> int:
+        """Blocks the request takes out of the free queue: its cached-but-free ones and its new ones."""
+        return sum(1 for h in chain if h not in self._ref) + num_partial
+
+    def _drain(self, now: float) -> list[int]:
+        """Admit waiting requests in arrival order while they fit (a request larger than the pool runs
+        alone, once nothing is pinned)."""
+        out: list[int] = []
+        while self._waiting:
+            route, (chain, num_partial, new) = next(iter(self._waiting.items()))
+            if self._need(chain, num_partial) > self.num_free() and self._pinned():
+                break
+            del self._waiting[route]
+            self._pending -= new
+            out += self._admit(route, chain, num_partial, now)
+        return out
+
+    def _admit(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
         held: list[int | None] = []
         hit = 0
         while hit < len(chain) and self.cached(chain[hit]):
@@ -114,17 +169,30 @@ class RankPool:
         self._held[route] = held
         return out
 
-    def free(self, route: str) -> None:
-        """The request ended: its blocks return to the queue's tail, last block first."""
+    def free(self, route: str, now: float) -> list[int]:
+        """The request ended: its blocks return to the queue's tail, last block first; then waiting
+        requests are admitted while they fit. Returns the hashes their admission evicted."""
+        w = self._waiting.pop(route, None)
+        if w is not None:  # ended (or dropped) before it was admitted
+            self._pending -= w[2]
+            return self._drain(now)
         for h in reversed(self._held.pop(route, [])):
-            if h is None or h not in self._ref:  # unhashed, or its hash was dropped meanwhile
+            if h is None:
                 self._anon_pinned = max(0, self._anon_pinned - 1)
                 self._free[_Anon()] = None
+            elif h in self._ghost:  # its hash was dropped while it ran: the block comes back unhashed
+                self._ghost[h] -= 1
+                if not self._ghost[h]:
+                    del self._ghost[h]
+                    self._free[_Anon()] = None
+            elif h not in self._ref:
+                continue
             elif self._ref[h] > 1:
                 self._ref[h] -= 1
             else:
                 del self._ref[h]
                 self._free[h] = None
+        return self._drain(now)
 
     # KV events
     def stored(self, hashes: Iterable[int], now: float) -> None:
@@ -147,12 +215,12 @@ class RankPool:
                 del self._free[h]
                 self._fresh += 1  # NOTE: at the front: reused by someone, it is the next slot taken
             elif h in self._ref:
-                del self._ref[h]
-                self._anon_pinned += 1
+                self._ghost[h] = self._ghost.get(h, 0) + self._ref.pop(h)
 
     def cleared(self) -> None:
         """AllBlocksCleared, an epoch drop (sleep, reset, restart): every hash is gone, blocks stay."""
-        self._anon_pinned += sum(self._ref.values())
+        for h, n in self._ref.items():
+            self._ghost[h] = self._ghost.get(h, 0) + n
         self._ref.clear()
         self._fresh += len(self._free)
         self._free.clear()
@@ -164,6 +232,9 @@ class RankPool:
             ev.popitem(last=False)
 
     # internals
+    def _pinned(self) -> bool:
+        return bool(self._ref or self._anon_pinned or self._ghost)
+
     def _touch(self, h: int) -> None:
         if h in self._free:
             del self._free[h]
@@ -214,11 +285,11 @@ class ShadowPools:
         self._route_key[route] = key
         return p.allocate(route, chain, num_partial, now)
 
-    def free(self, route: str) -> None:
+    def free(self, route: str, now: float) -> None:
         key = self._route_key.pop(route, None)
         p = self._pools.get(key) if key is not None else None
         if p is not None:
-            p.free(route)
+            p.free(route, now)
 
     def resident_prefix(self, key: RankKey, chain: Sequence[int], matched: int, now: float) -> int:
         p = self._pools.get(key)

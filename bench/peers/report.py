@@ -124,7 +124,10 @@ def detail(cell: dict[str, Any]) -> list[str]:
     w = cell["workload"]
     rows = [
         f"**{cell_title(cell)}**: {w['description']}; {w['requests']} requests, working set "
-        f"{w['working_set_tokens']:,} tokens, longest prompt {w['longest_prompt']:,}.",
+        f"{w['working_set_tokens']:,} tokens, longest prompt {w['longest_prompt']:,}"
+        + (f"; scale {w['scale']}" if w.get("scale") else "")
+        + (f"; open loop over {w['open_loop_s']} s" if w.get("open_loop_s") else "")
+        + ".",
         "",
         "| contender | prefilled tokens | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
         "to sleeping | req share max / min | token share max | stale warm (of WARM) |",
@@ -252,8 +255,11 @@ def report(results: dict[str, Any]) -> str:
         for k, x in sc.items()
         if k not in ("model", "block_size", "num_blocks", "hash_algo", "hash_seed", "loras", "max_model_len")
     }
+    title = results.get("title") or (
+        "Fleet routing: kvfleet vs vllm-router, sglang-router and a sticky hash (`./dev.sh bench fleet_routing`)"
+    )
     lines = [
-        "## Fleet routing: kvfleet vs vllm-router, sglang-router and a sticky hash (`./dev.sh bench fleet_routing`)",
+        f"## {title}",
         "",
         f"Measured at commit `{results['commit']}` ({'quick run' if results['quick'] else 'default size'}, "
         f"{results['took_s'] / 60:.1f} min on this machine's 2 shared cores). Every contender gets fresh "
@@ -266,7 +272,14 @@ def report(results: dict[str, Any]) -> str:
         f"50% were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s); at 70% the busiest "
         "awake worker's prefix cache is reset. `kvfleet-ctl` gets the same actions through the kvfleet "
         f"controller instead. Client timeout {o['timeout_s']:.0f} s per request. Peers: vllm-router "
-        f"{v['vllm-router']}, sglang-router {v['sglang-router']} (PyPI).",
+        f"{v['vllm-router']}, sglang-router {v['sglang-router']} (PyPI)."
+        + (
+            " A replayed trace (open loop) sends each request at its own time instead, one user message "
+            "each; its scale is stated per cell."
+            if any(c["workload"].get("open_loop_s") for c in cells)
+            else ""
+        )
+        + (f" kvfleet's quarantine detector: {results['detector']}." if results.get("detector") else ""),
         "",
         "Prefilled tokens and hit rates are the stand-ins' own counters (prompt tokens run minus prefix-cache "
         "hits, as vLLM's `prefix_cache_queries`/`prefix_cache_hits`); TTFT is client side (first SSE event, "

@@ -57,3 +57,26 @@ async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: 
         }
     )
     assert "| sticky |" in doc and "| kvfleet |" in doc
+
+
+async def test_the_mooncake_slice_replays_open_loop_and_shares_prefixes_as_its_hash_ids_say(
+    tmp_path: Path,
+) -> None:
+    """The committed trace slice (bench/data/) replays at its (compressed) timestamps through a real
+    router; requests whose hash ids share leading blocks share stand-in blocks, so the workers hit."""
+    import mooncake
+
+    data = BENCH / "data" / "mooncake_conversation_1500.jsonl"
+    assert data.stat().st_size < 2 << 20 and (BENCH / "data" / "LICENSE-APACHE").exists()
+    wl = mooncake.mooncake("mooncake", num_requests=40)
+    assert [t for t, _ in wl.arrivals] == sorted(t for t, _ in wl.arrivals) and wl.arrivals[-1][0] > 1.0
+    # requests 0 and 1 share hash id 0 (one 512-token block): the same 16 leading words
+    a, b = (wl.sessions[i].turns[0][0].split() for i in (0, 1))
+    assert a[:16] == b[:16] and a[16:32] != b[16:32]
+    opt = fr.Options(timeout_s=5.0, sleep_min_s=0.3, sleep_max_s=2.0, think_s=0.0)
+    r = await fr.run_one(CONTENDERS["sticky"], wl, 256, opt, tmp_path)
+    assert "unavailable" not in r, r.get("unavailable")
+    assert [x["status"] for x in r["records"]] == [200] * 40
+    assert sorted(x["issued"] for x in r["records"]) == list(range(1, 41))
+    s = summarize(r)
+    assert s["queries"] == wl.prompt_tokens() and 0 < s["prefilled"] < s["queries"]

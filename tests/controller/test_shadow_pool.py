@@ -13,7 +13,7 @@ def test_the_docstring_walk_through_null_block_fresh_blocks_then_lru_tail_first(
     assert p.num_free() == 4
     assert p.allocate("r1", [11, 12], 1, now=0.0) == []
     assert p.queue() == [None] and p.num_free() == 1
-    p.free("r1")  # reversed: the partial block, then 12, then 11 join the tail
+    p.free("r1", now=9.0)  # reversed: the partial block, then 12, then 11 join the tail
     assert p.queue() == [None, None, 12, 11]
     assert p.allocate("r2", [21, 22], 0, now=1.0) == []  # the fresh block, then the freed partial one
     assert p.queue() == [12, 11]
@@ -24,27 +24,43 @@ def test_the_docstring_walk_through_null_block_fresh_blocks_then_lru_tail_first(
 def test_a_hit_touches_its_blocks_out_of_the_queue_and_pinned_blocks_are_never_evicted() -> None:
     p = RankPool(num_gpu_blocks=5)
     p.allocate("a", [1, 2, 3], 0, now=0.0)
-    p.free("a")
+    p.free("a", now=0.0)
     assert p.queue() == [None, 3, 2, 1]
     assert p.allocate("b", [1, 2, 9], 0, now=1.0) == []  # hit 1, 2 (touched out), 9 takes the fresh block
     assert p.queue() == [3]
     assert p.allocate("c", [7], 0, now=2.0) == [3]
-    assert p.allocate("d", [8], 0, now=3.0) == []  # nothing free: 1, 2, 9 and 7 are pinned
-    assert p.queue() == [] and not p.cached(8)
-    p.free("b")  # 9, 2, 1 in that order
-    assert p.queue() == [9, 2, 1]
-    p.free("c")
-    assert p.allocate("e", [5, 6], 0, now=4.0) == [9, 2]
-    assert p.queue() == [1, 7]
+    assert p.allocate("d", [8], 0, now=3.0) == []  # nothing free: 1, 2, 9 and 7 are pinned; d waits
+    assert p.queue() == [] and p.num_waiting() == 1 and not p.cached(8)
+    assert p.free("b", now=4.0) == [9]  # 9, 2, 1 rejoin in that order; d is admitted and takes the front
+    assert p.queue() == [2, 1] and p.cached(8) and p.num_waiting() == 0
+    p.free("c", now=5.0)
+    assert p.allocate("e", [5, 6], 0, now=6.0) == [2, 1]
+    assert p.queue() == [7]
+
+
+def test_a_waiting_request_puts_the_queue_front_at_risk_before_it_is_admitted() -> None:
+    p = RankPool(num_gpu_blocks=5)  # 4 usable
+    p.allocate("a", [1, 2], 0, now=0.0)
+    p.allocate("b", [3, 4], 0, now=0.0)  # the pool is full of pinned blocks
+    p.free("a", now=1.0)
+    assert p.queue() == [2, 1]
+    assert p.allocate("c", [5, 6, 7], 0, now=2.0) == []  # 3 new blocks, 2 free: waits behind b
+    assert p.at_risk() == {1, 2}
+    assert p.resident_prefix([1, 2], 2, now=2.0) == 0  # c will take 2 and 1 before a route sent now runs
+    assert p.allocate("d", [1, 2], 0, now=2.5) == [] and p.num_waiting() == 2  # first come, first served
+    assert p.free("b", now=3.0) == [2, 1, 4]  # c admitted: 2, 1, 4 evicted; then d: 1, 2 are new again
+    assert p.queue() == [3] and p.num_waiting() == 1  # d needs 2 blocks, 1 is free
+    assert p.free("c", now=4.0) == [3, 7]  # c's 7, 6, 5 rejoin behind 3; d admitted takes 3 and 7
+    assert p.queue() == [6, 5] and p.cached(1) and p.cached(2) and not p.cached(7)
 
 
 def test_shared_blocks_count_references_and_rejoin_the_queue_only_when_the_last_one_ends() -> None:
     p = RankPool(num_gpu_blocks=6)  # 5 usable
     p.allocate("a", [1, 2], 0, now=0.0)
     p.allocate("b", [1, 2, 3], 0, now=0.0)  # shares 1, 2 (ref 2)
-    p.free("a")
+    p.free("a", now=9.0)
     assert p.queue() == [None, None]  # 1 and 2 still held by b
-    p.free("b")
+    p.free("b", now=9.0)
     assert p.queue() == [None, None, 3, 2, 1]
     assert p.allocate("c", [4, 5, 6, 7], 0, now=1.0) == [3, 2]
 
@@ -52,7 +68,7 @@ def test_shared_blocks_count_references_and_rejoin_the_queue_only_when_the_last_
 def test_predicted_evictions_hide_index_matches_until_confirmed_or_past_the_grace() -> None:
     p = RankPool(num_gpu_blocks=4, grace_s=5.0)  # 3 usable
     p.allocate("a", [1, 2, 3], 0, now=0.0)
-    p.free("a")
+    p.free("a", now=9.0)
     assert p.allocate("b", [4, 5], 0, now=1.0) == [3, 2]
     # the index still holds 1, 2, 3 (no BlockRemoved yet): only block 1 is resident as far as LRU goes
     assert p.resident_prefix([1, 2, 3], 3, now=1.5) == 1
@@ -64,7 +80,7 @@ def test_predicted_evictions_hide_index_matches_until_confirmed_or_past_the_grac
 def test_events_correct_the_model() -> None:
     p = RankPool(num_gpu_blocks=4)  # 3 usable
     p.allocate("a", [1, 2], 0, now=0.0)
-    p.free("a")
+    p.free("a", now=9.0)
     p.stored([1, 8], now=1.0)  # 1 known; 8 unpredicted (another router's request): takes the fresh slot
     assert p.queue() == [2, 1, 8]
     p.stored([9], now=2.0)  # no fresh block left: LRU drops 2 for it
@@ -74,7 +90,7 @@ def test_events_correct_the_model() -> None:
     assert p.allocate("b", [5], 0, now=3.0) == []
     p.cleared()
     assert p.queue() == [None, None] and not p.cached(1) and not p.evicted
-    p.free("b")
+    p.free("b", now=9.0)
     assert p.queue() == [None, None, None]  # its hash was cleared while it ran: it comes back unhashed
 
 
@@ -83,7 +99,7 @@ def test_pools_per_rank_are_made_once_the_capacity_is_known_and_follow_the_route
     assert s.allocate(("w0", 0), "r1", [1, 2], 0, None, now=0.0) == []
     assert s.get(("w0", 0)) is None
     s.allocate(("w0", 0), "r1", [1, 2], 0, 3, now=0.0)
-    s.free("r1")
+    s.free("r1", now=9.0)
     assert s.allocate(("w0", 0), "r2", [3, 4], 0, 3, now=1.0) == [2, 1]
     assert s.resident_prefix(("w0", 0), [1, 2], 2, now=1.0) == 0
     s.drop_worker("w0")
