@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import grpc
 
@@ -13,12 +13,28 @@ from fleet.api.kvfleet.v1 import fleet_pb2 as pb
 from fleet.api.kvfleet.v1 import fleet_pb2_grpc as pbg
 
 VERSION = "0.1.0"
+# query parameters of a store URL shown as they are; any other's value is redacted (redis-py reads
+# `password` and `username` from the query too, with the names percent-decoded)
+_SHOWN_PARAMS = frozenset({"db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout",
+                           "max_connections", "health_check_interval", "ssl_cert_reqs", "ssl_check_hostname",
+                           "protocol", "client_name", "decode_responses", "encoding", "timeout"})
 
 
 def redact(url: str) -> str:
-    """Hide a URL's password. Up to the LAST '@' of the authority: redis-py (urlparse) reads
-    `redis://:p@ss@host` as password 'p@ss', so stopping at the first '@' would print 'ss'."""
-    return re.sub(r"//([^/@:]*):[^/]*@", r"//\1:***@", url)
+    """A store URL without its credentials, in every form redis-py's parser (`redis.connection.parse_url`)
+    reads one: the whole user info (`user:password@`, up to the LAST '@' of the authority, as
+    urlparse reads it: `redis://:p@ss@host` has password 'p@ss'), and the value of every query
+    parameter not known to be harmless (`?password=`, `?username=`, `?pass%77ord=`)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<a store URL that does not parse>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "&".join(f"{quote(k, safe='')}={quote(v, safe='') if k in _SHOWN_PARAMS else '***'}"
+                     for k, v in parse_qsl(parts.query, keep_blank_values=True))
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 class FleetServicer(pbg.FleetServiceServicer):
@@ -34,5 +50,8 @@ class FleetServicer(pbg.FleetServiceServicer):
     async def GetFleet(self, request: pb.GetFleetRequest, context: grpc.aio.ServicerContext,
                        ident: Identity) -> pb.GetFleetResponse:
         workers = self.ctx.router.workers() if self.ctx.router is not None else []
-        return pb.GetFleetResponse(controller_version=VERSION, store=redact(self.ctx.store_url),
+        # a reader (the proxy's token) gets the kind of store only; the operator its URL, redacted
+        url = self.ctx.store_url
+        store = redact(url) if ident.role is Role.OPERATOR else urlsplit(url).scheme
+        return pb.GetFleetResponse(controller_version=VERSION, store=store,
                                    leader=self.ctx.leader, workers=statuses_to_proto(workers))

@@ -110,6 +110,6 @@ def test_redact_hides_a_password_holding_at_signs() -> None:
 
     url = "redis://:p@ss@w0rd@db:6379/0"
     assert urlparse(url).password == "p@ss@w0rd"  # what redis-py will send
-    assert redact(url) == "redis://:***@db:6379/0"
-    assert redact("redis://user:secret@db/0") == "redis://user:***@db/0"
+    assert redact(url) == "redis://***@db:6379/0"
+    assert redact("redis://user:secret@db/0") == "redis://***@db/0"  # a user name is a credential too
     assert redact("redis://db:6379/0") == "redis://db:6379/0" and redact("sqlite:///var/a@b.db") == "sqlite:///var/a@b.db"
