@@ -24,7 +24,6 @@ import argparse
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleet.errors import InvalidArgument, ResourceExhausted
 
@@ -60,17 +59,6 @@ class SessionLimits:
     def reap_interval_s(self) -> float:
         """How often the reaper looks: a quarter of the TTL, within [0.25 s, 60 s]."""
         return min(max(self.idle_ttl_s / 4, MIN_REAP_INTERVAL_S), MAX_REAP_INTERVAL_S)
-
-
-def tokens_of_log(ops: list[dict[str, Any]]) -> int:
-    """The tokens a session holds after its op log: appends add, evictions remove."""
-    n = 0
-    for op in ops:
-        if op.get("op") == "append":
-            n += len(op["tokens"]) if "tokens" in op else int(op.get("num_tokens", 0))
-        elif op.get("op") == "evict":
-            n -= int(op.get("length", 0))
-    return max(n, 0)
 
 
 @dataclass(slots=True)

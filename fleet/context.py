@@ -9,15 +9,10 @@ piece (system prompt, message, tool result by CAS ref, model output):
                                                     ref=ab12..., tenant=acme
 ```
 
-Every mutation is described by a JSON op, handed to `sink` (the shell writes it to
-`store.oplog_append`) BEFORE it is applied, then recorded in `ops`. `SessionContext.replay(ops, ...)`
-rebuilds a context whose cache is bit-identical (equal `digest()`):
-
-    {"op": "append", "piece": 2, "kind": "tool_result", "ref": "<sha256>", "tenant": "acme", "num_tokens": 57}
-    {"op": "append", "piece": 1, "kind": "message", "role": "user", "tenant": "acme", "tokens": [...]}
-    {"op": "evict", "piece": 2, "start": 40, "length": 57, "mode": "exact", "reason": "quarantine"}
-    {"op": "quarantine", "ref": "<sha256>", "reasons": ["instruction_override"]}
-    {"op": "fork", "parent": "s1", "at": 7}    (a child's log = the parent's first `at` ops + this marker)
+Every mutation is one typed op (fleet/oplog.py: `AppendOp`, `EvictOp`, `QuarantineOp`, `ForkOp`), stamped
+with the call's `op_id` and handed to `sink` (the shell writes it to `store.oplog_append`) BEFORE it is
+applied, then recorded in `ops`. `SessionContext.replay(ops, ...)` rebuilds a context whose cache is
+bit-identical (equal `digest()`). A child's log is the parent's first `at` ops + a `ForkOp(parent, at)`.
 """
 
 from __future__ import annotations
@@ -30,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel.tokenizer import encode_message
+from fleet.oplog import KINDS, AppendOp, EvictOp, ForkOp, Op, QuarantineOp
 from fleet.session_types import EvictionProof, check_token_ids
 
 if TYPE_CHECKING:
     from fleet.kernel import EvictReport, Kernel, Session
 
-KINDS = ("system", "message", "tool_result", "output")
 RESIDENT, EVICTED, QUARANTINED, SHIFTED = "resident", "evicted", "quarantined", "shifted"
 
 
@@ -75,17 +70,18 @@ class SessionContext:
     """A kernel session with its piece ledger and op log (see module docstring)."""
 
     def __init__(self, session: Session, tokenizer: Tokenizer, tenant: str = "default", session_id: str = "s0",
-                 sink: Callable[[dict[str, Any]], object] | None = None, store: Any = None) -> None:
+                 sink: Callable[[Op], object] | None = None, store: Any = None) -> None:
         self.session, self.tokenizer, self.tenant, self.session_id = session, tokenizer, tenant, session_id
         self.sink, self.store = sink, store  # store: optional BlobStore, consulted for quarantine verdicts
+        self.op_id = ""  # stamped on the ops the call in progress writes (the shell sets it per call)
         self.pieces: list[Piece] = []
-        self.ops: list[dict[str, Any]] = []
+        self.ops: list[Op] = []
         self.quarantined: dict[str, list[str]] = {}
         self.proofs: list[EvictionProof] = []  # quarantine evictions (fleet/quarantine/admit.py)
 
     @classmethod
     def new(cls, kernel: Kernel, tokenizer: Tokenizer, tenant: str = "default", session_id: str = "s0",
-            sink: Callable[[dict[str, Any]], object] | None = None, store: Any = None) -> SessionContext:
+            sink: Callable[[Op], object] | None = None, store: Any = None) -> SessionContext:
         return cls(kernel.session(), tokenizer, tenant, session_id, sink, store)
 
     @property
@@ -132,18 +128,15 @@ class SessionContext:
             raise InvalidArgument(f"tool result bytes do not hash to ref {ref!r}")
         self._refuse_quarantined(ref)
         tokens = self.tokenizer.encode(bytes(data))
-        op = {"op": "append", "piece": len(self.pieces), "kind": "tool_result", "ref": ref,
-              "tenant": tenant or self.tenant, "num_tokens": len(tokens)}
+        op = AppendOp(len(self.pieces), "tool_result", tenant or self.tenant, ref=ref, num_tokens=len(tokens),
+                      op_id=self.op_id)
         return self._apply_append(op, tokens)
 
     def _append_tokens(self, kind: str, tokens: list[int], role: str | None = None) -> Piece:
-        op: dict[str, Any] = {"op": "append", "piece": len(self.pieces), "kind": kind, "tenant": self.tenant,
-                              "tokens": tokens}
-        if role is not None:
-            op["role"] = role
+        op = AppendOp(len(self.pieces), kind, self.tenant, (), role=role, op_id=self.op_id)  # tokens: checked below
         return self._apply_append(op, tokens)
 
-    def _apply_append(self, op: dict[str, Any], tokens: list[int]) -> Piece:
+    def _apply_append(self, op: AppendOp, tokens: list[int]) -> Piece:
         """Check, log, then apply one append op whose piece holds `tokens`.
 
         A session that adopted shared prefix blocks (`Kernel.session(prefix=...)`) before its
@@ -152,16 +145,16 @@ class SessionContext:
         (batch invariance).
         """
         tokens = check_token_ids(tokens, self.kernel.config.vocab_size)
-        if "tokens" in op:
-            op["tokens"] = tokens
+        if op.tokens is not None:
+            op = dataclasses.replace(op, tokens=tuple(tokens))
         n = 0 if self.pieces else len(self.session)  # tokens adopted before the first piece
         if n and (n >= len(tokens) or self.session.tokens != tokens[:n]):
             raise InvalidArgument("the adopted prefix must be a strict prefix of the first piece")
         self.session.check_append(tokens[n:])  # NOTE: before the log: a refused append must leave no op behind
         self._log(op)
         self.session.append(tokens[n:])
-        piece = Piece(op["piece"], op["kind"], len(self.session) - len(tokens), len(tokens), op["tenant"],
-                      tuple(tokens), op.get("ref"), op.get("role"))
+        piece = Piece(op.piece, op.kind, len(self.session) - len(tokens), len(tokens), op.tenant,
+                      tuple(tokens), op.ref, op.role)
         self.pieces.append(piece)
         return piece
 
@@ -180,8 +173,7 @@ class SessionContext:
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         if p.state not in (RESIDENT, SHIFTED):
             raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")
-        self._log({"op": "evict", "piece": piece_id, "start": p.start, "length": p.length, "mode": mode,
-                   "reason": reason})
+        self._log(EvictOp(piece_id, p.start, p.length, mode, reason, self.op_id))
         report = self.session.evict(p.start, p.length, mode)
         gone = QUARANTINED if reason == "quarantine" else EVICTED
         for i, q in enumerate(self.pieces):
@@ -195,16 +187,16 @@ class SessionContext:
 
     def quarantine(self, ref: str, reasons: list[str]) -> None:
         """Hold `ref` out of this context from now on (recorded in the op log)."""
-        self._log({"op": "quarantine", "ref": ref, "reasons": list(reasons)})
+        self._log(QuarantineOp(ref, tuple(reasons), self.op_id))
         self.quarantined[ref] = list(reasons)
 
-    def fork(self, session_id: str, sink: Callable[[dict[str, Any]], object] | None = None) -> SessionContext:
+    def fork(self, session_id: str, sink: Callable[[Op], object] | None = None) -> SessionContext:
         """A copy-on-write branch with its own ledger; its op log starts with the parent's ops."""
         child = SessionContext(self.session.fork(), self.tokenizer, self.tenant, session_id, sink, self.store)
         child.pieces, child.quarantined = list(self.pieces), dict(self.quarantined)
         for op in self.ops:
             child._log(op)
-        child._log({"op": "fork", "parent": self.session_id, "at": len(self.ops)})
+        child._log(ForkOp(self.session_id, len(self.ops)))
         return child
 
     # ---- queries ----------------------------------------------------------------------------------------
@@ -222,7 +214,7 @@ class SessionContext:
         return self.session.digest()
 
     # ---- op log -----------------------------------------------------------------------------------------
-    def _log(self, op: dict[str, Any]) -> None:
+    def _log(self, op: Op) -> None:
         if self.sink is not None:
             self.sink(op)  # durable before the op is applied (write-ahead)
         self.ops.append(op)
@@ -237,12 +229,12 @@ class SessionContext:
                                      "it is held out of every context")
 
     @classmethod
-    def replay(cls, ops: list[dict[str, Any]], kernel: Kernel, tokenizer: Tokenizer,
+    def replay(cls, ops: list[Op], kernel: Kernel, tokenizer: Tokenizer,
                fetch: Callable[[str], bytes], tenant: str = "default", session_id: str = "s0") -> SessionContext:
         """Rebuild a context from its op log; the cache is bit-identical to the original's.
 
         Args:
-            ops: the op log (as written to the store).
+            ops: the op log (`oplog.parse_log` of what the store holds).
             kernel, tokenizer: the same model and tokenizer as the original.
             fetch: ref -> bytes (e.g. `lambda r: store.get(r, tenant)`), for tool-result appends.
         """
@@ -251,29 +243,24 @@ class SessionContext:
             ctx._replay_one(op, fetch)
         return ctx
 
-    def _replay_one(self, op: dict[str, Any], fetch: Callable[[str], bytes]) -> None:
-        kind = op.get("op")
-        if kind == "append" and op["kind"] == "tool_result":
-            tokens = self.tokenizer.encode(fetch(op["ref"]))
-            if len(tokens) != op["num_tokens"]:
-                raise FailedPrecondition(f"replay: ref {op['ref']} tokenizes to {len(tokens)} tokens, "
-                                         f"the log says {op['num_tokens']} (different tokenizer?)")
-            self._apply_append(dict(op), tokens)
-        elif kind == "append":
-            self._apply_append(dict(op), list(op["tokens"]))
-        elif kind == "evict":
-            self.evict_piece(op["piece"], op["mode"], op.get("reason", "evict"))
-        elif kind == "quarantine":
-            self.quarantine(op["ref"], op["reasons"])
-        elif kind == "fork":
-            self._log(dict(op))
+    def _replay_one(self, op: Op, fetch: Callable[[str], bytes]) -> None:
+        self.op_id = op.op_id  # a replayed op keeps the id it was logged under
+        if isinstance(op, AppendOp):
+            self._apply_append(op, self._logged_tokens(op, fetch))
+        elif isinstance(op, EvictOp):
+            self.evict_piece(op.piece, op.mode, op.reason)
+        elif isinstance(op, QuarantineOp):
+            self.quarantine(op.ref, list(op.reasons))
+        elif isinstance(op, ForkOp):
+            self._log(op)
         else:
             raise InvalidArgument(f"replay: unknown op {op!r}")
+        self.op_id = ""
 
 
     # ---- replay over an adopted prefix (a fork sharing its parent's blocks) ---------------------------
     @classmethod
-    def replay_over(cls, ops: list[dict[str, Any]], session: Session, tokenizer: Tokenizer,
+    def replay_over(cls, ops: list[Op], session: Session, tokenizer: Tokenizer,
                     fetch: Callable[[str], bytes], tenant: str = "default",
                     session_id: str = "s0") -> SessionContext:
         """Rebuild a context from its op log over a session that already holds adopted blocks.
@@ -310,51 +297,51 @@ class SessionContext:
         session.append(toks[m:])  # only what the adopted blocks lack (>= 1 token: own last logits)
         return ctx
 
-    def _ledger_one(self, op: dict[str, Any], fetch: Callable[[str], bytes], toks: list[int]) -> None:
+    def _ledger_one(self, op: Op, fetch: Callable[[str], bytes], toks: list[int]) -> None:
         """Apply one op to the ledger and to `toks` (the token list), never to the kernel."""
-        kind = op.get("op")
-        if kind == "append":
+        if isinstance(op, AppendOp):
             tokens = self._logged_tokens(op, fetch)
-            if op["piece"] != len(self.pieces):
+            if op.piece != len(self.pieces):
                 raise FailedPrecondition(f"replay: op {op!r} is out of sequence")
-            self.pieces.append(Piece(op["piece"], op["kind"], len(toks), len(tokens), op["tenant"], tuple(tokens),
-                                     op.get("ref"), op.get("role")))
+            self.pieces.append(Piece(op.piece, op.kind, len(toks), len(tokens), op.tenant, tuple(tokens),
+                                     op.ref, op.role))
             toks.extend(tokens)
-            self.ops.append(dict(op))
-        elif kind == "evict":
+            self.ops.append(op if op.tokens is None else dataclasses.replace(op, tokens=tuple(tokens)))
+        elif isinstance(op, EvictOp):
             self._ledger_evict(op, toks)
-        elif kind == "quarantine":
-            self.quarantine(op["ref"], op["reasons"])
-        elif kind == "fork":
-            self._log(dict(op))
+        elif isinstance(op, QuarantineOp):
+            self.op_id = op.op_id
+            self.quarantine(op.ref, list(op.reasons))
+            self.op_id = ""
+        elif isinstance(op, ForkOp):
+            self._log(op)
         else:
             raise InvalidArgument(f"replay: unknown op {op!r}")
 
-    def _ledger_evict(self, op: dict[str, Any], toks: list[int]) -> None:
-        p = self.piece(op["piece"])
-        if p.state not in (RESIDENT, SHIFTED) or (p.start, p.length) != (op["start"], op["length"]):
+    def _ledger_evict(self, op: EvictOp, toks: list[int]) -> None:
+        p = self.piece(op.piece)
+        if p.state not in (RESIDENT, SHIFTED) or (p.start, p.length) != (op.start, op.length):
             raise FailedPrecondition(f"replay: evict op {op!r} does not match the ledger")
-        if op["mode"] != "exact" and p.end != len(toks):
+        if op.mode != "exact" and p.end != len(toks):
             raise FailedPrecondition("replay_over: a reposition eviction with survivors leaves KV that is not a "
                                      "function of the tokens; replay the log instead")
         del toks[p.start:p.end]
-        gone = QUARANTINED if op.get("reason", "evict") == "quarantine" else EVICTED
+        gone = QUARANTINED if op.reason == "quarantine" else EVICTED
         for i, q in enumerate(self.pieces):  # as evict_piece with an exact report
             if q.piece_id == p.piece_id:
                 self.pieces[i] = dataclasses.replace(q, state=gone)
             elif q.state in (RESIDENT, SHIFTED) and q.start >= p.end:
                 self.pieces[i] = dataclasses.replace(q, start=q.start - p.length, state=RESIDENT)
-        self.ops.append({"op": "evict", "piece": p.piece_id, "start": p.start, "length": p.length,
-                         "mode": op["mode"], "reason": op.get("reason", "evict")})  # as `replay` logs it
+        self.ops.append(op)  # as `replay` logs it
 
-    def _logged_tokens(self, op: dict[str, Any], fetch: Callable[[str], bytes]) -> list[int]:
+    def _logged_tokens(self, op: AppendOp, fetch: Callable[[str], bytes]) -> list[int]:
         """The token ids an append op added (a tool result's are re-tokenized from its bytes)."""
-        if op["kind"] != "tool_result":
-            return list(op["tokens"])
-        tokens = self.tokenizer.encode(fetch(op["ref"]))
-        if len(tokens) != op["num_tokens"]:
-            raise FailedPrecondition(f"replay: ref {op['ref']} tokenizes to {len(tokens)} tokens, "
-                                     f"the log says {op['num_tokens']} (different tokenizer?)")
+        if op.ref is None:
+            return list(op.tokens or ())
+        tokens = self.tokenizer.encode(fetch(op.ref))
+        if len(tokens) != op.num_tokens:
+            raise FailedPrecondition(f"replay: ref {op.ref} tokenizes to {len(tokens)} tokens, "
+                                     f"the log says {op.num_tokens} (different tokenizer?)")
         return tokens
 
 

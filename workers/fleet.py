@@ -29,6 +29,7 @@ import ray
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
+from fleet.oplog import ForkOp, parse_log
 from fleet.session_types import OpResult, check_session_id, check_token_ids
 from workers.nodes import FleetNodes, NodeGone, ray_get
 from workers.placement import (
@@ -276,7 +277,7 @@ class KernelFleet:
         self._claim(tenant, child_id)
         point = self._call(tenant, session_id, "fork_point")       # ops and tokens read together
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
-        ops = [*point["ops"], {"op": "fork", "parent": session_id, "at": len(point["ops"])}]
+        ops = [*point["ops"], ForkOp(session_id, len(point["ops"]))]
         node = node or self._fork_node(tenant, parent["node"], point["tokens"])
         rec = {"tenant": tenant, "session": child_id, "node": node, "state": "creating", "epoch": 0,
                "created": time.time(), "parent": session_id}
@@ -354,7 +355,7 @@ class KernelFleet:
                 self.nodes.call(node, "close", tenant, session_id)
             except NodeGone:  # its actor went with the node
                 pass
-        drop_blob_refs(self.store, self.store.oplog_read(tenant, session_id))
+        drop_blob_refs(self.store, parse_log(self.store.oplog_read(tenant, session_id)))
         self.store.oplog_delete(tenant, session_id)
 
     # -- reads --------------------------------------------------------------------------------

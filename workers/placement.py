@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.errors import ResourceExhausted
+from fleet.oplog import Op, blob_refs
 
 NAMESPACE = "kvfleet"
 ACTOR_CPUS = 0.05  # a session actor's CPU request: dozens of sessions fit on a 2-core machine
@@ -91,21 +92,17 @@ def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_toke
     return best.node_id
 
 
-def _blob_refs(ops: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
-    return [(str(op["ref"]), str(op["tenant"])) for op in ops if op.get("op") == "append" and op.get("ref")]
-
-
-def add_blob_refs(store: Any, ops: Sequence[dict[str, Any]]) -> None:
+def add_blob_refs(store: Any, ops: Sequence[Op]) -> None:
     """Each logged tool result references its blob once per session log that holds it."""
-    for ref, tenant in _blob_refs(ops):
+    for ref, tenant in blob_refs(ops):
         store.add_ref(ref, tenant)
 
 
-def drop_blob_refs(store: Any, ops: Sequence[dict[str, Any]]) -> None:
+def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
     """Undo add_blob_refs when a session's log is deleted (a blob already collected is skipped)."""
     from fleet.errors import NotFound
 
-    for ref, tenant in _blob_refs(ops):
+    for ref, tenant in blob_refs(ops):
         try:
             store.drop_ref(ref, tenant)
         except NotFound:

@@ -26,6 +26,7 @@ from typing import Any
 from fleet.context import QUARANTINED, Piece, SessionContext
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import PrefixKV, Session
+from fleet.oplog import AppendOp, Op, last_index_of, own_op_ids, parse_log, to_dict
 from fleet.session_types import OpResult
 from workers.placement import add_blob_refs, drop_blob_refs, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
@@ -55,7 +56,7 @@ class KernelActor:
         self.num_prefilled_tokens = 0  # tokens this actor computed (appends, replays); adopted blocks not counted
         self.state, self.in_flight = "new", ""
 
-    def _write(self, op: dict[str, Any]) -> None:
+    def _write(self, op: Op) -> None:
         """Write-ahead (the context's sink): log the op, stamped with the call's op id, before it is
         applied and acknowledged; a logged tool result references its blob, so the store's GC never
         collects it while a session holds it.
@@ -63,16 +64,14 @@ class KernelActor:
         The reference is taken first: a blob the leader's GC collected meanwhile (its lease ran
         out after the actor read it) refuses the op with nothing logged, instead of a log entry
         no replay could ever fetch; an op log write that fails gives the reference back."""
-        if self.op_id:
-            op["op_id"] = self.op_id
         add_blob_refs(self.store, [op])
         try:
-            self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, op))
+            self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, to_dict(op)))
         except BaseException:
             drop_blob_refs(self.store, [op])
             raise
-        if self.op_id:
-            self.op_ids.add(self.op_id)
+        if op.op_id:
+            self.op_ids.add(op.op_id)
 
     def _fetch(self, ref: str) -> bytes:
         """A logged tool result's bytes (a replay re-tokenizes them)."""
@@ -93,11 +92,15 @@ class KernelActor:
             if op_id and op_id in self.op_ids:
                 return self._replayed(op_id)
             self.op_id, self.in_flight = op_id, verb
+            if self.ctx is not None:
+                self.ctx.op_id = op_id  # stamped on every op this call writes
             before = len(self.ctx.session) if self.ctx is not None else None
             try:
                 result = await self._run(fn)
             finally:
                 self.op_id, self.in_flight = "", ""
+                if self.ctx is not None:
+                    self.ctx.op_id = ""
             base = self.num_adopted_tokens if before is None else before  # a create: adopted blocks are free
             self.num_prefilled_tokens += max(0, len(self._s) - base)
             self.last_active, self.state = time.time(), "active"
@@ -111,11 +114,10 @@ class KernelActor:
         """The answer to a retried op already in the log: the piece its append added (None for
         other verbs) and its index in the log; nothing is applied again."""
         ops = self.context.ops
-        index = next((i for i in range(len(ops) - 1, -1, -1) if ops[i].get("op_id") == op_id), None)  # the last:
-        # a fork's log starts with its parent's ops, and the child may reuse their ids for its own
-        op = ops[index] if index is not None else {}
+        index = last_index_of(ops, op_id)
+        op = ops[index] if index is not None else None
         pieces = self.context.pieces
-        piece = pieces[op["piece"]] if op.get("op") == "append" and op["piece"] < len(pieces) else None
+        piece = pieces[op.piece] if isinstance(op, AppendOp) and op.piece < len(pieces) else None
         return self._reply(piece, replayed=True, op_index=index)
 
     # -- verbs --------------------------------------------------------------------------------
@@ -131,6 +133,7 @@ class KernelActor:
             raise FailedPrecondition(f"session {self.session_id} already has a context")
         ctx = SessionContext(self.kernel.session(prefix=prefix), self.tokenizer, self.tenant, self.session_id,
                              self._write, self.store)  # its first piece appends only what the prefix lacks
+        ctx.op_id = self.op_id
         piece = ctx.add_system_tokens(tokens)
         self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
         return piece
@@ -140,7 +143,7 @@ class KernelActor:
         n = len(blocks) * self.kernel.block_size
         return PrefixKV(tuple(tokens[:n]), self.kernel.block_size, tuple(blocks), self.kernel.model_id)
 
-    async def restore(self, ops: list[dict[str, Any]] | None = None, prefix_refs: list[Any] | None = None,
+    async def restore(self, ops: list[Op] | None = None, prefix_refs: list[Any] | None = None,
                       tokens: list[int] | None = None) -> dict[str, Any]:
         """Regenerate from the op log (after the previous actor was lost); or, for a fork, write
         `ops` (the parent's log + a fork marker) as this session's log first, then replay it.
@@ -155,14 +158,14 @@ class KernelActor:
                 if ops is not None:
                     self.store.oplog_delete(self.tenant, self.session_id)
                     for op in ops:
-                        self.store.oplog_append(self.tenant, self.session_id, op)
+                        self.store.oplog_append(self.tenant, self.session_id, to_dict(op))
                     add_blob_refs(self.store, ops)  # the fork references its parent's tool results too
-                log = self.store.oplog_read(self.tenant, self.session_id)
+                log = parse_log(self.store.oplog_read(self.tenant, self.session_id))
                 if not log:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")
                 ctx, adopted = self._replay(log, prefix)
                 ctx.sink, ctx.store = self._write, self.store
-                self.ctx, self.num_adopted_tokens, self.op_ids = ctx, adopted, _own_op_ids(log)
+                self.ctx, self.num_adopted_tokens, self.op_ids = ctx, adopted, own_op_ids(log)
                 self.last_op_index, self.num_replayed_ops = None, len(log)
                 self.num_prefilled_tokens += len(ctx.session) - adopted
 
@@ -170,7 +173,7 @@ class KernelActor:
             self.state = "regenerated" if ops is None else "active"
             return self._info()
 
-    def _replay(self, log: list[dict[str, Any]], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
+    def _replay(self, log: list[Op], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
         """The context rebuilt from its log (nothing is written), and the tokens it adopted.
 
         With `prefix` (a fork sharing its parent's blocks) the session adopts them copy-on-write
@@ -270,8 +273,3 @@ class KernelActor:
     def _s(self) -> Session:
         return self.context.session
 
-
-def _own_op_ids(log: list[dict[str, Any]]) -> set[str]:
-    """The op ids of a session's own ops: a fork's log starts with its parent's, whose ids are not its."""
-    forked = max((i for i, op in enumerate(log) if op.get("op") == "fork"), default=-1)
-    return {str(op["op_id"]) for op in log[forked + 1:] if op.get("op_id")}

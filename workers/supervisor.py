@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from fleet.errors import AlreadyExists, NotFound
+from fleet.oplog import Op, kv_follows_tokens
 from fleet.radix import RadixTree
 from workers.placement import (
     ACTOR_CPUS,
@@ -228,7 +229,7 @@ class NodeSupervisor:
         self.tree.dec_lock_ref(node)  # the caller's refs keep the objects alive from here on
         return refs
 
-    async def fork(self, tenant: str, ops: list[dict[str, Any]], child_id: str, parent_id: str | None = None,
+    async def fork(self, tenant: str, ops: list[Op], child_id: str, parent_id: str | None = None,
                    tokens: list[int] | None = None, prefix_refs: list[Any] | None = None) -> dict[str, Any]:
         """A branch in its own actor: `ops` (the parent's log + a fork marker) become its log.
 
@@ -247,12 +248,12 @@ class NodeSupervisor:
         """
         if (tenant, child_id) in self.actors:
             raise AlreadyExists(f"session {child_id} already exists")
-        if prefix_refs and tokens and _kv_follows_tokens(ops):
+        if prefix_refs and tokens and kv_follows_tokens(ops):
             actor = self._spawn(tenant, child_id)
             self.remote_adopters.add((tenant, child_id))
             return dict(await actor.restore.remote(ops, prefix_refs, tokens))
         parent = self.actors.get((tenant, parent_id)) if parent_id is not None else None
-        if parent is None or not tokens or not _kv_follows_tokens(ops):
+        if parent is None or not tokens or not kv_follows_tokens(ops):
             return dict(await self._spawn(tenant, child_id).restore.remote(ops))
         await self._publish(tenant, tokens, parent)          # the blocks the tree lacks, once
         node, refs = self._adoptable(tenant, tokens)
@@ -298,9 +299,3 @@ class NodeSupervisor:
                 "hit_tokens": self.num_hit_tokens, "evicted_blocks": self.num_evicted_blocks,
                 "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0}
 
-
-def _kv_follows_tokens(ops: list[dict[str, Any]]) -> bool:
-    """Whether a log's KV is a function of its tokens alone (so its blocks may be filed in the
-    tree under those tokens): no reposition eviction (its survivors keep KV that attended to the
-    evicted span). Conservative: a reposition of the last piece would be exact too."""
-    return not any(op.get("op") == "evict" and op.get("mode") != "exact" for op in ops)

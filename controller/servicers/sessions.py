@@ -24,7 +24,7 @@ import numpy as np
 
 from controller.auth import Identity, Role
 from controller.kernel_placement import kernel_spec_of
-from controller.quotas import SessionLimits, TenantLanes, TenantLedger, tokens_of_log
+from controller.quotas import SessionLimits, TenantLanes, TenantLedger
 from controller.servicers.common import ServiceContext, unary
 from controller.servicers.session_convert import (
     admission_to_proto,
@@ -37,6 +37,7 @@ from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.kernel.tokenizer import encode_message
+from fleet.oplog import num_tokens, own_op_ids, parse_log
 from fleet.quarantine.detector import Verdict
 from fleet.session_types import (
     SessionRow,
@@ -165,7 +166,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         from workers.registry import CREATING
 
         store = self.fleet.store
-        return {r["session"]: tokens_of_log(store.oplog_read(tenant, r["session"]))
+        return {r["session"]: num_tokens(parse_log(store.oplog_read(tenant, r["session"])))
                 for r in self.fleet.registry.records(tenant) if r.get("state") != CREATING}
 
     async def _mutate(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any, **kw: Any) -> Any:
@@ -191,9 +192,7 @@ class SessionServicer(pbg.SessionServiceServicer):
     def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
         """Whether op `op_id` is one of the session's own ops in its log (written before an op is
         applied); a fork's log starts with its parent's ops, whose ids are not the child's."""
-        ops = self.fleet.store.oplog_read(tenant, sid)
-        forked = max((i for i, op in enumerate(ops) if op.get("op") == "fork"), default=-1)
-        return any(op.get("op_id") == op_id for op in ops[forked + 1:])
+        return op_id in own_op_ids(parse_log(self.fleet.store.oplog_read(tenant, sid)))
 
     async def _new_session(self, tenant: str, sid: str, num_tokens: int, method: str, *args: Any) -> Any:
         """A create or fork of session `sid`: one session and `num_tokens` tokens within quota,

@@ -11,6 +11,7 @@ from fleet.cas import open_store
 from fleet.context import EVICTED, RESIDENT, SHIFTED, SessionContext
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.oplog import ForkOp, Op, parse_log, to_dict
 
 TOOL = b"Search results: 1. Lisbon hotels from 80 EUR. 2. Porto hostels from 25 EUR."
 
@@ -45,15 +46,15 @@ def test_ops_reach_the_sink_before_they_are_applied(kernel: Kernel, tmp_path: Pa
     seen: list[tuple[str, int]] = []
     ctx: SessionContext | None = None
 
-    def sink(op: dict[str, Any]) -> None:
-        seen.append((op["op"], len(ctx.session) if ctx else 0))
-        store.oplog_append("acme", "s1", op)
+    def sink(op: Op) -> None:
+        seen.append((to_dict(op)["op"], len(ctx.session) if ctx else 0))
+        store.oplog_append("acme", "s1", to_dict(op))
 
     ctx = SessionContext.new(kernel, ByteTokenizer(512), "acme", "s1", sink=sink, store=store)
     ctx.add_system("sys")
     ctx.add_message("user", "hi")
     assert seen == [("append", 0), ("append", 3)]  # the session had not grown yet when the op was written
-    assert store.oplog_read("acme", "s1") == ctx.ops
+    assert parse_log(store.oplog_read("acme", "s1")) == ctx.ops
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "redis"])
@@ -61,12 +62,12 @@ def test_replay_from_the_store_is_bit_identical(kernel: Kernel, tmp_path: Path, 
                                                 request: pytest.FixtureRequest) -> None:
     url = f"sqlite:///{tmp_path}/s.db" if backend == "sqlite" else request.getfixturevalue("redis_url")
     store = open_store(url)
-    ctx = _build(kernel, store, sink=lambda op: store.oplog_append("acme", "s1", op))
+    ctx = _build(kernel, store, sink=lambda op: store.oplog_append("acme", "s1", to_dict(op)))
     ctx.evict_piece(1, mode="reposition")
     ctx.evict_piece(3, mode="exact")
     want, pieces = ctx.digest(), list(ctx.pieces)
     del ctx  # the kernel is lost; only the store's op log and blobs remain
-    ops = store.oplog_read("acme", "s1")
+    ops = parse_log(store.oplog_read("acme", "s1"))
     again = SessionContext.replay(ops, kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme", "s1")
     assert again.digest() == want and again.pieces == pieces
     control = SessionContext.replay(ops[:-1], kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme")
@@ -94,7 +95,7 @@ def test_fork_log_starts_with_the_parents_ops_and_replays(kernel: Kernel, tmp_pa
     child = parent.fork("s2")
     child.add_message("user", "branch only")
     parent.evict_piece(2)
-    assert child.ops[len(parent.ops) - 1] == {"op": "fork", "parent": "s1", "at": len(parent.ops) - 1}
+    assert child.ops[len(parent.ops) - 1] == ForkOp("s1", len(parent.ops) - 1)
     again = SessionContext.replay(child.ops, kernel, ByteTokenizer(512), lambda r: store.get(r, "acme"), "acme", "s2")
     assert again.digest() == child.digest() != parent.digest()
     assert child.pieces[2].state == RESIDENT  # the parent's eviction did not touch the branch
@@ -128,7 +129,7 @@ def test_an_append_refused_for_context_overflow_logs_nothing_and_the_session_sti
 
     small = Kernel.synthetic(ModelConfig.tiny(max_seq_len=128), seed=0)
     store = open_store(f"sqlite:///{tmp_path}/s.db")
-    logged: list[dict[str, Any]] = []
+    logged: list[Op] = []
     ctx = SessionContext.new(small, ByteTokenizer(512), "acme", "s1", sink=logged.append, store=store)
     ctx.add_system("You are a travel agent.")
     before = (ctx.digest(), list(ctx.ops), list(logged))
@@ -153,7 +154,8 @@ def test_token_ids_have_one_rule(kernel: Kernel) -> None:
             check_token_ids(bad, 512)
     ctx = SessionContext.new(kernel, ByteTokenizer(512))
     ctx.add_output([np.int64(5), 6])
-    assert ctx.ops[-1]["tokens"] == [5, 6] and all(type(t) is int for t in ctx.ops[-1]["tokens"])  # the log is JSON
+    logged = to_dict(ctx.ops[-1])["tokens"]
+    assert logged == [5, 6] and all(type(t) is int for t in logged)  # the log is JSON
 
 
 def test_system_prompt_tokens_are_not_encoded_again(kernel: Kernel) -> None:
@@ -191,7 +193,7 @@ def test_first_piece_over_adopted_blocks_computes_only_the_rest(kernel: Kernel) 
     own = SessionContext.new(kernel, ByteTokenizer(512))
     own.add_system(prompt)
     prefix = own.session.export_prefix(32)                       # 2 blocks of 16
-    logged: list[dict[str, Any]] = []
+    logged: list[Op] = []
     adopter = SessionContext(kernel.session(prefix=prefix), ByteTokenizer(512), sink=logged.append)
     piece = adopter.add_system(prompt)
     assert (piece.start, piece.length) == (0, len(own.session)) and adopter.digest() == own.digest()

@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from fleet.context import SessionContext
+from fleet.oplog import parse_log
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 SPEC = KernelSpec(block_size=16)
@@ -15,7 +16,7 @@ SPEC = KernelSpec(block_size=16)
 
 def replay_locally(ops: list[dict[str, Any]], store: Any = None, tenant: str = "default") -> SessionContext:
     kernel = make_kernel(SPEC)
-    return SessionContext.replay(ops, kernel, make_tokenizer(kernel), lambda ref: store.get(ref, tenant), tenant)
+    return SessionContext.replay(parse_log(ops), kernel, make_tokenizer(kernel), lambda ref: store.get(ref, tenant), tenant)
 
 
 def prefilled(system_prompt: str) -> SessionContext:

@@ -3,6 +3,7 @@ live session; closing every session that logged it releases it (real Ray, real S
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from fleet.cas import open_store
 from fleet.errors import NotFound
+from fleet.oplog import AppendOp
 from workers.fleet import KernelFleet
 from workers.session_actor import KernelActor
 
@@ -46,11 +48,11 @@ def test_a_blob_collected_before_its_op_is_logged_leaves_nothing_logged(tmp_path
     with open_store(url, lease_s=0.0) as store:
         ref = store.put(b"tool output read just before GC ran", "acme")
         assert store.gc() == 1                                     # the leader's GC, at that instant
-        op = {"op": "append", "piece": 1, "kind": "tool_result", "ref": ref, "tenant": "acme", "num_tokens": 3}
+        op = AppendOp(1, "tool_result", "acme", ref=ref, num_tokens=3)
         with pytest.raises(NotFound):
             actor._write(op)
         assert store.oplog_read("acme", "s1") == []                # nothing half-written
         kept = store.put(b"a live tool output", "acme")
-        actor._write({**op, "ref": kept})
+        actor._write(dataclasses.replace(op, ref=kept))
         assert actor.last_op_index == 0                            # control: a present blob is logged
         assert store.stat(kept, "acme").refs == 1 and store.gc() == 0

@@ -1,0 +1,69 @@
+"""fleet/oplog.py: the typed op log, its JSON form, and the helpers every reader uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleet.errors import InvalidArgument
+from fleet.oplog import (
+    AppendOp,
+    EvictOp,
+    ForkOp,
+    QuarantineOp,
+    blob_refs,
+    kv_follows_tokens,
+    last_index_of,
+    num_tokens,
+    own_op_ids,
+    parse,
+    parse_log,
+    to_dict,
+)
+
+REF = "ab" * 32
+LOG = [
+    AppendOp(0, "system", "acme", (1, 2, 3), role="system", op_id="o1"),
+    AppendOp(1, "tool_result", "acme", ref=REF, num_tokens=5, op_id="o2"),
+    EvictOp(1, 3, 5, "exact", "quarantine", op_id="o3"),
+    QuarantineOp(REF, ("instruction_override",), op_id="o3"),
+    ForkOp("parent", 4),
+    AppendOp(2, "message", "acme", (7, 8), role="user", op_id="o1"),
+]
+
+
+def test_every_op_round_trips_through_the_stores_json() -> None:
+    stored = [json.loads(json.dumps(to_dict(op), sort_keys=True)) for op in LOG]  # what the store keeps
+    assert parse_log(stored) == LOG
+    # the wire form the store held before ops were typed: unchanged, so old logs replay
+    assert stored[1] == {"op": "append", "piece": 1, "kind": "tool_result", "ref": REF, "tenant": "acme",
+                         "num_tokens": 5, "op_id": "o2"}
+    assert stored[4] == {"op": "fork", "parent": "parent", "at": 4}  # no op id: the key is left out
+    assert parse({"op": "evict", "piece": 1, "start": 0, "length": 2, "mode": "exact"}).reason == "evict"
+
+
+@pytest.mark.parametrize("bad", [
+    {"op": "rename", "to": "x"},
+    {"op": "append", "piece": 0, "kind": "system"},                      # no tenant, no tokens
+    {"op": "append", "piece": 0, "kind": "poem", "tenant": "a", "tokens": [1]},
+    {"op": "append", "piece": 0, "kind": "tool_result", "tenant": "a", "tokens": [1]},  # a result logs its ref
+    {"op": "evict", "piece": 0, "start": 0, "length": 1, "mode": "fast"},
+    {"op": "fork", "parent": "p", "at": "seven"},
+])
+def test_a_malformed_op_is_refused_with_what_is_wrong(bad: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument, match="op log: (malformed|unknown)"):
+        parse(bad)
+
+
+def test_own_op_ids_stop_at_the_last_fork_marker() -> None:
+    assert own_op_ids(LOG) == {"o1"}                      # the parent's o2, o3 are not the child's
+    assert own_op_ids(LOG[:4]) == {"o1", "o2", "o3"}      # control: without the marker they are its own
+    assert last_index_of(LOG, "o1") == 5 and last_index_of(LOG, "o3") == 3 and last_index_of(LOG, "zz") is None
+
+
+def test_tokens_refs_and_kv_follow_the_log() -> None:
+    assert num_tokens(LOG) == 3 + 5 - 5 + 2
+    assert blob_refs(LOG) == [(REF, "acme")]
+    assert kv_follows_tokens(LOG)
+    assert not kv_follows_tokens([*LOG, EvictOp(0, 0, 3, "reposition")])  # control: a re-rotation
