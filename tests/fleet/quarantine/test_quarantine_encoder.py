@@ -7,6 +7,7 @@ Skipped where the encoder extra is not installed (a plain `pip install kvfleet`)
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -176,22 +177,20 @@ def test_lora_merged_by_hand_equals_peft_merge() -> None:
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    def base() -> torch.nn.Module:
-        return AutoModel.from_pretrained(str(base_model_path()), dtype=torch.float32)
-
+    pristine = AutoModel.from_pretrained(str(base_model_path()), dtype=torch.float32)
+    untouched = {k: v.clone() for k, v in pristine.state_dict().items()}
     for name in ENCODER_MODELS:
         adapter = model_dir(name) / "adapter"
-        ref = peft.PeftModel.from_pretrained(base(), str(adapter)).merge_and_unload().state_dict()
-        mine = base()
+        ref = peft.PeftModel.from_pretrained(copy.deepcopy(pristine), str(adapter)).merge_and_unload().state_dict()
+        mine = copy.deepcopy(pristine)
         assert merge_lora(mine, adapter) == 37  # q, k, v, attention output, intermediate, output x 6 + pooler
         ours = mine.state_dict()
         assert set(ours) == set(ref)
         d = max(float((ours[k] - ref[k]).abs().max()) for k in ref)
-        untouched = base().state_dict()
         d_none = max(float((untouched[k] - ref[k]).abs().max()) for k in ref)
         cfg = json.loads((adapter / "adapter_config.json").read_text())
         t = load_file(str(adapter / "adapter_model.safetensors"))
-        wrong = base()
+        wrong = copy.deepcopy(pristine)
         for n, p in wrong.named_parameters():  # control: the merge at scale alpha (r times too large)
             key = f"base_model.model.{n.removesuffix('.weight')}.lora_A.weight"
             if key in t:
