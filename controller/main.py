@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from controller import ray_local
 from controller.auth import mint_token
 from controller.cost import CostConfig
 from controller.edge import add_edge_flags, edge_config_from
@@ -352,9 +353,12 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("kvfleet controller: stopping (draining in-flight calls)", flush=True)
-    await ctl.stop(grace=5.0)
+    try:
+        await stop.wait()
+        print("kvfleet controller: stopping (draining in-flight calls)", flush=True)
+        await ctl.stop(grace=5.0)
+    finally:
+        await asyncio.to_thread(ray_local.stop)  # the local Ray we started, and everything it started
     return 0
 
 
@@ -381,6 +385,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
             return 0
         cfg = config_from(args, env)
+        if not args.ray_address:
+            ray_local.own()  # a local Ray, if one is started, is ours: it goes when we go
         print(layers_report(cfg.detector_layers, named=args.detector_layers is not None), flush=True)
         router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args))
         _prepare_sqlite(cfg.store_url)

@@ -1,0 +1,115 @@
+"""A `kvfleet controller` that starts a local Ray owns its whole process tree (issue #31 item 4):
+nothing of it survives the controller by more than a few seconds, on SIGTERM or SIGKILL.
+
+A real controller process (auth off, its own Ray directory) creates a session, which starts its
+local Ray; every process under it is recorded (pid and start time, so a reused pid is not taken
+for a survivor); then the controller gets the signal. NOTE: before, Ray's DashboardAgent and
+RuntimeEnvAgent outlived a SIGTERM by about a minute, and a SIGKILL left Ray's daemons running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SURVIVAL_S = 5.0  # "a few seconds"
+
+
+def _controller(tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    ray_dir = tempfile.mkdtemp(prefix="kvf-t-")  # short: Ray's socket paths must fit 107 bytes
+    env = dict(os.environ, RAY_TMPDIR=ray_dir, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
+    for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
+        del env[k]  # the test run's own Ray: never join it
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fleet.cli.main",
+            "controller",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            f"sqlite:///{tmp / 'kv.db'}",
+            "--metrics-port",
+            "-1",
+        ],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "kvfleet controller listening on" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            return proc, line.split("listening on ")[1].split(" ")[0]
+    raise AssertionError("the controller did not start: " + "".join(seen))
+
+
+def _tree(pid: int) -> dict[int, tuple[float, str]]:
+    out = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out[p.pid] = (p.create_time(), " ".join(p.cmdline())[:80] or p.name())
+        except psutil.Error:
+            pass
+    return out
+
+
+def _alive(tree: dict[int, tuple[float, str]]) -> dict[int, str]:
+    out = {}
+    for pid, (created, what) in tree.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                out[pid] = what
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: signal.Signals) -> None:
+    from fleet.sdk import FleetClient
+
+    proc, address = _controller(tmp_path)
+    tree: dict[int, tuple[float, str]] = {}
+    try:
+        with FleetClient(address) as c:
+            c.create_session("s1", "You are a short-lived agent.")  # starts the local Ray
+        tree = _tree(proc.pid)
+        names = " ".join(what for _, what in tree.values())
+        assert "raylet" in names and "gcs_server" in names, names  # the tree is Ray's (not vacuous)
+        proc.send_signal(sig)
+        proc.wait(60)
+        t0 = time.monotonic()
+        left = _alive(tree)
+        while left and time.monotonic() - t0 < SURVIVAL_S:
+            time.sleep(0.1)
+            left = _alive(tree)
+        print(
+            f"{len(tree)} processes under the controller; after {sig.name}, alive {SURVIVAL_S} s later: {left}"
+        )
+        assert left == {}, f"{len(left)} of Ray's processes outlived the controller by {SURVIVAL_S} s: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for pid in _alive(tree):  # never leave them to the rest of the run
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
