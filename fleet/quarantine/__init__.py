@@ -2,7 +2,8 @@
 
     from fleet.quarantine import default_detector, make_detector, DetectorConfig
     v = default_detector().inspect("tool result text")    # layer 1 (rules): v.quarantined, v.reasons, v.score
-    v = make_detector(DetectorConfig()).inspect(data)      # rules + learned + encoder: "learned:<p>", "encoder:<member>:<p>"
+    v = make_detector(DetectorConfig()).inspect(data)      # the default layers installed here (layered.default_layers)
+    make_detector(DetectorConfig(layers=("rules", "learned", "encoder")))  # named layers; "encoder:<member>:<p>"
     admit_tool_result(ctx, ref, store, tenant)             # default detector: make_detector() (layered)
     admit_tool_result(ctx, ref, store, tenant, verdict=v)  # a verdict reached elsewhere (the controller's Judge)
 """
