@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from fleet.quarantine import layered
-from fleet.quarantine.layered import DEFAULT_LAYERS, LAYERS, DetectorConfig, default_layers, layers_report
+from fleet.quarantine.layered import (
+    DEFAULT_LAYERS,
+    LAYERS,
+    DetectorConfig,
+    default_layers,
+    layers_report,
+    parse_detector,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft")
@@ -78,6 +85,9 @@ def test_default_layers_are_those_installed_and_the_start_line_names_the_rest(mo
     print(line)
     assert line.startswith(f"detector layers: {','.join(plain)} (default)")
     assert "not installed: encoder (pip install 'kvfleet[encoder]' adds it)" in line
+    for spec in ("encoder", "rules,encoder:0.9"):  # named (--detector-layers, a tenant's spec): an error with the fix
+        with pytest.raises(ValueError, match=r"needs torch, transformers \(pip install 'kvfleet\[encoder\]'\)"):
+            parse_detector(spec)
     monkeypatch.setattr(layered, "missing_modules", lambda: [])  # control: everything installed
     assert default_layers() == tuple(n for n in LAYERS if n in DEFAULT_LAYERS) and DetectorConfig().layers == default_layers()
     line = layers_report(("rules",), named=True)
