@@ -127,6 +127,22 @@ class JudgeLanes:
         self._push(tenant, lane, lane.now, _Job(lambda: fn(*args), fut))
         return await fut
 
+    async def run_many(self, tenant: str, fn: Callable[..., T], args: list[tuple[Any, ...]]) -> list[T]:
+        """[fn(*a) for a in args], each a job in `tenant`'s lane, all queued at once or none.
+
+        Raises:
+            ResourceExhausted: the tenant's queue has no room for all of them (nothing is queued).
+        """
+        lane = self._lane(tenant)
+        if len(lane.now) + len(args) > self.limits.tenant_queue:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {len(lane.now)} tool results waiting to be judged and sent "
+                f"{len(args)} more (at most {self.limits.tenant_queue} wait, and its judging may use "
+                f"{self.limits.tenant_cpu:g} CPU-seconds per second: --judge-cpu-per-tenant); retry when its "
+                "earlier requests have finished"
+            )
+        return list(await asyncio.gather(*(self.run(tenant, fn, *a) for a in args)))
+
     def background(self, tenant: str, fn: Callable[..., Any], *args: Any) -> bool:
         """Queue fn(*args) in `tenant`'s lane after its waited-for jobs; nobody waits for it. False (and
         counted in `dropped`) when the tenant's background queue is full or the lanes are closed."""

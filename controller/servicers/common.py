@@ -81,7 +81,7 @@ class ServiceContext:
         j = await self.judge()
         j.check(len(results), action)
         distinct = list(dict.fromkeys(results))
-        got = await asyncio.gather(*(self.judge_lanes.run(tenant, j.now, data, tenant) for data in distinct))
+        got = await self.judge_lanes.run_many(tenant, j.now, [(data, tenant) for data in distinct])
         verdicts = {}
         for data, (jm, later) in zip(distinct, got, strict=True):
             verdicts[data] = jm

@@ -104,3 +104,14 @@ def test_bad_limits_name_the_flag() -> None:
     ):
         with pytest.raises(InvalidArgument, match=flag):
             JudgeLimits(**kw)  # type: ignore[arg-type]
+
+
+async def test_a_batch_that_does_not_fit_is_refused_whole() -> None:
+    lanes = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0, tenant_queue=3))
+    try:
+        with pytest.raises(ResourceExhausted, match="sent 4 more"):
+            await lanes.run_many("a", burn, [(0.0,)] * 4)
+        assert lanes.stats("a")["jobs"] == 0 and lanes.stats("a")["queued"] == 0  # nothing was queued
+        assert await lanes.run_many("a", burn, [(0.0, "x"), (0.0, "y")]) == ["x", "y"]  # control: fits
+    finally:
+        await lanes.aclose()
