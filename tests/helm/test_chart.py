@@ -282,7 +282,7 @@ def _pod_labels(objs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize("name", ["default", "monitoring"])
 def test_network_policy_admits_only_kvfleet_pods_to_redis(rendered: dict[str, dict[str, str]], name: str) -> None:
     objs = objects(rendered, name)
-    np_ = one(objs, "NetworkPolicy")
+    np_ = one(objs, "NetworkPolicy", "-redis")
     sts = one(objs, "StatefulSet", "-redis")
     assert _matches(np_["spec"]["podSelector"]["matchLabels"], sts["spec"]["template"]["metadata"]["labels"])
     assert np_["spec"]["policyTypes"] == ["Ingress"]
@@ -340,7 +340,7 @@ def test_extra_tokens_by_digest(rendered: dict[str, dict[str, str]]) -> None:
 
 def test_existing_secret_is_used_and_none_created(chart: Any) -> None:
     objs = _docs(chart.render({"auth": {"existingSecret": "my-tokens"}}, name=RELEASE, namespace=NAMESPACE))
-    assert not [o for o in objs if o["kind"] == "Secret"]
+    assert not [o for o in objs if o["kind"] == "Secret" and not o["metadata"]["name"].endswith("-ray-token")]
     ctrl = one(objs, "Deployment", "-controller")
     vol = next(v for v in ctrl["spec"]["template"]["spec"]["volumes"] if v["name"] == "tokens")
     assert vol["secret"]["secretName"] == "my-tokens"
@@ -350,7 +350,7 @@ def test_existing_secret_is_used_and_none_created(chart: Any) -> None:
 
 def test_external_redis(rendered: dict[str, dict[str, str]]) -> None:
     objs = objects(rendered, "external-redis")
-    assert not [o for o in objs if o["kind"] in ("StatefulSet", "NetworkPolicy") or o["metadata"]["name"].endswith("-redis")]
+    assert not [o for o in objs if o["kind"] == "StatefulSet" or o["metadata"]["name"].endswith("-redis")]
     args = container(one(objs, "Deployment", "-controller"))["args"]
     assert args[args.index("--store") + 1] == "redis://redis.shared.svc:6380/2"
 
@@ -566,8 +566,8 @@ def test_chart_packages_and_the_package_renders(tmp_path: Path) -> None:
         assert "files/register_workers.py" in {f["name"] for f in packed.files}
         kinds = sorted(o["kind"] for o in _docs(packed.render({}, name=RELEASE, namespace=NAMESPACE)))
     print(kinds)
-    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "RayCluster", "Secret",
-                     "Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
+    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget",
+                     "RayCluster", "Secret", "Secret", "Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
 
 
 def test_values_files_in_the_docs_are_valid(chart: Any) -> None:
