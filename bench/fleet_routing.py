@@ -385,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the slice committed in bench/data/)",
     )
     p.add_argument("--section", default="fleet-routing", help="the docs/benchmarks.md section to write")
+    p.add_argument("--notes", type=Path, default=None, help="markdown appended to the section (the reasons "
+                   "behind this run's figures; regenerate with --from-json)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
@@ -430,9 +432,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             launch.kill_all()
         results.update(meta(a, opt, cfg, time.monotonic() - t0))
+        if a.section != "fleet-routing":
+            results["title"] = (
+                f"Fleet routing, section {a.section}: cells {a.cells or 'default'} "
+                "(`./dev.sh bench fleet_routing --cells ... --section " + a.section + "`)"
+            )
     if a.json and not a.from_json:
         a.json.write_text(json.dumps(results))
+    if a.from_json and a.section != "fleet-routing" and not results.get("title"):
+        results["title"] = f"Fleet routing, section {a.section}"
     section = report(results)
+    if a.notes is not None:
+        section += "\n\n" + a.notes.read_text().strip() + "\n"
     print(section)
     if not results["quick"] and not a.no_docs:
         from benchdoc import write_section

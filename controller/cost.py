@@ -227,16 +227,24 @@ def rank(
 
 
 class Branches:
-    """Which block hashes are shared prefixes: seen followed by two different blocks (a radix fork).
+    """Which block hashes are shared prefixes: seen followed by `fanout` different blocks (a radix fork
+    that several conversations continue).
 
-    A system prompt is one (every conversation continues it differently); a conversation's own
-    history is not (each turn continues it the same way), so warm affinity keeps its full credit.
+    A system prompt or a few-shot preamble is one (every conversation continues it differently); a
+    conversation's own history is not (each turn continues it the same way), so warm affinity keeps
+    its full credit. Three, not two: a conversation whose last block is rewritten by its next turn
+    (a partial block that fills with different tokens, a regenerated answer) continues its own
+    history a second way, and counting that as shared cancelled its warm credit: on the Mooncake
+    trace (issue #27) every turn forked its conversation's previous one, so kvfleet placed returning
+    turns by load alone and hit barely more than round robin.
     Bounded: past `max_blocks` hashes it forgets everything and learns again.
     """
 
-    def __init__(self, max_blocks: int = 1 << 20) -> None:
-        self.max_blocks = max_blocks
-        self._next: dict[int, int] = {}  # block hash -> the first block seen after it
+    def __init__(self, max_blocks: int = 1 << 20, fanout: int = 3) -> None:
+        if fanout < 2:
+            raise InvalidArgument(f"fanout must be >= 2, got {fanout}")
+        self.max_blocks, self.fanout = max_blocks, fanout
+        self._next: dict[int, tuple[int, ...]] = {}  # block hash -> the distinct blocks seen after it
         self._forks: set[int] = set()
 
     def observe(self, chain: Sequence[int]) -> int:
@@ -244,10 +252,16 @@ class Branches:
         if len(self._next) > self.max_blocks:
             self._next.clear()
             self._forks.clear()
-        nxt, forks = self._next, self._forks
+        nxt, forks, k = self._next, self._forks, self.fanout
         for h, after in zip(chain, chain[1:], strict=False):  # NOTE: each block and the next
-            if nxt.setdefault(h, after) != after:
-                forks.add(h)
+            seen = nxt.get(h)
+            if seen is None:
+                nxt[h] = (after,)
+            elif after not in seen and h not in forks:
+                if len(seen) + 1 >= k:
+                    forks.add(h)
+                else:
+                    nxt[h] = (*seen, after)
         if forks:
             for i in range(len(chain) - 1, -1, -1):  # NOTE: the last fork; usually a system prompt's end
                 if chain[i] in forks:
