@@ -4,11 +4,14 @@ Tool-result verdicts (JudgeToolResults, AdmitToolResult, the background heavy la
 store executor that uploads, GetBlob and every store call share: one tenant's flood of first inspections
 would hold those threads and stall every other tenant's uploads and chats. Instead:
 
-    pool       `threads` judge threads for the whole controller (the judges' share of the CPU)
-    lanes      one per tenant, two FIFO queues: "now" (a request waits for it) before "later" (heavy
-               layers run in the background); lanes with work are served round-robin, one job per turn
-    in flight  at most `tenant_inflight` jobs of one tenant run at once, so a tenant never holds every
-               thread (with threads > tenant_inflight another tenant always finds one free)
+    pools      `threads` judge threads for the jobs a request waits for ("now"), and `heavy_threads` for
+               the heavy layers nobody waits for ("later"), so a request never queues behind an encoder
+               inspection; both for the whole controller (the judges' share of the CPU)
+    lanes      one per tenant, two FIFO queues, "now" and "later"; for each pool, the lanes with work of
+               its kind are served round-robin, one job per turn
+    in flight  at most `tenant_inflight` "now" jobs (and one "later" job) of one tenant run at once, so a
+               tenant never holds every thread (with threads > tenant_inflight another tenant always
+               finds one free)
     budget     each job's CPU (time.thread_time() around it) is charged to its tenant's bucket, which
                refills at `tenant_cpu` CPU-seconds per wall-second up to `burst_s`; a lane whose bucket
                is empty waits until it refills (only that tenant waits: the others keep being served)
@@ -50,6 +53,7 @@ class JudgeLimits:
     1 <= tenant_inflight, tenant_cpu >= 0 (0: no CPU budget), burst_s > 0, tenant_queue >= 1."""
 
     threads: int = DEFAULT_THREADS
+    heavy_threads: int = 1  # the background (heavy layer) pool
     tenant_inflight: int = DEFAULT_TENANT_INFLIGHT
     tenant_cpu: float = DEFAULT_TENANT_CPU
     burst_s: float = DEFAULT_BURST_S
@@ -58,6 +62,8 @@ class JudgeLimits:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise InvalidArgument(f"--judge-threads must be >= 1, got {self.threads}")
+        if self.heavy_threads < 1:
+            raise InvalidArgument(f"heavy judge threads must be >= 1, got {self.heavy_threads}")
         if self.tenant_inflight < 1:
             raise InvalidArgument(f"--judge-inflight-per-tenant must be >= 1, got {self.tenant_inflight}")
         if not self.tenant_cpu >= 0:
@@ -82,7 +88,7 @@ class _Lane:
     stamp: float  # when balance was last refilled (monotonic)
     now: deque[_Job] = field(default_factory=deque)
     later: deque[_Job] = field(default_factory=deque)
-    inflight: int = 0
+    running: list[int] = field(default_factory=lambda: [0, 0])  # jobs in flight, "now" and "later"
     cpu_s: float = 0.0  # CPU charged in total
     jobs: int = 0
     dropped: int = 0  # background jobs dropped on a full queue
@@ -91,6 +97,9 @@ class _Lane:
     def pending(self) -> int:
         return len(self.now) + len(self.later)
 
+    def queue(self, kind: int) -> deque[_Job]:
+        return self.later if kind else self.now
+
 
 class JudgeLanes:
     """Per-tenant lanes over one bounded judge pool; see the module docstring."""
@@ -98,9 +107,12 @@ class JudgeLanes:
     def __init__(self, limits: JudgeLimits | None = None) -> None:
         self.limits = limits or JudgeLimits()
         self.pool = ThreadPoolExecutor(self.limits.threads, thread_name_prefix="kvfleet-judge")
+        self.heavy_pool = ThreadPoolExecutor(
+            self.limits.heavy_threads, thread_name_prefix="kvfleet-judge-heavy"
+        )
         self._lanes: dict[str, _Lane] = {}
-        self._order: deque[str] = deque()  # round-robin order of tenants with queued jobs
-        self._running = 0
+        self._order: tuple[deque[str], deque[str]] = (deque(), deque())  # per kind: tenants with jobs queued
+        self._running = [0, 0]
         self._wake: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -124,7 +136,7 @@ class JudgeLanes:
                 "judging: --judge-cpu-per-tenant); retry when its earlier requests have finished"
             )
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._push(tenant, lane, lane.now, _Job(lambda: fn(*args), fut))
+        self._push(tenant, lane, 0, _Job(lambda: fn(*args), fut))
         return await fut
 
     async def run_many(self, tenant: str, fn: Callable[..., T], args: list[tuple[Any, ...]]) -> list[T]:
@@ -150,15 +162,15 @@ class JudgeLanes:
         if self._closed or len(lane.later) >= self.limits.tenant_queue:
             lane.dropped += 1
             return False
-        self._push(tenant, lane, lane.later, _Job(lambda: fn(*args), None))
+        self._push(tenant, lane, 1, _Job(lambda: fn(*args), None))
         return True
 
-    def _push(self, tenant: str, lane: _Lane, q: deque[_Job], job: _Job) -> None:
+    def _push(self, tenant: str, lane: _Lane, kind: int, job: _Job) -> None:
         if self._closed:
             raise ResourceExhausted("the controller is stopping; retry on another controller")
-        q.append(job)
-        if tenant not in self._order:
-            self._order.append(tenant)
+        lane.queue(kind).append(job)
+        if tenant not in self._order[kind]:
+            self._order[kind].append(tenant)
         self._pump()
 
     def _refill(self, lane: _Lane, now: float) -> None:
@@ -168,34 +180,37 @@ class JudgeLanes:
         lane.stamp = now
 
     def _pump(self) -> None:
-        """Start jobs while threads are free: tenants round-robin, skipping a lane at its in-flight cap or
-        out of budget (it is woken when its bucket has refilled)."""
+        """Start jobs while threads are free, for each pool: tenants round-robin, skipping a lane at its
+        in-flight cap or out of budget (it is woken when its bucket has refilled)."""
         now, wait = time.monotonic(), None
-        tried = 0
-        while self._running < self.limits.threads and self._order and tried < len(self._order):
-            tenant = self._order[0]
-            self._order.rotate(-1)
-            lane = self._lanes[tenant]
-            self._refill(lane, now)
-            job = self._next(lane)
-            if job is None:
-                self._order.remove(tenant)
+        rate = self.limits.tenant_cpu
+        for kind, width, cap in (
+            (0, self.limits.threads, self.limits.tenant_inflight),
+            (1, self.limits.heavy_threads, 1),
+        ):
+            order, tried = self._order[kind], 0
+            while self._running[kind] < width and order and tried < len(order):
+                tenant = order[0]
+                order.rotate(-1)
+                lane = self._lanes[tenant]
+                self._refill(lane, now)
+                job = self._next(lane, kind)
+                if job is None:
+                    order.remove(tenant)
+                    tried = 0
+                    continue
+                if lane.running[kind] >= cap or (rate > 0 and lane.balance <= 0):
+                    if rate > 0 and lane.balance <= 0:
+                        lane.throttled += 1
+                        due = -lane.balance / rate + 1e-3
+                        wait = due if wait is None else min(wait, due)
+                    tried += 1
+                    continue
+                lane.queue(kind).popleft()
+                if not lane.queue(kind):
+                    order.remove(tenant)
                 tried = 0
-                continue
-            if lane.inflight >= self.limits.tenant_inflight or (
-                self.limits.tenant_cpu > 0 and lane.balance <= 0
-            ):
-                if lane.balance <= 0 and self.limits.tenant_cpu > 0:
-                    lane.throttled += 1
-                    due = -lane.balance / self.limits.tenant_cpu + 1e-3
-                    wait = due if wait is None else min(wait, due)
-                tried += 1
-                continue
-            (lane.now if lane.now and lane.now[0] is job else lane.later).popleft()
-            if not lane.pending():
-                self._order.remove(tenant)
-            tried = 0
-            self._start(tenant, lane, job)
+                self._start(tenant, lane, kind, job)
         if wait is not None and self._wake is None and not self._closed:
             self._wake = asyncio.get_running_loop().call_later(wait, self._woken)
 
@@ -204,18 +219,16 @@ class JudgeLanes:
         self._pump()
 
     @staticmethod
-    def _next(lane: _Lane) -> _Job | None:
-        """The lane's next live job ("now" first); cancelled ones are dropped on the way."""
-        for q in (lane.now, lane.later):
-            while q and q[0].fut is not None and q[0].fut.done():
-                q.popleft()
-            if q:
-                return q[0]
-        return None
+    def _next(lane: _Lane, kind: int) -> _Job | None:
+        """The lane's next live job of `kind`; cancelled ones are dropped on the way."""
+        q = lane.queue(kind)
+        while q and q[0].fut is not None and q[0].fut.done():
+            q.popleft()
+        return q[0] if q else None
 
-    def _start(self, tenant: str, lane: _Lane, job: _Job) -> None:
-        lane.inflight += 1
-        self._running += 1
+    def _start(self, tenant: str, lane: _Lane, kind: int, job: _Job) -> None:
+        lane.running[kind] += 1
+        self._running[kind] += 1
 
         def timed() -> tuple[float, Any, BaseException | None]:
             t0 = time.thread_time()
@@ -225,12 +238,12 @@ class JudgeLanes:
                 return time.thread_time() - t0, None, e
             return time.thread_time() - t0, value, None
 
-        cf = asyncio.get_running_loop().run_in_executor(self.pool, timed)
-        cf.add_done_callback(lambda f: self._done(tenant, lane, job, f))
+        cf = asyncio.get_running_loop().run_in_executor(self.heavy_pool if kind else self.pool, timed)
+        cf.add_done_callback(lambda f: self._done(tenant, lane, kind, job, f))
 
-    def _done(self, tenant: str, lane: _Lane, job: _Job, f: asyncio.Future[Any]) -> None:
-        lane.inflight -= 1
-        self._running -= 1
+    def _done(self, tenant: str, lane: _Lane, kind: int, job: _Job, f: asyncio.Future[Any]) -> None:
+        lane.running[kind] -= 1
+        self._running[kind] -= 1
         lane.jobs += 1
         if f.cancelled():
             err: BaseException | None = asyncio.CancelledError()
@@ -267,7 +280,7 @@ class JudgeLanes:
             "cpu_s": lane.cpu_s,
             "jobs": lane.jobs,
             "queued": lane.pending(),
-            "inflight": lane.inflight,
+            "inflight": sum(lane.running),
             "dropped": lane.dropped,
             "throttled": lane.throttled,
             "balance": lane.balance,
@@ -277,6 +290,7 @@ class JudgeLanes:
         """close(), then wait for the running jobs (they may still use the store the caller closes next)."""
         self.close()
         await asyncio.to_thread(self.pool.shutdown, True)
+        await asyncio.to_thread(self.heavy_pool.shutdown, True)
 
     def close(self) -> None:
         """Drop every queued job (waiters get CancelledError), let running ones finish on their own."""
@@ -289,8 +303,10 @@ class JudgeLanes:
                     if job.fut is not None and not job.fut.done():
                         job.fut.cancel()
                 q.clear()
-        self._order.clear()
+        for order in self._order:
+            order.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.heavy_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def add_judge_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:

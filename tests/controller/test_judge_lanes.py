@@ -75,9 +75,28 @@ async def test_a_full_queue_is_resource_exhausted_and_background_jobs_are_droppe
         with pytest.raises(ResourceExhausted, match="--judge-cpu-per-tenant"):
             await lanes.run("a", burn, 0.0)
         assert await lanes.run("b", burn, 0.0, "b") == "b"  # another tenant's queue is its own
-        assert lanes.background("a", burn, 0.0) and lanes.background("a", burn, 0.0)
+        # background jobs run on their own thread, one at a time: one running, two queued, the fourth dropped
+        assert all(lanes.background("a", burn, 0.05) for _ in range(3))
         assert not lanes.background("a", burn, 0.0) and lanes.stats("a")["dropped"] == 1
         await asyncio.gather(*running)
+    finally:
+        await lanes.aclose()
+
+
+async def test_a_request_never_waits_behind_its_own_tenants_heavy_job() -> None:
+    """A background (heavy layer) job runs on its own pool: the tenant's next waited-for job starts while it
+    runs (before, with one job in flight per tenant, the request waited for the encoder's inspection)."""
+    lanes = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0))
+    started: list[str] = []
+
+    def job(tag: str, seconds: float) -> str:
+        started.append(tag)
+        return burn(seconds, tag)
+
+    try:
+        assert lanes.background("a", job, "heavy", 0.3)
+        assert await lanes.run("a", job, "now", 0.0) == "now"
+        assert lanes.stats("a")["inflight"] == 1 and started == ["heavy", "now"]  # the heavy one still runs
     finally:
         await lanes.aclose()
 
