@@ -43,7 +43,8 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
             docs/quarantine.md). Not used when `verdict` is given.
         probe: the query whose next-token logits the eviction proof compares.
         verdict: a verdict already reached on the blob's bytes (the controller's Judge: its configured
-            layers, its store-wide verdict cache, an operator's verdict); the session runs no detector.
+            layers, its per-tenant verdict cache in the store, an operator's verdict); the session runs no
+            detector.
 
     Returns:
         ToolAdmission(verdict, reasons, evicted, proof); the proof is also appended to `ctx.proofs`.

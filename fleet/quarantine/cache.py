@@ -1,4 +1,4 @@
-"""Verdict cache: the same bytes under the same detector config get the same verdict, fleet-wide.
+"""Verdict cache: the same bytes under the same detector config get the same verdict, fleet-wide, per tenant.
 
 Pure: it talks to any store-like object with `kv_get(namespace, key)` / `kv_put(namespace, key, value)`
 (`fleet.cas.BlobStore`, SQLite or Redis). The key is the tenant, the bytes' SHA-256 and the detector's
