@@ -17,8 +17,9 @@ Beyond each alone (controller/proxy/judged.py): the tool results of a turn toget
 messages that quote a withheld result verbatim.
 
 The controller judges (JudgeToolResults, with the client's token: its tenant's records, one verdict per
-bytes and tenant fleet-wide, an operator's late verdict first; heavy layers later: docs/quarantine_path.md). The proxy keeps no verdicts of its own, so a verdict
-set later applies to the very next request that carries the bytes. Per tenant policy:
+bytes and tenant fleet-wide, an operator's late verdict first; heavy layers later: docs/quarantine_path.md).
+The proxy keeps no verdicts of its own, so a verdict set later applies to the very next request that
+carries the bytes. Per tenant policy:
 
     placeholder  the quarantined text is replaced by PLACEHOLDER (naming its ref) before tokenizing,
                  routing and forwarding: the worker never receives the bytes, and the route follows the
