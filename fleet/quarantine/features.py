@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from fleet.quarantine import text as T
+from fleet.quarantine.fast import events
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, used as the polynomial base
@@ -38,21 +39,31 @@ class FeaturizerConfig:
     char_ngrams: tuple[int, ...] = (3, 4, 5)
     word_ngrams: tuple[int, ...] = (1, 2)
     max_chars: int = 1 << 20  # NOTE: longer inputs are scored on their first max_chars (the rules read all)
+    # "crc32": word n-grams hashed one by one in Python (the model of issue #15); "poly": every n-gram hashed
+    # at once with numpy (`fast.events`, issue #28: the fast default's featurizer)
+    hashing: str = "crc32"
 
     def __post_init__(self) -> None:
         assert self.num_buckets > 0 and self.num_buckets & (self.num_buckets - 1) == 0, (
             "num_buckets: a power of two"
         )
         assert all(n >= 1 for n in self.char_ngrams + self.word_ngrams), "n-gram sizes must be >= 1"
+        assert self.hashing in ("crc32", "poly"), "hashing: crc32 or poly"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.hashing == "crc32":
+            del d["hashing"]  # NOTE: so the digest of the model trained before the key existed is unchanged
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FeaturizerConfig:
         return cls(
-            int(d["num_buckets"]), tuple(d["char_ngrams"]), tuple(d["word_ngrams"]), int(d["max_chars"])
+            int(d["num_buckets"]),
+            tuple(d["char_ngrams"]),
+            tuple(d["word_ngrams"]),
+            int(d["max_chars"]),
+            str(d.get("hashing", "crc32")),
         )
 
 
@@ -113,9 +124,13 @@ def feature_events(
         (norm, positions (E,) int64, buckets (E,) int64), positions ascending.
     """
     norm = T.normalize(T.decode_bytes(text)[: cfg.max_chars])
-    cp, cb = _char_events(norm, cfg)
-    wp, wb = _word_events(norm, cfg)
-    pos, buckets = np.concatenate([cp, wp]), np.concatenate([cb, wb])
+    if cfg.hashing == "poly":
+        evs = events(norm, cfg) or [(np.zeros(0, np.int64), np.zeros(0, np.int64))]
+        pos, buckets = np.concatenate([p for p, _ in evs]), np.concatenate([b for _, b in evs])
+    else:
+        cp, cb = _char_events(norm, cfg)
+        wp, wb = _word_events(norm, cfg)
+        pos, buckets = np.concatenate([cp, wp]), np.concatenate([cb, wb])
     order = np.argsort(pos, kind="stable")
     return norm, pos[order], buckets[order]
 
