@@ -81,7 +81,7 @@ class Slicer:
 class FaultGuard:
     """One worker's event budgets (one per rank) and its faulty state, as the watcher keeps them.
 
-    `admit(rank, n)` spends a batch of `n` events from the rank's budget; False trips the worker:
+    `admit(rank, cost, events)` spends a batch's cost from the rank's budget; False trips the worker:
     faulty until `hold_s` from now (metrics: kvfleet_worker_faulty{worker} = 1 meanwhile, and the
     events refused in kvfleet_kv_events_over_budget_total). `faulty()` ends on its own; `settle()`
     (called by the reconcile loop) then resets the gauge.
@@ -98,12 +98,14 @@ class FaultGuard:
     def faulty(self) -> bool:
         return time.monotonic() < self.until
 
-    def admit(self, rank: int, n: int) -> bool:
-        if self.budgets[rank].take(n):
+    def admit(self, rank: int, cost: int, events: int) -> bool:
+        """Spend a batch's `cost` (batch_cost) from `rank`'s budget; False: it did not fit, its
+        `events` are refused and the worker is faulty from now on."""
+        if self.budgets[rank].take(cost):
             return True
         self.until = time.monotonic() + self.hold_s
         self.trips += 1
-        self.metrics.kv_events_over_budget.inc(n)
+        self.metrics.kv_events_over_budget.inc(events)
         self.metrics.worker_faulty.labels(self.worker).set(1)
         return False
 

@@ -177,7 +177,7 @@ class Worker:
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
             self._apply(rank, st.invalidated("wrong_dp_rank"))  # another rank's batch on this socket: fail closed
             return
-        if not self.guard.admit(rank, batch_cost(batch)):
+        if not self.guard.admit(rank, batch_cost(batch), len(batch.events)):
             self._trip(rank, seq, len(batch.events))
             return
         persist = False

@@ -1,0 +1,164 @@
+"""A KV-event flood and a latency probe, for tests/controller/test_event_flood.py and bench/event_flood.py:
+a replay ROUTER that answers every request with many batches of AllBlocksCleared events (vLLM's wire
+format), and another tenant's WhoAmI timed from its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import zmq
+
+from controller.metrics import Metrics
+from controller.router import RouterConfig
+from controller.server import ControllerConfig, build_server
+from fleet.api.kvfleet.v1 import fleet_pb2, workers_pb2
+from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
+from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
+from fleet.testkit.sim_vllm import wire
+from fleet.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from support.controller import make_tokens, md
+
+END = b"\xff" * 8
+
+
+class FloodingReplay:
+    """A replay ROUTER (own thread, own context) answering each request with `batches` batches of
+    `events` AllBlocksCleared events and then the end marker, as vLLM's replay does."""
+
+    def __init__(self, batches: int, events: int = 600) -> None:
+        self.batches = batches
+        self.payload = wire.encode_batch(0.0, [wire.VllmAllBlocksCleared()] * events)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.requests = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            ident, _, start = self.sock.recv_multipart()
+            self.requests += 1
+            seq = int.from_bytes(start, "big")
+            for i in range(self.batches):
+                self.sock.send_multipart([ident, b"", b"", (seq + i).to_bytes(8, "big"), self.payload])
+            self.sock.send_multipart([ident, b"", b"", END, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class Prober:
+    """Another tenant's WhoAmI every 10 ms from its own thread (a blocking gRPC channel)."""
+
+    def __init__(self, address: str, token: str) -> None:
+        self.address, self.token = address, token
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self.address) as ch:
+            stub = FleetServiceStub(ch)
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    stub.WhoAmI(fleet_pb2.WhoAmIRequest(), metadata=md(self.token), timeout=60)
+                except grpc.RpcError as e:
+                    self.errors.append(str(e.code()))
+                self.latencies.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+    async def __aenter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # NOTE: joined off the event loop: the controller under test serves the last call on it
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 120)
+
+
+def p99(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=100)[98] if len(xs) >= 2 else max(xs, default=0.0)
+
+
+async def run_flood(
+    tmp_path: Path, batches: int, *, events: int = 600, window_s: float = 2.0
+) -> dict[str, Any]:
+    """A real controller (auth on, sqlite store) with an honest sim-vllm worker; another tenant's
+    WhoAmI timed every 10 ms while a second worker registers whose replay socket floods `batches`
+    batches of `events` AllBlocksCleared events (0: it registers with the honest replay instead, the
+    control), and `window_s` more (several tail polls, every 0.5 s). Returns the figures."""
+    tok = make_tokens(tmp_path)
+    sims = [
+        await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start() for _ in range(2)
+    ]
+    flood = FloodingReplay(batches=batches, events=events) if batches else None
+    metrics = Metrics()
+    cfg = ControllerConfig(
+        store_url=f"sqlite:///{tmp_path / 'kv.db'}", tokens_file=tok.file, listen="127.0.0.1:0"
+    )
+    ctl = await build_server(cfg, metrics=metrics, router_config=RouterConfig(reconcile_interval_s=0.5))
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            workers = WorkerServiceStub(ch)
+
+            async def register(name: str, sim: SimVllm, replay: str) -> None:
+                spec = workers_pb2.WorkerSpec(
+                    name=name, url=sim.url, kv_events=sim.kv_events, replay=replay, model="m"
+                )
+                await workers.RegisterWorker(
+                    workers_pb2.RegisterWorkerRequest(spec=spec), metadata=md(tok.op), timeout=120
+                )
+
+            await register("honest", sims[1], sims[1].replay)
+            async with Prober(ctl.address, tok.b) as probe:
+                await asyncio.sleep(0.3)
+                t0 = time.perf_counter()
+                await register("flooder", sims[0], flood.endpoint if flood else sims[0].replay)
+                register_s = time.perf_counter() - t0
+                await asyncio.sleep(window_s)
+            listed = await workers.ListWorkers(workers_pb2.ListWorkersRequest(), metadata=md(tok.op))
+            faulty = {
+                w: metrics.registry.get_sample_value("kvfleet_worker_faulty", {"worker": w})
+                for w in ("flooder", "honest")
+            }
+    finally:
+        await ctl.stop(0)
+        if flood is not None:
+            flood.close()
+        for s in sims:
+            await s.stop()
+    rows = {(w.spec.name, r.dp_rank): r for w in listed.workers for r in w.ranks}
+    lat = probe.latencies
+    return {
+        "register_s": register_s,
+        "latencies": lat,
+        "errors": probe.errors,
+        "p50": statistics.median(lat),
+        "p99": p99(lat),
+        "max": max(lat),
+        "requests": flood.requests if flood else 0,
+        "rows": {k: (r.phase, r.serving) for k, r in rows.items()},
+        "faulty": faulty,
+        "over_budget": metrics.registry.get_sample_value("kvfleet_kv_events_over_budget_total"),
+    }
