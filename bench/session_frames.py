@@ -38,9 +38,10 @@ def actor_side(tmp: str) -> dict[str, Any]:
         actor = KernelActor("acme", "s1", f"sqlite:///{tmp}/actor.db", KernelSpec(block_size=16).to_dict())
         loop = asyncio.new_event_loop()
         loop.run_until_complete(_create(actor))
-        loop.run_until_complete(actor.append(" warm", "user", "op-0"))
+        loop.run_until_complete(_append(actor, " warm", "op-0"))
+        hello = _append(actor, " hello", "op-1")  # the coroutine (tokens encoded, for a tree that takes them)
         c.on = True
-        loop.run_until_complete(actor.append(" hello", "user", "op-1"))
+        loop.run_until_complete(hello)
         c.on = False
 
     t = Tracer(skip=SKIP, at=("fleet/kernel/session.py", "append"))
@@ -59,6 +60,17 @@ async def _create(actor: Any) -> Any:
     if "system_prompt" in inspect.signature(actor.create).parameters:
         return await actor.create(PROMPT)
     return await actor.create(encode_message(make_tokenizer(actor.kernel), "system", PROMPT))
+
+
+def _append(actor: Any, text: str, op_id: str) -> Any:
+    """A user message, as this tree's KernelActor takes it: text (encoded in the actor, before issue #30) or the
+    tokens the controller encoded once (`append_message`; encoded here, outside the traced window's actor)."""
+    from fleet.kernel.tokenizer import encode_message
+    from workers.spec import make_tokenizer
+
+    if not hasattr(actor, "append_message"):
+        return actor.append(text, "user", op_id)
+    return actor.append_message(encode_message(make_tokenizer(actor.kernel), "user", text), "user", op_id)
 
 
 class _Context:

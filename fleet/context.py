@@ -100,9 +100,12 @@ class SessionContext:
 
     def add_message(self, role: str, text: str) -> Piece:
         """Append a chat message piece (`role` e.g. user / assistant)."""
-        if not isinstance(role, str) or not role:
-            raise InvalidArgument(f"role must be a non-empty str, got {role!r}")
-        return self._append_tokens("message", encode_message(self.tokenizer, role, _text(text)), role=role)
+        return self.add_message_tokens(role, encode_message(self.tokenizer, _role(role), _text(text)))
+
+    def add_message_tokens(self, role: str, tokens: list[int]) -> Piece:
+        """Append a chat message piece already encoded (`encode_message(tokenizer, role, text)`), e.g. by
+        the edge that counted its tokens against a quota: it is not encoded again."""
+        return self._append_tokens("message", list(tokens), role=_role(role))
 
     def add_output(self, token_ids: list[int]) -> Piece:
         """Append model output (token ids the session generated)."""
@@ -343,6 +346,12 @@ class SessionContext:
             raise FailedPrecondition(f"replay: ref {op.ref} tokenizes to {len(tokens)} tokens, "
                                      f"the log says {op.num_tokens} (different tokenizer?)")
         return tokens
+
+
+def _role(role: object) -> str:
+    if not isinstance(role, str) or not role:
+        raise InvalidArgument(f"role must be a non-empty str, got {role!r}")
+    return role
 
 
 def _text(text: object) -> str:

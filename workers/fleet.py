@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from workers.placement import (
     session_resources,
 )
 from workers.registry import CREATING, SessionRegistry
+from workers.session_actor import KernelActor
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 __all__ = ["KernelFleet", "NodeGone", "OpResult"]
@@ -132,14 +134,15 @@ class KernelFleet:
 
     # -- calls --------------------------------------------------------------------------------
 
-    def _call(self, tenant: str, session_id: str, method: str, *args: Any) -> Any:
-        """Call the session's actor; a dead one is regenerated and the call retried once."""
+    def _call(self, tenant: str, session_id: str, method: Callable[..., Any], *args: Any) -> Any:
+        """`method` (a KernelActor method, named by reference so readers and tools can follow it) called with
+        `args` on the session's actor, and its answer; a dead actor is regenerated and the call retried once."""
         key = (tenant, session_id)
         for attempt in range(2):
             actor = self._handles.get(key) or self._lookup(tenant, session_id)
             if actor is not None:
                 try:
-                    return ray_get(getattr(actor, method).remote(*args), self.call_timeout_s)
+                    return ray_get(getattr(actor, method.__name__).remote(*args), self.call_timeout_s)
                 except ray.exceptions.RayActorError as e:
                     self._handles.pop(key, None)
                     if attempt:
@@ -220,42 +223,58 @@ class KernelFleet:
         self.registry.save(rec)
         return rec
 
-    def op(self, tenant: str, session_id: str, verb: str, *args: Any, op_id: str = "") -> OpResult:
-        """A mutating call of the session's actor (`verb`: append, generate, evict,
-        add_tool_result, admit_tool_result) under `op_id` (the caller's idempotency key; a fresh
-        one if empty): an op id already in the session's log is answered (replayed=True), not
-        applied again."""
-        return self._call(tenant, session_id, verb, *args, op_id or uuid.uuid4().hex)  # type: ignore[no-any-return]
+    # Mutating verbs: each runs under `op_id` (the caller's idempotency key; a fresh one if empty), and an
+    # op id already in the session's log is answered (replayed=True), not applied again. Each returns the
+    # actor's OpResult: its `result` (a Piece, an EvictReport, a ToolAdmission), the session's token count
+    # and last logits.
 
     def append(self, tenant: str, session_id: str, content: str | list[int], role: str = "user",
                op_id: str = "") -> OpResult:
-        """Append a message (text, with its role) or model output (token ids); result: the Piece."""
+        """Append a message (text, with its role; encoded here, the Python API's edge) or model output
+        (token ids); result: the Piece."""
         if isinstance(content, list):
-            content = self._tokens(content)
-        elif not isinstance(content, str):
+            return self.append_output(tenant, session_id, self._tokens(content), op_id)
+        if not isinstance(content, str):
             raise InvalidArgument(f"append takes text or token ids, got {type(content).__name__}")
-        return self.op(tenant, session_id, "append", content, role, op_id=op_id)
+        return self.append_message(tenant, session_id, encode_message(self.tokenizer, role, content), role, op_id)
 
-    def generate(self, tenant: str, session_id: str, n: int, op_id: str = "") -> list[int]:
-        """Greedy-decode `n` tokens and append them as an output piece; returns them."""
-        return list(self.op(tenant, session_id, "generate", n, op_id=op_id).result.tokens)
+    def append_message(self, tenant: str, session_id: str, tokens: list[int], role: str,
+                       op_id: str = "") -> OpResult:
+        """Append a chat message already encoded (`encode_message(self.tokenizer, role, text)`) by a caller
+        that counted its tokens: it is never encoded again."""
+        key = op_id or uuid.uuid4().hex
+        return self._call(tenant, session_id, KernelActor.append_message, tokens, role, key)  # type: ignore[no-any-return]
 
-    def evict(self, tenant: str, session_id: str, piece_id: int, mode: str = "exact") -> Any:
-        """Evict one piece from the session's KV cache; returns the kernel's EvictReport."""
-        return self.op(tenant, session_id, "evict", piece_id, mode).result
+    def append_output(self, tenant: str, session_id: str, tokens: list[int], op_id: str = "") -> OpResult:
+        """Append model output: token ids the caller checked (`check_token_ids`)."""
+        key = op_id or uuid.uuid4().hex
+        return self._call(tenant, session_id, KernelActor.append_output, tokens, key)  # type: ignore[no-any-return]
+
+    def generate(self, tenant: str, session_id: str, n: int, op_id: str = "") -> OpResult:
+        """Greedy-decode `n` tokens and append them as an output piece (`result.tokens`)."""
+        key = op_id or uuid.uuid4().hex
+        return self._call(tenant, session_id, KernelActor.generate, n, key)  # type: ignore[no-any-return]
+
+    def evict(self, tenant: str, session_id: str, piece_id: int, mode: str = "exact", op_id: str = "") -> OpResult:
+        """Evict one piece from the session's KV cache; `result`: the kernel's EvictReport."""
+        key = op_id or uuid.uuid4().hex
+        return self._call(tenant, session_id, KernelActor.evict, piece_id, mode, key)  # type: ignore[no-any-return]
 
     def add_tool_result(self, tenant: str, session_id: str, ref: str, op_id: str = "") -> OpResult:
         """Append a tool result stored in the CAS (by ref); quarantined refs are refused."""
-        return self.op(tenant, session_id, "add_tool_result", ref, op_id=op_id)
+        key = op_id or uuid.uuid4().hex
+        return self._call(tenant, session_id, KernelActor.add_tool_result, ref, key)  # type: ignore[no-any-return]
 
-    def admit_tool_result(self, tenant: str, session_id: str, ref: str, verdict: Any = None) -> Any:
+    def admit_tool_result(self, tenant: str, session_id: str, ref: str, verdict: Any = None,
+                          op_id: str = "") -> OpResult:
         """A verdict on a stored tool result (`verdict`, or the session's default detector when None);
-        QUARANTINED evicts it with a proof (ToolAdmission)."""
-        return self.op(tenant, session_id, "admit_tool_result", ref, verdict).result
+        QUARANTINED evicts it with a proof (`result`: a ToolAdmission)."""
+        key = op_id or uuid.uuid4().hex
+        return self._call(tenant, session_id, KernelActor.admit_tool_result, ref, verdict, key)  # type: ignore[no-any-return]
 
     def working_set(self, tenant: str, session_id: str, budget_tokens: int) -> Any:
         """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
-        return self._call(tenant, session_id, "working_set", budget_tokens)
+        return self._call(tenant, session_id, KernelActor.working_set, budget_tokens)
 
     def fork(self, tenant: str, session_id: str, child_id: str, share: bool = True,
              node: str | None = None) -> dict[str, Any]:
@@ -275,7 +294,7 @@ class KernelFleet:
             raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)
         self._claim(tenant, child_id)
-        point = self._call(tenant, session_id, "fork_point")       # ops and tokens read together
+        point = self._call(tenant, session_id, KernelActor.fork_point)  # ops and tokens read together
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
         ops = [*point["ops"], ForkOp(session_id, len(point["ops"]))]
         node = node or self._fork_node(tenant, parent["node"], point["tokens"])
@@ -361,19 +380,19 @@ class KernelFleet:
     # -- reads --------------------------------------------------------------------------------
 
     def digest(self, tenant: str, session_id: str) -> str:
-        return str(self._call(tenant, session_id, "digest"))
+        return str(self._call(tenant, session_id, KernelActor.digest))
 
     def last_logits(self, tenant: str, session_id: str) -> np.ndarray | None:
-        return self._call(tenant, session_id, "last_logits")  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, KernelActor.last_logits)  # type: ignore[no-any-return]
 
     def pieces(self, tenant: str, session_id: str) -> list[Any]:
-        return list(self._call(tenant, session_id, "pieces"))
+        return list(self._call(tenant, session_id, KernelActor.pieces))
 
     def tokens(self, tenant: str, session_id: str) -> list[int]:
-        return list(self._call(tenant, session_id, "tokens"))
+        return list(self._call(tenant, session_id, KernelActor.tokens))
 
     def info(self, tenant: str, session_id: str) -> dict[str, Any]:
-        return dict(self._call(tenant, session_id, "info"))
+        return dict(self._call(tenant, session_id, KernelActor.info))
 
     def node_stats(self) -> list[dict[str, Any]]:
         """One row per alive node of the fleet (sessions, cache, KV budget used)."""

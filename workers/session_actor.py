@@ -191,11 +191,13 @@ class KernelActor:
                 pass
         return SessionContext.replay(log, self.kernel, self.tokenizer, self._fetch, self.tenant, self.session_id), 0
 
-    async def append(self, content: str | list[int], role: str = "user", op_id: str = "") -> OpResult:
-        """A message (text) or model output (token ids)."""
-        if isinstance(content, list):
-            return await self._mutate("append", op_id, lambda: self.context.add_output(list(content)))
-        return await self._mutate("append", op_id, lambda: self.context.add_message(role, content))
+    async def append_message(self, tokens: list[int], role: str, op_id: str = "") -> OpResult:
+        """A chat message, encoded once by the caller (`encode_message`): never encoded again here."""
+        return await self._mutate("append", op_id, lambda: self.context.add_message_tokens(role, tokens))
+
+    async def append_output(self, tokens: list[int], op_id: str = "") -> OpResult:
+        """Model output (token ids)."""
+        return await self._mutate("append", op_id, lambda: self.context.add_output(list(tokens)))
 
     async def generate(self, n: int, op_id: str = "") -> OpResult:
         return await self._mutate("generate", op_id, lambda: self.context.generate(n))

@@ -343,10 +343,11 @@ async def test_a_driver_killed_mid_create_leaves_the_name_usable(ray_cluster: No
 # ---- the KV ledger stays exact: replayed generate, fork, evict, reaping, close, restart --------------
 
 def _servicer(ctl: Any) -> Any:
-    """The controller's SessionServicer (its stop hook is registered once the fleet is built)."""
-    from controller.servicers.sessions import SessionServicer
+    """The controller's session service (controller/sessions.py; its stop hook is registered once the fleet
+    is built)."""
+    from controller.sessions import Sessions
 
-    return next(h.__self__ for h in ctl.ctx.on_stop if isinstance(getattr(h, "__self__", None), SessionServicer))
+    return next(h.__self__ for h in ctl.ctx.on_stop if isinstance(getattr(h, "__self__", None), Sessions))
 
 
 async def _fits_exactly(c: Any, sid: str, free: int, op_id: str | None = None) -> None:

@@ -14,6 +14,7 @@ from controller.auth import mint_token
 from controller.server import ControllerConfig, build_server
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from fleet.kernel import max_abs_delta
+from fleet.oplog import parse_log
 from fleet.sdk import AsyncFleetClient
 from workers.placement import NAMESPACE, fleet_scope, supervisor_name
 
@@ -134,7 +135,7 @@ async def test_controller_killed_sessions_come_back_bit_identical(ray_cluster: N
         # reference: the logged ops replayed in this process, plus the same append
         store = open_store(_url(tmp_path))
         kernel = make_kernel(KernelSpec(block_size=16))
-        ops = store.oplog_read("local", ids[0])[:-1]
+        ops = parse_log(store.oplog_read("local", ids[0]))[:-1]
         ref = SessionContext.replay(ops, kernel, make_tokenizer(kernel), lambda r: b"", "local", ids[0])
         assert ref.session.digest() == digests[ids[0]]
         want = ref.session.fork().append(make_tokenizer(kernel).encode(" after restart"))

@@ -1,0 +1,373 @@
+"""Sessions: the controller's session service over the Ray fleet of session kernels (workers.fleet.KernelFleet).
+
+The gRPC SessionServicer translates proto <-> domain and calls this; everything else lives here: the fleet
+(built on first use: it joins the Ray cluster `ray.init` already started in this process, or starts a local
+one), the tenants' quotas and call lanes (controller/quotas.py), the calls in flight and the idle reaper.
+
+    RPC ──▶ SessionServicer (validate) ──▶ Sessions.append_text(tenant, sid, role, text): encoded once
+              quota: reserve ▶ tenant's lane thread ▶ KernelFleet.append_message ▶ actor (token ids, no re-encode)
+              ◀ OpResult (piece, num_tokens, logits) ── the ledger is set to the session's count
+
+Invariants: a call reserves its tenant's quota (and a create its session's name) before it runs and releases
+it when it ends, so nothing that passes a quota is ever logged or spawned; every fleet call of a tenant runs
+on that tenant's lane (`TenantLanes`); a session is released by the reaper only with no call of it in flight,
+and a call arriving during its release waits for it. The kernel spec lives in the store
+(`controller/kernel_spec`), so a restarted controller regenerates every session with the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from controller.kernel_placement import kernel_spec_of
+from controller.quotas import SessionLimits, TenantLanes, TenantLedger
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fleet.kernel.tokenizer import encode_message
+from fleet.oplog import num_tokens, own_op_ids, parse_log
+from fleet.quarantine.detector import Verdict
+from fleet.session_types import OpResult, SessionRow, check_token_ids
+
+log = logging.getLogger("kvfleet.controller")
+T = TypeVar("T")
+MAX_GENERATE = 256
+
+
+class Sessions:
+    """Agent sessions of every tenant, on one KernelFleet (built on first use)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx  # the controller's ServiceContext: store, Ray address, limits, stop hooks
+        self.fleet: Any = None
+        self._init = asyncio.Lock()
+        self._seed_lock = asyncio.Lock()
+        self._admin = ThreadPoolExecutor(2, thread_name_prefix="kvfleet-sessions-admin")  # build, seed, reap
+        self._lanes = TenantLanes(1)  # its width is set from the limits when the fleet is built
+        self._ledger: TenantLedger | None = None
+        self._creating: set[tuple[str, str]] = set()
+        self._in_flight: dict[tuple[str, str], int] = {}
+        self._touched: dict[tuple[str, str], float] = {}
+        self._reaping: dict[tuple[str, str], asyncio.Event] = {}  # sessions whose actor is being released
+        self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def limits(self) -> SessionLimits:
+        return getattr(self.ctx, "session_limits", None) or SessionLimits()
+
+    # -- session verbs ----------------------------------------------------------------------------
+
+    async def create(self, tenant: str, sid: str, system_prompt: str) -> SessionRow:
+        """Place and start session `sid`; its system prompt is encoded once, here (counted, placed, appended)."""
+        if not system_prompt:
+            raise InvalidArgument("the system prompt must be a non-empty str")
+        fleet = await self.get_fleet()
+        tokens = await self._run(tenant, encode_message, fleet.tokenizer, "system", system_prompt)
+        rec = await self._new_session(tenant, sid, len(tokens), sid, fleet.create_session, tenant, sid,
+                                      system_prompt, tokens)
+        return await self.row(tenant, rec)
+
+    async def append_text(self, tenant: str, sid: str, role: str, text: str, op_id: str) -> OpResult:
+        """Append a chat message. Its text is encoded once, here (on the tenant's lane: a long text is no other
+        tenant's wait); the same tokens are counted against the quota and appended, never encoded again."""
+        fleet = await self.get_fleet()
+        tokens = await self._run(tenant, encode_message, fleet.tokenizer, role, text)
+        return await self._mutate(tenant, sid, len(tokens), op_id, fleet.append_message, tokens, role, op_id)
+
+    async def append_output(self, tenant: str, sid: str, token_ids: list[int], op_id: str) -> OpResult:
+        """Append model output; the ids are checked here, the edge (once)."""
+        fleet = await self.get_fleet()
+        ids = check_token_ids(token_ids, fleet.kernel.config.vocab_size)
+        return await self._mutate(tenant, sid, len(ids), op_id, fleet.append_output, ids, op_id)
+
+    async def add_tool_result(self, tenant: str, sid: str, ref: str, op_id: str) -> OpResult:
+        fleet = await self.get_fleet()
+        n = await self._run(tenant, self._blob_tokens, tenant, ref)
+        return await self._mutate(tenant, sid, n, op_id, fleet.add_tool_result, ref, op_id)
+
+    async def generate(self, tenant: str, sid: str, n: int, op_id: str) -> OpResult:
+        if not 1 <= n <= MAX_GENERATE:
+            raise InvalidArgument(f"num_tokens must be 1..{MAX_GENERATE}, got {n}")
+        fleet = await self.get_fleet()
+        return await self._mutate(tenant, sid, n, op_id, fleet.generate, n, op_id)
+
+    async def evict(self, tenant: str, sid: str, piece_id: int, mode: str) -> OpResult:
+        if mode not in ("exact", "reposition"):
+            raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
+        fleet = await self.get_fleet()
+        r: OpResult = await self._call(tenant, sid, fleet.evict, tenant, sid, piece_id, mode)
+        self._set_tokens(tenant, sid, r.num_tokens)  # exact, like an append's
+        return r
+
+    async def fork(self, tenant: str, sid: str, child: str) -> SessionRow:
+        fleet = await self.get_fleet()
+        n = (await self._quota(tenant)).num_tokens(tenant, sid)
+        rec = await self._new_session(tenant, child, n, sid, fleet.fork, tenant, sid, child)
+        return await self.row(tenant, rec)
+
+    async def admit_tool_result(self, tenant: str, sid: str, ref: str,
+                                judge: Callable[[str, str], Awaitable[Verdict]]) -> OpResult:
+        """Act on `judge(ref, tenant)`'s verdict (the controller's Judge, in the tenant's judge lane): the
+        session actor only acts on it, so no session process loads a detector. An unknown session costs no
+        inspection."""
+        fleet = await self.get_fleet()
+        await self._call(tenant, sid, fleet.check_session, tenant, sid)
+        verdict = await judge(ref, tenant)
+        r: OpResult = await self._call(tenant, sid, fleet.admit_tool_result, tenant, sid, ref, verdict)
+        self._set_tokens(tenant, sid, r.num_tokens)  # a quarantine evicts: exact, like an append's
+        return r
+
+    async def working_set(self, tenant: str, sid: str, budget_tokens: int) -> Any:
+        fleet = await self.get_fleet()
+        return await self._call(tenant, sid, fleet.working_set, tenant, sid, budget_tokens)
+
+    async def get(self, tenant: str, sid: str, include_tokens: bool) -> tuple[SessionRow, str, list[int]]:
+        """The session's row, its cache digest and (if asked) its tokens."""
+        fleet = await self.get_fleet()
+        row = await self.row(tenant, {"session": sid})
+        digest = await self._call(tenant, sid, fleet.digest, tenant, sid)
+        tokens = await self._call(tenant, sid, fleet.tokens, tenant, sid) if include_tokens else []
+        return row, str(digest), list(tokens)
+
+    async def close_session(self, tenant: str, sid: str) -> None:
+        fleet = await self.get_fleet()
+        try:
+            await self._call(tenant, sid, fleet.close, tenant, sid)
+        except NotFound:  # not there: it holds nothing either
+            self._forget(tenant, sid)
+            raise
+        self._forget(tenant, sid)
+
+    async def list_sessions(self, caller: str, tenant: str | None, live: bool,
+                            with_nodes: bool) -> tuple[list[SessionRow], list[dict[str, Any]]]:
+        """Rows of `tenant`'s sessions (None: every tenant's), and the nodes' rows if asked, on `caller`'s lane."""
+        fleet = await self.get_fleet()
+        rows = await self._run(caller, fleet.list_sessions, live, tenant)
+        nodes = await self._run(caller, fleet.node_stats) if with_nodes else []
+        return [SessionRow.from_row(r) for r in rows], list(nodes)
+
+    async def row(self, tenant: str, rec: dict[str, Any]) -> SessionRow:
+        """The session's row: its registry record `rec` and its actor's info (whose epoch is the
+        registry's: one counter, kept by KernelFleet)."""
+        fleet, sid = await self.get_fleet(), str(rec["session"])
+        info = await self._call(tenant, sid, fleet.info, tenant, sid)
+        row = SessionRow.from_row({**rec, **info})
+        self._set_tokens(tenant, row.session_id, row.num_tokens)
+        return row
+
+    # -- the fleet, its lanes and the ledger ------------------------------------------------------
+
+    async def get_fleet(self) -> Any:
+        """The KernelFleet, built (with the ledger, the lanes' width and the reaper) on first use."""
+        if self.fleet is None:
+            async with self._init:
+                if self.fleet is None:
+                    fleet = await self._run_admin(self._build)
+                    self._ledger = TenantLedger(fleet.kernel.block_bytes // fleet.kernel.block_size)
+                    self._lanes.width = self.limits.tenant_concurrency
+                    self._loop = asyncio.get_running_loop()
+                    self._reaper = asyncio.create_task(self._reap_loop())
+                    self.fleet = fleet
+        return self.fleet
+
+    def _build(self) -> Any:
+        import ray
+
+        from workers.fleet import KernelFleet
+        from workers.placement import NAMESPACE
+
+        if self.ctx.ray_address and not ray.is_initialized():
+            ray.init(address=self.ctx.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        elif not ray.is_initialized():  # a local Ray: `kvfleet controller` owns its process tree (controller/ray_local.py)
+            from controller import ray_local
+
+            ray_local.start(lambda: ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False))
+        # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
+        # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
+        detached = bool(self.ctx.ray_address)
+        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached,
+                            node_kv_bytes=self.ctx.node_kv_bytes)
+        self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
+        self.ctx.on_stop.append(self.close)         # the reaper first, then the fleet
+        self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)
+        return fleet
+
+    async def _run_admin(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._admin, functools.partial(fn, *args))
+
+    async def _run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call on `tenant`'s lane (never on a thread another tenant needs)."""
+        pool = self._lanes.acquire(tenant)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+        finally:
+            self._lanes.release(tenant)
+
+    async def _call(self, tenant: str, sid: str, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (a KernelFleet call) on `tenant`'s lane; session `sid` is marked in flight and touched, so
+        the reaper leaves it alone. A call for a session whose actor the reaper is releasing waits for the
+        release to end, then runs on the regenerated actor (never on an actor being stopped under it)."""
+        key = (tenant, sid)  # NOTE: callers hold the fleet already (get_fleet)
+        while (releasing := self._reaping.get(key)) is not None:
+            await releasing.wait()
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1  # NOTE: no await since the check above
+        exists = True
+        try:
+            return await self._run(tenant, fn, *args)
+        except NotFound:
+            exists = False  # no such session: nothing to remember about it (ids a tenant made up)
+            raise
+        finally:
+            self._in_flight[key] -= 1
+            if not self._in_flight[key]:
+                del self._in_flight[key]
+            if exists:
+                self._touched[key] = time.time()
+            else:
+                self._touched.pop(key, None)
+
+    async def _quota(self, tenant: str) -> TenantLedger:
+        """The ledger, with `tenant`'s sessions counted (rebuilt from the store the first time)."""
+        if self._ledger is None:
+            await self.get_fleet()
+        ledger = self._ledger
+        assert ledger is not None
+        if not ledger.seeded(tenant):
+            async with self._seed_lock:
+                if not ledger.seeded(tenant):
+                    ledger.seed(tenant, await self._run_admin(self._held_tokens, tenant))
+        return ledger
+
+    def _held_tokens(self, tenant: str) -> dict[str, int]:
+        """Tokens per registered session of `tenant`, from the op logs (a restart loses nothing)."""
+        from workers.registry import CREATING
+
+        store = self.fleet.store
+        return {r["session"]: num_tokens(parse_log(store.oplog_read(tenant, r["session"])))
+                for r in self.fleet.registry.records(tenant) if r.get("state") != CREATING}
+
+    async def _mutate(self, tenant: str, sid: str, grow: int, op_id: str, fn: Callable[..., OpResult],
+                      *args: Any) -> OpResult:
+        """`fn(tenant, sid, *args)`, a KernelFleet call that may grow session `sid` by up to `grow` tokens, within the KV quota. A retry of
+        an op already in the session's log (its `op_id`) is answered even at the quota: it grows nothing."""
+        ledger = await self._quota(tenant)
+        try:
+            held = ledger.reserve(self.limits, tenant, grow)
+        except ResourceExhausted:
+            if not op_id or not await self._run(tenant, self._logged, tenant, sid, op_id):
+                raise
+            held = 0  # the actor answers it from its log (replayed), applying nothing
+        try:
+            r = await self._call(tenant, sid, fn, tenant, sid, *args)
+        finally:
+            ledger.release(tenant, held)
+        ledger.update(tenant, sid, r.num_tokens)  # the session's count after the call, replayed or not
+        return r
+
+    def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
+        """Whether op `op_id` is one of the session's own ops in its log (written before an op is applied)."""
+        return op_id in own_op_ids(parse_log(self.fleet.store.oplog_read(tenant, sid)))
+
+    def _blob_tokens(self, tenant: str, ref: str) -> int:
+        """An upper bound of a stored tool result's tokens (its size: a token is >= 1 byte); 0 when
+        the blob is missing or malformed (the append itself then says why)."""
+        try:
+            return int(self.fleet.store.stat(ref, tenant).size)
+        except Exception:  # noqa: BLE001 - the append reports the real error
+            return 0
+
+    async def _new_session(self, tenant: str, sid: str, grow: int, touched: str,
+                           fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+        """`fn(*args)`, a create or fork of session `sid`: one session and `grow` tokens within quota, and its
+        name held (a concurrent create of the same name is refused, never interleaved). `touched`: the
+        session the call touches (the new one; a fork's parent)."""
+        key = (tenant, sid)
+        if key in self._creating:
+            raise AlreadyExists(f"session {sid!r} is being created by another call")
+        self._creating.add(key)  # NOTE: before any await, so two creates of one name never interleave
+        try:
+            ledger = await self._quota(tenant)
+            existed = sid in ledger.tokens.get(tenant, {})
+            # a name already counted reserves nothing: the fleet answers ALREADY_EXISTS, not the quota
+            held = ledger.reserve(self.limits, tenant, 0 if existed else grow, new_session=None if existed else sid)
+            try:
+                rec = await self._call(tenant, touched, fn, *args)
+            except BaseException:
+                if not existed:
+                    ledger.drop(tenant, sid)
+                raise
+            finally:
+                ledger.release(tenant, held)
+        finally:
+            self._creating.discard(key)
+        ledger.add(tenant, sid, grow)
+        return rec
+
+    def _set_tokens(self, tenant: str, sid: str, num_tokens: int) -> None:
+        """The session now holds `num_tokens` tokens (a call's answer)."""
+        ledger = self._ledger
+        if ledger is not None and ledger.seeded(tenant):
+            ledger.update(tenant, sid, num_tokens)
+
+    def _forget(self, tenant: str, sid: str) -> None:
+        if self._ledger is not None and (tenant, sid) not in self._creating:  # a create's reservation stays
+            self._ledger.drop(tenant, sid)
+        self._touched.pop((tenant, sid), None)
+
+    # -- idle reaping -----------------------------------------------------------------------------
+
+    async def _reap_loop(self) -> None:
+        """Every reap interval, release the actors of sessions idle past the TTL (0: never)."""
+        while True:
+            limits = self.limits
+            await asyncio.sleep(limits.reap_interval_s)
+            self._lanes.prune()  # the lanes of tenants with no call running or waiting
+            if not limits.idle_ttl_s:
+                continue
+            try:
+                await self.reap_idle(limits.idle_ttl_s)
+            except Exception:  # noqa: BLE001 - one failed pass (a node going away) never stops reaping
+                log.exception("idle-session reaping failed; retrying next interval")
+
+    async def reap_idle(self, ttl_s: float, now: float | None = None,
+                        rows: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
+        """Release the actor of every live session that no call touched for `ttl_s` seconds (none
+        in flight); their records and op logs stay, so each regenerates on its next call.
+        `rows`: the fleet's session rows (default: listed now). Returns the (tenant, session)
+        pairs released."""
+        now = time.time() if now is None else now
+        listed: list[dict[str, Any]] = rows if rows is not None else await self._run_admin(self.fleet.list_sessions, True)
+        out = []
+        for r in listed:
+            key = (r["tenant"], r["session"])
+            if r.get("state") not in ("active", "regenerated") or key in self._in_flight or key in self._creating \
+                    or key in self._reaping:
+                continue
+            last = max(float(r.get("last_active") or 0.0), float(r.get("created") or 0.0), self._touched.get(key, 0.0))
+            if now - last <= ttl_s:
+                continue
+            released = self._reaping[key] = asyncio.Event()  # NOTE: no await since the checks above
+            try:
+                with contextlib.suppress(NotFound):   # closed meanwhile
+                    await self._run_admin(self.fleet.release_session, *key)
+                    out.append(key)
+            finally:
+                del self._reaping[key]
+                released.set()
+        if out:
+            log.info("released %d idle session actor(s) (idle > %.0fs): %s", len(out), ttl_s, out)
+        return out
+
+    def close(self) -> None:
+        """Stop the reaper and the lanes (run by Controller.stop, from any thread)."""
+        if self._reaper is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self._loop.call_soon_threadsafe(self._reaper.cancel)
+        self._lanes.shutdown()
+        self._admin.shutdown(wait=False, cancel_futures=True)
