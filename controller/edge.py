@@ -198,13 +198,14 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
                                  "fastest client ping accepted without calls, seconds (faster: GOAWAY)"),
 }
 
+DEFAULT_MAX_ROUTE_TOKENS = 1 << 20
+DEFAULT_MAX_BLOB_BYTES_PER_TENANT = 1 << 30  # --max-blob-bytes-per-tenant (0: no quota)
 _ZERO_IS_OFF = frozenset({"--max-blob-bytes-per-tenant"})
 
 
 def add_edge_flags(p: Any, env: Any = None) -> None:
     """The edge limits as flags (shared by `kvfleet controller` and `kvfleet up`); defaults in --help.
     With `env`, each is also read from KVFLEET_ + the flag in capitals (--upload-min-rate: KVFLEET_UPLOAD_MIN_RATE)."""
-    from controller.servicers.common import DEFAULT_MAX_BLOB_BYTES_PER_TENANT, DEFAULT_MAX_ROUTE_TOKENS
     from controller.uploads import UploadLimits
 
     defaults = {"config": {"max_route_tokens": DEFAULT_MAX_ROUTE_TOKENS,

@@ -20,7 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controller.auth import Authenticator, TokenBook
-from controller.edge import DecodeGuard, GrpcLimits, server_credentials
+from controller.edge import (
+    DEFAULT_MAX_BLOB_BYTES_PER_TENANT,
+    DEFAULT_MAX_ROUTE_TOKENS,
+    DecodeGuard,
+    GrpcLimits,
+    server_credentials,
+)
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S, FleetMetricsPoller
 from controller.judge_lanes import JudgeLanes, JudgeLimits
 from controller.kernel_placement import set_kernel_placement
@@ -28,7 +34,6 @@ from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
-from controller.servicers.common import DEFAULT_MAX_BLOB_BYTES_PER_TENANT, DEFAULT_MAX_ROUTE_TOKENS
 from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits

@@ -17,7 +17,12 @@ from typing import Any, TypeVar
 import grpc
 
 from controller.auth import Authenticator, Identity, Role
-from controller.edge import Undecodable, checked_stream, refuse
+from controller.edge import (
+    DEFAULT_MAX_ROUTE_TOKENS,
+    Undecodable,
+    checked_stream,
+    refuse,
+)
 from controller.judge_lanes import JudgeLanes
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
@@ -29,8 +34,6 @@ from workers.placement import NODE_KV_BYTES
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
-DEFAULT_MAX_ROUTE_TOKENS = 1 << 20
-DEFAULT_MAX_BLOB_BYTES_PER_TENANT = 1 << 30  # --max-blob-bytes-per-tenant (0: no quota)
 
 
 @dataclass(slots=True)

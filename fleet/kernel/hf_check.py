@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from fleet.kernel.exactness import ExactnessCheck, not_run
+from fleet.kernel.checks import ExactnessCheck, not_run
 from fleet.kernel.kernel import Kernel
 from fleet.kernel.types import max_abs_delta
 

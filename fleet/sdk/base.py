@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import grpc
 
@@ -16,9 +16,6 @@ from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here b
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
 
-if TYPE_CHECKING:
-    from fleet.sdk.table import Rpc
-
 CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
 _BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
                                 errors.ResourceExhausted, errors.Unavailable, errors.Unauthenticated,
@@ -26,6 +23,17 @@ _BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.
 
 
 Pem = bytes | str | Path
+
+
+class RpcRow(Protocol):
+    """What a transport reads of one of the SDK table's rows (fleet/sdk/table.py's `Rpc`)."""
+
+    @property
+    def stub(self) -> Callable[[Any], Any]: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def timeout(self) -> str: ...
 
 
 def _pem(value: Pem | None, what: str) -> bytes | None:
@@ -141,7 +149,7 @@ class Transport:
         self._stubs: dict[Any, Any] = {}
         self._methods: dict[int, tuple[Callable[..., Any], float]] = {}  # id(rpc) -> _stub_method(rpc)
 
-    def _stub_method(self, rpc: Rpc[..., Any]) -> tuple[Callable[..., Any], float]:
+    def _stub_method(self, rpc: RpcRow) -> tuple[Callable[..., Any], float]:
         """The stub's callable for `rpc`, and its per-attempt deadline (seconds)."""
         stub = self._stubs.get(rpc.stub)
         if stub is None:

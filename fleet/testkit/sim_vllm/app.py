@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -11,9 +11,7 @@ from fleet.errors import InvalidArgument
 from fleet.testkit.sim_vllm import tokenizer as tok
 from fleet.testkit.sim_vllm.completions import body_of, completions
 from fleet.testkit.sim_vllm.metrics import metrics_text
-
-if TYPE_CHECKING:
-    from fleet.testkit.sim_vllm.main import SimVllm
+from fleet.testkit.sim_vllm.parts import Sim
 
 VERSION = "0.33.0"
 
@@ -28,7 +26,7 @@ def _bool(q: str | None, default: bool) -> bool | None:
     return {"true": True, "1": True, "false": False, "0": False}.get(q.lower())
 
 
-def build_app(sim: SimVllm) -> web.Application:
+def build_app(sim: Sim) -> web.Application:
     app = web.Application()
     eng = sim.engine
     r = app.router

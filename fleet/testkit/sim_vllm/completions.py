@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -18,38 +17,10 @@ from aiohttp import web
 from fleet.errors import InvalidArgument
 from fleet.testkit.sim_vllm import tokenizer as tok
 from fleet.testkit.sim_vllm.engine import EnginePaused, EngineRestarted
+from fleet.testkit.sim_vllm.parts import Sim
 
 if TYPE_CHECKING:
     from fleet.testkit.sim_vllm.loop import Ticket
-    from fleet.testkit.sim_vllm.main import SimVllm
-
-
-@dataclass(slots=True)
-class Received:
-    """The last `maxlen` completion requests this stand-in received: (path, raw body, prompt text).
-
-    For tests that must show some bytes never reached a worker: `contains` looks in the raw body and in
-    the prompt as the model would read it (message contents or the prompt string, JSON escapes undone).
-    """
-
-    maxlen: int = 1000
-    items: deque[tuple[str, str, str]] = field(default_factory=deque)
-
-    def add(self, path: str, raw: str, body: dict[str, Any]) -> None:
-        msgs = body.get("messages")
-        if isinstance(msgs, list):
-            text = "\n".join(str(m.get("content")) for m in msgs if isinstance(m, dict))
-        else:
-            text = str(body.get("prompt"))
-        self.items.append((path, raw, text))
-        while len(self.items) > self.maxlen:
-            self.items.popleft()
-
-    def contains(self, needle: str) -> bool:
-        return any(needle in raw or needle in text for _, raw, text in self.items)
-
-    def prompts(self) -> list[str]:
-        return [text for _, _, text in self.items]
 
 
 def _j(body: Any, status: int = 200) -> web.Response:
@@ -156,7 +127,7 @@ async def _prepare(req: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def completions(sim: SimVllm, req: web.Request, *, chat: bool) -> web.StreamResponse:
+async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await body_of(req)
     sim.received.add(req.path, await req.text(), body)
     c = sim.cfg.engine
@@ -196,7 +167,7 @@ async def completions(sim: SimVllm, req: web.Request, *, chat: bool) -> web.Stre
 
 
 async def _instant(
-    sim: SimVllm, req: web.Request, reply: _Reply, stream: bool, kw: dict[str, Any]
+    sim: Sim, req: web.Request, reply: _Reply, stream: bool, kw: dict[str, Any]
 ) -> web.StreamResponse:
     n = len(reply.out)
     try:

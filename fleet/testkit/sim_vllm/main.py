@@ -17,32 +17,19 @@ import contextlib
 import json
 import signal
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from fleet.testkit.sim_vllm.app import build_app
-from fleet.testkit.sim_vllm.completions import Received
 from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.testkit.sim_vllm.loop import EngineLoop
+from fleet.testkit.sim_vllm.parts import Received, SimConfig
 from fleet.testkit.sim_vllm.publisher import Publisher
 
 
-@dataclass(slots=True)
-class SimConfig:
-    engine: SimEngineConfig = field(default_factory=SimEngineConfig)
-    host: str = "127.0.0.1"
-    port: int = 0
-    kv_events_port: int = 0
-    replay_port: int | None = 0
-    topic: str = ""
-    buffer_steps: int = 10000
-    legacy_replay: bool = False
-
-
 class SimVllm:
-    """One stand-in vLLM server (one DP rank): HTTP app, engine, publisher."""
+    """One stand-in vLLM server (one DP rank): HTTP app, engine, publisher (what its routes read: `parts.Sim`)."""
 
     def __init__(self, cfg: SimConfig | None = None) -> None:
         self.cfg = cfg or SimConfig()
