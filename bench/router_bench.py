@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 from controller.metrics import Metrics  # noqa: E402
 from controller.router import Router, RouterConfig, WorkerSpec  # noqa: E402
 from controller.vllm.events import decode_batch  # noqa: E402
-from controller.vllm.hashing import HashConfig, external_chain  # noqa: E402
 from controller.vllm.watcher import Worker  # noqa: E402
+from fleet.block_hash import HashConfig, external_chain  # noqa: E402
 from fleet.cas import open_store  # noqa: E402
 from fleet.rank_state import RankState  # noqa: E402
 from fleet.testkit.sim_vllm import wire  # noqa: E402

@@ -20,8 +20,8 @@ from controller.demand import Conversation, WorkingSet
 from controller.index import PrefixIndex, RankKey
 from controller.shadow_pool import ShadowPools
 from controller.view import WorkerView
-from controller.vllm.hashing import external_chain
 from controller.vllm.watcher import Worker
+from fleet.block_hash import external_chain
 from fleet.errors import InvalidArgument
 
 

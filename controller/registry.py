@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from controller.vllm.hashing import ALGOS
+from fleet.block_hash import ALGOS
 from fleet.errors import InvalidArgument
 from fleet.rank_state import RankState
 

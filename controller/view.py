@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
-from controller.vllm.hashing import HashConfig
 from controller.vllm.http import WorkerMetrics
+from fleet.block_hash import HashConfig
 
 
 class RankView(NamedTuple):

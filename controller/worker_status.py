@@ -12,9 +12,9 @@ from typing import Any
 from controller.index import PrefixIndex
 from controller.metrics import Metrics
 from controller.registry import EpochTable, WorkerSpec
-from controller.vllm.hashing import ALGOS
 from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.watcher import Worker
+from fleet.block_hash import ALGOS
 from fleet.errors import FailedPrecondition
 from fleet.rank_state import RankState
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from relay import error, relay, serve  # noqa: E402
 
-from controller.vllm.hashing import HashConfig  # noqa: E402
+from fleet.block_hash import HashConfig  # noqa: E402
 from fleet.testkit.baseline import BaselineRouter  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from controller.vllm.hashing import normalize
+from fleet.block_hash import normalize
 from fleet.errors import InvalidArgument
 
 KNOWN_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")

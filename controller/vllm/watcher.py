@@ -38,10 +38,10 @@ from controller.registry import EpochTable, KvStore, WorkerSpec
 from controller.view import RankView, WorkerView
 from controller.vllm.budget import FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
-from controller.vllm.hashing import HashConfig, calibrates
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet import lifecycle as lc
+from fleet.block_hash import HashConfig, calibrates
 from fleet.errors import FailedPrecondition
 from fleet.lifecycle import Witness
 from fleet.rank_state import Look, RankState, Transition

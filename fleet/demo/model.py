@@ -29,7 +29,7 @@ from typing import Any
 
 from controller.index import PrefixIndex
 from controller.vllm.events import decode_batch
-from controller.vllm.hashing import chain, external_chain
+from fleet.block_hash import chain, external_chain
 from fleet.demo.trace import Lifecycle, Request, Trace
 from fleet.testkit.sim_vllm import wire
 from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig

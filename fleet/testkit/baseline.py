@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from controller.index import PrefixIndex
 from controller.vllm.events import EventDecodeError, decode_batch
-from controller.vllm.hashing import HashConfig, external_chain
+from fleet.block_hash import HashConfig, external_chain
 
 
 @dataclass(frozen=True, slots=True)

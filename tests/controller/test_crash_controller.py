@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controller.vllm.hashing import HashConfig, external_chain
+from fleet.block_hash import HashConfig, external_chain
 from fleet.errors import Unavailable
 from fleet.redis_server import RedisServer
 from fleet.sdk import NO_RETRY, AsyncFleetClient

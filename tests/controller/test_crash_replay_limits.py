@@ -20,8 +20,8 @@ import zmq.asyncio
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.vllm.hashing import HashConfig, external_chain
 from controller.vllm.subscriber import StreamLimits, Subscriber
+from fleet.block_hash import HashConfig, external_chain
 from fleet.cas import open_store
 from fleet.errors import InvalidArgument
 from fleet.testkit.sim_vllm import wire

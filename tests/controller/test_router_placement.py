@@ -13,7 +13,7 @@ from controller.cost import CandidateState, CostConfig, rank
 from controller.demand import WorkingSet
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.vllm.hashing import external_chain
+from fleet.block_hash import external_chain
 from fleet.cas import open_store
 from fleet.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.testkit.sim_vllm.main import SimConfig, SimVllm

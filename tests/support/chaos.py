@@ -18,7 +18,7 @@ import aiohttp
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.vllm.hashing import HashConfig, external_chain
+from fleet.block_hash import HashConfig, external_chain
 from fleet.cas import open_store
 from fleet.errors import KvfleetError, Unavailable
 from fleet.testkit.baseline import BaselineRouter

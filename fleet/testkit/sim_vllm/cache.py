@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from controller.vllm.hashing import HashConfig, chain, to_external
+from fleet.block_hash import HashConfig, chain, to_external
 from fleet.testkit.sim_vllm import wire
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.vllm.hashing import HashConfig
+from fleet.block_hash import HashConfig
 from fleet.testkit.sim_vllm import wire
 from fleet.testkit.sim_vllm.cache import PrefixCache, StepResult
 from fleet.testkit.sim_vllm.sched import CostModel, Scheduler, Seq, Step, lone_ttft_s

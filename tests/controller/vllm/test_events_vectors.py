@@ -14,8 +14,8 @@ from support.vllm_vectors import frames, load
 from controller.index import PrefixIndex, tier_of
 from controller.metrics import Metrics
 from controller.vllm.events import EventDecodeError, UnknownEventType, decode_batch, parse_seq
-from controller.vllm.hashing import normalize
 from controller.vllm.subscriber import Subscriber
+from fleet.block_hash import normalize
 
 V = load()
 KEY = ("w", 0)

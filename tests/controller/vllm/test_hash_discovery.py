@@ -18,8 +18,8 @@ from support.controller import start_controller, store_url
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.vllm.hashing import HashConfig, calibrates, external_chain
 from controller.vllm.http import parse_metrics
+from fleet.block_hash import HashConfig, calibrates, external_chain
 from fleet.cas import open_store
 from fleet.errors import FailedPrecondition
 from fleet.sdk import NO_RETRY, AsyncFleetClient

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.vllm.hashing import HashConfig, external_chain
+from fleet.block_hash import HashConfig, external_chain
 from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
 from fleet.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output, lone_ttft_s

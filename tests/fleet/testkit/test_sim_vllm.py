@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
-from controller.vllm.hashing import HashConfig, external_chain
 from controller.vllm.http import parse_metrics
+from fleet.block_hash import HashConfig, external_chain
 from fleet.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 

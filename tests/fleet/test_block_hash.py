@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from support.vllm_vectors import frames, load, unhex
 
-from controller.vllm.hashing import (
+from fleet.block_hash import (
     HashConfig,
     calibrates,
     chain,
