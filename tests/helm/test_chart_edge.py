@@ -157,18 +157,33 @@ def test_no_reader_token_is_minted_when_the_proxy_has_another(chart: Any, values
 
 
 def test_detector_layers_reach_the_controller_flag(chart: Any) -> None:
-    """controller.detectorLayers becomes --detector-layers, which the controller's parser takes; unset, the
-    flag is absent (the controller's default, all three layers); a list with an unknown layer fails the schema."""
+    """controller.detectorLayers becomes --detector-layers, which the controller's parser takes; null, the
+    flag is absent (the controller's default); a list with an unknown layer fails the schema. The chart's
+    default runs the full policy: the controller's default layers and the heavy encoder judge, named
+    explicitly, so an image without kvfleet[encoder] stops at start instead of judging with less."""
     from controller.main import config_from
+    from fleet.quarantine.layered import DEFAULT_LAYERS
 
     args = container(one(_objs(chart, {"controller": {"detectorLayers": "rules,learned"}}), "Deployment",
                          "-controller"))["args"]
     assert args[args.index("--detector-layers") + 1] == "rules,learned"
     assert config_from(parse_args(args[1:], {}), {}).detector_layers == ("rules", "learned")
     default = container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
-    assert "--detector-layers" not in default
+    full = default[default.index("--detector-layers") + 1].split(",")
+    assert set(full) >= {*DEFAULT_LAYERS, "encoder"}, f"the chart's default {full} is not the full policy"
+    unset = container(one(_objs(chart, {"controller": {"detectorLayers": None}}), "Deployment", "-controller"))
+    assert "--detector-layers" not in unset["args"]  # control: null keeps the controller's default
     with pytest.raises(Exception, match="detectorLayers|pattern"):
         _objs(chart, {"controller": {"detectorLayers": "rules,bert"}})
+
+
+def test_the_schema_takes_every_detector_layer(chart: Any) -> None:
+    """Each layer the controller knows passes the chart's schema, alone and in a tenant's spec (a layer
+    added to fleet/quarantine/layered.py's LAYERS must be added to values.schema.json's patterns)."""
+    from fleet.quarantine.layered import LAYERS
+
+    for name in LAYERS:
+        _objs(chart, {"controller": {"detectorLayers": name, "detectorTenants": {"acme": f"{name}:0.5"}}})
 
 
 def test_detector_tenants_reach_the_controller_flag(chart: Any) -> None:
