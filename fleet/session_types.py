@@ -153,6 +153,9 @@ class SessionRow:
     backend: str = ""
     device: str = ""
 
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}
+
     @classmethod
     def from_row(cls, r: Mapping[str, Any]) -> SessionRow:
         """From a KernelFleet row: its registry record merged with the actor's info (workers/)."""

@@ -25,7 +25,8 @@ from fleet.demo.model import PolicyResult
 from fleet.demo.trace import Lifecycle, Request, Trace
 from fleet.redis_server import free_port
 from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.testkit.sim_vllm.main import SimVllm
+from fleet.testkit.sim_vllm.parts import SimConfig
 
 MODEL = "sim-model"
 SEND_TIMEOUT_S = 1.0  # shorter than the live demo's 2 s: this router keeps sending to a sleeper

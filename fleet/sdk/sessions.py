@@ -27,6 +27,7 @@ import numpy as np
 
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.errors import InvalidArgument
+from fleet.session_types import SessionRow as SessionRow  # the SDK returns the core type
 
 SESSION_TIMEOUT_S = 120.0  # a fork or a regeneration replays a whole op log
 
@@ -43,31 +44,6 @@ class PieceInfo:
     ref: str
     role: str
     token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SessionRow:
-    """One row of `kvfleet session ls --fleet`."""
-
-    session_id: str
-    tenant: str
-    node: str
-    actor: str
-    num_tokens: int
-    bytes_alone: int
-    bytes_shared: int
-    hit_rate: float
-    quarantined_spans: int
-    state: str
-    epoch: int
-    last_active: float
-    parent: str
-    adopted_tokens: int
-    backend: str = ""  # numpy | torch ("" for a lost session)
-    device: str = ""  # cpu | cuda[:N]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}
 
 
 @dataclass(frozen=True, slots=True)

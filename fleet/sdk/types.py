@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fleet.cas.types import BlobMeta
 from fleet.route_types import RouteCandidate as RouteCandidate  # the SDK returns the core types
 from fleet.route_types import RouteCost as RouteCost
 from fleet.route_types import RouteDecision as RouteDecision
@@ -21,16 +22,7 @@ class BlobRef:
         return self.ref
 
 
-@dataclass(frozen=True, slots=True)
-class BlobInfo:
-    ref: str
-    size: int
-    created: float
-    pins: int
-    refs: int
-    verdict: str
-    reasons: tuple[str, ...]
-    lease_expires: float
+BlobInfo = BlobMeta  # what get_blob_info / stat return: the store's own record (fleet/cas/types.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,8 @@ from controller.server import Controller, ControllerConfig, build_server
 from fleet.errors import Unavailable
 from fleet.sdk import AsyncFleetClient
 from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.testkit.sim_vllm.main import SimVllm
+from fleet.testkit.sim_vllm.parts import SimConfig
 
 MODEL = "sim-model"
 

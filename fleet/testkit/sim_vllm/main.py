@@ -27,6 +27,8 @@ from fleet.testkit.sim_vllm.loop import EngineLoop
 from fleet.testkit.sim_vllm.parts import Received, SimConfig
 from fleet.testkit.sim_vllm.publisher import Publisher
 
+__all__ = ["SimConfig", "SimVllm", "main"]  # SimConfig lives in parts.py; importers of main.py still find it
+
 
 class SimVllm:
     """One stand-in vLLM server (one DP rank): HTTP app, engine, publisher (what its routes read: `parts.Sim`)."""
