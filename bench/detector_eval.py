@@ -1,21 +1,25 @@
-"""Held-out evaluation of the quarantine detector: each layer alone, rules + learned, round seven's layered
-policy (one encoder) and the shipped layered policy (rules + learned + the two-member encoder committee).
+"""Held-out evaluation of the quarantine detector policies, side by side in one run (issue #28): the numpy
+policies and the encoder committee (the heavier judge, with and without the numpy layers).
 
     python bench/detector_eval.py            # prints the tables, rewrites the `detector-eval` section
     python bench/detector_eval.py --no-doc   # prints only
+    python bench/detector_eval.py --no-encoder   # leaves out the torch policies (minutes instead of ~half an hour)
 
-Reads the shipped models and the test split that `scripts/train_detector.py` wrote (never used while
-tuning), two benign tool-output sets -- real files from PyPI wheels whose *packages* are in the test split
-(source "pypi-files"), and the generated set (scripts/injection_corpus/tool_outputs.py, seed 0) -- and the repo's
-own corpus (tests/fleet/quarantine/quarantine_corpus.py). Writes the figures to
-tests/fleet/quarantine/data/heldout_report.json, which the tests recompute and compare.
+Reads the shipped models; the test split `scripts/train_detector.py` wrote (never used while tuning); the
+multilingual benign test part `scripts/train_fast.py` wrote; real benign files of the test split's packages
+(source "pypi-files"); the generated tool outputs (scripts/injection_corpus/tool_outputs.py, seed 0); the routing
+bench's own agent tool results (bench/routing_trace.py, every workload); the repo's hand-written corpus.
+Cost: median process CPU ms per KiB at 1 / 4 / 16 / 256 KiB, and resident MB (a fresh process per policy:
+its RSS after import, after building the detector, and its peak after judging a 256 KiB result).
+Writes the figures to tests/fleet/quarantine/data/heldout_report.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,177 +30,222 @@ from benchdoc import write_section
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "fleet" / "quarantine"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import quarantine_corpus as C  # noqa: E402
+from routing_trace import WORKLOADS, workload  # noqa: E402
 
-from bench.detector_heldout import HELDOUT_FILE, REAL_BENIGN_SOURCE, load_heldout, score, tool_outputs  # noqa: E402
+from bench.detector_heldout import (  # noqa: E402
+    HELDOUT_FILE,
+    REAL_BENIGN_SOURCE,
+    Scores,
+    load_heldout,
+    score,
+    tool_outputs,
+)
 from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
-from fleet.quarantine.encoder import ENCODER_MODELS, ENCODER_NAME, load_encoder  # noqa: E402
-from fleet.quarantine.learned import load_model  # noqa: E402
+from fleet.quarantine.detector import Verdict  # noqa: E402
+from fleet.quarantine.layered import member_scores  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
-CONFIGS = {
+MULTILINGUAL_FILE = "benign_multilingual_test.jsonl.gz"
+NUMPY_CONFIGS = {
     "rules alone": DetectorConfig(layers=("rules",)),
     "learned alone": DetectorConfig(layers=("learned",)),
-    "encoder alone": DetectorConfig(layers=("encoder",)),
     "rules + learned": DetectorConfig(layers=("rules", "learned")),
-    # round seven's policy (shipped until round ten): the first member alone, at the threshold chosen for it alone
-    "layered, one encoder (round seven)": DetectorConfig(
-        encoder_models=(ENCODER_NAME,), encoder_threshold=load_encoder(ENCODER_NAME).meta["threshold_alone"]
-    ),
-    "layered": DetectorConfig(),
 }
+# The committee alone is read off the previous default's verdicts (each member's score is in them), so the
+# encoder runs once per text.
+ENCODER_FULL = "rules + learned + encoder committee (the default with the encoder extra)"
+ENCODER_ALONE = "encoder committee alone (opt-in heavier judge)"
+KIBS = (1, 4, 16, 256)
 
 
-def evaluate() -> dict[str, Any]:
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of k successes in n trials (95% by default)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (round(max(0.0, c - h), 4), round(min(1.0, c + h), 4))
+
+
+def bench_tool_results() -> list[str]:
+    """Every agent tool result of the routing bench's workloads (the text a tool turn carries)."""
+    out = []
+    for name in WORKLOADS:
+        for s in workload(name, seed=0).sessions:
+            for user, _ in s.turns:
+                tool = user.split("\ninstruction: ")[0] if name != "demo" else user.split("\n")[0]
+                if tool.strip():
+                    out.append(tool)
+    return sorted(set(out))
+
+
+def sets() -> dict[str, tuple[list[str], list[int]]]:
     rows = load_heldout(DATA / HELDOUT_FILE)
-    labels = [r["label"] for r in rows]
-    tools = [t for _, t in tool_outputs()]
+    ml = [r["text"] for r in load_heldout(DATA / MULTILINGUAL_FILE)]
     real = [r["text"] for r in rows if r["source"] == REAL_BENIGN_SOURCE]
-    out: dict[str, Any] = {
-        "num_test": len(rows),
-        "num_test_injections": sum(labels),
-        "num_tool_outputs": len(tools),
-        "num_real_benign": len(real),
-        "real_benign_packages": sorted({r["group"].split(":")[0] for r in rows if r["source"] == REAL_BENIGN_SOURCE}),
-        "detectors": {},
-    }
-    for name, cfg in CONFIGS.items():
-        det = make_detector(cfg)
-        verdicts = [det.inspect(r["text"]) for r in rows]
-        test = score(verdicts, labels)
-        tool = score([det.inspect(t) for t in tools], [0] * len(tools))
-        real_scores = score([det.inspect(t) for t in real], [0] * len(real))
-        corpus = score(
-            [det.inspect(t) for t in C.POISONED + C.BENIGN], [1] * len(C.POISONED) + [0] * len(C.BENIGN)
-        )
-        held = score(
-            [det.inspect(t) for t in C.HELDOUT_POISONED + C.HELDOUT_BENIGN],
+    gen = [t for _, t in tool_outputs()]
+    agent = bench_tool_results()
+    return {
+        "test": ([r["text"] for r in rows], [r["label"] for r in rows]),
+        "multilingual_benign": (ml, [0] * len(ml)),
+        "routing_bench_tool_results": (agent, [0] * len(agent)),
+        "real_benign": (real, [0] * len(real)),
+        "tool_outputs": (gen, [0] * len(gen)),
+        "repo_corpus": (C.POISONED + C.BENIGN, [1] * len(C.POISONED) + [0] * len(C.BENIGN)),
+        "repo_heldout": (
+            C.HELDOUT_POISONED + C.HELDOUT_BENIGN,
             [1] * len(C.HELDOUT_POISONED) + [0] * len(C.HELDOUT_BENIGN),
-        )
-        by_source = {}
-        for src in sorted({r["source"] for r in rows}):
-            idx = [i for i, r in enumerate(rows) if r["source"] == src]
-            by_source[src] = score([verdicts[i] for i in idx], [labels[i] for i in idx]).to_dict()
-        out["detectors"][name] = {
-            "test": test.to_dict(),
-            "tool_outputs": tool.to_dict(),
-            "real_benign": real_scores.to_dict(),
-            "repo_corpus": corpus.to_dict(),
-            "repo_heldout": held.to_dict(),
-            "test_by_source": by_source,
-        }
-    return out
+        ),
+    }
 
 
-def latency() -> dict[str, dict[str, float]]:
-    """Median CPU ms per KiB over the tool-output set, concatenated into inputs of 1, 16 and 256 KiB.
+def summarise(s: Scores) -> dict[str, Any]:
+    return s.to_dict() | {
+        "precision_ci": wilson(s.tp, s.tp + s.fp),
+        "recall_ci": wilson(s.tp, s.tp + s.fn),
+        "fpr_ci": wilson(s.fp, s.fp + s.tn),
+    }
 
-    NOTE: process CPU time, not wall time: on a shared machine, other processes' load does not count.
-    """
-    blob = "\n".join(t for _, t in tool_outputs())
-    out: dict[str, dict[str, float]] = {}
-    for name, cfg in CONFIGS.items():
+
+def evaluate(encoder: bool) -> dict[str, Any]:
+    data = sets()
+    rows = load_heldout(DATA / HELDOUT_FILE)
+    verdicts: dict[str, dict[str, list[Verdict]]] = {}
+    for name, cfg in NUMPY_CONFIGS.items():
         det = make_detector(cfg)
-        out[name] = {}
-        for kib in (1, 16, 256):
-            text = (blob * (1 + (kib << 10) // len(blob)))[: kib << 10]
-            times = []
-            for _ in range(max(3, 48 // kib)):
-                t0 = time.process_time()
-                det.inspect(text)
-                times.append(time.process_time() - t0)
-            out[name][f"{kib} KiB"] = round(statistics.median(times) * 1000 / kib, 3)
+        verdicts[name] = {k: [det.inspect(t) for t in texts] for k, (texts, _) in data.items()}
+    if encoder:
+        det = make_detector(DetectorConfig(layers=("rules", "learned", "encoder")))
+        full = {k: [det.inspect(t) for t in texts] for k, (texts, _) in data.items()}
+        thr = dict(zip(det.member_names, det.encoder_thresholds, strict=True))
+        alone = {
+            k: [Verdict(any(p >= thr[m] for m, p in member_scores(v).items())) for v in vs]
+            for k, vs in full.items()
+        }
+        verdicts[ENCODER_ALONE], verdicts[ENCODER_FULL] = alone, full
+    out: dict[str, Any] = {"sizes": {k: [len(t), sum(y)] for k, (t, y) in data.items()}, "detectors": {}}
+    labels = [r["label"] for r in rows]
+    for name, vs in verdicts.items():
+        d = {k: summarise(score(vs[k], y)) for k, (_, y) in data.items()}
+        d["test_by_source"] = {
+            src: score([vs["test"][i] for i in idx], [labels[i] for i in idx]).to_dict()
+            for src in sorted({r["source"] for r in rows})
+            if (idx := [i for i, r in enumerate(rows) if r["source"] == src])
+        }
+        out["detectors"][name] = d
     return out
 
 
-def render(ev: dict[str, Any], lat: dict[str, dict[str, float]]) -> str:
-    model, enc = load_model(), load_encoder()
-    meta, val, com = model.meta, model.meta["validation"], enc.meta["committee"]
-    members = ", ".join(f"{m} >= {t:.4f}" for m, t in zip(ENCODER_MODELS, com["thresholds"], strict=True))
+PROBE = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+from fleet.quarantine import DetectorConfig, make_detector
+from bench.detector_heldout import tool_outputs
+a = rss()
+det = make_detector(DetectorConfig(layers={layers!r}))
+blob = "\\n".join(t for _, t in tool_outputs())
+det.inspect(blob[:4096])
+b = rss()
+out = {{"import_mb": a, "loaded_mb": b}}
+for kib in {kibs!r}:
+    text = (blob * (1 + (kib << 10) // len(blob)))[: kib << 10]
+    ts = []
+    for _ in range(max(3, 48 // kib)):
+        t0 = time.process_time(); det.inspect(text); ts.append(time.process_time() - t0)
+    ts.sort()
+    out[f"{{kib}} KiB"] = ts[len(ts) // 2] * 1000 / kib
+out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def cost(layers: tuple[str, ...]) -> dict[str, float]:
+    """CPU ms per KiB (median, process CPU time: other load on the machine does not count) and resident MB
+    of a fresh process that builds and runs the policy."""
+    code = PROBE.format(root=str(ROOT), layers=layers, kibs=KIBS)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return {k: round(v, 3) for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
+
+
+def latency(encoder: bool) -> dict[str, dict[str, float]]:
+    out = {name: cost(cfg.layers) for name, cfg in NUMPY_CONFIGS.items()}
+    if encoder:
+        out[ENCODER_FULL] = cost(("rules", "learned", "encoder"))
+        out[ENCODER_ALONE] = cost(("encoder",))
+    return out
+
+
+def _ci(d: dict[str, Any], key: str, k: str, n: str) -> str:
+    lo, hi = d[f"{key}_ci"]
+    return f"{d[key]:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float) -> str:
+    sz = ev["sizes"]
     lines = [
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
-        f"Test split: {ev['num_test']} tool results ({ev['num_test_injections']} injections), never read while "
-        f"tuning; learned threshold {model.threshold:.4f} chosen on the validation split only (validation, rules + "
-        f"learned: precision {val['precision']:.3f}, recall {val['recall']:.3f}); the encoder layer is a committee "
-        f"of {len(ENCODER_MODELS)} runs, either of which quarantines ({members}), thresholds chosen together on "
-        f"the same validation split for the layered policy (validation, layered: precision "
-        f"{com['validation']['precision']:.3f}, recall {com['validation']['recall']:.3f}). Each member: "
-        f"{enc.meta['base']['model']} ({enc.meta['base']['model_licence']}; weights from the "
-        f"{enc.meta['base']['package']} {enc.meta['base']['version']} wheel) with the project's LoRA adapter "
-        f"(scripts/train_encoder.py). Real benign tool output: "
-        f"{ev['num_real_benign']} chunks of files from {len(ev['real_benign_packages'])} PyPI wheels whose packages "
-        f"are in the test split ({', '.join(ev['real_benign_packages'])}). Generated benign tool output: "
-        f"{ev['num_tool_outputs']} items (seed 0).",
+        f"One run ({elapsed / 60:.0f} min). Test split: {sz['test'][0]} tool results ({sz['test'][1]} injections; "
+        "read for five earlier configurations; docs/quarantine_default.md). "
+        f"Multilingual benign test part: {sz['multilingual_benign'][0]} tool outputs (real Django / Sphinx "
+        f"translations in ~100 languages as messages, JSON, logs, CSV; shell output, tracebacks, code, base64 / hex). "
+        f"Routing bench agent tool results: {sz['routing_bench_tool_results'][0]}. Real benign files: "
+        f"{sz['real_benign'][0]}; generated tool outputs (seed 0): {sz['tool_outputs'][0]}. Brackets: Wilson 95%.",
         "",
-        "Labelled corpora (PyPI wheels, read as zip files; sha256 in fleet/quarantine/model/injection_lr.json):",
-        "",
-    ]
-    lines += [
-        f"- {c['package']} {c['version']} ({c['licence']})"
-        + (f", relaying {c['dataset']} ({c['dataset_licence']}) as source {c['source']}" if "dataset" in c else "")
-        + (" [added for issue #15]" if c.get("added") else "")
-        + f": {c['num_examples']}"
-        for c in meta["corpora"]
-    ]
-    files = meta["benign_files"]
-    licences = sorted({f["licence"] for f in files})
-    lines += [
-        "",
-        f"Real benign files: {len(files)} wheels ({sum(f['num_chunks'] for f in files)} chunks; licences: "
-        f"{', '.join(licences)}), split by package.",
-        "",
-        "| detector | test precision | test recall | tp / fp / fn | real benign FPR | generated tool-output FPR "
-        "| repo corpus P / R | repo held-out P / R |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | test precision | test recall | tp / fp / fn | multilingual FPR | routing-bench FPR "
+        "| real benign FPR | generated FPR | repo corpus P / R | repo held-out P / R |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, d in ev["detectors"].items():
-        t, o, r, c, h = d["test"], d["tool_outputs"], d["real_benign"], d["repo_corpus"], d["repo_heldout"]
+        t, m, a, r, g = (
+            d["test"],
+            d["multilingual_benign"],
+            d["routing_bench_tool_results"],
+            d["real_benign"],
+            d["tool_outputs"],
+        )
+        c, h = d["repo_corpus"], d["repo_heldout"]
+        fpr = [f"{x['fp']}/{x['fp'] + x['tn']} (<= {x['fpr_ci'][1]:.3f})" for x in (m, a, r, g)]
         lines.append(
-            f"| {name} | {t['precision']:.3f} | {t['recall']:.3f} | {t['tp']} / {t['fp']} / {t['fn']} | "
-            f"{r['fpr']:.4f} ({r['fp']}/{r['fp'] + r['tn']}) | {o['fpr']:.4f} ({o['fp']}/{o['fp'] + o['tn']}) | "
-            f"{c['precision']:.3f} / {c['recall']:.3f} | {h['precision']:.3f} / {h['recall']:.3f} |"
+            f"| {name} | {_ci(t, 'precision', 'tp', 'fp')} | {_ci(t, 'recall', 'tp', 'fn')} | {t['tp']} / {t['fp']} / "
+            f"{t['fn']} | {' | '.join(fpr)} | {c['precision']:.3f} / {c['recall']:.3f} | "
+            f"{h['precision']:.3f} / {h['recall']:.3f} |"
         )
     lines += [
         "",
-        "Layered detector on the test split, by source:",
+        "Cost: median process CPU ms per KiB of tool-output text (one thread of numpy; torch's threads summed), and "
+        "resident MB of a fresh process (after importing fleet.quarantine / after building the policy and judging "
+        "4 KiB / peak after judging 256 KiB):",
         "",
-        "| source | precision | recall | tp / fp / fn / tn |",
-        "|---|---|---|---|",
+        "| policy | 1 KiB | 4 KiB | 16 KiB | 256 KiB | ms per 4 KiB result | RSS MB import / loaded / peak |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for src, s in ev["detectors"]["layered"]["test_by_source"].items():
-        recall = f"{s['recall']:.3f}" if s["tp"] + s["fn"] else "n/a (benign only)"
+    for n, v in lat.items():
         lines.append(
-            f"| {src} | {s['precision']:.3f} | {recall} | {s['tp']} / {s['fp']} / {s['fn']} / {s['tn']} |"
+            f"| {n} | {v['1 KiB']} | {v['4 KiB']} | {v['16 KiB']} | {v['256 KiB']} | {v['4 KiB'] * 4:.2f} | "
+            f"{v['import_mb']:.0f} / {v['loaded_mb']:.0f} / {v['peak_mb']:.0f} |"
         )
-    lines += [
-        "",
-        "Latency, median CPU ms per KiB (process CPU time summed over torch's threads, tool-output text; past "
-        f"{enc.max_windows} token windows the encoder reads only the {enc.max_windows} the learned layer ranks highest):",
-        "",
-        "| detector | 1 KiB | 16 KiB | 256 KiB | x rules + learned (1 / 16 / 256 KiB) |",
-        "|---|---|---|---|---|",
-    ]
-    two = lat["rules + learned"]
-    lines += [
-        f"| {n} | {v['1 KiB']} | {v['16 KiB']} | {v['256 KiB']} | "
-        + " / ".join(f"{v[k] / two[k]:.2f}" for k in ("1 KiB", "16 KiB", "256 KiB"))
-        + " |"
-        for n, v in lat.items()
-    ]
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-encoder", action="store_true", help="leave out the torch policies")
     a = ap.parse_args()
-    ev, lat = evaluate(), latency()
-    body = render(ev, lat)
+    t0 = time.perf_counter()
+    ev = evaluate(not a.no_encoder)
+    lat = latency(not a.no_encoder)
+    ev["cost"] = lat
+    body = render(ev, lat, time.perf_counter() - t0)
     print(body)
-    (DATA / "heldout_report.json").write_text(json.dumps(ev, indent=1, sort_keys=True) + "\n")
     if not a.no_doc:
+        (DATA / "heldout_report.json").write_text(json.dumps(ev, indent=1, sort_keys=True) + "\n")
         write_section("detector-eval", body)
 
 

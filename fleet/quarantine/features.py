@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from fleet.quarantine import text as T
-from fleet.quarantine.fast import events
+from fleet.quarantine.hashing import events
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, used as the polynomial base
@@ -40,7 +40,7 @@ class FeaturizerConfig:
     word_ngrams: tuple[int, ...] = (1, 2)
     max_chars: int = 1 << 20  # NOTE: longer inputs are scored on their first max_chars (the rules read all)
     # "crc32": word n-grams hashed one by one in Python (the model of issue #15); "poly": every n-gram hashed
-    # at once with numpy (`fast.events`, issue #28: the fast default's featurizer)
+    # at once with numpy (`hashing.events`, issue #28)
     hashing: str = "crc32"
 
     def __post_init__(self) -> None:
