@@ -385,8 +385,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the slice committed in bench/data/)",
     )
     p.add_argument("--section", default="fleet-routing", help="the docs/benchmarks.md section to write")
-    p.add_argument("--notes", type=Path, default=None, help="markdown appended to the section (the reasons "
-                   "behind this run's figures; regenerate with --from-json)")
+    p.add_argument(
+        "--notes",
+        type=Path,
+        default=None,
+        help="markdown appended to the section (the reasons "
+        "behind this run's figures; regenerate with --from-json)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")

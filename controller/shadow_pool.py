@@ -141,30 +141,38 @@ class RankPool:
         return out
 
     def _admit(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
+        ref, free, ev = self._ref, self._free, self.evicted
         held: list[int | None] = []
         hit = 0
-        while hit < len(chain) and self.cached(chain[hit]):
+        while hit < len(chain) and (chain[hit] in ref or chain[hit] in free):
             self._touch(chain[hit])
             held.append(chain[hit])
             hit += 1
         out: list[int] = []
+        avail = self._fresh + len(free)
         for h in [*chain[hit:], *([None] * num_partial)]:
-            if h is not None and self.cached(h):  # a later block cached on its own: vLLM reuses it too
+            if h is not None and (h in ref or h in free):  # a later block cached on its own: vLLM reuses it
+                avail -= h in free
                 self._touch(h)
                 held.append(h)
                 continue
-            if not self.num_free():
+            if avail <= 0:
                 break  # the engine would wait (or preempt); what fits is what is known
-            gone = self._popleft()
-            if gone is not None:
-                out.append(gone)
-                self.evicted[gone] = now
-                self.evicted.move_to_end(gone)
+            avail -= 1
+            if self._fresh:  # NOTE: _popleft inlined: this loop is on the route path, once per new block
+                self._fresh -= 1
+            else:
+                gone, _ = free.popitem(last=False)
+                if isinstance(gone, int):
+                    out.append(gone)
+                    ev.pop(gone, None)
+                    ev[gone] = now
             if h is None:
                 self._anon_pinned += 1
             else:
-                self._ref[h] = 1
-                self.evicted.pop(h, None)
+                ref[h] = 1
+                if ev:
+                    ev.pop(h, None)
             held.append(h)
         self._held[route] = held
         return out
