@@ -28,12 +28,19 @@ def layered() -> object:
     return make_detector()
 
 
-def test_layered_still_catches_what_the_rules_caught(layered) -> None:
+def test_layered_still_catches_what_the_rules_caught() -> None:
+    # rules + learned: the OR of the layers is what is checked here; with the encoder as well the same check
+    # took 86 s of the default test run on 2 busy cores, and the encoder's OR has its own test
+    # (test_quarantine_encoder.py::test_the_shipped_committee_quarantines_when_any_member_does)
+    layered = make_detector(DetectorConfig(layers=("rules", "learned")))
     rules = default_detector()
+    caught = 0
     for text in C.POISONED + C.HELDOUT_POISONED:
         if rules.inspect(text).quarantined:
             v = layered.inspect(text)
+            caught += 1
             assert v.quarantined and set(rules.inspect(text).reasons) <= set(v.reasons), text
+    assert caught >= 40  # control: the check ran on the rules' catches
 
 
 def test_learned_layer_loads_the_shipped_model_and_is_deterministic() -> None:
