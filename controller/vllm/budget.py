@@ -109,6 +109,13 @@ class FaultGuard:
         self.metrics.worker_faulty.labels(self.worker).set(1)
         return False
 
+    def trip(self, events: int) -> None:
+        """Faulty from now on, whatever the budget holds (a message too large to decode)."""
+        self.until = time.monotonic() + self.hold_s
+        self.trips += 1
+        self.metrics.kv_events_over_budget.inc(max(events, 0))
+        self.metrics.worker_faulty.labels(self.worker).set(1)
+
     def settle(self) -> None:
         if self.until and not self.faulty():
             self.until = 0.0
@@ -118,3 +125,48 @@ class FaultGuard:
         """The worker is gone (unregistered or the router stopped): drop its gauge."""
         with contextlib.suppress(KeyError):
             self.metrics.worker_faulty.remove(self.worker)
+
+
+MAX_BATCH_EVENTS = 4_096  # events one message may announce (vLLM: ~1 per stored or evicted block of a step); more is refused undecoded
+_UNPARSED_MAX_BYTES = 1 << 20  # a message whose header cannot be read is decoded only below this size
+
+
+def peek_num_events(payload: bytes) -> int | None:
+    """The number of events a batch announces, read from its msgpack header without decoding it:
+    vLLM sends [ts (float), [event, ...], dp_rank?]. None when the header has another shape.
+
+    NOTE: decoding is one C call that holds the event loop for its whole length (about 3 us per
+    event here): one 64 MiB message of small events took seconds, which no slicing can split.
+    """
+    if len(payload) < 3 or payload[0] not in (0x92, 0x93):
+        return None
+    i, t = 1, payload[1]
+    if t == 0xCB:  # float64 (what vLLM sends)
+        i += 9
+    elif t == 0xCA:  # float32
+        i += 5
+    elif t <= 0x7F:  # positive fixint
+        i += 1
+    elif 0xCC <= t <= 0xCF:  # uint8..uint64
+        i += 1 + (1 << (t - 0xCC))
+    else:
+        return None
+    if i >= len(payload):
+        return None
+    h = payload[i]
+    if 0x90 <= h <= 0x9F:
+        return h & 0x0F
+    if h == 0xDC and i + 3 <= len(payload):
+        return int.from_bytes(payload[i + 1 : i + 3], "big")
+    if h == 0xDD and i + 5 <= len(payload):
+        return int.from_bytes(payload[i + 1 : i + 5], "big")
+    return None
+
+
+def too_many_events(payload: bytes) -> int | None:
+    """The event count of a message to refuse undecoded (over MAX_BATCH_EVENTS, or an unreadable
+    header on a message over 1 MiB: -1); None to decode it."""
+    n = peek_num_events(payload)
+    if n is None:
+        return -1 if len(payload) > _UNPARSED_MAX_BYTES else None
+    return n if n > MAX_BATCH_EVENTS else None

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from controller.metrics import Metrics
-from controller.vllm.budget import Slicer
+from controller.vllm.budget import Slicer, too_many_events
 from controller.vllm.events import (
     END_SEQ,
     MAX_SEQ,
@@ -234,6 +234,15 @@ class Subscriber:
         await self.slicer.tick()
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]
+            return
+        n = too_many_events(payload)
+        refuse = getattr(self.sink, "refuse", None)
+        if n is not None:  # never decoded: one decode is one uninterruptible call (budget.peek_num_events)
+            self.metrics.kv_event_decode_errors.inc()
+            if refuse is not None:
+                refuse(seq, n)
+            else:
+                self.sink.on_invalidate("decode_error", seq)
             return
         try:
             batch = decode_batch(payload)

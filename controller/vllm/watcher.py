@@ -85,6 +85,11 @@ class _Sink:
     def muted(self) -> bool:
         return self.w.guard.faulty()
 
+    def refuse(self, seq: int, n: int) -> None:
+        """A message announcing more events than one may carry (budget.MAX_BATCH_EVENTS): faulty."""
+        self.w.guard.trip(n)
+        self.w._trip(self.r, seq, n)
+
     def skip(self, seq: int) -> None:
         self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq)
 
