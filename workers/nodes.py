@@ -11,7 +11,9 @@ supervisor that does not answer a ping within `PROBE_S` after one of its actors 
 `SUSPECT_S`, then asked again). A down node is not placed on, not listed, not asked: its sessions
 are rebuilt on a live node on their next call (issue #31 item 2). Listings and placement ask every
 node at once (`ask_all`), and stop waiting `PROBE_S` after the first answer: a node that has not
-answered by then is held down too, so a dead node delays them by `PROBE_S` at most, once.
+answered by then is held down too, so a dead node delays them by `PROBE_S` at most, once. A node
+held down only for not answering keeps its supervisor: a call naming it still waits for it (Ray may
+be restarting it), and with no other node up, placement asks it anyway.
 """
 
 from __future__ import annotations
@@ -139,9 +141,13 @@ class FleetNodes:
         exception it raised (a kvfleet error, or Unavailable). A node that has not answered
         `PROBE_S` after the first answer (or within the call timeout, if none answers) is held
         down and left out: one dead node never holds up a listing or a placement for long."""
-        sups = {nid: self.supervisors.get(nid) for nid in self.refresh() if nid != exclude}
+        nodes = [n for n in self.refresh() if n != exclude]
+        if not nodes:  # none up but nodes held down that still have a supervisor (one restarting): ask them
+            nodes = [n for n in list(self.down) if n != exclude and n in self.supervisors]
+        sups = {nid: self.supervisors.get(nid) for nid in nodes}
         refs = {getattr(sup, method).remote(*args): nid for nid, sup in sups.items() if sup is not None}
         out: dict[str, Any] = {}
+        replaced: set[str] = set()
         pending, deadline = list(refs), time.monotonic() + self.call_timeout_s
         while pending:
             left = deadline - time.monotonic()
@@ -154,8 +160,20 @@ class FleetNodes:
                     out[nid] = ray_get(ref, self.call_timeout_s)
                 except ray.exceptions.ActorUnschedulableError:
                     self.hold_down(nid, DOWN_HOLD_S, drop=True)
-                except ray.exceptions.RayActorError as e:
-                    out[nid] = Unavailable(f"the supervisor of node {nid} did not answer: {str(e)[:200]}")
+                except ray.exceptions.ActorUnavailableError:  # restarting: ask again (safe to repeat)
+                    time.sleep(0.05)
+                    again = getattr(sups[nid], method).remote(*args)
+                    refs[again] = nid
+                    pending.append(again)
+                except ray.exceptions.RayActorError as e:  # dead: a live node gets its supervisor back, once
+                    again = self._replaced(nid) if nid not in replaced else None
+                    replaced.add(nid)
+                    if again is None:
+                        out[nid] = Unavailable(f"the supervisor of node {nid} did not answer: {str(e)[:200]}")
+                        continue
+                    sups[nid] = again
+                    refs[again_ref := getattr(again, method).remote(*args)] = nid
+                    pending.append(again_ref)
                 except KvfleetError as e:
                     out[nid] = e
             if done:
@@ -166,6 +184,12 @@ class FleetNodes:
 
     def alive(self, nid: str) -> bool:
         return nid in self.refresh()
+
+    def _replaced(self, nid: str) -> Any:
+        """After its supervisor died: the node's new one (Ray's restart, or a new one) if the node is still up."""
+        with self._lock:
+            self.supervisors.pop(nid, None)
+        return self.supervisors.get(nid) if self.alive_now(nid) else None
 
     def answers(self, nid: str) -> bool:
         """Whether `nid` is up and its supervisor answers a ping within PROBE_S (else: held down).
@@ -190,7 +214,7 @@ class FleetNodes:
         deadline, replaced = time.monotonic() + self.call_timeout_s, False
         for attempt in itertools.count():
             sup = self.supervisors.get(node)
-            if sup is None or self.down.get(node, 0.0) > time.monotonic():
+            if sup is None:
                 raise NodeGone(f"node {node} has left the cluster")
             try:
                 return ray_get(getattr(sup, method).remote(*args), self.call_timeout_s)
