@@ -177,15 +177,16 @@ async def test_late_operator_verdict_excludes_the_result_and_reroutes_the_prefix
             assert e.code() == grpc.StatusCode.PERMISSION_DENIED
         rc, out = await _cli(capsys, fleet, "op", "set", _ref(BENIGN), "QUARANTINED", "--reason", "operator: PII")
         assert rc == 0, out
-        # turn 2 carries it again: it is withheld, and the route follows the changed prefix
+        # turn 2 carries it again: it is withheld, and the route follows the changed prefix. What the router
+        # sees is read before turn 2 runs (turn 2 itself may land on the same worker and cache its own prompt)
         msgs2 = [*msgs1, {"role": "assistant", "content": "Shipped, arriving Friday."},
                  {"role": "user", "content": "Thanks. Which carrier?"}]
-        status, h2, doc2 = await _chat(fleet, msgs2)
         span = len(simtok.apply_chat_template(msgs1[:3], add_generation_prompt=False)) + 3  # <|im_start|>tool\n
         sent2 = [*_turn(PLACEHOLDER.format(ref=_ref(BENIGN))), *msgs2[4:]]
         async with AsyncFleetClient(fleet.ctl.address, token=fleet.tokens["a"]) as acme:
-            changed = await acme.route(simtok.apply_chat_template(sent2), MODEL)  # what the proxy routed
+            changed = await acme.route(simtok.apply_chat_template(sent2), MODEL)  # what the proxy will route
             unchanged = await acme.route(simtok.apply_chat_template(msgs2), MODEL)  # control: the old bytes
+        status, h2, doc2 = await _chat(fleet, msgs2)
         on_old = {c.worker: c.matched_tokens for c in changed.candidates}[worker]
         print(f"late verdict: turn 2 -> {status} on {h2['x-kvfleet-worker']} {h2['x-kvfleet-verdict']}, matched "
               f"{h2['x-kvfleet-matched-tokens']} tokens (the result began at token {span}; turn 1 had {n1}); "
