@@ -2,7 +2,7 @@
 
 Pure: no I/O, no clock of its own (callers pass `now`). The router builds one `CandidateState` per
 serving (worker, dp_rank) from its index, its in-flight ledger and the last /metrics look, and
-`rank` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and SGLang compare.
+`order` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and SGLang compare.
 
     cost(w) = prefill(w) - (1 - shared_prefix_weight) * amortized(w)
               + queue_weight * queued(w) + request_weight * active(w) + pressure_weight * evicted(w)
@@ -133,7 +133,7 @@ class CandidateState(NamedTuple):
     num_demand_blocks: int = -1
 
 
-class Ranked(NamedTuple):
+class Scored(NamedTuple):
     terms: RouteCost
     state: CandidateState
 
@@ -203,13 +203,13 @@ def terms(
     return RouteCost(total, prefill, cached, queued, active, evicted, amortized)
 
 
-def rank(
+def order(
     cfg: CostConfig,
     num_prompt_tokens: int,
     states: Iterable[CandidateState],
     mean_request_tokens: float,
     num_shared_tokens: int = 0,
-) -> list[Ranked]:
+) -> list[Scored]:
     """Serving candidates, cheapest first.
 
     Ties (equal cost) go to the rank holding fewer resident blocks (more room: SGLang's "smallest
@@ -223,7 +223,7 @@ def rank(
             t = terms(cfg, num_prompt_tokens, s, mean_request_tokens, num_shared_tokens)
             keyed.append((t[0], s.num_resident_blocks, s.spread, worker, dp_rank, i, t, s))
     keyed.sort()
-    return [Ranked(k[6], k[7]) for k in keyed]
+    return [Scored(k[6], k[7]) for k in keyed]
 
 
 class Branches:

@@ -72,7 +72,7 @@ class Evidence:
         return self._returned[st] / (p + 1.0) if p is not None else 0.0
 
 
-class WorkingSet:
+class DemandLedger:
     """Conversations placed per rank, forgotten `ttl_s` after their last turn."""
 
     def __init__(self, ttl_s: float = 300.0, window: float = 64) -> None:

@@ -32,11 +32,11 @@ import aiohttp
 import zmq.asyncio
 
 from controller.cost import Branches, CostConfig, Flight, InFlight
-from controller.demand import WorkingSet
+from controller.demand import DemandLedger
 from controller.index import PrefixIndex
 from controller.metrics import Metrics
+from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains
 from controller.periodic import Periodic
-from controller.ranking import Ranker, Ranking, check_route_args, checked_chains
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.shadow_pool import ShadowPools
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -85,10 +85,10 @@ class Router:
         c = self.cfg.cost
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
         self.branches = Branches()
-        self.demand = WorkingSet(c.working_set_ttl_s)
+        self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
         self.index.observer = self._on_cache_event
-        self.ranker = Ranker(self._workers, self.index, self.flights, self.demand, self.branches,
+        self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
         self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, self._settle_flights,
                                  on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
@@ -259,21 +259,21 @@ class Router:
         check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
         if expired := self.flights.expire(time.monotonic()):  # hot path: most routes expire nothing
             self._ended(expired, "ttl")
-        jobs = self.ranker.hash_jobs(model, lora)
+        jobs = self.candidates.hash_jobs(model, lora)
         pre = await asyncio.to_thread(checked_chains, jobs, token_ids, model, cache_salt, lora)
-        ranking = self.ranker.rank(token_ids, model, cache_salt, lora, pre)
+        ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre)
         if probe if probe is not None else self.cfg.probe_on_route:
-            if not ranking.ranked:  # nobody serving as far as we know: one fresh look at every worker
+            if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
-                ranking = self.ranker.rank(token_ids, model, cache_salt, lora)
-            ranking = await self._probe(ranking, token_ids, model, cache_salt, lora)
-        if not ranking.ranked:
+                ordering = self.candidates.order(token_ids, model, cache_salt, lora)
+            ordering = await self._probe(ordering, token_ids, model, cache_salt, lora)
+        if not ordering.ordered:
             raise Unavailable(
                 f"no serving worker for model {model!r}; every candidate is asleep, paused or down"
             )
-        best = ranking.ranked[0]
+        best = ordering.ordered[0]
         name, r, t = best.state.worker, best.state.dp_rank, best.terms
-        placed = ranking.chains.get((name, r))
+        placed = ordering.chains.get((name, r))
         route_id = secrets.token_hex(16) if track else ""
         if placed is not None:  # this turn's conversation now lives on (name, r)
             chain, nshared = placed
@@ -286,14 +286,14 @@ class Router:
                     route_id,
                     (name, r),
                     t.prefill_tokens,
-                    ranking.last_hash.get((name, r)),
+                    ordering.last_hash.get((name, r)),
                     owner,
                     time.monotonic(),
                 )
             )
             self._gauge(name)
         cands = tuple(
-            RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ranking.ranked
+            RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ordering.ordered
         )
         self._observe(token_ids, t, cands)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
@@ -395,24 +395,24 @@ class Router:
         for w in list(self._workers.values()):
             v = w.view()
             for r in v.ranks:
-                self.ranker.reconcile(v, (v.name, r.dp_rank))
+                self.candidates.reconcile(v, (v.name, r.dp_rank))
 
     async def _probe(
-        self, ranking: Ranking, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None
-    ) -> Ranking:
+        self, ordering: Ordering, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None
+    ) -> Ordering:
         """Route-time probe of the chosen worker; on a bad answer, fail over to the next one."""
         tried: set[str] = set()
-        while ranking.ranked:
-            name, r = ranking.ranked[0].state.worker, ranking.ranked[0].state.dp_rank
+        while ordering.ordered:
+            name, r = ordering.ordered[0].state.worker, ordering.ordered[0].state.dp_rank
             if name in tried:
-                return ranking  # probed during this call and still the best choice
+                return ordering  # probed during this call and still the best choice
             tried.add(name)
             w = self._workers[name]
             epoch = w.view().rank(r).epoch
             if await w.probe() and w.view().rank(r).epoch == epoch:
-                return ranking
+                return ordering
             self.metrics.stale_route_guard.labels("probe").inc()
-            ranking = self.ranker.rank(token_ids, model, salt, lora)
-        return ranking
+            ordering = self.candidates.order(token_ids, model, salt, lora)
+        return ordering
 
 

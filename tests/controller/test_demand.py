@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from controller.cost import CandidateState, CostConfig, rank
-from controller.demand import WorkingSet
+from controller.cost import CandidateState, CostConfig, order
+from controller.demand import DemandLedger
 
 SYS = [1, 2, 3, 4]  # 4 blocks every conversation shares; their group is the fork block, 4
 G = 4
@@ -21,7 +21,7 @@ def one_shot(tag: int, n: int = 10) -> list[int]:
 
 
 def test_one_shots_that_never_return_weigh_nothing_and_returns_earn_weight() -> None:
-    ws = WorkingSet(window=math.inf)
+    ws = DemandLedger(window=math.inf)
     for i in range(8):
         ws.place(("w0", 0), one_shot(i), 0, now=0.0)
     assert ws.demand(("w0", 0)) == 0 and len(ws) == 8  # recorded, but no evidence that any returns
@@ -44,7 +44,7 @@ def test_one_shots_that_never_return_weigh_nothing_and_returns_earn_weight() -> 
     assert ws.demand(("w1", 0)) == round(3 / 7 * (3 * 4) + 3 / 7 * 4)  # 6.86 -> 7
 
 
-def teach_returns(ws: WorkingSet, group: int, n: int) -> None:
+def teach_returns(ws: DemandLedger, group: int, n: int) -> None:
     """n conversations on a rank of their own, each back twice: both stages of `group` earn weight."""
     for i in range(n):
         for t in range(3):
@@ -53,7 +53,7 @@ def teach_returns(ws: WorkingSet, group: int, n: int) -> None:
 
 
 def test_the_next_turn_replaces_its_record_and_can_move_it() -> None:
-    ws = WorkingSet(window=math.inf)
+    ws = DemandLedger(window=math.inf)
     teach_returns(ws, G, 3)  # (G, first): 3/4; (G, later): 3/7
     r0, r1 = 3 / 4, 3 / 7
     ws.place(("w0", 0), conv(1, 3), 4, now=0.0, group=G)  # 7 blocks, 4 shared
@@ -73,7 +73,7 @@ def test_the_next_turn_replaces_its_record_and_can_move_it() -> None:
 
 
 def test_records_expire_after_their_ttl_and_leave_with_a_cache_loss() -> None:
-    ws = WorkingSet(ttl_s=10.0, window=math.inf)
+    ws = DemandLedger(ttl_s=10.0, window=math.inf)
     teach_returns(ws, G, 4)  # (G, later): 4 returned of 8 placed -> 4/9
     ws.place(("w0", 0), conv(1, 3), 4, now=0.0, group=G)
     ws.place(("w1", 0), conv(2, 3), 4, now=5.0, group=G)
@@ -117,7 +117,7 @@ def test_an_over_committed_worker_loses_a_conversation_it_holds_warm() -> None:
         )
         return [w0, w1]
 
-    over = rank(CostConfig(), n, cands(1400), 256.0)
-    fits = rank(CostConfig(), n, cands(900), 256.0)
+    over = order(CostConfig(), n, cands(1400), 256.0)
+    fits = order(CostConfig(), n, cands(900), 256.0)
     assert over[0].state.worker == "w1" and over[1].terms.evicted_tokens == 400 * B
     assert fits[0].state.worker == "w0" and fits[0].terms.evicted_tokens == 0

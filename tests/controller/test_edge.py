@@ -11,7 +11,7 @@ import grpc
 import pytest
 from support.controller import code_of, make_tokens, md, start_controller, store_url
 
-import controller.ranking as ranking_mod
+import controller.ordering as ordering_mod
 from controller.edge import GrpcLimits
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -83,13 +83,13 @@ async def test_huge_model_name_and_route_are_refused_without_echoing_them(tmp_pa
 
 async def test_route_hashes_the_prompt_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
-    real = ranking_mod.external_chain
+    real = ordering_mod.external_chain
 
     def spy(*a, **kw):  # the real hash, recording the thread it ran on
         seen.append(threading.get_ident())
         return real(*a, **kw)
 
-    monkeypatch.setattr(ranking_mod, "external_chain", spy)
+    monkeypatch.setattr(ordering_mod, "external_chain", spy)
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start()
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))

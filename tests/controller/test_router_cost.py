@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from controller.auth import mint_token
-from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, rank, terms
+from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, order, terms
 from controller.index import PrefixIndex
 from controller.metrics import Metrics
 from controller.router import RouteDecision, Router, RouterConfig, WorkerSpec
@@ -73,7 +73,7 @@ class Fleet:
         return out
 
     def route(self, num_prompt_tokens: int, now: float = 0.0, num_shared_tokens: int = 0) -> str:
-        ranked = rank(
+        ranked = order(
             self.cfg, num_prompt_tokens, self.states(self.n), self.flights.mean_tokens(), num_shared_tokens
         )
         best = ranked[0]
@@ -96,7 +96,7 @@ def test_cold_sessions_sharing_only_the_system_prompt_spread_evenly() -> None:
     flat.n = 0
     same = []
     for _ in range(9):
-        same.append(rank(flat.cfg, S + U, flat.states(0), 0)[0].state.worker)
+        same.append(order(flat.cfg, S + U, flat.states(0), 0)[0].state.worker)
         flat.flights.add(Flight(f"{len(same):032x}", (same[-1], 0), U, None, None, 0.0))
     assert len(set(same)) == 1
 
@@ -144,7 +144,7 @@ def test_a_burst_of_cold_sessions_is_spread_by_the_work_queued() -> None:
     glued = Fleet({"w0": 256, "w1": 0, "w2": 0}, CostConfig(shared_prefix_weight=1.0))
     picks = _sessions(glued, 5, complete=False)
     assert picks[:4] == ["w0"] * 4 and picks[4] != "w0"
-    r = rank(glued.cfg, 384, glued.states(0), glued.flights.mean_tokens(), 256)
+    r = order(glued.cfg, 384, glued.states(0), glued.flights.mean_tokens(), 256)
     assert [c.terms.total for c in r if c.state.worker == "w0"] == [128 + 0.5 * 4 * 128 + 16 * 4]
 
 
@@ -168,7 +168,7 @@ def test_warm_session_stays_until_its_workers_queue_exceeds_twice_its_warm_prefi
     # 2048 tokens warm on w0, 52 new; one request of `queued` prefill tokens waits there, w1 is idle:
     # w0 costs 52 + 0.5 * queued + 16, w1 costs 2100: it stays while queued < 2 * (2048 - 16) = 4064
     w0 = _state("w0", 2048, num_inflight_requests=1, num_queued_requests=1, num_queued_tokens=queued)
-    best, runner_up = rank(CFG, 2100, [w0, _state("w1")], 0)
+    best, runner_up = order(CFG, 2100, [w0, _state("w1")], 0)
     assert (best.state.worker == "w0") is stays
     assert {best.terms.total, runner_up.terms.total} == {52 + 0.5 * queued + 16, 2100}
     assert best.terms.total < runner_up.terms.total
@@ -242,7 +242,7 @@ def test_kv_pressure_steers_a_long_new_session_away_from_a_nearly_full_worker(
     S = 64  # the system prompt is warm only on w0, which is nearly full; w1 is empty
     w0 = _state("w0", S, num_resident_blocks=resident, num_gpu_blocks=1000)
     w1 = _state("w1", 0, num_resident_blocks=0, num_gpu_blocks=1000)
-    best = rank(CFG, S + session, [w0, w1], 0)[0]
+    best = order(CFG, S + session, [w0, w1], 0)[0]
     assert best.state.worker == expected
 
 
@@ -257,12 +257,12 @@ def test_a_sleeping_worker_is_never_chosen_and_an_unproven_one_never_credited_ev
     asleep = _state("asleep", 1024, serving=False)  # would cost 0: holds the whole prompt
     unproven = _state("unproven", 1024, proven=False)  # its index claims it all, but e.g. under a stale epoch
     warm = _state("warm", 512)  # proven, half the prompt
-    ranked = rank(CFG, 1024, [asleep, unproven, warm], 0)
+    ranked = order(CFG, 1024, [asleep, unproven, warm], 0)
     assert [(c.state.worker, c.terms.cached_tokens, c.terms.total) for c in ranked] == [
         ("warm", 512, 512),
         ("unproven", 0, 1024),
     ]
-    assert rank(CFG, 1024, [asleep], 0) == []
+    assert order(CFG, 1024, [asleep], 0) == []
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import asyncio
 
 import aiohttp
 
-from controller.cost import CandidateState, CostConfig, rank
-from controller.demand import WorkingSet
+from controller.cost import CandidateState, CostConfig, order
+from controller.demand import DemandLedger
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from fleet.block_hash import external_chain
@@ -110,7 +110,7 @@ def test_under_load_a_fully_resident_prompt_stays_until_the_queue_crossover() ->
     fully resident 160-token prompt costs on w0 0.5 x queued + 16 (one active request) and on w1 its
     160-token prefill: it stays WARM while queued < 288 tokens and moves past it. Before issue #27 w0
     also paid the one-shots' 16-block excess (256 tokens): it moved at any queue, even 0."""
-    ws = WorkingSet()
+    ws = DemandLedger()
     chains = [[7_000 * (i + 1) + k for k in range(PROMPT // B)] for i in range(N_ONE_SHOTS)]
     for c in chains:
         ws.place(("w0", 0), c, 0, 0.0)
@@ -144,7 +144,7 @@ def test_under_load_a_fully_resident_prompt_stays_until_the_queue_crossover() ->
             num_gpu_blocks=NUM_BLOCKS,
             num_demand_blocks=PROMPT // B,
         )
-        top = rank(CostConfig(), PROMPT, [w0, w1], 256.0)[0]
+        top = order(CostConfig(), PROMPT, [w0, w1], 256.0)[0]
         return top.state.worker, top.terms.evicted_tokens
 
     assert best(0) == ("w0", 0)

@@ -1,6 +1,6 @@
-"""Ranking a prompt's serving candidates by cost (controller/cost.py, docs/routing.md).
+"""Ordering a prompt's serving candidates by cost (controller/cost.py, docs/routing.md).
 
-The Router (controller/router.py) owns the workers and the request lifecycle; a Ranker reads them: for
+The Router (controller/router.py) owns the workers and the request lifecycle; a CandidateOrder reads them: for
 each serving (worker, rank) it gathers the cost's inputs (the prefix index's proven match, the in-flight
 ledger reconciled against the worker's last /metrics look, the conversation working set) and asks
 `cost.rank` for the order. Hashing a prompt's block chains is O(tokens), so `checked_chains` runs off the
@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from controller import cost
-from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Ranked
-from controller.demand import Conversation, WorkingSet
+from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Scored
+from controller.demand import Conversation, DemandLedger
 from controller.index import PrefixIndex, RankKey
 from controller.shadow_pool import ShadowPools
 from controller.view import WorkerView
@@ -25,23 +25,23 @@ from fleet.block_hash import external_chain
 from fleet.errors import InvalidArgument
 
 
-class Ranking(NamedTuple):
+class Ordering(NamedTuple):
     """The serving candidates, cheapest first, and what the router keeps of the prompt's chains."""
 
-    ranked: list[Ranked]
+    ordered: list[Scored]
     last_hash: dict[RankKey, int | None]  # the prompt's last full block hash per proven rank
     chains: dict[RankKey, tuple[list[int], int]]  # per proven rank: the prompt's chain, its shared blocks
 
 
-class Ranker:
-    """The state routing reads, and the ranking over it. Single event loop, like the Router."""
+class CandidateOrder:
+    """The state routing reads, and the cost ordering over it. Single event loop, like the Router."""
 
     def __init__(
         self,
         workers: Mapping[str, Worker],
         index: PrefixIndex,
         flights: InFlight,
-        demand: WorkingSet,
+        demand: DemandLedger,
         branches: Branches,
         cost_config: Callable[[], CostConfig],
         ended: Callable[[list[Flight], str], None],
@@ -70,8 +70,8 @@ class Ranker:
                 continue
         return jobs
 
-    def rank(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
-              pre: dict[Any, list[int]] | None = None) -> Ranking:
+    def order(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
+              pre: dict[Any, list[int]] | None = None) -> Ordering:
         """Rank the candidates; `pre` holds chains hashed off the event loop (see checked_chains)."""
         # per hash config: the prompt's chain, and the tracked routes it extends
         chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
@@ -114,8 +114,8 @@ class Ranker:
                 w.errors.failed("route", e)
                 continue
             states += mine
-        ranked = cost.rank(self.cost(), len(token_ids), states, self.flights.mean_tokens(), shared)
-        return Ranking(ranked, last, placed)
+        ranked = cost.order(self.cost(), len(token_ids), states, self.flights.mean_tokens(), shared)
+        return Ordering(ranked, last, placed)
 
     def _state(
         self,
