@@ -31,7 +31,7 @@ def main() -> int:
     import torch
 
     from workers.fleet import KernelFleet
-    from workers.placement import NAMESPACE
+    from workers.placement import RAY_NAMESPACE
     from workers.spec import GROUP_LABEL, KernelSpec
 
     gpus = torch.cuda.device_count()
@@ -40,7 +40,7 @@ def main() -> int:
         return 2
     device = "cpu" if a.dry_run else "cuda"
     ray.init(address="local", num_cpus=4, num_gpus=0 if a.dry_run else gpus, labels={GROUP_LABEL: "gpu"},
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+             namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
     spec = KernelSpec(block_size=16, groups=(("gpu", "torch", device),))
     with tempfile.TemporaryDirectory() as d:
         fleet = KernelFleet(f"sqlite:///{d}/gpu.db", spec, node_refresh_s=0.0)

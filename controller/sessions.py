@@ -180,14 +180,14 @@ class Sessions:
         import ray
 
         from workers.fleet import KernelFleet
-        from workers.placement import NAMESPACE
+        from workers.placement import RAY_NAMESPACE
 
         if self.ctx.ray_address and not ray.is_initialized():
-            ray.init(address=self.ctx.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            ray.init(address=self.ctx.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False)
         elif not ray.is_initialized():  # a local Ray: `kvfleet controller` owns its process tree (controller/ray_local.py)
             from controller import ray_local
 
-            ray_local.start(lambda: ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False))
+            ray_local.start(lambda: ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False))
         # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
         # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
         detached = bool(self.ctx.ray_address)

@@ -34,8 +34,8 @@ from fleet.oplog import ForkOp, parse_log
 from fleet.session_types import OpResult, check_session_id, check_token_ids
 from workers.nodes import FleetNodes, NodeGone, ray_get
 from workers.placement import (
-    NAMESPACE,
     NODE_KV_BYTES,
+    RAY_NAMESPACE,
     drop_blob_refs,
     fleet_scope,
     session_actor_name,
@@ -73,7 +73,7 @@ class KernelFleet:
         from fleet.cas import open_store
 
         if not ray.is_initialized():
-            ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+            ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
         self.store_url, self.call_timeout_s = store_url, call_timeout_s
         self.spec = KernelSpec.from_dict(kernel_spec or {})
         self.kernel = make_kernel(self.spec.host())  # tokenizer and geometry; a CUDA spec runs on its nodes only
@@ -156,7 +156,7 @@ class KernelFleet:
         """The live actor of a registered session (None if it is gone); NotFound if unregistered."""
         self._record(tenant, session_id)
         try:
-            actor = ray.get_actor(session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE)
+            actor = ray.get_actor(session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=RAY_NAMESPACE)
         except ValueError:  # no live actor by that name: it died and its name was released
             return None
         self._handles[(tenant, session_id)] = actor

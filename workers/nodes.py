@@ -27,7 +27,7 @@ import ray
 
 from fleet.errors import KvfleetError, Unavailable
 from workers.placement import (
-    NAMESPACE,
+    RAY_NAMESPACE,
     NodeOffer,
     choose_node,
     eligible_nodes,
@@ -118,7 +118,7 @@ class FleetNodes:
         """The node's supervisor: an existing one by name (a restarted controller reattaches), or a
         new one, running the node group's kernel spec (workers/spec.py)."""
         return ray.remote(NodeSupervisor).options(
-            name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
+            name=supervisor_name(nid, fleet_scope(self.store_url)), namespace=RAY_NAMESPACE, get_if_exists=True, num_cpus=0,
             max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
         ).remote(nid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
                  self._resources, self._detached)

@@ -10,7 +10,7 @@ from typing import Any
 from fleet.errors import ResourceExhausted
 from fleet.oplog import Op, blob_refs
 
-NAMESPACE = "kvfleet"
+RAY_NAMESPACE = "kvfleet"
 ACTOR_CPUS = 0.05  # a session actor's CPU request: dozens of sessions fit on a 2-core machine
 NODE_KV_BYTES = 2 << 30  # default KV budget of one node (--node-kv-bytes)
 SALT_BASE = 1 << 40  # salt tokens lie far outside any vocabulary: they never collide with real ids

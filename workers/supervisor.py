@@ -29,7 +29,7 @@ from fleet.oplog import Op, kv_follows_tokens
 from fleet.radix import RadixTree
 from workers.placement import (
     ACTOR_CPUS,
-    NAMESPACE,
+    RAY_NAMESPACE,
     fleet_scope,
     on_node,
     session_actor_name,
@@ -82,7 +82,7 @@ class NodeSupervisor:
                     continue
                 try:
                     name = session_actor_name(rec["tenant"], rec["session"], fleet_scope(self.store_url))
-                    actor = ray.get_actor(name, namespace=NAMESPACE)
+                    actor = ray.get_actor(name, namespace=RAY_NAMESPACE)
                 except ValueError:  # gone: regenerated on its next call
                     continue
                 self.actors[(rec["tenant"], rec["session"])] = actor
@@ -176,7 +176,7 @@ class NodeSupervisor:
         self.epochs[key] = epoch
         self.remote_adopters.discard(key)
         actor = ray.remote(KernelActor).options(
-            name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=NAMESPACE, get_if_exists=True,
+            name=session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=RAY_NAMESPACE, get_if_exists=True,
             num_cpus=ACTOR_CPUS, num_gpus=KernelSpec.from_dict(self.kernel_spec).actor_gpus, resources=self.resources,
             max_restarts=0, scheduling_strategy=on_node(self.node_id),
             lifetime="detached" if self.detached else None,

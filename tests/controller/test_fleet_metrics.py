@@ -15,7 +15,7 @@ from controller.fleet_metrics import FleetMetricsPoller, snapshot
 from controller.metrics import Metrics
 from fleet.errors import InvalidArgument
 from fleet.sdk import NO_RETRY, AsyncFleetClient
-from workers.placement import NAMESPACE, fleet_scope, session_actor_name
+from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
 
 SYSTEM = "You are a fleet agent. Keep every answer short and exact."  # 57 bytes: 3 whole blocks
 
@@ -82,7 +82,7 @@ async def test_a_real_fleet_on_the_controllers_metrics(ray_cluster: None, tmp_pa
             await c.fork("a", "a-fork")                     # shares a's blocks copy-on-write
             scope = fleet_scope(url)
             tenant = (await c.whoami()).tenant
-            ray.kill(ray.get_actor(session_actor_name(tenant, "b", scope), namespace=NAMESPACE))
+            ray.kill(ray.get_actor(session_actor_name(tenant, "b", scope), namespace=RAY_NAMESPACE))
             await c.append("b", " next turn")               # b's actor is lost: regenerated, then answered
             await asyncio.to_thread(ctl.ctx.fleet_metrics.poll)
             rows = await c.sessions(fleet=True)

@@ -26,7 +26,7 @@ from fleet.cas import open_store
 from fleet.errors import AlreadyExists, NotFound, ResourceExhausted
 from fleet.sdk import AsyncFleetClient, FleetClient
 from fleet.session_types import SESSION_ID_RULE
-from workers.placement import NAMESPACE, fleet_scope, session_actor_name
+from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
 from workers.spec import KernelSpec, make_kernel
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 tokens (byte tokenizer)
@@ -204,7 +204,7 @@ async def test_the_quota_ledger_is_rebuilt_after_a_restart(ray_cluster: None, tm
 # ---- finding 3: one tenant's stuck calls do not starve another's reads --------------------------------
 
 def _actor_pid(url: str, tenant: str, sid: str) -> int:
-    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=RAY_NAMESPACE)
     return int(ray.get(actor.info.remote(), timeout=30)["pid"])
 
 
@@ -264,7 +264,7 @@ async def test_an_idle_session_is_released_and_regenerates_on_its_next_call(ray_
             assert time.monotonic() < deadline, f"never reaped: {rows['s1']}"
             await asyncio.sleep(0.2)
         with pytest.raises(ValueError):                               # its actor (and process) is gone
-            ray.get_actor(session_actor_name("local", "s1", fleet_scope(url)), namespace=NAMESPACE)
+            ray.get_actor(session_actor_name("local", "s1", fleet_scope(url)), namespace=RAY_NAMESPACE)
         assert len(open_store(url).oplog_read("local", "s1")) == 2    # its op log stays
         again = await c.get_session("s1")                             # the next call regenerates it
         assert again.digest == digest and again.row.epoch >= 1             # regenerated (epoch bumped), bit-identical
@@ -292,7 +292,7 @@ def _supervisor_gone(url: str) -> bool:
 
     for node in ray.nodes():
         try:
-            ray.get_actor(supervisor_name(node["NodeID"], fleet_scope(url)), namespace=NAMESPACE)
+            ray.get_actor(supervisor_name(node["NodeID"], fleet_scope(url)), namespace=RAY_NAMESPACE)
             return False
         except ValueError:
             pass
@@ -401,7 +401,7 @@ def _supervisor_pid(url: str) -> int:
     from workers.placement import supervisor_name
 
     node = ray.get_runtime_context().get_node_id()
-    sup = ray.get_actor(supervisor_name(node, fleet_scope(url)), namespace=NAMESPACE)
+    sup = ray.get_actor(supervisor_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
     return int(ray.get(sup.stats.remote(), timeout=30)["pid"])
 
 

@@ -38,7 +38,7 @@ import ray  # noqa: E402
 
 from fleet.errors import ResourceExhausted  # noqa: E402
 from workers.fleet import KernelFleet  # noqa: E402
-from workers.placement import NAMESPACE, fleet_scope, session_actor_name  # noqa: E402
+from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name  # noqa: E402
 from workers.spec import KernelSpec  # noqa: E402
 
 SPEC = KernelSpec(block_size=16)
@@ -60,7 +60,7 @@ def start_cluster(num_nodes: int = 2, accel_node: bool = True) -> Any:
         extra = {"accel": 1.0} if accel_node and i == num_nodes - 1 else {}
         cluster.add_node(num_cpus=1, resources=extra)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(address=cluster.address, namespace=RAY_NAMESPACE, log_to_driver=False)
     return cluster
 
 
@@ -85,7 +85,7 @@ def wait_unreachable(actor: Any, timeout_s: float = 60.0) -> None:
 
 
 def actor_info(url: str, tenant: str, sid: str) -> dict[str, Any]:
-    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=RAY_NAMESPACE)
     return dict(ray.get(actor.info.remote(), timeout=60))
 
 

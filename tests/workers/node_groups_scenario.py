@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 
 from workers.fleet import KernelFleet  # noqa: E402
-from workers.placement import NAMESPACE  # noqa: E402
+from workers.placement import RAY_NAMESPACE  # noqa: E402
 from workers.spec import GROUP_LABEL, KernelSpec  # noqa: E402
 
 SPEC = KernelSpec(block_size=16, groups=(("fast", "torch", "cpu"), ("gpu", "torch", "cuda")))
@@ -43,7 +43,7 @@ def start_cluster() -> Any:
     for group in ("cpu", "fast", "gpu"):
         cluster.add_node(num_cpus=1, labels={GROUP_LABEL: group})
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(address=cluster.address, namespace=RAY_NAMESPACE, log_to_driver=False)
     return cluster
 
 

@@ -16,7 +16,7 @@ from support.workers import SPEC, prefilled, replay_locally, wait_dead
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import max_abs_delta
 from workers.fleet import KernelFleet
-from workers.placement import NAMESPACE, fleet_scope, session_actor_name
+from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
 from workers.spec import make_kernel
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 bytes: 2 whole blocks of 16
@@ -109,7 +109,7 @@ def test_killed_actor_mid_append_is_regenerated_bit_identically(kfleet: KernelFl
     long_text = "".join(random.Random(0).choices("abcdefghij klmnop.", k=4000))
     result: dict[str, object] = {}
     worker = threading.Thread(target=lambda: result.update(r=kfleet.append(tenant, "k", long_text)))
-    actor = ray.get_actor(session_actor_name(tenant, "k", fleet_scope(kfleet.store_url)), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "k", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
     worker.start()
     deadline = time.monotonic() + 60                               # wait until the append is in flight
     while ray.get(actor.info.remote())["in_flight"] != "append" and time.monotonic() < deadline:
@@ -149,7 +149,7 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
     ws = kfleet.working_set(tenant, "q", budget_tokens=10_000)
     assert ws.verdicts() == ["HIT", "HIT", "REFUSE"]
     digest = kfleet.digest(tenant, "q")
-    actor = ray.get_actor(session_actor_name(tenant, "q", fleet_scope(kfleet.store_url)), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "q", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
     ray.kill(actor, no_restart=True)
     wait_dead(actor)
     assert kfleet.digest(tenant, "q") == digest                   # regenerated from the log (+ CAS bytes)
@@ -166,7 +166,7 @@ def test_supervisor_restart_regenerates_its_sessions(kfleet: KernelFleet, tenant
     kfleet.append(tenant, "v", " hello")
     digest = kfleet.digest(tenant, "v")
     [sup] = kfleet.supervisors.values()
-    actor = ray.get_actor(session_actor_name(tenant, "v", fleet_scope(kfleet.store_url)), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "v", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
     ray.kill(sup, no_restart=False)              # Ray restarts it empty; the sessions it owned die with it
     wait_dead(actor)                             # owner death reaps the session actor asynchronously
     assert kfleet.digest(tenant, "v") == digest and kfleet.num_regenerations == 1

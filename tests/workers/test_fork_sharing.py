@@ -13,7 +13,7 @@ from support.workers import SPEC, replay_locally, wait_dead
 
 from fleet.kernel import max_abs_delta
 from workers.fleet import KernelFleet
-from workers.placement import NAMESPACE, fleet_scope, session_actor_name
+from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
 from workers.spec import make_kernel
 
 PROMPT = "You are agent one. Plan, then act. " * 3          # 105 bytes: 6 whole blocks + 9
@@ -58,7 +58,7 @@ def test_fork_adopts_parent_blocks_bit_identically_and_copies_on_write(kfleet: K
     assert d_alone == 0.0 and d_diverged == 0.0 and control > 0.0
 
     digest = kfleet.digest(tenant, "c")                            # a crash: regenerated from its log
-    actor = ray.get_actor(session_actor_name(tenant, "c", fleet_scope(kfleet.store_url)), NAMESPACE)
+    actor = ray.get_actor(session_actor_name(tenant, "c", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
     ray.kill(actor, no_restart=True)
     wait_dead(actor)
     assert kfleet.digest(tenant, "c") == digest and kfleet.num_regenerations == 1

@@ -13,7 +13,7 @@ from support.workers import SPEC
 from fleet.errors import ResourceExhausted
 from workers.fleet import KernelFleet
 from workers.placement import (
-    NAMESPACE,
+    RAY_NAMESPACE,
     NodeOffer,
     choose_node,
     eligible_nodes,
@@ -61,7 +61,7 @@ def test_a_full_fleet_refuses_a_session_with_resource_exhausted_and_leaves_nothi
         assert e.value.code == "RESOURCE_EXHAUSTED"
         assert f.registry.get(tenant, "b2") is None and f.store.oplog_read(tenant, "b2") == []
         with pytest.raises(ValueError):
-            ray.get_actor(session_actor_name(tenant, "b2", fleet_scope(url)), namespace=NAMESPACE)
+            ray.get_actor(session_actor_name(tenant, "b2", fleet_scope(url)), namespace=RAY_NAMESPACE)
         f.close(tenant, "b1")                                           # room again (the cached blocks stay)
         assert f.create_session(tenant, "b3", prompt)["adopted_tokens"] == 32
     finally:
