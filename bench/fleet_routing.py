@@ -7,13 +7,15 @@
 For every cell (workload x per-worker cache size) each contender gets FRESH `kvfleet sim-vllm`
 workers built from the same config, and the same trace: agents whose conversations grow turn by
 turn, each request re-sending the whole history as OpenAI chat messages, streamed. At fixed points
-of the trace (fractions of its requests issued) one worker is slept (level 1) and woken, and one
+of the trace (fractions of its requests issued) one worker is slept (level 1, mode=wait: those in
+flight finish, new ones wait for the wake; peers/launch.py SLEEP_MODE) and woken, and one
 worker's prefix cache is reset; behind every router's back (HTTP straight to the worker), except
 for "kvfleet-ctl", whose actions go through the kvfleet controller. Contenders: bench/peers/launch.py.
 
 Figures per contender: prefilled tokens and hit rate from the workers' own counters, client-side
 time to first token (first SSE event), completed requests/s, per-worker request and token
-shares, requests timed out (--timeout) and requests that reached a sleeping worker (counted at the
+shares, requests timed out (--timeout), requests the worker aborted (a 200 stream whose last
+finish_reason is "abort": not completed) and requests that reached a sleeping worker (counted at the
 worker), and, for kvfleet's routers, stale warm routes (a WARM verdict whose matched tokens the
 worker did not actually have cached: its usage.cached_tokens < the verdict's matched tokens).
 """
@@ -78,6 +80,7 @@ class Record:
     attempts: int = 1
     error: str = ""
     issued: int = 0  # its place in issue order (lifecycle events carry the same count: at_request)
+    finish_reason: str | None = None  # the stream's last one; "abort": the worker ended it unfinished
 
 
 @dataclass(slots=True)
@@ -97,6 +100,16 @@ def usage_of(raw: bytes) -> tuple[int | None, int | None]:
             u = json.loads(line[6:]).get("usage") or {}
             return u.get("prompt_tokens"), (u.get("prompt_tokens_details") or {}).get("cached_tokens")
     return None, None
+
+
+def finish_of(raw: bytes) -> str | None:
+    """The last finish_reason the SSE stream carried (None: it carried none)."""
+    for line in reversed(raw.decode(errors="replace").split("\n\n")):
+        if line.startswith("data: {") and '"finish_reason"' in line:
+            for c in json.loads(line[6:]).get("choices") or []:
+                if c.get("finish_reason"):
+                    return str(c["finish_reason"])
+    return None
 
 
 class Driver:
@@ -206,6 +219,9 @@ class Driver:
                     rec.total_s = time.perf_counter() - t0
                     if r.status == 200:
                         rec.prompt_tokens, rec.cached_tokens = usage_of(raw)
+                        rec.finish_reason = finish_of(raw)
+                        if rec.finish_reason == "abort":  # a 200 stream the worker ended unfinished
+                            rec.error = "the worker aborted the request (finish_reason abort)"
                     else:
                         rec.error = raw[:200].decode(errors="replace")
         except TimeoutError:
@@ -476,6 +492,7 @@ def meta(a: argparse.Namespace, opt: Options, cfg: Any, took: float) -> dict[str
         "took_s": took,
         "sim_config": asdict(cfg) | {"num_blocks": "per cell"},
         "max_tokens": MAX_TOKENS,
+        "sleep_mode": launch.SLEEP_MODE,
         "versions": {p: ver(p) for p in ("vllm-router", "sglang-router")},
         "detector": detector_setting(),
         "cells_arg": a.cells,

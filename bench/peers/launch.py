@@ -33,6 +33,11 @@ from .workers import MODEL, SimFleet
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).resolve().parent
 _LIVE: set[subprocess.Popen[bytes]] = set()
+# NOTE: vLLM's /sleep defaults to mode=abort, which ends the requests in flight with a 200 stream whose
+# finish_reason is "abort"; those still waiting never reach the prefix cache. The bench's sleep is a
+# worker going away behind the router's back, not lost requests: "wait" lets those in flight finish
+# (the cache is dropped once they have) while new ones wait for the wake, so every prompt runs once.
+SLEEP_MODE = "wait"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +132,8 @@ class Running:
         return all(p.poll() is None for p in self.procs)
 
     async def lifecycle(self, verb: str, worker: str, fleet: SimFleet) -> dict[str, Any]:
-        """Sleep (level 1), wake_up or reset_prefix_cache one worker; reset is retried while the
-        engine answers success:false (requests in flight), at most 100 times, 20 ms apart."""
+        """Sleep (level 1, mode SLEEP_MODE), wake_up or reset_prefix_cache one worker; reset is retried
+        while the engine answers success:false (requests in flight), at most 100 times, 20 ms apart."""
         t0, attempts, ok = time.monotonic(), 0, False
         while not ok and attempts < (100 if verb == "reset_prefix_cache" else 1):
             if attempts:
@@ -149,14 +154,17 @@ class Running:
         }
 
     async def _direct(self, verb: str, url: str) -> bool:
-        path = "/sleep?level=1" if verb == "sleep" else "/" + verb
+        path = f"/sleep?level=1&mode={SLEEP_MODE}" if verb == "sleep" else "/" + verb
         async with self.http.post(url + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
             body = await r.json(content_type=None)
             return r.status == 200 and (verb != "reset_prefix_cache" or bool(body.get("success")))
 
     async def _via_controller(self, verb: str, worker: str) -> bool:
         assert self.op is not None
-        w = await self.op.lifecycle(worker, verb, level=1 if verb == "sleep" else None)
+        sleep = verb == "sleep"
+        w = await self.op.lifecycle(
+            worker, verb, level=1 if sleep else None, mode=SLEEP_MODE if sleep else None
+        )
         return verb != "reset_prefix_cache" or w.kv == "forgotten"
 
     async def stop(self) -> None:

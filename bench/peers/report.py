@@ -13,6 +13,10 @@ from typing import Any
 
 PEER_KINDS = ("vllm", "sglang", "sticky")
 OURS = ("kvfleet", "kvfleet-ctl", "kvfleet-blind")
+SLEEP_MODES = {  # how vLLM's /sleep meets requests in flight
+    "abort": ": requests in flight end unfinished",
+    "wait": ": requests in flight finish first, new ones wait for the wake",
+}
 
 
 def pct(xs: list[float], p: float) -> float | None:
@@ -28,9 +32,14 @@ def hist_quantile(h: dict[str, float], q: float) -> float | None:
     return next(le for le, c in items if c >= q * items[-1][1])
 
 
+def completed(rec: dict[str, Any]) -> bool:
+    """A 200 whose stream the worker did not abort (a 200 stream can still end finish_reason abort)."""
+    return bool(rec["status"] == 200 and rec.get("finish_reason") != "abort")
+
+
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     recs, ws = run["records"], list(run["workers"].values())
-    ok = [r for r in recs if r["status"] == 200]
+    ok = [r for r in recs if completed(r)]
     q, hits = sum(w["queries"] for w in ws), sum(w["hits"] for w in ws)
     arrivals, tokens = [w["arrivals"] for w in ws], [w["queries"] for w in ws]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -46,7 +55,8 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "ok": len(ok),
         "n": len(recs),
         "timed_out": sum(r["status"] == 0 for r in recs),
-        "errors": sum(r["status"] != 200 and r["status"] != 0 for r in recs),
+        "errors": sum(r["status"] != 0 and not completed(r) for r in recs),  # aborted streams included
+        "aborted": sum(r["status"] == 200 and not completed(r) for r in recs),
         "to_sleeping": sum(w["to_sleeping"] for w in ws),
         "req_share_max": max(arrivals) / max(sum(arrivals), 1),
         "req_share_min": min(arrivals) / max(sum(arrivals), 1),
@@ -196,7 +206,7 @@ def observations(cells: list[dict[str, Any]]) -> list[str]:
             if "summary" in r and r["summary"]["ok"] < r["summary"]["n"]:
                 errs: dict[str, int] = {}
                 for x in r["records"]:
-                    if x["status"] != 200:
+                    if not completed(x):
                         key = first_sentence(x["error"])[:110]
                         errs[key] = errs.get(key, 0) + 1
                 top = max(errs, key=lambda k: errs[k])
@@ -242,6 +252,7 @@ def report(results: dict[str, Any]) -> str:
                 r["summary"] = summarize(r)
         c["best"] = best_peers(c)
     o, v, sc = results["options"], results["versions"], results["sim_config"]
+    mode = results.get("sleep_mode", "abort")  # runs that did not record it used vLLM's default
     not_run = sorted(
         {
             f"{r['contender']}: {first_sentence(r['unavailable'])}"
@@ -268,7 +279,8 @@ def report(results: dict[str, Any]) -> str:
         "an instruction and an answer per turn, every turn re-sending the whole history as streamed OpenAI "
         f"`/v1/chat/completions` (max_tokens {results['max_tokens']}), with a seeded think time (mean "
         f"{1e3 * o['think_s']:.0f} ms) between an agent's turns. Behind every router's back (HTTP straight to the "
-        "worker) the busiest worker is slept (level 1) when 35% of the trace's requests were issued and woken once "
+        f"worker) the busiest worker is slept (level 1, mode {mode}{SLEEP_MODES.get(mode, '')}) when 35% of the "
+        "trace's requests were issued and woken once "
         f"50% were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s); at 70% the busiest "
         "awake worker's prefix cache is reset. `kvfleet-ctl` gets the same actions through the kvfleet "
         f"controller instead. Client timeout {o['timeout_s']:.0f} s per request. Peers: vllm-router "
@@ -284,7 +296,8 @@ def report(results: dict[str, Any]) -> str:
         "Prefilled tokens and hit rates are the stand-ins' own counters (prompt tokens run minus prefix-cache "
         "hits, as vLLM's `prefix_cache_queries`/`prefix_cache_hits`); TTFT is client side (first SSE event, "
         'router included); "to sleeping" counts requests that reached a worker while it slept (counted at '
-        "the worker); a stale warm route is a kvfleet WARM verdict whose matched tokens exceed the tokens "
+        "the worker); a request is ok when its answer is a 200 whose stream did not end with finish_reason "
+        '"abort"; a stale warm route is a kvfleet WARM verdict whose matched tokens exceed the tokens '
         "the worker reported cached for that request (whatever the cause: a lifecycle action behind its back, or "
         "an eviction its index had not yet seen). Ratios are against the best peer of the cell on "
         "each metric (lower is better for prefill and TTFT, higher for req/s). There is no oracle here (no "

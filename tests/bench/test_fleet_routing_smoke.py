@@ -29,6 +29,7 @@ async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: 
         r = await fr.run_one(CONTENDERS[name], wl, 256, opt, tmp_path / name)
         assert "unavailable" not in r, r.get("unavailable")
         assert [x["status"] for x in r["records"]] == [200] * wl.num_requests
+        assert [x["finish_reason"] for x in r["records"]] == ["length"] * wl.num_requests
         assert sorted((e["verb"], e["ok"]) for e in r["events"]) == [
             ("reset_prefix_cache", True),
             ("sleep", True),
@@ -77,6 +78,8 @@ async def test_the_mooncake_slice_replays_open_loop_and_shares_prefixes_as_its_h
     r = await fr.run_one(CONTENDERS["sticky"], wl, 256, opt, tmp_path)
     assert "unavailable" not in r, r.get("unavailable")
     assert [x["status"] for x in r["records"]] == [200] * 40
+    # none was ended by the sleep: a 200 stream can still end with finish_reason "abort"
+    assert [x["finish_reason"] for x in r["records"]] == ["length"] * 40
     assert sorted(x["issued"] for x in r["records"]) == list(range(1, 41))
     s = summarize(r)
     assert s["queries"] == wl.prompt_tokens() and 0 < s["prefilled"] < s["queries"]

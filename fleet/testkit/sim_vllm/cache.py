@@ -71,7 +71,8 @@ class PrefixCache:
         return len(self.ref_cnt) + extra <= self.num_blocks
 
     def allocate(self, seq: Seq) -> int:
-        res, held = self._admit(seq.token_ids, seq.digests, seq.lora, seq.cache_salt, seq.report_full)
+        first = seq.num_cached_tokens < 0  # a preempted seq's readmission is not a new query (vLLM)
+        res, held = self._admit(seq.token_ids, seq.digests, seq.lora, seq.cache_salt, seq.report_full, first)
         for d in held:
             self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
         seq.pinned = held
@@ -107,11 +108,15 @@ class PrefixCache:
         lora: str | None,
         salt: str | None,
         report_full: bool,
+        count: bool = True,
     ) -> tuple[StepResult, list[bytes]]:
         """Match the prefix, cache the new full blocks (LRU-evicting unpinned ones), queue the events.
 
-        Returns the result and the blocks the request now holds (hit + new). NOTE: with nothing pinned
-        this is exactly the stand-in's original one-shot step (the demo's offline model replays it).
+        Returns the result and the blocks the request now holds (hit + new). `count`: add the prompt
+        to `queries`/`hits` (vllm:prefix_cache_*_total), as vLLM does for a request's first scheduling
+        only; a preempted request's readmission goes to its separate preempted stats, which it does not
+        export. NOTE: with nothing pinned this is exactly the stand-in's original one-shot step (the
+        demo's offline model replays it).
         """
         hit = self._num_hit(digests)
         for d in digests[:hit]:
@@ -127,14 +132,17 @@ class PrefixCache:
         stored = digests[first_new : hit + len(new)]
         if stored:
             self.pending.append(self._stored_event(token_ids, digests, first_new, len(stored), lora, salt))
-        self.queries += len(token_ids)
-        self.hits += hit * self.hash_cfg.block_size
+        if count:
+            self.queries += len(token_ids)
+            self.hits += hit * self.hash_cfg.block_size
         return StepResult(len(token_ids), hit * self.hash_cfg.block_size, len(new)), digests[: hit + len(new)]
 
     def _evict(self, n: int, keep: set[bytes]) -> None:
         for d in [d for d in self.cache if d not in keep][: max(n, 0)]:
             del self.cache[d]
-            self.pending.append(wire.VllmBlockRemoved(block_hashes=[to_external(d)], medium="GPU", group_idx=0))
+            self.pending.append(
+                wire.VllmBlockRemoved(block_hashes=[to_external(d)], medium="GPU", group_idx=0)
+            )
 
     def _stored_event(
         self,
