@@ -140,9 +140,11 @@ def test_kvfleet_controller_cli(tmp_path: Path) -> None:
                              "--store", f"sqlite:///{tmp_path / 'var' / 'kv.db'}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        print(line.strip())
-        m = re.search(r"listening on (\S+) .*metrics on [^\s:]*:(\d+)", line)
+        for _ in range(5):  # the start lines: the detector layers it runs, then where it listens
+            line = proc.stdout.readline()
+            print(line.strip())
+            if m := re.search(r"listening on (\S+) .*metrics on [^\s:]*:(\d+)", line):
+                break
         assert m, (line, proc.stderr.read() if proc.poll() is not None else "")
         with FleetClient(m.group(1), token=op) as c:
             assert c.whoami().role == "operator"
