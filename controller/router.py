@@ -48,7 +48,7 @@ from fleet import lifecycle as lc
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.lifecycle import Witness
 from fleet.rank_state import RankState
-from fleet.route_types import RouteCandidate, RouteCost, RouteDecision
+from fleet.route_types import RouteCandidate, RouteCost, RouteDecision, verdict_of
 
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
@@ -302,7 +302,7 @@ class Router:
             name,
             v.url,
             r,
-            "WARM" if t.cached_tokens else "COLD",
+            verdict_of(t.cached_tokens),
             t.cached_tokens,
             v.rank(r).epoch,
             cache_salt or "",
@@ -330,7 +330,7 @@ class Router:
 
     def _observe(self, token_ids: Sequence[int], t: RouteCost, cands: tuple[RouteCandidate, ...]) -> None:
         m = self.metrics
-        m.route_total.labels("WARM" if t.cached_tokens else "COLD").inc()
+        m.route_total.labels(verdict_of(t.cached_tokens)).inc()
         m.route_cost.observe(t.total)
         if len(cands) > 1 and cands[1].cost is not None:
             m.route_cost_margin.observe(cands[1].cost.total - t.total)

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+WARM, COLD = "WARM", "COLD"
+
+
+def verdict_of(matched_tokens: int) -> str:
+    """The one rule: a route is WARM when the chosen rank holds a prefix of the prompt (>= 1 block), else COLD."""
+    return WARM if matched_tokens > 0 else COLD
+
 
 class RouteCost(NamedTuple):
     """A candidate's cost in prefill-token units (docs/routing.md):
@@ -57,4 +64,4 @@ class RouteDecision(NamedTuple):
 
     @property
     def warm(self) -> bool:
-        return self.verdict == "WARM"
+        return self.verdict == WARM

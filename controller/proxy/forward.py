@@ -37,6 +37,7 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
+from fleet.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
@@ -81,11 +82,11 @@ def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> list[Tar
         if w is not None and c.worker not in seen:
             seen.add(c.worker)
             epoch = next((r.epoch for r in w.ranks if r.dp_rank == c.dp_rank), 0)
-            out.append(Target(c.worker, w.url, "WARM" if c.matched_tokens else "COLD", c.matched_tokens, epoch))
+            out.append(Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch))
     for w in sorted(directory.workers.values(), key=lambda w: w.name):
         if w.model == base and w.name not in seen:
             epoch = max((r.epoch for r in w.ranks), default=0)
-            out.append(Target(w.name, w.url, "COLD", 0, epoch))
+            out.append(Target(w.name, w.url, COLD, 0, epoch))
     return out
 
 
