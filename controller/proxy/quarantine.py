@@ -61,8 +61,9 @@ PLACEHOLDER = "[tool result sha256:{ref} withheld: quarantined by kvfleet]"
 # tool results go in several calls, and one larger tool result is refused (413) rather than sent
 MAX_JUDGE_BYTES = 3 << 20
 MAX_JUDGE_RESULTS = 256  # the controller's limit per call (controller.verdicts.MAX_RESULTS)
-# NOTE: a first inspection costs CPU in the controller (the rules read several views of the text: about 3 s
-# per MiB on a loaded 2-core machine), far more than a route; later ones are a store lookup
+# NOTE: a first inspection costs CPU in the controller: the fast layers a request waits for (rules + learned:
+# about 3 ms per KiB, docs/quarantine_default.md) and, off the request path, any heavy layer (the encoder:
+# 100-200 ms per KiB, docs/quarantine_path.md); far more than a route. Later ones are a store lookup.
 JUDGE_TIMEOUT_S = 30.0
 
 Rewrite = Callable[[str, str], str | None]  # (text, where) -> replacement, or None to keep it
