@@ -227,8 +227,7 @@ def test_controller_runs_the_documented_command(rendered: dict[str, dict[str, st
     assert c["args"] == ["controller", "--listen", "0.0.0.0:50051", "--metrics-port", "9400",
                          "--store", "redis://demo-kvfleet-redis:6379/0",
                          "--tokens-file", "/etc/kvfleet/tokens/tokens.json",
-                         "--ray-address", "ray://demo-kvfleet-workers-head-svc:10001",
-                         "--detector-layers", "rules,learned,encoder"]  # the full policy (test_chart_edge.py)
+                         "--ray-address", "ray://demo-kvfleet-workers-head-svc:10001"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": 50051}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}

@@ -158,21 +158,19 @@ def test_no_reader_token_is_minted_when_the_proxy_has_another(chart: Any, values
 
 def test_detector_layers_reach_the_controller_flag(chart: Any) -> None:
     """controller.detectorLayers becomes --detector-layers, which the controller's parser takes; null, the
-    flag is absent (the controller's default); a list with an unknown layer fails the schema. The chart's
-    default runs the full policy: the controller's default layers and the heavy encoder judge, named
-    explicitly, so an image without kvfleet[encoder] stops at start instead of judging with less."""
+    flag is absent (the controller's default, which the chart keeps: the encoder is opt-in, issue #28); a list
+    with an unknown layer fails the schema; the image can run every layer, so naming the encoder works there."""
     from controller.main import config_from
-    from fleet.quarantine.layered import DEFAULT_LAYERS
 
     args = container(one(_objs(chart, {"controller": {"detectorLayers": "rules,learned"}}), "Deployment",
                          "-controller"))["args"]
     assert args[args.index("--detector-layers") + 1] == "rules,learned"
     assert config_from(parse_args(args[1:], {}), {}).detector_layers == ("rules", "learned")
     default = container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
-    full = default[default.index("--detector-layers") + 1].split(",")
-    assert set(full) >= {*DEFAULT_LAYERS, "encoder"}, f"the chart's default {full} is not the full policy"
-    unset = container(one(_objs(chart, {"controller": {"detectorLayers": None}}), "Deployment", "-controller"))
-    assert "--detector-layers" not in unset["args"]  # control: null keeps the controller's default
+    assert "--detector-layers" not in default  # the chart's default: the controller's default layers
+    full = container(one(_objs(chart, {"controller": {"detectorLayers": "rules,learned,encoder"}}), "Deployment",
+                         "-controller"))["args"]
+    assert full[full.index("--detector-layers") + 1] == "rules,learned,encoder"  # control: opting in renders it
     with pytest.raises(Exception, match="detectorLayers|pattern"):
         _objs(chart, {"controller": {"detectorLayers": "rules,bert"}})
 

@@ -25,7 +25,8 @@ ATTACK = (
 
 @pytest.fixture(scope="module")
 def layered() -> object:
-    return make_detector()
+    """The three layers, named (the default, DEFAULT_LAYERS, is rules + learned: the encoder is opt-in)."""
+    return make_detector(DetectorConfig(layers=("rules", "learned", "encoder")))
 
 
 def test_layered_still_catches_what_the_rules_caught() -> None:
