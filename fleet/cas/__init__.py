@@ -18,6 +18,7 @@ from fleet.cas.base import (
     BlobStore,
     StoreConfig,
 )
+from fleet.cas.url import redact
 from fleet.errors import InvalidArgument
 
 __all__ = [
@@ -41,7 +42,7 @@ def make_store(cfg: StoreConfig) -> BlobStore:
         from fleet.cas.sqlite import SqliteBlobStore  # noqa: PLC0415
 
         return SqliteBlobStore(cfg)
-    raise InvalidArgument(f"unknown store URL {cfg.url!r}: use sqlite:///path/to/kvfleet.db or redis://host:port/db")
+    raise InvalidArgument(f"unknown store URL {redact(cfg.url)!r}: use sqlite:///path/to/kvfleet.db or redis://host:port/db")
 
 
 def open_store(url: str, *, max_blob_bytes: int = DEFAULT_MAX_BLOB_BYTES, lease_s: float = DEFAULT_LEASE_S,
