@@ -326,15 +326,17 @@ SCENARIOS: dict[str, Callable[[Any, Path], dict[str, Any]]] = {
 }
 
 
-def main(out: Path, names: list[str]) -> None:
+def run(out: Path, scenarios: dict[str, Callable[[Any, Path], dict[str, Any]]], **cluster_kw: Any) -> None:
+    """Run `scenarios` in turn on one fresh cluster (`start_cluster(**cluster_kw)`); OUT.json gets each one's
+    result (or its traceback) and wall time as it finishes, by name."""
     results: dict[str, Any] = {}
-    cluster = start_cluster()
+    cluster = start_cluster(**cluster_kw)
     tmp = Path(tempfile.mkdtemp(prefix="kvfleet-mn-"))
     try:
-        for name in names or list(SCENARIOS):
+        for name, scenario in scenarios.items():
             t0 = time.perf_counter()
             try:
-                results[name] = SCENARIOS[name](cluster, tmp)
+                results[name] = scenario(cluster, tmp)
             except Exception:  # noqa: BLE001 - reported to the test, which fails on it
                 results[name] = {"error": traceback.format_exc()}
             results[name]["wall_s"] = time.perf_counter() - t0
@@ -344,6 +346,10 @@ def main(out: Path, names: list[str]) -> None:
         cluster.shutdown()
         for d in (tmp, Path(os.environ["RAY_TMPDIR"])):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def main(out: Path, names: list[str]) -> None:
+    run(out, {name: SCENARIOS[name] for name in names or list(SCENARIOS)})
 
 
 if __name__ == "__main__":

@@ -11,14 +11,10 @@ call and its duration go into OUT.json, with the same calls timed before the los
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ray  # noqa: E402
-from multinode_scenarios import SPEC, start_cluster  # noqa: E402
+from multinode_scenarios import SPEC, run  # noqa: E402
 
 from workers.fleet import KernelFleet  # noqa: E402
 
@@ -98,21 +94,7 @@ def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
 
 
 def main(out: Path) -> None:
-    cluster = start_cluster(num_nodes=3, accel_node=False)
-    tmp = Path(tempfile.mkdtemp(prefix="kvfleet-loss-"))
-    t0 = time.perf_counter()
-    try:
-        try:
-            result = node_loss(cluster, tmp)
-        except Exception:  # noqa: BLE001 - reported to the test, which fails on it
-            result = {"error": traceback.format_exc()}
-        result["wall_s"] = time.perf_counter() - t0
-        out.write_text(json.dumps(result, default=str))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for d in (tmp, Path(os.environ["RAY_TMPDIR"])):
-            shutil.rmtree(d, ignore_errors=True)
+    run(out, {"node_loss": node_loss}, num_nodes=3, accel_node=False)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def loss(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _, err = proc.communicate()
     if not out.exists():
         pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{err[-3000:]}")
-    r = dict(json.loads(out.read_text()))
+    r = dict(json.loads(out.read_text())["node_loss"])
     assert "error" not in r, r["error"]
     return r
 
