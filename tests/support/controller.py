@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -49,3 +50,12 @@ async def code_of(aw: Any) -> grpc.StatusCode:
     except grpc.aio.AioRpcError as e:
         return e.code()
     return grpc.StatusCode.OK
+
+
+async def lanes_idle(ctl: object, tenant: str, timeout_s: float = 300.0) -> None:
+    """Wait until `tenant`'s judge lane has nothing queued or running (its background jobs are done)."""
+    lanes = ctl.ctx.judge_lanes  # type: ignore[attr-defined]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (st := lanes.stats(tenant))["queued"] or st["inflight"]:
+        assert asyncio.get_running_loop().time() < deadline, f"{tenant}'s judge lane still busy: {st}"
+        await asyncio.sleep(0.05)

@@ -5,13 +5,12 @@ append it). A real controller on loopback; the encoder must be installed (kvflee
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from pathlib import Path
 
 import grpc
 import pytest
-from support.controller import make_tokens, md, start_controller, store_url
+from support.controller import lanes_idle, make_tokens, md, start_controller, store_url
 
 from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.skipif(bool(missing_modules()), reason="needs kvfleet[e
 
 TEXT = b"Order 4412 shipped on 3 March via DHL, expected delivery Friday."
 STORED = b"Build 8812 passed: 412 tests, 0 failures, coverage 81.4%."
-
-
-async def lanes_idle(ctl: object, tenant: str, timeout_s: float = 300.0) -> None:
-    """Wait until `tenant`'s judge lane has nothing queued or running (its background jobs are done)."""
-    lanes = ctl.ctx.judge_lanes  # type: ignore[attr-defined]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while (st := lanes.stats(tenant))["queued"] or st["inflight"]:
-        assert asyncio.get_running_loop().time() < deadline, f"{tenant}'s judge lane still busy: {st}"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_heavy_layers_verdict_comes_late_and_the_next_request_is_withheld(tmp_path: Path) -> None:
