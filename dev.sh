@@ -47,6 +47,7 @@ case "$cmd" in
       # (.venv-plain), runs `kvfleet demo` and starts `kvfleet controller`.
       scripts/plain_install_check.sh
     fi
+    export KVFLEET_TEST_EXTRAS=all  # .[dev] holds every extra: a test needing one fails if it is missing (tests/support/extras.py)
     exec python -m pytest "$@" ;;
   bench) name=${1:?usage: ./dev.sh bench NAME (a script in bench/, without .py)}; shift
     # The CAS benchmark compares against redis-benchmark (Debian's redis-tools) when it can be had.

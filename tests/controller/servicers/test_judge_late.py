@@ -9,17 +9,16 @@ import hashlib
 from pathlib import Path
 
 import grpc
-import pytest
 from support.controller import lanes_idle, make_tokens, md, start_controller, store_url
+from support.extras import require_encoder
 
 from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
-from fleet.quarantine.encoder import missing_modules
 from fleet.quarantine.layered import DetectorConfig
 
-pytestmark = pytest.mark.skipif(bool(missing_modules()), reason="needs kvfleet[encoder]")
+require_encoder()
 
 TEXT = b"Order 4412 shipped on 3 March via DHL, expected delivery Friday."
 STORED = b"Build 8812 passed: 412 tests, 0 failures, coverage 81.4%."

@@ -15,12 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from support.extras import require_encoder
 
-from fleet.quarantine.encoder import missing_modules
-
-if missing_modules():
-    pytest.skip(f"the encoder layer needs {', '.join(missing_modules())} (pip install 'kvfleet[encoder]')",
-                allow_module_level=True)
+require_encoder()
 
 from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
 from fleet.quarantine.detector import unquoted_view  # noqa: E402
