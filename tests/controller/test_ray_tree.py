@@ -63,7 +63,9 @@ def _tree(pid: int) -> dict[int, tuple[float, str]]:
     out = {}
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            out[p.pid] = (p.create_time(), " ".join(p.cmdline())[:80] or p.name())
+            # the process name first: the command line's path is as long as the checkout's, so
+            # a cut of it can lose the executable's name (it did in CI under a longer root)
+            out[p.pid] = (p.create_time(), f"{p.name()}: {' '.join(p.cmdline())[-80:]}")
         except psutil.Error:
             pass
     return out
