@@ -97,13 +97,16 @@ def _char_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarr
 
 def _word_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarray]:
     matches = list(_WORD_RE.finditer(norm))
-    words = [m.group(0) for m in matches]
+    words = [m.group(0).encode() for m in matches]
+    starts = [m.start() for m in matches]
     pos: list[int] = []
     hashes: list[int] = []
     for n in cfg.word_ngrams:
-        for i in range(len(words) - n + 1):
-            pos.append(matches[i].start())
-            hashes.append(zlib.crc32(f"w{n}|{' '.join(words[i : i + n])}".encode()))
+        seed = zlib.crc32(f"w{n}|".encode())  # NOTE: crc32(a + b) == crc32(b, crc32(a)): the prefix is hashed once
+        m = len(words) - n + 1
+        pos += starts[: max(0, m)]
+        grams = words if n == 1 else [b" ".join(words[i : i + n]) for i in range(m)]
+        hashes += [zlib.crc32(g, seed) for g in grams]
     if not pos:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     with np.errstate(over="ignore"):

@@ -55,16 +55,14 @@ class LearnedModel:
         prev = np.full(len(pos), -1, dtype=np.int64)
         same = buckets[order[1:]] == buckets[order[:-1]]
         prev[order[1:][same]] = pos[order[:-1][same]]
-        first = np.searchsorted(
-            starts, pos - self.window_chars, side="right"
-        )  # first window holding the event
+        first = np.searchsorted(starts, pos - self.window_chars, side="right")  # first window holding the event
         last = np.searchsorted(starts, pos, side="right") - 1
+        fresh = np.searchsorted(starts, prev, side="right")  # first window starting after the previous event
         sums, sizes = np.zeros(len(starts)), np.zeros(len(starts))
         w = self.weights[buckets].astype(np.float64)
         for o in range(3):
             i = first + o
-            ok = i <= last
-            ok[ok] &= prev[ok] < starts[i[ok]]
+            ok = (i <= last) & (i >= fresh)
             sums += np.bincount(i[ok], weights=w[ok], minlength=len(starts))
             sizes += np.bincount(i[ok], minlength=len(starts))
         return sums / np.sqrt(np.maximum(sizes, 1.0)) + self.bias

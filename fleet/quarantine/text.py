@@ -22,6 +22,9 @@ _ALWAYS_INVISIBLE = "\u200b\u2060\u2061\u2062\u2063\u2064\u180e\u00ad\ufeff"
 _BIDI = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f"
 _JOINERS = "\u200c\u200d"
 _INVISIBLE_RE = re.compile(f"[{_ALWAYS_INVISIBLE}{_BIDI}{_JOINERS}]|[\U000e0000-\U000e007f]")
+_STRICT_INVISIBLE_RE = re.compile(f"[{_ALWAYS_INVISIBLE}{_BIDI}\U000e0000-\U000e007f]")
+# Runs of spaces to collapse: every run but a lone " " (which would be replaced by itself).
+_SPACES_RE = re.compile(r"[ \t\r\f\v]{2,}|[\t\r\f\v]")
 _TAG_RE = re.compile("[\U000e0020-\U000e007e]+")
 _ASCII_JOINER_RE = re.compile(f"(?<=[\\x21-\\x7e])[{_JOINERS}](?=[\\x21-\\x7e])")
 
@@ -60,9 +63,10 @@ def decode_bytes(data: str | bytes | bytearray | memoryview) -> str:
 
 def count_invisible(text: str) -> int:
     """Invisible characters that have no business in a tool result (ASCII-context joiners included)."""
-    strict = sum(1 for c in text if c in _ALWAYS_INVISIBLE or c in _BIDI or "\U000e0000" <= c <= "\U000e007f")
+    if text.isascii():  # NOTE: every invisible character is non-ASCII; the common case costs no regex pass
+        return 0
     lead_bom = 1 if text.startswith("\ufeff") else 0
-    return strict - lead_bom + len(_ASCII_JOINER_RE.findall(text))
+    return len(_STRICT_INVISIBLE_RE.findall(text)) - lead_bom + len(_ASCII_JOINER_RE.findall(text))
 
 
 def _fold_word(m: re.Match[str]) -> str:
@@ -82,10 +86,12 @@ def mixed_script_words(text: str) -> int:
 
 def normalize(text: str) -> str:
     """NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces."""
+    if text.isascii():  # NOTE: NFKC, the invisibles and the confusables leave ASCII text as it is
+        return _SPACES_RE.sub(" ", text.casefold())
     t = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text)).casefold()
     if _CONFUSABLE_CHAR_RE.search(t) is not None:
         t = _WORD_RE.sub(_fold_word, t)
-    return re.sub(r"[ \t\r\f\v]+", " ", t)
+    return _SPACES_RE.sub(" ", t)
 
 
 def hidden_segments(text: str) -> list[str]:
