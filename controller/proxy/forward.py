@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,21 +74,23 @@ class AttemptFailed(Exception):
     """The worker failed before the first byte: retry elsewhere."""
 
 
-def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> list[Target]:
-    """The chosen worker, then the router's other candidates, then any other worker of the model."""
-    out = [Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch)]
+def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> Iterator[Target]:
+    """The chosen worker, then the router's other candidates, then any other worker of the model.
+
+    NOTE: lazy: nearly every request is answered by the first, and the fallbacks cost a directory walk.
+    """
+    yield Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch)
     seen = {d.worker}
     for c in d.candidates:
         w = directory.get(c.worker)
         if w is not None and c.worker not in seen:
             seen.add(c.worker)
             epoch = next((r.epoch for r in w.ranks if r.dp_rank == c.dp_rank), 0)
-            out.append(Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch))
+            yield Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch)
     for w in sorted(directory.workers.values(), key=lambda w: w.name):
         if w.model == base and w.name not in seen:
             epoch = max((r.epoch for r in w.ranks), default=0)
-            out.append(Target(w.name, w.url, COLD, 0, epoch))
-    return out
+            yield Target(w.name, w.url, COLD, 0, epoch)
 
 
 class Forwarder:
@@ -214,14 +217,19 @@ class Forwarder:
         sse = _SseNoter(note) if note is not None and resp.content_type == "text/event-stream" else None
         try:
             await out.prepare(request)
-            if o.first:
-                await out.write(sse.feed(o.first) if sse else o.first)
-            t_first = time.perf_counter()
-            async for chunk in resp.content.iter_any():
-                await out.write(sse.feed(chunk) if sse else chunk)
-            if sse:
-                await out.write(sse.flush())
-            await out.write_eof()
+            chunk, t_first = o.first, 0.0
+            while True:
+                data = sse.feed(chunk) if sse else chunk
+                # NOTE: a chunk that ends the answer (the worker's end already read) goes out with the end of the
+                # response in one write: one send fewer per answer, and a short answer leaves in a single one
+                if resp.content.at_eof():
+                    await out.write_eof(data + sse.flush() if sse else data)
+                    break
+                if data:
+                    await out.write(data)
+                t_first = t_first or time.perf_counter()
+                chunk = await resp.content.readany()
+            t_first = t_first or time.perf_counter()
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.cancelled.labels(o.target.worker).inc()
             resp.close()

@@ -30,6 +30,7 @@ PROBES: tuple[dict[str, Any], ...] = (
     {"messages": [{"role": "system", "content": "You are a helpful assistant."},
                   {"role": "user", "content": "What is 2 + 2?"}]},
 )
+JSON_HEADERS = {"Content-Type": "application/json"}
 CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
              "add_special_tokens", "mm_processor_kwargs")
 
@@ -73,6 +74,7 @@ class Tokenizer:
         self._parity_lock = asyncio.Lock()
         self.num_calls = 0
         self.num_hits = 0
+        self._timeout = aiohttp.ClientTimeout(total=cfg.tokenize_timeout_s, sock_connect=cfg.connect_timeout_s)
 
     async def start(self) -> None:
         if self.cfg.tokenizer:
@@ -85,14 +87,17 @@ class Tokenizer:
         req = tokenize_request(body, chat)
         if isinstance(req, list):
             return req
-        key = (tenant, base, hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest())
+        # NOTE: encoded once: the same bytes key the cache and are POSTed to /tokenize (a long conversation's body
+        # is most of a request's JSON work); keyed in the client's key order, so a reordered body only misses
+        data = json.dumps(req).encode()
+        key = (tenant, base, hashlib.sha256(data).hexdigest())
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             self.num_hits += 1
             return hit
         local = self._hf is not None and await self.local_ok(base)
-        ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(req, base))
+        ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(data, base))
         self._remember(key, ids)
         return ids
 
@@ -111,7 +116,8 @@ class Tokenizer:
         try:
             for probe in PROBES:
                 req = {"model": base, **probe}
-                remote, local = await self._post_tokenize(urls[0], req), await asyncio.to_thread(self._hf_ids, req)
+                remote = await self._post_tokenize(urls[0], json.dumps(req).encode())
+                local = await asyncio.to_thread(self._hf_ids, req)
                 if remote != local:
                     log.error("local tokenizer %s differs from the workers of %s (%s: %d vs %d ids); using the "
                               "workers' /tokenize for it", self.cfg.tokenizer, base, next(iter(probe)), len(local),
@@ -130,28 +136,29 @@ class Tokenizer:
         while len(self._cache) > self.cfg.tokenize_cache_size:
             self._cache.popitem(last=False)
 
-    async def _remote(self, req: dict[str, Any], base: str) -> list[int]:
+    async def _remote(self, data: bytes, base: str) -> list[int]:
         urls = self.directory.tokenizer_urls(base)
         if not urls:
             raise ProxyError(503, f"no registered worker of model {base!r} to tokenize with")
         last = ""
         for url in urls[:2]:
             try:
-                return await self._post_tokenize(url, req)
+                return await self._post_tokenize(url, data)
             except (TimeoutError, aiohttp.ClientError) as e:
                 last = f"{url}: {type(e).__name__}: {e}"
         raise ProxyError(503, f"tokenize failed on the model's workers ({last})")
 
-    async def _post_tokenize(self, url: str, req: dict[str, Any]) -> list[int]:
+    async def _post_tokenize(self, url: str, data: bytes) -> list[int]:
+        """The worker's ids for `data`, a /tokenize request body as JSON bytes."""
         self.num_calls += 1
-        timeout = aiohttp.ClientTimeout(total=self.cfg.tokenize_timeout_s, sock_connect=self.cfg.connect_timeout_s)
-        async with self.http.post(url.rstrip("/") + "/tokenize", json=req, timeout=timeout) as r:
+        async with self.http.post(url.rstrip("/") + "/tokenize", data=data, headers=JSON_HEADERS,
+                                  timeout=self._timeout) as r:
             doc = await r.json(content_type=None)
         if r.status != 200:
             err = doc.get("error") if isinstance(doc, dict) else None
             msg = err.get("message") if isinstance(err, dict) else (doc.get("detail") if isinstance(doc, dict) else doc)
             raise ProxyError(400 if r.status in (400, 422) else 502, f"tokenize: {msg}")
-        return [int(t) for t in doc["tokens"]]
+        return list(map(int, doc["tokens"]))
 
     def _hf_ids(self, req: dict[str, Any]) -> list[int]:
         tok = self._hf
