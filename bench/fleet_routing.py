@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -62,6 +64,13 @@ BLOCK_SIZE = 16
 MAX_TOKENS = 16
 # NOTE: applied only where the stand-in has the field: its clock in real time, as `kvfleet sim-vllm` serves
 SIM_DEFAULTS: dict[str, Any] = {"time_scale": 1.0}
+# a kvfleet contender run again with other proxy settings (--first-byte-timeouts): its name -> the proxy's env
+VARIANT_ENV: dict[str, dict[str, str]] = {}
+PROXY_COUNTERS = {  # counter -> (short name, the label it is summed by)
+    "kvfleet_proxy_sleep_probes_total": ("probes", "observed"),
+    "kvfleet_proxy_retries_total": ("retries", "reason"),
+    "kvfleet_proxy_skipped_workers_total": ("skips", "reason"),
+}
 
 
 @dataclass(slots=True)
@@ -246,6 +255,34 @@ async def sim_ttft(fleet: SimFleet, http: aiohttp.ClientSession) -> dict[float, 
     return out
 
 
+async def proxy_counters(url: str, http: aiohttp.ClientSession) -> dict[str, float]:
+    """The proxy's sleep probes by what they observed, its failovers and skipped workers by reason, summed
+    over workers: {"probes asleep": n, "retries timeout": n, "skips suspect": n, ...}."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in PROXY_COUNTERS:
+            short, label = PROXY_COUNTERS[name]
+            key = f"{short} " + line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + float(line.split()[-1])
+    return out
+
+
+def variants(specs: list[Spec], timeouts: str) -> list[Spec]:
+    """`specs`, each kvfleet contender followed by a copy per --first-byte-timeouts value, named NAME@fbtVALUE."""
+    out = []
+    for spec in specs:
+        out.append(spec)
+        for v in filter(None, timeouts.split(",")):
+            if spec.kind == "kvfleet":
+                name = f"{spec.name}@fbt{float(v):g}"
+                VARIANT_ENV[name] = {"KVFLEET_PROXY_FIRST_BYTE_TIMEOUT": f"{float(v):g}"}
+                out.append(dataclasses.replace(spec, name=name, label=f"{spec.label}, --first-byte-timeout {v}"))
+    return out
+
+
 async def warm_up(run: Running, tenants: tuple[str, ...], timeout_s: float = 30.0) -> None:
     """Until one tiny request per tenant answers 200 (shorter than a block: it caches nothing)."""
     deadline = time.monotonic() + timeout_s
@@ -278,10 +315,16 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
     fleet = await SimFleet.start(wl.num_workers, cfg)
     out: dict[str, Any] = {"contender": spec.name, "label": spec.label, "kind": spec.kind, "via": spec.via}
     try:
+        env = VARIANT_ENV.get(spec.name, {})
         try:
+            os.environ.update(env)  # NOTE: read by the proxy process launch.start spawns, and only by it
             run = await launch.start(spec, fleet, tmp, wl.tenants)
         except Unavailable as e:
             return {**out, "unavailable": str(e)}
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        run.command = [*(f"{k}={v}" for k, v in env.items()), *run.command]
         try:
             await warm_up(run, wl.tenants)
             async with aiohttp.ClientSession() as http:
@@ -291,6 +334,8 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
                 wall = await d.drive()
                 h1 = await sim_ttft(fleet, http)
                 stats = await fleet.stats(http)
+                if spec.kind == "kvfleet":
+                    out["proxy_counters"] = await proxy_counters(run.url, http)
             if any(r.status != 200 for r in d.records):  # keep what the contender logged, to explain it
                 out["log_tail"] = run.log_tail(3000)
         except Unavailable as e:
@@ -408,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         help="markdown appended to the section (the reasons "
         "behind this run's figures; regenerate with --from-json)",
     )
+    p.add_argument(
+        "--first-byte-timeouts",
+        default="",
+        metavar="SECONDS,...",
+        help="also run each kvfleet contender with the proxy's --first-byte-timeout at these values, "
+        "as contenders named NAME@fbtVALUE (the proxy's default is the plain NAME)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
@@ -449,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(a.from_json.read_text())
     else:
         try:
-            results = asyncio.run(run_all(parse_cells(a), [CONTENDERS[n] for n in names], opt, a.quick))
+            specs = variants([CONTENDERS[n] for n in names], a.first_byte_timeouts)
+            results = asyncio.run(run_all(parse_cells(a), specs, opt, a.quick))
         finally:
             launch.kill_all()
         results.update(meta(a, opt, cfg, time.monotonic() - t0))

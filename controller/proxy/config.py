@@ -25,7 +25,8 @@ class ProxyConfig:
     token_passthrough: bool = True
     tokenizer: str | None = None  # None: each worker's own /tokenize; "hf:PATH": a local HF tokenizer
     worker_api_key: str | None = None  # vLLM's --api-key, sent to the workers (never the client's token)
-    first_byte_timeout_s: float = 1.0  # then probe /is_sleeping: a sleeping vLLM accepts and hangs
+    first_byte_timeout_s: float = 0.25  # then probe /is_sleeping: a sleeping vLLM accepts and hangs (1.0 until the
+    # fleet routing bench showed its wait as the TTFT tail after a sleep behind the router's back: docs/proxy.md)
     probe_timeout_s: float = 0.5
     max_first_byte_wait_s: float = 600.0  # an attempt with no first byte by then fails over, probes or not: the
     # bound on a worker that holds the connection but never answers (must exceed the longest non-streaming answer)

@@ -44,7 +44,9 @@ from fleet.sdk.types import RouteDecision
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
-MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8)
+MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8) ..
+MAX_PROBE_WAIT_S = 8.0  # .. or, past that, doubling up to 8 s apart: a long answer is not probed more often with
+# a short first-byte timeout (0.25 s) than with the old default's (1 s)
 ASLEEP, AWAKE, BUSY, GONE = "asleep", "awake", "busy", "unreachable"  # what a probe observed
 
 
@@ -93,6 +95,15 @@ def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> Iterator
             yield Target(w.name, w.url, COLD, 0, epoch)
 
 
+def probe_waits(first_byte_timeout_s: float) -> Iterator[float]:
+    """The waits for a first byte between /is_sleeping probes: the timeout, then doubling up to MAX_PROBE_GAP
+    timeouts or MAX_PROBE_WAIT_S, whichever is longer, then that for ever."""
+    wait, cap = first_byte_timeout_s, max(first_byte_timeout_s * MAX_PROBE_GAP, MAX_PROBE_WAIT_S)
+    while True:
+        yield wait
+        wait = min(wait * 2, cap)
+
+
 class Forwarder:
     def __init__(self, cfg: ProxyConfig, directory: WorkerDirectory, http: aiohttp.ClientSession,
                  metrics: ProxyMetrics) -> None:
@@ -133,11 +144,11 @@ class Forwarder:
 
     async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:
         """Wait for `task`'s first byte; fail the attempt only if a probe finds the worker asleep or gone."""
-        gap, limit = 1, self.cfg.max_first_byte_wait_s
+        limit = self.cfg.max_first_byte_wait_s
         deadline = time.monotonic() + limit
-        while True:
+        for wait in probe_waits(self.cfg.first_byte_timeout_s):
             left = deadline - time.monotonic()
-            done, _ = await asyncio.wait({task}, timeout=max(min(self.cfg.first_byte_timeout_s * gap, left), 0.0))
+            done, _ = await asyncio.wait({task}, timeout=max(min(wait, left), 0.0))
             if done:
                 return
             if time.monotonic() >= deadline:
@@ -148,14 +159,12 @@ class Forwarder:
             seen, detail = await self._probe(t.url)
             self.metrics.probes.labels(t.worker, seen).inc()
             if seen in (ASLEEP, GONE):
-                raise AttemptFailed(f"{seen}: no first byte within {self.cfg.first_byte_timeout_s * gap}s "
-                                    f"and GET /is_sleeping {detail}")
+                raise AttemptFailed(f"{seen}: no first byte within {wait:g}s and GET /is_sleeping {detail}")
             if seen == BUSY and t.worker in self.directory.workers and not self.directory.serving(t.worker):
                 # NOTE: busy is the benefit of the doubt; a worker the controller no longer calls serving (its
                 # reconcile lost /health, or it was slept) and that does not answer a probe is given up on
                 raise AttemptFailed(f"unresponsive: no first byte, GET /is_sleeping {detail}, and the controller "
                                     "no longer lists it as serving")
-            gap = min(gap * 2, MAX_PROBE_GAP)
 
     async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)

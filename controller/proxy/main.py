@@ -5,8 +5,8 @@
 
 Environment variables are read here and nowhere else (flags win): KVFLEET_CONTROLLER,
 KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own token, to list workers: role reader),
-KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key), KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT /
-KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller).
+KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key), KVFLEET_PROXY_FIRST_BYTE_TIMEOUT (seconds),
+KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT / KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                    help="tokenize with a local Hugging Face tokenizer (the workers' own) instead of their /tokenize")
     p.add_argument("--worker-api-key", default=e("KVFLEET_WORKER_API_KEY"),
                    help="the workers' vLLM --api-key, if they have one (sent to them, never to the controller)")
-    p.add_argument("--first-byte-timeout", type=float, default=1.0,
-                   help="seconds without a first byte before probing the worker's /is_sleeping (default 1.0)")
+    p.add_argument("--first-byte-timeout", type=float, default=e("KVFLEET_PROXY_FIRST_BYTE_TIMEOUT", "0.25"),
+                   help="seconds without a first byte before probing the worker's /is_sleeping, which a sleeping "
+                        "vLLM needs to be found out (awake: keep waiting; default 0.25)")
     p.add_argument("--max-first-byte-wait", type=float, default=600.0,
                    help="seconds an attempt may go without a first byte, whatever the probes say, before it fails "
                         "over (once); must exceed the longest non-streaming answer (default 600)")

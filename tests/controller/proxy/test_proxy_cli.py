@@ -18,6 +18,22 @@ def test_flags_and_env() -> None:
         == "refuse"
 
 
+def test_first_byte_timeout_default_env_and_flag() -> None:
+    # the default is measured (docs/proxy.md, "Failover"): a probe 0.25 s after a silent send finds a sleeper
+    assert config_from(parse_args([], {})).first_byte_timeout_s == 0.25
+    env = {"KVFLEET_PROXY_FIRST_BYTE_TIMEOUT": "1.5"}
+    assert config_from(parse_args([], env)).first_byte_timeout_s == 1.5
+    assert config_from(parse_args(["--first-byte-timeout", "0.1"], env)).first_byte_timeout_s == 0.1  # flags win
+
+
+def test_a_bad_first_byte_timeout_env_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([], env={"KVFLEET_PROXY_FIRST_BYTE_TIMEOUT": "soon"})
+    err = capsys.readouterr().err
+    print(err.strip())
+    assert e.value.code == 2 and "--first-byte-timeout: invalid float value: 'soon'" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--listen", "nowhere"], "must be HOST:PORT"),
     (["--tokenizer", "gpt2"], "use hf:PATH"),
