@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -68,8 +69,11 @@ def first_line(p: subprocess.Popen[str], what: str) -> str:
 
 
 async def one_client(http: aiohttp.ClientSession, url: str, headers: dict[str, str], cid: int, turns: int,
-                     out: Sample, deadline: float) -> None:
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Client {cid}: route truck {cid}."}]
+                     out: Sample, deadline: float, tag: str) -> None:
+    # NOTE: `tag` makes each round's conversations new: a repeated one would hit the proxy's tokenize cache on
+    # every turn (a real new turn never does) and hide the tokenize hop
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Client {cid} ({tag}): route truck {cid}."}]
     for turn in range(turns):
         if time.perf_counter() > deadline:
             out.unfinished += turns - turn
@@ -78,7 +82,7 @@ async def one_client(http: aiohttp.ClientSession, url: str, headers: dict[str, s
         t0 = time.perf_counter()
         try:
             async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-                first = await r.content.readuntil(b"\n\n")
+                await r.content.readuntil(b"\n\n")
                 t1 = time.perf_counter()
                 rest = await r.read()
                 if r.status != 200 or not rest.endswith(b"data: [DONE]\n\n"):
@@ -90,18 +94,20 @@ async def one_client(http: aiohttp.ClientSession, url: str, headers: dict[str, s
             continue
         out.ttfb.append(t1 - t0)
         out.total.append(time.perf_counter() - t0)
-        text = "".join(json.loads(e[6:])["choices"][0]["delta"]["content"]
-                       for e in (first + rest).decode().split("\n\n") if e.startswith("data: {") and '"delta"' in e)
-        msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": f"Then stop {turn}?"}]
+        # NOTE: the client's record of the answer is a fixed text (as an agent that keeps its own summary): every
+        # word the bench sends is then one the local tokenizer knows (see local_tokenizer)
+        msgs = msgs + [{"role": "assistant", "content": f"Routed truck {cid}, turn {turn}."},
+                       {"role": "user", "content": f"Then stop {turn}?"}]
 
 
-async def round_(urls: list[str], headers: dict[str, str], clients: int, turns: int, timeout: float) -> Sample:
+async def round_(urls: list[str], headers: dict[str, str], clients: int, turns: int, timeout: float,
+                 tag: str) -> Sample:
     out = Sample()
     deadline = time.perf_counter() + timeout
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one_client(http, urls[c % len(urls)], headers, c, turns, out, deadline)
+        await asyncio.gather(*(one_client(http, urls[c % len(urls)], headers, c, turns, out, deadline, tag)
                                for c in range(clients)))
         out.wall = time.perf_counter() - t0
     return out
@@ -119,12 +125,47 @@ def merge(samples: list[Sample]) -> Sample:
     return m
 
 
+def local_tokenizer(path: pathlib.Path, max_number: int) -> pathlib.Path | None:
+    """A Hugging Face tokenizer giving the stand-in's own ids on every text this bench sends (its words, numbers
+    up to `max_number`, the proxy's parity probes), saved at `path`; None without the `tokenizers` and
+    `transformers` packages, or if two of those words share an id. The
+    stand-in's ids are crc32 hashes of words, so a word-level vocabulary over the bench's known words reproduces
+    them (and a ChatML-shaped template its chat format)."""
+    try:
+        from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    from controller.proxy.tokenize import PROBES
+    from fleet.testkit.sim_vllm import tokenizer as simtok
+
+    texts = [SYSTEM, "Client route truck Routed turn Then stop system user assistant direct proxy local warm up",
+             "( ) / : ? - . ,", *(json.dumps(p) for p in PROBES)]
+    words = set(simtok._WORD.findall(" ".join(texts))) | {str(i) for i in range(max_number + 1)}
+    vocab = {w: 100 + zlib.crc32(w.encode()) % simtok.VOCAB for w in words}
+    if len(set(vocab.values())) < len(vocab):  # a saved word-level vocabulary keeps one word per id
+        print("two of the bench's words share a stand-in id, which a saved word-level vocabulary cannot hold: "
+              "no local-tokenizer path this run", file=sys.stderr)
+        return None
+    vocab.update({"[UNK]": 0, "\n": simtok.NEWLINE, "<|im_start|>": simtok.IM_START, "<|im_end|>": simtok.IM_END})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), "removed"),
+                                                pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), "isolated")])
+    tk.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(path)
+    return path
+
+
 async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str], Sample]:
     procs: list[subprocess.Popen[str]] = []
     try:
         sims = []
         for i in range(a.workers):
-            procs.append(spawn(["sim-vllm", "--model", MODEL, "--num-blocks", "65536", "--time-scale", "0"], tmp / f"sim{i}.log"))
+            procs.append(spawn(["sim-vllm", "--model", MODEL, "--num-blocks", "65536", "--time-scale", "0"],
+                               tmp / f"sim{i}.log"))
             sims.append(json.loads(first_line(procs[-1], "sim-vllm")))
         tokens = tmp / "tokens.json"
         op, tenant = mint_token(tokens, "ops", "operator"), mint_token(tokens, "acme", "tenant")
@@ -136,19 +177,27 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str],
             for i, s in enumerate(sims):
                 await c.register_worker(f"w{i}", url=s["url"], kv_events=s["kv_events"], replay=s["replay"] or "",
                                         model=MODEL)
-        listen = f"127.0.0.1:{free_port()}"
-        procs.append(spawn(["proxy", "--controller", ctl, "--listen", listen, "--token", op], tmp / "proxy.log"))
-        first_line(procs[-1], "proxy")
-        proxy, auth = f"http://{listen}", {"Authorization": f"Bearer {tenant}"}
-        direct = [s["url"] for s in sims]
-        await round_([proxy], auth, 8, 2, 30)  # warm-up: connections, workers seen serving
+        auth = {"Authorization": f"Bearer {tenant}"}
+        paths: dict[str, tuple[list[str], dict[str, str]]] = {"direct": ([s["url"] for s in sims], {})}
+        tok = None if a.no_local_tokenizer else local_tokenizer(
+            tmp / "tokenizer", max(a.clients, a.turns, a.solo_turns, a.rounds))
+        for mode, extra in (("proxy", []), *((("proxy-local", ["--tokenizer", f"hf:{tok}"]),) if tok else ())):
+            listen = f"127.0.0.1:{free_port()}"
+            procs.append(spawn(["proxy", "--controller", ctl, "--listen", listen, "--token", op, *extra],
+                               tmp / f"{mode}.log"))
+            first_line(procs[-1], mode)
+            paths[mode] = ([f"http://{listen}"], auth)
+            await round_(paths[mode][0], auth, 8, 2, 30, f"warm-up {mode}")  # connections, workers seen serving
+        if "proxy-local" in paths:
+            await check_parity(paths["proxy-local"][0][0])
         res: dict[tuple[int, str], list[Sample]] = {}
+        modes = list(paths)
         for clients, turns in ((1, a.solo_turns), (a.clients, a.turns)):
             for r in range(a.rounds):
-                for mode in (("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")):
-                    urls, hdr = (direct, {}) if mode == "direct" else ([proxy], auth)
-                    s = await round_(urls, hdr, clients, turns, a.round_timeout)
-                    print(f"{clients} clients round {r} {mode:6s}: {len(s.total)} ok, {s.errors} errors, "
+                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each path first in turn
+                    urls, hdr = paths[mode]
+                    s = await round_(urls, hdr, clients, turns, a.round_timeout, f"{clients}/{r}/{mode}")
+                    print(f"{clients} clients round {r} {mode:11s}: {len(s.total)} ok, {s.errors} errors, "
                           f"{s.unfinished} unfinished, {len(s.total) / s.wall:.0f} req/s, TTFB p50 "
                           f"{1e3 * pct(s.ttfb, 50):.1f} ms p99 {1e3 * pct(s.ttfb, 99):.1f} ms", flush=True)
                     res.setdefault((clients, mode), []).append(s)
@@ -163,45 +212,70 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str],
                 p.kill()
 
 
+async def check_parity(url: str) -> None:
+    """The local-tokenizer proxy passed its parity probes (else it would use the workers' /tokenize and the
+    row would measure the wrong thing)."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
+        parity = (await r.json())["tokenizer"]["parity"]
+    if parity.get(MODEL) is not True:
+        raise RuntimeError(f"the local tokenizer failed the proxy's parity check ({parity}); see proxy-local.log")
+
+
 def _row(name: str, s: Sample) -> str:
     return (f"| {name} | {len(s.total)} | {s.errors} | {s.unfinished} | {len(s.total) / s.wall:.0f} | "
             f"{1e3 * pct(s.ttfb, 50):.1f} | {1e3 * pct(s.ttfb, 99):.1f} | {1e3 * pct(s.total, 50):.1f} | "
             f"{1e3 * pct(s.total, 99):.1f} |")
 
 
-def _added(d: Sample, p: Sample) -> str:
+def _added(name: str, d: Sample, p: Sample) -> str:
     ms = [1e3 * (pct(p.ttfb, q) - pct(d.ttfb, q)) for q in (50, 99)]
     ms += [1e3 * (pct(p.total, q) - pct(d.total, q)) for q in (50, 99)]
     ratio = (len(p.total) / p.wall) / (len(d.total) / d.wall)
-    return f"| **added by the proxy** | | | | {ratio:.2f}x | **{ms[0]:+.1f}** | **{ms[1]:+.1f}** | {ms[2]:+.1f} | {ms[3]:+.1f} |"
+    return (f"| **{name}** | | | | {ratio:.2f}x | **{ms[0]:+.1f}** | **{ms[1]:+.1f}** | {ms[2]:+.1f} | "
+            f"{ms[3]:+.1f} |")
+
+
+PATHS = {"direct": "straight to the worker", "proxy": "through the proxy (workers' /tokenize, the default)",
+         "proxy-local": "through the proxy, local tokenizer (`--tokenizer hf:PATH`)"}
 
 
 def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace) -> str:
     rows = ["| clients, path | requests ok | errors | unfinished | req/s | TTFB p50 ms | TTFB p99 ms | "
             "stream p50 ms | stream p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    local = (1, "proxy-local") in res
     for clients in (1, a.clients):
-        d, p = res[(clients, "direct")], res[(clients, "proxy")]
-        rows += [_row(f"{clients}, straight to the worker", d), _row(f"{clients}, through the proxy", p), _added(d, p)]
+        d = res[(clients, "direct")]
+        rows.append(_row(f"{clients}, {PATHS['direct']}", d))
+        for mode in ("proxy", "proxy-local") if local else ("proxy",):
+            p = res[(clients, mode)]
+            rows += [_row(f"{clients}, {PATHS[mode]}", p),
+                     _added("added by the proxy" + (", local tokenizer" if mode == "proxy-local" else ""), d, p)]
     p = res[(a.clients, "proxy")]
     return "\n".join([
         "## Proxy: added latency and throughput (`python bench/proxy_load.py`)",
         "",
         f"{a.clients} concurrent streaming clients (and, for the unloaded cost, 1 client), each holding one "
         f"conversation of {a.turns} chat turns ({a.solo_turns} for the single client), 16 tokens streamed per turn; "
-        f"{a.rounds} rounds per path, alternating direct/proxy; {a.workers} `kvfleet sim-vllm` workers, "
-        "`kvfleet controller` (auth on) and `kvfleet proxy` as separate processes on loopback, with the load "
+        f"{a.rounds} rounds per path, the paths interleaved (each first in turn); every round's conversations are "
+        "new, so no turn hits the proxy's tokenize cache; "
+        f"{a.workers} `kvfleet sim-vllm` workers (clock off: they answer at once), `kvfleet controller` (auth on) "
+        "and `kvfleet proxy` as separate processes on loopback, with the load "
         f"generator, on this machine's {os.cpu_count()} cores (shared with other work). Per request the proxy "
         "does: WhoAmI (cached 5 s), the worker's /tokenize (chat template), one Route RPC, then relays the "
-        "stream; straight-to-worker requests skip all three. Added = proxy percentile minus direct percentile.",
+        "stream, and releases the route after it (off the answer's path); straight-to-worker requests skip all "
+        "of it. "
+        + ("The local-tokenizer proxy loads a word-level Hugging Face tokenizer built to give the stand-in's own "
+           "ids (it passed the proxy's parity probes), so it skips the /tokenize hop as `--tokenizer hf:PATH` does "
+           "in front of a real vLLM. " if local else "")
+        + "Added = proxy percentile minus direct percentile (same percentile, same run).",
         "",
         *rows,
         "",
         f"Under load, {p.warm} of {len(p.total)} proxied turns were routed WARM (later turns hold their "
         "conversation's prefix; first turns share the system prompt). The stand-in workers answer at once "
-        "(no GPU), so the extra hops and their CPU are the whole difference; at 200 clients every process "
-        "competes for the same two cores, so that row is mostly queueing. Against a real vLLM the tokenize "
-        "hop can be removed with `--tokenizer hf:PATH`, and a time to first token of tens of milliseconds "
-        "dwarfs the unloaded cost.",
+        "(no GPU), so the extra hops and their CPU are the whole difference; at "
+        f"{a.clients} clients every process competes for the same {os.cpu_count()} cores, so that row is mostly "
+        "queueing.",
     ])
 
 
@@ -219,6 +293,8 @@ def main() -> int:
     ap.add_argument("--solo-turns", type=int, default=30, help="turns of the single-client (unloaded) runs")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--round-timeout", type=float, default=90.0)
+    ap.add_argument("--no-local-tokenizer", action="store_true",
+                    help="skip the path through a proxy with a local tokenizer (needs transformers and tokenizers)")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     assert a.clients >= 1 and a.turns >= 1 and a.rounds >= 1
