@@ -1,14 +1,16 @@
 """Proxy load test on loopback: added latency and requests/s against sending straight to the workers.
 
-Separate processes, as deployed: 2 `kvfleet sim-vllm` workers (clock off, `--time-scale 0`: the proxy's own cost is what is measured), `kvfleet controller` (auth on,
-SQLite store), `kvfleet proxy`; this script is the load generator. Each of C concurrent clients
-holds one conversation and sends R streaming chat turns one after another (each turn appends the
-reply and a new user message, so the prefix grows and the router sees it warm). The same turns go
-once straight to a worker (the client's own, round robin) and once through the proxy, in
-alternating rounds, so both see the same machine. Bounded: C*R requests per round, and a round
-stops early after --round-timeout seconds (unfinished requests are counted, not hidden).
+Separate processes, as deployed: 2 `kvfleet sim-vllm` workers (clock off, `--time-scale 0`: the proxy's own
+cost is what is measured), `kvfleet controller` (auth on, SQLite store), `kvfleet proxy` (and a second one
+with a local tokenizer, `--tokenizer hf:PATH`, when transformers is installed); this script is the load
+generator. Each of C concurrent clients holds one conversation and sends R streaming chat turns one after
+another (each turn appends a record of the answer and a new user message, so the prefix grows and the
+router sees it warm). Every round's conversations are new (never in the proxy's tokenize cache). The paths
+(straight to a worker, the client's own, round robin; through each proxy) run in interleaved rounds, each
+first in turn, so all see the same machine. Bounded: C*R requests per round, and a round stops early after
+--round-timeout seconds (unfinished requests are counted, not hidden).
 
-    python bench/proxy_load.py                       # 200 clients x 5 turns, 2 rounds per mode
+    python bench/proxy_load.py                       # 200 clients x 5 turns, 4 rounds per path
     python bench/proxy_load.py --clients 250 --turns 4 --no-docs
 
 Latency = time to the first SSE event (TTFB) and to the end of the stream, at the client.
