@@ -112,7 +112,7 @@ class PromptInjectionDetector:
         quoted = [m.span() for m in _QUOTED_RE.finditer(norm)]
         buckets: dict[int, dict[str, float]] = {}
         for rule in R.RULES:
-            for m in rule.finditer(norm):
+            for m in rule.pattern.finditer(norm):
                 w = self._exfil_weight(norm, m, quoted) if rule.exfil else rule.weight
                 if w and self._is_mention(norm, m, quoted):
                     w *= MENTION_FACTOR

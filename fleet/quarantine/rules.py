@@ -9,78 +9,23 @@ phrasings of the same move still match. A category contributes its strongest mat
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 
-from fleet.quarantine.prefilter import Needs, heads, may_match, needs
+from fleet.quarantine.prefilter import Alternation
 
 _FLAGS = re.S | re.M
-# A `match` call at one position costs about as much as scanning this many characters (measured, issue #28).
-_SCAN_CHARS_PER_MATCH = 32
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
     category: str
     weight: float
-    pattern: re.Pattern[str]
+    pattern: Alternation  # its finditer gives the regex's matches with fewer passes (prefilter.py)
     exfil: bool = False  # an exfiltration verb: confirmed by what lies around it (see detector)
-    alternatives: tuple[str, ...] = ()  # the pattern is their alternation, in this order
-    needs: tuple[Needs, ...] = ()  # per alternative: literals its matches contain (prefilter.needs)
-    heads: tuple[frozenset[str] | None, ...] = ()  # per alternative: literals its matches start with
-
-    def finditer(self, norm: str) -> Iterator[re.Match[str]]:
-        """The matches of `pattern.finditer(norm)`, found with fewer passes over the text.
-
-        NOTE: an alternative whose literals `norm` lacks cannot match anywhere, so leaving it out of the
-        alternation (the others keep their order) changes no match. When the rest can start only at a few
-        places (their `heads`), the pattern is matched there alone instead of at every position.
-        """
-        live = [i for i, need in enumerate(self.needs) if may_match(need, norm)]
-        if not live:
-            return iter(())
-        pattern = self.pattern
-        if len(live) < len(self.alternatives):
-            pattern = _alternation(tuple(self.alternatives[i] for i in live))
-        starts = _candidates(norm, [self.heads[i] for i in live])
-        return pattern.finditer(norm) if starts is None else _matches_at(pattern, norm, starts)
-
-
-@lru_cache(maxsize=512)
-def _alternation(alternatives: tuple[str, ...]) -> re.Pattern[str]:
-    return re.compile("|".join(f"(?:{a})" for a in alternatives), _FLAGS)
-
-
-def _candidates(norm: str, starts_with: list[frozenset[str] | None]) -> list[int] | None:
-    """The positions where one of the literals occurs, sorted; None when scanning the text is cheaper."""
-    known = [h for h in starts_with if h is not None]
-    if len(known) < len(starts_with):
-        return None
-    literals: set[str] = set().union(*known)
-    if sum(norm.count(s) for s in literals) * _SCAN_CHARS_PER_MATCH > len(norm):
-        return None
-    out = set()
-    for s in literals:
-        i = norm.find(s)
-        while i >= 0:
-            out.add(i)
-            i = norm.find(s, i + 1)
-    return sorted(out)
-
-
-def _matches_at(pattern: re.Pattern[str], norm: str, starts: list[int]) -> Iterator[re.Match[str]]:
-    """`pattern.finditer(norm)` when its matches can start only at `starts` (each match is non-empty)."""
-    end = 0
-    for i in starts:
-        if i >= end and (m := pattern.match(norm, i)) is not None:
-            end = m.end()
-            yield m
 
 
 def _r(category: str, weight: float, *alternatives: str, exfil: bool = False) -> Rule:
-    return Rule(category, weight, _alternation(alternatives), exfil, alternatives,
-                tuple(needs(a, _FLAGS) for a in alternatives), tuple(heads(a, _FLAGS) for a in alternatives))
+    return Rule(category, weight, Alternation.of(*alternatives, flags=_FLAGS), exfil)
 
 
 _EARLIER_EN = r"(?:previous|prior|above|earlier|preceding|former|original|initial|existing|system|developer|safety|old)"
@@ -236,8 +181,9 @@ DESTINATION = re.compile(r"https?://[^\s)\"'>]+|\b[\w.+-]+@[\w-]+\.[\w.-]+\b|\bw
 
 MARKDOWN_EXFIL = re.compile(r"!\[[^\]]*\]\(\s*https?://[^)\s]*[?&][\w-]+=(?:\{|\$|%7b|<|\[)")
 
-DECODE_HINT = re.compile(
-    r"\b(?:decode|base64|rot-?13|hex)\b.{0,80}?\b(?:and|then)\s+(?:follow|execute|obey|run|do|carry\s+out|apply|act)", re.S
+DECODE_HINT = Alternation.of(
+    r"\b(?:decode|base64|rot-?13|hex)\b.{0,80}?\b(?:and|then)\s+(?:follow|execute|obey|run|do|carry\s+out|apply|act)",
+    flags=re.S,
 )
 
 MENTION_MARKERS = re.compile(
@@ -248,7 +194,7 @@ MENTION_MARKERS = re.compile(
 
 # The narrower set that shows a text is *about* attacks (no generic "example" / "format"): near one of
 # these, a quoted span is a quotation, and the learned layer reads the text without it.
-DISCUSSION_MARKERS = re.compile(
+DISCUSSION_MARKERS = Alternation.of(  # NOTE: searched around every quoted span: the prefilter skips most searches
     r"prompt[\s-]injection|jailbreak|attack|malicious|adversar|payload|researchers?|red[\s-]team|vulnerab|phishing|"
     r"threat\s+model|inyecci[oó]n|injection\s+de\s+prompt|angriff|提示注入|инъекци|injeção"
 )

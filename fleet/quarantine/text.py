@@ -13,8 +13,14 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import itertools
 import re
+import string
 import unicodedata
+
+import numpy as np
+
+from fleet.quarantine.prefilter import Alternation
 
 # Zero-width and formatting characters with no visible glyph. ZWJ/ZWNJ are legitimate inside emoji
 # sequences and Indic/Arabic words, so they count only between ASCII characters.
@@ -48,7 +54,7 @@ _CONFUSABLES_SRC = {
 _CONFUSABLES = str.maketrans(_CONFUSABLES_SRC)
 _CONFUSABLE_CHAR_RE = re.compile("[" + "".join(_CONFUSABLES_SRC) + "]")
 _WORD_RE = re.compile(r"\w+")
-_ROT13_WORDS = re.compile(r"\b(?:gur|naq|lbh|lbhe|nyy|bs|gb|vf|vg|sbe|abj|guvf|jvgu|vafgehpgvbaf|cebzcg|flfgrz|cerivbhf)\b")
+_ROT13_WORDS = Alternation.of(r"\b(?:gur|naq|lbh|lbhe|nyy|bs|gb|vf|vg|sbe|abj|guvf|jvgu|vafgehpgvbaf|cebzcg|flfgrz|cerivbhf)\b")
 
 
 def decode_bytes(data: str | bytes | bytearray | memoryview) -> str:
@@ -99,7 +105,8 @@ def hidden_segments(text: str) -> list[str]:
     out = [m.group(1) for m in _HTML_COMMENT_RE.finditer(text)]
     out += [m.group(2) for m in _HIDDEN_STYLE_RE.finditer(text)]
     out += [m.group(2) for m in _HIDDEN_ATTR_RE.finditer(text)]
-    out += ["".join(chr(ord(c) - 0xE0000) for c in m.group(0)) for m in _TAG_RE.finditer(text)]
+    if not text.isascii():  # NOTE: tag characters are non-ASCII
+        out += ["".join(chr(ord(c) - 0xE0000) for c in m.group(0)) for m in _TAG_RE.finditer(text)]
     return [s for s in out if s.strip()]
 
 
@@ -112,10 +119,33 @@ def _printable_text(raw: bytes, min_len: int = 12) -> str | None:
     return s if len(s) >= min_len and ok >= 0.95 * len(s) and any(c.isalpha() for c in s) else None
 
 
+def _ascii_table(chars: str) -> np.ndarray:
+    """(129,) bool: which code points (those >= 128 read as 128) are in `chars`."""
+    table = np.zeros(129, dtype=bool)
+    table[[ord(c) for c in chars]] = True
+    return table
+
+
+_B64_CHARS = _ascii_table(string.ascii_letters + string.digits + "+/_-")
+_HEX_CHARS = _ascii_table(string.hexdigits)
+
+
+def _dense(codes: np.ndarray, table: np.ndarray, width: int, count: int) -> bool:
+    """Some `width` consecutive characters (or all, if fewer) hold `count` of the table's characters."""
+    if len(codes) < count:
+        return False
+    c = np.concatenate(([0], np.cumsum(table[np.minimum(codes, 128)])))  # (L + 1,)
+    w = min(width, len(codes))
+    return bool((c[w:] - c[:-w]).max() >= count)
+
+
 def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
     """(encoding, decoded text) for base64 and hex runs that decode to readable text."""
     out: list[tuple[str, str]] = []
-    for m in _B64_RE.finditer(text):
+    # NOTE: a base64 run is 24+ characters of its alphabet in a row, a hex run 16+ digit pairs with at most one
+    # separator between pairs (32 digits within 47 characters): a text with neither skips that regex's pass.
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (L,)
+    for m in _B64_RE.finditer(text) if _dense(codes, _B64_CHARS, 24, 24) else ():
         s = m.group(0)
         s_std = s.replace("-", "+").replace("_", "/")
         try:
@@ -126,7 +156,7 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
             out.append(("base64", decoded))
         if len(out) >= limit:
             return out
-    for m in _HEX_RE.finditer(text):
+    for m in _HEX_RE.finditer(text) if _dense(codes, _HEX_CHARS, 47, 32) else ():
         digits = re.sub(r"[\s:]", "", m.group(0))
         if len(digits) % 2 == 0 and (decoded := _printable_text(bytes.fromhex(digits))) is not None:
             out.append(("hex", decoded))
@@ -135,7 +165,10 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
 
 def looks_rot13(norm: str) -> bool:
     """Worth a rot13 view: the text names rot13, or carries several rot13'd common English words."""
-    return "rot13" in norm or "rot-13" in norm or len(_ROT13_WORDS.findall(norm, 0, 1 << 20)) >= 2
+    if "rot13" in norm or "rot-13" in norm:
+        return True
+    words = _ROT13_WORDS.finditer(norm[: 1 << 20])  # NOTE: the slice ends the string there, as an endpos did
+    return len(list(itertools.islice(words, 2))) == 2
 
 
 def rot13(text: str) -> str:
