@@ -59,7 +59,7 @@ def latency(urls: dict[str, str], resources: dict[str, dict[str, float]], num_se
                     t0 = time.perf_counter()
                     f.append(T, f"s{i}", f"Turn {j}: look at file {i}-{j} and say what is wrong.")
                     appends[k].append(time.perf_counter() - t0)
-        return {k: {"create": _ms(creates[k]), "append": _ms(appends[k]), "nodes": len(f.supervisors),
+        return {k: {"create": _ms(creates[k]), "append": _ms(appends[k]), "nodes": len(f.hosts),
                     "nodes_used": len({f._record(T, f"s{i}")["node"] for i in range(num_sessions)})}
                 for k, f in fleets.items()}
     finally:

@@ -53,7 +53,7 @@ def main() -> int:
             tokens = fleet.tokens("acme", "g0")
         finally:
             fleet.shutdown()
-    ref = KernelSpec(block_size=16).host()
+    ref = KernelSpec(block_size=16).on_cpu()
     from workers.spec import make_kernel
 
     want = make_kernel(ref).session().append(tokens)

@@ -30,12 +30,11 @@ PROMPT = "You are agent zero. Answer briefly."
 
 
 def actor_side(tmp: str) -> dict[str, Any]:
-    """KernelActor.append (the actor's entry) down to the kernel, in this process."""
-    from workers.session_actor import KernelActor
+    """The session's append entry (KernelActor, or SessionKernel in a host) down to the kernel, in this process."""
     from workers.spec import KernelSpec
 
     def run(c: Tracer) -> None:
-        actor = KernelActor("acme", "s1", f"sqlite:///{tmp}/actor.db", KernelSpec(block_size=16).to_dict())
+        actor = _session(tmp, KernelSpec(block_size=16))
         loop = asyncio.new_event_loop()
         loop.run_until_complete(_create(actor))
         loop.run_until_complete(_append(actor, " warm", "op-0"))
@@ -47,6 +46,24 @@ def actor_side(tmp: str) -> dict[str, Any]:
     t = Tracer(skip=SKIP, at=("fleet/kernel/session.py", "append"))
     profile(t, lambda: run(t))
     return t.take()
+
+
+def _session(tmp: str, spec: Any) -> Any:
+    """The session's own object, whichever this tree has: a KernelActor (one Ray actor per session, before
+    issue #29) or a SessionKernel inside a kernel host (built here with the host's parts, no Ray)."""
+    url = f"sqlite:///{tmp}/actor.db"
+    try:
+        from workers.session_actor import KernelActor  # type: ignore[import-not-found]
+    except ImportError:
+        from fleet.cas import open_store
+        from workers.lanes import TenantLanes
+        from workers.session_kernel import SessionKernel
+        from workers.spec import make_kernel, make_tokenizer
+
+        kernel = make_kernel(spec)
+        lanes = TenantLanes(1)
+        return SessionKernel("acme", "s1", kernel, make_tokenizer(kernel), open_store(url), lanes.run)
+    return KernelActor("acme", "s1", url, spec.to_dict())
 
 
 async def _create(actor: Any) -> Any:
@@ -122,7 +139,7 @@ def main() -> None:
         a = actor_side(tmp)
         c = controller_side(tmp)
     verbose = "-v" in sys.argv
-    for name, t in (("controller (servicer -> Ray call)", c), ("actor (KernelActor -> kernel)", a)):
+    for name, t in (("controller (servicer -> Ray call)", c), ("session (its kernel object -> kernel)", a)):
         print(f"{name}: {t['calls']} kvfleet frames entered, {t['distinct']} functions")
         if verbose:
             print("  " + "\n  ".join(t["functions"]))

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the kernel fleet (the Ray actors hosting sessions), exported by the controller.
+"""Prometheus metrics of the kernel fleet (the kernel hosts holding sessions), exported by the controller.
 
     poller = FleetMetricsPoller(lambda: ctx.kernel_fleet, metrics, interval_s=15)
     await poller.start()          # every interval: list the fleet (as `session ls --fleet` does)
@@ -14,8 +14,10 @@ A scrape never waits on Ray: it renders the snapshot the poller took last. Until
     kvfleet_fleet_radix_cached_tokens{node}         tokens cached in the node's radix tree
     kvfleet_fleet_radix_capacity_tokens{node}       its capacity
     kvfleet_fleet_radix_evicted_blocks_total{node}  blocks the tree evicted
-    kvfleet_fleet_regenerations_total               sessions rebuilt from their op log (actor lost)
-    kvfleet_fleet_actor_restarts_total{kind}        kind=session (lost actor replaced) | supervisor (Ray restart seen)
+    kvfleet_fleet_host_resident_bytes{node}         the node's kernel host process: resident memory
+    kvfleet_fleet_host_session_bytes{node}          its growth since the weights were loaded, per session it holds
+    kvfleet_fleet_regenerations_total               sessions rebuilt from their op log (their kernel lost)
+    kvfleet_fleet_actor_restarts_total{kind}        kind=session (lost kernel rebuilt) | host (Ray restart seen)
     kvfleet_fleet_forks{mode}                       live forks: mode=shared (adopted the parent's blocks) | replayed
     kvfleet_fleet_fork_adopted_tokens               tokens those forks adopted instead of computing
     kvfleet_fleet_poll_errors_total                 polls that failed (the last snapshot stays)
@@ -74,7 +76,8 @@ def snapshot(rows: Sequence[dict[str, Any]], node_stats: Sequence[dict[str, Any]
             forks["shared" if n > 0 else "replayed"] += 1
             adopted += n
     nodes = {str(s["node"]): {k: float(s.get(k, 0) or 0) for k in
-                              ("hit_rate", "cached_tokens", "capacity_tokens", "evicted_blocks")}
+                              ("hit_rate", "cached_tokens", "capacity_tokens", "evicted_blocks",
+                               "resident_bytes", "session_bytes")}
              for s in node_stats}
     return FleetSnapshot(dict(sessions), dict(kv), nodes, regenerations, dict(forks), adopted)
 
@@ -90,7 +93,7 @@ class FleetMetricsPoller:
         self._fleet, self.metrics, self.interval_s = fleet, metrics, interval_s
         self.last: FleetSnapshot | None = None
         self.num_errors = 0
-        self.supervisor_restarts = 0
+        self.host_restarts = 0
         self.regenerations = 0  # monotonic: a deleted session never takes its rebuilds back
         self._pids: dict[str, int] = {}
         self._regenerated: dict[tuple[str, str], int] = {}  # (tenant, session) -> its count last poll
@@ -104,7 +107,7 @@ class FleetMetricsPoller:
         if fleet is None:
             return None
         stats = fleet.node_stats()
-        self._count_supervisor_restarts(stats)
+        self._count_host_restarts(stats)
         rows = fleet.list_sessions(fleet=True)
         self._count_regenerations(rows)
         self.last = snapshot(rows, stats)
@@ -121,14 +124,14 @@ class FleetMetricsPoller:
             seen[key] = n
         self._regenerated = seen
 
-    def _count_supervisor_restarts(self, stats: Sequence[dict[str, Any]]) -> None:
-        """A supervisor answering from another process than last time was restarted by Ray."""
+    def _count_host_restarts(self, stats: Sequence[dict[str, Any]]) -> None:
+        """A host answering from another process than last time was restarted by Ray."""
         for s in stats:
             node, pid = str(s["node"]), s.get("pid")
             if pid is None:
                 continue
             if node in self._pids and self._pids[node] != pid:
-                self.supervisor_restarts += 1
+                self.host_restarts += 1
             self._pids[node] = int(pid)
 
     def _failed(self, e: Exception) -> None:  # counted; the last snapshot stays
@@ -159,10 +162,10 @@ class FleetCollector(Collector):
         yield from _sessions(s, p.regenerations)
         yield from _nodes(s)
         restarts = CounterMetricFamily("kvfleet_fleet_actor_restarts",
-                                       "Actors replaced: session (lost, rebuilt from its log), supervisor "
+                                       "Replaced: session (its kernel lost, rebuilt from its log), host "
                                        "(restarted by Ray, seen by the poller).", labels=["kind"])
         restarts.add_metric(["session"], p.regenerations)
-        restarts.add_metric(["supervisor"], p.supervisor_restarts)
+        restarts.add_metric(["host"], p.host_restarts)
         yield restarts
 
 
@@ -200,6 +203,12 @@ def _nodes(s: FleetSnapshot) -> Iterator[Metric]:
                                              "radix tree, in tokens.", labels=["node"]),
         "evicted_blocks": CounterMetricFamily("kvfleet_fleet_radix_evicted_blocks", "Blocks the node's radix "
                                               "tree evicted.", labels=["node"]),
+        "resident_bytes": GaugeMetricFamily("kvfleet_fleet_host_resident_bytes", "Resident memory of the node's "
+                                            "kernel host process (every session it holds, the weights once).",
+                                            labels=["node"]),
+        "session_bytes": GaugeMetricFamily("kvfleet_fleet_host_session_bytes", "The host's resident memory growth "
+                                           "since its weights were loaded, per session it holds (KV + bookkeeping).",
+                                           labels=["node"]),
     }
     for node, stats in sorted(s.nodes.items()):
         for key, fam in fams.items():

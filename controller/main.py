@@ -273,6 +273,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         kernel=kernel_overrides_from(args),
         sessions=session_limits_from(args),
         node_kv_bytes=args.node_kv_bytes,
+        node_max_sessions=args.node_max_sessions,
         detector_layers=detector_layers_from(args.detector_layers),
         detector_tenants=detector_tenants_from(args.detector_tenant),
         judge=judge_limits_from(args),

@@ -1,15 +1,16 @@
-"""The per-node KV budget flag of the session fleet (shared by `kvfleet controller` and `up`).
+"""The per-node budget flags of the session fleet (shared by `kvfleet controller` and `up`).
 
-Each Ray node holds at most `--node-kv-bytes` of KV: its radix cache's blocks plus its sessions'
-private blocks (workers/supervisor.py `used_bytes`). Placement skips a node whose budget is spent;
-when no node has room, creating a session is RESOURCE_EXHAUSTED (workers/placement.py)."""
+Each Ray node's kernel host holds at most `--node-kv-bytes` of KV (its radix cache's blocks plus its
+sessions' private blocks, workers/host.py `used_bytes`) and at most `--node-max-sessions` sessions.
+Placement skips a node whose budget is spent; when no node has room, creating a session is
+RESOURCE_EXHAUSTED (workers/placement.py)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
 
-from workers.placement import NODE_KV_BYTES
+from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 
 def _positive(text: str) -> int:
@@ -23,7 +24,7 @@ def _positive(text: str) -> int:
 
 
 def add_node_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-    """--node-kv-bytes (env KVFLEET_NODE_KV_BYTES)."""
+    """--node-kv-bytes (env KVFLEET_NODE_KV_BYTES) and --node-max-sessions (env KVFLEET_NODE_MAX_SESSIONS)."""
     try:
         default = _positive((env or {}).get("KVFLEET_NODE_KV_BYTES", str(NODE_KV_BYTES)))
     except argparse.ArgumentTypeError as e:
@@ -31,3 +32,10 @@ def add_node_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = N
     p.add_argument("--node-kv-bytes", type=_positive, default=default,
                    help=f"KV bytes one Ray node may hold for sessions (cached blocks + private blocks); a node past it "
                         f"takes no new session, and with none left a create is RESOURCE_EXHAUSTED (default {NODE_KV_BYTES})")
+    try:
+        most = _positive((env or {}).get("KVFLEET_NODE_MAX_SESSIONS", str(NODE_MAX_SESSIONS)))
+    except argparse.ArgumentTypeError as e:
+        p.error(f"KVFLEET_NODE_MAX_SESSIONS: {e}")
+    p.add_argument("--node-max-sessions", type=_positive, default=most,
+                   help=f"sessions one Ray node's kernel host may hold; a full host takes no new session "
+                        f"(default {NODE_MAX_SESSIONS})")

@@ -39,7 +39,7 @@ from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.errors import InvalidArgument
 from fleet.quarantine.layered import DetectorConfig, default_layers
-from workers.placement import NODE_KV_BYTES
+from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 log = logging.getLogger("kvfleet.controller")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -63,8 +63,9 @@ class ControllerConfig:
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
     sessions: SessionLimits = field(default_factory=SessionLimits)  # per-tenant session quotas, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
+    node_max_sessions: int = NODE_MAX_SESSIONS  # sessions one node's kernel host holds (--node-max-sessions)
     salt_secret: bytes | None = None  # None: generated once and kept in the store
-    ray_address: str | None = None  # accepted and kept for the session actors
+    ray_address: str | None = None  # accepted and kept for the kernel hosts
     leader_election: bool = False
     leader_ttl_s: float = 10.0
     start_router: bool = True
@@ -232,6 +233,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          uploads=UploadGate(cfg.uploads), max_route_tokens=cfg.max_route_tokens,
                          blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes,
+                         node_max_sessions=cfg.node_max_sessions,
                          detector=DetectorConfig(layers=cfg.detector_layers),
                          detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)

@@ -114,7 +114,7 @@ class Sessions:
     async def admit_tool_result(self, tenant: str, sid: str, ref: str,
                                 judge: Callable[[str, str], Awaitable[Verdict]]) -> OpResult:
         """Act on `judge(ref, tenant)`'s verdict (the controller's Judge, in the tenant's judge lane): the
-        session actor only acts on it, so no session process loads a detector. An unknown session costs no
+        kernel host only acts on it, so no kernel host loads a detector. An unknown session costs no
         inspection."""
         fleet = await self.get_fleet()
         await self._call(tenant, sid, fleet.check_session, tenant, sid)
@@ -189,10 +189,10 @@ class Sessions:
 
             ray_local.start(lambda: ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False))
         # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
-        # reattaches to its supervisors and sessions (no re-prefill); a local Ray dies with us anyway.
+        # reattaches to its kernel hosts and sessions (no re-prefill); a local Ray dies with us anyway.
         detached = bool(self.ctx.ray_address)
         fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached,
-                            node_kv_bytes=self.ctx.node_kv_bytes)
+                            node_kv_bytes=self.ctx.node_kv_bytes, node_max_sessions=self.ctx.node_max_sessions)
         self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
         self.ctx.on_stop.append(self.close)         # the reaper first, then the fleet
         self.ctx.on_stop.append(fleet.release if detached else fleet.shutdown)
@@ -361,7 +361,7 @@ class Sessions:
                 del self._reaping[key]
                 released.set()
         if out:
-            log.info("released %d idle session actor(s) (idle > %.0fs): %s", len(out), ttl_s, out)
+            log.info("released %d idle session kernel(s) (idle > %.0fs): %s", len(out), ttl_s, out)
         return out
 
     def close(self) -> None:

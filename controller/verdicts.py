@@ -1,7 +1,7 @@
 """Judge: tool-result verdicts for the proxy, kept in the store so every proxy and controller agree.
 
 Both the proxy (JudgeToolResults) and sessions (AdmitToolResult, `Judge.admission`) ask it, so the
-controller's --detector-layers is the one policy, loaded once per controller, never in a session actor.
+controller's --detector-layers is the one policy, loaded once per controller, never in a kernel host.
 
     verdict(bytes) = operator verdict on sha256(bytes), if one is set        (late verdicts, SetVerdict)
                    else QUARANTINED if the tenant's blob of these bytes is   (admit_tool_result marked it)

@@ -1,9 +1,9 @@
 """What crosses the session stack's process lines, typed (pure core: no ray, grpc, redis or zmq).
 
-    KernelActor ──OpResult(result=Piece | EvictReport | ToolAdmission)──▶ KernelFleet ──▶ SessionService
+    SessionKernel ──OpResult(result=Piece | EvictReport | ToolAdmission)──▶ KernelFleet ──▶ SessionService
     KernelFleet.list_sessions rows ──SessionRow.from_row──▶ SessionService ──row_to_proto──▶ SessionRow (proto)
 
-The actor builds these, Ray pickles them, the servicer converts each to its proto in one function
+The session's kernel host builds these, Ray pickles them, the servicer converts each to its proto in one function
 (controller/servicers/session_convert.py); nothing on the way re-lists a dict's keys. What callers name
 is checked by one rule each: session ids (`check_session_id`), op ids (`check_op_id`) and token ids
 (`check_token_ids`, at the edge and by the pure context before an op is logged). Tenant names have

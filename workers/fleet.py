@@ -5,16 +5,18 @@
     r = fleet.append("acme", "s1", "hello")          # r.logits, r.num_tokens
     fleet.list_sessions(fleet=True)                   # one row per session, across nodes
 
-Calls go straight to the session's actor. A dead actor (killed, its worker process gone) is
-marked lost (witness kv="forgotten", epoch + 1) and regenerated from its op log by its node's
-supervisor, then the call is retried once with the same op id (so an op that was logged just
-before the crash is not applied twice). Every wait has a timeout: a fault never hangs a caller.
+A session lives in its node's kernel host (workers/host.py: one Ray actor, one process per node, many
+sessions). Calls go to that host, which runs them on the session's SessionKernel. A session the host
+no longer holds (the host died and Ray restarted it empty, or its node is gone) is marked lost
+(witness kv="forgotten", epoch + 1) and regenerated from its op log, then the call is retried once
+with the same op id (so an op that was logged just before the crash is not applied twice). Every
+wait has a timeout: a fault never hangs a caller.
 
-Nodes come and go: the supervisors follow Ray's node table (re-read at most every
-`node_refresh_s`, and at once after a failure). A node that joins and has the session actor's
-resources gets a supervisor and takes new sessions; a node that dies is dropped, and its sessions
-are regenerated on a survivor on their next call (or by `reconcile()`). Placement skips nodes
-whose KV budget is spent; when none has room, ResourceExhausted.
+Nodes come and go: the hosts follow Ray's node table (re-read at most every `node_refresh_s`, and
+at once after a failure). A node that joins and has the resources sessions need gets a host and
+takes new sessions; a node that dies is dropped, and its sessions are regenerated on a survivor on
+their next call (or by `reconcile()`). Placement skips nodes whose KV or session budget is spent;
+when none has room, ResourceExhausted.
 """
 
 from __future__ import annotations
@@ -32,43 +34,39 @@ from fleet.kernel.tokenizer import encode_message
 from fleet.lifecycle import Witness
 from fleet.oplog import ForkOp, parse_log
 from fleet.session_types import OpResult, check_session_id, check_token_ids
-from workers.nodes import FleetNodes, NodeGone, ray_get
-from workers.placement import (
-    NODE_KV_BYTES,
-    RAY_NAMESPACE,
-    drop_blob_refs,
-    fleet_scope,
-    session_actor_name,
-    session_resources,
-)
+from workers.nodes import FleetNodes, NodeGone
+from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS, RAY_NAMESPACE, drop_blob_refs, node_resources
 from workers.registry import CREATING, SessionRegistry
-from workers.session_actor import KernelActor
+from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 __all__ = ["KernelFleet", "NodeGone", "OpResult"]
 
 
 class KernelFleet:
-    """Sessions on Ray actors, one supervisor per node, state durable in the store."""
+    """Sessions in kernel hosts (one Ray actor per node), state durable in the store."""
 
     def __init__(self, store_url: str, kernel_spec: dict[str, Any] | KernelSpec | None = None, *,
                  node_budget_bytes: int = 64 << 20, policy: str = "lru", call_timeout_s: float = 60.0,
                  detached: bool = False, node_kv_bytes: int = NODE_KV_BYTES, resources: dict[str, float] | None = None,
-                 node_refresh_s: float = 1.0) -> None:
+                 node_refresh_s: float = 1.0, node_max_sessions: int = NODE_MAX_SESSIONS,
+                 host_threads: int = 0) -> None:
         """Args:
-            store_url: the store every actor opens (op logs, session registry).
+            store_url: the store every host opens (op logs, session registry).
             kernel_spec: which kernel every session runs (KernelSpec or its dict).
             node_budget_bytes: per-node memory budget of the radix prefix cache.
             policy: its eviction policy ("lru", "lfu", "mru", "next-use").
             call_timeout_s: the longest any call waits; past it, Unavailable.
-            detached: supervisors and session actors outlive this process (detached, named in
+            detached: the kernel hosts, sessions and all, outlive this process (detached, named in
                 the kvfleet namespace), so a restarted controller reattaches to them warm; otherwise
                 they go with it and are regenerated from the op logs on first use.
             node_kv_bytes: each node's KV budget (cached blocks + sessions' private blocks); a
                 node whose budget is spent takes no new session.
-            resources: custom Ray resources every session actor asks for (e.g. {"accel": 0.01});
+            resources: custom Ray resources every kernel host asks for (e.g. {"accel": 0.01});
                 nodes without them (and without CPU, like a 0-CPU head) get no session.
             node_refresh_s: how often, at most, Ray's node table is re-read to follow nodes.
+            node_max_sessions: the most sessions one node's host holds.
+            host_threads: each host's kernel threads (0: the node's CPUs, at least 2).
         """
         from fleet.cas import open_store
 
@@ -76,36 +74,39 @@ class KernelFleet:
             ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
         self.store_url, self.call_timeout_s = store_url, call_timeout_s
         self.spec = KernelSpec.from_dict(kernel_spec or {})
-        self.kernel = make_kernel(self.spec.host())  # tokenizer and geometry; a CUDA spec runs on its nodes only
+        self.kernel = make_kernel(self.spec.on_cpu())  # tokenizer and geometry; a CUDA spec runs on its nodes only
         self.tokenizer = make_tokenizer(self.kernel)
         self.store = open_store(store_url)
         self.registry = SessionRegistry(self.store)
         self._detached = detached
         if not isinstance(node_kv_bytes, int) or node_kv_bytes <= 0:
             raise InvalidArgument(f"node_kv_bytes must be a positive int (bytes of KV per node), got {node_kv_bytes!r}")
+        if not isinstance(node_max_sessions, int) or node_max_sessions <= 0:
+            raise InvalidArgument(f"node_max_sessions must be a positive int, got {node_max_sessions!r}")
         self.bytes_per_token = self.kernel.block_bytes // self.kernel.block_size
         self.nodes = FleetNodes(self.spec, store_url, budget=node_budget_bytes, policy=policy, kv_bytes=node_kv_bytes,
                                 resources=dict(resources or {}), detached=detached, refresh_s=node_refresh_s,
-                                call_timeout_s=call_timeout_s, bytes_per_token=self.bytes_per_token)
+                                call_timeout_s=call_timeout_s, bytes_per_token=self.bytes_per_token,
+                                max_sessions=node_max_sessions, host_threads=host_threads)
         self.num_regenerations = 0
-        self._handles: dict[tuple[str, str], Any] = {}
+        self._where: dict[tuple[str, str], str] = {}  # (tenant, session) -> the node whose host holds it
         self.refresh_nodes(force=True)
-        if not self.supervisors and self.nodes.num_without_gpu:
+        if not self.hosts and self.nodes.num_without_gpu:
             raise Unavailable(f"no Ray node can run the kernel spec: {self.nodes.num_without_gpu} node(s) have no GPU "
                               "for the CUDA kernel of their group (a node without a GPU never runs one); add GPU "
                               "nodes, or give those groups a CPU kernel (--kernel-group GROUP=numpy:cpu)")
-        if not self.supervisors:
-            raise Unavailable(f"no Ray node has the resources a session needs ({session_resources(resources or {})})")
+        if not self.hosts:
+            raise Unavailable(f"no Ray node has the resources a session needs ({node_resources(resources or {})})")
 
-    # -- supervisors and placement (workers/nodes.py) ----------------------------------------
+    # -- kernel hosts and placement (workers/nodes.py) ---------------------------------------
 
     @property
-    def supervisors(self) -> dict[str, Any]:
-        """The supervisors, by Ray node id."""
-        return self.nodes.supervisors
+    def hosts(self) -> dict[str, Any]:
+        """The kernel hosts (Ray actor handles), by Ray node id."""
+        return self.nodes.hosts
 
     def refresh_nodes(self, force: bool = False) -> list[str]:
-        """Follow Ray's node table (FleetNodes.refresh); returns the node ids with a supervisor."""
+        """Follow Ray's node table (FleetNodes.refresh); returns the node ids with a host."""
         return self.nodes.refresh(force)
 
     # -- registry (in the store: survives the driver) -----------------------------------------
@@ -125,7 +126,7 @@ class KernelFleet:
     def _claim(self, tenant: str, session_id: str) -> None:
         """Make `session_id` free for a create or fork: AlreadyExists if a session holds it;
         otherwise clear what a create, fork or close that never completed left behind (a record
-        still `creating`, its actor, an op log without a record), so a crash never strands a name."""
+        still `creating`, its kernel, an op log without a record), so a crash never strands a name."""
         rec = self.registry.get(tenant, session_id)
         if rec is not None and rec.get("state") != CREATING:
             raise AlreadyExists(f"session {session_id!r} already exists")
@@ -135,32 +136,25 @@ class KernelFleet:
     # -- calls --------------------------------------------------------------------------------
 
     def _call(self, tenant: str, session_id: str, method: Callable[..., Any], *args: Any) -> Any:
-        """`method` (a KernelActor method, named by reference so readers and tools can follow it) called with
-        `args` on the session's actor, and its answer; a dead actor is regenerated and the call retried once."""
+        """`method` (a SessionKernel method, named by reference so readers and tools can follow it) called
+        with `args` on the session's host, and its answer; a session its host lost is regenerated and the
+        call retried once."""
         key = (tenant, session_id)
         for attempt in range(2):
-            actor = self._handles.get(key) or self._lookup(tenant, session_id)
-            if actor is not None:
-                try:
-                    return ray_get(getattr(actor, method.__name__).remote(*args), self.call_timeout_s)
-                except ray.exceptions.RayActorError as e:
-                    self._handles.pop(key, None)
-                    if attempt:
-                        raise Unavailable(f"session {session_id}: actor lost again after regeneration") from e
-            elif attempt:
-                raise Unavailable(f"session {session_id}: no actor after regeneration")
-            self._regenerate(self._record(tenant, session_id))   # NotFound when closed meanwhile
+            node = self._where.get(key)
+            if node is None:
+                rec = self._record(tenant, session_id)             # NotFound when unknown or closed
+                if rec.get("state") in ("lost", "idle"):           # released, or a rebuild that failed: rebuild
+                    rec = self._regenerate(rec)
+                node = self._where[key] = rec["node"]
+            try:
+                return self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
+            except (SessionGone, NodeGone) as e:
+                self._where.pop(key, None)
+                if attempt:
+                    raise Unavailable(f"session {session_id}: lost again after regeneration") from e
+            self._regenerate(self._record(tenant, session_id))
         raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
-
-    def _lookup(self, tenant: str, session_id: str) -> Any:
-        """The live actor of a registered session (None if it is gone); NotFound if unregistered."""
-        self._record(tenant, session_id)
-        try:
-            actor = ray.get_actor(session_actor_name(tenant, session_id, fleet_scope(self.store_url)), namespace=RAY_NAMESPACE)
-        except ValueError:  # no live actor by that name: it died and its name was released
-            return None
-        self._handles[(tenant, session_id)] = actor
-        return actor
 
     def _regenerate(self, rec: dict[str, Any]) -> dict[str, Any]:
         """Mark the session lost (kv forgotten), rebuild it from its op log, mark it active."""
@@ -225,7 +219,7 @@ class KernelFleet:
 
     # Mutating verbs: each runs under `op_id` (the caller's idempotency key; a fresh one if empty), and an
     # op id already in the session's log is answered (replayed=True), not applied again. Each returns the
-    # actor's OpResult: its `result` (a Piece, an EvictReport, a ToolAdmission), the session's token count
+    # SessionKernel's OpResult: its `result` (a Piece, an EvictReport, a ToolAdmission), the session's token count
     # and last logits.
 
     def append(self, tenant: str, session_id: str, content: str | list[int], role: str = "user",
@@ -243,42 +237,42 @@ class KernelFleet:
         """Append a chat message already encoded (`encode_message(self.tokenizer, role, text)`) by a caller
         that counted its tokens: it is never encoded again."""
         key = op_id or uuid.uuid4().hex
-        return self._call(tenant, session_id, KernelActor.append_message, tokens, role, key)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.append_message, tokens, role, key)  # type: ignore[no-any-return]
 
     def append_output(self, tenant: str, session_id: str, tokens: list[int], op_id: str = "") -> OpResult:
         """Append model output: token ids the caller checked (`check_token_ids`)."""
         key = op_id or uuid.uuid4().hex
-        return self._call(tenant, session_id, KernelActor.append_output, tokens, key)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.append_output, tokens, key)  # type: ignore[no-any-return]
 
     def generate(self, tenant: str, session_id: str, n: int, op_id: str = "") -> OpResult:
         """Greedy-decode `n` tokens and append them as an output piece (`result.tokens`)."""
         key = op_id or uuid.uuid4().hex
-        return self._call(tenant, session_id, KernelActor.generate, n, key)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.generate, n, key)  # type: ignore[no-any-return]
 
     def evict(self, tenant: str, session_id: str, piece_id: int, mode: str = "exact", op_id: str = "") -> OpResult:
         """Evict one piece from the session's KV cache; `result`: the kernel's EvictReport."""
         key = op_id or uuid.uuid4().hex
-        return self._call(tenant, session_id, KernelActor.evict, piece_id, mode, key)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.evict, piece_id, mode, key)  # type: ignore[no-any-return]
 
     def add_tool_result(self, tenant: str, session_id: str, ref: str, op_id: str = "") -> OpResult:
         """Append a tool result stored in the CAS (by ref); quarantined refs are refused."""
         key = op_id or uuid.uuid4().hex
-        return self._call(tenant, session_id, KernelActor.add_tool_result, ref, key)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.add_tool_result, ref, key)  # type: ignore[no-any-return]
 
     def admit_tool_result(self, tenant: str, session_id: str, ref: str, verdict: Any = None,
                           op_id: str = "") -> OpResult:
         """A verdict on a stored tool result (`verdict`, or the session's default detector when None);
         QUARANTINED evicts it with a proof (`result`: a ToolAdmission)."""
         key = op_id or uuid.uuid4().hex
-        return self._call(tenant, session_id, KernelActor.admit_tool_result, ref, verdict, key)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.admit_tool_result, ref, verdict, key)  # type: ignore[no-any-return]
 
     def working_set(self, tenant: str, session_id: str, budget_tokens: int) -> Any:
         """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
-        return self._call(tenant, session_id, KernelActor.working_set, budget_tokens)
+        return self._call(tenant, session_id, SessionKernel.working_set, budget_tokens)
 
     def fork(self, tenant: str, session_id: str, child_id: str, share: bool = True,
              node: str | None = None) -> dict[str, Any]:
-        """A branch in its own actor, isolated from the parent (copy-on-write).
+        """A branch, a session of its own, isolated from the parent (copy-on-write).
 
         On the parent's node (the usual case, while its KV budget has room) the child adopts the
         parent's block-aligned prefix from the node's object store zero-copy and computes only
@@ -294,7 +288,7 @@ class KernelFleet:
             raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)
         self._claim(tenant, child_id)
-        point = self._call(tenant, session_id, KernelActor.fork_point)  # ops and tokens read together
+        point = self._call(tenant, session_id, SessionKernel.fork_point)  # ops and tokens read together
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
         ops = [*point["ops"], ForkOp(session_id, len(point["ops"]))]
         node = node or self._fork_node(tenant, parent["node"], point["tokens"])
@@ -322,9 +316,9 @@ class KernelFleet:
 
     def _fork_args(self, tenant: str, parent_id: str, parent_node: str, node: str, tokens: list[int],
                    share: bool) -> tuple[tuple[Any, ...], int]:
-        """The supervisor's fork arguments past (tenant, ops, child), and the bytes Ray moves:
+        """The host's fork arguments past (tenant, ops, child), and the bytes Ray moves:
         same node: the parent's id (zero-copy); another node: the parent's block refs (fetched
-        across); no sharing, a node of another kernel spec (node group), or a parent its supervisor
+        across); no sharing, a node of another kernel spec (node group), or a parent its host
         no longer knows: none (replay)."""
         if not share:
             return (), 0
@@ -352,27 +346,27 @@ class KernelFleet:
         return total
 
     def close(self, tenant: str, session_id: str) -> None:
-        """Stop the session's actor and delete its op log; later calls raise NotFound."""
+        """Drop the session's kernel and delete its op log; later calls raise NotFound."""
         rec = self._record(tenant, session_id)
         self._discard(tenant, session_id, rec["node"])
 
     def release_session(self, tenant: str, session_id: str) -> None:
-        """Stop the session's actor to free its process and KV memory (idle reaping); its record
+        """Drop the session's kernel from its host to free its KV memory (idle reaping); its record
         (state `idle`) and op log stay, so its next call regenerates it from the log."""
         rec = self._record(tenant, session_id)
-        self._handles.pop((tenant, session_id), None)
-        if rec["node"] in self.supervisors:
+        self._where.pop((tenant, session_id), None)
+        if rec["node"] in self.hosts:
             self.nodes.call(rec["node"], "close", tenant, session_id)
         rec.update(state="idle")
         self.registry.save(rec)
 
     def _discard(self, tenant: str, session_id: str, node: str) -> None:
-        self._handles.pop((tenant, session_id), None)
+        self._where.pop((tenant, session_id), None)
         self.registry.delete(tenant, session_id)
-        if node in self.supervisors:
+        if node in self.hosts:
             try:
                 self.nodes.call(node, "close", tenant, session_id)
-            except NodeGone:  # its actor went with the node
+            except NodeGone:  # its kernel went with the node
                 pass
         drop_blob_refs(self.store, parse_log(self.store.oplog_read(tenant, session_id)))
         self.store.oplog_delete(tenant, session_id)
@@ -380,33 +374,34 @@ class KernelFleet:
     # -- reads --------------------------------------------------------------------------------
 
     def digest(self, tenant: str, session_id: str) -> str:
-        return str(self._call(tenant, session_id, KernelActor.digest))
+        return str(self._call(tenant, session_id, SessionKernel.digest))
 
     def last_logits(self, tenant: str, session_id: str) -> np.ndarray | None:
-        return self._call(tenant, session_id, KernelActor.last_logits)  # type: ignore[no-any-return]
+        return self._call(tenant, session_id, SessionKernel.last_logits)  # type: ignore[no-any-return]
 
     def pieces(self, tenant: str, session_id: str) -> list[Any]:
-        return list(self._call(tenant, session_id, KernelActor.pieces))
+        return list(self._call(tenant, session_id, SessionKernel.pieces))
 
     def tokens(self, tenant: str, session_id: str) -> list[int]:
-        return list(self._call(tenant, session_id, KernelActor.tokens))
+        return list(self._call(tenant, session_id, SessionKernel.tokens))
 
     def info(self, tenant: str, session_id: str) -> dict[str, Any]:
-        return dict(self._call(tenant, session_id, KernelActor.info))
+        return dict(self._call(tenant, session_id, SessionKernel.info))
 
     def node_stats(self) -> list[dict[str, Any]]:
         """One row per alive node of the fleet (sessions, cache, KV budget used)."""
         return [row for row in self.nodes.ask_all("stats").values() if isinstance(row, dict)]
 
     def _answer(self, node: str, method: str, *args: Any) -> Any:
-        """A supervisor's answer, or None when its node is gone (it is dropped)."""
+        """A host's answer, or None when its node is gone (it is dropped)."""
         try:
             return self.nodes.call(node, method, *args)
         except NodeGone:
             return None
 
     def list_sessions(self, fleet: bool = True, tenant: str | None = None) -> list[dict[str, Any]]:
-        """Rows: session, tenant, node, actor, tokens, bytes alone/shared, hit rate, quarantined
+        """Rows: session, tenant, node, host (its actor name, also as `actor`), pid, tokens, bytes alone/shared,
+        hit rate, quarantined
         spans, state, epoch, last active. `fleet=False` lists only this process's node."""
         here = ray.get_runtime_context().get_node_id()
         sups = [n for n in self.refresh_nodes() if fleet or n == here]
@@ -423,29 +418,29 @@ class KernelFleet:
         return out
 
     def reconcile(self) -> int:
-        """Proactively regenerate, on surviving nodes, every session whose node left the
-        cluster (instead of on its next call). Returns how many were regenerated."""
+        """Proactively regenerate every session that lost its kernel (instead of on its next call):
+        its node left the cluster, or its host answered without it (the host died and Ray restarted
+        it empty). Idle sessions stay idle. Returns how many were regenerated."""
         alive = set(self.refresh_nodes(force=True))
-        lost = [r for r in self.registry.records() if r.get("state") != CREATING and r.get("node") not in alive]
+        ask = self.nodes.ask_all("rows")
+        held = {(r["tenant"], r["session"]) for rows in ask.values() if isinstance(rows, list) for r in rows}
+        answered = {nid for nid, rows in ask.items() if isinstance(rows, list)}
+        lost = [r for r in self.registry.records() if r.get("state") not in (CREATING, "idle")
+                and (r.get("node") not in alive or (r.get("node") in answered and (r["tenant"], r["session"]) not in held))]
         for rec in lost:
-            self._handles.pop((rec["tenant"], rec["session"]), None)
+            self._where.pop((rec["tenant"], rec["session"]), None)
             self._regenerate(rec)
         return len(lost)
 
     def release(self) -> None:
         """Let go of the fleet without stopping it (a detached fleet's controller stopping):
-        supervisors and sessions stay up for the next controller to reattach."""
-        self.nodes.supervisors = {}
+        hosts and their sessions stay up for the next controller to reattach."""
+        self.nodes.hosts = {}
         self.store.close()
 
     def shutdown(self) -> None:
-        """Kill the supervisors and every session actor they own; the logs stay."""
-        for nid, s in self.supervisors.items():
-            if self._detached:  # detached session actors do not die with their supervisor
-                try:
-                    self.nodes.call(nid, "stop")
-                except (Unavailable, ray.exceptions.RayError):
-                    pass
+        """Kill the kernel hosts (every session they hold goes with them); the logs stay."""
+        for s in self.hosts.values():
             ray.kill(s, no_restart=True)
-        self.nodes.supervisors = {}
+        self.nodes.hosts = {}
         self.store.close()

@@ -11,23 +11,21 @@ from fleet.errors import ResourceExhausted
 from fleet.oplog import Op, blob_refs
 
 RAY_NAMESPACE = "kvfleet"
-ACTOR_CPUS = 0.05  # a session actor's CPU request: dozens of sessions fit on a 2-core machine
+NODE_MIN_CPUS = 0.05  # a node hosts sessions only with some CPU (the chart's head runs with num-cpus 0)
 NODE_KV_BYTES = 2 << 30  # default KV budget of one node (--node-kv-bytes)
+NODE_MAX_SESSIONS = 4096  # default session budget of one node's kernel host (--node-max-sessions)
 SALT_BASE = 1 << 40  # salt tokens lie far outside any vocabulary: they never collide with real ids
 
 
 def fleet_scope(store_url: str) -> str:
     """A short id of the store a fleet writes to. Actor names carry it, so two fleets on different
-    stores in one Ray cluster never adopt each other's supervisors or sessions (and op logs)."""
+    stores in one Ray cluster never adopt each other's hosts or sessions (and op logs)."""
     return hashlib.sha256(store_url.encode()).hexdigest()[:10]
 
 
-def session_actor_name(tenant: str, session_id: str, scope: str) -> str:
-    return f"session:{scope}:{tenant}:{session_id}"
-
-
-def supervisor_name(node_id: str, scope: str) -> str:
-    return f"supervisor:{scope}:{node_id}"
+def host_name(node_id: str, scope: str) -> str:
+    """The Ray actor name of a node's kernel host (workers/host.py)."""
+    return f"host:{scope}:{node_id}"
 
 
 def tenant_salt(tenant: str, page_size: int) -> list[int]:
@@ -44,16 +42,16 @@ def on_node(node_id: str) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
-def session_resources(extra: dict[str, float] | None = None) -> dict[str, float]:
-    """What one session actor asks Ray for: ACTOR_CPUS CPU plus `extra` (custom resources such
-    as an accelerator label). A node that lacks any of them never hosts a session."""
-    return {"CPU": ACTOR_CPUS, **(extra or {})}
+def node_resources(extra: dict[str, float] | None = None) -> dict[str, float]:
+    """What a node must have to host sessions: NODE_MIN_CPUS CPU plus `extra` (custom resources such
+    as an accelerator label, which its kernel host asks Ray for). A node that lacks any never hosts one."""
+    return {"CPU": NODE_MIN_CPUS, **(extra or {})}
 
 
 def eligible_nodes(nodes: Sequence[dict[str, Any]], need: dict[str, float]) -> list[str]:
     """Ids of the alive nodes (rows of `ray.nodes()`) whose total resources cover `need`.
 
-    The head of the chart runs with `num-cpus: 0`: it has no CPU, so it gets no supervisor and
+    The head of the chart runs with `num-cpus: 0`: it has no CPU, so it gets no host and
     no session (a hard-pinned actor there could never be scheduled)."""
     return sorted(n["NodeID"] for n in nodes if n.get("Alive")
                   and all(float(n.get("Resources", {}).get(k, 0.0)) >= v for k, v in need.items()))
@@ -62,17 +60,18 @@ def eligible_nodes(nodes: Sequence[dict[str, Any]], need: dict[str, float]) -> l
 @dataclass(frozen=True, slots=True)
 class NodeOffer:
     """One node's answer to "how much of this prompt do you hold warm, how busy are you, and how
-    much of your KV budget is left?". `num_free_bytes` may be negative (budget overspent)."""
+    much of your KV and session budgets is left?". `num_free_bytes` may be negative (budget overspent)."""
 
     node_id: str
     num_matched: int
     num_sessions: int
     num_free_bytes: int = 1 << 62
+    max_sessions: int = NODE_MAX_SESSIONS
 
 
 def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_token: int = 0) -> str:
     """Among the nodes with room for a session of `num_tokens` (what a node holds warm is
-    adopted, not held twice), prefer the node holding the longest warm prefix, then the least
+    adopted, not held twice) and below their session budget, prefer the node holding the longest warm prefix, then the least
     loaded, then the id.
 
     Raises:
@@ -81,9 +80,15 @@ def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_toke
     def need(o: NodeOffer) -> int:
         return max(0, num_tokens - o.num_matched) * bytes_per_token
 
-    fits = [o for o in offers if o.num_free_bytes > 0 and o.num_free_bytes >= need(o)]
+    fits = [o for o in offers if o.num_free_bytes > 0 and o.num_free_bytes >= need(o)
+            and o.num_sessions < o.max_sessions]
     if not fits:
         free = max((o.num_free_bytes for o in offers), default=0)
+        if offers and all(o.num_sessions >= o.max_sessions for o in offers):
+            raise ResourceExhausted(
+                f"every node's kernel host holds its most sessions ({len(offers)} eligible nodes, "
+                f"{max(o.max_sessions for o in offers)} each): close idle sessions, add nodes, or raise "
+                "--node-max-sessions")
         raise ResourceExhausted(
             f"no node has room for a session of {num_tokens} tokens (~{num_tokens * bytes_per_token} KV bytes; "
             f"{len(offers)} eligible nodes, the most free: {max(free, 0)} bytes): close idle sessions, add nodes, "

@@ -1,8 +1,7 @@
 """SessionRegistry: the store's record of every session of a fleet (the only code naming its namespace).
 
-One JSON record per (tenant, session), written by the controller's KernelFleet and read by it, by a
-restarted supervisor looking for its surviving actors, and by the sessions servicer counting a
-tenant's quota after a restart. It survives the controller:
+One JSON record per (tenant, session), written by the controller's KernelFleet and read by it and by
+the sessions servicer counting a tenant's quota after a restart. It survives the controller:
 
     {"tenant": "acme", "session": "s1", "node": "<ray node id>", "state": "active", "epoch": 0,
      "created": 1733130000.0, "adopted_tokens": 32}

@@ -9,8 +9,9 @@ from each KubeRay worker group's name; `ray start --labels kvfleet.dev/group=gpu
     spec.for_node(row)      # ray.nodes() row -> the node's spec, or None when the node cannot run it
 
 Invariant: a node without a GPU never builds a CUDA kernel (`for_node` answers None: it gets no
-supervisor and no session), and every actor of a CUDA spec asks Ray for a share of a GPU
-(`actor_gpus`), without which Ray hides the devices from it.
+kernel host and no session), and the kernel host of a CUDA spec asks Ray for a whole GPU
+(`host_gpus`): it owns the device, one CUDA context for all its sessions (Ray hides the devices from
+an actor that asks for none).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fleet.kernel import BACKENDS, ByteTokenizer, Kernel, ModelConfig
 from fleet.kernel.hf_tokenizer import HFTokenizer
 
 GROUP_LABEL = "kvfleet.dev/group"
-ACTOR_GPUS = 0.01  # GPU share per actor of a CUDA spec: Ray exposes the device; ~100 sessions per GPU
+HOST_GPUS = 1.0  # a CUDA kernel host owns its GPU: one context, the weights once, every session on it
 _GROUP_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DEVICE_RE = re.compile(r"cpu|cuda(:0)?")  # Ray shows a session actor only its own GPU, as cuda:0
 
@@ -69,13 +70,13 @@ class KernelSpec:
         return self.device.startswith("cuda")
 
     @property
-    def actor_gpus(self) -> float:
-        """The GPU share each actor of this spec asks Ray for (0 on CPU)."""
-        return ACTOR_GPUS if self.needs_gpu else 0.0
+    def host_gpus(self) -> float:
+        """The GPUs the kernel host of this spec asks Ray for (0 on CPU)."""
+        return HOST_GPUS if self.needs_gpu else 0.0
 
-    def host(self) -> KernelSpec:
-        """The same model on numpy/CPU: what a CPU-only process (the controller, a supervisor
-        sizing its cache) builds to tokenize and to know the block geometry."""
+    def on_cpu(self) -> KernelSpec:
+        """The same model on numpy/CPU: what a CPU-only process (the controller: its tokenizer
+        and the block geometry) builds."""
         return dataclasses.replace(self, backend="numpy", device="cpu", groups=())
 
     def for_group(self, group: str) -> KernelSpec:
@@ -154,6 +155,19 @@ def parse_group(text: str) -> tuple[str, str, str]:
     return group, backend, device
 
 
+def model_config(spec: KernelSpec) -> ModelConfig:
+    """The spec's model geometry without its weights (a pretrained checkpoint's config.json only)."""
+    if spec.kind == "pretrained":
+        import json
+        from pathlib import Path
+
+        try:
+            return ModelConfig.from_hf(json.loads((Path(spec.path) / "config.json").read_text()))
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"{spec.path}: no readable config.json ({e})") from e
+    return ModelConfig.tiny(**dict(spec.config))
+
+
 @lru_cache(maxsize=4)
 def make_kernel(spec: KernelSpec) -> Kernel:
     """Build (once per process) the kernel a spec names."""
@@ -162,6 +176,24 @@ def make_kernel(spec: KernelSpec) -> Kernel:
         return Kernel.from_pretrained(spec.path, backend=spec.backend, device=spec.device, **kw)
     cfg = ModelConfig.tiny(**dict(spec.config))
     return Kernel.synthetic(cfg, seed=spec.seed, backend=spec.backend, device=spec.device, **kw)
+
+
+def pin_threads(kernel: Kernel) -> None:
+    """Pin the process's BLAS (numpy) or intra-op (torch) threads to the kernel's count for good.
+
+    NOTE: a host runs many sessions' ops on several threads at once; each op pins the count for its
+    duration and restores it after (`ops.limit`). Were the process's count different, one op's restore
+    could change the count under another op mid-matmul (threadpoolctl and torch set it per process).
+    Pinned once here, every set and restore writes the same value."""
+    if kernel.backend == "numpy":
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=kernel.threads, user_api="blas")
+    else:
+        import torch
+
+        torch.set_num_threads(kernel.threads)
+        torch.backends.cuda.matmul.allow_tf32 = False  # what every op sets (fp32 means fp32)
 
 
 def make_tokenizer(kernel: Kernel) -> ByteTokenizer | HFTokenizer:

@@ -30,7 +30,7 @@ from controller.uploads import UploadGate, UploadLimits
 from controller.verdicts import Judge, Judgement
 from fleet.errors import KvfleetError, Unavailable
 from fleet.quarantine.layered import DetectorConfig
-from workers.placement import NODE_KV_BYTES
+from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
@@ -46,7 +46,7 @@ class ServiceContext:
     router: Any  # controller.router.Router, or None before it started
     max_blob_bytes: int
     store_url: str = ""
-    ray_address: str | None = None  # the Ray cluster session actors run on (None: local / RAY_ADDRESS)
+    ray_address: str | None = None  # the Ray cluster the kernel hosts run on (None: local / RAY_ADDRESS)
     store_gc: Any = None  # controller.store_gc.StoreGc (the CollectGarbage RPC and the leader's schedule)
     kernel_fleet: Any = None  # workers.fleet.KernelFleet, once the first session call built it
     fleet_metrics: Any = None  # controller.fleet_metrics.FleetMetricsPoller
@@ -58,6 +58,7 @@ class ServiceContext:
     blob_bytes_per_tenant: int = 0  # blob bytes a tenant may have stored, 0: no quota (--max-blob-bytes-per-tenant)
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
+    node_max_sessions: int = NODE_MAX_SESSIONS  # sessions one node's kernel host holds (--node-max-sessions)
     detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
     detector_tenants: dict[str, DetectorConfig] = field(default_factory=dict)  # --detector-tenant overrides
     judge_lanes: JudgeLanes = field(default_factory=JudgeLanes)  # the detector's own pool, per-tenant lanes

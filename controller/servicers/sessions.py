@@ -2,7 +2,7 @@
 
 Thin: authenticate, validate, translate proto -> domain, call `Sessions` (which owns the fleet, the tenants'
 quotas and lanes, and the idle reaper), translate back. Text is encoded once, by `Sessions.append_text`: the
-same tokens are counted against the quota and appended (the session actor never encodes text).
+same tokens are counted against the quota and appended (the kernel host never encodes text).
 Limits and their flags: controller/quotas.py.
 """
 

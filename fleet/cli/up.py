@@ -96,6 +96,7 @@ async def serve(args: argparse.Namespace) -> int:
     await asyncio.to_thread(set_kernel_placement, stack.ctl.ctx.store, kernel)  # before the first session
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
     stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
+    stack.ctl.ctx.node_max_sessions = args.node_max_sessions
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -74,6 +74,10 @@ class ModelConfig:
             return self.max_seq_len
         return min(self.max_seq_len, self.sliding_window)
 
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block of `block_size` tokens (fp32; keys, values and the pre-RoPE keys; every layer)."""
+        return 3 * self.n_layers * self.n_kv_heads * block_size * self.head_dim * 4
+
     def replace(self, **overrides: Any) -> ModelConfig:
         return dataclasses.replace(self, **overrides)
 

@@ -74,7 +74,7 @@ class Kernel:
         self.backend, self.block_size, self.tile_size, self.threads = backend, block_size, tile_size, threads
         self.ops = _make_ops(backend, cfg, weights, threads, device)
         self.device = self.ops.device
-        self.block_bytes = 3 * cfg.n_layers * cfg.n_kv_heads * block_size * cfg.head_dim * 4
+        self.block_bytes = cfg.block_bytes(block_size)
         ident = f"{cfg!r}|{weights.source}|{backend}|{self.device}|{threads}|{block_size}|{tile_size}"
         self.model_id = hashlib.sha256(ident.encode()).hexdigest()[:16]
         self.checkpoint = ""  # the checkpoint directory of a pretrained kernel (its tokenizer lives there)

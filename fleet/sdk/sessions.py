@@ -48,7 +48,7 @@ class PieceInfo:
 
 @dataclass(frozen=True, slots=True)
 class NodeRow:
-    """One kernel node (Ray node with a supervisor and its radix prefix cache)."""
+    """One kernel node (a Ray node with its kernel host and radix prefix cache)."""
 
     node: str
     num_sessions: int

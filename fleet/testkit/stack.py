@@ -183,7 +183,7 @@ async def start_stack(cfg: StackConfig, *, observe: Observe | None = None) -> St
         await register_sims(stack.admin, stack.sims, cfg.model, cfg.block_size)
         await wait_serving(stack.admin, len(stack.sims))
         if cfg.sessions:
-            await stack.admin.fleet_sessions()  # builds the session fleet (Ray supervisors) now
+            await stack.admin.fleet_sessions()  # builds the session fleet (its Ray kernel hosts) now
         if cfg.proxy is not None:
             pcfg = ProxyConfig(**{"controller": ctl.address, "listen": "127.0.0.1:0",
                                   "token": stack.operator_token, **cfg.proxy})

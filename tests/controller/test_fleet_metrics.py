@@ -8,14 +8,13 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import ray
 from support.controller import start_controller
+from support.workers import kill_host
 
 from controller.fleet_metrics import FleetMetricsPoller, snapshot
 from controller.metrics import Metrics
 from fleet.errors import InvalidArgument
 from fleet.sdk import NO_RETRY, AsyncFleetClient
-from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
 
 SYSTEM = "You are a fleet agent. Keep every answer short and exact."  # 57 bytes: 3 whole blocks
 
@@ -25,7 +24,8 @@ ROWS = [
      "adopted_tokens": 48},
     {"node": "n2", "state": "lost", "tokens": 0, "parent": "a", "adopted_tokens": 0, "regenerated": 2},
 ]
-STATS = [{"node": "n1", "hit_rate": 0.5, "cached_tokens": 48, "capacity_tokens": 4096, "evicted_blocks": 3}]
+STATS = [{"node": "n1", "hit_rate": 0.5, "cached_tokens": 48, "capacity_tokens": 4096, "evicted_blocks": 3,
+          "resident_bytes": 150_000_000, "session_bytes": 40_000}]
 
 
 def test_snapshot_counts_exactly() -> None:
@@ -34,7 +34,7 @@ def test_snapshot_counts_exactly() -> None:
     assert s.kv_bytes == {("n1", "alone"): 110, ("n1", "shared"): 300, ("n2", "alone"): 0, ("n2", "shared"): 0}
     assert (s.regenerations, s.forks, s.fork_adopted_tokens) == (3, {"shared": 1, "replayed": 1}, 48)
     assert s.nodes == {"n1": {"hit_rate": 0.5, "cached_tokens": 48.0, "capacity_tokens": 4096.0,
-                              "evicted_blocks": 3.0}}
+                              "evicted_blocks": 3.0, "resident_bytes": 150e6, "session_bytes": 40e3}}
 
 
 class _Fleet:
@@ -50,7 +50,7 @@ class _Fleet:
         return ROWS
 
 
-def test_collector_renders_the_last_poll_and_counts_supervisor_restarts() -> None:
+def test_collector_renders_the_last_poll_and_counts_host_restarts() -> None:
     m = Metrics()
     fleet: _Fleet | None = None
     poller = FleetMetricsPoller(lambda: fleet, m, interval_s=0)
@@ -58,14 +58,16 @@ def test_collector_renders_the_last_poll_and_counts_supervisor_restarts() -> Non
                                                                                               "state": "active"}) is None
     fleet = _Fleet([{**STATS[0], "pid": 11}])
     poller.poll()
-    fleet.stats = [{**STATS[0], "pid": 12}]      # Ray restarted the supervisor: another process answers
+    fleet.stats = [{**STATS[0], "pid": 12}]      # Ray restarted the host: another process answers
     poller.poll()
     get = m.registry.get_sample_value
     assert get("kvfleet_fleet_sessions", {"node": "n1", "state": "active"}) == 2
     assert get("kvfleet_fleet_kv_bytes", {"node": "n1", "kind": "shared"}) == 300
     assert get("kvfleet_fleet_radix_hit_rate", {"node": "n1"}) == 0.5
+    assert get("kvfleet_fleet_host_resident_bytes", {"node": "n1"}) == 150e6
+    assert get("kvfleet_fleet_host_session_bytes", {"node": "n1"}) == 40e3
     assert get("kvfleet_fleet_regenerations_total") == 3
-    assert get("kvfleet_fleet_actor_restarts_total", {"kind": "supervisor"}) == 1
+    assert get("kvfleet_fleet_actor_restarts_total", {"kind": "host"}) == 1
     assert get("kvfleet_fleet_actor_restarts_total", {"kind": "session"}) == 3
     assert get("kvfleet_fleet_forks", {"mode": "shared"}) == 1 and get("kvfleet_fleet_forks", {"mode": "replayed"}) == 1
     with pytest.raises(InvalidArgument, match="--fleet-metrics-interval"):
@@ -80,10 +82,11 @@ async def test_a_real_fleet_on_the_controllers_metrics(ray_cluster: None, tmp_pa
             await c.create_session("a", SYSTEM)
             await c.create_session("b", SYSTEM)            # adopts a's 3 cached blocks
             await c.fork("a", "a-fork")                     # shares a's blocks copy-on-write
-            scope = fleet_scope(url)
-            tenant = (await c.whoami()).tenant
-            ray.kill(ray.get_actor(session_actor_name(tenant, "b", scope), namespace=RAY_NAMESPACE))
-            await c.append("b", " next turn")               # b's actor is lost: regenerated, then answered
+            [node] = {r.node for r in await c.sessions(fleet=True)}
+            await asyncio.to_thread(ctl.ctx.fleet_metrics.poll)
+            hit = ctl.ctx.metrics.registry.get_sample_value("kvfleet_fleet_radix_hit_rate", {"node": node})
+            await asyncio.to_thread(kill_host, url, node)   # every kernel is lost with the host's process
+            await c.append("b", " next turn")               # b is regenerated, then answered (a, a-fork: lost)
             await asyncio.to_thread(ctl.ctx.fleet_metrics.poll)
             rows = await c.sessions(fleet=True)
         get = ctl.ctx.metrics.registry.get_sample_value
@@ -99,8 +102,9 @@ async def test_a_real_fleet_on_the_controllers_metrics(ray_cluster: None, tmp_pa
         assert get("kvfleet_fleet_actor_restarts_total", {"kind": "session"}) == 1
         assert sum(get("kvfleet_fleet_kv_bytes", {"node": n, "kind": "alone"}) for n in nodes) == \
             sum(r.bytes_alone for r in rows)
-        hit = [get("kvfleet_fleet_radix_hit_rate", {"node": n}) for n in nodes]
-        assert any(h and h > 0 for h in hit)                # b's create hit a's blocks
+        rss = get("kvfleet_fleet_host_resident_bytes", {"node": next(iter(nodes))})
+        assert rss and rss > 10 << 20                       # the host process's own /proc figure (numpy alone > 10 MiB)
+        assert hit and hit > 0                              # b's create hit a's blocks (before the host died)
     finally:
         await ctl.stop(0)
 
@@ -139,4 +143,4 @@ def test_docs_list_every_fleet_and_gc_family() -> None:
              if s.name.startswith(("kvfleet_fleet_", "kvfleet_store_gc_")) and not s.name.endswith("_created")}
     names = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in names}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
-    assert len(names) == 14 and sorted(n for n in names if f"`{n}`" not in doc) == []
+    assert len(names) == 16 and sorted(n for n in names if f"`{n}`" not in doc) == []

@@ -26,7 +26,8 @@ from fleet.cas import open_store
 from fleet.errors import AlreadyExists, NotFound, ResourceExhausted
 from fleet.sdk import AsyncFleetClient, FleetClient
 from fleet.session_types import SESSION_ID_RULE
-from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
+from workers.placement import RAY_NAMESPACE, fleet_scope, host_name
+from workers.session_kernel import SessionGone
 from workers.spec import KernelSpec, make_kernel
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 tokens (byte tokenizer)
@@ -203,9 +204,11 @@ async def test_the_quota_ledger_is_rebuilt_after_a_restart(ray_cluster: None, tm
 
 # ---- finding 3: one tenant's stuck calls do not starve another's reads --------------------------------
 
-def _actor_pid(url: str, tenant: str, sid: str) -> int:
-    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=RAY_NAMESPACE)
-    return int(ray.get(actor.info.remote(), timeout=30)["pid"])
+def _host_call(url: str, tenant: str, sid: str, verb: str, *args: Any) -> Any:
+    """Ask the kernel host holding the session (a single-node fleet: the one host of this store)."""
+    [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    host = ray.get_actor(host_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
+    return host.call.remote(tenant, sid, verb, *args)
 
 
 async def test_a_tenant_saturating_its_calls_does_not_starve_another(ray_cluster: None, tmp_path: Path) -> None:
@@ -216,8 +219,7 @@ async def test_a_tenant_saturating_its_calls_does_not_starve_another(ray_cluster
     stub = SessionServiceStub(ch)
     await a.create_session("a1", SYSTEM)
     await b.create_session("b1", SYSTEM)
-    pid = _actor_pid(url, "acme", "a1")
-    os.kill(pid, signal.SIGSTOP)                                      # acme's actor stops answering
+    _host_call(url, "acme", "a1", "stall", 600)                     # acme's session stops answering
     stuck: list[Any] = []
     try:
         stuck = [asyncio.ensure_future(stub.GetSession(pb.GetSessionRequest(session_id="a1"), timeout=120,
@@ -238,7 +240,7 @@ async def test_a_tenant_saturating_its_calls_does_not_starve_another(ray_cluster
         assert "--session-concurrency-per-tenant" in codes[0][1]
         stuck += [m for m in more if m not in refused]
     finally:
-        os.kill(pid, signal.SIGCONT)
+        ray.get(_host_call(url, "acme", "a1", "unstall"), timeout=60)
         done = await asyncio.gather(*stuck, return_exceptions=True)
         for x in (a, b):
             await x.close()
@@ -263,8 +265,8 @@ async def test_an_idle_session_is_released_and_regenerates_on_its_next_call(ray_
         while (rows := {r.session_id: r for r in await c.sessions()})["s1"].state != "idle":
             assert time.monotonic() < deadline, f"never reaped: {rows['s1']}"
             await asyncio.sleep(0.2)
-        with pytest.raises(ValueError):                               # its actor (and process) is gone
-            ray.get_actor(session_actor_name("local", "s1", fleet_scope(url)), namespace=RAY_NAMESPACE)
+        with pytest.raises(SessionGone):                              # its kernel (and KV memory) is gone
+            ray.get(_host_call(url, "local", "s1", "info"), timeout=60)
         assert len(open_store(url).oplog_read("local", "s1")) == 2    # its op log stays
         again = await c.get_session("s1")                             # the next call regenerates it
         assert again.digest == digest and again.row.epoch >= 1             # regenerated (epoch bumped), bit-identical
@@ -287,12 +289,12 @@ print("created", flush=True)
 """
 
 
-def _supervisor_gone(url: str) -> bool:
-    from workers.placement import supervisor_name
+def _host_gone(url: str) -> bool:
+    from workers.placement import host_name
 
     for node in ray.nodes():
         try:
-            ray.get_actor(supervisor_name(node["NodeID"], fleet_scope(url)), namespace=RAY_NAMESPACE)
+            ray.get_actor(host_name(node["NodeID"], fleet_scope(url)), namespace=RAY_NAMESPACE)
             return False
         except ValueError:
             pass
@@ -323,7 +325,7 @@ async def test_a_driver_killed_mid_create_leaves_the_name_usable(ray_cluster: No
     state = json.loads(raw or b"{}").get("state")
     assert state == "creating", f"the create finished before the kill ({state}); nothing was tested"
     deadline = time.monotonic() + 60
-    while not _supervisor_gone(url):                                  # its actors go with their driver
+    while not _host_gone(url):                                  # its actors go with their driver
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
     ctl = await start_controller(url, None)
@@ -397,11 +399,11 @@ async def test_the_kv_ledger_stays_exact_through_every_verb(ray_cluster: None, t
 
 # ---- the reaper never stops an actor under a call ---------------------------------------------------
 
-def _supervisor_pid(url: str) -> int:
-    from workers.placement import supervisor_name
+def _host_pid(url: str) -> int:
+    from workers.placement import host_name
 
     node = ray.get_runtime_context().get_node_id()
-    sup = ray.get_actor(supervisor_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
+    sup = ray.get_actor(host_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
     return int(ray.get(sup.stats.remote(), timeout=30)["pid"])
 
 
@@ -415,18 +417,18 @@ async def test_a_call_arriving_while_its_session_is_released_runs_after_the_rele
         await c.create_session("s1", SYSTEM)
         svc = _servicer(ctl)
         rows = await asyncio.to_thread(svc.fleet.list_sessions, True)
-        pid = _supervisor_pid(url)
-        os.kill(pid, signal.SIGSTOP)             # the release (the supervisor stops the actor) hangs
+        pid = _host_pid(url)
+        os.kill(pid, signal.SIGSTOP)             # the release (the host drops the session) hangs
         reap = asyncio.ensure_future(svc.reap_idle(0.0, now=time.time() + 1, rows=rows))
-        await asyncio.sleep(0)                   # the reaper has chosen s1 and waits on its supervisor
+        await asyncio.sleep(0)                   # the reaper has chosen s1 and waits on its host
         append = asyncio.ensure_future(c.append("s1", " hello"))
         # NOTE: ordering, not a timing check: before the fix the append ran on the actor being released
         done, _ = await asyncio.wait({append}, timeout=3.0)
-        assert not done, "the append ran while its session's actor was being released"
+        assert not done, "the append ran while its session was being released"
         os.kill(pid, signal.SIGCONT)
         pid = 0
         assert await reap == [("local", "s1")]
-        assert (await append).num_tokens == 41   # after the release, on the regenerated actor
+        assert (await append).num_tokens == 41   # after the release, on the regenerated kernel
         row = {r.session_id: r for r in await c.sessions()}["s1"]
         assert row.state != "idle" and row.epoch >= 1, row    # live again, not marked idle under the call
         assert len(open_store(url).oplog_read("local", "s1")) == 2    # system + the append, once

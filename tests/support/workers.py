@@ -37,3 +37,27 @@ def wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("the actor is still alive")
+
+
+def host_of(store_url: str, node_id: str) -> Any:
+    """The kernel host (Ray actor) of `node_id` in the fleet on `store_url`."""
+    from workers.placement import RAY_NAMESPACE, fleet_scope, host_name
+
+    return ray.get_actor(host_name(node_id, fleet_scope(store_url)), namespace=RAY_NAMESPACE)
+
+
+def kill_host(store_url: str, node_id: str) -> None:
+    """Kill a node's kernel host, as a crash would (Ray restarts it empty: every session it held is
+    lost, each rebuilt from its op log on its next call), and wait until the new one answers."""
+    host = host_of(store_url, node_id)
+    pid = ray.get(host.stats.remote(), timeout=60)["pid"]
+    ray.kill(host, no_restart=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(host.stats.remote(), timeout=5)["pid"] != pid:
+                return
+        except ray.exceptions.RayActorError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the host was not restarted")

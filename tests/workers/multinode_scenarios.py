@@ -38,7 +38,8 @@ import ray  # noqa: E402
 
 from fleet.errors import ResourceExhausted  # noqa: E402
 from workers.fleet import KernelFleet  # noqa: E402
-from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name  # noqa: E402
+from workers.placement import RAY_NAMESPACE, fleet_scope, host_name  # noqa: E402
+from workers.registry import SessionRegistry  # noqa: E402
 from workers.spec import KernelSpec  # noqa: E402
 
 SPEC = KernelSpec(block_size=16)
@@ -78,15 +79,20 @@ def wait_unreachable(actor: Any, timeout_s: float = 60.0) -> None:
     while time.monotonic() < deadline:
         try:
             ray.get(actor.ping.remote(), timeout=5)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnschedulableError):
             return
         time.sleep(0.1)
     raise AssertionError("an actor of the dead node still answers")
 
 
 def actor_info(url: str, tenant: str, sid: str) -> dict[str, Any]:
-    actor = ray.get_actor(session_actor_name(tenant, sid, fleet_scope(url)), namespace=RAY_NAMESPACE)
-    return dict(ray.get(actor.info.remote(), timeout=60))
+    """A session's own info row, asked of the kernel host that holds it (its node from the registry)."""
+    from fleet.cas import open_store
+
+    with open_store(url) as store:
+        node = SessionRegistry(store).get(tenant, sid)["node"]  # type: ignore[index]
+    host = ray.get_actor(host_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
+    return dict(ray.get(host.call.remote(tenant, sid, "info"), timeout=60))
 
 
 def max_delta(a: Any, b: Any) -> float:
@@ -96,7 +102,7 @@ def max_delta(a: Any, b: Any) -> float:
 # -- scenarios ---------------------------------------------------------------------------------
 
 def placement(cluster: Any, tmp: Path) -> dict[str, Any]:
-    """The 0-CPU head gets no supervisor; sessions spread over the CPU nodes; a fleet whose
+    """The 0-CPU head gets no kernel host; sessions spread over the CPU nodes; a fleet whose
     sessions need `accel` uses only the node that has it."""
     head = cluster.head_node.node_id
     cpu_nodes = sorted(n.node_id for n in cluster.worker_nodes)
@@ -107,8 +113,8 @@ def placement(cluster: Any, tmp: Path) -> dict[str, Any]:
         nodes = [f.create_session(T, f"p{i}", p)["node"] for i, p in enumerate(prompts)]
         accel = [g.create_session(T, f"a{i}", p)["node"] for i, p in enumerate(prompts)]
         accel_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("accel"))
-        return {"head": head, "cpu_nodes": cpu_nodes, "supervised": sorted(f.supervisors),
-                "session_nodes": nodes, "accel_supervised": sorted(g.supervisors), "accel_session_nodes": accel,
+        return {"head": head, "cpu_nodes": cpu_nodes, "supervised": sorted(f.hosts),
+                "session_nodes": nodes, "accel_supervised": sorted(g.hosts), "accel_session_nodes": accel,
                 "accel_node": accel_node}
     finally:
         f.shutdown()
@@ -165,7 +171,7 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         new = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        deadline = time.monotonic() + 60      # in the node table; then its supervisor must answer
+        deadline = time.monotonic() + 60      # in the node table; then its host must answer
         while new.node_id not in {s["node"] for s in f.node_stats()} and time.monotonic() < deadline:
             time.sleep(0.2)
         join_s = time.perf_counter() - t0
@@ -177,11 +183,10 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
         on_new = [sid for sid in sids if f._record(T, sid)["node"] == new.node_id]
         if not on_new:
             raise AssertionError(f"no session on the new node {new.node_id}: placed on {placed}")
-        handles = [f._handles[(T, sid)] for sid in on_new]
+        host = f.hosts[new.node_id]
         cluster.remove_node(new, allow_graceful=False)                  # SIGKILL its raylet
         wait_node_dead(new.node_id)
-        for actor in handles:       # its worker processes notice a moment later; until then they answer
-            wait_unreachable(actor)
+        wait_unreachable(host)      # its host process notices a moment later; until then it answers
         rows = {r["session"]: r["state"] for r in f.list_sessions(tenant=T)}
         extra = f.create_session(T, "after", "You are created after the loss.")["node"]
         t0 = time.perf_counter()
@@ -193,7 +198,7 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
         after = {sid: (f.digest(T, sid), f.last_logits(T, sid)) for sid in sids}
         return {
             "new_node": new.node_id, "placed": placed, "on_new": on_new, "rows_after_loss": rows,
-            "created_after_loss_on": extra, "supervised_after": sorted(f.supervisors),
+            "created_after_loss_on": extra, "supervised_after": sorted(f.hosts),
             "first_digest_equal": first == before[on_new[0]][0], "reconciled": reconciled,
             "digests_equal": {s: after[s][0] == before[s][0] for s in sids},
             "logits_max_delta": max(max_delta(after[s][1], before[s][1]) for s in sids),
@@ -214,7 +219,7 @@ def cross_node_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
     try:
         parent = f.create_session(T, "parent", "You are the parent agent. " * 4)
         f.append(T, "parent", "Here is a long task description that both branches will share. " * 3)
-        other = next(n for n in f.supervisors if n != parent["node"])
+        other = next(n for n in f.hosts if n != parent["node"])
         t0 = time.perf_counter()
         shared = f.fork(T, "parent", "shared", node=other)
         shared_s = time.perf_counter() - t0

@@ -54,7 +54,7 @@ def scenario(tmp: Path) -> dict[str, Any]:
         for i, p in enumerate(PROMPTS):
             f.create_session("acme", f"s{i}", p)
         rows = f.list_sessions(fleet=True)
-        return {"supervised": sorted(groups[n] for n in f.supervisors),
+        return {"supervised": sorted(groups[n] for n in f.hosts),
                 "sessions": sorted((groups[r["node"]], r["backend"], r["device"]) for r in rows),
                 "driver_backend": f.kernel.backend, "cross_group_fork": cross_group_fork(f, groups, rows),
                 "cuda_everywhere": cuda_everywhere(tmp)}

@@ -13,7 +13,8 @@ from fleet.cas import open_store
 from fleet.errors import NotFound
 from fleet.oplog import AppendOp
 from workers.fleet import KernelFleet
-from workers.session_actor import KernelActor
+from workers.session_kernel import SessionKernel
+from workers.spec import KernelSpec, make_kernel
 
 
 def test_sessions_reference_their_tool_results_until_closed(kfleet: KernelFleet, tenant: str) -> None:
@@ -44,8 +45,9 @@ def test_a_blob_collected_before_its_op_is_logged_leaves_nothing_logged(tmp_path
     Its write-ahead step must then refuse the op whole: before, the op was logged first and the
     reference failed after, leaving a log entry that no regeneration could ever fetch."""
     url = f"sqlite:///{tmp_path / 'refs.db'}"
-    actor = KernelActor("acme", "s1", url, {"block_size": 16})   # the class itself: its store step only
     with open_store(url, lease_s=0.0) as store:
+        kernel = make_kernel(KernelSpec(block_size=16))
+        actor = SessionKernel("acme", "s1", kernel, None, store, None)  # type: ignore[arg-type]  # its store step only
         ref = store.put(b"tool output read just before GC ran", "acme")
         assert store.gc() == 1                                     # the leader's GC, at that instant
         op = AppendOp(1, "tool_result", "acme", ref=ref, num_tokens=3)

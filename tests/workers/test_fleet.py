@@ -1,4 +1,4 @@
-"""Session actors on a real local Ray cluster: lifecycle, prefix sharing, fork isolation, regeneration."""
+"""Sessions in kernel hosts on a real local Ray cluster: lifecycle, prefix sharing, fork isolation, regeneration."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import ray
-from support.workers import SPEC, prefilled, replay_locally, wait_dead
+from support.workers import SPEC, host_of, kill_host, prefilled, replay_locally
 
 from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.kernel import max_abs_delta
 from workers.fleet import KernelFleet
-from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
+from workers.placement import fleet_scope, host_name
 from workers.spec import make_kernel
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 bytes: 2 whole blocks of 16
@@ -24,7 +24,7 @@ SYSTEM = "You are agent zero. Answer briefly."   # 35 bytes: 2 whole blocks of 1
 
 def test_session_lifecycle_and_errors(kfleet: KernelFleet, tenant: str) -> None:
     rec = kfleet.create_session(tenant, "s1", SYSTEM)
-    assert rec["state"] == "active" and rec["node"] in kfleet.supervisors
+    assert rec["state"] == "active" and rec["node"] in kfleet.hosts
     with pytest.raises(AlreadyExists):
         kfleet.create_session(tenant, "s1", SYSTEM)
     r = kfleet.append(tenant, "s1", " hello")
@@ -36,8 +36,8 @@ def test_session_lifecycle_and_errors(kfleet: KernelFleet, tenant: str) -> None:
     assert len(kfleet.tokens(tenant, "s1")) == 41                # nothing changed
     [row] = kfleet.list_sessions(fleet=True, tenant=tenant)
     assert (row["session"], row["tenant"], row["tokens"], row["state"], row["epoch"]) == ("s1", tenant, 41, "active", 0)
-    assert row["actor"] == session_actor_name(tenant, "s1", fleet_scope(kfleet.store_url)) and row["bytes_alone"] > 0
-    os.kill(kfleet.info(tenant, "s1")["pid"], signal.SIGKILL)    # the Ray worker process dies
+    assert row["host"] == row["actor"] == host_name(row["node"], fleet_scope(kfleet.store_url)) and row["bytes_alone"] > 0
+    os.kill(kfleet.info(tenant, "s1")["pid"], signal.SIGKILL)    # the host's process dies (Ray restarts it empty)
     r2 = kfleet.append(tenant, "s1", "!")                        # transparently regenerated
     assert r2.num_tokens == 42 and kfleet.num_regenerations == 1
     kfleet.close(tenant, "s1")
@@ -103,18 +103,18 @@ def test_fork_isolation_across_actors(kfleet: KernelFleet, tenant: str) -> None:
     assert max_abs_delta(lc, la) == 0.0 and max_abs_delta(lp, lc) > 0.0
 
 
-def test_killed_actor_mid_append_is_regenerated_bit_identically(kfleet: KernelFleet, tenant: str) -> None:
+def test_killed_host_mid_append_is_regenerated_bit_identically(kfleet: KernelFleet, tenant: str) -> None:
     kfleet.create_session(tenant, "k", SYSTEM)
     acked = [kfleet.append(tenant, "k", f" step {i}.").num_tokens for i in range(3)]
     long_text = "".join(random.Random(0).choices("abcdefghij klmnop.", k=4000))
     result: dict[str, object] = {}
     worker = threading.Thread(target=lambda: result.update(r=kfleet.append(tenant, "k", long_text)))
-    actor = ray.get_actor(session_actor_name(tenant, "k", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
+    host = host_of(kfleet.store_url, kfleet.list_sessions(tenant=tenant)[0]["node"])
     worker.start()
     deadline = time.monotonic() + 60                               # wait until the append is in flight
-    while ray.get(actor.info.remote())["in_flight"] != "append" and time.monotonic() < deadline:
+    while ray.get(host.call.remote(tenant, "k", "info"))["in_flight"] != "append" and time.monotonic() < deadline:
         time.sleep(0.01)
-    ray.kill(actor, no_restart=True)
+    ray.kill(host, no_restart=False)                               # its process dies; Ray restarts it empty
     worker.join(timeout=180)
     assert not worker.is_alive() and "r" in result                 # transparent: no hang, no error
     r = result["r"]
@@ -149,9 +149,7 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
     ws = kfleet.working_set(tenant, "q", budget_tokens=10_000)
     assert ws.verdicts() == ["HIT", "HIT", "REFUSE"]
     digest = kfleet.digest(tenant, "q")
-    actor = ray.get_actor(session_actor_name(tenant, "q", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
-    ray.kill(actor, no_restart=True)
-    wait_dead(actor)
+    kill_host(kfleet.store_url, kfleet.list_sessions(tenant=tenant)[0]["node"])
     assert kfleet.digest(tenant, "q") == digest                   # regenerated from the log (+ CAS bytes)
     assert kfleet.num_regenerations == 1
     assert kfleet.working_set(tenant, "q", budget_tokens=10_000).verdicts() == ["HIT", "HIT", "REFUSE"]
@@ -161,13 +159,11 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
         kfleet.add_tool_result(tenant, "q", bad)                   # held out of the context from now on
 
 
-def test_supervisor_restart_regenerates_its_sessions(kfleet: KernelFleet, tenant: str) -> None:
+def test_host_restart_regenerates_its_sessions(kfleet: KernelFleet, tenant: str) -> None:
     kfleet.create_session(tenant, "v", SYSTEM)
     kfleet.append(tenant, "v", " hello")
     digest = kfleet.digest(tenant, "v")
-    [sup] = kfleet.supervisors.values()
-    actor = ray.get_actor(session_actor_name(tenant, "v", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
-    ray.kill(sup, no_restart=False)              # Ray restarts it empty; the sessions it owned die with it
-    wait_dead(actor)                             # owner death reaps the session actor asynchronously
+    [node] = kfleet.hosts
+    kill_host(kfleet.store_url, node)            # Ray restarts it empty; the sessions it held die with it
     assert kfleet.digest(tenant, "v") == digest and kfleet.num_regenerations == 1
     assert kfleet.append(tenant, "v", "!").num_tokens == len(SYSTEM) + 7

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import random
 
-import ray
-from support.workers import SPEC, replay_locally, wait_dead
+from support.workers import SPEC, kill_host, replay_locally
 
 from fleet.kernel import max_abs_delta
 from workers.fleet import KernelFleet
-from workers.placement import RAY_NAMESPACE, fleet_scope, session_actor_name
 from workers.spec import make_kernel
 
 PROMPT = "You are agent one. Plan, then act. " * 3          # 105 bytes: 6 whole blocks + 9
@@ -58,9 +56,7 @@ def test_fork_adopts_parent_blocks_bit_identically_and_copies_on_write(kfleet: K
     assert d_alone == 0.0 and d_diverged == 0.0 and control > 0.0
 
     digest = kfleet.digest(tenant, "c")                            # a crash: regenerated from its log
-    actor = ray.get_actor(session_actor_name(tenant, "c", fleet_scope(kfleet.store_url)), RAY_NAMESPACE)
-    ray.kill(actor, no_restart=True)
-    wait_dead(actor)
+    kill_host(kfleet.store_url, kfleet.list_sessions(tenant=tenant)[0]["node"])
     assert kfleet.digest(tenant, "c") == digest and kfleet.num_regenerations == 1
     assert kfleet.info(tenant, "c")["adopted_tokens"] == 0         # the whole log replayed, no blocks adopted
 

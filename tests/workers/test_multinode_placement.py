@@ -13,13 +13,10 @@ from support.workers import SPEC
 from fleet.errors import ResourceExhausted
 from workers.fleet import KernelFleet
 from workers.placement import (
-    RAY_NAMESPACE,
     NodeOffer,
     choose_node,
     eligible_nodes,
-    fleet_scope,
-    session_actor_name,
-    session_resources,
+    node_resources,
 )
 from workers.spec import make_kernel
 
@@ -29,10 +26,10 @@ ACCEL = {"NodeID": "acc", "Alive": True, "Resources": {"CPU": 1.0, "accel": 1.0}
 DEAD = {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 8.0}}
 
 
-def test_only_alive_nodes_with_the_session_resources_are_eligible() -> None:
+def test_only_alive_nodes_with_the_node_resources_are_eligible() -> None:
     nodes = [HEAD, CPU, ACCEL, DEAD]
-    assert eligible_nodes(nodes, session_resources()) == ["acc", "cpu"]            # no 0-CPU head, no dead
-    assert eligible_nodes(nodes, session_resources({"accel": 0.01})) == ["acc"]
+    assert eligible_nodes(nodes, node_resources()) == ["acc", "cpu"]            # no 0-CPU head, no dead
+    assert eligible_nodes(nodes, node_resources({"accel": 0.01})) == ["acc"]
 
 
 def test_choice_prefers_warm_then_idle_among_nodes_with_room() -> None:
@@ -60,8 +57,8 @@ def test_a_full_fleet_refuses_a_session_with_resource_exhausted_and_leaves_nothi
             f.create_session(tenant, "b2", prompt)
         assert e.value.code == "RESOURCE_EXHAUSTED"
         assert f.registry.get(tenant, "b2") is None and f.store.oplog_read(tenant, "b2") == []
-        with pytest.raises(ValueError):
-            ray.get_actor(session_actor_name(tenant, "b2", fleet_scope(url)), namespace=RAY_NAMESPACE)
+        [node] = f.hosts
+        assert [r["session"] for r in ray.get(f.hosts[node].rows.remote(tenant))] == ["b1"]  # no kernel for b2
         f.close(tenant, "b1")                                           # room again (the cached blocks stay)
         assert f.create_session(tenant, "b3", prompt)["adopted_tokens"] == 32
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleet.errors import InvalidArgument
-from workers.spec import ACTOR_GPUS, GROUP_LABEL, KernelSpec, node_group, parse_group
+from workers.spec import GROUP_LABEL, HOST_GPUS, KernelSpec, node_group, parse_group
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = KernelSpec(groups=(("fast", "torch", "cpu"), ("gpu", "torch", "cuda")))
@@ -29,11 +29,11 @@ def test_a_node_runs_its_groups_spec_and_never_cuda_without_a_gpu() -> None:
     assert (SPEC.for_node(_node("fast")).backend, SPEC.for_node(_node("fast")).device) == ("torch", "cpu")
     assert SPEC.for_node(_node("gpu")) is None                      # labelled gpu, but no GPU: nothing runs there
     gpu = SPEC.for_node(_node("gpu", gpus=2))
-    assert (gpu.backend, gpu.device, gpu.actor_gpus, gpu.groups) == ("torch", "cuda", ACTOR_GPUS, ())
-    assert SPEC.for_node(_node("cpu")).actor_gpus == 0.0             # a CPU group asks Ray for no GPU
+    assert (gpu.backend, gpu.device, gpu.host_gpus, gpu.groups) == ("torch", "cuda", HOST_GPUS, ())
+    assert SPEC.for_node(_node("cpu")).host_gpus == 0.0             # a CPU group asks Ray for no GPU
     cuda_default = KernelSpec(backend="torch", device="cuda")
-    assert cuda_default.for_node(_node()) is None and cuda_default.host().device == "cpu"
-    assert cuda_default.host().backend == "numpy"
+    assert cuda_default.for_node(_node()) is None and cuda_default.on_cpu().device == "cpu"
+    assert cuda_default.on_cpu().backend == "numpy"
 
 
 def test_specs_round_trip_and_bad_placements_are_refused() -> None:

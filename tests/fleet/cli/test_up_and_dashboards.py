@@ -47,7 +47,7 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert session_cli.main(["ls", "--fleet", "--json", "--controller", addr, "--token", op]) == 0
         [row] = json.loads(capsys.readouterr().out)
         assert (row["session_id"], row["tenant"], row["num_tokens"], row["state"]) == ("s1", "acme", 41, "active")
-        assert row["actor"].startswith("session:") and row["actor"].endswith(":acme:s1") and row["bytes_alone"] > 0 and row["node"]
+        assert row["actor"] == f"host:{row['actor'].split(':')[1]}:{row['node']}" and row["bytes_alone"] > 0 and row["node"]  # its kernel host
         assert session_cli.main(["ls", "--fleet", "--controller", addr, "--token", op]) == 0
         table = capsys.readouterr().out
         assert "s1" in table and "acme" in table and "active / 0" in table

@@ -1,56 +1,65 @@
-"""KernelActor: one Ray actor per session, hosting its SessionContext (DESIGN §3, CONTRIBUTING §15).
+"""SessionKernel: one session's kernel state inside a kernel host (DESIGN §3, CONTRIBUTING §15).
 
-Write path of every mutating call (write-ahead, the context's own contract):
+A kernel host (workers/host.py: one Ray actor per node, one process, the model's weights loaded once)
+holds many SessionKernels. Write path of every mutating call (write-ahead, the context's own contract):
 
-    caller ──append(text, op_id)──▶ KernelActor ──(store thread)──▶ ctx.add_message
-                                                                       1. validate        bad input: nothing logged, nothing changed
-                                                                       2. oplog_append    durable
-                                                                       3. apply to the KV cache
-                                    ◀── reply (logits) ─────────────── acknowledged
+    caller ──call(tenant, sid, "append_message", tokens, role, op_id)──▶ KernelHost ──▶ SessionKernel
+        ──(the host's tenant lanes: a thread)──▶ ctx.add_message
+                                                   1. validate        bad input: nothing logged, nothing changed
+                                                   2. oplog_append    durable
+                                                   3. apply to the KV cache
+        ◀── reply (logits) ───────────────────────── acknowledged
 
-The context's work runs on one dedicated thread (the store is used from it only), so the actor's
-event loop stays free to answer `info` / `ping` while a long prefill runs. Ops of one session never
-interleave (a lock). Every op carries the caller's op id; a retried op already in the log (written
-just before a crash, then replayed) is answered from the current state, not applied twice.
+The context's work runs on the host's thread pool, in the session's tenant's lane (workers/lanes.py), so
+the host's event loop stays free to answer `info` / `ping` while a long prefill runs, and one tenant's work
+never holds every thread. Ops of one session never interleave (its lock). Every op carries the caller's op
+id; a retried op already in the log (written just before a crash, then replayed) is answered from the
+current state, not applied twice. A closed session refuses every op that was waiting for its lock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fleet.context import QUARANTINED, Piece, SessionContext
 from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleet.kernel import PrefixKV, Session
+from fleet.kernel import Kernel, PrefixKV, Session
 from fleet.oplog import AppendOp, Op, last_index_of, own_op_ids, parse_log, to_dict
 from fleet.session_types import OpResult
-from workers.placement import add_blob_refs, drop_blob_refs, fleet_scope, session_actor_name
-from workers.spec import KernelSpec, make_kernel, make_tokenizer
+from workers.placement import add_blob_refs, drop_blob_refs
+
+Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]  # (tenant, fn) -> fn's result, on a lane thread
 
 
-class KernelActor:
-    """Hosts one session. Created by a NodeSupervisor as `session:{tenant}:{session_id}`."""
+class SessionGone(NotFound):
+    """The session is not held by this host (it was closed, released, or the host restarted empty)."""
 
-    def __init__(self, tenant: str, session_id: str, store_url: str, kernel_spec: dict[str, Any],
-                 node_id: str = "", epoch: int = 0) -> None:
-        from fleet.cas import open_store
 
+class SessionKernel:
+    """One session on a kernel host: its context (KV cache, pieces, op log), lock and counters.
+
+    Args:
+        kernel, tokenizer, store: the host's own (shared by every session it holds).
+        run: the host's lanes (`TenantLanes.run`): where this session's work runs.
+        host: the host's actor name (listed with the session).
+    """
+
+    def __init__(self, tenant: str, session_id: str, kernel: Kernel, tokenizer: Any, store: Any, run: Runner, *,
+                 node_id: str = "", epoch: int = 0, host: str = "", pid: int = 0) -> None:
         self.tenant, self.session_id, self.node_id, self.epoch = tenant, session_id, node_id, epoch
-        self.actor_name = session_actor_name(tenant, session_id, fleet_scope(store_url))
-        self.kernel = make_kernel(KernelSpec.from_dict(kernel_spec))
-        self.store = open_store(store_url)
-        self.tokenizer = make_tokenizer(self.kernel)
+        self.host, self.pid = host, pid
+        self.kernel, self.tokenizer, self.store, self._lanes = kernel, tokenizer, store, run
         self.ctx: SessionContext | None = None   # None until the first piece (create) or a replay (restore)
         self.op_ids: set[str] = set()            # the op ids already in this session's own log
         self.op_id = ""                          # the op id stamped on the ops of the call in progress
         self.last_op_index: int | None = None
         self.num_adopted_tokens = 0
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="session")
         self._lock = asyncio.Lock()
+        self._unstalled = asyncio.Event()
+        self.closed = False
         self.created_at = self.last_active = time.time()
         self.num_replayed_ops = 0
         self.num_prefilled_tokens = 0  # tokens this actor computed (appends, replays); adopted blocks not counted
@@ -84,11 +93,26 @@ class KernelActor:
         return self.ctx
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn)
+        return await self._lanes(self.tenant, fn)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionGone(f"session {self.session_id} was closed on this host")
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Refuse every later op, and wait (at most `timeout_s`) for the one in flight to finish, so
+        nothing writes the op log after the caller deletes it."""
+        self.closed = True
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout_s)
+        except TimeoutError:
+            return
+        self._lock.release()
 
     async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any]) -> OpResult:
         """Run one mutating call: idempotent on `op_id`, serialised, off the event loop."""
         async with self._lock:
+            self._check_open()
             if op_id and op_id in self.op_ids:
                 return self._replayed(op_id)
             self.op_id, self.in_flight = op_id, verb
@@ -154,6 +178,8 @@ class KernelActor:
         replays the whole log."""
         prefix = self._prefix(tokens or [], await asyncio.gather(*prefix_refs)) if prefix_refs else None
         async with self._lock:
+            self._check_open()
+
             def work() -> None:
                 if ops is not None:
                     self.store.oplog_delete(self.tenant, self.session_id)
@@ -171,7 +197,7 @@ class KernelActor:
 
             await self._run(work)
             self.state = "regenerated" if ops is None else "active"
-            return self._info()
+            return self.info_row()
 
     def _replay(self, log: list[Op], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
         """The context rebuilt from its log (nothing is written), and the tokens it adopted.
@@ -236,40 +262,69 @@ class KernelActor:
         async with self._lock:  # never while an op is writing the cache on the session thread
             return self._s.export_prefix(num_tokens)
 
+    # Reads take the session's lock: they see the state between two ops, never one half-applied on a
+    # lane thread. The digest hashes the whole cache, so it runs on a lane thread too (the host's event
+    # loop serves every session it holds).
+
     async def digest(self) -> str:
-        return self._s.digest()
+        async with self._lock:
+            return str(await self._run(self._s.digest))
 
     async def last_logits(self) -> Any:
-        return self._s.last_logits
+        async with self._lock:
+            return self._s.last_logits
 
     async def tokens(self) -> list[int]:
-        return list(self._s.tokens)
+        async with self._lock:
+            return list(self._s.tokens)
 
     async def pieces(self) -> list[Any]:
-        return list(self.context.pieces)
+        async with self._lock:
+            return list(self.context.pieces)
+
+    async def stall(self, seconds: float) -> None:
+        """Fault injection (tests and chaos drills; reachable through Ray only, not the API): hold the
+        session's lock for `seconds` (at most 600) or until `unstall`, as a kernel stuck in a long
+        prefill would. Every op and read of this session waits meanwhile; other sessions do not."""
+        self._unstalled.clear()
+        async with self._lock:
+            try:
+                await asyncio.wait_for(self._unstalled.wait(), min(float(seconds), 600.0))
+            except TimeoutError:
+                pass
+
+    async def unstall(self) -> None:
+        self._unstalled.set()
 
     async def info(self) -> dict[str, Any]:
-        return self._info()
+        return self.info_row()
 
     async def ping(self) -> str:
         return "ok"
 
-    def _info(self) -> dict[str, Any]:
+    def info_row(self) -> dict[str, Any]:
         ctx = self.ctx
         s = ctx.session if ctx is not None else None
         mem = s.memory() if s is not None else None
         return {
             "session": self.session_id, "tenant": self.tenant, "node": self.node_id,
-            "actor": self.actor_name, "tokens": len(s) if s is not None else 0,
+            "actor": self.host, "host": self.host, "tokens": len(s) if s is not None else 0,
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
             "adopted_tokens": self.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
             "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,
             "prefilled_tokens": self.num_prefilled_tokens,
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
             "state": self.state, "in_flight": self.in_flight, "epoch": self.epoch,
-            "last_active": self.last_active, "pid": os.getpid(),
+            "last_active": self.last_active, "pid": self.pid,
             "backend": self.kernel.backend, "device": str(self.kernel.device),
         }
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes alone, bytes shared) of the session's KV blocks; (0, 0) before its first piece."""
+        if self.ctx is None:
+            return 0, 0
+        mem = self.ctx.session.memory()
+        return mem.bytes_alone, mem.bytes_shared
 
     @property
     def _s(self) -> Session:

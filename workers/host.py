@@ -1,0 +1,325 @@
+"""KernelHost: one Ray actor per node holds the kernels of many sessions (issue #29), and the node's
+radix prefix cache.
+
+    KernelFleet ──call(tenant, sid, verb, ...)──▶ KernelHost (one process per node; weights loaded once)
+                                                   ├─ sessions: {(tenant, sid): SessionKernel}  (workers/session_kernel.py)
+                                                   ├─ lanes: the host's threads, per-tenant FIFO lanes (workers/lanes.py)
+                                                   └─ RadixTree (values: ObjectRefs of blocks)
+        create: match the prompt in the tree, the new session adopts the matched blocks (zero-copy,
+                read-only views of this node's object store), then its new block-aligned blocks are
+                ray.put once and inserted (LRU eviction under the node's budget)
+
+A session is a few objects in this process, not a process of its own: a create costs no process start,
+an idle session costs its KV bytes plus bookkeeping, and on a GPU node the host owns one CUDA context
+(it asks Ray for the whole GPU). Sessions adopt shared blocks copy-on-write (`Kernel.session(prefix=...)`);
+the radix key starts with a per-tenant salt page, so tenants never share.
+
+A host that dies takes its sessions with it: Ray restarts it empty (`max_restarts`), and each session,
+durable in its op log, is rebuilt on its next call (`SessionGone` tells the fleet) or by `reconcile()`.
+A detached host outlives the controller, sessions and all, so a restarted controller finds them warm.
+
+Each node has a KV budget (`kv_budget_bytes`: the blocks its tree holds plus what its sessions hold
+privately) and a session budget (`max_sessions`); placement asks every node for an `offer` and skips
+the ones whose budget is spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+
+from fleet.errors import AlreadyExists, InvalidArgument, NotFound
+from fleet.oplog import Op, kv_follows_tokens
+from fleet.radix import RadixTree
+from workers.lanes import TenantLanes
+from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
+from workers.session_kernel import SessionGone, SessionKernel
+from workers.spec import KernelSpec, make_kernel, make_tokenizer, model_config, pin_threads
+
+# The SessionKernel methods a fleet may call through `call` (its verbs and reads), nothing else.
+VERBS = frozenset({
+    "append_message", "append_output", "generate", "evict", "add_tool_result", "admit_tool_result",
+    "working_set", "fork_point", "digest", "last_logits", "tokens", "pieces", "info", "stall", "unstall",
+})
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class KernelHost:
+    """The sessions of one node, in one process, and the node's prefix cache."""
+
+    def __init__(self, node_id: str, store_url: str, kernel_spec: dict[str, Any],
+                 budget_bytes: int = 64 << 20, policy: str = "lru", kv_budget_bytes: int = 2 << 30,
+                 threads: int = 2, max_sessions: int = NODE_MAX_SESSIONS) -> None:
+        """Args:
+            budget_bytes: the radix prefix cache's budget (part of `kv_budget_bytes`).
+            kv_budget_bytes: the node's KV budget: cached blocks + the sessions' private blocks.
+            threads: the host's kernel threads (its lanes); one tenant uses at most threads - 1 of them.
+            max_sessions: the most sessions this host holds (placement skips a full host).
+        """
+        from fleet.cas import open_store
+
+        self.node_id, self.store_url, self.kernel_spec = node_id, store_url, kernel_spec
+        self.name = host_name(node_id, fleet_scope(store_url))
+        spec = KernelSpec.from_dict(kernel_spec)
+        self.block_size = spec.block_size
+        self.bytes_per_token = model_config(spec).block_bytes(spec.block_size) // spec.block_size
+        self.pid = os.getpid()
+        self.base_resident = resident_bytes()
+        # NOTE: the weights load in the background (seconds for torch or a checkpoint): the host answers
+        # placement probes and listings at once, and the first session on it waits for them (`_kernel`).
+        self._loading = ThreadPoolExecutor(1, thread_name_prefix="load").submit(self._load, spec)
+        self.store = open_store(store_url)
+        self.lanes = TenantLanes(threads)
+        capacity = max(budget_bytes // self.bytes_per_token, 2 * self.block_size)
+        self.tree = RadixTree(page_size=self.block_size, capacity_tokens=capacity, policy=policy)
+        self.kv_budget_bytes, self.max_sessions = kv_budget_bytes, max_sessions
+        self.sessions: dict[tuple[str, str], SessionKernel] = {}
+        self.remote_adopters: set[tuple[str, str]] = set()  # adopted blocks copied from another node
+        self.num_queried_tokens = self.num_hit_tokens = 0
+        self.num_evicted_blocks = 0
+
+    def _load(self, spec: KernelSpec) -> tuple[Any, Any]:
+        """The kernel (weights loaded once, for every session) and its tokenizer; then the resident
+        memory the sessions' growth is measured from."""
+        kernel = make_kernel(spec)
+        pin_threads(kernel)
+        tokenizer = make_tokenizer(kernel)
+        self.base_resident = resident_bytes()
+        return kernel, tokenizer
+
+    async def _kernel(self) -> tuple[Any, Any]:
+        return await asyncio.wrap_future(self._loading)
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def _key(self, tenant: str, tokens: list[int]) -> list[int]:
+        return tenant_salt(tenant, self.block_size) + list(tokens)
+
+    async def offer(self, tenant: str, tokens: list[int]) -> dict[str, int]:
+        """Placement probe (counts nothing): tokens of `tokens` this node holds warm, its number of
+        sessions and its session budget, and its KV bytes left (budget - cached blocks - sessions' private blocks)."""
+        m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
+        return {"matched": max(0, m.num_matched - self.block_size), "sessions": len(self.sessions),
+                "max_sessions": self.max_sessions, "free_bytes": self.kv_budget_bytes - self.used_bytes()}
+
+    def _held(self, key: tuple[str, str], s: SessionKernel) -> int:
+        """KV bytes a session holds privately: its blocks except those adopted from this node's tree
+        (views of the same; blocks a cross-node fork adopted were copied here, so they count)."""
+        i = s.memory()
+        adopted = 0 if key in self.remote_adopters else s.num_adopted_tokens * self.bytes_per_token
+        return max(0, i[0] + i[1] - adopted)
+
+    def used_bytes(self) -> int:
+        """KV bytes held on this node: the tree's blocks (each once, in the object store) plus every
+        session's private blocks."""
+        salt = self.block_size * len(self.tree.root.children)   # one salt page per tenant: no KV
+        private = sum(self._held(k, s) for k, s in list(self.sessions.items()))
+        return (self.tree.num_cached_tokens - salt) * self.bytes_per_token + private
+
+    def _adoptable(self, tenant: str, tokens: list[int]) -> tuple[Any, list[Any]]:
+        """Lock and return the cached blocks a new session may adopt (at most len - 1 tokens,
+        so the session computes its own last logits)."""
+        m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
+        limit = (len(tokens) - 1) // self.block_size
+        refs = []
+        for v in m.values[1:1 + limit]:  # a page inserted without a value ends what can be adopted
+            if v is None:
+                break
+            refs.append(v)
+        self.tree.inc_lock_ref(m.node)
+        return m.node, refs
+
+    async def _publish(self, tenant: str, tokens: list[int], s: SessionKernel) -> None:
+        """Put the session's block-aligned `tokens` in the tree (only blocks the tree lacks).
+
+        The key is the exported prefix's own tokens, so a session that moved on meanwhile (a fork
+        point read earlier) never files blocks under tokens they do not hold."""
+        n = len(tokens) - len(tokens) % self.block_size
+        if n == 0 or self._num_cached_pages(self._key(tenant, tokens[:n])) >= n // self.block_size:
+            return
+        try:
+            prefix = await s.export_prefix(n)
+        except Exception:  # noqa: BLE001 - the session got shorter (or closed) meanwhile: nothing to publish
+            return
+        key = self._key(tenant, list(prefix.tokens))
+        have = self._num_cached_pages(key)                    # again: other creates ran meanwhile
+        values = [None] * (1 + have) + [ray.put(b) for b in prefix.blocks[have:]]
+        self.tree.insert(key, values)
+        self._drain_events()
+
+    def _num_cached_pages(self, key: list[int]) -> int:
+        """Session pages of `key` already cached (the salt page not counted)."""
+        return max(0, self.tree.match_prefix(key, count=False).num_matched // self.block_size - 1)
+
+    def _drain_events(self) -> None:
+        from fleet.radix import PagesRemoved
+
+        self.num_evicted_blocks += sum(len(e.block_ids) for e in self.tree.take_events()
+                                       if isinstance(e, PagesRemoved))
+
+    async def evict_node(self, tenant: str, tokens: list[int], start: int = 0) -> dict[str, Any]:
+        """Policy eviction by name: drop the tenant's cached blocks on this token path from
+        position `start` (a block multiple) down, with everything cached below them, regardless
+        of recency. Raises NotFound when the path is not cached here."""
+        r = self.tree.evict_node(self._key(tenant, tokens), start=self.block_size + start)
+        self._drain_events()
+        return {"num_evicted": r.num_evicted, "block_ids": list(r.block_ids)}
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    async def _open(self, tenant: str, session_id: str, epoch: int = 0) -> SessionKernel:
+        """A new, empty SessionKernel for the session, at `epoch` (the registry's: KernelFleet counts them)."""
+        kernel, tokenizer = await self._kernel()
+        key = (tenant, session_id)
+        old = self.sessions.pop(key, None)
+        if old is not None:
+            old.closed = True
+        self.remote_adopters.discard(key)
+        s = SessionKernel(tenant, session_id, kernel, tokenizer, self.store, self.lanes.run,
+                          node_id=self.node_id, epoch=epoch, host=self.name, pid=self.pid)
+        self.sessions[key] = s
+        return s
+
+    def _session(self, tenant: str, session_id: str) -> SessionKernel:
+        s = self.sessions.get((tenant, session_id))
+        if s is None:
+            raise SessionGone(f"session {session_id} is not held by host {self.name}")
+        return s
+
+    async def call(self, tenant: str, session_id: str, verb: str, *args: Any) -> Any:
+        """One session's verb or read (`VERBS`), run by its SessionKernel.
+
+        Raises:
+            SessionGone: the host does not hold the session (closed, released, or the host restarted):
+                the fleet rebuilds it from its op log and calls again."""
+        if verb not in VERBS:
+            raise InvalidArgument(f"{verb!r} is not a session verb of a kernel host")
+        return await getattr(self._session(tenant, session_id), verb)(*args)
+
+    async def create_session(self, tenant: str, session_id: str, tokens: list[int], op_id: str) -> dict[str, Any]:
+        """Open the session here; it adopts the warm prefix instead of prefilling it.
+
+        Args:
+            tokens: the system prompt, encoded (its first piece, and the radix key).
+        """
+        if (tenant, session_id) in self.sessions:
+            raise AlreadyExists(f"session {session_id} already exists")
+        s = await self._open(tenant, session_id)
+        node, refs = self._adoptable(tenant, tokens)
+        try:
+            await s.create(tokens, refs, op_id)
+        except BaseException:
+            self.sessions.pop((tenant, session_id), None)
+            raise
+        finally:
+            self.tree.dec_lock_ref(node)
+        self.num_queried_tokens += len(tokens)
+        self.num_hit_tokens += len(refs) * self.block_size
+        await self._publish(tenant, tokens, s)
+        return {"adopted_tokens": len(refs) * self.block_size, "epoch": s.epoch}
+
+    async def regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
+        """Rebuild a lost session here at `epoch`, from its op log (bit-identical)."""
+        s = await self._open(tenant, session_id, epoch)
+        try:
+            return dict(await s.restore())
+        except BaseException:
+            self.sessions.pop((tenant, session_id), None)
+            raise
+
+    async def share_prefix(self, tenant: str, session_id: str, tokens: list[int]) -> list[Any]:
+        """The ObjectRefs of a live session's blocks at its fork point (`tokens`), for a fork on
+        another node: Ray moves them there through the object store (at most len - 1 tokens, so
+        the child computes its own last logits). Raises NotFound when the session is not here."""
+        parent = self.sessions.get((tenant, session_id))
+        if parent is None:
+            raise NotFound(f"session {session_id} is not on node {self.node_id}")
+        await self._publish(tenant, tokens, parent)
+        node, refs = self._adoptable(tenant, tokens)
+        self.tree.dec_lock_ref(node)  # the caller's refs keep the objects alive from here on
+        return refs
+
+    async def fork(self, tenant: str, ops: list[Op], child_id: str, parent_id: str | None = None,
+                   tokens: list[int] | None = None, prefix_refs: list[Any] | None = None) -> dict[str, Any]:
+        """A branch, isolated from its parent: `ops` (the parent's log + a fork marker) become its log.
+
+        With `parent_id` (a live session on this host) and `tokens` (its tokens at the fork
+        point), the branch shares the parent's blocks copy-on-write instead of recomputing them:
+
+            parent ──export_prefix──▶ radix tree (ray.put once per block, per node)
+                                         │ match salt(tenant) + tokens, lock
+            child  ◀──block refs──────────┘ adopts them zero-copy, replays the ledger only,
+                                           computes the last 1..block_size tokens itself
+
+        N forks of a long prefix then hold the prefix once (in the object store) plus N suffixes.
+        With `prefix_refs` instead (the parent lives on another node: its host's `share_prefix`),
+        the child adopts those blocks, which Ray fetches from the parent's node. Without either
+        (the parent is gone) the child replays the log.
+        """
+        if (tenant, child_id) in self.sessions:
+            raise AlreadyExists(f"session {child_id} already exists")
+        if prefix_refs and tokens and kv_follows_tokens(ops):
+            s = await self._open(tenant, child_id)
+            self.remote_adopters.add((tenant, child_id))
+            return await self._restore(s, ops, prefix_refs, tokens)
+        parent = self.sessions.get((tenant, parent_id)) if parent_id is not None else None
+        if parent is None or not tokens or not kv_follows_tokens(ops):
+            return await self._restore(await self._open(tenant, child_id), ops)
+        await self._publish(tenant, tokens, parent)          # the blocks the tree lacks, once
+        s = await self._open(tenant, child_id)
+        node, refs = self._adoptable(tenant, tokens)
+        try:
+            return await self._restore(s, ops, refs, tokens)
+        finally:
+            self.tree.dec_lock_ref(node)
+
+    async def _restore(self, s: SessionKernel, *args: Any) -> dict[str, Any]:
+        try:
+            return dict(await s.restore(*args))
+        except BaseException:
+            self.sessions.pop((s.tenant, s.session_id), None)
+            raise
+
+    async def close(self, tenant: str, session_id: str) -> None:
+        """Drop the session's kernel (its KV memory is freed); an op in flight finishes first."""
+        s = self.sessions.pop((tenant, session_id), None)
+        self.remote_adopters.discard((tenant, session_id))
+        if s is not None:
+            await s.close()
+
+    async def stop(self) -> int:
+        """Drop every session this host holds (their logs stay)."""
+        sessions, self.sessions = list(self.sessions.values()), {}
+        for s in sessions:
+            s.closed = True
+        return len(sessions)
+
+    async def rows(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """One info row per session this host holds (with the host's name, node and pid)."""
+        return [s.info_row() for k, s in list(self.sessions.items()) if tenant is None or k[0] == tenant]
+
+    async def ping(self) -> str:
+        return "ok"
+
+    async def stats(self) -> dict[str, Any]:
+        kv, rss = sum(sum(s.memory()) for s in list(self.sessions.values())), resident_bytes()
+        return {"node": self.node_id, "host": self.name, "pid": self.pid, "sessions": len(self.sessions),
+                "max_sessions": self.max_sessions, "cached_tokens": self.tree.num_cached_tokens,
+                "capacity_tokens": self.tree.capacity_tokens, "kv_budget_bytes": self.kv_budget_bytes,
+                "kv_used_bytes": self.used_bytes(), "sessions_kv_bytes": kv, "resident_bytes": rss,
+                "session_bytes": max(0, rss - self.base_resident) // len(self.sessions) if self.sessions else 0,
+                "queried_tokens": self.num_queried_tokens, "hit_tokens": self.num_hit_tokens,
+                "evicted_blocks": self.num_evicted_blocks, **{f"lanes_{k}": v for k, v in self.lanes.stats().items()},
+                "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0}
