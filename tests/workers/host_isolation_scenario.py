@@ -54,7 +54,7 @@ def scenario(tmp: Path) -> dict[str, Any]:
         def flood(k: int) -> None:
             while not stop.is_set() and ok:
                 sid = f"f{ok[(k + appends[0]) % len(ok)]}"
-                good, _, _ = _timed(lambda: f.append("flood", sid, " tool output line. " * 60))
+                good, _, _ = _timed(lambda sid=sid: f.append("flood", sid, " tool output line. " * 60))
                 appends[0 if good else 1] += 1
 
         threads = [threading.Thread(target=flood, args=(k,), daemon=True) for k in range(4)]
