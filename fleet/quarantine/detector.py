@@ -40,17 +40,31 @@ def unquoted_view(text: str | bytes | bytearray | memoryview) -> str:
     layer has no notion of quotation, so it reads this view. A marker *inside* the span does not count
     (an attack cannot hide itself by naming itself), and a text without markers is returned unchanged.
     """
-    norm = T.normalize(T.decode_bytes(text))
+    return blank_quotations(T.normalize(T.decode_bytes(text)))
+
+
+def blank_quotations(norm: str) -> str:
+    """`unquoted_view` of a text already normalised (`text.normalize`)."""
     if R.DISCUSSION_MARKERS.search(norm) is None:
         return norm
+    # NOTE: a marker starts with one of its heads, and no head holds a space: a marker of `around` starts at a
+    # head of `norm` on one side of the joining space. A quote with no head near it skips the search.
+    heads = R.DISCUSSION_MARKERS.starts(norm)
     parts, last = [], 0
     for m in _QUOTED_RE.finditer(norm):
         s, e = m.span()
+        if heads is not None and not (_any_between(heads, s - QUOTE_CONTEXT, s) or _any_between(heads, e, e + QUOTE_CONTEXT)):
+            continue
         around = norm[max(0, s - QUOTE_CONTEXT): s] + " " + norm[e: e + QUOTE_CONTEXT]
         if R.DISCUSSION_MARKERS.search(around) is not None:
             parts += [norm[last:s], '"…"']
             last = e
     return "".join(parts) + norm[last:]
+
+
+def _any_between(sorted_positions: list[int], lo: int, hi: int) -> bool:
+    i = bisect.bisect_left(sorted_positions, lo)
+    return i < len(sorted_positions) and sorted_positions[i] < hi
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +105,13 @@ class PromptInjectionDetector:
         Returns:
             Verdict(quarantined = score >= threshold, reasons = the categories that fired, sorted).
         """
-        scores = self._score(T.decode_bytes(text), depth=0)
+        raw = T.decode_bytes(text)
+        return self.judge(raw, T.normalize(raw))
+
+    def judge(self, raw: str, norm: str) -> Verdict:
+        """`inspect` of a decoded text `raw` whose normalised form `norm` (`text.normalize(raw)`) the caller
+        already has: the layered detector normalises a text once for the rules and the model layers."""
+        scores = self._score(raw, depth=0, norm=norm)
         if self.categories is not None:
             scores = {c: s for c, s in scores.items() if c in self.categories}
         total = round(sum(scores.values()), 4)
@@ -99,8 +119,8 @@ class PromptInjectionDetector:
         return Verdict(quarantined=total >= self.threshold, reasons=reasons, score=total)
 
     # ---- scoring ------------------------------------------------------------------------------------
-    def _score(self, raw: str, depth: int) -> dict[str, float]:
-        norm = T.normalize(raw)
+    def _score(self, raw: str, depth: int, norm: str | None = None) -> dict[str, float]:
+        norm = T.normalize(raw) if norm is None else norm
         scores = self._language(norm)
         self._hidden(raw, scores, depth)
         if depth < self.max_depth:

@@ -56,6 +56,12 @@ def _word_mask(codes: np.ndarray) -> np.ndarray:
     return mask
 
 
+def word_spans(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and ends (exclusive) of the `\\w+` runs of a text's code points (L,): (W,) int64 each."""
+    edge = np.diff(np.concatenate(([False], _word_mask(codes), [False])).astype(np.int8))  # (L + 1,)
+    return np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
+
+
 class Hashing(Protocol):
     """What `events` reads of a config (the learned layer's `features.FeaturizerConfig`)."""
 
@@ -89,12 +95,7 @@ def events(norm: str, cfg: Hashing) -> list[tuple[np.ndarray, np.ndarray]]:
     for k in cfg.char_ngrams:
         starts = np.arange(max(0, n - k + 1), dtype=np.int64)
         out.append((starts, span_hash(starts, starts + k, k)))
-    w = _word_mask(codes)
-    edge = np.diff(np.concatenate(([False], w, [False])).astype(np.int8))
-    ws, we = (
-        np.flatnonzero(edge == 1),
-        np.flatnonzero(edge == -1),
-    )  # word starts, ends (exclusive)
+    ws, we = word_spans(codes)  # word starts, ends (exclusive)
     for k in cfg.word_ngrams:
         m = max(0, len(ws) - k + 1)
         out.append((ws[:m], span_hash(ws[:m], we[k - 1 : k - 1 + m], (1 << 40) | k)))

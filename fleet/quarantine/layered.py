@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from fleet.quarantine import rules as R
-from fleet.quarantine.detector import THRESHOLD, PromptInjectionDetector, Verdict, unquoted_view
+from fleet.quarantine import text as T
+from fleet.quarantine.detector import THRESHOLD, PromptInjectionDetector, Verdict, blank_quotations
 from fleet.quarantine.encoder import ENCODER_MODELS, INSTALL_HINT, EncoderModel, load_encoder, missing_modules
 from fleet.quarantine.learned import MODEL_NAME, LearnedModel, load_model
 
@@ -157,10 +158,12 @@ class LayeredDetector:
             "encoder:<member>:<p>" per encoder member, for the model layers that ran; score = the rules'
             score, learned_score = the learned layer's P(injection), encoder_score = the highest member's).
         """
-        rv = self.rules.inspect(text) if self.rules is not None else Verdict(False)
+        raw = T.decode_bytes(text)
+        norm = T.normalize(raw)  # NOTE: once, for the rules and the model layers' view
+        rv = self.rules.judge(raw, norm) if self.rules is not None else Verdict(False)
         reasons, hit = list(rv.reasons), rv.quarantined
         p = q = None
-        view = unquoted_view(text) if self.model is not None or self.encoders else ""
+        view = blank_quotations(norm) if self.model is not None or self.encoders else ""
         if self.model is not None:
             p = round(self.model.score(view), 4)
             reasons.append(f"learned:{p:.4f}")

@@ -72,6 +72,10 @@ class Alternation:
         """`regex.search(text)`: its first match."""
         return next(self.finditer(text), None)
 
+    def starts(self, text: str) -> list[int] | None:
+        """Every position where a match may start (a head occurs there), sorted; None: some heads unknown."""
+        return _candidates(text, list(self.heads), most=len(text))
+
 
 def needs(pattern: str, flags: int = 0) -> Needs:
     """The literal sets every match of `pattern` contains, most selective first (empty: no test).
@@ -106,13 +110,14 @@ def _compile(alternatives: tuple[str, ...], flags: int) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{a})" for a in alternatives), flags)
 
 
-def _candidates(text: str, starts_with: list[frozenset[str] | None]) -> list[int] | None:
-    """The positions where one of the heads occurs, sorted; None when scanning the text is cheaper."""
+def _candidates(text: str, starts_with: list[frozenset[str] | None], most: int | None = None) -> list[int] | None:
+    """The positions where one of the heads occurs, sorted; None when there are more than `most` (default:
+    when scanning the text is cheaper than matching at each) or some heads are unknown."""
     known = [h for h in starts_with if h is not None]
     if len(known) < len(starts_with):
         return None
     out: set[int] = set()
-    most = len(text) // _SCAN_CHARS_PER_MATCH
+    most = len(text) // _SCAN_CHARS_PER_MATCH if most is None else most
     for s in set().union(*known):
         i = text.find(s)
         while i >= 0:

@@ -93,11 +93,19 @@ def mixed_script_words(text: str) -> int:
 def normalize(text: str) -> str:
     """NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces."""
     if text.isascii():  # NOTE: NFKC, the invisibles and the confusables leave ASCII text as it is
-        return _SPACES_RE.sub(" ", text.casefold())
+        return _collapse_spaces(text.casefold())
     t = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text)).casefold()
     if _CONFUSABLE_CHAR_RE.search(t) is not None:
         t = _WORD_RE.sub(_fold_word, t)
-    return _SPACES_RE.sub(" ", t)
+    return _collapse_spaces(t)
+
+
+def _collapse_spaces(t: str) -> str:
+    # NOTE: without tabs, CR, FF, VT or two spaces in a row there is nothing to collapse: a text normalised once
+    # (the learned layer's view) skips the regex pass
+    if "  " in t or "\t" in t or "\r" in t or "\f" in t or "\v" in t:
+        return _SPACES_RE.sub(" ", t)
+    return t
 
 
 def hidden_segments(text: str) -> list[str]:
