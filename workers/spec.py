@@ -29,7 +29,7 @@ from fleet.kernel.hf_tokenizer import HFTokenizer
 GROUP_LABEL = "kvfleet.dev/group"
 HOST_GPUS = 1.0  # a CUDA kernel host owns its GPU: one context, the weights once, every session on it
 _GROUP_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DEVICE_RE = re.compile(r"cpu|cuda(:0)?")  # Ray shows a session actor only its own GPU, as cuda:0
+_DEVICE_RE = re.compile(r"cpu|cuda(:0)?")  # Ray shows a kernel host only its own GPU, as cuda:0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,7 @@ def check_placement(what: str, backend: str, device: str) -> None:
     if backend not in BACKENDS:
         raise InvalidArgument(f"{what}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
-        hint = (" (Ray shows each session actor only the GPU it assigned, as cuda:0; choose GPUs with "
+        hint = (" (Ray shows each kernel host only the GPU it assigned, as cuda:0; choose GPUs with "
                 "node groups and Ray's GPU resources, not a device index)" if str(device).startswith("cuda:") else "")
         raise InvalidArgument(f"{what}: device must be 'cpu' or 'cuda', got {device!r}{hint}")
     if backend == "numpy" and device != "cpu":
