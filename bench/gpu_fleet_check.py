@@ -4,11 +4,11 @@
     python bench/gpu_fleet_check.py --dry-run    # no GPU: the same wiring with the group on torch/cpu
 
 Starts a local Ray node labelled kvfleet.dev/group=gpu with the machine's GPUs, runs a fleet whose
-spec is numpy by default and torch/CUDA on `gpu`, creates two sessions, appends and generates,
-and prints where each ran (backend, device, the CUDA device its actor saw) and the torch/CUDA
+spec is numpy by default and torch/CUDA on `gpu`, creates `--sessions` sessions (16), appends and
+generates, and prints where each ran (backend, device, its kernel host's pid) and the torch/CUDA
 session's logits against a numpy session's on the same tokens (bound 1e-4, docs/kernel.md).
-Exits 0 when every session ran torch on `cuda` with a visible device and within the bound; 2 when
-there is no GPU (and no --dry-run). Takes well under a minute once Ray is up.
+Exits 0 when every session ran torch on `cuda` within the bound, all in one kernel host process
+(one CUDA context, the weights once); 2 when there is no GPU (and no --dry-run). Takes well under a minute once Ray is up.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true", help="no GPU: map the group to torch/cpu")
+    ap.add_argument("--sessions", type=int, default=16, help="sessions on the GPU node's one kernel host")
     a = ap.parse_args()
     import numpy as np
     import ray
@@ -45,12 +46,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         fleet = KernelFleet(f"sqlite:///{d}/gpu.db", spec, node_refresh_s=0.0)
         try:
-            for sid in ("g0", "g1"):
-                fleet.create_session("acme", sid, "You are a GPU-backed agent. Answer briefly.")
+            for i in range(max(2, a.sessions)):
+                fleet.create_session("acme", f"g{i}", "You are a GPU-backed agent. Answer briefly.")
             r = fleet.append("acme", "g0", " What runs where?")
             fleet.generate("acme", "g1", 8)
             rows = fleet.list_sessions(fleet=True)
             tokens = fleet.tokens("acme", "g0")
+            stats = fleet.node_stats()
         finally:
             fleet.shutdown()
     ref = KernelSpec(block_size=16).on_cpu()
@@ -60,10 +62,13 @@ def main() -> int:
     delta = float(np.max(np.abs(np.asarray(r.logits, dtype=np.float64) - np.asarray(want, dtype=np.float64))))
     for row in rows:
         print(f"  {row['session']}: node {row['node'][:8]} backend={row.get('backend')} device={row.get('device')} "
-              f"tokens={row.get('tokens')} state={row.get('state')}")
+              f"host pid={row.get('pid')} tokens={row.get('tokens')} state={row.get('state')}")
+    for s in stats:
+        print(f"  host {s['host']}: {s['sessions']} sessions, resident {s['resident_bytes'] / 2**20:.0f} MiB, "
+              f"{s['session_bytes'] / 2**10:.0f} KiB per session")
     print(f"  torch/{device} vs numpy logits on {len(tokens)} tokens: max|Δ|={delta:.3e} (bound 1e-4)")
     ok = all((row.get("backend"), str(row.get("device", "")).split(":")[0]) == ("torch", device) for row in rows)
-    ok = ok and delta <= 1e-4
+    ok = ok and delta <= 1e-4 and len({row.get("pid") for row in rows}) == 1
     print(f"gpu_fleet_check: {'ok' if ok else 'FAILED'} ({'dry run, no GPU' if a.dry_run else f'{gpus} GPU(s)'})")
     ray.shutdown()
     return 0 if ok else 1
