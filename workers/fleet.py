@@ -21,9 +21,11 @@ when none has room, ResourceExhausted.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,8 @@ from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 __all__ = ["KernelFleet", "NodeGone", "OpResult"]
+
+RECONCILE_THREADS = 8  # sessions `reconcile` rebuilds at once (a host rebuilds them on its lanes)
 
 
 class KernelFleet:
@@ -90,6 +94,8 @@ class KernelFleet:
                                 max_sessions=node_max_sessions, host_threads=host_threads)
         self.num_regenerations = 0
         self._where: dict[tuple[str, str], str] = {}  # (tenant, session) -> the node whose host holds it
+        self._guard = threading.Lock()
+        self._rebuilding: dict[tuple[str, str], threading.Lock] = {}  # one rebuild of a session at a time
         self.refresh_nodes(force=True)
         if not self.hosts and self.nodes.num_without_gpu:
             raise Unavailable(f"no Ray node can run the kernel spec: {self.nodes.num_without_gpu} node(s) have no GPU "
@@ -145,7 +151,7 @@ class KernelFleet:
             if node is None:
                 rec = self._record(tenant, session_id)             # NotFound when unknown or closed
                 if rec.get("state") in ("lost", "idle"):           # released, or a rebuild that failed: rebuild
-                    rec = self._regenerate(rec)
+                    rec = self._rebuild(tenant, session_id)
                 node = self._where[key] = rec["node"]
             try:
                 return self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
@@ -153,8 +159,27 @@ class KernelFleet:
                 self._where.pop(key, None)
                 if attempt:
                     raise Unavailable(f"session {session_id}: lost again after regeneration") from e
-            self._regenerate(self._record(tenant, session_id))
+            self._rebuild(tenant, session_id)
         raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
+
+    def _rebuild(self, tenant: str, session_id: str) -> dict[str, Any]:
+        """Rebuild a session its host lost, once: callers (and `reconcile`) that saw the same loss at
+        the same time wait for one rebuild instead of each replaying the log and stepping the epoch."""
+        key = (tenant, session_id)
+        with self._guard:
+            lock = self._rebuilding.setdefault(key, threading.Lock())
+        with lock:
+            rec = self._record(tenant, session_id)             # NotFound when closed meanwhile
+            if rec.get("state") not in ("lost", "idle") and self._holds(rec):
+                return rec                                      # another caller rebuilt it meanwhile
+            return self._regenerate(rec)
+
+    def _holds(self, rec: dict[str, Any]) -> bool:
+        """Whether the host of the record's node holds the session now."""
+        try:
+            return bool(self.nodes.call(rec["node"], "holds", rec["tenant"], rec["session"]))
+        except Unavailable:  # NodeGone included
+            return False
 
     def _regenerate(self, rec: dict[str, Any]) -> dict[str, Any]:
         """Mark the session lost (kv forgotten), rebuild it from its op log, mark it active."""
@@ -171,7 +196,8 @@ class KernelFleet:
             self.nodes.call(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
         rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
         self.registry.save(rec)
-        self.num_regenerations += 1
+        with self._guard:
+            self.num_regenerations += 1
         return rec
 
     def _tokens(self, x: str | bytes | list[int]) -> list[int]:
@@ -362,6 +388,8 @@ class KernelFleet:
 
     def _discard(self, tenant: str, session_id: str, node: str) -> None:
         self._where.pop((tenant, session_id), None)
+        with self._guard:
+            self._rebuilding.pop((tenant, session_id), None)
         self.registry.delete(tenant, session_id)
         if node in self.hosts:
             try:
@@ -429,7 +457,8 @@ class KernelFleet:
                 and (r.get("node") not in alive or (r.get("node") in answered and (r["tenant"], r["session"]) not in held))]
         for rec in lost:
             self._where.pop((rec["tenant"], rec["session"]), None)
-            self._regenerate(rec)
+        with ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile") as pool:  # the hosts' lanes run them
+            list(pool.map(lambda r: self._rebuild(r["tenant"], r["session"]), lost))
         return len(lost)
 
     def release(self) -> None:

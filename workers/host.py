@@ -313,6 +313,9 @@ class KernelHost:
     async def ping(self) -> str:
         return "ok"
 
+    async def holds(self, tenant: str, session_id: str) -> bool:
+        return (tenant, session_id) in self.sessions
+
     async def stats(self) -> dict[str, Any]:
         kv, rss = sum(sum(s.memory()) for s in list(self.sessions.values())), resident_bytes()
         return {"node": self.node_id, "host": self.name, "pid": self.pid, "sessions": len(self.sessions),
