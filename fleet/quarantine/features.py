@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -127,7 +128,18 @@ def feature_events(
     Returns:
         (norm, positions (E,) int64, buckets (E,) int64), positions ascending.
     """
-    norm = T.normalize(T.decode_bytes(text)[: cfg.max_chars])
+    norm = normalised(text, cfg)
+    return (norm, *norm_events(norm, cfg))
+
+
+def normalised(text: str | bytes | bytearray | memoryview, cfg: FeaturizerConfig) -> str:
+    """The text the events are read from: decoded, cut at `cfg.max_chars`, normalised (`text.normalize`)."""
+    return T.normalize(T.decode_bytes(text)[: cfg.max_chars])
+
+
+def norm_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The events of a normalised text: (positions (E,), buckets (E,)), stably sorted by position (at one
+    position: the char n-grams by n, then the word n-grams by n)."""
     if cfg.hashing == "poly":
         evs = events(norm, cfg) or [(np.zeros(0, np.int64), np.zeros(0, np.int64))]
         pos, buckets = np.concatenate([p for p, _ in evs]), np.concatenate([b for _, b in evs])
@@ -136,7 +148,32 @@ def feature_events(
         wp, wb = _word_events(norm, cfg)
         pos, buckets = np.concatenate([cp, wp]), np.concatenate([cb, wb])
     order = np.argsort(pos, kind="stable")
-    return norm, pos[order], buckets[order]
+    return pos[order], buckets[order]
+
+
+def span_events(
+    norm: str, cfg: FeaturizerConfig, spans: Iterable[tuple[int, int]]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`norm_events(norm, cfg)` cut to each span [lo, hi) of positions: the same events in the same order,
+    read from a slice of `norm`, so that a long text never holds all its events at once (issue #28).
+
+    NOTE: every hash depends on its n-gram's characters alone, not on where it sits. The slice starts one
+    character early (a word it cuts starts before `lo` and is dropped) and ends past the n-grams that start
+    before `hi`: the longest char n-gram, and the words a word n-gram starting before `hi` reads.
+    """
+    word_starts, word_ends = word_spans(np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32))  # (W,) each
+    reach = max(cfg.word_ngrams) - 1  # words read after an n-gram's first
+    for lo, hi in spans:
+        if lo <= 0 and hi >= len(norm):
+            yield norm_events(norm, cfg)
+            continue
+        a, b = max(0, lo - 1), hi + max(cfg.char_ngrams) - 1
+        last = int(np.searchsorted(word_starts, hi)) - 1 + reach  # the last word an n-gram starting before hi reads
+        if len(word_ends) and last >= 0:
+            b = max(b, int(word_ends[min(last, len(word_ends) - 1)]))
+        pos, buckets = norm_events(norm[a:b], cfg)
+        keep = (pos >= lo - a) & (pos < hi - a)
+        yield pos[keep] + a, buckets[keep]
 
 
 def bag(buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from fleet.quarantine.features import FeaturizerConfig, bag, feature_events
+from fleet.quarantine.features import FeaturizerConfig, bag, feature_events, normalised, span_events
 
 MODEL_NAME = "injection_lr"
+SPAN_WINDOWS = 64  # windows scored at once (about 16 KiB of text at the shipped 512-char windows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +47,39 @@ class LearnedModel:
         Returns:
             (num_windows,) float64: w . bag(window) + bias, bag = binary L2-normalised (features.bag).
         """
-        norm, pos, buckets = feature_events(text, self.featurizer)
+        norm = normalised(text, self.featurizer)
         starts = window_starts(len(norm), self.window_chars)  # (num_windows,)
-        # NOTE: vectorised (issue #28): an event counts in a window's bag when it is the first of its bucket
-        # there, i.e. the previous event of its bucket lies before the window's start. An event sits in at
-        # most three windows (stride window // 2, plus the last one flush with the end).
+        # NOTE: SPAN_WINDOWS windows at a time, from the events of their span of text only: a long text's arrays
+        # stay the size of one span (1 MiB took 313 MB at once, issue #28). Each window sums the same events
+        # in the same order, so the logits are bit-identical.
+        groups = [(i, min(i + SPAN_WINDOWS, len(starts))) for i in range(0, len(starts), SPAN_WINDOWS)]
+        spans = [(int(starts[i]), int(starts[j - 1]) + self.window_chars) for i, j in groups]
+        out = np.empty(len(starts))
+        for (i, j), (pos, buckets) in zip(groups, span_events(norm, self.featurizer, spans), strict=True):
+            out[i:j] = self._logits(starts, i, j, pos, buckets)
+        return out
+
+    def _logits(self, starts: np.ndarray, i0: int, i1: int, pos: np.ndarray, buckets: np.ndarray) -> np.ndarray:
+        """Logits of windows i0..i1-1 of `starts` from the events (E,) of their span, in position order.
+
+        NOTE: vectorised (issue #28): an event counts in a window's bag when it is the first of its bucket
+        there, i.e. the previous event of its bucket lies before the window's start (one before the span does:
+        it reads as none). An event sits in at most three windows (stride window // 2, plus the last one flush
+        with the end); pass o adds each event to its first window + o, as the whole text's loop did.
+        """
         prev = previous_of_bucket(pos, buckets)
         first = np.searchsorted(starts, pos - self.window_chars, side="right")  # first window holding the event
-        last = np.searchsorted(starts, pos, side="right") - 1
-        fresh = np.searchsorted(starts, prev, side="right")  # first window starting after the previous event
-        sums, sizes = np.zeros(len(starts)), np.zeros(len(starts))
+        last = np.minimum(np.searchsorted(starts, pos, side="right"), i1) - 1
+        fresh = np.maximum(np.searchsorted(starts, prev, side="right"), i0)  # first window after the previous one
+        sums, sizes = np.zeros(i1 - i0), np.zeros(i1 - i0)
         w = self.weights[buckets].astype(np.float64)
         for o in range(3):
             i = first + o
             ok = (i <= last) & (i >= fresh)
-            sums += np.bincount(i[ok], weights=w[ok], minlength=len(starts))
-            sizes += np.bincount(i[ok], minlength=len(starts))
-        return sums / np.sqrt(np.maximum(sizes, 1.0)) + self.bias
+            sums += np.bincount(i[ok] - i0, weights=w[ok], minlength=i1 - i0)
+            sizes += np.bincount(i[ok] - i0, minlength=i1 - i0)
+        out: np.ndarray = sums / np.sqrt(np.maximum(sizes, 1.0)) + self.bias
+        return out
 
     def window_logits_reference(self, text: str | bytes | bytearray | memoryview) -> np.ndarray:
         """The loop `window_logits` must equal: each window's bag built one by one (`features.bag`)."""

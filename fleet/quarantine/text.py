@@ -142,7 +142,8 @@ def _dense(codes: np.ndarray, table: np.ndarray, width: int, count: int) -> bool
     """Some `width` consecutive characters (or all, if fewer) hold `count` of the table's characters."""
     if len(codes) < count:
         return False
-    c = np.concatenate(([0], np.cumsum(table[np.minimum(codes, 128)])))  # (L + 1,)
+    c = np.zeros(len(codes) + 1, dtype=np.int32)  # (L + 1,)
+    np.cumsum(table[np.minimum(codes, 128)], out=c[1:])
     w = min(width, len(codes))
     return bool((c[w:] - c[:-w]).max() >= count)
 
