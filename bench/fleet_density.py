@@ -172,7 +172,9 @@ def baseline_rev() -> str:
     """The last commit with one Ray actor per session (workers/session_actor.py still in its tree)."""
     gone = subprocess.run(["git", "log", "-n1", "--format=%H", "--no-renames", "--diff-filter=D", "--",
                            "workers/session_actor.py"], cwd=ROOT, capture_output=True, text=True, check=True)
-    return gone.stdout.strip() + "^"
+    parent = subprocess.run(["git", "rev-parse", "--short", gone.stdout.strip() + "^"], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    return parent.stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
