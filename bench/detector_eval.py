@@ -9,8 +9,9 @@ Reads the shipped models; the test split `scripts/train_detector.py` wrote (neve
 multilingual benign test part `scripts/train_fast.py` wrote; real benign files of the test split's packages
 (source "pypi-files"); the generated tool outputs (scripts/injection_corpus/tool_outputs.py, seed 0); the routing
 bench's own agent tool results (bench/routing_trace.py, every workload); the repo's hand-written corpus.
-Cost: median process CPU ms per KiB at 1 / 4 / 16 / 256 KiB, and resident MB (a fresh process per policy:
-its RSS after import, after building the detector, and its peak after judging a 256 KiB result).
+Cost: median process CPU ms per KiB at 1 / 4 / 16 / 256 KiB (and 1 MiB, the learned layer's max_chars, for the numpy
+policies), and resident MB (a fresh process per policy: its RSS after import, after building the detector, and its
+peak after judging a 256 KiB and a 1 MiB result).
 Writes the figures to tests/fleet/quarantine/data/heldout_report.json.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -59,6 +61,7 @@ NUMPY_CONFIGS = {
 ENCODER_FULL = "rules + learned + encoder committee (the default with the encoder extra)"
 ENCODER_ALONE = "encoder committee alone (opt-in heavier judge)"
 KIBS = (1, 4, 16, 256)
+NUMPY_KIBS = (*KIBS, 1024)  # the encoder policies take minutes per MiB
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -140,10 +143,10 @@ def evaluate(encoder: bool) -> dict[str, Any]:
 
 
 PROBE = """
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, {root!r})
-def rss():
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+def rss(key="VmRSS:"):
+    return int(open("/proc/self/status").read().split(key)[1].split()[0]) / 1024
 from fleet.quarantine import DetectorConfig, make_detector
 from bench.detector_heldout import tool_outputs
 a = rss()
@@ -155,25 +158,29 @@ out = {{"import_mb": a, "loaded_mb": b}}
 for kib in {kibs!r}:
     text = (blob * (1 + (kib << 10) // len(blob)))[: kib << 10]
     ts = []
-    for _ in range(max(3, 48 // kib)):
+    for _ in range(max(3, 192 // kib)):
         t0 = time.process_time(); det.inspect(text); ts.append(time.process_time() - t0)
     ts.sort()
     out[f"{{kib}} KiB"] = ts[len(ts) // 2] * 1000 / kib
-out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out[f"peak_mb {{kib}} KiB"] = rss("VmHWM:")
 print(json.dumps(out))
 """
 
 
-def cost(layers: tuple[str, ...]) -> dict[str, float]:
-    """CPU ms per KiB (median, process CPU time: other load on the machine does not count) and resident MB
-    of a fresh process that builds and runs the policy."""
-    code = PROBE.format(root=str(ROOT), layers=layers, kibs=KIBS)
+def cost(layers: tuple[str, ...], kibs: tuple[int, ...] = KIBS) -> dict[str, float]:
+    """CPU ms per KiB (median of max(3, 192 // KiB) runs, process CPU time: other load on the machine counts only
+    through the cache and the cores it shares) and resident MB of a fresh process that builds and runs the policy
+    (its peak after each size, smallest first).
+
+    NOTE: the peak is the process's VmHWM, not ru_maxrss: Linux carries the forking parent's peak into a child's
+    ru_maxrss across exec, so after `evaluate` every policy read the bench's own 61 MB."""
+    code = PROBE.format(root=str(ROOT), layers=layers, kibs=kibs)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return {k: round(v, 3) for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
 
 def latency(encoder: bool) -> dict[str, dict[str, float]]:
-    out = {name: cost(cfg.layers) for name, cfg in NUMPY_CONFIGS.items()}
+    out = {name: cost(cfg.layers, NUMPY_KIBS) for name, cfg in NUMPY_CONFIGS.items()}
     if encoder:
         out[ENCODER_FULL] = cost(("rules", "learned", "encoder"))
         out[ENCODER_ALONE] = cost(("encoder",))
@@ -216,20 +223,26 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
             f"{t['fn']} | {' | '.join(fpr)} | {c['precision']:.3f} / {c['recall']:.3f} | "
             f"{h['precision']:.3f} / {h['recall']:.3f} |"
         )
+    load = " / ".join(f"{x:.1f}" for x in ev.get("load", ()))
     lines += [
         "",
-        "Cost: median process CPU ms per KiB of tool-output text (one thread of numpy; torch's threads summed), and "
-        "resident MB of a fresh process (after importing fleet.quarantine / after building the policy and judging "
-        "4 KiB / peak after judging 256 KiB):",
+        "Cost: median process CPU ms per KiB of tool-output text (one thread of numpy; torch's threads summed; "
+        f"load average before / after the cost runs {load} on {os.cpu_count()} cores), and resident MB of a fresh "
+        "process (after importing fleet.quarantine / after building the policy and judging 4 KiB / peak after "
+        "judging 256 KiB / peak after judging 1 MiB):",
         "",
-        "| policy | 1 KiB | 4 KiB | 16 KiB | 256 KiB | ms per 4 KiB result | RSS MB import / loaded / peak |",
-        "|---|---|---|---|---|---|---|",
+        "| policy | 1 KiB | 4 KiB | 16 KiB | 256 KiB | 1 MiB | ms per 4 KiB result | RSS MB import / loaded / peak 256 KiB "
+        "/ 1 MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n, v in lat.items():
+        mib = (f"{v['1024 KiB']}", f"{v['peak_mb 1024 KiB']:.0f}") if "1024 KiB" in v else ("-", "-")
         lines.append(
-            f"| {n} | {v['1 KiB']} | {v['4 KiB']} | {v['16 KiB']} | {v['256 KiB']} | {v['4 KiB'] * 4:.2f} | "
-            f"{v['import_mb']:.0f} / {v['loaded_mb']:.0f} / {v['peak_mb']:.0f} |"
+            f"| {n} | {v['1 KiB']} | {v['4 KiB']} | {v['16 KiB']} | {v['256 KiB']} | {mib[0]} | {v['4 KiB'] * 4:.2f} | "
+            f"{v['import_mb']:.0f} / {v['loaded_mb']:.0f} / {v['peak_mb 256 KiB']:.0f} / {mib[1]} |"
         )
+    if ENCODER_ALONE not in lat:
+        lines += ["", "The encoder policies were not run (--no-encoder); docs/quarantine.md keeps their last figures."]
     return "\n".join(lines)
 
 
@@ -240,8 +253,9 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.perf_counter()
     ev = evaluate(not a.no_encoder)
+    before = os.getloadavg()[0]
     lat = latency(not a.no_encoder)
-    ev["cost"] = lat
+    ev["cost"], ev["load"] = lat, [before, os.getloadavg()[0]]
     body = render(ev, lat, time.perf_counter() - t0)
     print(body)
     if not a.no_doc:

@@ -100,7 +100,7 @@ def _word_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarr
     # NOTE: findall's words and the numpy word starts are the same runs (`hashing.word_spans` reads `\w` as the
     # regex does); both cost a fraction of a finditer's match objects (issue #28).
     words = [w.encode() for w in _WORD_RE.findall(norm)]
-    starts, _ = word_spans(np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32))  # (W,)
+    starts, _ = word_spans(T.code_points(norm))  # (W,)
     assert len(starts) == len(words)
     pos: list[np.ndarray] = []
     hashes: list[int] = []
@@ -161,7 +161,7 @@ def span_events(
     character early (a word it cuts starts before `lo` and is dropped) and ends past the n-grams that start
     before `hi`: the longest char n-gram, and the words a word n-gram starting before `hi` reads.
     """
-    word_starts, word_ends = word_spans(np.frombuffer(norm.encode("utf-32-le"), dtype=np.uint32))  # (W,) each
+    word_starts, word_ends = word_spans(T.code_points(norm))  # (W,) each
     reach = max(cfg.word_ngrams) - 1  # words read after an n-gram's first
     for lo, hi in spans:
         if lo <= 0 and hi >= len(norm):

@@ -138,12 +138,19 @@ _B64_CHARS = _ascii_table(string.ascii_letters + string.digits + "+/_-")
 _HEX_CHARS = _ascii_table(string.hexdigits)
 
 
+def code_points(text: str) -> np.ndarray:
+    """(L,) the code points of `text`: uint8 when it is ASCII (a quarter of the memory), else uint32."""
+    if text.isascii():
+        return np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
 def _dense(codes: np.ndarray, table: np.ndarray, width: int, count: int) -> bool:
     """Some `width` consecutive characters (or all, if fewer) hold `count` of the table's characters."""
     if len(codes) < count:
         return False
     c = np.zeros(len(codes) + 1, dtype=np.int32)  # (L + 1,)
-    np.cumsum(table[np.minimum(codes, 128)], out=c[1:])
+    np.cumsum(table[codes if codes.dtype == np.uint8 else np.minimum(codes, 128)], out=c[1:])
     w = min(width, len(codes))
     return bool((c[w:] - c[:-w]).max() >= count)
 
@@ -153,7 +160,7 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     # NOTE: a base64 run is 24+ characters of its alphabet in a row, a hex run 16+ digit pairs with at most one
     # separator between pairs (32 digits within 47 characters): a text with neither skips that regex's pass.
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (L,)
+    codes = code_points(text)  # (L,)
     for m in _B64_RE.finditer(text) if _dense(codes, _B64_CHARS, 24, 24) else ():
         s = m.group(0)
         s_std = s.replace("-", "+").replace("_", "/")

@@ -20,10 +20,10 @@ import quarantine_corpus as C
 
 from fleet.quarantine import DetectorConfig, make_detector
 from fleet.quarantine import detector as D
+from fleet.quarantine import learned as L
 from fleet.quarantine import rules as R
 from fleet.quarantine import text as T
 from fleet.quarantine.detector import unquoted_view
-from fleet.quarantine import learned as L
 from fleet.quarantine.features import FeaturizerConfig, _word_events
 from fleet.quarantine.learned import load_model
 from fleet.quarantine.prefilter import _candidates, heads, may_match, needs
