@@ -60,7 +60,7 @@ def latency(urls: dict[str, str], resources: dict[str, dict[str, float]], num_se
                     f.append(T, f"s{i}", f"Turn {j}: look at file {i}-{j} and say what is wrong.")
                     appends[k].append(time.perf_counter() - t0)
         return {k: {"create": _ms(creates[k]), "append": _ms(appends[k]), "nodes": len(f.hosts),
-                    "nodes_used": len({f._record(T, f"s{i}")["node"] for i in range(num_sessions)})}
+                    "nodes_used": len({f._record(T, f"s{i}").node for i in range(num_sessions)})}
                 for k, f in fleets.items()}
     finally:
         for f in fleets.values():
@@ -75,7 +75,7 @@ def node_loss(cluster: Any, url: str, num_sessions: int) -> dict[str, Any]:
             f.create_session(T, f"l{i}", f"Long-lived agent {i} with a detailed brief. " * 3)
             for j in range(3):
                 f.append(T, f"l{i}", f"Observation {j} for agent {i}: " + "the build log says little. " * 3)
-        where = {f"l{i}": f._record(T, f"l{i}")["node"] for i in range(num_sessions)}
+        where = {f"l{i}": f._record(T, f"l{i}").node for i in range(num_sessions)}
         victim = max(set(where.values()), key=list(where.values()).count)
         lost = [s for s, n in where.items() if n == victim]
         tokens = sum(len(f.tokens(T, s)) for s in lost)

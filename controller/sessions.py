@@ -249,8 +249,8 @@ class Sessions:
         from workers.registry import CREATING
 
         store = self.fleet.store
-        return {r["session"]: num_tokens(parse_log(store.oplog_read(tenant, r["session"])))
-                for r in self.fleet.registry.records(tenant) if r.get("state") != CREATING}
+        return {r.session: num_tokens(parse_log(store.oplog_read(tenant, r.session)))
+                for r in self.fleet.registry.records(tenant) if r.state != CREATING}
 
     async def _mutate(self, tenant: str, sid: str, grow: int, op_id: str, fn: Callable[..., OpResult],
                       *args: Any) -> OpResult:

@@ -22,7 +22,6 @@ when none has room, ResourceExhausted.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,12 +32,11 @@ import ray
 
 from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.kernel.tokenizer import encode_message
-from fleet.lifecycle import Witness
 from fleet.oplog import ForkOp, parse_log
 from fleet.session_types import OpResult, check_session_id, check_token_ids
 from workers.nodes import FleetNodes, NodeGone
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS, RAY_NAMESPACE, drop_blob_refs, node_resources
-from workers.registry import CREATING, SessionRegistry
+from workers.registry import CREATING, IDLE, LOST, SessionRecord, SessionRegistry
 from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
@@ -117,11 +115,11 @@ class KernelFleet:
 
     # -- registry (in the store: survives the driver) -----------------------------------------
 
-    def _record(self, tenant: str, session_id: str) -> dict[str, Any]:
+    def _record(self, tenant: str, session_id: str) -> SessionRecord:
         """The session's registry record. A record still `creating` belongs to a create or fork
         that was never acknowledged (in flight, or its controller crashed): the session is absent."""
         rec = self.registry.get(tenant, session_id)
-        if rec is None or rec.get("state") == CREATING:
+        if rec is None or rec.state == CREATING:
             raise NotFound(f"session {session_id!r} not found (unknown or closed)")
         return rec
 
@@ -134,10 +132,10 @@ class KernelFleet:
         otherwise clear what a create, fork or close that never completed left behind (a record
         still `creating`, its kernel, an op log without a record), so a crash never strands a name."""
         rec = self.registry.get(tenant, session_id)
-        if rec is not None and rec.get("state") != CREATING:
+        if rec is not None and rec.state != CREATING:
             raise AlreadyExists(f"session {session_id!r} already exists")
         if rec is not None or self.store.oplog_read(tenant, session_id):
-            self._discard(tenant, session_id, rec["node"] if rec is not None else "")
+            self._discard(tenant, session_id, rec.node if rec is not None else "")
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -150,9 +148,9 @@ class KernelFleet:
             node = self._where.get(key)
             if node is None:
                 rec = self._record(tenant, session_id)             # NotFound when unknown or closed
-                if rec.get("state") in ("lost", "idle"):           # released, or a rebuild that failed: rebuild
+                if not rec.live:                                    # released, or a rebuild that failed: rebuild
                     rec = self._rebuild(tenant, session_id)
-                node = self._where[key] = rec["node"]
+                node = self._where[key] = rec.node
             try:
                 return self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
             except (SessionGone, NodeGone) as e:
@@ -162,7 +160,7 @@ class KernelFleet:
             self._rebuild(tenant, session_id)
         raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
 
-    def _rebuild(self, tenant: str, session_id: str) -> dict[str, Any]:
+    def _rebuild(self, tenant: str, session_id: str) -> SessionRecord:
         """Rebuild a session its host lost, once: callers (and `reconcile`) that saw the same loss at
         the same time wait for one rebuild instead of each replaying the log and stepping the epoch."""
         key = (tenant, session_id)
@@ -170,31 +168,28 @@ class KernelFleet:
             lock = self._rebuilding.setdefault(key, threading.Lock())
         with lock:
             rec = self._record(tenant, session_id)             # NotFound when closed meanwhile
-            if rec.get("state") not in ("lost", "idle") and self._holds(rec):
+            if rec.live and self._holds(rec):
                 return rec                                      # another caller rebuilt it meanwhile
             return self._regenerate(rec)
 
-    def _holds(self, rec: dict[str, Any]) -> bool:
+    def _holds(self, rec: SessionRecord) -> bool:
         """Whether the host of the record's node holds the session now."""
         try:
-            return bool(self.nodes.call(rec["node"], "holds", rec["tenant"], rec["session"]))
+            return bool(self.nodes.call(rec.node, "holds", rec.tenant, rec.session))
         except Unavailable:  # NodeGone included
             return False
 
-    def _regenerate(self, rec: dict[str, Any]) -> dict[str, Any]:
-        """Mark the session lost (kv forgotten), rebuild it from its op log, mark it active."""
-        if rec.get("state") != "lost":  # one loss, one epoch step: a rebuild that failed is retried at it
-            rec["epoch"] = int(rec.get("epoch", 0)) + 1
-        lost = Witness("actor_lost", "error", "forgotten", True, False, rec["epoch"])
-        rec.update(state="lost", witness=lost.to_dict())
+    def _regenerate(self, rec: SessionRecord) -> SessionRecord:
+        """Mark the session lost (kv forgotten), rebuild it from its op log, mark it regenerated."""
+        rec.lose()
         self.registry.save(rec)
-        node = rec["node"] if self.nodes.answers(rec["node"]) else self.nodes.place(rec["tenant"], [])
+        node = rec.node if self.nodes.answers(rec.node) else self.nodes.place(rec.tenant, [])
         try:
-            self.nodes.call(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
+            self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch)
         except NodeGone:  # its node died just now: a survivor rebuilds it
-            node = self.nodes.place(rec["tenant"], [], exclude=node)
-            self.nodes.call(node, "regenerate", rec["tenant"], rec["session"], rec["epoch"])
-        rec.update(state="active", node=node, regenerated=int(rec.get("regenerated", 0)) + 1)
+            node = self.nodes.place(rec.tenant, [], exclude=node)
+            self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch)
+        rec.rebuilt(node)
         self.registry.save(rec)
         with self._guard:
             self.num_regenerations += 1
@@ -226,22 +221,21 @@ class KernelFleet:
             tokens = encode_message(self.tokenizer, "system", system_prompt)  # the piece's own tokens
         self._claim(tenant, session_id)
         node = self.nodes.place(tenant, tokens)
-        rec = {"tenant": tenant, "session": session_id, "node": node, "state": "creating", "epoch": 0,
-               "created": time.time()}
+        rec = SessionRecord(tenant, session_id, node)
         self.registry.save(rec)
         try:
             try:
                 out = self.nodes.call(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
             except NodeGone:  # its node died after placement: once more, on a survivor
-                rec["node"] = node = self.nodes.place(tenant, tokens, exclude=node)
+                rec.node = node = self.nodes.place(tenant, tokens, exclude=node)
                 self.registry.save(rec)
                 out = self.nodes.call(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
-        rec.update(state="active", adopted_tokens=out["adopted_tokens"])
+        rec.acknowledged(out["adopted_tokens"])
         self.registry.save(rec)
-        return rec
+        return rec.to_dict()
 
     # Mutating verbs: each runs under `op_id` (the caller's idempotency key; a fresh one if empty), and an
     # op id already in the session's log is answered (replayed=True), not applied again. Each returns the
@@ -317,19 +311,18 @@ class KernelFleet:
         point = self._call(tenant, session_id, SessionKernel.fork_point)  # ops and tokens read together
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
         ops = [*point["ops"], ForkOp(session_id, len(point["ops"]))]
-        node = node or self._fork_node(tenant, parent["node"], point["tokens"])
-        rec = {"tenant": tenant, "session": child_id, "node": node, "state": "creating", "epoch": 0,
-               "created": time.time(), "parent": session_id}
+        node = node or self._fork_node(tenant, parent.node, point["tokens"])
+        rec = SessionRecord(tenant, child_id, node, parent=session_id)
         self.registry.save(rec)
         try:
-            args, moved = self._fork_args(tenant, session_id, parent["node"], node, point["tokens"], share)
+            args, moved = self._fork_args(tenant, session_id, parent.node, node, point["tokens"], share)
             out = self.nodes.call(node, "fork", tenant, ops, child_id, *args)
         except BaseException:
             self._discard(tenant, child_id, node)
             raise
-        rec.update(state="active", adopted_tokens=out["adopted_tokens"], moved_bytes=moved)
+        rec.acknowledged(out["adopted_tokens"], moved)
         self.registry.save(rec)
-        return rec
+        return rec.to_dict()
 
     def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:
         """The parent's node while its KV budget has room (zero-copy sharing), else placement."""
@@ -374,17 +367,18 @@ class KernelFleet:
     def close(self, tenant: str, session_id: str) -> None:
         """Drop the session's kernel and delete its op log; later calls raise NotFound."""
         rec = self._record(tenant, session_id)
-        self._discard(tenant, session_id, rec["node"])
+        self._discard(tenant, session_id, rec.node)
 
     def release_session(self, tenant: str, session_id: str) -> None:
         """Drop the session's kernel from its host to free its KV memory (idle reaping); its record
         (state `idle`) and op log stay, so its next call regenerates it from the log."""
         rec = self._record(tenant, session_id)
         self._where.pop((tenant, session_id), None)
-        if rec["node"] in self.hosts:
-            self.nodes.call(rec["node"], "close", tenant, session_id)
-        rec.update(state="idle")
-        self.registry.save(rec)
+        if rec.node in self.hosts:
+            self.nodes.call(rec.node, "close", tenant, session_id)
+        if rec.live:
+            rec.released()
+            self.registry.save(rec)
 
     def _discard(self, tenant: str, session_id: str, node: str) -> None:
         self._where.pop((tenant, session_id), None)
@@ -437,10 +431,11 @@ class KernelFleet:
         live = {(r["tenant"], r["session"]): r for rows in ask.values() if isinstance(rows, list) for r in rows}
         out = []
         for rec in self.registry.records(tenant):
-            if not fleet and rec["node"] not in sups:
+            if not fleet and rec.node not in sups:
                 continue  # fleet=True also lists sessions whose node is gone (state: lost)
-            row = {**rec, **live.get((rec["tenant"], rec["session"]),
-                                     {"state": "idle" if rec.get("state") == "idle" else "lost", "tokens": 0})}
+            held = live.get((rec.tenant, rec.session))
+            row = {**rec.to_dict(), **(held or {"tokens": 0})}    # the host's counts over the record's
+            row["state"] = LOST if rec.live and held is None else rec.state  # not held: lost until rebuilt
             row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
             out.append(row)
         return out
@@ -453,12 +448,12 @@ class KernelFleet:
         ask = self.nodes.ask_all("rows")
         held = {(r["tenant"], r["session"]) for rows in ask.values() if isinstance(rows, list) for r in rows}
         answered = {nid for nid, rows in ask.items() if isinstance(rows, list)}
-        lost = [r for r in self.registry.records() if r.get("state") not in (CREATING, "idle")
-                and (r.get("node") not in alive or (r.get("node") in answered and (r["tenant"], r["session"]) not in held))]
+        lost = [r for r in self.registry.records() if r.state not in (CREATING, IDLE)
+                and (r.node not in alive or (r.node in answered and (r.tenant, r.session) not in held))]
         for rec in lost:
-            self._where.pop((rec["tenant"], rec["session"]), None)
+            self._where.pop((rec.tenant, rec.session), None)
         with ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile") as pool:  # the hosts' lanes run them
-            list(pool.map(lambda r: self._rebuild(r["tenant"], r["session"]), lost))
+            list(pool.map(lambda r: self._rebuild(r.tenant, r.session), lost))
         return len(lost)
 
     def release(self) -> None:

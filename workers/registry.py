@@ -1,23 +1,92 @@
-"""SessionRegistry: the store's record of every session of a fleet (the only code naming its namespace).
+"""SessionRegistry: the store's record of every session of a fleet (the only code naming its namespace),
+and SessionRecord, the one typed record of a session with its one state machine.
 
 One JSON record per (tenant, session), written by the controller's KernelFleet and read by it and by
 the sessions servicer counting a tenant's quota after a restart. It survives the controller:
 
     {"tenant": "acme", "session": "s1", "node": "<ray node id>", "state": "active", "epoch": 0,
-     "created": 1733130000.0, "adopted_tokens": 32}
-    (+ "parent", "moved_bytes" for a fork; "regenerated", "witness" once its actor was lost)
+     "created": 1733130000.0, "adopted_tokens": 32, "parent": "", "moved_bytes": 0, "regenerated": 0,
+     "witness": null}
 
-state: creating (not acknowledged yet: the session is absent) | active | idle (actor released,
-log kept) | lost (actor gone, being regenerated).
+The state is the registry's alone (a kernel host reports what it holds, never a state); one vocabulary:
+
+    creating ──acknowledged──▶ active ──released (idle TTL)──▶ idle
+       │                         │                              │
+       │ never acknowledged      │ its kernel lost              │ its next call
+       ▼ (absent; cleared on     ▼ (host died, node gone)       ▼
+         the next create)       lost ◀──────────────────────────┘
+                                 │ rebuilt from its op log (epoch + 1 per loss)
+                                 ▼
+                            regenerated ── live, like active; the listing shows `lost` for a live
+                                           record whose host does not hold the session
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 NAMESPACE = "kvfleet.sessions"
-CREATING = "creating"
+CREATING, ACTIVE, IDLE, LOST, REGENERATED = "creating", "active", "idle", "lost", "regenerated"
+STATES = (CREATING, ACTIVE, IDLE, LOST, REGENERATED)
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """A session as the registry holds it. Its methods are the only state transitions."""
+
+    tenant: str
+    session: str
+    node: str
+    state: str = CREATING
+    epoch: int = 0
+    created: float = dataclasses.field(default_factory=time.time)
+    adopted_tokens: int = 0
+    parent: str = ""
+    moved_bytes: int = 0
+    regenerated: int = 0
+    witness: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        assert self.state in STATES, self.state
+
+    @property
+    def live(self) -> bool:
+        """Acknowledged and not released: a host should hold its kernel."""
+        return self.state in (ACTIVE, REGENERATED)
+
+    def acknowledged(self, adopted_tokens: int, moved_bytes: int = 0) -> None:
+        assert self.state == CREATING, self.state
+        self.state, self.adopted_tokens, self.moved_bytes = ACTIVE, adopted_tokens, moved_bytes
+
+    def released(self) -> None:
+        assert self.live, self.state
+        self.state = IDLE
+
+    def lose(self) -> None:
+        """Its kernel is gone: one loss, one epoch step (a rebuild that failed is retried at the same epoch)."""
+        from fleet.lifecycle import Witness
+
+        assert self.state != CREATING, self.state
+        if self.state != LOST:
+            self.epoch += 1
+        self.state = LOST
+        self.witness = Witness("actor_lost", "error", "forgotten", True, False, self.epoch).to_dict()
+
+    def rebuilt(self, node: str) -> None:
+        assert self.state == LOST, self.state
+        self.state, self.node, self.regenerated = REGENERATED, node, self.regenerated + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})  # NOTE: records written before a field keep its default
 
 
 class RegistryStore(Protocol):
@@ -38,21 +107,21 @@ class SessionRegistry:
     def __init__(self, store: RegistryStore) -> None:
         self.store = store
 
-    def get(self, tenant: str, session_id: str) -> dict[str, Any] | None:
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None:
         """The record, `creating` ones included; None when there is none."""
         raw = self.store.kv_get(NAMESPACE, _key(tenant, session_id))
-        return None if raw is None else dict(json.loads(raw))
+        return None if raw is None else SessionRecord.from_dict(json.loads(raw))
 
-    def save(self, rec: dict[str, Any]) -> None:
-        self.store.kv_put(NAMESPACE, _key(rec["tenant"], rec["session"]), json.dumps(rec).encode())
+    def save(self, rec: SessionRecord) -> None:
+        self.store.kv_put(NAMESPACE, _key(rec.tenant, rec.session), json.dumps(rec.to_dict()).encode())
 
     def delete(self, tenant: str, session_id: str) -> None:
         self.store.kv_delete(NAMESPACE, _key(tenant, session_id))
 
-    def records(self, tenant: str | None = None) -> list[dict[str, Any]]:
+    def records(self, tenant: str | None = None) -> list[SessionRecord]:
         """Every record (of `tenant`, when given), `creating` ones included, in key order."""
-        recs = [json.loads(raw) for _, raw in sorted(self.store.kv_scan(NAMESPACE).items())]
-        return [r for r in recs if tenant is None or r["tenant"] == tenant]
+        recs = [SessionRecord.from_dict(json.loads(raw)) for _, raw in sorted(self.store.kv_scan(NAMESPACE).items())]
+        return [r for r in recs if tenant is None or r.tenant == tenant]
 
 
 def _key(tenant: str, session_id: str) -> str:

@@ -63,7 +63,7 @@ class SessionKernel:
         self.created_at = self.last_active = time.time()
         self.num_replayed_ops = 0
         self.num_prefilled_tokens = 0  # tokens this actor computed (appends, replays); adopted blocks not counted
-        self.state, self.in_flight = "new", ""
+        self.in_flight = ""  # the verb running now (its state is the registry's: workers/registry.py)
 
     def _write(self, op: Op) -> None:
         """Write-ahead (the context's sink): log the op, stamped with the call's op id, before it is
@@ -127,7 +127,7 @@ class SessionKernel:
                     self.ctx.op_id = ""
             base = self.num_adopted_tokens if before is None else before  # a create: adopted blocks are free
             self.num_prefilled_tokens += max(0, len(self._s) - base)
-            self.last_active, self.state = time.time(), "active"
+            self.last_active = time.time()
             return self._reply(result)
 
     def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> OpResult:
@@ -196,7 +196,6 @@ class SessionKernel:
                 self.num_prefilled_tokens += len(ctx.session) - adopted
 
             await self._run(work)
-            self.state = "regenerated" if ops is None else "active"
             return self.info_row()
 
     def _replay(self, log: list[Op], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
@@ -314,7 +313,7 @@ class SessionKernel:
             "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,
             "prefilled_tokens": self.num_prefilled_tokens,
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
-            "state": self.state, "in_flight": self.in_flight, "epoch": self.epoch,
+            "in_flight": self.in_flight, "epoch": self.epoch,
             "last_active": self.last_active, "pid": self.pid,
             "backend": self.kernel.backend, "device": str(self.kernel.device),
         }

@@ -90,7 +90,7 @@ def actor_info(url: str, tenant: str, sid: str) -> dict[str, Any]:
     from fleet.cas import open_store
 
     with open_store(url) as store:
-        node = SessionRegistry(store).get(tenant, sid)["node"]  # type: ignore[index]
+        node = SessionRegistry(store).get(tenant, sid).node  # type: ignore[index]
     host = ray.get_actor(host_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
     return dict(ray.get(host.call.remote(tenant, sid, "info"), timeout=60))
 
@@ -180,7 +180,7 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
         for sid in sids:
             f.append(T, sid, f"Work item for {sid}: summarise the log.")
         before = {sid: (f.digest(T, sid), f.last_logits(T, sid)) for sid in sids}
-        on_new = [sid for sid in sids if f._record(T, sid)["node"] == new.node_id]
+        on_new = [sid for sid in sids if f._record(T, sid).node == new.node_id]
         if not on_new:
             raise AssertionError(f"no session on the new node {new.node_id}: placed on {placed}")
         host = f.hosts[new.node_id]
@@ -203,7 +203,7 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
             "digests_equal": {s: after[s][0] == before[s][0] for s in sids},
             "logits_max_delta": max(max_delta(after[s][1], before[s][1]) for s in sids),
             "control_delta": max_delta(before[sids[0]][1], before[sids[1]][1]),
-            "nodes_after": {s: f._record(T, s)["node"] for s in sids},
+            "nodes_after": {s: f._record(T, s).node for s in sids},
             "regenerations": f.num_regenerations, "join_s": join_s, "next_call_regen_s": next_call_s,
             "reconcile_s": reconcile_s,
         }

@@ -64,7 +64,7 @@ def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
         sids = [f"s{i}" for i in range(len(PROMPTS))]
         for sid, prompt in zip(sids, PROMPTS, strict=True):
             f.create_session(T, sid, prompt)
-        nodes = {sid: f._record(T, sid)["node"] for sid in sids}
+        nodes = {sid: f._record(T, sid).node for sid in sids}
         victim = nodes["s0"]
         before = _round(f, sids, "before")
         pids = [int(f.info(T, sid)["pid"]) for sid in sids if nodes[sid] == victim]
@@ -86,8 +86,8 @@ def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
             "node_alive_in_table_at_first_call": alive_in_table,
             "before": before,
             "after": after,
-            "epochs": {s: int(r.get("epoch", 0)) for s, r in recs.items()},
-            "nodes_after": {s: r["node"] for s, r in recs.items()},
+            "epochs": {s: r.epoch for s, r in recs.items()},
+            "nodes_after": {s: r.node for s, r in recs.items()},
         }
     finally:
         f.shutdown()
