@@ -91,6 +91,10 @@ async def serve(args: argparse.Namespace) -> int:
         ray_num_cpus=args.num_cpus,
         controller=overrides,
     )
+    if not args.ray_address:  # a local Ray, started here, is ours: its process tree goes when we go
+        from controller import ray_local
+
+        ray_local.own()
     stack = await start_stack(cfg)
     stack.ctl.ctx.need_router().set_cost_config(cost)
     await asyncio.to_thread(set_kernel_placement, stack.ctl.ctx.store, kernel)  # before the first session

@@ -133,8 +133,10 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
                           "configure_logging": False}
     if address:
         ray.init(address=address, **kw)
-    else:
-        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kw)
+    else:  # owned (`kvfleet up`: ray_local.own()), the local Ray's whole process tree goes with this process
+        from controller import ray_local
+
+        ray_local.start(lambda: ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kw))
     return True
 
 
@@ -163,7 +165,9 @@ class Stack:
         if self.owns_ray:
             import ray
 
-            await asyncio.to_thread(ray.shutdown)
+            from controller import ray_local
+
+            await asyncio.to_thread(ray_local.stop if ray_local.owned() else ray.shutdown)
 
 
 async def start_stack(cfg: StackConfig, *, observe: Observe | None = None) -> Stack:

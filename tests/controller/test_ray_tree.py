@@ -59,6 +59,25 @@ def _controller(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError("the controller did not start: " + "".join(seen))
 
 
+def _up(tmp: Path) -> subprocess.Popen[str]:
+    """`kvfleet up` (its local Ray starts before it announces itself), running once it has printed its JSON line."""
+    ray_dir = tempfile.mkdtemp(prefix="kvf-u-")
+    env = dict(os.environ, RAY_TMPDIR=ray_dir, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
+    for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
+        del env[k]
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir",
+                             str(tmp / "state"), "--num-cpus", "1", "--json"],
+                            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("{") and '"controller"' in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc
+    raise AssertionError("kvfleet up did not start: " + "".join(seen))
+
+
 def _tree(pid: int) -> dict[int, tuple[float, str]]:
     out = {}
     for p in psutil.Process(pid).children(recursive=True):
@@ -111,6 +130,36 @@ def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: sig
             proc.kill()
             proc.wait(30)
         for pid in _alive(tree):  # never leave them to the rest of the run
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_nothing_of_the_local_ray_outlives_kvfleet_up(tmp_path: Path, sig: signal.Signals) -> None:
+    """The same for `kvfleet up`, which starts its local Ray at once. NOTE: before it owned its tree, a SIGKILL
+    of `kvfleet up` left Ray's DashboardAgent and RuntimeEnvAgent running (the SIGTERM case passed)."""
+    proc = _up(tmp_path)
+    tree: dict[int, tuple[float, str]] = {}
+    try:
+        tree = _tree(proc.pid)
+        names = " ".join(what for _, what in tree.values())
+        assert "raylet" in names and "gcs_server" in names, names  # the tree is Ray's (not vacuous)
+        proc.send_signal(sig)
+        proc.wait(60)
+        t0 = time.monotonic()
+        left = _alive(tree)
+        while left and time.monotonic() - t0 < SURVIVAL_S:
+            time.sleep(0.1)
+            left = _alive(tree)
+        print(f"kvfleet up: {len(tree)} processes; after {sig.name}, alive {SURVIVAL_S} s later: {left}")
+        assert left == {}, f"{len(left)} of Ray's processes outlived kvfleet up by {SURVIVAL_S} s: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for pid in _alive(tree):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
