@@ -194,10 +194,11 @@ def _ci(d: dict[str, Any], key: str, k: str, n: str) -> str:
 
 def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float) -> str:
     sz = ev["sizes"]
+    took = f"One run ({elapsed / 60:.0f} min)" if elapsed >= 120 else f"One run ({elapsed:.0f} s)"
     lines = [
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
-        f"One run ({elapsed / 60:.0f} min). Test split: {sz['test'][0]} tool results ({sz['test'][1]} injections; "
+        f"{took}. Test split: {sz['test'][0]} tool results ({sz['test'][1]} injections; "
         "read for five earlier configurations; docs/quarantine_default.md). "
         f"Multilingual benign test part: {sz['multilingual_benign'][0]} tool outputs (real Django / Sphinx "
         f"translations in ~100 languages as messages, JSON, logs, CSV; shell output, tracebacks, code, base64 / hex). "
@@ -242,7 +243,8 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
             f"{v['import_mb']:.0f} / {v['loaded_mb']:.0f} / {v['peak_mb 256 KiB']:.0f} / {mib[1]} |"
         )
     if ENCODER_ALONE not in lat:
-        lines += ["", "The encoder policies were not run (--no-encoder); docs/quarantine.md keeps their last figures."]
+        lines += ["", "The encoder policies were not run (--no-encoder); docs/quarantine.md keeps their last figures (and "
+                  "tests/fleet/quarantine/data/heldout_report.json at commit 9e8c2bd)."]
     return "\n".join(lines)
 
 
