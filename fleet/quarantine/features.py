@@ -102,11 +102,20 @@ def _word_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarr
     words = [w.encode() for w in _WORD_RE.findall(norm)]
     starts, _ = word_spans(T.code_points(norm))  # (W,)
     assert len(starts) == len(words)
+    return _ngram_events(words, starts, len(words), cfg)
+
+
+def _ngram_events(
+    words: list[bytes], starts: np.ndarray, num_first: int, cfg: FeaturizerConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """The word n-gram events whose first word is one of the first `num_first` `words` (UTF-8, at `starts`);
+    the words after those are there to be read by them."""
     pos: list[np.ndarray] = []
     hashes: list[int] = []
     for n in cfg.word_ngrams:
         seed = zlib.crc32(f"w{n}|".encode())  # NOTE: crc32(a + b) == crc32(b, crc32(a)): the prefix is hashed once
         grams = words if n == 1 else [b" ".join(g) for g in zip(*(words[k:] for k in range(n)), strict=False)]
+        grams = grams[:num_first]
         pos.append(starts[: len(grams)])
         hashes += [zlib.crc32(g, seed) for g in grams]
     if not hashes:
@@ -154,26 +163,42 @@ def norm_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarra
 def span_events(
     norm: str, cfg: FeaturizerConfig, spans: Iterable[tuple[int, int]]
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """`norm_events(norm, cfg)` cut to each span [lo, hi) of positions: the same events in the same order,
-    read from a slice of `norm`, so that a long text never holds all its events at once (issue #28).
+    """`norm_events(norm, cfg)` cut to each span [lo, hi) of positions: the same events in the same order, read
+    span by span, so that a long text never holds all its events at once (issue #28).
 
-    NOTE: every hash depends on its n-gram's characters alone, not on where it sits. The slice starts one
-    character early (a word it cuts starts before `lo` and is dropped) and ends past the n-grams that start
-    before `hi`: the longest char n-gram, and the words a word n-gram starting before `hi` reads.
+    NOTE: every hash depends on its n-gram's characters alone, not on where it sits: a span's char n-grams come
+    from its slice of `norm` (plus the longest n-gram's tail), its word n-grams from the whole text's words that
+    start in it (plus the words they read after), so a word longer than a span is read once or twice, not once
+    per span. The numpy hashing (no shipped model) reads the whole text once and cuts it.
     """
-    word_starts, word_ends = word_spans(T.code_points(norm))  # (W,) each
-    reach = max(cfg.word_ngrams) - 1  # words read after an n-gram's first
+    whole: tuple[np.ndarray, np.ndarray] | None = None
+    words: tuple[np.ndarray, np.ndarray] | None = None  # the whole text's word starts and ends (W,) each
     for lo, hi in spans:
         if lo <= 0 and hi >= len(norm):
             yield norm_events(norm, cfg)
-            continue
-        a, b = max(0, lo - 1), hi + max(cfg.char_ngrams) - 1
-        last = int(np.searchsorted(word_starts, hi)) - 1 + reach  # the last word an n-gram starting before hi reads
-        if len(word_ends) and last >= 0:
-            b = max(b, int(word_ends[min(last, len(word_ends) - 1)]))
-        pos, buckets = norm_events(norm[a:b], cfg)
-        keep = (pos >= lo - a) & (pos < hi - a)
-        yield pos[keep] + a, buckets[keep]
+        elif cfg.hashing == "poly":
+            whole = whole or norm_events(norm, cfg)
+            keep = (whole[0] >= lo) & (whole[0] < hi)
+            yield whole[0][keep], whole[1][keep]
+        else:
+            words = words or word_spans(T.code_points(norm))
+            yield _span_events(norm, lo, hi, words, cfg)
+
+
+def _span_events(
+    norm: str, lo: int, hi: int, words: tuple[np.ndarray, np.ndarray], cfg: FeaturizerConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """The crc32 featurizer's events at positions [lo, hi) (see `span_events`)."""
+    cp, cb = _char_events(norm[lo : hi + max(cfg.char_ngrams) - 1], cfg)
+    word_starts, word_ends = words
+    j0, j1 = (int(j) for j in np.searchsorted(word_starts, [lo, hi]))
+    j2 = min(len(word_starts), j1 + max(cfg.word_ngrams) - 1)
+    read = [norm[a:b].encode() for a, b in zip(word_starts[j0:j2].tolist(), word_ends[j0:j2].tolist(), strict=True)]
+    wp, wb = _ngram_events(read, word_starts[j0:j2], j1 - j0, cfg)
+    inside = cp < hi - lo
+    pos, buckets = np.concatenate([cp[inside] + lo, wp]), np.concatenate([cb[inside], wb])
+    order = np.argsort(pos, kind="stable")  # as norm_events: at one position the char n-grams, then the words'
+    return pos[order], buckets[order]
 
 
 def bag(buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
