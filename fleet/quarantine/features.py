@@ -26,7 +26,6 @@ import numpy as np
 from fleet.quarantine import text as T
 from fleet.quarantine.hashing import events, word_spans
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 _MUL = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, used as the polynomial base
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 finaliser
 _WORD_RE = re.compile(r"\w+", re.U)
@@ -70,10 +69,11 @@ class FeaturizerConfig:
 
 def _mix(h: np.ndarray) -> np.ndarray:
     h = h ^ (h >> np.uint64(30))
-    h = (h * _MIX1) & _MASK
+    h = h * _MIX1  # NOTE: uint64 arithmetic wraps mod 2^64: no mask needed
     h = h ^ (h >> np.uint64(27))
-    h = (h * _MIX2) & _MASK
-    return h ^ (h >> np.uint64(31))
+    h = h * _MIX2
+    out: np.ndarray = h ^ (h >> np.uint64(31))
+    return out
 
 
 def _char_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -88,7 +88,7 @@ def _char_events(norm: str, cfg: FeaturizerConfig) -> tuple[np.ndarray, np.ndarr
                 m, np.uint64(n), dtype=np.uint64
             )  # seed with n: a 3-gram and a 4-gram never share a hash
             for k in range(n):
-                h = (h * _MUL + codes[k : k + m]) & _MASK  # (m,)
+                h = h * _MUL + codes[k : k + m]  # (m,), mod 2^64
             pos.append(np.arange(m, dtype=np.int64))
             buckets.append(_mix(h) & np.uint64(cfg.num_buckets - 1))
     if not pos:
