@@ -149,7 +149,7 @@ class KernelFleet:
             if node is None:
                 rec = self._record(tenant, session_id)             # NotFound when unknown or closed
                 if not rec.live:                                    # released, or a rebuild that failed: rebuild
-                    rec = self._rebuild(tenant, session_id)
+                    rec, _ = self._rebuild(tenant, session_id)
                 node = self._where[key] = rec.node
             try:
                 return self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
@@ -160,17 +160,18 @@ class KernelFleet:
             self._rebuild(tenant, session_id)
         raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
 
-    def _rebuild(self, tenant: str, session_id: str) -> SessionRecord:
+    def _rebuild(self, tenant: str, session_id: str) -> tuple[SessionRecord, bool]:
         """Rebuild a session its host lost, once: callers (and `reconcile`) that saw the same loss at
-        the same time wait for one rebuild instead of each replaying the log and stepping the epoch."""
+        the same time wait for one rebuild instead of each replaying the log and stepping the epoch.
+        Returns its record, and whether this call rebuilt it."""
         key = (tenant, session_id)
         with self._guard:
             lock = self._rebuilding.setdefault(key, threading.Lock())
         with lock:
             rec = self._record(tenant, session_id)             # NotFound when closed meanwhile
             if rec.live and self._holds(rec):
-                return rec                                      # another caller rebuilt it meanwhile
-            return self._regenerate(rec)
+                return rec, False                               # another caller rebuilt it meanwhile
+            return self._regenerate(rec), True
 
     def _holds(self, rec: SessionRecord) -> bool:
         """Whether the host of the record's node holds the session now."""
@@ -453,8 +454,8 @@ class KernelFleet:
         for rec in lost:
             self._where.pop((rec.tenant, rec.session), None)
         with ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile") as pool:  # the hosts' lanes run them
-            list(pool.map(lambda r: self._rebuild(r.tenant, r.session), lost))
-        return len(lost)
+            rebuilt = list(pool.map(lambda r: self._rebuild(r.tenant, r.session)[1], lost))
+        return sum(rebuilt)  # a host that was slow to list (held down) but holds its sessions rebuilds nothing
 
     def release(self) -> None:
         """Let go of the fleet without stopping it (a detached fleet's controller stopping):

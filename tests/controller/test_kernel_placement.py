@@ -32,7 +32,7 @@ def test_flags_become_placement_overrides() -> None:
                      (["--kernel-group", "gpu:torch"], "GROUP=BACKEND:DEVICE"),
                      (["--kernel-group", "a=torch:cpu", "--kernel-group", "a=numpy:cpu"], "names a group twice"),
                      (["--kernel-device", "tpu"], "device must be"),
-                     (["--kernel-device", "cuda:1"], "Ray shows each session actor only the GPU it assigned")]:
+                     (["--kernel-device", "cuda:1"], "Ray shows each kernel host only the GPU it assigned")]:
         with pytest.raises(InvalidArgument, match=msg):
             kernel_overrides_from(parse_args(bad, {}))
 

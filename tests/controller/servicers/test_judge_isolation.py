@@ -41,8 +41,9 @@ async def _put(stub: BlobServiceStub, data: bytes, token: str) -> str:
 async def test_a_tenant_flooding_the_judge_does_not_stall_another_tenants_upload_or_verdict(
     tmp_path: Path,
 ) -> None:
-    """Tenant A sends 5 JudgeToolResults calls of 12 distinct 64 KiB texts at once (the rules layer alone
-    costs about 0.1-0.2 s of CPU per text here: tens of seconds in all). Tenant B then stores a 1 KiB blob
+    """Tenant A sends 5 JudgeToolResults calls of 48 distinct 64 KiB texts at once (the rules layer alone
+    costs tens of milliseconds of CPU per text here: seconds in all; with 12 texts, once the rules got
+    faster, A's calls could end inside B's window and the check said nothing). Tenant B then stores a 1 KiB blob
     and has one short text judged. B's calls must finish while every one of A's is still running.
 
     Before (the detector on the 4-thread store executor every store call shares): A's calls held all four
@@ -61,7 +62,7 @@ async def test_a_tenant_flooding_the_judge_does_not_stall_another_tenants_upload
                 asyncio.ensure_future(
                     q.JudgeToolResults(
                         pb.JudgeToolResultsRequest(
-                            results=_texts(12, 64 << 10, seed=i), action="placeholder"
+                            results=_texts(48, 64 << 10, seed=i), action="placeholder"
                         ),
                         metadata=md(t.a),
                     )

@@ -91,8 +91,8 @@ class SessionServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateSession(self, request, context):
-        """Wraps workers.fleet.KernelFleet.create_session: place (warm prefix first, then load), start
-        the session's actor, prefill (or adopt) the system prompt.
+        """Wraps workers.fleet.KernelFleet.create_session: place (warm prefix first, then load), open
+        the session in its node's kernel host, prefill (or adopt) the system prompt.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,7 +120,7 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fork(self, request, context):
-        """Wraps KernelFleet.fork: a copy-on-write branch in its own actor.
+        """Wraps KernelFleet.fork: a copy-on-write branch, a session of its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,7 +148,7 @@ class SessionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Wraps KernelFleet.close: stops the actor, deletes the op log; later calls are NOT_FOUND.
+        """Wraps KernelFleet.close: drops the session's kernel, deletes the op log; later calls are NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
