@@ -45,6 +45,9 @@ class ProxyConfig:
     quarantine_tenant_policies: tuple[tuple[str, str], ...] = ()  # (tenant, policy) overrides
     tool_media: str = "pass"  # a tool result's media parts (not inspectable as text): pass | withhold | refuse
     tokenize_cache_size: int = 4096
+    controller_max_rpcs: int = 50  # RPCs open at once on the proxy's one connection to the controller; more wait
+    # (at most route_timeout_s). Keep it well under the controller's --grpc-max-concurrent-streams (100): past
+    # that the controller refuses streams and the clients get 503s (docs/proxy.md)
     tls: bool = False  # TLS to the controller (implied by any tls_* file below)
     tls_ca: str | None = None  # CA that signed the controller's certificate (None: system roots)
     tls_client_cert: str | None = None  # mutual TLS: the proxy's certificate and key
@@ -60,8 +63,8 @@ class ProxyConfig:
                self.refresh_s,
                self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
-        if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0:
-            raise InvalidArgument("max_body_bytes must be positive and tokenize_cache_size >= 0")
+        if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0 or self.controller_max_rpcs <= 0:
+            raise InvalidArgument("max_body_bytes and controller_max_rpcs must be positive and tokenize_cache_size >= 0")
         for who, policy in (("--quarantine-policy", self.quarantine_policy),
                             *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
             if policy not in POLICIES:

@@ -6,14 +6,21 @@ authenticates each client and derives its tenant's cache_salt itself. No retries
 is on the request path and answers 503 (Retry-After) when the controller is unavailable.
 ReleaseRoute runs off the response path (`release_soon`): the answer never waits for it, and a
 lost release only leaves the route to the controller's reconcile and TTL.
+
+At most `max_rpcs` RPCs are open at once on the channel (one HTTP/2 connection); more wait their turn.
+NOTE: the controller refuses streams past its per-connection limit (--grpc-max-concurrent-streams, 100 by
+default) with RST_STREAM REFUSED_STREAM, which reached clients as 503s: at 200 streaming clients
+(bench/proxy_load.py) 966 of 4,000 proxied requests failed so with no bound, and 51 of 1,000 with a bound
+of 100 (a stream the proxy has finished may still count at the controller); with 50, none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -22,7 +29,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.errors import InvalidArgument
+from fleet.errors import InvalidArgument, Unavailable
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
@@ -32,8 +39,9 @@ class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.errors.*."""
 
     def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
+        self._slots = asyncio.Semaphore(max_rpcs)
         self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
                          else grpc.aio.insecure_channel(target))
         self._route = RouteServiceStub(self._channel)
@@ -54,7 +62,8 @@ class ControlClient:
             req.lora = lora
         # track: the proxy releases every route when its answer ends (Handlers._complete)
         try:
-            r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))
+            async with self._slot("Route"):
+                r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))
         except grpc.RpcError as e:
             raise base.to_error(e, "Route", self.target) from e
         return types.route_decision(r)
@@ -70,8 +79,12 @@ class ControlClient:
     async def _release(self, route_id: str, token: str | None, done: Callable[[str], None] | None) -> None:
         req = route_pb2.ReleaseRouteRequest(route_id=route_id)
         try:
-            r = await self._route.ReleaseRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+            async with self._slot("ReleaseRoute"):
+                r = await self._route.ReleaseRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
             outcome = "released" if r.released else "unknown"
+        except Unavailable as e:
+            log.info("proxy: ReleaseRoute %s not sent: %s", route_id, e)
+            outcome = "failed"
         except grpc.RpcError as e:
             log.info(
                 "proxy: ReleaseRoute %s failed: %s", route_id, base.to_error(e, "ReleaseRoute", self.target)
@@ -86,9 +99,10 @@ class ControlClient:
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
         try:
-            r = await self._fleet.WhoAmI(
-                fleet_pb2.WhoAmIRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
-            )
+            async with self._slot("WhoAmI"):
+                r = await self._fleet.WhoAmI(
+                    fleet_pb2.WhoAmIRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
+                )
         except grpc.RpcError as e:
             raise base.to_error(e, "WhoAmI", self.target) from e
         caller = types.Caller(r.tenant, r.role, r.name)
@@ -99,9 +113,10 @@ class ControlClient:
 
     async def workers(self, token: str | None) -> list[types.WorkerInfo]:
         try:
-            r = await self._workers.ListWorkers(
-                workers_pb2.ListWorkersRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
-            )
+            async with self._slot("ListWorkers"):
+                r = await self._workers.ListWorkers(
+                    workers_pb2.ListWorkersRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
+                )
         except grpc.RpcError as e:
             raise base.to_error(e, "ListWorkers", self.target) from e
         return [types.worker_info(w) for w in r.workers]
@@ -111,11 +126,25 @@ class ControlClient:
         """The controller's verdict on each tool result (JudgeToolResults, with the client's token)."""
         req = quarantine_pb2.JudgeToolResultsRequest(results=results, action=action)
         try:
-            r = await self._quarantine.JudgeToolResults(req, timeout=timeout_s or self.timeout_s,
-                                                        metadata=base.metadata(token))
+            async with self._slot("JudgeToolResults"):
+                r = await self._quarantine.JudgeToolResults(req, timeout=timeout_s or self.timeout_s,
+                                                            metadata=base.metadata(token))
         except grpc.RpcError as e:
             raise base.to_error(e, "JudgeToolResults", self.target) from e
         return list(r.judgements)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, rpc: str) -> AsyncIterator[None]:
+        """One of the channel's max_rpcs open RPCs, waited for at most timeout_s (then Unavailable: 503)."""
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+        except TimeoutError:
+            raise Unavailable(f"{rpc}: the proxy's RPCs to the controller at {self.target} were all busy for "
+                              f"{self.timeout_s}s") from None
+        try:
+            yield
+        finally:
+            self._slots.release()
 
     async def close(self) -> None:
         """Let pending releases finish (up to the RPC timeout), then close the channel."""

@@ -27,7 +27,7 @@ class Proxy:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
-                                     credentials=cfg.credentials())
+                                     credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
