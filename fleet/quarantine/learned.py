@@ -50,7 +50,7 @@ class LearnedModel:
         norm = normalised(text, self.featurizer)
         starts = window_starts(len(norm), self.window_chars)  # (num_windows,)
         # NOTE: SPAN_WINDOWS windows at a time, from the events of their span of text only: a long text's arrays
-        # stay the size of one span (a fresh process judging 1 MiB peaked at 397 MB RSS before, 56 MB after, issue
+        # stay the size of one span (a fresh process judging 1 MiB peaked at 397 MB RSS before, 54 MB after, issue
         # #28). Each window sums the same events in the same order, so the logits are bit-identical.
         groups = [(i, min(i + SPAN_WINDOWS, len(starts))) for i in range(0, len(starts), SPAN_WINDOWS)]
         spans = [(int(starts[i]), int(starts[j - 1]) + self.window_chars) for i, j in groups]
