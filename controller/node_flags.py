@@ -17,25 +17,26 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0 (bytes of KV one Ray node may hold)")
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
     return value
+
+
+def _from_env(p: argparse.ArgumentParser, env: Mapping[str, str] | None, name: str, default: int) -> int:
+    try:
+        return _positive((env or {}).get(name, str(default)))
+    except argparse.ArgumentTypeError as e:
+        p.error(f"{name}: {e}")
 
 
 def add_node_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
     """--node-kv-bytes (env KVFLEET_NODE_KV_BYTES) and --node-max-sessions (env KVFLEET_NODE_MAX_SESSIONS)."""
-    try:
-        default = _positive((env or {}).get("KVFLEET_NODE_KV_BYTES", str(NODE_KV_BYTES)))
-    except argparse.ArgumentTypeError as e:
-        p.error(f"KVFLEET_NODE_KV_BYTES: {e}")
+    default = _from_env(p, env, "KVFLEET_NODE_KV_BYTES", NODE_KV_BYTES)
     p.add_argument("--node-kv-bytes", type=_positive, default=default,
                    help=f"KV bytes one Ray node may hold for sessions (cached blocks + private blocks); a node past it "
                         f"takes no new session, and with none left a create is RESOURCE_EXHAUSTED (default {NODE_KV_BYTES})")
-    try:
-        most = _positive((env or {}).get("KVFLEET_NODE_MAX_SESSIONS", str(NODE_MAX_SESSIONS)))
-    except argparse.ArgumentTypeError as e:
-        p.error(f"KVFLEET_NODE_MAX_SESSIONS: {e}")
+    most = _from_env(p, env, "KVFLEET_NODE_MAX_SESSIONS", NODE_MAX_SESSIONS)
     p.add_argument("--node-max-sessions", type=_positive, default=most,
                    help=f"sessions one Ray node's kernel host may hold; a full host takes no new session "
                         f"(default {NODE_MAX_SESSIONS})")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -102,17 +103,15 @@ def _alive(tree: dict[int, tuple[float, str]]) -> dict[int, str]:
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: signal.Signals) -> None:
-    from fleet.sdk import FleetClient
-
-    proc, address = _controller(tmp_path)
+def _signal_and_wait(proc: subprocess.Popen[str], sig: signal.Signals, what: str,
+                     start: Callable[[], None] = lambda: None) -> None:
+    """`start()` (it starts the local Ray, if `proc` has not yet), record `proc`'s process tree, send `sig`,
+    and assert that nothing of the tree is alive SURVIVAL_S later."""
     tree: dict[int, tuple[float, str]] = {}
     try:
-        with FleetClient(address) as c:
-            c.create_session("s1", "You are a short-lived agent.")  # starts the local Ray
+        start()
         tree = _tree(proc.pid)
-        names = " ".join(what for _, what in tree.values())
+        names = " ".join(w for _, w in tree.values())
         assert "raylet" in names and "gcs_server" in names, names  # the tree is Ray's (not vacuous)
         proc.send_signal(sig)
         proc.wait(60)
@@ -121,10 +120,8 @@ def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: sig
         while left and time.monotonic() - t0 < SURVIVAL_S:
             time.sleep(0.1)
             left = _alive(tree)
-        print(
-            f"{len(tree)} processes under the controller; after {sig.name}, alive {SURVIVAL_S} s later: {left}"
-        )
-        assert left == {}, f"{len(left)} of Ray's processes outlived the controller by {SURVIVAL_S} s: {left}"
+        print(f"{what}: {len(tree)} processes; after {sig.name}, alive {SURVIVAL_S} s later: {left}")
+        assert left == {}, f"{len(left)} of Ray's processes outlived {what} by {SURVIVAL_S} s: {left}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -137,30 +134,20 @@ def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: sig
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: signal.Signals) -> None:
+    from fleet.sdk import FleetClient
+
+    proc, address = _controller(tmp_path)
+
+    def first_session() -> None:
+        with FleetClient(address) as c:
+            c.create_session("s1", "You are a short-lived agent.")  # starts the local Ray
+
+    _signal_and_wait(proc, sig, "the controller", first_session)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_nothing_of_the_local_ray_outlives_kvfleet_up(tmp_path: Path, sig: signal.Signals) -> None:
     """The same for `kvfleet up`, which starts its local Ray at once. NOTE: before it owned its tree, a SIGKILL
     of `kvfleet up` left Ray's DashboardAgent and RuntimeEnvAgent running (the SIGTERM case passed)."""
-    proc = _up(tmp_path)
-    tree: dict[int, tuple[float, str]] = {}
-    try:
-        tree = _tree(proc.pid)
-        names = " ".join(what for _, what in tree.values())
-        assert "raylet" in names and "gcs_server" in names, names  # the tree is Ray's (not vacuous)
-        proc.send_signal(sig)
-        proc.wait(60)
-        t0 = time.monotonic()
-        left = _alive(tree)
-        while left and time.monotonic() - t0 < SURVIVAL_S:
-            time.sleep(0.1)
-            left = _alive(tree)
-        print(f"kvfleet up: {len(tree)} processes; after {sig.name}, alive {SURVIVAL_S} s later: {left}")
-        assert left == {}, f"{len(left)} of Ray's processes outlived kvfleet up by {SURVIVAL_S} s: {left}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        for pid in _alive(tree):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    _signal_and_wait(_up(tmp_path), sig, "kvfleet up")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -61,3 +62,25 @@ def kill_host(store_url: str, node_id: str) -> None:
             pass
         time.sleep(0.05)
     raise AssertionError("the host was not restarted")
+
+
+def run_scenario(script: Path, tmp: Path, timeout_s: float = 400) -> dict[str, Any]:
+    """Run a scenario script (`python SCRIPT OUT.json`: its own Ray, in its own process) and return its
+    result; fails the test with the script's stderr when it wrote nothing, or with its traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp / f"{script.stem}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=root, env={**env, "PYTHONPATH": str(root)})
+    if not out.exists():
+        pytest.fail(f"the scenario wrote nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    r: dict[str, Any] = json.loads(out.read_text())
+    assert "error" not in r, r["error"]
+    return r

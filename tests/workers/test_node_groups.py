@@ -3,13 +3,10 @@ mapped to CUDA on a node without a GPU gets nothing and each other group runs it
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.workers import run_scenario
 
 from fleet.errors import InvalidArgument
 from workers.spec import GROUP_LABEL, HOST_GPUS, KernelSpec, node_group, parse_group
@@ -59,14 +56,7 @@ def test_specs_round_trip_and_bad_placements_are_refused() -> None:
 
 @pytest.mark.slow
 def test_node_groups_on_a_real_multi_node_ray(tmp_path: Path) -> None:
-    out = tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("node_groups_scenario.py")), str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
-    if not out.exists():
-        pytest.fail(f"the scenario wrote nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    r = json.loads(out.read_text())
-    assert "error" not in r, r["error"]
+    r = run_scenario(Path(__file__).with_name("node_groups_scenario.py"), tmp_path, timeout_s=300)
     print("supervised groups:", r["supervised"], "| sessions (group, backend, device):", r["sessions"])
     assert r["supervised"] == ["cpu", "fast"]                    # the GPU-less `gpu` node builds nothing
     assert {g for g, _, _ in r["sessions"]} == {"cpu", "fast"} and len(r["sessions"]) == 4
