@@ -84,3 +84,18 @@ def run_scenario(script: Path, tmp: Path, timeout_s: float = 400) -> dict[str, A
     r: dict[str, Any] = json.loads(out.read_text())
     assert "error" not in r, r["error"]
     return r
+
+
+def scenario_result(out: Path, scenario: Any) -> None:
+    """A scenario script's end: `scenario(tmp_dir)`'s result, or its traceback as {"error": ...}, as JSON in `out`
+    (the test that ran the script, `run_scenario`, fails with it)."""
+    import json
+    import tempfile
+    import traceback
+
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            result = scenario(Path(d))
+        except Exception:  # noqa: BLE001 - reported to the test, which prints it
+            result = {"error": traceback.format_exc()}
+    out.write_text(json.dumps(result))

@@ -13,19 +13,17 @@ process: one Ray per process, and this one must have exactly one CPU.
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import ray  # noqa: E402
+from support.workers import scenario_result  # noqa: E402
 
 from workers.fleet import KernelFleet  # noqa: E402
 from workers.placement import RAY_NAMESPACE  # noqa: E402
@@ -77,12 +75,7 @@ def scenario(tmp: Path) -> dict[str, Any]:
 def main(out: Path) -> None:
     ray.init(num_cpus=1, namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                result = scenario(Path(d))
-            except Exception:  # noqa: BLE001 - reported to the test, which prints it
-                result = {"error": traceback.format_exc()}
-        out.write_text(json.dumps(result))
+        scenario_result(out, scenario)
     finally:
         ray.shutdown()
 

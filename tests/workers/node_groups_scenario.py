@@ -12,18 +12,17 @@ cluster's address is never advertised machine-wide).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import ray  # noqa: E402
+from support.workers import scenario_result  # noqa: E402
 
 from workers.fleet import KernelFleet  # noqa: E402
 from workers.placement import RAY_NAMESPACE  # noqa: E402
@@ -90,12 +89,7 @@ def cross_group_fork(f: KernelFleet, groups: dict[str, str], rows: list[dict[str
 def main(out: Path) -> None:
     cluster = start_cluster()
     try:
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                result = scenario(Path(d))
-            except Exception:  # noqa: BLE001 - reported to the test, which prints it
-                result = {"error": traceback.format_exc()}
-        out.write_text(json.dumps(result))
+        scenario_result(out, scenario)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -11,7 +11,6 @@ from support.workers import run_scenario
 from fleet.errors import InvalidArgument
 from workers.spec import GROUP_LABEL, HOST_GPUS, KernelSpec, node_group, parse_group
 
-ROOT = Path(__file__).resolve().parents[2]
 SPEC = KernelSpec(groups=(("fast", "torch", "cpu"), ("gpu", "torch", "cuda")))
 
 
