@@ -7,8 +7,8 @@ Starts a local Ray node labelled kvfleet.dev/group=gpu with the machine's GPUs, 
 spec is numpy by default and torch/CUDA on `gpu`, creates `--sessions` sessions (16), appends and
 generates, and prints where each ran (backend, device, its kernel host's pid) and the torch/CUDA
 session's logits against a numpy session's on the same tokens (bound 1e-4, docs/kernel.md).
-Exits 0 when every session ran torch on `cuda` within the bound, all in one kernel host process
-(one CUDA context, the weights once); 2 when there is no GPU (and no --dry-run). Takes well under a minute once Ray is up.
+Exits 0 when every session ran torch on `cuda` within the bound, in one kernel host process per GPU
+(one CUDA context each, the weights once per GPU); 2 when there is no GPU (and no --dry-run). Takes well under a minute once Ray is up.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main() -> int:
               f"{s['session_bytes'] / 2**10:.0f} KiB per session")
     print(f"  torch/{device} vs numpy logits on {len(tokens)} tokens: max|Δ|={delta:.3e} (bound 1e-4)")
     ok = all((row.get("backend"), str(row.get("device", "")).split(":")[0]) == ("torch", device) for row in rows)
-    ok = ok and delta <= 1e-4 and len({row.get("pid") for row in rows}) == 1
+    ok = ok and delta <= 1e-4 and len({row.get("pid") for row in rows}) == (1 if a.dry_run else gpus)
     print(f"gpu_fleet_check: {'ok' if ok else 'FAILED'} ({'dry run, no GPU' if a.dry_run else f'{gpus} GPU(s)'})")
     ray.shutdown()
     return 0 if ok else 1

@@ -35,7 +35,14 @@ from fleet.kernel.tokenizer import encode_message
 from fleet.oplog import ForkOp, parse_log
 from fleet.session_types import OpResult, check_session_id, check_token_ids
 from workers.nodes import FleetNodes, NodeGone
-from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS, RAY_NAMESPACE, drop_blob_refs, node_resources
+from workers.placement import (
+    NODE_KV_BYTES,
+    NODE_MAX_SESSIONS,
+    RAY_NAMESPACE,
+    drop_blob_refs,
+    node_of,
+    node_resources,
+)
 from workers.registry import CREATING, IDLE, LOST, SessionRecord, SessionRegistry
 from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
@@ -427,7 +434,7 @@ class KernelFleet:
         hit rate, quarantined
         spans, state, epoch, last active. `fleet=False` lists only this process's node."""
         here = ray.get_runtime_context().get_node_id()
-        sups = [n for n in self.refresh_nodes() if fleet or n == here]
+        sups = [n for n in self.refresh_nodes() if fleet or node_of(n) == here]
         ask = self.nodes.ask_all("rows", tenant) if fleet else {n: self._answer(n, "rows", tenant) for n in sups}
         live = {(r["tenant"], r["session"]): r for rows in ask.values() if isinstance(rows, list) for r in rows}
         out = []

@@ -63,6 +63,8 @@ class KernelHost:
                  budget_bytes: int = 64 << 20, policy: str = "lru", kv_budget_bytes: int = 2 << 30,
                  threads: int = 2, max_sessions: int = NODE_MAX_SESSIONS) -> None:
         """Args:
+            node_id: the host's id: its Ray node's id (`:gpuN` added for a node's further GPUs,
+                workers/placement.py `host_ids`); sessions and placement know the host by it.
             budget_bytes: the radix prefix cache's budget (part of `kv_budget_bytes`).
             kv_budget_bytes: the node's KV budget: cached blocks + the sessions' private blocks.
             threads: the host's kernel threads (its lanes); one tenant uses at most threads - 1 of them.

@@ -35,6 +35,8 @@ from workers.placement import (
     eligible_nodes,
     fleet_scope,
     host_name,
+    node_hosts,
+    node_of,
     node_resources,
     on_node,
 )
@@ -80,8 +82,9 @@ class FleetNodes:
         self.down: dict[str, float] = {}  # node -> time.monotonic() until which it is held down
 
     def refresh(self, force: bool = False) -> list[str]:
-        """Follow Ray's node table: a host for every alive node with the sessions'
-        resources (new ones included), none for dead ones. Returns the node ids."""
+        """Follow Ray's node table: hosts for every alive node with the sessions' resources (new
+        ones included: one, or one per GPU for a CUDA kernel), none for dead ones. Returns the host
+        ids (a CPU node's host id is its node id: workers/placement.py `host_ids`)."""
         with self._lock:  # the servicer calls from many threads
             return self._refresh(force)
 
@@ -93,17 +96,21 @@ class FleetNodes:
         nodes = ray.nodes()  # type: ignore[no-untyped-call]
         specs = {n["NodeID"]: self.spec.for_node(n) for n in nodes}  # None: no GPU for a CUDA group
         eligible = eligible_nodes(nodes, node_resources(self._resources))
-        cpus = {n["NodeID"]: float(n.get("Resources", {}).get("CPU", 0.0)) for n in nodes}
-        alive = [n for n in eligible if specs.get(n) is not None]
-        self.num_without_gpu = len(eligible) - len(alive)
-        for nid in set(self.hosts) - set(alive):
-            self.hosts.pop(nid, None)
-        for nid in [n for n, until in self.down.items() if n not in alive or until <= now]:
-            del self.down[nid]  # the table agrees it is dead (or the hold ran out: ask it again)
-        for nid in alive:
-            self.specs[nid] = specs[nid] or self.spec
-            if nid not in self.hosts and nid not in self.down:
-                self.hosts[nid] = self._host(nid, self.specs[nid], cpus.get(nid, 1.0))
+        res = {n["NodeID"]: n.get("Resources", {}) for n in nodes}
+        nodes_up = [n for n in eligible if specs.get(n) is not None]
+        self.num_without_gpu = len(eligible) - len(nodes_up)
+        hosts: dict[str, tuple[KernelSpec, float]] = {}  # host id -> its spec and its share of the node's CPUs
+        for nid in nodes_up:
+            spec = specs[nid] or self.spec
+            hosts.update({hid: (spec, cpus) for hid, cpus in node_hosts(nid, res[nid], spec.needs_gpu).items()})
+        for hid in set(self.hosts) - set(hosts):
+            self.hosts.pop(hid, None)
+        for hid in [h for h, until in self.down.items() if h not in hosts or until <= now]:
+            del self.down[hid]  # the table agrees it is dead (or the hold ran out: ask it again)
+        for hid, (spec, cpus) in hosts.items():
+            self.specs[hid] = spec
+            if hid not in self.hosts and hid not in self.down:
+                self.hosts[hid] = self._host(hid, spec, cpus)
         return self._up()
 
     def _up(self) -> list[str]:
@@ -117,20 +124,20 @@ class FleetNodes:
             if drop:
                 self.hosts.pop(nid, None)
 
-    def _host(self, nid: str, spec: KernelSpec, cpus: float) -> Any:
-        """The node's kernel host: an existing one by name (a restarted controller reattaches), or a
+    def _host(self, hid: str, spec: KernelSpec, cpus: float) -> Any:
+        """A kernel host of a node: an existing one by name (a restarted controller reattaches), or a
         new one, running the node group's kernel spec (workers/spec.py) on `host_threads` threads
-        (default: the node's CPUs, at least 2, so one tenant always leaves another a thread).
+        (default: its share of the node's CPUs, at least 2, so one tenant always leaves another a thread).
 
         NOTE: it asks Ray for no CPU: its sessions are not Ray tasks, and a CPU reservation per host
         would only hide the node's cores from Ray's other work. A CUDA spec's host asks for a whole
         GPU (it owns the device); custom resources (`resources`) are asked for once, by the host."""
         threads = self._host_threads or max(2, int(cpus))
         return ray.remote(KernelHost).options(
-            name=host_name(nid, fleet_scope(self.store_url)), namespace=RAY_NAMESPACE, get_if_exists=True,
+            name=host_name(hid, fleet_scope(self.store_url)), namespace=RAY_NAMESPACE, get_if_exists=True,
             num_cpus=0, num_gpus=spec.host_gpus, resources=self._resources, max_concurrency=10_000,
-            max_restarts=3, scheduling_strategy=on_node(nid), lifetime="detached" if self._detached else None,
-        ).remote(nid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
+            max_restarts=3, scheduling_strategy=on_node(node_of(hid)), lifetime="detached" if self._detached else None,
+        ).remote(hid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
                  threads, self._max_sessions)
 
     def place(self, tenant: str, tokens: list[int], exclude: str = "") -> str:

@@ -23,9 +23,28 @@ def fleet_scope(store_url: str) -> str:
     return hashlib.sha256(store_url.encode()).hexdigest()[:10]
 
 
-def host_name(node_id: str, scope: str) -> str:
-    """The Ray actor name of a node's kernel host (workers/host.py)."""
-    return f"host:{scope}:{node_id}"
+def host_name(host_id: str, scope: str) -> str:
+    """The Ray actor name of a kernel host (workers/host.py)."""
+    return f"host:{scope}:{host_id}"
+
+
+def host_ids(node_id: str, num_devices: int) -> list[str]:
+    """The kernel hosts of a node with `num_devices` devices for its kernel: one per GPU for a CUDA
+    kernel, one for a CPU kernel (`num_devices` 1). The first host's id is the node id (a CPU node's
+    only host); the others add `:gpuN`. Invariant: node_of(each id) == node_id."""
+    return [node_id] + [f"{node_id}:gpu{i}" for i in range(1, num_devices)]
+
+
+def node_hosts(node_id: str, resources: dict[str, float], needs_gpu: bool) -> dict[str, float]:
+    """A node's kernel hosts (host id -> its share of the node's CPUs): one per GPU for a CUDA kernel
+    (each asks Ray for one GPU and owns it), one for a CPU kernel."""
+    ids = host_ids(node_id, int(float(resources.get("GPU", 0.0))) if needs_gpu else 1)
+    return {hid: float(resources.get("CPU", 1.0)) / len(ids) for hid in ids}
+
+
+def node_of(host_id: str) -> str:
+    """The Ray node id a host id (host_ids) runs on."""
+    return host_id.split(":", 1)[0]
 
 
 def tenant_salt(tenant: str, page_size: int) -> list[int]:

@@ -16,6 +16,9 @@ from workers.placement import (
     NodeOffer,
     choose_node,
     eligible_nodes,
+    host_ids,
+    node_hosts,
+    node_of,
     node_resources,
 )
 from workers.spec import make_kernel
@@ -30,6 +33,23 @@ def test_only_alive_nodes_with_the_node_resources_are_eligible() -> None:
     nodes = [HEAD, CPU, ACCEL, DEAD]
     assert eligible_nodes(nodes, node_resources()) == ["acc", "cpu"]            # no 0-CPU head, no dead
     assert eligible_nodes(nodes, node_resources({"accel": 0.01})) == ["acc"]
+
+
+def test_a_cuda_node_gets_one_host_per_gpu_and_a_cpu_node_one() -> None:
+    """One kernel host per device (issue #29): each asks Ray for one GPU and owns it."""
+    assert node_hosts("n1", {"CPU": 16.0, "GPU": 4.0}, needs_gpu=True) == {
+        "n1": 4.0, "n1:gpu1": 4.0, "n1:gpu2": 4.0, "n1:gpu3": 4.0}
+    assert node_hosts("n1", {"CPU": 16.0, "GPU": 4.0}, needs_gpu=False) == {"n1": 16.0}   # a CPU kernel: one
+    assert node_hosts("n2", {"CPU": 2.0}, needs_gpu=False) == {"n2": 2.0}
+    assert [node_of(h) for h in host_ids("n1", 3)] == ["n1"] * 3 and node_of("n1") == "n1"
+
+
+def test_a_full_host_takes_no_session() -> None:
+    """The session budget (--node-max-sessions) gates placement beside the KV budget."""
+    offers = [NodeOffer("a", 64, 2, 10_000, max_sessions=2), NodeOffer("b", 0, 5, 10_000, max_sessions=8)]
+    assert choose_node(offers, 10, 1) == "b"                    # a is warmer but holds its most sessions
+    with pytest.raises(ResourceExhausted, match="--node-max-sessions"):
+        choose_node([NodeOffer("a", 0, 2, 10_000, max_sessions=2)], 10, 1)
 
 
 def test_choice_prefers_warm_then_idle_among_nodes_with_room() -> None:
