@@ -70,6 +70,8 @@ PROXY_COUNTERS = {  # counter -> (short name, the label it is summed by)
     "kvfleet_proxy_sleep_probes_total": ("probes", "observed"),
     "kvfleet_proxy_retries_total": ("retries", "reason"),
     "kvfleet_proxy_skipped_workers_total": ("skips", "reason"),
+    "kvfleet_proxy_tool_results_judged_total": ("judged", "verdict"),  # role: tool results (agents-tools)
+    "kvfleet_proxy_quarantined_tool_results_total": ("withheld", "action"),
 }
 
 

@@ -47,13 +47,17 @@ CACHES = {
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """One conversation. `turns[t]` = (user text, assistant text); `think_s[t]` = pause before turn t."""
+    """One conversation. `turns[t]` = (user text, assistant text); `think_s[t]` = pause before turn t.
+    `tool_role`: a turn's leading tool result (`tool result N: ...`, up to `\ninstruction:`) is sent as
+    its own `role: tool` message before the user's instruction, as agent frameworks send it (the proxy
+    judges tool messages; a user message it never judges)."""
 
     session_id: str
     tenant: str
     system: str | None  # None: no system message (a replayed request is one user message)
     turns: tuple[tuple[str, str], ...]
     think_s: tuple[float, ...]
+    tool_role: bool = False
 
     def __post_init__(self) -> None:
         assert self.turns and len(self.turns) == len(self.think_s), self.session_id
@@ -61,9 +65,16 @@ class Session:
     def messages(self, t: int) -> list[dict[str, str]]:
         """The request of turn t: the whole history, then the new user message."""
         out = [] if self.system is None else [{"role": "system", "content": self.system}]
-        for user, assistant in self.turns[:t]:
-            out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        return out + [{"role": "user", "content": self.turns[t][0]}]
+        for i, (user, assistant) in enumerate(self.turns[:t]):
+            out += [*self._user(i, user), {"role": "assistant", "content": assistant}]
+        return out + self._user(t, self.turns[t][0])
+
+    def _user(self, t: int, text: str) -> list[dict[str, str]]:
+        tool, sep, instruction = text.partition("\ninstruction: ")
+        if not (self.tool_role and sep and tool.startswith("tool result")):
+            return [{"role": "user", "content": text}]
+        return [{"role": "tool", "tool_call_id": f"call-{t}", "content": tool},
+                {"role": "user", "content": "instruction: " + instruction}]
 
     def num_tokens(self, t: int) -> int:
         return len(apply_chat_template(self.messages(t)))
@@ -155,6 +166,7 @@ def agent_session(
     turns: int,
     think_s: float,
     first_think_s: float | None = None,
+    tool_role: bool = False,
 ) -> Session:
     """A tool-using agent: each user turn carries the previous tool's result and a new instruction."""
     ts = []
@@ -165,7 +177,7 @@ def agent_session(
         )
     pauses = [think(rng, think_s) for _ in range(turns)]
     pauses[0] = think(rng, think_s) if first_think_s is None else first_think_s
-    return Session(sid, tenant, system, tuple(ts), tuple(pauses))
+    return Session(sid, tenant, system, tuple(ts), tuple(pauses), tool_role)
 
 
 def agents(
@@ -178,15 +190,19 @@ def agents(
     tenants: int = 1,
     think_s: float = 0.1,
     system_words: int = 1400,
+    tool_role: bool = False,
 ) -> Workload:
     """Agents sharing their tenant's ~1.5k-token system prompt; starts staggered by think time."""
     rng = random.Random(f"{name}/{seed}")
     systems = [f"tenant {k} operations agent. " + words(rng, system_words) for k in range(tenants)]
     sessions = tuple(
-        agent_session(rng, f"{name}-s{i}", f"tenant{i % tenants}", systems[i % tenants], turns, think_s)
+        agent_session(rng, f"{name}-s{i}", f"tenant{i % tenants}", systems[i % tenants], turns, think_s,
+                      tool_role=tool_role)
         for i in range(num_agents)
     )
     what = f"{num_agents} agents x {turns} turns over {num_workers} workers"
+    if tool_role:
+        what += ", tool results as role: tool messages"
     if tenants > 1:
         what += f", {tenants} tenants with different system prompts"
     return Workload(name, what, num_workers, sessions)
@@ -320,6 +336,8 @@ def workload(name: str, seed: int = 0, quick: bool = False, think_s: float = 0.1
         return demo_agents(name, seed, num_agents=5, turns=12 if quick else 30, think_s=think_s)
     if name == "agents16x4":
         return agents(name, seed, num_agents=16, num_workers=4, turns=turns, think_s=think_s)
+    if name == "agents-tools":  # agents16x4's traffic with its tool results in role: tool messages
+        return agents(name, seed, num_agents=16, num_workers=4, turns=turns, think_s=think_s, tool_role=True)
     if name == "agents16x8":
         return agents(name, seed, num_agents=16, num_workers=8, turns=turns, think_s=think_s)
     if name == "tenants2":
@@ -355,6 +373,7 @@ def workload(name: str, seed: int = 0, quick: bool = False, think_s: float = 0.1
 WORKLOADS = (
     "demo",
     "agents16x4",
+    "agents-tools",
     "agents16x8",
     "tenants2",
     "cold-burst",

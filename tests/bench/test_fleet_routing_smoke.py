@@ -83,3 +83,19 @@ async def test_the_mooncake_slice_replays_open_loop_and_shares_prefixes_as_its_h
     assert sorted(x["issued"] for x in r["records"]) == list(range(1, 41))
     s = summarize(r)
     assert s["queries"] == wl.prompt_tokens() and 0 < s["prefilled"] < s["queries"]
+
+
+def test_agents_tools_send_each_tool_result_as_a_tool_message() -> None:
+    """agents-tools: the same kind of turns as agents16x4, each turn's tool result in its own `role: tool`
+    message before the instruction (the proxy judges those; a user message it never judges)."""
+    from routing_trace import workload
+
+    s = workload("agents-tools", quick=True).sessions[0]
+    msgs = s.messages(2)
+    roles = [m["role"] for m in msgs]
+    assert roles == ["system", "user", "assistant", "tool", "user", "assistant", "tool", "user"], roles
+    tools = [m["content"] for m in msgs if m["role"] == "tool"]
+    assert [t.split(":")[0] for t in tools] == ["tool result 1", "tool result 2"]
+    assert all(m["content"].startswith("instruction: ") for m in msgs[4::3])
+    plain = s.__class__(s.session_id, s.tenant, s.system, s.turns, s.think_s)     # control: tool_role off
+    assert [m["role"] for m in plain.messages(2)] == ["system", "user", "assistant", "user", "assistant", "user"]
