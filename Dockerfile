@@ -119,7 +119,7 @@ RUN /opt/kvfleet/bin/pip wheel --no-deps --wheel-dir /dist /src \
  && /opt/kvfleet/bin/pip check \
  && /opt/kvfleet/bin/kvfleet --help >/dev/null
 RUN /opt/kvfleet/bin/python - <<'CHECK'
-from fleet.quarantine.layered import LAYERS, installed_layers
+from fleet.core.quarantine.layered import LAYERS, installed_layers
 assert installed_layers(LAYERS) == LAYERS, f"the image can run only the detector layers {installed_layers(LAYERS)}"
 CHECK
 

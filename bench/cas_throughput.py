@@ -2,7 +2,7 @@
 
     python bench/cas_throughput.py [--budget-mib 48] [--no-write]
 
-One run, one redis-server (fleet.redis_server.RedisServer: AOF on, appendfsync always), the same
+One run, one redis-server (fleet.app.redis_server.RedisServer: AOF on, appendfsync always), the same
 blobs for every client. Sizes 4 KiB, 64 KiB, 1 MiB, 4 MiB. For each size it reports MiB/s and
 ops/s of
   - store.put / store.get            one call per blob (hash + verify + atomic script; chunked get)
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import redis
 
+from fleet.app.redis_server import RedisServer
 from fleet.cas import BlobStore, open_store
-from fleet.redis_server import RedisServer
 
 SIZES = [("4 KiB", 4 << 10), ("64 KiB", 64 << 10), ("1 MiB", 1 << 20), ("4 MiB", 4 << 20)]
 BATCH = 32

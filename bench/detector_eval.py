@@ -45,9 +45,9 @@ from bench.detector_heldout import (  # noqa: E402
     score,
     tool_outputs,
 )
-from fleet.quarantine import DetectorConfig, make_detector  # noqa: E402
-from fleet.quarantine.detector import Verdict  # noqa: E402
-from fleet.quarantine.layered import member_scores  # noqa: E402
+from fleet.core.quarantine import DetectorConfig, make_detector  # noqa: E402
+from fleet.core.quarantine.detector import Verdict  # noqa: E402
+from fleet.core.quarantine.layered import member_scores  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
 MULTILINGUAL_FILE = "benign_multilingual_test.jsonl.gz"
@@ -147,7 +147,7 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 def rss(key="VmRSS:"):
     return int(open("/proc/self/status").read().split(key)[1].split()[0]) / 1024
-from fleet.quarantine import DetectorConfig, make_detector
+from fleet.core.quarantine import DetectorConfig, make_detector
 from bench.detector_heldout import tool_outputs
 a = rss()
 det = make_detector(DetectorConfig(layers={layers!r}))
@@ -229,7 +229,7 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
         "",
         "Cost: median process CPU ms per KiB of tool-output text (one thread of numpy; torch's threads summed; "
         f"load average before / after the cost runs {load} on {os.cpu_count()} cores), and resident MB of a fresh "
-        "process (after importing fleet.quarantine / after building the policy and judging 4 KiB / peak after "
+        "process (after importing fleet.core.quarantine / after building the policy and judging 4 KiB / peak after "
         "judging 256 KiB / peak after judging 1 MiB):",
         "",
         "| policy | 1 KiB | 4 KiB | 16 KiB | 256 KiB | 1 MiB | ms per 4 KiB result | RSS MB import / loaded / peak 256 KiB "

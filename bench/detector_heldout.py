@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet.quarantine.detector import Verdict
+from fleet.core.quarantine.detector import Verdict
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"  # injection_corpus: the generated benign set
 

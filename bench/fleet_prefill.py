@@ -25,9 +25,9 @@ from benchdoc import write_section
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleet.cli.demo import run_demo  # noqa: E402
-from fleet.demo.summary import LABELS, NO_CLAIMS, ORDER  # noqa: E402
-from fleet.demo.workload import DemoConfig  # noqa: E402
+from fleet.app.cli.demo import run_demo  # noqa: E402
+from fleet.app.demo.summary import LABELS, NO_CLAIMS, ORDER  # noqa: E402
+from fleet.app.demo.workload import DemoConfig  # noqa: E402
 
 
 def run_one(agents: int, turns: int, workers: int, num_blocks: int) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
-from fleet.kernel import Kernel, ModelConfig, max_abs_delta
-from fleet.kernel.exactness import environment, run_checks
+from fleet.core.kernel import Kernel, ModelConfig, max_abs_delta
+from fleet.core.kernel.exactness import environment, run_checks
 
 CFG = ModelConfig(
     vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=8192

@@ -13,8 +13,8 @@ import argparse
 import numpy as np
 from kernel_report import best_of, write_part
 
-from fleet.kernel import Kernel, ModelConfig
-from fleet.kernel.kernel import cpu_name
+from fleet.core.kernel import Kernel, ModelConfig
+from fleet.core.kernel.kernel import cpu_name
 
 CFG = ModelConfig(
     vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=8192

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from kernel_report import write_part
 
-from fleet.kernel import Kernel, ModelConfig, max_abs_delta
-from fleet.kernel.kernel import DEFAULT_TILE, cpu_name
+from fleet.core.kernel import Kernel, ModelConfig, max_abs_delta
+from fleet.core.kernel.kernel import DEFAULT_TILE, cpu_name
 
 CFG = ModelConfig(
     vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=8192

@@ -15,7 +15,7 @@ from benchdoc import replace_section
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 PARTS = ("kernel_prefill", "kernel_evict", "kernel_fork")
-HEADER = """## KV kernel (`fleet/kernel`)
+HEADER = """## KV kernel (`fleet/core/kernel`)
 
 Rerun each part with `./dev.sh bench kernel_prefill`, `./dev.sh bench kernel_evict`,
 `./dev.sh bench kernel_fork` (each rewrites only its own block below). The GPU check is

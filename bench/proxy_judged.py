@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from controller.router import RouterConfig  # noqa: E402
-from fleet.testkit.stack import StackConfig, start_stack  # noqa: E402
+from fleet.app.testkit.stack import StackConfig, start_stack  # noqa: E402
 
 MODEL = "sim-model"
 SYSTEM = "You are a research assistant. Use the tools; answer briefly and cite the tool you used. " * 4

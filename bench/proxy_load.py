@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from controller.auth import mint_token
-from fleet.redis_server import free_port
+from fleet.app.redis_server import free_port
 from fleet.sdk import AsyncFleetClient
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -58,7 +58,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def spawn(args: list[str], log: pathlib.Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "fleet.cli.main", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "fleet.app.cli.main", *args], stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -139,7 +139,7 @@ def local_tokenizer(path: pathlib.Path, max_number: int) -> pathlib.Path | None:
     except ImportError:
         return None
     from controller.proxy.tokenize import PROBES
-    from fleet.testkit.sim_vllm import tokenizer as simtok
+    from fleet.app.testkit.sim_vllm import tokenizer as simtok
 
     texts = [SYSTEM, "Client route truck Routed turn Then stop system user assistant direct proxy local warm up",
              "( ) / : ? - . ,", *(json.dumps(p) for p in PROBES)]

@@ -16,8 +16,8 @@ import sys
 
 from benchdoc import write_section
 
-from fleet.radix import POLICIES
-from fleet.radix.traces import REALISTIC_TRACES, SEED_TRACES, longest_request, optimal_hits, simulate
+from fleet.core.radix import POLICIES
+from fleet.core.radix.traces import REALISTIC_TRACES, SEED_TRACES, longest_request, optimal_hits, simulate
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 SEEDS_REPORTED = {"few-shot": 88.2, "multi-turn": 79.5, "tree-of-thought": 77.2, "agents": 86.7}

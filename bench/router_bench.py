@@ -30,10 +30,10 @@ from controller.metrics import Metrics  # noqa: E402
 from controller.router import Router, RouterConfig, WorkerSpec  # noqa: E402
 from controller.vllm.events import decode_batch  # noqa: E402
 from controller.vllm.watcher import Worker  # noqa: E402
-from fleet.block_hash import HashConfig, external_chain  # noqa: E402
+from fleet.app.testkit.sim_vllm import wire  # noqa: E402
 from fleet.cas import open_store  # noqa: E402
-from fleet.rank_state import RankState  # noqa: E402
-from fleet.testkit.sim_vllm import wire  # noqa: E402
+from fleet.core.block_hash import HashConfig, external_chain  # noqa: E402
+from fleet.core.rank_state import RankState  # noqa: E402
 
 B, PER_BATCH, PROMPT_BLOCKS = 16, 64, 128
 

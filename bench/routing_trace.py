@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.testkit.sim_vllm.tokenizer import apply_chat_template
+from fleet.app.testkit.sim_vllm.tokenizer import apply_chat_template
 
 SYLLABLES = (
     "ka",
@@ -228,9 +228,9 @@ def cold_burst(
 
 
 def demo_agents(name: str, seed: int, *, num_agents: int, turns: int, think_s: float = 0.1) -> Workload:
-    """The demo's agents (fleet/demo/workload.py): its system prompt, user messages and tool results;
+    """The demo's agents (fleet/app/demo/workload.py): its system prompt, user messages and tool results;
     the model's output is replaced by seeded tokens so that the trace does not depend on a kernel."""
-    from fleet.demo.workload import SYSTEM_PROMPT, agent_name, tool_result, user_message
+    from fleet.app.demo.workload import SYSTEM_PROMPT, agent_name, tool_result, user_message
 
     rng = random.Random(f"{name}/{seed}")
     sessions = []

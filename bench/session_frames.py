@@ -3,7 +3,7 @@
 Two processes serve an append: the controller (SessionService -> KernelFleet -> a Ray call) and
 the session's actor (KernelActor -> its context -> the kernel). This counts, in each, the Python
 'call' events whose file lies under the repo's `fleet/`, `controller/` or `workers/` (the
-generated `fleet/api` stubs and the kernel's own math, `fleet/kernel`, left out), from the
+generated `fleet/api` stubs and the kernel's own math, `fleet/core/kernel`, left out), from the
 servicer's entry to the Ray call and from the actor's entry to the kernel's `Session.append`; and
 the depth of kvfleet frames on the stack when the kernel is entered (the forwarding chain).
 
@@ -25,7 +25,7 @@ from frames import Tracer, profile  # bench/frames.py
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-SKIP = ("fleet/api", "fleet/kernel")  # generated stubs and the kernel's own math
+SKIP = ("fleet/api", "fleet/core/kernel")  # generated stubs and the kernel's own math
 PROMPT = "You are agent zero. Answer briefly."
 
 
@@ -43,7 +43,7 @@ def actor_side(tmp: str) -> dict[str, Any]:
         loop.run_until_complete(hello)
         c.on = False
 
-    t = Tracer(skip=SKIP, at=("fleet/kernel/session.py", "append"))
+    t = Tracer(skip=SKIP, at=("fleet/core/kernel/session.py", "append"))
     profile(t, lambda: run(t))
     return t.take()
 
@@ -71,7 +71,7 @@ async def _create(actor: Any) -> Any:
     code before and after a refactor)."""
     import inspect
 
-    from fleet.kernel.tokenizer import encode_message
+    from fleet.core.kernel.tokenizer import encode_message
     from workers.spec import make_tokenizer
 
     if "system_prompt" in inspect.signature(actor.create).parameters:
@@ -82,7 +82,7 @@ async def _create(actor: Any) -> Any:
 def _append(actor: Any, text: str, op_id: str) -> Any:
     """A user message, as this tree's KernelActor takes it: text (encoded in the actor, before issue #30) or the
     tokens the controller encoded once (`append_message`; encoded here, outside the traced window's actor)."""
-    from fleet.kernel.tokenizer import encode_message
+    from fleet.core.kernel.tokenizer import encode_message
     from workers.spec import make_tokenizer
 
     if not hasattr(actor, "append_message"):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet.cas.types import check_tenant
-from fleet.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from fleet.core.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 TOKEN_PREFIX = "kvf_"
 

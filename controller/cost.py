@@ -35,8 +35,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fleet.errors import InvalidArgument
-from fleet.route_types import RouteCost
+from fleet.core.errors import InvalidArgument
+from fleet.core.route_types import RouteCost
 
 RankKey = tuple[str, int]  # (worker, dp_rank)
 

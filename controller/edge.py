@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from controller.metrics import Metrics
 from controller.periodic import Periodic
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller.fleet_metrics")
 DEFAULT_FLEET_METRICS_INTERVAL_S = 15.0

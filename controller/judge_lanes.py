@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fleet.errors import InvalidArgument, ResourceExhausted
+from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")

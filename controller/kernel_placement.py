@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import Any
 
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 from workers.spec import KernelSpec, check_placement, parse_group
 
 KERNEL_SPEC_KEY = ("controller", "kernel_spec")

@@ -41,8 +41,8 @@ from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
-from fleet.errors import InvalidArgument, KvfleetError
-from fleet.quarantine.layered import (
+from fleet.core.errors import InvalidArgument, KvfleetError
+from fleet.core.quarantine.layered import (
     DEFAULT_LAYERS,
     LAYERS,
     DetectorConfig,
@@ -386,11 +386,13 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
             return 0
         cfg = config_from(args, env)
-        if not args.ray_address:
-            ray_local.own()  # a local Ray, if one is started, is ours: it goes when we go
         print(layers_report(cfg.detector_layers, named=args.detector_layers is not None), flush=True)
         router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args))
         _prepare_sqlite(cfg.store_url)
+        if not args.ray_address:
+            # NOTE: only once nothing can refuse the arguments: a caller that runs main() in its own process
+            # (the tests) and gets a usage error must not be left owning the local Ray's process group.
+            ray_local.own()  # a local Ray, if one is started, is ours: it goes when we go
         return asyncio.run(serve(cfg, args.metrics_port, router_config, args.metrics_host))
     except (KvfleetError, OSError, ValueError) as e:
         print(f"kvfleet controller: error: {e}", file=sys.stderr)

@@ -21,8 +21,8 @@ from controller.index import PrefixIndex, RankKey
 from controller.shadow_pool import ShadowPools
 from controller.view import WorkerView
 from controller.vllm.watcher import Worker
-from fleet.block_hash import external_chain
-from fleet.errors import InvalidArgument
+from fleet.core.block_hash import external_chain
+from fleet.core.errors import InvalidArgument
 
 
 class Ordering(NamedTuple):

@@ -25,7 +25,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from fleet.errors import InvalidArgument, ResourceExhausted
+from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_KV_BYTES = 1 << 30

@@ -2,7 +2,7 @@
 
     namespace  key              value (JSON, as written since the first release)   owner
     workers    <worker>         WorkerSpec fields                                  WorkerRegistry
-    epochs     <worker>/<rank>  RankState fields (fleet/rank_state.py)             EpochTable
+    epochs     <worker>/<rank>  RankState fields (fleet/core/rank_state.py)             EpochTable
 
 Nothing else names these namespaces. Both classes are thin and synchronous: they run wherever
 their caller runs. The router calls them off the event loop (Router start, registration,
@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from fleet.block_hash import ALGOS
-from fleet.errors import InvalidArgument
-from fleet.rank_state import RankState
+from fleet.core.block_hash import ALGOS
+from fleet.core.errors import InvalidArgument
+from fleet.core.rank_state import RankState
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _HTTP = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?/?$")

@@ -44,11 +44,11 @@ from controller.vllm.http import VllmHttp
 from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
 from controller.worker_status import WorkerStatus, agreed_spec, error_status, resumed_ranks, status_row
-from fleet import lifecycle as lc
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
-from fleet.lifecycle import Witness
-from fleet.rank_state import RankState
-from fleet.route_types import RouteCandidate, RouteCost, RouteDecision, verdict_of
+from fleet.core import lifecycle as lc
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from fleet.core.lifecycle import Witness
+from fleet.core.rank_state import RankState
+from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision, verdict_of
 
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)

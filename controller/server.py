@@ -37,8 +37,8 @@ from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
-from fleet.errors import InvalidArgument
-from fleet.quarantine.layered import DetectorConfig, default_layers
+from fleet.core.errors import InvalidArgument
+from fleet.core.quarantine.layered import DetectorConfig, default_layers
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 log = logging.getLogger("kvfleet.controller")

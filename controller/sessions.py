@@ -28,11 +28,11 @@ from typing import Any, TypeVar
 
 from controller.kernel_placement import kernel_spec_of
 from controller.quotas import SessionLimits, TenantLanes, TenantLedger
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from fleet.kernel.tokenizer import encode_message
-from fleet.oplog import num_tokens, own_op_ids, parse_log
-from fleet.quarantine.detector import Verdict
-from fleet.session_types import OpResult, SessionRow, check_token_ids
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fleet.core.kernel.tokenizer import encode_message
+from fleet.core.oplog import num_tokens, own_op_ids, parse_log
+from fleet.core.quarantine.detector import Verdict
+from fleet.core.session_types import OpResult, SessionRow, check_token_ids
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from typing import Any
 from controller.metrics import Metrics
 from controller.periodic import Periodic
 from controller.verdicts import RECORD_TTL_S, prune_records
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.controller.gc")
 DEFAULT_GC_INTERVAL_S = 300.0

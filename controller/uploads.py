@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from fleet.errors import InvalidArgument, ResourceExhausted
+from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ whole rule inline: tests, scripts). docs/quarantine_path.md states the policy.
 
 Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
 
-    quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict       (fleet.quarantine.cache)
+    quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict       (fleet.core.quarantine.cache)
     quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
     quarantine.seen      "<tenant>/<sha256>"              QuarantineRecord as JSON (recent quarantines)
 
@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import fleet.quarantine as quarantine_pkg
-from fleet.errors import InvalidArgument, NotFound
-from fleet.quarantine import DetectorConfig, VerdictCache, make_detector
-from fleet.verdict import CLEAN, QUARANTINED
+import fleet.core.quarantine as quarantine_pkg
+from fleet.core.errors import InvalidArgument, NotFound
+from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
+from fleet.core.verdict import CLEAN, QUARANTINED
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
 ACTIONS = ("placeholder", "refuse")
@@ -76,7 +76,7 @@ def sha256_hex(data: bytes) -> str:
 
 
 def detector_code_digest() -> str:
-    """sha256 (12 hex) of the fleet.quarantine package's source files, subpackages included.
+    """sha256 (12 hex) of the fleet.core.quarantine package's source files, subpackages included.
 
     Deterministic across processes and machines: files in order of their package-relative POSIX path, line
     endings as LF (a CRLF checkout judges like an LF one). Judge computes it once, at start.

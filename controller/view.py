@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 from controller.vllm.http import WorkerMetrics
-from fleet.block_hash import HashConfig
+from fleet.core.block_hash import HashConfig
 
 
 class RankView(NamedTuple):

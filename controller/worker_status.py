@@ -14,9 +14,9 @@ from controller.metrics import Metrics
 from controller.registry import EpochTable, WorkerSpec
 from controller.vllm.http import VllmHttp, worker_hash_settings
 from controller.vllm.watcher import Worker
-from fleet.block_hash import ALGOS
-from fleet.errors import FailedPrecondition
-from fleet.rank_state import RankState
+from fleet.core.block_hash import ALGOS
+from fleet.core.errors import FailedPrecondition
+from fleet.core.rank_state import RankState
 
 log = logging.getLogger(__name__)
 

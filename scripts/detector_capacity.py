@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_detector as TD  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
-from fleet.quarantine import text as T  # noqa: E402
-from fleet.quarantine.detector import unquoted_view  # noqa: E402
-from fleet.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
-from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
-from fleet.quarantine.learned import LearnedModel, window_starts  # noqa: E402
+from fleet.core.quarantine import text as T  # noqa: E402
+from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.core.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
+from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.core.quarantine.learned import LearnedModel, window_starts  # noqa: E402
 
 WIN = 512
 
@@ -186,8 +186,8 @@ def int8_cell(val: list[TD.Example], tools: list[str], labels: list[int], lr: An
 
     import torch
 
-    from fleet.quarantine.encoder import load_encoder
-    from fleet.quarantine.learned import load_model
+    from fleet.core.quarantine.encoder import load_encoder
+    from fleet.core.quarantine.learned import load_model
 
     enc, ranker = load_encoder(), load_model()
     q = copy.copy(enc)

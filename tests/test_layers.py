@@ -49,14 +49,14 @@ def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # (module that gains the import, the upward import, the contract that must catch it)
 LAYERS = "layers: applications and test support > controller"
 UPWARD = [
-    ("fleet/context.py", "import controller.router", LAYERS),
-    ("fleet/radix/__init__.py", "import fleet.cas", LAYERS),
+    ("fleet/core/context.py", "import controller.router", LAYERS),
+    ("fleet/core/radix/__init__.py", "import fleet.cas", LAYERS),
     ("fleet/cas/base.py", "import fleet.sdk", LAYERS),
     ("fleet/sdk/types.py", "import workers.spec", LAYERS),
     ("workers/spec.py", "import controller.router", LAYERS),
-    ("controller/router.py", "import fleet.testkit.sim_vllm.wire", LAYERS),
-    ("controller/server.py", "import fleet.demo.workload", LAYERS),
-    ("fleet/working_set.py", "import redis", "the pure core imports no I/O stack"),
+    ("controller/router.py", "import fleet.app.testkit.sim_vllm.wire", LAYERS),
+    ("controller/server.py", "import fleet.app.demo.workload", LAYERS),
+    ("fleet/core/working_set.py", "import redis", "the pure core imports no I/O stack"),
 ]
 
 

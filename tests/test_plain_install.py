@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet.quarantine import layered
-from fleet.quarantine.layered import (
+from fleet.core.quarantine import layered
+from fleet.core.quarantine.layered import (
     DEFAULT_LAYERS,
     LAYERS,
     DetectorConfig,
@@ -26,7 +26,7 @@ from fleet.quarantine.layered import (
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "peft")
 # modules that exist to use torch (loaded only when asked for: `--kernel-backend torch`, the HF witness)
-TORCH_ONLY = {"fleet.kernel.ops_torch"}
+TORCH_ONLY = {"fleet.core.kernel.ops_torch"}
 
 WALK = """
 import importlib, json, pkgutil, sys
@@ -60,8 +60,8 @@ def test_no_runtime_module_imports_torch_transformers_or_peft_at_import() -> Non
     got = _walk(TORCH_ONLY)
     print(got)
     assert got["first_heavy_import"] == {} and got["modules"] > 100
-    control = _walk(set(), "fleet.kernel")  # the same walk over the kernel, its torch backend included
-    assert control["first_heavy_import"] == {"fleet.kernel.ops_torch": ["torch"]}
+    control = _walk(set(), "fleet.core.kernel")  # the same walk over the kernel, its torch backend included
+    assert control["first_heavy_import"] == {"fleet.core.kernel.ops_torch": ["torch"]}
 
 
 def test_peft_is_no_runtime_dependency() -> None:

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import ray
 
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
-from fleet.kernel.tokenizer import encode_message
-from fleet.oplog import ForkOp, parse_log
-from fleet.session_types import OpResult, check_session_id, check_token_ids
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from fleet.core.kernel.tokenizer import encode_message
+from fleet.core.oplog import ForkOp, parse_log
+from fleet.core.session_types import OpResult, check_session_id, check_token_ids
 from workers.nodes import FleetNodes, NodeGone
 from workers.placement import (
     NODE_KV_BYTES,
@@ -295,7 +295,7 @@ class KernelFleet:
         return self._call(tenant, session_id, SessionKernel.admit_tool_result, ref, verdict, key)  # type: ignore[no-any-return]
 
     def working_set(self, tenant: str, session_id: str, budget_tokens: int) -> Any:
-        """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.working_set.WorkingSet)."""
+        """HIT / FAULT / RECOMPUTE / REFUSE / ABSTAIN per piece (fleet.core.working_set.WorkingSet)."""
         return self._call(tenant, session_id, SessionKernel.working_set, budget_tokens)
 
     def fork(self, tenant: str, session_id: str, child_id: str, share: bool = True,

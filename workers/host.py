@@ -32,9 +32,9 @@ from typing import Any
 
 import ray
 
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound
-from fleet.oplog import Op, kv_follows_tokens
-from fleet.radix import RadixTree
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound
+from fleet.core.oplog import Op, kv_follows_tokens
+from fleet.core.radix import RadixTree
 from workers.lanes import TenantLanes
 from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
 from workers.session_kernel import SessionGone, SessionKernel
@@ -166,7 +166,7 @@ class KernelHost:
         return max(0, self.tree.match_prefix(key, count=False).num_matched // self.block_size - 1)
 
     def _drain_events(self) -> None:
-        from fleet.radix import PagesRemoved
+        from fleet.core.radix import PagesRemoved
 
         self.num_evicted_blocks += sum(len(e.block_ids) for e in self.tree.take_events()
                                        if isinstance(e, PagesRemoved))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 
 class TenantLanes:

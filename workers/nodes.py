@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from fleet.errors import KvfleetError, Unavailable
+from fleet.core.errors import KvfleetError, Unavailable
 from workers.host import KernelHost
 from workers.placement import (
     NODE_MAX_SESSIONS,

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.errors import ResourceExhausted
-from fleet.oplog import Op, blob_refs
+from fleet.core.errors import ResourceExhausted
+from fleet.core.oplog import Op, blob_refs
 
 RAY_NAMESPACE = "kvfleet"
 NODE_MIN_CPUS = 0.05  # a node hosts sessions only with some CPU (the chart's head runs with num-cpus 0)
@@ -124,7 +124,7 @@ def add_blob_refs(store: Any, ops: Sequence[Op]) -> None:
 
 def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
     """Undo add_blob_refs when a session's log is deleted (a blob already collected is skipped)."""
-    from fleet.errors import NotFound
+    from fleet.core.errors import NotFound
 
     for ref, tenant in blob_refs(ops):
         try:

@@ -68,7 +68,7 @@ class SessionRecord:
 
     def lose(self) -> None:
         """Its kernel is gone: one loss, one epoch step (a rebuild that failed is retried at the same epoch)."""
-        from fleet.lifecycle import Witness
+        from fleet.core.lifecycle import Witness
 
         assert self.state != CREATING, self.state
         if self.state != LOST:

@@ -24,11 +24,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fleet.context import QUARANTINED, Piece, SessionContext
-from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleet.kernel import Kernel, PrefixKV, Session
-from fleet.oplog import AppendOp, Op, last_index_of, own_op_ids, parse_log, to_dict
-from fleet.session_types import OpResult
+from fleet.core.context import QUARANTINED, Piece, SessionContext
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.kernel import Kernel, PrefixKV, Session
+from fleet.core.oplog import AppendOp, Op, last_index_of, own_op_ids, parse_log, to_dict
+from fleet.core.session_types import OpResult
 from workers.placement import add_blob_refs, drop_blob_refs
 
 Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]  # (tenant, fn) -> fn's result, on a lane thread
@@ -236,10 +236,10 @@ class SessionKernel:
             ref, self.store.get(ref, self.tenant)))
 
     async def admit_tool_result(self, ref: str, verdict: Any = None, op_id: str = "") -> OpResult:
-        """Act on a verdict on a stored tool result (`verdict`: a fleet.quarantine Verdict the caller reached,
+        """Act on a verdict on a stored tool result (`verdict`: a fleet.core.quarantine Verdict the caller reached,
         the controller's Judge; None: run the default detector here); a quarantine evicts its tokens with a
         proof."""
-        from fleet.quarantine import admit_tool_result
+        from fleet.core.quarantine import admit_tool_result
 
         return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
             self.context, ref, self.store, self.tenant, verdict=verdict))
@@ -247,7 +247,7 @@ class SessionKernel:
     # -- reads --------------------------------------------------------------------------------
 
     async def working_set(self, budget_tokens: int) -> Any:
-        from fleet.working_set import working_set
+        from fleet.core.working_set import working_set
 
         async with self._lock:
             return await self._run(lambda: working_set(self.context, budget_tokens, store=self.store))

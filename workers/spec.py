@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from fleet.errors import InvalidArgument
-from fleet.kernel import BACKENDS, ByteTokenizer, Kernel, ModelConfig
-from fleet.kernel.hf_tokenizer import HFTokenizer
+from fleet.core.errors import InvalidArgument
+from fleet.core.kernel import BACKENDS, ByteTokenizer, Kernel, ModelConfig
+from fleet.core.kernel.hf_tokenizer import HFTokenizer
 
 GROUP_LABEL = "kvfleet.dev/group"
 HOST_GPUS = 1.0  # a CUDA kernel host owns its GPU: one context, the weights once, every session on it

@@ -1,4 +1,4 @@
-"""kvfleet's lifecycle-blind prefix router (fleet/testkit/baseline.py) behind an HTTP front, for the bench.
+"""kvfleet's lifecycle-blind prefix router (fleet/app/testkit/baseline.py) behind an HTTP front, for the bench.
 
     python bench/peers/blind.py --listen 127.0.0.1:9200 --worker http://127.0.0.1:8101=tcp://127.0.0.1:5557 ...
 
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from relay import error, relay, serve  # noqa: E402
 
-from fleet.block_hash import HashConfig  # noqa: E402
-from fleet.testkit.baseline import BaselineRouter  # noqa: E402
+from fleet.app.testkit.baseline import BaselineRouter  # noqa: E402
+from fleet.core.block_hash import HashConfig  # noqa: E402
 
 
 class BlindFront:

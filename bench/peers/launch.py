@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 
 from controller.auth import mint_token
-from fleet.redis_server import free_port
+from fleet.app.redis_server import free_port
+from fleet.app.testkit.stack import register_sims
 from fleet.sdk import AsyncFleetClient
-from fleet.testkit.stack import register_sims
 
 from .workers import MODEL, SimFleet
 
@@ -58,7 +58,7 @@ CONTENDERS = {
     for s in (
         Spec("kvfleet", "kvfleet proxy, lifecycle behind its back", "kvfleet"),
         Spec("kvfleet-ctl", "kvfleet proxy, lifecycle through the controller", "kvfleet", via="controller"),
-        Spec("kvfleet-blind", "kvfleet lifecycle-blind prefix router (fleet/testkit/baseline.py)", "blind"),
+        Spec("kvfleet-blind", "kvfleet lifecycle-blind prefix router (fleet/app/testkit/baseline.py)", "blind"),
         Spec("vllm-kv_aware", "vllm-router kv_aware (KV events)", "vllm", "kv_aware"),
         Spec("vllm-cache_aware", "vllm-router cache_aware", "vllm", "cache_aware"),
         Spec("vllm-power_of_two", "vllm-router power_of_two", "vllm", "power_of_two"),
@@ -276,7 +276,7 @@ async def _start_kvfleet(
     op = mint_token(tokens, "ops", "operator")
     heads = {t: {"Authorization": f"Bearer {mint_token(tokens, t, 'tenant')}"} for t in tenants}
     ctl, listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    kv = sys.executable, "-m", "fleet.cli.main"
+    kv = sys.executable, "-m", "fleet.app.cli.main"
     c_cmd = [
         *kv,
         "controller",

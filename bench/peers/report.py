@@ -344,7 +344,7 @@ NOTES = [
     "stand-in answers 404) and then use its `/tokenize`; kv_aware then matches the token ids against the "
     "blocks the KV events announced. sglang-router's cache_aware matches request text in its own radix tree, "
     "without KV events. kvfleet's proxy also calls the worker's `/tokenize` before routing.",
-    "- kvfleet-blind (fleet/testkit/baseline.py) trusts AllBlocksCleared only and breaks ties by worker name, so "
+    "- kvfleet-blind (fleet/app/testkit/baseline.py) trusts AllBlocksCleared only and breaks ties by worker name, so "
     "cold requests all go to the same worker; it exists to count what lifecycle blindness costs, not as a "
     "placement policy.",
 ]

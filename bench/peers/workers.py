@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimVllm
-from fleet.testkit.stack import start_sims
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimVllm
+from fleet.app.testkit.stack import start_sims
 
 MODEL = "sim-model"
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.forward import FORWARDED
-from fleet.errors import KvfleetError
+from fleet.core.errors import KvfleetError
 
 if TYPE_CHECKING:
     from controller.proxy.server import Proxy

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import grpc
 
 from controller.proxy.quarantine import MEDIA_POLICIES, POLICIES
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

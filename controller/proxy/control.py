@@ -29,14 +29,14 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.errors import InvalidArgument, Unavailable
+from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
 
 
 class ControlClient:
-    """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.errors.*."""
+    """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.core.errors.*."""
 
     def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0,
                  credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50) -> None:

@@ -22,7 +22,7 @@ import aiohttp
 from controller.proxy.config import ProxyConfig
 from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
-from fleet.errors import KvfleetError
+from fleet.core.errors import KvfleetError
 from fleet.sdk.types import WorkerInfo
 
 log = logging.getLogger("kvfleet.proxy")

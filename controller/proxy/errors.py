@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from fleet.errors import KvfleetError
+from fleet.core.errors import KvfleetError
 
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
          405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
          429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
          504: "GatewayTimeoutError"}
 
-# fleet.errors code (gRPC status name) -> HTTP status
+# fleet.core.errors code (gRPC status name) -> HTTP status
 STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404,
                   "ALREADY_EXISTS": 409, "FAILED_PRECONDITION": 400, "RESOURCE_EXHAUSTED": 429,
                   "UNAVAILABLE": 503}
@@ -30,7 +30,7 @@ class ProxyError(Exception):
 
 
 def from_fleet(e: KvfleetError) -> ProxyError:
-    """A controller error (fleet.errors.*) as the HTTP status of its gRPC code."""
+    """A controller error (fleet.core.errors.*) as the HTTP status of its gRPC code."""
     return ProxyError(STATUS_OF_CODE.get(e.code, 500), f"controller: {e}")
 
 

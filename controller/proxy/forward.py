@@ -38,7 +38,7 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
-from fleet.route_types import COLD, verdict_of
+from fleet.core.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker

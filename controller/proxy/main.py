@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from controller.proxy.config import ProxyConfig
 from controller.proxy.quarantine import MEDIA_POLICIES
 from controller.proxy.server import Proxy
-from fleet.errors import KvfleetError
+from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls
 
 

@@ -48,7 +48,7 @@ from controller.proxy.tool_parts import (  # noqa: F401 - MEDIA_PLACEHOLDER, Med
     tool_text,
     withhold_media,
 )
-from fleet.verdict import CLEAN, QUARANTINED
+from fleet.core.verdict import CLEAN, QUARANTINED
 
 POLICIES = ("placeholder", "refuse", "off")
 # NOTE: any case, attributes allowed; an envelope left open runs to the end of the prompt (a client cannot end

@@ -24,7 +24,7 @@ from controller.uploads import progressing
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
 from fleet.cas.base import OverQuota, over_quota
-from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
+from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 2 << 20

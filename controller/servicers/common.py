@@ -28,8 +28,8 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import UploadGate, UploadLimits
 from controller.verdicts import Judge, Judgement
-from fleet.errors import KvfleetError, Unavailable
-from fleet.quarantine.layered import DetectorConfig
+from fleet.core.errors import KvfleetError, Unavailable
+from fleet.core.quarantine.layered import DetectorConfig
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 log = logging.getLogger("kvfleet.controller")

@@ -9,8 +9,8 @@ from fleet.api.kvfleet.v1 import route_pb2, workers_pb2
 
 if TYPE_CHECKING:
     from controller.router import WorkerSpec, WorkerStatus
-    from fleet.lifecycle import Witness
-    from fleet.route_types import RouteCandidate, RouteCost, RouteDecision
+    from fleet.core.lifecycle import Witness
+    from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision
 
 
 def spec_from_proto(p: workers_pb2.WorkerSpec) -> WorkerSpec:

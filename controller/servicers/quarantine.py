@@ -16,7 +16,7 @@ from controller.servicers.common import ServiceContext, unary
 from controller.verdicts import QuarantineRecord
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1 import quarantine_pb2_grpc as pbg
-from fleet.errors import PermissionDenied
+from fleet.core.errors import PermissionDenied
 
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
 

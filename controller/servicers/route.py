@@ -13,7 +13,7 @@ from controller.servicers.common import ServiceContext, clip, unary
 from controller.servicers.convert import decision_to_proto
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 MAX_MODEL_CHARS = 1024
 

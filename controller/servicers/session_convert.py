@@ -1,4 +1,4 @@
-"""SessionService's domain objects (fleet/session_types.py, the kernel's reports) -> kvfleet.v1 messages."""
+"""SessionService's domain objects (fleet/core/session_types.py, the kernel's reports) -> kvfleet.v1 messages."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
-from fleet.session_types import EvictionProof, SessionRow, ToolAdmission
+from fleet.core.session_types import EvictionProof, SessionRow, ToolAdmission
 
 
 def piece_to_proto(p: Any) -> pb.Piece:

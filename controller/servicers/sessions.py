@@ -23,10 +23,10 @@ from controller.servicers.session_convert import (
 from controller.sessions import Sessions
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
-from fleet.errors import InvalidArgument, NotFound
-from fleet.quarantine.detector import Verdict
-from fleet.session_types import ToolAdmission, check_op_id, check_session_id
-from fleet.verdict import QUARANTINED
+from fleet.core.errors import InvalidArgument, NotFound
+from fleet.core.quarantine.detector import Verdict
+from fleet.core.session_types import ToolAdmission, check_op_id, check_session_id
+from fleet.core.verdict import QUARANTINED
 
 
 class SessionServicer(pbg.SessionServiceServicer):

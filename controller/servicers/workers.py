@@ -11,7 +11,7 @@ from controller.servicers.common import ServiceContext, clip, unary
 from controller.servicers.convert import spec_from_proto, statuses_to_proto, witness_to_proto
 from fleet.api.kvfleet.v1 import workers_pb2 as pb
 from fleet.api.kvfleet.v1 import workers_pb2_grpc as pbg
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 _PORT = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://(?:\[[^\]]*\]|[^/:\[]*):(\d+)")
 

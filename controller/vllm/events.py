@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from fleet.block_hash import normalize
-from fleet.errors import InvalidArgument
+from fleet.core.block_hash import normalize
+from fleet.core.errors import InvalidArgument
 
 KNOWN_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 Hash = bytes | int

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.errors import Unavailable
+from fleet.core.errors import Unavailable
 
 
 class WorkerHttpError(Unavailable):

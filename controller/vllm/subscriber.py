@@ -41,7 +41,7 @@ from controller.vllm.events import (
     decode_batch,
     parse_seq,
 )
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

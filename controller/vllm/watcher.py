@@ -1,8 +1,8 @@
 """One registered vLLM worker: its per-rank lifecycle state, event stream and reconcile loop.
 
-State per (worker, dp_rank) is a `fleet.rank_state.RankState`, persisted through the EpochTable
+State per (worker, dp_rank) is a `fleet.core.rank_state.RankState`, persisted through the EpochTable
 (controller/registry.py) on every epoch change. Every transition of it is a pure function in
-fleet/rank_state.py that returns a `Transition`; this shell only does the I/O (ZMQ, HTTP, store),
+fleet/core/rank_state.py that returns a `Transition`; this shell only does the I/O (ZMQ, HTTP, store),
 calls them, and carries out what they ask (`_apply`). The index holds only what BlockStored
 events of the current epoch proved; `fence` makes BlockStored wait for the AllBlocksCleared a
 forgetting verb queued ("clear") or for the restarted publisher ("reset").
@@ -40,11 +40,11 @@ from controller.vllm.budget import FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
 from controller.vllm.subscriber import StreamLimits, Subscriber
-from fleet import lifecycle as lc
-from fleet.block_hash import HashConfig, calibrates
-from fleet.errors import FailedPrecondition
-from fleet.lifecycle import Witness
-from fleet.rank_state import Look, RankState, Transition
+from fleet.core import lifecycle as lc
+from fleet.core.block_hash import HashConfig, calibrates
+from fleet.core.errors import FailedPrecondition
+from fleet.core.lifecycle import Witness
+from fleet.core.rank_state import Look, RankState, Transition
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from fleet.cas.base import (
     StoreConfig,
 )
 from fleet.cas.url import redact
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 __all__ = [
     "BlobMeta", "BlobStore", "StoreConfig", "open_store", "make_store",

@@ -1,7 +1,7 @@
 """The blob-store interface: validation, hashing and size limits shared by every backend.
 
 A blob's ref is the lowercase SHA-256 hex of its bytes. Every public method validates its input
-*before* touching the backend, so bad input raises a clear `fleet.errors` error and writes nothing.
+*before* touching the backend, so bad input raises a clear `fleet.core.errors` error and writes nothing.
 Backends implement the `_`-prefixed primitives; each primitive is one transaction (SQLite) or one
 script/command (Redis), which is where atomicity comes from.
 """
@@ -28,8 +28,8 @@ from fleet.cas.types import (
     encode_op,
     not_found,
 )
-from fleet.errors import InvalidArgument, ResourceExhausted
-from fleet.verdict import VERDICTS
+from fleet.core.errors import InvalidArgument, ResourceExhausted
+from fleet.core.verdict import VERDICTS
 
 __all__ = [
     "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES",
@@ -221,7 +221,7 @@ class BlobStore(ABC):
         if result is None:
             raise not_found(ref, tenant)
         if result < 0:
-            from fleet.errors import FailedPrecondition  # noqa: PLC0415
+            from fleet.core.errors import FailedPrecondition  # noqa: PLC0415
 
             raise FailedPrecondition(f"blob {ref}: {counter} is already 0 for tenant {tenant!r}")
 

@@ -31,8 +31,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig
-from fleet.errors import ResourceExhausted, Unavailable
-from fleet.verdict import UNKNOWN
+from fleet.core.errors import ResourceExhausted, Unavailable
+from fleet.core.verdict import UNKNOWN
 
 _PUT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -97,7 +97,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _unavailable(fn: F) -> F:
-    """Translate redis connection failures into fleet.errors.Unavailable with an actionable message."""
+    """Translate redis connection failures into fleet.core.errors.Unavailable with an actionable message."""
 
     @functools.wraps(fn)
     def wrapper(self: RedisBlobStore, *args: Any, **kwargs: Any) -> Any:

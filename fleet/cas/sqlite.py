@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig
-from fleet.errors import InvalidArgument, Unavailable
-from fleet.verdict import UNKNOWN
+from fleet.core.errors import InvalidArgument, Unavailable
+from fleet.core.verdict import UNKNOWN
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blobs (

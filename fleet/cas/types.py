@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleet.errors import InvalidArgument, NotFound
-from fleet.verdict import QUARANTINED
+from fleet.core.errors import InvalidArgument, NotFound
+from fleet.core.verdict import QUARANTINED
 
 DEFAULT_MAX_BLOB_BYTES = 64 << 20
 DEFAULT_LEASE_S = 600.0

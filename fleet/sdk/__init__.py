@@ -5,7 +5,7 @@
         ref = c.put_blob(b"tool output")
         d = c.route([1, 2, 3], model="m")   # d.worker, d.url, d.verdict, d.matched_tokens, d.epoch
 
-Errors are raised as fleet.errors.* carrying the server's message; UNAVAILABLE is retried with
+Errors are raised as fleet.core.errors.* carrying the server's message; UNAVAILABLE is retried with
 exponential backoff and jitter (RetryPolicy) until its deadline.
 """
 

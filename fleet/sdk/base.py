@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Protocol
 
 import grpc
 
-from fleet import errors
 from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
-from fleet.errors import InvalidArgument, KvfleetError, Unavailable
+from fleet.core import errors
+from fleet.core.errors import InvalidArgument, KvfleetError, Unavailable
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
@@ -74,7 +74,7 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
-    """A gRPC status as the fleet.errors class of the same code, carrying the server's message."""
+    """A gRPC status as the fleet.core.errors class of the same code, carrying the server's message."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(e)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -26,15 +26,15 @@ from typing import Any
 import numpy as np
 
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
-from fleet.errors import InvalidArgument
-from fleet.session_types import SessionRow as SessionRow  # the SDK returns the core type
+from fleet.core.errors import InvalidArgument
+from fleet.core.session_types import SessionRow as SessionRow  # the SDK returns the core type
 
 SESSION_TIMEOUT_S = 120.0  # a fork or a regeneration replays a whole op log
 
 
 @dataclass(frozen=True, slots=True)
 class PieceInfo:
-    """One ledger entry of a session's context (fleet.context.Piece)."""
+    """One ledger entry of a session's context (fleet.core.context.Piece)."""
 
     piece_id: int
     kind: str

@@ -27,7 +27,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 from fleet.sdk import base, types
 from fleet.sdk import sessions as s
 from fleet.sdk.sessions import FleetSessions, SessionRow, SessionState

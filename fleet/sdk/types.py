@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.cas.types import BlobMeta
-from fleet.route_types import RouteCandidate as RouteCandidate  # the SDK returns the core types
-from fleet.route_types import RouteCost as RouteCost
-from fleet.route_types import RouteDecision as RouteDecision
+from fleet.core.route_types import RouteCandidate as RouteCandidate  # the SDK returns the core types
+from fleet.core.route_types import RouteCost as RouteCost
+from fleet.core.route_types import RouteDecision as RouteDecision
 
 
 @dataclass(frozen=True, slots=True)

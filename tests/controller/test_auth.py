@@ -20,7 +20,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.cas.types import check_tenant
-from fleet.errors import InvalidArgument, Unavailable
+from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.sdk import NO_RETRY, FleetClient
 
 C = grpc.StatusCode

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import redis
 
-from fleet.redis_server import RedisServer
+from fleet.app.redis_server import RedisServer
 from fleet.sdk import FleetClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_sigterm_stops_gracefully_leaves_no_ray_and_prints_no_password(private_r
     env = dict(os.environ, RAY_TMPDIR=tmp, PYTHONUNBUFFERED="1")
     env.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)  # the controller must set it itself
     store = f"redis://:{PASSWORD}@127.0.0.1:{private_redis.port}/0"
-    proc = subprocess.Popen([sys.executable, "-m", "fleet.cli.main", "controller", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.app.cli.main", "controller", "--listen", "127.0.0.1:0",
                              "--store", store, "--metrics-port", "0"], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -17,10 +17,10 @@ from support.controller import start_controller, store_url
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.sdk import NO_RETRY, AsyncFleetClient
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 TOKS = list(range(1000, 1100))  # 6 full blocks of 16
 

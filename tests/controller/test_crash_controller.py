@@ -24,12 +24,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from fleet.block_hash import HashConfig, external_chain
-from fleet.errors import Unavailable
-from fleet.redis_server import RedisServer
+from fleet.app.redis_server import RedisServer
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.block_hash import HashConfig, external_chain
+from fleet.core.errors import Unavailable
 from fleet.sdk import NO_RETRY, AsyncFleetClient
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
@@ -51,7 +51,7 @@ class Fleet:
     async def start_controller(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli.main", "controller", "--listen", "127.0.0.1:0", "--store", self.store,
+            [sys.executable, "-m", "fleet.app.cli.main", "controller", "--listen", "127.0.0.1:0", "--store", self.store,
              "--metrics-port", "-1"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT)
         line = await asyncio.to_thread(self._wait_line, "kvfleet controller listening on")

@@ -23,15 +23,15 @@ import aiohttp
 from controller.metrics import Metrics
 from controller.router import RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "m"
 
 
 def _start_proxy(controller: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "fleet.cli.main", "proxy", "--controller", controller,
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.app.cli.main", "proxy", "--controller", controller,
                              "--listen", "127.0.0.1:0"], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None

@@ -21,12 +21,12 @@ import zmq.asyncio
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.vllm.subscriber import StreamLimits, Subscriber
-from fleet.block_hash import HashConfig, external_chain
+from fleet.app.testkit.sim_vllm import wire
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.errors import InvalidArgument
-from fleet.testkit.sim_vllm import wire
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.block_hash import HashConfig, external_chain
+from fleet.core.errors import InvalidArgument
 
 PAYLOAD = wire.encode_batch(0.0, [])
 

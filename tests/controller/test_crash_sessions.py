@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fleet.errors import KvfleetError
+from fleet.core.errors import KvfleetError
 from fleet.sdk import NO_RETRY, FleetClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ class Controller:
         for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
             del env[k]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli.main", "controller", "--listen", "127.0.0.1:0", "--store", self.store,
+            [sys.executable, "-m", "fleet.app.cli.main", "controller", "--listen", "127.0.0.1:0", "--store", self.store,
              "--metrics-port", "-1"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT)
         assert self.proc.stdout is not None

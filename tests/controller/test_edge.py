@@ -19,9 +19,9 @@ from controller.uploads import UploadLimits
 from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 Code = grpc.StatusCode
 
@@ -271,7 +271,7 @@ async def test_worker_endpoints_need_real_ports_and_no_control_characters(tmp_pa
 
 def test_listen_port_must_be_a_port() -> None:
     from controller.server import ControllerConfig
-    from fleet.errors import InvalidArgument
+    from fleet.core.errors import InvalidArgument
 
     for bad in ("127.0.0.1:70000", "127.0.0.1:http", "127.0.0.1:50051\n"):
         with pytest.raises(InvalidArgument, match="port in 0-65535"):
@@ -282,8 +282,8 @@ def test_listen_port_must_be_a_port() -> None:
 def test_edge_flags_reach_the_config_of_controller_and_up() -> None:
     from controller.edge import edge_config_from
     from controller.main import config_from, parse_args
-    from fleet.cli.up import parse as up_parse
-    from fleet.errors import InvalidArgument
+    from fleet.app.cli.up import parse as up_parse
+    from fleet.core.errors import InvalidArgument
 
     argv = ["--max-route-tokens", "4096", "--max-uploads-per-tenant", "3", "--upload-idle-timeout", "2.5",
             "--grpc-max-receive-bytes", "1048576", "--tls-client-ca", "ca.pem", "--tls-cert", "c.pem", "--tls-key", "k"]

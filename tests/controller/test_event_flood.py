@@ -46,10 +46,10 @@ async def test_a_live_message_of_too_many_events_is_refused_before_it_is_decoded
 
     from controller.metrics import Metrics
     from controller.router import Router, RouterConfig, WorkerSpec
+    from fleet.app.testkit.sim_vllm import wire
+    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
     from fleet.cas import open_store
-    from fleet.testkit.sim_vllm import wire
-    from fleet.testkit.sim_vllm.engine import SimEngineConfig
-    from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start()
     ctx = zmq.asyncio.Context()

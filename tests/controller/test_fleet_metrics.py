@@ -13,7 +13,7 @@ from support.workers import kill_host
 
 from controller.fleet_metrics import FleetMetricsPoller, snapshot
 from controller.metrics import Metrics
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 from fleet.sdk import NO_RETRY, AsyncFleetClient
 
 SYSTEM = "You are a fleet agent. Keep every answer short and exact."  # 57 bytes: 3 whole blocks

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from controller.judge_lanes import JudgeLanes, JudgeLimits
-from fleet.errors import InvalidArgument, ResourceExhausted
+from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 
 def burn(seconds: float, tag: str = "") -> str:

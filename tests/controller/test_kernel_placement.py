@@ -11,10 +11,10 @@ from support.controller import start_controller
 
 from controller.kernel_placement import KERNEL_SPEC_KEY, kernel_overrides_from, set_kernel_placement
 from controller.main import config_from, parse_args
+from fleet.app.cli.session import render_sessions
+from fleet.app.cli.up import parse as parse_up
 from fleet.cas import open_store
-from fleet.cli.session import render_sessions
-from fleet.cli.up import parse as parse_up
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 from fleet.sdk import NO_RETRY, AsyncFleetClient
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fleet import lifecycle as lc
-from fleet.errors import InvalidArgument
-from fleet.rank_state import RankState
+from fleet.core import lifecycle as lc
+from fleet.core.errors import InvalidArgument
+from fleet.core.rank_state import RankState
 
 P, F, U = "preserved", "forgotten", "unknown"
 

@@ -9,7 +9,7 @@ import pytest
 
 from controller.main import config_from, parse_args
 from controller.server import ControllerConfig, build_server
-from fleet.errors import ResourceExhausted
+from fleet.core.errors import ResourceExhausted
 from fleet.sdk import AsyncFleetClient
 from workers.placement import NODE_KV_BYTES
 from workers.spec import KernelSpec, make_kernel

@@ -35,7 +35,7 @@ def _controller(tmp: Path) -> tuple[subprocess.Popen[str], str]:
         [
             sys.executable,
             "-m",
-            "fleet.cli.main",
+            "fleet.app.cli.main",
             "controller",
             "--listen",
             "127.0.0.1:0",
@@ -66,7 +66,7 @@ def _up(tmp: Path) -> subprocess.Popen[str]:
     env = dict(os.environ, RAY_TMPDIR=ray_dir, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
     for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
         del env[k]
-    proc = subprocess.Popen([sys.executable, "-m", "fleet.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "fleet.app.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir",
                              str(tmp / "state"), "--num-cpus", "1", "--json"],
                             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None

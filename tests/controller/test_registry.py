@@ -10,7 +10,7 @@ import pytest
 from controller.index import PrefixIndex
 from controller.registry import EpochTable, WorkerRegistry, WorkerSpec
 from controller.vllm.events import BlockStored
-from fleet.rank_state import RankState
+from fleet.core.rank_state import RankState
 
 # what the controller wrote before the registry existed (json.dumps of the dataclass fields)
 OLD_SPEC = (b'{"name": "w0", "url": "http://127.0.0.1:8000", "kv_events": "tcp://127.0.0.1:5557", '

@@ -14,10 +14,10 @@ from support.vllm_vectors import frames, load
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.errors import InvalidArgument, NotFound, Unavailable
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.errors import InvalidArgument, NotFound, Unavailable
 
 TOKS = list(range(1000, 1100))  # 6 full blocks
 

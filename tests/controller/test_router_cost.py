@@ -24,11 +24,11 @@ from controller.vllm.events import BlockRemoved, BlockStored
 from controller.vllm.http import parse_metrics
 from fleet.api.kvfleet.v1 import route_pb2
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 from fleet.sdk import base, types
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 CFG = CostConfig()
 B = 16
@@ -464,7 +464,7 @@ async def test_route_over_grpc_carries_cost_and_release_is_the_tenants(tmp_path)
 
 def test_route_flags_make_the_cost_config_and_bad_weights_stop_the_controller(tmp_path, capsys) -> None:
     from controller.main import cost_config_from, main, parse_args
-    from fleet.cli.up import parse as parse_up
+    from fleet.app.cli.up import parse as parse_up
 
     args = parse_args(["--route-queue-weight", "1.5", "--route-untracked-request-tokens", "64"], {})
     assert cost_config_from(args) == CostConfig(queue_weight=1.5, untracked_request_tokens=64)

@@ -13,10 +13,10 @@ from controller.cost import CandidateState, CostConfig, order
 from controller.demand import DemandLedger
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.block_hash import external_chain
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.block_hash import external_chain
 
 B, NUM_BLOCKS, N_ONE_SHOTS = 16, 64, 8
 PROMPT = 160  # tokens: 10 full blocks

@@ -133,7 +133,7 @@ async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
 def test_kvfleet_controller_cli(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    kv = [sys.executable, "-m", "fleet.cli.main", "controller"]
+    kv = [sys.executable, "-m", "fleet.app.cli.main", "controller"]
     op = subprocess.run([*kv, "--mint-token", "ops", "--role", "operator", "--tokens-file", str(tokens)],
                         env=env, capture_output=True, text=True, check=True).stdout.strip()
     proc = subprocess.Popen([*kv, "--listen", "127.0.0.1:0", "--metrics-port", "0", "--tokens-file", str(tokens),

@@ -10,7 +10,7 @@ import pytest
 
 from controller.main import config_from, main, parse_args
 from controller.quotas import SessionLimits, session_limits_from
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvfleet"
 FLAGS = ["--max-sessions-per-tenant", "8", "--max-kv-bytes-per-tenant", "1000000",
@@ -19,7 +19,7 @@ WANT = SessionLimits(max_sessions_per_tenant=8, max_kv_bytes_per_tenant=1000000,
 
 
 def test_flags_make_the_session_limits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from fleet.cli.up import parse as parse_up
+    from fleet.app.cli.up import parse as parse_up
 
     assert config_from(parse_args([], {}), {}).sessions == SessionLimits()
     assert config_from(parse_args(FLAGS, {}), {}).sessions == WANT

@@ -23,9 +23,9 @@ from controller.quotas import SessionLimits
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.cas import open_store
-from fleet.errors import AlreadyExists, NotFound, ResourceExhausted
+from fleet.core.errors import AlreadyExists, NotFound, ResourceExhausted
+from fleet.core.session_types import SESSION_ID_RULE
 from fleet.sdk import AsyncFleetClient, FleetClient
-from fleet.session_types import SESSION_ID_RULE
 from workers.placement import RAY_NAMESPACE, fleet_scope, host_name
 from workers.session_kernel import SessionGone
 from workers.spec import KernelSpec, make_kernel

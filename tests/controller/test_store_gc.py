@@ -13,7 +13,7 @@ from support.controller import make_tokens, start_controller, store_url
 from controller.main import config_from, parse_args
 from controller.store_gc import GcConfig
 from fleet.cas import open_store
-from fleet.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fleet.sdk import NO_RETRY, FleetClient
 
 KINDS = ["sqlite", "redis"]
@@ -138,8 +138,8 @@ def test_a_bad_gc_interval_env_is_a_usage_error(capsys: pytest.CaptureFixture[st
 def test_kvfleet_up_takes_gc_interval() -> None:
     """`kvfleet up --gc-interval` reaches the stack's ControllerConfig; a bad one is refused, naming it."""
     from controller.server import ControllerConfig
-    from fleet.cli.up import controller_overrides
-    from fleet.cli.up import parse as up_parse
+    from fleet.app.cli.up import controller_overrides
+    from fleet.app.cli.up import parse as up_parse
 
     def cfg(argv: list[str]) -> ControllerConfig:
         return ControllerConfig(listen="127.0.0.1:0", store_url="sqlite:///unused.db",

@@ -17,11 +17,11 @@ from support.controller import make_tokens, start_controller, store_url
 
 from controller.auth import mint_token
 from controller.proxy import Proxy, ProxyConfig
-from fleet.cli import worker as worker_cli
-from fleet.errors import InvalidArgument, Unavailable
+from fleet.app.cli import worker as worker_cli
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.sdk import NO_RETRY, AsyncFleetClient, FleetClient
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 
 @dataclass(frozen=True, slots=True)

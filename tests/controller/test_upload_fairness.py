@@ -122,7 +122,7 @@ async def test_an_uploads_clock_stops_while_the_server_waits_for_a_thread(tmp_pa
 
 @pytest.mark.parametrize("bad", [{"tenant_share": 0.0}, {"tenant_share": 1.5}, {"min_rate": 0}])
 def test_upload_limits_refuse_nonsense(bad: dict[str, float]) -> None:
-    from fleet.errors import InvalidArgument
+    from fleet.core.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument):
         UploadLimits(**bad)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from support.vllm_vectors import frames, load, unhex
 
-from fleet.block_hash import (
+from fleet.core.block_hash import (
     HashConfig,
     calibrates,
     chain,
@@ -14,7 +14,7 @@ from fleet.block_hash import (
     none_hash,
     to_external,
 )
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 V = load()
 HP = V["hash_params"]

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from fleet.cas import open_store
-from fleet.context import EVICTED, RESIDENT, SHIFTED, SessionContext
-from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleet.kernel import ByteTokenizer, Kernel, ModelConfig
-from fleet.oplog import ForkOp, Op, parse_log, to_dict
+from fleet.core.context import EVICTED, RESIDENT, SHIFTED, SessionContext
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.core.oplog import ForkOp, Op, parse_log, to_dict
 
 TOOL = b"Search results: 1. Lisbon hotels from 80 EUR. 2. Porto hostels from 25 EUR."
 
@@ -125,7 +125,7 @@ def test_an_append_refused_for_context_overflow_logs_nothing_and_the_session_sti
 ) -> None:
     """Regression: an overflowing append used to be logged before the kernel refused it, so the
     log held an op the session never applied and replay/fork failed for ever after."""
-    from fleet.errors import ResourceExhausted
+    from fleet.core.errors import ResourceExhausted
 
     small = Kernel.synthetic(ModelConfig.tiny(max_seq_len=128), seed=0)
     store = open_store(f"sqlite:///{tmp_path}/s.db")
@@ -145,7 +145,7 @@ def test_token_ids_have_one_rule(kernel: Kernel) -> None:
     """check_token_ids: what the servicer checks at the edge and the context before it logs."""
     import numpy as np
 
-    from fleet.session_types import check_token_ids
+    from fleet.core.session_types import check_token_ids
 
     assert check_token_ids([0, np.int64(7), 511], 512) == [0, 7, 511]
     assert all(type(t) is int for t in check_token_ids([np.uint32(3)], 512))
@@ -159,7 +159,7 @@ def test_token_ids_have_one_rule(kernel: Kernel) -> None:
 
 
 def test_system_prompt_tokens_are_not_encoded_again(kernel: Kernel) -> None:
-    from fleet.kernel.tokenizer import encode_message
+    from fleet.core.kernel.tokenizer import encode_message
 
     a, b = SessionContext.new(kernel, ByteTokenizer(512)), SessionContext.new(kernel, ByteTokenizer(512))
     a.add_system("You are a travel agent.")
@@ -168,8 +168,8 @@ def test_system_prompt_tokens_are_not_encoded_again(kernel: Kernel) -> None:
 
 
 def test_tool_admission_types_the_quarantine_witness(kernel: Kernel, tmp_path: Path) -> None:
-    from fleet.quarantine import admit_tool_result
-    from fleet.session_types import EvictionProof
+    from fleet.core.quarantine import admit_tool_result
+    from fleet.core.session_types import EvictionProof
 
     store = open_store(f"sqlite:///{tmp_path}/s.db")
     ctx = SessionContext.new(kernel, ByteTokenizer(512), "acme", "s1", store=store)
@@ -206,7 +206,7 @@ def test_first_piece_over_adopted_blocks_computes_only_the_rest(kernel: Kernel) 
 
 def test_session_ids_have_one_rule() -> None:
     """check_session_id: the servicer's edge and KernelFleet's create/fork use the same rule."""
-    from fleet.session_types import SESSION_ID_RULE, check_session_id
+    from fleet.core.session_types import SESSION_ID_RULE, check_session_id
 
     assert check_session_id("session_id", "agent-0@team.x") == "agent-0@team.x"
     for bad in ("", "x:m:y", "a/b", "-lead", "x" * 129, None):

@@ -1,4 +1,4 @@
-"""The fence and epoch rules of `fleet.rank_state` transitions, pure: no ZMQ, no HTTP, no store.
+"""The fence and epoch rules of `fleet.core.rank_state` transitions, pure: no ZMQ, no HTTP, no store.
 
 Each test pins exact values and pairs the rule with a control: the neighbouring input the rule
 must treat differently, so that a rule dropped or inverted fails here.
@@ -6,8 +6,8 @@ must treat differently, so that a rule dropped or inverted fails here.
 
 from __future__ import annotations
 
-from fleet import lifecycle as lc
-from fleet.rank_state import Look, RankState, Transition
+from fleet.core import lifecycle as lc
+from fleet.core.rank_state import Look, RankState, Transition
 
 P, F, U = "preserved", "forgotten", "unknown"
 SERVING = RankState(epoch=3, phase="serving", kv=P, serving=True, seq=9, epoch_seq=4, start_time=100.0,

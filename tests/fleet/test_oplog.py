@@ -1,4 +1,4 @@
-"""fleet/oplog.py: the typed op log, its JSON form, and the helpers every reader uses."""
+"""fleet/core/oplog.py: the typed op log, its JSON form, and the helpers every reader uses."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fleet.errors import InvalidArgument
-from fleet.oplog import (
+from fleet.core.errors import InvalidArgument
+from fleet.core.oplog import (
     AppendOp,
     EvictOp,
     ForkOp,

@@ -626,7 +626,7 @@ def test_notes_commands_use_flags_the_cli_has(rendered: dict[str, dict[str, str]
     import subprocess
     import sys
 
-    from fleet.cli.main import COMMANDS
+    from fleet.app.cli.main import COMMANDS
 
     notes = rendered["default"]["kvfleet/templates/NOTES.txt"]
     commands = [shlex.split(line.strip()) for line in notes.splitlines()
@@ -635,7 +635,7 @@ def test_notes_commands_use_flags_the_cli_has(rendered: dict[str, dict[str, str]
     for cmd in commands:
         if cmd[1] == "controller":
             continue  # --mint-token: checked against controller.main's parser below
-        out = subprocess.run([sys.executable, "-m", "fleet.cli.main", *cmd[1:3], "--help"], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "fleet.app.cli.main", *cmd[1:3], "--help"], capture_output=True,
                              text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         for flag in [w for w in cmd[3:] if w.startswith("--")]:

@@ -93,8 +93,8 @@ def test_mutual_tls_reaches_controller_proxy_and_watcher(chart: Any) -> None:
 def test_notes_give_tls_flags_the_cli_has(chart: Any) -> None:
     import shlex
 
-    from fleet.cli.session import parse as session_parse
-    from fleet.cli.worker import parse as worker_parse
+    from fleet.app.cli.session import parse as session_parse
+    from fleet.app.cli.worker import parse as worker_parse
 
     notes = chart.render(MTLS, name=RELEASE, namespace=NAMESPACE)["kvfleet/templates/NOTES.txt"]
     commands = [shlex.split(line.strip()) for line in notes.splitlines() if line.strip().startswith("kvfleet ")
@@ -177,8 +177,8 @@ def test_detector_layers_reach_the_controller_flag(chart: Any) -> None:
 
 def test_the_schema_takes_every_detector_layer(chart: Any) -> None:
     """Each layer the controller knows passes the chart's schema, alone and in a tenant's spec (a layer
-    added to fleet/quarantine/layered.py's LAYERS must be added to values.schema.json's patterns)."""
-    from fleet.quarantine.layered import LAYERS
+    added to fleet/core/quarantine/layered.py's LAYERS must be added to values.schema.json's patterns)."""
+    from fleet.core.quarantine.layered import LAYERS
 
     for name in LAYERS:
         _objs(chart, {"controller": {"detectorLayers": name, "detectorTenants": {"acme": f"{name}:0.5"}}})

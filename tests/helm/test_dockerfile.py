@@ -121,7 +121,7 @@ def test_one_kvfleet_entrypoint(instrs: list[Instr]) -> None:
     final = stages(instrs)[-1]
     (entry,) = [json.loads(i.args) for i in final if i.op == "ENTRYPOINT"]
     assert entry == ["kvfleet"]
-    assert pyproject()["project"]["scripts"]["kvfleet"] == "fleet.cli.main:main"
+    assert pyproject()["project"]["scripts"]["kvfleet"] == "fleet.app.cli.main:main"
 
 
 def test_every_python_dependency_is_pinned(instrs: list[Instr]) -> None:
@@ -264,7 +264,7 @@ def test_the_wheel_built_from_the_docker_context_is_complete(instrs: list[Instr]
     print(f"{len(copied)} files in the context, {len(modules)} modules, {len(names)} entries in {wheel.name}")
     assert modules and modules <= names, sorted(modules - names)[:10]
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "kvfleet = fleet.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "kvfleet = fleet.app.cli.main:main" in zipfile.ZipFile(wheel).read(entry).decode()
     assert not [n for n in names if "__pycache__" in n or n.startswith("tests/")]
 
 

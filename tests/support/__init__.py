@@ -10,5 +10,5 @@
     support.helm_values        the chart's values table (also a script that rewrites the chart README)
 
 What the demo and the benches share with the tests (a whole fleet on loopback: controller, N vLLM
-stand-ins, tokens, registration, proxy) lives in the package itself, fleet.testkit.stack.
+stand-ins, tokens, registration, proxy) lives in the package itself, fleet.app.testkit.stack.
 """

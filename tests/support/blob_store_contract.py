@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from fleet.cas import BlobStore, open_store
-from fleet.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 
 
 class Clock:

@@ -18,12 +18,12 @@ import aiohttp
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.block_hash import HashConfig, external_chain
+from fleet.app.testkit.baseline import BaselineRouter
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.errors import KvfleetError, Unavailable
-from fleet.testkit.baseline import BaselineRouter
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.block_hash import HashConfig, external_chain
+from fleet.core.errors import KvfleetError, Unavailable
 
 B = 16
 VERBS_THROUGH = ["sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "restart", "drop"]

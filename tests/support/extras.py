@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from fleet.quarantine.encoder import INSTALL_HINT, missing_modules
+from fleet.core.quarantine.encoder import INSTALL_HINT, missing_modules
 
 
 def require_encoder() -> None:

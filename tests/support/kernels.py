@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from fleet.kernel import Kernel, ModelConfig
+from fleet.core.kernel import Kernel, ModelConfig
 
 BACKENDS = ["numpy", "torch"]
 

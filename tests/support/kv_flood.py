@@ -20,9 +20,9 @@ from controller.server import ControllerConfig, build_server
 from fleet.api.kvfleet.v1 import fleet_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.testkit.sim_vllm import wire
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.app.testkit.sim_vllm import wire
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from support.controller import make_tokens, md
 
 END = b"\xff" * 8

@@ -21,9 +21,9 @@ from controller.cost import CostConfig
 from controller.proxy import Proxy
 from controller.router import RouterConfig
 from controller.server import Controller
+from fleet.app.testkit.sim_vllm.main import SimVllm
+from fleet.app.testkit.stack import StackConfig, start_stack
 from fleet.sdk import AsyncFleetClient
-from fleet.testkit.sim_vllm.main import SimVllm
-from fleet.testkit.stack import StackConfig, start_stack
 
 BLOCK = 16
 MODEL = "sim-model"
@@ -114,7 +114,7 @@ async def start_fleet(
     engine_kw: dict[str, Any] | None = None,
     **proxy_kw: Any,
 ) -> Fleet:
-    """Controller + sims + proxy on loopback (fleet.testkit.stack); reconcile_s is the controller's reconcile interval (how long a
+    """Controller + sims + proxy on loopback (fleet.app.testkit.stack); reconcile_s is the controller's reconcile interval (how long a
     sleep behind its back goes unseen), cost its placement weights, engine_kw override the sims'
     SimEngineConfig fields (e.g. time_scale=1 for a clocked, busy worker); proxy_kw override ProxyConfig fields."""
     kw: dict[str, Any] = {"first_byte_timeout_s": 0.3, "refresh_s": 0.2, "suspect_s": 3.0}

@@ -8,8 +8,8 @@ from typing import Any
 
 import ray
 
-from fleet.context import SessionContext
-from fleet.oplog import parse_log
+from fleet.core.context import SessionContext
+from fleet.core.oplog import parse_log
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 SPEC = KernelSpec(block_size=16)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from fleet.errors import ResourceExhausted  # noqa: E402
+from fleet.core.errors import ResourceExhausted  # noqa: E402
 from workers.fleet import KernelFleet  # noqa: E402
 from workers.placement import RAY_NAMESPACE, fleet_scope, host_name  # noqa: E402
 from workers.registry import SessionRegistry  # noqa: E402
@@ -253,7 +253,7 @@ def _controller(url: str, port: int, tmp: Path) -> subprocess.Popen[bytes]:
     path = tmp / f"controller-{time.time_ns()}.log"
     log = open(path, "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fleet.cli.main", "controller", "--listen", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "fleet.app.cli.main", "controller", "--listen", f"127.0.0.1:{port}",
          "--metrics-port", "-1", "--store", url, "--ray-address", ray.get_runtime_context().gcs_address],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     LOGS[proc.pid] = path
@@ -305,7 +305,7 @@ def _create(c: Any, sids: list[str], proc: subprocess.Popen[bytes]) -> str:
 
 def _retry(fn: Callable[[], Any], proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> Any:
     """Call through the controller until it is up (it starts while we wait); fail at once if it exited."""
-    from fleet.errors import Unavailable
+    from fleet.core.errors import Unavailable
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fleet.cas import open_store
-from fleet.errors import NotFound
-from fleet.oplog import AppendOp
+from fleet.core.errors import NotFound
+from fleet.core.oplog import AppendOp
 from workers.fleet import KernelFleet
 from workers.session_kernel import SessionKernel
 from workers.spec import KernelSpec, make_kernel

@@ -13,8 +13,8 @@ import pytest
 import ray
 from support.workers import SPEC, host_of, kill_host, prefilled, replay_locally
 
-from fleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from fleet.kernel import max_abs_delta
+from fleet.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.kernel import max_abs_delta
 from workers.fleet import KernelFleet
 from workers.placement import fleet_scope, host_name
 from workers.spec import make_kernel
@@ -142,7 +142,7 @@ def test_quarantine_and_working_set_survive_regeneration(kfleet: KernelFleet, te
     kfleet.add_tool_result(tenant, "q", clean)
     kfleet.add_tool_result(tenant, "q", bad)
     adm = kfleet.admit_tool_result(tenant, "q", bad).result
-    w = adm.proof                                                  # a typed EvictionProof (fleet/session_types.py)
+    w = adm.proof                                                  # a typed EvictionProof (fleet/core/session_types.py)
     print(f"quarantine proof: evict-vs-never max|d| = {w.max_abs_delta_evict_vs_never}, "
           f"control {w.control_kept_vs_never}")
     assert adm.verdict == "QUARANTINED" and w.max_abs_delta_evict_vs_never == 0.0 and w.control_kept_vs_never > 0

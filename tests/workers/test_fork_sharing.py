@@ -10,7 +10,7 @@ import random
 
 from support.workers import SPEC, kill_host, replay_locally
 
-from fleet.kernel import max_abs_delta
+from fleet.core.kernel import max_abs_delta
 from workers.fleet import KernelFleet
 from workers.spec import make_kernel
 

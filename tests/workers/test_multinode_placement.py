@@ -10,7 +10,7 @@ import pytest
 import ray
 from support.workers import SPEC
 
-from fleet.errors import ResourceExhausted
+from fleet.core.errors import ResourceExhausted
 from workers.fleet import KernelFleet
 from workers.placement import (
     NodeOffer,

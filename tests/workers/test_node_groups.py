@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from support.workers import run_scenario
 
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 from workers.spec import GROUP_LABEL, HOST_GPUS, KernelSpec, node_group, parse_group
 
 SPEC = KernelSpec(groups=(("fast", "torch", "cpu"), ("gpu", "torch", "cuda")))

@@ -15,7 +15,7 @@ import sys
 
 
 def main() -> int:
-    from fleet.errors import AlreadyExists
+    from fleet.core.errors import AlreadyExists
     from fleet.sdk import FleetClient
 
     workers = json.loads(os.environ["KVFLEET_WORKERS"])

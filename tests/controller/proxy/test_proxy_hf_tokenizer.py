@@ -11,7 +11,7 @@ from pathlib import Path
 from support.proxy_fleet import MODEL, served, start_fleet, until
 
 from controller.proxy.tokenize import PROBES
-from fleet.testkit.sim_vllm import tokenizer as simtok
+from fleet.app.testkit.sim_vllm import tokenizer as simtok
 
 PROMPTS = ["Plan the delivery route for truck seven, then report.", "And the return trip?"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from support.proxy_fleet import MODEL, Fleet, served, sse_events, start_fleet, until
 
-from fleet.testkit.sim_vllm import tokenizer as simtok
+from fleet.app.testkit.sim_vllm import tokenizer as simtok
 
 PROMPT = "Write the release notes for version two, one bullet per fix."
 

@@ -114,7 +114,7 @@ def test_tool_content_that_cannot_be_inspected_is_a_400(content: Any, message: s
 @pytest.mark.parametrize("limit", ["-1", "0", "5000000000", "ten"])
 def test_quarantine_ls_limit_out_of_range_is_a_usage_error(limit: str, capsys: pytest.CaptureFixture[str]) -> None:
     # before: -1 and 5000000000 did not fit the request's uint32 and raised a ValueError traceback
-    from fleet.cli import quarantine as cli_quarantine
+    from fleet.app.cli import quarantine as cli_quarantine
 
     with pytest.raises(SystemExit) as e:
         cli_quarantine.parse(["ls", "--limit", limit])

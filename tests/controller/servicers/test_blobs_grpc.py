@@ -13,7 +13,7 @@ from support.controller import make_tokens, md, start_controller, store_url
 
 from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
-from fleet.errors import InvalidArgument, NotFound, ResourceExhausted
+from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from fleet.sdk import NO_RETRY, AsyncFleetClient, FleetClient
 
 KINDS = ["sqlite", "redis"]

@@ -12,9 +12,9 @@ import ray
 
 from controller.auth import mint_token
 from controller.server import ControllerConfig, build_server
-from fleet.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
-from fleet.kernel import max_abs_delta
-from fleet.oplog import parse_log
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from fleet.core.kernel import max_abs_delta
+from fleet.core.oplog import parse_log
 from fleet.sdk import AsyncFleetClient
 from workers.placement import RAY_NAMESPACE, fleet_scope, host_name
 
@@ -109,7 +109,7 @@ async def test_session_lifecycle_over_grpc(ray_cluster: None, tmp_path: Path) ->
 
 async def test_controller_killed_sessions_come_back_bit_identical(ray_cluster: None, tmp_path: Path) -> None:
     from fleet.cas import open_store
-    from fleet.context import SessionContext
+    from fleet.core.context import SessionContext
     from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
     ids = [f"a{uuid.uuid4().hex[:6]}", f"b{uuid.uuid4().hex[:6]}"]
@@ -188,7 +188,7 @@ async def test_admission_is_judged_by_the_controllers_judge(ray_cluster: None, t
         def probe(_: object) -> tuple[bool, bool, str]:
             import sys
 
-            from fleet.quarantine import admit
+            from fleet.core.quarantine import admit
             rss = next(x for x in open("/proc/self/status").read().splitlines() if x.startswith("VmRSS"))
             return admit._DEFAULT_ADMISSION is None, "torch" in sys.modules, rss
 

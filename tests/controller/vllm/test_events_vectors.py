@@ -15,7 +15,7 @@ from controller.index import PrefixIndex, tier_of
 from controller.metrics import Metrics
 from controller.vllm.events import EventDecodeError, UnknownEventType, decode_batch, parse_seq
 from controller.vllm.subscriber import Subscriber
-from fleet.block_hash import normalize
+from fleet.core.block_hash import normalize
 
 V = load()
 KEY = ("w", 0)

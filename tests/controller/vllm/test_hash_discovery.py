@@ -19,12 +19,12 @@ from support.controller import start_controller, store_url
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.vllm.http import parse_metrics
-from fleet.block_hash import HashConfig, calibrates, external_chain
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
-from fleet.errors import FailedPrecondition
+from fleet.core.block_hash import HashConfig, calibrates, external_chain
+from fleet.core.errors import FailedPrecondition
 from fleet.sdk import NO_RETRY, AsyncFleetClient
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
 
 TOKS = list(range(2000, 2100))  # 6 full blocks of 16
 SALT = "tenant-acme"

@@ -12,7 +12,7 @@ import zmq.asyncio
 from controller.metrics import Metrics
 from controller.vllm.events import END_SEQ, MAX_SEQ, EventDecodeError, parse_seq
 from controller.vllm.subscriber import Subscriber
-from fleet.rank_state import RankState
+from fleet.core.rank_state import RankState
 
 
 class _Sink:
@@ -40,7 +40,7 @@ def test_parse_seq_refuses_seqs_no_vllm_sends() -> None:
 
 async def test_a_frame_with_seq_2_64_minus_1_is_dropped_and_the_stream_goes_on() -> None:
     """Regression: such a frame used to be applied; seq + 1 then overflowed int64 everywhere."""
-    from fleet.testkit.sim_vllm import wire
+    from fleet.app.testkit.sim_vllm import wire
 
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from fleet.cas import open_store
-from fleet.errors import ResourceExhausted
+from fleet.core.errors import ResourceExhausted
 
 
 def test_server_out_of_memory_is_resource_exhausted_and_writes_nothing(redis_url: str) -> None:

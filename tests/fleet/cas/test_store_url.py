@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.cas import open_store
-from fleet.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("url", ["mongodb://admin:s3cr3t-pw@db.example:27017/0",

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from fleet.cli import session as session_cli
-from fleet.cli import worker as worker_cli
+from fleet.app.cli import session as session_cli
+from fleet.app.cli import worker as worker_cli
 from fleet.sdk import FleetClient
 
 
 def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    cmd = [sys.executable, "-m", "fleet.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path),
+    cmd = [sys.executable, "-m", "fleet.app.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path),
            "--sim-workers", "1", "--num-cpus", "2", "--tenant", "acme", "--json"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RAY_ADDRESS": ""})

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.cli.demo import run_demo
-from fleet.demo.workload import DemoConfig
+from fleet.app.cli.demo import run_demo
+from fleet.app.demo.workload import DemoConfig
 
 
 @pytest.mark.parametrize("num_blocks", [2048, 96], ids=["ample", "tight"])

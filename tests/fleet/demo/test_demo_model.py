@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fleet.demo.model import Greedy, Recorded, Sticky, max_min_share, replay, replay_all
-from fleet.demo.trace import Lifecycle, Request, Trace
+from fleet.app.demo.model import Greedy, Recorded, Sticky, max_min_share, replay, replay_all
+from fleet.app.demo.trace import Lifecycle, Request, Trace
 
 B = 16
 SYS = tuple(range(1, 65))                        # 4 blocks shared by both agents

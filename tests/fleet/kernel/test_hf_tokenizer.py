@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from fleet.context import SessionContext
-from fleet.errors import InvalidArgument
-from fleet.kernel import ByteTokenizer, Kernel, ModelConfig
-from fleet.kernel.hf_check import SMALL_HF_CONFIG
-from fleet.kernel.hf_tokenizer import HFTokenizer
+from fleet.core.context import SessionContext
+from fleet.core.errors import InvalidArgument
+from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.core.kernel.hf_check import SMALL_HF_CONFIG
+from fleet.core.kernel.hf_tokenizer import HFTokenizer
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from support.kernels import make_kernel, rand_ids
 
-from fleet.kernel import Kernel, ModelConfig, max_abs_delta
+from fleet.core.kernel import Kernel, ModelConfig, max_abs_delta
 
 
 def test_synthetic_weights_are_deterministic_and_shared() -> None:
@@ -64,7 +64,7 @@ def test_kernel_pins_its_own_thread_count(backend: str) -> None:
 
 @pytest.mark.gpu
 def test_cuda_backend_witnesses() -> None:
-    from fleet.kernel.exactness import run_checks
+    from fleet.core.kernel.exactness import run_checks
 
     rows = run_checks(backend="torch", device="cuda")
     for r in rows:  # a row that claims == 0 is checked as 0 on CUDA too; bounds as bounds

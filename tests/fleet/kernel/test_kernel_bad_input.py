@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from support.kernels import make_kernel, rand_ids
 
-from fleet.errors import InvalidArgument
-from fleet.kernel import Kernel, ModelConfig, PrefixKV
+from fleet.core.errors import InvalidArgument
+from fleet.core.kernel import Kernel, ModelConfig, PrefixKV
 
 BAD_IDS = [
     ([1, 512], "outside the vocabulary"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleet.errors import InvalidArgument
-from fleet.kernel import ByteTokenizer, ModelConfig
-from fleet.kernel.rope import inv_freq
+from fleet.core.errors import InvalidArgument
+from fleet.core.kernel import ByteTokenizer, ModelConfig
+from fleet.core.kernel.rope import inv_freq
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

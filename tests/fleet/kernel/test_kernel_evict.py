@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from support.kernels import make_kernel, rand_ids
 
-from fleet.kernel import Kernel, ModelConfig, max_abs_delta
-from fleet.kernel.exactness import sabotaged_rope
-from fleet.kernel.rope import rope_np, tables
-from fleet.kernel.types import K_POST, V_IDX
+from fleet.core.kernel import Kernel, ModelConfig, max_abs_delta
+from fleet.core.kernel.exactness import sabotaged_rope
+from fleet.core.kernel.rope import rope_np, tables
+from fleet.core.kernel.types import K_POST, V_IDX
 
 PRE, SPAN, POST, QUERY = rand_ids(1, 45), rand_ids(2, 13), rand_ids(3, 37), rand_ids(4, 6)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from support.kernels import make_kernel, rand_ids
 
-from fleet.kernel import max_abs_delta
+from fleet.core.kernel import max_abs_delta
 
 
 def test_evicting_in_a_branch_leaves_the_sibling_bit_identical(backend: str) -> None:

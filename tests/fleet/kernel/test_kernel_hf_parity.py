@@ -17,9 +17,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from fleet.errors import ResourceExhausted
-from fleet.kernel import Kernel, max_abs_delta
-from fleet.kernel.hf_check import SMALL_HF_CONFIG
+from fleet.core.errors import ResourceExhausted
+from fleet.core.kernel import Kernel, max_abs_delta
+from fleet.core.kernel.hf_check import SMALL_HF_CONFIG
 
 SMALL = SMALL_HF_CONFIG
 LLAMA3_ROPE = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from support.kernels import make_kernel, rand_ids
 
-from fleet.kernel import Kernel, ModelConfig, max_abs_delta
-from fleet.kernel.l0memo import L0Slots
+from fleet.core.kernel import Kernel, ModelConfig, max_abs_delta
+from fleet.core.kernel.l0memo import L0Slots
 
 
 def test_slots_assign_rows_in_order_and_reuse_first_in_first_out() -> None:

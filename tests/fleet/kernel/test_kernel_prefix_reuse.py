@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from support.kernels import make_kernel, rand_ids
 
-from fleet.kernel import max_abs_delta
+from fleet.core.kernel import max_abs_delta
 
 
 def _control(backend: str, ids: list[int], shapes: bool = True) -> float:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fleet.cli.witness import main
+from fleet.app.cli.witness import main
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -43,7 +43,7 @@ def test_hf_witness_without_transformers_is_not_run(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """transformers missing: the HF row says "not run", is not ok, and the CLI says what to install."""
-    from fleet.kernel.hf_check import hf_parity
+    from fleet.core.kernel.hf_check import hf_parity
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     (row,) = hf_parity()

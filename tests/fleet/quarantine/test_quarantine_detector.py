@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import quarantine_corpus as C
 
-from fleet.quarantine import PromptInjectionDetector, Verdict, default_detector
+from fleet.core.quarantine import PromptInjectionDetector, Verdict, default_detector
 
 
 def _pr(detector: PromptInjectionDetector, poisoned: list[str], benign: list[str]) -> tuple[float, float, int, int]:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.quarantine.detector import unquoted_view
-from fleet.quarantine.features import FeaturizerConfig
-from fleet.quarantine.hashing import _mix, events
-from fleet.quarantine.learned import LearnedModel
+from fleet.core.quarantine.detector import unquoted_view
+from fleet.core.quarantine.features import FeaturizerConfig
+from fleet.core.quarantine.hashing import _mix, events
+from fleet.core.quarantine.learned import LearnedModel
 
 DATA = Path(__file__).parent / "data"
 MASK = (1 << 64) - 1

@@ -11,10 +11,16 @@ from pathlib import Path
 import pytest
 import quarantine_corpus as C
 
-from fleet.quarantine import DetectorConfig, PromptInjectionDetector, Verdict, default_detector, make_detector
-from fleet.quarantine.encoder import ENCODER_MODELS
-from fleet.quarantine.layered import member_scores, parse_detector
-from fleet.quarantine.learned import load_model
+from fleet.core.quarantine import (
+    DetectorConfig,
+    PromptInjectionDetector,
+    Verdict,
+    default_detector,
+    make_detector,
+)
+from fleet.core.quarantine.encoder import ENCODER_MODELS
+from fleet.core.quarantine.layered import member_scores, parse_detector
+from fleet.core.quarantine.learned import load_model
 
 DATA = Path(__file__).parent / "data"
 ATTACK = (
@@ -121,7 +127,7 @@ LEARNED_FILES = {
 
 
 def test_shipped_learned_model_is_the_pinned_files() -> None:
-    folder = resources.files("fleet.quarantine") / "model"  # where load_model reads them
+    folder = resources.files("fleet.core.quarantine") / "model"  # where load_model reads them
     got = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in LEARNED_FILES}
     assert got == LEARNED_FILES
     # the digest of what decides a score (weights, bias, featurizer, window, threshold) as loaded from them

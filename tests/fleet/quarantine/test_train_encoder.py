@@ -68,7 +68,7 @@ def test_a_soup_is_the_mean_of_the_runs_merged_weights_and_a_soup_of_one_is_the_
     import soup_encoder as SE
     from safetensors.torch import load_file, save_file
 
-    from fleet.quarantine.encoder import load_encoder_from, model_dir
+    from fleet.core.quarantine.encoder import load_encoder_from, model_dir
 
     shipped = model_dir("injection_minilm")
     runs = []

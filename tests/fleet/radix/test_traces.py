@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.radix.traces import (
+from fleet.core.radix.traces import (
     REALISTIC_TRACES,
     SEED_TRACES,
     longest_request,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.errors import FailedPrecondition, InvalidArgument, NotFound
-from fleet.radix import AllPagesCleared, PagesRemoved, PagesStored, RadixTree
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.radix import AllPagesCleared, PagesRemoved, PagesStored, RadixTree
 
 
 def test_insert_match_split_exact_ids_and_events() -> None:

@@ -1,4 +1,4 @@
-"""The SDK: typed results, errors as fleet.errors with the server's message, retries on UNAVAILABLE only."""
+"""The SDK: typed results, errors as fleet.core.errors with the server's message, retries on UNAVAILABLE only."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support.controller import make_tokens, start_controller, store_url
 
-from fleet.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable
-from fleet.redis_server import free_port
+from fleet.app.redis_server import free_port
+from fleet.core.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from fleet.sdk import AsyncFleetClient, BlobRef, FleetClient, RetryPolicy
 
 
@@ -140,8 +140,8 @@ async def _until(fn, pred, timeout: float = 10.0):
 async def test_workers_route_lifecycle_through_the_sdk(tmp_path: Path) -> None:
     import aiohttp
 
-    from fleet.testkit.sim_vllm.engine import SimEngineConfig
-    from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
     sims = [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
             for _ in range(2)]

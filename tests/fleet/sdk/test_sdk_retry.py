@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from fleet.errors import NotFound, Unavailable
+from fleet.core.errors import NotFound, Unavailable
 from fleet.sdk import NO_RETRY, FleetClient, RetryPolicy, base
 from fleet.sdk import client as client_module
 from fleet.sdk import retry as retry_module

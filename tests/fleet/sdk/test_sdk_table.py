@@ -15,7 +15,7 @@ from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1 import sessions_pb2 as spb
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
-from fleet.errors import InvalidArgument, KvfleetError, NotFound, Unavailable
+from fleet.core.errors import InvalidArgument, KvfleetError, NotFound, Unavailable
 from fleet.sdk import AsyncFleetClient, BlobRef, FleetClient, RetryPolicy, base
 from fleet.sdk import table as t
 from fleet.sdk.sessions import SESSION_TIMEOUT_S

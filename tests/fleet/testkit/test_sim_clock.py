@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.block_hash import HashConfig, external_chain
-from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
-from fleet.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output, lone_ttft_s
-from fleet.testkit.sim_vllm.wire import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
+from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
+from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output, lone_ttft_s
+from fleet.app.testkit.sim_vllm.wire import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
+from fleet.core.block_hash import HashConfig, external_chain
 
 # round figures, so that each expected duration is easy to read off the config
 COST = {

@@ -7,9 +7,9 @@ therefore not count its prompt again (the bench reads prefilled = queries - hits
 
 from __future__ import annotations
 
-from fleet.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
-from fleet.testkit.sim_vllm.metrics import metrics_text
-from fleet.testkit.sim_vllm.sched import FINISHED
+from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.metrics import metrics_text
+from fleet.app.testkit.sim_vllm.sched import FINISHED
 
 
 def _engine() -> SimEngine:

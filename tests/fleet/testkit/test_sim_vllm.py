@@ -14,9 +14,9 @@ import zmq.asyncio
 
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
 from controller.vllm.http import parse_metrics
-from fleet.block_hash import HashConfig, external_chain
-from fleet.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.core.block_hash import HashConfig, external_chain
 
 
 @pytest.fixture
@@ -168,7 +168,7 @@ def test_cli_prints_endpoints_json() -> None:
         [
             sys.executable,
             "-m",
-            "fleet.cli.main",
+            "fleet.app.cli.main",
             "sim-vllm",
             "--port",
             "0",

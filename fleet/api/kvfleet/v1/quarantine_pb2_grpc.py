@@ -56,7 +56,7 @@ class QuarantineServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def JudgeToolResults(self, request, context):
-        """Wraps controller.quarantine_judge.Judge.judge (fleet.quarantine.VerdictCache.inspect under an operator
+        """Wraps controller.verdicts.Judge.judge (fleet.core.quarantine.VerdictCache.inspect under an operator
         verdict, if one is set): one verdict per tool result, cached in the store by the SHA-256 of its bytes.
         Quarantined results are recorded for the caller's tenant. Tenant role.
         """

@@ -1,0 +1,45 @@
+"""`kvfleet` console entry point: one subcommand per module in fleet/app/cli (or controller/)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> "module:function" taking (argv: list[str]) -> int. Modules are imported lazily so
+# that `kvfleet witness` never pays for grpc/ray imports and vice versa.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "witness": ("fleet.app.cli.witness:main", "run the kernel exactness checks live and print the table"),
+    "controller": ("controller.main:main", "run the gRPC controller"),
+    "sim-vllm": ("fleet.app.testkit.sim_vllm.main:main", "run a vLLM stand-in that speaks vLLM's protocol"),
+    "proxy": ("controller.proxy.main:main", "OpenAI-compatible routing proxy in front of vLLM workers"),
+    "up": ("fleet.app.cli.up:main", "controller + local Ray + embedded store in one command"),
+    "demo": ("fleet.app.cli.demo:main", "the main job: an agent fleet workload on one machine"),
+    "session": ("fleet.app.cli.session:main", "session ls --fleet: the fleet dashboard"),
+    "worker": ("fleet.app.cli.worker:main", "worker ls: vLLM workers and kernel nodes"),
+    "quarantine": ("fleet.app.cli.quarantine:main", "quarantine ls: tool results the proxy withheld; set: a verdict"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet: the KV-cache layer for LLM agent fleets")
+        p.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+        p.parse_args(argv[:1] or ["--help"])
+        return 2
+    target, _ = COMMANDS[argv[0]]
+    mod_name, fn_name = target.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == mod_name or mod_name.startswith(e.name + ".")):
+            print(f"kvfleet {argv[0]}: not available in this build ({e})", file=sys.stderr)
+            return 2
+        raise
+    rc = getattr(mod, fn_name)(argv[1:])
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""`kvfleet quarantine`: the tool results the proxy withheld, per tenant; operator verdicts.
+
+    kvfleet quarantine ls [--tenant T] [--limit N] [--json] [--watch]   # a tenant token: its own
+    kvfleet quarantine set REF QUARANTINED|CLEAN|clear [--reason R]     # operator: a (late) verdict
+
+`ref` is the SHA-256 (hex) of the tool result's bytes, as the proxy's x-kvfleet-quarantined header and
+the answer's kvfleet.quarantined field name it. An operator verdict overrides the detector for every later
+request that carries those bytes, in every tenant; `clear` drops it (docs/quarantine.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fleet.app.cli.session import add_ls_options
+from fleet.core.errors import KvfleetError
+from fleet.core.verdict import CLEAN, QUARANTINED
+
+
+def render(records: Sequence[Any], now: float | None = None) -> Table:
+    """One row per (tenant, ref), most recently seen first."""
+    now = time.time() if now is None else now
+    t = Table(title="quarantined tool results", title_justify="left")
+    for col in ("tenant", "ref", "action", "source", "reasons", "seen", "last seen"):
+        t.add_column(col, justify="right" if col in ("seen", "last seen") else "left")
+    for r in records:
+        t.add_row(r.tenant, r.ref[:16] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
+                  f"{max(now - r.last_seen, 0):.0f}s ago")
+    if not records:
+        t.add_row("(none)", *[""] * 6)
+    return t
+
+
+def as_json(records: Sequence[Any]) -> str:
+    return json.dumps([{"tenant": r.tenant, "ref": r.ref, "action": r.action, "source": r.source,
+                        "reasons": list(r.reasons), "num_seen": r.num_seen, "first_seen": r.first_seen,
+                        "last_seen": r.last_seen} for r in records], indent=1)
+
+
+def _limit(text: str) -> int:
+    """--limit: 1..1000 (the controller answers at most 1000 rows; the field is unsigned)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= 1000:
+        raise argparse.ArgumentTypeError(f"{n}: expected 1 to 1000")
+    return n
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfleet quarantine", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="recent quarantined tool results")
+    ls.add_argument("--tenant", default="", help="operator: one tenant (default: every tenant)")
+    ls.add_argument("--limit", type=_limit, default=100, help="at most this many rows, 1-1000 (default 100)")
+    add_ls_options(ls)
+    st = sub.add_parser("set", help="operator: set or clear a verdict on a tool result's bytes")
+    st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes")
+    st.add_argument("verdict", choices=(QUARANTINED, CLEAN, "clear"))
+    st.add_argument("--reason", action="append", default=[], help="why (repeatable)")
+    add_ls_options(st)
+    return p.parse_args(argv)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from fleet.sdk import FleetClient
+
+    kw: dict[str, Any] = {}
+    if getattr(args, "tls_ca", None) is not None or getattr(args, "tls", False):
+        from fleet.sdk.tls_flags import client_tls
+
+        kw = client_tls(args)
+    return FleetClient(args.controller, args.token, **kw)
+
+
+def _call(c: Any, method: str, req: Any) -> Any:
+    """One QuarantineService call through the client's channel, token and retry policy."""
+    from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
+
+    rpc = getattr(QuarantineServiceStub(c._channel), method)
+    return c._call(method, lambda t: rpc(req, timeout=t, metadata=c._md))
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
+
+    console = Console()
+    try:
+        with _client(args) as c:
+            if args.cmd == "set":
+                verdict = "" if args.verdict == "clear" else args.verdict
+                _call(c, "SetVerdict", pb.SetVerdictRequest(ref=args.ref, verdict=verdict, reasons=args.reason))
+                print(f"{args.ref}: {args.verdict}")
+                return 0
+            req = pb.ListQuarantinesRequest(tenant=args.tenant, limit=args.limit)
+            if args.json:
+                print(as_json(_call(c, "ListQuarantines", req).records))
+            elif args.watch:
+                from fleet.app.cli.session import watch
+
+                watch(console, lambda: render(_call(c, "ListQuarantines", req).records), args.interval, args.count)
+            else:
+                console.print(render(_call(c, "ListQuarantines", req).records))
+    except KvfleetError as e:
+        print(f"kvfleet quarantine {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,152 @@
+"""`kvfleet up`: the controller, local Ray and the embedded store in one command (until Ctrl-C).
+
+    kvfleet up                                   # sqlite under ./var, local Ray, 127.0.0.1:50051
+    kvfleet up --store redis://127.0.0.1:6379/0 --ray-address 10.0.0.2:6379
+    kvfleet up --sim-workers 2                   # also two vLLM stand-ins, registered
+    kvfleet up --route-queue-weight 1.0          # placement weights, as `kvfleet controller` (docs/routing.md)
+    kvfleet up --gc-interval 60                  # the store's GC every minute (default 300 s; 0: off)
+
+Prints the controller's address and an operator token (minted into STATE_DIR/tokens.json), and
+the commands to look at the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fleet.core.errors import KvfleetError
+
+if TYPE_CHECKING:
+    from fleet.app.testkit.stack import Stack
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    from controller.edge import add_edge_flags
+    from controller.kernel_placement import add_kernel_flags
+    from controller.main import add_cost_flags
+    from controller.node_flags import add_node_flags
+    from controller.quotas import add_session_flags
+    from controller.store_gc import add_gc_flag
+
+    p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument(
+        "--listen", default="127.0.0.1:50051", help="HOST:PORT of the controller (port 0: any free)"
+    )
+    p.add_argument("--state-dir", default="./var", help="where the embedded store and the tokens file live")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="store URL (default: sqlite:///STATE_DIR/kvfleet.db); redis://… uses a real Redis",
+    )
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--sim-workers", type=int, default=0, help="also start N vLLM stand-ins and register them")
+    p.add_argument("--tenant", default="local", help="tenant of the extra tenant token printed")
+    p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
+    add_cost_flags(p)
+    add_kernel_flags(p)
+    add_edge_flags(p)
+    add_session_flags(p)
+    add_node_flags(p)
+    add_gc_flag(p, {})
+    return p.parse_args(argv)
+
+
+def controller_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """ControllerConfig fields from `kvfleet up`'s flags (edge limits, GC schedule); raises
+    InvalidArgument, naming the flag, on a bad value (before anything starts)."""
+    from controller.edge import edge_config_from
+    from controller.store_gc import gc_interval_from
+
+    return {**edge_config_from(args), "gc_interval_s": gc_interval_from(args)}
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
+    from controller.main import cost_config_from
+    from controller.quotas import session_limits_from
+    from fleet.app.testkit.stack import StackConfig, start_stack
+
+    cost = cost_config_from(args)  # bad weights fail before anything starts
+    kernel = kernel_overrides_from(args)
+    overrides = controller_overrides(args)
+    limits = session_limits_from(args)
+    state = Path(args.state_dir).expanduser().resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    store = args.store or f"sqlite:///{state / 'kvfleet.db'}"
+    cfg = StackConfig(
+        store_url=store,
+        state_dir=str(state),
+        listen=args.listen,
+        workers=args.sim_workers,
+        tenants=(args.tenant,),
+        ray_address=args.ray_address,
+        ray_num_cpus=args.num_cpus,
+        own_ray_tree=not args.ray_address,  # a local Ray, started here, is ours: its process tree goes when we go
+        controller=overrides,
+    )
+    stack = await start_stack(cfg)
+    stack.ctl.ctx.need_router().set_cost_config(cost)
+    await asyncio.to_thread(set_kernel_placement, stack.ctl.ctx.store, kernel)  # before the first session
+    stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
+    stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
+    stack.ctl.ctx.node_max_sessions = args.node_max_sessions
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    _announce(args, stack, store)
+    await stop.wait()
+    print("kvfleet up: stopping (controller, stand-ins, Ray)", flush=True)
+    await stack.stop()
+    return 0
+
+
+def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
+    from controller.servicers.fleet import redact
+
+    addr = stack.ctl.address
+    info = {
+        "controller": addr,
+        "store": redact(store),
+        "operator_token": stack.operator_token,
+        "tenant": args.tenant,
+        "tenant_token": stack.tenant_token,
+        "workers": {n: s.url for n, s in stack.sims.items()},
+    }
+    if args.json:
+        print(json.dumps(info), flush=True)
+        return
+    print(
+        f"kvfleet up: controller on {addr}; store {redact(store)}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
+    )
+    print(f"operator token: {stack.operator_token}")
+    print(f"tenant token ({args.tenant}): {stack.tenant_token}")
+    for n, s in stack.sims.items():
+        print(f"stand-in worker {n}: {s.url}")
+    print(
+        f"try:  KVFLEET_CONTROLLER={addr} KVFLEET_TOKEN={stack.operator_token} kvfleet session ls --fleet --watch"
+    )
+    print("      (same env) kvfleet worker ls        Ctrl-C stops everything", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    from controller.main import quiet_ray_signals
+
+    quiet_ray_signals()  # a stop longer than 3 s must not end in Ray's SIGABRT (see there)
+    args = parse(argv)
+    try:
+        return asyncio.run(serve(args))
+    except KvfleetError as e:
+        print(f"kvfleet up: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,91 @@
+"""`kvfleet worker ls`: the vLLM workers the controller routes to, and the kernel nodes.
+
+    kvfleet worker ls [--watch [--interval S]] [--json] [--controller HOST:PORT] [--token T]
+
+vLLM workers, one row per (worker, dp_rank): serving and warm (separate questions), phase, KV
+disposition (preserved | forgotten | unknown), epoch, blocks indexed, last KV-event seq, load.
+Kernel nodes: sessions, radix prefix cache use, hit rate. Needs an operator token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from fleet.app.cli.session import add_ls_options
+from fleet.core.errors import KvfleetError
+
+
+def render_workers(workers: Sequence[Any], nodes: Sequence[Any]) -> Group:
+    """Two tables: vLLM workers (fleet.sdk.WorkerInfo) and kernel nodes (fleet.sdk.sessions.NodeRow)."""
+    w = Table(title="vLLM workers", title_justify="left")
+    for col in ("worker", "rank", "url", "model", "serving", "warm", "phase", "kv", "epoch", "blocks", "seq", "load"):
+        w.add_column(col, justify="right" if col in ("rank", "epoch", "blocks", "seq", "load") else "left")
+    for x in workers:
+        for r in x.ranks:
+            style = None if r.serving else "yellow"
+            w.add_row(x.name, str(r.dp_rank), x.url, x.model, "yes" if r.serving else "NO", "yes" if r.warm else "no",
+                      r.phase, r.kv, str(r.epoch), f"{r.num_blocks:,}", str(r.last_seq), f"{r.load:g}", style=style)
+    if not workers:
+        w.add_row("(none registered)", *[""] * 11)
+    n = Table(title="kernel nodes", title_justify="left")
+    for col in ("node", "sessions", "cached tokens", "capacity", "queried", "hit tokens", "evicted blocks", "hit rate"):
+        n.add_column(col, justify="left" if col == "node" else "right")
+    for x in nodes:
+        n.add_row(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
+                  f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%")
+    if not nodes:
+        n.add_row("(no kernel nodes yet)", *[""] * 7)
+    return Group(w, n)
+
+
+def snapshot(c: Any) -> dict[str, Any]:
+    workers = c.workers()
+    nodes = c.fleet_sessions(fleet=True).nodes
+    return {"workers": workers, "nodes": nodes}
+
+
+def as_json(snap: dict[str, Any]) -> str:
+    from dataclasses import asdict
+
+    return json.dumps({"workers": [asdict(w) for w in snap["workers"]],
+                       "nodes": [n.to_dict() for n in snap["nodes"]]}, indent=1)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfleet worker", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list vLLM workers and kernel nodes")
+    add_ls_options(ls)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    from fleet.sdk import FleetClient
+
+    console = Console()
+    try:
+        from fleet.sdk.tls_flags import client_tls
+
+        with FleetClient(args.controller, args.token, **client_tls(args)) as c:
+            if args.json:
+                print(as_json(snapshot(c)))
+            elif args.watch:
+                from fleet.app.cli.session import watch
+
+                watch(console, lambda: render_workers(**snapshot(c)), args.interval, args.count)
+            else:
+                console.print(render_workers(**snapshot(c)))
+    except KvfleetError as e:
+        print(f"kvfleet worker ls: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0

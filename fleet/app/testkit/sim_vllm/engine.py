@@ -1,0 +1,301 @@
+"""The stand-in engine: lifecycle verbs and hazards over the prefix cache (cache.py) and the clock (sched.py).
+
+Hazards reproduced (DESIGN §3, reference §1): AllBlocksCleared is only *queued* by sleep,
+reset, pause(clear_cache) and release, and published with the next engine step; requests to a
+sleeping engine wait (hang) until wake; /pause abort|wait rejects with 503; /health stays 200;
+restart empties the cache silently and the publisher's seq starts again at 0.
+
+The clock (docs/sim_vllm.md): with `time_scale > 0` requests go through `sched.Scheduler` and the
+shell in `loop.py` plays its steps out; with `time_scale == 0` each runs at once, alone (`run`), and
+only its modelled TTFT is recorded. Requests in flight meet a pause as vLLM's modes say: abort ends
+them, keep freezes them (a cache reset preempts them), wait drains them before the pause takes effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.app.testkit.sim_vllm import wire
+from fleet.app.testkit.sim_vllm.cache import PrefixCache, StepResult
+from fleet.app.testkit.sim_vllm.sched import CostModel, Scheduler, Seq, Step, lone_ttft_s
+from fleet.core.block_hash import HashConfig
+
+
+class EnginePaused(Exception):
+    """Raised for requests while paused with mode abort|wait (vLLM answers 503)."""
+
+
+class EngineRestarted(Exception):
+    """A request that was waiting when the engine restarted."""
+
+
+@dataclass(slots=True)
+class SimEngineConfig:
+    model: str = "sim-model"
+    block_size: int = 16
+    num_blocks: int = 1024
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    loras: dict[str, str] = field(default_factory=dict)  # lora_name -> lora_path
+    max_model_len: int = 8192
+    # the clock: vLLM's scheduler limits and a cost model of Llama-3.1-8B (BF16) on one H100 SXM.
+    # A model, not a measurement: each figure and its source is in docs/sim_vllm.md.
+    # NOTE: 0 (instant) here, for in-process harnesses (tests, the demo, whose offline model replays
+    # `_step` and must match the live engine); `kvfleet sim-vllm` defaults to 1 (real time).
+    time_scale: float = 0.0
+    max_num_seqs: int = 1024  # vLLM's default on >=70 GiB GPUs (H100) for the API server
+    max_num_batched_tokens: int = 8192  # ditto: the per-step token budget (chunked prefill)
+    prefill_tokens_per_s: float = 15000.0
+    step_overhead_s: float = 0.002
+    decode_base_s: float = 0.008
+    decode_per_seq_s: float = 0.00008
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0 and self.num_blocks > 1
+        assert self.time_scale >= 0 and self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+        self.cost_model()  # asserts the cost fields
+
+    def cost_model(self) -> CostModel:
+        return CostModel(
+            self.step_overhead_s, self.prefill_tokens_per_s, self.decode_base_s, self.decode_per_seq_s
+        )
+
+
+class SimEngine(PrefixCache):
+    """Lifecycle + scheduler + block pool of one DP rank. `publish(events)` sends one batch (sync).
+
+    `clock` (wall seconds) is read only to carry a sleep's length into modelled time.
+    """
+
+    def __init__(
+        self,
+        cfg: SimEngineConfig,
+        publish: Callable[[list[Any]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            HashConfig(cfg.hash_algo, cfg.hash_seed, cfg.block_size), cfg.num_blocks, cfg.loras, publish
+        )
+        self.cfg = cfg
+        self.sleeping_tags: set[str] = set()
+        self.paused_by: str | None = None  # "sleep" | "pause" | None
+        self.pause_mode = "abort"
+        self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+        self.sched = Scheduler(cfg.cost_model(), cfg.max_num_seqs, cfg.max_num_batched_tokens, pool=self)
+        self.kick = asyncio.Event()  # set on every change the shell must look at
+        self._clock = clock
+        self._asleep_since: float | None = None
+        self._drain: set[int] = set()  # seq ids a pause(wait) lets finish
+        self._deferred_reset = False
+        self._instant_running = self._instant_waiting = 0  # requests on the time_scale 0 path
+        self.start_time = time.time()
+        self.generation = 0
+        # vllm:sleep_mode_operation_duration_seconds_count, lazily created
+        self.sleep_ops: dict[str, int] = {}
+        self._serving = asyncio.Event()
+        self._serving.set()
+
+    # state
+    def is_sleeping(self) -> bool:
+        return self.paused_by is not None or bool(self.sleeping_tags)
+
+    @property
+    def running(self) -> int:
+        return len(self.sched.running) + self._instant_running
+
+    @property
+    def waiting(self) -> int:
+        return len(self.sched.waiting) + self._instant_waiting
+
+    def _update_serving(self) -> None:
+        self.kick.set()
+        if self.is_sleeping():
+            self._serving.clear()
+            if self._asleep_since is None:
+                self._asleep_since = self._clock()
+            return
+        self._serving.set()
+        if self._asleep_since is not None and self.cfg.time_scale > 0:
+            # NOTE: the modelled clock does not tick while no step runs; a request that waited on a
+            # sleeping engine must see the sleep in its TTFT.
+            self.sched.advance((self._clock() - self._asleep_since) / self.cfg.time_scale)
+        self._asleep_since = None
+        self._drain.clear()
+        if self._deferred_reset:
+            self._deferred_reset = False
+            self._reset_cache()
+
+    def _reset_cache(self) -> None:
+        self.sched.preempt_all()  # NOTE: vLLM resets with reset_running_requests=True
+        assert not self.ref_cnt, "blocks still pinned after preemption"
+        self.cache.clear()
+        self.pending.append(wire.VllmAllBlocksCleared())  # NOTE: queued, published with the next step
+
+    def _hold_in_flight(self, mode: str, reset: bool) -> None:
+        """What a pause does to requests in flight: abort ends them, keep freezes, wait drains first."""
+        if mode == "abort":
+            self.sched.abort_all("abort")
+        elif mode == "wait" and self.sched.in_flight():
+            self._drain = {s.seq_id for s in self.sched.in_flight()}
+            self._deferred_reset = self._deferred_reset or reset
+            return
+        if reset:
+            self._reset_cache()
+
+    # lifecycle verbs
+    def sleep(self, level: int, mode: str) -> None:
+        self.sleep_ops["sleep"] = self.sleep_ops.get("sleep", 0) + 1
+        if self.sleeping_tags or self.paused_by == "sleep":
+            return  # a second sleep while asleep is a logged no-op
+        self.paused_by, self.pause_mode = "sleep", mode
+        self._hold_in_flight(mode, reset=level >= 1)
+        if level >= 1:
+            self.sleeping_tags = {"weights", "kv_cache"}
+        self.sleep_state = {"awake": 0, "weights_offloaded": int(level == 1), "discard_all": int(level == 2)}
+        self._update_serving()
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        """Returns True when fully awake; partial wakes leave the engine asleep."""
+        self.sleep_ops["wake"] = self.sleep_ops.get("wake", 0) + 1
+        if tags is None:
+            self.sleeping_tags.clear()
+        else:
+            self.sleeping_tags.difference_update(tags)
+        if not self.sleeping_tags:
+            if self.paused_by == "sleep":
+                self.paused_by = None
+            self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+        self._update_serving()
+        return not self.is_sleeping()
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        if self.paused_by is None:
+            self.paused_by = "pause"
+        self.pause_mode = mode
+        self._hold_in_flight(mode, reset=clear_cache and mode != "keep")
+        self._update_serving()
+
+    def resume(self) -> None:
+        if self.paused_by == "pause":
+            self.paused_by = None
+        self._update_serving()
+
+    def reset_prefix_cache(self) -> bool:
+        if self.running or self.waiting:
+            return False  # blocks are held by requests in flight: vLLM answers success:false
+        self._reset_cache()
+        return True
+
+    def release_kv_cache_memory(self) -> bool:
+        if self.paused_by is None or self.sleeping_tags:
+            return False
+        self._reset_cache()
+        self.sleeping_tags = {"kv_cache"}
+        self.sleep_state = {"awake": 0, "weights_offloaded": 0, "discard_all": 0}
+        self._update_serving()
+        return True
+
+    def restart(self) -> None:
+        """A fast process restart: empty cache, no event, fresh start time (seq reset is the publisher's)."""
+        self.sched.abort_all("restart")
+        self._drain.clear()
+        self._deferred_reset = False
+        self.cache.clear()
+        self.pending.clear()
+        self.sleeping_tags.clear()
+        self.paused_by = None
+        self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+        self.start_time = time.time()
+        self.sleep_ops = {}
+        self.generation += 1
+        self._update_serving()
+
+    # requests: instant (time_scale 0)
+    async def run(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_tokens: int = 16,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        report_full: bool = False,
+    ) -> StepResult:
+        """Admit a request (waiting while asleep), then run its prompt at once, alone."""
+        self._check_admit()
+        gen = self.generation
+        self._instant_waiting += 1
+        try:
+            await self._serving.wait()
+        finally:
+            self._instant_waiting -= 1
+        if gen != self.generation:
+            raise EngineRestarted("engine restarted while the request waited")
+        self._instant_running += 1
+        try:
+            res = self._step(token_ids, lora, cache_salt, report_full)
+        finally:
+            self._instant_running -= 1
+        st, c = self.sched.stats, self.cfg
+        st.num_prompt_tokens += res.num_prompt_tokens
+        st.num_generation_tokens += max_tokens
+        uncached = max(res.num_prompt_tokens - res.num_cached_tokens, 1)
+        st.ttft.observe(lone_ttft_s(self.sched.cost, c.max_num_batched_tokens, uncached))
+        return res
+
+    def _check_admit(self) -> None:
+        if self.paused_by == "pause" and self.pause_mode in ("abort", "wait"):
+            raise EnginePaused("engine_paused")
+
+    # requests: clocked (time_scale > 0), driven by loop.EngineLoop
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        report_full: bool = False,
+    ) -> Seq:
+        """Queue a request for the scheduler (it waits there while the engine sleeps)."""
+        self._check_admit()
+        seq = self.sched.add(
+            token_ids,
+            max_tokens,
+            lora=lora,
+            cache_salt=cache_salt,
+            report_full=report_full,
+            digests=self._digests(token_ids, lora, cache_salt),
+        )
+        self.kick.set()
+        return seq
+
+    def abort(self, seq: Seq) -> None:
+        """The client went away: free the seq's slot and blocks."""
+        self.sched.abort(seq, "abort")
+        self._drained()
+        self.kick.set()
+
+    def plan(self) -> Step | None:
+        """The next step to play out; None while asleep (unless a pause(wait) still drains) or idle."""
+        if not self.is_sleeping():
+            return self.sched.plan()
+        if self._drain:
+            return self.sched.plan(lambda s: s.seq_id in self._drain)
+        return None
+
+    def finish(self, step: Step) -> None:
+        """Apply a played-out step and publish its events; a drained pause(wait) then resets."""
+        self.sched.complete(step)
+        self._flush()
+        self._drained()
+
+    def _drained(self) -> None:
+        if self._drain:
+            self._drain &= {s.seq_id for s in self.sched.in_flight()}
+            if not self._drain and self._deferred_reset:
+                self._deferred_reset = False
+                self._reset_cache()  # NOTE: queued, published with the step after wake

@@ -1,0 +1,223 @@
+"""`kvfleet sim-vllm`: a vLLM stand-in that speaks the real protocol (HTTP + ZMQ PUB + replay).
+
+In-process use (several in one event loop):
+
+    sim = SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=256)))
+    await sim.start(); sim.url, sim.kv_events, sim.replay; await sim.stop()
+
+The command runs the clock (latency and capacity model, docs/sim_vllm.md) in real time by default
+(`--time-scale 1`); `SimEngineConfig` defaults to `time_scale=0`, instant answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from fleet.app.testkit.sim_vllm.app import build_app
+from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.loop import EngineLoop
+from fleet.app.testkit.sim_vllm.parts import Received, SimConfig
+from fleet.app.testkit.sim_vllm.publisher import Publisher
+
+__all__ = ["SimConfig", "SimVllm", "main"]  # SimConfig lives in parts.py; importers of main.py still find it
+
+
+class SimVllm:
+    """One stand-in vLLM server (one DP rank): HTTP app, engine, publisher (what its routes read: `parts.Sim`)."""
+
+    def __init__(self, cfg: SimConfig | None = None) -> None:
+        self.cfg = cfg or SimConfig()
+        self.middlewares: tuple[Any, ...] = ()  # aiohttp middlewares put first in its app (tests observe with them)
+        self.publisher: Publisher | None = None
+        self.engine = SimEngine(self.cfg.engine, self._publish)
+        self.loop = EngineLoop(self.engine) if self.cfg.engine.time_scale > 0 else None
+        self.received = Received()  # the completion requests it got (tests: bytes that must never arrive)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def _publish(self, events: list[object]) -> None:
+        assert self.publisher is not None
+        self.publisher.publish(events)
+
+    async def start(self) -> SimVllm:
+        c = self.cfg
+        self.publisher = Publisher(
+            host=c.host,
+            port=c.kv_events_port,
+            replay_port=c.replay_port,
+            topic=c.topic,
+            buffer_steps=c.buffer_steps,
+            legacy_replay=c.legacy_replay,
+        )
+        self.publisher.start()
+        if self.loop is not None:
+            self.loop.start()
+        # NOTE: like vLLM, a request whose client went away is aborted (handler cancelled), not left queued.
+        app = build_app(self)
+        app.middlewares[:0] = self.middlewares
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self.loop is not None:
+            await self.loop.stop()  # NOTE: first, so that handlers of in-flight requests end
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def restart(self) -> None:
+        """A fast restart: empty cache, seq back to 0, replay buffer lost; same endpoints."""
+        self.engine.restart()
+        assert self.publisher is not None
+        self.publisher.restart()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def kv_events(self) -> str:
+        assert self.publisher is not None
+        return self.publisher.endpoint
+
+    @property
+    def replay(self) -> str | None:
+        assert self.publisher is not None
+        return self.publisher.replay_endpoint
+
+    def endpoints(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "kv_events": self.kv_events,
+            "replay": self.replay,
+            "model": self.cfg.engine.model,
+            "block_size": self.cfg.engine.block_size,
+        }
+
+
+def _parse(argv: list[str]) -> SimConfig:
+    p = argparse.ArgumentParser(
+        prog="kvfleet sim-vllm", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = pick)")
+    p.add_argument("--kv-events-port", type=int, default=0, help="ZMQ PUB port (0 = pick)")
+    p.add_argument("--replay-port", type=int, default=0, help="ZMQ replay ROUTER port (0 = pick, -1 = none)")
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor"])
+    p.add_argument(
+        "--hash-seed", default=None, help="the PYTHONHASHSEED the worker runs with (default: unset)"
+    )
+    p.add_argument("--lora", action="append", default=[], help="NAME=PATH adapter (repeatable)")
+    p.add_argument("--topic", default="")
+    p.add_argument("--buffer-steps", type=int, default=10000)
+    d = SimEngineConfig()
+    g = p.add_argument_group(
+        "clock", "latency and capacity model (docs/sim_vllm.md; defaults: 8B model, one H100)"
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per modelled second (0 = instant answers, no queueing; default 1)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences at most")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens per engine step (chunked prefill budget)",
+    )
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=d.prefill_tokens_per_s,
+        help="prefill throughput of uncached prompt tokens",
+    )
+    g.add_argument(
+        "--step-overhead-s", type=float, default=d.step_overhead_s, help="fixed cost of every step"
+    )
+    g.add_argument(
+        "--decode-base-s",
+        type=float,
+        default=d.decode_base_s,
+        help="one forward pass at least (weights read once per step)",
+    )
+    g.add_argument(
+        "--decode-per-seq-s",
+        type=float,
+        default=d.decode_per_seq_s,
+        help="added per decoding sequence in the step",
+    )
+    a = p.parse_args(argv)
+    bad = [x for x in a.lora if "=" not in x or not x.split("=", 1)[0] or not x.split("=", 1)[1]]
+    if bad:
+        p.error(f"--lora takes NAME=PATH, got {bad[0]!r}")
+    loras = dict(x.split("=", 1) for x in a.lora)
+    try:
+        eng = SimEngineConfig(
+            model=a.model,
+            block_size=a.block_size,
+            num_blocks=a.num_blocks,
+            hash_algo=a.hash_algo,
+            hash_seed=a.hash_seed,
+            loras=loras,
+            time_scale=a.time_scale,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            prefill_tokens_per_s=a.prefill_tokens_per_s,
+            step_overhead_s=a.step_overhead_s,
+            decode_base_s=a.decode_base_s,
+            decode_per_seq_s=a.decode_per_seq_s,
+        )
+    except AssertionError:
+        p.error("clock settings out of range (time scale and costs >= 0, limits >= 1, throughput > 0)")
+    return SimConfig(
+        engine=eng,
+        host=a.host,
+        port=a.port,
+        kv_events_port=a.kv_events_port,
+        replay_port=None if a.replay_port < 0 else a.replay_port,
+        topic=a.topic,
+        buffer_steps=a.buffer_steps,
+    )
+
+
+async def _serve(cfg: SimConfig) -> None:
+    sim = await SimVllm(cfg).start()
+    print(json.dumps(sim.endpoints()), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await sim.stop()
+
+
+def main(argv: list[str]) -> int:
+    cfg = _parse(argv)
+    try:
+        asyncio.run(_serve(cfg))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,64 @@
+"""The stand-in's parts that its routes read: its config, the requests it received, and `Sim`, the view of a
+running stand-in (main.SimVllm) that app.py and completions.py take, so they never import main.py."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.loop import EngineLoop
+from fleet.app.testkit.sim_vllm.publisher import Publisher
+
+
+@dataclass(slots=True)
+class SimConfig:
+    engine: SimEngineConfig = field(default_factory=SimEngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_events_port: int = 0
+    replay_port: int | None = 0
+    topic: str = ""
+    buffer_steps: int = 10000
+    legacy_replay: bool = False
+
+
+@dataclass(slots=True)
+class Received:
+    """The last `maxlen` completion requests this stand-in received: (path, raw body, prompt text).
+
+    For tests that must show some bytes never reached a worker: `contains` looks in the raw body and in
+    the prompt as the model would read it (message contents or the prompt string, JSON escapes undone).
+    """
+
+    maxlen: int = 1000
+    items: deque[tuple[str, str, str]] = field(default_factory=deque)
+
+    def add(self, path: str, raw: str, body: dict[str, Any]) -> None:
+        msgs = body.get("messages")
+        if isinstance(msgs, list):
+            text = "\n".join(str(m.get("content")) for m in msgs if isinstance(m, dict))
+        else:
+            text = str(body.get("prompt"))
+        self.items.append((path, raw, text))
+        while len(self.items) > self.maxlen:
+            self.items.popleft()
+
+    def contains(self, needle: str) -> bool:
+        return any(needle in raw or needle in text for _, raw, text in self.items)
+
+    def prompts(self) -> list[str]:
+        return [text for _, _, text in self.items]
+
+
+class Sim(Protocol):
+    """A running stand-in, as its HTTP routes see it (main.SimVllm is one)."""
+
+    cfg: SimConfig
+    engine: SimEngine
+    publisher: Publisher | None
+    loop: EngineLoop | None
+    received: Received
+
+    def restart(self) -> None: ...

@@ -1,0 +1,1 @@
+"""The pure core: no ray, grpc, redis or zmq (CONTRIBUTING §1)."""

@@ -1,0 +1,157 @@
+"""Kernel: a model (weights + backend) that opens sessions. See docs/kernel.md for the contract."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fleet.core.errors import InvalidArgument
+from fleet.core.kernel.cache import Block, PagedKV
+from fleet.core.kernel.config import ModelConfig
+from fleet.core.kernel.session import Session
+from fleet.core.kernel.types import PrefixKV
+from fleet.core.kernel.weights import Weights, load_pretrained, synthetic
+
+BACKENDS = ("numpy", "torch")
+MAX_TILE = 1024
+DEFAULT_TILE = 64  # rows per fixed-shape tile (bench/kernel_prefill.py: prefill vs decode trade-off)
+DEFAULT_BLOCK = 16  # tokens per cache block
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _make_ops(backend: str, cfg: ModelConfig, w: Weights, threads: int, device: str) -> Any:
+    if backend == "numpy":
+        if device != "cpu":
+            raise InvalidArgument(f"the numpy backend runs on cpu only, got device={device!r}")
+        from fleet.core.kernel.ops_numpy import NumpyOps
+
+        return NumpyOps(cfg, w, threads, device)
+    if backend == "torch":
+        from fleet.core.kernel.ops_torch import TorchOps
+
+        return TorchOps(cfg, w, threads, device)
+    raise InvalidArgument(f"unknown backend {backend!r}; supported: {BACKENDS}")
+
+
+class Kernel:
+    """A Llama-family decoder bound to one backend, with the cache geometry its sessions use.
+
+    Exactness (batch invariance) holds within one kernel: same backend, device, CPU type,
+    `threads`, `tile_size` and `block_size` (all recorded in `env()` and folded into `model_id`).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        backend: str = "numpy",
+        device: str = "cpu",
+        threads: int = 1,
+        block_size: int = DEFAULT_BLOCK,
+        tile_size: int = DEFAULT_TILE,
+    ) -> None:
+        if not (isinstance(threads, int) and threads >= 1):
+            raise InvalidArgument(f"threads must be a positive integer, got {threads!r}")
+        if not (isinstance(block_size, int) and block_size >= 1):
+            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
+        if not (isinstance(tile_size, int) and 1 <= tile_size <= MAX_TILE):
+            raise InvalidArgument(f"tile_size must be an integer in [1, {MAX_TILE}], got {tile_size!r}")
+        self.config, self.weights = cfg, weights
+        self.backend, self.block_size, self.tile_size, self.threads = backend, block_size, tile_size, threads
+        self.ops = _make_ops(backend, cfg, weights, threads, device)
+        self.device = self.ops.device
+        self.block_bytes = cfg.block_bytes(block_size)
+        ident = f"{cfg!r}|{weights.source}|{backend}|{self.device}|{threads}|{block_size}|{tile_size}"
+        self.model_id = hashlib.sha256(ident.encode()).hexdigest()[:16]
+        self.checkpoint = ""  # the checkpoint directory of a pretrained kernel (its tokenizer lives there)
+
+    @classmethod
+    def synthetic(
+        cls, cfg: ModelConfig, seed: int = 0, backend: str = "numpy", device: str = "cpu", **kw: Any
+    ) -> Kernel:
+        """Seeded random weights (np.random.default_rng(seed)): identical in every process and backend."""
+        return cls(cfg, synthetic(cfg, seed), backend, device, **kw)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, backend: str = "numpy", device: str = "cpu", **kw: Any
+    ) -> Kernel:
+        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors).
+
+        Raises:
+            InvalidArgument: missing files, or an architecture other than Llama/Qwen2/Mistral.
+        """
+        p = Path(path)
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise InvalidArgument(f"{p}: no config.json (expected a Hugging Face checkpoint directory)")
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise InvalidArgument(f"{cfg_file}: not valid JSON ({e})") from e
+        cfg = ModelConfig.from_hf(hf)
+        kernel = cls(cfg, load_pretrained(p, cfg), backend, device, **kw)
+        kernel.checkpoint = str(p)
+        return kernel
+
+    def env(self) -> dict[str, Any]:
+        """What the exactness witnesses hold for: backend, device, CPU, threads, BLAS, geometry."""
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "cpu": cpu_name(),
+            "threads": self.threads,
+            "blas": self.ops.blas_info() if hasattr(self.ops, "blas_info") else "",
+            "numpy": np.__version__,
+            "tile_size": self.tile_size,
+            "block_size": self.block_size,
+            "model_id": self.model_id,
+            "weights": self.weights.source,
+            "arch": self.config.arch,
+        }
+
+    def session(self, prefix: PrefixKV | None = None) -> Session:
+        """A new empty session, or one that adopts `prefix`'s blocks zero-copy (copy-on-write).
+
+        Raises:
+            InvalidArgument: the prefix comes from another model/geometry or is malformed.
+        """
+        shape = (self.config.n_layers, self.config.n_kv_heads, self.block_size, self.config.head_dim)
+        if prefix is None:
+            return Session(self, PagedKV(self.ops, shape), [])
+        self._check_prefix(prefix, shape)
+        blocks = [Block(self.ops.from_numpy(a), external=True) for a in prefix.blocks]
+        return Session(self, PagedKV(self.ops, shape, blocks), list(prefix.tokens))
+
+    def _check_prefix(self, prefix: PrefixKV, shape: tuple[int, int, int, int]) -> None:
+        if not isinstance(prefix, PrefixKV):
+            raise InvalidArgument(f"prefix must be a PrefixKV, got {type(prefix).__name__}")
+        if prefix.model_id != self.model_id:
+            raise InvalidArgument(
+                f"prefix was produced by model {prefix.model_id}, this kernel is {self.model_id}: "
+                "KV caches are not portable across models, backends or cache geometries"
+            )
+        if prefix.block_size != self.block_size or len(prefix.tokens) != prefix.num_blocks * self.block_size:
+            raise InvalidArgument("prefix tokens must fill whole blocks of this kernel's block_size")
+        for a in prefix.blocks:
+            if tuple(a.shape) != (3, *shape) or a.dtype != np.float32:
+                raise InvalidArgument(
+                    f"prefix block has shape {a.shape} {a.dtype}, expected {(3, *shape)} float32"
+                )
+        V = self.config.vocab_size
+        if any(not (0 <= t < V) for t in prefix.tokens):
+            raise InvalidArgument(f"prefix holds token ids outside the vocabulary [0, {V})")

@@ -1,0 +1,343 @@
+"""A session: one agent's token sequence and its paged KV cache, with exact prefix reuse,
+span eviction, copy-on-write forks and block-aligned prefix export."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fleet.core.errors import InvalidArgument, ResourceExhausted
+from fleet.core.kernel.cache import KVWindow, PagedKV
+from fleet.core.kernel.types import K_POST, K_RAW, EvictReport, MemoryReport, PrefixKV, max_abs_delta
+
+if TYPE_CHECKING:
+    from fleet.core.kernel.kernel import Kernel
+
+EVICT_MODES = ("exact", "reposition")
+GROUP_TOKENS = 2048  # positions per layer-major group of tiles (bounds the working set)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+class Session:
+    """Token ids, positions (always 0..n-1) and the KV cache of one sequence. Create with
+    `Kernel.session()`. Not thread-safe: one caller at a time (one Ray actor per session)."""
+
+    def __init__(self, kernel: Kernel, kv: PagedKV, tokens: list[int], last_logits: np.ndarray | None = None):
+        self.kernel = kernel
+        self._kv = kv
+        self._tokens = tokens
+        self._last = last_logits
+
+    # -- state --
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    @property
+    def positions(self) -> list[int]:
+        return list(range(len(self._tokens)))
+
+    @property
+    def last_logits(self) -> np.ndarray | None:
+        return None if self._last is None else self._last.copy()
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    # -- append --
+    def append(self, ids: Any) -> np.ndarray:
+        """Prefill (or decode) `ids` after the current tokens.
+
+        Args:
+            ids: 1-D sequence of integer token ids in [0, vocab_size).
+
+        Returns:
+            float32 [vocab] next-token logits after the last appended token; bit-identical however
+            the same tokens were split across calls (batch-invariant tiles).
+
+        Raises:
+            InvalidArgument: empty, non-integer or out-of-vocabulary ids (cache unchanged).
+            ResourceExhausted: the sequence would exceed the model's context (cache unchanged).
+        """
+        arr = self._check_ids(ids)
+        logits = self._forward(arr, len(self._tokens))
+        self._tokens.extend(int(i) for i in arr)
+        self._last = logits
+        return logits.copy()
+
+    def check_append(self, ids: Any) -> None:
+        """Raise exactly what `append(ids)` would raise for bad or overflowing input, appending
+        nothing (callers that log an op before applying it validate with this first).
+
+        Raises:
+            InvalidArgument: empty, non-integer or out-of-vocabulary ids.
+            ResourceExhausted: the sequence would exceed the model's context.
+        """
+        self._check_ids(ids)
+
+    def _check_ids(self, ids: Any) -> np.ndarray:
+        if isinstance(ids, str | bytes | bytearray):
+            raise InvalidArgument("append takes token ids, not text: encode it first (ByteTokenizer.encode)")
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0:
+            raise InvalidArgument(
+                f"append needs a non-empty 1-D sequence of token ids, got shape {arr.shape}"
+            )
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
+        V = self.kernel.config.vocab_size
+        bad = np.flatnonzero((arr < 0) | (arr >= V))
+        if bad.size:
+            raise InvalidArgument(
+                f"token id {int(arr[bad[0]])} at index {int(bad[0])} is outside the vocabulary [0, {V})"
+            )
+        limit = self.kernel.config.max_context
+        if len(self._tokens) + arr.size > limit:
+            raise ResourceExhausted(
+                f"{len(self._tokens)} + {arr.size} tokens exceed the context of {limit} "
+                f"(max_seq_len / sliding_window): evict or start a new session"
+            )
+        return arr.astype(np.int64)
+
+    def _forward(self, ids: np.ndarray, p0: int) -> np.ndarray:
+        """Run tokens `ids` at positions [p0, p0+n) tile by tile; store their K/Kraw/V; return logits
+        after the last one. Tile t covers absolute positions [t*T, (t+1)*T)."""
+        k, ops = self.kernel, self.kernel.ops
+        T, BS, p1 = k.tile_size, k.block_size, p0 + len(ids)
+        self._kv.ensure(p1)
+        self._kv.make_writable(p0, p1)
+        t0, t1 = p0 // T, (p1 - 1) // T
+        win = self._kv.window(p0, p1, -(-(t1 + 1) * T // BS))  # the last tile's key blocks
+        with ops.limit():
+            for g0 in range(t0, t1 + 1, self._group(T)):
+                x = self._tile_group(ids, p0, p1, range(g0, min(g0 + self._group(T), t1 + 1)), win)
+            win.commit()
+            logits: np.ndarray = ops.logits(x[(p1 - 1) % T])  # [V]: the last token's row
+        return logits
+
+    @staticmethod
+    def _group(T: int) -> int:
+        """Tiles run layer by layer in groups of about GROUP_TOKENS positions (bounded memory)."""
+        return max(1, GROUP_TOKENS // T)
+
+    def _tile_group(self, ids: np.ndarray, p0: int, p1: int, tiles: range, win: KVWindow) -> Any:
+        """Run tiles t in `tiles` (positions [t*T, (t+1)*T)) through every layer, layer-major: each
+        tile's ops keep their fixed shapes (a function of t alone), only their order changes, so the
+        bits are those of one tile at a time. Returns the last tile's hidden states [T, dim]."""
+        k, ops, T, BS = self.kernel, self.kernel.ops, self.kernel.tile_size, self.kernel.block_size
+        spans = [(t * T, max(p0, t * T), min(p1, t * T + T)) for t in tiles]  # (pos0, lo, hi)
+        xs = [ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T) for pos0, lo, hi in spans]  # [T, dim] each
+        for l in range(k.config.n_layers):
+            qs = []
+            for x, (pos0, lo, hi) in zip(xs, spans, strict=True):
+                # q [KV, G*T, hd]; k/kraw/v [KV, T, hd]; layer 0 from the token ids (slot-invariant)
+                q, kk, kraw, v = ops.qkv(x, l, pos0, ids[lo - p0 : hi - p0], lo - pos0)
+                win.write(l, pos0, lo, hi, kk, kraw, v)
+                qs.append(q)
+            # tile t attends over key positions [0, ceil((t+1)*T / BS) * BS): fixed by t alone
+            os_ = [
+                ops.attention(q, *win.read(l, -(-(pos0 + T) // BS) * BS), pos0)
+                for q, (pos0, _, _) in zip(qs, spans, strict=True)
+            ]
+            for x, o in zip(xs, os_, strict=True):
+                ops.mlp(x, l, o)  # in place
+        return xs[-1]
+
+    def _truncate(self, n: int) -> None:
+        self._kv.truncate(n)
+        del self._tokens[n:]
+
+    def _refresh_last(self) -> None:
+        """Re-derive last_logits by recomputing the last token in place (exact: same tile slot)."""
+        self._last = None
+        if self._tokens:
+            last = self._tokens[-1]
+            self._truncate(len(self._tokens) - 1)
+            self._last = self._forward(np.array([last], np.int64), len(self._tokens))
+            self._tokens.append(last)
+
+    # -- eviction --
+    def evict(self, start: int, length: int, mode: str = "exact") -> EvictReport:
+        """Remove the span [start, start+length); survivors after it move down by `length`.
+
+        ```
+        before:  | prefix 0..start-1 | span start..end-1 | survivors end..n-1 |
+        after:   | prefix 0..start-1 | survivors start..n-length-1 |
+                                       ^ each survivor i now sits at position i - length
+        exact:       survivors re-derived from their token ids at the new positions
+                     (== never-saw, bit-identical, at any depth; costs a prefill of the tail)
+        reposition:  survivors keep Kraw and V; K re-rotated ONCE from Kraw at the new
+                     position: K[i] = RoPE(Kraw[i], i) (never a composed rotation)
+        tail span (end == n): nothing survives after it, both modes are a truncation
+                     (write-time eviction: exact, nothing attended to the span yet)
+        ```
+
+        `reposition` is exact vs never-saw only for a 1-layer model: at layers >= 1 each survivor's
+        K/V came from a hidden state that attended to the span at layer 0. The report says so.
+
+        Args:
+            start: first position to evict (>= 0).
+            length: tokens to evict (>= 1, start + length <= len(self)).
+            mode: "exact" or "reposition".
+
+        Returns:
+            EvictReport with an honest `exact` flag.
+
+        Raises:
+            InvalidArgument: bad mode, non-integer or out-of-range span (cache unchanged).
+        """
+        self._check_span(start, length, mode)
+        n, end = len(self._tokens), start + length
+        survivors, tail = self._tokens[end:], end == n
+        if tail or mode == "exact":
+            self._truncate(start)
+            if survivors:
+                self._last = self._forward(np.array(survivors, np.int64), start)
+                self._tokens.extend(survivors)
+            else:
+                self._refresh_last()
+            return EvictReport(mode, start, length, tail, length, len(survivors), 0, True, None, True)
+        delta = self._reposition(start, end)
+        # NOTE: measured, not assumed. A 1-layer cache is exactly never-saw's when every survivor's
+        # layer-0 row equals the one the prefill path derives from its token id at its new
+        # position (the rows before the span are untouched). Deeper layers carry the span.
+        exact = self.kernel.config.n_layers == 1 and delta == 0.0
+        return EvictReport(mode, start, length, False, length, 0, len(survivors), exact, delta, False)
+
+    def _check_span(self, start: Any, length: Any, mode: Any) -> None:
+        if mode not in EVICT_MODES:
+            raise InvalidArgument(f"evict mode must be one of {EVICT_MODES}, got {mode!r}")
+        if not (_is_int(start) and _is_int(length)):
+            raise InvalidArgument(f"evict start/length must be integers, got {start!r}, {length!r}")
+        if start < 0 or length < 1 or start + length > len(self._tokens):
+            raise InvalidArgument(
+                f"evict span [{start}, {start + length}) is not a non-empty range inside [0, {len(self._tokens)})"
+            )
+
+    def _reposition(self, start: int, end: int) -> float:
+        ops, n = self.kernel.ops, len(self._tokens)
+        survivors = self._tokens[end:]
+        data = self._kv.rows(end, n)  # [3, L, KV, m, hd], a fresh copy (cat)
+        self._truncate(start)
+        new_pos = np.arange(start, start + len(survivors))
+        data[K_POST] = ops.rope(data[K_RAW], new_pos)  # [L, KV, m, hd]: one rotation from pre-RoPE
+        self._kv.ensure(start + len(survivors))
+        self._kv.make_writable(start, start + len(survivors))
+        self._kv.put_rows(start, data)
+        self._tokens.extend(survivors)
+        self._last = None
+        rows = self._kv.rows(start, len(self._tokens))  # [3, L, KV, m, hd]: read once for both checks
+        return max(self._rope_delta(rows, start), self._layer0_delta(rows, start))
+
+    def kv_numpy(self, lo: int, hi: int) -> np.ndarray:
+        """A numpy copy of positions [lo, hi): [3, n_layers, n_kv_heads, hi-lo, head_dim] holding
+        (K post-RoPE, Kraw pre-RoPE, V). For witnesses and tests."""
+        if not (_is_int(lo) and _is_int(hi) and 0 <= lo < hi <= len(self._tokens)):
+            raise InvalidArgument(f"kv_numpy needs 0 <= lo < hi <= {len(self._tokens)}, got {lo!r}, {hi!r}")
+        return np.array(self.kernel.ops.to_numpy(self._kv.rows(lo, hi)), copy=True)
+
+    def rope_invariant_delta(self, lo: int = 0, hi: int | None = None) -> float:
+        """max|K[i] - RoPE(Kraw[i], i)| over positions [lo, hi), every layer (0.0 when it holds).
+
+        The reference is computed by the prefill path's RoPE (`ops.rope_rows`: table slices from
+        `lo`), not by `ops.rope` that `reposition` uses: a rotation at a wrong position or a wrong
+        table row in the eviction path shows up here as > 0.
+        """
+        hi = len(self._tokens) if hi is None else hi
+        return self._rope_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
+
+    def layer0_delta(self, lo: int = 0, hi: int | None = None) -> float:
+        """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
+        the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store)."""
+        hi = len(self._tokens) if hi is None else hi
+        return self._layer0_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
+
+    def _rope_delta(self, rows: Any, lo: int) -> float:
+        ops = self.kernel.ops  # rows [3, L, KV, m, hd] of positions lo..
+        return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
+
+    def _layer0_delta(self, rows: Any, lo: int) -> float:
+        ops, m = self.kernel.ops, rows.shape[3]
+        with ops.limit():
+            ref = ops.layer0(np.asarray(self._tokens[lo : lo + m], np.int64), lo)  # 3 x [KV, m, hd]
+        return max(max_abs_delta(ops.to_numpy(rows[i, 0]), ops.to_numpy(r)) for i, r in enumerate(ref))
+
+    # -- decode --
+    def generate(self, n: int) -> list[int]:
+        """Greedy-decode `n` tokens (appending them); returns the new ids."""
+        if not _is_int(n) or n < 0:
+            raise InvalidArgument(f"generate needs a non-negative integer count, got {n!r}")
+        if n and not self._tokens:
+            raise InvalidArgument("generate needs at least one token in the session")
+        out: list[int] = []
+        for _ in range(n):
+            if self._last is None:
+                self._refresh_last()
+            assert self._last is not None
+            tok = int(np.argmax(self._last))
+            self.append([tok])
+            out.append(tok)
+        return out
+
+    # -- sharing --
+    def fork(self) -> Session:
+        """A copy-on-write branch: shares every block (ref_cnt += 1) until one side writes."""
+        last = None if self._last is None else self._last.copy()
+        return Session(self.kernel, self._kv.fork(), list(self._tokens), last)
+
+    def memory(self) -> MemoryReport:
+        """Bytes held alone vs shared (ref_cnt > 1, or adopted from / exported to a PrefixKV)."""
+        bb = self.kernel.block_bytes
+        shared = sum(1 for b in self._kv.blocks if b.shared)
+        alone = len(self._kv.blocks) - shared
+        return MemoryReport(alone * bb, shared * bb, len(self._kv.blocks), shared, len(self._tokens), bb)
+
+    def export_prefix(self, num_tokens: int) -> PrefixKV:
+        """The first `num_tokens` tokens (a multiple of block_size) as read-only block arrays.
+
+        Zero-copy on the numpy and torch-CPU backends: the blocks are marked shared, so this
+        session copies them before any later write.
+
+        Raises:
+            InvalidArgument: not a positive multiple of block_size within the session.
+        """
+        BS = self.kernel.block_size
+        if not _is_int(num_tokens) or num_tokens <= 0 or num_tokens % BS or num_tokens > len(self._tokens):
+            raise InvalidArgument(
+                f"export_prefix needs a positive multiple of block_size={BS} that is <= {len(self._tokens)}, "
+                f"got {num_tokens!r}"
+            )
+        arrays = []
+        for blk in self._kv.blocks[: num_tokens // BS]:
+            blk.external = True
+            a = self.kernel.ops.to_numpy(blk.kv).view()
+            a.flags.writeable = False
+            arrays.append(a)
+        return PrefixKV(tuple(self._tokens[:num_tokens]), BS, tuple(arrays), self.kernel.model_id)
+
+    def digest(self) -> str:
+        """sha256 over tokens, positions and every stored K/Kraw/V byte of positions [0, n)."""
+        h, BS, n = hashlib.sha256(), self.kernel.block_size, len(self._tokens)
+        h.update(np.asarray(self._tokens, np.int64).tobytes())
+        h.update(np.arange(n, dtype=np.int64).tobytes())
+        for b, blk in enumerate(self._kv.blocks):
+            rows = min(BS, n - b * BS)
+            if rows > 0:
+                h.update(np.ascontiguousarray(self.kernel.ops.to_numpy(blk.kv)[:, :, :, :rows]).tobytes())
+        return h.hexdigest()
+
+    def close(self) -> None:
+        """Release every block (ref counts go down); the session is empty afterwards."""
+        self._truncate(0)
+        self._last = None
+
+    def __del__(self) -> None:
+        try:
+            self._kv.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,187 @@
+"""A session's op log: typed ops, their JSON form, and the questions every reader asks of a log.
+
+Pure core (no ray, grpc, redis or zmq). Every mutation of a `SessionContext` is one op, written to the
+store (`store.oplog_append`) BEFORE it is applied; replaying the log rebuilds the session bit-identically.
+The store keeps each op as a JSON object; this module is the only place that knows its fields:
+
+    {"op": "append", "piece": 2, "kind": "tool_result", "ref": "<sha256>", "tenant": "acme", "num_tokens": 57}
+    {"op": "append", "piece": 1, "kind": "message", "role": "user", "tenant": "acme", "tokens": [...]}
+    {"op": "evict", "piece": 2, "start": 40, "length": 57, "mode": "exact", "reason": "quarantine"}
+    {"op": "quarantine", "ref": "<sha256>", "reasons": ["instruction_override"]}
+    {"op": "fork", "parent": "s1", "at": 7}
+
+A logged op also carries the `op_id` of the call that wrote it (the caller's idempotency key), when it had one.
+
+    log:   | parent's ops (their op ids are the parent's) | fork | this session's own ops |
+                                                          ^ own_ops() starts after the last fork marker
+
+    ops = parse_log(store.oplog_read(tenant, session_id))
+    own_op_ids(ops), num_tokens(ops), blob_refs(ops), kv_follows_tokens(ops)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.core.errors import InvalidArgument
+
+KINDS = ("system", "message", "tool_result", "output")
+EVICT_MODES = ("exact", "reposition")
+
+
+@dataclass(frozen=True, slots=True)
+class AppendOp:
+    """One piece appended. A tool result logs its blob `ref` and `num_tokens` (a replay re-tokenizes the
+    bytes and checks the count); every other kind logs its `tokens`."""
+
+    piece: int
+    kind: str
+    tenant: str
+    tokens: tuple[int, ...] | None = None
+    ref: str | None = None
+    num_tokens: int | None = None
+    role: str | None = None
+    op_id: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, f"append kind {self.kind!r} not in {KINDS}"
+        assert (self.ref is not None) == (self.kind == "tool_result"), "a tool result (and only it) has a ref"
+        assert (self.tokens is None) == (self.kind == "tool_result"), "tool results log a count, not tokens"
+
+    @property
+    def length(self) -> int:
+        """The number of tokens the piece holds."""
+        return len(self.tokens) if self.tokens is not None else int(self.num_tokens or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictOp:
+    """A piece's span dropped from the KV cache (`reason` "quarantine" marks a verdict's eviction)."""
+
+    piece: int
+    start: int
+    length: int
+    mode: str
+    reason: str = "evict"
+    op_id: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.mode in EVICT_MODES, f"evict mode {self.mode!r} not in {EVICT_MODES}"
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineOp:
+    """A blob held out of this session's context from now on."""
+
+    ref: str
+    reasons: tuple[str, ...]
+    op_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ForkOp:
+    """The marker that ends a fork's copy of its parent's first `at` ops."""
+
+    parent: str
+    at: int
+    op_id: str = ""
+
+
+Op = AppendOp | EvictOp | QuarantineOp | ForkOp
+_VERB = {AppendOp: "append", EvictOp: "evict", QuarantineOp: "quarantine", ForkOp: "fork"}
+
+
+def to_dict(op: Op) -> dict[str, Any]:
+    """The op's JSON object, as the store keeps it (fields that are unset are left out)."""
+    d: dict[str, Any] = {"op": _VERB[type(op)]}
+    if isinstance(op, AppendOp):
+        d.update(piece=op.piece, kind=op.kind, tenant=op.tenant)
+        if op.tokens is not None:
+            d["tokens"] = list(op.tokens)
+        if op.ref is not None:
+            d.update(ref=op.ref, num_tokens=op.num_tokens)
+        if op.role is not None:
+            d["role"] = op.role
+    elif isinstance(op, EvictOp):
+        d.update(piece=op.piece, start=op.start, length=op.length, mode=op.mode, reason=op.reason)
+    elif isinstance(op, QuarantineOp):
+        d.update(ref=op.ref, reasons=list(op.reasons))
+    else:
+        d.update(parent=op.parent, at=op.at)
+    if op.op_id:
+        d["op_id"] = op.op_id
+    return d
+
+
+def parse(d: Mapping[str, Any]) -> Op:
+    """The typed op of one stored JSON object.
+
+    Raises:
+        InvalidArgument: an unknown verb, or a field missing or of the wrong type.
+    """
+    verb, op_id = d.get("op"), str(d.get("op_id") or "")
+    try:
+        if verb == "append":
+            tokens = d.get("tokens")
+            return AppendOp(int(d["piece"]), str(d["kind"]), str(d["tenant"]),
+                            None if tokens is None else tuple(int(t) for t in tokens), _opt(d.get("ref")),
+                            None if d.get("num_tokens") is None else int(d["num_tokens"]), _opt(d.get("role")), op_id)
+        if verb == "evict":
+            return EvictOp(int(d["piece"]), int(d["start"]), int(d["length"]), str(d["mode"]),
+                           str(d.get("reason", "evict")), op_id)
+        if verb == "quarantine":
+            return QuarantineOp(str(d["ref"]), tuple(str(r) for r in d["reasons"]), op_id)
+        if verb == "fork":
+            return ForkOp(str(d["parent"]), int(d["at"]), op_id)
+    except (KeyError, TypeError, ValueError, AssertionError) as e:
+        raise InvalidArgument(f"op log: malformed {verb} op {dict(d)!r}: {e!r}") from e
+    raise InvalidArgument(f"op log: unknown op {dict(d)!r}")
+
+
+def parse_log(ds: Iterable[Mapping[str, Any]]) -> list[Op]:
+    """The typed ops of a stored log, in order."""
+    return [parse(d) for d in ds]
+
+
+def own_ops(ops: Sequence[Op]) -> Sequence[Op]:
+    """The session's own ops: a fork's log starts with its parent's ops, up to the last fork marker."""
+    forked = max((i for i, op in enumerate(ops) if isinstance(op, ForkOp)), default=-1)
+    return ops[forked + 1:]
+
+
+def own_op_ids(ops: Sequence[Op]) -> set[str]:
+    """The op ids of the session's own ops (a retry of one of them is answered, never applied again)."""
+    return {op.op_id for op in own_ops(ops) if op.op_id}
+
+
+def last_index_of(ops: Sequence[Op], op_id: str) -> int | None:
+    """The index of the last op written under `op_id` (a fork may reuse its parent's ids for its own)."""
+    return next((i for i in range(len(ops) - 1, -1, -1) if ops[i].op_id == op_id), None)
+
+
+def num_tokens(ops: Iterable[Op]) -> int:
+    """The tokens the log leaves in the session's KV cache: appended minus evicted."""
+    n = 0
+    for op in ops:
+        if isinstance(op, AppendOp):
+            n += op.length
+        elif isinstance(op, EvictOp):
+            n -= op.length
+    return max(0, n)
+
+
+def blob_refs(ops: Iterable[Op]) -> list[tuple[str, str]]:
+    """(ref, tenant) of every logged tool result: each holds a reference on its blob while the log lives."""
+    return [(op.ref, op.tenant) for op in ops if isinstance(op, AppendOp) and op.ref is not None]
+
+
+def kv_follows_tokens(ops: Iterable[Op]) -> bool:
+    """Whether the log's KV is a function of its final tokens alone (so a fork may adopt its parent's
+    blocks): true unless a reposition eviction re-rotated survivors instead of re-deriving them."""
+    return not any(isinstance(op, EvictOp) and op.mode != "exact" for op in ops)
+
+
+def _opt(v: object) -> str | None:
+    return None if v is None else str(v)

@@ -1,0 +1,118 @@
+"""admit_tool_result: one verdict, two media (DESIGN §7).
+
+QUARANTINED acts on both media:
+  bytes: the blob is marked in the store (`set_verdict`) and refused by every SessionContext built
+         from it (the context consults its `quarantined` set and the store);
+  KV:    if its tokens were already prefilled, they are evicted, and the witness is recorded on the
+         context. Tail (nothing attended to it yet): write-time eviction. Not the tail (a late verdict:
+         later tokens attended to it): "exact" mode, survivors re-derived; the witness says late=True.
+
+Witness (probe = a fixed query appended on scratch forks; the real session is never mutated for it):
+    max|Δ| evict-vs-never  : logits after the probe, evicted session vs a session that never saw the piece
+    control kept-vs-never  : the same with the piece kept; > 0 shows the probe can see the piece
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fleet.core.context import RESIDENT, SHIFTED, Piece, SessionContext
+from fleet.core.quarantine.detector import Detector, Verdict
+from fleet.core.session_types import EvictionProof, ToolAdmission
+from fleet.core.verdict import CLEAN, QUARANTINED
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fleet.core.kernel import Session
+
+DEFAULT_PROBE = "\nuser: what should I do next?\nassistant:"
+
+
+def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, detector: Detector | None = None,
+                      probe: str = DEFAULT_PROBE, verdict: Verdict | None = None) -> ToolAdmission:
+    """Inspect the blob `ref` (or take `verdict` on it) and act on the verdict in the store and in `ctx`'s
+    KV cache.
+
+    Args:
+        ctx: the session context that may hold the blob's tokens.
+        ref: the blob's sha256 ref.
+        store: a BlobStore (any object with get / set_verdict).
+        tenant: the blob's tenant.
+        detector: defaults to the shipped layered detector (`make_detector()`: rules + learned + encoder; see
+            docs/quarantine.md). Not used when `verdict` is given.
+        probe: the query whose next-token logits the eviction proof compares.
+        verdict: a verdict already reached on the blob's bytes (the controller's Judge: its configured
+            layers, its per-tenant verdict cache in the store, an operator's verdict); the session runs no
+            detector.
+
+    Returns:
+        ToolAdmission(verdict, reasons, evicted, proof); the proof is also appended to `ctx.proofs`.
+    """
+    v = verdict if verdict is not None else (detector or default_admission_detector()).inspect(store.get(ref, tenant))
+    if not v.quarantined:
+        store.set_verdict(ref, tenant, CLEAN, list(v.reasons))
+        return ToolAdmission(CLEAN, tuple(v.reasons))
+    store.set_verdict(ref, tenant, QUARANTINED, list(v.reasons))
+    ctx.quarantine(ref, list(v.reasons))
+    proof = None
+    # evict from the end backwards so earlier spans keep their positions while we work
+    for p in sorted((p for p in ctx.pieces if p.ref == ref and p.state in (RESIDENT, SHIFTED)),
+                    key=lambda p: -p.start):
+        proof = _evict_with_proof(ctx, p, probe)
+        ctx.proofs.append(proof)
+    return ToolAdmission(QUARANTINED, tuple(v.reasons), evicted=proof is not None, proof=proof)
+
+
+def default_admission_detector() -> Detector:
+    """The detector `admit_tool_result` uses when given none: the layered default (built once, stateless)."""
+    global _DEFAULT_ADMISSION
+    if _DEFAULT_ADMISSION is None:
+        from fleet.core.quarantine.layered import make_detector  # noqa: PLC0415 - numpy only when it is used
+
+        _DEFAULT_ADMISSION = make_detector()
+    return _DEFAULT_ADMISSION
+
+
+_DEFAULT_ADMISSION: Detector | None = None
+
+
+def _evict_with_proof(ctx: SessionContext, p: Piece, probe: str) -> EvictionProof:
+    from fleet.core.kernel import max_abs_delta  # noqa: PLC0415 - keep the detector importable without numpy
+
+    probe_ids = ctx.tokenizer.encode(probe)
+    late = p.end < len(ctx.session)
+    never = _never_saw(ctx, p)
+    kept_logits = _probe(ctx.session, probe_ids)  # control, on a fork: the real session is untouched
+    report = ctx.evict_piece(p.piece_id, mode="exact", reason="quarantine")
+    evict_logits = _probe(ctx.session, probe_ids)
+    never_logits = _probe(never, probe_ids)
+    assert p.ref is not None, p
+    proof = EvictionProof(
+        ref=p.ref, piece_id=p.piece_id, start=p.start, length=p.length, mode=report.mode,
+        late=late, write_time=not late, exact=report.exact, num_recomputed=report.num_recomputed,
+        max_abs_delta_evict_vs_never=max_abs_delta(evict_logits, never_logits),
+        control_kept_vs_never=max_abs_delta(kept_logits, never_logits),
+        cache_digest_equal=ctx.session.digest() == never.digest(),
+        probe_tokens=len(probe_ids), env=ctx.kernel.env(),
+    )
+    never.close()
+    return proof
+
+
+def _never_saw(ctx: SessionContext, p: Piece) -> Session:
+    """A scratch session holding every resident piece except `p`, in order: the never-saw reference."""
+    tokens = [t for q in ctx.pieces if q.state in (RESIDENT, SHIFTED) and q.piece_id != p.piece_id
+              for t in q.tokens]
+    s = ctx.kernel.session()
+    if tokens:
+        s.append(tokens)
+    return s
+
+
+def _probe(session: Session, probe_ids: list[int]) -> np.ndarray:
+    branch = session.fork()
+    try:
+        return branch.append(probe_ids)
+    finally:
+        branch.close()

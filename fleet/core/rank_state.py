@@ -1,0 +1,217 @@
+"""The lifecycle state of one (worker, dp_rank) and its transitions (DESIGN §9), pure like
+fleet/core/lifecycle.py, whose witnesses it folds: every rule that bumps an epoch, sets a fence or stops
+serving returns a `Transition`, and the shell (controller/vllm/watcher.py) only does its I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.core.lifecycle import KV_STATES, PHASES, SEQ_LIMIT, Call, Witness, restart_witness
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """Lifecycle state of one (worker, dp_rank). `epoch` grows on every invalidation.
+
+    `epoch_seq` is the first event seq that may count toward the current epoch's index; `fence`
+    is "clear" while an AllBlocksCleared is awaited, "reset" while a publisher restart is
+    awaited, or "" when BlockStored events may prove residency.
+    """
+
+    epoch: int = 0
+    phase: str = "unknown"
+    kv: str = "unknown"
+    serving: bool = False
+    seq: int = -1
+    epoch_seq: int = 0
+    fence: str = ""
+    start_time: float | None = None
+    version: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.phase in PHASES and self.kv in KV_STATES and self.fence in ("", "clear", "reset")
+
+    def invalidate(self, *, fence: str = "") -> RankState:
+        """Bump the epoch: nothing is warm until BlockStored events after `epoch_seq` re-prove it."""
+        return dataclasses.replace(self, epoch=self.epoch + 1, epoch_seq=self.seq + 1, fence=fence)
+
+    def begin(self, w: Witness) -> RankState:
+        """Before a verb: stop serving; a verb that may forget demotes warmth first."""
+        s = self.invalidate(fence=self.fence) if w.warm_demoted else self
+        return dataclasses.replace(s, serving=False, phase=s.phase if not w.warm_demoted else "unknown")
+
+    def finish(self, w: Witness, *, clear_queued: bool) -> RankState:
+        """After a verb answered: adopt its witness; a forgetting verb fences again."""
+        s = self
+        if w.warm_demoted:
+            s = self.invalidate(fence="clear" if clear_queued else self.fence)
+        return dataclasses.replace(s, phase=w.phase, kv=w.kv, serving=w.serving)
+
+    # transitions: each returns the new state and what the shell must do for it (see Transition)
+
+    @property
+    def accepts_stores(self) -> bool:
+        """BlockStored may prove residency only while no fence is up."""
+        return not self.fence
+
+    def at_seq(self, seq: int) -> RankState:
+        return dataclasses.replace(self, seq=seq)
+
+    def invalidated(self, reason: str, *, fence: str = "") -> Transition:
+        """An external invalidation: epoch bump, index dropped, `fence` set (default: none)."""
+        return Transition(self.invalidate(fence=fence), drop_index=True, reason=reason, persist=True)
+
+    def cleared(self, seq: int) -> Transition:
+        """AllBlocksCleared at `seq`: the epoch restarts at `seq` and an awaited clear lifts the fence.
+
+        NOTE: the index is not dropped here: the event itself clears it in stream order, so
+        BlockStored events after it in the same batch still count.
+        """
+        st = dataclasses.replace(self, epoch=self.epoch + 1, epoch_seq=seq,
+                                 fence="" if self.fence == "clear" else self.fence)
+        return Transition(st, reason="all_blocks_cleared", persist=True)
+
+    def stream_invalidated(self, reason: str, seq: int | None) -> Transition:
+        """The event stream failed (gap, decode error, unknown type...) at `seq`, or restarted.
+
+        A seq reset ("seq_reset") is a new publisher: no batch of the old one can follow, so the
+        stream restarts at -1 with no fence. Otherwise the fence in force stays up.
+        """
+        if reason == "seq_reset":
+            return self.at_seq(-1).invalidated(reason)
+        st = self if seq is None else self.at_seq(max(seq, self.seq))
+        return st.invalidated(reason, fence=st.fence)
+
+    def verb_started(self, call: Call) -> Transition:
+        """Before a verb: `begin`; a verb that may forget drops the index and counts under its name."""
+        demoted = call.before.warm_demoted
+        return Transition(self.begin(call.before), drop_index=demoted, reason=call.verb if demoted else "",
+                          persist=True)
+
+    def verb_answered(self, w: Witness, *, clear_queued: bool) -> Transition:
+        """After a verb answered: `finish`. Its second epoch bump is not counted again."""
+        return Transition(self.finish(w, clear_queued=clear_queued), drop_index=w.warm_demoted, persist=True)
+
+    def verb_failed(self) -> Transition:
+        """The verb's HTTP call failed: we cannot know what vLLM did (error, unknown, not serving)."""
+        t = self.invalidated("verb_failed", fence=self.fence)
+        return t.with_state(phase="error", kv="unknown", serving=False)
+
+    def marked_down(self, reason: str, *, has_blocks: bool) -> Transition:
+        """Unhealthy or unreachable: invalidate unless already down, cold and unknown."""
+        if not (self.serving or self.phase != "unknown" or has_blocks):
+            return Transition(self)
+        t = self.invalidated(reason, fence=self.fence)
+        return t.with_state(phase="unknown", kv="unknown", serving=False)
+
+    def restarted(self, start_time: float | None, version: str, *, stream_reset_seen: bool,
+                  subscribed: bool) -> Transition:
+        """One look's start time and /version; a change from what we knew is a restart.
+
+        Args:
+            start_time: process_start_time_seconds (None: absent).
+            version: the /version answer.
+            stream_reset_seen: the event stream already saw this restart (a seq reset) and
+                invalidated the rank; the restart is not counted twice.
+            subscribed: our SUB socket is open: old batches may still sit in its queue, so stores
+                wait for the new publisher's seq (fence "reset"). Not subscribed yet (controller
+                start), the stream we will read is the new publisher's: it starts at -1.
+
+        NOTE: the restart witness's `serving` is not adopted here: the same look's sleep state
+        decides it (`observed`), as for any other look.
+        """
+        moved = (self.start_time is not None and start_time is not None and start_time != self.start_time) \
+            or (self.version is not None and version != self.version)
+        t = Transition(self)
+        if moved and not stream_reset_seen:
+            w = restart_witness()
+            if subscribed:
+                t = self.invalidated("restart", fence="reset" if self.seq >= 0 else "")
+                t = t.with_state(phase=w.phase, kv=w.kv)
+            else:
+                t = self.invalidated("restart").with_state(phase=w.phase, kv=w.kv, seq=-1, epoch_seq=0)
+        if (start_time, version) != (t.state.start_time, t.state.version):
+            t = t.with_state(start_time=start_time, version=version)
+        return t
+
+    def observed(self, look: Look) -> Transition:
+        """One look's sleep state: asleep (or slept between two looks) invalidates; awake serves.
+
+        A rank the controller paused with its KV preserved stays as it is while asleep. A rank
+        found asleep while we believed it serving (or slept between looks) is invalidated: level
+        1 or 2 queued an AllBlocksCleared (fence "clear"), level 0 kept its KV but we cannot know
+        for sure (kv unknown). Awake and not serving: it serves again ("resumed"), warmth as is.
+        """
+        if not (look.asleep or look.slept_between):
+            return Transition(self) if self.serving else self._resumed(Transition(self))
+        if look.asleep and self.phase == "paused" and self.kv == "preserved":
+            return Transition(self)  # a preserving verb the controller drove: keep the index, do not serve
+        t = Transition(self)
+        if self.serving or self.phase in ("serving", "unknown") or look.slept_between:
+            lvl = look.sleep_level
+            t = self.invalidated("is_sleeping" if look.asleep else "sleep_ops", fence="clear" if lvl else "")
+            t = t.with_state(phase="sleeping" if lvl else "paused", kv="unknown", serving=False)
+        return t if look.asleep or t.state.serving else self._resumed(t)
+
+    @staticmethod
+    def _resumed(t: Transition) -> Transition:
+        return t.with_state(serving=True, phase="serving")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RankState:
+        """A persisted state; a seq outside vLLM's int64 range (a corrupt record) reads as -1, a
+        fresh stream, and its epoch_seq as 0: nothing is trusted from it (fail closed)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        st = cls(**{k: v for k, v in d.items() if k in names})
+        if not (isinstance(st.seq, int) and -1 <= st.seq <= SEQ_LIMIT) or not (
+            isinstance(st.epoch_seq, int) and 0 <= st.epoch_seq <= SEQ_LIMIT + 1
+        ):
+            st = dataclasses.replace(st, seq=-1, epoch_seq=0, serving=False)
+        return st
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A rank's new state and what the shell must do for it, in order: drop the rank's index
+    (`drop_index`), count an epoch bump under `reason` (kvfleet_epoch_bumps_total; "" counts
+    nothing), write the state to the store (`persist`). `Transition(st)` changes nothing."""
+
+    state: RankState
+    drop_index: bool = False
+    reason: str = ""
+    persist: bool = False
+
+    def with_state(self, **changes: Any) -> Transition:
+        """The same actions on a further-changed state; any change is persisted."""
+        return dataclasses.replace(self, state=dataclasses.replace(self.state, **changes), persist=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Look:
+    """What one reconcile look says about a worker's sleep (the same for each of its ranks).
+
+    `asleep`: /is_sleeping true, or engine_sleep_state{awake} = 0. `slept_between`: the /sleep
+    operation count changed since the previous look. `sleep_level`: 2 if weights discarded, 1 if
+    offloaded, else 0 (from engine_sleep_state). `sleep_ops`: this look's count (absent: 0), to
+    compare the next look with.
+    """
+
+    asleep: bool
+    slept_between: bool
+    sleep_level: int
+    sleep_ops: float = 0.0
+
+    @classmethod
+    def of(cls, sleeping: bool, sleep_state: dict[str, float], sleep_ops: float | None,
+           prev_sleep_ops: float | None) -> Look:
+        """Fold one look's answers; `prev_sleep_ops` None means no earlier look to compare with."""
+        ops = sleep_ops or 0.0
+        level = 2 if sleep_state.get("discard_all") else 1 if sleep_state.get("weights_offloaded") else 0
+        return cls(sleeping or sleep_state.get("awake") == 0.0,
+                   prev_sleep_ops is not None and ops != prev_sleep_ops, level, ops)
