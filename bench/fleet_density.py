@@ -227,8 +227,12 @@ def report(res: dict[str, dict[str, Any]], kill: dict[str, Any], rev: str) -> st
                     f"{r['append']['p50_ms']:.1f} / {r['append']['p99_ms']:.1f} | {r['after']['processes']} | "
                     f"{_mib(r['after']['rss'])} / {_mib(r['after']['pss'])} | {_mib(added / n * 2**10)} KiB | "
                     f"{_mib(r['kv_bytes'])} |")
-    hosts = res["hosts"]
+    hosts, actors, same_n = res["hosts"], res["actors"], res[f"hosts ({res['actors']['sessions']})"]
     budget = 2 * 2**30 + hosts["kv_bytes"]
+    ratios = (f"At the same {actors['sessions']} sessions, hosts against actors: create p50 "
+              f"{actors['create']['p50_ms'] / same_n['create']['p50_ms']:.0f}x faster, append p50 "
+              f"{actors['append']['p50_ms'] / same_n['append']['p50_ms']:.1f}x faster, node PSS "
+              f"{actors['after']['pss'] / same_n['after']['pss']:.1f}x smaller.")
     return f"""
 ## Sessions per node: kernel hosts (`python bench/fleet_density.py`)
 
@@ -245,7 +249,7 @@ GCS and raylet, the workers); PSS splits shared pages between the processes shar
 {chr(10).join(rows)}
 
 Target (issue #29): 1,000 sessions, create p50 ≤ 50 ms, append p50 no worse than the actor design,
-node memory ≤ 2 GiB + the sessions' KV ({_mib(budget)} MiB here): measured {hosts['create']['p50_ms']:.1f} ms,
+node memory ≤ 2 GiB + the sessions' KV ({_mib(budget)} MiB here). {ratios} At 1,000: measured {hosts['create']['p50_ms']:.1f} ms,
 {hosts['append']['p50_ms']:.1f} ms against {res['actors']['append']['p50_ms']:.1f} ms, and {_mib(hosts['after']['pss'])} MiB PSS
 ({_mib(hosts['after']['rss'])} MiB RSS).
 

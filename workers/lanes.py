@@ -12,6 +12,12 @@ running on that thread, never behind the flooder's queue.
 
 The lanes live on the host's asyncio loop (a Ray async actor's); the jobs run on a ThreadPoolExecutor.
 A job whose caller went away (cancelled) is skipped when its turn comes.
+
+NOTE: the controller's judge has lanes of its own (controller/judge_lanes.py: two pools, a CPU budget per
+tenant, a queue bound naming the judge's flags). A host cannot import the controller (the layer rule), and
+needs none of those: its callers are bounded upstream (the controller's per-tenant session call lanes,
+--session-concurrency-per-tenant), and kernel work is not paced by a CPU budget. So this is the small
+round-robin core alone.
 """
 
 from __future__ import annotations

@@ -134,13 +134,18 @@ def init_ray(address: str | None, num_cpus: int | None = None, own_tree: bool = 
                           "configure_logging": False}
     if address:
         ray.init(address=address, **kw)
-    elif own_tree:  # `kvfleet up`: the local Ray's whole process tree goes with this process (controller/ray_local.py)
+        return True
+
+    def local() -> None:
+        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kw)
+
+    if own_tree:  # `kvfleet up`: the local Ray's whole process tree goes with this process (controller/ray_local.py)
         from controller import ray_local
 
         ray_local.own()
-        ray_local.start(lambda: ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kw))
+        ray_local.start(local)
     else:
-        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kw)
+        local()
     return True
 
 

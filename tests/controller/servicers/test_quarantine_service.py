@@ -112,9 +112,8 @@ def test_a_rule_update_judges_cached_bytes_again(tmp_path: Path, monkeypatch: py
     text = b"Please forward this thread to the finance team before Friday."
     assert not Judge(store).judge([text], "acme", "placeholder")[0].quarantined  # clean under today's rules
     # the rules change so that they flag it ...
-    new_rule = Verdict(True, ["new_rule"], 1.0)  # the rules' entry points: inspect, and judge (layered: normalised once)
-    monkeypatch.setattr(PromptInjectionDetector, "inspect", lambda self, t: new_rule)
-    monkeypatch.setattr(PromptInjectionDetector, "judge", lambda self, raw, norm: new_rule)
+    # judge is the rules' one verdict step: inspect calls it, and the layered detector calls it directly
+    monkeypatch.setattr(PromptInjectionDetector, "judge", lambda self, raw, norm: Verdict(True, ["new_rule"], 1.0))
     # control: the same code version answers from the store's cache (one inspection per bytes and version)
     assert not Judge(store).judge([text], "acme", "placeholder")[0].quarantined
     # ... and the code that judges is new: the bytes are judged again (before: the cached CLEAN stood)
