@@ -7,7 +7,9 @@ controller's --detector-layers is the one policy, loaded once per controller, ne
                    else QUARANTINED if the tenant's blob of these bytes is   (admit_tool_result marked it)
                    else the tenant's full verdict, if the store has it       (every layer, the heavy ones too)
                    else the tenant's fast verdict (layers not in HEAVY_LAYERS, computed now if need be),
-                        and the full one is computed in the background (`heavy`): a late verdict
+                        and the full one is computed in the background (`heavy`): a late verdict, unless
+                        the config's encoder gate keeps the encoder off these bytes (the learned score is
+                        below it): then the fast verdict is the full one and nothing is queued
 
 A config with only heavy layers has no fast verdict and is judged in full at once (`judge` does the
 whole rule inline: tests, scripts). docs/quarantine_path.md states the policy.
@@ -36,6 +38,7 @@ from typing import Any
 import fleet.core.quarantine as quarantine_pkg
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
+from fleet.core.quarantine.layered import gate_reason, gated_out
 from fleet.core.verdict import CLEAN, QUARANTINED
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
@@ -109,9 +112,11 @@ class Judge:
 
         def fast_of(cfg: DetectorConfig) -> VerdictCache | None:
             fast = tuple(x for x in cfg.layers if x not in HEAVY_LAYERS)
-            return cache_of(replace(cfg, layers=fast)) if fast and fast != cfg.layers else None
+            # the gate decides whether the heavy layer runs, not the fast verdict: gated or not, one fast space
+            return cache_of(replace(cfg, layers=fast, encoder_gate=None)) if fast and fast != cfg.layers else None
 
         default = config or DetectorConfig()
+        self.config, self.tenant_configs = default, dict(tenants or {})
         self.cache = cache_of(default)  # the shipped policy, every layer
         self.tenant_caches = {t: cache_of(c) for t, c in (tenants or {}).items()}
         self.fast = fast_of(default)  # its fast layers (None: it has no heavy layer, or only heavy ones)
@@ -190,6 +195,9 @@ class Judge:
             v = full.cached(data, tenant)
             if v is None:
                 v = quick.inspect(data, tenant)
+                cfg = self.tenant_configs.get(tenant, self.config)
+                if not v.quarantined and gated_out(cfg, v.learned_score):  # the heavy layer will not run: final
+                    return Judgement(ref, False, (*v.reasons, gate_reason(cfg)), "detector"), False
                 return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), not v.quarantined
         else:
             v = full.inspect(data, tenant)

@@ -6,6 +6,8 @@ encoder (layer 3), per-tenant config.
     encoder (encoder.py)             any member's P(injection) >= its threshold -> QUARANTINED,
                                      reason "encoder:<member>:0.874" per member (ENCODER_MODELS: two runs)
                                      both read `unquoted_view`: quotations inside texts about attacks are blanked
+    encoder_gate (optional)          the encoder runs only when the learned score >= encoder_gate; below it the
+                                     encoder is not run and cannot quarantine (reason "encoder-gated:learned<0.5000")
 
 Policy: a tool result is quarantined when *any* enabled layer says so; every verdict lists the rule
 categories that fired and the score of every model layer that ran. The model layers run on every
@@ -90,6 +92,10 @@ class DetectorConfig:
             for the shipped committee; see docs/quarantine.md, round ten).
         encoder_models: the encoder layer's members, adapter folders under `fleet/core/quarantine/model/`; the
             layer quarantines when any member does (default: the two shipped runs).
+        encoder_gate: a cascade (None: no gate): the encoder judges a text only when the learned layer's score
+            (the 4-decimal P(injection) in the verdict) is >= this; below it the encoder does not run and
+            cannot quarantine, and the controller queues no heavy job for the bytes. Needs the learned layer.
+            docs/quarantine_default.md has the figures.
     """
 
     layers: tuple[str, ...] = field(default_factory=default_layers)
@@ -99,6 +105,7 @@ class DetectorConfig:
     model: str = MODEL_NAME
     encoder_threshold: float | tuple[float, ...] | None = None
     encoder_models: tuple[str, ...] = ENCODER_MODELS
+    encoder_gate: float | None = None
 
     def __post_init__(self) -> None:
         assert self.layers and set(self.layers) <= set(LAYERS), (
@@ -114,6 +121,11 @@ class DetectorConfig:
         assert all(0.0 <= x <= 1.0 for x in ts), "encoder_threshold in [0, 1]"
         assert not isinstance(t, tuple) or len(t) == len(self.encoder_models), (
             f"encoder_threshold: one per member ({len(self.encoder_models)}: {', '.join(self.encoder_models)})"
+        )
+        g = self.encoder_gate
+        assert g is None or (isinstance(g, float | int) and 0.0 <= g <= 1.0), f"encoder_gate {g!r}: in [0, 1] or None"
+        assert g is None or "learned" in self.layers, (
+            "encoder_gate reads the learned layer's score: add 'learned' to layers, or set encoder_gate=None"
         )
         unknown = set(self.rule_categories or ()) - R.CATEGORIES
         assert not unknown, f"unknown rule categories {sorted(unknown)}; known: {sorted(R.CATEGORIES)}"
@@ -161,8 +173,9 @@ class LayeredDetector:
 
         Returns:
             Verdict(quarantined, reasons = rule categories (sorted) + ["learned:<p>"] and one
-            "encoder:<member>:<p>" per encoder member, for the model layers that ran; score = the rules'
-            score, learned_score = the learned layer's P(injection), encoder_score = the highest member's).
+            "encoder:<member>:<p>" per encoder member, for the model layers that ran, or "encoder-gated:..."
+            when the config's encoder_gate kept the encoder from running; score = the rules' score,
+            learned_score = the learned layer's P(injection), encoder_score = the highest member's).
         """
         raw = T.decode_bytes(text)
         norm = T.normalize(raw)  # NOTE: once, for the rules and the model layers' view
@@ -174,6 +187,9 @@ class LayeredDetector:
             p = round(self.model.score(view), 4)
             reasons.append(f"learned:{p:.4f}")
             hit = hit or p >= self.learned_threshold
+        if self.encoders and gated_out(self.cfg, p):
+            reasons.append(gate_reason(self.cfg))  # NOTE: the encoder is not run; it cannot quarantine
+            return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p)
         ranker = self._ranker
         read: dict[tuple[int, int, int], list[list[int]]] = {}  # members that window alike tokenize and rank once
         for enc, threshold, name in zip(self.encoders, self.encoder_thresholds, self.member_names, strict=True):
@@ -185,6 +201,18 @@ class LayeredDetector:
             hit = hit or qm >= threshold
             q = qm if q is None else max(q, qm)
         return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p, encoder_score=q)
+
+
+def gated_out(cfg: DetectorConfig, learned_score: float | None) -> bool:
+    """Whether `cfg`'s encoder gate keeps the encoder from judging a text whose learned score is
+    `learned_score` (the verdict's 4-decimal one): a gate is set and the score is below it."""
+    return cfg.encoder_gate is not None and (learned_score is None or learned_score < cfg.encoder_gate)
+
+
+def gate_reason(cfg: DetectorConfig) -> str:
+    """The reason a verdict carries when the encoder gate kept the encoder from running."""
+    assert cfg.encoder_gate is not None
+    return f"encoder-gated:learned<{cfg.encoder_gate:.4f}"
 
 
 def member_scores(v: Verdict) -> dict[str, float]:
@@ -260,7 +288,8 @@ def _config_id(
 ) -> str:
     """sha256 of the config, the effective thresholds and the models' weights: equal ids, equal verdicts."""
     doc = {
-        "cfg": asdict(cfg),
+        # NOTE: an ungated config keeps the id it had before encoder_gate existed
+        "cfg": {k: v for k, v in asdict(cfg).items() if k != "encoder_gate" or v is not None},
         "learned_threshold": learned_threshold,
         "model": model.digest() if model else None,
         "encoder_thresholds": list(encoder_thresholds),

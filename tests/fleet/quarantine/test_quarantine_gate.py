@@ -1,0 +1,79 @@
+"""The encoder gate (issue #28): with `DetectorConfig(encoder_gate=tau)` the encoder judges a text only when the
+learned layer's score is >= tau; below it the encoder is not run (its members are never called) and cannot
+quarantine, and the verdict says it was gated out. The config id separates gated and ungated verdicts.
+
+The members are the shipped ones, wrapped only to count their calls. Encoder threshold 0 makes the encoder
+quarantine anything it judges, so a verdict shows whether it ran. Skipped without the encoder extra."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.extras import require_encoder
+
+require_encoder()
+
+from fleet.core.quarantine import DetectorConfig  # noqa: E402
+from fleet.core.quarantine.encoder import ENCODER_MODELS, load_encoder  # noqa: E402
+from fleet.core.quarantine.layered import LayeredDetector, member_scores, parse_detector  # noqa: E402
+
+LOW = "Build 8812 passed: 412 tests, 0 failures, coverage 81.4%."  # learned 0.0037
+MID = "Order 4412 shipped on 3 March via DHL, expected delivery Friday."  # learned 0.3692: clean for rules + learned
+GATE = 0.1
+ANY = DetectorConfig(layers=("rules", "learned", "encoder"), encoder_threshold=0.0)  # the encoder flags all it reads
+
+
+class Counted:
+    """A shipped encoder member that counts the texts it scores (everything else is the member's own)."""
+
+    def __init__(self, member: Any) -> None:
+        self.member, self.calls = member, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.member, name)
+
+    def score_windows(self, windows: list[list[int]]) -> float:
+        self.calls += 1
+        return float(self.member.score_windows(windows))
+
+
+def detector(cfg: DetectorConfig) -> tuple[LayeredDetector, list[Counted]]:
+    members = [Counted(load_encoder(n)) for n in ENCODER_MODELS]
+    return LayeredDetector(cfg, encoders=tuple(members)), members  # type: ignore[arg-type]
+
+
+def calls(members: list[Counted]) -> int:
+    return sum(m.calls for m in members)
+
+
+def test_below_the_gate_the_encoder_never_runs_and_cannot_quarantine() -> None:
+    det, members = detector(DetectorConfig(layers=ANY.layers, encoder_threshold=0.0, encoder_gate=GATE))
+    low = det.inspect(LOW)
+    assert calls(members) == 0  # never sent to the encoder
+    assert not low.quarantined and low.encoder_score is None and member_scores(low) == {}
+    assert low.learned_score is not None and low.learned_score < GATE
+    assert f"encoder-gated:learned<{GATE:.4f}" in low.reasons
+    mid = det.inspect(MID)  # at or above the gate: the encoder judges it (every member), as without a gate
+    assert mid.learned_score is not None and mid.learned_score >= GATE
+    assert calls(members) == len(ENCODER_MODELS)
+    assert mid.quarantined and set(member_scores(mid)) == set(ENCODER_MODELS)
+    assert not any(r.startswith("encoder-gated") for r in mid.reasons)
+
+
+def test_control_without_a_gate_the_encoder_judges_the_low_text() -> None:
+    det, members = detector(ANY)
+    v = det.inspect(LOW)
+    assert calls(members) == len(ENCODER_MODELS) and v.quarantined
+    assert not any(r.startswith("encoder-gated") for r in v.reasons)
+
+
+def test_the_gate_is_in_the_config_id_and_checked() -> None:
+    ids = {LayeredDetector(DetectorConfig(layers=ANY.layers, encoder_gate=g)).config_id for g in (None, 0.1, 0.2)}
+    assert len(ids) == 3
+    with pytest.raises(AssertionError, match="encoder_gate"):
+        DetectorConfig(layers=("rules", "encoder"), encoder_gate=0.5)  # no learned score to gate on
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(AssertionError, match="encoder_gate"):
+            DetectorConfig(layers=ANY.layers, encoder_gate=bad)
+    assert parse_detector("rules,learned,encoder").encoder_gate is None  # the specs name no gate: ungated
