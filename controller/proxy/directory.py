@@ -4,7 +4,9 @@ The controller's Route answer is authoritative for where to go; the directory su
 answer does not carry: the URLs of the fallback candidates, which workers are serving right now,
 the union of the workers' /v1/models cards, and a short local "suspect" mark on a worker the proxy
 itself found asleep behind the controller's back (so later requests skip it until the controller's
-reconcile loop catches up, instead of each paying a failed attempt).
+reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
+is what the requests waiting on one worker's first byte share; a worker the controller stops listing as
+serving is nudged there, so its waiters ask it at once whether it sleeps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import aiohttp
 from controller.proxy.config import ProxyConfig
 from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
+from controller.proxy.watch import WorkerWatch
 from fleet.core.errors import KvfleetError
 from fleet.sdk.types import WorkerInfo
 
@@ -45,6 +48,7 @@ class WorkerDirectory:
         self._rr = itertools.count()
         self.last_error: str | None = "not refreshed yet"
         self._task: asyncio.Task[None] | None = None
+        self.watch = WorkerWatch()  # the requests waiting for each worker's first byte: their probe and its finding
 
     async def start(self) -> None:
         await self.refresh()
@@ -73,7 +77,12 @@ class WorkerDirectory:
         for w in workers:  # the controller lists one entry per (worker, dp_rank): merge the ranks
             prev = merged.get(w.name)
             merged[w.name] = w if prev is None else dataclasses.replace(prev, ranks=prev.ranks + w.ranks)
+        was_serving = {n for n, w in self.workers.items() if w.serving}
         self.workers, self.last_error = merged, None
+        for name in was_serving:  # NOTE: the controller stopped listing it (slept, paused, lost): ask it now
+            now_serving = merged.get(name)
+            if now_serving is None or not now_serving.serving:
+                self.watch.nudge(name)
         now = time.monotonic()
         stale = [w for w in workers if self._cards_at.get(w.name, -1e9) + self.cfg.models_refresh_s <= now]
         await asyncio.gather(*(self._fetch_cards(w, now) for w in stale))

@@ -18,6 +18,9 @@ listing as serving (a frozen process: its reconcile lost /health) fails an attem
 first byte within max_first_byte_wait_s whatever the probes say (the overall bound per attempt). A probe that
 times out says the worker is busy or unknown, not asleep: a loaded vLLM answers /is_sleeping slowly, and
 failing over every slow worker turned load into 503s (#13 finding 8).
+The requests waiting on one worker share its probe and its finding (controller/proxy/watch.py): a probe that
+gives the worker up fails every attempt waiting on it over at once, and a worker the controller stops listing
+as serving is probed at once for all of them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.watch import ASLEEP, BUSY, GONE, Ticket, ask_is_sleeping
 from fleet.core.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
@@ -47,7 +51,6 @@ MAX_SENDS = 2  # the chosen worker, then ONE retry
 MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8) ..
 MAX_PROBE_WAIT_S = 8.0  # .. or, past that, doubling up to 8 s apart: a long answer is not probed more often with
 # a short first-byte timeout (0.25 s) than with the old default's (1 s)
-ASLEEP, AWAKE, BUSY, GONE = "asleep", "awake", "busy", "unreachable"  # what a probe observed
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,39 +135,69 @@ class Forwarder:
 
     async def _attempt(self, t: Target, path: str, body: bytes, headers: dict[str, str], sends: int,
                        failures: list[str]) -> Opened:
+        ticket = self.directory.watch.ticket(t.worker)  # taken before the send: a finding after it covers it
         t_sent = time.perf_counter()
         task = asyncio.create_task(self._open(t.url.rstrip("/") + path, body, headers))
         try:
-            await self._wait_first_byte(t, task)
+            await self._wait_first_byte(t, task, ticket)
             resp, first = await task
         except BaseException:
             await _discard(task)
             raise
         return Opened(t, resp, first, t_sent, time.perf_counter(), sends, tuple(failures))
 
-    async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:
-        """Wait for `task`'s first byte; fail the attempt only if a probe finds the worker asleep or gone."""
+    async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
+                               ticket: Ticket) -> None:
+        """Wait for `task`'s first byte; fail the attempt only if a probe finds the worker asleep or gone.
+
+        The probe is shared with every request waiting on the same worker (WorkerWatch), and so is its finding:
+        one request's probe that gives the worker up gives up all the attempts waiting on it (`ticket`).
+        """
         limit = self.cfg.max_first_byte_wait_s
-        deadline = time.monotonic() + limit
-        for wait in probe_waits(self.cfg.first_byte_timeout_s):
-            left = deadline - time.monotonic()
-            done, _ = await asyncio.wait({task}, timeout=max(min(wait, left), 0.0))
-            if done:
+        start = time.monotonic()
+        deadline = start + limit
+        waits = probe_waits(self.cfg.first_byte_timeout_s)
+        wait = next(waits)
+        while True:
+            left, wake = deadline - time.monotonic(), ticket.wake  # NOTE: a nudge replaces ticket.wake
+            either: set[asyncio.Future[Any]] = {task, wake}
+            done, _ = await asyncio.wait(either, timeout=max(min(wait, left), 0.0),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
                 return
-            if time.monotonic() >= deadline:
+            if ticket.lost is not None:
+                raise AttemptFailed(ticket.lost)
+            nudged = wake in done  # the controller stopped listing it: probe now, then keep the schedule
+            if not nudged and time.monotonic() >= deadline:
                 # NOTE: the overall bound: a worker that keeps the connection open but never answers (a dead
                 # engine behind a live socket) while the controller still lists it would otherwise hold the
                 # request forever
                 raise AttemptFailed(f"timeout: no first byte within {limit}s (the proxy's --max-first-byte-wait)")
-            seen, detail = await self._probe(t.url)
-            self.metrics.probes.labels(t.worker, seen).inc()
-            if seen in (ASLEEP, GONE):
-                raise AttemptFailed(f"{seen}: no first byte within {wait:g}s and GET /is_sleeping {detail}")
-            if seen == BUSY and t.worker in self.directory.workers and not self.directory.serving(t.worker):
-                # NOTE: busy is the benefit of the doubt; a worker the controller no longer calls serving (its
-                # reconcile lost /health, or it was slept) and that does not answer a probe is given up on
-                raise AttemptFailed(f"unresponsive: no first byte, GET /is_sleeping {detail}, and the controller "
-                                    "no longer lists it as serving")
+            seen, detail = await self.directory.watch.probe(t.worker, lambda: self._probe_counted(t))
+            why = self._verdict(t, seen, detail, time.monotonic() - start)
+            if ticket.lost is not None:  # another waiter judged the same finding first
+                raise AttemptFailed(ticket.lost)
+            if why is not None:
+                self.directory.watch.lose(t.worker, f"{why} (found for another request waiting on it)")
+                raise AttemptFailed(why)
+            if not nudged:
+                wait = next(waits)
+
+    def _verdict(self, t: Target, seen: str, detail: str, waited_s: float) -> str | None:
+        """Why a probe's finding gives the worker up (the attempt's failure reason), or None: keep waiting."""
+        if seen in (ASLEEP, GONE):
+            return f"{seen}: no first byte after {waited_s:.2f}s and GET /is_sleeping {detail}"
+        if seen == BUSY and t.worker in self.directory.workers and not self.directory.serving(t.worker):
+            # NOTE: busy is the benefit of the doubt; a worker the controller no longer calls serving (its
+            # reconcile lost /health, or it was slept) and that does not answer a probe is given up on
+            return (f"unresponsive: no first byte, GET /is_sleeping {detail}, and the controller "
+                    "no longer lists it as serving")
+        return None
+
+    async def _probe_counted(self, t: Target) -> tuple[str, str]:
+        seen, detail = await ask_is_sleeping(self.http, t.url, self.cfg.probe_timeout_s)
+        self.metrics.probes.labels(t.worker, seen).inc()
+        return seen, detail
 
     async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
@@ -182,30 +215,6 @@ class Forwarder:
         except BaseException:
             resp.close()
             raise
-
-    async def _probe(self, url: str) -> tuple[str, str]:
-        """(what GET /is_sleeping observed, a phrase saying so): ASLEEP, AWAKE, BUSY or GONE.
-
-        404 (vLLM without dev mode) means it cannot have been put to sleep: awake. No answer within
-        probe_timeout_s, or an answer that is not one, is BUSY (unknown): the worker may just be loaded.
-        """
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.cfg.probe_timeout_s)
-            async with self.http.get(url.rstrip("/") + "/is_sleeping", timeout=timeout) as r:
-                if r.status == 404:
-                    return AWAKE, "answered 404 (no dev mode: it cannot sleep)"
-                doc = await r.json(content_type=None) if r.status == 200 else None
-        except TimeoutError:
-            return BUSY, f"did not answer within {self.cfg.probe_timeout_s}s"
-        except (aiohttp.ClientConnectionError, OSError) as e:
-            if isinstance(e, aiohttp.ClientConnectorError):
-                return GONE, f"could not connect ({e})"
-            return BUSY, f"failed ({type(e).__name__}: {e})"
-        except ValueError as e:
-            return BUSY, f"answered something that is not JSON ({e})"
-        if not isinstance(doc, dict) or not isinstance(doc.get("is_sleeping"), bool):
-            return BUSY, f"answered {r.status} without an is_sleeping flag"
-        return (ASLEEP, "says is_sleeping=true") if doc["is_sleeping"] else (AWAKE, "says is_sleeping=false")
 
     async def relay(self, request: web.Request, o: Opened, extra: dict[str, str],
                     note: dict[str, Any] | None = None) -> tuple[web.StreamResponse, float]:

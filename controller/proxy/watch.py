@@ -1,0 +1,110 @@
+"""What the requests waiting for one worker's first byte share: one /is_sleeping probe at a time, and the news
+that the worker was found asleep (or gone), so that every one of them fails over at once.
+
+    A, B, C sent to W ── each takes W's current Ticket before its send
+    A: no first byte in time ──► probe(W) ─────────────┐  (B or C timing out meanwhile await that same probe)
+                                                       │ asleep / unreachable / unresponsive
+                                                       ▼
+                                 lose(W): the Ticket's `wake` resolves ──► B and C fail over now, not at their
+                                 own timeouts; requests sent to W after this take a new Ticket
+    the controller stops listing W as serving ──► nudge(W): W's waiters probe now (one shared probe),
+                                                  not at their own next timeout
+
+NOTE: only a probe's finding (or the controller's word followed by a probe) fails the waiters over: a worker that
+stops serving is first asked, as each request's own probe would ask it (docs/proxy.md, failover).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+ASLEEP, AWAKE, BUSY, GONE = "asleep", "awake", "busy", "unreachable"  # what a probe observed
+Finding = tuple[str, str]  # (what a probe observed, a phrase saying so)
+
+
+class Ticket:
+    """One generation of a worker's waiters: `lost` says why they were given up (None: not given up), and
+    `wake` resolves when they were given up or must probe now (then a fresh one replaces it)."""
+
+    __slots__ = ("lost", "wake")
+
+    def __init__(self) -> None:
+        self.lost: str | None = None
+        self.wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def _wake(self) -> None:
+        if not self.wake.done():
+            self.wake.set_result(None)
+
+
+class WorkerWatch:
+    """Per worker: the current Ticket and the /is_sleeping probe in flight (at most one)."""
+
+    def __init__(self) -> None:
+        self._tickets: dict[str, Ticket] = {}
+        self._probes: dict[str, asyncio.Task[Finding]] = {}
+        self.num_lost = 0  # lose() calls that gave up at least one waiting attempt's Ticket
+        self.num_nudged = 0
+
+    def ticket(self, worker: str) -> Ticket:
+        """The Ticket an attempt sent to `worker` now waits under (shared by every such attempt)."""
+        t = self._tickets.get(worker)
+        if t is None:
+            t = self._tickets[worker] = Ticket()
+        return t
+
+    def lose(self, worker: str, why: str) -> None:
+        """Every attempt sent to `worker` so far fails over (`why` is its reason); later sends get a new Ticket."""
+        t = self._tickets.pop(worker, None)
+        if t is not None:
+            t.lost = why
+            self.num_lost += 1
+            t._wake()
+
+    def nudge(self, worker: str) -> None:
+        """`worker`'s waiters probe now (the controller stopped listing it as serving)."""
+        t = self._tickets.get(worker)
+        if t is not None and not t.wake.done():
+            self.num_nudged += 1
+            t._wake()
+            t.wake = asyncio.get_running_loop().create_future()
+
+    async def probe(self, worker: str, run: Callable[[], Awaitable[Finding]]) -> Finding:
+        """`run()`'s finding for `worker`: a probe already in flight for it is joined, not repeated."""
+        task = self._probes.get(worker)
+        if task is None:
+            task = self._probes[worker] = asyncio.ensure_future(run())
+            task.add_done_callback(lambda done: self._forget(worker, done))
+        # NOTE: shielded: a waiter that is cancelled (its client went away) leaves the probe to the others
+        return await asyncio.shield(task)
+
+    def _forget(self, worker: str, task: asyncio.Task[Finding]) -> None:
+        if self._probes.get(worker) is task:
+            del self._probes[worker]
+
+
+async def ask_is_sleeping(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Finding:
+    """(what GET /is_sleeping observed, a phrase saying so): ASLEEP, AWAKE, BUSY or GONE.
+
+    404 (vLLM without dev mode) means it cannot have been put to sleep: awake. No answer within
+    timeout_s, or an answer that is not one, is BUSY (unknown): the worker may just be loaded.
+    """
+    try:
+        async with http.get(url.rstrip("/") + "/is_sleeping", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status == 404:
+                return AWAKE, "answered 404 (no dev mode: it cannot sleep)"
+            doc = await r.json(content_type=None) if r.status == 200 else None
+    except TimeoutError:
+        return BUSY, f"did not answer within {timeout_s}s"
+    except (aiohttp.ClientConnectionError, OSError) as e:
+        if isinstance(e, aiohttp.ClientConnectorError):
+            return GONE, f"could not connect ({e})"
+        return BUSY, f"failed ({type(e).__name__}: {e})"
+    except ValueError as e:
+        return BUSY, f"answered something that is not JSON ({e})"
+    if not isinstance(doc, dict) or not isinstance(doc.get("is_sleeping"), bool):
+        return BUSY, f"answered {r.status} without an is_sleeping flag"
+    return (ASLEEP, "says is_sleeping=true") if doc["is_sleeping"] else (AWAKE, "says is_sleeping=false")
