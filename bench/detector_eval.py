@@ -3,7 +3,8 @@ policies and the encoder committee (the heavier judge, with and without the nump
 
     python bench/detector_eval.py            # prints the tables, rewrites the `detector-eval` section
     python bench/detector_eval.py --no-doc   # prints only
-    python bench/detector_eval.py --no-encoder   # leaves out the torch policies (minutes instead of ~half an hour)
+    python bench/detector_eval.py --no-encoder   # leaves out the ungated torch policies (minutes, not ~half an hour)
+    python bench/detector_eval.py --no-encoder --no-gated   # numpy policies only (~30 s)
 
 Reads the shipped models; the test split `scripts/train_detector.py` wrote (never used while tuning); the
 multilingual benign test part `scripts/train_fast.py` wrote; real benign files of the test split's packages
@@ -12,6 +13,9 @@ bench's own agent tool results (bench/routing_trace.py, every workload); the rep
 Cost: median process CPU ms per KiB at 1 / 4 / 16 / 256 KiB (and 1 MiB, the learned layer's max_chars, for the numpy
 policies), and resident MB (a fresh process per policy: its RSS after import, after building the detector, and its
 peak after judging a 256 KiB and a 1 MiB result).
+The gated policy (rules + learned + the encoder where the learned score >= ENCODER_GATE, the encoder's verdicts
+off the request path; docs/quarantine_default.md) also reports, per benign set, the share of texts that pass the
+gate and the CPU of its heavy jobs (the full verdict of the texts that pass; a text below the gate gets none).
 Writes the figures to tests/fleet/quarantine/data/heldout_report.json.
 """
 
@@ -47,6 +51,7 @@ from bench.detector_heldout import (  # noqa: E402
 )
 from fleet.core.quarantine import DetectorConfig, make_detector  # noqa: E402
 from fleet.core.quarantine.detector import Verdict  # noqa: E402
+from fleet.core.quarantine.encoder import missing_modules  # noqa: E402
 from fleet.core.quarantine.layered import member_scores  # noqa: E402
 
 DATA = ROOT / "tests" / "fleet" / "quarantine" / "data"
@@ -60,6 +65,12 @@ NUMPY_CONFIGS = {
 # encoder runs once per text.
 ENCODER_FULL = "rules + learned + encoder committee (the default with the encoder extra)"
 ENCODER_ALONE = "encoder committee alone (opt-in heavier judge)"
+# The encoder gate chosen on validation by the pre-registered rule (docs/quarantine_default.md: the best validation
+# recall with precision >= 0.95, generated FPR <= 0.5%, multilingual validation FPR <= 0.5%); not the default.
+ENCODER_GATE = 0.918
+GATED = f"rules + learned + encoder gated at learned >= {ENCODER_GATE} (heavy path)"
+GATED_CONFIG = DetectorConfig(layers=("rules", "learned", "encoder"), encoder_gate=ENCODER_GATE)
+BENIGN_SETS = ("multilingual_benign", "routing_bench_tool_results", "real_benign", "tool_outputs")
 KIBS = (1, 4, 16, 256)
 NUMPY_KIBS = (*KIBS, 1024)  # the encoder policies take minutes per MiB
 
@@ -113,13 +124,47 @@ def summarise(s: Scores) -> dict[str, Any]:
     }
 
 
-def evaluate(encoder: bool) -> dict[str, Any]:
+def gate_costs(texts: list[str], vs: list[Verdict], cpu: list[float], fast_cpu: list[float]) -> dict[str, float]:
+    """What the gated policy's heavy path costs on one set: how many texts (and KiB) pass the gate, and the
+    process CPU of their full verdicts (every layer: the heavy job) per KiB of the whole set and of the texts
+    that pass; the fast path's (rules + learned) CPU per KiB of the set beside it."""
+    kib = [len(t.encode("utf-8", "surrogatepass")) / 1024 for t in texts]
+    on = [v.encoder_score is not None for v in vs]
+    k_all, k_on = sum(kib), sum(k for k, o in zip(kib, on, strict=True) if o)
+    c_on = sum(c for c, o in zip(cpu, on, strict=True) if o)
+    return {"texts": len(texts), "passed": sum(on), "kib": round(k_all, 1), "kib_passed": round(k_on, 1),
+            "heavy_ms_per_kib": round(1000 * c_on / k_all, 3) if k_all else 0.0,
+            "heavy_ms_per_kib_passed": round(1000 * c_on / k_on, 3) if k_on else 0.0,
+            "fast_ms_per_kib": round(1000 * sum(fast_cpu) / k_all, 3) if k_all else 0.0}
+
+
+def timed(det: Any, texts: list[str]) -> tuple[list[Verdict], list[float]]:
+    vs, cpu = [], []
+    for t in texts:
+        c0 = time.process_time()
+        vs.append(det.inspect(t))
+        cpu.append(time.process_time() - c0)
+    return vs, cpu
+
+
+def evaluate(encoder: bool, gated: bool = False) -> dict[str, Any]:
     data = sets()
     rows = load_heldout(DATA / HELDOUT_FILE)
     verdicts: dict[str, dict[str, list[Verdict]]] = {}
+    fast_cpu: dict[str, list[float]] = {}
     for name, cfg in NUMPY_CONFIGS.items():
         det = make_detector(cfg)
-        verdicts[name] = {k: [det.inspect(t) for t in texts] for k, (texts, _) in data.items()}
+        got = {k: timed(det, texts) for k, (texts, _) in data.items()}
+        verdicts[name] = {k: vs for k, (vs, _) in got.items()}
+        if name == "rules + learned":
+            fast_cpu = {k: cpu for k, (_, cpu) in got.items()}
+    gate: dict[str, dict[str, float]] = {}
+    if gated:
+        det = make_detector(GATED_CONFIG)
+        det.inspect("warm up: the encoder's first call")
+        got = {k: timed(det, texts) for k, (texts, _) in data.items()}
+        verdicts[GATED] = {k: vs for k, (vs, _) in got.items()}
+        gate = {k: gate_costs(data[k][0], *got[k], fast_cpu[k]) for k in data}
     if encoder:
         det = make_detector(DetectorConfig(layers=("rules", "learned", "encoder")))
         full = {k: [det.inspect(t) for t in texts] for k, (texts, _) in data.items()}
@@ -139,6 +184,8 @@ def evaluate(encoder: bool) -> dict[str, Any]:
             if (idx := [i for i, r in enumerate(rows) if r["source"] == src])
         }
         out["detectors"][name] = d
+    if gate:
+        out["detectors"][GATED]["gate"] = gate
     return out
 
 
@@ -150,7 +197,7 @@ def rss(key="VmRSS:"):
 from fleet.core.quarantine import DetectorConfig, make_detector
 from bench.detector_heldout import tool_outputs
 a = rss()
-det = make_detector(DetectorConfig(layers={layers!r}))
+det = make_detector(DetectorConfig(layers={layers!r}, encoder_gate={gate!r}))
 blob = "\\n".join(t for _, t in tool_outputs())
 det.inspect(blob[:4096])
 b = rss()
@@ -167,20 +214,22 @@ print(json.dumps(out))
 """
 
 
-def cost(layers: tuple[str, ...], kibs: tuple[int, ...] = KIBS) -> dict[str, float]:
+def cost(layers: tuple[str, ...], kibs: tuple[int, ...] = KIBS, gate: float | None = None) -> dict[str, float]:
     """CPU ms per KiB (median of max(3, 192 // KiB) runs, process CPU time: other load on the machine counts only
     through the cache and the cores it shares) and resident MB of a fresh process that builds and runs the policy
     (its peak after each size, smallest first).
 
     NOTE: the peak is the process's VmHWM, not ru_maxrss: Linux carries the forking parent's peak into a child's
     ru_maxrss across exec, so after `evaluate` every policy read the bench's own 61 MB."""
-    code = PROBE.format(root=str(ROOT), layers=layers, kibs=kibs)
+    code = PROBE.format(root=str(ROOT), layers=layers, kibs=kibs, gate=gate)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return {k: round(v, 3) for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
 
-def latency(encoder: bool) -> dict[str, dict[str, float]]:
+def latency(encoder: bool, gated: bool = False) -> dict[str, dict[str, float]]:
     out = {name: cost(cfg.layers, NUMPY_KIBS) for name, cfg in NUMPY_CONFIGS.items()}
+    if gated:
+        out[GATED] = cost(GATED_CONFIG.layers, KIBS, ENCODER_GATE)
     if encoder:
         out[ENCODER_FULL] = cost(("rules", "learned", "encoder"))
         out[ENCODER_ALONE] = cost(("encoder",))
@@ -242,6 +291,16 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
             f"| {n} | {v['1 KiB']} | {v['4 KiB']} | {v['16 KiB']} | {v['256 KiB']} | {mib[0]} | {v['4 KiB'] * 4:.2f} | "
             f"{v['import_mb']:.0f} / {v['loaded_mb']:.0f} / {v['peak_mb 256 KiB']:.0f} / {mib[1]} |"
         )
+    if GATED in ev["detectors"]:
+        lines += ["", f"The gated policy's heavy path: a text reaches the encoder only when its learned score >= {ENCODER_GATE} "
+                  "(below it the fast verdict is final and no heavy job is queued). Per set: texts (KiB) that pass the "
+                  "gate, and the process CPU of their full verdicts (the heavy jobs) in ms per KiB of the whole set and "
+                  "of the texts that pass; the fast path's (rules + learned) per KiB of the set beside it:", "",
+                  "| set | pass the gate | KiB passing | heavy ms / KiB of the set | heavy ms / KiB passing "
+                  "| fast ms / KiB of the set |", "|---|---|---|---|---|---|"]
+        for k, g in ev["detectors"][GATED]["gate"].items():
+            lines.append(f"| {k} | {g['passed']}/{g['texts']} | {g['kib_passed']} of {g['kib']} | "
+                         f"{g['heavy_ms_per_kib']} | {g['heavy_ms_per_kib_passed']} | {g['fast_ms_per_kib']} |")
     if ENCODER_ALONE not in lat:
         lines += ["", "The encoder policies were not run (--no-encoder); docs/quarantine.md keeps their last figures (and "
                   "tests/fleet/quarantine/data/heldout_report.json at commit 9e8c2bd)."]
@@ -251,15 +310,23 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--no-encoder", action="store_true", help="leave out the torch policies")
+    ap.add_argument("--no-encoder", action="store_true", help="leave out the ungated torch policies")
+    ap.add_argument("--no-gated", action="store_true", help="leave out the gated policy (it needs the encoder extra)")
+    ap.add_argument("--json", type=Path, help="also write the figures here (with --no-doc: only here)")
     a = ap.parse_args()
+    gated = not a.no_gated
+    if gated and missing_modules():
+        print(f"the gated policy needs {', '.join(missing_modules())}; left out", file=sys.stderr)
+        gated = False
     t0 = time.perf_counter()
-    ev = evaluate(not a.no_encoder)
+    ev = evaluate(not a.no_encoder, gated)
     before = os.getloadavg()[0]
-    lat = latency(not a.no_encoder)
+    lat = latency(not a.no_encoder, gated)
     ev["cost"], ev["load"] = lat, [before, os.getloadavg()[0]]
     body = render(ev, lat, time.perf_counter() - t0)
     print(body)
+    if a.json:
+        a.json.write_text(json.dumps(ev, indent=1, sort_keys=True) + "\n")
     if not a.no_doc:
         (DATA / "heldout_report.json").write_text(json.dumps(ev, indent=1, sort_keys=True) + "\n")
         write_section("detector-eval", body)
