@@ -1,5 +1,5 @@
-"""The proxy's gRPC link to the controller: Route, ReleaseRoute and WhoAmI with the CLIENT's token,
-ListWorkers with its own.
+"""The proxy's gRPC link to the controller: Route, ReleaseRoute, MoveRoute and WhoAmI with the CLIENT's
+token, ListWorkers with its own.
 
 One channel for every caller; the bearer token travels as per-call metadata, so the controller
 authenticates each client and derives its tenant's cache_salt itself. No retries here: the proxy
@@ -29,7 +29,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.core.errors import InvalidArgument, Unavailable
+from fleet.core.errors import InvalidArgument, KvfleetError, PermissionDenied, Unauthenticated, Unavailable
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
@@ -49,7 +49,8 @@ class ControlClient:
         self._workers = WorkerServiceStub(self._channel)
         self._quarantine = QuarantineServiceStub(self._channel)
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
+        self._renewing: set[str | None] = set()
 
     async def route(
         self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None
@@ -76,6 +77,22 @@ class ControlClient:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
+    def move_soon(self, route_id: str, worker: str, dp_rank: int, token: str | None) -> None:
+        """Tell the controller, in the background, that the route went to another of its candidates."""
+        task = asyncio.get_running_loop().create_task(self._move(route_id, worker, dp_rank, token))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _move(self, route_id: str, worker: str, dp_rank: int, token: str | None) -> None:
+        req = route_pb2.MoveRouteRequest(route_id=route_id, worker=worker, dp_rank=dp_rank)
+        try:
+            async with self._slot("MoveRoute"):
+                await self._route.MoveRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+        except Unavailable as e:
+            log.info("proxy: MoveRoute %s not sent: %s", route_id, e)
+        except grpc.RpcError as e:
+            log.info("proxy: MoveRoute %s failed: %s", route_id, base.to_error(e, "MoveRoute", self.target))
+
     async def _release(self, route_id: str, token: str | None, done: Callable[[str], None] | None) -> None:
         req = route_pb2.ReleaseRouteRequest(route_id=route_id)
         try:
@@ -94,10 +111,34 @@ class ControlClient:
             done(outcome)
 
     async def whoami(self, token: str | None) -> types.Caller:
-        """Who the controller says `token` is; good answers are cached auth_cache_s (Route re-checks anyway)."""
+        """Who the controller says `token` is; good answers are cached auth_cache_s (Route re-checks anyway).
+
+        NOTE: a token in use is asked again in the background once half its answer's life is gone, so a steady
+        client never waits for a WhoAmI on its request path (one did every auth_cache_s); no answer is used
+        longer than auth_cache_s, and a refresh that finds the token refused drops it at once.
+        """
         hit = self._callers.get(token)
-        if hit is not None and hit[0] > time.monotonic():
+        now = time.monotonic()
+        if hit is not None and hit[0] > now:
+            if hit[0] - now < self.auth_cache_s / 2 and token not in self._renewing:
+                self._renewing.add(token)
+                task = asyncio.get_running_loop().create_task(self._renew(token))
+                self._releases.add(task)  # NOTE: held (and awaited on close) with the releases
+                task.add_done_callback(self._releases.discard)
             return hit[1]
+        return await self._ask_whoami(token)
+
+    async def _renew(self, token: str | None) -> None:
+        try:
+            await self._ask_whoami(token)
+        except KvfleetError as e:
+            if isinstance(e, (Unauthenticated, PermissionDenied)):
+                self._callers.pop(token, None)  # refused now: the next request asks (and gets the error) itself
+            log.info("proxy: renewing a cached WhoAmI failed: %s", e)
+        finally:
+            self._renewing.discard(token)
+
+    async def _ask_whoami(self, token: str | None) -> types.Caller:
         try:
             async with self._slot("WhoAmI"):
                 r = await self._fleet.WhoAmI(

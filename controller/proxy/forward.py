@@ -111,6 +111,7 @@ class Forwarder:
     def __init__(self, cfg: ProxyConfig, directory: WorkerDirectory, http: aiohttp.ClientSession,
                  metrics: ProxyMetrics) -> None:
         self.cfg, self.directory, self.http, self.metrics = cfg, directory, http, metrics
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)  # one for every send
 
     async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str]) -> Opened:
         """Open the request on the chosen worker or, after one failure before the first byte, the next one."""
@@ -200,9 +201,8 @@ class Forwarder:
         return seen, detail
 
     async def _open(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         try:
-            resp = await self.http.post(url, data=body, headers=headers, timeout=timeout)
+            resp = await self.http.post(url, data=body, headers=headers, timeout=self._timeout)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise AttemptFailed(f"connect: {type(e).__name__}: {e}") from e
         try:
