@@ -12,6 +12,8 @@ first in turn, so all see the same machine. Bounded: C*R requests per round, and
 
     python bench/proxy_load.py                       # 200 clients x 5 turns, 4 rounds per path
     python bench/proxy_load.py --clients 250 --turns 4 --no-docs
+    git worktree add ../before HEAD~1 && python bench/proxy_load.py --baseline-tree ../before --solo-only
+        # also a proxy from another source tree (path "proxy-baseline"), in the same rounds: before/after
 
 Latency = time to the first SSE event (TTFB) and to the end of the stream, at the client.
 Added latency = proxy percentile minus direct percentile (same percentile, same run).
@@ -57,9 +59,17 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
 
 
-def spawn(args: list[str], log: pathlib.Path) -> subprocess.Popen[str]:
+def spawn(args: list[str], log: pathlib.Path, tree: pathlib.Path | None = None) -> subprocess.Popen[str]:
+    """`kvfleet ARGS` in a new process; from the source tree `tree` instead of this one when given."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": str(tree)} if tree else {})}
     return subprocess.Popen([sys.executable, "-m", "fleet.app.cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=log.open("w"), text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=log.open("w"), text=True, env=env, cwd=tree)
+
+
+def tree_label(tree: pathlib.Path) -> str:
+    """The baseline tree's commit (short hash), as the report names it."""
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown commit"
 
 
 def first_line(p: subprocess.Popen[str], what: str) -> str:
@@ -183,10 +193,15 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str],
         paths: dict[str, tuple[list[str], dict[str, str]]] = {"direct": ([s["url"] for s in sims], {})}
         tok = None if a.no_local_tokenizer else local_tokenizer(
             tmp / "tokenizer", max(a.clients, a.turns, a.solo_turns, a.rounds))
-        for mode, extra in (("proxy", []), *((("proxy-local", ["--tokenizer", f"hf:{tok}"]),) if tok else ())):
+        proxies: list[tuple[str, list[str], pathlib.Path | None]] = [("proxy", [], None)]
+        if a.baseline_tree:
+            proxies.append(("proxy-baseline", [], a.baseline_tree))
+        if tok:
+            proxies.append(("proxy-local", ["--tokenizer", f"hf:{tok}"], None))
+        for mode, extra, tree in proxies:
             listen = f"127.0.0.1:{free_port()}"
             procs.append(spawn(["proxy", "--controller", ctl, "--listen", listen, "--token", op, *extra],
-                               tmp / f"{mode}.log"))
+                               tmp / f"{mode}.log", tree))
             first_line(procs[-1], mode)
             paths[mode] = ([f"http://{listen}"], auth)
             await round_(paths[mode][0], auth, 8, 2, 30, f"warm-up {mode}")  # connections, workers seen serving
@@ -194,7 +209,7 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str],
             await check_parity(paths["proxy-local"][0][0])
         res: dict[tuple[int, str], list[Sample]] = {}
         modes = list(paths)
-        for clients, turns in ((1, a.solo_turns), (a.clients, a.turns)):
+        for clients, turns in ((1, a.solo_turns), *(() if a.solo_only else ((a.clients, a.turns),))):
             for r in range(a.rounds):
                 for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each path first in turn
                     urls, hdr = paths[mode]
@@ -238,34 +253,43 @@ def _added(name: str, d: Sample, p: Sample) -> str:
 
 
 PATHS = {"direct": "straight to the worker", "proxy": "through the proxy (workers' /tokenize, the default)",
+         "proxy-baseline": "through the baseline proxy ({label}, workers' /tokenize)",
          "proxy-local": "through the proxy, local tokenizer (`--tokenizer hf:PATH`)"}
+ADDED = {"proxy": "added by the proxy", "proxy-baseline": "added by the baseline proxy ({label})",
+         "proxy-local": "added by the proxy, local tokenizer"}
 
 
-def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace) -> str:
+def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tuple[float, float]) -> str:
     rows = ["| clients, path | requests ok | errors | unfinished | req/s | TTFB p50 ms | TTFB p99 ms | "
             "stream p50 ms | stream p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
-    local = (1, "proxy-local") in res
-    for clients in (1, a.clients):
+    label = tree_label(a.baseline_tree) if a.baseline_tree else ""
+    modes = [m for m in ("proxy", "proxy-baseline", "proxy-local") if (1, m) in res]
+    local = "proxy-local" in modes
+    for clients in (1,) if a.solo_only else (1, a.clients):
         d = res[(clients, "direct")]
         rows.append(_row(f"{clients}, {PATHS['direct']}", d))
-        for mode in ("proxy", "proxy-local") if local else ("proxy",):
+        for mode in modes:
             p = res[(clients, mode)]
-            rows += [_row(f"{clients}, {PATHS[mode]}", p),
-                     _added("added by the proxy" + (", local tokenizer" if mode == "proxy-local" else ""), d, p)]
-    p = res[(a.clients, "proxy")]
+            rows += [_row(f"{clients}, {PATHS[mode].format(label=label)}", p),
+                     _added(ADDED[mode].format(label=label), d, p)]
+    p = res[(1 if a.solo_only else a.clients, "proxy")]
     return "\n".join([
         "## Proxy: added latency and throughput (`python bench/proxy_load.py`)",
         "",
-        f"{a.clients} concurrent streaming clients (and, for the unloaded cost, 1 client), each holding one "
-        f"conversation of {a.turns} chat turns ({a.solo_turns} for the single client), 16 tokens streamed per turn; "
-        f"{a.rounds} rounds per path, the paths interleaved (each first in turn); every round's conversations are "
-        "new, so no turn hits the proxy's tokenize cache; "
+        ("" if a.solo_only else f"{a.clients} concurrent streaming clients (and, for the unloaded cost, 1 client), "
+         f"each holding one conversation of {a.turns} chat turns ({a.solo_turns} for the single client), ")
+        + (f"1 streaming client holding one conversation of {a.solo_turns} chat turns, " if a.solo_only else "")
+        + f"16 tokens streamed per turn; {a.rounds} rounds per path, the paths interleaved (each first in turn); "
+        "every round's conversations are new, so no turn hits the proxy's tokenize cache; "
         f"{a.workers} `kvfleet sim-vllm` workers (clock off: they answer at once), `kvfleet controller` (auth on) "
         "and `kvfleet proxy` as separate processes on loopback, with the load "
-        f"generator, on this machine's {os.cpu_count()} cores (shared with other work). Per request the proxy "
+        f"generator, on this machine's {os.cpu_count()} cores (shared with other work; load average "
+        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end). Per request the proxy "
         "does: WhoAmI (cached 5 s), the worker's /tokenize (chat template), one Route RPC, then relays the "
         "stream, and releases the route after it (off the answer's path); straight-to-worker requests skip all "
         "of it. "
+        + (f"The baseline proxy runs the same flags from the source tree of commit {label}, in the same rounds. "
+           if label else "")
         + ("The local-tokenizer proxy loads a word-level Hugging Face tokenizer built to give the stand-in's own "
            "ids (it passed the proxy's parity probes), so it skips the /tokenize hop as `--tokenizer hf:PATH` does "
            "in front of a real vLLM. " if local else "")
@@ -273,11 +297,12 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace) -> str:
         "",
         *rows,
         "",
-        f"Under load, {p.warm} of {len(p.total)} proxied turns were routed WARM (later turns hold their "
-        "conversation's prefix; first turns share the system prompt). The stand-in workers answer at once "
-        "(no GPU), so the extra hops and their CPU are the whole difference; at "
-        f"{a.clients} clients every process competes for the same {os.cpu_count()} cores, so that row is mostly "
-        "queueing.",
+        *(() if a.solo_only else (
+            f"Under load, {p.warm} of {len(p.total)} proxied turns were routed WARM (later turns hold their "
+            "conversation's prefix; first turns share the system prompt). The stand-in workers answer at once "
+            "(no GPU), so the extra hops and their CPU are the whole difference; at "
+            f"{a.clients} clients every process competes for the same {os.cpu_count()} cores, so that row is "
+            "mostly queueing.",)),
     ])
 
 
@@ -297,14 +322,23 @@ def main() -> int:
     ap.add_argument("--round-timeout", type=float, default=90.0)
     ap.add_argument("--no-local-tokenizer", action="store_true",
                     help="skip the path through a proxy with a local tokenizer (needs transformers and tokenizers)")
+    ap.add_argument("--baseline-tree", type=pathlib.Path, default=None,
+                    help="also run a proxy from this source tree (e.g. a git worktree of an earlier commit) in the "
+                         "same rounds, path proxy-baseline: before and after side by side")
+    ap.add_argument("--solo-only", action="store_true",
+                    help="only the 1-client rounds (the unloaded added latency); the docs are not written")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     assert a.clients >= 1 and a.turns >= 1 and a.rounds >= 1
+    if a.baseline_tree is not None:
+        a.baseline_tree = a.baseline_tree.resolve()
+        assert (a.baseline_tree / "controller" / "proxy").is_dir(), f"{a.baseline_tree} is not a kvfleet tree"
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         res = asyncio.run(run(a, pathlib.Path(tmp)))
-    section = report(res, a)
+    section = report(res, a, (load0, os.getloadavg()[0]))
     print(section)
-    if not a.no_docs:
+    if not a.no_docs and not a.solo_only:
         write_docs(section)
     return 0
 
