@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from fleet.core.quarantine import text as T
-from fleet.core.quarantine.hashing import events, word_spans
+from fleet.core.quarantine.hashing import events, text_word_spans, word_spans
 
 _MUL = np.uint64(0x100000001B3)  # FNV-1a 64-bit prime, used as the polynomial base
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 finaliser
@@ -181,7 +181,7 @@ def span_events(
             keep = (whole[0] >= lo) & (whole[0] < hi)
             yield whole[0][keep], whole[1][keep]
         else:
-            words = words or word_spans(T.code_points(norm))
+            words = words or text_word_spans(norm)
             yield _span_events(norm, lo, hi, words, cfg)
 
 

@@ -62,6 +62,26 @@ def word_spans(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
 
 
+TEXT_CHUNK = 1 << 16  # characters read at once by `text_word_spans`
+
+
+def text_word_spans(text: str) -> tuple[np.ndarray, np.ndarray]:
+    """`word_spans` of a text's code points, as int32, reading TEXT_CHUNK characters at a time.
+
+    NOTE: the mask is per character, so building it chunk by chunk gives the same runs; a 1 MiB text that
+    is not ASCII no longer holds its code points (4 bytes each) and their copies at once (issue #28: the
+    learned layer's peak judging 1 MiB fell by about 10 MB). Positions fit int32: texts are cut at max_chars.
+    """
+    mask = np.zeros(len(text) + 2, dtype=np.int8)  # (L + 2,): a non-word character before and after
+    for a in range(0, len(text), TEXT_CHUNK):
+        chunk = text[a : a + TEXT_CHUNK]
+        codes = np.frombuffer(chunk.encode("ascii"), np.uint8) if chunk.isascii() else (
+            np.frombuffer(chunk.encode("utf-32-le"), np.uint32))
+        mask[a + 1 : a + 1 + len(chunk)] = _word_mask(codes)
+    edge = np.diff(mask)  # (L + 1,)
+    return np.flatnonzero(edge == 1).astype(np.int32), np.flatnonzero(edge == -1).astype(np.int32)
+
+
 class Hashing(Protocol):
     """What `events` reads of a config (the learned layer's `features.FeaturizerConfig`)."""
 

@@ -145,14 +145,27 @@ def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
 
+DENSE_CHUNK = 1 << 16  # window starts scanned at once by `_dense`
+
+
 def _dense(codes: np.ndarray, table: np.ndarray, width: int, count: int) -> bool:
-    """Some `width` consecutive characters (or all, if fewer) hold `count` of the table's characters."""
-    if len(codes) < count:
+    """Some `width` consecutive characters (or all, if fewer) hold `count` of the table's characters.
+
+    NOTE: DENSE_CHUNK window starts at a time, each chunk read with the `width - 1` characters after it, so
+    every window lies whole in one chunk: the same answer as the whole text at once, in about 9 bytes per
+    character of one chunk instead of the whole text's (a 1 MiB result peaked 10 MB higher, issue #28).
+    """
+    n = len(codes)
+    if n < count:
         return False
-    c = np.zeros(len(codes) + 1, dtype=np.int32)  # (L + 1,)
-    np.cumsum(table[codes if codes.dtype == np.uint8 else np.minimum(codes, 128)], out=c[1:])
-    w = min(width, len(codes))
-    return bool((c[w:] - c[:-w]).max() >= count)
+    w = min(width, n)
+    for a in range(0, n - w + 1, DENSE_CHUNK):
+        seg = codes[a : a + DENSE_CHUNK + w - 1]
+        c = np.zeros(len(seg) + 1, dtype=np.int32)  # (chunk + w,)
+        np.cumsum(table[seg if seg.dtype == np.uint8 else np.minimum(seg, 128)], out=c[1:])
+        if (c[w:] - c[:-w]).max() >= count:
+            return True
+    return False
 
 
 def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:

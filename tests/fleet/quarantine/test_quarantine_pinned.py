@@ -20,6 +20,7 @@ import quarantine_corpus as C
 
 from fleet.core.quarantine import DetectorConfig, make_detector
 from fleet.core.quarantine import detector as D
+from fleet.core.quarantine import hashing as H
 from fleet.core.quarantine import learned as L
 from fleet.core.quarantine import rules as R
 from fleet.core.quarantine import text as T
@@ -107,9 +108,10 @@ def test_long_texts_score_span_by_span_as_at_once(monkeypatch: pytest.MonkeyPatc
         for t in texts:
             monkeypatch.setattr(L, "SPAN_WINDOWS", 10**9)
             whole = model.window_logits(t)
-            for span in (3, 64):
+            for span, chunk in ((3, 1 << 16), (64, 1 << 16), (3, 7), (32, 1000)):  # chunk: the word mask's
                 monkeypatch.setattr(L, "SPAN_WINDOWS", span)
-                assert np.array_equal(model.window_logits(t), whole), (span, t[:80])
+                monkeypatch.setattr(H, "TEXT_CHUNK", chunk)
+                assert np.array_equal(model.window_logits(t), whole), (span, chunk, t[:80])
     assert len(model.window_logits(texts[0])) > 64  # control: a text of several groups
 
 
@@ -242,6 +244,33 @@ def test_decoded_payloads_equal_the_old_code() -> None:
         assert got == _old_decoded_payloads(t), repr(t)
         found += len(got)
     assert found > 100  # control: payloads were there to find
+
+
+def test_dense_runs_are_found_chunk_by_chunk_as_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_dense` scans DENSE_CHUNK window starts at a time (issue #28's 1 MiB peak): the same answer as one
+    pass over the whole text, for runs that cross every chunk edge."""
+
+    def whole(codes: np.ndarray, table: np.ndarray, width: int, count: int) -> bool:
+        if len(codes) < count:
+            return False
+        c = np.zeros(len(codes) + 1, dtype=np.int32)
+        np.cumsum(table[codes if codes.dtype == np.uint8 else np.minimum(codes, 128)], out=c[1:])
+        w = min(width, len(codes))
+        return bool((c[w:] - c[:-w]).max() >= count)
+
+    r = random.Random(5)
+    texts = ["".join(r.choice("ab0f9 :\né+/") for _ in range(r.randint(0, 300))) for _ in range(300)]
+    texts += ["x " * 50 + "A" * n + " y" * 50 for n in range(20, 30)]
+    seen = {True: 0, False: 0}
+    for chunk in (1, 5, 16, 1 << 16):
+        monkeypatch.setattr(T, "DENSE_CHUNK", chunk)
+        for t in texts:
+            codes = T.code_points(t)
+            for table, width, count in ((T._B64_CHARS, 24, 24), (T._HEX_CHARS, 47, 32)):
+                want = whole(codes, table, width, count)
+                assert T._dense(codes, table, width, count) == want, (chunk, t)
+                seen[want] += 1
+    assert seen[True] > 20 and seen[False] > 20  # control: both answers occur
 
 
 def _old_unquoted_view(text: str) -> str:
