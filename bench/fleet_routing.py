@@ -92,6 +92,7 @@ class Record:
     error: str = ""
     issued: int = 0  # its place in issue order (lifecycle events carry the same count: at_request)
     finish_reason: str | None = None  # the stream's last one; "abort": the worker ended it unfinished
+    worker: str | None = None  # where kvfleet's proxy sent it (its x-kvfleet-worker header)
 
 
 @dataclass(slots=True)
@@ -224,6 +225,7 @@ class Driver:
                         h.get("x-kvfleet-matched-tokens") or h.get("x-blind-matched-tokens") or 0
                     )
                     rec.attempts = int(h.get("x-kvfleet-attempts") or 1)
+                    rec.worker = h.get("x-kvfleet-worker")
                     first = await r.content.readuntil(b"\n\n") if r.status == 200 else b""
                     rec.ttft_s = time.perf_counter() - t0 if first else None
                     raw = first + await r.read()

@@ -335,6 +335,9 @@ class InFlight:
         if not by_key:
             del self._by_key[f.key]
 
+    def get(self, route_id: str) -> Flight | None:
+        return self._all.get(route_id)
+
     def release(self, route_id: str, owner: str | None = None) -> Flight | None:
         """End a route; None if unknown, already ended, or `owner` is not the one that routed it."""
         f = self._all.get(route_id)

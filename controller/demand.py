@@ -134,10 +134,22 @@ class DemandLedger:
         self._drop_hash(chain[-1])
         c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns)
         self.evidence.placed(c.stage)
-        self._conv[chain[-1]] = c
-        own = self._own.setdefault(key, {})
+        self._add(chain[-1], c)
+
+    def move(self, last_hash: int, key: RankKey) -> None:
+        """The turn recorded under `last_hash` ran on `key` instead (the proxy sent it elsewhere): the
+        record changes rank, and nothing else (no evidence: it is the same placement)."""
+        c = self._conv.get(last_hash)
+        if c is None or c.key == key:
+            return
+        self._drop(last_hash, c)
+        self._add(last_hash, c._replace(key=key))
+
+    def _add(self, h: int, c: Conversation) -> None:
+        self._conv[h] = c
+        own = self._own.setdefault(c.key, {})
         own[c.stage] = own.get(c.stage, 0) + c.num_blocks - c.num_shared
-        sh = self._shared.setdefault(key, {}).setdefault(c.stage, {})
+        sh = self._shared.setdefault(c.key, {}).setdefault(c.stage, {})
         sh[c.num_shared] = sh.get(c.num_shared, 0) + 1
 
     def expire(self, now: float) -> None:

@@ -62,7 +62,7 @@ class Metrics:
         )
         self.route_releases = Counter(
             "kvfleet_route_releases_total",
-            "ReleaseRoute calls by outcome (released, unknown).",
+            "ReleaseRoute and MoveRoute calls by outcome (released, unknown; moved: MoveRoute took a route to another candidate).",
             ["outcome"],
             registry=r,
         )

@@ -24,6 +24,7 @@ import logging
 import re
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision, ver
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
 _ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_MOVABLE_ROUTES = 1 << 14  # tracked routes whose candidates are kept for move_route (oldest dropped)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class Router:
         self.branches = Branches()
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
+        # tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move
+        self._alternatives: OrderedDict[str, tuple[Ordering, int]] = OrderedDict()
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
@@ -292,6 +296,10 @@ class Router:
                 )
             )
             self._gauge(name)
+            if len(ordering.ordered) > 1:
+                self._alternatives[route_id] = (ordering, len(token_ids))
+                while len(self._alternatives) > MAX_MOVABLE_ROUTES:
+                    self._alternatives.popitem(last=False)
         cands = tuple(
             RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ordering.ordered
         )
@@ -323,6 +331,8 @@ class Router:
         f = self.flights.release(route_id, owner)
         self.metrics.route_releases.labels("released" if f else "unknown").inc()
         if f is not None:
+            self._alternatives.pop(route_id, None)
+        if f is not None:
             self.shadow.free(route_id, time.monotonic())
         if f is not None:
             self._gauge(f.key[0])
@@ -338,6 +348,47 @@ class Router:
         self._matched += t.cached_tokens
         if self._routed:
             m.hit_rate.set(self._matched / self._routed)
+
+    def move_route(self, route_id: str, worker: str, dp_rank: int, owner: str | None = None) -> bool:
+        """The caller sent the routed request to another of its candidates (it skipped the chosen
+        worker, or failed over from it): the request's in-flight load, its blocks in the block-pool
+        shadow and its conversation's working-set record move there. Without this the router went on
+        counting the request on a worker it never reached, and its shadow of the worker that did run
+        it missed those blocks, so later routes trusted blocks that worker had evicted (stale WARM
+        routes after a sleep behind the controller's back, issue #27). False (nothing moves) if the
+        route is unknown, ended, another tenant's, or `worker`/`dp_rank` was not one of its candidates.
+
+        Raises:
+            InvalidArgument: a malformed `route_id`, `worker` or `dp_rank`.
+        """
+        if not isinstance(route_id, str) or not _ROUTE_ID.match(route_id):
+            raise InvalidArgument("route_id must be the 32 lowercase hex digits a Route answer carried")
+        if not isinstance(worker, str) or not worker or isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
+            raise InvalidArgument("move_route needs the worker name and dp_rank of one of the route's candidates")
+        alt = self._alternatives.get(route_id)
+        f = self.flights.get(route_id)
+        key = (worker, dp_rank)
+        if alt is None or f is None or (owner is not None and f.owner is not None and f.owner != owner):
+            return False
+        ordering, num_tokens = alt
+        to = next((c for c in ordering.ordered if (c.state.worker, c.state.dp_rank) == key), None)
+        if to is None or key == f.key:
+            return False
+        now = time.monotonic()
+        self.flights.release(route_id, owner)
+        self.shadow.free(route_id, now)
+        self.flights.add(f._replace(key=key, num_tokens=to.terms.prefill_tokens, last_hash=ordering.last_hash.get(key)))
+        placed = ordering.chains.get(key)
+        if placed is not None:
+            chain = placed[0]
+            if chain:
+                self.demand.move(chain[-1], key)
+            if worker in self._workers:
+                self._shadow_route(key, route_id, chain, num_tokens, now)
+        self.metrics.route_releases.labels("moved").inc()
+        self._gauge(f.key[0])
+        self._gauge(worker)
+        return True
 
     def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
                       now: float) -> None:

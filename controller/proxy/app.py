@@ -157,6 +157,9 @@ class Handlers:
                 req.path, json.dumps(fwd).encode(), d, base, upstream_headers(req)
             )
             t = opened.target
+            if d.route_id and t.worker != d.worker:  # skipped or failed over: the controller's ledger follows
+                rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
+                p.control.move_soon(d.route_id, t.worker, rank, token)
             extra = {
                 "x-kvfleet-worker": t.worker,
                 "x-kvfleet-verdict": t.verdict,

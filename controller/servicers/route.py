@@ -1,4 +1,4 @@
-"""RouteService: Route and ReleaseRoute, unary; the tenant's cache_salt and ownership come from its token.
+"""RouteService: Route, ReleaseRoute and MoveRoute, unary; the tenant's cache_salt and ownership come from its token.
 
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
 MAX_MODEL_CHARS characters; the router hashes the prompt off the event loop.
@@ -55,3 +55,12 @@ class RouteServicer(pbg.RouteServiceServicer):
             raise InvalidArgument("ReleaseRoute needs the route_id a Route answer carried")
         released = self.ctx.need_router().release_route(request.route_id, owner=ident.tenant)
         return pb.ReleaseRouteResponse(released=released)
+
+    @unary(Role.TENANT)
+    async def MoveRoute(
+        self, request: pb.MoveRouteRequest, context: grpc.aio.ServicerContext, ident: Identity
+    ) -> pb.MoveRouteResponse:
+        if not request.route_id or not request.worker:
+            raise InvalidArgument("MoveRoute needs the route_id a Route answer carried and the worker it went to")
+        moved = self.ctx.need_router().move_route(request.route_id, request.worker, request.dp_rank, owner=ident.tenant)
+        return pb.MoveRouteResponse(moved=moved)

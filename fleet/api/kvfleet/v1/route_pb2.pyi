@@ -83,6 +83,22 @@ class ReleaseRouteRequest(_message.Message):
     route_id: str
     def __init__(self, route_id: _Optional[str] = ...) -> None: ...
 
+class MoveRouteRequest(_message.Message):
+    __slots__ = ("route_id", "worker", "dp_rank")
+    ROUTE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    route_id: str
+    worker: str
+    dp_rank: int
+    def __init__(self, route_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+
+class MoveRouteResponse(_message.Message):
+    __slots__ = ("moved",)
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    moved: bool
+    def __init__(self, moved: _Optional[bool] = ...) -> None: ...
+
 class ReleaseRouteResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class RouteServiceStub:
                 request_serializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteResponse.FromString,
                 _registered_method=True)
+        self.MoveRoute = channel.unary_unary(
+                '/kvfleet.v1.RouteService/MoveRoute',
+                request_serializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteResponse.FromString,
+                _registered_method=True)
 
 
 class RouteServiceServicer:
@@ -67,6 +72,16 @@ class RouteServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveRoute(self, request, context):
+        """Wraps controller.router.Router.move_route: the caller sent the routed request to another of the
+        answer's candidates (it skipped the first, or failed over from it), so the request's in-flight
+        load, its blocks in the rank's block-pool shadow and its conversation's working set follow it
+        there. Only the tenant that routed it can move it; an unknown or ended id answers moved=false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouteServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +94,11 @@ def add_RouteServiceServicer_to_server(servicer, server):
                     servicer.ReleaseRoute,
                     request_deserializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_route__pb2.ReleaseRouteResponse.SerializeToString,
+            ),
+            'MoveRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveRoute,
+                    request_deserializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +155,33 @@ class RouteService:
             '/kvfleet.v1.RouteService/ReleaseRoute',
             kvfleet_dot_v1_dot_route__pb2.ReleaseRouteRequest.SerializeToString,
             kvfleet_dot_v1_dot_route__pb2.ReleaseRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.RouteService/MoveRoute',
+            kvfleet_dot_v1_dot_route__pb2.MoveRouteRequest.SerializeToString,
+            kvfleet_dot_v1_dot_route__pb2.MoveRouteResponse.FromString,
             options,
             channel_credentials,
             insecure,
