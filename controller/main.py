@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -228,6 +229,15 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         "names; a layer named here and not installed is an error; encoder needs kvfleet[encoder]; docs/quarantine.md)",
     )
     p.add_argument(
+        "--detector-encoder-gate",
+        type=float,
+        metavar="TAU",
+        default=_float_env(e("KVFLEET_DETECTOR_ENCODER_GATE")),
+        help="with the encoder layer in --detector-layers: the encoder judges only tool results whose learned score "
+        "is >= TAU (a cascade: far fewer benign results withheld and a fraction of the CPU, fewer attacks caught; "
+        "0.918 was chosen on validation, docs/quarantine_default.md); per tenant: gate:TAU in --detector-tenant",
+    )
+    p.add_argument(
         "--detector-tenant",
         action="append",
         metavar="TENANT=LAYERS",
@@ -274,7 +284,8 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         sessions=session_limits_from(args),
         node_kv_bytes=args.node_kv_bytes,
         node_max_sessions=args.node_max_sessions,
-        detector_layers=detector_layers_from(args.detector_layers),
+        detector_layers=(layers := detector_layers_from(args.detector_layers)),
+        detector_encoder_gate=encoder_gate_from(args.detector_encoder_gate, layers),
         detector_tenants=detector_tenants_from(args.detector_tenant),
         judge=judge_limits_from(args),
     )
@@ -289,6 +300,28 @@ def detector_layers_from(text: str | None) -> tuple[str, ...]:
         return parse_layers(text)
     except ValueError as e:
         raise InvalidArgument(f"--detector-layers: {e}") from None
+
+
+def encoder_gate_from(gate: float | None, layers: tuple[str, ...]) -> float | None:
+    """--detector-encoder-gate checked against the layers; InvalidArgument names the flag and the fix."""
+    if gate is None:
+        return None
+    if not math.isfinite(gate) or not 0.0 <= gate <= 1.0:
+        raise InvalidArgument(f"--detector-encoder-gate {gate}: a learned score in [0, 1], e.g. 0.918")
+    if not {"learned", "encoder"} <= set(layers):
+        raise InvalidArgument(f"--detector-encoder-gate {gate:g} gates the encoder on the learned score, but the "
+                              f"detector layers are {','.join(layers)}: add learned,encoder to --detector-layers "
+                              "or leave the gate out")
+    return gate
+
+
+def _float_env(value: str | None) -> float | None:
+    if value is None or not value.strip():
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"KVFLEET_DETECTOR_ENCODER_GATE={value!r}: not a number (e.g. 0.918)") from None
 
 
 def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig], ...]:
@@ -386,7 +419,10 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             print(mint_token(args.tokens_file, args.mint_token, args.role, args.name))
             return 0
         cfg = config_from(args, env)
-        print(layers_report(cfg.detector_layers, named=args.detector_layers is not None), flush=True)
+        report = layers_report(cfg.detector_layers, named=args.detector_layers is not None)
+        if cfg.detector_encoder_gate is not None:
+            report += f"; the encoder judges only learned scores >= {cfg.detector_encoder_gate:g}"
+        print(report, flush=True)
         router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args))
         _prepare_sqlite(cfg.store_url)
         if not args.ray_address:

@@ -75,6 +75,7 @@ class ControllerConfig:
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
     # the Judge's detector layers (--detector-layers; default: the default layers installed here)
     detector_layers: tuple[str, ...] = field(default_factory=default_layers)
+    detector_encoder_gate: float | None = None  # the encoder's gate on the learned score (--detector-encoder-gate)
     detector_tenants: tuple[tuple[str, DetectorConfig], ...] = ()  # per-tenant detectors (--detector-tenant)
     judge: JudgeLimits = field(default_factory=JudgeLimits)  # judge pool and per-tenant lanes (--judge-*)
 
@@ -234,7 +235,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes,
                          node_max_sessions=cfg.node_max_sessions,
-                         detector=DetectorConfig(layers=cfg.detector_layers),
+                         detector=DetectorConfig(layers=cfg.detector_layers, encoder_gate=cfg.detector_encoder_gate),
                          detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec

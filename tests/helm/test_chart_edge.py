@@ -8,6 +8,7 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import pytest
+from support.extras import require_encoder
 from test_chart import CHART, KUBE_VERSION, NAMESPACE, RELEASE, VLLM, _docs, container, one
 
 from controller.edge import EDGE_FLAGS
@@ -198,6 +199,23 @@ def test_detector_tenants_reach_the_controller_flag(chart: Any) -> None:
     assert "--detector-tenant" not in container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
     with pytest.raises(Exception, match="detectorTenants|pattern"):
         _objs(chart, {"controller": {"detectorTenants": {"acme": "rules,bert"}}})
+
+
+def test_the_encoder_gate_reaches_the_controller_flag(chart: Any) -> None:
+    """controller.detectorEncoderGate becomes --detector-encoder-gate (absent when null), which the controller's
+    parser takes with the encoder named; a tenant's spec can carry gate:TAU; out of [0, 1] fails the schema."""
+    require_encoder()
+    from controller.main import config_from
+
+    values = {"controller": {"detectorLayers": "rules,learned,encoder", "detectorEncoderGate": 0.918,
+                             "detectorTenants": {"acme": "rules,learned,encoder,gate:0.5"}}}
+    args = container(one(_objs(chart, values), "Deployment", "-controller"))["args"]
+    assert args[args.index("--detector-encoder-gate") + 1] == "0.918"
+    cfg = config_from(parse_args(args[1:], {}), {})
+    assert cfg.detector_encoder_gate == 0.918 and dict(cfg.detector_tenants)["acme"].encoder_gate == 0.5
+    assert "--detector-encoder-gate" not in container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
+    with pytest.raises(Exception, match="detectorEncoderGate|maximum"):
+        _objs(chart, {"controller": {"detectorEncoderGate": 1.5}})
 
 
 def test_tool_media_policy_reaches_the_proxy_flag(chart: Any) -> None:

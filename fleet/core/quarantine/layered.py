@@ -241,12 +241,19 @@ def parse_detector(text: str) -> DetectorConfig:
     """`"rules,learned:0.99,encoder:0.995"` -> the DetectorConfig: the layers (as `parse_layers`), each with
     an optional threshold after a colon (rules: the summed rule score, > 0; learned and encoder: P(injection)
     in [0, 1]; none given: the shipped threshold). The encoder takes one threshold for every member or one
-    per member, in ENCODER_MODELS order, joined by "/" ("encoder:0.9702/0.9764"). ValueError names what is
-    wrong."""
+    per member, in ENCODER_MODELS order, joined by "/" ("encoder:0.9702/0.9764"). An item `gate:TAU` (not a
+    layer) sets `encoder_gate`: the encoder judges only texts whose learned score is >= TAU (it needs both
+    layers; docs/quarantine_default.md chose 0.918). ValueError names what is wrong."""
     names: list[str] = []
     thresholds: dict[str, tuple[float, ...]] = {}
+    gate: float | None = None
     for item in (x.strip() for x in text.split(",")):
         name, sep, value = (x.strip() for x in item.partition(":"))
+        if name == "gate":  # not a layer: the encoder's gate on the learned score (DetectorConfig.encoder_gate)
+            gate = _threshold(text, "gate", value) if sep else None
+            if gate is None:
+                raise ValueError(f"detector {text!r}: gate needs a value, e.g. gate:0.918")
+            continue
         names.append(name)
         if not sep or name not in LAYERS:
             continue
@@ -256,10 +263,13 @@ def parse_detector(text: str) -> DetectorConfig:
                              + (f" or {len(ENCODER_MODELS)} ({'/'.join(ENCODER_MODELS)})" if name == "encoder" else ""))
         thresholds[name] = tuple(_threshold(text, name, v) for v in parts)
     layers = parse_layers(",".join(names))
+    if gate is not None and not {"learned", "encoder"} <= set(layers):
+        raise ValueError(f"detector {text!r}: gate:{gate:g} gates the encoder on the learned score; name both "
+                         "layers (e.g. rules,learned,encoder,gate:0.918) or leave the gate out")
     enc = thresholds.get("encoder")
     return DetectorConfig(layers=layers, rule_threshold=thresholds.get("rules", (THRESHOLD,))[0],
                           learned_threshold=thresholds.get("learned", (None,))[0],
-                          encoder_threshold=enc if enc is None or len(enc) > 1 else enc[0])
+                          encoder_threshold=enc if enc is None or len(enc) > 1 else enc[0], encoder_gate=gate)
 
 
 def _threshold(text: str, name: str, value: str) -> float:

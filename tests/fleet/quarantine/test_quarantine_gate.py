@@ -77,3 +77,33 @@ def test_the_gate_is_in_the_config_id_and_checked() -> None:
         with pytest.raises(AssertionError, match="encoder_gate"):
             DetectorConfig(layers=ANY.layers, encoder_gate=bad)
     assert parse_detector("rules,learned,encoder").encoder_gate is None  # the specs name no gate: ungated
+
+
+def test_a_spec_names_the_gate_and_a_bad_gate_is_refused() -> None:
+    """`gate:TAU` in a detector spec (--detector-tenant) sets the gate; without both layers, without a value or
+    outside [0, 1] it is refused with the fix named."""
+    assert parse_detector("rules,learned,encoder,gate:0.918").encoder_gate == 0.918
+    assert parse_detector("learned:0.99,encoder,gate:0").encoder_gate == 0.0
+    for bad, msg in (("rules,learned,gate:0.9", "name both layers"), ("rules,encoder,gate:0.9", "name both layers"),
+                     ("rules,learned,encoder,gate", "gate needs a value"),
+                     ("rules,learned,encoder,gate:1.5", r"gate threshold 1.5 must be in \[0, 1\]"),
+                     ("rules,learned,encoder,gate:x", "not a number")):
+        with pytest.raises(ValueError, match=msg):
+            parse_detector(bad)
+
+
+def test_the_controller_flag_sets_the_gate_of_the_default_detector() -> None:
+    """--detector-encoder-gate (env KVFLEET_DETECTOR_ENCODER_GATE) reaches the controller's config, and the
+    judge's DetectorConfig; it needs the learned and encoder layers named."""
+    from controller.main import config_from, parse_args
+    from fleet.core.errors import InvalidArgument
+
+    args = ["--detector-layers", "rules,learned,encoder", "--detector-encoder-gate", "0.918"]
+    assert config_from(parse_args(args, {}), {}).detector_encoder_gate == 0.918
+    env = {"KVFLEET_DETECTOR_LAYERS": "rules,learned,encoder", "KVFLEET_DETECTOR_ENCODER_GATE": "0.5"}
+    assert config_from(parse_args([], env), env).detector_encoder_gate == 0.5
+    assert config_from(parse_args(["--detector-layers", "rules,learned,encoder"], {}), {}).detector_encoder_gate is None
+    with pytest.raises(InvalidArgument, match="--detector-encoder-gate 0.9 .*add learned,encoder"):
+        config_from(parse_args(["--detector-layers", "rules,learned", "--detector-encoder-gate", "0.9"], {}), {})
+    with pytest.raises(InvalidArgument, match=r"--detector-encoder-gate 2.0: a learned score in \[0, 1\]"):
+        config_from(parse_args(args[:2] + ["--detector-encoder-gate", "2"], {}), {})
