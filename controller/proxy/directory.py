@@ -36,6 +36,10 @@ def _card(model_id: str, parent: str | None = None) -> dict[str, Any]:
             "parent": parent}
 
 
+def _epoch(w: WorkerInfo) -> int:
+    return max((r.epoch for r in w.ranks), default=0)
+
+
 class WorkerDirectory:
     """Workers by name, refreshed every cfg.refresh_s; model cards every cfg.models_refresh_s."""
 
@@ -44,7 +48,7 @@ class WorkerDirectory:
         self.workers: dict[str, WorkerInfo] = {}
         self.cards: dict[str, list[dict[str, Any]]] = {}  # worker name -> its /v1/models cards
         self._cards_at: dict[str, float] = {}
-        self._suspect: dict[str, float] = {}
+        self._suspect: dict[str, tuple[float, int]] = {}  # name -> (until, the worker's epoch when marked)
         self._rr = itertools.count()
         self.last_error: str | None = "not refreshed yet"
         self._task: asyncio.Task[None] | None = None
@@ -109,11 +113,24 @@ class WorkerDirectory:
         return w is not None and w.serving and not self.is_suspect(name)
 
     def is_suspect(self, name: str) -> bool:
-        until = self._suspect.get(name)
-        return until is not None and until > time.monotonic()
+        """Found asleep (or gone) by this proxy less than suspect_s ago, and the controller has not caught up
+        since: a worker the controller lists as serving again under a newer epoch than it had when marked has
+        been seen to sleep and wake (or restart) by the controller itself, so its answer routes again (issue
+        #27: a woken worker skipped for the rest of suspect_s sent the controller's choices to runners-up the
+        controller had ranked below it)."""
+        mark = self._suspect.get(name)
+        if mark is None:
+            return False
+        until, epoch = mark
+        w = self.workers.get(name)
+        if until <= time.monotonic() or (w is not None and w.serving and _epoch(w) > epoch):
+            del self._suspect[name]
+            return False
+        return True
 
     def suspect(self, name: str) -> None:
-        self._suspect[name] = time.monotonic() + self.cfg.suspect_s
+        w = self.workers.get(name)
+        self._suspect[name] = (time.monotonic() + self.cfg.suspect_s, _epoch(w) if w is not None else -1)
 
     def models(self) -> list[dict[str, Any]]:
         """The union of the registered workers' model cards (first card per id wins)."""

@@ -88,6 +88,32 @@ async def test_sleep_behind_the_controllers_back_costs_at_most_one_attempt(tmp_p
         await fleet.stop()
 
 
+async def test_a_woken_worker_is_no_longer_skipped_once_the_controller_has_seen_it_wake(tmp_path: Path) -> None:
+    """The proxy finds x asleep behind the controller's back and skips it (suspect_s, 30 s here). Once the
+    controller has itself seen the sleep and the wake (x serving again under a newer epoch), the proxy's
+    mark is dropped: the controller's choices route to x again. Before issue #27's fix the mark held for
+    the whole suspect_s, and every route the controller sent to the woken worker went to a runner-up."""
+    fleet = await start_fleet(tmp_path, reconcile_s=1.0, suspect_s=30.0)
+    try:
+        x = await _warm(fleet)
+        epoch = max(r.epoch for r in next(w for w in await fleet.op.workers() if w.name == x).ranks)
+        async with fleet.http.post(fleet.sims[x].url + "/sleep?level=1") as r:  # NOT through the controller
+            assert r.status == 200
+        s, h, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert s == 200 and h["x-kvfleet-worker"] != x
+        assert fleet.proxy.directory.is_suspect(x)  # control: the proxy found it asleep and marks it
+        await until(fleet.op.workers, lambda ws: not next(w for w in ws if w.name == x).serving)
+        async with fleet.http.post(fleet.sims[x].url + "/wake_up") as r:  # still behind its back
+            assert r.status == 200
+        ws = await until(fleet.op.workers, lambda ws: next(w for w in ws if w.name == x).serving)
+        assert max(r.epoch for r in next(w for w in ws if w.name == x).ranks) > epoch
+        await asyncio.sleep(3 * fleet.proxy.cfg.refresh_s)  # the proxy's directory lists the new epoch
+        assert not fleet.proxy.directory.is_suspect(x)
+        assert fleet.proxy.directory.serving(x)
+    finally:
+        await fleet.stop()
+
+
 async def _health(fleet: Fleet) -> dict:
     async with fleet.http.get(fleet.proxy.url + "/health") as r:
         return await r.json()
