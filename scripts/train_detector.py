@@ -64,7 +64,7 @@ from fleet.core.quarantine.features import FeaturizerConfig, bag, feature_events
 from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
 from fleet.core.quarantine.learned import LearnedModel, window_starts  # noqa: E402
 
-MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_lr"
+MODEL_STEM = ROOT / "fleet" / "core" / "quarantine" / "model" / "injection_lr"
 HELDOUT = ROOT / "tests" / "fleet" / "quarantine" / "data" / "heldout_test.jsonl.gz"
 # NOTE: chosen on validation in earlier runs of this script (best validation recall at precision >= 0.95 and
 # generated tool-output FPR <= 0.5%): window 512, l2 1e-5: 0.684, l2 2e-6: 0.659; with positives cut to the

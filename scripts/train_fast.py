@@ -44,7 +44,7 @@ from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
 from fleet.core.quarantine.features import FeaturizerConfig  # noqa: E402
 from fleet.core.quarantine.learned import LearnedModel  # noqa: E402
 
-MODEL_STEM = ROOT / "fleet" / "quarantine" / "model" / "injection_fast"
+MODEL_STEM = ROOT / "fleet" / "core" / "quarantine" / "model" / "injection_fast"
 ML_TEST = ROOT / "tests" / "fleet" / "quarantine" / "data" / "benign_multilingual_test.jsonl.gz"
 # Pre-registered (docs/quarantine_default.md, written before any run): validation precision >= 0.95, generated
 # tool-output FPR (seed 1) <= 0.5%, multilingual benign validation FPR <= 0.5%; the best validation recall wins.
