@@ -155,7 +155,7 @@ def table(rows: list[dict], num_workers: int, capacities: Sequence[int]) -> list
 
 def section(source: str, num_workers: int, runs: list[Run]) -> str:
     lines = [
-        "### Mooncake: what placement alone can save (bench/mooncake_bound.py)",
+        "## Mooncake: what placement alone can save (`bench/mooncake_bound.py`)",
         "",
         f"An offline replay of {source} through {num_workers} per-worker LRU block caches: no clock, no "
         "load, no lifecycle (the module's docstring defines each policy). Hit rate = share of prompt blocks "
