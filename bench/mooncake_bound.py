@@ -95,21 +95,18 @@ def replay(rows: list[dict], num_workers: int, capacity: int | None, policy: str
             if len(nxt) >= 3:
                 shared = k + 1
 
-        def best(among: Sequence[int], m: list[int] = m, shared: int = shared) -> int:
-            return _best(among, m, shared, workers)
-
         if policy == "round-robin":
             j = i % len(workers)
         elif policy == "oracle-tiers" and len(workers) > 1:
             keep = range(1, len(workers))
             if recurs[i]:
-                j = best(keep)
+                j = _best(keep, m, shared, workers)
             else:
-                j = best(everyone)
+                j = _best(everyone, m, shared, workers)
                 if m[j] <= shared:  # nothing but a shared prefix is resident anywhere
                     j = 0
         else:
-            j = best(everyone)
+            j = _best(everyone, m, shared, workers)
         total += len(chain)
         hit += m[j]
         workers[j].run(chain, m[j])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import signal
 import sys
@@ -48,6 +47,7 @@ from fleet.core.quarantine.layered import (
     LAYERS,
     DetectorConfig,
     default_layers,
+    gate_problem,
     layers_report,
     parse_detector,
     parse_layers,
@@ -232,7 +232,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         "--detector-encoder-gate",
         type=float,
         metavar="TAU",
-        default=_float_env(e("KVFLEET_DETECTOR_ENCODER_GATE")),
+        default=e("KVFLEET_DETECTOR_ENCODER_GATE"),  # NOTE: argparse parses a string default with type=float
         help="with the encoder layer in --detector-layers: the encoder judges only tool results whose learned score "
         "is >= TAU (a cascade: far fewer benign results withheld and a fraction of the CPU, fewer attacks caught; "
         "0.918 was chosen on validation, docs/quarantine_default.md); per tenant: gate:TAU in --detector-tenant",
@@ -306,22 +306,9 @@ def encoder_gate_from(gate: float | None, layers: tuple[str, ...]) -> float | No
     """--detector-encoder-gate checked against the layers; InvalidArgument names the flag and the fix."""
     if gate is None:
         return None
-    if not math.isfinite(gate) or not 0.0 <= gate <= 1.0:
-        raise InvalidArgument(f"--detector-encoder-gate {gate}: a learned score in [0, 1], e.g. 0.918")
-    if not {"learned", "encoder"} <= set(layers):
-        raise InvalidArgument(f"--detector-encoder-gate {gate:g} gates the encoder on the learned score, but the "
-                              f"detector layers are {','.join(layers)}: add learned,encoder to --detector-layers "
-                              "or leave the gate out")
+    if problem := gate_problem(gate, layers):
+        raise InvalidArgument(f"--detector-encoder-gate {gate:g}: {problem} (--detector-layers)")
     return gate
-
-
-def _float_env(value: str | None) -> float | None:
-    if value is None or not value.strip():
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise SystemExit(f"KVFLEET_DETECTOR_ENCODER_GATE={value!r}: not a number (e.g. 0.918)") from None
 
 
 def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig], ...]:

@@ -54,7 +54,7 @@ from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision, ver
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
 _ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
-MAX_MOVABLE_ROUTES = 1 << 14  # tracked routes whose candidates are kept for move_route (oldest dropped)
+MAX_MOVABLE_ROUTES = 1 << 14  # a backstop: candidates are kept only while their route is tracked
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class Router:
         self.branches = Branches()
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
-        # tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move
+        # live tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move;
+        # dropped when the route ends (release, TTL, reconcile, worker gone)
         self._alternatives: OrderedDict[str, tuple[Ordering, int]] = OrderedDict()
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
@@ -426,6 +427,7 @@ class Router:
         now = time.monotonic()
         for f in flights:
             self.shadow.free(f.route_id, now)
+            self._alternatives.pop(f.route_id, None)
         for worker in {f.key[0] for f in flights}:
             self._gauge(worker)
 

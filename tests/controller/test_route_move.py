@@ -8,6 +8,7 @@ The real Router and controller on `kvfleet sim-vllm` workers."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -73,6 +74,11 @@ async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that
         assert r.release_route(d.route_id, owner="acme")  # released where it is now
         assert r.flights.load((other, 0))[0] == 0
         assert not r.move_route(d.route_id, chosen, 0, owner="acme")  # ended: nothing to move
+        # candidates are kept only while a route is tracked: released above, and one that the TTL ends
+        d2 = await r.route(PROMPT, "m", track=True, owner="acme")
+        assert d.route_id not in r._alternatives and d2.route_id in r._alternatives
+        r._ended(r.flights.expire(time.monotonic() + r.cfg.cost.inflight_ttl_s + 1), "ttl")
+        assert not r._alternatives and not r.move_route(d2.route_id, other, 0, owner="acme")
     finally:
         await r.stop()
         await s0.stop()

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
+from fleet.core.quarantine.text import code_points
+
 _BASE = 0x100000001B3  # odd, so invertible mod 2^64
 _INV = pow(_BASE, -1, 1 << 64)
 _MIX1, _MIX2 = (
@@ -75,9 +77,7 @@ def text_word_spans(text: str) -> tuple[np.ndarray, np.ndarray]:
     mask = np.zeros(len(text) + 2, dtype=np.int8)  # (L + 2,): a non-word character before and after
     for a in range(0, len(text), TEXT_CHUNK):
         chunk = text[a : a + TEXT_CHUNK]
-        codes = np.frombuffer(chunk.encode("ascii"), np.uint8) if chunk.isascii() else (
-            np.frombuffer(chunk.encode("utf-32-le"), np.uint32))
-        mask[a + 1 : a + 1 + len(chunk)] = _word_mask(codes)
+        mask[a + 1 : a + 1 + len(chunk)] = _word_mask(code_points(chunk))
     edge = np.diff(mask)  # (L + 1,)
     return np.flatnonzero(edge == 1).astype(np.int32), np.flatnonzero(edge == -1).astype(np.int32)
 

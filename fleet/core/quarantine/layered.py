@@ -263,13 +263,22 @@ def parse_detector(text: str) -> DetectorConfig:
                              + (f" or {len(ENCODER_MODELS)} ({'/'.join(ENCODER_MODELS)})" if name == "encoder" else ""))
         thresholds[name] = tuple(_threshold(text, name, v) for v in parts)
     layers = parse_layers(",".join(names))
-    if gate is not None and not {"learned", "encoder"} <= set(layers):
-        raise ValueError(f"detector {text!r}: gate:{gate:g} gates the encoder on the learned score; name both "
-                         "layers (e.g. rules,learned,encoder,gate:0.918) or leave the gate out")
+    if gate is not None and (problem := gate_problem(gate, layers)):
+        raise ValueError(f"detector {text!r}: {problem}")
     enc = thresholds.get("encoder")
     return DetectorConfig(layers=layers, rule_threshold=thresholds.get("rules", (THRESHOLD,))[0],
                           learned_threshold=thresholds.get("learned", (None,))[0],
                           encoder_threshold=enc if enc is None or len(enc) > 1 else enc[0], encoder_gate=gate)
+
+
+def gate_problem(gate: float, layers: tuple[str, ...]) -> str | None:
+    """What is wrong with an encoder gate for these layers (None: nothing), in words a flag's error can carry."""
+    if not math.isfinite(gate) or not 0.0 <= gate <= 1.0:
+        return f"the gate {gate} must be a learned score in [0, 1], e.g. 0.918"
+    if not {"learned", "encoder"} <= set(layers):
+        return ("the gate reads the learned score to decide whether the encoder runs; name both layers "
+                "(e.g. rules,learned,encoder) or leave the gate out")
+    return None
 
 
 def _threshold(text: str, name: str, value: str) -> float:

@@ -103,7 +103,9 @@ def test_the_controller_flag_sets_the_gate_of_the_default_detector() -> None:
     env = {"KVFLEET_DETECTOR_LAYERS": "rules,learned,encoder", "KVFLEET_DETECTOR_ENCODER_GATE": "0.5"}
     assert config_from(parse_args([], env), env).detector_encoder_gate == 0.5
     assert config_from(parse_args(["--detector-layers", "rules,learned,encoder"], {}), {}).detector_encoder_gate is None
-    with pytest.raises(InvalidArgument, match="--detector-encoder-gate 0.9 .*add learned,encoder"):
+    with pytest.raises(InvalidArgument, match="--detector-encoder-gate 0.9: .*name both layers"):
         config_from(parse_args(["--detector-layers", "rules,learned", "--detector-encoder-gate", "0.9"], {}), {})
-    with pytest.raises(InvalidArgument, match=r"--detector-encoder-gate 2.0: a learned score in \[0, 1\]"):
+    with pytest.raises(InvalidArgument, match=r"--detector-encoder-gate 2: .*learned score in \[0, 1\]"):
         config_from(parse_args(args[:2] + ["--detector-encoder-gate", "2"], {}), {})
+    with pytest.raises(SystemExit):  # argparse: "argument --detector-encoder-gate: invalid float value: 'x'"
+        parse_args([], {"KVFLEET_DETECTOR_ENCODER_GATE": "x"})
