@@ -70,16 +70,29 @@ TEXT_CHUNK = 1 << 16  # characters read at once by `text_word_spans`
 def text_word_spans(text: str) -> tuple[np.ndarray, np.ndarray]:
     """`word_spans` of a text's code points, as int32, reading TEXT_CHUNK characters at a time.
 
-    NOTE: the mask is per character, so building it chunk by chunk gives the same runs; a 1 MiB text that
-    is not ASCII no longer holds its code points (4 bytes each) and their copies at once (issue #28: the
-    learned layer's peak judging 1 MiB fell by about 10 MB). Positions fit int32: texts are cut at max_chars.
+    NOTE: the mask is per character, so building it chunk by chunk gives the same runs; each chunk's edges are
+    taken against the last character of the chunk before it, so a run crossing a chunk edge is one run. Only
+    the spans are kept whole: a 1 MiB text no longer holds its code points (4 bytes each when it is not ASCII)
+    nor a mask and its differences for every character (issue #28: the learned layer's peak judging 1 MiB fell
+    by about 10 MB, then by 3 MB more). Positions fit int32: texts are cut at max_chars.
     """
-    mask = np.zeros(len(text) + 2, dtype=np.int8)  # (L + 2,): a non-word character before and after
+    if len(text) <= TEXT_CHUNK:  # NOTE: one chunk, without the pieces' bookkeeping (a 4 KiB result)
+        mask = np.zeros(len(text) + 2, dtype=np.int8)  # (L + 2,): a non-word character before and after
+        mask[1:-1] = _word_mask(code_points(text))
+        edge = np.diff(mask)  # (L + 1,)
+        return np.flatnonzero(edge == 1).astype(np.int32), np.flatnonzero(edge == -1).astype(np.int32)
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
+    before = np.int8(0)  # the character before the chunk is a word character
     for a in range(0, len(text), TEXT_CHUNK):
-        chunk = text[a : a + TEXT_CHUNK]
-        mask[a + 1 : a + 1 + len(chunk)] = _word_mask(code_points(chunk))
-    edge = np.diff(mask)  # (L + 1,)
-    return np.flatnonzero(edge == 1).astype(np.int32), np.flatnonzero(edge == -1).astype(np.int32)
+        mask = _word_mask(code_points(text[a : a + TEXT_CHUNK])).view(np.int8)
+        edge = np.diff(mask, prepend=before)  # (chunk,): edge[i] = mask[i] - mask[i - 1]
+        starts.append(np.flatnonzero(edge == 1).astype(np.int32) + np.int32(a))
+        ends.append(np.flatnonzero(edge == -1).astype(np.int32) + np.int32(a))
+        before = mask[-1]
+    if before:
+        ends.append(np.array([len(text)], dtype=np.int32))
+    return np.concatenate(starts), np.concatenate(ends)
 
 
 class Hashing(Protocol):

@@ -183,6 +183,7 @@ class LayeredDetector:
         reasons, hit = list(rv.reasons), rv.quarantined
         p = q = None
         view = blank_quotations(norm) if self.model is not None or self.encoders else ""
+        del norm  # NOTE: the model layers read the view; a 1 MiB text's copy is freed before their peak (#28)
         if self.model is not None:
             p = round(self.model.score(view), 4)
             reasons.append(f"learned:{p:.4f}")

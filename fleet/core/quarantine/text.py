@@ -90,8 +90,31 @@ def mixed_script_words(text: str) -> int:
     return sum(1 for m in _WORD_RE.finditer(t) if _fold_word(m) != m.group(0))
 
 
+NORMALIZE_CHUNK = 1 << 16  # characters normalised at once by `normalize` (cut only before a newline)
+
+
 def normalize(text: str) -> str:
-    """NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces."""
+    """NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces.
+
+    NOTE: a long text is normalised in pieces of about NORMALIZE_CHUNK characters, each cut just before a "\n"
+    (issue #28: NFKC of a 1 MiB text that is not ASCII builds a 4-byte-per-character copy; the pieces keep
+    that to one piece). The pieces give the same text as one pass: "\n" composes with nothing on either side
+    and starts no reordering (NFKC), the invisibles and casefolding go character by character, a word (\w+)
+    and a run of spaces to collapse ([ \t\r\f\v]) never hold a "\n", and no character normalises to one.
+    A text without newlines is one piece.
+    """
+    if len(text) <= NORMALIZE_CHUNK:
+        return _normalize(text)
+    parts, lo = [], 0
+    while lo < len(text):
+        cut = text.find("\n", lo + NORMALIZE_CHUNK)
+        hi = len(text) if cut < 0 else cut
+        parts.append(_normalize(text[lo:hi]))
+        lo = hi
+    return "".join(parts)
+
+
+def _normalize(text: str) -> str:
     if text.isascii():  # NOTE: NFKC, the invisibles and the confusables leave ASCII text as it is
         return _collapse_spaces(text.casefold())
     t = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text)).casefold()

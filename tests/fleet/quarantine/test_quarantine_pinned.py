@@ -327,3 +327,22 @@ def test_word_events_equal_the_old_per_ngram_crc32() -> None:
 
             old = _mix(np.asarray(old_hashes, dtype=np.uint64) | np.uint64(1 << 40)) & np.uint64(cfg.num_buckets - 1)
         assert pos.tolist() == old_pos and buckets.tolist() == old.astype(np.int64).tolist(), repr(t)
+
+
+def test_normalize_piece_by_piece_as_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`text.normalize` cuts a long text before newlines and normalises the pieces (issue #28's 1 MiB peak):
+    the same text as the old single pass, for the characters that could tell (combining marks and spaces next
+    to a newline, NFKC spaces, confusables in mixed-script words, invisibles, tabs and CR)."""
+    r = random.Random(11)
+    alphabet = ["a", "B", "\n", " ", "  ", "\t", "\r\n", "\u0301", "e\u0301", "\u00a0", "\u2003", "\u200b",
+                "\u0430", "\u043e", "x", "\ufb01", "\u2126", "Σ", "ς", "\u2026", "9", "_"]
+    texts = ["".join(r.choice(alphabet) for _ in range(r.randint(0, 120))) for _ in range(400)]
+    texts += ["p\u0430yp\u0430l\n\u0301 \u00a0\n" * 40, "\u00a0\n\u00a0 " * 50]
+    moved = 0
+    for chunk in (1, 3, 16, 1 << 16):
+        monkeypatch.setattr(T, "NORMALIZE_CHUNK", chunk)
+        for t in texts:
+            want = _old_normalize(t)
+            assert T.normalize(t) == want, (chunk, t)
+            moved += want != t
+    assert moved > 1000  # control: normalising changed most texts
