@@ -94,6 +94,12 @@ class ControlClient:
             log.info("proxy: MoveRoute %s failed: %s", route_id, base.to_error(e, "MoveRoute", self.target))
 
     async def _release(self, route_id: str, token: str | None, done: Callable[[str], None] | None) -> None:
+        outcome = await self.release(route_id, token)
+        if done is not None:
+            done(outcome)
+
+    async def release(self, route_id: str, token: str | None) -> str:
+        """ReleaseRoute now: "released", "unknown" (the controller no longer tracks it) or "failed" (logged)."""
         req = route_pb2.ReleaseRouteRequest(route_id=route_id)
         try:
             async with self._slot("ReleaseRoute"):
@@ -107,8 +113,7 @@ class ControlClient:
                 "proxy: ReleaseRoute %s failed: %s", route_id, base.to_error(e, "ReleaseRoute", self.target)
             )
             outcome = "failed"
-        if done is not None:
-            done(outcome)
+        return outcome
 
     async def whoami(self, token: str | None) -> types.Caller:
         """Who the controller says `token` is; good answers are cached auth_cache_s (Route re-checks anyway).
@@ -178,7 +183,10 @@ class ControlClient:
     async def _slot(self, rpc: str) -> AsyncIterator[None]:
         """One of the channel's max_rpcs open RPCs, waited for at most timeout_s (then Unavailable: 503)."""
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            if self._slots.locked():
+                await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+            else:  # NOTE: a free slot is taken at once; wait_for would wrap it in a task (one loop pass more per RPC)
+                await self._slots.acquire()
         except TimeoutError:
             raise Unavailable(f"{rpc}: the proxy's RPCs to the controller at {self.target} were all busy for "
                               f"{self.timeout_s}s") from None

@@ -43,6 +43,7 @@ from controller.proxy.tool_parts import (  # noqa: F401 - MEDIA_PLACEHOLDER, Med
     MEDIA_PLACEHOLDER,
     TOOL_ROLES,
     MediaPart,
+    is_tool_message,
     media_parts,
     part_kind,
     tool_text,
@@ -152,6 +153,10 @@ class Enforcer:
         policy = self.policy(tenant)
         if policy == "off":
             return body, []
+        if chat and not _any_tool_message(body):
+            # NOTE: what a turn without tool messages costs (most turns): one pass over the roles. Every check
+            # below reads tool messages only (their content, parts and names), so it would find nothing
+            return body, []
         body, withheld = self.media_policy(body, chat)
         body, hits = await self.judge(body, chat, policy, token)
         return body, withheld + hits
@@ -231,6 +236,11 @@ class Enforcer:
         for j in judged.values():
             self.metrics.judged.labels(QUARANTINED if j.quarantined else CLEAN, j.source).inc()
         return judged
+
+
+def _any_tool_message(body: dict[str, Any]) -> bool:
+    msgs = body.get("messages")
+    return isinstance(msgs, list) and any(is_tool_message(m) for m in msgs)
 
 
 def _batches(blobs: list[bytes], found: list[tuple[str, str]]) -> list[list[bytes]]:

@@ -36,12 +36,15 @@ MEDIA_PARTS = (
 MEDIA_PLACEHOLDER = "[tool result {kind} part withheld: kvfleet cannot inspect media]"
 
 
+def is_tool_message(m: Any) -> bool:
+    """A message whose role is one of TOOL_ROLES (any case, surrounding spaces ignored)."""
+    role = m.get("role") if isinstance(m, dict) else None
+    return isinstance(role, str) and role.strip().lower() in TOOL_ROLES
+
+
 def tool_content(m: Any) -> Any:
     """The content of a tool message (None: not a tool message, or no content)."""
-    role = m.get("role") if isinstance(m, dict) else None
-    if not isinstance(role, str) or role.strip().lower() not in TOOL_ROLES:
-        return None
-    return m.get("content")
+    return m.get("content") if is_tool_message(m) else None
 
 
 def part_kind(p: Any, where: str, param: str) -> tuple[str, str | None]:

@@ -1,4 +1,4 @@
-"""Where the proxy finds tool results, and how it rewrites them (pure: no fleet)."""
+"""Where the proxy finds tool results, and how it rewrites them (pure: no fleet; the last test: no controller)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,20 @@ from typing import Any
 
 import pytest
 
+from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
-from controller.proxy.quarantine import MEDIA_PLACEHOLDER, media_parts, rewrite, tool_results, withhold_media
+from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.quarantine import (
+    MEDIA_PLACEHOLDER,
+    Enforcer,
+    media_parts,
+    rewrite,
+    tool_results,
+    withhold_media,
+)
+from controller.proxy.tool_parts import is_tool_message
+from fleet.app.redis_server import free_port
+from fleet.core.errors import Unavailable
 
 
 def _upper(text: str, where: str) -> str | None:
@@ -135,3 +147,27 @@ def test_judge_calls_stay_within_the_controllers_message_and_count_limits() -> N
     with pytest.raises(ProxyError) as e:
         _batches(over, [("messages[4].content", over[0].decode())])
     assert e.value.status == 413 and e.value.param == "messages[4].content"
+
+
+def test_is_tool_message_reads_the_role_as_the_judging_does() -> None:
+    # Enforcer.enforce skips a chat body none of whose messages passes this: it must call a tool message every
+    # message the judging reads (any case, padded, each of TOOL_ROLES) and nothing else.
+    assert all(is_tool_message({"role": r}) for r in ("tool", "Tool", " function ", "IPYTHON", "observation"))
+    assert not any(is_tool_message(m) for m in ({"role": "user"}, {"role": "assistant"}, {"role": None}, {},
+                                                {"role": ["tool"]}, "tool", None))
+
+
+async def test_enforce_still_judges_a_tool_message_without_content() -> None:
+    # A turn without tool messages is returned as it is, unjudged; one whose only tool message is an odd-cased
+    # role with a name and no content is still judged: with no controller to ask, it fails closed (503).
+    control = ControlClient(f"127.0.0.1:{free_port()}", timeout_s=2.0)
+    enforcer = Enforcer("placeholder", {}, control, ProxyMetrics())
+    try:
+        plain = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+        assert await enforcer.enforce(plain, True, "acme", None) == (plain, [])
+        named = {"model": "m", "messages": [{"role": "user", "content": "u"},
+                                            {"role": " TOOL ", "name": "lookup", "content": None}]}
+        with pytest.raises(Unavailable):
+            await enforcer.enforce(named, True, "acme", None)
+    finally:
+        await control.close()
