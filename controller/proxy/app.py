@@ -19,6 +19,7 @@ from aiohttp import web
 
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.forward import FORWARDED
+from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError
 
 if TYPE_CHECKING:
@@ -147,15 +148,14 @@ class Handlers:
         base, lora = p.directory.resolve(body["model"])
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await p.enforcer.enforce(body, chat, caller.tenant, token)
-        ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant)
+        enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
+        ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant, enc)
         d = await p.control.route(ids, base, lora=lora, token=token)
         try:
             fwd = (
                 {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
             )  # NOTE: the tenant's salt always wins
-            opened = await p.forwarder.open(
-                req.path, json.dumps(fwd).encode(), d, base, upstream_headers(req)
-            )
+            opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req))
             t = opened.target
             if d.route_id and t.worker != d.worker:  # skipped or failed over: the controller's ledger follows
                 rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
