@@ -17,6 +17,9 @@ first in turn, so all see the same machine. Bounded: C*R requests per round, and
 
 Latency = time to the first SSE event (TTFB) and to the end of the stream, at the client.
 Added latency = proxy percentile minus direct percentile (same percentile, same run).
+In the 1-client rounds the load generator also times the proxy's two extra hops alone (path "hops": the same
+turns' /tokenize to a worker, then a tracked Route to the controller with the client's token, released after,
+untimed), so the report can say how much of what the proxy adds is those round trips and how much its own work.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from controller.auth import mint_token
+from controller.proxy.control import ControlClient
+from controller.proxy.tokenize import tokenize_request
 from fleet.app.redis_server import free_port
 from fleet.sdk import AsyncFleetClient
 
@@ -52,6 +57,15 @@ class Sample:
     unfinished: int = 0
     warm: int = 0
     wall: float = 0.0
+
+
+@dataclass(slots=True)
+class Hops:
+    """Round trips of the proxy's two extra hops, timed from the load generator (seconds)."""
+
+    tokenize: list[float] = field(default_factory=list)
+    route: list[float] = field(default_factory=list)
+    both: list[float] = field(default_factory=list)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -110,6 +124,28 @@ async def one_client(http: aiohttp.ClientSession, url: str, headers: dict[str, s
         # word the bench sends is then one the local tokenizer knows (see local_tokenizer)
         msgs = msgs + [{"role": "assistant", "content": f"Routed truck {cid}, turn {turn}."},
                        {"role": "user", "content": f"Then stop {turn}?"}]
+
+
+async def hop_round(url: str, ctl: ControlClient, token: str, turns: int, tag: str, out: Hops) -> None:
+    """One conversation as one_client holds it (client 0), each turn's two proxy hops alone: the /tokenize body
+    the proxy would send, to a worker; then Route (tracked, as the proxy routes) with the ids it got."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Client 0 ({tag}): route truck 0."}]
+    async with aiohttp.ClientSession() as http:
+        for turn in range(turns):
+            body = {"model": MODEL, "messages": msgs, "max_tokens": 16, "stream": True}
+            data = json.dumps(tokenize_request(body, chat=True)).encode()
+            t0 = time.perf_counter()
+            async with http.post(url + "/tokenize", data=data, headers={"Content-Type": "application/json"}) as r:
+                ids = (await r.json())["tokens"]
+            t1 = time.perf_counter()
+            d = await ctl.route(ids, MODEL, lora=None, token=token)
+            t2 = time.perf_counter()
+            await ctl.release(d.route_id, token)
+            out.tokenize.append(t1 - t0)
+            out.route.append(t2 - t1)
+            out.both.append(t2 - t0)
+            msgs = msgs + [{"role": "assistant", "content": f"Routed truck 0, turn {turn}."},
+                           {"role": "user", "content": f"Then stop {turn}?"}]
 
 
 async def round_(urls: list[str], headers: dict[str, str], clients: int, turns: int, timeout: float,
@@ -171,8 +207,9 @@ def local_tokenizer(path: pathlib.Path, max_number: int) -> pathlib.Path | None:
     return path
 
 
-async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str], Sample]:
+async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int, str], Sample], Hops]:
     procs: list[subprocess.Popen[str]] = []
+    ctl_client: ControlClient | None = None
     try:
         sims = []
         for i in range(a.workers):
@@ -208,18 +245,25 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> dict[tuple[int, str],
         if "proxy-local" in paths:
             await check_parity(paths["proxy-local"][0][0])
         res: dict[tuple[int, str], list[Sample]] = {}
-        modes = list(paths)
+        hops = Hops()
+        ctl_client = ControlClient(ctl)
         for clients, turns in ((1, a.solo_turns), *(() if a.solo_only else ((a.clients, a.turns),))):
+            modes = [*paths, "hops"] if clients == 1 else list(paths)
             for r in range(a.rounds):
                 for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each path first in turn
+                    if mode == "hops":
+                        await hop_round(sims[0]["url"], ctl_client, tenant, turns, f"hops/{r}", hops)
+                        continue
                     urls, hdr = paths[mode]
                     s = await round_(urls, hdr, clients, turns, a.round_timeout, f"{clients}/{r}/{mode}")
                     print(f"{clients} clients round {r} {mode:11s}: {len(s.total)} ok, {s.errors} errors, "
                           f"{s.unfinished} unfinished, {len(s.total) / s.wall:.0f} req/s, TTFB p50 "
                           f"{1e3 * pct(s.ttfb, 50):.1f} ms p99 {1e3 * pct(s.ttfb, 99):.1f} ms", flush=True)
                     res.setdefault((clients, mode), []).append(s)
-        return {k: merge(v) for k, v in res.items()}
+        return {k: merge(v) for k, v in res.items()}, hops
     finally:
+        if ctl_client is not None:
+            await ctl_client.close()
         for p in procs:
             p.terminate()
         for p in procs:
@@ -259,7 +303,25 @@ ADDED = {"proxy": "added by the proxy", "proxy-baseline": "added by the baseline
          "proxy-local": "added by the proxy, local tokenizer"}
 
 
-def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tuple[float, float]) -> str:
+def hops_note(h: Hops, d: Sample, p: Sample) -> str:
+    """What the two extra hops alone take, against what the proxy adds at 1 client."""
+    if not h.both:
+        return ""
+    ms = {k: [1e3 * pct(xs, q) for q in (50, 99)] for k, xs in (("tok", h.tokenize), ("route", h.route),
+                                                                 ("both", h.both))}
+    added = [1e3 * (pct(p.ttfb, q) - pct(d.ttfb, q)) for q in (50, 99)]
+    return (f"The proxy's two extra hops alone, timed from the load generator in the same 1-client rounds "
+            f"({len(h.both)} turns of the same conversations: the /tokenize body the proxy sends, to a worker; then "
+            "a tracked Route with the client's token, released after, untimed): /tokenize p50 "
+            f"{ms['tok'][0]:.1f} ms, p99 {ms['tok'][1]:.1f} ms; Route p50 {ms['route'][0]:.1f} ms, p99 "
+            f"{ms['route'][1]:.1f} ms; the two in turn p50 {ms['both'][0]:.1f} ms, p99 {ms['both'][1]:.1f} ms, "
+            f"against the proxy's added {added[0]:+.1f} ms at p50 and {added[1]:+.1f} ms at p99. The rest, "
+            f"{added[0] - ms['both'][0]:.1f} ms at p50, is the proxy's own work (reading and checking the request, "
+            "the forward, the relay) and its extra loopback hop (client to proxy to worker, not client to worker).")
+
+
+def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tuple[float, float],
+           hops: Hops | None = None) -> str:
     rows = ["| clients, path | requests ok | errors | unfinished | req/s | TTFB p50 ms | TTFB p99 ms | "
             "stream p50 ms | stream p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
     label = tree_label(a.baseline_tree) if a.baseline_tree else ""
@@ -297,6 +359,7 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tupl
         "",
         *rows,
         "",
+        *((hops_note(hops, res[(1, "direct")], res[(1, "proxy")]), "") if hops is not None and hops.both else ()),
         *(() if a.solo_only else (
             f"Under load, {p.warm} of {len(p.total)} proxied turns were routed WARM (later turns hold their "
             "conversation's prefix; first turns share the system prompt). The stand-in workers answer at once "
@@ -335,8 +398,8 @@ def main() -> int:
         assert (a.baseline_tree / "controller" / "proxy").is_dir(), f"{a.baseline_tree} is not a kvfleet tree"
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        res = asyncio.run(run(a, pathlib.Path(tmp)))
-    section = report(res, a, (load0, os.getloadavg()[0]))
+        res, hops = asyncio.run(run(a, pathlib.Path(tmp)))
+    section = report(res, a, (load0, os.getloadavg()[0]), hops)
     print(section)
     if not a.no_docs and not a.solo_only:
         write_docs(section)
