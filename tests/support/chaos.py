@@ -74,6 +74,7 @@ class Chaos:
         self.specs: list[WorkerSpec] = []
         self.sessions: list[tuple[str, list[int]]] = []
         self._pending: list[tuple[float, str, int, str]] = []
+        self._sent: dict[str, int] = {}  # worker -> seq of the last batch its PUB really sent (drops left out)
 
     async def __aenter__(self) -> Chaos:
         self.tmp = tempfile.TemporaryDirectory()
@@ -90,6 +91,7 @@ class Chaos:
             self.specs.append(spec)
             await self.router.register_worker(spec)
             self.baseline.add_worker(spec.name, s.kv_events)
+            self._track_sent(spec.name, s)
         await asyncio.sleep(0.2)  # SUB sockets join
         for k in range(9):
             self.sessions.append((f"tenant-{k % 2}", [self.rng.randrange(100, 150000) for _ in range(40)]))
@@ -103,6 +105,21 @@ class Chaos:
         await self.http.close()
         self.store.close()
         self.tmp.cleanup()
+
+    def _track_sent(self, name: str, sim: SimVllm) -> None:
+        """Note the seq of each batch the sim's PUB really sends (a `drop` action's batches are not sent)."""
+        pub = sim.publisher
+        assert pub is not None
+        publish = pub.publish
+
+        def tracked(events: list[Any]) -> int:
+            dropped = pub.drop_next > 0
+            seq = publish(events)
+            if not dropped:
+                self._sent[name] = seq
+            return seq
+
+        pub.publish = tracked  # type: ignore[method-assign]
 
     async def _new_router(self) -> Router:
         r = Router(self.store, Metrics(), RouterConfig(reconcile_interval_s=self.reconcile_s, probe_on_route=self.probe))
@@ -177,13 +194,15 @@ class Chaos:
             self.sessions[k] = (salt, toks)  # NOTE: not sent: a request to a sleeping vLLM hangs
 
     async def _settle(self, name: str, sim: SimVllm, timeout: float = 0.25) -> None:
-        """Wait until both routers have seen every batch the sim published (the next turn comes later)."""
+        """Wait until both routers have seen every batch the sim published (the next turn comes later):
+        kvfleet's router every one (it repairs a dropped batch from the replay socket), the baseline every
+        one the PUB really sent (it has no repair: waiting for a dropped batch would only run out the timeout)."""
         assert sim.publisher is not None
         want = sim.publisher.seq - 1
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             st = self.router.worker(name).ranks[0]
-            if st.seq >= want and self.baseline.seq.get(name, -1) >= want:
+            if st.seq >= want and self.baseline.seq.get(name, -1) >= min(want, self._sent.get(name, -1)):
                 return
             await asyncio.sleep(0.002)
 
