@@ -85,6 +85,20 @@ def wait_unreachable(actor: Any, timeout_s: float = 60.0) -> None:
     raise AssertionError("an actor of the dead node still answers")
 
 
+def wait_host(f: KernelFleet, node_id: str, timeout_s: float = 60.0) -> None:
+    """Wait until the fleet has a kernel host on a node that just joined and that host answers.
+
+    NOTE: asked for itself, not through the fleet's fan-out (node_stats, placement): a host that is
+    still starting misses the fan-out's probe window and is held down for SUSPECT_S (10 s), which a
+    test polling node_stats() would only sit out."""
+    deadline = time.monotonic() + timeout_s
+    while node_id not in f.refresh_nodes():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the fleet started no host on node {node_id}")
+        time.sleep(0.1)
+    ray.get(f.hosts[node_id].stats.remote(), timeout=max(1.0, deadline - time.monotonic()))
+
+
 def actor_info(url: str, tenant: str, sid: str) -> dict[str, Any]:
     """A session's own info row, asked of the kernel host that holds it (its node from the registry)."""
     from fleet.cas import open_store
@@ -171,6 +185,7 @@ def nodes_come_and_go(cluster: Any, tmp: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         new = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
+        wait_host(f, new.node_id)
         deadline = time.monotonic() + 60      # in the node table; then its host must answer
         while new.node_id not in {s["node"] for s in f.node_stats()} and time.monotonic() < deadline:
             time.sleep(0.2)
