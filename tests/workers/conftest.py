@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.workers import SPEC
@@ -22,3 +28,24 @@ def kfleet(ray_cluster: None, tmp_path: Path) -> Iterator[KernelFleet]:
 @pytest.fixture
 def tenant() -> str:
     return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session")
+def multinode(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every scenario of multinode_scenarios.py (node_loss_scenario.py's last), run once in a child
+    process with a timeout, on one cluster started once (starting raylets costs seconds on 2 cores):
+    its JSON, by scenario name. test_multinode.py and test_multinode_node_loss.py assert on it."""
+    out = tmp_path_factory.mktemp("multinode") / "out.json"
+    script = Path(__file__).with_name("multinode_scenarios.py")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=root, env={**env, "PYTHONPATH": str(root)}, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:    # its raylets and controller are in its process group: all go
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    if not out.exists():
+        pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{err[-3000:]}")
+    return dict(json.loads(out.read_text()))

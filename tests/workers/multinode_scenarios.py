@@ -340,9 +340,20 @@ def _stop_detached(url: str) -> None:
     KernelFleet(url, SPEC, detached=True).shutdown()
 
 
+def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """node_loss_scenario.py's scenario on this cluster, once a third CPU node has joined (the one
+    nodes_come_and_go added is gone): it kills a node, so it runs last."""
+    from node_loss_scenario import node_loss as scenario
+
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return scenario(cluster, tmp)
+
+
 SCENARIOS: dict[str, Callable[[Any, Path], dict[str, Any]]] = {
     "placement": placement, "budget": budget, "nodes_come_and_go": nodes_come_and_go,
     "cross_node_fork": cross_node_fork, "controller_restart": controller_restart,
+    "node_loss": node_loss,  # last: it SIGKILLs a node
 }
 
 

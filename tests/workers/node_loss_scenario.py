@@ -2,7 +2,9 @@
 
     python tests/workers/node_loss_scenario.py OUT.json
 
-A 0-CPU head and three 1-CPU nodes (`ray.cluster_utils.Cluster`, see multinode_scenarios.py).
+A 0-CPU head and three 1-CPU nodes (`ray.cluster_utils.Cluster`, see multinode_scenarios.py); the
+tests run it as multinode_scenarios.py's last scenario, on that script's cluster with a third node
+added (one cluster start for both).
 Six sessions are spread by load, two per node. Then one node's raylet is SIGKILLed together with
 its worker processes (its supervisor and session actors), and right away, before Ray declares the
 node dead, every session gets an append, the sessions are listed and a new one is created. Every
@@ -23,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ray  # noqa: E402
-from multinode_scenarios import SPEC, run  # noqa: E402
+from multinode_scenarios import SPEC, run, wait_host  # noqa: E402
 
 from workers.fleet import KernelFleet  # noqa: E402
 
@@ -61,6 +63,8 @@ def _round(f: KernelFleet, sids: list[str], tag: str) -> dict[str, Any]:
 def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
     f = KernelFleet(f"sqlite:///{tmp / 'loss.db'}", SPEC, call_timeout_s=60.0)
     try:
+        for nid in f.refresh_nodes():  # every node's host answers before the first placement
+            wait_host(f, nid)
         sids = [f"s{i}" for i in range(len(PROMPTS))]
         for sid, prompt in zip(sids, PROMPTS, strict=True):
             f.create_session(T, sid, prompt)

@@ -4,42 +4,24 @@ How it runs, and why: the scenarios (tests/workers/multinode_scenarios.py) need 
 several raylets (`ray.cluster_utils.Cluster`: a head with 0 CPUs like the chart's KubeRay head,
 two 1-CPU nodes, one advertising a custom `accel` resource, and a third that joins and is then
 killed), but this pytest process already holds the session's single-node Ray, and a process has
-one Ray connection. So one module-scoped fixture runs every scenario once, in a child process
-with a timeout, on one cluster started once (starting raylets costs seconds on 2 cores), and
-each test asserts on its scenario's JSON. A scenario that raised carries its traceback, which
-the test prints. Timings in the JSON feed bench/fleet_nodes.py; nothing here asserts on them.
+one Ray connection. So one session-scoped fixture (`multinode`, tests/workers/conftest.py) runs
+every scenario once, in a child process with a timeout, on one cluster started once (starting
+raylets costs seconds on 2 cores), and each test asserts on its scenario's JSON (the node-loss
+scenario, which runs last on the same cluster, is test_multinode_node_loss.py's). A scenario that
+raised carries its traceback, which the test prints. Timings in the JSON feed bench/fleet_nodes.py;
+nothing here asserts on them.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("multinode_scenarios.py")
-
 
 @pytest.fixture(scope="module")
-def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("multinode") / "out.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:    # its raylets and controller are in its process group: all go
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    if not out.exists():
-        pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{err[-3000:]}")
-    return dict(json.loads(out.read_text()))
+def scenarios(multinode: dict[str, Any]) -> dict[str, Any]:
+    return multinode
 
 
 def _get(scenarios: dict[str, Any], name: str) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """A node's loss costs its sessions a rebuild on their next call, never an error (issue #31 item 2).
 
-On a real multi-node Ray (tests/workers/node_loss_scenario.py, run as a child process: this
-pytest process holds the session's single-node Ray): a 0-CPU head and three 1-CPU nodes, six
+On a real multi-node Ray (tests/workers/node_loss_scenario.py, run in a child process as the last
+scenario of multinode_scenarios.py, on its cluster: the session-scoped `multinode` fixture of
+tests/workers/conftest.py; this pytest process holds the session's single-node Ray): a 0-CPU head
+and three 1-CPU nodes, six
 sessions spread two per node; one node's raylet and worker processes are SIGKILLed, and right
 away, while Ray's node table still lists the node alive, the sessions are listed, one is created
 and every session gets an append.
@@ -14,42 +16,17 @@ supervisor, and the fleet did not read that as node loss. Each retry also steppe
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("node_loss_scenario.py")
-
 
 @pytest.fixture(scope="module")
-def loss(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("node_loss") / "out.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT)},
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:  # its raylets are in its process group: all go
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-    if not out.exists():
-        pytest.fail(f"the scenario script wrote nothing (rc {proc.returncode}):\n{err[-3000:]}")
-    r = dict(json.loads(out.read_text())["node_loss"])
+def loss(multinode: dict[str, Any]) -> dict[str, Any]:
+    r = multinode.get("node_loss")
+    assert r is not None, "the node_loss scenario did not run (the script stopped before it)"
     assert "error" not in r, r["error"]
-    return r
+    return dict(r)
 
 
 def test_a_dead_node_costs_a_rebuild_not_an_error(loss: dict[str, Any]) -> None:
