@@ -5,6 +5,11 @@ A real controller process (auth off, its own Ray directory) creates a session, w
 local Ray; every process under it is recorded (pid and start time, so a reused pid is not taken
 for a survivor); then the controller gets the signal. NOTE: before, Ray's DashboardAgent and
 RuntimeEnvAgent outlived a SIGTERM by about a minute, and a SIGKILL left Ray's daemons running.
+
+The four processes (a controller and a `kvfleet up` for each signal) are started at once, by one
+module fixture, each in its own Ray directory: a local Ray's start is mostly waiting on its daemons,
+so four in parallel take little longer than one. Each test still signals only its own process, once
+every start has finished (no test's survivors are timed while other Rays are starting).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -133,21 +139,61 @@ def _signal_and_wait(proc: subprocess.Popen[str], sig: signal.Signals, what: str
                 pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_nothing_of_a_local_ray_outlives_its_controller(tmp_path: Path, sig: signal.Signals) -> None:
+def _controller_with_ray(tmp: Path) -> subprocess.Popen[str]:
+    """A controller whose local Ray runs: its first session starts it."""
     from fleet.sdk import FleetClient
 
-    proc, address = _controller(tmp_path)
-
-    def first_session() -> None:
+    proc, address = _controller(tmp)
+    try:
         with FleetClient(address) as c:
             c.create_session("s1", "You are a short-lived agent.")  # starts the local Ray
+    except BaseException:
+        _kill_tree(proc)
+        raise
+    return proc
 
-    _signal_and_wait(proc, sig, "the controller", first_session)
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL `proc` and every process under it (a start that failed, or one no test signalled)."""
+    tree = _tree(proc.pid) if proc.poll() is None else {}
+    proc.kill()
+    proc.wait(30)
+    for pid in _alive(tree):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+STARTS: dict[str, Callable[[Path], subprocess.Popen[str]]] = {"controller": _controller_with_ray, "up": _up}
+KIND = {"test_nothing_of_a_local_ray_outlives_its_controller": "controller",
+        "test_nothing_of_the_local_ray_outlives_kvfleet_up": "up"}
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, str], Future[subprocess.Popen[str]]]]:
+    """The process of every selected test of this module, (kind, signal name) -> its start, all started
+    at once; returns when every start has ended (a failed start fails its own test, with its output)."""
+    wanted = [(KIND[item.originalname], item.callspec.id) for item in request.session.items
+              if item.module is request.module and item.originalname in KIND]
+    with ThreadPoolExecutor(max(1, len(wanted))) as pool:
+        starts = {key: pool.submit(STARTS[key[0]], tmp_path_factory.mktemp(f"{key[0]}-{key[1]}")) for key in wanted}
+    yield starts
+    for f in starts.values():  # never leave one to the rest of the run (its test did not run, or failed first)
+        if f.exception() is None and f.result().poll() is None:
+            _kill_tree(f.result())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_nothing_of_the_local_ray_outlives_kvfleet_up(tmp_path: Path, sig: signal.Signals) -> None:
+def test_nothing_of_a_local_ray_outlives_its_controller(
+        started: dict[tuple[str, str], Future[subprocess.Popen[str]]], sig: signal.Signals) -> None:
+    _signal_and_wait(started["controller", sig.name].result(), sig, "the controller")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_nothing_of_the_local_ray_outlives_kvfleet_up(
+        started: dict[tuple[str, str], Future[subprocess.Popen[str]]], sig: signal.Signals) -> None:
     """The same for `kvfleet up`, which starts its local Ray at once. NOTE: before it owned its tree, a SIGKILL
     of `kvfleet up` left Ray's DashboardAgent and RuntimeEnvAgent running (the SIGTERM case passed)."""
-    _signal_and_wait(_up(tmp_path), sig, "kvfleet up")
+    _signal_and_wait(started["up", sig.name].result(), sig, "kvfleet up")
