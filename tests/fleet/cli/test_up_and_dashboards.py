@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,8 @@ def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, object]]
     pytest.fail(f"kvfleet up did not come up: rc={proc.poll()} stderr={proc.stderr.read() if proc.stderr else ''}")
 
 
-def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
     proc, info = _start_up(tmp_path)
     try:
         addr, op, tok = str(info["controller"]), str(info["operator_token"]), str(info["tenant_token"])
@@ -59,13 +61,33 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
             with FleetClient(addr, tok) as c2:
                 c2.create_session("s2", "Second agent.")
 
+        # the watch stops as a user stops it, with Ctrl-C, at the poll after the one that drew s2 (not
+        # after a fixed 30 polls); --count 30 stays the bound if s2 never shows up
+        render, polls = session_cli.render_sessions, {"s2": 0, "all": 0}
+
+        def render_then_ctrl_c(rows: list[Any], *args: Any, **kw: Any) -> Any:
+            polls["all"] += 1
+            if polls["s2"]:
+                raise KeyboardInterrupt
+            polls["s2"] = polls["all"] if any(r.session_id == "s2" for r in rows) else 0
+            return render(rows, *args, **kw)
+
+        monkeypatch.setattr(session_cli, "render_sessions", render_then_ctrl_c)
         t = threading.Thread(target=_create_later)
         t.start()
-        assert session_cli.main(["ls", "--fleet", "--watch", "--interval", "0.3", "--count", "30",
-                                 "--controller", addr, "--token", op]) == 0
-        t.join()
+        try:
+            rc = session_cli.main(["ls", "--fleet", "--watch", "--interval", "0.3", "--count", "30",
+                                   "--controller", addr, "--token", op])
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C escaped `session ls --watch` (it must end the watch with exit code 0)")
+        finally:
+            t.join()
+            monkeypatch.undo()
+        assert rc == 0
         frames = capsys.readouterr().out
-        assert "s1" in frames and "s2" in frames
+        with capsys.disabled():
+            print(f"session ls --watch: {polls['all']} polls, s2 first in poll {polls['s2']}")
+        assert polls["s2"] > 1 and "s1" in frames and "s2" in frames   # s2 came in a later frame, not the first
         assert worker_cli.main(["ls", "--watch", "--interval", "0.1", "--count", "2",
                                 "--controller", addr, "--token", op]) == 0
         assert "w0" in capsys.readouterr().out
