@@ -8,9 +8,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import statistics
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
-from support.chaos import Chaos, Result
+from support.chaos import Result, run_chaos
 
 STEPS = 300
 SEEDS = (1, 2, 3, 4, 7)
@@ -26,14 +30,19 @@ def _row(label: str, r: Result) -> str:
             + (f" | errors: {r.errors}" if r.errors else ""))
 
 
-async def _run(steps: int = STEPS, **kw) -> Result:
-    async with Chaos(**kw) as c:
-        return await c.run(steps)
+def _runs(*runs: dict[str, Any]) -> list[Result]:
+    """Independent runs (each its own sims, router, store and seed), side by side in processes of their
+    own, at most one per core and two at once: each run is CPU-bound in one event loop, and sets its
+    own pace (every route waits until both routers have seen the worker's batches)."""
+    workers = max(1, min(2, os.cpu_count() or 1, len(runs)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(run_chaos, [r.pop("steps", STEPS) for r in runs], runs))
 
 
-async def test_chaos_through_controller_and_restart() -> None:
-    runs = {seed: await _run(seed=seed, mode="through", steps=200) for seed in SEEDS}
-    d = await _run(seed=7, mode="through", steps=200, restart_controller_at=100)
+def test_chaos_through_controller_and_restart() -> None:
+    *a, d = _runs(*[dict(seed=seed, mode="through", steps=200) for seed in SEEDS],
+                  dict(seed=7, mode="through", steps=200, restart_controller_at=100))
+    runs = dict(zip(SEEDS, a, strict=True))
     a7 = runs[7]
     print()
     for seed, r in runs.items():
@@ -59,10 +68,9 @@ async def test_chaos_through_controller_and_restart() -> None:
     assert all(d.rebuilt[1][k][0] >= e for k, (e, _) in d.rebuilt[0].items())
 
 
-async def test_chaos_behind_the_back() -> None:
-    b = await _run(seed=11, mode="behind")
-    bp = await _run(seed=11, mode="behind", probe=True)
-    inv = await _run(seed=13, mode="invisible", probe=True)
+def test_chaos_behind_the_back() -> None:
+    b, bp, inv = _runs(dict(seed=11, mode="behind"), dict(seed=11, mode="behind", probe=True),
+                       dict(seed=13, mode="invisible", probe=True))
     print("\n" + _row("(b) behind the back, reconcile 200ms", b), f"reverted-before-any-look={b.reverted}")
     print(_row("(b) behind the back + route probe", bp), f"reverted-before-any-look={bp.reverted}")
     print(_row("(b') reset / pause+resume, + probe", inv))

@@ -307,3 +307,15 @@ class Chaos:
         finally:
             watcher.cancel()
         return self.res
+
+
+def run_chaos(steps: int, kw: dict[str, Any]) -> Result:
+    """One run, `Chaos(**kw)` for `steps` steps, in an event loop of its own (a process pool's task: the
+    runs are independent and CPU-bound, so a test can run them side by side, one per core)."""
+
+    async def go() -> Result:
+        async with Chaos(**kw) as c:
+            return await c.run(steps)
+
+    return asyncio.run(go())
+
