@@ -101,26 +101,28 @@ def normalize(text: str) -> str:
     that to one piece). The pieces give the same text as one pass: "\n" composes with nothing on either side
     and starts no reordering (NFKC), the invisibles and casefolding go character by character, a word (\w+)
     and a run of spaces to collapse ([ \t\r\f\v]) never hold a "\n", and no character normalises to one.
-    A text without newlines is one piece.
+    A text without newlines is one piece. (A short text is normalised here, without a call to the piecewise
+    path: one more Python frame on this path cost 0.5-1 ms of CPU per 4 KiB result, in the frame-stack chunk
+    maps and unmaps docs/quarantine_default.md describes.)
     """
-    if len(text) <= NORMALIZE_CHUNK:
-        return _normalize(text)
-    parts, lo = [], 0
-    while lo < len(text):
-        cut = text.find("\n", lo + NORMALIZE_CHUNK)
-        hi = len(text) if cut < 0 else cut
-        parts.append(_normalize(text[lo:hi]))
-        lo = hi
-    return "".join(parts)
-
-
-def _normalize(text: str) -> str:
+    if len(text) > NORMALIZE_CHUNK and text.find("\n", NORMALIZE_CHUNK) >= 0:
+        return _normalize_pieces(text)  # NOTE: each piece holds no "\n" past NORMALIZE_CHUNK: one pass each
     if text.isascii():  # NOTE: NFKC, the invisibles and the confusables leave ASCII text as it is
         return _collapse_spaces(text.casefold())
     t = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", text)).casefold()
     if _CONFUSABLE_CHAR_RE.search(t) is not None:
         t = _WORD_RE.sub(_fold_word, t)
     return _collapse_spaces(t)
+
+
+def _normalize_pieces(text: str) -> str:
+    parts, lo = [], 0
+    while lo < len(text):
+        cut = text.find("\n", lo + NORMALIZE_CHUNK)
+        hi = len(text) if cut < 0 else cut
+        parts.append(normalize(text[lo:hi]))
+        lo = hi
+    return "".join(parts)
 
 
 def _collapse_spaces(t: str) -> str:
