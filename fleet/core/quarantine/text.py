@@ -94,7 +94,7 @@ NORMALIZE_CHUNK = 1 << 16  # characters normalised at once by `normalize` (cut o
 
 
 def normalize(text: str) -> str:
-    """NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces.
+    r"""NFKC, drop invisibles, casefold, fold confusables inside mixed-script words, collapse spaces.
 
     NOTE: a long text is normalised in pieces of about NORMALIZE_CHUNK characters, each cut just before a "\n"
     (issue #28: NFKC of a 1 MiB text that is not ASCII builds a 4-byte-per-character copy; the pieces keep
