@@ -27,6 +27,8 @@ class ProxyConfig:
     worker_api_key: str | None = None  # vLLM's --api-key, sent to the workers (never the client's token)
     first_byte_timeout_s: float = 0.25  # then probe /is_sleeping: a sleeping vLLM accepts and hangs (1.0 until the
     # fleet routing bench showed its wait as the TTFT tail after a sleep behind the router's back: docs/proxy.md)
+    first_byte_min_s: float = 0.05  # the first probe comes after 2x the worker's recent p90 first-byte wait, within
+    # [first_byte_min_s, first_byte_timeout_s] (controller/proxy/watch.py FirstBytes; docs/proxy.md)
     probe_timeout_s: float = 0.5
     max_first_byte_wait_s: float = 600.0  # an attempt with no first byte by then fails over, probes or not: the
     # bound on a worker that holds the connection but never answers (must exceed the longest non-streaming answer)
@@ -59,7 +61,7 @@ class ProxyConfig:
                 raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT")
         if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
             raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
-        if min(self.first_byte_timeout_s, self.probe_timeout_s, self.max_first_byte_wait_s, self.connect_timeout_s,
+        if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s, self.connect_timeout_s,
                self.refresh_s,
                self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")

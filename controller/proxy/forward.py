@@ -1,6 +1,6 @@
 """Send a routed request to a worker, fail over once before the first byte, relay the answer unchanged.
 
-    chosen worker ──POST──► first byte within first_byte_timeout_s? ── yes ──► relay bytes as they come
+    chosen worker ──POST──► first byte in time (below)? ─────── yes ──► relay bytes as they come
          │                        │ no
          │                        ▼
          │                 GET /is_sleeping ── awake (busy, e.g. a long non-streaming answer) ──► keep waiting
@@ -12,7 +12,10 @@
     connection error / 503 ─► one retry on the next serving candidate (the worker is marked suspect)
 
 vLLM queues requests to a sleeping engine and they hang (reference §1.3), and a streaming vLLM
-may send its headers before the engine runs, so "first byte" means the first body bytes.
+may send its headers before the engine runs, so "first byte" means the first body bytes. "In time" is
+twice the worker's recent 90th-percentile first-byte wait, within [first_byte_min_s, first_byte_timeout_s]
+(FirstBytes, controller/proxy/watch.py): a worker that answers short prompts in 20 ms and stops answering is
+asked after 50 ms, not 250.
 NOTE: only a sleeping answer, a refused connection, or silence from a worker the controller has stopped
 listing as serving (a frozen process: its reconcile lost /health) fails an attempt over, and so does no
 first byte within max_first_byte_wait_s whatever the probes say (the overall bound per attempt). A probe that
@@ -41,7 +44,7 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
-from controller.proxy.watch import ASLEEP, BUSY, GONE, Ticket, ask_is_sleeping
+from controller.proxy.watch import ASLEEP, BUSY, GONE, FirstBytes, Ticket, ask_is_sleeping
 from fleet.core.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
@@ -98,10 +101,11 @@ def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> Iterator
             yield Target(w.name, w.url, COLD, 0, epoch)
 
 
-def probe_waits(first_byte_timeout_s: float) -> Iterator[float]:
-    """The waits for a first byte between /is_sleeping probes: the timeout, then doubling up to MAX_PROBE_GAP
-    timeouts or MAX_PROBE_WAIT_S, whichever is longer, then that for ever."""
-    wait, cap = first_byte_timeout_s, max(first_byte_timeout_s * MAX_PROBE_GAP, MAX_PROBE_WAIT_S)
+def probe_waits(first_byte_timeout_s: float, first_s: float | None = None) -> Iterator[float]:
+    """The waits for a first byte between /is_sleeping probes: `first_s` (default: the timeout), then doubling up
+    to MAX_PROBE_GAP timeouts or MAX_PROBE_WAIT_S, whichever is longer, then that for ever."""
+    wait = first_byte_timeout_s if first_s is None else first_s
+    cap = max(first_byte_timeout_s * MAX_PROBE_GAP, MAX_PROBE_WAIT_S)
     while True:
         yield wait
         wait = min(wait * 2, cap)
@@ -112,6 +116,7 @@ class Forwarder:
                  metrics: ProxyMetrics) -> None:
         self.cfg, self.directory, self.http, self.metrics = cfg, directory, http, metrics
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)  # one for every send
+        self.first_bytes = FirstBytes(cfg.first_byte_min_s, cfg.first_byte_timeout_s)
 
     async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str]) -> Opened:
         """Open the request on the chosen worker or, after one failure before the first byte, the next one."""
@@ -145,7 +150,9 @@ class Forwarder:
         except BaseException:
             await _discard(task)
             raise
-        return Opened(t, resp, first, t_sent, time.perf_counter(), sends, tuple(failures))
+        t_first = time.perf_counter()
+        self.first_bytes.seen(t.worker, t_first - t_sent)
+        return Opened(t, resp, first, t_sent, t_first, sends, tuple(failures))
 
     async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
                                ticket: Ticket) -> None:
@@ -157,7 +164,7 @@ class Forwarder:
         limit = self.cfg.max_first_byte_wait_s
         start = time.monotonic()
         deadline = start + limit
-        waits = probe_waits(self.cfg.first_byte_timeout_s)
+        waits = probe_waits(self.cfg.first_byte_timeout_s, self.first_bytes.first_wait(t.worker))
         wait = next(waits)
         while True:
             left, wake = deadline - time.monotonic(), ticket.wake  # NOTE: a nudge replaces ticket.wake

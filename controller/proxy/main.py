@@ -43,8 +43,12 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument("--worker-api-key", default=e("KVFLEET_WORKER_API_KEY"),
                    help="the workers' vLLM --api-key, if they have one (sent to them, never to the controller)")
     p.add_argument("--first-byte-timeout", type=float, default=e("KVFLEET_PROXY_FIRST_BYTE_TIMEOUT", "0.25"),
-                   help="seconds without a first byte before probing the worker's /is_sleeping, which a sleeping "
-                        "vLLM needs to be found out (awake: keep waiting; default 0.25)")
+                   help="the longest wait without a first byte before probing the worker's /is_sleeping, which a "
+                        "sleeping vLLM needs to be found out (awake: keep waiting; default 0.25); see --first-byte-min")
+    p.add_argument("--first-byte-min", type=float, default=e("KVFLEET_PROXY_FIRST_BYTE_MIN", "0.05"),
+                   help="the earliest probe: a worker is probed after twice its recent 90th-percentile first-byte "
+                        "wait, at least this and at most --first-byte-timeout (default 0.05; set it to the timeout "
+                        "for a fixed wait)")
     p.add_argument("--max-first-byte-wait", type=float, default=600.0,
                    help="seconds an attempt may go without a first byte, whatever the probes say, before it fails "
                         "over (once); must exceed the longest non-streaming answer (default 600)")
@@ -71,7 +75,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
 def config_from(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
                        tokenizer=a.tokenizer, worker_api_key=a.worker_api_key,
-                       first_byte_timeout_s=a.first_byte_timeout, max_first_byte_wait_s=a.max_first_byte_wait,
+                       first_byte_timeout_s=a.first_byte_timeout, first_byte_min_s=a.first_byte_min,
+                       max_first_byte_wait_s=a.max_first_byte_wait,
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),

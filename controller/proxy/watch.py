@@ -17,6 +17,7 @@ stops serving is first asked, as each request's own probe would ask it (docs/pro
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -84,6 +85,42 @@ class WorkerWatch:
     def _forget(self, worker: str, task: asyncio.Task[Finding]) -> None:
         if self._probes.get(worker) is task:
             del self._probes[worker]
+
+
+class FirstBytes:
+    """How soon a worker normally sends a first byte, so that a sleeper is probed after a few times that, not
+    after a fixed timeout sized for slow prompts.
+
+    Per worker, the waits of its last `window` answered attempts (send to first body byte). The first probe of
+    an attempt comes `factor` x their 90th percentile after its send, within [floor_s, cap_s]; with fewer than
+    `min_samples` waits seen (a new worker) it comes at cap_s. A sleeping worker answers nothing, so its window
+    keeps its awake waits. NOTE: the probe's finding decides, not this wait: a worker that is only slower than
+    usual answers "awake" and the attempt keeps waiting (one GET /is_sleeping spent).
+    """
+
+    def __init__(self, floor_s: float, cap_s: float, factor: float = 2.0, window: int = 64,
+                 min_samples: int = 8) -> None:
+        self.floor_s, self.cap_s, self.factor, self.min_samples = min(floor_s, cap_s), cap_s, factor, min_samples
+        self._window = window
+        self._waits: dict[str, deque[float]] = {}
+
+    def seen(self, worker: str, wait_s: float) -> None:
+        """An attempt on `worker` got its first byte `wait_s` after its send."""
+        w = self._waits.get(worker)
+        if w is None:
+            w = self._waits[worker] = deque(maxlen=self._window)
+        w.append(wait_s)
+
+    def first_wait(self, worker: str) -> float:
+        """Seconds after a send to `worker` before its first /is_sleeping probe."""
+        w = self._waits.get(worker)
+        if w is None or len(w) < self.min_samples or self.floor_s >= self.cap_s:
+            return self.cap_s
+        q = sorted(w)[(9 * len(w)) // 10]
+        return min(self.cap_s, max(self.floor_s, self.factor * q))
+
+    def forget(self, worker: str) -> None:
+        self._waits.pop(worker, None)
 
 
 async def ask_is_sleeping(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Finding:

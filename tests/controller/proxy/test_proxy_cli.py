@@ -24,6 +24,10 @@ def test_first_byte_timeout_default_env_and_flag() -> None:
     env = {"KVFLEET_PROXY_FIRST_BYTE_TIMEOUT": "1.5"}
     assert config_from(parse_args([], env)).first_byte_timeout_s == 1.5
     assert config_from(parse_args(["--first-byte-timeout", "0.1"], env)).first_byte_timeout_s == 0.1  # flags win
+    # the floor of the adaptive first wait (docs/proxy.md): 0.05 s unless set
+    assert config_from(parse_args([], {})).first_byte_min_s == 0.05
+    assert config_from(parse_args([], {"KVFLEET_PROXY_FIRST_BYTE_MIN": "0.25"})).first_byte_min_s == 0.25
+    assert config_from(parse_args(["--first-byte-min", "0.1"], {})).first_byte_min_s == 0.1
 
 
 def test_a_bad_first_byte_timeout_env_exits_2_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,6 +42,7 @@ def test_a_bad_first_byte_timeout_env_exits_2_naming_it(capsys: pytest.CaptureFi
     (["--listen", "nowhere"], "must be HOST:PORT"),
     (["--tokenizer", "gpt2"], "use hf:PATH"),
     (["--first-byte-timeout", "0"], "must be positive"),
+    (["--first-byte-min", "-1"], "must be positive"),
     ([], "--tool-media 'strip': expected pass, withhold or refuse"),  # from KVFLEET_TOOL_MEDIA
 ])
 def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
