@@ -119,9 +119,6 @@ class FirstBytes:
         q = sorted(w)[(9 * len(w)) // 10]
         return min(self.cap_s, max(self.floor_s, self.factor * q))
 
-    def forget(self, worker: str) -> None:
-        self._waits.pop(worker, None)
-
 
 async def ask_is_sleeping(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Finding:
     """(what GET /is_sleeping observed, a phrase saying so): ASLEEP, AWAKE, BUSY or GONE.
