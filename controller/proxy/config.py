@@ -61,9 +61,8 @@ class ProxyConfig:
                 raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT")
         if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
             raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
-        if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s, self.connect_timeout_s,
-               self.refresh_s,
-               self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
+        if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s,
+               self.connect_timeout_s, self.refresh_s, self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0 or self.controller_max_rpcs <= 0:
             raise InvalidArgument("max_body_bytes and controller_max_rpcs must be positive and tokenize_cache_size >= 0")

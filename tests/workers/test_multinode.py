@@ -16,13 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-
-@pytest.fixture(scope="module")
-def scenarios(multinode: dict[str, Any]) -> dict[str, Any]:
-    return multinode
-
 
 def _get(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     r = scenarios.get(name)
@@ -31,16 +24,16 @@ def _get(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
     return dict(r)
 
 
-def test_zero_cpu_head_gets_nothing_and_custom_resources_decide_placement(scenarios: dict[str, Any]) -> None:
-    r = _get(scenarios, "placement")
+def test_zero_cpu_head_gets_nothing_and_custom_resources_decide_placement(multinode: dict[str, Any]) -> None:
+    r = _get(multinode, "placement")
     assert r["head"] not in r["supervised"] and r["supervised"] == r["cpu_nodes"]
     assert sorted(r["session_nodes"]) == r["cpu_nodes"]           # two unrelated prompts: one per node
     assert r["accel_supervised"] == [r["accel_node"]]             # sessions that need `accel` go only there
     assert r["accel_session_nodes"] == [r["accel_node"]] * 2
 
 
-def test_spent_kv_budget_places_elsewhere_then_resource_exhausted(scenarios: dict[str, Any]) -> None:
-    r = _get(scenarios, "budget")
+def test_spent_kv_budget_places_elsewhere_then_resource_exhausted(multinode: dict[str, Any]) -> None:
+    r = _get(multinode, "budget")
     a, b = r["b1"], r["fork"]
     assert r["b2"] == a and r["b2_adopted"] == 32          # fits on A only because it adopts A's blocks
     assert b != a and r["fork_moved_blocks"] == 2          # A is full: the fork crosses, with b1's blocks
@@ -51,8 +44,8 @@ def test_spent_kv_budget_places_elsewhere_then_resource_exhausted(scenarios: dic
     assert r["listed"] == ["b1", "b1f", "b2", "b3"]         # the refused session left nothing behind
 
 
-def test_a_joining_node_is_used_and_a_dead_nodes_sessions_come_back_bit_identical(scenarios: dict[str, Any]) -> None:
-    r = _get(scenarios, "nodes_come_and_go")
+def test_a_joining_node_is_used_and_a_dead_nodes_sessions_come_back_bit_identical(multinode: dict[str, Any]) -> None:
+    r = _get(multinode, "nodes_come_and_go")
     assert r["placed"] == [r["new_node"]] * 2                   # the empty newcomer takes the next sessions
     assert r["on_new"] == ["new0", "new1"]
     assert r["rows_after_loss"] == {"old0": "active", "old1": "active", "new0": "lost", "new1": "lost"}
@@ -63,8 +56,8 @@ def test_a_joining_node_is_used_and_a_dead_nodes_sessions_come_back_bit_identica
     assert r["new_node"] not in r["nodes_after"].values()
 
 
-def test_cross_node_fork_moves_the_parents_blocks_and_equals_a_replayed_fork(scenarios: dict[str, Any]) -> None:
-    r = _get(scenarios, "cross_node_fork")
+def test_cross_node_fork_moves_the_parents_blocks_and_equals_a_replayed_fork(multinode: dict[str, Any]) -> None:
+    r = _get(multinode, "cross_node_fork")
     assert r["shared_node"] == r["other"] != r["parent_node"] and r["replayed_node"] == r["other"]
     assert r["adopted_tokens"] > 0 and r["moved_bytes"] > 0 and r["replay_moved_bytes"] == 0
     assert r["shared_prefilled"] == r["shared_tokens"] - r["adopted_tokens"]     # only the tail computed
@@ -73,8 +66,8 @@ def test_cross_node_fork_moves_the_parents_blocks_and_equals_a_replayed_fork(sce
     assert r["control_delta"] > 0
 
 
-def test_controller_sigkill_and_restart_keeps_sessions_warm(scenarios: dict[str, Any]) -> None:
-    r = _get(scenarios, "controller_restart")
+def test_controller_sigkill_and_restart_keeps_sessions_warm(multinode: dict[str, Any]) -> None:
+    r = _get(multinode, "controller_restart")
     assert all(r["same_pid"].values()) and set(r["replayed_ops"].values()) == {0}
     for sid, before in r["prefilled_before"].items():            # only the appended tokens were computed
         assert r["prefilled_after"][sid] == before + r["tokens_added"][sid]

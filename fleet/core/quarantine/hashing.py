@@ -77,19 +77,20 @@ def text_word_spans(text: str) -> tuple[np.ndarray, np.ndarray]:
     by about 10 MB, then by 3 MB more). Positions fit int32: texts are cut at max_chars.
     """
     if len(text) <= TEXT_CHUNK:  # NOTE: one chunk, without the pieces' bookkeeping (a 4 KiB result)
-        starts, ends = word_spans(code_points(text))
-        return starts.astype(np.int32), ends.astype(np.int32)
-    pieces: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+        first, last = word_spans(code_points(text))
+        return first.astype(np.int32), last.astype(np.int32)
+    starts: list[np.ndarray] = []
+    ends: list[np.ndarray] = []
     before = np.int8(0)  # the character before the chunk is a word character
     for a in range(0, len(text), TEXT_CHUNK):
         mask = _word_mask(code_points(text[a : a + TEXT_CHUNK])).view(np.int8)
         edge = np.diff(mask, prepend=before)  # (chunk,): edge[i] = mask[i] - mask[i - 1]
-        pieces[0].append(np.flatnonzero(edge == 1).astype(np.int32) + np.int32(a))
-        pieces[1].append(np.flatnonzero(edge == -1).astype(np.int32) + np.int32(a))
+        starts.append(np.flatnonzero(edge == 1).astype(np.int32) + np.int32(a))
+        ends.append(np.flatnonzero(edge == -1).astype(np.int32) + np.int32(a))
         before = mask[-1]
     if before:
-        pieces[1].append(np.array([len(text)], dtype=np.int32))
-    return np.concatenate(pieces[0]), np.concatenate(pieces[1])
+        ends.append(np.array([len(text)], dtype=np.int32))
+    return np.concatenate(starts), np.concatenate(ends)
 
 
 class Hashing(Protocol):
