@@ -408,7 +408,15 @@ class Router:
 
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a
-        cache loss, so the rank's conversations leave its working set."""
+        cache loss, so the rank's conversations leave its working set.
+
+        An awaited clear (the one a verb of this controller queued) changes nothing here: the verb dropped
+        the rank when it ran, and the routes seen since came after the clear. Forgetting them again turned
+        their blocks into ghosts, and their BlockStored events then queued them head first, so the shadow
+        predicted LRU evicting a prompt's first block where vLLM evicts its last (stale WARM routes).
+        """
+        if isinstance(ev, AllBlocksCleared) and ev.awaited:
+            return
         if ev is None or isinstance(ev, AllBlocksCleared):
             self.demand.forget_rank(key)
             self.shadow.forget(key)

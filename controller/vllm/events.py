@@ -108,7 +108,11 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    pass
+    # Never decoded: the watcher sets it on the clear that lifts a "clear" fence, the one a forgetting verb
+    # of this controller queued (fleet/core/rank_state.py). The index, the demand ledger and the block-pool
+    # shadow were dropped when that verb ran, and nothing was routed there while it ran, so every route the
+    # shadow has seen since came after this clear: it must not forget them (controller/router.py).
+    awaited: bool = False
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared

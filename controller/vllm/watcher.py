@@ -47,6 +47,7 @@ from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import Look, RankState, Transition
 
 log = logging.getLogger(__name__)
+AWAITED_CLEAR = AllBlocksCleared(awaited=True)  # the clear a forgetting verb queued (events.py)
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -197,10 +198,11 @@ class Worker:
                     return
             self.metrics.kv_events.labels(type(ev).__name__).inc()
             if isinstance(ev, AllBlocksCleared):
+                awaited = st.fence == "clear"
                 t = st.cleared(seq)
                 st, persist = t.state, persist or t.persist
                 self.metrics.epoch_bumps.labels(t.reason).inc()
-                self.index.apply(key, ev)
+                self.index.apply(key, AWAITED_CLEAR if awaited else ev)
             elif isinstance(ev, BlockStored):
                 if not st.accepts_stores or self._over_capacity(key, ev):
                     continue
