@@ -1,0 +1,76 @@
+"""parse_metrics reads only the series it needs: the same answer as parsing every line, at a fraction of the
+cost. The reconcile parses each worker's /metrics on the controller's event loop every reconcile interval; a
+vLLM server exports hundreds of histogram lines, and prometheus_client's parser took about 10 ms for 439 of
+them on the project machine (0.5 ms once filtered): a pause of every route in flight, twice a second per
+worker. Timing is in no test; this checks the filter keeps what is read and drops the rest."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+import controller.vllm.http as vhttp
+from controller.vllm.http import WorkerHttpError, parse_metrics, wanted_lines
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+
+LE = ("0.001", "0.01", "0.1", "0.5", "1.0", "2.5", "10.0", "40.0", "160.0", "+Inf")
+
+
+def _histograms(engine: str) -> list[str]:
+    out = []
+    for fam in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_prompt_tokens",
+                "sleep_mode_operation_duration_seconds"):
+        out += [f"# HELP vllm:{fam} Histogram of {fam}.", f"# TYPE vllm:{fam} histogram"]
+        lab = f'engine="{engine}",model_name="org/model-8B"'
+        if fam.startswith("sleep_mode"):
+            lab += ',operation="sleep"'
+        out += [f'vllm:{fam}_bucket{{{lab},le="{le}"}} 3.0' for le in LE]
+        out += [f"vllm:{fam}_count{{{lab}}} 3.0", f"vllm:{fam}_sum{{{lab}}} 1.5"]
+    return out
+
+
+def _full_parse(text: str, engine: str) -> vhttp.WorkerMetrics:
+    """parse_metrics with every line handed to the Prometheus parser, as before the filter."""
+    real = vhttp.wanted_lines
+    vhttp.wanted_lines = lambda t: t
+    try:
+        return parse_metrics(text, engine)
+    finally:
+        vhttp.wanted_lines = real
+
+
+@pytest.fixture
+async def sim_text() -> str:
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64, time_scale=1.0))).start()
+    try:
+        async with aiohttp.ClientSession() as h:
+            async with h.post(sim.url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 2}) as r:
+                assert r.status == 200
+            async with h.post(sim.url + "/sleep?level=1") as r:
+                assert r.status == 200
+            async with h.get(sim.url + "/metrics") as r:
+                return await r.text()
+    finally:
+        await sim.stop()
+
+
+async def test_the_filtered_parse_reads_what_the_full_parse_reads_and_drops_the_rest(sim_text: str) -> None:
+    other_engine = [line.replace('engine="0"', 'engine="1"') for line in sim_text.splitlines()
+                    if line.startswith("vllm:") and 'engine="0"' in line]
+    text = "\n".join([*sim_text.splitlines(), *other_engine, *_histograms("0"), *_histograms("1")]) + "\n"
+    for engine in ("0", "1"):
+        got = parse_metrics(text, engine)
+        assert got == _full_parse(text, engine)
+    got = parse_metrics(text, "0")
+    assert got.sleep_state.get("awake") == 0 and got.num_gpu_blocks == 64 and got.block_size == 16
+    assert got.sleep_ops == 1 + 3 and got.start_time is not None  # the stand-in's sleep + ours: _count; a bare gauge
+    kept = wanted_lines(text).splitlines()
+    assert not any("_bucket" in line or "_sum" in line or "time_to_first_token" in line for line in kept)
+    assert len(kept) < len(text.splitlines()) / 4
+
+
+@pytest.mark.parametrize("junk", ["<html><body>not found</body></html>\n", "hello\n"])
+def test_text_that_is_not_prometheus_is_still_an_error(junk: str) -> None:
+    with pytest.raises(WorkerHttpError, match="not Prometheus text"):
+        parse_metrics(junk)
