@@ -60,6 +60,14 @@ case "$cmd" in
     if [ "$name" = fleet_routing ] && { [ ! -x "$VENV/bin/vllm-router" ] || [ ! -x "$VENV/bin/sglang-router" ]; }; then
       python -m pip install -q 'vllm-router==0.1.17' 'sglang-router==0.3.2'
     fi
+    # `--driver aiperf` replays the Mooncake cell with AIPerf (NVIDIA's load generator), kept in its own venv
+    # (.venv-aiperf) so that its dependencies never meet the project's
+    if [ "$name" = fleet_routing ] && [[ " $* " == *" --driver aiperf "* ]] && [[ " $* " != *" --aiperf "* ]]; then
+      if [ ! -x .venv-aiperf/bin/aiperf ]; then
+        "$PY" -m venv .venv-aiperf && .venv-aiperf/bin/python -m pip install -q 'aiperf==0.13.0'
+      fi
+      set -- "$@" --aiperf "$PWD/.venv-aiperf/bin/aiperf"
+    fi
     exec python "bench/$name.py" "$@" ;;
   kvfleet) exec kvfleet "$@" ;;
   *) sed -n '2,8p' "$0"; exit 2 ;;

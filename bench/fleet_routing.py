@@ -103,6 +103,8 @@ class Options:
     seed: int = 0
     think_s: float = 0.1
     sim_opts: dict[str, Any] = field(default_factory=dict)
+    driver: str = "bench"  # "aiperf": trace workloads are replayed by AIPerf (bench/peers/aiperf_driver.py)
+    aiperf: str = "aiperf"  # its executable (the bench keeps it in its own virtualenv)
 
 
 def usage_of(raw: bytes) -> tuple[int | None, int | None]:
@@ -335,12 +337,22 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
                 h0 = await sim_ttft(fleet, http)
                 await fleet.snapshot(http)
                 d = Driver(wl, run, fleet, opt)
-                wall = await d.drive()
+                if opt.driver == "aiperf" and wl.arrivals:
+                    from mooncake import SOURCE as trace_source
+                    from mooncake import load as load_trace
+                    from peers import aiperf_driver
+
+                    wall = await aiperf_driver.drive(d, opt.aiperf, tmp, load_trace(trace_source, wl.num_requests),
+                                                     MODEL, MAX_TOKENS)
+                    out["driver"] = {"name": "aiperf", **d.aiperf}
+                else:
+                    wall = await d.drive()
                 h1 = await sim_ttft(fleet, http)
                 stats = await fleet.stats(http)
                 if spec.kind == "kvfleet":
                     out["proxy_counters"] = await proxy_counters(run.url, http)
-            if any(r.status != 200 for r in d.records):  # keep what the contender logged, to explain it
+            recs = [r if isinstance(r, dict) else asdict(r) for r in d.records]
+            if any(r["status"] != 200 for r in recs):  # keep what the contender logged, to explain it
                 out["log_tail"] = run.log_tail(3000)
         except Unavailable as e:
             return {**out, "unavailable": str(e)}
@@ -351,7 +363,7 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
             "command": run.command,
             "wall_s": wall,
             "events": d.events,
-            "records": [asdict(r) for r in d.records],
+            "records": recs,
             "workers": {n: asdict(s) for n, s in stats.items()},
             "sim_ttft": {str(k): h1.get(k, 0) - h0.get(k, 0) for k in h1},
         }
@@ -476,6 +488,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a SimEngineConfig field for every stand-in (ignored, with a warning, if it has none)",
     )
+    p.add_argument(
+        "--driver",
+        choices=("bench", "aiperf"),
+        default="bench",
+        help="who sends a replayed trace's requests (the mooncake workload): this bench, or AIPerf "
+        "(bench/peers/aiperf_driver.py; the other workloads always use this bench's driver)",
+    )
+    p.add_argument("--aiperf", default="aiperf", help="the aiperf executable (for --driver aiperf; ./dev.sh bench "
+                   "fleet_routing --driver aiperf installs one in .venv-aiperf)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     p.add_argument(
         "--from-json", type=Path, default=None, help="run nothing: report the results saved by --json"
@@ -491,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
         raise SystemExit(f"unknown contender(s) {bad}; expected some of {', '.join(CONTENDERS)}")
-    opt = Options(a.timeout, a.sleep_min, a.sleep_max, a.seed, a.think_ms / 1000, parse_sim_opts(a.sim_opt))
+    opt = Options(a.timeout, a.sleep_min, a.sleep_max, a.seed, a.think_ms / 1000, parse_sim_opts(a.sim_opt),
+                  a.driver, a.aiperf)
     cfg, ignored = engine_config(1024, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
     if ignored:
         print(f"warning: this sim-vllm has no config field(s) {sorted(ignored)}; ignored", file=sys.stderr)

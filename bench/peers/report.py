@@ -43,7 +43,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     q, hits = sum(w["queries"] for w in ws), sum(w["hits"] for w in ws)
     arrivals, tokens = [w["arrivals"] for w in ws], [w["queries"] for w in ws]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    ours = run["kind"] in ("kvfleet", "blind")
+    ours = run["kind"] in ("kvfleet", "blind") and "driver" not in run  # AIPerf does not read our verdict headers
     slept = [e.get("slept_s") for e in run["events"] if e["verb"] == "wake_up"]
     return {
         "prefilled": q - hits,
@@ -137,7 +137,12 @@ def detail(cell: dict[str, Any]) -> list[str]:
         f"{w['working_set_tokens']:,} tokens, longest prompt {w['longest_prompt']:,}"
         + (f"; scale {w['scale']}" if w.get("scale") else "")
         + (f"; open loop over {w['open_loop_s']} s" if w.get("open_loop_s") else "")
-        + ".",
+        + "."
+        + "".join(
+            f" Requests sent by AIPerf {d['version']} (`--driver aiperf`, bench/peers/aiperf_driver.py), which does "
+            "not read kvfleet's verdict headers: no stale-warm count."
+            for d in list({r["driver"]["version"]: r["driver"] for r in cell["runs"] if r.get("driver")}.values())[:1]
+        ),
         "",
         "| contender | prefilled tokens | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
         "to sleeping | req share max / min | token share max | stale warm (of WARM) |",
