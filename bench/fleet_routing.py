@@ -535,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.section != "fleet-routing":
             results["title"] = (
                 f"Fleet routing, section {a.section}: cells {a.cells or 'default'} "
-                "(`./dev.sh bench fleet_routing --cells ... --section " + a.section + "`)"
+                "(`./dev.sh bench fleet_routing --cells ... --section " + a.section
+                + (" --driver aiperf" if a.driver == "aiperf" else "") + "`)"
             )
     if a.json and not a.from_json:
         a.json.write_text(json.dumps(results))
