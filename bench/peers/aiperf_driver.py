@@ -170,8 +170,10 @@ async def drive(driver: Any, aiperf: str, workdir: Path, rows: list[dict[str, An
         log.close()
     export = out / "profile_export.jsonl"
     if rc != 0 or not export.exists():
+        from peers.launch import Unavailable  # the bench reports the contender unavailable, and goes on
+
         tail = (workdir / "aiperf.log").read_text()[-2000:]
-        raise RuntimeError(f"aiperf exited {rc}: {tail}")
+        raise Unavailable(f"aiperf exited {rc} (its log: {workdir / 'aiperf.log'}): {tail}")
     recs, wall = records(export, driver.wl.name)
     driver.records = recs
     return wall
