@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,14 +43,14 @@ class WorkerMetrics:
         return self.sleep_state.get("awake")
 
 
+LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 # the series parse_metrics reads (a histogram's: its _count), and the families they belong to
 SAMPLES = frozenset((
     "process_start_time_seconds", "vllm:engine_sleep_state", "vllm:cache_config_info",
-    "vllm:sleep_mode_operation_duration_seconds_count", "vllm:sleep_mode_operations_in_flight",
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:sleep_mode_operation_duration_seconds_count", "vllm:sleep_mode_operations_in_flight", *LOAD_GAUGES,
 ))
 FAMILIES = SAMPLES | {"vllm:sleep_mode_operation_duration_seconds"}
-_NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
+_NAME_START = frozenset(string.ascii_letters + "_:")
 
 
 def wanted_lines(text: str) -> str:
@@ -114,11 +115,7 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
                 sleep_ops = (sleep_ops or 0.0) + s.value
             elif s.name == "vllm:sleep_mode_operations_in_flight":
                 in_flight += s.value
-            elif s.name in (
-                "vllm:num_requests_running",
-                "vllm:num_requests_waiting",
-                "vllm:kv_cache_usage_perc",
-            ):
+            elif s.name in LOAD_GAUGES:
                 vals[s.name] = s.value
     return WorkerMetrics(
         sleep,
