@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,28 @@ class Driver:
             self._done = True
             await asyncio.wait_for(asyncio.gather(*self._tasks), self.opt.sleep_max_s + 30)
         return wall
+
+    async def follow(self, sender: Awaitable[Any]) -> None:
+        """Another load generator (`sender`) sends the trace's requests: from the first one that reaches a
+        worker, count them as issued on the trace's schedule, so the lifecycle actions fire as under drive()."""
+        task = asyncio.ensure_future(sender)
+        base = self.fleet.arrived()
+        while self.fleet.arrived() == base and not task.done():
+            await asyncio.sleep(0.002)
+        self._t0 = time.monotonic()
+
+        async def on_schedule() -> None:
+            for t_s, _ in self.wl.arrivals:
+                await asyncio.sleep(max(0.0, self._t0 + t_s - time.monotonic()))
+                self._issue()
+
+        counting = asyncio.create_task(on_schedule())
+        try:
+            await task
+        finally:
+            counting.cancel()
+            self._done = True
+        await asyncio.wait_for(asyncio.gather(*self._tasks), self.opt.sleep_max_s + 30)
 
     async def _session(self, s: Session) -> None:
         for t in range(len(s.turns)):
@@ -343,17 +366,17 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
                     from mooncake import load as load_trace
                     from peers import aiperf_driver
 
-                    wall = await aiperf_driver.drive(d, opt.aiperf, tmp, load_trace(trace_source, wl.num_requests),
-                                                     MODEL, MAX_TOKENS)
-                    out["driver"] = {"name": "aiperf", **d.aiperf}
+                    ran = await aiperf_driver.drive(d, opt.aiperf, tmp, load_trace(trace_source, wl.num_requests),
+                                                    MODEL, MAX_TOKENS)
+                    d.records, wall = [Record(**r) for r in ran.records], ran.wall_s
+                    out["driver"] = {"name": "aiperf", "version": ran.version, "command": ran.command}
                 else:
                     wall = await d.drive()
                 h1 = await sim_ttft(fleet, http)
                 stats = await fleet.stats(http)
                 if spec.kind == "kvfleet":
                     out["proxy_counters"] = await proxy_counters(run.url, http)
-            recs = [r if isinstance(r, dict) else asdict(r) for r in d.records]
-            if any(r["status"] != 200 for r in recs):  # keep what the contender logged, to explain it
+            if any(r.status != 200 for r in d.records):  # keep what the contender logged, to explain it
                 out["log_tail"] = run.log_tail(3000)
         except Unavailable as e:
             return {**out, "unavailable": str(e)}
@@ -364,7 +387,7 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
             "command": run.command,
             "wall_s": wall,
             "events": d.events,
-            "records": recs,
+            "records": [asdict(r) for r in d.records],
             "workers": {n: asdict(s) for n, s in stats.items()},
             "sim_ttft": {str(k): h1.get(k, 0) - h0.get(k, 0) for k in h1},
         }

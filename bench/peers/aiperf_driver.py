@@ -27,15 +27,14 @@ import math
 import os
 import shutil
 import subprocess
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = "kvfleet/sim-words"  # the tokenizer's name in the private Hugging Face cache the bench writes
 _SNAPSHOT = "0" * 40
 _BUILD = r"""
-import json, pathlib, re, sys
+import pathlib, re, sys
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, Regex
 from transformers import PreTrainedTokenizerFast
 import aiperf
@@ -48,7 +47,6 @@ tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\s+"), 
                                             pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), "isolated")])
 tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
 PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(sys.argv[1])
-print(aiperf.__version__ if hasattr(aiperf, "__version__") else "")
 """
 
 
@@ -135,49 +133,34 @@ def records(export: Path, name: str) -> tuple[list[dict[str, Any]], float]:
     return out, wall
 
 
+@dataclass(frozen=True, slots=True)
+class Ran:
+    records: list[dict[str, Any]]  # the bench's Record fields
+    wall_s: float
+    version: str
+    command: list[str]
+
+
 async def drive(driver: Any, aiperf: str, workdir: Path, rows: list[dict[str, Any]], model: str,
-                max_tokens: int) -> float:
-    """Run AIPerf against `driver.run`; meanwhile count the trace's requests as issued on its schedule (from the
-    first arrival at a worker), so `driver`'s lifecycle actions fire as they do under the bench's own driver."""
+                max_tokens: int) -> Ran:
+    """Run AIPerf against `driver.run` while `driver` follows the trace's schedule (Driver.follow in
+    bench/fleet_routing.py: its lifecycle actions fire as under the bench's own driver)."""
     env, version = prepare(aiperf, workdir.parent)
-    trace, out = workdir / "trace.jsonl", workdir / "aiperf"
+    trace, out, log_path = workdir / "trace.jsonl", workdir / "aiperf", workdir / "aiperf.log"
     write_trace(rows, trace, max_tokens)
     headers = driver.run.headers(driver.wl.tenants[0])
     cmd = command(aiperf, driver.run.url, model, trace, out, headers, driver.opt.seed, driver.opt.timeout_s)
-    fleet = driver.fleet
-    base = sum(fleet._arrivals(n) for n in fleet.sims)
-    log = (workdir / "aiperf.log").open("w")
-    proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    driver.aiperf = {"version": version, "command": cmd}
-    try:
-        while sum(fleet._arrivals(n) for n in fleet.sims) == base and proc.returncode is None:
-            await asyncio.sleep(0.002)
-        driver._t0 = time.monotonic()
-
-        async def schedule() -> None:
-            for t_s, _ in driver.wl.arrivals:
-                await asyncio.sleep(max(0.0, driver._t0 + t_s - time.monotonic()))
-                driver._issue()
-
-        sched = asyncio.create_task(schedule())
-        rc = await proc.wait()
-        sched.cancel()
-        driver._done = True
-        await asyncio.wait_for(asyncio.gather(*driver._tasks, return_exceptions=True), driver.opt.sleep_max_s + 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        log.close()
+    with log_path.open("w") as log:
+        proc = await asyncio.create_subprocess_exec(*cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            await driver.follow(proc.wait())
+        finally:
+            if proc.returncode is None:
+                proc.kill()
     export = out / "profile_export.jsonl"
-    if rc != 0 or not export.exists():
+    if proc.returncode != 0 or not export.exists():
         from peers.launch import Unavailable  # the bench reports the contender unavailable, and goes on
 
-        tail = (workdir / "aiperf.log").read_text()[-2000:]
-        raise Unavailable(f"aiperf exited {rc} (its log: {workdir / 'aiperf.log'}): {tail}")
+        raise Unavailable(f"aiperf exited {proc.returncode} (its log: {log_path}): {log_path.read_text()[-2000:]}")
     recs, wall = records(export, driver.wl.name)
-    driver.records = recs
-    return wall
-
-
-if __name__ == "__main__":
-    print("used by bench/fleet_routing.py --driver aiperf", file=sys.stderr)
+    return Ran(recs, wall, version, cmd)

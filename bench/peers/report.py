@@ -132,17 +132,15 @@ def headline(cells: list[dict[str, Any]]) -> list[str]:
 
 def detail(cell: dict[str, Any]) -> list[str]:
     w = cell["workload"]
+    sent_by = next((r["driver"] for r in cell["runs"] if r.get("driver")), None)
     rows = [
         f"**{cell_title(cell)}**: {w['description']}; {w['requests']} requests, working set "
         f"{w['working_set_tokens']:,} tokens, longest prompt {w['longest_prompt']:,}"
         + (f"; scale {w['scale']}" if w.get("scale") else "")
         + (f"; open loop over {w['open_loop_s']} s" if w.get("open_loop_s") else "")
         + "."
-        + "".join(
-            f" Requests sent by AIPerf {d['version']} (`--driver aiperf`, bench/peers/aiperf_driver.py), which does "
-            "not read kvfleet's verdict headers: no stale-warm count."
-            for d in list({r["driver"]["version"]: r["driver"] for r in cell["runs"] if r.get("driver")}.values())[:1]
-        ),
+        + (f" Requests sent by AIPerf {sent_by['version']} (`--driver aiperf`, bench/peers/aiperf_driver.py), which "
+           "does not read kvfleet's verdict headers: no stale-warm count." if sent_by else ""),
         "",
         "| contender | prefilled tokens | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
         "to sleeping | req share max / min | token share max | stale warm (of WARM) |",

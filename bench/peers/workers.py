@@ -80,6 +80,10 @@ class SimFleet:
     def _arrivals(self, name: str) -> int:
         return int(self.sims[name].observed.arrivals)  # type: ignore[attr-defined]
 
+    def arrived(self) -> int:
+        """Completion requests that reached any stand-in so far (not reset by `snapshot`)."""
+        return sum(self._arrivals(n) for n in self.sims)
+
     async def _now(self, name: str, http: aiohttp.ClientSession) -> WorkerStats:
         s = self.sims[name]
         o = s.observed  # type: ignore[attr-defined]
