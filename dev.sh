@@ -38,14 +38,28 @@ case "$cmd" in
       # The whole suite runs natively; before it, the kernel's exactness tests and `kvfleet witness`
       # run again with the AVX2 (Haswell) code paths of OpenBLAS, numpy and torch forced, so a
       # claim of max|Δ| = 0 is checked on two CPU paths on every machine (docs/kernel.md).
+      # Alongside it, on the other core: the plain install check (a `pip install .` with no extras: no
+      # torch, transformers or peft, in its own cached venv .venv-plain, runs `kvfleet demo` and starts
+      # `kvfleet controller`), and a mypy run that only fills mypy's incremental cache (.mypy_cache), so the
+      # suite's own strict mypy test (tests/test_typing.py, which still checks every file) takes seconds,
+      # not most of a minute, on a fresh clone. Its output is dropped: the test is the check.
+      python -m mypy >/dev/null 2>&1 &
+      mypy_warm=$!
+      plain_log=$(mktemp)
+      scripts/plain_install_check.sh >"$plain_log" 2>&1 &
+      plain=$!
+      trap 'kill "$plain" "$mypy_warm" 2>/dev/null || true' EXIT  # a failed exactness pass leaves nothing running
       paths=$(python scripts/cpu_paths.py)
       echo "== kernel exactness on forced AVX2 paths: ${paths:0:300}"
       ( eval "$paths"
         python -m pytest -q -p no:cacheprovider tests/fleet/kernel
         kvfleet witness >/dev/null || { kvfleet witness; exit 1; } )
-      # A plain `pip install .` (no extras: no torch, transformers or peft), in its own cached venv
-      # (.venv-plain), runs `kvfleet demo` and starts `kvfleet controller`.
-      scripts/plain_install_check.sh
+      plain_rc=0
+      wait "$plain" || plain_rc=$?
+      cat "$plain_log"; rm -f "$plain_log"
+      wait "$mypy_warm" || true
+      trap - EXIT
+      [ "$plain_rc" -eq 0 ] || { echo "plain install check failed (exit $plain_rc)" >&2; exit "$plain_rc"; }
     fi
     export KVFLEET_TEST_EXTRAS=all  # .[dev] holds every extra: a test needing one fails if it is missing (tests/support/extras.py)
     exec python -m pytest "$@" ;;
