@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -247,6 +248,15 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         "encoder:0.97/0.98 (one per member) (other tenants: --detector-layers)",
     )
     add_cost_flags(p)
+    p.add_argument(
+        "--reset-drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=e("KVFLEET_RESET_DRAIN_TIMEOUT", "5"),  # NOTE: argparse parses a string default with type=float
+        help="a reset_prefix_cache verb that vLLM refuses while requests hold blocks is asked again, the worker "
+        "taking no new requests meanwhile, for up to this long (default 5, under the SDK's 10 s call deadline; 0 asks once; env "
+        "KVFLEET_RESET_DRAIN_TIMEOUT; docs/lifecycle.md)",
+    )
     add_stream_flags(p, env)
     add_kernel_flags(p)
     add_edge_flags(p, env)
@@ -410,7 +420,10 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         if cfg.detector_encoder_gate is not None:
             report += f"; the encoder judges only learned scores >= {cfg.detector_encoder_gate:g}"
         print(report, flush=True)
-        router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args))
+        if not 0 <= args.reset_drain_timeout < math.inf:
+            raise InvalidArgument(f"--reset-drain-timeout must be a number of seconds >= 0, got {args.reset_drain_timeout}")
+        router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args),
+                                     reset_drain_s=args.reset_drain_timeout)
         _prepare_sqlite(cfg.store_url)
         if not args.ray_address:
             # NOTE: only once nothing can refuse the arguments: a caller that runs main() in its own process

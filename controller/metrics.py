@@ -79,6 +79,13 @@ class Metrics:
         self.lifecycle_actions = Counter(
             "kvfleet_lifecycle_actions_total", "Lifecycle verbs driven.", ["verb", "kv"], registry=r
         )
+        self.reset_drains = Counter(
+            "kvfleet_reset_drains_total",
+            "Prefix-cache resets vLLM refused at first (requests held blocks), asked again while the worker "
+            "drained, by outcome (reset, refused: still refused when --reset-drain-timeout ran out).",
+            ["outcome"],
+            registry=r,
+        )
         # KV events
         self.kv_events = Counter(
             "kvfleet_kv_events_total", "KV events applied, by type.", ["type"], registry=r

@@ -64,6 +64,9 @@ class RouterConfig:
     reconcile_interval_s: float = 0.5
     probe_on_route: bool = False
     http_timeout_s: float = 2.0
+    # a prefix-cache reset vLLM refuses while requests hold blocks is asked again, the worker taking no new
+    # requests, for up to this long (controller/vllm/watcher.py Worker._drained_reset); 0: ask once
+    reset_drain_s: float = 5.0
     stream: StreamLimits = field(default_factory=StreamLimits)
     cost: CostConfig = field(default_factory=CostConfig)
 

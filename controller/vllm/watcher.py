@@ -48,6 +48,12 @@ from fleet.core.rank_state import Look, RankState, Transition
 
 log = logging.getLogger(__name__)
 AWAITED_CLEAR = AllBlocksCleared(awaited=True)  # the clear a forgetting verb queued (events.py)
+DRAIN_POLL_S = 0.02  # how often a refused prefix-cache reset is asked again while the worker drains
+
+
+def _refused(resp: Any) -> bool:
+    """vLLM's /reset_prefix_cache answer says it did nothing (blocks still held): {"success": false}."""
+    return isinstance(resp, dict) and resp.get("success") is False
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:
@@ -71,6 +77,9 @@ class WatchConfig(Protocol):
 
     @property
     def stream(self) -> StreamLimits: ...
+
+    @property
+    def reset_drain_s(self) -> float: ...
 
 
 class _Sink:
@@ -283,6 +292,8 @@ class Worker:
             self._apply(r, self.ranks[r].verb_started(call))
         try:
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
+            if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
+                resp = await self._drained_reset(call, resp)
             w = lc.witness(call, resp)
             if w.serving:
                 w = lc.confirm_awake(w, await self.http.is_sleeping())
@@ -296,6 +307,28 @@ class Worker:
         self.sleep_ops = None
         self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
         return dataclasses.replace(w, epoch=self.ranks[0].epoch)
+
+    async def _drained_reset(self, call: lc.Call, resp: Any) -> Any:
+        """vLLM refuses a prefix-cache reset while requests hold blocks (success:false, nothing changed). The
+        worker is not serving while a verb runs (`transitioning`: the router sends it nothing new), so its
+        requests drain; the reset is asked again every DRAIN_POLL_S until it succeeds or `reset_drain_s`
+        passes, and the last answer is the witness (still refused: kv unknown, as before).
+
+        NOTE: asking once and giving up left the rank's index dropped (a refused reset is "unknown") while the
+        router went on sending the worker requests, cold, into a cache that was still whole, and the requests it
+        sent kept the reset refused: through the controller, a busy worker's reset took up to 75 asks and 2 s
+        (issue #27, agents16x4/very-tight), and the blocks prefilled meanwhile were wiped when it finally ran.
+        """
+        deadline = time.monotonic() + self.cfg.reset_drain_s
+        asks = 1
+        while _refused(resp) and time.monotonic() < deadline:
+            await asyncio.sleep(min(DRAIN_POLL_S, max(deadline - time.monotonic(), 0.0)))
+            resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
+            asks += 1
+        self.metrics.reset_drains.labels("reset" if not _refused(resp) else "refused").inc()
+        log.info("worker %s: prefix-cache reset %s after %d asks, draining %.2fs", self.spec.name,
+                 "refused" if _refused(resp) else "done", asks, self.cfg.reset_drain_s - (deadline - time.monotonic()))
+        return resp
 
     # reconcile
     async def fetch(self) -> tuple[bool, WorkerMetrics, bool, str] | None:
