@@ -234,6 +234,14 @@ def test_controller_runs_the_documented_command(rendered: dict[str, dict[str, st
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_routing_and_reset_drain_values_reach_the_controller(chart: Any) -> None:
+    values = {"controller": {"routing": {"queueWeight": 0.25, "resetDrainTimeoutSeconds": 2.5}}}
+    c = container(one(_docs(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "Deployment", "-controller"))
+    args = c["args"]
+    assert args[args.index("--reset-drain-timeout") + 1] == "2.5"
+    assert args[args.index("--route-queue-weight") + 1] == "0.25"
+
+
 def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, dict[str, str]]) -> None:
     objs = objects(rendered, "default")
     c = container(one(objs, "Deployment", "-proxy"))
@@ -457,6 +465,7 @@ BAD_VALUES = [
     ({"tls": {"enabled": True}, "proxy": {"create": False}}, "at '/tls/secretName': minLength: got 0, want 1"),
     ({"tls": {"enabled": True, "secretName": "t", "clientCa": True}}, "at '/tls/clientSecretName': minLength: got 0, want 1"),
     ({"image": {"tag": "latest"}}, "at '/image/tag'"),
+    ({"controller": {"routing": {"resetDrainTimeoutSeconds": -1}}}, "at '/controller/routing/resetDrainTimeoutSeconds'"),
     ({"workers": {"head": {"rayStartParams": {"num-cpus": 0}}}}, "at '/workers/head/rayStartParams/num-cpus'"),
     ({"auth": {"tokens": [{"name": "x", "tenant": "t", "role": "admin", "sha256": "ab" * 32}]}},
      "at '/auth/tokens/0/role'"),
