@@ -597,6 +597,7 @@ def meta(a: argparse.Namespace, opt: Options, cfg: Any, took: float) -> dict[str
         "sim_config": asdict(cfg) | {"num_blocks": "per cell"},
         "max_tokens": MAX_TOKENS,
         "sleep_mode": launch.SLEEP_MODE,
+        "reset_mode": launch.RESET_MODE,
         "versions": {p: ver(p) for p in ("vllm-router", "sglang-router")},
         "detector": detector_setting(),
         "cells_arg": a.cells,

@@ -38,6 +38,7 @@ _LIVE: set[subprocess.Popen[bytes]] = set()
 # worker going away behind the router's back, not lost requests: "wait" lets those in flight finish
 # (the cache is dropped once they have) while new ones wait for the wake, so every prompt runs once.
 SLEEP_MODE = "wait"
+RESET_MODE = "preempt"  # behind the back: reset_running_requests=true (recorded in the results; see _direct)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +133,10 @@ class Running:
         return all(p.poll() is None for p in self.procs)
 
     async def lifecycle(self, verb: str, worker: str, fleet: SimFleet) -> dict[str, Any]:
-        """Sleep (level 1, mode SLEEP_MODE), wake_up or reset_prefix_cache one worker; reset is retried
-        while the engine answers success:false (requests in flight), at most 100 times, 20 ms apart."""
+        """Sleep (level 1, mode SLEEP_MODE), wake_up or reset_prefix_cache one worker. Behind the router's back
+        the reset preempts the requests running there (`_direct`); through the kvfleet controller the verb
+        drains the worker first (docs/lifecycle.md). A reset answered success:false is asked again, at most
+        100 times, 20 ms apart."""
         t0, attempts, ok = time.monotonic(), 0, False
         while not ok and attempts < (100 if verb == "reset_prefix_cache" else 1):
             if attempts:
@@ -154,7 +157,14 @@ class Running:
         }
 
     async def _direct(self, verb: str, url: str) -> bool:
-        path = f"/sleep?level=1&mode={SLEEP_MODE}" if verb == "sleep" else "/" + verb
+        # NOTE: the reset preempts what runs there (vLLM's reset_running_requests=true), so it lands when the
+        # trace says for every router: a plain reset waits for an idle worker, and asked every 20 ms for up to
+        # 2 s it landed at request 166-192 of 192 for kvfleet and never for the routers that keep one worker
+        # busy (issue #27, notes of the fleet-routing section)
+        path = (f"/sleep?level=1&mode={SLEEP_MODE}" if verb == "sleep"
+                else f"/reset_prefix_cache?reset_running_requests={str(RESET_MODE == 'preempt').lower()}"
+                if verb == "reset_prefix_cache"
+                else "/" + verb)
         async with self.http.post(url + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
             body = await r.json(content_type=None)
             return r.status == 200 and (verb != "reset_prefix_cache" or bool(body.get("success")))

@@ -285,8 +285,14 @@ def report(results: dict[str, Any]) -> str:
         f"worker) the busiest worker is slept (level 1, mode {mode}{SLEEP_MODES.get(mode, '')}) when 35% of the "
         "trace's requests were issued and woken once "
         f"50% were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s); at 70% the busiest "
-        "awake worker's prefix cache is reset. `kvfleet-ctl` gets the same actions through the kvfleet "
-        f"controller instead. Client timeout {o['timeout_s']:.0f} s per request. Peers: vllm-router "
+        "awake worker's prefix cache is reset"
+        + (" (`reset_running_requests=true`: requests running there are preempted and computed again, so the "
+           "reset lands at 70% whatever the router's load)" if results.get("reset_mode") == "preempt" else
+           " (asked every 20 ms, up to 100 times, until the worker is idle enough to accept it)")
+        + ". `kvfleet-ctl` gets the same actions through the kvfleet controller instead"
+        + (" (its reset drains the worker first)" if results.get("reset_mode") == "preempt" else "")
+        + ". "
+        f"Client timeout {o['timeout_s']:.0f} s per request. Peers: vllm-router "
         f"{v['vllm-router']}, sglang-router {v['sglang-router']} (PyPI)."
         + (
             " A replayed trace (open loop) sends each request at its own time instead, one user message "

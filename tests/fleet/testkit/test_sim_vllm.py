@@ -261,3 +261,34 @@ async def _until_waiting(http, s, n: int, timeout: float = 10.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"vllm:num_requests_waiting never reached {n}")
+
+
+async def test_a_reset_with_reset_running_requests_preempts_and_the_request_still_completes(clocked) -> None:
+    """vLLM's `reset_running_requests=true`: the reset happens at once, the running request is preempted (its
+    blocks freed, its prompt computed again; like vLLM, the exported prefix-cache counters count only its first
+    scheduling) and still answers."""
+    s, http, sub = clocked
+    prompt = list(range(500, 564))  # 4 full blocks
+    async with http.post(
+        s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 40, "stream": True}
+    ) as r:
+        await r.content.readuntil(b"\n\n")  # prefilled and decoding: it holds its blocks
+        assert await _post(http, s.url + "/reset_prefix_cache") == (200, {"success": False})  # control
+        assert (await _post(http, s.url + "/reset_prefix_cache", params={"reset_running_requests": "bogus"}))[0] == 422
+        assert await _post(http, s.url + "/reset_prefix_cache", params={"reset_running_requests": "true"}) == (
+            200, {"success": True}
+        )
+        chunks = [json.loads(x[6:]) for x in (await r.text()).split("\n\n") if x.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert s.engine.sched.stats.num_preemptions == 1
+    # the clear is published with the next step, before the recomputed request's blocks are stored again
+    kinds = []
+    for _ in range(5):
+        try:
+            _, evs = await _recv(sub, 2.0)
+        except TimeoutError:
+            break
+        kinds += [type(e).__name__ for e in evs]
+        if "AllBlocksCleared" in kinds and kinds[-1] == "BlockStored":
+            break
+    assert "AllBlocksCleared" in kinds and kinds.index("AllBlocksCleared") < len(kinds) - 1

@@ -59,7 +59,10 @@ def build_app(sim: Sim) -> web.Application:
         return _j({"status": "resumed"})
 
     async def reset(req: web.Request) -> web.Response:
-        return _j({"success": eng.reset_prefix_cache()})
+        preempt = _bool(req.query.get("reset_running_requests"), False)
+        if preempt is None:
+            return _j({"detail": "reset_running_requests must be a boolean"}, 422)
+        return _j({"success": eng.reset_prefix_cache(reset_running_requests=preempt)})
 
     async def release(req: web.Request) -> web.Response:
         if not eng.release_kv_cache_memory():
