@@ -423,9 +423,10 @@ def progress(wname: str, size: str, r: dict[str, Any], took: float) -> str:
         return f"{head} UNAVAILABLE: {r['unavailable'][:300]}"
     ws = r["workers"].values()
     q, hit = sum(w["queries"] for w in ws), sum(w["hits"] for w in ws)
+    again = sum(w.get("recomputed", 0) for w in ws)
     ok = sum(x["status"] == 200 for x in r["records"])
     return (
-        f"{head} prefilled {q - hit:>9,}  hit {100 * hit / max(q, 1):5.1f}%  ok {ok}/{len(r['records'])}  "
+        f"{head} prefilled {q - hit + again:>9,}  hit {100 * hit / max(q, 1):5.1f}%  ok {ok}/{len(r['records'])}  "
         f"to-sleeping {sum(w['to_sleeping'] for w in ws)}  ({took:.1f}s)"
     )
 

@@ -46,7 +46,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     ours = run["kind"] in ("kvfleet", "blind") and "driver" not in run  # AIPerf does not read our verdict headers
     slept = [e.get("slept_s") for e in run["events"] if e["verb"] == "wake_up"]
     return {
-        "prefilled": q - hits,
+        "prefilled": q - hits + sum(w.get("recomputed", 0) for w in ws),  # preempted prompts computed again
         "queries": q,
         "hit_rate": hits / q if q else 0.0,
         "ttft_p50": pct(ttft, 50),

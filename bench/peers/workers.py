@@ -5,7 +5,9 @@ sequence numbers start from zero each time. An observing middleware counts, per 
 completion requests that arrived and those that arrived while the engine was asleep (the
 stand-in itself only knows how many are waiting now). Prefill is read from the engines' own
 counters, read from their /metrics as vLLM exports them (`vllm:prefix_cache_queries_total`,
-`vllm:prefix_cache_hits_total`): prefilled = queries - hits.
+`vllm:prefix_cache_hits_total`): prefilled = queries - hits, plus the prompt tokens a preempted request
+computed again (`sim:preempted_prefill_tokens_total`, the stand-in's own counter: vLLM counts a request's
+first scheduling only, and the reset behind the routers' backs preempts what runs there).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 class WorkerStats:
     arrivals: int = 0
     to_sleeping: int = 0
-    queries: int = 0  # prompt tokens the engine ran
+    queries: int = 0  # prompt tokens the engine ran (a request counts once, as vLLM counts it)
     hits: int = 0  # of which served from its prefix cache
+    recomputed: int = 0  # prompt tokens computed again after a preemption (the stand-in's own counter)
 
     @property
     def prefilled(self) -> int:
-        return self.queries - self.hits
+        return self.queries - self.hits + self.recomputed
 
 
 def engine_config(
@@ -94,6 +97,7 @@ class SimFleet:
             o.to_sleeping,
             int(m.get("vllm:prefix_cache_queries_total", 0)),
             int(m.get("vllm:prefix_cache_hits_total", 0)),
+            int(m.get("sim:preempted_prefill_tokens_total", 0)),
         )
 
     async def snapshot(self, http: aiohttp.ClientSession) -> None:
@@ -108,6 +112,7 @@ class SimFleet:
                 now.to_sleeping - b.to_sleeping,
                 now.queries - b.queries,
                 now.hits - b.hits,
+                now.recomputed - b.recomputed,
             )
         return out
 

@@ -265,8 +265,8 @@ async def _until_waiting(http, s, n: int, timeout: float = 10.0) -> None:
 
 async def test_a_reset_with_reset_running_requests_preempts_and_the_request_still_completes(clocked) -> None:
     """vLLM's `reset_running_requests=true`: the reset happens at once, the running request is preempted (its
-    blocks freed, its prompt computed again; like vLLM, the exported prefix-cache counters count only its first
-    scheduling) and still answers."""
+    blocks freed, its prompt computed again; like vLLM, vllm:prefix_cache_queries_total counts only its first
+    scheduling, and the stand-in counts the recompute in sim:preempted_prefill_tokens_total) and still answers."""
     s, http, sub = clocked
     prompt = list(range(500, 564))  # 4 full blocks
     async with http.post(
@@ -281,6 +281,10 @@ async def test_a_reset_with_reset_running_requests_preempts_and_the_request_stil
         chunks = [json.loads(x[6:]) for x in (await r.text()).split("\n\n") if x.startswith("data: {")]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert s.engine.sched.stats.num_preemptions == 1
+    # computed again from nothing (the reset emptied the cache), counted apart from vLLM's query counter
+    m = await (await http.get(s.url + "/metrics")).text()
+    again = [float(x.rsplit(" ", 1)[1]) for x in m.splitlines() if x.startswith("sim:preempted_prefill_tokens_total")]
+    assert again == [len(prompt)]
     # the clear is published with the next step, before the recomputed request's blocks are stored again
     kinds = []
     for _ in range(5):

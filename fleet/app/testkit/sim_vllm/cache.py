@@ -45,6 +45,9 @@ class PrefixCache:
         self.pending: list[Any] = []
         self.queries = 0
         self.hits = 0
+        # a preempted request's readmissions: prompt tokens computed again, less the cache's hits (vLLM does not
+        # export these; the stand-in does, as sim:preempted_prefill_tokens_total, so a bench can count the work)
+        self.preempted_prefill = 0
 
     def kv_usage(self) -> float:
         """vllm:kv_cache_usage_perc: blocks held by running requests / the pool (cached-but-free is free)."""
@@ -73,6 +76,8 @@ class PrefixCache:
     def allocate(self, seq: Seq) -> int:
         first = seq.num_cached_tokens < 0  # a preempted seq's readmission is not a new query (vLLM)
         res, held = self._admit(seq.token_ids, seq.digests, seq.lora, seq.cache_salt, seq.report_full, first)
+        if not first:
+            self.preempted_prefill += res.num_prompt_tokens - res.num_cached_tokens
         for d in held:
             self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
         seq.pinned = held

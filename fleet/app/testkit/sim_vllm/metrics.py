@@ -117,6 +117,13 @@ def metrics_text(e: SimEngine) -> str:
         e.hits,
     )
     lines += one(
+        "sim:preempted_prefill_tokens_total",
+        "counter",
+        "Stand-in only (vLLM has no such series): prompt tokens computed again when a preempted request was "
+        "scheduled again, less its prefix-cache hits; vllm:prefix_cache_queries_total counts a request once.",
+        e.preempted_prefill,
+    )
+    lines += one(
         "vllm:num_preemptions_total",
         "counter",
         "Cumulative number of preemption from the engine.",
