@@ -48,7 +48,7 @@ case "$cmd" in
       plain_log=$(mktemp)
       scripts/plain_install_check.sh >"$plain_log" 2>&1 &
       plain=$!
-      trap 'kill "$plain" "$mypy_warm" 2>/dev/null || true' EXIT  # a failed exactness pass leaves nothing running
+      trap 'kill "$plain" "$mypy_warm" 2>/dev/null || true; rm -f "$plain_log"' EXIT  # a failed pass leaves nothing behind
       paths=$(python scripts/cpu_paths.py)
       echo "== kernel exactness on forced AVX2 paths: ${paths:0:300}"
       ( eval "$paths"

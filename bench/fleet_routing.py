@@ -48,7 +48,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 
 from peers import launch  # noqa: E402
 from peers.launch import CONTENDERS, Running, Spec, Unavailable  # noqa: E402
-from peers.report import plot, report  # noqa: E402
+from peers.report import plot, prefilled, report  # noqa: E402
 from peers.workers import MODEL, SimFleet, engine_config  # noqa: E402
 from routing_trace import CACHES, WORKLOADS, Session, Workload, workload  # noqa: E402
 
@@ -421,12 +421,11 @@ def progress(wname: str, size: str, r: dict[str, Any], took: float) -> str:
     head = f"{wname:11s} {size:10s} {r['contender']:19s}"
     if "unavailable" in r:
         return f"{head} UNAVAILABLE: {r['unavailable'][:300]}"
-    ws = r["workers"].values()
+    ws = list(r["workers"].values())
     q, hit = sum(w["queries"] for w in ws), sum(w["hits"] for w in ws)
-    again = sum(w.get("recomputed", 0) for w in ws)
     ok = sum(x["status"] == 200 for x in r["records"])
     return (
-        f"{head} prefilled {q - hit + again:>9,}  hit {100 * hit / max(q, 1):5.1f}%  ok {ok}/{len(r['records'])}  "
+        f"{head} prefilled {prefilled(ws):>9,}  hit {100 * hit / max(q, 1):5.1f}%  ok {ok}/{len(r['records'])}  "
         f"to-sleeping {sum(w['to_sleeping'] for w in ws)}  ({took:.1f}s)"
     )
 

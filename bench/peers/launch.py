@@ -38,7 +38,7 @@ _LIVE: set[subprocess.Popen[bytes]] = set()
 # worker going away behind the router's back, not lost requests: "wait" lets those in flight finish
 # (the cache is dropped once they have) while new ones wait for the wake, so every prompt runs once.
 SLEEP_MODE = "wait"
-RESET_MODE = "preempt"  # behind the back: reset_running_requests=true (recorded in the results; see _direct)
+RESET_MODE = "preempt"  # behind the back the reset preempts what runs there (recorded in the results; see _direct)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +161,8 @@ class Running:
         # trace says for every router: a plain reset waits for an idle worker, and asked every 20 ms for up to
         # 2 s it landed at request 166-192 of 192 for kvfleet and never for the routers that keep one worker
         # busy (issue #27, notes of the fleet-routing section)
-        path = (f"/sleep?level=1&mode={SLEEP_MODE}" if verb == "sleep"
-                else f"/reset_prefix_cache?reset_running_requests={str(RESET_MODE == 'preempt').lower()}"
-                if verb == "reset_prefix_cache"
-                else "/" + verb)
+        path = {"sleep": f"/sleep?level=1&mode={SLEEP_MODE}",
+                "reset_prefix_cache": "/reset_prefix_cache?reset_running_requests=true"}.get(verb, "/" + verb)
         async with self.http.post(url + path, timeout=aiohttp.ClientTimeout(total=5)) as r:
             body = await r.json(content_type=None)
             return r.status == 200 and (verb != "reset_prefix_cache" or bool(body.get("success")))

@@ -37,6 +37,12 @@ def completed(rec: dict[str, Any]) -> bool:
     return bool(rec["status"] == 200 and rec.get("finish_reason") != "abort")
 
 
+def prefilled(workers: list[dict[str, Any]]) -> int:
+    """Prompt tokens the workers computed: queries less hits, plus the prompts a preemption made them compute
+    again (older results have no "recomputed": none were counted then)."""
+    return sum(w["queries"] - w["hits"] + w.get("recomputed", 0) for w in workers)
+
+
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     recs, ws = run["records"], list(run["workers"].values())
     ok = [r for r in recs if completed(r)]
@@ -46,7 +52,7 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     ours = run["kind"] in ("kvfleet", "blind") and "driver" not in run  # AIPerf does not read our verdict headers
     slept = [e.get("slept_s") for e in run["events"] if e["verb"] == "wake_up"]
     return {
-        "prefilled": q - hits + sum(w.get("recomputed", 0) for w in ws),  # preempted prompts computed again
+        "prefilled": prefilled(ws),
         "queries": q,
         "hit_rate": hits / q if q else 0.0,
         "ttft_p50": pct(ttft, 50),

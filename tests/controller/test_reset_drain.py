@@ -80,3 +80,15 @@ async def test_a_reset_of_a_busy_worker_waits_for_it_to_drain_and_routes_elsewhe
         await r.stop()
         for sim in sims:
             await sim.stop()
+
+
+def test_a_bad_drain_timeout_is_refused_before_anything_starts(tmp_path, capsys) -> None:
+    from controller.main import main
+
+    for bad in ("-1", "nan", "inf"):
+        assert main(["--reset-drain-timeout", bad, "--store", f"sqlite:///{tmp_path}/x.db", "--metrics-port", "-1"],
+                    {}) == 2
+        assert "--reset-drain-timeout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not a number: argparse's usage error
+        main(["--store", f"sqlite:///{tmp_path}/x.db"], {"KVFLEET_RESET_DRAIN_TIMEOUT": "soon"})
+    assert not (tmp_path / "x.db").exists()
