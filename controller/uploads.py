@@ -40,6 +40,10 @@ class UploadStalled(ResourceExhausted):
     reservation is freed."""
 
 
+class UploadRefused(ResourceExhausted):
+    """An upload the budget of unfinished puts cannot take (a count or bytes cap, or the tenant's share)."""
+
+
 @dataclass(frozen=True, slots=True)
 class UploadLimits:
     """Caps on unfinished puts (flags of `kvfleet controller`, in parentheses)."""
@@ -110,7 +114,7 @@ class UploadGate:
         """Reserve one upload of `size` bytes for `tenant` while the block runs; refuse over a cap."""
         why = self._refuse(tenant, size)
         if why is not None:
-            raise ResourceExhausted(why)
+            raise UploadRefused(why)
         self.uploads[tenant] += 1
         self.reserved[tenant] += size
         try:

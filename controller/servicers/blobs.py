@@ -20,7 +20,7 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, server_stream, unary
-from controller.uploads import progressing
+from controller.uploads import UploadRefused, UploadStalled, progressing
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
 from fleet.cas.base import OverQuota, over_quota
@@ -44,20 +44,31 @@ class BlobServicer(pbg.BlobServiceServicer):
         gate = self.ctx.uploads
         # the upload's clock runs only while waiting on the client (controller/uploads.py)
         requests = aiter(progressing(request_iterator, idle_s=gate.limits.idle_s, min_rate=gate.limits.min_rate))
-        header = await self._header(requests)
-        await self._check_stored(ident.tenant, header)
-        put = functools.partial(self.ctx.store.put_stream, quota=self.ctx.blob_bytes_per_tenant)
-        with gate.admit(ident.tenant, header.size):  # held until the store has the bytes (or refused them)
-            chunks = await self._chunks(requests, header)
-            try:
-                ref: str = await self.ctx.blocking(put, iter(chunks), ident.tenant, header.expected_ref or None)
-            except OverQuota:
-                self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
-                raise
+        try:
+            header = await self._header(requests)
+            await self._check_stored(ident.tenant, header)
+            with gate.admit(ident.tenant, header.size):  # held until the store has the bytes (or refused them)
+                ref = await self._store(requests, header, ident.tenant)
+        except UploadStalled:  # counted here: a client still writing may read gRPC's own error, not ours
+            self.ctx.metrics.cas_ops.labels(op="put", outcome="stalled").inc()
+            raise
+        except UploadRefused:
+            self.ctx.metrics.cas_ops.labels(op="put", outcome="upload_budget").inc()
+            raise
         self.ctx.metrics.cas_ops.labels(op="put", outcome="ok").inc()
         self.ctx.metrics.cas_bytes.labels(direction="in").inc(header.size)
         self.ctx.judge_blob_later(ident.tenant, ref)  # a heavy layer's verdict, in the tenant's lane, not waited for
         return pb.PutBlobResponse(ref=ref, size=header.size)
+
+    async def _store(self, requests: AsyncIterator[pb.PutBlobRequest], header: pb.PutBlobHeader, tenant: str) -> str:
+        chunks = await self._chunks(requests, header)
+        put = functools.partial(self.ctx.store.put_stream, quota=self.ctx.blob_bytes_per_tenant)
+        try:
+            ref: str = await self.ctx.blocking(put, iter(chunks), tenant, header.expected_ref or None)
+        except OverQuota:
+            self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
+            raise
+        return ref
 
     async def _header(self, requests: AsyncIterator[pb.PutBlobRequest]) -> pb.PutBlobHeader:
         """Read the header; refuse early (before buffering anything) on a size problem."""
