@@ -378,6 +378,11 @@ class InFlight:
             self._unqueue(f)
         return due[:num_ended]
 
+    def newest(self, worker: str) -> float | None:
+        """When the newest tracked route to any rank of `worker` was decided (None: it has none)."""
+        return max((next(reversed(fl.values())).t for key, fl in self._by_key.items() if key[0] == worker),
+                   default=None)
+
     def drop_worker(self, worker: str) -> list[Flight]:
         out = [f for f in self._all.values() if f.key[0] == worker]
         for f in out:

@@ -91,7 +91,8 @@ COST_FLAGS: dict[str, tuple[str, type, str]] = {
     "--route-reconcile-grace": (
         "reconcile_grace_s",
         float,
-        "seconds after which a route must show in the worker's /metrics",
+        "seconds after which a route must show in the worker's /metrics; a lifecycle verb waits (at most this) "
+        "for routes decided just before it to reach the worker",
     ),
 }
 

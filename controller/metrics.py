@@ -79,6 +79,12 @@ class Metrics:
         self.lifecycle_actions = Counter(
             "kvfleet_lifecycle_actions_total", "Lifecycle verbs driven.", ["verb", "kv"], registry=r
         )
+        self.lifecycle_settles = Counter(
+            "kvfleet_lifecycle_settles_total",
+            "Lifecycle verbs that waited (at most --route-reconcile-grace) for routes decided just before them to "
+            "reach the worker.",
+            registry=r,
+        )
         self.reset_drains = Counter(
             "kvfleet_reset_drains_total",
             "Prefix-cache resets vLLM refused at first (requests held blocks), asked again while the worker "

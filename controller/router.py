@@ -221,8 +221,22 @@ class Router:
         call = lc.plan(verb, level=level, mode=mode, tags=tags, clear_cache=clear_cache)
         if dp_rank is not None and dp_rank not in w.ranks:
             raise InvalidArgument(f"dp_rank {dp_rank} out of range for {name} (0..{w.spec.dp_ranks - 1})")
-        wit = await w.lifecycle(call)
+        wit = await w.lifecycle(call, settle=lambda: self._settle(name))
         return dataclasses.replace(wit, epoch=w.ranks[dp_rank or 0].epoch)
+
+    async def _settle(self, name: str) -> None:
+        """Wait until every tracked route decided for `name` has had the reconcile grace to reach it.
+
+        NOTE: a verb first takes the worker out of routing, so nothing is added while this waits; but a route
+        decided just before is still on its way (the proxy forwards it after the answer). A sleep that overtook it
+        left the request queued on a sleeping engine (fleet-routing-real, short-chats, through the controller),
+        and a reset that overtook a WARM route wiped the blocks it was counted on. A released route has ended and
+        is not waited for; untracked routes (an SDK caller asking "where?") are not known here.
+        """
+        newest = self.flights.newest(name)
+        if newest is not None and (wait := newest + self.flights.grace_s - time.monotonic()) > 0:
+            self.metrics.lifecycle_settles.inc()
+            await asyncio.sleep(wait)
 
     def workers(self) -> list[WorkerStatus]:
         """Every (worker, rank); a worker whose state cannot be read lists as "error", not serving."""

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -278,18 +279,21 @@ class Worker:
                 and not self.guard.faulty())
 
     # lifecycle verbs
-    async def lifecycle(self, call: lc.Call) -> Witness:
-        """Demote (or stop serving) first, then call vLLM, then adopt and record the witness."""
+    async def lifecycle(self, call: lc.Call, settle: Callable[[], Awaitable[None]] | None = None) -> Witness:
+        """Demote (or stop serving) first, then let routes already decided for this worker reach it
+        (`settle`: nothing new is routed here meanwhile), then call vLLM, then adopt and record the witness."""
         async with self.lock:
             self.transitioning = True
             try:
-                return await self._lifecycle(call)
+                return await self._lifecycle(call, settle)
             finally:
                 self.transitioning = False
 
-    async def _lifecycle(self, call: lc.Call) -> Witness:
+    async def _lifecycle(self, call: lc.Call, settle: Callable[[], Awaitable[None]] | None) -> Witness:
         for r in self.ranks:
             self._apply(r, self.ranks[r].verb_started(call))
+        if settle is not None:
+            await settle()
         try:
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
             if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
