@@ -10,11 +10,11 @@ GET  /health, /metrics
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from controller.proxy.errors import ProxyError, error_response, from_fleet
@@ -25,6 +25,7 @@ from fleet.core.errors import KvfleetError
 if TYPE_CHECKING:
     from controller.proxy.server import Proxy
 
+BODY = msgspec.json.Decoder()  # NOTE: msgspec, not json: about 2x faster on a conversation (docs/proxy.md)
 log = logging.getLogger("kvfleet.proxy")
 
 
@@ -91,8 +92,8 @@ async def read_json(req: web.Request, limit: int, timeout_s: float) -> dict[str,
         raise ProxyError(408, f"the request body did not arrive within {timeout_s}s (the proxy's "
                               "client body timeout); send it at once") from None
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = BODY.decode(raw)  # RFC 8259: NaN, Infinity and numbers past a double's range are refused
+    except msgspec.DecodeError as e:
         raise ProxyError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ProxyError(400, "request body is nested too deeply to parse (arrays/objects within each "
@@ -104,11 +105,6 @@ async def read_json(req: web.Request, limit: int, timeout_s: float) -> dict[str,
     if not isinstance(body.get("stream", False), bool):
         raise ProxyError(400, "'stream' must be true or false", "stream")
     return body
-
-
-def _no_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON (RFC 8259); Python's parser takes them, vLLM's would forward them."""
-    raise ProxyError(400, f"request body is not valid JSON: {name} is not a JSON number (use a finite number)")
 
 
 def upstream_headers(req: web.Request) -> dict[str, str]:

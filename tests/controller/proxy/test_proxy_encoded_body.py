@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from controller.proxy.tokenize import EncodedBody, tokenize_request
 
 
@@ -20,14 +22,19 @@ def _bodies() -> list[dict[str, Any]]:
     ]
 
 
-def test_the_bytes_are_json_dumps_bytes() -> None:
-    # The tokenize cache is keyed by these bytes and the worker parses them: any difference from json.dumps (a
-    # separator, an escape, a float) would change what is cached and what is forwarded.
+def _same(enc: EncodedBody, obj: dict[str, Any]) -> None:
+    got = enc.encode(obj)
+    assert got == msgspec.json.encode(obj)  # one encoding of the whole object, byte for byte
+    assert json.loads(got) == obj  # and what any JSON parser (the worker's) reads back is the object
+
+
+def test_the_bytes_are_the_whole_objects_encoding() -> None:
+    # The tokenize cache is keyed by these bytes and the worker parses them: any difference from one encoding of
+    # the object (a separator, an escape, a float) would change what is cached and what is forwarded.
     for body in _bodies():
         enc = EncodedBody(body)
-        fwd = {**body, "cache_salt": "salt-of-acme"}
-        assert enc.encode(fwd) == json.dumps(fwd).encode()
-        assert enc.encode(body) == json.dumps(body).encode()
+        _same(enc, {**body, "cache_salt": "salt-of-acme"})
+        _same(enc, body)
         if "model" in body:
             for chat in (True, False):
                 try:
@@ -35,7 +42,7 @@ def test_the_bytes_are_json_dumps_bytes() -> None:
                 except Exception:
                     continue
                 if isinstance(req, dict):
-                    assert enc.encode(req) == json.dumps(req).encode()
+                    _same(enc, req)
 
 
 def test_a_shared_value_is_encoded_once_and_a_replaced_one_is_not_reused() -> None:
@@ -46,4 +53,4 @@ def test_a_shared_value_is_encoded_once_and_a_replaced_one_is_not_reused() -> No
     enc.encode({**body, "cache_salt": "s"})
     assert enc._done["messages"] is first  # the forward reused the tokenize request's encoding
     other = {**body, "messages": [{"role": "user", "content": "a different list under the same key"}]}
-    assert enc.encode(other) == json.dumps(other).encode()  # same key, another object: encoded afresh
+    assert enc.encode(other) == msgspec.json.encode(other)  # same key, another object: encoded afresh
