@@ -469,6 +469,14 @@ def git_head() -> str:
     return head + (" (plus uncommitted changes under controller/ or fleet/)" if dirty else "")
 
 
+def section_title(section: str, cells: str | None, driver: str | None) -> str:
+    return (
+        f"Fleet routing, section {section}: cells {cells or 'default'} "
+        "(`./dev.sh bench fleet_routing --cells ... --section " + section
+        + (" --driver aiperf" if driver == "aiperf" else "") + "`)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="two small cells (a few minutes); writes no docs")
@@ -556,16 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             launch.kill_all()
         results.update(meta(a, opt, cfg, time.monotonic() - t0))
-        if a.section != "fleet-routing":
-            results["title"] = (
-                f"Fleet routing, section {a.section}: cells {a.cells or 'default'} "
-                "(`./dev.sh bench fleet_routing --cells ... --section " + a.section
-                + (" --driver aiperf" if a.driver == "aiperf" else "") + "`)"
-            )
     if a.json and not a.from_json:
         a.json.write_text(json.dumps(results))
-    if a.from_json and a.section != "fleet-routing" and not results.get("title"):
-        results["title"] = f"Fleet routing, section {a.section}"
+    if a.section != "fleet-routing" and not (a.from_json and results.get("title")):
+        # NOTE: from the saved run's own cells and driver, so a run saved with --no-docs publishes the same title
+        results["title"] = section_title(a.section, results.get("cells_arg"), results["options"].get("driver"))
     section = report(results)
     if a.notes is not None:
         section += "\n\n" + a.notes.read_text().strip() + "\n"
