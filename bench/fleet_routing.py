@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(results))
     if a.section != "fleet-routing" and not (a.from_json and results.get("title")):
         # NOTE: from the saved run's own cells and driver, so a run saved with --no-docs publishes the same title
-        results["title"] = section_title(a.section, results.get("cells_arg"), results["options"].get("driver"))
+        results["title"] = section_title(a.section, results.get("cells_arg"), results.get("options", {}).get("driver"))
     section = report(results)
     if a.notes is not None:
         section += "\n\n" + a.notes.read_text().strip() + "\n"
