@@ -12,6 +12,8 @@ kv_cache_utils.py):
 - free blocks wait in one queue in eviction order; at start every block is free and unhashed;
 - a request's cache hit `touch`es its blocks: ref_cnt += 1, and a block whose ref_cnt was 0 leaves
   the free queue (it can no longer be evicted);
+- only the leading run of cached blocks is a hit: every block after the first miss gets a new block,
+  even one whose hash is cached on its own (the pool then maps the hash to both copies);
 - its new blocks are popped from the queue's front (`popleft_n`); a popped block that still
   carries a hash is evicted (`_maybe_evict_cached_block`: one BlockRemoved);
 - when the request ends its blocks are freed in reverse order (`KVCacheManager.free`): ref_cnt
@@ -117,15 +119,24 @@ class RankPool:
             raise ValueError(f"route {route!r} already holds blocks")
         need = self._need(chain, num_partial)
         if self._waiting or (need > self.num_free() and self._pinned()):
-            new = need - sum(1 for h in chain if h in self._free)
-            self._waiting[route] = (chain, num_partial, max(new, 0))
-            self._pending += max(new, 0)
+            new = len(chain) - self._hit(chain) + num_partial
+            self._waiting[route] = (chain, num_partial, new)
+            self._pending += new
             return []
         return self._admit(route, chain, num_partial, now)
 
+    def _hit(self, chain: Sequence[int]) -> int:
+        """The leading blocks cached here: vLLM's prefix hit. A later block cached on its own is not reused."""
+        hit = 0
+        while hit < len(chain) and (chain[hit] in self._ref or chain[hit] in self._free):
+            hit += 1
+        return hit
+
     def _need(self, chain: Sequence[int], num_partial: int) -> int:
-        """Blocks the request takes out of the free queue: its cached-but-free ones and its new ones."""
-        return sum(1 for h in chain if h not in self._ref) + num_partial
+        """Blocks the request takes out of the free queue: its hit blocks that are free, and a new block for
+        every block after the hit (and each partial one)."""
+        hit = self._hit(chain)
+        return sum(1 for h in chain[:hit] if h in self._free) + len(chain) - hit + num_partial
 
     def _drain(self, now: float) -> list[int]:
         """Admit waiting requests in arrival order while they fit (a request larger than the pool runs
@@ -151,11 +162,6 @@ class RankPool:
         out: list[int] = []
         avail = self._fresh + len(free)
         for h in [*chain[hit:], *([None] * num_partial)]:
-            if h is not None and (h in ref or h in free):  # a later block cached on its own: vLLM reuses it
-                avail -= h in free
-                self._touch(h)
-                held.append(h)
-                continue
             if avail <= 0:
                 break  # the engine would wait (or preempt); what fits is what is known
             avail -= 1
@@ -167,6 +173,10 @@ class RankPool:
                     out.append(gone)
                     ev.pop(gone, None)
                     ev[gone] = now
+            if h is not None and (h in ref or h in free):
+                # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
+                # one hash to both copies); the copy is held here unhashed
+                h = None
             if h is None:
                 self._anon_pinned += 1
             else:

@@ -23,6 +23,7 @@ from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError
 
 if TYPE_CHECKING:
+    from controller.proxy.forward import Target
     from controller.proxy.server import Proxy
 
 BODY = msgspec.json.Decoder()  # NOTE: msgspec, not json: about 2x faster on a conversation (docs/proxy.md)
@@ -151,11 +152,14 @@ class Handlers:
             fwd = (
                 {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
             )  # NOTE: the tenant's salt always wins
-            opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req))
+            def moved(t: Target) -> None:  # skipped or failed over: the controller's ledger and shadow follow
+                if d.route_id and t.worker != d.worker:  # NOTE: told at the send, not at the first byte: the
+                    # controller's block-pool shadow must know what the worker runs before it routes the next turn
+                    rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
+                    p.control.move_soon(d.route_id, t.worker, rank, token)
+
+            opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
             t = opened.target
-            if d.route_id and t.worker != d.worker:  # skipped or failed over: the controller's ledger follows
-                rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
-                p.control.move_soon(d.route_id, t.worker, rank, token)
             extra = {
                 "x-kvfleet-worker": t.worker,
                 "x-kvfleet-verdict": t.verdict,

@@ -112,18 +112,20 @@ class WorkerDirectory:
         w = self.workers.get(name)
         return w is not None and w.serving and not self.is_suspect(name)
 
-    def is_suspect(self, name: str) -> bool:
+    def is_suspect(self, name: str, routed_epoch: int | None = None) -> bool:
         """Found asleep (or gone) by this proxy less than suspect_s ago, and the controller has not caught up
         since: a worker the controller lists as serving again under a newer epoch than it had when marked has
         been seen to sleep and wake (or restart) by the controller itself, so its answer routes again (issue
         #27: a woken worker skipped for the rest of suspect_s sent the controller's choices to runners-up the
-        controller had ranked below it)."""
+        controller had ranked below it). `routed_epoch`: the epoch a route to the worker was decided under,
+        just now; newer than the mark's, it is the same proof, fresher than the listing."""
         mark = self._suspect.get(name)
         if mark is None:
             return False
         until, epoch = mark
         w = self.workers.get(name)
-        if until <= time.monotonic() or (w is not None and w.serving and _epoch(w) > epoch):
+        if (until <= time.monotonic() or (w is not None and w.serving and _epoch(w) > epoch)
+                or (routed_epoch is not None and routed_epoch > epoch)):
             del self._suspect[name]
             return False
         return True

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,18 +118,30 @@ class Forwarder:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)  # one for every send
         self.first_bytes = FirstBytes(cfg.first_byte_min_s, cfg.first_byte_timeout_s)
 
-    async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str]) -> Opened:
-        """Open the request on the chosen worker or, after one failure before the first byte, the next one."""
+    async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str],
+                   on_send: Callable[[Target], None] | None = None) -> Opened:
+        """Open the request on the chosen worker or, after one failure before the first byte, the next one.
+
+        The chosen worker is skipped only if this proxy found it asleep or gone (suspect) since the controller
+        last saw it begin a new life: the route was decided just now, so it is fresher than the directory's
+        listing (polled every --refresh), which lags a verb's return to serving by up to that long. A runner-up
+        is skipped when the listing says it is not serving, too. `on_send` is told each target before the
+        request is sent to it (the proxy tells the controller at once that its route moved there).
+        """
         failures: list[str] = []
         sends = 0
         for t in targets(d, self.directory, base):
             if sends == MAX_SENDS:
                 break
-            if t.worker in self.directory.workers and not self.directory.serving(t.worker):
-                reason = "suspect" if self.directory.is_suspect(t.worker) else "not_serving"
+            chosen = t.worker == d.worker
+            suspect = self.directory.is_suspect(t.worker, d.epoch if chosen else None)
+            if suspect or (not chosen and t.worker in self.directory.workers and not self.directory.serving(t.worker)):
+                reason = "suspect" if suspect else "not_serving"
                 self.metrics.skips.labels(t.worker, reason).inc()
                 failures.append(f"{t.worker}: skipped ({reason})")
                 continue
+            if on_send is not None:
+                on_send(t)
             sends += 1
             try:
                 return await self._attempt(t, path, body, headers, sends, failures)

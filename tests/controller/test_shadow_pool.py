@@ -54,6 +54,25 @@ def test_a_waiting_request_puts_the_queue_front_at_risk_before_it_is_admitted() 
     assert p.queue() == [6, 5] and p.cached(1) and p.cached(2) and not p.cached(7)
 
 
+def test_a_block_cached_after_the_first_miss_is_not_a_hit_it_takes_a_new_block() -> None:
+    """vLLM hits only the leading cached blocks; every later block gets a new block from the queue's front even
+    if its hash is cached on its own (the pool then maps the hash to both copies). Before, the shadow reused
+    such blocks: it under-counted what a request took, and a route trusted blocks LRU had dropped (a stale
+    WARM route through the controller in agents16x4 / very-tight)."""
+    p = RankPool(num_gpu_blocks=6)  # 5 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a", now=0.0)
+    assert p.queue() == [None, None, 3, 2, 1]
+    assert p.allocate("b", [9, 2, 3], 0, now=1.0) == [3]  # 9 misses: 3 new blocks, the third evicts 3 ...
+    assert p.queue() == [2, 1] and p.cached(2) and p.cached(3)  # ... and holds 3 again; 2's copy is unhashed
+    p.free("b", now=2.0)
+    assert p.queue() == [2, 1, 3, None, 9]
+    p.allocate("c", [1, 2], 0, now=3.0)  # a prefix hit still touches its blocks out of the queue
+    p.allocate("d", [7, 8, 3, 9], 0, now=4.0)  # all pinned: 4 new blocks wanted, 3 free: d waits ...
+    assert p.num_waiting() == 1 and p.at_risk() == {3, 9}  # ... and will take the whole queue
+    assert p.resident_prefix([3], 1, now=4.0) == 0
+
+
 def test_shared_blocks_count_references_and_rejoin_the_queue_only_when_the_last_one_ends() -> None:
     p = RankPool(num_gpu_blocks=6)  # 5 usable
     p.allocate("a", [1, 2], 0, now=0.0)
