@@ -130,9 +130,13 @@ class WorkerDirectory:
             return False
         return True
 
-    def suspect(self, name: str) -> None:
+    def suspect(self, name: str, routed_epoch: int | None = None) -> None:
+        """Mark the worker found asleep or gone. The mark keeps the newest epoch known for it: the listing's, or
+        the one the failed attempt was routed under (fresher when the listing lags), so only a route decided
+        after the controller saw a newer life of the worker clears it."""
         w = self.workers.get(name)
-        self._suspect[name] = (time.monotonic() + self.cfg.suspect_s, _epoch(w) if w is not None else -1)
+        epoch = max(_epoch(w) if w is not None else -1, -1 if routed_epoch is None else routed_epoch)
+        self._suspect[name] = (time.monotonic() + self.cfg.suspect_s, epoch)
 
     def models(self) -> list[dict[str, Any]]:
         """The union of the registered workers' model cards (first card per id wins)."""

@@ -146,7 +146,7 @@ class Forwarder:
             try:
                 return await self._attempt(t, path, body, headers, sends, failures)
             except AttemptFailed as e:
-                self.directory.suspect(t.worker)  # later requests skip it until the controller catches up
+                self.directory.suspect(t.worker, t.epoch)  # later requests skip it until the controller catches up
                 self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
                 failures.append(f"{t.worker}: {e}")
         raise ProxyError(503, "no serving worker answered (" + "; ".join(failures or ["no candidate"]) + ")")

@@ -17,6 +17,10 @@ from pathlib import Path
 
 from support.proxy_fleet import BLOCK, MODEL, start_fleet, until
 
+from controller.proxy.config import ProxyConfig
+from controller.proxy.directory import WorkerDirectory
+from fleet.sdk.types import RankInfo, WorkerInfo
+
 PROMPT = "Summarise the quarterly report for the board, section by section, with numbers. " * 3
 
 
@@ -70,3 +74,19 @@ async def test_a_skipped_route_moves_in_the_controller_when_it_is_sent(tmp_path:
 
 async def _loads(router, sims) -> dict[str, int]:  # noqa: ANN001
     return {name: router.flights.load((name, 0))[0] for name in sims}
+
+
+def test_a_mark_keeps_the_epoch_its_failed_attempt_was_routed_under() -> None:
+    """The proxy's listing may lag the controller by an epoch: a worker found asleep is marked with the newest
+    epoch the proxy knew of it, so a route decided under that epoch (the controller has not seen the sleep)
+    is still skipped, and only one decided under a newer epoch (the controller saw it sleep and wake) clears
+    the mark. Marked with the listing's older epoch alone, the next route would have cleared it and been
+    sent to the sleeper."""
+    d = WorkerDirectory(ProxyConfig(controller="127.0.0.1:1", token="t"), None, None)  # type: ignore[arg-type]
+    d.workers["x"] = WorkerInfo("x", "http://x", "", "", "m", 1, 16, "sha256", None,
+                                (RankInfo(0, 4, True, "awake", "warm", 10, 0, True, 0.0, 0.0, ""),))
+    d.suspect("x", routed_epoch=5)  # the listing says 4; the failed attempt was routed under 5
+    assert d.is_suspect("x", routed_epoch=5)
+    assert not d.is_suspect("x", routed_epoch=6)
+    d.suspect("x")  # no route epoch: the listing's
+    assert not d.is_suspect("x", routed_epoch=5)
