@@ -219,6 +219,13 @@ class RankPool:
             self.evicted.pop(h, None)
             if self.cached(h):
                 continue
+            if h in self._ghost:
+                # a block of a request still running, stored again after a clear (it ran, or was preempted and
+                # ran again, after the reset): pinned and hashed again in its slot, so that when the request
+                # ends it rejoins the tail, last block first. Queued as free here, it went head first, and the
+                # shadow expected LRU to evict a rebuilt history's first block at once.
+                self._ref[h] = self._ghost.pop(h)
+                continue
             if self.num_free():
                 gone = self._popleft()
                 if gone is not None:

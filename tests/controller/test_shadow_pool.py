@@ -73,6 +73,22 @@ def test_a_block_cached_after_the_first_miss_is_not_a_hit_it_takes_a_new_block()
     assert p.resident_prefix([3], 1, now=4.0) == 0
 
 
+def test_a_request_running_across_a_clear_holds_its_blocks_again_when_they_are_stored() -> None:
+    """A reset behind the controller's back clears every hash; a request routed just before it runs after it (or
+    is preempted and runs again) and its blocks are stored again. They are that request's, pinned, and rejoin
+    the queue tail first when it ends. Before, the shadow queued them as free in stored order: LRU was expected
+    to evict the rebuilt history's first block at once, and the next turn was routed cold (long-context)."""
+    p = RankPool(num_gpu_blocks=8)  # 7 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.cleared()  # the reset: a's blocks are hashless while it runs
+    p.stored([1, 2, 3], now=1.0)  # a ran after it: its blocks are stored again
+    assert p.num_free() == 4  # no slot taken twice
+    p.free("a", now=2.0)
+    assert p.queue() == [None, None, None, None, 3, 2, 1]
+    assert p.allocate("b", [9, 10, 11, 12, 13], 0, now=3.0) == [3]  # the tail goes first, the head stays
+    assert p.resident_prefix([1, 2, 3], 3, now=3.0) == 2
+
+
 def test_shared_blocks_count_references_and_rejoin_the_queue_only_when_the_last_one_ends() -> None:
     p = RankPool(num_gpu_blocks=6)  # 5 usable
     p.allocate("a", [1, 2], 0, now=0.0)
