@@ -117,9 +117,9 @@ class RankPool:
         Returns the hashes its admission evicted, in order (none while it waits)."""
         if route in self._held or route in self._waiting:
             raise ValueError(f"route {route!r} already holds blocks")
-        need = self._need(chain, num_partial)
-        if self._waiting or (need > self.num_free() and self._pinned()):
-            new = len(chain) - self._hit(chain) + num_partial
+        hit = self._hit(chain)
+        if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
+            new = len(chain) - hit + num_partial
             self._waiting[route] = (chain, num_partial, new)
             self._pending += new
             return []
@@ -132,10 +132,9 @@ class RankPool:
             hit += 1
         return hit
 
-    def _need(self, chain: Sequence[int], num_partial: int) -> int:
-        """Blocks the request takes out of the free queue: its hit blocks that are free, and a new block for
-        every block after the hit (and each partial one)."""
-        hit = self._hit(chain)
+    def _need(self, chain: Sequence[int], num_partial: int, hit: int) -> int:
+        """Blocks the request takes out of the free queue: its `hit` leading blocks that are free, and a new
+        block for every block after them (and each partial one)."""
         return sum(1 for h in chain[:hit] if h in self._free) + len(chain) - hit + num_partial
 
     def _drain(self, now: float) -> list[int]:
@@ -144,7 +143,7 @@ class RankPool:
         out: list[int] = []
         while self._waiting:
             route, (chain, num_partial, new) = next(iter(self._waiting.items()))
-            if self._need(chain, num_partial) > self.num_free() and self._pinned():
+            if self._need(chain, num_partial, self._hit(chain)) > self.num_free() and self._pinned():
                 break
             del self._waiting[route]
             self._pending -= new

@@ -59,7 +59,7 @@ async def test_a_skipped_route_moves_in_the_controller_when_it_is_sent(tmp_path:
         await until(lambda: fleet.blocks_known(chosen), lambda k: k >= n // BLOCK)
         fleet.proxy.directory.suspect(chosen)  # the proxy's own finding: it skips the controller's choice
         task = asyncio.create_task(fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}))
-        loads = await until(lambda: _loads(router, fleet.sims), lambda ls: sum(ls.values()) == 1, timeout=5.0)
+        await until(lambda: _loads(router, fleet.sims), lambda ls: sum(ls.values()) == 1, timeout=5.0)
         await asyncio.sleep(0.3)  # a MoveRoute sent at the first byte would not have arrived yet either
         loads = await _loads(router, fleet.sims)
         assert not task.done()  # control: still before the first byte (the cold prefill takes about 1.5 s)
