@@ -6,8 +6,9 @@ with a local tokenizer, `--tokenizer hf:PATH`, when transformers is installed); 
 generator. Each of C concurrent clients holds one conversation and sends R streaming chat turns one after
 another (each turn appends a record of the answer and a new user message, so the prefix grows and the
 router sees it warm). Every round's conversations are new (never in the proxy's tokenize cache). The paths
-(straight to a worker, the client's own, round robin; through each proxy) run in interleaved rounds, each
-first in turn, so all see the same machine. Bounded: C*R requests per round, and a round stops early after
+(straight to a worker, the client's own, round robin; through each proxy; through each peer router that is
+installed, launched as bench/fleet_routing.py launches it: vllm-router kv_aware with the stand-ins' KV
+events, sglang-router cache_aware) run in interleaved rounds, each first in turn, so all see the same machine. Bounded: C*R requests per round, and a round stops early after
 --round-timeout seconds (unfinished requests are counted, not hidden).
 
     python bench/proxy_load.py                       # 200 clients x 5 turns, 4 rounds per path
@@ -35,6 +36,7 @@ import tempfile
 import time
 import zlib
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import aiohttp
 
@@ -43,6 +45,9 @@ from controller.proxy.control import ControlClient
 from controller.proxy.tokenize import tokenize_request
 from fleet.app.redis_server import free_port
 from fleet.sdk import AsyncFleetClient
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/peers: the peers as fleet_routing launches them
+from peers import launch as peers  # noqa: E402
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 MODEL = "sim-model"
@@ -244,6 +249,7 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int,
             await round_(paths[mode][0], auth, 8, 2, 30, f"warm-up {mode}")  # connections, workers seen serving
         if "proxy-local" in paths:
             await check_parity(paths["proxy-local"][0][0])
+        await start_peers(a.peers, sims, tmp, procs, paths)
         res: dict[tuple[int, str], list[Sample]] = {}
         hops = Hops()
         ctl_client = ControlClient(ctl)
@@ -273,6 +279,34 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int,
                 p.kill()
 
 
+class Stand_ins(SimpleNamespace):
+    """The stand-in processes as `peers.launch.peer_command` reads a fleet: urls(), block_size, sims."""
+
+    def urls(self) -> list[str]:
+        return [s.url for s in self.sims.values()]
+
+
+async def start_peers(names: list[str], sims: list[dict[str, object]], tmp: pathlib.Path,
+                      procs: list[subprocess.Popen[str]], paths: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+    """Each peer router of `names` in front of the stand-ins, as a path of its own; one not installed is left
+    out with a line saying so (the report then has no row for it)."""
+    fleet = Stand_ins(sims={f"w{i}": SimpleNamespace(**s) for i, s in enumerate(sims)},
+                      block_size=int(sims[0]["block_size"]))
+    for name in names:
+        try:
+            cmd = peers.peer_command(peers.CONTENDERS[name], fleet)
+        except peers.Unavailable as e:
+            print(f"{name}: left out: {e}", file=sys.stderr)
+            continue
+        p = peers.spawn(cmd, tmp / f"{name}.log")
+        procs.append(p)
+        url = f"http://127.0.0.1:{peers.port_of(cmd)}"
+        async with aiohttp.ClientSession() as http:
+            await peers.until_http(http, url + "/health", [p])
+        paths[name] = ([url], {})
+        await round_([url], {}, 8, 2, 30, f"warm-up {name}")
+
+
 async def check_parity(url: str) -> None:
     """The local-tokenizer proxy passed its parity probes (else it would use the workers' /tokenize and the
     row would measure the wrong thing)."""
@@ -296,10 +330,14 @@ def _added(name: str, d: Sample, p: Sample) -> str:
             f"{ms[3]:+.1f} |")
 
 
+PEERS = ("vllm-kv_aware", "sglang-cache_aware")  # the peers users would pick instead (bench/peers/launch.py)
 PATHS = {"direct": "straight to the worker", "proxy": "through the proxy (workers' /tokenize, the default)",
+         "vllm-kv_aware": "through vllm-router kv_aware (KV events), the peer",
+         "sglang-cache_aware": "through sglang-router cache_aware, the peer",
          "proxy-baseline": "through the baseline proxy ({label}, workers' /tokenize)",
          "proxy-local": "through the proxy, local tokenizer (`--tokenizer hf:PATH`)"}
 ADDED = {"proxy": "added by the proxy", "proxy-baseline": "added by the baseline proxy ({label})",
+         "vllm-kv_aware": "added by vllm-router kv_aware", "sglang-cache_aware": "added by sglang-router cache_aware",
          "proxy-local": "added by the proxy, local tokenizer"}
 
 
@@ -325,7 +363,7 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tupl
     rows = ["| clients, path | requests ok | errors | unfinished | req/s | TTFB p50 ms | TTFB p99 ms | "
             "stream p50 ms | stream p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
     label = tree_label(a.baseline_tree) if a.baseline_tree else ""
-    modes = [m for m in ("proxy", "proxy-baseline", "proxy-local") if (1, m) in res]
+    modes = [m for m in ("proxy", "proxy-baseline", "proxy-local", *PEERS) if (1, m) in res]
     local = "proxy-local" in modes
     for clients in (1,) if a.solo_only else (1, a.clients):
         d = res[(clients, "direct")]
@@ -355,7 +393,11 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tupl
         + ("The local-tokenizer proxy loads a word-level Hugging Face tokenizer built to give the stand-in's own "
            "ids (it passed the proxy's parity probes), so it skips the /tokenize hop as `--tokenizer hf:PATH` does "
            "in front of a real vLLM. " if local else "")
-        + "Added = proxy percentile minus direct percentile (same percentile, same run).",
+        + (f"The peer routers ({', '.join(m for m in modes if m in PEERS)}) are launched as `bench/fleet_routing.py` "
+           "launches them, in front of the same stand-ins (vllm-router kv_aware subscribed to their KV events), in "
+           "the same rounds: what a user who picks one of them instead pays per request. " if any(m in PEERS for m in modes)
+           else "")
+        + "Added = router percentile minus direct percentile (same percentile, same run).",
         "",
         *rows,
         "",
@@ -390,8 +432,13 @@ def main() -> int:
                          "same rounds, path proxy-baseline: before and after side by side")
     ap.add_argument("--solo-only", action="store_true",
                     help="only the 1-client rounds (the unloaded added latency); the docs are not written")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="comma-separated peer routers to run as paths of their own (installed ones; '' for none): "
+                         + ", ".join(PEERS))
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
+    a.peers = [x for x in a.peers.split(",") if x]
+    assert all(x in PEERS for x in a.peers), f"--peers takes {', '.join(PEERS)}"
     assert a.clients >= 1 and a.turns >= 1 and a.rounds >= 1
     if a.baseline_tree is not None:
         a.baseline_tree = a.baseline_tree.resolve()

@@ -187,7 +187,7 @@ class Running:
         return "\n".join(f"[{p.name}] " + p.read_text(errors="replace")[-n:] for p in self.logs if p.exists())
 
 
-async def _until_http(
+async def until_http(
     http: aiohttp.ClientSession,
     url: str,
     procs: list[subprocess.Popen[bytes]],
@@ -212,12 +212,12 @@ async def start(spec: Spec, fleet: SimFleet, tmp: Path, tenants: tuple[str, ...]
     try:
         if spec.kind == "kvfleet":
             return await _start_kvfleet(spec, fleet, tmp, tenants, http)
-        cmd = _peer_command(spec, fleet)
+        cmd = peer_command(spec, fleet)
         log = tmp / f"{spec.name}.log"
         p = spawn(cmd, log)
-        run = Running(spec, f"http://127.0.0.1:{_port_of(cmd)}", cmd, [p], [log], http)
+        run = Running(spec, f"http://127.0.0.1:{port_of(cmd)}", cmd, [p], [log], http)
         try:
-            await _until_http(http, run.url + "/health", run.procs)
+            await until_http(http, run.url + "/health", run.procs)
         except Unavailable as e:
             await run.stop()
             raise Unavailable(f"{e}; log: {log.read_text(errors='replace')[-600:]}") from None
@@ -228,13 +228,19 @@ async def start(spec: Spec, fleet: SimFleet, tmp: Path, tenants: tuple[str, ...]
         raise
 
 
-def _port_of(cmd: list[str]) -> int:
+def port_of(cmd: list[str]) -> int:
     if "--port" in cmd:
         return int(cmd[cmd.index("--port") + 1])
     return int(cmd[cmd.index("--listen") + 1].rsplit(":", 1)[1])
 
 
-def _peer_command(spec: Spec, fleet: SimFleet) -> list[str]:
+def peer_command(spec: Spec, fleet: SimFleet) -> list[str]:
+    """The command line of a peer router in front of `fleet`: it reads `fleet.urls()`, `fleet.block_size` and
+    each of `fleet.sims`' `url`, `kv_events` and `replay` (bench/proxy_load.py passes its own stand-in processes).
+
+    Raises:
+        Unavailable: the peer's router is not installed.
+    """
     port, urls = free_port(), fleet.urls()
     if spec.kind in ("vllm", "sglang"):
         exe = binary(f"{spec.kind}-router")
@@ -311,7 +317,7 @@ async def _start_kvfleet(
             run.op.workers, run.procs, lambda ws: len(ws) == len(fleet.sims) and all(w.serving for w in ws)
         )
         run.procs.append(spawn(p_cmd, logs[1]))
-        await _until_http(http, run.url + "/health", run.procs, lambda h: h.get("serving") == len(fleet.sims))
+        await until_http(http, run.url + "/health", run.procs, lambda h: h.get("serving") == len(fleet.sims))
         return run
     except BaseException as e:
         tail = run.log_tail(600)
