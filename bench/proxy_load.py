@@ -395,8 +395,9 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tupl
            "in front of a real vLLM. " if local else "")
         + (f"The peer routers ({', '.join(m for m in modes if m in PEERS)}) are launched as `bench/fleet_routing.py` "
            "launches them, in front of the same stand-ins (vllm-router kv_aware subscribed to their KV events), in "
-           "the same rounds: what a user who picks one of them instead pays per request. " if any(m in PEERS for m in modes)
-           else "")
+           "the same rounds: what a user who picks one of them instead pays per request (what each does per request, "
+           "and why sglang-router's first streamed event comes about 40 ms late here: docs/proxy.md). "
+           if any(m in PEERS for m in modes) else "")
         + "Added = router percentile minus direct percentile (same percentile, same run).",
         "",
         *rows,
