@@ -1,7 +1,7 @@
 """RouteService: Route, ReleaseRoute and MoveRoute, unary; the tenant's cache_salt and ownership come from its token.
 
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
-MAX_MODEL_CHARS characters; the router hashes the prompt off the event loop.
+MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop.
 """
 
 from __future__ import annotations
