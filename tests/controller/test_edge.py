@@ -14,7 +14,7 @@ from support.controller import code_of, make_tokens, md, start_controller, store
 import controller.ordering as ordering_mod
 from controller.edge import GrpcLimits
 from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
+from controller.router import INLINE_HASH_TOKENS, Router, RouterConfig, WorkerSpec
 from controller.uploads import UploadLimits
 from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
@@ -81,7 +81,11 @@ async def test_huge_model_name_and_route_are_refused_without_echoing_them(tmp_pa
         await ctl.stop(0)
 
 
-async def test_route_hashes_the_prompt_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_route_hashes_a_long_prompt_off_the_event_loop_and_a_short_one_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt over INLINE_HASH_TOKENS is hashed in a thread (it would hold the loop for milliseconds); one at
+    the limit on the loop's own thread, where the thread's hop cost more than the hash (docs/proxy.md)."""
     seen: list[int] = []
     real = ordering_mod.external_chain
 
@@ -96,10 +100,13 @@ async def test_route_hashes_the_prompt_off_the_event_loop(tmp_path: Path, monkey
     await r.start()
     try:
         await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
-        d = await r.route(list(range(5000)), "m")
+        d = await r.route(list(range(INLINE_HASH_TOKENS + 1)), "m")
         assert d.worker == "w0"
         assert seen, "the router hashed nothing: the check would be vacuous"
-        assert threading.get_ident() not in seen, "block hashes were computed on the event loop's thread"
+        assert threading.get_ident() not in seen, "a long prompt's block hashes were computed on the event loop"
+        seen.clear()
+        await r.route(list(range(INLINE_HASH_TOKENS)), "m")
+        assert seen and set(seen) == {threading.get_ident()}, "a prompt at the limit was hashed off the loop"
     finally:
         await r.stop()
         await sim.stop()
