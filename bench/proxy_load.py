@@ -8,8 +8,9 @@ another (each turn appends a record of the answer and a new user message, so the
 router sees it warm). Every round's conversations are new (never in the proxy's tokenize cache). The paths
 (straight to a worker, the client's own, round robin; through each proxy; through each peer router that is
 installed, launched as bench/fleet_routing.py launches it: vllm-router kv_aware with the stand-ins' KV
-events, sglang-router cache_aware) run in interleaved rounds, each first in turn, so all see the same machine. Bounded: C*R requests per round, and a round stops early after
---round-timeout seconds (unfinished requests are counted, not hidden).
+events, sglang-router cache_aware) run in interleaved rounds, each first in turn, so all see the same
+machine. Bounded: C*R requests per round, and a round stops early after --round-timeout seconds
+(unfinished requests are counted, not hidden).
 
     python bench/proxy_load.py                       # 200 clients x 5 turns, 4 rounds per path
     python bench/proxy_load.py --clients 250 --turns 4 --no-docs
@@ -279,7 +280,7 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int,
                 p.kill()
 
 
-class Stand_ins(SimpleNamespace):
+class StandIns(SimpleNamespace):
     """The stand-in processes as `peers.launch.peer_command` reads a fleet: urls(), block_size, sims."""
 
     def urls(self) -> list[str]:
@@ -288,9 +289,9 @@ class Stand_ins(SimpleNamespace):
 
 async def start_peers(names: list[str], sims: list[dict[str, object]], tmp: pathlib.Path,
                       procs: list[subprocess.Popen[str]], paths: dict[str, tuple[list[str], dict[str, str]]]) -> None:
-    """Each peer router of `names` in front of the stand-ins, as a path of its own; one not installed is left
-    out with a line saying so (the report then has no row for it)."""
-    fleet = Stand_ins(sims={f"w{i}": SimpleNamespace(**s) for i, s in enumerate(sims)},
+    """Each peer router of `names` in front of the stand-ins, as a path of its own; one not installed, or not
+    answering its /health, is left out with a line saying so (the report then has no row for it)."""
+    fleet = StandIns(sims={f"w{i}": SimpleNamespace(**s) for i, s in enumerate(sims)},
                       block_size=int(sims[0]["block_size"]))
     for name in names:
         try:
@@ -301,8 +302,13 @@ async def start_peers(names: list[str], sims: list[dict[str, object]], tmp: path
         p = peers.spawn(cmd, tmp / f"{name}.log")
         procs.append(p)
         url = f"http://127.0.0.1:{peers.port_of(cmd)}"
-        async with aiohttp.ClientSession() as http:
-            await peers.until_http(http, url + "/health", [p])
+        try:
+            async with aiohttp.ClientSession() as http:
+                await peers.until_http(http, url + "/health", [p])
+        except peers.Unavailable as e:
+            print(f"{name}: left out: {e}; log: {(tmp / f'{name}.log').read_text(errors='replace')[-600:]}",
+                  file=sys.stderr)
+            continue
         paths[name] = ([url], {})
         await round_([url], {}, 8, 2, 30, f"warm-up {name}")
 
