@@ -123,7 +123,7 @@ class RankPool:
             self._waiting[route] = (chain, num_partial, new)
             self._pending += new
             return []
-        return self._admit(route, chain, num_partial, now)
+        return self._admit(route, chain, num_partial, hit, now)
 
     def _hit(self, chain: Sequence[int]) -> int:
         """The leading blocks cached here: vLLM's prefix hit. A later block cached on its own is not reused."""
@@ -143,21 +143,21 @@ class RankPool:
         out: list[int] = []
         while self._waiting:
             route, (chain, num_partial, new) = next(iter(self._waiting.items()))
-            if self._need(chain, num_partial, self._hit(chain)) > self.num_free() and self._pinned():
+            hit = self._hit(chain)
+            if self._need(chain, num_partial, hit) > self.num_free() and self._pinned():
                 break
             del self._waiting[route]
             self._pending -= new
-            out += self._admit(route, chain, num_partial, now)
+            out += self._admit(route, chain, num_partial, hit, now)
         return out
 
-    def _admit(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
+    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float) -> list[int]:
+        """Admit the request whose `hit` leading blocks (`_hit`, walked once by the caller) are cached here."""
         ref, free, ev = self._ref, self._free, self.evicted
         held: list[int | None] = []
-        hit = 0
-        while hit < len(chain) and (chain[hit] in ref or chain[hit] in free):
-            self._touch(chain[hit])
-            held.append(chain[hit])
-            hit += 1
+        for k in chain[:hit]:
+            self._touch(k)
+            held.append(k)
         out: list[int] = []
         avail = self._fresh + len(free)
         for h in [*chain[hit:], *([None] * num_partial)]:
