@@ -445,7 +445,8 @@ def main() -> int:
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     a.peers = [x for x in a.peers.split(",") if x]
-    assert all(x in PEERS for x in a.peers), f"--peers takes {', '.join(PEERS)}"
+    if bad := [x for x in a.peers if x not in PEERS]:
+        ap.error(f"--peers: unknown peer(s) {', '.join(bad)}; it takes some of {', '.join(PEERS)}, or '' for none")
     assert a.clients >= 1 and a.turns >= 1 and a.rounds >= 1
     if a.baseline_tree is not None:
         a.baseline_tree = a.baseline_tree.resolve()
