@@ -21,9 +21,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
+from controller.proxy.route_stream import RouteStreams, StreamUnsupported
 from fleet.api.kvfleet.v1 import fleet_pb2, quarantine_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
@@ -39,7 +41,8 @@ class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.core.errors.*."""
 
     def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0,
-                 credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50,
+                 stream: bool = True) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
         self._slots = asyncio.Semaphore(max_rpcs)
         self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
@@ -48,6 +51,7 @@ class ControlClient:
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)
         self._quarantine = QuarantineServiceStub(self._channel)
+        self._streams = RouteStreams(self._route, target) if stream else None
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
         self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
         self._renewing: set[str | None] = set()
@@ -62,12 +66,23 @@ class ControlClient:
         if lora is not None:
             req.lora = lora
         # track: the proxy releases every route when its answer ends (Handlers._complete)
-        try:
-            async with self._slot("Route"):
-                r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))
-        except grpc.RpcError as e:
-            raise base.to_error(e, "Route", self.target) from e
+        async with self._slot("Route"):
+            r = await self._over_stream(token, route=req)
+            if r is None:
+                try:
+                    r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))
+                except grpc.RpcError as e:
+                    raise base.to_error(e, "Route", self.target) from e
         return types.route_decision(r)
+
+    async def _over_stream(self, token: str | None, **op: Any) -> Any:
+        """The op's answer over the token's RouteStream; None where it must go unary (no stream for it)."""
+        if self._streams is None or not self._streams.usable(token):
+            return None
+        try:
+            return await self._streams.ask(token, self.timeout_s, **op)
+        except StreamUnsupported:
+            return None
 
     def release_soon(
         self, route_id: str, token: str | None, done: Callable[[str], None] | None = None
@@ -87,9 +102,10 @@ class ControlClient:
         req = route_pb2.MoveRouteRequest(route_id=route_id, worker=worker, dp_rank=dp_rank)
         try:
             async with self._slot("MoveRoute"):
-                await self._route.MoveRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
-        except Unavailable as e:
-            log.info("proxy: MoveRoute %s not sent: %s", route_id, e)
+                if await self._over_stream(token, move=req) is None:
+                    await self._route.MoveRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+        except KvfleetError as e:  # the slot's wait ran out (not sent), or the stream's answer was an error
+            log.info("proxy: MoveRoute %s failed: %s", route_id, e)
         except grpc.RpcError as e:
             log.info("proxy: MoveRoute %s failed: %s", route_id, base.to_error(e, "MoveRoute", self.target))
 
@@ -103,10 +119,12 @@ class ControlClient:
         req = route_pb2.ReleaseRouteRequest(route_id=route_id)
         try:
             async with self._slot("ReleaseRoute"):
-                r = await self._route.ReleaseRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+                r = await self._over_stream(token, release=req)
+                if r is None:
+                    r = await self._route.ReleaseRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
             outcome = "released" if r.released else "unknown"
-        except Unavailable as e:
-            log.info("proxy: ReleaseRoute %s not sent: %s", route_id, e)
+        except KvfleetError as e:  # the slot's wait ran out (not sent), or the stream's answer was an error
+            log.info("proxy: ReleaseRoute %s failed: %s", route_id, e)
             outcome = "failed"
         except grpc.RpcError as e:
             log.info(
@@ -199,4 +217,6 @@ class ControlClient:
         """Let pending releases finish (up to the RPC timeout), then close the channel."""
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.timeout_s)
+        if self._streams is not None:
+            await self._streams.close()
         await self._channel.close()

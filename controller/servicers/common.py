@@ -160,7 +160,7 @@ def clip(value: object, limit: int = 64) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
-def _cut(msg: str) -> str:
+def cut_message(msg: str) -> str:
     return msg if len(msg) <= MAX_MESSAGE_CHARS else f"{msg[:MAX_MESSAGE_CHARS]}… (message cut)"
 
 
@@ -168,7 +168,7 @@ def status_of(err: KvfleetError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, err.code, grpc.StatusCode.INTERNAL)
 
 
-def _check(ctx: ServiceContext, context: grpc.aio.ServicerContext, role: Role | frozenset[Role],
+def check_caller(ctx: ServiceContext, context: grpc.aio.ServicerContext, role: Role | frozenset[Role],
            method: str) -> Identity:
     ident = ctx.auth.authenticate(context.invocation_metadata())
     ctx.auth.authorize(ident, role, method)
@@ -178,14 +178,14 @@ def _check(ctx: ServiceContext, context: grpc.aio.ServicerContext, role: Role | 
     return ident
 
 
-async def _fail(ctx: ServiceContext, context: grpc.aio.ServicerContext, method: str, e: BaseException) -> None:
+async def fail_call(ctx: ServiceContext, context: grpc.aio.ServicerContext, method: str, e: BaseException) -> None:
     if isinstance(e, KvfleetError):
         code, msg = status_of(e), str(e)
     else:
         log.exception("%s failed", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e} (see controller log)"
     ctx.metrics.rpc_errors.labels(method=method, code=code.name).inc()
-    await context.abort(code, _cut(msg))
+    await context.abort(code, cut_message(msg))
 
 
 Handler = Callable[..., Awaitable[Any]]
@@ -202,12 +202,12 @@ def unary(role: Role | frozenset[Role]) -> Callable[[Handler], Handler]:
                     await refuse(request, fn.__name__, context)
                 elif hasattr(request, "__aiter__"):  # client streaming: each message is checked as it comes
                     request = checked_stream(request, fn.__name__, context)
-                ident = _check(self.ctx, context, role, fn.__name__)
+                ident = check_caller(self.ctx, context, role, fn.__name__)
                 return await fn(self, request, context, ident)
             except grpc.aio.AbortError:
                 raise
             except Exception as e:
-                await _fail(self.ctx, context, fn.__name__, e)
+                await fail_call(self.ctx, context, fn.__name__, e)
 
         return method
 
@@ -223,13 +223,13 @@ def server_stream(role: Role | frozenset[Role]) -> Callable[[Callable[..., Async
             try:
                 if isinstance(request, Undecodable):
                     await refuse(request, fn.__name__, context)
-                ident = _check(self.ctx, context, role, fn.__name__)
+                ident = check_caller(self.ctx, context, role, fn.__name__)
                 async for msg in fn(self, request, context, ident):
                     yield msg
             except grpc.aio.AbortError:
                 raise
             except Exception as e:
-                await _fail(self.ctx, context, fn.__name__, e)
+                await fail_call(self.ctx, context, fn.__name__, e)
 
         return method
 

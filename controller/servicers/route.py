@@ -1,21 +1,44 @@
-"""RouteService: Route, ReleaseRoute and MoveRoute, unary; the tenant's cache_salt and ownership come from its token.
+"""RouteService: Route, ReleaseRoute and MoveRoute, unary or as messages of one RouteStream; the tenant's
+cache_salt and ownership come from its token.
 
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
 MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop.
+
+RouteStream (the proxy's path, docs/proxy.md): the caller's token is checked when the stream opens and again at
+each message, which runs as its own task; at most STREAM_IN_FLIGHT of one stream's messages run at once (past
+that the stream is not read, and HTTP/2 flow control holds the caller back). A message's failure is its answer's
+`error`, with the status code the unary call would have failed with; only an undecodable message, or a token
+refused at the open, ends the stream.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
 import grpc
 
 from controller.auth import Identity, Role
-from controller.servicers.common import ServiceContext, clip, unary
+from controller.edge import Undecodable, refuse
+from controller.servicers.common import (
+    ServiceContext,
+    check_caller,
+    clip,
+    cut_message,
+    fail_call,
+    status_of,
+    unary,
+)
 from controller.servicers.convert import decision_to_proto
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument, KvfleetError
 
 MAX_MODEL_CHARS = 1024
+STREAM_IN_FLIGHT = 64  # messages of one RouteStream running at once
+_OPS = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
+log = logging.getLogger("kvfleet.controller")
 
 
 class RouteServicer(pbg.RouteServiceServicer):
@@ -26,6 +49,9 @@ class RouteServicer(pbg.RouteServiceServicer):
     async def Route(
         self, request: pb.RouteRequest, context: grpc.aio.ServicerContext, ident: Identity
     ) -> pb.RouteResponse:
+        return await self._route(request, ident)
+
+    async def _route(self, request: pb.RouteRequest, ident: Identity) -> pb.RouteResponse:
         if not request.model:
             raise InvalidArgument("route needs a model name (the one the workers were registered with)")
         if len(request.model) > MAX_MODEL_CHARS:
@@ -51,6 +77,9 @@ class RouteServicer(pbg.RouteServiceServicer):
     async def ReleaseRoute(
         self, request: pb.ReleaseRouteRequest, context: grpc.aio.ServicerContext, ident: Identity
     ) -> pb.ReleaseRouteResponse:
+        return self._release(request, ident)
+
+    def _release(self, request: pb.ReleaseRouteRequest, ident: Identity) -> pb.ReleaseRouteResponse:
         if not request.route_id:
             raise InvalidArgument("ReleaseRoute needs the route_id a Route answer carried")
         released = self.ctx.need_router().release_route(request.route_id, owner=ident.tenant)
@@ -60,7 +89,83 @@ class RouteServicer(pbg.RouteServiceServicer):
     async def MoveRoute(
         self, request: pb.MoveRouteRequest, context: grpc.aio.ServicerContext, ident: Identity
     ) -> pb.MoveRouteResponse:
+        return self._move(request, ident)
+
+    def _move(self, request: pb.MoveRouteRequest, ident: Identity) -> pb.MoveRouteResponse:
         if not request.route_id or not request.worker:
             raise InvalidArgument("MoveRoute needs the route_id a Route answer carried and the worker it went to")
         moved = self.ctx.need_router().move_route(request.route_id, request.worker, request.dp_rank, owner=ident.tenant)
         return pb.MoveRouteResponse(moved=moved)
+
+    async def RouteStream(self, requests: AsyncIterator[pb.RouteStreamRequest],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouteStreamResponse]:
+        try:
+            check_caller(self.ctx, context, Role.TENANT, "RouteStream")
+        except KvfleetError as e:
+            await fail_call(self.ctx, context, "RouteStream", e)
+        answers: asyncio.Queue[pb.RouteStreamResponse | BaseException | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        running: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+
+        async def answer(msg: pb.RouteStreamRequest) -> None:
+            try:
+                answers.put_nowait(await self._answer(msg, context))
+            finally:
+                slots.release()
+
+        async def read() -> None:
+            try:
+                async for msg in requests:
+                    if isinstance(msg, Undecodable):
+                        answers.put_nowait(msg)  # refused by the writer below
+                        return
+                    await slots.acquire()
+                    task = loop.create_task(answer(msg))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.wait(set(running))
+                answers.put_nowait(None)  # the caller half-closed and every message is answered
+            except BaseException as e:  # noqa: BLE001  # the stream broke: handed to the writer, which ends it
+                answers.put_nowait(e)
+
+        reader = loop.create_task(read())
+        try:
+            while True:
+                out = await answers.get()
+                if out is None:
+                    return
+                if isinstance(out, Undecodable):
+                    await refuse(out, "RouteStream", context)
+                if isinstance(out, BaseException):
+                    if isinstance(out, asyncio.CancelledError):
+                        return
+                    raise out
+                yield out
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    async def _answer(self, msg: pb.RouteStreamRequest, context: grpc.aio.ServicerContext) -> pb.RouteStreamResponse:
+        op = msg.WhichOneof("op")
+        method = _OPS.get(op or "", "RouteStream")
+        try:
+            # NOTE: again at every message: a token revoked, or a controller that stopped leading, fails the next one
+            ident = check_caller(self.ctx, context, Role.TENANT, method)
+            if op == "route":
+                return pb.RouteStreamResponse(id=msg.id, route=await self._route(msg.route, ident))
+            if op == "release":
+                return pb.RouteStreamResponse(id=msg.id, release=self._release(msg.release, ident))
+            if op == "move":
+                return pb.RouteStreamResponse(id=msg.id, move=self._move(msg.move, ident))
+            raise InvalidArgument("a RouteStream message must carry one of route, release or move")
+        except KvfleetError as e:
+            code, text = status_of(e), str(e)
+        except Exception as e:  # noqa: BLE001  # one message's failure; the stream goes on
+            log.exception("RouteStream %s failed", method)
+            code = grpc.StatusCode.INTERNAL
+            text = f"internal error in {method}: {type(e).__name__}: {e} (see controller log)"
+        self.ctx.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+        return pb.RouteStreamResponse(id=msg.id, error=pb.RouteStreamError(code=code.name, message=cut_message(text)))

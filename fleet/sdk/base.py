@@ -77,14 +77,19 @@ def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
     """A gRPC status as the fleet.core.errors class of the same code, carrying the server's message."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(e)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    return error_of(code.name, details, method, target)
+
+
+def error_of(code: str, details: str, method: str, target: str) -> KvfleetError:
+    """A status code's name and message (a gRPC status, or a RouteStream answer's error) as that class."""
+    if code == "DEADLINE_EXCEEDED":
         return Unavailable(f"{method} at {target}: deadline exceeded ({details}); the controller is slow or "
                            "unreachable, raise the client's timeout or check the controller")
-    cls = _BY_CODE.get(code.name)
+    cls = _BY_CODE.get(code)
     if cls is not None:
         return cls(details)
-    err = KvfleetError(f"{method} at {target}: {code.name}: {details}")
-    err.code = code.name
+    err = KvfleetError(f"{method} at {target}: {code}: {details}")
+    err.code = code
     return err
 
 

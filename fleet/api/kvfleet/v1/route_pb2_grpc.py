@@ -50,6 +50,11 @@ class RouteServiceStub:
                 request_serializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteResponse.FromString,
                 _registered_method=True)
+        self.RouteStream = channel.stream_stream(
+                '/kvfleet.v1.RouteService/RouteStream',
+                request_serializer=kvfleet_dot_v1_dot_route__pb2.RouteStreamRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_route__pb2.RouteStreamResponse.FromString,
+                _registered_method=True)
 
 
 class RouteServiceServicer:
@@ -82,6 +87,17 @@ class RouteServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RouteStream(self, request_iterator, context):
+        """Route, ReleaseRoute and MoveRoute as messages of one long-lived stream, for a caller on the request
+        path (the proxy): a unary call pays a new HTTP/2 stream, its metadata and a server task each time.
+        The stream is authenticated at its start and again at every message (a revoked token, or a
+        controller that stopped being leader, fails the next message). Messages are answered as they finish,
+        not in order: match them by `id`. A message's failure is its answer's `error`; the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouteServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +115,11 @@ def add_RouteServiceServicer_to_server(servicer, server):
                     servicer.MoveRoute,
                     request_deserializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_route__pb2.MoveRouteResponse.SerializeToString,
+            ),
+            'RouteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouteStream,
+                    request_deserializer=kvfleet_dot_v1_dot_route__pb2.RouteStreamRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_route__pb2.RouteStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +203,33 @@ class RouteService:
             '/kvfleet.v1.RouteService/MoveRoute',
             kvfleet_dot_v1_dot_route__pb2.MoveRouteRequest.SerializeToString,
             kvfleet_dot_v1_dot_route__pb2.MoveRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvfleet.v1.RouteService/RouteStream',
+            kvfleet_dot_v1_dot_route__pb2.RouteStreamRequest.SerializeToString,
+            kvfleet_dot_v1_dot_route__pb2.RouteStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

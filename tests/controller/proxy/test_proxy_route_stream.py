@@ -1,0 +1,191 @@
+"""The proxy's Route, ReleaseRoute and MoveRoute travel as messages of one RouteStream per token
+(controller/proxy/route_stream.py, the controller's RouteStream in controller/servicers/route.py).
+
+Real controller, sims and proxy on loopback (support.proxy_fleet); the two controllers without RouteStream or
+with one that breaks are real grpc.aio servers with a RouteService servicer of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from support.proxy_fleet import MODEL, start_fleet, until
+
+from controller.auth import hash_token
+from controller.proxy.control import ControlClient
+from fleet.api.kvfleet.v1 import route_pb2 as pb
+from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
+from fleet.core.errors import InvalidArgument, Unauthenticated, Unavailable
+
+
+def _count_unary(control: ControlClient) -> dict[str, int]:
+    calls = {"Route": 0, "ReleaseRoute": 0, "MoveRoute": 0}
+    for name in calls:
+        real = getattr(control._route, name)
+
+        def counted(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        setattr(control._route, name, counted)
+    return calls
+
+
+async def test_the_proxy_routes_and_releases_over_one_stream(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path)
+    try:
+        control = fleet.proxy.control
+        unary = _count_unary(control)
+        router = fleet.ctl.ctx.need_router()
+        for i in range(4):
+            status, headers, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": f"hi {i}",
+                                                                      "max_tokens": 4})
+            assert status == 200 and headers["x-kvfleet-worker"]
+        await until(lambda: _flights(router), lambda n: n == 0)  # every route released
+        assert fleet.proxy.metrics.releases.labels("released")._value.get() == 4
+        assert unary == {"Route": 0, "ReleaseRoute": 0, "MoveRoute": 0}
+        streams = control._streams._streams  # type: ignore[union-attr]
+        assert list(streams) == [fleet.tokens["a"]] and streams[fleet.tokens["a"]].broken is None
+    finally:
+        await fleet.stop()
+
+
+async def _flights(router: Any) -> int:
+    return len(router.flights)
+
+
+async def test_a_failed_message_is_its_answer_and_the_stream_goes_on(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token = fleet.tokens["a"]
+        first = await control.route([1, 2, 3, 4], MODEL, lora=None, token=token)
+        stream = control._streams._streams[token]  # type: ignore[union-attr]
+        with pytest.raises(InvalidArgument, match="model name"):
+            await control.route([1, 2, 3], "", lora=None, token=token)  # as the unary Route refuses it
+        again = await control.route([1, 2, 3, 4, 5], MODEL, lora=None, token=token)
+        assert first.route_id and again.route_id and first.route_id != again.route_id
+        assert await control.release(first.route_id, token) == "released"
+        assert await control.release(first.route_id, token) == "unknown"  # ended: as the unary answer says
+        assert control._streams._streams[token] is stream and stream.broken is None  # type: ignore[union-attr]
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def test_a_caller_cancelled_mid_call_does_not_break_the_stream_under_the_others(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token = fleet.tokens["a"]
+        await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open
+        stream = control._streams._streams[token]  # type: ignore[union-attr]
+        calls = [asyncio.create_task(control.route(list(range(i, i + 40)), MODEL, lora=None, token=token))
+                 for i in range(40)]
+        await asyncio.sleep(0)
+        for c in calls[::2]:
+            c.cancel()  # their clients went away: some mid-write, some waiting for the answer
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        kept = [d for d in done[1::2]]
+        assert all(not isinstance(d, BaseException) and d.route_id for d in kept), kept
+        assert all(isinstance(d, asyncio.CancelledError) for d in done[::2])
+        assert control._streams._streams[token] is stream and stream.broken is None  # type: ignore[union-attr]
+        assert not stream.waiting  # the cancelled callers' entries are gone too
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def test_a_revoked_token_fails_its_next_message(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token = fleet.tokens["a"]
+        await control.route([1, 2, 3], MODEL, lora=None, token=token)  # the stream is open, authenticated
+        doc = json.loads((tmp_path / "tokens.json").read_text())
+        doc["tokens"] = [e for e in doc["tokens"] if e["sha256"] != hash_token(token)]
+        (tmp_path / "tokens.json").write_text(json.dumps(doc))  # the controller reloads it when it changes
+
+        async def refused() -> bool:
+            try:
+                await control.route([1, 2, 3], MODEL, lora=None, token=token)
+            except Unauthenticated:
+                return True
+            return False
+
+        await until(refused, bool, timeout=10.0)
+        assert (await control.route([4, 5], MODEL, lora=None, token=fleet.tokens["b"])).route_id  # others go on
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+class _UnaryOnly(pbg.RouteServiceServicer):
+    """A controller from before RouteStream: the base servicer answers it UNIMPLEMENTED."""
+
+    def __init__(self) -> None:
+        self.routes = 0
+
+    async def Route(self, request: pb.RouteRequest, context: Any) -> pb.RouteResponse:
+        self.routes += 1
+        return pb.RouteResponse(worker="w0", url="http://127.0.0.1:1", route_id=f"r{self.routes}")
+
+
+class _Breaks(pbg.RouteServiceServicer):
+    """Answers each stream's first message; at its second, ends the stream UNAVAILABLE (a controller going away)."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+
+    async def RouteStream(self, requests: AsyncIterator[pb.RouteStreamRequest],
+                          context: Any) -> AsyncIterator[pb.RouteStreamResponse]:
+        self.streams += 1
+        n = self.streams
+        async for msg in requests:
+            if msg.route.token_ids[0] == 2:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+            yield pb.RouteStreamResponse(id=msg.id, route=pb.RouteResponse(worker="w0", route_id=f"s{n}"))
+
+
+async def _serve(servicer: pbg.RouteServiceServicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pbg.add_RouteServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_a_controller_without_route_stream_is_routed_with_unary_calls() -> None:
+    servicer = _UnaryOnly()
+    server, target = await _serve(servicer)
+    control = ControlClient(target)
+    try:
+        assert (await control.route([1, 2], MODEL, lora=None, token="t")).route_id == "r1"  # no error surfaced
+        assert control._streams is not None and control._streams.supported is False
+        assert (await control.route([1, 2], MODEL, lora=None, token="t")).route_id == "r2"
+        assert servicer.routes == 2
+    finally:
+        await control.close()
+        await server.stop(0)
+
+
+async def test_a_broken_stream_fails_its_waiting_call_and_the_next_call_opens_another() -> None:
+    servicer = _Breaks()
+    server, target = await _serve(servicer)
+    control = ControlClient(target)
+    try:
+        assert (await control.route([1], MODEL, lora=None, token="t")).route_id == "s1"
+        stream = control._streams._streams["t"]  # type: ignore[union-attr]
+        with pytest.raises(Unavailable, match="going away"):
+            await control.route([2], MODEL, lora=None, token="t")  # waiting on the stream when it ends
+        assert stream.broken is not None and not stream.waiting
+        assert (await control.route([1], MODEL, lora=None, token="t")).route_id == "s2"  # a new stream
+        assert servicer.streams == 2 and control._streams._streams["t"] is not stream  # type: ignore[union-attr]
+    finally:
+        await control.close()
+        await server.stop(0)
