@@ -42,6 +42,7 @@ from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
+from fleet.core import event_loop
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.quarantine.layered import (
     DEFAULT_LAYERS,
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             # NOTE: only once nothing can refuse the arguments: a caller that runs main() in its own process
             # (the tests) and gets a usage error must not be left owning the local Ray's process group.
             ray_local.own()  # a local Ray, if one is started, is ours: it goes when we go
-        return asyncio.run(serve(cfg, args.metrics_port, router_config, args.metrics_host))
+        return event_loop.run(serve(cfg, args.metrics_port, router_config, args.metrics_host))
     except (KvfleetError, OSError, ValueError) as e:
         print(f"kvfleet controller: error: {e}", file=sys.stderr)
         return 2

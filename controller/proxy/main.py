@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from controller.proxy.config import ProxyConfig
 from controller.proxy.quarantine import MEDIA_POLICIES
 from controller.proxy.server import Proxy
+from fleet.core import event_loop
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(serve(config_from(args)))
+        return event_loop.run(serve(config_from(args)))
     except (KvfleetError, OSError, ValueError) as e:
         print(f"kvfleet proxy: error: {e}", file=sys.stderr)
         return 2
