@@ -90,6 +90,7 @@ typer==0.29.2
 typing-extensions==4.16.0
 typing-inspection==0.4.5
 urllib3==2.8.0
+uvloop==0.23.0
 yarl==1.25.1
 CONSTRAINTS
 
