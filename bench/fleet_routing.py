@@ -93,6 +93,7 @@ class Record:
     attempts: int = 1
     error: str = ""
     issued: int = 0  # its place in issue order (lifecycle events carry the same count: at_request)
+    issued_s: float | None = None  # when, seconds into the run (lifecycle events carry t_s, when they ended)
     finish_reason: str | None = None  # the stream's last one; "abort": the worker ended it unfinished
     worker: str | None = None  # where kvfleet's proxy sent it (its x-kvfleet-worker header)
 
@@ -184,16 +185,16 @@ class Driver:
         for t in range(len(s.turns)):
             await asyncio.sleep(s.think_s[t])
             self._issue()
-            n = self.issued
+            n, at = self.issued, round(time.monotonic() - self._t0, 3)
             self.records.append(await self._send(s, t))
-            self.records[-1].issued = n
+            self.records[-1].issued, self.records[-1].issued_s = n, at
 
     async def _at(self, t_s: float, s: Session) -> None:
         await asyncio.sleep(max(0.0, self._t0 + t_s - time.monotonic()))
         self._issue()
-        n = self.issued
+        n, at = self.issued, round(time.monotonic() - self._t0, 3)
         self.records.append(await self._send(s, 0))
-        self.records[-1].issued = n
+        self.records[-1].issued, self.records[-1].issued_s = n, at
 
     def _issue(self) -> None:
         self.issued += 1

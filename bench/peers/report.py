@@ -76,11 +76,35 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         )
         if ours
         else None,
+        "stale_raced": stale_raced(recs, run["events"]) if ours else None,
         "retried": sum(r["attempts"] > 1 for r in recs) if ours else None,
         "sim_ttft_p50": hist_quantile(run.get("sim_ttft") or {}, 0.5),
         "sim_ttft_p99": hist_quantile(run.get("sim_ttft") or {}, 0.99),
         "slept_s": slept[0] if slept else None,
     }
+
+
+def stale_raced(recs: list[dict[str, Any]], events: list[dict[str, Any]]) -> int | None:
+    """Stale warm routes that raced a reset or a sleep behind the router's back on their own worker: issued
+    before that action ended, first token (or end) after it began. No router could have known: the blocks were
+    there when it routed. None for records without their issue time (results from before it was recorded)."""
+    if any(r.get("issued_s") is None for r in recs):
+        return None
+    behind = [(e["worker"], e["t_s"] - e.get("took_s", 0.0), e["t_s"]) for e in events
+              if e.get("via") == "direct" and e.get("ok") and e["verb"] in ("reset_prefix_cache", "sleep")]
+    n = 0
+    for r in recs:
+        if not (r["verdict"] == "WARM" and r["cached_tokens"] is not None and r["cached_tokens"] < r["matched_tokens"]):
+            continue
+        first = r["issued_s"] + (r["ttft_s"] if r["ttft_s"] is not None else r["total_s"] or 0.0)
+        n += any(w == r["worker"] and r["issued_s"] <= end and first >= start for w, start, end in behind)
+    return n
+
+
+def stale_cell(s: dict[str, Any]) -> str:
+    """The stale warm count, with how many of them raced an action behind the router's back."""
+    raced = s.get("stale_raced")
+    return str(s["stale_warm"]) + (f" ({raced} raced)" if raced else "")
 
 
 def best_peers(cell: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]] | None]:
@@ -131,7 +155,7 @@ def headline(cells: list[dict[str, Any]]) -> list[str]:
             f"{_ratio(kc and kc['prefilled'], b['prefilled'], 'prefilled')} | {_name(b, 'ttft_p99')} | "
             f"{_ratio(k and k['ttft_p99'], b['ttft_p99'], 'ttft_p99')} | {_name(b, 'rps')} | "
             f"{_ratio(k and k['rps'], b['rps'], 'rps')} | "
-            f"{(str(k['stale_warm']) + ' / ' + str(k['to_sleeping'])) if k else '-'} |"
+            f"{(stale_cell(k) + ' / ' + str(k['to_sleeping'])) if k else '-'} |"
         )
     return rows
 
@@ -164,7 +188,8 @@ def detail(cell: dict[str, Any]) -> list[str]:
             )
             continue
         s = r["summary"]
-        stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})"
+        stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})" + (
+            f", {s['stale_raced']} raced" if s.get("stale_raced") else "")
         rows.append(
             f"| {r['contender']} | {s['prefilled']:,} | {_ratio(s['prefilled'], b, 'prefilled')} | "
             f"{100 * s['hit_rate']:.1f}% | {_ms(s['ttft_p50'])} / {_ms(s['ttft_p99'])} | "
@@ -314,7 +339,9 @@ def report(results: dict[str, Any]) -> str:
         "the worker); a request is ok when its answer is a 200 whose stream did not end with finish_reason "
         '"abort"; a stale warm route is a kvfleet WARM verdict whose matched tokens exceed the tokens '
         "the worker reported cached for that request (whatever the cause: a lifecycle action behind its back, or "
-        "an eviction its index had not yet seen). Ratios are against the best peer of the cell on "
+        "an eviction its index had not yet seen); \"raced\" counts those of them that raced a reset or a sleep "
+        "behind the router's back on their own worker (issued before the action ended, first token after it "
+        "began: the blocks were there when it routed). Ratios are against the best peer of the cell on "
         "each metric (lower is better for prefill and TTFT, higher for req/s). There is no oracle here (no "
         "offline optimum is computed anywhere in this repo; the greedy rule with perfect knowledge in the "
         "fleet prefill section is not one). Each contender ran once per cell, and placement "

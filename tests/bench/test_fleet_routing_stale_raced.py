@@ -1,0 +1,40 @@
+"""The fleet routing report's split of stale warm routes: those that raced a reset or a sleep behind the
+router's back on their own worker (the blocks were there when it routed), and the rest."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+from peers.report import stale_raced  # noqa: E402
+
+
+def _rec(worker: str, issued_s: float | None, ttft_s: float | None, matched: int, cached: int) -> dict[str, Any]:
+    return {"worker": worker, "issued_s": issued_s, "ttft_s": ttft_s, "total_s": ttft_s, "verdict": "WARM",
+            "matched_tokens": matched, "cached_tokens": cached}
+
+
+RESET = {"verb": "reset_prefix_cache", "worker": "w1", "via": "direct", "ok": True, "took_s": 0.05, "t_s": 2.0}
+
+
+def test_only_stale_routes_in_flight_across_an_action_behind_the_back_on_their_worker_count() -> None:
+    recs = [
+        _rec("w1", 1.9, 0.2, 512, 0),    # issued before the reset ended, first token after it began: raced
+        _rec("w1", 1.0, 0.1, 512, 0),    # first token before the reset began: stale for another reason
+        _rec("w2", 1.9, 0.2, 512, 0),    # another worker
+        _rec("w1", 2.1, 0.2, 512, 0),    # issued after the reset ended: the router could have known
+        _rec("w1", 1.9, 0.2, 512, 512),  # not stale
+    ]
+    assert stale_raced(recs, [RESET]) == 1
+    assert stale_raced(recs, [{**RESET, "via": "controller"}]) == 0  # through the controller: it knew
+    assert stale_raced(recs, [{**RESET, "verb": "sleep"}]) == 1
+    assert stale_raced(recs, [{**RESET, "verb": "wake_up"}]) == 0
+    assert stale_raced(recs, [{**RESET, "ok": False}]) == 0
+
+
+def test_results_without_issue_times_say_nothing() -> None:
+    assert stale_raced([_rec("w1", None, 0.2, 512, 0)], [RESET]) is None
