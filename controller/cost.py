@@ -68,7 +68,7 @@ class CostConfig:
             look's waiting and running counts then tell which tracked routes were scheduled or ended.
     """
 
-    queue_weight: float = 0.5
+    queue_weight: float = 0.25
     request_weight: float = 16.0
     pressure_weight: float = 1.0
     shared_prefix_weight: float = 0.0

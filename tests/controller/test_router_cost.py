@@ -31,6 +31,7 @@ from fleet.core.errors import InvalidArgument
 from fleet.sdk import base, types
 
 CFG = CostConfig()
+QW = CFG.queue_weight  # 0.25
 B = 16
 
 
@@ -132,20 +133,20 @@ def test_cold_sessions_are_spread_not_glued_to_the_system_prompts_holder() -> No
 
 def test_a_burst_of_cold_sessions_is_spread_by_the_work_queued() -> None:
     # nine at once, none done: w1 and w2 must prefill the prompt too, so each of their requests queues
-    # 384 tokens against w0's 128. After routes 1-3 (one each): w0 128 + 64 + 16 = 208, w1 and w2
-    # 128 + 192 + 16 = 336; w0 takes 4 and 5 (208, 288), then 368 > 336 spills, and so on
+    # 384 tokens against w0's 128, and a queued token costs 0.25. w0 costs 128 + 48k after k routes, w1 and w2
+    # 128 + 112k after k routes each once the prompt is known as shared (from route 3)
     picks = _sessions(Fleet({"w0": 256, "w1": 0, "w2": 0}), 9, complete=False)
     print("9 cold sessions at once, system prompt on w0 only:", picks)
-    # (with the shared prefix known from route 3 on: routes 1-2 see no fork yet and glue to w0, 128 + 64
-    # + 16 = 208 < 384; then w1 and w2 at 128 each, and the queue arithmetic above from there)
+    # (routes 1-2 see no fork yet and glue to w0, 176 < 384; then w1 and w2 at 128 each; then w0 224 < 240
+    # (w1, w2 after one route each), w1 and w2 (240 < 272), w0 twice (272 and 320 < 352))
     assert picks[:2] == ["w0", "w0"] and set(picks[2:4]) == {"w1", "w2"} and picks[4] == "w0"
     assert sorted(picks.count(w) for w in ("w0", "w1", "w2")) == [2, 2, 5]
-    # control: the old glue keeps the first four on w0 (128, 208, 288, 368 against 384)
+    # control: the old glue keeps the first six on w0 (128, 176, .., 368 against 384), the seventh spills
     glued = Fleet({"w0": 256, "w1": 0, "w2": 0}, CostConfig(shared_prefix_weight=1.0))
-    picks = _sessions(glued, 5, complete=False)
-    assert picks[:4] == ["w0"] * 4 and picks[4] != "w0"
+    picks = _sessions(glued, 7, complete=False)
+    assert picks[:6] == ["w0"] * 6 and picks[6] != "w0"
     r = order(glued.cfg, 384, glued.states(0), glued.flights.mean_tokens(), 256)
-    assert [c.terms.total for c in r if c.state.worker == "w0"] == [128 + 0.5 * 4 * 128 + 16 * 4]
+    assert [c.terms.total for c in r if c.state.worker == "w0"] == [128 + QW * 6 * 128 + 16 * 6]
 
 
 def test_branches_find_the_shared_prefix_not_a_conversations_own_history() -> None:
@@ -161,16 +162,16 @@ def test_branches_find_the_shared_prefix_not_a_conversations_own_history() -> No
     assert terms(CFG, 400, _state("w0", 3 * B), 0, num_shared_tokens=3 * B).amortized_tokens == 0
 
 
-@pytest.mark.parametrize("queued, stays", [(4062, True), (4066, False)])
-def test_warm_session_stays_until_its_workers_queue_exceeds_twice_its_warm_prefix(
+@pytest.mark.parametrize("queued, stays", [(8126, True), (8130, False)])
+def test_warm_session_stays_until_its_workers_queue_exceeds_four_times_its_warm_prefix(
     queued: int, stays: bool
 ) -> None:
     # 2048 tokens warm on w0, 52 new; one request of `queued` prefill tokens waits there, w1 is idle:
-    # w0 costs 52 + 0.5 * queued + 16, w1 costs 2100: it stays while queued < 2 * (2048 - 16) = 4064
+    # w0 costs 52 + 0.25 * queued + 16, w1 costs 2100: it stays while queued < 4 * (2048 - 16) = 8128
     w0 = _state("w0", 2048, num_inflight_requests=1, num_queued_requests=1, num_queued_tokens=queued)
     best, runner_up = order(CFG, 2100, [w0, _state("w1")], 0)
     assert (best.state.worker == "w0") is stays
-    assert {best.terms.total, runner_up.terms.total} == {52 + 0.5 * queued + 16, 2100}
+    assert {best.terms.total, runner_up.terms.total} == {52 + QW * queued + 16, 2100}
     assert best.terms.total < runner_up.terms.total
 
 
@@ -182,7 +183,7 @@ def test_a_tracked_route_raises_cost_at_once_and_release_lowers_it() -> None:
     during = terms(
         CFG, 500, _state("w0", 0, num_inflight_requests=n, num_queued_requests=nq, num_queued_tokens=toks), 0
     )
-    assert (before.total, during.total) == (500, 500 + 0.5 * 300 + 16)  # no /metrics look involved
+    assert (before.total, during.total) == (500, 500 + QW * 300 + 16)  # no /metrics look involved
     assert flights.release("a" * 32, owner="bravo") is None and flights.load(("w0", 0)) == (1, 1, 300)
     assert flights.release("a" * 32, owner="acme") is not None and flights.load(("w0", 0)) == (0, 0, 0)
     assert flights.release("a" * 32, owner="acme") is None  # released once
@@ -217,7 +218,7 @@ def test_reconcile_against_metrics_ends_and_schedules_routes_first_come_first_se
 def test_untracked_requests_seen_in_metrics_count_at_the_mean_routed_size() -> None:
     # w0 shows 3 waiting requests nobody tracked, at the configured 256 tokens each before any route
     t = terms(CFG, 100, _state("w0", num_waiting=3.0, num_running=2.0), 256)
-    assert (t.queued_tokens, t.active_requests, t.total) == (768, 5, 100 + 0.5 * 768 + 16 * 5)
+    assert (t.queued_tokens, t.active_requests, t.total) == (768, 5, 100 + QW * 768 + 16 * 5)
 
 
 def test_a_route_extending_a_queued_one_does_not_wait_behind_it() -> None:
@@ -343,8 +344,8 @@ async def test_live_cold_sessions_spread_with_cost_terms_and_runner_up(tmp_path)
             ]
             return out
 
-        # control, the old glue: with the missing prompt counted in full, w0 costs 48 + 0.5 * 48k + 16k
-        # after k routes (48, 88, 128, ...) against 112 + load elsewhere: w0, w0, then the others, 4 / 1 / 1
+        # control, the old glue: with the missing prompt counted in full, w0 costs 48 + 0.25 * 48k + 16k
+        # after k routes (48, 76, 104, ...) against 112 + load elsewhere: w0, w0, then the others, 4 / 1 / 1
         r.set_cost_config(CostConfig(shared_prefix_weight=1.0, reconcile_grace_s=30.0))
         glued = [d.worker for d in await sessions(5000)]
         assert glued[:2] == ["w0", "w0"] and sorted(glued.count(w) for w in set(glued)) == [1, 1, 4]

@@ -107,8 +107,8 @@ async def test_a_cache_loss_empties_the_ranks_working_set(tmp_path) -> None:
 
 def test_under_load_a_fully_resident_prompt_stays_until_the_queue_crossover() -> None:
     """The same 8 one-shots on w0 (capacity 64 blocks), now with work queued on w0 and none on w1. A
-    fully resident 160-token prompt costs on w0 0.5 x queued + 16 (one active request) and on w1 its
-    160-token prefill: it stays WARM while queued < 288 tokens and moves past it. Before issue #27 w0
+    fully resident 160-token prompt costs on w0 0.25 x queued + 16 (one active request) and on w1 its
+    160-token prefill: it stays WARM while queued < 576 tokens and moves past it. Before issue #27 w0
     also paid the one-shots' 16-block excess (256 tokens): it moved at any queue, even 0."""
     ws = DemandLedger()
     chains = [[7_000 * (i + 1) + k for k in range(PROMPT // B)] for i in range(N_ONE_SHOTS)]
@@ -148,5 +148,5 @@ def test_under_load_a_fully_resident_prompt_stays_until_the_queue_crossover() ->
         return top.state.worker, top.terms.evicted_tokens
 
     assert best(0) == ("w0", 0)
-    assert best(256) == ("w0", 0)  # 0.5 x 256 + 16 = 144 < 160
-    assert best(320)[0] == "w1"  # 0.5 x 320 + 16 = 176 > 160
+    assert best(512) == ("w0", 0)  # 0.25 x 512 + 16 = 144 < 160
+    assert best(640)[0] == "w1"  # 0.25 x 640 + 16 = 176 > 160
