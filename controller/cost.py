@@ -46,10 +46,11 @@ class CostConfig:
     """Weights of the cost, in prefill tokens per unit (defaults reasoned in docs/routing.md).
 
     Args:
-        queue_weight: cost of one prefill token waiting ahead on a worker. 0.5: a token recomputed
-            elsewhere is paid twice (this request's wait and the work every later request there
-            waits behind), a queued token once; a warm request moves when the gap in queued tokens
-            exceeds twice its warm prefix.
+        queue_weight: cost of one prefill token waiting ahead on a worker. 0.25: a token recomputed
+            elsewhere is paid at least twice (this request's wait and the work every later request
+            there waits behind), a queued token once and only until the queue drains; a warm request
+            moves when the gap in queued tokens exceeds four times its warm prefix (0.5 before round
+            twenty-one: docs/routing.md says what the change measured).
         request_weight: cost of one more active request on a worker (decode batch slot and a token
             of every step's budget), in tokens. 16: small next to any prefill, it spreads equal
             prefill costs by load.
