@@ -104,6 +104,7 @@ class RouteStreams:
         self.stub, self.target, self.max_streams = stub, target, max_streams
         self.supported = True
         self._streams: dict[str | None, _Stream] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # broken streams being closed (held until done)
 
     async def ask(self, token: str | None, timeout_s: float, **op: Any) -> Any:
         """The answer to one op (route=, release= or move=); raises StreamUnsupported (call unary instead) or
@@ -138,10 +139,12 @@ class RouteStreams:
         s = self._streams.get(token)
         if s is None or s.broken is not None:
             if s is not None:
-                asyncio.get_running_loop().create_task(s.close())
+                task = asyncio.get_running_loop().create_task(s.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
             s = self._streams[token] = _Stream(self.stub, token, self.target)
         return s
 
     async def close(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
-        await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in streams), *self._closing, return_exceptions=True)
