@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support.proxy_fleet import MODEL, start_fleet, until
+from support.proxy_fleet import MODEL, Fleet, start_fleet, until
 
 from controller.auth import hash_token
 from controller.proxy.control import ControlClient
@@ -49,7 +49,7 @@ async def test_the_proxy_routes_and_releases_over_one_stream(tmp_path: Path) -> 
         await until(lambda: _flights(router), lambda n: n == 0)  # every route released
         assert fleet.proxy.metrics.releases.labels("released")._value.get() == 4
         assert unary == {"Route": 0, "ReleaseRoute": 0, "MoveRoute": 0}
-        streams = control._streams._streams  # type: ignore[union-attr]
+        streams = control._streams._streams
         assert list(streams) == [fleet.tokens["a"]] and streams[fleet.tokens["a"]].broken is None
     finally:
         await fleet.stop()
@@ -59,70 +59,69 @@ async def _flights(router: Any) -> int:
     return len(router.flights)
 
 
-async def test_a_failed_message_is_its_answer_and_the_stream_goes_on(tmp_path: Path) -> None:
+@pytest.fixture
+async def linked(tmp_path: Path) -> AsyncIterator[tuple[Fleet, ControlClient]]:
+    """A fleet and a ControlClient of the test's own to its controller (the proxy's kept apart)."""
     fleet = await start_fleet(tmp_path)
     control = ControlClient(fleet.proxy.control.target)
     try:
-        token = fleet.tokens["a"]
-        first = await control.route([1, 2, 3, 4], MODEL, lora=None, token=token)
-        stream = control._streams._streams[token]  # type: ignore[union-attr]
-        with pytest.raises(InvalidArgument, match="model name"):
-            await control.route([1, 2, 3], "", lora=None, token=token)  # as the unary Route refuses it
-        again = await control.route([1, 2, 3, 4, 5], MODEL, lora=None, token=token)
-        assert first.route_id and again.route_id and first.route_id != again.route_id
-        assert await control.release(first.route_id, token) == "released"
-        assert await control.release(first.route_id, token) == "unknown"  # ended: as the unary answer says
-        assert control._streams._streams[token] is stream and stream.broken is None  # type: ignore[union-attr]
+        yield fleet, control
     finally:
         await control.close()
         await fleet.stop()
 
 
-async def test_a_caller_cancelled_mid_call_does_not_break_the_stream_under_the_others(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
-        token = fleet.tokens["a"]
-        await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open
-        stream = control._streams._streams[token]  # type: ignore[union-attr]
-        calls = [asyncio.create_task(control.route(list(range(i, i + 40)), MODEL, lora=None, token=token))
-                 for i in range(40)]
-        await asyncio.sleep(0)
-        for c in calls[::2]:
-            c.cancel()  # their clients went away: some mid-write, some waiting for the answer
-        done = await asyncio.gather(*calls, return_exceptions=True)
-        kept = [d for d in done[1::2]]
-        assert all(not isinstance(d, BaseException) and d.route_id for d in kept), kept
-        assert all(isinstance(d, asyncio.CancelledError) for d in done[::2])
-        assert control._streams._streams[token] is stream and stream.broken is None  # type: ignore[union-attr]
-        assert not stream.waiting  # the cancelled callers' entries are gone too
-    finally:
-        await control.close()
-        await fleet.stop()
+async def test_a_failed_message_is_its_answer_and_the_stream_goes_on(linked: tuple[Fleet, ControlClient]) -> None:
+    fleet, control = linked
+    token = fleet.tokens["a"]
+    first = await control.route([1, 2, 3, 4], MODEL, lora=None, token=token)
+    stream = control._streams._streams[token]  # type: ignore[union-attr]
+    with pytest.raises(InvalidArgument, match="model name"):
+        await control.route([1, 2, 3], "", lora=None, token=token)  # as the unary Route refuses it
+    again = await control.route([1, 2, 3, 4, 5], MODEL, lora=None, token=token)
+    assert first.route_id and again.route_id and first.route_id != again.route_id
+    assert await control.release(first.route_id, token) == "released"
+    assert await control.release(first.route_id, token) == "unknown"  # ended: as the unary answer says
+    assert control._streams._streams[token] is stream and stream.broken is None  # type: ignore[union-attr]
 
 
-async def test_a_revoked_token_fails_its_next_message(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
-        token = fleet.tokens["a"]
-        await control.route([1, 2, 3], MODEL, lora=None, token=token)  # the stream is open, authenticated
-        doc = json.loads((tmp_path / "tokens.json").read_text())
-        doc["tokens"] = [e for e in doc["tokens"] if e["sha256"] != hash_token(token)]
-        (tmp_path / "tokens.json").write_text(json.dumps(doc))  # the controller reloads it when it changes
+async def test_a_caller_cancelled_mid_call_does_not_break_the_stream_under_the_others(
+    linked: tuple[Fleet, ControlClient],
+) -> None:
+    fleet, control = linked
+    token = fleet.tokens["a"]
+    await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open
+    stream = control._streams._streams[token]  # type: ignore[union-attr]
+    calls = [asyncio.create_task(control.route(list(range(i, i + 40)), MODEL, lora=None, token=token))
+             for i in range(40)]
+    await asyncio.sleep(0)
+    for c in calls[::2]:
+        c.cancel()  # their clients went away: some mid-write, some waiting for the answer
+    done = await asyncio.gather(*calls, return_exceptions=True)
+    kept = [d for d in done[1::2]]
+    assert all(not isinstance(d, BaseException) and d.route_id for d in kept), kept
+    assert all(isinstance(d, asyncio.CancelledError) for d in done[::2])
+    assert control._streams._streams[token] is stream and stream.broken is None  # type: ignore[union-attr]
+    assert not stream.waiting  # the cancelled callers' entries are gone too
 
-        async def refused() -> bool:
-            try:
-                await control.route([1, 2, 3], MODEL, lora=None, token=token)
-            except Unauthenticated:
-                return True
-            return False
 
-        await until(refused, bool, timeout=10.0)
-        assert (await control.route([4, 5], MODEL, lora=None, token=fleet.tokens["b"])).route_id  # others go on
-    finally:
-        await control.close()
-        await fleet.stop()
+async def test_a_revoked_token_fails_its_next_message(linked: tuple[Fleet, ControlClient], tmp_path: Path) -> None:
+    fleet, control = linked
+    token = fleet.tokens["a"]
+    await control.route([1, 2, 3], MODEL, lora=None, token=token)  # the stream is open, authenticated
+    doc = json.loads((tmp_path / "tokens.json").read_text())
+    doc["tokens"] = [e for e in doc["tokens"] if e["sha256"] != hash_token(token)]
+    (tmp_path / "tokens.json").write_text(json.dumps(doc))  # the controller reloads it when it changes
+
+    async def refused() -> bool:
+        try:
+            await control.route([1, 2, 3], MODEL, lora=None, token=token)
+        except Unauthenticated:
+            return True
+        return False
+
+    await until(refused, bool, timeout=10.0)
+    assert (await control.route([4, 5], MODEL, lora=None, token=fleet.tokens["b"])).route_id  # others go on
 
 
 class _UnaryOnly(pbg.RouteServiceServicer):
