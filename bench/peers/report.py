@@ -68,20 +68,18 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "req_share_min": min(arrivals) / max(sum(arrivals), 1),
         "tok_share_max": max(tokens) / max(sum(tokens), 1),
         "warm": sum(r["verdict"] == "WARM" for r in recs) if ours else None,
-        "stale_warm": sum(
-            r["verdict"] == "WARM"
-            and r["cached_tokens"] is not None
-            and r["cached_tokens"] < r["matched_tokens"]
-            for r in recs
-        )
-        if ours
-        else None,
+        "stale_warm": sum(map(stale, recs)) if ours else None,
         "stale_raced": stale_raced(recs, run["events"]) if ours else None,
         "retried": sum(r["attempts"] > 1 for r in recs) if ours else None,
         "sim_ttft_p50": hist_quantile(run.get("sim_ttft") or {}, 0.5),
         "sim_ttft_p99": hist_quantile(run.get("sim_ttft") or {}, 0.99),
         "slept_s": slept[0] if slept else None,
     }
+
+
+def stale(r: dict[str, Any]) -> bool:
+    """A stale warm route: a WARM verdict whose matched tokens exceed what the worker reported cached."""
+    return bool(r["verdict"] == "WARM" and r["cached_tokens"] is not None and r["cached_tokens"] < r["matched_tokens"])
 
 
 def stale_raced(recs: list[dict[str, Any]], events: list[dict[str, Any]]) -> int | None:
@@ -94,7 +92,7 @@ def stale_raced(recs: list[dict[str, Any]], events: list[dict[str, Any]]) -> int
               if e.get("via") == "direct" and e.get("ok") and e["verb"] in ("reset_prefix_cache", "sleep")]
     n = 0
     for r in recs:
-        if not (r["verdict"] == "WARM" and r["cached_tokens"] is not None and r["cached_tokens"] < r["matched_tokens"]):
+        if not stale(r):
             continue
         first = r["issued_s"] + (r["ttft_s"] if r["ttft_s"] is not None else r["total_s"] or 0.0)
         n += any(w == r["worker"] and r["issued_s"] <= end and first >= start for w, start, end in behind)

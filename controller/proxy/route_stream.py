@@ -45,17 +45,13 @@ class _Stream:
         loop = asyncio.get_running_loop()
         self.tasks = (loop.create_task(self._write()), loop.create_task(self._read()))
 
-    def send(self, **op: Any) -> asyncio.Future[route_pb2.RouteStreamResponse]:
+    def send(self, **op: Any) -> tuple[int, asyncio.Future[route_pb2.RouteStreamResponse]]:
+        """Queue one message; its id (for `waiting`) and the future its answer completes."""
         ident = next(self.ids)
         fut: asyncio.Future[route_pb2.RouteStreamResponse] = asyncio.get_running_loop().create_future()
         self.waiting[ident] = fut
         self.outbox.put_nowait(route_pb2.RouteStreamRequest(id=ident, **op))
-        return fut
-
-    def forget(self, fut: asyncio.Future[route_pb2.RouteStreamResponse]) -> None:
-        for k, v in list(self.waiting.items()):
-            if v is fut:
-                del self.waiting[k]
+        return ident, fut
 
     async def _write(self) -> None:
         try:
@@ -112,7 +108,7 @@ class RouteStreams:
         kind = next(iter(op))
         method = _ANSWER[kind]
         stream = self._stream(token)
-        fut = stream.send(**op)
+        ident, fut = stream.send(**op)
         try:
             async with asyncio.timeout(timeout_s):
                 msg = await fut
@@ -127,7 +123,7 @@ class RouteStreams:
                 raise StreamUnsupported() from None
             raise base.to_error(e, method, self.target) from e
         finally:
-            stream.forget(fut)
+            stream.waiting.pop(ident, None)  # answered, timed out, or its caller cancelled
         if msg.WhichOneof("result") == "error":
             raise base.error_of(msg.error.code, msg.error.message, method, self.target)
         return getattr(msg, kind)

@@ -18,9 +18,9 @@ T = TypeVar("T")
 log = logging.getLogger("kvfleet")
 
 
-def loop_name(env: dict[str, str] | None = None) -> str:
+def loop_name() -> str:
     """"uvloop" or "asyncio": the loop `run` would use."""
-    if (os.environ if env is None else env).get("KVFLEET_EVENT_LOOP", "uvloop") == "asyncio":
+    if os.environ.get("KVFLEET_EVENT_LOOP", "uvloop") == "asyncio":
         return "asyncio"
     try:
         import uvloop  # noqa: F401
