@@ -188,3 +188,20 @@ async def test_a_broken_stream_fails_its_waiting_call_and_the_next_call_opens_an
     finally:
         await control.close()
         await server.stop(0)
+
+
+async def test_a_message_without_an_op_is_refused_by_its_answer_and_the_stream_goes_on(
+    linked: tuple[Fleet, ControlClient],
+) -> None:
+    fleet, control = linked
+    call = control._route.RouteStream(metadata=(("authorization", f"Bearer {fleet.tokens['a']}"),))
+    try:
+        await call.write(pb.RouteStreamRequest(id=7))  # no route, release or move
+        bad = await call.read()
+        assert (bad.id, bad.WhichOneof("result"), bad.error.code) == (7, "error", "INVALID_ARGUMENT")
+        assert "route, release or move" in bad.error.message
+        await call.write(pb.RouteStreamRequest(id=8, route=pb.RouteRequest(token_ids=[1, 2, 3], model=MODEL)))
+        good = await call.read()
+        assert (good.id, good.WhichOneof("result")) == (8, "route") and good.route.worker
+    finally:
+        call.cancel()
