@@ -205,3 +205,16 @@ async def test_a_message_without_an_op_is_refused_by_its_answer_and_the_stream_g
         assert (good.id, good.WhichOneof("result")) == (8, "route") and good.route.worker
     finally:
         call.cancel()
+
+
+async def test_an_undecodable_message_ends_the_stream_invalid_argument(linked: tuple[Fleet, ControlClient]) -> None:
+    fleet, control = linked
+    call = control._channel.stream_stream(
+        "/kvfleet.v1.RouteService/RouteStream", request_serializer=None,
+        response_deserializer=pb.RouteStreamResponse.FromString,
+    )(metadata=(("authorization", f"Bearer {fleet.tokens['a']}"),))
+    await call.write(b"\x08\xff")  # field 1, a varint cut short: not a RouteStreamRequest
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async with asyncio.timeout(10):  # no answer at all would be a failure too, not a hang
+            await call.read()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "RouteStream" in (e.value.details() or "")
