@@ -108,6 +108,7 @@ class Options:
     sim_opts: dict[str, Any] = field(default_factory=dict)
     driver: str = "bench"  # "aiperf": trace workloads are replayed by AIPerf (bench/peers/aiperf_driver.py)
     aiperf: str = "aiperf"  # its executable (the bench keeps it in its own virtualenv)
+    hazards: bool = True  # False: no sleep, wake or reset behind the routers' backs (a control run)
 
 
 def usage_of(raw: bytes) -> tuple[int | None, int | None]:
@@ -136,7 +137,7 @@ class Driver:
         self.wl, self.run, self.fleet, self.opt = wl, run, fleet, opt
         n = wl.num_requests
         self.sleep_n, self.wake_n, self.reset_n = (
-            max(1, math.ceil(f * n)) for f in (wl.sleep_at, wl.wake_at, wl.reset_at)
+            max(1, math.ceil(f * n)) if opt.hazards else -1 for f in (wl.sleep_at, wl.wake_at, wl.reset_at)
         )
         self.issued = 0
         self.records: list[Record] = []
@@ -515,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sleep-min", type=float, default=1.5, help="shortest sleep window, seconds")
     p.add_argument("--sleep-max", type=float, default=8.0, help="longest sleep window, seconds")
     p.add_argument(
+        "--no-hazards",
+        action="store_true",
+        help="a control: no sleep, wake or reset behind the routers' backs (says what the hazards cost each "
+        "router); writes no docs",
+    )
+    p.add_argument(
         "--sim-opt",
         action="append",
         default=[],
@@ -546,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown contender(s) {bad}; expected some of {', '.join(CONTENDERS)}")
     opt = Options(a.timeout, a.sleep_min, a.sleep_max, a.seed, a.think_ms / 1000, parse_sim_opts(a.sim_opt),
-                  a.driver, a.aiperf)
+                  a.driver, a.aiperf, not a.no_hazards)
     cfg, ignored = engine_config(1024, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
     if ignored:
         print(f"warning: this sim-vllm has no config field(s) {sorted(ignored)}; ignored", file=sys.stderr)
@@ -574,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.notes is not None:
         section += "\n\n" + a.notes.read_text().strip() + "\n"
     print(section)
-    if not results["quick"] and not a.no_docs:
+    if not results["quick"] and not a.no_docs and results.get("options", {}).get("hazards", True):
         from benchdoc import write_section
 
         png = a.out.parent / (a.section.replace("-", "_") + ".png")
