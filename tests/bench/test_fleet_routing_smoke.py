@@ -101,3 +101,13 @@ def test_agents_tools_send_each_tool_result_as_a_tool_message() -> None:
     assert all(m["content"].startswith("instruction: ") for m in msgs[4::3])
     plain = s.__class__(s.session_id, s.tenant, s.system, s.turns, s.think_s)     # control: tool_role off
     assert [m["role"] for m in plain.messages(2)] == ["system", "user", "assistant", "user", "assistant", "user"]
+
+
+async def test_the_no_hazards_control_runs_the_trace_with_no_lifecycle_action(tmp_path: Path) -> None:
+    # the control behind --no-hazards: the same trace, every request answered, nothing slept or reset
+    wl = agents("smoke", 0, num_agents=4, num_workers=2, turns=3, think_s=0.02, system_words=120)
+    opt = fr.Options(timeout_s=5.0, sleep_min_s=0.3, sleep_max_s=2.0, think_s=0.02, hazards=False)
+    r = await fr.run_one(CONTENDERS["sticky"], wl, 256, opt, tmp_path)
+    assert [x["status"] for x in r["records"]] == [200] * wl.num_requests
+    assert r["events"] == []
+    assert sum(w["recomputed"] for w in r["workers"].values()) == 0  # no reset preempted anything
