@@ -67,6 +67,11 @@ class CostConfig:
             (controller.demand); 600 s: agents pause for tools and people, a closed one must decay.
         reconcile_grace_s: a route older than this at a /metrics look has reached the worker; the
             look's waiting and running counts then tell which tracked routes were scheduled or ended.
+        affinity_margin: how much cheaper, in tokens, another candidate must be before a conversation
+            leaves the candidate holding its own history (`with_affinity`). 0 (off): measured on the
+            routing bench, 128 stopped short chats from crossing between equally loaded workers, but
+            with sleeps and resets behind the router's back it was a wash, and it kept sessions on a
+            slept worker longer (docs/routing.md, "Affinity margin: tried, opt-in").
     """
 
     queue_weight: float = 0.25
@@ -78,6 +83,7 @@ class CostConfig:
     inflight_ttl_s: float = 120.0
     working_set_ttl_s: float = 600.0
     reconcile_grace_s: float = 0.25
+    affinity_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if (
@@ -88,7 +94,7 @@ class CostConfig:
             raise InvalidArgument(
                 f"shared_prefix_weight must be in [0, 1], got {self.shared_prefix_weight!r}"
             )
-        for name in ("queue_weight", "request_weight", "pressure_weight", "reconcile_grace_s"):
+        for name in ("queue_weight", "request_weight", "pressure_weight", "reconcile_grace_s", "affinity_margin"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise InvalidArgument(f"{name} must be a finite number >= 0, got {v!r}")
@@ -215,7 +221,8 @@ def order(
 
     Ties (equal cost) go to the rank holding fewer resident blocks (more room: SGLang's "smallest
     tree" rule for cold requests), then by `spread`, a hash of the whole prompt and the worker, so
-    sessions that share only a system prompt do not all tie-break the same way.
+    sessions that share only a system prompt do not all tie-break the same way. Then the holder of
+    the conversation's own history keeps it within `cfg.affinity_margin` (`with_affinity`).
     """
     keyed = []
     for i, s in enumerate(states):
@@ -224,7 +231,36 @@ def order(
             t = terms(cfg, num_prompt_tokens, s, mean_request_tokens, num_shared_tokens)
             keyed.append((t[0], s.num_resident_blocks, s.spread, worker, dp_rank, i, t, s))
     keyed.sort()
-    return [Scored(k[6], k[7]) for k in keyed]
+    return with_affinity(cfg.affinity_margin, [Scored(k[6], k[7]) for k in keyed], num_shared_tokens)
+
+
+def with_affinity(margin: float, ranked: list[Scored], num_shared_tokens: int = 0) -> list[Scored]:
+    """Hysteresis: the candidate holding most of the conversation's own history keeps it unless another
+    is cheaper by `margin` or more, or runs at most two thirds of its requests less one.
+
+    Its own history is the cached tokens beyond the shared prefix (`num_shared_tokens`): a system
+    prompt alone earns no affinity, so new conversations are still placed by load and room. The
+    holder is the cheapest candidate with the most cached tokens; when it keeps the request it moves
+    to the front and the others keep their order.
+
+    Why: the load terms are a snapshot, and in short chats on equally loaded workers a conversation with
+    a short own history left whenever another worker's queue was a few hundred tokens shorter, paying
+    that history's prefill again; two such moves often crossed. Off by default: with sleeps and resets
+    behind the router's back it was a wash (docs/routing.md, "Affinity margin: tried, opt-in").
+    A worker running far fewer requests is a lasting imbalance, and the margin does not hold it.
+    """
+    if margin <= 0 or len(ranked) < 2:
+        return ranked
+    top = max(c.terms.cached_tokens for c in ranked)
+    if top <= num_shared_tokens or top <= ranked[0].terms.cached_tokens:
+        return ranked
+    i = next(i for i, c in enumerate(ranked) if c.terms.cached_tokens == top)
+    holder, cheapest = ranked[i].terms, ranked[0].terms
+    if holder.total - cheapest.total >= margin:
+        return ranked
+    if cheapest.active_requests <= (holder.active_requests - 1) * 2 / 3:
+        return ranked  # NOTE: a lasting imbalance (far fewer requests there), not a passing queue
+    return [ranked[i], *ranked[:i], *ranked[i + 1 :]]
 
 
 class Branches:

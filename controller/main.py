@@ -95,6 +95,12 @@ COST_FLAGS: dict[str, tuple[str, type, str]] = {
         "seconds after which a route must show in the worker's /metrics; a lifecycle verb waits (at most this) "
         "for routes decided just before it to reach the worker",
     ),
+    "--route-affinity-margin": (
+        "affinity_margin",
+        float,
+        "how much cheaper, in tokens, another worker must be before a conversation leaves the one holding "
+        "its history (0: off)",
+    ),
 }
 
 

@@ -175,6 +175,49 @@ def test_warm_session_stays_until_its_workers_queue_exceeds_four_times_its_warm_
     assert best.terms.total < runner_up.terms.total
 
 
+MARGIN = CostConfig(affinity_margin=128)  # opt-in (--route-affinity-margin 128): docs/routing.md
+
+
+def _chat(worker: str, cached: int, active: int, queued: int = 0) -> CandidateState:
+    return _state(
+        worker, cached, num_inflight_requests=active, num_queued_requests=min(active, 1), num_queued_tokens=queued
+    )
+
+
+@pytest.mark.parametrize("queued, stays", [(764, True), (768, False)])
+def test_a_short_chat_stays_on_its_history_until_another_worker_is_cheaper_by_the_margin(
+    queued: int, stays: bool
+) -> None:
+    # 160-token turn: 48 shared (a system prompt) + 64 of its own history cached on w0, 10 requests on
+    # each worker. w0: 48 new + 0.25 * queued + 160; w1: 160 - 48 amortized + 160 = 272. Without the
+    # margin it leaves w0 at any queue over 256 (the churn the bench showed in short chats); with 128 it
+    # leaves once w0 costs 128 more: 208 + 0.25 * queued - 272 >= 128, queued >= 768
+    w0, w1 = _chat("w0", 112, 10, queued), _chat("w1", 0, 10)
+    best, other = order(MARGIN, 160, [w1, w0], 0, num_shared_tokens=48)
+    assert (best.state.worker == "w0") is stays
+    assert {best.terms.total, other.terms.total} == {48 + QW * queued + 160, 272}
+    off = order(CFG, 160, [w1, w0], 0, num_shared_tokens=48)
+    assert off[0].state.worker == "w1"  # the default (margin 0) is the plain cost: it moves at both queues
+
+
+def test_a_shared_prefix_alone_earns_no_affinity() -> None:
+    # w0 holds only the system prompt (48 of 48 shared): a new conversation goes by load, as before,
+    # to the idle w1 even though w0 is only 25 more: 112 + 25 + 16 against 112 + 16
+    best, _ = order(MARGIN, 160, [_chat("w0", 48, 1, 100), _chat("w1", 0, 1)], 0, num_shared_tokens=48)
+    assert best.state.worker == "w1"
+
+
+@pytest.mark.parametrize("active_w1, moves", [(1, True), (2, False)])
+def test_a_worker_running_far_fewer_requests_is_not_held_off_by_the_margin(active_w1: int, moves: bool) -> None:
+    # w0 holds 64 tokens of the conversation's own history and runs 3 requests (200 queued): 48 + 50
+    # + 48 = 146; w1 costs 112 + 16 * active_w1, cheaper either way but by less than 128. One request
+    # there (at most (3 - 1) * 2 / 3) is a lasting imbalance, and the conversation moves; two is not
+    best, _ = order(
+        MARGIN, 160, [_chat("w0", 112, 3, 200), _chat("w1", 0, active_w1)], 0, num_shared_tokens=48
+    )
+    assert (best.state.worker == "w1") is moves
+
+
 def test_a_tracked_route_raises_cost_at_once_and_release_lowers_it() -> None:
     flights = InFlight(CFG.inflight_ttl_s, CFG.reconcile_grace_s, CFG.untracked_request_tokens)
     before = terms(CFG, 500, _state("w0", 0), 0)
@@ -278,6 +321,7 @@ def test_a_sleeping_worker_is_never_chosen_and_an_unproven_one_never_credited_ev
         dict(shared_prefix_weight=1.5),
         dict(untracked_request_tokens=-5),
         dict(pressure_weight=True),
+        dict(affinity_margin=-1),
     ],
 )
 def test_cost_config_refuses_bad_weights(bad: dict[str, object]) -> None:
@@ -500,6 +544,7 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         "workingSetTtlSeconds": 900,
         "reconcileGraceSeconds": 0.5,
         "pressureWeight": 2.5,
+        "affinityMargin": 0,
     }
     got = cost_config_from(parse_args(args({"controller": {"routing": routing}})[1:], {}))
     assert got == CostConfig(
@@ -511,4 +556,5 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         inflight_ttl_s=300.0,
         working_set_ttl_s=900.0,
         reconcile_grace_s=0.5,
+        affinity_margin=0.0,
     )
