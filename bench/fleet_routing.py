@@ -4,6 +4,7 @@
     ./dev.sh bench fleet_routing --quick            # a few minutes, validation only (no docs)
     python bench/fleet_routing.py --contenders kvfleet,sticky --workloads agents16x4 --caches tight --no-docs
     ./dev.sh bench fleet_routing --cells mooncake/tight --driver aiperf   # AIPerf sends the trace's requests
+    ./dev.sh bench fleet_routing --cells short-chats/tight --no-hazards --json X   # the control: no sleep or reset
 
 For every cell (workload x per-worker cache size) each contender gets FRESH `kvfleet sim-vllm`
 workers built from the same config, and the same trace: agents whose conversations grow turn by
