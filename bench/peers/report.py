@@ -304,6 +304,12 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         f"## {title}",
         "",
+        *(
+            []
+            if o.get("hazards", True)
+            else ["**A control run (`--no-hazards`): no sleep, wake or reset happened; what follows about them "
+                  "does not apply.**", ""]
+        ),
         f"Measured at commit `{results['commit']}` ({'quick run' if results['quick'] else 'default size'}, "
         f"{results['took_s'] / 60:.1f} min on this machine's 2 shared cores). Every contender gets fresh "
         f"`kvfleet sim-vllm` stand-ins (block size {sc['block_size']}, sha256 block hashes; engine options beyond "

@@ -4,6 +4,7 @@ The peer routers from PyPI are not needed (bench/fleet_routing.py runs them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -111,3 +112,16 @@ async def test_the_no_hazards_control_runs_the_trace_with_no_lifecycle_action(tm
     assert [x["status"] for x in r["records"]] == [200] * wl.num_requests
     assert r["events"] == []
     assert sum(w["recomputed"] for w in r["workers"].values()) == 0  # no reset preempted anything
+    doc = report(
+        {
+            "cells": [{"workload": wl.describe(), "cache": "tight", "num_blocks": 256, "runs": [r]}],
+            "commit": "test",
+            "quick": True,
+            "took_s": 1.0,
+            "max_tokens": fr.MAX_TOKENS,
+            "options": dataclasses.asdict(opt),
+            "versions": {"vllm-router": "-", "sglang-router": "-"},
+            "sim_config": {"block_size": 16},
+        }
+    )
+    assert "A control run (`--no-hazards`)" in doc.splitlines()[2]  # the report says the hazards were off
