@@ -243,11 +243,12 @@ def with_affinity(margin: float, ranked: list[Scored], num_shared_tokens: int = 
     holder is the cheapest candidate with the most cached tokens; when it keeps the request it moves
     to the front and the others keep their order.
 
+    A worker running far fewer requests is a lasting imbalance, which the margin does not hold.
+
     Why: the load terms are a snapshot, and in short chats on equally loaded workers a conversation with
     a short own history left whenever another worker's queue was a few hundred tokens shorter, paying
     that history's prefill again; two such moves often crossed. Off by default: with sleeps and resets
     behind the router's back it was a wash (docs/routing.md, "Affinity margin: tried, opt-in").
-    A worker running far fewer requests is a lasting imbalance, and the margin does not hold it.
     """
     if margin <= 0 or len(ranked) < 2:
         return ranked
