@@ -55,7 +55,7 @@ from injection_corpus.short import _key, _norm  # noqa: E402
 from injection_corpus.sources import SEED, WHEELS, Example  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 from train_detector import benign_windows, design, train_lr  # noqa: E402
-from train_fast import VAL_BOUNDS, VAL_TOOL_N, VAL_TOOL_SEED  # noqa: E402
+from train_fast import VAL_TOOL_N, VAL_TOOL_SEED, choose_threshold  # noqa: E402
 
 from fleet.core.quarantine import DetectorConfig, make_detector  # noqa: E402
 from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
@@ -156,31 +156,11 @@ class Evaluation:
         return [np.asarray([round(score(unquoted_view(t)), 4) for t in ts]) for ts in self.texts]
 
     def best(self, s: list[np.ndarray], keep: np.ndarray | None = None) -> tuple[float, dict[str, float]]:
-        """The pre-registered threshold rule: (threshold, metrics), ({} if no threshold meets the bounds);
-        `keep`, a mask of validation texts, leaves the others out of the precision."""
-        out: tuple[float, dict[str, float]] = (1.0, {})
+        """`train_fast.choose_threshold` (the pre-registered rule) on rules OR the score: a rule hit scores 1.0.
+        `keep`, a mask of validation texts, leaves the others out."""
         keep = np.ones(len(self.y), dtype=bool) if keep is None else keep
-        for t in sorted(set(s[0].tolist()) | {1.0}, reverse=True):
-            hit = [r | (x >= t) for r, x in zip(self.rules, s, strict=True)]
-            tfpr, mfpr = float(hit[1].mean()), float(hit[2].mean())
-            if tfpr > VAL_BOUNDS["max_tool_output_fpr"] or mfpr > VAL_BOUNDS["max_multilingual_fpr"]:
-                break
-            tp, fp = int((hit[0] & (self.y == 1)).sum()), int((hit[0] & (self.y == 0) & keep).sum())
-            if tp / max(1, tp + fp) >= VAL_BOUNDS["min_precision"] and tp / self.y.sum() > out[1].get(
-                "recall", -1
-            ):
-                out = (
-                    t,
-                    {
-                        "recall": round(float(tp / self.y.sum()), 4),
-                        "precision": round(tp / (tp + fp), 4),
-                        "tp": tp,
-                        "fp": fp,
-                        "tool_output_fpr": tfpr,
-                        "multilingual_fpr": mfpr,
-                    },
-                )
-        return out
+        v, t, m = (np.where(r, 1.0, x).tolist() for r, x in zip(self.rules, s, strict=True))
+        return choose_threshold(np.asarray(v)[keep].tolist(), self.y[keep].tolist(), t, m)
 
     def items(self) -> list[str]:
         """Each validation text's item: its kind and first key's value (or first words)."""
