@@ -32,7 +32,14 @@ PROBES: tuple[dict[str, Any], ...] = (
 )
 JSON_HEADERS = {"Content-Type": "application/json"}
 JSON = msgspec.json.Encoder()
-TOKENS = msgspec.json.Decoder()
+ANSWER = msgspec.json.Decoder()
+
+
+class _Tokenized(msgspec.Struct):
+    tokens: list[int]  # vLLM's /tokenize answer also has count, max_model_len and token_strs: ignored
+
+
+TOKENS = msgspec.json.Decoder(_Tokenized)  # NOTE: validated in C: ids as plain ints, no per-id Python work
 CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
              "add_special_tokens", "mm_processor_kwargs")
 
@@ -189,15 +196,18 @@ class Tokenizer:
         async with self.http.post(url.rstrip("/") + "/tokenize", data=data, headers=JSON_HEADERS,
                                   timeout=self._timeout) as r:
             raw = await r.read()
+        if r.status == 200:
+            try:
+                return TOKENS.decode(raw).tokens
+            except msgspec.DecodeError as e:  # also a ValidationError: no "tokens", or an id that is not an int
+                raise ProxyError(502, f"tokenize: the worker's answer is not a list of token ids ({e})") from None
         try:
-            doc = TOKENS.decode(raw)
+            doc = ANSWER.decode(raw)
         except msgspec.DecodeError:
             raise ProxyError(502, f"tokenize: the worker answered {r.status} with a body that is not JSON") from None
-        if r.status != 200:
-            err = doc.get("error") if isinstance(doc, dict) else None
-            msg = err.get("message") if isinstance(err, dict) else (doc.get("detail") if isinstance(doc, dict) else doc)
-            raise ProxyError(400 if r.status in (400, 422) else 502, f"tokenize: {msg}")
-        return list(map(int, doc["tokens"]))
+        err = doc.get("error") if isinstance(doc, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else (doc.get("detail") if isinstance(doc, dict) else doc)
+        raise ProxyError(400 if r.status in (400, 422) else 502, f"tokenize: {msg}")
 
     def _hf_ids(self, req: dict[str, Any]) -> list[int]:
         tok = self._hf

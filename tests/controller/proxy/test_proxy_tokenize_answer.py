@@ -1,0 +1,85 @@
+"""The proxy reads a worker's /tokenize answer strictly: vLLM's answer gives its ids, anything else a clear error.
+
+A real aiohttp server on loopback answers /tokenize as the test says; the proxy's Tokenizer calls it. An id
+that is not an integer (a float, a string) is a 502 naming the answer, never an id coerced with int().
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from controller.proxy.config import ProxyConfig
+from controller.proxy.errors import ProxyError
+from controller.proxy.tokenize import Tokenizer
+
+
+class _Directory:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def tokenizer_urls(self, base: str) -> list[str]:
+        return [self.url]
+
+
+@asynccontextmanager
+async def _worker(answer: bytes, status: int = 200) -> AsyncIterator[Callable[[], Awaitable[list[int]]]]:
+    async def tokenize(_: web.Request) -> web.Response:
+        return web.Response(body=answer, status=status, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as http:
+            directory = _Directory(f"http://127.0.0.1:{port}")  # the one method Tokenizer reads
+            tok = Tokenizer(ProxyConfig(controller="127.0.0.1:1"), directory, http)  # type: ignore[arg-type]
+            yield lambda: tok.token_ids({"model": "m", "prompt": "hello"}, False, "m", "tenant-a")
+    finally:
+        await runner.cleanup()
+
+
+async def test_vllm_answer_gives_its_ids() -> None:
+    answer = b'{"count": 3, "max_model_len": 8, "tokens": [5, 6, 7], "token_strs": null}'
+    async with _worker(answer) as ids:
+        got = await ids()
+    assert got == [5, 6, 7] and all(type(i) is int for i in got)
+
+
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        (b'{"tokens": [5, 6.5]}', "Expected `int`, got `float`"),
+        (b'{"tokens": ["5"]}', "Expected `int`, got `str`"),
+        (b'{"count": 1}', "missing required field `tokens`"),
+        (b"not json", "not a list of token ids"),
+    ],
+)
+async def test_an_answer_without_integer_ids_is_a_502(answer: bytes, why: str) -> None:
+    async with _worker(answer) as ids:
+        with pytest.raises(ProxyError) as e:
+            await ids()
+    assert (
+        e.value.status == 502
+        and "tokenize: the worker's answer is not a list of token ids" in e.value.message
+    )
+    assert why in e.value.message
+
+
+async def test_a_refusal_keeps_the_workers_message() -> None:
+    async with _worker(b'{"error": {"message": "prompt too long"}}', status=400) as ids:
+        with pytest.raises(ProxyError) as e:
+            await ids()
+    assert (e.value.status, e.value.message) == (400, "tokenize: prompt too long")
+    async with _worker(b"<html>bad gateway</html>", status=502) as ids:
+        with pytest.raises(ProxyError) as e:
+            await ids()
+    assert e.value.status == 502 and "answered 502 with a body that is not JSON" in e.value.message
