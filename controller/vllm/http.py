@@ -8,6 +8,7 @@ fails closed (the worker is not serving and not warm).
 from __future__ import annotations
 
 import json
+import math
 import re
 import string
 from dataclasses import dataclass, field
@@ -97,6 +98,8 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
         raise WorkerHttpError(f"/metrics is not Prometheus text: {e}") from e
     for fam in families:
         for s in fam.samples:
+            if not (math.isfinite(s.value) and s.value >= 0):  # NOTE: a NaN load failed every route's reconcile
+                raise WorkerHttpError(f"/metrics: {s.name} is {s.value}, not a finite value >= 0")
             eng = s.labels.get("engine")
             if s.name == "process_start_time_seconds":
                 start = s.value

@@ -74,3 +74,22 @@ async def test_the_filtered_parse_reads_what_the_full_parse_reads_and_drops_the_
 def test_text_that_is_not_prometheus_is_still_an_error(junk: str) -> None:
     with pytest.raises(WorkerHttpError, match="not Prometheus text"):
         parse_metrics(junk)
+
+
+@pytest.mark.parametrize(
+    "series, value",
+    [
+        ("vllm:num_requests_running", "NaN"),
+        ("vllm:num_requests_waiting", "-3"),
+        ("vllm:kv_cache_usage_perc", "+Inf"),
+    ],
+)
+def test_a_load_gauge_that_is_not_a_finite_count_is_an_error(series: str, value: str) -> None:
+    # Before, NaN came back as the load: routes compared NaN costs (the worker still got 6 of 20 routes in a
+    # probe with one healthy peer), and once a route was tracked every reconcile of the in-flight ledger raised
+    # (math.floor). Now the watcher's look fails ("unreachable or junk") and the worker is marked down, as for
+    # text that is not Prometheus at all: the same probe sent all 20 to the healthy worker.
+    good = f'# TYPE {series} gauge\n{series}{{engine="0",model_name="m"}} 1.0\n'
+    assert parse_metrics(good) is not None
+    with pytest.raises(WorkerHttpError, match=f"/metrics: {series} is "):
+        parse_metrics(good.replace(" 1.0\n", f" {value}\n"))
