@@ -315,21 +315,21 @@ def add_judge_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     p.add_argument(
         "--judge-threads",
         type=int,
-        default=int(env.get("KVFLEET_JUDGE_THREADS", d.threads)),
+        default=env.get("KVFLEET_JUDGE_THREADS", d.threads),  # NOTE: an env string is parsed by type=
         help="threads that run the quarantine detector, for every tenant together (env "
         f"KVFLEET_JUDGE_THREADS; default {d.threads}); never the store's threads",
     )
     p.add_argument(
         "--judge-inflight-per-tenant",
         type=int,
-        default=int(env.get("KVFLEET_JUDGE_INFLIGHT_PER_TENANT", d.tenant_inflight)),
+        default=env.get("KVFLEET_JUDGE_INFLIGHT_PER_TENANT", d.tenant_inflight),
         help="a tenant's detector jobs running at once (env KVFLEET_JUDGE_INFLIGHT_PER_TENANT; "
         f"default {d.tenant_inflight}); the rest wait in its lane, lanes served in turn",
     )
     p.add_argument(
         "--judge-cpu-per-tenant",
         type=float,
-        default=float(env.get("KVFLEET_JUDGE_CPU_PER_TENANT", d.tenant_cpu)),
+        default=env.get("KVFLEET_JUDGE_CPU_PER_TENANT", d.tenant_cpu),
         help="CPU-seconds per second a tenant's judging may use on average, bursts of "
         f"{d.burst_s:g} CPU-seconds (env KVFLEET_JUDGE_CPU_PER_TENANT; default {d.tenant_cpu:g}; "
         "0: no budget); over it, only that tenant's verdicts wait",

@@ -184,7 +184,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=int(e("KVFLEET_METRICS_PORT", "9400")),
+        default=e("KVFLEET_METRICS_PORT", "9400"),  # NOTE: a string default is parsed by type=
         help="Prometheus /metrics port (0: any free port; -1: off)",
     )
     p.add_argument(

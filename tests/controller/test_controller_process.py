@@ -103,6 +103,25 @@ def test_metrics_host_follows_listen_unless_given() -> None:
     assert metrics_host("127.0.0.1:50051", "0.0.0.0") == "0.0.0.0"
 
 
+@pytest.mark.parametrize(
+    "env, flag",
+    [
+        ({"KVFLEET_METRICS_PORT": "x"}, "--metrics-port: invalid int value: 'x'"),
+        ({"KVFLEET_JUDGE_THREADS": "abc"}, "--judge-threads: invalid int value: 'abc'"),
+    ],
+)
+def test_a_malformed_env_number_is_a_usage_error_naming_the_flag(
+    env: dict[str, str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from controller.main import parse_args
+
+    with pytest.raises(SystemExit):  # int() on the value used to raise while the parser was built: a traceback
+        parse_args([], env)
+    assert flag in capsys.readouterr().err
+    assert parse_args([], {"KVFLEET_METRICS_PORT": "9500"}).metrics_port == 9500  # control
+    assert parse_args([], {}).metrics_port == 9400
+
+
 def test_redact_hides_a_password_holding_at_signs() -> None:
     from urllib.parse import urlparse
 

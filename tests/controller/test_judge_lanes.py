@@ -3,12 +3,13 @@ paced by its CPU budget, its queue bounded. Real threads burning real CPU (no cl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 
 import pytest
 
-from controller.judge_lanes import JudgeLanes, JudgeLimits
+from controller.judge_lanes import JudgeLanes, JudgeLimits, add_judge_flags, judge_limits_from
 from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 
@@ -123,6 +124,29 @@ def test_bad_limits_name_the_flag() -> None:
     ):
         with pytest.raises(InvalidArgument, match=flag):
             JudgeLimits(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "var, value, flag",
+    [
+        ("KVFLEET_JUDGE_THREADS", "abc", "--judge-threads: invalid int value: 'abc'"),
+        ("KVFLEET_JUDGE_INFLIGHT_PER_TENANT", "2.5", "--judge-inflight-per-tenant: invalid int value: '2.5'"),
+        ("KVFLEET_JUDGE_CPU_PER_TENANT", "lots", "--judge-cpu-per-tenant: invalid float value: 'lots'"),
+    ],
+)
+def test_a_malformed_env_value_is_a_usage_error_naming_the_flag(
+    var: str, value: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # int()/float() on the env value used to raise ValueError while the parser was being built: a traceback
+    p = argparse.ArgumentParser(prog="kvfleet controller")
+    add_judge_flags(p, {var: value})
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+    assert flag in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    add_judge_flags(p, {"KVFLEET_JUDGE_THREADS": "3", "KVFLEET_JUDGE_CPU_PER_TENANT": "1.5"})  # control
+    limits = judge_limits_from(p.parse_args([]))
+    assert (limits.threads, limits.tenant_cpu, limits.tenant_inflight) == (3, 1.5, JudgeLimits().tenant_inflight)
 
 
 async def test_a_batch_that_does_not_fit_is_refused_whole() -> None:
