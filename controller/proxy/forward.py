@@ -51,6 +51,7 @@ from fleet.sdk.types import RouteDecision
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
+MAX_NOTED_BYTES = 8 << 20  # the most of a worker's answer read whole (or held back) to add the quarantine note
 MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8) ..
 MAX_PROBE_WAIT_S = 8.0  # .. or, past that, doubling up to 8 s apart: a long answer is not probed more often with
 # a short first-byte timeout (0.25 s) than with the old default's (1 s)
@@ -291,7 +292,8 @@ class Forwarder:
 class _SseNoter:
     """Adds `note` as "kvfleet" to a stream's usage chunk; passes every other event through unchanged.
 
-    NOTE: holds back at most one incomplete event (bytes after the last blank line) until it completes.
+    NOTE: holds back at most one incomplete event (bytes after the last blank line) until it completes, and
+    at most MAX_NOTED_BYTES of it: past that, a worker's stream is relayed as it comes.
     """
 
     def __init__(self, note: dict[str, Any]) -> None:
@@ -299,7 +301,10 @@ class _SseNoter:
 
     def feed(self, chunk: bytes) -> bytes:
         head, sep, self.buf = (self.buf + chunk).rpartition(b"\n\n")
-        return b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep if sep else b""
+        out = b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep if sep else b""
+        if len(self.buf) > MAX_NOTED_BYTES:  # no usage event is this long: relay it unread, hold nothing back
+            out, self.buf = out + self.buf, b""
+        return out
 
     def flush(self) -> bytes:
         rest, self.buf = self.buf, b""
@@ -318,7 +323,11 @@ class _SseNoter:
 
 
 def _annotatable(resp: aiohttp.ClientResponse) -> bool:
-    return resp.content_type == "application/json" and "Content-Encoding" not in resp.headers
+    """A JSON answer the proxy may read whole to add the note: uncompressed and of a stated length up to
+    MAX_NOTED_BYTES (vLLM states it); any other is relayed as it comes, the note in the headers only."""
+    n = resp.content_length
+    return (resp.content_type == "application/json" and "Content-Encoding" not in resp.headers
+            and n is not None and n <= MAX_NOTED_BYTES)
 
 
 async def _read_rest(o: Opened) -> bytes:
