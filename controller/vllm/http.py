@@ -7,6 +7,7 @@ fails closed (the worker is not serving and not warm).
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -140,6 +141,17 @@ def _label_int(labels: dict[str, str], name: str, default: int | None) -> int | 
     return int(v) if v is not None and v.isdigit() and int(v) > 0 else default
 
 
+MAX_ANSWER_BYTES = 16 << 20  # the most of one worker answer read (a vLLM /metrics is well under 1 MiB)
+
+
+def _codec(charset: str | None) -> str:
+    """The answer's charset, or UTF-8 when it names none or one Python lacks (as aiohttp's text() did)."""
+    try:
+        return codecs.lookup(charset).name if charset else "utf-8"
+    except LookupError:
+        return "utf-8"
+
+
 class VllmHttp:
     """One worker's HTTP surface. The session is shared and owned by the caller."""
 
@@ -149,11 +161,17 @@ class VllmHttp:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def request(self, method: str, path: str, params: Any = None) -> tuple[int, str]:
+        """(status, body text); a body over MAX_ANSWER_BYTES is junk, read no further (memory per look bounded)."""
         try:
             async with self.session.request(
                 method, self.url + path, params=params, timeout=self.timeout
             ) as r:
-                return r.status, await r.text()
+                raw = bytearray()
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MAX_ANSWER_BYTES:
+                        raise WorkerHttpError(f"{self.url}{path}: answer over {MAX_ANSWER_BYTES} bytes")
+                return r.status, raw.decode(_codec(r.charset))
         except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as e:
             raise WorkerHttpError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 

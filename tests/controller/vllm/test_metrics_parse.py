@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 import controller.vllm.http as vhttp
 from controller.vllm.http import WorkerHttpError, parse_metrics, wanted_lines
@@ -93,3 +94,35 @@ def test_a_load_gauge_that_is_not_a_finite_count_is_an_error(series: str, value:
     assert parse_metrics(good) is not None
     with pytest.raises(WorkerHttpError, match=f"/metrics: {series} is "):
         parse_metrics(good.replace(" 1.0\n", f" {value}\n"))
+
+
+async def test_a_worker_answer_past_the_bound_is_junk_read_no_further() -> None:
+    # A worker's /metrics (or any answer the watcher reads) used to be read whole into the controller's memory
+    big = "# junk\n" * (vhttp.MAX_ANSWER_BYTES // 7 + 2)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=big, content_type="text/plain")
+
+    async def is_sleeping(_: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": False})
+
+    async def version(_: web.Request) -> web.Response:
+        return web.Response(body=b'{"version": "1"}', headers={"Content-Type": "application/json; charset=bogus"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/is_sleeping", is_sleeping)
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            http = vhttp.VllmHttp(f"http://127.0.0.1:{runner.addresses[0][1]}", s, timeout_s=30.0)
+            assert await http.is_sleeping() is False  # control: an ordinary answer
+            with pytest.raises(WorkerHttpError, match=f"/metrics: answer over {vhttp.MAX_ANSWER_BYTES} bytes"):
+                await http.metrics()
+            assert await http.version() == "1"  # a charset Python lacks: read as UTF-8, as aiohttp's text() did
+    finally:
+        await runner.cleanup()
