@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from typing import Any
@@ -25,10 +26,12 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
 from controller.proxy.watch import WorkerWatch
+from controller.vllm.http import read_capped
 from fleet.core.errors import KvfleetError
 from fleet.sdk.types import WorkerInfo
 
 log = logging.getLogger("kvfleet.proxy")
+MAX_MODELS_BYTES = 1 << 20  # the most of a worker's /v1/models answer read (its cards)
 
 
 def _card(model_id: str, parent: str | None = None) -> dict[str, Any]:
@@ -98,7 +101,8 @@ class WorkerDirectory:
         try:
             timeout = aiohttp.ClientTimeout(total=self.cfg.probe_timeout_s * 4)
             async with self.http.get(w.url.rstrip("/") + "/v1/models", timeout=timeout) as r:
-                data = (await r.json())["data"] if r.status == 200 else None
+                raw = await read_capped(r, MAX_MODELS_BYTES) if r.status == 200 else None
+                data = json.loads(raw)["data"] if raw is not None else None
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError):
             data = None
         self.cards[w.name] = list(data) if isinstance(data, list) else [_card(w.model)]

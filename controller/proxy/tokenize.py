@@ -22,6 +22,7 @@ import msgspec
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
+from controller.vllm.http import read_capped
 
 log = logging.getLogger("kvfleet.proxy")
 # NOTE: a local tokenizer is used for a model only after it gave the worker's own ids on these probes
@@ -195,7 +196,10 @@ class Tokenizer:
         self.num_calls += 1
         async with self.http.post(url.rstrip("/") + "/tokenize", data=data, headers=JSON_HEADERS,
                                   timeout=self._timeout) as r:
-            raw = await r.read()
+            raw = await read_capped(r, limit := 8 * self.cfg.max_body_bytes + (64 << 10))
+        if raw is None:  # NOTE: a prompt of n bytes has at most n ids, each at most 8 bytes of JSON
+            raise ProxyError(502, f"tokenize: the worker's answer is over {limit} bytes, more than the ids of any "
+                                  "prompt the proxy accepts")
         if r.status == 200:
             try:
                 return TOKENS.decode(raw).tokens

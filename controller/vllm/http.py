@@ -144,6 +144,16 @@ def _label_int(labels: dict[str, str], name: str, default: int | None) -> int | 
 MAX_ANSWER_BYTES = 16 << 20  # the most of one worker answer read (a vLLM /metrics is well under 1 MiB)
 
 
+async def read_capped(r: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """A worker answer's body, or None once it passes `limit` bytes (read no further)."""
+    raw = bytearray()
+    async for chunk in r.content.iter_chunked(1 << 16):
+        raw += chunk
+        if len(raw) > limit:
+            return None
+    return bytes(raw)
+
+
 def _codec(charset: str | None) -> str:
     """The answer's charset, or UTF-8 when it names none or one Python lacks (as aiohttp's text() did)."""
     try:
@@ -166,11 +176,9 @@ class VllmHttp:
             async with self.session.request(
                 method, self.url + path, params=params, timeout=self.timeout
             ) as r:
-                raw = bytearray()
-                async for chunk in r.content.iter_chunked(1 << 16):
-                    raw += chunk
-                    if len(raw) > MAX_ANSWER_BYTES:
-                        raise WorkerHttpError(f"{self.url}{path}: answer over {MAX_ANSWER_BYTES} bytes")
+                raw = await read_capped(r, MAX_ANSWER_BYTES)
+                if raw is None:
+                    raise WorkerHttpError(f"{self.url}{path}: answer over {MAX_ANSWER_BYTES} bytes")
                 return r.status, raw.decode(_codec(r.charset))
         except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as e:
             raise WorkerHttpError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
