@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,6 +38,14 @@ from fleet.sdk import base, types
 log = logging.getLogger("kvfleet.proxy")
 
 
+@dataclasses.dataclass(slots=True)
+class _Lane:
+    """One client token's share of the proxy's RPC slots (ControlClient._slot)."""
+
+    slots: asyncio.Semaphore
+    users: int = 0  # callers holding or waiting for one of its slots
+
+
 class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.core.errors.*."""
 
@@ -46,7 +55,7 @@ class ControlClient:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
         self._slots = asyncio.Semaphore(max_rpcs)
         self.max_rpcs, self.max_rpcs_per_token = max_rpcs, max(1, max_rpcs - max_rpcs // 4)
-        self._lanes: dict[str | None, list[Any]] = {}  # token -> [its Semaphore, callers using it]: while used
+        self._lanes: dict[str | None, _Lane] = {}  # token -> its share of the slots, while a caller uses it
         self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
                          else grpc.aio.insecure_channel(target))
         self._route = RouteServiceStub(self._channel)
@@ -209,34 +218,35 @@ class ControlClient:
         """
         lane = self._lanes.get(token)
         if lane is None:
-            lane = self._lanes[token] = [asyncio.Semaphore(self.max_rpcs_per_token), 0]
-        lane[1] += 1
+            lane = self._lanes[token] = _Lane(asyncio.Semaphore(self.max_rpcs_per_token))
+        lane.users += 1
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            await self._acquire(lane[0], deadline, rpc, f"this client's token already has {self.max_rpcs_per_token} "
-                                f"(of the proxy's {self.max_rpcs}) open, and none ended")
+            await self._acquire(lane.slots, deadline, rpc, lane=True)
             try:
-                await self._acquire(self._slots, deadline, rpc, f"all {self.max_rpcs} were busy")
+                await self._acquire(self._slots, deadline, rpc, lane=False)
             except BaseException:
-                lane[0].release()
+                lane.slots.release()
                 raise
             try:
                 yield
             finally:
                 self._slots.release()
-                lane[0].release()
+                lane.slots.release()
         finally:
-            lane[1] -= 1
-            if lane[1] == 0:  # NOTE: no caller left on it: dropped, so the map holds only tokens in use
+            lane.users -= 1
+            if lane.users == 0:  # NOTE: no caller left on it: dropped, so the map holds only tokens in use
                 self._lanes.pop(token, None)
 
-    async def _acquire(self, sem: asyncio.Semaphore, deadline: float, rpc: str, busy: str) -> None:
+    async def _acquire(self, sem: asyncio.Semaphore, deadline: float, rpc: str, *, lane: bool) -> None:
         if not sem.locked():  # NOTE: a free slot is taken at once; wait_for would wrap it in a task (one loop pass more)
             await sem.acquire()
             return
         try:
             await asyncio.wait_for(sem.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
         except TimeoutError:
+            busy = (f"this client's token already has {self.max_rpcs_per_token} of its {self.max_rpcs} open, and "
+                    "none ended" if lane else f"all {self.max_rpcs} were busy")
             raise Unavailable(f"{rpc}: the proxy's RPCs to the controller at {self.target}: {busy} within "
                               f"{self.timeout_s}s") from None
 

@@ -10,14 +10,17 @@ The controller here is a real grpc.aio server whose Route holds the flooding tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
 import grpc
+import pytest
 
 from controller.proxy.control import ControlClient
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
+from fleet.core.errors import Unavailable
 
 HOLD_S = 1.0
 
@@ -58,3 +61,21 @@ async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
     finally:
         await control.close()
         await server.stop(0)
+
+
+async def test_a_call_past_its_tokens_share_fails_saying_so() -> None:
+    control = ControlClient("127.0.0.1:1", timeout_s=0.2, max_rpcs=4, stream=False)  # no RPC is sent
+    try:
+        async with contextlib.AsyncExitStack() as held:
+            for _ in range(3):  # the token's share: 3 of the 4 slots
+                await held.enter_async_context(control._slot("Route", "flood"))
+            with pytest.raises(Unavailable, match="this client's token already has 3 of its 4 open"):
+                async with control._slot("Route", "flood"):
+                    pass
+            async with control._slot("Route", "calm"):  # the quarter left is taken at once
+                with pytest.raises(Unavailable, match="all 4 were busy"):
+                    async with control._slot("Route", "third"):
+                        pass
+        assert control._lanes == {}  # no caller left: no lane kept
+    finally:
+        await control.close()

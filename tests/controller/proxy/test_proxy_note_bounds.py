@@ -12,6 +12,7 @@ import json
 
 import aiohttp
 from aiohttp import web
+from support.http_stub import serving
 
 from controller.proxy.forward import MAX_NOTED_BYTES, _annotatable, _SseNoter
 
@@ -34,17 +35,12 @@ def test_a_usage_event_gets_the_note_and_an_endless_event_is_relayed_not_held() 
 async def _content_length_seen(handler) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
-            async with http.post(url, json={}) as resp:
-                return resp.content_length, _annotatable(resp)
-    finally:
-        await runner.cleanup()
+    async with (
+        serving(app) as url,
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/completions", json={}) as r,
+    ):
+        return r.content_length, _annotatable(r)
 
 
 async def test_only_a_json_answer_of_a_stated_bounded_length_is_read_whole() -> None:

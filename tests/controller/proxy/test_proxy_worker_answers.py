@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 from aiohttp import web
+from support.http_stub import serving
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.errors import ProxyError
@@ -38,20 +39,11 @@ async def _worker(
 
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession() as http:
-            directory = _Directory(f"http://127.0.0.1:{port}")  # the one method Tokenizer reads
-            tok = Tokenizer(
-                ProxyConfig(controller="127.0.0.1:1", max_body_bytes=max_body_bytes), directory, http
-            )  # type: ignore[arg-type]
-            yield lambda: tok.token_ids({"model": "m", "prompt": "hello"}, False, "m", "tenant-a")
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as http:
+        directory = _Directory(url)  # the one method Tokenizer reads
+        cfg = ProxyConfig(controller="127.0.0.1:1", max_body_bytes=max_body_bytes)
+        tok = Tokenizer(cfg, directory, http)  # type: ignore[arg-type]
+        yield lambda: tok.token_ids({"model": "m", "prompt": "hello"}, False, "m", "tenant-a")
 
 
 async def test_vllm_answer_gives_its_ids() -> None:
@@ -117,15 +109,11 @@ async def test_a_models_answer_past_its_bound_is_read_no_further_and_the_worker_
 
         app = web.Application()
         app.router.add_get("/v1/models", models)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                d = WorkerDirectory(ProxyConfig(controller="127.0.0.1:1"), None, http)  # type: ignore[arg-type]
-                url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-                await d._fetch_cards(WorkerInfo(name, url, "", "", "m", 1, 16, "sha256", None), 0.0)
-                seen[name] = [c["id"] for c in d.cards[name]]
-        finally:
-            await runner.cleanup()
-    assert seen == {"ok": ["m", "m-lora"], "huge": ["m"]}  # the control's cards; past the bound, the model's own
+        async with serving(app) as url, aiohttp.ClientSession() as http:
+            d = WorkerDirectory(ProxyConfig(controller="127.0.0.1:1"), None, http)  # type: ignore[arg-type]
+            await d._fetch_cards(WorkerInfo(name, url, "", "", "m", 1, 16, "sha256", None), 0.0)
+            seen[name] = [c["id"] for c in d.cards[name]]
+    assert seen == {
+        "ok": ["m", "m-lora"],
+        "huge": ["m"],
+    }  # the control's cards; past the bound, the model's own

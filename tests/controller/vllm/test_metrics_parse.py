@@ -9,6 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
+from support.http_stub import serving
 
 import controller.vllm.http as vhttp
 from controller.vllm.http import WorkerHttpError, parse_metrics, wanted_lines
@@ -113,16 +114,9 @@ async def test_a_worker_answer_past_the_bound_is_junk_read_no_further() -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/is_sleeping", is_sleeping)
     app.router.add_get("/version", version)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        async with aiohttp.ClientSession() as s:
-            http = vhttp.VllmHttp(f"http://127.0.0.1:{runner.addresses[0][1]}", s, timeout_s=30.0)
-            assert await http.is_sleeping() is False  # control: an ordinary answer
-            with pytest.raises(WorkerHttpError, match=f"/metrics: answer over {vhttp.MAX_ANSWER_BYTES} bytes"):
-                await http.metrics()
-            assert await http.version() == "1"  # a charset Python lacks: read as UTF-8, as aiohttp's text() did
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as s:
+        http = vhttp.VllmHttp(url, s, timeout_s=30.0)
+        assert await http.is_sleeping() is False  # control: an ordinary answer
+        with pytest.raises(WorkerHttpError, match=f"/metrics: answer over {vhttp.MAX_ANSWER_BYTES} bytes"):
+            await http.metrics()
+        assert await http.version() == "1"  # a charset Python lacks: read as UTF-8, as aiohttp's text() did
