@@ -35,6 +35,7 @@ import zmq.asyncio
 from controller.cost import Branches, CostConfig, Flight, InFlight
 from controller.demand import DemandLedger
 from controller.index import PrefixIndex
+from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains
 from controller.periodic import Periodic
@@ -60,6 +61,9 @@ MAX_MOVABLE_ROUTES = 1 << 14  # a backstop: candidates are kept only while their
 # this: hashing holds the GIL, so the loop waits for it either way (up to the 5 ms switch interval), and
 # the hop itself cost 0.1-0.4 ms a route (measured: 53 us inline against 214 us via the thread at 200 tokens)
 INLINE_HASH_TOKENS = 8192
+# a tenant's longer prompts hashed at once in the shared thread pool (more buy nothing: hashing holds the GIL);
+# its others wait their turn, so one tenant's flood of long prompts leaves the pool's other threads to the rest
+HASH_THREADS_PER_TENANT = 2
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,7 @@ class Router:
         self.branches = Branches()
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
+        self._hash_slots = KeyedSlots(HASH_THREADS_PER_TENANT, key_name="tenant")
         # live tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move;
         # dropped when the route ends (release, TTL, reconcile, worker gone)
         self._alternatives: OrderedDict[str, tuple[Ordering, int]] = OrderedDict()
@@ -275,7 +280,8 @@ class Router:
 
         Only serving ranks are candidates, and only proven warmth (current epoch) lowers a cost.
         With `track` the request counts as in flight on the chosen rank until `release_route` (or
-        the reconcile/TTL fallbacks); only `owner` (the tenant) may release it. A caller that will
+        the reconcile/TTL fallbacks); only `owner` (the tenant) may release it. The tenant's prompts over
+        INLINE_HASH_TOKENS are hashed at most HASH_THREADS_PER_TENANT at a time. A caller that will
         not release leaves `track` off: its requests are seen through /metrics alone.
 
         Raises:
@@ -290,7 +296,8 @@ class Router:
         if isinstance(token_ids, list | tuple) and len(token_ids) <= INLINE_HASH_TOKENS:
             pre = checked_chains(jobs, token_ids, model, cache_salt, lora)
         else:
-            pre = await asyncio.to_thread(checked_chains, jobs, token_ids, model, cache_salt, lora)
+            async with self._hash_slots.hold(owner, None, "Route"):
+                pre = await asyncio.to_thread(checked_chains, jobs, token_ids, model, cache_salt, lora)
         ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker

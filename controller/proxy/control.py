@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,24 +25,17 @@ from typing import Any
 
 import grpc
 
+from controller.keyed_slots import KeyedSlots
 from controller.proxy.route_stream import RouteStreams, StreamUnsupported
 from fleet.api.kvfleet.v1 import fleet_pb2, quarantine_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.core.errors import InvalidArgument, KvfleetError, PermissionDenied, Unauthenticated, Unavailable
+from fleet.core.errors import InvalidArgument, KvfleetError, PermissionDenied, Unauthenticated
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
-
-
-@dataclasses.dataclass(slots=True)
-class _Lane:
-    """One client token's share of the proxy's RPC slots (ControlClient._slot)."""
-
-    slots: asyncio.Semaphore
-    users: int = 0  # callers holding or waiting for one of its slots
 
 
 class ControlClient:
@@ -53,9 +45,8 @@ class ControlClient:
                  credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50,
                  stream: bool = True) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
-        self._slots = asyncio.Semaphore(max_rpcs)
-        self.max_rpcs, self.max_rpcs_per_token = max_rpcs, max(1, max_rpcs - max_rpcs // 4)
-        self._lanes: dict[str | None, _Lane] = {}  # token -> its share of the slots, while a caller uses it
+        # NOTE: a token holds at most three quarters of the slots (see _slot)
+        self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token")
         self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
                          else grpc.aio.insecure_channel(target))
         self._route = RouteServiceStub(self._channel)
@@ -212,43 +203,13 @@ class ControlClient:
     async def _slot(self, rpc: str, token: str | None) -> AsyncIterator[None]:
         """One of the channel's max_rpcs open RPCs, waited for at most timeout_s (then Unavailable: 503).
 
-        A token holds at most three quarters of them (max_rpcs_per_token): one client's flood of calls, or of
-        slow JudgeToolResults, leaves a quarter to everyone else (one tenant never slows another). Half was tried
+        A token holds at most three quarters of them: one client's flood of calls, or of slow
+        JudgeToolResults, leaves a quarter to everyone else (one tenant never slows another). Half was tried
         first: one token at 200 clients served about 4% fewer requests per second (docs/proxy.md).
         """
-        lane = self._lanes.get(token)
-        if lane is None:
-            lane = self._lanes[token] = _Lane(asyncio.Semaphore(self.max_rpcs_per_token))
-        lane.users += 1
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
-        try:
-            await self._acquire(lane.slots, deadline, rpc, lane=True)
-            try:
-                await self._acquire(self._slots, deadline, rpc, lane=False)
-            except BaseException:
-                lane.slots.release()
-                raise
-            try:
-                yield
-            finally:
-                self._slots.release()
-                lane.slots.release()
-        finally:
-            lane.users -= 1
-            if lane.users == 0:  # NOTE: no caller left on it: dropped, so the map holds only tokens in use
-                self._lanes.pop(token, None)
-
-    async def _acquire(self, sem: asyncio.Semaphore, deadline: float, rpc: str, *, lane: bool) -> None:
-        if not sem.locked():  # NOTE: a free slot is taken at once; wait_for would wrap it in a task (one loop pass more)
-            await sem.acquire()
-            return
-        try:
-            await asyncio.wait_for(sem.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
-        except TimeoutError:
-            busy = (f"this client's token already has {self.max_rpcs_per_token} of its {self.max_rpcs} open, and "
-                    "none ended" if lane else f"all {self.max_rpcs} were busy")
-            raise Unavailable(f"{rpc}: the proxy's RPCs to the controller at {self.target}: {busy} within "
-                              f"{self.timeout_s}s") from None
+        async with self._slots.hold(token, self.timeout_s, f"{rpc}: the proxy's RPCs to the controller at "
+                                    f"{self.target}"):
+            yield
 
     async def close(self) -> None:
         """Let pending releases finish (up to the RPC timeout), then close the channel."""
