@@ -21,11 +21,11 @@ class _Share:
 
 
 class KeyedSlots:
-    """`total` slots (None: no bound but the keys'), at most `per_key` of them per key (what a key is, for
-    the error: `key_name`)."""
+    """`total` slots (None: no bound but the keys'), at most `per_key` of them per key. For the error: what the
+    slots are (`name`) and what a key is (`key_name`)."""
 
-    def __init__(self, per_key: int, total: int | None = None, key_name: str = "caller") -> None:
-        self.per_key, self.total, self.key_name = per_key, total, key_name
+    def __init__(self, per_key: int, total: int | None = None, key_name: str = "caller", name: str = "slots") -> None:
+        self.per_key, self.total, self.key_name, self.name = per_key, total, key_name, name
         self._all = asyncio.Semaphore(total) if total is not None else None
         self._shares: dict[Hashable, _Share] = {}
 
@@ -35,18 +35,17 @@ class KeyedSlots:
     @contextlib.asynccontextmanager
     async def hold(self, key: Hashable, timeout_s: float | None, what: str) -> AsyncIterator[None]:
         """One slot for `key` while the block runs; waited for at most `timeout_s` (None: as long as it takes),
-        then Unavailable naming `what` and the bound that was full."""
+        then Unavailable naming `what` (the call), the slots and the bound that was full."""
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = _Share(asyncio.Semaphore(self.per_key))
         share.users += 1
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
-            await _acquire(share.slots, deadline, what, f"this {self.key_name} already has {self.per_key} of them",
-                           timeout_s)
+            await self._acquire(share.slots, deadline, what, timeout_s, whole=False)
             try:
                 if self._all is not None:
-                    await _acquire(self._all, deadline, what, f"all {self.total} were busy", timeout_s)
+                    await self._acquire(self._all, deadline, what, timeout_s, whole=True)
             except BaseException:
                 share.slots.release()
                 raise
@@ -61,16 +60,13 @@ class KeyedSlots:
             if share.users == 0:
                 self._shares.pop(key, None)
 
-
-async def _acquire(sem: asyncio.Semaphore, deadline: float | None, what: str, busy: str,
-                   timeout_s: float | None) -> None:
-    if not sem.locked():  # NOTE: a free slot is taken at once; wait_for would wrap it in a task (one loop pass more)
-        await sem.acquire()
-        return
-    if deadline is None:
-        await sem.acquire()
-        return
-    try:
-        await asyncio.wait_for(sem.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
-    except TimeoutError:
-        raise Unavailable(f"{what}: {busy}, and none was free within {timeout_s}s") from None
+    async def _acquire(self, sem: asyncio.Semaphore, deadline: float | None, what: str, timeout_s: float | None,
+                       *, whole: bool) -> None:
+        if deadline is None or not sem.locked():  # NOTE: a free slot is taken at once (wait_for: one loop pass more)
+            await sem.acquire()
+            return
+        try:
+            await asyncio.wait_for(sem.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:  # NOTE: the message is built only here, never on the way in
+            busy = f"all {self.total} were busy" if whole else f"this {self.key_name} already has {self.per_key} of them"
+            raise Unavailable(f"{what}: {self.name}: {busy}, and none was free within {timeout_s}s") from None

@@ -101,7 +101,7 @@ class Router:
         self.branches = Branches()
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
-        self._hash_slots = KeyedSlots(HASH_THREADS_PER_TENANT, key_name="tenant")
+        self._hash_slots = KeyedSlots(HASH_THREADS_PER_TENANT, key_name="tenant", name="long prompts hashed")
         # live tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move;
         # dropped when the route ends (release, TTL, reconcile, worker gone)
         self._alternatives: OrderedDict[str, tuple[Ordering, int]] = OrderedDict()

@@ -46,7 +46,8 @@ class ControlClient:
                  stream: bool = True) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
         # NOTE: a token holds at most three quarters of the slots (see _slot)
-        self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token")
+        self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
+                                 name=f"the proxy's RPCs to the controller at {target}")
         self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
                          else grpc.aio.insecure_channel(target))
         self._route = RouteServiceStub(self._channel)
@@ -207,8 +208,7 @@ class ControlClient:
         JudgeToolResults, leaves a quarter to everyone else (one tenant never slows another). Half was tried
         first: one token at 200 clients served about 4% fewer requests per second (docs/proxy.md).
         """
-        async with self._slots.hold(token, self.timeout_s, f"{rpc}: the proxy's RPCs to the controller at "
-                                    f"{self.target}"):
+        async with self._slots.hold(token, self.timeout_s, rpc):
             yield
 
     async def close(self) -> None:

@@ -144,14 +144,14 @@ def _label_int(labels: dict[str, str], name: str, default: int | None) -> int | 
 MAX_ANSWER_BYTES = 16 << 20  # the most of one worker answer read (a vLLM /metrics is well under 1 MiB)
 
 
-async def read_capped(r: aiohttp.ClientResponse, limit: int) -> bytes | None:
+async def read_capped(r: aiohttp.ClientResponse, limit: int) -> bytearray | None:
     """A worker answer's body, or None once it passes `limit` bytes (read no further)."""
     raw = bytearray()
     async for chunk in r.content.iter_chunked(1 << 16):
         raw += chunk
         if len(raw) > limit:
             return None
-    return bytes(raw)
+    return raw
 
 
 def _codec(charset: str | None) -> str:
