@@ -46,7 +46,8 @@ class ProxyConfig:
     quarantine_policy: str = "placeholder"  # what a quarantined tool result gets: placeholder | refuse | off
     quarantine_tenant_policies: tuple[tuple[str, str], ...] = ()  # (tenant, policy) overrides
     tool_media: str = "pass"  # a tool result's media parts (not inspectable as text): pass | withhold | refuse
-    tokenize_cache_size: int = 4096
+    tokenize_cache_size: int = 4096  # entries, and at most tokenize_cache_bytes of ids (controller/proxy/token_cache.py)
+    tokenize_cache_bytes: int = 64 << 20
     controller_max_rpcs: int = 50  # RPCs open at once on the proxy's one connection to the controller; more wait
     # (at most route_timeout_s). Keep it well under the controller's --grpc-max-concurrent-streams (100): past
     # that the controller refuses streams and the clients get 503s (docs/proxy.md)
@@ -64,8 +65,10 @@ class ProxyConfig:
         if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s,
                self.connect_timeout_s, self.refresh_s, self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
-        if self.max_body_bytes <= 0 or self.tokenize_cache_size < 0 or self.controller_max_rpcs <= 0:
-            raise InvalidArgument("max_body_bytes and controller_max_rpcs must be positive and tokenize_cache_size >= 0")
+        if self.max_body_bytes <= 0 or min(self.tokenize_cache_size, self.tokenize_cache_bytes) < 0 \
+                or self.controller_max_rpcs <= 0:
+            raise InvalidArgument("max_body_bytes and controller_max_rpcs must be positive, the tokenize cache's bounds "
+                                  ">= 0")
         for who, policy in (("--quarantine-policy", self.quarantine_policy),
                             *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
             if policy not in POLICIES:

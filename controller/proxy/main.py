@@ -41,6 +41,9 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "for every request (single-tenant, trusted network)")
     p.add_argument("--tokenizer", default=None, metavar="hf:PATH",
                    help="tokenize with a local Hugging Face tokenizer (the workers' own) instead of their /tokenize")
+    p.add_argument("--tokenize-cache-mib", type=int, default=e("KVFLEET_PROXY_TOKENIZE_CACHE_MIB", "64"),
+                   help="MiB of token ids the tokenize cache holds, shared fairly between tenants (default 64; 0: "
+                        "no cache)")
     p.add_argument("--worker-api-key", default=e("KVFLEET_WORKER_API_KEY"),
                    help="the workers' vLLM --api-key, if they have one (sent to them, never to the controller)")
     p.add_argument("--first-byte-timeout", type=float, default=e("KVFLEET_PROXY_FIRST_BYTE_TIMEOUT", "0.25"),
@@ -75,7 +78,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
 
 def config_from(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
-                       tokenizer=a.tokenizer, worker_api_key=a.worker_api_key,
+                       tokenizer=a.tokenizer, tokenize_cache_bytes=a.tokenize_cache_mib << 20,
+                       worker_api_key=a.worker_api_key,
                        first_byte_timeout_s=a.first_byte_timeout, first_byte_min_s=a.first_byte_min,
                        max_first_byte_wait_s=a.max_first_byte_wait,
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,

@@ -4,8 +4,9 @@ Every worker of a model tokenizes identically, so any serving worker of the mode
 before the router has chosen one. Or, with `--tokenizer hf:PATH`, a local Hugging Face tokenizer
 (which must be the one the workers load, with the same chat template).
 
-The cache is keyed by (tenant, model, SHA-256 of the tokenize request), so one tenant's hit
-never reveals another tenant's text through timing.
+The cache (controller/proxy/token_cache.py) is keyed by (tenant, model, SHA-256 of the tokenize request), so one
+tenant's hit never reveals another tenant's text through timing; it is bounded in bytes as well as entries, and
+one tenant's flood evicts its own entries before another's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ import msgspec
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
+from controller.proxy.token_cache import TokenCache
 from controller.vllm.http import read_capped
 
 log = logging.getLogger("kvfleet.proxy")
@@ -109,7 +111,7 @@ class Tokenizer:
 
     def __init__(self, cfg: ProxyConfig, directory: WorkerDirectory, http: aiohttp.ClientSession) -> None:
         self.cfg, self.directory, self.http = cfg, directory, http
-        self._cache: OrderedDict[tuple[str, str, str], list[int]] = OrderedDict()
+        self.cache = TokenCache(cfg.tokenize_cache_size, cfg.tokenize_cache_bytes)
         self._hf: Any = None
         self.parity: dict[str, bool] = {}  # model -> the local tokenizer gave the worker's ids on PROBES
         self._parity_lock = asyncio.Lock()
@@ -125,7 +127,7 @@ class Tokenizer:
             self._hf = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
 
     async def token_ids(self, body: dict[str, Any], chat: bool, base: str, tenant: str,
-                        enc: EncodedBody | None = None) -> list[int]:
+                        enc: EncodedBody | None = None) -> Sequence[int]:
         """`enc`: the body's encoder, whose encoding of the messages (or prompt) the forward then reuses."""
         req = tokenize_request(body, chat)
         if isinstance(req, list):
@@ -133,15 +135,14 @@ class Tokenizer:
         # NOTE: encoded once: the same bytes key the cache and are POSTed to /tokenize (a long conversation's body
         # is most of a request's JSON work); keyed in the client's key order, so a reordered body only misses
         data = (enc or EncodedBody(body)).encode(req)
-        key = (tenant, base, hashlib.sha256(data).hexdigest())
-        hit = self._cache.get(key)
+        key = (base, hashlib.sha256(data).digest())
+        hit = self.cache.get(tenant, key)
         if hit is not None:
-            self._cache.move_to_end(key)
             self.num_hits += 1
             return hit
         local = self._hf is not None and await self.local_ok(base)
         ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(data, base))
-        self._remember(key, ids)
+        self.cache.put(tenant, key, ids)
         return ids
 
     async def local_ok(self, base: str) -> bool:
@@ -171,13 +172,6 @@ class Tokenizer:
             log.warning("tokenizer parity check for %s failed (%s); will retry", base, e)
             return
         self.parity[base] = True
-
-    def _remember(self, key: tuple[str, str, str], ids: list[int]) -> None:
-        if self.cfg.tokenize_cache_size == 0:
-            return
-        self._cache[key] = ids
-        while len(self._cache) > self.cfg.tokenize_cache_size:
-            self._cache.popitem(last=False)
 
     async def _remote(self, data: bytes, base: str) -> list[int]:
         urls = self.directory.tokenizer_urls(base)

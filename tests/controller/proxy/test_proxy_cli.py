@@ -16,6 +16,9 @@ def test_flags_and_env() -> None:
     assert (cfg.controller, cfg.token_passthrough, cfg.tokenizer) == ("c:1", True, "hf:/models/tok")
     assert cfg.tool_media == "pass" and config_from(parse_args([], {**env, "KVFLEET_TOOL_MEDIA": "refuse"})).tool_media \
         == "refuse"
+    assert cfg.tokenize_cache_bytes == 64 << 20
+    assert config_from(parse_args(["--tokenize-cache-mib", "0"], env)).tokenize_cache_bytes == 0
+    assert config_from(parse_args([], {"KVFLEET_PROXY_TOKENIZE_CACHE_MIB": "8"})).tokenize_cache_bytes == 8 << 20
 
 
 def test_first_byte_timeout_default_env_and_flag() -> None:
@@ -43,6 +46,7 @@ def test_a_bad_first_byte_timeout_env_exits_2_naming_it(capsys: pytest.CaptureFi
     (["--tokenizer", "gpt2"], "use hf:PATH"),
     (["--first-byte-timeout", "0"], "must be positive"),
     (["--first-byte-min", "-1"], "must be positive"),
+    (["--tokenize-cache-mib", "-1"], "the tokenize cache's bounds >= 0"),
     ([], "--tool-media 'strip': expected pass, withhold or refuse"),  # from KVFLEET_TOOL_MEDIA
 ])
 def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
