@@ -140,9 +140,12 @@ def media_parts(body: dict[str, Any], chat: bool) -> list[MediaPart]:
 def withhold_media(body: dict[str, Any], found: list[MediaPart]) -> dict[str, Any]:
     """`body` with each media part in `found` replaced by a text part saying it was withheld (not mutated)."""
     msgs = list(body["messages"])
+    parts: dict[int, list[Any]] = {}  # NOTE: each message's parts copied once (before: once per withheld part, so
+    # 100,000 media parts in one message took 43 s of the event loop)
     for mp in found:
-        i, j, kind = mp.i, mp.j, mp.kind
-        parts = list(msgs[i]["content"])
-        parts[j] = {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind=kind)}
-        msgs[i] = {**msgs[i], "content": parts}
+        if mp.i not in parts:
+            parts[mp.i] = list(msgs[mp.i]["content"])
+        parts[mp.i][mp.j] = {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind=mp.kind)}
+    for i, p in parts.items():
+        msgs[i] = {**msgs[i], "content": p}
     return {**body, "messages": msgs}

@@ -109,6 +109,18 @@ def test_media_parts_are_found_and_withheld_without_touching_the_rest() -> None:
     assert media_parts(out, chat=True) == [] and media_parts({"prompt": "x"}, chat=False) == []
 
 
+def test_media_parts_of_several_messages_are_all_withheld() -> None:
+    # each message's parts are now copied once, not once per withheld part (100,000 parts of one message took
+    # 43 s of the proxy's event loop); what is withheld is unchanged
+    image = {"type": "image_url", "image_url": {"url": "https://x.example/a.png"}}
+    held = {"type": "text", "text": MEDIA_PLACEHOLDER.format(kind="image_url")}
+    body = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "1", "content": [image, "t", image] * 500},
+                                       {"role": "tool", "tool_call_id": "2", "content": ["u", image]}]}
+    out = withhold_media(body, media_parts(body, chat=True))
+    assert out["messages"][0]["content"] == [held, "t", held] * 500 and out["messages"][1]["content"] == ["u", held]
+    assert body["messages"][0]["content"][0] is image  # not mutated
+
+
 @pytest.mark.parametrize("content, message", [
     ({"text": "an object"}, "messages[0].content is a dict"),
     ([{"type": "text", "text": ["nested"]}], "messages[0].content[0].text is a list"),
