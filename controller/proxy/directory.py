@@ -34,6 +34,13 @@ log = logging.getLogger("kvfleet.proxy")
 MAX_MODELS_BYTES = 1 << 20  # the most of a worker's /v1/models answer read (its cards)
 
 
+def _valid_card(c: Any) -> bool:
+    """A /v1/models card the proxy can route by: an object with a non-empty string id and a string or null parent
+    (before, one worker's `{"data": [1]}` made every request of every tenant a 500)."""
+    return (isinstance(c, dict) and isinstance(c.get("id"), str) and bool(c["id"])
+            and isinstance(c.get("parent"), str | None))
+
+
 def _card(model_id: str, parent: str | None = None) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvfleet", "root": model_id,
             "parent": parent}
@@ -105,7 +112,11 @@ class WorkerDirectory:
                 data = json.loads(raw)["data"] if raw is not None else None
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError):
             data = None
-        self.cards[w.name] = list(data) if isinstance(data, list) else [_card(w.model)]
+        cards = [c for c in data if _valid_card(c)] if isinstance(data, list) else []
+        if isinstance(data, list) and len(cards) < len(data):  # NOTE: kept, every request would read them
+            log.warning("proxy: worker %s listed %d model card(s) that are not objects with a string id (and a "
+                        "string or null parent); ignored", w.name, len(data) - len(cards))
+        self.cards[w.name] = cards or [_card(w.model)]
         self._cards_at[w.name] = now
 
     # queries

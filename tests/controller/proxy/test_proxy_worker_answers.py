@@ -117,3 +117,27 @@ async def test_a_models_answer_past_its_bound_is_read_no_further_and_the_worker_
         "ok": ["m", "m-lora"],
         "huge": ["m"],
     }  # the control's cards; past the bound, the model's own
+
+
+@pytest.mark.parametrize("data, kept", [
+    ([1], ["m"]),  # before: kept as a card, and every request of every tenant was a 500 (int has no .get)
+    ([{"id": 7}, {"root": "m"}, {"id": ""}], ["m"]),
+    ([{"id": "m-lora", "parent": ["m"]}, {"id": "m-lora2", "parent": "m"}, "junk"], ["m-lora2"]),
+    ([{"id": "m"}, {"id": "m-lora", "parent": "m"}], ["m", "m-lora"]),  # the control: valid cards are kept
+])
+async def test_model_cards_that_are_not_objects_with_a_string_id_are_ignored(data: list[object], kept: list[str]) -> None:
+    from controller.proxy.directory import WorkerDirectory
+    from fleet.sdk.types import WorkerInfo
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(body=json.dumps({"data": data}).encode(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serving(app) as url, aiohttp.ClientSession() as http:
+        d = WorkerDirectory(ProxyConfig(controller="127.0.0.1:1"), None, http)  # type: ignore[arg-type]
+        w = WorkerInfo("w", url, "", "", "m", 1, 16, "sha256", None)
+        d.workers["w"] = w
+        await d._fetch_cards(w, 0.0)
+        assert [c["id"] for c in d.cards["w"]] == kept
+        assert d.resolve(kept[0])[0] == "m"  # a request resolves (before: AttributeError, a 500)
