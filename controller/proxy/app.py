@@ -28,6 +28,22 @@ if TYPE_CHECKING:
 
 BODY = msgspec.json.Decoder()  # NOTE: msgspec, not json: about 2x faster on a conversation (docs/proxy.md)
 log = logging.getLogger("kvfleet.proxy")
+MAX_LISTED_BYTES = 2048  # of a header listing what was withheld; the body's `kvfleet` field lists it all
+
+
+def _listed(headers: dict[str, str], name: str, items: list[str]) -> None:
+    """`name`: the items, comma-separated, as many as fit MAX_LISTED_BYTES; `name`-count: how many there are.
+    NOTE: unbounded, 130 withheld results made a header over aiohttp's 8,190-byte limit (the client could not
+    read the answer at all) and 1,100 one over http.client's 65,536."""
+    shown: list[str] = []
+    size = 0
+    for item in items:
+        size += len(item) + (1 if shown else 0)
+        if size > MAX_LISTED_BYTES:
+            break
+        shown.append(item)
+    headers[name] = ",".join(shown)
+    headers[f"{name}-count"] = str(len(items))
 
 
 def build_app(proxy: Proxy) -> web.Application:
@@ -167,10 +183,10 @@ class Handlers:
                 "x-kvfleet-epoch": str(t.epoch),
                 "x-kvfleet-attempts": str(opened.num_sends),
             }
-            if any(h.ref for h in hits):
-                extra["x-kvfleet-quarantined"] = ",".join(dict.fromkeys(h.ref for h in hits if h.ref))
-            if any(h.source == "media" for h in hits):
-                extra["x-kvfleet-withheld-media"] = ",".join(h.where for h in hits if h.source == "media")
+            if refs := list(dict.fromkeys(h.ref for h in hits if h.ref)):
+                _listed(extra, "x-kvfleet-quarantined", refs)
+            if media := [h.where for h in hits if h.source == "media"]:
+                _listed(extra, "x-kvfleet-withheld-media", media)
             note = {"quarantined": [h.as_json() for h in hits]} if hits else None
             out, t_first = await p.forwarder.relay(req, opened, extra, note)
             self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))

@@ -265,6 +265,13 @@ async def test_media_parts_follow_the_media_policy_and_thinking_parts_are_judged
         assert sim.received.contains(BENIGN) and not sim.received.contains(url)
         assert sim.received.prompts()[-1].count(MEDIA_PLACEHOLDER.format(kind="image_url")) == 1
         assert _metric(fleet, "kvfleet_proxy_tool_media_parts_total", type="image_url", action="withhold") == 1
+        # 400 withheld parts: the header lists what fits 2 KiB and counts them all (before, a 9 KB header this
+        # client could not read: "Got more than 8190 bytes"); the body's field lists every one
+        status, h, doc = await _chat(fleet, _turn([{"type": "text", "text": BENIGN}] + parts[1:] * 400))  # type: ignore[arg-type]
+        assert status == 200 and h["x-kvfleet-withheld-media-count"] == "400", doc
+        assert len(h["x-kvfleet-withheld-media"]) <= 2048 and h["x-kvfleet-withheld-media"].startswith(
+            "messages[3].content[1],messages[3].content[2],")
+        assert len(doc["kvfleet"]["quarantined"]) == 400
         status, h, doc = await _chat(fleet, _turn([{"type": "thinking", "thinking": POISON}]))  # type: ignore[arg-type]
         assert status == 200 and h["x-kvfleet-quarantined"] == _ref(POISON), doc
         assert _stand_ins_saw(fleet, "attacker@evil.example") == []
