@@ -297,17 +297,27 @@ class _SseNoter:
     """
 
     def __init__(self, note: dict[str, Any]) -> None:
-        self.note, self.buf = note, b""
+        self.note = note
+        self.held: list[bytes] = []  # the incomplete event's chunks, joined only once it completes
+        self.size = 0
 
     def feed(self, chunk: bytes) -> bytes:
-        head, sep, self.buf = (self.buf + chunk).rpartition(b"\n\n")
-        out = b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep if sep else b""
-        if len(self.buf) > MAX_NOTED_BYTES:  # no usage event is this long: relay it unread, hold nothing back
-            out, self.buf = out + self.buf, b""
-        return out
+        # NOTE: linear in the stream: a chunk without an event's end is only appended (before, the held bytes were
+        # joined and searched again on every chunk: 16 MiB without a blank line, in 4 KiB chunks, took 10.7 s)
+        straddles = chunk[:1] == b"\n" and self.held and self.held[-1][-1:] == b"\n"
+        if b"\n\n" not in chunk and not straddles:
+            if chunk:
+                self.held.append(chunk)
+                self.size += len(chunk)
+            return self.flush() if self.size > MAX_NOTED_BYTES else b""  # no usage event is this long: relay it
+        head, sep, rest = (b"".join(self.held) + chunk).rpartition(b"\n\n")
+        self.held, self.size = ([rest] if rest else []), len(rest)
+        out = b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep
+        return out + self.flush() if self.size > MAX_NOTED_BYTES else out
 
     def flush(self) -> bytes:
-        rest, self.buf = self.buf, b""
+        rest = b"".join(self.held)
+        self.held, self.size = [], 0
         return rest
 
     def _event(self, e: bytes) -> bytes:

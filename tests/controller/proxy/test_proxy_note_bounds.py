@@ -27,9 +27,23 @@ def test_a_usage_event_gets_the_note_and_an_endless_event_is_relayed_not_held() 
     blob, sent = b"x" * (1 << 20), b""
     for _ in range(MAX_NOTED_BYTES // len(blob) + 1):
         sent += sse.feed(blob)
-    assert sent == blob * (MAX_NOTED_BYTES // len(blob) + 1) and sse.buf == b""  # relayed whole, nothing held
+    assert sent == blob * (MAX_NOTED_BYTES // len(blob) + 1) and sse.size == 0  # relayed whole, nothing held
     out = sse.feed(b"\n\n" + usage) + sse.flush()
     assert out.startswith(b"\n\n") and b'"kvfleet"' in out  # the stream goes on, and its usage is still noted
+
+
+def test_a_stream_split_anywhere_is_noted_as_if_it_came_whole() -> None:
+    # the noter appends chunks without an event's end and joins them once the event completes (before: joined
+    # and searched again on every chunk, quadratic in a long event); the end may straddle two chunks
+    stream = (b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 3}}\n\n'
+              b"data: [DONE]\n\n")
+    whole = _SseNoter(NOTE)
+    expected = whole.feed(stream) + whole.flush()
+    assert expected.count(b'"kvfleet"') == 1
+    for i in range(len(stream)):
+        for j in range(i, min(len(stream), i + 3)):
+            sse = _SseNoter(NOTE)
+            assert sse.feed(stream[:i]) + sse.feed(stream[i:j]) + sse.feed(stream[j:]) + sse.flush() == expected
 
 
 async def _content_length_seen(handler) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
