@@ -5,8 +5,9 @@ A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a m
 MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop.
 
 RouteStream (the proxy's path, docs/proxy.md): the caller's token is checked when the stream opens and again at
-each message, which runs as its own task; at most STREAM_IN_FLIGHT of one stream's messages run at once (past
-that the stream is not read, and HTTP/2 flow control holds the caller back). A message's failure is its answer's
+each message, which runs as its own task; at most STREAM_IN_FLIGHT of one stream's messages are running or
+answered but not yet written at once (past that the stream is not read, and HTTP/2 flow control holds the caller
+back). A message's failure is its answer's
 `error`, with the status code the unary call would have failed with; only an undecodable message, or a token
 refused at the open, ends the stream.
 """
@@ -109,10 +110,15 @@ class RouteServicer(pbg.RouteServiceServicer):
         loop = asyncio.get_running_loop()
 
         async def answer(msg: pb.RouteStreamRequest) -> None:
+            # NOTE: the message's slot is released once its answer is written (below), not once it is queued: an
+            # unread stream then stops being read at STREAM_IN_FLIGHT answers. Before, a caller that sent and never
+            # read grew the queue without bound (82,000 answers, +89 MiB in 30 s)
             try:
-                answers.put_nowait(await self._answer(msg, context))
-            finally:
+                out = await self._answer(msg, context)
+            except BaseException:
                 slots.release()
+                raise
+            answers.put_nowait(out)
 
         async def read() -> None:
             try:
@@ -143,6 +149,7 @@ class RouteServicer(pbg.RouteServiceServicer):
                         return
                     raise out
                 yield out
+                slots.release()
         finally:
             reader.cancel()
             for task in list(running):

@@ -218,3 +218,33 @@ async def test_an_undecodable_message_ends_the_stream_invalid_argument(linked: t
         async with asyncio.timeout(10):  # no answer at all would be a failure too, not a hang
             await call.read()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "RouteStream" in (e.value.details() or "")
+
+
+async def test_a_stream_whose_answers_are_not_read_stops_being_read(tmp_path: Path) -> None:
+    # Before, a message's slot was freed once its answer was queued, not written: a caller that sent and never
+    # read grew the controller's answer queue without bound (82,000 answers, +89 MiB in 30 s). Now at most
+    # STREAM_IN_FLIGHT answers wait to be written; then the stream is not read (HTTP/2 holds the caller back).
+    fleet = await start_fleet(tmp_path)
+    try:
+        errors = fleet.ctl.ctx.metrics.rpc_errors.labels(method="Route", code="INVALID_ARGUMENT")
+        before = errors._value.get()
+        # NOTE: no BDP probes, so the caller's HTTP/2 window stays at its initial 64 KiB instead of growing to
+        # megabytes: a few thousand unread answers fill it
+        async with grpc.aio.insecure_channel(fleet.proxy.control.target, options=[("grpc.http2.bdp_probe", 0)]) as ch:
+            call = pbg.RouteServiceStub(ch).RouteStream(metadata=(("authorization", f"Bearer {fleet.tokens['a']}"),))
+            n = 5000
+            for i in range(n):  # refused messages (no model): each answered with an error, counted
+                await call.write(pb.RouteStreamRequest(id=i, route=pb.RouteRequest(token_ids=[1, 2, 3])))
+            await asyncio.sleep(1.0)
+            answered_unread = errors._value.get() - before
+            print(f"{n} messages sent, none read: the controller answered {answered_unread:.0f}")
+            assert answered_unread < n / 2  # what the caller's 64 KiB window takes, and STREAM_IN_FLIGHT (old: n)
+            got = 0
+            async for _ in call:  # the control: read, every message is answered
+                got += 1
+                if got == n:
+                    break
+            assert got == n and errors._value.get() - before == n
+            await call.done_writing()
+    finally:
+        await fleet.stop()
