@@ -56,7 +56,7 @@ class SessionServicer(pbg.SessionServiceServicer):
             role = request.role or "user"
             r = await s.append_text(t, sid, role, request.text, op_id)
         elif which == "token_ids":
-            r = await s.append_output(t, sid, list(request.token_ids.ids), op_id)
+            r = await s.append_output(t, sid, request.token_ids.ids, op_id)  # NOTE: not list(): refused if too long
         elif which == "tool_result_ref":
             r = await s.add_tool_result(t, sid, request.tool_result_ref, op_id)
         else:

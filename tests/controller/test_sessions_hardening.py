@@ -115,6 +115,32 @@ async def test_a_retried_append_with_the_same_op_id_is_applied_once(ray_cluster:
 
 # ---- finding 9: a create that never completed does not strand its name -----------------------------
 
+async def test_an_append_of_more_ids_than_the_context_holds_is_refused_before_they_are_read(
+        ray_cluster: None, tmp_path: Path) -> None:
+    # before: every id was converted and checked on the event loop (4M ids: 0.8 s each, every other tenant's
+    # call waiting), then the KV quota refused them; now the count alone refuses them, and the check runs on the
+    # tenant's lane
+    ctl = await start_controller(_url(tmp_path), None)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)
+        cfg = make_kernel(KernelSpec(block_size=16)).config
+        context = cfg.max_context
+        async with grpc.aio.insecure_channel(ctl.address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            stub = SessionServiceStub(ch)
+            code, msg = await _code(stub.Append(pb.AppendRequest(
+                session_id="s1", token_ids=pb.TokenIds(ids=[7] * (context + 1)))))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, msg
+            assert f"{context + 1} token ids in one append are over the session's context of {context}" in msg
+            code, msg = await _code(stub.Append(pb.AppendRequest(session_id="s1", token_ids=pb.TokenIds(ids=[7, cfg.vocab_size]))))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and f"got {cfg.vocab_size}" in msg  # each id checked
+        assert (await c.get_session("s1")).row.num_tokens == 35  # nothing was appended
+        assert (await c.append("s1", [7, 8])).num_tokens == 37  # the control: ids within the context
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+
+
 async def test_a_create_cut_short_by_a_crash_leaves_the_name_usable(ray_cluster: None, tmp_path: Path) -> None:
     url = _url(tmp_path)
     store = open_store(url)
