@@ -20,18 +20,33 @@ Demand can exceed the rank's capacity, which is what the index cannot show (it n
 than fits): an over-committed rank thrashes every round, since with vLLM's LRU the blocks it evicts
 are the ones the next turns need. Cache loss (AllBlocksCleared, sleep, reset) empties a rank's
 records (`forget_rank`): its conversations will be prefilled wherever they go next.
+
+Bounded per Route: each rank keeps both terms up to date as records come and go and as rates change
+(a rate changes only when its own (group, stage) is placed or returns; then the few ranks holding that
+stage are updated), so a candidate's demand costs a few rate look-ups, not one per group on the rank:
+one tenant's many cheap groups no longer slow every Route. A rank's records are indexed, so a cache
+loss touches only that rank's; and at most `max_conversations` records are kept (the oldest last turn
+leaves first, as it would by the TTL).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Hashable, Sequence
+from typing import Generic, NamedTuple, TypeVar
 
 RankKey = tuple[str, int]
 Stage = tuple[int, int]  # (group, 0: a first request | 1: a later turn)
 LOOKBACK = 4096  # blocks searched backwards for the previous turn's last hash
 MAX_GROUPS = 1 << 14  # evidence kept for this many (group, stage) pairs, then relearned
+# Conversation records kept, all ranks together (then the oldest leaves first): ~320 bytes each with
+# the rank's terms, ~900 where each is a group of its own, so 20-60 MiB. The largest bench/fleet_routing.py
+# cell places 600 requests (mooncake), the others fewer; this is 100x that, or 218 new conversations a
+# second all held for the default 300 s TTL.
+MAX_CONVERSATIONS = 1 << 16
+
+K = TypeVar("K", bound=Hashable)
 
 
 class Conversation(NamedTuple):
@@ -55,12 +70,15 @@ class Evidence:
         self._placed: dict[Stage, float] = {}
         self._returned: dict[Stage, float] = {}
 
-    def placed(self, st: Stage) -> None:
-        if len(self._placed) > MAX_GROUPS:
+    def placed(self, st: Stage) -> bool:
+        """Count a record placed; True when the evidence was full and every other rate went back to 0."""
+        cleared = len(self._placed) > MAX_GROUPS
+        if cleared:
             self._placed.clear()
             self._returned.clear()
         self._placed[st] = self._placed.get(st, 0.0) * self.decay + 1.0
         self._returned[st] = self._returned.get(st, 0.0) * self.decay
+        return cleared
 
     def returned(self, st: Stage) -> None:
         if st in self._placed:
@@ -72,16 +90,157 @@ class Evidence:
         return self._returned[st] / (p + 1.0) if p is not None else 0.0
 
 
-class DemandLedger:
-    """Conversations placed per rank, forgotten `ttl_s` after their last turn."""
+class _Max(Generic[K]):
+    """A value per key and the largest: a heap whose stale entries leave when they reach its top (or all
+    at once, when they outnumber the live ones), so a change costs O(log n) and a look O(1) amortized."""
 
-    def __init__(self, ttl_s: float = 300.0, window: float = 64) -> None:
+    __slots__ = ("_heap", "_v")
+
+    def __init__(self) -> None:
+        self._v: dict[K, float] = {}
+        self._heap: list[tuple[float, K]] = []  # (-value, key); live while _v[key] == value
+
+    def __len__(self) -> int:
+        return len(self._v)
+
+    def set(self, k: K, v: float) -> None:
+        if self._v.get(k) == v:
+            return
+        self._v[k] = v
+        heapq.heappush(self._heap, (-v, k))
+        self._compact()
+
+    def discard(self, k: K) -> None:
+        if self._v.pop(k, None) is not None:
+            self._compact()
+
+    def max(self) -> float:
+        """The largest value (0 when empty)."""
+        h, v = self._heap, self._v
+        while h and v.get(h[0][1]) != -h[0][0]:
+            heapq.heappop(h)
+        return -h[0][0] if h else 0.0
+
+    def max_without(self, k: K) -> float:
+        """The largest value of any other key (0 when none)."""
+        h, v, held = self._heap, self._v, []
+        while h:
+            x, key = h[0]
+            if v.get(key) != -x:
+                heapq.heappop(h)
+            elif key == k:
+                held.append(heapq.heappop(h))
+            else:
+                break
+        m = -h[0][0] if h else 0.0
+        for e in held:
+            heapq.heappush(h, e)
+        return m
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * len(self._v) + 16:
+            self._heap = [(-x, k) for k, x in self._v.items()]
+            heapq.heapify(self._heap)
+
+
+class _Sizes:
+    """The shared-prefix sizes of one stage's records on a rank (a multiset) and the largest: a heap of
+    one entry per record, whose removals below its top wait in `_gone` until they reach it."""
+
+    __slots__ = ("_gone", "_heap", "_n")
+
+    def __init__(self) -> None:
+        self._heap: list[int] = []  # -size per record; its top is never one removed
+        self._gone: dict[int, int] | None = None  # sizes removed but still in the heap: how many
+        self._n = 0
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def add(self, s: int) -> None:
+        heapq.heappush(self._heap, -s)
+        self._n += 1
+
+    def remove(self, s: int) -> None:
+        self._n -= 1
+        h = self._heap
+        if h[0] == -s:
+            heapq.heappop(h)
+            self._settle()
+            return
+        g = self._gone = self._gone or {}
+        g[s] = g.get(s, 0) + 1
+        if len(h) > 2 * self._n + 16:
+            keep = []
+            for x in h:
+                if g.get(-x):
+                    g[-x] -= 1
+                else:
+                    keep.append(x)
+            heapq.heapify(keep)
+            self._heap, self._gone = keep, None
+
+    def _settle(self) -> None:
+        g, h = self._gone, self._heap
+        while g and h and -h[0] in g:
+            s = -heapq.heappop(h)
+            if g[s] > 1:
+                g[s] -= 1
+            else:
+                del g[s]
+        if not g:
+            self._gone = None
+
+    def max(self) -> int:
+        return -self._heap[0] if self._n else 0
+
+    def max_without_one(self, s: int) -> int:
+        """The largest size once one record of size `s` leaves."""
+        h = self._heap
+        if not self._n or -h[0] != s:
+            return self.max()
+        top = heapq.heappop(h)
+        self._settle()
+        m = -h[0] if h else 0
+        heapq.heappush(h, top)
+        return m
+
+
+class _Rank:
+    """One rank's records and both terms of its demand, kept up to date."""
+
+    __slots__ = ("own", "records", "sizes", "top", "total")
+
+    def __init__(self) -> None:
+        self.records: dict[int, None] = {}  # last hashes of its conversations
+        self.own: dict[Stage, int] = {}  # own (unshared) blocks per stage
+        self.sizes: dict[Stage, _Sizes] = {}  # shared blocks of each stage's records
+        self.total = 0.0  # sum over stages of rate * own blocks
+        self.top: _Max[Stage] = _Max()  # rate * the stage's largest shared size, per stage
+
+    def rebuild(self, rate: dict[Stage, float]) -> None:
+        self.total = sum(rate[st] * n for st, n in self.own.items())
+        self.top = _Max()
+        for st, sz in self.sizes.items():
+            self.top.set(st, rate[st] * sz.max())
+
+
+class DemandLedger:
+    """Conversations placed per rank, forgotten `ttl_s` after their last turn, at most
+    `max_conversations` of them (the oldest last turn leaves first)."""
+
+    def __init__(
+        self, ttl_s: float = 300.0, window: float = 64, max_conversations: int = MAX_CONVERSATIONS
+    ) -> None:
         """`window`: the evidence decays by 1 - 1/window per record placed in a (group, stage)."""
+        if max_conversations < 1:
+            raise ValueError(f"max_conversations must be >= 1, got {max_conversations}")
         self.ttl_s = ttl_s
+        self.max_conversations = max_conversations
         self.evidence = Evidence(window)
         self._conv: OrderedDict[int, Conversation] = OrderedDict()  # last hash -> record, oldest first
-        self._own: dict[RankKey, dict[Stage, int]] = {}  # own (unshared) blocks per stage
-        self._shared: dict[RankKey, dict[Stage, dict[int, int]]] = {}  # {num_shared: conversations}
+        self._ranks: dict[RankKey, _Rank] = {}
+        self._holders: dict[Stage, tuple[RankKey, ...]] = {}  # the ranks holding records of each stage
 
     def __len__(self) -> int:
         return len(self._conv)
@@ -103,20 +262,28 @@ class DemandLedger:
         self, key: RankKey, prev: Conversation | None, num_blocks: int, num_shared: int, group: int = 0
     ) -> int:
         """The rank's demand if this turn (`num_blocks`, `num_shared` of them shared, in `group`) went
-        there; `prev`: the record of the conversation's earlier turn, wherever it is."""
+        there; `prev`: the record of the conversation's earlier turn, wherever it is.
+
+        At most three rate look-ups and two heap peeks, however many stages the rank holds. The kept
+        sums are updated by differences: the figure is the whole-table formula's up to float rounding
+        (an unrounded demand of exactly n + 0.5 may round either way)."""
         rate = self.evidence.rate
-        own = dict(self._own.get(key, {}))
-        shared = {st: dict(sh) for st, sh in self._shared.get(key, {}).items()}
-        if prev is not None and prev.key == key:
-            own[prev.stage] = own.get(prev.stage, 0) - (prev.num_blocks - prev.num_shared)
-            shared[prev.stage][prev.num_shared] -= 1
-        total = sum(rate(st) * n for st, n in own.items())
-        top = max((rate(st) * s for st, sh in shared.items() for s, n in sh.items() if n > 0), default=0.0)
+        total = top = 0.0
+        r = self._ranks.get(key)
+        if r is not None:
+            total = r.total
+            if prev is not None and prev.key == key:
+                st, rp = prev.stage, rate(prev.stage)
+                total -= rp * (prev.num_blocks - prev.num_shared)
+                top = max(r.top.max_without(st), rp * r.sizes[st].max_without_one(prev.num_shared))
+            else:
+                top = r.top.max()
         if num_blocks:
             st = (prev.group, 1) if prev is not None else (group, 0)
             k = min(num_shared, num_blocks)
-            total += rate(st) * (num_blocks - k)
-            top = max(top, rate(st) * k)
+            rs = rate(st)
+            total += rs * (num_blocks - k)
+            top = max(top, rs * k)
         return round(total + top)
 
     def place(self, key: RankKey, chain: Sequence[int], num_shared: int, now: float, group: int = 0) -> None:
@@ -129,12 +296,20 @@ class DemandLedger:
         prev = self.previous(chain)
         if prev is not None:
             self._drop(*prev)
-            self.evidence.returned(prev[1].stage)
+            st, old = prev[1].stage, self.evidence.rate(prev[1].stage)
+            self.evidence.returned(st)
+            self._rerate(st, old)
             turns, group = prev[1].turns + 1, prev[1].group
         self._drop_hash(chain[-1])
         c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns)
-        self.evidence.placed(c.stage)
+        old = self.evidence.rate(c.stage)
+        if self.evidence.placed(c.stage):
+            self._rebuild()
+        else:
+            self._rerate(c.stage, old)
         self._add(chain[-1], c)
+        while len(self._conv) > self.max_conversations:
+            self._drop(*next(iter(self._conv.items())))
 
     def move(self, last_hash: int, key: RankKey) -> None:
         """The turn recorded under `last_hash` ran on `key` instead (the proxy sent it elsewhere): the
@@ -145,13 +320,6 @@ class DemandLedger:
         self._drop(last_hash, c)
         self._add(last_hash, c._replace(key=key))
 
-    def _add(self, h: int, c: Conversation) -> None:
-        self._conv[h] = c
-        own = self._own.setdefault(c.key, {})
-        own[c.stage] = own.get(c.stage, 0) + c.num_blocks - c.num_shared
-        sh = self._shared.setdefault(c.key, {}).setdefault(c.stage, {})
-        sh[c.num_shared] = sh.get(c.num_shared, 0) + 1
-
     def expire(self, now: float) -> None:
         while self._conv:
             h, c = next(iter(self._conv.items()))
@@ -161,9 +329,48 @@ class DemandLedger:
 
     def forget_rank(self, key: RankKey) -> None:
         """The rank lost its cache (cleared, slept, reset) or is gone: its conversations are no longer
-        its demand (their next turns are prefilled wherever they go)."""
-        for h, c in [(h, c) for h, c in self._conv.items() if c.key == key]:
-            self._drop(h, c)
+        its demand (their next turns are prefilled wherever they go). Touches that rank's records only."""
+        r = self._ranks.pop(key, None)
+        if r is None:
+            return
+        for h in r.records:
+            del self._conv[h]
+        for st in r.sizes:
+            self._unhold(st, key)
+
+    def _rerate(self, st: Stage, old: float) -> None:
+        """The rate of `st` changed from `old`: update the ranks holding records of it."""
+        new = self.evidence.rate(st)
+        if new == old:
+            return
+        for key in self._holders.get(st, ()):
+            r = self._ranks[key]
+            r.total += (new - old) * r.own.get(st, 0)
+            r.top.set(st, new * r.sizes[st].max())
+
+    def _rebuild(self) -> None:
+        """Every rate changed (the evidence was cleared): recompute each rank's terms. Once per
+        MAX_GROUPS new stages, so O(1) amortized per record placed."""
+        rate = {st: self.evidence.rate(st) for st in self._holders}
+        for r in self._ranks.values():
+            r.rebuild(rate)
+
+    def _add(self, h: int, c: Conversation) -> None:
+        self._conv[h] = c
+        r = self._ranks.get(c.key)
+        if r is None:
+            r = self._ranks[c.key] = _Rank()
+        r.records[h] = None
+        st, n = c.stage, c.num_blocks - c.num_shared
+        rate = self.evidence.rate(st)
+        r.own[st] = r.own.get(st, 0) + n
+        r.total += rate * n
+        sz = r.sizes.get(st)
+        if sz is None:
+            sz = r.sizes[st] = _Sizes()
+            self._holders[st] = self._holders.get(st, ()) + (c.key,)
+        sz.add(c.num_shared)
+        r.top.set(st, rate * sz.max())
 
     def _drop_hash(self, h: int) -> None:
         c = self._conv.get(h)
@@ -172,13 +379,33 @@ class DemandLedger:
 
     def _drop(self, h: int, c: Conversation) -> None:
         del self._conv[h]
-        own = self._own[c.key]
-        own[c.stage] = own.get(c.stage, 0) - (c.num_blocks - c.num_shared)
-        if not own[c.stage]:
-            del own[c.stage]
-        sh = self._shared[c.key][c.stage]
-        sh[c.num_shared] -= 1
-        if not sh[c.num_shared]:
-            del sh[c.num_shared]
-        if not sh:
-            del self._shared[c.key][c.stage]
+        r = self._ranks[c.key]
+        del r.records[h]
+        if not r.records:  # NOTE: its terms start again from 0, not from what rounding left
+            del self._ranks[c.key]
+            for st in r.sizes:
+                self._unhold(st, c.key)
+            return
+        st, n = c.stage, c.num_blocks - c.num_shared
+        rate = self.evidence.rate(st)
+        left = r.own.get(st, 0) - n
+        if left:
+            r.own[st] = left
+        else:
+            r.own.pop(st, None)
+        r.total -= rate * n
+        sz = r.sizes[st]
+        sz.remove(c.num_shared)
+        if sz:
+            r.top.set(st, rate * sz.max())
+        else:
+            del r.sizes[st]
+            r.top.discard(st)
+            self._unhold(st, c.key)
+
+    def _unhold(self, st: Stage, key: RankKey) -> None:
+        ks = tuple(k for k in self._holders[st] if k != key)
+        if ks:
+            self._holders[st] = ks
+        else:
+            del self._holders[st]
