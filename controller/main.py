@@ -42,6 +42,7 @@ from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
+from controller.uploads import add_get_flags, with_get_limits
 from fleet.core import event_loop
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.quarantine.layered import (
@@ -268,6 +269,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     add_stream_flags(p, env)
     add_kernel_flags(p)
     add_edge_flags(p, env)
+    add_get_flags(p, env)
     add_session_flags(p)
     add_node_flags(p, env)
     add_judge_flags(p, env)
@@ -295,7 +297,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         salt_secret=bytes.fromhex(secret) if secret else None,
         ray_address=args.ray_address,
         leader_election=args.leader_election,
-        **edge_config_from(args),
+        **with_get_limits(edge_config_from(args), args),
         gc_interval_s=args.gc_interval,
         fleet_metrics_interval_s=args.fleet_metrics_interval,
         kernel=kernel_overrides_from(args),

@@ -26,9 +26,9 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from fleet.core.errors import InvalidArgument, ResourceExhausted
 
@@ -44,9 +44,44 @@ class UploadRefused(ResourceExhausted):
     """An upload the budget of unfinished puts cannot take (a count or bytes cap, or the tenant's share)."""
 
 
+class GetRefused(ResourceExhausted):
+    """A GetBlob the budget of open gets cannot take (a count or bytes cap, or the tenant's share)."""
+
+
+class GetStalled(ResourceExhausted):
+    """A GetBlob whose client took no message for `GetLimits.idle_s`; it reads the store no further."""
+
+
+@dataclass(frozen=True, slots=True)
+class GetLimits:
+    """Caps on open GetBlob streams (flags of `kvfleet controller`, in parentheses).
+
+    A get holds at most one store read batch (max(1 MiB, its chunk size), at most 2 MiB) of the blob in
+    Python, plus the one message gRPC is writing: its reservation is min(blob size, read batch). So the
+    count caps bound memory and server RPC slots; the byte caps are equal to them for large blobs (8 x 2 MiB)
+    and stay a bound if a count is raised alone.
+    """
+
+    tenant_gets: int = 8  # --max-gets-per-tenant
+    total_gets: int = 64  # --max-gets
+    tenant_bytes: int = 16 << 20  # --max-get-bytes-per-tenant
+    total_bytes: int = 128 << 20  # --max-get-bytes
+    idle_s: float = 30.0  # --get-idle-timeout: seconds the client may take no message
+    tenant_share: float = 0.5  # of the bytes other tenants leave free (as --upload-tenant-share)
+
+    def __post_init__(self) -> None:
+        for name in ("tenant_gets", "total_gets", "tenant_bytes", "total_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"get limit {name} must be positive, got {getattr(self, name)}")
+        if not self.idle_s > 0:
+            raise InvalidArgument(f"--get-idle-timeout must be positive seconds, got {self.idle_s}")
+        if not 0 < self.tenant_share <= 1:
+            raise InvalidArgument(f"get tenant_share must be in (0, 1], got {self.tenant_share}")
+
+
 @dataclass(frozen=True, slots=True)
 class UploadLimits:
-    """Caps on unfinished puts (flags of `kvfleet controller`, in parentheses)."""
+    """Caps on unfinished puts (flags of `kvfleet controller`, in parentheses); `gets`: on open gets."""
 
     tenant_uploads: int = 8  # --max-uploads-per-tenant
     total_uploads: int = 64  # --max-uploads
@@ -55,6 +90,7 @@ class UploadLimits:
     idle_s: float = 30.0  # --upload-idle-timeout
     min_rate: int = 64 << 10  # --upload-min-rate: bytes a second, after the first idle_s
     tenant_share: float = 0.5  # --upload-tenant-share: of the bytes other tenants leave free
+    gets: GetLimits = field(default_factory=GetLimits)  # GetBlob's gate (--max-gets*, --get-idle-timeout)
 
     def __post_init__(self) -> None:
         for name in ("tenant_uploads", "total_uploads", "tenant_bytes", "total_bytes", "min_rate"):
@@ -66,64 +102,145 @@ class UploadLimits:
             raise InvalidArgument(f"--upload-tenant-share must be in (0, 1], got {self.tenant_share}")
 
 
+GET_FLAGS: dict[str, tuple[str, type, str]] = {  # flag -> (GetLimits field, type, help); `kvfleet controller`
+    "--max-gets-per-tenant": ("tenant_gets", int, "open GetBlob streams per tenant"),
+    "--max-gets": ("total_gets", int, "open GetBlob streams in total"),
+    "--max-get-bytes-per-tenant": ("tenant_bytes", int, "blob bytes a tenant's open gets may hold at once"),
+    "--max-get-bytes": ("total_bytes", int, "blob bytes all open gets may hold at once"),
+    "--get-idle-timeout": ("idle_s", float, "seconds a GetBlob's client may take no message before it is ended"),
+}
+
+
+def add_get_flags(p: Any, env: Mapping[str, str]) -> None:
+    """GetLimits as flags (and KVFLEET_ + the flag in capitals); defaults in --help."""
+    d = GetLimits()
+    for flag, (name, kind, text) in GET_FLAGS.items():
+        var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
+        p.add_argument(flag, type=kind, default=env.get(var), dest=f"get_{name}",
+                       help=f"{text} (default {getattr(d, name)}; env {var})")
+
+
+def with_get_limits(config: dict[str, Any], args: Any) -> dict[str, Any]:
+    """`config` (ControllerConfig keywords with an `uploads`) with the GetLimits flags given in `args`."""
+    given = {}
+    for flag, (name, _, _) in GET_FLAGS.items():
+        value = getattr(args, f"get_{name}", None)
+        if value is not None:
+            if not value > 0:
+                raise InvalidArgument(f"{flag} must be positive, got {value}")
+            given[name] = value
+    if given:
+        config["uploads"] = replace(config["uploads"], gets=GetLimits(**given))
+    return config
+
+
 def _mib(n: int) -> str:
     return f"{n} bytes" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
-class UploadGate:
-    """Reservations of open puts. Used from the event loop only (no locks needed)."""
+@dataclass(frozen=True, slots=True)
+class _Caps:
+    """What one gate bounds, and the words and flags its refusals use."""
 
-    def __init__(self, limits: UploadLimits) -> None:
-        self.limits = limits
-        self.uploads: Counter[str] = Counter()
+    tenant_n: int
+    total_n: int
+    tenant_bytes: int
+    total_bytes: int
+    share: float
+    what: str  # "unfinished uploads", "open gets"
+    one: str  # "upload", "get"
+    flags: tuple[str, str, str, str, str]  # tenant_n, total_n, tenant_bytes, total_bytes, share
+    advice: str  # what the tenant may do when its own count is full
+    refused: type[ResourceExhausted]
+
+
+class _StreamGate:
+    """Reservations of open streams (count and bytes, per tenant and in total). Used from the event loop only
+    (no locks needed)."""
+
+    def __init__(self, caps: _Caps) -> None:
+        self.caps = caps
+        self.open: Counter[str] = Counter()
         self.reserved: Counter[str] = Counter()
 
     @property
-    def total_uploads(self) -> int:
-        return sum(self.uploads.values())
+    def total_open(self) -> int:
+        return sum(self.open.values())
 
     @property
     def total_bytes(self) -> int:
         return sum(self.reserved.values())
 
     def _refuse(self, tenant: str, size: int) -> str | None:
-        lim = self.limits
-        if self.uploads[tenant] >= lim.tenant_uploads:
-            return (f"tenant {tenant!r} already has {self.uploads[tenant]} unfinished uploads (quota "
-                    f"--max-uploads-per-tenant={lim.tenant_uploads}); finish or cancel one, then retry")
-        if self.total_uploads >= lim.total_uploads:
-            return (f"the controller already has {self.total_uploads} unfinished uploads (limit "
-                    f"--max-uploads={lim.total_uploads}); retry shortly")
-        if self.reserved[tenant] + size > lim.tenant_bytes:
-            return (f"tenant {tenant!r}: this upload of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
-                    f"flight exceeds the quota --max-upload-bytes-per-tenant={lim.tenant_bytes} "
-                    "; finish other uploads first, or raise the quota")
-        if self.total_bytes + size > lim.total_bytes:
-            return (f"this upload of {_mib(size)} on top of {_mib(self.total_bytes)} in flight exceeds the "
-                    f"controller's limit --max-upload-bytes={lim.total_bytes}; retry shortly")
-        share = int(lim.tenant_share * (lim.total_bytes - (self.total_bytes - self.reserved[tenant])))
+        c, (f_tn, f_n, f_tb, f_b, f_share) = self.caps, self.caps.flags
+        if self.open[tenant] >= c.tenant_n:
+            return (f"tenant {tenant!r} already has {self.open[tenant]} {c.what} (quota "
+                    f"{f_tn}={c.tenant_n}); {c.advice}")
+        if self.total_open >= c.total_n:
+            return f"the controller already has {self.total_open} {c.what} (limit {f_n}={c.total_n}); retry shortly"
+        if self.reserved[tenant] + size > c.tenant_bytes:
+            return (f"tenant {tenant!r}: this {c.one} of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
+                    f"flight exceeds the quota {f_tb}={c.tenant_bytes} "
+                    f"; finish other {c.one}s first, or raise the quota")
+        if self.total_bytes + size > c.total_bytes:
+            return (f"this {c.one} of {_mib(size)} on top of {_mib(self.total_bytes)} in flight exceeds the "
+                    f"controller's limit {f_b}={c.total_bytes}; retry shortly")
+        share = int(c.share * (c.total_bytes - (self.total_bytes - self.reserved[tenant])))
         if self.reserved[tenant] + size > share:
-            return (f"tenant {tenant!r}: this upload of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
-                    f"flight exceeds its share of the controller's upload budget ({_mib(share)}: "
-                    f"--upload-tenant-share={lim.tenant_share:g} of what other tenants leave of "
-                    f"--max-upload-bytes={lim.total_bytes}); finish other uploads first, or retry shortly")
+            return (f"tenant {tenant!r}: this {c.one} of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
+                    f"flight exceeds its share of the controller's {c.one} budget ({_mib(share)}: "
+                    f"{f_share}={c.share:g} of what other tenants leave of "
+                    f"{f_b}={c.total_bytes}); finish other {c.one}s first, or retry shortly")
         return None
 
     @contextlib.contextmanager
     def admit(self, tenant: str, size: int) -> Iterator[None]:
-        """Reserve one upload of `size` bytes for `tenant` while the block runs; refuse over a cap."""
+        """Reserve one stream of `size` bytes for `tenant` while the block runs; refuse over a cap."""
         why = self._refuse(tenant, size)
         if why is not None:
-            raise UploadRefused(why)
-        self.uploads[tenant] += 1
+            raise self.caps.refused(why)
+        self.open[tenant] += 1
         self.reserved[tenant] += size
         try:
             yield
         finally:
-            self.uploads[tenant] -= 1
+            self.open[tenant] -= 1
             self.reserved[tenant] -= size
-            self.uploads += Counter()  # drop zero entries
+            self.open += Counter()  # drop zero entries
             self.reserved += Counter()
+
+
+class UploadGate(_StreamGate):
+    """Reservations of open puts: a put's announced size, from its header until it ends."""
+
+    def __init__(self, limits: UploadLimits) -> None:
+        self.limits = limits
+        super().__init__(_Caps(limits.tenant_uploads, limits.total_uploads, limits.tenant_bytes, limits.total_bytes,
+                               limits.tenant_share, "unfinished uploads", "upload",
+                               ("--max-uploads-per-tenant", "--max-uploads", "--max-upload-bytes-per-tenant",
+                                "--max-upload-bytes", "--upload-tenant-share"),
+                               "finish or cancel one, then retry", UploadRefused))
+
+    @property
+    def uploads(self) -> Counter[str]:
+        return self.open
+
+    @property
+    def total_uploads(self) -> int:
+        return self.total_open
+
+
+class GetGate(_StreamGate):
+    """Reservations of open GetBlob streams: the blob bytes a get may hold at once, from its first store read
+    until it ends (read to the end, refused, stalled, or cancelled by its client)."""
+
+    def __init__(self, limits: GetLimits) -> None:
+        self.limits = limits
+        super().__init__(_Caps(limits.tenant_gets, limits.total_gets, limits.tenant_bytes, limits.total_bytes,
+                               limits.tenant_share, "open GetBlob streams", "get",
+                               ("--max-gets-per-tenant", "--max-gets", "--max-get-bytes-per-tenant",
+                                "--max-get-bytes", "the fixed tenant share"),
+                               "read or cancel one, then retry", GetRefused))
 
 
 async def progressing(items: AsyncIterator[T], *, idle_s: float, min_rate: float = 0.0) -> AsyncIterator[T]:
@@ -162,6 +279,24 @@ async def progressing(items: AsyncIterator[T], *, idle_s: float, min_rate: float
         if n is not None:
             idle, got = 0.0, got + n
         yield msg
+
+
+async def written(write: Awaitable[None], idle_s: float) -> asyncio.Future[None] | None:
+    """Start a server-stream write and wait for it on the client's clock (gRPC takes a message once the
+    client's flow-control window has room, i.e. once the client reads): None when it was taken within
+    `idle_s`, else the write, still pending. gRPC Python cannot end a call while a message waits on the
+    client's window, so the caller frees what it holds, awaits the pending write (the client reads it, or
+    cancels and so cancels the caller too), then raises GetStalled, whose status follows the message."""
+    task = asyncio.ensure_future(write)
+    try:
+        done, _ = await asyncio.wait((task,), timeout=idle_s)
+    except BaseException:
+        task.cancel()
+        raise
+    if done:
+        task.result()
+        return None
+    return task
 
 
 def _num_bytes(msg: object) -> int | None:

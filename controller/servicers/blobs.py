@@ -13,14 +13,14 @@ judge lane (ServiceContext.judge_blob_later; docs/quarantine_path.md): the put n
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any
 
 import grpc
 
 from controller.auth import Identity, Role
-from controller.servicers.common import ServiceContext, server_stream, unary
-from controller.uploads import UploadRefused, UploadStalled, progressing
+from controller.servicers.common import ServiceContext, unary
+from controller.uploads import GetRefused, GetStalled, UploadRefused, UploadStalled, progressing, written
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
 from fleet.cas.base import OverQuota, over_quota
@@ -28,6 +28,25 @@ from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 2 << 20
+MIN_CHUNK = 64 << 10  # a smaller requested chunk_size is rounded up to it
+READ_BATCH = 1 << 20  # a get reads at least this many bytes of chunks per store task (one chunk if larger)
+
+
+def _open(store: Any, ref: str, tenant: str, chunk: int) -> tuple[int, Generator[bytes, None, None]]:
+    """GetBlob's first store task: the blob's size and its chunk iterator (NotFound here)."""
+    blob_size: int = store.stat(ref, tenant).size
+    return blob_size, store.get_stream(ref, tenant, chunk)
+
+
+def _read_batch(it: Iterator[bytes], batch: int) -> list[bytes]:
+    """The iterator's next chunks, `batch` bytes or more (fewer at the end; none once it ended)."""
+    out, n = [], 0
+    for chunk in it:
+        out.append(chunk)
+        n += len(chunk)
+        if n >= batch:
+            break
+    return out
 
 
 def _mib(n: int) -> str:
@@ -64,7 +83,7 @@ class BlobServicer(pbg.BlobServiceServicer):
         chunks = await self._chunks(requests, header)
         put = functools.partial(self.ctx.store.put_stream, quota=self.ctx.blob_bytes_per_tenant)
         try:
-            ref: str = await self.ctx.blocking(put, iter(chunks), tenant, header.expected_ref or None)
+            ref: str = await self.ctx.tenant_blocking(tenant, put, iter(chunks), tenant, header.expected_ref or None)
         except OverQuota:
             self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
             raise
@@ -92,10 +111,10 @@ class BlobServicer(pbg.BlobServiceServicer):
         quota = self.ctx.blob_bytes_per_tenant
         if not quota or not header.expected_ref:
             return
-        used: int = await self.ctx.blocking(self.ctx.store.stored_bytes, tenant)
+        used: int = await self.ctx.tenant_blocking(tenant, self.ctx.store.stored_bytes, tenant)
         if used + header.size <= quota:
             return
-        if await self.ctx.blocking(self.ctx.store.exists, header.expected_ref, tenant):
+        if await self.ctx.tenant_blocking(tenant, self.ctx.store.exists, header.expected_ref, tenant):
             return
         self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
         raise over_quota(tenant, used, header.size, quota)
@@ -117,25 +136,56 @@ class BlobServicer(pbg.BlobServiceServicer):
                                   "nothing was stored")
         return chunks
 
-    @server_stream(Role.TENANT)
+    @unary(Role.TENANT)  # a server stream written with context.write: each write is waited for on the client's clock
     async def GetBlob(self, request: pb.GetBlobRequest, context: grpc.aio.ServicerContext,
-                      ident: Identity) -> AsyncIterator[pb.GetBlobResponse]:
+                      ident: Identity) -> None:
         size = request.chunk_size or DEFAULT_CHUNK
         if size > MAX_CHUNK:
             raise InvalidArgument(f"chunk_size {size} is over the maximum of {MAX_CHUNK} bytes (2 MiB)")
-        it = await self.ctx.blocking(self.ctx.store.get_stream, request.ref, ident.tenant, size)
-        sent, done = 0, object()
-        while (chunk := await self.ctx.blocking(next, it, done)) is not done:
-            assert isinstance(chunk, bytes)
-            sent += len(chunk)
-            yield pb.GetBlobResponse(chunk=chunk)
+        size = max(size, MIN_CHUNK)  # smaller chunks cost a store read and a message each for a few bytes
+        tenant, gate = ident.tenant, self.ctx.gets
+        batch = max(READ_BATCH, size)
+        blob_size, it = await self.ctx.tenant_blocking(tenant, _open, self.ctx.store, request.ref, tenant, size)
+        try:
+            with gate.admit(tenant, min(blob_size, batch)):  # held until the stream ends, however it ends
+                sent = await self._send(context, it, tenant, batch)
+        except GetRefused:
+            self.ctx.metrics.cas_ops.labels(op="get", outcome="get_budget").inc()
+            raise
+        except GetStalled:
+            self.ctx.metrics.cas_ops.labels(op="get", outcome="stalled").inc()
+            raise
+        finally:
+            it.close()
         self.ctx.metrics.cas_ops.labels(op="get", outcome="ok").inc()
         self.ctx.metrics.cas_bytes.labels(direction="out").inc(sent)
+
+    async def _send(self, context: grpc.aio.ServicerContext, it: Generator[bytes, None, None], tenant: str,
+                    batch: int) -> int:
+        """Write the blob's chunks as the store reads them, a batch of chunks per store task; each write is
+        waited for on the client's clock (controller/uploads.py: written)."""
+        idle_s, sent = self.ctx.gets.limits.idle_s, 0
+        chunks = await self.ctx.tenant_blocking(tenant, _read_batch, it, batch)
+        chunks.reverse()
+        while chunks:
+            msg = pb.GetBlobResponse(chunk=chunks.pop())
+            pending = await written(context.write(msg), idle_s)
+            if pending is not None:
+                chunks.clear()  # the stream reads no more: only gRPC's pending message is left
+                del msg
+                await pending  # until the client reads it, or cancels (which cancels this task)
+                raise GetStalled(f"GetBlob's client took no message for {idle_s:g} s (limit --get-idle-timeout; "
+                                 f"{sent} bytes sent before); read the stream as it comes")
+            sent += len(msg.chunk)
+            if not chunks:
+                chunks = await self.ctx.tenant_blocking(tenant, _read_batch, it, batch)
+                chunks.reverse()
+        return sent
 
     @unary(Role.TENANT)
     async def StatBlob(self, request: pb.StatBlobRequest, context: grpc.aio.ServicerContext,
                        ident: Identity) -> pb.StatBlobResponse:
-        meta = await self.ctx.blocking(self.ctx.store.stat, request.ref, ident.tenant)
+        meta = await self.ctx.tenant_blocking(ident.tenant, self.ctx.store.stat, request.ref, ident.tenant)
         return pb.StatBlobResponse(meta=meta_to_proto(meta))
 
     # -- operations: pins and GC -----------------------------------------------------------------
@@ -152,8 +202,9 @@ class BlobServicer(pbg.BlobServiceServicer):
 
     async def _pin(self, request: pb.PinBlobRequest, ident: Identity, verb: Any) -> pb.PinBlobResponse:
         tenant = _pin_tenant(request, ident)
-        await self.ctx.blocking(verb, request.ref, tenant)
-        return pb.PinBlobResponse(meta=meta_to_proto(await self.ctx.blocking(self.ctx.store.stat, request.ref, tenant)))
+        await self.ctx.tenant_blocking(ident.tenant, verb, request.ref, tenant)
+        meta = await self.ctx.tenant_blocking(ident.tenant, self.ctx.store.stat, request.ref, tenant)
+        return pb.PinBlobResponse(meta=meta_to_proto(meta))
 
     @unary(Role.OPERATOR)
     async def CollectGarbage(self, request: pb.CollectGarbageRequest, context: grpc.aio.ServicerContext,

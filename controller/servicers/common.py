@@ -7,6 +7,7 @@ failure leaves as a gRPC status with a message a person can act on; nothing cras
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,9 +25,10 @@ from controller.edge import (
     refuse,
 )
 from controller.judge_lanes import JudgeLanes
+from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
-from controller.uploads import UploadGate, UploadLimits
+from controller.uploads import GetGate, UploadGate, UploadLimits
 from controller.verdicts import Judge, Judgement
 from fleet.core.errors import KvfleetError, Unavailable
 from fleet.core.quarantine.layered import DetectorConfig
@@ -62,9 +64,15 @@ class ServiceContext:
     detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
     detector_tenants: dict[str, DetectorConfig] = field(default_factory=dict)  # --detector-tenant overrides
     judge_lanes: JudgeLanes = field(default_factory=JudgeLanes)  # the detector's own pool, per-tenant lanes
+    gets: GetGate = field(init=False)  # open GetBlob streams per tenant (uploads.limits.gets)
+    store_lanes: KeyedSlots = field(init=False)  # a tenant's blob calls hold at most half the store threads
     _judge: Judge | None = None
     _judge_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _heavy_pending: set[tuple[str, str]] = field(default_factory=set)  # (tenant, ref) queued for `heavy`
+
+    def __post_init__(self) -> None:
+        self.gets = GetGate(self.uploads.limits.gets)
+        self.store_lanes = KeyedSlots(store_share(self.executor), key_name="tenant", name="store threads")
 
     async def judge(self) -> Judge:
         """The controller's one Judge (proxy verdicts and session admissions), built on first use: calls that
@@ -133,10 +141,29 @@ class ServiceContext:
         """Run a blocking store call off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
+    async def tenant_blocking(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
+        """`blocking` for one tenant's blob call: it waits for one of the tenant's store_share(executor) slots
+        first, so one tenant's flood (64 GetBlob streams) never holds every store thread and another tenant's
+        StatBlob or PutBlob finds one free (else it queued behind the flood's reads, FIFO)."""
+        async with self.store_lanes.hold(tenant, None, "store call"):
+            fut = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:  # the slot is held until the thread is free again (a caller that
+                while not fut.done():  # cancels must not start its next store call beside this one)
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait((fut,))
+                raise
+
     def need_router(self) -> Any:
         if self.router is None:
             raise Unavailable("the router is not running on this controller yet; retry shortly")
         return self.router
+
+
+def store_share(executor: ThreadPoolExecutor) -> int:
+    """Store threads one tenant's blob calls may hold at once: half of them (at least one)."""
+    return max(1, executor._max_workers // 2)
 
 
 def pin_torch_threads() -> None:
@@ -192,7 +219,8 @@ Handler = Callable[..., Awaitable[Any]]
 
 
 def unary(role: Role | frozenset[Role]) -> Callable[[Handler], Handler]:
-    """Wrap `async def M(self, request, context, ident)` (unary or client-streaming) with auth and errors."""
+    """Wrap `async def M(self, request, context, ident)` (unary or client-streaming, or server-streaming
+    writing with context.write and returning None) with auth and errors."""
 
     def wrap(fn: Handler) -> Handler:
         @functools.wraps(fn)
