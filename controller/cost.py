@@ -30,6 +30,7 @@ that is not proven (epoch, calibration, fences) gets no cached tokens, whatever 
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -276,6 +277,8 @@ class Branches:
     trace (issue #27) every turn forked its conversation's previous one, so kvfleet placed returning
     turns by load alone and hit barely more than round robin.
     Bounded: past `max_blocks` hashes it forgets everything and learns again.
+    Thread-safe: a long prompt's chain is observed in its hashing thread (controller/router.py), a short one's on
+    the event loop; each observation is whole under a lock, so each sees the others' all or not at all.
     """
 
     def __init__(self, max_blocks: int = 1 << 20, fanout: int = 3) -> None:
@@ -284,9 +287,14 @@ class Branches:
         self.max_blocks, self.fanout = max_blocks, fanout
         self._next: dict[int, tuple[int, ...]] = {}  # block hash -> the distinct blocks seen after it
         self._forks: set[int] = set()
+        self._lock = threading.Lock()
 
     def observe(self, chain: Sequence[int]) -> int:
         """Record the chain's transitions; return how many leading blocks are shared (up to its last fork)."""
+        with self._lock:
+            return self._observe(chain)
+
+    def _observe(self, chain: Sequence[int]) -> int:
         if len(self._next) > self.max_blocks:
             self._next.clear()
             self._forks.clear()

@@ -4,7 +4,8 @@ The Router (controller/router.py) owns the workers and the request lifecycle; a 
 each serving (worker, rank) it gathers the cost's inputs (the prefix index's proven match, the in-flight
 ledger reconciled against the worker's last /metrics look, the conversation working set) and asks
 `cost.rank` for the order. Hashing a prompt's block chains is O(tokens), so `checked_chains` runs off the
-event loop and hands `rank` its result.
+event loop and hands `rank` its result; for a long prompt so do its `seed_of` and the Branches observations of
+the chains `warm_keys` names (the router's hashing thread), and `order` takes them.
 """
 
 from __future__ import annotations
@@ -70,9 +71,27 @@ class CandidateOrder:
                 continue
         return jobs
 
+    def warm_keys(self, model: str, lora: str | None) -> list[Any]:
+        """The chain keys whose chains `order` would observe in the Branches, in the order it would (cheap)."""
+        keys: dict[Any, None] = {}
+        for w in self.workers.values():
+            try:
+                v = w.view()
+                adapter = v.adapter(model, lora)
+                if adapter is False or v.hash_cfg is None:
+                    continue
+                if any(rv.serving and rv.warmable for rv in v.ranks):
+                    keys[v.chain_key(adapter)] = None
+            except Exception:  # NOTE: contained and counted once, by rank, which takes the same view
+                continue
+        return list(keys)
+
     def order(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
-              pre: dict[Any, list[int]] | None = None) -> Ordering:
-        """Rank the candidates; `pre` holds chains hashed off the event loop (see checked_chains)."""
+              pre: dict[Any, list[int]] | None = None, seed: int | None = None,
+              observed: dict[Any, int] | None = None) -> Ordering:
+        """Rank the candidates; `pre` holds chains hashed off the event loop (see checked_chains), `seed` the
+        prompt's seed_of and `observed` what Branches.observe returned there for the chains of warm_keys; a chain
+        or key missing from them (a worker that came or woke meanwhile) is hashed or observed here."""
         # per hash config: the prompt's chain, and the tracked routes it extends
         chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
         last: dict[RankKey, int | None] = {}
@@ -80,7 +99,8 @@ class CandidateOrder:
         self.demand.expire(time.monotonic())
         states = []
         shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
-        seed = hash(tuple(token_ids)) & 0xFFFFFFFF  # NOTE: the whole prompt, not a shared head
+        if seed is None:
+            seed = seed_of(token_ids)
         for name, w in self.workers.items():
             try:
                 v = w.view()
@@ -98,7 +118,9 @@ class CandidateOrder:
                             chain = (pre or {}).get(ck)
                             if chain is None:
                                 chain = external_chain(v.hash_cfg, token_ids, lora=v.lora_key(adapter), cache_salt=salt)
-                            nshared = self.branches.observe(chain)
+                            nshared = (observed or {}).get(ck)
+                            if nshared is None:
+                                nshared = self.branches.observe(chain)
                             prev = self.demand.previous(chain)
                             hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
                             shared = max(shared, nshared * v.hash_cfg.block_size)
@@ -163,6 +185,11 @@ class CandidateOrder:
         if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
             self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
             self.ended(self.flights.reconcile(key, w.load.running, w.load.waiting, w.load_at), "reconcile")
+
+
+def seed_of(token_ids: Sequence[int]) -> int:
+    """The candidates' tie-break seed: a hash of the whole prompt, not a shared head. O(tokens)."""
+    return hash(tuple(token_ids)) & 0xFFFFFFFF
 
 
 def checked_chains(jobs: dict[Any, Any], token_ids: Sequence[int], model: str, salt: str | None,

@@ -19,13 +19,14 @@ would evict. Serving and proven warmth stay hard rules; cost only orders what th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from controller.demand import DemandLedger
 from controller.index import PrefixIndex
 from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
-from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains
+from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains, seed_of
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.shadow_pool import ShadowPools
@@ -47,7 +48,7 @@ from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
 from controller.worker_status import WorkerStatus, agreed_spec, error_status, resumed_ranks, status_row
 from fleet.core import lifecycle as lc
-from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import RankState
 from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision, verdict_of
@@ -64,6 +65,13 @@ INLINE_HASH_TOKENS = 8192
 # a tenant's longer prompts hashed at once in the shared thread pool (more buy nothing: hashing holds the GIL);
 # its others wait their turn, so one tenant's flood of long prompts leaves the pool's other threads to the rest
 HASH_THREADS_PER_TENANT = 2
+# a tenant's longer prompts waiting for one of those threads hold at most this many tokens in all: eight prompts of the
+# default --max-route-tokens (1,048,576), that is 4 x HASH_THREADS_PER_TENANT waiting beyond those hashing, about four
+# rounds of its hashing. One that would pass it is refused (RESOURCE_EXHAUSTED) unless none waits. Counted in tokens,
+# not prompts: a waiter holds its request's ids (4 bytes a token: 32 MiB at most per tenant), and a burst of 16,000-
+# token prompts (an agent's chats) fits hundreds where it fits eight of the longest. Unbounded, every waiter held its
+# ids as Python ints (36 MB per 1M tokens): 24 waiting 1M-token Routes took the controller to 889 MiB.
+LONG_WAIT_TOKENS_PER_TENANT = 4 * HASH_THREADS_PER_TENANT << 20
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,7 @@ class Router:
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
         self._hash_slots = KeyedSlots(HASH_THREADS_PER_TENANT, key_name="tenant", name="long prompts hashed")
+        self._long_waiting: dict[Hashable, int] = {}  # per tenant: tokens of its long prompts waiting for a slot
         # live tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move;
         # dropped when the route ends (release, TTL, reconcile, worker gone)
         self._alternatives: OrderedDict[str, tuple[Ordering, int]] = OrderedDict()
@@ -284,21 +293,32 @@ class Router:
         INLINE_HASH_TOKENS are hashed at most HASH_THREADS_PER_TENANT at a time. A caller that will
         not release leaves `track` off: its requests are seen through /metrics alone.
 
+        `token_ids` is a list or tuple; a long prompt may come as another sequence (a protobuf repeated field), made a
+        list only in its hashing thread. The tenant's long prompts waiting for a thread hold at most
+        LONG_WAIT_TOKENS_PER_TENANT tokens.
+
         Raises:
             InvalidArgument: bad token ids, model or salt.
+            ResourceExhausted: the tenant's long prompts waiting to be hashed would hold over LONG_WAIT_TOKENS_PER_TENANT.
             Unavailable: no serving worker for the model.
         """
         t0 = time.perf_counter()
         check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
         if expired := self.flights.expire(time.monotonic()):  # hot path: most routes expire nothing
             self._ended(expired, "ttl")
-        jobs = self.candidates.hash_jobs(model, lora)
         if isinstance(token_ids, list | tuple) and len(token_ids) <= INLINE_HASH_TOKENS:
-            pre = checked_chains(jobs, token_ids, model, cache_salt, lora)
+            pre = checked_chains(self.candidates.hash_jobs(model, lora), token_ids, model, cache_salt, lora)
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre)
         else:
-            async with self._hash_slots.hold(owner, None, "Route"):
-                pre = await asyncio.to_thread(checked_chains, jobs, token_ids, model, cache_salt, lora)
-        ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre)
+            # NOTE: a long prompt's O(tokens) work (its ids made a list, checked, hashed, its tuple hash and the
+            # Branches it extends) runs in the thread; its ordering reads the ledgers on the loop, as a short one's
+            async with self._long_turn(owner, len(token_ids) if isinstance(token_ids, Sized) else 0):
+                # NOTE: the workers as they are once its turn came (a wait can be long): fewer chains left to the loop
+                jobs, warm = self.candidates.hash_jobs(model, lora), self.candidates.warm_keys(model, lora)
+                token_ids, pre, seed, observed = await asyncio.to_thread(
+                    _hashed_long, jobs, warm, token_ids, model, cache_salt, lora, self.branches
+                )
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
@@ -352,6 +372,36 @@ class Router:
             t,
             cands[1] if len(cands) > 1 else None,
         )
+
+    @contextlib.asynccontextmanager
+    async def _long_turn(self, owner: str | None, num_tokens: int) -> AsyncIterator[None]:
+        """One of the tenant's hashing slots while the block runs. The tokens of its prompts waiting for one are
+        counted; past LONG_WAIT_TOKENS_PER_TENANT a prompt is refused before it waits (a lone waiter never is)."""
+        waiting = self._long_waiting.get(owner, 0)
+        if waiting and waiting + num_tokens > LONG_WAIT_TOKENS_PER_TENANT:
+            raise ResourceExhausted(
+                f"tenant {owner!r} has {waiting:,} tokens of long prompts (over {INLINE_HASH_TOKENS:,} tokens) waiting "
+                f"to be hashed, {HASH_THREADS_PER_TENANT} at a time; another {num_tokens:,} would pass the limit of "
+                f"{LONG_WAIT_TOKENS_PER_TENANT:,} tokens waiting per tenant; retry once its earlier Routes are answered, "
+                "or send fewer long prompts at once"
+            )
+        self._long_waiting[owner] = waiting + num_tokens
+        waiting_here = True
+        try:
+            async with self._hash_slots.hold(owner, None, "Route"):
+                waiting_here = False
+                self._unwait(owner, num_tokens)
+                yield
+        finally:
+            if waiting_here:  # cancelled (the caller went away) while it waited
+                self._unwait(owner, num_tokens)
+
+    def _unwait(self, owner: str | None, num_tokens: int) -> None:
+        left = self._long_waiting[owner] - num_tokens
+        if left:
+            self._long_waiting[owner] = left
+        else:
+            del self._long_waiting[owner]
 
     def release_route(self, route_id: str, owner: str | None = None) -> bool:
         """The routed request ended: its worker's in-flight load drops now. False if already gone.
@@ -509,3 +559,14 @@ class Router:
         return ordering
 
 
+def _hashed_long(jobs: dict[Any, Any], warm: Sequence[Any], token_ids: Sequence[int], model: str, salt: str | None,
+                 lora: str | None, branches: Branches) -> tuple[Sequence[int], dict[Any, list[int]], int, dict[Any, int]]:
+    """A long prompt's O(tokens) work, in its hashing thread: its ids as a list (a protobuf repeated field arrives
+    as is), checked and hashed (checked_chains), their tuple hash (the ordering's tie-break seed), and the chains of
+    the `warm` keys observed in `branches` in the order the ordering would observe them. Returns (ids, chains,
+    seed, leading shared blocks per observed key)."""
+    if not isinstance(token_ids, list | tuple | str | bytes | bytearray) and isinstance(token_ids, Sequence):
+        token_ids = list(token_ids)
+    chains = checked_chains(jobs, token_ids, model, salt, lora)
+    observed = {ck: branches.observe(chains[ck]) for ck in warm if ck in chains}
+    return token_ids, chains, seed_of(token_ids), observed

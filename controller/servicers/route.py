@@ -2,7 +2,8 @@
 cache_salt and ownership come from its token.
 
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
-MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop.
+MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop, and
+refuses one (RESOURCE_EXHAUSTED) while the tenant's others waiting to be hashed hold router.LONG_WAIT_TOKENS_PER_TENANT.
 
 RouteStream (the proxy's path, docs/proxy.md): the caller's token is checked when the stream opens and again at
 each message, which runs as its own task; at most STREAM_IN_FLIGHT of one stream's messages are running or
@@ -22,6 +23,7 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.edge import Undecodable, refuse
+from controller.router import INLINE_HASH_TOKENS
 from controller.servicers.common import (
     ServiceContext,
     check_caller,
@@ -63,8 +65,11 @@ class RouteServicer(pbg.RouteServiceServicer):
                                   f"{self.ctx.max_route_tokens} (--max-route-tokens); send at most the model's "
                                   "context length, or raise the limit")
         salt = self.ctx.auth.cache_salt(ident.tenant)
+        ids = request.token_ids
         decision = await self.ctx.need_router().route(
-            list(request.token_ids),
+            # NOTE: a long prompt's ids stay the request's 4-byte ints until its hashing thread makes them a list (1M
+            # tokens: 34 MB of Python ints, built on the event loop before it waited its turn, however many waited)
+            list(ids) if len(ids) <= INLINE_HASH_TOKENS else ids,
             request.model,
             cache_salt=salt,
             lora=request.lora if request.HasField("lora") else None,
