@@ -17,7 +17,8 @@ from controller.main import parse_args
 LIMITS = {"maxRouteTokens": 65536, "uploadsPerTenant": 4, "uploads": 32, "uploadBytesPerTenant": 1 << 27,
           "uploadBytes": 1 << 29, "blobBytesPerTenant": 0, "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
           "grpcMaxConcurrentStreams": 50, "grpcMaxConcurrentRpcs": 500, "grpcKeepaliveSeconds": 30,
-          "grpcMinPingIntervalSeconds": 5, "uploadMinRate": 4096, "uploadTenantShare": 0.25}
+          "grpcMinPingIntervalSeconds": 5, "uploadMinRate": 4096, "uploadTenantShare": 0.25, "getsPerTenant": 3,
+          "gets": 24, "getBytesPerTenant": 1 << 23, "getBytes": 1 << 26, "getIdleTimeoutSeconds": 7.5}
 MTLS = {"tls": {"enabled": True, "secretName": "kvfleet-tls", "clientCa": True, "clientSecretName": "kvfleet-client"},
         "watcher": {"create": True, "vllmWorkers": VLLM}}
 
@@ -40,6 +41,8 @@ def test_limits_reach_the_controller_flags(chart: Any) -> None:
     assert flag["--upload-idle-timeout"] == "12.5" and flag["--grpc-min-ping-interval"] == "5"
     assert flag["--max-blob-bytes-per-tenant"] == "0"  # 0 (no quota) is a value, not "unset"
     assert flag["--upload-min-rate"] == "4096" and flag["--upload-tenant-share"] == "0.25"
+    assert (flag["--max-gets-per-tenant"], flag["--max-gets"], flag["--max-get-bytes-per-tenant"], flag["--max-get-bytes"],
+            flag["--get-idle-timeout"]) == ("3", "24", str(1 << 23), str(1 << 26), "7.5")
     assert set(EDGE_FLAGS) <= set(flag)  # every edge flag has a value
     # the controller's own parser takes them all
     cli = parse_args(args[1:], {})
