@@ -14,16 +14,18 @@ from collections.abc import Callable
 from fleet.cas.base import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_BLOB_BYTES,
+    PER_BLOB_OVERHEAD,
     BlobMeta,
     BlobStore,
     StoreConfig,
+    blob_charge,
 )
 from fleet.cas.url import redact
 from fleet.core.errors import InvalidArgument
 
 __all__ = [
     "BlobMeta", "BlobStore", "StoreConfig", "open_store", "make_store",
-    "DEFAULT_MAX_BLOB_BYTES", "DEFAULT_LEASE_S",
+    "DEFAULT_MAX_BLOB_BYTES", "DEFAULT_LEASE_S", "PER_BLOB_OVERHEAD", "blob_charge",
 ]
 
 

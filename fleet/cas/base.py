@@ -17,9 +17,11 @@ from typing import Any
 from fleet.cas.types import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_BLOB_BYTES,
+    PER_BLOB_OVERHEAD,
     BlobMeta,
     StoreConfig,
     _sha_hex,
+    blob_charge,
     check_bytes,
     check_key,
     check_name,
@@ -32,7 +34,7 @@ from fleet.core.errors import InvalidArgument, ResourceExhausted
 from fleet.core.verdict import VERDICTS
 
 __all__ = [
-    "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES",
+    "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES", "PER_BLOB_OVERHEAD", "blob_charge",
     "BlobMeta", "BlobStore", "StoreConfig", "check_bytes", "check_key", "check_name", "check_ref", "check_tenant",
     "OverQuota", "over_quota",
 ]
@@ -43,9 +45,11 @@ class OverQuota(ResourceExhausted):
 
 
 def over_quota(tenant: str, used: int, size: int, quota: int) -> OverQuota:
-    """The refusal of a put that would take `tenant`'s stored blob bytes past `quota`."""
+    """The refusal of a put of a `size`-byte blob that would take `tenant`'s stored blob bytes (`used`,
+    each blob counted as `blob_charge` of its size) past `quota`."""
     return OverQuota(
-        f"tenant {tenant!r} has {used} blob bytes stored; this blob of {size} bytes would take it past "
+        f"tenant {tenant!r} has {used} blob bytes stored (each blob counts its size plus {PER_BLOB_OVERHEAD}); "
+        f"this blob of {size} bytes (counting {blob_charge(size)}) would take it past "
         f"its quota of {quota} bytes (--max-blob-bytes-per-tenant); nothing was stored. Unpin blobs you no "
         "longer need (stored blobs count until the store GC collects them: unpinned, unreferenced, lease "
         "expired) or ask the operator to raise the quota"
@@ -67,8 +71,9 @@ class BlobStore(ABC):
             data: the blob bytes (not copied before the backend write).
             tenant: owning tenant.
             expected_ref: if given, the sha256 the caller claims; checked before anything is written.
-            quota: if > 0, the most blob bytes `tenant` may have stored (see `stored_bytes`); checked
-                in the same transaction/script as the write, so concurrent puts cannot overshoot it.
+            quota: if > 0, the most blob bytes `tenant` may have stored (see `stored_bytes`: each blob
+                counts its size plus PER_BLOB_OVERHEAD); checked in the same transaction/script as the
+                write, so concurrent puts cannot overshoot it.
 
         Returns:
             The lowercase sha256 hex of `data`. A second put of the same bytes stores nothing new
@@ -155,8 +160,9 @@ class BlobStore(ABC):
             raise over_quota(tenant, used, view.nbytes, quota)
 
     def stored_bytes(self, tenant: str) -> int:
-        """The bytes of every blob `tenant` has stored now (each distinct blob counted once, until GC
-        deletes it); maintained by the backend atomically with each put and each GC delete."""
+        """The bytes `tenant` has stored now, as its quota counts them: each distinct blob once, its size
+        plus PER_BLOB_OVERHEAD (`blob_charge`), from its put until GC deletes it (which gives back exactly
+        what the put counted); maintained by the backend atomically with each put and each GC delete."""
         check_tenant(tenant)
         return self._stored_bytes(tenant)
 
@@ -301,9 +307,10 @@ class BlobStore(ABC):
     # ---- backend primitives ----------------------------------------------------------------------
     @abstractmethod
     def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
-        """Store the blob, or only extend its lease if present. With quota > 0, a NEW blob that would
-        take the tenant's stored bytes past quota is not written and the stored bytes are returned;
-        otherwise None. Check and write are one transaction/script."""
+        """Store the blob, or only extend its lease if present. A new blob adds `blob_charge(data.nbytes)`
+        to the tenant's stored bytes, and records it so that GC gives back exactly that. With quota > 0,
+        a NEW blob that would take the tenant's stored bytes past quota is not written and the stored
+        bytes are returned; otherwise None. Check and write are one transaction/script."""
     @abstractmethod
     def _stored_bytes(self, tenant: str) -> int: ...
     @abstractmethod

@@ -3,16 +3,20 @@
 Key layout (tenant names exclude ':', so a tenant can never reach another tenant's keys):
 
     kvf:t:{tenant}:b:{ref}          STRING  the blob bytes
-    kvf:t:{tenant}:m:{ref}          HASH    size, created, pins, refs, verdict, reasons, lease_expires
+    kvf:t:{tenant}:m:{ref}          HASH    size, charge, created, pins, refs, verdict, reasons, lease_expires
     kvf:t:{tenant}:op:{session_id}  LIST    the session's op log, one JSON op per element
-    kvf:t:{tenant}:bytes            STRING  the tenant's stored blob bytes (sum of its blobs' sizes),
-                                            changed by the same script that writes or deletes a blob
+    kvf:t:{tenant}:bytes            STRING  the tenant's stored blob bytes (sum of its blobs' charges:
+                                            size + PER_BLOB_OVERHEAD), changed by the same script
+                                            that writes or deletes a blob
     kvf:kv:{namespace}              HASH    controller state, key -> value
 
 Atomicity: a put is ONE EVALSHA whose arguments carry the bytes; Redis runs a script only after its
 whole command has arrived, and runs it without interleaving, so the data key and the metadata hash
 appear together or not at all. A client killed mid-transfer leaves nothing. The same script keeps the
-tenant's byte count (and checks its quota), and the GC script that deletes a blob lowers it.
+tenant's byte count (and checks its quota), and the GC script that deletes a blob lowers it by the
+`charge` the put recorded in the blob's metadata (a blob stored before charges were recorded gave
+its size alone, and gives back its size alone), so a put then its collection leaves the count exactly
+where it was, whatever PER_BLOB_OVERHEAD was or becomes.
 NOTE: blobs a Redis store held before the byte count existed are not in it (no backfill scan: it
 would race live puts); they leave it as they are collected, the count never going below 0.
 """
@@ -30,7 +34,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fleet.cas.base import BlobMeta, BlobStore, StoreConfig
+from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.core.errors import ResourceExhausted, Unavailable
 from fleet.core.verdict import UNKNOWN
 
@@ -42,10 +46,10 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
 end
 local used = tonumber(redis.call('GET', KEYS[3]) or '0')
 local quota = tonumber(ARGV[6])
-if quota > 0 and used + tonumber(ARGV[2]) > quota then return {used} end
-redis.call('INCRBY', KEYS[3], ARGV[2])
+if quota > 0 and used + tonumber(ARGV[7]) > quota then return {used} end
+redis.call('INCRBY', KEYS[3], ARGV[7])
 redis.call('SET', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[2], 'size', ARGV[2], 'created', ARGV[3], 'pins', '0', 'refs', '0',
+redis.call('HSET', KEYS[2], 'size', ARGV[2], 'charge', ARGV[7], 'created', ARGV[3], 'pins', '0', 'refs', '0',
            'verdict', ARGV[5], 'reasons', '[]', 'lease_expires', ARGV[4])
 return 1
 """
@@ -71,19 +75,32 @@ redis.call('HSET', KEYS[1], 'verdict', ARGV[1], 'reasons', ARGV[2])
 return 1
 """
 
-_GC_ONE = """
-if redis.call('TYPE', KEYS[2])['ok'] ~= 'hash' then return 0 end
-local m = redis.call('HMGET', KEYS[2], 'pins', 'refs', 'lease_expires')
-local pins, refs, lease = tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
-if pins == nil or refs == nil or lease == nil then return 0 end  -- unreadable metadata: never collected
-if pins == 0 and refs == 0 and lease <= tonumber(ARGV[1]) then
-  local size = tonumber(redis.call('HGET', KEYS[2], 'size')) or 0
-  redis.call('DEL', KEYS[1], KEYS[2])
-  if redis.call('DECRBY', KEYS[3], size) <= 0 then redis.call('DEL', KEYS[3]) end
-  return 1
+# KEYS: (data, metadata, byte count) of each blob in turn; ARGV[1]: now. Returns how many it deleted.
+# Each blob is judged on its own as before (a damaged one is skipped, never deleted blind); one call
+# takes a batch of blobs (_GC_BATCH) instead of one round trip each.
+_GC_MANY = """
+local now, deleted = tonumber(ARGV[1]), 0
+for i = 1, #KEYS, 3 do
+  local m = KEYS[i + 1]
+  if redis.call('TYPE', m)['ok'] == 'hash' then
+    local f = redis.call('HMGET', m, 'pins', 'refs', 'lease_expires', 'charge', 'size')
+    local pins, refs, lease = tonumber(f[1]), tonumber(f[2]), tonumber(f[3])
+    -- unreadable metadata (a field missing or not a number): never collected
+    if pins ~= nil and refs ~= nil and lease ~= nil and pins == 0 and refs == 0 and lease <= now then
+      local charge = tonumber(f[4]) or tonumber(f[5]) or 0  -- no charge: stored before charges, counted its size
+      redis.call('DEL', KEYS[i], m)
+      if redis.call('DECRBY', KEYS[i + 2], charge) <= 0 then redis.call('DEL', KEYS[i + 2]) end
+      deleted = deleted + 1
+    end
+  end
 end
-return 0
+return deleted
 """
+
+# Blobs judged per GC script call. A call that deletes all 128 holds Redis about 1 ms (less when it
+# keeps them); one call per blob cost a round trip (and, under appendfsync always, a write) each:
+# 20,000 expired blobs took 10.6 s that way, 0.4 s in batches of 128.
+_GC_BATCH = 128
 
 # A blob's metadata key, exactly: tenants exclude ':' and a ref is 64 lowercase hex.
 _META_KEY = re.compile(r"kvf:t:([A-Za-z0-9_.-]{1,64}):m:([0-9a-f]{64})")
@@ -132,7 +149,7 @@ class RedisBlobStore(BlobStore):
         self._s_touch = self.r.register_script(_TOUCH)
         self._s_incr = self.r.register_script(_INCR)
         self._s_verdict = self.r.register_script(_VERDICT)
-        self._s_gc = self.r.register_script(_GC_ONE)
+        self._s_gc = self.r.register_script(_GC_MANY)
         self.ping()
 
     @_unavailable
@@ -157,7 +174,7 @@ class RedisBlobStore(BlobStore):
         lease = repr(self._lease(now))
         if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):
             return None
-        out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota])
+        out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota, blob_charge(data.nbytes)])
         return int(out[0]) if isinstance(out, list) else None
 
     @_unavailable
@@ -188,7 +205,8 @@ class RedisBlobStore(BlobStore):
         for ref, data in group:
             if ref not in present:  # one atomic script per blob
                 self._s_put(keys=self._put_keys(tenant, ref),
-                            args=[data, data.nbytes, repr(now), lease, UNKNOWN, 0], client=pipe)
+                            args=[data, data.nbytes, repr(now), lease, UNKNOWN, 0, blob_charge(data.nbytes)],
+                            client=pipe)
         if len(pipe):
             pipe.execute()
 
@@ -250,14 +268,19 @@ class RedisBlobStore(BlobStore):
 
     @_unavailable
     def _gc(self, now: float) -> int:
-        """Collect blob by blob; a key that only looks like metadata (the op log of a session named
-        `x:m:y` matches the scan pattern too), or metadata that is not a hash of numbers, is skipped
-        and kept, so no key can abort GC for every tenant."""
-        deleted = 0
+        """Collect blob by blob, _GC_BATCH blobs a script call; a key that only looks like metadata (the
+        op log of a session named `x:m:y` matches the scan pattern too), or metadata that is not a hash
+        of numbers, is skipped and kept, so no key can abort GC for every tenant."""
+        deleted, batch = 0, []
         for key in self.r.scan_iter(match="kvf:t:*:m:*", count=1000):
             m = _META_KEY.fullmatch(key.decode("utf-8", "replace"))
             if m is not None:
-                deleted += int(self._s_gc(keys=self._put_keys(*m.groups()), args=[repr(now)]))
+                batch += self._put_keys(*m.groups())
+            if len(batch) >= 3 * _GC_BATCH:
+                deleted += int(self._s_gc(keys=batch, args=[repr(now)]))
+                batch = []
+        if batch:
+            deleted += int(self._s_gc(keys=batch, args=[repr(now)]))
         return deleted
 
     # ---- controller state -------------------------------------------------------------------------

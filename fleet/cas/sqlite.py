@@ -2,10 +2,14 @@
 
 Tables (every blob row is keyed by (tenant, ref), so tenants never see each other's rows):
 
-    blobs(id, tenant, ref, data, size, created, pins, refs, verdict, reasons, lease_expires)
-    tenant_bytes(tenant, num_bytes)   the sum of blobs.size per tenant, kept by triggers on blobs
+    blobs(id, tenant, ref, data, size, created, pins, refs, verdict, reasons, lease_expires, charge)
+    tenant_bytes(tenant, num_bytes)   the sum of blobs.charge per tenant, kept by triggers on blobs
     kv(namespace, key, value)
     oplog(tenant, session_id, idx, op)
+
+A blob's charge is what it counts against its tenant's quota: size + PER_BLOB_OVERHEAD, recorded in
+its row so that deleting it gives back exactly what inserting it counted. A row from before the
+column (charge NULL) counted, and gives back, its size alone.
 
 The connection is shared by threads behind a lock; other processes may open the same file (WAL +
 busy_timeout serialise the writers).
@@ -20,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fleet.cas.base import BlobMeta, BlobStore, StoreConfig
+from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.core.verdict import UNKNOWN
 
@@ -30,6 +34,7 @@ CREATE TABLE IF NOT EXISTS blobs (
     tenant TEXT NOT NULL, ref TEXT NOT NULL, data BLOB NOT NULL, size INTEGER NOT NULL,
     created REAL NOT NULL, pins INTEGER NOT NULL DEFAULT 0, refs INTEGER NOT NULL DEFAULT 0,
     verdict TEXT NOT NULL, reasons TEXT NOT NULL DEFAULT '[]', lease_expires REAL NOT NULL,
+    charge INTEGER,
     UNIQUE (tenant, ref)
 );
 CREATE TABLE IF NOT EXISTS kv (
@@ -42,14 +47,18 @@ CREATE TABLE IF NOT EXISTS oplog (
 """
 
 # Per-tenant stored bytes, kept by triggers, so every write path (put, GC's bulk DELETE) counts.
+# The triggers before per-blob charges (blobs_count_*) counted size; they are replaced on open.
+_CHARGE = "COALESCE({row}.charge, {row}.size)"
 _USAGE_DDL = (
     "CREATE TABLE IF NOT EXISTS tenant_bytes (tenant TEXT PRIMARY KEY, num_bytes INTEGER NOT NULL)",
-    """CREATE TRIGGER IF NOT EXISTS blobs_count_in AFTER INSERT ON blobs BEGIN
-        INSERT INTO tenant_bytes (tenant, num_bytes) VALUES (NEW.tenant, NEW.size)
-            ON CONFLICT (tenant) DO UPDATE SET num_bytes = num_bytes + NEW.size;
+    "DROP TRIGGER IF EXISTS blobs_count_in",
+    "DROP TRIGGER IF EXISTS blobs_count_out",
+    f"""CREATE TRIGGER IF NOT EXISTS blobs_charge_in AFTER INSERT ON blobs BEGIN
+        INSERT INTO tenant_bytes (tenant, num_bytes) VALUES (NEW.tenant, {_CHARGE.format(row="NEW")})
+            ON CONFLICT (tenant) DO UPDATE SET num_bytes = num_bytes + {_CHARGE.format(row="NEW")};
     END""",
-    """CREATE TRIGGER IF NOT EXISTS blobs_count_out AFTER DELETE ON blobs BEGIN
-        UPDATE tenant_bytes SET num_bytes = num_bytes - OLD.size WHERE tenant = OLD.tenant;
+    f"""CREATE TRIGGER IF NOT EXISTS blobs_charge_out AFTER DELETE ON blobs BEGIN
+        UPDATE tenant_bytes SET num_bytes = num_bytes - {_CHARGE.format(row="OLD")} WHERE tenant = OLD.tenant;
         DELETE FROM tenant_bytes WHERE tenant = OLD.tenant AND num_bytes <= 0;
     END""",
 )
@@ -85,10 +94,13 @@ class SqliteBlobStore(BlobStore):
         self._db.executescript(_SCHEMA)
         with self._tx() as db:  # one writer at a time: the backfill below runs once per file
             fresh = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tenant_bytes'").fetchone() is None
+            if not any(col[1] == "charge" for col in db.execute("PRAGMA table_info(blobs)")):
+                db.execute("ALTER TABLE blobs ADD COLUMN charge INTEGER")  # a file from before charges: rows NULL
             for stmt in _USAGE_DDL:
                 db.execute(stmt)
             if fresh:  # a file from before the table: count the blobs it already holds
-                db.execute("INSERT INTO tenant_bytes SELECT tenant, SUM(size) FROM blobs GROUP BY tenant")
+                db.execute(f"INSERT INTO tenant_bytes SELECT tenant, SUM({_CHARGE.format(row='blobs')}) "
+                           "FROM blobs GROUP BY tenant")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -124,14 +136,14 @@ class SqliteBlobStore(BlobStore):
             )
             if cur.rowcount:  # already stored: costs nothing
                 return None
-            used = _tenant_bytes(db, tenant)
-            if quota and used + data.nbytes > quota:
+            used, charge = _tenant_bytes(db, tenant), blob_charge(data.nbytes)
+            if quota and used + charge > quota:
                 return used
-            # new blob: data and metadata in the same row, same transaction (the trigger counts it)
+            # new blob: data and metadata in the same row, same transaction (the trigger counts its charge)
             db.execute(
-                "INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (tenant, ref, data, data.nbytes, now, UNKNOWN, lease),
+                "INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires, charge) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (tenant, ref, data, data.nbytes, now, UNKNOWN, lease, charge),
             )
             return None
 

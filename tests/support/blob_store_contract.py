@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fleet.cas import BlobStore, open_store
+from fleet.cas import BlobStore, blob_charge, open_store
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 
 
@@ -345,36 +345,39 @@ def test_gc_survives_session_ids_that_look_like_blob_keys(store_env: StoreEnv) -
 
 # ---- per-tenant stored bytes and their quota ---------------------------------------------------------
 def test_stored_bytes_quota_counts_each_blob_once_until_gc(store_env: StoreEnv) -> None:
+    """Each distinct blob counts blob_charge(its size) (its bytes plus PER_BLOB_OVERHEAD) from its put
+    until GC deletes it, which gives back exactly that."""
     clock = Clock(1000.0)
     store = store_env.open(clock=clock, lease_s=10.0)
     big = os.urandom(300 << 10)  # past redis' dedup pre-check size, so that path is covered too
-    quota = len(big) + 1000
+    c = blob_charge
+    quota = c(len(big)) + c(600) + c(400)
     assert store.stored_bytes("acme") == 0
     store.put(big, "acme", quota=quota)
     first = store.put_stream([b"x" * 600], "acme", quota=quota)
-    assert store.stored_bytes("acme") == len(big) + 600
+    assert store.stored_bytes("acme") == c(len(big)) + c(600)
     # dedup: storing the same bytes again costs nothing, even at the quota
     assert store.put(big, "acme", quota=quota) == sha(big)
     assert store.put(b"x" * 600, "acme", quota=quota) == first
-    assert store.stored_bytes("acme") == len(big) + 600
+    assert store.stored_bytes("acme") == c(len(big)) + c(600)
     before = store_env.footprint()
     for put in (lambda: store.put(b"y" * 401, "acme", quota=quota),
                 lambda: store.put_stream([b"y" * 200, b"y" * 201], "acme", quota=quota)):
         with pytest.raises(ResourceExhausted, match=r"--max-blob-bytes-per-tenant") as e:
             put()
-        assert f"has {len(big) + 600} blob bytes stored" in str(e.value) and f"quota of {quota} bytes" in str(e.value)
+        assert f"has {c(len(big)) + c(600)} blob bytes stored" in str(e.value) and f"quota of {quota} bytes" in str(e.value)
     assert store_env.footprint() == before  # a refused put writes nothing
-    assert store.stored_bytes("acme") == len(big) + 600
+    assert store.stored_bytes("acme") == c(len(big)) + c(600)
     store.put(b"y" * 400, "acme", quota=quota)  # exactly at the quota is allowed
     assert store.stored_bytes("acme") == quota
     store.put(b"z" * 5000, "beta", quota=quota)  # another tenant has its own count
     assert store.put(b"z" * 5000, "acme") == sha(b"z" * 5000)  # quota 0: none
-    assert (store.stored_bytes("acme"), store.stored_bytes("beta")) == (quota + 5000, 5000)
+    assert (store.stored_bytes("acme"), store.stored_bytes("beta")) == (quota + c(5000), c(5000))
     store.pin(first, "acme")
     assert store.gc(now=2000.0) == 4  # every blob but the pinned one: GC gives their bytes back
-    assert (store.stored_bytes("acme"), store.stored_bytes("beta")) == (600, 0)
+    assert (store.stored_bytes("acme"), store.stored_bytes("beta")) == (c(600), 0)
     store.put(big, "acme", quota=quota)  # room again
-    assert store.stored_bytes("acme") == len(big) + 600
+    assert store.stored_bytes("acme") == c(len(big)) + c(600)
 
 
 def test_bad_quota_is_invalid_argument_and_writes_nothing(store_env: StoreEnv) -> None:
@@ -389,7 +392,8 @@ def test_bad_quota_is_invalid_argument_and_writes_nothing(store_env: StoreEnv) -
 
 
 def test_concurrent_puts_never_overshoot_the_quota(store_env: StoreEnv) -> None:
-    quota, size, n = 10_000, 1000, 24
+    size, n = 1000, 24
+    quota = 10 * blob_charge(size)
     stores = [store_env.open() for _ in range(4)]
     outcomes: list[str] = []
 

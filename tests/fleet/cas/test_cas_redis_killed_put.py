@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from fleet.cas import open_store
+from fleet.cas import blob_charge, open_store
 
 
 class StallingProxy:
@@ -88,7 +88,7 @@ def test_client_killed_mid_put_leaves_no_key(redis_url: str, redis_server) -> No
     with open_store(redis_url) as store:
         store.put(b"pre-existing blob", "acme")
     before, count = _keys(r), r.get("kvf:t:acme:bytes")
-    assert len(before) == 3 and count == str(len(b"pre-existing blob")).encode()  # blob, metadata, byte count
+    assert len(before) == 3 and count == str(blob_charge(len(b"pre-existing blob"))).encode()  # blob, metadata, byte count
     baseline = int(r.info("clients")["connected_clients"])
 
     proxy = StallingProxy(redis_server.port, stall_after=1 << 20)
@@ -116,4 +116,4 @@ def test_control_same_put_through_the_proxy_without_stall_stores_its_keys(redis_
     ref = out.stdout.decode().strip()
     assert proxy.forwarded > 16 << 20
     assert _keys(r) == {f"kvf:t:acme:b:{ref}".encode(), f"kvf:t:acme:m:{ref}".encode(), b"kvf:t:acme:bytes"}
-    assert int(r.get("kvf:t:acme:bytes")) == int(r.strlen(f"kvf:t:acme:b:{ref}"))  # type: ignore[arg-type]
+    assert int(r.get("kvf:t:acme:bytes")) == blob_charge(int(r.strlen(f"kvf:t:acme:b:{ref}")))  # type: ignore[arg-type]
