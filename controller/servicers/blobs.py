@@ -23,7 +23,7 @@ from controller.servicers.common import ServiceContext, unary
 from controller.uploads import GetRefused, GetStalled, UploadRefused, UploadStalled, progressing, written
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
-from fleet.cas.base import OverQuota, over_quota
+from fleet.cas.base import OverQuota, blob_charge, over_quota
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 DEFAULT_CHUNK = 1 << 20
@@ -112,7 +112,7 @@ class BlobServicer(pbg.BlobServiceServicer):
         if not quota or not header.expected_ref:
             return
         used: int = await self.ctx.tenant_blocking(tenant, self.ctx.store.stored_bytes, tenant)
-        if used + header.size <= quota:
+        if used + blob_charge(header.size) <= quota:
             return
         if await self.ctx.tenant_blocking(tenant, self.ctx.store.exists, header.expected_ref, tenant):
             return

@@ -21,7 +21,7 @@ from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-from fleet.cas import open_store
+from fleet.cas import blob_charge, open_store
 
 Code = grpc.StatusCode
 
@@ -325,11 +325,13 @@ async def test_no_error_echoes_a_megabyte_back(tmp_path: Path) -> None:
 
 
 async def test_stored_blob_bytes_quota_per_tenant(tmp_path: Path) -> None:
-    """--max-blob-bytes-per-tenant bounds the bytes a tenant has STORED (not only those in flight):
-    a re-put of stored bytes costs nothing, a header that cannot fit is refused before its chunks,
-    and two puts that each fit on their own cannot both be stored past the quota."""
+    """--max-blob-bytes-per-tenant bounds the bytes a tenant has STORED (not only those in flight; each
+    blob counts blob_charge(size): its bytes plus the store's per-blob overhead): a re-put of stored
+    bytes costs nothing, a header that cannot fit is refused before its chunks, and two puts that
+    each fit on their own cannot both be stored past the quota."""
     tok = make_tokens(tmp_path)
-    ctl = await start_controller(store_url("sqlite", tmp_path), tok, max_blob_bytes_per_tenant=1000)
+    quota = blob_charge(600) + blob_charge(300) + 76  # a 600 and a 300 fit; one more 300, or a 500, does not
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, max_blob_bytes_per_tenant=quota)
     try:
         async with grpc.aio.insecure_channel(ctl.address) as ch:
             stub = BlobServiceStub(ch)
@@ -339,25 +341,25 @@ async def test_stored_blob_bytes_quota_per_tenant(tmp_path: Path) -> None:
                 await stub.PutBlob(_stored_req(b"b" * 500), metadata=md(tok.a), timeout=10)
             print(ei.value.details())
             assert ei.value.code() == Code.RESOURCE_EXHAUSTED
-            assert "--max-blob-bytes-per-tenant" in ei.value.details() and "has 600 blob bytes stored" in ei.value.details()
+            assert "--max-blob-bytes-per-tenant" in ei.value.details() and f"has {blob_charge(600)} blob bytes stored" in ei.value.details()
             # a header with an expected_ref is refused on the header alone: the stream is still open,
             # its chunk not sent (a header without one may be a free re-put: judged when its bytes are in)
             release = asyncio.Event()
             with pytest.raises(grpc.aio.AioRpcError) as ei:
-                await stub.PutBlob(_held(500, b"", release, ref="c" * 64), metadata=md(tok.a), timeout=10)
+                await stub.PutBlob(_held(900, b"", release, ref="c" * 64), metadata=md(tok.a), timeout=10)
             assert ei.value.code() == Code.RESOURCE_EXHAUSTED and "--max-blob-bytes-per-tenant" in ei.value.details()
             assert not release.is_set()
             # a header naming a blob the tenant already stores is let through, even at the quota
             assert await _put(stub, b"a" * 600, tok.a, expected=True) == Code.OK
             assert await _put(stub, b"b" * 500, tok.b) == Code.OK  # another tenant: its own count
-            # two puts of 300 pass the header check (600 + 300 each) but only one can be stored
+            # two puts of 300 pass the header check (each fits beside the 600) but only one can be stored
             go = asyncio.Event()
             racing = [asyncio.ensure_future(code_of(stub.PutBlob(_gated(bytes([c]) * 300, go), metadata=md(tok.a))))
                       for c in b"xy"]
             await _until(lambda: ctl.ctx.uploads.uploads["acme"] == 2, "both puts admitted")
             go.set()
             assert sorted(c.name for c in await asyncio.gather(*racing)) == ["OK", "RESOURCE_EXHAUSTED"]
-            assert ctl.ctx.store.stored_bytes("acme") == 900
+            assert ctl.ctx.store.stored_bytes("acme") == blob_charge(600) + blob_charge(300)
             assert ctl.ctx.uploads.total_uploads == 0
     finally:
         await ctl.stop(0)
