@@ -32,12 +32,6 @@ MIN_CHUNK = 64 << 10  # a smaller requested chunk_size is rounded up to it
 READ_BATCH = 1 << 20  # a get reads at least this many bytes of chunks per store task (one chunk if larger)
 
 
-def _open(store: Any, ref: str, tenant: str, chunk: int) -> tuple[int, Generator[bytes, None, None]]:
-    """GetBlob's first store task: the blob's size and its chunk iterator (NotFound here)."""
-    blob_size: int = store.stat(ref, tenant).size
-    return blob_size, store.get_stream(ref, tenant, chunk)
-
-
 def _read_batch(it: Iterator[bytes], batch: int) -> list[bytes]:
     """The iterator's next chunks, `batch` bytes or more (fewer at the end; none once it ended)."""
     out, n = [], 0
@@ -145,7 +139,7 @@ class BlobServicer(pbg.BlobServiceServicer):
         size = max(size, MIN_CHUNK)  # smaller chunks cost a store read and a message each for a few bytes
         tenant, gate = ident.tenant, self.ctx.gets
         batch = max(READ_BATCH, size)
-        blob_size, it = await self.ctx.tenant_blocking(tenant, _open, self.ctx.store, request.ref, tenant, size)
+        blob_size, it = await self.ctx.tenant_blocking(tenant, self.ctx.store.sized_stream, request.ref, tenant, size)
         try:
             with gate.admit(tenant, min(blob_size, batch)):  # held until the stream ends, however it ends
                 sent = await self._send(context, it, tenant, batch)

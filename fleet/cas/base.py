@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 from fleet.cas.types import (
@@ -180,14 +180,20 @@ class BlobStore(ABC):
 
     def get_stream(self, ref: str, tenant: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
         """Yield the blob in chunks of at most `chunk_size` bytes (validated eagerly)."""
+        return self.sized_stream(ref, tenant, chunk_size)[1]
+
+    def sized_stream(
+        self, ref: str, tenant: str, chunk_size: int = 1 << 20
+    ) -> tuple[int, Generator[bytes, None, None]]:
+        """(the blob's size, `get_stream`'s chunks): one metadata read for both (validated eagerly)."""
         check_tenant(tenant)
         check_ref(ref)
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise InvalidArgument(f"chunk_size must be a positive int, got {chunk_size!r}")
         size = self.stat(ref, tenant).size
-        return self._iter_chunks(tenant, ref, size, chunk_size)
+        return size, self._iter_chunks(tenant, ref, size, chunk_size)
 
-    def _iter_chunks(self, tenant: str, ref: str, size: int, chunk_size: int) -> Iterator[bytes]:
+    def _iter_chunks(self, tenant: str, ref: str, size: int, chunk_size: int) -> Generator[bytes, None, None]:
         for start in range(0, size, chunk_size):
             chunk = self._get_range(tenant, ref, start, min(chunk_size, size - start))
             if chunk is None:
