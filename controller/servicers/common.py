@@ -65,7 +65,7 @@ class ServiceContext:
     detector_tenants: dict[str, DetectorConfig] = field(default_factory=dict)  # --detector-tenant overrides
     judge_lanes: JudgeLanes = field(default_factory=JudgeLanes)  # the detector's own pool, per-tenant lanes
     gets: GetGate = field(init=False)  # open GetBlob streams per tenant (uploads.limits.gets)
-    store_lanes: KeyedSlots = field(init=False)  # a tenant's blob calls hold at most half the store threads
+    store_lanes: KeyedSlots = field(init=False)  # a tenant's blob calls hold at most 3/4 of the store threads
     _judge: Judge | None = None
     _judge_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _heavy_pending: set[tuple[str, str]] = field(default_factory=set)  # (tenant, ref) queued for `heavy`
@@ -162,8 +162,10 @@ class ServiceContext:
 
 
 def store_share(executor: ThreadPoolExecutor) -> int:
-    """Store threads one tenant's blob calls may hold at once: half of them (at least one)."""
-    return max(1, executor._max_workers // 2)
+    """Store threads one tenant's blob calls may hold at once: three quarters of them (at least one), so others
+    keep at least a quarter. NOTE: half cost one tenant's puts 20% of their throughput (8 concurrent 256 KiB puts
+    on Redis: 73-83 MiB/s against 98-102 before); at three quarters they were level (101-106 against 96-109)."""
+    return max(1, executor._max_workers - executor._max_workers // 4)
 
 
 def pin_torch_threads() -> None:
