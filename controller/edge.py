@@ -56,6 +56,10 @@ class GrpcLimits:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
             ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
+            # NOTE: gRPC shares a port by default (SO_REUSEPORT): a second controller on an address in use then
+            # started and silently took a share of its clients (a blob stored through one was found on 9 of 20 new
+            # connections); off, the bind fails and the controller says the address is in use
+            ("grpc.so_reuseport", 0),
         ]
 
 

@@ -248,7 +248,11 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = _bind(server, cfg)
+    try:
+        port = _bind(server, cfg)
+    except BaseException:
+        await ctx.fleet_metrics.stop()  # NOTE: the only task started by now; a test process outlives the refusal
+        raise
     await server.start()
     ctl = Controller(cfg, server, port, ctx, health_servicer, router_config)
     await ctl._set_serving(False)
