@@ -229,7 +229,9 @@ def _chunk(m: Any) -> bytes:
 
 # -- the table ------------------------------------------------------------------------------------
 # NOTE: create, evict, fork, admit and close are sent once (retry=False): the caller decides. Appends
-# and generate carry an op id, so a retry is answered from the op log, never applied twice.
+# and generate carry an op id, so a retry is answered from the op log, never applied twice. Pin and unpin
+# are counters, so they are sent once too: retried after a lost answer, one unpin dropped two holders' pins
+# (the blob then collectable under the other); an unregister retried after it succeeded answered NotFound.
 
 _BLOBS, _WORKERS, _ROUTE, _FLEET, _SESSIONS = (BlobServiceStub, WorkerServiceStub, RouteServiceStub, FleetServiceStub,
                                                SessionServiceStub)
@@ -239,11 +241,11 @@ PUT_BLOB = Rpc(_BLOBS, "PutBlob", put_blob, _blob_ref, timeout="blob", streaming
 GET_BLOB = Rpc(_BLOBS, "GetBlob", get_blob, _blob_bytes, timeout="blob", streaming="server", wire=_get_message,
                each=_chunk)
 STAT_BLOB = Rpc(_BLOBS, "StatBlob", stat_blob, _META)
-PIN_BLOB = Rpc(_BLOBS, "PinBlob", pin_blob, _META)
-UNPIN_BLOB = Rpc(_BLOBS, "UnpinBlob", unpin_blob, _META)
+PIN_BLOB = Rpc(_BLOBS, "PinBlob", pin_blob, _META, retry=False)
+UNPIN_BLOB = Rpc(_BLOBS, "UnpinBlob", unpin_blob, _META, retry=False)
 COLLECT_GARBAGE = Rpc(_BLOBS, "CollectGarbage", collect_garbage, _num_collected)
 REGISTER_WORKER = Rpc(_WORKERS, "RegisterWorker", register_worker, reply(types.worker_info, "status"))
-UNREGISTER_WORKER = Rpc(_WORKERS, "UnregisterWorker", unregister_worker, _nothing)
+UNREGISTER_WORKER = Rpc(_WORKERS, "UnregisterWorker", unregister_worker, _nothing, retry=False)
 WORKERS = Rpc(_WORKERS, "ListWorkers", workers, _workers)
 LIFECYCLE = Rpc(_WORKERS, "Lifecycle", lifecycle, reply(types.witness))
 ROUTE = Rpc(_ROUTE, "Route", route, reply(types.route_decision))

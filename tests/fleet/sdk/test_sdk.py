@@ -193,3 +193,30 @@ async def test_workers_route_lifecycle_through_the_sdk(tmp_path: Path) -> None:
         await ctl.stop(0)
         for s in sims:
             await s.stop()
+
+
+async def test_a_lost_answer_to_an_unpin_is_not_retried(tmp_path: Path) -> None:
+    # Pins are a counter: before, the SDK retried an UnpinBlob whose answer was lost after the controller applied
+    # it, so one holder's unpin dropped two pins (the blob then collectable while the other still held it)
+    from support.lossy_relay import LossyRelay
+
+    ctl = await start_controller(store_url("sqlite", tmp_path), None)
+    relay = LossyRelay(("127.0.0.1", int(ctl.address.rsplit(":", 1)[1])))
+    direct = AsyncFleetClient(ctl.address)
+    flaky = AsyncFleetClient(relay.address, retry=RetryPolicy(initial_backoff_s=0.05))
+    try:
+        ref = await direct.put_blob(b"held by two")
+        await direct.pin_blob(ref)
+        await direct.pin_blob(ref)
+        await flaky.whoami()  # the connection is up
+        relay.armed = True
+        with pytest.raises(Unavailable):
+            await flaky.unpin_blob(ref)  # applied; its answer lost
+        assert relay.resets == 1
+        assert (await direct.stat_blob(ref)).pins == 1  # before: 0
+        assert (await flaky.stat_blob(ref)).pins == 1  # the control: a read is retried, and answers
+    finally:
+        await flaky.close()
+        await direct.close()
+        relay.close()
+        await ctl.stop(0)

@@ -21,7 +21,8 @@ from fleet.sdk import table as t
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, jitter=0.0, deadline_s=300.0)  # per-attempt deadlines win
-SENT_ONCE = {"create_session", "evict", "fork", "admit_tool_result", "close_session"}  # docs/api.md
+SENT_ONCE = {"create_session", "evict", "fork", "admit_tool_result", "close_session", "pin_blob", "unpin_blob",
+             "unregister_worker"}  # docs/api.md
 
 
 class Status(grpc.RpcError):

@@ -1,0 +1,64 @@
+"""A TCP relay in front of a real server that, once armed, passes the client's next bytes on but none of the
+server's answer, and resets the client's connection `reset_after_s` later (the server has applied the call by
+then): the lost answer after which a client may retry a call that already happened."""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+
+
+class LossyRelay:
+    def __init__(self, upstream: tuple[str, int], reset_after_s: float = 0.5) -> None:
+        self.upstream, self.reset_after_s = upstream, reset_after_s
+        self.armed = False
+        self.resets = 0
+        self._srv = socket.socket()
+        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(16)
+        self.address = f"127.0.0.1:{self._srv.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._srv.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self._srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(c, socket.create_connection(self.upstream)), daemon=True).start()
+
+    def _pump(self, c: socket.socket, u: socket.socket) -> None:
+        cut_at: float | None = None
+        try:
+            while True:
+                wait = None if cut_at is None else max(0.0, cut_at - time.monotonic())
+                ready, _, _ = select.select([c, u], [], [], wait)
+                if cut_at is not None and time.monotonic() >= cut_at:
+                    self.resets += 1
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+                    return
+                if c in ready:
+                    data = c.recv(65536)
+                    if not data:
+                        return
+                    u.sendall(data)
+                    if self.armed and cut_at is None:
+                        self.armed, cut_at = False, time.monotonic() + self.reset_after_s
+                if u in ready:
+                    data = u.recv(65536)
+                    if not data:
+                        return
+                    if cut_at is None:
+                        c.sendall(data)
+        except OSError:
+            pass
+        finally:
+            c.close()
+            u.close()
