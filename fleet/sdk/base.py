@@ -84,7 +84,8 @@ def error_of(code: str, details: str, method: str, target: str) -> KvfleetError:
     """A status code's name and message (a gRPC status, or a RouteStream answer's error) as that class."""
     if code == "DEADLINE_EXCEEDED":
         return Unavailable(f"{method} at {target}: deadline exceeded ({details}); the controller is slow or "
-                           "unreachable, raise the client's timeout or check the controller")
+                           "unreachable, raise the client's timeout (session calls: session_timeout; blobs: blob_timeout) "
+                           "or check the controller")
     cls = _BY_CODE.get(code)
     if cls is not None:
         return cls(details)
@@ -144,8 +145,9 @@ class Transport:
                  root_certificates: bytes | str | Path | None = None, client_cert: bytes | str | Path | None = None,
                  client_key: bytes | str | Path | None = None, timeout: float = 10.0,
                  blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), session_timeout: float = SESSION_TIMEOUT_S) -> None:
         self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
+        self.session_timeout = session_timeout  # NOTE: before, a session call always waited 120 s, whatever was set
         self.retry = retry or RetryPolicy()
         self._md = metadata(token)
         creds = credentials(tls, root_certificates, client_cert, client_key)
@@ -159,6 +161,6 @@ class Transport:
         stub = self._stubs.get(rpc.stub)
         if stub is None:
             stub = self._stubs[rpc.stub] = rpc.stub(self._channel)
-        per = {"unary": self.timeout, "blob": self.blob_timeout, "session": SESSION_TIMEOUT_S}[rpc.timeout]
+        per = {"unary": self.timeout, "blob": self.blob_timeout, "session": self.session_timeout}[rpc.timeout]
         self._methods[id(rpc)] = (getattr(stub, rpc.method), per)  # the rows live as long as the module
         return self._methods[id(rpc)]

@@ -73,6 +73,9 @@ class FleetClient(SyncTransport):
         timeout: per-attempt deadline of unary calls, seconds.
         blob_timeout: per-attempt deadline of a blob put or get, seconds.
         retry: backoff policy for UNAVAILABLE (the only status retried).
+        options: gRPC channel options.
+        session_timeout: per-attempt deadline of a session call, seconds (120 by default: a fork or a
+            regeneration replays a whole op log).
     """
 
     # blobs

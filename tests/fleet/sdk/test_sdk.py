@@ -220,3 +220,22 @@ async def test_a_lost_answer_to_an_unpin_is_not_retried(tmp_path: Path) -> None:
         await direct.close()
         relay.close()
         await ctl.stop(0)
+
+
+async def test_session_calls_take_the_clients_session_timeout() -> None:
+    # before: every session call waited SESSION_TIMEOUT_S (120 s) per attempt, whatever the client set
+    import socket
+
+    from fleet.sdk.table import CREATE_SESSION
+
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    c = AsyncFleetClient(f"127.0.0.1:{silent.getsockname()[1]}", session_timeout=0.5, retry=RetryPolicy(max_attempts=1))
+    try:
+        assert c._stub_method(CREATE_SESSION)[1] == 0.5
+        with pytest.raises(Unavailable, match="deadline exceeded.*session_timeout"):  # after 0.5 s, not 120
+            await c.create_session("s1", "You are terse.")
+    finally:
+        await c.close()
+        silent.close()
