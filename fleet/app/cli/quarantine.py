@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fleet.app.cli.cells import cells
 from fleet.app.cli.session import add_ls_options
 from fleet.core.errors import KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
@@ -32,8 +33,8 @@ def render(records: Sequence[Any], now: float | None = None) -> Table:
     for col in ("tenant", "ref", "action", "source", "reasons", "seen", "last seen"):
         t.add_column(col, justify="right" if col in ("seen", "last seen") else "left")
     for r in records:
-        t.add_row(r.tenant, r.ref[:16] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
-                  f"{max(now - r.last_seen, 0):.0f}s ago")
+        t.add_row(*cells(r.tenant, r.ref[:16] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
+                         f"{max(now - r.last_seen, 0):.0f}s ago"))
     if not records:
         t.add_row("(none)", *[""] * 6)
     return t

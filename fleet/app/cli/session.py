@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fleet.app.cli.cells import cells
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls, client_tls
 
@@ -56,9 +57,9 @@ def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)"
         t.add_column(col, justify="right" if right else "left", no_wrap=not right and col != "node / host")
     for r in rows:
         style = "red" if r.state == "lost" else "yellow" if r.state == "regenerated" else None
-        t.add_row(r.session_id, r.tenant, f"{r.node[:8]} / {_host(r.actor)}", _kernel(r), f"{r.num_tokens:,}",
-                  _bytes(r.bytes_alone), _bytes(r.bytes_shared), f"{100 * r.hit_rate:.1f}%",
-                  str(r.quarantined_spans), f"{r.state} / {r.epoch}", _ago(r.last_active, now), style=style)
+        t.add_row(*cells(r.session_id, r.tenant, f"{r.node[:8]} / {_host(r.actor)}", _kernel(r), f"{r.num_tokens:,}",
+                         _bytes(r.bytes_alone), _bytes(r.bytes_shared), f"{100 * r.hit_rate:.1f}%",
+                         str(r.quarantined_spans), f"{r.state} / {r.epoch}", _ago(r.last_active, now)), style=style)
     if not rows:
         t.add_row("(no sessions)", *[""] * 10)
     return t

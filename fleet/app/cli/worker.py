@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
+from fleet.app.cli.cells import cells
 from fleet.app.cli.session import add_ls_options
 from fleet.core.errors import KvfleetError
 
@@ -30,16 +31,17 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any]) -> Group:
     for x in workers:
         for r in x.ranks:
             style = None if r.serving else "yellow"
-            w.add_row(x.name, str(r.dp_rank), x.url, x.model, "yes" if r.serving else "NO", "yes" if r.warm else "no",
-                      r.phase, r.kv, str(r.epoch), f"{r.num_blocks:,}", str(r.last_seq), f"{r.load:g}", style=style)
+            w.add_row(*cells(x.name, str(r.dp_rank), x.url, x.model, "yes" if r.serving else "NO",
+                             "yes" if r.warm else "no", r.phase, r.kv, str(r.epoch), f"{r.num_blocks:,}", str(r.last_seq),
+                             f"{r.load:g}"), style=style)
     if not workers:
         w.add_row("(none registered)", *[""] * 11)
     n = Table(title="kernel nodes", title_justify="left")
     for col in ("node", "sessions", "cached tokens", "capacity", "queried", "hit tokens", "evicted blocks", "hit rate"):
         n.add_column(col, justify="left" if col == "node" else "right")
     for x in nodes:
-        n.add_row(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
-                  f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%")
+        n.add_row(*cells(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
+                         f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%"))
     if not nodes:
         n.add_row("(no kernel nodes yet)", *[""] * 7)
     return Group(w, n)

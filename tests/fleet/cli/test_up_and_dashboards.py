@@ -107,3 +107,24 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
             proc.kill()
             raise
     assert rc == 0
+
+
+def test_dashboards_show_what_a_controller_answered_as_text() -> None:
+    # before: a worker named "w[/]" ended `kvfleet worker ls` with rich's MarkupError, and a session id holding
+    # terminal codes set the window title and cleared the screen
+    import io
+
+    from rich.console import Console
+
+    from fleet.sdk.types import RankInfo, WorkerInfo
+
+    rank = RankInfo(0, 1, True, "serving", "warm", 10, 5, True, 0.0, 0.0, "")
+    workers = [WorkerInfo("w[/]", "http://x:8000", "", "", "[bold]m", 1, 16, "sha256", None, (rank,)),
+               WorkerInfo("w2\x1b]0;PWNED\x07\x1b[2J" + "x" * 500, "http://y:8000", "", "", "m", 1, 16, "sha256", None,
+                          (rank,))]
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, width=400).print(worker_cli.render_workers(workers, []))
+    text = out.getvalue()
+    assert "w[/]" in text and "[bold]m" in text  # shown as sent, not read as markup
+    assert "\x07" not in text and "]0;PWNED" not in text.replace("\\x1b]0;PWNED", "")  # codes escaped
+    assert "\\x1b]0;PWNED\\x07\\x1b[2J" in text and "x" * 250 not in text  # visible, and the cell clipped
