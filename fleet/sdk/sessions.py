@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.session_types import SessionRow as SessionRow  # the SDK returns the core type
 
 SESSION_TIMEOUT_S = 120.0  # a fork or a regeneration replays a whole op log
@@ -156,6 +156,9 @@ def node_row(n: Any) -> NodeRow:
 
 
 def append_result(r: pb.AppendResponse) -> AppendResult:
+    if len(r.logits_f32) % 4:  # NOTE: before, numpy's "buffer size must be a multiple of element size"
+        raise KvfleetError(f"Append's answer carries {len(r.logits_f32)} bytes of logits_f32, not a whole number of "
+                           "float32 values: the controller's answer is malformed")
     logits = np.frombuffer(r.logits_f32, dtype="<f4").copy() if r.logits_f32 else None
     return AppendResult(piece(r.piece) if r.HasField("piece") else None, r.num_tokens, r.op_index, r.replayed, logits)
 
@@ -170,8 +173,16 @@ def admission(r: pb.AdmitToolResultResponse) -> Admission:
         x = r.witness
         w = QuarantineWitness(x.piece_id, x.start, x.length, x.mode, x.write_time, x.exact, x.num_recomputed,
                               x.max_abs_delta_evict_vs_never, x.control_kept_vs_never, x.cache_digest_equal,
-                              json.loads(x.detail_json or "{}"))
+                              _detail(x.detail_json))
     return Admission(r.verdict, tuple(r.reasons), r.evicted, w)
+
+
+def _detail(raw: str) -> Any:
+    try:
+        return json.loads(raw or "{}")
+    except ValueError as e:  # NOTE: before, a JSONDecodeError out of the SDK
+        raise KvfleetError(f"AdmitToolResult's answer carries a witness detail_json that is not JSON ({e}): the "
+                           "controller's answer is malformed") from None
 
 
 def working_set_result(r: pb.WorkingSetResponse) -> WorkingSetResult:

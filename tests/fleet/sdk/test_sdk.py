@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.controller import make_tokens, start_controller, store_url
@@ -239,3 +240,35 @@ async def test_session_calls_take_the_clients_session_timeout() -> None:
     finally:
         await c.close()
         silent.close()
+
+
+async def test_a_malformed_session_answer_is_a_clear_error() -> None:
+    # before: numpy's "buffer size must be a multiple of element size" and a JSONDecodeError left the SDK
+    import grpc
+
+    from fleet.api.kvfleet.v1 import sessions_pb2 as spb
+    from fleet.api.kvfleet.v1 import sessions_pb2_grpc as spbg
+    from fleet.core.errors import KvfleetError
+
+    class Junk(spbg.SessionServiceServicer):
+        async def Append(self, request: Any, context: Any) -> Any:
+            return spb.AppendResponse(num_tokens=3, logits_f32=b"abc")
+
+        async def AdmitToolResult(self, request: Any, context: Any) -> Any:
+            r = spb.AdmitToolResultResponse(verdict="quarantined")
+            r.witness.detail_json = "{not json"
+            return r
+
+    server = grpc.aio.server()
+    spbg.add_SessionServiceServicer_to_server(Junk(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    c = AsyncFleetClient(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(KvfleetError, match="3 bytes of logits_f32"):
+            await c.append("s1", "hi", return_logits=True)
+        with pytest.raises(KvfleetError, match="detail_json that is not JSON"):
+            await c.admit_tool_result("s1", "a" * 64)
+    finally:
+        await c.close()
+        await server.stop(0)
