@@ -125,6 +125,11 @@ def _unavailable(fn: F) -> F:
                 f"redis at {self.host}:{self.port} unreachable: {e}; "
                 "check that redis-server is running and the store URL is right"
             ) from e
+        except redis.exceptions.InvalidResponse as e:  # NOTE: before, a traceback out of `kvfleet controller`
+            raise Unavailable(
+                f"{self.host}:{self.port} does not answer as Redis does ({e}); check that the store URL names a "
+                "redis-server"
+            ) from e
         except redis.exceptions.ResponseError as e:
             if "OOM command not allowed" in str(e):
                 raise ResourceExhausted(f"redis at {self.host}:{self.port} is out of memory (maxmemory): {e}") from e
