@@ -365,7 +365,11 @@ def _start_metrics(metrics: Metrics, port: int, host: str) -> int | None:
         return None
     from prometheus_client import start_http_server
 
-    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as e:  # NOTE: before, "[Errno 98] Address already in use" naming neither flag nor port
+        raise InvalidArgument(f"cannot serve metrics on {host}:{port}: {e.strerror or e}; pick another "
+                              "--metrics-port (-1: none)") from None
     return int(server.server_port)
 
 
@@ -376,9 +380,9 @@ async def serve(
     metrics_addr: str | None = None,
 ) -> int:
     metrics = Metrics()
-    ctl = await build_server(cfg, metrics=metrics, router_config=router_config)
     mhost = metrics_host(cfg.listen, metrics_addr)
-    mport = _start_metrics(metrics, metrics_port, mhost)
+    mport = _start_metrics(metrics, metrics_port, mhost)  # NOTE: first: a port in use then stops nothing started
+    ctl = await build_server(cfg, metrics=metrics, router_config=router_config)
     auth = (
         f"tokens {cfg.tokens_file}"
         if cfg.tokens_file

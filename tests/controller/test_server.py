@@ -195,3 +195,20 @@ async def test_a_second_controller_on_an_address_in_use_refuses_to_start(tmp_pat
         await other.stop(0)
     finally:
         await first.stop(0)
+
+
+def test_a_metrics_port_in_use_is_a_usage_error_naming_the_flag() -> None:
+    # before: "[Errno 98] Address already in use", after the controller had started, with tracebacks at exit
+    import socket
+
+    from controller.main import _start_metrics
+    from controller.metrics import Metrics
+    from fleet.core.errors import InvalidArgument
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(InvalidArgument, match=f"cannot serve metrics on 127.0.0.1:{port}.*--metrics-port"):
+            _start_metrics(Metrics(), port, "127.0.0.1")
+    assert _start_metrics(Metrics(), -1, "127.0.0.1") is None  # the control: -1 serves none
