@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -70,10 +71,21 @@ def _host(actor: str) -> str:
     return actor.rsplit(":", 1)[0] if actor.startswith("host:") else actor or "-"
 
 
+def _seconds(text: str) -> float:
+    """A finite positive number of seconds (before, `--interval inf` ended the dashboard in an OverflowError)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds above 0")
+    return v
+
+
 def add_ls_options(ls: argparse.ArgumentParser) -> None:
     """The options `session ls` and `worker ls` share: live refresh, JSON, where and as whom."""
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    ls.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    ls.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes with --watch")
     ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
     ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))

@@ -128,3 +128,12 @@ def test_dashboards_show_what_a_controller_answered_as_text() -> None:
     assert "w[/]" in text and "[bold]m" in text  # shown as sent, not read as markup
     assert "\x07" not in text and "]0;PWNED" not in text.replace("\\x1b]0;PWNED", "")  # codes escaped
     assert "\\x1b]0;PWNED\\x07\\x1b[2J" in text and "x" * 250 not in text  # visible, and the cell clipped
+
+
+@pytest.mark.parametrize("interval", ["inf", "nan", "0", "-5", "soon"])
+def test_a_refresh_interval_must_be_a_finite_positive_number(interval: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # before: `--interval inf` ended `kvfleet session ls --watch` in an OverflowError
+    with pytest.raises(SystemExit) as e:
+        session_cli.parse(["ls", "--watch", "--interval", interval])
+    assert e.value.code == 2 and "argument --interval" in capsys.readouterr().err
+    assert session_cli.parse(["ls", "--interval", "0.5"]).interval == 0.5  # the control
