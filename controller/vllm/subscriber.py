@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import logging
 import time
@@ -44,6 +45,12 @@ from controller.vllm.events import (
 from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
+REPLAYED_WINDOW = 4096  # seqs behind the last one whose replayed payload a live duplicate may still match
+
+
+def _digest(payload: bytes) -> bytes:
+    """What a replayed payload is remembered by: the duplicate check only needs equality."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +107,9 @@ class Subscriber:
         self.ctx, self.endpoint, self.replay_endpoint = ctx, endpoint, replay
         self.sink, self.metrics, self.topic = sink, metrics, topic
         self.limits = limits or StreamLimits()
+        # seq -> digest of a batch applied from a replay, so the same batch arriving live is skipped.
+        # NOTE: this used to keep the payloads themselves: every tail poll's answer (up to
+        # replay_max_bytes) stayed held until 4,096 seqs later (six polls: +1,440 MiB).
         self._replayed: dict[int, bytes] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -125,8 +135,10 @@ class Subscriber:
             for seq, payload in batches or []:
                 if self.muted():
                     break
-                self._replayed[seq] = payload
+                self._replayed[seq] = _digest(payload)
                 await self._apply(seq, payload)
+            del batches
+            self._prune_replayed()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -170,7 +182,7 @@ class Subscriber:
             return
         last = self.sink.last_seq()
         if seq <= last:
-            if self._replayed.get(seq) == frames[2]:
+            if seq in self._replayed and self._replayed[seq] == _digest(frames[2]):
                 return  # already applied from a replay
             self._replayed.clear()
             self.sink.on_invalidate("seq_reset", None)
@@ -192,15 +204,22 @@ class Subscriber:
                 # a fresh stream (-1) may start anywhere: a suffix of the stream is sound
                 if (seq != self.sink.last_seq() + 1 and self.sink.last_seq() >= 0) or self.muted():
                     break
-                self._replayed[seq] = payload
+                self._replayed[seq] = _digest(payload)
                 await self._apply(seq, payload)
                 n += 1
+            del batches
             if n:
                 self.metrics.kv_event_replays.labels("tail").inc()
                 self.metrics.kv_event_replayed_batches.inc(n)
-            for s in [s for s in self._replayed if s < self.sink.last_seq() - 4096]:
-                del self._replayed[s]
+            self._prune_replayed()
             return n
+
+    def _prune_replayed(self) -> None:
+        """Keep the digests of the last REPLAYED_WINDOW seqs up to the last one applied: anything
+        older, or newer (the stream's seq went back since), can no longer be a live duplicate."""
+        last = self.sink.last_seq()
+        for s in [s for s in self._replayed if not last - REPLAYED_WINDOW <= s <= last]:
+            del self._replayed[s]
 
     async def _repair(self, last: int, seq: int) -> None:
         self.metrics.kv_event_gaps.inc()
