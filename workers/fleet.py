@@ -188,20 +188,32 @@ class KernelFleet:
             return False
 
     def _regenerate(self, rec: SessionRecord) -> SessionRecord:
-        """Mark the session lost (kv forgotten), rebuild it from its op log, mark it regenerated."""
+        """Mark the session lost (kv forgotten), rebuild it from its op log, mark it regenerated.
+
+        The record names the node that rebuilds it before that host is asked, so when the call
+        times out (a replay longer than `call_timeout_s`) the next rebuild of the same loss asks the
+        same host, which joins the replay it still runs, or answers at once once it is done
+        (KernelHost.regenerate), instead of starting the whole replay over: a slow rebuild settles."""
         rec.lose()
         self.registry.save(rec)
         node = rec.node if self.nodes.answers(rec.node) else self.nodes.place(rec.tenant, [])
         try:
-            self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch)
+            self._regenerate_on(rec, node)
         except NodeGone:  # its node died just now: a survivor rebuilds it
             node = self.nodes.place(rec.tenant, [], exclude=node)
-            self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch)
+            self._regenerate_on(rec, node)
         rec.rebuilt(node)
         self.registry.save(rec)
         with self._guard:
             self.num_regenerations += 1
         return rec
+
+    def _regenerate_on(self, rec: SessionRecord, node: str) -> None:
+        """Ask `node`'s host to rebuild the lost session, the record naming that node first."""
+        if rec.node != node:
+            rec.node = node
+            self.registry.save(rec)  # still lost: the node a later rebuild of this loss asks first
+        self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch)
 
     def _tokens(self, x: str | bytes | list[int]) -> list[int]:
         """Text encoded, or token ids checked (the one rule: check_token_ids); the Python API's edge."""
@@ -450,14 +462,16 @@ class KernelFleet:
 
     def reconcile(self) -> int:
         """Proactively regenerate every session that lost its kernel (instead of on its next call):
-        its node left the cluster, or its host answered without it (the host died and Ray restarted
-        it empty). Idle sessions stay idle. Returns how many were regenerated."""
+        its node left the cluster, its host answered without it (the host died and Ray restarted
+        it empty), or a rebuild of it did not finish (`lost`: one that timed out is joined, not
+        started over). Idle sessions stay idle. Returns how many were regenerated."""
         alive = set(self.refresh_nodes(force=True))
         ask = self.nodes.ask_all("rows")
         held = {(r["tenant"], r["session"]) for rows in ask.values() if isinstance(rows, list) for r in rows}
         answered = {nid for nid, rows in ask.items() if isinstance(rows, list)}
         lost = [r for r in self.registry.records() if r.state not in (CREATING, IDLE)
-                and (r.node not in alive or (r.node in answered and (r.tenant, r.session) not in held))]
+                and (r.state == LOST or r.node not in alive
+                     or (r.node in answered and (r.tenant, r.session) not in held))]
         for rec in lost:
             self._where.pop((rec.tenant, rec.session), None)
         with ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="reconcile") as pool:  # the hosts' lanes run them

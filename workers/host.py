@@ -91,6 +91,9 @@ class KernelHost:
         self.remote_adopters: set[tuple[str, str]] = set()  # adopted blocks copied from another node
         self.num_queried_tokens = self.num_hit_tokens = 0
         self.num_evicted_blocks = 0
+        self.num_replays = 0  # op-log replays started here (regenerations, forks that replay)
+        # session -> (epoch, its rebuild): a rebuild is the host's job, not its caller's (`regenerate`)
+        self._rebuilds: dict[tuple[str, str], tuple[int, asyncio.Future[dict[str, Any]]]] = {}
 
     def _load(self, spec: KernelSpec) -> tuple[Any, Any]:
         """The kernel (weights loaded once, for every session) and its tokenizer; then the resident
@@ -233,12 +236,38 @@ class KernelHost:
         return {"adopted_tokens": len(refs) * self.block_size, "epoch": s.epoch}
 
     async def regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
-        """Rebuild a lost session here at `epoch`, from its op log (bit-identical)."""
+        """Rebuild a lost session here at `epoch`, from its op log (bit-identical); its info row.
+
+        The rebuild is the host's job, not its caller's: it runs to the end even when the caller
+        stops waiting (its call timed out during a long replay), and a later call for the same
+        session and epoch joins the replay still running, or gets the rebuilt session's row at
+        once, instead of throwing it away and replaying the whole log again. A call at another
+        epoch (a later loss) starts a rebuild of its own."""
+        key = (tenant, session_id)
+        job = self._rebuilds.get(key)
+        if job is not None and job[0] == epoch:
+            return dict(await asyncio.shield(job[1]))
+        s = self.sessions.get(key)
+        if s is not None and s.epoch == epoch and s.ctx is not None and not s.closed:
+            return s.info_row()                     # rebuilt at this epoch already (its caller gave up)
+        task = asyncio.ensure_future(self._regenerate(tenant, session_id, epoch))
+        self._rebuilds[key] = (epoch, task)
+
+        def done(t: asyncio.Future[dict[str, Any]]) -> None:
+            if self._rebuilds.get(key, (epoch, None))[1] is t:
+                del self._rebuilds[key]
+
+        task.add_done_callback(done)
+        return dict(await asyncio.shield(task))
+
+    async def _regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
         s = await self._open(tenant, session_id, epoch)
+        self.num_replays += 1
         try:
             return dict(await s.restore())
         except BaseException:
-            self.sessions.pop((tenant, session_id), None)
+            if self.sessions.get((tenant, session_id)) is s:   # not a later rebuild's session
+                del self.sessions[(tenant, session_id)]
             raise
 
     async def share_prefix(self, tenant: str, session_id: str, tokens: list[int]) -> list[Any]:
@@ -288,6 +317,7 @@ class KernelHost:
             self.tree.dec_lock_ref(node)
 
     async def _restore(self, s: SessionKernel, *args: Any) -> dict[str, Any]:
+        self.num_replays += 1
         try:
             return dict(await s.restore(*args))
         except BaseException:
@@ -298,12 +328,14 @@ class KernelHost:
         """Drop the session's kernel (its KV memory is freed); an op in flight finishes first."""
         s = self.sessions.pop((tenant, session_id), None)
         self.remote_adopters.discard((tenant, session_id))
+        self._rebuilds.pop((tenant, session_id), None)  # a later rebuild starts afresh, joins no closed one
         if s is not None:
             await s.close()
 
     async def stop(self) -> int:
         """Drop every session this host holds (their logs stay)."""
         sessions, self.sessions = list(self.sessions.values()), {}
+        self._rebuilds.clear()
         for s in sessions:
             s.closed = True
         return len(sessions)
@@ -326,5 +358,5 @@ class KernelHost:
                 "kv_used_bytes": self.used_bytes(), "sessions_kv_bytes": kv, "resident_bytes": rss,
                 "session_bytes": max(0, rss - self.base_resident) // len(self.sessions) if self.sessions else 0,
                 "queried_tokens": self.num_queried_tokens, "hit_tokens": self.num_hit_tokens,
-                "evicted_blocks": self.num_evicted_blocks, **{f"lanes_{k}": v for k, v in self.lanes.stats().items()},
+                "evicted_blocks": self.num_evicted_blocks, "replays": self.num_replays, **{f"lanes_{k}": v for k, v in self.lanes.stats().items()},
                 "hit_rate": self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0}
