@@ -243,13 +243,16 @@ class KernelFleet:
         node = self.nodes.place(tenant, tokens)
         rec = SessionRecord(tenant, session_id, node)
         self.registry.save(rec)
+        # one op id for every try: the log a try left when its host died after logging the system op is
+        # recognised by the next, which drops it (SessionKernel._drop_earlier_try) instead of logging twice
+        op_id = uuid.uuid4().hex
         try:
             try:
-                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
+                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, op_id)
             except NodeGone:  # its node died after placement: once more, on a survivor
                 rec.node = node = self.nodes.place(tenant, tokens, exclude=node)
                 self.registry.save(rec)
-                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, uuid.uuid4().hex)
+                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, op_id)
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise

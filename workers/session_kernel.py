@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fleet.core.context import QUARANTINED, Piece, SessionContext
-from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.core.kernel import Kernel, PrefixKV, Session
 from fleet.core.oplog import AppendOp, Op, last_index_of, own_op_ids, parse_log, to_dict
 from fleet.core.session_types import OpResult
@@ -155,12 +155,27 @@ class SessionKernel:
     def _create(self, tokens: list[int], prefix: PrefixKV | None) -> Piece:
         if self.ctx is not None:
             raise FailedPrecondition(f"session {self.session_id} already has a context")
+        self._drop_earlier_try()
         ctx = SessionContext(self.kernel.session(prefix=prefix), self.tokenizer, self.tenant, self.session_id,
                              self._write, self.store)  # its first piece appends only what the prefix lacks
         ctx.op_id = self.op_id
         piece = ctx.add_system_tokens(tokens)
         self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
         return piece
+
+    def _drop_earlier_try(self) -> None:
+        """Before a create logs its system op: a log this session already has is an earlier try of
+        the same create when its first op carries this create's op id (its host died after logging
+        it, before answering, and the fleet tried again); it is dropped, so the prompt is logged
+        once, not twice (a regeneration of a doubled log holds the prompt twice). The session was
+        never acknowledged, so nothing else wrote it. Any other log is another session's: AlreadyExists."""
+        log = parse_log(self.store.oplog_read(self.tenant, self.session_id))
+        if not log:
+            return
+        if not self.op_id or log[0].op_id != self.op_id:
+            raise AlreadyExists(f"session {self.session_id} already has an op log")
+        drop_blob_refs(self.store, log)
+        self.store.oplog_delete(self.tenant, self.session_id)
 
     def _prefix(self, tokens: list[int], blocks: list[Any]) -> PrefixKV:
         """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`."""
