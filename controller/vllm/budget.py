@@ -7,7 +7,9 @@ Two bounds, both per (worker, dp_rank) stream:
   that (plus one event) at a time, however many events it sends;
 - volume: `EventBudget` is a token bucket of events (rate `max_events_per_s`, depth
   `max_event_burst`, controller/vllm/subscriber.py StreamLimits; an AllBlocksCleared counts as
-  STEP_COST events: it steps the epoch and writes the store). A batch that does not fit what
+  STEP_COST events: it steps the epoch and writes the store). Every message also costs
+  `message_cost` (1 per 4 KiB) before it is decoded, and one larger than its announced
+  events allow (`max_batch_bytes`) is refused undecoded. A batch that does not fit what
   is left is not applied: the worker is then faulty (controller/vllm/watcher.py) for
   `faulty_hold_s`: not serving, listed as phase "faulty", counted in kvfleet_worker_faulty.
 
@@ -129,6 +131,27 @@ class FaultGuard:
 
 MAX_BATCH_EVENTS = 4_096  # events one message may announce (vLLM: ~1 per stored or evicted block of a step); more is refused undecoded
 _UNPARSED_MAX_BYTES = 1 << 20  # a message whose header cannot be read is decoded only below this size
+# What a message's size may be for the events it announces: MSG_BASE_BYTES + EVENT_BYTES per event (and never
+# over StreamLimits.max_msg_bytes). A batch holds one engine step's events, and a step computes at most
+# max_num_batched_tokens tokens (vLLM's defaults: 2,048 to 16,384): its BlockStored token ids, at most 5
+# bytes each, and block hashes (9 bytes a block) take ~100 KiB; 1 MiB is a 170,000-token step. An event's
+# own fields (keys, medium, parent, one block's extra keys) take a few hundred bytes.
+# NOTE: the event count alone let one 1-hash BlockStored carry 30M token ids (28.6 MiB): one decode
+# held the event loop ~0.5 s, for a cost of 1 event.
+MSG_BASE_BYTES = 1 << 20
+EVENT_BYTES = 4 << 10
+BYTES_PER_UNIT = 4 << 10  # a message costs 1 budget unit per this many bytes, charged before it is decoded
+
+
+def message_cost(nbytes: int) -> int:
+    """What a message costs of its rank's budget before it is decoded: 1 per BYTES_PER_UNIT bytes
+    (its events, and STEP_COST per AllBlocksCleared, are charged once decoded: batch_cost)."""
+    return nbytes // BYTES_PER_UNIT
+
+
+def max_batch_bytes(events: int) -> int:
+    """The largest message that may announce `events` events (MSG_BASE_BYTES + EVENT_BYTES each)."""
+    return MSG_BASE_BYTES + EVENT_BYTES * max(events, 0)
 
 
 def peek_num_events(payload: bytes) -> int | None:
@@ -163,10 +186,24 @@ def peek_num_events(payload: bytes) -> int | None:
     return None
 
 
-def too_many_events(payload: bytes) -> int | None:
-    """The event count of a message to refuse undecoded (over MAX_BATCH_EVENTS, or an unreadable
-    header on a message over 1 MiB: -1); None to decode it."""
+def refusal(payload: bytes) -> tuple[int, str] | None:
+    """(event count, what was sent) of a message to refuse undecoded: over MAX_BATCH_EVENTS events,
+    larger than max_batch_bytes of the events it announces, or an unreadable header on a message over
+    1 MiB (count -1); None to decode it."""
     n = peek_num_events(payload)
     if n is None:
-        return -1 if len(payload) > _UNPARSED_MAX_BYTES else None
-    return n if n > MAX_BATCH_EVENTS else None
+        if len(payload) > _UNPARSED_MAX_BYTES:
+            return -1, f"a message of {len(payload):,} bytes with no KV-event batch header"
+        return None
+    if n > MAX_BATCH_EVENTS:
+        return n, f"a batch announcing {n:,} events (at most {MAX_BATCH_EVENTS:,})"
+    if len(payload) > max_batch_bytes(n):
+        return n, (f"a message of {len(payload):,} bytes announcing {n:,} event{'' if n == 1 else 's'} "
+                   f"(at most {max_batch_bytes(n):,} bytes)")
+    return None
+
+
+def too_many_events(payload: bytes) -> int | None:
+    """The event count of a message to refuse undecoded (see `refusal`); None to decode it."""
+    r = refusal(payload)
+    return None if r is None else r[0]

@@ -144,9 +144,12 @@ def _tag_of(raw: bytes) -> Any:
 
 def _convert(ev: Any) -> Event:
     if isinstance(ev, _MapStored | _ArrStored):
-        if len(ev.token_ids) != len(ev.block_hashes) * ev.block_size and ev.block_size > 0 \
-                and len(ev.block_hashes) > 1:
-            raise EventDecodeError(f"BlockStored with {len(ev.block_hashes)} hashes but {len(ev.token_ids)} tokens")
+        # vLLM's block pool sends block_size tokens per hash; its offloading connector sends none
+        # (kv_connector/v1/offloading/scheduler.py take_events: token_ids=[]). NOTE: a one-hash event
+        # used to pass with any number of tokens (30M held the loop and 677 MiB).
+        if ev.token_ids and len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+            raise EventDecodeError(f"BlockStored with {len(ev.block_hashes)} hashes of block size {ev.block_size} "
+                                   f"but {len(ev.token_ids)} tokens")
         parent = None if ev.parent_block_hash is None else normalize(ev.parent_block_hash)
         return BlockStored(tuple(normalize(h) for h in ev.block_hashes), parent, tuple(ev.token_ids), ev.block_size,
                            ev.medium, ev.lora_name, None if ev.extra_keys is None else tuple(ev.extra_keys),

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from controller.metrics import Metrics
-from controller.vllm.budget import Slicer, too_many_events
+from controller.vllm.budget import Slicer, message_cost, refusal
 from controller.vllm.events import (
     END_SEQ,
     MAX_SEQ,
@@ -65,7 +65,9 @@ class StreamLimits:
     replay_deadline_s: float = 10.0  # one whole replay, first request to end marker
     replay_max_batches: int = 20_002
     replay_max_bytes: int = 256 << 20
-    max_msg_bytes: int = 64 << 20  # one ZMQ message (ZMQ_MAXMSGSIZE on SUB and DEALER)
+    # one ZMQ message (ZMQ_MAXMSGSIZE on SUB and DEALER). A batch is one engine step's events: ~100 KiB
+    # at vLLM's default step sizes (budget.MSG_BASE_BYTES). NOTE: was 64 MiB, ~1 s of decoding each.
+    max_msg_bytes: int = 8 << 20
     max_resident_blocks: int = 1 << 20  # per rank, when its /metrics gives no num_gpu_blocks
     max_events_per_s: int = 20_000  # per rank: the event budget's refill (controller/vllm/budget.py)
     max_event_burst: int = 200_000  # per rank: the budget's depth (a full honest catch-up replay fits)
@@ -90,7 +92,9 @@ class _OverLimit(Exception):
 class StreamSink(Protocol):
     """Where a stream's batches go. `on_batch` may be a coroutine function (it then yields while it
     applies a large batch); a sink may also have `muted() -> bool` and `skip(seq)`: while muted, it
-    is told only the seq of each live batch, and no replay is asked for it."""
+    is told only the seq of each live batch, and no replay is asked for it; `admit(seq, cost) -> bool`:
+    charged each message's budget.message_cost before it is decoded (False: not decoded); and
+    `refuse(seq, events, what)`: told of a message refused undecoded (budget.refusal)."""
 
     def last_seq(self) -> int: ...
 
@@ -254,15 +258,18 @@ class Subscriber:
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]
             return
-        n = too_many_events(payload)
+        bad = refusal(payload)
         refuse = getattr(self.sink, "refuse", None)
-        if n is not None:  # never decoded: one decode is one uninterruptible call (budget.peek_num_events)
+        if bad is not None:  # never decoded: one decode is one uninterruptible call (budget.peek_num_events)
             self.metrics.kv_event_decode_errors.inc()
             if refuse is not None:
-                refuse(seq, n)
+                refuse(seq, *bad)
             else:
                 self.sink.on_invalidate("decode_error", seq)
             return
+        admit = getattr(self.sink, "admit", None)
+        if admit is not None and not admit(seq, message_cost(len(payload))):
+            return  # over the rank's budget before decoding: the sink made its worker faulty
         try:
             batch = decode_batch(payload)
         except UnknownEventType:

@@ -96,10 +96,17 @@ class _Sink:
     def muted(self) -> bool:
         return self.w.guard.faulty()
 
-    def refuse(self, seq: int, n: int) -> None:
-        """A message announcing more events than one may carry (budget.MAX_BATCH_EVENTS): faulty."""
+    def refuse(self, seq: int, n: int, what: str = "") -> None:
+        """A message refused undecoded (budget.refusal: too many events, or too many bytes for them): faulty."""
         self.w.guard.trip(n)
-        self.w._trip(self.r, seq, n)
+        self.w._trip(self.r, seq, n, what)
+
+    def admit(self, seq: int, cost: int) -> bool:
+        """A message's cost before it is decoded (budget.message_cost); False: faulty, not decoded."""
+        if self.w.guard.admit(self.r, cost, 0):
+            return True
+        self.w._trip(self.r, seq, 0, f"a message costing {cost:,} (1 per 4 KiB)")
+        return False
 
     def skip(self, seq: int) -> None:
         self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq)
@@ -224,12 +231,14 @@ class Worker:
                 self.index.apply(key, ev)
         self._apply(rank, Transition(st, persist=persist))
 
-    def _trip(self, rank: int, seq: int, n: int) -> None:
-        """Over the event budget: faulty; every rank's index dropped (epoch step); seq kept."""
+    def _trip(self, rank: int, seq: int, n: int, what: str = "") -> None:
+        """Over the event budget, or a message refused undecoded: faulty; every rank's index dropped
+        (epoch step); seq kept. `what`: what the worker sent (default: a batch of `n` events)."""
         self.ranks[rank] = self.ranks[rank].at_seq(seq)
-        log.warning("worker %s rank %d sent a batch of %d events over its budget (--kv-max-events-per-s %d, "
-                    "--kv-max-event-burst %d): faulty, not serving, for %g s", self.spec.name, rank, n,
-                    self.cfg.stream.max_events_per_s, self.cfg.stream.max_event_burst, self.guard.hold_s)
+        log.warning("worker %s rank %d sent %s over its budget (--kv-max-events-per-s %d, --kv-max-event-burst %d, "
+                    "--kv-event-max-message-bytes %d): faulty, not serving, for %g s", self.spec.name, rank,
+                    what or f"a batch of {n} events", self.cfg.stream.max_events_per_s,
+                    self.cfg.stream.max_event_burst, self.cfg.stream.max_msg_bytes, self.guard.hold_s)
         for r in self.ranks:
             self._apply(r, self.ranks[r].stream_invalidated("event_budget", None))
 
