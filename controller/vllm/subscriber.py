@@ -173,13 +173,15 @@ class Subscriber:
         """One live message, in order: duplicate check, reset, gap repair, then apply."""
         if len(frames) < 3:
             self.metrics.kv_event_decode_errors.inc()
-            self.sink.on_invalidate("decode_error", None)
+            if not self.muted():  # a faulty worker's index is gone already: nothing to invalidate
+                self.sink.on_invalidate("decode_error", None)
             return
         try:
             seq = parse_seq(frames[1])
         except EventDecodeError:
             self.metrics.kv_event_decode_errors.inc()
-            self.sink.on_invalidate("decode_error", None)
+            if not self.muted():
+                self.sink.on_invalidate("decode_error", None)
             return
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]  # muted() is only True for a sink that has skip

@@ -133,6 +133,13 @@ class _Live:
     async def send(self, events: list[Any]) -> None:
         await self.send_payload(wire.encode_batch(0.0, events, 0))
 
+    async def until(self, cond: Any, what: str) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(what)
+
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         return self.m.registry.get_sample_value(name, labels or {}) or 0.0
 
@@ -167,6 +174,7 @@ async def _live(tmp_path: Path, **limits: Any) -> AsyncIterator[_Live]:
             await asyncio.sleep(0.02)
             if r.worker("w0").ranks[0].seq >= 0:
                 break
+        await asyncio.sleep(0.1)  # a straggling seq 0 (a reset) lands before the test starts
         live = _Live(r, m, pub)
         live.seq = 1
         yield live
@@ -222,3 +230,44 @@ async def test_a_block_stored_needs_block_size_tokens_per_hash_or_none(tmp_path:
         assert live.blocks() == 1
         await live.send([_stored([7, 8, 9, 10], tokens=0, medium="CPU")])  # the offloading connector's shape
         assert live.blocks() == 5 and live.value("kvfleet_kv_event_decode_errors_total") == errors + 1
+
+
+async def test_seq_resets_and_empty_batches_are_charged_to_the_rank_s_budget(tmp_path: Path) -> None:
+    """A seq reset (or a duplicate seq) steps the epoch, drops the index and writes the store; an empty
+    batch is still a message received and parsed. Both used to cost nothing of the event budget, so a
+    worker could send them without end and never be faulty. An invalidation now costs as much as an
+    AllBlocksCleared (1,000) and every message at least 1. Budget here: depth 5,000, 100 a second."""
+    async with _live(tmp_path, max_event_burst=5_000, max_events_per_s=100) as live:
+        w = live.r.worker("w0")
+        empty = wire.encode_batch(0.0, [], 0)
+        await live.send_payload(empty)
+        bumps = live.value("kvfleet_epoch_bumps_total", {"reason": "seq_reset"})
+
+        def resets() -> float:
+            return live.value("kvfleet_epoch_bumps_total", {"reason": "seq_reset"}) - bumps
+
+        await live.pub.send_multipart([b"", (0).to_bytes(8, "big"), empty])  # control: one publisher restart
+        await live.until(lambda: resets() == 1, "the reset seen")
+        assert not w.faulty()
+        for _ in range(20):  # the same seq again and again: each a reset
+            await live.pub.send_multipart([b"", (0).to_bytes(8, "big"), empty])
+        await live.pub.send_multipart([b"", (1).to_bytes(8, "big"), empty])
+        await live.until(lambda: w.faulty() or resets() >= 21, "the resets seen")
+        await asyncio.sleep(0.2)
+        print(f"21 seq resets: {resets():.0f} epoch steps for them, faulty={w.faulty()}")
+        assert w.faulty() and resets() <= 6
+
+    async with _live(tmp_path / "b", max_event_burst=5_000, max_events_per_s=100) as live:
+        w = live.r.worker("w0")
+        empty = wire.encode_batch(0.0, [], 0)
+        for _ in range(300):  # control: 300 empty batches fit
+            await live.pub.send_multipart([b"", live.seq.to_bytes(8, "big"), empty])
+            live.seq += 1
+        await live.send_payload(empty)
+        assert not w.faulty()
+        for _ in range(6_000):
+            await live.pub.send_multipart([b"", live.seq.to_bytes(8, "big"), empty])
+            live.seq += 1
+        await live.send_payload(empty)
+        print(f"6,000 empty batches: faulty={w.faulty()}")
+        assert w.faulty() and [(row.phase, row.serving) for row in live.r.workers()] == [("faulty", False)]
