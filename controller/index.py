@@ -20,6 +20,11 @@ from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, 
 
 RankKey = tuple[str, int]  # (worker, dp_rank)
 Tier = tuple[int | None, str]  # (group_idx, medium)
+# Tiers one rank may report: vLLM's KV groups (1, or a few for hybrid models) times its media (GPU, and
+# CPU or disk with an offloading connector). A store that would open one more trips the worker
+# (controller/vllm/watcher.py). NOTE: the tiers were unbounded and each non-GPU tier had its own block
+# bound: 6 events of 1,048,576 CPU hashes, one tier each, held 6.3M blocks (+538 MiB) for one rank.
+MAX_TIERS = 32
 
 
 def tier_of(group_idx: int | None, medium: str | None) -> Tier:
@@ -42,6 +47,10 @@ class RankIndex:
         s = self.tiers.get(tier_of(ev.group_idx, ev.medium))
         if s is not None:
             s.difference_update(ev.block_hashes)
+
+    def num_offgpu_blocks(self) -> int:
+        """Blocks in every non-GPU tier (offloaded copies: never matched, bounded together)."""
+        return sum(len(s) for (_, medium), s in self.tiers.items() if medium != "GPU")
 
     def num_gpu_blocks(self) -> int:
         """GPU-resident blocks over every KV group (what occupies the pool)."""
@@ -73,6 +82,8 @@ class IndexSink(Protocol):
     def num_blocks(self, key: RankKey) -> int: ...
 
     def held_and_new(self, key: RankKey, ev: BlockStored) -> tuple[int, int]: ...
+
+    def opens_tier(self, key: RankKey, ev: BlockStored) -> int: ...
 
 
 class PrefixIndex:
@@ -107,11 +118,17 @@ class PrefixIndex:
 
     def held_and_new(self, key: RankKey, ev: BlockStored) -> tuple[int, int]:
         """For a capacity check: the blocks the rank holds where `ev` would go (every GPU group for a
-        GPU store, else `ev`'s tier), and how many of `ev`'s hashes are not there yet."""
+        GPU store, else every non-GPU tier), and how many of `ev`'s hashes are not in `ev`'s tier yet."""
         tier = tier_of(ev.group_idx, ev.medium)
         r = self._ranks.get(key) or RankIndex()
-        held = r.num_gpu_blocks() if tier[1] == "GPU" else len(r.tiers.get(tier, ()))
+        held = r.num_gpu_blocks() if tier[1] == "GPU" else r.num_offgpu_blocks()
         return held, len(set(ev.block_hashes) - r.tiers.get(tier, set()))
+
+    def opens_tier(self, key: RankKey, ev: BlockStored) -> int:
+        """The rank's tier count once `ev` is stored, if `ev` opens a tier it has not got; else 0."""
+        r = self._ranks.get(key)
+        tiers = r.tiers if r is not None else {}
+        return 0 if tier_of(ev.group_idx, ev.medium) in tiers else len(tiers) + 1
 
     def drop(self, key: RankKey) -> None:
         """Forget everything about a rank (epoch bump)."""

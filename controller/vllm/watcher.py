@@ -33,7 +33,7 @@ import aiohttp
 import zmq.asyncio
 
 from controller.contain import Contained
-from controller.index import IndexSink, tier_of
+from controller.index import MAX_TIERS, IndexSink, tier_of
 from controller.metrics import Metrics
 from controller.registry import EpochTable, KvStore, WorkerSpec
 from controller.view import RankView, WorkerView
@@ -230,7 +230,15 @@ class Worker:
                 self.metrics.epoch_bumps.labels(t.reason).inc()
                 self.index.apply(key, AWAITED_CLEAR if awaited else ev)
             elif isinstance(ev, BlockStored):
-                if not st.accepts_stores or self._over_capacity(key, ev):
+                if not st.accepts_stores:
+                    continue
+                if self.index.opens_tier(key, ev) > MAX_TIERS:
+                    self.ranks[rank] = st
+                    self.guard.trip(len(batch.events))
+                    self._trip(rank, seq, len(batch.events), f"a BlockStored opening a tier (group_idx {ev.group_idx}, "
+                               f"medium {ev.medium!r}) past {MAX_TIERS}")
+                    return
+                if self._over_capacity(key, ev):
                     continue
                 if not self._calibrate(ev):
                     self._apply(rank, st.invalidated("calibration"))
@@ -259,7 +267,8 @@ class Worker:
         """A store that would take the rank past what it can hold is refused and counted.
 
         The bound is the pool's size from /metrics (vllm:cache_config_info num_gpu_blocks), else
-        StreamLimits.max_resident_blocks. NOTE: vLLM announces an eviction (BlockRemoved) before
+        StreamLimits.max_resident_blocks; non-GPU tiers (offloaded copies, never matched) share one
+        max_resident_blocks between them, whatever their count (index.MAX_TIERS). NOTE: vLLM announces an eviction (BlockRemoved) before
         the store that reuses the block, so an honest stream never passes it; one claiming
         millions of blocks used to grow the index (and the controller) without bound.
         """

@@ -271,3 +271,30 @@ async def test_seq_resets_and_empty_batches_are_charged_to_the_rank_s_budget(tmp
         await live.send_payload(empty)
         print(f"6,000 empty batches: faulty={w.faulty()}")
         assert w.faulty() and [(row.phase, row.serving) for row in live.r.workers()] == [("faulty", False)]
+
+
+async def test_non_gpu_tiers_share_one_block_bound_and_their_number_is_capped(tmp_path: Path) -> None:
+    """The resident-block bound used to apply to each non-GPU (group_idx, medium) tier on its own, and a
+    worker names as many tiers as it likes: 5 CPU tiers of 50 blocks under a bound of 100 held 250. Now the
+    non-GPU tiers share the bound, and a store opening a tier past index.MAX_TIERS (32) trips the worker."""
+    import controller.index
+
+    MAX_TIERS = getattr(controller.index, "MAX_TIERS", 32)  # (a getattr: the old code has no such cap)
+    async with _live(tmp_path, max_resident_blocks=100) as live:
+        w = live.r.worker("w0")
+        await live.send([_stored(list(range(1 << 40, (1 << 40) + 64)))])  # control: 64 GPU blocks (pool 4,096)
+        for t in range(5):
+            h = (1 << 41) + 50 * t
+            await live.send([_stored(list(range(h, h + 50)), medium="CPU", group_idx=t)])
+        offgpu = live.blocks() - 64
+        print(f"5 CPU tiers x 50 blocks, bound 100: {offgpu} held off GPU; faulty={w.faulty()}")
+        assert offgpu == 100 and live.r.index.resident(("w0", 0)) and not w.faulty()
+
+    async with _live(tmp_path / "b") as live:
+        w = live.r.worker("w0")
+        for t in range(MAX_TIERS):  # control: MAX_TIERS tiers fit
+            await live.send([_stored([(1 << 42) + t], medium="CPU", group_idx=t)])
+        assert not w.faulty() and live.blocks() == MAX_TIERS
+        await live.send([_stored([1 << 43], medium="CPU", group_idx=MAX_TIERS)])
+        print(f"{MAX_TIERS + 1} tiers: faulty={w.faulty()}, blocks held {live.blocks()}")
+        assert w.faulty() and live.blocks() == 0
