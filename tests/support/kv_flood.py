@@ -28,13 +28,31 @@ from support.controller import make_tokens, md
 END = b"\xff" * 8
 
 
-class FloodingReplay:
-    """A replay ROUTER (own thread, own context) answering each request with `batches` batches of
-    `events` AllBlocksCleared events and then the end marker, as vLLM's replay does."""
+class RecordingSink:
+    """A Subscriber's sink that records what it was handed: the seqs applied, the invalidations' reasons."""
 
-    def __init__(self, batches: int, events: int = 600) -> None:
+    def __init__(self) -> None:
+        self.seq, self.applied, self.invalid = -1, [], []
+
+    def last_seq(self) -> int:
+        return self.seq
+
+    def on_batch(self, seq, batch) -> None:  # type: ignore[no-untyped-def]
+        self.seq = seq
+        self.applied.append(seq)
+
+    def on_invalidate(self, reason, seq) -> None:  # type: ignore[no-untyped-def]
+        self.invalid.append(reason)
+
+
+class FloodingReplay:
+    """A replay ROUTER (own thread, own context) answering each request with `batches` batches (seqs start,
+    start + 1, ...) of `events` AllBlocksCleared events, or of `payload`, and then the end marker, as vLLM's
+    replay does."""
+
+    def __init__(self, batches: int, events: int = 600, payload: bytes | None = None) -> None:
         self.batches = batches
-        self.payload = wire.encode_batch(0.0, [wire.VllmAllBlocksCleared()] * events)
+        self.payload = payload if payload is not None else wire.encode_batch(0.0, [wire.VllmAllBlocksCleared()] * events)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -8,26 +8,12 @@ import json
 import pytest
 import zmq
 import zmq.asyncio
+from support.kv_flood import RecordingSink
 
 from controller.metrics import Metrics
 from controller.vllm.events import END_SEQ, MAX_SEQ, EventDecodeError, parse_seq
 from controller.vllm.subscriber import Subscriber
 from fleet.core.rank_state import RankState
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.seq, self.applied, self.invalid = -1, [], []
-
-    def last_seq(self) -> int:
-        return self.seq
-
-    def on_batch(self, seq, batch) -> None:  # type: ignore[no-untyped-def]
-        self.seq = seq
-        self.applied.append(seq)
-
-    def on_invalidate(self, reason, seq) -> None:  # type: ignore[no-untyped-def]
-        self.invalid.append(reason)
 
 
 def test_parse_seq_refuses_seqs_no_vllm_sends() -> None:
@@ -45,7 +31,7 @@ async def test_a_frame_with_seq_2_64_minus_1_is_dropped_and_the_stream_goes_on()
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sink = _Sink()
+    sink = RecordingSink()
     sub = Subscriber(ctx, f"tcp://127.0.0.1:{port}", None, sink, Metrics())
     await sub.start()
     payload = wire.encode_batch(0.0, [])
@@ -72,7 +58,7 @@ async def test_a_frame_with_seq_2_64_minus_1_is_dropped_and_the_stream_goes_on()
 
 async def test_replay_from_an_impossible_seq_fails_without_raising() -> None:
     ctx = zmq.asyncio.Context()
-    sub = Subscriber(ctx, "tcp://127.0.0.1:1", "tcp://127.0.0.1:1", _Sink(), Metrics())
+    sub = Subscriber(ctx, "tcp://127.0.0.1:1", "tcp://127.0.0.1:1", RecordingSink(), Metrics())
     try:
         assert await sub.replay(1 << 64) is None  # used to raise OverflowError in Subscriber.start
     finally:
