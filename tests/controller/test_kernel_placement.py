@@ -76,6 +76,6 @@ async def test_session_rows_show_backend_and_device(ray_cluster: None, tmp_path:
         print("rows:", [(r.session_id, r.backend, r.device) for r in rows])
         assert [(r.session_id, r.backend, r.device) for r in rows] == [("t1", "torch", "cpu")]
         table = render_sessions(rows)
-        assert [c.header for c in table.columns][3] == "kernel" and table.columns[3]._cells == ["torch/cpu"]
+        assert [c.header for c in table.columns][3] == "kernel" and [str(x) for x in table.columns[3]._cells] == ["torch/cpu"]
     finally:
         await ctl.stop(0)
