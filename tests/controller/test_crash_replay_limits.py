@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from support.kv_flood import live_stream
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -133,42 +134,18 @@ async def test_a_stuck_replay_does_not_hide_a_worker_slept_behind_the_back(tmp_p
 
 async def test_a_rank_claiming_more_blocks_than_it_holds_is_refused(tmp_path: Path) -> None:
     """The worker's pool holds 64 blocks (its /metrics says so); a stream claiming 5,000 is refused."""
-    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start()
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    m = Metrics()
-    r = Router(store, m, RouterConfig(reconcile_interval_s=0.05))
-    await r.start()
 
-    def stored(n: int, first_token: int, seq: int) -> list[bytes]:
+    def stored(n: int, first_token: int) -> bytes:
         toks = list(range(first_token, first_token + 16 * n))
         hashes = external_chain(HashConfig("sha256", None, 16), toks)  # honest hashes: calibration passes
         ev = wire.VllmBlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=toks,
-                              block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
-        return [b"", seq.to_bytes(8, "big"), wire.encode_batch(0.0, [ev])]
+                                  block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
+        return wire.encode_batch(0.0, [ev])
 
-    async def publish_until_seen(frames: list[bytes], seq: int) -> None:
-        for _ in range(200):
-            await pub.send_multipart(frames)
-            await asyncio.sleep(0.02)
-            if r.worker("w0").ranks[0].seq >= seq:
-                return
-        raise AssertionError("never delivered")
-
-    try:
-        await r.register_worker(WorkerSpec("w0", sim.url, f"tcp://127.0.0.1:{port}", None, "m", block_size=16,
-                                           hash_algo="sha256"))
-        assert r.worker("w0").load.num_gpu_blocks == 64
-        await publish_until_seen(stored(10, 1, 0), 0)  # control: 10 blocks fit
-        assert r.index.num_blocks(("w0", 0)) == 10
-        await publish_until_seen(stored(5000, 10_000, 1), 1)
-        assert r.index.num_blocks(("w0", 0)) == 10  # the 5,000-block claim was not indexed
-        assert m.registry.get_sample_value("kvfleet_kv_blocks_refused_total") == 5000
-    finally:
-        await r.stop()
-        store.close()
-        pub.close(0)
-        ctx.term()
-        await sim.stop()
+    async with live_stream(tmp_path, num_blocks=64) as live:
+        assert live.r.worker("w0").load.num_gpu_blocks == 64
+        await live.send_payload(stored(10, 1))  # control: 10 blocks fit
+        assert live.blocks() == 10
+        await live.send_payload(stored(5000, 10_000))
+        assert live.blocks() == 10  # the 5,000-block claim was not indexed
+        assert live.value("kvfleet_kv_blocks_refused_total") == 5000

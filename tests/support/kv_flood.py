@@ -1,28 +1,33 @@
-"""A KV-event flood and a latency probe, for tests/controller/test_event_flood.py and bench/event_flood.py:
-a replay ROUTER that answers every request with many batches of AllBlocksCleared events (vLLM's wire
-format), and another tenant's WhoAmI timed from its own thread."""
+"""KV-event streams for the event tests and bench/event_flood.py: a replay ROUTER that answers every request
+with many batches (vLLM's wire format), a sink that records what a Subscriber hands it, a live Router whose
+worker's events the test publishes (`live_stream`), and another tenant's WhoAmI timed from its own thread."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import zmq
+import zmq.asyncio
 
 from controller.metrics import Metrics
-from controller.router import RouterConfig
+from controller.router import Router, RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
+from controller.vllm.subscriber import StreamLimits
 from fleet.api.kvfleet.v1 import fleet_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.cas import open_store
 from support.controller import make_tokens, md
 
 END = b"\xff" * 8
@@ -180,3 +185,71 @@ async def run_flood(
         "faulty": faulty,
         "over_budget": metrics.registry.get_sample_value("kvfleet_kv_events_over_budget_total"),
     }
+
+
+class LiveStream:
+    """A real Router (sqlite store) with one worker "w0" (sim-vllm HTTP, block size 16, `num_blocks` in its pool)
+    whose KV events come from a PUB the test writes (`live_stream`); its subscription is up and seq 0 handled; `send(events)` publishes the next seq and waits until it is handled."""
+
+    def __init__(self, r: Any, m: Metrics, pub: zmq.asyncio.Socket) -> None:
+        self.r, self.m, self.pub, self.seq = r, m, pub, 0
+
+    async def send_payload(self, payload: bytes, seq: int | None = None) -> None:
+        seq = self.seq if seq is None else seq
+        self.seq = max(self.seq, seq + 1)
+        await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        w = self.r.worker("w0")
+        for _ in range(500):
+            if w.ranks[0].seq >= seq:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"seq {seq} never handled")
+
+    async def send(self, events: list[Any]) -> None:
+        await self.send_payload(wire.encode_batch(0.0, events, 0))
+
+    async def until(self, cond: Any, what: str) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(what)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.m.registry.get_sample_value(name, labels or {}) or 0.0
+
+    def blocks(self) -> int:
+        return int(self.r.index.num_blocks(("w0", 0)))
+
+
+@contextlib.asynccontextmanager
+async def live_stream(tmp_path: Path, num_blocks: int = 4096, **limits: Any) -> AsyncIterator[LiveStream]:
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=num_blocks))).start()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    m = Metrics()
+    r = Router(store, m, RouterConfig(reconcile_interval_s=0.05, stream=StreamLimits(**limits)))
+    await r.start()
+    try:
+        await r.register_worker(
+            WorkerSpec("w0", sim.url, f"tcp://127.0.0.1:{port}", None, "m", block_size=16, hash_algo="sha256")
+        )
+        hello = wire.encode_batch(0.0, [wire.VllmBlockRemoved(block_hashes=[7], medium="GPU")], 0)
+        for _ in range(300):  # until the subscription is up (ZMQ's slow joiner)
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), hello])
+            await asyncio.sleep(0.02)
+            if r.worker("w0").ranks[0].seq >= 0:
+                break
+        await asyncio.sleep(0.1)  # a straggling seq 0 (a reset) lands before the test starts
+        live = LiveStream(r, m, pub)
+        live.seq = 1
+        yield live
+    finally:
+        await r.stop()
+        store.close()
+        pub.close(0)
+        ctx.term()
+        await sim.stop()

@@ -7,16 +7,14 @@ test observes bytes held, budget trips, the worker marked faulty or the blocks i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 import zmq.asyncio
-from support.kv_flood import FloodingReplay, RecordingSink
+from support.kv_flood import FloodingReplay, RecordingSink, live_stream
 
 from controller.metrics import Metrics
 from controller.vllm.subscriber import Subscriber
@@ -61,80 +59,6 @@ async def test_tail_replayed_batches_are_remembered_by_digest_not_payload() -> N
         ctx.term()
 
 
-class _Live:
-    """A real Router (sqlite store) with one worker "w0" (sim-vllm HTTP, block size 16) whose KV events
-    come from a PUB this test writes; `send(events)` publishes the next seq and waits until it is handled."""
-
-    def __init__(self, r: Any, m: Metrics, pub: zmq.asyncio.Socket) -> None:
-        self.r, self.m, self.pub, self.seq = r, m, pub, 0
-
-    async def send_payload(self, payload: bytes, seq: int | None = None) -> None:
-        seq = self.seq if seq is None else seq
-        self.seq = max(self.seq, seq + 1)
-        await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-        w = self.r.worker("w0")
-        for _ in range(500):
-            if w.ranks[0].seq >= seq:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"seq {seq} never handled")
-
-    async def send(self, events: list[Any]) -> None:
-        await self.send_payload(wire.encode_batch(0.0, events, 0))
-
-    async def until(self, cond: Any, what: str) -> None:
-        for _ in range(500):
-            if cond():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(what)
-
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.m.registry.get_sample_value(name, labels or {}) or 0.0
-
-    def blocks(self) -> int:
-        return int(self.r.index.num_blocks(("w0", 0)))
-
-
-@contextlib.asynccontextmanager
-async def _live(tmp_path: Path, **limits: Any) -> AsyncIterator[_Live]:
-    from controller.router import Router, RouterConfig, WorkerSpec
-    from controller.vllm.subscriber import StreamLimits
-    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
-    from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-    from fleet.cas import open_store
-
-    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=4096))).start()
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    m = Metrics()
-    r = Router(store, m, RouterConfig(reconcile_interval_s=0.05, stream=StreamLimits(**limits)))
-    await r.start()
-    try:
-        await r.register_worker(
-            WorkerSpec("w0", sim.url, f"tcp://127.0.0.1:{port}", None, "m", block_size=16, hash_algo="sha256")
-        )
-        hello = wire.encode_batch(0.0, [wire.VllmBlockRemoved(block_hashes=[7], medium="GPU")], 0)
-        for _ in range(300):  # until the subscription is up (ZMQ's slow joiner)
-            await pub.send_multipart([b"", (0).to_bytes(8, "big"), hello])
-            await asyncio.sleep(0.02)
-            if r.worker("w0").ranks[0].seq >= 0:
-                break
-        await asyncio.sleep(0.1)  # a straggling seq 0 (a reset) lands before the test starts
-        live = _Live(r, m, pub)
-        live.seq = 1
-        yield live
-    finally:
-        await r.stop()
-        store.close()
-        pub.close(0)
-        ctx.term()
-        await sim.stop()
-
-
 def _stored(hashes: list[int], tokens: int | None = None, medium: str = "GPU", **kw: Any) -> Any:
     n = len(hashes) * 16 if tokens is None else tokens
     return wire.VllmBlockStored(block_hashes=hashes, parent_block_hash=42, token_ids=[100_000] * n, block_size=16,
@@ -148,7 +72,7 @@ async def test_a_message_larger_than_its_events_allow_is_refused_undecoded_and_t
     the event loop and applied for a cost of one event. A message may now be 1 MiB plus 4 KiB per event it
     announces: this one is refused before it is decoded, and its worker is faulty, with a log line saying
     what it sent. Controls: a 256-block event (the size of a 4,096-token prefill) is applied."""
-    async with _live(tmp_path) as live:
+    async with live_stream(tmp_path) as live:
         w = live.r.worker("w0")
         await live.send([_stored(list(range(1000, 1256)))])
         assert live.blocks() == 256 and not w.faulty()  # control
@@ -169,7 +93,7 @@ async def test_a_block_stored_needs_block_size_tokens_per_hash_or_none(tmp_path:
     """A one-hash BlockStored with 17 tokens (block size 16) used to be indexed (only events of two or more
     hashes were checked); it is now a decode error. vLLM's offloading connector sends its BlockStored with
     no token ids at all (several hashes, medium CPU): those used to be decode errors and are now indexed."""
-    async with _live(tmp_path) as live:
+    async with live_stream(tmp_path) as live:
         errors = live.value("kvfleet_kv_event_decode_errors_total")
         await live.send([_stored([1 << 41], tokens=17)])
         print(f"17 tokens for one 16-token block: blocks indexed {live.blocks()}, decode errors "
@@ -186,7 +110,7 @@ async def test_seq_resets_and_empty_batches_are_charged_to_the_rank_s_budget(tmp
     batch is still a message received and parsed. Both used to cost nothing of the event budget, so a
     worker could send them without end and never be faulty. An invalidation now costs as much as an
     AllBlocksCleared (1,000) and every message at least 1. Budget here: depth 5,000, 100 a second."""
-    async with _live(tmp_path, max_event_burst=5_000, max_events_per_s=100) as live:
+    async with live_stream(tmp_path, max_event_burst=5_000, max_events_per_s=100) as live:
         w = live.r.worker("w0")
         empty = wire.encode_batch(0.0, [], 0)
         await live.send_payload(empty)
@@ -206,7 +130,7 @@ async def test_seq_resets_and_empty_batches_are_charged_to_the_rank_s_budget(tmp
         print(f"21 seq resets: {resets():.0f} epoch steps for them, faulty={w.faulty()}")
         assert w.faulty() and resets() <= 6
 
-    async with _live(tmp_path / "b", max_event_burst=5_000, max_events_per_s=100) as live:
+    async with live_stream(tmp_path / "b", max_event_burst=5_000, max_events_per_s=100) as live:
         w = live.r.worker("w0")
         empty = wire.encode_batch(0.0, [], 0)
         for _ in range(300):  # control: 300 empty batches fit
@@ -230,7 +154,7 @@ async def test_non_gpu_tiers_share_one_block_bound_and_their_number_is_capped(tm
     import controller.index
 
     MAX_TIERS = getattr(controller.index, "MAX_TIERS", 32)  # (a getattr: the old code has no such cap)
-    async with _live(tmp_path, max_resident_blocks=100) as live:
+    async with live_stream(tmp_path, max_resident_blocks=100) as live:
         w = live.r.worker("w0")
         await live.send([_stored(list(range(1 << 40, (1 << 40) + 64)))])  # control: 64 GPU blocks (pool 4,096)
         for t in range(5):
@@ -240,7 +164,7 @@ async def test_non_gpu_tiers_share_one_block_bound_and_their_number_is_capped(tm
         print(f"5 CPU tiers x 50 blocks, bound 100: {offgpu} held off GPU; faulty={w.faulty()}")
         assert offgpu == 100 and live.r.index.resident(("w0", 0)) and not w.faulty()
 
-    async with _live(tmp_path / "b") as live:
+    async with live_stream(tmp_path / "b") as live:
         w = live.r.worker("w0")
         for t in range(MAX_TIERS):  # control: MAX_TIERS tiers fit
             await live.send([_stored([(1 << 42) + t], medium="CPU", group_idx=t)])
