@@ -62,7 +62,7 @@ class SessionKernel:
         self.closed = False
         self.created_at = self.last_active = time.time()
         self.num_replayed_ops = 0
-        self.num_prefilled_tokens = 0  # tokens this actor computed (appends, replays); adopted blocks not counted
+        self.num_prefilled_tokens = 0  # tokens this actor computed (appends, exact evictions, replays); adopted blocks not counted
         self.in_flight = ""  # the verb running now (its state is the registry's: workers/registry.py)
 
     def _write(self, op: Op) -> None:
@@ -118,15 +118,14 @@ class SessionKernel:
             self.op_id, self.in_flight = op_id, verb
             if self.ctx is not None:
                 self.ctx.op_id = op_id  # stamped on every op this call writes
-            before = len(self.ctx.session) if self.ctx is not None else None
+            before = self.ctx.session.num_computed if self.ctx is not None else 0  # a create: adopted blocks are free
             try:
                 result = await self._run(fn)
             finally:
                 self.op_id, self.in_flight = "", ""
                 if self.ctx is not None:
                     self.ctx.op_id = ""
-            base = self.num_adopted_tokens if before is None else before  # a create: adopted blocks are free
-            self.num_prefilled_tokens += max(0, len(self._s) - base)
+            self.num_prefilled_tokens += self._s.num_computed - before
             self.last_active = time.time()
             return self._reply(result)
 
@@ -189,8 +188,8 @@ class SessionKernel:
 
         A fork on the parent's node also gets `prefix_refs` (ObjectRefs of the parent's blocks,
         one per block of `tokens`, its tokens at the fork point): they are adopted copy-on-write
-        and only the tokens past them are computed (`_replay`). A regeneration always
-        replays the whole log."""
+        and only the tokens past them are computed (`_replay`). A regeneration replays the
+        whole log's ledger and computes the tokens the session holds at its end."""
         prefix = self._prefix(tokens or [], await asyncio.gather(*prefix_refs)) if prefix_refs else None
         async with self._lock:
             self._check_open()
@@ -208,7 +207,7 @@ class SessionKernel:
                 ctx.sink, ctx.store = self._write, self.store
                 self.ctx, self.num_adopted_tokens, self.op_ids = ctx, adopted, own_op_ids(log)
                 self.last_op_index, self.num_replayed_ops = None, len(log)
-                self.num_prefilled_tokens += len(ctx.session) - adopted
+                self.num_prefilled_tokens += ctx.session.num_computed
 
             await self._run(work)
             return self.info_row()
@@ -216,19 +215,20 @@ class SessionKernel:
     def _replay(self, log: list[Op], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
         """The context rebuilt from its log (nothing is written), and the tokens it adopted.
 
-        With `prefix` (a fork sharing its parent's blocks) the session adopts them copy-on-write
-        and computes only the tokens past them (`SessionContext.replay_over`); a log whose KV is
-        not a function of its tokens (a reposition eviction), or a prefix that does not match
-        it, falls back to a full replay. Either way the cache is bit-identical to the replay's.
+        The ledger is replayed first and the session computes the log's final tokens once
+        (`SessionContext.replay_over`): what it holds now, not everything it ever held, so a
+        session that appended and evicted 60 x 4,000 tokens and holds 45 computes 45. With
+        `prefix` (a fork sharing its parent's blocks) it adopts them copy-on-write and computes
+        only the tokens past them. A log whose KV is not a function of its tokens (a reposition
+        eviction with survivors), one that holds no tokens at the end, or a prefix that does not
+        match it, falls back to the op-by-op replay. Either way the cache is bit-identical to it.
         """
-        if prefix is not None:
-            try:
-                session = self.kernel.session(prefix=prefix)
-                ctx = SessionContext.replay_over(log, session, self.tokenizer, self._fetch, self.tenant,
-                                                 self.session_id)
-                return ctx, prefix.num_tokens
-            except (FailedPrecondition, InvalidArgument):
-                pass
+        session = self.kernel.session(prefix=prefix) if prefix is not None else self.kernel.session()
+        try:
+            ctx = SessionContext.replay_over(log, session, self.tokenizer, self._fetch, self.tenant, self.session_id)
+            return ctx, prefix.num_tokens if prefix is not None else 0
+        except (FailedPrecondition, InvalidArgument):
+            session.close()
         return SessionContext.replay(log, self.kernel, self.tokenizer, self._fetch, self.tenant, self.session_id), 0
 
     async def append_message(self, tokens: list[int], role: str, op_id: str = "") -> OpResult:

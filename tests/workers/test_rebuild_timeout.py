@@ -20,12 +20,35 @@ SYSTEM = "You are agent zero. Answer briefly."
 IDS = [(i * 7 + 300) % 512 for i in range(4000)]
 
 
-def _history(f: KernelFleet, tenant: str, sid: str, cycles: int) -> None:
-    """A long log that leaves a short session: `cycles` x (append 4,000 ids, evict them)."""
+def _history(f: KernelFleet, tenant: str, sid: str, cycles: int, mode: str = "exact") -> None:
+    """A long log that leaves a short session: `cycles` x (append 4,000 ids, then a 1-id output, then
+    evict the 4,000 ids with `mode`). A reposition eviction with survivors leaves KV that is not a
+    function of the tokens, so such a log is replayed op by op: all 4,000 x `cycles` ids again."""
     f.create_session(tenant, sid, SYSTEM)
-    for _ in range(cycles):
-        f.evict(tenant, sid, f.append_output(tenant, sid, IDS).result.piece_id)
+    for i in range(cycles):
+        piece = f.append_output(tenant, sid, IDS).result.piece_id
+        f.append_output(tenant, sid, [i % 512])
+        f.evict(tenant, sid, piece, mode=mode)
     f.append(tenant, sid, " and then?")
+
+
+def test_a_regeneration_computes_what_the_session_holds_not_its_history(kfleet: KernelFleet, tenant: str) -> None:
+    """A released session's next call replays its log's ledger and computes its final tokens once:
+    48,000 ids appended and evicted exactly are not computed again. Control: the same history with
+    reposition evictions, which a regeneration must replay op by op, computes them all."""
+    for sid, mode in (("exact", "exact"), ("repo", "reposition")):
+        _history(kfleet, tenant, sid, cycles=12, mode=mode)
+    digests = {sid: kfleet.digest(tenant, sid) for sid in ("exact", "repo")}
+    held = {sid: kfleet.info(tenant, sid)["tokens"] for sid in ("exact", "repo")}
+    for sid in ("exact", "repo"):
+        kfleet.release_session(tenant, sid)                   # the idle reaper: the next call regenerates
+    info = {sid: kfleet.info(tenant, sid) for sid in ("exact", "repo")}
+    print(f"held {held}; computed by the regeneration: "
+          f"{ {sid: row['prefilled_tokens'] for sid, row in info.items()} }")
+    assert {sid: kfleet.digest(tenant, sid) for sid in ("exact", "repo")} == digests
+    assert info["exact"]["prefilled_tokens"] == held["exact"]     # NOTE: before, 48,000 + what it holds
+    assert info["repo"]["prefilled_tokens"] > 12 * len(IDS)       # control: op by op, every id again
+    assert info["exact"]["replayed_ops"] == info["repo"]["replayed_ops"] == 2 + 3 * 12
 
 
 def _replays(f: KernelFleet, node: str) -> int:
@@ -79,7 +102,7 @@ def test_a_replay_longer_than_the_call_timeout_settles(kfleet: KernelFleet, tena
     its replay. Every call that times out used to start another full replay (the record stayed
     lost); now the first one's replay runs to its end, the calls that follow join it, and the
     session is usable again after one replay."""
-    _history(kfleet, tenant, "slow", cycles=12)               # ~48,000 ids replayed, 30 tokens held
+    _history(kfleet, tenant, "slow", cycles=12, mode="reposition")  # ~48,000 ids replayed, 57 tokens held
     digest = kfleet.digest(tenant, "slow")
     node = kfleet.registry.get(tenant, "slow").node           # type: ignore[union-attr]
     kfleet.release_session(tenant, "slow")

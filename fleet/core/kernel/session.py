@@ -32,6 +32,7 @@ class Session:
         self._kv = kv
         self._tokens = tokens
         self._last = last_logits
+        self.num_computed = 0  # tokens this object ran through the model (appends, exact-evict survivors, decode)
 
     # -- state --
     @property
@@ -109,6 +110,7 @@ class Session:
         after the last one. Tile t covers absolute positions [t*T, (t+1)*T)."""
         k, ops = self.kernel, self.kernel.ops
         T, BS, p1 = k.tile_size, k.block_size, p0 + len(ids)
+        self.num_computed += len(ids)
         self._kv.ensure(p1)
         self._kv.make_writable(p0, p1)
         t0, t1 = p0 // T, (p1 - 1) // T
