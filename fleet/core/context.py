@@ -148,8 +148,9 @@ class SessionContext:
         (batch invariance).
         """
         tokens = check_token_ids(tokens, self.kernel.config.vocab_size)
+        held = tuple(tokens)  # one tuple for the op and the piece: the ledger holds each id once
         if op.tokens is not None:
-            op = dataclasses.replace(op, tokens=tuple(tokens))
+            op = dataclasses.replace(op, tokens=held)
         n = 0 if self.pieces else len(self.session)  # tokens adopted before the first piece
         if n and (n >= len(tokens) or self.session.tokens != tokens[:n]):
             raise InvalidArgument("the adopted prefix must be a strict prefix of the first piece")
@@ -157,7 +158,7 @@ class SessionContext:
         self._log(op)
         self.session.append(tokens[n:])
         piece = Piece(op.piece, op.kind, len(self.session) - len(tokens), len(tokens), op.tenant,
-                      tuple(tokens), op.ref, op.role)
+                      held, op.ref, op.role)
         self.pieces.append(piece)
         return piece
 
@@ -306,10 +307,10 @@ class SessionContext:
             tokens = self._logged_tokens(op, fetch)
             if op.piece != len(self.pieces):
                 raise FailedPrecondition(f"replay: op {op!r} is out of sequence")
-            self.pieces.append(Piece(op.piece, op.kind, len(toks), len(tokens), op.tenant, tuple(tokens),
-                                     op.ref, op.role))
+            held = tuple(tokens)
+            self.pieces.append(Piece(op.piece, op.kind, len(toks), len(tokens), op.tenant, held, op.ref, op.role))
             toks.extend(tokens)
-            self.ops.append(op if op.tokens is None else dataclasses.replace(op, tokens=tuple(tokens)))
+            self.ops.append(op if op.tokens is None else dataclasses.replace(op, tokens=held))
         elif isinstance(op, EvictOp):
             self._ledger_evict(op, toks)
         elif isinstance(op, QuarantineOp):
