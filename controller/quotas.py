@@ -2,9 +2,11 @@
 
 One tenant must not starve the others (issue #13, finding 3). Three mechanisms, all per tenant:
 
-  * quotas: at most `max_sessions_per_tenant` sessions and `max_kv_bytes_per_tenant` bytes of KV
-    cache; a create, fork, append or generate that would pass one is refused with
-    RESOURCE_EXHAUSTED naming the quota and its flag, before anything is logged or spawned;
+  * quotas: at most `max_sessions_per_tenant` sessions, `max_kv_bytes_per_tenant` bytes of KV
+    cache and `max_history_tokens_per_tenant` tokens of session history (what the op logs hold:
+    every piece a session appended, evicted ones included, plus HISTORY_OP_CHARGE per append); a
+    create, fork, append or generate that would pass one is refused with RESOURCE_EXHAUSTED
+    naming the quota and its flag, before anything is logged or spawned;
   * lanes: each tenant's session calls run on its own few threads (`tenant_concurrency`), so a
     tenant whose calls wait on a slow or stuck actor parks only its own lane, never another
     tenant's reads (`TenantLanes`);
@@ -14,8 +16,10 @@ One tenant must not starve the others (issue #13, finding 3). Three mechanisms, 
 
 KV bytes are counted as a session's tokens times the kernel's bytes per token (K, Kraw and V of
 every layer), whether or not its prefix blocks are shared with another session: the bound holds
-even if every shared block were to be copied. The ledger lives in the controller's memory and is
-rebuilt from the registry and the op logs the first time a tenant calls after a restart.
+even if every shared block were to be copied. History is counted per session from its log: a fork's
+log starts with a copy of its parent's, so a fork is charged its parent's history again. Closing a
+session frees both. The ledger lives in the controller's memory and is rebuilt from the registry and
+the op logs the first time a tenant calls after a restart.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_KV_BYTES = 1 << 30
+DEFAULT_MAX_HISTORY_TOKENS = 1 << 23  # 64 sessions (the session quota) x a full 128k-token context each
+HISTORY_OP_CHARGE = 16  # tokens charged per logged append on top of its own: one op's JSON is ~80 bytes
 DEFAULT_IDLE_TTL_S = 1800.0
 DEFAULT_TENANT_CONCURRENCY = 4
 MIN_REAP_INTERVAL_S, MAX_REAP_INTERVAL_S = 0.25, 60.0
@@ -45,11 +51,13 @@ class SessionLimits:
     max_kv_bytes_per_tenant: int = DEFAULT_MAX_KV_BYTES
     idle_ttl_s: float = DEFAULT_IDLE_TTL_S
     tenant_concurrency: int = DEFAULT_TENANT_CONCURRENCY
+    max_history_tokens_per_tenant: int = DEFAULT_MAX_HISTORY_TOKENS
 
     def __post_init__(self) -> None:
         for flag, v in (("--max-sessions-per-tenant", self.max_sessions_per_tenant),
                         ("--max-kv-bytes-per-tenant", self.max_kv_bytes_per_tenant),
-                        ("--session-idle-ttl", self.idle_ttl_s)):
+                        ("--session-idle-ttl", self.idle_ttl_s),
+                        ("--max-history-tokens-per-tenant", self.max_history_tokens_per_tenant)):
             if not math.isfinite(v) or v < 0:  # NOTE: a NaN TTL once passed `< 0` and reaped every session at once
                 raise InvalidArgument(f"{flag} must be a finite number >= 0 (0: no limit), got {v}")
         if self.tenant_concurrency < 1:
@@ -61,9 +69,15 @@ class SessionLimits:
         return min(max(self.idle_ttl_s / 4, MIN_REAP_INTERVAL_S), MAX_REAP_INTERVAL_S)
 
 
+def history_charge(num_tokens: int) -> int:
+    """What one logged append of `num_tokens` tokens costs against the history quota."""
+    return num_tokens + HISTORY_OP_CHARGE
+
+
 @dataclass(slots=True)
 class TenantLedger:
-    """Tokens held per session of each tenant, with the growth of calls in flight reserved.
+    """Tokens held, and history logged, per session of each tenant, with the growth of calls in
+    flight reserved.
 
     Used from the event loop only (no locks): a check and its reservation happen with no await
     between them, so concurrent calls of one tenant can never pass a quota together.
@@ -72,24 +86,35 @@ class TenantLedger:
     bytes_per_token: int
     tokens: dict[str, dict[str, int]] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)
+    history: dict[str, dict[str, int]] = field(default_factory=dict)
+    pending_history: dict[str, int] = field(default_factory=dict)
 
     def seeded(self, tenant: str) -> bool:
         return tenant in self.tokens
 
-    def seed(self, tenant: str, sessions: dict[str, int]) -> None:
-        self.tokens.setdefault(tenant, dict(sessions))
+    def seed(self, tenant: str, sessions: dict[str, tuple[int, int]]) -> None:
+        """`sessions`: (tokens held, history charged) per session, as its op log says."""
+        if tenant not in self.tokens:
+            self.tokens[tenant] = {sid: held for sid, (held, _) in sessions.items()}
+            self.history[tenant] = {sid: hist for sid, (_, hist) in sessions.items()}
+
+    def history_tokens(self, tenant: str) -> int:
+        return sum(self.history.get(tenant, {}).values()) + self.pending_history.get(tenant, 0)
 
     def kv_bytes(self, tenant: str) -> int:
         held = sum(self.tokens.get(tenant, {}).values()) + self.pending.get(tenant, 0)
         return held * self.bytes_per_token
 
-    def reserve(self, limits: SessionLimits, tenant: str, num_tokens: int, new_session: str | None = None) -> int:
-        """Reserve `num_tokens` more tokens (and, with `new_session`, one more session) for a call
-        about to run; `release` it when the call ends. Returns the reservation.
+    def reserve(self, limits: SessionLimits, tenant: str, num_tokens: int, new_session: str | None = None,
+                history: int | None = None) -> tuple[int, int]:
+        """Reserve `num_tokens` more tokens held and `history` more charged to history (default: one
+        append of `num_tokens`), and, with `new_session`, one more session, for a call about to run;
+        `release` it when the call ends. Returns the reservation.
 
         Raises:
             ResourceExhausted: the tenant would pass a quota; nothing is reserved.
         """
+        history = history_charge(num_tokens) if history is None else history
         sessions = self.tokens.setdefault(tenant, {})
         cap = limits.max_sessions_per_tenant
         if new_session is not None and cap and len(sessions) >= cap:
@@ -103,30 +128,48 @@ class TenantLedger:
                 f"tenant {tenant!r} would hold {want:,} bytes of KV cache ({num_tokens} more tokens at "
                 f"{self.bytes_per_token:,} bytes each), over its quota (--max-kv-bytes-per-tenant {cap_bytes:,}); "
                 "evict pieces or close sessions, or ask the operator to raise the quota")
+        want, cap = self.history_tokens(tenant) + history, limits.max_history_tokens_per_tenant
+        if cap and want > cap:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} would log {want:,} tokens of session history ({history:,} more), over its "
+                f"quota (--max-history-tokens-per-tenant {cap:,}). A session's op log keeps every piece it "
+                "appended, evicted ones included, so evicting frees none of it: close sessions it no longer "
+                "needs (a fork copies its parent's history), or ask the operator to raise the quota")
         if new_session is not None:
             sessions[new_session] = 0
+            self.history.setdefault(tenant, {})[new_session] = 0
         self.pending[tenant] = self.pending.get(tenant, 0) + num_tokens
-        return num_tokens
+        self.pending_history[tenant] = self.pending_history.get(tenant, 0) + history
+        return num_tokens, history
 
-    def release(self, tenant: str, reserved: int) -> None:
-        self.pending[tenant] = self.pending.get(tenant, 0) - reserved
+    def release(self, tenant: str, reserved: tuple[int, int]) -> None:
+        self.pending[tenant] = self.pending.get(tenant, 0) - reserved[0]
+        self.pending_history[tenant] = self.pending_history.get(tenant, 0) - reserved[1]
 
-    def update(self, tenant: str, session_id: str, num_tokens: int) -> None:
-        """What a call answered: the session now holds `num_tokens` tokens. A session the ledger
-        no longer counts (closed while the call was in flight) stays uncounted."""
+    def update(self, tenant: str, session_id: str, num_tokens: int, logged: int = 0) -> None:
+        """What a call answered: the session now holds `num_tokens` tokens, and its log grew by
+        `logged` (charged: `history_charge` of what it appended). A session the ledger no longer
+        counts (closed while the call was in flight) stays uncounted."""
         sessions = self.tokens.get(tenant)
         if sessions is not None and session_id in sessions:
             sessions[session_id] = int(num_tokens)
+            hist = self.history.setdefault(tenant, {})
+            hist[session_id] = hist.get(session_id, 0) + int(logged)
 
-    def add(self, tenant: str, session_id: str, num_tokens: int) -> None:
-        """A create or fork completed: the new session holds `num_tokens` tokens."""
+    def add(self, tenant: str, session_id: str, num_tokens: int, history: int) -> None:
+        """A create or fork completed: the new session holds `num_tokens` tokens, and its log `history`."""
         self.tokens.setdefault(tenant, {})[session_id] = int(num_tokens)
+        self.history.setdefault(tenant, {})[session_id] = int(history)
 
     def drop(self, tenant: str, session_id: str) -> None:
         self.tokens.get(tenant, {}).pop(session_id, None)
+        self.history.get(tenant, {}).pop(session_id, None)
 
     def num_tokens(self, tenant: str, session_id: str) -> int:
         return self.tokens.get(tenant, {}).get(session_id, 0)
+
+    def num_history(self, tenant: str, session_id: str) -> int:
+        return self.history.get(tenant, {}).get(session_id, 0)
 
 
 class TenantLanes:
@@ -196,6 +239,10 @@ def add_session_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kv-bytes-per-tenant", type=int, default=d.max_kv_bytes_per_tenant,
                    help=f"bytes of KV cache one tenant's sessions may hold, tokens x bytes per token "
                         f"(default {d.max_kv_bytes_per_tenant} = 1 GiB; 0: no limit)")
+    p.add_argument("--max-history-tokens-per-tenant", type=int, default=d.max_history_tokens_per_tenant,
+                   help=f"tokens of session history one tenant's op logs may hold: every piece appended, evicted "
+                        f"ones included, plus {HISTORY_OP_CHARGE} per append; a fork is charged its parent's "
+                        f"(default {d.max_history_tokens_per_tenant:,}; 0: no limit)")
     p.add_argument("--session-idle-ttl", type=float, default=d.idle_ttl_s,
                    help=f"seconds without a call after which a session's actor is released; its op log "
                         f"stays and its next call regenerates it (default {d.idle_ttl_s:.0f}; 0: never)")
@@ -207,4 +254,4 @@ def add_session_flags(p: argparse.ArgumentParser) -> None:
 def session_limits_from(args: argparse.Namespace) -> SessionLimits:
     """SessionLimits from the flags; InvalidArgument (naming the flag) on a bad value."""
     return SessionLimits(args.max_sessions_per_tenant, args.max_kv_bytes_per_tenant, args.session_idle_ttl,
-                         args.session_concurrency_per_tenant)
+                         args.session_concurrency_per_tenant, args.max_history_tokens_per_tenant)

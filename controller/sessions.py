@@ -27,10 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from controller.kernel_placement import kernel_spec_of
-from controller.quotas import SessionLimits, TenantLanes, TenantLedger
+from controller.quotas import SessionLimits, TenantLanes, TenantLedger, history_charge
+from fleet.core.context import Piece
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import num_tokens, own_op_ids, parse_log
+from fleet.core.oplog import AppendOp, num_tokens, own_op_ids, parse_log
 from fleet.core.quarantine.detector import Verdict
 from fleet.core.session_types import OpResult, SessionRow, check_token_ids
 
@@ -115,8 +116,9 @@ class Sessions:
 
     async def fork(self, tenant: str, sid: str, child: str) -> SessionRow:
         fleet = await self.get_fleet()
-        n = (await self._quota(tenant)).num_tokens(tenant, sid)
-        rec = await self._new_session(tenant, child, n, sid, fleet.fork, tenant, sid, child)
+        ledger = await self._quota(tenant)
+        n, history = ledger.num_tokens(tenant, sid), ledger.num_history(tenant, sid)  # its log copies the parent's
+        rec = await self._new_session(tenant, child, n, sid, fleet.fork, tenant, sid, child, history=history)
         return await self.row(tenant, rec)
 
     async def admit_tool_result(self, tenant: str, sid: str, ref: str,
@@ -252,13 +254,18 @@ class Sessions:
                     ledger.seed(tenant, await self._run_admin(self._held_tokens, tenant))
         return ledger
 
-    def _held_tokens(self, tenant: str) -> dict[str, int]:
-        """Tokens per registered session of `tenant`, from the op logs (a restart loses nothing)."""
+    def _held_tokens(self, tenant: str) -> dict[str, tuple[int, int]]:
+        """(tokens held, history charged) per registered session of `tenant`, from the op logs (a restart
+        loses nothing)."""
         from workers.registry import CREATING
 
-        store = self.fleet.store
-        return {r.session: num_tokens(parse_log(store.oplog_read(tenant, r.session)))
-                for r in self.fleet.registry.records(tenant) if r.state != CREATING}
+        store, out = self.fleet.store, {}
+        for r in self.fleet.registry.records(tenant):
+            if r.state != CREATING:
+                ops = parse_log(store.oplog_read(tenant, r.session))
+                out[r.session] = num_tokens(ops), sum(history_charge(op.length) for op in ops
+                                                       if isinstance(op, AppendOp))
+        return out
 
     async def _mutate(self, tenant: str, sid: str, grow: int, op_id: str, fn: Callable[..., OpResult],
                       *args: Any) -> OpResult:
@@ -270,12 +277,14 @@ class Sessions:
         except ResourceExhausted:
             if not op_id or not await self._run(tenant, self._logged, tenant, sid, op_id):
                 raise
-            held = 0  # the actor answers it from its log (replayed), applying nothing
+            held = (0, 0)  # the actor answers it from its log (replayed), applying nothing
         try:
             r = await self._call(tenant, sid, fn, tenant, sid, *args)
         finally:
             ledger.release(tenant, held)
-        ledger.update(tenant, sid, r.num_tokens)  # the session's count after the call, replayed or not
+        appended = r.result.length if isinstance(r.result, Piece) and not r.replayed else 0  # the piece it logged
+        # the session's count after the call, replayed or not; its log grew by the piece appended
+        ledger.update(tenant, sid, r.num_tokens, history_charge(appended) if appended else 0)
         return r
 
     def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
@@ -291,10 +300,11 @@ class Sessions:
             return 0
 
     async def _new_session(self, tenant: str, sid: str, grow: int, touched: str,
-                           fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-        """`fn(*args)`, a create or fork of session `sid`: one session and `grow` tokens within quota, and its
-        name held (a concurrent create of the same name is refused, never interleaved). `touched`: the
-        session the call touches (the new one; a fork's parent)."""
+                           fn: Callable[..., dict[str, Any]], *args: Any, history: int | None = None) -> dict[str, Any]:
+        """`fn(*args)`, a create or fork of session `sid`: one session, `grow` tokens and `history` (default:
+        one append of `grow`) within quota, and its name held (a concurrent create of the same name is
+        refused, never interleaved). `touched`: the session the call touches (the new one; a fork's parent)."""
+        history = history_charge(grow) if history is None else history
         key = (tenant, sid)
         if key in self._creating:
             raise AlreadyExists(f"session {sid!r} is being created by another call")
@@ -303,7 +313,8 @@ class Sessions:
             ledger = await self._quota(tenant)
             existed = sid in ledger.tokens.get(tenant, {})
             # a name already counted reserves nothing: the fleet answers ALREADY_EXISTS, not the quota
-            held = ledger.reserve(self.limits, tenant, 0 if existed else grow, new_session=None if existed else sid)
+            held = ledger.reserve(self.limits, tenant, 0 if existed else grow, new_session=None if existed else sid,
+                                  history=0 if existed else history)
             try:
                 rec = await self._call(tenant, touched, fn, *args)
             except BaseException:
@@ -314,7 +325,7 @@ class Sessions:
                 ledger.release(tenant, held)
         finally:
             self._creating.discard(key)
-        ledger.add(tenant, sid, grow)
+        ledger.add(tenant, sid, grow, history)
         return rec
 
     def _set_tokens(self, tenant: str, sid: str, num_tokens: int) -> None:

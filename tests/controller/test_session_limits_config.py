@@ -14,8 +14,9 @@ from fleet.core.errors import InvalidArgument
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvfleet"
 FLAGS = ["--max-sessions-per-tenant", "8", "--max-kv-bytes-per-tenant", "1000000",
-         "--session-idle-ttl", "90", "--session-concurrency-per-tenant", "2"]
-WANT = SessionLimits(max_sessions_per_tenant=8, max_kv_bytes_per_tenant=1000000, idle_ttl_s=90.0, tenant_concurrency=2)
+         "--session-idle-ttl", "90", "--session-concurrency-per-tenant", "2", "--max-history-tokens-per-tenant", "5000"]
+WANT = SessionLimits(max_sessions_per_tenant=8, max_kv_bytes_per_tenant=1000000, idle_ttl_s=90.0, tenant_concurrency=2,
+                     max_history_tokens_per_tenant=5000)
 
 
 def test_flags_make_the_session_limits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,7 +27,7 @@ def test_flags_make_the_session_limits(tmp_path: Path, capsys: pytest.CaptureFix
     assert session_limits_from(parse_up(FLAGS)) == WANT
     for flag, bad in (("--max-sessions-per-tenant", "-1"), ("--session-idle-ttl", "-5"),
                       ("--session-idle-ttl", "nan"), ("--session-idle-ttl", "inf"),
-                      ("--session-concurrency-per-tenant", "0")):
+                      ("--session-concurrency-per-tenant", "0"), ("--max-history-tokens-per-tenant", "-1")):
         assert main([flag, bad, "--store", f"sqlite:///{tmp_path}/x.db", "--metrics-port", "-1"], {}) == 2
         assert flag in capsys.readouterr().err
     assert not (tmp_path / "x.db").exists()                         # refused before anything started
@@ -46,10 +47,10 @@ def _controller_args(values: dict[str, Any]) -> list[str]:
 
 def test_helm_session_values_become_flags_the_controller_parses() -> None:
     names = {"--max-sessions-per-tenant", "--max-kv-bytes-per-tenant", "--session-idle-ttl",
-             "--session-concurrency-per-tenant"}
+             "--session-concurrency-per-tenant", "--max-history-tokens-per-tenant"}
     assert not names & set(_controller_args({}))                    # null values: the controller's defaults
     sessions = {"maxPerTenant": 8, "maxKvBytesPerTenant": 1000000, "idleTtlSeconds": 90,
-                "concurrencyPerTenant": 2}
+                "concurrencyPerTenant": 2, "maxHistoryTokensPerTenant": 5000}
     args = _controller_args({"controller": {"sessions": sessions}})
     assert config_from(parse_args(args[1:], {}), {}).sessions == WANT
     big = _controller_args({"controller": {"sessions": {"maxKvBytesPerTenant": 17179869184}}})
