@@ -39,8 +39,8 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         ref: the blob's sha256 ref.
         store: a BlobStore (any object with get / set_verdict).
         tenant: the blob's tenant.
-        detector: defaults to the shipped layered detector (`make_detector()`: rules + learned + encoder; see
-            docs/quarantine.md). Not used when `verdict` is given.
+        detector: defaults to the shipped layered detector (`make_detector()`: its default layers, those
+            installed; see docs/quarantine.md). Not used when `verdict` is given.
         probe: the query whose next-token logits the eviction proof compares.
         verdict: a verdict already reached on the blob's bytes (the controller's Judge: its configured
             layers, its per-tenant verdict cache in the store, an operator's verdict); the session runs no
@@ -54,7 +54,8 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         store.set_verdict(ref, tenant, CLEAN, list(v.reasons))
         return ToolAdmission(CLEAN, tuple(v.reasons))
     store.set_verdict(ref, tenant, QUARANTINED, list(v.reasons))
-    ctx.quarantine(ref, list(v.reasons))
+    if ctx.quarantined.get(ref) != list(v.reasons):  # NOTE: before, every admit of a quarantined ref logged
+        ctx.quarantine(ref, list(v.reasons))         # one more op: a session's log grew without bound
     proof = None
     # evict from the end backwards so earlier spans keep their positions while we work
     for p in sorted((p for p in ctx.pieces if p.ref == ref and p.state in (RESIDENT, SHIFTED)),

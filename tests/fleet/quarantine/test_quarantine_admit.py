@@ -117,3 +117,20 @@ def test_default_admission_is_the_layered_detector(kernel: Kernel, store: BlobSt
     assert store.stat(ref, "acme").verdict == "QUARANTINED"
     ok = admit_tool_result(ctx, clean, store, "acme")
     assert ok.verdict == "CLEAN" and [r for r in ok.reasons if not r.startswith(("learned:", "encoder:"))] == []
+
+
+def test_admitting_a_quarantined_ref_again_logs_nothing_more(kernel: Kernel, store: BlobStore) -> None:
+    """The op log holds one quarantine op per verdict: a second admit of the same ref, which evicts
+    nothing, writes nothing (before, each admit appended one, unbounded by any quota)."""
+    logged: list[object] = []
+    ctx = _ctx(kernel, store)
+    ctx.sink = logged.append
+    ref = store.put(POISON, "acme")
+    ctx.add_tool_result(ref, POISON)
+    first = admit_tool_result(ctx, ref, store, "acme")
+    n, ops = len(logged), len(ctx.ops)
+    again = [admit_tool_result(ctx, ref, store, "acme") for _ in range(3)]
+    assert first.evicted and not any(a.evicted for a in again)
+    assert all(a.verdict == "QUARANTINED" and a.reasons == first.reasons for a in again)
+    assert len(logged) == n and len(ctx.ops) == ops                  # NOTE: before, 3 more of each
+    assert [type(op).__name__ for op in logged].count("QuarantineOp") == 1
