@@ -4,7 +4,7 @@ One tenant must not starve the others (issue #13, finding 3). Three mechanisms, 
 
   * quotas: at most `max_sessions_per_tenant` sessions, `max_kv_bytes_per_tenant` bytes of KV
     cache and `max_history_tokens_per_tenant` tokens of session history (what the op logs hold:
-    every piece a session appended, evicted ones included, plus HISTORY_OP_CHARGE per append); a
+    every piece a session appended, evicted ones included, plus a charge per append: `oplog.history_tokens`); a
     create, fork, append or generate that would pass one is refused with RESOURCE_EXHAUSTED
     naming the quota and its flag, before anything is logged or spawned;
   * lanes: each tenant's session calls run on its own few threads (`tenant_concurrency`), so a
@@ -30,11 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fleet.core.errors import InvalidArgument, ResourceExhausted
+from fleet.core.oplog import HISTORY_OP_CHARGE, history_charge
 
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_HISTORY_TOKENS = 1 << 23  # 64 sessions (the session quota) x a full 128k-token context each
-HISTORY_OP_CHARGE = 16  # tokens charged per logged append on top of its own: one op's JSON is ~80 bytes
 DEFAULT_IDLE_TTL_S = 1800.0
 DEFAULT_TENANT_CONCURRENCY = 4
 MIN_REAP_INTERVAL_S, MAX_REAP_INTERVAL_S = 0.25, 60.0
@@ -67,11 +67,6 @@ class SessionLimits:
     def reap_interval_s(self) -> float:
         """How often the reaper looks: a quarter of the TTL, within [0.25 s, 60 s]."""
         return min(max(self.idle_ttl_s / 4, MIN_REAP_INTERVAL_S), MAX_REAP_INTERVAL_S)
-
-
-def history_charge(num_tokens: int) -> int:
-    """What one logged append of `num_tokens` tokens costs against the history quota."""
-    return num_tokens + HISTORY_OP_CHARGE
 
 
 @dataclass(slots=True)
@@ -130,11 +125,14 @@ class TenantLedger:
                 "evict pieces or close sessions, or ask the operator to raise the quota")
         want, cap = self.history_tokens(tenant) + history, limits.max_history_tokens_per_tenant
         if cap and want > cap:
+            logs = self.history.get(tenant, {})
+            top = sorted(logs, key=lambda s: (-logs[s], s))[:3]
             raise ResourceExhausted(
                 f"tenant {tenant!r} would log {want:,} tokens of session history ({history:,} more), over its "
                 f"quota (--max-history-tokens-per-tenant {cap:,}). A session's op log keeps every piece it "
                 "appended, evicted ones included, so evicting frees none of it: close sessions it no longer "
-                "needs (a fork copies its parent's history), or ask the operator to raise the quota")
+                "needs (a fork copies its parent's history), or ask the operator to raise the quota. Its "
+                f"longest: {', '.join(f'{s} ({logs[s]:,})' for s in top)}")
         if new_session is not None:
             sessions[new_session] = 0
             self.history.setdefault(tenant, {})[new_session] = 0

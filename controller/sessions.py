@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from controller.kernel_placement import kernel_spec_of
-from controller.quotas import SessionLimits, TenantLanes, TenantLedger, history_charge
+from controller.quotas import SessionLimits, TenantLanes, TenantLedger
 from fleet.core.context import Piece
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import AppendOp, num_tokens, own_op_ids, parse_log
+from fleet.core.oplog import history_charge, history_tokens, num_tokens, own_op_ids, parse_log
 from fleet.core.quarantine.detector import Verdict
 from fleet.core.session_types import OpResult, SessionRow, check_token_ids
 
@@ -263,8 +263,7 @@ class Sessions:
         for r in self.fleet.registry.records(tenant):
             if r.state != CREATING:
                 ops = parse_log(store.oplog_read(tenant, r.session))
-                out[r.session] = num_tokens(ops), sum(history_charge(op.length) for op in ops
-                                                       if isinstance(op, AppendOp))
+                out[r.session] = num_tokens(ops), history_tokens(ops)
         return out
 
     async def _mutate(self, tenant: str, sid: str, grow: int, op_id: str, fn: Callable[..., OpResult],

@@ -172,6 +172,21 @@ def num_tokens(ops: Iterable[Op]) -> int:
     return max(0, n)
 
 
+HISTORY_OP_CHARGE = 16  # tokens charged per logged append on top of its own: one op's JSON is ~80 bytes
+
+
+def history_charge(num_tokens: int) -> int:
+    """What one logged append of `num_tokens` tokens costs against the controller's history quota."""
+    return num_tokens + HISTORY_OP_CHARGE
+
+
+def history_tokens(ops: Iterable[Op]) -> int:
+    """What the log holds, as the controller's history quota charges it: every append, evicted ones
+    included (evictions, quarantines and fork markers are bounded by the appends and the blobs, and
+    charged nothing)."""
+    return sum(history_charge(op.length) for op in ops if isinstance(op, AppendOp))
+
+
 def blob_refs(ops: Iterable[Op]) -> list[tuple[str, str]]:
     """(ref, tenant) of every logged tool result: each holds a reference on its blob while the log lives."""
     return [(op.ref, op.tenant) for op in ops if isinstance(op, AppendOp) and op.ref is not None]

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from support.controller import make_tokens, start_controller
 
-from controller.quotas import HISTORY_OP_CHARGE, SessionLimits
+from controller.quotas import SessionLimits
 from fleet.cas import open_store
 from fleet.core.errors import ResourceExhausted
+from fleet.core.oplog import HISTORY_OP_CHARGE
 from fleet.sdk import AsyncFleetClient
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 tokens (byte tokenizer)
@@ -51,7 +52,7 @@ async def test_appending_and_evicting_stops_at_the_tenants_history_quota(ray_clu
         for _ in range(4):
             await _cycle(a, "s1")                                     # exactly at the quota: 915
         assert _logged(url, "acme", "s1") == CAP
-        with pytest.raises(ResourceExhausted, match="--max-history-tokens-per-tenant 915"):
+        with pytest.raises(ResourceExhausted, match=r"--max-history-tokens-per-tenant 915\b.*longest: s1 \(915\)"):
             await a.append("s1", IDS)                                 # NOTE: before, nothing bounded the log
         with pytest.raises(ResourceExhausted, match="--max-history-tokens-per-tenant"):
             await a.fork("s1", "s1.b")                                # a fork copies its parent's 915
