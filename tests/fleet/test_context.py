@@ -213,3 +213,62 @@ def test_session_ids_have_one_rule() -> None:
         with pytest.raises(InvalidArgument, match="invalid session_id"):
             check_session_id("session_id", bad)
     assert "'@'" in SESSION_ID_RULE
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_ledger_replay_then_one_prefill_equals_the_op_by_op_replay(kernel: Kernel, tmp_path: Path,
+                                                                     seed: int) -> None:
+    """What a regeneration runs (workers/session_kernel.py `_replay`): the ledger replayed without the
+    model, then the final tokens prefilled once. On random histories of appends, tool results, exact
+    evictions, tail evictions in either mode and quarantines it must give what the op-by-op replay
+    gives (and the live session had): digest, last logits, pieces, quarantines and ops; a reposition
+    eviction with survivors is refused before anything is computed."""
+    import random
+
+    import numpy as np
+
+    from fleet.core.quarantine import admit_tool_result
+    from fleet.core.quarantine.detector import Verdict
+
+    rng, store = random.Random(seed), open_store(f"sqlite:///{tmp_path}/s.db")
+    tok = ByteTokenizer(512)
+    ctx = SessionContext.new(kernel, tok, "acme", "s1", store=store)
+    ctx.add_system("You are a travel agent.")
+    for i in range(24):
+        live = [p for p in ctx.pieces if p.state in (RESIDENT, SHIFTED)]
+        r = rng.random()
+        if r < 0.3:
+            ctx.add_message(rng.choice(["user", "assistant"]), f"turn {i}: " + "x" * rng.randrange(1, 60))
+        elif r < 0.5:
+            data = f"tool {seed}-{i}: ".encode() + bytes(rng.randrange(32, 127) for _ in range(rng.randrange(1, 80)))
+            ctx.add_tool_result(store.put(data, "acme"), data)
+        elif r < 0.6:
+            ctx.generate(rng.randrange(1, 4))
+        elif r < 0.8 and len(live) > 1:
+            ctx.evict_piece(rng.choice(live[1:]).piece_id, "exact")
+        elif r < 0.9 and len(live) > 1:
+            ctx.evict_piece(live[-1].piece_id, rng.choice(["exact", "reposition"]))  # tail: no survivors
+        else:
+            refs = [p.ref for p in live if p.ref]
+            if refs:
+                admit_tool_result(ctx, rng.choice(refs), store, "acme",
+                                  verdict=Verdict(True, ("instruction_override",), 1.0))
+    ops, fetch = list(ctx.ops), (lambda ref: store.get(ref, "acme"))
+    full = SessionContext.replay(ops, kernel, tok, fetch, "acme", "s1")
+    fast = SessionContext.replay_over(ops, kernel.session(), tok, fetch, "acme", "s1")
+    for got in (full, fast):
+        assert got.digest() == ctx.digest() and got.pieces == ctx.pieces and got.ops == ctx.ops
+        assert got.quarantined == ctx.quarantined
+        assert np.array_equal(got.session.last_logits, ctx.session.last_logits)
+    evicted = sum(p.length for p in ctx.pieces if p.state != RESIDENT)
+    assert fast.session.num_computed == len(ctx.session) < full.session.num_computed or not evicted
+    print(f"seed {seed}: {len(ops)} ops, {len(ctx.session)} tokens held, {evicted} evicted; computed "
+          f"{fast.session.num_computed} (ledger, then once) vs {full.session.num_computed} (op by op)")
+    # control: a reposition eviction with survivors leaves KV that is not a function of the tokens
+    ctx.add_message("user", "one more")
+    ctx.add_message("user", "and another")
+    ctx.evict_piece(len(ctx.pieces) - 2, "reposition")
+    blank = kernel.session()
+    with pytest.raises(FailedPrecondition, match="reposition"):
+        SessionContext.replay_over(list(ctx.ops), blank, tok, fetch, "acme", "s1")
+    assert blank.num_computed == 0 and len(blank) == 0
