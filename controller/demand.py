@@ -27,6 +27,11 @@ stage are updated), so a candidate's demand costs a few rate look-ups, not one p
 one tenant's many cheap groups no longer slow every Route. A rank's records are indexed, so a cache
 loss touches only that rank's; and at most `max_conversations` records are kept (the oldest last turn
 leaves first, as it would by the TTL).
+
+Fair between tenants: past `max_conversations`, the record that leaves is the oldest of the tenant holding the
+most; past `max_groups` (group, stage) pairs of evidence, the tenant that began the most of them loses its
+own. Before, one tenant placing 65,536 conversations within the TTL made every other tenant's oldest
+conversations look new, and one starting 16,384 groups wiped every tenant's return rates.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Conversation(NamedTuple):
     t: float
     group: int = 0
     turns: int = 1
+    tenant: Hashable = ""  # who placed its last turn (the record's share of the cap is theirs)
 
     @property
     def stage(self) -> Stage:
@@ -63,19 +69,26 @@ class Conversation(NamedTuple):
 
 
 class Evidence:
-    """Decayed counts of records placed and records that came back, per (group, stage)."""
+    """Decayed counts of records placed and records that came back, per (group, stage); each stage is
+    charged to the tenant that began it, and past `max_groups` stages the tenant that began the most
+    loses its own (others keep theirs)."""
 
-    def __init__(self, window: float = 64) -> None:
+    def __init__(self, window: float = 64, max_groups: int = MAX_GROUPS) -> None:
         self.decay = 1.0 - 1.0 / window
+        self.max_groups = max_groups
         self._placed: dict[Stage, float] = {}
         self._returned: dict[Stage, float] = {}
+        self._stages: dict[Hashable, set[Stage]] = {}  # per tenant: the stages it began
 
-    def placed(self, st: Stage) -> bool:
-        """Count a record placed; True when the evidence was full and every other rate went back to 0."""
-        cleared = len(self._placed) > MAX_GROUPS
+    def placed(self, st: Stage, tenant: Hashable = "") -> bool:
+        """Count a record placed; True when the evidence was full and some stages' rates went back to 0."""
+        cleared = st not in self._placed and len(self._placed) >= self.max_groups
         if cleared:
-            self._placed.clear()
-            self._returned.clear()
+            top = max(self._stages, key=lambda t: len(self._stages[t]))
+            for gone in self._stages.pop(top):
+                del self._placed[gone], self._returned[gone]
+        if st not in self._placed:
+            self._stages.setdefault(tenant, set()).add(st)
         self._placed[st] = self._placed.get(st, 0.0) * self.decay + 1.0
         self._returned[st] = self._returned.get(st, 0.0) * self.decay
         return cleared
@@ -230,15 +243,17 @@ class DemandLedger:
     `max_conversations` of them (the oldest last turn leaves first)."""
 
     def __init__(
-        self, ttl_s: float = 300.0, window: float = 64, max_conversations: int = MAX_CONVERSATIONS
+        self, ttl_s: float = 300.0, window: float = 64, max_conversations: int = MAX_CONVERSATIONS,
+        max_groups: int = MAX_GROUPS,
     ) -> None:
         """`window`: the evidence decays by 1 - 1/window per record placed in a (group, stage)."""
-        if max_conversations < 1:
-            raise ValueError(f"max_conversations must be >= 1, got {max_conversations}")
+        if max_conversations < 1 or max_groups < 1:
+            raise ValueError(f"max_conversations and max_groups must be >= 1, got {max_conversations}, {max_groups}")
         self.ttl_s = ttl_s
         self.max_conversations = max_conversations
-        self.evidence = Evidence(window)
+        self.evidence = Evidence(window, max_groups)
         self._conv: OrderedDict[int, Conversation] = OrderedDict()  # last hash -> record, oldest first
+        self._mine: dict[Hashable, OrderedDict[int, None]] = {}  # per tenant: its records' last hashes, oldest first
         self._ranks: dict[RankKey, _Rank] = {}
         self._holders: dict[Stage, tuple[RankKey, ...]] = {}  # the ranks holding records of each stage
 
@@ -286,9 +301,10 @@ class DemandLedger:
             top = max(top, rs * k)
         return round(total + top)
 
-    def place(self, key: RankKey, chain: Sequence[int], num_shared: int, now: float, group: int = 0) -> None:
-        """This turn of the conversation went to `key` (an earlier turn's record moves with it, and
-        counts as a return for its group)."""
+    def place(self, key: RankKey, chain: Sequence[int], num_shared: int, now: float, group: int = 0,
+              tenant: Hashable = "") -> None:
+        """This turn of the conversation, `tenant`'s, went to `key` (an earlier turn's record moves with it,
+        and counts as a return for its group)."""
         self.expire(now)
         if not chain:
             return
@@ -301,15 +317,17 @@ class DemandLedger:
             self._rerate(st, old)
             turns, group = prev[1].turns + 1, prev[1].group
         self._drop_hash(chain[-1])
-        c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns)
+        c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns, tenant)
         old = self.evidence.rate(c.stage)
-        if self.evidence.placed(c.stage):
+        if self.evidence.placed(c.stage, tenant):
             self._rebuild()
         else:
             self._rerate(c.stage, old)
         self._add(chain[-1], c)
-        while len(self._conv) > self.max_conversations:
-            self._drop(*next(iter(self._conv.items())))
+        while len(self._conv) > self.max_conversations:  # the oldest record of the tenant holding the most
+            mine = max(self._mine.values(), key=lambda m: len(m))
+            h = next(iter(mine))
+            self._drop(h, self._conv[h])
 
     def move(self, last_hash: int, key: RankKey) -> None:
         """The turn recorded under `last_hash` ran on `key` instead (the proxy sent it elsewhere): the
@@ -334,7 +352,7 @@ class DemandLedger:
         if r is None:
             return
         for h in r.records:
-            del self._conv[h]
+            self._unmine(h, self._conv.pop(h))
         for st in r.sizes:
             self._unhold(st, key)
 
@@ -349,14 +367,15 @@ class DemandLedger:
             r.top.set(st, new * r.sizes[st].max())
 
     def _rebuild(self) -> None:
-        """Every rate changed (the evidence was cleared): recompute each rank's terms. Once per
-        MAX_GROUPS new stages, so O(1) amortized per record placed."""
+        """Rates changed all at once (one tenant's evidence was dropped): recompute each rank's terms. The
+        tenant that began the most stages loses them all, so it happens rarely against what was placed."""
         rate = {st: self.evidence.rate(st) for st in self._holders}
         for r in self._ranks.values():
             r.rebuild(rate)
 
     def _add(self, h: int, c: Conversation) -> None:
         self._conv[h] = c
+        self._mine.setdefault(c.tenant, OrderedDict())[h] = None
         r = self._ranks.get(c.key)
         if r is None:
             r = self._ranks[c.key] = _Rank()
@@ -377,8 +396,15 @@ class DemandLedger:
         if c is not None:
             self._drop(h, c)
 
+    def _unmine(self, h: int, c: Conversation) -> None:
+        mine = self._mine[c.tenant]
+        del mine[h]
+        if not mine:
+            del self._mine[c.tenant]
+
     def _drop(self, h: int, c: Conversation) -> None:
         del self._conv[h]
+        self._unmine(h, c)
         r = self._ranks[c.key]
         del r.records[h]
         if not r.records:  # NOTE: its terms start again from 0, not from what rounding left

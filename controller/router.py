@@ -335,7 +335,7 @@ class Router:
         if placed is not None:  # this turn's conversation now lives on (name, r)
             chain, nshared = placed
             now = time.monotonic()
-            self.demand.place((name, r), chain, nshared, now, chain[nshared - 1] if nshared else 0)
+            self.demand.place((name, r), chain, nshared, now, chain[nshared - 1] if nshared else 0, owner)
             self._shadow_route((name, r), route_id, chain, len(token_ids), now)
         if track:
             self.flights.add(

@@ -5,6 +5,7 @@ and lose their cache) every demand figure is what the whole-table formula gives.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -211,3 +212,45 @@ def test_many_shared_sizes_and_rates_give_the_whole_table_figures() -> None:
         for key in (W0, W1):
             assert_same(ws, key, None, 0, 0)
     assert len(ws) == 60 and ws.demand(W0) > 0 and ws.demand(W1) > 0
+
+
+def test_a_tenant_past_the_cap_loses_its_own_records_not_anothers() -> None:
+    """Tenant b places 200 one-shots into a ledger capped at 100 records, after tenant a's 20 live
+    conversations: a keeps all 20 (before, the globally oldest left first, a's among them) and b keeps
+    the 80 newest of its own. Control: a alone past the cap loses its own oldest, as before."""
+    ws = DemandLedger(max_conversations=100)
+    for i in range(20):
+        ws.place(W0, [1, 2, 5000 + i], 2, now=float(i), group=2, tenant="a")
+    for i in range(200):
+        ws.place(W1, [10**6 + i], 0, now=100.0 + i, tenant="b")
+    mine = [c.tenant for c in ws._conv.values()]
+    assert mine.count("a") == 20 and mine.count("b") == 80     # NOTE: before, a's 20 were the first to leave
+    assert ws.previous([10**6 + 119]) is None and ws.previous([10**6 + 120]) is not None
+    assert_same(ws, W0, None, 0, 0)
+    assert_same(ws, W1, None, 0, 0)
+    alone = DemandLedger(max_conversations=10)
+    for i in range(15):
+        alone.place(W0, [i], 0, now=float(i), tenant="a")
+    assert sorted(c.t for c in alone._conv.values()) == [float(i) for i in range(5, 15)]
+
+
+def test_a_tenant_past_the_evidence_bound_loses_its_own_rates_not_anothers() -> None:
+    """Tenant a's system-prompt group has earned a return rate; tenant b then begins more groups than the
+    evidence holds (max_groups 64). a's rate, and so its conversations' weight on w0, survive (before,
+    every rate went back to 0); b's own evidence is what is dropped. The demand still matches the
+    whole-table formula."""
+    ws = DemandLedger(max_groups=64, window=math.inf)
+    for i in range(6):                                       # a's conversations: each comes back once
+        first = [1, 2, 3, 9000 + 10 * i]
+        ws.place(W0, first, 3, now=0.0, group=3, tenant="a")
+        ws.place(W0, first + [9001 + 10 * i], 3, now=0.0, group=3, tenant="a")
+    ws.place(W0, [1, 2, 3, 9999, 9998], 3, now=0.0, group=3, tenant="a")   # a new one: its first turn weighs
+    rate = ws.evidence.rate((3, 0))
+    weight = ws.demand(W0)
+    assert rate > 0 and weight > 0
+    for g in range(200):                                     # b: 200 groups of its own, one request each
+        ws.place(W1, [10**7 + g, 2 * 10**7 + g], 1, now=0.0, group=10**7 + g, tenant="b")
+    assert ws.evidence.rate((3, 0)) == rate and ws.demand(W0) == weight   # NOTE: before, 0 and less
+    assert len(ws.evidence._placed) <= 64
+    assert_same(ws, W0, None, 0, 0)
+    assert_same(ws, W1, None, 0, 0)
