@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import KINDS, AppendOp, EvictOp, ForkOp, Op, QuarantineOp
 from fleet.core.session_types import EvictionProof, check_token_ids
@@ -76,7 +76,8 @@ class SessionContext:
         self.op_id = ""  # stamped on the ops the call in progress writes (the shell sets it per call)
         self.pieces: list[Piece] = []
         self.ops: list[Op] = []
-        self.quarantined: dict[str, list[str]] = {}
+        self.quarantined: dict[str, list[str]] = {}  # refs held out: logged, or learned from the store on a refusal
+        self.logged_quarantines: dict[str, tuple[str, ...]] = {}  # what the log's quarantine ops say, per ref
         self.proofs: list[EvictionProof] = []  # quarantine evictions (fleet/core/quarantine/admit.py)
 
     @classmethod
@@ -193,11 +194,13 @@ class SessionContext:
         """Hold `ref` out of this context from now on (recorded in the op log)."""
         self._log(QuarantineOp(ref, tuple(reasons), self.op_id))
         self.quarantined[ref] = list(reasons)
+        self.logged_quarantines[ref] = tuple(reasons)
 
     def fork(self, session_id: str, sink: Callable[[Op], object] | None = None) -> SessionContext:
         """A copy-on-write branch with its own ledger; its op log starts with the parent's ops."""
         child = SessionContext(self.session.fork(), self.tokenizer, self.tenant, session_id, sink, self.store)
         child.pieces, child.quarantined = list(self.pieces), dict(self.quarantined)
+        child.logged_quarantines = dict(self.logged_quarantines)
         for op in self.ops:
             child._log(op)
         child._log(ForkOp(self.session_id, len(self.ops)))
@@ -285,16 +288,22 @@ class SessionContext:
             session: a session holding exactly T[0:m] for some m < n (m = 0 allowed).
             tokenizer, fetch, tenant, session_id: as for `replay`.
 
+        A log that leaves no tokens (every piece evicted) gives the empty session it had.
+
         Raises:
             FailedPrecondition: the log holds a reposition eviction with survivors (their KV is
                 not a function of the tokens: use `replay`), or the session's tokens are not a
                 strict prefix of the log's final tokens. Nothing is computed in either case.
+            InvalidArgument, ResourceExhausted: a logged piece the op-by-op replay would refuse
+                (no ids, ids outside the vocabulary, past the context), as it would.
         """
         ctx = cls(session, tokenizer, tenant, session_id)
         toks: list[int] = []
         for op in ops:
             ctx._ledger_one(op, fetch, toks)
         m = len(session)
+        if m == len(toks) == 0:  # NOTE: before, an emptied session fell back to the op-by-op replay of its history
+            return ctx
         if m >= len(toks) or list(session.tokens) != toks[:m]:
             raise FailedPrecondition(f"replay_over: the session's {m} tokens are not a strict prefix of the "
                                      f"log's {len(toks)} tokens")
@@ -304,9 +313,12 @@ class SessionContext:
     def _ledger_one(self, op: Op, fetch: Callable[[str], bytes], toks: list[int]) -> None:
         """Apply one op to the ledger and to `toks` (the token list), never to the kernel."""
         if isinstance(op, AppendOp):
-            tokens = self._logged_tokens(op, fetch)
+            tokens = check_token_ids(self._logged_tokens(op, fetch), self.kernel.config.vocab_size)
             if op.piece != len(self.pieces):
                 raise FailedPrecondition(f"replay: op {op!r} is out of sequence")
+            if len(toks) + len(tokens) > self.kernel.config.max_context:  # as the op-by-op replay's append
+                raise ResourceExhausted(f"replay: piece {op.piece} takes the session past its context of "
+                                        f"{self.kernel.config.max_context} tokens")
             held = tuple(tokens)
             self.pieces.append(Piece(op.piece, op.kind, len(toks), len(tokens), op.tenant, held, op.ref, op.role))
             toks.extend(tokens)

@@ -272,3 +272,39 @@ def test_a_ledger_replay_then_one_prefill_equals_the_op_by_op_replay(kernel: Ker
     with pytest.raises(FailedPrecondition, match="reposition"):
         SessionContext.replay_over(list(ctx.ops), blank, tok, fetch, "acme", "s1")
     assert blank.num_computed == 0 and len(blank) == 0
+
+
+def test_a_ledger_replay_of_an_emptied_session_computes_nothing(kernel: Kernel) -> None:
+    """Every piece evicted: the session holds nothing, and its rebuild computes nothing (before, it fell
+    back to the op-by-op replay of its whole history)."""
+    import numpy as np
+
+    tok = ByteTokenizer(512)
+    ctx = SessionContext.new(kernel, tok, "acme", "s1")
+    ctx.add_system("You are a travel agent.")
+    for _ in range(3):
+        ctx.evict_piece(ctx.add_output([7] * 300).piece_id)
+    ctx.evict_piece(0)
+    again = SessionContext.replay_over(list(ctx.ops), kernel.session(), tok, lambda r: b"", "acme", "s1")
+    assert len(ctx.session) == len(again.session) == 0 and again.session.num_computed == 0
+    assert again.digest() == ctx.digest() and again.pieces == ctx.pieces
+    assert again.session.last_logits is None or np.array_equal(again.session.last_logits, ctx.session.last_logits)
+
+
+def test_a_ledger_replay_refuses_what_the_op_by_op_replay_refuses(kernel: Kernel) -> None:
+    """A corrupted or foreign log: ids outside the vocabulary or an empty piece, even one evicted later, and a
+    piece past the context are refused by the ledger replay with the op-by-op replay's error types."""
+    from fleet.core.errors import ResourceExhausted
+    from fleet.core.oplog import AppendOp, EvictOp
+
+    tok = ByteTokenizer(512)
+    system = AppendOp(0, "system", "acme", (1, 2, 3))
+    n = kernel.config.max_context
+    for bad, err in (((70000, 1), InvalidArgument), ((), InvalidArgument), ((5,) * n, ResourceExhausted)):
+        ops: list[Op] = [system, AppendOp(1, "output", "acme", bad)]
+        if bad:
+            ops.append(EvictOp(1, 3, len(bad), "exact"))
+        for rebuild in (lambda ops=ops: SessionContext.replay(ops, kernel, tok, lambda r: b""),
+                        lambda ops=ops: SessionContext.replay_over(ops, kernel.session(), tok, lambda r: b"")):
+            with pytest.raises(err):
+                rebuild()

@@ -54,8 +54,8 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         store.set_verdict(ref, tenant, CLEAN, list(v.reasons))
         return ToolAdmission(CLEAN, tuple(v.reasons))
     store.set_verdict(ref, tenant, QUARANTINED, list(v.reasons))
-    if ctx.quarantined.get(ref) != list(v.reasons):  # NOTE: before, every admit of a quarantined ref logged
-        ctx.quarantine(ref, list(v.reasons))         # one more op: a session's log grew without bound
+    if ctx.logged_quarantines.get(ref) != tuple(v.reasons):  # NOTE: before, every admit of a quarantined ref
+        ctx.quarantine(ref, list(v.reasons))                 # logged one more op: the log grew without bound
     proof = None
     # evict from the end backwards so earlier spans keep their positions while we work
     for p in sorted((p for p in ctx.pieces if p.ref == ref and p.state in (RESIDENT, SHIFTED)),

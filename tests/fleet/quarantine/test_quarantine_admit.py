@@ -134,3 +134,23 @@ def test_admitting_a_quarantined_ref_again_logs_nothing_more(kernel: Kernel, sto
     assert all(a.verdict == "QUARANTINED" and a.reasons == first.reasons for a in again)
     assert len(logged) == n and len(ctx.ops) == ops                  # NOTE: before, 3 more of each
     assert [type(op).__name__ for op in logged].count("QuarantineOp") == 1
+
+
+def test_a_quarantine_learned_from_a_refusal_is_still_logged_by_the_admit(kernel: Kernel, store: BlobStore) -> None:
+    """A refused add_tool_result learns the store's quarantine without logging it; the admit that follows
+    must log it all the same, or a regenerated session loses it (a regression of the dedupe above)."""
+    from fleet.core.quarantine.detector import Verdict
+    from fleet.core.verdict import QUARANTINED as Q
+
+    ctx = _ctx(kernel, store)
+    ref = store.put(POISON, "acme")
+    ctx.add_tool_result(ref, POISON)
+    store.set_verdict(ref, "acme", Q, ["instruction_override"])         # another session's verdict
+    with pytest.raises(FailedPrecondition, match="quarantined"):
+        ctx.add_tool_result(ref, POISON)                                # learned, not logged
+    admit_tool_result(ctx, ref, store, "acme", verdict=Verdict(True, ("instruction_override",)))
+    fetch = lambda r: store.get(r, "acme")                              # noqa: E731
+    for again in (SessionContext.replay(ctx.ops, kernel, ByteTokenizer(512), fetch, "acme", "s1"),
+                  SessionContext.replay_over(ctx.ops, kernel.session(), ByteTokenizer(512), fetch, "acme", "s1")):
+        assert again.quarantined == ctx.quarantined == {ref: ["instruction_override"]}
+        assert again.digest() == ctx.digest() and again.pieces == ctx.pieces
