@@ -34,7 +34,7 @@ from fleet.core.oplog import HISTORY_OP_CHARGE, history_charge
 
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_KV_BYTES = 1 << 30
-DEFAULT_MAX_HISTORY_TOKENS = 1 << 23  # 64 sessions (the session quota) x a full 128k-token context each
+DEFAULT_MAX_HISTORY_TOKENS = 1 << 23  # about 64 sessions (the session quota) x a 128k-token context each
 DEFAULT_IDLE_TTL_S = 1800.0
 DEFAULT_TENANT_CONCURRENCY = 4
 MIN_REAP_INTERVAL_S, MAX_REAP_INTERVAL_S = 0.25, 60.0
@@ -144,15 +144,22 @@ class TenantLedger:
         self.pending[tenant] = self.pending.get(tenant, 0) - reserved[0]
         self.pending_history[tenant] = self.pending_history.get(tenant, 0) - reserved[1]
 
-    def update(self, tenant: str, session_id: str, num_tokens: int, logged: int = 0) -> None:
-        """What a call answered: the session now holds `num_tokens` tokens, and its log grew by
-        `logged` (charged: `history_charge` of what it appended). A session the ledger no longer
-        counts (closed while the call was in flight) stays uncounted."""
+    def update(self, tenant: str, session_id: str, num_tokens: int, history: int = -1) -> None:
+        """What a call answered: the session now holds `num_tokens` tokens, and its log `history` (as its
+        host counts it, `oplog.history_tokens`; -1: not said). A session the ledger no longer counts (closed
+        while the call was in flight) stays uncounted."""
         sessions = self.tokens.get(tenant)
         if sessions is not None and session_id in sessions:
             sessions[session_id] = int(num_tokens)
-            hist = self.history.setdefault(tenant, {})
-            hist[session_id] = hist.get(session_id, 0) + int(logged)
+            if history >= 0:
+                self.history.setdefault(tenant, {})[session_id] = int(history)
+
+    def charge(self, tenant: str, session_id: str, history: int) -> None:
+        """A call whose outcome is unknown (it timed out or was cancelled while its host may still log it)
+        keeps its reservation as a charge, until the session's next answer says what its log holds."""
+        hist = self.history.get(tenant)
+        if hist is not None and session_id in hist:
+            hist[session_id] += int(history)
 
     def add(self, tenant: str, session_id: str, num_tokens: int, history: int) -> None:
         """A create or fork completed: the new session holds `num_tokens` tokens, and its log `history`."""

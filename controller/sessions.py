@@ -28,8 +28,7 @@ from typing import Any, TypeVar
 
 from controller.kernel_placement import kernel_spec_of
 from controller.quotas import SessionLimits, TenantLanes, TenantLedger
-from fleet.core.context import Piece
-from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import history_charge, history_tokens, num_tokens, own_op_ids, parse_log
 from fleet.core.quarantine.detector import Verdict
@@ -111,7 +110,7 @@ class Sessions:
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         fleet = await self.get_fleet()
         r: OpResult = await self._call(tenant, sid, fleet.evict, tenant, sid, piece_id, mode)
-        self._set_tokens(tenant, sid, r.num_tokens)  # exact, like an append's
+        self._set_tokens(tenant, sid, r.num_tokens, r.history_tokens)  # exact, like an append's
         return r
 
     async def fork(self, tenant: str, sid: str, child: str) -> SessionRow:
@@ -119,7 +118,7 @@ class Sessions:
         ledger = await self._quota(tenant)
         n, history = ledger.num_tokens(tenant, sid), ledger.num_history(tenant, sid)  # its log copies the parent's
         rec = await self._new_session(tenant, child, n, sid, fleet.fork, tenant, sid, child, history=history)
-        return await self.row(tenant, rec)
+        return await self.row(tenant, rec)  # the child's own count: its log may hold an append the parent's lacked
 
     async def admit_tool_result(self, tenant: str, sid: str, ref: str,
                                 judge: Callable[[str, str], Awaitable[Verdict]]) -> OpResult:
@@ -130,7 +129,7 @@ class Sessions:
         await self._call(tenant, sid, fleet.check_session, tenant, sid)
         verdict = await judge(ref, tenant)
         r: OpResult = await self._call(tenant, sid, fleet.admit_tool_result, tenant, sid, ref, verdict)
-        self._set_tokens(tenant, sid, r.num_tokens)  # a quarantine evicts: exact, like an append's
+        self._set_tokens(tenant, sid, r.num_tokens, r.history_tokens)  # a quarantine evicts: exact, like an append's
         return r
 
     async def working_set(self, tenant: str, sid: str, budget_tokens: int) -> Any:
@@ -168,7 +167,7 @@ class Sessions:
         fleet, sid = await self.get_fleet(), str(rec["session"])
         info = await self._call(tenant, sid, fleet.info, tenant, sid)
         row = SessionRow.from_row({**rec, **info})
-        self._set_tokens(tenant, row.session_id, row.num_tokens)
+        self._set_tokens(tenant, row.session_id, row.num_tokens, int(info.get("history_tokens", -1)))
         return row
 
     # -- the fleet, its lanes and the ledger ------------------------------------------------------
@@ -279,11 +278,14 @@ class Sessions:
             held = (0, 0)  # the actor answers it from its log (replayed), applying nothing
         try:
             r = await self._call(tenant, sid, fn, tenant, sid, *args)
+        except (Unavailable, asyncio.CancelledError):
+            # NOTE: its host may still log it (a call timeout, a client gone): charged until the session's next
+            # answer; before, such an append was never charged, and its retry came back replayed
+            ledger.charge(tenant, sid, held[1])
+            raise
         finally:
             ledger.release(tenant, held)
-        appended = r.result.length if isinstance(r.result, Piece) and not r.replayed else 0  # the piece it logged
-        # the session's count after the call, replayed or not; its log grew by the piece appended
-        ledger.update(tenant, sid, r.num_tokens, history_charge(appended) if appended else 0)
+        ledger.update(tenant, sid, r.num_tokens, r.history_tokens)  # what the session holds and logged, as its host says
         return r
 
     def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
@@ -327,11 +329,11 @@ class Sessions:
         ledger.add(tenant, sid, grow, history)
         return rec
 
-    def _set_tokens(self, tenant: str, sid: str, num_tokens: int) -> None:
-        """The session now holds `num_tokens` tokens (a call's answer)."""
+    def _set_tokens(self, tenant: str, sid: str, num_tokens: int, history: int = -1) -> None:
+        """The session now holds `num_tokens` tokens and its log `history` (a call's answer; -1: not said)."""
         ledger = self._ledger
         if ledger is not None and ledger.seeded(tenant):
-            ledger.update(tenant, sid, num_tokens)
+            ledger.update(tenant, sid, num_tokens, history)
 
     def _forget(self, tenant: str, sid: str) -> None:
         if self._ledger is not None and (tenant, sid) not in self._creating:  # a create's reservation stays

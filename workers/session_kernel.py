@@ -27,7 +27,16 @@ from typing import Any
 from fleet.core.context import QUARANTINED, Piece, SessionContext
 from fleet.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from fleet.core.kernel import Kernel, PrefixKV, Session
-from fleet.core.oplog import AppendOp, Op, last_index_of, own_op_ids, parse_log, to_dict
+from fleet.core.oplog import (
+    AppendOp,
+    Op,
+    history_charge,
+    history_tokens,
+    last_index_of,
+    own_op_ids,
+    parse_log,
+    to_dict,
+)
 from fleet.core.session_types import OpResult
 from workers.placement import add_blob_refs, drop_blob_refs
 
@@ -63,6 +72,7 @@ class SessionKernel:
         self.created_at = self.last_active = time.time()
         self.num_replayed_ops = 0
         self.num_prefilled_tokens = 0  # tokens this actor computed (appends, exact evictions, replays); adopted blocks not counted
+        self.history_tokens = 0  # what its log holds, as the controller's history quota charges it (oplog.history_tokens)
         self.in_flight = ""  # the verb running now (its state is the registry's: workers/registry.py)
 
     def _write(self, op: Op) -> None:
@@ -81,6 +91,8 @@ class SessionKernel:
             raise
         if op.op_id:
             self.op_ids.add(op.op_id)
+        if isinstance(op, AppendOp):
+            self.history_tokens += history_charge(op.length)
 
     def _fetch(self, ref: str) -> bytes:
         """A logged tool result's bytes (a replay re-tokenizes them)."""
@@ -131,7 +143,8 @@ class SessionKernel:
 
     def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> OpResult:
         s = self._s
-        return OpResult(result, s.last_logits, len(s), self.last_op_index if op_index is None else op_index, replayed)
+        return OpResult(result, s.last_logits, len(s), self.last_op_index if op_index is None else op_index, replayed,
+                        self.history_tokens)
 
     def _replayed(self, op_id: str) -> OpResult:
         """The answer to a retried op already in the log: the piece its append added (None for
@@ -207,6 +220,7 @@ class SessionKernel:
                 ctx.sink, ctx.store = self._write, self.store
                 self.ctx, self.num_adopted_tokens, self.op_ids = ctx, adopted, own_op_ids(log)
                 self.last_op_index, self.num_replayed_ops = None, len(log)
+                self.history_tokens = history_tokens(log)
                 self.num_prefilled_tokens += ctx.session.num_computed
 
             await self._run(work)
@@ -326,7 +340,7 @@ class SessionKernel:
             "bytes_alone": mem.bytes_alone if mem else 0, "bytes_shared": mem.bytes_shared if mem else 0,
             "adopted_tokens": self.num_adopted_tokens, "num_ops": len(ctx.ops) if ctx else 0,
             "pieces": len(ctx.pieces) if ctx else 0, "replayed_ops": self.num_replayed_ops,
-            "prefilled_tokens": self.num_prefilled_tokens,
+            "prefilled_tokens": self.num_prefilled_tokens, "history_tokens": self.history_tokens,
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
             "in_flight": self.in_flight, "epoch": self.epoch,
             "last_active": self.last_active, "pid": self.pid,

@@ -79,6 +79,8 @@ class OpResult:
         num_tokens: tokens the session holds after the op.
         op_index: the op's index in the session's log (None when the op logged nothing).
         replayed: the op id was already in the log (a retry after a crash): answered, not applied again.
+        history_tokens: what the session's log holds after the op, as the history quota charges it
+            (`oplog.history_tokens`); -1 when unknown.
     """
 
     result: Any
@@ -86,6 +88,7 @@ class OpResult:
     num_tokens: int
     op_index: int | None
     replayed: bool = False
+    history_tokens: int = -1
 
     def __post_init__(self) -> None:
         assert self.num_tokens >= 0, self

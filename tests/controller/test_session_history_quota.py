@@ -8,9 +8,12 @@ Real parts: a controller on loopback gRPC over the shared local Ray cluster, a S
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
+import ray
 from support.controller import make_tokens, start_controller
 
 from controller.quotas import SessionLimits
@@ -18,6 +21,7 @@ from fleet.cas import open_store
 from fleet.core.errors import ResourceExhausted
 from fleet.core.oplog import HISTORY_OP_CHARGE
 from fleet.sdk import AsyncFleetClient
+from workers.placement import RAY_NAMESPACE, fleet_scope, host_name
 
 SYSTEM = "You are agent zero. Answer briefly."   # 35 tokens (byte tokenizer)
 IDS = [(i * 7 + 300) % 512 for i in range(200)]
@@ -94,6 +98,65 @@ async def test_a_retry_of_a_logged_append_is_answered_at_the_history_quota(ray_c
         assert again.replayed and again.piece == first.piece and again.num_tokens == first.num_tokens
         with pytest.raises(ResourceExhausted, match="--max-history-tokens-per-tenant"):
             await c.append("s", IDS, op_id="op-2")                    # control: a new op is refused
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+
+async def test_a_fork_racing_an_append_is_charged_what_its_log_holds(ray_cluster: None, tmp_path: Path) -> None:
+    """The parent's actor is stalled, an append is queued on it, then a fork: the fork reserves the parent's
+    history before the append is counted, but its log copies the append. Each session is charged what its
+    log holds once the calls end, so with the quota set to exactly that, one more token is refused (before,
+    the child and every fork of it were charged 4,016 too little, and it was accepted)."""
+    url = f"sqlite:///{tmp_path / 'kvfleet.db'}"
+    big = 35 + HISTORY_OP_CHARGE + 20 * CHARGE - 19 * HISTORY_OP_CHARGE      # p after the append: 4,067
+    limits = SessionLimits(max_kv_bytes_per_tenant=0, max_history_tokens_per_tenant=3 * big)
+    ctl = await start_controller(url, None, sessions=limits)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("p", SYSTEM)
+        [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        host = ray.get_actor(host_name(node, fleet_scope(url)), namespace=RAY_NAMESPACE)
+        stalled = host.call.remote("local", "p", "stall", 3.0)
+        await asyncio.sleep(0.5)                                       # the stall holds p's lock first
+        app = asyncio.ensure_future(c.append("p", IDS * 20))           # 4,000 ids, queued behind it
+        await asyncio.sleep(0.5)
+        await c.fork("p", "c")                                         # reserved before the append landed
+        await app
+        await c.fork("c", "c0")
+        ray.get(stalled, timeout=30)
+        assert [_logged(url, "local", s) for s in ("p", "c", "c0")] == [big] * 3    # the logs: the quota, exactly
+        with pytest.raises(ResourceExhausted, match="--max-history-tokens-per-tenant"):
+            await c.append("c0", [1])                                  # NOTE: before, accepted
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+async def test_an_append_whose_call_timed_out_is_charged(ray_cluster: None, tmp_path: Path) -> None:
+    """The controller's fleet call gives up (Unavailable) while the host still logs the append; the client's
+    retry comes back replayed. The append is charged all the same, so with the quota at exactly what the logs
+    hold one more token is refused (before: it was never charged, and accepted)."""
+    url = f"sqlite:///{tmp_path / 'kvfleet.db'}"
+    big = 35 + HISTORY_OP_CHARGE + 20 * CHARGE - 19 * HISTORY_OP_CHARGE
+    limits = SessionLimits(max_kv_bytes_per_tenant=0, max_history_tokens_per_tenant=big + 35 + HISTORY_OP_CHARGE)
+    ctl = await start_controller(url, None, sessions=limits)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("p", SYSTEM)
+        await c.create_session("q", SYSTEM)
+        nodes = ctl.ctx.kernel_fleet.nodes                             # type: ignore[attr-defined]
+        nodes.call_timeout_s = 0.02                                    # stands for a call queued past 60 s
+        with contextlib.suppress(Exception):                           # Unavailable, or the SDK's retry answered
+            await c.append("p", IDS * 20, op_id="op-1")                # from the log: either way, uncharged before
+        nodes.call_timeout_s = 120.0
+        await asyncio.sleep(1.0)                                       # the host finishes and logs it
+        assert _logged(url, "local", "p") == big
+        r = await c.append("p", IDS * 20, op_id="op-1")                # the retry: answered from the log
+        assert r.replayed
+        with pytest.raises(ResourceExhausted, match="--max-history-tokens-per-tenant"):
+            await c.append("q", [1])                                   # NOTE: before, accepted
     finally:
         await c.close()
         await ctl.stop(grace=1)
