@@ -61,11 +61,44 @@ class Conversation(NamedTuple):
     t: float
     group: int = 0
     turns: int = 1
-    tenant: Hashable = ""  # who placed its last turn (the record's share of the cap is theirs)
+    tenant: str = ""  # who placed its last turn (the record's share of the cap is theirs)
 
     @property
     def stage(self) -> Stage:
         return self.group, 1 if self.turns > 1 else 0
+
+
+class _Counts:
+    """A count per key and a key with the largest count, each change of one by 1 in O(1) (buckets by count)."""
+
+    __slots__ = ("_by", "_n", "_top")
+
+    def __init__(self) -> None:
+        self._n: dict[str, int] = {}
+        self._by: dict[int, dict[str, None]] = {}  # count -> the keys with it
+        self._top = 0
+
+    def add(self, k: str, d: int) -> None:
+        """Count `k` up (d = 1) or down (d = -1)."""
+        c = self._n.get(k, 0)
+        if c:
+            b = self._by[c]
+            del b[k]
+            if not b:
+                del self._by[c]
+        c += d
+        if c:
+            self._n[k] = c
+            self._by.setdefault(c, {})[k] = None
+        else:
+            del self._n[k]
+        if c > self._top:
+            self._top = c
+        while self._top and self._top not in self._by:
+            self._top -= 1
+
+    def largest(self) -> str:
+        return next(iter(self._by[self._top]))
 
 
 class Evidence:
@@ -78,20 +111,25 @@ class Evidence:
         self.max_groups = max_groups
         self._placed: dict[Stage, float] = {}
         self._returned: dict[Stage, float] = {}
-        self._stages: dict[Hashable, set[Stage]] = {}  # per tenant: the stages it began
+        self._stages: dict[str, set[Stage]] = {}  # per tenant: the stages it began
+        self._count = _Counts()  # the same, counted
 
-    def placed(self, st: Stage, tenant: Hashable = "") -> bool:
-        """Count a record placed; True when the evidence was full and some stages' rates went back to 0."""
-        cleared = st not in self._placed and len(self._placed) >= self.max_groups
-        if cleared:
-            top = max(self._stages, key=lambda t: len(self._stages[t]))
+    def placed(self, st: Stage, tenant: str = "") -> dict[Stage, float]:
+        """Count a record placed. Returns the stages whose evidence was dropped to make room (the
+        largest tenant's), with the rates they had: theirs are 0 now."""
+        dropped: dict[Stage, float] = {}
+        if st not in self._placed and len(self._placed) >= self.max_groups:
+            top = self._count.largest()
             for gone in self._stages.pop(top):
+                dropped[gone] = self.rate(gone)
                 del self._placed[gone], self._returned[gone]
+                self._count.add(top, -1)
         if st not in self._placed:
             self._stages.setdefault(tenant, set()).add(st)
+            self._count.add(tenant, 1)
         self._placed[st] = self._placed.get(st, 0.0) * self.decay + 1.0
         self._returned[st] = self._returned.get(st, 0.0) * self.decay
-        return cleared
+        return dropped
 
     def returned(self, st: Stage) -> None:
         if st in self._placed:
@@ -231,12 +269,6 @@ class _Rank:
         self.total = 0.0  # sum over stages of rate * own blocks
         self.top: _Max[Stage] = _Max()  # rate * the stage's largest shared size, per stage
 
-    def rebuild(self, rate: dict[Stage, float]) -> None:
-        self.total = sum(rate[st] * n for st, n in self.own.items())
-        self.top = _Max()
-        for st, sz in self.sizes.items():
-            self.top.set(st, rate[st] * sz.max())
-
 
 class DemandLedger:
     """Conversations placed per rank, forgotten `ttl_s` after their last turn, at most
@@ -253,7 +285,8 @@ class DemandLedger:
         self.max_conversations = max_conversations
         self.evidence = Evidence(window, max_groups)
         self._conv: OrderedDict[int, Conversation] = OrderedDict()  # last hash -> record, oldest first
-        self._mine: dict[Hashable, OrderedDict[int, None]] = {}  # per tenant: its records' last hashes, oldest first
+        self._mine: dict[str, OrderedDict[int, None]] = {}  # per tenant: its records' last hashes, oldest first
+        self._held = _Counts()  # the same, counted
         self._ranks: dict[RankKey, _Rank] = {}
         self._holders: dict[Stage, tuple[RankKey, ...]] = {}  # the ranks holding records of each stage
 
@@ -302,7 +335,7 @@ class DemandLedger:
         return round(total + top)
 
     def place(self, key: RankKey, chain: Sequence[int], num_shared: int, now: float, group: int = 0,
-              tenant: Hashable = "") -> None:
+              tenant: str | None = "") -> None:
         """This turn of the conversation, `tenant`'s, went to `key` (an earlier turn's record moves with it,
         and counts as a return for its group)."""
         self.expire(now)
@@ -317,16 +350,15 @@ class DemandLedger:
             self._rerate(st, old)
             turns, group = prev[1].turns + 1, prev[1].group
         self._drop_hash(chain[-1])
+        tenant = tenant or ""
         c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns, tenant)
         old = self.evidence.rate(c.stage)
-        if self.evidence.placed(c.stage, tenant):
-            self._rebuild()
-        else:
-            self._rerate(c.stage, old)
+        for st, was in self.evidence.placed(c.stage, tenant).items():  # the largest tenant's evidence, dropped
+            self._rerate(st, was)
+        self._rerate(c.stage, old)
         self._add(chain[-1], c)
         while len(self._conv) > self.max_conversations:  # the oldest record of the tenant holding the most
-            mine = max(self._mine.values(), key=lambda m: len(m))
-            h = next(iter(mine))
+            h = next(iter(self._mine[self._held.largest()]))
             self._drop(h, self._conv[h])
 
     def move(self, last_hash: int, key: RankKey) -> None:
@@ -366,16 +398,10 @@ class DemandLedger:
             r.total += (new - old) * r.own.get(st, 0)
             r.top.set(st, new * r.sizes[st].max())
 
-    def _rebuild(self) -> None:
-        """Rates changed all at once (one tenant's evidence was dropped): recompute each rank's terms. The
-        tenant that began the most stages loses them all, so it happens rarely against what was placed."""
-        rate = {st: self.evidence.rate(st) for st in self._holders}
-        for r in self._ranks.values():
-            r.rebuild(rate)
-
     def _add(self, h: int, c: Conversation) -> None:
         self._conv[h] = c
         self._mine.setdefault(c.tenant, OrderedDict())[h] = None
+        self._held.add(c.tenant, 1)
         r = self._ranks.get(c.key)
         if r is None:
             r = self._ranks[c.key] = _Rank()
@@ -401,6 +427,7 @@ class DemandLedger:
         del mine[h]
         if not mine:
             del self._mine[c.tenant]
+        self._held.add(c.tenant, -1)
 
     def _drop(self, h: int, c: Conversation) -> None:
         del self._conv[h]
