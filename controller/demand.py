@@ -8,7 +8,8 @@ it comes back: a one-shot request that never returns must not make its rank look
 and push live conversations away (issue #27).
 
 Evidence is pooled per (prefix group, stage): the group is the shared prefix a request continues
-(its last fork block, e.g. a system prompt or a few-shot preamble; 0 when none) and the stage is
+(its last fork block, e.g. a system prompt or a few-shot preamble; when none, a group of the tenant's own,
+controller/ordering.py `solo_group`) and the stage is
 "first request" or "a later turn". For each, a decayed count of records placed and of records that
 came back; the return rate is returned / (placed + 1), so a group earns weight only once returns
 are seen (no prior: one-shots sharing a few-shot prefix weigh 0 from the start).

@@ -308,7 +308,7 @@ class Router:
             self._ended(expired, "ttl")
         if isinstance(token_ids, list | tuple) and len(token_ids) <= INLINE_HASH_TOKENS:
             pre = checked_chains(self.candidates.hash_jobs(model, lora), token_ids, model, cache_salt, lora)
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre)
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, owner=owner)
         else:
             # NOTE: a long prompt's O(tokens) work (its ids made a list, checked, hashed, its tuple hash and the
             # Branches it extends) runs in the thread; its ordering reads the ledgers on the loop, as a short one's
@@ -318,12 +318,12 @@ class Router:
                 token_ids, pre, seed, observed = await asyncio.to_thread(
                     _hashed_long, jobs, warm, token_ids, model, cache_salt, lora, self.branches
                 )
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed)
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed, owner)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
-                ordering = self.candidates.order(token_ids, model, cache_salt, lora)
-            ordering = await self._probe(ordering, token_ids, model, cache_salt, lora)
+                ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner)
+            ordering = await self._probe(ordering, token_ids, model, cache_salt, lora, owner)
         if not ordering.ordered:
             raise Unavailable(
                 f"no serving worker for model {model!r}; every candidate is asleep, paused or down"
@@ -333,9 +333,9 @@ class Router:
         placed = ordering.chains.get((name, r))
         route_id = secrets.token_hex(16) if track else ""
         if placed is not None:  # this turn's conversation now lives on (name, r)
-            chain, nshared = placed
+            chain, nshared, group = placed
             now = time.monotonic()
-            self.demand.place((name, r), chain, nshared, now, chain[nshared - 1] if nshared else 0, owner)
+            self.demand.place((name, r), chain, nshared, now, group, owner)
             self._shadow_route((name, r), route_id, chain, len(token_ids), now)
         if track:
             self.flights.add(
@@ -541,7 +541,8 @@ class Router:
                 self.candidates.reconcile(v, (v.name, r.dp_rank))
 
     async def _probe(
-        self, ordering: Ordering, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None
+        self, ordering: Ordering, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
+        owner: str | None = None,
     ) -> Ordering:
         """Route-time probe of the chosen worker; on a bad answer, fail over to the next one."""
         tried: set[str] = set()
@@ -555,7 +556,7 @@ class Router:
             if await w.probe() and w.view().rank(r).epoch == epoch:
                 return ordering
             self.metrics.stale_route_guard.labels("probe").inc()
-            ordering = self.candidates.order(token_ids, model, salt, lora)
+            ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner)
         return ordering
 
 

@@ -150,3 +150,43 @@ def test_under_load_a_fully_resident_prompt_stays_until_the_queue_crossover() ->
     assert best(0) == ("w0", 0)
     assert best(512) == ("w0", 0)  # 0.25 x 512 + 16 = 144 < 160
     assert best(640)[0] == "w1"  # 0.25 x 640 + 16 = 176 > 160
+
+
+async def test_another_tenants_returning_conversations_do_not_reweigh_mine(tmp_path) -> None:
+    """Conversations that continue no shared prefix pool their return evidence per tenant. Tenant a ran ten
+    one-shots and a conversation's first turn on w0 (64 blocks); w1 is empty. Tenant h then routes 100
+    two-turn conversations (200 Routes, never sent). Before, all of them shared one evidence group, h's
+    returns raised the rate at which a's one-shots were weighed from 0.00 to 0.94, w0 looked
+    over-committed, and a's next turn went COLD to w1. Now it stays WARM on w0, as with no h."""
+    from controller.ordering import solo_group
+
+    x1 = [900_000 + k for k in range(80)]
+    x2 = x1 + [950_000 + k for k in range(48)]
+    outcome = {}
+    for flood in (False, True):
+        store = open_store(f"sqlite:///{tmp_path}/kv{flood}.db")
+        s0, s1 = await _sim(), await _sim()
+        r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+        await r.start()
+        try:
+            await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
+            for toks in [one_shot(i) for i in range(10)] + [x1]:
+                await r.route(toks, "m", owner="a")
+                await _run(r, s0, "w0", toks)
+            await r.register_worker(WorkerSpec("w1", s1.url, s1.kv_events, s1.replay, "m"))
+            await asyncio.sleep(0.4)  # both capacities looked at
+            if flood:
+                for j in range(100):
+                    h1 = [3_000_000 + 100 * j + k for k in range(32)]
+                    await r.route(h1, "m", owner="h")
+                    await r.route(h1 + [5_000_000 + k for k in range(16)], "m", owner="h")
+            rate = r.demand.evidence.rate((solo_group("a"), 0))
+            d = await r.route(x2, "m", owner="a")
+            outcome[flood] = (d.worker, d.verdict, rate)
+        finally:
+            await r.stop()
+            for s in (s0, s1):
+                await s.stop()
+    print(f"a's next turn and a's one-shot return rate: without h {outcome[False]}, after h's Routes {outcome[True]}")
+    assert outcome[True] == outcome[False] and outcome[False][:2] == ("w0", "WARM")   # NOTE: before, ("w1", "COLD")
+    assert r.demand.evidence.rate((solo_group("h"), 0)) > 0.9                          # control: h's own rate rose
