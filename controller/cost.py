@@ -276,7 +276,11 @@ class Branches:
     history a second way, and counting that as shared cancelled its warm credit: on the Mooncake
     trace (issue #27) every turn forked its conversation's previous one, so kvfleet placed returning
     turns by load alone and hit barely more than round robin.
-    Bounded: past `max_blocks` hashes it forgets everything and learns again.
+    Bounded in two generations of `max_blocks` / 2 hashes each: when the newer one is full, the older one
+    is forgotten and the newer one becomes the older. A hash observed again is carried into the newer
+    generation with what was known of it, so a prefix in use survives any flood of new ones; what no
+    request observed for a whole generation is learned again. Before, past `max_blocks` it forgot
+    everything at once: one tenant's 17 distinct 1M-token prompts reset every tenant's shared prefixes to 0.
     Thread-safe: a long prompt's chain is observed in its hashing thread (controller/router.py), a short one's on
     the event loop; each observation is whole under a lock, so each sees the others' all or not at all.
     """
@@ -287,6 +291,8 @@ class Branches:
         self.max_blocks, self.fanout = max_blocks, fanout
         self._next: dict[int, tuple[int, ...]] = {}  # block hash -> the distinct blocks seen after it
         self._forks: set[int] = set()
+        self._old: dict[int, tuple[int, ...]] = {}  # the older generation of both
+        self._old_forks: set[int] = set()
         self._lock = threading.Lock()
 
     def observe(self, chain: Sequence[int]) -> int:
@@ -295,12 +301,16 @@ class Branches:
             return self._observe(chain)
 
     def _observe(self, chain: Sequence[int]) -> int:
-        if len(self._next) > self.max_blocks:
-            self._next.clear()
-            self._forks.clear()
-        nxt, forks, k = self._next, self._forks, self.fanout
+        if len(self._next) > self.max_blocks // 2:
+            self._old, self._next = self._next, {}
+            self._old_forks, self._forks = self._forks, set()
+        nxt, forks, k, old, old_forks = self._next, self._forks, self.fanout, self._old, self._old_forks
         for h, after in zip(chain, chain[1:], strict=False):  # NOTE: each block and the next
             seen = nxt.get(h)
+            if seen is None and h in old:  # in use again: carried into the newer generation
+                seen = nxt[h] = old[h]
+                if h in old_forks:
+                    forks.add(h)
             if seen is None:
                 nxt[h] = (after,)
             elif after not in seen and h not in forks:
@@ -308,9 +318,9 @@ class Branches:
                     forks.add(h)
                 else:
                     nxt[h] = (*seen, after)
-        if forks:
+        if forks or old_forks:
             for i in range(len(chain) - 1, -1, -1):  # NOTE: the last fork; usually a system prompt's end
-                if chain[i] in forks:
+                if chain[i] in forks or chain[i] in old_forks:
                     return i + 1
         return 0
 

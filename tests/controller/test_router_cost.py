@@ -162,6 +162,30 @@ def test_branches_find_the_shared_prefix_not_a_conversations_own_history() -> No
     assert terms(CFG, 400, _state("w0", 3 * B), 0, num_shared_tokens=3 * B).amortized_tokens == 0
 
 
+def test_a_shared_prefix_in_use_survives_a_flood_of_new_blocks() -> None:
+    """Another tenant's distinct prompts fill the bound many times over (1,200 new blocks against 200) while
+    conversations keep continuing the prefix 1-3 now and then: it stays known as shared (before, passing the
+    bound forgot everything, and the next conversation saw 0 shared blocks). Control: a prefix no request
+    observes for two generations is forgotten, and learned again from three conversations."""
+    b = Branches(max_blocks=200)
+    for tail in (10, 20, 30):
+        b.observe([1, 2, 3, tail])
+    kept = Branches(max_blocks=200)
+    kept._next, kept._forks = dict(b._next), set(b._forks)
+    for i in range(40):                                  # 40 prompts of 30 new blocks: 6 generations
+        flood = [10**6 + 100 * i + k for k in range(30)]
+        b.observe(flood)
+        kept.observe(flood)
+        if i % 3 == 0:
+            b.observe([1, 2, 3, 10, 11 + i])             # in use: the first conversation's next turns
+    assert b.observe([1, 2, 3, 99]) == 3                 # NOTE: before, 0
+    assert kept.observe([1, 2, 3, 99]) == 0              # control: unobserved for generations, forgotten
+    for tail in (98, 97):
+        kept.observe([1, 2, 3, tail])
+    assert kept.observe([1, 2, 3, 96]) == 3              # and learned again
+    assert len(b._next) + len(b._old) <= 200 + 30
+
+
 @pytest.mark.parametrize("queued, stays", [(8126, True), (8130, False)])
 def test_warm_session_stays_until_its_workers_queue_exceeds_four_times_its_warm_prefix(
     queued: int, stays: bool
