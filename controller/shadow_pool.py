@@ -114,9 +114,16 @@ class RankPool:
     def allocate(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
         """A request with these full-block hashes (and `num_partial` unhashed blocks) arrives: it is
         admitted if nothing waits and its blocks fit, else it waits (first come, first served).
-        Returns the hashes its admission evicted, in order (none while it waits)."""
+        Returns the hashes its admission evicted, in order (none while it waits).
+
+        A request with more blocks than the pool holds is not modelled: vLLM refuses a prompt past
+        its max_model_len, whose KV it checks fits the pool at start, so it never runs. NOTE: before,
+        one such Route (tracked, never sent) waited here for its TTL: every free block of the rank was
+        at risk, so every tenant's match there was 0 (COLD), and each Route walked the whole queue."""
         if route in self._held or route in self._waiting:
             raise ValueError(f"route {route!r} already holds blocks")
+        if len(chain) + num_partial > self.num_gpu_blocks - 1:
+            return []
         hit = self._hit(chain)
         if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
             new = len(chain) - hit + num_partial
@@ -138,8 +145,7 @@ class RankPool:
         return sum(1 for h in chain[:hit] if h in self._free) + len(chain) - hit + num_partial
 
     def _drain(self, now: float) -> list[int]:
-        """Admit waiting requests in arrival order while they fit (a request larger than the pool runs
-        alone, once nothing is pinned)."""
+        """Admit waiting requests in arrival order while they fit."""
         out: list[int] = []
         while self._waiting:
             route, (chain, num_partial, new) = next(iter(self._waiting.items()))

@@ -141,3 +141,19 @@ def test_pools_per_rank_are_made_once_the_capacity_is_known_and_follow_the_route
     assert s.get(("w0", 0)) is None and s.resident_prefix(("w0", 0), [1, 2], 2, now=1.0) == 2
     with pytest.raises(ValueError, match="null block"):
         RankPool(1)
+
+
+def test_a_request_larger_than_the_pool_is_not_modelled() -> None:
+    """vLLM never runs a prompt whose blocks exceed its pool (it refuses it past max_model_len), so such a
+    route neither waits nor evicts here. Before, one (tracked, never sent) waited for its TTL and put every
+    free block at risk: every other request's match on the rank was 0. Control: one that fits waits."""
+    p = RankPool(num_gpu_blocks=5)  # 4 usable
+    p.allocate("a", [1, 2], 0, now=0.0)
+    p.allocate("b", [3, 4], 0, now=0.0)  # the pool is full of pinned blocks
+    p.free("a", now=1.0)                 # 2 and 1 free, cached
+    assert p.allocate("huge", list(range(100, 105)), 0, now=2.0) == []     # 5 blocks > 4 usable
+    assert p.num_waiting() == 0 and p.at_risk() == set()
+    assert p.resident_prefix([1, 2], 2, now=2.0) == 2                      # NOTE: before, 0
+    p.free("huge", now=3.0)                                               # its end is a no-op
+    assert p.allocate("fits", [5, 6, 7], 0, now=4.0) == [] and p.num_waiting() == 1
+    assert p.at_risk() == {1, 2} and p.resident_prefix([1, 2], 2, now=4.0) == 0
