@@ -6,6 +6,8 @@ the pure cost model under load with its crossover."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 
@@ -45,17 +47,28 @@ async def _run(r: Router, sim: SimVllm, name: str, toks: list[int]) -> None:
     raise AssertionError(f"{name} never indexed the prompt")
 
 
-async def test_a_fully_resident_prompt_goes_warm_to_its_holder_after_one_shots(tmp_path) -> None:
-    """8 distinct one-shot prompts (80 blocks) ran on w0 (64 blocks): LRU kept the last ones. The last
-    prompt, fully resident on w0, is routed again with an empty w1 beside it and no load anywhere.
-    Before issue #27 it went COLD to w1: w0's working set counted every one-shot (80 > 64 blocks),
-    and the excess was charged as eviction to a request that adds no block."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+@contextlib.asynccontextmanager
+async def _w0_then_w1(path: str) -> AsyncIterator[tuple[Router, SimVllm, SimVllm]]:
+    """A Router with w0 registered (64 blocks) and its stand-ins w0, w1: the test registers w1 when it is ready."""
+    store = open_store(f"sqlite:///{path}")
     s0, s1 = await _sim(), await _sim()
     r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
     await r.start()
     try:
         await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
+        yield r, s0, s1
+    finally:
+        await r.stop()
+        await s0.stop()
+        await s1.stop()
+
+
+async def test_a_fully_resident_prompt_goes_warm_to_its_holder_after_one_shots(tmp_path) -> None:
+    """8 distinct one-shot prompts (80 blocks) ran on w0 (64 blocks): LRU kept the last ones. The last
+    prompt, fully resident on w0, is routed again with an empty w1 beside it and no load anywhere.
+    Before issue #27 it went COLD to w1: w0's working set counted every one-shot (80 > 64 blocks),
+    and the excess was charged as eviction to a request that adds no block."""
+    async with _w0_then_w1(f"{tmp_path}/kv.db") as (r, s0, s1):
         for i in range(N_ONE_SHOTS):
             d = await r.route(one_shot(i), "m")
             assert d.worker == "w0"
@@ -66,10 +79,6 @@ async def test_a_fully_resident_prompt_goes_warm_to_its_holder_after_one_shots(t
         print(d.worker, d.verdict, [(c.worker, c.cost) for c in d.candidates])
         assert (d.worker, d.verdict, d.matched_tokens) == ("w0", "WARM", PROMPT)
         assert d.cost is not None and d.cost.evicted_tokens == 0
-    finally:
-        await r.stop()
-        await s0.stop()
-        await s1.stop()
 
 
 async def test_a_cache_loss_empties_the_ranks_working_set(tmp_path) -> None:
@@ -164,12 +173,7 @@ async def test_another_tenants_returning_conversations_do_not_reweigh_mine(tmp_p
     x2 = x1 + [950_000 + k for k in range(48)]
     outcome = {}
     for flood in (False, True):
-        store = open_store(f"sqlite:///{tmp_path}/kv{flood}.db")
-        s0, s1 = await _sim(), await _sim()
-        r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
-        await r.start()
-        try:
-            await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
+        async with _w0_then_w1(f"{tmp_path}/kv{flood}.db") as (r, s0, s1):
             for toks in [one_shot(i) for i in range(10)] + [x1]:
                 await r.route(toks, "m", owner="a")
                 await _run(r, s0, "w0", toks)
@@ -183,10 +187,6 @@ async def test_another_tenants_returning_conversations_do_not_reweigh_mine(tmp_p
             rate = r.demand.evidence.rate((solo_group("a"), 0))
             d = await r.route(x2, "m", owner="a")
             outcome[flood] = (d.worker, d.verdict, rate)
-        finally:
-            await r.stop()
-            for s in (s0, s1):
-                await s.stop()
     print(f"a's next turn and a's one-shot return rate: without h {outcome[False]}, after h's Routes {outcome[True]}")
     assert outcome[True] == outcome[False] and outcome[False][:2] == ("w0", "WARM")   # NOTE: before, ("w1", "COLD")
     assert r.demand.evidence.rate((solo_group("h"), 0)) > 0.9                          # control: h's own rate rose
