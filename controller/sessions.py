@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -159,7 +160,15 @@ class Sessions:
         fleet = await self.get_fleet()
         rows = await self._run(caller, fleet.list_sessions, live, tenant)
         nodes = await self._run(caller, fleet.node_stats) if with_nodes else []
-        return [SessionRow.from_row(r) for r in rows], list(nodes)
+        return [self._with_history(SessionRow.from_row(r)) for r in rows], list(nodes)
+
+    def _with_history(self, row: SessionRow) -> SessionRow:
+        """The row's history as the quota charges it, where the ledger counts the tenant: a session no host
+        holds (idle, lost) has no info of its own, and a charge may be pending a timed-out call's answer."""
+        ledger = self._ledger
+        if ledger is None or not ledger.seeded(row.tenant) or row.session_id not in ledger.history.get(row.tenant, {}):
+            return row
+        return dataclasses.replace(row, history_tokens=ledger.num_history(row.tenant, row.session_id))
 
     async def row(self, tenant: str, rec: dict[str, Any]) -> SessionRow:
         """The session's row: its registry record `rec` and its actor's info (whose epoch is the

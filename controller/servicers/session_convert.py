@@ -19,7 +19,8 @@ def row_to_proto(r: SessionRow) -> pb.SessionRow:
         session_id=r.session_id, tenant=r.tenant, node=r.node, actor=r.actor, num_tokens=r.num_tokens,
         bytes_alone=r.bytes_alone, bytes_shared=r.bytes_shared, hit_rate=r.hit_rate,
         quarantined_spans=r.quarantined_spans, state=r.state, epoch=r.epoch, last_active=r.last_active,
-        parent=r.parent, adopted_tokens=r.adopted_tokens, backend=r.backend, device=r.device)
+        parent=r.parent, adopted_tokens=r.adopted_tokens, backend=r.backend, device=r.device,
+        history_tokens=r.history_tokens)
 
 
 def node_to_proto(s: dict[str, Any]) -> pb.NodeRow:

@@ -155,6 +155,7 @@ class SessionRow:
     adopted_tokens: int = 0
     backend: str = ""
     device: str = ""
+    history_tokens: int = 0  # what its op log holds, as the history quota charges it (0: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -167,4 +168,5 @@ class SessionRow:
             int(r.get("tokens", 0)), int(r.get("bytes_alone", 0)), int(r.get("bytes_shared", 0)),
             float(r.get("hit_rate", 0.0)), int(r.get("quarantined_spans", 0)), str(r.get("state", "")),
             int(r.get("epoch", 0)), float(r.get("last_active", 0.0) or 0.0), str(r.get("parent", "") or ""),
-            int(r.get("adopted_tokens", 0)), str(r.get("backend", "") or ""), str(r.get("device", "") or ""))
+            int(r.get("adopted_tokens", 0)), str(r.get("backend", "") or ""), str(r.get("device", "") or ""),
+            max(0, int(r.get("history_tokens", 0) or 0)))

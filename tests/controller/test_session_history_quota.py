@@ -17,6 +17,7 @@ import ray
 from support.controller import make_tokens, start_controller
 
 from controller.quotas import SessionLimits
+from fleet.app.cli.session import render_sessions
 from fleet.cas import open_store
 from fleet.core.errors import ResourceExhausted
 from fleet.core.oplog import HISTORY_OP_CHARGE
@@ -62,6 +63,10 @@ async def test_appending_and_evicting_stops_at_the_tenants_history_quota(ray_clu
             await a.fork("s1", "s1.b")                                # a fork copies its parent's 915
         row = (await a.get_session("s1")).row
         assert row.num_tokens == 35 and _logged(url, "acme", "s1") == CAP   # refused: nothing logged
+        assert row.history_tokens == CAP                              # shown: GetSession, ListSessions, session ls
+        assert {r.session_id: r.history_tokens for r in await a.sessions()} == {"s1": CAP}
+        table = render_sessions(await a.sessions())
+        assert "history" in [c.header for c in table.columns] and "915" in str(table.columns[5]._cells[0])
         await b.create_session("b1", SYSTEM)                          # another tenant is not affected
         await _cycle(b, "b1")
         await a.close_session("s1")                                   # closing frees its history

@@ -53,16 +53,16 @@ def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)"
     now = time.time() if now is None else now
     t = Table(title=title, title_justify="left")
     for col, right in (("session", False), ("tenant", False), ("node / host", False), ("kernel", False), ("tokens", True),
-                       ("alone", True), ("shared", True), ("hit rate", True), ("quarantined", True),
+                       ("history", True), ("alone", True), ("shared", True), ("hit rate", True), ("quarantined", True),
                        ("state / epoch", False), ("last active", True)):
         t.add_column(col, justify="right" if right else "left", no_wrap=not right and col != "node / host")
     for r in rows:
         style = "red" if r.state == "lost" else "yellow" if r.state == "regenerated" else None
         t.add_row(*cells(r.session_id, r.tenant, f"{r.node[:8]} / {_host(r.actor)}", _kernel(r), f"{r.num_tokens:,}",
-                         _bytes(r.bytes_alone), _bytes(r.bytes_shared), f"{100 * r.hit_rate:.1f}%",
+                         f"{r.history_tokens:,}" if r.history_tokens else "-", _bytes(r.bytes_alone), _bytes(r.bytes_shared), f"{100 * r.hit_rate:.1f}%",
                          str(r.quarantined_spans), f"{r.state} / {r.epoch}", _ago(r.last_active, now)), style=style)
     if not rows:
-        t.add_row("(no sessions)", *[""] * 10)
+        t.add_row("(no sessions)", *[""] * 11)
     return t
 
 

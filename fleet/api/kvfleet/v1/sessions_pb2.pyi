@@ -242,7 +242,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRow(_message.Message):
-    __slots__ = ("session_id", "tenant", "node", "actor", "num_tokens", "bytes_alone", "bytes_shared", "hit_rate", "quarantined_spans", "state", "epoch", "last_active", "parent", "adopted_tokens", "backend", "device")
+    __slots__ = ("session_id", "tenant", "node", "actor", "num_tokens", "bytes_alone", "bytes_shared", "hit_rate", "quarantined_spans", "state", "epoch", "last_active", "parent", "adopted_tokens", "backend", "device", "history_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class SessionRow(_message.Message):
     ADOPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     node: str
@@ -275,7 +276,8 @@ class SessionRow(_message.Message):
     adopted_tokens: int
     backend: str
     device: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., actor: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bytes_alone: _Optional[int] = ..., bytes_shared: _Optional[int] = ..., hit_rate: _Optional[float] = ..., quarantined_spans: _Optional[int] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., last_active: _Optional[float] = ..., parent: _Optional[str] = ..., adopted_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    history_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., actor: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bytes_alone: _Optional[int] = ..., bytes_shared: _Optional[int] = ..., hit_rate: _Optional[float] = ..., quarantined_spans: _Optional[int] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., last_active: _Optional[float] = ..., parent: _Optional[str] = ..., adopted_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., history_tokens: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("fleet", "tenant")
