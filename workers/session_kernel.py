@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fleet.core.context import QUARANTINED, Piece, SessionContext
-from fleet.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.errors import AlreadyExists, FailedPrecondition, NotFound
 from fleet.core.kernel import Kernel, PrefixKV, Session
 from fleet.core.oplog import (
     AppendOp,
@@ -234,14 +234,14 @@ class SessionKernel:
         session that appended and evicted 60 x 4,000 tokens and holds 45 computes 45. With
         `prefix` (a fork sharing its parent's blocks) it adopts them copy-on-write and computes
         only the tokens past them. A log whose KV is not a function of its tokens (a reposition
-        eviction with survivors), one that holds no tokens at the end, or a prefix that does not
-        match it, falls back to the op-by-op replay. Either way the cache is bit-identical to it.
+        eviction with survivors), or a prefix that does not match it, falls back to the op-by-op
+        replay. Either way the cache is bit-identical to it.
         """
         session = self.kernel.session(prefix=prefix) if prefix is not None else self.kernel.session()
         try:
             ctx = SessionContext.replay_over(log, session, self.tokenizer, self._fetch, self.tenant, self.session_id)
             return ctx, prefix.num_tokens if prefix is not None else 0
-        except (FailedPrecondition, InvalidArgument):
+        except FailedPrecondition:  # NOTE: a log the op-by-op replay refuses too (InvalidArgument) fails here, at once
             session.close()
         return SessionContext.replay(log, self.kernel, self.tokenizer, self._fetch, self.tenant, self.session_id), 0
 
