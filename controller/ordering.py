@@ -145,7 +145,7 @@ class CandidateOrder:
                         need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared, group)
                     else:
                         need = -1
-                    mine.append(self._state(v, key, proven, chain, ext, seed, need))
+                    mine.append(self._state(v, key, proven, chain, ext, seed, need, owner or ""))
             except Exception as e:  # one worker's bad state costs that worker its candidacy, no more
                 w.errors.failed("route", e)
                 continue
@@ -162,6 +162,7 @@ class CandidateOrder:
         extended: dict[RankKey, int] | None,
         seed: int,
         demand_blocks: int = -1,
+        owner: str = "",
     ) -> CandidateState:
         """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
         m = w.load
@@ -174,7 +175,7 @@ class CandidateOrder:
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
         matched, resident, learned = self.index.residency(key, chain)
         if matched and chain:
-            matched = self.shadow.resident_prefix(key, chain, matched, time.monotonic())
+            matched = self.shadow.resident_prefix(key, chain, matched, time.monotonic(), owner)
         return CandidateState(
             key[0],
             key[1],

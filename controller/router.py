@@ -336,7 +336,7 @@ class Router:
             chain, nshared, group = placed
             now = time.monotonic()
             self.demand.place((name, r), chain, nshared, now, group, owner)
-            self._shadow_route((name, r), route_id, chain, len(token_ids), now)
+            self._shadow_route((name, r), route_id, chain, len(token_ids), now, owner)
         if track:
             self.flights.add(
                 Flight(
@@ -467,24 +467,25 @@ class Router:
             if chain:
                 self.demand.move(chain[-1], key)
             if worker in self._workers:
-                self._shadow_route(key, route_id, chain, num_tokens, now)
+                self._shadow_route(key, route_id, chain, num_tokens, now, owner)
         self.metrics.route_releases.labels("moved").inc()
         self._gauge(f.key[0])
         self._gauge(worker)
         return True
 
     def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
-                      now: float) -> None:
+                      now: float, owner: str | None = None) -> None:
         """Replay the route on the rank's block-pool shadow (controller.shadow_pool): the blocks LRU
         drops for it are known before their BlockRemoved arrives. An untracked route is freed at once
-        (its end is never told); a tracked one when released or dropped from the ledger."""
+        (its end is never told), and only `owner`'s own Routes believe what it predicts (it may never be
+        sent); a tracked one is freed when released or dropped from the ledger."""
         w = self._workers[key[0]].view()
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
         cap = w.load.num_gpu_blocks or self.index.learned_capacity(key)
         if not B:
             return
         rid = route_id or secrets.token_hex(8)
-        self.shadow.allocate(key, rid, chain, 1 if num_tokens % B else 0, cap, now)
+        self.shadow.allocate(key, rid, chain, 1 if num_tokens % B else 0, cap, now, None if route_id else owner or "")
         if not route_id:
             self.shadow.free(rid, now)
 

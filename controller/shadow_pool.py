@@ -69,7 +69,9 @@ class RankPool:
         # routes not admitted yet (FCFS): their chain, partial blocks, and the new blocks they will take
         self._waiting: OrderedDict[str, tuple[Sequence[int], int, int]] = OrderedDict()
         self._pending = 0  # sum of the waiting routes' new blocks
-        self.evicted: OrderedDict[int, float] = OrderedDict()  # predicted evictions -> when, oldest first
+        # predicted evictions -> (when, the tenant of the untracked route that predicted it; None: a tracked
+        # route or an event, which every tenant's routes believe), oldest first
+        self.evicted: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
 
     # what the router reads
     def cached(self, h: int) -> bool:
@@ -82,14 +84,20 @@ class RankPool:
     def num_free(self) -> int:
         return self._fresh + len(self._free)
 
-    def resident_prefix(self, chain: Sequence[int], matched: int, now: float) -> int:
+    def resident_prefix(self, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
         """Of the `matched` leading blocks the index holds, how many are not known to be evicted, nor
-        at risk from the waiting requests admitted before this one."""
+        at risk from the waiting requests admitted before this one. `owner`'s Route believes the evictions
+        that tracked routes and events predicted, and those of its own untracked routes: an untracked Route
+        may never be sent, so another tenant's cannot hide this one's blocks (before, 8 of them, never sent,
+        made every other tenant's Route on the rank COLD for the 5 s grace)."""
         self.expire(now)
-        risk = self.at_risk()
-        if self.evicted or risk:
+        risk, ev = self.at_risk(), self.evicted
+        if ev or risk:
             for i, h in enumerate(chain[:matched]):
-                if h in self.evicted or h in risk:
+                if h in risk:
+                    return i
+                e = ev.get(h)
+                if e is not None and (e[1] is None or e[1] == owner):
                     return i
         return matched
 
@@ -111,10 +119,13 @@ class RankPool:
         return len(self._waiting)
 
     # the router's routes
-    def allocate(self, route: str, chain: Sequence[int], num_partial: int, now: float) -> list[int]:
+    def allocate(self, route: str, chain: Sequence[int], num_partial: int, now: float,
+                 speculative: str | None = None) -> list[int]:
         """A request with these full-block hashes (and `num_partial` unhashed blocks) arrives: it is
         admitted if nothing waits and its blocks fit, else it waits (first come, first served).
-        Returns the hashes its admission evicted, in order (none while it waits).
+        Returns the hashes its admission evicted, in order (none while it waits). `speculative`: the tenant
+        of an untracked route (freed at once, and perhaps never sent): only that tenant's Routes believe the
+        evictions it predicts (`resident_prefix`).
 
         A request with more blocks than the pool holds is not modelled: vLLM refuses a prompt past
         its max_model_len, whose KV it checks fits the pool at start, so it never runs. NOTE: before,
@@ -130,7 +141,7 @@ class RankPool:
             self._waiting[route] = (chain, num_partial, new)
             self._pending += new
             return []
-        return self._admit(route, chain, num_partial, hit, now)
+        return self._admit(route, chain, num_partial, hit, now, speculative)
 
     def _hit(self, chain: Sequence[int]) -> int:
         """The leading blocks cached here: vLLM's prefix hit. A later block cached on its own is not reused."""
@@ -157,7 +168,8 @@ class RankPool:
             out += self._admit(route, chain, num_partial, hit, now)
         return out
 
-    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float) -> list[int]:
+    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float,
+               speculative: str | None = None) -> list[int]:
         """Admit the request whose `hit` leading blocks (`_hit`, walked once by the caller) are cached here."""
         ref, free, ev = self._ref, self._free, self.evicted
         held: list[int | None] = []
@@ -177,7 +189,7 @@ class RankPool:
                 if isinstance(gone, int):
                     out.append(gone)
                     ev.pop(gone, None)
-                    ev[gone] = now
+                    ev[gone] = (now, speculative)
             if h is not None and (h in ref or h in free):
                 # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
                 # one hash to both copies); the copy is held here unhashed
@@ -234,7 +246,7 @@ class RankPool:
             if self.num_free():
                 gone = self._popleft()
                 if gone is not None:
-                    self.evicted[gone] = now
+                    self.evicted[gone] = (now, None)
                 self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
 
     def removed(self, hashes: Iterable[int]) -> None:
@@ -258,7 +270,7 @@ class RankPool:
 
     def expire(self, now: float) -> None:
         ev = self.evicted
-        while ev and now - next(iter(ev.values())) >= self.grace_s:
+        while ev and now - next(iter(ev.values()))[0] >= self.grace_s:
             ev.popitem(last=False)
 
     # internals
@@ -308,12 +320,13 @@ class ShadowPools:
         num_partial: int,
         num_gpu_blocks: int | None,
         now: float,
+        speculative: str | None = None,
     ) -> list[int]:
         p = self.pool(key, num_gpu_blocks)
         if p is None:
             return []
         self._route_key[route] = key
-        return p.allocate(route, chain, num_partial, now)
+        return p.allocate(route, chain, num_partial, now, speculative)
 
     def free(self, route: str, now: float) -> None:
         key = self._route_key.pop(route, None)
@@ -321,9 +334,9 @@ class ShadowPools:
         if p is not None:
             p.free(route, now)
 
-    def resident_prefix(self, key: RankKey, chain: Sequence[int], matched: int, now: float) -> int:
+    def resident_prefix(self, key: RankKey, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
         p = self._pools.get(key)
-        return p.resident_prefix(chain, matched, now) if p is not None and matched else matched
+        return p.resident_prefix(chain, matched, now, owner) if p is not None and matched else matched
 
     def forget(self, key: RankKey) -> None:
         """Every hash on the rank is gone (a clear, an epoch drop)."""

@@ -112,6 +112,24 @@ def test_predicted_evictions_hide_index_matches_until_confirmed_or_past_the_grac
     assert p.resident_prefix([1, 2, 3], 3, now=6.0) == 3  # 2's BlockRemoved never came: the index is trusted
 
 
+def test_an_untracked_routes_predictions_hide_blocks_from_its_own_tenant_only() -> None:
+    """An untracked Route is freed at once and may never be sent: the evictions it predicts hide blocks from
+    its own tenant's Routes, not another's (before, a tenant's untracked Routes, never sent, made every other
+    tenant's Route on the rank COLD for the grace). A tracked route's predictions hide them from everyone."""
+    p = RankPool(num_gpu_blocks=4, grace_s=5.0)  # 3 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a", now=0.0)
+    assert p.allocate("u", [4, 5], 0, now=1.0, speculative="h") == [3, 2]
+    p.free("u", now=1.0)
+    assert p.resident_prefix([1, 2, 3], 3, now=1.5, owner="h") == 1    # h's own Routes believe it
+    assert p.resident_prefix([1, 2, 3], 3, now=1.5, owner="a") == 3    # NOTE: before, 1
+    q = RankPool(num_gpu_blocks=4, grace_s=5.0)                        # control: the same route tracked
+    q.allocate("a", [1, 2, 3], 0, now=0.0)
+    q.free("a", now=0.0)
+    assert q.allocate("t", [4, 5], 0, now=1.0) == [3, 2]
+    assert q.resident_prefix([1, 2, 3], 3, now=1.5, owner="a") == 1
+
+
 def test_events_correct_the_model() -> None:
     p = RankPool(num_gpu_blocks=4)  # 3 usable
     p.allocate("a", [1, 2], 0, now=0.0)
