@@ -217,10 +217,9 @@ class SessionKernel:
             self._check_open()
 
             def work() -> None:
-                if ops is not None:
-                    self.store.oplog_delete(self.tenant, self.session_id)
-                    for op in ops:
-                        self.store.oplog_append(self.tenant, self.session_id, to_dict(op))
+                if ops is not None:  # NOTE: one write; op by op, each a store transaction, a fork of a long log
+                    # held SQLite's writer lock against every tenant's writes (another's create: 8 -> 357 ms)
+                    self.store.oplog_replace(self.tenant, self.session_id, [to_dict(op) for op in ops])
                     add_blob_refs(self.store, ops)  # the fork references its parent's tool results too
                 log = parse_log(self.store.oplog_read(self.tenant, self.session_id))
                 if not log:

@@ -284,6 +284,13 @@ class BlobStore(ABC):
         check_name("session_id", session_id)
         self._oplog_delete(tenant, session_id)
 
+    def oplog_replace(self, tenant: str, session_id: str, ops: list[dict[str, Any]]) -> None:
+        """Make `ops` the session's whole log (indices 0..n-1), in one write: a fork's copy of its parent's
+        log. Every op is encoded (and refused if bad) before anything is written."""
+        check_tenant(tenant)
+        check_name("session_id", session_id)
+        self._oplog_replace(tenant, session_id, [encode_op(op) for op in ops])
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the store must not be used afterwards."""
 
@@ -346,3 +353,5 @@ class BlobStore(ABC):
     def _oplog_read(self, tenant: str, session_id: str) -> list[str]: ...
     @abstractmethod
     def _oplog_delete(self, tenant: str, session_id: str) -> None: ...
+    @abstractmethod
+    def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None: ...

@@ -320,5 +320,13 @@ class RedisBlobStore(BlobStore):
     def _oplog_delete(self, tenant: str, session_id: str) -> None:
         self.r.delete(f"kvf:t:{tenant}:op:{session_id}")
 
+    @_unavailable
+    def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None:
+        key, pipe = f"kvf:t:{tenant}:op:{session_id}", self.r.pipeline(transaction=True)  # MULTI/EXEC: all or none
+        pipe.delete(key)
+        for i in range(0, len(ops_json), 4096):
+            pipe.rpush(key, *ops_json[i:i + 4096])
+        pipe.execute()
+
     def close(self) -> None:
         self.r.close()

@@ -232,6 +232,12 @@ class SqliteBlobStore(BlobStore):
         with self._tx() as db:
             db.execute("DELETE FROM oplog WHERE tenant = ? AND session_id = ?", (tenant, session_id))
 
+    def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM oplog WHERE tenant = ? AND session_id = ?", (tenant, session_id))
+            db.executemany("INSERT INTO oplog (tenant, session_id, idx, op) VALUES (?, ?, ?, ?)",
+                           ((tenant, session_id, i, op) for i, op in enumerate(ops_json)))
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

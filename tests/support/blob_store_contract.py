@@ -262,6 +262,22 @@ def test_oplog_append_read_delete(store_env: StoreEnv) -> None:
     assert store.oplog_read("acme", "s1") == [] and store.oplog_read("globex", "s1") == [{"op": "append", "tokens": [9]}]
 
 
+def test_oplog_replace_writes_a_whole_log_at_once(store_env: StoreEnv) -> None:
+    """A fork's copy of its parent's log: one write of every op (indices 0..n-1), replacing what the session
+    had; a bad op refuses the whole write and leaves the log as it was."""
+    store = store_env.open()
+    store.oplog_append("acme", "s2", {"op": "stale"})
+    ops = [{"op": "append", "i": i} for i in range(5000)]
+    store.oplog_replace("acme", "s2", ops)
+    assert store.oplog_read("acme", "s2") == ops
+    assert store.oplog_append("acme", "s2", {"op": "next"}) == 5000          # appends go on from the copy
+    with pytest.raises(InvalidArgument):
+        store.oplog_replace("acme", "s2", [{"op": "ok"}, {"op": float("nan")}])
+    assert len(store.oplog_read("acme", "s2")) == 5001 and store.oplog_read("globex", "s2") == []
+    store.oplog_replace("acme", "s2", [])
+    assert store.oplog_read("acme", "s2") == []
+
+
 def test_concurrent_puts_and_appends_are_atomic(store_env: StoreEnv) -> None:
     stores = [store_env.open() for _ in range(4)]
     data = os.urandom(50_000)
