@@ -194,22 +194,19 @@ def main(argv: list[str] | None = None) -> int:
         result = child_density(args.n) if args.child == "density" else child_kill(args.n)
         Path(args.out).write_text(json.dumps(result))
         return 0
+    sys.path.insert(0, str(ROOT / "bench"))
+    from benchdoc import write_section
+    from worktree import worktree
+
     rev = args.baseline_rev or baseline_rev()
-    wt = Path(tempfile.mkdtemp(prefix="kvf-baseline-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(wt), rev], cwd=ROOT, check=True, capture_output=True)
-    try:
+    with worktree(rev) as wt:
         res = {"actors": run_child(wt, "density", args.baseline_sessions),
                f"hosts ({args.baseline_sessions})": run_child(ROOT, "density", args.baseline_sessions),
                "hosts": run_child(ROOT, "density", args.sessions)}
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=ROOT, capture_output=True)
     kill = run_child(ROOT, "kill", args.kill_sessions)
     body = report(res, kill, rev)
     print(body)
     print(json.dumps({"density": res, "kill": kill}, indent=1))
-    sys.path.insert(0, str(ROOT / "bench"))
-    from benchdoc import write_section
-
     write_section("fleet-density", body)
     return 0
 

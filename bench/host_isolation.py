@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchdoc import write_section  # noqa: E402
+from worktree import worktree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CALLS = (("GetSession", 8), ("append", 8), ("create", 5))
@@ -151,20 +152,10 @@ def main() -> None:
     if a.child:
         print(json.dumps(asyncio.run(scenario())))
         return
-    trees: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        other = None
-        if a.against:
-            other = Path(tmp) / "against"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(other), a.against, "--detach", "-q"],
-                           check=True)
-        try:
-            trees["this tree"] = run_tree(ROOT)
-            if other is not None:
-                trees[f"at {a.against}"] = run_tree(other)
-        finally:
-            if other is not None:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False)
+    trees = {"this tree": run_tree(ROOT)}
+    if a.against:
+        with worktree(a.against) as other:
+            trees[f"at {a.against}"] = run_tree(other)
     body = report(trees)
     print(body)
     if not a.no_docs:
