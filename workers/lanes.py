@@ -17,18 +17,31 @@ NOTE: the controller's judge has lanes of its own (controller/judge_lanes.py: tw
 tenant, a queue bound naming the judge's flags). A host cannot import the controller (the layer rule), and
 needs none of those: its callers are bounded upstream (the controller's per-tenant session call lanes,
 --session-concurrency-per-tenant), and kernel work is not paced by a CPU budget. So this is the small
-round-robin core alone.
+round-robin core alone, plus a fair share of the CPU (`CpuShare`).
+
+A thread is not a share of the CPU: the numpy kernel holds the interpreter lock for much of its work, so
+each running thread gets about one over the threads running, and a tenant on threads - 1 threads took
+nearly all of it (another tenant's 1,000-token append beside four generate(256) calls on a 4-thread host:
+22 ms alone, 143 ms beside them). So the kernel stops at yield points (fleet/core/kernel/pacing.py, once per
+layer of a tile group) and asks `CpuShare` whether its tenant is ahead: a tenant whose jobs have used more
+than `lead_s` of CPU beyond the least-served tenant running beside it waits there until that one catches
+up. Tenants get equal CPU whatever their number of threads; a tenant alone is never held back, and a
+tenant whose jobs wait on something else (a fetch from the object store, the store) stops counting after
+`idle_s`, so nobody waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fleet.core.errors import InvalidArgument
+from fleet.core.kernel.pacing import paced
 
 
 class TenantLanes:
@@ -46,6 +59,7 @@ class TenantLanes:
         self._turn: deque[str] = deque()  # tenants with queued work, in serving order
         self._inflight: dict[str, int] = {}
         self._busy = 0
+        self.share = CpuShare()
 
     async def run(self, tenant: str, fn: Callable[[], Any]) -> Any:
         """fn() on a lane thread, in `tenant`'s turn; its result (or exception)."""
@@ -58,7 +72,8 @@ class TenantLanes:
         return await fut
 
     def stats(self) -> dict[str, int]:
-        return {"threads": self.threads, "busy": self._busy, "queued": sum(len(q) for q in self._lanes.values())}
+        return {"threads": self.threads, "busy": self._busy, "queued": sum(len(q) for q in self._lanes.values()),
+                "parks": self.share.num_parks, "parked_ms": round(1000 * self.share.parked_s)}
 
     def _pump(self) -> None:
         """Start jobs while a thread is free: the next tenant in turn that is under its in-flight cap."""
@@ -78,10 +93,19 @@ class TenantLanes:
                 continue
             self._start(tenant, fn, fut)
 
+    def _paced(self, tenant: str, fn: Callable[[], Any]) -> Any:
+        """fn() on this lane thread, its CPU counted to `tenant` and its yield points asking `CpuShare`."""
+        self.share.enter(tenant)
+        try:
+            with paced(lambda: self.share.checkpoint(tenant)):
+                return fn()
+        finally:
+            self.share.leave(tenant)
+
     def _start(self, tenant: str, fn: Callable[[], Any], fut: asyncio.Future[Any]) -> None:
         self._busy += 1
         self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
-        job = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        job = asyncio.get_running_loop().run_in_executor(self._pool, self._paced, tenant, fn)
 
         def done(j: asyncio.Future[Any]) -> None:
             self._busy -= 1
@@ -102,3 +126,88 @@ class TenantLanes:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class CpuShare:
+    """Equal CPU for the tenants with kernel work running on a host's threads.
+
+    Each tenant has a virtual time: the CPU its jobs have used (each job thread's own CPU clock, read live).
+    At a yield point a job whose tenant is more than `lead_s` ahead of the least-served tenant whose jobs
+    are using CPU waits, `poll_s` at a time, until that is no longer so. A tenant that arrives starts at
+    the fleet's virtual time `vt` (the least-served running tenant's, never decreasing): it gets no credit
+    for the time it was away, and a tenant that ran alone owes nothing for it. A tenant whose CPU clocks
+    have not moved for `idle_s` (its jobs wait on I/O, or are themselves waiting here) is not waited for.
+    Where the platform has no per-thread CPU clocks, nothing waits.
+    """
+
+    def __init__(self, lead_s: float = 0.002, poll_s: float = 0.002, idle_s: float = 0.05) -> None:
+        self.lead_s, self.poll_s, self.idle_s = lead_s, poll_s, idle_s
+        self.enabled = hasattr(time, "pthread_getcpuclockid")
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[int, tuple[int, float]]] = {}  # tenant -> {thread: (its CPU clock, reading at start)}
+        self._used: dict[str, float] = {}   # tenant -> virtual time of its ended jobs (and where it started)
+        self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (virtual time, wall clock when it last moved)
+        self.vt = 0.0
+        self.num_parks, self.parked_s = 0, 0.0
+
+    def enter(self, tenant: str) -> None:
+        """A job of `tenant` starts on this thread."""
+        if not self.enabled:
+            return
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        with self._lock:
+            jobs = self._jobs.get(tenant)
+            if not jobs:   # arrives: level with the fleet, no credit for time away
+                self._vtime_all()
+                v = self._used[tenant] = max(self._used.get(tenant, self.vt), self.vt)
+                self._seen[tenant] = (v, time.monotonic())
+                jobs = self._jobs[tenant] = {}
+            jobs[threading.get_ident()] = (clock, time.clock_gettime(clock))
+
+    def leave(self, tenant: str) -> None:
+        """The job of `tenant` on this thread ended: its CPU joins the tenant's virtual time."""
+        if not self.enabled:
+            return
+        with self._lock:
+            jobs = self._jobs[tenant]
+            clock, start = jobs.pop(threading.get_ident())
+            self._used[tenant] += time.clock_gettime(clock) - start
+            if not jobs:
+                del self._jobs[tenant], self._seen[tenant]
+                self._vtime_all()
+                for t in [t for t, v in self._used.items() if t not in self._jobs and v <= self.vt]:
+                    del self._used[t]   # it would start at vt anyway: nothing to keep
+
+    def _vtime_all(self) -> dict[str, float]:
+        """Every running tenant's virtual time, live; advances `vt` to their least. Under the lock."""
+        vs = {t: self._used[t] + sum(time.clock_gettime(c) - s for c, s in jobs.values())
+              for t, jobs in self._jobs.items()}
+        if vs:
+            self.vt = max(self.vt, min(vs.values()))
+        return vs
+
+    def checkpoint(self, tenant: str) -> None:
+        """Wait while `tenant` is more than `lead_s` of CPU ahead of a tenant that is using CPU beside it."""
+        if len(self._jobs) < 2:   # NOTE: alone on the host (the common case): no lock, no clocks
+            return
+        t0 = 0.0
+        while True:
+            with self._lock:
+                now, vs = time.monotonic(), self._vtime_all()
+                rivals = []
+                for t, v in vs.items():
+                    last, moved = self._seen[t]
+                    if v != last:
+                        self._seen[t] = (v, now)
+                    elif now - moved > self.idle_s:
+                        continue
+                    if t != tenant:
+                        rivals.append(v)
+                if not rivals or vs[tenant] <= min(rivals) + self.lead_s:
+                    break
+            if not t0:
+                t0 = time.monotonic()
+                self.num_parks += 1
+            time.sleep(self.poll_s)
+        if t0:
+            self.parked_s += time.monotonic() - t0

@@ -10,6 +10,7 @@ import numpy as np
 
 from fleet.core.errors import InvalidArgument, ResourceExhausted
 from fleet.core.kernel.cache import KVWindow, PagedKV
+from fleet.core.kernel.pacing import checkpoint
 from fleet.core.kernel.types import K_POST, K_RAW, EvictReport, MemoryReport, PrefixKV, max_abs_delta
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ class Session:
         spans = [(t * T, max(p0, t * T), min(p1, t * T + T)) for t in tiles]  # (pos0, lo, hi)
         xs = [ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T) for pos0, lo, hi in spans]  # [T, dim] each
         for l in range(k.config.n_layers):
+            checkpoint()  # the host may let another tenant's work run first (fleet/core/kernel/pacing.py)
             qs = []
             for x, (pos0, lo, hi) in zip(xs, spans, strict=True):
                 # q [KV, G*T, hd]; k/kraw/v [KV, T, hd]; layer 0 from the token ids (slot-invariant)

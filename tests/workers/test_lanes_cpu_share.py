@@ -1,0 +1,157 @@
+"""A kernel host shares its CPU equally between tenants, whatever their number of threads (workers/lanes.py
+`CpuShare`, fleet/core/kernel/pacing.py).
+
+The jobs are the real numpy kernel's: tenant acme decodes on three of a host's four lane threads, tenant
+bravo appends 1,000 tokens on the fourth. What is compared is CPU time (each thread's own clock), not wall
+time: on a shared machine the wall clock says little, but the CPU each tenant got while the other ran is
+what the scheduler decides.
+
+NOTE: before `CpuShare` acme used ~3x bravo's CPU while bravo's append ran (the control below measures
+this, every run), and bravo's append took ~5x its time alone (143 ms against 22 on a real 4-thread host;
+44 ms after: bench/host_isolation.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from support.kernels import make_kernel, rand_ids
+
+from fleet.core.kernel import Kernel, pacing
+from workers.lanes import TenantLanes
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    return make_kernel("numpy")
+
+
+class Hog:
+    """A tenant's `n` jobs that decode until stopped; `cpu()` is their CPU so far."""
+
+    def __init__(self, lanes: TenantLanes, kernel: Kernel, n: int, tenant: str = "acme") -> None:
+        self.kernel, self.stop, self.used, self.started = kernel, threading.Event(), [0.0] * n, [0] * n
+        self.jobs = [asyncio.ensure_future(lanes.run(tenant, lambda k=k: self._job(k))) for k in range(n)]
+
+    def _job(self, k: int) -> None:
+        s = self.kernel.session()
+        s.append(rand_ids(k, 50))
+        t0, self.started[k] = time.thread_time(), 1
+        while not self.stop.is_set():
+            s.generate(4)
+            self.used[k] = time.thread_time() - t0
+            if len(s) > 1000:
+                s = self.kernel.session()
+                s.append(rand_ids(k, 50))
+
+    def cpu(self) -> float:
+        return sum(self.used)
+
+    async def wait_started(self) -> None:
+        while not all(self.started):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.jobs)
+
+
+def append_1000(kernel: Kernel) -> Callable[[], None]:
+    return lambda: kernel.session().append(rand_ids(7, 1000))
+
+
+async def beside_hog(kernel: Kernel, paced: bool, work: Callable[[], None]) -> tuple[float, float, TenantLanes]:
+    """(acme's CPU while bravo's job ran, bravo's CPU in it, the lanes): acme on 3 of 4 threads."""
+    lanes = TenantLanes(4)
+    lanes.share.enabled = paced
+    hog = Hog(lanes, kernel, 3)
+    await hog.wait_started()
+    marks: dict[str, float] = {}
+
+    def victim() -> None:
+        marks["a0"], t0 = hog.cpu(), time.thread_time()
+        work()
+        marks["a1"], marks["b"] = hog.cpu(), time.thread_time() - t0
+
+    await lanes.run("bravo", victim)
+    await hog.finish()
+    lanes.shutdown()
+    return marks["a1"] - marks["a0"], marks["b"], lanes
+
+
+def test_a_tenant_on_three_threads_gets_the_cpu_share_of_one(kernel: Kernel) -> None:
+    async def main() -> None:
+        a_off, b_off, _ = await beside_hog(kernel, False, append_1000(kernel))
+        a_on, b_on, lanes = await beside_hog(kernel, True, append_1000(kernel))
+        print(f"acme's CPU while bravo's append ran: unpaced {a_off:.3f} s ({a_off / b_off:.2f}x bravo's), "
+              f"paced {a_on:.3f} s ({a_on / b_on:.2f}x bravo's); {lanes.stats()}")
+        assert a_off / b_off > 2.0          # the control: three threads take ~3x the CPU of one
+        assert a_on / b_on < 1.6            # now about level (acme leads by at most lead_s at a time)
+        assert lanes.stats()["parks"] > 0
+
+    asyncio.run(main())
+
+
+def test_nobody_waits_for_a_tenant_whose_job_uses_no_cpu(kernel: Kernel) -> None:
+    """bravo's job waits 0.4 s on something else (a fetch, the store): acme keeps the CPU, after at most idle_s."""
+    async def main() -> None:
+        a, b, lanes = await beside_hog(kernel, True, lambda: time.sleep(0.4))
+        print(f"acme's CPU while bravo's job slept 0.4 s: {a:.3f} s; parked {lanes.share.parked_s:.3f} s in all")
+        assert b < 0.05
+        # NOTE: acme's three threads may each wait up to idle_s (0.05 s) before bravo counts as idle: 0.15 s
+        # at most, against 1.2 s if they waited for bravo's clock to move
+        assert lanes.share.parked_s < 0.6, lanes.share.parked_s
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("debt_s", [0.0, 0.3])
+def test_a_tenant_alone_never_waits_and_a_returning_one_owes_nothing(kernel: Kernel, debt_s: float) -> None:
+    """debt_s > 0 is the control: acme returns that far ahead of the fleet, as it would if it kept the
+    CPU it used alone against it, and then waits while bravo catches up."""
+    async def main() -> None:
+        lanes = TenantLanes(4)
+        await asyncio.gather(*(lanes.run("acme", append_1000(kernel)) for _ in range(3)))
+        assert lanes.stats()["parks"] == 0          # alone: no tenant to wait for
+        hog = Hog(lanes, kernel, 1, tenant="bravo")  # acme left; bravo runs alone, acme comes back
+        await hog.wait_started()
+        if debt_s:
+            lanes.share._used["acme"] = lanes.share.vt + debt_s
+        before = hog.cpu()
+        await lanes.run("acme", append_1000(kernel))
+        during = hog.cpu() - before
+        await hog.finish()
+        lanes.shutdown()
+        print(f"debt {debt_s} s: bravo's CPU while acme's returning append ran: {during:.3f} s")
+        if debt_s:
+            assert during > debt_s / 2
+        else:   # level: about acme's append (~0.03 s)
+            assert during < 0.12
+
+    asyncio.run(main())
+
+
+def test_the_kernel_yields_once_per_layer_and_waiting_there_changes_no_bit(kernel: Kernel) -> None:
+    k = kernel
+    ids = rand_ids(3, 300)
+    ref = k.session().append(ids)
+    calls = [0]
+
+    def slow() -> None:
+        calls[0] += 1
+        time.sleep(0.0005)
+
+    s = k.session()
+    with pacing.paced(slow):
+        out = s.append(ids[:100])
+        out = s.append(ids[100:])
+    assert calls[0] == 2 * k.config.n_layers        # one tile group per call here, one yield per layer
+    assert (out == ref).all()
+    calls[0] = 0
+    k.session().append(ids)                         # no hook installed: a yield point does nothing
+    assert calls[0] == 0
