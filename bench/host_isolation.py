@@ -1,11 +1,13 @@
 """One tenant's heavy session traffic on a shared kernel host, and another tenant's calls beside it.
 
-A real controller (loopback gRPC, a local Ray of 2 CPUs, SQLite) with two tenants. The victim, bravo,
-times its own calls (GetSession: info and digest; a 60-token append; a create) with nothing else running,
-then while acme runs 4 loops of one kind of load, then after it:
+A real controller (loopback gRPC, a local Ray of 4 logical CPUs, so its kernel host has 4 lane threads,
+SQLite) with two tenants. The victim, bravo, times its own calls (GetSession: info and digest; a 60-token
+append; a create; a 1,000-token append) with nothing else running, then while acme runs 4 loops of one kind
+of load, then after it:
 
-  fork    forks of a 7,000-token session (its blocks adopted copy-on-write), each closed again
-  create  creates of distinct 8,000-token system prompts (their blocks published to the host's cache)
+  fork      forks of a 7,000-token session (its blocks adopted copy-on-write), each closed again
+  create    creates of distinct 8,000-token system prompts (their blocks published to the host's cache)
+  generate  generate(256) on 4 sessions of its own: kernel work on 3 of the host's 4 threads
 
 Both stay inside acme's default quotas. Run side by side against another tree (`--against REV`: a
 git worktree of that revision, the same scenario in its own process, before or after this tree's in
@@ -34,7 +36,8 @@ from benchdoc import write_section  # noqa: E402
 from worktree import worktree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CALLS = (("GetSession", 8), ("append", 8), ("create", 5))
+CALLS = (("GetSession", 8), ("append", 8), ("create", 5), ("append 1k", 5))
+CPUS = 4
 
 
 async def scenario() -> dict[str, dict[str, list[float]]]:
@@ -45,7 +48,7 @@ async def scenario() -> dict[str, dict[str, list[float]]]:
     from fleet.sdk import AsyncFleetClient
 
     out: dict[str, dict[str, list[float]]] = {}
-    ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=CPUS, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     tmp = Path(tempfile.mkdtemp())
     tokens = make_tokens(tmp)
@@ -55,12 +58,15 @@ async def scenario() -> dict[str, dict[str, list[float]]]:
         await b.create_session("b0", "You are the quiet agent.")
         await a.create_session("a0", "You are the loud agent.")
         await a.append("a0", "w" * 7000)
+        for k in range(4):
+            await a.create_session(f"g{k}", "You are the loud agent.")
 
         async def victim(phase: str) -> None:
             calls: dict[str, Callable[[int], Awaitable[Any]]] = {
                 "GetSession": lambda i: b.get_session("b0"),
                 "append": lambda i: b.append("b0", "short message here " * 3),
-                "create": lambda i: b.create_session(f"b-{len(out)}-{i}", "You are the quiet agent.")}
+                "create": lambda i: b.create_session(f"b-{len(out)}-{i}", "You are the quiet agent."),
+                "append 1k": lambda i: b.append(f"b-{len(out)}-{i}", "m" * 1000)}
             out[phase] = {}
             for name, n in CALLS:
                 xs = []
@@ -72,18 +78,21 @@ async def scenario() -> dict[str, dict[str, list[float]]]:
                 out[phase][name] = xs
 
         await victim("alone")
-        for kind in ("fork", "create"):
+        for kind in ("fork", "create", "generate"):
             stop, done = asyncio.Event(), [0]
 
             async def load(k: int, kind: str = kind, stop: asyncio.Event = stop, done: list[int] = done) -> None:
                 i = 0
                 while not stop.is_set():
                     sid = f"{kind}-{k}-{i}"
-                    if kind == "fork":
-                        await a.fork("a0", sid)
+                    if kind == "generate":
+                        await a.generate(f"g{k}", 256)
                     else:
-                        await a.create_session(sid, f"{k} {i} " + "p" * 8000)
-                    await a.close_session(sid)
+                        if kind == "fork":
+                            await a.fork("a0", sid)
+                        else:
+                            await a.create_session(sid, f"{k} {i} " + "p" * 8000)
+                        await a.close_session(sid)
                     done[0] += 1
                     i += 1
 
@@ -117,15 +126,18 @@ def report(trees: dict[str, dict[str, Any]]) -> str:
     lines = [
         "## A heavy tenant on a shared kernel host (`python bench/host_isolation.py`)",
         "",
-        "One run on this machine's 2 shared cores. A real controller (loopback gRPC, local Ray of 2 CPUs, "
-        "SQLite), two tenants. The victim, bravo, times its own calls alone, then while acme runs 4 loops of "
-        "forks of a 7,000-token session, or of creates of distinct 8,000-token prompts (each closed again), "
-        "within acme's default quotas. Milliseconds, median / max over 8 calls (5 creates). The trees ran the "
-        "same scenario in their own processes, in turn. A fork adopts its parent's blocks and a create "
-        "publishes its prompt's blocks to the host's cache: one object-store call per block, which ran on "
-        "the host's event loop, where every tenant's calls on that host are served, until the round that "
-        "added this bench moved them to the tenant's own lane. The max is what a call waited behind such "
-        "work; the median, what it shares the host's CPU with.",
+        f"One run on this machine's 2 shared cores. A real controller (loopback gRPC, local Ray of {CPUS} logical "
+        f"CPUs, so the kernel host has {CPUS} lane threads and one tenant may use {CPUS - 1}; SQLite), two tenants. "
+        "The victim, bravo, times its own calls alone, then while acme runs 4 loops of forks of a 7,000-token "
+        "session, of creates of distinct 8,000-token prompts (each closed again), or of generate(256) on "
+        "4 sessions of its own, within acme's default quotas. Milliseconds, median / max over 8 calls (5 "
+        "creates, 5 appends of 1,000 tokens). The trees ran the same scenario in their own processes, in turn. "
+        "A fork adopts its parent's blocks and a create publishes its prompt's blocks to the host's cache: one "
+        "object-store call per block, which ran on the host's event loop until cfbdee0 moved them to "
+        "the tenant's own lane. Decoding is kernel work on acme's lane threads: the kernel mostly holds the "
+        "interpreter lock, so each running thread got about an equal share of the CPU until the host shared it "
+        "per tenant (workers/lanes.py `CpuShare`). The max is what a call waited behind such work; the median, "
+        "what it shares the host's CPU with.",
         "",
         "| phase | call | " + " | ".join(names) + " |",
         "|---|---|" + "---|" * len(names),

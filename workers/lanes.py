@@ -140,7 +140,7 @@ class CpuShare:
     Where the platform has no per-thread CPU clocks, nothing waits.
     """
 
-    def __init__(self, lead_s: float = 0.002, poll_s: float = 0.002, idle_s: float = 0.05) -> None:
+    def __init__(self, lead_s: float = 0.002, poll_s: float = 0.002, idle_s: float = 0.01) -> None:
         self.lead_s, self.poll_s, self.idle_s = lead_s, poll_s, idle_s
         self.enabled = hasattr(time, "pthread_getcpuclockid")
         self._lock = threading.Lock()
