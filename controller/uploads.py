@@ -139,11 +139,11 @@ def _mib(n: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Caps:
+class GateCaps:
     """What one gate bounds, and the words and flags its refusals use."""
 
-    tenant_n: int
-    total_n: int
+    tenant_n: int | None  # None: no count cap (the bytes bound it)
+    total_n: int | None
     tenant_bytes: int
     total_bytes: int
     share: float
@@ -152,13 +152,14 @@ class _Caps:
     flags: tuple[str, str, str, str, str]  # tenant_n, total_n, tenant_bytes, total_bytes, share
     advice: str  # what the tenant may do when its own count is full
     refused: type[ResourceExhausted]
+    where: str = "the controller"  # whose budget it is, in a refusal
 
 
-class _StreamGate:
+class StreamGate:
     """Reservations of open streams (count and bytes, per tenant and in total). Used from the event loop only
     (no locks needed)."""
 
-    def __init__(self, caps: _Caps) -> None:
+    def __init__(self, caps: GateCaps) -> None:
         self.caps = caps
         self.open: Counter[str] = Counter()
         self.reserved: Counter[str] = Counter()
@@ -173,22 +174,22 @@ class _StreamGate:
 
     def _refuse(self, tenant: str, size: int) -> str | None:
         c, (f_tn, f_n, f_tb, f_b, f_share) = self.caps, self.caps.flags
-        if self.open[tenant] >= c.tenant_n:
+        if c.tenant_n is not None and self.open[tenant] >= c.tenant_n:
             return (f"tenant {tenant!r} already has {self.open[tenant]} {c.what} (quota "
                     f"{f_tn}={c.tenant_n}); {c.advice}")
-        if self.total_open >= c.total_n:
-            return f"the controller already has {self.total_open} {c.what} (limit {f_n}={c.total_n}); retry shortly"
+        if c.total_n is not None and self.total_open >= c.total_n:
+            return f"{c.where} already has {self.total_open} {c.what} (limit {f_n}={c.total_n}); retry shortly"
         if self.reserved[tenant] + size > c.tenant_bytes:
             return (f"tenant {tenant!r}: this {c.one} of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
-                    f"flight exceeds the quota {f_tb}={c.tenant_bytes} "
-                    f"; finish other {c.one}s first, or raise the quota")
+                    f"flight exceeds the quota {f_tb}={c.tenant_bytes}; finish other {c.one}s first, or raise "
+                    "the quota")
         if self.total_bytes + size > c.total_bytes:
-            return (f"this {c.one} of {_mib(size)} on top of {_mib(self.total_bytes)} in flight exceeds the "
-                    f"controller's limit {f_b}={c.total_bytes}; retry shortly")
+            return (f"this {c.one} of {_mib(size)} on top of {_mib(self.total_bytes)} in flight exceeds "
+                    f"{c.where}'s limit {f_b}={c.total_bytes}; retry shortly")
         share = int(c.share * (c.total_bytes - (self.total_bytes - self.reserved[tenant])))
         if self.reserved[tenant] + size > share:
             return (f"tenant {tenant!r}: this {c.one} of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
-                    f"flight exceeds its share of the controller's {c.one} budget ({_mib(share)}: "
+                    f"flight exceeds its share of {c.where}'s {c.one} budget ({_mib(share)}: "
                     f"{f_share}={c.share:g} of what other tenants leave of "
                     f"{f_b}={c.total_bytes}); finish other {c.one}s first, or retry shortly")
         return None
@@ -210,12 +211,12 @@ class _StreamGate:
             self.reserved += Counter()
 
 
-class UploadGate(_StreamGate):
+class UploadGate(StreamGate):
     """Reservations of open puts: a put's announced size, from its header until it ends."""
 
     def __init__(self, limits: UploadLimits) -> None:
         self.limits = limits
-        super().__init__(_Caps(limits.tenant_uploads, limits.total_uploads, limits.tenant_bytes, limits.total_bytes,
+        super().__init__(GateCaps(limits.tenant_uploads, limits.total_uploads, limits.tenant_bytes, limits.total_bytes,
                                limits.tenant_share, "unfinished uploads", "upload",
                                ("--max-uploads-per-tenant", "--max-uploads", "--max-upload-bytes-per-tenant",
                                 "--max-upload-bytes", "--upload-tenant-share"),
@@ -230,13 +231,13 @@ class UploadGate(_StreamGate):
         return self.total_open
 
 
-class GetGate(_StreamGate):
+class GetGate(StreamGate):
     """Reservations of open GetBlob streams: the blob bytes a get may hold at once, from its first store read
     until it ends (read to the end, refused, stalled, or cancelled by its client)."""
 
     def __init__(self, limits: GetLimits) -> None:
         self.limits = limits
-        super().__init__(_Caps(limits.tenant_gets, limits.total_gets, limits.tenant_bytes, limits.total_bytes,
+        super().__init__(GateCaps(limits.tenant_gets, limits.total_gets, limits.tenant_bytes, limits.total_bytes,
                                limits.tenant_share, "open GetBlob streams", "get",
                                ("--max-gets-per-tenant", "--max-gets", "--max-get-bytes-per-tenant",
                                 "--max-get-bytes", "the fixed tenant share"),

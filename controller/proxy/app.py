@@ -94,14 +94,22 @@ def _errors(proxy: Proxy) -> Any:
     return middleware
 
 
-async def read_json(req: web.Request, limit: int, timeout_s: float) -> dict[str, Any]:
-    """The request's JSON object; 413 past `limit` bytes, 408 if it takes longer than `timeout_s` to arrive,
-    400 if it is not a JSON object with a model."""
-    if req.content_length is not None and req.content_length > limit:
+def announced_size(req: web.Request, limit: int) -> int:
+    """The bytes the request's body may hold: its Content-Length (413 past `limit`), or `limit` when it is sent
+    chunked (aiohttp stops reading it there)."""
+    if req.content_length is None:
+        return limit
+    if req.content_length > limit:
         raise ProxyError(
             413,
             f"request body of {req.content_length} bytes is larger than the proxy's limit of {limit} bytes",
         )
+    return req.content_length
+
+
+async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
+    """The request's JSON object (its size checked by `announced_size`, then by aiohttp as it arrives); 408 if
+    it takes longer than `timeout_s` to arrive, 400 if it is not a JSON object with a model."""
     try:
         async with asyncio.timeout(timeout_s):
             raw = await req.read()
@@ -155,15 +163,23 @@ class Handlers:
 
     async def _complete(self, req: web.Request, chat: bool) -> web.StreamResponse:
         p, t0 = self.p, time.perf_counter()
-        body = await read_json(req, p.cfg.max_body_bytes, p.cfg.client_body_timeout_s)
         token = self._token(req)
-        caller = await p.control.whoami(token)  # 401 before any worker is touched
+        caller = await p.control.whoami(token)  # NOTE: 401 before the body is read (controller/proxy/bodies.py)
+        with p.bodies.admit(caller.tenant, announced_size(req, p.cfg.max_body_bytes)):  # 429 past its budget
+            return await self._answer(req, chat, t0, token, caller.tenant)
+
+    async def _answer(self, req: web.Request, chat: bool, t0: float, token: str | None,
+                      tenant: str) -> web.StreamResponse:
+        p = self.p
+        body = await read_json(req, p.cfg.client_body_timeout_s)
         base, lora = p.directory.resolve(body["model"])
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
-        body, hits = await p.enforcer.enforce(body, chat, caller.tenant, token)
+        body, hits = await p.enforcer.enforce(body, chat, tenant, token)
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
-        ids = await p.tokenizer.token_ids(body, chat, base, caller.tenant, enc)
+        ids = await p.tokenizer.token_ids(body, chat, base, tenant, enc)
         d = await p.control.route(ids, base, lora=lora, token=token)
+        num_prompt = len(ids)
+        del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
         try:
             fwd = (
                 {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
@@ -189,7 +205,7 @@ class Handlers:
                 _listed(extra, "x-kvfleet-withheld-media", media)
             note = {"quarantined": [h.as_json() for h in hits]} if hits else None
             out, t_first = await p.forwarder.relay(req, opened, extra, note)
-            self._record(t, opened.resp.status, len(ids), (t_first - t0) - (opened.t_first - opened.t_sent))
+            self._record(t, opened.resp.status, num_prompt, (t_first - t0) - (opened.t_first - opened.t_sent))
             return out
         finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends
             if d.route_id:

@@ -40,6 +40,10 @@ class ProxyConfig:
     suspect_s: float = 5.0  # a worker found asleep behind the controller's back is skipped this long
     auth_cache_s: float = 5.0
     max_body_bytes: int = 8 << 20
+    # request-body bytes of the requests in flight (from their headers until their answers end), per tenant and
+    # in all; a tenant gets at most half of what the others leave (controller/proxy/bodies.py)
+    max_inflight_bytes_per_tenant: int = 64 << 20
+    max_inflight_bytes: int = 128 << 20
     client_header_timeout_s: float = 30.0  # a connection must deliver a request's headers within this (also
     # the idle keep-alive limit): a client that trickles headers (slowloris) is closed
     client_body_timeout_s: float = 60.0  # the whole body must arrive within this, else 408
@@ -69,6 +73,11 @@ class ProxyConfig:
                 or self.controller_max_rpcs <= 0:
             raise InvalidArgument("max_body_bytes and controller_max_rpcs must be positive, the tokenize cache's bounds "
                                   ">= 0")
+        if not self.max_body_bytes <= min(self.max_inflight_bytes_per_tenant, self.max_inflight_bytes // 2):
+            raise InvalidArgument(
+                f"--max-body-bytes {self.max_body_bytes} must fit one tenant's share of the bodies in flight: at "
+                f"most --max-inflight-bytes-per-tenant ({self.max_inflight_bytes_per_tenant}) and half of "
+                f"--max-inflight-bytes ({self.max_inflight_bytes})")
         for who, policy in (("--quarantine-policy", self.quarantine_policy),
                             *((f"--quarantine-tenant-policy {t}=", p) for t, p in self.quarantine_tenant_policies)):
             if policy not in POLICIES:

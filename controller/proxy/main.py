@@ -57,6 +57,13 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                    help="seconds an attempt may go without a first byte, whatever the probes say, before it fails "
                         "over (once); must exceed the longest non-streaming answer (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
+    p.add_argument("--max-inflight-bytes-per-tenant", type=int,
+                   default=e("KVFLEET_PROXY_MAX_INFLIGHT_BYTES_PER_TENANT", str(64 << 20)),
+                   help="request-body bytes one tenant's requests in flight may hold (each counted from its headers "
+                        "until its answer ends; past it: 429; default 64 MiB)")
+    p.add_argument("--max-inflight-bytes", type=int, default=e("KVFLEET_PROXY_MAX_INFLIGHT_BYTES", str(128 << 20)),
+                   help="request-body bytes all requests in flight may hold; one tenant gets at most half of what "
+                        "the others leave (default 128 MiB; the proxy holds about 3x this, more while routing)")
     p.add_argument("--client-header-timeout", type=float, default=30.0,
                    help="seconds a connection has to deliver a request's headers, also the idle keep-alive "
                         "limit; slower clients are disconnected (default 30)")
@@ -86,7 +93,8 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),
                        tool_media=a.tool_media,
-                       max_body_bytes=a.max_body_bytes, tls=a.tls, tls_ca=a.tls_ca,
+                       max_body_bytes=a.max_body_bytes, max_inflight_bytes_per_tenant=a.max_inflight_bytes_per_tenant,
+                       max_inflight_bytes=a.max_inflight_bytes, tls=a.tls, tls_ca=a.tls_ca,
                        tls_client_cert=a.tls_cert, tls_client_key=a.tls_key)
 
 

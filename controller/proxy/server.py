@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from controller.proxy.app import build_app
+from controller.proxy.bodies import BodyGate
 from controller.proxy.config import ProxyConfig
 from controller.proxy.control import ControlClient
 from controller.proxy.directory import WorkerDirectory
@@ -26,6 +27,7 @@ class Proxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
+        self.bodies = BodyGate(cfg)
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
                                      credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
         self._runner: web.AppRunner | None = None

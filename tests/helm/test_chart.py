@@ -249,7 +249,8 @@ def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, di
     grpc_port = next(p["port"] for p in ctrl_svc["spec"]["ports"] if p["name"] == "grpc")
     assert c["args"] == ["proxy", "--controller", f"{ctrl_svc['metadata']['name']}:{grpc_port}", "--listen", "0.0.0.0:8080",
                          "--quarantine-policy", "placeholder", "--tool-media", "pass", "--client-header-timeout", "30",
-                         "--client-body-timeout", "60", "--max-first-byte-wait", "600"]
+                         "--client-body-timeout", "60", "--max-first-byte-wait", "600",
+                         "--max-inflight-bytes-per-tenant", "67108864", "--max-inflight-bytes", "134217728"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     pdb = one(objs, "PodDisruptionBudget")

@@ -1,0 +1,80 @@
+"""The request bodies in flight in the proxy are bounded per tenant and in all, and a caller is known before
+its body is read (controller/proxy/bodies.py).
+
+NOTE: before, the proxy read every body (up to --max-body-bytes, 8 MiB) before it checked the token, and held
+any number of them at once: a client with no valid token could hold 8 MiB per connection for the whole body
+timeout, and one tenant's concurrent requests all of the proxy's memory. Both tests fail there: the first
+waits out the body timeout for its 401, the second gets no 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from support.proxy_fleet import MODEL, start_fleet
+
+
+async def _stalled(port: int, token: str, length: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request whose headers announce `length` body bytes, of which only the first few are sent."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer {token}\r\n"
+             f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode() + b'{"model": "')
+    await w.drain()
+    return r, w
+
+
+async def _status(r: asyncio.StreamReader, timeout_s: float) -> tuple[int, bytes]:
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), timeout_s)
+    return int(head.split(b" ", 2)[1]), head
+
+
+async def test_an_unknown_caller_gets_401_before_its_body_is_read(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, num_workers=1, client_body_timeout_s=20.0)
+    try:
+        r, w = await _stalled(fleet.proxy.port, "not-a-token", 4 << 20)
+        status, _ = await _status(r, 5.0)      # before: the body was awaited first (20 s here), then 408
+        w.close()
+        print(f"a 4 MiB body announced with a bad token, 100 bytes sent: {status}")
+        assert status == 401
+        assert fleet.proxy.bodies.total_bytes == 0
+    finally:
+        await fleet.stop()
+
+
+async def test_a_tenant_holds_at_most_its_budget_of_bodies_in_flight(tmp_path: Path) -> None:
+    kib = 1 << 10
+    fleet = await start_fleet(tmp_path, num_workers=1, client_body_timeout_s=20.0, max_body_bytes=200 * kib,
+                              max_inflight_bytes_per_tenant=256 * kib, max_inflight_bytes=1 << 20)
+    port, gate = fleet.proxy.port, fleet.proxy.bodies
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    try:
+        held = [await _stalled(port, fleet.tokens["a"], 100 * kib) for _ in range(2)]
+        while gate.reserved["acme"] < 200 * kib:   # both handlers have reserved their bodies
+            await asyncio.sleep(0.01)
+        r, w = await _stalled(port, fleet.tokens["a"], 100 * kib)
+        status, head = await _status(r, 5.0)
+        rest = await asyncio.wait_for(r.read(2000), 5.0)
+        w.close()
+        print(f"acme's third request of 100 KiB beside two held: {status} {rest[-240:]!r}")
+        assert status == 429 and b"Retry-After: 1" in head
+        assert b"--max-inflight-bytes-per-tenant" in rest
+        assert gate.reserved["acme"] == 200 * kib       # the refused one reserved nothing
+        # another tenant is served meanwhile, and so is acme's small request within its budget
+        b_status, _, _ = await fleet.post("/v1/chat/completions", ok, who="b")
+        a_status, _, a_raw = await fleet.post("/v1/chat/completions", ok, who="a")
+        assert (b_status, a_status) == (200, 200), a_raw
+        # a held request whose client goes away frees its reservation; the same request then fits
+        held[0][1].close()
+        while gate.reserved["acme"] > 100 * kib:
+            await asyncio.sleep(0.01)
+        big = {**ok, "messages": [{"role": "user", "content": "x" * (100 * kib)}]}
+        status, _, raw = await fleet.post("/v1/chat/completions", big, who="a")
+        assert status == 200, raw
+        assert json.loads(raw)["choices"]
+    finally:
+        for _, w in held:
+            w.close()
+        await fleet.stop()
+    assert gate.total_bytes == 0
