@@ -42,6 +42,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
+from controller.owned import Counts
+
 RankKey = tuple[str, int]
 Stage = tuple[int, int]  # (group, 0: a first request | 1: a later turn)
 LOOKBACK = 4096  # blocks searched backwards for the previous turn's last hash
@@ -69,39 +71,6 @@ class Conversation(NamedTuple):
         return self.group, 1 if self.turns > 1 else 0
 
 
-class _Counts:
-    """A count per key and a key with the largest count, each change of one by 1 in O(1) (buckets by count)."""
-
-    __slots__ = ("_by", "_n", "_top")
-
-    def __init__(self) -> None:
-        self._n: dict[str, int] = {}
-        self._by: dict[int, dict[str, None]] = {}  # count -> the keys with it
-        self._top = 0
-
-    def add(self, k: str, d: int) -> None:
-        """Count `k` up (d = 1) or down (d = -1)."""
-        c = self._n.get(k, 0)
-        if c:
-            b = self._by[c]
-            del b[k]
-            if not b:
-                del self._by[c]
-        c += d
-        if c:
-            self._n[k] = c
-            self._by.setdefault(c, {})[k] = None
-        else:
-            del self._n[k]
-        if c > self._top:
-            self._top = c
-        while self._top and self._top not in self._by:
-            self._top -= 1
-
-    def largest(self) -> str:
-        return next(iter(self._by[self._top]))
-
-
 class Evidence:
     """Decayed counts of records placed and records that came back, per (group, stage); each stage is
     charged to the tenant that began it, and past `max_groups` stages the tenant that began the most
@@ -113,7 +82,7 @@ class Evidence:
         self._placed: dict[Stage, float] = {}
         self._returned: dict[Stage, float] = {}
         self._stages: dict[str, set[Stage]] = {}  # per tenant: the stages it began
-        self._count = _Counts()  # the same, counted
+        self._count = Counts()  # the same, counted
 
     def placed(self, st: Stage, tenant: str = "") -> dict[Stage, float]:
         """Count a record placed. Returns the stages whose evidence was dropped to make room (the
@@ -287,7 +256,7 @@ class DemandLedger:
         self.evidence = Evidence(window, max_groups)
         self._conv: OrderedDict[int, Conversation] = OrderedDict()  # last hash -> record, oldest first
         self._mine: dict[str, OrderedDict[int, None]] = {}  # per tenant: its records' last hashes, oldest first
-        self._held = _Counts()  # the same, counted
+        self._held = Counts()  # the same, counted
         self._ranks: dict[RankKey, _Rank] = {}
         self._holders: dict[Stage, tuple[RankKey, ...]] = {}  # the ranks holding records of each stage
 

@@ -25,7 +25,6 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from controller.index import PrefixIndex
 from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains, seed_of
+from controller.owned import OwnedLru
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.shadow_pool import ShadowPools
@@ -113,7 +113,9 @@ class Router:
         self._long_waiting: dict[Hashable, int] = {}  # per tenant: tokens of its long prompts waiting for a slot
         # live tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move;
         # dropped when the route ends (release, TTL, reconcile, worker gone)
-        self._alternatives: OrderedDict[str, tuple[Ordering, int]] = OrderedDict()
+        # NOTE: past MAX_MOVABLE_ROUTES the tenant with the most loses its oldest: one tenant's flood of
+        # tracked Routes evicted every other tenant's, whose MoveRoute then moved nothing
+        self._alternatives: OwnedLru[str, tuple[Ordering, int]] = OwnedLru(MAX_MOVABLE_ROUTES)
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
@@ -350,9 +352,7 @@ class Router:
             )
             self._gauge(name)
             if len(ordering.ordered) > 1:
-                self._alternatives[route_id] = (ordering, len(token_ids))
-                while len(self._alternatives) > MAX_MOVABLE_ROUTES:
-                    self._alternatives.popitem(last=False)
+                self._alternatives.put(route_id, owner, (ordering, len(token_ids)))
         cands = tuple(
             RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ordering.ordered
         )
@@ -414,10 +414,8 @@ class Router:
         f = self.flights.release(route_id, owner)
         self.metrics.route_releases.labels("released" if f else "unknown").inc()
         if f is not None:
-            self._alternatives.pop(route_id, None)
-        if f is not None:
+            self._alternatives.pop(route_id)
             self.shadow.free(route_id, time.monotonic())
-        if f is not None:
             self._gauge(f.key[0])
         return f is not None
 
@@ -518,7 +516,7 @@ class Router:
         now = time.monotonic()
         for f in flights:
             self.shadow.free(f.route_id, now)
-            self._alternatives.pop(f.route_id, None)
+            self._alternatives.pop(f.route_id)
         for worker in {f.key[0] for f in flights}:
             self._gauge(worker)
 

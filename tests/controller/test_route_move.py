@@ -119,3 +119,31 @@ async def test_move_route_over_grpc_is_the_routing_tenants_own(tmp_path) -> None
         await ctl.stop(0)
         await s0.stop()
         await s1.stop()
+
+
+async def test_a_tenants_flood_of_tracked_routes_evicts_its_own_candidates_not_anothers(tmp_path, monkeypatch) -> None:
+    """Past the cap on kept candidates, the tenant with the most loses its oldest. NOTE: it was oldest first for
+    all: mallory's Routes (tracked, never sent) evicted bravo's, whose MoveRoute then moved nothing."""
+    import controller.router
+
+    monkeypatch.setattr(controller.router, "MAX_MOVABLE_ROUTES", 8)
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    s0, s1 = await _sim(), await _sim()
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+    await r.start()
+    try:
+        await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
+        await r.register_worker(WorkerSpec("w1", s1.url, s1.kv_events, s1.replay, "m"))
+        await _capacities_known(r, ["w0", "w1"])
+        d = await r.route(PROMPT, "m", track=True, owner="bravo")
+        mallory = [await r.route([1000 + i, *PROMPT[1:]], "m", track=True, owner="mallory") for i in range(20)]
+        kept = [m.route_id for m in mallory if m.route_id in r._alternatives]
+        assert d.route_id in r._alternatives and len(r._alternatives) == 8
+        assert kept == [m.route_id for m in mallory[-7:]]     # mallory's own newest seven
+        other = "w1" if d.worker == "w0" else "w0"
+        assert r.move_route(d.route_id, other, 0, owner="bravo")
+        assert r.flights.load((other, 0))[0] >= 1
+    finally:
+        await r.stop()
+        await s0.stop()
+        await s1.stop()
