@@ -135,6 +135,27 @@ def test_max_num_seqs_queues_fifo() -> None:
     )  # the wait is in its TTFT
 
 
+def test_priority_policy_runs_waiting_requests_by_priority_then_arrival() -> None:
+    """vLLM's --scheduling-policy priority: the waiting queue is ordered by (priority, arrival), lower first;
+    fcfs (the control, and the default) keeps arrival order whatever the priorities."""
+    for policy, expected in (("priority", ["d", "e", "c", "b", "a"]), ("fcfs", ["a", "b", "c", "d", "e"])):
+        eng, _ = make_engine(max_num_seqs=1, scheduling_policy=policy)
+        order: dict[int, str] = {}
+        for name, prio in (("a", 5), ("b", 3), ("c", 1), ("d", 0), ("e", 0)):
+            order[eng.submit(list(range(16)), 1, priority=prio).seq_id] = name
+        ran = [order[s.seq_id] for step in play(eng) for s, _ in step.prefill]
+        assert ran == expected, (policy, ran)
+    eng, _ = make_engine(max_num_seqs=1, scheduling_policy="priority")
+    x = eng.submit(list(range(16)), 3, priority=1)
+    eng.finish(eng.plan())                        # x runs
+    y = eng.submit(list(range(16, 32)), 3, priority=0)
+    eng.sched.preempt_all()   # x goes back in its place by (priority, arrival), behind y, not first (fcfs)
+    assert [s.seq_id for s in eng.sched.waiting] == [y.seq_id, x.seq_id]
+    with pytest.raises(AssertionError):
+        make_engine(scheduling_policy="lottery")
+    assert _parse(["--scheduling-policy", "priority"]).engine.scheduling_policy == "priority"
+
+
 def test_kv_capacity_bounds_running_and_usage_moves() -> None:
     eng, published = make_engine(num_blocks=8)
     a_ids, b_ids = list(range(80)), list(range(1000, 1080))  # 5 full blocks each

@@ -152,11 +152,16 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
         "cache_salt": body.get("cache_salt"),
         "report_full": (body.get("extra_args") or {}).get("kv_cache_report_mode") == "full",
     }
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidArgument(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and c.scheduling_policy != "priority":  # NOTE: vLLM's own check and words
+        raise InvalidArgument(f"Got priority {priority} but Priority scheduling is not enabled.")
     reply = _Reply(model, chat, ids, tok.synthetic_output(ids, n), created=int(time.time()))
-    if sim.loop is None:
+    if sim.loop is None:  # instant: every request runs at once, alone; there is no queue to order
         return await _instant(sim, req, reply, bool(body.get("stream")), kw)
     try:
-        ticket = sim.loop.submit(ids, n, **kw)
+        ticket = sim.loop.submit(ids, n, priority=priority, **kw)
     except EnginePaused as e:
         return _unavailable(str(e))
     reply.rid = f"cmpl-{ticket.seq.seq_id}"

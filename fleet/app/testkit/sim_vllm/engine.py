@@ -21,7 +21,7 @@ from typing import Any
 
 from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.cache import PrefixCache, StepResult
-from fleet.app.testkit.sim_vllm.sched import CostModel, Scheduler, Seq, Step, lone_ttft_s
+from fleet.app.testkit.sim_vllm.sched import POLICIES, CostModel, Scheduler, Seq, Step, lone_ttft_s
 from fleet.core.block_hash import HashConfig
 
 
@@ -53,10 +53,12 @@ class SimEngineConfig:
     step_overhead_s: float = 0.002
     decode_base_s: float = 0.008
     decode_per_seq_s: float = 0.00008
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs, or priority (a request's `priority`)
 
     def __post_init__(self) -> None:
         assert self.block_size > 0 and self.num_blocks > 1
         assert self.time_scale >= 0 and self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
+        assert self.scheduling_policy in POLICIES, self.scheduling_policy
         self.cost_model()  # asserts the cost fields
 
     def cost_model(self) -> CostModel:
@@ -85,7 +87,8 @@ class SimEngine(PrefixCache):
         self.paused_by: str | None = None  # "sleep" | "pause" | None
         self.pause_mode = "abort"
         self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
-        self.sched = Scheduler(cfg.cost_model(), cfg.max_num_seqs, cfg.max_num_batched_tokens, pool=self)
+        self.sched = Scheduler(cfg.cost_model(), cfg.max_num_seqs, cfg.max_num_batched_tokens, pool=self,
+                               policy=cfg.scheduling_policy)
         self.kick = asyncio.Event()  # set on every change the shell must look at
         self._clock = clock
         self._asleep_since: float | None = None
@@ -265,6 +268,7 @@ class SimEngine(PrefixCache):
         lora: str | None = None,
         cache_salt: str | None = None,
         report_full: bool = False,
+        priority: int = 0,
     ) -> Seq:
         """Queue a request for the scheduler (it waits there while the engine sleeps)."""
         self._check_admit()
@@ -275,6 +279,7 @@ class SimEngine(PrefixCache):
             cache_salt=cache_salt,
             report_full=report_full,
             digests=self._digests(token_ids, lora, cache_salt),
+            priority=priority,
         )
         self.kick.set()
         return seq

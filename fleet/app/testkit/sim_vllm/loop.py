@@ -58,10 +58,11 @@ class EngineLoop:
         lora: str | None = None,
         cache_salt: str | None = None,
         report_full: bool = False,
+        priority: int = 0,
     ) -> Ticket:
         """Queue a request; raises EnginePaused while paused with abort|wait."""
         seq = self.engine.submit(
-            token_ids, max_tokens, lora=lora, cache_salt=cache_salt, report_full=report_full
+            token_ids, max_tokens, lora=lora, cache_salt=cache_salt, report_full=report_full, priority=priority
         )
         t = self._tickets[seq.seq_id] = Ticket(seq)
         return t

@@ -137,6 +137,9 @@ def _parse(argv: list[str]) -> SimConfig:
         help="wall seconds per modelled second (0 = instant answers, no queueing; default 1)",
     )
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences at most")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=d.scheduling_policy,
+                   help="vLLM's: fcfs, or priority (waiting requests run by their `priority`, lower first; a "
+                        "non-zero priority is refused under fcfs, as vLLM does)")
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -179,6 +182,7 @@ def _parse(argv: list[str]) -> SimConfig:
             loras=loras,
             time_scale=a.time_scale,
             max_num_seqs=a.max_num_seqs,
+            scheduling_policy=a.scheduling_policy,
             max_num_batched_tokens=a.max_num_batched_tokens,
             prefill_tokens_per_s=a.prefill_tokens_per_s,
             step_overhead_s=a.step_overhead_s,

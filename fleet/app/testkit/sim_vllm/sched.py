@@ -5,6 +5,8 @@ One engine step, scheduled as vLLM v1 does it (FCFS, one token budget shared by 
     running, in order   each decode seq takes 1 token, each prefilling seq its next chunk
     waiting, FIFO       admitted while len(running) < max_num_seqs, budget is left and its
                         blocks fit; the first that does not fit blocks those behind it
+                        (policy "priority", vLLM's --scheduling-policy priority: ordered by
+                        (priority, arrival) instead, lower first)
     duration            step_s(prefill tokens of the step, decode seqs of the step)
 
 Modelled time is data: `plan` stamps a step at `now` and moves `now` to its end, `complete` applies
@@ -22,6 +24,7 @@ from typing import NamedTuple, Protocol
 from fleet.app.testkit.sim_vllm.metrics import TTFT_BUCKETS, Histogram
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,7 @@ class Seq:
     lora: str | None = None
     cache_salt: str | None = None
     report_full: bool = False
+    priority: int = 0  # the request's `priority` (policy "priority": lower runs first)
     digests: list[bytes] = field(default_factory=list)  # full prompt blocks, for the pool
     pinned: list[bytes] = field(default_factory=list)  # blocks the pool holds for this seq
     state: str = WAITING
@@ -146,10 +150,11 @@ class Scheduler:
     """Waiting queue + running batch of one engine, stepped in modelled time."""
 
     def __init__(
-        self, cost: CostModel, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool
+        self, cost: CostModel, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool,
+        policy: str = "fcfs",
     ) -> None:
-        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1
-        self.cost, self.pool = cost, pool
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and policy in POLICIES
+        self.cost, self.pool, self.policy = cost, pool, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -167,14 +172,27 @@ class Scheduler:
         cache_salt: str | None = None,
         report_full: bool = False,
         digests: list[bytes] | None = None,
+        priority: int = 0,
     ) -> Seq:
-        """Queue a request (FIFO), stamped with the modelled `now`."""
+        """Queue a request (FIFO, or by priority), stamped with the modelled `now`."""
         seq = Seq(
-            self._next_id, token_ids, max_tokens, self.now, lora, cache_salt, report_full, list(digests or [])
+            self._next_id, token_ids, max_tokens, self.now, lora, cache_salt, report_full, priority,
+            list(digests or [])
         )
         self._next_id += 1
-        self.waiting.append(seq)
+        self._queue(seq)
         return seq
+
+    def _queue(self, seq: Seq) -> None:
+        """Into the waiting queue: at its end (fcfs), or after every seq that goes first by (priority, arrival)."""
+        if self.policy == "fcfs":
+            self.waiting.append(seq)
+            return
+        key = (seq.priority, seq.arrival_s, seq.seq_id)
+        i = len(self.waiting)
+        while i and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival_s, self.waiting[i - 1].seq_id) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def in_flight(self) -> list[Seq]:
         return [*self.running, *self.waiting]
@@ -250,7 +268,10 @@ class Scheduler:
         for s in reversed(self.running):
             self.pool.free(s)
             s.state, s.num_computed, s.num_prefill_tokens = WAITING, 0, 0
-            self.waiting.appendleft(s)
+            if self.policy == "fcfs":
+                self.waiting.appendleft(s)
+            else:
+                self._queue(s)
             self.stats.num_preemptions += 1
         self.running.clear()
 
