@@ -48,6 +48,7 @@ class Spec:
     kind: str  # kvfleet | blind | vllm | sglang | sticky
     policy: str = ""
     via: str = "direct"  # how lifecycle actions reach the workers: direct | controller
+    proxy_args: tuple[str, ...] = ()  # kvfleet: more flags of `kvfleet proxy`
 
     @property
     def is_kvfleet(self) -> bool:
@@ -303,7 +304,7 @@ async def _start_kvfleet(
         "--metrics-port",
         "-1",
     ]
-    p_cmd = [*kv, "proxy", "--controller", ctl, "--listen", listen, "--token", op]
+    p_cmd = [*kv, "proxy", "--controller", ctl, "--listen", listen, *spec.proxy_args, "--token", op]
     logs = [tmp / f"{spec.name}-controller.log", tmp / f"{spec.name}-proxy.log"]
     run = Running(
         spec, f"http://{listen}", [*c_cmd, "&&", *p_cmd[:-1], "OPERATOR_TOKEN"], [], logs, http, heads

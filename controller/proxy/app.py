@@ -10,6 +10,7 @@ GET  /health, /metrics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -184,29 +185,34 @@ class Handlers:
             fwd = (
                 {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
             )  # NOTE: the tenant's salt always wins
-            def moved(t: Target) -> None:  # skipped or failed over: the controller's ledger and shadow follow
-                if d.route_id and t.worker != d.worker:  # NOTE: told at the send, not at the first byte: the
-                    # controller's block-pool shadow must know what the worker runs before it routes the next turn
-                    rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
-                    p.control.move_soon(d.route_id, t.worker, rank, token)
+            fair = p.fair.claim(tenant, d.worker) if p.fair is not None else contextlib.nullcontext(None)
+            with fair as priority:  # the tenant's place in the worker's queue, not the client's (controller/proxy/fair.py)
+                if priority is not None:
+                    fwd = {**fwd, "priority": priority}
 
-            opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
-            t = opened.target
-            extra = {
-                "x-kvfleet-worker": t.worker,
-                "x-kvfleet-verdict": t.verdict,
-                "x-kvfleet-matched-tokens": str(t.matched_tokens),
-                "x-kvfleet-epoch": str(t.epoch),
-                "x-kvfleet-attempts": str(opened.num_sends),
-            }
-            if refs := list(dict.fromkeys(h.ref for h in hits if h.ref)):
-                _listed(extra, "x-kvfleet-quarantined", refs)
-            if media := [h.where for h in hits if h.source == "media"]:
-                _listed(extra, "x-kvfleet-withheld-media", media)
-            note = {"quarantined": [h.as_json() for h in hits]} if hits else None
-            out, t_first = await p.forwarder.relay(req, opened, extra, note)
-            self._record(t, opened.resp.status, num_prompt, (t_first - t0) - (opened.t_first - opened.t_sent))
-            return out
+                def moved(t: Target) -> None:  # skipped or failed over: the controller's ledger and shadow follow
+                    if d.route_id and t.worker != d.worker:  # NOTE: told at the send, not at the first byte: the
+                        # controller's block-pool shadow must know what the worker runs before it routes the next turn
+                        rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
+                        p.control.move_soon(d.route_id, t.worker, rank, token)
+
+                opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
+                t = opened.target
+                extra = {
+                    "x-kvfleet-worker": t.worker,
+                    "x-kvfleet-verdict": t.verdict,
+                    "x-kvfleet-matched-tokens": str(t.matched_tokens),
+                    "x-kvfleet-epoch": str(t.epoch),
+                    "x-kvfleet-attempts": str(opened.num_sends),
+                }
+                if refs := list(dict.fromkeys(h.ref for h in hits if h.ref)):
+                    _listed(extra, "x-kvfleet-quarantined", refs)
+                if media := [h.where for h in hits if h.source == "media"]:
+                    _listed(extra, "x-kvfleet-withheld-media", media)
+                note = {"quarantined": [h.as_json() for h in hits]} if hits else None
+                out, t_first = await p.forwarder.relay(req, opened, extra, note)
+                self._record(t, opened.resp.status, num_prompt, (t_first - t0) - (opened.t_first - opened.t_sent))
+                return out
         finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends
             if d.route_id:
                 p.control.release_soon(

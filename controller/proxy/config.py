@@ -44,6 +44,7 @@ class ProxyConfig:
     # in all; a tenant gets at most half of what the others leave (controller/proxy/bodies.py)
     max_inflight_bytes_per_tenant: int = 64 << 20
     max_inflight_bytes: int = 128 << 20
+    fair_priority: bool = False  # each request's vLLM priority = its tenant's requests in flight on that worker
     client_header_timeout_s: float = 30.0  # a connection must deliver a request's headers within this (also
     # the idle keep-alive limit): a client that trickles headers (slowloris) is closed
     client_body_timeout_s: float = 60.0  # the whole body must arrive within this, else 408

@@ -64,6 +64,13 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p.add_argument("--max-inflight-bytes", type=int, default=e("KVFLEET_PROXY_MAX_INFLIGHT_BYTES", str(128 << 20)),
                    help="request-body bytes all requests in flight may hold; one tenant gets at most half of what "
                         "the others leave (default 128 MiB; the proxy holds about 3x this, more while routing)")
+    p.add_argument("--fair-priority", action="store_true",
+                   default=e("KVFLEET_PROXY_FAIR_PRIORITY", "") in ("1", "true", "on", "yes"),
+                   help="set each request's vLLM `priority` to the most requests its tenant has had in flight through "
+                        "this proxy on the same worker since it last had none, so another tenant's request goes ahead "
+                        "of one tenant's flood in the worker's queue; the client's own priority is replaced. The "
+                        "workers must run with --scheduling-policy priority (default off; env "
+                        "KVFLEET_PROXY_FAIR_PRIORITY)")
     p.add_argument("--client-header-timeout", type=float, default=30.0,
                    help="seconds a connection has to deliver a request's headers, also the idle keep-alive "
                         "limit; slower clients are disconnected (default 30)")
@@ -94,7 +101,7 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),
                        tool_media=a.tool_media,
                        max_body_bytes=a.max_body_bytes, max_inflight_bytes_per_tenant=a.max_inflight_bytes_per_tenant,
-                       max_inflight_bytes=a.max_inflight_bytes, tls=a.tls, tls_ca=a.tls_ca,
+                       max_inflight_bytes=a.max_inflight_bytes, fair_priority=a.fair_priority, tls=a.tls, tls_ca=a.tls_ca,
                        tls_client_cert=a.tls_cert, tls_client_key=a.tls_key)
 
 

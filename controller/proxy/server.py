@@ -15,6 +15,7 @@ from controller.proxy.bodies import BodyGate
 from controller.proxy.config import ProxyConfig
 from controller.proxy.control import ControlClient
 from controller.proxy.directory import WorkerDirectory
+from controller.proxy.fair import FairPriority
 from controller.proxy.forward import Forwarder
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.quarantine import Enforcer
@@ -28,6 +29,7 @@ class Proxy:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
         self.bodies = BodyGate(cfg)
+        self.fair = FairPriority() if cfg.fair_priority else None
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
                                      credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
         self._runner: web.AppRunner | None = None

@@ -234,6 +234,12 @@ def test_controller_runs_the_documented_command(rendered: dict[str, dict[str, st
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_fair_priority_reaches_the_proxy(chart: Any) -> None:
+    c = container(one(_docs(chart.render({"proxy": {"fairPriority": True}}, name=RELEASE, namespace=NAMESPACE)),
+                      "Deployment", "-proxy"))
+    assert c["args"][-1] == "--fair-priority"
+
+
 def test_routing_and_reset_drain_values_reach_the_controller(chart: Any) -> None:
     values = {"controller": {"routing": {"queueWeight": 0.25, "resetDrainTimeoutSeconds": 2.5}}}
     c = container(one(_docs(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "Deployment", "-controller"))
