@@ -87,3 +87,25 @@ def test_a_tenants_numbers_never_fall_while_it_has_requests_in_flight() -> None:
     assert fair.busy == {}                      # none in flight: nothing kept
     with fair.claim("acme", "w0") as fresh:
         assert fresh == 0
+
+
+async def test_a_worker_without_the_priority_policy_loses_the_fairness_not_requests(tmp_path: Path) -> None:
+    """--fair-priority in front of a worker left at fcfs (vLLM's default): a tenant's second request in flight
+    there carries priority 1, which the worker refuses (400); the proxy sends it again without one, and sends
+    that worker none from then on. NOTE: before, that 400 reached the client."""
+    engine = {**ENGINE, "scheduling_policy": "fcfs"}
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw=engine, fair_priority=True)
+    (name, sim), = fleet.sims.items()
+    try:
+        body = {"model": MODEL, "prompt": "the same question", "max_tokens": 8, "priority": 7}
+        got = await asyncio.gather(*(fleet.post("/v1/completions", {**body, "prompt": f"q{i}"}) for i in range(4)))
+        assert [status for status, _, _ in got] == [200] * 4, [raw for _, _, raw in got]
+        assert name in fleet.proxy.fair.fcfs
+        sent = [json.loads(raw).get("priority") for _, raw, _ in sim.received.items]
+        print(f"priorities the fcfs worker received: {sent}")
+        # the four at once got 0-3 (the client's 7 never sent); the three refused went again without one
+        assert sorted(x for x in sent if x is not None) == [0, 1, 2, 3] and sent.count(None) == 3
+        status, _, _ = await fleet.post("/v1/completions", body)
+        assert status == 200 and json.loads(sim.received.items[-1][1]).get("priority") is None
+    finally:
+        await fleet.stop()
