@@ -8,7 +8,10 @@ The real Router and controller on `kvfleet sim-vllm` workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -42,7 +45,9 @@ async def _capacities_known(r: Router, names: list[str]) -> None:
     raise AssertionError("the workers' capacities were never looked at")
 
 
-async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that_ran_it(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def _two_workers(tmp_path: Path) -> AsyncIterator[Router]:
+    """A Router with stand-ins w0 and w1 registered and their capacities looked at."""
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     s0, s1 = await _sim(), await _sim()
     r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
@@ -51,6 +56,15 @@ async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that
         await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
         await r.register_worker(WorkerSpec("w1", s1.url, s1.kv_events, s1.replay, "m"))
         await _capacities_known(r, ["w0", "w1"])
+        yield r
+    finally:
+        await r.stop()
+        await s0.stop()
+        await s1.stop()
+
+
+async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that_ran_it(tmp_path) -> None:
+    async with _two_workers(tmp_path) as r:
         d = await r.route(PROMPT, "m", track=True, owner="acme")
         chosen, other = (d.worker, "w1" if d.worker == "w0" else "w0")
         chain = external_chain(r.worker(chosen).view().hash_cfg, PROMPT)
@@ -79,10 +93,6 @@ async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that
         assert d.route_id not in r._alternatives and d2.route_id in r._alternatives
         r._ended(r.flights.expire(time.monotonic() + r.cfg.cost.inflight_ttl_s + 1), "ttl")
         assert not r._alternatives and not r.move_route(d2.route_id, other, 0, owner="acme")
-    finally:
-        await r.stop()
-        await s0.stop()
-        await s1.stop()
 
 
 async def test_move_route_over_grpc_is_the_routing_tenants_own(tmp_path) -> None:
@@ -127,14 +137,7 @@ async def test_a_tenants_flood_of_tracked_routes_evicts_its_own_candidates_not_a
     import controller.router
 
     monkeypatch.setattr(controller.router, "MAX_MOVABLE_ROUTES", 8)
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    s0, s1 = await _sim(), await _sim()
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
-    await r.start()
-    try:
-        await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
-        await r.register_worker(WorkerSpec("w1", s1.url, s1.kv_events, s1.replay, "m"))
-        await _capacities_known(r, ["w0", "w1"])
+    async with _two_workers(tmp_path) as r:
         d = await r.route(PROMPT, "m", track=True, owner="bravo")
         mallory = [await r.route([1000 + i, *PROMPT[1:]], "m", track=True, owner="mallory") for i in range(20)]
         kept = [m.route_id for m in mallory if m.route_id in r._alternatives]
@@ -143,7 +146,3 @@ async def test_a_tenants_flood_of_tracked_routes_evicts_its_own_candidates_not_a
         other = "w1" if d.worker == "w0" else "w0"
         assert r.move_route(d.route_id, other, 0, owner="bravo")
         assert r.flights.load((other, 0))[0] >= 1
-    finally:
-        await r.stop()
-        await s0.stop()
-        await s1.stop()
