@@ -205,9 +205,9 @@ class CpuShare:
                         rivals.append(v)
                 if not rivals or vs[tenant] <= min(rivals) + self.lead_s:
                     break
-            if not t0:
-                t0 = time.monotonic()
-                self.num_parks += 1
+            t0 = t0 or time.monotonic()
             time.sleep(self.poll_s)
         if t0:
-            self.parked_s += time.monotonic() - t0
+            with self._lock:   # NOTE: counted once per wait, under the lock: jobs on every thread add to them
+                self.num_parks += 1
+                self.parked_s += time.monotonic() - t0
