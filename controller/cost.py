@@ -29,10 +29,9 @@ that is not proven (epoch, calibration, fences) gets no cached tokens, whatever 
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -419,47 +418,21 @@ class InFlight:
     ) -> list[Flight]:
         """Fold in a /metrics look that began at `polled_at`; return the routes found ended.
 
-        Routes older than the grace have reached the worker, or never will. Where it shows fewer
-        requests than such routes, that many have ended unreleased (dropped) or were never sent: they
-        are taken from the tenant with the most such routes, oldest first (`_unseen`), so a tenant
-        whose Routes are never sent loses its own flights, not another's real ones (with one tenant,
-        or counts level, this is first come, first served, as vLLM schedules). Of the rest all but
-        the newest `num_waiting` have been scheduled (their prefill no longer waits; they stay
-        active until released).
+        Routes older than the grace have reached the worker. vLLM schedules first come, first
+        served, so where it shows fewer requests than such routes the oldest have ended unreleased
+        (dropped), and of the rest all but the newest `num_waiting` have been scheduled (their
+        prefill no longer waits; they stay active until released).
         """
         flights = self._by_key.get(key)
         if not flights:
             return []
         due = [f for f in flights.values() if f.t <= polled_at - self.grace_s]
-        ended = self._unseen(due, max(len(due) - math.floor(num_running + num_waiting), 0))
-        for f in ended:
+        num_ended = max(len(due) - math.floor(num_running + num_waiting), 0)
+        for f in due[:num_ended]:
             self._remove(f)
-        rest = [f for f in due if f.route_id in self._all]
-        for f in rest[: max(len(rest) - math.floor(num_waiting), 0)]:
+        for f in due[num_ended : max(len(due) - math.floor(num_waiting), num_ended)]:
             self._unqueue(f)
-        return ended
-
-    @staticmethod
-    def _unseen(due: list[Flight], n: int) -> list[Flight]:
-        """`n` of `due` (in time order) to end: each from the owner with the most left, its oldest (ties: the owner
-        that had more, then the one whose oldest is oldest). Returned in time order."""
-        if n <= 0:
-            return []
-        if n >= len(due):
-            return due
-        by_owner: dict[str | None, deque[Flight]] = {}
-        for f in due:
-            by_owner.setdefault(f.owner, deque()).append(f)
-        heap = [(-len(q), -len(q), q[0].t, i, o) for i, (o, q) in enumerate(by_owner.items())]
-        heapq.heapify(heap)
-        chosen = set()
-        for _ in range(n):
-            _, had, _, i, o = heapq.heappop(heap)
-            q = by_owner[o]
-            chosen.add(q.popleft().route_id)
-            if q:
-                heapq.heappush(heap, (-len(q), had, q[0].t, i, o))
-        return [f for f in due if f.route_id in chosen]
+        return due[:num_ended]
 
     def newest(self, worker: str) -> float | None:
         """When the newest tracked route to any rank of `worker` was decided (None: it has none)."""

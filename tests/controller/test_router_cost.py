@@ -282,24 +282,6 @@ def test_reconcile_against_metrics_ends_and_schedules_routes_first_come_first_se
     assert flights.load(("w0", 0)) == (0, 0, 0) and len(flights) == 0
 
 
-def test_reconcile_ends_the_unseen_routes_of_the_tenant_that_has_most_not_the_oldest() -> None:
-    """mallory sends five tracked Routes it never uses, around bravo's one real request; the worker shows one
-    running. NOTE: first come, first served ended the five oldest, bravo's among them, and kept a fake one
-    (until the 120 s TTL), so bravo's worker looked busy with mallory's request and idle of its own."""
-    flights = InFlight(ttl_s=120.0, grace_s=0.25, default_tokens=256)
-    for i, (owner, t) in enumerate((("mallory", 0.0), ("bravo", 0.05), ("mallory", 0.1), ("mallory", 0.2),
-                                    ("mallory", 0.3), ("mallory", 0.4))):
-        flights.add(Flight(f"{i:032x}", ("w0", 0), 100, None, owner, t))
-    ended = flights.reconcile(("w0", 0), num_running=1, num_waiting=0, polled_at=1.0)
-    assert [f.owner for f in ended] == ["mallory"] * 5
-    assert flights.get(f"{1:032x}") is not None and flights.load(("w0", 0)) == (1, 0, 0)
-    # level counts: first come, first served, as before
-    level = InFlight(ttl_s=120.0, grace_s=0.25, default_tokens=256)
-    for i, (owner, t) in enumerate((("bravo", 0.0), ("acme", 0.1), ("acme", 0.2), ("bravo", 0.3))):
-        level.add(Flight(f"{i:032x}", ("w0", 0), 100, None, owner, t))
-    assert [f.t for f in level.reconcile(("w0", 0), num_running=2, num_waiting=0, polled_at=1.0)] == [0.0, 0.1]
-
-
 def test_untracked_requests_seen_in_metrics_count_at_the_mean_routed_size() -> None:
     # w0 shows 3 waiting requests nobody tracked, at the configured 256 tokens each before any route
     t = terms(CFG, 100, _state("w0", num_waiting=3.0, num_running=2.0), 256)
