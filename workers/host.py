@@ -35,7 +35,7 @@ import ray
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound
 from fleet.core.oplog import Op, kv_follows_tokens
 from fleet.core.radix import RadixTree
-from workers.lanes import TenantLanes
+from workers.lanes import TenantLanes, interpreter_bound
 from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
 from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer, model_config, pin_threads
@@ -79,11 +79,11 @@ class KernelHost:
         self.bytes_per_token = model_config(spec).block_bytes(spec.block_size) // spec.block_size
         self.pid = os.getpid()
         self.base_resident = resident_bytes()
+        self.lanes = TenantLanes(threads)  # NOTE: before the load, which measures the kernel for its CPU share
         # NOTE: the weights load in the background (seconds for torch or a checkpoint): the host answers
         # placement probes and listings at once, and the first session on it waits for them (`_kernel`).
         self._loading = ThreadPoolExecutor(1, thread_name_prefix="load").submit(self._load, spec)
         self.store = open_store(store_url)
-        self.lanes = TenantLanes(threads)
         capacity = max(budget_bytes // self.bytes_per_token, 2 * self.block_size)
         self.tree = RadixTree(page_size=self.block_size, capacity_tokens=capacity, policy=policy)
         self.kv_budget_bytes, self.max_sessions = kv_budget_bytes, max_sessions
@@ -101,8 +101,18 @@ class KernelHost:
         kernel = make_kernel(spec)
         pin_threads(kernel)
         tokenizer = make_tokenizer(kernel)
+        self._measure_share(kernel)
         self.base_resident = resident_bytes()
         return kernel, tokenizer
+
+    def _measure_share(self, kernel: Any) -> None:
+        """The CPU share per tenant runs only on a numpy kernel bound by the interpreter lock (workers/lanes.py):
+        measured here, once, on a 64-token append. A torch kernel releases the lock in its ops, and on a GPU the
+        CPU is not what tenants share."""
+        ids = [i % kernel.config.vocab_size for i in range(64)]
+        bound, speedup = interpreter_bound(lambda: kernel.session().append(ids))
+        self.lanes.share.speedup = speedup
+        self.lanes.share.enabled = self.lanes.share.enabled and bound and kernel.backend == "numpy"
 
     async def _kernel(self) -> tuple[Any, Any]:
         return await asyncio.wrap_future(self._loading)

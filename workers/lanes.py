@@ -28,6 +28,14 @@ than `lead_s` of CPU beyond the least-served tenant running beside it waits ther
 up. Tenants get equal CPU whatever their number of threads; a tenant alone is never held back, and a
 tenant whose jobs wait on something else (a fetch from the object store, the store) stops counting after
 `idle_s`, so nobody waits for it.
+
+That is the share of a kernel bound by the interpreter lock. A model large enough that BLAS releases the lock
+runs on as many cores as there are threads (a 512-wide numpy model: 1.8x faster on two threads than one, on
+two cores), and there holding a tenant to the pace of another only idles cores: each job already gets a core of
+its own, and the per-tenant thread cap is the share. So a host measures its kernel once when the weights are
+loaded (`interpreter_bound`: the same append twice in turn, then on two threads at once) and turns the CPU share
+on only where two threads are not 1.4x faster than one; its stats say which (`lanes_cpu_share`,
+`lanes_parallel_speedup`).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class TenantLanes:
 
     def stats(self) -> dict[str, int]:
         return {"threads": self.threads, "busy": self._busy, "queued": sum(len(q) for q in self._lanes.values()),
+                "cpu_share": int(self.share.enabled), "parallel_speedup": self.share.speedup,
                 "parks": self.share.num_parks, "parked_ms": round(1000 * self.share.parked_s)}
 
     def _pump(self) -> None:
@@ -143,6 +152,7 @@ class CpuShare:
     def __init__(self, lead_s: float = 0.002, poll_s: float = 0.002, idle_s: float = 0.01) -> None:
         self.lead_s, self.poll_s, self.idle_s = lead_s, poll_s, idle_s
         self.enabled = hasattr(time, "pthread_getcpuclockid")
+        self.speedup: float | None = None  # two threads against one, where the host measured its kernel
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[int, tuple[int, float]]] = {}  # tenant -> {thread: (its CPU clock, reading at start)}
         self._used: dict[str, float] = {}   # tenant -> virtual time of its ended jobs (and where it started)
@@ -211,3 +221,21 @@ class CpuShare:
             with self._lock:   # NOTE: counted once per wait, under the lock: jobs on every thread add to them
                 self.num_parks += 1
                 self.parked_s += time.monotonic() - t0
+
+
+def interpreter_bound(work: Callable[[], Any], min_speedup: float = 1.4) -> tuple[bool, float]:
+    """Whether `work` is bound by the interpreter lock: run twice in turn, then on two threads at once, it is not
+    `min_speedup` times faster at once. Returns that and the speedup (after one warm-up run)."""
+    work()
+    t0 = time.perf_counter()
+    work()
+    work()
+    alone = time.perf_counter() - t0
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    speedup = alone / max(time.perf_counter() - t0, 1e-9)
+    return speedup < min_speedup, round(speedup, 2)

@@ -54,6 +54,8 @@ def test_second_session_adopts_prefix_blocks_bit_identically(kfleet: KernelFleet
     assert rec_b["adopted_tokens"] == 32
     [stats] = kfleet.node_stats()
     assert (stats["queried_tokens"], stats["hit_tokens"]) == (70, 32)
+    # the test kernel is bound by the interpreter lock (two threads slower than one): the host shares its CPU
+    assert stats["lanes_cpu_share"] == 1 and stats["lanes_parallel_speedup"] < 1.4
     own = prefilled(SYSTEM)
     assert kfleet.digest(tenant, "b") == kfleet.digest(tenant, "a") == own.digest()
     assert kfleet.info(tenant, "b")["bytes_shared"] == 2 * make_kernel(SPEC).block_bytes
