@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from controller.auth import mint_token
+from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
@@ -46,11 +47,11 @@ async def _capacities_known(r: Router, names: list[str]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _two_workers(tmp_path: Path) -> AsyncIterator[Router]:
+async def _two_workers(tmp_path: Path, cost: CostConfig | None = None) -> AsyncIterator[Router]:
     """A Router with stand-ins w0 and w1 registered and their capacities looked at."""
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     s0, s1 = await _sim(), await _sim()
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, cost=cost or CostConfig()))
     await r.start()
     try:
         await r.register_worker(WorkerSpec("w0", s0.url, s0.kv_events, s0.replay, "m"))
@@ -137,7 +138,8 @@ async def test_a_tenants_flood_of_tracked_routes_evicts_its_own_candidates_not_a
     import controller.router
 
     monkeypatch.setattr(controller.router, "MAX_MOVABLE_ROUTES", 8)
-    async with _two_workers(tmp_path) as r:
+    # NOTE: a long grace: the Routes are never sent, and a reconcile look past the grace would end them all
+    async with _two_workers(tmp_path, CostConfig(reconcile_grace_s=30.0)) as r:
         d = await r.route(PROMPT, "m", track=True, owner="bravo")
         mallory = [await r.route([1000 + i, *PROMPT[1:]], "m", track=True, owner="mallory") for i in range(20)]
         kept = [m.route_id for m in mallory if m.route_id in r._alternatives]
