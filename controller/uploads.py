@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -195,18 +195,26 @@ class StreamGate:
         return None
 
     @contextlib.contextmanager
-    def admit(self, tenant: str, size: int) -> Iterator[None]:
-        """Reserve one stream of `size` bytes for `tenant` while the block runs; refuse over a cap."""
+    def admit(self, tenant: str, size: int) -> Iterator[Callable[[int], None]]:
+        """Reserve one stream of `size` bytes for `tenant` while the block runs; refuse over a cap. Yields
+        `shrink(n)`: from then on the stream holds only n bytes (at most what it holds)."""
         why = self._refuse(tenant, size)
         if why is not None:
             raise self.caps.refused(why)
         self.open[tenant] += 1
         self.reserved[tenant] += size
+        held = [size]
+
+        def shrink(n: int) -> None:
+            n = max(0, min(n, held[0]))
+            self.reserved[tenant] -= held[0] - n
+            held[0] = n
+
         try:
-            yield
+            yield shrink
         finally:
             self.open[tenant] -= 1
-            self.reserved[tenant] -= size
+            self.reserved[tenant] -= held[0]
             self.open += Counter()  # drop zero entries
             self.reserved += Counter()
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -97,7 +98,13 @@ def _errors(proxy: Proxy) -> Any:
 
 def announced_size(req: web.Request, limit: int) -> int:
     """The bytes the request's body may hold: its Content-Length (413 past `limit`), or `limit` when it is sent
-    chunked (aiohttp stops reading it there)."""
+    chunked (aiohttp stops reading it there). A compressed body is refused (415): the proxy reads bodies as sent
+    (NOTE: aiohttp decompressed them by default, so a gzip body of 7 KiB held 7 MiB against a 7 KiB reservation),
+    and vLLM reads no compressed body either."""
+    encoding = req.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ProxyError(415, f"request bodies must not be compressed (Content-Encoding: {encoding}); send JSON "
+                              "as is")
     if req.content_length is None:
         return limit
     if req.content_length > limit:
@@ -166,13 +173,14 @@ class Handlers:
         p, t0 = self.p, time.perf_counter()
         token = self._token(req)
         caller = await p.control.whoami(token)  # NOTE: 401 before the body is read (controller/proxy/bodies.py)
-        with p.bodies.admit(caller.tenant, announced_size(req, p.cfg.max_body_bytes)):  # 429 past its budget
-            return await self._answer(req, chat, t0, token, caller.tenant)
+        with p.bodies.admit(caller.tenant, announced_size(req, p.cfg.max_body_bytes)) as shrink:  # 429 past budget
+            return await self._answer(req, chat, t0, token, caller.tenant, shrink)
 
-    async def _answer(self, req: web.Request, chat: bool, t0: float, token: str | None,
-                      tenant: str) -> web.StreamResponse:
+    async def _answer(self, req: web.Request, chat: bool, t0: float, token: str | None, tenant: str,
+                      shrink: Callable[[int], None]) -> web.StreamResponse:
         p = self.p
         body = await read_json(req, p.cfg.client_body_timeout_s)
+        shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
         base, lora = p.directory.resolve(body["model"])
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await p.enforcer.enforce(body, chat, tenant, token)
@@ -199,8 +207,12 @@ class Handlers:
                         p.control.move_soon(d.route_id, t.worker, rank, token)
 
                 opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
-                if (p.fair is not None and priority and opened.resp.status == 400
-                        and p.fair.refused(opened.target.worker, opened.first)):
+                if p.fair is not None and priority and opened.resp.status == 400:
+                    content = opened.resp.content   # an error is small: read it whole (then relayed as read)
+                    while not content.at_eof() and len(opened.first) < 65536:
+                        opened.first += await content.read(65536 - len(opened.first))
+                if p.fair is not None and priority and opened.resp.status == 400 and \
+                        p.fair.refused(opened.target.worker, opened.first):
                     opened.resp.close()   # a worker without the priority policy: the same request without one
                     fwd = {k: v for k, v in fwd.items() if k != "priority"}
                     opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)

@@ -51,8 +51,9 @@ class Proxy:
         # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request
         # NOTE: aiohttp arms keepalive_timeout when a connection opens and after each answer, and closes the
         # connection if a request's headers are not complete by then: our header-read deadline (slowloris)
+        # NOTE: auto_decompress off: a compressed body is refused (app.py `announced_size`), never inflated unreserved
         self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
-                                     keepalive_timeout=self.cfg.client_header_timeout_s)
+                                     keepalive_timeout=self.cfg.client_header_timeout_s, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 from support.proxy_fleet import MODEL, start_fleet
 
@@ -78,3 +79,35 @@ async def test_a_tenant_holds_at_most_its_budget_of_bodies_in_flight(tmp_path: P
             w.close()
         await fleet.stop()
     assert gate.total_bytes == 0
+
+
+async def test_a_compressed_body_is_refused_and_a_chunked_one_holds_its_own_size(tmp_path: Path) -> None:
+    """A gzip body used to be inflated by aiohttp past its reservation (7 KiB reserved, 7 MiB held: review
+    finding); it is refused (415). A chunked body reserves --max-body-bytes until its size is known, then only
+    that (before: the whole answer long, so 8 chunked requests filled a tenant's 64 MiB)."""
+    import gzip
+
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw={"time_scale": 1.0}, max_body_bytes=200 << 10,
+                              max_inflight_bytes_per_tenant=256 << 10, max_inflight_bytes=1 << 20)
+    gate, url = fleet.proxy.bodies, fleet.proxy.url + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 100}], "max_tokens": 30, "stream": True}
+    try:
+        raw = json.dumps(body).encode()
+        async with fleet.http.post(url, data=gzip.compress(raw), headers={
+                **fleet.headers("a"), "Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+            assert r.status == 415, await r.text()
+
+        async def chunks() -> Any:
+            yield raw[:50]
+            yield raw[50:]
+
+        async with fleet.http.post(url, data=chunks(), headers={**fleet.headers("a"),
+                                                                "Content-Type": "application/json"}) as r:
+            first = await r.content.readany()     # its answer streams: its body is read and sized
+            held = gate.reserved["acme"]
+            await r.read()
+        print(f"a chunked body of {len(raw)} bytes holds {held} while its answer runs")
+        assert first and held == len(raw)
+        assert gate.total_bytes == 0
+    finally:
+        await fleet.stop()
