@@ -79,7 +79,7 @@ class TenantLanes:
         self._pump()
         return await fut
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {"threads": self.threads, "busy": self._busy, "queued": sum(len(q) for q in self._lanes.values()),
                 "cpu_share": int(self.share.enabled), "parallel_speedup": self.share.speedup,
                 "parks": self.share.num_parks, "parked_ms": round(1000 * self.share.parked_s)}
