@@ -145,7 +145,9 @@ class CpuShare:
     are using CPU waits, `poll_s` at a time, until that is no longer so. A tenant that arrives starts at
     the fleet's virtual time `vt` (the least-served running tenant's, never decreasing): it gets no credit
     for the time it was away, and a tenant that ran alone owes nothing for it. A tenant whose CPU clocks
-    have not moved for `idle_s` (its jobs wait on I/O, or are themselves waiting here) is not waited for.
+    have not moved for `idle_s` (its jobs wait on I/O) is not waited for, holds `vt` back for nobody, and
+    comes back from it at `vt` too. A job that polls for another's result moves its clock on every wake, so it
+    is never idle: nothing in a host's lane jobs does (a blocking `ray.get` does not move it).
     Where the platform has no per-thread CPU clocks, nothing waits.
     """
 
@@ -179,21 +181,24 @@ class CpuShare:
         if not self.enabled:
             return
         with self._lock:
+            self._vtime_all()   # NOTE: the leaving tenant still counts: alone, it moves vt up to its own time
             jobs = self._jobs[tenant]
             clock, start = jobs.pop(threading.get_ident())
             self._used[tenant] += time.clock_gettime(clock) - start
             if not jobs:
                 del self._jobs[tenant], self._seen[tenant]
                 self._vtime_all()
-                for t in [t for t, v in self._used.items() if t not in self._jobs and v <= self.vt]:
-                    del self._used[t]   # it would start at vt anyway: nothing to keep
+                for t in [t for t, v in self._used.items() if t not in self._jobs and v <= self.vt + self.lead_s]:
+                    del self._used[t]   # it would start at vt anyway (within the lead): nothing to keep
 
     def _vtime_all(self) -> dict[str, float]:
         """Every running tenant's virtual time, live; advances `vt` to their least. Under the lock."""
         vs = {t: self._used[t] + sum(time.clock_gettime(c) - s for c, s in jobs.values())
               for t, jobs in self._jobs.items()}
-        if vs:
-            self.vt = max(self.vt, min(vs.values()))
+        now = time.monotonic()  # NOTE: an idle tenant (its clocks still for idle_s) neither holds vt back nor banks
+        active = [v for t, v in vs.items() if v != self._seen[t][0] or now - self._seen[t][1] <= self.idle_s]
+        if active:
+            self.vt = max(self.vt, min(active))
         return vs
 
     def checkpoint(self, tenant: str) -> None:
@@ -208,6 +213,9 @@ class CpuShare:
                 for t, v in vs.items():
                     last, moved = self._seen[t]
                     if v != last:
+                        if now - moved > self.idle_s and v < self.vt - self.lead_s:  # back from idle: no credit
+                            self._used[t] += self.vt - self.lead_s - v         # for the time away (as on arrival)
+                            v = vs[t] = self.vt - self.lead_s
                         self._seen[t] = (v, now)
                     elif now - moved > self.idle_s:
                         continue
