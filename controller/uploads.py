@@ -194,13 +194,17 @@ class StreamGate:
                     f"{f_b}={c.total_bytes}); finish other {c.one}s first, or retry shortly")
         return None
 
+    def check(self, tenant: str, size: int) -> None:
+        """Refuse (the gate's error, naming the cap) what `admit` would refuse now; reserve nothing."""
+        why = self._refuse(tenant, size)
+        if why is not None:
+            raise self.caps.refused(why)
+
     @contextlib.contextmanager
     def admit(self, tenant: str, size: int) -> Iterator[Callable[[int], None]]:
         """Reserve one stream of `size` bytes for `tenant` while the block runs; refuse over a cap. Yields
         `shrink(n)`: from then on the stream holds only n bytes (at most what it holds)."""
-        why = self._refuse(tenant, size)
-        if why is not None:
-            raise self.caps.refused(why)
+        self.check(tenant, size)
         self.open[tenant] += 1
         self.reserved[tenant] += size
         held = [size]

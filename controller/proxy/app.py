@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.forward import FORWARDED
@@ -51,8 +51,8 @@ def _listed(headers: dict[str, str], name: str, items: list[str]) -> None:
 def build_app(proxy: Proxy) -> web.Application:
     app = web.Application(client_max_size=proxy.cfg.max_body_bytes, middlewares=[_errors(proxy)])
     h = Handlers(proxy)
-    app.router.add_post("/v1/completions", h.completions)
-    app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_post("/v1/completions", h.completions, expect_handler=h.expect)
+    app.router.add_post("/v1/chat/completions", h.chat, expect_handler=h.expect)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/v1/workers", h.workers)
     app.router.add_get("/health", h.health)
@@ -162,6 +162,22 @@ class Handlers:
         if scheme.lower() != "bearer" or not token.strip():
             raise ProxyError(401, "malformed Authorization header: expected 'Bearer <token>'")
         return token.strip()
+
+    async def expect(self, req: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue`: the client is invited to send its body only once its token and its tenant's
+        budget of bodies in flight allow it (aiohttp's default answered 100 to anyone). None: continue."""
+        try:
+            caller = await self.p.control.whoami(self._token(req))
+            self.p.bodies.check(caller.tenant, announced_size(req, self.p.cfg.max_body_bytes))
+        except ProxyError as e:
+            return error_response(e.status, e.message, e.param)
+        except KvfleetError as e:
+            err = from_fleet(e)
+            return error_response(err.status, err.message, err.param)
+        if req.version != HttpVersion11 or req.headers.get("Expect", "").lower() != "100-continue":
+            return error_response(417, f"unknown Expect: {req.headers.get('Expect')!r}")
+        await req.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
         return await self._complete(req, chat=False)

@@ -111,3 +111,29 @@ async def test_a_compressed_body_is_refused_and_a_chunked_one_holds_its_own_size
         assert gate.total_bytes == 0
     finally:
         await fleet.stop()
+
+
+async def test_expect_100_continue_is_answered_only_for_a_caller_that_may_send(tmp_path: Path) -> None:
+    """curl sends `Expect: 100-continue` for large bodies. aiohttp's default answered 100 to anyone, inviting a
+    caller with a bad token, or over its budget, to send its whole body (review finding); now the token and the
+    budget are checked first."""
+    fleet = await start_fleet(tmp_path, num_workers=1, max_body_bytes=200 << 10,
+                              max_inflight_bytes_per_tenant=256 << 10, max_inflight_bytes=1 << 20)
+
+    async def first_line(token: str, length: int) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", fleet.proxy.port)
+        w.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer {token}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {length}\r\nExpect: 100-continue\r\n\r\n").encode())
+        await w.drain()
+        line = await asyncio.wait_for(r.readline(), 5.0)
+        w.close()
+        return line
+
+    try:
+        bad, big, ok = (await first_line("not-a-token", 1000), await first_line(fleet.tokens["a"], 300 << 10),
+                        await first_line(fleet.tokens["a"], 1000))
+        print(f"bad token: {bad!r}; over the budget: {big!r}; allowed: {ok!r}")
+        assert bad.startswith(b"HTTP/1.1 401") and big.startswith(b"HTTP/1.1 413")
+        assert ok.startswith(b"HTTP/1.1 100")
+    finally:
+        await fleet.stop()
