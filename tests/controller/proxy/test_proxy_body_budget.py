@@ -14,7 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from support.proxy_fleet import MODEL, start_fleet
+from support.proxy_fleet import MODEL, start_fleet, until
+
+
+def _now(read: Any) -> Any:
+    """`read()` as the awaitable `until` polls."""
+    async def value() -> Any:
+        return read()
+    return value
 
 
 async def _stalled(port: int, token: str, length: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -52,8 +59,7 @@ async def test_a_tenant_holds_at_most_its_budget_of_bodies_in_flight(tmp_path: P
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     try:
         held = [await _stalled(port, fleet.tokens["a"], 100 * kib) for _ in range(2)]
-        while gate.reserved["acme"] < 200 * kib:   # both handlers have reserved their bodies
-            await asyncio.sleep(0.01)
+        await until(_now(lambda: gate.reserved["acme"]), lambda n: n >= 200 * kib)   # both have reserved theirs
         r, w = await _stalled(port, fleet.tokens["a"], 100 * kib)
         status, head = await _status(r, 5.0)
         rest = await asyncio.wait_for(r.read(2000), 5.0)
@@ -68,8 +74,7 @@ async def test_a_tenant_holds_at_most_its_budget_of_bodies_in_flight(tmp_path: P
         assert (b_status, a_status) == (200, 200), a_raw
         # a held request whose client goes away frees its reservation; the same request then fits
         held[0][1].close()
-        while gate.reserved["acme"] > 100 * kib:
-            await asyncio.sleep(0.01)
+        await until(_now(lambda: gate.reserved["acme"]), lambda n: n <= 100 * kib)
         big = {**ok, "messages": [{"role": "user", "content": "x" * (100 * kib)}]}
         status, _, raw = await fleet.post("/v1/chat/completions", big, who="a")
         assert status == 200, raw
