@@ -211,10 +211,8 @@ class Handlers:
             )  # NOTE: the tenant's salt always wins
             fair = p.fair.claim(tenant, d.worker) if p.fair is not None else contextlib.nullcontext(None)
             with fair as priority:  # the tenant's place in the worker's queue, not the client's (controller/proxy/fair.py)
-                if p.fair is not None:  # the proxy's field, not the client's; none for a worker that refuses it
-                    fwd = {k: v for k, v in fwd.items() if k != "priority"}
-                    if priority is not None:
-                        fwd["priority"] = priority
+                if p.fair is not None:
+                    fwd = p.fair.body(fwd, priority)
 
                 def moved(t: Target) -> None:  # skipped or failed over: the controller's ledger and shadow follow
                     if d.route_id and t.worker != d.worker:  # NOTE: told at the send, not at the first byte: the
@@ -223,14 +221,9 @@ class Handlers:
                         p.control.move_soon(d.route_id, t.worker, rank, token)
 
                 opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
-                if p.fair is not None and priority and opened.resp.status == 400:
-                    content = opened.resp.content   # an error is small: read it whole (then relayed as read)
-                    while not content.at_eof() and len(opened.first) < 65536:
-                        opened.first += await content.read(65536 - len(opened.first))
-                if p.fair is not None and priority and opened.resp.status == 400 and \
-                        p.fair.refused(opened.target.worker, opened.first):
+                if p.fair is not None and priority and await p.fair.refused(opened):
                     opened.resp.close()   # a worker without the priority policy: the same request without one
-                    fwd = {k: v for k, v in fwd.items() if k != "priority"}
+                    fwd = p.fair.body(fwd, None)
                     opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
                 t = opened.target
                 extra = {

@@ -37,10 +37,15 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from controller.proxy.forward import Opened
 
 log = logging.getLogger("kvfleet.proxy")
 FCFS_RECHECK_S = 300.0  # a worker found without the priority policy gets no priority this long (it may restart with it)
 REFUSAL = re.compile(r"Got priority -?\d+ but Priority scheduling is not enabled\.?")  # vLLM's words, whole
+MAX_ERROR_BYTES = 65536  # of a worker's 400 read to tell a refusal of the priority
 MAX_PRUNED = 1024  # tenants' last tags kept per busy worker before those behind its virtual time are dropped
 
 
@@ -70,10 +75,28 @@ class FairPriority:
         self.queues: dict[str, _Queue] = {}
         self.fcfs: dict[str, float] = {}  # worker -> when it refused a priority (monotonic)
 
-    def refused(self, worker: str, answer: bytes) -> bool:
-        """Whether `answer` (a 400's whole body) is a worker refusing a priority; if so, it gets none for a while.
+    @staticmethod
+    def body(fwd: dict[str, Any], priority: int | None) -> dict[str, Any]:
+        """`fwd` with the proxy's `priority` (none: a worker that refuses one), never the client's."""
+        out = {k: v for k, v in fwd.items() if k != "priority"}
+        if priority is not None:
+            out["priority"] = priority
+        return out
+
+    async def refused(self, opened: Opened) -> bool:
+        """Whether a worker's answer refuses the priority it was sent; if so, the worker gets none for a while. A
+        400 is read whole into `opened.first` first (an error is small; it is relayed as read if not a refusal).
         NOTE: the message must be vLLM's refusal alone: its 400s for other errors echo the client's input, and a
         tenant could otherwise write the phrase into one and switch the fairness off for everyone."""
+        if opened.resp.status != 400:
+            return False
+        content = opened.resp.content
+        while not content.at_eof() and len(opened.first) < MAX_ERROR_BYTES:
+            opened.first += await content.read(MAX_ERROR_BYTES - len(opened.first))
+        return self.refused_by(opened.target.worker, opened.first)
+
+    def refused_by(self, worker: str, answer: bytes) -> bool:
+        """Whether `answer` (a 400's body) is vLLM's refusal of a priority; if so, `worker` gets none for a while."""
         try:
             message = json.loads(answer)["error"]["message"]
         except (ValueError, TypeError, KeyError):

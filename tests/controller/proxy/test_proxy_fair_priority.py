@@ -171,9 +171,9 @@ def test_only_vllms_own_refusal_switches_a_worker_off() -> None:
     fair = FairPriority()
     echo = {"error": {"message": "1 validation error: max_tokens: Input should be a valid integer, input: "
                                  "'Got priority 1 but Priority scheduling is not enabled.'", "code": 400}}
-    assert not fair.refused("w0", json.dumps(echo).encode())
-    assert not fair.refused("w0", b"Got priority 1 but Priority scheduling is not enabled.")   # not vLLM's body
+    assert not fair.refused_by("w0", json.dumps(echo).encode())
+    assert not fair.refused_by("w0", b"Got priority 1 but Priority scheduling is not enabled.")   # not vLLM's body
     assert fair.fcfs == {}
     vllm = {"error": {"message": "Got priority 1 but Priority scheduling is not enabled.", "type": "BadRequestError",
                       "code": 400}}
-    assert fair.refused("w0", json.dumps(vllm).encode()) and "w0" in fair.fcfs
+    assert fair.refused_by("w0", json.dumps(vllm).encode()) and "w0" in fair.fcfs
