@@ -52,7 +52,7 @@ MAX_PRUNED = 1024  # tenants' last tags kept per busy worker before those behind
 class _Queue:
     """One worker's fair queue, as this proxy sends to it."""
 
-    __slots__ = ("floor", "gone", "inflight", "last", "tags", "top")
+    __slots__ = ("floor", "gone", "last", "tags", "top")
 
     def __init__(self) -> None:
         self.tags: list[int] = []        # tags in flight (heap; ended ones removed lazily, via `gone`)
@@ -60,7 +60,6 @@ class _Queue:
         self.last: dict[str, int] = {}   # tenant -> its last tag
         self.floor: dict[str, list[int]] = {}  # tenant with requests in flight -> [how many, the last priority sent]
         self.top = -1                    # the largest tag given
-        self.inflight = 0
 
     def virtual_time(self) -> int:
         while self.tags and self.gone[self.tags[0]]:
@@ -122,7 +121,6 @@ class FairPriority:
         tag = max(q.last.get(tenant, v - 1) + 1, v)
         q.last[tenant], q.top = tag, max(q.top, tag)
         heapq.heappush(q.tags, tag)
-        q.inflight += 1
         if len(q.last) > MAX_PRUNED:   # a tenant behind V would start at V anyway
             q.last = {t: last for t, last in q.last.items() if last >= v}
         mine = q.floor.setdefault(tenant, [0, 0])
@@ -131,11 +129,10 @@ class FairPriority:
         try:
             yield mine[1]
         finally:
-            q.inflight -= 1
             mine[0] -= 1
             if not mine[0]:
                 del q.floor[tenant]
-            if not q.inflight:
+            if not q.floor:
                 del self.queues[worker]   # none in flight: no backlog to remember
             else:
                 q.gone[tag] += 1

@@ -67,7 +67,11 @@ class Hog:
 
 
 def append_1000(kernel: Kernel, times: int = 1) -> Callable[[], None]:
-    return lambda: [kernel.session().append(rand_ids(7, 1000)) for _ in range(times)] and None
+    """A job: `times` appends of 1,000 tokens, each to a new session."""
+    def job() -> None:
+        for _ in range(times):
+            kernel.session().append(rand_ids(7, 1000))
+    return job
 
 
 async def beside_hog(kernel: Kernel, paced: bool, work: Callable[[], None]) -> tuple[float, float, TenantLanes]:
