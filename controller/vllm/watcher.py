@@ -335,7 +335,11 @@ class Worker:
         clear = lc.queues_clear(call, resp)
         for r in self.ranks:
             self._apply(r, self.ranks[r].verb_answered(w, clear_queued=clear))
-        self.sleep_ops = None
+        if call.verb == "sleep":
+            # its own /sleep moves the op count: the next look takes a fresh baseline. NOTE: every verb
+            # dropped the baseline, so a /sleep and /wake_up behind the controller's back between a pause
+            # (or a resume, wake or reset) and the next look went unseen, and the wake kept the old index
+            self.sleep_ops = None
         self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
         return dataclasses.replace(w, epoch=self.ranks[0].epoch)
 

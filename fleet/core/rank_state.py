@@ -140,17 +140,21 @@ class RankState:
     def observed(self, look: Look) -> Transition:
         """One look's sleep state: asleep (or slept between two looks) invalidates; awake serves.
 
-        A rank the controller paused with its KV preserved stays as it is while asleep. A rank
-        found asleep while we believed it serving (or slept between looks) is invalidated: level
-        1 or 2 queued an AllBlocksCleared (fence "clear"), level 0 kept its KV but we cannot know
-        for sure (kv unknown). Awake and not serving: it serves again ("resumed"), warmth as is.
+        A rank the controller paused with its KV preserved stays as it is while asleep at level 0
+        with no /sleep since the last look. A rank found asleep while we believed it serving or
+        its KV preserved (or slept between looks) is invalidated: level 1 or 2 queued an
+        AllBlocksCleared (fence "clear"), level 0 kept its KV but we cannot know for sure (kv
+        unknown). Awake and not serving: it serves again ("resumed"), warmth as is.
         """
         if not (look.asleep or look.slept_between):
             return Transition(self) if self.serving else self._resumed(Transition(self))
-        if look.asleep and self.phase == "paused" and self.kv == "preserved":
+        preserved = self.phase == "paused" and self.kv == "preserved"
+        if preserved and not (look.slept_between or look.sleep_level):
             return Transition(self)  # a preserving verb the controller drove: keep the index, do not serve
+        # NOTE: a rank the controller paused kept its index through any sleep it was then found in: a /sleep
+        # level 1 behind the controller's back wiped the cache, and the wake that followed routed WARM to it
         t = Transition(self)
-        if self.serving or self.phase in ("serving", "unknown") or look.slept_between:
+        if self.serving or self.phase in ("serving", "unknown") or preserved or look.slept_between:
             lvl = look.sleep_level
             t = self.invalidated("is_sleeping" if look.asleep else "sleep_ops", fence="clear" if lvl else "")
             t = t.with_state(phase="sleeping" if lvl else "paused", kv="unknown", serving=False)

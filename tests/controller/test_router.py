@@ -35,7 +35,7 @@ async def _sims(n, **kw):
 
 
 async def _router(store, **kw) -> Router:
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, **kw))
+    r = Router(store, Metrics(), RouterConfig(**{"reconcile_interval_s": 0.1, **kw}))
     await r.start()
     return r
 
@@ -87,6 +87,41 @@ async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
         await r.stop()
         for s in sims:
             await s.stop()
+
+
+@pytest.mark.parametrize("look_while_asleep", [True, False])
+async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_path, look_while_asleep) -> None:
+    """The controller pauses a worker keeping its KV; behind its back the worker is slept at level 1 (its
+    cache wiped) and woken. Whether a look saw it asleep (level 1) or only the /sleep count moving, its
+    next route is COLD, and it is warm again once it holds the prefix anew."""
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    r = await _router(store, reconcile_interval_s=0.1 if look_while_asleep else 30.0)
+    w0 = None
+    try:
+        await r.register_worker(_spec(0, sim))
+        w0 = r._workers["w0"]
+        await _complete(sim, TOKS, r)
+        await w0.reconcile_once()  # the baseline of the /sleep count
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+        await r.lifecycle("w0", "pause", mode="keep")
+        async with aiohttp.ClientSession() as h:
+            async with h.post(sim.url + "/sleep", params={"level": "1"}) as resp:
+                assert resp.status == 200
+            if look_while_asleep:
+                await w0.reconcile_once()
+                assert [(s.phase, s.kv, s.serving) for s in r.workers()] == [("sleeping", "unknown", False)]
+            async with h.post(sim.url + "/wake_up") as resp:
+                assert resp.status == 200
+        await w0.reconcile_once()
+        d = await r.route(TOKS, "m")
+        assert (d.verdict, d.matched_tokens) == ("COLD", 0)  # was WARM 96 with an empty cache
+        await _complete(sim, TOKS, r)
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
 
 
 async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:

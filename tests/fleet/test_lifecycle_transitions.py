@@ -145,6 +145,19 @@ def test_asleep_after_a_preserving_verb_the_controller_drove_keeps_everything() 
     assert unknown.observed(look(asleep=True, level=2)).state.epoch == 4
 
 
+def test_a_rank_the_controller_paused_found_asleep_at_level_1_or_slept_again_is_invalidated() -> None:
+    """A sleep behind the controller's back after its preserving pause: level 1 or 2 wiped the cache
+    (fence "clear" for the queued AllBlocksCleared); level 0 with the op count moved is unknown."""
+    paused = RankState(epoch=3, phase="paused", kv=P, serving=False, seq=9)
+    t = paused.observed(look(asleep=True, level=1))
+    assert (t.state.epoch, t.state.phase, t.state.kv, t.state.serving, t.state.fence) == (4, "sleeping", U, False,
+                                                                                         "clear")
+    assert (t.drop_index, t.reason) == (True, "is_sleeping")
+    t = paused.observed(look(asleep=True, level=0, slept_between=True))
+    assert (t.state.epoch, t.state.phase, t.state.kv, t.state.fence, t.drop_index) == (4, "paused", U, "", True)
+    assert paused.observed(look(asleep=True, level=0)) == Transition(paused)  # control: its own level-0 pause
+
+
 def test_slept_between_two_looks_invalidates_even_when_awake_now_and_then_serves() -> None:
     t = SERVING.observed(look(slept_between=True, level=0))
     assert (t.state.epoch, t.state.serving, t.state.phase, t.state.kv, t.reason) == (4, True, "serving", U,
