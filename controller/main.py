@@ -114,7 +114,7 @@ STREAM_FLAGS: dict[str, tuple[str, type, str]] = {
     "--kv-max-resident-blocks": (
         "max_resident_blocks",
         int,
-        "blocks one worker rank may hold when its /metrics gives no num_gpu_blocks",
+        "blocks one worker rank may hold: its /metrics num_gpu_blocks where smaller, never more",
     ),
     "--kv-max-events-per-s": (
         "max_events_per_s",

@@ -268,12 +268,15 @@ class Worker:
 
         The bound is the pool's size from /metrics (vllm:cache_config_info num_gpu_blocks), else
         StreamLimits.max_resident_blocks; non-GPU tiers (offloaded copies, never matched) share one
-        max_resident_blocks between them, whatever their count (index.MAX_TIERS). NOTE: vLLM announces an eviction (BlockRemoved) before
+        max_resident_blocks between them, whatever their count (index.MAX_TIERS); the pool's size never
+        raises the bound past max_resident_blocks. NOTE: vLLM announces an eviction (BlockRemoved) before
         the store that reuses the block, so an honest stream never passes it; one claiming
-        millions of blocks used to grow the index (and the controller) without bound.
+        millions of blocks used to grow the index (and the controller) without bound, and a worker whose
+        /metrics claimed a pool of 10^12 blocks still did (4.6M blocks indexed, +292 MiB in 7.5 s).
         """
+        cap = self.cfg.stream.max_resident_blocks
         gpu = tier_of(ev.group_idx, ev.medium)[1] == "GPU"
-        bound = (self.load.num_gpu_blocks if gpu else None) or self.cfg.stream.max_resident_blocks
+        bound = min(self.load.num_gpu_blocks or cap, cap) if gpu else cap
         held, new = self.index.held_and_new(key, ev)
         if held + new <= bound:
             return False

@@ -174,6 +174,23 @@ async def test_non_gpu_tiers_share_one_block_bound_and_their_number_is_capped(tm
         assert w.faulty() and live.blocks() == 0
 
 
+async def test_a_pool_size_claimed_in_metrics_never_raises_the_block_bound(tmp_path: Path) -> None:
+    """The bound was the pool's size from the worker's own /metrics when it gave one: a worker claiming a
+    pool of 10^12 blocks had its index grow without limit. The pool's size now only lowers the bound."""
+    async with live_stream(tmp_path, num_blocks=1_000_000, max_resident_blocks=100) as live:
+        await live.until(lambda: live.r.worker("w0").view().load.num_gpu_blocks == 1_000_000, "the pool's size")
+        await live.send([_stored(list(range(1 << 40, (1 << 40) + 150)))])
+        held = live.blocks()
+        print(f"150 GPU blocks, pool claimed 1,000,000, bound 100: {held} held")
+        assert held == 0  # the store would pass the bound: refused whole (control below)
+        await live.send([_stored(list(range(1 << 41, (1 << 41) + 90)))])
+        assert live.blocks() == 90  # control: within the bound, stored
+    async with live_stream(tmp_path / "b", num_blocks=50, max_resident_blocks=100) as live:
+        await live.until(lambda: live.r.worker("w0").view().load.num_gpu_blocks == 50, "the pool's size")
+        await live.send([_stored(list(range(1 << 40, (1 << 40) + 60)))])
+        assert live.blocks() == 0  # a smaller pool still lowers it
+
+
 class _MutedSink(RecordingSink):
     """A faulty worker's sink: told only each live message's seq."""
 
