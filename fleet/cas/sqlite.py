@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -64,6 +65,12 @@ _USAGE_DDL = (
 )
 
 _META_COLS = "ref, size, created, pins, refs, verdict, reasons, lease_expires"
+
+# One GC transaction looks at no more than this many rows, nor (past its first row) this many blob bytes:
+# deleting a row costs 4-11 us for a 1-byte blob and about 6 ms per MiB of a large one (its pages are freed
+# one by one), so a count alone would not bound the time another call waits.
+_GC_BATCH_ROWS = 256
+_GC_BATCH_BYTES = 8 << 20
 
 
 def sqlite_path(url: str) -> str:
@@ -206,9 +213,35 @@ class SqliteBlobStore(BlobStore):
             return cur.rowcount == 1
 
     def _gc(self, now: float) -> int:
+        """Walk the blobs in id order, one window of rows a transaction, letting go of the lock between
+        windows so that every other call waits for one window at most, never the whole collection.
+
+        NOTE: GC once deleted every expired row in one transaction under the store's one lock: 1M expired
+        1-byte blobs (within one tenant's default quota) held every tenant's calls for 11 s.
+        """
+        deleted, after = 0, 0  # SQLite numbers rows from 1
+        while (window := self._gc_window(after, now)) is not None:
+            after, num_deleted = window
+            deleted += num_deleted
+            # NOTE: the lock is not fair: without this yield, GC took it back before a woken waiter ran,
+            # which then waited many windows (200,000 expired blobs: quiet stat() p99 97 ms, now 19 ms)
+            time.sleep(0)
+        return deleted
+
+    def _gc_window(self, after: int, now: float) -> tuple[int, int] | None:
+        """Delete the collectable rows among the next window after row id `after`; return (the window's
+        last id, rows deleted), or None past the last row. The DELETE itself judges each row, in the same
+        transaction, so a blob pinned or referenced before its window is reached is kept."""
         with self._tx() as db:
-            cur = db.execute("DELETE FROM blobs WHERE pins = 0 AND refs = 0 AND lease_expires <= ?", (now,))
-            return int(cur.rowcount)
+            # length() of a blob reads the row's header, not its bytes
+            rows = db.execute("SELECT id, length(data) FROM blobs WHERE id > ? ORDER BY id LIMIT ?",
+                              (after, _GC_BATCH_ROWS)).fetchall()
+            if not rows:
+                return None
+            last = _window_end(rows, _GC_BATCH_BYTES)
+            cur = db.execute("DELETE FROM blobs WHERE id > ? AND id <= ? AND pins = 0 AND refs = 0 "
+                             "AND lease_expires <= ?", (after, last, now))
+            return last, int(cur.rowcount)
 
     # ---- controller state -------------------------------------------------------------------------
     def _kv_put(self, namespace: str, key: str, value: bytes) -> None:
@@ -264,6 +297,17 @@ class SqliteBlobStore(BlobStore):
 def _tenant_bytes(db: sqlite3.Connection, tenant: str) -> int:
     row = db.execute("SELECT num_bytes FROM tenant_bytes WHERE tenant = ?", (tenant,)).fetchone()
     return int(row[0]) if row is not None else 0
+
+
+def _window_end(rows: list[tuple[int, int]], max_bytes: int) -> int:
+    """The last id of the longest prefix of `rows` ((id, blob bytes) in id order) holding at most
+    `max_bytes` blob bytes, and at least one row."""
+    total = 0
+    for i, (_, num_bytes) in enumerate(rows):
+        total += num_bytes
+        if total > max_bytes and i:
+            return int(rows[i - 1][0])
+    return int(rows[-1][0])
 
 
 def _meta(row: tuple[Any, ...]) -> BlobMeta:

@@ -1,16 +1,19 @@
-"""SQLite-specific: what happens between the statements of one store call, and how long one call holds the
-store's lock. The interleavings are driven by hooks on the store's connection and lock, not by racing threads."""
+"""SQLite-specific: what happens between the statements of one store call, and how long one call holds
+the store's lock. Hooks on the store's connection and lock drive the interleavings, not racing threads."""
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fleet.cas import open_store
+import fleet.cas.sqlite as sqlite_store
+from fleet.cas import blob_charge, open_store
 from fleet.core.errors import NotFound
 
 MALLORY = b"mallory's blob " * 2400  # 36,000 bytes: 9 chunks of 4,096
@@ -54,3 +57,97 @@ def test_a_streamed_read_never_sees_rows_changed_after_its_lookup(tmp_path: Path
         next(chunks)
     store.close()
     other.close()
+
+
+class _CountingLock:
+    """The store's RLock, counting its outermost holds; `between(holds so far)` runs before each hold after
+    the first, where another thread's call could get the lock."""
+
+    def __init__(self) -> None:
+        self._lock, self._depth, self.holds = threading.RLock(), 0, 0
+        self.between: Callable[[int], None] = lambda hold: None
+
+    def __enter__(self) -> None:
+        if self._depth == 0 and self.holds:
+            between, self.between = self.between, lambda hold: None  # its own calls take the lock too
+            between(self.holds)
+            self.between = between
+        self._lock.acquire()
+        self._depth += 1
+        if self._depth == 1:
+            self.holds += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        self._lock.release()
+
+
+class _DeletesPerHold:
+    """The store's connection, counting the blob rows each hold of the store's lock deletes."""
+
+    def __init__(self, db: sqlite3.Connection, lock: _CountingLock) -> None:
+        self._db, self._lock, self.deleted = db, lock, {}
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        cur = self._db.execute(sql, *args)
+        if sql.startswith("DELETE FROM blobs"):
+            self.deleted[self._lock.holds] = self.deleted.get(self._lock.holds, 0) + cur.rowcount
+        return cur
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
+def _expired_store(tmp_path: Path, blobs: list[bytes]) -> tuple[Any, _CountingLock, _DeletesPerHold]:
+    """A store holding `blobs` for tenant 'flood' (lease 10 s from t=1000) and one live blob of 'quiet',
+    with the lock and the connection counted from here on."""
+    store = open_store(f"sqlite:///{tmp_path / 'kv.db'}", lease_s=10.0, clock=lambda: 1000.0)
+    for data in blobs:
+        store.put(data, "flood")
+    store.pin(store.put(b"quiet's blob", "quiet"), "quiet")
+    lock = _CountingLock()
+    spy = _DeletesPerHold(store._db, lock)  # type: ignore[attr-defined]
+    store._lock, store._db = lock, spy  # type: ignore[attr-defined]
+    return store, lock, spy
+
+
+@pytest.mark.parametrize(("batch_rows", "batch_bytes", "sizes", "per_hold"), [
+    (4, 1 << 20, [1] * 10, [4, 4, 2]),         # rows: windows of 4 rows (the last holds quiet's too)
+    (256, 100, [60, 60, 30, 30, 200], [1, 2, 1, 1]),  # bytes: 60 | 60+30 | 30 | 200 (over, but one row)
+])
+def test_gc_deletes_in_bounded_transactions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_rows: int,
+                                            batch_bytes: int, sizes: list[int], per_hold: list[int]) -> None:
+    """Each hold of the lock deletes one window of rows, bounded by count and by blob bytes, so another
+    tenant's call waits one window at most. Before, one transaction deleted them all (1M expired 1-byte
+    blobs held every call for 11 s)."""
+    monkeypatch.setattr(sqlite_store, "_GC_BATCH_ROWS", batch_rows, raising=False)
+    monkeypatch.setattr(sqlite_store, "_GC_BATCH_BYTES", batch_bytes, raising=False)
+    blobs = [i.to_bytes(1, "big") * size for i, size in enumerate(sizes)]
+    store, lock, spy = _expired_store(tmp_path, blobs)
+    first = lock.holds + 1
+    assert store.gc(now=2000.0) == len(blobs)
+    assert [spy.deleted[h] for h in sorted(spy.deleted) if h >= first and spy.deleted[h]] == per_hold
+    assert store.stored_bytes("flood") == 0
+    store.close()
+
+
+def test_gc_keeps_a_blob_pinned_or_referenced_between_its_windows(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls that land while GC lets go of the lock are judged by the next window's DELETE: a blob pinned
+    and one referenced after GC started, before their window, are kept; the other expired blobs go."""
+    monkeypatch.setattr(sqlite_store, "_GC_BATCH_ROWS", 4, raising=False)
+    blobs = [bytes([i]) for i in range(10)]
+    store, lock, _ = _expired_store(tmp_path, blobs)
+    pinned, referenced = (hashlib.sha256(b).hexdigest() for b in blobs[8:10])  # the third window's
+
+    def save(hold: int) -> None:
+        if hold == gc_first:  # after GC's first window, before its second
+            store.pin(pinned, "flood")
+            store.add_ref(referenced, "flood")
+
+    gc_first = lock.holds + 1
+    lock.between = save
+    assert store.gc(now=2000.0) == 8
+    assert [store.exists(r, "flood") for r in (pinned, referenced)] == [True, True]
+    assert store.stored_bytes("flood") == 2 * blob_charge(1)
+    store.close()
