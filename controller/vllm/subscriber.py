@@ -46,10 +46,16 @@ from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 REPLAYED_WINDOW = 4096  # seqs behind the last one whose replayed payload a live duplicate may still match
-# while its worker is faulty, a stream is read at most one message per MUTED_PAUSE_S: the rest wait in ZMQ's
-# queue (RCVHWM) and past it are dropped there, off the event loop. NOTE: read at full speed, a faulty worker's
-# flood of 65,000 messages a second still cost other tenants' Routes 6.9 ms at the median (0.7 without it)
-MUTED_PAUSE_S = 0.01
+# while its worker is faulty, a stream's socket is closed; every MUTED_POLL_S the subscriber looks whether the hold
+# has ended (then it connects again). NOTE: read at full speed, a faulty worker's flood of 65,000 messages a second
+# cost other tenants' Routes 6.9 ms at the median (0.7 without it); read one message per 10 ms, the rest queued in
+# the socket up to ZMQ's RCVHWM (1,000 messages of up to max_msg_bytes each): 250 of 7.6 MiB held 1.46 GiB
+MUTED_POLL_S = 0.05
+# a SUB socket's queue holds at most this many bytes of messages (RCVHWM, in messages of up to max_msg_bytes; at
+# least 4): past it ZMQ stops reading the connection, so the backlog waits in the worker's own send queue (vLLM's
+# PUB keeps up to 100,000 messages) and the kernel's buffers, not in the controller. NOTE: at ZMQ's default (1,000
+# messages) a burst of 250 messages of 7.6 MiB took the controller's RSS up by 703 MiB before one was read
+QUEUE_BYTES = 64 << 20
 
 
 def _digest(payload: bytes) -> bytes:
@@ -123,20 +129,25 @@ class Subscriber:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._closing = False
+        self._fresh = False  # connected again after a hold, no message read yet (_sit_out)
         self.slicer = Slicer()
 
     def muted(self) -> bool:
         m = getattr(self.sink, "muted", None)
         return bool(m()) if m is not None else False
 
-    async def start(self, catch_up_from: int | None = None) -> None:
-        """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
+    def _connect(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_msg_bytes)
+        sock.setsockopt(zmq.RCVHWM, max(4, QUEUE_BYTES // self.limits.max_msg_bytes))
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.endpoint)
-        self._sock = sock
+        return sock
+
+    async def start(self, catch_up_from: int | None = None) -> None:
+        """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
+        self._sock = self._connect()
         if catch_up_from is not None and self.replay_endpoint:
             batches = await self.replay(catch_up_from)
             self.metrics.kv_event_replays.labels("catch_up" if batches is not None else "failed").inc()
@@ -159,9 +170,10 @@ class Subscriber:
             self._sock.close(0)
 
     async def _run(self) -> None:
-        assert self._sock is not None
         while not self._closing:
-            frames = await self._sock.recv_multipart()
+            sock = self._sock
+            assert sock is not None  # closed only while it sits out, and then opened again (or closing)
+            frames = await sock.recv_multipart()
             await self.slicer.tick()  # a live flood yields too (even muted: skip decodes nothing)
             try:
                 async with self._lock:
@@ -173,7 +185,20 @@ class Subscriber:
                 except Exception:  # NOTE: raising here would end this task and freeze the stream
                     log.exception("invalidation after a bad frame failed for %s", self.endpoint)
             if self.muted():
-                await asyncio.sleep(MUTED_PAUSE_S)
+                await self._sit_out()
+
+    async def _sit_out(self) -> None:
+        """A faulty worker's stream: its socket is closed until the hold ends, then opened anew. Its index was
+        dropped when it turned faulty, so nothing it sent meanwhile is needed: the first message after the hold
+        takes the stream from its seq, with no repair and no tail poll before it."""
+        assert self._sock is not None
+        self._sock.close(0)
+        self._sock = None
+        while self.muted() and not self._closing:
+            await asyncio.sleep(MUTED_POLL_S)
+        if not self._closing:
+            self._sock = self._connect()
+            self._fresh = True
 
     async def handle(self, frames: list[bytes]) -> None:
         """One live message, in order: duplicate check, reset, gap repair, then apply."""
@@ -192,6 +217,7 @@ class Subscriber:
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]  # muted() is only True for a sink that has skip
             return
+        fresh, self._fresh = self._fresh, False
         last = self.sink.last_seq()
         if seq <= last:
             if seq in self._replayed and self._replayed[seq] == _digest(frames[2]):
@@ -200,13 +226,16 @@ class Subscriber:
             self.sink.on_invalidate("seq_reset", None)
             last = -1
         if seq > last + 1:
-            await self._repair(last, seq)
+            if fresh:  # back from a hold (_sit_out): what came between went to an index since dropped
+                self.sink.skip(seq - 1)  # type: ignore[attr-defined]  # only a sink that mutes sits out
+            else:
+                await self._repair(last, seq)
         await self._apply(seq, frames[2])
 
     async def poll_tail(self) -> int:
         """Ask replay for anything after the last seq (a lost final batch shows no gap until the
         next one arrives); apply a contiguous run. Returns the number of batches recovered."""
-        if not self.replay_endpoint or self.muted():
+        if not self.replay_endpoint or self.muted() or self._fresh:
             return 0
         async with self._lock:
             last = self.sink.last_seq()
