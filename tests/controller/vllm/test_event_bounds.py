@@ -147,6 +147,29 @@ async def test_seq_resets_and_empty_batches_are_charged_to_the_rank_s_budget(tmp
         assert w.faulty() and [(row.phase, row.serving) for row in live.r.workers()] == [("faulty", False)]
 
 
+async def test_a_batch_is_charged_for_the_blocks_it_carries_not_only_its_events(tmp_path: Path) -> None:
+    """An event cost one unit of the budget whatever it carried: BlockStored events of 116,000 hashes each (1 MiB,
+    no token ids) held the loop ~35 ms apiece and 70 a second stayed inside the budget, for as long as the worker
+    liked. Now a block costs 1 / HASHES_PER_UNIT beside its event. Control: the same number of events of three
+    blocks each, at the same budget, leave the worker serving."""
+    big = 8_000  # per event; the budget below holds 10,000 units: five such events at 2,001 each
+    async with live_stream(tmp_path, max_events_per_s=1_000, max_event_burst=10_000) as live:
+        w = live.r.worker("w0")
+        faulty = []
+        for i in range(5):
+            h = (1 << 40) + i * big
+            await live.send([_stored(list(range(h, h + big)), tokens=0)])
+            faulty.append(w.faulty())
+        print(f"5 events of {big:,} blocks, budget 10,000: faulty after each {faulty}")
+        assert faulty == [False] * 4 + [True]  # before: 5 units spent, never faulty
+    async with live_stream(tmp_path / "b", max_events_per_s=1_000, max_event_burst=10_000) as live:
+        w = live.r.worker("w0")
+        for i in range(5):
+            h = (1 << 41) + i * 3
+            await live.send([_stored(list(range(h, h + 3)))])
+        assert not w.faulty() and live.blocks() == 15
+
+
 async def test_non_gpu_tiers_share_one_block_bound_and_their_number_is_capped(tmp_path: Path) -> None:
     """The resident-block bound used to apply to each non-GPU (group_idx, medium) tier on its own, and a
     worker names as many tiers as it likes: 5 CPU tiers of 50 blocks under a bound of 100 held 250. Now the
