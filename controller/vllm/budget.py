@@ -36,19 +36,21 @@ HASHES_PER_UNIT = 4
 
 
 def batch_cost(batch: Any) -> int:
-    """A batch's cost in budget units: 1 per event plus 1 per HASHES_PER_UNIT block hashes it carries,
-    STEP_COST per AllBlocksCleared (vLLM sends one when its cache is reset or put to sleep: rare; each
-    steps the rank's epoch and is persisted).
+    """A batch's cost in budget units: 1 per event, STEP_COST per AllBlocksCleared (vLLM sends one
+    when its cache is reset or put to sleep: rare; each steps the rank's epoch and is persisted)."""
+    return sum(STEP_COST if type(ev).__name__ == "AllBlocksCleared" else 1 for ev in batch.events)
 
+
+def blocks_cost(batch: Any) -> int:
+    """What a live batch's blocks cost beside its events: 1 per HASHES_PER_UNIT block hashes.
+
+    Charged on live messages only: a replay's size is bounded by StreamLimits already, and a controller
+    restart's catch-up replays up to 10,000 honest steps at once (8,192-token steps would cost 1.3M units).
     NOTE: an event cost 1 whatever it carried: one BlockStored of 116,000 hashes (1 MiB, no token ids)
     held the event loop ~35 ms, and 70 such messages a second stayed inside the budget, so another
     worker's Routes took 35 ms at the median instead of 1, for as long as the worker liked (its stores
     were all refused as over capacity, which never made it faulty). Such a message now costs 29,000."""
-    return sum(
-        STEP_COST if type(ev).__name__ == "AllBlocksCleared"
-        else 1 + len(getattr(ev, "block_hashes", ())) // HASHES_PER_UNIT
-        for ev in batch.events
-    )
+    return sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events) // HASHES_PER_UNIT
 
 
 @dataclass(slots=True)

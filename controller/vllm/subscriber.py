@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from controller.metrics import Metrics
-from controller.vllm.budget import Slicer, message_cost, refusal
+from controller.vllm.budget import Slicer, blocks_cost, message_cost, refusal
 from controller.vllm.events import (
     END_SEQ,
     MAX_SEQ,
@@ -103,7 +103,8 @@ class StreamSink(Protocol):
     """Where a stream's batches go. `on_batch` may be a coroutine function (it then yields while it
     applies a large batch); a sink may also have `muted() -> bool` and `skip(seq)`: while muted, it
     is told only the seq of each live batch, and no replay is asked for it; `admit(seq, cost) -> bool`:
-    charged each message's budget.message_cost before it is decoded (False: not decoded); and
+    charged each message's budget.message_cost before it is decoded (False: not decoded), and a live
+    message's budget.blocks_cost once decoded (False: not applied); and
     `refuse(seq, events, what)`: told of a message refused undecoded (budget.refusal)."""
 
     def last_seq(self) -> int: ...
@@ -230,7 +231,7 @@ class Subscriber:
                 self.sink.skip(seq - 1)  # type: ignore[attr-defined]  # only a sink that mutes sits out
             else:
                 await self._repair(last, seq)
-        await self._apply(seq, frames[2])
+        await self._apply(seq, frames[2], live=True)
 
     async def poll_tail(self) -> int:
         """Ask replay for anything after the last seq (a lost final batch shows no gap until the
@@ -290,7 +291,7 @@ class Subscriber:
         self.metrics.kv_event_replays.labels("unrepaired").inc()
         self.sink.on_invalidate("gap", seq - 1)
 
-    async def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes, *, live: bool = False) -> None:
         await self.slicer.tick()
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]
@@ -317,6 +318,8 @@ class Subscriber:
             self.metrics.kv_event_decode_errors.inc()
             self.sink.on_invalidate("decode_error", seq)
             return
+        if live and admit is not None and not admit(seq, blocks_cost(batch)):
+            return  # its blocks are over the rank's budget: the sink made its worker faulty
         self.metrics.kv_event_batches.inc()
         done = self.sink.on_batch(seq, batch)
         if inspect.isawaitable(done):

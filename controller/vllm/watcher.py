@@ -102,10 +102,11 @@ class _Sink:
         self.w._trip(self.r, seq, n, what)
 
     def admit(self, seq: int, cost: int) -> bool:
-        """A message's cost before it is decoded (budget.message_cost); False: faulty, not decoded."""
+        """A message's cost before it is decoded (budget.message_cost), or its blocks' once decoded (budget.blocks_cost);
+        False: faulty, not applied."""
         if self.w.guard.admit(self.r, cost, 0):
             return True
-        self.w._trip(self.r, seq, 0, f"a message costing {cost:,} (1, plus 1 per 4 KiB)")
+        self.w._trip(self.r, seq, 0, f"a message costing {cost:,} (1 plus 1 per 4 KiB, then 1 per 4 block hashes)")
         return False
 
     def skip(self, seq: int) -> None:
