@@ -192,8 +192,8 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--upload-idle-timeout": ("uploads", "idle_s", float, "seconds an upload may send no bytes before it is dropped"),
     "--upload-min-rate": ("uploads", "min_rate", int, "bytes a second an upload must average after its first "
                           "--upload-idle-timeout, on the client's clock"),
-    "--upload-tenant-share": ("uploads", "tenant_share", float, "share, 0..1, of the upload bytes other tenants "
-                              "leave free that one tenant may reserve"),
+    "--upload-tenant-share": ("uploads", "tenant_share", float, "share, 0..1, of the upload bytes and count "
+                              "other tenants leave free that one tenant may reserve"),
     "--grpc-max-receive-bytes": ("grpc", "max_receive_bytes", int, "largest gRPC message received"),
     "--grpc-max-concurrent-streams": ("grpc", "max_concurrent_streams", int, "open RPCs per client connection"),
     "--grpc-max-concurrent-rpcs": ("grpc", "max_concurrent_rpcs", int, "open RPCs on the whole server"),

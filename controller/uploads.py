@@ -8,9 +8,13 @@ arrives and frees it when the put ends, whatever the outcome:
 
 Invariants: the bytes reserved by a tenant never exceed `tenant_bytes`, nor `tenant_share` of what
 the other tenants leave of `total_bytes` (so tenants that hold the budget always leave a share for
-the next one); all reservations never exceed `total_bytes`, and the number of open puts never
-exceeds `tenant_uploads` per tenant and `total_uploads` overall. A refusal is RESOURCE_EXHAUSTED
-naming the quota and the flag that sets it.
+the next one); all reservations never exceed `total_bytes`. The number of open puts never exceeds
+`tenant_uploads` per tenant, `total_uploads` overall, nor (the same rule as the bytes) `tenant_share`
+of the count the other tenants leave, rounded down but at least one. Guarantee: a tenant with no
+open put is refused by the count only when all `total_uploads` are held, and at the defaults (64,
+8 per tenant, 1/2) no fewer than 11 tenants can hold all 64: while at most 10 tenants hold puts,
+any other tenant gets one. The same holds for gets (GetLimits: 64, 8, 1/2). A refusal is
+RESOURCE_EXHAUSTED naming the quota and the flag that sets it.
 
 Time: an upload's clock runs only while the server waits for the client's next message: time the
 server spends on its own work (a store thread it waits for, the store write) is never the client's
@@ -179,6 +183,10 @@ class StreamGate:
                     f"{f_tn}={c.tenant_n}); {c.advice}")
         if c.total_n is not None and self.total_open >= c.total_n:
             return f"{c.where} already has {self.total_open} {c.what} (limit {f_n}={c.total_n}); retry shortly"
+        if c.total_n is not None and self.open[tenant] + 1 > (share_n := self._share_n(tenant, c.total_n)):
+            return (f"tenant {tenant!r} already has {self.open[tenant]} {c.what}, its share of {c.where}'s "
+                    f"{share_n} ({f_share}={c.share:g} of what other tenants leave of {f_n}={c.total_n}); "
+                    f"{c.advice}")
         if self.reserved[tenant] + size > c.tenant_bytes:
             return (f"tenant {tenant!r}: this {c.one} of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
                     f"flight exceeds the quota {f_tb}={c.tenant_bytes}; finish other {c.one}s first, or raise "
@@ -193,6 +201,19 @@ class StreamGate:
                     f"{f_share}={c.share:g} of what other tenants leave of "
                     f"{f_b}={c.total_bytes}); finish other {c.one}s first, or retry shortly")
         return None
+
+    def _share_n(self, tenant: str, total_n: int) -> int:
+        """How many streams `tenant` may hold: `share` of the count the other tenants leave, and at least one
+        (a tenant with none is refused by the count only when all `total_n` are held).
+
+        NOTE: without it the counts had no share: 8 tenants x 8 header-only puts (1 KiB reserved) held all 64
+        slots and every other tenant was refused. With it, at the defaults (64 in all, 8 per tenant, 1/2),
+        the fewest tenants that hold all 64 is 11 (7 x 8, then 4, 2, 1 and 1, each tenant's last stream taken
+        when the ones before hold theirs). Rounded down without the floor of one, 10 tenants held 63 and no
+        one could take the last slot.
+        """
+        others = self.total_open - self.open[tenant]
+        return max(1, int(self.caps.share * (total_n - others)))
 
     def check(self, tenant: str, size: int) -> None:
         """Refuse (the gate's error, naming the cap) what `admit` would refuse now; reserve nothing."""

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from support.controller import make_tokens, md, start_controller, store_url
 
+from controller.auth import mint_token
 from controller.uploads import GetLimits, UploadLimits
 from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
@@ -92,6 +93,45 @@ async def test_a_tenant_holds_at_most_its_quota_of_unread_gets(tmp_path: Path) -
     assert bravo == (Code.OK, "", 3, 3 * MIB)
     assert stat.meta.size == 3 * MIB
     assert again[0] is Code.OK and again[3] == 4 * MIB
+
+
+async def test_eight_tenants_at_their_cap_leave_a_ninth_a_get(tmp_path: Path) -> None:
+    """8 tenants each open 8 unread gets of their own 4 MiB blob (their cap), one tenant after the other: the
+    eighth gets only 4, so a ninth tenant's get of its own blob is served. NOTE: before the count share, the 64
+    held every slot of --max-gets and the ninth was refused."""
+    tok = make_tokens(tmp_path)
+    tenants = [mint_token(tok.file, f"t{i}", "tenant") for i in range(8)]
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)  # the default limits: 64 in all, 8 each
+    gate = ctl.ctx.gets
+    try:
+        async with grpc.aio.insecure_channel(ctl.address, options=NO_BDP) as ch:
+            stub = BlobServiceStub(ch)
+            big = os.urandom(4 * MIB)
+            refs = [await _put(stub, big, t) for t in tenants]
+            mine = await _put(stub, b"acme's own small blob", tok.a)
+            calls: list[Any] = []
+
+            def settled() -> bool:
+                return sum(c.done() for c in calls) + gate.total_open == len(calls)
+
+            for ref, token in zip(refs, tenants, strict=True):
+                calls += [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref), metadata=md(token), timeout=30)
+                          for _ in range(8)]  # never read
+                await _until(settled, "this tenant's 8 gets admitted or refused")
+            num_open = gate.total_open
+            refused = [c for c in calls if c.done()]
+            codes = {await c.code() for c in refused}
+            details = {await c.details() for c in refused}
+            ninth = await _read_all(stub, mine, tok.a)
+            for c in calls:
+                c.cancel()
+            await _until(lambda: gate.total_open == 0, "the cancelled gets' slots freed")
+    finally:
+        await ctl.stop(0)
+    assert ninth == (Code.OK, "", 1, len(b"acme's own small blob")), ninth
+    assert num_open == 60 and len(refused) == 4  # 7 x 8, then 4
+    assert codes == {Code.RESOURCE_EXHAUSTED}
+    assert len(details) == 1 and "tenant 't7' already has 4 open GetBlob streams" in (d := details.pop()), d
 
 
 async def test_a_get_whose_client_stops_reading_ends_after_the_idle_timeout(tmp_path: Path) -> None:

@@ -99,6 +99,53 @@ async def test_four_trickling_tenants_cannot_hold_the_upload_budget(tmp_path: Pa
     assert after == (0, 0)
 
 
+async def test_eight_tenants_at_their_cap_leave_a_ninth_an_upload_slot(tmp_path: Path) -> None:
+    """8 tenants each open 8 header-only puts (their cap; 16 bytes each, 1 KiB in all), one tenant after the
+    other: the eighth gets only 4 (half of the 8 the seven before leave), so a ninth tenant's put goes
+    through. NOTE: before the count share, the 64 held every slot of --max-uploads and the ninth was refused."""
+    tok = make_tokens(tmp_path)
+    tenants = [mint_token(tok.file, f"t{i}", "tenant") for i in range(8)]
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)  # the default limits: 64 in all, 8 each
+    gate = ctl.ctx.uploads
+    release = asyncio.Event()
+
+    async def hold(token: str) -> tuple[grpc.StatusCode, str]:
+        async def reqs():  # type: ignore[no-untyped-def]
+            yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=16))
+            await release.wait()
+
+        try:
+            await stub.PutBlob(reqs(), metadata=md(token), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        return Code.OK, ""
+
+    held: list[asyncio.Future[tuple[grpc.StatusCode, str]]] = []
+    try:
+        async with grpc.aio.insecure_channel(ctl.address) as ch:
+            stub = BlobServiceStub(ch)
+            for token in tenants:
+                mine = [asyncio.ensure_future(hold(token)) for _ in range(8)]
+                held += mine
+                for _ in range(500):  # this tenant's 8 admitted or refused before the next one's
+                    if sum(f.done() for f in held) + gate.total_uploads == len(held):
+                        break
+                    await asyncio.sleep(0.01)
+            num_held, reserved = gate.total_uploads, gate.total_bytes
+            refused = [f.result() for f in held if f.done()]
+            ninth = await _put(stub, b"z" * 16, tok.a)
+            release.set()
+            for f in held:
+                f.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+    finally:
+        await ctl.stop(0)
+    assert ninth == (Code.OK, ""), f"a ninth tenant's 16-byte put was refused: {ninth}"
+    assert (num_held, reserved) == (60, 60 * 16)  # 7 x 8, then 4
+    assert len(refused) == 4 and {code for code, _ in refused} == {Code.RESOURCE_EXHAUSTED}
+    assert all("tenant 't7' already has 4" in d and "--upload-tenant-share=0.5" in d for _, d in refused), refused
+
+
 async def test_an_uploads_clock_stops_while_the_server_waits_for_a_thread(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
     ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=UploadLimits(idle_s=0.5))
