@@ -266,15 +266,43 @@ class UploadGate(StreamGate):
 
 class GetGate(StreamGate):
     """Reservations of open GetBlob streams: the blob bytes a get may hold at once, from its first store read
-    until it ends (read to the end, refused, stalled, or cancelled by its client)."""
+    until it ends (read to the end, refused, stalled, or cancelled by its client).
+
+    A stalled get (its client took no message for `idle_s`) frees its reservation at once and is counted in
+    `unread` until its client has taken its status or cancelled. NOTE: gRPC Python cannot reset a server
+    stream: the status waits in gRPC behind the message the client does not take (HTTP/2 flow control), with
+    that message (up to a chunk) and a server RPC slot, for as long as the client keeps the call open. Before,
+    the get kept its slot and bytes in the gate that long too (8 unread gets without a deadline held all of a
+    tenant's 8 slots and 8 MiB for the 20 s the review waited, at --get-idle-timeout 0.3 s). A tenant with
+    `tenant_gets` such calls is refused new gets until its client reads or cancels them, so one tenant's
+    unread calls cannot take the server's RPC slots.
+    """
 
     def __init__(self, limits: GetLimits) -> None:
         self.limits = limits
+        self.unread: Counter[str] = Counter()
         super().__init__(GateCaps(limits.tenant_gets, limits.total_gets, limits.tenant_bytes, limits.total_bytes,
                                limits.tenant_share, "open GetBlob streams", "get",
                                ("--max-gets-per-tenant", "--max-gets", "--max-get-bytes-per-tenant",
                                 "--max-get-bytes", "the fixed tenant share"),
                                "read or cancel one, then retry", GetRefused))
+
+    def _refuse(self, tenant: str, size: int) -> str | None:
+        if self.unread[tenant] >= self.limits.tenant_gets:
+            return (f"tenant {tenant!r} has {self.unread[tenant]} GetBlob calls ended because their client took no "
+                    f"message for {self.limits.idle_s:g} s (--get-idle-timeout) and has neither read their status "
+                    f"nor cancelled them (quota --max-gets-per-tenant={self.limits.tenant_gets}); cancel them")
+        return super()._refuse(tenant, size)
+
+    @contextlib.contextmanager
+    def stalled(self, tenant: str) -> Iterator[None]:
+        """Count one of `tenant`'s stalled gets in `unread` while the block (sending its status) runs."""
+        self.unread[tenant] += 1
+        try:
+            yield
+        finally:
+            self.unread[tenant] -= 1
+            self.unread += Counter()
 
 
 async def progressing(items: AsyncIterator[T], *, idle_s: float, min_rate: float = 0.0) -> AsyncIterator[T]:
@@ -315,12 +343,15 @@ async def progressing(items: AsyncIterator[T], *, idle_s: float, min_rate: float
         yield msg
 
 
-async def written(write: Awaitable[None], idle_s: float) -> asyncio.Future[None] | None:
+async def written(write: Awaitable[None], idle_s: float) -> bool:
     """Start a server-stream write and wait for it on the client's clock (gRPC takes a message once the
-    client's flow-control window has room, i.e. once the client reads): None when it was taken within
-    `idle_s`, else the write, still pending. gRPC Python cannot end a call while a message waits on the
-    client's window, so the caller frees what it holds, awaits the pending write (the client reads it, or
-    cancels and so cancels the caller too), then raises GetStalled, whose status follows the message."""
+    client's flow-control window has room, i.e. once the client reads): True when it was taken within
+    `idle_s`. Else the wait is given up (False) and the message stays queued in gRPC; the caller then
+    raises GetStalled, whose status gRPC sends after that message.
+
+    NOTE: the caller used to await the pending write before it raised, so a client that set no deadline
+    and never read again held the get's slot and bytes until it cancelled (review: 20 s at an idle
+    timeout of 0.3 s, and the stall was never counted)."""
     task = asyncio.ensure_future(write)
     try:
         done, _ = await asyncio.wait((task,), timeout=idle_s)
@@ -329,8 +360,9 @@ async def written(write: Awaitable[None], idle_s: float) -> asyncio.Future[None]
         raise
     if done:
         task.result()
-        return None
-    return task
+        return True
+    task.cancel()  # our wait only: gRPC keeps the message and sends it if the client reads again
+    return False
 
 
 def _num_bytes(msg: object) -> int | None:

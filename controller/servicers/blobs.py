@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from controller.auth import Identity, Role
-from controller.servicers.common import ServiceContext, unary
+from controller.servicers.common import ServiceContext, fail_call, unary
 from controller.uploads import GetRefused, GetStalled, UploadRefused, UploadStalled, progressing, written
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
@@ -140,19 +140,32 @@ class BlobServicer(pbg.BlobServiceServicer):
         tenant, gate = ident.tenant, self.ctx.gets
         batch = max(READ_BATCH, size)
         blob_size, it = await self.ctx.tenant_blocking(tenant, self.ctx.store.sized_stream, request.ref, tenant, size)
+        stalled: GetStalled | None = None
         try:
-            with gate.admit(tenant, min(blob_size, batch)):  # held until the stream ends, however it ends
+            with gate.admit(tenant, min(blob_size, batch)):  # held until the stream ends or stalls
                 sent = await self._send(context, it, tenant, batch)
         except GetRefused:
             self.ctx.metrics.cas_ops.labels(op="get", outcome="get_budget").inc()
             raise
-        except GetStalled:
-            self.ctx.metrics.cas_ops.labels(op="get", outcome="stalled").inc()
-            raise
+        except GetStalled as e:  # its status is sent once the store iterator is closed
+            stalled = e
         finally:
             it.close()
+        if stalled is not None:
+            self.ctx.metrics.cas_ops.labels(op="get", outcome="stalled").inc()
+            await self._end_stalled(context, tenant, stalled)
+            return
         self.ctx.metrics.cas_ops.labels(op="get", outcome="ok").inc()
         self.ctx.metrics.cas_bytes.labels(direction="out").inc(sent)
+
+    async def _end_stalled(self, context: grpc.aio.ServicerContext, tenant: str, stalled: GetStalled) -> None:
+        """Send a stalled get's status, counted in the gate's `unread` until its client takes it (after the
+        message gRPC kept) or cancels; a cancel is the call's end, not a failure."""
+        with self.ctx.gets.stalled(tenant):
+            try:
+                await fail_call(self.ctx, context, "GetBlob", stalled)
+            except grpc.aio.InternalError:  # gRPC could not send it: the client cancelled or went away first
+                return
 
     async def _send(self, context: grpc.aio.ServicerContext, it: Generator[bytes, None, None], tenant: str,
                     batch: int) -> int:
@@ -163,11 +176,7 @@ class BlobServicer(pbg.BlobServiceServicer):
         chunks.reverse()
         while chunks:
             msg = pb.GetBlobResponse(chunk=chunks.pop())
-            pending = await written(context.write(msg), idle_s)
-            if pending is not None:
-                chunks.clear()  # the stream reads no more: only gRPC's pending message is left
-                del msg
-                await pending  # until the client reads it, or cancels (which cancels this task)
+            if not await written(context.write(msg), idle_s):  # the stream reads no more, and frees its slot
                 raise GetStalled(f"GetBlob's client took no message for {idle_s:g} s (limit --get-idle-timeout; "
                                  f"{sent} bytes sent before); read the stream as it comes")
             sent += len(msg.chunk)

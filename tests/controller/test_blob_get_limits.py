@@ -161,6 +161,47 @@ async def test_a_get_whose_client_stops_reading_ends_after_the_idle_timeout(tmp_
     assert got < 8 * MIB and n <= 3  # the stream read the store no further: the chunks already queued only
 
 
+async def test_gets_whose_client_never_reads_again_free_their_slots_at_the_idle_timeout(tmp_path: Path) -> None:
+    """8 gets with no deadline whose client takes one message each, then none. NOTE: before, each awaited its
+    pending write after the idle timeout, so the 8 kept all of acme's slots and 8 MiB until the client
+    cancelled, and no stall was counted."""
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=UploadLimits(gets=GetLimits(idle_s=0.3)))
+    gate = ctl.ctx.gets
+
+    def stalled() -> float:
+        return ctl.ctx.metrics.registry.get_sample_value(  # type: ignore[no-any-return]
+            "kvfleet_cas_ops_total", {"op": "get", "outcome": "stalled"}) or 0.0
+
+    try:
+        async with grpc.aio.insecure_channel(ctl.address, options=NO_BDP) as ch:
+            stub = BlobServiceStub(ch)
+            ref = await _put(stub, os.urandom(8 * MIB), tok.a)
+            calls = [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref), metadata=md(tok.a)) for _ in range(8)]
+            for c in calls:
+                await c.read()  # one message each, then never again
+            await _until(lambda: gate.total_open == 0, "the 8 unread gets' slots freed")
+            held = (gate.total_bytes, dict(gate.unread), stalled())
+            ninth = await _read_all(stub, ref, tok.a)  # while its client keeps the 8 open
+            code, details = Code.OK, ""
+            try:  # one client reads again: the message gRPC kept, then the status
+                while await calls[0].read() is not grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details() or ""
+            await _until(lambda: gate.unread["acme"] == 7, "the read call's status taken")
+            tenth = await _read_all(stub, ref, tok.a)
+            for c in calls[1:]:
+                c.cancel()
+            await _until(lambda: not gate.unread, "the cancelled calls' count dropped")
+    finally:
+        await ctl.stop(0)
+    assert held == (0, {"acme": 8}, 8.0), held
+    assert ninth[0] is Code.RESOURCE_EXHAUSTED and "neither read their status nor cancelled" in ninth[1], ninth
+    assert code is Code.RESOURCE_EXHAUSTED and "--get-idle-timeout" in details, (code, details)
+    assert tenth == (Code.OK, "", 8, 8 * MIB)
+
+
 class _CountingStore:
     """The real store; counts the store calls running at once per tenant (each made to take 10 ms)."""
 
