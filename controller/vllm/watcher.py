@@ -213,7 +213,8 @@ class Worker:
         if not self.guard.admit(rank, batch_cost(batch), len(batch.events)):
             self._trip(rank, seq, len(batch.events))
             return
-        persist = False
+        t = st.stamped(batch.ts)
+        st, persist = t.state, t.persist
         for ev in batch.events:
             if self.slicer.due():
                 self.ranks[rank] = st

@@ -74,6 +74,16 @@ class RankState:
                                  fence="" if self.fence == "clear" else self.fence)
         return Transition(st, reason="all_blocks_cleared", persist=True)
 
+    def stamped(self, ts: float) -> Transition:
+        """A batch stamped `ts` (the worker's wall clock): one stamped at or after the process start we last
+        saw can only come from that process's publisher, so a restart's fence "reset" lifts, as a seq reset
+        lifts it. NOTE: only a seq reset lifted it: where the new publisher's first batch seen had a seq past
+        the old one's last (its first batches lost), the gap was repaired from its replay and the fence stayed
+        up for good: the worker served, always COLD, until its next restart."""
+        if self.fence == "reset" and self.start_time is not None and ts >= self.start_time:
+            return Transition(dataclasses.replace(self, fence=""), persist=True)
+        return Transition(self)
+
     def stream_invalidated(self, reason: str, seq: int | None) -> Transition:
         """The event stream failed (gap, decode error, unknown type...) at `seq`, or restarted.
 

@@ -124,6 +124,38 @@ async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_pat
         store.close()
 
 
+async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -> None:
+    """The worker restarts (cache empty, seq from 0) and the controller misses its new publisher's first batches,
+    so the first seq it sees is past the old publisher's last: no seq reset is seen, only the look's new start
+    time (fence "reset"). The new publisher's batches are stamped after that start, so the fence lifts and
+    what the worker stores next routes WARM; it stayed COLD for good before."""
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    r = await _router(store, reconcile_interval_s=30.0)
+    try:
+        await r.register_worker(_spec(0, sim))
+        w0 = r._workers["w0"]
+        for k in range(4):
+            await _complete(sim, [5000 + 200 * k + i for i in range(96)], r)
+        await w0.reconcile_once()
+        async with aiohttp.ClientSession() as h:
+            for path, params in (("/sim/restart", {}), ("/sim/drop_next_events", {"n": "6"})):
+                async with h.post(sim.url + path, params=params) as resp:
+                    assert resp.status == 200
+        for k in range(10, 17):
+            await _complete(sim, [5000 + 200 * k + i for i in range(96)])
+        await asyncio.sleep(0.2)
+        await w0.reconcile_once()  # sees the new start time
+        assert [s.fence for s in r.workers()] in (["reset"], [""])
+        await _complete(sim, TOKS, r)
+        d = await r.route(TOKS, "m")
+        assert (d.verdict, d.matched_tokens) == ("WARM", 96)  # before: COLD 0, the fence up for good
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
 async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     (sim,) = await _sims(1)

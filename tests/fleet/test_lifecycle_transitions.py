@@ -108,6 +108,18 @@ def test_a_restart_seen_while_subscribed_fences_until_the_new_publisher() -> Non
     assert fresh.state.fence == ""  # control: no seq seen yet, nothing old can follow
 
 
+def test_a_batch_stamped_after_the_process_start_lifts_the_restart_fence() -> None:
+    """Only a seq reset lifted fence "reset": a new publisher whose first batches were lost (first seq seen past
+    the old last) left it up for good. A batch stamped at or after the process start is the new publisher's."""
+    fenced = RankState(epoch=3, fence="reset", seq=9, start_time=100.0)
+    assert fenced.stamped(99.9) == Transition(fenced)  # the old process's straggler: still fenced
+    t = fenced.stamped(100.2)
+    assert (t.state.fence, t.state.epoch, t.persist, t.drop_index) == ("", 3, True, False)
+    clear = RankState(epoch=3, fence="clear", seq=9, start_time=100.0)  # control: another fence is not this one's
+    assert clear.stamped(100.2) == Transition(clear)
+    assert RankState(epoch=3, fence="reset", seq=9).stamped(1e12).state.fence == "reset"  # no start time known
+
+
 def test_a_restart_seen_before_subscribing_starts_the_stream_over() -> None:
     t = SERVING.restarted(SERVING.start_time, "0.34.0", stream_reset_seen=False, subscribed=False)
     assert (t.state.epoch, t.state.seq, t.state.epoch_seq, t.state.fence, t.state.version) == (4, -1, 0, "", "0.34.0")
