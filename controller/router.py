@@ -48,7 +48,14 @@ from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
 from controller.worker_status import WorkerStatus, agreed_spec, error_status, resumed_ranks, status_row
 from fleet.core import lifecycle as lc
-from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from fleet.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import RankState
 from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision, verdict_of
@@ -437,10 +444,15 @@ class Router:
         counting the request on a worker it never reached, and its shadow of the worker that did run
         it missed those blocks, so later routes trusted blocks that worker had evicted (stale WARM
         routes after a sleep behind the controller's back, issue #27). False (nothing moves) if the
-        route is unknown, ended, another tenant's, or `worker`/`dp_rank` was not one of its candidates.
+        route is unknown, ended, another tenant's, or `worker`/`dp_rank` (serving) was not one of its candidates.
+        The moved route counts from now, so a lifecycle verb on its new worker waits for it (`_settle`).
 
         Raises:
             InvalidArgument: a malformed `route_id`, `worker` or `dp_rank`.
+            FailedPrecondition: the candidate is not serving now (asleep, paused, down, faulty, a verb in
+                flight, or gone): the caller must not send the request there. NOTE: the proxy used to send
+                its failover to a runner-up the controller had put to sleep since the route (its listing
+                lags by up to --refresh), and the request waited there until the client gave up.
         """
         if not isinstance(route_id, str) or not _ROUTE_ID.match(route_id):
             raise InvalidArgument("route_id must be the 32 lowercase hex digits a Route answer carried")
@@ -451,6 +463,10 @@ class Router:
         key = (worker, dp_rank)
         if alt is None or f is None or (owner is not None and f.owner is not None and f.owner != owner):
             return False
+        v = w.view() if (w := self._workers.get(worker)) is not None else None
+        if v is None or not 0 <= dp_rank < len(v.ranks) or not v.rank(dp_rank).serving:
+            raise FailedPrecondition(f"worker {worker!r} rank {dp_rank} is not serving now (asleep, paused, down, "
+                                     "faulty, a lifecycle verb in flight, or gone): send the request elsewhere")
         ordering, num_tokens = alt
         to = next((c for c in ordering.ordered if (c.state.worker, c.state.dp_rank) == key), None)
         if to is None or key == f.key:
@@ -458,7 +474,8 @@ class Router:
         now = time.monotonic()
         self.flights.release(route_id, owner)
         self.shadow.free(route_id, now)
-        self.flights.add(f._replace(key=key, num_tokens=to.terms.prefill_tokens, last_hash=ordering.last_hash.get(key)))
+        self.flights.add(f._replace(key=key, num_tokens=to.terms.prefill_tokens, last_hash=ordering.last_hash.get(key),
+                                    t=now))
         placed = ordering.chains.get(key)
         if placed is not None:
             chain = placed[0]

@@ -214,11 +214,11 @@ class Handlers:
                 if p.fair is not None:
                     fwd = p.fair.body(fwd, priority)
 
-                def moved(t: Target) -> None:  # skipped or failed over: the controller's ledger and shadow follow
-                    if d.route_id and t.worker != d.worker:  # NOTE: told at the send, not at the first byte: the
-                        # controller's block-pool shadow must know what the worker runs before it routes the next turn
-                        rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
-                        p.control.move_soon(d.route_id, t.worker, rank, token)
+                async def moved(t: Target) -> bool:  # skipped or failed over: the controller's ledger and shadow follow
+                    if not d.route_id or t.worker == d.worker:  # NOTE: told before the send, not at the first byte:
+                        return True  # the block-pool shadow must know what the worker runs before the next turn's route
+                    rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
+                    return await p.control.move(d.route_id, t.worker, rank, token)  # False: not serving now
 
                 opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
                 if p.fair is not None and priority and await p.fair.refused(opened):

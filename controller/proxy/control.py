@@ -32,7 +32,13 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.core.errors import InvalidArgument, KvfleetError, PermissionDenied, Unauthenticated
+from fleet.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvfleetError,
+    PermissionDenied,
+    Unauthenticated,
+)
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
@@ -95,22 +101,25 @@ class ControlClient:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    def move_soon(self, route_id: str, worker: str, dp_rank: int, token: str | None) -> None:
-        """Tell the controller, in the background, that the route went to another of its candidates."""
-        task = asyncio.get_running_loop().create_task(self._move(route_id, worker, dp_rank, token))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _move(self, route_id: str, worker: str, dp_rank: int, token: str | None) -> None:
+    async def move(self, route_id: str, worker: str, dp_rank: int, token: str | None) -> bool:
+        """Tell the controller that the route goes to another of its candidates, before it is sent there. False:
+        the controller answered that the candidate is not serving now, so the request must not go there (it may
+        have slept it since the route: this proxy's listing lags by up to --refresh). Any other failure (the
+        controller unreachable, this token's slots busy) is logged and the send goes on (True)."""
         req = route_pb2.MoveRouteRequest(route_id=route_id, worker=worker, dp_rank=dp_rank)
         try:
             async with self._slot("MoveRoute", token):
                 if await self._over_stream(token, move=req) is None:
-                    await self._route.MoveRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
-        except KvfleetError as e:  # the slot's wait ran out (not sent), or the stream's answer was an error
+                    try:
+                        await self._route.MoveRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+                    except grpc.RpcError as e:
+                        raise base.to_error(e, "MoveRoute", self.target) from e
+        except FailedPrecondition as e:
+            log.info("proxy: MoveRoute %s refused: %s", route_id, e)
+            return False
+        except KvfleetError as e:  # the slot's wait ran out (not sent), or the answer was another error
             log.info("proxy: MoveRoute %s failed: %s", route_id, e)
-        except grpc.RpcError as e:
-            log.info("proxy: MoveRoute %s failed: %s", route_id, base.to_error(e, "MoveRoute", self.target))
+        return True
 
     async def _release(self, route_id: str, token: str | None, done: Callable[[str], None] | None) -> None:
         outcome = await self.release(route_id, token)

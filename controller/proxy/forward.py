@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,14 +120,15 @@ class Forwarder:
         self.first_bytes = FirstBytes(cfg.first_byte_min_s, cfg.first_byte_timeout_s)
 
     async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str],
-                   on_send: Callable[[Target], None] | None = None) -> Opened:
+                   on_send: Callable[[Target], Awaitable[bool]] | None = None) -> Opened:
         """Open the request on the chosen worker or, after one failure before the first byte, the next one.
 
         The chosen worker is skipped only if this proxy found it asleep or gone (suspect) since the controller
         last saw it begin a new life: the route was decided just now, so it is fresher than the directory's
         listing (polled every --refresh), which lags a verb's return to serving by up to that long. A runner-up
         is skipped when the listing says it is not serving, too. `on_send` is told each target before the
-        request is sent to it (the proxy tells the controller at once that its route moved there).
+        request is sent to it (the proxy tells the controller that its route moves there) and answers whether
+        it may go there: False (the controller says a runner-up is not serving now) skips it as not serving.
         """
         failures: list[str] = []
         sends = 0
@@ -141,8 +142,10 @@ class Forwarder:
                 self.metrics.skips.labels(t.worker, reason).inc()
                 failures.append(f"{t.worker}: skipped ({reason})")
                 continue
-            if on_send is not None:
-                on_send(t)
+            if on_send is not None and not await on_send(t):
+                self.metrics.skips.labels(t.worker, "not_serving").inc()
+                failures.append(f"{t.worker}: skipped (not serving, the controller says)")
+                continue
             sends += 1
             try:
                 return await self._attempt(t, path, body, headers, sends, failures)

@@ -27,7 +27,7 @@ from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import external_chain
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.sdk import base
 
 B, NUM_BLOCKS = 16, 64
@@ -75,13 +75,20 @@ async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that
         assert r.demand.previous(chain)[1].key == (chosen, 0)
 
         assert not r.move_route(d.route_id, other, 0, owner="bravo")  # another tenant's route
-        assert not r.move_route(d.route_id, "w9", 0, owner="acme")  # not one of its candidates
+        with pytest.raises(FailedPrecondition):
+            r.move_route(d.route_id, "w9", 0, owner="acme")  # no such worker: the request must not go there
         with pytest.raises(InvalidArgument):
             r.move_route("not-a-route", other, 0)
+        await r.lifecycle(other, "pause", mode="keep")
+        with pytest.raises(FailedPrecondition, match="not serving now"):
+            r.move_route(d.route_id, other, 0, owner="acme")  # paused since the route: refused, not moved
+        await r.lifecycle(other, "resume")
         assert r.flights.load((chosen, 0))[0] == 1  # none of those moved anything
 
+        routed_at = r.flights.get(d.route_id).t
         assert r.move_route(d.route_id, other, 0, owner="acme")
         assert r.flights.load((chosen, 0))[0] == 0 and r.flights.load((other, 0))[0] == 1
+        assert r.flights.get(d.route_id).t > routed_at  # a verb on its new worker waits for it from the move
         pool = r.shadow.get((other, 0))
         assert pool is not None and all(pool.cached(h) for h in chain)  # its blocks, where it ran
         assert r.demand.previous(chain)[1].key == (other, 0)

@@ -88,6 +88,33 @@ async def test_sleep_behind_the_controllers_back_costs_at_most_one_attempt(tmp_p
         await fleet.stop()
 
 
+async def test_a_failover_never_goes_to_a_worker_the_controller_slept_after_the_route(tmp_path: Path) -> None:
+    """The chosen worker x is asleep behind the controller's back; while the proxy waits for its first byte, the
+    controller sleeps the runner-up y. The proxy's listing (refreshed every 30 s here) still shows y serving, so
+    it used to fail over to y, which held the request until the proxy gave up on it too. Now the proxy tells the
+    controller of the move before the send, the controller answers that y is not serving, and y gets nothing."""
+    fleet = await start_fleet(tmp_path, num_workers=2, reconcile_s=30.0, refresh_s=30.0, first_byte_timeout_s=0.5)
+    try:
+        x = await _warm(fleet)
+        y = next(n for n in fleet.sims if n != x)
+        async with fleet.http.post(fleet.sims[x].url + "/sleep?level=1") as r:  # NOT through the controller
+            assert r.status == 200
+        before = len(served(fleet.sims[y], "/v1/completions"))
+        req = asyncio.create_task(fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}))
+        async def sent_to_x() -> int:
+            return len(served(fleet.sims[x], "/v1/completions"))
+
+        await until(sent_to_x, lambda n: n >= 2)  # the request reached x (the first was _warm's)
+        w = await fleet.op.lifecycle(y, "sleep", level=1)  # through the controller, while x is waited for
+        assert not w.serving
+        s, _, raw = await req
+        got = served(fleet.sims[y], "/v1/completions")[before:]
+        print(f"x={x} asleep behind the back, y={y} slept by the controller: answer {s}, y got {len(got)}: {raw[:160]!r}")
+        assert got == [] and s == 503 and b"not serving, the controller says" in raw  # before: y got the request
+    finally:
+        await fleet.stop()
+
+
 async def test_a_woken_worker_is_no_longer_skipped_once_the_controller_has_seen_it_wake(tmp_path: Path) -> None:
     """The proxy finds x asleep behind the controller's back and skips it (suspect_s, 30 s here). Once the
     controller has itself seen the sleep and the wake (x serving again under a newer epoch), the proxy's
