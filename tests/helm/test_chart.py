@@ -525,6 +525,26 @@ def test_templates_refuse_bad_combinations_even_without_the_schema(
     assert chart_without_schema.render(None, name=RELEASE, namespace=NAMESPACE)
 
 
+def test_reader_tokens_reach_the_tokens_file(chart: Any) -> None:
+    """docs/deploy.md and docs/api.md tell users to mint a reader token for the proxy: the chart takes one by digest."""
+    from controller.auth import Role, TokenBook
+
+    token = "kvf_" + "r" * 43
+    reader = {"name": "proxy", "tenant": "ops", "role": "reader", "sha256": hashlib.sha256(token.encode()).hexdigest()}
+    values = {"auth": {"tokens": [reader]}}
+    chart.validate_schema(values)
+    secret = one(_docs(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "Secret", "-auth")
+    data = base64.b64decode(secret["data"]["tokens.json"]).decode()
+    assert json.loads(data)["tokens"][-1] == {"sha256": reader["sha256"], "tenant": "ops", "role": "reader", "name": "proxy"}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "tokens.json"
+        path.write_text(data)
+        ident = TokenBook(path).lookup(token)
+        assert ident is not None and ident.role is Role.READER
+
+
 # ---- the chart README ---------------------------------------------------------------------------
 
 def _leaves(node: Any, path: str = "") -> list[str]:
