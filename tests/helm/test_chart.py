@@ -525,6 +525,47 @@ def test_templates_refuse_bad_combinations_even_without_the_schema(
     assert chart_without_schema.render(None, name=RELEASE, namespace=NAMESPACE)
 
 
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("per_tenant", "total", "extra"), [
+    (64 * MIB, 128 * MIB, []),  # the defaults
+    (8 * MIB, 16 * MIB, []),  # both at the edge
+    (8 * MIB, 16 * MIB - 1, []),  # half of the total under 8 MiB
+    (8 * MIB, 8 * MIB, []),  # the reviewer's: maxInflightBytes 8 MiB
+    (8 * MIB - 1, 128 * MIB, []),  # one tenant's budget under 8 MiB
+    (1 * MIB, 2 * MIB, ["--max-body-bytes", str(MIB)]),  # a smaller body limit through extraArgs
+    (1 * MIB, 2 * MIB, [f"--max-body-bytes={MIB + 1}"]),
+    (64 * MIB, 128 * MIB, ["--max-body-bytes", str(64 * MIB + 1)]),
+], ids=["defaults", "edge", "total-1", "total-8MiB", "tenant-1", "extra-body", "extra-body=", "extra-body-big"])
+def test_templates_refuse_the_body_budgets_the_proxy_refuses(
+        chart: Any, per_tenant: int, total: int, extra: list[str]) -> None:
+    """The chart refuses a proxy.maxInflightBytes / maxInflightBytesPerTenant the proxy would refuse to start with
+    (against its --max-body-bytes, 8 MiB unless proxy.extraArgs sets it), and renders every one it accepts."""
+    from controller.proxy.main import config_from, parse_args
+
+    from fleet.core.errors import InvalidArgument
+
+    values = {"proxy": {"maxInflightBytesPerTenant": per_tenant, "maxInflightBytes": total, "extraArgs": extra}}
+    flags = ["--max-inflight-bytes-per-tenant", str(per_tenant), "--max-inflight-bytes", str(total), *extra]
+    try:
+        config_from(parse_args(flags, {}))
+        proxy_starts = True
+    except InvalidArgument:
+        proxy_starts = False
+    if proxy_starts:
+        args = container(one(_docs(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "Deployment", "-proxy"))["args"]
+        config_from(parse_args(args[1:], {}))  # the rendered flags start the proxy
+        return
+    with pytest.raises(helm.HelmRenderError) as e:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    print(str(e.value).strip())
+    assert "the proxy would refuse to start" in str(e.value)
+    body = parse_args(flags, {}).max_body_bytes
+    assert (f"proxy.maxInflightBytesPerTenant={per_tenant}" in str(e.value)) == (per_tenant < body)
+    assert (f"proxy.maxInflightBytes={total}" in str(e.value)) == (per_tenant >= body)  # one value at a time
+
+
 def test_reader_tokens_reach_the_tokens_file(chart: Any) -> None:
     """docs/deploy.md and docs/api.md tell users to mint a reader token for the proxy: the chart takes one by digest."""
     from controller.auth import Role, TokenBook

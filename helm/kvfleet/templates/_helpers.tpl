@@ -158,6 +158,9 @@ capabilities:
 {{- fail (printf "workers.groups[%s].kernel: the numpy backend runs on cpu only; use backend: torch for %s" .name $kdev) }}
 {{- end }}
 {{- end }}
+{{- if .Values.proxy.create }}
+{{- include "kvfleet.validateProxyBodies" . }}
+{{- end }}
 {{- if and .Values.watcher.create (not .Values.controller.create) }}
 {{- fail "watcher.create=true needs controller.create=true (the Job registers workers with this release's controller)" }}
 {{- end }}
@@ -170,6 +173,33 @@ capabilities:
 {{- if and $v.create (not $v.tokenSecret.name) (not $hasOperatorToken) $readsOperator }}
 {{- fail (printf "%s.create=true needs an operator token: set %s.tokenSecret.name, or keep auth.bootstrapOperator=true" $comp $comp) }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{- /* The proxy refuses to start unless --max-body-bytes fits one tenant's share of the bodies in flight
+       (controller/proxy/config.py): at most --max-inflight-bytes-per-tenant and half of --max-inflight-bytes.
+       The chart has no value for --max-body-bytes: it is the proxy's 8 MiB unless proxy.extraArgs sets it. */}}
+{{- define "kvfleet.validateProxyBodies" -}}
+{{- $p := .Values.proxy }}
+{{- $body := int64 8388608 }}
+{{- $from := "the proxy's default, 8 MiB" }}
+{{- range $i, $a := $p.extraArgs }}
+{{- $a = toString $a }}
+{{- if and (eq $a "--max-body-bytes") (lt (add1 $i) (len $p.extraArgs)) }}
+{{- $body = int64 (index $p.extraArgs (add1 $i)) }}
+{{- $from = "set in proxy.extraArgs" }}
+{{- else if hasPrefix "--max-body-bytes=" $a }}
+{{- $body = int64 (trimPrefix "--max-body-bytes=" $a) }}
+{{- $from = "set in proxy.extraArgs" }}
+{{- end }}
+{{- end }}
+{{- $perTenant := int64 $p.maxInflightBytesPerTenant }}
+{{- $total := int64 $p.maxInflightBytes }}
+{{- if lt $perTenant $body }}
+{{- fail (printf "proxy.maxInflightBytesPerTenant=%d is below the proxy's --max-body-bytes (%d, %s): the proxy would refuse to start; set proxy.maxInflightBytesPerTenant to at least %d" $perTenant $body $from $body) }}
+{{- end }}
+{{- if lt (div $total 2) $body }}
+{{- fail (printf "proxy.maxInflightBytes=%d is below twice the proxy's --max-body-bytes (%d, %s): the proxy would refuse to start; set proxy.maxInflightBytes to at least %d" $total $body $from (mul $body 2)) }}
 {{- end }}
 {{- end }}
 
