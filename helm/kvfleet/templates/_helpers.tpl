@@ -118,6 +118,7 @@ capabilities:
 {{- if and (gt (int .Values.controller.replicas) 1) (not .Values.controller.leaderElection.enabled) }}
 {{- fail (printf "controller.replicas=%d needs controller.leaderElection.enabled=true: two active controllers would both run the vLLM watchers and bump route epochs" (int .Values.controller.replicas)) }}
 {{- end }}
+{{- /* NOTE: this is the only check of a URL with redis.create=true: the schema's was "maxLength: got 16, want 0". */}}
 {{- if and .Values.redis.create .Values.redis.external.url }}
 {{- fail "redis.external.url is set but redis.create=true: set redis.create=false to use your own Redis, or clear redis.external.url" }}
 {{- end }}
