@@ -66,9 +66,9 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "the others leave (default 128 MiB; the proxy holds about 3x this, more while routing)")
     p.add_argument("--fair-priority", action="store_true",
                    default=e("KVFLEET_PROXY_FAIR_PRIORITY", "") in ("1", "true", "on", "yes"),
-                   help="set each request's vLLM `priority` to the most requests its tenant has had in flight through "
-                        "this proxy on the same worker since it last had none, so another tenant's request goes ahead "
-                        "of one tenant's flood in the worker's queue; the client's own priority is replaced. The "
+                   help="set each request's vLLM `priority` to its place in a fair queue of the worker it is routed "
+                        "to (start-time fair queuing per tenant), so another tenant's request goes ahead of one "
+                        "tenant's flood in the worker's queue; the client's own priority is replaced. The "
                         "workers must run with --scheduling-policy priority (default off; env "
                         "KVFLEET_PROXY_FAIR_PRIORITY)")
     p.add_argument("--client-header-timeout", type=float, default=30.0,
