@@ -199,6 +199,32 @@ def test_cli_prints_endpoints_json() -> None:
         assert p.wait(10) == 0
 
 
+TOOL_CALL_TURN = [
+    {"role": "user", "content": "search weather"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+]
+
+
+async def test_an_assistant_turn_with_null_content_and_tool_calls_is_served(sim) -> None:
+    """OpenAI's shape of a tool-calling turn ("content": null), which vLLM accepts: the stand-in renders the null
+    content as empty text (found by review: its tokenizer answered 400)."""
+    from fleet.app.testkit.sim_vllm.tokenizer import apply_chat_template
+
+    s, http, _ = sim
+    st, body = await _post(http, s.url + "/v1/chat/completions", json={"model": "m", "messages": TOOL_CALL_TURN,
+                                                                       "max_tokens": 2})
+    assert st == 200, body
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    st, tok = await _post(http, s.url + "/tokenize", json={"model": "m", "messages": TOOL_CALL_TURN})
+    empty = [dict(m, content="") if m["content"] is None else m for m in TOOL_CALL_TURN]
+    assert st == 200 and tok["tokens"] == apply_chat_template(empty)
+    # Control: content that is neither text, parts nor null is still refused.
+    bad = [TOOL_CALL_TURN[0], dict(TOOL_CALL_TURN[1], content=7)]
+    assert (await _post(http, s.url + "/v1/chat/completions", json={"model": "m", "messages": bad}))[0] == 400
+
+
 @pytest.fixture
 async def clocked():
     """The stand-in with its clock on (fast: a hundredth of real time), 8 blocks of KV."""

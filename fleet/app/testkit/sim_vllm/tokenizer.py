@@ -32,11 +32,17 @@ TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refu
 
 
 def content_text(content: Any) -> str:
-    """A message's content as the chat template sees it: a string, or a list of parts rendered as vLLM does."""
+    """A message's content as the chat template sees it: a string, or a list of parts rendered as vLLM does.
+
+    NOTE: null (or missing) content is empty text, as vLLM renders it: OpenAI's assistant turn that calls tools
+    has "content": null beside its "tool_calls" (which the stand-in's template leaves out of the text).
+    """
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidArgument("each message needs string 'role' and string or list 'content'")
+        raise InvalidArgument("each message needs string 'role' and string, list or null 'content'")
     texts = []
     for p in content:
         t = p.get("type") if isinstance(p, dict) else "text"
@@ -54,7 +60,7 @@ def apply_chat_template(messages: Sequence[dict[str, Any]], add_generation_promp
     out: list[int] = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidArgument("each message needs string 'role' and string or list 'content'")
+            raise InvalidArgument("each message needs string 'role' and string, list or null 'content'")
         out += [IM_START, *tokenize(m["role"]), NEWLINE, *tokenize(content_text(m.get("content"))), IM_END, NEWLINE]
     if add_generation_prompt:
         out += [IM_START, *tokenize("assistant"), NEWLINE]
