@@ -20,6 +20,7 @@ from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
 from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output, lone_ttft_s
 from fleet.app.testkit.sim_vllm.wire import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
 from fleet.core.block_hash import HashConfig, external_chain
+from fleet.core.errors import InvalidArgument
 
 # round figures, so that each expected duration is easy to read off the config
 COST = {
@@ -151,7 +152,7 @@ def test_priority_policy_runs_waiting_requests_by_priority_then_arrival() -> Non
     y = eng.submit(list(range(16, 32)), 3, priority=0)
     eng.sched.preempt_all()   # x goes back in its place by (priority, arrival), behind y, not first (fcfs)
     assert [s.seq_id for s in eng.sched.waiting] == [y.seq_id, x.seq_id]
-    with pytest.raises(AssertionError):
+    with pytest.raises(InvalidArgument, match="--scheduling-policy must be fcfs or priority"):
         make_engine(scheduling_policy="lottery")
     assert _parse(["--scheduling-policy", "priority"]).engine.scheduling_policy == "priority"
 

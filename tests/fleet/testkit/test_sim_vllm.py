@@ -225,6 +225,55 @@ async def test_an_assistant_turn_with_null_content_and_tool_calls_is_served(sim)
     assert (await _post(http, s.url + "/v1/chat/completions", json={"model": "m", "messages": bad}))[0] == 400
 
 
+def _sim_cli(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fleet.app.cli.main", "sim-vllm", *flags], capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--kv-events-port", "--replay-port"])
+def test_a_busy_port_is_one_line_naming_the_port_and_its_flag(flag: str) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = _sim_cli(flag, str(port))
+    print(r.stderr)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f"127.0.0.1:{port}" in r.stderr and flag in r.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--block-size", "0"), ("--num-blocks", "1"), ("--time-scale", "-1"), ("--max-num-seqs", "0"),
+    ("--max-num-batched-tokens", "0"), ("--prefill-tokens-per-s", "0"), ("--step-overhead-s", "-0.1"),
+    ("--decode-base-s", "-1"), ("--decode-per-seq-s", "nan"), ("--port", "65536"), ("--kv-events-port", "-1"),
+    ("--replay-port", "-2"), ("--buffer-steps", "-1"),
+])
+def test_each_bad_setting_is_refused_naming_its_flag(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.testkit.sim_vllm.main import _parse
+
+    with pytest.raises(SystemExit) as e:
+        _parse([flag, value])
+    err = capsys.readouterr().err
+    print(err)
+    assert e.value.code == 2 and f"error: {flag} must be" in err and "clock settings" not in err
+    good = {"--num-blocks": "2", "--decode-per-seq-s": "0", "--port": "65535", "--replay-port": "-1"}
+    _parse([flag, good.get(flag, "1")])  # control: the edge of each range is taken
+
+
+def test_the_engine_settings_are_checked_without_asserts() -> None:
+    """A real check, kept under `python -O` (an assert would let block_size=0 through)."""
+    from fleet.core.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="--block-size must be at least 1, got 0"):
+        SimEngineConfig(block_size=0)
+    r = subprocess.run([sys.executable, "-O", "-c", "from fleet.app.testkit.sim_vllm.engine import SimEngineConfig\n"
+                        "SimEngineConfig(block_size=0)"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "--block-size must be at least 1" in r.stderr
+
+
 @pytest.fixture
 async def clocked():
     """The stand-in with its clock on (fast: a hundredth of real time), 8 blocks of KV."""

@@ -23,6 +23,7 @@ from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.cache import PrefixCache, StepResult
 from fleet.app.testkit.sim_vllm.sched import POLICIES, CostModel, Scheduler, Seq, Step, lone_ttft_s
 from fleet.core.block_hash import HashConfig
+from fleet.core.errors import InvalidArgument
 
 
 class EnginePaused(Exception):
@@ -56,10 +57,21 @@ class SimEngineConfig:
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: fcfs, or priority (a request's `priority`)
 
     def __post_init__(self) -> None:
-        assert self.block_size > 0 and self.num_blocks > 1
-        assert self.time_scale >= 0 and self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1
-        assert self.scheduling_policy in POLICIES, self.scheduling_policy
-        self.cost_model()  # asserts the cost fields
+        # NOTE: checks, not asserts: these are `kvfleet sim-vllm`'s flags (named after them), and python -O drops asserts
+        for name, ok, rule in (
+            ("block_size", self.block_size >= 1, "at least 1"),
+            ("num_blocks", self.num_blocks >= 2, "at least 2"),
+            ("time_scale", self.time_scale >= 0, ">= 0 (0: instant answers)"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "at least 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "at least 1"),
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s > 0, "> 0"),
+            ("step_overhead_s", self.step_overhead_s >= 0, ">= 0"),
+            ("decode_base_s", self.decode_base_s >= 0, ">= 0"),
+            ("decode_per_seq_s", self.decode_per_seq_s >= 0, ">= 0"),  # NaN fails each of these
+            ("scheduling_policy", self.scheduling_policy in POLICIES, " or ".join(POLICIES)),
+        ):
+            if not ok:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
 
     def cost_model(self) -> CostModel:
         return CostModel(

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -25,9 +26,12 @@ from fleet.app.testkit.sim_vllm.app import build_app
 from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.app.testkit.sim_vllm.loop import EngineLoop
 from fleet.app.testkit.sim_vllm.parts import Received, SimConfig
-from fleet.app.testkit.sim_vllm.publisher import Publisher
+from fleet.app.testkit.sim_vllm.publisher import BindError, Publisher
+from fleet.core.errors import InvalidArgument
 
 __all__ = ["SimConfig", "SimVllm", "main"]  # SimConfig lives in parts.py; importers of main.py still find it
+
+PORT_FLAGS = {"http": "--port", "kv_events": "--kv-events-port", "replay": "--replay-port"}  # BindError.what
 
 
 class SimVllm:
@@ -66,7 +70,11 @@ class SimVllm:
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, c.host, c.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self.stop()
+            raise BindError("http", c.host, c.port, os.strerror(e.errno) if e.errno else str(e)) from e
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self
 
@@ -168,6 +176,13 @@ def _parse(argv: list[str]) -> SimConfig:
         help="added per decoding sequence in the step",
     )
     a = p.parse_args(argv)
+    for flag, value, least in (("--port", a.port, 0), ("--kv-events-port", a.kv_events_port, 0),
+                               ("--replay-port", a.replay_port, -1)):
+        if not least <= value <= 65535:
+            p.error(f"{flag} must be a port, 0-65535 (0: pick a free one{'; -1: none' if least < 0 else ''}), "
+                    f"got {value}")
+    if a.buffer_steps < 0:
+        p.error(f"--buffer-steps must be >= 0, got {a.buffer_steps}")
     bad = [x for x in a.lora if "=" not in x or not x.split("=", 1)[0] or not x.split("=", 1)[1]]
     if bad:
         p.error(f"--lora takes NAME=PATH, got {bad[0]!r}")
@@ -189,8 +204,8 @@ def _parse(argv: list[str]) -> SimConfig:
             decode_base_s=a.decode_base_s,
             decode_per_seq_s=a.decode_per_seq_s,
         )
-    except AssertionError:
-        p.error("clock settings out of range (time scale and costs >= 0, limits >= 1, throughput > 0)")
+    except InvalidArgument as e:  # names the flag
+        p.error(str(e))
     return SimConfig(
         engine=eng,
         host=a.host,
@@ -220,6 +235,10 @@ def main(argv: list[str]) -> int:
         asyncio.run(_serve(cfg))
     except KeyboardInterrupt:
         pass
+    except BindError as e:
+        print(f"kvfleet sim-vllm: error: {e}: choose another {PORT_FLAGS[e.what]}, or 0 to pick a free one",
+              file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,10 +21,22 @@ from fleet.app.testkit.sim_vllm.wire import encode_batch
 END_SEQ = b"\xff" * 8
 
 
-def _bind(sock: zmq.Socket[Any], host: str, port: int) -> int:
-    if port == 0:
-        return int(sock.bind_to_random_port(f"tcp://{host}"))
-    sock.bind(f"tcp://{host}:{port}")
+class BindError(OSError):
+    """A port the stand-in cannot listen on; `what` says which: "http", "kv_events" or "replay"."""
+
+    def __init__(self, what: str, host: str, port: int, reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port} ({reason})")
+        self.what = what
+
+
+def _bind(sock: zmq.Socket[Any], host: str, port: int, what: str) -> int:
+    try:
+        if port == 0:
+            return int(sock.bind_to_random_port(f"tcp://{host}"))
+        sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise BindError(what, host, port, e.strerror.split(" (addr=")[0]) from e  # the address is in the message
     return port
 
 
@@ -48,10 +60,10 @@ class Publisher:
         self.seq = 0
         self.drop_next = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._ctx = zmq.asyncio.Context()
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(self._pub, host, port)
+        self.port = _bind(self._pub, host, port, "kv_events")
+        self._ctx = zmq.asyncio.Context()
         self.endpoint = f"tcp://{host}:{self.port}"
         self._router: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
@@ -59,7 +71,12 @@ class Publisher:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            self.replay_endpoint = f"tcp://{host}:{_bind(self._router, host, replay_port)}"
+            try:
+                self.replay_endpoint = f"tcp://{host}:{_bind(self._router, host, replay_port, 'replay')}"
+            except BindError:
+                self._pub.close(0)
+                self._ctx.term()
+                raise
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
