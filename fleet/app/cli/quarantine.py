@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.app.cli.cells import cells
-from fleet.app.cli.session import add_ls_options
+from fleet.app.cli.session import add_connection_options, add_ls_options
 from fleet.core.errors import KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
 
@@ -68,7 +68,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes")
     st.add_argument("verdict", choices=(QUARANTINED, CLEAN, "clear"))
     st.add_argument("--reason", action="append", default=[], help="why (repeatable)")
-    add_ls_options(st)
+    add_connection_options(st)  # NOTE: not ls's --watch/--interval/--count/--json: a verdict is set once, one line
     return p.parse_args(argv)
 
 

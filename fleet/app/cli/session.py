@@ -88,9 +88,14 @@ def add_ls_options(ls: argparse.ArgumentParser) -> None:
     ls.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes with --watch")
     ls.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
-    ls.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
-    ls.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
-    add_client_tls(ls)
+    add_connection_options(ls)
+
+
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    """Where and as whom: the controller, the token and client TLS (every command that calls the controller)."""
+    p.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
+    p.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
+    add_client_tls(p)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
