@@ -46,6 +46,14 @@ class Proxy:
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)
         self.enforcer = Enforcer(self.cfg.quarantine_policy, dict(self.cfg.quarantine_tenant_policies), self.control,
                                  self.metrics, self.cfg.tool_media)
+        try:
+            await self._serve()
+        except BaseException:
+            await self.stop()  # NOTE: a failed start (no tokenizer, port taken) left the HTTP session open
+            raise
+        return self
+
+    async def _serve(self) -> None:
         await self.tokenizer.start()
         await self.directory.start()
         # handler_cancellation: a client that goes away cancels its handler, which closes the upstream request
@@ -58,7 +66,6 @@ class Proxy:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return self
 
     async def stop(self) -> None:
         if self._runner is not None:

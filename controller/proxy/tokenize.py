@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.token_cache import TokenCache
 from controller.vllm.http import read_capped
+from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger("kvfleet.proxy")
 # NOTE: a local tokenizer is used for a model only after it gave the worker's own ids on these probes
@@ -106,6 +108,24 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
     return out
 
 
+def load_hf_tokenizer(path: str) -> Any:
+    """`--tokenizer hf:PATH`'s tokenizer, local files only; InvalidArgument in one sentence when there is none.
+
+    NOTE: PATH may also be a repo id already in the local Hugging Face cache; for a path that does not exist the
+    hub's own error was about repo ids ("Repo id must be in the form ..."), so the path is checked first.
+    """
+    from transformers import AutoTokenizer
+
+    looks_like_path = path.startswith((os.sep, ".", "~")) or path.count("/") > 1
+    if looks_like_path and not os.path.isdir(os.path.expanduser(path)):
+        raise InvalidArgument(f"--tokenizer hf:{path}: no tokenizer at {path} (no such directory)")
+    try:
+        return AutoTokenizer.from_pretrained(os.path.expanduser(path), local_files_only=True)
+    except (OSError, ValueError) as e:  # the hub's HFValidationError is a ValueError
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidArgument(f"--tokenizer hf:{path}: no tokenizer at {path} ({reason})") from e
+
+
 class Tokenizer:
     """token_ids(body, chat, base, tenant): via a worker's /tokenize (default) or a local HF tokenizer."""
 
@@ -121,10 +141,8 @@ class Tokenizer:
 
     async def start(self) -> None:
         if self.cfg.tokenizer:
-            from transformers import AutoTokenizer
-
             path = self.cfg.tokenizer[len("hf:"):]
-            self._hf = await asyncio.to_thread(AutoTokenizer.from_pretrained, path, local_files_only=True)
+            self._hf = await asyncio.to_thread(load_hf_tokenizer, path)
 
     async def token_ids(self, body: dict[str, Any], chat: bool, base: str, tenant: str,
                         enc: EncodedBody | None = None) -> Sequence[int]:

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
+import pytest
 from support.proxy_fleet import MODEL, served, start_fleet, until
 
+from controller.proxy.config import ProxyConfig
+from controller.proxy.server import Proxy
 from controller.proxy.tokenize import PROBES
 from fleet.app.testkit.sim_vllm import tokenizer as simtok
+from fleet.core.errors import InvalidArgument
 
 PROMPTS = ["Plan the delivery route for truck seven, then report.", "And the return trip?"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -82,3 +88,23 @@ async def test_a_tokenizer_that_differs_is_not_used(tmp_path: Path) -> None:
         assert tokenize_calls == 1 + 1  # the failed probe, then the workers' /tokenize (cached for the repeat)
     finally:
         await fleet.stop()
+
+
+async def test_no_tokenizer_at_the_path_is_one_sentence_and_the_proxy_closes_what_it_opened(tmp_path: Path) -> None:
+    # before: the hub's "Repo id must be in the form 'repo_name' ..." and then "Unclosed client session" (review)
+    missing = tmp_path / "no" / "such"
+    proxy = Proxy(ProxyConfig(controller="127.0.0.1:1", listen="127.0.0.1:0", tokenizer=f"hf:{missing}"))
+    with pytest.raises(InvalidArgument, match=f"no tokenizer at {missing} \\(no such directory\\)"):
+        await proxy.start()
+    assert proxy.http.closed
+    empty = tmp_path / "empty"  # a directory with no tokenizer in it: the loader's reason, in one line
+    empty.mkdir()
+    with pytest.raises(InvalidArgument, match=f"no tokenizer at {empty} \\(.+\\)") as e:
+        await Proxy(ProxyConfig(controller="127.0.0.1:1", listen="127.0.0.1:0", tokenizer=f"hf:{empty}")).start()
+    assert "\n" not in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "fleet.app.cli.main", "proxy", "--controller", "127.0.0.1:1",
+                        "--listen", "127.0.0.1:0", "--tokenizer", f"hf:{missing}"], capture_output=True, text=True,
+                       timeout=120)
+    print(r.stderr)
+    assert r.returncode == 2 and f"kvfleet proxy: error: --tokenizer hf:{missing}: no tokenizer at {missing}" in r.stderr
+    assert "Unclosed" not in r.stderr and "Repo id" not in r.stderr
