@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
 from rich.text import Text
 
 MAX_CELL = 200
@@ -23,3 +25,16 @@ def cell(value: object) -> Text:
 
 def cells(*values: object) -> list[Text]:
     return [cell(v) for v in values]
+
+
+def show(console: Console, renderable: RenderableType) -> None:
+    """Print a dashboard: at the terminal's width, or, where stdout is not a terminal, as wide as it needs.
+
+    NOTE: rich takes 80 columns (or $COLUMNS) where stdout is a pipe (`| less`, `kubectl exec` without -t) and
+    shrinks a table to fit, cutting urls, models and phases to "htt…"; a cell is at most MAX_CELL characters,
+    so the widest table stays bounded.
+    """
+    if not console.is_terminal:
+        need = Measurement.get(console, console.options.update_width(1 << 16), renderable).maximum
+        console.width = max(console.width, need)
+    console.print(renderable)

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleet.app.cli.cells import cells
+from fleet.app.cli.cells import cells, show
 from fleet.app.cli.session import add_connection_options, add_ls_options
 from fleet.core.errors import KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
 
                 watch(console, lambda: render(_call(c, "ListQuarantines", req).records), args.interval, args.count)
             else:
-                console.print(render(_call(c, "ListQuarantines", req).records))
+                show(console, render(_call(c, "ListQuarantines", req).records))
     except KvfleetError as e:
         print(f"kvfleet quarantine {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

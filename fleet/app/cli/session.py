@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleet.app.cli.cells import cells
+from fleet.app.cli.cells import cells, show
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls, client_tls
 
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
             elif args.watch:
                 watch(console, lambda: render_sessions(rows()), args.interval, args.count)
             else:
-                console.print(render_sessions(rows()))
+                show(console, render_sessions(rows()))
     except KvfleetError as e:
         print(f"kvfleet session ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from fleet.app.cli.cells import cells
+from fleet.app.cli.cells import cells, show
 from fleet.app.cli.session import add_ls_options
 from fleet.core.errors import KvfleetError
 
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
 
                 watch(console, lambda: render_workers(**snapshot(c)), args.interval, args.count)
             else:
-                console.print(render_workers(**snapshot(c)))
+                show(console, render_workers(**snapshot(c)))
     except KvfleetError as e:
         print(f"kvfleet worker ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

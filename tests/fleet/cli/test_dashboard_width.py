@@ -1,0 +1,49 @@
+"""The dashboards printed into a pipe (`| less`, `kubectl exec` without -t) keep every cell whole: rich takes 80
+columns where stdout is not a terminal and cut the url, model and phase to "htt…" (found by review)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+URL = "http://vllm-worker-0.vllm.llm.svc.cluster.local:8000"
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SESSION = "agent-session-0123456789abcdef-planner"
+
+FAKE = f'''
+import sys
+from types import SimpleNamespace as NS
+import fleet.sdk
+rank = NS(dp_rank=0, serving=True, warm=True, phase="serving", kv="preserved", epoch=3, num_blocks=1234, last_seq=99,
+          load=0.5)
+worker = NS(name="vllm-worker-0", url="{URL}", model="{MODEL}", ranks=[rank])
+row = NS(session_id="{SESSION}", tenant="acme-research", node="0123456789abcdef", actor="host:kvfleet:0123",
+             backend="numpy", device="cpu", num_tokens=123456, history_tokens=100000, bytes_alone=1 << 30,
+             bytes_shared=1 << 29, hit_rate=0.5, quarantined_spans=2, state="regenerated", epoch=7, last_active=0.0)
+class Client:
+    def __init__(self, *a, **kw): pass
+    def __enter__(self): return self
+    def __exit__(self, *a): return False
+    def workers(self): return [worker]
+    def fleet_sessions(self, fleet): return NS(nodes=[])
+    def sessions(self, fleet, tenant): return [row]
+fleet.sdk.FleetClient = Client
+from fleet.app.cli import session as session_cli, worker as worker_cli
+sys.exit({{"worker": worker_cli, "session": session_cli}}[sys.argv[1]].main(["ls", *sys.argv[2:]]))
+'''
+
+
+@pytest.mark.parametrize(("command", "whole"), [("worker", [URL, MODEL, "serving", "preserved"]),
+                                                ("session", [SESSION, "acme-research", "regenerated / 7"])])
+def test_a_dashboard_into_a_pipe_keeps_every_cell_whole(command: str, whole: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    args = [command] + (["--fleet"] if command == "session" else [])
+    r = subprocess.run([sys.executable, "-c", FAKE, *args], capture_output=True, text=True, timeout=60, env=env)
+    print(r.stdout, r.stderr)
+    assert r.returncode == 0
+    assert [w for w in whole if w not in r.stdout] == [] and "…" not in r.stdout
+    # Control: at 80 columns (what a pipe got) the same table does not fit.
+    assert max(len(line) for line in r.stdout.splitlines()) > 80
