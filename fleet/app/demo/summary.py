@@ -77,6 +77,16 @@ def _final_blocks(res: LiveResult, block_size: int) -> dict[str, int]:
     return last
 
 
+def witness_line(q: dict[str, Any]) -> str:
+    """The quarantine witness in one line, its two figures to 3 significant digits (0 stays 0)."""
+    def fig(x: Any) -> str:
+        return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+    return (f"quarantine witness ({q.get('agent')}, turn {q.get('turn')}, {q.get('tokens')} tokens, "
+            f"{'write-time' if q.get('write_time') else 'late'}): max|Δ| evict-vs-never = "
+            f"{fig(q.get('max_abs_delta'))}, control kept-vs-never = {fig(q.get('control'))}")
+
+
 def render(summary: dict[str, Any]) -> Group:
     """The summary as rich tables."""
     w = summary["workload"]
@@ -105,9 +115,7 @@ def render(summary: dict[str, Any]) -> Group:
            "its trace through it)"]),
         f"offline model fidelity: kvfleet's choices replayed -> {m['kvfleet_replayed_prefill']:,} prefill tokens vs "
         f"{m['kvfleet_live_prefill']:,} live (delta {m['delta']})",
-        f"quarantine witness ({q.get('agent')}, turn {q.get('turn')}, {q.get('tokens')} tokens, "
-        f"{'write-time' if q.get('write_time') else 'late'}): max|Δ| evict-vs-never = {q.get('max_abs_delta')}, "
-        f"control kept-vs-never = {q.get('control')}",
+        witness_line(q),
         f"fork: {f.get('parent')} -> {', '.join(f.get('branches', []))} at {f.get('prefix_tokens')} tokens, "
         f"{f.get('branch_turns')} turns each",
     ]

@@ -58,3 +58,14 @@ def test_sticky_spreads_sessions_and_share_is_bounded_only_when_every_worker_ser
     print("sticky share over 64 agents:", r.per_worker)
     assert sum(r.per_worker.values()) == 64 and min(r.per_worker.values()) > 0
     assert max_min_share({"w0": 3, "w1": 0}) is None and max_min_share({"w0": 3, "w1": 1}) == 3.0
+
+
+def test_the_witness_line_formats_its_figures() -> None:
+    # before: "control kept-vs-never = 0.2726077139377594" (found by review)
+    from fleet.app.demo.summary import witness_line
+
+    q = {"agent": "agent-1", "turn": 4, "tokens": 156, "write_time": True, "max_abs_delta": 0.0,
+         "control": 0.2726077139377594}
+    assert witness_line(q) == ("quarantine witness (agent-1, turn 4, 156 tokens, write-time): "
+                               "max|Δ| evict-vs-never = 0, control kept-vs-never = 0.273")
+    assert witness_line(dict(q, max_abs_delta=3.2e-07)).endswith("evict-vs-never = 3.2e-07, control kept-vs-never = 0.273")
