@@ -45,7 +45,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
     from fleet.app.demo.live import LiveRun
     from fleet.app.demo.peers import replay_vllm_router, vllm_router_binary
     from fleet.app.demo.summary import summarize
-    from fleet.app.testkit.stack import StackConfig, start_stack
+    from fleet.app.testkit.stack import StackConfig, settled_workers, start_stack
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-demo-") as tmp:
         root = Path(state_dir or tmp)
@@ -66,7 +66,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
 
                 res = await LiveRun(cfg, stack, report).run()
                 listing = await stack.admin.fleet_sessions(fleet=True)
-                workers = await stack.admin.workers()
+                workers = await settled_workers(stack.admin, stack.sims)
             finally:
                 await stack.stop()
             peer = None

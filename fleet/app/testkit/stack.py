@@ -124,6 +124,19 @@ async def wait_serving(op: AsyncFleetClient, n: int, timeout_s: float = 30.0) ->
     raise Unavailable(f"the stand-in workers did not come up serving within {timeout_s:.0f}s")
 
 
+async def settled_workers(op: AsyncFleetClient, sims: Mapping[str, SimVllm], timeout_s: float = 3.0) -> list[Any]:
+    """The controller's worker rows once each says serving exactly where its stand-in is awake (a sleep or
+    wake behind the controller's back shows at its next look), or as they are after `timeout_s`.
+    NOTE: the demo listed them at once, so a worker woken behind its back in the last turn showed asleep."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ws = await op.workers()
+        truth = {n: not s.engine.is_sleeping() for n, s in sims.items()}
+        if all(w.serving == truth.get(w.name, w.serving) for w in ws) or time.monotonic() >= deadline:
+            return list(ws)
+        await asyncio.sleep(0.05)
+
+
 def init_ray(address: str | None, num_cpus: int | None = None, own_tree: bool = False) -> bool:
     """Join `address` or start a local Ray (namespace kvfleet); False when one was already up."""
     import ray

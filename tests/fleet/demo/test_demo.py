@@ -55,3 +55,4 @@ async def test_short_demo_invariants(ray_cluster: None, num_blocks: int) -> None
     assert set(rows) == {"agent-0", "agent-1", "agent-2"}                    # the branches were closed
     assert rows["agent-1"].quarantined_spans == 1 and rows["agent-0"].quarantined_spans == 0
     assert len(out.workers) == cfg.workers and out.nodes and out.nodes[0].hit_tokens > 0  # agents adopted the prompt
+    assert all(w.serving for w in out.workers)  # every sleep was woken: the final table says so, not a stale look
