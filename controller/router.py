@@ -569,8 +569,8 @@ class Router:
             tried.add(name)
             w = self._workers[name]
             epoch = w.view().rank(r).epoch
-            if await w.probe() and w.view().rank(r).epoch == epoch:
-                return ordering
+            if await w.probe() and self._workers.get(name) is w and w.view().rank(r).epoch == epoch:
+                return ordering  # NOTE: without the `is w`, a worker unregistered during its probe was still chosen
             self.metrics.stale_route_guard.labels("probe").inc()
             ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner)
         return ordering

@@ -156,6 +156,31 @@ async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -
         store.close()
 
 
+async def test_a_worker_unregistered_while_its_route_is_probed_is_not_chosen(tmp_path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sims = await _sims(2)
+    r = await _router(store)
+    try:
+        for i, s in enumerate(sims):
+            await r.register_worker(_spec(i, s))
+        await _complete(sims[0], TOKS, r)
+        w0 = r._workers["w0"]
+        probe = w0.probe
+
+        async def unregistered_meanwhile() -> bool:
+            await r.unregister_worker("w0")  # an operator's call lands while the probe is out
+            return await probe()
+
+        w0.probe = unregistered_meanwhile  # type: ignore[method-assign]
+        d = await r.route(TOKS, "m", probe=True)
+        assert d.worker == "w1" and [w.name for w in r.workers()] == ["w1"]  # before: w0, WARM, gone
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+        store.close()
+
+
 async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     (sim,) = await _sims(1)
