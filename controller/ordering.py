@@ -25,7 +25,7 @@ from controller.shadow_pool import ShadowPools
 from controller.view import WorkerView
 from controller.vllm.watcher import Worker
 from fleet.core.block_hash import external_chain
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument, KvfleetError, NotFound, Unavailable
 
 
 class Ordering(NamedTuple):
@@ -194,6 +194,28 @@ class CandidateOrder:
             zlib.crc32(key[0].encode(), seed),
             demand_blocks,
         )
+
+    def none_serving(self, model: str, lora: str | None) -> KvfleetError:
+        """Why `order` found no candidate for `model` (and `lora`). NotFound when no registered worker serves it at all
+        (a typo, or a model never registered: a retry cannot help, and the SDK retries only Unavailable); Unavailable
+        when some do but none is serving now (asleep, paused or down, which a retry may outlive).
+
+        NOTE: a route for an unknown model was Unavailable, so the SDK retried it 8 times over 9 s and then told
+        the caller to check that the controller was running (found by review).
+        """
+        served: dict[str, None] = {}
+        for w in self.workers.values():
+            try:
+                v = w.view()
+            except Exception:  # NOTE: a worker we cannot read may serve it: not a NotFound
+                return Unavailable(f"no serving worker for model {model!r}; a worker's state could not be read")
+            if v.adapter(model, lora) is not False:
+                return Unavailable(f"no serving worker for model {model!r}; every candidate is asleep, paused or down")
+            served[v.model] = None
+            served.update(dict.fromkeys(f"{name} (LoRA of {v.model})" for name in sorted(v.loras)))
+        what = f"model {model!r}" + (f" with LoRA {lora!r}" if lora else "")
+        known = f"registered models: {', '.join(sorted(served))}" if served else "no worker is registered"
+        return NotFound(f"no registered worker serves {what} ({known})")
 
     def reconcile(self, w: WorkerView, key: RankKey) -> None:
         """Fold the worker's newest /metrics look into the in-flight ledger, once per look."""

@@ -54,7 +54,6 @@ from fleet.core.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    Unavailable,
 )
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import RankState
@@ -309,7 +308,8 @@ class Router:
         Raises:
             InvalidArgument: bad token ids, model or salt.
             ResourceExhausted: the tenant's long prompts waiting to be hashed would hold over LONG_WAIT_TOKENS_PER_TENANT.
-            Unavailable: no serving worker for the model.
+            NotFound: no registered worker serves the model (or its LoRA).
+            Unavailable: workers of the model are registered, and none is serving.
         """
         t0 = time.perf_counter()
         check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
@@ -334,9 +334,7 @@ class Router:
                 ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner)
             ordering = await self._probe(ordering, token_ids, model, cache_salt, lora, owner)
         if not ordering.ordered:
-            raise Unavailable(
-                f"no serving worker for model {model!r}; every candidate is asleep, paused or down"
-            )
+            raise self.candidates.none_serving(model, lora)
         best = ordering.ordered[0]
         name, r, t = best.state.worker, best.state.dp_rank, best.terms
         placed = ordering.chains.get((name, r))

@@ -30,7 +30,7 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import GetGate, UploadGate, UploadLimits
 from controller.verdicts import Judge, Judgement
-from fleet.core.errors import KvfleetError, Unavailable
+from fleet.core.errors import ANSWERED_TRAILER, KvfleetError, Unavailable
 from fleet.core.quarantine.layered import DetectorConfig
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
@@ -214,7 +214,7 @@ async def fail_call(ctx: ServiceContext, context: grpc.aio.ServicerContext, meth
         log.exception("%s failed", method)
         code, msg = grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e} (see controller log)"
     ctx.metrics.rpc_errors.labels(method=method, code=code.name).inc()
-    await context.abort(code, cut_message(msg))
+    await context.abort(code, cut_message(msg), trailing_metadata=((ANSWERED_TRAILER, code.name),))
 
 
 Handler = Callable[..., Awaitable[Any]]

@@ -7,6 +7,11 @@ The core raises these; it never imports grpc.
 
 from __future__ import annotations
 
+# The trailing-metadata key the controller sets on every error status it answers (its value: the code's name), so
+# a client tells an UNAVAILABLE the controller answered from one no controller answered (connection refused, a
+# TLS handshake, a proxy in between): only the latter earns "check that the controller is running".
+ANSWERED_TRAILER = "kvfleet-error"
+
 
 class KvfleetError(Exception):
     """Base class. `code` is the name of a grpc.StatusCode member."""

@@ -94,8 +94,21 @@ def error_of(code: str, details: str, method: str, target: str) -> KvfleetError:
     return err
 
 
+def answered(e: BaseException | None) -> bool:
+    """True when the controller itself answered this status (it marks each error it answers with
+    fleet.core.errors.ANSWERED_TRAILER); False for a connection-level failure, which no controller answered."""
+    trailing = e.trailing_metadata() if isinstance(e, grpc.RpcError) and hasattr(e, "trailing_metadata") else None
+    return any(key == errors.ANSWERED_TRAILER for key, _ in trailing or ())
+
+
 def gave_up(method: str, target: str, attempts: int, elapsed: float, last: BaseException | None) -> Unavailable:
+    """The error after the last retry. NOTE: "check that the controller is running" is said only when no controller
+    answered: it was said after UNAVAILABLEs the controller answered too (no serving worker, a standby), which sent
+    the user looking for a problem it did not have (found by review)."""
     last_msg = last.details() if isinstance(last, grpc.RpcError) and hasattr(last, "details") else str(last)
+    if answered(last):
+        return Unavailable(f"{method}: the controller at {target} answered UNAVAILABLE to {attempts} attempt(s) "
+                           f"over {elapsed:.1f}s: {last_msg}")
     return Unavailable(f"{method}: controller at {target} unavailable after {attempts} attempt(s) over {elapsed:.1f}s "
                        f"(last error: {last_msg}); check that `kvfleet controller` is running and reachable")
 

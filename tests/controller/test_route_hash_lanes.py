@@ -20,7 +20,7 @@ import controller.router as router_mod
 from controller.metrics import Metrics
 from controller.router import HASH_THREADS_PER_TENANT, INLINE_HASH_TOKENS, Router, RouterConfig
 from fleet.cas import open_store
-from fleet.core.errors import Unavailable
+from fleet.core.errors import NotFound
 
 
 async def test_a_tenants_long_prompts_take_at_most_its_share_of_the_hashing_threads(
@@ -51,7 +51,7 @@ async def test_a_tenants_long_prompts_take_at_most_its_share_of_the_hashing_thre
     long_prompt = list(range(INLINE_HASH_TOKENS + 16))
 
     async def route(tenant: str) -> None:
-        with pytest.raises(Unavailable):  # no worker registered: the route ends after its hashing
+        with pytest.raises(NotFound):  # no worker registered: the route ends after its hashing
             await r.route(long_prompt, "m", cache_salt=tenant, owner=tenant)
 
     try:

@@ -6,7 +6,7 @@ a list of Python ints built on the event loop (36 MB per 1M tokens): 24 waiting 
 controller from 75 to 889 MiB. Now the tokens of a tenant's waiting long prompts are capped at
 LONG_WAIT_TOKENS_PER_TENANT (eight prompts of the default --max-route-tokens), past which a Route is
 RESOURCE_EXHAUSTED; a waiting one holds its request's packed ids only. Another tenant is not refused, nor is a
-short prompt. Real Router and controller, no workers (a route that got its turn ends UNAVAILABLE, after hashing).
+short prompt. Real Router and controller, no workers (a route that got its turn ends NOT_FOUND, after hashing).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from controller.server import ControllerConfig, build_server
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.cas import open_store
-from fleet.core.errors import ResourceExhausted, Unavailable
+from fleet.core.errors import NotFound, ResourceExhausted
 from fleet.sdk import base
 
 LONG = 1 << 20  # the default --max-route-tokens
@@ -51,7 +51,7 @@ async def test_a_tenants_long_prompts_past_its_waiting_limit_are_refused_and_oth
             await r.route(ids, "m", cache_salt=tenant, owner=tenant)
         except ResourceExhausted as e:
             return f"refused: {e}"
-        except Unavailable:  # no worker registered: the route ends after its hashing
+        except NotFound:  # no worker registered: the route ends after its hashing
             return "hashed"
         return "routed"
 
@@ -118,18 +118,18 @@ async def test_long_routes_waiting_over_grpc_hold_no_list_of_their_ids(tmp_path:
                 tracemalloc.stop()
             assert peak < one_list, f"{peak / 2**20:.0f} MiB traced while {waiting} waited"
             assert (waiting, refused_early) == (WAITING, OVER)
-            # control: another tenant's long Route, and acme's short one, are hashed meanwhile (no worker: UNAVAILABLE)
+            # control: another tenant's long Route, and acme's short one, are hashed meanwhile (no worker: NOT_FOUND)
             for token, n in ((bravo, LONG), (acme, INLINE_HASH_TOKENS)):
                 try:
                     await stub.Route(pb.RouteRequest(token_ids=request.token_ids[:n], model="m"),
                                      metadata=base.metadata(token))
                 except grpc.aio.AioRpcError as e:
-                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+                    assert e.code() == grpc.StatusCode.NOT_FOUND, e.details()
                 else:
                     raise AssertionError("routed with no worker registered")
         await asyncio.wait_for(reader, 60)  # the held threads freed: the waiting ones are answered
         codes = sorted(a.error.code for a in answers)
-        assert codes == ["RESOURCE_EXHAUSTED"] * OVER + ["UNAVAILABLE"] * WAITING
+        assert codes == ["NOT_FOUND"] * WAITING + ["RESOURCE_EXHAUSTED"] * OVER
         refusal = next(a.error.message for a in answers if a.error.code == "RESOURCE_EXHAUSTED")
         assert "8,388,608 tokens waiting per tenant" in refusal
         assert not router._long_waiting and len(router._hash_slots) == 0

@@ -227,7 +227,7 @@ async def test_bad_input_changes_nothing(tmp_path) -> None:
                 WorkerSpec(**{"name": "w", "url": "http://127.0.0.1:1", "kv_events": "tcp://127.0.0.1:2",
                               "replay": None, "model": "m", **bad})
         assert store.kv_scan("workers") == {}
-        with pytest.raises(Unavailable):
+        with pytest.raises(NotFound, match="no worker is registered"):  # not retried: nothing can serve it
             await r.route(TOKS, "m")
         await r.register_worker(_spec(0, sim))
         before = r.worker("w0").ranks[0]
@@ -356,7 +356,7 @@ async def test_lora_routes_wrong_seed_never_warm_and_dp_rank_check(tmp_path) -> 
         assert (await r.route(TOKS, "m", lora="sql")).verdict == "WARM"   # ("lora", name, root) on every block
         assert (await r.route(TOKS, "sql")).verdict == "WARM"             # the adapter name as model
         assert (await r.route(TOKS, "m")).verdict == "COLD"               # base model: other hashes
-        with pytest.raises(Unavailable):
+        with pytest.raises(NotFound, match=r"'other-model' \(registered models: m, sql \(LoRA of m\)\)"):
             await r.route(TOKS, "other-model")
         await _complete(sims[1], TOKS[:64], r)
         w1 = r.worker("w1")

@@ -196,6 +196,43 @@ async def test_workers_route_lifecycle_through_the_sdk(tmp_path: Path) -> None:
             await s.stop()
 
 
+async def test_a_route_for_a_model_no_worker_serves_is_not_found_at_once(tmp_path: Path) -> None:
+    # Found by review: route(model="m") with only sim-model registered was UNAVAILABLE, retried 8 times over 9 s,
+    # and ended with "check that `kvfleet controller` is running". Before the fix this failed at the first raises:
+    # Unavailable instead of NotFound.
+    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, start_router=True)
+    policy = CountingPolicy(initial_backoff_s=0.05, max_backoff_s=0.1, deadline_s=1.0)
+    prompt = list(range(100, 164))
+    try:
+        async with AsyncFleetClient(ctl.address, token=tok.op) as op, \
+                   AsyncFleetClient(ctl.address, token=tok.a, retry=policy) as a:
+            await op.register_worker("w0", url=sim.url, kv_events=sim.kv_events, replay=sim.replay, model="m")
+            await _until(op.workers, lambda ws: all(w.serving for w in ws))
+            with pytest.raises(NotFound, match=r"no registered worker serves model 'typo' \(registered models: m\)"):
+                await a.route(prompt, model="typo")
+            with pytest.raises(NotFound, match="model 'm' with LoRA 'nope'"):
+                await a.route(prompt, model="m", lora="nope")
+            assert policy.log == []  # not retried
+            assert (await a.route(prompt, model="m")).worker == "w0"  # control: the model it serves routes
+            # control: registered but not serving stays UNAVAILABLE and is retried, and the controller answered
+            # it, so the SDK does not send the user to check that the controller is running
+            await op.lifecycle("w0", "sleep", level=1)
+            with pytest.raises(Unavailable) as ei:
+                await a.route(prompt, model="m")
+    finally:
+        await ctl.stop(0)
+        await sim.stop()
+    msg = str(ei.value)
+    print(msg)
+    assert len(policy.log) >= 1 and "asleep, paused or down" in msg
+    assert f"the controller at {ctl.address} answered UNAVAILABLE" in msg and "kvfleet controller" not in msg
+
+
 async def test_a_lost_answer_to_an_unpin_is_not_retried(tmp_path: Path) -> None:
     # Pins are a counter: before, the SDK retried an UnpinBlob whose answer was lost after the controller applied
     # it, so one holder's unpin dropped two pins (the blob then collectable while the other still held it)
