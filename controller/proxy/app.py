@@ -4,7 +4,7 @@ POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Rou
                                              -> forward with the tenant's cache_salt -> relay bytes
 GET  /v1/models    the union of the registered workers' model cards
 GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
-GET  /health, /metrics
+GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the fleet), /metrics
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/v1/workers", h.workers)
     app.router.add_get("/health", h.health)
+    app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)
     return app
 
@@ -286,6 +287,8 @@ class Handlers:
         )
 
     async def health(self, req: web.Request) -> web.Response:
+        """Liveness: 200 while the proxy answers, whatever the controller's state (`directory_error` says what it
+        cannot see); whether to send it traffic is /ready's answer."""
         d, t = self.p.directory, self.p.tokenizer
         return web.json_response(
             {
@@ -296,6 +299,11 @@ class Handlers:
                 "tokenizer": {"local": self.p.cfg.tokenizer, "parity": t.parity},
             }
         )
+
+    async def ready(self, req: web.Request) -> web.Response:
+        """Readiness: 503 while the proxy cannot see the fleet (WorkerDirectory.unready says why), else 200."""
+        why = self.p.directory.unready()
+        return web.json_response({"ready": why is None, "reason": why}, status=503 if why else 200)
 
     async def metrics(self, req: web.Request) -> web.Response:
         return web.Response(body=self.p.metrics.render(), content_type="text/plain", charset="utf-8")

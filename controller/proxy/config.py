@@ -36,6 +36,8 @@ class ProxyConfig:
     route_timeout_s: float = 2.0
     tokenize_timeout_s: float = 5.0
     refresh_s: float = 1.0  # worker directory poll (ListWorkers)
+    ready_stale_s: float = 10.0  # GET /ready answers 503 once the directory's last load is older than this and
+    # the refreshes since failed (or it never loaded): a proxy that cannot see the fleet leaves the Service
     models_refresh_s: float = 15.0  # each worker's /v1/models (LoRA cards)
     suspect_s: float = 5.0  # a worker found asleep behind the controller's back is skipped this long
     auth_cache_s: float = 5.0
@@ -68,7 +70,8 @@ class ProxyConfig:
         if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
             raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
         if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s,
-               self.connect_timeout_s, self.refresh_s, self.client_header_timeout_s, self.client_body_timeout_s) <= 0:
+               self.connect_timeout_s, self.refresh_s, self.ready_stale_s, self.client_header_timeout_s,
+               self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or min(self.tokenize_cache_size, self.tokenize_cache_bytes) < 0 \
                 or self.controller_max_rpcs <= 0:

@@ -27,7 +27,7 @@ from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
 from controller.proxy.watch import WorkerWatch
 from controller.vllm.http import read_capped
-from fleet.core.errors import KvfleetError
+from fleet.core.errors import KvfleetError, PermissionDenied, Unauthenticated
 from fleet.sdk.types import WorkerInfo
 
 log = logging.getLogger("kvfleet.proxy")
@@ -46,6 +46,15 @@ def _card(model_id: str, parent: str | None = None) -> dict[str, Any]:
             "parent": parent}
 
 
+def _listing_error(e: KvfleetError) -> str:
+    """Why the directory cannot list the workers, with what to do. NOTE: every error said "give it a reader (or
+    operator) token (--token)", a refused connection too (found by review): a token is the fix only when the
+    controller refused the proxy's; an unreachable controller is named as such (fleet.sdk.base.to_error)."""
+    if isinstance(e, Unauthenticated | PermissionDenied):
+        return f"{e}; give the proxy a reader (or operator) token (--token or KVFLEET_PROXY_TOKEN)"
+    return str(e)
+
+
 def _epoch(w: WorkerInfo) -> int:
     return max((r.epoch for r in w.ranks), default=0)
 
@@ -61,6 +70,7 @@ class WorkerDirectory:
         self._suspect: dict[str, tuple[float, int]] = {}  # name -> (until, the worker's epoch when marked)
         self._rr = itertools.count()
         self.last_error: str | None = "not refreshed yet"
+        self.loaded_at: float | None = None  # monotonic time of the last refresh that listed the workers
         self._task: asyncio.Task[None] | None = None
         self.watch = WorkerWatch()  # the requests waiting for each worker's first byte: their probe and its finding
 
@@ -83,16 +93,17 @@ class WorkerDirectory:
         try:
             workers = await self.control.workers(self.cfg.token)
         except KvfleetError as e:
-            if self.last_error != str(e):
-                log.warning("proxy cannot list workers (%s); give it a reader (or operator) token (--token)", e)
-            self.last_error = str(e)
+            why = _listing_error(e)
+            if self.last_error != why:
+                log.warning("proxy cannot list workers: %s", why)
+            self.last_error = why
             return
         merged: dict[str, WorkerInfo] = {}
         for w in workers:  # the controller lists one entry per (worker, dp_rank): merge the ranks
             prev = merged.get(w.name)
             merged[w.name] = w if prev is None else dataclasses.replace(prev, ranks=prev.ranks + w.ranks)
         was_serving = {n for n, w in self.workers.items() if w.serving}
-        self.workers, self.last_error = merged, None
+        self.workers, self.last_error, self.loaded_at = merged, None, time.monotonic()
         for name in was_serving:  # NOTE: the controller stopped listing it (slept, paused, lost): ask it now
             now_serving = merged.get(name)
             if now_serving is None or not now_serving.serving:
@@ -120,6 +131,19 @@ class WorkerDirectory:
         self._cards_at[w.name] = now
 
     # queries
+    def unready(self) -> str | None:
+        """Why the proxy should take no traffic now (GET /ready answers 503 with it), or None: the directory never
+        loaded, or its refreshes have failed since a load older than cfg.ready_stale_s (one failed refresh is a
+        blip; the routes need the controller anyway). NOTE: /health answered ok with a dead controller, so the
+        chart's readiness probe kept the proxy in the Service (found by review); /health stays the liveness
+        answer, since restarting the proxy does not bring a controller back."""
+        if self.loaded_at is None:
+            return f"the proxy has not listed the workers yet ({self.last_error})"
+        age = time.monotonic() - self.loaded_at
+        if self.last_error is not None and age > self.cfg.ready_stale_s:
+            return f"the proxy last listed the workers {age:.0f}s ago ({self.last_error})"
+        return None
+
     def get(self, name: str) -> WorkerInfo | None:
         return self.workers.get(name)
 
@@ -164,8 +188,7 @@ class WorkerDirectory:
     def resolve(self, model: str) -> tuple[str, str | None]:
         """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it."""
         if not self.workers and self.last_error:
-            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error}); start it with a reader "
-                                  "token (--token or KVFLEET_PROXY_TOKEN)")
+            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error})")
         for c in self.models():
             if c.get("id") == model:
                 parent = c.get("parent")

@@ -74,9 +74,12 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
-    """A gRPC status as the fleet.core.errors class of the same code, carrying the server's message."""
+    """A gRPC status as the fleet.core.errors class of the same code, carrying the server's message; an
+    UNAVAILABLE no controller answered (`answered`) says the controller at `target` is unreachable."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(e)
+    if code == grpc.StatusCode.UNAVAILABLE and not answered(e):
+        return Unavailable(f"{method}: the controller at {target} is unreachable ({details})")
     return error_of(code.name, details, method, target)
 
 
