@@ -136,8 +136,10 @@ class Authenticator:
             return self._open
         raw = next((v for k, v in (metadata or ()) if k == "authorization"), None)  # the first one counts
         if raw is None:
-            raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token>' "
-                                  "(FleetClient(token=...) does)")
+            # NOTE: it named FleetClient(token=...) alone, to CLI users too (found by review); the proxy answers
+            # an HTTP client without an Authorization header itself (controller/proxy/app.py Handlers._asked)
+            raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token>' (the SDK: "
+                                  "FleetClient(target, token=...); the CLI: --token or KVFLEET_TOKEN)")
         value = raw.decode() if isinstance(raw, bytes) else raw
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -22,7 +22,7 @@ from aiohttp import HttpVersion11, web
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.forward import FORWARDED
 from controller.proxy.tokenize import EncodedBody
-from fleet.core.errors import KvfleetError
+from fleet.core.errors import KvfleetError, Unauthenticated
 
 if TYPE_CHECKING:
     from controller.proxy.forward import Target
@@ -164,11 +164,26 @@ class Handlers:
             raise ProxyError(401, "malformed Authorization header: expected 'Bearer <token>'")
         return token.strip()
 
+    @contextlib.contextmanager
+    def _asked(self, token: str | None) -> Iterator[None]:
+        """Around a controller call made with the client's `token`: a client that sent no Authorization header is told
+        to send one. NOTE: its 401 carried the controller's gRPC advice, "send metadata 'authorization: Bearer
+        <token>' (FleetClient(token=...) does)", to an HTTP client (found by review)."""
+        try:
+            yield
+        except Unauthenticated as e:
+            if token is None and self.p.cfg.token_passthrough:
+                raise ProxyError(401, "missing Authorization header: send 'Authorization: Bearer <token>' with your "
+                                      "kvfleet token") from e
+            raise
+
     async def expect(self, req: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue`: the client is invited to send its body only once its token and its tenant's
         budget of bodies in flight allow it (aiohttp's default answered 100 to anyone). None: continue."""
         try:
-            caller = await self.p.control.whoami(self._token(req))
+            token = self._token(req)
+            with self._asked(token):
+                caller = await self.p.control.whoami(token)
             self.p.bodies.check(caller.tenant, announced_size(req, self.p.cfg.max_body_bytes))
         except ProxyError as e:
             return error_response(e.status, e.message, e.param)
@@ -189,7 +204,8 @@ class Handlers:
     async def _complete(self, req: web.Request, chat: bool) -> web.StreamResponse:
         p, t0 = self.p, time.perf_counter()
         token = self._token(req)
-        caller = await p.control.whoami(token)  # NOTE: 401 before the body is read (controller/proxy/bodies.py)
+        with self._asked(token):
+            caller = await p.control.whoami(token)  # NOTE: 401 before the body is read (controller/proxy/bodies.py)
         with p.bodies.admit(caller.tenant, announced_size(req, p.cfg.max_body_bytes)) as shrink:  # 429 past budget
             return await self._answer(req, chat, t0, token, caller.tenant, shrink)
 
@@ -256,11 +272,15 @@ class Handlers:
         m.added_latency.labels(t.worker, t.verdict).observe(max(added_s, 0.0))
 
     async def models(self, req: web.Request) -> web.Response:
-        await self.p.control.whoami(self._token(req))
+        token = self._token(req)
+        with self._asked(token):
+            await self.p.control.whoami(token)
         return web.json_response({"object": "list", "data": self.p.directory.models()})
 
     async def workers(self, req: web.Request) -> web.Response:
-        ws = await self.p.control.workers(self._token(req))
+        token = self._token(req)
+        with self._asked(token):
+            ws = await self.p.control.workers(token)
         return web.json_response(
             {
                 "object": "list",

@@ -87,7 +87,9 @@ async def test_auth_matrix(tmp_path: Path) -> None:
             assert "needs the operator role" in ei.value.details() and "'reader'" in ei.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await FleetServiceStub(ch).WhoAmI(fleet_pb2.WhoAmIRequest())
-            assert "authorization: Bearer" in ei.value.details()
+            missing = ei.value.details()
+            assert "authorization: Bearer" in missing  # and how each client sends it (it named the SDK's alone)
+            assert "FleetClient(target, token=...)" in missing and "--token or KVFLEET_TOKEN" in missing
     finally:
         await ctl.stop(0)
 

@@ -56,6 +56,8 @@ async def test_bad_input_table(fleet: Fleet) -> None:
         print(f"{name:36s} -> {status} {err['type']}: {err['message'][:90]}")
         assert status == want, (name, status, body)
         assert err["code"] == want and isinstance(err["message"], str) and err["message"] and err["type"]
+        if name.startswith("missing token"):  # HTTP advice, not the controller's gRPC one (it named FleetClient)
+            assert "send 'Authorization: Bearer <token>'" in err["message"] and "FleetClient" not in err["message"]
     async def chunks():  # no Content-Length: the limit is enforced while reading
         for _ in range(9):
             yield b" " * (1 << 20)
