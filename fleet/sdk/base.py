@@ -12,6 +12,7 @@ import grpc
 from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
 from fleet.core import errors
 from fleet.core.errors import InvalidArgument, KvfleetError, Unavailable
+from fleet.sdk import args
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
@@ -135,6 +136,8 @@ def check_got(ref: str, data: bytes) -> bytes:
 
 def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp_ranks: int,
                 block_size: int | None, hash_algo: str | None, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
+    dp_ranks = args.count("dp_ranks", dp_ranks, 1)
+    block_size = None if block_size is None else args.count("block_size", block_size, 1)
     spec = workers_pb2.WorkerSpec(name=name, url=url, kv_events=kv_events, replay=replay, model=model,
                                   dp_ranks=dp_ranks, block_size=block_size or 0, hash_algo=hash_algo or "")
     if hash_seed is not None:
@@ -144,7 +147,9 @@ def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp
 
 def lifecycle_request(name: str, verb: str, level: int | None, mode: str | None, tags: Sequence[str] | None,
                       clear_cache: bool | None, dp_rank: int | None) -> workers_pb2.LifecycleRequest:
-    req = workers_pb2.LifecycleRequest(name=name, verb=verb, tags=list(tags or ()))
+    req = workers_pb2.LifecycleRequest(name=name, verb=verb, tags=args.strings("tags", tags))
+    level = None if level is None else args.count("level", level, 0, args.INT32_MAX)
+    dp_rank = None if dp_rank is None else args.count("dp_rank", dp_rank)
     for key, val in (("level", level), ("mode", mode), ("clear_cache", clear_cache), ("dp_rank", dp_rank)):
         if val is not None:
             setattr(req, key, val)

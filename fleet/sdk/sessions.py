@@ -28,6 +28,7 @@ import numpy as np
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.session_types import SessionRow as SessionRow  # the SDK returns the core type
+from fleet.sdk import args
 
 SESSION_TIMEOUT_S = 120.0  # a fork or a regeneration replays a whole op log
 
@@ -202,8 +203,8 @@ def append_request(session_id: str, content: str | Sequence[int], role: str, ret
     req = pb.AppendRequest(session_id=session_id, role=role, return_logits=return_logits, op_id=new_op_id(op_id))
     if isinstance(content, str):
         req.text = content
-    elif isinstance(content, (list, tuple)) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in content):
-        req.token_ids.ids.extend(content)
+    elif isinstance(content, list | tuple):
+        req.token_ids.ids.extend(args.token_ids(content, "append's token ids"))
     else:
         raise InvalidArgument("append takes text (str) or token ids (a list of ints in [0, 2**32))")
     return req
@@ -236,11 +237,12 @@ def add_tool_result(session_id: str, ref: Any, *, return_logits: bool = False,
 def generate(session_id: str, num_tokens: int, *, op_id: str | None = None) -> pb.GenerateRequest:
     """Greedy-decode `num_tokens` tokens, appended to the session as one output piece.
     Idempotent on `op_id`, as `append` (a retry returns the tokens generated the first time)."""
-    return pb.GenerateRequest(session_id=session_id, num_tokens=num_tokens, op_id=new_op_id(op_id))
+    return pb.GenerateRequest(session_id=session_id, num_tokens=args.count("num_tokens", num_tokens, 1),
+                              op_id=new_op_id(op_id))
 
 
 def evict(session_id: str, piece_id: int, mode: str = "exact") -> pb.EvictRequest:
-    return pb.EvictRequest(session_id=session_id, piece_id=piece_id, mode=mode)
+    return pb.EvictRequest(session_id=session_id, piece_id=args.count("piece_id", piece_id), mode=mode)
 
 
 def fork(session_id: str, child_id: str) -> pb.ForkRequest:
@@ -253,7 +255,8 @@ def admit_tool_result(session_id: str, ref: Any) -> pb.AdmitToolResultRequest:
 
 
 def working_set(session_id: str, budget_tokens: int) -> pb.WorkingSetRequest:
-    return pb.WorkingSetRequest(session_id=session_id, budget_tokens=budget_tokens)
+    return pb.WorkingSetRequest(session_id=session_id,
+                                budget_tokens=args.count("budget_tokens", budget_tokens, 0, args.UINT64_MAX))
 
 
 def get_session(session_id: str, *, include_tokens: bool = False) -> pb.GetSessionRequest:

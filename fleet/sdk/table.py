@@ -27,8 +27,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
-from fleet.core.errors import InvalidArgument
-from fleet.sdk import base, types
+from fleet.sdk import args, base, types
 from fleet.sdk import sessions as s
 from fleet.sdk.sessions import FleetSessions, SessionRow, SessionState
 
@@ -87,6 +86,7 @@ class Rpc(Generic[P, R]):
 def put_blob(data: bytes, *, expected_ref: str | None = None,
              verify: bool = True) -> Callable[[], Iterator[blobs_pb2.PutBlobRequest]]:
     """Store bytes (chunked); returns their ref. verify=True has the server check our own sha256."""
+    data = args.blob(data)
     return functools.partial(base.put_requests, data, base.expected(data, expected_ref, verify))
 
 
@@ -146,9 +146,7 @@ def lifecycle(name: str, verb: str, *, level: int | None = None, mode: str | Non
 def route(token_ids: Sequence[int], model: str, *, lora: str | None = None,
           probe: bool | None = None) -> route_pb2.RouteRequest:
     """Where to send a request for these tokens (the SDK's Route; the proxy sends the same request)."""
-    if any(t < 0 or t >= 1 << 32 for t in token_ids):
-        raise InvalidArgument("token ids must be integers in [0, 2**32)")
-    req = route_pb2.RouteRequest(token_ids=list(token_ids), model=model)
+    req = route_pb2.RouteRequest(token_ids=args.token_ids(token_ids), model=model)
     if lora is not None:
         req.lora = lora
     if probe is not None:

@@ -14,8 +14,14 @@ import pytest
 from support.controller import make_tokens, start_controller, store_url
 
 from fleet.app.redis_server import free_port
-from fleet.core.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated, Unavailable
-from fleet.sdk import AsyncFleetClient, BlobRef, FleetClient, RetryPolicy
+from fleet.core.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+from fleet.sdk import NO_RETRY, AsyncFleetClient, BlobRef, FleetClient, RetryPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +237,49 @@ async def test_a_route_for_a_model_no_worker_serves_is_not_found_at_once(tmp_pat
     print(msg)
     assert len(policy.log) >= 1 and "asleep, paused or down" in msg
     assert f"the controller at {ctl.address} answered UNAVAILABLE" in msg and "kvfleet controller" not in msg
+
+
+def _errors_answered(ctl) -> float:
+    """Every error status the controller has answered (kvfleet_rpc_errors_total, all labels)."""
+    return sum(x.value for m in ctl.ctx.metrics.rpc_errors.collect() for x in m.samples if x.name.endswith("_total"))
+
+
+async def test_bad_arguments_are_invalid_argument_before_any_rpc(tmp_path: Path) -> None:
+    # Found by review: generate(s, -1) and working_set(s, budget_tokens=-5) raised protobuf's ValueError,
+    # route("hello") a TypeError, and route([]) was sent (answered COLD by a fleet). Before the fix this failed at
+    # its first call: ValueError "Value out of range: -1".
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    bad = {
+        "num_tokens must be >= 1, got -1": lambda c: c.generate("e1", -1),
+        "num_tokens must be an integer, got float": lambda c: c.generate("e1", 2.0),
+        "budget_tokens must be >= 0, got -5": lambda c: c.working_set("e1", budget_tokens=-5),
+        "piece_id must be >= 0, got -1": lambda c: c.evict("e1", -1),
+        "token_ids must be a list of token ids, not str": lambda c: c.route("hello", model="m"),
+        "token_ids is empty": lambda c: c.route([], model="m"),
+        r"token_ids must be a list of token ids: integers in \[0, 2\*\*32\)": lambda c: c.route([1, 2**32], model="m"),
+        "append's token ids must be": lambda c: c.append("e1", [1, -2]),
+        "tags must be a list of strings, got str": lambda c: c.lifecycle("w0", "wake_up", tags="weights"),
+        "dp_rank must be >= 0": lambda c: c.lifecycle("w0", "sleep", level=1, dp_rank=-1),
+        "dp_ranks must be >= 1, got 0": lambda c: c.register_worker("w", url="http://h:1", kv_events="tcp://h:2",
+                                                                     dp_ranks=0),
+        r"put_blob takes bytes, got str; encode it first": lambda c: c.put_blob("text"),
+    }
+    try:
+        async with AsyncFleetClient(ctl.address, token=tok.op, retry=NO_RETRY) as c:
+            before = _errors_answered(ctl)
+            for message, call in bad.items():
+                with pytest.raises(InvalidArgument, match=message):
+                    await call(c)
+            assert _errors_answered(ctl) == before  # none of them reached the controller
+            # control: good arguments reach it (no router on this controller: UNAVAILABLE)
+            with pytest.raises(Unavailable):
+                await c.route([1, 2], model="m")
+            with pytest.raises(Unavailable):
+                await c.lifecycle("w0", "sleep", level=1, dp_rank=0, tags=["weights"])
+            assert _errors_answered(ctl) == before + 2
+    finally:
+        await ctl.stop(0)
 
 
 async def test_a_lost_answer_to_an_unpin_is_not_retried(tmp_path: Path) -> None:
