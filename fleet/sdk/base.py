@@ -15,6 +15,7 @@ from fleet.core.errors import InvalidArgument, KvfleetError, Unavailable
 from fleet.sdk import args
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
+from fleet.sdk.retry import tls_failure
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
 
 CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
@@ -76,10 +77,14 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
     """A gRPC status as the fleet.core.errors class of the same code, carrying the server's message; an
-    UNAVAILABLE no controller answered (`answered`) says the controller at `target` is unreachable."""
+    UNAVAILABLE no controller answered (`answered`) says the controller at `target` is unreachable, or that the TLS
+    handshake with it failed (retry.tls_failure)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(e)
     if code == grpc.StatusCode.UNAVAILABLE and not answered(e):
+        if (cause := tls_failure(details)) is not None:
+            return Unavailable(f"{method}: the controller at {target} did not complete a TLS handshake ({cause}); "
+                               f"grpc: {details}")
         return Unavailable(f"{method}: the controller at {target} is unreachable ({details})")
     return error_of(code.name, details, method, target)
 

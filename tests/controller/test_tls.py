@@ -21,7 +21,7 @@ from fleet.app.cli import worker as worker_cli
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.core.errors import InvalidArgument, Unavailable
-from fleet.sdk import NO_RETRY, AsyncFleetClient, FleetClient
+from fleet.sdk import NO_RETRY, AsyncFleetClient, FleetClient, RetryPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,38 @@ async def test_sdk_mutual_tls(tmp_path: Path, pki: Pki) -> None:
                 FleetClient(target, tok.a, **kw)
     finally:
         await ctl.stop(0)
+
+
+async def test_a_tls_handshake_that_cannot_succeed_is_not_retried_and_says_why(tmp_path: Path, pki: Pki) -> None:
+    # Found by review: --tls against a plaintext controller was retried 8 times over 8.7 s and ended with "check
+    # that `kvfleet controller` is running". Before the fix this failed at its first check: the message named the
+    # attempts and no handshake.
+    (tmp_path / "plain").mkdir()
+    tok = make_tokens(tmp_path / "plain")
+    plain = await start_controller(store_url("sqlite", tmp_path / "plain"), tok)
+    _, tls = await _mtls_controller(tmp_path, pki)
+    causes = {f"127.0.0.1:{plain.port}": "a plaintext controller? drop --tls",
+              f"127.0.0.1:{tls.port}": "its certificate did not verify"}  # tls=True: the system's CAs, not ours
+    proxy = await Proxy(ProxyConfig(controller=f"127.0.0.1:{plain.port}", listen="127.0.0.1:0", tls=True)).start()
+    try:
+        def check() -> None:
+            for target, cause in causes.items():
+                with FleetClient(target, tok.a, tls=True, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.05),
+                                 timeout=3) as c, pytest.raises(Unavailable) as ei:
+                    c.whoami()
+                msg = str(ei.value)
+                print(msg)
+                assert f"WhoAmI: the controller at {target} did not complete a TLS handshake ({cause}" in msg
+                assert "attempt(s)" not in msg and "kvfleet controller" not in msg  # sent once, and no such advice
+            with FleetClient(f"127.0.0.1:{plain.port}", tok.a, retry=NO_RETRY) as c:  # control: plaintext works
+                assert c.whoami().tenant == "acme"
+        await asyncio.to_thread(check)
+        print("proxy:", proxy.directory.last_error)
+        assert "did not complete a TLS handshake (a plaintext controller? drop --tls" in str(proxy.directory.last_error)
+    finally:
+        await proxy.stop()
+        await plain.stop(0)
+        await tls.stop(0)
 
 
 async def test_cli_tls_flags(tmp_path: Path, pki: Pki, capsys: pytest.CaptureFixture[str], ray_cluster: None) -> None:
