@@ -257,8 +257,9 @@ def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, di
                          "--quarantine-policy", "placeholder", "--tool-media", "pass", "--client-header-timeout", "30",
                          "--client-body-timeout", "60", "--max-first-byte-wait", "600",
                          "--max-inflight-bytes-per-tenant", "67108864", "--max-inflight-bytes", "134217728"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}  # 503 while it cannot see the fleet
     pdb = one(objs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "proxy"
 
