@@ -96,6 +96,7 @@ class SqliteBlobStore(BlobStore):
         except sqlite3.Error as e:
             raise Unavailable(f"sqlite database {self.path} cannot be opened: {e}") from e
         self._lock = threading.RLock()
+        self._closed = False
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
@@ -220,6 +221,7 @@ class SqliteBlobStore(BlobStore):
         1-byte blobs (within one tenant's default quota) held every tenant's calls for 11 s.
         """
         deleted, after = 0, 0  # SQLite numbers rows from 1
+        # NOTE: a close() between two windows made the next one raise ProgrammingError (closed database)
         while (window := self._gc_window(after, now)) is not None:
             after, num_deleted = window
             deleted += num_deleted
@@ -232,16 +234,19 @@ class SqliteBlobStore(BlobStore):
         """Delete the collectable rows among the next window after row id `after`; return (the window's
         last id, rows deleted), or None past the last row. The DELETE itself judges each row, in the same
         transaction, so a blob pinned or referenced before its window is reached is kept."""
-        with self._tx() as db:
-            # length() of a blob reads the row's header, not its bytes
-            rows = db.execute("SELECT id, length(data) FROM blobs WHERE id > ? ORDER BY id LIMIT ?",
-                              (after, _GC_BATCH_ROWS)).fetchall()
-            if not rows:
+        with self._lock:  # the same (reentrant) lock the transaction takes: close() cannot come between
+            if self._closed:
                 return None
-            last = _window_end(rows, _GC_BATCH_BYTES)
-            cur = db.execute("DELETE FROM blobs WHERE id > ? AND id <= ? AND pins = 0 AND refs = 0 "
-                             "AND lease_expires <= ?", (after, last, now))
-            return last, int(cur.rowcount)
+            with self._tx() as db:
+                # length() of a blob reads the row's header, not its bytes
+                rows = db.execute("SELECT id, length(data) FROM blobs WHERE id > ? ORDER BY id LIMIT ?",
+                                  (after, _GC_BATCH_ROWS)).fetchall()
+                if not rows:
+                    return None
+                last = _window_end(rows, _GC_BATCH_BYTES)
+                cur = db.execute("DELETE FROM blobs WHERE id > ? AND id <= ? AND pins = 0 AND refs = 0 "
+                                 "AND lease_expires <= ?", (after, last, now))
+                return last, int(cur.rowcount)
 
     # ---- controller state -------------------------------------------------------------------------
     def _kv_put(self, namespace: str, key: str, value: bytes) -> None:
@@ -291,6 +296,7 @@ class SqliteBlobStore(BlobStore):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a GC between windows stops at the next one
             self._db.close()
 
 

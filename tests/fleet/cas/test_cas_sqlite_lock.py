@@ -151,3 +151,22 @@ def test_gc_keeps_a_blob_pinned_or_referenced_between_its_windows(tmp_path: Path
     assert [store.exists(r, "flood") for r in (pinned, referenced)] == [True, True]
     assert store.stored_bytes("flood") == 2 * blob_charge(1)
     store.close()
+
+
+def test_a_store_closed_between_gc_windows_ends_the_gc_without_an_error(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller closes the store at stop while a GC thread may be between windows: the next window
+    raised sqlite3.ProgrammingError (closed database). Now GC stops there and returns what it deleted."""
+    monkeypatch.setattr(sqlite_store, "_GC_BATCH_ROWS", 4, raising=False)
+    store = open_store(f"sqlite:///{tmp_path / 'kv.db'}", lease_s=10.0, clock=lambda: 1000.0)
+    for i in range(10):
+        store.put(bytes([i]), "flood")
+    window = store._gc_window  # type: ignore[attr-defined]
+
+    def then_close(after: int, now: float) -> Any:
+        out = window(after, now)
+        store.close()  # as the controller's stop does, from another thread, between two windows
+        return out
+
+    store._gc_window = then_close  # type: ignore[attr-defined]
+    assert store.gc(now=2000.0) == 4  # the first window's, then it stopped
