@@ -213,7 +213,9 @@ class StreamGate:
         one could take the last slot.
         """
         others = self.total_open - self.open[tenant]
-        return max(1, int(self.caps.share * (total_n - others)))
+        if not others:  # NOTE: alone, a tenant was held to a share of the total: --max-uploads 8 gave it 4 of its 8
+            return total_n
+        return max(1, int(self.caps.share * (total_n - others) + 1e-9))  # 1e-9: int(0.57 * 100) is 56
 
     def check(self, tenant: str, size: int) -> None:
         """Refuse (the gate's error, naming the cap) what `admit` would refuse now; reserve nothing."""
@@ -288,10 +290,18 @@ class GetGate(StreamGate):
                                "read or cancel one, then retry", GetRefused))
 
     def _refuse(self, tenant: str, size: int) -> str | None:
-        if self.unread[tenant] >= self.limits.tenant_gets:
-            return (f"tenant {tenant!r} has {self.unread[tenant]} GetBlob calls ended because their client took no "
-                    f"message for {self.limits.idle_s:g} s (--get-idle-timeout) and has neither read their status "
-                    f"nor cancelled them (quota --max-gets-per-tenant={self.limits.tenant_gets}); cancel them")
+        """Stalled calls still hold a server RPC slot each: a tenant's open and unread gets together stay within
+        --max-gets-per-tenant, and everyone's within --max-gets. NOTE: the unread calls alone were checked, so a
+        tenant with 7 of them opened 8 more (15 held slots), and nothing bounded them across tenants."""
+        mine, unread_all = self.open[tenant] + self.unread[tenant], self.total_open + sum(self.unread.values())
+        if self.unread[tenant] and mine >= self.limits.tenant_gets:
+            return (f"tenant {tenant!r} has {self.open[tenant]} open GetBlob streams and {self.unread[tenant]} ended "
+                    f"because their client took no message for {self.limits.idle_s:g} s (--get-idle-timeout) and has "
+                    f"neither read their status nor cancelled them (quota --max-gets-per-tenant="
+                    f"{self.limits.tenant_gets}); cancel them")
+        if self.unread and unread_all >= self.limits.total_gets:
+            return (f"the controller already has {unread_all} GetBlob calls open or ended unread (limit "
+                    f"--max-gets={self.limits.total_gets}); retry shortly")
         return super()._refuse(tenant, size)
 
     @contextlib.contextmanager

@@ -13,6 +13,7 @@ judge lane (ServiceContext.judge_blob_later; docs/quarantine_path.md): the put n
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator, Generator, Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
 from fleet.cas.base import OverQuota, blob_charge, over_quota
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger("kvfleet.controller")
 
 DEFAULT_CHUNK = 1 << 20
 MAX_CHUNK = 2 << 20
@@ -164,14 +167,19 @@ class BlobServicer(pbg.BlobServiceServicer):
         with self.ctx.gets.stalled(tenant):
             try:
                 await fail_call(self.ctx, context, "GetBlob", stalled)
-            except grpc.aio.InternalError:  # gRPC could not send it: the client cancelled or went away first
-                return
+            except grpc.aio.InternalError:
+                if not context.cancelled():  # anything but the client's cancel is ours: say so
+                    log.exception("GetBlob: the stalled get's status could not be sent")
 
     async def _send(self, context: grpc.aio.ServicerContext, it: Generator[bytes, None, None], tenant: str,
                     batch: int) -> int:
         """Write the blob's chunks as the store reads them, a batch of chunks per store task; each write is
         waited for on the client's clock (controller/uploads.py: written)."""
         idle_s, sent = self.ctx.gets.limits.idle_s, 0
+        # NOTE: sent with the first write, the headers went unrecorded when that write stalled, and the stall's
+        # status then asked gRPC to send them again: refused (TOO_MANY_OPERATIONS), no status ever went out, and
+        # the call stayed open outside the gate's counts (a tenant's never-read gets took every server RPC slot)
+        await context.send_initial_metadata(())
         chunks = await self.ctx.tenant_blocking(tenant, _read_batch, it, batch)
         chunks.reverse()
         while chunks:

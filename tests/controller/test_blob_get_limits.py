@@ -202,6 +202,35 @@ async def test_gets_whose_client_never_reads_again_free_their_slots_at_the_idle_
     assert tenth == (Code.OK, "", 8, 8 * MIB)
 
 
+async def test_gets_whose_client_never_reads_a_message_are_counted_and_get_their_status(tmp_path: Path) -> None:
+    """8 gets whose client reads nothing at all. NOTE: their first write carried the response headers; when it
+    stalled, the stall's status asked gRPC to send the headers again, which it refused: no status went out, the
+    calls stayed open outside the gate's counts, and a tenant could hold every server RPC slot this way."""
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, uploads=UploadLimits(gets=GetLimits(idle_s=0.3)))
+    gate = ctl.ctx.gets
+    try:
+        async with grpc.aio.insecure_channel(ctl.address, options=NO_BDP) as ch:
+            stub = BlobServiceStub(ch)
+            ref = await _put(stub, os.urandom(4 * MIB), tok.a)
+            calls = [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref), metadata=md(tok.a)) for _ in range(8)]
+            await _until(lambda: gate.unread["acme"] == 8, "the 8 never-read gets counted unread")
+            ninth = await _read_all(stub, ref, tok.a)
+            code = Code.OK
+            try:  # the client reads at last: what gRPC kept, then the status
+                while await calls[0].read() is not grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+            for c in calls[1:]:
+                c.cancel()
+            await _until(lambda: not gate.unread, "the calls' count dropped")
+    finally:
+        await ctl.stop(0)
+    assert ninth[0] is Code.RESOURCE_EXHAUSTED and "neither read their status nor cancelled" in ninth[1], ninth
+    assert code is Code.RESOURCE_EXHAUSTED  # before: no status, the call hung
+
+
 class _CountingStore:
     """The real store; counts the store calls running at once per tenant (each made to take 10 ms)."""
 
