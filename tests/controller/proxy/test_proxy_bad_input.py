@@ -23,7 +23,9 @@ def _cases(fleet: Fleet) -> list[tuple[str, str, str, bytes, dict[str, str], int
          a, 400),
         ("prompt of wrong type", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": {"a": 1}}', a, 400),
         ("messages not a list", "POST", chat, b'{"model": "sim-model", "messages": "hi"}', a, 400),
-        ("message without content", "POST", chat, b'{"model": "sim-model", "messages": [{"role": "user"}]}', a, 400),
+        # (a message without content is empty text, as vLLM renders it: OpenAI's tool-calling turn has none)
+        ("message content neither text nor parts", "POST", chat,
+         b'{"model": "sim-model", "messages": [{"role": "user", "content": 7}]}', a, 400),
         ("NaN (not JSON; was forwarded)", "POST", "/v1/completions",
          b'{"model": "sim-model", "prompt": "hi", "temperature": NaN}', a, 400),
         ("Infinity (not JSON)", "POST", chat,
