@@ -557,7 +557,6 @@ def test_templates_refuse_the_body_budgets_the_proxy_refuses(
     """The chart refuses a proxy.maxInflightBytes / maxInflightBytesPerTenant the proxy would refuse to start with
     (against its --max-body-bytes, 8 MiB unless proxy.extraArgs sets it), and renders every one it accepts."""
     from controller.proxy.main import config_from, parse_args
-
     from fleet.core.errors import InvalidArgument
 
     values = {"proxy": {"maxInflightBytesPerTenant": per_tenant, "maxInflightBytes": total, "extraArgs": extra}}
