@@ -103,9 +103,10 @@ class StreamSink(Protocol):
     """Where a stream's batches go. `on_batch` may be a coroutine function (it then yields while it
     applies a large batch); a sink may also have `muted() -> bool` and `skip(seq)`: while muted, it
     is told only the seq of each live batch, and no replay is asked for it; `admit(seq, cost) -> bool`:
-    charged each message's budget.message_cost before it is decoded (False: not decoded), and a live
-    message's budget.blocks_cost once decoded (False: not applied); and
-    `refuse(seq, events, what)`: told of a message refused undecoded (budget.refusal)."""
+    charged each message's budget.message_cost before it is decoded (False: not decoded), and its
+    budget.blocks_cost once decoded, but in a restart's catch-up (False: not applied); and
+    `refuse(seq, events, what)`: told of a message refused undecoded (budget.refusal). A sink that mutes
+    also has `resume(seq)`: the stream goes on at `seq` after a hold, nothing sent meanwhile read."""
 
     def last_seq(self) -> int: ...
 
@@ -130,7 +131,7 @@ class Subscriber:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._closing = False
-        self._fresh = False  # connected again after a hold, no message read yet (_sit_out)
+        self._fresh = False  # sitting out a hold, or connected again after it with no message read yet
         self.slicer = Slicer()
 
     def muted(self) -> bool:
@@ -156,7 +157,7 @@ class Subscriber:
                 if self.muted():
                     break
                 self._replayed[seq] = _digest(payload)
-                await self._apply(seq, payload)
+                await self._apply(seq, payload, catch_up=True)
             del batches
             self._prune_replayed()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -193,13 +194,13 @@ class Subscriber:
         dropped when it turned faulty, so nothing it sent meanwhile is needed: the first message after the hold
         takes the stream from its seq, with no repair and no tail poll before it."""
         assert self._sock is not None
+        self._fresh = True  # from now until the first message after the hold: no tail poll (see poll_tail)
         self._sock.close(0)
         self._sock = None
         while self.muted() and not self._closing:
             await asyncio.sleep(MUTED_POLL_S)
         if not self._closing:
             self._sock = self._connect()
-            self._fresh = True
 
     async def handle(self, frames: list[bytes]) -> None:
         """One live message, in order: duplicate check, reset, gap repair, then apply."""
@@ -228,10 +229,10 @@ class Subscriber:
             last = -1
         if seq > last + 1:
             if fresh:  # back from a hold (_sit_out): what came between went to an index since dropped
-                self.sink.skip(seq - 1)  # type: ignore[attr-defined]  # only a sink that mutes sits out
+                self.sink.resume(seq)  # type: ignore[attr-defined]  # only a sink that mutes sits out
             else:
                 await self._repair(last, seq)
-        await self._apply(seq, frames[2], live=True)
+        await self._apply(seq, frames[2])
 
     async def poll_tail(self) -> int:
         """Ask replay for anything after the last seq (a lost final batch shows no gap until the
@@ -239,6 +240,8 @@ class Subscriber:
         if not self.replay_endpoint or self.muted() or self._fresh:
             return 0
         async with self._lock:
+            if self._fresh:  # NOTE: checked before the lock only, a poll between a hold's end and the first
+                return 0     # message after it replayed the hold's batches, and that message then skipped the rest
             last = self.sink.last_seq()
             batches = await self.replay(last + 1)
             n = 0
@@ -291,7 +294,7 @@ class Subscriber:
         self.metrics.kv_event_replays.labels("unrepaired").inc()
         self.sink.on_invalidate("gap", seq - 1)
 
-    async def _apply(self, seq: int, payload: bytes, *, live: bool = False) -> None:
+    async def _apply(self, seq: int, payload: bytes, *, catch_up: bool = False) -> None:
         await self.slicer.tick()
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]
@@ -318,7 +321,7 @@ class Subscriber:
             self.metrics.kv_event_decode_errors.inc()
             self.sink.on_invalidate("decode_error", seq)
             return
-        if live and admit is not None and not admit(seq, blocks_cost(batch)):
+        if not catch_up and admit is not None and not admit(seq, blocks_cost(batch)):
             return  # its blocks are over the rank's budget: the sink made its worker faulty
         self.metrics.kv_event_batches.inc()
         done = self.sink.on_batch(seq, batch)

@@ -49,6 +49,7 @@ from fleet.core.rank_state import Look, RankState, Transition
 
 log = logging.getLogger(__name__)
 AWAITED_CLEAR = AllBlocksCleared(awaited=True)  # the clear a forgetting verb queued (events.py)
+CLEAR_SETTLE_S = 2.0  # after a fence "clear" went up, a batch read this much later was produced after the clear
 DRAIN_POLL_S = 0.02  # how often a refused prefix-cache reset is asked again while the worker drains
 
 
@@ -112,6 +113,16 @@ class _Sink:
     def skip(self, seq: int) -> None:
         self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq)
 
+    def resume(self, seq: int) -> None:
+        """The stream goes on at `seq` after a faulty hold, nothing sent meanwhile read (Subscriber._sit_out). An
+        AllBlocksCleared the rank awaited (fence "clear") may have been among it: Worker.lift_settled.
+        NOTE: a reset or sleep the controller drove while the worker was faulty left the fence up for good, the
+        worker serving and always COLD until the next clear."""
+        self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq - 1)
+        if self.w.ranks[self.r].fence == "clear":
+            self.w.resumed.add(self.r)
+            self.w.lift_settled(self.r)
+
     def on_invalidate(self, reason: str, seq: int | None) -> None:
         """An invalidation steps the epoch and writes the store: it costs STEP_COST of the rank's budget.
         NOTE: uncharged, a flood of seq resets stepped the epoch 11,709 times in 4 s, never faulty."""
@@ -144,6 +155,8 @@ class Worker:
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
         self.sleep_ops: float | None = None
         self._reset_seen: set[int] = set()
+        self.fenced_at: dict[int, float] = {}  # when each rank's fence "clear" went up (monotonic)
+        self.resumed: set[int] = set()  # ranks back from a hold with fence "clear" up (lift_settled)
         self._persisted_seq: dict[int, int] = {}
         self._unpersisted: set[int] = set()
         self._subs: list[Subscriber] = []
@@ -176,6 +189,8 @@ class Worker:
 
     def _apply(self, rank: int, t: Transition) -> None:
         """Carry out one transition: adopt its state, drop the index, count the bump, persist."""
+        if t.state.fence == "clear" and self.ranks[rank].fence != "clear":
+            self.fenced_at[rank] = time.monotonic()
         self.ranks[rank] = t.state
         if t.drop_index:
             self.index.drop((self.spec.name, rank))
@@ -198,11 +213,24 @@ class Worker:
             self._reset_seen.add(rank)  # the next look's restart check must not count it again
         self._apply(rank, self.ranks[rank].stream_invalidated(reason, seq))
 
+    def lift_settled(self, rank: int) -> None:
+        """A rank back from a hold (`resumed`) with fence "clear" up: its awaited AllBlocksCleared may have been
+        sent while nothing was read. vLLM publishes it with the step after the verb, so once CLEAR_SETTLE_S have
+        passed since the fence went up, whatever is read now was produced after it, and the fence lifts."""
+        st = self.ranks[rank]
+        if st.fence != "clear":
+            self.resumed.discard(rank)
+        elif time.monotonic() - self.fenced_at.get(rank, 0.0) >= CLEAR_SETTLE_S:
+            self.resumed.discard(rank)
+            self._apply(rank, Transition(dataclasses.replace(st, fence=""), persist=True))
+
     async def on_batch(self, rank: int, seq: int, batch: EventBatch) -> None:
         """Apply one batch in slices: each slice's state is adopted before yielding to the loop (a
         verb may run meanwhile), and the next slice starts from the rank's state as it then is. The
         store write, if the batch stepped the epoch, is one, at its end."""
         key = (self.spec.name, rank)
+        if rank in self.resumed:
+            self.lift_settled(rank)
         st = self.ranks[rank].at_seq(seq)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
             if not self.guard.admit(rank, STEP_COST, len(batch.events)):  # an epoch step, like any invalidation

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import zmq.asyncio
 from support.kv_flood import FloodingReplay, RecordingSink, live_stream
 
 from controller.metrics import Metrics
+from controller.vllm.events import decode_batch
 from controller.vllm.subscriber import Subscriber
 from fleet.app.testkit.sim_vllm import wire
 
@@ -63,6 +65,44 @@ def _stored(hashes: list[int], tokens: int | None = None, medium: str = "GPU", *
     n = len(hashes) * 16 if tokens is None else tokens
     return wire.VllmBlockStored(block_hashes=hashes, parent_block_hash=42, token_ids=[100_000] * n, block_size=16,
                                 lora_id=None, medium=medium, lora_name=None, **kw)
+
+
+class _ChargedSink(RecordingSink):
+    """Records every budget charge a stream's messages make (admit), and never refuses one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charged: list[int] = []
+
+    def admit(self, seq: int, cost: int) -> bool:
+        self.charged.append(cost)
+        return True
+
+
+async def test_replayed_batches_pay_for_their_blocks_except_a_restarts_catch_up() -> None:
+    """NOTE: only live messages paid the per-block charge, so a worker answering each tail poll with 64 batches of
+    116,000 hashes decoded 234 of them in 8 s (the loop blocked 6.3 s of 8), never faulty. Tail polls and gap
+    repairs now pay for their blocks; a controller restart's catch-up does not (10,000 honest steps at once)."""
+    from controller.vllm.budget import blocks_cost, message_cost
+
+    payload = _stored_batch(events=1, hashes=400)
+    per = blocks_cost(decode_batch(payload))
+    assert per == 100
+    replay = FloodingReplay(3, payload=payload)
+    ctx = zmq.asyncio.Context()
+    try:
+        sink = _ChargedSink()
+        sub = Subscriber(ctx, "tcp://127.0.0.1:1", replay.endpoint, sink, Metrics())
+        assert await sub.poll_tail() == 3
+        assert sink.charged == [message_cost(len(payload)), per] * 3  # before: the message's cost alone
+        sink = _ChargedSink()
+        sub = Subscriber(ctx, "tcp://127.0.0.1:1", replay.endpoint, sink, Metrics())
+        await sub.start(catch_up_from=0)
+        await sub.stop()
+        assert sink.applied == [0, 1, 2] and sink.charged == [message_cost(len(payload))] * 3  # catch-up: bytes only
+    finally:
+        replay.close()
+        ctx.term()
 
 
 async def test_a_message_larger_than_its_events_allow_is_refused_undecoded_and_trips_the_worker(
@@ -170,6 +210,46 @@ async def test_a_batch_is_charged_for_the_blocks_it_carries_not_only_its_events(
         assert not w.faulty() and live.blocks() == 15
 
 
+async def test_a_clear_awaited_while_the_worker_sat_out_its_hold_does_not_fence_it_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller resets a worker that is faulty: fence "clear" goes up, and vLLM's AllBlocksCleared comes while
+    the worker's stream is not read. NOTE: nothing else lifted that fence: after the hold the worker served, its
+    stores ignored, COLD until some later clear. Now, back from the hold, the fence lifts once CLEAR_SETTLE_S have
+    passed since it went up (whatever is read then was produced after the clear); before that, stores still wait."""
+    import controller.vllm.watcher as watcher
+
+    monkeypatch.setattr(watcher, "CLEAR_SETTLE_S", 1.0, raising=False)
+    async with live_stream(tmp_path, faulty_hold_s=0.3) as live:
+        w = live.r.worker("w0")
+
+        async def publish(events: list[Any]) -> None:
+            await live.pub.send_multipart([b"", live.seq.to_bytes(8, "big"), wire.encode_batch(0.0, events, 0)])
+            live.seq += 1
+
+        await publish([wire.VllmBlockRemoved(block_hashes=[1], medium="GPU")] * 4097)  # refused undecoded: faulty
+        await live.until(w.faulty, "the worker faulty")
+        await live.r.lifecycle("w0", "reset_prefix_cache")
+        fenced = time.monotonic()
+        assert w.ranks[0].fence == "clear"
+        await publish([wire.VllmAllBlocksCleared(), _stored([1 << 40])])  # the clear, sent while nobody reads
+        await live.until(lambda: not w.faulty(), "the hold over")
+        early, h = None, 1 << 41
+        for _ in range(200):  # the worker steps on, a store a step
+            await publish([_stored([h])])
+            h += 1
+            await asyncio.sleep(0.02)
+            if early is None and w.ranks[0].seq >= live.seq - 1:
+                early = (w.ranks[0].fence, live.blocks(), time.monotonic() - fenced)  # read again, not yet settled
+            if live.blocks():
+                break
+        lifted = time.monotonic() - fenced
+        print(f"back from the hold: {early}; stores indexed {live.blocks()} after {lifted:.2f} s, fence "
+              f"{w.ranks[0].fence!r}")
+        assert early is not None and early[0] == "clear" and early[1] == 0 and early[2] < 1.0  # waits first
+        assert w.ranks[0].fence == "" and live.blocks() >= 1 and lifted >= 1.0  # before: 'clear' for good
+
+
 async def test_non_gpu_tiers_share_one_block_bound_and_their_number_is_capped(tmp_path: Path) -> None:
     """The resident-block bound used to apply to each non-GPU (group_idx, medium) tier on its own, and a
     worker names as many tiers as it likes: 5 CPU tiers of 50 blocks under a bound of 100 held 250. Now the
@@ -228,6 +308,9 @@ class _MutedSink(RecordingSink):
     def skip(self, seq: int) -> None:
         self.skipped += 1
         self.seq = seq
+
+    def resume(self, seq: int) -> None:
+        self.seq = seq - 1
 
 
 async def test_a_faulty_workers_stream_is_not_read_or_queued_until_its_hold_ends() -> None:
