@@ -417,11 +417,15 @@ class Worker:
         sleeping, m, _, version = obs
         self.load, self.load_at = m, self._look_at or time.monotonic()
         self._check_algo(m.hash_algo, "/metrics")
+        new_process = m.start_time is not None and any(
+            st.start_time is not None and st.start_time != m.start_time for st in self.ranks.values())
         for r in self.ranks:
             self._apply(r, self.ranks[r].restarted(m.start_time, version, stream_reset_seen=r in self._reset_seen,
                                                    subscribed=bool(self._subs)))
             self._reset_seen.discard(r)
-        look = Look.of(sleeping, m.sleep_state, m.sleep_ops, self.sleep_ops)
+        # NOTE: a new process counts its /sleep calls from 0: compared with the old one's count, the look read as
+        # "slept between", and its invalidation replaced the restart's fence "reset" with none
+        look = Look.of(sleeping, m.sleep_state, m.sleep_ops, None if new_process else self.sleep_ops)
         self.sleep_ops = look.sleep_ops
         for r in list(self.ranks):
             self._apply(r, self.ranks[r].observed(look))

@@ -156,6 +156,31 @@ async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -
         store.close()
 
 
+async def test_a_restart_after_sleeps_keeps_its_fence_until_the_new_publisher(tmp_path) -> None:
+    """The restarted process counts its /sleep calls from 0. NOTE: the look that saw the restart compared that
+    with the old process's count, read it as a sleep between looks, and its invalidation dropped the restart's
+    fence "reset", so a batch the old publisher left in the socket could still add blocks the new one lacks."""
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    (sim,) = await _sims(1)
+    r = await _router(store, reconcile_interval_s=30.0)
+    try:
+        await r.register_worker(_spec(0, sim))
+        w0 = r._workers["w0"]
+        await _complete(sim, TOKS, r)
+        await r.lifecycle("w0", "sleep", level=1)
+        await r.lifecycle("w0", "wake_up")
+        await w0.reconcile_once()
+        await w0.reconcile_once()  # the baseline: one /sleep
+        async with aiohttp.ClientSession() as h, h.post(sim.url + "/sim/restart") as resp:
+            assert resp.status == 200
+        await w0.reconcile_once()
+        assert [(s.fence, s.serving) for s in r.workers()] == [("reset", True)]  # before: ("", True)
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
 async def test_a_worker_unregistered_while_its_route_is_probed_is_not_chosen(tmp_path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     sims = await _sims(2)
