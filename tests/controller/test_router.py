@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -54,6 +55,23 @@ def _spec(i, s, **kw):
     return WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m", **kw)
 
 
+@contextlib.asynccontextmanager
+async def _fleet(tmp_path, n: int = 1, **router_kw):
+    """A Router on a fresh SQLite store with `n` stand-ins registered as w0, w1, ...; yields (router, sims)."""
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sims = await _sims(n)
+    r = await _router(store, **router_kw)
+    try:
+        for i, s in enumerate(sims):
+            await r.register_worker(_spec(i, s))
+        yield r, sims
+    finally:
+        await r.stop()
+        for s in sims:
+            await s.stop()
+        store.close()
+
+
 async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
     sims = await _sims(2)
     r = await _router(store)
@@ -94,12 +112,7 @@ async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_pat
     """The controller pauses a worker keeping its KV; behind its back the worker is slept at level 1 (its
     cache wiped) and woken. Whether a look saw it asleep (level 1) or only the /sleep count moving, its
     next route is COLD, and it is warm again once it holds the prefix anew."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    (sim,) = await _sims(1)
-    r = await _router(store, reconcile_interval_s=0.1 if look_while_asleep else 30.0)
-    w0 = None
-    try:
-        await r.register_worker(_spec(0, sim))
+    async with _fleet(tmp_path, reconcile_interval_s=0.1 if look_while_asleep else 30.0) as (r, (sim,)):
         w0 = r._workers["w0"]
         await _complete(sim, TOKS, r)
         await w0.reconcile_once()  # the baseline of the /sleep count
@@ -118,10 +131,6 @@ async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_pat
         assert (d.verdict, d.matched_tokens) == ("COLD", 0)  # was WARM 96 with an empty cache
         await _complete(sim, TOKS, r)
         assert (await r.route(TOKS, "m")).verdict == "WARM"
-    finally:
-        await r.stop()
-        await sim.stop()
-        store.close()
 
 
 async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -> None:
@@ -129,11 +138,7 @@ async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -
     so the first seq it sees is past the old publisher's last: no seq reset is seen, only the look's new start
     time (fence "reset"). The new publisher's batches are stamped after that start, so the fence lifts and
     what the worker stores next routes WARM; it stayed COLD for good before."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    (sim,) = await _sims(1)
-    r = await _router(store, reconcile_interval_s=30.0)
-    try:
-        await r.register_worker(_spec(0, sim))
+    async with _fleet(tmp_path, reconcile_interval_s=30.0) as (r, (sim,)):
         w0 = r._workers["w0"]
         for k in range(4):
             await _complete(sim, [5000 + 200 * k + i for i in range(96)], r)
@@ -150,21 +155,13 @@ async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -
         await _complete(sim, TOKS, r)
         d = await r.route(TOKS, "m")
         assert (d.verdict, d.matched_tokens) == ("WARM", 96)  # before: COLD 0, the fence up for good
-    finally:
-        await r.stop()
-        await sim.stop()
-        store.close()
 
 
 async def test_a_restart_after_sleeps_keeps_its_fence_until_the_new_publisher(tmp_path) -> None:
     """The restarted process counts its /sleep calls from 0. NOTE: the look that saw the restart compared that
     with the old process's count, read it as a sleep between looks, and its invalidation dropped the restart's
     fence "reset", so a batch the old publisher left in the socket could still add blocks the new one lacks."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    (sim,) = await _sims(1)
-    r = await _router(store, reconcile_interval_s=30.0)
-    try:
-        await r.register_worker(_spec(0, sim))
+    async with _fleet(tmp_path, reconcile_interval_s=30.0) as (r, (sim,)):
         w0 = r._workers["w0"]
         await _complete(sim, TOKS, r)
         await r.lifecycle("w0", "sleep", level=1)
@@ -175,19 +172,10 @@ async def test_a_restart_after_sleeps_keeps_its_fence_until_the_new_publisher(tm
             assert resp.status == 200
         await w0.reconcile_once()
         assert [(s.fence, s.serving) for s in r.workers()] == [("reset", True)]  # before: ("", True)
-    finally:
-        await r.stop()
-        await sim.stop()
-        store.close()
 
 
 async def test_a_worker_unregistered_while_its_route_is_probed_is_not_chosen(tmp_path) -> None:
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sims = await _sims(2)
-    r = await _router(store)
-    try:
-        for i, s in enumerate(sims):
-            await r.register_worker(_spec(i, s))
+    async with _fleet(tmp_path, 2) as (r, sims):
         await _complete(sims[0], TOKS, r)
         w0 = r._workers["w0"]
         probe = w0.probe
@@ -198,12 +186,7 @@ async def test_a_worker_unregistered_while_its_route_is_probed_is_not_chosen(tmp
 
         w0.probe = unregistered_meanwhile  # type: ignore[method-assign]
         d = await r.route(TOKS, "m", probe=True)
-        assert d.worker == "w1" and [w.name for w in r.workers()] == ["w1"]  # before: w0, WARM, gone
-    finally:
-        await r.stop()
-        for s in sims:
-            await s.stop()
-        store.close()
+        assert d.worker == "w1" and [w.name for w in r.workers()] == ["w1"]  # before: KeyError 'w0' (INTERNAL)
 
 
 async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
