@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import ray_local
-from controller.auth import TokenBook, mint_token
+from controller.auth import mint_token
 from controller.cost import CostConfig
 from controller.edge import add_edge_flags, edge_config_from
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
@@ -418,12 +418,7 @@ def _mint(args: argparse.Namespace) -> int:
     if not args.tokens_file:
         print("kvfleet controller: --mint-token needs --tokens-file", file=sys.stderr)
         return 2
-    path = Path(args.tokens_file)
-    if path.exists() and path.read_text().strip():
-        # NOTE: read first as the controller reads it: a malformed file is refused naming it (the JSON error of the
-        # append named no file), and no token is appended to a file the controller cannot load
-        TokenBook(path)
-    print(mint_token(path, args.mint_token, args.role, args.name))
+    print(mint_token(Path(args.tokens_file), args.mint_token, args.role, args.name))
     return 0
 
 

@@ -184,3 +184,37 @@ async def test_tls(tmp_path: Path) -> None:
         await asyncio.to_thread(check)
     finally:
         await ctl.stop(0)
+
+
+def test_a_reload_keeps_the_last_good_book_through_an_empty_or_broken_file_and_reads_each_change_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """NOTE: an empty tokens file (a rewrite caught between its truncate and its write) was a valid book with no
+    tokens: every caller locked out, and for good where the write fell in the same mtime tick (the change was
+    the mtime alone). A malformed file was parsed again on every call, logging nothing."""
+    import os
+
+    f = tmp_path / "tokens.json"
+    acme = mint_token(f, "acme", "tenant")
+    book = TokenBook(f)
+    good = f.read_text()
+    st = f.stat()
+    f.write_text("")  # truncated, not yet written
+    assert book.lookup(acme) is not None  # before: None (locked out)
+    f.write_text(good)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # the final write in the same mtime tick as the truncate
+    assert book.lookup(acme) is not None
+    bravo = mint_token(f, "bravo", "tenant")
+    f.write_text(f.read_text()[:-5])  # a broken edit that also drops bravo's line end
+    reads = 0
+    real = Path.read_text
+
+    def counted(self: Path, *a: object, **k: object) -> str:
+        nonlocal reads
+        reads += self == f
+        return real(self, *a, **k)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING"):
+        mp.setattr(Path, "read_text", counted)
+        assert [book.lookup(acme) is not None for _ in range(50)] == [True] * 50
+    assert reads == 1  # before: 50 (every call parsed the file again)
+    assert book.lookup(bravo) is None and "tokens file not reloaded" in caplog.text and "malformed" in caplog.text
