@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Any, Protocol
 
 KEY = "kvfleet:controller:leader"
+LEASE_SHARE = 0.8  # of the ttl, from the start of a set or renew, that the holder trusts it still holds the lock
 # Renew only if we still hold it; release only our own lock.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
@@ -18,6 +20,7 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 
 class LeaderLock(Protocol):
     ttl_s: float
+    valid_until: float  # monotonic: until when, by this process's clock, the lock is surely still ours
 
     async def acquire(self) -> None: ...
     async def renew(self) -> bool: ...
@@ -29,6 +32,7 @@ class NoopLock:
     """The embedded store serves one controller: it always leads."""
 
     ttl_s = 3600.0
+    valid_until = float("inf")
 
     async def acquire(self) -> None:
         return None
@@ -44,19 +48,30 @@ class NoopLock:
 
 
 class RedisLock:
-    """SET NX PX lock with a random owner id; renewed at ttl/3 by the holder."""
+    """SET NX PX lock with a random owner id; renewed at ttl/3 by the holder.
+
+    `valid_until` is when the lock surely still holds by this process's clock: the start of the last call that
+    set or renewed it, plus LEASE_SHARE of the ttl (Redis counts the ttl from when it ran the call, later). The
+    holder steps down there whatever its renew is doing (controller.server: _lead), and the client's socket calls
+    time out within a third of the ttl. NOTE: with neither, a leader whose path to Redis went silent (packets
+    dropped, no reset) waited in its renew as long as the client's socket timeout (none in redis-py 5's asyncio
+    client) and kept serving while a standby took the expired lock: two leaders.
+    """
 
     def __init__(self, url: str, ttl_s: float = 10.0, key: str = KEY) -> None:
         import redis.asyncio as aredis
 
         self.ttl_s, self.key = ttl_s, key
         self.owner = secrets.token_hex(16)
-        self._r: Any = aredis.Redis.from_url(url)
+        self.valid_until = 0.0
+        self._r: Any = aredis.Redis.from_url(url, socket_timeout=ttl_s / 3, socket_connect_timeout=ttl_s / 3)
 
     async def acquire(self) -> None:
         while True:
             try:
+                t0 = time.monotonic()
                 if await self._r.set(self.key, self.owner, nx=True, px=int(self.ttl_s * 1000)):
+                    self.valid_until = t0 + LEASE_SHARE * self.ttl_s
                     return
             except OSError:
                 pass  # redis down: keep waiting, a standby must not crash
@@ -67,7 +82,11 @@ class RedisLock:
 
     async def renew(self) -> bool:
         try:
-            return bool(await self._r.eval(_RENEW, 1, self.key, self.owner, int(self.ttl_s * 1000)))
+            t0 = time.monotonic()
+            if await self._r.eval(_RENEW, 1, self.key, self.owner, int(self.ttl_s * 1000)):
+                self.valid_until = t0 + LEASE_SHARE * self.ttl_s
+                return True
+            return False
         except Exception:
             return False  # cannot prove we still hold it: step down
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,7 +145,7 @@ class Controller:
             log.info("controller on %s took the leader lock", self.address)
             try:
                 await self.become_leader()
-                while await lock.renew():
+                while await self._renewed(lock):
                     await asyncio.sleep(lock.ttl_s / 3)
                 log.warning("controller on %s lost the leader lock; standing by", self.address)
             except Exception:
@@ -152,6 +153,16 @@ class Controller:
                 await lock.release()
                 await asyncio.sleep(lock.ttl_s)
             await self.step_down()
+
+    @staticmethod
+    async def _renewed(lock: LeaderLock) -> bool:
+        """Renew the lock, or give it up (False) once its lease runs out by our clock (LeaderLock.valid_until),
+        whatever the renew is doing: a standby may take it from then on."""
+        left = lock.valid_until - time.monotonic()
+        try:
+            return await asyncio.wait_for(lock.renew(), max(left, 0.0) if left != float("inf") else None)
+        except TimeoutError:
+            return False
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Graceful stop: NOT_SERVING, drain in-flight RPCs for `grace` s, stop the router, close the store."""

@@ -130,6 +130,88 @@ async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
             await c.stop(0)  # idempotent
 
 
+class _Relay:
+    """A TCP relay to Redis that can go silent: bytes stop both ways, sockets stay open (a partition, a paused VM)."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import threading
+
+        self.up, self.silent = ("127.0.0.1", port), False
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(c, socket.create_connection(self.up)), daemon=True).start()
+
+    def _pump(self, c: object, u: object) -> None:
+        import select
+
+        try:
+            while True:
+                ready, _, _ = select.select([c, u], [], [], 0.05)
+                if self.silent:
+                    continue
+                for a, b in ((c, u), (u, c)):
+                    if a in ready:
+                        data = a.recv(65536)  # type: ignore[attr-defined]
+                        if not data:
+                            return
+                        b.sendall(data)  # type: ignore[attr-defined]
+        except OSError:
+            pass
+
+
+async def test_a_leader_cut_off_from_redis_steps_down_before_a_standby_can_lead(
+        redis_url: str, redis_server: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's path to Redis goes silent. NOTE: its renew then waited as long as the Redis client's socket
+    timeout (none in redis-py 5's asyncio client, as here) while it kept serving, and the standby took the expired
+    lock: two leaders (from 9 s to past 30 s at a 10 s ttl). Now the leader gives the lock up when its lease runs
+    out by its own clock, before Redis lets anyone else take it."""
+    import redis.asyncio as aredis
+
+    real = aredis.Redis.from_url.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(aredis.Redis, "from_url", classmethod(
+        lambda cls, url, **kw: real(cls, url, **{**kw, "socket_timeout": None})))  # redis-py 5's default
+    relay = _Relay(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    tok = make_tokens(tmp_path)
+    kw = {"leader_election": True, "leader_ttl_s": 1.0, "gc_interval_s": 0}
+    a = await start_controller(f"redis://127.0.0.1:{relay.port}/0", tok, **kw)
+    b = None
+    try:
+        for _ in range(100):
+            if a.ctx.leader:
+                break
+            await asyncio.sleep(0.05)
+        b = await start_controller(redis_url, tok, **kw)
+        await asyncio.sleep(0.5)
+        assert a.ctx.leader and not b.ctx.leader
+        relay.silent = True
+        t0, both, a_down, b_up = asyncio.get_running_loop().time(), False, None, None
+        while asyncio.get_running_loop().time() - t0 < 4.0 and b_up is None:
+            await asyncio.sleep(0.02)
+            both |= a.ctx.leader and b.ctx.leader
+            now = asyncio.get_running_loop().time() - t0
+            a_down = now if a_down is None and not a.ctx.leader else a_down
+            b_up = now if b.ctx.leader else None
+        print(f"silent at 0: the leader stepped down at {a_down} s, the standby led at {b_up} s; both at once: {both}")
+        assert not both and a_down is not None and b_up is not None and a_down < b_up  # before: both from ~1 s on
+    finally:
+        relay.silent = False
+        for c in (a, b):
+            if c is not None:
+                await c.stop(0)
+
+
 def test_kvfleet_controller_cli(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
