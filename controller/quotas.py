@@ -154,12 +154,15 @@ class TenantLedger:
             if history >= 0:
                 self.history.setdefault(tenant, {})[session_id] = int(history)
 
-    def charge(self, tenant: str, session_id: str, history: int) -> None:
-        """A call whose outcome is unknown (it timed out or was cancelled while its host may still log it)
-        keeps its reservation as a charge, until the session's next answer says what its log holds."""
-        hist = self.history.get(tenant)
-        if hist is not None and session_id in hist:
-            hist[session_id] += int(history)
+    def charge(self, tenant: str, session_id: str, reserved: tuple[int, int]) -> None:
+        """A call whose outcome is unknown (it timed out while its host may still apply and log it) keeps its
+        reservation (tokens, history) as a charge, until the session's next answer says what it holds and logs.
+        NOTE: only the history was kept: the tokens of an append cut short were not counted while its host held
+        them, and the tenant went on past its KV quota."""
+        hist, held = self.history.get(tenant), self.tokens.get(tenant)
+        if hist is not None and held is not None and session_id in hist and session_id in held:
+            held[session_id] += int(reserved[0])
+            hist[session_id] += int(reserved[1])
 
     def add(self, tenant: str, session_id: str, num_tokens: int, history: int) -> None:
         """A create or fork completed: the new session holds `num_tokens` tokens, and its log `history`."""

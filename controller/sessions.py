@@ -79,6 +79,8 @@ class Sessions:
         tenant's wait); the same tokens are counted against the quota and appended, never encoded again."""
         fleet = await self.get_fleet()
         tokens = await self._run(tenant, encode_message, fleet.tokenizer, role, text)
+        _within_context(len(tokens), fleet.kernel.config.max_context, "tokens of the message are")  # before the quota: NOTE:
+        # a message over the context was refused as over the KV quota, which named the wrong fix
         return await self._mutate(tenant, sid, len(tokens), op_id, fleet.append_message, tokens, role, op_id)
 
     async def append_output(self, tenant: str, sid: str, token_ids: Sequence[int], op_id: str) -> OpResult:
@@ -89,9 +91,7 @@ class Sessions:
         """
         fleet = await self.get_fleet()
         cfg = fleet.kernel.config
-        if len(token_ids) > cfg.max_context:
-            raise InvalidArgument(f"{len(token_ids)} token ids in one append are over the session's context of "
-                                  f"{cfg.max_context} tokens (max_seq_len / sliding_window); nothing was appended")
+        _within_context(len(token_ids), cfg.max_context, "token ids in one append are")
         ids = await self._run(tenant, check_token_ids, token_ids, cfg.vocab_size)
         return await self._mutate(tenant, sid, len(ids), op_id, fleet.append_output, ids, op_id)
 
@@ -289,17 +289,29 @@ class Sessions:
             if not op_id or not await self._run(tenant, self._logged, tenant, sid, op_id):
                 raise
             held = (0, 0)  # the actor answers it from its log (replayed), applying nothing
-        try:
-            r = await self._call(tenant, sid, fn, tenant, sid, *args)
-        except (Unavailable, asyncio.CancelledError):
-            # NOTE: its host may still log it (a call timeout, a client gone): charged until the session's next
-            # answer; before, such an append was never charged, and its retry came back replayed
-            ledger.charge(tenant, sid, held[1])
-            raise
-        finally:
+
+        def settle(t: asyncio.Future[OpResult]) -> None:
             ledger.release(tenant, held)
-        ledger.update(tenant, sid, r.num_tokens, r.history_tokens)  # what the session holds and logged, as its host says
-        return r
+            e = None if t.cancelled() else t.exception()
+            if not t.cancelled() and e is None:
+                r = t.result()
+                ledger.update(tenant, sid, r.num_tokens, r.history_tokens)  # what it holds and logged, as its host says
+            elif t.cancelled() or isinstance(e, Unavailable):
+                # NOTE: its host may still log it (a call timeout): charged until the session's next answer; before,
+                # such an append was never charged, and its retry came back replayed
+                ledger.charge(tenant, sid, held)
+
+        return await self._settled(asyncio.ensure_future(self._call(tenant, sid, fn, tenant, sid, *args)), settle)
+
+    @staticmethod
+    async def _settled(task: asyncio.Future[T], settle: Callable[[asyncio.Future[T]], None]) -> T:
+        """Await `task` (a KernelFleet call) and settle its quota reservation (`settle(task)`) when it ENDS, not when
+        its caller stops waiting: a cancelled caller (its deadline, its client gone) leaves the call running in its
+        lane's thread. NOTE: settled at the cancel, a create cut short by its deadline was dropped from the ledger
+        while its thread went on to create the session (4 sessions against a quota of 2), and an append's tokens
+        were released while its host applied them (3,032 tokens held against a quota of 1,700)."""
+        task.add_done_callback(settle)
+        return await asyncio.shield(task)
 
     def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
         """Whether op `op_id` is one of the session's own ops in its log (written before an op is applied)."""
@@ -329,18 +341,19 @@ class Sessions:
             # a name already counted reserves nothing: the fleet answers ALREADY_EXISTS, not the quota
             held = ledger.reserve(self.limits, tenant, 0 if existed else grow, new_session=None if existed else sid,
                                   history=0 if existed else history)
-            try:
-                rec = await self._call(tenant, touched, fn, *args)
-            except BaseException:
-                if not existed:
-                    ledger.drop(tenant, sid)
-                raise
-            finally:
-                ledger.release(tenant, held)
-        finally:
+        except BaseException:
             self._creating.discard(key)
-        ledger.add(tenant, sid, grow, history)
-        return rec
+            raise
+
+        def settle(t: asyncio.Future[dict[str, Any]]) -> None:  # when the create ends: the name is free again
+            ledger.release(tenant, held)
+            self._creating.discard(key)
+            if not t.cancelled() and t.exception() is None:
+                ledger.add(tenant, sid, grow, history)
+            elif not existed:
+                ledger.drop(tenant, sid)  # KernelFleet leaves nothing of a create that failed
+
+        return await self._settled(asyncio.ensure_future(self._call(tenant, touched, fn, *args)), settle)
 
     def _set_tokens(self, tenant: str, sid: str, num_tokens: int, history: int = -1) -> None:
         """The session now holds `num_tokens` tokens and its log `history` (a call's answer; -1: not said)."""
@@ -404,3 +417,9 @@ class Sessions:
                 self._loop.call_soon_threadsafe(self._reaper.cancel)
         self._lanes.shutdown()
         self._admin.shutdown(wait=False, cancel_futures=True)
+
+
+def _within_context(n: int, max_context: int, what: str) -> None:
+    if n > max_context:
+        raise InvalidArgument(f"{n} {what} over the session's context of {max_context} tokens "
+                              "(max_seq_len / sliding_window); nothing was appended")

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 import pytest
 import ray
 from support.controller import make_tokens, start_controller
 
 from controller.quotas import SessionLimits
+from fleet.api.kvfleet.v1 import sessions_pb2, sessions_pb2_grpc
 from fleet.app.cli.session import render_sessions
 from fleet.cas import open_store
 from fleet.core.errors import ResourceExhausted
@@ -164,4 +168,83 @@ async def test_an_append_whose_call_timed_out_is_charged(ray_cluster: None, tmp_
             await c.append("q", [1])                                   # NOTE: before, accepted
     finally:
         await c.close()
+        await ctl.stop(grace=1)
+
+
+def _slowed(fleet: object, name: str, when: Callable[..., bool], delay_s: float = 0.6) -> None:
+    """`fleet.<name>` (a KernelFleet call, run in the tenant's lane thread) takes `delay_s` longer when `when(*args)`."""
+    real = getattr(fleet, name)
+
+    def slow(*args: object, **kw: object) -> object:
+        if when(*args):
+            time.sleep(delay_s)
+        return real(*args, **kw)
+
+    setattr(fleet, name, slow)
+
+
+async def _code(aw: Awaitable[object]) -> str:
+    try:
+        await aw
+        return "OK"
+    except grpc.aio.AioRpcError as e:
+        return e.code().name
+
+
+async def test_a_create_its_client_gave_up_on_still_counts_against_the_sessions_quota(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """The client's deadline passes while the controller's lane thread is creating the session; the thread goes
+    on and creates it. NOTE: the ledger dropped it at the cancel, so the next create passed the quota (the
+    review: 4 sessions held against a quota of 2). Now the reservation stays until the create ends."""
+    ctl = await start_controller(f"sqlite:///{tmp_path / 'kvfleet.db'}", None,
+                                 sessions=SessionLimits(max_sessions_per_tenant=2))
+    ch = grpc.aio.insecure_channel(ctl.address)
+    s = sessions_pb2_grpc.SessionServiceStub(ch)
+    try:
+        assert await _code(s.CreateSession(sessions_pb2.CreateSessionRequest(session_id="s0", system_prompt=SYSTEM))) == "OK"
+        _slowed(ctl.ctx.kernel_fleet, "create_session", lambda *a: "c0" in a)
+        cut = await _code(s.CreateSession(sessions_pb2.CreateSessionRequest(session_id="c0", system_prompt=SYSTEM),
+                                          timeout=0.2))
+        meanwhile = await _code(s.CreateSession(sessions_pb2.CreateSessionRequest(session_id="c1",
+                                                                                  system_prompt=SYSTEM)))
+        await asyncio.sleep(1.0)  # c0's thread finishes
+        held = sorted(r["session"] for r in ctl.ctx.kernel_fleet.list_sessions(True, "local"))
+        after = await _code(s.CreateSession(sessions_pb2.CreateSessionRequest(session_id="c2", system_prompt=SYSTEM)))
+        print(f"cut short: {cut}; meanwhile: {meanwhile}; held {held}; after: {after}")
+        assert cut == "DEADLINE_EXCEEDED" and held == ["c0", "s0"]
+        assert meanwhile == after == "RESOURCE_EXHAUSTED"  # before: c1 created too, 3 held against 2
+    finally:
+        await ch.close()
+        await ctl.stop(grace=1)
+
+
+async def test_an_append_its_client_gave_up_on_still_counts_against_the_kv_quota(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """NOTE: on a cancel only the history was kept charged; the append's tokens, which its host went on to hold,
+    were released, and the tenant's next append passed the KV quota (the review: +78% over it)."""
+    from controller.kernel_placement import DEFAULT_SPEC
+    from workers.spec import KernelSpec, make_kernel
+
+    k = make_kernel(KernelSpec.from_dict(DEFAULT_SPEC).on_cpu())
+    per_token, n = k.block_bytes // k.block_size, 1500
+    ctl = await start_controller(f"sqlite:///{tmp_path / 'kvfleet.db'}", None, sessions=SessionLimits(
+        max_kv_bytes_per_tenant=per_token * (n + 200), max_history_tokens_per_tenant=0))
+    ch = grpc.aio.insecure_channel(ctl.address)
+    s = sessions_pb2_grpc.SessionServiceStub(ch)
+    ids = [(7 * i) % 200 + 1 for i in range(n)]
+    try:
+        for sid in ("k0", "k1"):
+            await s.CreateSession(sessions_pb2.CreateSessionRequest(session_id=sid, system_prompt="You are k."))
+        _slowed(ctl.ctx.kernel_fleet, "append_output", lambda *a: "k0" in a)
+        cut = await _code(s.Append(sessions_pb2.AppendRequest(session_id="k0", token_ids=sessions_pb2.TokenIds(ids=ids),
+                                                              op_id="big"), timeout=0.2))
+        await asyncio.sleep(1.5)  # the host applies it
+        held = {r["session"]: r["tokens"] for r in ctl.ctx.kernel_fleet.list_sessions(True, "local")}
+        other = await _code(s.Append(sessions_pb2.AppendRequest(session_id="k1",
+                                                                token_ids=sessions_pb2.TokenIds(ids=ids))))
+        print(f"cut short: {cut}; held {held}; another {n}-token append: {other}")
+        assert cut == "DEADLINE_EXCEEDED" and held["k0"] > n
+        assert other == "RESOURCE_EXHAUSTED"  # before: OK, 3,032 tokens held against a quota of 1,700
+    finally:
+        await ch.close()
         await ctl.stop(grace=1)

@@ -134,6 +134,9 @@ async def test_an_append_of_more_ids_than_the_context_holds_is_refused_before_th
             assert f"{context + 1} token ids in one append are over the session's context of {context}" in msg
             code, msg = await _code(stub.Append(pb.AppendRequest(session_id="s1", token_ids=pb.TokenIds(ids=[7, cfg.vocab_size]))))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and f"got {cfg.vocab_size}" in msg  # each id checked
+            code, msg = await _code(stub.Append(pb.AppendRequest(
+                session_id="s1", text="x" * (context + 1))))  # NOTE: text was refused as over the KV quota
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "over the session's context" in msg, msg
         assert (await c.get_session("s1")).row.num_tokens == 35  # nothing was appended
         assert (await c.append("s1", [7, 8])).num_tokens == 37  # the control: ids within the context
     finally:
