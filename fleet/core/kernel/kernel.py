@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,65 @@ def _make_ops(backend: str, cfg: ModelConfig, w: Weights, threads: int, device: 
     raise InvalidArgument(f"unknown backend {backend!r}; supported: {BACKENDS}")
 
 
+@functools.cache
+def code_path(backend: str, device: str) -> str:
+    """The code path the backend's math libraries take in this process, as they report it.
+
+    numpy (both backends: RoPE tables are numpy float64 sin/cos): its version and the SIMD targets its
+    dispatch may use (enabled CPU features among its baseline and dispatch targets;
+    NPY_DISABLE_CPU_FEATURES removes some). numpy backend: numpy's own BLAS as threadpoolctl reports it
+    (library, version, core type such as SkylakeX or Haswell, which OPENBLAS_CORETYPE forces, threading
+    layer). torch backend: its version, on CPU the ATen capability (ATEN_CPU_CAPABILITY) and the ISA caps
+    of its GEMM libraries (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), on CUDA the device, its compute
+    capability and the CUDA version. Cached per process: it is fixed once the libraries are loaded, so
+    kernels of one process that compute the same bits get the same model_id.
+    """
+    try:
+        import numpy._core._multiarray_umath as um  # numpy >= 2
+    except ImportError:  # numpy 1.26
+        import numpy.core._multiarray_umath as um
+    feats, targets = um.__cpu_features__, [*um.__cpu_baseline__, *um.__cpu_dispatch__]
+    parts = [f"numpy {np.__version__} simd={'+'.join(sorted(t for t in targets if feats.get(t)))}"]
+    if backend == "numpy":
+        parts.append(f"blas={_numpy_blas()}")
+    elif backend == "torch":
+        import torch
+
+        parts.append(f"torch {torch.__version__}")
+        if device.startswith("cuda"):
+            cap = torch.cuda.get_device_capability(device)
+            parts.append(f"{torch.cuda.get_device_name(device)} sm{cap[0]}{cap[1]} cuda {torch.version.cuda}")
+        else:
+            isa = ",".join(
+                f"{v}={os.environ.get(v, '')}" for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+            )
+            parts.append(f"cpu={torch.backends.cpu.get_cpu_capability()} {isa}")
+    return "; ".join(parts)
+
+
+def _numpy_blas() -> str:
+    """numpy's own BLAS (the library under numpy's install, not one another package loaded later)."""
+    from threadpoolctl import threadpool_info
+
+    blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    root = os.path.dirname(os.path.dirname(os.path.realpath(np.__file__)))
+    own = [
+        i
+        for i in blas
+        if os.path.realpath(i.get("filepath", "")).startswith(
+            (os.path.join(root, "numpy"), os.path.join(root, "numpy.libs"))
+        )
+    ]
+    return ", ".join(
+        f"{i.get('internal_api')} {i.get('version')} {i.get('architecture', '')} {i.get('threading_layer', '')}"
+        for i in sorted(own or blas, key=lambda i: str(i.get("filepath")))
+    )
+
+
 class Kernel:
     """A Llama-family decoder bound to one backend, with the cache geometry its sessions use.
 
-    Exactness (batch invariance) holds within one kernel: same backend, device, CPU type,
+    Exactness (batch invariance) holds within one kernel: same backend, device, CPU code path,
     `threads`, `tile_size` and `block_size` (all recorded in `env()` and folded into `model_id`).
     """
 
@@ -75,7 +132,12 @@ class Kernel:
         self.ops = _make_ops(backend, cfg, weights, threads, device)
         self.device = self.ops.device
         self.block_bytes = cfg.block_bytes(block_size)
-        ident = f"{cfg!r}|{weights.source}|{backend}|{self.device}|{threads}|{block_size}|{tile_size}"
+        # what decides the bits: config, weights, backend, device, dtype (fp32 throughout), the CPU code
+        # path of the libraries (code_path), threads and geometry; a PrefixKV is adopted only on an equal id
+        ident = (
+            f"{cfg!r}|{weights.source}|{backend}|{self.device}|float32|{code_path(backend, self.device)}"
+            f"|{threads}|{block_size}|{tile_size}"
+        )
         self.model_id = hashlib.sha256(ident.encode()).hexdigest()[:16]
         self.checkpoint = ""  # the checkpoint directory of a pretrained kernel (its tokenizer lives there)
 
@@ -143,7 +205,8 @@ class Kernel:
         if prefix.model_id != self.model_id:
             raise InvalidArgument(
                 f"prefix was produced by model {prefix.model_id}, this kernel is {self.model_id}: "
-                "KV caches are not portable across models, backends or cache geometries"
+                "KV caches are not portable across weights, backends, devices, CPU code paths, threads "
+                "or cache geometries (model_id folds them all in)"
             )
         if prefix.block_size != self.block_size or len(prefix.tokens) != prefix.num_blocks * self.block_size:
             raise InvalidArgument("prefix tokens must fill whole blocks of this kernel's block_size")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +47,8 @@ class Weights:
     layers: tuple[LayerWeights, ...]
     final_norm: np.ndarray  # [dim]
     lm_head: np.ndarray  # [vocab, dim] (the embedding itself when tied)
-    source: str  # what produced them (seed or checkpoint fingerprint)
+    source: str  # what produced them: the seed, or a content hash of the checkpoint's tensors (names,
+    # dtypes, shapes and stored bytes); Kernel.model_id folds it in, so it must identify the values
 
 
 def synthetic(cfg: ModelConfig, seed: int) -> Weights:
@@ -91,8 +94,14 @@ def synthetic(cfg: ModelConfig, seed: int) -> Weights:
     return Weights(embed, tuple(layers), final_norm, lm_head, f"synthetic:seed={seed}")
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Read one .safetensors file into float32 numpy arrays (bf16/fp16 widened exactly)."""
+def read_safetensors(
+    path: Path, digests: dict[str, Future[bytes]] | None = None, pool: ThreadPoolExecutor | None = None
+) -> dict[str, np.ndarray]:
+    """Read one .safetensors file into float32 numpy arrays (bf16/fp16 widened exactly).
+
+    With `digests` (and `pool`), each tensor's stored bytes are hashed as they are read (one pass over the
+    file, the hashing on `pool`'s threads): `digests[name]` = sha256 of name, dtype, shape and bytes.
+    """
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     n = int(np.frombuffer(raw[:8].tobytes(), dtype="<u8")[0])
     header = json.loads(raw[8 : 8 + n].tobytes())
@@ -103,29 +112,52 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         if meta["dtype"] not in _ST_DTYPES:
             raise InvalidArgument(f"{path.name}: tensor {name} has unsupported dtype {meta['dtype']}")
         lo, hi = meta["data_offsets"]
-        arr = np.frombuffer(raw[base + lo : base + hi].tobytes(), dtype=_ST_DTYPES[meta["dtype"]])
+        stored = raw[base + lo : base + hi]
+        if digests is not None:  # hashed from the mapping (page cache): no second copy held for the pool
+            head = f"{name}|{meta['dtype']}|{list(meta['shape'])}|".encode()
+            digests[name] = pool.submit(_sha256, head, stored) if pool else _done(_sha256(head, stored))
+        arr = np.frombuffer(stored.tobytes(), dtype=_ST_DTYPES[meta["dtype"]])
         if meta["dtype"] == "BF16":
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
         out[name] = arr.astype(np.float32).reshape(meta["shape"])
     return out
 
 
+def _sha256(head: bytes, data: np.ndarray) -> bytes:
+    h = hashlib.sha256(head)
+    h.update(data.data)  # hashlib drops the GIL for large buffers: pool threads hash in parallel
+    return h.digest()
+
+
+def _done(d: bytes) -> Future[bytes]:
+    f: Future[bytes] = Future()
+    f.set_result(d)
+    return f
+
+
 def load_pretrained(path: Path, cfg: ModelConfig) -> Weights:
-    """Weights of a Llama/Qwen2/Mistral checkpoint directory (all *.safetensors files in it)."""
+    """Weights of a Llama/Qwen2/Mistral checkpoint directory (all *.safetensors files in it).
+
+    `source` is "hf:" + a sha256 over every tensor's name, dtype, shape and stored bytes (in name order,
+    whatever the sharding), computed while the files are read: two checkpoints get the same source only
+    when they store the same tensors bit for bit (a bf16 and an fp16 save of one model differ).
+    """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise InvalidArgument(f"{path}: no *.safetensors files (only safetensors checkpoints are supported)")
     t: dict[str, np.ndarray] = {}
-    for f in files:
-        t.update(read_safetensors(f))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    digests: dict[str, Future[bytes]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        for f in files:
+            t.update(read_safetensors(f, digests, pool))
+        h = hashlib.sha256()
+        for name in sorted(digests):
+            h.update(digests[name].result())
     get = _getter(t, path)
     layers = tuple(_layer(get, t, f"model.layers.{i}.") for i in range(cfg.n_layers))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_embeddings or "lm_head.weight" not in t else t["lm_head.weight"]
-    return Weights(embed, layers, get("model.norm.weight"), lm_head, f"hf:{h.hexdigest()[:16]}")
+    return Weights(embed, layers, get("model.norm.weight"), lm_head, f"hf:{h.hexdigest()[:32]}")
 
 
 def _getter(t: dict[str, np.ndarray], path: Path):  # type: ignore[no-untyped-def]
