@@ -42,18 +42,28 @@ class PagedKV:
     def _new_block(self) -> Block:
         return Block(self.ops.zeros((3, self.n_layers, self.n_kv, self.block_size, self.head_dim)))
 
-    def ensure(self, num_tokens: int) -> None:
-        """Allocate zeroed blocks until positions [0, num_tokens) are covered."""
-        while len(self.blocks) * self.block_size < num_tokens:
-            self.blocks.append(self._new_block())
+    def prepare(self, lo: int, hi: int) -> list[Block]:
+        """The block table a write of positions [lo, hi) will leave, positions past `hi` dropped:
+        the table's blocks before lo's, a writable copy of each shared block holding [lo, hi), zeroed
+        blocks past the table. Allocates (this can fail: out of memory) but changes nothing here;
+        `install` then swaps it in without allocating.
+        """
+        BS, first, num_blocks = self.block_size, lo // self.block_size, -(-hi // self.block_size)
+        table = self.blocks[:first]
+        table += [Block(self.ops.copy(b.kv)) if b.shared else b for b in self.blocks[first:num_blocks]]
+        while len(table) < num_blocks:
+            table.append(self._new_block())
+        assert len(table) * BS >= hi
+        return table
 
-    def make_writable(self, lo: int, hi: int) -> None:
-        """Copy-on-write every shared block overlapping positions [lo, hi)."""
-        for b in range(lo // self.block_size, (hi - 1) // self.block_size + 1):
-            blk = self.blocks[b]
-            if blk.shared:
+    def install(self, table: list[Block]) -> None:
+        """Make `table` (from `prepare`) this session's block table: the blocks it no longer holds
+        (dropped, or replaced by a copy) have their ref counts go down. Allocates nothing."""
+        kept = {id(b) for b in table}
+        for blk in self.blocks:
+            if id(blk) not in kept:
                 blk.ref_cnt -= 1
-                self.blocks[b] = Block(self.ops.copy(blk.kv))
+        self.blocks = table
 
     def fork(self) -> PagedKV:
         for blk in self.blocks:

@@ -61,11 +61,19 @@ class L0Slots:
             while self.cursor in held:  # at most capacity // 2 rows are held: this ends
                 self.cursor = (self.cursor + 1) % self.capacity
             row = self.cursor
-            del self.rows[self.owner[row]]
+            self.rows.pop(self.owner[row], None)  # -1: a forgotten row
             self.owner[row] = tok
             self.cursor = (row + 1) % self.capacity
         self.rows[tok] = row
         return row
+
+    def forget(self, ids: list[int]) -> None:
+        """Unmap `ids` (rows claimed by `lookup` whose computation failed): their rows hold nothing
+        valid, so a later lookup computes them again. The rows are reused in their turn."""
+        for tok in ids:
+            row = self.rows.pop(tok, None)
+            if row is not None:
+                self.owner[row] = -1  # owned by no token id
 
     def clear(self) -> None:
         self.rows.clear()

@@ -107,20 +107,26 @@ class Session:
         return arr.astype(np.int64)
 
     def _forward(self, ids: np.ndarray, p0: int) -> np.ndarray:
-        """Run tokens `ids` at positions [p0, p0+n) tile by tile; store their K/Kraw/V; return logits
-        after the last one. Tile t covers absolute positions [t*T, (t+1)*T)."""
+        """Run tokens `ids` at positions [p0, p0+n) tile by tile; store their K/Kraw/V in place of
+        whatever the cache holds from p0 on (positions past p0+n are dropped); return logits after
+        the last one. Tile t covers absolute positions [t*T, (t+1)*T). The caller updates the tokens.
+
+        NOTE: all or nothing. Everything that can fail (the tiles, the logits, the allocations of
+        `prepare`) runs before the block table changes: the tiles write a contiguous window, and a
+        failure (out of memory) leaves the cache as it was. The exact evict used to truncate first
+        and recompute after, so a failure left 50 of 200 tokens (found by review).
+        """
         k, ops = self.kernel, self.kernel.ops
         T, BS, p1 = k.tile_size, k.block_size, p0 + len(ids)
-        self.num_computed += len(ids)
-        self._kv.ensure(p1)
-        self._kv.make_writable(p0, p1)
         t0, t1 = p0 // T, (p1 - 1) // T
         win = self._kv.window(p0, p1, -(-(t1 + 1) * T // BS))  # the last tile's key blocks
         with ops.limit():
             for g0 in range(t0, t1 + 1, self._group(T)):
                 x = self._tile_group(ids, p0, p1, range(g0, min(g0 + self._group(T), t1 + 1)), win)
-            win.commit()
             logits: np.ndarray = ops.logits(x[(p1 - 1) % T])  # [V]: the last token's row
+        self._kv.install(self._kv.prepare(p0, p1))  # allocates first, then swaps the table
+        win.commit()
+        self.num_computed += len(ids)
         return logits
 
     @staticmethod
@@ -156,14 +162,19 @@ class Session:
         self._kv.truncate(n)
         del self._tokens[n:]
 
+    def _cut(self, n: int) -> None:
+        """Keep the first n tokens, with last_logits re-derived by recomputing token n-1 in place
+        (exact: same tile slot, same bits); all or nothing, as `_forward`."""
+        if n == 0:
+            self._truncate(0)
+            self._last = None
+            return
+        self._last = self._forward(np.array([self._tokens[n - 1]], np.int64), n - 1)
+        del self._tokens[n:]
+
     def _refresh_last(self) -> None:
-        """Re-derive last_logits by recomputing the last token in place (exact: same tile slot)."""
-        self._last = None
-        if self._tokens:
-            last = self._tokens[-1]
-            self._truncate(len(self._tokens) - 1)
-            self._last = self._forward(np.array([last], np.int64), len(self._tokens))
-            self._tokens.append(last)
+        """Re-derive last_logits (None after a reposition) by recomputing the last token in place."""
+        self._cut(len(self._tokens))
 
     # -- eviction --
     def evict(self, start: int, length: int, mode: str = "exact") -> EvictReport:
@@ -198,13 +209,15 @@ class Session:
         self._check_span(start, length, mode)
         n, end = len(self._tokens), start + length
         survivors, tail = self._tokens[end:], end == n
+        # NOTE: each branch computes everything before it changes the session (a failure leaves it
+        # as it was); the block table, tokens and last_logits change together at the end.
+        if tail:
+            self._cut(start)
+        elif mode == "exact":
+            last = self._forward(np.array(survivors, np.int64), start)
+            self._tokens[start:] = survivors
+            self._last = last
         if tail or mode == "exact":
-            self._truncate(start)
-            if survivors:
-                self._last = self._forward(np.array(survivors, np.int64), start)
-                self._tokens.extend(survivors)
-            else:
-                self._refresh_last()
             return EvictReport(mode, start, length, tail, length, len(survivors), 0, True, None, True)
         delta = self._reposition(start, end)
         # NOTE: measured, not assumed. A 1-layer cache is exactly never-saw's when every survivor's
@@ -226,17 +239,17 @@ class Session:
     def _reposition(self, start: int, end: int) -> float:
         ops, n = self.kernel.ops, len(self._tokens)
         survivors = self._tokens[end:]
+        m = len(survivors)
         data = self._kv.rows(end, n)  # [3, L, KV, m, hd], a fresh copy (cat)
-        self._truncate(start)
-        new_pos = np.arange(start, start + len(survivors))
-        data[K_POST] = ops.rope(data[K_RAW], new_pos)  # [L, KV, m, hd]: one rotation from pre-RoPE
-        self._kv.ensure(start + len(survivors))
-        self._kv.make_writable(start, start + len(survivors))
+        data[K_POST] = ops.rope(data[K_RAW], np.arange(start, start + m))  # [L, KV, m, hd]: once, from Kraw
+        # NOTE: checked before it is stored (`data` is the bytes put_rows copies), so a failure in the
+        # rotation or the checks leaves the session as it was; then the table swaps, allocation first.
+        delta = max(self._rope_delta(data, start), self._layer0_delta(data, start, survivors))
+        self._kv.install(self._kv.prepare(start, start + m))
         self._kv.put_rows(start, data)
-        self._tokens.extend(survivors)
+        self._tokens[start:] = survivors
         self._last = None
-        rows = self._kv.rows(start, len(self._tokens))  # [3, L, KV, m, hd]: read once for both checks
-        return max(self._rope_delta(rows, start), self._layer0_delta(rows, start))
+        return delta
 
     def kv_numpy(self, lo: int, hi: int) -> np.ndarray:
         """A numpy copy of positions [lo, hi): [3, n_layers, n_kv_heads, hi-lo, head_dim] holding
@@ -259,16 +272,16 @@ class Session:
         """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
         the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store)."""
         hi = len(self._tokens) if hi is None else hi
-        return self._layer0_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
+        return self._layer0_delta(self._kv.rows(lo, hi), lo, self._tokens[lo:hi]) if hi > lo else 0.0
 
     def _rope_delta(self, rows: Any, lo: int) -> float:
         ops = self.kernel.ops  # rows [3, L, KV, m, hd] of positions lo..
         return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
 
-    def _layer0_delta(self, rows: Any, lo: int) -> float:
-        ops, m = self.kernel.ops, rows.shape[3]
+    def _layer0_delta(self, rows: Any, lo: int, tokens: list[int]) -> float:
+        ops = self.kernel.ops  # rows [3, L, KV, m, hd] of `tokens` at positions lo..
         with ops.limit():
-            ref = ops.layer0(np.asarray(self._tokens[lo : lo + m], np.int64), lo)  # 3 x [KV, m, hd]
+            ref = ops.layer0(np.asarray(tokens, np.int64), lo)  # 3 x [KV, m, hd]
         return max(max_abs_delta(ops.to_numpy(rows[i, 0]), ops.to_numpy(r)) for i, r in enumerate(ref))
 
     # -- decode --
