@@ -15,7 +15,7 @@ import numpy as np
 from fleet.core.errors import InvalidArgument
 from fleet.core.kernel.cache import Block, PagedKV
 from fleet.core.kernel.config import ModelConfig
-from fleet.core.kernel.session import Session
+from fleet.core.kernel.session import Session, as_int
 from fleet.core.kernel.types import PrefixKV
 from fleet.core.kernel.weights import Weights, load_pretrained, synthetic
 
@@ -195,11 +195,12 @@ class Kernel:
         shape = (self.config.n_layers, self.config.n_kv_heads, self.block_size, self.config.head_dim)
         if prefix is None:
             return Session(self, PagedKV(self.ops, shape), [])
-        self._check_prefix(prefix, shape)
+        tokens = self._check_prefix(prefix, shape)
         blocks = [Block(self.ops.from_numpy(a), external=True) for a in prefix.blocks]
-        return Session(self, PagedKV(self.ops, shape, blocks), list(prefix.tokens))
+        return Session(self, PagedKV(self.ops, shape, blocks), tokens)
 
-    def _check_prefix(self, prefix: PrefixKV, shape: tuple[int, int, int, int]) -> None:
+    def _check_prefix(self, prefix: PrefixKV, shape: tuple[int, int, int, int]) -> list[int]:
+        """Raise InvalidArgument for a prefix this kernel cannot adopt; else its tokens as Python ints."""
         if not isinstance(prefix, PrefixKV):
             raise InvalidArgument(f"prefix must be a PrefixKV, got {type(prefix).__name__}")
         if prefix.model_id != self.model_id:
@@ -215,6 +216,12 @@ class Kernel:
                 raise InvalidArgument(
                     f"prefix block has shape {a.shape} {a.dtype}, expected {(3, *shape)} float32"
                 )
-        V = self.config.vocab_size
-        if any(not (0 <= t < V) for t in prefix.tokens):
-            raise InvalidArgument(f"prefix holds token ids outside the vocabulary [0, {V})")
+        V, tokens = self.config.vocab_size, []
+        for tok in prefix.tokens:  # NOTE: float and bool ids were adopted as they were (found by review)
+            i = as_int(tok)
+            if i is None:
+                raise InvalidArgument(f"prefix token ids must be integers (not float, bool, text): {tok!r}")
+            if not 0 <= i < V:
+                raise InvalidArgument(f"prefix holds token ids outside the vocabulary [0, {V})")
+            tokens.append(i)
+        return tokens

@@ -4,6 +4,7 @@ span eviction, copy-on-write forks and block-aligned prefix export."""
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,8 +21,18 @@ EVICT_MODES = ("exact", "reposition")
 GROUP_TOKENS = 2048  # positions per layer-major group of tiles (bounds the working set)
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+def as_int(x: Any) -> int | None:
+    """`x` as a Python int (any integer type, numpy's included), or None for anything else,
+    bools included.
+
+    NOTE: converted at the door, before any arithmetic. A numpy int kept its width: np.int16(100) +
+    np.int16(32700) wrapped to a negative end that passed the span check (found by review)."""
+    if isinstance(x, bool | np.bool_):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 class Session:
@@ -85,6 +96,8 @@ class Session:
     def _check_ids(self, ids: Any) -> np.ndarray:
         if isinstance(ids, str | bytes | bytearray):
             raise InvalidArgument("append takes token ids, not text: encode it first (ByteTokenizer.encode)")
+        if not isinstance(ids, np.ndarray) and any(isinstance(i, bool | np.bool_) for i in ids):
+            raise InvalidArgument("token ids must be integers, not bool")  # np.asarray([1, True]) is int64
         arr = np.asarray(ids)
         if arr.ndim != 1 or arr.size == 0:
             raise InvalidArgument(
@@ -206,7 +219,7 @@ class Session:
         Raises:
             InvalidArgument: bad mode, non-integer or out-of-range span (cache unchanged).
         """
-        self._check_span(start, length, mode)
+        start, length = self._check_span(start, length, mode)
         n, end = len(self._tokens), start + length
         survivors, tail = self._tokens[end:], end == n
         # NOTE: each branch computes everything before it changes the session (a failure leaves it
@@ -226,15 +239,17 @@ class Session:
         exact = self.kernel.config.n_layers == 1 and delta == 0.0
         return EvictReport(mode, start, length, False, length, 0, len(survivors), exact, delta, False)
 
-    def _check_span(self, start: Any, length: Any, mode: Any) -> None:
+    def _check_span(self, start: Any, length: Any, mode: Any) -> tuple[int, int]:
         if mode not in EVICT_MODES:
             raise InvalidArgument(f"evict mode must be one of {EVICT_MODES}, got {mode!r}")
-        if not (_is_int(start) and _is_int(length)):
+        s, n = as_int(start), as_int(length)
+        if s is None or n is None:
             raise InvalidArgument(f"evict start/length must be integers, got {start!r}, {length!r}")
-        if start < 0 or length < 1 or start + length > len(self._tokens):
+        if s < 0 or n < 1 or s + n > len(self._tokens):
             raise InvalidArgument(
-                f"evict span [{start}, {start + length}) is not a non-empty range inside [0, {len(self._tokens)})"
+                f"evict span [{s}, {s + n}) is not a non-empty range inside [0, {len(self._tokens)})"
             )
+        return s, n
 
     def _reposition(self, start: int, end: int) -> float:
         ops, n = self.kernel.ops, len(self._tokens)
@@ -254,9 +269,10 @@ class Session:
     def kv_numpy(self, lo: int, hi: int) -> np.ndarray:
         """A numpy copy of positions [lo, hi): [3, n_layers, n_kv_heads, hi-lo, head_dim] holding
         (K post-RoPE, Kraw pre-RoPE, V). For witnesses and tests."""
-        if not (_is_int(lo) and _is_int(hi) and 0 <= lo < hi <= len(self._tokens)):
+        a, b = as_int(lo), as_int(hi)
+        if a is None or b is None or not 0 <= a < b <= len(self._tokens):
             raise InvalidArgument(f"kv_numpy needs 0 <= lo < hi <= {len(self._tokens)}, got {lo!r}, {hi!r}")
-        return np.array(self.kernel.ops.to_numpy(self._kv.rows(lo, hi)), copy=True)
+        return np.array(self.kernel.ops.to_numpy(self._kv.rows(a, b)), copy=True)
 
     def rope_invariant_delta(self, lo: int = 0, hi: int | None = None) -> float:
         """max|K[i] - RoPE(Kraw[i], i)| over positions [lo, hi), every layer (0.0 when it holds).
@@ -265,14 +281,20 @@ class Session:
         `lo`), not by `ops.rope` that `reposition` uses: a rotation at a wrong position or a wrong
         table row in the eviction path shows up here as > 0.
         """
-        hi = len(self._tokens) if hi is None else hi
+        lo, hi = self._range(lo, hi)
         return self._rope_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
 
     def layer0_delta(self, lo: int = 0, hi: int | None = None) -> float:
         """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
         the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store)."""
-        hi = len(self._tokens) if hi is None else hi
+        lo, hi = self._range(lo, hi)
         return self._layer0_delta(self._kv.rows(lo, hi), lo, self._tokens[lo:hi]) if hi > lo else 0.0
+
+    def _range(self, lo: Any, hi: Any) -> tuple[int, int]:
+        a, b = as_int(lo), as_int(len(self._tokens) if hi is None else hi)
+        if a is None or b is None or not 0 <= a <= b <= len(self._tokens):
+            raise InvalidArgument(f"needs 0 <= lo <= hi <= {len(self._tokens)}, got {lo!r}, {hi!r}")
+        return a, b
 
     def _rope_delta(self, rows: Any, lo: int) -> float:
         ops = self.kernel.ops  # rows [3, L, KV, m, hd] of positions lo..
@@ -286,11 +308,25 @@ class Session:
 
     # -- decode --
     def generate(self, n: int) -> list[int]:
-        """Greedy-decode `n` tokens (appending them); returns the new ids."""
-        if not _is_int(n) or n < 0:
+        """Greedy-decode `n` tokens (appending them); returns the new ids.
+
+        Raises:
+            InvalidArgument: n not a non-negative integer, or an empty session (nothing appended).
+            ResourceExhausted: len(self) + n exceeds the model's context (checked first: nothing
+                appended; it used to append up to the limit and then raise).
+        """
+        count = as_int(n)
+        if count is None or count < 0:
             raise InvalidArgument(f"generate needs a non-negative integer count, got {n!r}")
+        n = count
         if n and not self._tokens:
             raise InvalidArgument("generate needs at least one token in the session")
+        limit = self.kernel.config.max_context
+        if len(self._tokens) + n > limit:
+            raise ResourceExhausted(
+                f"{len(self._tokens)} + {n} generated tokens exceed the context of {limit} "
+                f"(max_seq_len / sliding_window): evict or start a new session"
+            )
         out: list[int] = []
         for _ in range(n):
             if self._last is None:
@@ -323,12 +359,13 @@ class Session:
         Raises:
             InvalidArgument: not a positive multiple of block_size within the session.
         """
-        BS = self.kernel.block_size
-        if not _is_int(num_tokens) or num_tokens <= 0 or num_tokens % BS or num_tokens > len(self._tokens):
+        BS, n = self.kernel.block_size, as_int(num_tokens)
+        if n is None or n <= 0 or n % BS or n > len(self._tokens):
             raise InvalidArgument(
                 f"export_prefix needs a positive multiple of block_size={BS} that is <= {len(self._tokens)}, "
                 f"got {num_tokens!r}"
             )
+        num_tokens = n
         arrays = []
         for blk in self._kv.blocks[: num_tokens // BS]:
             blk.external = True

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from support.kernels import make_kernel, rand_ids
 
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument, ResourceExhausted
 from fleet.core.kernel import Kernel, ModelConfig, PrefixKV
 
 BAD_IDS = [
@@ -117,3 +117,67 @@ def test_bad_configs_and_backends() -> None:
         Kernel.synthetic(ModelConfig.tiny(), device="cuda")
     with pytest.raises(InvalidArgument, match="tile_size"):
         Kernel.synthetic(ModelConfig.tiny(), tile_size=0)
+
+
+NARROW_INTS = [  # found by review: narrow numpy ints wrapped around past the range check
+    # 20 + 32760 wrapped: accepted, the session grew 40 -> 80
+    ("evict", (np.int16(20), np.int16(32760)), "not a non-empty range"),
+    ("evict", (np.int8(30), np.int8(100)), "not a non-empty range"),  # 130 wrapped to -126: truncated first
+    ("evict", (np.uint64(0), np.int64(1)), None),  # a good span: evicts (TypeError in a slice before)
+    ("evict", (np.bool_(True), 1), "integers"),
+    ("kv_numpy", (np.int8(30), np.int8(30) + np.int8(0)), "kv_numpy needs"),
+    ("kv_numpy", (np.int8(0), np.int16(40)), None),
+    ("export_prefix", (np.int8(16),), None),
+    ("export_prefix", (True,), "multiple of block_size"),
+    ("generate", (np.int8(2),), None),
+    ("generate", (True,), "generate needs"),
+]
+
+
+@pytest.mark.parametrize(("method", "args", "msg"), NARROW_INTS)
+def test_numpy_integer_arguments_are_python_ints(backend: str, method: str, args: tuple, msg: str | None) -> None:
+    s = _session(backend)
+    before = s.digest()
+    with np.errstate(over="raise"):  # no wrapped arithmetic on the caller's integer type
+        if msg is None:
+            getattr(s, method)(*args)
+            return
+        with pytest.raises(InvalidArgument, match=msg):
+            getattr(s, method)(*args)
+    assert s.digest() == before and len(s) == 40
+
+
+@pytest.mark.parametrize("ids", [[1, True], (3, np.True_), [np.int64(4), False]])
+def test_bool_token_ids_are_refused(backend: str, ids: object) -> None:
+    """A bool among ints was accepted as the token 1 or 0 (np.asarray made them int64)."""
+    s = _session(backend)
+    before = s.digest()
+    with pytest.raises(InvalidArgument, match="bool"):
+        s.append(ids)
+    with pytest.raises(InvalidArgument, match="bool"):
+        s.check_append(ids)
+    assert s.digest() == before and len(s) == 40
+
+
+@pytest.mark.parametrize("bad", [1.5, True, np.float64(3.0), "7"])
+def test_prefix_token_ids_must_be_integers(backend: str, bad: object) -> None:
+    s = _session(backend)
+    p = s.export_prefix(16)
+    forged = PrefixKV((bad, *p.tokens[1:]), p.block_size, p.blocks, p.model_id)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="prefix token ids must be integers"):
+        make_kernel(backend).session(prefix=forged)
+    good = PrefixKV(tuple(np.int32(t) for t in p.tokens), p.block_size, p.blocks, p.model_id)  # type: ignore[misc]
+    t = make_kernel(backend).session(prefix=good)  # control: integer ids of any width are adopted
+    assert all(type(x) is int for x in t.tokens) and t.tokens == list(p.tokens)
+
+
+def test_generate_past_the_context_changes_nothing(backend: str) -> None:
+    """generate(n) appended tokens up to the limit and then raised; it now refuses first."""
+    k = Kernel.synthetic(ModelConfig.tiny(max_seq_len=48), seed=0, backend=backend, tile_size=32)
+    s = k.session()
+    s.append(rand_ids(20, 40))
+    before = s.digest()
+    with pytest.raises(ResourceExhausted, match="context of 48"):
+        s.generate(9)
+    assert s.digest() == before and len(s) == 40
+    assert len(s.generate(8)) == 8 and len(s) == 48  # control: up to the limit is fine
