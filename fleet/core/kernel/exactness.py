@@ -218,6 +218,35 @@ def reposition_depth(b: _Bench) -> list[ExactnessCheck]:
     return out
 
 
+def _layer0_direct(k: Kernel, tokens: list[int]) -> np.ndarray:
+    """Layer 0's (K, Kraw, V) [3, KV, n, hd] of `tokens` at positions 0.., every projection computed
+    afresh (the memo neither read nor filled)."""
+    with k.ops.limit():
+        parts = k.ops.layer0(np.asarray(tokens, np.int64), 0, memo=False)
+    return np.stack([k.ops.to_numpy(a) for a in parts])
+
+
+def layer0_recomputed(b: _Bench) -> ExactnessCheck:
+    """After a reposition, layer 0 against a recomputation that bypasses the layer-0 memo.
+
+    NOTE: `EvictReport.invariant_delta` and the never-saw rows compare against computations that
+    read the same memo the cache was built from, so a wrong memo row held in both reads 0 (found by
+    review: a memo row off by 1e-3 still reported exact=True). This row does not read the memo."""
+    k = b.kernel(1)
+    s = k.session()
+    s.append(b.pre + b.span + b.post)
+    s.evict(len(b.pre), len(b.span), mode="reposition")
+    got, toks, i = s.kv_numpy(0, len(s))[:, 0], s.tokens, len(b.pre)  # [3, KV, n, hd]
+    poke = toks[:i] + [(toks[i] + 1) % k.config.vocab_size] + toks[i + 1 :]
+    return _exact(
+        "layer 0 after reposition vs recomputed (memo bypassed)",
+        max(max_abs_delta(got, _layer0_direct(k, toks)), s.layer0_delta(memo=False)),
+        max_abs_delta(got, _layer0_direct(k, poke)),
+        max_abs_delta(got, _layer0_direct(b.kernel(1, nudged=toks[i]), toks)),
+        "control: first survivor's id changed",
+    )
+
+
 def sibling_isolation(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
     parent = k.session()
@@ -267,6 +296,7 @@ def run_checks(
         middle_exact(b),
         reposition_invariant(b),
         *reposition_depth(b),
+        layer0_recomputed(b),
         sibling_isolation(b),
         prefix_adoption(b),
     ]

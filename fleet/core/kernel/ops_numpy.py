@@ -172,6 +172,11 @@ class NumpyOps:
             )
             grown[: len(self._tab)] = self._tab
             self._tab = grown
+        self._tab[row] = self._project0(tok)
+
+    def _project0(self, tok: int) -> np.ndarray:
+        """Token `tok`'s layer-0 q/k/v projection [(H+2KV)*hd] in the fixed buffers (the caller
+        holds `_l0_lock` and copies the result out before the next call)."""
         self._e1[0] = self.embed_w[tok]
         var = np.mean(self._e1 * self._e1, axis=-1, keepdims=True)  # [1, 1]
         np.multiply(
@@ -180,7 +185,7 @@ class NumpyOps:
             out=self._h1,
         )  # [1, dim] RMSNorm
         np.matmul(self.wqkv[0], self._h1.T, out=self._y1)  # [W, 1]
-        self._tab[row] = self._y1[:, 0] if self.bqkv[0] is None else self._y1[:, 0] + self.bqkv[0]
+        return self._y1[:, 0] if self.bqkv[0] is None else self._y1[:, 0] + self.bqkv[0]
 
     def _proj0(self, ids: np.ndarray, slot0: int, T: int) -> np.ndarray:
         """Layer-0 projections of a tile [T, (H+2KV)*hd]: `ids` at rows slot0.., zeros elsewhere."""
@@ -227,12 +232,20 @@ class NumpyOps:
         v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(1, 0, 2)
         return q.reshape(KV, G * T, hd), rot[:, H:].transpose(1, 0, 2), kraw, v
 
-    def layer0(self, ids: np.ndarray, pos0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def layer0(
+        self, ids: np.ndarray, pos0: int, memo: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer-0 (K post-RoPE, Kraw pre-RoPE, V) [KV, n, hd] of `ids` at positions pos0.., by the
-        prefill path (`_row0` then the tile RoPE on the key heads): a reference independent of `rope()`."""
+        prefill path (the memo's rows then the tile RoPE on the key heads): a reference independent
+        of `rope()`. memo=False computes every row afresh (`_project0`, one GEMV per token) and
+        never reads or fills the memo: a reference independent of the memo too."""
         H, KV, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         n = len(ids)
-        proj = self._proj0(ids, 0, n)  # [n, (H+2KV)*hd]
+        if memo:
+            proj = self._proj0(ids, 0, n)  # [n, (H+2KV)*hd]
+        else:
+            with self._l0_lock:
+                proj = np.stack([self._project0(int(t)).copy() for t in ids])  # [n, (H+2KV)*hd]
         kraw = proj[:, H * hd : (H + KV) * hd].reshape(n, KV, hd)  # [n, KV, hd]
         k = self._rope_qk(kraw, pos0)  # [n, KV, hd]
         v = proj[:, (H + KV) * hd :].reshape(n, KV, hd)

@@ -167,9 +167,14 @@ class TorchOps:
             grown = torch.zeros((n, self._tab.shape[1]), dtype=torch.float32, device=self.device)
             grown[: len(self._tab)] = self._tab
             self._tab = grown
+        self._tab[row] = self._project0(tok)
+
+    def _project0(self, tok: int) -> torch.Tensor:
+        """Token `tok`'s layer-0 q/k/v projection [(H+2KV)*hd] in the fixed buffers (the caller
+        holds `_l0_lock` and copies the result out before the next call)."""
         self._h1.copy_(self._norm(self.embed_w[tok : tok + 1], self.n1[0]))  # [1, dim] RMSNorm
         torch.mm(self._h1, self.wqkv[0], out=self._y1)  # [1, W]
-        self._tab[row] = _add(self._y1[0], self.bqkv[0])
+        return _add(self._y1[0], self.bqkv[0])
 
     def _proj0(self, ids: np.ndarray, slot0: int, T: int) -> torch.Tensor:
         """Layer-0 projections of a tile [T, (H+2KV)*hd]: `ids` at rows slot0.., zeros elsewhere."""
@@ -211,11 +216,18 @@ class TorchOps:
         v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(0, 1)
         return q.view(KV, G * T, hd), rot[:, H:].transpose(0, 1), kraw, v
 
-    def layer0(self, ids: np.ndarray, pos0: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer-0 (K, Kraw, V) [KV, n, hd] of `ids` at positions pos0.., by the prefill path."""
+    def layer0(
+        self, ids: np.ndarray, pos0: int, memo: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer-0 (K, Kraw, V) [KV, n, hd] of `ids` at positions pos0.., by the prefill path;
+        memo=False computes every row afresh and never touches the memo (see NumpyOps.layer0)."""
         H, KV, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         n = len(ids)
-        proj = self._proj0(ids, 0, n)  # [n, (H+2KV)*hd]
+        if memo:
+            proj = self._proj0(ids, 0, n)  # [n, (H+2KV)*hd]
+        else:
+            with self._l0_lock:
+                proj = torch.stack([self._project0(int(t)).clone() for t in ids])  # [n, (H+2KV)*hd]
         kraw = proj[:, H * hd : (H + KV) * hd].reshape(n, KV, hd)  # [n, KV, hd]
         k = self._rope_qk(kraw, pos0)  # [n, KV, hd]
         v = proj[:, (H + KV) * hd :].reshape(n, KV, hd)

@@ -284,11 +284,18 @@ class Session:
         lo, hi = self._range(lo, hi)
         return self._rope_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
 
-    def layer0_delta(self, lo: int = 0, hi: int | None = None) -> float:
+    def layer0_delta(self, lo: int = 0, hi: int | None = None, memo: bool = True) -> float:
         """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
-        the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store)."""
+        the token ids by the prefill path (0.0 when layer 0 is exactly what a prefill would store).
+
+        memo=True (what `EvictReport.invariant_delta` uses: a gather) takes each id's projection from
+        the kernel's layer-0 memo, the table the prefill read too: it catches a row at the wrong
+        position or rotated wrongly, not a wrong memo row. memo=False recomputes every projection
+        afresh (one GEMV per token, `kvfleet witness` runs it): a wrong memo row shows up too.
+        """
         lo, hi = self._range(lo, hi)
-        return self._layer0_delta(self._kv.rows(lo, hi), lo, self._tokens[lo:hi]) if hi > lo else 0.0
+        rows = self._kv.rows(lo, hi)
+        return self._layer0_delta(rows, lo, self._tokens[lo:hi], memo) if hi > lo else 0.0
 
     def _range(self, lo: Any, hi: Any) -> tuple[int, int]:
         a, b = as_int(lo), as_int(len(self._tokens) if hi is None else hi)
@@ -300,10 +307,10 @@ class Session:
         ops = self.kernel.ops  # rows [3, L, KV, m, hd] of positions lo..
         return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
 
-    def _layer0_delta(self, rows: Any, lo: int, tokens: list[int]) -> float:
+    def _layer0_delta(self, rows: Any, lo: int, tokens: list[int], memo: bool = True) -> float:
         ops = self.kernel.ops  # rows [3, L, KV, m, hd] of `tokens` at positions lo..
         with ops.limit():
-            ref = ops.layer0(np.asarray(tokens, np.int64), lo)  # 3 x [KV, m, hd]
+            ref = ops.layer0(np.asarray(tokens, np.int64), lo, memo)  # 3 x [KV, m, hd]
         return max(max_abs_delta(ops.to_numpy(rows[i, 0]), ops.to_numpy(r)) for i, r in enumerate(ref))
 
     # -- decode --
