@@ -37,3 +37,27 @@ def test_a_wrong_memo_row_fails_the_witness(backend: str, monkeypatch: pytest.Mo
     for r in rows:
         print(f"[poisoned l0 memo {backend}] {r.name}: {r.value:.3e} {r.status}")
     assert failing and all(r.value > 1e-4 for r in failing)  # before: every row held
+
+
+def test_the_adoption_row_control_goes_through_adoption(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the adopted-prefix row's control was span-kept vs never-saw (the
+    poison-vs-never row's value), which no adoption touches. Its control now adopts blocks that
+    differ from the reference's, so it is 0 when adoption ignores the blocks."""
+    b = exactness._Bench(backend, "cpu", 1, 0)
+    row = exactness.prefix_adoption(b)
+    poison = exactness.evict_vs_never(b)[1]
+    assert row.ok and row.control is not None and row.control > 0 and row.control != poison.value
+    real = Kernel.session
+
+    def recompute(self: Kernel, prefix: Any = None) -> Any:  # adoption as a no-op: blocks ignored
+        s = real(self)
+        if prefix is not None:
+            s.append(list(prefix.tokens))
+        return s
+
+    monkeypatch.setattr(Kernel, "session", recompute)
+    blind = exactness.prefix_adoption(exactness._Bench(backend, "cpu", 1, 0))
+    print(f"[adoption control {backend}] {row.control:.3e}; with the blocks ignored {blind.control:.3e}")
+    assert blind.control == 0.0 and not blind.ok  # before: 0.809, and the row held
