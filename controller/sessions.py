@@ -31,7 +31,15 @@ from controller.kernel_placement import kernel_spec_of
 from controller.quotas import SessionLimits, TenantLanes, TenantLedger
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import history_charge, history_tokens, num_tokens, own_op_ids, parse_log
+from fleet.core.oplog import (
+    call_fingerprint,
+    check_op_reuse,
+    history_charge,
+    history_tokens,
+    num_tokens,
+    own_op_fps,
+    parse_log,
+)
 from fleet.core.quarantine.detector import Verdict
 from fleet.core.session_types import OpResult, SessionRow, check_token_ids
 
@@ -286,7 +294,8 @@ class Sessions:
         try:
             held = ledger.reserve(self.limits, tenant, grow)
         except ResourceExhausted:
-            if not op_id or not await self._run(tenant, self._logged, tenant, sid, op_id):
+            op_fp = call_fingerprint(fn.__name__, *args[:-1])  # the call's fingerprint: its args, op_id (last) left out
+            if not op_id or not await self._run(tenant, self._logged, tenant, sid, op_id, op_fp):
                 raise
             held = (0, 0)  # the actor answers it from its log (replayed), applying nothing
 
@@ -313,9 +322,17 @@ class Sessions:
         task.add_done_callback(settle)
         return await asyncio.shield(task)
 
-    def _logged(self, tenant: str, sid: str, op_id: str) -> bool:
-        """Whether op `op_id` is one of the session's own ops in its log (written before an op is applied)."""
-        return op_id in own_op_ids(parse_log(self.fleet.store.oplog_read(tenant, sid)))
+    def _logged(self, tenant: str, sid: str, op_id: str, op_fp: str) -> bool:
+        """Whether op `op_id` is one of the session's own ops in its log (written before an op is applied).
+
+        Raises:
+            AlreadyExists: it is, but logged by a different call (its fingerprint is not `op_fp`), as the host
+                refuses it (`check_op_reuse`): not a retry, so not answered at the quota either."""
+        fps = own_op_fps(parse_log(self.fleet.store.oplog_read(tenant, sid)))
+        if op_id not in fps:
+            return False
+        check_op_reuse(op_id, fps[op_id], op_fp)
+        return True
 
     def _blob_tokens(self, tenant: str, ref: str) -> int:
         """An upper bound of a stored tool result's tokens (its size: a token is >= 1 byte); 0 when

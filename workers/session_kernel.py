@@ -13,8 +13,10 @@ holds many SessionKernels. Write path of every mutating call (write-ahead, the c
 The context's work runs on the host's thread pool, in the session's tenant's lane (workers/lanes.py), so
 the host's event loop stays free to answer `info` / `ping` while a long prefill runs, and one tenant's work
 never holds every thread. Ops of one session never interleave (its lock). Every op carries the caller's op
-id; a retried op already in the log (written just before a crash, then replayed) is answered from the
-current state, not applied twice. A closed session refuses every op that was waiting for its lock.
+id and its fingerprint (oplog.call_fingerprint); a retried op already in the log (written just before a crash,
+then replayed) is answered from the current state, not applied twice, and a different call under a logged op id
+is refused (AlreadyExists), not answered as its retry. A closed session refuses every op that was waiting for its
+lock.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from fleet.core.kernel import Kernel, PrefixKV, Session
 from fleet.core.oplog import (
     AppendOp,
     Op,
+    call_fingerprint,
+    check_op_reuse,
     history_charge,
     history_tokens,
     last_index_of,
-    own_op_ids,
+    own_op_fps,
     parse_log,
     to_dict,
 )
@@ -64,8 +68,8 @@ class SessionKernel:
         self.host, self.pid = host, pid
         self.kernel, self.tokenizer, self.store, self._lanes = kernel, tokenizer, store, run
         self.ctx: SessionContext | None = None   # None until the first piece (create) or a replay (restore)
-        self.op_ids: set[str] = set()            # the op ids already in this session's own log
-        self.op_id = ""                          # the op id stamped on the ops of the call in progress
+        self.op_fps: dict[str, str] = {}         # op id -> its call's fingerprint, of this session's own log
+        self.op_id = self.op_fp = ""             # the op id and fingerprint stamped on the ops of the call in progress
         self.last_op_index: int | None = None
         self.num_adopted_tokens = 0
         self._lock = asyncio.Lock()
@@ -92,7 +96,7 @@ class SessionKernel:
             drop_blob_refs(self.store, [op])
             raise
         if op.op_id:
-            self.op_ids.add(op.op_id)
+            self.op_fps[op.op_id] = op.op_fp
         if isinstance(op, AppendOp):
             self.history_tokens += history_charge(op.length)
 
@@ -123,22 +127,24 @@ class SessionKernel:
             return
         self._lock.release()
 
-    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any]) -> OpResult:
-        """Run one mutating call: idempotent on `op_id`, serialised, off the event loop."""
+    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any], op_fp: str = "") -> OpResult:
+        """Run one mutating call: idempotent on `op_id` (a different call under a logged one, by its
+        fingerprint `op_fp`, is refused), serialised, off the event loop."""
         async with self._lock:
             self._check_open()
-            if op_id and op_id in self.op_ids:
+            if op_id and op_id in self.op_fps:
+                check_op_reuse(op_id, self.op_fps[op_id], op_fp)  # AlreadyExists: nothing applied
                 return self._replayed(op_id)
-            self.op_id, self.in_flight = op_id, verb
+            self.op_id, self.op_fp, self.in_flight = op_id, op_fp, verb
             if self.ctx is not None:
-                self.ctx.op_id = op_id  # stamped on every op this call writes
+                self.ctx.op_id, self.ctx.op_fp = op_id, op_fp  # stamped on every op this call writes
             before = self.ctx.session.num_computed if self.ctx is not None else 0  # a create: adopted blocks are free
             try:
                 result = await self._run(fn)
             finally:
-                self.op_id, self.in_flight = "", ""
+                self.op_id, self.op_fp, self.in_flight = "", "", ""
                 if self.ctx is not None:
-                    self.ctx.op_id = ""
+                    self.ctx.op_id = self.ctx.op_fp = ""
             self.num_prefilled_tokens += self._s.num_computed - before
             self.last_active = time.time()
             return self._reply(result)
@@ -164,7 +170,8 @@ class SessionKernel:
         """First piece of a session: the system prompt's `tokens` (encoded once, by the fleet that
         placed it); adopts the shared blocks in `prefix_refs` (ObjectRefs, the first of `tokens`) if any."""
         prefix = self._prefix(tokens, await self._blocks(prefix_refs)) if prefix_refs else None  # zero-copy views
-        return await self._mutate("create", op_id, lambda: self._create(tokens, prefix))
+        return await self._mutate("create", op_id, lambda: self._create(tokens, prefix),
+                                  call_fingerprint("create", tokens))
 
     def _create(self, tokens: list[int], prefix: PrefixKV | None) -> Piece:
         if self.ctx is not None:
@@ -172,7 +179,7 @@ class SessionKernel:
         self._drop_earlier_try()
         ctx = SessionContext(self.kernel.session(prefix=prefix), self.tokenizer, self.tenant, self.session_id,
                              self._write, self.store)  # its first piece appends only what the prefix lacks
-        ctx.op_id = self.op_id
+        ctx.op_id, ctx.op_fp = self.op_id, self.op_fp
         piece = ctx.add_system_tokens(tokens)
         self.ctx, self.num_adopted_tokens = ctx, len(prefix.tokens) if prefix is not None else 0
         return piece
@@ -186,7 +193,7 @@ class SessionKernel:
         log = parse_log(self.store.oplog_read(self.tenant, self.session_id))
         if not log:
             return
-        if not self.op_id or log[0].op_id != self.op_id:
+        if not self.op_id or log[0].op_id != self.op_id or (log[0].op_fp and log[0].op_fp != self.op_fp):
             raise AlreadyExists(f"session {self.session_id} already has an op log")
         drop_blob_refs(self.store, log)
         self.store.oplog_delete(self.tenant, self.session_id)
@@ -226,7 +233,7 @@ class SessionKernel:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")
                 ctx, adopted = self._replay(log, prefix)
                 ctx.sink, ctx.store = self._write, self.store
-                self.ctx, self.num_adopted_tokens, self.op_ids = ctx, adopted, own_op_ids(log)
+                self.ctx, self.num_adopted_tokens, self.op_fps = ctx, adopted, own_op_fps(log)
                 self.last_op_index, self.num_replayed_ops = None, len(log)
                 self.history_tokens = history_tokens(log)
                 self.num_prefilled_tokens += ctx.session.num_computed
@@ -255,22 +262,25 @@ class SessionKernel:
 
     async def append_message(self, tokens: list[int], role: str, op_id: str = "") -> OpResult:
         """A chat message, encoded once by the caller (`encode_message`): never encoded again here."""
-        return await self._mutate("append", op_id, lambda: self.context.add_message_tokens(role, tokens))
+        return await self._mutate("append", op_id, lambda: self.context.add_message_tokens(role, tokens),
+                                  call_fingerprint("append_message", tokens, role))
 
     async def append_output(self, tokens: list[int], op_id: str = "") -> OpResult:
         """Model output (token ids)."""
-        return await self._mutate("append", op_id, lambda: self.context.add_output(list(tokens)))
+        return await self._mutate("append", op_id, lambda: self.context.add_output(list(tokens)),
+                                  call_fingerprint("append_output", tokens))
 
     async def generate(self, n: int, op_id: str = "") -> OpResult:
-        return await self._mutate("generate", op_id, lambda: self.context.generate(n))
+        return await self._mutate("generate", op_id, lambda: self.context.generate(n), call_fingerprint("generate", n))
 
     async def evict(self, piece_id: int, mode: str = "exact", op_id: str = "") -> OpResult:
-        return await self._mutate("evict", op_id, lambda: self.context.evict_piece(piece_id, mode))
+        return await self._mutate("evict", op_id, lambda: self.context.evict_piece(piece_id, mode),
+                                  call_fingerprint("evict", piece_id, mode))
 
     async def add_tool_result(self, ref: str, op_id: str = "") -> OpResult:
         """Append a stored tool result by ref (refused if quarantined)."""
         return await self._mutate("add_tool_result", op_id, lambda: self.context.add_tool_result(
-            ref, self.store.get(ref, self.tenant)))
+            ref, self.store.get(ref, self.tenant)), call_fingerprint("add_tool_result", ref))
 
     async def admit_tool_result(self, ref: str, verdict: Any = None, op_id: str = "") -> OpResult:
         """Act on a verdict on a stored tool result (`verdict`: a fleet.core.quarantine Verdict the caller reached,
@@ -279,7 +289,7 @@ class SessionKernel:
         from fleet.core.quarantine import admit_tool_result
 
         return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
-            self.context, ref, self.store, self.tenant, verdict=verdict))
+            self.context, ref, self.store, self.tenant, verdict=verdict), call_fingerprint("admit_tool_result", ref))
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class SessionContext:
         self.session, self.tokenizer, self.tenant, self.session_id = session, tokenizer, tenant, session_id
         self.sink, self.store = sink, store  # store: optional BlobStore, consulted for quarantine verdicts
         self.op_id = ""  # stamped on the ops the call in progress writes (the shell sets it per call)
+        self.op_fp = ""  # and its fingerprint (oplog.call_fingerprint), likewise
         self.pieces: list[Piece] = []
         self.ops: list[Op] = []
         self.quarantined: dict[str, list[str]] = {}  # refs held out: logged, or learned from the store on a refusal
@@ -133,11 +134,12 @@ class SessionContext:
         self._refuse_quarantined(ref)
         tokens = self.tokenizer.encode(bytes(data))
         op = AppendOp(len(self.pieces), "tool_result", tenant or self.tenant, ref=ref, num_tokens=len(tokens),
-                      op_id=self.op_id)
+                      op_id=self.op_id, op_fp=self.op_fp)
         return self._apply_append(op, tokens)
 
     def _append_tokens(self, kind: str, tokens: list[int], role: str | None = None) -> Piece:
-        op = AppendOp(len(self.pieces), kind, self.tenant, (), role=role, op_id=self.op_id)  # tokens: checked below
+        op = AppendOp(len(self.pieces), kind, self.tenant, (), role=role, op_id=self.op_id,
+                      op_fp=self.op_fp)  # tokens: checked below
         return self._apply_append(op, tokens)
 
     def _apply_append(self, op: AppendOp, tokens: list[int]) -> Piece:
@@ -178,7 +180,7 @@ class SessionContext:
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         if p.state not in (RESIDENT, SHIFTED):
             raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")
-        self._log(EvictOp(piece_id, p.start, p.length, mode, reason, self.op_id))
+        self._log(EvictOp(piece_id, p.start, p.length, mode, reason, self.op_id, self.op_fp))
         report = self.session.evict(p.start, p.length, mode)
         gone = QUARANTINED if reason == "quarantine" else EVICTED
         for i, q in enumerate(self.pieces):
@@ -192,7 +194,7 @@ class SessionContext:
 
     def quarantine(self, ref: str, reasons: list[str]) -> None:
         """Hold `ref` out of this context from now on (recorded in the op log)."""
-        self._log(QuarantineOp(ref, tuple(reasons), self.op_id))
+        self._log(QuarantineOp(ref, tuple(reasons), self.op_id, self.op_fp))
         self.quarantined[ref] = list(reasons)
         self.logged_quarantines[ref] = tuple(reasons)
 
@@ -251,7 +253,7 @@ class SessionContext:
         return ctx
 
     def _replay_one(self, op: Op, fetch: Callable[[str], bytes]) -> None:
-        self.op_id = op.op_id  # a replayed op keeps the id it was logged under
+        self.op_id, self.op_fp = op.op_id, op.op_fp  # a replayed op keeps the id (and fingerprint) it was logged under
         if isinstance(op, AppendOp):
             self._apply_append(op, self._logged_tokens(op, fetch))
         elif isinstance(op, EvictOp):
@@ -262,7 +264,7 @@ class SessionContext:
             self._log(op)
         else:
             raise InvalidArgument(f"replay: unknown op {op!r}")
-        self.op_id = ""
+        self.op_id = self.op_fp = ""
 
 
     # ---- replay over an adopted prefix (a fork sharing its parent's blocks) ---------------------------
@@ -326,9 +328,9 @@ class SessionContext:
         elif isinstance(op, EvictOp):
             self._ledger_evict(op, toks)
         elif isinstance(op, QuarantineOp):
-            self.op_id = op.op_id
+            self.op_id, self.op_fp = op.op_id, op.op_fp
             self.quarantine(op.ref, list(op.reasons))
-            self.op_id = ""
+            self.op_id = self.op_fp = ""
         elif isinstance(op, ForkOp):
             self._log(op)
         else:

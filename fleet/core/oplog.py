@@ -9,8 +9,12 @@ The store keeps each op as a JSON object; this module is the only place that kno
     {"op": "evict", "piece": 2, "start": 40, "length": 57, "mode": "exact", "reason": "quarantine"}
     {"op": "quarantine", "ref": "<sha256>", "reasons": ["instruction_override"]}
     {"op": "fork", "parent": "s1", "at": 7}
+    ... and on each, when the call had them: "op_id": "turn-7", "op_fp": "<32 hex: call_fingerprint>"
 
-A logged op also carries the `op_id` of the call that wrote it (the caller's idempotency key), when it had one.
+A logged op also carries the `op_id` of the call that wrote it (the caller's idempotency key), when it had one,
+and that call's fingerprint `op_fp` (`call_fingerprint`: its verb and a hash of its arguments), so a later call
+under the same op id is answered as a retry only when it is the same call (`check_op_reuse`). Logs written
+before the fingerprint have no `op_fp`: their op ids are answered as before, unchecked.
 
     log:   | parent's ops (their op ids are the parent's) | fork | this session's own ops |
                                                           ^ own_ops() starts after the last fork marker
@@ -21,11 +25,15 @@ A logged op also carries the `op_id` of the call that wrote it (the caller's ide
 
 from __future__ import annotations
 
+import hashlib
+import numbers
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import AlreadyExists, InvalidArgument
 
 KINDS = ("system", "message", "tool_result", "output")
 EVICT_MODES = ("exact", "reposition")
@@ -44,6 +52,7 @@ class AppendOp:
     num_tokens: int | None = None
     role: str | None = None
     op_id: str = ""
+    op_fp: str = ""
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"append kind {self.kind!r} not in {KINDS}"
@@ -66,6 +75,7 @@ class EvictOp:
     mode: str
     reason: str = "evict"
     op_id: str = ""
+    op_fp: str = ""
 
     def __post_init__(self) -> None:
         assert self.mode in EVICT_MODES, f"evict mode {self.mode!r} not in {EVICT_MODES}"
@@ -78,6 +88,7 @@ class QuarantineOp:
     ref: str
     reasons: tuple[str, ...]
     op_id: str = ""
+    op_fp: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +98,7 @@ class ForkOp:
     parent: str
     at: int
     op_id: str = ""
+    op_fp: str = ""
 
 
 Op = AppendOp | EvictOp | QuarantineOp | ForkOp
@@ -112,6 +124,8 @@ def to_dict(op: Op) -> dict[str, Any]:
         d.update(parent=op.parent, at=op.at)
     if op.op_id:
         d["op_id"] = op.op_id
+    if op.op_fp:
+        d["op_fp"] = op.op_fp
     return d
 
 
@@ -121,20 +135,20 @@ def parse(d: Mapping[str, Any]) -> Op:
     Raises:
         InvalidArgument: an unknown verb, or a field missing or of the wrong type.
     """
-    verb, op_id = d.get("op"), str(d.get("op_id") or "")
+    verb, op_id, op_fp = d.get("op"), str(d.get("op_id") or ""), str(d.get("op_fp") or "")  # op_fp: absent in old logs
     try:
         if verb == "append":
             tokens = d.get("tokens")
             return AppendOp(int(d["piece"]), str(d["kind"]), str(d["tenant"]),
                             None if tokens is None else tuple(int(t) for t in tokens), _opt(d.get("ref")),
-                            None if d.get("num_tokens") is None else int(d["num_tokens"]), _opt(d.get("role")), op_id)
+                            None if d.get("num_tokens") is None else int(d["num_tokens"]), _opt(d.get("role")), op_id, op_fp)
         if verb == "evict":
             return EvictOp(int(d["piece"]), int(d["start"]), int(d["length"]), str(d["mode"]),
-                           str(d.get("reason", "evict")), op_id)
+                           str(d.get("reason", "evict")), op_id, op_fp)
         if verb == "quarantine":
-            return QuarantineOp(str(d["ref"]), tuple(str(r) for r in d["reasons"]), op_id)
+            return QuarantineOp(str(d["ref"]), tuple(str(r) for r in d["reasons"]), op_id, op_fp)
         if verb == "fork":
-            return ForkOp(str(d["parent"]), int(d["at"]), op_id)
+            return ForkOp(str(d["parent"]), int(d["at"]), op_id, op_fp)
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise InvalidArgument(f"op log: malformed {verb} op {dict(d)!r}: {e!r}") from e
     raise InvalidArgument(f"op log: unknown op {dict(d)!r}")
@@ -154,6 +168,54 @@ def own_ops(ops: Sequence[Op]) -> Sequence[Op]:
 def own_op_ids(ops: Sequence[Op]) -> set[str]:
     """The op ids of the session's own ops (a retry of one of them is answered, never applied again)."""
     return {op.op_id for op in own_ops(ops) if op.op_id}
+
+
+def own_op_fps(ops: Sequence[Op]) -> dict[str, str]:
+    """op id -> the fingerprint logged with it ("" for an op logged before fingerprints), of the session's own ops."""
+    return {op.op_id: op.op_fp for op in own_ops(ops) if op.op_id}
+
+
+def call_fingerprint(verb: str, *args: object) -> str:
+    """The fingerprint of one mutating call: its verb (the SessionKernel / KernelFleet method) and a hash of
+    the arguments that say what it does (token ids and role, a blob ref, a count, a piece and a mode), never
+    its op id. The host stamps it on every op the call logs; the controller computes the same for the same
+    call (`controller/sessions.py` `_logged`), so both refuse an op id reused for another call.
+
+    NOTE: token ids are hashed as little-endian int64s, not as JSON: 1 ms for 32k ids (JSON: 3.6 ms), on the
+    host's event loop.
+    """
+    h = hashlib.sha256(b"kvfleet-op-fp-v1\0" + verb.encode())
+    for a in args:
+        if a is None:
+            h.update(b"\0n")
+        elif isinstance(a, str):
+            b = a.encode()
+            h.update(b"\0s%d:" % len(b) + b)
+        elif isinstance(a, numbers.Integral):  # numpy's ints too: the same count, the same fingerprint
+            h.update(b"\0i%d" % int(a))
+        else:
+            try:
+                ids = array("q", cast("Iterable[int]", a))  # token ids (anything else: the except)
+            except (TypeError, ValueError, OverflowError):  # not token ids: the call itself refuses them
+                h.update(b"\0r" + repr(a).encode())
+                continue
+            if sys.byteorder == "big":
+                ids.byteswap()
+            h.update(b"\0l%d:" % len(ids) + ids.tobytes())
+    return h.hexdigest()[:32]
+
+
+def check_op_reuse(op_id: str, logged_fp: str, op_fp: str) -> None:
+    """Refuse a call under an op id the log holds for a different call (its fingerprint differs): answering it
+    as a retry would acknowledge what was never applied. An op logged without a fingerprint (an older log),
+    or a call without one, is not checked.
+
+    Raises:
+        AlreadyExists: the op id was logged by a different call; nothing is applied.
+    """
+    if logged_fp and op_fp and logged_fp != op_fp:
+        raise AlreadyExists(f"op_id {op_id!r} was already used for a different call in this session; "
+                            "use a new op_id (a retry must repeat the same call)")
 
 
 def last_index_of(ops: Sequence[Op], op_id: str) -> int | None:

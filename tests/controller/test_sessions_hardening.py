@@ -508,7 +508,7 @@ async def test_a_fork_child_does_not_answer_its_parents_op_ids(ray_cluster: None
         assert (after.replayed, after.op_index, after.piece, after.num_tokens) == (True, mine.op_index, mine.piece, 51)
         with pytest.raises(ResourceExhausted, match="--max-kv-bytes-per-tenant"):
             await c.append("s1.b", [5], op_id="p-only")              # the parent's id is no retry of the child's
-        assert (await c.append("s1", " more", op_id="turn-1")).replayed   # the parent's own retry still is
+        assert (await c.append("s1", " hello", op_id="turn-1")).replayed   # the parent's own retry still is
         assert (await c.get_session("s1.b")).row.num_tokens == 51
     finally:
         await c.close()

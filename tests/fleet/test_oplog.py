@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import AlreadyExists, InvalidArgument
 from fleet.core.oplog import (
     AppendOp,
     EvictOp,
     ForkOp,
     QuarantineOp,
     blob_refs,
+    call_fingerprint,
+    check_op_reuse,
     kv_follows_tokens,
     last_index_of,
     num_tokens,
+    own_op_fps,
     own_op_ids,
     parse,
     parse_log,
@@ -67,3 +71,31 @@ def test_tokens_refs_and_kv_follow_the_log() -> None:
     assert blob_refs(LOG) == [(REF, "acme")]
     assert kv_follows_tokens(LOG)
     assert not kv_follows_tokens([*LOG, EvictOp(0, 0, 3, "reposition")])  # control: a re-rotation
+
+
+def test_a_calls_fingerprint_is_logged_with_its_ops_and_old_logs_parse_without_it() -> None:
+    fp = call_fingerprint("append_message", [7, 8], "user")
+    op = AppendOp(2, "message", "acme", (7, 8), role="user", op_id="o1", op_fp=fp)
+    stored = json.loads(json.dumps(to_dict(op)))
+    assert stored["op_fp"] == fp and parse(stored) == op
+    old = {k: v for k, v in stored.items() if k != "op_fp"}          # a log written before fingerprints
+    assert parse(old).op_fp == "" and "op_fp" not in to_dict(parse(old))
+    assert own_op_fps([*LOG, op]) == {"o1": fp}
+    assert own_op_fps(LOG[:4]) == {"o1": "", "o2": "", "o3": ""}      # unfingerprinted: unchecked
+
+
+def test_the_fingerprint_is_the_call_not_its_op_id() -> None:
+    fp = call_fingerprint("append_message", [7, 8], "user")
+    assert fp == call_fingerprint("append_message", (7, 8), "user") == call_fingerprint(
+        "append_message", np.array([7, 8]), "user")                   # list, tuple or array: the same ids
+    assert call_fingerprint("generate", 4) == call_fingerprint("generate", np.int64(4))
+    others = {call_fingerprint("append_message", [7, 9], "user"), call_fingerprint("append_message", [7, 8], "tool"),
+              call_fingerprint("append_output", [7, 8]), call_fingerprint("generate", 4),
+              call_fingerprint("evict", 1, "exact"), call_fingerprint("evict", 1, "reposition"),
+              call_fingerprint("append_message", [78], "user"), call_fingerprint("append_message", "78", "user"),
+              call_fingerprint("append_message", [7, 8], "user", None), call_fingerprint("append_message", ["x"], "user")}
+    assert len(others | {fp}) == 11                                   # every other call differs
+    check_op_reuse("o1", fp, fp)                                        # its retry: answered
+    check_op_reuse("o1", "", fp)                                        # an old log's op: not checked
+    with pytest.raises(AlreadyExists, match="op_id 'o1' was already used for a different call"):
+        check_op_reuse("o1", fp, call_fingerprint("generate", 4))

@@ -1,0 +1,98 @@
+"""Op ids at the kernel host: a retry of a logged call is answered (replayed), a different call under a
+logged op id is refused, whichever verb it is, before and after a regeneration from the log; logs written
+before fingerprints regenerate and answer as before.
+
+Real parts: a SessionKernel (the numpy kernel, the byte tokenizer) over a real SQLite store; no Ray (its
+lanes are the calling thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fleet.cas import open_store
+from fleet.core.errors import AlreadyExists
+from fleet.core.kernel import ByteTokenizer
+from workers.session_kernel import SessionKernel
+from workers.spec import KernelSpec, make_kernel
+
+IDS = np.random.default_rng(3).integers(0, 256, 40).tolist()
+
+
+async def _inline(tenant: str, fn: Any) -> Any:  # the host's lanes, on the calling thread
+    return fn()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Any]:
+    with open_store(f"sqlite:///{tmp_path / 's.db'}") as s:
+        yield s
+
+
+def _kernel_session(store: Any) -> SessionKernel:
+    kernel = make_kernel(KernelSpec(block_size=16))
+    return SessionKernel("acme", "s1", kernel, ByteTokenizer(kernel.config.vocab_size), store, _inline)
+
+
+async def _started(store: Any) -> SessionKernel:
+    sk = _kernel_session(store)
+    await sk.create(IDS[:20], op_id="c1")
+    await sk.append_message(IDS[20:30], "user", op_id="X")       # "transfer $10 to alice"
+    return sk
+
+
+async def _refused_unchanged(sk: SessionKernel, store: Any, call: Any) -> None:
+    before = (len(store.oplog_read("acme", "s1")), list(sk._s.tokens), sk._s.digest())
+    with pytest.raises(AlreadyExists, match="op_id '.+' was already used for a different call"):
+        await call
+    assert (len(store.oplog_read("acme", "s1")), list(sk._s.tokens), sk._s.digest()) == before
+
+
+async def test_an_op_id_reused_for_a_different_call_is_refused_and_nothing_applied(store: Any) -> None:
+    sk = await _started(store)
+    await _refused_unchanged(sk, store, sk.append_message(IDS[30:40], "user", op_id="X"))   # other tokens
+    await _refused_unchanged(sk, store, sk.append_message(IDS[20:30], "assistant", op_id="X"))  # other role
+    await _refused_unchanged(sk, store, sk.append_output(IDS[20:30], op_id="X"))   # same ids, another verb
+    await _refused_unchanged(sk, store, sk.generate(4, op_id="X"))   # before: the message's ids came back as output
+    await _refused_unchanged(sk, store, sk.evict(1, "exact", op_id="X"))
+    again = await sk.append_message(IDS[20:30], "user", op_id="X")   # control: the same call is its retry
+    assert (again.replayed, again.result.piece_id, again.num_tokens) == (True, 1, 30)
+    g = await sk.generate(4, op_id="g1")
+    assert (await sk.generate(4, op_id="g1")).result == g.result    # a generate's retry: the same tokens
+    await _refused_unchanged(sk, store, sk.generate(5, op_id="g1"))  # another count is another call
+    await sk.evict(1, "exact", op_id="e1")
+    assert (await sk.evict(1, "exact", op_id="e1")).replayed
+    await _refused_unchanged(sk, store, sk.evict(1, "reposition", op_id="e1"))
+    assert [op.get("op_fp") is not None for op in store.oplog_read("acme", "s1")] == [True] * 4  # every op: its call's
+
+
+async def test_the_check_survives_a_regeneration_from_the_log(store: Any) -> None:
+    live = await _started(store)
+    await live.evict(1, "exact", op_id="e1")
+    sk = _kernel_session(store)                                      # the host died: rebuilt from the log
+    await sk.restore()
+    assert sk._s.digest() == live._s.digest()
+    await _refused_unchanged(sk, store, sk.append_message(IDS[30:40], "user", op_id="X"))
+    await _refused_unchanged(sk, store, sk.evict(0, "exact", op_id="e1"))
+    assert (await sk.append_message(IDS[20:30], "user", op_id="X")).replayed   # control: its retry
+    assert (await sk.evict(1, "exact", op_id="e1")).replayed
+
+
+async def test_a_log_written_before_fingerprints_regenerates_and_is_not_checked(store: Any) -> None:
+    live = await _started(store)
+    await live.evict(1, "exact", op_id="e1")
+    old = [{k: v for k, v in op.items() if k != "op_fp"} for op in store.oplog_read("acme", "s1")]
+    store.oplog_replace("acme", "s1", old)                         # the format before this change
+    sk = _kernel_session(store)
+    await sk.restore()
+    assert (sk._s.digest(), len(sk._s)) == (live._s.digest(), 20)   # bit-identical, as before
+    r = await sk.append_message(IDS[30:40], "user", op_id="X")       # unchecked: answered as before (docs/api.md)
+    assert (r.replayed, r.num_tokens) == (True, 20)
+    fresh = await sk.append_message(IDS[30:40], "user", op_id="X2")  # new calls on an old log are fingerprinted
+    await _refused_unchanged(sk, store, sk.generate(2, op_id="X2"))
+    assert fresh.num_tokens == 30
