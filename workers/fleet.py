@@ -9,8 +9,9 @@ A session lives in its node's kernel host (workers/host.py: one Ray actor, one p
 sessions). Calls go to that host, which runs them on the session's SessionKernel. A session the host
 no longer holds (the host died and Ray restarted it empty, or its node is gone) is marked lost
 (witness kv="forgotten", epoch + 1) and regenerated from its op log, then the call is retried once
-with the same op id (so an op that was logged just before the crash is not applied twice). Every
-wait has a timeout: a fault never hangs a caller.
+with the same op id (so an op that was logged just before the crash is not applied twice). A session whose
+call failed after logging its op answers SessionGone too (workers/session_kernel.py SessionTorn): it is
+rebuilt from its log the same way. Every wait has a timeout: a fault never hangs a caller.
 
 Nodes come and go: the hosts follow Ray's node table (re-read at most every `node_refresh_s`, and
 at once after a failure). A node that joins and has the resources sessions need gets a host and
@@ -181,11 +182,13 @@ class KernelFleet:
             return self._regenerate(rec), True
 
     def _holds(self, rec: SessionRecord) -> bool:
-        """Whether the host of the record's node holds the session now."""
+        """Whether the host of the record's node holds the session now, whole: its info answers. A session
+        whose call failed after logging its op (SessionTorn) is held but not served (SessionGone): rebuilt."""
         try:
-            return bool(self.nodes.call(rec.node, "holds", rec.tenant, rec.session))
-        except Unavailable:  # NodeGone included
+            self.nodes.call(rec.node, "call", rec.tenant, rec.session, SessionKernel.info.__name__)
+        except (SessionGone, Unavailable):  # NodeGone included
             return False
+        return True
 
     def _regenerate(self, rec: SessionRecord) -> SessionRecord:
         """Mark the session lost (kv forgotten), rebuild it from its op log, mark it regenerated.

@@ -16,7 +16,10 @@ never holds every thread. Ops of one session never interleave (its lock). Every 
 id and its fingerprint (oplog.call_fingerprint); a retried op already in the log (written just before a crash,
 then replayed) is answered from the current state, not applied twice, and a different call under a logged op id
 is refused (AlreadyExists), not answered as its retry. A closed session refuses every op that was waiting for its
-lock.
+lock. A call that fails after it handed an op to the log (a recompute that raised mid-evict) may leave the live
+state torn while the log holds the op: that state is never served again (every later call raises SessionGone,
+so the fleet rebuilds the session from its log, which applies the op) and the call raises SessionTorn
+(UNAVAILABLE: retry with the same op_id, answered replayed once rebuilt).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import ray
 
 from fleet.core.context import QUARANTINED, Piece, SessionContext
-from fleet.core.errors import AlreadyExists, FailedPrecondition, NotFound
+from fleet.core.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from fleet.core.kernel import Kernel, PrefixKV, Session
 from fleet.core.oplog import (
     AppendOp,
@@ -51,6 +54,11 @@ Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]  # (tenant, fn) -> f
 
 class SessionGone(NotFound):
     """The session is not held by this host (it was closed, released, or the host restarted empty)."""
+
+
+class SessionTorn(Unavailable):
+    """A call failed after its op was logged: the session's live state may lack what its log holds. The
+    state is not served again; a retry with the same op id is answered from the log once rebuilt."""
 
 
 class SessionKernel:
@@ -80,6 +88,8 @@ class SessionKernel:
         self.num_prefilled_tokens = 0  # tokens this actor computed (appends, exact evictions, replays); adopted blocks not counted
         self.history_tokens = 0  # what its log holds, as the controller's history quota charges it (oplog.history_tokens)
         self.in_flight = ""  # the verb running now (its state is the registry's: workers/registry.py)
+        self.num_log_writes = 0  # ops handed to the op log (a write that raised may have landed all the same)
+        self.torn = ""  # why the live state may differ from the log (a call failed after logging): not served
 
     def _write(self, op: Op) -> None:
         """Write-ahead (the context's sink): log the op, stamped with the call's op id, before it is
@@ -90,6 +100,7 @@ class SessionKernel:
         out after the actor read it) refuses the op with nothing logged, instead of a log entry
         no replay could ever fetch; an op log write that fails gives the reference back."""
         add_blob_refs(self.store, [op])
+        self.num_log_writes += 1  # NOTE: before the write: one that raises may still be durable
         try:
             self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, to_dict(op)))
         except BaseException:
@@ -116,6 +127,18 @@ class SessionKernel:
     def _check_open(self) -> None:
         if self.closed:
             raise SessionGone(f"session {self.session_id} was closed on this host")
+        self._check_served()
+
+    def _check_served(self) -> None:
+        """SessionGone for a torn session: the fleet rebuilds it from its op log, then calls again."""
+        if self.torn:
+            raise SessionGone(f"session {self.session_id}: {self.torn}; its state is rebuilt from its op log")
+
+    def _tear(self, verb: str, op_id: str, e: BaseException) -> SessionTorn:
+        """Mark the state torn (never served again) after `verb` failed with `e` past its log write."""
+        self.torn = f"{verb} (op_id {op_id!r}) failed after its op was logged ({e!r})"
+        return SessionTorn(f"session {self.session_id}: {self.torn}; the session is rebuilt from its op log, "
+                           "which applies the op: retry with the same op_id (answered replayed)")
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Refuse every later op, and wait (at most `timeout_s`) for the one in flight to finish, so
@@ -139,8 +162,14 @@ class SessionKernel:
             if self.ctx is not None:
                 self.ctx.op_id, self.ctx.op_fp = op_id, op_fp  # stamped on every op this call writes
             before = self.ctx.session.num_computed if self.ctx is not None else 0  # a create: adopted blocks are free
+            writes = self.num_log_writes
             try:
                 result = await self._run(fn)
+            except Exception as e:
+                # NOTE: a create's torn log is not served either way: the host drops the session, the fleet its log
+                if self.ctx is not None and verb != "create" and self.num_log_writes != writes:
+                    raise self._tear(verb, op_id, e) from e
+                raise  # nothing logged: nothing changed (validation refused it before the log)
             finally:
                 self.op_id, self.op_fp, self.in_flight = "", "", ""
                 if self.ctx is not None:
@@ -297,15 +326,18 @@ class SessionKernel:
         from fleet.core.working_set import working_set
 
         async with self._lock:
+            self._check_served()
             return await self._run(lambda: working_set(self.context, budget_tokens, store=self.store))
 
     async def fork_point(self) -> dict[str, Any]:
         """The op log and the tokens at one instant (a fork's starting point), read together."""
         async with self._lock:
+            self._check_served()
             return {"ops": list(self.context.ops), "tokens": list(self._s.tokens)}
 
     async def export_prefix(self, num_tokens: int) -> PrefixKV:
         async with self._lock:  # never while an op is writing the cache on the session thread
+            self._check_served()
             prefix: PrefixKV = await self._run(lambda: self._s.export_prefix(num_tokens))  # on the lane, not the loop
             return prefix
 
@@ -315,18 +347,22 @@ class SessionKernel:
 
     async def digest(self) -> str:
         async with self._lock:
+            self._check_served()
             return str(await self._run(self._s.digest))
 
     async def last_logits(self) -> Any:
         async with self._lock:
+            self._check_served()
             return self._s.last_logits
 
     async def tokens(self) -> list[int]:
         async with self._lock:
+            self._check_served()
             return list(self._s.tokens)
 
     async def pieces(self) -> list[Any]:
         async with self._lock:
+            self._check_served()
             return list(self.context.pieces)
 
     async def stall(self, seconds: float) -> None:
@@ -344,6 +380,7 @@ class SessionKernel:
         self._unstalled.set()
 
     async def info(self) -> dict[str, Any]:
+        self._check_served()  # the fleet's check that the host holds the session whole (KernelFleet._holds)
         return self.info_row()
 
     async def ping(self) -> str:

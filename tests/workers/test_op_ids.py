@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from fleet.cas import open_store
-from fleet.core.errors import AlreadyExists
+from fleet.core.errors import AlreadyExists, InvalidArgument, Unavailable
 from fleet.core.kernel import ByteTokenizer
-from workers.session_kernel import SessionKernel
+from workers.session_kernel import SessionGone, SessionKernel, SessionTorn
 from workers.spec import KernelSpec, make_kernel
 
 IDS = np.random.default_rng(3).integers(0, 256, 40).tolist()
@@ -96,3 +96,55 @@ async def test_a_log_written_before_fingerprints_regenerates_and_is_not_checked(
     fresh = await sk.append_message(IDS[30:40], "user", op_id="X2")  # new calls on an old log are fingerprinted
     await _refused_unchanged(sk, store, sk.generate(2, op_id="X2"))
     assert fresh.num_tokens == 30
+
+
+# ---- a call that fails after its op was logged: the torn state is never served ---------------------------
+
+def _fail_once(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's next MLP raises once (an OOM in the middle of a recompute), then works again."""
+    real, calls = kernel.ops.mlp, [0]
+
+    def flaky(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("out of memory (injected)")
+        return real(*args)
+
+    monkeypatch.setattr(kernel.ops, "mlp", flaky)
+
+
+async def _three_pieces(store: Any, session_id: str = "s1") -> SessionKernel:
+    sk = _kernel_session(store)
+    sk.session_id = session_id
+    await sk.create(IDS[:20], op_id="c1")
+    await sk.append_message(IDS[20:30], "user", op_id="a1")       # piece 1: evicted
+    await sk.append_message(IDS[30:40], "user", op_id="a2")       # piece 2: its survivor, recomputed
+    return sk
+
+
+async def test_an_evict_that_fails_after_logging_is_rebuilt_and_its_retry_matches_a_clean_one(
+        store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    clean = await _three_pieces(store, "clean")                   # control: a session that never failed
+    await clean.evict(1, "exact", op_id="e1")
+    sk = await _three_pieces(store)
+    _fail_once(sk.kernel, monkeypatch)
+    with pytest.raises(SessionTorn, match=r"evict \(op_id 'e1'\) failed after its op was logged .*out of memory"
+                                          r".*retry with the same op_id") as e:
+        await sk.evict(1, "exact", op_id="e1")
+    assert isinstance(e.value, Unavailable)                       # retryable (the SDK retries UNAVAILABLE)
+    for call in (sk.evict(1, "exact", op_id="e1"), sk.digest(), sk.tokens(), sk.info()):
+        with pytest.raises(SessionGone, match="rebuilt from its op log"):   # before: replayed=True at length 20
+            await call
+    rebuilt = _kernel_session(store)                             # what the fleet does on SessionGone
+    await rebuilt.restore()
+    r = await rebuilt.evict(1, "exact", op_id="e1")               # the fleet's retry, same op id
+    assert (r.replayed, r.num_tokens, await rebuilt.digest()) == (True, 30, await clean.digest())
+
+
+async def test_a_call_that_fails_before_logging_changes_nothing(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sk = await _three_pieces(store)
+    with pytest.raises(InvalidArgument):
+        await sk.append_message([1 << 20], "user", op_id="bad")   # refused before the log
+    assert not sk.torn and len(store.oplog_read("acme", "s1")) == 3
+    r = await sk.evict(1, "exact", op_id="e1")                    # served as before, no rebuild
+    assert (r.replayed, r.num_tokens, sk.torn) == (False, 30, "")
