@@ -372,10 +372,15 @@ class KernelFleet:
         if self.nodes.specs.get(node) != self.nodes.specs.get(parent_node):
             return (), 0  # another backend/device (node group): its KV is not portable, replay it there
         try:
-            refs = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
+            shared = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
+            if shared["model_id"] != self.nodes.call(node, "model_id"):
+                # NOTE: compared by backend and device alone, nodes of one spec on CPUs of other code paths (AVX-512
+                # and AVX2) exchanged blocks whose bits differ from what the child's node computes (1.4e-6)
+                return (), 0  # another CPU code path, or other weights: replay it there
         except (NotFound, Unavailable):
             return (), 0
-        return (None, tokens, refs), len(refs) * self.kernel.block_bytes
+        refs = shared["refs"]
+        return (None, tokens, refs, shared["model_id"]), len(refs) * self.kernel.block_bytes
 
     def evict_prefix(self, tenant: str, prompt: str | list[int], start: int = 0) -> int:
         """Policy eviction by name on every node: drop the cached blocks of this prompt prefix from

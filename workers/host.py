@@ -284,20 +284,27 @@ class KernelHost:
                 del self.sessions[(tenant, session_id)]
             raise
 
-    async def share_prefix(self, tenant: str, session_id: str, tokens: list[int]) -> list[Any]:
+    async def share_prefix(self, tenant: str, session_id: str, tokens: list[int]) -> dict[str, Any]:
         """The ObjectRefs of a live session's blocks at its fork point (`tokens`), for a fork on
-        another node: Ray moves them there through the object store (at most len - 1 tokens, so
-        the child computes its own last logits). Raises NotFound when the session is not here."""
+        another node (`refs`: Ray moves them there through the object store; at most len - 1 tokens,
+        so the child computes its own last logits), and the model_id of the kernel that computed them
+        (`model_id`: the child's host adopts them only under the same one). Raises NotFound when the
+        session is not here."""
         parent = self.sessions.get((tenant, session_id))
         if parent is None:
             raise NotFound(f"session {session_id} is not on node {self.node_id}")
         await self._publish(tenant, tokens, parent)
         node, refs = self._adoptable(tenant, tokens)
         self.tree.dec_lock_ref(node)  # the caller's refs keep the objects alive from here on
-        return refs
+        return {"model_id": parent.kernel.model_id, "refs": refs}
+
+    async def model_id(self) -> str:
+        """This host's kernel's model_id: its weights, backend, device and CPU code path (Kernel.model_id)."""
+        return str((await self._kernel())[0].model_id)
 
     async def fork(self, tenant: str, ops: list[Op], child_id: str, parent_id: str | None = None,
-                   tokens: list[int] | None = None, prefix_refs: list[Any] | None = None) -> dict[str, Any]:
+                   tokens: list[int] | None = None, prefix_refs: list[Any] | None = None,
+                   prefix_model_id: str | None = None) -> dict[str, Any]:
         """A branch, isolated from its parent: `ops` (the parent's log + a fork marker) become its log.
 
         With `parent_id` (a live session on this host) and `tokens` (its tokens at the fork
@@ -309,16 +316,16 @@ class KernelHost:
                                            computes the last 1..block_size tokens itself
 
         N forks of a long prefix then hold the prefix once (in the object store) plus N suffixes.
-        With `prefix_refs` instead (the parent lives on another node: its host's `share_prefix`),
-        the child adopts those blocks, which Ray fetches from the parent's node. Without either
-        (the parent is gone) the child replays the log.
+        With `prefix_refs` instead (the parent lives on another node: its host's `share_prefix`, and
+        `prefix_model_id` the kernel that computed them), the child adopts those blocks, which Ray
+        fetches from the parent's node. Without either (the parent is gone) the child replays the log.
         """
         if (tenant, child_id) in self.sessions:
             raise AlreadyExists(f"session {child_id} already exists")
         if prefix_refs and tokens and kv_follows_tokens(ops):
             s = await self._open(tenant, child_id)
             self.remote_adopters.add((tenant, child_id))
-            return await self._restore(s, ops, prefix_refs, tokens)
+            return await self._restore(s, ops, prefix_refs, tokens, prefix_model_id)
         parent = self.sessions.get((tenant, parent_id)) if parent_id is not None else None
         if parent is None or not tokens or not kv_follows_tokens(ops):
             return await self._restore(await self._open(tenant, child_id), ops)

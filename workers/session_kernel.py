@@ -234,21 +234,25 @@ class SessionKernel:
         other tenant's calls on the host waited: info 2.3 -> 40 ms at the median, create 6.8 -> 197 ms."""
         return list(await self._run(lambda: ray.get(list(refs))))
 
-    def _prefix(self, tokens: list[int], blocks: list[Any]) -> PrefixKV:
-        """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`."""
+    def _prefix(self, tokens: list[int], blocks: list[Any], model_id: str | None = None) -> PrefixKV:
+        """The adopted prefix: `blocks` (one per block) holding the first tokens of `tokens`, computed by a kernel of
+        `model_id` (default: this host's, whose radix tree holds the blocks). The kernel refuses a prefix of another
+        model_id. NOTE: blocks fetched from another node were wrapped with this kernel's own id, so that check could
+        never fail, and another CPU code path's blocks were adopted though their bits differ."""
         n = len(blocks) * self.kernel.block_size
-        return PrefixKV(tuple(tokens[:n]), self.kernel.block_size, tuple(blocks), self.kernel.model_id)
+        return PrefixKV(tuple(tokens[:n]), self.kernel.block_size, tuple(blocks), model_id or self.kernel.model_id)
 
     async def restore(self, ops: list[Op] | None = None, prefix_refs: list[Any] | None = None,
-                      tokens: list[int] | None = None) -> dict[str, Any]:
+                      tokens: list[int] | None = None, prefix_model_id: str | None = None) -> dict[str, Any]:
         """Regenerate from the op log (after the previous actor was lost); or, for a fork, write
         `ops` (the parent's log + a fork marker) as this session's log first, then replay it.
 
         A fork on the parent's node also gets `prefix_refs` (ObjectRefs of the parent's blocks,
         one per block of `tokens`, its tokens at the fork point): they are adopted copy-on-write
         and only the tokens past them are computed (`_replay`). A regeneration replays the
-        whole log's ledger and computes the tokens the session holds at its end."""
-        prefix = self._prefix(tokens or [], await self._blocks(prefix_refs)) if prefix_refs else None
+        whole log's ledger and computes the tokens the session holds at its end. `prefix_model_id`: the model_id
+        of the kernel that exported `prefix_refs` on another node."""
+        prefix = self._prefix(tokens or [], await self._blocks(prefix_refs), prefix_model_id) if prefix_refs else None
         async with self._lock:
             self._check_open()
 

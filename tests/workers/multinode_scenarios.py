@@ -248,7 +248,15 @@ def cross_node_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
         f.append(T, "replayed", "But first, a detour.")
         control = max_delta(f.last_logits(T, "shared"), f.last_logits(T, "replayed"))
         si, ri = actor_info(url, T, "shared"), actor_info(url, T, "replayed")
-        return {"parent_node": parent["node"], "other": other, "shared_node": shared["node"],
+        # the other node's kernel now stands for one on another CPU code path (its model_id differs): a fork
+        # there replays, it adopts none of the parent's blocks (before, blocks of other bits were adopted)
+        ray.get(f.hosts[other].__ray_call__.remote(_other_code_path))
+        foreign = f.fork(T, "parent", "foreign", node=other)
+        f.fork(T, "parent", "again", share=False, node=other)
+        foreign_delta = max_delta(f.last_logits(T, "foreign"), f.last_logits(T, "again"))
+        return {"foreign_node": foreign["node"], "foreign_adopted": foreign["adopted_tokens"],
+                "foreign_moved_bytes": foreign["moved_bytes"], "foreign_delta": foreign_delta,
+                "parent_node": parent["node"], "other": other, "shared_node": shared["node"],
                 "replayed_node": replayed["node"], "moved_bytes": shared["moved_bytes"],
                 "replay_moved_bytes": replayed["moved_bytes"], "adopted_tokens": shared["adopted_tokens"],
                 "shared_prefilled": si["prefilled_tokens"], "replayed_prefilled": ri["prefilled_tokens"],
@@ -256,6 +264,11 @@ def cross_node_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
                 "control_delta": control, "shared_fork_s": shared_s, "replayed_fork_s": replay_s}
     finally:
         f.shutdown()
+
+
+def _other_code_path(host: Any) -> None:
+    """(In a kernel host, by __ray_call__) its kernel, loaded by now, reports the model_id of another CPU code path."""
+    host._loading.result()[0].model_id = "another-code-path"
 
 
 def _free_port() -> int:

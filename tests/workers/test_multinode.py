@@ -64,6 +64,9 @@ def test_cross_node_fork_moves_the_parents_blocks_and_equals_a_replayed_fork(mul
     assert r["replayed_prefilled"] > r["shared_prefilled"]
     assert r["max_delta"] == 0.0 and r["max_delta_after_append"] == 0.0
     assert r["control_delta"] > 0
+    # a node whose kernel has another model_id (another CPU code path) replays instead of adopting
+    assert r["foreign_node"] == r["other"] and r["foreign_adopted"] == 0 and r["foreign_moved_bytes"] == 0
+    assert r["foreign_delta"] == 0.0
 
 
 def test_controller_sigkill_and_restart_keeps_sessions_warm(multinode: dict[str, Any]) -> None:
