@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.controller import code_of, make_tokens, md, start_controller, store_url
+from support.lossy_relay import SilentRelay
 
 from controller.servicers import SERVICE_NAMES
 from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, route_pb2, workers_pb2
@@ -130,47 +131,6 @@ async def test_leader_election_on_redis(redis_url: str, tmp_path: Path) -> None:
             await c.stop(0)  # idempotent
 
 
-class _Relay:
-    """A TCP relay to Redis that can go silent: bytes stop both ways, sockets stay open (a partition, a paused VM)."""
-
-    def __init__(self, port: int) -> None:
-        import socket
-        import threading
-
-        self.up, self.silent = ("127.0.0.1", port), False
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._pump, args=(c, socket.create_connection(self.up)), daemon=True).start()
-
-    def _pump(self, c: object, u: object) -> None:
-        import select
-
-        try:
-            while True:
-                ready, _, _ = select.select([c, u], [], [], 0.05)
-                if self.silent:
-                    continue
-                for a, b in ((c, u), (u, c)):
-                    if a in ready:
-                        data = a.recv(65536)  # type: ignore[attr-defined]
-                        if not data:
-                            return
-                        b.sendall(data)  # type: ignore[attr-defined]
-        except OSError:
-            pass
-
-
 async def test_a_leader_cut_off_from_redis_steps_down_before_a_standby_can_lead(
         redis_url: str, redis_server: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The leader's path to Redis goes silent. NOTE: its renew then waited as long as the Redis client's socket
@@ -182,7 +142,7 @@ async def test_a_leader_cut_off_from_redis_steps_down_before_a_standby_can_lead(
     real = aredis.Redis.from_url.__func__  # type: ignore[attr-defined]
     monkeypatch.setattr(aredis.Redis, "from_url", classmethod(
         lambda cls, url, **kw: real(cls, url, **{**kw, "socket_timeout": None})))  # redis-py 5's default
-    relay = _Relay(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
+    relay = SilentRelay(("127.0.0.1", int(redis_url.rsplit(":", 1)[1].split("/")[0])))
     tok = make_tokens(tmp_path)
     kw = {"leader_election": True, "leader_ttl_s": 1.0, "gc_interval_s": 0}
     a = await start_controller(f"redis://127.0.0.1:{relay.port}/0", tok, **kw)
@@ -207,6 +167,7 @@ async def test_a_leader_cut_off_from_redis_steps_down_before_a_standby_can_lead(
         assert not both and a_down is not None and b_up is not None and a_down < b_up  # before: both from ~1 s on
     finally:
         relay.silent = False
+        relay.close()
         for c in (a, b):
             if c is not None:
                 await c.stop(0)

@@ -8,6 +8,7 @@ first out once `capacity` rows are used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 L0_MEMO_BYTES = 64 << 20  # layer-0 projections kept per kernel (oldest dropped first) ...
@@ -66,6 +67,16 @@ class L0Slots:
             self.cursor = (row + 1) % self.capacity
         self.rows[tok] = row
         return row
+
+    def fill(self, misses: list[tuple[int, int]], compute: Callable[[int, int], None]) -> None:
+        """`compute(tok, row)` for each (token id, row) `lookup` missed; one that raises leaves its row and the
+        rows after it unmapped (`forget`), so no later lookup gathers a row that was never filled."""
+        for i, (tok, row) in enumerate(misses):
+            try:
+                compute(tok, row)
+            except BaseException:  # NOTE: a row claimed but never filled was gathered later, stale
+                self.forget([t for t, _ in misses[i:]])
+                raise
 
     def forget(self, ids: list[int]) -> None:
         """Unmap `ids` (rows claimed by `lookup` whose computation failed): their rows hold nothing

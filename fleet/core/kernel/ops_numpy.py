@@ -195,12 +195,7 @@ class NumpyOps:
         with self._l0_lock:
             for c in range(0, len(toks), step):
                 rows, misses = self._slots.lookup(toks[c : c + step])
-                for i, (tok, row) in enumerate(misses):
-                    try:
-                        self._row0(tok, row)
-                    except BaseException:  # NOTE: a row claimed but never filled must not be gathered later
-                        self._slots.forget([t for t, _ in misses[i:]])
-                        raise
+                self._slots.fill(misses, self._row0)
                 out[slot0 + c : slot0 + c + len(rows)] = self._tab[rows]  # one gather
         return out
 
