@@ -11,6 +11,8 @@ import secrets
 import time
 from typing import Any, Protocol
 
+from redis.exceptions import RedisError
+
 KEY = "kvfleet:controller:leader"
 LEASE_SHARE = 0.8  # of the ttl, from the start of a set or renew, that the holder trusts it still holds the lock
 # Renew only if we still hold it; release only our own lock.
@@ -73,11 +75,10 @@ class RedisLock:
                 if await self._r.set(self.key, self.owner, nx=True, px=int(self.ttl_s * 1000)):
                     self.valid_until = t0 + LEASE_SHARE * self.ttl_s
                     return
-            except OSError:
-                pass  # redis down: keep waiting, a standby must not crash
-            except Exception as e:  # redis.exceptions.ConnectionError is not an OSError
-                if "Connection" not in type(e).__name__:
-                    raise
+            except (OSError, RedisError):
+                # redis down, or silent (its client times out): keep waiting, a standby must not crash. NOTE: only
+                # errors named "Connection..." were waited out; a timeout ended the leading task for good
+                pass
             await asyncio.sleep(self.ttl_s / 5)
 
     async def renew(self) -> bool:

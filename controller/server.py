@@ -141,7 +141,12 @@ class Controller:
         """Standby until the lock is ours; serve while we keep renewing it; step down when we cannot."""
         self._lock = lock
         while True:
-            await lock.acquire()
+            try:
+                await lock.acquire()
+            except Exception:  # NOTE: an error here ended this task: the controller never led again
+                log.exception("controller on %s could not ask for the leader lock; asking again", self.address)
+                await asyncio.sleep(lock.ttl_s / 5)
+                continue
             log.info("controller on %s took the leader lock", self.address)
             try:
                 await self.become_leader()
@@ -173,7 +178,7 @@ class Controller:
         await self.server.stop(grace)
         if self._lead_task is not None:
             self._lead_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # NOTE: its error skipped the rest of the stop
                 await self._lead_task
         if self._lock is not None:
             with contextlib.suppress(Exception):
