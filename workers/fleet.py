@@ -372,11 +372,11 @@ class KernelFleet:
         if self.nodes.specs.get(node) != self.nodes.specs.get(parent_node):
             return (), 0  # another backend/device (node group): its KV is not portable, replay it there
         try:
-            shared = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
-            if shared["model_id"] != self.nodes.call(node, "model_id"):
+            if self.nodes.call(parent_node, "model_id") != self.nodes.call(node, "model_id"):
                 # NOTE: compared by backend and device alone, nodes of one spec on CPUs of other code paths (AVX-512
                 # and AVX2) exchanged blocks whose bits differ from what the child's node computes (1.4e-6)
-                return (), 0  # another CPU code path, or other weights: replay it there
+                return (), 0  # another CPU code path, or other weights: replay it there, exporting nothing
+            shared = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
         except (NotFound, Unavailable):
             return (), 0
         refs = shared["refs"]
