@@ -120,6 +120,11 @@ def mint_token(path: str | Path, tenant: str, role: str, name: str = "") -> str:
     return token
 
 
+def _key(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells one version of the tokens file from another: (mtime, size, inode)."""
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 class TokenBook:
     """Token digests -> identities, reloaded when the file changes (so minted tokens work at once).
 
@@ -139,10 +144,9 @@ class TokenBook:
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
-            st = self.path.stat()
+            return _key(os.stat(self.path))
         except FileNotFoundError:
             return None
-        return st.st_mtime_ns, st.st_size, st.st_ino
 
     def lookup(self, token: str) -> Identity | None:
         self._maybe_reload()
@@ -155,9 +159,13 @@ class TokenBook:
         with self._lock:
             if key == self._key:
                 return
-            self._key = key
             try:
-                text = self.path.read_text()
+                with open(self.path) as f:
+                    before, text, after = _key(os.fstat(f.fileno())), f.read(), _key(os.fstat(f.fileno()))
+                if before != after:
+                    return  # written while read: read again at the next call. NOTE: keyed by the stat before the
+                    # read, a write landing during it (then a same-size one in the same tick) was never read
+                self._key = after
                 if not text.strip():
                     raise InvalidArgument(f"tokens file {self.path} is empty (a rewrite in progress?)")
                 self._book = _parse(self.path, text)
