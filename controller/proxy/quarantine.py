@@ -199,9 +199,11 @@ class Enforcer:
                 for h in hits}
         groups = [g for run in turns(body, chat, TOOL_ROLES, ENVELOPE)
                   for g in windows(run, lambda w: len(text_of[w].encode()))]
-        joined = {JOIN.join(text_of[w] for w in g): g for g in groups if any(w not in repl for w in g)}
-        together = await self._verdicts(list(joined), [(g[0], t) for t, g in joined.items()], policy, token)
-        for text, g in joined.items():
+        # NOTE: a dict by joined text kept one group per text: a turn repeated later in the history (an agent
+        # resending it, a tool answering the same) lost its placeholders, and its pieces went through
+        joined = [(JOIN.join(text_of[w] for w in g), g) for g in groups if any(w not in repl for w in g)]
+        together = await self._verdicts([t for t, _ in joined], [(g[0], t) for t, g in joined], policy, token)
+        for text, g in joined:
             j = together[text]
             if j.quarantined:
                 for w in (w for w in g if w not in repl):

@@ -108,7 +108,9 @@ def tool_text(m: Any, where: str) -> str | None:
             where,
         )
     kinds = [part_kind(p, f"{where}[{j}]", where) for j, p in enumerate(c)]
-    return "".join(text for _, text in kinds if text is not None)  # media parts have no text
+    # joined as vLLM renders text parts for the template ("\n"). NOTE: joined with "", one word a part read as
+    # one run-together word: an injection the model reads line by line was judged clean and forwarded
+    return "\n".join(text for _, text in kinds if text is not None)  # media parts have no text
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,38 @@ async def test_an_injection_split_across_a_turns_tool_messages_is_withheld(tmp_p
         await fleet.stop()
 
 
+async def test_a_split_injection_repeated_in_a_later_turn_is_withheld_in_both(tmp_path: Path) -> None:
+    """An agent resends its history: the same 7 pieces in two turns. NOTE: the joined verdicts were kept by
+    joined text, so the later turn's group replaced the earlier one's, and the earlier pieces went through."""
+    fleet = await start_fleet(tmp_path)
+    try:
+        turn = _parallel(PIECES)[2:]
+        status, _, doc = await _chat(fleet, [*_parallel(PIECES), {"role": "user", "content": "Again."}, *turn])
+        assert status == 200, doc
+        where = sorted(q["where"] for q in doc["kvfleet"]["quarantined"])
+        assert where == sorted(f"messages[{i}].content" for i in [*range(3, 10), *range(12, 19)])
+        for p in PIECES:
+            assert _saw(fleet, p) == [], p  # before: the first turn's pieces reached the worker
+    finally:
+        await fleet.stop()
+
+
+async def test_text_parts_are_judged_as_the_model_reads_them_one_line_each(tmp_path: Path) -> None:
+    """A tool's output as one text part per word (MCP tools answer with content blocks). vLLM renders text parts
+    joined by newlines. NOTE: they were judged joined with nothing between them, one run-together word, and the
+    injection was forwarded. Control: the same words as one string of lines are withheld too."""
+    fleet = await start_fleet(tmp_path)
+    try:
+        parts = [{"type": "text", "text": w} for w in INJECTION.split()]
+        status, h, doc = await _chat(fleet, _parallel([parts]))  # type: ignore[list-item]
+        assert status == 200 and "x-kvfleet-quarantined" in h, doc
+        assert _saw(fleet, "attacker@evil.example") == []
+        status, h, _ = await _chat(fleet, _parallel(["\n".join(INJECTION.split())]))
+        assert status == 200 and "x-kvfleet-quarantined" in h  # control
+    finally:
+        await fleet.stop()
+
+
 BASE = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Look it up."}]
 
 

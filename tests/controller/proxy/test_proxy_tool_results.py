@@ -36,7 +36,7 @@ def test_chat_tool_and_function_messages_string_or_parts() -> None:
         {"role": "tool", "tool_call_id": "2", "content": "keep me"},
         {"role": "tool", "tool_call_id": "3", "content": None},
     ]}
-    assert tool_results(body, chat=True) == [("messages[1].content", "weather"), ("messages[2].content", "ab"),
+    assert tool_results(body, chat=True) == [("messages[1].content", "weather"), ("messages[2].content", "a\nb"),
                                              ("messages[3].content", "keep me")]
     out = rewrite(body, True, _upper)
     assert [m["content"] for m in out["messages"]] == [
@@ -67,7 +67,7 @@ def test_no_tool_result_escapes_inspection_by_its_shape() -> None:
     ]}
     assert tool_results(body, chat=True) == [
         ("messages[0].content", "upper-case role"), ("messages[1].content", "padded role"),
-        ("messages[2].content", "llama tool role"), ("messages[3].content", "a plain string part")]
+        ("messages[2].content", "llama tool role"), ("messages[3].content", "a plain \nstring part")]
     p = "<TOOL_RESULT>shout</Tool_Result> <tool_result id='7'>attrs</tool_result > <tool_result>left open"
     assert [t for _, t in tool_results({"prompt": p}, chat=False)] == ["shout", "attrs", "left open"]
     assert rewrite({"prompt": p}, False, _upper)["prompt"] == (
@@ -86,7 +86,7 @@ def test_every_part_type_vllm_renders_as_text_is_inspected() -> None:
                         {"type": "thinking", "thinking": "c"}, {"type": "tool_reference", "name": "d"},
                         {"type": "text", "text": None}, {"image_url": {"url": "https://x/e.png"}}]
     body = {"model": "m", "messages": [{"role": "tool", "tool_call_id": "1", "content": parts}]}
-    assert tool_results(body, chat=True) == [("messages[0].content", "abcd")]
+    assert tool_results(body, chat=True) == [("messages[0].content", "a\nb\nc\nd\n")]  # joined as vLLM renders parts
     assert [(m.where, m.kind) for m in media_parts(body, chat=True)] == [
         ("messages[0].content[5]", "image_url")]  # no "type": vLLM's keys
 
