@@ -20,7 +20,7 @@ import msgspec
 from aiohttp import HttpVersion11, web
 
 from controller.proxy.errors import ProxyError, error_response, from_fleet
-from controller.proxy.forward import FORWARDED
+from controller.proxy.forward import FORWARDED, PREPARED
 from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError, Unauthenticated
 
@@ -87,6 +87,8 @@ def _errors(proxy: Proxy) -> Any:
             err = ProxyError(e.status, f"{e.reason}: {req.method} {req.path}")
         except Exception as e:  # the proxy stays up; the client gets a 500 it can report
             log.exception("proxy: %s %s failed", req.method, req.path)
+            if req.get(PREPARED):
+                raise  # NOTE: its answer is under way: a response of its own went into that body; aiohttp closes it
             err = ProxyError(500, f"internal proxy error: {type(e).__name__}: {e}")
         proxy.metrics.errors.labels(str(err.status)).inc()
         resp = error_response(err.status, err.message, err.param)

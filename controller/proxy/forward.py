@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -48,9 +49,13 @@ from controller.proxy.watch import ASLEEP, BUSY, GONE, FirstBytes, Ticket, ask_i
 from fleet.core.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
+log = logging.getLogger("kvfleet.proxy")
+
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
+# request key: the answer's status and headers are out (relay); a web.RequestKey where aiohttp has them (3.12+)
+PREPARED: Any = web.RequestKey("kvfleet.prepared", bool) if hasattr(web, "RequestKey") else "kvfleet.prepared"
 MAX_NOTED_BYTES = 8 << 20  # the most of a worker's answer read whole (or held back) to add the quarantine note
 MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8) ..
 MAX_PROBE_WAIT_S = 8.0  # .. or, past that, doubling up to 8 s apart: a long answer is not probed more often with
@@ -258,6 +263,7 @@ class Forwarder:
         sse = _SseNoter(note) if note is not None and resp.content_type == "text/event-stream" else None
         try:
             await out.prepare(request)
+            request[PREPARED] = True  # from here on, an error cannot be a response of its own (app._errors)
             chunk, t_first = o.first, 0.0
             while True:
                 data = sse.feed(chunk) if sse else chunk
@@ -271,15 +277,38 @@ class Forwarder:
                 t_first = t_first or time.perf_counter()
                 chunk = await resp.content.readany()
             t_first = t_first or time.perf_counter()
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.cancelled.labels(o.target.worker).inc()
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away (before a worker's break:
+            self.metrics.cancelled.labels(o.target.worker).inc()  # aiohttp's reset on a write is both)
             resp.close()
             raise
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+            resp.close()
+            await self._broken(request, out, o, e)
+            return out, t_first or time.perf_counter()
         except BaseException:
             resp.close()
             raise
         resp.release()  # fully read: the keep-alive connection goes back to the pool
         return out, t_first
+
+    async def _broken(self, request: web.Request, out: web.StreamResponse, o: Opened, e: BaseException) -> None:
+        """The worker broke off an answer the client has begun to get. A stream ends with an OpenAI-shaped error
+        event and `data: [DONE]`, as vLLM ends a stream that fails; any other answer's connection is cut at once,
+        so the client sees it short of its announced length.
+        NOTE: the error went up to the error middleware, whose fresh 500 response aiohttp wrote into the body
+        already under way: the client got a status line inside its stream (curl: illegal chunked encoding) and
+        then waited for the keep-alive timeout (30 s)."""
+        msg = f"worker {o.target.worker} broke off its answer ({type(e).__name__}: {e}); retry the request"
+        log.warning("proxy: %s %s: %s", request.method, request.path, msg)
+        self.metrics.broken.labels(o.target.worker).inc()
+        if o.resp.content_type == "text/event-stream":
+            event = {"error": {"message": msg, "type": "BadGatewayError", "param": None, "code": 502}}
+            with contextlib.suppress(ConnectionResetError):
+                await out.write_eof(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+            return
+        out.force_close()
+        if request.transport is not None:
+            request.transport.abort()
 
     async def _relay_noted(self, request: web.Request, o: Opened, extra: dict[str, str],
                            note: dict[str, Any]) -> tuple[web.StreamResponse, float]:

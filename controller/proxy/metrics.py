@@ -40,6 +40,12 @@ class ProxyMetrics:
             ["worker", "verdict", "reason"],
             registry=r,
         )
+        self.broken = Counter(
+            "kvfleet_proxy_broken_answers",
+            "Answers a worker broke off after the client had begun to get them (ended with an error event, or cut)",
+            ["worker"],
+            registry=r,
+        )
         self.skips = Counter(
             "kvfleet_proxy_skipped_workers",
             "Chosen workers skipped without sending (known not serving or found asleep)",

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
 from support.proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
 
 PROMPT = "Summarise the quarterly report for the board, section by section, with numbers. " * 3
@@ -177,5 +180,62 @@ async def test_paused_or_dead_worker_costs_at_most_one_attempt(tmp_path: Path) -
         print(f"{y} dead -> served by", sorted({h["x-kvfleet-worker"] for _, h, _ in got}), "attempts", attempts)
         assert all(s == 200 and h["x-kvfleet-worker"] != y for s, h, _ in got)
         assert all(a <= 2 for a in attempts)
+    finally:
+        await fleet.stop()
+
+
+def _dies_on_cue(sim: Any) -> Any:
+    """A worker that, asked with X-Request-Id "die-stream" or "die-length", starts its answer and dies mid-way."""
+    from aiohttp import web
+
+    @web.middleware
+    async def middleware(req: web.Request, handler: Any) -> web.StreamResponse:
+        cue = req.headers.get("X-Request-Id", "")
+        if req.path != "/v1/completions" or cue not in ("die-stream", "die-length"):
+            return await handler(req)  # type: ignore[no-any-return]
+        sse = cue == "die-stream"
+        headers = {"Content-Type": "text/event-stream"} if sse else {"Content-Type": "application/json",
+                                                                     "Content-Length": "1000"}
+        out = web.StreamResponse(headers=headers)
+        await out.prepare(req)
+        await out.write(b'data: {"choices": [{"text": "t0"}]}\n\n' if sse else b'{"id": "x", "choices": [')
+        await asyncio.sleep(0.05)
+        assert req.transport is not None
+        req.transport.abort()  # the worker's process dies
+        await asyncio.sleep(3600)
+        return out
+
+    return middleware
+
+
+async def test_an_answer_the_worker_breaks_off_ends_clearly_and_at_once(tmp_path: Path) -> None:
+    """NOTE: the worker's break went up to the error middleware, whose fresh 500 response aiohttp wrote into the
+    answer already under way: a status line inside the stream (curl: illegal chunked encoding), then a wait for
+    the keep-alive timeout (30 s). Now a stream ends with an OpenAI-shaped error event and [DONE]; any other
+    answer's connection is cut at once, short of its announced length."""
+    fleet = await start_fleet(tmp_path, num_workers=1, worker_middleware=_dies_on_cue)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    try:
+        t0 = time.monotonic()
+        async with fleet.http.post(fleet.proxy.url + "/v1/completions", json={**body, "stream": True},
+                                   headers={**fleet.headers(), "X-Request-Id": "die-stream"},
+                                   timeout=aiohttp.ClientTimeout(total=10)) as r:
+            status, raw = r.status, await r.read()
+        stream_s = time.monotonic() - t0
+        events = [e for e in raw.decode().split("\n\n") if e]
+        print(f"stream: {status} in {stream_s:.2f} s: {events}")
+        assert status == 200 and events[0] == 'data: {"choices": [{"text": "t0"}]}' and events[-1] == "data: [DONE]"
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert err["code"] == 502 and "broke off its answer" in err["message"] and stream_s < 5
+        t0 = time.monotonic()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with fleet.http.post(fleet.proxy.url + "/v1/completions", json=body,
+                                       headers={**fleet.headers(), "X-Request-Id": "die-length"},
+                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+                await r.read()
+        print(f"length-announced answer cut after {time.monotonic() - t0:.2f} s")
+        assert time.monotonic() - t0 < 5  # before: a 500 inside the body, then the keep-alive wait
+        s, _, _ = await fleet.post("/v1/completions", body)
+        assert s == 200  # control: the worker answers otherwise
     finally:
         await fleet.stop()
