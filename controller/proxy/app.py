@@ -136,9 +136,16 @@ async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
                               "other, ~1000 levels)") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise ProxyError(400, "'model' is required (a model id from GET /v1/models)", "model")
-    if not isinstance(body.get("stream", False), bool):
+    # NOTE: vLLM takes a missing or null model (its one served model) and a null stream (false); both were 400 here
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ProxyError(400, "'model' must be a model id from GET /v1/models (or left out: the fleet's one model)",
+                         "model")
+    stream = body.get("stream")
+    if stream is None or (type(stream) is int and stream in (0, 1)):
+        if "stream" in body:
+            body["stream"] = bool(stream)  # as vLLM's request model reads it (pydantic: null -> default, 0/1)
+    elif not isinstance(stream, bool):
         raise ProxyError(400, "'stream' must be true or false", "stream")
     return body
 
@@ -216,7 +223,8 @@ class Handlers:
         p = self.p
         body = await read_json(req, p.cfg.client_body_timeout_s)
         shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
-        base, lora = p.directory.resolve(body["model"])
+        base, lora = p.directory.resolve(body.get("model"))
+        body["model"] = lora or base  # a request without a model gets the fleet's one model, named
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await p.enforcer.enforce(body, chat, tenant, token)
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker

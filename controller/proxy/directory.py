@@ -185,10 +185,17 @@ class WorkerDirectory:
                 out.setdefault(str(c.get("id")), c)
         return list(out.values())
 
-    def resolve(self, model: str) -> tuple[str, str | None]:
-        """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it."""
+    def resolve(self, model: str | None) -> tuple[str, str | None]:
+        """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it. No model (None):
+        the fleet's one base model, as vLLM serves its one model; 400 when it serves several, naming them."""
         if not self.workers and self.last_error:
             raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error})")
+        if model is None:
+            bases = sorted({str(c.get("id")) for c in self.models() if not c.get("parent")})
+            if len(bases) != 1:
+                raise ProxyError(400, f"'model' is required: the fleet serves {len(bases)} models "
+                                      f"({', '.join(bases) or 'none yet'}); name one from GET /v1/models", "model")
+            return bases[0], None
         for c in self.models():
             if c.get("id") == model:
                 parent = c.get("parent")

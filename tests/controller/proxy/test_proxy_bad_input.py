@@ -18,7 +18,7 @@ def _cases(fleet: Fleet) -> list[tuple[str, str, str, bytes, dict[str, str], int
         ("malformed JSON", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": ', a, 400),
         ("not UTF-8", "POST", "/v1/completions", b"\xff\xfe{}", a, 400),
         ("JSON but not an object", "POST", "/v1/completions", b"[1, 2, 3]", a, 400),
-        ("no model", "POST", "/v1/completions", b'{"prompt": "hi"}', a, 400),
+        ("model not a string", "POST", "/v1/completions", b'{"model": 5, "prompt": "hi"}', a, 400),
         ("stream not a bool", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": "hi", "stream": "yes"}',
          a, 400),
         ("prompt of wrong type", "POST", "/v1/completions", b'{"model": "sim-model", "prompt": {"a": 1}}', a, 400),
@@ -74,3 +74,14 @@ async def test_bad_input_table(fleet: Fleet) -> None:
         assert r.status == 200 and (await r.json())["choices"]
     async with fleet.http.get(fleet.proxy.url + "/v1/workers", headers=fleet.headers("op")) as r:
         assert r.status == 200 and len((await r.json())["data"]) == 3  # control: the operator may list them
+
+
+async def test_what_vllm_takes_without_a_model_or_with_a_null_stream_is_served(fleet: Fleet) -> None:
+    """NOTE: a request with no model, a null model or a null stream was a 400 here; vLLM serves it (its one model;
+    a null stream is not a stream). The fleet here serves one model, so that is the one the worker is asked for."""
+    for body in ({"prompt": "hello", "max_tokens": 1}, {"model": None, "prompt": "hello", "max_tokens": 1},
+                 {"model": MODEL, "prompt": "hello", "max_tokens": 1, "stream": None}):
+        async with fleet.http.post(fleet.proxy.url + "/v1/completions", json=body, headers=fleet.headers()) as r:
+            status, doc = r.status, await r.json()
+        assert status == 200 and doc["choices"], (body, status, doc)
+        assert doc.get("model") in (None, MODEL)
