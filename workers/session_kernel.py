@@ -25,8 +25,9 @@ so the fleet rebuilds the session from its log, which applies the op) and the ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import ray
@@ -133,6 +134,13 @@ class SessionKernel:
         """SessionGone for a torn session: the fleet rebuilds it from its op log, then calls again."""
         if self.torn:
             raise SessionGone(f"session {self.session_id}: {self.torn}; its state is rebuilt from its op log")
+
+    @contextlib.asynccontextmanager
+    async def _served(self) -> AsyncIterator[None]:
+        """A read's hold of the session's lock, on a state that may be served (never a torn one)."""
+        async with self._lock:
+            self._check_served()
+            yield
 
     def _tear(self, verb: str, op_id: str, e: BaseException) -> SessionTorn:
         """Mark the state torn (never served again) after `verb` failed with `e` past its log write."""
@@ -329,19 +337,16 @@ class SessionKernel:
     async def working_set(self, budget_tokens: int) -> Any:
         from fleet.core.working_set import working_set
 
-        async with self._lock:
-            self._check_served()
+        async with self._served():
             return await self._run(lambda: working_set(self.context, budget_tokens, store=self.store))
 
     async def fork_point(self) -> dict[str, Any]:
         """The op log and the tokens at one instant (a fork's starting point), read together."""
-        async with self._lock:
-            self._check_served()
+        async with self._served():
             return {"ops": list(self.context.ops), "tokens": list(self._s.tokens)}
 
     async def export_prefix(self, num_tokens: int) -> PrefixKV:
-        async with self._lock:  # never while an op is writing the cache on the session thread
-            self._check_served()
+        async with self._served():  # never while an op is writing the cache on the session thread
             prefix: PrefixKV = await self._run(lambda: self._s.export_prefix(num_tokens))  # on the lane, not the loop
             return prefix
 
@@ -350,23 +355,19 @@ class SessionKernel:
     # loop serves every session it holds).
 
     async def digest(self) -> str:
-        async with self._lock:
-            self._check_served()
+        async with self._served():
             return str(await self._run(self._s.digest))
 
     async def last_logits(self) -> Any:
-        async with self._lock:
-            self._check_served()
+        async with self._served():
             return self._s.last_logits
 
     async def tokens(self) -> list[int]:
-        async with self._lock:
-            self._check_served()
+        async with self._served():
             return list(self._s.tokens)
 
     async def pieces(self) -> list[Any]:
-        async with self._lock:
-            self._check_served()
+        async with self._served():
             return list(self.context.pieces)
 
     async def stall(self, seconds: float) -> None:
