@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.faults import mlp_fails_once
 
 from fleet.cas import open_store
 from fleet.core.errors import AlreadyExists, InvalidArgument, Unavailable
@@ -100,19 +101,6 @@ async def test_a_log_written_before_fingerprints_regenerates_and_is_not_checked(
 
 # ---- a call that fails after its op was logged: the torn state is never served ---------------------------
 
-def _fail_once(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel's next MLP raises once (an OOM in the middle of a recompute), then works again."""
-    real, calls = kernel.ops.mlp, [0]
-
-    def flaky(*args: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 1:
-            raise RuntimeError("out of memory (injected)")
-        return real(*args)
-
-    monkeypatch.setattr(kernel.ops, "mlp", flaky)
-
-
 async def _three_pieces(store: Any, session_id: str = "s1") -> SessionKernel:
     sk = _kernel_session(store)
     sk.session_id = session_id
@@ -127,7 +115,8 @@ async def test_an_evict_that_fails_after_logging_is_rebuilt_and_its_retry_matche
     clean = await _three_pieces(store, "clean")                   # control: a session that never failed
     await clean.evict(1, "exact", op_id="e1")
     sk = await _three_pieces(store)
-    _fail_once(sk.kernel, monkeypatch)
+    monkeypatch.setattr(sk.kernel.ops, "mlp", sk.kernel.ops.mlp)  # put back at the end
+    mlp_fails_once(sk.kernel)
     with pytest.raises(SessionTorn, match=r"evict \(op_id 'e1'\) failed after its op was logged .*out of memory"
                                           r".*retry with the same op_id") as e:
         await sk.evict(1, "exact", op_id="e1")

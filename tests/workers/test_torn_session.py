@@ -4,8 +4,6 @@ the retry under the same op id is answered as a session that never failed (real 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
@@ -24,19 +22,10 @@ def _three_pieces(kfleet: KernelFleet, tenant: str, sid: str) -> None:
 def test_a_retry_after_a_failure_past_the_log_matches_a_session_that_never_failed(
         kfleet: KernelFleet, tenant: str) -> None:
     import ray
+    import ray.cloudpickle
+    import support.faults
 
-    def fail_once(host: Any) -> None:  # run inside the host's process (defined here: pickled by value)
-        """Its kernel's next MLP raises once (an OOM mid-recompute), then works again."""
-        kernel = host._loading.result()[0]
-        real, calls = kernel.ops.mlp, [0]
-
-        def flaky(*args: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 1:
-                raise RuntimeError("out of memory (injected)")
-            return real(*args)
-
-        kernel.ops.mlp = flaky
+    ray.cloudpickle.register_pickle_by_value(support.faults)  # the host's process cannot import tests/support
 
     _three_pieces(kfleet, tenant, "clean")
     clean = kfleet.evict(tenant, "clean", 1, "exact", op_id="e1")   # control: never failed
@@ -45,7 +34,7 @@ def test_a_retry_after_a_failure_past_the_log_matches_a_session_that_never_faile
         kfleet.evict(tenant, "s1", 7, "exact", op_id="e0")         # control: refused before the log
     assert kfleet.num_regenerations == 0                            # ... changes nothing
     host = kfleet.hosts[kfleet.registry.get(tenant, "s1").node]
-    ray.get(host.__ray_call__.remote(fail_once))
+    ray.get(host.__ray_call__.remote(support.faults.host_mlp_fails_once))
     with pytest.raises(Unavailable, match="failed after its op was logged.*retry with the same op_id"):
         kfleet.evict(tenant, "s1", 1, "exact", op_id="e1")
     r = kfleet.evict(tenant, "s1", 1, "exact", op_id="e1")         # the caller's retry: rebuilt, then answered
