@@ -174,8 +174,7 @@ def main() -> int:
             print(label, {k: round(v, 1) for k, v in rows[-1][3].items()}, flush=True)
         body = render(rows, bench_bin, server.binary, args.reps)
     finally:
-        server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)  # the AOF grows to GBs
+        server.close()  # removes the temp dir: the AOF grows to GBs
     print(body)
     if not args.no_write:
         from benchdoc import write_section

@@ -13,9 +13,8 @@ from fleet.app.redis_server import RedisServer
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A real redis-server (AOF on) shared by the run; tests may kill() and start() it."""
-    srv = RedisServer().start()
-    yield srv
-    srv.stop()
+    with RedisServer() as srv:
+        yield srv.start()
 
 
 @pytest.fixture

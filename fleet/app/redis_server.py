@@ -44,17 +44,30 @@ def free_port() -> int:
 
 @dataclass
 class RedisServer:
-    """Owns one redis-server process. `kill()` is SIGKILL (a crash); `start()` restarts on the same port and dir."""
+    """Owns one redis-server process. `kill()` is SIGKILL (a crash); `start()` restarts on the same port and dir.
+
+    `close()` stops the server and removes its data dir when this object made it (a temp dir): each
+    run's AOF holds every blob it wrote, tens of MB, so a left dir per run fills a disk. A dir the
+    caller named is the caller's and stays. It is also a context manager that closes on exit.
+    """
 
     port: int = 0
     dir: str = ""
     binary: str = ""
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _own_dir: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.port = self.port or free_port()
-        self.dir = self.dir or tempfile.mkdtemp(prefix="kvfleet-redis-")
+        if not self.dir:
+            self.dir, self._own_dir = tempfile.mkdtemp(prefix="kvfleet-redis-"), True
         self.binary = self.binary or find_redis_server()
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def url(self) -> str:
@@ -93,3 +106,9 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.proc = None
+
+    def close(self) -> None:
+        """Stop the server, and remove its data dir if this object made it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)

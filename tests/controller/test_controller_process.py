@@ -27,10 +27,9 @@ PASSWORD = "s3cret-Pw-9271"
 @pytest.fixture
 def private_redis() -> Iterator[RedisServer]:
     """A redis-server of this test's own, with a password (the shared one has none)."""
-    srv = RedisServer().start()
-    redis.Redis(port=srv.port).config_set("requirepass", PASSWORD)
-    yield srv
-    srv.stop()
+    with RedisServer() as srv:
+        redis.Redis(port=srv.start().port).config_set("requirepass", PASSWORD)
+        yield srv
 
 
 def _wait_line(proc: subprocess.Popen[str], needle: str, timeout: float = 60) -> str:

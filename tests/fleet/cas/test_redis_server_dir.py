@@ -1,0 +1,35 @@
+"""The test/bench redis-server removes the temp data dir it made, and only that one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import redis
+
+from fleet.app.redis_server import RedisServer
+
+
+def test_close_removes_the_temp_dir_it_made_with_its_aof() -> None:
+    with RedisServer() as srv:
+        redis.Redis.from_url(srv.start().url).set("k", b"x" * 4096)
+        aof = [p for p in Path(srv.dir).rglob("*") if p.is_file()]
+        assert aof, "the AOF is written in the server's dir"  # control: the dir really held data
+    assert not os.path.exists(srv.dir)
+
+
+def test_close_keeps_a_dir_the_caller_named(tmp_path: Path) -> None:
+    srv = RedisServer(dir=str(tmp_path)).start()
+    redis.Redis.from_url(srv.url).set("k", b"v")
+    srv.close()
+    assert srv.proc is None
+    assert any(p.is_file() for p in tmp_path.rglob("*"))  # the AOF is still there
+
+
+def test_kill_then_start_keeps_the_data_until_close() -> None:
+    with RedisServer() as srv:
+        r = redis.Redis.from_url(srv.start().url)
+        r.set("k", b"v")
+        srv.kill()
+        srv.start()
+        assert r.get("k") == b"v"
