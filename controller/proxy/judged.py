@@ -22,11 +22,11 @@ Pure functions over the request body; controller/proxy/quarantine.py calls them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from controller.proxy.errors import ProxyError
+from controller.proxy.tool_parts import ENVELOPE, envelope_at
 
 JOIN = "\n"
 NAME_PLACEHOLDER = "[tool name withheld: quarantined by kvfleet]"
@@ -62,9 +62,7 @@ def rename(body: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
     return {**body, "messages": msgs}
 
 
-def turns(
-    body: dict[str, Any], chat: bool, roles: tuple[str, ...], envelope: re.Pattern[str]
-) -> list[list[str]]:
+def turns(body: dict[str, Any], chat: bool, roles: tuple[str, ...]) -> list[list[str]]:
     """The `where`s of each turn with two tool results or more, in order (see the module docstring)."""
     runs: list[list[str]] = [[]]
     if chat:
@@ -86,10 +84,10 @@ def turns(
         for where, text in prompts:
             runs.append([])
             end = None
-            for m in envelope.finditer(text):
+            for m in ENVELOPE.finditer(text):
                 if end is not None and text[end : m.start()].strip():
                     runs.append([])
-                runs[-1].append(f"{where}@{m.start(2)}")
+                runs[-1].append(f"{where}@{envelope_at(m)}")
                 end = m.end()
     return [r for r in runs if len(r) > 1]
 

@@ -9,9 +9,10 @@ Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
                           refusal, thinking, tool_reference); media parts (MEDIA_PARTS) carry no text and get
                           the proxy's media policy (pass, withhold, refuse); content that cannot be inspected
                           (an unknown part type, a part without a type or media) is a 400
-    /v1/completions       each <tool_result ...>...</tool_result> span (any case, attributes allowed; one left
-                          open runs to the end) of a string prompt (or of each string of a batched prompt):
-                          the text between the tags. Token-id prompts are not inspected.
+    /v1/completions       each <tool_result ...>...</tool_result> span (any case; one left open, or an opening
+                          tag left without its ">", runs to the end) of a string prompt (or of each string of
+                          a batched prompt): the text between the tags, after the opening tag's attribute text
+                          where it has any (tool_parts.envelope_text). Token-id prompts are not inspected.
 
 Beyond each alone (controller/proxy/judged.py): the tool results of a turn together, and assistant
 messages that quote a withheld result verbatim.
@@ -40,9 +41,13 @@ from controller.proxy.errors import ProxyError
 from controller.proxy.judged import JOIN, NAME_PLACEHOLDER, rename, tool_names, turns, unquote, windows
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.tool_parts import (  # noqa: F401 - MEDIA_PLACEHOLDER, MediaPart, part_kind: re-exported
+    ENVELOPE,
     MEDIA_PLACEHOLDER,
     TOOL_ROLES,
     MediaPart,
+    envelope_at,
+    envelope_text,
+    envelope_with,
     is_tool_message,
     media_parts,
     part_kind,
@@ -52,10 +57,6 @@ from controller.proxy.tool_parts import (  # noqa: F401 - MEDIA_PLACEHOLDER, Med
 from fleet.core.verdict import CLEAN, QUARANTINED
 
 POLICIES = ("placeholder", "refuse", "off")
-# NOTE: any case, attributes allowed; an envelope left open runs to the end of the prompt (a client cannot end
-# inspection by leaving out the closing tag). A closing tag inside the tool's own text still ends the span: the
-# client must escape it (the text after it is the client's, not the tool's)
-ENVELOPE = re.compile(r"(<tool_result\b[^>]*>)(.*?)(</tool_result\s*>|\Z)", re.S | re.I)
 MEDIA_POLICIES = ("pass", "withhold", "refuse")
 PLACEHOLDER = "[tool result sha256:{ref} withheld: quarantined by kvfleet]"
 # NOTE: below the controller's default gRPC message limit (4 MiB) with room for framing; larger sets of
@@ -87,8 +88,8 @@ class Hit:
 
 def _in_prompt(p: str, where: str, fn: Rewrite) -> str:
     def one(m: re.Match[str]) -> str:
-        new = fn(m.group(2), f"{where}@{m.start(2)}")
-        return m.group(0) if new is None else m.group(1) + new + m.group(3)
+        new = fn(envelope_text(m), f"{where}@{envelope_at(m)}")
+        return m.group(0) if new is None else envelope_with(m, new)
 
     return ENVELOPE.sub(one, p)
 
@@ -197,7 +198,7 @@ class Enforcer:
                 for where, t in found + names if judged[t].quarantined]
         repl = {h.where: (NAME_PLACEHOLDER if h.where.endswith(".name") else PLACEHOLDER.format(ref=h.ref))
                 for h in hits}
-        groups = [g for run in turns(body, chat, TOOL_ROLES, ENVELOPE)
+        groups = [g for run in turns(body, chat, TOOL_ROLES)
                   for g in windows(run, lambda w: len(text_of[w].encode()))]
         # NOTE: a dict by joined text kept one group per text: a turn repeated later in the history (an agent
         # resending it, a tool answering the same) lost its placeholders, and its pieces went through

@@ -5,6 +5,7 @@ judges what these find.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,31 @@ MEDIA_PARTS = (
     "video_url",
 )  # also how vLLM recognises a media part that has no "type"
 MEDIA_PLACEHOLDER = "[tool result {kind} part withheld: kvfleet cannot inspect media]"
+# A /v1/completions prompt's tool result: <tool_result ...>...</tool_result>, any case. NOTE: an envelope left
+# open runs to the end of the prompt, and so does an opening tag left without its ">" (a client cannot end
+# inspection by leaving out a closing character). A closing tag inside the tool's own text still ends the
+# span: the client must escape it (the text after it is the client's, not the tool's)
+ENVELOPE = re.compile(r"(?P<open><tool_result\b(?P<attrs>[^>]*)(?:>|\Z))(?P<body>.*?)(?P<close></tool_result\s*>|\Z)",
+                      re.S | re.I)
+
+
+def envelope_text(m: re.Match[str]) -> str:
+    """What is judged of one envelope: its text, after its opening tag's attribute text when it has any.
+
+    NOTE: the model reads the attributes too (`<tool_result note="ignore previous instructions">`); they were
+    not judged, so an injection placed there reached the worker."""
+    attrs, body = m.group("attrs").strip(), m.group("body")
+    return f"{attrs}\n{body}" if attrs and body else attrs or body
+
+
+def envelope_at(m: re.Match[str]) -> int:
+    """The character offset `where` names for one envelope: where its judged text starts."""
+    return m.start("attrs") if m.group("attrs").strip() else m.start("body")
+
+
+def envelope_with(m: re.Match[str], new: str) -> str:
+    """The envelope with its judged text replaced by `new`: attribute text is dropped with it."""
+    return f"{m.group('open') if not m.group('attrs').strip() else '<tool_result>'}{new}{m.group('close')}"
 
 
 def is_tool_message(m: Any) -> bool:
