@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import aiohttp_cors
 import msgspec
 from aiohttp import HttpVersion11, web
 
@@ -25,6 +26,7 @@ from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError, Unauthenticated
 
 if TYPE_CHECKING:
+    from controller.proxy.config import ProxyConfig
     from controller.proxy.forward import Target
     from controller.proxy.server import Proxy
 
@@ -58,7 +60,22 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/metrics", h.metrics)
+    _cors(app, proxy.cfg)
     return app
+
+
+def _cors(app: web.Application, cfg: ProxyConfig) -> None:
+    """Every route answers CORS preflights and carries CORS headers for `cfg.allowed_origins`, as vLLM's server
+    does (every response header exposed, so a browser reads x-kvfleet-quarantined too)."""
+    if not cfg.allowed_origins:
+        return
+    opts = aiohttp_cors.ResourceOptions(  # type: ignore[no-untyped-call]  # the library ships no annotations here
+        allow_credentials=cfg.allow_credentials, expose_headers="*",
+        allow_headers="*" if "*" in cfg.allowed_headers else cfg.allowed_headers,
+        allow_methods="*" if "*" in cfg.allowed_methods else cfg.allowed_methods)
+    cors = aiohttp_cors.setup(app, defaults={origin: opts for origin in cfg.allowed_origins})
+    for route in list(app.router.routes()):
+        cors.add(route)
 
 
 def _errors(proxy: Proxy) -> Any:

@@ -53,6 +53,13 @@ class ProxyConfig:
     quarantine_policy: str = "placeholder"  # what a quarantined tool result gets: placeholder | refuse | off
     quarantine_tenant_policies: tuple[tuple[str, str], ...] = ()  # (tenant, policy) overrides
     tool_media: str = "pass"  # a tool result's media parts (not inspectable as text): pass | withhold | refuse
+    # CORS, as vLLM's own server answers it (its --allowed-origins, --allow-credentials, --allowed-methods,
+    # --allowed-headers, same defaults): a browser client that calls vLLM directly works through the proxy.
+    # No origins: no CORS headers and no preflight answers (controller/proxy/app.py)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
     tokenize_cache_size: int = 4096  # entries, and at most tokenize_cache_bytes of ids (controller/proxy/token_cache.py)
     tokenize_cache_bytes: int = 64 << 20
     controller_max_rpcs: int = 50  # RPCs open at once on the proxy's one connection to the controller; more wait

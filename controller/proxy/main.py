@@ -6,7 +6,8 @@
 Environment variables are read here and nowhere else (flags win): KVFLEET_CONTROLLER,
 KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own token, to list workers: role reader),
 KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key), KVFLEET_PROXY_FIRST_BYTE_TIMEOUT (seconds),
-KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT / KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller).
+KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT / KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller),
+KVFLEET_PROXY_ALLOWED_ORIGINS (a JSON list, as --allowed-origins).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.quarantine import MEDIA_POLICIES
@@ -86,8 +88,27 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "can judge: forwarded (pass, default), each replaced by a text part saying it was withheld "
                         "(withhold), or the request refused with a 400 (refuse); counted either way")
     add_client_tls(p, env)
+    cors = p.add_argument_group("CORS (as vLLM's server: JSON lists, the same defaults; [] origins turns it off)")
+    cors.add_argument("--allowed-origins", type=_json_list("--allowed-origins"),
+                      default=e("KVFLEET_PROXY_ALLOWED_ORIGINS", '["*"]'), help='default ["*"]')
+    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies)")
+    cors.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default='["*"]', help='default ["*"]')
+    cors.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default='["*"]', help='default ["*"]')
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
+
+
+def _json_list(flag: str) -> Callable[[str], tuple[str, ...]]:
+    """argparse type of a JSON list of strings, as vLLM's CORS flags take (e.g. '["https://app.example"]')."""
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            got = json.loads(text)
+        except ValueError:
+            got = None
+        if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', not {text!r}")
+        return tuple(got)
+    return parse
 
 
 def config_from(a: argparse.Namespace) -> ProxyConfig:
@@ -99,7 +120,9 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),
-                       tool_media=a.tool_media,
+                       tool_media=a.tool_media, allowed_origins=a.allowed_origins,
+                       allow_credentials=a.allow_credentials, allowed_methods=a.allowed_methods,
+                       allowed_headers=a.allowed_headers,
                        max_body_bytes=a.max_body_bytes, max_inflight_bytes_per_tenant=a.max_inflight_bytes_per_tenant,
                        max_inflight_bytes=a.max_inflight_bytes, fair_priority=a.fair_priority, tls=a.tls, tls_ca=a.tls_ca,
                        tls_client_cert=a.tls_cert, tls_client_key=a.tls_key)
