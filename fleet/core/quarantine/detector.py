@@ -185,7 +185,7 @@ class PromptInjectionDetector:
                     _bump(scores, c, s)
 
     def _encoded(self, raw: str, norm: str, scores: dict[str, float], depth: int) -> None:
-        for _, decoded in T.decoded_payloads(raw):
+        for _, decoded in T.decoded_payloads(raw) + T.escaped_payloads(raw):
             inner = self._score(decoded, depth + 1)
             if sum(inner.values()) >= 0.5:
                 _bump(scores, "encoded_instructions", min(1.0, sum(inner.values())))

@@ -5,7 +5,8 @@ plain text so that the same language rules can read it:
 
     raw bytes --decode--> str --NFKC, strip invisibles, fold confusables--> normalised text
                            |--> hidden: HTML comments, display:none spans, Unicode tag characters
-                           '--> encoded: base64 / hex runs that decode to text, the rot13 view
+                           '--> encoded: base64 / hex runs that decode to text, runs of numeric HTML
+                                character references or %-escapes, the rot13 view
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import html
 import itertools
 import re
 import string
 import unicodedata
+import urllib.parse
 
 import numpy as np
 
@@ -44,6 +47,11 @@ _HIDDEN_ATTR_RE = re.compile(r"<(\w+)[^>]*\s(?:hidden|aria-hidden\s*=\s*[\"']tru
 
 _B64_RE = re.compile(r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/_-]{24,}={0,2}(?![A-Za-z0-9+/=_-])")
 _HEX_RE = re.compile(r"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}[\s:]?){16,}(?![0-9A-Fa-f])")
+# NOTE: a model reads `&#105;gnore` and `%69gnore` as "ignore"; the rules read the characters. A run is 4+
+# numeric character references (named ones, &amp; &lt;, hide no letters), or 6+ %-escapes, each within 16
+# characters of the next: only the run is decoded and read again, so plain text is not scored twice
+_NUMREF_RUN_RE = re.compile(r"(?:&#(?:[0-9]{1,7}|[xX][0-9a-fA-F]{1,6});?[^&]{0,16}){4,}")
+_PERCENT_RUN_RE = re.compile(r"(?:%[0-9A-Fa-f]{2}[^%\s]{0,16}){6,}")
 
 # Latin look-alikes from Cyrillic and Greek, folded only inside words that mix scripts.
 _CONFUSABLES_SRC = {
@@ -215,6 +223,23 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
         if len(digits) % 2 == 0 and (decoded := _printable_text(bytes.fromhex(digits))) is not None:
             out.append(("hex", decoded))
     return out[:limit]
+
+
+def escaped_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
+    """(encoding, decoded run) for runs of numeric HTML character references ("html") and of %-escapes ("url")
+    that decode to something else. A text with no "&#" or "%" costs two substring checks."""
+    out: list[tuple[str, str]] = []
+    for kind, run_re, decode in (("html", _NUMREF_RUN_RE, html.unescape),
+                                 ("url", _PERCENT_RUN_RE, urllib.parse.unquote)):
+        if ("&#" if kind == "html" else "%") not in text:
+            continue
+        for m in run_re.finditer(text):
+            decoded = decode(m.group(0))
+            if decoded != m.group(0):
+                out.append((kind, decoded))
+            if len(out) >= limit:
+                return out
+    return out
 
 
 def looks_rot13(norm: str) -> bool:
