@@ -87,7 +87,8 @@ def _is_ids(p: Any) -> bool:
 def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int]:
     """The /tokenize body for an OpenAI request, or the ids themselves when the prompt is already ids.
 
-    A batched completions prompt (a list of prompts) is routed by its first prompt.
+    A batched completions prompt (a list of prompts) is routed by its first prompt; `prompt_embeds` with no
+    prompt, by load alone (no ids).
     """
     model = body["model"]
     if chat:
@@ -96,6 +97,10 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
             raise ProxyError(400, "'messages' must be a non-empty list of message objects", "messages")
         return {"model": model, "messages": msgs, **{k: body[k] for k in CHAT_KEYS if k in body}}
     p = body.get("prompt")
+    if p is None and body.get("prompt_embeds") is not None:
+        # NOTE: vLLM (--enable-prompt-embeds) takes embeddings in place of a prompt; there are no ids to match
+        # against any worker's blocks, so the request is routed by load alone (the worker checks the embeddings)
+        return []
     if isinstance(p, list) and p and (isinstance(p[0], str) or _is_ids(p[0])):
         p = p[0]
     if isinstance(p, list) and _is_ids(p):

@@ -89,3 +89,19 @@ async def test_lora_cards_are_listed_and_routed_with_the_adapter(tmp_path: Path)
         assert rows[1][4] == "sql-lora" and hb["x-kvfleet-verdict"] == "COLD"
     finally:
         await fleet.stop()
+
+
+async def test_a_prompt_embeds_completion_is_routed_by_load_and_forwarded_as_sent(fleet: Fleet) -> None:
+    """vLLM (--enable-prompt-embeds) takes `prompt_embeds` in place of a prompt; the proxy has no ids to match, so
+    it routes by load (COLD) and forwards the body as sent, the embeddings for the worker to check. Before: 400
+    "'prompt' must be a string ...", never forwarded."""
+    body = {"model": MODEL, "prompt_embeds": "AAAAAAAAAAA=", "max_tokens": 2}
+    status, headers, raw = await fleet.post("/v1/completions", body)
+    assert headers.get("x-kvfleet-verdict") == "COLD" and headers.get("x-kvfleet-matched-tokens") == "0", raw
+    worker = fleet.sims[headers["x-kvfleet-worker"]]
+    assert [s.path for s in served(worker)] == ["/v1/completions"]  # no /tokenize: nothing to tokenize
+    print("the stand-in's answer:", status, raw[:120])
+    # control: a prompt of neither kind is still the proxy's 400, and reaches no worker
+    status, _, raw = await fleet.post("/v1/completions", {"model": MODEL, "max_tokens": 2})
+    assert status == 400 and b"prompt" in raw
+    assert sum(len(served(s, "/v1/completions")) for s in fleet.sims.values()) == 1
