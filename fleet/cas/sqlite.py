@@ -11,16 +11,20 @@ A blob's charge is what it counts against its tenant's quota: size + PER_BLOB_OV
 its row so that deleting it gives back exactly what inserting it counted. A row from before the
 column (charge NULL) counted, and gives back, its size alone.
 
-The connection is shared by threads behind a lock; other processes may open the same file (WAL +
-busy_timeout serialise the writers).
+Writes go through one connection shared by threads behind a lock; reads go through a small pool of
+read-only connections of their own (READERS), each read in one transaction, so a read sees a committed
+snapshot and never waits behind a write: WAL lets readers and the writer run at once. Other processes may
+open the same file (WAL + busy_timeout serialise the writers).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -71,6 +75,10 @@ _META_COLS = "ref, size, created, pins, refs, verdict, reasons, lease_expires"
 # one by one), so a count alone would not bound the time another call waits.
 _GC_BATCH_ROWS = 256
 _GC_BATCH_BYTES = 8 << 20
+# Read-only connections for reads. NOTE: reads shared the writer's connection and lock, so a read waited for
+# a large put's commit: stat() p99 558 ms beside three threads of 32 MiB puts (59 ms with the puts on another
+# file). A read past READERS at once waits for a free connection, never for a write.
+READERS = 4
 
 
 def sqlite_path(url: str) -> str:
@@ -97,6 +105,9 @@ class SqliteBlobStore(BlobStore):
             raise Unavailable(f"sqlite database {self.path} cannot be opened: {e}") from e
         self._lock = threading.RLock()
         self._closed = False
+        self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._num_readers = 0
+        self._readers_lock = threading.Lock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
@@ -124,13 +135,48 @@ class SqliteBlobStore(BlobStore):
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
-        """One read transaction: every statement inside reads the same snapshot of the file."""
-        with self._lock, self._busy():
-            self._db.execute("BEGIN")
+        """One read transaction on a read-only connection: every statement inside reads the same committed
+        snapshot of the file, whatever a writer does meanwhile."""
+        db = self._reader()
+        try:
+            with self._busy():
+                db.execute("BEGIN")
+                try:
+                    yield db
+                finally:
+                    db.execute("COMMIT")
+        finally:
+            self._readers.put(db)
+            if self._closed:
+                self._close_readers()
+
+    def _reader(self) -> sqlite3.Connection:
+        """A free read-only connection: an idle one, a new one while fewer than READERS exist, else the next
+        one given back."""
+        with self._readers_lock:
+            if self._closed:
+                raise Unavailable(f"sqlite database {self.path} is closed")
             try:
-                yield self._db
-            finally:
-                self._db.execute("COMMIT")
+                return self._readers.get_nowait()
+            except queue.Empty:
+                grow = self._num_readers < READERS
+                self._num_readers += grow
+        if not grow:
+            return self._readers.get()
+        uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro"
+        try:
+            return sqlite3.connect(uri, uri=True, timeout=30.0, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            with self._readers_lock:
+                self._num_readers -= 1
+            raise Unavailable(f"sqlite database {self.path} cannot be opened for reading: {e}") from e
+
+    def _close_readers(self) -> None:
+        while True:
+            try:
+                self._readers.get_nowait().close()
+            except queue.Empty:
+                return
 
     @contextmanager
     def _busy(self) -> Iterator[None]:
@@ -140,8 +186,8 @@ class SqliteBlobStore(BlobStore):
             raise Unavailable(f"sqlite database {self.path} unavailable: {e}") from e
 
     def _one(self, sql: str, args: tuple[object, ...]) -> tuple[Any, ...] | None:
-        with self._lock, self._busy():
-            row = self._db.execute(sql, args).fetchone()
+        with self._read() as db:
+            row = db.execute(sql, args).fetchone()
         return tuple(row) if row is not None else None
 
     # ---- blobs ----------------------------------------------------------------------------------
@@ -166,8 +212,8 @@ class SqliteBlobStore(BlobStore):
             return None
 
     def _stored_bytes(self, tenant: str) -> int:
-        with self._lock, self._busy():
-            return _tenant_bytes(self._db, tenant)
+        with self._read() as db:
+            return _tenant_bytes(db, tenant)
 
     def _get(self, tenant: str, ref: str) -> bytes | None:
         row = self._one("SELECT data FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref))
@@ -258,8 +304,8 @@ class SqliteBlobStore(BlobStore):
         return bytes(row[0]) if row is not None else None
 
     def _kv_scan(self, namespace: str) -> dict[str, bytes]:
-        with self._lock:
-            rows = self._db.execute("SELECT key, value FROM kv WHERE namespace = ?", (namespace,)).fetchall()
+        with self._read() as db:
+            rows = db.execute("SELECT key, value FROM kv WHERE namespace = ?", (namespace,)).fetchall()
         return {str(k): bytes(v) for k, v in rows}
 
     def _kv_delete(self, namespace: str, key: str) -> None:
@@ -278,8 +324,8 @@ class SqliteBlobStore(BlobStore):
             return int(idx)
 
     def _oplog_read(self, tenant: str, session_id: str) -> list[str]:
-        with self._lock:
-            rows = self._db.execute(
+        with self._read() as db:
+            rows = db.execute(
                 "SELECT op FROM oplog WHERE tenant = ? AND session_id = ? ORDER BY idx", (tenant, session_id)
             ).fetchall()
         return [str(r[0]) for r in rows]
@@ -295,9 +341,10 @@ class SqliteBlobStore(BlobStore):
                            ((tenant, session_id, i, op) for i, op in enumerate(ops_json)))
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True  # a GC between windows stops at the next one
+        with self._lock, self._readers_lock:
+            self._closed = True  # a GC between windows stops at the next one; a read after this is refused
             self._db.close()
+        self._close_readers()  # the idle ones; one in use is closed when it is given back
 
 
 def _tenant_bytes(db: sqlite3.Connection, tenant: str) -> int:

@@ -21,7 +21,7 @@ VICTIM = b"VICTIM-SECRET-" * 3000
 
 
 class _BeforeBlobOpen:
-    """The store's connection, running `hook` once just before the first blob is opened by row id."""
+    """A store's read connection, running `hook` once just before the first blob is opened by row id."""
 
     def __init__(self, db: sqlite3.Connection, hook: Callable[[], None]) -> None:
         self._db, self._hook = db, hook
@@ -50,7 +50,9 @@ def test_a_streamed_read_never_sees_rows_changed_after_its_lookup(tmp_path: Path
         if victim_puts:
             other.put(VICTIM, "victim")
 
-    store._db = _BeforeBlobOpen(store._db, gc_and_put)  # type: ignore[attr-defined]
+    reader = store._reader  # type: ignore[attr-defined]  # reads run on the store's read-only connections
+    hooked = _BeforeBlobOpen(reader(), gc_and_put)
+    store._reader = lambda: hooked  # type: ignore[attr-defined]
     chunks = store.get_stream(ref, "mallory", chunk_size=4096)
     assert next(chunks) == MALLORY[:4096]  # read from the snapshot of its lookup
     with pytest.raises(NotFound):  # the next chunk's lookup comes after the GC: the blob is gone
@@ -170,3 +172,37 @@ def test_a_store_closed_between_gc_windows_ends_the_gc_without_an_error(tmp_path
 
     store._gc_window = then_close  # type: ignore[attr-defined]
     assert store.gc(now=2000.0) == 4  # the first window's, then it stopped
+
+
+def test_reads_do_not_wait_behind_a_write_and_see_only_what_it_committed(tmp_path: Path) -> None:
+    """A write holds the writer's transaction open (as a large put does while it writes and commits); reads in
+    other threads still answer, from the last committed snapshot. Before, every read took the writer's lock and
+    waited for the whole write (stat() p99 558 ms beside three threads of 32 MiB puts)."""
+    store = open_store(f"sqlite:///{tmp_path / 'kv.db'}")
+    ref = store.put(b"a tool result", "acme")
+    store.kv_put("ns", "k", b"v1")
+    store.oplog_append("acme", "s", {"op": 1})
+    answers: dict[str, Any] = {}
+
+    def read_all() -> None:
+        answers["stat"] = store.stat(ref, "acme").verdict
+        answers["get"] = store.get(ref, "acme")
+        answers["kv"] = store.kv_get("ns", "k")
+        answers["scan"] = store.kv_scan("ns")
+        answers["oplog"] = store.oplog_read("acme", "s")
+        answers["bytes"] = store.stored_bytes("acme")
+
+    with store._tx() as db:  # type: ignore[attr-defined]  # a write in progress, not yet committed
+        db.execute("UPDATE blobs SET verdict = 'QUARANTINED'")
+        db.execute("UPDATE kv SET value = x'7632'")
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the reads waited for the write"  # before: blocked until the commit
+    assert answers == {"stat": "UNKNOWN", "get": b"a tool result", "kv": b"v1", "scan": {"k": b"v1"},
+                       "oplog": [{"op": 1}], "bytes": blob_charge(13)}
+    # control: once committed, the same reads see the write
+    assert store.stat(ref, "acme").verdict == "QUARANTINED" and store.kv_get("ns", "k") == b"v2"
+    store.close()
+    with pytest.raises(Exception, match="closed"):
+        store.stat(ref, "acme")
