@@ -50,8 +50,8 @@ LOOKBACK = 4096  # blocks searched backwards for the previous turn's last hash
 MAX_GROUPS = 1 << 14  # evidence kept for this many (group, stage) pairs, then relearned
 # Conversation records kept, all ranks together (then the oldest leaves first): ~320 bytes each with
 # the rank's terms, ~900 where each is a group of its own, so 20-60 MiB. The largest bench/fleet_routing.py
-# cell places 600 requests (mooncake), the others fewer; this is 100x that, or 218 new conversations a
-# second all held for the default 300 s TTL.
+# cell places 600 requests (mooncake), the others fewer; this is 100x that, or 109 new conversations a
+# second all held for the router's default 600 s TTL (CostConfig.working_set_ttl_s).
 MAX_CONVERSATIONS = 1 << 16
 
 K = TypeVar("K", bound=Hashable)
