@@ -346,7 +346,8 @@ async def warm_up(run: Running, tenants: tuple[str, ...], timeout_s: float = 30.
 async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: Path) -> dict[str, Any]:
     cfg, _ = engine_config(num_blocks, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
     fleet = await SimFleet.start(wl.num_workers, cfg)
-    out: dict[str, Any] = {"contender": spec.name, "label": spec.label, "kind": spec.kind, "via": spec.via}
+    out: dict[str, Any] = {"contender": spec.name, "label": spec.label, "kind": spec.kind, "via": spec.via,
+                           "timeout_s": opt.timeout_s}
     try:
         env = VARIANT_ENV.get(spec.name, {})
         try:

@@ -139,6 +139,9 @@ class Workload:
             "tenants": list(self.tenants),
             "working_set_tokens": self.working_set_tokens(),
             "longest_prompt": self.longest_prompt(),
+            "sleep_at": self.sleep_at,
+            "wake_at": self.wake_at,
+            "reset_at": self.reset_at,
             **({"open_loop_s": round(self.arrivals[-1][0], 1)} if self.arrivals else {}),
             **({"scale": self.scale} if self.scale else {}),
         }
