@@ -343,8 +343,10 @@ class SqliteBlobStore(BlobStore):
     def close(self) -> None:
         with self._lock, self._readers_lock:
             self._closed = True  # a GC between windows stops at the next one; a read after this is refused
+            # NOTE: the readers first (the idle ones; one in use closes when given back): the last connection to
+            # close checkpoints the WAL into the file and deletes it, which a read-only one cannot do
+            self._close_readers()
             self._db.close()
-        self._close_readers()  # the idle ones; one in use is closed when it is given back
 
 
 def _tenant_bytes(db: sqlite3.Connection, tenant: str) -> int:
