@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -100,6 +101,7 @@ def child_density(n: int) -> dict[str, Any]:
     finally:
         f.shutdown()
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def child_kill(n: int) -> dict[str, Any]:
@@ -155,17 +157,19 @@ def child_kill(n: int) -> dict[str, Any]:
         f.shutdown()
         ctl.shutdown()
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_child(root: Path, mode: str, n: int) -> dict[str, Any]:
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}, "PYTHONPATH": str(root)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--root", str(root), "--n", str(n),
-           "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0 or not out.read_text():
-        raise RuntimeError(f"{mode} child in {root} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return dict(json.loads(out.read_text()))
+    with tempfile.TemporaryDirectory(prefix="kvf-density-out-") as d:
+        out = Path(d) / "result.json"
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}, "PYTHONPATH": str(root)}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--root", str(root), "--n", str(n),
+               "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0 or not out.exists() or not out.read_text():
+            raise RuntimeError(f"{mode} child in {root} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return dict(json.loads(out.read_text()))
 
 
 def baseline_rev() -> str:

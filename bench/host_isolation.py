@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,7 @@ async def scenario() -> dict[str, dict[str, list[float]]]:
             await x.close()
         await ctl.stop(grace=1)
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

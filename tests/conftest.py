@@ -6,14 +6,23 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from support.short_dirs import remove_all, short_tmpdir
 
 from fleet.app.redis_server import RedisServer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def short_dirs_removed() -> Iterator[None]:
+    """The short temp dirs the tests' own Rays used (support/short_dirs.py) go when the session ends."""
+    yield
+    remove_all()
+
+
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """A real redis-server (AOF on) shared by the run; tests may kill() and start() it."""
-    with RedisServer() as srv:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server (AOF on) shared by the run; tests may kill() and start() it. Its data dir is under
+    pytest's base temp dir (pytest keeps the last three), so a run killed before close() leaves no more."""
+    with RedisServer(dir=str(tmp_path_factory.mktemp("redis"))) as srv:
         yield srv.start()
 
 
@@ -36,7 +45,10 @@ def ray_cluster() -> Iterator[None]:
     if not ray.is_initialized():
         # address="local": always a fresh cluster of our own, never one another process left running
         # on this machine (ray.init() would join it and refuse num_cpus).
+        # NOTE: _temp_dir: the session's Ray files in a dir removed at the end (by default /tmp/ray/session_*,
+        # never removed: one per run)
         ray.init(address="local", num_cpus=4, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+                 _temp_dir=short_tmpdir("kvr"),
                  configure_logging=False, runtime_env={"env_vars": {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}})
     yield None
     ray.shutdown()

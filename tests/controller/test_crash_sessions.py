@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.short_dirs import short_tmpdir
 
 from fleet.core.errors import KvfleetError
 from fleet.sdk import NO_RETRY, FleetClient
@@ -31,14 +31,14 @@ class Controller:
 
     def __init__(self, store: str) -> None:
         self.store = store
-        self.tmp = tempfile.mkdtemp(prefix="kvf-c-")  # short: Ray's socket paths must fit 107 bytes
+        self.tmp = ""  # the Ray dir of the current start
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
 
     def start(self) -> None:
         # a fresh Ray directory per start: a restarted controller must start a new Ray, never find the
         # killed one's address file in the old directory and wait on its dead GCS
-        self.tmp = tempfile.mkdtemp(prefix="kvf-c-")
+        self.tmp = short_tmpdir("kvf-c-")
         # NOTE: on a loaded machine Ray's GCS can take longer than Ray's default 30 s to bind its port
         env = dict(os.environ, RAY_TMPDIR=self.tmp, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
         # NOTE: the test run's own ray.init() exported RAY_ADDRESS and its auth settings

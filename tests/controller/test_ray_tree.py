@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,13 +26,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.short_dirs import short_tmpdir
 
 ROOT = Path(__file__).resolve().parents[2]
 SURVIVAL_S = 5.0  # "a few seconds"
 
 
 def _controller(tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    ray_dir = tempfile.mkdtemp(prefix="kvf-t-")  # short: Ray's socket paths must fit 107 bytes
+    ray_dir = short_tmpdir("kvf-t-")
     env = dict(os.environ, RAY_TMPDIR=ray_dir, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
     for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
         del env[k]  # the test run's own Ray: never join it
@@ -68,7 +68,7 @@ def _controller(tmp: Path) -> tuple[subprocess.Popen[str], str]:
 
 def _up(tmp: Path) -> subprocess.Popen[str]:
     """`kvfleet up` (its local Ray starts before it announces itself), running once it has printed its JSON line."""
-    ray_dir = tempfile.mkdtemp(prefix="kvf-u-")
+    ray_dir = short_tmpdir("kvf-u-")
     env = dict(os.environ, RAY_TMPDIR=ray_dir, PYTHONUNBUFFERED="1", RAY_gcs_server_port_wait_time_s="120")
     for k in [k for k in env if k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_CLIENT"))]:
         del env[k]

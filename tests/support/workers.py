@@ -69,6 +69,7 @@ def run_scenario(script: Path, tmp: Path, timeout_s: float = 400) -> dict[str, A
     result; fails the test with the script's stderr when it wrote nothing, or with its traceback."""
     import json
     import os
+    import signal
     import subprocess
     import sys
 
@@ -77,10 +78,18 @@ def run_scenario(script: Path, tmp: Path, timeout_s: float = 400) -> dict[str, A
     root = Path(__file__).resolve().parents[2]
     out = tmp / f"{script.stem}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=root, env={**env, "PYTHONPATH": str(root)})
+    # NOTE: its own session (process group): past the timeout the whole group is killed, the Ray it started
+    # included; subprocess.run's timeout killed the script alone and its Ray's agents lived on
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=root, env={**env, "PYTHONPATH": str(root)}, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the scenario ran past {timeout_s} s:\n{stderr[-3000:]}")
     if not out.exists():
-        pytest.fail(f"the scenario wrote nothing (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        pytest.fail(f"the scenario wrote nothing (rc {proc.returncode}):\n{stderr[-3000:]}")
     r: dict[str, Any] = json.loads(out.read_text())
     assert "error" not in r, r["error"]
     return r

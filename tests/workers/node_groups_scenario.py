@@ -13,6 +13,7 @@ cluster's address is never advertised machine-wide).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -93,6 +94,7 @@ def main(out: Path) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)  # the cluster's files (it left one per run)
 
 
 if __name__ == "__main__":

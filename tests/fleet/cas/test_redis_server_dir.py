@@ -33,3 +33,31 @@ def test_kill_then_start_keeps_the_data_until_close() -> None:
         srv.kill()
         srv.start()
         assert r.get("k") == b"v"
+
+
+def test_the_server_does_not_outlive_an_owner_killed_before_close(tmp_path: Path) -> None:
+    """SIGKILL of the process that started it (no close(), no finally): the server goes with it. Before, it
+    stayed, re-parented to init and listening, with its data dir."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom fleet.app.redis_server import RedisServer\n"
+         f"s = RedisServer(dir={str(tmp_path)!r}).start()\nprint(s.proc.pid, flush=True)\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    pid = int(owner.stdout.readline())
+    os.kill(pid, 0)  # control: the server runs while its owner does
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("redis-server outlived its owner")
