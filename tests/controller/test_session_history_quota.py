@@ -9,7 +9,6 @@ Real parts: a controller on loopback gRPC over the shared local Ray cluster, a S
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -144,30 +143,36 @@ async def test_a_fork_racing_an_append_is_charged_what_its_log_holds(ray_cluster
 
 
 async def test_an_append_whose_call_timed_out_is_charged(ray_cluster: None, tmp_path: Path) -> None:
-    """The controller's fleet call gives up (Unavailable) while the host still logs the append; the client's
-    retry comes back replayed. The append is charged all the same, so with the quota at exactly what the logs
-    hold one more token is refused (before: it was never charged, and accepted)."""
+    """The controller's fleet call gives up (Unavailable) while the host still logs the append. The append is
+    charged all the same, so with the quota at exactly what the logs hold one more token is refused (before: it
+    was never charged, and accepted). Raw gRPC, no retry: the SDK's client retries the op until the host answers
+    it from its log, and that answer resyncs the ledger, so a test through it held without the charge."""
     url = f"sqlite:///{tmp_path / 'kvfleet.db'}"
     big = 35 + HISTORY_OP_CHARGE + 20 * CHARGE - 19 * HISTORY_OP_CHARGE
     limits = SessionLimits(max_kv_bytes_per_tenant=0, max_history_tokens_per_tenant=big + 35 + HISTORY_OP_CHARGE)
     ctl = await start_controller(url, None, sessions=limits)
-    c = AsyncFleetClient(ctl.address)
+    ch = grpc.aio.insecure_channel(ctl.address)
+    s = sessions_pb2_grpc.SessionServiceStub(ch)
+
+    def append(sid: str, ids: list[int], op_id: str = "") -> Awaitable[sessions_pb2.AppendResponse]:
+        return s.Append(sessions_pb2.AppendRequest(session_id=sid, token_ids=sessions_pb2.TokenIds(ids=ids),
+                                                   op_id=op_id))
+
     try:
-        await c.create_session("p", SYSTEM)
-        await c.create_session("q", SYSTEM)
+        for sid in ("p", "q"):
+            await s.CreateSession(sessions_pb2.CreateSessionRequest(session_id=sid, system_prompt=SYSTEM))
         nodes = ctl.ctx.kernel_fleet.nodes                             # type: ignore[attr-defined]
         nodes.call_timeout_s = 0.02                                    # stands for a call queued past 60 s
-        with contextlib.suppress(Exception):                           # Unavailable, or the SDK's retry answered
-            await c.append("p", IDS * 20, op_id="op-1")                # from the log: either way, uncharged before
+        cut = await _code(append("p", IDS * 20, "op-1"))
         nodes.call_timeout_s = 120.0
         await asyncio.sleep(1.0)                                       # the host finishes and logs it
-        assert _logged(url, "local", "p") == big
-        r = await c.append("p", IDS * 20, op_id="op-1")                # the retry: answered from the log
+        assert cut == "UNAVAILABLE" and _logged(url, "local", "p") == big
+        assert await _code(append("q", [1])) == "RESOURCE_EXHAUSTED"   # NOTE: before, accepted
+        r = await append("p", IDS * 20, "op-1")                        # control: the retry, answered from the log
         assert r.replayed
-        with pytest.raises(ResourceExhausted, match="--max-history-tokens-per-tenant"):
-            await c.append("q", [1])                                   # NOTE: before, accepted
+        assert await _code(append("q", [1])) == "RESOURCE_EXHAUSTED"   # and the ledger, resynced, still refuses
     finally:
-        await c.close()
+        await ch.close()
         await ctl.stop(grace=1)
 
 
