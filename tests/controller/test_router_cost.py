@@ -321,6 +321,23 @@ def test_kv_pressure_falls_back_to_kv_usage_without_a_capacity() -> None:
     assert terms(CFG, 64 + 1600, _state("w0", 64, kv_usage=0.5), 0).evicted_tokens == 0
 
 
+@pytest.mark.parametrize(
+    "num_prompt, cached, evicted",
+    [
+        (256, 256, 0),  # all 16 blocks resident: the request adds none, so it evicts none (issue #27)
+        (260, 256, 0),  # every full block resident, a partial tail: still no new full block
+        (256, 240, 256),  # control: one block missing, the over-committed working set is charged
+    ],
+)
+def test_a_fully_resident_prompt_is_never_charged_for_evicting_on_an_overcommitted_rank(
+    num_prompt: int, cached: int, evicted: int
+) -> None:
+    # the rank's working set is 116 blocks against a capacity of 100: overcommit (116 - 100) x 16 = 256 tokens
+    s = _state("w0", cached, num_resident_blocks=100, num_gpu_blocks=100, num_demand_blocks=116)
+    t = terms(CFG, num_prompt, s, 0)
+    assert (t.prefill_tokens, t.evicted_tokens, t.total) == (num_prompt - cached, evicted, num_prompt - cached + evicted)
+
+
 def test_a_sleeping_worker_is_never_chosen_and_an_unproven_one_never_credited_even_if_cheapest() -> None:
     asleep = _state("asleep", 1024, serving=False)  # would cost 0: holds the whole prompt
     unproven = _state("unproven", 1024, proven=False)  # its index claims it all, but e.g. under a stale epoch
