@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -276,6 +277,38 @@ def test_oplog_replace_writes_a_whole_log_at_once(store_env: StoreEnv) -> None:
     assert len(store.oplog_read("acme", "s2")) == 5001 and store.oplog_read("globex", "s2") == []
     store.oplog_replace("acme", "s2", [])
     assert store.oplog_read("acme", "s2") == []
+
+
+def test_a_reader_never_sees_a_log_half_replaced(store_env: StoreEnv) -> None:
+    """oplog_replace is all or none for a concurrent reader too: while one client replaces a 10,000-op log over
+    and over (two generations in turn), another only ever reads a whole log of one generation. NOTE: the redis
+    backend writes in chunks of 4,096 ops (three here); outside MULTI/EXEC about half the reads saw 0, 4,096 or
+    8,192 ops."""
+    num_ops, writer, reader = 10_000, store_env.open(), store_env.open()
+    logs = [[{"op": "append", "g": g, "i": i} for i in range(num_ops)] for g in (0, 1)]
+    writer.oplog_replace("acme", "s1", logs[0])
+    done, torn, num_reads, num_writes = threading.Event(), [], [0], [0]
+
+    def read() -> None:
+        while not done.is_set():
+            log = reader.oplog_read("acme", "s1")
+            num_reads[0] += 1
+            if len(log) != num_ops or len({op["g"] for op in log}) != 1:
+                torn.append((len(log), sorted({op["g"] for op in log})))
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20.0  # a bound for a starved reader; about 1-5 s on two busy cores
+        while (num_reads[0] < 20 or num_writes[0] < 6) and time.monotonic() < deadline:
+            num_writes[0] += 1
+            writer.oplog_replace("acme", "s1", logs[num_writes[0] % 2])
+    finally:
+        done.set()
+        t.join()
+    assert not torn, f"a reader saw part of a log ({len(torn)} of {num_reads[0]} reads): {torn[:5]}"
+    assert num_reads[0] >= 20 and num_writes[0] >= 6, "control: the reads did not overlap the replaces"
+    assert reader.oplog_read("acme", "s1") == logs[num_writes[0] % 2]
 
 
 def test_concurrent_puts_and_appends_are_atomic(store_env: StoreEnv) -> None:
