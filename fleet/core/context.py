@@ -210,7 +210,8 @@ class SessionContext:
 
     # ---- queries ----------------------------------------------------------------------------------------
     def piece(self, piece_id: int) -> Piece:
-        if not isinstance(piece_id, int) or not 0 <= piece_id < len(self.pieces):
+        # NOTE: a bool is an int to isinstance: evict(piece_id=True) evicted piece 1
+        if isinstance(piece_id, bool) or not isinstance(piece_id, int) or not 0 <= piece_id < len(self.pieces):
             raise NotFound(f"no piece {piece_id!r} in session {self.session_id!r}")
         return self.pieces[piece_id]
 

@@ -117,6 +117,9 @@ def test_bad_input_changes_nothing(kernel: Kernel, tmp_path: Path) -> None:
         ctx.evict_piece(1, mode="fast")
     with pytest.raises(NotFound, match="no piece 9"):
         ctx.evict_piece(9)
+    for bad in (True, False, "1", 1.0):  # a bool is an int to isinstance: True evicted piece 1
+        with pytest.raises(NotFound, match=f"no piece {bad!r}"):
+            ctx.evict_piece(bad)  # type: ignore[arg-type]
     assert (ctx.digest(), ctx.ops, ctx.pieces) == before
 
 
