@@ -16,7 +16,7 @@ never holds every thread. Ops of one session never interleave (its lock). Every 
 id and its fingerprint (oplog.call_fingerprint); a retried op already in the log (written just before a crash,
 then replayed) is answered from the current state, not applied twice, and a different call under a logged op id
 is refused (AlreadyExists), not answered as its retry. A closed session refuses every op that was waiting for its
-lock. A call that fails after it handed an op to the log (a recompute that raised mid-evict) may leave the live
+lock, and an op already past it logs nothing (its write refuses: `close` waits 30 s at most). A call that fails after it handed an op to the log (a recompute that raised mid-evict) may leave the live
 state torn while the log holds the op: that state is never served again (every later call raises SessionGone,
 so the fleet rebuilds the session from its log, which applies the op) and the call raises SessionTorn
 (UNAVAILABLE: retry with the same op_id, answered replayed once rebuilt).
@@ -99,7 +99,15 @@ class SessionKernel:
 
         The reference is taken first: a blob the leader's GC collected meanwhile (its lease ran
         out after the actor read it) refuses the op with nothing logged, instead of a log entry
-        no replay could ever fetch; an op log write that fails gives the reference back."""
+        no replay could ever fetch; an op log write that fails gives the reference back.
+
+        A closed session refuses the op (SessionGone) with nothing logged and no reference taken.
+        NOTE: `close` stops waiting for the op in flight after its timeout and the fleet then deletes
+        the log; an op still queued for a lane thread ran after that, wrote a log of its own (nobody's:
+        the session was gone) and held its blob's reference forever, and its caller got an ack. Only an
+        op whose store write was already under way when close gave up can still land after it."""
+        if self.closed:
+            raise SessionGone(f"session {self.session_id} was closed on this host: its op was not logged")
         add_blob_refs(self.store, [op])
         self.num_log_writes += 1  # NOTE: before the write: one that raises may still be durable
         try:
