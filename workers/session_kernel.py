@@ -166,14 +166,16 @@ class SessionKernel:
             return
         self._lock.release()
 
-    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any], op_fp: str = "") -> OpResult:
+    async def _mutate(self, verb: str, op_id: str, fn: Callable[[], Any], op_fp: str = "",
+                      logged: Callable[[], Any] | None = None) -> OpResult:
         """Run one mutating call: idempotent on `op_id` (a different call under a logged one, by its
-        fingerprint `op_fp`, is refused), serialised, off the event loop."""
+        fingerprint `op_fp`, is refused), serialised, off the event loop. `logged`: the verb's own answer
+        to its retry, read from the log (default: the piece an append added)."""
         async with self._lock:
             self._check_open()
             if op_id and op_id in self.op_fps:
                 check_op_reuse(op_id, self.op_fps[op_id], op_fp)  # AlreadyExists: nothing applied
-                return self._replayed(op_id)
+                return self._replayed(op_id, logged)
             self.op_id, self.op_fp, self.in_flight = op_id, op_fp, verb
             if self.ctx is not None:
                 self.ctx.op_id, self.ctx.op_fp = op_id, op_fp  # stamped on every op this call writes
@@ -199,15 +201,15 @@ class SessionKernel:
         return OpResult(result, s.last_logits, len(s), self.last_op_index if op_index is None else op_index, replayed,
                         self.history_tokens)
 
-    def _replayed(self, op_id: str) -> OpResult:
-        """The answer to a retried op already in the log: the piece its append added (None for
-        other verbs) and its index in the log; nothing is applied again."""
+    def _replayed(self, op_id: str, logged: Callable[[], Any] | None = None) -> OpResult:
+        """The answer to a retried op already in the log: `logged()`, or the piece its append added (None
+        for other verbs), and its index in the log; nothing is applied again."""
         ops = self.context.ops
         index = last_index_of(ops, op_id)
         op = ops[index] if index is not None else None
         pieces = self.context.pieces
         piece = pieces[op.piece] if isinstance(op, AppendOp) and op.piece < len(pieces) else None
-        return self._reply(piece, replayed=True, op_index=index)
+        return self._reply(logged() if logged is not None else piece, replayed=True, op_index=index)
 
     # -- verbs --------------------------------------------------------------------------------
 
@@ -282,9 +284,13 @@ class SessionKernel:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")
                 ctx, adopted = self._replay(log, prefix)
                 ctx.sink, ctx.store = self._write, self.store
-                self.ctx, self.num_adopted_tokens, self.op_fps = ctx, adopted, own_op_fps(log)
-                self.last_op_index, self.num_replayed_ops = None, len(log)
-                self.history_tokens = history_tokens(log)
+                self.op_fps, self.history_tokens, self.last_op_index = own_op_fps(log), history_tokens(log), None
+                # A quarantine logged without the eviction of its ref's tokens (an admission whose host failed or
+                # died between the two writes) is finished before the session is served: logged, then applied.
+                from fleet.core.quarantine.admit import finish_admissions
+
+                finish_admissions(ctx)
+                self.ctx, self.num_adopted_tokens, self.num_replayed_ops = ctx, adopted, len(log)
                 self.num_prefilled_tokens += ctx.session.num_computed
 
             await self._run(work)
@@ -335,10 +341,11 @@ class SessionKernel:
         """Act on a verdict on a stored tool result (`verdict`: a fleet.core.quarantine Verdict the caller reached,
         the controller's Judge; None: run the default detector here); a quarantine evicts its tokens with a
         proof."""
-        from fleet.core.quarantine import admit_tool_result
+        from fleet.core.quarantine.admit import admit_tool_result, logged_admission
 
         return await self._mutate("admit_tool_result", op_id, lambda: admit_tool_result(
-            self.context, ref, self.store, self.tenant, verdict=verdict), call_fingerprint("admit_tool_result", ref))
+            self.context, ref, self.store, self.tenant, verdict=verdict), call_fingerprint("admit_tool_result", ref),
+            logged=lambda: logged_admission(self.context, ref, op_id))
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -123,7 +123,8 @@ class EvictionProof:
 @dataclass(frozen=True, slots=True)
 class ToolAdmission:
     """The verdict on one tool result in a session: CLEAN or QUARANTINED (with its reasons); when
-    its tokens were in the KV cache they were evicted and `proof` says how well."""
+    its tokens were in the KV cache they were evicted and `proof` says how well. A retry answered from
+    the op log after the host that evicted them died is evicted without a proof (proofs are not logged)."""
 
     verdict: str
     reasons: tuple[str, ...] = ()
@@ -131,7 +132,8 @@ class ToolAdmission:
     proof: EvictionProof | None = None
 
     def __post_init__(self) -> None:
-        assert self.verdict in (CLEAN, QUARANTINED) and self.evicted == (self.proof is not None), self
+        assert self.verdict in (CLEAN, QUARANTINED) and (self.proof is None or self.evicted), self
+        assert self.verdict == QUARANTINED or not self.evicted, self
 
 
 @dataclass(frozen=True, slots=True)

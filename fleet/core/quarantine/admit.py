@@ -7,6 +7,11 @@ QUARANTINED acts on both media:
          context. Tail (nothing attended to it yet): write-time eviction. Not the tail (a late verdict:
          later tokens attended to it): "exact" mode, survivors re-derived; the witness says late=True.
 
+An admission logs a quarantine op, then one eviction op per piece (each after its never-saw reference is
+prefilled): a host that fails or dies between them leaves a log whose quarantined ref is still resident. The
+session's rebuild from that log finishes the admission (`finish_admissions`), and a retry under the same op id
+is answered from the log (`logged_admission`), never applied twice and never answered without its verdict.
+
 Witness (probe = a fixed query appended on scratch forks; the real session is never mutated for it):
     max|Δ| evict-vs-never  : logits after the probe, evicted session vs a session that never saw the piece
     control kept-vs-never  : the same with the piece kept; > 0 shows the probe can see the piece
@@ -17,6 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fleet.core.context import RESIDENT, SHIFTED, Piece, SessionContext
+from fleet.core.errors import AlreadyExists
+from fleet.core.oplog import EvictOp, QuarantineOp, own_ops
 from fleet.core.quarantine.detector import Detector, Verdict
 from fleet.core.session_types import EvictionProof, ToolAdmission
 from fleet.core.verdict import CLEAN, QUARANTINED
@@ -63,6 +70,55 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
         proof = _evict_with_proof(ctx, p, probe)
         ctx.proofs.append(proof)
     return ToolAdmission(QUARANTINED, tuple(v.reasons), evicted=proof is not None, proof=proof)
+
+
+def finish_admissions(ctx: SessionContext, probe: str = DEFAULT_PROBE) -> list[EvictionProof]:
+    """Evict, with a proof each, every piece still resident whose ref the log quarantined: an admission whose
+    quarantine op was logged and whose evictions were not (its host failed or died between the two writes).
+    A rebuild runs it on the replayed context with its sink set, so the evictions are logged, each under its
+    quarantine op's op id when that op is the session's own (a fork's copy of its parent's is not): a retry
+    of that admission then finds its whole admission in the log. A log without one changes nothing.
+
+    NOTE: before, such a session was rebuilt with the quarantined tokens resident, and every later token
+    attended to them; the admission's retry was answered `replayed` with no verdict, from the half log.
+
+    Returns:
+        the proofs, in the order of the evictions (also appended to `ctx.proofs`).
+    """
+    last = {op.ref: op for op in ctx.ops if isinstance(op, QuarantineOp)}
+    own = {op.op_id for op in own_ops(ctx.ops) if op.op_id}
+    proofs: list[EvictionProof] = []
+    for p in sorted((p for p in ctx.pieces if p.ref in last and p.state in (RESIDENT, SHIFTED)),
+                    key=lambda p: -p.start):  # from the end backwards, as admit_tool_result evicts
+        q = last[str(p.ref)]
+        ctx.op_id, ctx.op_fp = (q.op_id, q.op_fp) if q.op_id in own else ("", "")
+        try:
+            proofs.append(_evict_with_proof(ctx, p, probe))
+        finally:
+            ctx.op_id = ctx.op_fp = ""
+        ctx.proofs.append(proofs[-1])
+    return proofs
+
+
+def logged_admission(ctx: SessionContext, ref: str, op_id: str) -> ToolAdmission:
+    """The answer to an admission of `ref` retried under `op_id`, read from the log (nothing is applied
+    again): its quarantine and whether its ops evicted the ref's tokens, with the proof of that eviction while
+    this context holds it. A proof is not logged: after a rebuild that did not evict (the first try logged
+    every op, then its host died) the answer is evicted without a proof.
+
+    Raises:
+        AlreadyExists: nothing the session logged under `op_id` concerns `ref` (another call's op id, in a
+            log written before fingerprints, which the fingerprint check cannot tell).
+    """
+    ops = [op for op in own_ops(ctx.ops) if op.op_id == op_id]
+    evicted = [op.piece for op in ops if isinstance(op, EvictOp) and op.reason == "quarantine"
+               and ctx.piece(op.piece).ref == ref]
+    if ref not in ctx.logged_quarantines or not (evicted or any(
+            isinstance(op, QuarantineOp) and op.ref == ref for op in ops)):
+        raise AlreadyExists(f"op_id {op_id!r} was logged for another call than this admission of {ref}; "
+                            "use a new op_id")
+    proof = next((w for w in reversed(ctx.proofs) if evicted and (w.ref, w.piece_id) == (ref, evicted[-1])), None)
+    return ToolAdmission(QUARANTINED, ctx.logged_quarantines[ref], evicted=bool(evicted), proof=proof)
 
 
 def default_admission_detector() -> Detector:

@@ -12,6 +12,7 @@ import ray
 
 from controller.auth import mint_token
 from controller.server import ControllerConfig, build_server
+from fleet.cas import open_store
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from fleet.core.kernel import max_abs_delta
 from fleet.core.oplog import parse_log
@@ -196,6 +197,36 @@ async def test_admission_is_judged_by_the_controllers_judge(ray_cluster: None, t
         print(f"kernel host after two admissions: no detector built = {no_detector}, torch imported = "
               f"{torch_loaded}; {rss}")
         assert no_detector and not torch_loaded
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+
+
+async def test_an_admission_whose_host_dies_mid_way_is_answered_over_grpc(ray_cluster: None, tmp_path: Path) -> None:
+    """The host dies after the admission logged its quarantine op, before its eviction: the fleet rebuilds the
+    session and retries under the same op id. The rebuild evicts the tool result, and the servicer answers the
+    retry with its verdict and witness; before, the retry came back with no admission and the RPC failed with
+    INTERNAL, and the rebuilt session kept the quarantined tokens."""
+    import ray.cloudpickle
+    import support.faults
+
+    ray.cloudpickle.register_pickle_by_value(support.faults)  # the host's process cannot import tests/support
+    ctl = await build_server(ControllerConfig(listen="127.0.0.1:0", store_url=_url(tmp_path), detector_layers=("rules",)))
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)
+        ref = await c.put_blob(POISON)
+        await c.add_tool_result("s1", ref)
+        await c.append("s1", " What next?")
+        actor = ray.get_actor(host_name(ray.get_runtime_context().get_node_id(), fleet_scope(_url(tmp_path))),
+                              namespace=RAY_NAMESPACE)
+        ray.get(actor.__ray_call__.remote(support.faults.host_exits_in_next_mlp))   # dies in the never-saw prefill
+        adm = await c.admit_tool_result("s1", ref)
+        assert adm.verdict == "QUARANTINED" and adm.evicted and adm.witness is not None
+        assert adm.witness.max_abs_delta == 0.0 < adm.witness.control and not adm.witness.write_time
+        assert [i.verdict for i in (await c.working_set("s1", budget_tokens=10_000)).items] == ["HIT", "REFUSE", "HIT"]
+        with open_store(_url(tmp_path)) as store:
+            assert [op["op"] for op in store.oplog_read("local", "s1")] == ["append"] * 3 + ["quarantine", "evict"]
     finally:
         await c.close()
         await ctl.stop(grace=1)
