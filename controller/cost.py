@@ -14,7 +14,9 @@ serving (worker, dp_rank) from its index, its in-flight ledger and the last /met
                 prompt: a block seen followed by two different blocks): each worker pays it once
                 for every conversation it will host, so it does not glue new ones to its holder
     queued(w)   prefill tokens waiting ahead on w: tracked routes vLLM has not scheduled yet, plus
-                requests in vllm:num_requests_waiting beyond those, each at the mean routed size
+                requests in vllm:num_requests_waiting beyond those, each at the mean size of the tracked
+                routes w was seen to schedule (InFlight.mean_tokens: per rank, never moved by routes
+                that did not run there)
     active(w)   requests on w: tracked routes not yet ended, or /metrics' running + waiting if more
     evicted(w)  tokens of other prefixes that the new blocks push out of w's GPU cache: the
                 rank's working set over its capacity (controller.demand, weighted by return
@@ -61,8 +63,9 @@ class CostConfig:
             a worker prefills it once and then hosts every later conversation with it, so a new
             conversation is placed by load and room, not glued to whoever holds the prompt.
         kv_high_water: without a known capacity, KV usage above this share counts as eviction.
-        untracked_request_tokens: the size assumed for a request /metrics shows but the router did
-            not track, until the router has routed any (then the running mean is used).
+        untracked_request_tokens: the size assumed for a request /metrics shows on a rank but the router
+            did not track, until a look has seen that rank schedule tracked routes (then their running
+            mean there is used: InFlight.mean_tokens).
         inflight_ttl_s: a tracked route not released within this long stops counting (a leak bound).
         working_set_ttl_s: a conversation with no turn for this long leaves its rank's working set
             (controller.demand); 600 s: agents pause for tools and people, a closed one must decay.
@@ -139,6 +142,9 @@ class CandidateState(NamedTuple):
     spread: int = 0  # tie-break hash (prompt x worker)
     # the rank's working set with this request placed there (controller.demand), -1 when unknown
     num_demand_blocks: int = -1
+    # the size a waiting request the router did not track counts at on this rank (InFlight.mean_tokens);
+    # None: the `mean_request_tokens` the caller of `terms` passes
+    mean_request_tokens: float | None = None
 
 
 class Scored(NamedTuple):
@@ -182,6 +188,7 @@ def terms(
     """The cost of sending a `num_prompt_tokens` request to the candidate, term by term.
 
     `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`).
+    `mean_request_tokens`: the size of an untracked waiting request where the state names none.
     """
     _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage = s[:14]
     cached = min(cached, num_prompt_tokens) if proven else 0
@@ -189,7 +196,8 @@ def terms(
     amortized = max(0, min(num_shared_tokens, num_prompt_tokens) - cached)
     queued = float(tracked)
     if waiting > n_queued:  # waiting requests /metrics shows beyond the ones we track, at the mean size
-        queued += (waiting - n_queued) * mean_request_tokens
+        mean = s.mean_request_tokens
+        queued += (waiting - n_queued) * (mean_request_tokens if mean is None else mean)
     active = max(n_active, running + waiting)
     # NOTE: the fast path skips the block arithmetic where nothing can be evicted
     if s.block_size > 0 and num_prompt_tokens // s.block_size <= cached // s.block_size:
@@ -343,16 +351,19 @@ class InFlight:
     `release` (the proxy's answer ended), `expire` (older than the TTL: a leaked route decays) or
     `reconcile` (the worker no longer shows it). Like Dynamo's active-sequence tracking and llm-d's
     active-request scorer, it raises a worker's cost at once, before any /metrics look could.
+
+    Per rank it also keeps the mean prefill of the tracked routes a look saw that rank schedule
+    (`mean_tokens`): the size at which the rank's untracked waiting requests count.
     """
 
     def __init__(self, ttl_s: float, grace_s: float, default_tokens: int) -> None:
-        self.ttl_s, self.grace_s = ttl_s, grace_s
+        self.ttl_s, self.grace_s, self.default_tokens = ttl_s, grace_s, default_tokens
         self._all: OrderedDict[str, Flight] = OrderedDict()  # routing order == time order
         self._by_key: dict[RankKey, OrderedDict[str, Flight]] = {}
         self._queued: dict[RankKey, OrderedDict[str, Flight]] = {}  # not yet scheduled, oldest first
         self._queued_tokens: dict[RankKey, int] = {}
         self._by_hash: dict[int, dict[str, Flight]] = {}  # queued routes by their last block hash
-        self._mean, self._num_seen = float(default_tokens), 0
+        self._means: dict[RankKey, tuple[float, int]] = {}  # per rank: mean prefill of routes seen scheduled, count
 
     def __len__(self) -> int:
         return len(self._all)
@@ -366,13 +377,12 @@ class InFlight:
         self._queued_tokens[f.key] = self._queued_tokens.get(f.key, 0) + f.num_tokens
         if f.last_hash is not None:
             self._by_hash.setdefault(f.last_hash, {})[f.route_id] = f
-        self._num_seen += 1
-        self._mean += (f.num_tokens - self._mean) / min(self._num_seen, 64)
 
-    def _unqueue(self, f: Flight) -> None:
+    def _unqueue(self, f: Flight) -> bool:
+        """Take the route out of the queue; False if it was not queued."""
         queued = self._queued.get(f.key)
         if queued is None or f.route_id not in queued:
-            return
+            return False
         del queued[f.route_id]
         self._queued_tokens[f.key] -= f.num_tokens
         if not queued:
@@ -382,6 +392,13 @@ class InFlight:
             del same[f.route_id]
             if not same:
                 del self._by_hash[f.last_hash]
+        return True
+
+    def _ran(self, f: Flight) -> None:
+        """A look saw the rank schedule `f`: its prefill joins the rank's running mean (the last 64 weigh most)."""
+        mean, n = self._means.get(f.key, (0.0, 0))
+        n += 1
+        self._means[f.key] = (mean + (f.num_tokens - mean) / min(n, 64), n)
 
     def _remove(self, f: Flight) -> None:
         self._unqueue(f)
@@ -431,7 +448,8 @@ class InFlight:
         for f in due[:num_ended]:
             self._remove(f)
         for f in due[num_ended : max(len(due) - math.floor(num_waiting), num_ended)]:
-            self._unqueue(f)
+            if self._unqueue(f):
+                self._ran(f)
         return due[:num_ended]
 
     def newest(self, worker: str) -> float | None:
@@ -443,6 +461,8 @@ class InFlight:
         out = [f for f in self._all.values() if f.key[0] == worker]
         for f in out:
             self._remove(f)
+        for key in [key for key in self._means if key[0] == worker]:
+            del self._means[key]
         return out
 
     def load(self, key: RankKey) -> tuple[int, int, int]:
@@ -469,6 +489,14 @@ class InFlight:
                     out[f.key] = out.get(f.key, 0) + f.num_tokens
         return out
 
-    def mean_tokens(self) -> float:
-        """Running mean of tracked routes' prefill tokens (the configured default before any)."""
-        return self._mean
+    def mean_tokens(self, key: RankKey) -> float:
+        """The size an untracked waiting request counts at on the rank: the running mean prefill of the tracked
+        routes a /metrics look saw it schedule (the configured default before any).
+
+        NOTE: it was one mean for every rank, moved by every tracked route when it was decided: one tenant's
+        64 tracked 8,192-token Routes, released at once and never sent, raised it from 256 to 5,295 tokens, and
+        another tenant's fully warm prompt left a worker with 2 untracked requests waiting (queued 512 -> 10,591
+        tokens) COLD. Now only a route the rank's own count showed scheduled moves that rank's mean.
+        """
+        seen = self._means.get(key)
+        return float(self.default_tokens) if seen is None else seen[0]

@@ -150,7 +150,8 @@ class CandidateOrder:
                 w.errors.failed("route", e)
                 continue
             states += mine
-        ranked = cost.order(self.cost(), len(token_ids), states, self.flights.mean_tokens(), shared)
+        cfg = self.cost()
+        ranked = cost.order(cfg, len(token_ids), states, cfg.untracked_request_tokens, shared)
         return Ordering(ranked, last, placed)
 
     def _state(
@@ -193,6 +194,7 @@ class CandidateOrder:
             m.kv_usage,
             zlib.crc32(key[0].encode(), seed),
             demand_blocks,
+            self.flights.mean_tokens(key),
         )
 
     def none_serving(self, model: str, lora: str | None) -> KvfleetError:

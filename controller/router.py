@@ -129,9 +129,10 @@ class Router:
                                  on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
 
     def set_cost_config(self, c: CostConfig) -> None:
-        """New placement weights from now on; the in-flight ledger keeps its routes (new TTL and grace)."""
+        """New placement weights from now on; the in-flight ledger keeps its routes (new TTL, grace and untracked size)."""
         self.cfg = dataclasses.replace(self.cfg, cost=c)
         self.flights.ttl_s, self.flights.grace_s = c.inflight_ttl_s, c.reconcile_grace_s
+        self.flights.default_tokens = c.untracked_request_tokens
         self.demand.ttl_s = c.working_set_ttl_s
 
     async def start(self) -> None:

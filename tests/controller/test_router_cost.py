@@ -75,7 +75,7 @@ class Fleet:
 
     def route(self, num_prompt_tokens: int, now: float = 0.0, num_shared_tokens: int = 0) -> str:
         ranked = order(
-            self.cfg, num_prompt_tokens, self.states(self.n), self.flights.mean_tokens(), num_shared_tokens
+            self.cfg, num_prompt_tokens, self.states(self.n), self.cfg.untracked_request_tokens, num_shared_tokens
         )
         best = ranked[0]
         self.n += 1
@@ -145,7 +145,7 @@ def test_a_burst_of_cold_sessions_is_spread_by_the_work_queued() -> None:
     glued = Fleet({"w0": 256, "w1": 0, "w2": 0}, CostConfig(shared_prefix_weight=1.0))
     picks = _sessions(glued, 7, complete=False)
     assert picks[:6] == ["w0"] * 6 and picks[6] != "w0"
-    r = order(glued.cfg, 384, glued.states(0), glued.flights.mean_tokens(), 256)
+    r = order(glued.cfg, 384, glued.states(0), glued.cfg.untracked_request_tokens, 256)
     assert [c.terms.total for c in r if c.state.worker == "w0"] == [128 + QW * 6 * 128 + 16 * 6]
 
 
