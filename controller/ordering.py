@@ -165,8 +165,9 @@ class CandidateOrder:
         demand_blocks: int = -1,
         owner: str = "",
     ) -> CandidateState:
-        """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look."""
-        m = w.load
+        """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look (of the
+        rank's own engine: engine 0's load was charged to every rank)."""
+        m = w.rank_load(key[1])
         n = nq = toks = 0
         if self.flights:  # NOTE: nothing to reconcile or count while no route is tracked (the common case)
             self.reconcile(w, key)
@@ -222,7 +223,9 @@ class CandidateOrder:
     def reconcile(self, w: WorkerView, key: RankKey) -> None:
         """Fold the worker's newest /metrics look into the in-flight ledger, once per look."""
         if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:
-            self._looked[key] = w.load_at  # NOTE: /metrics counts engine 0 only, so one-rank workers only
+            # NOTE: one-rank workers only: the proxy does not pin a DP rank (vLLM's X-data-parallel-rank), so the
+            # engine its API server picks may not be the rank a route is counted on, and that rank's count cannot end it
+            self._looked[key] = w.load_at
             self.ended(self.flights.reconcile(key, w.load.running, w.load.waiting, w.load_at), "reconcile")
 
 

@@ -31,7 +31,8 @@ class RankView(NamedTuple):
 
 class WorkerView(NamedTuple):
     """A snapshot of one worker for one routing decision: what it serves, how it hashes, its last
-    /metrics look (`load`, taken at monotonic `load_at`) and its ranks."""
+    /metrics look (taken at monotonic `load_at`: `load`, engine 0's series, and `loads`, each rank's
+    engine's, read by `rank_load`) and its ranks."""
 
     name: str
     url: str
@@ -41,11 +42,16 @@ class WorkerView(NamedTuple):
     load: WorkerMetrics
     load_at: float | None
     ranks: tuple[RankView, ...]
+    loads: tuple[WorkerMetrics, ...] = ()
 
     def rank(self, dp_rank: int) -> RankView:
         rv = self.ranks[dp_rank]
         assert rv.dp_rank == dp_rank, (rv, dp_rank)
         return rv
+
+    def rank_load(self, dp_rank: int) -> WorkerMetrics:
+        """The rank's own engine's load (running, waiting, KV usage, pool size) at the last look."""
+        return self.loads[dp_rank] if dp_rank < len(self.loads) else self.load
 
     def adapter(self, model: str, lora: str | None) -> str | None | Literal[False]:
         """The LoRA adapter a request for `model` (and `lora`) runs here, None for the base model;

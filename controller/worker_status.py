@@ -56,8 +56,8 @@ def status_row(w: Worker, r: int, index: PrefixIndex) -> WorkerStatus:
         _typed(st.epoch, int),
         _typed(st.seq, int),
         index.num_blocks(key),
-        float(v.load.running + v.load.waiting),
-        float(v.load.kv_usage),
+        float(v.rank_load(r).running + v.rank_load(r).waiting),
+        float(v.rank_load(r).kv_usage),
         _typed(st.fence, str),
         w.spec,
     )

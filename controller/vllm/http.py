@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.core.errors import Unavailable
@@ -27,7 +28,7 @@ class WorkerHttpError(Unavailable):
 
 @dataclass(frozen=True, slots=True)
 class WorkerMetrics:
-    """What /metrics says about one engine (DP rank). None = series absent."""
+    """What /metrics says about one engine (DP rank: vLLM's `engine` label). None = series absent."""
 
     sleep_state: dict[str, float] = field(default_factory=dict)
     running: float = 0.0
@@ -83,8 +84,29 @@ def wanted_lines(text: str) -> str:
 
 
 def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
-    """Parse Prometheus text (the lines it reads: wanted_lines); vllm:engine_sleep_state is three series,
-    filtered by label."""
+    """Parse Prometheus text (the lines it reads: wanted_lines) for one engine (`engine` label, the DP rank);
+    vllm:engine_sleep_state is three series, filtered by label."""
+    return _fold(_families(text), engine)
+
+
+def parse_engines(text: str, num_engines: int) -> tuple[WorkerMetrics, ...]:
+    """One WorkerMetrics per engine 0..num_engines-1, the text parsed once.
+
+    vLLM's API server exports every DP engine's series, each labelled engine="<rank>" (reference §4); an
+    engine whose series are absent reads as idle (the defaults)."""
+    families = _families(text)
+    return tuple(_fold(families, str(e)) for e in range(num_engines))
+
+
+def _families(text: str) -> list[Metric]:
+    try:
+        return list(text_string_to_metric_families(wanted_lines(text)))
+    except Exception as e:
+        raise WorkerHttpError(f"/metrics is not Prometheus text: {e}") from e
+
+
+def _fold(families: list[Metric], engine: str) -> WorkerMetrics:
+    """The samples of `engine` (and the unlabelled ones) as one WorkerMetrics."""
     sleep: dict[str, float] = {}
     vals: dict[str, float] = {}
     block_size: int | None = None
@@ -93,10 +115,6 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
     start: float | None = None
     in_flight = 0.0
     sleep_ops: float | None = None
-    try:
-        families = list(text_string_to_metric_families(wanted_lines(text)))
-    except Exception as e:
-        raise WorkerHttpError(f"/metrics is not Prometheus text: {e}") from e
     for fam in families:
         for s in fam.samples:
             if not (math.isfinite(s.value) and s.value >= 0):  # NOTE: a NaN load failed every route's reconcile
@@ -201,10 +219,17 @@ class VllmHttp:
         return bool(body["is_sleeping"])
 
     async def metrics(self, engine: int = 0) -> WorkerMetrics:
+        return parse_metrics(await self._metrics_text(), str(engine))
+
+    async def engine_metrics(self, num_engines: int) -> tuple[WorkerMetrics, ...]:
+        """Each DP engine's series from one /metrics answer (parse_engines)."""
+        return parse_engines(await self._metrics_text(), num_engines)
+
+    async def _metrics_text(self) -> str:
         status, text = await self.request("GET", "/metrics")
         if status != 200:
             raise WorkerHttpError(f"{self.url}/metrics answered HTTP {status}")
-        return parse_metrics(text, str(engine))
+        return text
 
     async def health(self) -> bool:
         status, _ = await self.request("GET", "/health")

@@ -147,8 +147,11 @@ class Worker:
         self.hash_cfg: HashConfig | None = (HashConfig(spec.hash_algo or "sha256", spec.hash_seed, spec.block_size)
                                             if spec.block_size else None)
         self.loras: dict[str, str] = {}
-        self.load = WorkerMetrics()
-        self.load_at: float | None = None  # time.monotonic() when the look that gave `load` began
+        # each rank's engine's series at the last look (vLLM's `engine` label); `load` is engine 0's, which also
+        # carries what is read for the worker as a whole (sleep state, start time, hash settings)
+        self.loads: tuple[WorkerMetrics, ...] = tuple(WorkerMetrics() for _ in self.ranks)
+        self.load = self.loads[0]
+        self.load_at: float | None = None  # time.monotonic() when the look that gave `loads` began
         self._look_at: float | None = None
         self.calibrated = True
         self.lock = asyncio.Lock()
@@ -205,7 +208,7 @@ class Worker:
         ranks = tuple(RankView(r, st.epoch, st.serving is True and not self.transitioning and not faulty,
                                self.warmable(r))
                       for r, st in self.ranks.items())
-        return WorkerView(s.name, s.url, s.model, self.loras, self.hash_cfg, self.load, self.load_at, ranks)
+        return WorkerView(s.name, s.url, s.model, self.loras, self.hash_cfg, self.load, self.load_at, ranks, self.loads)
 
     # events
     def on_stream_invalidate(self, rank: int, reason: str, seq: int | None) -> None:
@@ -306,7 +309,7 @@ class Worker:
         """
         cap = self.cfg.stream.max_resident_blocks
         gpu = tier_of(ev.group_idx, ev.medium)[1] == "GPU"
-        bound = min(self.load.num_gpu_blocks or cap, cap) if gpu else cap
+        bound = min(self.loads[key[1]].num_gpu_blocks or cap, cap) if gpu else cap
         held, new = self.index.held_and_new(key, ev)
         if held + new <= bound:
             return False
@@ -399,23 +402,27 @@ class Worker:
         return resp
 
     # reconcile
-    async def fetch(self) -> tuple[bool, WorkerMetrics, bool, str] | None:
+    async def fetch(self) -> tuple[bool, tuple[WorkerMetrics, ...], bool, str] | None:
+        """One look: /is_sleeping, every rank's engine's series of one /metrics (NOTE: engine 0's alone was read
+        and charged to every rank, so a busy engine 0 priced an idle rank 1 out of its own warm prompts), /health,
+        /version."""
         self._look_at = time.monotonic()
         try:
-            s, m, h, v = await asyncio.gather(self.http.is_sleeping(), self.http.metrics(), self.http.health(),
-                                              self.http.version())
+            s, m, h, v = await asyncio.gather(self.http.is_sleeping(), self.http.engine_metrics(len(self.ranks)),
+                                              self.http.health(), self.http.version())
         except WorkerHttpError as e:
             log.info("worker %s unreachable or junk: %s", self.spec.name, e)
             return None
         return s, m, h, v
 
-    def apply_observation(self, obs: tuple[bool, WorkerMetrics, bool, str] | None) -> None:
+    def apply_observation(self, obs: tuple[bool, tuple[WorkerMetrics, ...], bool, str] | None) -> None:
         """Fold one look at the worker into the rank states (fail closed on anything odd)."""
         if obs is None or not obs[2]:
             self._mark_down("health")
             return
-        sleeping, m, _, version = obs
-        self.load, self.load_at = m, self._look_at or time.monotonic()
+        sleeping, loads, _, version = obs
+        m = loads[0]
+        self.load, self.loads, self.load_at = m, loads, self._look_at or time.monotonic()
         self._check_algo(m.hash_algo, "/metrics")
         new_process = m.start_time is not None and any(
             st.start_time is not None and st.start_time != m.start_time for st in self.ranks.values())
