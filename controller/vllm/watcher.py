@@ -191,7 +191,15 @@ class Worker:
         self.errors.ok("persist")
 
     def _apply(self, rank: int, t: Transition) -> None:
-        """Carry out one transition: adopt its state, drop the index, count the bump, persist."""
+        """Carry out one transition: adopt its state, drop the index, count the bump, persist. Nothing once
+        the worker is stopping (`stop`).
+
+        NOTE: the index and the store are keyed by the worker's name, which a new registration may hold as soon
+        as this one is unregistered. A verb in flight outlived unregister_worker, and when its answer came this
+        dropped the new registration's index (a warm prompt routed COLD for good: vLLM announces a block once)
+        and wrote this worker's rank state over the new one's record."""
+        if self._closing:
+            return
         if t.state.fence == "clear" and self.ranks[rank].fence != "clear":
             self.fenced_at[rank] = time.monotonic()
         self.ranks[rank] = t.state
@@ -232,6 +240,8 @@ class Worker:
         verb may run meanwhile), and the next slice starts from the rank's state as it then is. The
         store write, if the batch stepped the epoch, is one, at its end."""
         key = (self.spec.name, rank)
+        if self._closing:  # a stopped worker touches no index (see _apply)
+            return
         if rank in self.resumed:
             self.lift_settled(rank)
         st = self.ranks[rank].at_seq(seq)
@@ -251,6 +261,8 @@ class Worker:
                 self.ranks[rank] = st
                 await self.slicer.tick()
                 st = self.ranks[rank]
+                if self._closing:  # stopped meanwhile: the index may be a new registration's now
+                    return
                 if self.guard.faulty():  # another rank tripped the worker meanwhile
                     if persist:
                         self.persist(rank)
@@ -346,17 +358,39 @@ class Worker:
         """Demote (or stop serving) first, then let routes already decided for this worker reach it
         (`settle`: nothing new is routed here meanwhile), then call vLLM, then adopt and record the witness."""
         async with self.lock:
+            self._unsent_if_stopped(call)
             self.transitioning = True
             try:
-                return await self._lifecycle(call, settle)
+                w = await self._lifecycle(call, settle)
+            except WorkerHttpError as e:
+                self._stopped_under(call, e)
+                raise
             finally:
                 self.transitioning = False
+            self._stopped_under(call)
+            return w
+
+    def _unsent_if_stopped(self, call: lc.Call) -> None:
+        """A verb the worker's stop came before (it waited for the lock, or for `settle`) is not sent."""
+        if self._closing:
+            raise FailedPrecondition(f"worker {self.spec.name!r} was unregistered (or the controller stopped) before "
+                                     f"its {call.verb} was sent; nothing was sent")
+
+    def _stopped_under(self, call: lc.Call, cause: Exception | None = None) -> None:
+        """A verb the worker's stop overtook (unregistered, or the controller stopping) answers FailedPrecondition:
+        vLLM may have acted, but nothing of its answer was recorded (_apply), and the name may be another
+        registration's by now."""
+        if self._closing:
+            raise FailedPrecondition(
+                f"worker {self.spec.name!r} was unregistered (or the controller stopped) while its {call.verb} ran: "
+                f"the verb may have reached {self.spec.url}, and its outcome was not recorded") from cause
 
     async def _lifecycle(self, call: lc.Call, settle: Callable[[], Awaitable[None]] | None) -> Witness:
         for r in self.ranks:
             self._apply(r, self.ranks[r].verb_started(call))
         if settle is not None:
             await settle()
+        self._unsent_if_stopped(call)
         try:
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
             if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
@@ -392,7 +426,7 @@ class Worker:
         """
         deadline = time.monotonic() + self.cfg.reset_drain_s
         asks = 1
-        while _refused(resp) and time.monotonic() < deadline:
+        while _refused(resp) and time.monotonic() < deadline and not self._closing:
             await asyncio.sleep(min(DRAIN_POLL_S, max(deadline - time.monotonic(), 0.0)))
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
             asks += 1
