@@ -34,15 +34,17 @@ import ray
 
 from fleet.core.context import QUARANTINED, Piece, SessionContext
 from fleet.core.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from fleet.core.kernel import Kernel, PrefixKV, Session
+from fleet.core.kernel import EvictReport, Kernel, PrefixKV, Session
 from fleet.core.oplog import (
     AppendOp,
+    EvictOp,
     Op,
     call_fingerprint,
     check_op_reuse,
     history_charge,
     history_tokens,
     last_index_of,
+    num_tokens,
     own_op_fps,
     parse_log,
     to_dict,
@@ -330,7 +332,8 @@ class SessionKernel:
 
     async def evict(self, piece_id: int, mode: str = "exact", op_id: str = "") -> OpResult:
         return await self._mutate("evict", op_id, lambda: self.context.evict_piece(piece_id, mode),
-                                  call_fingerprint("evict", piece_id, mode))
+                                  call_fingerprint("evict", piece_id, mode),
+                                  logged=lambda: logged_eviction(self.context.ops, op_id))
 
     async def add_tool_result(self, ref: str, op_id: str = "") -> OpResult:
         """Append a stored tool result by ref (refused if quarantined)."""
@@ -434,3 +437,21 @@ class SessionKernel:
     def _s(self) -> Session:
         return self.context.session
 
+
+def logged_eviction(ops: list[Any], op_id: str) -> EvictReport | None:
+    """The report of an eviction retried under `op_id`, read from the log (nothing is applied again): its span,
+    and what it recomputed or re-rotated, derived from the session's length before it. A reposition's measured
+    invariant is not logged: such a report says None for it and claims no exactness.
+
+    NOTE: a retried evict was answered with no report at all (its host died after logging it, and the fleet
+    retried under the same op id), and the gRPC answer failed with INTERNAL on it.
+    """
+    i = last_index_of(ops, op_id)
+    op = ops[i] if i is not None else None
+    if not isinstance(op, EvictOp):
+        return None
+    end = op.start + op.length
+    survivors = max(0, num_tokens(ops[:i]) - end)
+    if survivors == 0 or op.mode == "exact":
+        return EvictReport(op.mode, op.start, op.length, survivors == 0, op.length, survivors, 0, True, None, True)
+    return EvictReport(op.mode, op.start, op.length, False, op.length, 0, survivors, False, None, False)

@@ -124,3 +124,21 @@ async def test_a_forks_copy_of_a_half_admission_is_finished_under_no_op_id(store
     assert await child.digest() == await sk.digest()
     r = await child.admit_tool_result(ref, VERDICT, op_id="adm-1")      # the child's own call: run, not replayed
     assert (r.replayed, r.result.evicted) == (False, False)
+
+
+@pytest.mark.parametrize("mode", ["exact", "reposition"])
+async def test_an_evicts_retry_after_its_host_died_is_answered_with_its_report(store: Any, mode: str) -> None:
+    """The same for an evict logged whole before its host died: the fleet retries under the same op id and the
+    answer is its report read from the log. Before, it was None, and the gRPC Evict failed with INTERNAL on it."""
+    sk, _ = await _with_tool_result(store, "s1")
+    first = (await sk.evict(1, mode, op_id="ev-1")).result
+    rebuilt = await _rebuilt(store, "s1")
+    r = await rebuilt.evict(1, mode, op_id="ev-1")
+    assert r.replayed and r.result is not None                 # before: None
+    got = r.result
+    assert (got.mode, got.start, got.length, got.tail, got.num_evicted, got.num_recomputed, got.num_rerotated) == (
+        first.mode, first.start, first.length, first.tail, first.num_evicted, first.num_recomputed, first.num_rerotated)
+    assert got.exact == first.exact if mode == "exact" else (got.exact, got.invariant_delta) == (False, None)
+    assert len(store.oplog_read("acme", "s1")) == 4            # applied nothing
+    tail = await rebuilt.evict(2, "exact", op_id="ev-2")       # control: a tail evict, reported as one
+    assert (await rebuilt.evict(2, "exact", op_id="ev-2")).result.tail == tail.result.tail is True
