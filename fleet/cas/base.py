@@ -33,6 +33,8 @@ from fleet.cas.types import (
 from fleet.core.errors import InvalidArgument, ResourceExhausted
 from fleet.core.verdict import VERDICTS
 
+MAX_KV_PAGE = 10_000  # entries one kv_scan_page asks for, keys one kv_delete_many takes
+
 __all__ = [
     "DEFAULT_LEASE_S", "DEFAULT_MAX_BLOB_BYTES", "PER_BLOB_OVERHEAD", "blob_charge",
     "BlobMeta", "BlobStore", "StoreConfig", "check_bytes", "check_key", "check_name", "check_ref", "check_tenant",
@@ -267,6 +269,32 @@ class BlobStore(ABC):
     def kv_delete(self, namespace: str, key: str) -> None:
         self._kv_delete(check_name("namespace", namespace), check_key(key))
 
+    def kv_scan_page(self, namespace: str, cursor: str = "", count: int = 500) -> tuple[str, dict[str, bytes]]:
+        """One page of a namespace: (the cursor of the next page, about `count` of its entries).
+
+        Start with cursor ""; a returned "" means the walk is over. The cursor is the backend's own (a key on
+        SQLite, an HSCAN cursor on Redis): pass back only what a call returned. An entry present for the whole
+        walk is returned at least once (Redis may return one twice); the walk never holds the store between
+        pages, so a huge namespace is read in bounded steps (kv_scan reads it all at once).
+        """
+        check_name("namespace", namespace)
+        if not isinstance(cursor, str) or len(cursor) > 1024 or not cursor.isprintable():
+            raise InvalidArgument(f"invalid cursor {cursor!r}: pass back what kv_scan_page returned")
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 < count <= MAX_KV_PAGE:
+            raise InvalidArgument(f"invalid count {count!r}: expected 1-{MAX_KV_PAGE}")
+        return self._kv_scan_page(namespace, cursor, count)
+
+    def kv_delete_many(self, namespace: str, keys: Iterable[str]) -> None:
+        """Delete `keys` (absent ones are skipped) in one transaction (SQLite) or one HDEL (Redis)."""
+        check_name("namespace", namespace)
+        if isinstance(keys, str):
+            raise InvalidArgument("kv_delete_many takes a list of keys, not one str")
+        checked = [check_key(k) for k in keys]
+        if len(checked) > MAX_KV_PAGE:
+            raise InvalidArgument(f"{len(checked)} keys in one kv_delete_many; at most {MAX_KV_PAGE}")
+        if checked:
+            self._kv_delete_many(namespace, checked)
+
     # ---- op log (per tenant, per session) ------------------------------------------------------
     def oplog_append(self, tenant: str, session_id: str, op: dict[str, Any]) -> int:
         """Append one op (JSON) durably and return its 0-based index. Call before acknowledging."""
@@ -347,6 +375,10 @@ class BlobStore(ABC):
     def _kv_scan(self, namespace: str) -> dict[str, bytes]: ...
     @abstractmethod
     def _kv_delete(self, namespace: str, key: str) -> None: ...
+    @abstractmethod
+    def _kv_scan_page(self, namespace: str, cursor: str, count: int) -> tuple[str, dict[str, bytes]]: ...
+    @abstractmethod
+    def _kv_delete_many(self, namespace: str, keys: list[str]) -> None: ...
     @abstractmethod
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int: ...
     @abstractmethod

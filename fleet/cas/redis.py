@@ -35,7 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
-from fleet.core.errors import ResourceExhausted, Unavailable
+from fleet.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from fleet.core.verdict import UNKNOWN
 
 _PUT = """
@@ -305,6 +305,18 @@ class RedisBlobStore(BlobStore):
     @_unavailable
     def _kv_delete(self, namespace: str, key: str) -> None:
         self.r.hdel(f"kvf:kv:{namespace}", key)
+
+    @_unavailable
+    def _kv_scan_page(self, namespace: str, cursor: str, count: int) -> tuple[str, dict[str, bytes]]:
+        if cursor and not cursor.isdigit():
+            raise InvalidArgument(f"invalid cursor {cursor!r}: pass back what kv_scan_page returned")
+        nxt, h = self.r.hscan(f"kvf:kv:{namespace}", int(cursor or 0), count=count)
+        page: dict[bytes, bytes] = h  # type: ignore[assignment]  # COUNT: a hint (a small hash answers whole)
+        return ("" if int(nxt) == 0 else str(nxt)), {k.decode(): v for k, v in page.items()}
+
+    @_unavailable
+    def _kv_delete_many(self, namespace: str, keys: list[str]) -> None:
+        self.r.hdel(f"kvf:kv:{namespace}", *keys)
 
     # ---- op log -------------------------------------------------------------------------------------
     @_unavailable

@@ -312,6 +312,16 @@ class SqliteBlobStore(BlobStore):
         with self._tx() as db:
             db.execute("DELETE FROM kv WHERE namespace = ? AND key = ?", (namespace, key))
 
+    def _kv_scan_page(self, namespace: str, cursor: str, count: int) -> tuple[str, dict[str, bytes]]:
+        with self._read() as db:  # the cursor is the last key returned: the primary key's order, no offset
+            rows = db.execute("SELECT key, value FROM kv WHERE namespace = ? AND key > ? ORDER BY key LIMIT ?",
+                              (namespace, cursor, count)).fetchall()
+        return (str(rows[-1][0]) if len(rows) == count else ""), {str(k): bytes(v) for k, v in rows}
+
+    def _kv_delete_many(self, namespace: str, keys: list[str]) -> None:
+        with self._tx() as db:
+            db.executemany("DELETE FROM kv WHERE namespace = ? AND key = ?", [(namespace, k) for k in keys])
+
     # ---- op log -------------------------------------------------------------------------------------
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int:
         with self._tx() as db:

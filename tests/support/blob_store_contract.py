@@ -245,6 +245,35 @@ def test_kv_namespaces(store_env: StoreEnv) -> None:
         store.kv_put("workers", "k", "v")  # type: ignore[arg-type]
 
 
+def test_kv_scan_page_walks_a_namespace_in_bounded_pages(store_env: StoreEnv) -> None:
+    """kv_scan_page returns every entry of its namespace (Redis may repeat one) in pages of about `count`
+    (1,000 entries: past Redis's small-hash encoding, 512 entries on 6.2, where HSCAN answers all at once),
+    and kv_delete_many deletes exactly the keys named, in its namespace only."""
+    store = store_env.open()
+    everything = {f"t/{i:04d}": b"v%d" % i for i in range(1000)}
+    for k, v in everything.items():
+        store.kv_put("walk", k, v)
+    store.kv_put("other", "t/0000", b"elsewhere")
+    seen: dict[str, bytes] = {}
+    cursor, num_pages = "", 0
+    while True:
+        cursor, page = store.kv_scan_page("walk", cursor, 100)
+        assert len(page) <= 100 if store_env.name == "sqlite" else len(page) < 1000  # Redis: COUNT is a hint
+        seen.update(page)
+        num_pages += 1
+        if not cursor:
+            break
+    assert seen == everything and num_pages >= 5
+    store.kv_delete_many("walk", [f"t/{i:04d}" for i in range(0, 1000, 2)] + ["absent"])
+    assert sorted(store.kv_scan("walk")) == [f"t/{i:04d}" for i in range(1, 1000, 2)]
+    assert store.kv_get("other", "t/0000") == b"elsewhere"
+    assert store.kv_scan_page("empty", "", 10) == ("", {})
+    with pytest.raises(InvalidArgument, match="invalid count"):
+        store.kv_scan_page("walk", "", 0)
+    with pytest.raises(InvalidArgument, match="not one str"):
+        store.kv_delete_many("walk", "t/0001")
+
+
 def test_oplog_append_read_delete(store_env: StoreEnv) -> None:
     store = store_env.open()
     ops = [{"op": "append", "kind": "system", "tokens": [1, 2, 3]},
