@@ -6,8 +6,11 @@
     await gc.stop()
 
 A run deletes every unpinned, unreferenced blob whose lease ran out (`BlobStore.gc`), then prunes the
-quarantine records no request carried for `record_ttl_s` (controller.verdicts.prune_records). A failing run
-(the store down) is logged and counted and the loop goes on: GC never takes the controller down.
+quarantine records no request carried for `record_ttl_s` (controller.verdicts.prune_records), then the
+cached verdicts idle for `verdict_ttl_s` (`record_ttl_s` for a QUARANTINED one; fleet.core.quarantine.cache.
+prune): at most PRUNE_ROWS rows of them per run, the next run going on where this one stopped, so a backlog
+of millions is worked off over runs instead of holding one. A failing run (the store down) is logged and
+counted and the loop goes on: GC never takes the controller down.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ from controller.metrics import Metrics
 from controller.periodic import Periodic
 from controller.verdicts import RECORD_TTL_S, prune_records
 from fleet.core.errors import InvalidArgument
+from fleet.core.quarantine.cache import TOUCH_INTERVAL_S
+from fleet.core.quarantine.cache import prune as prune_verdicts
 
 log = logging.getLogger("kvfleet.controller.gc")
 DEFAULT_GC_INTERVAL_S = 300.0
+# A cached verdict no request used for this long is pruned: an agent resends its tool results every turn, so
+# one not seen for a day belongs to a finished conversation; seen again, it is judged again (once).
+DEFAULT_VERDICT_TTL_S = 86400.0
 
 Blocking = Callable[..., Awaitable[Any]]
 
@@ -34,14 +42,19 @@ Blocking = Callable[..., Awaitable[Any]]
 @dataclass(frozen=True, slots=True)
 class GcConfig:
     """interval_s: seconds between two runs of the leader's GC; 0 turns the schedule off (the
-    CollectGarbage RPC still runs it on demand)."""
+    CollectGarbage RPC still runs it on demand). verdict_ttl_s: a cached verdict idle this long is pruned
+    (at least twice TOUCH_INTERVAL_S: a verdict in use has a last use at most that old)."""
 
     interval_s: float = DEFAULT_GC_INTERVAL_S
+    verdict_ttl_s: float = DEFAULT_VERDICT_TTL_S
 
     def __post_init__(self) -> None:
         if not self.interval_s >= 0 or self.interval_s == float("inf"):
             raise InvalidArgument(f"--gc-interval must be a finite number of seconds >= 0 (0: off), "
                                   f"got {self.interval_s}")
+        if not 2 * TOUCH_INTERVAL_S <= self.verdict_ttl_s < float("inf"):
+            raise InvalidArgument(f"verdict_ttl_s must be a finite number of seconds >= {2 * TOUCH_INTERVAL_S:.0f}, "
+                                  f"got {self.verdict_ttl_s}")
 
 
 def add_gc_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -74,6 +87,7 @@ class StoreGc:
                  blocking: Blocking = _to_thread, record_ttl_s: float = RECORD_TTL_S) -> None:
         self.store, self.metrics, self.cfg, self._blocking = store, metrics, cfg or GcConfig(), blocking
         self.record_ttl_s = record_ttl_s
+        self._verdicts_cursor = ""  # where the next run's verdict prune goes on
         self._lock = asyncio.Lock()
         self._schedule = Periodic("kvfleet-store-gc", self.cfg.interval_s, self._scheduled, self._failed)
 
@@ -84,6 +98,9 @@ class StoreGc:
             try:
                 n = int(await self._blocking(self.store.gc))
                 pruned = await self._blocking(prune_records, self.store, time.time(), self.record_ttl_s)
+                idle = await self._blocking(prune_verdicts, self.store, time.time(), self.cfg.verdict_ttl_s,
+                                            max(self.cfg.verdict_ttl_s, self.record_ttl_s), self._verdicts_cursor)
+                self._verdicts_cursor = idle.cursor
             except Exception:
                 self.metrics.store_gc_runs.labels(outcome="error").inc()
                 raise
@@ -94,6 +111,8 @@ class StoreGc:
             self.metrics.store_gc_last_success.set(time.time())
             if pruned:
                 log.info("store gc pruned %d quarantine record(s) older than %.0fs", pruned, self.record_ttl_s)
+            if idle.num_pruned:
+                log.info("store gc pruned %d of %d cached verdict(s) looked at", idle.num_pruned, idle.num_seen)
             return n
 
     async def _scheduled(self) -> None:

@@ -16,7 +16,7 @@ whole rule inline: tests, scripts). docs/quarantine_path.md states the policy.
 
 Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
 
-    quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict       (fleet.core.quarantine.cache)
+    quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict, "used" (fleet.core.quarantine.cache)
     quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
     quarantine.seen      "<tenant>/<sha256>"              QuarantineRecord as JSON (recent quarantines)
 
@@ -270,8 +270,8 @@ class Judge:
 
 def prune_records(store: Any, now: float, ttl_s: float = RECORD_TTL_S) -> int:
     """Delete the quarantine records (every tenant's) last seen more than `ttl_s` before `now`, and any that
-    cannot be read (they would fail every listing); returns how many. The verdicts themselves stay: this
-    prunes only the "recent quarantines" listing."""
+    cannot be read (they would fail every listing); returns how many. Only the "recent quarantines" listing:
+    the cached verdicts have their own prune (fleet.core.quarantine.cache.prune, from the same GC run)."""
     n = 0
     for key, raw in store.kv_scan(SEEN_NS).items():
         try:

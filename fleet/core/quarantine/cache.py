@@ -7,24 +7,37 @@ reads a verdict computed under someone else's policy, and no tenant ever reads a
 bytes produced (issue #28: a shared entry answered in 111 ms where a miss took 600 ms, so one tenant could
 test whether another's tool result held a given text):
 
-    kv  namespace "quarantine.verdicts"   key "<tenant>/<sha256 hex>:<config_id>"   value JSON Verdict
+    kv  namespace "quarantine.verdicts"   key "<tenant>/<sha256 hex>:<config_id>"   value JSON Verdict + "used"
                                           ("<sha256 hex>:<config_id>" when no tenant is given: one-tenant use)
+
+"used" is the entry's last use: set when it is written, moved by a hit at most once per TOUCH_INTERVAL_S
+(not a write per hit). `prune` (the leader's store GC) deletes entries idle past a TTL, a bounded number of
+rows per call: tool results are nearly all distinct, so without it every one left a row for good.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Protocol
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 from fleet.core.quarantine.detector import Verdict
 
 NAMESPACE = "quarantine.verdicts"
+TOUCH_INTERVAL_S = 3600.0  # a hit rewrites its entry's "used" when it is at least this old
+PRUNE_PAGE, PRUNE_ROWS = 500, 50_000  # `prune`: rows per store call, rows looked at per call of it
 
 
 class KVStore(Protocol):
     def kv_get(self, namespace: str, key: str) -> bytes | None: ...
     def kv_put(self, namespace: str, key: str, value: bytes) -> None: ...
+
+
+class PagedKVStore(KVStore, Protocol):
+    def kv_scan_page(self, namespace: str, cursor: str, count: int) -> tuple[str, dict[str, bytes]]: ...
+    def kv_delete_many(self, namespace: str, keys: list[str]) -> None: ...
 
 
 class ConfiguredDetector(Protocol):
@@ -39,11 +52,16 @@ class VerdictCache:
     """Memoises `detector.inspect` in `store`'s kv space, keyed by tenant + sha256(bytes) + detector config id."""
 
     def __init__(self, store: KVStore, detector: ConfiguredDetector, namespace: str = NAMESPACE,
-                 config_id: str | None = None) -> None:
-        """config_id: the verdict space (default: the detector's own; a caller may name more, e.g. the code)."""
+                 config_id: str | None = None, clock: Callable[[], float] | None = None) -> None:
+        """config_id: the verdict space (default: the detector's own; a caller may name more, e.g. the code).
+        clock: the time an entry is used at (default time.time), injectable for tests."""
         self.store, self.detector, self.namespace = store, detector, namespace
         self.config_id = detector.config_id if config_id is None else config_id
+        self.clock = clock
         self.num_hits = self.num_misses = 0
+
+    def _now(self) -> float:
+        return time.time() if self.clock is None else self.clock()
 
     def key(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> str:
         """The store key of `data`'s verdict in `tenant`'s verdict space (None: the unscoped one)."""
@@ -51,9 +69,11 @@ class VerdictCache:
         return digest if tenant is None else f"{tenant}/{digest}"
 
     def cached(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> Verdict | None:
-        """The stored verdict for `data` in `tenant`'s space, or None; inspects nothing, counts nothing."""
-        raw = self.store.kv_get(self.namespace, self.key(data, tenant))
-        return None if raw is None else verdict_from_json(raw)
+        """The stored verdict for `data` in `tenant`'s space, or None; inspects nothing, counts nothing
+        (a hit is a use all the same: it keeps the entry from being pruned)."""
+        key = self.key(data, tenant)
+        raw = self.store.kv_get(self.namespace, key)
+        return None if raw is None else self._hit(key, raw)
 
     def inspect(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> Verdict:
         """The cached verdict for `data`, or the detector's (then stored).
@@ -70,26 +90,80 @@ class VerdictCache:
         raw = self.store.kv_get(self.namespace, key)
         if raw is not None:
             self.num_hits += 1
-            return verdict_from_json(raw)
+            return self._hit(key, raw)
         self.num_misses += 1
         v = self.detector.inspect(data)
-        self.store.kv_put(self.namespace, key, verdict_to_json(v))
+        self.store.kv_put(self.namespace, key, verdict_to_json(v, used=self._now()))
         return v
 
+    def _hit(self, key: str, raw: bytes) -> Verdict:
+        """The verdict in `raw`; its "used" moved to now if it is TOUCH_INTERVAL_S old (or missing)."""
+        doc = json.loads(raw)
+        now, used = self._now(), doc.get("used")
+        if not isinstance(used, int | float) or now - used >= TOUCH_INTERVAL_S:
+            self.store.kv_put(self.namespace, key, json.dumps({**doc, "used": now}, sort_keys=True).encode())
+        return _verdict_of(doc)
 
-def verdict_to_json(v: Verdict) -> bytes:
-    doc = {
+
+class PruneResult(NamedTuple):
+    """One `prune` call: where the next one goes on ("": from the start), rows looked at, rows deleted."""
+
+    cursor: str
+    num_seen: int
+    num_pruned: int
+
+
+def prune(store: PagedKVStore, now: float, ttl_s: float, quarantined_ttl_s: float, cursor: str = "",
+          max_rows: int = PRUNE_ROWS, namespace: str = NAMESPACE) -> PruneResult:
+    """Delete the verdicts (every tenant's, every config's) whose last use is more than `ttl_s` before `now`
+    (`quarantined_ttl_s` for a QUARANTINED one), and any without a last use or that cannot be read.
+
+    Bounded: it reads the namespace from `cursor` in pages of PRUNE_PAGE rows (one store call each, the
+    store free between them) and stops after about `max_rows`, or at the end of the namespace; the caller
+    passes the returned cursor to the next call. An entry without "used" was written before it was
+    recorded, so under another code digest (this module is part of it): no Judge reads it again.
+
+    Returns:
+        PruneResult(cursor for the next call, rows looked at, rows deleted).
+    """
+    num_seen = num_pruned = 0
+    while True:
+        cursor, rows = store.kv_scan_page(namespace, cursor, PRUNE_PAGE)
+        idle = [k for k, raw in rows.items() if _idle(raw, now, ttl_s, quarantined_ttl_s)]
+        if idle:
+            store.kv_delete_many(namespace, idle)
+        num_seen, num_pruned = num_seen + len(rows), num_pruned + len(idle)
+        if not cursor or num_seen >= max_rows:
+            return PruneResult(cursor, num_seen, num_pruned)
+
+
+def _idle(raw: bytes, now: float, ttl_s: float, quarantined_ttl_s: float) -> bool:
+    try:
+        doc = json.loads(raw)
+        used, quarantined = float(doc["used"]), bool(doc["quarantined"])
+    except (ValueError, KeyError, TypeError):
+        return True  # no last use, or damaged (it would fail every read)
+    return now - used > (quarantined_ttl_s if quarantined else ttl_s)
+
+
+def verdict_to_json(v: Verdict, used: float | None = None) -> bytes:
+    doc: dict[str, Any] = {
         "quarantined": v.quarantined,
         "reasons": v.reasons,
         "score": v.score,
         "learned_score": v.learned_score,
         "encoder_score": v.encoder_score,
     }
+    if used is not None:
+        doc["used"] = used
     return json.dumps(doc, sort_keys=True).encode()
 
 
 def verdict_from_json(raw: bytes) -> Verdict:
-    d = json.loads(raw)
+    return _verdict_of(json.loads(raw))
+
+
+def _verdict_of(d: dict[str, Any]) -> Verdict:
     return Verdict(
         bool(d["quarantined"]),
         list(d["reasons"]),
