@@ -299,6 +299,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         leader_election=args.leader_election,
         **with_get_limits(edge_config_from(args), args),
         gc_interval_s=args.gc_interval,
+        verdict_ttl_s=args.verdict_ttl,
         fleet_metrics_interval_s=args.fleet_metrics_interval,
         kernel=kernel_overrides_from(args),
         sessions=session_limits_from(args),

@@ -36,7 +36,7 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.fleet import redact
-from controller.store_gc import DEFAULT_GC_INTERVAL_S, GcConfig, StoreGc
+from controller.store_gc import DEFAULT_GC_INTERVAL_S, DEFAULT_VERDICT_TTL_S, GcConfig, StoreGc
 from controller.uploads import UploadGate, UploadLimits
 from fleet.core.errors import InvalidArgument
 from fleet.core.quarantine.layered import DetectorConfig, default_layers
@@ -72,6 +72,7 @@ class ControllerConfig:
     start_router: bool = True
     store_threads: int = 4
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
+    verdict_ttl_s: float = DEFAULT_VERDICT_TTL_S  # a cached verdict idle this long is pruned (--verdict-ttl)
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
     # the Judge's detector layers (--detector-layers; default: the default layers installed here)
@@ -95,7 +96,7 @@ class ControllerConfig:
         if self.max_blob_bytes_per_tenant < 0:
             raise InvalidArgument(f"--max-blob-bytes-per-tenant must be >= 0 (0: no quota), "
                                   f"got {self.max_blob_bytes_per_tenant}")
-        GcConfig(self.gc_interval_s)  # raises InvalidArgument on a bad interval
+        GcConfig(self.gc_interval_s, self.verdict_ttl_s)  # raises InvalidArgument on a bad interval or TTL
 
 
 class Controller:
@@ -253,7 +254,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          node_max_sessions=cfg.node_max_sessions,
                          detector=DetectorConfig(layers=cfg.detector_layers, encoder_gate=cfg.detector_encoder_gate),
                          detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge))
-    ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s), ctx.blocking)
+    ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s, cfg.verdict_ttl_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
         await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)
     ctx.fleet_metrics = FleetMetricsPoller(lambda: ctx.kernel_fleet, ctx.metrics, cfg.fleet_metrics_interval_s)

@@ -53,12 +53,13 @@ class GcConfig:
             raise InvalidArgument(f"--gc-interval must be a finite number of seconds >= 0 (0: off), "
                                   f"got {self.interval_s}")
         if not 2 * TOUCH_INTERVAL_S <= self.verdict_ttl_s < float("inf"):
-            raise InvalidArgument(f"verdict_ttl_s must be a finite number of seconds >= {2 * TOUCH_INTERVAL_S:.0f}, "
+            raise InvalidArgument(f"--verdict-ttl must be a finite number of seconds >= {2 * TOUCH_INTERVAL_S:.0f}, "
                                   f"got {self.verdict_ttl_s}")
 
 
 def add_gc_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """--gc-interval (env KVFLEET_GC_INTERVAL), shared by `kvfleet controller` and `kvfleet up`.
+    """--gc-interval and --verdict-ttl (env KVFLEET_GC_INTERVAL, KVFLEET_VERDICT_TTL), shared by
+    `kvfleet controller` and `kvfleet up`.
 
     The default is a string on purpose: argparse converts it like a command-line value, so a bad
     KVFLEET_GC_INTERVAL is a usage error naming the flag, never a traceback."""
@@ -69,11 +70,23 @@ def add_gc_flag(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
         help=f"seconds between the leader's store GC runs; 0: off (default {DEFAULT_GC_INTERVAL_S:.0f}; "
         "env KVFLEET_GC_INTERVAL)",
     )
+    p.add_argument(
+        "--verdict-ttl",
+        type=float,
+        default=env.get("KVFLEET_VERDICT_TTL", str(DEFAULT_VERDICT_TTL_S)),
+        help=f"seconds a cached verdict no request used is kept before the leader's GC prunes it (default "
+        f"{DEFAULT_VERDICT_TTL_S:.0f}, at least {2 * TOUCH_INTERVAL_S:.0f}; env KVFLEET_VERDICT_TTL)",
+    )
 
 
 def gc_interval_from(args: argparse.Namespace) -> float:
     """The --gc-interval given, validated (InvalidArgument names the flag)."""
     return GcConfig(float(args.gc_interval)).interval_s
+
+
+def verdict_ttl_from(args: argparse.Namespace) -> float:
+    """The --verdict-ttl given, validated (InvalidArgument names the flag)."""
+    return GcConfig(verdict_ttl_s=float(args.verdict_ttl)).verdict_ttl_s
 
 
 async def _to_thread(fn: Callable[..., Any], *args: Any) -> Any:

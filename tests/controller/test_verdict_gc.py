@@ -116,8 +116,23 @@ def test_prune_is_bounded_per_call_and_goes_on_where_it_stopped(url: str) -> Non
         assert list(s.kv_scan(NAMESPACE)) == ["acme/fresh:cfg"] and num_calls <= 10
 
 
-def test_verdict_ttl_below_two_touch_intervals_is_refused() -> None:
+def test_verdict_ttl_flag() -> None:
+    """--verdict-ttl (env KVFLEET_VERDICT_TTL) reaches the controller's config from `kvfleet controller`
+    and `kvfleet up`; one under two touch intervals (a verdict in use could be pruned) is refused, naming it."""
+    from controller.main import config_from, parse_args
+    from controller.server import ControllerConfig
+    from fleet.app.cli.up import controller_overrides
+    from fleet.app.cli.up import parse as up_parse
+
     assert GcConfig().verdict_ttl_s == DEFAULT_VERDICT_TTL_S == DAY
-    for bad in (TOUCH_INTERVAL_S, float("inf"), float("nan")):
-        with pytest.raises(InvalidArgument, match="verdict_ttl_s"):
-            GcConfig(verdict_ttl_s=bad)
+    assert config_from(parse_args([], {}), {}).verdict_ttl_s == DAY
+    assert config_from(parse_args(["--verdict-ttl", "7200"], {}), {}).verdict_ttl_s == 7200.0
+    assert config_from(parse_args([], {"KVFLEET_VERDICT_TTL": "604800"}), {}).verdict_ttl_s == 7 * DAY
+    up = ControllerConfig(listen="127.0.0.1:0", store_url="sqlite:///unused.db",
+                          **controller_overrides(up_parse(["--verdict-ttl", "10800"])))
+    assert up.verdict_ttl_s == 10800.0
+    for bad in (str(TOUCH_INTERVAL_S), "inf", "nan"):
+        with pytest.raises(InvalidArgument, match="--verdict-ttl"):
+            config_from(parse_args(["--verdict-ttl", bad], {}), {})
+        with pytest.raises(InvalidArgument, match="--verdict-ttl"):
+            controller_overrides(up_parse(["--verdict-ttl", bad]))

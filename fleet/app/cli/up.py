@@ -60,12 +60,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def controller_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """ControllerConfig fields from `kvfleet up`'s flags (edge limits, GC schedule); raises
+    """ControllerConfig fields from `kvfleet up`'s flags (edge limits, GC schedule, verdict TTL); raises
     InvalidArgument, naming the flag, on a bad value (before anything starts)."""
     from controller.edge import edge_config_from
-    from controller.store_gc import gc_interval_from
+    from controller.store_gc import gc_interval_from, verdict_ttl_from
 
-    return {**edge_config_from(args), "gc_interval_s": gc_interval_from(args)}
+    return {**edge_config_from(args), "gc_interval_s": gc_interval_from(args), "verdict_ttl_s": verdict_ttl_from(args)}
 
 
 async def serve(args: argparse.Namespace) -> int:
