@@ -33,7 +33,7 @@ import ray
 
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import ForkOp, parse_log
+from fleet.core.oplog import ForkOp, kv_follows_tokens, parse_log
 from fleet.core.session_types import OpResult, check_session_id, check_token_ids
 from workers.nodes import FleetNodes, NodeGone
 from workers.placement import (
@@ -341,11 +341,14 @@ class KernelFleet:
         rec = SessionRecord(tenant, child_id, node, parent=session_id)
         self.registry.save(rec)
         try:
-            args, moved = self._fork_args(tenant, session_id, parent.node, node, point["tokens"], share)
+            args = self._fork_args(tenant, session_id, parent.node, node, point, share)
             out = self.nodes.call(node, "fork", tenant, ops, child_id, *args)
         except BaseException:
             self._discard(tenant, child_id, node)
             raise
+        # NOTE: the blocks the child adopted, not the refs it was handed: a child that refused them (its log
+        # re-rotated KV) fetched none, and its record said 184,320 bytes moved beside 0 tokens adopted
+        moved = 0 if node == parent.node else out["adopted_tokens"] // self.kernel.block_size * self.kernel.block_bytes
         rec.acknowledged(out["adopted_tokens"], moved)
         self.registry.save(rec)
         return rec.to_dict()
@@ -359,28 +362,30 @@ class KernelFleet:
             pass
         return self.nodes.place(tenant, tokens, exclude=parent_node)
 
-    def _fork_args(self, tenant: str, parent_id: str, parent_node: str, node: str, tokens: list[int],
-                   share: bool) -> tuple[tuple[Any, ...], int]:
-        """The host's fork arguments past (tenant, ops, child), and the bytes Ray moves:
-        same node: the parent's id (zero-copy); another node: the parent's block refs (fetched
-        across); no sharing, a node of another kernel spec (node group), or a parent its host
-        no longer knows: none (replay)."""
+    def _fork_args(self, tenant: str, parent_id: str, parent_node: str, node: str, point: dict[str, Any],
+                   share: bool) -> tuple[Any, ...]:
+        """The host's fork arguments past (tenant, ops, child), from the parent's fork `point` (its ops and
+        tokens): same node: the parent's id (zero-copy); another node: the parent's block refs (fetched
+        across); no sharing, a log whose KV does not follow its tokens (the child replays it op by op), a
+        node of another kernel spec (node group), or a parent its host no longer knows: none (replay)."""
+        tokens = point["tokens"]
         if not share:
-            return (), 0
+            return ()
         if node == parent_node:
-            return (parent_id, tokens), 0
+            return (parent_id, tokens)
+        if not kv_follows_tokens(point["ops"]):
+            return ()  # the child would refuse the blocks (a reposition eviction re-rotated them): export none
         if self.nodes.specs.get(node) != self.nodes.specs.get(parent_node):
-            return (), 0  # another backend/device (node group): its KV is not portable, replay it there
+            return ()  # another backend/device (node group): its KV is not portable, replay it there
         try:
             if self.nodes.call(parent_node, "model_id") != self.nodes.call(node, "model_id"):
                 # NOTE: compared by backend and device alone, nodes of one spec on CPUs of other code paths (AVX-512
                 # and AVX2) exchanged blocks whose bits differ from what the child's node computes (1.4e-6)
-                return (), 0  # another CPU code path, or other weights: replay it there, exporting nothing
+                return ()  # another CPU code path, or other weights: replay it there, exporting nothing
             shared = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
         except (NotFound, Unavailable):
-            return (), 0
-        refs = shared["refs"]
-        return (None, tokens, refs, shared["model_id"]), len(refs) * self.kernel.block_bytes
+            return ()
+        return (None, tokens, shared["refs"], shared["model_id"])
 
     def evict_prefix(self, tenant: str, prompt: str | list[int], start: int = 0) -> int:
         """Policy eviction by name on every node: drop the cached blocks of this prompt prefix from

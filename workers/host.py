@@ -160,13 +160,15 @@ class KernelHost:
         """Put the session's block-aligned `tokens` in the tree (only blocks the tree lacks).
 
         The key is the exported prefix's own tokens, so a session that moved on meanwhile (a fork
-        point read earlier) never files blocks under tokens they do not hold."""
+        point read earlier) never files blocks under tokens they do not hold; and a session whose KV no
+        longer follows its tokens (a reposition eviction re-rotated it) exports nothing
+        (`SessionKernel.export_prefix`), so every block in the tree is what a prefill of its tokens computes."""
         n = len(tokens) - len(tokens) % self.block_size
         if n == 0 or self._num_cached_pages(self._key(tenant, tokens[:n])) >= n // self.block_size:
             return
         try:
             prefix = await s.export_prefix(n)
-        except Exception:  # noqa: BLE001 - the session got shorter (or closed) meanwhile: nothing to publish
+        except Exception:  # noqa: BLE001 - it got shorter, was re-rotated or closed meanwhile: nothing to publish
             return
         key = self._key(tenant, list(prefix.tokens))
         have = self._num_cached_pages(key)                    # again: other creates ran meanwhile
@@ -289,7 +291,11 @@ class KernelHost:
         another node (`refs`: Ray moves them there through the object store; at most len - 1 tokens,
         so the child computes its own last logits), and the model_id of the kernel that computed them
         (`model_id`: the child's host adopts them only under the same one). Raises NotFound when the
-        session is not here."""
+        session is not here.
+
+        The refs are the tree's blocks of `tokens`: the session's own, published here unless its KV no
+        longer follows its tokens (then only what the tree already held: blocks a prefill of those tokens
+        computed, never its re-rotated ones)."""
         parent = self.sessions.get((tenant, session_id))
         if parent is None:
             raise NotFound(f"session {session_id} is not on node {self.node_id}")

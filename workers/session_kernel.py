@@ -43,6 +43,7 @@ from fleet.core.oplog import (
     check_op_reuse,
     history_charge,
     history_tokens,
+    kv_follows_tokens,
     last_index_of,
     num_tokens,
     own_op_fps,
@@ -364,7 +365,20 @@ class SessionKernel:
             return {"ops": list(self.context.ops), "tokens": list(self._s.tokens)}
 
     async def export_prefix(self, num_tokens: int) -> PrefixKV:
+        """The session's first `num_tokens` tokens and their KV blocks, for its host's radix tree (shared with
+        other sessions and forks, which adopt them as what those tokens compute).
+
+        Raises:
+            FailedPrecondition: the session's KV no longer follows its tokens (`kv_follows_tokens`: a reposition
+                eviction re-rotated its survivors), so its blocks are not what a prefill of their tokens
+                computes. NOTE: checked here, under the session's lock, on the ops the blocks come from: a check
+                on ops read earlier (a fork point) let an eviction that ran meanwhile publish re-rotated blocks,
+                which later sessions of the tenant adopted (max|d logits| 0.08-0.1 against their own prefill).
+        """
         async with self._served():  # never while an op is writing the cache on the session thread
+            if not kv_follows_tokens(self.context.ops):
+                raise FailedPrecondition(f"session {self.session_id}: its KV no longer follows its tokens (a "
+                                         "reposition eviction re-rotated it): its blocks are not shared")
             prefix: PrefixKV = await self._run(lambda: self._s.export_prefix(num_tokens))  # on the lane, not the loop
             return prefix
 

@@ -266,6 +266,34 @@ def cross_node_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
         f.shutdown()
 
 
+def re_rotated_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """A fork on another node of a parent whose KV a reposition eviction re-rotated: the child replays its log, so
+    it fetches nothing, and the parent's node files none of the parent's blocks (a later session whose prompt
+    starts with the parent's tokens computes what a prefill of them does)."""
+    from workers.spec import make_kernel
+
+    f = KernelFleet(f"sqlite:///{tmp / 'rerotated.db'}", SPEC, node_refresh_s=0.0)
+    try:
+        system, task = "You are the parent agent. " * 4, "Here is a long task description that both share. " * 3
+        parent = f.create_session(T, "P", system)
+        f.append(T, "P", "An aside that will be evicted with reposition. " * 2)
+        f.append(T, "P", task)
+        exact = f.evict(T, "P", 1, mode="reposition").result.exact
+        other = next(n for n in f.hosts if n != parent["node"])
+        child = f.fork(T, "P", "C", node=other)
+        victim = f.create_session(T, "V", system + task + " And then some more words.")
+        s = make_kernel(SPEC).session()
+        s.append(f.tokens(T, "V"))
+        return {"exact": exact, "parent_node": parent["node"], "child_node": child["node"], "other": other,
+                "child_adopted": child["adopted_tokens"], "child_moved_bytes": child["moved_bytes"],
+                "child_equals_parent": f.digest(T, "C") == f.digest(T, "P"),
+                "victim_node": victim["node"], "victim_adopted": victim["adopted_tokens"],
+                "victim_equals_prefill": f.digest(T, "V") == s.digest(),
+                "victim_delta": max_delta(f.last_logits(T, "V"), s.last_logits)}
+    finally:
+        f.shutdown()
+
+
 def _other_code_path(host: Any) -> None:
     """(In a kernel host, by __ray_call__) its kernel, loaded by now, reports the model_id of another CPU code path."""
     host._loading.result()[0].model_id = "another-code-path"
@@ -365,7 +393,7 @@ def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[Any, Path], dict[str, Any]]] = {
     "placement": placement, "budget": budget, "nodes_come_and_go": nodes_come_and_go,
-    "cross_node_fork": cross_node_fork, "controller_restart": controller_restart,
+    "cross_node_fork": cross_node_fork, "re_rotated_fork": re_rotated_fork, "controller_restart": controller_restart,
     "node_loss": node_loss,  # last: it SIGKILLs a node
 }
 

@@ -7,6 +7,7 @@ the tokens past it; its log is still the whole history, so a regeneration replay
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from support.workers import SPEC, kill_host, replay_locally
 
@@ -102,3 +103,87 @@ def test_fork_after_a_reposition_eviction_replays_and_files_nothing(kfleet: Kern
     assert kfleet.info(tenant, "rc")["adopted_tokens"] == 0          # replayed: its KV is not f(tokens)
     assert after["cached_tokens"] == before["cached_tokens"]        # and the tree got none of its blocks
     assert kfleet.digest(tenant, "rc") == kfleet.digest(tenant, "r") == replay_locally(ops).digest()
+
+
+# A parent whose KV a reposition eviction re-rotated, and a later session whose prompt starts with the parent's
+# tokens now: had the parent's blocks been filed under those tokens, the later session would adopt them.
+SYSTEM = "You are the parent agent. " * 4
+ASIDE = "An aside that will be evicted with reposition. " * 2
+TASK = "Here is a long task description that both share. " * 3
+MORE = "A further message from the user, long enough here. " * 3
+
+
+def _prefilled(tokens: list[int]) -> tuple[str, Any]:
+    """The digest and last logits of `tokens` prefilled by a session of their own (no adopted blocks)."""
+    s = make_kernel(SPEC).session()
+    s.append(tokens)
+    return s.digest(), s.last_logits
+
+
+def _shared_blocks(a: list[int], b: list[int]) -> int:
+    """Tokens of the whole blocks `a` and `b` (the prefix `b`, a new session's prompt, may adopt) begin with."""
+    n = 0
+    while n < min(len(a), len(b) - 1) and a[n] == b[n]:
+        n += 1
+    return n // BS * BS
+
+
+def test_share_prefix_of_a_re_rotated_session_files_none_of_its_blocks(kfleet: KernelFleet, tenant: str) -> None:
+    """A cross-node fork asks the parent's host for its blocks (share_prefix), which files them in the node's tree.
+
+    NOTE: before, a parent re-rotated by a reposition eviction filed them too: its tokens now start with the system
+    prompt and the task, whose KV still carries the evicted aside. A new session of the tenant whose prompt starts
+    with them adopted 240 tokens of that KV (digest unlike its own prefill, max|d logits| 0.096), and changed once
+    it was rebuilt from its log."""
+    p = kfleet.create_session(tenant, "p", SYSTEM)
+    system_tokens = kfleet.tokens(tenant, "p")
+    kfleet.append(tenant, "p", ASIDE)
+    kfleet.append(tenant, "p", TASK)
+    assert not kfleet.evict(tenant, "p", 1, mode="reposition").result.exact
+    tokens = kfleet.tokens(tenant, "p")
+    shared = kfleet.nodes.call(p["node"], "share_prefix", tenant, "p", tokens)
+    assert len(shared["refs"]) * BS == _shared_blocks(system_tokens, tokens)   # the create's own blocks only
+    v = kfleet.create_session(tenant, "v", SYSTEM + TASK + " And then some more words.")
+    mine = kfleet.tokens(tenant, "v")
+    digest, logits = _prefilled(mine)
+    assert v["adopted_tokens"] == _shared_blocks(system_tokens, mine) > 0
+    assert kfleet.digest(tenant, "v") == digest
+    assert max_abs_delta(kfleet.last_logits(tenant, "v"), logits) == 0.0
+
+
+def test_a_fork_whose_parent_is_re_rotated_meanwhile_files_none_of_its_blocks(kfleet: KernelFleet,
+                                                                             tenant: str) -> None:
+    """A same-node fork (the gRPC Fork: no node named) reads its parent's fork point, then the parent's host files the
+    parent's blocks and the child adopts them. Here the parent gets an append and a reposition eviction in between
+    (a concurrent client's calls, run right after the fork point is read).
+
+    NOTE: before, the host checked the fork point's ops only, then filed the parent's current, re-rotated blocks
+    under their tokens: a later session of the tenant adopted 288 tokens of them (max|d logits| 0.082)."""
+    kfleet.create_session(tenant, "p", SYSTEM)
+    system_tokens = kfleet.tokens(tenant, "p")
+    kfleet.append(tenant, "p", ASIDE)
+    kfleet.append(tenant, "p", TASK)
+    call, fired = kfleet.nodes.call, []
+
+    def racing(node: str, method: str, *args: Any) -> Any:
+        out = call(node, method, *args)
+        if method == "call" and args[2] == "fork_point" and not fired:
+            fired.append(1)
+            kfleet.append(tenant, "p", MORE)
+            kfleet.evict(tenant, "p", 1, mode="reposition")
+        return out
+
+    kfleet.nodes.call = racing  # type: ignore[method-assign]
+    try:
+        child = kfleet.fork(tenant, "p", "c")
+    finally:
+        kfleet.nodes.call = call  # type: ignore[method-assign]
+    assert fired and child["node"] == kfleet.registry.get(tenant, "p").node  # type: ignore[union-attr]
+    ops = kfleet.store.oplog_read(tenant, "c")
+    assert kfleet.digest(tenant, "c") == replay_locally(ops).digest()     # the child: its fork point, exactly
+    v = kfleet.create_session(tenant, "v", SYSTEM + TASK + MORE[:40] + " and more.")
+    mine = kfleet.tokens(tenant, "v")
+    digest, logits = _prefilled(mine)
+    assert v["adopted_tokens"] == _shared_blocks(system_tokens, mine) > 0
+    assert kfleet.digest(tenant, "v") == digest
+    assert max_abs_delta(kfleet.last_logits(tenant, "v"), logits) == 0.0

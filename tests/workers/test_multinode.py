@@ -69,6 +69,17 @@ def test_cross_node_fork_moves_the_parents_blocks_and_equals_a_replayed_fork(mul
     assert r["foreign_delta"] == 0.0
 
 
+def test_a_cross_node_fork_of_a_re_rotated_parent_moves_and_files_nothing(multinode: dict[str, Any]) -> None:
+    """NOTE: before, the parent's host filed the parent's re-rotated blocks in its tree for the child, which refused
+    them (its log has the reposition eviction) while its record said 184,320 bytes moved; a later session on the
+    parent's node adopted 240 tokens of them (its digest unlike its own prefill's, max|d logits| 0.096)."""
+    r = _get(multinode, "re_rotated_fork")
+    assert not r["exact"] and r["child_node"] == r["other"] != r["parent_node"]
+    assert r["child_adopted"] == 0 and r["child_moved_bytes"] == 0 and r["child_equals_parent"]
+    assert r["victim_node"] == r["parent_node"] and r["victim_adopted"] == 96   # the create's own 6 blocks only
+    assert r["victim_equals_prefill"] and r["victim_delta"] == 0.0
+
+
 def test_controller_sigkill_and_restart_keeps_sessions_warm(multinode: dict[str, Any]) -> None:
     r = _get(multinode, "controller_restart")
     assert all(r["same_pid"].values()) and set(r["replayed_ops"].values()) == {0}
