@@ -272,8 +272,9 @@ class SessionKernel:
         one per block of `tokens`, its tokens at the fork point): they are adopted copy-on-write
         and only the tokens past them are computed (`_replay`). A regeneration replays the
         whole log's ledger and computes the tokens the session holds at its end. `prefix_model_id`: the model_id
-        of the kernel that exported `prefix_refs` on another node."""
-        prefix = self._prefix(tokens or [], await self._blocks(prefix_refs), prefix_model_id) if prefix_refs else None
+        of the kernel that exported `prefix_refs` on another node. Blocks that can no longer be fetched (their
+        owner, the parent's host, died) are not adopted: the whole log is replayed instead."""
+        prefix = await self._shared_prefix(tokens or [], prefix_refs, prefix_model_id) if prefix_refs else None
         async with self._lock:
             self._check_open()
 
@@ -298,6 +299,17 @@ class SessionKernel:
 
             await self._run(work)
             return self.info_row()
+
+    async def _shared_prefix(self, tokens: list[int], refs: list[Any], model_id: str | None) -> PrefixKV | None:
+        """The prefix a fork adopts from `refs`, or None when Ray lost them (ObjectLostError and its kinds).
+
+        NOTE: a cross-node fork's blocks are owned by the parent's host; when it died after handing out their refs
+        (share_prefix), the fetch raised OwnerDiedError and the fork failed with a raw RayTaskError (INTERNAL at
+        the gRPC edge, and not retried) although the child's log alone rebuilds it."""
+        try:
+            return self._prefix(tokens, await self._blocks(refs), model_id)
+        except ray.exceptions.ObjectLostError:
+            return None
 
     def _replay(self, log: list[Op], prefix: PrefixKV | None) -> tuple[SessionContext, int]:
         """The context rebuilt from its log (nothing is written), and the tokens it adopted.

@@ -294,6 +294,42 @@ def re_rotated_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
         f.shutdown()
 
 
+def owner_dies_mid_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """A fork on another node whose parent's host (the owner of the blocks it shares) dies after handing out their
+    refs, before the child's host fetched them: the child replays its log instead, and the fork succeeds."""
+    f = KernelFleet(f"sqlite:///{tmp / 'owner.db'}", SPEC, node_refresh_s=0.0)
+    try:
+        parent = f.create_session(T, "P", "You are the parent agent. " * 8)
+        f.append(T, "P", "Shared task description, long enough for several blocks. " * 6)
+        other = next(n for n in f.hosts if n != parent["node"])
+        call, killed = f.nodes.call, []
+
+        def owner_dies(node: str, method: str, *args: Any) -> Any:
+            out = call(node, method, *args)
+            if method == "share_prefix":
+                killed.append(len(out["refs"]))
+                ray.kill(f.hosts[parent["node"]], no_restart=False)   # Ray restarts it, empty
+                time.sleep(2)
+            return out
+
+        f.nodes.call = owner_dies  # type: ignore[method-assign]
+        try:
+            child = f.fork(T, "P", "C", node=other)
+            outcome = "ok"
+        except Exception as e:  # noqa: BLE001 - the outcome is the finding
+            child, outcome = {}, f"{type(e).__module__}.{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            f.nodes.call = call  # type: ignore[method-assign]
+        out: dict[str, Any] = {"outcome": outcome, "refs_handed_out": killed, "other": other}
+        if child:
+            out.update(child_node=child["node"], child_adopted=child["adopted_tokens"],
+                       child_moved_bytes=child["moved_bytes"], child_equals_parent=f.digest(T, "C") == f.digest(T, "P"),
+                       parent_regenerations=f.num_regenerations)
+        return out
+    finally:
+        f.shutdown()
+
+
 def _other_code_path(host: Any) -> None:
     """(In a kernel host, by __ray_call__) its kernel, loaded by now, reports the model_id of another CPU code path."""
     host._loading.result()[0].model_id = "another-code-path"
@@ -393,7 +429,8 @@ def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[Any, Path], dict[str, Any]]] = {
     "placement": placement, "budget": budget, "nodes_come_and_go": nodes_come_and_go,
-    "cross_node_fork": cross_node_fork, "re_rotated_fork": re_rotated_fork, "controller_restart": controller_restart,
+    "cross_node_fork": cross_node_fork, "re_rotated_fork": re_rotated_fork,
+    "owner_dies_mid_fork": owner_dies_mid_fork, "controller_restart": controller_restart,
     "node_loss": node_loss,  # last: it SIGKILLs a node
 }
 

@@ -80,6 +80,15 @@ def test_a_cross_node_fork_of_a_re_rotated_parent_moves_and_files_nothing(multin
     assert r["victim_equals_prefill"] and r["victim_delta"] == 0.0
 
 
+def test_a_cross_node_fork_whose_parents_host_dies_mid_fork_replays(multinode: dict[str, Any]) -> None:
+    """NOTE: before, the child's host failed to fetch the blocks (their owner had died: OwnerDiedError), and the
+    fork raised a raw RayTaskError (INTERNAL at the gRPC edge), though the child's log alone rebuilds it."""
+    r = _get(multinode, "owner_dies_mid_fork")
+    assert r["outcome"] == "ok" and r["refs_handed_out"] and r["refs_handed_out"][0] > 0
+    assert r["child_node"] == r["other"] and r["child_adopted"] == 0 and r["child_moved_bytes"] == 0
+    assert r["child_equals_parent"] and r["parent_regenerations"] == 1   # the parent is rebuilt from its log
+
+
 def test_controller_sigkill_and_restart_keeps_sessions_warm(multinode: dict[str, Any]) -> None:
     r = _get(multinode, "controller_restart")
     assert all(r["same_pid"].values()) and set(r["replayed_ops"].values()) == {0}
