@@ -354,13 +354,15 @@ class KernelFleet:
         return rec.to_dict()
 
     def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:
-        """The parent's node while its KV budget has room (zero-copy sharing), else placement."""
+        """The parent's node while its KV and session budgets have room (zero-copy sharing), else placement.
+        NOTE: the session budget was not asked: with --node-max-sessions 2, six forks went to a full node (8)."""
         try:
-            if self.nodes.call(parent_node, "offer", tenant, tokens)["free_bytes"] > 0:
-                return parent_node
+            offer = self.nodes.call(parent_node, "offer", tenant, tokens)
         except Unavailable:
-            pass
-        return self.nodes.place(tenant, tokens, exclude=parent_node)
+            return self.nodes.place(tenant, tokens, exclude=parent_node)
+        if offer["free_bytes"] > 0 and offer["sessions"] < offer["max_sessions"]:
+            return parent_node
+        return self.nodes.place(tenant, tokens)  # the parent's node skipped as full (named when every node is)
 
     def _fork_args(self, tenant: str, parent_id: str, parent_node: str, node: str, point: dict[str, Any],
                    share: bool) -> tuple[Any, ...]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.oplog import Op, kv_follows_tokens
 from fleet.core.radix import RadixTree
 from workers.lanes import TenantLanes, interpreter_bound
@@ -213,6 +213,13 @@ class KernelHost:
         self.sessions[key] = s
         return s
 
+    def _check_room(self) -> None:
+        """ResourceExhausted when this host holds its most sessions (`max_sessions`). Placement skips a full host;
+        this refuses a create or fork that reaches it all the same (a fork that names its node)."""
+        if len(self.sessions) >= self.max_sessions:
+            raise ResourceExhausted(f"the kernel host of node {self.node_id} holds its most sessions "
+                                    f"({self.max_sessions}): close idle sessions, add nodes, or raise --node-max-sessions")
+
     def _session(self, tenant: str, session_id: str) -> SessionKernel:
         s = self.sessions.get((tenant, session_id))
         if s is None:
@@ -237,6 +244,7 @@ class KernelHost:
         """
         if (tenant, session_id) in self.sessions:
             raise AlreadyExists(f"session {session_id} already exists")
+        self._check_room()
         s = await self._open(tenant, session_id)
         node, refs = self._adoptable(tenant, tokens)
         try:
@@ -328,6 +336,7 @@ class KernelHost:
         """
         if (tenant, child_id) in self.sessions:
             raise AlreadyExists(f"session {child_id} already exists")
+        self._check_room()
         if prefix_refs and tokens and kv_follows_tokens(ops):
             s = await self._open(tenant, child_id)
             self.remote_adopters.add((tenant, child_id))

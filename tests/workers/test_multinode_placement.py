@@ -83,3 +83,28 @@ def test_a_full_fleet_refuses_a_session_with_resource_exhausted_and_leaves_nothi
         assert f.create_session(tenant, "b3", prompt)["adopted_tokens"] == 32
     finally:
         f.shutdown()
+
+
+def test_a_full_host_takes_no_fork_and_refuses_one_that_names_it(ray_cluster: None, tmp_path: Path,
+                                                                 tenant: str) -> None:
+    """--node-max-sessions holds for forks too. NOTE: before, a fork went to its parent's node while its KV budget
+    had bytes left, and the host took it: with a budget of 2 sessions, 6 forks were accepted (8 on the host)."""
+    f = KernelFleet(f"sqlite:///{tmp_path / 'max.db'}", SPEC, node_max_sessions=2)
+    try:
+        f.create_session(tenant, "a", "first session prompt")
+        f.create_session(tenant, "b", "second session prompt")
+        [node] = f.hosts
+        with pytest.raises(ResourceExhausted, match="--node-max-sessions"):
+            f.fork(tenant, "a", "f0")                                  # placement: no node has room
+        with pytest.raises(ResourceExhausted, match="--node-max-sessions"):
+            f.fork(tenant, "a", "f1", node=node)                       # named: the host refuses it
+        with pytest.raises(ResourceExhausted, match="--node-max-sessions"):
+            f.nodes.call(node, "create_session", tenant, "c", f.tokenizer.encode("third"), "op-c")
+        [stats] = f.node_stats()
+        assert (stats["sessions"], stats["max_sessions"]) == (2, 2)
+        assert [r["session"] for r in f.list_sessions(tenant=tenant)] == ["a", "b"]   # nothing left behind
+        assert f.store.oplog_read(tenant, "f0") == f.store.oplog_read(tenant, "f1") == []
+        f.close(tenant, "b")                                           # control: room again, the fork goes there
+        assert f.fork(tenant, "a", "f2")["node"] == node
+    finally:
+        f.shutdown()
