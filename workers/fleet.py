@@ -22,6 +22,7 @@ when none has room, ResourceExhausted.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -49,6 +50,8 @@ from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
 __all__ = ["KernelFleet", "NodeGone", "OpResult"]
+
+log = logging.getLogger(__name__)
 
 RECONCILE_THREADS = 8  # sessions `reconcile` rebuilds at once (a host rebuilds them on its lanes)
 
@@ -199,24 +202,28 @@ class KernelFleet:
         (KernelHost.regenerate), instead of starting the whole replay over: a slow rebuild settles."""
         rec.lose()
         self.registry.save(rec)
-        node = rec.node if self.nodes.answers(rec.node) else self.nodes.place(rec.tenant, [])
+        node = rec.node if self.nodes.answers(rec.node) else self.nodes.place(rec.tenant, [], model_id=rec.model_id)
         try:
-            self._regenerate_on(rec, node)
+            model_id = self._regenerate_on(rec, node)
         except NodeGone:  # its node died just now: a survivor rebuilds it
-            node = self.nodes.place(rec.tenant, [], exclude=node)
-            self._regenerate_on(rec, node)
-        rec.rebuilt(node)
+            node = self.nodes.place(rec.tenant, [], exclude=node, model_id=rec.model_id)
+            model_id = self._regenerate_on(rec, node)
+        if rec.rebuilt(node, model_id):
+            log.warning("session %s/%s was rebuilt on node %s by a kernel of model_id %s, not its own %s (no survivor "
+                        "has it): its KV and logits are close to, not bit-identical with, what was acknowledged",
+                        rec.tenant, rec.session, node, model_id, rec.rebuilt_from_model_id)
         self.registry.save(rec)
         with self._guard:
             self.num_regenerations += 1
         return rec
 
-    def _regenerate_on(self, rec: SessionRecord, node: str) -> None:
-        """Ask `node`'s host to rebuild the lost session, the record naming that node first."""
+    def _regenerate_on(self, rec: SessionRecord, node: str) -> str:
+        """Ask `node`'s host to rebuild the lost session, the record naming that node first; the model_id of the
+        kernel that rebuilt it ("" from a host that does not say)."""
         if rec.node != node:
             rec.node = node
             self.registry.save(rec)  # still lost: the node a later rebuild of this loss asks first
-        self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch)
+        return str(self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch).get("model_id", ""))
 
     def _tokens(self, x: str | bytes | list[int]) -> list[int]:
         """Text encoded, or token ids checked (the one rule: check_token_ids); the Python API's edge."""
@@ -259,7 +266,7 @@ class KernelFleet:
         except BaseException:  # not acknowledged: leave nothing behind
             self._discard(tenant, session_id, node)
             raise
-        rec.acknowledged(out["adopted_tokens"])
+        rec.acknowledged(out["adopted_tokens"], model_id=str(out.get("model_id", "")))
         self.registry.save(rec)
         return rec.to_dict()
 
@@ -349,7 +356,7 @@ class KernelFleet:
         # NOTE: the blocks the child adopted, not the refs it was handed: a child that refused them (its log
         # re-rotated KV) fetched none, and its record said 184,320 bytes moved beside 0 tokens adopted
         moved = 0 if node == parent.node else out["adopted_tokens"] // self.kernel.block_size * self.kernel.block_bytes
-        rec.acknowledged(out["adopted_tokens"], moved)
+        rec.acknowledged(out["adopted_tokens"], moved, str(out.get("model_id", "")))
         self.registry.save(rec)
         return rec.to_dict()
 

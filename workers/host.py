@@ -122,12 +122,19 @@ class KernelHost:
     def _key(self, tenant: str, tokens: list[int]) -> list[int]:
         return tenant_salt(tenant, self.block_size) + list(tokens)
 
-    async def offer(self, tenant: str, tokens: list[int]) -> dict[str, int]:
+    async def offer(self, tenant: str, tokens: list[int]) -> dict[str, Any]:
         """Placement probe (counts nothing): tokens of `tokens` this node holds warm, its number of
-        sessions and its session budget, and its KV bytes left (budget - cached blocks - sessions' private blocks)."""
+        sessions and its session budget, its KV bytes left (budget - cached blocks - sessions' private blocks), and
+        its kernel's model_id (a lost session is rebuilt on a kernel of its own where one has room)."""
         m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
         return {"matched": max(0, m.num_matched - self.block_size), "sessions": len(self.sessions),
-                "max_sessions": self.max_sessions, "free_bytes": self.kv_budget_bytes - self.used_bytes()}
+                "max_sessions": self.max_sessions, "free_bytes": self.kv_budget_bytes - self.used_bytes(),
+                "model_id": self._loaded_model_id()}
+
+    def _loaded_model_id(self) -> str:
+        """The kernel's model_id once its weights are loaded; "" while they load (a probe never waits for them)."""
+        done = self._loading.done() and self._loading.exception() is None
+        return str(self._loading.result()[0].model_id) if done else ""
 
     def _held(self, key: tuple[str, str], s: SessionKernel) -> int:
         """KV bytes a session holds privately: its blocks except those adopted from this node's tree
@@ -257,7 +264,7 @@ class KernelHost:
         self.num_queried_tokens += len(tokens)
         self.num_hit_tokens += len(refs) * self.block_size
         await self._publish(tenant, tokens, s)
-        return {"adopted_tokens": len(refs) * self.block_size, "epoch": s.epoch}
+        return {"adopted_tokens": len(refs) * self.block_size, "epoch": s.epoch, "model_id": str(s.kernel.model_id)}
 
     async def regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
         """Rebuild a lost session here at `epoch`, from its op log (bit-identical); its info row.

@@ -140,18 +140,19 @@ class FleetNodes:
         ).remote(hid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
                  threads, self._max_sessions)
 
-    def place(self, tenant: str, tokens: list[int], exclude: str = "") -> str:
-        """The node a new (or regenerated) session goes to; nodes that fail to answer are dropped.
+    def place(self, tenant: str, tokens: list[int], exclude: str = "", model_id: str = "") -> str:
+        """The node a new (or regenerated) session goes to; nodes that fail to answer are dropped. With
+        `model_id` (a lost session's), a node whose kernel has it goes first (`choose_node`).
 
         Raises:
             ResourceExhausted: no node has room for the session's tokens."""
         answers = self.ask_all("offer", tenant, tokens, exclude=exclude)
-        offers = [NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"], o["max_sessions"])
+        offers = [NodeOffer(nid, o["matched"], o["sessions"], o["free_bytes"], o["max_sessions"], o.get("model_id", ""))
                   for nid, o in answers.items() if not isinstance(o, Exception)]
         errors = [str(o) for o in answers.values() if isinstance(o, Exception)]
         if not offers and errors:  # not a full fleet: a fleet that does not answer
             raise Unavailable(f"no node's host answered ({len(errors)} nodes); the last: {errors[-1]}")
-        return choose_node(offers, len(tokens), self.bytes_per_token)
+        return choose_node(offers, len(tokens), self.bytes_per_token, model_id)
 
     def ask_all(self, method: str, *args: Any, exclude: str = "") -> dict[str, Any]:
         """Every up node's answer to one host call, asked at once: node -> answer, or the

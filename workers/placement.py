@@ -86,12 +86,15 @@ class NodeOffer:
     num_sessions: int
     num_free_bytes: int = 1 << 62
     max_sessions: int = NODE_MAX_SESSIONS
+    model_id: str = ""  # its kernel's (Kernel.model_id); "" while its weights load
 
 
-def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_token: int = 0) -> str:
+def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_token: int = 0,
+                model_id: str = "") -> str:
     """Among the nodes with room for a session of `num_tokens` (what a node holds warm is
     adopted, not held twice) and below their session budget, prefer the node holding the longest warm prefix, then the least
-    loaded, then the id.
+    loaded, then the id. With `model_id` (a lost session's: a rebuild is bit-identical only on a kernel of the
+    same one), only the nodes with room whose kernel has it, while there is one.
 
     Raises:
         ResourceExhausted: no node has room (every KV budget is spent), or there is no node.
@@ -112,6 +115,8 @@ def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_toke
             f"no node has room for a session of {num_tokens} tokens (~{num_tokens * bytes_per_token} KV bytes; "
             f"{len(offers)} eligible nodes, the most free: {max(free, 0)} bytes): close idle sessions, add nodes, "
             "or raise the per-node KV budget (--node-kv-bytes)")
+    if model_id:
+        fits = [o for o in fits if o.model_id == model_id] or fits
     best = min(fits, key=lambda o: (-o.num_matched, o.num_sessions, o.node_id))
     return best.node_id
 

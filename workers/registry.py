@@ -6,7 +6,12 @@ the sessions servicer counting a tenant's quota after a restart. It survives the
 
     {"tenant": "acme", "session": "s1", "node": "<ray node id>", "state": "active", "epoch": 0,
      "created": 1733130000.0, "adopted_tokens": 32, "parent": "", "moved_bytes": 0, "regenerated": 0,
-     "witness": null}
+     "witness": null, "model_id": "3d4dba9effc419f3", "rebuilt_from_model_id": ""}
+
+`model_id` is the kernel (weights, dtype, backend, CPU code path: `Kernel.model_id`) whose KV the session
+holds: a rebuild is bit-identical only on a kernel of the same one. A rebuild that had to run on another
+(no survivor had it) sets `rebuilt_from_model_id` to the one the session had. Records written before these
+fields load with "" (unknown: no preference, nothing flagged).
 
 The state is the registry's alone (a kernel host reports what it holds, never a state); one vocabulary:
 
@@ -49,6 +54,8 @@ class SessionRecord:
     moved_bytes: int = 0
     regenerated: int = 0
     witness: dict[str, Any] | None = None
+    model_id: str = ""               # the kernel whose KV it holds ("" unknown: a record from before the field)
+    rebuilt_from_model_id: str = ""  # set when a rebuild ran on a kernel of another model_id: the one it had
 
     def __post_init__(self) -> None:
         assert self.state in STATES, self.state
@@ -58,9 +65,10 @@ class SessionRecord:
         """Acknowledged and not released: a host should hold its kernel."""
         return self.state in (ACTIVE, REGENERATED)
 
-    def acknowledged(self, adopted_tokens: int, moved_bytes: int = 0) -> None:
+    def acknowledged(self, adopted_tokens: int, moved_bytes: int = 0, model_id: str = "") -> None:
         assert self.state == CREATING, self.state
         self.state, self.adopted_tokens, self.moved_bytes = ACTIVE, adopted_tokens, moved_bytes
+        self.model_id = model_id
 
     def released(self) -> None:
         assert self.live, self.state
@@ -76,9 +84,17 @@ class SessionRecord:
         self.state = LOST
         self.witness = Witness("actor_lost", "error", "forgotten", True, False, self.epoch).to_dict()
 
-    def rebuilt(self, node: str) -> None:
+    def rebuilt(self, node: str, model_id: str = "") -> bool:
+        """Rebuilt on `node` by a kernel of `model_id` ("": not said). Returns whether that kernel's model_id
+        differs from the one the session had: its KV and logits are then close to, not bit-identical with,
+        what was acknowledged, and `rebuilt_from_model_id` keeps the one it had."""
         assert self.state == LOST, self.state
         self.state, self.node, self.regenerated = REGENERATED, node, self.regenerated + 1
+        moved = bool(model_id and self.model_id and model_id != self.model_id)
+        if moved:
+            self.rebuilt_from_model_id = self.model_id
+        self.model_id = model_id or self.model_id
+        return moved
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -449,7 +449,7 @@ class SessionKernel:
             "quarantined_spans": sum(p.state == QUARANTINED for p in ctx.pieces) if ctx else 0,
             "in_flight": self.in_flight, "epoch": self.epoch,
             "last_active": self.last_active, "pid": self.pid,
-            "backend": self.kernel.backend, "device": str(self.kernel.device),
+            "backend": self.kernel.backend, "device": str(self.kernel.device), "model_id": str(self.kernel.model_id),
         }
 
     def memory(self) -> tuple[int, int]:

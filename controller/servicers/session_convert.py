@@ -20,7 +20,7 @@ def row_to_proto(r: SessionRow) -> pb.SessionRow:
         bytes_alone=r.bytes_alone, bytes_shared=r.bytes_shared, hit_rate=r.hit_rate,
         quarantined_spans=r.quarantined_spans, state=r.state, epoch=r.epoch, last_active=r.last_active,
         parent=r.parent, adopted_tokens=r.adopted_tokens, backend=r.backend, device=r.device,
-        history_tokens=r.history_tokens)
+        history_tokens=r.history_tokens, model_id=r.model_id, rebuilt_from_model_id=r.rebuilt_from_model_id)
 
 
 def node_to_proto(s: dict[str, Any]) -> pb.NodeRow:

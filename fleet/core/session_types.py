@@ -158,6 +158,8 @@ class SessionRow:
     backend: str = ""
     device: str = ""
     history_tokens: int = 0  # what its op log holds, as the history quota charges it (0: unknown)
+    model_id: str = ""  # the kernel whose KV it holds ("": unknown)
+    rebuilt_from_model_id: str = ""  # a rebuild ran on a kernel of another model_id: the one it had (not bit-identical)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -171,4 +173,5 @@ class SessionRow:
             float(r.get("hit_rate", 0.0)), int(r.get("quarantined_spans", 0)), str(r.get("state", "")),
             int(r.get("epoch", 0)), float(r.get("last_active", 0.0) or 0.0), str(r.get("parent", "") or ""),
             int(r.get("adopted_tokens", 0)), str(r.get("backend", "") or ""), str(r.get("device", "") or ""),
-            max(0, int(r.get("history_tokens", 0) or 0)))
+            max(0, int(r.get("history_tokens", 0) or 0)), str(r.get("model_id", "") or ""),
+            str(r.get("rebuilt_from_model_id", "") or ""))

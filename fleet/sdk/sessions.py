@@ -148,7 +148,7 @@ def piece(p: Any) -> PieceInfo:
 def session_row(r: Any) -> SessionRow:
     return SessionRow(r.session_id, r.tenant, r.node, r.actor, r.num_tokens, r.bytes_alone, r.bytes_shared,
                       r.hit_rate, r.quarantined_spans, r.state, r.epoch, r.last_active, r.parent, r.adopted_tokens,
-                      r.backend, r.device, r.history_tokens)
+                      r.backend, r.device, r.history_tokens, r.model_id, r.rebuilt_from_model_id)
 
 
 def node_row(n: Any) -> NodeRow:

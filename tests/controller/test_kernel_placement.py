@@ -9,13 +9,19 @@ from pathlib import Path
 import pytest
 from support.controller import start_controller
 
-from controller.kernel_placement import KERNEL_SPEC_KEY, kernel_overrides_from, set_kernel_placement
+from controller.kernel_placement import (
+    KERNEL_SPEC_KEY,
+    kernel_overrides_from,
+    kernel_spec_of,
+    set_kernel_placement,
+)
 from controller.main import config_from, parse_args
 from fleet.app.cli.session import render_sessions
 from fleet.app.cli.up import parse as parse_up
 from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument
 from fleet.sdk import NO_RETRY, AsyncFleetClient
+from workers.spec import KernelSpec, make_kernel
 
 
 def test_flags_become_placement_overrides() -> None:
@@ -75,6 +81,9 @@ async def test_session_rows_show_backend_and_device(ray_cluster: None, tmp_path:
             rows = await c.sessions(fleet=True)
         print("rows:", [(r.session_id, r.backend, r.device) for r in rows])
         assert [(r.session_id, r.backend, r.device) for r in rows] == [("t1", "torch", "cpu")]
+        with open_store(url) as store:  # the kernel whose KV the session holds: a rebuild is exact only on its like
+            model_id = make_kernel(KernelSpec.from_dict(kernel_spec_of(store))).model_id
+        assert [(r.model_id, r.rebuilt_from_model_id) for r in rows] == [(model_id, "")]
         table = render_sessions(rows)
         assert [c.header for c in table.columns][3] == "kernel" and [str(x) for x in table.columns[3]._cells] == ["torch/cpu"]
     finally:

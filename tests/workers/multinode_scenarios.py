@@ -330,6 +330,45 @@ def owner_dies_mid_fork(cluster: Any, tmp: Path) -> dict[str, Any]:
         f.shutdown()
 
 
+def rebuild_model_id(cluster: Any, tmp: Path) -> dict[str, Any]:
+    """A lost session is rebuilt on a survivor whose kernel has its model_id, though another survivor of another
+    model_id (a third node that joins, standing for another CPU code path) holds fewer sessions; with no survivor of
+    its model_id left, it is rebuilt all the same, and its record says so. Its node is held down to make it lost
+    (the fleet's own view of a dead node); the third node leaves at the end."""
+    new = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    f = KernelFleet(f"sqlite:///{tmp / 'model.db'}", SPEC, node_refresh_s=0.0)
+    try:
+        wait_host(f, new.node_id)
+        ray.get(f.hosts[new.node_id].__ray_call__.remote(_other_code_path))
+        ids = {n: f.nodes.call(n, "model_id") for n in f.hosts}
+        placed = {f.create_session(T, f"s{i}", p)["node"]: f"s{i}" for i, p in enumerate(
+            ["You are a planner.", "Answer tersely, as a critic.", "Archivist on duty; be terse."])}
+        native = sorted(n for n in f.hosts if n != new.node_id)
+        x, y = native
+        sid = placed[x]
+        for i in range(2):   # y holds 3 sessions, the foreign node 1: load alone would pick the foreign node
+            f.fork(T, placed[y], f"y{i}", share=False, node=y)
+        before = f.digest(T, sid)
+        f.release_session(T, sid)
+        f.nodes.hold_down(x, 300)
+        same = f.digest(T, sid) == before
+        first = f.registry.get(T, sid)
+        f.release_session(T, sid)
+        f.nodes.hold_down(y, 300)
+        f.digest(T, sid)
+        second = f.registry.get(T, sid)
+        row = next(r for r in f.list_sessions(tenant=T) if r["session"] == sid)
+        return {"ids": ids, "x": x, "y": y, "foreign": new.node_id, "native_id": ids[x],
+                "first": first.to_dict() if first else None, "first_digest_equal": same,
+                "second": second.to_dict() if second else None,
+                "row": {k: row.get(k) for k in ("model_id", "rebuilt_from_model_id", "state", "node")}}
+    finally:
+        f.shutdown()
+        cluster.remove_node(new)
+        wait_node_dead(new.node_id)
+
+
 def _other_code_path(host: Any) -> None:
     """(In a kernel host, by __ray_call__) its kernel, loaded by now, reports the model_id of another CPU code path."""
     host._loading.result()[0].model_id = "another-code-path"
@@ -430,7 +469,8 @@ def node_loss(cluster: Any, tmp: Path) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[Any, Path], dict[str, Any]]] = {
     "placement": placement, "budget": budget, "nodes_come_and_go": nodes_come_and_go,
     "cross_node_fork": cross_node_fork, "re_rotated_fork": re_rotated_fork,
-    "owner_dies_mid_fork": owner_dies_mid_fork, "controller_restart": controller_restart,
+    "owner_dies_mid_fork": owner_dies_mid_fork, "rebuild_model_id": rebuild_model_id,
+    "controller_restart": controller_restart,
     "node_loss": node_loss,  # last: it SIGKILLs a node
 }
 

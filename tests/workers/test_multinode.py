@@ -89,6 +89,23 @@ def test_a_cross_node_fork_whose_parents_host_dies_mid_fork_replays(multinode: d
     assert r["child_equals_parent"] and r["parent_regenerations"] == 1   # the parent is rebuilt from its log
 
 
+def test_a_lost_session_is_rebuilt_on_a_kernel_of_its_model_id_and_says_when_none_is_left(
+        multinode: dict[str, Any]) -> None:
+    """NOTE: before, a rebuild went to any survivor (the least loaded), whatever its kernel's model_id, and nothing
+    said so: across CPU code paths the rebuilt session's logits differed by 1e-6 from what was acknowledged."""
+    r = _get(multinode, "rebuild_model_id")
+    native, foreign = r["native_id"], r["ids"][r["foreign"]]
+    assert r["ids"][r["y"]] == native != foreign == "another-code-path"
+    first, second = r["first"], r["second"]
+    assert first["node"] == r["y"] and first["model_id"] == native and first["rebuilt_from_model_id"] == ""
+    assert r["first_digest_equal"]
+    # no survivor of its model_id left: rebuilt on the foreign node all the same, and the record says so
+    assert second["node"] == r["foreign"] and second["state"] == "regenerated" and second["regenerated"] == 2
+    assert second["model_id"] == foreign and second["rebuilt_from_model_id"] == native
+    assert r["row"] == {"model_id": foreign, "rebuilt_from_model_id": native, "state": "regenerated",
+                        "node": r["foreign"]}
+
+
 def test_controller_sigkill_and_restart_keeps_sessions_warm(multinode: dict[str, Any]) -> None:
     r = _get(multinode, "controller_restart")
     assert all(r["same_pid"].values()) and set(r["replayed_ops"].values()) == {0}

@@ -1,8 +1,9 @@
-"""Placement rule and tenant salts (pure: no Ray needed)."""
+"""Placement rule, tenant salts and the session record's model_id (pure: no Ray needed)."""
 
 from __future__ import annotations
 
 from workers.placement import SALT_BASE, NodeOffer, choose_node, tenant_salt
+from workers.registry import SessionRecord
 
 
 def test_choose_node_prefers_warm_prefix_then_load_then_id() -> None:
@@ -16,3 +17,36 @@ def test_tenant_salts_differ_and_lie_outside_any_vocabulary() -> None:
     a, b = tenant_salt("acme", 16), tenant_salt("globex", 16)
     assert len(a) == 16 and a != b and a == tenant_salt("acme", 16)
     assert min(a + b) >= SALT_BASE
+
+
+def test_a_rebuild_prefers_a_node_whose_kernel_has_the_sessions_model_id() -> None:
+    """A lost session is rebuilt bit-identically only on a kernel of its model_id (weights, dtype, CPU code path)."""
+    offers = [NodeOffer("a", 0, 0, model_id="avx2"), NodeOffer("b", 0, 3, model_id="avx512"),
+              NodeOffer("c", 0, 5, model_id="avx512")]
+    assert choose_node(offers) == "a"                              # control: load alone picks the other code path
+    assert choose_node(offers, model_id="avx512") == "b"           # the least loaded of its own
+    assert choose_node(offers, model_id="avx2") == "a"
+    full = [NodeOffer("a", 0, 0, model_id="avx2"), NodeOffer("b", 0, 2, max_sessions=2, model_id="avx512")]
+    assert choose_node(full, model_id="avx512") == "a"            # none of its own has room: rebuilt all the same
+    assert choose_node(offers, model_id="") == "a"                 # unknown (an old record): no preference
+
+
+def test_a_session_record_keeps_its_model_id_and_says_when_a_rebuild_changed_it() -> None:
+    rec = SessionRecord("acme", "s1", "n1")
+    rec.acknowledged(32, model_id="avx512")
+    rec.lose()
+    assert not rec.rebuilt("n2", "avx512") and (rec.model_id, rec.rebuilt_from_model_id) == ("avx512", "")
+    rec.lose()
+    assert rec.rebuilt("n3", "avx2") and (rec.model_id, rec.rebuilt_from_model_id) == ("avx2", "avx512")
+    rec.lose()
+    assert not rec.rebuilt("n3", "") and rec.model_id == "avx2"   # a host that does not say changes nothing
+    assert SessionRecord.from_dict(rec.to_dict()) == rec
+
+
+def test_a_record_written_before_model_id_loads_and_flags_nothing() -> None:
+    old = {"tenant": "acme", "session": "s1", "node": "n1", "state": "active", "epoch": 0, "created": 1.0,
+           "adopted_tokens": 0, "parent": "", "moved_bytes": 0, "regenerated": 0, "witness": None}
+    rec = SessionRecord.from_dict(old)
+    assert (rec.model_id, rec.rebuilt_from_model_id) == ("", "")
+    rec.lose()
+    assert not rec.rebuilt("n2", "avx2") and (rec.model_id, rec.rebuilt_from_model_id) == ("avx2", "")

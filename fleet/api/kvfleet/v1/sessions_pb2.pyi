@@ -242,7 +242,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionRow(_message.Message):
-    __slots__ = ("session_id", "tenant", "node", "actor", "num_tokens", "bytes_alone", "bytes_shared", "hit_rate", "quarantined_spans", "state", "epoch", "last_active", "parent", "adopted_tokens", "backend", "device", "history_tokens")
+    __slots__ = ("session_id", "tenant", "node", "actor", "num_tokens", "bytes_alone", "bytes_shared", "hit_rate", "quarantined_spans", "state", "epoch", "last_active", "parent", "adopted_tokens", "backend", "device", "history_tokens", "model_id", "rebuilt_from_model_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class SessionRow(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_FROM_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     node: str
@@ -277,7 +279,9 @@ class SessionRow(_message.Message):
     backend: str
     device: str
     history_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., actor: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bytes_alone: _Optional[int] = ..., bytes_shared: _Optional[int] = ..., hit_rate: _Optional[float] = ..., quarantined_spans: _Optional[int] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., last_active: _Optional[float] = ..., parent: _Optional[str] = ..., adopted_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., history_tokens: _Optional[int] = ...) -> None: ...
+    model_id: str
+    rebuilt_from_model_id: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., actor: _Optional[str] = ..., num_tokens: _Optional[int] = ..., bytes_alone: _Optional[int] = ..., bytes_shared: _Optional[int] = ..., hit_rate: _Optional[float] = ..., quarantined_spans: _Optional[int] = ..., state: _Optional[str] = ..., epoch: _Optional[int] = ..., last_active: _Optional[float] = ..., parent: _Optional[str] = ..., adopted_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., history_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., rebuilt_from_model_id: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("fleet", "tenant")
