@@ -295,6 +295,16 @@ class BlobStore(ABC):
         if checked:
             self._kv_delete_many(namespace, checked)
 
+    def kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool:
+        """Compare-and-set: write `new` (None: delete the key) only while the key holds `old` exactly (None:
+        while it is absent), in one transaction/script; returns whether it wrote. Writers in several processes
+        (two controllers overlapping during a leader change) each see whether another changed the key first.
+        """
+        check_name("namespace", namespace)
+        check_key(key)
+        return self._kv_swap(namespace, key, None if old is None else bytes(check_bytes("old", old)),
+                             None if new is None else bytes(check_bytes("new", new)))
+
     # ---- op log (per tenant, per session) ------------------------------------------------------
     def oplog_append(self, tenant: str, session_id: str, op: dict[str, Any]) -> int:
         """Append one op (JSON) durably and return its 0-based index. Call before acknowledging."""
@@ -379,6 +389,8 @@ class BlobStore(ABC):
     def _kv_scan_page(self, namespace: str, cursor: str, count: int) -> tuple[str, dict[str, bytes]]: ...
     @abstractmethod
     def _kv_delete_many(self, namespace: str, keys: list[str]) -> None: ...
+    @abstractmethod
+    def _kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool: ...
     @abstractmethod
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int: ...
     @abstractmethod

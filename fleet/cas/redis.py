@@ -75,6 +75,18 @@ redis.call('HSET', KEYS[1], 'verdict', ARGV[1], 'reasons', ARGV[2])
 return 1
 """
 
+# KEYS[1]: a kv namespace's hash; ARGV: key, '1' + old value or '0' (absent), '1' + new value or '0' (delete).
+_KV_SWAP = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[2] == '0' then
+  if cur then return 0 end
+elseif cur ~= string.sub(ARGV[2], 2) then
+  return 0
+end
+if ARGV[3] == '0' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], string.sub(ARGV[3], 2)) end
+return 1
+"""
+
 # KEYS: (data, metadata, byte count) of each blob in turn; ARGV[1]: now. Returns how many it deleted.
 # Each blob is judged on its own as before (a damaged one is skipped, never deleted blind); one call
 # takes a batch of blobs (_GC_BATCH) instead of one round trip each.
@@ -155,6 +167,7 @@ class RedisBlobStore(BlobStore):
         self._s_incr = self.r.register_script(_INCR)
         self._s_verdict = self.r.register_script(_VERDICT)
         self._s_gc = self.r.register_script(_GC_MANY)
+        self._s_kv_swap = self.r.register_script(_KV_SWAP)
         self.ping()
 
     @_unavailable
@@ -317,6 +330,13 @@ class RedisBlobStore(BlobStore):
     @_unavailable
     def _kv_delete_many(self, namespace: str, keys: list[str]) -> None:
         self.r.hdel(f"kvf:kv:{namespace}", *keys)
+
+    @_unavailable
+    def _kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool:
+        def arg(v: bytes | None) -> bytes:
+            return b"0" if v is None else b"1" + v
+
+        return bool(self._s_kv_swap(keys=[f"kvf:kv:{namespace}"], args=[key, arg(old), arg(new)]))
 
     # ---- op log -------------------------------------------------------------------------------------
     @_unavailable

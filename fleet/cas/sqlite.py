@@ -322,6 +322,17 @@ class SqliteBlobStore(BlobStore):
         with self._tx() as db:
             db.executemany("DELETE FROM kv WHERE namespace = ? AND key = ?", [(namespace, k) for k in keys])
 
+    def _kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool:
+        with self._tx() as db:  # IMMEDIATE: no other writer between the read and the write
+            row = db.execute("SELECT value FROM kv WHERE namespace = ? AND key = ?", (namespace, key)).fetchone()
+            if (None if row is None else bytes(row[0])) != old:
+                return False
+            if new is None:
+                db.execute("DELETE FROM kv WHERE namespace = ? AND key = ?", (namespace, key))
+            else:
+                db.execute("INSERT OR REPLACE INTO kv (namespace, key, value) VALUES (?, ?, ?)", (namespace, key, new))
+        return True
+
     # ---- op log -------------------------------------------------------------------------------------
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int:
         with self._tx() as db:

@@ -274,6 +274,48 @@ def test_kv_scan_page_walks_a_namespace_in_bounded_pages(store_env: StoreEnv) ->
         store.kv_delete_many("walk", "t/0001")
 
 
+def test_kv_swap_writes_only_over_the_value_it_expects(store_env: StoreEnv) -> None:
+    """Compare-and-set: insert while absent, replace or delete only the exact value expected; a refused
+    swap writes nothing."""
+    store = store_env.open()
+    assert store.kv_swap("sessions", "a/s1", None, b"\x00one") is True           # absent: inserted
+    assert store.kv_swap("sessions", "a/s1", None, b"two") is False               # present: not inserted over it
+    assert store.kv_swap("sessions", "a/s1", b"\x00on", b"two") is False          # another value (a prefix of it)
+    assert store.kv_swap("sessions", "a/s1", b"\x00one\x00", b"two") is False
+    assert store.kv_get("sessions", "a/s1") == b"\x00one"
+    assert store.kv_swap("sessions", "a/s1", b"\x00one", b"two") is True          # replaced
+    assert store.kv_swap("sessions", "a/s1", b"\x00one", None) is False           # changed meanwhile: kept
+    assert store.kv_get("sessions", "a/s1") == b"two"
+    assert store.kv_swap("sessions", "a/s1", b"two", None) is True                # deleted
+    assert store.kv_get("sessions", "a/s1") is None and store.kv_scan("sessions") == {}
+    assert store.kv_swap("sessions", "a/s1", b"two", b"three") is False           # absent: nothing to replace
+    assert store.kv_swap("sessions", "a/s1", None, None) is True and store.kv_scan("sessions") == {}
+    assert store.kv_swap("sessions", "a/s2", None, b"") is True and store.kv_get("sessions", "a/s2") == b""
+    assert store.kv_swap("sessions", "a/s2", None, b"x") is False                 # an empty value is present
+    with pytest.raises(InvalidArgument, match="must be bytes"):
+        store.kv_swap("sessions", "a/s3", None, "v")  # type: ignore[arg-type]
+
+
+def test_concurrent_kv_swaps_from_other_connections_let_one_win(store_env: StoreEnv) -> None:
+    """Eight writers on their own connections insert one key at once, then each replaces the value it
+    read: exactly one insert and, per value, exactly one replacement wins."""
+    stores = [store_env.open() for _ in range(8)]
+    won: list[int] = []
+    start = threading.Barrier(len(stores))
+
+    def work(k: int) -> None:
+        start.wait()
+        if stores[k].kv_swap("sessions", "a/race", None, f"w{k}".encode()):
+            won.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(stores))]
+    [t.start() for t in threads], [t.join() for t in threads]
+    assert len(won) == 1 and stores[0].kv_get("sessions", "a/race") == f"w{won[0]}".encode()
+    seen = stores[0].kv_get("sessions", "a/race")
+    bumped = [k for k, s in enumerate(stores) if s.kv_swap("sessions", "a/race", seen, f"b{k}".encode())]
+    assert len(bumped) == 1 and stores[0].kv_get("sessions", "a/race") == f"b{bumped[0]}".encode()
+
+
 def test_oplog_append_read_delete(store_env: StoreEnv) -> None:
     store = store_env.open()
     ops = [{"op": "append", "kind": "system", "tokens": [1, 2, 3]},
