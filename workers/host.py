@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from fleet.core.oplog import Op, kv_follows_tokens
+from fleet.core.oplog import ForkOp, Op, kv_follows_tokens
 from fleet.core.radix import RadixTree
 from workers.lanes import TenantLanes, interpreter_bound
 from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
@@ -207,16 +207,36 @@ class KernelHost:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    async def _open(self, tenant: str, session_id: str, epoch: int = 0) -> SessionKernel:
-        """A new, empty SessionKernel for the session, at `epoch` (the registry's: KernelFleet counts them)."""
+    async def _open(self, tenant: str, session_id: str, epoch: int, owner: str) -> SessionKernel:
+        """A new, empty SessionKernel for a rebuild of the session at `epoch` (the registry's: KernelFleet
+        counts them), in place of the one the host holds (a torn or older one)."""
         kernel, tokenizer = await self._kernel()
-        key = (tenant, session_id)
-        old = self.sessions.pop(key, None)
+        old = self.sessions.pop((tenant, session_id), None)
         if old is not None:
             old.closed = True
+        return self._put(tenant, session_id, kernel, tokenizer, epoch, owner)
+
+    async def _insert(self, tenant: str, session_id: str, owner: str) -> SessionKernel:
+        """A new, empty SessionKernel for a create or fork (`owner`: its op id), refused while the host holds
+        the session: AlreadyExists. The check and the insert run with no await between them, so of two tries
+        of one name (two callers, two controllers) one gets the name and the other is refused; neither replaces
+        the other's session. A retry of the same try (nodes.call repeats a call Ray may have run) gets the
+        session that try opened. NOTE: the check was made before the kernel's load was awaited, and the session
+        opened after it replaced whatever another try had opened meanwhile."""
+        kernel, tokenizer = await self._kernel()
+        held = self.sessions.get((tenant, session_id))
+        if held is not None:
+            if owner and held.owner == owner and not held.closed:
+                return held
+            raise AlreadyExists(f"session {session_id} already exists")
+        self._check_room()  # a retry that joins its try's session above takes no new room
+        return self._put(tenant, session_id, kernel, tokenizer, 0, owner)
+
+    def _put(self, tenant: str, session_id: str, kernel: Any, tokenizer: Any, epoch: int, owner: str) -> SessionKernel:
+        key = (tenant, session_id)
         self.remote_adopters.discard(key)
         s = SessionKernel(tenant, session_id, kernel, tokenizer, self.store, self.lanes.run,
-                          node_id=self.node_id, epoch=epoch, host=self.name, pid=self.pid)
+                          node_id=self.node_id, epoch=epoch, host=self.name, pid=self.pid, owner=owner)
         self.sessions[key] = s
         return s
 
@@ -226,6 +246,15 @@ class KernelHost:
         if len(self.sessions) >= self.max_sessions:
             raise ResourceExhausted(f"the kernel host of node {self.node_id} holds its most sessions "
                                     f"({self.max_sessions}): close idle sessions, add nodes, or raise --node-max-sessions")
+
+    def _drop(self, s: SessionKernel) -> None:
+        """A try that failed removes the session it opened, if the host still holds that one (never the
+        session of another try that holds the name now); a retry that joined it is refused."""
+        key = (s.tenant, s.session_id)
+        if self.sessions.get(key) is s:
+            del self.sessions[key]
+            self.remote_adopters.discard(key)
+        s.closed = True
 
     def _session(self, tenant: str, session_id: str) -> SessionKernel:
         s = self.sessions.get((tenant, session_id))
@@ -249,25 +278,23 @@ class KernelHost:
         Args:
             tokens: the system prompt, encoded (its first piece, and the radix key).
         """
-        if (tenant, session_id) in self.sessions:
-            raise AlreadyExists(f"session {session_id} already exists")
-        self._check_room()
-        s = await self._open(tenant, session_id)
+        s = await self._insert(tenant, session_id, op_id)
         node, refs = self._adoptable(tenant, tokens)
         try:
-            await s.create(tokens, refs, op_id)
+            await s.create(tokens, refs, op_id)   # a retry that joined its try is answered from its log (op id)
         except BaseException:
-            self.sessions.pop((tenant, session_id), None)
+            self._drop(s)
             raise
         finally:
             self.tree.dec_lock_ref(node)
         self.num_queried_tokens += len(tokens)
         self.num_hit_tokens += len(refs) * self.block_size
         await self._publish(tenant, tokens, s)
-        return {"adopted_tokens": len(refs) * self.block_size, "epoch": s.epoch, "model_id": str(s.kernel.model_id)}
+        return {"adopted_tokens": s.num_adopted_tokens, "epoch": s.epoch, "model_id": str(s.kernel.model_id)}
 
-    async def regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
-        """Rebuild a lost session here at `epoch`, from its op log (bit-identical); its info row.
+    async def regenerate(self, tenant: str, session_id: str, epoch: int, owner: str = "") -> dict[str, Any]:
+        """Rebuild a lost session here at `epoch`, from its op log (bit-identical); its info row. `owner`: the
+        rebuild's token (the session it opens carries it: `close(..., owner)` removes that one alone).
 
         The rebuild is the host's job, not its caller's: it runs to the end even when the caller
         stops waiting (its call timed out during a long replay), and a later call for the same
@@ -281,7 +308,7 @@ class KernelHost:
         s = self.sessions.get(key)
         if s is not None and s.epoch == epoch and s.ctx is not None and not s.closed:
             return s.info_row()                     # rebuilt at this epoch already (its caller gave up)
-        task = asyncio.ensure_future(self._regenerate(tenant, session_id, epoch))
+        task = asyncio.ensure_future(self._regenerate(tenant, session_id, epoch, owner))
         self._rebuilds[key] = (epoch, task)
 
         def done(t: asyncio.Future[dict[str, Any]]) -> None:
@@ -291,14 +318,13 @@ class KernelHost:
         task.add_done_callback(done)
         return dict(await asyncio.shield(task))
 
-    async def _regenerate(self, tenant: str, session_id: str, epoch: int) -> dict[str, Any]:
-        s = await self._open(tenant, session_id, epoch)
+    async def _regenerate(self, tenant: str, session_id: str, epoch: int, owner: str) -> dict[str, Any]:
+        s = await self._open(tenant, session_id, epoch, owner)
         self.num_replays += 1
         try:
             return dict(await s.restore())
         except BaseException:
-            if self.sessions.get((tenant, session_id)) is s:   # not a later rebuild's session
-                del self.sessions[(tenant, session_id)]
+            self._drop(s)                    # not a later rebuild's session
             raise
 
     async def share_prefix(self, tenant: str, session_id: str, tokens: list[int]) -> dict[str, Any]:
@@ -341,18 +367,18 @@ class KernelHost:
         `prefix_model_id` the kernel that computed them), the child adopts those blocks, which Ray
         fetches from the parent's node. Without either (the parent is gone) the child replays the log.
         """
-        if (tenant, child_id) in self.sessions:
-            raise AlreadyExists(f"session {child_id} already exists")
-        self._check_room()
+        owner = ops[-1].op_id if ops and isinstance(ops[-1], ForkOp) else ""   # the fork's op id: its marker's
+        if (tenant, child_id) in self.sessions and self.sessions[(tenant, child_id)].owner != owner:
+            raise AlreadyExists(f"session {child_id} already exists")   # early; `_insert` decides
         if prefix_refs and tokens and kv_follows_tokens(ops):
-            s = await self._open(tenant, child_id)
+            s = await self._insert(tenant, child_id, owner)
             self.remote_adopters.add((tenant, child_id))
             return await self._restore(s, ops, prefix_refs, tokens, prefix_model_id)
         parent = self.sessions.get((tenant, parent_id)) if parent_id is not None else None
         if parent is None or not tokens or not kv_follows_tokens(ops):
-            return await self._restore(await self._open(tenant, child_id), ops)
+            return await self._restore(await self._insert(tenant, child_id, owner), ops)
         await self._publish(tenant, tokens, parent)          # the blocks the tree lacks, once
-        s = await self._open(tenant, child_id)
+        s = await self._insert(tenant, child_id, owner)
         node, refs = self._adoptable(tenant, tokens)
         try:
             return await self._restore(s, ops, refs, tokens)
@@ -364,14 +390,20 @@ class KernelHost:
         try:
             return dict(await s.restore(*args))
         except BaseException:
-            self.sessions.pop((s.tenant, s.session_id), None)
+            self._drop(s)
             raise
 
-    async def close(self, tenant: str, session_id: str) -> None:
-        """Drop the session's kernel (its KV memory is freed); an op in flight finishes first."""
-        s = self.sessions.pop((tenant, session_id), None)
-        self.remote_adopters.discard((tenant, session_id))
-        self._rebuilds.pop((tenant, session_id), None)  # a later rebuild starts afresh, joins no closed one
+    async def close(self, tenant: str, session_id: str, owner: str | None = None) -> None:
+        """Drop the session's kernel (its KV memory is freed); an op in flight finishes first. With `owner`
+        (a failed create's or fork's op id, a rebuild's token): only the session that try opened, never
+        another's that holds the name now."""
+        key = (tenant, session_id)
+        s = self.sessions.get(key)
+        if owner is not None and (s is None or s.owner != owner):
+            return
+        self.sessions.pop(key, None)
+        self.remote_adopters.discard(key)
+        self._rebuilds.pop(key, None)  # a later rebuild starts afresh, joins no closed one
         if s is not None:
             await s.close()
 

@@ -72,12 +72,14 @@ class SessionKernel:
         kernel, tokenizer, store: the host's own (shared by every session it holds).
         run: the host's lanes (`TenantLanes.run`): where this session's work runs.
         host: the host's actor name (listed with the session).
+        owner: the try that opened it (workers/host.py): a failed try removes only the session it opened.
     """
 
     def __init__(self, tenant: str, session_id: str, kernel: Kernel, tokenizer: Any, store: Any, run: Runner, *,
-                 node_id: str = "", epoch: int = 0, host: str = "", pid: int = 0) -> None:
+                 node_id: str = "", epoch: int = 0, host: str = "", pid: int = 0, owner: str = "") -> None:
         self.tenant, self.session_id, self.node_id, self.epoch = tenant, session_id, node_id, epoch
         self.host, self.pid = host, pid
+        self.owner = owner  # the try that opened it (a create's or fork's op id, a rebuild's token): its cleanup's key
         self.kernel, self.tokenizer, self.store, self._lanes = kernel, tokenizer, store, run
         self.ctx: SessionContext | None = None   # None until the first piece (create) or a replay (restore)
         self.op_fps: dict[str, str] = {}         # op id -> its call's fingerprint, of this session's own log

@@ -1,0 +1,72 @@
+"""A kernel host opens a session for a create or fork only while it holds none of that name: the check and
+the insert run with no await between them, so of two tries one gets the name and the other is refused
+(AlreadyExists), and a try that fails, or is cleaned up, removes only the session it opened.
+
+The host runs in this process, on one event loop, so each interleaving is forced, not hoped for."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from support.workers import SPEC
+
+from fleet.core.errors import AlreadyExists
+from fleet.core.oplog import ForkOp, parse_log
+from workers.host import KernelHost
+
+PROMPT_A = [(i * 7 + 3) % 512 for i in range(40)]
+PROMPT_B = [(i * 11 + 5) % 512 for i in range(40)]
+
+
+def _host(tmp_path: Path) -> KernelHost:
+    return KernelHost("node-a", f"sqlite:///{tmp_path / 'host.db'}", SPEC.to_dict(), threads=2)
+
+
+def _log(host: KernelHost, sid: str) -> list[tuple[str, str]]:
+    return [(o.op_id, type(o).__name__) for o in parse_log(host.store.oplog_read("acme", sid))]
+
+
+def test_two_creates_of_one_name_one_wins_the_other_is_refused(ray_cluster: None, tmp_path: Path) -> None:
+    """Both creates start before either opened the session (each awaits the kernel's load first). NOTE:
+    before, both passed the check, the second replaced the first's session, and, refused by the first's log,
+    its cleanup popped the session that held the name: a create acknowledged by a host that held nothing."""
+    host = _host(tmp_path)
+
+    async def loser_cleanup() -> None:  # it closes only the session it opened: not the winner's
+        await host.close("acme", "s", "op-b")
+
+    async def main() -> list[Any]:
+        tries = [host.create_session("acme", "s", PROMPT_A, "op-a"), host.create_session("acme", "s", PROMPT_B, "op-b")]
+        out = await asyncio.gather(*tries, return_exceptions=True)
+        held = await host.holds("acme", "s")
+        cleanup = await asyncio.gather(loser_cleanup(), return_exceptions=True)
+        tokens = await asyncio.gather(host.call("acme", "s", "tokens"), return_exceptions=True)
+        return [*out, held, *cleanup, *tokens]
+
+    won, lost, held, cleanup, tokens = asyncio.run(main())
+    print(f"first try: {won!r}; second try: {lost!r}; held: {held}; after the loser's cleanup: {tokens!r:.40}")
+    assert isinstance(won, dict) and won["epoch"] == 0
+    assert isinstance(lost, AlreadyExists) and held
+    assert cleanup is None and tokens == PROMPT_A and _log(host, "s") == [("op-a", "AppendOp")]
+
+
+def test_a_fork_and_a_create_of_one_name_and_a_retry_of_the_same_try(ray_cluster: None, tmp_path: Path) -> None:
+    """A fork and a create of one name at once: the fork, first, gets it; the create is refused and its log
+    check never runs. A retry of the fork (same op id: nodes.call repeats a call Ray may have run) joins it."""
+    host = _host(tmp_path)
+
+    async def main() -> list[Any]:
+        await host.create_session("acme", "parent", PROMPT_A, "op-p")
+        ops = [*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 1, "op-f")]
+        tries = [host.fork("acme", ops, "s", "parent", PROMPT_A), host.create_session("acme", "s", PROMPT_B, "op-c")]
+        out = await asyncio.gather(*tries, return_exceptions=True)
+        retried = await host.fork("acme", ops, "s", "parent", PROMPT_A)
+        return [*out, retried, await host.call("acme", "s", "tokens")]
+
+    forked, created, retried, tokens = asyncio.run(main())
+    print(f"fork: {forked.get('adopted_tokens') if isinstance(forked, dict) else forked!r}; create: {created!r}")
+    assert isinstance(forked, dict) and isinstance(created, AlreadyExists)
+    assert isinstance(retried, dict) and retried["num_ops"] == 2 and tokens == PROMPT_A
+    assert _log(host, "s") == [("op-p", "AppendOp"), ("op-f", "ForkOp")]
