@@ -13,6 +13,12 @@ with the same op id (so an op that was logged just before the crash is not appli
 call failed after logging its op answers SessionGone too (workers/session_kernel.py SessionTorn): it is
 rebuilt from its log the same way. Every wait has a timeout: a fault never hangs a caller.
 
+Creates and forks of one name may overlap: threads of one fleet take the name's lock
+(workers/name_locks.py), so a create that loses to another gets AlreadyExists. Writers in other processes
+(two controllers during a leader change) are kept apart by the registry's compare-and-set and the host's
+check-and-insert: a try that fails removes only what it made (the kernel, op log and record of its own op
+id), never the session that won the name.
+
 Nodes come and go: the hosts follow Ray's node table (re-read at most every `node_refresh_s`, and
 at once after a failure). A node that joins and has the resources sessions need gets a host and
 takes new sessions; a node that dies is dropped, and its sessions are regenerated on a survivor on
@@ -34,8 +40,9 @@ import ray
 
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import ForkOp, kv_follows_tokens, parse_log
+from fleet.core.oplog import ForkOp, Op, kv_follows_tokens, parse_log
 from fleet.core.session_types import OpResult, check_session_id, check_token_ids
+from workers.name_locks import NameLocks
 from workers.nodes import FleetNodes, NodeGone
 from workers.placement import (
     NODE_KV_BYTES,
@@ -54,6 +61,11 @@ __all__ = ["KernelFleet", "NodeGone", "OpResult"]
 log = logging.getLogger(__name__)
 
 RECONCILE_THREADS = 8  # sessions `reconcile` rebuilds at once (a host rebuilds them on its lanes)
+
+
+def _made_by(log: list[Op], op_id: str) -> bool:
+    """Whether `log` is the one the create or fork of `op_id` wrote (its system op or fork marker carries it)."""
+    return bool(log) and (log[0].op_id == op_id or any(isinstance(o, ForkOp) and o.op_id == op_id for o in log))
 
 
 class KernelFleet:
@@ -105,6 +117,7 @@ class KernelFleet:
         self._where: dict[tuple[str, str], str] = {}  # (tenant, session) -> the node whose host holds it
         self._guard = threading.Lock()
         self._rebuilding: dict[tuple[str, str], threading.Lock] = {}  # one rebuild of a session at a time
+        self._names = NameLocks()  # creates and forks: one at a time per name
         self.refresh_nodes(force=True)
         if not self.hosts and self.nodes.num_without_gpu:
             raise Unavailable(f"no Ray node can run the kernel spec: {self.nodes.num_without_gpu} node(s) have no GPU "
@@ -139,14 +152,48 @@ class KernelFleet:
         self._record(tenant, session_id)
 
     def _claim(self, tenant: str, session_id: str) -> None:
-        """Make `session_id` free for a create or fork: AlreadyExists if a session holds it;
-        otherwise clear what a create, fork or close that never completed left behind (a record
-        still `creating`, its kernel, an op log without a record), so a crash never strands a name."""
-        rec = self.registry.get(tenant, session_id)
-        if rec is not None and rec.state != CREATING:
+        """Make `session_id` free for a create or fork (its caller holds the name's lock): AlreadyExists if a
+        session holds it; otherwise clear what a create, fork or close that never completed left behind (a
+        record still `creating` with its kernel and log, an op log without a record), so a crash never strands
+        a name. A record is removed only while it holds what was read here (another controller may write it)."""
+        stored = self.registry.read(tenant, session_id)
+        if stored is None:
+            if self.store.oplog_read(tenant, session_id) and self.registry.read(tenant, session_id) is None:
+                self._drop_log(tenant, session_id, None)
+            return
+        if stored.rec.state != CREATING or not self.registry.remove(tenant, session_id, stored.raw):
             raise AlreadyExists(f"session {session_id!r} already exists")
-        if rec is not None or self.store.oplog_read(tenant, session_id):
-            self._discard(tenant, session_id, rec.node if rec is not None else "")
+        self._clear(stored.rec)
+
+    def _clear(self, rec: SessionRecord) -> None:
+        """Drop the kernel and op log of a create or fork that was not acknowledged: those of its op id (any,
+        for a record written before records named it)."""
+        owner = rec.create_op_id or None
+        self._close_kernel(rec.node, rec.tenant, rec.session, owner)
+        self._drop_log(rec.tenant, rec.session, owner)
+
+    def _abandon(self, rec: SessionRecord, raw: bytes) -> None:
+        """A create or fork that failed leaves nothing behind, and removes nothing it did not make: its
+        kernel and log (by its op id), then its record unless another writer changed it meanwhile."""
+        self._clear(rec)
+        self.registry.remove(rec.tenant, rec.session, raw)
+
+    def _close_kernel(self, node: str, tenant: str, session_id: str, owner: str | None = None) -> None:
+        """Close the session's kernel on `node`'s host (with `owner`: only the one that try opened)."""
+        if node in self.hosts:
+            try:
+                self.nodes.call(node, "close", tenant, session_id, owner)
+            except NodeGone:  # its kernel went with the node
+                pass
+
+    def _drop_log(self, tenant: str, session_id: str, owner: str | None) -> None:
+        """Delete the session's op log and give back its blob references (with `owner`: only the log that
+        create or fork wrote)."""
+        log = parse_log(self.store.oplog_read(tenant, session_id))
+        if not log or (owner is not None and not _made_by(log, owner)):
+            return
+        drop_blob_refs(self.store, log)
+        self.store.oplog_delete(tenant, session_id)
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -249,26 +296,43 @@ class KernelFleet:
             raise InvalidArgument("the system prompt must be a non-empty str")
         if tokens is None:
             tokens = encode_message(self.tokenizer, "system", system_prompt)  # the piece's own tokens
-        self._claim(tenant, session_id)
-        node = self.nodes.place(tenant, tokens)
-        rec = SessionRecord(tenant, session_id, node)
-        self.registry.save(rec)
-        # one op id for every try: the log a try left when its host died after logging the system op is
-        # recognised by the next, which drops it (SessionKernel._drop_earlier_try) instead of logging twice
-        op_id = uuid.uuid4().hex
-        try:
+        with self._names.hold((tenant, session_id)):
+            self._claim(tenant, session_id)
+            node = self.nodes.place(tenant, tokens)
+            # one op id for every try: the log a try left when its host died after logging the system op is
+            # recognised by the next, which drops it (SessionKernel._drop_earlier_try) instead of logging twice;
+            # it also names what this create made (kernel, log, record), all its cleanup may remove
+            rec = SessionRecord(tenant, session_id, node, create_op_id=uuid.uuid4().hex)
+            raw = self._insert(rec)
             try:
-                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, op_id)
-            except NodeGone:  # its node died after placement: once more, on a survivor
-                rec.node = node = self.nodes.place(tenant, tokens, exclude=node)
-                self.registry.save(rec)
-                out = self.nodes.call(node, "create_session", tenant, session_id, tokens, op_id)
-        except BaseException:  # not acknowledged: leave nothing behind
-            self._discard(tenant, session_id, node)
-            raise
-        rec.acknowledged(out["adopted_tokens"], model_id=str(out.get("model_id", "")))
-        self.registry.save(rec)
+                try:
+                    out = self.nodes.call(node, "create_session", tenant, session_id, tokens, rec.create_op_id)
+                except NodeGone:  # its node died after placement: once more, on a survivor
+                    rec.node = node = self.nodes.place(tenant, tokens, exclude=node)
+                    raw = self.registry.replace(rec, raw) or raw   # unchanged unless another controller cleared it
+                    out = self.nodes.call(node, "create_session", tenant, session_id, tokens, rec.create_op_id)
+            except BaseException:  # not acknowledged: leave nothing of it behind, and nothing else removed
+                self._abandon(rec, raw)
+                raise
+            rec.acknowledged(out["adopted_tokens"], model_id=str(out.get("model_id", "")))
+            self._acknowledge(rec, raw)
         return rec.to_dict()
+
+    def _insert(self, rec: SessionRecord) -> bytes:
+        """Write a create's or fork's `creating` record while no record holds the name; its bytes. AlreadyExists
+        when one does (another controller's create or fork wrote it since the claim)."""
+        raw = self.registry.insert(rec)
+        if raw is None:
+            raise AlreadyExists(f"session {rec.session!r} already exists")
+        return raw
+
+    def _acknowledge(self, rec: SessionRecord, raw: bytes) -> None:
+        """Write the acknowledged record over its `creating` one. When another controller's create or fork
+        cleared that meanwhile (it took it for a crashed one) and took the name, this one is not acknowledged:
+        what it made is removed, and the caller gets AlreadyExists."""
+        if self.registry.replace(rec, raw) is None:
+            self._clear(rec)
+            raise AlreadyExists(f"session {rec.session!r} was taken by another create or fork meanwhile")
 
     # Mutating verbs: each runs under `op_id` (the caller's idempotency key; a fresh one if empty), and an
     # op id already in the session's log is answered (replayed=True), not applied again. Each returns the
@@ -340,24 +404,29 @@ class KernelFleet:
         if node is not None and not self.nodes.alive(node):
             raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)
-        self._claim(tenant, child_id)
+        taken = self.registry.get(tenant, child_id)
+        if taken is not None and taken.state != CREATING:
+            raise AlreadyExists(f"session {child_id!r} already exists")  # early; the claim below decides
         point = self._call(tenant, session_id, SessionKernel.fork_point)  # ops and tokens read together
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
-        ops = [*point["ops"], ForkOp(session_id, len(point["ops"]))]
-        node = node or self._fork_node(tenant, parent.node, point["tokens"])
-        rec = SessionRecord(tenant, child_id, node, parent=session_id)
-        self.registry.save(rec)
-        try:
-            args = self._fork_args(tenant, session_id, parent.node, node, point, share)
-            out = self.nodes.call(node, "fork", tenant, ops, child_id, *args)
-        except BaseException:
-            self._discard(tenant, child_id, node)
-            raise
-        # NOTE: the blocks the child adopted, not the refs it was handed: a child that refused them (its log
-        # re-rotated KV) fetched none, and its record said 184,320 bytes moved beside 0 tokens adopted
-        moved = 0 if node == parent.node else out["adopted_tokens"] // self.kernel.block_size * self.kernel.block_bytes
-        rec.acknowledged(out["adopted_tokens"], moved, str(out.get("model_id", "")))
-        self.registry.save(rec)
+        op_id = uuid.uuid4().hex                                   # the fork's: its marker and record carry it
+        ops = [*point["ops"], ForkOp(session_id, len(point["ops"]), op_id)]
+        with self._names.hold((tenant, child_id)):                 # NOTE: not the parent's: no lock is held twice
+            self._claim(tenant, child_id)
+            node = node or self._fork_node(tenant, parent.node, point["tokens"])
+            rec = SessionRecord(tenant, child_id, node, parent=session_id, create_op_id=op_id)
+            raw = self._insert(rec)
+            try:
+                args = self._fork_args(tenant, session_id, parent.node, node, point, share)
+                out = self.nodes.call(node, "fork", tenant, ops, child_id, *args)
+            except BaseException:  # not acknowledged: leave nothing of it behind, and nothing else removed
+                self._abandon(rec, raw)
+                raise
+            # NOTE: the blocks the child adopted, not the refs it was handed: a child that refused them (its log
+            # re-rotated KV) fetched none, and its record said 184,320 bytes moved beside 0 tokens adopted
+            moved = 0 if node == parent.node else out["adopted_tokens"] // self.kernel.block_size * self.kernel.block_bytes
+            rec.acknowledged(out["adopted_tokens"], moved, str(out.get("model_id", "")))
+            self._acknowledge(rec, raw)
         return rec.to_dict()
 
     def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:

@@ -6,12 +6,17 @@ the sessions servicer counting a tenant's quota after a restart. It survives the
 
     {"tenant": "acme", "session": "s1", "node": "<ray node id>", "state": "active", "epoch": 0,
      "created": 1733130000.0, "adopted_tokens": 32, "parent": "", "moved_bytes": 0, "regenerated": 0,
-     "witness": null, "model_id": "3d4dba9effc419f3", "rebuilt_from_model_id": ""}
+     "witness": null, "model_id": "3d4dba9effc419f3", "rebuilt_from_model_id": "",
+     "create_op_id": "<the create's or fork's op id>"}
 
 `model_id` is the kernel (weights, dtype, backend, CPU code path: `Kernel.model_id`) whose KV the session
 holds: a rebuild is bit-identical only on a kernel of the same one. A rebuild that had to run on another
 (no survivor had it) sets `rebuilt_from_model_id` to the one the session had. Records written before these
 fields load with "" (unknown: no preference, nothing flagged).
+
+Writers may overlap (threads of one KernelFleet, two controllers during a leader change), so a record is
+changed only over the bytes its writer read (`insert`, `replace`, `remove`: the store's compare-and-set):
+a create never writes over another's record, and a rebuild never brings back a record a close removed.
 
 The state is the registry's alone (a kernel host reports what it holds, never a state); one vocabulary:
 
@@ -32,7 +37,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 NAMESPACE = "kvfleet.sessions"
 CREATING, ACTIVE, IDLE, LOST, REGENERATED = "creating", "active", "idle", "lost", "regenerated"
@@ -56,6 +61,7 @@ class SessionRecord:
     witness: dict[str, Any] | None = None
     model_id: str = ""               # the kernel whose KV it holds ("" unknown: a record from before the field)
     rebuilt_from_model_id: str = ""  # set when a rebuild ran on a kernel of another model_id: the one it had
+    create_op_id: str = ""  # the op id of the create or fork that made it (its first op or fork marker carries it)
 
     def __post_init__(self) -> None:
         assert self.state in STATES, self.state
@@ -114,7 +120,16 @@ class RegistryStore(Protocol):
 
     def kv_delete(self, namespace: str, key: str) -> None: ...
 
+    def kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool: ...
+
     def kv_scan(self, namespace: str) -> dict[str, bytes]: ...
+
+
+class Stored(NamedTuple):
+    """A record and the exact bytes the store holds for it (what a conditional write compares)."""
+
+    rec: SessionRecord
+    raw: bytes
 
 
 class SessionRegistry:
@@ -128,8 +143,29 @@ class SessionRegistry:
         raw = self.store.kv_get(NAMESPACE, _key(tenant, session_id))
         return None if raw is None else SessionRecord.from_dict(json.loads(raw))
 
+    def read(self, tenant: str, session_id: str) -> Stored | None:
+        """The record with its stored bytes (for `replace` and `remove`); None when there is none."""
+        raw = self.store.kv_get(NAMESPACE, _key(tenant, session_id))
+        return None if raw is None else Stored(SessionRecord.from_dict(json.loads(raw)), bytes(raw))
+
     def save(self, rec: SessionRecord) -> None:
-        self.store.kv_put(NAMESPACE, _key(rec.tenant, rec.session), json.dumps(rec.to_dict()).encode())
+        """Write `rec` whatever the store holds (tests and tools; the fleet writes conditionally)."""
+        self.store.kv_put(NAMESPACE, _key(rec.tenant, rec.session), _encode(rec))
+
+    def insert(self, rec: SessionRecord) -> bytes | None:
+        """Write a new record while no record holds its name; its bytes, or None when one does."""
+        raw = _encode(rec)
+        return raw if self.store.kv_swap(NAMESPACE, _key(rec.tenant, rec.session), None, raw) else None
+
+    def replace(self, rec: SessionRecord, old: bytes) -> bytes | None:
+        """Write `rec` over its record while the store still holds `old` (the bytes read or written last); the
+        new bytes, or None when the record changed or went meanwhile (nothing written)."""
+        raw = _encode(rec)
+        return raw if self.store.kv_swap(NAMESPACE, _key(rec.tenant, rec.session), old, raw) else None
+
+    def remove(self, tenant: str, session_id: str, old: bytes) -> bool:
+        """Delete the record while the store still holds `old`; whether it did."""
+        return self.store.kv_swap(NAMESPACE, _key(tenant, session_id), old, None)
 
     def delete(self, tenant: str, session_id: str) -> None:
         self.store.kv_delete(NAMESPACE, _key(tenant, session_id))
@@ -138,6 +174,10 @@ class SessionRegistry:
         """Every record (of `tenant`, when given), `creating` ones included, in key order."""
         recs = [SessionRecord.from_dict(json.loads(raw)) for _, raw in sorted(self.store.kv_scan(NAMESPACE).items())]
         return [r for r in recs if tenant is None or r.tenant == tenant]
+
+
+def _encode(rec: SessionRecord) -> bytes:
+    return json.dumps(rec.to_dict()).encode()
 
 
 def _key(tenant: str, session_id: str) -> str:

@@ -89,13 +89,13 @@ def test_node_budget_evicts_least_recently_used_prefix(ray_cluster: None, tmp_pa
 def test_fork_isolation_across_actors(kfleet: KernelFleet, tenant: str) -> None:
     kfleet.create_session(tenant, "p", SYSTEM)
     kfleet.append(tenant, "p", " tool result: 42.")
-    kfleet.fork(tenant, "p", "c")
+    child = kfleet.fork(tenant, "p", "c")
     before = kfleet.digest(tenant, "c")
     kfleet.evict(tenant, "p", piece_id=1, mode="exact")          # only in the parent
     kfleet.append(tenant, "p", " more")
     assert kfleet.digest(tenant, "c") == before                   # the child did not move
     child_ops = kfleet.store.oplog_read(tenant, "c")
-    assert child_ops[-1] == {"op": "fork", "parent": "p", "at": 2}
+    assert child_ops[-1] == {"op": "fork", "parent": "p", "at": 2, "op_id": child["create_op_id"]}  # the fork's op id
     alone = replay_locally(child_ops[:-1])                        # built alone, never forked
     assert alone.digest() == before
     lp = kfleet.append(tenant, "p", "?").logits

@@ -28,7 +28,7 @@ def test_fork_adopts_parent_blocks_bit_identically_and_copies_on_write(kfleet: K
     kfleet.evict(tenant, "p", 1, mode="exact")                    # the ledger shifts: replayed without KV
     kfleet.append(tenant, "p", [5, 6, 7])                         # model output piece
     kfleet.append(tenant, "p", " go on")
-    kfleet.fork(tenant, "p", "c")
+    child = kfleet.fork(tenant, "p", "c")
     n = len(kfleet.tokens(tenant, "p"))
     info = kfleet.info(tenant, "c")
     adopted = (n - 1) // BS * BS                                   # it computes its own last logits
@@ -36,7 +36,7 @@ def test_fork_adopts_parent_blocks_bit_identically_and_copies_on_write(kfleet: K
           f"bytes shared {info['bytes_shared']}, alone {info['bytes_alone']}")
     assert info["adopted_tokens"] == adopted > 0 and info["bytes_shared"] == adopted // BS * block_bytes
     ops = kfleet.store.oplog_read(tenant, "c")
-    assert ops[-1] == {"op": "fork", "parent": "p", "at": len(ops) - 1}
+    assert ops[-1] == {"op": "fork", "parent": "p", "at": len(ops) - 1, "op_id": child["create_op_id"]}
     alone = replay_locally(ops[:-1], kfleet.store, tenant)         # built alone, never forked
     assert kfleet.pieces(tenant, "c") == kfleet.pieces(tenant, "p") == alone.pieces
     assert kfleet.digest(tenant, "c") == alone.digest()

@@ -1,0 +1,145 @@
+"""Calls that change what stands behind one session name, overlapping: creates and forks of one name. In one
+fleet (threads of the Python API) and in two fleets on one store and one set of hosts (two controllers
+overlapping during a leader change). Whatever the interleaving, the session that was acknowledged is whole
+(its record, its host's kernel, its op log agree) and the loser is refused.
+
+Each interleaving is forced: the first call of a verb to the hosts runs the other call (in another thread)
+before it goes on, or once it returned, and goes on when that call has finished or waits for this fleet's
+lock of the name (it then cannot go on before this one does)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+from support.workers import SPEC, host_of
+
+from fleet.core.errors import AlreadyExists
+from fleet.core.kernel.tokenizer import encode_message
+from fleet.core.oplog import ForkOp, parse_log
+from workers.fleet import KernelFleet
+
+PARENT = "You are agent zero. Answer briefly."
+PROMPT = "You are agent one, a different agent."
+
+
+@pytest.fixture
+def other(kfleet: KernelFleet) -> Iterator[KernelFleet]:
+    """A second controller's fleet: the same store and the same kernel hosts (found by name)."""
+    f = KernelFleet(kfleet.store_url, SPEC, call_timeout_s=120.0)
+    yield f
+    f.release()  # its hosts are the first fleet's, which stops them
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test compares
+        return e
+
+
+def _beside(f: KernelFleet, verb: str, key: tuple[str, str], call: Callable[[], Any], after: bool = False) -> dict[str, Any]:
+    """Make `f`'s first host call of `verb` run `call` in another thread first (after=True: once the host
+    answered); it goes on once `call` finished or waits for `f`'s lock of `key`. Returns `call`'s outcome
+    (under "out") once it is known."""
+    real, box, fired = f.nodes.call, {}, threading.Event()
+
+    def run_other() -> None:
+        th = threading.Thread(target=lambda: box.__setitem__("out", _outcome(call)))
+        th.start()
+        names = getattr(f, "_names", None)   # the fleet's name locks (none on the code before them)
+        while th.is_alive() and not (names is not None and names.num_waiting(key) >= 2):
+            th.join(0.01)
+        box["thread"] = th
+
+    def hooked(node: str, method: str, *args: Any) -> Any:
+        if method != verb or fired.is_set():
+            return real(node, method, *args)
+        fired.set()
+        if not after:
+            run_other()
+            return real(node, method, *args)
+        answer = real(node, method, *args)
+        run_other()
+        return answer
+
+    f.nodes.call = hooked  # type: ignore[method-assign]
+    return box
+
+
+def _finish(box: dict[str, Any]) -> Any:
+    box["thread"].join(120)
+    return box["out"]
+
+
+def _whole(f: KernelFleet, tenant: str, sid: str) -> dict[str, Any]:
+    """What stands behind the name: its record, whether its host holds it, its log, and its tokens."""
+    rec = f.registry.get(tenant, sid)
+    log = parse_log(f.store.oplog_read(tenant, sid))
+    held = rec is not None and ray.get(host_of(f.store_url, rec.node).holds.remote(tenant, sid), timeout=60)
+    f._where.pop((tenant, sid), None)
+    tokens = _outcome(lambda: f.tokens(tenant, sid))
+    return {"state": rec.state if rec else None, "op_id": getattr(rec, "create_op_id", None), "held": held,
+            "log": [(type(o).__name__, o.op_id) for o in log], "tokens": tokens}
+
+
+def _brief(now: dict[str, Any]) -> dict[str, Any]:
+    return {**now, "tokens": len(now["tokens"]) if isinstance(now["tokens"], list) else now["tokens"]}
+
+
+def _system(f: KernelFleet, prompt: str) -> list[int]:
+    return encode_message(f.tokenizer, "system", prompt)
+
+
+@pytest.mark.parametrize("first", ["create", "fork"])
+def test_a_create_and_a_create_or_fork_of_one_name_in_one_fleet(kfleet: KernelFleet, tenant: str, first: str) -> None:
+    """The first call (a create, or a fork) is at its host when a create of the same name comes. NOTE: before,
+    the second cleared the first's `creating` record and created the session; the first, refused by the host,
+    then discarded the second's acknowledged session (record, kernel, log): NotFound 'no op log' ever after."""
+    kfleet.create_session(tenant, "p", PARENT)
+    key = (tenant, "s")
+    if first == "create":
+        box = _beside(kfleet, "create_session", key, lambda: kfleet.create_session(tenant, "s", PROMPT))
+        won = _outcome(lambda: kfleet.create_session(tenant, "s", PARENT + " Twice."))
+    else:
+        box = _beside(kfleet, "fork", key, lambda: kfleet.create_session(tenant, "s", PROMPT))
+        won = _outcome(lambda: kfleet.fork(tenant, "p", "s"))
+    lost = _finish(box)
+    now = _whole(kfleet, tenant, "s")
+    print(f"first ({first}): {won!r:.80}; second (create): {lost!r:.80}; behind the name: {_brief(now)}")
+    assert isinstance(won, dict) and won["state"] == "active" and isinstance(lost, AlreadyExists)
+    assert now["state"] == "active" and now["held"] and now["op_id"] == won["create_op_id"]
+    if first == "create":
+        assert now["log"] == [("AppendOp", won["create_op_id"])] and now["tokens"] == _system(kfleet, PARENT + " Twice.")
+    else:
+        assert now["log"][-1] == ("ForkOp", won["create_op_id"]) and now["tokens"] == _system(kfleet, PARENT)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_creates_of_one_name_in_two_controllers(kfleet: KernelFleet, other: KernelFleet, tenant: str,
+                                                when: str) -> None:
+    """A create in one controller reaches its host (`before`: the host has not opened it yet; `after`: it has,
+    and the create is not yet acknowledged) when another controller creates the same name, whole (it takes
+    the first's `creating` record for a crashed create's, as it must). The second wins; the first is refused
+    and removes nothing of the second's. NOTE: before, the first discarded the second's acknowledged session
+    (`before`), or wrote its own record over the second's: two creates acknowledged (`after`)."""
+    key = (tenant, "s")
+    box = _beside(kfleet, "create_session", key, lambda: other.create_session(tenant, "s", PROMPT), after=when == "after")
+    first = _outcome(lambda: kfleet.create_session(tenant, "s", PARENT))
+    second = _finish(box)
+    now = _whole(kfleet, tenant, "s")
+    print(f"first: {first!r:.80}; second: {second!r:.80}; behind the name: {_brief(now)}")
+    assert isinstance(second, dict) and isinstance(first, AlreadyExists)
+    assert now["state"] == "active" and now["held"] and now["op_id"] == second["create_op_id"]
+    assert now["log"] == [("AppendOp", second["create_op_id"])] and now["tokens"] == _system(kfleet, PROMPT)
+
+
+def test_fork_markers_carry_the_fork_op_id(kfleet: KernelFleet, tenant: str) -> None:
+    """A fork's log ends with its marker, stamped with the fork's op id (what its cleanup recognises)."""
+    kfleet.create_session(tenant, "p", PARENT)
+    child = kfleet.fork(tenant, "p", "c")
+    [*_, marker] = parse_log(kfleet.store.oplog_read(tenant, "c"))
+    assert isinstance(marker, ForkOp) and marker.op_id == child["create_op_id"] and len(marker.op_id) == 32
