@@ -13,11 +13,11 @@ with the same op id (so an op that was logged just before the crash is not appli
 call failed after logging its op answers SessionGone too (workers/session_kernel.py SessionTorn): it is
 rebuilt from its log the same way. Every wait has a timeout: a fault never hangs a caller.
 
-Creates and forks of one name may overlap: threads of one fleet take the name's lock
-(workers/name_locks.py), so a create that loses to another gets AlreadyExists. Writers in other processes
-(two controllers during a leader change) are kept apart by the registry's compare-and-set and the host's
-check-and-insert: a try that fails removes only what it made (the kernel, op log and record of its own op
-id), never the session that won the name.
+Calls that change what stands behind a name (create, fork, close, release, rebuild) may overlap: threads of
+one fleet take the name's lock (workers/name_locks.py), so a create that loses to another gets AlreadyExists
+and a close waits for a rebuild. Writers in other processes (two controllers during a leader change) are
+kept apart by the registry's compare-and-set and the host's check-and-insert: a try that fails removes only
+what it made (the kernel, op log and record of its own op id), never the session that won the name.
 
 Nodes come and go: the hosts follow Ray's node table (re-read at most every `node_refresh_s`, and
 at once after a failure). A node that joins and has the resources sessions need gets a host and
@@ -52,7 +52,7 @@ from workers.placement import (
     node_of,
     node_resources,
 )
-from workers.registry import CREATING, IDLE, LOST, SessionRecord, SessionRegistry
+from workers.registry import CREATING, IDLE, LOST, SessionRecord, SessionRegistry, Stored
 from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
@@ -61,6 +61,16 @@ __all__ = ["KernelFleet", "NodeGone", "OpResult"]
 log = logging.getLogger(__name__)
 
 RECONCILE_THREADS = 8  # sessions `reconcile` rebuilds at once (a host rebuilds them on its lanes)
+REBUILD_TRIES = 3  # reads of a record another controller changed during a rebuild before giving up
+
+
+class _Changed(Exception):
+    """The record changed under a rebuild (another controller wrote it): read it again."""
+
+
+def _rebuild_owner(rec: SessionRecord) -> str:
+    """The token a rebuild of this session at its epoch opens its kernel with (one per session and loss)."""
+    return f"{rec.create_op_id}@{rec.epoch}"
 
 
 def _made_by(log: list[Op], op_id: str) -> bool:
@@ -116,8 +126,7 @@ class KernelFleet:
         self.num_regenerations = 0
         self._where: dict[tuple[str, str], str] = {}  # (tenant, session) -> the node whose host holds it
         self._guard = threading.Lock()
-        self._rebuilding: dict[tuple[str, str], threading.Lock] = {}  # one rebuild of a session at a time
-        self._names = NameLocks()  # creates and forks: one at a time per name
+        self._names = NameLocks()  # create, fork, close, release, rebuild: one at a time per session
         self.refresh_nodes(force=True)
         if not self.hosts and self.nodes.num_without_gpu:
             raise Unavailable(f"no Ray node can run the kernel spec: {self.nodes.num_without_gpu} node(s) have no GPU "
@@ -142,10 +151,14 @@ class KernelFleet:
     def _record(self, tenant: str, session_id: str) -> SessionRecord:
         """The session's registry record. A record still `creating` belongs to a create or fork
         that was never acknowledged (in flight, or its controller crashed): the session is absent."""
-        rec = self.registry.get(tenant, session_id)
-        if rec is None or rec.state == CREATING:
+        return self._stored(tenant, session_id).rec
+
+    def _stored(self, tenant: str, session_id: str) -> Stored:
+        """`_record`, with the bytes a conditional write of it compares."""
+        stored = self.registry.read(tenant, session_id)
+        if stored is None or stored.rec.state == CREATING:
             raise NotFound(f"session {session_id!r} not found (unknown or closed)")
-        return rec
+        return stored
 
     def check_session(self, tenant: str, session_id: str) -> None:
         """NotFound unless `session_id` is a registered session of `tenant` (a check before costly work)."""
@@ -214,22 +227,26 @@ class KernelFleet:
             except (SessionGone, NodeGone) as e:
                 self._where.pop(key, None)
                 if attempt:
+                    with self._names.hold(key):           # a close in flight finishes first
+                        self._record(tenant, session_id)  # NotFound when it was closed meanwhile
                     raise Unavailable(f"session {session_id}: lost again after regeneration") from e
             self._rebuild(tenant, session_id)
         raise Unavailable(f"session {session_id}: unreachable")  # pragma: no cover - loop returns or raises
 
     def _rebuild(self, tenant: str, session_id: str) -> tuple[SessionRecord, bool]:
         """Rebuild a session its host lost, once: callers (and `reconcile`) that saw the same loss at
-        the same time wait for one rebuild instead of each replaying the log and stepping the epoch.
-        Returns its record, and whether this call rebuilt it."""
-        key = (tenant, session_id)
-        with self._guard:
-            lock = self._rebuilding.setdefault(key, threading.Lock())
-        with lock:
-            rec = self._record(tenant, session_id)             # NotFound when closed meanwhile
-            if rec.live and self._holds(rec):
-                return rec, False                               # another caller rebuilt it meanwhile
-            return self._regenerate(rec), True
+        the same time wait for one rebuild instead of each replaying the log and stepping the epoch
+        (the name's lock, which a close waits for too). Returns its record, and whether this call rebuilt it."""
+        with self._names.hold((tenant, session_id)):
+            for _ in range(REBUILD_TRIES):
+                stored = self._stored(tenant, session_id)      # NotFound when closed meanwhile
+                if stored.rec.live and self._holds(stored.rec):
+                    return stored.rec, False                    # another caller rebuilt it meanwhile
+                try:
+                    return self._regenerate(stored), True
+                except _Changed:                                # another controller wrote it: read it again
+                    continue
+        raise Unavailable(f"session {session_id}: its record kept changing while it was rebuilt; try again")
 
     def _holds(self, rec: SessionRecord) -> bool:
         """Whether the host of the record's node holds the session now, whole: its info answers. A session
@@ -240,37 +257,63 @@ class KernelFleet:
             return False
         return True
 
-    def _regenerate(self, rec: SessionRecord) -> SessionRecord:
+    def _regenerate(self, stored: Stored) -> SessionRecord:
         """Mark the session lost (kv forgotten), rebuild it from its op log, mark it regenerated.
 
         The record names the node that rebuilds it before that host is asked, so when the call
         times out (a replay longer than `call_timeout_s`) the next rebuild of the same loss asks the
         same host, which joins the replay it still runs, or answers at once once it is done
-        (KernelHost.regenerate), instead of starting the whole replay over: a slow rebuild settles."""
+        (KernelHost.regenerate), instead of starting the whole replay over: a slow rebuild settles.
+        Each write is conditional on the record read or written last: a record a close removed meanwhile
+        is never written back (NotFound), one another controller changed is read again (_Changed)."""
+        rec, raw = stored
         rec.lose()
-        self.registry.save(rec)
+        raw = self._replace(rec, raw)
         node = rec.node if self.nodes.answers(rec.node) else self.nodes.place(rec.tenant, [], model_id=rec.model_id)
         try:
-            model_id = self._regenerate_on(rec, node)
+            raw, model_id = self._regenerate_on(rec, raw, node)
         except NodeGone:  # its node died just now: a survivor rebuilds it
             node = self.nodes.place(rec.tenant, [], exclude=node, model_id=rec.model_id)
-            model_id = self._regenerate_on(rec, node)
+            raw, model_id = self._regenerate_on(rec, raw, node)
         if rec.rebuilt(node, model_id):
             log.warning("session %s/%s was rebuilt on node %s by a kernel of model_id %s, not its own %s (no survivor "
                         "has it): its KV and logits are close to, not bit-identical with, what was acknowledged",
                         rec.tenant, rec.session, node, model_id, rec.rebuilt_from_model_id)
-        self.registry.save(rec)
+        if self.registry.replace(rec, raw) is None:
+            self._forsake(rec)
         with self._guard:
             self.num_regenerations += 1
         return rec
 
-    def _regenerate_on(self, rec: SessionRecord, node: str) -> str:
-        """Ask `node`'s host to rebuild the lost session, the record naming that node first; the model_id of the
-        kernel that rebuilt it ("" from a host that does not say)."""
+    def _regenerate_on(self, rec: SessionRecord, raw: bytes, node: str) -> tuple[bytes, str]:
+        """Ask `node`'s host to rebuild the lost session, the record naming that node first; the record's bytes,
+        and the model_id of the kernel that rebuilt it ("" from a host that does not say)."""
         if rec.node != node:
             rec.node = node
-            self.registry.save(rec)  # still lost: the node a later rebuild of this loss asks first
-        return str(self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch).get("model_id", ""))
+            raw = self._replace(rec, raw)  # still lost: the node a later rebuild of this loss asks first
+        out = self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch, _rebuild_owner(rec))
+        return raw, str(out.get("model_id", ""))
+
+    def _replace(self, rec: SessionRecord, raw: bytes) -> bytes:
+        """Write `rec` over the record read or written last (`raw`); _Changed when another writer changed it,
+        NotFound when it was removed (closed)."""
+        new = self.registry.replace(rec, raw)
+        if new is None:
+            if self.registry.read(rec.tenant, rec.session) is None:
+                raise NotFound(f"session {rec.session!r} not found (closed while it was rebuilt)")
+            raise _Changed
+        return new
+
+    def _forsake(self, rec: SessionRecord) -> None:
+        """After a rebuild whose record changed or went meanwhile: close the kernel it made unless the record
+        now names that very kernel (another controller's rebuild of the same loss, joined on its host); then
+        NotFound (closed) or _Changed (read it again)."""
+        now = self.registry.read(rec.tenant, rec.session)
+        if now is None or (now.rec.node, now.rec.epoch) != (rec.node, rec.epoch):
+            self._close_kernel(rec.node, rec.tenant, rec.session, _rebuild_owner(rec))
+        if now is None:
+            raise NotFound(f"session {rec.session!r} not found (closed while it was rebuilt)")
+        raise _Changed
 
     def _tokens(self, x: str | bytes | list[int]) -> list[int]:
         """Text encoded, or token ids checked (the one rule: check_token_ids); the Python API's edge."""
@@ -479,33 +522,32 @@ class KernelFleet:
         return total
 
     def close(self, tenant: str, session_id: str) -> None:
-        """Drop the session's kernel and delete its op log; later calls raise NotFound."""
-        rec = self._record(tenant, session_id)
-        self._discard(tenant, session_id, rec.node)
+        """Drop the session's kernel and delete its op log; later calls raise NotFound. A close waits for a
+        create, fork or rebuild of the session in flight in this fleet (the name's lock), and a rebuild in
+        another controller never writes the record back (it writes only over the record it read)."""
+        with self._names.hold((tenant, session_id)):
+            rec = self._record(tenant, session_id)
+            self._discard(tenant, session_id, rec.node)
 
     def release_session(self, tenant: str, session_id: str) -> None:
         """Drop the session's kernel from its host to free its KV memory (idle reaping); its record
         (state `idle`) and op log stay, so its next call regenerates it from the log."""
-        rec = self._record(tenant, session_id)
-        self._where.pop((tenant, session_id), None)
-        if rec.node in self.hosts:
-            self.nodes.call(rec.node, "close", tenant, session_id)
-        if rec.live:
-            rec.released()
-            self.registry.save(rec)
+        with self._names.hold((tenant, session_id)):
+            rec, raw = self._stored(tenant, session_id)
+            self._where.pop((tenant, session_id), None)
+            if rec.node in self.hosts:
+                self.nodes.call(rec.node, "close", tenant, session_id)
+            if rec.live:
+                rec.released()
+                self.registry.replace(rec, raw)  # not over a record closed (or rebuilt) meanwhile elsewhere
 
     def _discard(self, tenant: str, session_id: str, node: str) -> None:
+        """Close: the session's kernel, then its op log, then its record (a crash half-way leaves the record,
+        which a close removes again, never a kernel no record names)."""
         self._where.pop((tenant, session_id), None)
-        with self._guard:
-            self._rebuilding.pop((tenant, session_id), None)
+        self._close_kernel(node, tenant, session_id)
+        self._drop_log(tenant, session_id, None)
         self.registry.delete(tenant, session_id)
-        if node in self.hosts:
-            try:
-                self.nodes.call(node, "close", tenant, session_id)
-            except NodeGone:  # its kernel went with the node
-                pass
-        drop_blob_refs(self.store, parse_log(self.store.oplog_read(tenant, session_id)))
-        self.store.oplog_delete(tenant, session_id)
 
     # -- reads --------------------------------------------------------------------------------
 

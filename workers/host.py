@@ -322,7 +322,7 @@ class KernelHost:
         s = await self._open(tenant, session_id, epoch, owner)
         self.num_replays += 1
         try:
-            return dict(await s.restore())
+            return dict(await s.restore())   # SessionGone when it was closed meanwhile
         except BaseException:
             self._drop(s)                    # not a later rebuild's session
             raise

@@ -1,8 +1,9 @@
 """NameLocks: one lock per session name, in one process.
 
 KernelFleet holds a session's lock while it changes what stands behind the name (its record, kernel and
-op log): a create or fork. Two such calls of one name in one process never interleave, so a create that
-loses to another never clears the winner's session. Calls of other names do not wait. Writers in other processes (a second
+op log): a create or fork, a close, a release, a rebuild. Two such calls of one name in one process never
+interleave, so a create that loses to another never clears the winner's session, and a close waits for a
+rebuild instead of running under it. Calls of other names do not wait. Writers in other processes (a second
 controller during a leader change) are kept apart by the registry's compare-and-set (workers/registry.py)
 and the kernel host's check-and-insert (workers/host.py) instead.
 

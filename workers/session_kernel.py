@@ -300,6 +300,8 @@ class SessionKernel:
                 self.num_prefilled_tokens += ctx.session.num_computed
 
             await self._run(work)
+            if self.closed:  # NOTE: a close waits for this lock; a rebuild it overtook answers no row of a closed session
+                raise SessionGone(f"session {self.session_id} was closed while it was rebuilt on this host")
             return self.info_row()
 
     async def _shared_prefix(self, tokens: list[int], refs: list[Any], model_id: str | None) -> PrefixKV | None:

@@ -1,7 +1,8 @@
-"""Calls that change what stands behind one session name, overlapping: creates and forks of one name. In one
-fleet (threads of the Python API) and in two fleets on one store and one set of hosts (two controllers
-overlapping during a leader change). Whatever the interleaving, the session that was acknowledged is whole
-(its record, its host's kernel, its op log agree) and the loser is refused.
+"""Calls that change what stands behind one session name, overlapping: creates and forks of one name, a close
+during a rebuild. In one fleet (threads of the Python API) and in two fleets on one store and one set of hosts
+(two controllers overlapping during a leader change). Whatever the interleaving, the session that was
+acknowledged is whole (its record, its host's kernel, its op log agree), the loser is refused, and a closed
+session stays closed.
 
 Each interleaving is forced: the first call of a verb to the hosts runs the other call (in another thread)
 before it goes on, or once it returned, and goes on when that call has finished or waits for this fleet's
@@ -15,9 +16,9 @@ from typing import Any
 
 import pytest
 import ray
-from support.workers import SPEC, host_of
+from support.workers import SPEC, host_of, kill_host
 
-from fleet.core.errors import AlreadyExists
+from fleet.core.errors import AlreadyExists, NotFound
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import ForkOp, parse_log
 from workers.fleet import KernelFleet
@@ -135,6 +136,55 @@ def test_creates_of_one_name_in_two_controllers(kfleet: KernelFleet, other: Kern
     assert isinstance(second, dict) and isinstance(first, AlreadyExists)
     assert now["state"] == "active" and now["held"] and now["op_id"] == second["create_op_id"]
     assert now["log"] == [("AppendOp", second["create_op_id"])] and now["tokens"] == _system(kfleet, PROMPT)
+
+
+def _lose(f: KernelFleet, tenant: str, sid: str) -> None:
+    """The session's host dies (Ray restarts it empty): its next call rebuilds it from its op log."""
+    f.create_session(tenant, sid, PARENT)
+    f.append(tenant, sid, " and then some.")
+    rec = f.registry.get(tenant, sid)
+    assert rec is not None
+    kill_host(f.store_url, rec.node)
+
+
+def test_a_close_during_a_rebuild_waits_for_it_and_stays_closed(kfleet: KernelFleet, tenant: str) -> None:
+    """A close comes once the host has rebuilt the session and before the rebuild writes its record. NOTE:
+    before, the rebuild wrote the closed session's record back: listed lost, with no log and no kernel behind
+    it, AlreadyExists to a create of its name, NotFound to its calls."""
+    _lose(kfleet, tenant, "s")
+    box = _beside(kfleet, "regenerate", (tenant, "s"), lambda: kfleet.close(tenant, "s"), after=True)
+    read = _outcome(lambda: kfleet.digest(tenant, "s"))   # the call that rebuilds it
+    closed = _finish(box)
+    now = _whole(kfleet, tenant, "s")
+    print(f"the call that rebuilt it: {read!r:.60}; close: {closed!r}; behind the name: {_brief(now)}")
+    assert closed is None and isinstance(read, str | NotFound)   # the call ran before the close, or after it
+    assert (now["state"], now["held"], now["log"]) == (None, False, []) and isinstance(now["tokens"], NotFound)
+    assert kfleet.create_session(tenant, "s", PROMPT)["state"] == "active"
+    assert kfleet.tokens(tenant, "s") == _system(kfleet, PROMPT)
+
+
+def test_a_close_and_create_in_another_controller_during_a_rebuild(kfleet: KernelFleet, other: KernelFleet,
+                                                                   tenant: str) -> None:
+    """Another controller closes the session and creates its name anew once the host has rebuilt it, before
+    the rebuild writes its record. The rebuild writes nothing over the new session's record and closes only
+    the kernel it opened; its call then reads the new session. NOTE: before, the rebuild wrote the old
+    session's record (`regenerated`, epoch 1) over the new one's."""
+    _lose(kfleet, tenant, "s")
+
+    def close_and_create() -> dict[str, Any]:
+        other.close(tenant, "s")
+        return other.create_session(tenant, "s", PROMPT)
+
+    box = _beside(kfleet, "regenerate", (tenant, "s"), close_and_create, after=True)
+    read = _outcome(lambda: kfleet.tokens(tenant, "s"))   # the call that rebuilds it
+    created = _finish(box)
+    now = _whole(kfleet, tenant, "s")
+    print(f"the call that rebuilt it: {read!r:.60}; created: {created!r:.80}; behind the name: {_brief(now)}")
+    assert isinstance(created, dict) and read == _system(kfleet, PROMPT)
+    assert (now["state"], now["op_id"], now["held"]) == ("active", created["create_op_id"], True)
+    assert now["log"] == [("AppendOp", created["create_op_id"])] and now["tokens"] == _system(kfleet, PROMPT)
+    rec = kfleet.registry.get(tenant, "s")
+    assert rec is not None and (rec.epoch, rec.regenerated) == (0, 0)
 
 
 def test_fork_markers_carry_the_fork_op_id(kfleet: KernelFleet, tenant: str) -> None:

@@ -1,12 +1,14 @@
 """A kernel host opens a session for a create or fork only while it holds none of that name: the check and
 the insert run with no await between them, so of two tries one gets the name and the other is refused
-(AlreadyExists), and a try that fails, or is cleaned up, removes only the session it opened.
+(AlreadyExists), and a try that fails, or is cleaned up, removes only the session it opened. A rebuild that a
+close overtook answers SessionGone, not the row of a closed session.
 
 The host runs in this process, on one event loop, so each interleaving is forced, not hoped for."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from support.workers import SPEC
 from fleet.core.errors import AlreadyExists
 from fleet.core.oplog import ForkOp, parse_log
 from workers.host import KernelHost
+from workers.session_kernel import SessionGone
 
 PROMPT_A = [(i * 7 + 3) % 512 for i in range(40)]
 PROMPT_B = [(i * 11 + 5) % 512 for i in range(40)]
@@ -70,3 +73,42 @@ def test_a_fork_and_a_create_of_one_name_and_a_retry_of_the_same_try(ray_cluster
     assert isinstance(forked, dict) and isinstance(created, AlreadyExists)
     assert isinstance(retried, dict) and retried["num_ops"] == 2 and tokens == PROMPT_A
     assert _log(host, "s") == [("op-p", "AppendOp"), ("op-f", "ForkOp")]
+
+
+def _gate(host: KernelHost) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold the next job the host's lanes run until the returned `gate` is set; `entered` is set once it waits."""
+    real: Callable[[str, Callable[[], Any]], Awaitable[Any]] = host.lanes.run
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def gated(tenant: str, fn: Callable[[], Any]) -> Any:
+        if not gate.is_set():
+            entered.set()
+            await gate.wait()
+        return await real(tenant, fn)
+
+    host.lanes.run = gated  # type: ignore[method-assign]
+    return entered, gate
+
+
+def test_a_rebuild_a_close_overtook_answers_session_gone(ray_cluster: None, tmp_path: Path) -> None:
+    """The close comes while the rebuild replays the log (its lane job held), and waits for it. NOTE: before,
+    the rebuild answered its row all the same, and the fleet wrote the closed session's record back."""
+    host = _host(tmp_path)
+
+    async def main() -> tuple[Any, bool]:
+        await host.create_session("acme", "s", PROMPT_A, "op-a")
+        await host.close("acme", "s")                     # the kernel is lost; its log stays
+        entered, gate = _gate(host)
+        rebuild = asyncio.ensure_future(host.regenerate("acme", "s", 1))
+        await entered.wait()                               # the replay is under way, holding the session's lock
+        rebuilt = host.sessions[("acme", "s")]
+        closing = asyncio.ensure_future(host.close("acme", "s"))
+        while not rebuilt.closed:
+            await asyncio.sleep(0)                         # until the close marked it closed (it waits for the lock)
+        gate.set()
+        out = await asyncio.gather(rebuild, closing, return_exceptions=True)
+        return out[0], await host.holds("acme", "s")
+
+    answer, held = asyncio.run(main())
+    print(f"the rebuild answered: {answer!r}; held: {held}")
+    assert isinstance(answer, SessionGone) and not held
