@@ -518,8 +518,16 @@ class Router:
             self.demand.forget_rank(key)
             self.shadow.forget(key)
             return
-        pool = self.shadow.get(key)
-        if pool is None or (ev.medium or "GPU").upper() != "GPU":
+        if (ev.medium or "GPU").upper() != "GPU":
+            return
+        # NOTE: the pool is made here once the capacity is known, not at the rank's first route: a restarted
+        # controller (or a worker registered again) rebuilds the index by replay, and the shadow must see that
+        # replay in stored order. Made at the first route, it started empty (every block free and unhashed)
+        # beside a full index and predicted no eviction until a pool's worth of new blocks had gone by.
+        w = self._workers.get(key[0])
+        pool = self.shadow.pool(key, (w.load.num_gpu_blocks if w is not None else None)
+                                or self.index.learned_capacity(key))
+        if pool is None:
             return
         if isinstance(ev, BlockStored):
             pool.stored(ev.block_hashes, time.monotonic())

@@ -1,0 +1,103 @@
+"""The block-pool shadow follows the replay that rebuilds the index (issue #27, a controller restart or a worker
+registered again).
+
+The controller rebuilds a rank's index by replaying its KV events. The shadow of the rank's pool used to be made at
+the rank's first route, empty (every block free and unhashed) beside a full index, and events were dropped while it
+did not exist: so it predicted no eviction until a pool's worth of new blocks had gone by, and a route decided before
+a request's events arrived trusted blocks that request was evicting (the stale WARM routes the shadow exists for).
+Now the pool is made at the first event once the capacity is known, and the replay fills it in stored order. The
+real Router on a `kvfleet sim-vllm` worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from controller.metrics import Metrics
+from controller.registry import KvStore
+from controller.router import Router, RouterConfig, WorkerSpec
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.cas import open_store
+from fleet.core.block_hash import external_chain
+
+B, NUM_BLOCKS = 16, 64
+
+
+def _toks(seed: int, num_blocks: int) -> list[int]:
+    return [seed * 100_000 + k for k in range(num_blocks * B)]
+
+
+# six prompts of 10 blocks and one of 4: the stand-in's 64 blocks, the oldest first
+FILL = [_toks(i + 1, 10) for i in range(6)] + [_toks(60, 4)]
+
+
+async def _complete(sim: SimVllm, r: Router, toks: list[int]) -> None:
+    """One request straight to the worker, then wait until the router has every batch it published."""
+    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
+        assert resp.status == 200
+    await _synced(r, sim)
+
+
+async def _synced(r: Router, sim: SimVllm) -> None:
+    assert sim.publisher is not None
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if any(s.url == sim.url for s in r.workers()) and all(
+            s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url
+        ):
+            return
+    raise AssertionError("the router never ingested the worker's events")
+
+
+async def _router(store: KvStore) -> Router:
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+    await r.start()
+    return r
+
+
+@pytest.mark.parametrize("how", ["controller restarted", "worker registered again"])
+async def test_the_replay_that_rebuilds_the_index_fills_the_shadow_in_stored_order(tmp_path: Path, how: str) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=NUM_BLOCKS))).start()
+    spec = WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m")
+    r = await _router(store)
+    try:
+        await r.register_worker(spec)
+        for p in FILL:
+            await _complete(sim, r, p)
+        if how == "controller restarted":
+            await r.stop()
+            r = await _router(store)  # the index is rebuilt by replay from the store's seqs
+        else:
+            await r.unregister_worker("w0")
+            await r.register_worker(spec)  # its publisher's buffer is replayed
+        await _synced(r, sim)
+        key, cfg = ("w0", 0), r.worker("w0").view().hash_cfg
+        assert cfg is not None
+        chains = [external_chain(cfg, p) for p in FILL]
+        stored = [h for c in chains for h in c]
+        assert r.index.num_resident(key) == NUM_BLOCKS
+        pool = r.shadow.get(key)
+        assert pool is not None  # NOTE: before, None until the rank's first route, and then empty
+        assert pool.queue() == stored[1:]  # 63 usable blocks here (vLLM's null block), in stored order
+
+        # A extends the newest prompt by 20 blocks: LRU drops the two oldest prompts for it
+        a = FILL[-1] + _toks(900, 20)
+        da = await r.route(a, "m", track=True)
+        assert da.worker == "w0" and da.matched_tokens == 4 * B
+        victim = FILL[1]
+        dv = await r.route(victim, "m")  # decided before A's events arrive
+        assert (dv.verdict, dv.matched_tokens) == ("COLD", 0)  # NOTE: before, WARM with 160 matched
+        assert set(chains[1]) <= set(sim.engine.resident_external())  # still there: A has not run yet
+        await _complete(sim, r, a)
+        assert not set(chains[1]) & set(sim.engine.resident_external())  # control: gone where A ran
+        assert r.release_route(da.route_id)
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
