@@ -490,18 +490,16 @@ class Router:
     def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
                       now: float, owner: str | None = None) -> None:
         """Replay the route on the rank's block-pool shadow (controller.shadow_pool): the blocks LRU
-        drops for it are known before their BlockRemoved arrives. An untracked route is freed at once
-        (its end is never told), and only `owner`'s own Routes believe what it predicts (it may never be
-        sent); a tracked one is freed when released or dropped from the ledger."""
+        drops for it are known before their BlockRemoved arrives. An untracked route (it may never be sent,
+        and its end is never told) leaves the pool as it is: only `owner`'s own Routes believe what it would
+        evict; a tracked one is freed when released or dropped from the ledger."""
         w = self._workers[key[0]].view()
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
         cap = w.load.num_gpu_blocks or self.index.learned_capacity(key)
         if not B:
             return
-        rid = route_id or secrets.token_hex(8)
-        self.shadow.allocate(key, rid, chain, 1 if num_tokens % B else 0, cap, now, None if route_id else owner or "")
-        if not route_id:
-            self.shadow.free(rid, now)
+        self.shadow.allocate(key, route_id, chain, 1 if num_tokens % B else 0, cap, now,
+                             None if route_id else owner or "")
 
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a

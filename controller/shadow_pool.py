@@ -124,8 +124,7 @@ class RankPool:
         """A request with these full-block hashes (and `num_partial` unhashed blocks) arrives: it is
         admitted if nothing waits and its blocks fit, else it waits (first come, first served).
         Returns the hashes its admission evicted, in order (none while it waits). `speculative`: the tenant
-        of an untracked route (freed at once, and perhaps never sent): only that tenant's Routes believe the
-        evictions it predicts (`resident_prefix`).
+        of an untracked route (perhaps never sent): see `speculate`.
 
         A request with more blocks than the pool holds is not modelled: vLLM refuses a prompt past
         its max_model_len, whose KV it checks fits the pool at start, so it never runs. NOTE: before,
@@ -135,13 +134,47 @@ class RankPool:
             raise ValueError(f"route {route!r} already holds blocks")
         if len(chain) + num_partial > self.num_gpu_blocks - 1:
             return []
+        if speculative is not None:
+            return self.speculate(chain, num_partial, now, speculative)
         hit = self._hit(chain)
         if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
             new = len(chain) - hit + num_partial
             self._waiting[route] = (chain, num_partial, new)
             self._pending += new
             return []
-        return self._admit(route, chain, num_partial, hit, now, speculative)
+        return self._admit(route, chain, num_partial, hit, now)
+
+    def speculate(self, chain: Sequence[int], num_partial: int, now: float, owner: str) -> list[int]:
+        """What admitting an untracked route would evict, read off the queue's front: the pool does not change
+        (its caller may never send it, and a request that is sent is seen through its events). Only `owner`'s
+        Routes believe the evictions (`resident_prefix`); one everyone believes already stays so. Returns them.
+
+        NOTE: it used to be admitted and freed at once: its hits moved to the tail, the blocks it took left the
+        model and its never-sent blocks joined the tail hashed, so the next tracked route predicted, for every
+        tenant, the eviction of blocks vLLM kept (a resident prompt routed COLD)."""
+        if len(chain) + num_partial > self.num_gpu_blocks - 1:
+            return []
+        hit = self._hit(chain)
+        if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
+            return []  # it would wait: what it takes once admitted is not known now (the waiting are at_risk)
+        free, ev = self._free, self.evicted
+        touched = {h for h in chain[:hit] if h in free}  # its hits leave the queue before it takes blocks
+        n = min(len(chain) - hit + num_partial, self._fresh + len(free) - len(touched)) - self._fresh
+        out: list[int] = []
+        for k in free:
+            if n <= 0:
+                break
+            if k in touched:
+                continue
+            n -= 1
+            if isinstance(k, int):
+                out.append(k)
+        for g in out:
+            e = ev.get(g)
+            if e is None or e[1] is not None:
+                ev.pop(g, None)
+                ev[g] = (now, owner)
+        return out
 
     def _hit(self, chain: Sequence[int]) -> int:
         """The leading blocks cached here: vLLM's prefix hit. A later block cached on its own is not reused."""
@@ -168,8 +201,7 @@ class RankPool:
             out += self._admit(route, chain, num_partial, hit, now)
         return out
 
-    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float,
-               speculative: str | None = None) -> list[int]:
+    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float) -> list[int]:
         """Admit the request whose `hit` leading blocks (`_hit`, walked once by the caller) are cached here."""
         ref, free, ev = self._ref, self._free, self.evicted
         held: list[int | None] = []
@@ -189,7 +221,7 @@ class RankPool:
                 if isinstance(gone, int):
                     out.append(gone)
                     ev.pop(gone, None)
-                    ev[gone] = (now, speculative)
+                    ev[gone] = (now, None)
             if h is not None and (h in ref or h in free):
                 # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
                 # one hash to both copies); the copy is held here unhashed
@@ -325,8 +357,10 @@ class ShadowPools:
         p = self.pool(key, num_gpu_blocks)
         if p is None:
             return []
+        if speculative is not None:
+            return p.speculate(chain, num_partial, now, speculative)
         self._route_key[route] = key
-        return p.allocate(route, chain, num_partial, now, speculative)
+        return p.allocate(route, chain, num_partial, now)
 
     def free(self, route: str, now: float) -> None:
         key = self._route_key.pop(route, None)

@@ -130,6 +130,28 @@ def test_an_untracked_routes_predictions_hide_blocks_from_its_own_tenant_only() 
     assert q.resident_prefix([1, 2, 3], 3, now=1.5, owner="a") == 1
 
 
+def test_an_untracked_route_leaves_the_pool_as_it_was() -> None:
+    """An untracked Route may never be sent: what it would evict is read off the queue's front, and the pool does
+    not change (a request that is sent is seen through its events). Before, it was admitted and freed at once: its
+    hit moved to the tail, the blocks it took left the model and its never-sent blocks joined the tail hashed, so
+    the next tracked route predicted, for every tenant, the eviction of a block vLLM kept."""
+    p = RankPool(num_gpu_blocks=6, grace_s=5.0)  # 5 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a", now=0.0)
+    p.allocate("b", [4, 5], 0, now=0.0)
+    p.free("b", now=0.0)
+    assert p.queue() == [3, 2, 1, 5, 4]
+    # hit 4 (it would leave the queue first), then 9, 8 and a partial block: three taken from the front
+    assert p.allocate("u", [4, 9, 8], 1, now=1.0, speculative="h") == [3, 2, 1]
+    p.free("u", now=1.0)
+    assert p.queue() == [3, 2, 1, 5, 4] and not p.cached(9)      # NOTE: before, [5, None, 8, 9, 4]
+    assert p.speculate([4, 9, 8], 1, now=1.0, owner="h") == [3, 2, 1]  # the same again: nothing was taken
+    assert p.allocate("t", [7], 0, now=2.0) == [3]                # NOTE: before, [5]
+    assert p.resident_prefix([1, 2, 3], 3, now=2.5, owner="h") == 0  # h believes its own predictions ...
+    assert p.resident_prefix([1, 2, 3], 3, now=2.5, owner="x") == 2  # ... others only the tracked route's
+    assert p.resident_prefix([4, 5], 2, now=2.5, owner="x") == 2
+
+
 def test_events_correct_the_model() -> None:
     p = RankPool(num_gpu_blocks=4)  # 3 usable
     p.allocate("a", [1, 2], 0, now=0.0)

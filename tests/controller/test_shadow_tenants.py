@@ -1,0 +1,106 @@
+"""What one tenant's Routes make the block-pool shadow predict must not hide another tenant's resident blocks
+(issue #27 hardening). A Route is only a question until its request reaches the worker: the shadow may count what a
+Route would evict for that tenant's own Routes, and for everyone only once the worker's events show it sent.
+
+The real Router on a `kvfleet sim-vllm` worker of 64 blocks (the shadow: 63 usable, vLLM's null block); the
+prompts are sent straight to the worker, each with its tenant's salt, so the index and the shadow learn them
+from the worker's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.cas import open_store
+from fleet.core.block_hash import external_chain
+
+B, NUM_BLOCKS, KEY = 16, 64, ("w0", 0)
+
+
+def _salt(tenant: str) -> str:
+    return hashlib.sha256(tenant.encode()).hexdigest()
+
+
+def _toks(seed: int, num_blocks: int) -> list[int]:
+    return [seed * 100_000 + k for k in range(num_blocks * B)]
+
+
+async def _synced(r: Router, sim: SimVllm) -> None:
+    assert sim.publisher is not None
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
+            return
+    raise AssertionError("the router never ingested the worker's events")
+
+
+async def _send(r: Router, sim: SimVllm, toks: list[int], tenant: str) -> None:
+    """The request straight to the worker with the tenant's salt; then every batch it published is ingested."""
+    body = {"prompt": toks, "max_tokens": 1, "cache_salt": _salt(tenant)}
+    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+    await _synced(r, sim)
+
+
+@contextlib.asynccontextmanager
+async def _worker(tmp_path: Path) -> AsyncIterator[tuple[Router, SimVllm]]:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=NUM_BLOCKS))).start()
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+    await r.start()
+    try:
+        await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
+        for _ in range(200):
+            if r.worker("w0").view().load.num_gpu_blocks:
+                break
+            await asyncio.sleep(0.02)
+        yield r, sim
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
+def _chain(r: Router, toks: list[int], tenant: str) -> list[int]:
+    cfg = r.worker("w0").view().hash_cfg
+    assert cfg is not None
+    return external_chain(cfg, toks, cache_salt=_salt(tenant))
+
+
+async def test_an_untracked_route_never_sent_leaves_the_shadow_as_it_was(tmp_path: Path) -> None:
+    """An untracked Route used to be admitted and freed at once: it took the queue's front out of the model and
+    put its never-sent blocks at the tail, so the next tracked route, really sent, predicted for every tenant the
+    eviction of a prompt vLLM kept, which then went COLD for the 5 s grace."""
+    async with _worker(tmp_path) as (r, sim):
+        victim, foothold = _toks(2, 10), _toks(50, 3)
+        fill = [("filler", _toks(1, 10)), ("victim", victim)]
+        fill += [("filler", _toks(i, 10)) for i in range(3, 7)] + [("mallory", foothold)]  # 63 blocks
+        for tenant, p in fill:
+            await _send(r, sim, p, tenant)
+        pool = r.shadow.get(KEY)
+        assert pool is not None
+        before = pool.queue()
+        assert len(before) == 63 and None not in before  # full, in stored order
+
+        a = foothold + _toks(900, 10)  # mallory asks where its 13-block prompt would go, and never sends it
+        da = await r.route(a, "m", cache_salt=_salt("mallory"), owner="mallory")
+        assert da.worker == "w0"
+        assert pool.queue() == before  # NOTE: before, the front 10 blocks left and 11 of mallory's joined the tail
+
+        b = _toks(700, 10)  # a bystander's request, routed tracked and really sent
+        db = await r.route(b, "m", cache_salt=_salt("bystander"), owner="bystander", track=True)
+        await _send(r, sim, b, "bystander")
+        assert r.release_route(db.route_id, owner="bystander")
+        assert set(_chain(r, victim, "victim")) <= set(sim.engine.resident_external())  # vLLM kept it
+        dv = await r.route(victim, "m", cache_salt=_salt("victim"), owner="victim")
+        assert (dv.verdict, dv.matched_tokens) == ("WARM", 160)  # NOTE: before, COLD with 0 matched
