@@ -492,14 +492,17 @@ class Router:
         """Replay the route on the rank's block-pool shadow (controller.shadow_pool): the blocks LRU
         drops for it are known before their BlockRemoved arrives. An untracked route (it may never be sent,
         and its end is never told) leaves the pool as it is: only `owner`'s own Routes believe what it would
-        evict; a tracked one is freed when released or dropped from the ledger."""
+        evict. A tracked one is freed when released or dropped from the ledger; other tenants' Routes believe what
+        it evicts while it may be on its way (shadow_pool.UNSENT_S), then once a BlockStored of its new blocks shows
+        it sent, and if it ends before that, its admission is undone (track is the caller's choice: a tracked Route,
+        never sent, used to hide every tenant's blocks for the 5 s grace)."""
         w = self._workers[key[0]].view()
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
         cap = w.load.num_gpu_blocks or self.index.learned_capacity(key)
         if not B:
             return
         self.shadow.allocate(key, route_id, chain, 1 if num_tokens % B else 0, cap, now,
-                             None if route_id else owner or "")
+                             None if route_id else owner or "", owner or "")
 
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a

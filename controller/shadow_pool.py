@@ -32,6 +32,12 @@ pool had to), a BlockRemoved it did not predict frees the hash, a clear or an ep
 it. A predicted eviction is kept until its BlockRemoved confirms it, or for `grace_s` (a
 prediction the events never confirm was wrong: the index's view is trusted again).
 
+A Route is only a question until its request reaches the worker, and whether it is tracked is its caller's
+choice. An untracked route does not change the pool (`speculate`): only its own tenant's Routes believe what it
+would evict. A tracked one is admitted, and every tenant believes its evictions for `unsent_s`, the time its
+request needs to reach the engine; past that only its own tenant's, until a BlockStored of one of its new blocks
+shows it sent (every tenant's from then). If it ends before that, its admission is undone (`free`).
+
     pool = RankPool(num_gpu_blocks=5)             # 4 usable blocks
     pool.allocate("r1", [11, 12], 1, now=0.0)     # 2 hashed blocks + 1 partial: [] evicted
     pool.free("r1")                               # queue: fresh, partial, 12, 11 (front first)
@@ -45,6 +51,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 RankKey = tuple[str, int]
+# NOTE: how long every tenant believes what a tracked route evicts before an event shows its request on the engine:
+# the stand-in admitted requests 10-12 ms after their route at the median and 236-270 ms at p95 (docs/routing.md),
+# and the events take a few ms more. Past it the route may never have been sent (tracking is the caller's choice):
+# before, one tenant's tracked Routes, never sent, hid every tenant's blocks for the 5 s grace.
+UNSENT_S = 1.0
 
 
 class _Anon:
@@ -53,25 +64,45 @@ class _Anon:
     __slots__ = ()
 
 
+class _Unconfirmed(tuple[float, str]):
+    """A tracked route's predicted eviction before an event showed it sent: (when, owner). Every tenant's Routes
+    believe it for `RankPool.unsent_s` after `when`, then its owner's only."""
+
+    __slots__ = ()
+
+
+class _Unsent:
+    """A tracked route admitted here whose request no event has shown sent yet: its hit count, the entry its
+    evictions share in `evicted`, and what its new blocks took off the queue's front, in order (fresh blocks
+    first, then hashes or _Anon), to undo its admission if it ends unsent."""
+
+    __slots__ = ("hit", "entry", "num_fresh", "popped")
+
+    def __init__(self, hit: int, entry: _Unconfirmed, num_fresh: int, popped: list[object]) -> None:
+        self.hit, self.entry, self.num_fresh, self.popped = hit, entry, num_fresh, popped
+
+
 class RankPool:
     """One rank's pool: the free queue in eviction order, ref counts of pinned hashed blocks."""
 
-    def __init__(self, num_gpu_blocks: int, grace_s: float = 5.0) -> None:
+    def __init__(self, num_gpu_blocks: int, grace_s: float = 5.0, unsent_s: float = UNSENT_S) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2 (one is vLLM's null block), got {num_gpu_blocks}")
-        self.num_gpu_blocks, self.grace_s = num_gpu_blocks, grace_s
+        self.num_gpu_blocks, self.grace_s, self.unsent_s = num_gpu_blocks, grace_s, unsent_s
         self._fresh = num_gpu_blocks - 1  # never-used blocks at the queue's front
         self._free: OrderedDict[object, None] = OrderedDict()  # then these, front first: hashes or _Anon
         self._ref: dict[int, int] = {}  # pinned hashed blocks: hash -> ref_cnt (> 0)
         self._anon_pinned = 0  # pinned unhashed blocks (partial ones)
         self._ghost: dict[int, int] = {}  # pinned blocks whose hash was dropped meanwhile -> ref_cnt
         self._held: dict[str, list[int | None]] = {}  # route -> its blocks in order (None: unhashed)
-        # routes not admitted yet (FCFS): their chain, partial blocks, and the new blocks they will take
-        self._waiting: OrderedDict[str, tuple[Sequence[int], int, int]] = OrderedDict()
+        # routes not admitted yet (FCFS): their chain, partial blocks, the new blocks they will take, their owner
+        self._waiting: OrderedDict[str, tuple[Sequence[int], int, int, str | None]] = OrderedDict()
         self._pending = 0  # sum of the waiting routes' new blocks
-        # predicted evictions -> (when, the tenant of the untracked route that predicted it; None: a tracked
-        # route or an event, which every tenant's routes believe), oldest first
+        # predicted evictions -> (when, the tenant whose Routes alone believe it: an untracked route's, or, once
+        # past unsent_s, a tracked one's not shown sent (an _Unconfirmed); None: every tenant's), oldest first
         self.evicted: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
+        self._unsent: dict[str, _Unsent] = {}  # tracked routes with an owner, admitted, not shown sent
+        self._unsent_block: dict[int, str] = {}  # their new hashed blocks -> the route
 
     # what the router reads
     def cached(self, h: int) -> bool:
@@ -87,9 +118,10 @@ class RankPool:
     def resident_prefix(self, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
         """Of the `matched` leading blocks the index holds, how many are not known to be evicted, nor
         at risk from the waiting requests admitted before this one. `owner`'s Route believes the evictions
-        that tracked routes and events predicted, and those of its own untracked routes: an untracked Route
-        may never be sent, so another tenant's cannot hide this one's blocks (before, 8 of them, never sent,
-        made every other tenant's Route on the rank COLD for the 5 s grace)."""
+        that events and tracked routes shown sent predicted, those of other tenants' tracked routes for
+        `unsent_s`, and those of its own routes: an untracked Route may never be sent, so another tenant's
+        cannot hide this one's blocks (before, 8 of them, never sent, made every other tenant's Route on the
+        rank COLD for the 5 s grace), nor can a tracked one that no event shows sent past `unsent_s`."""
         self.expire(now)
         risk, ev = self.at_risk(), self.evicted
         if ev or risk:
@@ -97,7 +129,8 @@ class RankPool:
                 if h in risk:
                     return i
                 e = ev.get(h)
-                if e is not None and (e[1] is None or e[1] == owner):
+                if e is not None and (e[1] is None or e[1] == owner
+                                      or (type(e) is _Unconfirmed and now - e[0] < self.unsent_s)):
                     return i
         return matched
 
@@ -120,11 +153,14 @@ class RankPool:
 
     # the router's routes
     def allocate(self, route: str, chain: Sequence[int], num_partial: int, now: float,
-                 speculative: str | None = None) -> list[int]:
+                 speculative: str | None = None, owner: str | None = None) -> list[int]:
         """A request with these full-block hashes (and `num_partial` unhashed blocks) arrives: it is
         admitted if nothing waits and its blocks fit, else it waits (first come, first served).
         Returns the hashes its admission evicted, in order (none while it waits). `speculative`: the tenant
-        of an untracked route (perhaps never sent): see `speculate`.
+        of an untracked route (perhaps never sent): see `speculate`. `owner`: the tenant of a tracked route:
+        others' Routes believe its evictions for `unsent_s`, then not until a BlockStored of one of its new
+        blocks shows the request sent (`stored`); if the route ends before that its admission is undone
+        (`free`). None: everyone believes them, from now.
 
         A request with more blocks than the pool holds is not modelled: vLLM refuses a prompt past
         its max_model_len, whose KV it checks fits the pool at start, so it never runs. NOTE: before,
@@ -139,10 +175,10 @@ class RankPool:
         hit = self._hit(chain)
         if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
             new = len(chain) - hit + num_partial
-            self._waiting[route] = (chain, num_partial, new)
+            self._waiting[route] = (chain, num_partial, new, owner)
             self._pending += new
             return []
-        return self._admit(route, chain, num_partial, hit, now)
+        return self._admit(route, chain, num_partial, hit, now, owner)
 
     def speculate(self, chain: Sequence[int], num_partial: int, now: float, owner: str) -> list[int]:
         """What admitting an untracked route would evict, read off the queue's front: the pool does not change
@@ -192,23 +228,29 @@ class RankPool:
         """Admit waiting requests in arrival order while they fit."""
         out: list[int] = []
         while self._waiting:
-            route, (chain, num_partial, new) = next(iter(self._waiting.items()))
+            route, (chain, num_partial, new, owner) = next(iter(self._waiting.items()))
             hit = self._hit(chain)
             if self._need(chain, num_partial, hit) > self.num_free() and self._pinned():
                 break
             del self._waiting[route]
             self._pending -= new
-            out += self._admit(route, chain, num_partial, hit, now)
+            out += self._admit(route, chain, num_partial, hit, now, owner)
         return out
 
-    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float) -> list[int]:
-        """Admit the request whose `hit` leading blocks (`_hit`, walked once by the caller) are cached here."""
+    def _admit(self, route: str, chain: Sequence[int], num_partial: int, hit: int, now: float,
+               owner: str | None = None) -> list[int]:
+        """Admit the request whose `hit` leading blocks (`_hit`, walked once by the caller) are cached here.
+        With an `owner`, other tenants' Routes believe what it evicts for `unsent_s`, then once it is shown sent."""
         ref, free, ev = self._ref, self._free, self.evicted
         held: list[int | None] = []
         for k in chain[:hit]:
             self._touch(k)
             held.append(k)
         out: list[int] = []
+        popped: list[object] = []  # NOTE: kept for an owner's route only, to undo it (`_withdraw`)
+        unsent = owner is not None
+        entry = _Unconfirmed((now, owner)) if owner is not None else (now, None)
+        num_fresh = self._fresh
         avail = self._fresh + len(free)
         for h in [*chain[hit:], *([None] * num_partial)]:
             if avail <= 0:
@@ -218,10 +260,12 @@ class RankPool:
                 self._fresh -= 1
             else:
                 gone, _ = free.popitem(last=False)
+                if unsent:
+                    popped.append(gone)
                 if isinstance(gone, int):
                     out.append(gone)
                     ev.pop(gone, None)
-                    ev[gone] = (now, None)
+                    ev[gone] = entry
             if h is not None and (h in ref or h in free):
                 # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
                 # one hash to both copies); the copy is held here unhashed
@@ -232,8 +276,12 @@ class RankPool:
                 ref[h] = 1
                 if ev:
                     ev.pop(h, None)
+                if unsent:
+                    self._unsent_block[h] = route
             held.append(h)
         self._held[route] = held
+        if isinstance(entry, _Unconfirmed):
+            self._unsent[route] = _Unsent(hit, entry, num_fresh - self._fresh, popped)
         return out
 
     def free(self, route: str, now: float) -> list[int]:
@@ -243,7 +291,12 @@ class RankPool:
         if w is not None:  # ended (or dropped) before it was admitted
             self._pending -= w[2]
             return self._drain(now)
-        for h in reversed(self._held.pop(route, [])):
+        held = self._held.pop(route, [])
+        u = self._unsent.pop(route, None)
+        if u is not None:  # no event showed it sent: its admission is undone, its hits freed as usual
+            self._withdraw(u, held[u.hit:])
+            held = held[:u.hit]
+        for h in reversed(held):
             if h is None:
                 self._anon_pinned = max(0, self._anon_pinned - 1)
                 self._free[_Anon()] = None
@@ -261,10 +314,61 @@ class RankPool:
                 self._free[h] = None
         return self._drain(now)
 
+    def _withdraw(self, u: _Unsent, new: list[int | None]) -> None:
+        """Undo the admission of a tracked route that ended with no event showing it sent (it may never have been):
+        each of its `new` blocks gives its slot back as it was taken, at the front, in the order taken; an eviction
+        it predicted and nothing confirmed is withdrawn. A slot whose block another route holds too stays with it."""
+        ref, ghost, free, ev = self._ref, self._ghost, self._free, self.evicted
+        withdrawn = set()
+        for g in u.popped:
+            if isinstance(g, int) and ev.get(g) is u.entry:
+                del ev[g]
+                withdrawn.add(g)
+        back: list[object] = []
+        for h, k in zip(new, [*[None] * u.num_fresh, *u.popped], strict=False):
+            if h is None:
+                self._anon_pinned = max(0, self._anon_pinned - 1)
+            else:
+                self._unsent_block.pop(h, None)
+                if h in ghost:  # a clear came meanwhile: the slot comes back all the same
+                    ghost[h] -= 1
+                    if not ghost[h]:
+                        del ghost[h]
+                elif ref.get(h, 0) > 1:
+                    ref[h] -= 1
+                    continue
+                elif ref.pop(h, None) is None:
+                    continue
+            back.append(k)
+        for k in reversed(back):
+            if k is None:
+                self._fresh += 1
+                continue
+            if isinstance(k, int) and (k not in withdrawn or self.cached(k) or k in ghost):
+                k = _Anon()  # its eviction was confirmed (or is past the grace), or it is held again: unhashed
+            free[k] = None
+            free.move_to_end(k, last=False)
+
+    def _sent(self, route: str) -> None:
+        """An event showed the route's request sent: every tenant believes its evictions from now."""
+        u = self._unsent.pop(route)
+        for h in self._held.get(route, [])[u.hit:]:
+            if h is not None:
+                self._unsent_block.pop(h, None)
+        ev, public = self.evicted, (u.entry[0], None)
+        for g in u.popped:
+            if isinstance(g, int) and ev.get(g) is u.entry:
+                ev[g] = public  # NOTE: in place: its age (and so its expiry) is unchanged
+
     # KV events
     def stored(self, hashes: Iterable[int], now: float) -> None:
-        """BlockStored: a block the model did not place takes a slot, the way the pool had to."""
+        """BlockStored: a block the model did not place takes a slot, the way the pool had to. One of an unsent
+        tracked route's new blocks shows that route sent: every tenant believes its evictions from now."""
         for h in hashes:
+            if self._unsent_block:
+                r = self._unsent_block.get(h)
+                if r is not None:
+                    self._sent(r)
             self.evicted.pop(h, None)
             if self.cached(h):
                 continue
@@ -328,8 +432,8 @@ class RankPool:
 class ShadowPools:
     """A RankPool per (worker, dp_rank), created once its capacity is known, rebuilt if it changes."""
 
-    def __init__(self, grace_s: float = 5.0) -> None:
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float = 5.0, unsent_s: float = UNSENT_S) -> None:
+        self.grace_s, self.unsent_s = grace_s, unsent_s
         self._pools: dict[RankKey, RankPool] = {}
         self._route_key: dict[str, RankKey] = {}
 
@@ -341,7 +445,7 @@ class ShadowPools:
         if num_gpu_blocks is None or num_gpu_blocks < 2:
             return p
         if p is None or p.num_gpu_blocks != num_gpu_blocks:
-            p = self._pools[key] = RankPool(num_gpu_blocks, self.grace_s)
+            p = self._pools[key] = RankPool(num_gpu_blocks, self.grace_s, self.unsent_s)
         return p
 
     def allocate(
@@ -353,6 +457,7 @@ class ShadowPools:
         num_gpu_blocks: int | None,
         now: float,
         speculative: str | None = None,
+        owner: str | None = None,
     ) -> list[int]:
         p = self.pool(key, num_gpu_blocks)
         if p is None:
@@ -360,7 +465,7 @@ class ShadowPools:
         if speculative is not None:
             return p.speculate(chain, num_partial, now, speculative)
         self._route_key[route] = key
-        return p.allocate(route, chain, num_partial, now)
+        return p.allocate(route, chain, num_partial, now, owner=owner)
 
     def free(self, route: str, now: float) -> None:
         key = self._route_key.pop(route, None)

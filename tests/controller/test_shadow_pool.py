@@ -152,6 +152,61 @@ def test_an_untracked_route_leaves_the_pool_as_it_was() -> None:
     assert p.resident_prefix([4, 5], 2, now=2.5, owner="x") == 2
 
 
+def test_a_tracked_routes_evictions_are_believed_by_every_tenant_while_it_may_be_on_its_way() -> None:
+    """Tracking is the caller's choice. Every tenant's Routes believe a tracked route's predicted evictions for
+    `unsent_s` (the time its request needs to reach the engine); past that only its own tenant's, until a
+    BlockStored of one of its new blocks shows the request sent. Before, every tenant believed them for the whole
+    5 s grace, sent or not: one tenant's tracked Route, never sent, made another's resident prompt COLD."""
+    p = RankPool(num_gpu_blocks=4, grace_s=5.0, unsent_s=1.0)  # 3 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a", now=0.0)
+    assert p.allocate("t", [4, 5], 0, now=1.0, owner="m") == [3, 2]
+    assert p.resident_prefix([1, 2, 3], 3, now=1.9, owner="v") == 1  # it may be on its way
+    assert p.resident_prefix([1, 2, 3], 3, now=2.0, owner="v") == 3  # NOTE: before, 1 until 6.0
+    assert p.resident_prefix([1, 2, 3], 3, now=2.0, owner="m") == 1  # its own tenant's Routes still believe it
+    p.stored([4], now=2.1)  # the request is on the worker
+    assert p.resident_prefix([1, 2, 3], 3, now=2.2, owner="v") == 1
+    p.free("t", now=3.0)  # shown sent: freed as usual, tail first
+    assert p.queue() == [1, 5, 4] and p.resident_prefix([1, 2, 3], 3, now=5.9, owner="v") == 1  # its age is kept
+    assert p.resident_prefix([1, 2, 3], 3, now=6.0, owner="v") == 3
+
+
+def test_a_tracked_route_that_ends_with_no_event_showing_it_sent_is_undone() -> None:
+    """Released (or ended by the ledger) before any of its blocks was stored, a tracked route may never have been
+    sent: the blocks it took go back to the queue's front as they were, and what it predicted is withdrawn. Its
+    hits are freed as usual. Control: the same route shown sent is freed tail first and its evictions stand."""
+    p = RankPool(num_gpu_blocks=6, grace_s=5.0)  # 5 usable
+    p.allocate("a", [1, 2, 3], 0, now=0.0)
+    p.free("a", now=0.0)
+    p.allocate("b", [4], 0, now=0.0)
+    p.free("b", now=0.0)
+    assert p.queue() == [None, 3, 2, 1, 4]
+    assert p.allocate("t", [4, 7, 8], 1, now=1.0, owner="m") == [3, 2]  # hit 4; 7, 8 and a partial: fresh, 3, 2
+    assert p.queue() == [1]
+    assert p.free("t", now=1.1) == []
+    assert p.queue() == [None, 3, 2, 1, 4] and not p.cached(7) and not p.evicted  # NOTE: before, [1, None, 8, 7, 4]
+    assert p.allocate("c", [9, 10], 0, now=2.0) == [3]  # NOTE: before, [1]
+
+    q = RankPool(num_gpu_blocks=6, grace_s=5.0)  # control
+    q.allocate("a", [1, 2, 3], 0, now=0.0)
+    q.free("a", now=0.0)
+    q.allocate("b", [4], 0, now=0.0)
+    q.free("b", now=0.0)
+    assert q.allocate("t", [4, 7, 8], 1, now=1.0, owner="m") == [3, 2]
+    q.stored([7, 8], now=1.05)
+    q.free("t", now=1.1)
+    assert q.queue() == [1, None, 8, 7, 4] and list(q.evicted) == [3, 2]
+    assert q.resident_prefix([1, 2, 3], 3, now=1.5, owner="v") == 1
+
+    r = RankPool(num_gpu_blocks=4, grace_s=5.0)  # 3 usable: a route whose only new block is its partial one
+    r.allocate("a", [1, 2, 3], 0, now=0.0)
+    r.free("a", now=0.0)
+    assert r.allocate("t", [1, 2], 1, now=1.0, owner="m") == [3]  # no new full block: no BlockStored will come
+    r.removed([3])  # but the worker ran it: 3 is gone
+    r.free("t", now=2.0)
+    assert r.queue() == [None, 2, 1] and not r.cached(3)  # its slot comes back unhashed, at the front
+
+
 def test_events_correct_the_model() -> None:
     p = RankPool(num_gpu_blocks=4)  # 3 usable
     p.allocate("a", [1, 2], 0, now=0.0)

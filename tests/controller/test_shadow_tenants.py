@@ -1,6 +1,7 @@
 """What one tenant's Routes make the block-pool shadow predict must not hide another tenant's resident blocks
-(issue #27 hardening). A Route is only a question until its request reaches the worker: the shadow may count what a
-Route would evict for that tenant's own Routes, and for everyone only once the worker's events show it sent.
+(issue #27 hardening). A Route is only a question until its request reaches the worker: what an untracked Route
+would evict counts for its own tenant's Routes only; what a tracked one evicts, for everyone while its request may be
+on its way, and past that only once the worker's events show it sent.
 
 The real Router on a `kvfleet sim-vllm` worker of 64 blocks (the shadow: 63 usable, vLLM's null block); the
 prompts are sent straight to the worker, each with its tenant's salt, so the index and the shadow learn them
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
+from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
@@ -53,10 +55,10 @@ async def _send(r: Router, sim: SimVllm, toks: list[int], tenant: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _worker(tmp_path: Path) -> AsyncIterator[tuple[Router, SimVllm]]:
+async def _worker(tmp_path: Path, cost: CostConfig | None = None) -> AsyncIterator[tuple[Router, SimVllm]]:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=NUM_BLOCKS))).start()
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, cost=cost or CostConfig()))
     await r.start()
     try:
         await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
@@ -104,3 +106,41 @@ async def test_an_untracked_route_never_sent_leaves_the_shadow_as_it_was(tmp_pat
         assert set(_chain(r, victim, "victim")) <= set(sim.engine.resident_external())  # vLLM kept it
         dv = await r.route(victim, "m", cache_salt=_salt("victim"), owner="victim")
         assert (dv.verdict, dv.matched_tokens) == ("WARM", 160)  # NOTE: before, COLD with 0 matched
+
+
+async def test_a_tracked_route_never_sent_hides_another_tenants_blocks_only_while_it_may_be_on_its_way(
+    tmp_path: Path,
+) -> None:
+    """Tracking is the caller's choice. A tracked Route's predicted evictions used to be believed by every tenant for
+    the 5 s grace, sent or not: mallory's Route of 60 new blocks, released at once and never sent, sent the victim's
+    fully resident prompt COLD for 5 s. Now a release before any event shows the request sent undoes the admission,
+    and one held unsent is believed by other tenants for `unsent_s` only (the time a request needs to reach the
+    engine: within it, the victim's Route must not trust blocks an honest request of mallory's is evicting)."""
+    # NOTE: a long reconcile grace: a look at the worker's /metrics past it would end the Routes never sent
+    async with _worker(tmp_path, CostConfig(reconcile_grace_s=30.0)) as (r, sim):
+        victim, foothold = _toks(2, 10), _toks(50, 3)
+        await _send(r, sim, victim, "victim")
+        await _send(r, sim, foothold, "mallory")
+        pool = r.shadow.get(KEY)
+        assert pool is not None
+        before = pool.queue()
+        assert before == [None] * 50 + _chain(r, victim, "victim") + _chain(r, foothold, "mallory")
+
+        a = foothold + _toks(900, 60)  # its 3 warm blocks, then 60 new: the 50 fresh ones and the victim's 10
+        da = await r.route(a, "m", cache_salt=_salt("mallory"), owner="mallory", track=True)
+        assert da.worker == "w0" and set(_chain(r, victim, "victim")) <= set(pool.evicted)
+        dv = await r.route(victim, "m", cache_salt=_salt("victim"), owner="victim")
+        assert (dv.verdict, dv.matched_tokens) == ("COLD", 0)  # it may be on its way
+        assert r.release_route(da.route_id, owner="mallory")  # never sent
+        assert not pool.evicted and pool.queue() == before[:60] + _chain(r, foothold, "mallory")[::-1]
+        dv = await r.route(victim, "m", cache_salt=_salt("victim"), owner="victim")
+        assert (dv.verdict, dv.matched_tokens) == ("WARM", 160)  # NOTE: before, COLD for 5 s
+
+        pool.unsent_s = 0.2  # (1 s by default)
+        da = await r.route(a, "m", cache_salt=_salt("mallory"), owner="mallory", track=True)  # held, never sent
+        await asyncio.sleep(0.25)
+        assert r.flights.get(da.route_id) is not None  # still held
+        dv = await r.route(victim, "m", cache_salt=_salt("victim"), owner="victim")
+        assert (dv.verdict, dv.matched_tokens) == ("WARM", 160)  # NOTE: before, COLD for 5 s
+        assert set(_chain(r, victim, "victim")) <= set(sim.engine.resident_external())  # control: vLLM kept it
+        assert r.release_route(da.route_id, owner="mallory")
