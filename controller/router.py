@@ -498,11 +498,16 @@ class Router:
         never sent, used to hide every tenant's blocks for the 5 s grace)."""
         w = self._workers[key[0]].view()
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
-        cap = w.load.num_gpu_blocks or self.index.learned_capacity(key)
         if not B:
             return
-        self.shadow.allocate(key, route_id, chain, 1 if num_tokens % B else 0, cap, now,
+        self.shadow.allocate(key, route_id, chain, 1 if num_tokens % B else 0, self._pool_size(key), now,
                              None if route_id else owner or "", owner or "")
+
+    def _pool_size(self, key: tuple[str, int]) -> int | None:
+        """The rank's num_gpu_blocks as its shadow is sized (/metrics, else learned from evictions). NOTE: one helper
+        for routes and events: sized otherwise by either, the shadow would be rebuilt, empty, at each turn."""
+        w = self._workers.get(key[0])
+        return (w.load.num_gpu_blocks if w is not None else None) or self.index.learned_capacity(key)
 
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a
@@ -525,9 +530,7 @@ class Router:
         # controller (or a worker registered again) rebuilds the index by replay, and the shadow must see that
         # replay in stored order. Made at the first route, it started empty (every block free and unhashed)
         # beside a full index and predicted no eviction until a pool's worth of new blocks had gone by.
-        w = self._workers.get(key[0])
-        pool = self.shadow.pool(key, (w.load.num_gpu_blocks if w is not None else None)
-                                or self.index.learned_capacity(key))
+        pool = self.shadow.pool(key, self._pool_size(key))
         if pool is None:
             return
         if isinstance(ev, BlockStored):
