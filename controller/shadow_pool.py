@@ -362,8 +362,13 @@ class RankPool:
 
     # KV events
     def stored(self, hashes: Iterable[int], now: float) -> None:
-        """BlockStored: a block the model did not place takes a slot, the way the pool had to. One of an unsent
-        tracked route's new blocks shows that route sent: every tenant believes its evictions from now."""
+        """BlockStored: a block the model did not place takes a slot, the way the pool had to, and they queue last
+        block first (a BlockStored is one request's chain: vLLM frees a request's blocks tail first). One of an
+        unsent tracked route's new blocks shows that route sent: every tenant believes its evictions from now.
+
+        NOTE: they queued in stored order, head first: after a replay (a restart) the shadow expected LRU to evict
+        the oldest prompt's first block, hiding all of it, where vLLM drops its last blocks first."""
+        new: list[int] = []
         for h in hashes:
             if self._unsent_block:
                 r = self._unsent_block.get(h)
@@ -383,7 +388,9 @@ class RankPool:
                 gone = self._popleft()
                 if gone is not None:
                     self.evicted[gone] = (now, None)
-                self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
+                new.append(h)
+        for h in reversed(new):
+            self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
 
     def removed(self, hashes: Iterable[int]) -> None:
         """BlockRemoved: confirmed. A hash the model still held frees its slot (an unknown request took it)."""

@@ -89,6 +89,18 @@ def test_a_request_running_across_a_clear_holds_its_blocks_again_when_they_are_s
     assert p.resident_prefix([1, 2, 3], 3, now=3.0) == 2
 
 
+def test_blocks_stored_unpredicted_queue_last_block_first() -> None:
+    """A BlockStored is one request's chain, and vLLM frees a request's blocks last first: its unpredicted blocks
+    queue so (a replay after a restart, another router's request). Before, head first: LRU was expected to drop
+    the prompt's first block, hiding all of it."""
+    p = RankPool(num_gpu_blocks=6)  # 5 usable
+    p.stored([1, 2, 3], now=0.0)
+    p.stored([4, 5], now=0.0)
+    assert p.queue() == [3, 2, 1, 5, 4]  # NOTE: before, [1, 2, 3, 4, 5]
+    assert p.allocate("a", [9], 0, now=1.0) == [3]
+    assert p.resident_prefix([1, 2, 3], 3, now=1.0) == 2  # NOTE: before, 0
+
+
 def test_shared_blocks_count_references_and_rejoin_the_queue_only_when_the_last_one_ends() -> None:
     p = RankPool(num_gpu_blocks=6)  # 5 usable
     p.allocate("a", [1, 2], 0, now=0.0)

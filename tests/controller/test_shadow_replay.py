@@ -5,8 +5,8 @@ The controller rebuilds a rank's index by replaying its KV events. The shadow of
 the rank's first route, empty (every block free and unhashed) beside a full index, and events were dropped while it
 did not exist: so it predicted no eviction until a pool's worth of new blocks had gone by, and a route decided before
 a request's events arrived trusted blocks that request was evicting (the stale WARM routes the shadow exists for).
-Now the pool is made at the first event once the capacity is known, and the replay fills it in stored order. The
-real Router on a `kvfleet sim-vllm` worker.
+Now the pool is made at the first event once the capacity is known, and the replay fills it in stored order (each
+request's blocks last first, as vLLM frees them). The real Router on a `kvfleet sim-vllm` worker.
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ async def test_the_replay_that_rebuilds_the_index_fills_the_shadow_in_stored_ord
         key, cfg = ("w0", 0), r.worker("w0").view().hash_cfg
         assert cfg is not None
         chains = [external_chain(cfg, p) for p in FILL]
-        stored = [h for c in chains for h in c]
         assert r.index.num_resident(key) == NUM_BLOCKS
         pool = r.shadow.get(key)
         assert pool is not None  # NOTE: before, None until the rank's first route, and then empty
-        assert pool.queue() == stored[1:]  # 63 usable blocks here (vLLM's null block), in stored order
+        # 63 usable blocks here (vLLM's null block): oldest prompt first, each last block first
+        assert pool.queue() == [h for c in chains for h in c[::-1]][1:]
 
         # A extends the newest prompt by 20 blocks: LRU drops the two oldest prompts for it
         a = FILL[-1] + _toks(900, 20)
@@ -96,6 +96,39 @@ async def test_the_replay_that_rebuilds_the_index_fills_the_shadow_in_stored_ord
         assert set(chains[1]) <= set(sim.engine.resident_external())  # still there: A has not run yet
         await _complete(sim, r, a)
         assert not set(chains[1]) & set(sim.engine.resident_external())  # control: gone where A ran
+        assert r.release_route(da.route_id)
+    finally:
+        await r.stop()
+        await sim.stop()
+        store.close()
+
+
+async def test_after_a_replay_lru_is_expected_to_drop_a_prompts_last_blocks_first(tmp_path: Path) -> None:
+    """A BlockStored is one request's blocks, and vLLM frees a request's blocks last first: replayed, they queue so.
+    Before, they queued head first, and after a restart the shadow expected LRU to drop the oldest prompt's first
+    block, hiding all of it, where vLLM drops its last blocks and the prompt's head stays resident."""
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=NUM_BLOCKS))).start()
+    r = await _router(store)
+    try:
+        await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
+        for p in FILL:
+            await _complete(sim, r, p)
+        await r.stop()
+        r = await _router(store)
+        await _synced(r, sim)
+        cfg = r.worker("w0").view().hash_cfg
+        assert cfg is not None
+        a = FILL[-1] + _toks(900, 13)  # 13 new blocks: LRU drops the oldest prompt and 3 of the next
+        da = await r.route(a, "m", track=True)
+        assert da.worker == "w0"
+        await _complete(sim, r, a)
+        kept = set(sim.engine.resident_external())
+        victim = external_chain(cfg, FILL[1])
+        assert [h in kept for h in victim] == [True] * 7 + [False] * 3  # its head stays: 112 tokens
+        dv = await r.route(FILL[1], "m")
+        # NOTE: before, COLD with 0 matched. 96, not 112: the shadow has 63 usable blocks where the stand-in has 64
+        assert (dv.verdict, dv.matched_tokens) == ("WARM", 96)
         assert r.release_route(da.route_id)
     finally:
         await r.stop()
