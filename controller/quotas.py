@@ -231,10 +231,13 @@ class TenantLanes:
             pool = self._lanes[tenant] = ThreadPoolExecutor(self.width, thread_name_prefix=f"kvfleet-sessions-{tenant}")
         return pool
 
-    def shutdown(self) -> None:
-        for pool in self._lanes.values():
+    def shutdown(self) -> list[ThreadPoolExecutor]:
+        """Drop every lane's queued calls; returns the lanes, whose running calls may not have ended yet."""
+        pools = list(self._lanes.values())
+        for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
         self._lanes.clear()
+        return pools
 
 
 # -- flags (shared by `kvfleet controller` and `kvfleet up`) ------------------------------------------

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ from fleet.core.session_types import OpResult, SessionRow, check_token_ids
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
 MAX_GENERATE = 256
+DRAIN_S = 10.0  # how long a stop waits for the session calls running (Sessions.close)
 
 
 class Sessions:
@@ -428,12 +430,28 @@ class Sessions:
         return out
 
     def close(self) -> None:
-        """Stop the reaper and the lanes (run by Controller.stop, from any thread)."""
+        """Stop the reaper and the lanes (run by Controller.stop, from any thread): queued calls are dropped,
+        and the running ones get up to DRAIN_S to end before this returns.
+
+        NOTE: the fleet (the next stop hook) and then Ray were shut down under calls still running on the lanes'
+        threads (their RPCs were cancelled, their threads were not): `kvfleet demo` stopped mid-run then died
+        in Ray's core worker ("already been shutdown ... will exit", exit 1, its temporary directory left), or
+        waited ~30 s at exit for those threads."""
         if self._reaper is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is already closed
                 self._loop.call_soon_threadsafe(self._reaper.cancel)
-        self._lanes.shutdown()
+        pools = [*self._lanes.shutdown(), self._admin]
         self._admin.shutdown(wait=False, cancel_futures=True)
+        drain = threading.Thread(target=_join, args=(pools,), daemon=True)
+        drain.start()
+        drain.join(DRAIN_S)
+        if drain.is_alive():
+            log.warning("sessions: calls still running %.0f s after the stop; stopping the fleet under them", DRAIN_S)
+
+
+def _join(pools: Sequence[ThreadPoolExecutor]) -> None:
+    for pool in pools:
+        pool.shutdown(wait=True)
 
 
 def _within_context(n: int, max_context: int, what: str) -> None:
