@@ -17,7 +17,8 @@ So `start()` starts the local Ray inside a process group of its own, G:
   left after `GRACE_S`, and exits. Nothing of the tree survives the controller by more than about
   GRACE_S + one watchdog tick.
 
-Only `kvfleet controller` turns this on (`own()`); with --ray-address the cluster is not ours.
+`kvfleet controller`, `kvfleet up` and `kvfleet demo` turn this on (`own()`); with --ray-address the cluster
+is not ours.
 """
 
 from __future__ import annotations

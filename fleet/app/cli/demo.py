@@ -3,19 +3,24 @@ stand-ins) running an agent fleet workload, then the summary and the fleet dashb
 
     kvfleet demo [--agents 12] [--turns 30] [--workers 4] [--num-blocks 1024] [--json] [--no-peers]
 
-What runs and what every figure means: docs/demo.md.
+What runs and what every figure means: docs/demo.md. SIGINT or SIGTERM stops it cleanly: the run is
+cancelled, so the stand-ins, the controller, the local Ray (its whole process tree, as `kvfleet up`),
+a vllm-router child and the temporary directory all go before it exits (128 + the signal's number).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 import tempfile
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import (
@@ -28,6 +33,8 @@ from rich.progress import (
 )
 
 from fleet.app.demo.workload import DemoConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +58,10 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None, ray_address:
         root = Path(state_dir or tmp)
         scfg = StackConfig(store_url=f"sqlite:///{root / 'kvfleet.db'}", state_dir=str(root), workers=cfg.workers,
                            num_blocks=cfg.num_blocks, block_size=cfg.block_size, tenants=(cfg.tenant_name,),
-                           ray_address=ray_address)
+                           ray_address=ray_address,
+                           # NOTE: a local Ray started here is ours: its agents went ~60 s after the demo, and
+                           # after a SIGKILL of it nothing stopped them (controller/ray_local.py)
+                           own_ray_tree=not ray_address)
         total = cfg.agents * cfg.turns + cfg.branches * cfg.branch_turns
         with _progress(console) as prog:
             task = prog.add_task("starting controller, local Ray, store, stand-in workers", total=total)
@@ -121,7 +131,48 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class Stopped(Exception):
+    """The run was cancelled by a signal (`signum`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def until_signalled(coro: Coroutine[Any, Any, T]) -> T:
+    """`coro`'s result, or Stopped once SIGINT or SIGTERM cancelled it (its finally blocks ran: the stack
+    stopped, the temporary directory removed). Later signals are ignored while it unwinds.
+
+    NOTE: without handlers a SIGTERM ended the process at once, leaving the temporary directory (the store
+    and tokens), Ray's agents (~60 s, one listening on a non-loopback address) and a vllm-router child."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    got: list[int] = []
+
+    def stop(signum: int) -> None:
+        if not got:
+            got.append(signum)
+            task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop, sig)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if got:
+            raise Stopped(got[0]) from None
+        raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.remove_signal_handler(sig)
+
+
 def main(argv: list[str]) -> int:
+    from controller.main import quiet_ray_signals
+
+    quiet_ray_signals()  # Ray's own SIGTERM handler would abort a stop that takes over 3 s (see there)
     a = parse(argv)
     try:
         cfg = DemoConfig(agents=a.agents, turns=a.turns, workers=a.workers, num_blocks=a.num_blocks)
@@ -129,7 +180,12 @@ def main(argv: list[str]) -> int:
         print(f"kvfleet demo: {e}", file=sys.stderr)
         return 2
     err = Console(stderr=True)
-    out = asyncio.run(run_demo(cfg, None if a.quiet else err, a.ray_address, with_peers=not a.no_peers))
+    try:
+        out = asyncio.run(until_signalled(run_demo(cfg, None if a.quiet else err, a.ray_address,
+                                                   with_peers=not a.no_peers)))
+    except Stopped as e:
+        print(f"kvfleet demo: stopped by {e}", file=sys.stderr)
+        return 128 + e.signum
     if a.json:
         print(json.dumps(out.summary, indent=1))
         return 0

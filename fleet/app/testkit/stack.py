@@ -68,7 +68,7 @@ class StackConfig:
     sessions: bool = True
     ray_address: str | None = None
     ray_num_cpus: int | None = None
-    own_ray_tree: bool = False  # a local Ray started here dies with this process, its agents too (`kvfleet up`)
+    own_ray_tree: bool = False  # a local Ray started here dies with this process, its agents too (`kvfleet up`, `kvfleet demo`)
     kernel_spec: Mapping[str, Any] = field(default_factory=lambda: {"block_size": 16})
     proxy: Mapping[str, Any] | None = None
     metrics: bool = False
@@ -185,16 +185,38 @@ class Stack:
             with contextlib.suppress(Exception):
                 await sim.stop()
         if self.owns_ray:
-            import ray
+            await asyncio.to_thread(stop_ray, self.cfg.own_ray_tree)
 
-            from controller import ray_local
 
-            await asyncio.to_thread(ray_local.stop if self.cfg.own_ray_tree else ray.shutdown)
+def stop_ray(own_tree: bool) -> None:
+    """Disconnect from the Ray that init_ray joined or started (owned: with its whole process tree)."""
+    import ray
+
+    from controller import ray_local
+
+    if own_tree:
+        ray_local.stop()
+    else:
+        ray.shutdown()
+
+
+async def _start_ray(cfg: StackConfig) -> bool:
+    """init_ray in a thread. NOTE: ray.init cannot be interrupted: cancelled meanwhile (the demo's SIGTERM),
+    this waits for it and stops what it started before it lets the cancellation through; before, the process
+    went on to exit with Ray's agents left to the watchdog, a few seconds after it."""
+    start = asyncio.ensure_future(asyncio.to_thread(init_ray, cfg.ray_address, cfg.ray_num_cpus, cfg.own_ray_tree))
+    try:
+        return await asyncio.shield(start)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            if await start:
+                await asyncio.to_thread(stop_ray, cfg.own_ray_tree)
+        raise
 
 
 async def start_stack(cfg: StackConfig, *, observe: Observe | None = None) -> Stack:
     """observe: each stand-in's own aiohttp middlewares (to record what it receives)."""
-    owns_ray = await asyncio.to_thread(init_ray, cfg.ray_address, cfg.ray_num_cpus, cfg.own_ray_tree) if cfg.sessions else False
+    owns_ray = await _start_ray(cfg) if cfg.sessions else False
     tokens_file = Path(cfg.state_dir) / "tokens.json"
     tokens = mint_tokens(tokens_file, cfg.tenants, cfg.operator, cfg.operator_name)
     ccfg = ControllerConfig(listen=cfg.listen, store_url=cfg.store_url, tokens_file=str(tokens_file), **cfg.controller)
