@@ -217,6 +217,7 @@ class Router:
             del self._workers[name]
             self.index.drop_worker(name)
             self._ended(self.flights.drop_worker(name), "unregistered")
+            self._gauge(name)  # gone: its series go (NOTE: each gone worker's name kept 2 series for good)
             for r in w.ranks:
                 self.demand.forget_rank((name, r))
             self.shadow.drop_worker(name)
@@ -550,7 +551,12 @@ class Router:
 
     def _gauge(self, worker: str) -> None:
         w = self._workers.get(worker)
-        loads = [self.flights.load((worker, r)) for r in (range(w.spec.dp_ranks) if w is not None else (0,))]
+        if w is None:  # unregistered: its label series are removed, never set again
+            for gauge in (self.metrics.inflight_requests, self.metrics.inflight_queued_tokens):
+                with contextlib.suppress(KeyError):  # never set (older prometheus-client raises)
+                    gauge.remove(worker)
+            return
+        loads = [self.flights.load((worker, r)) for r in range(w.spec.dp_ranks)]
         self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 

@@ -6,7 +6,9 @@ the union of the workers' /v1/models cards, and a short local "suspect" mark on 
 itself found asleep behind the controller's back (so later requests skip it until the controller's
 reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
 is what the requests waiting on one worker's first byte share; a worker the controller stops listing as
-serving is nudged there, so its waiters ask it at once whether it sleeps.
+serving is nudged there, so its waiters ask it at once whether it sleeps. A worker the controller stops
+listing at all (unregistered) is forgotten: its cards and suspect mark here, and whatever `on_gone` drops
+(the proxy's per-worker metrics and first-byte waits).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -62,8 +65,9 @@ def _epoch(w: WorkerInfo) -> int:
 class WorkerDirectory:
     """Workers by name, refreshed every cfg.refresh_s; model cards every cfg.models_refresh_s."""
 
-    def __init__(self, cfg: ProxyConfig, control: ControlClient, http: aiohttp.ClientSession) -> None:
-        self.cfg, self.control, self.http = cfg, control, http
+    def __init__(self, cfg: ProxyConfig, control: ControlClient, http: aiohttp.ClientSession,
+                 on_gone: Callable[[str], None] | None = None) -> None:
+        self.cfg, self.control, self.http, self.on_gone = cfg, control, http, on_gone
         self.workers: dict[str, WorkerInfo] = {}
         self.cards: dict[str, list[dict[str, Any]]] = {}  # worker name -> its /v1/models cards
         self._cards_at: dict[str, float] = {}
@@ -103,6 +107,7 @@ class WorkerDirectory:
             prev = merged.get(w.name)
             merged[w.name] = w if prev is None else dataclasses.replace(prev, ranks=prev.ranks + w.ranks)
         was_serving = {n for n, w in self.workers.items() if w.serving}
+        gone = set(self.workers) - set(merged)
         self.workers, self.last_error, self.loaded_at = merged, None, time.monotonic()
         for name in was_serving:  # NOTE: the controller stopped listing it (slept, paused, lost): ask it now
             now_serving = merged.get(name)
@@ -111,9 +116,13 @@ class WorkerDirectory:
         now = time.monotonic()
         stale = [w for w in workers if self._cards_at.get(w.name, -1e9) + self.cfg.models_refresh_s <= now]
         await asyncio.gather(*(self._fetch_cards(w, now) for w in stale))
-        for gone in set(self.cards) - set(self.workers):
-            self.cards.pop(gone, None)
-            self._cards_at.pop(gone, None)
+        for name in set(self.cards) - set(self.workers):
+            self.cards.pop(name, None)
+            self._cards_at.pop(name, None)
+        for name in gone:  # NOTE: unregistered; before, a proxy kept 23 metric series and 2 entries per gone name
+            self._suspect.pop(name, None)
+            if self.on_gone is not None:
+                self.on_gone(name)
 
     async def _fetch_cards(self, w: WorkerInfo, now: float) -> None:
         try:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -94,5 +97,21 @@ class ProxyMetrics:
             registry=r,
         )
 
+    def forget_worker(self, worker: str) -> None:
+        """Remove every series labelled with `worker` (the controller no longer lists it: unregistered)."""
+        for m in vars(self).values():
+            if isinstance(m, MetricWrapperBase):
+                _remove_series(m, "worker", worker)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _remove_series(metric: MetricWrapperBase, label: str, value: str) -> None:
+    """Remove `metric`'s series whose `label` is `value`. A sample's labels are the metric's label names in
+    order, then a histogram bucket's `le`, so the series' label values are its labels less `le`."""
+    series = {tuple(v for k, v in s.labels.items() if k != "le")
+              for family in metric.collect() for s in family.samples if s.labels.get(label) == value}
+    for values in series:
+        with contextlib.suppress(KeyError):  # removed meanwhile (older prometheus-client raises)
+            metric.remove(*values)

@@ -41,7 +41,7 @@ class Proxy:
         key = self.cfg.worker_api_key
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
                                           headers={"Authorization": f"Bearer {key}"} if key else None)
-        self.directory = WorkerDirectory(self.cfg, self.control, self.http)
+        self.directory = WorkerDirectory(self.cfg, self.control, self.http, on_gone=self._forget_worker)
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)
         self.enforcer = Enforcer(self.cfg.quarantine_policy, dict(self.cfg.quarantine_tenant_policies), self.control,
@@ -66,6 +66,11 @@ class Proxy:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def _forget_worker(self, name: str) -> None:
+        """The directory dropped `name` (unregistered): its metric series and first-byte waits go."""
+        self.metrics.forget_worker(name)
+        self.forwarder.first_bytes.forget(name)
 
     async def stop(self) -> None:
         if self._runner is not None:

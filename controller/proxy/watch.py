@@ -17,6 +17,7 @@ stops serving is first asked, as each request's own probe would ask it (docs/pro
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -30,7 +31,7 @@ class Ticket:
     """One generation of a worker's waiters: `lost` says why they were given up (None: not given up), and
     `wake` resolves when they were given up or must probe now (then a fresh one replaces it)."""
 
-    __slots__ = ("lost", "wake")
+    __slots__ = ("lost", "wake", "__weakref__")
 
     def __init__(self) -> None:
         self.lost: str | None = None
@@ -42,10 +43,14 @@ class Ticket:
 
 
 class WorkerWatch:
-    """Per worker: the current Ticket and the /is_sleeping probe in flight (at most one)."""
+    """Per worker: the current Ticket and the /is_sleeping probe in flight (at most one).
+
+    NOTE: a Ticket is held by the attempts waiting under it, and kept here only while one does (weakly): a
+    worker with no attempt waiting has no entry (before, every worker name ever sent to kept one for good).
+    """
 
     def __init__(self) -> None:
-        self._tickets: dict[str, Ticket] = {}
+        self._tickets: weakref.WeakValueDictionary[str, Ticket] = weakref.WeakValueDictionary()
         self._probes: dict[str, asyncio.Task[Finding]] = {}
         self.num_lost = 0  # lose() calls that gave up at least one waiting attempt's Ticket
         self.num_nudged = 0
@@ -110,6 +115,10 @@ class FirstBytes:
         if w is None:
             w = self._waits[worker] = deque(maxlen=self._window)
         w.append(wait_s)
+
+    def forget(self, worker: str) -> None:
+        """`worker` is gone (unregistered): its waits go (a new worker of that name starts afresh)."""
+        self._waits.pop(worker, None)
 
     def first_wait(self, worker: str) -> float:
         """Seconds after a send to `worker` before its first /is_sleeping probe."""
