@@ -9,7 +9,12 @@ each call as a message, matched to its answer by id. Measured in bench/proxy_loa
 - A stream that breaks (the controller restarted, the connection dropped) fails the calls waiting on it with
   the stream's status, and the next call opens a new one; nothing is retried here (the proxy answers 503).
 - A controller without RouteStream (UNIMPLEMENTED: an older release) is remembered, and every call goes unary.
-- At most `max_streams` tokens hold a stream; the calls of any other token go unary.
+- At most `max_streams` tokens hold a stream. A new token takes the place of the least recently used stream with no
+  call waiting on it (closed); only when every stream has calls waiting do its calls go unary.
+- A stream unused for `idle_s` (60 s) is closed within a quarter more (its tasks here and its handler in the
+  controller go); the token's next call opens another. NOTE: before, a stream lived as long as the proxy: after 64
+  tokens had sent one request each, 64 streams (and ~385 tasks) stayed open for good and every new token's calls
+  went unary.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+from collections import OrderedDict
 from typing import Any
 
 import grpc
@@ -28,6 +35,9 @@ from fleet.sdk import base
 
 log = logging.getLogger("kvfleet.proxy")
 _ANSWER = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
+MAX_STREAMS = 64
+IDLE_S = 60.0  # a stream unused this long is closed
+SWEEPS = 4  # looks per idle_s: an idle stream is closed within 1.25 x idle_s
 
 
 class StreamUnsupported(Exception):
@@ -42,12 +52,14 @@ class _Stream:
         self.outbox: asyncio.Queue[route_pb2.RouteStreamRequest] = asyncio.Queue()
         self.ids = itertools.count(1)
         self.broken: BaseException | None = None
+        self.used_at = time.monotonic()  # the last message sent
         loop = asyncio.get_running_loop()
         self.tasks = (loop.create_task(self._write()), loop.create_task(self._read()))
 
     def send(self, **op: Any) -> tuple[int, asyncio.Future[route_pb2.RouteStreamResponse]]:
         """Queue one message; its id (for `waiting`) and the future its answer completes."""
         ident = next(self.ids)
+        self.used_at = time.monotonic()
         fut: asyncio.Future[route_pb2.RouteStreamResponse] = asyncio.get_running_loop().create_future()
         self.waiting[ident] = fut
         self.outbox.put_nowait(route_pb2.RouteStreamRequest(id=ident, **op))
@@ -96,11 +108,14 @@ class _Stream:
 class RouteStreams:
     """The proxy's RouteStream per token; `ask` is one Route, ReleaseRoute or MoveRoute over it."""
 
-    def __init__(self, stub: RouteServiceStub, target: str, max_streams: int = 64) -> None:
-        self.stub, self.target, self.max_streams = stub, target, max_streams
+    def __init__(self, stub: RouteServiceStub, target: str, max_streams: int = MAX_STREAMS,
+                 idle_s: float = IDLE_S) -> None:
+        assert max_streams >= 1 and idle_s > 0, (max_streams, idle_s)
+        self.stub, self.target, self.max_streams, self.idle_s = stub, target, max_streams, idle_s
         self.supported = True
-        self._streams: dict[str | None, _Stream] = {}
-        self._closing: set[asyncio.Task[None]] = set()  # broken streams being closed (held until done)
+        self._streams: OrderedDict[str | None, _Stream] = OrderedDict()  # least recently used first
+        self._closing: set[asyncio.Task[None]] = set()  # streams being closed (held until done)
+        self._sweep: asyncio.TimerHandle | None = None  # armed while a stream is open
 
     async def ask(self, token: str | None, timeout_s: float, **op: Any) -> Any:
         """The answer to one op (route=, release= or move=); raises StreamUnsupported (call unary instead) or
@@ -129,18 +144,44 @@ class RouteStreams:
         return getattr(msg, kind)
 
     def usable(self, token: str | None) -> bool:
-        return self.supported and (token in self._streams or len(self._streams) < self.max_streams)
+        return self.supported and (token in self._streams or len(self._streams) < self.max_streams
+                                   or self._evictable() is not None)
+
+    def _evictable(self) -> str | None:
+        """The least recently used token whose stream has no call waiting (None: every stream has)."""
+        return next((t for t, s in self._streams.items() if not s.waiting), None)
 
     def _stream(self, token: str | None) -> _Stream:
         s = self._streams.get(token)
-        if s is None or s.broken is not None:
-            if s is not None:
-                task = asyncio.get_running_loop().create_task(s.close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-            s = self._streams[token] = _Stream(self.stub, token, self.target)
+        if s is not None and s.broken is None:
+            self._streams.move_to_end(token)
+            return s
+        if s is not None:
+            self._drop(token)
+        elif len(self._streams) >= self.max_streams and (oldest := self._evictable()) is not None:
+            self._drop(oldest)  # its place goes to this token (`usable` said there is one)
+        s = self._streams[token] = _Stream(self.stub, token, self.target)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self.idle_s / SWEEPS, self._close_idle)
         return s
 
+    def _drop(self, token: str | None) -> None:
+        """Close `token`'s stream in the background (held until done)."""
+        task = asyncio.get_running_loop().create_task(self._streams.pop(token).close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _close_idle(self) -> None:
+        """Close the streams unused for idle_s with no call waiting; look again soon while any is open."""
+        cutoff = time.monotonic() - self.idle_s
+        for token in [t for t, s in self._streams.items() if s.used_at <= cutoff and not s.waiting]:
+            self._drop(token)
+        self._sweep = (asyncio.get_running_loop().call_later(self.idle_s / SWEEPS, self._close_idle)
+                       if self._streams else None)
+
     async def close(self) -> None:
-        streams, self._streams = list(self._streams.values()), {}
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        streams, self._streams = list(self._streams.values()), OrderedDict()
         await asyncio.gather(*(s.close() for s in streams), *self._closing, return_exceptions=True)
