@@ -23,7 +23,8 @@ from fleet.cas import open_store
 from fleet.core.context import QUARANTINED
 from fleet.core.errors import AlreadyExists
 from fleet.core.kernel import ByteTokenizer
-from fleet.core.oplog import ForkOp, QuarantineOp, parse_log
+from fleet.core.oplog import ForkOp, QuarantineOp, parse_log, to_dict
+from fleet.core.quarantine.admit import DEFAULT_PROBE
 from fleet.core.quarantine.detector import Verdict
 from fleet.core.session_types import ToolAdmission
 from workers.session_kernel import SessionGone, SessionKernel, SessionTorn
@@ -142,3 +143,26 @@ async def test_an_evicts_retry_after_its_host_died_is_answered_with_its_report(s
     assert len(store.oplog_read("acme", "s1")) == 4            # applied nothing
     tail = await rebuilt.evict(2, "exact", op_id="ev-2")       # control: a tail evict, reported as one
     assert (await rebuilt.evict(2, "exact", op_id="ev-2")).result.tail == tail.result.tail is True
+
+
+async def test_an_admission_near_the_context_limit_evicts_without_a_proof_and_its_rebuild_finishes(store: Any) -> None:
+    """A session so long that it and the proof's probe do not fit the context together: the tool result is
+    evicted all the same, without a proof. Before, the probe raised after the quarantine was logged (a torn
+    session), and every rebuild (which finishes the admission with the same probe) raised the same: the session
+    could never be used again."""
+    sk, ref = _kernel_session(store, "s1"), store.put(BAD, "acme")
+    limit = sk.kernel.config.max_context
+    ids = np.random.default_rng(1).integers(0, 256, limit).tolist()
+    await sk.create(ids[:100], op_id="c1")
+    await sk.add_tool_result(ref, op_id="t1")
+    await sk.append_message(ids[: limit - 100 - len(BAD) - 20], "user", op_id="m1")  # leaves less than a probe
+    assert limit - len(await sk.tokens()) < len(sk.context.tokenizer.encode(DEFAULT_PROBE))
+    r = await sk.admit_tool_result(ref, VERDICT, op_id="adm-1")
+    assert (r.result.verdict, r.result.evicted, r.result.proof) == ("QUARANTINED", True, None)  # before: SessionTorn
+    assert (await sk.pieces())[1].state == QUARANTINED
+    half = parse_log(store.oplog_read("acme", "s1"))[:-1]     # as a host that died before the eviction left it
+    assert isinstance(half[-1], QuarantineOp)
+    store.oplog_replace("acme", "s2", [to_dict(op) for op in half])
+    rebuilt = _kernel_session(store, "s2")
+    await rebuilt.restore()                                   # before: ResourceExhausted, on every rebuild
+    assert (await rebuilt.pieces())[1].state == QUARANTINED and await rebuilt.digest() == await sk.digest()

@@ -63,13 +63,13 @@ def admit_tool_result(ctx: SessionContext, ref: str, store: Any, tenant: str, de
     store.set_verdict(ref, tenant, QUARANTINED, list(v.reasons))
     if ctx.logged_quarantines.get(ref) != tuple(v.reasons):  # NOTE: before, every admit of a quarantined ref
         ctx.quarantine(ref, list(v.reasons))                 # logged one more op: the log grew without bound
-    proof = None
+    proof, evicted = None, False
     # evict from the end backwards so earlier spans keep their positions while we work
     for p in sorted((p for p in ctx.pieces if p.ref == ref and p.state in (RESIDENT, SHIFTED)),
                     key=lambda p: -p.start):
-        proof = _evict_with_proof(ctx, p, probe)
-        ctx.proofs.append(proof)
-    return ToolAdmission(QUARANTINED, tuple(v.reasons), evicted=proof is not None, proof=proof)
+        proof = _evict_with_proof(ctx, p, probe) or proof
+        evicted = True
+    return ToolAdmission(QUARANTINED, tuple(v.reasons), evicted=evicted, proof=proof)
 
 
 def finish_admissions(ctx: SessionContext, probe: str = DEFAULT_PROBE) -> list[EvictionProof]:
@@ -93,10 +93,11 @@ def finish_admissions(ctx: SessionContext, probe: str = DEFAULT_PROBE) -> list[E
         q = last[str(p.ref)]
         ctx.op_id, ctx.op_fp = (q.op_id, q.op_fp) if q.op_id in own else ("", "")
         try:
-            proofs.append(_evict_with_proof(ctx, p, probe))
+            proof = _evict_with_proof(ctx, p, probe)
         finally:
             ctx.op_id = ctx.op_fp = ""
-        ctx.proofs.append(proofs[-1])
+        if proof is not None:
+            proofs.append(proof)
     return proofs
 
 
@@ -134,10 +135,19 @@ def default_admission_detector() -> Detector:
 _DEFAULT_ADMISSION: Detector | None = None
 
 
-def _evict_with_proof(ctx: SessionContext, p: Piece, probe: str) -> EvictionProof:
+def _evict_with_proof(ctx: SessionContext, p: Piece, probe: str) -> EvictionProof | None:
+    """Evict `p` ("exact") and prove it with the probe (the proof is appended to `ctx.proofs`). Where the session
+    and the probe do not fit the context together, evict without a proof: None.
+
+    NOTE: the probe of the kept session raised (ResourceExhausted) after the quarantine was logged, so the
+    admission tore, and the rebuild that finishes it (`finish_admissions`) raised the same every time: a
+    session near its context limit could never be used again. The eviction must not depend on its proof."""
     from fleet.core.kernel import max_abs_delta  # noqa: PLC0415 - keep the detector importable without numpy
 
     probe_ids = ctx.tokenizer.encode(probe)
+    if len(ctx.session) + len(probe_ids) > ctx.kernel.config.max_context:
+        ctx.evict_piece(p.piece_id, mode="exact", reason="quarantine")
+        return None
     late = p.end < len(ctx.session)
     never = _never_saw(ctx, p)
     kept_logits = _probe(ctx.session, probe_ids)  # control, on a fork: the real session is untouched
@@ -154,6 +164,7 @@ def _evict_with_proof(ctx: SessionContext, p: Piece, probe: str) -> EvictionProo
         probe_tokens=len(probe_ids), env=ctx.kernel.env(),
     )
     never.close()
+    ctx.proofs.append(proof)
     return proof
 
 
