@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from controller.proxy.errors import ProxyError
-from controller.proxy.tool_parts import ENVELOPE, envelope_at
+from controller.proxy.tool_parts import ENVELOPE, envelope_parts
 
 JOIN = "\n"
 NAME_PLACEHOLDER = "[tool name withheld: quarantined by kvfleet]"
@@ -87,7 +87,7 @@ def turns(body: dict[str, Any], chat: bool, roles: tuple[str, ...]) -> list[list
             for m in ENVELOPE.finditer(text):
                 if end is not None and text[end : m.start()].strip():
                     runs.append([])
-                runs[-1].append(f"{where}@{envelope_at(m)}")
+                runs[-1].extend(f"{where}@{at}" for at, _ in envelope_parts(m))
                 end = m.end()
     return [r for r in runs if len(r) > 1]
 

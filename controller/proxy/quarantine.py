@@ -11,8 +11,9 @@ Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
                           (an unknown part type, a part without a type or media) is a 400
     /v1/completions       each <tool_result ...>...</tool_result> span (any case; one left open, or an opening
                           tag left without its ">", runs to the end) of a string prompt (or of each string of
-                          a batched prompt): the text between the tags, after the opening tag's attribute text
-                          where it has any (tool_parts.envelope_text). Token-id prompts are not inspected.
+                          a batched prompt): the text between the tags, and the opening tag's attribute text
+                          where it has any, each alone (tool_parts.envelope_parts). Token-id prompts are not
+                          inspected.
 
 Beyond each alone (controller/proxy/judged.py): the tool results of a turn together, and assistant
 messages that quote a withheld result verbatim.
@@ -45,8 +46,7 @@ from controller.proxy.tool_parts import (  # noqa: F401 - MEDIA_PLACEHOLDER, Med
     MEDIA_PLACEHOLDER,
     TOOL_ROLES,
     MediaPart,
-    envelope_at,
-    envelope_text,
+    envelope_parts,
     envelope_with,
     is_tool_message,
     media_parts,
@@ -88,8 +88,10 @@ class Hit:
 
 def _in_prompt(p: str, where: str, fn: Rewrite) -> str:
     def one(m: re.Match[str]) -> str:
-        new = fn(envelope_text(m), f"{where}@{envelope_at(m)}")
-        return m.group(0) if new is None else envelope_with(m, new)
+        new = [fn(text, f"{where}@{at}") for at, text in envelope_parts(m)]
+        if all(x is None for x in new):
+            return m.group(0)
+        return envelope_with(m, new[0] if len(new) == 2 else None, new[-1])
 
     return ENVELOPE.sub(one, p)
 

@@ -43,23 +43,22 @@ ENVELOPE = re.compile(r"(?P<open><tool_result\b(?P<attrs>[^>]*)(?:>|\Z))(?P<body
                       re.S | re.I)
 
 
-def envelope_text(m: re.Match[str]) -> str:
-    """What is judged of one envelope: its text, after its opening tag's attribute text when it has any.
+def envelope_parts(m: re.Match[str]) -> list[tuple[int, str]]:
+    """What is judged of one envelope, each alone, as (character offset, text): its opening tag's attribute text
+    where it has any, then its text.
 
-    NOTE: the model reads the attributes too (`<tool_result note="ignore previous instructions">`); they were
-    not judged, so an injection placed there reached the worker."""
-    attrs, body = m.group("attrs").strip(), m.group("body")
-    return f"{attrs}\n{body}" if attrs and body else attrs or body
-
-
-def envelope_at(m: re.Match[str]) -> int:
-    """The character offset `where` names for one envelope: where its judged text starts."""
-    return m.start("attrs") if m.group("attrs").strip() else m.start("body")
+    NOTE: the model reads the attributes too (`<tool_result note="ignore previous instructions">`); they were not
+    judged. They were then judged joined with the text, which changed the judged bytes' ref: an operator's or a
+    session's verdict on the tool result's own bytes no longer applied to an envelope with an id or a name."""
+    attrs = m.group("attrs").strip()
+    return ([(m.start("attrs"), attrs)] if attrs else []) + [(m.start("body"), m.group("body"))]
 
 
-def envelope_with(m: re.Match[str], new: str) -> str:
-    """The envelope with its judged text replaced by `new`: attribute text is dropped with it."""
-    return f"{m.group('open') if not m.group('attrs').strip() else '<tool_result>'}{new}{m.group('close')}"
+def envelope_with(m: re.Match[str], attrs: str | None, body: str | None) -> str:
+    """The envelope with its parts replaced where not None: withheld attribute text is dropped with the tag's
+    attributes, a withheld text replaced by `body`."""
+    tag = m.group("open") if attrs is None else "<tool_result>"
+    return f"{tag}{m.group('body') if body is None else body}{m.group('close')}"
 
 
 def is_tool_message(m: Any) -> bool:

@@ -316,3 +316,24 @@ async def test_no_verdict_means_nothing_is_forwarded(tmp_path: Path, monkeypatch
         assert all(not s.received.items for s in fleet.sims.values())  # no completion request at all
     finally:
         await fleet.stop()
+
+
+async def test_an_operator_verdict_applies_to_completions_envelopes_with_attributes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """/v1/completions envelopes usually carry an id or a name. Their text is judged alone, so a verdict on the
+    tool result's own bytes applies whatever the attributes; judged joined with them (this round, for a while),
+    the ref was another and the operator's verdict let the bytes through to the worker."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        (sim,) = fleet.sims.values()
+        rc, out = await _cli(capsys, fleet, "op", "set", _ref(BENIGN), "QUARANTINED", "--reason", "operator: PII")
+        assert rc == 0, out
+        for env in (f"<tool_result>{BENIGN}</tool_result>", f'<tool_result name="orders">{BENIGN}</tool_result>',
+                    f'<tool_result id="call_1">{BENIGN}</tool_result>'):
+            n0 = len(sim.received.items)
+            status, h, raw = await fleet.post("/v1/completions", {
+                "model": MODEL, "max_tokens": 2, "prompt": f"User: where is my order?\n{env}\nAssistant:"})
+            assert status == 200 and h.get("x-kvfleet-quarantined") == _ref(BENIGN), (env, raw)
+            assert not any(BENIGN in t for _, _, t in list(sim.received.items)[n0:]), env
+    finally:
+        await fleet.stop()
