@@ -125,6 +125,11 @@ class PromptInjectionDetector:
         self._hidden(raw, scores, depth)
         if depth < self.max_depth:
             self._encoded(raw, norm, scores, depth)
+            for _, decoded in T.escaped_views(raw):
+                # NOTE: the text as the model reads it: each category at the higher of the two readings (a view
+                # of the same text, not another payload: added, benign text would count twice)
+                for c, w in self._language(T.normalize(decoded)).items():
+                    _bump(scores, c, w)
         return scores
 
     def _language(self, norm: str) -> dict[str, float]:
@@ -185,7 +190,7 @@ class PromptInjectionDetector:
                     _bump(scores, c, s)
 
     def _encoded(self, raw: str, norm: str, scores: dict[str, float], depth: int) -> None:
-        for _, decoded in T.decoded_payloads(raw) + T.escaped_payloads(raw):
+        for _, decoded in T.decoded_payloads(raw):
             inner = self._score(decoded, depth + 1)
             if sum(inner.values()) >= 0.5:
                 _bump(scores, "encoded_instructions", min(1.0, sum(inner.values())))

@@ -47,11 +47,11 @@ _HIDDEN_ATTR_RE = re.compile(r"<(\w+)[^>]*\s(?:hidden|aria-hidden\s*=\s*[\"']tru
 
 _B64_RE = re.compile(r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/_-]{24,}={0,2}(?![A-Za-z0-9+/=_-])")
 _HEX_RE = re.compile(r"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}[\s:]?){16,}(?![0-9A-Fa-f])")
-# NOTE: a model reads `&#105;gnore` and `%69gnore` as "ignore"; the rules read the characters. A run is 4+
-# numeric character references (named ones, &amp; &lt;, hide no letters), or 6+ %-escapes, each within 16
-# characters of the next: only the run is decoded and read again, so plain text is not scored twice
-_NUMREF_RUN_RE = re.compile(r"(?:&#(?:[0-9]{1,7}|[xX][0-9a-fA-F]{1,6});?[^&]{0,16}){4,}")
-_PERCENT_RUN_RE = re.compile(r"(?:%[0-9A-Fa-f]{2}[^%\s]{0,16}){6,}")
+# NOTE: a model reads `&#105;gnore` and `%69gnore` as "ignore"; the rules read the escapes. A text with 4+ numeric
+# character references (named ones, &amp; &lt;, are everywhere in benign HTML), or 6+ %-escapes, is also read
+# decoded, whole (escaped_views)
+_NUMREF_RE = re.compile(r"&#(?:[0-9]{1,7}|[xX][0-9a-fA-F]{1,6});?")
+_PERCENT_RE = re.compile(r"%[0-9A-Fa-f]{2}")
 
 # Latin look-alikes from Cyrillic and Greek, folded only inside words that mix scripts.
 _CONFUSABLES_SRC = {
@@ -225,20 +225,21 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
     return out[:limit]
 
 
-def escaped_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
-    """(encoding, decoded run) for runs of numeric HTML character references ("html") and of %-escapes ("url")
-    that decode to something else. A text with no "&#" or "%" costs two substring checks."""
+def escaped_views(text: str) -> list[tuple[str, str]]:
+    """(encoding, the whole text decoded) for numeric HTML character references ("html": 4 or more) and
+    %-escapes ("url": 6 or more), where decoding changes the text. A text with no "&#" or "%" costs two
+    substring checks.
+
+    NOTE: decoded runs of escapes, at most 64, were read first: 64 harmless runs (a copyright sign repeated) used
+    the budget up before an attack's, and a %-run could not cross a space, so escapes spread over the words of a
+    sentence were never decoded (a review's bypasses). The whole text has neither limit."""
     out: list[tuple[str, str]] = []
-    for kind, run_re, decode in (("html", _NUMREF_RUN_RE, html.unescape),
-                                 ("url", _PERCENT_RUN_RE, urllib.parse.unquote)):
-        if ("&#" if kind == "html" else "%") not in text:
-            continue
-        for m in run_re.finditer(text):
-            decoded = decode(m.group(0))
-            if decoded != m.group(0):
+    for kind, mark, escape_re, least, decode in (("html", "&#", _NUMREF_RE, 4, html.unescape),
+                                                 ("url", "%", _PERCENT_RE, 6, urllib.parse.unquote)):
+        if mark in text and len(list(itertools.islice(escape_re.finditer(text), least))) == least:
+            decoded = decode(text)
+            if decoded != text:
                 out.append((kind, decoded))
-            if len(out) >= limit:
-                return out
     return out
 
 
