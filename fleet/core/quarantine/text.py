@@ -48,10 +48,10 @@ _HIDDEN_ATTR_RE = re.compile(r"<(\w+)[^>]*\s(?:hidden|aria-hidden\s*=\s*[\"']tru
 _B64_RE = re.compile(r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/_-]{24,}={0,2}(?![A-Za-z0-9+/=_-])")
 _HEX_RE = re.compile(r"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}[\s:]?){16,}(?![0-9A-Fa-f])")
 # NOTE: a model reads `&#105;gnore` and `%69gnore` as "ignore"; the rules read the escapes. A text with 4+ numeric
-# character references (named ones, &amp; &lt;, are everywhere in benign HTML), or 6+ %-escapes, is also read
-# decoded, whole (escaped_views)
-_NUMREF_RE = re.compile(r"&#(?:[0-9]{1,7}|[xX][0-9a-fA-F]{1,6});?")
-_PERCENT_RE = re.compile(r"%[0-9A-Fa-f]{2}")
+# character references, or 6+ %-escapes, of ASCII letters is also read decoded, whole (escaped_views). Letters:
+# benign text escapes what needs escaping (spaces, slashes, symbols, non-ASCII), and never needs to escape a letter
+_NUMREF_RE = re.compile(r"&#(?:([0-9]{1,7})|[xX]([0-9a-fA-F]{1,6}));?")
+_PERCENT_RE = re.compile(r"%([0-9A-Fa-f]{2})")
 
 # Latin look-alikes from Cyrillic and Greek, folded only inside words that mix scripts.
 _CONFUSABLES_SRC = {
@@ -226,8 +226,8 @@ def decoded_payloads(text: str, limit: int = 64) -> list[tuple[str, str]]:
 
 
 def escaped_views(text: str) -> list[tuple[str, str]]:
-    """(encoding, the whole text decoded) for numeric HTML character references ("html": 4 or more) and
-    %-escapes ("url": 6 or more), where decoding changes the text. A text with no "&#" or "%" costs two
+    """(encoding, the whole text decoded) for numeric HTML character references ("html": 4 or more of ASCII
+    letters) and %-escapes ("url": 6 or more of ASCII letters), where decoding changes the text. A text with no "&#" or "%" costs two
     substring checks.
 
     NOTE: decoded runs of escapes, at most 64, were read first: 64 harmless runs (a copyright sign repeated) used
@@ -236,11 +236,21 @@ def escaped_views(text: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for kind, mark, escape_re, least, decode in (("html", "&#", _NUMREF_RE, 4, html.unescape),
                                                  ("url", "%", _PERCENT_RE, 6, urllib.parse.unquote)):
-        if mark in text and len(list(itertools.islice(escape_re.finditer(text), least))) == least:
+        if mark not in text:
+            continue
+        letters = (m for m in escape_re.finditer(text) if chr(_escaped_code(m)).isascii() and chr(_escaped_code(m)).isalpha())
+        if len(list(itertools.islice(letters, least))) == least:
             decoded = decode(text)
             if decoded != text:
                 out.append((kind, decoded))
     return out
+
+
+def _escaped_code(m: re.Match[str]) -> int:
+    """The code point one escape stands for (decimal or hex reference, or a %-escape's byte); 0 past Unicode."""
+    dec, hexa = (m.group(1), m.group(2)) if m.re is _NUMREF_RE else (None, m.group(1))
+    code = int(dec) if dec else int(hexa, 16)
+    return code if code <= 0x10FFFF else 0
 
 
 def looks_rot13(norm: str) -> bool:

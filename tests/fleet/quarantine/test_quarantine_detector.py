@@ -71,9 +71,14 @@ def test_character_references_and_percent_escapes_are_read_as_the_model_reads_th
     benign = ["Tom &amp; Jerry &lt;b&gt; caf&#233; cr&#232;me br&#251;l&#233;e &#169; 2024 &#8212; menu",
               "https://example.com/search?q=caf%C3%A9%20au%20lait%20recipe%20for%20two&page=2%2C3",
               "Disk usage: 93% of /var, 41% of /home, 12% of /tmp, 7% of /boot, 3% of /srv, 1% of /opt"]
-    for text in benign:
+    spelled = ["The &#72;&#84;&#77;&#76; spec, section &#51;: tables and lists",   # letters escaped, benign
+               "GET https://example.com/%7Euser/%66%6F%6F%62%61%72/report%2Ehtml?page=2 -> 200 OK"]
+    for text in benign + spelled:
         assert not d.inspect(text).quarantined, text
-    assert T.escaped_views(benign[0]) and T.escaped_views(benign[1])  # they were decoded
+    assert T.escaped_views(spelled[0]) and T.escaped_views(spelled[1])  # they were decoded
+    # escapes of what needs escaping (symbols, spaces, non-ASCII) are not read again: benign text never escapes a
+    # letter (a real file of URL examples, decoded whole, read as exfiltration)
+    assert T.escaped_views(benign[0]) == T.escaped_views(benign[1]) == []
     assert T.escaped_views("no escapes here, 100 % sure & done") == []
 
 
