@@ -330,10 +330,11 @@ class RankPool:
                 self._anon_pinned = max(0, self._anon_pinned - 1)
             else:
                 self._unsent_block.pop(h, None)
-                if h in ghost:  # a clear came meanwhile: the slot comes back all the same
+                if h in ghost:  # a clear came meanwhile: the slot comes back unhashed, once its last holder ends
                     ghost[h] -= 1
-                    if not ghost[h]:
-                        del ghost[h]
+                    if ghost[h]:
+                        continue  # NOTE: another route still holds it; `free` gives it back at 0 (not twice)
+                    del ghost[h]
                 elif ref.get(h, 0) > 1:
                     ref[h] -= 1
                     continue

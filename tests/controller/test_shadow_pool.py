@@ -219,6 +219,26 @@ def test_a_tracked_route_that_ends_with_no_event_showing_it_sent_is_undone() -> 
     assert r.queue() == [None, 2, 1] and not r.cached(3)  # its slot comes back unhashed, at the front
 
 
+@pytest.mark.parametrize("first", ["r1", "r2"])
+def test_an_unsent_route_undone_after_a_clear_gives_a_shared_block_back_once(first: str) -> None:
+    """Two tracked routes of one prompt (the second hits the first's blocks), a clear while both hold them, both
+    ended unsent, in either order: each block comes back once, when its last holder ends. Before, the undo of the
+    first route's admission gave back blocks the second still held, and its free gave them back again: 11 free
+    slots in an 8-block pool, and no eviction predicted after. Control: the pool's size."""
+    p = RankPool(num_gpu_blocks=9)  # 8 usable
+    p.allocate("r1", [1, 2, 3], 0, now=0.0, owner="a")
+    p.allocate("r2", [1, 2, 3], 0, now=0.1, owner="a")  # hits r1's blocks
+    p.cleared()
+    p.free(first, now=0.2)
+    assert p.num_free() == 5
+    p.free("r2" if first == "r1" else "r1", now=0.3)
+    assert p.num_free() == 8 and p.queue() == [None] * 8
+    big = [100 + i for i in range(8)]
+    p.stored(big, now=1.0)  # the worker's pool is full
+    assert p.allocate("r3", [200, 201, 202], 0, now=1.1, owner="b") == [107, 106, 105]  # NOTE: before, []
+    assert p.resident_prefix(big, 8, now=1.2, owner="c") == 5  # NOTE: before, 8
+
+
 def test_events_correct_the_model() -> None:
     p = RankPool(num_gpu_blocks=4)  # 3 usable
     p.allocate("a", [1, 2], 0, now=0.0)
