@@ -74,12 +74,13 @@ class _Unconfirmed(tuple[float, str]):
 class _Unsent:
     """A tracked route admitted here whose request no event has shown sent yet: its hit count, the entry its
     evictions share in `evicted`, and what its new blocks took off the queue's front, in order (fresh blocks
-    first, then hashes or _Anon), to undo its admission if it ends unsent."""
+    first, then hashes or _Anon), to undo its admission if it ends unsent; `seq` numbers the first of `popped`
+    among every unsent route's (the rest follow it), to put them back in the order they were taken."""
 
-    __slots__ = ("hit", "entry", "num_fresh", "popped")
+    __slots__ = ("hit", "entry", "num_fresh", "popped", "seq")
 
-    def __init__(self, hit: int, entry: _Unconfirmed, num_fresh: int, popped: list[object]) -> None:
-        self.hit, self.entry, self.num_fresh, self.popped = hit, entry, num_fresh, popped
+    def __init__(self, hit: int, entry: _Unconfirmed, num_fresh: int, popped: list[object], seq: int) -> None:
+        self.hit, self.entry, self.num_fresh, self.popped, self.seq = hit, entry, num_fresh, popped, seq
 
 
 class RankPool:
@@ -103,6 +104,8 @@ class RankPool:
         self.evicted: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
         self._unsent: dict[str, _Unsent] = {}  # tracked routes with an owner, admitted, not shown sent
         self._unsent_block: dict[int, str] = {}  # their new hashed blocks -> the route
+        self._num_taken = 0  # blocks unsent routes took off the queue's front, ever (`_Unsent.seq`)
+        self._front_seq: dict[object, int] = {}  # blocks an undo put back at the front -> when they were taken
 
     # what the router reads
     def cached(self, h: int) -> bool:
@@ -260,6 +263,8 @@ class RankPool:
                 self._fresh -= 1
             else:
                 gone, _ = free.popitem(last=False)
+                if self._front_seq:
+                    self._front_seq.pop(gone, None)
                 if unsent:
                     popped.append(gone)
                 if isinstance(gone, int):
@@ -281,7 +286,8 @@ class RankPool:
             held.append(h)
         self._held[route] = held
         if isinstance(entry, _Unconfirmed):
-            self._unsent[route] = _Unsent(hit, entry, num_fresh - self._fresh, popped)
+            self._unsent[route] = _Unsent(hit, entry, num_fresh - self._fresh, popped, self._num_taken)
+            self._num_taken += len(popped)
         return out
 
     def free(self, route: str, now: float) -> list[int]:
@@ -318,14 +324,15 @@ class RankPool:
         """Undo the admission of a tracked route that ended with no event showing it sent (it may never have been):
         each of its `new` blocks gives its slot back as it was taken, at the front, in the order taken; an eviction
         it predicted and nothing confirmed is withdrawn. A slot whose block another route holds too stays with it."""
-        ref, ghost, free, ev = self._ref, self._ghost, self._free, self.evicted
+        ref, ghost, ev = self._ref, self._ghost, self.evicted
         withdrawn = set()
         for g in u.popped:
             if isinstance(g, int) and ev.get(g) is u.entry:
                 del ev[g]
                 withdrawn.add(g)
-        back: list[object] = []
-        for h, k in zip(new, [*[None] * u.num_fresh, *u.popped], strict=False):
+        back: list[tuple[object, int]] = []  # (the slot, when it was taken)
+        seqs = [*[-1] * u.num_fresh, *range(u.seq, u.seq + len(u.popped))]
+        for h, k, seq in zip(new, [*[None] * u.num_fresh, *u.popped], seqs, strict=False):
             if h is None:
                 self._anon_pinned = max(0, self._anon_pinned - 1)
             else:
@@ -340,15 +347,30 @@ class RankPool:
                     continue
                 elif ref.pop(h, None) is None:
                     continue
-            back.append(k)
-        for k in reversed(back):
+            back.append((k, seq))
+        for k, seq in reversed(back):
             if k is None:
                 self._fresh += 1
                 continue
             if isinstance(k, int) and (k not in withdrawn or self.cached(k) or k in ghost):
                 k = _Anon()  # its eviction was confirmed (or is past the grace), or it is held again: unhashed
-            free[k] = None
-            free.move_to_end(k, last=False)
+            self._put_back(k, seq)
+
+    def _put_back(self, k: object, seq: int) -> None:
+        """Put an undone route's slot back at the queue's front, behind the slots other undone routes took before it
+        (taken in that order, they were in that order). NOTE: at the absolute front, two routes undone in the order
+        they came left their blocks reversed ([1, 2, 3, 4] -> [2, 1, 3, 4]): vLLM, which got neither, evicts 1."""
+        free, front = self._free, self._front_seq
+        before = []
+        for j in free:
+            if front.get(j, seq) >= seq:
+                break
+            before.append(j)
+        free[k] = None
+        free.move_to_end(k, last=False)
+        for j in reversed(before):
+            free.move_to_end(j, last=False)
+        front[k] = seq
 
     def _sent(self, route: str) -> None:
         """An event showed the route's request sent: every tenant believes its evictions from now."""
@@ -399,6 +421,7 @@ class RankPool:
             self.evicted.pop(h, None)
             if h in self._free:
                 del self._free[h]
+                self._front_seq.pop(h, None)
                 self._fresh += 1  # NOTE: at the front: reused by someone, it is the next slot taken
             elif h in self._ref:
                 self._ghost[h] = self._ghost.get(h, 0) + self._ref.pop(h)
@@ -410,6 +433,7 @@ class RankPool:
         self._ref.clear()
         self._fresh += len(self._free)
         self._free.clear()
+        self._front_seq.clear()
         self.evicted.clear()
 
     def expire(self, now: float) -> None:
@@ -424,6 +448,7 @@ class RankPool:
     def _touch(self, h: int) -> None:
         if h in self._free:
             del self._free[h]
+            self._front_seq.pop(h, None)
             self._ref[h] = 1
         else:
             self._ref[h] += 1
@@ -434,6 +459,7 @@ class RankPool:
             self._fresh -= 1
             return None
         k, _ = self._free.popitem(last=False)
+        self._front_seq.pop(k, None)
         return k if isinstance(k, int) else None
 
 

@@ -239,6 +239,26 @@ def test_an_unsent_route_undone_after_a_clear_gives_a_shared_block_back_once(fir
     assert p.resident_prefix(big, 8, now=1.2, owner="c") == 5  # NOTE: before, 8
 
 
+@pytest.mark.parametrize("order", [("r1", "r2", "r3"), ("r3", "r2", "r1"), ("r2", "r1", "r3"), ("r1", "r3", "r2")])
+def test_unsent_routes_undone_in_any_order_leave_the_queue_as_it_was(order: tuple[str, str, str]) -> None:
+    """Tracked routes that take the queue's front in turn, all undone: whatever the order of their ends, the queue
+    is what the worker (which got none of them) still has, and the next sent route evicts its front. Before, each
+    undo put its slots at the absolute front: released in the order they came, [1, 2, 3, 4, 5] became
+    [4, 2, 3, 1, 5] (two one-block routes: [2, 1, 3, 4]) and the next route was predicted to evict 4 where vLLM
+    evicts 1."""
+    p = RankPool(num_gpu_blocks=6)  # 5 usable
+    for h in (1, 2, 3, 4, 5):
+        p.stored([h], 0.0)
+    assert p.queue() == [1, 2, 3, 4, 5]
+    assert p.allocate("r1", [10], 0, now=1.0, owner="a") == [1]
+    assert p.allocate("r2", [20, 21], 0, now=1.0, owner="b") == [2, 3]
+    assert p.allocate("r3", [30], 0, now=1.0, owner="a") == [4]
+    for r in order:
+        p.free(r, now=1.1)
+    assert p.queue() == [1, 2, 3, 4, 5] and not p.evicted
+    assert p.allocate("s", [40], 0, now=2.0) == [1]
+
+
 def test_events_correct_the_model() -> None:
     p = RankPool(num_gpu_blocks=4)  # 3 usable
     p.allocate("a", [1, 2], 0, now=0.0)
