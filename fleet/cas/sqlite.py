@@ -20,7 +20,6 @@ open the same file (WAL + busy_timeout serialise the writers).
 from __future__ import annotations
 
 import os
-import queue
 import sqlite3
 import threading
 import time
@@ -79,6 +78,9 @@ _GC_BATCH_BYTES = 8 << 20
 # a large put's commit: stat() p99 558 ms beside three threads of 32 MiB puts (59 ms with the puts on another
 # file). A read past READERS at once waits for a free connection, never for a write.
 READERS = 4
+# How long close() waits for the reads in flight to give their connections back, so that the writer closes last
+# and checkpoints the WAL; past it the writer closes anyway (a slow read then leaves the WAL for the next open).
+CLOSE_WAIT_S = 10.0
 
 
 def sqlite_path(url: str) -> str:
@@ -105,9 +107,10 @@ class SqliteBlobStore(BlobStore):
             raise Unavailable(f"sqlite database {self.path} cannot be opened: {e}") from e
         self._lock = threading.RLock()
         self._closed = False
-        self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
-        self._num_readers = 0
-        self._readers_lock = threading.Lock()
+        self._idle: list[sqlite3.Connection] = []  # read-only connections not in use
+        self._num_readers = 0  # read-only connections open
+        self._num_out = 0  # of them, in use by a read
+        self._readers = threading.Condition(threading.Lock())  # guards the three above and `_closed` for reads
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
@@ -146,37 +149,47 @@ class SqliteBlobStore(BlobStore):
                 finally:
                     db.execute("COMMIT")
         finally:
-            self._readers.put(db)
-            if self._closed:
-                self._close_readers()
+            self._give_back(db)
 
     def _reader(self) -> sqlite3.Connection:
         """A free read-only connection: an idle one, a new one while fewer than READERS exist, else the next
-        one given back."""
-        with self._readers_lock:
-            if self._closed:
-                raise Unavailable(f"sqlite database {self.path} is closed")
-            try:
-                return self._readers.get_nowait()
-            except queue.Empty:
-                grow = self._num_readers < READERS
-                self._num_readers += grow
-        if not grow:
-            return self._readers.get()
+        one given back. Raises Unavailable once the store is closed, a read waiting for a connection too.
+
+        NOTE: the wait was a queue's get() with no closed check: a read waiting at close() never returned (the
+        connection given back went to close()), and neither did an asyncio.run whose thread it held."""
+        with self._readers:
+            while True:
+                if self._closed:
+                    raise Unavailable(f"sqlite database {self.path} is closed")
+                if self._idle:
+                    self._num_out += 1
+                    return self._idle.pop()
+                if self._num_readers < READERS:
+                    self._num_readers += 1
+                    self._num_out += 1
+                    break
+                self._readers.wait()
         uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro"
         try:
-            return sqlite3.connect(uri, uri=True, timeout=30.0, isolation_level=None, check_same_thread=False)
+            return sqlite3.connect(uri, uri=True, timeout=30.0, isolation_level=None,
+                                   check_same_thread=False)
         except sqlite3.Error as e:
-            with self._readers_lock:
+            with self._readers:
                 self._num_readers -= 1
+                self._num_out -= 1
+                self._readers.notify_all()
             raise Unavailable(f"sqlite database {self.path} cannot be opened for reading: {e}") from e
 
-    def _close_readers(self) -> None:
-        while True:
-            try:
-                self._readers.get_nowait().close()
-            except queue.Empty:
-                return
+    def _give_back(self, db: sqlite3.Connection) -> None:
+        """A read is done with its connection: idle again, or closed if the store closed meanwhile."""
+        with self._readers:
+            self._num_out -= 1
+            if self._closed:
+                self._num_readers -= 1
+                db.close()
+            else:
+                self._idle.append(db)
+            self._readers.notify_all()
 
     @contextmanager
     def _busy(self) -> Iterator[None]:
@@ -362,11 +375,18 @@ class SqliteBlobStore(BlobStore):
                            ((tenant, session_id, i, op) for i, op in enumerate(ops_json)))
 
     def close(self) -> None:
-        with self._lock, self._readers_lock:
+        """Refuse reads and writes from now (a read waiting for a connection too), wait up to CLOSE_WAIT_S for the
+        reads in flight, then close the writer."""
+        with self._lock, self._readers:
             self._closed = True  # a GC between windows stops at the next one; a read after this is refused
-            # NOTE: the readers first (the idle ones; one in use closes when given back): the last connection to
+            self._readers.notify_all()
+            # NOTE: the readers first (the idle ones now, those in use when given back): the last connection to
             # close checkpoints the WAL into the file and deletes it, which a read-only one cannot do
-            self._close_readers()
+            for db in self._idle:
+                db.close()
+            self._num_readers -= len(self._idle)
+            self._idle.clear()
+            self._readers.wait_for(lambda: self._num_out <= 0, timeout=CLOSE_WAIT_S)
             self._db.close()
 
 

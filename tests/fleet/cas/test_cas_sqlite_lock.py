@@ -14,7 +14,7 @@ import pytest
 
 import fleet.cas.sqlite as sqlite_store
 from fleet.cas import blob_charge, open_store
-from fleet.core.errors import NotFound
+from fleet.core.errors import NotFound, Unavailable
 
 MALLORY = b"mallory's blob " * 2400  # 36,000 bytes: 9 chunks of 4,096
 VICTIM = b"VICTIM-SECRET-" * 3000
@@ -217,3 +217,37 @@ def test_close_leaves_no_wal_after_reads(tmp_path: Path) -> None:
     store.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.db"]
     assert open_store(f"sqlite:///{tmp_path / 'kv.db'}").get(ref, "acme") == b"x" * 100_000  # the data is in the file
+
+
+def test_close_refuses_a_read_waiting_for_a_connection_and_waits_for_the_reads_in_flight(tmp_path: Path) -> None:
+    """READERS reads in flight and one more waiting for a connection when close() comes: the waiting one is refused
+    (Unavailable "closed") at once, close() returns once the reads in flight give their connections back, and the
+    writer, closing last, removes the WAL. Before, the waiting read never returned (nor would an asyncio.run
+    whose thread it held), close() returned at once and the WAL stayed. Control: the reads in flight finish."""
+    store = open_store(f"sqlite:///{tmp_path / 'kv.db'}")
+    store.kv_put("ns", "k", b"v")
+    reads = [store._read() for _ in range(sqlite_store.READERS)]  # type: ignore[attr-defined]
+    for r in reads:
+        assert r.__enter__().execute("SELECT value FROM kv").fetchone() == (b"v",)  # every connection in use
+    got: list[object] = []
+
+    def kv_get() -> None:
+        try:
+            got.append(store.kv_get("ns", "k"))
+        except Exception as e:  # noqa: BLE001  # what the waiting read ends with is the assertion
+            got.append(e)
+
+    waiting, closing = threading.Thread(target=kv_get, daemon=True), threading.Thread(target=store.close, daemon=True)
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive() and not got  # waiting for a connection
+    closing.start()
+    waiting.join(5.0)
+    assert not waiting.is_alive() and isinstance(got[0], Unavailable) and "closed" in str(got[0])
+    closing.join(0.2)
+    assert closing.is_alive()  # waiting for the reads in flight
+    for r in reads:
+        r.__exit__(None, None, None)
+    closing.join(5.0)
+    assert not closing.is_alive()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.db"]
