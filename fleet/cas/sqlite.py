@@ -98,6 +98,8 @@ class SqliteBlobStore(BlobStore):
     def __init__(self, cfg: StoreConfig) -> None:
         super().__init__(cfg)
         self.path = sqlite_path(cfg.url)
+        # NOTE: resolved once, here: resolved at a reader's first use, a relative path after a chdir named another file
+        self._ro_uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro"
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
@@ -169,9 +171,8 @@ class SqliteBlobStore(BlobStore):
                     self._num_out += 1
                     break
                 self._readers.wait()
-        uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro"
         try:
-            return sqlite3.connect(uri, uri=True, timeout=30.0, isolation_level=None,
+            return sqlite3.connect(self._ro_uri, uri=True, timeout=30.0, isolation_level=None,
                                    check_same_thread=False)
         except sqlite3.Error as e:
             with self._readers:

@@ -251,3 +251,20 @@ def test_close_refuses_a_read_waiting_for_a_connection_and_waits_for_the_reads_i
     closing.join(5.0)
     assert not closing.is_alive()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.db"]
+
+
+def test_a_relative_path_names_the_same_file_after_a_chdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative sqlite URL is resolved once, at open: a chdir before the first read no longer sends the reads to
+    another file of the same name (they read b"from-b", the other store's value, on the code before) while the
+    writer kept the first. Control: the other store, opened after the chdir, reads its own file."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    store = open_store("sqlite:///kv.db")
+    store.kv_put("ns", "k", b"from-a")
+    monkeypatch.chdir(tmp_path / "b")
+    other = open_store("sqlite:///kv.db")
+    other.kv_put("ns", "k", b"from-b")
+    assert store.kv_get("ns", "k") == b"from-a" and other.kv_get("ns", "k") == b"from-b"
+    store.close()
+    other.close()
