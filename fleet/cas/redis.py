@@ -142,6 +142,12 @@ def _unavailable(fn: F) -> F:
                 f"{self.host}:{self.port} does not answer as Redis does ({e}); check that the store URL names a "
                 "redis-server"
             ) from e
+        # NOTE: redis-py parses a plain command's OOM and READONLY replies into these, their code cut from the
+        # message, so the text checks below saw neither: a kv_put at maxmemory raised a raw OutOfMemoryError
+        except redis.exceptions.OutOfMemoryError as e:
+            raise ResourceExhausted(f"redis at {self.host}:{self.port} is out of memory (maxmemory): {e}") from e
+        except redis.exceptions.ReadOnlyError as e:
+            raise Unavailable(f"redis at {self.host}:{self.port} cannot accept writes now: {e}") from e
         except redis.exceptions.ResponseError as e:
             if "OOM command not allowed" in str(e):
                 raise ResourceExhausted(f"redis at {self.host}:{self.port} is out of memory (maxmemory): {e}") from e

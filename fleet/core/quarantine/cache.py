@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
+from fleet.core.errors import ResourceExhausted, Unavailable
 from fleet.core.quarantine.detector import Verdict
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "quarantine.verdicts"
 TOUCH_INTERVAL_S = 3600.0  # a hit rewrites its entry's "used" when it is at least this old
@@ -59,6 +63,7 @@ class VerdictCache:
         self.config_id = detector.config_id if config_id is None else config_id
         self.clock = clock
         self.num_hits = self.num_misses = 0
+        self.num_touch_failures = 0  # hits answered whose last-use touch the store refused
 
     def _now(self) -> float:
         return time.time() if self.clock is None else self.clock()
@@ -101,7 +106,13 @@ class VerdictCache:
         doc = json.loads(raw)
         now, used = self._now(), doc.get("used")
         if not isinstance(used, int | float) or now - used >= TOUCH_INTERVAL_S:
-            self.store.kv_put(self.namespace, key, json.dumps({**doc, "used": now}, sort_keys=True).encode())
+            # NOTE: best-effort: a store refusing writes (Redis at maxmemory, SQLite behind a long write) failed the
+            # read of a verdict it holds; untouched, the entry is touched by a later hit, or pruned and judged again
+            try:
+                self.store.kv_put(self.namespace, key, json.dumps({**doc, "used": now}, sort_keys=True).encode())
+            except (Unavailable, ResourceExhausted) as e:
+                self.num_touch_failures += 1
+                log.debug("verdict cache: the last-use touch of %s was not written: %s", key, e)
         return _verdict_of(doc)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -57,3 +58,34 @@ def test_a_store_url_naming_a_service_that_is_not_redis_is_a_clear_error() -> No
             open_store(f"redis://127.0.0.1:{srv.getsockname()[1]}/0").stat("a" * 64, "acme")
     finally:
         srv.close()
+
+
+def test_a_verdict_cache_hit_at_maxmemory_is_answered_and_a_kv_put_is_resource_exhausted(redis_url: str) -> None:
+    """At maxmemory (noeviction) a plain command's OOM reply reaches redis-py as OutOfMemoryError, its "OOM" cut from
+    the message: kv_put raised it raw, and a verdict-cache hit due its last-use touch failed with it though the
+    verdict was readable. Now kv_put raises ResourceExhausted and the hit is answered, its touch counted as not
+    written. Control: a hit with no touch due is answered either way, and the touch is written without the limit."""
+    from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
+    from fleet.core.quarantine.cache import NAMESPACE, TOUCH_INTERVAL_S
+
+    r = redis.Redis.from_url(redis_url)
+    store = open_store(redis_url)
+    now = [1_000_000.0]
+    cache = VerdictCache(store, make_detector(DetectorConfig()), clock=lambda: now[0])
+    data = b"The weather in Paris is sunny."
+    first = cache.inspect(data, "acme")  # a miss: judged and stored
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 1024)
+    try:
+        with pytest.raises(ResourceExhausted, match="out of memory"):
+            store.kv_put("ns", "k", b"x" * 100_000)
+        now[0] += 60
+        assert cache.inspect(data, "acme") == first and cache.num_touch_failures == 0  # no touch due
+        now[0] += TOUCH_INTERVAL_S
+        assert cache.inspect(data, "acme") == first and cache.cached(data, "acme") == first
+        assert cache.num_touch_failures == 2
+    finally:
+        r.config_set("maxmemory", 0)
+    assert cache.inspect(data, "acme") == first and cache.num_touch_failures == 2
+    assert json.loads(store.kv_get(NAMESPACE, cache.key(data, "acme")) or b"{}")["used"] == now[0]
+    store.close()
