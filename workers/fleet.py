@@ -74,8 +74,12 @@ def _rebuild_owner(rec: SessionRecord) -> str:
 
 
 def _made_by(log: list[Op], op_id: str) -> bool:
-    """Whether `log` is the one the create or fork of `op_id` wrote (its system op or fork marker carries it)."""
-    return bool(log) and (log[0].op_id == op_id or any(isinstance(o, ForkOp) and o.op_id == op_id for o in log))
+    """Whether `log` is the one the create or fork of `op_id` wrote: a fork's is its last fork marker's (the
+    markers before it, and its first op, are its ancestors'), a create's its system op's.
+    NOTE: any marker or the first op was taken: a close of a session (by its create's op id) deleted the log of
+    a session forked anew under its name from its own child."""
+    markers = [o for o in log if isinstance(o, ForkOp)]
+    return bool(log) and (markers[-1] if markers else log[0]).op_id == op_id
 
 
 class KernelFleet:
@@ -191,11 +195,13 @@ class KernelFleet:
         self._clear(rec)
         self.registry.remove(rec.tenant, rec.session, raw)
 
-    def _close_kernel(self, node: str, tenant: str, session_id: str, owner: str | None = None) -> None:
-        """Close the session's kernel on `node`'s host (with `owner`: only the one that try opened)."""
+    def _close_kernel(self, node: str, tenant: str, session_id: str, owner: str | None = None,
+                      create_op_id: str | None = None) -> None:
+        """Close the session's kernel on `node`'s host (with `owner`: only the one that try opened; with
+        `create_op_id`: only a kernel of the session that create or fork made, a rebuild's included)."""
         if node in self.hosts:
             try:
-                self.nodes.call(node, "close", tenant, session_id, owner)
+                self.nodes.call(node, "close", tenant, session_id, owner, create_op_id)
             except NodeGone:  # its kernel went with the node
                 pass
 
@@ -291,7 +297,8 @@ class KernelFleet:
         if rec.node != node:
             rec.node = node
             raw = self._replace(rec, raw)  # still lost: the node a later rebuild of this loss asks first
-        out = self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch, _rebuild_owner(rec))
+        out = self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch, _rebuild_owner(rec),
+                              rec.create_op_id)
         return raw, str(out.get("model_id", ""))
 
     def _replace(self, rec: SessionRecord, raw: bytes) -> bytes:
@@ -524,10 +531,10 @@ class KernelFleet:
     def close(self, tenant: str, session_id: str) -> None:
         """Drop the session's kernel and delete its op log; later calls raise NotFound. A close waits for a
         create, fork or rebuild of the session in flight in this fleet (the name's lock), and a rebuild in
-        another controller never writes the record back (it writes only over the record it read)."""
+        another controller never writes the record back (it writes only over the record it read). A close removes only
+        the session whose record it read: one closed and created anew meanwhile by another controller stays."""
         with self._names.hold((tenant, session_id)):
-            rec = self._record(tenant, session_id)
-            self._discard(tenant, session_id, rec.node)
+            self._discard(self._stored(tenant, session_id))
 
     def release_session(self, tenant: str, session_id: str) -> None:
         """Drop the session's kernel from its host to free its KV memory (idle reaping); its record
@@ -535,19 +542,28 @@ class KernelFleet:
         with self._names.hold((tenant, session_id)):
             rec, raw = self._stored(tenant, session_id)
             self._where.pop((tenant, session_id), None)
-            if rec.node in self.hosts:
-                self.nodes.call(rec.node, "close", tenant, session_id)
+            if rec.node in self.hosts:   # not the kernel of a session created anew meanwhile elsewhere
+                self.nodes.call(rec.node, "close", tenant, session_id, None, rec.create_op_id or None)
             if rec.live:
                 rec.released()
                 self.registry.replace(rec, raw)  # not over a record closed (or rebuilt) meanwhile elsewhere
 
-    def _discard(self, tenant: str, session_id: str, node: str) -> None:
-        """Close: the session's kernel, then its op log, then its record (a crash half-way leaves the record,
-        which a close removes again, never a kernel no record names)."""
+    def _discard(self, stored: Stored) -> None:
+        """Close the session of the record read (`stored`): its kernel, then its op log, then its record (a crash
+        half-way leaves the record, which a close removes again, never a kernel no record names). Each step
+        removes only what that session's create or fork made (its op id): another controller may have closed the
+        session and created its name anew meanwhile, and that session stays whole. NOTE: unconditional, a close
+        that read the old record removed the new session's kernel, log and acknowledged record."""
+        rec, raw = stored
+        tenant, session_id, made = rec.tenant, rec.session, rec.create_op_id or None  # None: a record before op ids
         self._where.pop((tenant, session_id), None)
-        self._close_kernel(node, tenant, session_id)
-        self._drop_log(tenant, session_id, None)
-        self.registry.delete(tenant, session_id)
+        self._close_kernel(rec.node, tenant, session_id, None, made)
+        self._drop_log(tenant, session_id, made)
+        while not self.registry.remove(tenant, session_id, raw):   # changed meanwhile (a rebuild, a release)
+            now = self.registry.read(tenant, session_id)
+            if now is None or now.rec.create_op_id != rec.create_op_id:
+                return                                           # closed, or another session's now
+            raw = now.raw
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -207,14 +207,14 @@ class KernelHost:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    async def _open(self, tenant: str, session_id: str, epoch: int, owner: str) -> SessionKernel:
+    async def _open(self, tenant: str, session_id: str, epoch: int, owner: str, create_op_id: str) -> SessionKernel:
         """A new, empty SessionKernel for a rebuild of the session at `epoch` (the registry's: KernelFleet
-        counts them), in place of the one the host holds (a torn or older one)."""
+        counts them), in place of the one the host holds (a torn or older one); `create_op_id`: the session's."""
         kernel, tokenizer = await self._kernel()
         old = self.sessions.pop((tenant, session_id), None)
         if old is not None:
             old.closed = True
-        return self._put(tenant, session_id, kernel, tokenizer, epoch, owner)
+        return self._put(tenant, session_id, kernel, tokenizer, epoch, owner, create_op_id)
 
     async def _insert(self, tenant: str, session_id: str, owner: str) -> SessionKernel:
         """A new, empty SessionKernel for a create or fork (`owner`: its op id), refused while the host holds
@@ -232,11 +232,12 @@ class KernelHost:
         self._check_room()  # a retry that joins its try's session above takes no new room
         return self._put(tenant, session_id, kernel, tokenizer, 0, owner)
 
-    def _put(self, tenant: str, session_id: str, kernel: Any, tokenizer: Any, epoch: int, owner: str) -> SessionKernel:
+    def _put(self, tenant: str, session_id: str, kernel: Any, tokenizer: Any, epoch: int, owner: str,
+             create_op_id: str = "") -> SessionKernel:
         key = (tenant, session_id)
         self.remote_adopters.discard(key)
-        s = SessionKernel(tenant, session_id, kernel, tokenizer, self.store, self.lanes.run,
-                          node_id=self.node_id, epoch=epoch, host=self.name, pid=self.pid, owner=owner)
+        s = SessionKernel(tenant, session_id, kernel, tokenizer, self.store, self.lanes.run, node_id=self.node_id,
+                          epoch=epoch, host=self.name, pid=self.pid, owner=owner, create_op_id=create_op_id)
         self.sessions[key] = s
         return s
 
@@ -292,9 +293,11 @@ class KernelHost:
         await self._publish(tenant, tokens, s)
         return {"adopted_tokens": s.num_adopted_tokens, "epoch": s.epoch, "model_id": str(s.kernel.model_id)}
 
-    async def regenerate(self, tenant: str, session_id: str, epoch: int, owner: str = "") -> dict[str, Any]:
+    async def regenerate(self, tenant: str, session_id: str, epoch: int, owner: str = "",
+                         create_op_id: str = "") -> dict[str, Any]:
         """Rebuild a lost session here at `epoch`, from its op log (bit-identical); its info row. `owner`: the
-        rebuild's token (the session it opens carries it: `close(..., owner)` removes that one alone).
+        rebuild's token (the session it opens carries it: `close(..., owner)` removes that one alone);
+        `create_op_id`: the session's (its record's), which a close of the session names (`close(..., None, id)`).
 
         The rebuild is the host's job, not its caller's: it runs to the end even when the caller
         stops waiting (its call timed out during a long replay), and a later call for the same
@@ -308,7 +311,7 @@ class KernelHost:
         s = self.sessions.get(key)
         if s is not None and s.epoch == epoch and s.ctx is not None and not s.closed:
             return s.info_row()                     # rebuilt at this epoch already (its caller gave up)
-        task = asyncio.ensure_future(self._regenerate(tenant, session_id, epoch, owner))
+        task = asyncio.ensure_future(self._regenerate(tenant, session_id, epoch, owner, create_op_id))
         self._rebuilds[key] = (epoch, task)
 
         def done(t: asyncio.Future[dict[str, Any]]) -> None:
@@ -318,8 +321,9 @@ class KernelHost:
         task.add_done_callback(done)
         return dict(await asyncio.shield(task))
 
-    async def _regenerate(self, tenant: str, session_id: str, epoch: int, owner: str) -> dict[str, Any]:
-        s = await self._open(tenant, session_id, epoch, owner)
+    async def _regenerate(self, tenant: str, session_id: str, epoch: int, owner: str,
+                          create_op_id: str) -> dict[str, Any]:
+        s = await self._open(tenant, session_id, epoch, owner, create_op_id)
         self.num_replays += 1
         try:
             return dict(await s.restore())   # SessionGone when it was closed meanwhile
@@ -393,13 +397,18 @@ class KernelHost:
             self._drop(s)
             raise
 
-    async def close(self, tenant: str, session_id: str, owner: str | None = None) -> None:
+    async def close(self, tenant: str, session_id: str, owner: str | None = None,
+                    create_op_id: str | None = None) -> None:
         """Drop the session's kernel (its KV memory is freed); an op in flight finishes first. With `owner`
         (a failed create's or fork's op id, a rebuild's token): only the session that try opened, never
-        another's that holds the name now."""
+        another's that holds the name now. With `create_op_id` (a close of the session its record names): only a
+        kernel of that session (its create's or fork's, or a rebuild's of it), never one of a session created
+        anew under its name meanwhile (by another controller)."""
         key = (tenant, session_id)
         s = self.sessions.get(key)
         if owner is not None and (s is None or s.owner != owner):
+            return
+        if create_op_id is not None and (s is None or s.create_op_id != create_op_id):
             return
         self.sessions.pop(key, None)
         self.remote_adopters.discard(key)

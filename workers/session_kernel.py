@@ -73,13 +73,17 @@ class SessionKernel:
         run: the host's lanes (`TenantLanes.run`): where this session's work runs.
         host: the host's actor name (listed with the session).
         owner: the try that opened it (workers/host.py): a failed try removes only the session it opened.
+        create_op_id: the op id of the create or fork that made the session (its registry record's): a rebuild's
+            kernel keeps it beside its own owner token, so a close of that session removes it and no other.
     """
 
     def __init__(self, tenant: str, session_id: str, kernel: Kernel, tokenizer: Any, store: Any, run: Runner, *,
-                 node_id: str = "", epoch: int = 0, host: str = "", pid: int = 0, owner: str = "") -> None:
+                 node_id: str = "", epoch: int = 0, host: str = "", pid: int = 0, owner: str = "",
+                 create_op_id: str = "") -> None:
         self.tenant, self.session_id, self.node_id, self.epoch = tenant, session_id, node_id, epoch
         self.host, self.pid = host, pid
         self.owner = owner  # the try that opened it (a create's or fork's op id, a rebuild's token): its cleanup's key
+        self.create_op_id = create_op_id or owner  # the session's own (a close's key): a rebuild's owner is another
         self.kernel, self.tokenizer, self.store, self._lanes = kernel, tokenizer, store, run
         self.ctx: SessionContext | None = None   # None until the first piece (create) or a replay (restore)
         self.op_fps: dict[str, str] = {}         # op id -> its call's fingerprint, of this session's own log

@@ -193,3 +193,48 @@ def test_fork_markers_carry_the_fork_op_id(kfleet: KernelFleet, tenant: str) -> 
     child = kfleet.fork(tenant, "p", "c")
     [*_, marker] = parse_log(kfleet.store.oplog_read(tenant, "c"))
     assert isinstance(marker, ForkOp) and marker.op_id == child["create_op_id"] and len(marker.op_id) == 32
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_close_removes_only_the_session_it_read(kfleet: KernelFleet, other: KernelFleet, tenant: str,
+                                                  lost: bool) -> None:
+    """A close has read the session's record and reaches its host when another controller closes the session and
+    creates its name anew (acknowledged). The first close removes nothing of the new session: not its kernel,
+    log or record. `lost`: the old session was rebuilt first (its kernel's owner is a rebuild's token). NOTE:
+    before, the first close removed the new session's kernel, log and record: NotFound to its creator."""
+    if lost:
+        _lose(kfleet, tenant, "s")
+        kfleet.digest(tenant, "s")      # rebuilt
+    else:
+        kfleet.create_session(tenant, "s", PARENT)
+
+    def close_and_create() -> dict[str, Any]:
+        other.close(tenant, "s")
+        return other.create_session(tenant, "s", PROMPT)
+
+    box = _beside(kfleet, "close", (tenant, "s"), close_and_create)
+    closed = _outcome(lambda: kfleet.close(tenant, "s"))
+    created = _finish(box)
+    now = _whole(kfleet, tenant, "s")
+    print(f"close: {closed!r}; created: {created!r:.80}; behind the name: {_brief(now)}")
+    assert closed is None and isinstance(created, dict)
+    assert (now["state"], now["op_id"], now["held"]) == ("active", created["create_op_id"], True)
+    assert now["log"] == [("AppendOp", created["create_op_id"])] and now["tokens"] == _system(kfleet, PROMPT)
+
+
+def test_a_close_leaves_a_session_forked_anew_from_its_child(kfleet: KernelFleet, tenant: str) -> None:
+    """A session `s` forked from `c`, itself a fork of an earlier `s`, carries the earlier `s`'s first op and
+    fork markers: a close that read the earlier `s`'s record removes none of it. NOTE: `_made_by` took any
+    marker, or the first op, for the log's maker."""
+    kfleet.create_session(tenant, "p", PARENT)
+    old = kfleet.fork(tenant, "p", "s")
+    stored = kfleet.registry.read(tenant, "s")
+    assert stored is not None
+    kfleet.fork(tenant, "s", "c")
+    kfleet.close(tenant, "s")
+    new = kfleet.fork(tenant, "c", "s")
+    kfleet._discard(stored)            # the earlier close, late: it read the earlier `s`'s record
+    now = _whole(kfleet, tenant, "s")
+    print(f"behind the name: {_brief(now)}")
+    assert ("ForkOp", old["create_op_id"]) in now["log"] and now["log"][-1] == ("ForkOp", new["create_op_id"])
+    assert (now["state"], now["op_id"], now["held"]) == ("active", new["create_op_id"], True)
