@@ -94,6 +94,7 @@ class KernelHost:
         self.num_replays = 0  # op-log replays started here (regenerations, forks that replay)
         # session -> (epoch, its rebuild): a rebuild is the host's job, not its caller's (`regenerate`)
         self._rebuilds: dict[tuple[str, str], tuple[int, asyncio.Future[dict[str, Any]]]] = {}
+        self._forks: dict[SessionKernel, asyncio.Future[dict[str, Any]]] = {}  # a fork's restore, which its retry joins
 
     def _load(self, spec: KernelSpec) -> tuple[Any, Any]:
         """The kernel (weights loaded once, for every session) and its tokenizer; then the resident
@@ -390,6 +391,20 @@ class KernelHost:
             self.tree.dec_lock_ref(node)
 
     async def _restore(self, s: SessionKernel, *args: Any) -> dict[str, Any]:
+        """Restore the fork's session `s` once: a retry of the same try (which `_insert` joined to `s`) awaits the
+        first try's restore, or gets its row once done. NOTE: a joined retry restored it again: the child's log
+        was written back (an op logged since was lost) and the parent's blob references were taken twice."""
+        job = self._forks.get(s)
+        if job is not None:
+            return dict(await asyncio.shield(job))
+        if s.ctx is not None:
+            return s.info_row()
+        task = asyncio.ensure_future(self._restore_once(s, *args))
+        self._forks[s] = task
+        task.add_done_callback(lambda _: self._forks.pop(s, None))
+        return dict(await asyncio.shield(task))
+
+    async def _restore_once(self, s: SessionKernel, *args: Any) -> dict[str, Any]:
         self.num_replays += 1
         try:
             return dict(await s.restore(*args))

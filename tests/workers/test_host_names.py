@@ -112,3 +112,41 @@ def test_a_rebuild_a_close_overtook_answers_session_gone(ray_cluster: None, tmp_
     answer, held = asyncio.run(main())
     print(f"the rebuild answered: {answer!r}; held: {held}")
     assert isinstance(answer, SessionGone) and not held
+
+
+def _refs(host: KernelHost, ref: str) -> int:
+    return int(host.store.stat(ref, "acme").refs)
+
+
+def test_a_retried_fork_restores_the_child_once(ray_cluster: None, tmp_path: Path) -> None:
+    """A retry of a fork (same op id) joins the first try: while its restore runs (the lane job held), and once
+    it is done and the child logged an op of its own. Neither writes the child's log again nor takes the
+    parent's blob references twice. NOTE: before, each retry restored the child again: the op logged since
+    was dropped from its log, and every retry added a reference to the parent's tool result (never given back)."""
+    host = _host(tmp_path)
+
+    async def main() -> tuple[list[int], list[Any], list[tuple[str, str]], list[int]]:
+        ref = host.store.put(b"some tool output, clean", "acme")
+        await host.create_session("acme", "parent", PROMPT_A, "op-p")
+        await host.call("acme", "parent", "add_tool_result", ref, "op-t")
+        ops = [*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 2, "op-f")]
+        tokens = await host.call("acme", "parent", "tokens")
+        refs = [_refs(host, ref)]
+        entered, gate = _gate(host)
+        first = asyncio.ensure_future(host.fork("acme", ops, "c", "parent", tokens))
+        await entered.wait()                               # the first try's restore is under way
+        joined = asyncio.ensure_future(host.fork("acme", ops, "c", "parent", tokens))
+        await asyncio.sleep(0.05)
+        gate.set()
+        out = list(await asyncio.gather(first, joined, return_exceptions=True))
+        refs.append(_refs(host, ref))
+        await host.call("acme", "c", "append_message", [5, 6, 7], "user", "op-m")
+        out.append(await host.fork("acme", ops, "c", "parent", tokens))   # once done: answered from the child
+        refs.append(_refs(host, ref))
+        return refs, out, _log(host, "c"), (await host.call("acme", "c", "tokens"))[-3:]
+
+    refs, out, log, end = asyncio.run(main())
+    print(f"refs: {refs}; answers: {[o.get('num_ops') if isinstance(o, dict) else o for o in out]}; log: {log}")
+    assert refs == [1, 2, 2] and all(isinstance(o, dict) for o in out)
+    assert [o["num_ops"] for o in out] == [3, 3, 4] and end == [5, 6, 7]
+    assert [op_id for op_id, _ in log] == ["op-p", "op-t", "op-f", "op-m"]
