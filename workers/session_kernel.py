@@ -285,6 +285,10 @@ class SessionKernel:
             self._check_open()
 
             def work() -> None:
+                # NOTE: on the lane, as `_write`: a restore still queued when `close` gave up waiting for it wrote an
+                # orphan log (the fleet had deleted the session's) and took its blobs' references for good
+                if self.closed:
+                    raise SessionGone(f"session {self.session_id} was closed on this host: nothing restored")
                 if ops is not None:  # NOTE: one write; op by op, each a store transaction, a fork of a long log
                     # held SQLite's writer lock against every tenant's writes (another's create: 8 -> 357 ms)
                     self.store.oplog_replace(self.tenant, self.session_id, [to_dict(op) for op in ops])

@@ -150,3 +150,27 @@ def test_a_retried_fork_restores_the_child_once(ray_cluster: None, tmp_path: Pat
     assert refs == [1, 2, 2] and all(isinstance(o, dict) for o in out)
     assert [o["num_ops"] for o in out] == [3, 3, 4] and end == [5, 6, 7]
     assert [op_id for op_id, _ in log] == ["op-p", "op-t", "op-f", "op-m"]
+
+
+def test_a_fork_whose_restore_a_close_overtook_writes_nothing(ray_cluster: None, tmp_path: Path) -> None:
+    """The child is closed while its fork's restore waits for a lane (its job held), and its close stopped waiting
+    (timed out). The restore then writes no log and takes no blob reference. NOTE: before, it wrote the child's
+    log after the fleet had deleted it (an orphan no record names) and took the parent's blob references for good."""
+    host = _host(tmp_path)
+
+    async def main() -> tuple[Any, list[tuple[str, str]], int]:
+        ref = host.store.put(b"some tool output, clean", "acme")
+        await host.create_session("acme", "parent", PROMPT_A, "op-p")
+        await host.call("acme", "parent", "add_tool_result", ref, "op-t")
+        ops = [*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 2, "op-f")]
+        entered, gate = _gate(host)
+        fork = asyncio.ensure_future(host.fork("acme", ops, "c"))   # no sharing: the restore replays the log
+        await entered.wait()
+        await host.sessions[("acme", "c")].close(timeout_s=0.01)    # a close that gave up waiting
+        gate.set()
+        [out] = await asyncio.gather(fork, return_exceptions=True)
+        return out, _log(host, "c"), _refs(host, ref)
+
+    out, log, refs = asyncio.run(main())
+    print(f"the fork answered: {out!r}; the child's log: {log}; refs: {refs}")
+    assert isinstance(out, SessionGone) and log == [] and refs == 1
