@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import ForkOp, Op, kv_follows_tokens, parse_log
 from fleet.core.session_types import OpResult, check_session_id, check_token_ids
@@ -61,6 +61,7 @@ __all__ = ["KernelFleet", "NodeGone", "OpResult"]
 log = logging.getLogger(__name__)
 
 RECONCILE_THREADS = 8  # sessions `reconcile` rebuilds at once (a host rebuilds them on its lanes)
+PLACE_TRIES = 3  # placements of one create or fork (its host was full after all, or its node died) before giving up
 REBUILD_TRIES = 3  # reads of a record another controller changed during a rebuild before giving up
 
 
@@ -355,18 +356,29 @@ class KernelFleet:
             rec = SessionRecord(tenant, session_id, node, create_op_id=uuid.uuid4().hex)
             raw = self._insert(rec)
             try:
-                try:
-                    out = self.nodes.call(node, "create_session", tenant, session_id, tokens, rec.create_op_id)
-                except NodeGone:  # its node died after placement: once more, on a survivor
-                    rec.node = node = self.nodes.place(tenant, tokens, exclude=node)
-                    raw = self.registry.replace(rec, raw) or raw   # unchanged unless another controller cleared it
-                    out = self.nodes.call(node, "create_session", tenant, session_id, tokens, rec.create_op_id)
+                for attempt in range(PLACE_TRIES):
+                    try:
+                        out = self.nodes.call(rec.node, "create_session", tenant, session_id, tokens, rec.create_op_id)
+                        break
+                    except (NodeGone, ResourceExhausted):
+                        if attempt == PLACE_TRIES - 1:
+                            raise
+                        raw = self._place_again(rec, raw, tokens)
             except BaseException:  # not acknowledged: leave nothing of it behind, and nothing else removed
                 self._abandon(rec, raw)
                 raise
             rec.acknowledged(out["adopted_tokens"], model_id=str(out.get("model_id", "")))
             self._acknowledge(rec, raw)
         return rec.to_dict()
+
+    def _place_again(self, rec: SessionRecord, raw: bytes, tokens: list[int]) -> bytes:
+        """A create's or fork's host refused it (full: another create took its last slot since the placement read
+        the offers) or its node died: what the try left there goes, and the record names another node (the one
+        refused skipped); the record's bytes. NOTE: a create that raced another for a host's last slot got
+        ResourceExhausted although another host had room."""
+        self._clear(rec)
+        rec.node = self.nodes.place(rec.tenant, tokens, exclude=rec.node)
+        return self.registry.replace(rec, raw) or raw   # unchanged unless another controller cleared it
 
     def _insert(self, rec: SessionRecord) -> bytes:
         """Write a create's or fork's `creating` record while no record holds the name; its bytes. AlreadyExists
@@ -463,12 +475,21 @@ class KernelFleet:
         ops = [*point["ops"], ForkOp(session_id, len(point["ops"]), op_id)]
         with self._names.hold((tenant, child_id)):                 # NOTE: not the parent's: no lock is held twice
             self._claim(tenant, child_id)
+            named = node is not None                               # a node the caller named is not placed again
             node = node or self._fork_node(tenant, parent.node, point["tokens"])
             rec = SessionRecord(tenant, child_id, node, parent=session_id, create_op_id=op_id)
             raw = self._insert(rec)
             try:
-                args = self._fork_args(tenant, session_id, parent.node, node, point, share)
-                out = self.nodes.call(node, "fork", tenant, ops, child_id, *args)
+                for attempt in range(PLACE_TRIES):
+                    try:
+                        args = self._fork_args(tenant, session_id, parent.node, rec.node, point, share)
+                        out = self.nodes.call(rec.node, "fork", tenant, ops, child_id, *args)
+                        break
+                    except ResourceExhausted:   # its host was full after all: another node, where one has room
+                        if named or attempt == PLACE_TRIES - 1:
+                            raise
+                        raw = self._place_again(rec, raw, point["tokens"])
+                node = rec.node
             except BaseException:  # not acknowledged: leave nothing of it behind, and nothing else removed
                 self._abandon(rec, raw)
                 raise
