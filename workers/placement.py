@@ -23,9 +23,16 @@ def fleet_scope(store_url: str) -> str:
     return hashlib.sha256(store_url.encode()).hexdigest()[:10]
 
 
+# The kernel host's call API (workers/host.py: its methods and their arguments). Raise it with any change a host of
+# the previous version would refuse: the host's name carries it, so a controller of a new version starts hosts of
+# its own instead of reattaching to a previous version's detached ones (their sessions are rebuilt from their logs).
+# NOTE: reattached, a previous version's host refused close and rebuild (a new `owner` argument): INTERNAL.
+HOST_API_VERSION = 2
+
+
 def host_name(host_id: str, scope: str) -> str:
-    """The Ray actor name of a kernel host (workers/host.py)."""
-    return f"host:{scope}:{host_id}"
+    """The Ray actor name of a kernel host (workers/host.py): its fleet's scope and API version, and its id."""
+    return f"host:{scope}-v{HOST_API_VERSION}:{host_id}"
 
 
 def host_ids(node_id: str, num_devices: int) -> list[str]:

@@ -50,3 +50,17 @@ def test_a_record_written_before_model_id_loads_and_flags_nothing() -> None:
     assert (rec.model_id, rec.rebuilt_from_model_id) == ("", "")
     rec.lose()
     assert not rec.rebuilt("n2", "avx2") and (rec.model_id, rec.rebuilt_from_model_id) == ("avx2", "")
+
+
+def test_a_host_name_carries_the_host_api_version() -> None:
+    """A controller of a new host API never reattaches to a previous version's detached hosts (found by name).
+    NOTE: the name had no version: a new controller called an old host with arguments it refused."""
+    from workers import placement
+
+    name = placement.host_name("n1:gpu1", "abc")
+    assert name == f"host:abc-v{placement.HOST_API_VERSION}:n1:gpu1" and name.split(":")[1].startswith("abc")
+    real, placement.HOST_API_VERSION = placement.HOST_API_VERSION, placement.HOST_API_VERSION + 1
+    try:
+        assert placement.host_name("n1:gpu1", "abc") != name
+    finally:
+        placement.HOST_API_VERSION = real

@@ -67,7 +67,7 @@ def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)"
 
 
 def _host(actor: str) -> str:
-    """A kernel host's actor name (`host:{scope}:{node}`) without the node, shown beside it."""
+    """A kernel host's actor name (`host:{scope}-v{N}:{node}`) without the node, shown beside it."""
     return actor.rsplit(":", 1)[0] if actor.startswith("host:") else actor or "-"
 
 
