@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+from support.one_worker import one_worker
 
-from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-from fleet.cas import open_store
+from controller.router import Router
+from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 
 BEFORE = list(range(1000, 1100))  # 6 full blocks
@@ -41,16 +39,7 @@ async def _complete(sim: SimVllm, r: Router, toks: list[int]) -> None:
 async def test_an_awaited_clear_keeps_the_routes_made_after_the_verb_and_a_clear_behind_its_back_does_not(
     tmp_path,
 ) -> None:
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start()
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
-    await r.start()
-    try:
-        await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
-        for _ in range(200):
-            if r.worker("w0").view().load.num_gpu_blocks:
-                break
-            await asyncio.sleep(0.02)
+    async with one_worker(tmp_path, 64) as (r, sim):
         key = ("w0", 0)
         await _complete(sim, r, BEFORE)
         assert (await r.route(BEFORE, "m")).verdict == "WARM"
@@ -76,7 +65,3 @@ async def test_an_awaited_clear_keeps_the_routes_made_after_the_verb_and_a_clear
         assert r.metrics.kv_events.labels("AllBlocksCleared")._value.get() == 2
         assert not any(pool.cached(h) for h in chain) and r.demand.previous(chain) is None
         assert (await r.route(AFTER, "m")).verdict == "COLD"
-    finally:
-        await r.stop()
-        await sim.stop()
-        store.close()

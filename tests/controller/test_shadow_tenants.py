@@ -11,19 +11,16 @@ from the worker's events.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+from support.one_worker import one_worker
 
 from controller.cost import CostConfig
-from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-from fleet.cas import open_store
+from controller.router import Router
+from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 
 B, NUM_BLOCKS, KEY = 16, 64, ("w0", 0)
@@ -54,23 +51,8 @@ async def _send(r: Router, sim: SimVllm, toks: list[int], tenant: str) -> None:
     await _synced(r, sim)
 
 
-@contextlib.asynccontextmanager
-async def _worker(tmp_path: Path, cost: CostConfig | None = None) -> AsyncIterator[tuple[Router, SimVllm]]:
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=NUM_BLOCKS))).start()
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, cost=cost or CostConfig()))
-    await r.start()
-    try:
-        await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
-        for _ in range(200):
-            if r.worker("w0").view().load.num_gpu_blocks:
-                break
-            await asyncio.sleep(0.02)
-        yield r, sim
-    finally:
-        await r.stop()
-        await sim.stop()
-        store.close()
+def _worker(tmp_path: Path, cost: CostConfig | None = None) -> Any:
+    return one_worker(tmp_path, NUM_BLOCKS, cost)
 
 
 def _chain(r: Router, toks: list[int], tenant: str) -> list[int]:
