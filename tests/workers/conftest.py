@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from support.workers import SPEC
 
+from fleet.cas import open_store
 from workers.fleet import KernelFleet
 
 
@@ -23,6 +24,13 @@ def kfleet(ray_cluster: None, tmp_path: Path) -> Iterator[KernelFleet]:
     f = KernelFleet(f"sqlite:///{tmp_path / 'kvfleet.db'}", SPEC, call_timeout_s=120.0)
     yield f
     f.shutdown()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Any]:
+    """A fresh SQLite blob store (for the tests of one SessionKernel, with no Ray)."""
+    with open_store(f"sqlite:///{tmp_path / 's.db'}") as s:
+        yield s
 
 
 @pytest.fixture

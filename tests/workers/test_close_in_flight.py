@@ -10,19 +10,15 @@ an awaitable the test holds shut, as a host whose threads are all busy with long
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from support.inline_session import inline_session
 
-from fleet.cas import open_store
-from fleet.core.kernel import ByteTokenizer
 from fleet.core.oplog import parse_log
 from workers.placement import drop_blob_refs
 from workers.session_kernel import SessionGone, SessionKernel
-from workers.spec import KernelSpec, make_kernel
 
 IDS = np.random.default_rng(3).integers(0, 256, 20).tolist()
 
@@ -39,16 +35,10 @@ class _HeldLane:
         return fn()
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Any]:
-    with open_store(f"sqlite:///{tmp_path / 's.db'}") as s:
-        yield s
-
-
 async def _waiting_tool_result(store: Any, ref: str) -> tuple[SessionKernel, _HeldLane, asyncio.Task[Any]]:
     """A created session whose add_tool_result holds the session's lock, waiting for a lane thread."""
-    kernel, lane = make_kernel(KernelSpec(block_size=16)), _HeldLane()
-    sk = SessionKernel("acme", "s1", kernel, ByteTokenizer(kernel.config.vocab_size), store, lane)
+    lane = _HeldLane()
+    sk = inline_session(store, lane=lane)
     await sk.create(IDS, op_id="c1")
     lane.free.clear()
     call = asyncio.ensure_future(sk.add_tool_result(ref, op_id="tool-1"))

@@ -8,40 +8,21 @@ lanes are the calling thread).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from support.faults import mlp_fails_once
+from support.inline_session import inline_session
 
-from fleet.cas import open_store
 from fleet.core.errors import AlreadyExists, InvalidArgument, Unavailable
-from fleet.core.kernel import ByteTokenizer
 from workers.session_kernel import SessionGone, SessionKernel, SessionTorn
-from workers.spec import KernelSpec, make_kernel
 
 IDS = np.random.default_rng(3).integers(0, 256, 40).tolist()
 
 
-async def _inline(tenant: str, fn: Any) -> Any:  # the host's lanes, on the calling thread
-    return fn()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Any]:
-    with open_store(f"sqlite:///{tmp_path / 's.db'}") as s:
-        yield s
-
-
-def _kernel_session(store: Any) -> SessionKernel:
-    kernel = make_kernel(KernelSpec(block_size=16))
-    return SessionKernel("acme", "s1", kernel, ByteTokenizer(kernel.config.vocab_size), store, _inline)
-
-
 async def _started(store: Any) -> SessionKernel:
-    sk = _kernel_session(store)
+    sk = inline_session(store)
     await sk.create(IDS[:20], op_id="c1")
     await sk.append_message(IDS[20:30], "user", op_id="X")       # "transfer $10 to alice"
     return sk
@@ -75,7 +56,7 @@ async def test_an_op_id_reused_for_a_different_call_is_refused_and_nothing_appli
 async def test_the_check_survives_a_regeneration_from_the_log(store: Any) -> None:
     live = await _started(store)
     await live.evict(1, "exact", op_id="e1")
-    sk = _kernel_session(store)                                      # the host died: rebuilt from the log
+    sk = inline_session(store)                                      # the host died: rebuilt from the log
     await sk.restore()
     assert sk._s.digest() == live._s.digest()
     await _refused_unchanged(sk, store, sk.append_message(IDS[30:40], "user", op_id="X"))
@@ -89,7 +70,7 @@ async def test_a_log_written_before_fingerprints_regenerates_and_is_not_checked(
     await live.evict(1, "exact", op_id="e1")
     old = [{k: v for k, v in op.items() if k != "op_fp"} for op in store.oplog_read("acme", "s1")]
     store.oplog_replace("acme", "s1", old)                         # the format before this change
-    sk = _kernel_session(store)
+    sk = inline_session(store)
     await sk.restore()
     assert (sk._s.digest(), len(sk._s)) == (live._s.digest(), 20)   # bit-identical, as before
     r = await sk.append_message(IDS[30:40], "user", op_id="X")       # unchecked: answered as before (docs/api.md)
@@ -102,7 +83,7 @@ async def test_a_log_written_before_fingerprints_regenerates_and_is_not_checked(
 # ---- a call that fails after its op was logged: the torn state is never served ---------------------------
 
 async def _three_pieces(store: Any, session_id: str = "s1") -> SessionKernel:
-    sk = _kernel_session(store)
+    sk = inline_session(store)
     sk.session_id = session_id
     await sk.create(IDS[:20], op_id="c1")
     await sk.append_message(IDS[20:30], "user", op_id="a1")       # piece 1: evicted
@@ -124,7 +105,7 @@ async def test_an_evict_that_fails_after_logging_is_rebuilt_and_its_retry_matche
     for call in (sk.evict(1, "exact", op_id="e1"), sk.digest(), sk.tokens(), sk.info()):
         with pytest.raises(SessionGone, match="rebuilt from its op log"):   # before: replayed=True at length 20
             await call
-    rebuilt = _kernel_session(store)                             # what the fleet does on SessionGone
+    rebuilt = inline_session(store)                             # what the fleet does on SessionGone
     await rebuilt.restore()
     r = await rebuilt.evict(1, "exact", op_id="e1")               # the fleet's retry, same op id
     assert (r.replayed, r.num_tokens, await rebuilt.digest()) == (True, 30, await clean.digest())
