@@ -19,6 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 COPY <<CONSTRAINTS /constraints.txt
 aiohappyeyeballs==2.7.1
 aiohttp==3.14.5
+aiohttp-cors==0.8.1
 aiosignal==1.4.0
 annotated-doc==0.0.7
 annotated-types==0.8.0
