@@ -273,7 +273,8 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
         f"{took}. Test split: {sz['test'][0]} tool results ({sz['test'][1]} injections; "
-        "read for six configurations, the sixth the gated policy's; docs/quarantine_default.md). "
+        "read for seven configurations, the seventh the rules' escape view, whose letters-only rule was chosen after a "
+        "false positive it showed; docs/quarantine_default.md). "
         f"Multilingual benign test part: {sz['multilingual_benign'][0]} tool outputs (real Django / Sphinx "
         f"translations in ~100 languages as messages, JSON, logs, CSV; shell output, tracebacks, code, base64 / hex). "
         f"Routing bench agent tool results: {sz['routing_bench_tool_results'][0]}. Real benign files: "
