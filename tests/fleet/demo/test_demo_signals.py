@@ -20,6 +20,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -130,14 +131,20 @@ def _stop_demo(sig: signal.Signals, peers: bool, tmp_path: Path) -> tuple[int, l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signalled_demo_leaves_no_directory_and_no_process(sig: signal.Signals, tmp_path: Path) -> None:
-    rc, files, running, left = _stop_demo(sig, peers=False, tmp_path=tmp_path)
-    print(f"{sig.name}: exit {rc}; {len(running)} processes while running; left: {left}; TMPDIR: {files}")
-    assert any("raylet" in c for c in running.values()), running  # a local Ray ran (the check is not vacuous)
-    assert left == {}
-    assert files == []  # kvfleet-demo-*: the store, its WAL and tokens.json
-    assert rc == 128 + sig  # stopped by the signal, cleanly (not -15: killed by it; not -11: a segfault)
+def test_a_signalled_demo_leaves_no_directory_and_no_process(tmp_path: Path) -> None:
+    """SIGTERM and SIGINT, each to a demo of its own, run at the same time (two demos: the suite's time)."""
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+        (tmp_path / sig.name).mkdir()
+    with ThreadPoolExecutor(len(sigs)) as pool:
+        runs = dict(zip(sigs, pool.map(lambda sig: _stop_demo(sig, peers=False, tmp_path=tmp_path / sig.name), sigs),
+                        strict=True))
+    for sig, (rc, files, running, left) in runs.items():
+        print(f"{sig.name}: exit {rc}; {len(running)} processes while running; left: {left}; TMPDIR: {files}")
+        assert any("raylet" in c for c in running.values()), running  # a local Ray ran (the check is not vacuous)
+        assert left == {}
+        assert files == []  # kvfleet-demo-*: the store, its WAL and tokens.json
+        assert rc == 128 + sig  # stopped by the signal, cleanly (not -15: killed by it; not -11: a segfault)
 
 
 @pytest.mark.slow
