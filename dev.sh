@@ -56,16 +56,16 @@ case "$cmd" in
       ( eval "$paths"
         python -m pytest -q -p no:cacheprovider tests/fleet/kernel
         kvfleet witness >/dev/null || { kvfleet witness; exit 1; } )
+      wait "$mypy_warm" || true
       # NOTE: the suite starts without waiting for the plain install check (its wheel build, demo and
-      # controller take about a minute beside the step above) or the mypy warm-up (tests/test_typing.py
-      # comes minutes later); the check's result is read when the suite ends, and either failing fails the run
+      # controller take about a minute beside the step above); its result is read when the suite ends, and
+      # either failing fails the run
       export KVFLEET_TEST_EXTRAS=all
       suite_rc=0
       python -m pytest || suite_rc=$?
       plain_rc=0
       wait "$plain" || plain_rc=$?
       cat "$plain_log"; rm -f "$plain_log"
-      wait "$mypy_warm" || true
       trap - EXIT
       [ "$plain_rc" -eq 0 ] || { echo "plain install check failed (exit $plain_rc)" >&2; exit "$plain_rc"; }
       exit "$suite_rc"
