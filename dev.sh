@@ -43,8 +43,6 @@ case "$cmd" in
       # `kvfleet controller`), and a mypy run that only fills mypy's incremental cache (.mypy_cache), so the
       # suite's own strict mypy test (tests/test_typing.py, which still checks every file) takes seconds,
       # not most of a minute, on a fresh clone. Its output is dropped: the test is the check.
-      # KVFLEET_TEST_EXTRAS=all: .[dev] holds every extra, so a test needing one fails if it is missing
-      # (tests/support/extras.py).
       python -m mypy >/dev/null 2>&1 &
       mypy_warm=$!
       plain_log=$(mktemp)
@@ -56,19 +54,12 @@ case "$cmd" in
       ( eval "$paths"
         python -m pytest -q -p no:cacheprovider tests/fleet/kernel
         kvfleet witness >/dev/null || { kvfleet witness; exit 1; } )
-      wait "$mypy_warm" || true
-      # NOTE: the suite starts without waiting for the plain install check (its wheel build, demo and
-      # controller take about a minute beside the step above); its result is read when the suite ends, and
-      # either failing fails the run
-      export KVFLEET_TEST_EXTRAS=all
-      suite_rc=0
-      python -m pytest || suite_rc=$?
       plain_rc=0
       wait "$plain" || plain_rc=$?
       cat "$plain_log"; rm -f "$plain_log"
+      wait "$mypy_warm" || true
       trap - EXIT
       [ "$plain_rc" -eq 0 ] || { echo "plain install check failed (exit $plain_rc)" >&2; exit "$plain_rc"; }
-      exit "$suite_rc"
     fi
     export KVFLEET_TEST_EXTRAS=all  # .[dev] holds every extra: a test needing one fails if it is missing (tests/support/extras.py)
     exec python -m pytest "$@" ;;
