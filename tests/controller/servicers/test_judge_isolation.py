@@ -8,6 +8,7 @@ import hashlib
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from support.controller import make_tokens, md, start_controller, store_url
@@ -96,6 +97,17 @@ async def test_a_tenant_flooding_the_judge_does_not_stall_another_tenants_upload
         await ctl.stop(0)
 
 
+async def looks_of_two_tenants(q: Any, req: Any, t: Any, cache: Any) -> None:
+    """After A's first look at X (a miss): B's first is a miss too (computed in B's own space), and A's second a
+    hit (the control). `cache`: the verdict cache whose counters the Judge moves on this path."""
+    assert (cache.num_hits, cache.num_misses) == (0, 1)
+    rb = await q.JudgeToolResults(req, metadata=md(t.b))
+    assert (cache.num_hits, cache.num_misses) == (0, 2), "B's verdict was read from A's cache entry"
+    assert rb.judgements[0].quarantined  # the same verdict, computed for B
+    await q.JudgeToolResults(req, metadata=md(t.a))
+    assert (cache.num_hits, cache.num_misses) == (1, 2)  # control: A's own entry is a hit
+
+
 async def test_another_tenants_verdict_is_never_served_from_the_cache(tmp_path: Path) -> None:
     """A judges X; B judging X is computed in B's own verdict space (a miss), never read from A's entry (a hit
     answered in 111 ms against 600 ms for a miss, so B could test whether A's tool results held X). Control:
@@ -108,11 +120,6 @@ async def test_another_tenants_verdict_is_never_served_from_the_cache(tmp_path: 
             req = pb.JudgeToolResultsRequest(results=[POISON], action="placeholder")
             await q.JudgeToolResults(req, metadata=md(t.a))
             cache = (await ctl.ctx.judge()).cache  # rules alone: one verdict space per tenant, no fast one
-            assert (cache.num_hits, cache.num_misses) == (0, 1)
-            rb = await q.JudgeToolResults(req, metadata=md(t.b))
-            assert (cache.num_hits, cache.num_misses) == (0, 2), "B's verdict was read from A's cache entry"
-            assert rb.judgements[0].quarantined  # the same verdict, computed for B
-            await q.JudgeToolResults(req, metadata=md(t.a))
-            assert (cache.num_hits, cache.num_misses) == (1, 2)  # control: A's own entry is a hit
+            await looks_of_two_tenants(q, req, t, cache)
     finally:
         await ctl.stop(0)
