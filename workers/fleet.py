@@ -61,7 +61,7 @@ __all__ = ["KernelFleet", "NodeGone", "OpResult"]
 log = logging.getLogger(__name__)
 
 RECONCILE_THREADS = 8  # sessions `reconcile` rebuilds at once (a host rebuilds them on its lanes)
-PLACE_TRIES = 3  # placements of one create or fork (its host was full after all, or its node died) before giving up
+PLACE_TRIES = 3  # placements of one create, fork or rebuild (its host was full after all, its node died) before giving up
 REBUILD_TRIES = 3  # reads of a record another controller changed during a rebuild before giving up
 
 
@@ -277,11 +277,7 @@ class KernelFleet:
         rec.lose()
         raw = self._replace(rec, raw)
         node = rec.node if self.nodes.answers(rec.node) else self.nodes.place(rec.tenant, [], model_id=rec.model_id)
-        try:
-            raw, model_id = self._regenerate_on(rec, raw, node)
-        except NodeGone:  # its node died just now: a survivor rebuilds it
-            node = self.nodes.place(rec.tenant, [], exclude=node, model_id=rec.model_id)
-            raw, model_id = self._regenerate_on(rec, raw, node)
+        raw, node, model_id = self._regenerate_placed(rec, raw, node)
         if rec.rebuilt(node, model_id):
             log.warning("session %s/%s was rebuilt on node %s by a kernel of model_id %s, not its own %s (no survivor "
                         "has it): its KV and logits are close to, not bit-identical with, what was acknowledged",
@@ -291,6 +287,22 @@ class KernelFleet:
         with self._guard:
             self.num_regenerations += 1
         return rec
+
+    def _regenerate_placed(self, rec: SessionRecord, raw: bytes, node: str) -> tuple[bytes, str, str]:
+        """`_regenerate_on` `node`, placed again when its host refuses the rebuild as full (its own host filled up
+        since it was released, or another create took the last slot since the placement read the offers) or its
+        node died just now: the refused node skipped, a kernel of the session's model_id preferred, up to
+        PLACE_TRIES nodes. The record's bytes, the node that rebuilt it and its kernel's model_id. NOTE: a host
+        did not refuse a rebuild when full: one on the session's own host overfilled it (3 of 2 sessions)."""
+        for attempt in range(PLACE_TRIES):
+            try:
+                raw, model_id = self._regenerate_on(rec, raw, node)
+                return raw, node, model_id
+            except (NodeGone, ResourceExhausted):
+                if attempt == PLACE_TRIES - 1:
+                    raise
+                node = self.nodes.place(rec.tenant, [], exclude=node, model_id=rec.model_id)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def _regenerate_on(self, rec: SessionRecord, raw: bytes, node: str) -> tuple[bytes, str]:
         """Ask `node`'s host to rebuild the lost session, the record naming that node first; the record's bytes,

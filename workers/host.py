@@ -210,8 +210,12 @@ class KernelHost:
 
     async def _open(self, tenant: str, session_id: str, epoch: int, owner: str, create_op_id: str) -> SessionKernel:
         """A new, empty SessionKernel for a rebuild of the session at `epoch` (the registry's: KernelFleet
-        counts them), in place of the one the host holds (a torn or older one); `create_op_id`: the session's."""
+        counts them), in place of the one the host holds (a torn or older one); `create_op_id`: the session's.
+        A rebuild that would take a new slot of a full host is refused (ResourceExhausted: the fleet places it
+        again). NOTE: it was not: a session rebuilt on its own host after that host filled up overfilled it."""
         kernel, tokenizer = await self._kernel()
+        if (tenant, session_id) not in self.sessions:
+            self._check_room()  # one in place of the session's own kernel takes no new room
         old = self.sessions.pop((tenant, session_id), None)
         if old is not None:
             old.closed = True
@@ -244,7 +248,8 @@ class KernelHost:
 
     def _check_room(self) -> None:
         """ResourceExhausted when this host holds its most sessions (`max_sessions`). Placement skips a full host;
-        this refuses a create or fork that reaches it all the same (a fork that names its node)."""
+        this refuses a create, fork or rebuild that reaches it all the same (a fork that names its node, a rebuild
+        on the session's own host, a placement that raced another for the last slot)."""
         if len(self.sessions) >= self.max_sessions:
             raise ResourceExhausted(f"the kernel host of node {self.node_id} holds its most sessions "
                                     f"({self.max_sessions}): close idle sessions, add nodes, or raise --node-max-sessions")

@@ -27,6 +27,19 @@ def kfleet(ray_cluster: None, tmp_path: Path) -> Iterator[KernelFleet]:
 
 
 @pytest.fixture
+def two_hosts(ray_cluster: None, tmp_path: Path) -> Iterator[KernelFleet]:
+    """A fleet of two hosts on this one Ray node (host ids `nid` and `nid:gpu1`, as a node's second GPU's), two
+    sessions each at most, its node table never re-read (it would drop the second host)."""
+    f = KernelFleet(f"sqlite:///{tmp_path / 'kvfleet.db'}", SPEC, call_timeout_s=120.0, node_max_sessions=2,
+                    node_refresh_s=1e9)
+    nid = next(iter(f.hosts))
+    f.nodes.specs[nid + ":gpu1"] = f.nodes.specs[nid]
+    f.nodes.hosts[nid + ":gpu1"] = f.nodes._host(nid + ":gpu1", f.nodes.specs[nid], 1)
+    yield f
+    f.shutdown()
+
+
+@pytest.fixture
 def store(tmp_path: Path) -> Iterator[Any]:
     """A fresh SQLite blob store (for the tests of one SessionKernel, with no Ray)."""
     with open_store(f"sqlite:///{tmp_path / 's.db'}") as s:

@@ -2,31 +2,18 @@
 same offers) is placed again, on a host with room, instead of failing with ResourceExhausted.
 
 Two hosts on this one Ray node (host ids `nid` and `nid:gpu1`, as a node's second GPU's), two sessions each at
-most. The race is forced: the first call to a host of the verb under test runs another create to its end first."""
+most (the `two_hosts` fixture, conftest.py). The race is forced: the first call to a host of the verb under test
+runs another create to its end first."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
-from support.workers import SPEC
 
 from workers.fleet import KernelFleet
-
-
-@pytest.fixture
-def two_hosts(ray_cluster: None, tmp_path: Path) -> Iterator[KernelFleet]:
-    f = KernelFleet(f"sqlite:///{tmp_path / 'kvfleet.db'}", SPEC, call_timeout_s=120.0, node_max_sessions=2,
-                    node_refresh_s=1e9)
-    nid = next(iter(f.hosts))
-    f.nodes.specs[nid + ":gpu1"] = f.nodes.specs[nid]
-    f.nodes.hosts[nid + ":gpu1"] = f.nodes._host(nid + ":gpu1", f.nodes.specs[nid], 1)
-    yield f
-    f.shutdown()
 
 
 def _outcome(fn: Any) -> Any:
