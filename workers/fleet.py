@@ -17,7 +17,9 @@ Calls that change what stands behind a name (create, fork, close, release, rebui
 one fleet take the name's lock (workers/name_locks.py), so a create that loses to another gets AlreadyExists
 and a close waits for a rebuild. Writers in other processes (two controllers during a leader change) are
 kept apart by the registry's compare-and-set and the host's check-and-insert: a try that fails removes only
-what it made (the kernel, op log and record of its own op id), never the session that won the name.
+what it made (the kernel, op log and record of its own op id), never the session that won the name. A try whose
+host call timed out may still be run by its host after that cleanup: the kernel it leaves, which no record names,
+is replaced by the next create or fork of the name on that host, which the record names (KernelHost._insert).
 
 Nodes come and go: the hosts follow Ray's node table (re-read at most every `node_refresh_s`, and
 at once after a failure). A node that joins and has the resources sessions need gets a host and
@@ -40,7 +42,7 @@ import ray
 
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import ForkOp, Op, kv_follows_tokens, parse_log
+from fleet.core.oplog import ForkOp, kv_follows_tokens, made_by, parse_log
 from fleet.core.session_types import OpResult, check_session_id, check_token_ids
 from workers.name_locks import NameLocks
 from workers.nodes import FleetNodes, NodeGone
@@ -72,15 +74,6 @@ class _Changed(Exception):
 def _rebuild_owner(rec: SessionRecord) -> str:
     """The token a rebuild of this session at its epoch opens its kernel with (one per session and loss)."""
     return f"{rec.create_op_id}@{rec.epoch}"
-
-
-def _made_by(log: list[Op], op_id: str) -> bool:
-    """Whether `log` is the one the create or fork of `op_id` wrote: a fork's is its last fork marker's (the
-    markers before it, and its first op, are its ancestors'), a create's its system op's.
-    NOTE: any marker or the first op was taken: a close of a session (by its create's op id) deleted the log of
-    a session forked anew under its name from its own child."""
-    markers = [o for o in log if isinstance(o, ForkOp)]
-    return bool(log) and (markers[-1] if markers else log[0]).op_id == op_id
 
 
 class KernelFleet:
@@ -210,7 +203,7 @@ class KernelFleet:
         """Delete the session's op log and give back its blob references (with `owner`: only the log that
         create or fork wrote)."""
         log = parse_log(self.store.oplog_read(tenant, session_id))
-        if not log or (owner is not None and not _made_by(log, owner)):
+        if not log or (owner is not None and not made_by(log, owner)):
             return
         drop_blob_refs(self.store, log)
         self.store.oplog_delete(tenant, session_id)

@@ -17,6 +17,8 @@ the radix key starts with a per-tenant salt page, so tenants never share.
 A host that dies takes its sessions with it: Ray restarts it empty (`max_restarts`), and each session,
 durable in its op log, is rebuilt on its next call (`SessionGone` tells the fleet) or by `reconcile()`.
 A detached host outlives the controller, sessions and all, so a restarted controller finds them warm.
+A kernel no registry record names (an orphan: its create's or fork's call timed out and the fleet cleaned up
+before the host ran it) is replaced by the next create or fork of its name that the record names (`_insert`).
 
 Each node has a KV budget (`kv_budget_bytes`: the blocks its tree holds plus what its sessions hold
 privately) and a session budget (`max_sessions`); placement asks every node for an `offer` and skips
@@ -33,10 +35,11 @@ from typing import Any
 import ray
 
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from fleet.core.oplog import ForkOp, Op, kv_follows_tokens
+from fleet.core.oplog import ForkOp, Op, kv_follows_tokens, made_by, parse_log
 from fleet.core.radix import RadixTree
 from workers.lanes import TenantLanes, interpreter_bound
-from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
+from workers.placement import NODE_MAX_SESSIONS, drop_blob_refs, fleet_scope, host_name, tenant_salt
+from workers.registry import SessionRegistry
 from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer, model_config, pin_threads
 
@@ -45,6 +48,7 @@ VERBS = frozenset({
     "append_message", "append_output", "generate", "evict", "add_tool_result", "admit_tool_result",
     "working_set", "fork_point", "digest", "last_logits", "tokens", "pieces", "info", "stall", "unstall",
 })
+ORPHAN_TRIES = 3  # looks at a name a create or fork finds held (an orphan replaced, or the holder changed meanwhile)
 
 
 def resident_bytes() -> int:
@@ -84,6 +88,7 @@ class KernelHost:
         # placement probes and listings at once, and the first session on it waits for them (`_kernel`).
         self._loading = ThreadPoolExecutor(1, thread_name_prefix="load").submit(self._load, spec)
         self.store = open_store(store_url)
+        self.registry = SessionRegistry(self.store)  # read only: whether a record names a kernel (`_orphaned`)
         capacity = max(budget_bytes // self.bytes_per_token, 2 * self.block_size)
         self.tree = RadixTree(page_size=self.block_size, capacity_tokens=capacity, policy=policy)
         self.kv_budget_bytes, self.max_sessions = kv_budget_bytes, max_sessions
@@ -227,15 +232,48 @@ class KernelHost:
         of one name (two callers, two controllers) one gets the name and the other is refused; neither replaces
         the other's session. A retry of the same try (nodes.call repeats a call Ray may have run) gets the
         session that try opened. NOTE: the check was made before the kernel's load was awaited, and the session
-        opened after it replaced whatever another try had opened meanwhile."""
+        opened after it replaced whatever another try had opened meanwhile.
+
+        One exception: a held kernel no record names, while the session's record names this try (an orphan,
+        `_orphaned`), is closed with its log and the try goes on (`_replace_orphan`). The registry decides, as it
+        does between controllers (its compare-and-set): the record names one try of a name at a time."""
         kernel, tokenizer = await self._kernel()
-        held = self.sessions.get((tenant, session_id))
-        if held is not None:
+        key = (tenant, session_id)
+        for _ in range(ORPHAN_TRIES):
+            held = self.sessions.get(key)
+            if held is None:
+                self._check_room()  # a retry that joins its try's session below takes no new room
+                return self._put(tenant, session_id, kernel, tokenizer, 0, owner)
             if owner and held.owner == owner and not held.closed:
                 return held
-            raise AlreadyExists(f"session {session_id} already exists")
-        self._check_room()  # a retry that joins its try's session above takes no new room
-        return self._put(tenant, session_id, kernel, tokenizer, 0, owner)
+            if not await self._orphaned(held, owner):
+                break
+            if self.sessions.get(key) is held:  # else it changed while the registry was read: look again
+                await self._replace_orphan(held)
+        raise AlreadyExists(f"session {session_id} already exists")
+
+    async def _orphaned(self, held: SessionKernel, owner: str) -> bool:
+        """Whether `held` is an orphan a create or fork of op id `owner` replaces: the session's record (read off the
+        event loop) names `owner`, not `held`'s session. Such a kernel was opened by a try whose caller gave up on it
+        (its call timed out) and had removed its record already, so no record can name it again; it would otherwise
+        hold the name on this host until the host restarts. A try with no op id replaces nothing."""
+        if not owner:
+            return False
+        rec = await asyncio.to_thread(self.registry.get, held.tenant, held.session_id)
+        return rec is not None and rec.create_op_id == owner and held.create_op_id != owner
+
+    async def _replace_orphan(self, held: SessionKernel) -> None:
+        """Close the orphan `held` (its op in flight finishes first, or writes nothing), then delete its op log
+        if it made that log (its create or fork wrote it after the fleet's cleanup had looked)."""
+        await self.close(held.tenant, held.session_id, held.owner)
+
+        def drop_log() -> None:
+            log = parse_log(self.store.oplog_read(held.tenant, held.session_id))
+            if made_by(log, held.create_op_id):
+                drop_blob_refs(self.store, log)
+                self.store.oplog_delete(held.tenant, held.session_id)
+
+        await asyncio.to_thread(drop_log)
 
     def _put(self, tenant: str, session_id: str, kernel: Any, tokenizer: Any, epoch: int, owner: str,
              create_op_id: str = "") -> SessionKernel:
@@ -378,8 +416,8 @@ class KernelHost:
         fetches from the parent's node. Without either (the parent is gone) the child replays the log.
         """
         owner = ops[-1].op_id if ops and isinstance(ops[-1], ForkOp) else ""   # the fork's op id: its marker's
-        if (tenant, child_id) in self.sessions and self.sessions[(tenant, child_id)].owner != owner:
-            raise AlreadyExists(f"session {child_id} already exists")   # early; `_insert` decides
+        # NOTE: `_insert` decides whether the child's name is free (an orphan held under it is replaced); an early
+        # refusal here, before the parent's blocks were published, refused a fork where an orphan held the name
         if prefix_refs and tokens and kv_follows_tokens(ops):
             s = await self._insert(tenant, child_id, owner)
             self.remote_adopters.add((tenant, child_id))

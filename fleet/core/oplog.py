@@ -165,6 +165,15 @@ def own_ops(ops: Sequence[Op]) -> Sequence[Op]:
     return ops[forked + 1:]
 
 
+def made_by(ops: Sequence[Op], op_id: str) -> bool:
+    """Whether `ops` is the log the create or fork of `op_id` wrote: a fork's is its last fork marker's (the
+    markers before it, and its first op, are its ancestors'), a create's its system op's.
+    NOTE: any marker or the first op was taken: a close of a session (by its create's op id) deleted the log of
+    a session forked anew under its name from its own child."""
+    markers = [o for o in ops if isinstance(o, ForkOp)]
+    return bool(ops) and (markers[-1] if markers else ops[0]).op_id == op_id
+
+
 def own_op_ids(ops: Sequence[Op]) -> set[str]:
     """The op ids of the session's own ops (a retry of one of them is answered, never applied again)."""
     return {op.op_id for op in own_ops(ops) if op.op_id}

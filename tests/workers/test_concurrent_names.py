@@ -224,7 +224,7 @@ def test_a_close_removes_only_the_session_it_read(kfleet: KernelFleet, other: Ke
 
 def test_a_close_leaves_a_session_forked_anew_from_its_child(kfleet: KernelFleet, tenant: str) -> None:
     """A session `s` forked from `c`, itself a fork of an earlier `s`, carries the earlier `s`'s first op and
-    fork markers: a close that read the earlier `s`'s record removes none of it. NOTE: `_made_by` took any
+    fork markers: a close that read the earlier `s`'s record removes none of it. NOTE: `made_by` took any
     marker, or the first op, for the log's maker."""
     kfleet.create_session(tenant, "p", PARENT)
     old = kfleet.fork(tenant, "p", "s")

@@ -17,6 +17,7 @@ from support.workers import SPEC
 from fleet.core.errors import AlreadyExists
 from fleet.core.oplog import ForkOp, parse_log
 from workers.host import KernelHost
+from workers.registry import SessionRecord, SessionRegistry
 from workers.session_kernel import SessionGone
 
 PROMPT_A = [(i * 7 + 3) % 512 for i in range(40)]
@@ -73,6 +74,29 @@ def test_a_fork_and_a_create_of_one_name_and_a_retry_of_the_same_try(ray_cluster
     assert isinstance(forked, dict) and isinstance(created, AlreadyExists)
     assert isinstance(retried, dict) and retried["num_ops"] == 2 and tokens == PROMPT_A
     assert _log(host, "s") == [("op-p", "AppendOp"), ("op-f", "ForkOp")]
+
+
+def test_a_create_the_record_names_replaces_an_orphan_and_its_log(ray_cluster: None, tmp_path: Path) -> None:
+    """An orphan: a kernel and log a create left after its caller gave up on it and removed its record (its call
+    timed out before the host ran it). The record now names a later create of the name, which replaces the orphan's
+    kernel and log. NOTE: before, the host refused it (AlreadyExists) until it restarted; and with the kernel alone
+    replaced, the orphan's log refused it all the same (AlreadyExists: an op log), as when the orphan wrote it after
+    the fleet's claim had looked. Control: a create the record does not name is refused, the session left whole."""
+    host = _host(tmp_path)
+    registry = SessionRegistry(host.store)
+
+    async def main() -> list[Any]:
+        await host.create_session("acme", "s", PROMPT_A, "op-a")                   # no record names it
+        registry.insert(SessionRecord("acme", "s", "node-a", create_op_id="op-b"))   # the later try's
+        out: list[Any] = [await host.create_session("acme", "s", PROMPT_B, "op-b")]
+        out.append(await host.call("acme", "s", "tokens"))
+        out += await asyncio.gather(host.create_session("acme", "s", PROMPT_A, "op-c"), return_exceptions=True)
+        return [*out, await host.call("acme", "s", "tokens")]
+
+    created, tokens, refused, after = asyncio.run(main())
+    print(f"the later create: {created!r:.60}; the one no record names: {refused!r}")
+    assert isinstance(created, dict) and tokens == after == PROMPT_B and isinstance(refused, AlreadyExists)
+    assert _log(host, "s") == [("op-b", "AppendOp")] and len(host.sessions) == 1
 
 
 def _gate(host: KernelHost) -> tuple[asyncio.Event, asyncio.Event]:
