@@ -92,7 +92,9 @@ class KernelFleet:
             call_timeout_s: the longest any call waits; past it, Unavailable.
             detached: the kernel hosts, sessions and all, outlive this process (detached, named in
                 the kvfleet namespace), so a restarted controller reattaches to them warm; otherwise
-                they go with it and are regenerated from the op logs on first use.
+                they go with it and are regenerated from the op logs on first use. Either way, the hosts
+                of a previous host API version are stopped at start (their sessions are rebuilt from their
+                logs on this version's hosts).
             node_kv_bytes: each node's KV budget (cached blocks + sessions' private blocks); a
                 node whose budget is spent takes no new session.
             resources: custom Ray resources every kernel host asks for (e.g. {"accel": 0.01});
@@ -125,6 +127,7 @@ class KernelFleet:
         self._where: dict[tuple[str, str], str] = {}  # (tenant, session) -> the node whose host holds it
         self._guard = threading.Lock()
         self._names = NameLocks()  # create, fork, close, release, rebuild: one at a time per session
+        self.nodes.stop_previous_hosts()  # NOTE: before its own start: a GPU node's old host holds the GPU they ask for
         self.refresh_nodes(force=True)
         if not self.hosts and self.nodes.num_without_gpu:
             raise Unavailable(f"no Ray node can run the kernel spec: {self.nodes.num_without_gpu} node(s) have no GPU "

@@ -19,6 +19,7 @@ be restarting it), and with no other node up, placement asks it anyway.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Any
@@ -39,8 +40,11 @@ from workers.placement import (
     node_of,
     node_resources,
     on_node,
+    previous_host_names,
 )
 from workers.spec import KernelSpec
+
+log = logging.getLogger(__name__)
 
 PROBE_S = 1.0  # how long a live host may take to answer a ping or a fan-out, after the first answer
 SUSPECT_S = 10.0  # a node that did not answer is held down this long, then asked again
@@ -139,6 +143,25 @@ class FleetNodes:
             max_restarts=3, scheduling_strategy=on_node(node_of(hid)), lifetime="detached" if self._detached else None,
         ).remote(hid, self.store_url, spec.to_dict(), self._budget, self._policy, self._kv_bytes,
                  threads, self._max_sessions)
+
+    def stop_previous_hosts(self) -> list[str]:
+        """Kill this fleet's kernel hosts of a previous host API version (workers/placement.py `previous_host_names`);
+        their names. A fleet never calls them (it names its hosts with its own version), and every session they hold
+        is rebuilt from its op log on this version's host of its node on its next call, so nothing of theirs is
+        needed; detached, they would hold their memory (a GPU node's whole GPU, which this version's host asks for)
+        until the cluster stops. NOTE: they ran on after an upgrade, each a process with its sessions' KV."""
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        names = [a["name"] for a in actors if a["namespace"] == RAY_NAMESPACE]
+        stopped = []
+        for name in previous_host_names(names, fleet_scope(self.store_url)):
+            try:
+                ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
+            except ValueError:  # gone meanwhile (another controller stopped it)
+                continue
+            stopped.append(name)
+        if stopped:
+            log.info("stopped %d kernel host(s) of a previous host API version: %s", len(stopped), stopped)
+        return stopped
 
     def place(self, tenant: str, tokens: list[int], exclude: str = "", model_id: str = "") -> str:
         """The node a new (or regenerated) session goes to; nodes that fail to answer are dropped. With

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,20 @@ HOST_API_VERSION = 2
 def host_name(host_id: str, scope: str) -> str:
     """The Ray actor name of a kernel host (workers/host.py): its fleet's scope and API version, and its id."""
     return f"host:{scope}-v{HOST_API_VERSION}:{host_id}"
+
+
+def previous_host_names(names: Iterable[str], scope: str) -> list[str]:
+    """The kernel host names among `names` (actor names) of the fleet of `scope` and a previous host API version:
+    below HOST_API_VERSION, or of none (`host:{scope}:{id}`: version 1, named before versions). Never this
+    version's, nor a later one's (a controller rolled back leaves a newer fleet's hosts alone), nor another
+    fleet's (another scope)."""
+    head = f"host:{scope}-v"
+    out = []
+    for name in names:
+        version = name[len(head):].split(":", 1)[0] if name.startswith(head) else ""
+        if name.startswith(f"host:{scope}:") or (version.isdigit() and int(version) < HOST_API_VERSION):
+            out.append(name)
+    return out
 
 
 def host_ids(node_id: str, num_devices: int) -> list[str]:

@@ -64,3 +64,15 @@ def test_a_host_name_carries_the_host_api_version() -> None:
         assert placement.host_name("n1:gpu1", "abc") != name
     finally:
         placement.HOST_API_VERSION = real
+
+
+def test_the_previous_versions_host_names_are_the_scopes_older_ones() -> None:
+    """What a new controller stops at start (FleetNodes.stop_previous_hosts): its scope's hosts of an older version,
+    or of none (named before versions); never its own version's, a newer one's, another scope's, nor other actors."""
+    from workers.placement import HOST_API_VERSION, host_name, previous_host_names
+
+    v = HOST_API_VERSION
+    older = [f"host:abc-v{v - 1}:n1", "host:abc:n1", "host:abc:n1:gpu1", f"host:abc-v{v - 1}:n2:gpu3"]
+    kept = [host_name("n1", "abc"), f"host:abc-v{v + 1}:n1", f"host:abd-v{v - 1}:n1", "host:abd:n1",
+            "host:abc-vx:n1", "router:abc", "abc"]
+    assert previous_host_names([*kept, *older], "abc") == older and previous_host_names(kept, "abc") == []
