@@ -2,6 +2,9 @@
 
 POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Route (client's token)
                                              -> forward with the tenant's cache_salt -> relay bytes
+POST BY_LOAD_PATHS (embeddings, pooling, score, rerank, classify, responses)   the same, routed by load alone
+                                             (no ids to match: COLD), tool results not judged
+POST /tokenize, /detokenize, GET /version    sent on to a serving worker, unrouted (controller/proxy/passthrough.py)
 GET  /v1/models    the union of the registered workers' model cards
 GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
 GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the fleet), /metrics
@@ -9,30 +12,36 @@ GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the f
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp_cors
-import msgspec
 from aiohttp import HttpVersion11, web
 
+from controller.proxy import passthrough
 from controller.proxy.errors import ProxyError, error_response, from_fleet
-from controller.proxy.forward import FORWARDED, PREPARED
+from controller.proxy.forward import PREPARED
+from controller.proxy.reading import announced_size, read_json, upstream_headers
 from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError, Unauthenticated
 
 if TYPE_CHECKING:
     from controller.proxy.config import ProxyConfig
     from controller.proxy.forward import Target
+    from controller.proxy.quarantine import Hit
     from controller.proxy.server import Proxy
 
-BODY = msgspec.json.Decoder()  # NOTE: msgspec, not json: about 2x faster on a conversation (docs/proxy.md)
 log = logging.getLogger("kvfleet.proxy")
 MAX_LISTED_BYTES = 2048  # of a header listing what was withheld; the body's `kvfleet` field lists it all
+CHAT, COMPLETION, BY_LOAD = "chat", "completion", "by_load"  # the kinds of routed request (Handlers._complete)
+# NOTE: vLLM's routes that the proxy forwards routed by load alone (COLD): their prompts are not a chat or a
+# completion prompt it can tokenize as the worker does, and /v1/responses' prompt is mostly the conversation a
+# `previous_response_id` names, which only the worker that stored it holds (docs/proxy.md, "Endpoints")
+BY_LOAD_PATHS = ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                 "/classify", "/v1/responses")
 
 
 def _listed(headers: dict[str, str], name: str, items: list[str]) -> None:
@@ -55,6 +64,11 @@ def build_app(proxy: Proxy) -> web.Application:
     h = Handlers(proxy)
     app.router.add_post("/v1/completions", h.completions, expect_handler=h.expect)
     app.router.add_post("/v1/chat/completions", h.chat, expect_handler=h.expect)
+    for path in BY_LOAD_PATHS:
+        app.router.add_post(path, h.by_load, expect_handler=h.expect)
+    for path in passthrough.SENT_ON:
+        app.router.add_post(path, h.tokens, expect_handler=h.expect)
+    app.router.add_get("/version", h.version)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/v1/workers", h.workers)
     app.router.add_get("/health", h.health)
@@ -116,64 +130,6 @@ def _errors(proxy: Proxy) -> Any:
     return middleware
 
 
-def announced_size(req: web.Request, limit: int) -> int:
-    """The bytes the request's body may hold: its Content-Length (413 past `limit`), or `limit` when it is sent
-    chunked (aiohttp stops reading it there). A compressed body is refused (415): the proxy reads bodies as sent
-    (NOTE: aiohttp decompressed them by default, so a gzip body of 7 KiB held 7 MiB against a 7 KiB reservation),
-    and vLLM reads no compressed body either."""
-    encoding = req.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise ProxyError(415, f"request bodies must not be compressed (Content-Encoding: {encoding}); send JSON "
-                              "as is")
-    if req.content_length is None:
-        return limit
-    if req.content_length > limit:
-        raise ProxyError(
-            413,
-            f"request body of {req.content_length} bytes is larger than the proxy's limit of {limit} bytes",
-        )
-    return req.content_length
-
-
-async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
-    """The request's JSON object (its size checked by `announced_size`, then by aiohttp as it arrives); 408 if
-    it takes longer than `timeout_s` to arrive, 400 if it is not a JSON object with a model."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            raw = await req.read()
-    except TimeoutError:
-        raise ProxyError(408, f"the request body did not arrive within {timeout_s}s (the proxy's "
-                              "client body timeout); send it at once") from None
-    try:
-        body = BODY.decode(raw)  # RFC 8259: NaN, Infinity and numbers past a double's range are refused
-    except msgspec.DecodeError as e:
-        raise ProxyError(400, f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ProxyError(400, "request body is nested too deeply to parse (arrays/objects within each "
-                              "other, ~1000 levels)") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, "request body must be a JSON object")
-    # NOTE: vLLM takes a missing or null model (its one served model) and a null stream (false); both were 400 here
-    model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise ProxyError(400, "'model' must be a model id from GET /v1/models (or left out: the fleet's one model)",
-                         "model")
-    stream = body.get("stream")
-    if stream is None or (type(stream) is int and stream in (0, 1)):
-        if "stream" in body:
-            body["stream"] = bool(stream)  # as vLLM's request model reads it (pydantic: null -> default, 0/1)
-    elif not isinstance(stream, bool):
-        raise ProxyError(400, "'stream' must be true or false", "stream")
-    return body
-
-
-def upstream_headers(req: web.Request) -> dict[str, str]:
-    """What the worker gets: JSON, the client's tracing and encoding headers (identity unless it asked)."""
-    out = {k: req.headers[k] for k in FORWARDED if k in req.headers}
-    out.setdefault("Accept-Encoding", "identity")  # relayed bytes must be ones the client accepts
-    return {**out, "Content-Type": "application/json"}
-
-
 class Handlers:
     def __init__(self, proxy: Proxy) -> None:
         self.p = proxy
@@ -222,30 +178,57 @@ class Handlers:
         return None
 
     async def completions(self, req: web.Request) -> web.StreamResponse:
-        return await self._complete(req, chat=False)
+        return await self._complete(req, COMPLETION)
 
     async def chat(self, req: web.Request) -> web.StreamResponse:
-        return await self._complete(req, chat=True)
+        return await self._complete(req, CHAT)
 
-    async def _complete(self, req: web.Request, chat: bool) -> web.StreamResponse:
-        p, t0 = self.p, time.perf_counter()
+    async def by_load(self, req: web.Request) -> web.StreamResponse:
+        return await self._complete(req, BY_LOAD)
+
+    async def version(self, req: web.Request) -> web.Response:
+        await self._caller(req)
+        return await passthrough.version(self.p)
+
+    async def tokens(self, req: web.Request) -> web.Response:
+        """POST /tokenize, /detokenize: the tenant's token and body budget, as for a routed request."""
+        _, tenant = await self._caller(req)
+        with self.p.bodies.admit(tenant, announced_size(req, self.p.cfg.max_body_bytes)) as shrink:
+            return await passthrough.tokens(self.p, req, shrink)
+
+    async def _caller(self, req: web.Request) -> tuple[str | None, str]:
+        """(the token the controller sees, its tenant); 401 or 403 here, before the body is read."""
         token = self._token(req)
         with self._asked(token):
-            caller = await p.control.whoami(token)  # NOTE: 401 before the body is read (controller/proxy/bodies.py)
-        with p.bodies.admit(caller.tenant, announced_size(req, p.cfg.max_body_bytes)) as shrink:  # 429 past budget
-            return await self._answer(req, chat, t0, token, caller.tenant, shrink)
+            caller = await self.p.control.whoami(token)
+        return token, caller.tenant
 
-    async def _answer(self, req: web.Request, chat: bool, t0: float, token: str | None, tenant: str,
+    async def _complete(self, req: web.Request, kind: str) -> web.StreamResponse:
+        p, t0 = self.p, time.perf_counter()
+        token, tenant = await self._caller(req)  # NOTE: 401 before the body is read (controller/proxy/bodies.py)
+        with p.bodies.admit(tenant, announced_size(req, p.cfg.max_body_bytes)) as shrink:  # 429 past budget
+            return await self._answer(req, kind, t0, token, tenant, shrink)
+
+    async def _tokens(self, body: dict[str, Any], kind: str, base: str, tenant: str,
+                      token: str | None) -> tuple[dict[str, Any], list[Hit], EncodedBody, Sequence[int]]:
+        """(the body to forward, what was withheld of it, its encoder, the ids to route it by). A request routed by
+        load alone has no ids, and its tool results are not judged (the Enforcer reads chats and prompts only)."""
+        if kind == BY_LOAD:
+            return body, [], EncodedBody(body), []
+        chat = kind == CHAT
+        # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
+        body, hits = await self.p.enforcer.enforce(body, chat, tenant, token)
+        enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
+        return body, hits, enc, await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
+
+    async def _answer(self, req: web.Request, kind: str, t0: float, token: str | None, tenant: str,
                       shrink: Callable[[int], None]) -> web.StreamResponse:
         p = self.p
         body = await read_json(req, p.cfg.client_body_timeout_s)
         shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
         base, lora = p.directory.resolve(body.get("model"))
         body["model"] = lora or base  # a request without a model gets the fleet's one model, named
-        # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
-        body, hits = await p.enforcer.enforce(body, chat, tenant, token)
-        enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
-        ids = await p.tokenizer.token_ids(body, chat, base, tenant, enc)
+        body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token)
         d = await p.control.route(ids, base, lora=lora, token=token)
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes

@@ -211,6 +211,12 @@ class WorkerDirectory:
                 return (str(parent), model) if parent else (model, None)
         raise ProxyError(404, f"The model `{model}` does not exist.", "model")
 
+    def serving_workers(self, base: str | None) -> list[WorkerInfo]:
+        """The serving workers of `base` (None: of any model), rotated so the load spreads."""
+        ws = [w for _, w in sorted(self.workers.items()) if (base is None or w.model == base) and self.serving(w.name)]
+        k = next(self._rr) % len(ws) if ws else 0
+        return ws[k:] + ws[:k]
+
     def tokenizer_urls(self, base: str) -> list[str]:
         """URLs of workers of `base` (serving ones, else any), rotated so tokenize load spreads."""
         ws = [w for w in self.workers.values() if w.model == base]

@@ -45,7 +45,7 @@ def _cases(fleet: Fleet) -> list[tuple[str, str, str, bytes, dict[str, str], int
         ("malformed Authorization", "POST", "/v1/completions", GOOD, {"Authorization": "Basic dXNlcg=="}, 401),
         ("missing token on /v1/models", "GET", "/v1/models", b"", {}, 401),
         ("tenant token on the operator view", "GET", "/v1/workers", b"", b, 403),
-        ("unknown path", "GET", "/v1/embeddings", b"", a, 404),
+        ("unknown path", "GET", "/v1/audio/transcriptions", b"", a, 404),
         ("wrong method", "GET", "/v1/completions", b"", a, 405),
     ]
 

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.completions import body_of, completions
+from fleet.app.testkit.sim_vllm.extra_routes import ANSWERS, answering, detokenizing
 from fleet.app.testkit.sim_vllm.metrics import metrics_text
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
@@ -178,6 +179,8 @@ def build_app(sim: Sim) -> web.Application:
         ("/v1/chat/completions", chat),
         ("/sim/restart", restart),
         ("/sim/drop_next_events", drop),
+        ("/detokenize", detokenizing(sim)),
+        *((p, answering(sim, answer)) for p, answer in ANSWERS.items()),
     ):
         r.add_post(path, h)
 

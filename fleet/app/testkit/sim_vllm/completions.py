@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
-from fleet.app.testkit.sim_vllm.engine import EnginePaused, EngineRestarted
+from fleet.app.testkit.sim_vllm.engine import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
 
@@ -39,6 +39,13 @@ async def body_of(req: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidArgument("body must be a JSON object")
     return body
+
+
+def unknown_model(c: SimEngineConfig, model: Any) -> web.Response | None:
+    """vLLM's 404 for a model it does not serve (None: it serves it, as its base model or a LoRA adapter)."""
+    if model == c.model or model in c.loras:
+        return None
+    return _j({"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}}, 404)
 
 
 def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
@@ -132,17 +139,9 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     sim.received.add(req.path, await req.text(), body)
     c = sim.cfg.engine
     model = body.get("model", c.model)
-    if model != c.model and model not in c.loras:
-        return _j(
-            {
-                "error": {
-                    "message": f"The model `{model}` does not exist.",
-                    "type": "NotFoundError",
-                    "code": 404,
-                }
-            },
-            404,
-        )
+    refused = unknown_model(c, model)
+    if refused is not None:
+        return refused
     ids = _prompt_ids(body, chat)
     n = int(body.get("max_tokens") or 16)
     if n < 1:

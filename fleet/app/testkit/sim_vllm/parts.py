@@ -26,7 +26,8 @@ class SimConfig:
 
 @dataclass(slots=True)
 class Received:
-    """The last `maxlen` completion requests this stand-in received: (path, raw body, prompt text).
+    """The last `maxlen` completion (and pooling, responses) requests this stand-in received: (path, raw body,
+    prompt text).
 
     For tests that must show some bytes never reached a worker: `contains` looks in the raw body and in
     the prompt as the model would read it (message contents or the prompt string, JSON escapes undone).
@@ -40,7 +41,7 @@ class Received:
         if isinstance(msgs, list):
             text = "\n".join(str(m.get("content")) for m in msgs if isinstance(m, dict))
         else:
-            text = str(body.get("prompt"))
+            text = str(body.get("prompt", body.get("input")))
         self.items.append((path, raw, text))
         while len(self.items) > self.maxlen:
             self.items.popleft()

@@ -1,0 +1,76 @@
+"""vLLM's utility routes, sent on to one worker as they are, unrouted: GET /version, POST /tokenize and /detokenize.
+
+They run in vLLM's API server, not in its engine (no KV cache is read or written, no queue slot taken), so the
+controller is not asked where to send them and its in-flight ledger does not count them: the proxy sends each to a
+serving worker of the request's model (GET /version: of any model), rotated, or to the next one when the first cannot
+be reached, and relays the worker's status and JSON answer, read up to MAX_ANSWER_BYTES.
+NOTE: not through the Forwarder, whose first-byte watch and /is_sleeping probes are for engine requests: these
+answers, in milliseconds, would pull each worker's recent first-byte wait (FirstBytes) down for its completions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from controller.proxy.errors import ProxyError
+from controller.proxy.reading import read_json, upstream_headers
+from controller.vllm.http import read_capped
+from fleet.sdk.types import WorkerInfo
+
+if TYPE_CHECKING:
+    from controller.proxy.server import Proxy
+
+JSON = msgspec.json.Encoder()
+MAX_TRIES = 2  # the worker chosen, then one other
+SENT_ON = ("/tokenize", "/detokenize")  # POST, with the request's model
+
+
+def max_answer_bytes(max_body_bytes: int) -> int:
+    """The most of a worker's answer relayed: the ids of the largest prompt the proxy accepts (each id at most 8
+    bytes of JSON per byte of prompt), plus 64 KiB."""
+    return 8 * max_body_bytes + (64 << 10)
+
+
+async def version(p: Proxy) -> web.Response:
+    """GET /version: a serving worker's answer (any worker's when none is serving)."""
+    ws = p.directory.serving_workers(None) or sorted(p.directory.workers.values(), key=lambda w: w.name)
+    if not ws:
+        raise ProxyError(503, "no registered worker to ask for its version")
+    return await _relay(p, "GET", "/version", ws, None, {})
+
+
+async def tokens(p: Proxy, req: web.Request, shrink: Callable[[int], None]) -> web.Response:
+    """POST /tokenize or /detokenize: to a serving worker of the request's model, the body as sent (its model named
+    as the proxy resolves it)."""
+    body = await read_json(req, p.cfg.client_body_timeout_s)
+    shrink(len(await req.read()))
+    base, lora = p.directory.resolve(body.get("model"))
+    body["model"] = lora or base
+    ws = p.directory.serving_workers(base)
+    if not ws:
+        raise ProxyError(503, f"no serving worker of model {base!r} to answer {req.path}")
+    return await _relay(p, "POST", req.path, ws, JSON.encode(body), upstream_headers(req))
+
+
+async def _relay(p: Proxy, method: str, path: str, ws: list[WorkerInfo], data: bytes | None,
+                 headers: dict[str, str]) -> web.Response:
+    timeout = aiohttp.ClientTimeout(total=p.cfg.tokenize_timeout_s, sock_connect=p.cfg.connect_timeout_s)
+    limit = max_answer_bytes(p.cfg.max_body_bytes)
+    failed: list[str] = []
+    for w in ws[:MAX_TRIES]:
+        try:
+            async with p.http.request(method, w.url.rstrip("/") + path, data=data, headers=headers,
+                                      timeout=timeout) as r:
+                raw = await read_capped(r, limit)
+                if raw is None:
+                    raise ProxyError(502, f"{path}: worker {w.name}'s answer is over {limit} bytes")
+                return web.Response(status=r.status, body=bytes(raw), content_type=r.content_type,
+                                    headers={"x-kvfleet-worker": w.name})
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            failed.append(f"{w.name}: {type(e).__name__}: {e}")
+    raise ProxyError(503, f"{path}: no worker answered ({'; '.join(failed)})")

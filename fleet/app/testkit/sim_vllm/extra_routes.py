@@ -1,0 +1,148 @@
+"""The stand-in's vLLM routes beyond the completions: /detokenize, the pooling family (/v1/embeddings, /pooling,
+/score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /classify) and /v1/responses, with vLLM's answer shapes.
+
+NOTE: answered at once from the tokenized input, deterministically (a function of its ids): they do not go through
+the engine, so they take no queue slot, publish no KV events, and a sleeping stand-in answers them (a sleeping vLLM
+queues them). /v1/responses answers `stream: true` with a 400; the proxy tests need only its non-streamed shape.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from fleet.app.testkit.sim_vllm import tokenizer as tok
+from fleet.app.testkit.sim_vllm.completions import body_of, unknown_model
+from fleet.app.testkit.sim_vllm.parts import Sim
+from fleet.core.errors import InvalidArgument
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+NUM_DIMS = 8  # of a stand-in embedding
+
+
+def _ids(text: Any) -> list[int]:
+    """One input's ids: a string is tokenized, a list of ints is already ids."""
+    if isinstance(text, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+        return list(text)
+    return tok.tokenize(text)
+
+
+def _inputs(value: Any) -> list[list[int]]:
+    """An `input` (or `text_2`, `documents`) as vLLM takes it: one string or id list, or a list of those."""
+    if isinstance(value, list) and value and not all(isinstance(t, int) for t in value):
+        return [_ids(v.get("text") if isinstance(v, dict) else v) for v in value]
+    return [_ids(value)]
+
+
+def _unit(ids: list[int], salt: int = 0) -> float:
+    """A deterministic number in [0, 1) from the ids."""
+    return (zlib.crc32(bytes(str(ids), "ascii"), salt) % 10_000) / 10_000
+
+
+def _vector(ids: list[int]) -> list[float]:
+    return [_unit(ids, k) for k in range(NUM_DIMS)]
+
+
+def _usage(n: int) -> dict[str, Any]:
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
+def _listed(kind: str, model: str, data: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": _usage(n)}
+
+
+def _embeddings(body: dict[str, Any], model: str) -> dict[str, Any]:
+    ins = _inputs(body.get("input"))
+    data = [{"index": i, "object": "embedding", "embedding": _vector(ids)} for i, ids in enumerate(ins)]
+    return _listed("embd", model, data, sum(map(len, ins)))
+
+
+def _pooling(body: dict[str, Any], model: str) -> dict[str, Any]:
+    ins = _inputs(body.get("input"))
+    data = [{"index": i, "object": "pooling", "data": _vector(ids)} for i, ids in enumerate(ins)]
+    return _listed("pool", model, data, sum(map(len, ins)))
+
+
+def _classify(body: dict[str, Any], model: str) -> dict[str, Any]:
+    ins = _inputs(body.get("input"))
+    data = []
+    for i, ids in enumerate(ins):
+        p = _unit(ids)
+        data.append({"index": i, "label": "LABEL_1" if p >= 0.5 else "LABEL_0", "probs": [1 - p, p], "num_classes": 2})
+    return _listed("classify", model, data, sum(map(len, ins)))
+
+
+def _score(body: dict[str, Any], model: str) -> dict[str, Any]:
+    first, seconds = _ids(body.get("text_1")), _inputs(body.get("text_2"))
+    data = [{"index": i, "object": "score", "score": _unit(first + ids)} for i, ids in enumerate(seconds)]
+    return _listed("score", model, data, sum(len(first) + len(ids) for ids in seconds))
+
+
+def _rerank(body: dict[str, Any], model: str) -> dict[str, Any]:
+    query, docs = _ids(body.get("query")), body.get("documents")
+    if not isinstance(docs, list):
+        raise InvalidArgument("'documents' must be a list")
+    texts = [d.get("text") if isinstance(d, dict) else d for d in docs]
+    ins = [_ids(t) for t in texts]
+    results: list[dict[str, Any]] = [{"index": i, "document": {"text": t}, "relevance_score": _unit(query + ids)}
+                                     for i, (t, ids) in enumerate(zip(texts, ins, strict=True))]
+    results.sort(key=lambda r: -float(r["relevance_score"]))
+    n = sum(len(query) + len(ids) for ids in ins)
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": n},
+            "results": results[: body.get("top_n") or len(results)]}
+
+
+def _response(body: dict[str, Any], model: str) -> dict[str, Any]:
+    """/v1/responses, non-streamed: `input` is a string or a list of message items."""
+    if body.get("stream"):
+        raise InvalidArgument("the stand-in answers /v1/responses unstreamed only")
+    items = body.get("input")
+    ids = (tok.apply_chat_template(items) if isinstance(items, list) else tok.tokenize(items))
+    out = tok.synthetic_output(ids, int(body.get("max_output_tokens") or 16))
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": tok.detokenize(out), "annotations": []}]}
+    usage = {"input_tokens": len(ids), "output_tokens": len(out), "total_tokens": len(ids) + len(out),
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
+            "status": "completed", "output": [message], "usage": usage}
+
+
+ANSWERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+    "/v1/embeddings": _embeddings, "/pooling": _pooling, "/classify": _classify,
+    "/score": _score, "/v1/score": _score,
+    "/rerank": _rerank, "/v1/rerank": _rerank, "/v2/rerank": _rerank,
+    "/v1/responses": _response,
+}
+
+
+def answering(sim: Sim, answer: Callable[[dict[str, Any], str], dict[str, Any]]) -> Handler:
+    """The route for one of ANSWERS: the model checked as vLLM checks it, the request recorded (`sim.received`)."""
+
+    async def handler(req: web.Request) -> web.Response:
+        body = await body_of(req)
+        sim.received.add(req.path, await req.text(), body)
+        model = body.get("model") or sim.cfg.engine.model
+        refused = unknown_model(sim.cfg.engine, model)
+        return refused or web.json_response(answer(body, model))
+
+    return handler
+
+
+def detokenizing(sim: Sim) -> Handler:
+    """POST /detokenize {model, tokens} -> {"prompt": text}, as vLLM answers it."""
+
+    async def handler(req: web.Request) -> web.Response:
+        body = await body_of(req)
+        refused = unknown_model(sim.cfg.engine, body.get("model") or sim.cfg.engine.model)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidArgument("'tokens' must be a list of token ids")
+        return refused or web.json_response({"prompt": tok.detokenize(ids)})
+
+    return handler
