@@ -226,8 +226,7 @@ class Handlers:
         p = self.p
         body = await read_json(req, p.cfg.client_body_timeout_s)
         shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
-        base, lora = p.directory.resolve(body.get("model"))
-        body["model"] = lora or base  # a request without a model gets the fleet's one model, named
+        base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token)
         d = await p.control.route(ids, base, lora=lora, token=token)
         num_prompt = len(ids)

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -47,6 +47,16 @@ def _valid_card(c: Any) -> bool:
 def _card(model_id: str, parent: str | None = None) -> dict[str, Any]:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvfleet", "root": model_id,
             "parent": parent}
+
+
+class Resolved(NamedTuple):
+    """What a request's `model` names. `base`: the registered model of the workers that list it, what the proxy
+    tokenizes with and routes on; `lora`: the adapter, or None; `name`: what the forwarded body names, the client's
+    own (a LoRA, a --served-model-name alias or the model's name), or the first served name when it gave none."""
+
+    base: str
+    lora: str | None
+    name: str
 
 
 def _listing_error(e: KvfleetError) -> str:
@@ -190,26 +200,43 @@ class WorkerDirectory:
         """The union of the registered workers' model cards (first card per id wins)."""
         out: dict[str, dict[str, Any]] = {}
         for name in sorted(self.workers):
-            for c in self.cards.get(name) or [_card(self.workers[name].model)]:
+            for c in self._cards_of(name):
                 out.setdefault(str(c.get("id")), c)
         return list(out.values())
 
-    def resolve(self, model: str | None) -> tuple[str, str | None]:
-        """(base model, LoRA name or None) for a requested model id; 404 if no worker serves it. No model (None):
-        the fleet's one base model, as vLLM serves its one model; 400 when it serves several, naming them."""
+    def resolve(self, model: str | None) -> Resolved:
+        """What a requested model id names (Resolved), from the cards of the workers that list it; 404 if none does.
+
+        A card without a parent is a name a worker serves its registered model under (vLLM lists one per
+        --served-model-name, all with parent null); one with a parent, a LoRA adapter of it. NOTE: the parentless
+        cards were each taken for a model of its own, so a request for an alias looked for workers registered
+        under the alias, found none and got 503 (found by review). No model (None): the fleet's one registered
+        model, under its first served name, as vLLM fills it in; 400 when the fleet serves several, naming them."""
         if not self.workers and self.last_error:
             raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error})")
         if model is None:
-            bases = sorted({str(c.get("id")) for c in self.models() if not c.get("parent")})
-            if len(bases) != 1:
-                raise ProxyError(400, f"'model' is required: the fleet serves {len(bases)} models "
-                                      f"({', '.join(bases) or 'none yet'}); name one from GET /v1/models", "model")
-            return bases[0], None
-        for c in self.models():
-            if c.get("id") == model:
-                parent = c.get("parent")
-                return (str(parent), model) if parent else (model, None)
+            return self._the_one_model()
+        for name in sorted(self.workers):
+            for c in self._cards_of(name):
+                if c.get("id") == model:
+                    return Resolved(self.workers[name].model, model if c.get("parent") else None, model)
         raise ProxyError(404, f"The model `{model}` does not exist.", "model")
+
+    def _cards_of(self, name: str) -> list[dict[str, Any]]:
+        return self.cards.get(name) or [_card(self.workers[name].model)]
+
+    def _the_one_model(self) -> Resolved:
+        """The fleet's one registered model, named as its first worker's first served name; 400 if there are more."""
+        first: dict[str, str] = {}  # registered model -> its first worker's first served name
+        for name in sorted(self.workers):
+            names = [str(c["id"]) for c in self._cards_of(name) if not c.get("parent")]
+            first.setdefault(self.workers[name].model, names[0] if names else self.workers[name].model)
+        if len(first) != 1:
+            raise ProxyError(400, f"'model' is required: the fleet serves {len(first)} models "
+                                  f"({', '.join(sorted(first.values())) or 'none yet'}); name one from GET /v1/models",
+                             "model")
+        ((base, served),) = first.items()
+        return Resolved(base, None, served)
 
     def serving_workers(self, base: str | None) -> list[WorkerInfo]:
         """The serving workers of `base` (None: of any model), rotated so the load spreads."""

@@ -49,8 +49,7 @@ async def tokens(p: Proxy, req: web.Request, shrink: Callable[[int], None]) -> w
     as the proxy resolves it)."""
     body = await read_json(req, p.cfg.client_body_timeout_s)
     shrink(len(await req.read()))
-    base, lora = p.directory.resolve(body.get("model"))
-    body["model"] = lora or base
+    base, _, body["model"] = p.directory.resolve(body.get("model"))
     ws = p.directory.serving_workers(base)
     if not ws:
         raise ProxyError(503, f"no serving worker of model {base!r} to answer {req.path}")

@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
-from fleet.app.testkit.sim_vllm.completions import body_of, completions
+from fleet.app.testkit.sim_vllm.completions import body_of, completions, unknown_model
 from fleet.app.testkit.sim_vllm.extra_routes import ANSWERS, answering, detokenizing
 from fleet.app.testkit.sim_vllm.metrics import metrics_text
 from fleet.app.testkit.sim_vllm.parts import Sim
@@ -91,9 +91,9 @@ def build_app(sim: Sim) -> web.Application:
 
     async def models(req: web.Request) -> web.Response:
         c, now = sim.cfg.engine, int(eng.start_time)
-        data = [
+        data = [  # NOTE: as vLLM lists --served-model-name: one card per name, each with the model's path as root
             {
-                "id": c.model,
+                "id": name,
                 "object": "model",
                 "created": now,
                 "owned_by": "vllm",
@@ -101,6 +101,7 @@ def build_app(sim: Sim) -> web.Application:
                 "parent": None,
                 "max_model_len": c.max_model_len,
             }
+            for name in c.names
         ]
         data += [
             {
@@ -109,7 +110,7 @@ def build_app(sim: Sim) -> web.Application:
                 "created": now,
                 "owned_by": "vllm",
                 "root": p,
-                "parent": c.model,
+                "parent": c.names[0],
                 "max_model_len": c.max_model_len,
             }
             for n, p in sorted(c.loras.items())
@@ -118,6 +119,9 @@ def build_app(sim: Sim) -> web.Application:
 
     async def tokenize(req: web.Request) -> web.Response:
         body = await body_of(req)
+        refused = unknown_model(sim.cfg.engine, body.get("model") or sim.cfg.engine.names[0])
+        if refused is not None:
+            return refused
         ids = (
             tok.apply_chat_template(body["messages"])
             if "messages" in body

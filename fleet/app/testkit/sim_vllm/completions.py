@@ -42,8 +42,8 @@ async def body_of(req: web.Request) -> dict[str, Any]:
 
 
 def unknown_model(c: SimEngineConfig, model: Any) -> web.Response | None:
-    """vLLM's 404 for a model it does not serve (None: it serves it, as its base model or a LoRA adapter)."""
-    if model == c.model or model in c.loras:
+    """vLLM's 404 for a model it does not serve (None: it serves it, under one of its names or as a LoRA adapter)."""
+    if model in c.names or model in c.loras:
         return None
     return _j({"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}}, 404)
 
@@ -138,10 +138,11 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     body = await body_of(req)
     sim.received.add(req.path, await req.text(), body)
     c = sim.cfg.engine
-    model = body.get("model", c.model)
+    model = body.get("model") or c.names[0]  # NOTE: vLLM fills in its first served name
     refused = unknown_model(c, model)
     if refused is not None:
         return refused
+    model = model if model in c.loras else c.names[0]  # what vLLM answers with: the adapter, or its first name
     ids = _prompt_ids(body, chat)
     n = int(body.get("max_tokens") or 16)
     if n < 1:

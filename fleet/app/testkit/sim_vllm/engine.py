@@ -42,6 +42,9 @@ class SimEngineConfig:
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     loras: dict[str, str] = field(default_factory=dict)  # lora_name -> lora_path
+    # vLLM's --served-model-name: the names it answers to, each listed as a base model card (root: `model`); the
+    # first is the one it answers with and fills in for a request without a model. None given: `model` alone
+    served_model_names: tuple[str, ...] = ()
     max_model_len: int = 8192
     # the clock: vLLM's scheduler limits and a cost model of Llama-3.1-8B (BF16) on one H100 SXM.
     # A model, not a measurement: each figure and its source is in docs/sim_vllm.md.
@@ -72,6 +75,11 @@ class SimEngineConfig:
         ):
             if not ok:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names it serves its base model under (vLLM's served_model_names)."""
+        return self.served_model_names or (self.model,)
 
     def cost_model(self) -> CostModel:
         return CostModel(

@@ -127,9 +127,10 @@ def answering(sim: Sim, answer: Callable[[dict[str, Any], str], dict[str, Any]])
     async def handler(req: web.Request) -> web.Response:
         body = await body_of(req)
         sim.received.add(req.path, await req.text(), body)
-        model = body.get("model") or sim.cfg.engine.model
-        refused = unknown_model(sim.cfg.engine, model)
-        return refused or web.json_response(answer(body, model))
+        c = sim.cfg.engine
+        model = body.get("model") or c.names[0]
+        refused = unknown_model(c, model)
+        return refused or web.json_response(answer(body, model if model in c.loras else c.names[0]))
 
     return handler
 
@@ -139,7 +140,7 @@ def detokenizing(sim: Sim) -> Handler:
 
     async def handler(req: web.Request) -> web.Response:
         body = await body_of(req)
-        refused = unknown_model(sim.cfg.engine, body.get("model") or sim.cfg.engine.model)
+        refused = unknown_model(sim.cfg.engine, body.get("model") or sim.cfg.engine.names[0])
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidArgument("'tokens' must be a list of token ids")

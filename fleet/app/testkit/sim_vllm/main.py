@@ -125,6 +125,8 @@ def _parse(argv: list[str]) -> SimConfig:
     p.add_argument("--kv-events-port", type=int, default=0, help="ZMQ PUB port (0 = pick)")
     p.add_argument("--replay-port", type=int, default=0, help="ZMQ replay ROUTER port (0 = pick, -1 = none)")
     p.add_argument("--model", default="sim-model")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the names it serves the model under, as vLLM's (default: --model); the first answers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor"])
@@ -190,6 +192,7 @@ def _parse(argv: list[str]) -> SimConfig:
     try:
         eng = SimEngineConfig(
             model=a.model,
+            served_model_names=tuple(a.served_model_name),
             block_size=a.block_size,
             num_blocks=a.num_blocks,
             hash_algo=a.hash_algo,
