@@ -78,6 +78,7 @@ HASH_THREADS_PER_TENANT = 2
 # token prompts (an agent's chats) fits hundreds where it fits eight of the longest. Unbounded, every waiter held its
 # ids as Python ints (36 MB per 1M tokens): 24 waiting 1M-token Routes took the controller to 889 MiB.
 LONG_WAIT_TOKENS_PER_TENANT = 4 * HASH_THREADS_PER_TENANT << 20
+LORA_MISS_LOOK_S = 0.5  # a route for an adapter (or model) no worker lists looks again at most this often per worker
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class RouterConfig:
     # a prefix-cache reset vLLM refuses while requests hold blocks is asked again, the worker taking no new
     # requests, for up to this long (controller/vllm/watcher.py Worker._drained_reset); 0: ask once
     reset_drain_s: float = 5.0
+    # each worker's LoRA adapters are read again from its /v1/models this often (one GET, on the reconcile loop); a
+    # route for an adapter no worker lists has them read again, at most once every LORA_MISS_LOOK_S per worker
+    lora_refresh_s: float = 10.0
     stream: StreamLimits = field(default_factory=StreamLimits)
     cost: CostConfig = field(default_factory=CostConfig)
 
@@ -284,6 +288,19 @@ class Router:
     def worker(self, name: str) -> Worker:
         return self._get(name)
 
+    async def _looked_again(self, model: str, lora: str | None) -> bool:
+        """A route that found no worker listing its adapter (NotFound) has the workers that could serve it look at
+        their adapters again: it may have been loaded at runtime (vLLM's /v1/load_lora_adapter) since their last
+        look. Each look begins after this route came, and at most one per LORA_MISS_LOOK_S per worker (routes at
+        once share it), so such a route waits up to that long for its NotFound. True once they looked: order again.
+        `model` may itself name an adapter (no `lora`): then every worker looks."""
+        if not isinstance(self.candidates.none_serving(model, lora), NotFound):
+            return False
+        asked = time.monotonic()
+        ws = [w for w in self._workers.values() if lora is None or w.spec.model == model]
+        await asyncio.gather(*(w.loras_since(asked, LORA_MISS_LOOK_S) for w in ws))
+        return bool(ws)
+
     async def route(
         self,
         token_ids: Sequence[int],
@@ -335,6 +352,8 @@ class Router:
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
                 ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner)
             ordering = await self._probe(ordering, token_ids, model, cache_salt, lora, owner)
+        if not ordering.ordered and await self._looked_again(model, lora):
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner)
         if not ordering.ordered:
             raise self.candidates.none_serving(model, lora)
         best = ordering.ordered[0]

@@ -244,9 +244,12 @@ class WorkerDirectory:
         k = next(self._rr) % len(ws) if ws else 0
         return ws[k:] + ws[:k]
 
-    def tokenizer_urls(self, base: str) -> list[str]:
-        """URLs of workers of `base` (serving ones, else any), rotated so tokenize load spreads."""
-        ws = [w for w in self.workers.values() if w.model == base]
+    def tokenizer_urls(self, base: str, listing: str | None = None) -> list[str]:
+        """URLs of workers of `base` (serving ones, else any), rotated so tokenize load spreads; with `listing`, of
+        those whose cards list that id. NOTE: an adapter loaded on some workers only (at runtime) is a 404 at the
+        others' /tokenize, which reached the client as a 502."""
+        ws = [w for w in self.workers.values()
+              if w.model == base and (listing is None or any(c.get("id") == listing for c in self._cards_of(w.name)))]
         ws = [w for w in ws if self.serving(w.name)] or ws
         if not ws:
             return []

@@ -175,7 +175,7 @@ class Tokenizer:
             self.num_hits += 1
             return hit
         local = self._hf is not None and await self.local_ok(base)
-        ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(data, base))
+        ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(data, base, body["model"]))
         self.cache.put(tenant, key, ids)
         return ids
 
@@ -207,17 +207,25 @@ class Tokenizer:
             return
         self.parity[base] = True
 
-    async def _remote(self, data: bytes, base: str) -> list[int]:
-        urls = self.directory.tokenizer_urls(base)
+    async def _remote(self, data: bytes, base: str, name: str | None = None) -> list[int]:
+        """Ids from a worker of `base` that lists `name` (the request's model: a LoRA may be on some workers only);
+        the next one's when the first cannot be reached, or 404s the model (it unloaded the adapter since the
+        directory read its cards)."""
+        urls = self.directory.tokenizer_urls(base, listing=name)
         if not urls:
             raise ProxyError(503, f"no registered worker of model {base!r} to tokenize with")
-        last = ""
+        last: ProxyError | None = None
         for url in urls[:2]:
             try:
                 return await self._post_tokenize(url, data)
             except (TimeoutError, aiohttp.ClientError) as e:
-                last = f"{url}: {type(e).__name__}: {e}"
-        raise ProxyError(503, f"tokenize failed on the model's workers ({last})")
+                last = ProxyError(503, f"tokenize failed on the model's workers ({url}: {type(e).__name__}: {e})")
+            except ProxyError as e:
+                if e.status != 404:
+                    raise
+                last = e
+        assert last is not None
+        raise last
 
     async def _post_tokenize(self, url: str, data: bytes) -> list[int]:
         """The worker's ids for `data`, a /tokenize request body as JSON bytes."""
@@ -239,7 +247,8 @@ class Tokenizer:
             raise ProxyError(502, f"tokenize: the worker answered {r.status} with a body that is not JSON") from None
         err = doc.get("error") if isinstance(doc, dict) else None
         msg = err.get("message") if isinstance(err, dict) else (doc.get("detail") if isinstance(doc, dict) else doc)
-        raise ProxyError(400 if r.status in (400, 422) else 502, f"tokenize: {msg}")
+        # NOTE: a 404 is the worker's "model does not exist" (an adapter it no longer serves), relayed as such
+        raise ProxyError(400 if r.status in (400, 422) else 404 if r.status == 404 else 502, f"tokenize: {msg}")
 
     def _hf_ids(self, req: dict[str, Any]) -> list[int]:
         tok = self._hf

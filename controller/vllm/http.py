@@ -241,14 +241,19 @@ class VllmHttp:
             raise WorkerHttpError(f"{self.url}/version: unexpected body {str(body)[:80]}")
         return str(body["version"])
 
-    async def models(self) -> dict[str, str]:
-        """Served model ids -> root (for a LoRA card, root is the adapter path the hash needs)."""
+    async def loras(self) -> dict[str, str]:
+        """The LoRA adapters /v1/models lists: id -> root (the adapter path the hash needs).
+
+        vLLM lists an adapter as a card with a parent (its base model's first served name), and each of its
+        --served-model-name names as a card with parent null. NOTE: every card but the registered model's was taken
+        for an adapter, so an alias was hashed as a LoRA (never warm) and named one in the router's errors."""
         body = await self.json("GET", "/v1/models")
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise WorkerHttpError(f"{self.url}/v1/models: unexpected body {str(body)[:80]}")
         return {
-            str(c["id"]): str(c.get("root") or c["id"]) for c in data if isinstance(c, dict) and "id" in c
+            str(c["id"]): str(c.get("root") or c["id"]) for c in data
+            if isinstance(c, dict) and "id" in c and c.get("parent")
         }
 
     async def server_info(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -82,6 +83,9 @@ class WatchConfig(Protocol):
 
     @property
     def reset_drain_s(self) -> float: ...
+
+    @property
+    def lora_refresh_s(self) -> float: ...
 
 
 class _Sink:
@@ -146,7 +150,9 @@ class Worker:
         self.ranks: dict[int, RankState] = ranks or {r: RankState() for r in range(spec.dp_ranks)}
         self.hash_cfg: HashConfig | None = (HashConfig(spec.hash_algo or "sha256", spec.hash_seed, spec.block_size)
                                             if spec.block_size else None)
-        self.loras: dict[str, str] = {}
+        self.loras: dict[str, str] = {}  # its LoRA adapters: name -> path (refresh_loras)
+        self._loras_at = -math.inf  # when refresh_loras last looked (monotonic)
+        self._loras_lock = asyncio.Lock()
         # each rank's engine's series at the last look (vLLM's `engine` label); `load` is engine 0's, which also
         # carries what is read for the worker as a whole (sleep state, start time, hash settings)
         self.loads: tuple[WorkerMetrics, ...] = tuple(WorkerMetrics() for _ in self.ranks)
@@ -490,10 +496,47 @@ class Worker:
             self.apply_observation(await self.fetch())
         return all(st.serving for st in self.ranks.values())
 
+    # LoRA adapters. NOTE: read only at registration, an adapter loaded at runtime (vLLM's /v1/load_lora_adapter)
+    # was never routed (NotFound for good) and an unloaded one kept being routed (found by review). Now the reconcile
+    # loop looks every `lora_refresh_s`, and a route for an adapter no worker lists makes them look (Router).
+    async def refresh_loras(self, min_age_s: float) -> None:
+        """Look at the worker's adapters (one GET /v1/models) unless a look began less than `min_age_s` ago."""
+        if time.monotonic() - self._loras_at < min_age_s:
+            return
+        async with self._loras_lock:
+            if time.monotonic() - self._loras_at >= min_age_s:
+                await self._look_loras()
+
+    async def loras_since(self, asked: float, min_gap_s: float) -> None:
+        """Return once a look that began at or after `asked` (monotonic) has ended: one already begun is shared,
+        else one is taken, but no sooner than `min_gap_s` after the one before (what a flood of routes for an
+        unknown adapter may cost: one GET per `min_gap_s`; each waits at most that long for its look)."""
+        while self._loras_at < asked:
+            wait = self._loras_at + min_gap_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            async with self._loras_lock:
+                if self._loras_at < asked:
+                    await self._look_loras()
+        async with self._loras_lock:  # NOTE: a look holds the lock: the one that began after `asked` has ended
+            pass
+
+    async def _look_loras(self) -> None:
+        """One GET /v1/models (under _loras_lock); a failed look keeps the adapters as they were."""
+        self._loras_at = time.monotonic()
+        try:
+            loras = await self.http.loras()
+        except WorkerHttpError as e:
+            log.info("worker %s: its LoRA adapters are kept as they were (%s)", self.spec.name, e)
+            return
+        if loras != self.loras:
+            log.info("worker %s serves LoRA adapters %s (before: %s)", self.spec.name, sorted(loras), sorted(self.loras))
+            self.loras = loras  # NOTE: a new dict: a view already taken keeps the set it was taken with
+
     async def discover(self) -> None:
         """Block size (/server_info, else first events) and LoRA adapter paths (/v1/models root)."""
-        with contextlib.suppress(WorkerHttpError):
-            self.loras = {k: v for k, v in (await self.http.models()).items() if k != self.spec.model}
+        await self.refresh_loras(0.0)
         seen = await worker_hash_settings(self.http)
         bs = seen.get("block_size")
         if self.hash_cfg is None and isinstance(bs, int) and bs > 0:
@@ -520,7 +563,7 @@ class Worker:
         while not self._closing:
             await asyncio.sleep(self.cfg.reconcile_interval_s)
             try:
-                await self.reconcile_once()
+                await asyncio.gather(self.reconcile_once(), self.refresh_loras(self.cfg.lora_refresh_s))
                 self._persist_seqs()
                 self.guard.settle()
             except Exception as e:

@@ -113,20 +113,21 @@ async def start_fleet(
     cost: CostConfig | None = None,
     engine_kw: dict[str, Any] | None = None,
     worker_middleware: Callable[[SimVllm], Any] | None = None,
+    router_kw: dict[str, Any] | None = None,
     **proxy_kw: Any,
 ) -> Fleet:
     """Controller + sims + proxy on loopback (fleet.app.testkit.stack); reconcile_s is the controller's reconcile interval (how long a
     sleep behind its back goes unseen), cost its placement weights, engine_kw override the sims'
     SimEngineConfig fields (e.g. time_scale=1 for a clocked, busy worker); worker_middleware(sim), an aiohttp middleware
-    each stand-in runs inside the observing one (a worker that misbehaves on cue); proxy_kw override ProxyConfig
-    fields."""
+    each stand-in runs inside the observing one (a worker that misbehaves on cue); router_kw, more RouterConfig
+    fields; proxy_kw override ProxyConfig fields."""
     kw: dict[str, Any] = {"first_byte_timeout_s": 0.3, "refresh_s": 0.2, "suspect_s": 3.0}
     kw.update(proxy_kw)
     stack = await start_stack(StackConfig(
         store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=num_workers, num_blocks=512,
         block_size=BLOCK, model=MODEL, engine={"loras": dict(loras or {}), **(engine_kw or {})},
         tenants=("acme", "bravo"), operator="ops", operator_name="", sessions=False, metrics=True, proxy=kw,
-        router=RouterConfig(reconcile_interval_s=reconcile_s, cost=cost or CostConfig())),
+        router=RouterConfig(reconcile_interval_s=reconcile_s, cost=cost or CostConfig(), **(router_kw or {}))),
         observe=observe if worker_middleware is None else (lambda sim: [*observe(sim), worker_middleware(sim)]))
     assert stack.proxy is not None
     await stack.client.close()

@@ -95,7 +95,8 @@ async def start_sims(n: int, engine: SimEngineConfig, *, observe: Observe | None
     sims: dict[str, SimVllm] = {}
     try:
         for i in range(n):
-            sim = SimVllm(SimConfig(engine=dataclasses.replace(engine)))  # each its own (mutable) config
+            # each its own (mutable) config; NOTE: and its own adapters (a runtime load changes one worker's only)
+            sim = SimVllm(SimConfig(engine=dataclasses.replace(engine, loras=dict(engine.loras))))
             sim.middlewares = tuple(observe(sim)) if observe else ()
             sims[f"{prefix}{i}"] = await sim.start()
     except BaseException:

@@ -28,7 +28,7 @@ class _Directory:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def tokenizer_urls(self, base: str) -> list[str]:
+    def tokenizer_urls(self, base: str, listing: str | None = None) -> list[str]:
         return [self.url]
 
 

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.completions import body_of, completions, unknown_model
-from fleet.app.testkit.sim_vllm.extra_routes import ANSWERS, answering, detokenizing
+from fleet.app.testkit.sim_vllm.extra_routes import ANSWERS, answering, detokenizing, lora_updating
 from fleet.app.testkit.sim_vllm.metrics import metrics_text
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
@@ -185,6 +185,7 @@ def build_app(sim: Sim) -> web.Application:
         ("/sim/drop_next_events", drop),
         ("/detokenize", detokenizing(sim)),
         *((p, answering(sim, answer)) for p, answer in ANSWERS.items()),
+        *(lora_updating(sim).items() if sim.cfg.engine.runtime_lora else ()),
     ):
         r.add_post(path, h)
 

@@ -45,6 +45,8 @@ class SimEngineConfig:
     # vLLM's --served-model-name: the names it answers to, each listed as a base model card (root: `model`); the
     # first is the one it answers with and fills in for a request without a model. None given: `model` alone
     served_model_names: tuple[str, ...] = ()
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter change `loras`
+    runtime_lora: bool = False
     max_model_len: int = 8192
     # the clock: vLLM's scheduler limits and a cost model of Llama-3.1-8B (BF16) on one H100 SXM.
     # A model, not a measurement: each figure and its source is in docs/sim_vllm.md.

@@ -1,5 +1,6 @@
 """The stand-in's vLLM routes beyond the completions: /detokenize, the pooling family (/v1/embeddings, /pooling,
-/score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /classify) and /v1/responses, with vLLM's answer shapes.
+/score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /classify), /v1/responses, and (with `runtime_lora`, vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING) /v1/load_lora_adapter and /v1/unload_lora_adapter, with vLLM's answer shapes.
 
 NOTE: answered at once from the tokenized input, deterministically (a function of its ids): they do not go through
 the engine, so they take no queue slot, publish no KV events, and a sleeping stand-in answers them (a sleeping vLLM
@@ -147,3 +148,33 @@ def detokenizing(sim: Sim) -> Handler:
         return refused or web.json_response({"prompt": tok.detokenize(ids)})
 
     return handler
+
+
+def _error(message: str, kind: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def lora_updating(sim: Sim) -> dict[str, Handler]:
+    """POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name}, with vLLM's
+    answers: a text/plain "Success: ..." or its error. The adapter is served (and listed by /v1/models) at once."""
+    loras = sim.cfg.engine.loras  # NOTE: the prefix cache hashes with this very dict
+
+    async def load(req: web.Request) -> web.Response:
+        body = await body_of(req)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if name in loras:
+            return _error(f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput", 400)
+        loras[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(req: web.Request) -> web.Response:
+        name = (await body_of(req)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error("either 'lora_name' and 'lora_int_id' needs to be provided.", "InvalidUserInput", 400)
+        if loras.pop(name, None) is None:
+            return _error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    return {"/v1/load_lora_adapter": load, "/v1/unload_lora_adapter": unload}

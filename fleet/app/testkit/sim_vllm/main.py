@@ -193,6 +193,7 @@ def _parse(argv: list[str]) -> SimConfig:
         eng = SimEngineConfig(
             model=a.model,
             served_model_names=tuple(a.served_model_name),
+            runtime_lora=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
             block_size=a.block_size,
             num_blocks=a.num_blocks,
             hash_algo=a.hash_algo,
