@@ -40,6 +40,8 @@ class ProxyConfig:
     # the refreshes since failed (or it never loaded): a proxy that cannot see the fleet leaves the Service
     models_refresh_s: float = 15.0  # each worker's /v1/models (LoRA cards)
     suspect_s: float = 5.0  # a worker found asleep behind the controller's back is skipped this long
+    suspect_after_failures: int = 3  # .. and so is one with this many failed attempts in a row (503s, lost
+    # connections) while its probe says it is awake (one such failure is a blip, not a reason to refuse traffic)
     auth_cache_s: float = 5.0
     max_body_bytes: int = 8 << 20
     # request-body bytes of the requests in flight (from their headers until their answers end), per tenant and
@@ -81,9 +83,9 @@ class ProxyConfig:
                self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if self.max_body_bytes <= 0 or min(self.tokenize_cache_size, self.tokenize_cache_bytes) < 0 \
-                or self.controller_max_rpcs <= 0:
-            raise InvalidArgument("max_body_bytes and controller_max_rpcs must be positive, the tokenize cache's bounds "
-                                  ">= 0")
+                or self.controller_max_rpcs <= 0 or self.suspect_after_failures <= 0:
+            raise InvalidArgument("max_body_bytes, controller_max_rpcs and suspect_after_failures must be positive, "
+                                  "the tokenize cache's bounds >= 0")
         if not self.max_body_bytes <= min(self.max_inflight_bytes_per_tenant, self.max_inflight_bytes // 2):
             raise InvalidArgument(
                 f"--max-body-bytes {self.max_body_bytes} must fit one tenant's share of the bodies in flight: at "

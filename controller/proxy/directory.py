@@ -3,8 +3,8 @@
 The controller's Route answer is authoritative for where to go; the directory supplies what a route
 answer does not carry: the URLs of the fallback candidates, which workers are serving right now,
 the union of the workers' /v1/models cards, and a short local "suspect" mark on a worker the proxy
-itself found asleep behind the controller's back (so later requests skip it until the controller's
-reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
+itself found asleep or gone behind the controller's back, or that failed several attempts in a row (so later
+requests skip it until the controller's reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
 is what the requests waiting on one worker's first byte share; a worker the controller stops listing as
 serving is nudged there, so its waiters ask it at once whether it sleeps. A worker the controller stops
 listing at all (unregistered) is forgotten: its cards and suspect mark here, and whatever `on_gone` drops
@@ -82,6 +82,7 @@ class WorkerDirectory:
         self.cards: dict[str, list[dict[str, Any]]] = {}  # worker name -> its /v1/models cards
         self._cards_at: dict[str, float] = {}
         self._suspect: dict[str, tuple[float, int]] = {}  # name -> (until, the worker's epoch when marked)
+        self._failures: dict[str, int] = {}  # name -> failed attempts in a row that no probe explained
         self._rr = itertools.count()
         self.last_error: str | None = "not refreshed yet"
         self.loaded_at: float | None = None  # monotonic time of the last refresh that listed the workers
@@ -131,6 +132,7 @@ class WorkerDirectory:
             self._cards_at.pop(name, None)
         for name in gone:  # NOTE: unregistered; before, a proxy kept 23 metric series and 2 entries per gone name
             self._suspect.pop(name, None)
+            self._failures.pop(name, None)
             if self.on_gone is not None:
                 self.on_gone(name)
 
@@ -195,6 +197,23 @@ class WorkerDirectory:
         w = self.workers.get(name)
         epoch = max(_epoch(w) if w is not None else -1, -1 if routed_epoch is None else routed_epoch)
         self._suspect[name] = (time.monotonic() + self.cfg.suspect_s, epoch)
+        self._failures.pop(name, None)
+
+    def failed(self, name: str, routed_epoch: int | None = None) -> bool:
+        """An attempt on the worker failed (a 503, a lost connection) though a probe found it neither asleep nor
+        gone. The cfg.suspect_after_failures-th such failure in a row, with no answer between, marks it suspect
+        (True): a worker that fails every request while it says it is awake is skipped too."""
+        n = self._failures.get(name, 0) + 1
+        if n < self.cfg.suspect_after_failures:
+            self._failures[name] = n
+            return False
+        self.suspect(name, routed_epoch)
+        return True
+
+    def answered(self, name: str) -> None:
+        """An attempt on the worker got its first byte: its failures in a row start again from none."""
+        if self._failures:
+            self._failures.pop(name, None)
 
     def models(self) -> list[dict[str, Any]]:
         """The union of the registered workers' model cards (first card per id wins)."""

@@ -9,7 +9,9 @@
          │                        │ is_sleeping true, the probe's connection refused, or no answer
          │                        │ from a worker the controller no longer lists as serving
          ▼                        ▼
-    connection error / 503 ─► one retry on the next serving candidate (the worker is marked suspect)
+    connection error / 503 ─► one retry on the next serving candidate; the worker is marked suspect (later
+                              requests skip it) only if a probe found it asleep or unreachable, or after
+                              cfg.suspect_after_failures failed attempts in a row that no probe explained
 
 vLLM queues requests to a sleeping engine and they hang (reference §1.3), and a streaming vLLM
 may send its headers before the engine runs, so "first byte" means the first body bytes. "In time" is
@@ -85,7 +87,12 @@ class Opened:
 
 
 class AttemptFailed(Exception):
-    """The worker failed before the first byte: retry elsewhere."""
+    """The worker failed before the first byte: retry elsewhere. `found`: a probe found it asleep or gone (True),
+    was asked and found neither (False), or was not asked since the failure (None: Forwarder._judge asks)."""
+
+    def __init__(self, why: str, found: bool | None = None) -> None:
+        super().__init__(why)
+        self.found = found
 
 
 def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> Iterator[Target]:
@@ -155,7 +162,7 @@ class Forwarder:
             try:
                 return await self._attempt(t, path, body, headers, sends, failures)
             except AttemptFailed as e:
-                self.directory.suspect(t.worker, t.epoch)  # later requests skip it until the controller catches up
+                await self._judge(t, e)
                 self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
                 failures.append(f"{t.worker}: {e}")
         raise ProxyError(503, "no serving worker answered (" + "; ".join(failures or ["no candidate"]) + ")")
@@ -173,6 +180,7 @@ class Forwarder:
             raise
         t_first = time.perf_counter()
         self.first_bytes.seen(t.worker, t_first - t_sent)
+        self.directory.answered(t.worker)
         return Opened(t, resp, first, t_sent, t_first, sends, tuple(failures))
 
     async def _wait_first_byte(self, t: Target, task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
@@ -195,7 +203,7 @@ class Forwarder:
             if task in done:
                 return
             if ticket.lost is not None:
-                raise AttemptFailed(ticket.lost)
+                raise AttemptFailed(ticket.lost, found=True)
             nudged = wake in done  # the controller stopped listing it: probe now, then keep the schedule
             if not nudged and time.monotonic() >= deadline:
                 # NOTE: the overall bound: a worker that keeps the connection open but never answers (a dead
@@ -203,25 +211,48 @@ class Forwarder:
                 # request forever
                 raise AttemptFailed(f"timeout: no first byte within {limit}s (the proxy's --max-first-byte-wait)")
             seen, detail = await self.directory.watch.probe(t.worker, lambda: self._probe_counted(t))
-            why = self._verdict(t, seen, detail, time.monotonic() - start)
+            why = self._verdict(t, seen, detail, f"no first byte after {time.monotonic() - start:.2f}s")
             if ticket.lost is not None:  # another waiter judged the same finding first
-                raise AttemptFailed(ticket.lost)
+                raise AttemptFailed(ticket.lost, found=True)
             if why is not None:
                 self.directory.watch.lose(t.worker, f"{why} (found for another request waiting on it)")
-                raise AttemptFailed(why)
+                raise AttemptFailed(why, found=True)
             if not nudged:
                 wait = next(waits)
 
-    def _verdict(self, t: Target, seen: str, detail: str, waited_s: float) -> str | None:
-        """Why a probe's finding gives the worker up (the attempt's failure reason), or None: keep waiting."""
+    def _verdict(self, t: Target, seen: str, detail: str, what: str) -> str | None:
+        """Why a probe's finding gives the worker up (the attempt's failure reason), or None: keep waiting.
+        `what` says what came before the probe (no first byte after some time, or a failed send)."""
         if seen in (ASLEEP, GONE):
-            return f"{seen}: no first byte after {waited_s:.2f}s and GET /is_sleeping {detail}"
+            return f"{seen}: {what} and GET /is_sleeping {detail}"
         if seen == BUSY and t.worker in self.directory.workers and not self.directory.serving(t.worker):
             # NOTE: busy is the benefit of the doubt; a worker the controller no longer calls serving (its
             # reconcile lost /health, or it was slept) and that does not answer a probe is given up on
-            return (f"unresponsive: no first byte, GET /is_sleeping {detail}, and the controller "
+            return (f"unresponsive: {what}, GET /is_sleeping {detail}, and the controller "
                     "no longer lists it as serving")
         return None
+
+    async def _judge(self, t: Target, e: AttemptFailed) -> None:
+        """Mark the failed worker suspect (later requests skip it until the controller catches up) only on evidence
+        that it is asleep or gone: a probe's finding, before the failure or asked now (shared with the requests
+        waiting on it, which fail over with it). A failure no probe explains (awake, or busy) counts toward
+        cfg.suspect_after_failures in a row (WorkerDirectory.failed).
+        NOTE: every failure marked it, so one 503 or one lost connection from an awake worker refused every
+        tenant's requests to it, unsent, for --suspect seconds: a model of two workers with one blip on each was
+        down for 5 s (found by review)."""
+        found = e.found
+        if found is None:
+            seen, detail = await self.directory.watch.probe(t.worker, lambda: self._probe_counted(t))
+            why = self._verdict(t, seen, detail, f"a failed send ({str(e).split(':')[0]})")
+            if why is not None:
+                self.directory.watch.lose(t.worker, f"{why} (found for another request sent to it)")
+            found = why is not None
+        if found:
+            self.directory.suspect(t.worker, t.epoch)
+        elif self.directory.failed(t.worker, t.epoch):
+            log.warning("proxy: worker %s failed %d attempts in a row, no probe finding it asleep or gone; skipped "
+                        "for %ss (last: %s)",
+                        t.worker, self.cfg.suspect_after_failures, self.cfg.suspect_s, e)
 
     async def _probe_counted(self, t: Target) -> tuple[str, str]:
         seen, detail = await ask_is_sleeping(self.http, t.url, self.cfg.probe_timeout_s)

@@ -57,8 +57,9 @@ class ProxyMetrics:
         )
         self.probes = Counter(
             "kvfleet_proxy_sleep_probes",
-            "GET /is_sleeping probes of a worker that sent no first byte in time, by what they observed "
-            "(asleep, awake, busy: no answer in time, unreachable); only asleep and unreachable fail over",
+            "GET /is_sleeping probes of a worker that sent no first byte in time or failed an attempt, by what "
+            "they observed (asleep, awake, busy: no answer in time, unreachable); only asleep and unreachable "
+            "fail over or mark the worker suspect",
             ["worker", "observed"],
             registry=r,
         )
