@@ -43,6 +43,12 @@ class ProxyMetrics:
             ["worker", "verdict", "reason"],
             registry=r,
         )
+        self.reconnects = Counter(
+            "kvfleet_proxy_reconnects",
+            "Sends whose kept-alive connection the worker closed under them, sent again once on a fresh connection",
+            ["worker"],
+            registry=r,
+        )
         self.broken = Counter(
             "kvfleet_proxy_broken_answers",
             "Answers a worker broke off after the client had begun to get them (ended with an error event, or cut)",

@@ -41,9 +41,12 @@ class Proxy:
         key = self.cfg.worker_api_key
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
                                           headers={"Authorization": f"Bearer {key}"} if key else None)
+        # a send that the worker's closing of its connection cut off is sent once more on a new connection
+        self.fresh_http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                                auto_decompress=False, headers=self.http.headers)
         self.directory = WorkerDirectory(self.cfg, self.control, self.http, on_gone=self._forget_worker)
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
-        self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics)
+        self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics, self.fresh_http)
         self.enforcer = Enforcer(self.cfg.quarantine_policy, dict(self.cfg.quarantine_tenant_policies), self.control,
                                  self.metrics, self.cfg.tool_media)
         try:
@@ -77,6 +80,7 @@ class Proxy:
             await self._runner.cleanup()
         await self.directory.stop()
         await self.http.close()
+        await self.fresh_http.close()
         await self.control.close()
 
     @property

@@ -95,3 +95,52 @@ async def test_an_awake_worker_that_keeps_failing_is_skipped_after_three_in_a_ro
         assert fleet.proxy.directory.is_suspect(name)
     finally:
         await fleet.stop()
+
+
+def _resets_reused_connections(sim: Any) -> Any:
+    """The stand-in closes the connection of its next `sim.resets_left` completions that arrive on a connection it
+    has already served a request on, as a server closes an idle kept-alive connection (uvicorn's keep-alive
+    timeout, 5 s) just as a pooled request arrives on it; `sim.reset_all` closes every completion's."""
+    sim.resets_left, sim.reset_all = 0, False
+
+    @web.middleware
+    async def middleware(req: web.Request, handler: Any) -> web.StreamResponse:
+        if req.path == "/v1/completions":
+            reused = any(s.proto is req.protocol for s in sim.seen[:-1])  # the observer recorded this one last
+            if sim.reset_all or (reused and sim.resets_left > 0):
+                sim.resets_left -= 1
+                assert req.transport is not None
+                req.transport.abort()
+                raise asyncio.CancelledError
+        return await handler(req)  # type: ignore[no-any-return]
+
+    return middleware
+
+
+async def test_a_kept_alive_connection_closed_under_a_send_is_sent_again_on_a_fresh_one(tmp_path: Path) -> None:
+    """One worker (so no runner-up hides the failure). Before, the lost connection failed the attempt and the
+    request got a 503; now it is sent once more to the same worker on a fresh connection and answered."""
+    fleet = await start_fleet(tmp_path, num_workers=1, suspect_s=30.0, worker_middleware=_resets_reused_connections)
+    try:
+        (name, sim), = fleet.sims.items()
+        s, _, raw = await fleet.post("/v1/completions", BODY)  # leaves kept-alive connections in the proxy's pool
+        assert s == 200, raw
+        sim.resets_left = 1  # type: ignore[attr-defined]
+        before = len(served(sim, "/v1/completions"))
+        s, h, raw = await fleet.post("/v1/completions", BODY)
+        sends = served(sim, "/v1/completions")[before:]
+        print(f"a reused connection closed under the send: {s}, attempts {h.get('x-kvfleet-attempts')}, the worker got "
+              f"{[x.outcome for x in sends]}: {raw[:120]!r}")
+        assert [x.outcome for x in sends] == ["CancelledError", "ok"]  # the reset, then the fresh send
+        assert s == 200 and h["x-kvfleet-attempts"] == "1"  # before: 503, no serving worker answered
+        assert sum(x.proto is sends[0].proto for x in sim.seen) >= 2  # type: ignore[attr-defined]  # control: reused
+        # once only: a worker that closes every connection (fresh ones too) is not sent the request a third time.
+        # A new prompt: its /tokenize leaves a kept-alive connection in the pool (a repeated one's ids are cached)
+        sim.reset_all = True  # type: ignore[attr-defined]
+        before = len(served(sim, "/v1/completions"))
+        s, _, _ = await fleet.post("/v1/completions", {**BODY, "prompt": "Now count the pallets."})
+        sends = served(sim, "/v1/completions")[before:]
+        assert s == 503 and len(sends) == 2 and sends[0].proto is not sends[1].proto
+        assert not fleet.proxy.directory.is_suspect(name)  # one failed attempt of an awake worker
+    finally:
+        await fleet.stop()
