@@ -30,8 +30,9 @@ class ProxyConfig:
     first_byte_min_s: float = 0.05  # the first probe comes after 2x the worker's recent p90 first-byte wait, within
     # [first_byte_min_s, first_byte_timeout_s] (controller/proxy/watch.py FirstBytes; docs/proxy.md)
     probe_timeout_s: float = 0.5
-    max_first_byte_wait_s: float = 600.0  # an attempt with no first byte by then fails over, probes or not: the
-    # bound on a worker that holds the connection but never answers (must exceed the longest non-streaming answer)
+    max_first_byte_wait_s: float = 600.0  # an attempt with no first byte by then ends in a 504 if a probe found the
+    # worker awake (working on it), else fails over: the bound on a worker that holds the connection but never
+    # answers (set it above the longest non-streaming answer, which sends no byte until it is complete)
     connect_timeout_s: float = 2.0
     route_timeout_s: float = 2.0
     tokenize_timeout_s: float = 5.0

@@ -21,7 +21,8 @@ twice the worker's recent 90th-percentile first-byte wait, within [first_byte_mi
 asked after 50 ms, not 250.
 NOTE: only a sleeping answer, a refused connection, or silence from a worker the controller has stopped
 listing as serving (a frozen process: its reconcile lost /health) fails an attempt over, and so does no
-first byte within max_first_byte_wait_s whatever the probes say (the overall bound per attempt). A probe that
+first byte within max_first_byte_wait_s (the overall bound per attempt) unless a probe found the worker awake:
+then the request ends there with a 504 (Forwarder._past_deadline). A probe that
 times out says the worker is busy or unknown, not asleep: a loaded vLLM answers /is_sleeping slowly, and
 failing over every slow worker turned load into 503s (#13 finding 8).
 The requests waiting on one worker share its probe and its finding (controller/proxy/watch.py): a probe that
@@ -38,7 +39,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -48,7 +49,7 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
-from controller.proxy.watch import ASLEEP, BUSY, GONE, FirstBytes, Ticket, ask_is_sleeping
+from controller.proxy.watch import ASLEEP, AWAKE, BUSY, GONE, FirstBytes, Ticket, ask_is_sleeping
 from fleet.core.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
@@ -195,11 +196,10 @@ class Forwarder:
         The probe is shared with every request waiting on the same worker (WorkerWatch), and so is its finding:
         one request's probe that gives the worker up gives up all the attempts waiting on it (`ticket`).
         """
-        limit = self.cfg.max_first_byte_wait_s
         start = time.monotonic()
-        deadline = start + limit
+        deadline = start + self.cfg.max_first_byte_wait_s
         waits = probe_waits(self.cfg.first_byte_timeout_s, self.first_bytes.first_wait(t.worker))
-        wait = next(waits)
+        wait, awake = next(waits), False
         while True:
             left, wake = deadline - time.monotonic(), ticket.wake  # NOTE: a nudge replaces ticket.wake
             either: set[asyncio.Future[Any]] = {task, wake}
@@ -210,11 +210,7 @@ class Forwarder:
             if ticket.lost is not None:
                 raise AttemptFailed(ticket.lost, found=True)
             nudged = wake in done  # the controller stopped listing it: probe now, then keep the schedule
-            if not nudged and time.monotonic() >= deadline:
-                # NOTE: the overall bound: a worker that keeps the connection open but never answers (a dead
-                # engine behind a live socket) while the controller still lists it would otherwise hold the
-                # request forever
-                raise AttemptFailed(f"timeout: no first byte within {limit}s (the proxy's --max-first-byte-wait)")
+            at_deadline = not nudged and time.monotonic() >= deadline
             seen, detail = await self.directory.watch.probe(t.worker, lambda: self._probe_counted(t))
             why = self._verdict(t, seen, detail, f"no first byte after {time.monotonic() - start:.2f}s")
             if ticket.lost is not None:  # another waiter judged the same finding first
@@ -222,8 +218,35 @@ class Forwarder:
             if why is not None:
                 self.directory.watch.lose(t.worker, f"{why} (found for another request waiting on it)")
                 raise AttemptFailed(why, found=True)
+            awake = awake or seen == AWAKE
+            if at_deadline:
+                self._past_deadline(t, awake)
             if not nudged:
                 wait = next(waits)
+
+    def _past_deadline(self, t: Target, awake: bool) -> NoReturn:
+        """No first byte within --max-first-byte-wait, and the last probe found the worker neither asleep nor gone.
+
+        Raises:
+            ProxyError(504): a probe of this attempt found the worker awake: it is working on the request (a long
+                non-streamed answer sends no byte until it is complete). The request ends here, stopped on the
+                worker, which is not marked: sent again elsewhere it would start from scratch.
+            AttemptFailed: no probe found it awake (none answered in time): the overall bound on a worker that holds
+                the connection but never answers (a dead engine behind a live socket) while the controller still
+                lists it. It fails over, and counts toward the worker's failures in a row.
+        NOTE: every attempt past the bound failed over and marked its worker suspect: a non-streamed answer longer
+        than the bound was stopped on the worker nearly done with it, sent again from scratch to a second worker,
+        stopped there too, and ended in a 503 after twice the bound, both workers then refused to everyone
+        (found by review)."""
+        limit = self.cfg.max_first_byte_wait_s
+        if not awake:
+            raise AttemptFailed(f"timeout: no first byte within {limit}s (the proxy's --max-first-byte-wait) and no "
+                                "probe found the worker awake", found=False)
+        log.warning("proxy: worker %s, awake, sent no first byte within %ss (--max-first-byte-wait): the request "
+                    "ends in a 504", t.worker, limit)
+        raise ProxyError(504, f"the worker did not begin its answer within {limit:g}s, the proxy's limit; it was "
+                              "still working on it, and the request was stopped, not sent elsewhere. A long answer: "
+                              "send it with \"stream\": true, or ask for fewer tokens")
 
     def _verdict(self, t: Target, seen: str, detail: str, what: str) -> str | None:
         """Why a probe's finding gives the worker up (the attempt's failure reason), or None: keep waiting.

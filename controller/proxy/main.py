@@ -56,8 +56,9 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                         "wait, at least this and at most --first-byte-timeout (default 0.05; set it to the timeout "
                         "for a fixed wait)")
     p.add_argument("--max-first-byte-wait", type=float, default=600.0,
-                   help="seconds an attempt may go without a first byte, whatever the probes say, before it fails "
-                        "over (once); must exceed the longest non-streaming answer (default 600)")
+                   help="seconds an attempt may go without a first byte: then a worker a probe found awake (working "
+                        "on it) ends the request with a 504, and one no probe found awake fails over (once); set it "
+                        "above the longest non-streaming answer (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
     p.add_argument("--max-inflight-bytes-per-tenant", type=int,
                    default=e("KVFLEET_PROXY_MAX_INFLIGHT_BYTES_PER_TENANT", str(64 << 20)),
