@@ -107,7 +107,7 @@ def _errors(proxy: Proxy) -> Any:
             log.info("proxy: %s %s: the client went away (%s)", req.method, req.path, e)
             return web.Response(status=499, reason="Client Closed Request")
         except KvfleetError as e:
-            err = from_fleet(e)
+            err = from_fleet(e, proxy.cfg.controller)
         except web.HTTPRequestEntityTooLarge:
             err = ProxyError(
                 413, f"request body is larger than the proxy's limit of {proxy.cfg.max_body_bytes} bytes"
@@ -120,7 +120,7 @@ def _errors(proxy: Proxy) -> Any:
             log.exception("proxy: %s %s failed", req.method, req.path)
             if req.get(PREPARED):
                 raise  # NOTE: its answer is under way: a response of its own went into that body; aiohttp closes it
-            err = ProxyError(500, f"internal proxy error: {type(e).__name__}: {e}")
+            err = ProxyError(500, f"internal proxy error ({type(e).__name__}); the proxy logged it")
         proxy.metrics.errors.labels(str(err.status)).inc()
         resp = error_response(err.status, err.message, err.param)
         if err.status == 408:
@@ -170,7 +170,7 @@ class Handlers:
         except ProxyError as e:
             return error_response(e.status, e.message, e.param)
         except KvfleetError as e:
-            err = from_fleet(e)
+            err = from_fleet(e, self.p.cfg.controller)
             return error_response(err.status, err.message, err.param)
         if req.version != HttpVersion11 or req.headers.get("Expect", "").lower() != "100-continue":
             return error_response(417, f"unknown Expect: {req.headers.get('Expect')!r}")

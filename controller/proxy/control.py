@@ -52,8 +52,9 @@ class ControlClient:
                  stream: bool = True) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
         # NOTE: a token holds at most three quarters of the slots (see _slot)
+        # NOTE: no address in the name: a client whose token has no slot left is told it (errors.from_fleet)
         self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
-                                 name=f"the proxy's RPCs to the controller at {target}")
+                                 name="the proxy's RPCs to the controller")
         self._channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
                          else grpc.aio.insecure_channel(target))
         self._route = RouteServiceStub(self._channel)

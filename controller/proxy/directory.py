@@ -231,8 +231,10 @@ class WorkerDirectory:
         cards were each taken for a model of its own, so a request for an alias looked for workers registered
         under the alias, found none and got 503 (found by review). No model (None): the fleet's one registered
         model, under its first served name, as vLLM fills it in; 400 when the fleet serves several, naming them."""
-        if not self.workers and self.last_error:
-            raise ProxyError(503, f"the proxy cannot see the fleet ({self.last_error})")
+        if not self.workers and self.last_error:  # NOTE: why (the controller's address, its error) is logged and in
+            # /ready and /health, for the operator; it went to every client too (found by review)
+            raise ProxyError(503, "the proxy cannot see the fleet: it could not list the workers from the controller; "
+                                  "retry shortly")
         if model is None:
             return self._the_one_model()
         for name in sorted(self.workers):

@@ -6,9 +6,14 @@ status and `code` repeats the status, so OpenAI SDKs raise the usual exception c
 
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 
 from fleet.core.errors import KvfleetError
+
+log = logging.getLogger("kvfleet.proxy")
+_last_logged = ""  # the last controller-link error from_fleet logged
 
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
          405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
@@ -29,9 +34,24 @@ class ProxyError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-def from_fleet(e: KvfleetError) -> ProxyError:
-    """A controller error (fleet.core.errors.*) as the HTTP status of its gRPC code."""
-    return ProxyError(STATUS_OF_CODE.get(e.code, 500), f"controller: {e}")
+def from_fleet(e: KvfleetError, controller: str) -> ProxyError:
+    """A controller error (fleet.core.errors.*) as the HTTP status of its gRPC code. `controller`: the controller's
+    address. An error that names it was worded by the proxy's gRPC client (fleet.sdk.base, route_stream.py): the
+    controller unreachable or too slow, or a status with no class of its own (INTERNAL, UNKNOWN: any text). The
+    client is told what happened and which call (the message's first word); the address and the rest go to the log.
+    NOTE: every client got them (found by review); the controller's own messages are worded for its clients."""
+    status, text = STATUS_OF_CODE.get(e.code, 500), str(e)
+    if controller not in text:
+        return ProxyError(status, f"controller: {text}")
+    global _last_logged
+    if text != _last_logged:  # NOTE: once per new message: a dead controller fails every request alike
+        log.warning("proxy: %s", text)
+        _last_logged = text
+    call = text.split(maxsplit=1)[0].rstrip(":")  # "Route: the controller at ...", "JudgeToolResults at ..."
+    if status == 503:
+        return ProxyError(503, f"the controller is unreachable, or did not answer the proxy's {call} call in time; "
+                               "retry shortly")
+    return ProxyError(status, f"the controller failed the proxy's {call} call ({e.code}); the proxy's log has more")
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:

@@ -58,6 +58,15 @@ log = logging.getLogger("kvfleet.proxy")
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
+# what a client's 503 says of each worker tried or skipped, by the failure's kind (its metric reason); the worker's
+# name, its address and the error's text go to the log (NOTE: they went to every tenant's client; found by review)
+SAID = {"suspect": "a worker skipped: found asleep, unreachable or failing moments ago",
+        "not_serving": "a worker skipped: not serving", "moved": "a worker skipped: not serving, the controller says",
+        "asleep": "a worker asleep", "unreachable": "a worker unreachable",
+        "unresponsive": "a worker unresponsive, and the controller no longer lists it as serving",
+        "503": "a worker answered 503", "connect": "a worker's connection failed",
+        "broken": "a worker's connection broke before its answer began",
+        "timeout": "a worker sent no first byte within the proxy's limit"}
 # request key: the answer's status and headers are out (relay); a web.RequestKey where aiohttp has them (3.12+)
 PREPARED: Any = web.RequestKey("kvfleet.prepared", bool) if hasattr(web, "RequestKey") else "kvfleet.prepared"
 MAX_NOTED_BYTES = 8 << 20  # the most of a worker's answer read whole (or held back) to add the quarantine note
@@ -149,6 +158,7 @@ class Forwarder:
         it may go there: False (the controller says a runner-up is not serving now) skips it as not serving.
         """
         failures: list[str] = []
+        said: list[str] = []  # the same, as the client is told them: no worker names, addresses or errors
         sends = 0
         for t in targets(d, self.directory, base):
             if sends == MAX_SENDS:
@@ -159,19 +169,23 @@ class Forwarder:
                 reason = "suspect" if suspect else "not_serving"
                 self.metrics.skips.labels(t.worker, reason).inc()
                 failures.append(f"{t.worker}: skipped ({reason})")
+                said.append(SAID[reason])
                 continue
             if on_send is not None and not await on_send(t):
                 self.metrics.skips.labels(t.worker, "not_serving").inc()
                 failures.append(f"{t.worker}: skipped (not serving, the controller says)")
+                said.append(SAID["moved"])
                 continue
             sends += 1
             try:
                 return await self._attempt(t, path, body, headers, sends, failures)
             except AttemptFailed as e:
-                await self._judge(t, e)
+                found = await self._judge(t, e)
                 self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
-                failures.append(f"{t.worker}: {e}")
-        raise ProxyError(503, "no serving worker answered (" + "; ".join(failures or ["no candidate"]) + ")")
+                failures.append(f"{t.worker}: {e}" + (f", then {found}" if found else ""))
+                said.append(SAID.get((found or str(e)).split(":")[0], "a worker failed"))
+        log.warning("proxy: %s: no serving worker answered (%s)", path, "; ".join(failures or ["no candidate"]))
+        raise ProxyError(503, "no serving worker answered (" + "; ".join(said or ["no candidate"]) + "); retry shortly")
 
     async def _attempt(self, t: Target, path: str, body: bytes, headers: dict[str, str], sends: int,
                        failures: list[str]) -> Opened:
@@ -260,27 +274,28 @@ class Forwarder:
                     "no longer lists it as serving")
         return None
 
-    async def _judge(self, t: Target, e: AttemptFailed) -> None:
+    async def _judge(self, t: Target, e: AttemptFailed) -> str | None:
         """Mark the failed worker suspect (later requests skip it until the controller catches up) only on evidence
         that it is asleep or gone: a probe's finding, before the failure or asked now (shared with the requests
         waiting on it, which fail over with it). A failure no probe explains (awake, or busy) counts toward
-        cfg.suspect_after_failures in a row (WorkerDirectory.failed).
+        cfg.suspect_after_failures in a row (WorkerDirectory.failed). Returns what the probe asked now found
+        (asleep, unreachable ...: it says more than the failure did), or None.
         NOTE: every failure marked it, so one 503 or one lost connection from an awake worker refused every
         tenant's requests to it, unsent, for --suspect seconds: a model of two workers with one blip on each was
         down for 5 s (found by review)."""
-        found = e.found
-        if found is None:
+        why = None
+        if e.found is None:
             seen, detail = await self.directory.watch.probe(t.worker, lambda: self._probe_counted(t))
             why = self._verdict(t, seen, detail, f"a failed send ({str(e).split(':')[0]})")
             if why is not None:
                 self.directory.watch.lose(t.worker, f"{why} (found for another request sent to it)")
-            found = why is not None
-        if found:
+        if e.found or why is not None:
             self.directory.suspect(t.worker, t.epoch)
         elif self.directory.failed(t.worker, t.epoch):
             log.warning("proxy: worker %s failed %d attempts in a row, no probe finding it asleep or gone; skipped "
                         "for %ss (last: %s)",
                         t.worker, self.cfg.suspect_after_failures, self.cfg.suspect_s, e)
+        return why
 
     async def _probe_counted(self, t: Target) -> tuple[str, str]:
         seen, detail = await ask_is_sleeping(self.http, t.url, self.cfg.probe_timeout_s)
@@ -375,8 +390,9 @@ class Forwarder:
         NOTE: the error went up to the error middleware, whose fresh 500 response aiohttp wrote into the body
         already under way: the client got a status line inside its stream (curl: illegal chunked encoding) and
         then waited for the keep-alive timeout (30 s)."""
-        msg = f"worker {o.target.worker} broke off its answer ({type(e).__name__}: {e}); retry the request"
-        log.warning("proxy: %s %s: %s", request.method, request.path, msg)
+        msg = "the worker broke off its answer; retry the request"  # its name and the error go to the log only
+        log.warning("proxy: %s %s: worker %s broke off its answer (%s: %s)", request.method, request.path,
+                    o.target.worker, type(e).__name__, e)
         self.metrics.broken.labels(o.target.worker).inc()
         if o.resp.content_type == "text/event-stream":
             event = {"error": {"message": msg, "type": "BadGatewayError", "param": None, "code": 502}}

@@ -219,7 +219,10 @@ class Tokenizer:
             try:
                 return await self._post_tokenize(url, data)
             except (TimeoutError, aiohttp.ClientError) as e:
-                last = ProxyError(503, f"tokenize failed on the model's workers ({url}: {type(e).__name__}: {e})")
+                log.warning("proxy: tokenize on %s failed: %s: %s", url, type(e).__name__, e)
+                # NOTE: the client is told what failed, not the workers' addresses or the errors (the log has them)
+                last = ProxyError(503, f"tokenize failed on the model's workers ({min(len(urls), 2)} tried, none "
+                                       "answered); retry shortly")
             except ProxyError as e:
                 if e.status != 404:
                     raise

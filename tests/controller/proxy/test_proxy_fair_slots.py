@@ -73,7 +73,7 @@ async def test_a_call_past_its_tokens_share_fails_saying_so() -> None:
                 async with control._slot("Route", "flood"):
                     pass
             async with control._slot("Route", "calm"):  # the quarter left is taken at once
-                with pytest.raises(Unavailable, match="the controller at 127.0.0.1:1: all 4 were busy"):
+                with pytest.raises(Unavailable, match="the proxy.s RPCs to the controller: all 4 were busy"):
                     async with control._slot("Route", "third"):
                         pass
         assert len(control._slots) == 0  # no caller left: no share kept

@@ -310,7 +310,8 @@ async def test_no_verdict_means_nothing_is_forwarded(tmp_path: Path, monkeypatch
     fleet = await start_fleet(tmp_path, num_workers=1)
     try:
         status, _, doc = await _chat(fleet, _turn(BENIGN))
-        want = (503, "deadline exceeded") if fault == "timeout" else (500, "JudgeToolResults")
+        want = (503, "did not answer the proxy's JudgeToolResults call in time") if fault == "timeout" else (
+            500, "the controller failed the proxy's JudgeToolResults call (INTERNAL)")
         assert (status, want[1] in doc["error"]["message"]) == (want[0], True), doc
         assert _stand_ins_saw(fleet, "JD014600006512345678") == []
         assert all(not s.received.items for s in fleet.sims.values())  # no completion request at all
