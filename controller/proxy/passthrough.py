@@ -10,6 +10,7 @@ answers, in milliseconds, would pull each worker's recent first-byte wait (First
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ from fleet.sdk.types import WorkerInfo
 if TYPE_CHECKING:
     from controller.proxy.server import Proxy
 
+log = logging.getLogger(__name__)
 JSON = msgspec.json.Encoder()
 MAX_TRIES = 2  # the worker chosen, then one other
 SENT_ON = ("/tokenize", "/detokenize")  # POST, with the request's model
@@ -67,9 +69,12 @@ async def _relay(p: Proxy, method: str, path: str, ws: list[WorkerInfo], data: b
                                       timeout=timeout) as r:
                 raw = await read_capped(r, limit)
                 if raw is None:
-                    raise ProxyError(502, f"{path}: worker {w.name}'s answer is over {limit} bytes")
+                    log.warning("proxy: %s on worker %s: its answer is over %d bytes", path, w.name, limit)
+                    raise ProxyError(502, f"{path}: the worker's answer is over {limit} bytes")
                 return web.Response(status=r.status, body=bytes(raw), content_type=r.content_type,
                                     headers={"x-kvfleet-worker": w.name})
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             failed.append(f"{w.name}: {type(e).__name__}: {e}")
-    raise ProxyError(503, f"{path}: no worker answered ({'; '.join(failed)})")
+    # NOTE: the client is told what failed, not the workers' names, addresses or errors (the log has them)
+    log.warning("proxy: %s: no worker answered (%s)", path, "; ".join(failed))
+    raise ProxyError(503, f"{path}: no worker answered ({len(failed)} tried); retry shortly")
