@@ -21,6 +21,8 @@ from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.quarantine import Enforcer
 from controller.proxy.tokenize import Tokenizer
 
+WORKER_KEEPALIVE_S = 4.0  # an idle connection to a worker is closed after this: under vLLM's own 5 s (see start)
+
 
 class Proxy:
     """Controller link, worker directory, tokenizer, forwarder, metrics and the HTTP server."""
@@ -39,7 +41,12 @@ class Proxy:
         # NOTE: no pool limit (the default 100 would queue the 101st concurrent stream); no decompression,
         # so the bytes relayed are the worker's bytes.
         key = self.cfg.worker_api_key
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+        # NOTE: idle connections to workers are closed after WORKER_KEEPALIVE_S, before vLLM's API server closes
+        # them (uvicorn's keep-alive, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default): with aiohttp's 15 s a send
+        # could meet the worker's close on a connection idle for 5 s, and failed (the Forwarder now sends such a
+        # one again on a fresh connection; this keeps it rare)
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=WORKER_KEEPALIVE_S),
+                                          auto_decompress=False,
                                           headers={"Authorization": f"Bearer {key}"} if key else None)
         # a send that the worker's closing of its connection cut off is sent once more on a new connection
         self.fresh_http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
