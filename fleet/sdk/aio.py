@@ -40,6 +40,14 @@ class AsyncTransport(base.Transport):
         raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
 
     async def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
+        try:
+            return await self._send_open(rpc, req)
+        except Exception as e:
+            self._raced_close(e)
+            raise
+
+    async def _send_open(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
+        self._check_open()
         stub_method, per = self._methods.get(id(rpc)) or self._stub_method(rpc)
 
         async def attempt(timeout: float) -> Any:
@@ -96,7 +104,9 @@ class AsyncFleetClient(AsyncTransport):
     sessions = aio(t.SESSIONS)
 
     async def close(self) -> None:
-        await self._channel.close()
+        """Close the channel. Idempotent; every call after it raises FailedPrecondition."""
+        if self._mark_closed():
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self

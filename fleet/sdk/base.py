@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -11,7 +12,7 @@ import grpc
 
 from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
 from fleet.core import errors
-from fleet.core.errors import InvalidArgument, KvfleetError, Unavailable
+from fleet.core.errors import FailedPrecondition, InvalidArgument, KvfleetError, Unavailable
 from fleet.sdk import args
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
@@ -181,12 +182,38 @@ class Transport:
                          else self._grpc.insecure_channel(target, options))
         self._stubs: dict[Any, Any] = {}
         self._methods: dict[int, tuple[Callable[..., Any], float]] = {}  # id(rpc) -> _stub_method(rpc)
+        self._closed = False
+        self._guard = threading.Lock()  # a stub is built, and the client marked closed, under it
 
     def _stub_method(self, rpc: RpcRow) -> tuple[Callable[..., Any], float]:
-        """The stub's callable for `rpc`, and its per-attempt deadline (seconds)."""
-        stub = self._stubs.get(rpc.stub)
-        if stub is None:
-            stub = self._stubs[rpc.stub] = rpc.stub(self._channel)
+        """The stub's callable for `rpc`, and its per-attempt deadline (seconds). NOTE: never built on a closed
+        channel: grpc then crashed the process (SIGSEGV; the asyncio client corrupted its heap)."""
+        with self._guard:
+            self._check_open()
+            stub = self._stubs.get(rpc.stub)
+            if stub is None:
+                stub = self._stubs[rpc.stub] = rpc.stub(self._channel)
         per = {"unary": self.timeout, "blob": self.blob_timeout, "session": self.session_timeout}[rpc.timeout]
         self._methods[id(rpc)] = (getattr(stub, rpc.method), per)  # the rows live as long as the module
         return self._methods[id(rpc)]
+
+    def _check_open(self) -> None:
+        """Raises FailedPrecondition once the client is closed (before, after close() a call crashed the process)."""
+        if self._closed:
+            raise self._closed_error()
+
+    def _closed_error(self) -> FailedPrecondition:
+        return FailedPrecondition(f"the client is closed ({type(self).__name__} of {self.target}: close() was called "
+                                  "or its with block ended); make a new client")
+
+    def _mark_closed(self) -> bool:
+        """Mark the client closed; False when it already was (close() is idempotent)."""
+        with self._guard:
+            was, self._closed = self._closed, True
+        return not was
+
+    def _raced_close(self, e: Exception) -> None:
+        """Raise FailedPrecondition for grpc's own error of a call that a close() raced (a closed channel's
+        ValueError or UsageError); return for any other error."""
+        if self._closed and isinstance(e, ValueError | grpc.aio.UsageError) and not isinstance(e, KvfleetError):
+            raise self._closed_error() from e

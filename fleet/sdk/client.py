@@ -38,6 +38,14 @@ class SyncTransport(base.Transport):
         raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
 
     def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
+        try:
+            return self._send_open(rpc, req)
+        except Exception as e:
+            self._raced_close(e)
+            raise
+
+    def _send_open(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
+        self._check_open()
         stub_method, per = self._methods.get(id(rpc)) or self._stub_method(rpc)
 
         def attempt(timeout: float) -> Any:
@@ -109,7 +117,9 @@ class FleetClient(SyncTransport):
     sessions = sync(t.SESSIONS)
 
     def close(self) -> None:
-        self._channel.close()
+        """Close the channel. Idempotent; every call after it raises FailedPrecondition."""
+        if self._mark_closed():
+            self._channel.close()
 
     def __enter__(self) -> FleetClient:
         return self
