@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import grpc
 
+from fleet.core.errors import FailedPrecondition
 from fleet.sdk import base
 from fleet.sdk import table as t
 from fleet.sdk.retry import Attempts, retryable
@@ -24,6 +25,20 @@ class AsyncTransport(base.Transport):
     """Runs a table row on a grpc.aio channel: one attempt, or retries under the client's RetryPolicy."""
 
     _grpc: ClassVar[Any] = grpc.aio
+    _lazy: ClassVar[bool] = True  # NOTE: a grpc.aio channel binds the event loop it is made in: made in __init__,
+    # outside asyncio.run (a module-level client), every call raised a raw RuntimeError ("attached to a different
+    # loop"); now it is made at the first call, in that call's loop
+    _loop: asyncio.AbstractEventLoop | None = None  # the event loop of the first call
+
+    def _check_loop(self) -> None:
+        """FailedPrecondition for a call from an event loop other than the first call's (grpc.aio serves one)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise FailedPrecondition(f"AsyncFleetClient of {self.target} serves the event loop of its first call, "
+                                     "and this call runs in another (a second asyncio.run?): a grpc.aio channel "
+                                     "works in one loop only; make one client per event loop")
 
     async def _call(self, method: str, fn: Callable[[float], Awaitable[T]], timeout: float | None = None) -> T:
         """Await fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline."""
@@ -48,6 +63,7 @@ class AsyncTransport(base.Transport):
 
     async def _send_open(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
         self._check_open()
+        self._check_loop()
         stub_method, per = self._methods.get(id(rpc)) or self._stub_method(rpc)
 
         async def attempt(timeout: float) -> Any:
@@ -71,7 +87,10 @@ def aio(rpc: t.Rpc[P, R]) -> Callable[Concatenate[AsyncTransport, P], Coroutine[
 
 
 class AsyncFleetClient(AsyncTransport):
-    """asyncio client of a kvfleet controller (arguments as FleetClient). Use `async with` or `await close()`."""
+    """asyncio client of a kvfleet controller (arguments as FleetClient). Use `async with` or `await close()`.
+
+    It may be made anywhere (its channel is made at the first call) and serves the event loop of its first call:
+    a call from another loop raises FailedPrecondition; make one client per loop."""
 
     # blobs
     put_blob = aio(t.PUT_BLOB)
@@ -104,9 +123,13 @@ class AsyncFleetClient(AsyncTransport):
     sessions = aio(t.SESSIONS)
 
     async def close(self) -> None:
-        """Close the channel. Idempotent; every call after it raises FailedPrecondition."""
-        if self._mark_closed():
+        """Close the channel. Idempotent; every call after it raises FailedPrecondition. Outside the channel's
+        own event loop or process (a fork) it only marks the client closed: the channel cannot be closed there."""
+        if self._mark_closed() and self._channel is not None and not self._forked() and self._in_own_loop():
             await self._channel.close()
+
+    def _in_own_loop(self) -> bool:
+        return self._loop is None or self._loop is asyncio.get_running_loop()
 
     async def __aenter__(self) -> AsyncFleetClient:
         return self

@@ -117,8 +117,9 @@ class FleetClient(SyncTransport):
     sessions = sync(t.SESSIONS)
 
     def close(self) -> None:
-        """Close the channel. Idempotent; every call after it raises FailedPrecondition."""
-        if self._mark_closed():
+        """Close the channel. Idempotent; every call after it raises FailedPrecondition. In a forked child
+        it only marks the client closed: the channel is the parent's."""
+        if self._mark_closed() and not self._forked():
             self._channel.close()
 
     def __enter__(self) -> FleetClient:
