@@ -81,7 +81,7 @@ class AsyncTransport(base.Transport):
 def aio(rpc: t.Rpc[P, R]) -> Callable[Concatenate[AsyncTransport, P], Coroutine[Any, Any, R]]:
     """The coroutine client method that runs `rpc`."""
     async def call(self: AsyncTransport, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        req = rpc.request(*args, **kwargs)
+        req = rpc.build(*args, **kwargs)
         return rpc.response(await self._send(rpc, req), req)
     return rpc.method_of(call)
 

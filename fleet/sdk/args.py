@@ -1,7 +1,7 @@
 """The SDK's argument checks: a bad argument to a FleetClient call is InvalidArgument naming it, before any RPC.
 
 The request builders (fleet/sdk/table.py, fleet/sdk/sessions.py, fleet/sdk/base.py) run them on each integer,
-token-id list, tag list and blob they take; the controller checks the meaning (a num_tokens past its limit, a
+string, token-id list, tag list and blob they take; the controller checks the meaning (a num_tokens past its limit, a
 piece that does not exist). NOTE: before, protobuf's own checks answered, as a ValueError ("Value out of range:
 -1": generate(s, -1), working_set(s, budget_tokens=-5)) or a TypeError (route("hello"), put_blob("text")), and
 route([]) was sent and answered COLD (found by review).
@@ -69,7 +69,7 @@ def strings(name: str, value: Iterable[str] | None) -> list[str]:
         items = None
     if items is None or not all(isinstance(v, str) for v in items):
         raise InvalidArgument(f"{name} must be a list of strings, got {type(value).__name__} {value!r:.40}")
-    return items
+    return [text(name, v) for v in items]
 
 
 def blob(data: object) -> bytes:
@@ -78,3 +78,28 @@ def blob(data: object) -> bytes:
         raise InvalidArgument(f"put_blob takes bytes, got {type(data).__name__}"
                               + ("; encode it first (data.encode())" if isinstance(data, str) else ""))
     return bytes(data)
+
+
+def text(name: str, value: object) -> str:
+    """`value` as a str a request can carry: a str (not bytes, not a number) that UTF-8 can encode.
+
+    Raises:
+        InvalidArgument: naming `name`: not a str, or a lone surrogate in it (from bytes decoded with
+            errors="surrogateescape", or a str cut inside a surrogate pair). NOTE: before, protobuf's own TypeError
+            ("bad argument type for built-in operation", naming no argument) or UnicodeEncodeError left the SDK.
+    """
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a str, got {type(value).__name__} {value!r:.40}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument(f"{name} is not valid Unicode: {value[e.start]!r} at character {e.start} is a lone "
+                                  "surrogate, which UTF-8 cannot encode; decode the bytes it came from with "
+                                  "errors='replace'") from None
+    return value
+
+
+def ref(value: object, name: str = "ref") -> str:
+    """A blob ref (a BlobRef, or its sha256 hex) as the str a request carries."""
+    return text(name, str(value))

@@ -13,7 +13,7 @@ import grpc
 
 from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
 from fleet.core import errors
-from fleet.core.errors import FailedPrecondition, InvalidArgument, KvfleetError, Unavailable
+from fleet.core.errors import FailedPrecondition, InvalidArgument, KvfleetError, Unauthenticated, Unavailable
 from fleet.sdk import args
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
@@ -124,6 +124,25 @@ def gave_up(method: str, target: str, attempts: int, elapsed: float, last: BaseE
                        f"(last error: {last_msg}); check that `kvfleet controller` is running and reachable")
 
 
+def bearer(token: object) -> str | None:
+    """`token` as it can be sent in an HTTP/2 header: None, or a str of visible ASCII characters.
+
+    Raises:
+        Unauthenticated: a token that is not a str, or holds a space or a control character (a token read from a
+            file keeps its trailing newline). NOTE: before, grpc refused it at every call with INTERNAL
+            "Invalid metadata", which named neither the token nor the fix (found by review).
+    """
+    if token is None or token == "":
+        return None
+    if not isinstance(token, str):
+        raise Unauthenticated(f"the token must be a str, got {type(token).__name__}")
+    bad = next((i for i, ch in enumerate(token) if not "!" <= ch <= "~"), None)
+    if bad is not None:
+        raise Unauthenticated(f"the token holds {token[bad]!r} at position {bad} of {len(token)}: a bearer token is "
+                              "visible ASCII only (one read from a file keeps its newline: strip() it)")
+    return token
+
+
 def put_requests(data: bytes, expected_ref: str | None) -> Iterator[blobs_pb2.PutBlobRequest]:
     yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=len(data), expected_ref=expected_ref or ""))
     view = memoryview(data)
@@ -145,16 +164,20 @@ def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp
                 block_size: int | None, hash_algo: str | None, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
     dp_ranks = args.count("dp_ranks", dp_ranks, 1)
     block_size = None if block_size is None else args.count("block_size", block_size, 1)
-    spec = workers_pb2.WorkerSpec(name=name, url=url, kv_events=kv_events, replay=replay, model=model,
-                                  dp_ranks=dp_ranks, block_size=block_size or 0, hash_algo=hash_algo or "")
+    spec = workers_pb2.WorkerSpec(name=args.text("name", name), url=args.text("url", url),
+                                  kv_events=args.text("kv_events", kv_events), replay=args.text("replay", replay),
+                                  model=args.text("model", model), dp_ranks=dp_ranks, block_size=block_size or 0,
+                                  hash_algo=args.text("hash_algo", hash_algo or ""))
     if hash_seed is not None:
-        spec.hash_seed = str(hash_seed)
+        spec.hash_seed = args.text("hash_seed", str(hash_seed))
     return spec
 
 
 def lifecycle_request(name: str, verb: str, level: int | None, mode: str | None, tags: Sequence[str] | None,
                       clear_cache: bool | None, dp_rank: int | None) -> workers_pb2.LifecycleRequest:
-    req = workers_pb2.LifecycleRequest(name=name, verb=verb, tags=args.strings("tags", tags))
+    req = workers_pb2.LifecycleRequest(name=args.text("name", name), verb=args.text("verb", verb),
+                                       tags=args.strings("tags", tags))
+    mode = None if mode is None else args.text("mode", mode)
     level = None if level is None else args.count("level", level, 0, args.INT32_MAX)
     dp_rank = None if dp_rank is None else args.count("dp_rank", dp_rank)
     for key, val in (("level", level), ("mode", mode), ("clear_cache", clear_cache), ("dp_rank", dp_rank)):
@@ -178,7 +201,7 @@ class Transport:
         self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
         self.session_timeout = session_timeout  # NOTE: before, a session call always waited 120 s, whatever was set
         self.retry = retry or RetryPolicy()
-        self._md = metadata(token)
+        self._md = metadata(bearer(token))
         self._creds, self._options = credentials(tls, root_certificates, client_cert, client_key), tuple(options)
         self._channel: Any = None
         self._pid: int | None = None  # the process that made the channel

@@ -63,7 +63,7 @@ class SyncTransport(base.Transport):
 def sync(rpc: t.Rpc[P, R]) -> Callable[Concatenate[SyncTransport, P], R]:
     """The blocking client method that runs `rpc`."""
     def call(self: SyncTransport, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        req = rpc.request(*args, **kwargs)
+        req = rpc.build(*args, **kwargs)
         return rpc.response(self._send(rpc, req), req)
     return rpc.method_of(call)
 

@@ -193,16 +193,15 @@ def working_set_result(r: pb.WorkingSetResponse) -> WorkingSetResult:
 
 def new_op_id(op_id: str | None) -> str:
     """The caller's idempotency key, or a fresh one (one per logical call, kept across its retries)."""
-    if op_id is not None and not isinstance(op_id, str):
-        raise InvalidArgument(f"op_id must be a str, got {type(op_id).__name__}")
-    return op_id or uuid.uuid4().hex
+    return uuid.uuid4().hex if op_id is None else args.text("op_id", op_id) or uuid.uuid4().hex
 
 
 def append_request(session_id: str, content: str | Sequence[int], role: str, return_logits: bool,
                    op_id: str | None = None) -> pb.AppendRequest:
-    req = pb.AppendRequest(session_id=session_id, role=role, return_logits=return_logits, op_id=new_op_id(op_id))
+    req = pb.AppendRequest(session_id=args.text("session_id", session_id), role=args.text("role", role),
+                           return_logits=return_logits, op_id=new_op_id(op_id))
     if isinstance(content, str):
-        req.text = content
+        req.text = args.text("append's text", content)
     elif isinstance(content, list | tuple):
         req.token_ids.ids.extend(args.token_ids(content, "append's token ids"))
     else:
@@ -214,7 +213,8 @@ def append_request(session_id: str, content: str | Sequence[int], role: str, ret
 
 def create_session(session_id: str, system_prompt: str) -> pb.CreateSessionRequest:
     """Place and start a session whose first piece is `system_prompt`."""
-    return pb.CreateSessionRequest(session_id=session_id, system_prompt=system_prompt)
+    return pb.CreateSessionRequest(session_id=args.text("session_id", session_id),
+                                   system_prompt=args.text("system_prompt", system_prompt))
 
 
 def append(session_id: str, content: str | Sequence[int], *, role: str = "user", return_logits: bool = False,
@@ -230,46 +230,48 @@ def add_tool_result(session_id: str, ref: Any, *, return_logits: bool = False,
                     op_id: str | None = None) -> pb.AppendRequest:
     """Append a tool result stored in the CAS (put_blob first); quarantined refs are refused.
     Idempotent on `op_id`, as `append`."""
-    return pb.AppendRequest(session_id=session_id, tool_result_ref=str(ref), return_logits=return_logits,
+    return pb.AppendRequest(session_id=args.text("session_id", session_id), tool_result_ref=args.ref(ref),
+                            return_logits=return_logits,
                             op_id=new_op_id(op_id))
 
 
 def generate(session_id: str, num_tokens: int, *, op_id: str | None = None) -> pb.GenerateRequest:
     """Greedy-decode `num_tokens` tokens, appended to the session as one output piece.
     Idempotent on `op_id`, as `append` (a retry returns the tokens generated the first time)."""
-    return pb.GenerateRequest(session_id=session_id, num_tokens=args.count("num_tokens", num_tokens, 1),
+    return pb.GenerateRequest(session_id=args.text("session_id", session_id), num_tokens=args.count("num_tokens", num_tokens, 1),
                               op_id=new_op_id(op_id))
 
 
 def evict(session_id: str, piece_id: int, mode: str = "exact") -> pb.EvictRequest:
-    return pb.EvictRequest(session_id=session_id, piece_id=args.count("piece_id", piece_id), mode=mode)
+    return pb.EvictRequest(session_id=args.text("session_id", session_id), piece_id=args.count("piece_id", piece_id),
+                           mode=args.text("mode", mode))
 
 
 def fork(session_id: str, child_id: str) -> pb.ForkRequest:
-    return pb.ForkRequest(session_id=session_id, child_id=child_id)
+    return pb.ForkRequest(session_id=args.text("session_id", session_id), child_id=args.text("child_id", child_id))
 
 
 def admit_tool_result(session_id: str, ref: Any) -> pb.AdmitToolResultRequest:
     """Detector verdict on a stored tool result; QUARANTINED evicts it with a witness."""
-    return pb.AdmitToolResultRequest(session_id=session_id, ref=str(ref))
+    return pb.AdmitToolResultRequest(session_id=args.text("session_id", session_id), ref=args.ref(ref))
 
 
 def working_set(session_id: str, budget_tokens: int) -> pb.WorkingSetRequest:
-    return pb.WorkingSetRequest(session_id=session_id,
+    return pb.WorkingSetRequest(session_id=args.text("session_id", session_id),
                                 budget_tokens=args.count("budget_tokens", budget_tokens, 0, args.UINT64_MAX))
 
 
 def get_session(session_id: str, *, include_tokens: bool = False) -> pb.GetSessionRequest:
-    return pb.GetSessionRequest(session_id=session_id, include_tokens=include_tokens)
+    return pb.GetSessionRequest(session_id=args.text("session_id", session_id), include_tokens=include_tokens)
 
 
 def close_session(session_id: str) -> pb.CloseSessionRequest:
-    return pb.CloseSessionRequest(session_id=session_id)
+    return pb.CloseSessionRequest(session_id=args.text("session_id", session_id))
 
 
 def fleet_sessions(fleet: bool = True, tenant: str | None = None) -> pb.ListSessionsRequest:
     """Sessions (and, for the operator, kernel nodes) across the fleet."""
-    return pb.ListSessionsRequest(fleet=fleet, tenant=tenant or "")
+    return pb.ListSessionsRequest(fleet=fleet, tenant=args.text("tenant", tenant or ""))
 
 
 def sessions(fleet: bool = True, tenant: str | None = None) -> pb.ListSessionsRequest:

@@ -27,6 +27,7 @@ from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
+from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.sdk import args, base, types
 from fleet.sdk import sessions as s
 from fleet.sdk.sessions import FleetSessions, SessionRow, SessionState
@@ -67,6 +68,17 @@ class Rpc(Generic[P, R]):
     def name(self) -> str:
         return self.request.__name__
 
+    def build(self, *a: P.args, **kw: P.kwargs) -> Any:
+        """request(*args, **kwargs). An argument protobuf refuses that no check of fleet/sdk/args.py caught (a
+        TypeError or ValueError of the builder, called with the right signature) is InvalidArgument naming the call;
+        a call with the wrong signature keeps its TypeError."""
+        try:
+            return self.request(*a, **kw)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, KvfleetError) or not _binds(self.request, a, kw):
+                raise
+            raise InvalidArgument(f"{self.name}: an argument does not fit its request ({type(e).__name__}: {e})") from e
+
     def method_of(self, fn: F) -> F:
         """`fn` dressed as this call's client method: its name, docstring and signature (self first)."""
         sig = inspect.signature(self.request)
@@ -81,12 +93,21 @@ class Rpc(Generic[P, R]):
         return fn
 
 
+def _binds(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
 # -- request builders (blobs, workers, routing, fleet) ----------------------------------------------
 
 def put_blob(data: bytes, *, expected_ref: str | None = None,
              verify: bool = True) -> Callable[[], Iterator[blobs_pb2.PutBlobRequest]]:
     """Store bytes (chunked); returns their ref. verify=True has the server check our own sha256."""
     data = args.blob(data)
+    expected_ref = None if expected_ref is None else args.text("expected_ref", expected_ref)
     return functools.partial(base.put_requests, data, base.expected(data, expected_ref, verify))
 
 
@@ -98,22 +119,22 @@ class BlobGet:
 
 def get_blob(ref: types.BlobRef | str, *, verify: bool = True) -> BlobGet:
     """The blob's bytes; with verify=True their sha256 is checked on arrival."""
-    return BlobGet(blobs_pb2.GetBlobRequest(ref=str(ref)), verify)
+    return BlobGet(blobs_pb2.GetBlobRequest(ref=args.ref(ref)), verify)
 
 
 def stat_blob(ref: types.BlobRef | str) -> blobs_pb2.StatBlobRequest:
-    return blobs_pb2.StatBlobRequest(ref=str(ref))
+    return blobs_pb2.StatBlobRequest(ref=args.ref(ref))
 
 
 def pin_blob(ref: types.BlobRef | str, *, tenant: str = "") -> blobs_pb2.PinBlobRequest:
     """Pin a blob: GC never collects it until as many unpins. `tenant`: operators only (another
     tenant's blob); a retry after a lost reply may pin twice (read `pins` in the answer)."""
-    return blobs_pb2.PinBlobRequest(ref=str(ref), tenant=tenant)
+    return blobs_pb2.PinBlobRequest(ref=args.ref(ref), tenant=args.text("tenant", tenant))
 
 
 def unpin_blob(ref: types.BlobRef | str, *, tenant: str = "") -> blobs_pb2.PinBlobRequest:
     """Drop one pin (FailedPrecondition when it has none)."""
-    return blobs_pb2.PinBlobRequest(ref=str(ref), tenant=tenant)
+    return blobs_pb2.PinBlobRequest(ref=args.ref(ref), tenant=args.text("tenant", tenant))
 
 
 def collect_garbage() -> blobs_pb2.CollectGarbageRequest:
@@ -129,7 +150,7 @@ def register_worker(name: str, *, url: str, kv_events: str, replay: str = "", mo
 
 
 def unregister_worker(name: str) -> workers_pb2.UnregisterWorkerRequest:
-    return workers_pb2.UnregisterWorkerRequest(name=name)
+    return workers_pb2.UnregisterWorkerRequest(name=args.text("name", name))
 
 
 def workers() -> workers_pb2.ListWorkersRequest:
@@ -146,9 +167,9 @@ def lifecycle(name: str, verb: str, *, level: int | None = None, mode: str | Non
 def route(token_ids: Sequence[int], model: str, *, lora: str | None = None,
           probe: bool | None = None) -> route_pb2.RouteRequest:
     """Where to send a request for these tokens (the SDK's Route; the proxy sends the same request)."""
-    req = route_pb2.RouteRequest(token_ids=args.token_ids(token_ids), model=model)
+    req = route_pb2.RouteRequest(token_ids=args.token_ids(token_ids), model=args.text("model", model))
     if lora is not None:
-        req.lora = lora
+        req.lora = args.text("lora", lora)
     if probe is not None:
         req.probe = probe
     return req

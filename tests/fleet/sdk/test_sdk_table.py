@@ -15,7 +15,7 @@ from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1 import sessions_pb2 as spb
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
-from fleet.core.errors import InvalidArgument, KvfleetError, NotFound, Unavailable
+from fleet.core.errors import InvalidArgument, KvfleetError, NotFound, Unauthenticated, Unavailable
 from fleet.sdk import AsyncFleetClient, BlobRef, FleetClient, RetryPolicy, base
 from fleet.sdk import table as t
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
@@ -198,3 +198,48 @@ async def test_a_call_sent_once_is_not_retried(cls: type[Any]) -> None:
     assert "attempt" not in str(ei.value)
     row, fake = await drive(cls, [], "create_session", "s1", "sys")
     assert row.session_id == "s1" and fake.calls == [("CreateSession", SESSION_TIMEOUT_S)]
+
+
+BAD_ARGUMENTS = {  # message -> a call; each was a raw TypeError or UnicodeEncodeError from protobuf before
+    "session_id must be a str, got int 123": lambda c: c.create_session(123, "sys"),
+    "role must be a str, got int 5": lambda c: c.append("s1", "hi", role=5),
+    "model must be a str, got int 5": lambda c: c.route([1, 2], model=5),
+    "child_id must be a str, got NoneType": lambda c: c.fork("s1", None),
+    "name must be a str, got bytes": lambda c: c.lifecycle(b"w0", "sleep"),
+    r"append's text is not valid Unicode: '\\ud83d' at character 11 is a lone surrogate": lambda c: c.append(
+        "s1", "tool said: \ud83d"),
+    "system_prompt is not valid Unicode": lambda c: c.create_session("s1", "bytes \udcff"),
+    "tags is not valid Unicode": lambda c: c.lifecycle("w0", "wake_up", tags=["\udc80"]),
+    "op_id is not valid Unicode": lambda c: c.generate("s1", 2, op_id="t-\ud800"),
+    # what no check names: protobuf's refusal, as InvalidArgument naming the call
+    r"get_session: an argument does not fit its request \(TypeError: 'str' object cannot be interpreted": lambda c:
+        c.get_session("s1", include_tokens="yes"),
+}
+
+
+@CLIENTS
+async def test_arguments_protobuf_refuses_are_invalid_argument_naming_them(cls: type[Any]) -> None:
+    # Found by review: a non-str id, role or model raised protobuf's TypeError ("bad argument type for built-in
+    # operation"), a lone surrogate in a text its UnicodeEncodeError. Before the fix this failed at its first call.
+    c = cls("127.0.0.1:1", retry=RetryPolicy(max_attempts=1))  # nothing listens: a call that got past its checks
+    try:                                                       # would raise Unavailable, not InvalidArgument
+        for message, call in BAD_ARGUMENTS.items():
+            with pytest.raises(InvalidArgument, match=message):
+                out = call(c)
+                await out if cls is AsyncFleetClient else None
+        with pytest.raises(TypeError, match="missing a required argument|required positional argument"):
+            out = c.append("s1")  # type: ignore[call-arg]  # a wrong signature stays a TypeError
+            await out if cls is AsyncFleetClient else None
+    finally:
+        await c.close() if cls is AsyncFleetClient else c.close()
+
+
+@pytest.mark.parametrize("token", ["kvf_abc\n", " kvf_abc", "kvf_a\tbc", "kvf_é"])
+def test_a_token_that_cannot_be_a_header_is_unauthenticated_at_once(token: str) -> None:
+    # Found by review: a token read from a file with its newline failed every call with INTERNAL "Invalid metadata".
+    # Before the fix the client was made and no error was raised here.
+    with pytest.raises(Unauthenticated, match=r"a bearer token is visible ASCII only .*strip\(\) it"):
+        FleetClient("127.0.0.1:1", token=token)
+    with pytest.raises(Unauthenticated, match="the token must be a str, got bytes"):
+        AsyncFleetClient("127.0.0.1:1", token=b"kvf_abc")  # type: ignore[arg-type]
+    FleetClient("127.0.0.1:1", token="kvf_abc").close()  # control: visible ASCII is a header
