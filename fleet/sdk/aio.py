@@ -12,8 +12,9 @@ from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 import grpc
 
 from fleet.core.errors import FailedPrecondition
-from fleet.sdk import base
+from fleet.sdk import base, failures
 from fleet.sdk import table as t
+from fleet.sdk.failures import Sent
 from fleet.sdk.retry import Attempts, retryable
 
 P = ParamSpec("P")
@@ -40,19 +41,22 @@ class AsyncTransport(base.Transport):
                                      "and this call runs in another (a second asyncio.run?): a grpc.aio channel "
                                      "works in one loop only; make one client per event loop")
 
-    async def _call(self, method: str, fn: Callable[[float], Awaitable[T]], timeout: float | None = None) -> T:
-        """Await fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline."""
+    async def _call(self, method: str, fn: Callable[[float], Awaitable[T]], timeout: float | None = None,
+                    sent: Sent | None = None) -> T:
+        """Await fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline; `sent`: the
+        call as its error names it (default: a unary call of `method` with `timeout`)."""
+        sent = sent or self._sent(method, timeout)
         tries = Attempts(self.retry)
-        while (left := tries.next()) is not None:
+        while (given := tries.next(sent.per_attempt)) is not None:
             try:
-                return await fn(min(timeout or self.timeout, left))
+                return await fn(given)
             except grpc.RpcError as e:
                 if not retryable(e):
-                    raise base.to_error(e, method, self.target) from e
+                    raise failures.failed(e, sent, given, tries.num_attempts) from e
                 pause = tries.failed(e)
                 if pause is not None:  # never past the deadline
                     await asyncio.sleep(pause)
-        raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
+        raise failures.exhausted(sent, tries)
 
     async def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
         try:
@@ -70,12 +74,13 @@ class AsyncTransport(base.Transport):
             reply = stub_method(req if rpc.wire is None else rpc.wire(req), timeout=timeout, metadata=self._md)
             return await reply if rpc.each is None else [rpc.each(m) async for m in reply]
 
+        sent = self._sent(rpc.method, per, rpc.timeout)
         if rpc.retry:
-            return await self._call(rpc.method, attempt, per)
+            return await self._call(rpc.method, attempt, per, sent)
         try:
             return await attempt(per)
         except grpc.RpcError as e:
-            raise base.to_error(e, rpc.method, self.target) from e
+            raise failures.failed(e, sent, per) from e
 
 
 def aio(rpc: t.Rpc[P, R]) -> Callable[Concatenate[AsyncTransport, P], Coroutine[Any, Any, R]]:

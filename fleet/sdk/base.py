@@ -1,4 +1,5 @@
-"""What the sync and asyncio clients share: options and channel (Transport), error mapping, request building."""
+"""What the sync and asyncio clients share: options and channel (Transport), request building (the error mapping:
+fleet/sdk/failures.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,18 @@ from typing import Any, ClassVar, Protocol
 import grpc
 
 from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
-from fleet.core import errors
-from fleet.core.errors import FailedPrecondition, InvalidArgument, KvfleetError, Unauthenticated, Unavailable
+from fleet.core.errors import FailedPrecondition, InvalidArgument, KvfleetError, Unauthenticated
 from fleet.sdk import args
+from fleet.sdk.failures import Sent
+from fleet.sdk.failures import answered as answered  # re-exported (and the three below): they lived here
+from fleet.sdk.failures import error_of as error_of
+from fleet.sdk.failures import gave_up as gave_up
+from fleet.sdk.failures import to_error as to_error
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
-from fleet.sdk.retry import tls_failure
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
 
 CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
-_BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
-                                errors.ResourceExhausted, errors.Unavailable, errors.Unauthenticated,
-                                errors.PermissionDenied)}
 
 
 Pem = bytes | str | Path
@@ -75,53 +76,6 @@ def credentials(tls: bool, root_certificates: Pem | None, client_cert: Pem | Non
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
-    """A gRPC status as the fleet.core.errors class of the same code, carrying the server's message; an
-    UNAVAILABLE no controller answered (`answered`) says the controller at `target` is unreachable, or that the TLS
-    handshake with it failed (retry.tls_failure)."""
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = (e.details() if hasattr(e, "details") else None) or str(e)
-    if code == grpc.StatusCode.UNAVAILABLE and not answered(e):
-        if (cause := tls_failure(details)) is not None:
-            return Unavailable(f"{method}: the controller at {target} did not complete a TLS handshake ({cause}); "
-                               f"grpc: {details}")
-        return Unavailable(f"{method}: the controller at {target} is unreachable ({details})")
-    return error_of(code.name, details, method, target)
-
-
-def error_of(code: str, details: str, method: str, target: str) -> KvfleetError:
-    """A status code's name and message (a gRPC status, or a RouteStream answer's error) as that class."""
-    if code == "DEADLINE_EXCEEDED":
-        return Unavailable(f"{method} at {target}: deadline exceeded ({details}); the controller is slow or "
-                           "unreachable, raise the client's timeout (session calls: session_timeout; blobs: blob_timeout) "
-                           "or check the controller")
-    cls = _BY_CODE.get(code)
-    if cls is not None:
-        return cls(details)
-    err = KvfleetError(f"{method} at {target}: {code}: {details}")
-    err.code = code
-    return err
-
-
-def answered(e: BaseException | None) -> bool:
-    """True when the controller itself answered this status (it marks each error it answers with
-    fleet.core.errors.ANSWERED_TRAILER); False for a connection-level failure, which no controller answered."""
-    trailing = e.trailing_metadata() if isinstance(e, grpc.RpcError) and hasattr(e, "trailing_metadata") else None
-    return any(key == errors.ANSWERED_TRAILER for key, _ in trailing or ())
-
-
-def gave_up(method: str, target: str, attempts: int, elapsed: float, last: BaseException | None) -> Unavailable:
-    """The error after the last retry. NOTE: "check that the controller is running" is said only when no controller
-    answered: it was said after UNAVAILABLEs the controller answered too (no serving worker, a standby), which sent
-    the user looking for a problem it did not have (found by review)."""
-    last_msg = last.details() if isinstance(last, grpc.RpcError) and hasattr(last, "details") else str(last)
-    if answered(last):
-        return Unavailable(f"{method}: the controller at {target} answered UNAVAILABLE to {attempts} attempt(s) "
-                           f"over {elapsed:.1f}s: {last_msg}")
-    return Unavailable(f"{method}: controller at {target} unavailable after {attempts} attempt(s) over {elapsed:.1f}s "
-                       f"(last error: {last_msg}); check that `kvfleet controller` is running and reachable")
 
 
 def bearer(token: object) -> str | None:
@@ -192,6 +146,7 @@ class Transport:
 
     _grpc: ClassVar[Any] = grpc  # where channels come from: grpc, or grpc.aio
     _lazy: ClassVar[bool] = False  # True: the channel is made at the first call (grpc.aio: in its event loop)
+    _SETTING: ClassVar[dict[str, str]] = {"unary": "timeout", "blob": "blob_timeout", "session": "session_timeout"}
 
     def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
                  root_certificates: bytes | str | Path | None = None, client_cert: bytes | str | Path | None = None,
@@ -230,6 +185,10 @@ class Transport:
         per = {"unary": self.timeout, "blob": self.blob_timeout, "session": self.session_timeout}[rpc.timeout]
         self._methods[id(rpc)] = (getattr(stub, rpc.method), per)  # the rows live as long as the module
         return self._methods[id(rpc)]
+
+    def _sent(self, method: str, per_attempt: float | None = None, kind: str = "unary") -> Sent:
+        """The call as its error names it (fleet/sdk/failures.py): `kind` is its row's timeout (table.Timeout)."""
+        return Sent(method, self.target, per_attempt or self.timeout, self._SETTING[kind], self.retry.deadline_s)
 
     def _check_open(self) -> None:
         """Raises FailedPrecondition once the client is closed (before, after close() a call crashed the process),

@@ -11,8 +11,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 
-from fleet.sdk import base
+from fleet.sdk import base, failures
 from fleet.sdk import table as t
+from fleet.sdk.failures import Sent
 from fleet.sdk.retry import Attempts, retryable
 
 P = ParamSpec("P")
@@ -23,19 +24,22 @@ T = TypeVar("T")
 class SyncTransport(base.Transport):
     """Runs a table row on a blocking channel: one attempt, or retries under the client's RetryPolicy."""
 
-    def _call(self, method: str, fn: Callable[[float], T], timeout: float | None = None) -> T:
-        """Run fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline."""
+    def _call(self, method: str, fn: Callable[[float], T], timeout: float | None = None,
+              sent: Sent | None = None) -> T:
+        """Run fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline; `sent`: the call
+        as its error names it (default: a unary call of `method` with `timeout`)."""
+        sent = sent or self._sent(method, timeout)
         tries = Attempts(self.retry)
-        while (left := tries.next()) is not None:
+        while (given := tries.next(sent.per_attempt)) is not None:
             try:
-                return fn(min(timeout or self.timeout, left))
+                return fn(given)
             except grpc.RpcError as e:
                 if not retryable(e):
-                    raise base.to_error(e, method, self.target) from e
+                    raise failures.failed(e, sent, given, tries.num_attempts) from e
                 pause = tries.failed(e)
                 if pause is not None:  # never past the deadline
                     time.sleep(pause)
-        raise base.gave_up(method, self.target, tries.num_attempts, tries.elapsed(), tries.last)
+        raise failures.exhausted(sent, tries)
 
     def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
         try:
@@ -52,12 +56,13 @@ class SyncTransport(base.Transport):
             reply = stub_method(req if rpc.wire is None else rpc.wire(req), timeout=timeout, metadata=self._md)
             return reply if rpc.each is None else [rpc.each(m) for m in reply]
 
+        sent = self._sent(rpc.method, per, rpc.timeout)
         if rpc.retry:
-            return self._call(rpc.method, attempt, per)
+            return self._call(rpc.method, attempt, per, sent)
         try:
             return attempt(per)
         except grpc.RpcError as e:
-            raise base.to_error(e, rpc.method, self.target) from e
+            raise failures.failed(e, sent, per) from e
 
 
 def sync(rpc: t.Rpc[P, R]) -> Callable[Concatenate[SyncTransport, P], R]:
@@ -78,7 +83,8 @@ class FleetClient(SyncTransport):
         root_certificates: CA bundle (PEM bytes or a path) that signed the controller's certificate.
         client_cert, client_key: this client's certificate and key (PEM bytes or paths), for a controller
             that requires mutual TLS (--tls-client-ca).
-        timeout: per-attempt deadline of unary calls, seconds.
+        timeout: per-attempt deadline of unary calls, seconds (the first attempt has all of it; a retry ends
+            at the retry policy's deadline_s, counted from the call's start).
         blob_timeout: per-attempt deadline of a blob put or get, seconds.
         retry: backoff policy for UNAVAILABLE (the only status retried).
         options: gRPC channel options.

@@ -23,7 +23,8 @@ import grpc
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Exponential backoff with jitter, on UNAVAILABLE only, within an overall deadline.
+    """Exponential backoff with jitter, on UNAVAILABLE only, within an overall deadline: no retry starts `deadline_s`
+    after the call's start, and none runs past it (the first attempt always has its whole per-attempt deadline).
 
     Attempt n (0-based) waits min(max_backoff_s, initial_backoff_s * multiplier**n) * U(1 - jitter, 1 + jitter).
     """
@@ -86,26 +87,36 @@ class Attempts:
     no pause reaches past it; the pause after failed attempt n (0-based) is `policy.backoff(n)`.
     """
 
-    __slots__ = ("policy", "clock", "start", "num_attempts", "last")
+    __slots__ = ("policy", "clock", "start", "num_attempts", "last", "timeout")
 
     def __init__(self, policy: RetryPolicy, clock: Callable[[], float] | None = None) -> None:
         self.policy, self.clock = policy, clock or time.monotonic
         self.start = self.clock()
         self.num_attempts = 0
         self.last: BaseException | None = None
+        self.timeout = 0.0  # the last attempt's (next's answer)
 
     def elapsed(self) -> float:
         return self.clock() - self.start
 
-    def next(self) -> float | None:
-        """Start an attempt: the seconds left before the deadline, or None when the call must give up."""
+    def next(self, per_attempt: float | None = None) -> float | None:
+        """Start an attempt: its timeout, or None when the call must give up. Without `per_attempt`: the seconds left
+        before the deadline. With it: all of `per_attempt` for the first attempt, then the smaller of it and the
+        seconds left (a retry never runs past the deadline).
+
+        NOTE: the first attempt is not cut by the deadline: it was, so a retried session call (120 s per attempt)
+        ended at the default deadline_s (30 s) and only the calls sent once had the per-attempt deadline the docs
+        promise (found by review).
+        """
         if self.num_attempts >= self.policy.max_attempts:
             return None
         left = self.policy.deadline_s - self.elapsed()
         if left <= 0:
             return None
         self.num_attempts += 1
-        return left
+        first = self.num_attempts == 1 and per_attempt is not None
+        self.timeout = left if per_attempt is None else per_attempt if first else min(per_attempt, left)
+        return self.timeout
 
     def failed(self, e: BaseException) -> float | None:
         """Record a retryable failure. Returns the pause before the next attempt (never past the

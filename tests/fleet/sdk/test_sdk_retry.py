@@ -76,6 +76,14 @@ def test_the_schedule_stops_at_max_attempts_and_at_the_deadline() -> None:
     assert tries.next() == 7.0 and tries.failed(Status(grpc.StatusCode.UNAVAILABLE)) is None  # the last one
     assert tries.next() is None and tries.num_attempts == 3 and tries.elapsed() == 3.0
 
+    # with a per-attempt timeout: all of it for the first attempt, past the deadline too; a retry stops at it
+    cut = Attempts(RetryPolicy(max_attempts=3, initial_backoff_s=1.0, jitter=0.0, deadline_s=10.0), clock.monotonic)
+    assert cut.next(120.0) == 120.0 and cut.failed(Status(grpc.StatusCode.UNAVAILABLE)) == 1.0
+    clock.now += 1.0
+    assert cut.next(120.0) == 9.0 == cut.timeout and cut.failed(Status(grpc.StatusCode.UNAVAILABLE)) == 2.0
+    clock.now += 2.0
+    assert cut.next(5.0) == 5.0
+
     late = Attempts(RetryPolicy(max_attempts=9, initial_backoff_s=5.0, jitter=0.0, deadline_s=2.0), clock.monotonic)
     assert late.next() == 2.0
     clock.now += 1.5
@@ -94,7 +102,8 @@ def test_no_retry_makes_one_attempt() -> None:
 
 def old_call(retry: RetryPolicy, clock: Clock, target: str, method: str, fn: Callable[[float], Any],
              timeout: float | None, default_timeout: float) -> Any:
-    """The retry loop FleetClient._call ran before fleet/sdk/retry.py, verbatim but for the fake clock."""
+    """The retry loop FleetClient._call ran before fleet/sdk/retry.py, verbatim but for the fake clock and one
+    change made since: the first attempt has its whole per-attempt timeout, never cut by the retry deadline."""
     start, last, attempts = clock.monotonic(), None, 0
     for attempt in range(retry.max_attempts):
         remaining = retry.deadline_s - (clock.monotonic() - start)
@@ -102,7 +111,7 @@ def old_call(retry: RetryPolicy, clock: Clock, target: str, method: str, fn: Cal
             break
         attempts += 1
         try:
-            return fn(min(timeout or default_timeout, remaining))
+            return fn(min(timeout or default_timeout, remaining) if attempt else timeout or default_timeout)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 raise base.to_error(e, method, target) from e

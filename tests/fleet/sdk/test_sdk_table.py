@@ -126,21 +126,25 @@ class FakeSessions(FakeBlobs):
         self._attempt("CreateSession", timeout)
         return self._reply(spb.CreateSessionResponse(session=spb.SessionRow(session_id=req.session_id)))
 
+    def GetSession(self, req: spb.GetSessionRequest, *, timeout: float, metadata: Any) -> Any:
+        self._attempt("GetSession", timeout)
+        return self._reply(spb.GetSessionResponse(session=spb.SessionRow(session_id=req.session_id)))
+
     def Append(self, req: spb.AppendRequest, *, timeout: float, metadata: Any) -> Any:
         self._attempt(f"Append {req.op_id}", timeout)
         return self._reply(spb.AppendResponse(num_tokens=len(req.text), op_index=3))
 
 
-def client(cls: type[Any], fake: FakeBlobs) -> Any:
-    c = cls("127.0.0.1:1", token="kvf_t", retry=FAST, timeout=7.0, blob_timeout=60.0)
+def client(cls: type[Any], fake: FakeBlobs, retry: RetryPolicy = FAST) -> Any:
+    c = cls("127.0.0.1:1", token="kvf_t", retry=retry, timeout=7.0, blob_timeout=60.0)
     c._stubs.update({BlobServiceStub: fake, SessionServiceStub: fake})
     return c
 
 
 async def drive(cls: type[Any], fails: list[grpc.StatusCode], call: str, *args: Any, data: bytes = b"",
-                **kwargs: Any) -> tuple[Any, FakeSessions]:
+                retry: RetryPolicy = FAST, **kwargs: Any) -> tuple[Any, FakeSessions]:
     fake = FakeSessions(fails, data, aio=cls is AsyncFleetClient)
-    c = client(cls, fake)
+    c = client(cls, fake, retry)
     try:
         out = getattr(c, call)(*args, **kwargs)
         return (await out if fake.aio else out), fake
@@ -149,7 +153,7 @@ async def drive(cls: type[Any], fails: list[grpc.StatusCode], call: str, *args: 
 
 
 CLIENTS = pytest.mark.parametrize("cls", [FleetClient, AsyncFleetClient])
-U, NF = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND
+U, NF, D = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @CLIENTS
@@ -188,6 +192,32 @@ async def test_an_append_keeps_its_op_id_across_retries(cls: type[Any]) -> None:
     assert (r.num_tokens, r.op_index, r.piece) == (5, 3, None)
     assert len({m for m, _ in fake.calls}) == 1 and len(fake.calls) == 3
     assert fake.calls[0][1] == SESSION_TIMEOUT_S
+
+
+@CLIENTS
+async def test_the_first_attempt_has_its_whole_deadline_and_the_error_names_the_setting_that_cut_it(
+        cls: type[Any]) -> None:
+    # Found by review: each attempt had min(per-attempt deadline, retry deadline left), so a retried session call
+    # (session_timeout 120 s) was cut at RetryPolicy.deadline_s (30 s), and its error said to raise session_timeout,
+    # which changed nothing. Before the fix the first attempt of each call here had 5.0 s, not 120 (or 60).
+    short = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, jitter=0.0, deadline_s=5.0)
+    with pytest.raises(Unavailable, match=r"^GetSession at 127.0.0.1:1: deadline exceeded after 120.0s; .*raise the "
+                                          r"client's session_timeout \(per attempt: 120s\)") as ei:
+        await drive(cls, [D], "get_session", "s1", retry=short)
+    assert "deadline_s" not in str(ei.value)
+    fake = FakeSessions([U, D], b"", aio=cls is AsyncFleetClient)
+    c = client(cls, fake, short)
+    try:  # a retry runs only until the retry deadline: its error names deadline_s
+        with pytest.raises(Unavailable, match=r"deadline exceeded after [45]\.\d+s \(attempt 2\); .*what was left "
+                                              r"of RetryPolicy.deadline_s \(5s from the call's first attempt\): raise "
+                                              "deadline_s"):
+            out = c.get_blob("ab" * 32)
+            await out if fake.aio else None
+    finally:
+        await c.close() if fake.aio else c.close()
+    assert fake.calls[0] == ("GetBlob", 60.0) and 4.0 < fake.calls[1][1] <= 5.0
+    row, fake = await drive(cls, [], "get_session", "s1", retry=short)  # control: an answer within it
+    assert row.row.session_id == "s1" and fake.calls == [("GetSession", SESSION_TIMEOUT_S)]
 
 
 @CLIENTS
