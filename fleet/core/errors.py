@@ -14,9 +14,11 @@ ANSWERED_TRAILER = "kvfleet-error"
 
 
 class KvfleetError(Exception):
-    """Base class. `code` is the name of a grpc.StatusCode member."""
+    """Base class. `code` is the name of a grpc.StatusCode member; `op_id` the op id of the session call that failed,
+    where the call carried one (the SDK sets it: a retry under it is never applied twice), else ""."""
 
     code = "INTERNAL"
+    op_id = ""
 
 
 class InvalidArgument(KvfleetError, ValueError):

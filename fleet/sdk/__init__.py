@@ -6,7 +6,8 @@
         d = c.route([1, 2, 3], model="m")   # d.worker, d.url, d.verdict, d.matched_tokens, d.epoch
 
 Errors are raised as fleet.core.errors.* carrying the server's message; UNAVAILABLE is retried with
-exponential backoff and jitter (RetryPolicy) until its deadline.
+exponential backoff and jitter (RetryPolicy) until its deadline, and so is DEADLINE_EXCEEDED of the calls that
+carry an op id (append, add_tool_result, generate), whose errors carry it (`e.op_id`).
 """
 
 from __future__ import annotations

@@ -43,15 +43,16 @@ class AsyncTransport(base.Transport):
 
     async def _call(self, method: str, fn: Callable[[float], Awaitable[T]], timeout: float | None = None,
                     sent: Sent | None = None) -> T:
-        """Await fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline; `sent`: the
-        call as its error names it (default: a unary call of `method` with `timeout`)."""
+        """Await fn(per-attempt timeout), retrying UNAVAILABLE (and, for a call with an op id, DEADLINE_EXCEEDED)
+        with backoff until the retry deadline; `sent`: the call as its error names it (default: a unary call of
+        `method` with `timeout`)."""
         sent = sent or self._sent(method, timeout)
         tries = Attempts(self.retry)
         while (given := tries.next(sent.per_attempt)) is not None:
             try:
                 return await fn(given)
             except grpc.RpcError as e:
-                if not retryable(e):
+                if not retryable(e, keyed=bool(sent.op_id)):
                     raise failures.failed(e, sent, given, tries.num_attempts) from e
                 pause = tries.failed(e)
                 if pause is not None:  # never past the deadline
@@ -74,7 +75,7 @@ class AsyncTransport(base.Transport):
             reply = stub_method(req if rpc.wire is None else rpc.wire(req), timeout=timeout, metadata=self._md)
             return await reply if rpc.each is None else [rpc.each(m) async for m in reply]
 
-        sent = self._sent(rpc.method, per, rpc.timeout)
+        sent = self._sent(rpc.method, per, rpc.timeout, req.op_id if rpc.keyed else "")
         if rpc.retry:
             return await self._call(rpc.method, attempt, per, sent)
         try:

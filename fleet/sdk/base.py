@@ -186,9 +186,11 @@ class Transport:
         self._methods[id(rpc)] = (getattr(stub, rpc.method), per)  # the rows live as long as the module
         return self._methods[id(rpc)]
 
-    def _sent(self, method: str, per_attempt: float | None = None, kind: str = "unary") -> Sent:
-        """The call as its error names it (fleet/sdk/failures.py): `kind` is its row's timeout (table.Timeout)."""
-        return Sent(method, self.target, per_attempt or self.timeout, self._SETTING[kind], self.retry.deadline_s)
+    def _sent(self, method: str, per_attempt: float | None = None, kind: str = "unary", op_id: str = "") -> Sent:
+        """The call as its error names it (fleet/sdk/failures.py): `kind` is its row's timeout (table.Timeout),
+        `op_id` the op id its request carries."""
+        return Sent(method, self.target, per_attempt or self.timeout, self._SETTING[kind], self.retry.deadline_s,
+                    op_id)
 
     def _check_open(self) -> None:
         """Raises FailedPrecondition once the client is closed (before, after close() a call crashed the process),

@@ -26,15 +26,16 @@ class SyncTransport(base.Transport):
 
     def _call(self, method: str, fn: Callable[[float], T], timeout: float | None = None,
               sent: Sent | None = None) -> T:
-        """Run fn(per-attempt timeout), retrying UNAVAILABLE with backoff until the retry deadline; `sent`: the call
-        as its error names it (default: a unary call of `method` with `timeout`)."""
+        """Run fn(per-attempt timeout), retrying UNAVAILABLE (and, for a call with an op id, DEADLINE_EXCEEDED)
+        with backoff until the retry deadline; `sent`: the call as its error names it (default: a unary call of
+        `method` with `timeout`)."""
         sent = sent or self._sent(method, timeout)
         tries = Attempts(self.retry)
         while (given := tries.next(sent.per_attempt)) is not None:
             try:
                 return fn(given)
             except grpc.RpcError as e:
-                if not retryable(e):
+                if not retryable(e, keyed=bool(sent.op_id)):
                     raise failures.failed(e, sent, given, tries.num_attempts) from e
                 pause = tries.failed(e)
                 if pause is not None:  # never past the deadline
@@ -56,7 +57,7 @@ class SyncTransport(base.Transport):
             reply = stub_method(req if rpc.wire is None else rpc.wire(req), timeout=timeout, metadata=self._md)
             return reply if rpc.each is None else [rpc.each(m) for m in reply]
 
-        sent = self._sent(rpc.method, per, rpc.timeout)
+        sent = self._sent(rpc.method, per, rpc.timeout, req.op_id if rpc.keyed else "")
         if rpc.retry:
             return self._call(rpc.method, attempt, per, sent)
         try:
@@ -86,7 +87,8 @@ class FleetClient(SyncTransport):
         timeout: per-attempt deadline of unary calls, seconds (the first attempt has all of it; a retry ends
             at the retry policy's deadline_s, counted from the call's start).
         blob_timeout: per-attempt deadline of a blob put or get, seconds.
-        retry: backoff policy for UNAVAILABLE (the only status retried).
+        retry: backoff policy for UNAVAILABLE (and DEADLINE_EXCEEDED of a call that carries an op id: append,
+            add_tool_result, generate; its error carries the op id as `e.op_id`).
         options: gRPC channel options.
         session_timeout: per-attempt deadline of a session call, seconds (120 by default: a fork or a
             regeneration replays a whole op log).

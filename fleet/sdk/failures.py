@@ -1,5 +1,10 @@
 """What a failed SDK call raises: a gRPC status as the fleet.core.errors class of its code, with a message that
-says what to do (fleet/sdk/base.py re-exports these names; the proxy uses them too)."""
+says what to do (fleet/sdk/base.py re-exports these names; the proxy uses them too).
+
+A call that carries an op id (append, add_tool_result, generate) raises its error with that `op_id` set on it: an
+UNAVAILABLE or a deadline leaves the op possibly applied, and a call with the same op id is answered from the
+session's op log (replayed=True) instead of being applied twice.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +24,15 @@ _BY_CODE = {c.code: c for c in (errors.InvalidArgument, errors.NotFound, errors.
 @dataclass(frozen=True, slots=True)
 class Sent:
     """One call, as its error names it: the RPC, the controller, the per-attempt deadline and the client setting
-    that sets it ("timeout", "blob_timeout", "session_timeout"), and the retry policy's deadline_s."""
+    that sets it ("timeout", "blob_timeout", "session_timeout"), the retry policy's deadline_s and the op id the
+    call carries ("" for none)."""
 
     method: str
     target: str
     per_attempt: float
     setting: str
     deadline_s: float
+    op_id: str = ""
 
 
 def to_error(e: grpc.RpcError, method: str, target: str) -> KvfleetError:
@@ -93,13 +100,28 @@ def deadline_error(sent: Sent, timeout: float, attempts: int = 1) -> Unavailable
                        f"is slow or unreachable: {cut}, or check the controller")
 
 
+def with_op_id(err: KvfleetError, op_id: str) -> KvfleetError:
+    """`err` with the call's op id set on it (`err.op_id`); an Unavailable (a deadline, a lost answer, a torn
+    session) also says the op may have been applied and how to finish it without applying it twice."""
+    if not op_id:
+        return err
+    if isinstance(err, Unavailable):
+        err = Unavailable(f"{err}. The op may have been applied: call again with op_id={op_id!r} (the error's "
+                          "op_id) and it is answered from the session's op log (replayed=True), never applied twice")
+    err.op_id = op_id
+    return err
+
+
 def failed(e: grpc.RpcError, sent: Sent, timeout: float, attempts: int = 1) -> KvfleetError:
     """The error of an attempt that is not retried, that had `timeout` seconds."""
-    return deadline_error(sent, timeout, attempts) if timed_out(e) else to_error(e, sent.method, sent.target)
+    err = deadline_error(sent, timeout, attempts) if timed_out(e) else to_error(e, sent.method, sent.target)
+    return with_op_id(err, sent.op_id)
 
 
 def exhausted(sent: Sent, tries: Attempts) -> KvfleetError:
     """The error after the last retry (UNAVAILABLE: gave_up)."""
     if timed_out(tries.last):
-        return deadline_error(sent, tries.timeout, tries.num_attempts)
-    return gave_up(sent.method, sent.target, tries.num_attempts, tries.elapsed(), tries.last)
+        err: KvfleetError = deadline_error(sent, tries.timeout, tries.num_attempts)
+    else:
+        err = gave_up(sent.method, sent.target, tries.num_attempts, tries.elapsed(), tries.last)
+    return with_op_id(err, sent.op_id)

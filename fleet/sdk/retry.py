@@ -23,8 +23,9 @@ import grpc
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Exponential backoff with jitter, on UNAVAILABLE only, within an overall deadline: no retry starts `deadline_s`
-    after the call's start, and none runs past it (the first attempt always has its whole per-attempt deadline).
+    """Exponential backoff with jitter, on UNAVAILABLE (and DEADLINE_EXCEEDED of a call that carries an op id),
+    within an overall deadline: no retry starts `deadline_s` after the call's start, and none runs past it (the
+    first attempt always has its whole per-attempt deadline).
 
     Attempt n (0-based) waits min(max_backoff_s, initial_backoff_s * multiplier**n) * U(1 - jitter, 1 + jitter).
     """
@@ -68,12 +69,17 @@ def tls_failure(details: str) -> str | None:
     return next((cause for word, cause in _TLS_CAUSES if word in details), "the TLS settings of the two sides differ")
 
 
-def retryable(e: grpc.RpcError) -> bool:
+def retryable(e: grpc.RpcError, keyed: bool = False) -> bool:
     """The one rule: only UNAVAILABLE is retried (nothing ran, or the op is safe to repeat), except a TLS handshake
-    that cannot succeed (tls_failure).
+    that cannot succeed (tls_failure); and DEADLINE_EXCEEDED for a `keyed` call, one that carries an op id.
 
-    NOTE: DEADLINE_EXCEEDED is not retried: the attempt may still be running on the server.
+    NOTE: DEADLINE_EXCEEDED is not retried otherwise: the attempt may still be running on the server. A keyed call's
+    retry is safe: the session runs one op at a time, so the retry waits for the first attempt and is answered from
+    the op log (replayed=True). Before, a timed-out append was applied by the server and raised by the SDK without
+    its op id, and the user's own retry applied it again (found by review).
     """
+    if keyed and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
     if e.code() != grpc.StatusCode.UNAVAILABLE:
         return False
     details = e.details() if hasattr(e, "details") else None

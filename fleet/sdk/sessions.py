@@ -9,9 +9,10 @@ table (fleet/sdk/table.py), which FleetClient and AsyncFleetClient run.
 
 Reads (get, list, working set) are retried on UNAVAILABLE like every other call. Appends (text,
 token ids, tool results) and generate carry an op id — the caller's `op_id`, or one the SDK draws
-per call — so they are retried on UNAVAILABLE too: a retry of an op whose response was lost is
-answered with the piece it appended (`replayed=True`), never applied twice. Pass your own `op_id`
-to retry safely across clients or processes. The other mutating calls (create, evict, fork,
+per call — so they are retried on UNAVAILABLE too, and on DEADLINE_EXCEEDED (the controller finishes
+a call its caller stopped waiting for): a retry of an op whose response was lost is answered with
+the piece it appended (`replayed=True`), never applied twice. Pass your own `op_id` to retry safely
+across clients or processes; the error of a call that carried one has it as `e.op_id`. The other mutating calls (create, evict, fork,
 admit, close) are sent once: the caller decides.
 """
 

@@ -47,7 +47,8 @@ class Rpc(Generic[P, R]):
     across retries); each attempt sends `wire(request)` within the per-attempt deadline `timeout`
     names (a client stream: a fresh iterator each attempt), reading a server stream whole as
     `[each(message), ...]`; `response(reply, request)` is the result. `retry`: safe to repeat, so
-    UNAVAILABLE is retried under the client's RetryPolicy; otherwise sent once.
+    UNAVAILABLE is retried under the client's RetryPolicy; otherwise sent once. `keyed`: the request carries an
+    op id (`request.op_id`), so DEADLINE_EXCEEDED is retried too, and the call's error carries the op id.
     """
 
     stub: Callable[[Any], Any]
@@ -59,9 +60,11 @@ class Rpc(Generic[P, R]):
     streaming: Streaming = "unary"
     wire: Callable[[Any], Any] | None = None  # None: the request is sent as built
     each: Callable[[Any], Any] | None = None
+    keyed: bool = False
 
     def __post_init__(self) -> None:
         assert (self.streaming == "server") == (self.each is not None), self.method
+        assert self.retry or not self.keyed, f"{self.method}: a call with an op id is safe to retry"
         assert self.streaming != "client" or self.wire is not None, f"{self.method}: a stream is re-opened per attempt"
 
     @property
@@ -248,7 +251,8 @@ def _chunk(m: Any) -> bytes:
 
 # -- the table ------------------------------------------------------------------------------------
 # NOTE: create, evict, fork, admit and close are sent once (retry=False): the caller decides. Appends
-# and generate carry an op id, so a retry is answered from the op log, never applied twice. Pin and unpin
+# and generate carry an op id (keyed), so a retry is answered from the op log, never applied twice, and a
+# DEADLINE_EXCEEDED is retried too (fleet/sdk/retry.py retryable). Pin and unpin
 # are counters, so they are sent once too: retried after a lost answer, one unpin dropped two holders' pins
 # (the blob then collectable under the other); an unregister retried after it succeeded answered NotFound.
 
@@ -271,9 +275,9 @@ ROUTE = Rpc(_ROUTE, "Route", route, reply(types.route_decision))
 WHOAMI = Rpc(_FLEET, "WhoAmI", whoami, _caller)
 FLEET = Rpc(_FLEET, "GetFleet", fleet, reply(types.fleet_info))
 CREATE_SESSION = Rpc(_SESSIONS, "CreateSession", s.create_session, _ROW, retry=False, timeout="session")
-APPEND = Rpc(_SESSIONS, "Append", s.append, reply(s.append_result), timeout="session")
-ADD_TOOL_RESULT = Rpc(_SESSIONS, "Append", s.add_tool_result, reply(s.append_result), timeout="session")
-GENERATE = Rpc(_SESSIONS, "Generate", s.generate, _token_ids, timeout="session")
+APPEND = Rpc(_SESSIONS, "Append", s.append, reply(s.append_result), timeout="session", keyed=True)
+ADD_TOOL_RESULT = Rpc(_SESSIONS, "Append", s.add_tool_result, reply(s.append_result), timeout="session", keyed=True)
+GENERATE = Rpc(_SESSIONS, "Generate", s.generate, _token_ids, timeout="session", keyed=True)
 EVICT = Rpc(_SESSIONS, "Evict", s.evict, reply(s.evict_result), retry=False, timeout="session")
 FORK = Rpc(_SESSIONS, "Fork", s.fork, _ROW, retry=False, timeout="session")
 ADMIT_TOOL_RESULT = Rpc(_SESSIONS, "AdmitToolResult", s.admit_tool_result, reply(s.admission), retry=False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -134,6 +135,10 @@ class FakeSessions(FakeBlobs):
         self._attempt(f"Append {req.op_id}", timeout)
         return self._reply(spb.AppendResponse(num_tokens=len(req.text), op_index=3))
 
+    def Generate(self, req: spb.GenerateRequest, *, timeout: float, metadata: Any) -> Any:
+        self._attempt(f"Generate {req.op_id}", timeout)
+        return self._reply(spb.GenerateResponse(token_ids=[7] * req.num_tokens))
+
 
 def client(cls: type[Any], fake: FakeBlobs, retry: RetryPolicy = FAST) -> Any:
     c = cls("127.0.0.1:1", token="kvf_t", retry=retry, timeout=7.0, blob_timeout=60.0)
@@ -218,6 +223,30 @@ async def test_the_first_attempt_has_its_whole_deadline_and_the_error_names_the_
     assert fake.calls[0] == ("GetBlob", 60.0) and 4.0 < fake.calls[1][1] <= 5.0
     row, fake = await drive(cls, [], "get_session", "s1", retry=short)  # control: an answer within it
     assert row.row.session_id == "s1" and fake.calls == [("GetSession", SESSION_TIMEOUT_S)]
+
+
+@CLIENTS
+async def test_a_timed_out_call_with_an_op_id_is_retried_under_it_and_its_error_carries_it(cls: type[Any]) -> None:
+    # Found by review: an append cut off by the client's deadline is still applied by the controller (it finishes a
+    # call its caller stopped waiting for: controller/sessions.py _settled), and the SDK raised Unavailable without
+    # the op id it drew, so the user's own retry (a new call: a new op id) applied it twice. Before the fix the first
+    # drive raised Unavailable ("deadline exceeded") after one attempt.
+    r, fake = await drive(cls, [D, D], "append", "s1", "hello")
+    assert r.num_tokens == 5 and len(fake.calls) == 3 and len({m for m, _ in fake.calls}) == 1  # one op id
+    with pytest.raises(Unavailable) as ei:  # no retry left: the op id to finish it with is on the error
+        await drive(cls, [D], "generate", "s1", 2, op_id="turn-7", retry=RetryPolicy(max_attempts=1))
+    assert ei.value.op_id == "turn-7"
+    assert re.search(r"^Generate at 127.0.0.1:1: deadline exceeded after 120.0s; .*The op may have been applied: call "
+                     r"again with op_id='turn-7' .*replayed=True\), never applied twice$", str(ei.value)), ei.value
+    with pytest.raises(Unavailable, match="after 4 attempt.*op_id='t-9'") as ei:  # UNAVAILABLEs ran out (a torn op)
+        await drive(cls, [U] * 9, "add_tool_result", "s1", "ab" * 32, op_id="t-9")
+    assert ei.value.op_id == "t-9"
+    with pytest.raises(NotFound) as nf:  # refused, so not applied: it carries the op id, and says nothing more
+        await drive(cls, [NF], "append", "s1", "x", op_id="t-1")
+    assert nf.value.op_id == "t-1" and str(nf.value) == "Append t-1: not_found"
+    with pytest.raises(Unavailable, match="deadline exceeded") as ei:  # control: a read has no op id, is not retried
+        await drive(cls, [D, D], "get_session", "s1")
+    assert ei.value.op_id == ""
 
 
 @CLIENTS
