@@ -80,6 +80,9 @@ class Sessions:
             raise InvalidArgument("the system prompt must be a non-empty str")
         fleet = await self.get_fleet()
         tokens = await self._run(tenant, encode_message, fleet.tokenizer, "system", system_prompt)
+        _within_context(len(tokens), fleet.kernel.config.max_context, "tokens of the system prompt are",
+                        "no session was created")  # NOTE: before, it was placed, and refused as no node having room
+        # for it ("raise --node-kv-bytes"): the wrong fix
         rec = await self._new_session(tenant, sid, len(tokens), sid, fleet.create_session, tenant, sid,
                                       system_prompt, tokens)
         return await self.row(tenant, rec)
@@ -454,7 +457,7 @@ def _join(pools: Sequence[ThreadPoolExecutor]) -> None:
         pool.shutdown(wait=True)
 
 
-def _within_context(n: int, max_context: int, what: str) -> None:
+def _within_context(n: int, max_context: int, what: str, outcome: str = "nothing was appended") -> None:
     if n > max_context:
         raise InvalidArgument(f"{n} {what} over the session's context of {max_context} tokens "
-                              "(max_seq_len / sliding_window); nothing was appended")
+                              f"(max_seq_len / sliding_window); {outcome}")

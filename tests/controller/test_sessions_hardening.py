@@ -23,7 +23,7 @@ from controller.quotas import SessionLimits
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.cas import open_store
-from fleet.core.errors import AlreadyExists, NotFound, ResourceExhausted
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fleet.core.session_types import SESSION_ID_RULE
 from fleet.sdk import AsyncFleetClient, FleetClient
 from workers.placement import RAY_NAMESPACE, fleet_scope, host_name
@@ -119,7 +119,8 @@ async def test_an_append_of_more_ids_than_the_context_holds_is_refused_before_th
         ray_cluster: None, tmp_path: Path) -> None:
     # before: every id was converted and checked on the event loop (4M ids: 0.8 s each, every other tenant's
     # call waiting), then the KV quota refused them; now the count alone refuses them, and the check runs on the
-    # tenant's lane
+    # tenant's lane. A create whose system prompt is over the context is refused the same way (found by review;
+    # it was placed and refused as a capacity problem)
     ctl = await start_controller(_url(tmp_path), None)
     c = AsyncFleetClient(ctl.address)
     try:
@@ -139,6 +140,11 @@ async def test_an_append_of_more_ids_than_the_context_holds_is_refused_before_th
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "over the session's context" in msg, msg
         assert (await c.get_session("s1")).row.num_tokens == 35  # nothing was appended
         assert (await c.append("s1", [7, 8])).num_tokens == 37  # the control: ids within the context
+        # a system prompt over the context: before, RESOURCE_EXHAUSTED "no node has room ... raise --node-kv-bytes"
+        with pytest.raises(InvalidArgument, match=r"tokens of the system prompt are over the session's context of "
+                                                  rf"{context} tokens .*no session was created"):
+            await c.create_session("s2", "x" * (context + 1))
+        assert [r.session_id for r in await c.sessions()] == ["s1"]
     finally:
         await c.close()
         await ctl.stop(grace=1)
