@@ -127,6 +127,10 @@ class AsyncFleetClient(AsyncTransport):
     close_session = aio(t.CLOSE_SESSION)
     fleet_sessions = aio(t.FLEET_SESSIONS)
     sessions = aio(t.SESSIONS)
+    # quarantine verdicts on tool results (set_verdict: operator)
+    judge_tool_results = aio(t.JUDGE_TOOL_RESULTS)
+    set_verdict = aio(t.SET_VERDICT)
+    list_quarantines = aio(t.LIST_QUARANTINES)
 
     async def close(self) -> None:
         """Close the channel. Idempotent; every call after it raises FailedPrecondition. Outside the channel's

@@ -123,6 +123,10 @@ class FleetClient(SyncTransport):
     close_session = sync(t.CLOSE_SESSION)
     fleet_sessions = sync(t.FLEET_SESSIONS)
     sessions = sync(t.SESSIONS)
+    # quarantine verdicts on tool results (set_verdict: operator)
+    judge_tool_results = sync(t.JUDGE_TOOL_RESULTS)
+    set_verdict = sync(t.SET_VERDICT)
+    list_quarantines = sync(t.LIST_QUARANTINES)
 
     def close(self) -> None:
         """Close the channel. Idempotent; every call after it raises FailedPrecondition. In a forked child

@@ -24,11 +24,13 @@ from typing import Any, Generic, Literal, ParamSpec, TypeVar, get_type_hints
 from fleet.api.kvfleet.v1 import blobs_pb2, fleet_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
+from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.api.kvfleet.v1.sessions_pb2_grpc import SessionServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.sdk import args, base, types
+from fleet.sdk import quarantine as q
 from fleet.sdk import sessions as s
 from fleet.sdk.sessions import FleetSessions, SessionRow, SessionState
 
@@ -287,10 +289,14 @@ GET_SESSION = Rpc(_SESSIONS, "GetSession", s.get_session, _session_state, timeou
 CLOSE_SESSION = Rpc(_SESSIONS, "CloseSession", s.close_session, _nothing, retry=False, timeout="session")
 FLEET_SESSIONS = Rpc(_SESSIONS, "ListSessions", s.fleet_sessions, _fleet_sessions, timeout="session")
 SESSIONS = Rpc(_SESSIONS, "ListSessions", s.sessions, _session_rows, timeout="session")
+JUDGE_TOOL_RESULTS = Rpc(QuarantineServiceStub, "JudgeToolResults", q.judge_tool_results, reply(q.judgements))
+SET_VERDICT = Rpc(QuarantineServiceStub, "SetVerdict", q.set_verdict, reply(q.operator_verdict))
+LIST_QUARANTINES = Rpc(QuarantineServiceStub, "ListQuarantines", q.list_quarantines, reply(q.records))
 
 TABLE: tuple[Rpc[..., Any], ...] = (
     PUT_BLOB, GET_BLOB, STAT_BLOB, PIN_BLOB, UNPIN_BLOB, COLLECT_GARBAGE,
     REGISTER_WORKER, UNREGISTER_WORKER, WORKERS, LIFECYCLE, ROUTE, WHOAMI, FLEET,
     CREATE_SESSION, APPEND, ADD_TOOL_RESULT, GENERATE, EVICT, FORK, ADMIT_TOOL_RESULT,
     WORKING_SET, GET_SESSION, CLOSE_SESSION, FLEET_SESSIONS, SESSIONS,
+    JUDGE_TOOL_RESULTS, SET_VERDICT, LIST_QUARANTINES,
 )

@@ -83,35 +83,27 @@ def _client(args: argparse.Namespace) -> Any:
     return FleetClient(args.controller, args.token, **kw)
 
 
-def _call(c: Any, method: str, req: Any) -> Any:
-    """One QuarantineService call through the client's channel, token and retry policy."""
-    from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
-
-    rpc = getattr(QuarantineServiceStub(c._channel), method)
-    return c._call(method, lambda t: rpc(req, timeout=t, metadata=c._md))
-
-
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
-
     console = Console()
     try:
         with _client(args) as c:
             if args.cmd == "set":
-                verdict = "" if args.verdict == "clear" else args.verdict
-                _call(c, "SetVerdict", pb.SetVerdictRequest(ref=args.ref, verdict=verdict, reasons=args.reason))
+                c.set_verdict(args.ref, "" if args.verdict == "clear" else args.verdict, reasons=args.reason)
                 print(f"{args.ref}: {args.verdict}")
                 return 0
-            req = pb.ListQuarantinesRequest(tenant=args.tenant, limit=args.limit)
+
+            def records() -> Any:
+                return c.list_quarantines(tenant=args.tenant, limit=args.limit)
+
             if args.json:
-                print(as_json(_call(c, "ListQuarantines", req).records))
+                print(as_json(records()))
             elif args.watch:
                 from fleet.app.cli.session import watch
 
-                watch(console, lambda: render(_call(c, "ListQuarantines", req).records), args.interval, args.count)
+                watch(console, lambda: render(records()), args.interval, args.count)
             else:
-                show(console, render(_call(c, "ListQuarantines", req).records))
+                show(console, render(records()))
     except KvfleetError as e:
         print(f"kvfleet quarantine {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
