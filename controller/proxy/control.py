@@ -44,13 +44,6 @@ from fleet.sdk import base, types
 log = logging.getLogger("kvfleet.proxy")
 
 
-# NOTE: gRPC's reconnect backoff grows to 120 s by default: a proxy whose controller was down for 75 s answered 503
-# for 28 s after a new one listened (30 s down: 6.1 s), while a fresh client connected at once (found by review).
-# Capped at 2 s, a proxy is back within about 2 s of the controller, at one connection attempt per 2 s while it is down.
-RECONNECT = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
-             ("grpc.max_reconnect_backoff_ms", 2000))
-
-
 class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.core.errors.*."""
 
@@ -62,8 +55,8 @@ class ControlClient:
         # NOTE: no address in the name: a client whose token has no slot left is told it (errors.from_fleet)
         self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
                                  name="the proxy's RPCs to the controller")
-        self._channel = (grpc.aio.secure_channel(target, credentials, RECONNECT) if credentials is not None
-                         else grpc.aio.insecure_channel(target, RECONNECT))
+        self._channel = (grpc.aio.secure_channel(target, credentials, base.RECONNECT) if credentials is not None
+                         else grpc.aio.insecure_channel(target, base.RECONNECT))
         self._route = RouteServiceStub(self._channel)
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)

@@ -121,3 +121,18 @@ def test_an_async_client_serves_the_event_loop_of_its_first_call() -> None:
     asyncio.run(c.close())  # from another loop: marked closed, nothing raised
     with pytest.raises(FailedPrecondition, match="the client is closed"):
         asyncio.run(c.whoami())
+
+
+def test_a_client_reconnects_at_most_two_seconds_apart_unless_its_options_say_otherwise() -> None:
+    from fleet.sdk import FleetClient
+
+    c = FleetClient("127.0.0.1:1")
+    mine = FleetClient("127.0.0.1:1", options=[("grpc.max_reconnect_backoff_ms", 30_000)])
+    try:
+        assert dict(c._options)["grpc.max_reconnect_backoff_ms"] == 2000   # gRPC's own default grows to 120 s
+        assert dict(mine._options)["grpc.max_reconnect_backoff_ms"] == 30_000
+        assert [k for k, _ in mine._options].count("grpc.max_reconnect_backoff_ms") == 1
+        assert dict(mine._options)["grpc.initial_reconnect_backoff_ms"] == 500
+    finally:
+        c.close()
+        mine.close()
