@@ -31,7 +31,7 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
 from fleet.core.quarantine.layered import gate_reason, gated_out
 from fleet.core.verdict import CLEAN, QUARANTINED
+from fleet.sdk.quarantine import Judgement, QuarantineRecord  # the types the SDK answers with
 
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
 ACTIONS = ("placeholder", "refuse")
@@ -47,31 +48,6 @@ MAX_RESULTS = 256  # tool results per JudgeToolResults call
 MAX_REASONS, MAX_REASON_LEN = 16, 200
 RECORD_TTL_S = 30 * 86400.0  # a quarantine record no request carried for this long is pruned by the leader's GC
 HEAVY_LAYERS = frozenset({"encoder"})  # run off the request path when the config has a faster layer too
-
-
-@dataclass(frozen=True, slots=True)
-class Judgement:
-    """One tool result's verdict; `source` says who decided: "operator", "blob" (the tenant's blob was
-    quarantined through a session) or "detector"."""
-
-    ref: str
-    quarantined: bool
-    reasons: tuple[str, ...]
-    source: str
-
-
-@dataclass(frozen=True, slots=True)
-class QuarantineRecord:
-    """A tool result quarantined for a tenant: first and last time a request carried it, how often."""
-
-    tenant: str
-    ref: str
-    reasons: tuple[str, ...]
-    source: str
-    action: str
-    first_seen: float
-    last_seen: float
-    num_seen: int
 
 
 def sha256_hex(data: bytes) -> str:

@@ -29,9 +29,10 @@ from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import GetGate, UploadGate, UploadLimits
-from controller.verdicts import Judge, Judgement
+from controller.verdicts import Judge
 from fleet.core.errors import ANSWERED_TRAILER, KvfleetError, Unavailable
 from fleet.core.quarantine.layered import DetectorConfig
+from fleet.sdk.quarantine import Judgement
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 log = logging.getLogger("kvfleet.controller")

@@ -13,10 +13,10 @@ import grpc
 
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, unary
-from controller.verdicts import QuarantineRecord
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1 import quarantine_pb2_grpc as pbg
 from fleet.core.errors import PermissionDenied
+from fleet.sdk.quarantine import QuarantineRecord
 
 DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
 
