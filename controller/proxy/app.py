@@ -23,8 +23,8 @@ from aiohttp import HttpVersion11, web
 
 from controller.proxy import passthrough
 from controller.proxy.errors import ProxyError, error_response, from_fleet
-from controller.proxy.forward import PREPARED
 from controller.proxy.reading import announced_size, read_json, upstream_headers
+from controller.proxy.relay import PREPARED, relay
 from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError, Unauthenticated
 
@@ -264,7 +264,7 @@ class Handlers:
                 if media := [h.where for h in hits if h.source == "media"]:
                     _listed(extra, "x-kvfleet-withheld-media", media)
                 note = {"quarantined": [h.as_json() for h in hits]} if hits else None
-                out, t_first = await p.forwarder.relay(req, opened, extra, note)
+                out, t_first = await relay(req, opened, extra, p.metrics, note)
                 self._record(t, opened.resp.status, num_prompt, (t_first - t0) - (opened.t_first - opened.t_sent))
                 return out
         finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends

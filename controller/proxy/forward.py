@@ -1,4 +1,4 @@
-"""Send a routed request to a worker, fail over once before the first byte, relay the answer unchanged.
+"""Send a routed request to a worker and fail over once before the first byte (the answer is relayed by relay.py).
 
     chosen worker ──POST──► first byte in time (below)? ─────── yes ──► relay bytes as they come
          │                        │ no
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -42,8 +41,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
 
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
@@ -56,7 +53,6 @@ from fleet.sdk.types import RouteDecision
 log = logging.getLogger("kvfleet.proxy")
 
 FORWARDED = ("Accept", "Accept-Encoding", "X-Request-Id", "traceparent", "tracestate")  # client -> worker
-HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_SENDS = 2  # the chosen worker, then ONE retry
 # what a client's 503 says of each worker tried or skipped, by the failure's kind (its metric reason); the worker's
 # name, its address and the error's text go to the log (NOTE: they went to every tenant's client; found by review)
@@ -67,9 +63,6 @@ SAID = {"suspect": "a worker skipped: found asleep, unreachable or failing momen
         "503": "a worker answered 503", "connect": "a worker's connection failed",
         "broken": "a worker's connection broke before its answer began",
         "timeout": "a worker sent no first byte within the proxy's limit"}
-# request key: the answer's status and headers are out (relay); a web.RequestKey where aiohttp has them (3.12+)
-PREPARED: Any = web.RequestKey("kvfleet.prepared", bool) if hasattr(web, "RequestKey") else "kvfleet.prepared"
-MAX_NOTED_BYTES = 8 << 20  # the most of a worker's answer read whole (or held back) to add the quarantine note
 MAX_PROBE_GAP = 8  # re-probe a busy worker after first_byte_timeout_s x 1, 2, 4 .. 8 (then every 8) ..
 MAX_PROBE_WAIT_S = 8.0  # .. or, past that, doubling up to 8 s apart: a long answer is not probed more often with
 # a short first-byte timeout (0.25 s) than with the old default's (1 s)
@@ -335,150 +328,6 @@ class Forwarder:
         except BaseException:
             resp.close()
             raise
-
-    async def relay(self, request: web.Request, o: Opened, extra: dict[str, str],
-                    note: dict[str, Any] | None = None) -> tuple[web.StreamResponse, float]:
-        """Relay status, headers and body bytes unchanged as they come; returns (response, t_first_client).
-
-        With `note`, a complete (non-streamed, uncompressed) JSON object answer gets it as its top-level
-        "kvfleet" field, and so does a stream's usage chunk (the SSE event whose JSON has a "usage");
-        every other byte is relayed unchanged (the headers carry the note too).
-        Cancellation (the client went away) closes the upstream connection, which is how vLLM learns
-        to abort the request.
-        """
-        resp = o.resp
-        if note is not None and _annotatable(resp):
-            return await self._relay_noted(request, o, extra, note)
-        headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS)
-        headers.update(extra)
-        out = web.StreamResponse(status=resp.status, reason=resp.reason, headers=headers)
-        sse = _SseNoter(note) if note is not None and resp.content_type == "text/event-stream" else None
-        try:
-            await out.prepare(request)
-            request[PREPARED] = True  # from here on, an error cannot be a response of its own (app._errors)
-            chunk, t_first = o.first, 0.0
-            while True:
-                data = sse.feed(chunk) if sse else chunk
-                # NOTE: a chunk that ends the answer (the worker's end already read) goes out with the end of the
-                # response in one write: one send fewer per answer, and a short answer leaves in a single one
-                if resp.content.at_eof():
-                    await out.write_eof(data + sse.flush() if sse else data)
-                    break
-                if data:
-                    await out.write(data)
-                t_first = t_first or time.perf_counter()
-                chunk = await resp.content.readany()
-            t_first = t_first or time.perf_counter()
-        except (asyncio.CancelledError, ConnectionResetError):  # the client went away (before a worker's break:
-            self.metrics.cancelled.labels(o.target.worker).inc()  # aiohttp's reset on a write is both)
-            resp.close()
-            raise
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
-            resp.close()
-            await self._broken(request, out, o, e)
-            return out, t_first or time.perf_counter()
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()  # fully read: the keep-alive connection goes back to the pool
-        return out, t_first
-
-    async def _broken(self, request: web.Request, out: web.StreamResponse, o: Opened, e: BaseException) -> None:
-        """The worker broke off an answer the client has begun to get. A stream ends with an OpenAI-shaped error
-        event and `data: [DONE]`, as vLLM ends a stream that fails; any other answer's connection is cut at once,
-        so the client sees it short of its announced length.
-        NOTE: the error went up to the error middleware, whose fresh 500 response aiohttp wrote into the body
-        already under way: the client got a status line inside its stream (curl: illegal chunked encoding) and
-        then waited for the keep-alive timeout (30 s)."""
-        msg = "the worker broke off its answer; retry the request"  # its name and the error go to the log only
-        log.warning("proxy: %s %s: worker %s broke off its answer (%s: %s)", request.method, request.path,
-                    o.target.worker, type(e).__name__, e)
-        self.metrics.broken.labels(o.target.worker).inc()
-        if o.resp.content_type == "text/event-stream":
-            event = {"error": {"message": msg, "type": "BadGatewayError", "param": None, "code": 502}}
-            with contextlib.suppress(ConnectionResetError):
-                await out.write_eof(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
-            return
-        out.force_close()
-        if request.transport is not None:
-            request.transport.abort()
-
-    async def _relay_noted(self, request: web.Request, o: Opened, extra: dict[str, str],
-                           note: dict[str, Any]) -> tuple[web.StreamResponse, float]:
-        raw = _with_note(await _read_rest(o), note)
-        o.resp.release()
-        headers = CIMultiDict((k, v) for k, v in o.resp.headers.items()
-                              if k.lower() not in HOP_HEADERS and k.lower() != "content-length")
-        headers.update(extra)
-        out = web.Response(status=o.resp.status, reason=o.resp.reason, body=raw, headers=headers)
-        return out, time.perf_counter()
-
-
-class _SseNoter:
-    """Adds `note` as "kvfleet" to a stream's usage chunk; passes every other event through unchanged.
-
-    NOTE: holds back at most one incomplete event (bytes after the last blank line) until it completes, and
-    at most MAX_NOTED_BYTES of it: past that, a worker's stream is relayed as it comes.
-    """
-
-    def __init__(self, note: dict[str, Any]) -> None:
-        self.note = note
-        self.held: list[bytes] = []  # the incomplete event's chunks, joined only once it completes
-        self.size = 0
-
-    def feed(self, chunk: bytes) -> bytes:
-        # NOTE: linear in the stream: a chunk without an event's end is only appended (before, the held bytes were
-        # joined and searched again on every chunk: 16 MiB without a blank line, in 4 KiB chunks, took 10.7 s)
-        straddles = chunk[:1] == b"\n" and self.held and self.held[-1][-1:] == b"\n"
-        if b"\n\n" not in chunk and not straddles:
-            if chunk:
-                self.held.append(chunk)
-                self.size += len(chunk)
-            return self.flush() if self.size > MAX_NOTED_BYTES else b""  # no usage event is this long: relay it
-        head, sep, rest = (b"".join(self.held) + chunk).rpartition(b"\n\n")
-        self.held, self.size = ([rest] if rest else []), len(rest)
-        out = b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep
-        return out + self.flush() if self.size > MAX_NOTED_BYTES else out
-
-    def flush(self) -> bytes:
-        rest = b"".join(self.held)
-        self.held, self.size = [], 0
-        return rest
-
-    def _event(self, e: bytes) -> bytes:
-        if not e.startswith(b"data: {") or b'"usage"' not in e:
-            return e
-        try:
-            doc = json.loads(e[len(b"data: "):])
-        except ValueError:
-            return e
-        if not isinstance(doc, dict) or not doc.get("usage"):
-            return e
-        return b"data: " + json.dumps({**doc, "kvfleet": self.note}).encode()
-
-
-def _annotatable(resp: aiohttp.ClientResponse) -> bool:
-    """A JSON answer the proxy may read whole to add the note: uncompressed and of a stated length up to
-    MAX_NOTED_BYTES (vLLM states it); any other is relayed as it comes, the note in the headers only."""
-    n = resp.content_length
-    return (resp.content_type == "application/json" and "Content-Encoding" not in resp.headers
-            and n is not None and n <= MAX_NOTED_BYTES)
-
-
-async def _read_rest(o: Opened) -> bytes:
-    try:
-        return o.first + await o.resp.content.read()
-    except BaseException:
-        o.resp.close()
-        raise
-
-
-def _with_note(raw: bytes, note: dict[str, Any]) -> bytes:
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return raw
-    return json.dumps({**doc, "kvfleet": note}).encode() if isinstance(doc, dict) else raw
 
 
 async def _discard(task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:

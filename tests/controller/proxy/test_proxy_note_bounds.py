@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 from support.http_stub import serving
 
-from controller.proxy.forward import MAX_NOTED_BYTES, _annotatable, _SseNoter
+from controller.proxy.relay import MAX_NOTED_BYTES, _annotatable, _SseNoter
 
 NOTE = {"quarantined": [{"ref": "ab" * 32}]}
 
