@@ -7,7 +7,7 @@ POST BY_LOAD_PATHS (embeddings, pooling, score, rerank, classify, responses)   t
 POST /tokenize, /detokenize, GET /version    sent on to a serving worker, unrouted (controller/proxy/passthrough.py)
 GET  /v1/models    the union of the registered workers' model cards
 GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
-GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the fleet), /metrics
+GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the fleet, and from SIGTERM on), /metrics
 """
 
 from __future__ import annotations
@@ -330,8 +330,9 @@ class Handlers:
         )
 
     async def ready(self, req: web.Request) -> web.Response:
-        """Readiness: 503 while the proxy cannot see the fleet (WorkerDirectory.unready says why), else 200."""
-        why = self.p.directory.unready()
+        """Readiness: 503 while the proxy cannot see the fleet (WorkerDirectory.unready says why) or is shutting
+        down, else 200."""
+        why = "shutting down" if self.p.stopping else self.p.directory.unready()
         return web.json_response({"ready": why is None, "reason": why}, status=503 if why else 200)
 
     async def metrics(self, req: web.Request) -> web.Response:

@@ -68,6 +68,9 @@ class ProxyConfig:
     controller_max_rpcs: int = 50  # RPCs open at once on the proxy's one connection to the controller; more wait
     # (at most route_timeout_s). Keep it well under the controller's --grpc-max-concurrent-streams (100): past
     # that the controller refuses streams and the clients get 503s (docs/proxy.md)
+    shutdown_delay_s: float = 5.0  # after SIGTERM /ready answers 503 and the proxy still accepts this long, so load
+    # balancers and kube-proxy stop sending it new connections before it stops listening (docs/proxy.md)
+    shutdown_drain_s: float = 300.0  # then requests in flight (streams included) get this long to end; the rest are cut
     tls: bool = False  # TLS to the controller (implied by any tls_* file below)
     tls_ca: str | None = None  # CA that signed the controller's certificate (None: system roots)
     tls_client_cert: str | None = None  # mutual TLS: the proxy's certificate and key
@@ -83,6 +86,8 @@ class ProxyConfig:
                self.connect_timeout_s, self.refresh_s, self.ready_stale_s, self.client_header_timeout_s,
                self.client_body_timeout_s) <= 0:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
+        if min(self.shutdown_delay_s, self.shutdown_drain_s) < 0:
+            raise InvalidArgument("--shutdown-delay and --shutdown-drain must be >= 0")
         if self.max_body_bytes <= 0 or min(self.tokenize_cache_size, self.tokenize_cache_bytes) < 0 \
                 or self.controller_max_rpcs <= 0 or self.suspect_after_failures <= 0:
             raise InvalidArgument("max_body_bytes, controller_max_rpcs and suspect_after_failures must be positive, "

@@ -7,7 +7,11 @@ Environment variables are read here and nowhere else (flags win): KVFLEET_CONTRO
 KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own token, to list workers: role reader),
 KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key), KVFLEET_PROXY_FIRST_BYTE_TIMEOUT (seconds),
 KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT / KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller),
-KVFLEET_PROXY_ALLOWED_ORIGINS (a JSON list, as --allowed-origins).
+KVFLEET_PROXY_ALLOWED_ORIGINS (a JSON list, as --allowed-origins), KVFLEET_PROXY_SHUTDOWN_DELAY and
+KVFLEET_PROXY_SHUTDOWN_DRAIN (seconds).
+
+On SIGTERM (or SIGINT) /ready answers 503 at once, the proxy keeps accepting for --shutdown-delay, then stops
+listening and lets the requests in flight end for up to --shutdown-drain (docs/proxy.md, "Stopping").
 """
 
 from __future__ import annotations
@@ -59,6 +63,12 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                    help="seconds an attempt may go without a first byte: then a worker a probe found awake (working "
                         "on it) ends the request with a 504, and one no probe found awake fails over (once); set it "
                         "above the longest non-streaming answer (default 600)")
+    p.add_argument("--shutdown-delay", type=float, default=e("KVFLEET_PROXY_SHUTDOWN_DELAY", "5"),
+                   help="seconds the proxy keeps accepting after SIGTERM, /ready answering 503, so load balancers "
+                        "and kube-proxy stop sending it connections before it stops listening (default 5)")
+    p.add_argument("--shutdown-drain", type=float, default=e("KVFLEET_PROXY_SHUTDOWN_DRAIN", "300"),
+                   help="seconds requests in flight (streams included) then get to end before they are cut "
+                        "(default 300); a second SIGTERM or SIGINT stops the proxy at once")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (default 8 MiB)")
     p.add_argument("--max-inflight-bytes-per-tenant", type=int,
                    default=e("KVFLEET_PROXY_MAX_INFLIGHT_BYTES_PER_TENANT", str(64 << 20)),
@@ -125,7 +135,8 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        allow_credentials=a.allow_credentials, allowed_methods=a.allowed_methods,
                        allowed_headers=a.allowed_headers,
                        max_body_bytes=a.max_body_bytes, max_inflight_bytes_per_tenant=a.max_inflight_bytes_per_tenant,
-                       max_inflight_bytes=a.max_inflight_bytes, fair_priority=a.fair_priority, tls=a.tls, tls_ca=a.tls_ca,
+                       max_inflight_bytes=a.max_inflight_bytes, fair_priority=a.fair_priority,
+                       shutdown_delay_s=a.shutdown_delay, shutdown_drain_s=a.shutdown_drain, tls=a.tls, tls_ca=a.tls_ca,
                        tls_client_cert=a.tls_cert, tls_client_key=a.tls_key)
 
 
@@ -143,14 +154,32 @@ async def serve(cfg: ProxyConfig) -> int:
           f"{len(d.workers)} worker(s) known" + (f" (cannot list workers: {d.last_error})" if d.last_error else "")
           + ("; client tokens passed through" if cfg.token_passthrough else "; the proxy's token for every request"),
           flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await proxy.stop()
+    name = await _first_signal()
+    print(f"kvfleet proxy: {name}: /ready answers 503; accepting for {cfg.shutdown_delay_s:g}s more, then draining "
+          f"the requests in flight for at most {cfg.shutdown_drain_s:g}s (a second signal stops at once)", flush=True)
+    await proxy.shut_down()
+    print("kvfleet proxy: stopped", flush=True)
     return 0
+
+
+async def _first_signal() -> str:
+    """Wait for SIGINT or SIGTERM and name it; a second one then gets the default action (stops the process)."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def on(sig: signal.Signals) -> None:
+        if not got.done():
+            got.set_result(sig)
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for sig in sigs:
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on, sig)
+    first = await got
+    for sig in sigs:
+        with contextlib.suppress(NotImplementedError):
+            loop.remove_signal_handler(sig)
+    return first.name
 
 
 def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:

@@ -7,6 +7,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
 import aiohttp
 from aiohttp import web
 
@@ -22,6 +26,7 @@ from controller.proxy.quarantine import Enforcer
 from controller.proxy.tokenize import Tokenizer
 
 WORKER_KEEPALIVE_S = 4.0  # an idle connection to a worker is closed after this: under vLLM's own 5 s (see start)
+CUT_GRACE_S = 1.0  # the most aiohttp's cleanup then waits for a request it cancels (twice: before and after its cancel)
 
 
 class Proxy:
@@ -36,6 +41,11 @@ class Proxy:
                                      credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.stopping = False  # set by shut_down: /ready answers 503 from then on
+        self._handling: set[asyncio.Task[Any]] = set()  # the tasks running a request's handler (a stream: until
+        # its last byte)
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def start(self) -> Proxy:
         # NOTE: no pool limit (the default 100 would queue the 101st concurrent stream); no decompression,
@@ -70,8 +80,14 @@ class Proxy:
         # NOTE: aiohttp arms keepalive_timeout when a connection opens and after each answer, and closes the
         # connection if a request's headers are not complete by then: our header-read deadline (slowloris)
         # NOTE: auto_decompress off: a compressed body is refused (app.py `announced_size`), never inflated unreserved
-        self._runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
-                                     keepalive_timeout=self.cfg.client_header_timeout_s, auto_decompress=False)
+        # NOTE: stop() drains the requests in flight itself (shutdown_drain_s) and cancels the rest; aiohttp's
+        # shutdown_timeout is only the grace it then gives them (its default, 60 s, was the drain, and waited twice:
+        # a stream's handler outlives aiohttp's first cancel, of the request's body only)
+        app = build_app(self)
+        app.middlewares.insert(0, _counted(self))
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     keepalive_timeout=self.cfg.client_header_timeout_s, auto_decompress=False,
+                                     shutdown_timeout=CUT_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
@@ -82,14 +98,66 @@ class Proxy:
         self.metrics.forget_worker(name)
         self.forwarder.first_bytes.forget(name)
 
+    async def shut_down(self) -> None:
+        """A graceful stop (SIGTERM): /ready answers 503 at once while the proxy keeps accepting for
+        shutdown_delay_s, so whatever routes to it (kube-proxy, an ingress, a load balancer probing /ready)
+        stops sending it new connections first; then it stops listening and gives the requests in flight
+        shutdown_drain_s to end (stop)."""
+        self.stopping = True
+        await asyncio.sleep(self.cfg.shutdown_delay_s)
+        await self.stop()
+
     async def stop(self) -> None:
+        """Stop listening, wait up to shutdown_drain_s for the requests in flight (then cancel them), close."""
         if self._runner is not None:
+            await self._drain(self._runner)
             await self._runner.cleanup()
         await self.directory.stop()
         await self.http.close()
         await self.fresh_http.close()
         await self.control.close()
 
+    async def _drain(self, runner: web.AppRunner) -> None:
+        """Close the listener and the idle keep-alive connections (a busy one closes after its answer), then wait
+        up to shutdown_drain_s for the requests in flight to end."""
+        for site in list(runner.sites):
+            await site.stop()
+        if runner.server is not None:
+            runner.server.pre_shutdown()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), self.cfg.shutdown_drain_s)
+        for task in self._handling:
+            task.cancel()  # past the drain: cut (handler_cancellation closes each upstream request)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._handling)
+
+    def _enter(self, task: asyncio.Task[Any] | None) -> None:
+        if task is not None:
+            self._handling.add(task)
+            self._idle.clear()
+
+    def _exit(self, task: asyncio.Task[Any] | None) -> None:
+        if task is not None:
+            self._handling.discard(task)
+        if not self._handling:
+            self._idle.set()
+
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}"
+
+
+def _counted(proxy: Proxy) -> Any:
+    """The outermost middleware: counts the requests in flight, for stop()'s drain."""
+    @web.middleware
+    async def middleware(req: web.Request, handler: Any) -> web.StreamResponse:
+        task = asyncio.current_task()
+        proxy._enter(task)
+        try:
+            return await handler(req)  # type: ignore[no-any-return]
+        finally:
+            proxy._exit(task)
+
+    return middleware

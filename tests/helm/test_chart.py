@@ -256,7 +256,8 @@ def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, di
     assert c["args"] == ["proxy", "--controller", f"{ctrl_svc['metadata']['name']}:{grpc_port}", "--listen", "0.0.0.0:8080",
                          "--quarantine-policy", "placeholder", "--tool-media", "pass", "--client-header-timeout", "30",
                          "--client-body-timeout", "60", "--max-first-byte-wait", "600",
-                         "--max-inflight-bytes-per-tenant", "67108864", "--max-inflight-bytes", "134217728"]
+                         "--max-inflight-bytes-per-tenant", "67108864", "--max-inflight-bytes", "134217728",
+                         "--shutdown-delay", "5", "--shutdown-drain", "300"]
     for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}  # 503 while it cannot see the fleet

@@ -204,6 +204,21 @@ capabilities:
 {{- end }}
 {{- end }}
 
+{{- /* The proxy pods' grace period: proxy.terminationGracePeriodSeconds, or the shutdown delay + drain + 10 s
+       (the cut of what is left, at most 2 s, and the proxy's closing). A value under delay + drain is refused:
+       the kubelet's SIGKILL would cut the drain short. */}}
+{{- define "kvfleet.proxyGraceSeconds" -}}
+{{- $p := .Values.proxy }}
+{{- $need := int64 (ceil (addf $p.shutdownDelaySeconds $p.shutdownDrainSeconds)) }}
+{{- if kindIs "invalid" $p.terminationGracePeriodSeconds }}
+{{- add $need 10 }}
+{{- else if lt (int64 $p.terminationGracePeriodSeconds) $need }}
+{{- fail (printf "proxy.terminationGracePeriodSeconds=%v is under proxy.shutdownDelaySeconds + proxy.shutdownDrainSeconds (%d): the kubelet would kill the proxy mid-drain; raise it or lower the drain" $p.terminationGracePeriodSeconds $need) }}
+{{- else }}
+{{- int64 $p.terminationGracePeriodSeconds }}
+{{- end }}
+{{- end }}
+
 {{- /* The proxy's own token (it only lists the workers): without proxy.tokenSecret.name/key, a reader
        token the chart mints into its auth Secret (`proxy-token`); with existingSecret, that Secret's
        `operator-token` (as before); with a name but no key, `operator-token` of that Secret. */}}
