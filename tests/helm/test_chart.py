@@ -368,8 +368,12 @@ def test_existing_secret_is_used_and_none_created(chart: Any) -> None:
 def test_external_redis(rendered: dict[str, dict[str, str]]) -> None:
     objs = objects(rendered, "external-redis")
     assert not [o for o in objs if o["kind"] == "StatefulSet" or o["metadata"]["name"].endswith("-redis")]
-    args = container(one(objs, "Deployment", "-controller"))["args"]
-    assert args[args.index("--store") + 1] == "redis://redis.shared.svc:6380/2"
+    ctrl = container(one(objs, "Deployment", "-controller"))
+    assert "--store" not in ctrl["args"]  # read as KVFLEET_STORE from a Secret: tests/helm/test_chart_redis_secret.py
+    (env,) = [e for e in ctrl["env"] if e["name"] == "KVFLEET_STORE"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "demo-kvfleet-redis-url", "key": "url"}
+    secret = one(objs, "Secret", "-redis-url")
+    assert base64.b64decode(secret["data"]["url"]).decode() == "redis://redis.shared.svc:6380/2"
 
 
 def test_gpu_worker_group(rendered: dict[str, dict[str, str]]) -> None:

@@ -87,12 +87,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- .Values.auth.existingSecret | default (printf "%s-auth" (include "kvfleet.fullname" . | trunc 40 | trimSuffix "-")) }}
 {{- end }}
 
+{{/* The chart's own Redis (no password). Yours (redis.external) is read from a Secret: _redis.tpl. */}}
 {{- define "kvfleet.redisUrl" -}}
-{{- if .Values.redis.create }}
 {{- printf "redis://%s:6379/%d" (include "kvfleet.componentName" (list . "redis")) (int .Values.redis.database) }}
-{{- else }}
-{{- .Values.redis.external.url }}
-{{- end }}
 {{- end }}
 
 {{- define "kvfleet.controllerAddress" -}}
@@ -119,11 +116,18 @@ capabilities:
 {{- fail (printf "controller.replicas=%d needs controller.leaderElection.enabled=true: two active controllers would both run the vLLM watchers and bump route epochs" (int .Values.controller.replicas)) }}
 {{- end }}
 {{- /* NOTE: this is the only check of a URL with redis.create=true: the schema's was "maxLength: got 16, want 0". */}}
-{{- if and .Values.redis.create .Values.redis.external.url }}
+{{- $ext := .Values.redis.external }}
+{{- if and .Values.redis.create $ext.url }}
 {{- fail "redis.external.url is set but redis.create=true: set redis.create=false to use your own Redis, or clear redis.external.url" }}
 {{- end }}
-{{- if and (not .Values.redis.create) (not .Values.redis.external.url) }}
-{{- fail "redis.create=false needs redis.external.url (redis://HOST:PORT/DB)" }}
+{{- if and .Values.redis.create $ext.existingSecret }}
+{{- fail "redis.external.existingSecret is set but redis.create=true: set redis.create=false to use your own Redis, or clear redis.external.existingSecret" }}
+{{- end }}
+{{- if and (not .Values.redis.create) (not $ext.url) (not $ext.existingSecret) }}
+{{- fail "redis.create=false needs redis.external.url (redis://HOST:PORT/DB) or redis.external.existingSecret (a Secret holding that URL)" }}
+{{- end }}
+{{- if and $ext.url $ext.existingSecret }}
+{{- fail "redis.external.url and redis.external.existingSecret are both set: give one (the Secret, if the URL holds a password)" }}
 {{- end }}
 {{- if and .Values.tls.clientCa (not .Values.tls.enabled) }}
 {{- fail "tls.clientCa=true (mutual TLS) needs tls.enabled=true and tls.secretName" }}

@@ -46,3 +46,33 @@
 {{- end }}
 {{- int64 $max -}}
 {{- end }}
+
+{{/* Your own Redis (redis.create=false): the controller reads its URL, which may hold a password, as
+     KVFLEET_STORE from a Secret (yours, redis.external.existingSecret, or the chart's, made from
+     redis.external.url), never from its arguments. */}}
+{{- define "kvfleet.redisUrlSecretName" -}}
+{{- .Values.redis.external.existingSecret | default (printf "%s-url" (include "kvfleet.componentName" (list . "redis"))) }}
+{{- end }}
+
+{{- define "kvfleet.redisUrlSecretKey" -}}
+{{- if .Values.redis.external.existingSecret }}{{ .Values.redis.external.existingSecretKey }}{{ else }}url{{ end }}
+{{- end }}
+
+{{/* The store as NOTES.txt shows it: no user, password or query parameter (redis-py reads a password from
+     either), whatever the URL's form. Everything up to the last "@" is the user info. */}}
+{{- define "kvfleet.storeShown" -}}
+{{- $ext := .Values.redis.external }}
+{{- if .Values.redis.create }}
+{{- include "kvfleet.redisUrl" . }}
+{{- else if $ext.existingSecret }}
+{{- printf "your Redis, its URL in Secret %s (key %s)" $ext.existingSecret (include "kvfleet.redisUrlSecretKey" .) }}
+{{- else }}
+{{- $base := regexReplaceAll "[?#].*$" $ext.url "" }}
+{{- $scheme := regexFind "^[A-Za-z][A-Za-z0-9+.-]*://" $base }}
+{{- $rest := trimPrefix $scheme $base }}
+{{- if contains "@" $rest }}
+{{- $rest = printf "***@%s" (regexReplaceAll "^.*@" $rest "") }}
+{{- end }}
+{{- printf "%s%s%s (your Redis; the URL is in Secret %s)" $scheme $rest (ternary "?…" "" (ne $base $ext.url)) (include "kvfleet.redisUrlSecretName" .) }}
+{{- end }}
+{{- end }}
