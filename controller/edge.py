@@ -20,12 +20,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from controller import tls_reload
 from fleet.core.errors import InvalidArgument
 
 
@@ -67,23 +67,17 @@ def ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
-    """TLS credentials; with `client_ca` every client must present a certificate that CA signed (mTLS)."""
-    pair = [(_read(key, "--tls-key"), _read(cert, "--tls-cert"))]
-    if client_ca is None:
-        return grpc.ssl_server_credentials(pair)
-    return grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca, "--tls-client-ca"),
-                                       require_client_auth=True)
+def server_credentials(cert: str, key: str, client_ca: str | None,
+                       check_interval_s: float | None = None) -> grpc.ServerCredentials:
+    """TLS credentials; with `client_ca` every client must present a certificate that CA signed (mTLS).
 
-
-def _read(path: str, flag: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise InvalidArgument(f"{flag} {path}: cannot read it ({e.strerror}); give a PEM file") from None
-    if b"-----BEGIN" not in data:
-        raise InvalidArgument(f"{flag} {path} is not PEM (no '-----BEGIN' line)")
-    return data
+    The files are read now (a bad one is InvalidArgument) and again when they change, checked at most once per
+    `check_interval_s` (None: tls_reload.CHECK_INTERVAL_S) before a new connection's handshake: a renewed
+    certificate is served without a restart (controller/tls_reload.py).
+    """
+    interval = tls_reload.CHECK_INTERVAL_S if check_interval_s is None else check_interval_s
+    fetch = tls_reload.CertReloader(cert, key, client_ca, interval)
+    return grpc.dynamic_ssl_server_credentials(fetch.config, fetch, require_client_authentication=bool(client_ca))
 
 
 @dataclass(frozen=True, slots=True)
