@@ -131,7 +131,7 @@ class BlobStore(ABC):
             self._check_size(v.nbytes)
         # NOTE: hashing on a thread pool was tried: on a 2-CPU host it steals the CPU redis-server
         # needs and was slower than hashing inline (bench/cas_throughput.py).
-        return self._put_many(tenant, ((_sha_hex(v), v) for v in views), self.cfg.clock())
+        return self._put_many(tenant, [(_sha_hex(v), v) for v in views], self.cfg.clock())
 
     def get_many(self, refs: list[str], tenant: str) -> list[bytes]:
         """Get several blobs in one batch; NotFound (as `get`) if any is missing."""
@@ -144,7 +144,7 @@ class BlobStore(ABC):
                 raise not_found(ref, tenant)
         return out  # type: ignore[return-value]
 
-    def _put_many(self, tenant: str, items: Iterable[tuple[str, memoryview]], now: float) -> list[str]:
+    def _put_many(self, tenant: str, items: list[tuple[str, memoryview]], now: float) -> list[str]:
         refs = []
         for ref, view in items:
             self._put(tenant, ref, view, now, 0)

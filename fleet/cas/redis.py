@@ -17,17 +17,16 @@ tenant's byte count (and checks its quota), and the GC script that deletes a blo
 `charge` the put recorded in the blob's metadata (a blob stored before charges were recorded gave
 its size alone, and gives back its size alone), so a put then its collection leaves the count exactly
 where it was, whatever PER_BLOB_OVERHEAD was or becomes.
+Refusals, lost connections and a failover behind the store's address (READONLY: the pool is reset and the
+call runs once more): fleet/cas/redis_errors.py.
 NOTE: blobs a Redis store held before the byte count existed are not in it (no backfill scan: it
 would race live puts); they leave it as they are collected, the count never going below 0.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import redis
@@ -35,7 +34,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
-from fleet.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from fleet.cas.redis_errors import store_call
+from fleet.core.errors import InvalidArgument
 from fleet.core.verdict import UNKNOWN
 
 _PUT = """
@@ -122,42 +122,6 @@ _PRECHECK_BYTES = 256 << 10
 _GET_CHUNK = 512 << 10
 _PIPE_BYTES = 16 << 20
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _unavailable(fn: F) -> F:
-    """Translate redis connection failures into fleet.core.errors.Unavailable with an actionable message."""
-
-    @functools.wraps(fn)
-    def wrapper(self: RedisBlobStore, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-            raise Unavailable(
-                f"redis at {self.host}:{self.port} unreachable: {e}; "
-                "check that redis-server is running and the store URL is right"
-            ) from e
-        except redis.exceptions.InvalidResponse as e:  # NOTE: before, a traceback out of `kvfleet controller`
-            raise Unavailable(
-                f"{self.host}:{self.port} does not answer as Redis does ({e}); check that the store URL names a "
-                "redis-server"
-            ) from e
-        # NOTE: redis-py parses a plain command's OOM and READONLY replies into these, their code cut from the
-        # message, so the text checks below saw neither: a kv_put at maxmemory raised a raw OutOfMemoryError
-        except redis.exceptions.OutOfMemoryError as e:
-            raise ResourceExhausted(f"redis at {self.host}:{self.port} is out of memory (maxmemory): {e}") from e
-        except redis.exceptions.ReadOnlyError as e:
-            raise Unavailable(f"redis at {self.host}:{self.port} cannot accept writes now: {e}") from e
-        except redis.exceptions.ResponseError as e:
-            if "OOM command not allowed" in str(e):
-                raise ResourceExhausted(f"redis at {self.host}:{self.port} is out of memory (maxmemory): {e}") from e
-            if any(code in str(e) for code in ("MISCONF", "READONLY", "LOADING")):
-                raise Unavailable(f"redis at {self.host}:{self.port} cannot accept writes now: {e}") from e
-            raise
-
-    return wrapper  # type: ignore[return-value]
-
-
 class RedisBlobStore(BlobStore):
     """BlobStore on a Redis server (production; AOF on for durability)."""
 
@@ -176,7 +140,7 @@ class RedisBlobStore(BlobStore):
         self._s_kv_swap = self.r.register_script(_KV_SWAP)
         self.ping()
 
-    @_unavailable
+    @store_call
     def ping(self) -> None:
         self.r.ping()
 
@@ -192,7 +156,7 @@ class RedisBlobStore(BlobStore):
         return [*self._keys(tenant, ref), self._usage_key(tenant)]
 
     # ---- blobs ----------------------------------------------------------------------------------
-    @_unavailable
+    @store_call
     def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
         keys = self._put_keys(tenant, ref)
         lease = repr(self._lease(now))
@@ -201,12 +165,12 @@ class RedisBlobStore(BlobStore):
         out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota, blob_charge(data.nbytes)])
         return int(out[0]) if isinstance(out, list) else None
 
-    @_unavailable
+    @store_call
     def _stored_bytes(self, tenant: str) -> int:
         return int(self.r.get(self._usage_key(tenant)) or 0)
 
-    @_unavailable
-    def _put_many(self, tenant: str, items: Iterable[tuple[str, memoryview]], now: float) -> list[str]:
+    @store_call
+    def _put_many(self, tenant: str, items: list[tuple[str, memoryview]], now: float) -> list[str]:
         # pipelined groups of <= _PIPE_BYTES: one round trip each, bounded server-side buffering
         refs: list[str] = []
         group: list[tuple[str, memoryview]] = []
@@ -234,7 +198,7 @@ class RedisBlobStore(BlobStore):
         if len(pipe):
             pipe.execute()
 
-    @_unavailable
+    @store_call
     def _get_many(self, tenant: str, refs: list[str]) -> list[bytes | None]:
         # one round trip of GETRANGE 0..CHUNK-1 each; only blobs that fill the chunk need more
         pipe = self.r.pipeline(transaction=False)
@@ -243,7 +207,7 @@ class RedisBlobStore(BlobStore):
         firsts = pipe.execute()
         return [self._rest(self._keys(tenant, ref)[0], first) for ref, first in zip(refs, firsts, strict=True)]
 
-    @_unavailable
+    @store_call
     def _get(self, tenant: str, ref: str) -> bytes | None:
         key = self._keys(tenant, ref)[0]
         return self._rest(key, self.r.getrange(key, 0, _GET_CHUNK - 1))  # type: ignore[arg-type]
@@ -267,12 +231,12 @@ class RedisBlobStore(BlobStore):
             return None
         return b"".join(chunks) if len(chunks) > 1 else first
 
-    @_unavailable
+    @store_call
     def _get_range(self, tenant: str, ref: str, start: int, length: int) -> bytes | None:
         chunk: bytes = self.r.getrange(self._keys(tenant, ref)[0], start, start + length - 1)  # type: ignore[assignment]
         return chunk if chunk else None
 
-    @_unavailable
+    @store_call
     def _stat(self, tenant: str, ref: str) -> BlobMeta | None:
         h: dict[bytes, bytes] = self.r.hgetall(self._keys(tenant, ref)[1])  # type: ignore[assignment]
         if not h:
@@ -281,16 +245,16 @@ class RedisBlobStore(BlobStore):
                         refs=int(h[b"refs"]), verdict=h[b"verdict"].decode(),
                         reasons=tuple(json.loads(h[b"reasons"])), lease_expires=float(h[b"lease_expires"]))
 
-    @_unavailable
+    @store_call
     def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
         out = self._s_incr(keys=[self._keys(tenant, ref)[1]], args=[counter, delta])
         return None if out is None else int(out)
 
-    @_unavailable
+    @store_call
     def _set_verdict(self, tenant: str, ref: str, verdict: str, reasons_json: str) -> bool:
         return bool(self._s_verdict(keys=[self._keys(tenant, ref)[1]], args=[verdict, reasons_json]))
 
-    @_unavailable
+    @store_call
     def _gc(self, now: float) -> int:
         """Collect blob by blob, _GC_BATCH blobs a script call; a key that only looks like metadata (the
         op log of a session named `x:m:y` matches the scan pattern too), or metadata that is not a hash
@@ -308,24 +272,24 @@ class RedisBlobStore(BlobStore):
         return deleted
 
     # ---- controller state -------------------------------------------------------------------------
-    @_unavailable
+    @store_call
     def _kv_put(self, namespace: str, key: str, value: bytes) -> None:
         self.r.hset(f"kvf:kv:{namespace}", key, value)
 
-    @_unavailable
+    @store_call
     def _kv_get(self, namespace: str, key: str) -> bytes | None:
         return self.r.hget(f"kvf:kv:{namespace}", key)  # type: ignore[return-value]
 
-    @_unavailable
+    @store_call
     def _kv_scan(self, namespace: str) -> dict[str, bytes]:
         h: dict[bytes, bytes] = self.r.hgetall(f"kvf:kv:{namespace}")  # type: ignore[assignment]
         return {k.decode(): v for k, v in h.items()}
 
-    @_unavailable
+    @store_call
     def _kv_delete(self, namespace: str, key: str) -> None:
         self.r.hdel(f"kvf:kv:{namespace}", key)
 
-    @_unavailable
+    @store_call
     def _kv_scan_page(self, namespace: str, cursor: str, count: int) -> tuple[str, dict[str, bytes]]:
         if cursor and not cursor.isdigit():
             raise InvalidArgument(f"invalid cursor {cursor!r}: pass back what kv_scan_page returned")
@@ -333,11 +297,11 @@ class RedisBlobStore(BlobStore):
         page: dict[bytes, bytes] = h  # type: ignore[assignment]  # COUNT: a hint (a small hash answers whole)
         return ("" if int(nxt) == 0 else str(nxt)), {k.decode(): v for k, v in page.items()}
 
-    @_unavailable
+    @store_call
     def _kv_delete_many(self, namespace: str, keys: list[str]) -> None:
         self.r.hdel(f"kvf:kv:{namespace}", *keys)
 
-    @_unavailable
+    @store_call
     def _kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool:
         def arg(v: bytes | None) -> bytes:
             return b"0" if v is None else b"1" + v
@@ -345,20 +309,20 @@ class RedisBlobStore(BlobStore):
         return bool(self._s_kv_swap(keys=[f"kvf:kv:{namespace}"], args=[key, arg(old), arg(new)]))
 
     # ---- op log -------------------------------------------------------------------------------------
-    @_unavailable
+    @store_call
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int:
         return int(self.r.rpush(f"kvf:t:{tenant}:op:{session_id}", op_json)) - 1
 
-    @_unavailable
+    @store_call
     def _oplog_read(self, tenant: str, session_id: str) -> list[str]:
         items: list[bytes] = self.r.lrange(f"kvf:t:{tenant}:op:{session_id}", 0, -1)  # type: ignore[assignment]
         return [i.decode() for i in items]
 
-    @_unavailable
+    @store_call
     def _oplog_delete(self, tenant: str, session_id: str) -> None:
         self.r.delete(f"kvf:t:{tenant}:op:{session_id}")
 
-    @_unavailable
+    @store_call
     def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None:
         key, pipe = f"kvf:t:{tenant}:op:{session_id}", self.r.pipeline(transaction=True)  # MULTI/EXEC: all or none
         pipe.delete(key)

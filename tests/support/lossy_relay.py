@@ -3,7 +3,9 @@
 - LossyRelay: once armed, passes the client's next bytes on but none of the server's answer, and resets the
   client's connection `reset_after_s` later (the server has applied the call by then): the lost answer after
   which a client may retry a call that already happened;
-- SilentRelay: once silent, passes no bytes either way and closes nothing (a partition, a paused VM)."""
+- SilentRelay: once silent, passes no bytes either way and closes nothing (a partition, a paused VM);
+- ForwardRelay: passes every byte; setting `upstream` sends the NEXT connections elsewhere while the open ones
+  stay where they were (a Service or DNS name whose target moved, as after a Redis failover)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,10 @@ class SilentRelay(_Relay):
         finally:
             c.close()
             u.close()
+
+
+class ForwardRelay(SilentRelay):
+    """A SilentRelay never made silent: a plain forwarder whose `upstream` a test may change."""
 
 
 class LossyRelay(_Relay):
