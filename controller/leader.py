@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from redis.exceptions import RedisError
+
+from fleet.cas.redis_errors import is_connection_lost, is_readonly
 
 KEY = "kvfleet:controller:leader"
 LEASE_SHARE = 0.8  # of the ttl, from the start of a set or renew, that the holder trusts it still holds the lock
@@ -58,6 +61,9 @@ class RedisLock:
     time out within a third of the ttl. NOTE: with neither, a leader whose path to Redis went silent (packets
     dropped, no reset) waited in its renew as long as the client's socket timeout (none in redis-py 5's asyncio
     client) and kept serving while a standby took the expired lock: two leaders.
+
+    Every call goes through `_ask`, which resets the client's pool after a failover behind the address (module
+    fleet.cas.redis_errors): before, the lock was asked of the demoted primary, READONLY, for ever.
     """
 
     def __init__(self, url: str, ttl_s: float = 10.0, key: str = KEY) -> None:
@@ -68,11 +74,26 @@ class RedisLock:
         self.valid_until = 0.0
         self._r: Any = aredis.Redis.from_url(url, socket_timeout=ttl_s / 3, socket_connect_timeout=ttl_s / 3)
 
+    async def _ask(self, call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """One call to Redis. READONLY (the address now reaches a demoted primary, on a pooled connection) resets
+        the pool and asks once more: a refused SET or script applied nothing, and a renew or release of our own
+        lock gives the same result twice. A lost connection resets it too, and raises: its reply may be lost.
+        NOTE: every pooled connection, in use or not: this client's calls come one at a time."""
+        try:
+            return await call(*args, **kwargs)
+        except RedisError as e:
+            if not (is_readonly(e) or is_connection_lost(e)):
+                raise
+            await self._r.connection_pool.disconnect()
+            if not is_readonly(e):
+                raise
+        return await call(*args, **kwargs)
+
     async def acquire(self) -> None:
         while True:
             try:
                 t0 = time.monotonic()
-                if await self._r.set(self.key, self.owner, nx=True, px=int(self.ttl_s * 1000)):
+                if await self._ask(self._r.set, self.key, self.owner, nx=True, px=int(self.ttl_s * 1000)):
                     self.valid_until = t0 + LEASE_SHARE * self.ttl_s
                     return
             except (OSError, RedisError):
@@ -84,7 +105,7 @@ class RedisLock:
     async def renew(self) -> bool:
         try:
             t0 = time.monotonic()
-            if await self._r.eval(_RENEW, 1, self.key, self.owner, int(self.ttl_s * 1000)):
+            if await self._ask(self._r.eval, _RENEW, 1, self.key, self.owner, int(self.ttl_s * 1000)):
                 self.valid_until = t0 + LEASE_SHARE * self.ttl_s
                 return True
             return False
@@ -93,7 +114,7 @@ class RedisLock:
 
     async def release(self) -> None:
         try:
-            await self._r.eval(_RELEASE, 1, self.key, self.owner)
+            await self._ask(self._r.eval, _RELEASE, 1, self.key, self.owner)
         except Exception:
             pass  # redis down: the lock expires on its own after ttl_s
 
