@@ -163,6 +163,12 @@ class Metrics:
             "Unix time of the last store GC run that succeeded (0: none yet).",
             registry=r,
         )
+        # the store's own health (controller/store_probe.py)
+        self.store_up = Gauge(
+            "kvfleet_store_up",
+            "1 while the last store probe (one read every 5 s by default) was answered within 2 s, else 0.",
+            registry=r,
+        )
         self.rpc_errors = Counter(
             "kvfleet_rpc_errors_total", "RPCs answered with an error status.", ["method", "code"], registry=r
         )

@@ -37,6 +37,7 @@ from controller.quotas import SessionLimits
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.fleet import redact
 from controller.store_gc import DEFAULT_GC_INTERVAL_S, DEFAULT_VERDICT_TTL_S, GcConfig, StoreGc
+from controller.store_probe import DEFAULT_STORE_PING_INTERVAL_S, StoreProbe
 from controller.uploads import UploadGate, UploadLimits
 from fleet.core.errors import InvalidArgument
 from fleet.core.quarantine.layered import DetectorConfig, default_layers
@@ -73,6 +74,7 @@ class ControllerConfig:
     store_threads: int = 4
     gc_interval_s: float = DEFAULT_GC_INTERVAL_S  # the leader's store GC schedule (0: off)
     verdict_ttl_s: float = DEFAULT_VERDICT_TTL_S  # a cached verdict idle this long is pruned (--verdict-ttl)
+    store_ping_interval_s: float = DEFAULT_STORE_PING_INTERVAL_S  # the store probe's schedule (0: off)
     fleet_metrics_interval_s: float = DEFAULT_FLEET_METRICS_INTERVAL_S  # kernel-fleet metrics poll (0: off)
     kernel: dict[str, Any] = field(default_factory=dict)  # --kernel-* backend/device/groups (kernel_placement.py)
     # the Judge's detector layers (--detector-layers; default: the default layers installed here)
@@ -97,6 +99,9 @@ class ControllerConfig:
             raise InvalidArgument(f"--max-blob-bytes-per-tenant must be >= 0 (0: no quota), "
                                   f"got {self.max_blob_bytes_per_tenant}")
         GcConfig(self.gc_interval_s, self.verdict_ttl_s)  # raises InvalidArgument on a bad interval or TTL
+        if not 0 <= self.store_ping_interval_s < float("inf"):
+            raise InvalidArgument(f"store_ping_interval_s must be finite and >= 0 (0: off), "
+                                  f"got {self.store_ping_interval_s}")
 
 
 class Controller:
@@ -108,6 +113,7 @@ class Controller:
         self.health, self._router_config = health_servicer, router_config
         self._lead_task: asyncio.Task[None] | None = None
         self._lock: LeaderLock | None = None
+        self.store_probe = StoreProbe(ctx.store, ctx.metrics, health_servicer, cfg.store_ping_interval_s)
         self.stopped = False
 
     @property
@@ -188,6 +194,7 @@ class Controller:
         if self.ctx.router is not None:
             await self.ctx.router.stop()
         await self.ctx.store_gc.stop()
+        await self.store_probe.stop()
         await self.ctx.fleet_metrics.stop()
         await self.ctx.judge_lanes.aclose()  # queued verdicts dropped, running ones finish before the store closes
         for hook in self.ctx.on_stop:
@@ -273,6 +280,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
     await server.start()
     ctl = Controller(cfg, server, port, ctx, health_servicer, router_config)
     await ctl._set_serving(False)
+    await ctl.store_probe.start()  # "kvfleet.store" and kvfleet_store_up, whoever leads (controller/store_probe.py)
     if cfg.leader_election:
         ctl._lead_task = asyncio.create_task(ctl._lead(make_leader_lock(cfg.store_url, cfg.leader_ttl_s)))
     else:

@@ -1,0 +1,75 @@
+"""The store's own health, probed on a schedule: `kvfleet_store_up` (1/0) and the gRPC health service name
+"kvfleet.store" (SERVING/NOT_SERVING), on every controller, leader or standby.
+
+    probe = StoreProbe(store, metrics, health_servicer, interval_s=5.0)
+    await probe.start()       # one probe now, then one every interval_s (0: off, neither is set)
+    await probe.stop()
+
+A probe is one read of a key nobody writes (`kv_get`: one HGET on Redis, one SELECT on SQLite) on a thread of its
+own, so it never waits behind the store threads' queue, and counts as failed when the store raises or has not
+answered within timeout_s. At most one read is in flight: while a hung one waits (the Redis client's socket
+timeout is 60 s) the next probes wait on it instead of starting another, so a hung store holds one thread.
+
+NOTE: the overall health ("" and the kvfleet.v1 services, what a readiness probe asks) stays set by leadership
+alone. Every controller shares the one store, so a Redis blip would take every controller out of its Service
+at once: clients would find no controller (no reason given) instead of one that answers UNAVAILABLE naming the
+store, calls that need no store would fail too, and the way back would wait on the readiness probe's period.
+Alert on kvfleet_store_up, or probe "kvfleet.store" where a store outage should count (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+
+from controller.metrics import Metrics
+from controller.periodic import Periodic
+
+log = logging.getLogger("kvfleet.controller.store")
+STORE_HEALTH_SERVICE = "kvfleet.store"
+DEFAULT_STORE_PING_INTERVAL_S = 5.0
+STORE_PING_TIMEOUT_S = 2.0
+_PROBE_KEY = ("controller", "store_probe")  # never written: the read answers None
+
+
+class StoreProbe:
+    def __init__(self, store: Any, metrics: Metrics, health: Any, interval_s: float = DEFAULT_STORE_PING_INTERVAL_S,
+                 timeout_s: float = STORE_PING_TIMEOUT_S) -> None:
+        self.store, self.metrics, self.health, self.timeout_s = store, metrics, health, timeout_s
+        self.up: bool | None = None  # None: not probed yet
+        self._read: asyncio.Future[Any] | None = None
+        self._schedule = Periodic("kvfleet-store-probe", interval_s, self.probe, self._failed)
+
+    async def probe(self) -> bool:
+        """Probe once and publish the answer; True: the store answered within timeout_s."""
+        if self._read is None or self._read.done():
+            self._read = asyncio.ensure_future(asyncio.to_thread(self.store.kv_get, *_PROBE_KEY))
+            self._read.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "never retrieved"
+        # NOTE: asyncio.wait, not wait_for: on Python 3.11 wait_for swallows a cancel that comes as the read ends,
+        # and the stopped schedule went on for ever (a controller's stop() hung, 1 run in 6)
+        done, _ = await asyncio.wait({self._read}, timeout=self.timeout_s)
+        error = self._read.exception() if done else TimeoutError(f"no answer within {self.timeout_s:g} s")
+        await self._publish(error is None, str(error))
+        return error is None
+
+    async def _publish(self, up: bool, why: str) -> None:
+        if not up and self.up is not False:
+            log.warning("store probe failed, %s NOT_SERVING: %s", STORE_HEALTH_SERVICE, why)
+        elif up and self.up is False:
+            log.info("the store answers probes again")
+        self.up = up
+        self.metrics.store_up.set(1 if up else 0)
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(STORE_HEALTH_SERVICE, status)
+
+    def _failed(self, e: Exception) -> None:  # probe() catches the store's errors: only a bug lands here
+        log.warning("store probe failed: %s", e)
+
+    async def start(self) -> None:
+        await self._schedule.start()
+
+    async def stop(self) -> None:
+        await self._schedule.stop()
