@@ -5,14 +5,17 @@ rate, a fork that shared its parent's blocks, a regeneration after an actor is k
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 from support.controller import start_controller
 from support.workers import kill_host
 
 from controller.fleet_metrics import FleetMetricsPoller, snapshot
 from controller.metrics import Metrics
+from controller.proxy.metrics import ProxyMetrics
 from fleet.core.errors import InvalidArgument
 from fleet.sdk import NO_RETRY, AsyncFleetClient
 
@@ -144,3 +147,26 @@ def test_docs_list_every_fleet_and_gc_family() -> None:
     names = {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in names}
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     assert len(names) == 16 and sorted(n for n in names if f"`{n}`" not in doc) == []
+
+
+def _served(registry: CollectorRegistry) -> set[str]:
+    """The family names a scrape of `registry` shows (a counter's with its _total)."""
+    return {f"{fam.name}_total" if fam.type == "counter" else fam.name for fam in registry.collect()}
+
+
+def _named(doc: str) -> set[str]:
+    return set(re.findall(r"`(kvfleet_[a-z_]+)[`{]", doc))
+
+
+def test_the_docs_name_every_family_the_controller_and_the_proxy_serve_and_no_other() -> None:
+    """docs/metrics.md names every family of the controller's registry, docs/proxy.md every one of the proxy's, and
+    neither names one that neither serves. NOTE: four were served and named nowhere (kvfleet_kv_blocks_refused_total,
+    kvfleet_kv_events_over_budget_total, kvfleet_worker_errors_total, kvfleet_proxy_route_releases_total)."""
+    m = Metrics()
+    FleetMetricsPoller(lambda: _Fleet(STATS), m, interval_s=0).poll()  # the fleet families appear with a poll
+    controller, proxy = _served(m.registry), _served(ProxyMetrics().registry)
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    metrics_md, proxy_md = _named((docs / "metrics.md").read_text()), _named((docs / "proxy.md").read_text())
+    assert (len(controller), len(proxy)) == (47, 15)  # control: both registries were read whole
+    assert sorted(controller - metrics_md) == [] and sorted(proxy - proxy_md) == []
+    assert sorted(metrics_md - controller - proxy) == [] and sorted(proxy_md - controller - proxy) == []
