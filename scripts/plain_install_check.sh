@@ -24,12 +24,12 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   step "installing the dependencies of pyproject.toml (no extras)"
   rm -f "$stamp"
-  "$VENV/bin/python" -m pip install -q --no-compile 'setuptools>=68' . > "$VENV/pip.log" 2>&1 \
+  "$VENV/bin/python" -m pip install -q 'setuptools>=68' . > "$VENV/pip.log" 2>&1 \
     || { cat "$VENV/pip.log" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 step "reinstalling kvfleet from this tree"
-"$VENV/bin/python" -m pip install -q --no-compile --no-deps --force-reinstall --no-build-isolation . > "$VENV/pip.log" 2>&1 \
+"$VENV/bin/python" -m pip install -q --no-deps --force-reinstall --no-build-isolation . > "$VENV/pip.log" 2>&1 \
   || { cat "$VENV/pip.log" >&2; exit 1; }
 rm -rf build  # setuptools' scratch folder in the tree
 
