@@ -66,3 +66,31 @@ async def test_store_health_follows_a_redis_gone_silent(redis_url: str, tmp_path
         relay.silent = False
         await asyncio.wait_for(ctl.stop(0), 15)
         relay.close()
+
+
+async def test_before_its_first_probe_answers_the_store_reads_unknown_not_not_found(redis_url: str) -> None:
+    """NOTE: before, "kvfleet.store" was set only once a probe answered: a check in that moment got NOT_FOUND, as for
+    a service the controller does not have (seen once in the silent-Redis test above, whose probes go through a relay)."""
+    from grpc_health.v1.health import aio as health_aio
+
+    from controller.metrics import Metrics
+    from controller.store_probe import StoreProbe
+    from fleet.cas import open_store
+
+    relay = SilentRelay(("127.0.0.1", int(redis_url.rsplit(":", 1)[1].split("/")[0])))
+    store, health = open_store(f"redis://127.0.0.1:{relay.port}/0"), health_aio.HealthServicer()
+    relay.silent = True  # a real Redis store whose next read waits
+    probe = StoreProbe(store, Metrics(), health, interval_s=5.0, timeout_s=5.0)
+    try:
+        await probe.start()
+        await asyncio.sleep(0.05)  # the first probe has begun and waits on the store
+        class Context:  # the servicer's only use of it: the NOT_FOUND of a service never set
+            async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+                raise AssertionError(f"{STORE_HEALTH_SERVICE}: {code.name}")
+
+        check = await health.Check(health_pb2.HealthCheckRequest(service=STORE_HEALTH_SERVICE), Context())
+        assert check.status == HS.UNKNOWN
+    finally:
+        relay.silent = False  # the read in flight gets its answer
+        await probe.stop()
+        relay.close()
