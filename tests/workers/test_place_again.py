@@ -54,4 +54,7 @@ def test_a_create_or_fork_that_lost_the_last_slot_is_placed_again(two_hosts: Ker
     print(f"{verb} a: {out!r:.120}; filled: {box}")
     assert box["err"] is None and box["filled"] and set(box["filled"]) == {box["full"]}
     assert isinstance(out, dict) and out["node"] != box["full"] and out["state"] == "active"
-    assert f.tokens(tenant, "a")[:3] and sorted(r["sessions"] for r in f.node_stats()) in ([1, 2], [2, 2])
+    # each host asked on its own: node_stats() leaves out a host that answers over a second after the first, as one
+    # under load did once in a full run ([2] where [1, 2] was held)
+    held = sorted(ray.get(h.stats.remote(), timeout=60)["sessions"] for h in f.nodes.hosts.values())
+    assert f.tokens(tenant, "a")[:3] and held in ([1, 2], [2, 2])
