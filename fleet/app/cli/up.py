@@ -18,6 +18,7 @@ import contextlib
 import json
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,22 +93,41 @@ async def serve(args: argparse.Namespace) -> int:
         own_ray_tree=not args.ray_address,  # a local Ray, started here, is ours: its process tree goes when we go
         controller=overrides,
     )
-    stack = await start_stack(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # NOTE: before the start: Ctrl-C while Ray comes up stops it
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    stack = await _start_unless_stopped(start_stack(cfg), stop)
+    if stack is None:
+        print("kvfleet up: stopped before the fleet came up", flush=True)
+        return 0
     stack.ctl.ctx.need_router().set_cost_config(cost)
     await asyncio.to_thread(set_kernel_placement, stack.ctl.ctx.store, kernel)  # before the first session
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
     stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
     stack.ctl.ctx.node_max_sessions = args.node_max_sessions
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     _announce(args, stack, store)
     await stop.wait()
     print("kvfleet up: stopping (controller, stand-ins, Ray)", flush=True)
     await stack.stop()
     return 0
+
+
+async def _start_unless_stopped(start: Coroutine[Any, Any, Stack], stop: asyncio.Event) -> Stack | None:
+    """The started stack, or None when `stop` is set first: the start is then cancelled (start_stack stops what
+    it started). NOTE: the signal handlers used to be installed after the start, so Ctrl-C during a slow
+    `ray.init` did nothing."""
+    task = asyncio.ensure_future(start)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:

@@ -4,7 +4,9 @@
 
 vLLM workers, one row per (worker, dp_rank): serving and warm (separate questions), phase, KV
 disposition (preserved | forgotten | unknown), epoch, blocks indexed, last KV-event seq, load.
-Kernel nodes: sessions, radix prefix cache use, hit rate. Needs an operator token.
+Kernel nodes: sessions, radix prefix cache use, hit rate. The workers need an operator or reader token; the
+kernel nodes come from the session listing (operator), asked with a short deadline (NODES_S): when it fails
+or is slow (a reader token, the session fleet's Ray down) the workers are shown and the nodes say why not.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from fleet.app.cli.cells import cells, show
 from fleet.app.cli.session import add_ls_options
 from fleet.core.errors import KvfleetError
 
+NODES_S = 8.0  # the kernel nodes' deadline (above the controller's 5 s check of an unreachable Ray)
 
-def render_workers(workers: Sequence[Any], nodes: Sequence[Any]) -> Group:
-    """Two tables: vLLM workers (fleet.sdk.WorkerInfo) and kernel nodes (fleet.sdk.sessions.NodeRow)."""
+
+def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: str = "") -> Group:
+    """Two tables: vLLM workers (fleet.sdk.WorkerInfo) and kernel nodes (fleet.sdk.sessions.NodeRow);
+    `nodes_error`: why the kernel nodes could not be listed (shown in their table)."""
     w = Table(title="vLLM workers", title_justify="left")
     for col in ("worker", "rank", "url", "model", "serving", "warm", "phase", "kv", "epoch", "blocks", "seq", "load"):
         w.add_column(col, justify="right" if col in ("rank", "epoch", "blocks", "seq", "load") else "left")
@@ -42,22 +47,29 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any]) -> Group:
     for x in nodes:
         n.add_row(*cells(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
                          f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%"))
-    if not nodes:
+    if nodes_error:
+        n.add_row(*cells(f"(not listed: {nodes_error})"), *[""] * 7)
+    elif not nodes:
         n.add_row("(no kernel nodes yet)", *[""] * 7)
     return Group(w, n)
 
 
 def snapshot(c: Any) -> dict[str, Any]:
+    """The workers, and the kernel nodes or why they could not be listed (the workers are shown either way).
+    NOTE: before, a failed or slow session listing (a reader token; a controller whose Ray does not answer)
+    ended `worker ls` with its error, or held it 120 s, and showed no worker."""
     workers = c.workers()
-    nodes = c.fleet_sessions(fleet=True).nodes
-    return {"workers": workers, "nodes": nodes}
+    try:
+        return {"workers": workers, "nodes": c.fleet_sessions(fleet=True).nodes, "nodes_error": ""}
+    except KvfleetError as e:
+        return {"workers": workers, "nodes": [], "nodes_error": f"{type(e).__name__}: {e}"}
 
 
 def as_json(snap: dict[str, Any]) -> str:
     from dataclasses import asdict
 
-    return json.dumps({"workers": [asdict(w) for w in snap["workers"]],
-                       "nodes": [n.to_dict() for n in snap["nodes"]]}, indent=1)
+    out = {"workers": [asdict(w) for w in snap["workers"]], "nodes": [n.to_dict() for n in snap["nodes"]]}
+    return json.dumps({**out, **({"nodes_error": snap["nodes_error"]} if snap["nodes_error"] else {})}, indent=1)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -70,13 +82,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    from fleet.sdk import FleetClient
+    from fleet.sdk import FleetClient, RetryPolicy
 
     console = Console()
     try:
         from fleet.sdk.tls_flags import client_tls
 
-        with FleetClient(args.controller, args.token, **client_tls(args)) as c:
+        with FleetClient(args.controller, args.token, session_timeout=NODES_S, retry=RetryPolicy(deadline_s=NODES_S),
+                         **client_tls(args)) as c:
             if args.json:
                 print(as_json(snapshot(c)))
             elif args.watch:

@@ -29,6 +29,7 @@ from controller.auth import mint_token
 from controller.kernel_placement import kernel_spec_of
 from controller.metrics import Metrics
 from controller.proxy import Proxy, ProxyConfig
+from controller.ray_address import check_reachable
 from controller.router import RouterConfig
 from controller.server import Controller, ControllerConfig, build_server
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
@@ -139,9 +140,12 @@ async def settled_workers(op: AsyncFleetClient, sims: Mapping[str, SimVllm], tim
 
 
 def init_ray(address: str | None, num_cpus: int | None = None, own_tree: bool = False) -> bool:
-    """Join `address` or start a local Ray (namespace kvfleet); False when one was already up."""
+    """Join `address` or start a local Ray (namespace kvfleet); False when one was already up. An `address` where
+    nothing answers raises InvalidArgument naming --ray-address (controller/ray_address.py), Ray or no Ray."""
     import ray
 
+    if address:
+        check_reachable(address)
     if ray.is_initialized():
         return False
     kw: dict[str, Any] = {"namespace": "kvfleet", "include_dashboard": False, "log_to_driver": False,

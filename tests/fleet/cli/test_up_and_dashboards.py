@@ -94,6 +94,14 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert worker_cli.main(["ls", "--json", "--controller", addr, "--token", op]) == 0
         snap = json.loads(capsys.readouterr().out)
         assert [w["name"] for w in snap["workers"]] == ["w0"] and snap["nodes"][0]["num_sessions"] == 2
+        # a reader token lists workers but not sessions: the workers are shown, the nodes say why not (before:
+        # PermissionDenied, rc 2, no worker shown)
+        from controller.auth import mint_token
+
+        reader = mint_token(tmp_path / "tokens.json", "ops", "reader", "watcher")
+        assert worker_cli.main(["ls", "--controller", addr, "--token", reader]) == 0
+        shown = capsys.readouterr().out
+        assert "w0" in shown and "PermissionDenied" in shown
         # a tenant token may not list workers: a clear status, exit code 2
         assert worker_cli.main(["ls", "--controller", addr, "--token", tok]) == 2
         assert "PermissionDenied" in capsys.readouterr().err
@@ -137,3 +145,30 @@ def test_a_refresh_interval_must_be_a_finite_positive_number(interval: str, caps
         session_cli.parse(["ls", "--watch", "--interval", interval])
     assert e.value.code == 2 and "argument --interval" in capsys.readouterr().err
     assert session_cli.parse(["ls", "--interval", "0.5"]).interval == 0.5  # the control
+
+
+async def test_a_signal_while_the_fleet_starts_stops_the_start() -> None:
+    # before: `kvfleet up` installed its signal handlers after start_stack returned: Ctrl-C during a slow start
+    # (ray.init) did nothing
+    import asyncio
+
+    from fleet.app.cli import up as up_cli
+
+    cancelled = asyncio.Event()
+
+    async def slow_start() -> Any:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    assert await asyncio.wait_for(up_cli._start_unless_stopped(slow_start(), stop), 5) is None
+    assert cancelled.is_set()
+
+    async def quick_start() -> str:  # control: a start that ends first is returned
+        return "stack"
+
+    assert await up_cli._start_unless_stopped(quick_start(), asyncio.Event()) == "stack"  # type: ignore[arg-type]
