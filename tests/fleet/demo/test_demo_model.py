@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from fleet.app.demo.model import Greedy, Recorded, Sticky, max_min_share, replay, replay_all
+from fleet.app.demo.live import LiveResult
+from fleet.app.demo.model import Greedy, PolicyResult, Recorded, Sticky, max_min_share, replay, replay_all
+from fleet.app.demo.peers import reused_of, tally
+from fleet.app.demo.summary import render, summarize
 from fleet.app.demo.trace import Lifecycle, Request, Trace
+from fleet.app.demo.workload import DemoConfig
 
 B = 16
 SYS = tuple(range(1, 65))                        # 4 blocks shared by both agents
@@ -69,3 +73,31 @@ def test_the_witness_line_formats_its_figures() -> None:
     assert witness_line(q) == ("quarantine witness (agent-1, turn 4, 156 tokens, write-time): "
                                "max|Δ| evict-vs-never = 0, control kept-vs-never = 0.273")
     assert witness_line(dict(q, max_abs_delta=3.2e-07)).endswith("evict-vs-never = 3.2e-07, control kept-vs-never = 0.273")
+
+
+def _router_with_unanswered() -> PolicyResult:
+    """vllm-router's replay as the review saw it: the least prefill, because 3 of its 4 requests got no answer."""
+    out = PolicyResult.for_workers("vllm_router", ["w0", "w1"])
+    for tokens, answered in ((96, True), (128, False), (160, False), (192, False)):
+        tally(out, tokens, answered)
+    out.reused_tokens = reused_of(out.total_tokens, 96)  # the workers computed the one answered request
+    return out
+
+
+def test_an_unanswered_request_counts_no_tokens_and_no_hits() -> None:
+    # before: total = every request's tokens (576) and reused = total - prefilled = 480, more than the 96 tokens
+    # of the one request it served
+    r = _router_with_unanswered()
+    assert (r.num_requests, r.failed, r.total_tokens, r.reused_tokens, r.prefill_tokens) == (4, 3, 96, 0, 96)
+    assert reused_of(100, 140) == 0  # a given-up request computed after a wake never makes reuse negative
+
+
+def test_a_routing_with_unanswered_requests_is_never_the_best_other() -> None:
+    # before: summarize crowned the routing that answered 1 request of 4 "the best other routing"
+    live = LiveResult(trace(), {}, {}, [], 0, 1, 0.0)
+    s = summarize(DemoConfig(), live, _router_with_unanswered())
+    assert s["policies"]["vllm_router"]["prefill_tokens"] < min(
+        p["prefill_tokens"] for k, p in s["policies"].items() if k != "vllm_router")
+    assert s["best_other"] == "greedy" and s["unranked"] == {"vllm_router": 3}
+    lines = [str(x) for x in render(s).renderables[1:]]
+    assert any("vllm-router kv_aware (live replay): not ranked, 3 of 4 requests never answered" in x for x in lines)
