@@ -34,7 +34,13 @@ def show(console: Console, renderable: RenderableType) -> None:
     shrinks a table to fit, cutting urls, models and phases to "htt…"; a cell is at most MAX_CELL characters,
     so the widest table stays bounded.
     """
+    console.print(fit(console, renderable))
+
+
+def fit(console: Console, renderable: RenderableType) -> RenderableType:
+    """Where stdout is not a terminal, widen `console` to what `renderable` needs (show(), and each frame of a
+    piped --watch); returns `renderable`."""
     if not console.is_terminal:
         need = Measurement.get(console, console.options.update_width(1 << 16), renderable).maximum
         console.width = max(console.width, need)
-    console.print(renderable)
+    return renderable

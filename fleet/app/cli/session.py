@@ -21,8 +21,9 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from fleet.app.cli.cells import cells, show
+from fleet.app.cli.cells import cell, cells, fit, show
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls, client_tls
 
@@ -48,22 +49,84 @@ def _kernel(r: Any) -> str:
     return f"{backend}/{device}" if backend else "-"
 
 
-def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)", now: float | None = None) -> Table:
-    """The dashboard table (rows: fleet.sdk.sessions.SessionRow)."""
+Cell = Callable[[Any, float], str]
+# (header, cell, numeric): numeric cells never wrap and keep their whole width (before, at 80 columns the
+# numbers were squeezed to "…"); text cells fold onto more lines
+FULL: tuple[tuple[str, Cell, bool], ...] = (
+    ("session", lambda r, now: r.session_id, False),
+    ("tenant", lambda r, now: r.tenant, False),
+    ("node / host", lambda r, now: f"{r.node[:8]} / {_host(r.actor)}", False),
+    ("kernel", lambda r, now: _kernel(r), False),
+    ("tokens", lambda r, now: f"{r.num_tokens:,}", True),
+    ("history", lambda r, now: f"{r.history_tokens:,}" if r.history_tokens else "-", True),
+    ("alone", lambda r, now: _bytes(r.bytes_alone), True),
+    ("shared", lambda r, now: _bytes(r.bytes_shared), True),
+    ("hit rate", lambda r, now: f"{100 * r.hit_rate:.1f}%", True),
+    ("quarantined", lambda r, now: str(r.quarantined_spans), True),
+    ("state / epoch", lambda r, now: f"{r.state} / {r.epoch}", False),
+    ("last active", lambda r, now: _ago(r.last_active, now), True),
+)
+_COL = {c[0]: c for c in FULL}
+# Narrow terminals: node/host, then kernel go; below that, related numbers fold into two-line cells
+FOLDED: tuple[tuple[str, Cell, bool], ...] = (
+    _COL["session"], _COL["tenant"],
+    ("tokens\nhistory", lambda r, now: f"{_COL['tokens'][1](r, now)}\n{_COL['history'][1](r, now)}", True),
+    ("alone\nshared", lambda r, now: f"{_bytes(r.bytes_alone)}\n{_bytes(r.bytes_shared)}", True),
+    ("hit\nrate", _COL["hit rate"][1], True), ("quar.", _COL["quarantined"][1], True),
+    ("state /\nepoch", _COL["state / epoch"][1], False), ("last\nactive", _COL["last active"][1], True),
+)
+LAYOUTS = (FULL, tuple(c for c in FULL if c[0] != "node / host"),
+           tuple(c for c in FULL if c[0] not in ("node / host", "kernel")), FOLDED)
+TEXT_MIN = 6  # the least width a text column is given when choosing a layout
+
+
+def layout_for(rows: Sequence[Any], width: int | None, now: float) -> tuple[tuple[str, Cell, bool], ...]:
+    """The widest layout whose numbers fit whole in `width` columns (None: as wide as it needs, FULL)."""
+    if width is None:
+        return FULL
+    for cols in LAYOUTS:
+        if _need(cols, rows, now, folded=cols is FOLDED) <= width:
+            return cols
+    return FOLDED
+
+
+def _need(cols: Sequence[tuple[str, Cell, bool]], rows: Sequence[Any], now: float, folded: bool) -> int:
+    """Columns the table takes with every number whole and each text column TEXT_MIN wide."""
+    def widest(col: tuple[str, Cell, bool]) -> int:
+        texts = [col[0], *(col[1](r, now) for r in rows)]
+        return max(len(line) for t in texts for line in t.split("\n"))
+
+    cells_w = sum(widest(c) if c[2] else TEXT_MIN for c in cols)
+    return cells_w + (len(cols) + 1 if folded else 3 * len(cols) + 1)  # borders (+ padding 1 each side unfolded)
+
+
+def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)", now: float | None = None,
+                    width: int | None = None) -> Table:
+    """The dashboard table (rows: fleet.sdk.sessions.SessionRow) for a terminal `width` columns wide (None: as
+    wide as it needs): node/host, then kernel are left out, then numbers folded two to a cell, so that no
+    number is ever cut."""
     now = time.time() if now is None else now
-    t = Table(title=title, title_justify="left")
-    for col, right in (("session", False), ("tenant", False), ("node / host", False), ("kernel", False), ("tokens", True),
-                       ("history", True), ("alone", True), ("shared", True), ("hit rate", True), ("quarantined", True),
-                       ("state / epoch", False), ("last active", True)):
-        t.add_column(col, justify="right" if right else "left", no_wrap=not right and col != "node / host")
+    cols = layout_for(rows, width, now)
+    folded = cols is FOLDED
+    t = Table(title=title, title_justify="left", padding=(0, 0) if folded else (0, 1), show_lines=folded)
+    for head, _, numeric in cols:
+        t.add_column(head, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold")
     for r in rows:
         style = "red" if r.state == "lost" else "yellow" if r.state == "regenerated" else None
-        t.add_row(*cells(r.session_id, r.tenant, f"{r.node[:8]} / {_host(r.actor)}", _kernel(r), f"{r.num_tokens:,}",
-                         f"{r.history_tokens:,}" if r.history_tokens else "-", _bytes(r.bytes_alone), _bytes(r.bytes_shared), f"{100 * r.hit_rate:.1f}%",
-                         str(r.quarantined_spans), f"{r.state} / {r.epoch}", _ago(r.last_active, now)), style=style)
+        t.add_row(*(_cell(get(r, now), numeric) for _, get, numeric in cols), style=style)
     if not rows:
-        t.add_row("(no sessions)", *[""] * 11)
+        t.add_row("(no sessions)", *[""] * (len(cols) - 1))
     return t
+
+
+def _cell(value: str, numeric: bool) -> Text:
+    """A numeric cell's lines (ours: digits and units) kept as lines; a text cell shown as sent (cells.cell)."""
+    return Text("\n").join(cells(*value.split("\n"))) if numeric else cell(value)
+
+
+def width_of(console: Console) -> int | None:
+    """The width a dashboard is laid out for: the terminal's, or None (as wide as it needs) into a pipe."""
+    return console.width if console.is_terminal else None
 
 
 def _host(actor: str) -> str:
@@ -121,9 +184,9 @@ def main(argv: list[str]) -> int:
             if args.json:
                 print(json.dumps([r.to_dict() for r in rows()], indent=1))
             elif args.watch:
-                watch(console, lambda: render_sessions(rows()), args.interval, args.count)
+                watch(console, lambda: render_sessions(rows(), width=width_of(console)), args.interval, args.count)
             else:
-                show(console, render_sessions(rows()))
+                show(console, render_sessions(rows(), width=width_of(console)))
     except KvfleetError as e:
         print(f"kvfleet session ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -134,12 +197,13 @@ def main(argv: list[str]) -> int:
 
 def watch(console: Console, render: Callable[[], Any], interval: float, count: int = 0) -> None:
     """Redraw `render()` in place every `interval` s (it re-polls the controller); `count` > 0 stops
-    after that many polls. Shared by `session ls --watch` and `worker ls --watch`."""
+    after that many polls. Shared by `session ls --watch` and `worker ls --watch`. Into a pipe, each frame is as
+    wide as it needs, as show() prints (NOTE: before, piped frames were cut to 80 columns)."""
     from rich.live import Live
 
     polls = 1
-    with Live(render(), console=console, refresh_per_second=4) as live:
+    with Live(fit(console, render()), console=console, refresh_per_second=4) as live:
         while not count or polls < count:
             time.sleep(max(0.1, interval))
-            live.update(render(), refresh=True)
+            live.update(fit(console, render()), refresh=True)
             polls += 1

@@ -47,3 +47,52 @@ def test_a_dashboard_into_a_pipe_keeps_every_cell_whole(command: str, whole: lis
     assert [w for w in whole if w not in r.stdout] == [] and "…" not in r.stdout
     # Control: at 80 columns (what a pipe got) the same table does not fit.
     assert max(len(line) for line in r.stdout.splitlines()) > 80
+
+
+def _row(**kw: object) -> object:
+    from types import SimpleNamespace as NS
+
+    base = dict(session_id=SESSION, tenant="acme-research", node="0123456789abcdef", actor="host:kvfleet:0123",
+                backend="numpy", device="cpu", num_tokens=1234567, history_tokens=1000000, bytes_alone=3 << 30,
+                bytes_shared=(1 << 29) + (1 << 20), hit_rate=0.4567, quarantined_spans=12, state="regenerated",
+                epoch=17, last_active=1000.0)
+    return NS(**{**base, **kw})
+
+
+NUMBERS = ["1,234,567", "1,000,000", "3.0 GiB", "513.0 MiB", "45.7%", "12", "17", "100s ago"]
+
+
+@pytest.mark.parametrize("width", [200, 80, 60])
+def test_session_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> None:
+    # before: at 80 columns the numbers were squeezed to "1,23…" (found by review)
+    import io
+
+    from rich.console import Console
+
+    from fleet.app.cli.session import render_sessions
+
+    out = io.StringIO()
+    rows = [_row(), _row(session_id="s2", tenant="t", state="active", epoch=0)]
+    Console(file=out, width=width, force_terminal=True, color_system=None).print(
+        render_sessions(rows, now=1100.0, width=width))
+    text = out.getvalue()
+    print(text)
+    assert [n for n in NUMBERS if n not in text] == [] and "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert ("/ host:kvfleet" in text) == (width >= 200)  # node / host: shown only where there is room
+
+
+def test_a_piped_watch_is_as_wide_as_it_needs() -> None:
+    # before: --watch into a pipe used rich's 80 columns, not show()'s rule, and cut cells
+    import io
+
+    from rich.console import Console
+
+    from fleet.app.cli.session import render_sessions, watch, width_of
+
+    out = io.StringIO()
+    console = Console(file=out, width=80)  # a pipe: not a terminal
+    watch(console, lambda: render_sessions([_row()], now=1100.0, width=width_of(console)), 0.1, count=1)
+    text = out.getvalue()
+    assert SESSION in text and "/ host:kvfleet" in text and [n for n in NUMBERS[:6] if n not in text] == []
+    assert max(len(line) for line in text.splitlines()) > 80
