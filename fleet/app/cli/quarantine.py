@@ -73,14 +73,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _client(args: argparse.Namespace) -> Any:
+    """The client, with every TLS flag as session.py passes them. NOTE: before, TLS was passed only with --tls or
+    --tls-ca, so --tls-cert/--tls-key alone (mutual TLS) were ignored and the call went out in plaintext."""
     from fleet.sdk import FleetClient
+    from fleet.sdk.tls_flags import client_tls
 
-    kw: dict[str, Any] = {}
-    if getattr(args, "tls_ca", None) is not None or getattr(args, "tls", False):
-        from fleet.sdk.tls_flags import client_tls
-
-        kw = client_tls(args)
-    return FleetClient(args.controller, args.token, **kw)
+    return FleetClient(args.controller, args.token, **client_tls(args))
 
 
 def main(argv: list[str]) -> int:
