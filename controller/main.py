@@ -364,6 +364,8 @@ def metrics_host(listen: str, host: str | None) -> str:
 def _start_metrics(metrics: Metrics, port: int, host: str) -> int | None:
     if port < 0:
         return None
+    if port > 65535:  # NOTE: was OverflowError's traceback (found by review)
+        raise InvalidArgument(f"--metrics-port {port}: a port is 0-65535 (0: any free port; -1: no metrics)")
     from prometheus_client import start_http_server
 
     try:
@@ -391,7 +393,8 @@ async def serve(
     )
     print(
         f"kvfleet controller listening on {ctl.address} ({'TLS' if cfg.tls_cert else 'plaintext'}, {auth}); "
-        f"metrics on {mhost}:{mport}; store {redact(cfg.store_url)}"
+        + (f"metrics on {mhost}:{mport}" if mport is not None else "metrics off (--metrics-port -1)")
+        + f"; store {redact(cfg.store_url)}"
         + ("; leader election on" if cfg.leader_election else ""),
         flush=True,
     )

@@ -78,8 +78,11 @@ class ProxyConfig:
 
     def __post_init__(self) -> None:
         for name in ("controller", "listen"):
-            if ":" not in getattr(self, name):
-                raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT")
+            port = getattr(self, name).rsplit(":", 1)[-1] if ":" in getattr(self, name) else ""
+            # NOTE: only the colon was checked: --listen 127.0.0.1:99999 listened on 34463 (99999 - 65536), and
+            # 127.0.0.1:abc failed naming no flag (found by review)
+            if not port.isdigit() or int(port) > 65535:
+                raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT, the port 0-65535")
         if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
             raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
         if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s,

@@ -64,7 +64,7 @@ def _listing_error(e: KvfleetError) -> str:
     operator) token (--token)", a refused connection too (found by review): a token is the fix only when the
     controller refused the proxy's; an unreachable controller is named as such (fleet.sdk.base.to_error)."""
     if isinstance(e, Unauthenticated | PermissionDenied):
-        return f"{e}; give the proxy a reader (or operator) token (--token or KVFLEET_PROXY_TOKEN)"
+        return f"{e}; give the proxy a reader (or operator) token (--token, or KVFLEET_PROXY_TOKEN or KVFLEET_TOKEN)"
     return str(e)
 
 

@@ -39,9 +39,12 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet proxy", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--controller", default=e("KVFLEET_CONTROLLER", "127.0.0.1:50051"), help="controller HOST:PORT")
     p.add_argument("--listen", default=e("KVFLEET_PROXY_LISTEN", "127.0.0.1:8000"), help="HOST:PORT to serve on")
-    p.add_argument("--token", default=e("KVFLEET_PROXY_TOKEN"),
-                   help="the proxy's own bearer token to list workers: a read-only one is enough "
-                        "(`kvfleet controller --mint-token proxy --role reader`); not needed with auth off")
+    # NOTE: KVFLEET_TOKEN too, what `kvfleet up` and the other commands read; the proxy read only its own variable
+    # and started with no token and 0 workers known (found by review)
+    p.add_argument("--token", default=e("KVFLEET_PROXY_TOKEN") or e("KVFLEET_TOKEN"),
+                   help="the proxy's own bearer token to list workers (env KVFLEET_PROXY_TOKEN, else KVFLEET_TOKEN): a "
+                        "read-only one is enough (`kvfleet controller --mint-token proxy --role reader`); not needed "
+                        "with auth off")
     p.add_argument("--token-passthrough", action=argparse.BooleanOptionalAction, default=True,
                    help="forward each client's bearer token to the controller (default on); off: use --token "
                         "for every request (single-tenant, trusted network)")

@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet: the KV-cache layer for LLM agent fleets")
         p.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
-        p.parse_args(argv[:1] or ["--help"])
+        if not argv:  # NOTE: no command printed the help and exited 0, as if something had run (found by review)
+            p.print_help(sys.stderr)
+            return 2
+        p.parse_args(argv[:1])
         return 2
     target, _ = COMMANDS[argv[0]]
     mod_name, fn_name = target.split(":")

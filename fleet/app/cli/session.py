@@ -156,8 +156,10 @@ def add_ls_options(ls: argparse.ArgumentParser) -> None:
 
 def add_connection_options(p: argparse.ArgumentParser) -> None:
     """Where and as whom: the controller, the token and client TLS (every command that calls the controller)."""
-    p.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"))
-    p.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"))
+    p.add_argument("--controller", default=os.environ.get("KVFLEET_CONTROLLER", "127.0.0.1:50051"),
+                   help="the controller's HOST:PORT (env KVFLEET_CONTROLLER; default 127.0.0.1:50051)")
+    p.add_argument("--token", default=os.environ.get("KVFLEET_TOKEN"),
+                   help="your bearer token (env KVFLEET_TOKEN; not needed with the controller's auth off)")
     add_client_tls(p)
 
 

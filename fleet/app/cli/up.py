@@ -22,7 +22,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleet.core.errors import KvfleetError
+from fleet.core.errors import InvalidArgument, KvfleetError
 
 if TYPE_CHECKING:
     from fleet.app.testkit.stack import Stack
@@ -80,7 +80,10 @@ async def serve(args: argparse.Namespace) -> int:
     overrides = controller_overrides(args)
     limits = session_limits_from(args)
     state = Path(args.state_dir).expanduser().resolve()
-    state.mkdir(parents=True, exist_ok=True)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # NOTE: was a traceback (found by review)
+        raise InvalidArgument(f"--state-dir {args.state_dir}: cannot use it as a directory ({e.strerror or e})") from None
     store = args.store or f"sqlite:///{state / 'kvfleet.db'}"
     cfg = StackConfig(
         store_url=store,

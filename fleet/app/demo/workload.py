@@ -44,7 +44,9 @@ class DemoConfig:
             raise ValueError("the demo needs at least 2 agents and 8 turns (mid-run events need room)")
         if self.workers < 3:
             raise ValueError("the demo needs at least 3 stand-in workers (two of them sleep at times)")
-        assert self.num_blocks > 1 and self.block_size > 0 and self.output_tokens > 0 and self.branches >= 1
+        if self.num_blocks < 2:  # NOTE: was an assert: `kvfleet demo --num-blocks 1` ended in a traceback
+            raise ValueError("the demo needs at least 2 KV blocks per worker (--num-blocks)")
+        assert self.block_size > 0 and self.output_tokens > 0 and self.branches >= 1
 
     @property
     def schedule(self) -> Schedule:

@@ -1,0 +1,52 @@
+"""Common mistakes on the command line get one sentence naming the flag and exit 2, never a traceback or a silent
+success (a review of the CLI found each of these; what they did before is beside each case)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleet.core.errors import InvalidArgument
+
+
+def test_kvfleet_with_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.cli.main import main
+
+    assert main([]) == 2                                   # before: the help, and exit 0
+    assert "usage: kvfleet" in capsys.readouterr().err
+
+
+def test_up_with_a_state_dir_it_cannot_make(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.cli.up import main
+
+    (tmp_path / "f").write_text("a file")
+    assert main(["--state-dir", str(tmp_path / "f"), "--listen", "127.0.0.1:0"]) == 2   # before: FileExistsError
+    assert "--state-dir" in capsys.readouterr().err
+
+
+def test_ports_out_of_range_are_refused_naming_the_flag() -> None:
+    from controller.main import _start_metrics
+    from controller.metrics import Metrics
+    from controller.proxy.config import ProxyConfig
+
+    with pytest.raises(InvalidArgument, match="--metrics-port 99999"):   # before: OverflowError
+        _start_metrics(Metrics(), 99999, "127.0.0.1")
+    for listen in ("127.0.0.1:99999", "127.0.0.1:abc"):   # before: listened on 34463; "invalid literal for int()"
+        with pytest.raises(InvalidArgument, match="--listen"):
+            ProxyConfig(controller="127.0.0.1:50051", listen=listen)
+    assert ProxyConfig(controller="127.0.0.1:50051", listen="127.0.0.1:0").port == 0
+
+
+def test_the_proxy_takes_kvfleet_token_when_its_own_variable_is_unset() -> None:
+    from controller.proxy.main import parse_args
+
+    assert parse_args([], {"KVFLEET_TOKEN": "kvf_a"}).token == "kvf_a"     # before: None (0 workers known)
+    assert parse_args([], {"KVFLEET_TOKEN": "kvf_a", "KVFLEET_PROXY_TOKEN": "kvf_p"}).token == "kvf_p"
+
+
+def test_a_demo_of_one_block_per_worker_is_a_clear_error() -> None:
+    from fleet.app.demo.workload import DemoConfig
+
+    with pytest.raises(ValueError, match="--num-blocks"):   # before: AssertionError
+        DemoConfig(num_blocks=1)
