@@ -41,6 +41,7 @@ from controller.view import RankView, WorkerView
 from controller.vllm.budget import STEP_COST, FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
+from controller.vllm.loras import LoraLooks
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.core import lifecycle as lc
 from fleet.core.block_hash import HashConfig, calibrates
@@ -137,7 +138,7 @@ class _Sink:
         self.w.on_stream_invalidate(self.r, reason, seq)
 
 
-class Worker:
+class Worker(LoraLooks):
     """Runtime of one worker. All mutation happens on the event loop (no threads)."""
 
     def __init__(self, spec: WorkerSpec, *, store: KvStore, metrics: Metrics, index: IndexSink, cfg: WatchConfig,
@@ -150,7 +151,7 @@ class Worker:
         self.ranks: dict[int, RankState] = ranks or {r: RankState() for r in range(spec.dp_ranks)}
         self.hash_cfg: HashConfig | None = (HashConfig(spec.hash_algo or "sha256", spec.hash_seed, spec.block_size)
                                             if spec.block_size else None)
-        self.loras: dict[str, str] = {}  # its LoRA adapters: name -> path (refresh_loras)
+        self.loras: dict[str, str] = {}  # its LoRA adapters: name -> path (LoraLooks.refresh_loras)
         self._loras_at = -math.inf  # when refresh_loras last looked (monotonic)
         self._loras_lock = asyncio.Lock()
         # each rank's engine's series at the last look (vLLM's `engine` label); `load` is engine 0's, which also
@@ -495,44 +496,6 @@ class Worker:
         async with self.lock:
             self.apply_observation(await self.fetch())
         return all(st.serving for st in self.ranks.values())
-
-    # LoRA adapters. NOTE: read only at registration, an adapter loaded at runtime (vLLM's /v1/load_lora_adapter)
-    # was never routed (NotFound for good) and an unloaded one kept being routed (found by review). Now the reconcile
-    # loop looks every `lora_refresh_s`, and a route for an adapter no worker lists makes them look (Router).
-    async def refresh_loras(self, min_age_s: float) -> None:
-        """Look at the worker's adapters (one GET /v1/models) unless a look began less than `min_age_s` ago."""
-        if time.monotonic() - self._loras_at < min_age_s:
-            return
-        async with self._loras_lock:
-            if time.monotonic() - self._loras_at >= min_age_s:
-                await self._look_loras()
-
-    async def loras_since(self, asked: float, min_gap_s: float) -> None:
-        """Return once a look that began at or after `asked` (monotonic) has ended: one already begun is shared,
-        else one is taken, but no sooner than `min_gap_s` after the one before (what a flood of routes for an
-        unknown adapter may cost: one GET per `min_gap_s`; each waits at most that long for its look)."""
-        while self._loras_at < asked:
-            wait = self._loras_at + min_gap_s - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            async with self._loras_lock:
-                if self._loras_at < asked:
-                    await self._look_loras()
-        async with self._loras_lock:  # NOTE: a look holds the lock: the one that began after `asked` has ended
-            pass
-
-    async def _look_loras(self) -> None:
-        """One GET /v1/models (under _loras_lock); a failed look keeps the adapters as they were."""
-        self._loras_at = time.monotonic()
-        try:
-            loras = await self.http.loras()
-        except WorkerHttpError as e:
-            log.info("worker %s: its LoRA adapters are kept as they were (%s)", self.spec.name, e)
-            return
-        if loras != self.loras:
-            log.info("worker %s serves LoRA adapters %s (before: %s)", self.spec.name, sorted(loras), sorted(self.loras))
-            self.loras = loras  # NOTE: a new dict: a view already taken keeps the set it was taken with
 
     async def discover(self) -> None:
         """Block size (/server_info, else first events) and LoRA adapter paths (/v1/models root)."""
