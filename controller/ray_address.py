@@ -9,9 +9,17 @@ port; Ray's own timeout covers that case.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import socket
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument, Unavailable
+
+T = TypeVar("T")
 
 CONNECT_S = 5.0
 _NOT_CHECKED = ("", "auto", "local")  # Ray resolves these itself (RAY_ADDRESS, the local head, a new one)
@@ -50,3 +58,35 @@ def check_reachable(address: str, timeout_s: float = CONNECT_S) -> None:
     if why := unreachable(address, timeout_s):
         raise InvalidArgument(f"--ray-address {address}: no Ray head answers there ({why}); give the address "
                               "`ray start --head` printed, or leave the flag out for a local Ray")
+
+
+def check_ray(address: str) -> None:
+    """Unavailable, naming the Ray address, when nothing answers there (controller/ray_address.py): before, each
+    session call waited ~120 s in `ray.init`'s retries."""
+    if why := unreachable(address):
+        raise Unavailable(f"the session fleet's Ray at {address} (--ray-address) does not answer ({why}); "
+                          "session calls fail until a Ray head runs there")
+
+
+async def on_daemon_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread of its own, awaited. NOTE: the fleet's build (`ray.init`) cannot be interrupted;
+    on the admin pool a stuck one kept a stopped controller from exiting (the interpreter joins pool threads at
+    exit), so SIGTERM no longer ended `kvfleet controller` after one session call."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not fut.done():  # the awaiting call may be cancelled meanwhile
+            outcome()
+
+    def run() -> None:
+        try:
+            out = fn()
+            done = functools.partial(fut.set_result, out)
+        except BaseException as e:  # noqa: BLE001  (handed to the awaiting call)
+            done = functools.partial(fut.set_exception, e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, done)
+
+    threading.Thread(target=run, name="kvfleet-sessions-build", daemon=True).start()
+    return await fut

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from controller.kernel_placement import kernel_spec_of
 from controller.quotas import SessionLimits, TenantLanes, TenantLedger
+from controller.ray_address import check_ray, on_daemon_thread
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import (
@@ -199,7 +200,7 @@ class Sessions:
         if self.fleet is None:
             async with self._init:
                 if self.fleet is None:
-                    fleet = await _on_daemon_thread(self._build)
+                    fleet = await on_daemon_thread(self._build)
                     self._ledger = TenantLedger(fleet.kernel.block_bytes // fleet.kernel.block_size)
                     self._lanes.width = self.limits.tenant_concurrency
                     self._loop = asyncio.get_running_loop()
@@ -214,7 +215,7 @@ class Sessions:
         from workers.placement import RAY_NAMESPACE
 
         if self.ctx.ray_address:
-            _check_ray(self.ctx.ray_address)
+            check_ray(self.ctx.ray_address)
         if self.ctx.ray_address and not ray.is_initialized():
             ray.init(address=self.ctx.ray_address, namespace=RAY_NAMESPACE, log_to_driver=False)
         elif not ray.is_initialized():  # a local Ray: `kvfleet controller` owns its process tree (controller/ray_local.py)
@@ -452,40 +453,6 @@ class Sessions:
         drain.join(DRAIN_S)
         if drain.is_alive():
             log.warning("sessions: calls still running %.0f s after the stop; stopping the fleet under them", DRAIN_S)
-
-
-def _check_ray(address: str) -> None:
-    """Unavailable, naming the Ray address, when nothing answers there (controller/ray_address.py): before, each
-    session call waited ~120 s in `ray.init`'s retries."""
-    from controller.ray_address import unreachable
-
-    if why := unreachable(address):
-        raise Unavailable(f"the session fleet's Ray at {address} (--ray-address) does not answer ({why}); "
-                          "session calls fail until a Ray head runs there")
-
-
-async def _on_daemon_thread(fn: Callable[[], T]) -> T:
-    """`fn()` on a daemon thread of its own, awaited. NOTE: the fleet's build (`ray.init`) cannot be interrupted;
-    on the admin pool a stuck one kept a stopped controller from exiting (the interpreter joins pool threads at
-    exit), so SIGTERM no longer ended `kvfleet controller` after one session call."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(outcome: Callable[[], None]) -> None:
-        if not fut.done():  # the awaiting call may be cancelled meanwhile
-            outcome()
-
-    def run() -> None:
-        try:
-            out = fn()
-            done = functools.partial(fut.set_result, out)
-        except BaseException as e:  # noqa: BLE001  (handed to the awaiting call)
-            done = functools.partial(fut.set_exception, e)
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, done)
-
-    threading.Thread(target=run, name="kvfleet-sessions-build", daemon=True).start()
-    return await fut
 
 
 def _join(pools: Sequence[ThreadPoolExecutor]) -> None:
