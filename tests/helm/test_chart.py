@@ -12,7 +12,6 @@ import base64
 import copy
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +59,6 @@ def _docs(manifests: dict[str, str]) -> list[dict[str, Any]]:
             continue
         out += [d for d in yaml.safe_load_all(text) if d]
     return out
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
 
 
 @pytest.fixture(scope="module")
@@ -494,16 +487,6 @@ def test_schema_refuses_bad_values(chart: Any, values: dict[str, Any], message: 
     assert message in str(e.value)
     with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications"):
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
-
-
-@pytest.fixture(scope="module")
-def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The chart with values.schema.json removed, as `--skip-schema-validation` would run it."""
-    d = tmp_path_factory.mktemp("chart") / "kvfleet"
-    shutil.copytree(CHART, d)
-    (d / "values.schema.json").unlink()
-    with helm.Chart.load(d) as ch:
-        yield ch
 
 
 @pytest.mark.parametrize(("values", "message"), [

@@ -9,7 +9,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 from support.extras import require_encoder
-from test_chart import CHART, KUBE_VERSION, NAMESPACE, RELEASE, VLLM, _docs, container, one
+from test_chart import KUBE_VERSION, NAMESPACE, RELEASE, VLLM, _docs, container, one
 
 from controller.edge import EDGE_FLAGS
 from controller.main import parse_args
@@ -21,12 +21,6 @@ LIMITS = {"maxRouteTokens": 65536, "uploadsPerTenant": 4, "uploads": 32, "upload
           "gets": 24, "getBytesPerTenant": 1 << 23, "getBytes": 1 << 26, "getIdleTimeoutSeconds": 7.5}
 MTLS = {"tls": {"enabled": True, "secretName": "kvfleet-tls", "clientCa": True, "clientSecretName": "kvfleet-client"},
         "watcher": {"create": True, "vllmWorkers": VLLM}}
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
 
 
 def _objs(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import helm_python as helm
 import pytest
-from test_chart import CHART, NAMESPACE, RELEASE, _docs, container, one
+from test_chart import NAMESPACE, RELEASE, _docs, container, one
 
 from controller.judge_lanes import JudgeLimits
 from controller.main import config_from, parse_args
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
 
 
 def _args(chart: Any, values: dict[str, Any]) -> list[str]:

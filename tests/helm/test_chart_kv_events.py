@@ -6,19 +6,13 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from test_chart import CHART, NAMESPACE, RELEASE, _docs, container, one
+from test_chart import NAMESPACE, RELEASE, _docs, container, one
 
 from controller.main import STREAM_FLAGS, parse_args, stream_limits_from
 from controller.vllm.subscriber import StreamLimits
 
 KV = {"replayDeadlineSeconds": 2.5, "replayMaxBatches": 5000, "replayMaxBytes": 1 << 26, "maxMessageBytes": 1 << 24,
       "maxResidentBlocks": 100000, "maxEventsPerSecond": 5000, "maxEventBurst": 50000, "faultyHoldSeconds": 7.5}
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
 
 
 def _args(chart: Any, values: dict[str, Any]) -> list[str]:

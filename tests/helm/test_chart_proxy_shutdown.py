@@ -8,15 +8,9 @@ from typing import Any
 
 import helm_python as helm
 import pytest
-from test_chart import CHART, NAMESPACE, RELEASE, _docs, container, one
+from test_chart import NAMESPACE, RELEASE, _docs, container, one
 
 from controller.proxy.main import config_from, parse_args
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
 
 
 def _proxy(chart: Any, values: dict[str, Any]) -> dict[str, Any]:

@@ -11,18 +11,10 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-import helm_python as helm
 import kubernetes_validate
-import pytest
-from test_chart import CHART, KUBE_VERSION, NAMESPACE, RELEASE, _docs, container, one
+from test_chart import KUBE_VERSION, NAMESPACE, RELEASE, _docs, container, one
 
 RAY_PORTS = (6379, 10001)
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
 
 
 def _objs(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -27,12 +27,6 @@ from fleet.core.errors import ResourceExhausted
 CHART = Path(__file__).resolve().parents[2] / "helm" / "kvfleet"
 
 
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
-
-
 def _redis_args(chart: Any, values: dict[str, Any]) -> list[str]:
     sts = one(_docs(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "StatefulSet", "-redis")
     return list(container(sts)["args"])

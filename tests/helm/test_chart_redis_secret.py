@@ -9,12 +9,11 @@ may read Deployments, and in `kubectl describe`, `ps` on the node, audit logs) a
 from __future__ import annotations
 
 import base64
-import shutil
 from typing import Any
 
 import helm_python as helm
 import pytest
-from test_chart import CHART, NAMESPACE, RELEASE, _docs, container, one
+from test_chart import NAMESPACE, RELEASE, _docs, container, one
 
 from controller.main import parse_args
 
@@ -28,21 +27,6 @@ URLS = [
 ]
 SHOWN = ["redis://***@redis-master.db.svc:6379/0", "rediss://***@redis.db:6380/1", "redis://***@db:6379/0",
          "redis://db:6379/0?…", "unix://***@/var/run/redis.sock?…"]
-
-
-@pytest.fixture(scope="module")
-def chart() -> Any:
-    with helm.Chart.load(CHART) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    d = tmp_path_factory.mktemp("chart") / "kvfleet"
-    shutil.copytree(CHART, d)
-    (d / "values.schema.json").unlink()
-    with helm.Chart.load(d) as ch:
-        yield ch
 
 
 def _controller_env(objs: list[dict[str, Any]]) -> dict[str, Any]:
