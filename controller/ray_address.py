@@ -69,9 +69,14 @@ def check_ray(address: str) -> None:
 
 
 async def on_daemon_thread(fn: Callable[[], T]) -> T:
-    """`fn()` on a daemon thread of its own, awaited. NOTE: the fleet's build (`ray.init`) cannot be interrupted;
-    on the admin pool a stuck one kept a stopped controller from exiting (the interpreter joins pool threads at
-    exit), so SIGTERM no longer ended `kvfleet controller` after one session call."""
+    """`fn()` on a daemon thread of its own, awaited; the thread then stays (idle) until the process exits.
+
+    NOTE: the fleet's build (`ray.init`) cannot be interrupted; on the admin pool a stuck one kept a stopped
+    controller from exiting (the interpreter joins pool threads at exit), so SIGTERM no longer ended `kvfleet
+    controller` after one session call. The thread must outlive the build: a local Ray's daemons are started from
+    it with a parent-death signal (fleet/app/children.py), which Linux sends when the *thread* that started a child
+    ends, not the process; a thread that ended after the build killed the local Ray under the controller (its
+    first session call: "Socket closed")."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -87,6 +92,7 @@ async def on_daemon_thread(fn: Callable[[], T]) -> T:
             done = functools.partial(fut.set_exception, e)
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(settle, done)
+        threading.Event().wait()  # never set: the children this thread started live as long as the process
 
     threading.Thread(target=run, name="kvfleet-sessions-build", daemon=True).start()
     return await fut
