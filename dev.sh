@@ -62,6 +62,13 @@ case "$cmd" in
       [ "$plain_rc" -eq 0 ] || { echo "plain install check failed (exit $plain_rc)" >&2; exit "$plain_rc"; }
     fi
     export KVFLEET_TEST_EXTRAS=all  # .[dev] holds every extra: a test needing one fails if it is missing (tests/support/extras.py)
+    if [ $# -eq 0 ]; then
+      # Two pytest-xdist workers, each test file whole on one of them (its module fixtures shared), each worker
+      # with its own session fixtures (redis-server, local Ray: tests/conftest.py). About half the serial
+      # suite's time is waiting (processes starting, Ray, timeouts), which a second worker fills on 2 cores.
+      # KVFLEET_TEST_WORKERS=0 runs it serially.
+      set -- -n "${KVFLEET_TEST_WORKERS:-2}" --dist loadfile
+    fi
     exec python -m pytest "$@" ;;
   bench) name=${1:?usage: ./dev.sh bench NAME (a script in bench/, without .py)}; shift
     # The CAS benchmark compares against redis-benchmark (Debian's redis-tools) when it can be had.

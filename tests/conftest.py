@@ -1,4 +1,5 @@
-"""Fixtures own infrastructure: one real redis-server and one local Ray cluster for the whole run."""
+"""Fixtures own infrastructure: one real redis-server and one local Ray cluster for the whole run (per pytest-xdist
+worker: `./dev.sh test` runs two, each test file whole on one of them, so each worker has its own of each)."""
 
 from __future__ import annotations
 
