@@ -20,6 +20,7 @@ from aiohttp import web
 
 from controller.proxy.errors import ProxyError
 from controller.proxy.reading import read_json, upstream_headers
+from controller.proxy.tokenize import max_answer_bytes
 from controller.vllm.http import read_capped
 from fleet.sdk.types import WorkerInfo
 
@@ -30,12 +31,6 @@ log = logging.getLogger(__name__)
 JSON = msgspec.json.Encoder()
 MAX_TRIES = 2  # the worker chosen, then one other
 SENT_ON = ("/tokenize", "/detokenize")  # POST, with the request's model
-
-
-def max_answer_bytes(max_body_bytes: int) -> int:
-    """The most of a worker's answer relayed: the ids of the largest prompt the proxy accepts (each id at most 8
-    bytes of JSON per byte of prompt), plus 64 KiB."""
-    return 8 * max_body_bytes + (64 << 10)
 
 
 async def version(p: Proxy) -> web.Response:

@@ -94,6 +94,12 @@ def _ids(p: Any) -> list[int] | None:
         return None
 
 
+def max_answer_bytes(max_body_bytes: int) -> int:
+    """The most of a worker's /tokenize-sized answer read: the ids of the largest prompt the proxy accepts (a prompt
+    of n bytes has at most n ids, each at most 8 bytes of JSON), plus 64 KiB."""
+    return 8 * max_body_bytes + (64 << 10)
+
+
 def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int]:
     """The /tokenize body for an OpenAI request, or the ids themselves when the prompt is already ids.
 
@@ -235,7 +241,7 @@ class Tokenizer:
         self.num_calls += 1
         async with self.http.post(url.rstrip("/") + "/tokenize", data=data, headers=JSON_HEADERS,
                                   timeout=self._timeout) as r:
-            raw = await read_capped(r, limit := 8 * self.cfg.max_body_bytes + (64 << 10))
+            raw = await read_capped(r, limit := max_answer_bytes(self.cfg.max_body_bytes))
         if raw is None:  # NOTE: a prompt of n bytes has at most n ids, each at most 8 bytes of JSON
             raise ProxyError(502, f"tokenize: the worker's answer is over {limit} bytes, more than the ids of any "
                                   "prompt the proxy accepts")
