@@ -554,7 +554,7 @@ class Router:
         if pool is None:
             return
         if isinstance(ev, BlockStored):
-            pool.stored(ev.block_hashes, time.monotonic())
+            pool.stored(ev.block_hashes, time.monotonic(), ev.parent_block_hash)
         elif isinstance(ev, BlockRemoved):
             pool.removed(ev.block_hashes)
 

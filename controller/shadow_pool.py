@@ -106,6 +106,7 @@ class RankPool:
         self._unsent_block: dict[int, str] = {}  # their new hashed blocks -> the route
         self._num_taken = 0  # blocks unsent routes took off the queue's front, ever (`_Unsent.seq`)
         self._front_seq: dict[object, int] = {}  # blocks an undo put back at the front -> when they were taken
+        self._parent: dict[int, int] = {}  # a cached hash -> the block before it in its chain (stored events)
 
     # what the router reads
     def cached(self, h: int) -> bool:
@@ -271,6 +272,7 @@ class RankPool:
                     out.append(gone)
                     ev.pop(gone, None)
                     ev[gone] = entry
+                    self._parent.pop(gone, None)
             if h is not None and (h in ref or h in free):
                 # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
                 # one hash to both copies); the copy is held here unhashed
@@ -384,15 +386,21 @@ class RankPool:
                 ev[g] = public  # NOTE: in place: its age (and so its expiry) is unchanged
 
     # KV events
-    def stored(self, hashes: Iterable[int], now: float) -> None:
+    def stored(self, hashes: Iterable[int], now: float, parent: int | None = None) -> None:
         """BlockStored: a block the model did not place takes a slot, the way the pool had to, and they queue last
         block first (a BlockStored is one request's chain: vLLM frees a request's blocks tail first). One of an
         unsent tracked route's new blocks shows that route sent: every tenant believes its evictions from now.
+        `parent` (the event's parent_block_hash) and the blocks before it were that request's cache hit: vLLM
+        touched them, and they rejoin the tail after its new blocks, the chain's first block last (`_refresh`).
 
         NOTE: they queued in stored order, head first: after a replay (a restart) the shadow expected LRU to evict
         the oldest prompt's first block, hiding all of it, where vLLM drops its last blocks first."""
         new: list[int] = []
+        prev = parent
         for h in hashes:
+            if prev is not None:
+                self._parent[h] = prev
+            prev = h
             if self._unsent_block:
                 r = self._unsent_block.get(h)
                 if r is not None:
@@ -414,11 +422,32 @@ class RankPool:
                 new.append(h)
         for h in reversed(new):
             self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
+        if parent is not None:
+            self._refresh(parent)
+        if len(self._parent) > 2 * self.num_gpu_blocks:  # links of hashes that left by other paths (undone routes)
+            self._parent = {h: p for h, p in self._parent.items() if self.cached(h)}
+
+    def _refresh(self, h: int | None) -> None:
+        """A stored request hit `h` and every block before it in its chain: each free one moves to the queue's
+        tail, `h` first and the chain's first block last, as vLLM frees a request's blocks when it ends. Pinned
+        ones stay (their route frees them). NOTE: an untracked Route leaves the pool as it is, so before, the hits
+        of a request that was sent never moved: a long conversation's prefix kept the place its first turn gave it,
+        and the shadow predicted LRU evicting what vLLM, which touched it every turn, kept (WARM routed COLD)."""
+        free, parent, seen = self._free, self._parent, 0
+        while h is not None and seen < self.num_gpu_blocks:
+            if h in free:
+                free.move_to_end(h)
+                self._front_seq.pop(h, None)
+            elif h not in self._ref:
+                return
+            seen += 1
+            h = parent.get(h)
 
     def removed(self, hashes: Iterable[int]) -> None:
         """BlockRemoved: confirmed. A hash the model still held frees its slot (an unknown request took it)."""
         for h in hashes:
             self.evicted.pop(h, None)
+            self._parent.pop(h, None)
             if h in self._free:
                 del self._free[h]
                 self._front_seq.pop(h, None)
@@ -435,6 +464,7 @@ class RankPool:
         self._free.clear()
         self._front_seq.clear()
         self.evicted.clear()
+        self._parent.clear()
 
     def expire(self, now: float) -> None:
         ev = self.evicted
@@ -460,7 +490,10 @@ class RankPool:
             return None
         k, _ = self._free.popitem(last=False)
         self._front_seq.pop(k, None)
-        return k if isinstance(k, int) else None
+        if isinstance(k, int):
+            self._parent.pop(k, None)
+            return k
+        return None
 
 
 class ShadowPools:
