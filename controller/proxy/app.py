@@ -5,6 +5,8 @@ POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Rou
 POST BY_LOAD_PATHS (embeddings, pooling, score, rerank, classify, responses)   the same, routed by load alone
                                              (no ids to match: COLD), tool results not judged
 POST /tokenize, /detokenize, GET /version    sent on to a serving worker, unrouted (controller/proxy/passthrough.py)
+GET /v1/responses/{id}, POST /v1/responses/{id}/cancel   to the worker that stored the response; a /v1/responses
+                                             follow-up (`previous_response_id`) goes there too (controller/proxy/responses.py)
 GET  /v1/models    the union of the registered workers' model cards
 GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
 GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the fleet, and from SIGTERM on), /metrics
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp_cors
 from aiohttp import HttpVersion11, web
 
-from controller.proxy import passthrough
+from controller.proxy import passthrough, responses
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.reading import announced_size, read_json, upstream_headers
 from controller.proxy.relay import PREPARED, relay
@@ -69,6 +71,8 @@ def build_app(proxy: Proxy) -> web.Application:
     for path in passthrough.SENT_ON:
         app.router.add_post(path, h.tokens, expect_handler=h.expect)
     app.router.add_get("/version", h.version)
+    app.router.add_get("/v1/responses/{response_id}", h.stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", h.stored_response, expect_handler=h.expect)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/v1/workers", h.workers)
     app.router.add_get("/health", h.health)
@@ -190,6 +194,15 @@ class Handlers:
         await self._caller(req)
         return await passthrough.version(self.p)
 
+    async def stored_response(self, req: web.Request) -> web.StreamResponse:
+        """GET /v1/responses/{id} (a stream resumed with ?stream=true too) and POST /v1/responses/{id}/cancel: to the
+        worker that stored the response; vLLM's 404 when no worker holds it."""
+        _, tenant = await self._caller(req)
+        with self.p.bodies.admit(tenant, announced_size(req, self.p.cfg.max_body_bytes)) as shrink:
+            data = await req.read()  # NOTE: a cancel's body, if any, within the tenant's body budget
+            shrink(len(data))
+            return await responses.send_on(self.p, req, tenant, data)
+
     async def tokens(self, req: web.Request) -> web.Response:
         """POST /tokenize, /detokenize: the tenant's token and body budget, as for a routed request."""
         _, tenant = await self._caller(req)
@@ -229,6 +242,9 @@ class Handlers:
         base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token)
         d = await p.control.route(ids, base, lora=lora, token=token)
+        stored, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
+        if stored and (prev := responses.valid_id(body.get("previous_response_id"))):
+            to = await responses.to_holder(p, d, tenant, prev, base, upstream_headers(req))
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
         try:
@@ -246,12 +262,14 @@ class Handlers:
                     rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
                     return await p.control.move(d.route_id, t.worker, rank, token)  # False: not serving now
 
-                opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
+                opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved)
                 if p.fair is not None and priority and await p.fair.refused(opened):
                     opened.resp.close()   # a worker without the priority policy: the same request without one
                     fwd = p.fair.body(fwd, None)
-                    opened = await p.forwarder.open(req.path, enc.encode(fwd), d, base, upstream_headers(req), moved)
+                    opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved)
                 t = opened.target
+                if stored and opened.resp.status == 200 and (rid := responses.response_id(opened.first)):
+                    p.responses.pin(tenant, rid, t.worker)
                 extra = {
                     "x-kvfleet-worker": t.worker,
                     "x-kvfleet-verdict": t.verdict,

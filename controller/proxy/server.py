@@ -23,6 +23,7 @@ from controller.proxy.fair import FairPriority
 from controller.proxy.forward import Forwarder
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.quarantine import Enforcer
+from controller.proxy.responses import ResponsePins
 from controller.proxy.tokenize import Tokenizer
 
 WORKER_KEEPALIVE_S = 4.0  # an idle connection to a worker is closed after this: under vLLM's own 5 s (see start)
@@ -37,6 +38,7 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.bodies = BodyGate(cfg)
         self.fair = FairPriority() if cfg.fair_priority else None
+        self.responses = ResponsePins()  # which worker stored each /v1/responses answer (controller/proxy/responses.py)
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
                                      credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
         self._runner: web.AppRunner | None = None
@@ -97,6 +99,7 @@ class Proxy:
         """The directory dropped `name` (unregistered): its metric series and first-byte waits go."""
         self.metrics.forget_worker(name)
         self.forwarder.first_bytes.forget(name)
+        self.responses.forget_worker(name)
 
     async def shut_down(self) -> None:
         """A graceful stop (SIGTERM): /ready answers 503 at once while the proxy keeps accepting for

@@ -9,7 +9,13 @@ from aiohttp import web
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.completions import body_of, completions, unknown_model
-from fleet.app.testkit.sim_vllm.extra_routes import ANSWERS, answering, detokenizing, lora_updating
+from fleet.app.testkit.sim_vllm.extra_routes import (
+    ANSWERS,
+    answering,
+    detokenizing,
+    lora_updating,
+    responding,
+)
 from fleet.app.testkit.sim_vllm.metrics import metrics_text
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
@@ -188,6 +194,8 @@ def build_app(sim: Sim) -> web.Application:
         *(lora_updating(sim).items() if sim.cfg.engine.runtime_lora else ()),
     ):
         r.add_post(path, h)
+    for (method, path), h in responding(sim).items():
+        r.add_route(method, path, h)
 
     async def kv_event_sources(req: web.Request) -> web.Response:
         pub = sim.publisher

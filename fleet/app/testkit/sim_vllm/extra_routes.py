@@ -4,7 +4,8 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING) /v1/load_lora_adapter and /v1/unload_lora_adap
 
 NOTE: answered at once from the tokenized input, deterministically (a function of its ids): they do not go through
 the engine, so they take no queue slot, publish no KV events, and a sleeping stand-in answers them (a sleeping vLLM
-queues them). /v1/responses answers `stream: true` with a 400; the proxy tests need only its non-streamed shape.
+queues them). /v1/responses answers `stream: true` with a 400; the proxy tests need only its non-streamed shape. Its
+answers are stored (`parts.StoredResponses`) for `previous_response_id`, GET /v1/responses/{id} and cancel.
 """
 
 from __future__ import annotations
@@ -99,26 +100,77 @@ def _rerank(body: dict[str, Any], model: str) -> dict[str, Any]:
             "results": results[: body.get("top_n") or len(results)]}
 
 
-def _response(body: dict[str, Any], model: str) -> dict[str, Any]:
-    """/v1/responses, non-streamed: `input` is a string or a list of message items."""
+def _response(body: dict[str, Any], model: str, previous: dict[str, Any] | None) -> tuple[dict[str, Any], list[int]]:
+    """/v1/responses, non-streamed: `input` is a string or a list of message items; `previous` the stored response a
+    `previous_response_id` names (its conversation comes first). The answer, and the ids of the conversation."""
     if body.get("stream"):
         raise InvalidArgument("the stand-in answers /v1/responses unstreamed only")
     items = body.get("input")
     ids = (tok.apply_chat_template(items) if isinstance(items, list) else tok.tokenize(items))
+    if previous is not None:
+        ids = [*previous["kvfleet_sim_ids"], *ids]
     out = tok.synthetic_output(ids, int(body.get("max_output_tokens") or 16))
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "completed",
                "content": [{"type": "output_text", "text": tok.detokenize(out), "annotations": []}]}
     usage = {"input_tokens": len(ids), "output_tokens": len(out), "total_tokens": len(ids) + len(out),
              "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "completed", "output": [message], "usage": usage}
+    answer = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
+              "status": "completed", "output": [message], "usage": usage,
+              "previous_response_id": previous["id"] if previous is not None else None}
+    return answer, [*ids, *out]
+
+
+def _not_found(rid: str) -> web.Response:
+    """vLLM's answer for a response id its store does not hold."""
+    return web.json_response({"error": {"message": f"Response with id '{rid}' not found.",
+                                        "type": "invalid_request_error", "param": "response_id", "code": 404}},
+                             status=404)
+
+
+def responding(sim: Sim) -> dict[tuple[str, str], Handler]:
+    """POST /v1/responses, GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, with the stand-in's store
+    (`sim.responses`): a response is stored unless `store` is false, and a `previous_response_id` it does not hold is
+    vLLM's 404."""
+
+    async def create(req: web.Request) -> web.Response:
+        body = await body_of(req)
+        sim.received.add(req.path, await req.text(), body)
+        c = sim.cfg.engine
+        model = body.get("model") or c.names[0]
+        refused = unknown_model(c, model)
+        if refused:
+            return refused
+        prev = body.get("previous_response_id")
+        previous = sim.responses.items.get(prev) if isinstance(prev, str) else None
+        if prev is not None and previous is None:
+            return _not_found(str(prev))
+        answer, ids = _response(body, model if model in c.loras else c.names[0], previous)
+        if body.get("store", True):
+            sim.responses.add({**answer, "kvfleet_sim_ids": ids})
+        return web.json_response(answer)
+
+    async def retrieve(req: web.Request) -> web.Response:
+        rid = req.match_info["response_id"]
+        got = sim.responses.items.get(rid)
+        if got is None:
+            return _not_found(rid)
+        return web.json_response({k: v for k, v in got.items() if k != "kvfleet_sim_ids"})
+
+    async def cancel(req: web.Request) -> web.Response:
+        rid = req.match_info["response_id"]
+        if rid not in sim.responses.items:
+            return _not_found(rid)
+        return web.json_response({"error": {"message": "Cannot cancel a synchronous response.",
+                                             "type": "invalid_request_error", "param": None, "code": 400}}, status=400)
+
+    return {("POST", "/v1/responses"): create, ("GET", "/v1/responses/{response_id}"): retrieve,
+            ("POST", "/v1/responses/{response_id}/cancel"): cancel}
 
 
 ANSWERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "/v1/embeddings": _embeddings, "/pooling": _pooling, "/classify": _classify,
     "/score": _score, "/v1/score": _score,
     "/rerank": _rerank, "/v1/rerank": _rerank, "/v2/rerank": _rerank,
-    "/v1/responses": _response,
 }
 
 

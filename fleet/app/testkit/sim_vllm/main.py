@@ -25,7 +25,7 @@ from aiohttp import web
 from fleet.app.testkit.sim_vllm.app import build_app
 from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.app.testkit.sim_vllm.loop import EngineLoop
-from fleet.app.testkit.sim_vllm.parts import Received, SimConfig
+from fleet.app.testkit.sim_vllm.parts import Received, SimConfig, StoredResponses
 from fleet.app.testkit.sim_vllm.publisher import BindError, Publisher
 from fleet.core.errors import InvalidArgument
 
@@ -44,6 +44,7 @@ class SimVllm:
         self.engine = SimEngine(self.cfg.engine, self._publish)
         self.loop = EngineLoop(self.engine) if self.cfg.engine.time_scale > 0 else None
         self.received = Received()  # the completion requests it got (tests: bytes that must never arrive)
+        self.responses = StoredResponses()
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -89,6 +90,7 @@ class SimVllm:
     def restart(self) -> None:
         """A fast restart: empty cache, seq back to 0, replay buffer lost; same endpoints."""
         self.engine.restart()
+        self.responses.items.clear()
         assert self.publisher is not None
         self.publisher.restart()
 

@@ -3,7 +3,7 @@ running stand-in (main.SimVllm) that app.py and completions.py take, so they nev
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,6 +53,20 @@ class Received:
         return [text for _, _, text in self.items]
 
 
+@dataclass(slots=True)
+class StoredResponses:
+    """/v1/responses answers kept for `previous_response_id`, GET and cancel, as vLLM's API server keeps them (with
+    VLLM_ENABLE_RESPONSES_API_STORE) in its memory: a restart loses them. The last `maxlen`."""
+
+    maxlen: int = 1024
+    items: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+
+    def add(self, response: dict[str, Any]) -> None:
+        self.items[response["id"]] = response
+        while len(self.items) > self.maxlen:
+            self.items.popitem(last=False)
+
+
 class Sim(Protocol):
     """A running stand-in, as its HTTP routes see it (main.SimVllm is one)."""
 
@@ -61,5 +75,6 @@ class Sim(Protocol):
     publisher: Publisher | None
     loop: EngineLoop | None
     received: Received
+    responses: StoredResponses
 
     def restart(self) -> None: ...

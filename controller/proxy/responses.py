@@ -1,0 +1,164 @@
+"""vLLM's stored responses behind the proxy: which worker holds each one.
+
+vLLM keeps a stored response (`/v1/responses`, `store: true`) in the memory of the API server that answered it. A
+follow-up naming it (`previous_response_id`), GET /v1/responses/{id} and POST /v1/responses/{id}/cancel are answered
+by that server only; any other answers 404 "Response with id '...' not found.". So the proxy pins every response id
+a tenant was answered to the worker that answered it (`ResponsePins`, read off the answer's first bytes), and sends
+these requests there. A pin it does not have (the proxy restarted, or another replica answered the first request)
+is found by asking the model's serving workers, at most MAX_ASKED of them at once, for the response (GET, which
+reads it and changes nothing).
+
+A response id is what vLLM makes it, a capability: `resp_` and 128 random bits. Whoever holds one can read and
+continue that response, on vLLM alone as through the proxy; the pins are kept per tenant so that one tenant's
+answers never push out another's, and a lookup is only ever for an id the caller sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from controller.proxy.errors import ProxyError
+from controller.proxy.forward import Opened, Target
+from controller.proxy.reading import upstream_headers
+from controller.proxy.relay import relay
+from fleet.core.route_types import COLD, RouteDecision
+
+if TYPE_CHECKING:
+    from controller.proxy.server import Proxy
+
+log = logging.getLogger("kvfleet.proxy")
+
+# NOTE: the answer's first "id" is the response's: vLLM serialises ResponsesResponse with `id` first, and a stream's
+# first event is response.created, whose `response` object starts with it
+_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,128})"')
+_VALID = re.compile(r"resp_[A-Za-z0-9_\-]{1,128}")
+MAX_SCANNED = 64 << 10  # of the answer's first bytes
+MAX_ASKED = 16  # workers asked at once for a response no pin names
+
+
+def response_id(first: bytes) -> str | None:
+    """The response id an answer of /v1/responses begins with, or None."""
+    m = _ID.search(first, 0, MAX_SCANNED)
+    return m.group(1).decode() if m else None
+
+
+def valid_id(rid: object) -> str | None:
+    """`rid` if it is shaped as vLLM's response ids are (anything else is never looked up), else None."""
+    return rid if isinstance(rid, str) and _VALID.fullmatch(rid) else None
+
+
+class ResponsePins:
+    """Response id -> the worker that answered it, per tenant: at most `per_tenant` ids each, least recently used
+    first out, and at most `max_tenants` tenants (the least recently active leaves with its pins)."""
+
+    def __init__(self, per_tenant: int = 4096, max_tenants: int = 1024) -> None:
+        self.per_tenant, self.max_tenants = per_tenant, max_tenants
+        self._pins: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
+
+    def pin(self, tenant: str, rid: str, worker: str) -> None:
+        pins = self._pins.get(tenant)
+        if pins is None:
+            pins = self._pins[tenant] = OrderedDict()
+            if len(self._pins) > self.max_tenants:
+                self._pins.popitem(last=False)
+        self._pins.move_to_end(tenant)
+        pins[rid] = worker
+        pins.move_to_end(rid)
+        if len(pins) > self.per_tenant:
+            pins.popitem(last=False)
+
+    def get(self, tenant: str, rid: str) -> str | None:
+        pins = self._pins.get(tenant)
+        w = pins.get(rid) if pins is not None else None
+        if w is not None:
+            assert pins is not None
+            pins.move_to_end(rid)
+        return w
+
+    def forget_worker(self, worker: str) -> None:
+        """The worker left the fleet (or restarted): what it stored is gone with its memory."""
+        for pins in self._pins.values():
+            for rid in [r for r, w in pins.items() if w == worker]:
+                del pins[rid]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._pins.values())
+
+
+async def holder(p: Proxy, tenant: str, rid: str, base: str | None, headers: dict[str, str]) -> str | None:
+    """The worker holding response `rid`: the tenant's pin, else the first of the model's serving workers (at most
+    MAX_ASKED; `base` None: of any model) that answers GET /v1/responses/{rid} with 200 (pinned then). None: none does (the request then goes
+    where it is routed, and vLLM answers its 404)."""
+    w = p.responses.get(tenant, rid)
+    if w is not None and p.directory.get(w) is not None:
+        return w
+    ws = p.directory.serving_workers(base)[:MAX_ASKED]
+    if not ws:
+        return None
+    timeout = aiohttp.ClientTimeout(total=p.cfg.tokenize_timeout_s, sock_connect=p.cfg.connect_timeout_s)
+
+    async def ask(url: str) -> bool:
+        try:
+            async with p.http.get(f"{url.rstrip('/')}/v1/responses/{rid}", headers=headers, timeout=timeout) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            log.info("proxy: asking a worker for response %s failed: %s: %s", rid, type(e).__name__, e)
+            return False
+
+    found = await asyncio.gather(*(ask(w.url) for w in ws))
+    for w_info, ok in zip(ws, found, strict=True):
+        if ok:
+            p.responses.pin(tenant, rid, w_info.name)
+            return w_info.name
+    return None
+
+
+async def to_holder(p: Proxy, d: RouteDecision, tenant: str, rid: str, base: str,
+                    headers: dict[str, str]) -> RouteDecision:
+    """The decision `d` sent first to the worker holding response `rid` (as COLD: the proxy cannot compute the ids of
+    a conversation only that worker holds); `d` itself when no worker is known to hold it, or it is `d`'s."""
+    w = await holder(p, tenant, rid, base, headers)
+    info = p.directory.get(w) if w is not None else None
+    if info is None or w == d.worker:
+        return d
+    rank = next((c.dp_rank for c in d.candidates if c.worker == w), 0)
+    epoch = next((r.epoch for r in info.ranks if r.dp_rank == rank), 0)
+    return d._replace(worker=info.name, url=info.url, dp_rank=rank, verdict=COLD, matched_tokens=0, epoch=epoch)
+
+
+async def send_on(p: Proxy, req: web.Request, tenant: str, data: bytes) -> web.StreamResponse:
+    """GET /v1/responses/{id} or POST /v1/responses/{id}/cancel, sent to the worker holding the response and its
+    answer relayed as it comes (a resumed stream too); vLLM's own 404 when none holds it."""
+    rid = valid_id(req.match_info["response_id"])
+    headers = upstream_headers(req)
+    w = await holder(p, tenant, rid, None, headers) if rid is not None else None
+    info = p.directory.get(w) if w is not None else None
+    if info is None:
+        shown = req.match_info["response_id"][:200]
+        return web.json_response({"error": {"message": f"Response with id '{shown}' not found.",
+                                            "type": "invalid_request_error", "param": "response_id", "code": 404}},
+                                 status=404)
+    epoch = max((r.epoch for r in info.ranks), default=0)
+    t_sent = time.perf_counter()
+    try:
+        resp = await p.http.request(req.method, info.url.rstrip("/") + req.path_qs, data=data or None, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=p.cfg.connect_timeout_s))
+        try:
+            first = await resp.content.readany()
+        except BaseException:
+            resp.close()
+            raise
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        log.warning("proxy: %s on worker %s failed: %s: %s", req.path, info.name, type(e).__name__, e)
+        raise ProxyError(503, "the worker holding the response did not answer; retry shortly") from None
+    opened = Opened(Target(info.name, info.url, COLD, 0, epoch), resp, first, t_sent, time.perf_counter(), 1, ())
+    out, _ = await relay(req, opened, {"x-kvfleet-worker": info.name}, p.metrics)
+    return out
