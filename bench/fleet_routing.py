@@ -303,16 +303,29 @@ async def proxy_counters(url: str, http: aiohttp.ClientSession) -> dict[str, flo
     return out
 
 
-def variants(specs: list[Spec], timeouts: str) -> list[Spec]:
-    """`specs`, each kvfleet contender followed by a copy per --first-byte-timeouts value, named NAME@fbtVALUE."""
+def variants(specs: list[Spec], timeouts: str, named: list[str] | None = None) -> list[Spec]:
+    """`specs`, each kvfleet contender followed by a copy per --first-byte-timeouts value, named NAME@fbtVALUE, and
+    one per --variant TAG:VAR=VALUE[;VAR=VALUE] (the controller and proxy read their flags from KVFLEET_ variables),
+    named NAME@TAG."""
+    extra: list[tuple[str, dict[str, str], str]] = []
+    for v in filter(None, timeouts.split(",")):
+        extra.append((f"fbt{float(v):g}", {"KVFLEET_PROXY_FIRST_BYTE_TIMEOUT": f"{float(v):g}"},
+                      f"--first-byte-timeout {v}"))
+    for item in named or []:
+        tag, sep, assigns = item.partition(":")
+        env = dict(a.split("=", 1) for a in assigns.split(";") if "=" in a)
+        if not sep or not tag or not env or not all(k.startswith("KVFLEET_") for k in env):
+            raise SystemExit(f"--variant {item!r}: expected TAG:KVFLEET_VAR=VALUE[;KVFLEET_VAR=VALUE]")
+        extra.append((tag, env, " ".join(f"{k}={v}" for k, v in env.items())))
     out = []
     for spec in specs:
         out.append(spec)
-        for v in filter(None, timeouts.split(",")):
-            if spec.kind == "kvfleet":
-                name = f"{spec.name}@fbt{float(v):g}"
-                VARIANT_ENV[name] = {"KVFLEET_PROXY_FIRST_BYTE_TIMEOUT": f"{float(v):g}"}
-                out.append(dataclasses.replace(spec, name=name, label=f"{spec.label}, --first-byte-timeout {v}"))
+        if spec.kind != "kvfleet":
+            continue
+        for tag, env, said in extra:
+            name = f"{spec.name}@{tag}"
+            VARIANT_ENV[name] = env
+            out.append(dataclasses.replace(spec, name=name, label=f"{spec.label}, {said}"))
     return out
 
 
@@ -351,7 +364,7 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
     try:
         env = VARIANT_ENV.get(spec.name, {})
         try:
-            os.environ.update(env)  # NOTE: read by the proxy process launch.start spawns, and only by it
+            os.environ.update(env)  # NOTE: read by the controller and proxy processes launch.start spawns
             run = await launch.start(spec, fleet, tmp, wl.tenants)
         except Unavailable as e:
             return {**out, "unavailable": str(e)}
@@ -512,6 +525,14 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each kvfleet contender with the proxy's --first-byte-timeout at these values, "
         "as contenders named NAME@fbtVALUE (the proxy's default is the plain NAME)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="TAG:VAR=VALUE[;VAR=VALUE]",
+        help="also run each kvfleet contender with these KVFLEET_ variables set for its controller and proxy "
+        "(their flags, e.g. m96:KVFLEET_ROUTE_AFFINITY_MARGIN=96), as contenders named NAME@TAG; repeatable",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
@@ -569,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(a.from_json.read_text())
     else:
         try:
-            specs = variants([CONTENDERS[n] for n in names], a.first_byte_timeouts)
+            specs = variants([CONTENDERS[n] for n in names], a.first_byte_timeouts, a.variant)
             results = asyncio.run(run_all(parse_cells(a), specs, opt, a.quick))
         finally:
             launch.kill_all()

@@ -6,7 +6,7 @@
 Environment variables are read here and nowhere else (flags win): KVFLEET_LISTEN, KVFLEET_STORE,
 KVFLEET_TOKENS_FILE, KVFLEET_METRICS_PORT, KVFLEET_TLS_CERT, KVFLEET_TLS_KEY, KVFLEET_RAY_ADDRESS, KVFLEET_GC_INTERVAL,
 KVFLEET_SALT_SECRET (hex; default: generated once and kept in the store), KVFLEET_TLS_CLIENT_CA,
-KVFLEET_METRICS_HOST.
+KVFLEET_METRICS_HOST, and KVFLEET_ + each --route-* and --kv-* flag in capitals.
 
 The edge limits (--max-route-tokens, --max-upload*, --upload-idle-timeout, --grpc-*) are in
 controller/edge.py and controller/uploads.py; each refusal names the flag that sets it.
@@ -151,16 +151,18 @@ def stream_limits_from(args: argparse.Namespace) -> Any:
         raise InvalidArgument(f"{flag}: {e}") from None
 
 
-def add_cost_flags(p: argparse.ArgumentParser) -> None:
-    """The --route-* flags (shared by `kvfleet controller` and `kvfleet up`)."""
+def add_cost_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """The --route-* flags (shared by `kvfleet controller` and `kvfleet up`); with `env`, each also read from the
+    environment as KVFLEET_ + the flag in capitals (--route-affinity-margin: KVFLEET_ROUTE_AFFINITY_MARGIN)."""
     defaults = CostConfig()
     for flag, (field, kind, text) in COST_FLAGS.items():
+        var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
         p.add_argument(
             flag,
             type=kind,
-            default=None,
+            default=(env or {}).get(var),  # NOTE: argparse parses a string default with type=
             dest=field,
-            help=f"{text} (default {getattr(defaults, field)}; docs/routing.md)",
+            help=f"{text} (default {getattr(defaults, field)}; docs/routing.md" + (f"; env {var})" if env is not None else ")"),
         )
 
 
@@ -256,7 +258,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         "each with an optional threshold, e.g. acme=rules,learned:0.99 or beta=rules,encoder:0.995 (every encoder member) or "
         "encoder:0.97/0.98 (one per member) (other tenants: --detector-layers)",
     )
-    add_cost_flags(p)
+    add_cost_flags(p, env)
     p.add_argument(
         "--reset-drain-timeout",
         type=float,

@@ -556,6 +556,13 @@ def test_route_flags_make_the_cost_config_and_bad_weights_stop_the_controller(tm
     assert cost_config_from(args) == CostConfig(queue_weight=1.5, untracked_request_tokens=64)
     assert cost_config_from(parse_args([], {})) == CostConfig()
     assert cost_config_from(parse_up(["--route-pressure-weight", "0"])) == CostConfig(pressure_weight=0.0)
+    # each flag also from the environment, as the --kv-* flags are (the flag wins)
+    env = {"KVFLEET_ROUTE_AFFINITY_MARGIN": "96", "KVFLEET_ROUTE_QUEUE_WEIGHT": "0.5"}
+    assert cost_config_from(parse_args([], env)) == CostConfig(affinity_margin=96.0, queue_weight=0.5)
+    assert cost_config_from(parse_args(["--route-queue-weight", "2"], env)) == CostConfig(affinity_margin=96.0,
+                                                                                          queue_weight=2.0)
+    assert main(["--store", f"sqlite:///{tmp_path}/x.db"], {"KVFLEET_ROUTE_REQUEST_WEIGHT": "-1"}) == 2
+    assert "--route-request-weight" in capsys.readouterr().err
     assert main(["--route-kv-high-water", "1.0", "--store", f"sqlite:///{tmp_path}/x.db"], {}) == 2
     assert "--route-kv-high-water" in capsys.readouterr().err
     assert not (tmp_path / "x.db").exists()  # refused before anything started
