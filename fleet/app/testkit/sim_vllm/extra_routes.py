@@ -133,18 +133,14 @@ def responding(sim: Sim) -> dict[tuple[str, str], Handler]:
     vLLM's 404."""
 
     async def create(req: web.Request) -> web.Response:
-        body = await body_of(req)
-        sim.received.add(req.path, await req.text(), body)
-        c = sim.cfg.engine
-        model = body.get("model") or c.names[0]
-        refused = unknown_model(c, model)
+        body, model, refused = await _received(sim, req)
         if refused:
             return refused
         prev = body.get("previous_response_id")
         previous = sim.responses.items.get(prev) if isinstance(prev, str) else None
         if prev is not None and previous is None:
             return _not_found(str(prev))
-        answer, ids = _response(body, model if model in c.loras else c.names[0], previous)
+        answer, ids = _response(body, model, previous)
         if body.get("store", True):
             sim.responses.add({**answer, "kvfleet_sim_ids": ids})
         return web.json_response(answer)
@@ -178,14 +174,20 @@ def answering(sim: Sim, answer: Callable[[dict[str, Any], str], dict[str, Any]])
     """The route for one of ANSWERS: the model checked as vLLM checks it, the request recorded (`sim.received`)."""
 
     async def handler(req: web.Request) -> web.Response:
-        body = await body_of(req)
-        sim.received.add(req.path, await req.text(), body)
-        c = sim.cfg.engine
-        model = body.get("model") or c.names[0]
-        refused = unknown_model(c, model)
-        return refused or web.json_response(answer(body, model if model in c.loras else c.names[0]))
+        body, model, refused = await _received(sim, req)
+        return refused or web.json_response(answer(body, model))
 
     return handler
+
+
+async def _received(sim: Sim, req: web.Request) -> tuple[dict[str, Any], str, web.Response | None]:
+    """The request's body, recorded (`sim.received`); the model that answers it (an adapter's name, else the served
+    model's first name); vLLM's 404 when it names a model the stand-in does not serve (else None)."""
+    body = await body_of(req)
+    sim.received.add(req.path, await req.text(), body)
+    c = sim.cfg.engine
+    model = body.get("model") or c.names[0]
+    return body, model if model in c.loras else c.names[0], unknown_model(c, model)
 
 
 def detokenizing(sim: Sim) -> Handler:
