@@ -18,7 +18,8 @@ A host that dies takes its sessions with it: Ray restarts it empty (`max_restart
 durable in its op log, is rebuilt on its next call (`SessionGone` tells the fleet) or by `reconcile()`.
 A detached host outlives the controller, sessions and all, so a restarted controller finds them warm.
 A kernel no registry record names (an orphan: its create's or fork's call timed out and the fleet cleaned up
-before the host ran it) is replaced by the next create or fork of its name that the record names (`_insert`).
+before the host ran it) is replaced by the next create or fork of its name that the record names (`_insert`),
+and a full host closes the ones no record names at all when placement asks it for room (`offer`).
 
 Each node has a KV budget (`kv_budget_bytes`: the blocks its tree holds plus what its sessions hold
 privately) and a session budget (`max_sessions`); placement asks every node for an `offer` and skips
@@ -49,6 +50,7 @@ VERBS = frozenset({
     "working_set", "fork_point", "digest", "last_logits", "tokens", "pieces", "info", "stall", "unstall",
 })
 ORPHAN_TRIES = 3  # looks at a name a create or fork finds held (an orphan replaced, or the holder changed meanwhile)
+ORPHAN_SWEEP_S = 10.0  # the most often a full host reads its sessions' records for orphans (`offer`)
 
 
 def resident_bytes() -> int:
@@ -100,6 +102,7 @@ class KernelHost:
         # session -> (epoch, its rebuild): a rebuild is the host's job, not its caller's (`regenerate`)
         self._rebuilds: dict[tuple[str, str], tuple[int, asyncio.Future[dict[str, Any]]]] = {}
         self._forks: dict[SessionKernel, asyncio.Future[dict[str, Any]]] = {}  # a fork's restore, which its retry joins
+        self._swept_at = -ORPHAN_SWEEP_S  # event-loop time of the last sweep for orphans (`_sweep_orphans`)
 
     def _load(self, spec: KernelSpec) -> tuple[Any, Any]:
         """The kernel (weights loaded once, for every session) and its tokenizer; then the resident
@@ -131,7 +134,10 @@ class KernelHost:
     async def offer(self, tenant: str, tokens: list[int]) -> dict[str, Any]:
         """Placement probe (counts nothing): tokens of `tokens` this node holds warm, its number of
         sessions and its session budget, its KV bytes left (budget - cached blocks - sessions' private blocks), and
-        its kernel's model_id (a lost session is rebuilt on a kernel of its own where one has room)."""
+        its kernel's model_id (a lost session is rebuilt on a kernel of its own where one has room). A full host
+        first closes its orphans that no record names (`_sweep_orphans`)."""
+        if len(self.sessions) >= self.max_sessions:
+            await self._sweep_orphans()
         m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
         return {"matched": max(0, m.num_matched - self.block_size), "sessions": len(self.sessions),
                 "max_sessions": self.max_sessions, "free_bytes": self.kv_budget_bytes - self.used_bytes(),
@@ -261,6 +267,21 @@ class KernelHost:
             return False
         rec = await asyncio.to_thread(self.registry.get, held.tenant, held.session_id)
         return rec is not None and rec.create_op_id == owner and held.create_op_id != owner
+
+    async def _sweep_orphans(self) -> None:
+        """Close every held kernel whose session has no record at all (at most once per ORPHAN_SWEEP_S): a try its
+        caller gave up on, and whose name no later try took, or a close that never reached the host. A record is
+        saved before a create or fork asks a host, so a kernel of a session in the making always has one.
+        NOTE: before, such an orphan held its slot until the host restarted (placement skips a full host)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._swept_at < ORPHAN_SWEEP_S:
+            return
+        self._swept_at = now
+        held = list(self.sessions.values())
+        records = await asyncio.to_thread(lambda: [self.registry.get(s.tenant, s.session_id) for s in held])
+        for s, rec in zip(held, records, strict=True):
+            if rec is None and self.sessions.get((s.tenant, s.session_id)) is s:
+                await self._replace_orphan(s)
 
     async def _replace_orphan(self, held: SessionKernel) -> None:
         """Close the orphan `held` (its op in flight finishes first, or writes nothing), then delete its op log

@@ -10,11 +10,12 @@ the host is asked) and the host then runs the call itself: a real host, a real r
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
-from support.workers import host_of
+from support.workers import SPEC, host_of
 
 from fleet.core.errors import AlreadyExists, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
@@ -83,3 +84,23 @@ def test_a_create_never_replaces_a_session_the_registry_names(kfleet: KernelFlee
     with pytest.raises(AlreadyExists):
         ray.get(host_of(f.store_url, node).create_session.remote(tenant, "s", [1, 2, 3], "another-op"), timeout=120)
     assert f.tokens(tenant, "s") == tokens and _ops(f, tenant, "s") == ops and _held(f, tenant) == ["s"]
+
+
+def test_a_full_host_closes_an_orphan_no_later_try_replaced(ray_cluster: None, tmp_path: Path, tenant: str) -> None:
+    """An orphan whose name is never created again held its slot until the host restarted: a full host is skipped by
+    placement, so a create of another name found no room (ResourceExhausted). Now a full host asked for room reads
+    its sessions' records and closes the kernels no record names (the control: the session with a record stays)."""
+    f = KernelFleet(f"sqlite:///{tmp_path / 'full.db'}", SPEC, call_timeout_s=120.0, node_max_sessions=2)
+    try:
+        f.create_session(tenant, "p", "You are the parent.")
+        arrive = _late(f, "create_session")
+        with pytest.raises(Unavailable):
+            f.create_session(tenant, "s", "You are agent one.")
+        arrive()
+        assert f.registry.get(tenant, "s") is None and _held(f, tenant) == ["p", "s"]  # full, one slot an orphan's
+        row = f.create_session(tenant, "q", "You are agent two.")   # NOTE: before, ResourceExhausted
+        assert row["state"] == "active" and _held(f, tenant) == ["p", "q"]
+        assert not _ops(f, tenant, "s")  # the orphan's log went with it
+        assert f.tokens(tenant, "p") == encode_message(f.tokenizer, "system", "You are the parent.")
+    finally:
+        f.shutdown()
