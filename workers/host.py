@@ -36,10 +36,11 @@ from typing import Any
 import ray
 
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from fleet.core.oplog import ForkOp, Op, kv_follows_tokens, made_by, parse_log
+from fleet.core.oplog import ForkOp, Op, kv_follows_tokens
 from fleet.core.radix import RadixTree
 from workers.lanes import TenantLanes, interpreter_bound
-from workers.placement import NODE_MAX_SESSIONS, drop_blob_refs, fleet_scope, host_name, tenant_salt
+from workers.orphans import ORPHAN_SWEEP_S, Orphans
+from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
 from workers.registry import SessionRegistry
 from workers.session_kernel import SessionGone, SessionKernel
 from workers.spec import KernelSpec, make_kernel, make_tokenizer, model_config, pin_threads
@@ -50,7 +51,6 @@ VERBS = frozenset({
     "working_set", "fork_point", "digest", "last_logits", "tokens", "pieces", "info", "stall", "unstall",
 })
 ORPHAN_TRIES = 3  # looks at a name a create or fork finds held (an orphan replaced, or the holder changed meanwhile)
-ORPHAN_SWEEP_S = 10.0  # the most often a full host reads its sessions' records for orphans (`offer`)
 
 
 def resident_bytes() -> int:
@@ -62,7 +62,7 @@ def resident_bytes() -> int:
         return 0
 
 
-class KernelHost:
+class KernelHost(Orphans):
     """The sessions of one node, in one process, and the node's prefix cache."""
 
     def __init__(self, node_id: str, store_url: str, kernel_spec: dict[str, Any],
@@ -257,44 +257,6 @@ class KernelHost:
             if self.sessions.get(key) is held:  # else it changed while the registry was read: look again
                 await self._replace_orphan(held)
         raise AlreadyExists(f"session {session_id} already exists")
-
-    async def _orphaned(self, held: SessionKernel, owner: str) -> bool:
-        """Whether `held` is an orphan a create or fork of op id `owner` replaces: the session's record (read off the
-        event loop) names `owner`, not `held`'s session. Such a kernel was opened by a try whose caller gave up on it
-        (its call timed out) and had removed its record already, so no record can name it again; it would otherwise
-        hold the name on this host until the host restarts. A try with no op id replaces nothing."""
-        if not owner:
-            return False
-        rec = await asyncio.to_thread(self.registry.get, held.tenant, held.session_id)
-        return rec is not None and rec.create_op_id == owner and held.create_op_id != owner
-
-    async def _sweep_orphans(self) -> None:
-        """Close every held kernel whose session has no record at all (at most once per ORPHAN_SWEEP_S): a try its
-        caller gave up on, and whose name no later try took, or a close that never reached the host. A record is
-        saved before a create or fork asks a host, so a kernel of a session in the making always has one.
-        NOTE: before, such an orphan held its slot until the host restarted (placement skips a full host)."""
-        now = asyncio.get_running_loop().time()
-        if now - self._swept_at < ORPHAN_SWEEP_S:
-            return
-        self._swept_at = now
-        held = list(self.sessions.values())
-        records = await asyncio.to_thread(lambda: [self.registry.get(s.tenant, s.session_id) for s in held])
-        for s, rec in zip(held, records, strict=True):
-            if rec is None and self.sessions.get((s.tenant, s.session_id)) is s:
-                await self._replace_orphan(s)
-
-    async def _replace_orphan(self, held: SessionKernel) -> None:
-        """Close the orphan `held` (its op in flight finishes first, or writes nothing), then delete its op log
-        if it made that log (its create or fork wrote it after the fleet's cleanup had looked)."""
-        await self.close(held.tenant, held.session_id, held.owner)
-
-        def drop_log() -> None:
-            log = parse_log(self.store.oplog_read(held.tenant, held.session_id))
-            if made_by(log, held.create_op_id):
-                drop_blob_refs(self.store, log)
-                self.store.oplog_delete(held.tenant, held.session_id)
-
-        await asyncio.to_thread(drop_log)
 
     def _put(self, tenant: str, session_id: str, kernel: Any, tokenizer: Any, epoch: int, owner: str,
              create_op_id: str = "") -> SessionKernel:

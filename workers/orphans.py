@@ -1,0 +1,72 @@
+"""A host's orphans: kernels no registry record names (workers/host.py's KernelHost takes these as a mixin).
+
+An orphan is left by a create or fork whose call timed out and that the host ran after the fleet had cleaned up (its
+record, its log), or by a close that never reached the host. The registry decides what is one: a record is saved
+before a create or fork asks a host, so a kernel of a session in the making always has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from fleet.core.oplog import made_by, parse_log
+from workers.placement import drop_blob_refs
+
+if TYPE_CHECKING:
+    from fleet.cas import BlobStore
+    from workers.registry import SessionRegistry
+    from workers.session_kernel import SessionKernel
+
+ORPHAN_SWEEP_S = 10.0  # the most often a full host reads its sessions' records for orphans (`offer`)
+
+
+class Orphans:
+    """Finding, replacing and sweeping a host's orphans."""
+
+    registry: SessionRegistry
+    store: BlobStore
+    sessions: dict[tuple[str, str], SessionKernel]
+    _swept_at: float
+
+    async def close(self, tenant: str, session_id: str, owner: str | None = None,
+                    create_op_id: str | None = None) -> None:
+        raise NotImplementedError
+
+    async def _orphaned(self, held: SessionKernel, owner: str) -> bool:
+        """Whether `held` is an orphan a create or fork of op id `owner` replaces: the session's record (read off the
+        event loop) names `owner`, not `held`'s session. Such a kernel was opened by a try whose caller gave up on it
+        (its call timed out) and had removed its record already, so no record can name it again; it would otherwise
+        hold the name on this host until the host restarts. A try with no op id replaces nothing."""
+        if not owner:
+            return False
+        rec = await asyncio.to_thread(self.registry.get, held.tenant, held.session_id)
+        return rec is not None and rec.create_op_id == owner and held.create_op_id != owner
+
+    async def _sweep_orphans(self) -> None:
+        """Close every held kernel whose session has no record at all (at most once per ORPHAN_SWEEP_S): a try its
+        caller gave up on, and whose name no later try took, or a close that never reached the host. A record is
+        saved before a create or fork asks a host, so a kernel of a session in the making always has one.
+        NOTE: before, such an orphan held its slot until the host restarted (placement skips a full host)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._swept_at < ORPHAN_SWEEP_S:
+            return
+        self._swept_at = now
+        held = list(self.sessions.values())
+        records = await asyncio.to_thread(lambda: [self.registry.get(s.tenant, s.session_id) for s in held])
+        for s, rec in zip(held, records, strict=True):
+            if rec is None and self.sessions.get((s.tenant, s.session_id)) is s:
+                await self._replace_orphan(s)
+
+    async def _replace_orphan(self, held: SessionKernel) -> None:
+        """Close the orphan `held` (its op in flight finishes first, or writes nothing), then delete its op log
+        if it made that log (its create or fork wrote it after the fleet's cleanup had looked)."""
+        await self.close(held.tenant, held.session_id, held.owner)
+
+        def drop_log() -> None:
+            log = parse_log(self.store.oplog_read(held.tenant, held.session_id))
+            if made_by(log, held.create_op_id):
+                drop_blob_refs(self.store, log)
+                self.store.oplog_delete(held.tenant, held.session_id)
+
+        await asyncio.to_thread(drop_log)
