@@ -42,6 +42,7 @@ from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
+from controller.store_probe import DEFAULT_STORE_PING_INTERVAL_S
 from controller.uploads import add_get_flags, with_get_limits
 from fleet.core import event_loop
 from fleet.core.errors import InvalidArgument, KvfleetError
@@ -227,6 +228,15 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     )
     add_gc_flag(p, env)
     p.add_argument(
+        "--store-probe-interval",
+        type=float,
+        metavar="SECONDS",
+        default=e("KVFLEET_STORE_PROBE_INTERVAL", str(DEFAULT_STORE_PING_INTERVAL_S)),
+        help="seconds between two pings of the store, which set kvfleet_store_up and the gRPC health of "
+        f"kvfleet.Store; 0: off (default {DEFAULT_STORE_PING_INTERVAL_S:g}; env KVFLEET_STORE_PROBE_INTERVAL; "
+        "docs/metrics.md)",
+    )
+    p.add_argument(
         "--fleet-metrics-interval",
         type=float,
         default=DEFAULT_FLEET_METRICS_INTERVAL_S,
@@ -303,6 +313,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         gc_interval_s=args.gc_interval,
         verdict_ttl_s=args.verdict_ttl,
         fleet_metrics_interval_s=args.fleet_metrics_interval,
+        store_ping_interval_s=args.store_probe_interval,
         kernel=kernel_overrides_from(args),
         sessions=session_limits_from(args),
         node_kv_bytes=args.node_kv_bytes,

@@ -100,7 +100,7 @@ class ControllerConfig:
                                   f"got {self.max_blob_bytes_per_tenant}")
         GcConfig(self.gc_interval_s, self.verdict_ttl_s)  # raises InvalidArgument on a bad interval or TTL
         if not 0 <= self.store_ping_interval_s < float("inf"):
-            raise InvalidArgument(f"store_ping_interval_s must be finite and >= 0 (0: off), "
+            raise InvalidArgument(f"--store-probe-interval (store_ping_interval_s) must be finite and >= 0 (0: off), "
                                   f"got {self.store_ping_interval_s}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,3 +95,14 @@ async def test_before_its_first_probe_answers_the_store_reads_unknown_not_not_fo
         relay.silent = False  # the read in flight gets its answer
         await probe.stop()
         relay.close()
+
+
+def test_the_probe_interval_is_a_flag_and_an_environment_variable(tmp_path: Path, capsys: Any) -> None:
+    """NOTE: before, the interval was fixed at 5 s outside the tests (ControllerConfig only)."""
+    from controller.main import config_from, main, parse_args
+
+    assert config_from(parse_args([], {}), {}).store_ping_interval_s == 5.0
+    assert config_from(parse_args(["--store-probe-interval", "0.5"], {}), {}).store_ping_interval_s == 0.5
+    assert config_from(parse_args([], {"KVFLEET_STORE_PROBE_INTERVAL": "0"}), {}).store_ping_interval_s == 0.0
+    assert main(["--store-probe-interval", "-1", "--store", f"sqlite:///{tmp_path}/x.db"], {}) == 2
+    assert "--store-probe-interval" in capsys.readouterr().err
