@@ -69,14 +69,7 @@ class CertReloader:
             return config
 
     def _stat(self) -> Stamp:
-        out = []
-        for path in self.paths:
-            try:
-                st = os.stat(path)  # follows the Secret volume's symlinks
-                out.append((st.st_mtime_ns, st.st_ino, st.st_size))
-            except OSError:
-                out.append((-1, -1, -1))
-        return tuple(out)
+        return file_stamp(self.paths)
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         cert, key = self.paths[0], self.paths[1]
@@ -87,6 +80,18 @@ class CertReloader:
             raise InvalidArgument(f"--tls-key {key} does not match --tls-cert {cert} ({e.reason})") from None
         return grpc.ssl_server_certificate_configuration([(data[1], data[0])],
                                                          root_certificates=data[2] if len(data) > 2 else None)
+
+
+def file_stamp(paths: tuple[str, ...]) -> Stamp:
+    """(mtime, inode, size) of each file, (-1, -1, -1) for one that cannot be read: a change in any is a renewal."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)  # follows the Secret volume's symlinks
+            out.append((st.st_mtime_ns, st.st_ino, st.st_size))
+        except OSError:
+            out.append((-1, -1, -1))
+    return tuple(out)
 
 
 def _read(path: str, flag: str) -> bytes:

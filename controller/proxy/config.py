@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -75,6 +76,7 @@ class ProxyConfig:
     tls_ca: str | None = None  # CA that signed the controller's certificate (None: system roots)
     tls_client_cert: str | None = None  # mutual TLS: the proxy's certificate and key
     tls_client_key: str | None = None
+    tls_check_s: float = 10.0  # how often the TLS files are looked at for a renewal (ControlClient.watch_tls)
 
     def __post_init__(self) -> None:
         for name in ("controller", "listen"):
@@ -110,10 +112,21 @@ class ProxyConfig:
             raise InvalidArgument("mutual TLS needs both --tls-cert and --tls-key (the proxy's own, PEM)")
 
     def credentials(self) -> grpc.ChannelCredentials | None:
-        """The channel credentials to the controller: None for plaintext."""
+        """The channel credentials to the controller, read from the files now: None for plaintext. InvalidArgument
+        for a file that is not PEM, or a key that does not match its certificate (a renewal caught half-written)."""
         from fleet.sdk.base import credentials
 
+        if self.tls_client_cert and self.tls_client_key:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.tls_client_cert, self.tls_client_key)
+            except (ssl.SSLError, OSError) as e:
+                raise InvalidArgument(f"--tls-key {self.tls_client_key} does not load with --tls-cert "
+                                      f"{self.tls_client_cert} ({e})") from None
         return credentials(self.tls, self.tls_ca, self.tls_client_cert, self.tls_client_key)
+
+    def tls_files(self) -> tuple[str, ...]:
+        """The TLS files the proxy reads (its client certificate and key, the CA): watched for renewals."""
+        return tuple(f for f in (self.tls_client_cert, self.tls_client_key, self.tls_ca) if f)
 
     @property
     def host(self) -> str:

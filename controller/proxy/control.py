@@ -26,7 +26,9 @@ from typing import Any
 import grpc
 
 from controller.keyed_slots import KeyedSlots
+from controller.periodic import Periodic
 from controller.proxy.route_stream import RouteStreams, StreamUnsupported
+from controller.tls_reload import CHECK_INTERVAL_S, Stamp, file_stamp
 from fleet.api.kvfleet.v1 import fleet_pb2, quarantine_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
@@ -42,6 +44,7 @@ from fleet.core.errors import (
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
+RETIRE_S = 60.0  # how long a channel a TLS renewal replaced stays open for the calls begun on it
 
 
 class ControlClient:
@@ -55,16 +58,70 @@ class ControlClient:
         # NOTE: no address in the name: a client whose token has no slot left is told it (errors.from_fleet)
         self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
                                  name="the proxy's RPCs to the controller")
+        self._stream = stream
+        self._link(credentials)
+        self._retiring: set[asyncio.Task[None]] = set()  # channels replaced by a TLS renewal, closing after a grace
+        self._tls: tuple[tuple[str, ...], Callable[[], grpc.ChannelCredentials | None], Stamp] | None = None
+        self._tls_watch: Periodic | None = None
+        self._callers: dict[str | None, tuple[float, types.Caller]] = {}
+        self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
+        self._renewing: set[str | None] = set()
+
+    def _link(self, credentials: grpc.ChannelCredentials | None) -> None:
+        """A channel to the controller with these credentials, and its stubs and RouteStreams, from now on."""
+        target = self.target
         self._channel = (grpc.aio.secure_channel(target, credentials, base.RECONNECT) if credentials is not None
                          else grpc.aio.insecure_channel(target, base.RECONNECT))
         self._route = RouteServiceStub(self._channel)
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)
         self._quarantine = QuarantineServiceStub(self._channel)
-        self._streams = RouteStreams(self._route, target) if stream else None
-        self._callers: dict[str | None, tuple[float, types.Caller]] = {}
-        self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
-        self._renewing: set[str | None] = set()
+        self._streams = RouteStreams(self._route, target) if self._stream else None
+
+    def watch_tls(self, paths: tuple[str, ...], load: Callable[[], grpc.ChannelCredentials | None],
+                  interval_s: float = CHECK_INTERVAL_S) -> None:
+        """Look at the TLS files every `interval_s` (from `start`): when they changed and `load` reads them whole,
+        new calls go over a new channel with the new credentials; the old channel closes after RETIRE_S, once the
+        calls on it have ended. NOTE: before, the files were read once: a client certificate renewed in the mounted
+        Secret was not presented until the proxy restarted, and once the old one expired the controller refused
+        every new connection (the proxy fails closed: every request a 503)."""
+        self._tls = (paths, load, file_stamp(paths))
+        self._tls_watch = Periodic("kvfleet-proxy-tls", interval_s, self._check_tls,
+                                   on_error=lambda e: log.warning("proxy: looking at the TLS files failed: %s", e))
+
+    async def start(self) -> None:
+        if self._tls_watch is not None:
+            await self._tls_watch.start()
+
+    async def _check_tls(self) -> None:
+        assert self._tls is not None
+        paths, load, stamp = self._tls
+        now = file_stamp(paths)
+        if now == stamp:
+            return
+        try:
+            credentials = load()
+        except InvalidArgument as e:
+            log.warning("proxy: the TLS files changed but do not load (%s); still using the previous ones", e)
+            return
+        if file_stamp(paths) != now:
+            return  # changed while read: load them at the next look
+        self._tls = (paths, load, now)
+        old = (self._channel, self._streams)
+        self._link(credentials)
+        task = asyncio.get_running_loop().create_task(self._retire(*old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        log.info("proxy: TLS files renewed (%s); new calls to the controller use them", ", ".join(paths))
+
+    async def _retire(self, channel: grpc.aio.Channel, streams: RouteStreams | None) -> None:
+        """Close a replaced channel once the calls begun on it have had RETIRE_S to end."""
+        try:
+            await asyncio.sleep(RETIRE_S)
+        finally:
+            if streams is not None:
+                await streams.close()
+            await channel.close()
 
     async def route(
         self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None
@@ -222,7 +279,12 @@ class ControlClient:
             yield
 
     async def close(self) -> None:
-        """Let pending releases finish (up to the RPC timeout), then close the channel."""
+        """Let pending releases finish (up to the RPC timeout), then close the channel (and any a renewal replaced)."""
+        if self._tls_watch is not None:
+            await self._tls_watch.stop()
+        for task in list(self._retiring):
+            task.cancel()  # NOTE: its finally closes that channel
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.timeout_s)
         if self._streams is not None:

@@ -41,6 +41,8 @@ class Proxy:
         self.responses = ResponsePins()  # which worker stored each /v1/responses answer (controller/proxy/responses.py)
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
                                      credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
+        if cfg.tls_files():
+            self.control.watch_tls(cfg.tls_files(), cfg.credentials, cfg.tls_check_s)
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.stopping = False  # set by shut_down: /ready answers 503 from then on
@@ -63,6 +65,7 @@ class Proxy:
         # a send that the worker's closing of its connection cut off is sent once more on a new connection
         self.fresh_http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                                 auto_decompress=False, headers=self.http.headers)
+        await self.control.start()
         self.directory = WorkerDirectory(self.cfg, self.control, self.http, on_gone=self._forget_worker)
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics, self.fresh_http)

@@ -197,3 +197,39 @@ def test_proxy_tls_flags_reach_its_config() -> None:
     assert config_from(parse_args([], env)).tls_ca == "e.pem"
     with pytest.raises(InvalidArgument, match="both --tls-cert and --tls-key"):
         config_from(parse_args(["--tls-cert", "c.pem"], {}))
+
+
+async def test_the_proxy_presents_a_renewed_client_certificate_without_a_restart(tmp_path: Path, pki: Pki) -> None:
+    """The proxy's --tls-cert/--tls-key rewritten in place (as cert-manager renews a mounted Secret): new calls to the
+    controller go over a new channel with them. Here the first pair is one the controller refuses (another CA signed
+    it: as an expired certificate would be), so the proxy cannot list the fleet until the renewal is read. A renewal
+    caught half-written (a new certificate beside the old key) keeps the pair that works. NOTE: before, the files
+    were read once, and the proxy stayed unable to reach the controller until it restarted."""
+    tok, ctl = await _mtls_controller(tmp_path, pki, start_router=True)
+    reader = mint_token(tok.file, "proxy", "reader")
+    cert, key = tmp_path / "proxy.pem", tmp_path / "proxy.key"
+    cert.write_bytes(pki.rogue_cert.read_bytes())
+    key.write_bytes(pki.rogue_key.read_bytes())
+    cfg = ProxyConfig(controller=f"127.0.0.1:{ctl.port}", listen="127.0.0.1:0", token=reader, tls_ca=str(pki.ca),
+                      tls_client_cert=str(cert), tls_client_key=str(key), tls_check_s=0.1)
+    proxy = await Proxy(cfg).start()
+
+    async def lists() -> bool:
+        await proxy.directory.refresh()
+        return proxy.directory.last_error is None
+
+    try:
+        assert not await lists()  # control: the controller refuses the first certificate
+        cert.write_bytes(pki.client_cert.read_bytes())
+        key.write_bytes(pki.client_key.read_bytes())
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if await lists():
+                break
+        assert await lists()  # NOTE: before, refused until the proxy restarted
+        cert.write_bytes(pki.rogue_cert.read_bytes())  # half-written: another certificate, the key it does not fit
+        await asyncio.sleep(0.5)
+        assert await lists()  # the working pair is kept
+    finally:
+        await proxy.stop()
+        await ctl.stop(0)
