@@ -21,37 +21,62 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from fleet.app.cli.cells import cells, show
-from fleet.app.cli.session import add_ls_options
+from fleet.app.cli.session import add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 
 NODES_S = 8.0  # the kernel nodes' deadline (above the controller's 5 s check of an unreachable Ray)
 
 
-def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: str = "") -> Group:
+WORKER_COLUMNS = ("worker", "rank", "url", "model", "serving", "warm", "phase", "kv", "epoch", "blocks", "seq", "load")
+NUMERIC = frozenset({"rank", "epoch", "blocks", "seq", "load"})
+LEFT_OUT = ("url", "model")  # in this order, where the terminal is too narrow for every column (--json has them)
+
+
+def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: str = "",
+                   width: int | None = None) -> Group:
     """Two tables: vLLM workers (fleet.sdk.WorkerInfo) and kernel nodes (fleet.sdk.sessions.NodeRow);
-    `nodes_error`: why the kernel nodes could not be listed (shown in their table)."""
-    w = Table(title="vLLM workers", title_justify="left")
-    for col in ("worker", "rank", "url", "model", "serving", "warm", "phase", "kv", "epoch", "blocks", "seq", "load"):
-        w.add_column(col, justify="right" if col in ("rank", "epoch", "blocks", "seq", "load") else "left")
-    for x in workers:
-        for r in x.ranks:
-            style = None if r.serving else "yellow"
-            w.add_row(*cells(x.name, str(r.dp_rank), x.url, x.model, "yes" if r.serving else "NO",
-                             "yes" if r.warm else "no", r.phase, r.kv, str(r.epoch), f"{r.num_blocks:,}", str(r.last_seq),
-                             f"{r.load:g}"), style=style)
+    `nodes_error`: why the kernel nodes could not be listed (shown in their table). For a terminal `width` columns
+    wide (None: as wide as it needs) the url, then the model, are left out where every cell would not fit; numbers
+    never wrap and text folds, so no number is cut. NOTE: at 80 columns rich squeezed every cell, numbers to
+    "123…"."""
+    rows = [(cells(x.name, str(r.dp_rank), x.url, x.model, "yes" if r.serving else "NO", "yes" if r.warm else "no",
+                   r.phase, r.kv, str(r.epoch), f"{r.num_blocks:,}", str(r.last_seq), f"{r.load:g}"), r.serving)
+            for x in workers for r in x.ranks]
+    keep = list(WORKER_COLUMNS)
+    for gone in LEFT_OUT:
+        if width is None or _needed(keep, rows) <= width:
+            break
+        keep.remove(gone)
+    tight = width is not None and _needed(keep, rows) > width
+    w = Table(title="vLLM workers", title_justify="left", padding=(0, 0) if tight else (0, 1))
+    for col in keep:
+        w.add_column(col, justify="right" if col in NUMERIC else "left", no_wrap=col in NUMERIC, overflow="fold")
+    for row, serving in rows:
+        w.add_row(*(row[WORKER_COLUMNS.index(c)] for c in keep), style=None if serving else "yellow")
     if not workers:
-        w.add_row("(none registered)", *[""] * 11)
-    n = Table(title="kernel nodes", title_justify="left")
-    for col in ("node", "sessions", "cached tokens", "capacity", "queried", "hit tokens", "evicted blocks", "hit rate"):
-        n.add_column(col, justify="left" if col == "node" else "right")
-    for x in nodes:
-        n.add_row(*cells(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
-                         f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%"))
+        w.add_row("(none registered)", *[""] * (len(keep) - 1))
+    node_rows = [cells(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
+                       f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%")
+                 for x in nodes]
+    heads = ("node", "sessions", "cached\ntokens", "capacity", "queried", "hit\ntokens", "evicted\nblocks", "hit\nrate")
+    widest = [max([len(h.split("\n")[0]), *(len(r[i]) for r in node_rows)]) for i, h in enumerate(heads)]
+    tight = width is not None and sum(widest) + 3 * len(heads) + 1 > width
+    n = Table(title="kernel nodes", title_justify="left", padding=(0, 0) if tight else (0, 1))
+    for col in heads:
+        n.add_column(col, justify="left" if col == "node" else "right", no_wrap=True, overflow="fold")
+    for row in node_rows:
+        n.add_row(*row)
     if nodes_error:
         n.add_row(*cells(f"(not listed: {nodes_error})"), *[""] * 7)
     elif not nodes:
         n.add_row("(no kernel nodes yet)", *[""] * 7)
     return Group(w, n)
+
+
+def _needed(cols: list[str], rows: list[tuple[list[Any], bool]]) -> int:
+    """The width the workers' table takes with these columns, none folded (cells, padding and borders)."""
+    widest = [max([len(c), *(len(r[WORKER_COLUMNS.index(c)]) for r, _ in rows)]) for c in cols]
+    return sum(widest) + 3 * len(cols) + 1
 
 
 def snapshot(c: Any) -> dict[str, Any]:
@@ -95,9 +120,9 @@ def main(argv: list[str]) -> int:
             elif args.watch:
                 from fleet.app.cli.session import watch
 
-                watch(console, lambda: render_workers(**snapshot(c)), args.interval, args.count)
+                watch(console, lambda: render_workers(**snapshot(c), width=width_of(console)), args.interval, args.count)
             else:
-                show(console, render_workers(**snapshot(c)))
+                show(console, render_workers(**snapshot(c), width=width_of(console)))
     except KvfleetError as e:
         print(f"kvfleet worker ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
