@@ -242,8 +242,8 @@ class Handlers:
         base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token)
         d = await p.control.route(ids, base, lora=lora, token=token)
-        stored, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
-        if stored and (prev := responses.valid_id(body.get("previous_response_id"))):
+        responses_api, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
+        if responses_api and (prev := responses.valid_id(body.get("previous_response_id"))):
             to = await responses.to_holder(p, d, tenant, prev, base, upstream_headers(req))
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
@@ -268,7 +268,7 @@ class Handlers:
                     fwd = p.fair.body(fwd, None)
                     opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved)
                 t = opened.target
-                if stored and opened.resp.status == 200 and (rid := responses.response_id(opened.first)):
+                if responses_api and opened.resp.status == 200 and (rid := responses.response_id(opened.first)):
                     p.responses.pin(tenant, rid, t.worker)
                 extra = {
                     "x-kvfleet-worker": t.worker,

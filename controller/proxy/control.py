@@ -58,7 +58,7 @@ class ControlClient:
         # NOTE: no address in the name: a client whose token has no slot left is told it (errors.from_fleet)
         self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
                                  name="the proxy's RPCs to the controller")
-        self._stream = stream
+        self._use_streams = stream
         self._link(credentials)
         self._retiring: set[asyncio.Task[None]] = set()  # channels replaced by a TLS renewal, closing after a grace
         self._tls: tuple[tuple[str, ...], Callable[[], grpc.ChannelCredentials | None], Stamp] | None = None
@@ -76,7 +76,7 @@ class ControlClient:
         self._fleet = FleetServiceStub(self._channel)
         self._workers = WorkerServiceStub(self._channel)
         self._quarantine = QuarantineServiceStub(self._channel)
-        self._streams = RouteStreams(self._route, target) if self._stream else None
+        self._streams = RouteStreams(self._route, target) if self._use_streams else None
 
     def watch_tls(self, paths: tuple[str, ...], load: Callable[[], grpc.ChannelCredentials | None],
                   interval_s: float = CHECK_INTERVAL_S) -> None:

@@ -94,9 +94,9 @@ class ResponsePins:
 
 
 async def holder(p: Proxy, tenant: str, rid: str, base: str | None, headers: dict[str, str]) -> str | None:
-    """The worker holding response `rid`: the tenant's pin, else the first of the model's serving workers (at most
-    MAX_ASKED; `base` None: of any model) that answers GET /v1/responses/{rid} with 200 (pinned then). None: none does (the request then goes
-    where it is routed, and vLLM answers its 404)."""
+    """The worker holding response `rid`: the tenant's pin, else the first of the model's serving workers (`base`
+    None: of any model; at most MAX_ASKED) that answers GET /v1/responses/{rid} with 200, pinned then. None: none
+    does (the request then goes where it is routed, and vLLM answers its 404)."""
     w = p.responses.get(tenant, rid)
     if w is not None and p.directory.get(w) is not None:
         return w
