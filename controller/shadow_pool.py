@@ -106,7 +106,8 @@ class RankPool:
         self._unsent_block: dict[int, str] = {}  # their new hashed blocks -> the route
         self._num_taken = 0  # blocks unsent routes took off the queue's front, ever (`_Unsent.seq`)
         self._front_seq: dict[object, int] = {}  # blocks an undo put back at the front -> when they were taken
-        self._parent: dict[int, int] = {}  # a cached hash -> the block before it in its chain (stored events)
+        self._parent: dict[int, int] = {}  # a hash -> the block before it in its chain (stored events); kept
+        # through predicted evictions and undone routes (pruned when over twice the pool), dropped on BlockRemoved
 
     # what the router reads
     def cached(self, h: int) -> bool:
@@ -272,7 +273,6 @@ class RankPool:
                     out.append(gone)
                     ev.pop(gone, None)
                     ev[gone] = entry
-                    self._parent.pop(gone, None)
             if h is not None and (h in ref or h in free):
                 # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
                 # one hash to both copies); the copy is held here unhashed
@@ -424,8 +424,8 @@ class RankPool:
             self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
         if parent is not None:
             self._refresh(parent)
-        if len(self._parent) > 2 * self.num_gpu_blocks:  # links of hashes that left by other paths (undone routes)
-            self._parent = {h: p for h, p in self._parent.items() if self.cached(h)}
+        if len(self._parent) > 2 * self.num_gpu_blocks:  # links of hashes no longer cached here
+            self._parent = {h: p for h, p in self._parent.items() if self.cached(h) or h in self.evicted}
 
     def _refresh(self, h: int | None) -> None:
         """A stored request hit `h` and every block before it in its chain: each free one moves to the queue's
@@ -433,11 +433,13 @@ class RankPool:
         ones stay (their route frees them). NOTE: an untracked Route leaves the pool as it is, so before, the hits
         of a request that was sent never moved: a long conversation's prefix kept the place its first turn gave it,
         and the shadow predicted LRU evicting what vLLM, which touched it every turn, kept (WARM routed COLD)."""
-        free, parent, seen = self._free, self._parent, 0
+        free, parent, ev, seen = self._free, self._parent, self.evicted, 0
         while h is not None and seen < self.num_gpu_blocks:
             if h in free:
                 free.move_to_end(h)
                 self._front_seq.pop(h, None)
+            elif h in ev:
+                del ev[h]  # predicted evicted, but the request hit it: vLLM kept it (its index entry is trusted again)
             elif h not in self._ref:
                 return
             seen += 1
@@ -490,10 +492,7 @@ class RankPool:
             return None
         k, _ = self._free.popitem(last=False)
         self._front_seq.pop(k, None)
-        if isinstance(k, int):
-            self._parent.pop(k, None)
-            return k
-        return None
+        return k if isinstance(k, int) else None
 
 
 class ShadowPools:

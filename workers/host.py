@@ -102,7 +102,8 @@ class KernelHost(Orphans):
         # session -> (epoch, its rebuild): a rebuild is the host's job, not its caller's (`regenerate`)
         self._rebuilds: dict[tuple[str, str], tuple[int, asyncio.Future[dict[str, Any]]]] = {}
         self._forks: dict[SessionKernel, asyncio.Future[dict[str, Any]]] = {}  # a fork's restore, which its retry joins
-        self._swept_at = -ORPHAN_SWEEP_S  # event-loop time of the last sweep for orphans (`_sweep_orphans`)
+        self._swept_at = -ORPHAN_SWEEP_S  # event-loop time of the last sweep for orphans (`_sweep_for_room`)
+        self._sweep: asyncio.Task[None] | None = None  # the last one
 
     def _load(self, spec: KernelSpec) -> tuple[Any, Any]:
         """The kernel (weights loaded once, for every session) and its tokenizer; then the resident
@@ -135,9 +136,9 @@ class KernelHost(Orphans):
         """Placement probe (counts nothing): tokens of `tokens` this node holds warm, its number of
         sessions and its session budget, its KV bytes left (budget - cached blocks - sessions' private blocks), and
         its kernel's model_id (a lost session is rebuilt on a kernel of its own where one has room). A full host
-        first closes its orphans that no record names (`_sweep_orphans`)."""
+        first closes its orphans that no record names (`_sweep_for_room`)."""
         if len(self.sessions) >= self.max_sessions:
-            await self._sweep_orphans()
+            await self._sweep_for_room()
         m = self.tree.match_prefix(self._key(tenant, tokens), count=False)
         return {"matched": max(0, m.num_matched - self.block_size), "sessions": len(self.sessions),
                 "max_sessions": self.max_sessions, "free_bytes": self.kv_budget_bytes - self.used_bytes(),

@@ -8,6 +8,7 @@ before a create or fork asks a host, so a kernel of a session in the making alwa
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from fleet.core.oplog import made_by, parse_log
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from workers.session_kernel import SessionKernel
 
 ORPHAN_SWEEP_S = 10.0  # the most often a full host reads its sessions' records for orphans (`offer`)
+ORPHAN_WAIT_S = 0.5  # the most a placement probe waits for a sweep (placement waits 1 s for a node's answer)
+log = logging.getLogger("kvfleet.workers")
 
 
 class Orphans:
@@ -28,6 +31,7 @@ class Orphans:
     store: BlobStore
     sessions: dict[tuple[str, str], SessionKernel]
     _swept_at: float
+    _sweep: asyncio.Task[None] | None
 
     async def close(self, tenant: str, session_id: str, owner: str | None = None,
                     create_op_id: str | None = None) -> None:
@@ -43,20 +47,33 @@ class Orphans:
         rec = await asyncio.to_thread(self.registry.get, held.tenant, held.session_id)
         return rec is not None and rec.create_op_id == owner and held.create_op_id != owner
 
-    async def _sweep_orphans(self) -> None:
-        """Close every held kernel whose session has no record at all (at most once per ORPHAN_SWEEP_S): a try its
-        caller gave up on, and whose name no later try took, or a close that never reached the host. A record is
-        saved before a create or fork asks a host, so a kernel of a session in the making always has one.
-        NOTE: before, such an orphan held its slot until the host restarted (placement skips a full host)."""
+    async def _sweep_for_room(self) -> None:
+        """A full host asked for room: start a sweep for orphans (`_sweep_orphans`) if none ran within ORPHAN_SWEEP_S,
+        and wait for the one running at most ORPHAN_WAIT_S; past that it goes on in the background, and the host
+        answers as it stands (a later probe sees the room it made). NOTE: the probe waited for the whole sweep, one
+        record read per held session, seconds for a full host on Redis, past placement's 1 s wait for an answer."""
         now = asyncio.get_running_loop().time()
-        if now - self._swept_at < ORPHAN_SWEEP_S:
-            return
-        self._swept_at = now
-        held = list(self.sessions.values())
-        records = await asyncio.to_thread(lambda: [self.registry.get(s.tenant, s.session_id) for s in held])
-        for s, rec in zip(held, records, strict=True):
-            if rec is None and self.sessions.get((s.tenant, s.session_id)) is s:
-                await self._replace_orphan(s)
+        task = self._sweep
+        if (task is None or task.done()) and now - self._swept_at >= ORPHAN_SWEEP_S:
+            self._swept_at = now
+            task = self._sweep = asyncio.create_task(self._sweep_orphans())
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=ORPHAN_WAIT_S)
+
+    async def _sweep_orphans(self) -> None:
+        """Close every held kernel whose session has no record at all: a try its caller gave up on, and whose name no
+        later try took, or a close that never reached the host. A record is saved before a create or fork asks a
+        host, so a kernel of a session in the making always has one. Each orphan's slot is free as its close begins
+        (an op in flight on it finishes first). NOTE: before, such an orphan held its slot until the host restarted
+        (placement skips a full host)."""
+        try:
+            held = list(self.sessions.values())
+            records = await asyncio.to_thread(lambda: [self.registry.get(s.tenant, s.session_id) for s in held])
+            orphans = [s for s, rec in zip(held, records, strict=True)
+                       if rec is None and self.sessions.get((s.tenant, s.session_id)) is s]
+            await asyncio.gather(*(self._replace_orphan(s) for s in orphans))
+        except Exception:  # a sweep never takes the host down; the next probe past ORPHAN_SWEEP_S tries again
+            log.exception("kernel host: sweeping for orphans failed")
 
     async def _replace_orphan(self, held: SessionKernel) -> None:
         """Close the orphan `held` (its op in flight finishes first, or writes nothing), then delete its op log

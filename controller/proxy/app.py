@@ -243,24 +243,29 @@ class Handlers:
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token)
         d = await p.control.route(ids, base, lora=lora, token=token)
         responses_api, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
-        if responses_api and (prev := responses.valid_id(body.get("previous_response_id"))):
-            to = await responses.to_holder(p, d, tenant, prev, base, upstream_headers(req))
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
         try:
+            if responses_api and (prev := responses.valid_id(body.get("previous_response_id"))):
+                # NOTE: inside the try: a client gone during the lookup still releases the route
+                to = await responses.to_holder(p, d, tenant, prev, base, upstream_headers(req))
             fwd = (
                 {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
             )  # NOTE: the tenant's salt always wins
-            fair = p.fair.claim(tenant, d.worker) if p.fair is not None else contextlib.nullcontext(None)
+            fair = p.fair.claim(tenant, to.worker) if p.fair is not None else contextlib.nullcontext(None)
             with fair as priority:  # the tenant's place in the worker's queue, not the client's (controller/proxy/fair.py)
                 if p.fair is not None:
                     fwd = p.fair.body(fwd, priority)
+                on = [d.worker]  # where the controller's ledger has the route now
 
                 async def moved(t: Target) -> bool:  # skipped or failed over: the controller's ledger and shadow follow
-                    if not d.route_id or t.worker == d.worker:  # NOTE: told before the send, not at the first byte:
+                    if not d.route_id or t.worker == on[0]:  # NOTE: told before the send, not at the first byte:
                         return True  # the block-pool shadow must know what the worker runs before the next turn's route
                     rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
-                    return await p.control.move(d.route_id, t.worker, rank, token)  # False: not serving now
+                    if not await p.control.move(d.route_id, t.worker, rank, token):
+                        return False  # not serving now
+                    on[0] = t.worker
+                    return True
 
                 opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved)
                 if p.fair is not None and priority and await p.fair.refused(opened):

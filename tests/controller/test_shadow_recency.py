@@ -53,3 +53,21 @@ async def test_a_conversation_sent_through_untracked_routes_stays_warm(tmp_path:
         assert (d3.verdict, d3.matched_tokens) == ("WARM", 192)  # NOTE: before, its prefix was predicted evicted
         pool = r.shadow.get(KEY)
         assert pool is not None and set(_chain(r, turn2, "agent")) <= {h for h in pool.queue() if h is not None}
+
+
+def test_the_chain_survives_an_undone_route_and_a_hit_withdraws_a_predicted_eviction() -> None:
+    """Found by review: an unsent tracked route's admission, undone, dropped the links of the blocks it had taken, so
+    the next turn's refresh stopped there and left the prefix at the front; and a refresh stopped at a block the
+    shadow had predicted evicted, though the request's hit shows vLLM kept it."""
+    p = RankPool(num_gpu_blocks=6)  # 5 usable
+    p.stored([1, 2, 3], now=0.0)
+    p.allocate("r", [7, 8, 9], 0, now=0.0, owner="x")  # tracked, never sent: takes 2 fresh and 3 ... then undone
+    p.free("r", now=0.0)
+    p.stored([4], now=1.0, parent=3)
+    assert p.queue() == [None, 4, 3, 2, 1]  # NOTE: before, [None, 2, 1, 4, 3]
+    q = RankPool(num_gpu_blocks=5)  # 4 usable
+    q.stored([1, 2], now=0.0)
+    q.allocate("t", [5, 6, 7], 0, now=0.0)  # a tracked route evicts 2 (predicted): only 2 free slots are fresh
+    assert 2 in q.evicted and q.resident_prefix([1, 2], 2, now=0.5) == 1
+    q.stored([3], now=1.0, parent=2)  # a request hit 1, 2: vLLM kept 2
+    assert 2 not in q.evicted and q.resident_prefix([1, 2], 2, now=1.0) == 2
