@@ -5,8 +5,8 @@ follow-up naming it (`previous_response_id`), GET /v1/responses/{id} and POST /v
 by that server only; any other answers 404 "Response with id '...' not found.". So the proxy pins every response id
 a tenant was answered to the worker that answered it (`ResponsePins`, read off the answer's first bytes), and sends
 these requests there. A pin it does not have (the proxy restarted, or another replica answered the first request)
-is found by asking the model's serving workers, at most MAX_ASKED of them at once, for the response (GET, which
-reads it and changes nothing).
+is found by asking the model's workers, MAX_ASKED at a time, for the response (GET, which reads it and changes
+nothing; a sleeping vLLM's API server answers it too); an id no worker holds is remembered as such for MISS_S.
 
 A response id is what vLLM makes it, a capability: `resp_` and 128 random bits. Whoever holds one can read and
 continue that response, on vLLM alone as through the proxy; the pins are kept per tenant so that one tenant's
@@ -42,6 +42,7 @@ _ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,128})"')
 _VALID = re.compile(r"resp_[A-Za-z0-9_\-]{1,128}")
 MAX_SCANNED = 64 << 10  # of the answer's first bytes
 MAX_ASKED = 16  # workers asked at once for a response no pin names
+MISS_S = 5.0  # how long an id no worker held is answered 404 without asking again (an unknown id cost every worker a GET)
 
 
 def response_id(first: bytes) -> str | None:
@@ -57,11 +58,25 @@ def valid_id(rid: object) -> str | None:
 
 class ResponsePins:
     """Response id -> the worker that answered it, per tenant: at most `per_tenant` ids each, least recently used
-    first out, and at most `max_tenants` tenants (the least recently active leaves with its pins)."""
+    first out, and at most `max_tenants` tenants, the least recently active leaving with its pins (about 160 bytes a
+    pin: 40 MiB at most with the defaults). An id no worker held is kept apart (`missed`) for MISS_S."""
 
-    def __init__(self, per_tenant: int = 4096, max_tenants: int = 1024) -> None:
+    def __init__(self, per_tenant: int = 1024, max_tenants: int = 256) -> None:
         self.per_tenant, self.max_tenants = per_tenant, max_tenants
         self._pins: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
+        self._misses: OrderedDict[tuple[str, str], float] = OrderedDict()  # (tenant, id) -> when, oldest first
+
+    def missed(self, tenant: str, rid: str, now: float, seen: bool = False) -> bool:
+        """Whether no worker held `rid` for the tenant within MISS_S; `seen`: none did just now (remember it)."""
+        misses = self._misses
+        while misses and now - next(iter(misses.values())) >= MISS_S:
+            misses.popitem(last=False)
+        if seen:
+            misses[(tenant, rid)] = now
+            misses.move_to_end((tenant, rid))
+            if len(misses) > self.per_tenant * 4:
+                misses.popitem(last=False)
+        return (tenant, rid) in misses
 
     def pin(self, tenant: str, rid: str, worker: str) -> None:
         pins = self._pins.get(tenant)
@@ -81,6 +96,7 @@ class ResponsePins:
         if w is not None:
             assert pins is not None
             pins.move_to_end(rid)
+            self._pins.move_to_end(tenant)  # a tenant reading its pins is active too
         return w
 
     def forget_worker(self, worker: str) -> None:
@@ -94,30 +110,33 @@ class ResponsePins:
 
 
 async def holder(p: Proxy, tenant: str, rid: str, base: str | None, headers: dict[str, str]) -> str | None:
-    """The worker holding response `rid`: the tenant's pin, else the first of the model's serving workers (`base`
-    None: of any model; at most MAX_ASKED) that answers GET /v1/responses/{rid} with 200, pinned then. None: none
-    does (the request then goes where it is routed, and vLLM answers its 404)."""
+    """The worker holding response `rid`: the tenant's pin, else the first of the model's workers (`base` None: of
+    any model; MAX_ASKED at a time) that answers GET /v1/responses/{rid} with 200, pinned then. None: none does
+    (remembered for MISS_S; the request then goes where it is routed, and vLLM answers its 404)."""
     w = p.responses.get(tenant, rid)
     if w is not None and p.directory.get(w) is not None:
         return w
-    ws = p.directory.serving_workers(base)[:MAX_ASKED]
-    if not ws:
+    if p.responses.missed(tenant, rid, time.monotonic()):
         return None
+    ws = sorted((w for w in p.directory.workers.values() if base is None or w.model == base), key=lambda w: w.name)
     timeout = aiohttp.ClientTimeout(total=p.cfg.tokenize_timeout_s, sock_connect=p.cfg.connect_timeout_s)
 
-    async def ask(url: str) -> bool:
+    async def ask(name: str, url: str) -> bool:
         try:
             async with p.http.get(f"{url.rstrip('/')}/v1/responses/{rid}", headers=headers, timeout=timeout) as r:
                 return r.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            log.info("proxy: asking a worker for response %s failed: %s: %s", rid, type(e).__name__, e)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:  # NOTE: the id is a capability: not logged
+            log.info("proxy: asking worker %s for a stored response failed: %s: %s", name, type(e).__name__, e)
             return False
 
-    found = await asyncio.gather(*(ask(w.url) for w in ws))
-    for w_info, ok in zip(ws, found, strict=True):
-        if ok:
-            p.responses.pin(tenant, rid, w_info.name)
-            return w_info.name
+    for k in range(0, len(ws), MAX_ASKED):
+        batch = ws[k:k + MAX_ASKED]
+        found = await asyncio.gather(*(ask(w.name, w.url) for w in batch))
+        for w_info, ok in zip(batch, found, strict=True):
+            if ok:
+                p.responses.pin(tenant, rid, w_info.name)
+                return w_info.name
+    p.responses.missed(tenant, rid, time.monotonic(), seen=True)
     return None
 
 
@@ -157,7 +176,8 @@ async def send_on(p: Proxy, req: web.Request, tenant: str, data: bytes) -> web.S
             resp.close()
             raise
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        log.warning("proxy: %s on worker %s failed: %s: %s", req.path, info.name, type(e).__name__, e)
+        log.warning("proxy: a stored response's %s on worker %s failed: %s: %s", req.method, info.name,
+                    type(e).__name__, e)  # NOTE: not its path: the id is a capability
         raise ProxyError(503, "the worker holding the response did not answer; retry shortly") from None
     opened = Opened(Target(info.name, info.url, COLD, 0, epoch), resp, first, t_sent, time.perf_counter(), 1, ())
     out, _ = await relay(req, opened, {"x-kvfleet-worker": info.name}, p.metrics)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from support.proxy_fleet import MODEL, Fleet, start_fleet
+from support.proxy_fleet import MODEL, Fleet, served, start_fleet
 
 from controller.cost import CostConfig
 from controller.proxy.responses import ResponsePins, response_id, valid_id
@@ -61,6 +61,10 @@ async def test_a_follow_up_get_and_cancel_reach_the_worker_that_stored_the_respo
         missing = "resp_" + "0" * 32
         status, _, got = await _get(fleet, f"/v1/responses/{missing}")
         assert status == 404 and got["error"]["message"] == f"Response with id '{missing}' not found."
+        asked = sum(len(served(s, f"/v1/responses/{missing}")) for s in fleet.sims.values())
+        assert asked == len(fleet.sims)  # every worker was asked once
+        status, _, _ = await _get(fleet, f"/v1/responses/{missing}")
+        assert status == 404 and asked == sum(len(served(s, f"/v1/responses/{missing}")) for s in fleet.sims.values())
         status, _, raw = await fleet.post("/v1/responses", {**follow, "previous_response_id": missing})
         assert status == 404 and missing in json.loads(raw)["error"]["message"]  # vLLM's own answer, passed on
         for d in held:
@@ -85,7 +89,10 @@ def test_pins_are_bounded_per_tenant() -> None:
         pins.pin("b", f"resp_b{i}", "w1")
     assert pins.get("a", "resp_1") == "w0" and len(pins) == 3
     assert pins.get("b", "resp_1") is None  # a tenant's pins are its own
+    pins.get("a", "resp_1")  # a tenant reading its pins is active
     pins.pin("c", "resp_c", "w2")  # a third tenant: the least recently active one leaves
-    assert pins.get("a", "resp_1") is None and pins.get("c", "resp_c") == "w2"
-    pins.forget_worker("w1")
+    assert pins.get("b", "resp_b9") is None and pins.get("a", "resp_1") == "w0" and pins.get("c", "resp_c") == "w2"
+    pins.forget_worker("w0")
     assert len(pins) == 1
+    assert not pins.missed("a", "resp_x", now=0.0) and pins.missed("a", "resp_x", now=0.0, seen=True)
+    assert not pins.missed("b", "resp_x", now=1.0) and not pins.missed("a", "resp_x", now=5.0)  # per tenant; 5 s
