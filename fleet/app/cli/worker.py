@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from fleet.app.cli.cells import cells, show
+from fleet.app.cli.cells import cell, cells, show
 from fleet.app.cli.session import add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 
@@ -66,10 +66,11 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
         n.add_column(col, justify="left" if col == "node" else "right", no_wrap=True, overflow="fold")
     for row in node_rows:
         n.add_row(*row)
+    # NOTE: below the table, where it wraps: a row of the numbers' columns, which never wrap, was cut at 80 columns
     if nodes_error:
-        n.add_row(*cells(f"(not listed: {nodes_error})"), *[""] * 7)
+        n.caption, n.caption_justify = cell(f"(not listed: {nodes_error})"), "left"
     elif not nodes:
-        n.add_row("(no kernel nodes yet)", *[""] * 7)
+        n.caption, n.caption_justify = "(no kernel nodes yet)", "left"
     return Group(w, n)
 
 

@@ -122,3 +122,17 @@ def test_worker_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> 
     assert [n for n in numbers if n not in text] == [] and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
     assert (URL in text) == (width >= 200)  # the url (then the model) is left out where there is no room
+
+
+def test_worker_ls_at_80_columns_shows_why_the_nodes_are_not_listed_whole() -> None:
+    # found by review: the reason was a row of a table whose number columns never wrap, and was cut at 80 columns
+    import io
+
+    from rich.console import Console
+
+    from fleet.app.cli.worker import render_workers
+
+    why = "Unavailable: could not reach Ray at 10.0.0.7:6379 within 5 s; check --ray-address and the head node"
+    out = io.StringIO()
+    Console(file=out, width=80, force_terminal=True, color_system=None).print(render_workers([], [], why, width=80))
+    assert why in " ".join(out.getvalue().split())
