@@ -113,9 +113,15 @@ class ProxyConfig:
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """The channel credentials to the controller, read from the files now: None for plaintext. InvalidArgument
-        for a file that is not PEM, or a key that does not match its certificate (a renewal caught half-written)."""
+        for a file that is not PEM, a CA that does not load, or a key that does not match its certificate (a renewal
+        caught half-written)."""
         from fleet.sdk.base import credentials
 
+        if self.tls_ca:
+            try:
+                ssl.create_default_context(cafile=self.tls_ca)  # a whole CA (a half-written one is not PEM enough)
+            except (ssl.SSLError, OSError) as e:
+                raise InvalidArgument(f"--tls-ca {self.tls_ca} does not load ({e})") from None
         if self.tls_client_cert and self.tls_client_key:
             try:
                 ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.tls_client_cert, self.tls_client_key)

@@ -78,14 +78,15 @@ class ControlClient:
         self._quarantine = QuarantineServiceStub(self._channel)
         self._streams = RouteStreams(self._route, target) if self._use_streams else None
 
-    def watch_tls(self, paths: tuple[str, ...], load: Callable[[], grpc.ChannelCredentials | None],
+    def watch_tls(self, paths: tuple[str, ...], load: Callable[[], grpc.ChannelCredentials | None], stamp: Stamp,
                   interval_s: float = CHECK_INTERVAL_S) -> None:
-        """Look at the TLS files every `interval_s` (from `start`): when they changed and `load` reads them whole,
-        new calls go over a new channel with the new credentials; the old channel closes after RETIRE_S, once the
-        calls on it have ended. NOTE: before, the files were read once: a client certificate renewed in the mounted
-        Secret was not presented until the proxy restarted, and once the old one expired the controller refused
-        every new connection (the proxy fails closed: every request a 503)."""
-        self._tls = (paths, load, file_stamp(paths))
+        """Look at the TLS files every `interval_s` (from `start`): when they changed since `stamp` (taken before the
+        channel's credentials were read) and `load` reads them whole, new calls go over a new channel with the new
+        credentials; the old channel closes RETIRE_S later (the proxy's calls to the controller take seconds at
+        most; one still running then is cut). NOTE: before, the files were read once: a client certificate renewed
+        in the mounted Secret was not presented until the proxy restarted, and once the old one expired the
+        controller refused every new connection (the proxy fails closed: every request a 503)."""
+        self._tls = (paths, load, stamp)
         self._tls_watch = Periodic("kvfleet-proxy-tls", interval_s, self._check_tls,
                                    on_error=lambda e: log.warning("proxy: looking at the TLS files failed: %s", e))
 
@@ -115,7 +116,7 @@ class ControlClient:
         log.info("proxy: TLS files renewed (%s); new calls to the controller use them", ", ".join(paths))
 
     async def _retire(self, channel: grpc.aio.Channel, streams: RouteStreams | None) -> None:
-        """Close a replaced channel once the calls begun on it have had RETIRE_S to end."""
+        """Close a replaced channel RETIRE_S from now: the calls begun on it have had that long to end."""
         try:
             await asyncio.sleep(RETIRE_S)
         finally:

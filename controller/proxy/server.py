@@ -25,6 +25,7 @@ from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.quarantine import Enforcer
 from controller.proxy.responses import ResponsePins
 from controller.proxy.tokenize import Tokenizer
+from controller.tls_reload import file_stamp
 
 WORKER_KEEPALIVE_S = 4.0  # an idle connection to a worker is closed after this: under vLLM's own 5 s (see start)
 CUT_GRACE_S = 1.0  # the most aiohttp's cleanup then waits for a request it cancels (twice: before and after its cancel)
@@ -39,10 +40,11 @@ class Proxy:
         self.bodies = BodyGate(cfg)
         self.fair = FairPriority() if cfg.fair_priority else None
         self.responses = ResponsePins()  # which worker stored each /v1/responses answer (controller/proxy/responses.py)
+        stamp = file_stamp(cfg.tls_files())  # NOTE: before the files are read: a renewal in between is seen
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
                                      credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
         if cfg.tls_files():
-            self.control.watch_tls(cfg.tls_files(), cfg.credentials, cfg.tls_check_s)
+            self.control.watch_tls(cfg.tls_files(), cfg.credentials, stamp, cfg.tls_check_s)
         self._runner: web.AppRunner | None = None
         self.port = 0
         self.stopping = False  # set by shut_down: /ready answers 503 from then on

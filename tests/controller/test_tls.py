@@ -203,14 +203,15 @@ async def test_the_proxy_presents_a_renewed_client_certificate_without_a_restart
     """The proxy's --tls-cert/--tls-key rewritten in place (as cert-manager renews a mounted Secret): new calls to the
     controller go over a new channel with them. Here the first pair is one the controller refuses (another CA signed
     it: as an expired certificate would be), so the proxy cannot list the fleet until the renewal is read. A renewal
-    caught half-written (a new certificate beside the old key) keeps the pair that works. NOTE: before, the files
+    caught half-written (a new certificate beside the old key, a cut CA) keeps the files that work. NOTE: before, the files
     were read once, and the proxy stayed unable to reach the controller until it restarted."""
     tok, ctl = await _mtls_controller(tmp_path, pki, start_router=True)
     reader = mint_token(tok.file, "proxy", "reader")
-    cert, key = tmp_path / "proxy.pem", tmp_path / "proxy.key"
+    cert, key, ca = tmp_path / "proxy.pem", tmp_path / "proxy.key", tmp_path / "ca.pem"
+    ca.write_bytes(pki.ca.read_bytes())
     cert.write_bytes(pki.rogue_cert.read_bytes())
     key.write_bytes(pki.rogue_key.read_bytes())
-    cfg = ProxyConfig(controller=f"127.0.0.1:{ctl.port}", listen="127.0.0.1:0", token=reader, tls_ca=str(pki.ca),
+    cfg = ProxyConfig(controller=f"127.0.0.1:{ctl.port}", listen="127.0.0.1:0", token=reader, tls_ca=str(ca),
                       tls_client_cert=str(cert), tls_client_key=str(key), tls_check_s=0.1)
     proxy = await Proxy(cfg).start()
 
@@ -230,6 +231,11 @@ async def test_the_proxy_presents_a_renewed_client_certificate_without_a_restart
         cert.write_bytes(pki.rogue_cert.read_bytes())  # half-written: another certificate, the key it does not fit
         await asyncio.sleep(0.5)
         assert await lists()  # the working pair is kept
+        cert.write_bytes(pki.client_cert.read_bytes())
+        pem = ca.read_bytes()
+        ca.write_bytes(pem[: len(pem) // 2])  # a CA caught half-written
+        await asyncio.sleep(0.5)
+        assert await lists()  # the working files are kept
     finally:
         await proxy.stop()
         await ctl.stop(0)
