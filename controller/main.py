@@ -152,6 +152,18 @@ def stream_limits_from(args: argparse.Namespace) -> Any:
         raise InvalidArgument(f"{flag}: {e}") from None
 
 
+def env_typed(kind: type, var: str) -> Any:
+    """argparse's `type=` for a flag also read from `var`: a value that does not parse names the variable too (a
+    flag's default from the environment is parsed as a command-line value is, and its error named the flag only)."""
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r} (from the flag or {var})") from None
+
+    return parse
+
+
 def add_cost_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
     """The --route-* flags (shared by `kvfleet controller` and `kvfleet up`); with `env`, each also read from the
     environment as KVFLEET_ + the flag in capitals (--route-affinity-margin: KVFLEET_ROUTE_AFFINITY_MARGIN)."""
@@ -160,7 +172,7 @@ def add_cost_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = N
         var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
         p.add_argument(
             flag,
-            type=kind,
+            type=env_typed(kind, var),
             default=(env or {}).get(var),  # NOTE: argparse parses a string default with type=
             dest=field,
             help=f"{text} (default {getattr(defaults, field)}; docs/routing.md" + (f"; env {var})" if env is not None else ")"),
@@ -229,7 +241,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     add_gc_flag(p, env)
     p.add_argument(
         "--store-probe-interval",
-        type=float,
+        type=env_typed(float, "KVFLEET_STORE_PROBE_INTERVAL"),
         metavar="SECONDS",
         default=e("KVFLEET_STORE_PROBE_INTERVAL", str(DEFAULT_STORE_PING_INTERVAL_S)),
         help="seconds between two pings of the store, which set kvfleet_store_up and the gRPC health of "

@@ -563,6 +563,12 @@ def test_route_flags_make_the_cost_config_and_bad_weights_stop_the_controller(tm
                                                                                           queue_weight=2.0)
     assert main(["--store", f"sqlite:///{tmp_path}/x.db"], {"KVFLEET_ROUTE_REQUEST_WEIGHT": "-1"}) == 2
     assert "--route-request-weight" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a value that does not parse names the variable too
+        parse_args([], {"KVFLEET_ROUTE_QUEUE_WEIGHT": "abc"})
+    assert "KVFLEET_ROUTE_QUEUE_WEIGHT" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp:  # `kvfleet up` reads them as the controller does
+        mp.setenv("KVFLEET_ROUTE_AFFINITY_MARGIN", "64")
+        assert cost_config_from(parse_up([])) == CostConfig(affinity_margin=64.0)
     assert main(["--route-kv-high-water", "1.0", "--store", f"sqlite:///{tmp_path}/x.db"], {}) == 2
     assert "--route-kv-high-water" in capsys.readouterr().err
     assert not (tmp_path / "x.db").exists()  # refused before anything started

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -51,7 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sim-workers", type=int, default=0, help="also start N vLLM stand-ins and register them")
     p.add_argument("--tenant", default="local", help="tenant of the extra tenant token printed")
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
-    add_cost_flags(p)
+    add_cost_flags(p, os.environ)  # KVFLEET_ROUTE_*, as `kvfleet controller` reads them
     add_kernel_flags(p)
     add_edge_flags(p)
     add_session_flags(p)
