@@ -3,7 +3,7 @@
 POST /v1/completions, /v1/chat/completions   tokenize as the worker would -> Route (client's token)
                                              -> forward with the tenant's cache_salt -> relay bytes
 POST BY_LOAD_PATHS (embeddings, pooling, score, rerank, classify, responses)   the same, routed by load alone
-                                             (no ids to match: COLD), tool results not judged
+                                             (no ids to match: COLD); a /v1/responses request's tool outputs judged
 POST /tokenize, /detokenize, GET /version    sent on to a serving worker, unrouted (controller/proxy/passthrough.py)
 GET /v1/responses/{id}, POST /v1/responses/{id}/cancel   to the worker that stored the response; a /v1/responses
                                              follow-up (`previous_response_id`) goes there too (controller/proxy/responses.py)
@@ -222,12 +222,15 @@ class Handlers:
         with p.bodies.admit(tenant, announced_size(req, p.cfg.max_body_bytes)) as shrink:  # 429 past budget
             return await self._answer(req, kind, t0, token, tenant, shrink)
 
-    async def _tokens(self, body: dict[str, Any], kind: str, base: str, tenant: str,
-                      token: str | None) -> tuple[dict[str, Any], list[Hit], EncodedBody, Sequence[int]]:
+    async def _tokens(self, body: dict[str, Any], kind: str, base: str, tenant: str, token: str | None,
+                      path: str = "") -> tuple[dict[str, Any], list[Hit], EncodedBody, Sequence[int]]:
         """(the body to forward, what was withheld of it, its encoder, the ids to route it by). A request routed by
-        load alone has no ids, and its tool results are not judged (the Enforcer reads chats and prompts only)."""
+        load alone has no ids; of those, a /v1/responses request's tool outputs are judged (responses.judged)."""
         if kind == BY_LOAD:
-            return body, [], EncodedBody(body), []
+            hits: list[Hit] = []
+            if path == "/v1/responses":
+                body, hits = await responses.judged(self.p, body, tenant, token)
+            return body, hits, EncodedBody(body), []
         chat = kind == CHAT
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await self.p.enforcer.enforce(body, chat, tenant, token)
@@ -240,7 +243,7 @@ class Handlers:
         body = await read_json(req, p.cfg.client_body_timeout_s)
         shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
         base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
-        body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token)
+        body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token, req.path)
         d = await p.control.route(ids, base, lora=lora, token=token)
         responses_api, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
         num_prompt = len(ids)

@@ -9,6 +9,8 @@ Where the tool results are (bytes = the text's UTF-8; ref = their SHA-256, hex):
                           refusal, thinking, tool_reference); media parts (MEDIA_PARTS) carry no text and get
                           the proxy's media policy (pass, withhold, refuse); content that cannot be inspected
                           (an unknown part type, a part without a type or media) is a 400
+    /v1/responses         each `input` item carrying a tool's output (function_call_output, ...): read as a chat's
+                          tool message, its message items as the chat's messages (controller/proxy/responses.py)
     /v1/completions       each <tool_result ...>...</tool_result> span (any case; one left open, or an opening
                           tag left without its ">", runs to the end) of a string prompt (or of each string of
                           a batched prompt): the text between the tags, and the opening tag's attribute text

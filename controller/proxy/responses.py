@@ -16,17 +16,19 @@ answers never push out another's, and a lookup is only ever for an id the caller
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
 from controller.proxy.errors import ProxyError
 from controller.proxy.forward import Opened, Target
+from controller.proxy.quarantine import Hit
 from controller.proxy.reading import upstream_headers
 from controller.proxy.relay import relay
 from fleet.core.route_types import COLD, RouteDecision
@@ -182,3 +184,58 @@ async def send_on(p: Proxy, req: web.Request, tenant: str, data: bytes) -> web.S
     opened = Opened(Target(info.name, info.url, COLD, 0, epoch), resp, first, t_sent, time.perf_counter(), 1, ())
     out, _ = await relay(req, opened, {"x-kvfleet-worker": info.name}, p.metrics)
     return out
+
+
+# the Responses API's input items that carry a tool's output (their `output`: a string or a list of content parts)
+TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "computer_call_output",
+                          "local_shell_call_output", "mcp_call_output"})
+_MESSAGES_AT = re.compile(r"messages\[(\d+)\]\.content")
+
+
+def as_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, str]]] | None:
+    """A /v1/responses body's `input` as a chat body the Enforcer reads (controller/proxy/quarantine.py): each tool
+    output item a `tool` message, each message item (user, system, developer, assistant) a message, in order; and,
+    per message, the item and field it came from. None: no item carries a tool's output (a string `input`)."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return None
+    msgs: list[dict[str, Any]] = []
+    came: list[tuple[int, str]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") in TOOL_OUTPUTS:
+            msgs.append({"role": "tool", "content": item.get("output")})
+            came.append((i, "output"))
+        elif item.get("type", "message") == "message" and isinstance(item.get("role"), str):
+            msgs.append({"role": item["role"], "content": item.get("content")})
+            came.append((i, "content"))
+    if not any(m["role"] == "tool" for m in msgs):
+        return None
+    return {"messages": msgs}, came
+
+
+async def judged(p: Proxy, body: dict[str, Any], tenant: str, token: str | None) -> tuple[dict[str, Any], list[Hit]]:
+    """A /v1/responses body's tool outputs judged as a chat's tool messages are (each alone, a turn's together,
+    assistant messages quoting a withheld one), with the tenant's policy applied to the items they came from; the
+    places named are the request's own (`input[7].output`). NOTE: before, a Responses client's tool outputs (the
+    OpenAI Agents SDK sends them as function_call_output items) reached the worker unjudged."""
+    chat = as_chat(body)
+    if chat is None:
+        return body, []
+    shown, came = chat
+
+    def where(text: str) -> str:
+        return _MESSAGES_AT.sub(lambda m: f"input[{came[int(m.group(1))][0]}].{came[int(m.group(1))][1]}", text)
+
+    try:
+        out, hits = await p.enforcer.enforce(shown, True, tenant, token)
+    except ProxyError as e:
+        raise ProxyError(e.status, where(e.message), where(e.param) if e.param else e.param) from None
+    if not hits:
+        return body, []
+    items = list(body["input"])
+    for (i, field), old, new in zip(came, shown["messages"], out["messages"], strict=True):
+        if new.get("content") is not old.get("content"):
+            items[i] = {**items[i], field: new["content"]}
+    return {**body, "input": items}, [dataclasses.replace(h, where=where(h.where)) for h in hits]

@@ -106,7 +106,7 @@ def _response(body: dict[str, Any], model: str, previous: dict[str, Any] | None)
     if body.get("stream"):
         raise InvalidArgument("the stand-in answers /v1/responses unstreamed only")
     items = body.get("input")
-    ids = (tok.apply_chat_template(items) if isinstance(items, list) else tok.tokenize(items))
+    ids = (tok.apply_chat_template(_as_messages(items)) if isinstance(items, list) else tok.tokenize(items))
     if previous is not None:
         ids = [*previous["kvfleet_sim_ids"], *ids]
     out = tok.synthetic_output(ids, int(body.get("max_output_tokens") or 16))
@@ -118,6 +118,22 @@ def _response(body: dict[str, Any], model: str, previous: dict[str, Any] | None)
               "status": "completed", "output": [message], "usage": usage,
               "previous_response_id": previous["id"] if previous is not None else None}
     return answer, [*ids, *out]
+
+
+def _as_messages(items: list[Any]) -> list[Any]:
+    """A Responses `input` as chat messages to tokenize: message items as they are, a tool call as the assistant's
+    text, a tool's output (`*_output` items) as a tool message (vLLM renders each item type in its own way)."""
+    out: list[Any] = []
+    for item in items:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "function_call":
+            out.append({"role": "assistant", "content": f"{item.get('name')}({item.get('arguments')})"})
+        elif isinstance(kind, str) and kind.endswith("_output"):
+            output = item.get("output")
+            out.append({"role": "tool", "content": output if isinstance(output, str | list) else str(output)})
+        else:
+            out.append(item)
+    return out
 
 
 def _not_found(rid: str) -> web.Response:
