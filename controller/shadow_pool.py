@@ -391,10 +391,11 @@ class RankPool:
         block first (a BlockStored is one request's chain: vLLM frees a request's blocks tail first). One of an
         unsent tracked route's new blocks shows that route sent: every tenant believes its evictions from now.
         `parent` (the event's parent_block_hash) and the blocks before it were that request's cache hit: vLLM
-        touched them, and they rejoin the tail after its new blocks, the chain's first block last (`_refresh`).
+        touched them, and they rejoin the tail after its new blocks, the chain's first block last (`_hit_chain`).
 
         NOTE: they queued in stored order, head first: after a replay (a restart) the shadow expected LRU to evict
         the oldest prompt's first block, hiding all of it, where vLLM drops its last blocks first."""
+        hit = self._hit_chain(parent)  # NOTE: out of the queue first, as vLLM touches a hit before taking blocks
         new: list[int] = []
         prev = parent
         for h in hashes:
@@ -420,30 +421,34 @@ class RankPool:
                 if gone is not None:
                     self.evicted[gone] = (now, None)
                 new.append(h)
-        for h in reversed(new):
+        for h in [*reversed(new), *hit]:
             self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
-        if parent is not None:
-            self._refresh(parent)
         if len(self._parent) > 2 * self.num_gpu_blocks:  # links of hashes no longer cached here
             self._parent = {h: p for h, p in self._parent.items() if self.cached(h) or h in self.evicted}
 
-    def _refresh(self, h: int | None) -> None:
-        """A stored request hit `h` and every block before it in its chain: each free one moves to the queue's
-        tail, `h` first and the chain's first block last, as vLLM frees a request's blocks when it ends. Pinned
-        ones stay (their route frees them). NOTE: an untracked Route leaves the pool as it is, so before, the hits
-        of a request that was sent never moved: a long conversation's prefix kept the place its first turn gave it,
-        and the shadow predicted LRU evicting what vLLM, which touched it every turn, kept (WARM routed COLD)."""
-        free, parent, ev, seen = self._free, self._parent, self.evicted, 0
-        while h is not None and seen < self.num_gpu_blocks:
+    def _hit_chain(self, h: int | None) -> list[int]:
+        """A stored request hit `h` and every block before it in its chain: the free ones leave the queue (they rejoin
+        its tail after the request's new blocks, `h` first and the chain's first block last, as vLLM frees a request
+        when it ends), and are returned in that order; pinned ones stay with their route; one predicted evicted is
+        not (the hit shows vLLM kept it: the index is trusted again). NOTE: an untracked Route leaves the pool as it
+        is, so before, the hits of a request that was sent never moved: a long conversation's prefix kept the place
+        its first turn gave it, and the shadow predicted LRU evicting what vLLM, which touched it every turn, kept
+        (WARM routed COLD). Taken out after the new blocks' slots, a hit could be the block a new one evicted."""
+        free, parent, ev = self._free, self._parent, self.evicted
+        out: list[int] = []
+        for _ in range(self.num_gpu_blocks):  # NOTE: a bound, not a count: a chain is never longer than the pool
+            if h is None:
+                break
             if h in free:
-                free.move_to_end(h)
+                del free[h]
                 self._front_seq.pop(h, None)
+                out.append(h)
             elif h in ev:
-                del ev[h]  # predicted evicted, but the request hit it: vLLM kept it (its index entry is trusted again)
+                del ev[h]
             elif h not in self._ref:
-                return
-            seen += 1
+                break
             h = parent.get(h)
+        return out
 
     def removed(self, hashes: Iterable[int]) -> None:
         """BlockRemoved: confirmed. A hash the model still held frees its slot (an unknown request took it)."""

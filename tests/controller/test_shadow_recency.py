@@ -69,5 +69,6 @@ def test_the_chain_survives_an_undone_route_and_a_hit_withdraws_a_predicted_evic
     q.stored([1, 2], now=0.0)
     q.allocate("t", [5, 6, 7], 0, now=0.0)  # a tracked route evicts 2 (predicted): only 2 free slots are fresh
     assert 2 in q.evicted and q.resident_prefix([1, 2], 2, now=0.5) == 1
-    q.stored([3], now=1.0, parent=2)  # a request hit 1, 2: vLLM kept 2
-    assert 2 not in q.evicted and q.resident_prefix([1, 2], 2, now=1.0) == 2
+    q.stored([3], now=1.0, parent=2)  # a request hit 1, 2: vLLM kept 2 (and its new block 3 found no free slot)
+    assert not q.evicted and q.resident_prefix([1, 2], 2, now=1.0) == 2
+    assert q.queue() == [1]  # 3 did not take 1's slot: 1 was a hit. NOTE: before, [3] (1 evicted, then withdrawn)
