@@ -9,6 +9,8 @@ escaped, and at most MAX_CELL characters.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
@@ -44,3 +46,10 @@ def fit(console: Console, renderable: RenderableType) -> RenderableType:
         need = Measurement.get(console, console.options.update_width(1 << 16), renderable).maximum
         console.width = max(console.width, need)
     return renderable
+
+
+def table_width(heads: Sequence[str], rows: Sequence[Sequence[Any]]) -> int:
+    """The columns a rich table of these headers and rows takes with no cell folded: each column's widest header
+    line or cell, padding 1 each side, and the borders."""
+    widest = [max([*(len(line) for line in h.split("\n")), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads)]
+    return sum(widest) + 3 * len(heads) + 1

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from fleet.app.cli.cells import cell, cells, show
+from fleet.app.cli.cells import cell, cells, show, table_width
 from fleet.app.cli.session import add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 
@@ -43,11 +43,15 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
                    r.phase, r.kv, str(r.epoch), f"{r.num_blocks:,}", str(r.last_seq), f"{r.load:g}"), r.serving)
             for x in workers for r in x.ranks]
     keep = list(WORKER_COLUMNS)
+
+    def needed() -> int:
+        return table_width(keep, [[r[WORKER_COLUMNS.index(c)] for c in keep] for r, _ in rows])
+
     for gone in LEFT_OUT:
-        if width is None or _needed(keep, rows) <= width:
+        if width is None or needed() <= width:
             break
         keep.remove(gone)
-    tight = width is not None and _needed(keep, rows) > width
+    tight = width is not None and needed() > width
     w = Table(title="vLLM workers", title_justify="left", padding=(0, 0) if tight else (0, 1))
     for col in keep:
         w.add_column(col, justify="right" if col in NUMERIC else "left", no_wrap=col in NUMERIC, overflow="fold")
@@ -59,8 +63,7 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
                        f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%")
                  for x in nodes]
     heads = ("node", "sessions", "cached\ntokens", "capacity", "queried", "hit\ntokens", "evicted\nblocks", "hit\nrate")
-    widest = [max([len(h.split("\n")[0]), *(len(r[i]) for r in node_rows)]) for i, h in enumerate(heads)]
-    tight = width is not None and sum(widest) + 3 * len(heads) + 1 > width
+    tight = width is not None and table_width(heads, node_rows) > width
     n = Table(title="kernel nodes", title_justify="left", padding=(0, 0) if tight else (0, 1))
     for col in heads:
         n.add_column(col, justify="left" if col == "node" else "right", no_wrap=True, overflow="fold")
@@ -73,11 +76,6 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
         n.caption, n.caption_justify = "(no kernel nodes yet)", "left"
     return Group(w, n)
 
-
-def _needed(cols: list[str], rows: list[tuple[list[Any], bool]]) -> int:
-    """The width the workers' table takes with these columns, none folded (cells, padding and borders)."""
-    widest = [max([len(c), *(len(r[WORKER_COLUMNS.index(c)]) for r, _ in rows)]) for c in cols]
-    return sum(widest) + 3 * len(cols) + 1
 
 
 def snapshot(c: Any) -> dict[str, Any]:
