@@ -128,6 +128,18 @@ STREAM_FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
+def env_typed(kind: type, var: str) -> Any:
+    """argparse's `type=` for a flag also read from `var`: a value that does not parse names the variable too (a
+    flag's default from the environment is parsed as a command-line value is, and its error named the flag only)."""
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r} (from the flag or {var})") from None
+
+    return parse
+
+
 def add_stream_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
     """The --kv-* flags: StreamLimits (controller/vllm/subscriber.py); each also read from the
     environment as KVFLEET_ + the flag in capitals (--kv-max-events-per-s: KVFLEET_KV_MAX_EVENTS_PER_S)."""
@@ -136,7 +148,7 @@ def add_stream_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None =
     defaults = StreamLimits()
     for flag, (field, kind, text) in STREAM_FLAGS.items():
         var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
-        p.add_argument(flag, type=kind, default=(env or {}).get(var), dest=field,
+        p.add_argument(flag, type=env_typed(kind, var), default=(env or {}).get(var), dest=field,
                        help=f"{text} (default {getattr(defaults, field)}; env {var})")
 
 
@@ -150,18 +162,6 @@ def stream_limits_from(args: argparse.Namespace) -> Any:
     except InvalidArgument as e:
         flag = next((f for f, (field, _, _) in STREAM_FLAGS.items() if str(e).startswith(field)), "--kv-*")
         raise InvalidArgument(f"{flag}: {e}") from None
-
-
-def env_typed(kind: type, var: str) -> Any:
-    """argparse's `type=` for a flag also read from `var`: a value that does not parse names the variable too (a
-    flag's default from the environment is parsed as a command-line value is, and its error named the flag only)."""
-    def parse(text: str) -> Any:
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r} (from the flag or {var})") from None
-
-    return parse
 
 
 def add_cost_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:

@@ -566,6 +566,9 @@ def test_route_flags_make_the_cost_config_and_bad_weights_stop_the_controller(tm
     with pytest.raises(SystemExit):  # a value that does not parse names the variable too
         parse_args([], {"KVFLEET_ROUTE_QUEUE_WEIGHT": "abc"})
     assert "KVFLEET_ROUTE_QUEUE_WEIGHT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # as do the --kv-* flags' (NOTE: before, they named the flag only)
+        parse_args([], {"KVFLEET_KV_MAX_EVENTS_PER_S": "many"})
+    assert "KVFLEET_KV_MAX_EVENTS_PER_S" in capsys.readouterr().err
     with pytest.MonkeyPatch.context() as mp:  # `kvfleet up` reads them as the controller does
         mp.setenv("KVFLEET_ROUTE_AFFINITY_MARGIN", "64")
         assert cost_config_from(parse_up([])) == CostConfig(affinity_margin=64.0)
