@@ -157,16 +157,13 @@ async def to_holder(p: Proxy, d: RouteDecision, tenant: str, rid: str, base: str
 
 async def send_on(p: Proxy, req: web.Request, tenant: str, data: bytes) -> web.StreamResponse:
     """GET /v1/responses/{id} or POST /v1/responses/{id}/cancel, sent to the worker holding the response and its
-    answer relayed as it comes (a resumed stream too); vLLM's own 404 when none holds it."""
+    answer relayed as it comes (a resumed stream too); a 404 in vLLM's words when none holds it."""
     rid = valid_id(req.match_info["response_id"])
     headers = upstream_headers(req)
     w = await holder(p, tenant, rid, None, headers) if rid is not None else None
     info = p.directory.get(w) if w is not None else None
-    if info is None:
-        shown = req.match_info["response_id"][:200]
-        return web.json_response({"error": {"message": f"Response with id '{shown}' not found.",
-                                            "type": "invalid_request_error", "param": "response_id", "code": 404}},
-                                 status=404)
+    if info is None:  # vLLM's own words, in the proxy's error shape
+        raise ProxyError(404, f"Response with id '{req.match_info['response_id'][:200]}' not found.", "response_id")
     epoch = max((r.epoch for r in info.ranks), default=0)
     t_sent = time.perf_counter()
     try:
