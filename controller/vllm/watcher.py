@@ -336,7 +336,14 @@ class Worker(LoraLooks):
         return True
 
     def _calibrate(self, ev: BlockStored) -> bool:
-        """Self-calibration: a parentless, extra-free block 0 must recompute with this worker's config."""
+        """Self-calibration: a parentless, extra-free block 0 must recompute with this worker's config.
+
+        Only the GPU pool's own events (medium GPU or None, with their tokens) are evidence: a KV connector's
+        (vLLM's OffloadingConnector: medium "CPU", parent None, token_ids [], block_size 0 or its own offloaded
+        block size) hashes nothing here and is never matched. NOTE: one such event used to fail calibration:
+        the rank's index was dropped and the worker stayed COLD until a new prompt's block 0 came."""
+        if tier_of(ev.group_idx, ev.medium)[1] != "GPU" or not ev.token_ids:
+            return True
         if self.hash_cfg is None:
             self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, ev.block_size)
         if ev.block_size != self.hash_cfg.block_size:
