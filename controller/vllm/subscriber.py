@@ -56,6 +56,27 @@ MUTED_POLL_S = 0.05
 # PUB keeps up to 100,000 messages) and the kernel's buffers, not in the controller. NOTE: at ZMQ's default (1,000
 # messages) a burst of 250 messages of 7.6 MiB took the controller's RSS up by 703 MiB before one was read
 QUEUE_BYTES = 64 << 20
+# a stream invalidation is logged with its cause at most once per LOG_EVERY_S per (stream, reason), the lines held
+# back counted in the next one. NOTE: a batch that did not decode, an unknown event type, a short frame or an
+# unrepaired gap only stepped a metric: the worker routed COLD with no line saying why
+LOG_EVERY_S = 10.0
+
+
+class RateLog:
+    """Lines of one stream, each key at most once per `every_s` seconds; the ones held back are counted."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, lines held back since)
+
+    def log(self, level: int, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        at, held = self._last.get(key, (-self.every_s, 0))
+        if now - at < self.every_s:
+            self._last[key] = (at, held + 1)
+            return
+        self._last[key] = (now, 0)
+        log.log(level, msg + (f" ({held} more like it since the last such line)" if held else ""), *args)
 
 
 def _digest(payload: bytes) -> bytes:
@@ -119,8 +140,10 @@ class Subscriber:
     """Reads one PUB endpoint; calls the sink in strict seq order."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay: str | None, sink: StreamSink,
-                 metrics: Metrics, *, topic: bytes = b"", limits: StreamLimits | None = None) -> None:
+                 metrics: Metrics, *, topic: bytes = b"", limits: StreamLimits | None = None, label: str = "") -> None:
         self.ctx, self.endpoint, self.replay_endpoint = ctx, endpoint, replay
+        self.label = label or endpoint  # who the stream is, in log lines (the watcher: "worker W rank R")
+        self.lines = RateLog()
         self.sink, self.metrics, self.topic = sink, metrics, topic
         self.limits = limits or StreamLimits()
         # seq -> digest of a batch applied from a replay, so the same batch arriving live is skipped.
@@ -202,19 +225,27 @@ class Subscriber:
         if not self._closing:
             self._sock = self._connect()
 
+    def _invalidate(self, reason: str, seq: int | None, why: str) -> None:
+        """Tell the sink the stream failed at `seq`, and log why (RateLog): a restart (seq reset) at INFO."""
+        level = logging.INFO if reason == "seq_reset" else logging.WARNING
+        self.lines.log(level, reason, "KV events of %s (%s): %s%s: %s; its index is dropped until new events prove it "
+                       "again", self.label, self.endpoint, reason, "" if seq is None else f" at seq {seq}", why)
+        self.sink.on_invalidate(reason, seq)
+
     async def handle(self, frames: list[bytes]) -> None:
         """One live message, in order: duplicate check, reset, gap repair, then apply."""
         if len(frames) < 3:
             self.metrics.kv_event_decode_errors.inc()
             if not self.muted():  # a faulty worker's index is gone already: nothing to invalidate
-                self.sink.on_invalidate("decode_error", None)
+                self._invalidate("decode_error", None, f"a message of {len(frames)} frames (vLLM sends 3: topic, seq, "
+                                 "payload)")
             return
         try:
             seq = parse_seq(frames[1])
-        except EventDecodeError:
+        except EventDecodeError as e:
             self.metrics.kv_event_decode_errors.inc()
             if not self.muted():
-                self.sink.on_invalidate("decode_error", None)
+                self._invalidate("decode_error", None, str(e))
             return
         if self.muted():
             self.sink.skip(seq)  # type: ignore[attr-defined]  # muted() is only True for a sink that has skip
@@ -225,7 +256,8 @@ class Subscriber:
             if seq in self._replayed and self._replayed[seq] == _digest(frames[2]):
                 return  # already applied from a replay
             self._replayed.clear()
-            self.sink.on_invalidate("seq_reset", None)
+            self._invalidate("seq_reset", None, f"seq {seq} after {last}: a new publisher (the worker restarted), or a "
+                             "repeated message")
             last = -1
         if seq > last + 1:
             if fresh:  # back from a hold (_sit_out): what came between went to an index since dropped
@@ -292,7 +324,14 @@ class Subscriber:
                 await self._apply(s, got[s])
             return
         self.metrics.kv_event_replays.labels("unrepaired").inc()
-        self.sink.on_invalidate("gap", seq - 1)
+        if not self.replay_endpoint:
+            how = "no replay endpoint is registered to repair it"
+        elif batches is None:
+            how = f"replay ({self.replay_endpoint}) gave no answer"
+        else:
+            how = f"replay ({self.replay_endpoint}) no longer holds seq {min(set(range(last + 1, seq)) - set(got))}"
+        self._invalidate("gap", seq - 1, f"seqs {last + 1}..{seq - 1} were lost (PUB high-water mark or a "
+                         f"reconnect) and {how}")
 
     async def _apply(self, seq: int, payload: bytes, *, catch_up: bool = False) -> None:
         await self.slicer.tick()
@@ -306,20 +345,20 @@ class Subscriber:
             if refuse is not None:
                 refuse(seq, *bad)
             else:
-                self.sink.on_invalidate("decode_error", seq)
+                self._invalidate("decode_error", seq, bad[1] or f"a message announcing {bad[0]} events")
             return
         admit = getattr(self.sink, "admit", None)
         if admit is not None and not admit(seq, message_cost(len(payload))):
             return  # over the rank's budget before decoding: the sink made its worker faulty
         try:
             batch = decode_batch(payload)
-        except UnknownEventType:
+        except UnknownEventType as e:
             self.metrics.kv_event_decode_errors.inc()
-            self.sink.on_invalidate("unknown_event_type", seq)
+            self._invalidate("unknown_event_type", seq, f"{e} (a vLLM newer than this controller knows?)")
             return
-        except EventDecodeError:
+        except EventDecodeError as e:
             self.metrics.kv_event_decode_errors.inc()
-            self.sink.on_invalidate("decode_error", seq)
+            self._invalidate("decode_error", seq, f"{e} (payload of {len(payload):,} bytes)")
             return
         if not catch_up and admit is not None and not admit(seq, blocks_cost(batch)):
             return  # its blocks are over the rank's budget: the sink made its worker faulty

@@ -42,7 +42,7 @@ from controller.vllm.budget import STEP_COST, FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
 from controller.vllm.loras import LoraLooks
-from controller.vllm.subscriber import StreamLimits, Subscriber
+from controller.vllm.subscriber import RateLog, StreamLimits, Subscriber
 from fleet.core import lifecycle as lc
 from fleet.core.block_hash import HashConfig, calibrates
 from fleet.core.errors import FailedPrecondition
@@ -177,6 +177,7 @@ class Worker(LoraLooks):
         self.guard = FaultGuard(spec.name, spec.dp_ranks, rate=lim.max_events_per_s, depth=lim.max_event_burst,
                                 hold_s=lim.faulty_hold_s, metrics=metrics)
         self.slicer = Slicer()
+        self.lines = RateLog()  # the stream's failures it finds itself (a batch of another DP rank)
 
     # persistence
     def persist(self, rank: int) -> None:
@@ -256,6 +257,9 @@ class Worker(LoraLooks):
             if not self.guard.admit(rank, STEP_COST, len(batch.events)):  # an epoch step, like any invalidation
                 self._trip(rank, seq, len(batch.events), f"a batch of rank {batch.data_parallel_rank}")
                 return
+            self.lines.log(logging.WARNING, f"wrong_dp_rank{rank}", "KV events of worker %s rank %d: seq %d is a batch of "
+                           "data_parallel_rank %d; the rank's index is dropped (is the registered endpoint or dp_ranks "
+                           "wrong?)", self.spec.name, rank, seq, batch.data_parallel_rank)
             self._apply(rank, st.invalidated("wrong_dp_rank"))  # another rank's batch on this socket: fail closed
             return
         if not self.guard.admit(rank, batch_cost(batch), len(batch.events)):
@@ -519,7 +523,8 @@ class Worker(LoraLooks):
         for r in self.ranks:
             ep = rank_endpoint(self.spec.kv_events, r)
             rp = rank_endpoint(self.spec.replay, r) if self.spec.replay else None
-            sub = Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics, limits=self.cfg.stream)
+            sub = Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics, limits=self.cfg.stream,
+                             label=f"worker {self.spec.name} rank {r}")
             st = self.ranks[r]
             # a restarted controller rebuilds the current epoch from its first seq; a new worker
             # replays whatever its publisher still buffers (a suffix of the stream is sound)
