@@ -173,14 +173,16 @@ class SimEngine(PrefixCache):
 
     # lifecycle verbs
     def sleep(self, level: int, mode: str) -> None:
+        """vLLM's EngineCore.sleep: pause (level >= 1: with the cache reset, AllBlocksCleared queued), then the
+        executor's sleep, a no-op while its memory is asleep already. NOTE: a sleep while asleep was a no-op here
+        as a whole: a level-1 sleep after a level-0 one kept the cache vLLM discards, and no clear came."""
         self.sleep_ops["sleep"] = self.sleep_ops.get("sleep", 0) + 1
-        if self.sleeping_tags or self.paused_by == "sleep":
-            return  # a second sleep while asleep is a logged no-op
         self.paused_by, self.pause_mode = "sleep", mode
         self._hold_in_flight(mode, reset=level >= 1)
-        if level >= 1:
-            self.sleeping_tags = {"weights", "kv_cache"}
-        self.sleep_state = {"awake": 0, "weights_offloaded": int(level == 1), "discard_all": int(level == 2)}
+        if not self.sleeping_tags:
+            if level >= 1:
+                self.sleeping_tags = {"weights", "kv_cache"}
+            self.sleep_state = {"awake": 0, "weights_offloaded": int(level == 1), "discard_all": int(level == 2)}
         self._update_serving()
 
     def wake_up(self, tags: list[str] | None) -> bool:
