@@ -5,8 +5,8 @@ will do *before* calling vLLM (so it can bump the epoch first), then `witness()`
 once vLLM answered, and folds both into a per-(worker, dp_rank) `RankState`.
 
     action (vLLM)                                   phase     kv         demoted serving
-    pause clear_cache=false / mode=keep; sleep L0   paused    preserved  no      no
-    pause clear_cache=true (vLLM's default)         paused    forgotten  yes     no
+    pause clear_cache=false (any mode); sleep L0    paused    preserved  no      no
+    pause clear_cache=true (vLLM's default), any mode  paused forgotten yes   no
     sleep level 1 or 2                              sleeping  forgotten  yes     no
     sleep, level missing or invalid                 error     unknown    yes     no
     reset_prefix_cache -> success                   serving   forgotten  yes     yes
@@ -85,8 +85,13 @@ def lower_sleep(level: Any) -> Witness:
 
 
 def lower_pause(mode: str | None, clear_cache: bool | None) -> Witness:
-    """Witness of `/pause`: vLLM's default clear_cache is true; mode=keep ignores it."""
-    if mode == "keep" or clear_cache is False:
+    """Witness of `/pause`: vLLM's default clear_cache is true, and its engine honours it in every mode.
+
+    NOTE: vLLM's /pause docstring says mode=keep ignores clear_cache, but EngineCoreProc.pause_scheduler resets the
+    caches (reset_running_requests=True, AllBlocksCleared queued) once the pause completes, keep included. A pause
+    keep was taken as preserving: the index was kept and, once resumed, the worker was routed WARM to a cache vLLM
+    had just reset. Only clear_cache=false preserves. `mode` does not change the witness."""
+    if clear_cache is False:
         return _w("pause", "paused", "preserved", False)
     return _w("pause", "paused", "forgotten", False)
 

@@ -13,7 +13,8 @@ P, F, U = "preserved", "forgotten", "unknown"
 TABLE = [
     # (verb, params, response) -> (phase, kv, demoted, serving)
     (("pause", {"clear_cache": False}, {"status": "paused"}), ("paused", P, False, False)),
-    (("pause", {"mode": "keep"}, {"status": "paused"}), ("paused", P, False, False)),
+    (("pause", {"mode": "keep", "clear_cache": False}, {"status": "paused"}), ("paused", P, False, False)),
+    (("pause", {"mode": "keep"}, {"status": "paused"}), ("paused", F, True, False)),  # vLLM's engine resets then too
     (("sleep", {"level": 0}, {"status": "sleeping", "level": 0}), ("paused", P, False, False)),
     (("pause", {"clear_cache": True}, {"status": "paused"}), ("paused", F, True, False)),
     (("pause", {}, {"status": "paused"}), ("paused", F, True, False)),
@@ -74,7 +75,7 @@ def test_epoch_machine_forgetting_verb_bumps_before_and_after_and_fences() -> No
 
 def test_epoch_machine_preserving_verb_keeps_epoch() -> None:
     s = RankState(epoch=2, phase="serving", kv=P, serving=True, seq=4)
-    call = lc.plan("pause", mode="keep")
+    call = lc.plan("pause", mode="keep", clear_cache=False)
     b = s.begin(call.before)
     assert (b.epoch, b.serving) == (2, False)
     f = b.finish(lc.witness(call, {"status": "paused"}), clear_queued=lc.queues_clear(call, None))
@@ -87,7 +88,8 @@ def test_epoch_machine_preserving_verb_keeps_epoch() -> None:
 def test_queues_clear() -> None:
     assert lc.queues_clear(lc.plan("sleep", level=2), None)
     assert not lc.queues_clear(lc.plan("sleep", level=0), None)
-    assert lc.queues_clear(lc.plan("pause"), None) and not lc.queues_clear(lc.plan("pause", mode="keep"), None)
+    assert lc.queues_clear(lc.plan("pause"), None) and not lc.queues_clear(lc.plan("pause", clear_cache=False), None)
+    assert lc.queues_clear(lc.plan("pause", mode="keep"), None)  # vLLM's engine resets in keep mode too
     assert lc.queues_clear(lc.plan("reset_prefix_cache"), {"success": True})
     assert not lc.queues_clear(lc.plan("reset_prefix_cache"), {"success": False})
 

@@ -79,7 +79,7 @@ async def test_a_moved_route_takes_its_load_blocks_and_record_to_the_worker_that
             r.move_route(d.route_id, "w9", 0, owner="acme")  # no such worker: the request must not go there
         with pytest.raises(InvalidArgument):
             r.move_route("not-a-route", other, 0)
-        await r.lifecycle(other, "pause", mode="keep")
+        await r.lifecycle(other, "pause", mode="keep", clear_cache=False)
         with pytest.raises(FailedPrecondition, match="not serving now"):
             r.move_route(d.route_id, other, 0, owner="acme")  # paused since the route: refused, not moved
         await r.lifecycle(other, "resume")

@@ -98,7 +98,7 @@ async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
         await _complete(sims[int(d.worker[1:])], TOKS, r)
         d = await r.route(TOKS, "m")
         assert (d.verdict, d.matched_tokens) == ("WARM", 96)
-        w = await r.lifecycle(d.worker, "pause", mode="keep")       # preserving: index kept, not serving
+        w = await r.lifecycle(d.worker, "pause", mode="keep", clear_cache=False)       # preserving: index kept, not serving
         assert (w.phase, w.kv, w.warm_demoted, w.serving) == ("paused", "preserved", False, False)
         d2 = await r.route(TOKS, "m")
         assert d2.worker != d.worker and d2.verdict == "COLD"
@@ -132,7 +132,7 @@ async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_pat
         await _complete(sim, TOKS, r)
         await w0.reconcile_once()  # the baseline of the /sleep count
         assert (await r.route(TOKS, "m")).verdict == "WARM"
-        await r.lifecycle("w0", "pause", mode="keep")
+        await r.lifecycle("w0", "pause", mode="keep", clear_cache=False)
         async with aiohttp.ClientSession() as h:
             async with h.post(sim.url + "/sleep", params={"level": "1"}) as resp:
                 assert resp.status == 200

@@ -65,7 +65,7 @@ def test_a_forgetting_verb_drops_and_counts_before_and_fences_after() -> None:
 
 
 def test_a_preserving_verb_keeps_epoch_and_index() -> None:
-    call = lc.plan("pause", mode="keep")
+    call = lc.plan("pause", mode="keep", clear_cache=False)
     b = SERVING.verb_started(call)
     assert (b.state.epoch, b.state.serving, b.state.phase, b.drop_index, b.reason) == (3, False, "serving", False, "")
     a = b.state.verb_answered(lc.witness(call, {}), clear_queued=False)

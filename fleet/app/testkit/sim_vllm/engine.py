@@ -203,7 +203,9 @@ class SimEngine(PrefixCache):
         if self.paused_by is None:
             self.paused_by = "pause"
         self.pause_mode = mode
-        self._hold_in_flight(mode, reset=clear_cache and mode != "keep")
+        # NOTE: vLLM's engine resets with clear_cache in every mode (EngineCoreProc.pause_scheduler), keep included,
+        # whatever its /pause docstring says; the stand-in ignored it for keep, so a pause keep kept the cache here
+        self._hold_in_flight(mode, reset=clear_cache)
         self._update_serving()
 
     def resume(self) -> None:
