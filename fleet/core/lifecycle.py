@@ -6,7 +6,7 @@ once vLLM answered, and folds both into a per-(worker, dp_rank) `RankState`.
 
     action (vLLM)                                   phase     kv         demoted serving
     pause clear_cache=false (any mode); sleep L0    paused    preserved  no      no
-    pause clear_cache=true (vLLM's default), any mode  paused forgotten yes   no
+    pause clear_cache=true (default; any mode)      paused    forgotten  yes     no
     sleep level 1 or 2                              sleeping  forgotten  yes     no
     sleep, level missing or invalid                 error     unknown    yes     no
     reset_prefix_cache -> success                   serving   forgotten  yes     yes
