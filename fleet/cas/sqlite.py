@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
-from fleet.core.errors import InvalidArgument, Unavailable
+from fleet.core.errors import InvalidArgument, KvfleetError, Unavailable
 from fleet.core.verdict import UNKNOWN
 
 _SCHEMA = """
@@ -102,7 +102,10 @@ class SqliteBlobStore(BlobStore):
         self._ro_uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro"
         parent = os.path.dirname(self.path)
         if parent:
-            os.makedirs(parent, exist_ok=True)
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                raise Unavailable(f"sqlite database {self.path}: its directory cannot be made: {e}") from e
         try:
             self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:
@@ -113,6 +116,14 @@ class SqliteBlobStore(BlobStore):
         self._num_readers = 0  # read-only connections open
         self._num_out = 0  # of them, in use by a read
         self._readers = threading.Condition(threading.Lock())  # guards the three above and `_closed` for reads
+        try:
+            self._prepare()
+        except (sqlite3.Error, Unavailable) as e:
+            self._db.close()
+            raise _unusable(self.path, e) from e
+
+    def _prepare(self) -> None:
+        """WAL mode, the schema, and the byte count of a file from before it (the first writes to the file)."""
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
@@ -389,6 +400,25 @@ class SqliteBlobStore(BlobStore):
             self._idle.clear()
             self._readers.wait_for(lambda: self._num_out <= 0, timeout=CLOSE_WAIT_S)
             self._db.close()
+
+
+def _unusable(path: str, e: BaseException) -> KvfleetError:
+    """Why the file at `path` cannot be the store, from the error of its first writes.
+
+    NOTE: these were raw sqlite3 errors ("unable to open database file", naming neither the file nor the fix):
+    `kvfleet controller` on a read-only volume (readOnlyRootFilesystem, a ConfigMap mount) died with a traceback.
+    """
+    cause = e.__cause__ if isinstance(e, Unavailable) and e.__cause__ is not None else e
+    code = getattr(cause, "sqlite_errorcode", 0) & 0xFF  # the primary result code
+    if code == sqlite3.SQLITE_NOTADB:
+        return InvalidArgument(f"sqlite database {path} cannot be used: {cause}; the store URL must name a kvfleet "
+                               "SQLite database or a file that does not exist yet")
+    if code in (sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM):
+        where = os.path.dirname(os.path.abspath(path))
+        return Unavailable(f"sqlite database {path} cannot be written: {cause}; the store writes the file and, "
+                           f"beside it, its -wal and -shm files: {where} must be a writable directory (not a "
+                           "read-only volume)")
+    return e if isinstance(e, Unavailable) else Unavailable(f"sqlite database {path} cannot be opened: {cause}")
 
 
 def _tenant_bytes(db: sqlite3.Connection, tenant: str) -> int:
