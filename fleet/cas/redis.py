@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.redis_errors import store_call
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
 
 _PUT = """
@@ -138,11 +138,36 @@ class RedisBlobStore(BlobStore):
         self._s_verdict = self.r.register_script(_VERDICT)
         self._s_gc = self.r.register_script(_GC_MANY)
         self._s_kv_swap = self.r.register_script(_KV_SWAP)
-        self.ping()
+        try:
+            self.ping()
+            self._refuse_eviction()
+        except BaseException:
+            self.r.close()
+            raise
 
     @store_call
     def ping(self) -> None:
         self.r.ping()
+
+    @store_call
+    def _refuse_eviction(self) -> None:
+        """Refuse a Redis whose maxmemory-policy evicts keys that have no TTL (allkeys-*): every key here is data.
+
+        NOTE: such a Redis was opened without a word, and at its maxmemory one tenant's puts evicted other tenants'
+        pinned blobs (a later get: NOT_FOUND) and their own byte count (so their quota counted from 0 again). The
+        volatile-* policies evict only keys with a TTL, and the store sets none: they refuse writes as noeviction
+        does. INFO, not CONFIG GET, which managed Redis services often forbid; one that forbids INFO too is opened.
+        """
+        try:
+            policy = str(self.r.info("memory").get("maxmemory_policy", ""))
+        except redis.exceptions.ResponseError:  # INFO refused (an ACL, a renamed command): nothing to check
+            return
+        if policy.startswith("allkeys-"):
+            raise FailedPrecondition(
+                f"redis at {self.host}:{self.port} evicts keys when it is full (maxmemory-policy {policy}): it "
+                "would drop blobs, op logs and byte counts, any tenant's to make room for another's, without an "
+                "error. Set maxmemory-policy noeviction on it (a full store then refuses writes with "
+                "RESOURCE_EXHAUSTED and keeps what it holds), or give kvfleet a Redis of its own")
 
     @staticmethod
     def _keys(tenant: str, ref: str) -> tuple[str, str]:

@@ -1,0 +1,44 @@
+"""A Redis that evicts keys without a TTL (maxmemory-policy allkeys-*) is refused at open: every key of the store is
+data (blobs, op logs, the tenants' byte counts), and such a Redis drops them to make room without an error.
+
+NOTE: before, it was opened without a word. Measured by the review (real redis-server, allkeys-lru, maxmemory
+8 MiB): tenant bravo's 60 puts of 256 KiB evicted tenant acme's pinned blob (its stat and get: NOT_FOUND) and
+bravo's own byte count (1.5 MB counted for 15 MB put, so its quota counted from almost nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from fleet.cas import open_store
+from fleet.core.errors import FailedPrecondition
+
+
+@pytest.fixture
+def policy(redis_url: str) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.config_set("maxmemory-policy", "noeviction")
+
+
+@pytest.mark.parametrize("name", ["allkeys-lru", "allkeys-lfu", "allkeys-random"])
+def test_an_evicting_redis_is_refused_naming_the_policy_and_the_fix(redis_url: str, policy: redis.Redis,
+                                                                    name: str) -> None:
+    policy.config_set("maxmemory-policy", name)
+    with pytest.raises(FailedPrecondition) as ei:
+        open_store(redis_url)
+    assert f"maxmemory-policy {name}" in str(ei.value) and "noeviction" in str(ei.value)
+    assert policy.dbsize() == 0  # opening wrote nothing
+
+
+@pytest.mark.parametrize("name", ["noeviction", "volatile-lru", "volatile-ttl"])
+def test_control_a_redis_that_never_evicts_the_stores_keys_is_opened(redis_url: str, policy: redis.Redis,
+                                                                    name: str) -> None:
+    policy.config_set("maxmemory-policy", name)  # volatile-*: only keys with a TTL; the store sets none
+    with open_store(redis_url) as store:
+        ref = store.put(b"kept", "acme")
+        assert store.get(ref, "acme") == b"kept"
+    assert policy.ttl(f"kvf:t:acme:b:{ref}") == -1 and policy.ttl(f"kvf:t:acme:m:{ref}") == -1
