@@ -117,21 +117,25 @@ class BlobServicer(pbg.BlobServiceServicer):
         raise over_quota(tenant, used, header.size, quota)
 
     @staticmethod
-    async def _chunks(requests: AsyncIterator[pb.PutBlobRequest], header: pb.PutBlobHeader) -> list[bytes]:
-        """Read the chunks after the header: exactly header.size bytes, or nothing is stored."""
-        chunks, got = [], 0
+    async def _chunks(requests: AsyncIterator[pb.PutBlobRequest], header: pb.PutBlobHeader) -> list[bytearray]:
+        """Read the chunks after the header into one buffer: exactly header.size bytes, or nothing is stored.
+
+        NOTE: the chunks were kept as a list of the messages' bytes objects: about 50 bytes each besides the
+        payload, so a client sending tiny chunks made the controller hold many times the size the upload gate
+        reserved (a 4 MiB put in 8-byte chunks: +42 MiB of controller RSS against +21 MiB in 1 MiB chunks).
+        """
+        buf = bytearray()
         async for msg in requests:
             if msg.WhichOneof("kind") != "chunk":
                 raise InvalidArgument("PutBlob got a second header; send exactly one header, then chunks")
-            got += len(msg.chunk)
-            if got > header.size:
+            if len(buf) + len(msg.chunk) > header.size:
                 raise InvalidArgument(f"PutBlob received more bytes than the header's size={header.size}; "
                                       "send the exact blob size in the header")
-            chunks.append(msg.chunk)
-        if got != header.size:
-            raise InvalidArgument(f"PutBlob stream ended after {got} of the {header.size} bytes its header announced; "
-                                  "nothing was stored")
-        return chunks
+            buf += msg.chunk
+        if len(buf) != header.size:
+            raise InvalidArgument(f"PutBlob stream ended after {len(buf)} of the {header.size} bytes its header "
+                                  "announced; nothing was stored")
+        return [buf]
 
     @unary(Role.TENANT)  # a server stream written with context.write: each write is waited for on the client's clock
     async def GetBlob(self, request: pb.GetBlobRequest, context: grpc.aio.ServicerContext,
