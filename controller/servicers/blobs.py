@@ -25,6 +25,7 @@ from controller.uploads import GetRefused, GetStalled, UploadRefused, UploadStal
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
 from fleet.cas.base import OverQuota, blob_charge, over_quota
+from fleet.cas.types import check_ref
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger("kvfleet.controller")
@@ -92,6 +93,8 @@ class BlobServicer(pbg.BlobServiceServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("PutBlob's first message must be a header {size, expected_ref}; chunks follow it")
         header, limit = first.header, self.ctx.max_blob_bytes
+        if header.expected_ref:  # NOTE: was checked by the store, once every byte had arrived (up to 64 MiB)
+            check_ref(header.expected_ref)
         if header.size > limit:
             self.ctx.metrics.cas_ops.labels(op="put", outcome="too_large").inc()
             raise ResourceExhausted(f"blob of {header.size} bytes ({_mib(header.size)}) exceeds the store limit of "
