@@ -41,6 +41,7 @@ from fleet.core.oplog import (
     Op,
     call_fingerprint,
     check_op_reuse,
+    exact_tokens,
     history_charge,
     history_tokens,
     kv_follows_tokens,
@@ -486,10 +487,11 @@ def logged_eviction(ops: list[Any], op_id: str) -> EvictReport | None:
     """
     i = last_index_of(ops, op_id)
     op = ops[i] if i is not None else None
-    if not isinstance(op, EvictOp):
+    if i is None or not isinstance(op, EvictOp):
         return None
     end = op.start + op.length
     survivors = max(0, num_tokens(ops[:i]) - end)
-    if survivors == 0 or op.mode == "exact":
-        return EvictReport(op.mode, op.start, op.length, survivors == 0, op.length, survivors, 0, True, None, True)
+    if survivors == 0 or op.mode == "exact":  # exact unless the tokens before its span carry an earlier reposition's
+        exact = exact_tokens(ops[: i + 1]) == num_tokens(ops[: i + 1])
+        return EvictReport(op.mode, op.start, op.length, survivors == 0, op.length, survivors, 0, exact, None, True)
     return EvictReport(op.mode, op.start, op.length, False, op.length, 0, survivors, False, None, False)

@@ -263,6 +263,25 @@ def blob_refs(ops: Iterable[Op]) -> list[tuple[str, str]]:
     return [(op.ref, op.tenant) for op in ops if isinstance(op, AppendOp) and op.ref is not None]
 
 
+def exact_tokens(ops: Iterable[Op]) -> int:
+    """How many leading tokens of the log's KV are what a prefill of their ids stores (the kernel's
+    `Session.num_exact_tokens`, read from the log): a reposition eviction with survivors stops it at its span's
+    start (as on a deep model); an append, or an eviction that recomputes from its start (exact mode) or
+    re-derives the last token left (a tail), moves it to the end again when it starts at or before it."""
+    n = exact = 0
+    for op in ops:
+        if isinstance(op, AppendOp):
+            exact, n = (n + op.length if exact >= n else exact), n + op.length
+        elif isinstance(op, EvictOp):
+            end, left = op.start + op.length, n - op.length
+            if end < n and op.mode != "exact":
+                exact = min(exact, op.start)
+            else:  # recomputed from op.start (a tail: from op.start - 1, the last token it keeps)
+                exact = left if exact >= min(op.start, left - 1) else min(exact, left)
+            n = left
+    return exact
+
+
 def kv_follows_tokens(ops: Iterable[Op]) -> bool:
     """Whether the log's KV is a function of its final tokens alone (so a fork may adopt its parent's
     blocks): true unless a reposition eviction re-rotated survivors instead of re-deriving them."""

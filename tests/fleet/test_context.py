@@ -87,6 +87,11 @@ def test_eviction_states_exact_vs_reposition(kernel: Kernel, tmp_path: Path) -> 
     assert [p.state for p in b.pieces] == [RESIDENT, EVICTED, SHIFTED, SHIFTED, SHIFTED]
     with pytest.raises(FailedPrecondition, match="evicted"):
         b.evict_piece(1)
+    # an exact eviction past the shifted piece 2 recomputes piece 4 over it: shifted, not resident (it was)
+    assert not b.evict_piece(3, mode="exact").exact
+    assert [p.state for p in b.pieces] == [RESIDENT, EVICTED, SHIFTED, EVICTED, SHIFTED]
+    assert b.evict_piece(2, mode="exact").exact  # from the shift's own start: a prefill's again
+    assert [p.state for p in b.pieces] == [RESIDENT, EVICTED, EVICTED, EVICTED, RESIDENT]
 
 
 def test_fork_log_starts_with_the_parents_ops_and_replays(kernel: Kernel, tmp_path: Path) -> None:

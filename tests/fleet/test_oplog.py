@@ -16,6 +16,7 @@ from fleet.core.oplog import (
     blob_refs,
     call_fingerprint,
     check_op_reuse,
+    exact_tokens,
     kv_follows_tokens,
     last_index_of,
     num_tokens,
@@ -99,3 +100,24 @@ def test_the_fingerprint_is_the_call_not_its_op_id() -> None:
     check_op_reuse("o1", "", fp)                                        # an old log's op: not checked
     with pytest.raises(AlreadyExists, match="op_id 'o1' was already used for a different call"):
         check_op_reuse("o1", fp, call_fingerprint("generate", 4))
+
+
+def test_exact_tokens_read_from_the_log_are_the_kernels() -> None:
+    """What a retried evict answers from the log (workers.session_kernel.logged_eviction) says what the kernel
+    said: after a reposition with survivors, an exact eviction past its span is not exact; from its start it is."""
+    from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
+    from fleet.core.context import SessionContext
+    from workers.session_kernel import logged_eviction
+
+    ctx = SessionContext.new(Kernel.synthetic(ModelConfig.tiny(), seed=0), ByteTokenizer(512))
+    for i, text in enumerate(("system prompt", "one message", "a tool result", "two", "three", "four", "five")):
+        ctx.add_message("user", text * (i + 1))
+    calls = [(1, "reposition"), (3, "exact"), (5, "exact"), (2, "exact"), (4, "reposition"), (0, "exact")]
+    for i, (piece, mode) in enumerate(calls):
+        ctx.op_id = f"e{i}"
+        report = ctx.evict_piece(piece, mode)
+        assert exact_tokens(ctx.ops) == ctx.session.num_exact_tokens, (piece, mode)
+        logged = logged_eviction(ctx.ops, f"e{i}")
+        assert logged is not None and logged.exact == report.exact, (piece, mode, report)
+    assert [c.exact for c in (logged_eviction(ctx.ops, f"e{i}") for i in range(6))] == [
+        False, False, False, True, False, True]

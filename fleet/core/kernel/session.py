@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fleet.core.errors import InvalidArgument, ResourceExhausted
+from fleet.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from fleet.core.kernel.cache import KVWindow, PagedKV
 from fleet.core.kernel.pacing import checkpoint
 from fleet.core.kernel.types import K_POST, K_RAW, EvictReport, MemoryReport, PrefixKV, max_abs_delta
@@ -39,12 +39,15 @@ class Session:
     """Token ids, positions (always 0..n-1) and the KV cache of one sequence. Create with
     `Kernel.session()`. Not thread-safe: one caller at a time (one Ray actor per session)."""
 
-    def __init__(self, kernel: Kernel, kv: PagedKV, tokens: list[int], last_logits: np.ndarray | None = None):
+    def __init__(self, kernel: Kernel, kv: PagedKV, tokens: list[int], last_logits: np.ndarray | None = None,
+                 num_exact_tokens: int | None = None):
         self.kernel = kernel
         self._kv = kv
         self._tokens = tokens
         self._last = last_logits
         self.num_computed = 0  # tokens this object ran through the model (appends, exact-evict survivors, decode)
+        # positions [0, n) whose K/Kraw/V are what a prefill of their token ids stores (see num_exact_tokens)
+        self._exact_upto = len(tokens) if num_exact_tokens is None else num_exact_tokens
 
     # -- state --
     @property
@@ -61,6 +64,17 @@ class Session:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    @property
+    def num_exact_tokens(self) -> int:
+        """How many leading positions hold bit for bit what a prefill of their token ids stores (== len(self)
+        unless a `reposition` on a deep model left survivors whose layer >= 1 KV carries the evicted span).
+
+        NOTE: an `exact` eviction recomputes the survivors from the positions before the span; when those still
+        carry an earlier reposition's span, so do the survivors (they attend to them). Its report said exact=True
+        while its cache differed from never-saw's (max|d logits| 0.2 on the tiny model; found by review).
+        """
+        return self._exact_upto
 
     # -- append --
     def append(self, ids: Any) -> np.ndarray:
@@ -140,6 +154,8 @@ class Session:
         self._kv.install(self._kv.prepare(p0, p1))  # allocates first, then swaps the table
         win.commit()
         self.num_computed += len(ids)
+        # [p0, p1) attended to [0, p0): exactly a prefill's when that prefix is; positions past p1 are gone
+        self._exact_upto = p1 if self._exact_upto >= p0 else self._exact_upto
         return logits
 
     @staticmethod
@@ -174,6 +190,7 @@ class Session:
     def _truncate(self, n: int) -> None:
         self._kv.truncate(n)
         del self._tokens[n:]
+        self._exact_upto = min(self._exact_upto, n)
 
     def _cut(self, n: int) -> None:
         """Keep the first n tokens, with last_logits re-derived by recomputing token n-1 in place
@@ -230,13 +247,18 @@ class Session:
             last = self._forward(np.array(survivors, np.int64), start)
             self._tokens[start:] = survivors
             self._last = last
-        if tail or mode == "exact":
-            return EvictReport(mode, start, length, tail, length, len(survivors), 0, True, None, True)
+        if tail or mode == "exact":  # never-saw's unless the positions before the span carry an earlier span
+            exact = self._exact_upto == len(self._tokens)
+            return EvictReport(mode, start, length, tail, length, len(survivors), 0, exact, None, True)
         delta = self._reposition(start, end)
         # NOTE: measured, not assumed. A 1-layer cache is exactly never-saw's when every survivor's
         # layer-0 row equals the one the prefill path derives from its token id at its new
         # position (the rows before the span are untouched). Deeper layers carry the span.
-        exact = self.kernel.config.n_layers == 1 and delta == 0.0
+        if self.kernel.config.n_layers == 1 and delta == 0.0:  # layer 0 alone: each row a function of (id, position)
+            self._exact_upto = len(self._tokens) if self._exact_upto >= start else self._exact_upto
+        else:
+            self._exact_upto = min(self._exact_upto, start)  # the survivors' layer >= 1 KV carries the span
+        exact = self._exact_upto == len(self._tokens)
         return EvictReport(mode, start, length, False, length, 0, len(survivors), exact, delta, False)
 
     def _check_span(self, start: Any, length: Any, mode: Any) -> tuple[int, int]:
@@ -348,7 +370,7 @@ class Session:
     def fork(self) -> Session:
         """A copy-on-write branch: shares every block (ref_cnt += 1) until one side writes."""
         last = None if self._last is None else self._last.copy()
-        return Session(self.kernel, self._kv.fork(), list(self._tokens), last)
+        return Session(self.kernel, self._kv.fork(), list(self._tokens), last, self._exact_upto)
 
     def memory(self) -> MemoryReport:
         """Bytes held alone vs shared (ref_cnt > 1, or adopted from / exported to a PrefixKV)."""
@@ -365,12 +387,19 @@ class Session:
 
         Raises:
             InvalidArgument: not a positive multiple of block_size within the session.
+            FailedPrecondition: the prefix reaches past `num_exact_tokens` (a reposition's survivors): its
+                blocks are not what a prefill of its tokens computes, and an adopter would take them as such.
         """
         BS, n = self.kernel.block_size, as_int(num_tokens)
         if n is None or n <= 0 or n % BS or n > len(self._tokens):
             raise InvalidArgument(
                 f"export_prefix needs a positive multiple of block_size={BS} that is <= {len(self._tokens)}, "
                 f"got {num_tokens!r}"
+            )
+        if n > self._exact_upto:
+            raise FailedPrecondition(
+                f"export_prefix({n}): positions from {self._exact_upto} on were re-rotated by a reposition eviction "
+                "and still carry its span: they are not what a prefill of their tokens computes"
             )
         num_tokens = n
         arrays = []

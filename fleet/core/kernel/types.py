@@ -23,8 +23,9 @@ class EvictReport:
         num_recomputed: survivors re-derived from their token ids ("exact" mode).
         num_rerotated: survivors whose key was re-rotated from Kraw ("reposition" mode).
         exact: True when the cache is, by construction, bit-identical to a session that never saw
-            the span (tail eviction; "exact" mode; "reposition" on a 1-layer model). False means
-            the survivors' layer >= 1 state still carries the span: measure the divergence.
+            the span (tail eviction; "exact" mode; "reposition" on a 1-layer model), each only when
+            no earlier reposition's survivors sit before the span (`Session.num_exact_tokens`). False
+            means some layer >= 1 state still carries a span: measure the divergence.
         invariant_delta: max|K[i] - RoPE(Kraw[i], i)| over re-rotated rows (0.0 expected), or
             None when nothing was re-rotated.
         logits_fresh: `last_logits` was re-derived; False after a non-tail "reposition" (the next

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from support.kernels import make_kernel, rand_ids
 
-from fleet.core.kernel import Kernel, ModelConfig, max_abs_delta
+from fleet.core.errors import FailedPrecondition
+from fleet.core.kernel import Kernel, ModelConfig, Session, max_abs_delta
 from fleet.core.kernel.exactness import sabotaged_rope
 from fleet.core.kernel.rope import rope_np, tables
 from fleet.core.kernel.types import K_POST, V_IDX
@@ -191,3 +192,37 @@ def test_layer0_is_slot_invariant(backend: str) -> None:
         f"control (K at other positions) {c:.3e}   tile-GEMM row across slots (reported) {g:.1e}"
     )
     assert d == 0.0 and c > 0
+
+
+def test_an_exact_eviction_after_a_reposition_claims_only_what_it_holds(backend: str) -> None:
+    """A reposition on a deep model leaves survivors whose layer >= 1 KV carries its span; an `exact` eviction
+    after it recomputes its own survivors over them, so it is never-saw's only when it starts at or before the
+    reposition's span. Before, every exact eviction said exact=True (0.2 max|Δ| logits from never-saw's)."""
+    k = make_kernel(backend)
+    a, b, c, d, e = (rand_ids(10 + i, 20) for i in range(5))
+
+    def shifted() -> Session:
+        s = k.session()
+        s.append(a + b + c + d + e)
+        assert not s.evict(20, 20, mode="reposition").exact  # b
+        return s
+
+    def never(tokens: list[int]) -> str:
+        n = k.session()
+        n.append(tokens)
+        return n.digest()
+
+    s = shifted()
+    r = s.evict(40, 20, mode="exact")  # d, past the reposition's span: e is recomputed over c's shifted KV
+    assert s.digest() != never(a + c + e) and (r.exact, r.num_recomputed) == (False, 20)
+    assert s.num_exact_tokens == 20  # a's positions
+    t = shifted()
+    assert not t.evict(40, 40, mode="exact").exact and t.digest() != never(a + c)  # a tail: c still shifted
+    with pytest.raises(FailedPrecondition, match="re-rotated"):
+        t.export_prefix(32)  # c's blocks would be adopted as a prefill of its tokens
+    assert t.export_prefix(16).num_tokens == 16
+    u = shifted()  # the control: recomputed from the reposition's own start, everything is a prefill's again
+    r = u.evict(20, 20, mode="exact")  # c
+    assert (r.exact, u.num_exact_tokens) == (True, 60) and u.digest() == never(a + d + e)
+    f = shifted().fork()
+    assert f.num_exact_tokens == 20 and not f.evict(59, 1, mode="exact").exact
