@@ -45,15 +45,19 @@ def token_ids(value: object, name: str = "token_ids") -> array.array[int]:
     pass over a long prompt.
 
     Raises:
-        InvalidArgument: text instead of ids, an empty list, or an id out of range or not an integer.
+        InvalidArgument: text instead of ids, an empty list, or an id out of range or not an integer (a bool is
+            not one: fleet.core.session_types.check_token_ids, the rule the kernel and the controller apply).
     """
     if isinstance(value, str | bytes | bytearray | memoryview):  # NOTE: array("I", b"...") reads raw bytes as ids
         raise InvalidArgument(f"{name} must be a list of token ids, not {type(value).__name__}; tokenize the text "
                               "first")
     try:
-        ids: array.array[int] = array.array("I", value)  # type: ignore[call-overload]  # "I": 4 bytes on CPython
+        items = value if isinstance(value, list | tuple | array.array) else list(value)  # type: ignore[call-overload]
+        ids: array.array[int] = array.array("I", items)  # "I": 4 bytes on CPython
     except (TypeError, OverflowError, ValueError):
         raise InvalidArgument(f"{name} must be a list of token ids: integers in [0, 2**32)") from None
+    if bool in map(type, items):  # NOTE: array("I", [True]) is [1]: append(s, [True, False]) appended ids 1 and 0
+        raise InvalidArgument(f"{name} must be integers, not bool (True would be sent as token id 1)")
     if not ids:
         raise InvalidArgument(f"{name} is empty: give at least one token id")
     return ids

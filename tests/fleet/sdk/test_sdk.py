@@ -259,6 +259,9 @@ async def test_bad_arguments_are_invalid_argument_before_any_rpc(tmp_path: Path)
         "token_ids is empty": lambda c: c.route([], model="m"),
         r"token_ids must be a list of token ids: integers in \[0, 2\*\*32\)": lambda c: c.route([1, 2**32], model="m"),
         "append's token ids must be": lambda c: c.append("e1", [1, -2]),
+        # found by review: array("I") took True as 1, so a mask appended ids 1 and 0 (the kernel refuses bools)
+        "append's token ids must be integers, not bool": lambda c: c.append("e1", [True, False, 7]),
+        "token_ids must be integers, not bool": lambda c: c.route((3, True), model="m"),
         "tags must be a list of strings, got str": lambda c: c.lifecycle("w0", "wake_up", tags="weights"),
         "dp_rank must be >= 0": lambda c: c.lifecycle("w0", "sleep", level=1, dp_rank=-1),
         "dp_ranks must be >= 1, got 0": lambda c: c.register_worker("w", url="http://h:1", kv_events="tcp://h:2",
