@@ -48,4 +48,5 @@ def admission_to_proto(a: ToolAdmission) -> pb.AdmitToolResultResponse:
 def evict_to_proto(r: Any) -> pb.EvictResponse:
     """From the kernel's EvictReport."""
     return pb.EvictResponse(mode=r.mode, start=r.start, length=r.length, tail=r.tail, num_evicted=r.num_evicted,
-                            num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact)
+                            num_recomputed=r.num_recomputed, num_rerotated=r.num_rerotated, exact=r.exact,
+                            invariant_delta=r.invariant_delta, logits_fresh=r.logits_fresh)

@@ -92,6 +92,9 @@ class EvictResult:
     num_recomputed: int
     num_rerotated: int
     exact: bool
+    # the kernel's measured check of a reposition: max|K - RoPE(Kraw)| over the re-rotated rows (None: none was)
+    invariant_delta: float | None = None
+    logits_fresh: bool = True  # False after a non-tail reposition: the next append computes the last logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +169,9 @@ def append_result(r: pb.AppendResponse) -> AppendResult:
 
 
 def evict_result(r: pb.EvictResponse) -> EvictResult:
-    return EvictResult(r.mode, r.start, r.length, r.tail, r.num_evicted, r.num_recomputed, r.num_rerotated, r.exact)
+    delta = r.invariant_delta if r.HasField("invariant_delta") else None
+    return EvictResult(r.mode, r.start, r.length, r.tail, r.num_evicted, r.num_recomputed, r.num_rerotated, r.exact,
+                       delta, r.logits_fresh)
 
 
 def admission(r: pb.AdmitToolResultResponse) -> Admission:

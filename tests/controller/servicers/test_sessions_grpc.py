@@ -85,6 +85,9 @@ async def test_session_lifecycle_over_grpc(ray_cluster: None, tmp_path: Path) ->
         before = (await c.get_session("s1")).digest
         ev = await c.evict("s1.b", 1)                                        # the message, in the branch only
         assert (ev.start, ev.length, ev.exact) == (35, 6, True)
+        assert (ev.invariant_delta, ev.logits_fresh) == (None, True)         # recomputed: nothing re-rotated
+        rp = await c.evict("s1.b", 0, mode="reposition")                     # the kernel's measured check, over gRPC
+        assert rp.num_rerotated > 0 and rp.invariant_delta == 0.0 and not rp.logits_fresh
         assert (await c.get_session("s1")).digest == before                 # fork isolation across actors
         assert {s.session_id for s in await c.sessions()} == {"s1", "s1.b"}
         assert await o.sessions() == []                                     # other tenant: nothing visible

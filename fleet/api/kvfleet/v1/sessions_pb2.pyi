@@ -106,7 +106,7 @@ class EvictRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., piece_id: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("mode", "start", "length", "tail", "num_evicted", "num_recomputed", "num_rerotated", "exact")
+    __slots__ = ("mode", "start", "length", "tail", "num_evicted", "num_recomputed", "num_rerotated", "exact", "invariant_delta", "logits_fresh")
     MODE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class EvictResponse(_message.Message):
     NUM_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_REROTATED_FIELD_NUMBER: _ClassVar[int]
     EXACT_FIELD_NUMBER: _ClassVar[int]
+    INVARIANT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FRESH_FIELD_NUMBER: _ClassVar[int]
     mode: str
     start: int
     length: int
@@ -123,7 +125,9 @@ class EvictResponse(_message.Message):
     num_recomputed: int
     num_rerotated: int
     exact: bool
-    def __init__(self, mode: _Optional[str] = ..., start: _Optional[int] = ..., length: _Optional[int] = ..., tail: _Optional[bool] = ..., num_evicted: _Optional[int] = ..., num_recomputed: _Optional[int] = ..., num_rerotated: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
+    invariant_delta: float
+    logits_fresh: bool
+    def __init__(self, mode: _Optional[str] = ..., start: _Optional[int] = ..., length: _Optional[int] = ..., tail: _Optional[bool] = ..., num_evicted: _Optional[int] = ..., num_recomputed: _Optional[int] = ..., num_rerotated: _Optional[int] = ..., exact: _Optional[bool] = ..., invariant_delta: _Optional[float] = ..., logits_fresh: _Optional[bool] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("session_id", "child_id")
