@@ -373,11 +373,6 @@ def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig],
     return tuple(out.items())
 
 
-def _prepare_sqlite(url: str) -> None:
-    if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-
-
 def metrics_host(listen: str, host: str | None) -> str:
     """Where /metrics binds: --metrics-host, else the gRPC --listen host (never wider than it)."""
     if host:
@@ -471,7 +466,6 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
             raise InvalidArgument(f"--reset-drain-timeout must be a number of seconds >= 0, got {args.reset_drain_timeout}")
         router_config = RouterConfig(cost=cost_config_from(args), stream=stream_limits_from(args),
                                      reset_drain_s=args.reset_drain_timeout)
-        _prepare_sqlite(cfg.store_url)
         if not args.ray_address:
             # NOTE: only once nothing can refuse the arguments: a caller that runs main() in its own process
             # (the tests) and gets a usage error must not be left owning the local Ray's process group.
