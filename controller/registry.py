@@ -45,6 +45,12 @@ class WorkerSpec:
 
     `hash_algo` None means "read it from the worker" (/server_info, else vllm:cache_config_info);
     registration stores the algorithm it found, and refuses a spec the worker contradicts.
+
+    Its DP ranks are the global ranks `dp_rank_start .. dp_rank_start + dp_ranks - 1` (`dp_rank_ids`): 0..dp_ranks-1
+    for a server that runs every rank, one rank (vLLM's --data-parallel-rank) or a node's ranks
+    (--data-parallel-start-rank, --data-parallel-size-local) for a server behind an external or hybrid load
+    balancer. vLLM binds global rank r's PUB and replay at the configured port + r, and every batch and /metrics
+    series it sends carries r: `kv_events` and `replay` are the configured (rank 0's) endpoints.
     """
 
     name: str
@@ -56,6 +62,12 @@ class WorkerSpec:
     block_size: int | None = None
     hash_algo: str | None = None
     hash_seed: str | None = None
+    dp_rank_start: int = 0
+
+    @property
+    def dp_rank_ids(self) -> range:
+        """The global DP ranks this worker's API server serves."""
+        return range(self.dp_rank_start, self.dp_rank_start + self.dp_ranks)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -72,6 +84,10 @@ class WorkerSpec:
             raise InvalidArgument("worker model must be a non-empty string (the served model name)")
         if not isinstance(self.dp_ranks, int) or not 1 <= self.dp_ranks <= 256:
             raise InvalidArgument(f"dp_ranks must be 1..256, got {self.dp_ranks!r}")
+        if isinstance(self.dp_rank_start, bool) or not isinstance(self.dp_rank_start, int) or self.dp_rank_start < 0:
+            raise InvalidArgument(f"dp_rank_start must be an int >= 0 (the first global DP rank the server runs: "
+                                  f"vLLM's --data-parallel-rank or --data-parallel-start-rank), got {self.dp_rank_start!r}")
+        self._check_rank_ports()
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
             raise InvalidArgument(f"block_size must be a positive int or None, got {self.block_size!r}")
         if self.hash_algo is not None and self.hash_algo not in ALGOS:
@@ -80,6 +96,15 @@ class WorkerSpec:
             )
         if self.replay == "":
             object.__setattr__(self, "replay", None)
+
+    def _check_rank_ports(self) -> None:
+        """vLLM binds global rank r at the configured TCP port + r: the last rank's port must be a port."""
+        last = self.dp_rank_start + self.dp_ranks - 1
+        for what, ep in (("kv_events", self.kv_events), ("replay", self.replay)):
+            if ep and ep.startswith("tcp://") and (port := int(ep.rsplit(":", 1)[1])) + last > 65535:
+                raise InvalidArgument(
+                    f"dp_rank_start {self.dp_rank_start} + dp_ranks {self.dp_ranks} overflow {what}'s port: vLLM binds "
+                    f"rank {last} at {port} + {last} = {port + last}, past 65535")
 
 
 class WorkerRegistry:
@@ -99,7 +124,11 @@ class WorkerRegistry:
         return WorkerSpec(**json.loads(raw))
 
     def put(self, spec: WorkerSpec) -> None:
-        self.store.kv_put(self.NAMESPACE, spec.name, json.dumps(dataclasses.asdict(spec)).encode())
+        """NOTE: dp_rank_start 0 is not written: a worker's record keeps the bytes it had before the field."""
+        fields = dataclasses.asdict(spec)
+        if not spec.dp_rank_start:
+            del fields["dp_rank_start"]
+        self.store.kv_put(self.NAMESPACE, spec.name, json.dumps(fields).encode())
 
     def delete(self, name: str) -> None:
         """Forget a worker. NOTE: its epochs stay, so a re-registration continues them."""
@@ -107,7 +136,7 @@ class WorkerRegistry:
 
 
 class EpochTable:
-    """Each (worker, dp_rank)'s RankState (namespace "epochs", key "<worker>/<rank>")."""
+    """Each (worker, dp_rank)'s RankState (namespace "epochs", key "<worker>/<rank>", the global DP rank)."""
 
     NAMESPACE = "epochs"
 
@@ -125,7 +154,7 @@ class EpochTable:
     def next_epochs(self, spec: WorkerSpec) -> dict[int, RankState]:
         """Fresh rank states for a (re-)registration, written back: epochs stay monotonic across it."""
         ranks = {}
-        for r in range(spec.dp_ranks):
+        for r in spec.dp_rank_ids:
             prior = self.get(spec.name, r)
             ranks[r] = RankState(epoch=prior.epoch + 1 if prior is not None else 0)
             self.put(spec.name, r, ranks[r])

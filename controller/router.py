@@ -201,14 +201,14 @@ class Router:
         known = self._workers.get(spec.name)
         if known is not None:
             if known.spec == dataclasses.replace(spec, hash_algo=spec.hash_algo or known.spec.hash_algo):
-                return status_row(known, 0, self.index)
+                return status_row(known, known.spec.dp_rank_start, self.index)
             raise AlreadyExists(f"worker {spec.name!r} is registered with another spec; unregister it first")
         assert self._session is not None, "Router.start() first"
         spec = await agreed_spec(spec, VllmHttp(spec.url, self._session, self.cfg.http_timeout_s))
         await self._blocking(self.registry.put, spec)
         ranks = await self._blocking(self.epochs.next_epochs, spec)  # epochs stay monotonic across re-registration
         w = await self._launch(spec, ranks, catch_up=False)
-        return status_row(w, 0, self.index)
+        return status_row(w, spec.dp_rank_start, self.index)  # its first rank's row
 
     async def unregister_worker(self, name: str) -> None:
         w = self._get(name)
@@ -253,9 +253,10 @@ class Router:
         w = self._get(name)
         call = lc.plan(verb, level=level, mode=mode, tags=tags, clear_cache=clear_cache)
         if dp_rank is not None and dp_rank not in w.ranks:
-            raise InvalidArgument(f"dp_rank {dp_rank} out of range for {name} (0..{w.spec.dp_ranks - 1})")
+            ids = w.spec.dp_rank_ids
+            raise InvalidArgument(f"dp_rank {dp_rank} out of range for {name} ({ids.start}..{ids.stop - 1})")
         wit = await w.lifecycle(call, settle=lambda: self._settle(name))
-        return dataclasses.replace(wit, epoch=w.ranks[dp_rank or 0].epoch)
+        return dataclasses.replace(wit, epoch=w.ranks[w.spec.dp_rank_start if dp_rank is None else dp_rank].epoch)
 
     async def _settle(self, name: str) -> None:
         """Wait until every tracked route decided for `name` has had the reconcile grace to reach it.
@@ -279,7 +280,7 @@ class Router:
                 rows = [status_row(w, r, self.index) for r in w.ranks]
             except Exception as e:
                 w.errors.failed("status", e)
-                rows = [error_status(w.spec, r) for r in range(w.spec.dp_ranks)]
+                rows = [error_status(w.spec, r) for r in w.spec.dp_rank_ids]
             else:
                 w.errors.ok("status")
             out += rows
@@ -483,7 +484,7 @@ class Router:
         if alt is None or f is None or (owner is not None and f.owner is not None and f.owner != owner):
             return False
         v = w.view() if (w := self._workers.get(worker)) is not None else None
-        if v is None or not 0 <= dp_rank < len(v.ranks) or not v.rank(dp_rank).serving:
+        if v is None or not v.has_rank(dp_rank) or not v.rank(dp_rank).serving:
             raise FailedPrecondition(f"worker {worker!r} rank {dp_rank} is not serving now (asleep, paused, down, "
                                      "faulty, a lifecycle verb in flight, or gone): send the request elsewhere")
         ordering, num_tokens = alt
@@ -575,7 +576,7 @@ class Router:
                 with contextlib.suppress(KeyError):  # never set (older prometheus-client raises)
                     gauge.remove(worker)
             return
-        loads = [self.flights.load((worker, r)) for r in range(w.spec.dp_ranks)]
+        loads = [self.flights.load((worker, r)) for r in w.spec.dp_rank_ids]
         self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
         self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
 

@@ -31,8 +31,8 @@ class RankView(NamedTuple):
 
 class WorkerView(NamedTuple):
     """A snapshot of one worker for one routing decision: what it serves, how it hashes, its last
-    /metrics look (taken at monotonic `load_at`: `load`, engine 0's series, and `loads`, each rank's
-    engine's, read by `rank_load`) and its ranks."""
+    /metrics look (taken at monotonic `load_at`: `load`, the first rank's engine's series, and `loads`, each
+    rank's engine's, read by `rank_load`) and its ranks, by global DP rank."""
 
     name: str
     url: str
@@ -44,14 +44,19 @@ class WorkerView(NamedTuple):
     ranks: tuple[RankView, ...]
     loads: tuple[WorkerMetrics, ...] = ()
 
+    def has_rank(self, dp_rank: int) -> bool:
+        return 0 <= dp_rank - self.ranks[0].dp_rank < len(self.ranks)
+
     def rank(self, dp_rank: int) -> RankView:
-        rv = self.ranks[dp_rank]
+        """The rank by its global DP rank (the ranks run from the spec's dp_rank_start, in order)."""
+        rv = self.ranks[dp_rank - self.ranks[0].dp_rank]
         assert rv.dp_rank == dp_rank, (rv, dp_rank)
         return rv
 
     def rank_load(self, dp_rank: int) -> WorkerMetrics:
         """The rank's own engine's load (running, waiting, KV usage, pool size) at the last look."""
-        return self.loads[dp_rank] if dp_rank < len(self.loads) else self.load
+        i = dp_rank - self.ranks[0].dp_rank
+        return self.loads[i] if 0 <= i < len(self.loads) else self.load
 
     def adapter(self, model: str, lora: str | None) -> str | None | Literal[False]:
         """The LoRA adapter a request for `model` (and `lora`) runs here, None for the base model;

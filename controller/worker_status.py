@@ -66,7 +66,7 @@ def status_row(w: Worker, r: int, index: PrefixIndex) -> WorkerStatus:
 def resumed_ranks(epochs: EpochTable, spec: WorkerSpec, metrics: Metrics) -> dict[int, RankState]:
     """A known worker's persisted rank states (a corrupt one reads as a fresh, cold rank). Blocking."""
     ranks = {}
-    for r in range(spec.dp_ranks):
+    for r in spec.dp_rank_ids:
         try:
             st = epochs.get(spec.name, r) or RankState()
             check_rank_state(st)

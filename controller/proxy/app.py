@@ -264,7 +264,7 @@ class Handlers:
                 async def moved(t: Target) -> bool:  # skipped or failed over: the controller's ledger and shadow follow
                     if not d.route_id or t.worker == on[0]:  # NOTE: told before the send, not at the first byte:
                         return True  # the block-pool shadow must know what the worker runs before the next turn's route
-                    rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), 0)
+                    rank = next((c.dp_rank for c in d.candidates if c.worker == t.worker), p.directory.first_rank(t.worker))
                     if not await p.control.move(d.route_id, t.worker, rank, token):
                         return False  # not serving now
                     on[0] = t.worker

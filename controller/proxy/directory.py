@@ -168,6 +168,13 @@ class WorkerDirectory:
     def get(self, name: str) -> WorkerInfo | None:
         return self.workers.get(name)
 
+    def first_rank(self, name: str) -> int:
+        """The worker's first serving DP rank (else its first): a global rank, dp_rank_start for a server behind an
+        external or hybrid DP load balancer. NOTE: rank 0 was assumed, which such a worker has not."""
+        w = self.workers.get(name)
+        ranks = sorted(w.ranks, key=lambda r: (not r.serving, r.dp_rank)) if w is not None else []
+        return ranks[0].dp_rank if ranks else 0
+
     def serving(self, name: str) -> bool:
         w = self.workers.get(name)
         return w is not None and w.serving and not self.is_suspect(name)

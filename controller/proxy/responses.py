@@ -150,7 +150,7 @@ async def to_holder(p: Proxy, d: RouteDecision, tenant: str, rid: str, base: str
     info = p.directory.get(w) if w is not None else None
     if info is None or w == d.worker:
         return d
-    rank = next((c.dp_rank for c in d.candidates if c.worker == w), 0)
+    rank = next((c.dp_rank for c in d.candidates if c.worker == w), p.directory.first_rank(info.name))
     epoch = next((r.epoch for r in info.ranks if r.dp_rank == rank), 0)
     return d._replace(worker=info.name, url=info.url, dp_rank=rank, verdict=COLD, matched_tokens=0, epoch=epoch)
 

@@ -27,6 +27,7 @@ def spec_from_proto(p: workers_pb2.WorkerSpec) -> WorkerSpec:
         block_size=p.block_size or None,
         hash_algo=p.hash_algo or None,  # empty: read it from the worker
         hash_seed=p.hash_seed if p.HasField("hash_seed") else None,
+        dp_rank_start=p.dp_rank_start,
     )
 
 
@@ -40,6 +41,7 @@ def spec_to_proto(s: WorkerSpec) -> workers_pb2.WorkerSpec:
         dp_ranks=s.dp_ranks,
         block_size=s.block_size or 0,
         hash_algo=s.hash_algo or "",
+        dp_rank_start=s.dp_rank_start,
     )
     if s.hash_seed is not None:
         out.hash_seed = str(s.hash_seed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,10 +109,10 @@ class FaultGuard:
     """
 
     def __init__(
-        self, worker: str, ranks: int, *, rate: float, depth: float, hold_s: float, metrics: Any
+        self, worker: str, ranks: Iterable[int], *, rate: float, depth: float, hold_s: float, metrics: Any
     ) -> None:
         self.worker, self.hold_s, self.metrics = worker, hold_s, metrics
-        self.budgets = [EventBudget(rate, depth) for _ in range(ranks)]
+        self.budgets = {r: EventBudget(rate, depth) for r in ranks}  # by global DP rank
         self.until = 0.0
         self.trips = 0
 

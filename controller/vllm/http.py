@@ -12,6 +12,7 @@ import json
 import math
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,13 +90,14 @@ def parse_metrics(text: str, engine: str = "0") -> WorkerMetrics:
     return _fold(_families(text), engine)
 
 
-def parse_engines(text: str, num_engines: int) -> tuple[WorkerMetrics, ...]:
-    """One WorkerMetrics per engine 0..num_engines-1, the text parsed once.
+def parse_engines(text: str, engines: Sequence[int]) -> tuple[WorkerMetrics, ...]:
+    """One WorkerMetrics per engine of `engines` (global DP ranks), in that order, the text parsed once.
 
-    vLLM's API server exports every DP engine's series, each labelled engine="<rank>" (reference §4); an
-    engine whose series are absent reads as idle (the defaults)."""
+    vLLM's API server exports every DP engine it runs, each labelled engine="<global rank>" (reference §4: an
+    external-LB server of rank 3 labels its one engine "3"); an engine whose series are absent reads as idle
+    (the defaults)."""
     families = _families(text)
-    return tuple(_fold(families, str(e)) for e in range(num_engines))
+    return tuple(_fold(families, str(e)) for e in engines)
 
 
 def _families(text: str) -> list[Metric]:
@@ -221,9 +223,9 @@ class VllmHttp:
     async def metrics(self, engine: int = 0) -> WorkerMetrics:
         return parse_metrics(await self._metrics_text(), str(engine))
 
-    async def engine_metrics(self, num_engines: int) -> tuple[WorkerMetrics, ...]:
+    async def engine_metrics(self, engines: Sequence[int]) -> tuple[WorkerMetrics, ...]:
         """Each DP engine's series from one /metrics answer (parse_engines)."""
-        return parse_engines(await self._metrics_text(), num_engines)
+        return parse_engines(await self._metrics_text(), engines)
 
     async def _metrics_text(self) -> str:
         status, text = await self.request("GET", "/metrics")

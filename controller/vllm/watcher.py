@@ -148,14 +148,16 @@ class Worker(LoraLooks):
         self.epochs = EpochTable(store)
         self.http = VllmHttp(spec.url, session, cfg.http_timeout_s)
         self.zctx = zctx
-        self.ranks: dict[int, RankState] = ranks or {r: RankState() for r in range(spec.dp_ranks)}
+        # keyed by global DP rank (spec.dp_rank_ids): its endpoint's port offset, its batches' data_parallel_rank,
+        # its engine label in /metrics and the dp_rank of its routes
+        self.ranks: dict[int, RankState] = ranks or {r: RankState() for r in spec.dp_rank_ids}
         self.hash_cfg: HashConfig | None = (HashConfig(spec.hash_algo or "sha256", spec.hash_seed, spec.block_size)
                                             if spec.block_size else None)
         self.loras: dict[str, str] = {}  # its LoRA adapters: name -> path (LoraLooks.refresh_loras)
         self._loras_at = -math.inf  # when refresh_loras last looked (monotonic)
         self._loras_lock = asyncio.Lock()
-        # each rank's engine's series at the last look (vLLM's `engine` label); `load` is engine 0's, which also
-        # carries what is read for the worker as a whole (sleep state, start time, hash settings)
+        # each rank's engine's series at the last look (vLLM's `engine` label), in rank order; `load` is the first
+        # rank's, which also carries what is read for the worker as a whole (sleep state, start time, hash settings)
         self.loads: tuple[WorkerMetrics, ...] = tuple(WorkerMetrics() for _ in self.ranks)
         self.load = self.loads[0]
         self.load_at: float | None = None  # time.monotonic() when the look that gave `loads` began
@@ -174,7 +176,7 @@ class Worker(LoraLooks):
         self._closing = False
         self.errors = Contained(metrics, spec.name)
         lim = cfg.stream
-        self.guard = FaultGuard(spec.name, spec.dp_ranks, rate=lim.max_events_per_s, depth=lim.max_event_burst,
+        self.guard = FaultGuard(spec.name, spec.dp_rank_ids, rate=lim.max_events_per_s, depth=lim.max_event_burst,
                                 hold_s=lim.faulty_hold_s, metrics=metrics)
         self.slicer = Slicer()
         self.lines = RateLog()  # the stream's failures it finds itself (a batch of another DP rank)
@@ -258,8 +260,8 @@ class Worker(LoraLooks):
                 self._trip(rank, seq, len(batch.events), f"a batch of rank {batch.data_parallel_rank}")
                 return
             self.lines.log(logging.WARNING, f"wrong_dp_rank{rank}", "KV events of worker %s rank %d: seq %d is a batch of "
-                           "data_parallel_rank %d; the rank's index is dropped (is the registered endpoint or dp_ranks "
-                           "wrong?)", self.spec.name, rank, seq, batch.data_parallel_rank)
+                           "data_parallel_rank %d; the rank's index is dropped (is the registered endpoint, dp_ranks or "
+                           "dp_rank_start wrong?)", self.spec.name, rank, seq, batch.data_parallel_rank)
             self._apply(rank, st.invalidated("wrong_dp_rank"))  # another rank's batch on this socket: fail closed
             return
         if not self.guard.admit(rank, batch_cost(batch), len(batch.events)):
@@ -332,7 +334,7 @@ class Worker(LoraLooks):
         """
         cap = self.cfg.stream.max_resident_blocks
         gpu = tier_of(ev.group_idx, ev.medium)[1] == "GPU"
-        bound = min(self.loads[key[1]].num_gpu_blocks or cap, cap) if gpu else cap
+        bound = min(self.loads[key[1] - self.spec.dp_rank_start].num_gpu_blocks or cap, cap) if gpu else cap
         held, new = self.index.held_and_new(key, ev)
         if held + new <= bound:
             return False
@@ -429,7 +431,7 @@ class Worker(LoraLooks):
             # (or a resume, wake or reset) and the next look went unseen, and the wake kept the old index
             self.sleep_ops = None
         self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
-        return dataclasses.replace(w, epoch=self.ranks[0].epoch)
+        return dataclasses.replace(w, epoch=self.ranks[self.spec.dp_rank_start].epoch)
 
     async def _drained_reset(self, call: lc.Call, resp: Any) -> Any:
         """vLLM refuses a prefix-cache reset while requests hold blocks (success:false, nothing changed). The
@@ -460,7 +462,7 @@ class Worker(LoraLooks):
         /version."""
         self._look_at = time.monotonic()
         try:
-            s, m, h, v = await asyncio.gather(self.http.is_sleeping(), self.http.engine_metrics(len(self.ranks)),
+            s, m, h, v = await asyncio.gather(self.http.is_sleeping(), self.http.engine_metrics(tuple(self.ranks)),
                                               self.http.health(), self.http.version())
         except WorkerHttpError as e:
             log.info("worker %s unreachable or junk: %s", self.spec.name, e)

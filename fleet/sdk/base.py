@@ -127,13 +127,15 @@ def check_got(ref: str, data: bytes) -> bytes:
 
 
 def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp_ranks: int,
-                block_size: int | None, hash_algo: str | None, hash_seed: str | int | None) -> workers_pb2.WorkerSpec:
+                block_size: int | None, hash_algo: str | None, hash_seed: str | int | None,
+                dp_rank_start: int = 0) -> workers_pb2.WorkerSpec:
     dp_ranks = args.count("dp_ranks", dp_ranks, 1)
+    dp_rank_start = args.count("dp_rank_start", dp_rank_start)
     block_size = None if block_size is None else args.count("block_size", block_size, 1)
     spec = workers_pb2.WorkerSpec(name=args.text("name", name), url=args.text("url", url),
                                   kv_events=args.text("kv_events", kv_events), replay=args.text("replay", replay),
                                   model=args.text("model", model), dp_ranks=dp_ranks, block_size=block_size or 0,
-                                  hash_algo=args.text("hash_algo", hash_algo or ""))
+                                  hash_algo=args.text("hash_algo", hash_algo or ""), dp_rank_start=dp_rank_start)
     if hash_seed is not None:
         spec.hash_seed = args.text("hash_seed", str(hash_seed))
     return spec

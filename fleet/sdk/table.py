@@ -149,8 +149,12 @@ def collect_garbage() -> blobs_pb2.CollectGarbageRequest:
 
 def register_worker(name: str, *, url: str, kv_events: str, replay: str = "", model: str = "", dp_ranks: int = 1,
                     block_size: int | None = None, hash_algo: str | None = None,
-                    hash_seed: str | int | None = None) -> workers_pb2.RegisterWorkerRequest:
-    spec = base.worker_spec(name, url, kv_events, replay, model, dp_ranks, block_size, hash_algo, hash_seed)
+                    hash_seed: str | int | None = None, dp_rank_start: int = 0) -> workers_pb2.RegisterWorkerRequest:
+    """`dp_ranks` DP ranks from global rank `dp_rank_start` (vLLM's --data-parallel-rank or --data-parallel-start-rank
+    for a server behind an external or hybrid DP load balancer; 0 for one that runs every rank); `kv_events` and
+    `replay` are the endpoints vLLM is configured with (rank r binds their port + r)."""
+    spec = base.worker_spec(name, url, kv_events, replay, model, dp_ranks, block_size, hash_algo, hash_seed,
+                            dp_rank_start)
     return workers_pb2.RegisterWorkerRequest(spec=spec)
 
 

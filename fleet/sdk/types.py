@@ -67,6 +67,7 @@ class WorkerInfo:
     hash_algo: str
     hash_seed: str | None
     ranks: tuple[RankInfo, ...] = ()
+    dp_rank_start: int = 0  # the first global DP rank (ranks[i].dp_rank = dp_rank_start + i)
 
     @property
     def serving(self) -> bool:
@@ -163,6 +164,7 @@ def worker_info(s: Any) -> WorkerInfo:
         p.hash_algo,
         p.hash_seed if p.HasField("hash_seed") else None,
         ranks,
+        p.dp_rank_start,
     )
 
 

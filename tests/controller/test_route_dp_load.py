@@ -39,7 +39,7 @@ def test_each_engines_series_are_its_own() -> None:
         'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n'
         "process_start_time_seconds 7.0\n"
     )
-    e0, e1, e2 = parse_engines(text, 3)
+    e0, e1, e2 = parse_engines(text, (0, 1, 2))
     assert (e0.running, e0.waiting, e0.kv_usage) == (2.0, 8.0, 0.5)
     assert (e1.running, e1.waiting, e1.kv_usage) == (1.0, 0.0, 0.25)
     assert e0.start_time == e1.start_time == e2.start_time == 7.0  # unlabelled: the process's, every engine's

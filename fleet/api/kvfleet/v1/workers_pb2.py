@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfleet/v1/workers.proto\x12\nkvfleet.v1\"\xb8\x01\n\nWorkerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x11\n\tkv_events\x18\x03 \x01(\t\x12\x0e\n\x06replay\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08\x64p_ranks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x11\n\thash_algo\x18\x08 \x01(\t\x12\x16\n\thash_seed\x18\t \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_hash_seed\"\xbb\x01\n\nRankStatus\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\r\n\x05phase\x18\x04 \x01(\t\x12\n\n\x02kv\x18\x05 \x01(\t\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\x12\x10\n\x08last_seq\x18\x07 \x01(\x03\x12\x0c\n\x04warm\x18\x08 \x01(\x08\x12\x0c\n\x04load\x18\t \x01(\x01\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\r\n\x05\x66\x65nce\x18\x0b \x01(\t\"[\n\x0cWorkerStatus\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvfleet.v1.WorkerSpec\x12%\n\x05ranks\x18\x02 \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\"=\n\x15RegisterWorkerRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvfleet.v1.WorkerSpec\"B\n\x16RegisterWorkerResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvfleet.v1.WorkerStatus\"\'\n\x17UnregisterWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1a\n\x18UnregisterWorkerResponse\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvfleet.v1.WorkerStatus\"\xc2\x01\n\x10LifecycleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04verb\x18\x02 \x01(\t\x12\x12\n\x05level\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04mode\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x0c\n\x04tags\x18\x05 \x03(\t\x12\x18\n\x0b\x63lear_cache\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x14\n\x07\x64p_rank\x18\x07 \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06_levelB\x07\n\x05_modeB\x0e\n\x0c_clear_cacheB\n\n\x08_dp_rank\"j\n\x07Witness\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\n\n\x02kv\x18\x03 \x01(\t\x12\x14\n\x0cwarm_demoted\x18\x04 \x01(\x08\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"I\n\x11LifecycleResponse\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12$\n\x07witness\x18\x02 \x01(\x0b\x32\x13.kvfleet.v1.Witness2\xe1\x02\n\rWorkerService\x12W\n\x0eRegisterWorker\x12!.kvfleet.v1.RegisterWorkerRequest\x1a\".kvfleet.v1.RegisterWorkerResponse\x12]\n\x10UnregisterWorker\x12#.kvfleet.v1.UnregisterWorkerRequest\x1a$.kvfleet.v1.UnregisterWorkerResponse\x12N\n\x0bListWorkers\x12\x1e.kvfleet.v1.ListWorkersRequest\x1a\x1f.kvfleet.v1.ListWorkersResponse\x12H\n\tLifecycle\x12\x1c.kvfleet.v1.LifecycleRequest\x1a\x1d.kvfleet.v1.LifecycleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvfleet/v1/workers.proto\x12\nkvfleet.v1\"\xcf\x01\n\nWorkerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x11\n\tkv_events\x18\x03 \x01(\t\x12\x0e\n\x06replay\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08\x64p_ranks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x11\n\thash_algo\x18\x08 \x01(\t\x12\x16\n\thash_seed\x18\t \x01(\tH\x00\x88\x01\x01\x12\x15\n\rdp_rank_start\x18\n \x01(\rB\x0c\n\n_hash_seed\"\xbb\x01\n\nRankStatus\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\r\n\x05phase\x18\x04 \x01(\t\x12\n\n\x02kv\x18\x05 \x01(\t\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\x12\x10\n\x08last_seq\x18\x07 \x01(\x03\x12\x0c\n\x04warm\x18\x08 \x01(\x08\x12\x0c\n\x04load\x18\t \x01(\x01\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\r\n\x05\x66\x65nce\x18\x0b \x01(\t\"[\n\x0cWorkerStatus\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvfleet.v1.WorkerSpec\x12%\n\x05ranks\x18\x02 \x03(\x0b\x32\x16.kvfleet.v1.RankStatus\"=\n\x15RegisterWorkerRequest\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x16.kvfleet.v1.WorkerSpec\"B\n\x16RegisterWorkerResponse\x12(\n\x06status\x18\x01 \x01(\x0b\x32\x18.kvfleet.v1.WorkerStatus\"\'\n\x17UnregisterWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1a\n\x18UnregisterWorkerResponse\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvfleet.v1.WorkerStatus\"\xc2\x01\n\x10LifecycleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04verb\x18\x02 \x01(\t\x12\x12\n\x05level\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04mode\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x0c\n\x04tags\x18\x05 \x03(\t\x12\x18\n\x0b\x63lear_cache\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x14\n\x07\x64p_rank\x18\x07 \x01(\rH\x03\x88\x01\x01\x42\x08\n\x06_levelB\x07\n\x05_modeB\x0e\n\x0c_clear_cacheB\n\n\x08_dp_rank\"j\n\x07Witness\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\n\n\x02kv\x18\x03 \x01(\t\x12\x14\n\x0cwarm_demoted\x18\x04 \x01(\x08\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\"I\n\x11LifecycleResponse\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12$\n\x07witness\x18\x02 \x01(\x0b\x32\x13.kvfleet.v1.Witness2\xe1\x02\n\rWorkerService\x12W\n\x0eRegisterWorker\x12!.kvfleet.v1.RegisterWorkerRequest\x1a\".kvfleet.v1.RegisterWorkerResponse\x12]\n\x10UnregisterWorker\x12#.kvfleet.v1.UnregisterWorkerRequest\x1a$.kvfleet.v1.UnregisterWorkerResponse\x12N\n\x0bListWorkers\x12\x1e.kvfleet.v1.ListWorkersRequest\x1a\x1f.kvfleet.v1.ListWorkersResponse\x12H\n\tLifecycle\x12\x1c.kvfleet.v1.LifecycleRequest\x1a\x1d.kvfleet.v1.LifecycleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,29 +33,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfleet.v1.workers_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSPEC']._serialized_start=41
-  _globals['_WORKERSPEC']._serialized_end=225
-  _globals['_RANKSTATUS']._serialized_start=228
-  _globals['_RANKSTATUS']._serialized_end=415
-  _globals['_WORKERSTATUS']._serialized_start=417
-  _globals['_WORKERSTATUS']._serialized_end=508
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=510
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=571
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=573
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=639
-  _globals['_UNREGISTERWORKERREQUEST']._serialized_start=641
-  _globals['_UNREGISTERWORKERREQUEST']._serialized_end=680
-  _globals['_UNREGISTERWORKERRESPONSE']._serialized_start=682
-  _globals['_UNREGISTERWORKERRESPONSE']._serialized_end=708
-  _globals['_LISTWORKERSREQUEST']._serialized_start=710
-  _globals['_LISTWORKERSREQUEST']._serialized_end=730
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=732
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=796
-  _globals['_LIFECYCLEREQUEST']._serialized_start=799
-  _globals['_LIFECYCLEREQUEST']._serialized_end=993
-  _globals['_WITNESS']._serialized_start=995
-  _globals['_WITNESS']._serialized_end=1101
-  _globals['_LIFECYCLERESPONSE']._serialized_start=1103
-  _globals['_LIFECYCLERESPONSE']._serialized_end=1176
-  _globals['_WORKERSERVICE']._serialized_start=1179
-  _globals['_WORKERSERVICE']._serialized_end=1532
+  _globals['_WORKERSPEC']._serialized_end=248
+  _globals['_RANKSTATUS']._serialized_start=251
+  _globals['_RANKSTATUS']._serialized_end=438
+  _globals['_WORKERSTATUS']._serialized_start=440
+  _globals['_WORKERSTATUS']._serialized_end=531
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=533
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=594
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=596
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=662
+  _globals['_UNREGISTERWORKERREQUEST']._serialized_start=664
+  _globals['_UNREGISTERWORKERREQUEST']._serialized_end=703
+  _globals['_UNREGISTERWORKERRESPONSE']._serialized_start=705
+  _globals['_UNREGISTERWORKERRESPONSE']._serialized_end=731
+  _globals['_LISTWORKERSREQUEST']._serialized_start=733
+  _globals['_LISTWORKERSREQUEST']._serialized_end=753
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=755
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=819
+  _globals['_LIFECYCLEREQUEST']._serialized_start=822
+  _globals['_LIFECYCLEREQUEST']._serialized_end=1016
+  _globals['_WITNESS']._serialized_start=1018
+  _globals['_WITNESS']._serialized_end=1124
+  _globals['_LIFECYCLERESPONSE']._serialized_start=1126
+  _globals['_LIFECYCLERESPONSE']._serialized_end=1199
+  _globals['_WORKERSERVICE']._serialized_start=1202
+  _globals['_WORKERSERVICE']._serialized_end=1555
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerSpec(_message.Message):
-    __slots__ = ("name", "url", "kv_events", "replay", "model", "dp_ranks", "block_size", "hash_algo", "hash_seed")
+    __slots__ = ("name", "url", "kv_events", "replay", "model", "dp_ranks", "block_size", "hash_algo", "hash_seed", "dp_rank_start")
     NAME_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerSpec(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_START_FIELD_NUMBER: _ClassVar[int]
     name: str
     url: str
     kv_events: str
@@ -27,7 +28,8 @@ class WorkerSpec(_message.Message):
     block_size: int
     hash_algo: str
     hash_seed: str
-    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., kv_events: _Optional[str] = ..., replay: _Optional[str] = ..., model: _Optional[str] = ..., dp_ranks: _Optional[int] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+    dp_rank_start: int
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., kv_events: _Optional[str] = ..., replay: _Optional[str] = ..., model: _Optional[str] = ..., dp_ranks: _Optional[int] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., dp_rank_start: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("dp_rank", "epoch", "serving", "phase", "kv", "num_blocks", "last_seq", "warm", "load", "kv_usage", "fence")

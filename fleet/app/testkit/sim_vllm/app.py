@@ -169,7 +169,7 @@ def build_app(sim: Sim) -> web.Application:
         return _j({"version": VERSION})
 
     async def metrics(req: web.Request) -> web.Response:
-        return web.Response(text=metrics_text(sim.engine), content_type="text/plain")
+        return web.Response(text=metrics_text(sim.engine, sim.cfg.dp_rank), content_type="text/plain")
 
     async def complete(req: web.Request) -> web.StreamResponse:
         return await completions(sim, req, chat=False)
@@ -202,7 +202,7 @@ def build_app(sim: Sim) -> web.Application:
         assert pub is not None
         return _j(
             {
-                "0": {
+                str(sim.cfg.dp_rank): {
                     "enable_kv_cache_events": True,
                     "publisher": "zmq",
                     "endpoint": pub.endpoint,

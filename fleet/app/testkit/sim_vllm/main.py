@@ -56,10 +56,11 @@ class SimVllm:
         c = self.cfg
         self.publisher = Publisher(
             host=c.host,
-            port=c.kv_events_port,
-            replay_port=c.replay_port,
+            port=_at_rank(c.kv_events_port, c.dp_rank),
+            replay_port=None if c.replay_port is None else _at_rank(c.replay_port, c.dp_rank),
             topic=c.topic,
             buffer_steps=c.buffer_steps,
+            dp_rank=c.dp_rank,
             legacy_replay=c.legacy_replay,
         )
         self.publisher.start()
@@ -100,13 +101,15 @@ class SimVllm:
 
     @property
     def kv_events(self) -> str:
+        """The PUB endpoint as vLLM is configured with it, what a worker registers: rank r binds its port + r."""
         assert self.publisher is not None
-        return self.publisher.endpoint
+        return _configured(self.publisher.endpoint, self.cfg.dp_rank)
 
     @property
     def replay(self) -> str | None:
         assert self.publisher is not None
-        return self.publisher.replay_endpoint
+        ep = self.publisher.replay_endpoint
+        return None if ep is None else _configured(ep, self.cfg.dp_rank)
 
     def endpoints(self) -> dict[str, object]:
         return {
@@ -115,7 +118,19 @@ class SimVllm:
             "replay": self.replay,
             "model": self.cfg.engine.model,
             "block_size": self.cfg.engine.block_size,
+            "dp_rank_start": self.cfg.dp_rank,
         }
+
+
+def _at_rank(port: int, dp_rank: int) -> int:
+    """The port a rank binds, as vLLM's ZmqEventPublisher.offset_endpoint_port: the configured one + the global rank
+    (0: the stand-in picks a free port, and reports it as rank dp_rank's of the configured port - dp_rank)."""
+    return port + dp_rank if port else 0
+
+
+def _configured(endpoint: str, dp_rank: int) -> str:
+    host, port = endpoint.rsplit(":", 1)
+    return f"{host}:{int(port) - dp_rank}"
 
 
 def _parse(argv: list[str]) -> SimConfig:
@@ -138,6 +153,10 @@ def _parse(argv: list[str]) -> SimConfig:
     p.add_argument("--lora", action="append", default=[], help="NAME=PATH adapter (repeatable)")
     p.add_argument("--topic", default="")
     p.add_argument("--buffer-steps", type=int, default=10000)
+    p.add_argument("--data-parallel-rank", type=int, default=0, metavar="N",
+                   help="the global DP rank this server runs, as vLLM's (external DP load balancing): its KV events "
+                        "bind --kv-events-port + N and --replay-port + N, and its batches and /metrics say N")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N", help="the deployment's DP ranks, as vLLM's")
     d = SimEngineConfig()
     g = p.add_argument_group(
         "clock", "latency and capacity model (docs/sim_vllm.md; defaults: 8B model, one H100)"
@@ -187,6 +206,7 @@ def _parse(argv: list[str]) -> SimConfig:
                     f"got {value}")
     if a.buffer_steps < 0:
         p.error(f"--buffer-steps must be >= 0, got {a.buffer_steps}")
+    _check_dp(p, a)
     bad = [x for x in a.lora if "=" not in x or not x.split("=", 1)[0] or not x.split("=", 1)[1]]
     if bad:
         p.error(f"--lora takes NAME=PATH, got {bad[0]!r}")
@@ -220,7 +240,21 @@ def _parse(argv: list[str]) -> SimConfig:
         replay_port=None if a.replay_port < 0 else a.replay_port,
         topic=a.topic,
         buffer_steps=a.buffer_steps,
+        dp_rank=a.data_parallel_rank,
     )
+
+
+def _check_dp(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """vLLM's DP flags, and the ports rank N binds (the configured ones + N) must be ports."""
+    rank, size = a.data_parallel_rank, a.data_parallel_size
+    if size < 1:
+        p.error(f"--data-parallel-size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        p.error(f"--data-parallel-rank must be 0..{size - 1} (--data-parallel-size {size}), got {rank}")
+    for flag, port in (("--kv-events-port", a.kv_events_port), ("--replay-port", a.replay_port)):
+        if port > 0 and port + rank > 65535:
+            p.error(f"{flag} {port} + --data-parallel-rank {rank} = {port + rank} is past 65535 (rank N binds the "
+                    f"port + N, as vLLM)")
 
 
 async def _serve(cfg: SimConfig) -> None:

@@ -81,10 +81,10 @@ def _histogram(name: str, doc: str, lab: str, h: Histogram) -> list[str]:
     return _family(name, "histogram", doc, rows)
 
 
-def metrics_text(e: SimEngine) -> str:
-    """Prometheus text: the vLLM series a router reads, labelled as vLLM labels them."""
+def metrics_text(e: SimEngine, dp_rank: int = 0) -> str:
+    """Prometheus text: the vLLM series a router reads, labelled as vLLM labels them (engine: the global DP rank)."""
     c, st = e.cfg, e.sched.stats
-    lab = f'engine="0",model_name="{c.model}"'
+    lab = f'engine="{dp_rank}",model_name="{c.model}"'
 
     def one(name: str, typ: str, doc: str, v: float) -> list[str]:
         return _family(name, typ, doc, [f"{name}{{{lab}}} {float(v)}"])
@@ -143,7 +143,7 @@ def metrics_text(e: SimEngine) -> str:
     )
     # NOTE: an info gauge without model_name, one label per CacheConfig field (a few of them here).
     info = (
-        f'block_size="{c.block_size}",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+        f'block_size="{c.block_size}",cache_dtype="auto",enable_prefix_caching="True",engine="{dp_rank}",'
         f'num_gpu_blocks="{c.num_blocks}",prefix_caching_hash_algo="{c.hash_algo}"'
     )
     lines += _family(

@@ -22,6 +22,9 @@ class SimConfig:
     topic: str = ""
     buffer_steps: int = 10000
     legacy_replay: bool = False
+    # the global DP rank this server runs, as vLLM's --data-parallel-rank (external DP load balancing): its PUB and
+    # replay bind kv_events_port + dp_rank and replay_port + dp_rank (0: pick), and its batches and /metrics say it
+    dp_rank: int = 0
 
 
 @dataclass(slots=True)
