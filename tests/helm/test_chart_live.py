@@ -86,7 +86,11 @@ async def test_controller_and_registration_job_run_as_rendered(tmp_path: Path, r
 
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
     worker = {"name": "sim-0", "url": sim.url, "kvEvents": sim.kv_events, "replay": sim.replay, "model": "m"}
-    objs = render({"watcher": {"create": True, "vllmWorkers": [worker]}})
+    # DP rank 2 behind an external load balancer (before: the schema refused dpRankStart, and the Job sent no ranks)
+    r2 = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64), dp_rank=2)).start()
+    rank2 = {"name": "sim-r2", "url": r2.url, "kvEvents": r2.kv_events, "replay": r2.replay, "model": "m",
+             "dpRankStart": 2}
+    objs = render({"watcher": {"create": True, "vllmWorkers": [worker, rank2]}})
     data = secret_data(objs)
     tokens = tmp_path / "tokens.json"
     tokens.write_text(data["tokens.json"])
@@ -99,7 +103,8 @@ async def test_controller_and_registration_job_run_as_rendered(tmp_path: Path, r
         rc, out = await run_job(objs, ctl.address, data["operator-token"])  # helm upgrade: same spec again
         assert rc == 0, out
         async with AsyncFleetClient(ctl.address, token=data["operator-token"]) as op:
-            assert [(w.name, w.url) for w in await op.workers()] == [("sim-0", sim.url)]
+            listed = [(w.name, w.url, w.dp_rank_start, [r.dp_rank for r in w.ranks]) for w in await op.workers()]
+            assert sorted(listed) == [("sim-0", sim.url, 0, [0]), ("sim-r2", r2.url, 2, [2])]
             assert (await op.whoami()).tenant == "ops"
         # Control: the same Job with a token that is not in tokens.json is refused.
         rc, out = await run_job(objs, ctl.address, data["operator-token"][:-2] + "xx")
@@ -108,6 +113,7 @@ async def test_controller_and_registration_job_run_as_rendered(tmp_path: Path, r
     finally:
         await ctl.stop(0)
         await sim.stop()
+        await r2.stop()
 
 
 async def test_ha_values_give_one_leader_and_a_live_standby(tmp_path: Path, redis_url: str) -> None:
