@@ -42,6 +42,7 @@ from controller.vllm.events import (
     decode_batch,
     parse_seq,
 )
+from controller.vllm.ratelog import RateLog
 from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -56,29 +57,6 @@ MUTED_POLL_S = 0.05
 # PUB keeps up to 100,000 messages) and the kernel's buffers, not in the controller. NOTE: at ZMQ's default (1,000
 # messages) a burst of 250 messages of 7.6 MiB took the controller's RSS up by 703 MiB before one was read
 QUEUE_BYTES = 64 << 20
-# a stream invalidation is logged with its cause at most once per LOG_EVERY_S per (stream, reason), the lines held
-# back counted in the next one. NOTE: a batch that did not decode, an unknown event type, a short frame or an
-# unrepaired gap only stepped a metric: the worker routed COLD with no line saying why
-LOG_EVERY_S = 10.0
-
-
-class RateLog:
-    """Lines of one stream, each key at most once per `every_s` seconds; the ones held back are counted."""
-
-    def __init__(self, every_s: float = LOG_EVERY_S) -> None:
-        self.every_s = every_s
-        self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, lines held back since)
-
-    def log(self, level: int, key: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        at, held = self._last.get(key, (-self.every_s, 0))
-        if now - at < self.every_s:
-            self._last[key] = (at, held + 1)
-            return
-        self._last[key] = (now, 0)
-        log.log(level, msg + (f" ({held} more like it since the last such line)" if held else ""), *args)
-
-
 def _digest(payload: bytes) -> bytes:
     """What a replayed payload is remembered by: the duplicate check only needs equality."""
     return hashlib.blake2b(payload, digest_size=16).digest()
@@ -143,7 +121,7 @@ class Subscriber:
                  metrics: Metrics, *, topic: bytes = b"", limits: StreamLimits | None = None, label: str = "") -> None:
         self.ctx, self.endpoint, self.replay_endpoint = ctx, endpoint, replay
         self.label = label or endpoint  # who the stream is, in log lines (the watcher: "worker W rank R")
-        self.lines = RateLog()
+        self.lines = RateLog(log)
         self.sink, self.metrics, self.topic = sink, metrics, topic
         self.limits = limits or StreamLimits()
         # seq -> digest of a batch applied from a replay, so the same batch arriving live is skipped.

@@ -42,7 +42,8 @@ from controller.vllm.budget import STEP_COST, FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
 from controller.vllm.loras import LoraLooks
-from controller.vllm.subscriber import RateLog, StreamLimits, Subscriber
+from controller.vllm.ratelog import RateLog
+from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.core import lifecycle as lc
 from fleet.core.block_hash import HashConfig, calibrates
 from fleet.core.errors import FailedPrecondition
@@ -179,7 +180,7 @@ class Worker(LoraLooks):
         self.guard = FaultGuard(spec.name, spec.dp_rank_ids, rate=lim.max_events_per_s, depth=lim.max_event_burst,
                                 hold_s=lim.faulty_hold_s, metrics=metrics)
         self.slicer = Slicer()
-        self.lines = RateLog()  # the stream's failures it finds itself (a batch of another DP rank)
+        self.lines = RateLog(log)  # the stream's failures it finds itself (a batch of another DP rank)
 
     # persistence
     def persist(self, rank: int) -> None:
