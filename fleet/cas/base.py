@@ -3,7 +3,8 @@
 A blob's ref is the lowercase SHA-256 hex of its bytes. Every public method validates its input
 *before* touching the backend, so bad input raises a clear `fleet.core.errors` error and writes nothing.
 Backends implement the `_`-prefixed primitives; each primitive is one transaction (SQLite) or one
-script/command (Redis), which is where atomicity comes from.
+script/command (Redis), which is where atomicity comes from (a Redis put of a large blob sends its pieces
+first, invisible, and then commits them with one script: fleet/cas/redis_pieces.py).
 """
 
 from __future__ import annotations

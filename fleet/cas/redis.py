@@ -8,11 +8,14 @@ Key layout (tenant names exclude ':', so a tenant can never reach another tenant
     kvf:t:{tenant}:bytes            STRING  the tenant's stored blob bytes (sum of its blobs' charges:
                                             size + PER_BLOB_OVERHEAD), changed by the same script
                                             that writes or deletes a blob
+    kvf:t:{tenant}:p:{ref}:{nonce}  STRING  one put's pieces so far, with a TTL (fleet/cas/redis_pieces.py)
     kvf:kv:{namespace}              HASH    controller state, key -> value
 
-Atomicity: a put is ONE EVALSHA whose arguments carry the bytes; Redis runs a script only after its
-whole command has arrived, and runs it without interleaving, so the data key and the metadata hash
-appear together or not at all. A client killed mid-transfer leaves nothing. The same script keeps the
+Atomicity: a put of up to PIECE_BYTES is ONE EVALSHA whose arguments carry the bytes; Redis runs a script
+only after its whole command has arrived, and runs it without interleaving, so the data key and the metadata
+hash appear together or not at all. A client killed mid-transfer leaves nothing. A larger blob is sent in
+pieces to a staging key and made visible by one commit script (fleet/cas/redis_pieces.py: no command carries
+more than a piece, so other tenants' calls run between them). The put (or commit) script keeps the
 tenant's byte count (and checks its quota), and the GC script that deletes a blob lowers it by the
 `charge` the put recorded in the blob's metadata (a blob stored before charges were recorded gave
 its size alone, and gives back its size alone), so a put then its collection leaves the count exactly
@@ -35,6 +38,7 @@ from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.redis_errors import store_call
+from fleet.cas.redis_pieces import PIECE_BYTES, PiecedPut
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
 
@@ -138,6 +142,7 @@ class RedisBlobStore(BlobStore):
         self._s_verdict = self.r.register_script(_VERDICT)
         self._s_gc = self.r.register_script(_GC_MANY)
         self._s_kv_swap = self.r.register_script(_KV_SWAP)
+        self._pieces = PiecedPut(self.r, f"redis at {self.host}:{self.port}")
         try:
             self.ping()
             self._refuse_eviction()
@@ -155,8 +160,9 @@ class RedisBlobStore(BlobStore):
 
         NOTE: such a Redis was opened without a word, and at its maxmemory one tenant's puts evicted other tenants'
         pinned blobs (a later get: NOT_FOUND) and their own byte count (so their quota counted from 0 again). The
-        volatile-* policies evict only keys with a TTL, and the store sets none: they refuse writes as noeviction
-        does. INFO, not CONFIG GET, which managed Redis services often forbid; one that forbids INFO too is opened.
+        volatile-* policies evict only keys with a TTL, and the store sets one only on a large put's pieces in
+        flight: evicting those fails that put (Unavailable, nothing stored), and stored data is refused writes as
+        under noeviction. INFO, not CONFIG GET, which managed Redis services often forbid; one that forbids INFO too is opened.
         """
         try:
             policy = str(self.r.info("memory").get("maxmemory_policy", ""))
@@ -185,6 +191,8 @@ class RedisBlobStore(BlobStore):
     def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
         keys = self._put_keys(tenant, ref)
         lease = repr(self._lease(now))
+        if data.nbytes > PIECE_BYTES:
+            return self._pieces.put(tenant, ref, keys, data, now, quota, lease)
         if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):
             return None
         out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota, blob_charge(data.nbytes)])
@@ -196,11 +204,15 @@ class RedisBlobStore(BlobStore):
 
     @store_call
     def _put_many(self, tenant: str, items: list[tuple[str, memoryview]], now: float) -> list[str]:
-        # pipelined groups of <= _PIPE_BYTES: one round trip each, bounded server-side buffering
+        # pipelined groups of <= _PIPE_BYTES: one round trip each, bounded server-side buffering; a blob
+        # larger than a piece goes in pieces on its own (no command carries more than a piece)
         refs: list[str] = []
         group: list[tuple[str, memoryview]] = []
         for ref, data in items:
             refs.append(ref)
+            if data.nbytes > PIECE_BYTES:
+                self._pieces.put(tenant, ref, self._put_keys(tenant, ref), data, now, 0, repr(self._lease(now)))
+                continue
             group.append((ref, data))
             if sum(d.nbytes for _, d in group) >= _PIPE_BYTES:
                 self._put_group(tenant, group, now)

@@ -1,9 +1,11 @@
-"""A put whose client process dies mid-transfer leaves no key in Redis.
+"""A put whose client process dies mid-transfer leaves no blob, no charge, and no key that outlives its TTL.
 
 The client talks to Redis through a small TCP forwarder that stalls after 1 MiB of the request; the
 client process is SIGKILLed while stalled, the bytes that did arrive are delivered, the connection is
-closed, and Redis is inspected: exactly the pre-existing keys remain. Control: the same put through
-the same forwarder without a stall creates exactly the blob's two keys and its tenant's byte count.
+closed, and Redis is inspected: the pre-existing keys remain as they were, and the only other key is the
+put's staging key (its pieces so far, fleet/cas/redis_pieces.py), with a TTL, which Redis then expires
+(the client shortened the TTL to 1.5 s). Control: the same put through the same forwarder without a stall
+creates exactly the blob's two keys and its tenant's byte count.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class StallingProxy:
 
 _CLIENT = """
 import os, sys
+import fleet.cas.redis_pieces
 from fleet.cas import open_store
+fleet.cas.redis_pieces.STAGE_TTL_MS = 1500
 store = open_store(sys.argv[1])
 print(store.put(os.urandom(16 << 20), "acme"), flush=True)
 """
@@ -104,8 +108,15 @@ def test_client_killed_mid_put_leaves_no_key(redis_url: str, redis_server) -> No
     print(f"forwarded {proxy.forwarded} of >{16 << 20} request bytes before the client died; "
           f"keys before {len(before)}, after {r.dbsize()}")
     assert 1 << 20 <= proxy.forwarded < 16 << 20
-    assert _keys(r) == before and r.dbsize() == 3
+    staged = _keys(r) - before
+    assert _keys(r) >= before and all(k.startswith(b"kvf:t:acme:p:") for k in staged), staged
+    assert all(0 < int(r.pttl(k)) <= 1500 for k in staged)  # type: ignore[arg-type]
     assert r.get("kvf:t:acme:bytes") == count  # the dead put counted nothing
+    deadline = time.monotonic() + 10
+    while _keys(r) != before:  # its pieces expire
+        assert time.monotonic() < deadline, _keys(r) - before
+        time.sleep(0.1)
+    assert r.dbsize() == 3 and r.get("kvf:t:acme:bytes") == count
 
 
 def test_control_same_put_through_the_proxy_without_stall_stores_its_keys(redis_url: str, redis_server) -> None:  # type: ignore[no-untyped-def]
