@@ -227,3 +227,28 @@ def test_blob_stored_in_one_command_stays_readable_and_collectable(store: BlobSt
     store.unpin(ref, "acme")
     assert store.put(data, "acme") == ref and store.stored_bytes("acme") == blob_charge(len(data))  # a re-put: free
     assert store.gc(now=time.time() + 10_000) == 1 and _keys(r) == set() and store.stored_bytes("acme") == 0
+
+
+def test_pieced_blobs_survive_a_crash_and_an_aof_rewrite(redis_url: str, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """The AOF replays pieces, RENAME and PERSIST: after a SIGKILL the blobs are there, with no TTL left on them."""
+    a, b = _printable_blob(11), _printable_blob(12)
+    with open_store(redis_url) as s:
+        ref_a = s.put(a, "acme")
+    r = redis.Redis.from_url(redis_url)
+    r.bgrewriteaof()  # a is in the rewritten AOF, b only in its tail
+    deadline = time.monotonic() + 10
+    while int(r.info("persistence")["aof_rewrite_in_progress"]) or int(r.info("persistence")["aof_rewrite_scheduled"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with open_store(redis_url) as s:
+        ref_b = s.put(b, "acme")
+    r.close()
+    redis_server.kill()
+    redis_server.start()
+    r = redis.Redis.from_url(redis_url)
+    with open_store(redis_url) as s:
+        assert s.get(ref_a, "acme") == a and s.get(ref_b, "acme") == b
+        assert s.stored_bytes("acme") == blob_charge(len(a)) + blob_charge(len(b))
+    assert [r.pttl(f"kvf:t:acme:b:{ref}") for ref in (ref_a, ref_b)] == [-1, -1]  # PERSIST replayed: no expiry
+    assert len(_keys(r)) == 5  # two blobs' data and metadata, the byte count: no staging key
+    r.close()
