@@ -10,45 +10,30 @@ The real Router on a `kvfleet sim-vllm` worker, every verb through the controlle
 
 from __future__ import annotations
 
-import asyncio
+from support.one_worker import complete_direct, one_worker
 
-import aiohttp
-from support.one_worker import one_worker
-
-from controller.router import Router
-from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 
 BEFORE = list(range(1000, 1100))  # 6 full blocks
 AFTER = list(range(2000, 2100))
 
 
-async def _complete(sim: SimVllm, r: Router, toks: list[int]) -> None:
-    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
-        assert resp.status == 200
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
-            return
-    raise AssertionError("the router never ingested the worker's events")
-
-
 async def test_a_pause_keep_with_the_default_clear_cache_forgets_the_cache(tmp_path) -> None:
     async with one_worker(tmp_path, 64) as (r, sim):
-        await _complete(sim, r, BEFORE)
+        await complete_direct(sim, r, BEFORE)
         chain = set(external_chain(r.worker("w0").view().hash_cfg, BEFORE))
         assert (await r.route(BEFORE, "m")).verdict == "WARM"
         w = await r.lifecycle("w0", "pause", mode="keep")
         assert w.kv == "forgotten" and not chain & set(sim.engine.resident_external())  # vLLM's engine reset it
         await r.lifecycle("w0", "resume")
         assert (await r.route(BEFORE, "m")).verdict == "COLD", "routed WARM to a cache the pause reset"
-        await _complete(sim, r, AFTER)  # the queued AllBlocksCleared, then AFTER's blocks: the fence lifts
+        await complete_direct(sim, r, AFTER)  # the queued AllBlocksCleared, then AFTER's blocks: the fence lifts
         assert (await r.route(AFTER, "m")).verdict == "WARM"
 
 
 async def test_a_pause_keep_with_clear_cache_false_keeps_it(tmp_path) -> None:
     async with one_worker(tmp_path, 64) as (r, sim):
-        await _complete(sim, r, BEFORE)
+        await complete_direct(sim, r, BEFORE)
         w = await r.lifecycle("w0", "pause", mode="keep", clear_cache=False)
         assert w.kv == "preserved"
         await r.lifecycle("w0", "resume")

@@ -11,13 +11,9 @@ applied in full (the control below). The real Router on a `kvfleet sim-vllm` wor
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
-from support.one_worker import one_worker
+from support.one_worker import complete_direct, one_worker
 
-from controller.router import Router
-from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 
 BEFORE = list(range(1000, 1100))  # 6 full blocks
@@ -25,23 +21,12 @@ AFTER = list(range(2000, 2100))
 LATER = list(range(3000, 3100))
 
 
-async def _complete(sim: SimVllm, r: Router, toks: list[int]) -> None:
-    """One request straight to the worker, then wait until the router has every batch it published."""
-    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
-        assert resp.status == 200
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
-            return
-    raise AssertionError("the router never ingested the worker's events")
-
-
 async def test_an_awaited_clear_keeps_the_routes_made_after_the_verb_and_a_clear_behind_its_back_does_not(
     tmp_path,
 ) -> None:
     async with one_worker(tmp_path, 64) as (r, sim):
         key = ("w0", 0)
-        await _complete(sim, r, BEFORE)
+        await complete_direct(sim, r, BEFORE)
         assert (await r.route(BEFORE, "m")).verdict == "WARM"
 
         await r.lifecycle("w0", "reset_prefix_cache")  # the worker is idle: it resets; the clear is queued
@@ -49,7 +34,7 @@ async def test_an_awaited_clear_keeps_the_routes_made_after_the_verb_and_a_clear
         chain = external_chain(r.worker("w0").view().hash_cfg, AFTER)
         pool = r.shadow.get(key)
         assert pool is not None and all(pool.cached(h) and h not in pool.queue() for h in chain)  # held
-        await _complete(sim, r, AFTER)  # publishes [AllBlocksCleared, BlockStored(AFTER)]
+        await complete_direct(sim, r, AFTER)  # publishes [AllBlocksCleared, BlockStored(AFTER)]
         assert r.metrics.kv_events.labels("AllBlocksCleared")._value.get() == 1
         # still held by the route, not queued as evictable; its conversation still lives here
         assert r.shadow.get(key) is pool and all(pool.cached(h) and h not in pool.queue() for h in chain)
@@ -61,7 +46,7 @@ async def test_an_awaited_clear_keeps_the_routes_made_after_the_verb_and_a_clear
         # control: a reset behind the controller's back is not awaited, and still forgets everything
         async with aiohttp.ClientSession() as h, h.post(sim.url + "/reset_prefix_cache") as resp:
             assert resp.status == 200 and (await resp.json())["success"]
-        await _complete(sim, r, LATER)
+        await complete_direct(sim, r, LATER)
         assert r.metrics.kv_events.labels("AllBlocksCleared")._value.get() == 2
         assert not any(pool.cached(h) for h in chain) and r.demand.previous(chain) is None
         assert (await r.route(AFTER, "m")).verdict == "COLD"

@@ -9,32 +9,17 @@ The real Router on a `kvfleet sim-vllm` worker, every verb through the controlle
 
 from __future__ import annotations
 
-import asyncio
+from support.one_worker import complete_direct, one_worker
 
-import aiohttp
-from support.one_worker import one_worker
-
-from controller.router import Router
-from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 
 BEFORE = list(range(1000, 1100))  # 6 full blocks
 AFTER = list(range(2000, 2100))
 
 
-async def _complete(sim: SimVllm, r: Router, toks: list[int]) -> None:
-    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
-        assert resp.status == 200
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
-            return
-    raise AssertionError("the router never ingested the worker's events")
-
-
 async def test_sleep_level_1_after_level_0_discards_the_cache_and_the_woken_worker_warms_again(tmp_path) -> None:
     async with one_worker(tmp_path, 64) as (r, sim):
-        await _complete(sim, r, BEFORE)
+        await complete_direct(sim, r, BEFORE)
         assert (await r.route(BEFORE, "m")).verdict == "WARM"
         await r.lifecycle("w0", "sleep", level=0)
         await r.lifecycle("w0", "sleep", level=1)
@@ -42,6 +27,6 @@ async def test_sleep_level_1_after_level_0_discards_the_cache_and_the_woken_work
         assert not held & set(external_chain(r.worker("w0").view().hash_cfg, BEFORE)), "level 1 kept the KV cache"
         assert sim.engine.sleep_state["weights_offloaded"] == 1
         await r.lifecycle("w0", "wake_up")
-        await _complete(sim, r, AFTER)  # its step publishes the queued AllBlocksCleared, then AFTER's blocks
+        await complete_direct(sim, r, AFTER)  # its step publishes the queued AllBlocksCleared, then AFTER's blocks
         assert r.worker("w0").ranks[0].fence == ""
         assert (await r.route(AFTER, "m")).verdict == "WARM" and (await r.route(BEFORE, "m")).verdict == "COLD"

@@ -8,6 +8,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
+
 from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -34,3 +36,16 @@ async def one_worker(tmp_path: Path, num_blocks: int,
         await r.stop()
         await sim.stop()
         store.close()
+
+
+async def complete_direct(sim: SimVllm, r: Router, toks: list[int]) -> None:
+    """One request straight to the worker (behind the router's back), then wait until the router has every batch
+    the worker published."""
+    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
+        assert resp.status == 200
+    assert sim.publisher is not None
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
+            return
+    raise AssertionError("the router never ingested the worker's events")
