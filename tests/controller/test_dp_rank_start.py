@@ -18,6 +18,7 @@ from support.controller import make_tokens, start_controller, store_url
 from controller.registry import EpochTable, WorkerRegistry, WorkerSpec
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
+from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument
 from fleet.sdk import AsyncFleetClient, table
 
@@ -99,27 +100,13 @@ def test_sim_vllm_dp_flags_are_checked_and_named(capsys: pytest.CaptureFixture[s
         assert message.replace("\\", "") in capsys.readouterr().err
 
 
-class _Dict:
-    def __init__(self) -> None:
-        self.kv: dict[tuple[str, str], bytes] = {}
-
-    def kv_put(self, namespace: str, key: str, value: bytes) -> None:
-        self.kv[(namespace, key)] = value
-
-    def kv_get(self, namespace: str, key: str) -> bytes | None:
-        return self.kv.get((namespace, key))
-
-    def kv_scan(self, namespace: str) -> dict[str, bytes]:
-        return {k: v for (ns, k), v in self.kv.items() if ns == namespace}
-
-    def kv_delete(self, namespace: str, key: str) -> None:
-        self.kv.pop((namespace, key), None)
-
-
-def test_a_hybrid_lb_nodes_ranks_persist_by_global_rank() -> None:
-    store = _Dict()
-    spec = WorkerSpec("n1", "http://h:8000", "tcp://h:5557", None, "m", dp_ranks=2, dp_rank_start=4)
-    WorkerRegistry(store).put(spec)
-    assert WorkerRegistry.decode(store.kv[("workers", "n1")]) == spec
-    assert sorted(EpochTable(store).next_epochs(spec)) == [4, 5]
-    assert sorted(k for ns, k in store.kv if ns == "epochs") == ["n1/4", "n1/5"]
+def test_a_hybrid_lb_nodes_ranks_persist_by_global_rank(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    try:
+        spec = WorkerSpec("n1", "http://h:8000", "tcp://h:5557", None, "m", dp_ranks=2, dp_rank_start=4)
+        WorkerRegistry(store).put(spec)
+        assert [WorkerRegistry.decode(raw) for _, raw in WorkerRegistry(store).entries()] == [spec]
+        assert sorted(EpochTable(store).next_epochs(spec)) == [4, 5]
+        assert sorted(store.kv_scan("epochs")) == ["n1/4", "n1/5"]
+    finally:
+        store.close()
