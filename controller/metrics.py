@@ -66,6 +66,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.route_stream_messages = Counter(
+            "kvfleet_route_stream_messages_total",
+            "RouteStream messages received from callers and answers written to them (a message may carry releases).",
+            ["direction"],
+            registry=r,
+        )
         self.inflight_dropped = Counter(
             "kvfleet_route_inflight_dropped_total",
             "In-flight routes dropped without a release, by reason (ttl, reconcile, unregistered).",

@@ -47,6 +47,10 @@ log = logging.getLogger("kvfleet.proxy")
 RETIRE_S = 60.0  # how long a channel a TLS renewal replaced stays open for the calls begun on it
 
 
+def _ignore(outcome: str) -> None:
+    pass
+
+
 class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.core.errors.*."""
 
@@ -155,7 +159,10 @@ class ControlClient:
     def release_soon(
         self, route_id: str, token: str | None, done: Callable[[str], None] | None = None
     ) -> None:
-        """Release a route in the background; `done` gets "released", "unknown" or "failed"."""
+        """Release a route in the background; `done` gets "released", "unknown" or "failed". Over the token's open
+        RouteStream it rides on the stream's next message (route_stream.BATCH_S at most later), taking no slot."""
+        if self._streams is not None and self._streams.carry_release(token, route_id, done or _ignore):
+            return
         task = asyncio.get_running_loop().create_task(self._release(route_id, token, done))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -289,5 +296,7 @@ class ControlClient:
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.timeout_s)
         if self._streams is not None:
+            with contextlib.suppress(TimeoutError):
+                await self._streams.drain(self.timeout_s)
             await self._streams.close()
         await self._channel.close()

@@ -15,6 +15,11 @@ each call as a message, matched to its answer by id. Measured in bench/proxy_loa
   controller go); the token's next call opens another. NOTE: before, a stream lived as long as the proxy: after 64
   tokens had sent one request each, 64 streams (and ~385 tasks) stayed open for good and every new token's calls
   went unary.
+- A release is not a message of its own where the controller takes carried releases (it says so when the stream
+  opens): it waits, at most `batch_s` (2 ms), for the next message to ride on (a Route, usually), and then goes in
+  a message of its own with every other release queued by then; its outcome comes back in that message's answer.
+  At 200 clients that halves the stream's messages (docs/proxy.md); a route counts as in flight on its worker
+  for at most `batch_s` longer. A controller from before gets each release as its own message.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -38,6 +44,9 @@ _ANSWER = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
 MAX_STREAMS = 64
 IDLE_S = 60.0  # a stream unused this long is closed
 SWEEPS = 4  # looks per idle_s: an idle stream is closed within 1.25 x idle_s
+BATCH_S = 0.002  # the longest a release waits for a message to ride on
+CARRIED = ("kvfleet-route-stream", "carried-releases")  # the controller's initial metadata: it takes carried releases
+Done = Callable[[str], None]  # a carried release's outcome: "released", "unknown" or "failed"
 
 
 class StreamUnsupported(Exception):
@@ -45,11 +54,15 @@ class StreamUnsupported(Exception):
 
 
 class _Stream:
-    def __init__(self, stub: RouteServiceStub, token: str | None, target: str) -> None:
-        self.target = target
+    def __init__(self, stub: RouteServiceStub, token: str | None, target: str, batch_s: float = BATCH_S) -> None:
+        self.target, self.batch_s = target, batch_s
         self.call = stub.RouteStream(metadata=base.metadata(token))
         self.waiting: dict[int, asyncio.Future[route_pb2.RouteStreamResponse]] = {}
-        self.outbox: asyncio.Queue[route_pb2.RouteStreamRequest] = asyncio.Queue()
+        self.outbox: asyncio.Queue[route_pb2.RouteStreamRequest | None] = asyncio.Queue()  # None: send the releases
+        self.carries = False  # the controller said it takes carried releases
+        self.releases: list[tuple[route_pb2.ReleaseRouteRequest, Done]] = []  # queued, not yet sent
+        self.carried: dict[int, list[Done]] = {}  # releases sent on message id, waiting for its answer
+        self._flush: asyncio.TimerHandle | None = None  # armed while releases are queued
         self.ids = itertools.count(1)
         self.broken: BaseException | None = None
         self.used_at = time.monotonic()  # the last message sent
@@ -65,10 +78,52 @@ class _Stream:
         self.outbox.put_nowait(route_pb2.RouteStreamRequest(id=ident, **op))
         return ident, fut
 
+    @property
+    def busy(self) -> bool:
+        """A call or a release is waiting on the stream (it is not closed for idleness or another token)."""
+        return bool(self.waiting or self.releases or self.carried)
+
+    def carry(self, req: route_pb2.ReleaseRouteRequest, done: Done) -> None:
+        """Queue a release for the next message, or for one of its own within batch_s."""
+        self.used_at = time.monotonic()
+        self.releases.append((req, done))
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self.batch_s, self.flush)
+
+    def flush(self) -> None:
+        """Send the queued releases now (with the next message the writer takes, or alone)."""
+        self._flush = None
+        if self.releases:
+            self.outbox.put_nowait(None)
+
+    def _load(self, msg: route_pb2.RouteStreamRequest | None) -> route_pb2.RouteStreamRequest | None:
+        """`msg` carrying every queued release (a message of their own where msg is None); None: nothing to send."""
+        if not self.releases:
+            return msg
+        if msg is None:
+            msg = route_pb2.RouteStreamRequest(id=next(self.ids))
+        msg.releases.extend(req for req, _ in self.releases)
+        self.carried[msg.id] = [done for _, done in self.releases]
+        self.releases = []
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        return msg
+
+    def _settle(self, msg: route_pb2.RouteStreamResponse) -> None:
+        """The outcomes of the releases `msg` answers (failed where the controller did not look at them)."""
+        done = self.carried.pop(msg.id, [])
+        if len(msg.released) < len(done) and msg.WhichOneof("result") == "error":
+            log.info("proxy: %d ReleaseRoutes failed: %s: %s", len(done), msg.error.code, msg.error.message)
+        for i, d in enumerate(done):
+            _tell(d, ("released" if msg.released[i] else "unknown") if i < len(msg.released) else "failed")
+
     async def _write(self) -> None:
         try:
             while True:
-                await self.call.write(await self.outbox.get())
+                msg = self._load(await self.outbox.get())
+                if msg is not None:
+                    await self.call.write(msg)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001  # the call failed: the reader sees its status
@@ -76,6 +131,7 @@ class _Stream:
 
     async def _read(self) -> None:
         try:
+            self.carries = CARRIED in tuple(await self.call.initial_metadata() or ())  # (key, value) pairs
             while True:
                 msg = await self.call.read()
                 if msg is grpc.aio.EOF:
@@ -83,6 +139,8 @@ class _Stream:
                 fut = self.waiting.pop(msg.id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+                if self.carried:
+                    self._settle(msg)
         except asyncio.CancelledError:
             self._break(Unavailable(f"RouteStream at {self.target}: closed"))
             raise
@@ -96,6 +154,15 @@ class _Stream:
         for fut in waiting.values():
             if not fut.done():
                 fut.set_exception(self.broken)
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        lost = [d for _, d in self.releases] + [d for done in self.carried.values() for d in done]
+        self.releases, self.carried = [], {}
+        if lost:
+            log.info("proxy: %d ReleaseRoutes failed: the RouteStream broke: %s", len(lost), self.broken)
+        for d in lost:
+            _tell(d, "failed")
         self.call.cancel()
 
     async def close(self) -> None:
@@ -103,6 +170,13 @@ class _Stream:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.call.cancel()
+
+
+def _tell(done: Done, outcome: str) -> None:
+    try:
+        done(outcome)
+    except Exception:  # noqa: BLE001  # the caller's callback: never the stream's reader
+        log.exception("proxy: a release's callback failed")
 
 
 class RouteStreams:
@@ -143,13 +217,31 @@ class RouteStreams:
             raise base.error_of(msg.error.code, msg.error.message, method, self.target)
         return getattr(msg, kind)
 
+    def carry_release(self, token: str | None, route_id: str, done: Done) -> bool:
+        """Release a route on the token's open stream, carried on its next message (`done` gets the outcome);
+        False where it cannot be (no stream open for the token, or a controller that does not take them)."""
+        s = self._streams.get(token)
+        if s is None or s.broken is not None or not s.carries:
+            return False
+        self._streams.move_to_end(token)
+        s.carry(route_pb2.ReleaseRouteRequest(route_id=route_id), done)
+        return True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Send the queued releases now and wait (at most timeout_s) for their outcomes."""
+        for s in self._streams.values():
+            s.flush()
+        async with asyncio.timeout(timeout_s):
+            while any(s.releases or s.carried for s in self._streams.values()):
+                await asyncio.sleep(0.005)
+
     def usable(self, token: str | None) -> bool:
         return self.supported and (token in self._streams or len(self._streams) < self.max_streams
                                    or self._evictable() is not None)
 
     def _evictable(self) -> str | None:
         """The least recently used token whose stream has no call waiting (None: every stream has)."""
-        return next((t for t, s in self._streams.items() if not s.waiting), None)
+        return next((t for t, s in self._streams.items() if not s.busy), None)
 
     def _stream(self, token: str | None) -> _Stream:
         s = self._streams.get(token)
@@ -174,7 +266,7 @@ class RouteStreams:
     def _close_idle(self) -> None:
         """Close the streams unused for idle_s with no call waiting; look again soon while any is open."""
         cutoff = time.monotonic() - self.idle_s
-        for token in [t for t, s in self._streams.items() if s.used_at <= cutoff and not s.waiting]:
+        for token in [t for t, s in self._streams.items() if s.used_at <= cutoff and not s.busy]:
             self._drop(token)
         self._sweep = (asyncio.get_running_loop().call_later(self.idle_s / SWEEPS, self._close_idle)
                        if self._streams else None)

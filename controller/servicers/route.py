@@ -11,6 +11,11 @@ answered but not yet written at once (past that the stream is not read, and HTTP
 back). A message's failure is its answer's
 `error`, with the status code the unary call would have failed with; only an undecodable message, or a token
 refused at the open, ends the stream.
+
+A message may also carry ReleaseRoutes (`releases`, alone or beside its op: the proxy's releases, sent in batches
+with its next message, docs/proxy.md): they are released before the op runs and answered in its answer's `released`,
+with no message of their own. The stream's initial metadata (CARRIED) tells a caller that this controller takes them:
+one from before would ignore the field, so a caller that did not see it sends each release as its own message.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from fleet.core.errors import InvalidArgument, KvfleetError
 
 MAX_MODEL_CHARS = 1024
 STREAM_IN_FLIGHT = 64  # messages of one RouteStream running at once
+CARRIED = ("kvfleet-route-stream", "carried-releases")  # initial metadata: releases may ride on other messages
 _OPS = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
 log = logging.getLogger("kvfleet.controller")
 
@@ -109,6 +115,9 @@ class RouteServicer(pbg.RouteServiceServicer):
             check_caller(self.ctx, context, Role.TENANT, "RouteStream")
         except KvfleetError as e:
             await fail_call(self.ctx, context, "RouteStream", e)
+        await context.send_initial_metadata((CARRIED,))
+        counted = self.ctx.metrics.route_stream_messages
+        received, answered = counted.labels("received"), counted.labels("answered")
         answers: asyncio.Queue[pb.RouteStreamResponse | BaseException | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
@@ -131,6 +140,7 @@ class RouteServicer(pbg.RouteServiceServicer):
                     if isinstance(msg, Undecodable):
                         answers.put_nowait(msg)  # refused by the writer below
                         return
+                    received.inc()
                     await slots.acquire()
                     task = loop.create_task(answer(msg))
                     running.add(task)
@@ -154,6 +164,7 @@ class RouteServicer(pbg.RouteServiceServicer):
                         return
                     raise out
                 yield out
+                answered.inc()
                 slots.release()
         finally:
             reader.cancel()
@@ -162,22 +173,41 @@ class RouteServicer(pbg.RouteServiceServicer):
 
     async def _answer(self, msg: pb.RouteStreamRequest, context: grpc.aio.ServicerContext) -> pb.RouteStreamResponse:
         op = msg.WhichOneof("op")
-        method = _OPS.get(op or "", "RouteStream")
+        method = _OPS.get(op or "", "ReleaseRoute" if msg.releases else "RouteStream")
+        released: list[bool] = []
         try:
             # NOTE: again at every message: a token revoked, or a controller that stopped leading, fails the next one
             ident = check_caller(self.ctx, context, Role.TENANT, method)
-            if op == "route":
-                return pb.RouteStreamResponse(id=msg.id, route=await self._route(msg.route, ident))
-            if op == "release":
-                return pb.RouteStreamResponse(id=msg.id, release=self._release(msg.release, ident))
-            if op == "move":
-                return pb.RouteStreamResponse(id=msg.id, move=self._move(msg.move, ident))
-            raise InvalidArgument("a RouteStream message must carry one of route, release or move")
+            released = [self._carried(r, ident) for r in msg.releases]  # first: the op routes on the lighter load
+            out = await self._op(op, msg, ident)
         except KvfleetError as e:
-            code, text = status_of(e), str(e)
+            out = self._failed(msg.id, method, status_of(e), str(e))
         except Exception as e:  # noqa: BLE001  # one message's failure; the stream goes on
             log.exception("RouteStream %s failed", method)
-            code = grpc.StatusCode.INTERNAL
-            text = f"internal error in {method}: {type(e).__name__}: {e} (see controller log)"
+            out = self._failed(msg.id, method, grpc.StatusCode.INTERNAL,
+                               f"internal error in {method}: {type(e).__name__}: {e} (see controller log)")
+        out.released.extend(released)
+        return out
+
+    async def _op(self, op: str | None, msg: pb.RouteStreamRequest, ident: Identity) -> pb.RouteStreamResponse:
+        if op == "route":
+            return pb.RouteStreamResponse(id=msg.id, route=await self._route(msg.route, ident))
+        if op == "release":
+            return pb.RouteStreamResponse(id=msg.id, release=self._release(msg.release, ident))
+        if op == "move":
+            return pb.RouteStreamResponse(id=msg.id, move=self._move(msg.move, ident))
+        if msg.releases:
+            return pb.RouteStreamResponse(id=msg.id)  # releases alone: their outcomes are the answer
+        raise InvalidArgument("a RouteStream message must carry one of route, release or move")
+
+    def _carried(self, request: pb.ReleaseRouteRequest, ident: Identity) -> bool:
+        """A release carried on another message: False (as an unknown id) where its route_id is not one a Route
+        answer carries, so that one bad id does not fail the others carried with it."""
+        try:
+            return bool(self.ctx.need_router().release_route(request.route_id, owner=ident.tenant))
+        except InvalidArgument:
+            return False
+
+    def _failed(self, ident: int, method: str, code: grpc.StatusCode, text: str) -> pb.RouteStreamResponse:
         self.ctx.metrics.rpc_errors.labels(method=method, code=code.name).inc()
-        return pb.RouteStreamResponse(id=msg.id, error=pb.RouteStreamError(code=code.name, message=cut_message(text)))
+        return pb.RouteStreamResponse(id=ident, error=pb.RouteStreamError(code=code.name, message=cut_message(text)))

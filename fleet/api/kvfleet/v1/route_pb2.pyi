@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteStreamRequest(_message.Message):
-    __slots__ = ("id", "route", "release", "move")
+    __slots__ = ("id", "route", "release", "move", "releases")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
     id: int
     route: RouteRequest
     release: ReleaseRouteRequest
     move: MoveRouteRequest
-    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteRequest, _Mapping]] = ..., move: _Optional[_Union[MoveRouteRequest, _Mapping]] = ...) -> None: ...
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseRouteRequest]
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteRequest, _Mapping]] = ..., move: _Optional[_Union[MoveRouteRequest, _Mapping]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRouteRequest, _Mapping]]] = ...) -> None: ...
 
 class RouteStreamError(_message.Message):
     __slots__ = ("code", "message")
@@ -28,18 +30,20 @@ class RouteStreamError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RouteStreamResponse(_message.Message):
-    __slots__ = ("id", "route", "release", "move", "error")
+    __slots__ = ("id", "route", "release", "move", "error", "released")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     id: int
     route: RouteResponse
     release: ReleaseRouteResponse
     move: MoveRouteResponse
     error: RouteStreamError
-    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteResponse, _Mapping]] = ..., move: _Optional[_Union[MoveRouteResponse, _Mapping]] = ..., error: _Optional[_Union[RouteStreamError, _Mapping]] = ...) -> None: ...
+    released: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteResponse, _Mapping]] = ..., move: _Optional[_Union[MoveRouteResponse, _Mapping]] = ..., error: _Optional[_Union[RouteStreamError, _Mapping]] = ..., released: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("token_ids", "model", "lora", "probe", "track")

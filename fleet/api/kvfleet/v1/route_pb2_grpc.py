@@ -93,6 +93,8 @@ class RouteServiceServicer:
         The stream is authenticated at its start and again at every message (a revoked token, or a
         controller that stopped being leader, fails the next message). Messages are answered as they finish,
         not in order: match them by `id`. A message's failure is its answer's `error`; the stream goes on.
+        A controller that takes releases carried on other messages (RouteStreamRequest.releases) says so in the
+        stream's initial metadata: key `kvfleet-route-stream`, value `carried-releases`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
