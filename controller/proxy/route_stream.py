@@ -16,8 +16,9 @@ each call as a message, matched to its answer by id. Measured in bench/proxy_loa
   tokens had sent one request each, 64 streams (and ~385 tasks) stayed open for good and every new token's calls
   went unary.
 - A release is not a message of its own where the controller takes carried releases (it says so when the stream
-  opens): it waits, at most `batch_s` (2 ms), for the next message to ride on (a Route, usually), and then goes in
-  a message of its own with every other release queued by then; its outcome comes back in that message's answer.
+  opens): while calls are waiting on the stream it waits, at most `batch_s` (2 ms), for the next message to ride
+  on (a Route, usually), and then goes in a message of its own with every other release queued by then; on a quiet
+  stream it goes at once. Its outcome comes back in that message's answer.
   At 200 clients that halves the stream's messages (docs/proxy.md); a route counts as in flight on its worker
   for at most `batch_s` longer. A controller from before gets each release as its own message.
 """
@@ -84,15 +85,22 @@ class _Stream:
         return bool(self.waiting or self.releases or self.carried)
 
     def carry(self, req: route_pb2.ReleaseRouteRequest, done: Done) -> None:
-        """Queue a release for the next message, or for one of its own within batch_s."""
+        """Queue a release for the next message, or for one of its own within batch_s; at once where no call is
+        waiting (the stream is quiet, so no Route is due to carry it)."""
         self.used_at = time.monotonic()
         self.releases.append((req, done))
-        if self._flush is None:
+        if not self.waiting:
+            # NOTE: held back on a quiet stream, it went out 2 ms later, just as the client's next request came
+            # through: its send and its answer then ran on that request's path
+            self.flush()
+        elif self._flush is None:
             self._flush = asyncio.get_running_loop().call_later(self.batch_s, self.flush)
 
     def flush(self) -> None:
         """Send the queued releases now (with the next message the writer takes, or alone)."""
-        self._flush = None
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         if self.releases:
             self.outbox.put_nowait(None)
 

@@ -31,6 +31,10 @@ async def _flights(router: Any) -> int:
     return len(router.flights)
 
 
+async def _value(counter: Any) -> float:
+    return float(counter._value.get())
+
+
 async def test_requests_at_load_cost_fewer_messages_and_every_route_is_released(tmp_path: Path) -> None:
     fleet = await start_fleet(tmp_path, cost=NO_RECONCILE)
     try:
@@ -49,13 +53,14 @@ async def test_requests_at_load_cost_fewer_messages_and_every_route_is_released(
         n, messages = 60, received._value.get() - before
         print(f"{n} requests at 20 clients: {messages:.0f} RouteStream messages from the proxy (before: {2 * n})")
         assert messages < 2 * n
-        assert fleet.proxy.metrics.releases.labels("released")._value.get() == n
+        said = fleet.proxy.metrics.releases.labels("released")
+        await until(lambda: _value(said), lambda k: k == n)  # each outcome reached the proxy (its answer's `released`)
         assert router.metrics.route_releases.labels("released")._value.get() == n
     finally:
         await fleet.stop()
 
 
-async def test_a_release_with_nothing_to_ride_on_leaves_alone_within_the_bound(tmp_path: Path) -> None:
+async def test_a_release_on_a_quiet_stream_leaves_at_once_in_a_message_of_its_own(tmp_path: Path) -> None:
     fleet = await start_fleet(tmp_path, cost=NO_RECONCILE)
     control = ControlClient(fleet.proxy.control.target)
     try:
@@ -66,13 +71,13 @@ async def test_a_release_with_nothing_to_ride_on_leaves_alone_within_the_bound(t
         outcome: asyncio.Future[tuple[str, float]] = asyncio.get_running_loop().create_future()
         t0 = time.perf_counter()
         control.release_soon(d.route_id, token, lambda o: outcome.set_result((o, time.perf_counter() - t0)))
-        assert await _flights(router) == 1  # queued: it waits (at most BATCH_S) for a message to ride on
+        stream = control._streams._streams[token]  # type: ignore[union-attr]
+        assert stream._flush is None and stream.outbox.qsize() == 1  # no call waiting: sent now, not in BATCH_S
         said, took = await asyncio.wait_for(outcome, 5.0)
-        print(f"a lone release answered {took * 1e3:.1f} ms after it was queued (bound {BATCH_S * 1e3:.0f} ms + a "
-              "round trip)")
+        print(f"a release on a quiet stream answered {took * 1e3:.1f} ms after it was queued (no call waiting: "
+              "nothing to wait for)")
         assert said == "released" and await _flights(router) == 0
         assert received._value.get() == 2  # the route, then the release in a message of its own
-        stream = control._streams._streams[token]  # type: ignore[union-attr]
         assert stream.carries and not stream.busy
     finally:
         await control.close()
@@ -106,6 +111,78 @@ async def test_releases_carried_on_a_refused_route_are_still_released(tmp_path: 
     finally:
         await control.close()
         await fleet.stop()
+
+
+class _Holds(pbg.RouteServiceServicer):
+    """Takes carried releases (says so, as the controller does) and records every message; holds a route whose first
+    token is 0 unanswered until `go` is set (a call waiting on the stream: the proxy at load)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, list[str], bool]] = []  # op, carried route ids, a held route unanswered
+        self.go = asyncio.Event()
+        self.held = 0
+
+    async def RouteStream(self, requests: AsyncIterator[pb.RouteStreamRequest],
+                          context: Any) -> AsyncIterator[pb.RouteStreamResponse]:
+        await context.send_initial_metadata((CARRIED,))
+        answers: asyncio.Queue[pb.RouteStreamResponse] = asyncio.Queue()
+
+        async def answer(msg: pb.RouteStreamRequest) -> None:
+            op = msg.WhichOneof("op")
+            self.seen.append((op, [r.route_id for r in msg.releases], self.held > 0))
+            if op == "route" and msg.route.token_ids[0] == 0:
+                self.held += 1
+                await self.go.wait()
+                self.held -= 1
+            out = pb.RouteStreamResponse(id=msg.id, released=[True] * len(msg.releases))
+            if op == "route":
+                out.route.CopyFrom(pb.RouteResponse(worker="w0", route_id=f"r{msg.id}"))
+            answers.put_nowait(out)
+
+        async def read() -> None:
+            async for msg in requests:
+                asyncio.get_running_loop().create_task(answer(msg))
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                yield await answers.get()
+        finally:
+            reader.cancel()
+
+
+async def test_a_release_while_calls_wait_rides_on_the_next_route_or_leaves_alone_within_the_bound() -> None:
+    servicer = _Holds()
+    server = grpc.aio.server()
+    pbg.add_RouteServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    control = ControlClient(f"127.0.0.1:{port}")
+    try:
+        first = await control.route([1], MODEL, lora=None, token="t")
+        second = await control.route([2], MODEL, lora=None, token="t")
+        held = asyncio.create_task(control.route([0], MODEL, lora=None, token="t"))
+        await until(lambda: _held(servicer), bool)  # a call waits on the stream
+        outcomes: list[str] = []
+        control.release_soon(first.route_id, "t", outcomes.append)
+        await control.route([3], MODEL, lora=None, token="t")  # sent before BATCH_S ran out: it carries the release
+        assert servicer.seen[-1] == ("route", [first.route_id], True) and outcomes == ["released"]
+        said: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        t0 = time.perf_counter()
+        control.release_soon(second.route_id, "t", lambda o: (outcomes.append(o), said.set_result(time.perf_counter())))
+        took = await asyncio.wait_for(said, 5.0) - t0  # nothing else to carry it: a message of its own
+        print(f"a release with nothing to ride on answered {took * 1e3:.1f} ms after it was queued")
+        assert servicer.seen[-1] == (None, [second.route_id], True) and outcomes == ["released", "released"]
+        assert took >= BATCH_S  # it waited for a message to ride on (before: sent at once, a message of its own)
+        servicer.go.set()
+        assert (await held).route_id
+    finally:
+        await control.close()
+        await server.stop(0)
+
+
+async def _held(servicer: _Holds) -> int:
+    return servicer.held
 
 
 class _Before(pbg.RouteServiceServicer):
