@@ -181,6 +181,28 @@ async def test_a_release_while_calls_wait_rides_on_the_next_route_or_leaves_alon
         await server.stop(0)
 
 
+async def test_the_proxys_close_sends_the_queued_releases_and_waits_for_them() -> None:
+    servicer = _Holds()
+    server = grpc.aio.server()
+    pbg.add_RouteServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    control = ControlClient(f"127.0.0.1:{port}")
+    try:
+        first = await control.route([1], MODEL, lora=None, token="t")
+        held = asyncio.create_task(control.route([0], MODEL, lora=None, token="t"))
+        await until(lambda: _held(servicer), bool)
+        outcomes: list[str] = []
+        control.release_soon(first.route_id, "t", outcomes.append)  # queued for BATCH_S: a call waits
+        await control.close()  # at once: without the drain the stream's close failed it ("failed", never sent)
+        assert outcomes == ["released"] and servicer.seen[-1] == (None, [first.route_id], True)
+        servicer.go.set()
+        await asyncio.gather(held, return_exceptions=True)  # cut by the close
+    finally:
+        await control.close()
+        await server.stop(0)
+
+
 async def _held(servicer: _Holds) -> int:
     return servicer.held
 
