@@ -88,7 +88,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for hs in flat:
             floor.update(hs)
         t_floor += time.perf_counter() - t0
-        router.index.rank((spec.name, 0)).tiers[(0, "GPU")].update(external_chain(cfg, prompts[k], cache_salt=salt))
+        router.index.rank((spec.name, 0)).tiers[(0, "GPU")].update(dict.fromkeys(external_chain(cfg, prompts[k], cache_salt=salt)))
     res["ingest_hps"] = n_hashes / t_ing
     res["ingest_floor_hps"] = n_hashes / t_floor
     # in-process route latency
@@ -146,7 +146,7 @@ async def _grpc(router: Router, store: Any, prompts: list[list[int]], args: argp
         salt = ctl.ctx.auth.cache_salt("acme")  # the servicer routes with the tenant's salt
         cfg = HashConfig("sha256", None, B)
         for k, p in enumerate(prompts):
-            router.index.rank((f"w{k}", 0)).tiers[(0, "GPU")].update(external_chain(cfg, p, cache_salt=salt))
+            router.index.rank((f"w{k}", 0)).tiers[(0, "GPU")].update(dict.fromkeys(external_chain(cfg, p, cache_salt=salt)))
         client = AsyncFleetClient(ctl.address, token=tok)
         lat: list[float] = []
         try:

@@ -8,12 +8,20 @@ The index also learns a rank's GPU capacity when vLLM does not export it: a GPU 
 the pool had to evict, so the blocks resident just before it were as many as fit (the router's KV
 pressure term, controller/cost.py). The learned capacity survives epoch drops (the pool's size does
 not change with its contents) and is forgotten with the worker.
+
+A tier's hashes are the keys of a plain dict (values None), not a set: CPython's cyclic collector tracks every
+set and walks all its members, while a dict holding only ints and None is never tracked, so it walks none.
+NOTE: with sets, router_bench's index (64 workers x 100k blocks) made each full collection take 250-265 ms,
+every Route waiting on the event loop stalled meanwhile, and the young collections walked each rank's set
+while it filled (a replay after a restart, a refill after a clear): up to 90 ms each (docs/routing.md,
+"The cyclic garbage collector and the index").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Protocol
 
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -25,6 +33,8 @@ Tier = tuple[int | None, str]  # (group_idx, medium)
 # (controller/vllm/watcher.py). NOTE: the tiers were unbounded and each non-GPU tier had its own block
 # bound: 6 events of 1,048,576 CPU hashes, one tier each, held 6.3M blocks (+538 MiB) for one rank.
 MAX_TIERS = 32
+# One tier's resident hashes: a dict's keys, values None (never a set: see the module's docstring).
+Hashes = dict[int, None]
 
 
 def tier_of(group_idx: int | None, medium: str | None) -> Tier:
@@ -35,18 +45,19 @@ def tier_of(group_idx: int | None, medium: str | None) -> Tier:
 class RankIndex:
     """Resident hashes of one (worker, dp_rank), by tier."""
 
-    tiers: dict[Tier, set[int]] = field(default_factory=dict)
+    tiers: dict[Tier, Hashes] = field(default_factory=dict)
     groups: set[int | None] = field(default_factory=set)
 
     def store(self, ev: BlockStored) -> None:
-        self.tiers.setdefault(tier_of(ev.group_idx, ev.medium), set()).update(ev.block_hashes)
+        self.tiers.setdefault(tier_of(ev.group_idx, ev.medium), {}).update(zip(ev.block_hashes, repeat(None)))
         if tier_of(ev.group_idx, ev.medium)[1] == "GPU":
             self.groups.add(ev.group_idx)
 
     def remove(self, ev: BlockRemoved) -> None:
         s = self.tiers.get(tier_of(ev.group_idx, ev.medium))
         if s is not None:
-            s.difference_update(ev.block_hashes)
+            for h in ev.block_hashes:
+                s.pop(h, None)
 
     def num_offgpu_blocks(self) -> int:
         """Blocks in every non-GPU tier (offloaded copies: never matched, bounded together)."""
@@ -60,8 +71,8 @@ class RankIndex:
         self.tiers.clear()
         self.groups.clear()
 
-    def gpu(self) -> set[int] | None:
-        """The GPU hash set when there is exactly one KV group, else None (fail closed)."""
+    def gpu(self) -> Hashes | None:
+        """The GPU hashes when there is exactly one KV group, else None (fail closed)."""
         if len(self.groups) != 1:
             return None
         g = next(iter(self.groups))
@@ -122,7 +133,7 @@ class PrefixIndex:
         tier = tier_of(ev.group_idx, ev.medium)
         r = self._ranks.get(key) or RankIndex()
         held = r.num_gpu_blocks() if tier[1] == "GPU" else r.num_offgpu_blocks()
-        return held, len(set(ev.block_hashes) - r.tiers.get(tier, set()))
+        return held, len(set(ev.block_hashes).difference(r.tiers.get(tier, ())))
 
     def opens_tier(self, key: RankKey, ev: BlockStored) -> int:
         """The rank's tier count once `ev` is stored, if `ev` opens a tier it has not got; else 0."""
