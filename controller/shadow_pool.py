@@ -49,6 +49,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import count
+
+from controller.free_queue import FreeQueue, Key
 
 RankKey = tuple[str, int]
 # NOTE: how long every tenant believes what a tracked route evicts before an event shows its request on the engine:
@@ -58,10 +61,14 @@ RankKey = tuple[str, int]
 UNSENT_S = 1.0
 
 
-class _Anon:
-    """An unhashed free block (a partial block freed, or a hash cleared in place)."""
+_ANON = count()
 
-    __slots__ = ()
+
+def _anon() -> str:
+    """A name for an unhashed free block (a partial block freed, or a hash cleared in place): a str, never a hash
+    (an int). NOTE: was an instance of a class of its own, which the cyclic collector tracks: as a key it would make
+    the free queue's dicts tracked, and the collector walk every block in them (controller/free_queue.py)."""
+    return f"anon{next(_ANON)}"
 
 
 class _Unconfirmed(tuple[float, str]):
@@ -74,12 +81,12 @@ class _Unconfirmed(tuple[float, str]):
 class _Unsent:
     """A tracked route admitted here whose request no event has shown sent yet: its hit count, the entry its
     evictions share in `evicted`, and what its new blocks took off the queue's front, in order (fresh blocks
-    first, then hashes or _Anon), to undo its admission if it ends unsent; `seq` numbers the first of `popped`
+    first, then hashes or _anon names), to undo its admission if it ends unsent; `seq` numbers the first of `popped`
     among every unsent route's (the rest follow it), to put them back in the order they were taken."""
 
     __slots__ = ("hit", "entry", "num_fresh", "popped", "seq")
 
-    def __init__(self, hit: int, entry: _Unconfirmed, num_fresh: int, popped: list[object], seq: int) -> None:
+    def __init__(self, hit: int, entry: _Unconfirmed, num_fresh: int, popped: list[Key], seq: int) -> None:
         self.hit, self.entry, self.num_fresh, self.popped, self.seq = hit, entry, num_fresh, popped, seq
 
 
@@ -91,7 +98,7 @@ class RankPool:
             raise ValueError(f"num_gpu_blocks must be >= 2 (one is vLLM's null block), got {num_gpu_blocks}")
         self.num_gpu_blocks, self.grace_s, self.unsent_s = num_gpu_blocks, grace_s, unsent_s
         self._fresh = num_gpu_blocks - 1  # never-used blocks at the queue's front
-        self._free: OrderedDict[object, None] = OrderedDict()  # then these, front first: hashes or _Anon
+        self._free = FreeQueue()  # then these, front first: hashes or _anon names
         self._ref: dict[int, int] = {}  # pinned hashed blocks: hash -> ref_cnt (> 0)
         self._anon_pinned = 0  # pinned unhashed blocks (partial ones)
         self._ghost: dict[int, int] = {}  # pinned blocks whose hash was dropped meanwhile -> ref_cnt
@@ -105,13 +112,13 @@ class RankPool:
         self._unsent: dict[str, _Unsent] = {}  # tracked routes with an owner, admitted, not shown sent
         self._unsent_block: dict[int, str] = {}  # their new hashed blocks -> the route
         self._num_taken = 0  # blocks unsent routes took off the queue's front, ever (`_Unsent.seq`)
-        self._front_seq: dict[object, int] = {}  # blocks an undo put back at the front -> when they were taken
+        self._front_seq: dict[Key, int] = {}  # blocks an undo put back at the front -> when they were taken
         self._parent: dict[int, int] = {}  # a hash -> the block before it in its chain (stored events); kept
         # through predicted evictions and undone routes (pruned when over twice the pool), dropped on BlockRemoved
 
     # what the router reads
     def cached(self, h: int) -> bool:
-        return h in self._ref or h in self._free
+        return h in self._ref or h in self._free.has
 
     def queue(self) -> list[int | None]:
         """The free queue, front (next evicted) first: hashes, None for unhashed blocks (fresh last seen)."""
@@ -199,7 +206,7 @@ class RankPool:
         if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
             return []  # it would wait: what it takes once admitted is not known now (the waiting are at_risk)
         free, ev = self._free, self.evicted
-        touched = {h for h in chain[:hit] if h in free}  # its hits leave the queue before it takes blocks
+        touched = {h for h in chain[:hit] if h in free.has}  # its hits leave the queue before it takes blocks
         n = min(len(chain) - hit + num_partial, self._fresh + len(free) - len(touched)) - self._fresh
         out: list[int] = []
         for k in free:
@@ -219,15 +226,16 @@ class RankPool:
 
     def _hit(self, chain: Sequence[int]) -> int:
         """The leading blocks cached here: vLLM's prefix hit. A later block cached on its own is not reused."""
-        hit = 0
-        while hit < len(chain) and (chain[hit] in self._ref or chain[hit] in self._free):
+        hit, ref, free = 0, self._ref, self._free.has
+        while hit < len(chain) and (chain[hit] in ref or chain[hit] in free):
             hit += 1
         return hit
 
     def _need(self, chain: Sequence[int], num_partial: int, hit: int) -> int:
         """Blocks the request takes out of the free queue: its `hit` leading blocks that are free, and a new
         block for every block after them (and each partial one)."""
-        return sum(1 for h in chain[:hit] if h in self._free) + len(chain) - hit + num_partial
+        free = self._free.has
+        return sum(1 for h in chain[:hit] if h in free) + len(chain) - hit + num_partial
 
     def _drain(self, now: float) -> list[int]:
         """Admit waiting requests in arrival order while they fit."""
@@ -252,7 +260,7 @@ class RankPool:
             self._touch(k)
             held.append(k)
         out: list[int] = []
-        popped: list[object] = []  # NOTE: kept for an owner's route only, to undo it (`_withdraw`)
+        popped: list[Key] = []  # NOTE: kept for an owner's route only, to undo it (`_withdraw`)
         unsent = owner is not None
         entry = _Unconfirmed((now, owner)) if owner is not None else (now, None)
         num_fresh = self._fresh
@@ -264,7 +272,7 @@ class RankPool:
             if self._fresh:  # NOTE: _popleft inlined: this loop is on the route path, once per new block
                 self._fresh -= 1
             else:
-                gone, _ = free.popitem(last=False)
+                gone = free.popleft()
                 if self._front_seq:
                     self._front_seq.pop(gone, None)
                 if unsent:
@@ -273,7 +281,7 @@ class RankPool:
                     out.append(gone)
                     ev.pop(gone, None)
                     ev[gone] = entry
-            if h is not None and (h in ref or h in free):
+            if h is not None and (h in ref or h in free.has):
                 # cached on its own after the hit: vLLM computes it again into the new block (its pool maps
                 # one hash to both copies); the copy is held here unhashed
                 h = None
@@ -304,22 +312,24 @@ class RankPool:
         if u is not None:  # no event showed it sent: its admission is undone, its hits freed as usual
             self._withdraw(u, held[u.hit:])
             held = held[:u.hit]
+        back: list[Key] = []  # to the tail, in this order
         for h in reversed(held):
             if h is None:
                 self._anon_pinned = max(0, self._anon_pinned - 1)
-                self._free[_Anon()] = None
+                back.append(_anon())
             elif h in self._ghost:  # its hash was dropped while it ran: the block comes back unhashed
                 self._ghost[h] -= 1
                 if not self._ghost[h]:
                     del self._ghost[h]
-                    self._free[_Anon()] = None
+                    back.append(_anon())
             elif h not in self._ref:
                 continue
             elif self._ref[h] > 1:
                 self._ref[h] -= 1
             else:
                 del self._ref[h]
-                self._free[h] = None
+                back.append(h)
+        self._free.extend(back)
         return self._drain(now)
 
     def _withdraw(self, u: _Unsent, new: list[int | None]) -> None:
@@ -332,7 +342,7 @@ class RankPool:
             if isinstance(g, int) and ev.get(g) is u.entry:
                 del ev[g]
                 withdrawn.add(g)
-        back: list[tuple[object, int]] = []  # (the slot, when it was taken)
+        back: list[tuple[Key | None, int]] = []  # (the slot, when it was taken)
         seqs = [*[-1] * u.num_fresh, *range(u.seq, u.seq + len(u.popped))]
         for h, k, seq in zip(new, [*[None] * u.num_fresh, *u.popped], seqs, strict=False):
             if h is None:
@@ -355,10 +365,10 @@ class RankPool:
                 self._fresh += 1
                 continue
             if isinstance(k, int) and (k not in withdrawn or self.cached(k) or k in ghost):
-                k = _Anon()  # its eviction was confirmed (or is past the grace), or it is held again: unhashed
+                k = _anon()  # its eviction was confirmed (or is past the grace), or it is held again: unhashed
             self._put_back(k, seq)
 
-    def _put_back(self, k: object, seq: int) -> None:
+    def _put_back(self, k: Key, seq: int) -> None:
         """Put an undone route's slot back at the queue's front, behind the slots other undone routes took before it
         (taken in that order, they were in that order). NOTE: at the absolute front, two routes undone in the order
         they came left their blocks reversed ([1, 2, 3, 4] -> [2, 1, 3, 4]): vLLM, which got neither, evicts 1."""
@@ -368,10 +378,10 @@ class RankPool:
             if front.get(j, seq) >= seq:
                 break
             before.append(j)
-        free[k] = None
-        free.move_to_end(k, last=False)
+        free.add(k)
+        free.move_to_front(k)
         for j in reversed(before):
-            free.move_to_end(j, last=False)
+            free.move_to_front(j)
         front[k] = seq
 
     def _sent(self, route: str) -> None:
@@ -421,8 +431,7 @@ class RankPool:
                 if gone is not None:
                     self.evicted[gone] = (now, None)
                 new.append(h)
-        for h in [*reversed(new), *hit]:
-            self._free[h] = None  # NOTE: its request may still hold it; unknown here, so evictable
+        self._free.extend([*reversed(new), *hit])  # NOTE: its request may still hold them; unknown here, so evictable
         if len(self._parent) > 2 * self.num_gpu_blocks:  # links of hashes no longer cached here
             self._parent = {h: p for h, p in self._parent.items() if self.cached(h) or h in self.evicted}
 
@@ -439,8 +448,8 @@ class RankPool:
         for _ in range(self.num_gpu_blocks):  # NOTE: a bound, not a count: a chain is never longer than the pool
             if h is None:
                 break
-            if h in free:
-                del free[h]
+            if h in free.has:
+                free.remove(h)
                 self._front_seq.pop(h, None)
                 out.append(h)
             elif h in ev:
@@ -455,8 +464,8 @@ class RankPool:
         for h in hashes:
             self.evicted.pop(h, None)
             self._parent.pop(h, None)
-            if h in self._free:
-                del self._free[h]
+            if h in self._free.has:
+                self._free.remove(h)
                 self._front_seq.pop(h, None)
                 self._fresh += 1  # NOTE: at the front: reused by someone, it is the next slot taken
             elif h in self._ref:
@@ -483,8 +492,8 @@ class RankPool:
         return bool(self._ref or self._anon_pinned or self._ghost)
 
     def _touch(self, h: int) -> None:
-        if h in self._free:
-            del self._free[h]
+        if h in self._free.has:
+            self._free.remove(h)
             self._front_seq.pop(h, None)
             self._ref[h] = 1
         else:
@@ -495,7 +504,7 @@ class RankPool:
         if self._fresh:
             self._fresh -= 1
             return None
-        k, _ = self._free.popitem(last=False)
+        k = self._free.popleft()
         self._front_seq.pop(k, None)
         return k if isinstance(k, int) else None
 
