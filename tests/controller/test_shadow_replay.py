@@ -11,11 +11,10 @@ request's blocks last first, as vLLM frees them). The real Router on a `kvfleet 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-import aiohttp
 import pytest
+from support.one_worker import complete_direct, synced
 
 from controller.metrics import Metrics
 from controller.registry import KvStore
@@ -36,24 +35,6 @@ def _toks(seed: int, num_blocks: int) -> list[int]:
 FILL = [_toks(i + 1, 10) for i in range(6)] + [_toks(60, 4)]
 
 
-async def _complete(sim: SimVllm, r: Router, toks: list[int]) -> None:
-    """One request straight to the worker, then wait until the router has every batch it published."""
-    async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
-        assert resp.status == 200
-    await _synced(r, sim)
-
-
-async def _synced(r: Router, sim: SimVllm) -> None:
-    assert sim.publisher is not None
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if any(s.url == sim.url for s in r.workers()) and all(
-            s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url
-        ):
-            return
-    raise AssertionError("the router never ingested the worker's events")
-
-
 async def _router(store: KvStore) -> Router:
     r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1))
     await r.start()
@@ -69,14 +50,14 @@ async def test_the_replay_that_rebuilds_the_index_fills_the_shadow_in_stored_ord
     try:
         await r.register_worker(spec)
         for p in FILL:
-            await _complete(sim, r, p)
+            await complete_direct(sim, r, p)
         if how == "controller restarted":
             await r.stop()
             r = await _router(store)  # the index is rebuilt by replay from the store's seqs
         else:
             await r.unregister_worker("w0")
             await r.register_worker(spec)  # its publisher's buffer is replayed
-        await _synced(r, sim)
+        await synced(r, sim)
         key, cfg = ("w0", 0), r.worker("w0").view().hash_cfg
         assert cfg is not None
         chains = [external_chain(cfg, p) for p in FILL]
@@ -94,7 +75,7 @@ async def test_the_replay_that_rebuilds_the_index_fills_the_shadow_in_stored_ord
         dv = await r.route(victim, "m")  # decided before A's events arrive
         assert (dv.verdict, dv.matched_tokens) == ("COLD", 0)  # NOTE: before, WARM with 160 matched
         assert set(chains[1]) <= set(sim.engine.resident_external())  # still there: A has not run yet
-        await _complete(sim, r, a)
+        await complete_direct(sim, r, a)
         assert not set(chains[1]) & set(sim.engine.resident_external())  # control: gone where A ran
         assert r.release_route(da.route_id)
     finally:
@@ -113,16 +94,16 @@ async def test_after_a_replay_lru_is_expected_to_drop_a_prompts_last_blocks_firs
     try:
         await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
         for p in FILL:
-            await _complete(sim, r, p)
+            await complete_direct(sim, r, p)
         await r.stop()
         r = await _router(store)
-        await _synced(r, sim)
+        await synced(r, sim)
         cfg = r.worker("w0").view().hash_cfg
         assert cfg is not None
         a = FILL[-1] + _toks(900, 13)  # 13 new blocks: LRU drops the oldest prompt and 3 of the next
         da = await r.route(a, "m", track=True)
         assert da.worker == "w0"
-        await _complete(sim, r, a)
+        await complete_direct(sim, r, a)
         kept = set(sim.engine.resident_external())
         victim = external_chain(cfg, FILL[1])
         assert [h in kept for h in victim] == [True] * 7 + [False] * 3  # its head stays: 112 tokens

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from support.one_worker import one_worker
+from support.one_worker import one_worker, synced
 
 from controller.cost import CostConfig
 from controller.router import Router
@@ -34,21 +34,13 @@ def _toks(seed: int, num_blocks: int) -> list[int]:
     return [seed * 100_000 + k for k in range(num_blocks * B)]
 
 
-async def _synced(r: Router, sim: SimVllm) -> None:
-    assert sim.publisher is not None
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
-            return
-    raise AssertionError("the router never ingested the worker's events")
-
 
 async def _send(r: Router, sim: SimVllm, toks: list[int], tenant: str) -> None:
     """The request straight to the worker with the tenant's salt; then every batch it published is ingested."""
     body = {"prompt": toks, "max_tokens": 1, "cache_salt": _salt(tenant)}
     async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json=body) as resp:
         assert resp.status == 200
-    await _synced(r, sim)
+    await synced(r, sim)
 
 
 def _worker(tmp_path: Path, cost: CostConfig | None = None) -> Any:

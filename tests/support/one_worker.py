@@ -43,9 +43,15 @@ async def complete_direct(sim: SimVllm, r: Router, toks: list[int]) -> None:
     the worker published."""
     async with aiohttp.ClientSession() as h, h.post(sim.url + "/v1/completions", json={"prompt": toks}) as resp:
         assert resp.status == 200
+    await synced(r, sim)
+
+
+async def synced(r: Router, sim: SimVllm) -> None:
+    """Wait until the worker is registered and the router has ingested every batch it published."""
     assert sim.publisher is not None
     for _ in range(300):
         await asyncio.sleep(0.01)
-        if all(s.last_seq >= sim.publisher.seq - 1 for s in r.workers() if s.url == sim.url):
+        mine = [s for s in r.workers() if s.url == sim.url]
+        if mine and all(s.last_seq >= sim.publisher.seq - 1 for s in mine):
             return
     raise AssertionError("the router never ingested the worker's events")

@@ -9,6 +9,7 @@ NOTE: before, every release was a message of its own: N requests cost the stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -151,14 +152,23 @@ class _Holds(pbg.RouteServiceServicer):
             reader.cancel()
 
 
-async def test_a_release_while_calls_wait_rides_on_the_next_route_or_leaves_alone_within_the_bound() -> None:
-    servicer = _Holds()
+@contextlib.asynccontextmanager
+async def _serving(servicer: Any) -> AsyncIterator[tuple[Any, ControlClient]]:
+    """A RouteService on loopback serving `servicer`, and the proxy's ControlClient to it (closed, then the server)."""
     server = grpc.aio.server()
     pbg.add_RouteServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     control = ControlClient(f"127.0.0.1:{port}")
     try:
+        yield servicer, control
+    finally:
+        await control.close()
+        await server.stop(0)
+
+
+async def test_a_release_while_calls_wait_rides_on_the_next_route_or_leaves_alone_within_the_bound() -> None:
+    async with _serving(_Holds()) as (servicer, control):
         first = await control.route([1], MODEL, lora=None, token="t")
         second = await control.route([2], MODEL, lora=None, token="t")
         held = asyncio.create_task(control.route([0], MODEL, lora=None, token="t"))
@@ -176,19 +186,10 @@ async def test_a_release_while_calls_wait_rides_on_the_next_route_or_leaves_alon
         assert took >= BATCH_S  # it waited for a message to ride on (before: sent at once, a message of its own)
         servicer.go.set()
         assert (await held).route_id
-    finally:
-        await control.close()
-        await server.stop(0)
 
 
 async def test_the_proxys_close_sends_the_queued_releases_and_waits_for_them() -> None:
-    servicer = _Holds()
-    server = grpc.aio.server()
-    pbg.add_RouteServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    control = ControlClient(f"127.0.0.1:{port}")
-    try:
+    async with _serving(_Holds()) as (servicer, control):
         first = await control.route([1], MODEL, lora=None, token="t")
         held = asyncio.create_task(control.route([0], MODEL, lora=None, token="t"))
         await until(lambda: _held(servicer), bool)
@@ -198,9 +199,6 @@ async def test_the_proxys_close_sends_the_queued_releases_and_waits_for_them() -
         assert outcomes == ["released"] and servicer.seen[-1] == (None, [first.route_id], True)
         servicer.go.set()
         await asyncio.gather(held, return_exceptions=True)  # cut by the close
-    finally:
-        await control.close()
-        await server.stop(0)
 
 
 async def _held(servicer: _Holds) -> int:
@@ -224,18 +222,9 @@ class _Before(pbg.RouteServiceServicer):
 
 
 async def test_a_controller_from_before_gets_each_release_as_its_own_message() -> None:
-    servicer = _Before()
-    server = grpc.aio.server()
-    pbg.add_RouteServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    control = ControlClient(f"127.0.0.1:{port}")
-    try:
+    async with _serving(_Before()) as (servicer, control):
         d = await control.route([1, 2], MODEL, lora=None, token="t")
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         control.release_soon(d.route_id, "t", outcome.set_result)
         assert await asyncio.wait_for(outcome, 5.0) == "released"
         assert servicer.ops == ["route", "release"]  # not carried: that controller would have dropped it
-    finally:
-        await control.close()
-        await server.stop(0)
