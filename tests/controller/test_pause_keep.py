@@ -10,7 +10,7 @@ The real Router on a `kvfleet sim-vllm` worker, every verb through the controlle
 
 from __future__ import annotations
 
-from support.one_worker import complete_direct, one_worker
+from support.one_worker import complete_direct, one_worker, warm
 
 from fleet.core.block_hash import external_chain
 
@@ -22,7 +22,7 @@ async def test_a_pause_keep_with_the_default_clear_cache_forgets_the_cache(tmp_p
     async with one_worker(tmp_path, 64) as (r, sim):
         await complete_direct(sim, r, BEFORE)
         chain = set(external_chain(r.worker("w0").view().hash_cfg, BEFORE))
-        assert (await r.route(BEFORE, "m")).verdict == "WARM"
+        await warm(r, BEFORE)
         w = await r.lifecycle("w0", "pause", mode="keep")
         assert w.kv == "forgotten" and not chain & set(sim.engine.resident_external())  # vLLM's engine reset it
         await r.lifecycle("w0", "resume")
@@ -34,6 +34,7 @@ async def test_a_pause_keep_with_the_default_clear_cache_forgets_the_cache(tmp_p
 async def test_a_pause_keep_with_clear_cache_false_keeps_it(tmp_path) -> None:
     async with one_worker(tmp_path, 64) as (r, sim):
         await complete_direct(sim, r, BEFORE)
+        await warm(r, BEFORE)
         w = await r.lifecycle("w0", "pause", mode="keep", clear_cache=False)
         assert w.kv == "preserved"
         await r.lifecycle("w0", "resume")

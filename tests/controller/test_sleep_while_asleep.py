@@ -9,7 +9,7 @@ The real Router on a `kvfleet sim-vllm` worker, every verb through the controlle
 
 from __future__ import annotations
 
-from support.one_worker import complete_direct, one_worker
+from support.one_worker import complete_direct, one_worker, warm
 
 from fleet.core.block_hash import external_chain
 
@@ -20,7 +20,7 @@ AFTER = list(range(2000, 2100))
 async def test_sleep_level_1_after_level_0_discards_the_cache_and_the_woken_worker_warms_again(tmp_path) -> None:
     async with one_worker(tmp_path, 64) as (r, sim):
         await complete_direct(sim, r, BEFORE)
-        assert (await r.route(BEFORE, "m")).verdict == "WARM"
+        await warm(r, BEFORE)
         await r.lifecycle("w0", "sleep", level=0)
         await r.lifecycle("w0", "sleep", level=1)
         held = set(sim.engine.resident_external())

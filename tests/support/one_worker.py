@@ -55,3 +55,13 @@ async def synced(r: Router, sim: SimVllm) -> None:
         if mine and all(s.last_seq >= sim.publisher.seq - 1 for s in mine):
             return
     raise AssertionError("the router never ingested the worker's events")
+
+
+async def warm(r: Router, toks: list[int], model: str = "m") -> None:
+    """Wait until an (untracked) route of `toks` is WARM: the blocks ingested AND the rank's warmth proven for its
+    epoch (a busy machine can see the events before the proof; a test's "before" must not start earlier)."""
+    for _ in range(300):
+        if (await r.route(toks, model)).verdict == "WARM":
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the router never routed the prompt WARM")
