@@ -23,7 +23,9 @@ async def one_worker(tmp_path: Path, num_blocks: int,
                      cost: CostConfig | None = None) -> AsyncIterator[tuple[Router, SimVllm]]:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=num_blocks))).start()
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, cost=cost or CostConfig()))
+    # NOTE: http_timeout_s 10 (default 2): the stand-in shares this test's event loop, and on a loaded machine a look
+    # that waited 2 s marked it down, dropping its index (fail closed, as it should), so a "before" route went COLD
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, http_timeout_s=10.0, cost=cost or CostConfig()))
     await r.start()
     try:
         await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
