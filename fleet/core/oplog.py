@@ -282,10 +282,12 @@ def exact_tokens(ops: Iterable[Op]) -> int:
     return exact
 
 
-def kv_follows_tokens(ops: Iterable[Op]) -> bool:
+def kv_follows_tokens(ops: Sequence[Op]) -> bool:
     """Whether the log's KV is a function of its final tokens alone (so a fork may adopt its parent's
-    blocks): true unless a reposition eviction re-rotated survivors instead of re-deriving them."""
-    return not any(isinstance(op, EvictOp) and op.mode != "exact" for op in ops)
+    blocks): every token exact (`exact_tokens`). NOTE: it was "no reposition eviction in the log", a second rule
+    beside exact_tokens that stayed false after a later eviction recomputed the re-rotated survivors (or a tail
+    reposition, which keeps none), where the kernel's cache is a prefill's again."""
+    return exact_tokens(ops) == num_tokens(ops)
 
 
 def _opt(v: object) -> str | None:

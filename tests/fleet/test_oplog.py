@@ -72,6 +72,7 @@ def test_tokens_refs_and_kv_follow_the_log() -> None:
     assert blob_refs(LOG) == [(REF, "acme")]
     assert kv_follows_tokens(LOG)
     assert not kv_follows_tokens([*LOG, EvictOp(0, 0, 3, "reposition")])  # control: a re-rotation
+    assert kv_follows_tokens([*LOG, EvictOp(2, 3, 2, "reposition")])  # a tail: no survivor to re-rotate
 
 
 def test_a_calls_fingerprint_is_logged_with_its_ops_and_old_logs_parse_without_it() -> None:
@@ -117,6 +118,7 @@ def test_exact_tokens_read_from_the_log_are_the_kernels() -> None:
         ctx.op_id = f"e{i}"
         report = ctx.evict_piece(piece, mode)
         assert exact_tokens(ctx.ops) == ctx.session.num_exact_tokens, (piece, mode)
+        assert kv_follows_tokens(ctx.ops) == (ctx.session.num_exact_tokens == len(ctx.session)), (piece, mode)
         logged = logged_eviction(ctx.ops, f"e{i}")
         assert logged is not None and logged.exact == report.exact, (piece, mode, report)
     assert [c.exact for c in (logged_eviction(ctx.ops, f"e{i}") for i in range(6))] == [
