@@ -4,7 +4,9 @@
 
 The session id is the `x-session-id` header, else the body's `user` field, else the first
 message. Every `--probe-interval` seconds each worker is probed: GET /health must answer 200 and
-GET /is_sleeping must not say true (a sleeping vLLM keeps /health at 200). A request goes to the
+GET /is_sleeping must not say true (a sleeping vLLM keeps /health at 200). A probe with no answer within
+`--probe-timeout` leaves the worker as it was, up to two in a row: a slow answer on a loaded machine is not
+a sleep, and a worker that refuses connections or answers wrong is out at once. A request goes to the
 first serving worker clockwise from the session's point on the ring (64 virtual nodes per
 worker), so a session moves only while its worker is out, and comes back after.
 """
@@ -62,9 +64,11 @@ def session_key(req: web.Request, body: bytes) -> str:
 
 
 class StickyRouter:
-    def __init__(self, workers: list[str], probe_interval_s: float = 0.5) -> None:
+    def __init__(self, workers: list[str], probe_interval_s: float = 0.5, probe_timeout_s: float = 0.5) -> None:
         self.workers, self.ring, self.probe_s = workers, HashRing(workers), probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
         self.serving = {w: True for w in workers}
+        self._timeouts = {w: 0 for w in workers}  # probes in a row with no answer in time
         self.http: aiohttp.ClientSession | None = None
         self._probe: asyncio.Task[None] | None = None
 
@@ -84,15 +88,20 @@ class StickyRouter:
 
     async def _is_serving(self, url: str) -> bool:
         assert self.http is not None
-        timeout = aiohttp.ClientTimeout(total=0.5)
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
         try:
             async with self.http.get(url + "/health", timeout=timeout) as r:
                 if r.status != 200:
                     return False
             async with self.http.get(url + "/is_sleeping", timeout=timeout) as r:
-                return r.status == 404 or not (await r.json(content_type=None)).get("is_sleeping")
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError):
-            return False
+                serving = r.status == 404 or not (await r.json(content_type=None)).get("is_sleeping")
+        except TimeoutError:
+            self._timeouts[url] += 1
+            return self.serving[url] and self._timeouts[url] < 3
+        except (aiohttp.ClientError, OSError, ValueError, AttributeError):
+            serving = False
+        self._timeouts[url] = 0
+        return serving
 
     async def stop(self) -> None:
         if self._probe is not None:
@@ -126,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="127.0.0.1:9100")
     p.add_argument("--worker", action="append", required=True, help="worker base URL (repeat)")
     p.add_argument("--probe-interval", type=float, default=0.5)
+    p.add_argument("--probe-timeout", type=float, default=0.5)
     a = p.parse_args(argv)
-    router = StickyRouter([w.rstrip("/") for w in a.worker], a.probe_interval)
+    router = StickyRouter([w.rstrip("/") for w in a.worker], a.probe_interval, a.probe_timeout)
     asyncio.run(serve(router.app(), a.listen, router.start, router.stop))
     return 0
 

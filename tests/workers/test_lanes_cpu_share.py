@@ -128,6 +128,9 @@ def test_a_tenant_alone_never_waits_and_a_returning_one_owes_nothing(kernel: Ker
     time did not move while a tenant ran alone, so acme came back owing all of it (a 50 ms job took 1.01 s)."""
     async def main() -> None:
         lanes = TenantLanes(4)
+        # NOTE: bravo's clock must not look idle (still for idle_s, 10 ms) while the OS has it off a core: on a
+        # loaded machine acme then stopped waiting for it and the control failed once. Idleness is tested apart.
+        lanes.share.idle_s = 0.2
         for _ in range(10):
             await asyncio.gather(*(lanes.run("acme", append_1000(kernel)) for _ in range(3)))
         assert lanes.stats()["parks"] == 0          # alone: no tenant to wait for
