@@ -47,11 +47,13 @@ class OverQuota(ResourceExhausted):
     """A put refused because it would take its tenant's stored blob bytes past the quota."""
 
 
-def over_quota(tenant: str, used: int, size: int, quota: int) -> OverQuota:
+def over_quota(tenant: str, used: int, size: int, quota: int, in_flight: int = 0) -> OverQuota:
     """The refusal of a put of a `size`-byte blob that would take `tenant`'s stored blob bytes (`used`,
-    each blob counted as `blob_charge` of its size) past `quota`."""
+    each blob counted as `blob_charge` of its size) and the bytes of its puts in progress (`in_flight`, where the
+    backend counts them) past `quota`."""
+    flying = f" and {in_flight} more in puts in progress" if in_flight else ""
     return OverQuota(
-        f"tenant {tenant!r} has {used} blob bytes stored (each blob counts its size plus {PER_BLOB_OVERHEAD}); "
+        f"tenant {tenant!r} has {used} blob bytes stored{flying} (each blob counts its size plus {PER_BLOB_OVERHEAD}); "
         f"this blob of {size} bytes (counting {blob_charge(size)}) would take it past "
         f"its quota of {quota} bytes (--max-blob-bytes-per-tenant); nothing was stored. Unpin blobs you no "
         "longer need (stored blobs count until the store GC collects them: unpinned, unreferenced, lease "
@@ -158,9 +160,10 @@ class BlobStore(ABC):
             raise InvalidArgument(f"quota must be an int >= 0 (0: none), got {quota!r}")
 
     def _put_checked(self, tenant: str, ref: str, view: memoryview, now: float, quota: int) -> None:
-        used = self._put(tenant, ref, view, now, quota)
-        if used is not None:
-            raise over_quota(tenant, used, view.nbytes, quota)
+        out = self._put(tenant, ref, view, now, quota)
+        if out is not None:
+            used, in_flight = out if isinstance(out, tuple) else (out, 0)
+            raise over_quota(tenant, used, view.nbytes, quota, in_flight)
 
     def stored_bytes(self, tenant: str) -> int:
         """The bytes `tenant` has stored now, as its quota counts them: each distinct blob once, its size
@@ -358,11 +361,12 @@ class BlobStore(ABC):
 
     # ---- backend primitives ----------------------------------------------------------------------
     @abstractmethod
-    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
+    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | tuple[int, int] | None:
         """Store the blob, or only extend its lease if present. A new blob adds `blob_charge(data.nbytes)`
         to the tenant's stored bytes, and records it so that GC gives back exactly that. With quota > 0,
         a NEW blob that would take the tenant's stored bytes past quota is not written and the stored
-        bytes are returned; otherwise None. Check and write are one transaction/script."""
+        bytes are returned (with the bytes of the tenant's puts in progress, as a pair, where the backend
+        counts them: Redis); otherwise None. Check and write are one transaction/script."""
     @abstractmethod
     def _stored_bytes(self, tenant: str) -> int: ...
     @abstractmethod

@@ -9,6 +9,8 @@ Key layout (tenant names exclude ':', so a tenant can never reach another tenant
                                             size + PER_BLOB_OVERHEAD), changed by the same script
                                             that writes or deletes a blob
     kvf:t:{tenant}:p:{ref}:{nonce}  STRING  one put's pieces so far, with a TTL (fleet/cas/redis_pieces.py)
+    kvf:t:{tenant}:inflight         ZSET    the charges of the tenant's pieced puts in flight, which its quota
+                                            counts (fleet/cas/redis_pieces.py)
     kvf:kv:{namespace}              HASH    controller state, key -> value
 
 Atomicity: a put of up to PIECE_BYTES is ONE EVALSHA whose arguments carry the bytes; Redis runs a script
@@ -38,11 +40,13 @@ from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.redis_errors import store_call
-from fleet.cas.redis_pieces import PIECE_BYTES, PiecedPut
+from fleet.cas.redis_pieces import IN_FLIGHT_LUA, PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
 
-_PUT = """
+# KEYS: data, meta, byte count, in flight; ARGV: data, size, now, lease, verdict, quota, charge, ref.
+# 1: stored; 0: stored already (lease extended); {used, in flight}: over quota (pieced puts in flight count)
+_PUT = IN_FLIGHT_LUA + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local cur = tonumber(redis.call('HGET', KEYS[2], 'lease_expires'))
   if cur == nil or cur < tonumber(ARGV[4]) then redis.call('HSET', KEYS[2], 'lease_expires', ARGV[4]) end
@@ -50,7 +54,10 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
 end
 local used = tonumber(redis.call('GET', KEYS[3]) or '0')
 local quota = tonumber(ARGV[6])
-if quota > 0 and used + tonumber(ARGV[7]) > quota then return {used} end
+if quota > 0 then
+  local flying = in_flight(KEYS[4], ARGV[8])
+  if used + flying + tonumber(ARGV[7]) > quota then return {used, flying} end
+end
 redis.call('INCRBY', KEYS[3], ARGV[7])
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'size', ARGV[2], 'charge', ARGV[7], 'created', ARGV[3], 'pins', '0', 'refs', '0',
@@ -192,15 +199,16 @@ class RedisBlobStore(BlobStore):
 
     # ---- blobs ----------------------------------------------------------------------------------
     @store_call
-    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> int | None:
+    def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> tuple[int, int] | None:
         keys = self._put_keys(tenant, ref)
         lease = repr(self._lease(now))
         if data.nbytes > PIECE_BYTES:
             return self._pieces.put(tenant, ref, keys, data, now, quota, lease)
         if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):
             return None
-        out = self._s_put(keys=keys, args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota, blob_charge(data.nbytes)])
-        return int(out[0]) if isinstance(out, list) else None
+        out = self._s_put(keys=[*keys, in_flight_key(tenant)], args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota,
+                                           blob_charge(data.nbytes), ref])
+        return over_quota_out(out)
 
     @store_call
     def _stored_bytes(self, tenant: str) -> int:
@@ -233,8 +241,8 @@ class RedisBlobStore(BlobStore):
         present = {ref for ref, hit in zip(large, pipe.execute() if large else [], strict=True) if hit}
         for ref, data in group:
             if ref not in present:  # one atomic script per blob
-                self._s_put(keys=self._put_keys(tenant, ref),
-                            args=[data, data.nbytes, repr(now), lease, UNKNOWN, 0, blob_charge(data.nbytes)],
+                self._s_put(keys=[*self._put_keys(tenant, ref), in_flight_key(tenant)],
+                            args=[data, data.nbytes, repr(now), lease, UNKNOWN, 0, blob_charge(data.nbytes), ref],
                             client=pipe)
         if len(pipe):
             pipe.execute()

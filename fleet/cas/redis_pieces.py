@@ -18,10 +18,20 @@ script (the dedup check, the quota check and the count with the write, as the on
 that fails between pieces deletes its stage; one whose process dies leaves a stage that Redis expires
 STAGE_TTL_MS after its last piece (each stage key is its put's own: `kvf:t:{tenant}:p:{ref}:{nonce}`).
 The stored blob is the same single STRING key as before, so blobs stored the old way need nothing.
+
+Bytes in flight count against the tenant's quota. The begin reserves the blob's charge in the tenant's
+`kvf:t:{tenant}:inflight` sorted set (member `{charge}:{ref}:{nonce}`, scored by when it lapses, on Redis's
+clock), each piece renews it with its stage, and the commit or a failed put removes it. A put is admitted
+only while the tenant's stored bytes, its reservations (each distinct blob once: concurrent puts of one blob
+store it once) and the new blob fit the quota; the one-command put checks the same sum. A dead process's
+reservation lapses with its stage (the next check drops it; the set itself expires with its last put's stage). NOTE: without it, a tenant at its quota could
+begin any number of large puts at once (each fit beside the stored bytes alone) and stage all of their bytes in
+the Redis every tenant shares, each refused only at its commit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import redis
@@ -39,33 +49,66 @@ PIECE_BYTES = 512 << 10
 # timeout (60 s) or fails, so twice that never expires a live put's stage.
 STAGE_TTL_MS = 120_000
 
-# KEYS: meta, byte count; ARGV: lease, quota, charge. 0: stored already (lease extended); {used}: over quota; 1: go
-_BEGIN = """
+# Prepended to the scripts that admit a put. The charge of the tenant's puts in flight (each distinct ref once,
+# lapsed reservations dropped first) and whether `ref` is one of them; and Redis's clock in ms.
+IN_FLIGHT_LUA = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function in_flight(key, ref)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms())
+  local seen, total = {}, 0
+  for _, m in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    local charge, r = string.match(m, '^(%d+):([^:]+):')
+    if not seen[r] then
+      seen[r] = true
+      total = total + tonumber(charge)
+    end
+  end
+  return total, seen[ref] == true
+end
+"""
+
+# KEYS: meta, byte count, in flight; ARGV: lease, quota, charge, reservation, ttl ms, ref.
+# 0: stored already (lease extended); {used, in flight}: over quota; 1: go (reserved)
+_BEGIN = IN_FLIGHT_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local cur = tonumber(redis.call('HGET', KEYS[1], 'lease_expires'))
   if cur == nil or cur < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'lease_expires', ARGV[1]) end
   return 0
 end
 local used, quota = tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2])
-if quota > 0 and used + tonumber(ARGV[3]) > quota then return {used} end
+local flying, mine = in_flight(KEYS[3], ARGV[6])
+local charge = tonumber(ARGV[3])
+if mine then charge = 0 end
+if quota > 0 and used + flying + charge > quota then return {used, flying} end
+redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[5]), ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
 return 1
 """
 
-# KEYS: stage; ARGV: piece, ttl ms, '1' for the first piece. 1: appended; 0: the stage is gone.
-_APPEND = """
+# KEYS: stage, in flight; ARGV: piece, ttl ms, '1' for the first piece, reservation. 1: appended; 0: the stage is
+# gone. The reservation lapses with the stage.
+_APPEND = IN_FLIGHT_LUA + """
 if ARGV[3] == '1' then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
+elseif redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+else
+  redis.call('APPEND', KEYS[1], ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('APPEND', KEYS[1], ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[2]), ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 """
 
-# KEYS: data, meta, byte count, stage; ARGV: size, now, lease, verdict, quota, charge.
-# 1: stored; 0: stored already (lease extended); -1: the stage is gone or short; {used}: over quota.
+# KEYS: data, meta, byte count, stage, in flight; ARGV: size, now, lease, verdict, quota, charge, reservation.
+# 1: stored; 0: stored already (lease extended); -1: the stage is gone or short; {used, 0}: over quota.
+# Every outcome ends the put's reservation (stored, its charge is in the byte count).
 _COMMIT = """
+redis.call('ZREM', KEYS[5], ARGV[7])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local cur = tonumber(redis.call('HGET', KEYS[2], 'lease_expires'))
   if cur == nil or cur < tonumber(ARGV[3]) then redis.call('HSET', KEYS[2], 'lease_expires', ARGV[3]) end
@@ -79,7 +122,7 @@ end
 local used, quota = tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(ARGV[5])
 if quota > 0 and used + tonumber(ARGV[6]) > quota then
   redis.call('DEL', KEYS[4])
-  return {used}
+  return {used, 0}
 end
 redis.call('INCRBY', KEYS[3], ARGV[6])
 redis.call('RENAME', KEYS[4], KEYS[1])
@@ -90,9 +133,24 @@ return 1
 """
 
 
-def stage_key(tenant: str, ref: str) -> str:
-    """A fresh staging key for one put of `ref` (tenant names exclude ':'; its own nonce per put)."""
-    return f"kvf:t:{tenant}:p:{ref}:{os.urandom(8).hex()}"
+def in_flight_key(tenant: str) -> str:
+    """The tenant's reservations of puts in flight (module doc)."""
+    return f"kvf:t:{tenant}:inflight"
+
+
+def over_quota_out(out: object) -> tuple[int, int] | None:
+    """A put script's answer as (stored bytes, bytes in flight) when it refused over the quota, else None."""
+    if not isinstance(out, list):
+        return None
+    return int(out[0]), int(out[1]) if len(out) > 1 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Put:
+    """One pieced put's keys: its staging key (its own nonce), the tenant's in-flight set and its reservation."""
+    stage: str
+    flying: str
+    member: str
 
 
 class PiecedPut:
@@ -105,48 +163,52 @@ class PiecedPut:
         self._s_commit = r.register_script(_COMMIT)
 
     def put(self, tenant: str, ref: str, keys: list[str], data: memoryview, now: float, quota: int,
-            lease: str) -> int | None:
+            lease: str) -> tuple[int, int] | None:
         """Store `data` under `keys` (data, metadata, byte count), as `_PUT` does in one command.
 
         Returns:
-            None: stored, or stored already (its lease extended); an int: refused over `quota`, the tenant's
-            stored bytes then (nothing written).
+            None: stored, or stored already (its lease extended); (stored bytes, bytes in flight): refused over
+            `quota` (nothing written).
 
         Raises:
             Unavailable: the staging key vanished mid-put (nothing stored); redis errors as they come.
         """
-        charge = blob_charge(data.nbytes)
-        out = self._s_begin(keys=keys[1:], args=[lease, quota, charge])
+        charge, nonce = blob_charge(data.nbytes), os.urandom(8).hex()
+        put = _Put(f"kvf:t:{tenant}:p:{ref}:{nonce}", in_flight_key(tenant), f"{charge}:{ref}:{nonce}")
+        out = self._s_begin(keys=[*keys[1:], put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
         if out != 1:
-            return int(out[0]) if isinstance(out, list) else None
-        stage = stage_key(tenant, ref)
+            return over_quota_out(out)
         try:
-            self._send(stage, ref, data)
-            out = self._s_commit(keys=[*keys, stage], args=[data.nbytes, repr(now), lease, UNKNOWN, quota, charge])
+            self._send(put, ref, data)
+            out = self._s_commit(keys=[*keys, put.stage, put.flying],
+                                 args=[data.nbytes, repr(now), lease, UNKNOWN, quota, charge, put.member])
         except BaseException:
-            self._drop(stage)
+            self._drop(put)
             raise
         if out == -1:
             raise self._lost(ref)
-        return int(out[0]) if isinstance(out, list) else None
+        return over_quota_out(out)
 
-    def _send(self, stage: str, ref: str, data: memoryview) -> None:
+    def _send(self, put: _Put, ref: str, data: memoryview) -> None:
         for start in range(0, data.nbytes, PIECE_BYTES):
-            self.append_piece(stage, ref, data[start:start + PIECE_BYTES], first=start == 0)
+            self.append_piece(put, ref, data[start:start + PIECE_BYTES], first=start == 0)
 
-    def append_piece(self, stage: str, ref: str, piece: memoryview, *, first: bool) -> None:
+    def append_piece(self, put: _Put, ref: str, piece: memoryview, *, first: bool) -> None:
         """One piece, one command (tests wrap this to stop a put between two pieces)."""
-        if not self._s_append(keys=[stage], args=[piece, STAGE_TTL_MS, "1" if first else "0"]):
+        if not self._s_append(keys=[put.stage, put.flying], args=[piece, STAGE_TTL_MS, "1" if first else "0",
+                                                                   put.member]):
             raise self._lost(ref)
 
-    def _drop(self, stage: str) -> None:
-        """Best effort: a stage not deleted here expires by its TTL."""
+    def _drop(self, put: _Put) -> None:
+        """Best effort: a stage or reservation not deleted here lapses by its TTL."""
         try:
-            self.r.delete(stage)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.delete(put.stage)
+            pipe.zrem(put.flying, put.member)
+            pipe.execute()
         except redis.exceptions.RedisError:
             pass
 
     def _lost(self, ref: str) -> Unavailable:
         return Unavailable(f"{self.where} dropped the pieces of blob {ref} while it was being put (its staging key "
                            "expired or was evicted); nothing was stored: put it again")
-
