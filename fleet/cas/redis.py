@@ -172,7 +172,8 @@ class RedisBlobStore(BlobStore):
         NOTE: such a Redis was opened without a word, and at its maxmemory one tenant's puts evicted other tenants'
         pinned blobs (a later get: NOT_FOUND) and their own byte count (so their quota counted from 0 again). The
         volatile-* policies evict only keys with a TTL, and the store sets one only on a large put's pieces in
-        flight: evicting those fails that put (Unavailable, nothing stored), and stored data is refused writes as
+        flight and on the tenant's set of their reservations: evicting pieces fails that put (Unavailable, nothing
+        stored), evicting reservations leaves those puts to the commit's quota check, and stored data is refused writes as
         under noeviction. INFO, not CONFIG GET, which managed Redis services often forbid; one that forbids INFO too is opened.
         """
         try:
