@@ -198,11 +198,17 @@ class WorkerDirectory:
         return True
 
     def suspect(self, name: str, routed_epoch: int | None = None) -> None:
-        """Mark the worker found asleep or gone. The mark keeps the newest epoch known for it: the listing's, or
-        the one the failed attempt was routed under (fresher when the listing lags), so only a route decided
-        after the controller saw a newer life of the worker clears it."""
+        """Mark the worker found asleep or gone. The mark keeps the newest epoch under which the controller is
+        known to have had it serving: the one the failed attempt was routed under, or the listing's where the
+        listing says serving (fresher when the route is older), so only a route decided after the controller saw
+        a newer life of the worker clears it. NOTE: a listing that already said "not serving" (the controller had
+        seen the sleep, under a new epoch, before this proxy judged an attempt routed earlier) gave the mark that
+        new epoch, and the wake keeps it: the controller routed to the woken worker under that same epoch, and
+        the proxy skipped it for the rest of suspect_s (issue #27: 45 skips and 1.7x the prefill in one routing
+        bench run of agents16x4/very-tight)."""
         w = self.workers.get(name)
-        epoch = max(_epoch(w) if w is not None else -1, -1 if routed_epoch is None else routed_epoch)
+        listed = _epoch(w) if w is not None and w.serving else -1
+        epoch = max(listed, -1 if routed_epoch is None else routed_epoch)
         self._suspect[name] = (time.monotonic() + self.cfg.suspect_s, epoch)
         self._failures.pop(name, None)
 

@@ -144,6 +144,37 @@ async def test_a_woken_worker_is_no_longer_skipped_once_the_controller_has_seen_
         await fleet.stop()
 
 
+async def test_a_mark_made_after_the_controller_saw_the_sleep_is_dropped_at_the_wake(tmp_path: Path) -> None:
+    """As the previous test, but the proxy judges its failed attempt (routed before the sleep) only after the
+    controller has seen the sleep and its listing says x is not serving, under the new epoch. The mark used to take
+    that new epoch, which the wake keeps: the controller routed to the woken x under it and the proxy skipped x for
+    the rest of suspect_s (a routing bench run of agents16x4/very-tight: 45 skips, 1.7x the prefill)."""
+    fleet = await start_fleet(tmp_path, reconcile_s=0.2, refresh_s=0.1, suspect_s=30.0)
+    try:
+        x = await _warm(fleet)
+        routed = max(r.epoch for r in next(w for w in await fleet.op.workers() if w.name == x).ranks)
+        async with fleet.http.post(fleet.sims[x].url + "/sleep?level=1") as r:  # NOT through the controller
+            assert r.status == 200
+        await until(fleet.op.workers, lambda ws: not next(w for w in ws if w.name == x).serving)
+        await until(lambda: _listed(fleet, x), lambda w: w is not None and not w.serving)
+        fleet.proxy.directory.suspect(x, routed)   # the attempt routed under the old epoch, judged only now
+        assert fleet.proxy.directory.is_suspect(x)  # control: marked while asleep
+        async with fleet.http.post(fleet.sims[x].url + "/wake_up") as r:  # still behind its back
+            assert r.status == 200
+        await until(lambda: _listed(fleet, x), lambda w: w is not None and w.serving)
+        listed = await _listed(fleet, x)
+        assert listed is not None and max(r.epoch for r in listed.ranks) > routed
+        assert not fleet.proxy.directory.is_suspect(x)   # before: skipped for 30 s
+        s, h, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+        assert s == 200 and h["x-kvfleet-attempts"] == "1"
+    finally:
+        await fleet.stop()
+
+
+async def _listed(fleet: Fleet, name: str) -> Any:
+    return fleet.proxy.directory.workers.get(name)
+
+
 async def _health(fleet: Fleet) -> dict:
     async with fleet.http.get(fleet.proxy.url + "/health") as r:
         return await r.json()
