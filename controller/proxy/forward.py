@@ -74,7 +74,8 @@ class Target:
     url: str
     verdict: str
     matched_tokens: int
-    epoch: int
+    epoch: int  # of its DP rank `dp_rank`: the route's, or the proxy's listing's for a fallback
+    dp_rank: int = 0
 
 
 @dataclass(slots=True)
@@ -104,18 +105,19 @@ def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> Iterator
 
     NOTE: lazy: nearly every request is answered by the first, and the fallbacks cost a directory walk.
     """
-    yield Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch)
+    yield Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch, d.dp_rank)
     seen = {d.worker}
     for c in d.candidates:
         w = directory.get(c.worker)
         if w is not None and c.worker not in seen:
             seen.add(c.worker)
             epoch = next((r.epoch for r in w.ranks if r.dp_rank == c.dp_rank), 0)
-            yield Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch)
+            yield Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch, c.dp_rank)
     for w in sorted(directory.workers.values(), key=lambda w: w.name):
         if w.model == base and w.name not in seen:
-            epoch = max((r.epoch for r in w.ranks), default=0)
-            yield Target(w.name, w.url, COLD, 0, epoch)
+            rank = directory.first_rank(w.name)  # where MoveRoute puts it (app.py)
+            epoch = next((r.epoch for r in w.ranks if r.dp_rank == rank), 0)
+            yield Target(w.name, w.url, COLD, 0, epoch, rank)
 
 
 def probe_waits(first_byte_timeout_s: float, first_s: float | None = None) -> Iterator[float]:
@@ -157,7 +159,7 @@ class Forwarder:
             if sends == MAX_SENDS:
                 break
             chosen = t.worker == d.worker
-            suspect = self.directory.is_suspect(t.worker, d.epoch if chosen else None)
+            suspect = self.directory.is_suspect(t.worker, d.epoch if chosen else None, t.dp_rank)
             if suspect or (not chosen and t.worker in self.directory.workers and not self.directory.serving(t.worker)):
                 reason = "suspect" if suspect else "not_serving"
                 self.metrics.skips.labels(t.worker, reason).inc()
@@ -283,8 +285,8 @@ class Forwarder:
             if why is not None:
                 self.directory.watch.lose(t.worker, f"{why} (found for another request sent to it)")
         if e.found or why is not None:
-            self.directory.suspect(t.worker, t.epoch)
-        elif self.directory.failed(t.worker, t.epoch):
+            self.directory.suspect(t.worker, t.epoch, t.dp_rank)
+        elif self.directory.failed(t.worker, t.epoch, t.dp_rank):
             log.warning("proxy: worker %s failed %d attempts in a row, no probe finding it asleep or gone; skipped "
                         "for %ss (last: %s)",
                         t.worker, self.cfg.suspect_after_failures, self.cfg.suspect_s, e)
