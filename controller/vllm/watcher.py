@@ -169,7 +169,10 @@ class Worker(LoraLooks):
         self.sleep_ops: float | None = None
         self._reset_seen: set[int] = set()
         self.fenced_at: dict[int, float] = {}  # when each rank's fence "clear" went up (monotonic)
-        self.resumed: set[int] = set()  # ranks back from a hold with fence "clear" up (lift_settled)
+        # ranks whose fence "clear" may await a clear already gone (lift_settled): back from a hold, a gap not
+        # repaired, or a clear read while a verb's call was out
+        self.resumed: set[int] = set()
+        self._verb_clears: set[int] | None = None  # while a verb's call is out: ranks an AllBlocksCleared reached
         self._persisted_seq: dict[int, int] = {}
         self._unpersisted: set[int] = set()
         self._subs: list[Subscriber] = []
@@ -234,11 +237,23 @@ class Worker(LoraLooks):
         if reason == "seq_reset":
             self._reset_seen.add(rank)  # the next look's restart check must not count it again
         self._apply(rank, self.ranks[rank].stream_invalidated(reason, seq))
+        if self.ranks[rank].fence == "clear":
+            # NOTE: what was lost may have been the awaited clear: the fence stayed up for good, every store ignored,
+            # and the worker served, always COLD, until some later clear
+            self._clear_maybe_gone(rank)
+
+    def _clear_maybe_gone(self, rank: int) -> None:
+        """The clear the rank's fence awaits may be gone (read already, or lost): `lift_settled` from now on, counting
+        from when the fence went up (from now, if this process did not see it go up: a state read back from the store)."""
+        self.fenced_at.setdefault(rank, time.monotonic())
+        self.resumed.add(rank)
 
     def lift_settled(self, rank: int) -> None:
-        """A rank back from a hold (`resumed`) with fence "clear" up: its awaited AllBlocksCleared may have been
-        sent while nothing was read. vLLM publishes it with the step after the verb, so once CLEAR_SETTLE_S have
-        passed since the fence went up, whatever is read now was produced after it, and the fence lifts."""
+        """A rank (`resumed`) with fence "clear" up whose awaited AllBlocksCleared may be gone already: sent while
+        nothing was read (a hold), lost (a gap not repaired), or read before the fence went up (while the verb's
+        answer was on its way). vLLM publishes it with the step after the verb, so once CLEAR_SETTLE_S have passed
+        since the fence went up, whatever is read now was produced after it, and the fence lifts (the caller leaves
+        a batch that carries a clear to that clear)."""
         st = self.ranks[rank]
         if st.fence != "clear":
             self.resumed.discard(rank)
@@ -253,7 +268,9 @@ class Worker(LoraLooks):
         key = (self.spec.name, rank)
         if self._closing:  # a stopped worker touches no index (see _apply)
             return
-        if rank in self.resumed:
+        if seq > self.ranks[rank].seq + 1 and self.ranks[rank].fence == "clear":
+            self._clear_maybe_gone(rank)  # the head of a fresh stream, never read (no replay held it) may hold it
+        if rank in self.resumed and not any(isinstance(ev, AllBlocksCleared) for ev in batch.events):
             self.lift_settled(rank)
         st = self.ranks[rank].at_seq(seq)
         if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
@@ -284,6 +301,8 @@ class Worker(LoraLooks):
             self.metrics.kv_events.labels(type(ev).__name__).inc()
             if isinstance(ev, AllBlocksCleared):
                 awaited = st.fence == "clear"
+                if self._verb_clears is not None:
+                    self._verb_clears.add(rank)
                 t = st.cleared(seq)
                 st, persist = t.state, persist or t.persist
                 self.metrics.epoch_bumps.labels(t.reason).inc()
@@ -412,6 +431,17 @@ class Worker(LoraLooks):
         if settle is not None:
             await settle()
         self._unsent_if_stopped(call)
+        self._verb_clears = set()
+        try:
+            return await self._called(call)
+        finally:
+            self._verb_clears = None
+
+    async def _called(self, call: lc.Call) -> Witness:
+        """Call vLLM and adopt its answer. A rank an AllBlocksCleared reached while the call was out may have read
+        the one this verb queued before the fence went up for it (a request behind the controller's back ran a
+        step first): that fence lifts once settled (`lift_settled`). NOTE: it waited for that clear for good, the
+        worker served, always COLD, until some later clear."""
         try:
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
             if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
@@ -426,6 +456,8 @@ class Worker(LoraLooks):
         clear = lc.queues_clear(call, resp)
         for r in self.ranks:
             self._apply(r, self.ranks[r].verb_answered(w, clear_queued=clear))
+            if self.ranks[r].fence == "clear" and r in (self._verb_clears or ()):
+                self._clear_maybe_gone(r)
         if call.verb == "sleep":
             # its own /sleep moves the op count: the next look takes a fresh baseline. NOTE: every verb
             # dropped the baseline, so a /sleep and /wake_up behind the controller's back between a pause
