@@ -148,20 +148,28 @@ class Subscriber:
         sock.connect(self.endpoint)
         return sock
 
-    async def start(self, catch_up_from: int | None = None) -> None:
-        """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart)."""
+    async def start(self, catch_up_from: int | None = None) -> bool:
+        """Connect; with `catch_up_from`, first rebuild by replay from that seq (controller restart).
+
+        Returns:
+            True when a catch-up replay was answered and every batch of it read (the sink not muted meanwhile).
+        """
         self._sock = self._connect()
+        caught_up = False
         if catch_up_from is not None and self.replay_endpoint:
             batches = await self.replay(catch_up_from)
             self.metrics.kv_event_replays.labels("catch_up" if batches is not None else "failed").inc()
+            caught_up = batches is not None
             for seq, payload in batches or []:
                 if self.muted():
+                    caught_up = False
                     break
                 self._replayed[seq] = _digest(payload)
                 await self._apply(seq, payload, catch_up=True)
             del batches
             self._prune_replayed()
         self._task = asyncio.get_running_loop().create_task(self._run())
+        return caught_up and not self.muted()
 
     async def stop(self) -> None:
         self._closing = True  # NOTE: a cancel swallowed by asyncio.wait_for (3.11) still ends _run

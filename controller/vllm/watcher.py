@@ -166,7 +166,9 @@ class Worker(LoraLooks):
         self.calibrated = True
         self.lock = asyncio.Lock()
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
-        self.sleep_ops: float | None = None
+        # the /sleep count of the last look; a restarted controller starts from the one its predecessor persisted
+        first = self.ranks.get(spec.dp_rank_start)
+        self.sleep_ops: float | None = first.sleep_ops if first is not None else None
         self._reset_seen: set[int] = set()
         self.fenced_at: dict[int, float] = {}  # when each rank's fence "clear" went up (monotonic)
         # ranks whose fence "clear" may await a clear already gone (lift_settled): back from a hold, a gap not
@@ -519,10 +521,15 @@ class Worker(LoraLooks):
             self._reset_seen.discard(r)
         # NOTE: a new process counts its /sleep calls from 0: compared with the old one's count, the look read as
         # "slept between", and its invalidation replaced the restart's fence "reset" with none
-        look = Look.of(sleeping, m.sleep_state, m.sleep_ops, None if new_process else self.sleep_ops)
+        # NOTE: a restarted controller had no count to compare its first look with: a /sleep level 1 and /wake_up while
+        # no controller ran (no step since, so the clear it queued unpublished) went unseen, and the catch-up replay
+        # rebuilt the wiped blocks: WARM routes to an empty cache. The count is persisted now (RankState.sleep_ops)
+        look = Look.of(sleeping, m.sleep_state, m.sleep_ops, None if new_process else self.sleep_ops,
+                       unread=not self._subs)
         self.sleep_ops = look.sleep_ops
         for r in list(self.ranks):
             self._apply(r, self.ranks[r].observed(look))
+            self._apply(r, self.ranks[r].counted(look.sleep_ops))
 
     def _mark_down(self, reason: str) -> None:
         for r in list(self.ranks):
@@ -563,8 +570,10 @@ class Worker(LoraLooks):
             st = self.ranks[r]
             # a restarted controller rebuilds the current epoch from its first seq; a new worker
             # replays whatever its publisher still buffers (a suffix of the stream is sound)
-            await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
+            caught_up = await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
             self._subs.append(sub)
+            if catch_up and caught_up:
+                self._apply(r, self.ranks[r].caught_up())
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reconcile_loop()), loop.create_task(self._tail_loop())]
 

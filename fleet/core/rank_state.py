@@ -6,6 +6,7 @@ serving returns a `Transition`, and the shell (controller/vllm/watcher.py) only 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,9 @@ class RankState:
 
     `epoch_seq` is the first event seq that may count toward the current epoch's index; `fence`
     is "clear" while an AllBlocksCleared is awaited, "reset" while a publisher restart is
-    awaited, or "" when BlockStored events may prove residency.
+    awaited, or "" when BlockStored events may prove residency. `sleep_ops` is the worker's /sleep
+    operation count at the controller's last look (None: not looked at yet), persisted so that a
+    restarted controller's first look has a count to compare with (`Look.slept_between`).
     """
 
     epoch: int = 0
@@ -30,6 +33,7 @@ class RankState:
     fence: str = ""
     start_time: float | None = None
     version: str | None = None
+    sleep_ops: float | None = None
 
     def __post_init__(self) -> None:
         assert self.phase in PHASES and self.kv in KV_STATES and self.fence in ("", "clear", "reset")
@@ -154,7 +158,10 @@ class RankState:
         with no /sleep since the last look. A rank found asleep while we believed it serving or
         its KV preserved (or slept between looks) is invalidated: level 1 or 2 queued an
         AllBlocksCleared (fence "clear"), level 0 kept its KV but we cannot know for sure (kv
-        unknown). Awake and not serving: it serves again ("resumed"), warmth as is.
+        unknown). Awake and not serving: it serves again ("resumed"), warmth as is. Slept between the last
+        look and a stream not read since (`look.unread`: a restarted controller's catch-up replay is still to
+        come), the replay may bring stores from before the sleep, and the clear it queued may not be published
+        yet: fence "clear" until the replay is read (`caught_up`).
         """
         if not (look.asleep or look.slept_between):
             return Transition(self) if self.serving else self._resumed(Transition(self))
@@ -166,23 +173,51 @@ class RankState:
         t = Transition(self)
         if self.serving or self.phase in ("serving", "unknown") or preserved or look.slept_between:
             lvl = look.sleep_level
-            t = self.invalidated("is_sleeping" if look.asleep else "sleep_ops", fence="clear" if lvl else "")
+            fence = "clear" if lvl or (look.slept_between and look.unread) else ""
+            t = self.invalidated("is_sleeping" if look.asleep else "sleep_ops", fence=fence)
             t = t.with_state(phase="sleeping" if lvl else "paused", kv="unknown", serving=False)
         return t if look.asleep or t.state.serving else self._resumed(t)
+
+    def counted(self, sleep_ops: float) -> Transition:
+        """Remember one look's /sleep count (persisted only when it moved)."""
+        if self.sleep_ops == sleep_ops:
+            return Transition(self)
+        return Transition(dataclasses.replace(self, sleep_ops=sleep_ops), persist=True)
+
+    def caught_up(self) -> Transition:
+        """A restarted controller's catch-up replay (from `epoch_seq`) was answered and read: a fence "clear" lifts.
+
+        The reset it awaits ran in vLLM before the fence went up (a verb's answer, or a look that found the sleep),
+        so before the replay was asked: its AllBlocksCleared was in the replay (and lifted the fence), or is older
+        than `epoch_seq`, or is not published yet, and then it comes first in the worker's next batch. Every batch
+        read from now on was published after the reset. NOTE: kept up, a clear read by the old controller just
+        before its fence went up (docs/lifecycle.md) was awaited for good: the worker served, always COLD.
+        """
+        if self.fence != "clear":
+            return Transition(self)
+        return Transition(dataclasses.replace(self, fence=""), persist=True)
 
     @staticmethod
     def _resumed(t: Transition) -> Transition:
         return t.with_state(serving=True, phase="serving")
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """NOTE: `sleep_ops` None is not written: a rank never looked at keeps the bytes it had before the field."""
+        d = dataclasses.asdict(self)
+        if d["sleep_ops"] is None:
+            del d["sleep_ops"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankState:
         """A persisted state; a seq outside vLLM's int64 range (a corrupt record) reads as -1, a
-        fresh stream, and its epoch_seq as 0: nothing is trusted from it (fail closed)."""
+        fresh stream, and its epoch_seq as 0: nothing is trusted from it (fail closed). A `sleep_ops` that is
+        not a count reads as None (no count to compare the first look with), as in a record written before it."""
         names = {f.name for f in dataclasses.fields(cls)}
         st = cls(**{k: v for k, v in d.items() if k in names})
+        ops = st.sleep_ops
+        if ops is not None and (isinstance(ops, bool) or not isinstance(ops, int | float) or not 0 <= ops < math.inf):
+            st = dataclasses.replace(st, sleep_ops=None)
         if not (isinstance(st.seq, int) and -1 <= st.seq <= SEQ_LIMIT) or not (
             isinstance(st.epoch_seq, int) and 0 <= st.epoch_seq <= SEQ_LIMIT + 1
         ):
@@ -213,19 +248,22 @@ class Look:
     `asleep`: /is_sleeping true, or engine_sleep_state{awake} = 0. `slept_between`: the /sleep
     operation count changed since the previous look. `sleep_level`: 2 if weights discarded, 1 if
     offloaded, else 0 (from engine_sleep_state). `sleep_ops`: this look's count (absent: 0), to
-    compare the next look with.
+    compare the next look with. `unread`: the worker's event stream is not read yet (a controller's first look,
+    before it subscribes and catches up by replay).
     """
 
     asleep: bool
     slept_between: bool
     sleep_level: int
     sleep_ops: float = 0.0
+    unread: bool = False
 
     @classmethod
     def of(cls, sleeping: bool, sleep_state: dict[str, float], sleep_ops: float | None,
-           prev_sleep_ops: float | None) -> Look:
-        """Fold one look's answers; `prev_sleep_ops` None means no earlier look to compare with."""
+           prev_sleep_ops: float | None, *, unread: bool = False) -> Look:
+        """Fold one look's answers; `prev_sleep_ops` None means no earlier look to compare with (a restarted
+        controller compares its first look with the count its predecessor persisted, RankState.sleep_ops)."""
         ops = sleep_ops or 0.0
         level = 2 if sleep_state.get("discard_all") else 1 if sleep_state.get("weights_offloaded") else 0
         return cls(sleeping or sleep_state.get("awake") == 0.0,
-                   prev_sleep_ops is not None and ops != prev_sleep_ops, level, ops)
+                   prev_sleep_ops is not None and ops != prev_sleep_ops, level, ops, unread)

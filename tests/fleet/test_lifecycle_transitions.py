@@ -193,3 +193,24 @@ def test_look_folds_is_sleeping_the_sleep_state_and_the_op_count() -> None:
     assert Look.of(True, {"discard_all": 1.0}, 3.0, 2.0) == Look(True, True, 2, 3.0)
     assert Look.of(False, {}, None, None) == Look(False, False, 0, 0.0)  # first look: nothing to compare
     assert Look.of(False, {}, None, 1.0) == Look(False, True, 0, 0.0)  # the histogram vanished: moved
+
+
+# a restarted controller: the persisted /sleep count and its catch-up replay
+
+def test_slept_between_before_the_stream_is_read_fences_until_the_catch_up_is_read() -> None:
+    t = SERVING.observed(Look(False, True, 0, 2.0, unread=True))
+    assert (t.state.epoch, t.state.fence, t.drop_index) == (4, "clear", True)  # the replay may predate the sleep
+    assert SERVING.observed(look(slept_between=True)).state.fence == ""  # control: a stream read all along
+    lifted = t.state.caught_up()
+    assert (lifted.state.fence, lifted.state.epoch, lifted.drop_index, lifted.persist) == ("", 4, False, True)
+    reset = RankState(epoch=2, seq=5, fence="reset")  # control: a restart's fence waits for its publisher
+    assert reset.caught_up() == Transition(reset)
+
+
+def test_the_sleep_count_is_remembered_when_it_moves_and_a_junk_one_reads_as_none() -> None:
+    t = SERVING.counted(2.0)
+    assert (t.state.sleep_ops, t.persist) == (2.0, True)
+    assert t.state.counted(2.0) == Transition(t.state)  # control: unchanged, nothing written
+    assert RankState.from_json(t.state.to_json()) == t.state
+    for junk in ("2", True, -1.0, float("nan"), [1]):
+        assert RankState.from_json(t.state.to_json() | {"sleep_ops": junk}).sleep_ops is None
