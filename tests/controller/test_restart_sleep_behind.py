@@ -115,3 +115,31 @@ async def test_control_no_sleep_while_no_controller_ran_stays_warm_by_replay(tmp
             assert r.worker("w0").ranks[0].epoch == epoch  # nothing was invalidated
         finally:
             await r.stop()
+
+
+async def test_a_fence_clear_whose_clear_was_read_before_it_went_up_lifts_after_the_catch_up(tmp_path) -> None:
+    """The record a controller leaves when a reset it drove ran a step for another client before it read vLLM's
+    answer (the batch [AllBlocksCleared, BlockStored...] read first, then the fence "clear" put up past it) and it
+    stopped before a later batch lifted the fence (Worker.lift_settled). The clear never comes again; before, the
+    next controller waited for it for good: every prompt routed COLD while the worker held it."""
+    async with _worker(tmp_path) as (store, sim), aiohttp.ClientSession() as h:
+        await _first_life(store, sim)
+        async with h.post(sim.url + "/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        async with h.post(sim.url + "/v1/completions", json={"prompt": BETWEEN}) as resp:  # [clear, stores]
+            assert resp.status == 200
+        assert sim.publisher is not None
+        st = json.loads(store.kv_get("epochs", "w0/0") or b"{}")
+        last = sim.publisher.seq - 1
+        store.kv_put("epochs", "w0/0", json.dumps(st | {"epoch": st["epoch"] + 3, "seq": last, "epoch_seq": last + 1,
+                                                        "fence": "clear", "kv": "forgotten"}).encode())
+        r = _router(store)
+        await r.start()
+        try:
+            await _serving(r)
+            await complete_direct(sim, r, AFTER)  # a batch with no clear: only stores
+            assert r.workers()[0].last_seq == sim.publisher.seq - 1  # control: its batch was read
+            assert await _verdict(r, AFTER) == ("WARM", 96)  # before: ("COLD", 0), the fence up for good
+            assert await _verdict(r, OLD) == ("COLD", 0)  # the reset wiped it
+        finally:
+            await r.stop()
