@@ -44,12 +44,14 @@ def status_row(w: Worker, r: int, index: PrefixIndex) -> WorkerStatus:
     """One rank's row; every field checked for its wire type (a bad one raises here, not in proto)."""
     st, v, key = w.ranks[r], w.view(), (w.spec.name, r)
     faulty = w.faulty()  # over its KV-event budget (controller/vllm/budget.py): listed as such, not serving
+    # "draining": a verb of this controller lets the requests in flight finish (fleet.core.lifecycle.drains): not
+    # serving, yet what was sent there is answered there (the proxy waits for it; NOTE: it pulled every request)
     return WorkerStatus(
         v.name,
         v.url,
         v.model,
         r,
-        "faulty" if faulty else _typed(st.phase, str),
+        "faulty" if faulty else "draining" if w.draining else _typed(st.phase, str),
         _typed(st.kv, str),
         _typed(st.serving, bool) and not faulty,
         _typed(v.rank(r).warmable, bool) and bool(index.resident(key)),

@@ -6,7 +6,8 @@ the union of the workers' /v1/models cards, and a short local "suspect" mark on 
 itself found asleep or gone behind the controller's back, or that failed several attempts in a row (so later
 requests skip it until the controller's reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
 is what the requests waiting on one worker's first byte share; a worker the controller stops listing as
-serving is nudged there, so its waiters ask it at once whether it sleeps. A worker the controller stops
+serving is nudged there, so its waiters ask it at once whether it sleeps, unless the controller lists it draining
+(a pause with mode=wait of its own: the requests already there finish there). A worker the controller stops
 listing at all (unregistered) is forgotten: its cards and suspect mark here, and whatever `on_gone` drops
 (the proxy's per-worker metrics and first-byte waits).
 """
@@ -84,6 +85,7 @@ class WorkerDirectory:
         self.last_error: str | None = "not refreshed yet"
         self.loaded_at: float | None = None  # monotonic time of the last refresh that listed the workers
         self._task: asyncio.Task[None] | None = None
+        self._drains_ask: asyncio.Future[frozenset[str]] | None = None  # drains_now's ListWorkers call in flight
         self.watch = WorkerWatch()  # the requests waiting for each worker's first byte: their probe and its finding
 
     async def start(self) -> None:
@@ -119,7 +121,9 @@ class WorkerDirectory:
         self.workers, self.last_error, self.loaded_at = merged, None, time.monotonic()
         for name in was_serving:  # NOTE: the controller stopped listing it (slept, paused, lost): ask it now
             now_serving = merged.get(name)
-            if now_serving is None or not now_serving.serving:
+            if now_serving is None or not (now_serving.serving or now_serving.draining):
+                # NOTE: not one it drains (a pause with mode=wait): its requests finish there; nudged, each waiter's
+                # probe found it "asleep" and pulled its request (sent again elsewhere, or a 503; found by review)
                 self.watch.nudge(name)
         now = time.monotonic()
         stale = [w for w in workers if self._cards_at.get(w.name, -1e9) + self.cfg.models_refresh_s <= now]
@@ -175,6 +179,30 @@ class WorkerDirectory:
     def serving(self, name: str) -> bool:
         w = self.workers.get(name)
         return w is not None and w.serving and not self.is_suspect(name)
+
+    def draining(self, name: str) -> bool:
+        """The listing says the controller drains it: a pause with mode=wait of its own runs there, so what was sent
+        there is answered there (vLLM's /is_sleeping says true meanwhile). A pause behind the controller's back
+        cannot be told from a sleep by vLLM's endpoints, and is not this."""
+        w = self.workers.get(name)
+        return w is not None and w.draining
+
+    async def drains_now(self, name: str) -> bool:
+        """Whether the controller lists the worker draining now: one ListWorkers call, shared by the requests that
+        ask at once (they found it asleep together, by one shared probe), read for this answer only: the directory's
+        listing stays as its last refresh left it. NOTE: the listing is up to refresh_s old, and a verb on a worker
+        whose routes are older than --route-reconcile-grace reaches vLLM at once: a probe that found the worker
+        asleep before the listing said draining gave up the request it was finishing (found by review)."""
+        if self._drains_ask is None or self._drains_ask.done():
+            self._drains_ask = asyncio.ensure_future(self._listed_draining())
+        return name in await asyncio.shield(self._drains_ask)
+
+    async def _listed_draining(self) -> frozenset[str]:
+        try:
+            workers = await self.control.workers(self.cfg.token)
+        except KvfleetError:  # the listing's own loop logs why; not draining, as far as anyone can tell
+            return frozenset()
+        return frozenset(w.name for w in workers if w.draining)
 
     def is_suspect(self, name: str, routed_epoch: int | None = None, rank: int | None = None) -> bool:
         """Found asleep (or gone) by this proxy less than suspect_s ago, and the controller has not caught up

@@ -27,7 +27,8 @@ times out says the worker is busy or unknown, not asleep: a loaded vLLM answers 
 failing over every slow worker turned load into 503s (#13 finding 8).
 The requests waiting on one worker share its probe and its finding (controller/proxy/watch.py): a probe that
 gives the worker up fails every attempt waiting on it over at once, and a worker the controller stops listing
-as serving is probed at once for all of them.
+as serving is probed at once for all of them, unless it lists it draining: a pause with mode=wait of its own runs
+there, and what was sent there is answered there ("asleep" gives nothing up; Forwarder._drains).
 """
 
 from __future__ import annotations
@@ -221,13 +222,15 @@ class Forwarder:
             nudged = wake in done  # the controller stopped listing it: probe now, then keep the schedule
             at_deadline = not nudged and time.monotonic() >= deadline
             seen, detail = await self.directory.watch.probe(t.worker, lambda: self._probe_counted(t))
-            why = self._verdict(t, seen, detail, f"no first byte after {time.monotonic() - start:.2f}s")
+            drains = seen != GONE and await self._drains(t, seen)
+            what = f"no first byte after {time.monotonic() - start:.2f}s"
+            why = None if drains else self._verdict(t, seen, detail, what)
             if ticket.lost is not None:  # another waiter judged the same finding first
                 raise AttemptFailed(ticket.lost, found=True)
             if why is not None:
                 self.directory.watch.lose(t.worker, f"{why} (found for another request waiting on it)")
                 raise AttemptFailed(why, found=True)
-            awake = awake or seen == AWAKE
+            awake = awake or seen == AWAKE or drains  # draining: it is working on the request
             if at_deadline:
                 self._past_deadline(t, awake)
             if not nudged:
@@ -257,9 +260,21 @@ class Forwarder:
                               "still working on it, and the request was stopped, not sent elsewhere. A long answer: "
                               "send it with \"stream\": true, or ask for fewer tokens")
 
+    async def _drains(self, t: Target, seen: str) -> bool:
+        """Whether the controller drains the worker (a pause with mode=wait of its own): the request sent there is
+        answered there, so a probe finding it "asleep" (what vLLM says meanwhile) or too busy to answer gives
+        nothing up. Found asleep while the listing says otherwise, the controller is asked now (drains_now)."""
+        if self.directory.draining(t.worker):
+            return True
+        return seen == ASLEEP and await self.directory.drains_now(t.worker)
+
     def _verdict(self, t: Target, seen: str, detail: str, what: str) -> str | None:
         """Why a probe's finding gives the worker up (the attempt's failure reason), or None: keep waiting.
-        `what` says what came before the probe (no first byte after some time, or a failed send)."""
+        `what` says what came before the probe (no first byte after some time, or a failed send). A worker the
+        controller lists draining is not given up unless unreachable: the requests waiting on it are answered there
+        (a failed send to it, a new request that met the pause, fails over alone)."""
+        if seen != GONE and self.directory.draining(t.worker):
+            return None
         if seen in (ASLEEP, GONE):
             return f"{seen}: {what} and GET /is_sleeping {detail}"
         if seen == BUSY and t.worker in self.directory.workers and not self.directory.serving(t.worker):

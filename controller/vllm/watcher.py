@@ -166,6 +166,7 @@ class Worker(LoraLooks):
         self.calibrated = True
         self.lock = asyncio.Lock()
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
+        self.draining = False  # .. one that lets the requests in flight finish (lc.drains): listed "draining"
         # the /sleep count of the last look; a restarted controller starts from the one its predecessor persisted
         first = self.ranks.get(spec.dp_rank_start)
         self.sleep_ops: float | None = first.sleep_ops if first is not None else None
@@ -401,14 +402,14 @@ class Worker(LoraLooks):
         (`settle`: nothing new is routed here meanwhile), then call vLLM, then adopt and record the witness."""
         async with self.lock:
             self._unsent_if_stopped(call)
-            self.transitioning = True
+            self.transitioning, self.draining = True, lc.drains(call)
             try:
                 w = await self._lifecycle(call, settle)
             except WorkerHttpError as e:
                 self._stopped_under(call, e)
                 raise
             finally:
-                self.transitioning = False
+                self.transitioning = self.draining = False
             self._stopped_under(call)
             return w
 

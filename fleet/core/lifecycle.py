@@ -31,6 +31,8 @@ from fleet.core.errors import InvalidArgument
 KV_STATES = ("preserved", "forgotten", "unknown")
 SEQ_LIMIT = (1 << 63) - 2  # the largest event seq a vLLM publisher sends (controller.vllm.events.MAX_SEQ)
 PHASES = ("serving", "paused", "sleeping", "error", "unknown")
+# the worker listing (controller/worker_status.py) also says "faulty" (over its KV-event budget) and "draining" (a verb
+# of the controller that lets the requests in flight finish is running: `drains`); no rank state holds either
 VERBS = ("sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "release_kv_cache_memory")
 PAUSE_MODES = ("abort", "wait", "keep")
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
@@ -201,6 +203,14 @@ def queues_clear(call: Call, response: Any) -> bool:
     if call.verb == "reset_prefix_cache":
         return not (isinstance(response, dict) and response.get("success") is False)
     return call.verb == "release_kv_cache_memory"
+
+
+def drains(call: Call) -> bool:
+    """Whether vLLM finishes the requests in flight before the verb takes effect, and answers it only then:
+    `/pause?mode=wait` (no new request starts; meanwhile /is_sleeping already answers true). The worker is listed
+    "draining" while such a verb of the controller runs, so the proxy keeps waiting for the answers it sent there.
+    NOTE: a `/sleep?mode=wait` drains the same way in vLLM; it is left out on purpose (not asked for yet)."""
+    return call.verb == "pause" and dict(call.params).get("mode") == "wait"
 
 
 def confirm_awake(w: Witness, sleeping: bool) -> Witness:

@@ -73,6 +73,12 @@ class WorkerInfo:
     def serving(self) -> bool:
         return any(r.serving for r in self.ranks)
 
+    @property
+    def draining(self) -> bool:
+        """A pause with mode=wait of the controller is running on it: not serving, but the requests already there
+        finish there (phase "draining"; vLLM's verbs act on every rank at once)."""
+        return any(r.phase == "draining" for r in self.ranks)
+
 
 @dataclass(frozen=True, slots=True)
 class Caller:

@@ -59,6 +59,8 @@ def build_app(sim: Sim) -> web.Application:
         if mode not in ("abort", "wait", "keep") or clear is None:
             return _j({"error": f"invalid pause mode {mode!r} or clear_cache"}, 400)
         eng.pause(mode, clear)
+        if mode == "wait":  # NOTE: vLLM answers once the requests in flight have finished; this answered at once
+            await eng.drained()
         return _j({"status": "paused"})
 
     async def resume(req: web.Request) -> web.Response:

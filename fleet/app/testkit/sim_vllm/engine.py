@@ -115,6 +115,8 @@ class SimEngine(PrefixCache):
         self._clock = clock
         self._asleep_since: float | None = None
         self._drain: set[int] = set()  # seq ids a pause(wait) lets finish
+        self._drained_ev = asyncio.Event()  # set while no pause(wait) drains (`drained`)
+        self._drained_ev.set()
         self._deferred_reset = False
         self._instant_running = self._instant_waiting = 0  # requests on the time_scale 0 path
         self.start_time = time.time()
@@ -150,6 +152,7 @@ class SimEngine(PrefixCache):
             self.sched.advance((self._clock() - self._asleep_since) / self.cfg.time_scale)
         self._asleep_since = None
         self._drain.clear()
+        self._drained_ev.set()  # a drain cut short (woken, resumed, restarted) ends too
         if self._deferred_reset:
             self._deferred_reset = False
             self._reset_cache()
@@ -166,6 +169,7 @@ class SimEngine(PrefixCache):
             self.sched.abort_all("abort")
         elif mode == "wait" and self.sched.in_flight():
             self._drain = {s.seq_id for s in self.sched.in_flight()}
+            self._drained_ev.clear()
             self._deferred_reset = self._deferred_reset or reset
             return
         if reset:
@@ -238,6 +242,7 @@ class SimEngine(PrefixCache):
         """A fast process restart: empty cache, no event, fresh start time (seq reset is the publisher's)."""
         self.sched.abort_all("restart")
         self._drain.clear()
+        self._drained_ev.set()  # a drain cut short (woken, resumed, restarted) ends too
         self._deferred_reset = False
         self.cache.clear()
         self.pending.clear()
@@ -330,9 +335,16 @@ class SimEngine(PrefixCache):
         self._flush()
         self._drained()
 
+    async def drained(self) -> None:
+        """Until the requests a pause(wait) lets finish have finished (at once when none is draining): vLLM answers
+        /pause?mode=wait then (AsyncLLM.pause_generation awaits the engine's wait-for-idle)."""
+        await self._drained_ev.wait()
+
     def _drained(self) -> None:
         if self._drain:
             self._drain &= {s.seq_id for s in self.sched.in_flight()}
+            if not self._drain:
+                self._drained_ev.set()
             if not self._drain and self._deferred_reset:
                 self._deferred_reset = False
                 self._reset_cache()  # NOTE: queued, published with the step after wake
