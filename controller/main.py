@@ -287,7 +287,8 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         metavar="SECONDS",
         default=e("KVFLEET_RESET_DRAIN_TIMEOUT", "5"),  # NOTE: argparse parses a string default with type=float
         help="a reset_prefix_cache verb that vLLM refuses while requests hold blocks is asked again, the worker "
-        "taking no new requests meanwhile, for up to this long (default 5, under the SDK's 10 s call deadline; 0 asks once; env "
+        "taking no new requests meanwhile, for up to this long, and a pause with mode=wait waits this much longer than "
+        "the HTTP timeout for vLLM to finish its requests (default 5, under the SDK's 10 s call deadline; 0 asks once; env "
         "KVFLEET_RESET_DRAIN_TIMEOUT; docs/lifecycle.md)",
     )
     add_stream_flags(p, env)

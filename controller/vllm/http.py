@@ -190,11 +190,14 @@ class VllmHttp:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def request(self, method: str, path: str, params: Any = None) -> tuple[int, str]:
-        """(status, body text); a body over MAX_ANSWER_BYTES is junk, read no further (memory per look bounded)."""
+    async def request(self, method: str, path: str, params: Any = None, *,
+                      timeout_s: float | None = None) -> tuple[int, str]:
+        """(status, body text); a body over MAX_ANSWER_BYTES is junk, read no further (memory per look bounded).
+        `timeout_s`: this call's bound, where it is not the worker's usual one."""
+        timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with self.session.request(
-                method, self.url + path, params=params, timeout=self.timeout
+                method, self.url + path, params=params, timeout=timeout
             ) as r:
                 raw = await read_capped(r, MAX_ANSWER_BYTES)
                 if raw is None:
@@ -203,8 +206,9 @@ class VllmHttp:
         except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as e:
             raise WorkerHttpError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
-    async def json(self, method: str, path: str, params: Any = None, *, empty_ok: bool = False) -> Any:
-        status, text = await self.request(method, path, params)
+    async def json(self, method: str, path: str, params: Any = None, *, empty_ok: bool = False,
+                   timeout_s: float | None = None) -> Any:
+        status, text = await self.request(method, path, params, timeout_s=timeout_s)
         if not 200 <= status < 300:
             raise WorkerHttpError(f"{self.url}{path} answered HTTP {status}: {text[:200]}")
         if empty_ok and not text.strip():

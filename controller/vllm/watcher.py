@@ -446,7 +446,8 @@ class Worker(LoraLooks):
         step first): that fence lifts once settled (`lift_settled`). NOTE: it waited for that clear for good, the
         worker served, always COLD, until some later clear."""
         try:
-            resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
+            resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True,
+                                        timeout_s=self._verb_timeout(call))
             if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
                 resp = await self._drained_reset(call, resp)
             w = lc.witness(call, resp)
@@ -468,6 +469,14 @@ class Worker(LoraLooks):
             self.sleep_ops = None
         self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
         return dataclasses.replace(w, epoch=self.ranks[self.spec.dp_rank_start].epoch)
+
+    def _verb_timeout(self, call: lc.Call) -> float | None:
+        """The bound on the verb's call to vLLM (None: the usual http_timeout_s). vLLM answers a draining verb
+        (lc.drains: a pause with mode=wait) once the requests in flight have finished, so it gets `reset_drain_s`
+        more, the time a refused reset is asked again too. NOTE: bounded by http_timeout_s alone, a drain longer
+        than 2 s failed the verb: the rank was invalidated (phase error, its index dropped, where the pause was to
+        keep the cache) and the SDK's retry, once the drain ended, left the worker paused and COLD (found by review)."""
+        return self.cfg.http_timeout_s + self.cfg.reset_drain_s if lc.drains(call) else None
 
     async def _drained_reset(self, call: lc.Call, resp: Any) -> Any:
         """vLLM refuses a prefix-cache reset while requests hold blocks (success:false, nothing changed). The

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support.proxy_fleet import MODEL, Fleet, served, start_fleet, until
 
 PROMPT = "Draft the release notes for the storage layer, one item per change. " * 2
@@ -110,6 +111,47 @@ async def test_a_probe_that_finds_it_asleep_asks_the_controller_before_giving_up
     finally:
         await fleet.op.lifecycle(x, "resume")
         await fleet.stop()
+
+
+async def _index(fleet: Fleet, name: str) -> tuple[int, int]:
+    """(blocks the controller indexes for the worker, its rank's epoch)."""
+    ((blocks, epoch),) = [(r.num_blocks, r.epoch) for w in await fleet.op.workers() if w.name == name for r in w.ranks]
+    return blocks, epoch
+
+
+@pytest.mark.parametrize("drain_s", [5.0, 0.0])
+async def test_a_wait_pause_longer_than_the_http_timeout_keeps_the_cache(tmp_path: Path, drain_s: float) -> None:
+    """The drain outlasts the controller's HTTP timeout (2 s): the verb's call waits up to --reset-drain-timeout
+    more, so the preserving pause (clear_cache=false) keeps the index and epoch. Control, drain 0 (the call bounded
+    by the HTTP timeout alone, as before): the call fails at 2 s, the rank is listed error and its index dropped,
+    and the SDK's retry, answered once the drain ends, leaves it paused/preserved but COLD (vLLM announces a
+    block once)."""
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw=ENGINE, router_kw={"reset_drain_s": drain_s})
+    (x,) = fleet.sims
+    try:
+        status, _, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+        assert status == 200
+        blocks, epoch = await until(lambda: _index(fleet, x), lambda be: be[0] > 0)
+        task = asyncio.create_task(fleet.post("/v1/completions", {"model": MODEL, "prompt": "Long: " + PROMPT,
+                                                                  "max_tokens": 300}))  # ~3 s
+        await until(lambda: _in_flight(fleet, x), bool, timeout=5.0)
+        w = await fleet.op.lifecycle(x, "pause", mode="wait", clear_cache=False)
+        status, h, raw = await task
+        after = await _index(fleet, x)
+        print(f"drain {drain_s}s: witness {w.phase}/{w.kv} epoch {w.epoch}; index {blocks} blocks epoch {epoch} -> "
+              f"{after}; request {status}, attempts {h.get('x-kvfleet-attempts')}")
+        assert (w.phase, w.kv) == ("paused", "preserved") and status == 200
+        if drain_s:
+            assert after[0] >= blocks and after[1] == epoch == w.epoch
+        else:
+            assert after[0] == 0 and after[1] > epoch
+    finally:
+        await fleet.op.lifecycle(x, "resume")
+        await fleet.stop()
+
+
+async def _in_flight(fleet: Fleet, name: str) -> bool:
+    return bool(fleet.sims[name].engine.sched.in_flight())
 
 
 async def test_control_a_keep_pause_still_fails_the_request_over(tmp_path: Path) -> None:
