@@ -309,9 +309,16 @@ class WorkerDirectory:
         ((base, served),) = first.items()
         return Resolved(base, None, served)
 
-    def serving_workers(self, base: str | None) -> list[WorkerInfo]:
-        """The serving workers of `base` (None: of any model), rotated so the load spreads."""
-        ws = [w for _, w in sorted(self.workers.items()) if (base is None or w.model == base) and self.serving(w.name)]
+    def lists(self, worker: str, name: str | None) -> bool:
+        """Whether the worker's cards list the model id `name` (None: any name). vLLM answers 404 ("The model `x` does
+        not exist.") to a request for an id it does not list: an adapter loaded on some workers only, or an alias."""
+        return name is None or any(c.get("id") == name for c in self._cards_of(worker))
+
+    def serving_workers(self, base: str | None, listing: str | None = None) -> list[WorkerInfo]:
+        """The serving workers of `base` (None: of any model), rotated so the load spreads; with `listing`, those whose
+        cards list that id."""
+        ws = [w for _, w in sorted(self.workers.items())
+              if (base is None or w.model == base) and self.serving(w.name) and self.lists(w.name, listing)]
         k = next(self._rr) % len(ws) if ws else 0
         return ws[k:] + ws[:k]
 
@@ -319,8 +326,7 @@ class WorkerDirectory:
         """URLs of workers of `base` (serving ones, else any), rotated so tokenize load spreads; with `listing`, of
         those whose cards list that id. NOTE: an adapter loaded on some workers only (at runtime) is a 404 at the
         others' /tokenize, which reached the client as a 502."""
-        ws = [w for w in self.workers.values()
-              if w.model == base and (listing is None or any(c.get("id") == listing for c in self._cards_of(w.name)))]
+        ws = [w for w in self.workers.values() if w.model == base and self.lists(w.name, listing)]
         ws = [w for w in ws if self.serving(w.name)] or ws
         if not ws:
             return []

@@ -47,9 +47,11 @@ async def tokens(p: Proxy, req: web.Request, shrink: Callable[[int], None]) -> w
     body = await read_json(req, p.cfg.client_body_timeout_s)
     shrink(len(await req.read()))
     base, _, body["model"] = p.directory.resolve(body.get("model"))
-    ws = p.directory.serving_workers(base)
+    # NOTE: of the workers that list the model's id: an adapter loaded on some workers only (or an alias) is vLLM's
+    # 404 at the others, and every other /tokenize of it was one (the routed requests go to those that list it)
+    ws = p.directory.serving_workers(base, listing=body["model"])
     if not ws:
-        raise ProxyError(503, f"no serving worker of model {base!r} to answer {req.path}")
+        raise ProxyError(503, f"no serving worker of model {body['model']!r} to answer {req.path}")
     return await _relay(p, "POST", req.path, ws, JSON.encode(body), upstream_headers(req))
 
 

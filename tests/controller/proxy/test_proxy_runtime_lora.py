@@ -56,6 +56,25 @@ async def test_an_adapter_loaded_at_runtime_is_routed_from_its_first_request(tmp
         await fleet.stop()
 
 
+async def test_tokenize_and_detokenize_of_an_adapter_go_to_the_workers_that_serve_it(tmp_path: Path) -> None:
+    """NOTE: /tokenize and /detokenize were sent to any serving worker of the base model, rotated: with the adapter
+    on w0 only, every other one got w1's 404 ("The model `sql-lora` does not exist."), where the routed requests
+    for it were all served (found by review)."""
+    fleet = await start_fleet(tmp_path, num_workers=2, models_refresh_s=0.2, engine_kw={"runtime_lora": True})
+    try:
+        assert (await _call(fleet, "w0", "load", ADAPTER))[0] == 200
+        await until(lambda: _listed(fleet), lambda ids: "sql-lora" in ids)
+        for path, body in (("/tokenize", {"model": "sql-lora", "prompt": "SELECT 1"}),
+                           ("/detokenize", {"model": "sql-lora", "tokens": [101, 102]})):
+            seen = [await fleet.post(path, body) for _ in range(4)]
+            assert [(status, h["x-kvfleet-worker"]) for status, h, _ in seen] == [(200, "w0")] * 4, (path, seen)
+        # control: the base model's are still spread over both workers
+        seen = [await fleet.post("/tokenize", {"model": MODEL, "prompt": "SELECT 1"}) for _ in range(4)]
+        assert {status for status, _, _ in seen} == {200} and {h["x-kvfleet-worker"] for _, h, _ in seen} == {"w0", "w1"}
+    finally:
+        await fleet.stop()
+
+
 async def test_an_unloaded_adapter_stops_being_routed_within_the_refresh(tmp_path: Path) -> None:
     fleet = await start_fleet(tmp_path, num_workers=2, reconcile_s=0.1, router_kw={"lora_refresh_s": 0.5},
                               loras={"sql-lora": "/adapters/sql"}, engine_kw={"runtime_lora": True})
