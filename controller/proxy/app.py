@@ -270,11 +270,13 @@ class Handlers:
                     on[0] = t.worker
                     return True
 
-                opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved)
+                opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved,
+                                                 body["model"])
                 if p.fair is not None and priority and await p.fair.refused(opened):
                     opened.resp.close()   # a worker without the priority policy: the same request without one
                     fwd = p.fair.body(fwd, None)
-                    opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved)
+                    opened = await p.forwarder.open(req.path, enc.encode(fwd), to, base, upstream_headers(req), moved,
+                                                 body["model"])
                 t = opened.target
                 if responses_api and opened.resp.status == 200 and (rid := responses.response_id(opened.first)):
                     p.responses.pin(tenant, rid, t.worker)

@@ -101,21 +101,25 @@ class AttemptFailed(Exception):
         self.found = found
 
 
-def targets(d: RouteDecision, directory: WorkerDirectory, base: str) -> Iterator[Target]:
-    """The chosen worker, then the router's other candidates, then any other worker of the model.
+def targets(d: RouteDecision, directory: WorkerDirectory, base: str, name: str | None = None) -> Iterator[Target]:
+    """The chosen worker, then the router's other candidates, then any other worker of the model; of the fallbacks,
+    only those whose cards list `name`, the request's model id (None: any).
 
     NOTE: lazy: nearly every request is answered by the first, and the fallbacks cost a directory walk.
+    NOTE: the walk took every worker of the base model: a request for an adapter loaded on some workers only, whose
+    chosen worker was asleep, was sent to one without it and the client got its 404 ("The model `x` does not
+    exist."), a permanent error to an OpenAI SDK, where the fleet was only short of a worker for a moment.
     """
     yield Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch, d.dp_rank)
     seen = {d.worker}
     for c in d.candidates:
         w = directory.get(c.worker)
-        if w is not None and c.worker not in seen:
+        if w is not None and c.worker not in seen and directory.lists(c.worker, name):
             seen.add(c.worker)
             epoch = next((r.epoch for r in w.ranks if r.dp_rank == c.dp_rank), 0)
             yield Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch, c.dp_rank)
     for w in sorted(directory.workers.values(), key=lambda w: w.name):
-        if w.model == base and w.name not in seen:
+        if w.model == base and w.name not in seen and directory.lists(w.name, name):
             rank = directory.first_rank(w.name)  # where MoveRoute puts it (app.py)
             epoch = next((r.epoch for r in w.ranks if r.dp_rank == rank), 0)
             yield Target(w.name, w.url, COLD, 0, epoch, rank)
@@ -143,7 +147,7 @@ class Forwarder:
         self.first_bytes = FirstBytes(cfg.first_byte_min_s, cfg.first_byte_timeout_s)
 
     async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str],
-                   on_send: Callable[[Target], Awaitable[bool]] | None = None) -> Opened:
+                   on_send: Callable[[Target], Awaitable[bool]] | None = None, name: str | None = None) -> Opened:
         """Open the request on the chosen worker or, after one failure before the first byte, the next one.
 
         The chosen worker is skipped only if this proxy found it asleep or gone (suspect) since the controller
@@ -152,11 +156,12 @@ class Forwarder:
         is skipped when the listing says it is not serving, too. `on_send` is told each target before the
         request is sent to it (the proxy tells the controller that its route moves there) and answers whether
         it may go there: False (the controller says a runner-up is not serving now) skips it as not serving.
+        `name`: the request's model id; a fallback must list it (`targets`).
         """
         failures: list[str] = []
         said: list[str] = []  # the same, as the client is told them: no worker names, addresses or errors
         sends = 0
-        for t in targets(d, self.directory, base):
+        for t in targets(d, self.directory, base, name):
             if sends == MAX_SENDS:
                 break
             chosen = t.worker == d.worker

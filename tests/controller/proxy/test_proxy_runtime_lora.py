@@ -75,6 +75,29 @@ async def test_tokenize_and_detokenize_of_an_adapter_go_to_the_workers_that_serv
         await fleet.stop()
 
 
+async def test_a_failover_of_an_adapter_request_skips_the_workers_without_it(tmp_path: Path) -> None:
+    """NOTE: a request failed over to any other worker of the base model: with the adapter on w0 only and w0 asleep
+    behind the controller's back, it was sent to w1, whose 404 ("The model `sql-lora` does not exist.") reached the
+    client, an error the OpenAI SDKs do not retry (found by review). Now the 503 of a fleet short of a worker."""
+    fleet = await start_fleet(tmp_path, num_workers=2, models_refresh_s=0.2, reconcile_s=30.0,
+                              engine_kw={"runtime_lora": True})
+    try:
+        assert (await _call(fleet, "w0", "load", ADAPTER))[0] == 200
+        await until(lambda: _listed(fleet), lambda ids: "sql-lora" in ids)
+        status, h, _ = await fleet.post("/v1/completions", BODY)
+        assert (status, h["x-kvfleet-worker"]) == (200, "w0")
+        async with fleet.http.post(fleet.sims["w0"].url + "/sleep?level=1") as r:  # unseen by the controller (30 s)
+            assert r.status == 200
+        status, h, raw = await fleet.post("/v1/completions", {**BODY, "prompt": "SELECT 2"})
+        assert status == 503 and "Retry-After" in h, (status, raw)  # before: w1's 404
+        assert not [s for s in fleet.sims["w1"].received.prompts() if s.startswith("SELECT ")]
+        # control: the base model's request fails over to w1 as before
+        status, h, _ = await fleet.post("/v1/completions", {**BODY, "model": MODEL})
+        assert (status, h["x-kvfleet-worker"]) == (200, "w1")
+    finally:
+        await fleet.stop()
+
+
 async def test_an_unloaded_adapter_stops_being_routed_within_the_refresh(tmp_path: Path) -> None:
     fleet = await start_fleet(tmp_path, num_workers=2, reconcile_s=0.1, router_kw={"lora_refresh_s": 0.5},
                               loras={"sql-lora": "/adapters/sql"}, engine_kw={"runtime_lora": True})
