@@ -211,6 +211,12 @@ class Authenticator:
             raise PermissionDenied(f"{method} needs the {roles} role; token {ident.name!r} of tenant "
                                    f"{ident.tenant!r} has role {ident.role.value!r}")
 
-    def cache_salt(self, tenant: str) -> str:
-        """The tenant's vLLM cache_salt: HMAC-SHA256(secret, tenant), hex. Stable across restarts."""
-        return hmac.new(self._secret, tenant.encode(), hashlib.sha256).hexdigest()
+    def cache_salt(self, tenant: str, client_salt: str | None = None) -> str:
+        """The tenant's vLLM cache_salt: HMAC-SHA256(secret, tenant), hex. Stable across restarts. With the client's own
+        `client_salt` (a multi-user app's salt per end user): HMAC-SHA256(the tenant's salt, client_salt), hex, so
+        the client's salts stay apart from each other and from the tenant's, and only the tenant's callers reach
+        them (no tenant knows another's salt to derive from)."""
+        salt = hmac.new(self._secret, tenant.encode(), hashlib.sha256).hexdigest()
+        if client_salt is None:
+            return salt
+        return hmac.new(salt.encode(), client_salt.encode(), hashlib.sha256).hexdigest()

@@ -25,7 +25,7 @@ from aiohttp import HttpVersion11, web
 
 from controller.proxy import passthrough, responses
 from controller.proxy.errors import ProxyError, error_response, from_fleet
-from controller.proxy.reading import announced_size, read_json, upstream_headers
+from controller.proxy.reading import announced_size, client_salt, read_json, upstream_headers
 from controller.proxy.relay import PREPARED, relay
 from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError, Unauthenticated
@@ -243,8 +243,9 @@ class Handlers:
         body = await read_json(req, p.cfg.client_body_timeout_s)
         shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
         base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
+        salt = client_salt(body)  # the client's own (400 where vLLM refuses it), before any worker is asked
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token, req.path)
-        d = await p.control.route(ids, base, lora=lora, token=token)
+        d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt)
         responses_api, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
@@ -254,7 +255,7 @@ class Handlers:
                 to = await responses.to_holder(p, d, tenant, prev, base, upstream_headers(req))
             fwd = (
                 {**body, "cache_salt": d.cache_salt} if d.cache_salt else body
-            )  # NOTE: the tenant's salt always wins
+            )  # NOTE: the controller's salt always wins: the tenant's, or its derivation with the client's own
             fair = p.fair.claim(tenant, to.worker) if p.fair is not None else contextlib.nullcontext(None)
             with fair as priority:  # the tenant's place in the worker's queue, not the client's (controller/proxy/fair.py)
                 if p.fair is not None:

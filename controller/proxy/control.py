@@ -129,14 +129,19 @@ class ControlClient:
             await channel.close()
 
     async def route(
-        self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None
+        self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None,
+        client_salt: str | None = None,
     ) -> types.RouteDecision:
+        """`client_salt`: the client's own cache_salt; the decision's salt is then the controller's derivation of the
+        tenant's and it (controller/auth.py)."""
         try:  # NOTE: as table.route, with protobuf's own range check instead of a Python pass over the ids
             req = route_pb2.RouteRequest(token_ids=token_ids, model=model, track=True)
         except (ValueError, TypeError):
             raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
         if lora is not None:
             req.lora = lora
+        if client_salt is not None:
+            req.client_salt = client_salt
         # track: the proxy releases every route when its answer ends (Handlers._complete)
         async with self._slot("Route", token):
             r = await self._over_stream(token, route=req)

@@ -65,6 +65,16 @@ async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
     return body
 
 
+def client_salt(body: dict[str, Any]) -> str | None:
+    """The client's own `cache_salt` (a multi-user app's salt per end user), or None; 400 where vLLM refuses it.
+    NOTE: the tenant's salt replaced it, so the client's users shared one cache: one user's prompt answered another's
+    with its `cached_tokens` counted (found by review). The controller now derives the salt from both."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ProxyError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return salt
+
+
 def upstream_headers(req: web.Request) -> dict[str, str]:
     """What the worker gets: JSON, the client's tracing and encoding headers (identity unless it asked)."""
     out = {k: req.headers[k] for k in FORWARDED if k in req.headers}

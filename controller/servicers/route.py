@@ -1,5 +1,5 @@
 """RouteService: Route, ReleaseRoute and MoveRoute, unary or as messages of one RouteStream; the tenant's
-cache_salt and ownership come from its token.
+cache_salt and ownership come from its token (a client's own salt, `client_salt`, is derived from the tenant's).
 
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
 MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop, and
@@ -44,10 +44,22 @@ from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
 from fleet.core.errors import InvalidArgument, KvfleetError
 
 MAX_MODEL_CHARS = 1024
+MAX_CLIENT_SALT_CHARS = 1024  # a client's own cache_salt (vLLM recommends 43 characters: 256 random bits)
 STREAM_IN_FLIGHT = 64  # messages of one RouteStream running at once
 CARRIED = ("kvfleet-route-stream", "carried-releases")  # initial metadata: releases may ride on other messages
 _OPS = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
 log = logging.getLogger("kvfleet.controller")
+
+
+def _client_salt(request: pb.RouteRequest) -> str | None:
+    """The client's own cache_salt, checked (vLLM's own rule: a non-empty string), or None."""
+    if not request.HasField("client_salt"):
+        return None
+    salt = request.client_salt
+    if not salt or len(salt) > MAX_CLIENT_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt must be a non-empty string of at most {MAX_CLIENT_SALT_CHARS} characters, "
+                              f"got {len(salt)}")
+    return salt
 
 
 class RouteServicer(pbg.RouteServiceServicer):
@@ -70,7 +82,7 @@ class RouteServicer(pbg.RouteServiceServicer):
             raise InvalidArgument(f"route of {len(request.token_ids)} tokens is over the controller's limit of "
                                   f"{self.ctx.max_route_tokens} (--max-route-tokens); send at most the model's "
                                   "context length, or raise the limit")
-        salt = self.ctx.auth.cache_salt(ident.tenant)
+        salt = self.ctx.auth.cache_salt(ident.tenant, _client_salt(request))
         ids = request.token_ids
         decision = await self.ctx.need_router().route(
             # NOTE: a long prompt's ids stay the request's 4-byte ints until its hashing thread makes them a list (1M

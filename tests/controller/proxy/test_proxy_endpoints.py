@@ -38,7 +38,7 @@ async def test_the_pooling_routes_and_responses_are_routed_by_load_and_forwarded
     # NOTE: no /metrics look may end a route here (30 s grace): only the proxy's release does
     fleet = await start_fleet(tmp_path, cost=CostConfig(reconcile_grace_s=30.0), fair_priority=True,
                               max_body_bytes=1 << 16)
-    salt = fleet.ctl.ctx.auth.cache_salt("acme")
+    salt = fleet.ctl.ctx.auth.cache_salt("acme", "mine")
     router = fleet.ctl.ctx.need_router()
     try:
         for path, body in BODIES.items():
@@ -47,7 +47,8 @@ async def test_the_pooling_routes_and_responses_are_routed_by_load_and_forwarded
             assert status == 200, (path, raw)
             assert (h["x-kvfleet-verdict"], h["x-kvfleet-matched-tokens"], h["x-kvfleet-attempts"]) == ("COLD", "0", "1")
             (got,) = _received(fleet, h["x-kvfleet-worker"], path)
-            # the tenant's salt and the proxy's fair priority replace the client's; the rest is forwarded as sent
+            # the controller's salt (the tenant's, derived with the client's own) and the proxy's fair priority replace
+            # the client's; the rest is forwarded as sent
             assert got == {**sent, "cache_salt": salt, "priority": 0}, path
             print(f"{path}: {status} via {h['x-kvfleet-worker']}, {json.loads(raw).get('object')}")
         assert not any(served(s, "/tokenize") for s in fleet.sims.values())  # nothing was tokenized to route them
