@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator
 
 import aiohttp
-from aiohttp import web
-from support.http_stub import serving
+from support.dp_front import dp_front, free_pair
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -47,46 +44,6 @@ def test_each_engines_series_are_its_own() -> None:
     assert (e0, e1) == (parse_metrics(text, "0"), parse_metrics(text, "1"))
 
 
-def _free_pair() -> int:
-    """A port P with P + 1 free too (vLLM's rank r publishes at P + r)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = int(a.getsockname()[1])
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise AssertionError("no free port pair")
-
-
-@contextlib.asynccontextmanager
-async def _front(e0: SimVllm, e1: SimVllm) -> AsyncIterator[str]:
-    """One API server for both engines: /metrics merged (engine 1's series relabelled), the rest engine 0's."""
-    async with aiohttp.ClientSession() as h:
-
-        async def metrics(_: web.Request) -> web.Response:
-            async with h.get(e0.url + "/metrics") as a, h.get(e1.url + "/metrics") as b:
-                first, second = await a.text(), await b.text()
-            ones = [line.replace('engine="0"', 'engine="1"') for line in second.splitlines()
-                    if line.startswith("vllm:") and 'engine="0"' in line]
-            return web.Response(text=first + "\n".join(ones) + "\n", content_type="text/plain")
-
-        async def forward(req: web.Request) -> web.Response:
-            async with h.request(req.method, e0.url + req.path_qs, data=await req.read(),
-                                 headers={"Content-Type": req.content_type}) as resp:
-                return web.Response(body=await resp.read(), status=resp.status,
-                                    content_type=resp.content_type)
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        async with serving(app) as url:
-            yield url
-
-
 async def _load(url: str, n: int) -> list[asyncio.Task[None]]:
     async def one(i: int) -> None:
         async with aiohttp.ClientSession() as h, h.post(
@@ -112,7 +69,7 @@ async def _stop(tasks: list[asyncio.Task[None]]) -> None:
 
 
 async def test_a_busy_engine_0_does_not_price_rank_1_out_of_its_warm_prompt(tmp_path) -> None:
-    P = _free_pair()
+    P = free_pair()
     # each engine decodes 2 requests at a time, 6 s each here: 10 sent at once leave 2 running, 8 waiting
     slow = dict(model="m", num_blocks=256, time_scale=1.0, max_num_seqs=2, decode_base_s=0.02)
     e0 = await SimVllm(SimConfig(engine=SimEngineConfig(**slow), kv_events_port=P, replay_port=None)).start()  # type: ignore[arg-type]
@@ -124,7 +81,7 @@ async def test_a_busy_engine_0_does_not_price_rank_1_out_of_its_warm_prompt(tmp_
     await r.start()
     busy: list[asyncio.Task[None]] = []
     try:
-        async with _front(e0, e1) as url:
+        async with dp_front(e0, e1) as url:
             await r.register_worker(WorkerSpec("dp", url, e0.kv_events, None, "m", dp_ranks=2))
             await r.register_worker(WorkerSpec("w1", other.url, other.kv_events, other.replay, "m"))
             async with aiohttp.ClientSession() as h, h.post(e1.url + "/v1/completions",

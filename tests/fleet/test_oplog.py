@@ -106,8 +106,8 @@ def test_the_fingerprint_is_the_call_not_its_op_id() -> None:
 def test_exact_tokens_read_from_the_log_are_the_kernels() -> None:
     """What a retried evict answers from the log (workers.session_kernel.logged_eviction) says what the kernel
     said: after a reposition with survivors, an exact eviction past its span is not exact; from its start it is."""
-    from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
     from fleet.core.context import SessionContext
+    from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
     from workers.session_kernel import logged_eviction
 
     ctx = SessionContext.new(Kernel.synthetic(ModelConfig.tiny(), seed=0), ByteTokenizer(512))

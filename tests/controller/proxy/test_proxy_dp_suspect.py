@@ -3,14 +3,9 @@ it once the controller has seen it sleep and wake."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
-from aiohttp import web
-from support.http_stub import serving
+from support.dp_front import dp_front, free_pair
 from support.proxy_fleet import start_fleet, until
 
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
@@ -20,46 +15,6 @@ DP_MODEL = "dp-model"
 PROMPT = "Summarise the quarterly report for the board, section by section, with numbers. " * 3
 
 
-def _free_pair() -> int:
-    """A port P with P + 1 free too (vLLM's rank r publishes at P + r)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = int(a.getsockname()[1])
-        with socket.socket() as b:
-            try:
-                b.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-    raise AssertionError("no free port pair")
-
-
-@contextlib.asynccontextmanager
-async def _front(e0: SimVllm, e1: SimVllm) -> AsyncIterator[str]:
-    """One API server for two engines (vLLM's DP=2): /metrics merged, engine 1's series relabelled; the rest
-    (requests, /sleep, /wake_up, /is_sleeping) engine 0's."""
-    async with aiohttp.ClientSession() as h:
-
-        async def metrics(_: web.Request) -> web.Response:
-            async with h.get(e0.url + "/metrics") as a, h.get(e1.url + "/metrics") as b:
-                first, second = await a.text(), await b.text()
-            ones = [line.replace('engine="0"', 'engine="1"') for line in second.splitlines()
-                    if line.startswith("vllm:") and 'engine="0"' in line]
-            return web.Response(text=first + "\n".join(ones) + "\n", content_type="text/plain")
-
-        async def forward(req: web.Request) -> web.StreamResponse:
-            async with h.request(req.method, e0.url + req.path_qs, data=await req.read(),
-                                 headers={"Content-Type": req.content_type}) as resp:
-                return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        async with serving(app) as url:
-            yield url
-
-
 async def test_a_woken_dp_worker_is_routed_to_under_its_trailing_ranks_epoch(tmp_path: Path) -> None:
     """A DP=2 worker, the only one of its model, whose rank 1 has stepped its epoch three times more than rank 0 (its
     own cache resets: each rank steps on its own clears). Slept behind the controller's back, the proxy finds it
@@ -67,7 +22,7 @@ async def test_a_woken_dp_worker_is_routed_to_under_its_trailing_ranks_epoch(tmp
     The mark kept one epoch, the newest of any rank's (rank 1's), which rank 0's new one did not pass: the proxy
     answered 503 ("a worker skipped") until its next listing refresh (refresh_s; 30 s here, 1 s by default)."""
     fleet = await start_fleet(tmp_path, num_workers=1, reconcile_s=0.2, refresh_s=30.0, suspect_s=30.0)
-    p = _free_pair()
+    p = free_pair()
     cfg = {"model": DP_MODEL, "block_size": 16, "num_blocks": 256}
     e0 = await SimVllm(SimConfig(engine=SimEngineConfig(**cfg), kv_events_port=p, replay_port=None)).start()
     e1 = await SimVllm(SimConfig(engine=SimEngineConfig(**cfg), kv_events_port=p + 1, replay_port=None)).start()
@@ -75,7 +30,7 @@ async def test_a_woken_dp_worker_is_routed_to_under_its_trailing_ranks_epoch(tmp
     e1.publisher.dp_rank = 1
     body = {"model": DP_MODEL, "prompt": PROMPT, "max_tokens": 2}
     try:
-        async with _front(e0, e1) as url:
+        async with dp_front(e0, e1) as url:
             await fleet.op.register_worker("dp", url=url, kv_events=e0.kv_events, model=DP_MODEL, dp_ranks=2)
             await until(fleet.op.workers, lambda ws: any(w.name == "dp" and w.serving for w in ws))
             for k in range(3):  # rank 1's engine resets its cache; its next step publishes the clear
@@ -83,7 +38,7 @@ async def test_a_woken_dp_worker_is_routed_to_under_its_trailing_ranks_epoch(tmp
                     assert r.status == 200
                 async with fleet.http.post(e1.url + "/v1/completions", json={**body, "prompt": "x"}) as r:
                     assert r.status == 200
-                await until(fleet.op.workers, lambda ws: _ranks(ws)[1] > _ranks(ws)[0] + k)
+                await until(fleet.op.workers, lambda ws, k=k: _ranks(ws)[1] > _ranks(ws)[0] + k)
             await fleet.proxy.directory.refresh()  # the proxy lists both ranks' epochs
             async with fleet.http.post(url + "/sleep?level=1") as r:  # NOT through the controller
                 assert r.status == 200
