@@ -200,7 +200,7 @@ async def test_paused_or_dead_worker_costs_at_most_one_attempt(tmp_path: Path) -
         assert [h["x-kvfleet-attempts"] for _, h, _ in paused] == ["2", "1", "1"]  # then skipped as suspect
         async with fleet.http.post(fleet.sims[x].url + "/resume") as r:
             assert r.status == 200
-        fleet.proxy.directory._suspect.clear()
+        fleet.proxy.directory.marks.forget(x)
         # a dead worker: connection refused
         y = next(n for n in fleet.sims if n != x)
         await fleet.sims.pop(y).stop()  # the controller still lists it as serving
