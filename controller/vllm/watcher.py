@@ -45,7 +45,7 @@ from controller.vllm.loras import LoraLooks
 from controller.vllm.ratelog import RateLog
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.core import lifecycle as lc
-from fleet.core.block_hash import HashConfig, calibrates
+from fleet.core.block_hash import EXTRA_FORMATS, HashConfig, calibrates
 from fleet.core.errors import FailedPrecondition
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import Look, RankState, Transition
@@ -380,9 +380,28 @@ class Worker(LoraLooks):
         elif ev.parent_block_hash is None and ev.lora_name is None and ev.block_hashes:
             salt = _block0_salt(ev.extra_keys)
             if salt is not False:
-                self.calibrated = calibrates(self.hash_cfg, ev.token_ids, ev.block_hashes[0],
-                                             cache_salt=salt if isinstance(salt, str) else None)
+                self.calibrated = self._calibrates(ev, salt if isinstance(salt, str) else None)
         return self.calibrated
+
+    def _calibrates(self, ev: BlockStored, salt: str | None) -> bool:
+        """Block 0 recomputes with this worker's config; a salted one that does not, but does with the other form of
+        extra keys, tells which form the worker's vLLM hashes (fleet.core.block_hash: domain-tagged, or the plain
+        strings of releases before the tags), and the worker is predicted with that form from now on. NOTE: with the
+        tagged form alone, a vLLM of the untagged kind failed every salted block 0 (and the proxy salts every request
+        with its tenant's salt): the worker's index was dropped at each, and it was never WARM."""
+        assert self.hash_cfg is not None
+        if calibrates(self.hash_cfg, ev.token_ids, ev.block_hashes[0], cache_salt=salt):
+            return True
+        if not salt:
+            return False
+        other = dataclasses.replace(self.hash_cfg, extra_format=next(
+            f for f in EXTRA_FORMATS if f != self.hash_cfg.extra_format))
+        if not calibrates(other, ev.token_ids, ev.block_hashes[0], cache_salt=salt):
+            return False
+        log.info("worker %s hashes a block's extra keys %s (its salted block 0 says so): predicted so from now on",
+                 self.spec.name, other.extra_format)
+        self.hash_cfg = other
+        return True
 
     def _check_algo(self, algo: str | None, where: str) -> None:
         """A worker that says it hashes otherwise than we compute is never warm (fail closed)."""

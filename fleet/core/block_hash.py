@@ -4,7 +4,10 @@
     NONE_HASH = H(seed), seed = PYTHONHASHSEED if deployed, else "vllm-none-hash"
     external_i = int.from_bytes(digest_i, "big") & (2**64 - 1)     # what KV events carry
 
-`extra_i` = ("lora", name, path) on every block, then ("cache_salt", salt) on block 0 only.
+`extra_i` = ("lora", name, path) on every block, then ("cache_salt", salt) on block 0 only: the domain-tagged
+keys of the vLLM releases this project follows (HashConfig.extra_format "tagged"). vLLM releases before the tags
+hashed the plain strings its events publish, (lora_name, salt) ("untagged"); a worker's self-calibration on a
+salted block 0 tells which one it runs (controller/vllm/watcher.py).
 The chain continues with the FULL digest; events carry only the low 64 bits, so an event's
 parent hash cannot continue a chain (we keep the full digests we computed).
 """
@@ -24,6 +27,7 @@ from fleet.core.errors import InvalidArgument
 
 DEFAULT_SEED = "vllm-none-hash"
 ALGOS = ("sha256", "sha256_cbor")
+EXTRA_FORMATS = ("tagged", "untagged")  # how a block's extra keys are hashed (module doc)
 MASK64 = (1 << 64) - 1
 
 
@@ -70,21 +74,31 @@ def normalize(h: bytes | int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class HashConfig:
-    """How one worker hashes blocks: algo, NONE_HASH seed and hash block size B."""
+    """How one worker hashes blocks: algo, NONE_HASH seed, hash block size B and its extra keys' form."""
 
     algo: str = "sha256"
     seed: str | None = None
     block_size: int = 16
+    extra_format: str = "tagged"
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
             raise InvalidArgument(f"hash algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
+        if self.extra_format not in EXTRA_FORMATS:
+            raise InvalidArgument(f"extra_format must be one of {', '.join(EXTRA_FORMATS)}, got {self.extra_format!r}")
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {self.block_size!r}")
 
 
-def block_extra(index: int, lora: tuple[str, str] | None, cache_salt: str | None) -> tuple[Any, ...] | None:
-    """extra_i for block `index`: ("lora", name, path) on every block, ("cache_salt", s) on block 0."""
+def block_extra(index: int, lora: tuple[str, str] | None, cache_salt: str | None,
+                extra_format: str = "tagged") -> tuple[Any, ...] | None:
+    """extra_i for block `index`: ("lora", name, path) on every block, ("cache_salt", s) on block 0; "untagged":
+    the adapter's name on every block, then a non-empty salt on block 0, plain strings (module doc)."""
+    if extra_format == "untagged":
+        plain = [lora[0]] if lora is not None else []
+        if cache_salt and index == 0:
+            plain.append(cache_salt)
+        return tuple(plain) or None
     keys: list[tuple[Any, ...]] = []
     if lora is not None:
         keys.append(("lora", lora[0], lora[1]))
@@ -114,7 +128,8 @@ def chain(cfg: HashConfig, token_ids: Sequence[int], *, lora: tuple[str, str] | 
     B = cfg.block_size
     out: list[bytes] = []
     for i in range(len(token_ids) // B):
-        parent = hash_block(cfg, parent, token_ids[i * B:(i + 1) * B], block_extra(start_block + i, lora, cache_salt))
+        extra = block_extra(start_block + i, lora, cache_salt, cfg.extra_format)
+        parent = hash_block(cfg, parent, token_ids[i * B:(i + 1) * B], extra)
         out.append(parent)
     return out
 
@@ -129,5 +144,5 @@ def calibrates(cfg: HashConfig, token_ids: Sequence[int], first_hash: bytes | in
     """Self-calibration on a parentless BlockStored: does block 0 recompute (with its salt, if salted)?"""
     if len(token_ids) < cfg.block_size:
         return False
-    extra = block_extra(0, None, cache_salt)
+    extra = block_extra(0, None, cache_salt, cfg.extra_format)
     return to_external(hash_block(cfg, None, token_ids[:cfg.block_size], extra)) == normalize(first_hash)

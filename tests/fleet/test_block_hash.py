@@ -93,3 +93,17 @@ def test_bad_configs_rejected() -> None:
         HashConfig("xxhash")
     with pytest.raises(InvalidArgument):
         HashConfig("sha256", None, 0)
+
+
+def test_untagged_extra_keys_are_the_plain_strings_vllm_published_before_the_tags() -> None:
+    """Releases before the domain tags hashed (lora_name, ..., salt on block 0), the tuple their events publish;
+    restated here without block_extra. The tagged form differs (control)."""
+    from fleet.core.block_hash import HashConfig, chain, hash_block
+
+    toks = list(range(40))  # two full blocks of 16, and a partial one
+    plain, tagged = HashConfig(extra_format="untagged"), HashConfig()
+    b0 = hash_block(plain, None, toks[:16], ("sql-lora", "tenant-a"))
+    b1 = hash_block(plain, b0, toks[16:32], ("sql-lora",))
+    assert chain(plain, toks, lora=("sql-lora", "/adapters/sql"), cache_salt="tenant-a") == [b0, b1]
+    assert chain(tagged, toks, lora=("sql-lora", "/adapters/sql"), cache_salt="tenant-a")[0] != b0
+    assert chain(plain, toks, cache_salt="") == chain(plain, toks)  # an empty salt adds nothing

@@ -41,6 +41,9 @@ class SimEngineConfig:
     num_blocks: int = 1024
     hash_algo: str = "sha256"
     hash_seed: str | None = None
+    # how a block's extra keys (LoRA, cache_salt) are hashed: "tagged" (the vLLM releases this project follows) or
+    # "untagged" (releases before the tags: the plain strings the events publish); fleet/core/block_hash.py
+    hash_extra_keys: str = "tagged"
     loras: dict[str, str] = field(default_factory=dict)  # lora_name -> lora_path
     # vLLM's --served-model-name: the names it answers to, each listed as a base model card (root: `model`); the
     # first is the one it answers with and fills in for a request without a model. None given: `model` alone
@@ -102,7 +105,8 @@ class SimEngine(PrefixCache):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
-            HashConfig(cfg.hash_algo, cfg.hash_seed, cfg.block_size), cfg.num_blocks, cfg.loras, publish
+            HashConfig(cfg.hash_algo, cfg.hash_seed, cfg.block_size, cfg.hash_extra_keys), cfg.num_blocks, cfg.loras,
+            publish
         )
         self.cfg = cfg
         self.sleeping_tags: set[str] = set()

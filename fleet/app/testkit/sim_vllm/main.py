@@ -147,6 +147,9 @@ def _parse(argv: list[str]) -> SimConfig:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor"])
+    p.add_argument("--hash-extra-keys", default="tagged", choices=["tagged", "untagged"],
+                   help="how a block's LoRA and cache_salt keys are hashed: domain-tagged, or as the plain strings the "
+                   "events publish (vLLM releases before the tags)")
     p.add_argument(
         "--hash-seed", default=None, help="the PYTHONHASHSEED the worker runs with (default: unset)"
     )
@@ -220,6 +223,7 @@ def _parse(argv: list[str]) -> SimConfig:
             num_blocks=a.num_blocks,
             hash_algo=a.hash_algo,
             hash_seed=a.hash_seed,
+            hash_extra_keys=a.hash_extra_keys,
             loras=loras,
             time_scale=a.time_scale,
             max_num_seqs=a.max_num_seqs,
