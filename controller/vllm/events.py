@@ -81,7 +81,16 @@ class _RawBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+class _RawMapBatch(msgspec.Struct):
+    """The batch as a map: not what vLLM's releases send (a positional array), but one upstream revision dropped
+    array_like from the batch as it did from the events; read too, as both event shapes are."""
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
 _BATCH = msgspec.msgpack.Decoder(_RawBatch)
+_MAP_BATCH = msgspec.msgpack.Decoder(_RawMapBatch)
 _MAP = msgspec.msgpack.Decoder(_MapStored | _MapRemoved | _MapCleared)
 _ARR = msgspec.msgpack.Decoder(_ArrStored | _ArrRemoved | _ArrCleared)
 _ANY = msgspec.msgpack.Decoder()
@@ -179,8 +188,17 @@ def decode_batch(payload: bytes) -> EventBatch:
         EventDecodeError: anything else that is not a valid batch.
     """
     try:
-        b = _BATCH.decode(payload)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        b: _RawBatch | _RawMapBatch = _BATCH.decode(payload)
+    except msgspec.ValidationError as e:
+        if "got `object`" not in str(e):
+            raise EventDecodeError(f"malformed KV event batch: {e}") from e
+        try:
+            b = _MAP_BATCH.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e2:
+            raise EventDecodeError(f"malformed KV event batch: {e2}") from e2
+        except Exception as e2:  # as below
+            raise EventDecodeError(f"malformed KV event batch: {e2!r}") from e2
+    except msgspec.DecodeError as e:
         raise EventDecodeError(f"malformed KV event batch: {e}") from e
     except Exception as e:  # msgspec raises plain errors on some truncated inputs
         raise EventDecodeError(f"malformed KV event batch: {e!r}") from e

@@ -139,3 +139,15 @@ async def test_replay_exchange(legacy: bool) -> None:
     assert idx.resident(KEY) == {H[0], H[1]}  # replayed removals, clear, then re-stores in order
     router.close(0)
     ctx.term()
+
+
+def test_a_batch_sent_as_a_map_decodes_as_the_same_batch_sent_as_an_array() -> None:
+    """vLLM's releases send the batch as a positional array; one upstream revision dropped array_like from the batch
+    as it did from the events (then: "Expected `array`, got `object`", every batch refused, the worker COLD)."""
+    events = [{"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None, "token_ids": list(range(32)),
+               "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}, {"type": "AllBlocksCleared"}]
+    as_array = decode_batch(msgspec.msgpack.encode([1.5, events, 0]))
+    as_map = decode_batch(msgspec.msgpack.encode({"ts": 1.5, "events": events, "data_parallel_rank": 0}))
+    assert as_map == as_array and len(as_map.events) == 2
+    with pytest.raises(EventDecodeError):   # control: a map that is not a batch is still refused
+        decode_batch(msgspec.msgpack.encode({"ts": "x", "events": 3}))
