@@ -10,9 +10,10 @@
                quarantined, every member not already withheld gets the placeholder naming the joined ref. A run longer than
                MAX_JOINED bytes is judged in windows of at most that many bytes, each overlapping the last
                by one member; a member larger than MAX_JOINED is judged alone only
-    quotes     an assistant message's content that contains a withheld tool result's text verbatim (at least
-               MIN_QUOTE characters): the quote is replaced by that result's placeholder, so the model is not
-               handed the withheld bytes back through its own earlier answer. Assistant content is otherwise
+    quotes     an assistant message's content, tool call arguments or reasoning that contains a withheld tool
+               result's text verbatim (at least MIN_QUOTE characters; controller/proxy/quotes.py): the quote is
+               replaced by that result's placeholder, so the model is not handed the withheld bytes back through
+               its own earlier answer. Assistant content is otherwise
                not judged: the client writes it as freely as a user message (which is not judged either), and
                judging the model's own prose would cost CPU on every turn and withhold answers that discuss
                attacks (docs/quarantine_path.md)
@@ -25,14 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from controller.proxy.errors import ProxyError
+from controller.proxy.quotes import CHUNK as CHUNK
+from controller.proxy.quotes import MAX_QUOTE_SCAN as MAX_QUOTE_SCAN
+from controller.proxy.quotes import MIN_QUOTE as MIN_QUOTE
+from controller.proxy.quotes import unquote as unquote
 from controller.proxy.tool_parts import ENVELOPE, envelope_parts
 
 JOIN = "\n"
 NAME_PLACEHOLDER = "[tool name withheld: quarantined by kvfleet]"
-MIN_QUOTE = 32
-CHUNK = MIN_QUOTE // 2  # any MIN_QUOTE characters of a text cover a whole chunk at a multiple of CHUNK
-MAX_QUOTE_SCAN = 256 << 20  # characters of assistant text searched for quotes per request, at most (~0.1 s)
 MAX_JOINED = 1 << 20
 
 
@@ -109,58 +110,3 @@ def windows(run: list[str], size: Callable[[str], int], limit: int = MAX_JOINED)
         out[-1].append(w)
         total += n
     return [x for x in out if len(x) > 1]
-
-
-def unquote(
-    body: dict[str, Any], chat: bool, withheld: Mapping[str, str]
-) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """(`body` with every verbatim quote of a withheld text (key, MIN_QUOTE characters or more) in an assistant
-    message's string content or text parts replaced by its placeholder (value), where each sat and which text).
-
-    NOTE: linear in the assistant text, not (withheld texts x assistant text): a quote of MIN_QUOTE or more
-    characters covers a whole CHUNK-aligned chunk of the text holding it, so only a withheld text one of whose
-    CHUNK windows is such a chunk is searched for. Those searches are bounded (MAX_QUOTE_SCAN, else a 413).
-    Before, each of 2,000 withheld texts was searched for in 6 MB of assistant text on the proxy's event loop:
-    21 s in which no other tenant's request was served.
-    """
-    quotes = {t: p for t, p in withheld.items() if len(t) >= MIN_QUOTE}
-    msgs = body.get("messages") if chat else None
-    if not quotes or not isinstance(msgs, list):
-        return body, []
-    texts: list[tuple[int, int | None, str]] = []  # (message, part or None, text) of each assistant text
-    for i, m in enumerate(msgs):
-        c = m.get("content") if _role(m) == "assistant" else None
-        if isinstance(c, str):
-            texts.append((i, None, c))
-        elif isinstance(c, list):
-            texts += [(i, j, t) for j, p in enumerate(c)
-                      if isinstance(t := p.get("text") if isinstance(p, dict) else p, str)]
-    texts = [x for x in texts if len(x[2]) >= MIN_QUOTE]
-    chunks = {t[q:q + CHUNK] for _, _, t in texts for q in range(0, len(t) - CHUNK + 1, CHUNK)}
-    maybe = [t for t in quotes if any(t[o:o + CHUNK] in chunks for o in range(CHUNK))]
-    if (scan := len(maybe) * sum(len(t) for _, _, t in texts)) > MAX_QUOTE_SCAN:
-        raise ProxyError(413, f"the assistant messages may quote {len(maybe)} of this request's withheld tool "
-                              f"results; checking them would scan {scan:,} characters, over the proxy's limit of "
-                              f"{MAX_QUOTE_SCAN:,}: send fewer withheld results or shorter assistant messages",
-                         "messages")
-    found: list[tuple[str, str]] = []
-    changed: dict[int, dict[int | None, str]] = {}  # message -> {part (None: the content string): new text}
-    for i, j, text in texts:
-        new = text
-        for t in maybe:
-            if t in new:
-                found.append((f"messages[{i}].content" + ("" if j is None else f"[{j}]"), t))
-                new = new.replace(t, quotes[t])
-        if new is not text:
-            changed.setdefault(i, {})[j] = new
-    out = list(msgs)
-    for i, news in changed.items():  # NOTE: each message's parts copied once, however many of them changed
-        if None in news:
-            out[i] = {**out[i], "content": news[None]}
-            continue
-        parts = list(out[i]["content"])
-        for j, new in news.items():
-            assert j is not None
-            parts[j] = {**parts[j], "text": new} if isinstance(parts[j], dict) else new
-        out[i] = {**out[i], "content": parts}
-    return ({**body, "messages": out} if found else body), found

@@ -41,8 +41,9 @@ from typing import Any
 
 from controller.proxy.control import ControlClient
 from controller.proxy.errors import ProxyError
-from controller.proxy.judged import JOIN, NAME_PLACEHOLDER, rename, tool_names, turns, unquote, windows
+from controller.proxy.judged import JOIN, NAME_PLACEHOLDER, rename, tool_names, turns, windows
 from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.quotes import unquote
 from controller.proxy.tool_parts import (  # noqa: F401 - MEDIA_PLACEHOLDER, MediaPart, part_kind: re-exported
     ENVELOPE,
     MEDIA_PLACEHOLDER,

@@ -186,18 +186,33 @@ async def send_on(p: Proxy, req: web.Request, tenant: str, data: bytes) -> web.S
 # the Responses API's input items that carry a tool's output (their `output`: a string or a list of content parts)
 TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "computer_call_output",
                           "local_shell_call_output", "mcp_call_output"})
-_MESSAGES_AT = re.compile(r"messages\[(\d+)\]\.content")
+_MESSAGES_AT = re.compile(r"messages\[(\d+)\]\.(?:content|tool_calls\[0\]\.function\.arguments)")
+# NOTE: the model's own words in items other than messages, which vLLM renders as an assistant's (its tool calls'
+# arguments, a custom tool's input, its reasoning): shown to the quote search as assistant messages, after the rest
+_SAID = {"function_call": ("arguments",), "custom_tool_call": ("input",), "reasoning": ("content", "summary")}
+
+
+def _said(field: str, value: Any) -> dict[str, Any]:
+    if field == "arguments":
+        return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": value}}]}
+    return {"role": "assistant", "content": value}
+
+
+def _value(m: dict[str, Any], field: str) -> Any:
+    return m["tool_calls"][0]["function"]["arguments"] if field == "arguments" else m.get("content")
 
 
 def as_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, str]]] | None:
     """A /v1/responses body's `input` as a chat body the Enforcer reads (controller/proxy/quarantine.py): each tool
-    output item a `tool` message, each message item (user, system, developer, assistant) a message, in order; and,
-    per message, the item and field it came from. None: no item carries a tool's output (a string `input`)."""
+    output item a `tool` message, each message item (user, system, developer, assistant) a message, in order, then
+    what the model wrote in other items (_SAID) as assistant messages; and, per message, the item and field it came
+    from. None: no item carries a tool's output (a string `input`)."""
     items = body.get("input")
     if not isinstance(items, list):
         return None
     msgs: list[dict[str, Any]] = []
     came: list[tuple[int, str]] = []
+    said: list[tuple[int, str]] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
@@ -207,9 +222,12 @@ def as_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, str]]
         elif item.get("type", "message") == "message" and isinstance(item.get("role"), str):
             msgs.append({"role": item["role"], "content": item.get("content")})
             came.append((i, "content"))
+        elif item.get("type") in _SAID:
+            said += [(i, f) for f in _SAID[item["type"]] if item.get(f) is not None]
     if not any(m["role"] == "tool" for m in msgs):
         return None
-    return {"messages": msgs}, came
+    msgs += [_said(f, items[i][f]) for i, f in said]
+    return {"messages": msgs}, came + said
 
 
 async def judged(p: Proxy, body: dict[str, Any], tenant: str, token: str | None) -> tuple[dict[str, Any], list[Hit]]:
@@ -233,6 +251,7 @@ async def judged(p: Proxy, body: dict[str, Any], tenant: str, token: str | None)
         return body, []
     items = list(body["input"])
     for (i, field), old, new in zip(came, shown["messages"], out["messages"], strict=True):
-        if new.get("content") is not old.get("content"):
-            items[i] = {**items[i], field: new["content"]}
-    return {**body, "input": items}, [dataclasses.replace(h, where=where(h.where)) for h in hits]
+        if _value(new, field) is not _value(old, field):
+            items[i] = {**items[i], field: _value(new, field)}
+    return {**body, "input": items}, [dataclasses.replace(h, where=where(h.where), reasons=tuple(map(where, h.reasons)))
+                                       for h in hits]

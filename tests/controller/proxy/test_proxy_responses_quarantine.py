@@ -51,9 +51,14 @@ async def test_a_poisoned_function_call_output_is_withheld_or_refused(tmp_path: 
         await fleet.stop()
 
 
-def test_only_tool_outputs_and_messages_are_read() -> None:
+def test_only_tool_outputs_messages_and_the_models_own_words_are_read() -> None:
     assert as_chat({"input": "a string"}) is None and as_chat({"input": _input(BENIGN)[:2]}) is None
     chat, came = as_chat({"input": [7, *_input(BENIGN), {"type": "message", "role": "assistant",
-                                                          "content": [{"type": "output_text", "text": "ok"}]}]})
-    assert [m["role"] for m in chat["messages"]] == ["user", "tool", "assistant"]
-    assert came == [(1, "content"), (3, "output"), (4, "content")]
+                                                          "content": [{"type": "output_text", "text": "ok"}]},
+                                    {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text",
+                                                                                     "text": "hm"}]}]})
+    assert [m["role"] for m in chat["messages"]] == ["user", "tool", "assistant", "assistant", "assistant",
+                                                     "assistant"]
+    # the function call's arguments and the reasoning after the rest (a tool turn's run is not cut by them)
+    assert came == [(1, "content"), (3, "output"), (4, "content"), (2, "arguments"), (5, "content"), (5, "summary")]
+    assert chat["messages"][3]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'

@@ -122,12 +122,15 @@ def _response(body: dict[str, Any], model: str, previous: dict[str, Any] | None)
 
 def _as_messages(items: list[Any]) -> list[Any]:
     """A Responses `input` as chat messages to tokenize: message items as they are, a tool call as the assistant's
-    text, a tool's output (`*_output` items) as a tool message (vLLM renders each item type in its own way)."""
+    text, its reasoning as its text, a tool's output (`*_output` items) as a tool message (vLLM renders each item type in its own way)."""
     out: list[Any] = []
     for item in items:
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "function_call":
             out.append({"role": "assistant", "content": f"{item.get('name')}({item.get('arguments')})"})
+        elif kind == "reasoning":  # vLLM: the assistant's reasoning, its first content text (else summary text)
+            parts = item.get("content") or item.get("summary") or [{}]
+            out.append({"role": "assistant", "content": str(parts[0].get("text", ""))})
         elif isinstance(kind, str) and kind.endswith("_output"):
             output = item.get("output")
             out.append({"role": "tool", "content": output if isinstance(output, str | list) else str(output)})
