@@ -2,7 +2,7 @@
 message that the chat template renders and the model wrote, searched for a withheld text and the quote replaced by
 its placeholder.
 
-    content                          a string, or its parts' text
+    content                          a string, or its parts' text (each read by its type, as vLLM does)
     tool_calls[k].function.arguments a JSON string: the text as sent, or JSON-escaped (`\\n`, `\\"`, `\\u00e9`, as
                                      json.dumps with or without ensure_ascii writes it); a quote still found in a
                                      decoded string value after that (another encoder's escapes: `\\/`, `\\u003c`)
@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from controller.proxy.errors import ProxyError
+from controller.proxy.tool_parts import TEXT_PARTS
 
 MIN_QUOTE = 32
 CHUNK = MIN_QUOTE // 2  # any MIN_QUOTE characters of a text cover a whole chunk at a multiple of CHUNK
@@ -52,9 +53,16 @@ def _texts(m: Any) -> Iterator[tuple[Loc, str]]:
         yield ("content", None), c
     elif isinstance(c, list):
         yield from ((("content", j), t) for j, p in enumerate(c)
-                    if isinstance(t := p.get("text") if isinstance(p, dict) else p, str))
+                    if isinstance(t := p.get(_key(p)) if isinstance(p, dict) else p, str))
     yield from ((("arguments", k), a) for k, a in _arguments(m))
     yield from (((f, None), m[f]) for f in REASONING if isinstance(m.get(f), str))
+
+
+def _key(part: dict[str, Any]) -> str:
+    """The key of a content part's text, by its type as vLLM reads it (`thinking`, `refusal`, ...; else "text").
+    NOTE: "text" alone was read: a `thinking` part quoting a withheld result reached the worker."""
+    t = part.get("type")
+    return TEXT_PARTS[t] if isinstance(t, str) and t in TEXT_PARTS else "text"
 
 
 def _where(i: int, loc: Loc) -> str:
@@ -136,7 +144,7 @@ def _put(m: dict[str, Any], news: Mapping[Loc, str]) -> dict[str, Any]:
         elif field == "content":
             assert at is not None
             parts = out["content"] = out["content"] if out["content"] is not m["content"] else list(m["content"])
-            parts[at] = {**parts[at], "text": new} if isinstance(parts[at], dict) else new
+            parts[at] = {**parts[at], _key(parts[at]): new} if isinstance(parts[at], dict) else new
         elif field == "arguments":
             assert at is not None
             calls = out["tool_calls"] = out["tool_calls"] if out["tool_calls"] is not m["tool_calls"] \

@@ -103,3 +103,24 @@ def test_arguments_that_do_not_quote_are_kept_byte_for_byte() -> None:
     body = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "not json " + PAGE}}]}]}
     out, found = unquote(body, True, withheld)  # not JSON: the quote as it stands
     assert out["messages"][0]["tool_calls"][0]["function"]["arguments"] == "not json [w]" and len(found) == 1
+
+
+async def test_a_quote_in_an_assistant_part_of_any_text_type_is_withheld(tmp_path: Path) -> None:
+    """vLLM renders an assistant's `thinking` and `refusal` parts as text, read from their own keys. NOTE: the
+    quote search read every part's "text": a thinking part quoting the withheld page reached the worker."""
+    fleet = await start_fleet(tmp_path)
+    try:
+        parts = [{"type": "thinking", "thinking": "The page says: " + PAGE}, {"type": "refusal", "refusal": PAGE},
+                 {"type": "text", "text": "Saved."}]
+        msgs = [*_turn(PAGE, "{}", "")[:3], {"role": "assistant", "content": parts}]
+        status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        assert status == 200 and h["x-kvfleet-quarantined"] == _ref(PAGE), raw
+        where = [q["where"] for q in json.loads(raw)["kvfleet"]["quarantined"]]
+        assert where == ["messages[2].content", "messages[3].content[0]", "messages[3].content[1]"]
+        placeholder = PLACEHOLDER.format(ref=_ref(PAGE))
+        assert _sent(fleet)["messages"][3]["content"] == [
+            {"type": "thinking", "thinking": "The page says: " + placeholder},
+            {"type": "refusal", "refusal": placeholder}, parts[2]]
+        assert INJECTION not in json.dumps(_sent(fleet))
+    finally:
+        await fleet.stop()
