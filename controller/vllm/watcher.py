@@ -38,6 +38,7 @@ from controller.index import MAX_TIERS, IndexSink, tier_of
 from controller.metrics import Metrics
 from controller.registry import EpochTable, KvStore, WorkerSpec
 from controller.view import RankView, WorkerView
+from controller.vllm import calibration
 from controller.vllm.budget import STEP_COST, FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
@@ -45,7 +46,7 @@ from controller.vllm.loras import LoraLooks
 from controller.vllm.ratelog import RateLog
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.core import lifecycle as lc
-from fleet.core.block_hash import EXTRA_FORMATS, HashConfig, calibrates
+from fleet.core.block_hash import HashConfig
 from fleet.core.errors import FailedPrecondition
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import Look, RankState, Transition
@@ -365,43 +366,17 @@ class Worker(LoraLooks):
         return True
 
     def _calibrate(self, ev: BlockStored) -> bool:
-        """Self-calibration: a parentless, extra-free block 0 must recompute with this worker's config.
-
-        Only the GPU pool's own events (medium GPU or None, with their tokens) are evidence: a KV connector's
-        (vLLM's OffloadingConnector: medium "CPU", parent None, token_ids [], block_size 0 or its own offloaded
-        block size) hashes nothing here and is never matched. NOTE: one such event used to fail calibration:
-        the rank's index was dropped and the worker stayed COLD until a new prompt's block 0 came."""
-        if tier_of(ev.group_idx, ev.medium)[1] != "GPU" or not ev.token_ids:
-            return True
+        """Self-calibration on one BlockStored (controller/vllm/calibration.py); False: the worker is not warm-able."""
         if self.hash_cfg is None:
             self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, ev.block_size)
-        if ev.block_size != self.hash_cfg.block_size:
-            self.calibrated = False
-        elif ev.parent_block_hash is None and ev.lora_name is None and ev.block_hashes:
-            salt = _block0_salt(ev.extra_keys)
-            if salt is not False:
-                self.calibrated = self._calibrates(ev, salt if isinstance(salt, str) else None)
+        cfg, proven = calibration.verdict(self.hash_cfg, ev)
+        if cfg != self.hash_cfg:
+            log.info("worker %s hashes a block's extra keys %s (its salted block 0 says so): predicted so from now on",
+                     self.spec.name, cfg.extra_format)
+            self.hash_cfg = cfg
+        if proven is not None:
+            self.calibrated = proven
         return self.calibrated
-
-    def _calibrates(self, ev: BlockStored, salt: str | None) -> bool:
-        """Block 0 recomputes with this worker's config; a salted one that does not, but does with the other form of
-        extra keys, tells which form the worker's vLLM hashes (fleet.core.block_hash: domain-tagged, or the plain
-        strings of releases before the tags), and the worker is predicted with that form from now on. NOTE: with the
-        tagged form alone, a vLLM of the untagged kind failed every salted block 0 (and the proxy salts every request
-        with its tenant's salt): the worker's index was dropped at each, and it was never WARM."""
-        assert self.hash_cfg is not None
-        if calibrates(self.hash_cfg, ev.token_ids, ev.block_hashes[0], cache_salt=salt):
-            return True
-        if not salt:
-            return False
-        other = dataclasses.replace(self.hash_cfg, extra_format=next(
-            f for f in EXTRA_FORMATS if f != self.hash_cfg.extra_format))
-        if not calibrates(other, ev.token_ids, ev.block_hashes[0], cache_salt=salt):
-            return False
-        log.info("worker %s hashes a block's extra keys %s (its salted block 0 says so): predicted so from now on",
-                 self.spec.name, other.extra_format)
-        self.hash_cfg = other
-        return True
 
     def _check_algo(self, algo: str | None, where: str) -> None:
         """A worker that says it hashes otherwise than we compute is never warm (fail closed)."""
@@ -661,15 +636,3 @@ class Worker(LoraLooks):
         self._subs = []
         self._persist_seqs()  # a graceful stop leaves the last seq in the store
         self.guard.forget()
-
-
-def _block0_salt(extra_keys: tuple[Any, ...] | None) -> str | None | bool:
-    """Block 0's cache salt from a parentless BlockStored's extra keys: None when block 0 has no
-    extra key, the salt when its only key is one string (vLLM publishes ("cache_salt", s) as (s,)),
-    False when its keys are anything else (multimodal, prompt embeds: not recomputable here)."""
-    k = extra_keys[0] if extra_keys else None
-    if k is None:
-        return None
-    if isinstance(k, list | tuple) and len(k) == 1 and isinstance(k[0], str):
-        return str(k[0])
-    return False
