@@ -207,10 +207,11 @@ def queues_clear(call: Call, response: Any) -> bool:
 
 def drains(call: Call) -> bool:
     """Whether vLLM finishes the requests in flight before the verb takes effect, and answers it only then:
-    `/pause?mode=wait` (no new request starts; meanwhile /is_sleeping already answers true). The worker is listed
-    "draining" while such a verb of the controller runs, so the proxy keeps waiting for the answers it sent there.
-    NOTE: a `/sleep?mode=wait` drains the same way in vLLM; it is left out on purpose (not asked for yet)."""
-    return call.verb == "pause" and dict(call.params).get("mode") == "wait"
+    `/pause?mode=wait`, and `/sleep?mode=wait`, whose first step is the same pause (no new request starts; meanwhile
+    /is_sleeping already answers true; a sleep's cache reset and its memory's sleep follow the drain). The worker is
+    listed "draining" while such a verb of the controller runs, so the proxy keeps waiting for the answers it sent
+    there. NOTE: the sleep was left out at first: its requests in flight were pulled as the pause's had been."""
+    return call.verb in ("pause", "sleep") and dict(call.params).get("mode") == "wait"
 
 
 def confirm_awake(w: Witness, sleeping: bool) -> Witness:

@@ -191,3 +191,23 @@ async def test_control_an_abort_pause_ends_the_request_on_the_worker(tmp_path: P
     finally:
         await fleet.op.lifecycle(x, "resume")
         await fleet.stop()
+
+
+async def test_a_sleep_with_mode_wait_lets_the_only_workers_request_finish_too(tmp_path: Path) -> None:
+    """vLLM's sleep begins with the same pause: with mode=wait the requests in flight finish, then the cache is reset
+    and the memory sleeps. Through the controller it is listed draining meanwhile, and the proxy waits for its answer
+    (before: pulled, a 503 with no other worker)."""
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw=ENGINE)
+    (x,) = fleet.sims
+    try:
+        task, _ = await _started(fleet)
+        verb = asyncio.create_task(fleet.op.lifecycle(x, "sleep", level=1, mode="wait"))
+        status, h, raw = await asyncio.wait_for(task, 10.0)
+        w = await verb
+        print(f"wait-sleep of the only worker under a request: {status}, attempts {h.get('x-kvfleet-attempts')}")
+        assert status == 200 and h["x-kvfleet-attempts"] == "1" and h["x-kvfleet-worker"] == x, raw[:300]
+        assert (w.phase, w.kv, w.serving) == ("sleeping", "forgotten", False)
+        assert fleet.sims[x].engine.is_sleeping()
+    finally:
+        await fleet.op.lifecycle(x, "wake_up")
+        await fleet.stop()

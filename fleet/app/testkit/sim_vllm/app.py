@@ -47,6 +47,8 @@ def build_app(sim: Sim) -> web.Application:
         if level not in (0, 1, 2) or mode not in ("abort", "wait", "keep"):
             return _j({"detail": "invalid level or mode"}, 422)
         eng.sleep(level, mode)
+        if mode == "wait":  # NOTE: vLLM's sleep pauses first, as /pause does, and answers once the drain is done
+            await eng.drained()
         return _j({"status": "sleeping", "level": level})
 
     async def wake_up(req: web.Request) -> web.Response:
