@@ -74,8 +74,9 @@ class WorkerDirectory:
     """Workers by name, refreshed every cfg.refresh_s; model cards every cfg.models_refresh_s."""
 
     def __init__(self, cfg: ProxyConfig, control: ControlClient, http: aiohttp.ClientSession,
-                 on_gone: Callable[[str], None] | None = None) -> None:
-        self.cfg, self.control, self.http, self.on_gone = cfg, control, http, on_gone
+                 on_gone: Callable[[str], None] | None = None,
+                 on_listed: Callable[[frozenset[str]], None] | None = None) -> None:
+        self.cfg, self.control, self.http, self.on_gone, self.on_listed = cfg, control, http, on_gone, on_listed
         self.workers: dict[str, WorkerInfo] = {}
         self.cards: dict[str, list[dict[str, Any]]] = {}  # worker name -> its /v1/models cards
         self._cards_at: dict[str, float] = {}
@@ -118,6 +119,8 @@ class WorkerDirectory:
         was_serving = {n for n, w in self.workers.items() if w.serving}
         gone = set(self.workers) - set(merged)
         self.workers, self.last_error, self.loaded_at = merged, None, time.monotonic()
+        if self.on_listed is not None:  # at once, before any await: whatever named a worker not listed ran before
+            self.on_listed(frozenset(merged))
         for name in was_serving:  # NOTE: the controller stopped listing it (slept, paused, lost): ask it now
             now_serving = merged.get(name)
             if now_serving is None or not (now_serving.serving or now_serving.draining):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Collection
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -108,17 +109,28 @@ class ProxyMetrics:
         """Remove every series labelled with `worker` (the controller no longer lists it: unregistered)."""
         for m in vars(self).values():
             if isinstance(m, MetricWrapperBase):
-                _remove_series(m, "worker", worker)
+                _remove_series(m, "worker", lambda w: w == worker)
+
+    def keep_workers(self, listed: Collection[str]) -> None:
+        """Remove every series labelled with a worker not in `listed` (the controller's listing, just taken).
+        NOTE: forget_worker alone ran once, when the directory saw the worker gone; an answer it was still giving
+        then counted under its name again (20 series) and nothing removed them: each pod that went away while
+        serving left them on /metrics for good. The directory calls this at each refresh, so they go at the next."""
+        for m in vars(self).values():
+            if isinstance(m, MetricWrapperBase):
+                _remove_series(m, "worker", lambda w: w not in listed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _remove_series(metric: MetricWrapperBase, label: str, value: str) -> None:
-    """Remove `metric`'s series whose `label` is `value`. A sample's labels are the metric's label names in
-    order, then a histogram bucket's `le`, so the series' label values are its labels less `le`."""
+def _remove_series(metric: MetricWrapperBase, label: str, drop: Callable[[str], bool]) -> None:
+    """Remove `metric`'s series whose `label` has a value `drop` says yes to. A sample's labels are the metric's
+    label names in order, then a histogram bucket's `le`, so the series' label values are its labels less `le`."""
+    if label not in metric._labelnames:  # noqa: SLF001 - no public accessor; the label names it was built with
+        return
     series = {tuple(v for k, v in s.labels.items() if k != "le")
-              for family in metric.collect() for s in family.samples if s.labels.get(label) == value}
+              for family in metric.collect() for s in family.samples if label in s.labels and drop(s.labels[label])}
     for values in series:
         with contextlib.suppress(KeyError):  # removed meanwhile (older prometheus-client raises)
             metric.remove(*values)

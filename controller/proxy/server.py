@@ -68,7 +68,8 @@ class Proxy:
         self.fresh_http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                                 auto_decompress=False, headers=self.http.headers)
         await self.control.start()
-        self.directory = WorkerDirectory(self.cfg, self.control, self.http, on_gone=self._forget_worker)
+        self.directory = WorkerDirectory(self.cfg, self.control, self.http, on_gone=self._forget_worker,
+                                         on_listed=self.metrics.keep_workers)
         self.tokenizer = Tokenizer(self.cfg, self.directory, self.http)
         self.forwarder = Forwarder(self.cfg, self.directory, self.http, self.metrics, self.fresh_http)
         self.enforcer = Enforcer(self.cfg.quarantine_policy, dict(self.cfg.quarantine_tenant_policies), self.control,
