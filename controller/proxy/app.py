@@ -10,6 +10,7 @@ GET /v1/responses/{id}, POST /v1/responses/{id}/cancel   to the worker that stor
 GET  /v1/models    the union of the registered workers' model cards
 GET  /v1/workers   the fleet as the controller lists it (operator tokens only)
 GET  /health (liveness), /ready (readiness: 503 while the proxy cannot see the fleet, and from SIGTERM on), /metrics
+                   (with --metrics-listen: only on that listener, build_metrics_app; here a 404)
 """
 
 from __future__ import annotations
@@ -77,8 +78,18 @@ def build_app(proxy: Proxy) -> web.Application:
     app.router.add_get("/v1/workers", h.workers)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
-    app.router.add_get("/metrics", h.metrics)
+    if proxy.cfg.metrics_listen is None:  # else only on the metrics listener (build_metrics_app): a 404 here
+        app.router.add_get("/metrics", h.metrics)
     _cors(app, proxy.cfg)
+    return app
+
+
+def build_metrics_app(proxy: Proxy) -> web.Application:
+    """The --metrics-listen listener's app: GET /metrics and nothing else.
+    NOTE: the series name every worker and count every tenant's requests, which the tenant-facing port served to
+    anyone who could reach it, with no token, while GET /v1/workers refused tenants (found by review)."""
+    app = web.Application(middlewares=[_errors(proxy)])
+    app.router.add_get("/metrics", Handlers(proxy).metrics)
     return app
 
 

@@ -22,6 +22,8 @@ class ProxyConfig:
 
     controller: str
     listen: str = "127.0.0.1:8000"
+    metrics_listen: str | None = None  # HOST:PORT of a listener that serves GET /metrics alone; the listen port then
+    # answers /metrics 404 (its series name every worker: operators only, as GET /v1/workers). None: on the listen port
     token: str | None = None
     token_passthrough: bool = True
     tokenizer: str | None = None  # None: each worker's own /tokenize; "hf:PATH": a local HF tokenizer
@@ -79,12 +81,19 @@ class ProxyConfig:
     tls_check_s: float = 10.0  # how often the TLS files are looked at for a renewal (ControlClient.watch_tls)
 
     def __post_init__(self) -> None:
-        for name in ("controller", "listen"):
-            port = getattr(self, name).rsplit(":", 1)[-1] if ":" in getattr(self, name) else ""
+        for name in ("controller", "listen", "metrics_listen"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            port = value.rsplit(":", 1)[-1] if ":" in value else ""
             # NOTE: only the colon was checked: --listen 127.0.0.1:99999 listened on 34463 (99999 - 65536), and
             # 127.0.0.1:abc failed naming no flag (found by review)
             if not port.isdigit() or int(port) > 65535:
-                raise InvalidArgument(f"--{name} {getattr(self, name)!r} must be HOST:PORT, the port 0-65535")
+                flag = "--" + name.replace("_", "-")
+                raise InvalidArgument(f"{flag} {value!r} must be HOST:PORT, the port 0-65535")
+        if self.metrics_listen is not None and self.metrics_listen == self.listen and self.port != 0:
+            raise InvalidArgument(f"--metrics-listen {self.metrics_listen!r} must differ from --listen: the metrics "
+                                  "get a listener of their own")
         if self.tokenizer is not None and not self.tokenizer.startswith("hf:"):
             raise InvalidArgument(f"--tokenizer {self.tokenizer!r}: use hf:PATH (a local Hugging Face tokenizer)")
         if min(self.first_byte_timeout_s, self.first_byte_min_s, self.probe_timeout_s, self.max_first_byte_wait_s,
@@ -141,3 +150,11 @@ class ProxyConfig:
     @property
     def port(self) -> int:
         return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of the metrics listener; None: /metrics is served on the listen port."""
+        if self.metrics_listen is None:
+            return None
+        host, port = self.metrics_listen.rsplit(":", 1)
+        return host, int(port)

@@ -4,7 +4,7 @@
     curl -H "Authorization: Bearer $TENANT_TOKEN" localhost:8000/v1/chat/completions -d '{"model": ...}'
 
 Environment variables are read here and nowhere else (flags win): KVFLEET_CONTROLLER,
-KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_TOKEN (the proxy's own token, to list workers: role reader),
+KVFLEET_PROXY_LISTEN, KVFLEET_PROXY_METRICS_LISTEN (GET /metrics there alone), KVFLEET_PROXY_TOKEN (the proxy's own token, to list workers: role reader),
 KVFLEET_WORKER_API_KEY (the workers' vLLM --api-key), KVFLEET_PROXY_FIRST_BYTE_TIMEOUT (seconds),
 KVFLEET_TLS_CA / KVFLEET_TLS_CLIENT_CERT / KVFLEET_TLS_CLIENT_KEY (TLS or mutual TLS to the controller),
 KVFLEET_PROXY_ALLOWED_ORIGINS (a JSON list, as --allowed-origins), KVFLEET_PROXY_SHUTDOWN_DELAY and
@@ -40,6 +40,10 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet proxy", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--controller", default=e("KVFLEET_CONTROLLER", "127.0.0.1:50051"), help="controller HOST:PORT")
     p.add_argument("--listen", default=e("KVFLEET_PROXY_LISTEN", "127.0.0.1:8000"), help="HOST:PORT to serve on")
+    p.add_argument("--metrics-listen", default=e("KVFLEET_PROXY_METRICS_LISTEN") or None, metavar="HOST:PORT",
+                   help="serve GET /metrics on this listener only (--listen then answers it 404): its series name "
+                        "every worker and count every tenant's requests, which tenants must not read (env "
+                        "KVFLEET_PROXY_METRICS_LISTEN; default: /metrics on --listen, to anyone who reaches it)")
     # NOTE: KVFLEET_TOKEN too, what `kvfleet up` and the other commands read; the proxy read only its own variable
     # and started with no token and 0 workers known (found by review)
     p.add_argument("--token", default=e("KVFLEET_PROXY_TOKEN") or e("KVFLEET_TOKEN"),
@@ -127,7 +131,7 @@ def _json_list(flag: str) -> Callable[[str], tuple[str, ...]]:
 
 
 def config_from(a: argparse.Namespace) -> ProxyConfig:
-    return ProxyConfig(controller=a.controller, listen=a.listen, token=a.token, token_passthrough=a.token_passthrough,
+    return ProxyConfig(controller=a.controller, listen=a.listen, metrics_listen=a.metrics_listen, token=a.token, token_passthrough=a.token_passthrough,
                        tokenizer=a.tokenizer, tokenize_cache_bytes=a.tokenize_cache_mib << 20,
                        worker_api_key=a.worker_api_key,
                        first_byte_timeout_s=a.first_byte_timeout, first_byte_min_s=a.first_byte_min,
@@ -179,8 +183,8 @@ async def serve(cfg: ProxyConfig) -> int:
     d = proxy.directory
     print(f"kvfleet proxy listening on {proxy.url} -> controller {cfg.controller}; "
           f"{len(d.workers)} worker(s) known" + (f" (cannot list workers: {d.last_error})" if d.last_error else "")
-          + ("; client tokens passed through" if cfg.token_passthrough else "; the proxy's token for every request"),
-          flush=True)
+          + ("; client tokens passed through" if cfg.token_passthrough else "; the proxy's token for every request")
+          + f"; /metrics on {proxy.metrics_url}", flush=True)
     name = await _first_signal()
     print(f"kvfleet proxy: {name}: /ready answers 503; accepting for {cfg.shutdown_delay_s:g}s more, then draining "
           f"the requests in flight for at most {cfg.shutdown_drain_s:g}s (a second signal stops at once)", flush=True)

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from controller.proxy.app import build_app
+from controller.proxy.app import build_app, build_metrics_app
 from controller.proxy.bodies import BodyGate
 from controller.proxy.config import ProxyConfig
 from controller.proxy.control import ControlClient
@@ -46,7 +46,9 @@ class Proxy:
         if cfg.tls_files():
             self.control.watch_tls(cfg.tls_files(), cfg.credentials, stamp, cfg.tls_check_s)
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None  # --metrics-listen's listener (None: /metrics on port)
         self.port = 0
+        self.metrics_port = 0  # the metrics listener's port, once started (0: none)
         self.stopping = False  # set by shut_down: /ready answers 503 from then on
         self._handling: set[asyncio.Task[Any]] = set()  # the tasks running a request's handler (a stream: until
         # its last byte)
@@ -100,6 +102,19 @@ class Proxy:
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await self._serve_metrics()
+
+    async def _serve_metrics(self) -> None:
+        """--metrics-listen: a second listener on this event loop that serves GET /metrics alone."""
+        where = self.cfg.metrics_address
+        if where is None:
+            return
+        self._metrics_runner = web.AppRunner(build_metrics_app(self), access_log=None,
+                                             keepalive_timeout=self.cfg.client_header_timeout_s)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, *where)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     def _forget_worker(self, name: str) -> None:
         """The directory dropped `name` (unregistered): its metric series and first-byte waits go."""
@@ -121,6 +136,8 @@ class Proxy:
         if self._runner is not None:
             await self._drain(self._runner)
             await self._runner.cleanup()
+        if self._metrics_runner is not None:  # NOTE: after the drain: scrapes go on while the requests end
+            await self._metrics_runner.cleanup()
         await self.directory.stop()
         await self.http.close()
         await self.fresh_http.close()
@@ -156,6 +173,12 @@ class Proxy:
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Where GET /metrics is served: the metrics listener's, else the main port's."""
+        where = self.cfg.metrics_address
+        return self.url if where is None else f"http://{where[0]}:{self.metrics_port}"
 
 
 def _counted(proxy: Proxy) -> Any:

@@ -184,7 +184,7 @@ SERVICE_MONITOR_SCHEMA = {  # monitoring.coreos.com/v1, the fields the chart use
 def test_service_monitor(rendered: dict[str, dict[str, str]]) -> None:
     assert not [o for o in objects(rendered, "default") if o["kind"] == "ServiceMonitor"]
     objs = objects(rendered, "monitoring")
-    for comp, port in (("controller", "metrics"), ("proxy", "http")):
+    for comp, port in (("controller", "metrics"), ("proxy", "metrics")):  # the proxy's: tests/helm/test_chart_proxy_metrics.py
         sm = one(objs, "ServiceMonitor", f"-{comp}")
         jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
         assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -247,6 +247,7 @@ def test_proxy_points_at_the_controller_and_probes_health(rendered: dict[str, di
     ctrl_svc = one(objs, "Service", "-controller")
     grpc_port = next(p["port"] for p in ctrl_svc["spec"]["ports"] if p["name"] == "grpc")
     assert c["args"] == ["proxy", "--controller", f"{ctrl_svc['metadata']['name']}:{grpc_port}", "--listen", "0.0.0.0:8080",
+                         "--metrics-listen", "0.0.0.0:9401",
                          "--quarantine-policy", "placeholder", "--tool-media", "pass", "--client-header-timeout", "30",
                          "--client-body-timeout", "60", "--max-first-byte-wait", "600",
                          "--max-inflight-bytes-per-tenant", "67108864", "--max-inflight-bytes", "134217728",

@@ -164,8 +164,9 @@ def test_proxy_args_parse_with_the_proxys_parser() -> None:
     env = {e["name"]: "kvf_x" for e in c["env"] if "valueFrom" in e}
     assert set(env) == {"KVFLEET_PROXY_TOKEN"}
     cfg = config_from(parse_args(c["args"][1:], env))
-    assert (cfg.controller, cfg.listen, cfg.token, cfg.token_passthrough) == (
-        "demo-kvfleet-controller:50051", "0.0.0.0:8080", "kvf_x", True)
+    assert (cfg.controller, cfg.listen, cfg.metrics_listen, cfg.token, cfg.token_passthrough) == (
+        "demo-kvfleet-controller:50051", "0.0.0.0:8080", "0.0.0.0:9401", "kvf_x", True)
     ref = next(e for e in c["env"] if e["name"] == "KVFLEET_PROXY_TOKEN")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "demo-kvfleet-auth", "key": "proxy-token"}  # the reader token the chart mints
-    assert json.loads(json.dumps(c["ports"])) == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert json.loads(json.dumps(c["ports"])) == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                                                  {"name": "metrics", "containerPort": 9401, "protocol": "TCP"}]

@@ -165,6 +165,9 @@ capabilities:
 {{- end }}
 {{- if .Values.proxy.create }}
 {{- include "kvfleet.validateProxyBodies" . }}
+{{- if eq (int .Values.proxy.port) (int .Values.proxy.metricsPort) }}
+{{- fail (printf "proxy.metricsPort=%d is proxy.port: give the proxy's /metrics a port of its own (its series name every worker; the HTTP port is the tenants')" (int .Values.proxy.metricsPort)) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.watcher.create (not .Values.controller.create) }}
 {{- fail "watcher.create=true needs controller.create=true (the Job registers workers with this release's controller)" }}
