@@ -33,19 +33,21 @@ class KeyedSlots:
         return len(self._shares)
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: Hashable, timeout_s: float | None, what: str) -> AsyncIterator[None]:
+    async def hold(self, key: Hashable, timeout_s: float | None, what: str,
+                   key_name: str | None = None) -> AsyncIterator[None]:
         """One slot for `key` while the block runs; waited for at most `timeout_s` (None: as long as it takes),
-        then Unavailable naming `what` (the call), the slots and the bound that was full."""
+        then Unavailable naming `what` (the call), the slots and the bound that was full (`key_name`: what this
+        key is, where it is not the slots' `key_name`)."""
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = _Share(asyncio.Semaphore(self.per_key))
         share.users += 1
         deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
-            await self._acquire(share.slots, deadline, what, timeout_s, whole=False)
+            await self._acquire(share.slots, deadline, what, timeout_s, key_name, whole=False)
             try:
                 if self._all is not None:
-                    await self._acquire(self._all, deadline, what, timeout_s, whole=True)
+                    await self._acquire(self._all, deadline, what, timeout_s, key_name, whole=True)
             except BaseException:
                 share.slots.release()
                 raise
@@ -61,12 +63,13 @@ class KeyedSlots:
                 self._shares.pop(key, None)
 
     async def _acquire(self, sem: asyncio.Semaphore, deadline: float | None, what: str, timeout_s: float | None,
-                       *, whole: bool) -> None:
+                       key_name: str | None, *, whole: bool) -> None:
         if deadline is None or not sem.locked():  # NOTE: a free slot is taken at once (wait_for: one loop pass more)
             await sem.acquire()
             return
         try:
             await asyncio.wait_for(sem.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
         except TimeoutError:  # NOTE: the message is built only here, never on the way in
-            busy = f"all {self.total} were busy" if whole else f"this {self.key_name} already has {self.per_key} of them"
+            busy = (f"all {self.total} were busy" if whole
+                    else f"this {key_name or self.key_name} already has {self.per_key} of them")
             raise Unavailable(f"{what}: {self.name}: {busy}, and none was free within {timeout_s}s") from None

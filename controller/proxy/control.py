@@ -58,7 +58,7 @@ class ControlClient:
                  credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50,
                  stream: bool = True) -> None:
         self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
-        # NOTE: a token holds at most three quarters of the slots (see _slot)
+        # NOTE: a tenant (or a token not known yet) holds at most three quarters of the slots (see _slot)
         # NOTE: no address in the name: a client whose token has no slot left is told it (errors.from_fleet)
         self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
                                  name="the proxy's RPCs to the controller")
@@ -284,12 +284,22 @@ class ControlClient:
     async def _slot(self, rpc: str, token: str | None) -> AsyncIterator[None]:
         """One of the channel's max_rpcs open RPCs, waited for at most timeout_s (then Unavailable: 503).
 
-        A token holds at most three quarters of them: one client's flood of calls, or of slow
+        A tenant holds at most three quarters of them: one tenant's flood of calls, or of slow
         JudgeToolResults, leaves a quarter to everyone else (one tenant never slows another). Half was tried
         first: one token at 200 clients served about 4% fewer requests per second (docs/proxy.md).
+        The share is the tenant's, all its tokens together, once WhoAmI named it (every request asks first); a
+        token not known yet (its own WhoAmI, the proxy's ListWorkers) has a share of its own.
+        NOTE: the share was the token's: a tenant with two tokens (a tenant may mint many) held every slot with
+        its slow JudgeToolResults, and another tenant's Route waited the whole timeout_s, then got a 503
+        (tests/controller/proxy/test_proxy_fair_slots.py).
         """
-        async with self._slots.hold(token, self.timeout_s, rpc):
-            yield
+        hit = self._callers.get(token)
+        if hit is None:
+            async with self._slots.hold(("token", token), self.timeout_s, rpc):
+                yield
+        else:
+            async with self._slots.hold(("tenant", hit[1].tenant), self.timeout_s, rpc, key_name="tenant"):
+                yield
 
     async def close(self) -> None:
         """Let pending releases finish (up to the RPC timeout), then close the channel (and any a renewal replaced)."""

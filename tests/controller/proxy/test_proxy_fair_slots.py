@@ -12,14 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
+from support.proxy_fleet import BLOCK, MODEL
 
+from controller.auth import mint_token
+from controller.judge_lanes import JudgeLimits
 from controller.proxy.control import ControlClient
+from controller.router import RouterConfig
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
+from fleet.app.testkit.stack import StackConfig, start_stack
 from fleet.core.errors import Unavailable
 
 HOLD_S = 1.0
@@ -79,3 +86,57 @@ async def test_a_call_past_its_tokens_share_fails_saying_so() -> None:
         assert len(control._slots) == 0  # no caller left: no share kept
     finally:
         await control.close()
+
+
+def _tool_chat(i: int) -> dict[str, Any]:
+    """A chat whose tool result the controller must judge before the proxy routes it (distinct each time)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+    return {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "look it up"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": f"result {i}: " + "plain search text " * 200}]}
+
+
+async def test_a_tenants_tokens_share_one_tenants_slots(tmp_path: Path) -> None:
+    """A tenant with two tokens floods requests whose judging waits in its lane (its CPU budget spent), each
+    holding one of the proxy's 8 RPC slots meanwhile; another tenant's ordinary request is answered at once.
+    Before, each token had its own three quarters (6 + 6 of 8): the flood held all 8, and the other tenant's
+    Route waited route_timeout_s, then got a 503 (or a slot another call happened to free)."""
+    stack = await start_stack(StackConfig(
+        store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
+        block_size=BLOCK, model=MODEL, tenants=("acme", "bravo"), operator="ops", operator_name="", sessions=False,
+        metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
+        controller={"detector_layers": ("rules",), "judge": JudgeLimits(tenant_cpu=0.001, burst_s=0.001)},
+        proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
+    assert stack.proxy is not None
+    await stack.client.close()
+    acme = [stack.tokens["acme"], mint_token(tmp_path / "tokens.json", "acme", "tenant", "acme-2")]
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    url = stack.proxy.url + "/v1/chat/completions"
+    plain = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+
+    async def post(token: str, body: dict[str, Any]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        async with http.post(url, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
+            await r.read()
+            return r.status, time.perf_counter() - t0
+
+    lanes = stack.ctl.ctx.judge_lanes
+    flood: list[asyncio.Future[tuple[int, float]]] = []
+    try:
+        for token in [*acme, stack.tokens["bravo"]]:
+            assert (await post(token, plain))[0] == 200  # each token's WhoAmI answered (and cached)
+        flood = [asyncio.ensure_future(post(acme[i % 2], _tool_chat(i))) for i in range(16)]
+        deadline = time.monotonic() + 10
+        while sum(lanes.stats("acme")[k] for k in ("queued", "inflight")) < 6:  # 6 judge calls held at least
+            assert time.monotonic() < deadline, lanes.stats("acme")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the rest of the flood's calls take what slots they can
+        status, took = await post(stack.tokens["bravo"], plain)
+        assert status == 200 and took < 0.5, f"bravo's request: {status} after {took:.2f}s behind acme's flood"
+        assert not any(f.done() for f in flood)  # control: the flood was still held meanwhile
+    finally:
+        for f in flood:
+            f.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        await http.close()
+        await stack.stop()
