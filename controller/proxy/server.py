@@ -139,6 +139,7 @@ class Proxy:
         if self._metrics_runner is not None:  # NOTE: after the drain: scrapes go on while the requests end
             await self._metrics_runner.cleanup()
         await self.directory.stop()
+        self.tokenizer.close()
         await self.http.close()
         await self.fresh_http.close()
         await self.control.close()

@@ -7,6 +7,11 @@ before the router has chosen one. Or, with `--tokenizer hf:PATH`, a local Huggin
 The cache (controller/proxy/token_cache.py) is keyed by (tenant, model, SHA-256 of the tokenize request), so one
 tenant's hit never reveals another tenant's text through timing; it is bounded in bytes as well as entries, and
 one tenant's flood evicts its own entries before another's.
+
+A local tokenizer runs on LOCAL_THREADS threads of its own, a tenant's prompts on at most three quarters of them
+(the rest wait their turn in the tenant's lane), so one tenant's flood of long prompts leaves another a thread.
+NOTE: they ran on asyncio's default pool, first come first served: another tenant's short prompt waited behind the
+whole flood (after 19 of 24 long prompts in tests/controller/proxy/test_proxy_hf_tokenizer.py; about a second).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from controller.keyed_slots import KeyedSlots
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
@@ -36,6 +43,7 @@ PROBES: tuple[dict[str, Any], ...] = (
                   {"role": "user", "content": "What is 2 + 2?"}]},
 )
 JSON_HEADERS = {"Content-Type": "application/json"}
+LOCAL_THREADS = min(32, (os.cpu_count() or 1) + 4)  # the size of asyncio's default pool, which they ran on before
 JSON = msgspec.json.Encoder()
 ANSWER = msgspec.json.Decoder()
 
@@ -160,11 +168,33 @@ class Tokenizer:
         self.num_calls = 0
         self.num_hits = 0
         self._timeout = aiohttp.ClientTimeout(total=cfg.tokenize_timeout_s, sock_connect=cfg.connect_timeout_s)
+        self._pool: ThreadPoolExecutor | None = None  # the local tokenizer's threads
+        self._lanes = KeyedSlots(LOCAL_THREADS - LOCAL_THREADS // 4, LOCAL_THREADS, key_name="tenant",
+                                 name="local tokenizer threads")
 
     async def start(self) -> None:
         if self.cfg.tokenizer:
             path = self.cfg.tokenizer[len("hf:"):]
             self._hf = await asyncio.to_thread(load_hf_tokenizer, path)
+            self._pool = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="kvfleet-tokenize")
+
+    def close(self) -> None:
+        """Let the local tokenizer's threads go (a job still running ends on its own)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _local(self, tenant: str, req: dict[str, Any]) -> list[int]:
+        """The local tokenizer's ids, on one of the tenant's threads. A request cancelled meanwhile (its client went
+        away) keeps the thread's slot until the job ends: freed at once, a tenant that kept cancelling would run
+        more jobs than its share, and the next tenant's would queue in the pool behind them."""
+        assert self._pool is not None
+        async with self._lanes.hold(tenant, None, "tokenize"):
+            job = asyncio.get_running_loop().run_in_executor(self._pool, self._hf_ids, req)
+            try:
+                return await asyncio.shield(job)
+            finally:
+                if not job.done():
+                    await asyncio.wait({job})
 
     async def token_ids(self, body: dict[str, Any], chat: bool, base: str, tenant: str,
                         enc: EncodedBody | None = None) -> Sequence[int]:
@@ -181,7 +211,7 @@ class Tokenizer:
             self.num_hits += 1
             return hit
         local = self._hf is not None and await self.local_ok(base)
-        ids = await (asyncio.to_thread(self._hf_ids, req) if local else self._remote(data, base, body["model"]))
+        ids = await (self._local(tenant, req) if local else self._remote(data, base, body["model"]))
         self.cache.put(tenant, key, ids)
         return ids
 

@@ -3,6 +3,7 @@ models where it gave the workers' own ids on the parity probes; a tokenizer that
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -108,3 +109,31 @@ async def test_no_tokenizer_at_the_path_is_one_sentence_and_the_proxy_closes_wha
     print(r.stderr)
     assert r.returncode == 2 and f"kvfleet proxy: error: --tokenizer hf:{missing}: no tokenizer at {missing}" in r.stderr
     assert "Unclosed" not in r.stderr and "Repo id" not in r.stderr
+
+
+async def test_one_tenants_long_prompts_do_not_queue_anothers_local_tokenizing(tmp_path: Path) -> None:
+    """With a local tokenizer, one tenant's flood of long prompts (24 at once) leaves another tenant's short
+    prompt a thread: it is tokenized while most of the flood still waits. Before, every prompt went to the one
+    default thread pool, first come first served (6 threads on 2 cores): the short prompt waited for the flood,
+    finishing after 19 or more of its 24, about a second at 0.1 s of tokenizing each."""
+    hf = build_hf_tokenizer(tmp_path / "tok")
+    fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
+    try:
+        status, _, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "user", "content": PROMPTS[0]}]})
+        assert status == 200 and fleet.proxy.tokenizer.parity == {MODEL: True}, raw
+        tok, done = fleet.proxy.tokenizer, []
+
+        async def ids(tenant: str, content: str) -> None:
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+            assert await tok.token_ids(chat, True, MODEL, tenant)
+            done.append(tenant)
+
+        flood = [asyncio.ensure_future(ids("acme", f"{i} " + (PROMPTS[0] + " ") * 1500)) for i in range(24)]
+        await asyncio.sleep(0)  # the flood's jobs are handed to the threads first
+        await ids("bravo", PROMPTS[1])
+        await asyncio.gather(*flood)
+        print("acme's long prompts tokenized before bravo's short one:", done.index("bravo"), "of 24")
+        assert done.index("bravo") <= 8
+    finally:
+        await fleet.stop()
