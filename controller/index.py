@@ -1,8 +1,13 @@
 """Prefix index: which block hashes each (worker, dp_rank) holds, per (group_idx, medium).
 
 Only medium "GPU" (or None, vLLM's GPU pool before tiers existed) counts toward a warm hit
-(reference §6 rule 8). A rank that has reported more than one KV group (hybrid models) is never
-matched: without per-group logic a hit cannot be proven for every group, so it fails closed.
+(reference §6 rule 8). A rank that has reported more than one KV group (hybrid models: Gemma 3, gpt-oss, Llama 4)
+is matched as vLLM's HybridKVCacheCoordinator finds its hit: the longest prefix every group serves, a full-attention
+group from block 0, a sliding-window group only the cdiv(window - 1, block_size) blocks before the hit's end
+(SlidingWindowManager.find_longest_cache_hit), shortened until every group agrees. So the sliding-window group's old
+blocks, which vLLM frees as the window slides and then evicts, cost no hit. Any other kind (Mamba, chunked local),
+a group whose kind or window its events do not say (vLLM before 0.33), or groups of different block sizes fail
+closed: no hit. NOTE: every hybrid rank used to fail closed, so a prompt vLLM held in every group was routed COLD.
 
 The index also learns a rank's GPU capacity when vLLM does not export it: a GPU BlockRemoved means
 the pool had to evict, so the blocks resident just before it were as many as fit (the router's KV
@@ -35,6 +40,17 @@ Tier = tuple[int | None, str]  # (group_idx, medium)
 MAX_TIERS = 32
 # One tier's resident hashes: a dict's keys, values None (never a set: see the module's docstring).
 Hashes = dict[int, None]
+FULL_KINDS = frozenset({"full_attention", "mla_attention"})
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """A GPU KV group as its latest BlockStored described it."""
+
+    kind: str | None
+    window: int | None
+    block_size: int
 
 
 def tier_of(group_idx: int | None, medium: str | None) -> Tier:
@@ -46,12 +62,12 @@ class RankIndex:
     """Resident hashes of one (worker, dp_rank), by tier."""
 
     tiers: dict[Tier, Hashes] = field(default_factory=dict)
-    groups: set[int | None] = field(default_factory=set)
+    groups: dict[int | None, GroupSpec] = field(default_factory=dict)
 
     def store(self, ev: BlockStored) -> None:
         self.tiers.setdefault(tier_of(ev.group_idx, ev.medium), {}).update(zip(ev.block_hashes, repeat(None)))
         if tier_of(ev.group_idx, ev.medium)[1] == "GPU":
-            self.groups.add(ev.group_idx)
+            self.groups[ev.group_idx] = GroupSpec(ev.kind, ev.window, ev.block_size)
 
     def remove(self, ev: BlockRemoved) -> None:
         s = self.tiers.get(tier_of(ev.group_idx, ev.medium))
@@ -72,14 +88,71 @@ class RankIndex:
         self.groups.clear()
 
     def gpu(self) -> Hashes | None:
-        """The GPU hashes when there is exactly one KV group, else None (fail closed)."""
-        if len(self.groups) != 1:
+        """The GPU hashes of the one KV group, or of a hybrid's first full-attention (else sliding-window) group
+        when `hit` can match its groups; else None (fail closed)."""
+        kinds = self._kinds()
+        if kinds is None:
             return None
-        g = next(iter(self.groups))
-        return self.tiers.get((g, "GPU"))
+        full, window = kinds
+        return self.tiers.get(((full or window)[0][0], "GPU"))
+
+    def hit(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` vLLM would reuse: one group's leading run, or a hybrid's hit (module doc)."""
+        if len(self.groups) == 1:  # the hot path: one group
+            return _leading(self.tiers.get((next(iter(self.groups)), "GPU")), hashes)
+        kinds = self._kinds()
+        if kinds is None:
+            return 0
+        full, window = kinds
+        n = min((_leading(self.tiers.get((g, "GPU")), hashes) for g, _ in full), default=len(hashes))
+        while True:
+            m = n
+            for g, need in window:
+                m = _window_hit(self.tiers.get((g, "GPU")), hashes, m, need)
+            if m == n:
+                return n
+            n = m
+
+    def _kinds(self) -> tuple[list[tuple[int | None, int]], list[tuple[int | None, int]]] | None:
+        """(full-attention groups, (sliding-window group, blocks its window needs)), a single group counting as
+        full; None where the groups cannot be matched (module doc)."""
+        if len(self.groups) == 1:
+            return [(next(iter(self.groups)), 0)], []
+        specs = self.groups.items()
+        if not specs or len({s.block_size for _, s in specs}) != 1:
+            return None
+        full = [(g, 0) for g, s in specs if s.kind in FULL_KINDS]
+        window = [(g, -(-(s.window - 1) // s.block_size)) for g, s in specs
+                  if s.kind in WINDOW_KINDS and s.window is not None and s.window > 0 and s.block_size > 0]
+        return (full, window) if len(full) + len(window) == len(self.groups) else None
 
     def num_blocks(self) -> int:
         return sum(len(s) for s in self.tiers.values())
+
+
+def _leading(s: Hashes | None, hashes: Sequence[int]) -> int:
+    if not s:
+        return 0
+    n = 0
+    for h in hashes:
+        if h not in s:
+            break
+        n += 1
+    return n
+
+
+def _window_hit(s: Hashes | None, hashes: Sequence[int], max_len: int, need: int) -> int:
+    """SlidingWindowManager.find_longest_cache_hit: from block `max_len` - 1 down, the first run of `need` cached
+    blocks ends the hit; none found, the blocks cached from block 0 on are the hit."""
+    run = 0
+    for i in range(min(max_len, len(hashes)) - 1, -1, -1):
+        if s and hashes[i] in s:
+            run += 1
+            if run >= need:
+                return i + run
+        else:
+            run = 0
+    return run
 
 
 class IndexSink(Protocol):
@@ -156,15 +229,7 @@ class PrefixIndex:
     def match(self, key: RankKey, hashes: Sequence[int]) -> int:
         """Number of leading blocks of `hashes` resident on the rank's GPU tier."""
         r = self._ranks.get(key)
-        s = r.gpu() if r is not None else None
-        if not s:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in s:
-                break
-            n += 1
-        return n
+        return r.hit(hashes) if r is not None else 0
 
     def resident(self, key: RankKey) -> set[int]:
         r = self._ranks.get(key)
@@ -180,14 +245,7 @@ class PrefixIndex:
         r = self._ranks.get(key)
         if r is None:
             return 0, 0, self._capacity.get(key)
-        n = 0
-        s = r.gpu() if hashes else None
-        if s:
-            for h in hashes or ():
-                if h not in s:
-                    break
-                n += 1
-        return n, r.num_gpu_blocks(), self._capacity.get(key)
+        return r.hit(hashes) if hashes else 0, r.num_gpu_blocks(), self._capacity.get(key)
 
     def num_resident(self, key: RankKey) -> int:
         """GPU blocks resident on the rank (0 if unknown)."""

@@ -40,6 +40,8 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
@@ -63,6 +65,8 @@ class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
@@ -106,6 +110,10 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     group_idx: int | None = None
+    # the KV group's kind and sliding window (vLLM >= 0.33; None before): how the index matches a hybrid model's
+    # groups (controller/index.py)
+    kind: str | None = None
+    window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +170,7 @@ def _convert(ev: Any) -> Event:
         parent = None if ev.parent_block_hash is None else normalize(ev.parent_block_hash)
         return BlockStored(tuple(normalize(h) for h in ev.block_hashes), parent, tuple(ev.token_ids), ev.block_size,
                            ev.medium, ev.lora_name, None if ev.extra_keys is None else tuple(ev.extra_keys),
-                           ev.group_idx)
+                           ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
     if isinstance(ev, _MapRemoved | _ArrRemoved):
         return BlockRemoved(tuple(normalize(h) for h in ev.block_hashes), ev.medium, ev.group_idx)
     return AllBlocksCleared()

@@ -1,0 +1,88 @@
+"""A hybrid model's KV groups (vLLM's HybridKVCacheCoordinator): WARM and matched_tokens as vLLM would reuse.
+
+A hybrid vLLM (Gemma 3, gpt-oss, Llama 4: sliding-window layers beside full-attention ones) publishes one BlockStored
+per KV group, each with its group_idx, kv_cache_spec_kind and, for a sliding-window group, its window. vLLM's hit is
+the longest prefix every group serves: a full-attention group needs every block from block 0, a sliding-window group
+only the blocks of the window before the hit's end (single_type_kv_cache_manager.SlidingWindowManager
+.find_longest_cache_hit), so the sliding-window group's old blocks, which vLLM frees as the window slides and then
+evicts (BlockRemoved), cost no hit. The batches are built here as vLLM 0.33.0 encodes them and published over real ZMQ
+by the stand-in's publisher (the stand-in itself models one group); the real Router routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from support.one_worker import one_worker, synced
+
+from controller.router import Router
+from fleet.app.testkit.sim_vllm import wire
+from fleet.app.testkit.sim_vllm.main import SimVllm
+from fleet.core.block_hash import HashConfig, external_chain
+
+B, N = 16, 8  # an 8-block prompt
+WINDOW = 2 * B  # the sliding-window group needs cdiv(WINDOW - 1, B) = 2 blocks before the hit's end
+TOKS = [7_000 + k for k in range(N * B + 1)]  # one token past the last full block: vLLM may hit all 8
+H = external_chain(HashConfig("sha256", None, B), TOKS)
+
+
+def _stored(g: int, kind: str, first: int, n: int, window: int | None = None) -> Any:
+    return wire.VllmBlockStored(
+        block_hashes=H[first:first + n], parent_block_hash=H[first - 1] if first else None,
+        token_ids=TOKS[first * B:(first + n) * B], block_size=B, lora_id=None, medium="GPU", lora_name=None,
+        extra_keys=[None] * n, group_idx=g, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
+
+
+def _removed(g: int, hashes: list[int]) -> Any:
+    return wire.VllmBlockRemoved(block_hashes=hashes, medium="GPU", group_idx=g)
+
+
+HYBRID = [_stored(0, "full_attention", 0, N), _stored(1, "sliding_window", 0, N, WINDOW)]
+
+
+async def _route(r: Router, sim: SimVllm, *batches: list[Any]) -> tuple[str, int]:
+    assert sim.publisher is not None
+    for b in batches:
+        sim.publisher.publish(b)
+    await synced(r, sim)
+    for _ in range(100):  # the rank's warmth is proven for its epoch a moment after its first batch
+        d = await r.route(TOKS, "m")
+        if d.verdict == "WARM":
+            break
+        await asyncio.sleep(0.01)
+    return d.verdict, d.matched_tokens
+
+
+async def test_a_hybrid_prompt_vllm_holds_in_every_group_routes_warm(tmp_path: Path) -> None:
+    async with one_worker(tmp_path, 256) as (r, sim):
+        assert await _route(r, sim, HYBRID) == ("WARM", N * B)
+
+
+async def test_the_window_group_freeing_its_old_blocks_keeps_the_prompt_warm(tmp_path: Path) -> None:
+    async with one_worker(tmp_path, 256) as (r, sim):
+        # the window slid: vLLM freed and then evicted blocks 0..5 of group 1; its last 2 blocks serve the window
+        assert await _route(r, sim, HYBRID, [_removed(1, H[:N - 2])]) == ("WARM", N * B)
+
+
+async def test_the_window_group_losing_its_last_blocks_shortens_the_hit(tmp_path: Path) -> None:
+    async with one_worker(tmp_path, 256) as (r, sim):
+        # group 1 lost block 7: its longest run of 2 blocks ending at or before block 7 is 5..6, so the hit is 7 blocks
+        assert await _route(r, sim, HYBRID, [_removed(1, [H[7]])]) == ("WARM", 7 * B)
+
+
+async def test_the_full_group_losing_block_0_makes_it_cold(tmp_path: Path) -> None:
+    async with one_worker(tmp_path, 256) as (r, sim):
+        assert (await _route(r, sim, HYBRID, [_removed(0, [H[0]])]))[1] == 0
+
+
+async def test_a_group_of_a_kind_not_modelled_fails_closed(tmp_path: Path) -> None:
+    async with one_worker(tmp_path, 256) as (r, sim):
+        mamba = [_stored(0, "full_attention", 0, N), _stored(1, "mamba", N - 1, 1)]
+        assert (await _route(r, sim, mamba))[1] == 0
+
+
+async def test_control_one_group_routes_warm(tmp_path: Path) -> None:
+    async with one_worker(tmp_path, 256) as (r, sim):
+        assert await _route(r, sim, [_stored(0, "full_attention", 0, N)]) == ("WARM", N * B)
