@@ -47,6 +47,8 @@ class ProxyConfig:
     suspect_after_failures: int = 3  # .. and so is one with this many failed attempts in a row (503s, lost
     # connections) while its probe says it is awake (one such failure is a blip, not a reason to refuse traffic)
     auth_cache_s: float = 5.0
+    auth_refused_s: float = 2.0  # a token the controller refused is answered 401 by the proxy this long (no WhoAmI;
+    # controller/proxy/refused.py). 0: every request asks the controller
     max_body_bytes: int = 8 << 20
     # request-body bytes of the requests in flight (from their headers until their answers end), per tenant and
     # in all; a tenant gets at most half of what the others leave (controller/proxy/bodies.py)
@@ -102,6 +104,8 @@ class ProxyConfig:
             raise InvalidArgument("proxy timeouts and intervals must be positive")
         if min(self.shutdown_delay_s, self.shutdown_drain_s) < 0:
             raise InvalidArgument("--shutdown-delay and --shutdown-drain must be >= 0")
+        if self.auth_refused_s < 0:
+            raise InvalidArgument(f"auth_refused_s {self.auth_refused_s!r} must be >= 0 (0: refusals are not kept)")
         if self.max_body_bytes <= 0 or min(self.tokenize_cache_size, self.tokenize_cache_bytes) < 0 \
                 or self.controller_max_rpcs <= 0 or self.suspect_after_failures <= 0:
             raise InvalidArgument("max_body_bytes, controller_max_rpcs and suspect_after_failures must be positive, "

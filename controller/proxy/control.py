@@ -27,6 +27,7 @@ import grpc
 
 from controller.keyed_slots import KeyedSlots
 from controller.periodic import Periodic
+from controller.proxy.refused import RefusedTokens
 from controller.proxy.route_stream import RouteStreams, StreamUnsupported
 from controller.tls_reload import CHECK_INTERVAL_S, Stamp, file_stamp
 from fleet.api.kvfleet.v1 import fleet_pb2, quarantine_pb2, route_pb2, workers_pb2
@@ -45,6 +46,9 @@ from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
 RETIRE_S = 60.0  # how long a channel a TLS renewal replaced stays open for the calls begun on it
+MAX_REFUSED = 10000  # refused tokens remembered at once (controller/proxy/refused.py)
+UNKNOWN = ("tokens not known yet",)  # the one slot share of every token no WhoAmI has named a tenant for yet
+OWN = ("the proxy's own token",)  # the proxy's ListWorkers: a share of its own, apart from the clients' tokens
 
 
 def _ignore(outcome: str) -> None:
@@ -55,12 +59,12 @@ class ControlClient:
     """Route / WhoAmI / ListWorkers against one controller; errors raised as fleet.core.errors.*."""
 
     def __init__(self, target: str, *, timeout_s: float = 2.0, auth_cache_s: float = 5.0,
-                 credentials: grpc.ChannelCredentials | None = None, max_rpcs: int = 50,
-                 stream: bool = True) -> None:
-        self.target, self.timeout_s, self.auth_cache_s = target, timeout_s, auth_cache_s
+                 auth_refused_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None,
+                 max_rpcs: int = 50, stream: bool = True, own_token: str | None = None) -> None:
+        self.target, self.timeout_s, self.auth_cache_s, self.own_token = target, timeout_s, auth_cache_s, own_token
         # NOTE: a tenant (or a token not known yet) holds at most three quarters of the slots (see _slot)
         # NOTE: no address in the name: a client whose token has no slot left is told it (errors.from_fleet)
-        self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="client token",
+        self._slots = KeyedSlots(max(1, max_rpcs - max_rpcs // 4), max_rpcs, key_name="group of tokens not known yet",
                                  name="the proxy's RPCs to the controller")
         self._use_streams = stream
         self._link(credentials)
@@ -68,6 +72,7 @@ class ControlClient:
         self._tls: tuple[tuple[str, ...], Callable[[], grpc.ChannelCredentials | None], Stamp] | None = None
         self._tls_watch: Periodic | None = None
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
+        self._refused = RefusedTokens(MAX_REFUSED, auth_refused_s)  # a refusal answered here (refused.py)
         self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
         self._renewing: set[str | None] = set()
 
@@ -225,6 +230,10 @@ class ControlClient:
         """
         hit = self._callers.get(token)
         now = time.monotonic()
+        if hit is None or hit[0] <= now:
+            refusal = self._refused.get(token)
+            if refusal is not None:
+                raise refusal
         if hit is not None and hit[0] > now:
             if hit[0] - now < self.auth_cache_s / 2 and token not in self._renewing:
                 self._renewing.add(token)
@@ -238,7 +247,7 @@ class ControlClient:
         try:
             await self._ask_whoami(token)
         except KvfleetError as e:
-            if isinstance(e, (Unauthenticated, PermissionDenied)):
+            if isinstance(e, PermissionDenied):
                 self._callers.pop(token, None)  # refused now: the next request asks (and gets the error) itself
             log.info("proxy: renewing a cached WhoAmI failed: %s", e)
         finally:
@@ -251,7 +260,11 @@ class ControlClient:
                     fleet_pb2.WhoAmIRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
                 )
         except grpc.RpcError as e:
-            raise base.to_error(e, "WhoAmI", self.target) from e
+            err = base.to_error(e, "WhoAmI", self.target)
+            if isinstance(err, Unauthenticated):  # NOTE: refused: answered here for a while (refused.py)
+                self._callers.pop(token, None)  # .. and no longer its tenant's: its calls take the unknown share
+                self._refused.add(token, err)
+            raise err from e
         caller = types.Caller(r.tenant, r.role, r.name)
         if len(self._callers) > 10000:
             self._callers.clear()
@@ -287,15 +300,21 @@ class ControlClient:
         A tenant holds at most three quarters of them: one tenant's flood of calls, or of slow
         JudgeToolResults, leaves a quarter to everyone else (one tenant never slows another). Half was tried
         first: one token at 200 clients served about 4% fewer requests per second (docs/proxy.md).
-        The share is the tenant's, all its tokens together, once WhoAmI named it (every request asks first); a
-        token not known yet (its own WhoAmI, the proxy's ListWorkers) has a share of its own.
+        The share is the tenant's, all its tokens together, once WhoAmI named it (every request asks first); the
+        tokens not known yet (their first WhoAmI) share ONE share, all of them together, and the proxy's own
+        ListWorkers has another.
+        NOTE: each token not known yet had a share of its own: a flood of made-up tokens (no valid token needed)
+        held every slot with their WhoAmIs, and a known tenant's Route waited behind them in the channel's queue
+        (tests/controller/proxy/test_proxy_bad_tokens.py). Now they hold three quarters at most; a new legitimate
+        token's first WhoAmI waits behind them (at most timeout_s, then 503), and a known tenant never does.
         NOTE: the share was the token's: a tenant with two tokens (a tenant may mint many) held every slot with
         its slow JudgeToolResults, and another tenant's Route waited the whole timeout_s, then got a 503
         (tests/controller/proxy/test_proxy_fair_slots.py).
         """
         hit = self._callers.get(token)
         if hit is None:
-            async with self._slots.hold(("token", token), self.timeout_s, rpc):
+            key = OWN if token is not None and token == self.own_token else UNKNOWN
+            async with self._slots.hold(key, self.timeout_s, rpc):
                 yield
         else:
             async with self._slots.hold(("tenant", hit[1].tenant), self.timeout_s, rpc, key_name="tenant"):

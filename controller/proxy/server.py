@@ -42,7 +42,8 @@ class Proxy:
         self.responses = ResponsePins()  # which worker stored each /v1/responses answer (controller/proxy/responses.py)
         stamp = file_stamp(cfg.tls_files())  # NOTE: before the files are read: a renewal in between is seen
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
-                                     credentials=cfg.credentials(), max_rpcs=cfg.controller_max_rpcs)
+                                     auth_refused_s=cfg.auth_refused_s, credentials=cfg.credentials(),
+                                     max_rpcs=cfg.controller_max_rpcs, own_token=cfg.token)
         if cfg.tls_files():
             self.control.watch_tls(cfg.tls_files(), cfg.credentials, stamp, cfg.tls_check_s)
         self._runner: web.AppRunner | None = None

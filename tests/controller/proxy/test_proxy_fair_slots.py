@@ -4,7 +4,8 @@ slows another).
 The proxy keeps at most `controller_max_rpcs` RPCs open to the controller; the others wait (at most the route
 timeout, then 503). A token may hold at most three quarters of them, so a flood from one token leaves room
 for the rest.
-The controller here is a real grpc.aio server whose Route holds the flooding token's calls for a while.
+The controller here is a real grpc.aio server whose Route holds the flooding token's calls for a while. (Tokens
+not known yet share one share of their own: tests/controller/proxy/test_proxy_bad_tokens.py.)
 """
 
 from __future__ import annotations
@@ -24,16 +25,19 @@ from controller.auth import mint_token
 from controller.judge_lanes import JudgeLimits
 from controller.proxy.control import ControlClient
 from controller.router import RouterConfig
+from fleet.api.kvfleet.v1 import fleet_pb2, fleet_pb2_grpc
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
 from fleet.app.testkit.stack import StackConfig, start_stack
 from fleet.core.errors import Unavailable
+from fleet.sdk import types
 
 HOLD_S = 1.0
 
 
-class _SlowForOne(pbg.RouteServiceServicer):
-    """Answers Route at once, except for the token "flood", whose calls it holds HOLD_S."""
+class _SlowForOne(pbg.RouteServiceServicer, fleet_pb2_grpc.FleetServiceServicer):
+    """Answers Route at once, except for the token "flood", whose calls it holds HOLD_S; WhoAmI: each token is a
+    tenant of its own name."""
 
     def __init__(self) -> None:
         self.routes = 0
@@ -44,6 +48,10 @@ class _SlowForOne(pbg.RouteServiceServicer):
             await asyncio.sleep(HOLD_S)
         return pb.RouteResponse(worker="w0", url="http://127.0.0.1:1", route_id=f"r{self.routes}")
 
+    async def WhoAmI(self, request: fleet_pb2.WhoAmIRequest, context: Any) -> fleet_pb2.WhoAmIResponse:
+        token = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
+        return fleet_pb2.WhoAmIResponse(tenant=token, role="tenant", name=token)
+
 
 async def _route_s(control: ControlClient, token: str) -> float:
     t0 = time.perf_counter()
@@ -53,11 +61,15 @@ async def _route_s(control: ControlClient, token: str) -> float:
 
 async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
     server = grpc.aio.server()
-    pbg.add_RouteServiceServicer_to_server(_SlowForOne(), server)
+    fake = _SlowForOne()
+    pbg.add_RouteServiceServicer_to_server(fake, server)
+    fleet_pb2_grpc.add_FleetServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     control = ControlClient(f"127.0.0.1:{port}", timeout_s=5.0, max_rpcs=8, stream=False)
     try:
+        for token in ("flood", "calm"):  # the proxy asks WhoAmI before it routes: each token's tenant is known
+            await control.whoami(token)
         flood = [asyncio.ensure_future(_route_s(control, "flood")) for _ in range(16)]
         await asyncio.sleep(0.2)  # the flood's calls hold their slots (and wait for more)
         calm = await _route_s(control, "calm")
@@ -70,14 +82,17 @@ async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
         await server.stop(0)
 
 
-async def test_a_call_past_its_tokens_share_fails_saying_so() -> None:
+async def test_a_call_past_its_share_fails_saying_so() -> None:
     control = ControlClient("127.0.0.1:1", timeout_s=0.2, max_rpcs=4, stream=False)  # no RPC is sent
+    for token, tenant in (("calm", "bravo"), ("third", "charlie")):  # as a WhoAmI would have named them
+        control._callers[token] = (time.monotonic() + 60, types.Caller(tenant, "tenant", token))
     try:
         async with contextlib.AsyncExitStack() as held:
-            for _ in range(3):  # the token's share: 3 of the 4 slots
-                await held.enter_async_context(control._slot("Route", "flood"))
-            with pytest.raises(Unavailable, match="this client token already has 3 of them, and none was free within 0.2s"):
-                async with control._slot("Route", "flood"):
+            for i in range(3):  # the tokens not known yet, all together: 3 of the 4 slots
+                await held.enter_async_context(control._slot("WhoAmI", f"unknown-{i}"))
+            with pytest.raises(Unavailable, match="this group of tokens not known yet already has 3 of them, "
+                                                  "and none was free within 0.2s"):
+                async with control._slot("WhoAmI", "unknown-3"):
                     pass
             async with control._slot("Route", "calm"):  # the quarter left is taken at once
                 with pytest.raises(Unavailable, match="the proxy.s RPCs to the controller: all 4 were busy"):

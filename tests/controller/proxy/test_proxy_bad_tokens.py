@@ -1,0 +1,152 @@
+"""Made-up bearer tokens cannot flood the controller with WhoAmI calls or take the known tenants' RPC slots.
+
+Anyone who reaches the proxy can send tokens; each one the proxy does not know yet costs a WhoAmI. So a token
+the controller refused is answered 401 by the proxy itself for `auth_refused_s`, and all the tokens not known yet
+share one share of the RPC slots (three quarters), never more, whatever their number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from support.proxy_fleet import MODEL, start_fleet
+
+from controller.auth import mint_token
+from controller.proxy.control import ControlClient
+from controller.proxy.refused import RefusedTokens
+from fleet.api.kvfleet.v1 import fleet_pb2, route_pb2
+from fleet.api.kvfleet.v1 import fleet_pb2_grpc as fleet_grpc
+from fleet.api.kvfleet.v1 import route_pb2_grpc as route_grpc
+from fleet.core.errors import Unauthenticated
+
+HOLD_S = 1.0
+PLAIN = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+
+
+async def test_a_flood_of_made_up_tokens_asks_the_controller_once_a_token(tmp_path: Path) -> None:
+    """50 clients, each retrying its own made-up token 4 times, beside a known tenant's requests. Before, every
+    request cost the controller a WhoAmI (200 refusals); now one a token (50), the rest answered 401 locally."""
+    fleet = await start_fleet(tmp_path, num_workers=1, auth_refused_s=30.0)
+    book = fleet.ctl.ctx.auth.book
+    assert book is not None
+    refusals = 0
+    lookup = book.lookup
+
+    def counted(token: str) -> Any:
+        nonlocal refusals
+        ident = lookup(token)
+        refusals += ident is None
+        return ident
+
+    book.lookup = counted  # type: ignore[method-assign]
+    url = fleet.proxy.url + "/v1/chat/completions"
+
+    async def post(token: str) -> tuple[int, float, bytes]:
+        t0 = time.perf_counter()
+        async with fleet.http.post(url, json=PLAIN, headers={"Authorization": f"Bearer {token}"}) as r:
+            return r.status, time.perf_counter() - t0, await r.read()
+
+    async def bad_client(i: int) -> list[tuple[int, float, bytes]]:
+        return [await post(f"kvf_made-up-{i}") for _ in range(4)]
+
+    async def known(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            status, took, body = await post(fleet.tokens["a"])
+            assert status == 200, body
+            out.append(took)
+        return out
+
+    try:
+        alone = await known(10)  # control: the known tenant without the flood (its WhoAmI answered and cached)
+        assert refusals == 0
+        flood = asyncio.gather(*(bad_client(i) for i in range(50)))
+        beside = await known(10)
+        answers = [a for c in await flood for a in c]
+        assert {s for s, _, _ in answers} == {401}
+        assert all(b"invalid bearer token" in b for _, _, b in answers)  # the controller's words, cached or not
+        print(f"\nknown tenant p50 alone {statistics.median(alone) * 1e3:.1f} ms, beside the flood "
+              f"{statistics.median(beside) * 1e3:.1f} ms; controller refusals: {refusals} of {len(answers)} requests")
+        assert refusals <= 50, f"{refusals} WhoAmI refusals at the controller for 50 made-up tokens"
+        fresh = mint_token(tmp_path / "tokens.json", "acme", "tenant", "acme-new")  # a new token is not a refused one
+        status, _, body = await post(fresh)
+        assert status == 200, body
+    finally:
+        await fleet.stop()
+
+
+class _Fake(fleet_grpc.FleetServiceServicer, route_grpc.RouteServiceServicer):
+    """WhoAmI: "calm" and "fresh" are tenant bravo at once; any other token is refused after HOLD_S."""
+
+    def __init__(self) -> None:
+        self.held = self.peak = 0
+
+    async def WhoAmI(self, request: fleet_pb2.WhoAmIRequest, context: Any) -> fleet_pb2.WhoAmIResponse:
+        token = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
+        if token in ("calm", "fresh"):
+            return fleet_pb2.WhoAmIResponse(tenant="bravo", role="tenant", name=token)
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+        try:
+            await asyncio.sleep(HOLD_S)
+        finally:
+            self.held -= 1
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+        raise AssertionError("unreachable")
+
+    async def Route(self, request: route_pb2.RouteRequest, context: Any) -> route_pb2.RouteResponse:
+        return route_pb2.RouteResponse(worker="w0", url="http://127.0.0.1:1", route_id="r1")
+
+
+async def test_tokens_not_known_yet_share_one_share_of_the_slots() -> None:
+    """16 distinct made-up tokens whose WhoAmI the controller holds: together they hold 6 of the 8 slots (before,
+    each had a share of its own: they held all 8, and a known tenant's Route waited behind them). A known tenant's
+    Route is answered while they are held; a new legitimate token's first WhoAmI gets through behind them."""
+    fake = _Fake()
+    server = grpc.aio.server()
+    fleet_grpc.add_FleetServiceServicer_to_server(fake, server)
+    route_grpc.add_RouteServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    control = ControlClient(f"127.0.0.1:{port}", timeout_s=5.0, max_rpcs=8, stream=False)
+    try:
+        assert (await control.whoami("calm")).tenant == "bravo"
+        flood = [asyncio.ensure_future(control.whoami(f"made-up-{i}")) for i in range(16)]
+        deadline = time.monotonic() + 5
+        while fake.held < 6:
+            assert time.monotonic() < deadline, fake.held
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the rest of the flood takes what slots it can
+        first = asyncio.ensure_future(control.whoami("fresh"))  # a legitimate token's first request, behind them
+        await control.route([1, 2], "m", lora=None, token="calm")
+        assert not any(f.done() for f in flood), "the known tenant's Route waited for the flood's WhoAmIs to end"
+        assert fake.peak == 6, f"{fake.peak} of the 8 slots held by tokens not known yet"
+        assert (await first).tenant == "bravo"
+        for f in flood:
+            with pytest.raises(Unauthenticated):
+                await f
+    finally:
+        await control.close()
+        await server.stop(0)
+
+
+def test_refused_tokens_expire_and_the_least_recently_used_goes_first() -> None:
+    now = [0.0]
+    refused = RefusedTokens(2, 3.0, clock=lambda: now[0])
+    refused.add("a", Unauthenticated("no a"))
+    refused.add("b", Unauthenticated("no b"))
+    assert str(refused.get("a")) == "no a"  # a is now the most recently used
+    refused.add("c", Unauthenticated("no c"))
+    assert refused.get("b") is None and refused.get("a") is not None and len(refused) == 2
+    now[0] = 3.0
+    assert refused.get("a") is None and refused.get("c") is None and len(refused) == 0
+    assert RefusedTokens(10, 0.0).get("x") is None
+    off = RefusedTokens(10, 0.0)
+    off.add("x", Unauthenticated("no"))
+    assert off.get("x") is None and len(off) == 0
