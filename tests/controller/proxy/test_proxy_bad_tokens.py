@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import pytest
 from support.proxy_fleet import MODEL, start_fleet
+from support.stub_control import stub_control
 
 from controller.auth import mint_token
-from controller.proxy.control import ControlClient
 from controller.proxy.refused import RefusedTokens
 from fleet.api.kvfleet.v1 import fleet_pb2, route_pb2
 from fleet.api.kvfleet.v1 import fleet_pb2_grpc as fleet_grpc
@@ -109,13 +109,7 @@ async def test_tokens_not_known_yet_share_one_share_of_the_slots() -> None:
     each had a share of its own: they held all 8, and a known tenant's Route waited behind them). A known tenant's
     Route is answered while they are held; a new legitimate token's first WhoAmI gets through behind them."""
     fake = _Fake()
-    server = grpc.aio.server()
-    fleet_grpc.add_FleetServiceServicer_to_server(fake, server)
-    route_grpc.add_RouteServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    control = ControlClient(f"127.0.0.1:{port}", timeout_s=5.0, max_rpcs=8, stream=False)
-    try:
+    async with stub_control(fake) as control:
         assert (await control.whoami("calm")).tenant == "bravo"
         flood = [asyncio.ensure_future(control.whoami(f"made-up-{i}")) for i in range(16)]
         deadline = time.monotonic() + 5
@@ -131,9 +125,6 @@ async def test_tokens_not_known_yet_share_one_share_of_the_slots() -> None:
         for f in flood:
             with pytest.raises(Unauthenticated):
                 await f
-    finally:
-        await control.close()
-        await server.stop(0)
 
 
 def test_refused_tokens_expire_and_the_least_recently_used_goes_first() -> None:

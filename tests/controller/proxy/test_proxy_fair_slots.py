@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpc
 import pytest
 from support.proxy_fleet import BLOCK, MODEL
+from support.stub_control import stub_control
 
 from controller.auth import mint_token
 from controller.judge_lanes import JudgeLimits
@@ -60,14 +60,7 @@ async def _route_s(control: ControlClient, token: str) -> float:
 
 
 async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
-    server = grpc.aio.server()
-    fake = _SlowForOne()
-    pbg.add_RouteServiceServicer_to_server(fake, server)
-    fleet_pb2_grpc.add_FleetServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    control = ControlClient(f"127.0.0.1:{port}", timeout_s=5.0, max_rpcs=8, stream=False)
-    try:
+    async with stub_control(_SlowForOne()) as control:
         for token in ("flood", "calm"):  # the proxy asks WhoAmI before it routes: each token's tenant is known
             await control.whoami(token)
         flood = [asyncio.ensure_future(_route_s(control, "flood")) for _ in range(16)]
@@ -77,9 +70,6 @@ async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
         took = await asyncio.gather(*flood)
         # control: the flood itself was held, 6 calls at a time (three quarters of the 8 slots): 3 rounds of HOLD_S
         assert min(took) >= HOLD_S * 0.9 and max(took) >= HOLD_S * 2.7
-    finally:
-        await control.close()
-        await server.stop(0)
 
 
 async def test_a_call_past_its_share_fails_saying_so() -> None:
