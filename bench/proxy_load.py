@@ -18,6 +18,9 @@ machine. Bounded: C*R requests per round, and a round stops early after --round-
         # also a proxy from another source tree (path "proxy-baseline"), in the same rounds: before/after
 
 Latency = time to the first SSE event (TTFB) and to the end of the stream, at the client.
+CPU per request = the router process's CPU time (user + system, all its threads, from /proc) over its rounds,
+divided by the requests answered, and the controller's over the same rounds (it serves only the kvfleet paths: in
+the other rows its figure is what it spends on KV events and polls alone).
 Added latency = proxy percentile minus direct percentile (same percentile, same run).
 In the 1-client rounds the load generator also times the proxy's two extra hops alone (path "hops": the same
 turns' /tokenize to a worker, then a tracked Route to the controller with the client's token, released after,
@@ -63,6 +66,8 @@ class Sample:
     unfinished: int = 0
     warm: int = 0
     wall: float = 0.0
+    cpu: float = 0.0  # the router process's CPU seconds over the round (0: no router on the path)
+    ctl_cpu: float = 0.0  # the controller's
 
 
 @dataclass(slots=True)
@@ -72,6 +77,13 @@ class Hops:
     tokenize: list[float] = field(default_factory=list)
     route: list[float] = field(default_factory=list)
     both: list[float] = field(default_factory=list)
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system, every thread), in seconds."""
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # from the state on (the name may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -176,6 +188,8 @@ def merge(samples: list[Sample]) -> Sample:
         m.unfinished += s.unfinished
         m.warm += s.warm
         m.wall += s.wall
+        m.cpu += s.cpu
+        m.ctl_cpu += s.ctl_cpu
     return m
 
 
@@ -228,6 +242,8 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int,
         procs.append(spawn(["controller", "--listen", ctl, "--store", f"sqlite:///{tmp / 'kv.db'}",
                             "--tokens-file", str(tokens), "--metrics-port", "-1"], tmp / "controller.log"))
         first_line(procs[-1], "controller")
+        ctl_pid = procs[-1].pid
+        pids: dict[str, int] = {}  # the process serving each routed path
         async with AsyncFleetClient(ctl, token=op) as c:
             for i, s in enumerate(sims):
                 await c.register_worker(f"w{i}", url=s["url"], kv_events=s["kv_events"], replay=s["replay"] or "",
@@ -246,11 +262,12 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int,
             procs.append(spawn(["proxy", "--controller", ctl, "--listen", listen, "--token", op, *extra],
                                tmp / f"{mode}.log", tree))
             first_line(procs[-1], mode)
+            pids[mode] = procs[-1].pid
             paths[mode] = ([f"http://{listen}"], auth)
             await round_(paths[mode][0], auth, 8, 2, 30, f"warm-up {mode}")  # connections, workers seen serving
         if "proxy-local" in paths:
             await check_parity(paths["proxy-local"][0][0])
-        await start_peers(a.peers, sims, tmp, procs, paths)
+        await start_peers(a.peers, sims, tmp, procs, paths, pids)
         res: dict[tuple[int, str], list[Sample]] = {}
         hops = Hops()
         ctl_client = ControlClient(ctl)
@@ -262,10 +279,14 @@ async def run(a: argparse.Namespace, tmp: pathlib.Path) -> tuple[dict[tuple[int,
                         await hop_round(sims[0]["url"], ctl_client, tenant, turns, f"hops/{r}", hops)
                         continue
                     urls, hdr = paths[mode]
+                    pid = pids.get(mode)
+                    cpu0, ctl0 = (cpu_s(pid) if pid else 0.0), cpu_s(ctl_pid)
                     s = await round_(urls, hdr, clients, turns, a.round_timeout, f"{clients}/{r}/{mode}")
+                    s.cpu, s.ctl_cpu = (cpu_s(pid) - cpu0 if pid else 0.0), cpu_s(ctl_pid) - ctl0
                     print(f"{clients} clients round {r} {mode:11s}: {len(s.total)} ok, {s.errors} errors, "
                           f"{s.unfinished} unfinished, {len(s.total) / s.wall:.0f} req/s, TTFB p50 "
-                          f"{1e3 * pct(s.ttfb, 50):.1f} ms p99 {1e3 * pct(s.ttfb, 99):.1f} ms", flush=True)
+                          f"{1e3 * pct(s.ttfb, 50):.1f} ms p99 {1e3 * pct(s.ttfb, 99):.1f} ms, CPU ms/request: "
+                          f"router {_per(s.cpu, s)}, controller {_per(s.ctl_cpu, s)}", flush=True)
                     res.setdefault((clients, mode), []).append(s)
         return {k: merge(v) for k, v in res.items()}, hops
     finally:
@@ -288,7 +309,8 @@ class StandIns(SimpleNamespace):
 
 
 async def start_peers(names: list[str], sims: list[dict[str, object]], tmp: pathlib.Path,
-                      procs: list[subprocess.Popen[str]], paths: dict[str, tuple[list[str], dict[str, str]]]) -> None:
+                      procs: list[subprocess.Popen[str]], paths: dict[str, tuple[list[str], dict[str, str]]],
+                      pids: dict[str, int]) -> None:
     """Each peer router of `names` in front of the stand-ins, as a path of its own; one not installed, or not
     answering its /health, is left out with a line saying so (the report then has no row for it)."""
     fleet = StandIns(sims={f"w{i}": SimpleNamespace(**s) for i, s in enumerate(sims)},
@@ -309,7 +331,7 @@ async def start_peers(names: list[str], sims: list[dict[str, object]], tmp: path
             print(f"{name}: left out: {e}; log: {(tmp / f'{name}.log').read_text(errors='replace')[-600:]}",
                   file=sys.stderr)
             continue
-        paths[name] = ([url], {})
+        paths[name], pids[name] = ([url], {}), p.pid
         await round_([url], {}, 8, 2, 30, f"warm-up {name}")
 
 
@@ -322,10 +344,15 @@ async def check_parity(url: str) -> None:
         raise RuntimeError(f"the local tokenizer failed the proxy's parity check ({parity}); see proxy-local.log")
 
 
-def _row(name: str, s: Sample) -> str:
+def _per(cpu: float, s: Sample) -> str:
+    """CPU milliseconds per answered request ("-" where the path has no router)."""
+    return f"{1e3 * cpu / len(s.total):.2f}" if cpu and s.total else "-"
+
+
+def _row(name: str, s: Sample, ctl: bool = False) -> str:
     return (f"| {name} | {len(s.total)} | {s.errors} | {s.unfinished} | {len(s.total) / s.wall:.0f} | "
             f"{1e3 * pct(s.ttfb, 50):.1f} | {1e3 * pct(s.ttfb, 99):.1f} | {1e3 * pct(s.total, 50):.1f} | "
-            f"{1e3 * pct(s.total, 99):.1f} |")
+            f"{1e3 * pct(s.total, 99):.1f} | {_per(s.cpu, s)} | {_per(s.ctl_cpu, s) if ctl else '-'} |")
 
 
 def _added(name: str, d: Sample, p: Sample) -> str:
@@ -333,7 +360,7 @@ def _added(name: str, d: Sample, p: Sample) -> str:
     ms += [1e3 * (pct(p.total, q) - pct(d.total, q)) for q in (50, 99)]
     ratio = (len(p.total) / p.wall) / (len(d.total) / d.wall)
     return (f"| **{name}** | | | | {ratio:.2f}x | **{ms[0]:+.1f}** | **{ms[1]:+.1f}** | {ms[2]:+.1f} | "
-            f"{ms[3]:+.1f} |")
+            f"{ms[3]:+.1f} | | |")
 
 
 PEERS = ("vllm-kv_aware", "sglang-cache_aware")  # the peers users would pick instead (bench/peers/launch.py)
@@ -367,7 +394,8 @@ def hops_note(h: Hops, d: Sample, p: Sample) -> str:
 def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tuple[float, float],
            hops: Hops | None = None) -> str:
     rows = ["| clients, path | requests ok | errors | unfinished | req/s | TTFB p50 ms | TTFB p99 ms | "
-            "stream p50 ms | stream p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+            "stream p50 ms | stream p99 ms | router CPU ms/req | controller CPU ms/req |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     label = tree_label(a.baseline_tree) if a.baseline_tree else ""
     modes = [m for m in ("proxy", "proxy-baseline", "proxy-local", *PEERS) if (1, m) in res]
     local = "proxy-local" in modes
@@ -376,7 +404,7 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tupl
         rows.append(_row(f"{clients}, {PATHS['direct']}", d))
         for mode in modes:
             p = res[(clients, mode)]
-            rows += [_row(f"{clients}, {PATHS[mode].format(label=label)}", p),
+            rows += [_row(f"{clients}, {PATHS[mode].format(label=label)}", p, ctl=mode.startswith("proxy")),
                      _added(ADDED[mode].format(label=label), d, p)]
     p = res[(1 if a.solo_only else a.clients, "proxy")]
     return "\n".join([
@@ -406,7 +434,10 @@ def report(res: dict[tuple[int, str], Sample], a: argparse.Namespace, load: tupl
            "the same rounds: what a user who picks one of them instead pays per request (what each does per request, "
            "and why sglang-router's first streamed event comes about 40 ms late here: docs/proxy.md). "
            if any(m in PEERS for m in modes) else "")
-        + "Added = router percentile minus direct percentile (same percentile, same run).",
+        + "Added = router percentile minus direct percentile (same percentile, same run). CPU per request: the "
+        "router process's CPU time (user + system, all its threads) over its rounds per answered request, and the "
+        "controller's over the same rounds (it serves only the kvfleet paths; beside a peer its figure is its KV "
+        "events and polls alone, so it is not shown there).",
         "",
         *rows,
         "",

@@ -72,6 +72,12 @@ class Metrics:
             ["direction"],
             registry=r,
         )
+        self.route_stream_writes = Counter(
+            "kvfleet_route_stream_writes_total",
+            "RouteStream writes received from callers and written to them (a write may carry several messages).",
+            ["direction"],
+            registry=r,
+        )
         self.inflight_dropped = Counter(
             "kvfleet_route_inflight_dropped_total",
             "In-flight routes dropped without a release, by reason (ttl, reconcile, unregistered).",

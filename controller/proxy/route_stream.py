@@ -21,6 +21,10 @@ each call as a message, matched to its answer by id. Measured in bench/proxy_loa
   stream it goes at once. Its outcome comes back in that message's answer.
   At 200 clients that halves the stream's messages (docs/proxy.md); a route counts as in flight on its worker
   for at most `batch_s` longer. A controller from before gets each release as its own message.
+- Messages that queue while a write is in flight go in the next write together (`more`), and the controller
+  answers several in one, where it says it takes them (BATCHED): under load a write of a stream, and its read on
+  the other side, cost about as much CPU as the routing it carries (docs/proxy.md, "RouteStream batches"). Nothing
+  waits for a batch to fill: a quiet stream sends each message alone, as before.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ IDLE_S = 60.0  # a stream unused this long is closed
 SWEEPS = 4  # looks per idle_s: an idle stream is closed within 1.25 x idle_s
 BATCH_S = 0.002  # the longest a release waits for a message to ride on
 CARRIED = ("kvfleet-route-stream", "carried-releases")  # the controller's initial metadata: it takes carried releases
+BATCHED = ("kvfleet-route-stream", "batched")  # the controller's initial metadata, and the proxy's call metadata
+MAX_BATCH = 32  # messages sent in one write
 Done = Callable[[str], None]  # a carried release's outcome: "released", "unknown" or "failed"
 
 
@@ -57,10 +63,11 @@ class StreamUnsupported(Exception):
 class _Stream:
     def __init__(self, stub: RouteServiceStub, token: str | None, target: str, batch_s: float = BATCH_S) -> None:
         self.target, self.batch_s = target, batch_s
-        self.call = stub.RouteStream(metadata=base.metadata(token))
+        self.call = stub.RouteStream(metadata=(*base.metadata(token), BATCHED))
         self.waiting: dict[int, asyncio.Future[route_pb2.RouteStreamResponse]] = {}
         self.outbox: asyncio.Queue[route_pb2.RouteStreamRequest | None] = asyncio.Queue()  # None: send the releases
         self.carries = False  # the controller said it takes carried releases
+        self.batches = False  # the controller said it takes several messages in one
         self.releases: list[tuple[route_pb2.ReleaseRouteRequest, Done]] = []  # queued, not yet sent
         self.carried: dict[int, list[Done]] = {}  # releases sent on message id, waiting for its answer
         self._flush: asyncio.TimerHandle | None = None  # armed while releases are queued
@@ -130,6 +137,12 @@ class _Stream:
         try:
             while True:
                 msg = self._load(await self.outbox.get())
+                while self.batches and not self.outbox.empty() and (msg is None or len(msg.more) < MAX_BATCH - 1):
+                    nxt = self._load(self.outbox.get_nowait())  # what queued while the last write was in flight
+                    if msg is None:
+                        msg = nxt
+                    elif nxt is not None:
+                        msg.more.append(nxt)
                 if msg is not None:
                     await self.call.write(msg)
         except asyncio.CancelledError:
@@ -139,16 +152,18 @@ class _Stream:
 
     async def _read(self) -> None:
         try:
-            self.carries = CARRIED in tuple(await self.call.initial_metadata() or ())  # (key, value) pairs
+            said = tuple(await self.call.initial_metadata() or ())  # (key, value) pairs
+            self.carries, self.batches = CARRIED in said, BATCHED in said
             while True:
                 msg = await self.call.read()
                 if msg is grpc.aio.EOF:
                     raise Unavailable(f"RouteStream at {self.target}: the controller ended the stream")
-                fut = self.waiting.pop(msg.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-                if self.carried:
-                    self._settle(msg)
+                for one in (msg, *msg.more):  # the answers sent in this one, each alone
+                    fut = self.waiting.pop(one.id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(one)
+                    if self.carried:
+                        self._settle(one)
         except asyncio.CancelledError:
             self._break(Unavailable(f"RouteStream at {self.target}: closed"))
             raise

@@ -16,6 +16,11 @@ A message may also carry ReleaseRoutes (`releases`, alone or beside its op: the 
 with its next message, docs/proxy.md): they are released before the op runs and answered in its answer's `released`,
 with no message of their own. The stream's initial metadata (CARRIED) tells a caller that this controller takes them:
 one from before would ignore the field, so a caller that did not see it sends each release as its own message.
+
+Several messages may come in one (`more`), and several answers go in one to a caller whose call metadata carries
+BATCHED (the answers written together are those finished by the time the writer takes the next): each write of a
+stream costs about as much CPU as the routing it carries (docs/proxy.md, "RouteStream batches"). The initial
+metadata (BATCHED) says this controller takes them. A message in `more` carries none of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ MAX_MODEL_CHARS = 1024
 MAX_CLIENT_SALT_CHARS = 1024  # a client's own cache_salt (vLLM recommends 43 characters: 256 random bits)
 STREAM_IN_FLIGHT = 64  # messages of one RouteStream running at once
 CARRIED = ("kvfleet-route-stream", "carried-releases")  # initial metadata: releases may ride on other messages
+BATCHED = ("kvfleet-route-stream", "batched")  # initial metadata: messages may ride in `more`; call metadata: answers too
+MAX_BATCH = 32  # answers written in one message
 _OPS = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
 log = logging.getLogger("kvfleet.controller")
 
@@ -127,20 +134,23 @@ class RouteServicer(pbg.RouteServiceServicer):
             check_caller(self.ctx, context, Role.TENANT, "RouteStream")
         except KvfleetError as e:
             await fail_call(self.ctx, context, "RouteStream", e)
-        await context.send_initial_metadata((CARRIED,))
+        await context.send_initial_metadata((CARRIED, BATCHED))
+        batched = BATCHED in tuple(context.invocation_metadata() or ())  # (key, value) pairs
         counted = self.ctx.metrics.route_stream_messages
         received, answered = counted.labels("received"), counted.labels("answered")
+        writes = self.ctx.metrics.route_stream_writes
+        reads, written = writes.labels("received"), writes.labels("answered")
         answers: asyncio.Queue[pb.RouteStreamResponse | BaseException | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
 
-        async def answer(msg: pb.RouteStreamRequest) -> None:
+        async def answer(msg: pb.RouteStreamRequest, inner: bool) -> None:
             # NOTE: the message's slot is released once its answer is written (below), not once it is queued: an
             # unread stream then stops being read at STREAM_IN_FLIGHT answers. Before, a caller that sent and never
             # read grew the queue without bound (82,000 answers, +89 MiB in 30 s)
             try:
-                out = await self._answer(msg, context)
+                out = await self._answer(msg, context, inner)
             except BaseException:
                 slots.release()
                 raise
@@ -152,11 +162,13 @@ class RouteServicer(pbg.RouteServiceServicer):
                     if isinstance(msg, Undecodable):
                         answers.put_nowait(msg)  # refused by the writer below
                         return
-                    received.inc()
-                    await slots.acquire()
-                    task = loop.create_task(answer(msg))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
+                    reads.inc()
+                    for i, one in enumerate((msg, *msg.more)):  # the messages sent in this one, each alone
+                        received.inc()
+                        await slots.acquire()
+                        task = loop.create_task(answer(one, i > 0))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
                 if running:
                     await asyncio.wait(set(running))
                 answers.put_nowait(None)  # the caller half-closed and every message is answered
@@ -164,9 +176,10 @@ class RouteServicer(pbg.RouteServiceServicer):
                 answers.put_nowait(e)
 
         reader = loop.create_task(read())
+        ahead: list[pb.RouteStreamResponse | BaseException | None] = []  # taken off the queue behind a batch
         try:
             while True:
-                out = await answers.get()
+                out = ahead.pop() if ahead else await answers.get()
                 if out is None:
                     return
                 if isinstance(out, Undecodable):
@@ -175,21 +188,34 @@ class RouteServicer(pbg.RouteServiceServicer):
                     if isinstance(out, asyncio.CancelledError):
                         return
                     raise out
+                n = 1
+                while batched and n < MAX_BATCH and not answers.empty():  # the answers finished by now go with it
+                    nxt = answers.get_nowait()
+                    if not isinstance(nxt, pb.RouteStreamResponse):
+                        ahead.append(nxt)
+                        break
+                    out.more.append(nxt)
+                    n += 1
                 yield out
-                answered.inc()
-                slots.release()
+                written.inc()
+                answered.inc(n)
+                for _ in range(n):
+                    slots.release()
         finally:
             reader.cancel()
             for task in list(running):
                 task.cancel()
 
-    async def _answer(self, msg: pb.RouteStreamRequest, context: grpc.aio.ServicerContext) -> pb.RouteStreamResponse:
+    async def _answer(self, msg: pb.RouteStreamRequest, context: grpc.aio.ServicerContext,
+                      inner: bool = False) -> pb.RouteStreamResponse:
         op = msg.WhichOneof("op")
         method = _OPS.get(op or "", "ReleaseRoute" if msg.releases else "RouteStream")
         released: list[bool] = []
         try:
             # NOTE: again at every message: a token revoked, or a controller that stopped leading, fails the next one
             ident = check_caller(self.ctx, context, Role.TENANT, method)
+            if inner and msg.more:
+                raise InvalidArgument("a RouteStream message sent in another's `more` carries no `more` of its own")
             released = [self._carried(r, ident) for r in msg.releases]  # first: the op routes on the lighter load
             out = await self._op(op, msg, ident)
         except KvfleetError as e:

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteStreamRequest(_message.Message):
-    __slots__ = ("id", "route", "release", "move", "releases")
+    __slots__ = ("id", "route", "release", "move", "releases", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     route: RouteRequest
     release: ReleaseRouteRequest
     move: MoveRouteRequest
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseRouteRequest]
-    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteRequest, _Mapping]] = ..., move: _Optional[_Union[MoveRouteRequest, _Mapping]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRouteRequest, _Mapping]]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[RouteStreamRequest]
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteRequest, _Mapping]] = ..., move: _Optional[_Union[MoveRouteRequest, _Mapping]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRouteRequest, _Mapping]]] = ..., more: _Optional[_Iterable[_Union[RouteStreamRequest, _Mapping]]] = ...) -> None: ...
 
 class RouteStreamError(_message.Message):
     __slots__ = ("code", "message")
@@ -30,20 +32,22 @@ class RouteStreamError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RouteStreamResponse(_message.Message):
-    __slots__ = ("id", "route", "release", "move", "error", "released")
+    __slots__ = ("id", "route", "release", "move", "error", "released", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     route: RouteResponse
     release: ReleaseRouteResponse
     move: MoveRouteResponse
     error: RouteStreamError
     released: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteResponse, _Mapping]] = ..., move: _Optional[_Union[MoveRouteResponse, _Mapping]] = ..., error: _Optional[_Union[RouteStreamError, _Mapping]] = ..., released: _Optional[_Iterable[bool]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[RouteStreamResponse]
+    def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteResponse, _Mapping]] = ..., move: _Optional[_Union[MoveRouteResponse, _Mapping]] = ..., error: _Optional[_Union[RouteStreamError, _Mapping]] = ..., released: _Optional[_Iterable[bool]] = ..., more: _Optional[_Iterable[_Union[RouteStreamResponse, _Mapping]]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("token_ids", "model", "lora", "probe", "track", "client_salt")

@@ -95,6 +95,8 @@ class RouteServiceServicer:
         not in order: match them by `id`. A message's failure is its answer's `error`; the stream goes on.
         A controller that takes releases carried on other messages (RouteStreamRequest.releases) says so in the
         stream's initial metadata: key `kvfleet-route-stream`, value `carried-releases`.
+        One that takes several messages in one (RouteStreamRequest.more) says so with the same key, value `batched`;
+        it answers several in one (RouteStreamResponse.more) only to a caller whose call metadata carries that pair.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,115 @@
+"""RouteStream batches: messages that queue while the proxy's last write is in flight go in its next write together
+(`more`), and the controller answers several in one to a caller that says it reads them (controller/proxy/route_stream.py,
+controller/servicers/route.py, docs/proxy.md "RouteStream batches"). Real controller, sims and proxy on loopback.
+
+NOTE: before, every message was a write of its own each way: under load a write (and its read on the other side) cost
+the proxy and the controller about as much CPU as the routing it carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.proxy_fleet import MODEL, start_fleet
+
+from controller.proxy import route_stream
+from controller.proxy.control import ControlClient
+from controller.servicers import route as route_servicer
+from controller.servicers.route import BATCHED
+from fleet.api.kvfleet.v1 import route_pb2 as pb
+
+N = 6
+
+
+def _count(counter: Any) -> float:
+    return float(counter._value.get())
+
+
+async def _six_at_once(tmp_path: Path) -> tuple[float, float, list[str]]:
+    """Six routes asked in one event-loop turn on an open stream: (writes the controller read, messages, workers)."""
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        metrics, token = fleet.ctl.ctx.metrics, fleet.tokens["a"]
+        await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and its metadata read
+        reads, msgs = metrics.route_stream_writes.labels("received"), metrics.route_stream_messages.labels("received")
+        r0, m0 = _count(reads), _count(msgs)
+        asked = await asyncio.gather(*(control.route([i + 1] * 20, MODEL, lora=None, token=token) for i in range(N)))
+        return _count(reads) - r0, _count(msgs) - m0, [d.worker for d in asked]
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def test_routes_queued_while_a_write_is_out_go_in_one_write(tmp_path: Path) -> None:
+    writes, messages, workers = await _six_at_once(tmp_path)
+    print(f"{N} routes asked at once: {messages:.0f} messages in {writes:.0f} write(s) (before: {N} writes)")
+    assert messages == N and all(workers)  # each answered as if it had come alone
+    assert writes < N  # the write carries what queued behind its first message (here all six go in one)
+
+
+async def test_control_a_controller_that_does_not_say_batched_gets_each_message_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the controller announces (and looks for) another value: the proxy must not send `more` it would drop
+    monkeypatch.setattr(route_servicer, "BATCHED", ("kvfleet-route-stream", "not-batched"))
+    writes, messages, workers = await _six_at_once(tmp_path)
+    assert (writes, messages) == (N, N) and all(workers)
+
+
+async def test_the_controller_answers_every_message_of_a_batch_and_refuses_a_nested_one(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
+        call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
+        try:
+            assert BATCHED in tuple(await call.initial_metadata())
+            head = pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids=[1] * 20, model=MODEL))
+            for i in range(2, 12):
+                head.more.add(id=i, route=pb.RouteRequest(token_ids=[i] * 20, model=MODEL))
+            nested = head.more.add(id=12, route=pb.RouteRequest(token_ids=[3] * 20, model=MODEL))
+            nested.more.add(id=13, route=pb.RouteRequest(token_ids=[4] * 20, model=MODEL))  # never run
+            written0 = _count(metrics.route_stream_writes.labels("answered"))
+            await call.write(head)
+            got: dict[int, pb.RouteStreamResponse] = {}
+            while len(got) < 12:
+                out = await asyncio.wait_for(call.read(), 5.0)
+                for one in (out, *out.more):
+                    got[one.id] = one
+            assert sorted(got) == list(range(1, 13))
+            assert all(got[i].WhichOneof("result") == "route" and got[i].route.worker for i in range(1, 12))
+            assert (got[12].WhichOneof("result"), got[12].error.code) == ("error", "INVALID_ARGUMENT")
+            assert "carries no `more`" in got[12].error.message
+            # 12 answers finished in the same turn of the controller's loop go out together
+            assert _count(metrics.route_stream_writes.labels("answered")) - written0 < 12
+        finally:
+            call.cancel()
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def test_a_caller_that_does_not_say_it_reads_batches_gets_each_answer_alone(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token = fleet.tokens["a"]
+        call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"),))  # a proxy from before
+        try:
+            for i in range(1, 7):
+                await call.write(pb.RouteStreamRequest(id=i, route=pb.RouteRequest(token_ids=[i] * 20, model=MODEL)))
+            outs = [await asyncio.wait_for(call.read(), 5.0) for _ in range(6)]
+            assert sorted(o.id for o in outs) == list(range(1, 7)) and not any(o.more for o in outs)
+        finally:
+            call.cancel()
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+def test_the_batch_bounds_agree() -> None:
+    assert route_stream.BATCHED == route_servicer.BATCHED
+    assert route_stream.MAX_BATCH <= route_servicer.STREAM_IN_FLIGHT
