@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fleet.app.testkit.sim_vllm import prompts
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.completions import body_of, completions, unknown_model
 from fleet.app.testkit.sim_vllm.extra_routes import (
@@ -132,11 +133,8 @@ def build_app(sim: Sim) -> web.Application:
         refused = unknown_model(sim.cfg.engine, body.get("model") or sim.cfg.engine.names[0])
         if refused is not None:
             return refused
-        ids = (
-            tok.apply_chat_template(body["messages"])
-            if "messages" in body
-            else tok.tokenize(body.get("prompt"))
-        )
+        # NOTE: rendered as vLLM's /tokenize does: no `documents` field, no truncation (prompts.py)
+        ids = prompts.chat_ids(body, tokenize_route=True) if "messages" in body else tok.tokenize(body.get("prompt"))
         return _j({"tokens": ids, "count": len(ids), "max_model_len": sim.cfg.engine.max_model_len})
 
     async def restart(req: web.Request) -> web.Response:

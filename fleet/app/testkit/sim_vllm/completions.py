@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from fleet.app.testkit.sim_vllm import prompts
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.engine import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
@@ -48,13 +49,20 @@ def unknown_model(c: SimEngineConfig, model: Any) -> web.Response | None:
     return _j({"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}}, 404)
 
 
-def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
+def _prompt_ids(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int]:
+    """What the engine prefills: the rendered chat or the prompt, truncated as the request asks (prompts.py)."""
     if chat:
-        return tok.apply_chat_template(body["messages"])
-    p = body.get("prompt")
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return list(p)
-    return tok.tokenize(p)
+        ids = prompts.chat_ids(body)
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            ids = list(p)
+        else:
+            ids = tok.tokenize(p)
+    ids = prompts.truncated(ids, body, chat, max_model_len)
+    if not ids:  # NOTE: vLLM refuses an empty prompt
+        raise InvalidArgument("The decoder prompt cannot be empty")
+    return ids
 
 
 @dataclass(slots=True)
@@ -143,7 +151,7 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     if refused is not None:
         return refused
     model = model if model in c.loras else c.names[0]  # what vLLM answers with: the adapter, or its first name
-    ids = _prompt_ids(body, chat)
+    ids = _prompt_ids(body, chat, c.max_model_len)
     n = int(body.get("max_tokens") or 16)
     if n < 1:
         raise InvalidArgument(f"max_tokens must be at least 1, got {n}")

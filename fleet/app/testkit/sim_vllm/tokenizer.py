@@ -55,14 +55,26 @@ def content_text(content: Any) -> str:
     return "\n".join(texts)
 
 
-def apply_chat_template(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """ChatML-shaped: <|im_start|>role\\ncontent<|im_end|>\\n ... then <|im_start|>assistant\\n."""
+def apply_chat_template(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, documents: Any = None) -> list[int]:
+    """ChatML-shaped: <|im_start|>role\\ncontent<|im_end|>\\n ... then <|im_start|>assistant\\n.
+
+    `documents` (a list of objects, for retrieval-augmented templates) come first, as a "documents" turn of each
+    document's values; `continue_final_message` leaves the last message open (no <|im_end|>, no generation prompt).
+    """
     out: list[int] = []
-    for m in messages:
+    if documents:
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise InvalidArgument("documents must be a list of objects")
+        text = "\n".join(str(v) for d in documents for v in d.values())
+        out += [IM_START, *tokenize("documents"), NEWLINE, *tokenize(text), IM_END, NEWLINE]
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidArgument("each message needs string 'role' and string, list or null 'content'")
-        out += [IM_START, *tokenize(m["role"]), NEWLINE, *tokenize(content_text(m.get("content"))), IM_END, NEWLINE]
-    if add_generation_prompt:
+        out += [IM_START, *tokenize(m["role"]), NEWLINE, *tokenize(content_text(m.get("content")))]
+        if not (continue_final_message and i == len(messages) - 1):
+            out += [IM_END, NEWLINE]
+    if add_generation_prompt and not continue_final_message:
         out += [IM_START, *tokenize("assistant"), NEWLINE]
     return out
 
