@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp_cors
 from aiohttp import HttpVersion11, web
 
-from controller.proxy import passthrough, responses
+from controller.proxy import passthrough, prefill, responses
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.reading import announced_size, client_salt, read_json, upstream_headers
 from controller.proxy.relay import PREPARED, relay
@@ -245,8 +245,11 @@ class Handlers:
         chat = kind == CHAT
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await self.p.enforcer.enforce(body, chat, tenant, token)
+        # NOTE: the ids the worker keeps under truncate_prompt_tokens, which /tokenize does not apply
+        k = prefill.kept(body, chat, self.p.directory.max_model_len(body["model"]))
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
-        return body, hits, enc, await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
+        ids = await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
+        return body, hits, enc, prefill.prefilled(ids, body, k)
 
     async def _answer(self, req: web.Request, kind: str, t0: float, token: str | None, tenant: str,
                       shrink: Callable[[int], None]) -> web.StreamResponse:

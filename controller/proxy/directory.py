@@ -265,6 +265,15 @@ class WorkerDirectory:
         ((base, served),) = first.items()
         return Resolved(base, None, served)
 
+    def max_model_len(self, model: str) -> int | None:
+        """The context length a card of the model id `model` gives (vLLM's cards carry max_model_len), else None."""
+        for name in sorted(self.workers):
+            for c in self._cards_of(name):
+                n = c.get("max_model_len")
+                if c.get("id") == model and isinstance(n, int) and not isinstance(n, bool):
+                    return n
+        return None
+
     def lists(self, worker: str, name: str | None) -> bool:
         """Whether the worker's cards list the model id `name` (None: any name). vLLM answers 404 ("The model `x` does
         not exist.") to a request for an id it does not list: an adapter loaded on some workers only, or an alias."""

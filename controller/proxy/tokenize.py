@@ -31,6 +31,7 @@ from controller.keyed_slots import KeyedSlots
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
+from controller.proxy.prefill import with_documents
 from controller.proxy.token_cache import TokenCache
 from controller.vllm.http import read_capped
 from fleet.core.errors import InvalidArgument
@@ -53,8 +54,9 @@ class _Tokenized(msgspec.Struct):
 
 
 TOKENS = msgspec.json.Decoder(_Tokenized)  # NOTE: validated in C: ids as plain ints, no per-id Python work
+# the chat completions fields that change the rendered prompt and that vLLM's /tokenize takes as they are
 CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
-             "add_special_tokens", "mm_processor_kwargs")
+             "add_special_tokens", "mm_processor_kwargs", "media_io_kwargs")
 
 
 class EncodedBody:
@@ -119,7 +121,8 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise ProxyError(400, "'messages' must be a non-empty list of message objects", "messages")
-        return {"model": model, "messages": msgs, **{k: body[k] for k in CHAT_KEYS if k in body}}
+        return with_documents({"model": model, "messages": msgs, **{k: body[k] for k in CHAT_KEYS if k in body}},
+                              body)
     p = body.get("prompt")
     if p is None and body.get("prompt_embeds") is not None:
         # NOTE: vLLM (--enable-prompt-embeds) takes embeddings in place of a prompt; there are no ids to match
