@@ -1,7 +1,19 @@
-"""Slots shared by many callers, at most `per_key` of them held by one key (a tenant, a client token).
+"""Slots shared by many callers, at most a share of them held by one key (a tenant, a client token).
 
 One key's flood waits on its own share, so the others still find slots (one tenant never slows another). A
 key's share exists only while a caller holds or waits for one of its slots, so the map holds keys in use only.
+
+Where the slots have a `total`, a key's share is `per_key` split evenly between the keys in use (holding or
+waiting): `per_key // n`, at least 1. Alone, a key holds `per_key` (three quarters of the slots, as each user
+sets it); two keys flooding at once hold half of that each. The keys together take at most `per_key` slots, except
+a key's first one: so the rest stays free for a key that comes, which takes one at once, even while the keys that
+held more than their share before it came still hold it. A freed slot goes to the waiting key that holds the
+fewest, among those under their share.
+NOTE: before, each key's share was `per_key` whatever the others held: two keys flooding at once held every slot
+between them, and a third key's caller waited behind their waiters for a freed slot, in arrival order, until its
+timeout (tests/controller/proxy/test_proxy_fair_slots.py).
+Cost: a slot taken with one free is a dict lookup and a `len` of the map; a freed slot with callers waiting looks
+over the keys that wait (a loop over them, only when some wait).
 """
 
 from __future__ import annotations
@@ -9,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections import deque
 from collections.abc import AsyncIterator, Hashable
 
 from fleet.core.errors import Unavailable
@@ -16,21 +29,35 @@ from fleet.core.errors import Unavailable
 
 @dataclasses.dataclass(slots=True)
 class _Share:
-    slots: asyncio.Semaphore
+    held: int = 0
     users: int = 0  # callers holding or waiting for one of its slots
+    waiters: deque[asyncio.Future[None]] = dataclasses.field(default_factory=deque)  # in arrival order
 
 
 class KeyedSlots:
-    """`total` slots (None: no bound but the keys'), at most `per_key` of them per key. For the error: what the
-    slots are (`name`) and what a key is (`key_name`)."""
+    """`total` slots (None: no bound but the keys'), at most `per_key` of them per key (split between the keys in
+    use where there is a total). For the error: what the slots are (`name`) and what a key is (`key_name`)."""
 
     def __init__(self, per_key: int, total: int | None = None, key_name: str = "caller", name: str = "slots") -> None:
         self.per_key, self.total, self.key_name, self.name = per_key, total, key_name, name
-        self._all = asyncio.Semaphore(total) if total is not None else None
+        self.num_held = 0
         self._shares: dict[Hashable, _Share] = {}
+        self._waiting: dict[Hashable, _Share] = {}  # keys with a caller waiting
 
     def __len__(self) -> int:
         return len(self._shares)
+
+    def share(self) -> int:
+        """How many slots one key may hold now."""
+        if self.total is None:
+            return self.per_key
+        return max(1, self.per_key // max(1, len(self._shares)))
+
+    def _may_take(self, share: _Share) -> bool:
+        """Under its share, and within `per_key` held by all the keys together, or the key's first (see above)."""
+        if share.held >= self.share():
+            return False
+        return self.total is None or self.num_held < self.per_key or (share.held == 0 and self.num_held < self.total)
 
     @contextlib.asynccontextmanager
     async def hold(self, key: Hashable, timeout_s: float | None, what: str,
@@ -40,36 +67,73 @@ class KeyedSlots:
         key is, where it is not the slots' `key_name`)."""
         share = self._shares.get(key)
         if share is None:
-            share = self._shares[key] = _Share(asyncio.Semaphore(self.per_key))
+            share = self._shares[key] = _Share()
         share.users += 1
-        deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
-            await self._acquire(share.slots, deadline, what, timeout_s, key_name, whole=False)
-            try:
-                if self._all is not None:
-                    await self._acquire(self._all, deadline, what, timeout_s, key_name, whole=True)
-            except BaseException:
-                share.slots.release()
-                raise
+            if share.waiters or not self._may_take(share):  # NOTE: a key's callers get its slots in arrival order
+                await self._wait(key, share, timeout_s, what, key_name)
+            else:
+                share.held += 1
+                self.num_held += 1
             try:
                 yield
             finally:
-                if self._all is not None:
-                    self._all.release()
-                share.slots.release()
+                self._give_back(share)
         finally:
             share.users -= 1
             if share.users == 0:
-                self._shares.pop(key, None)
+                del self._shares[key]
+                if self._waiting:
+                    self._grant()  # one key fewer: the others' shares grew
 
-    async def _acquire(self, sem: asyncio.Semaphore, deadline: float | None, what: str, timeout_s: float | None,
-                       key_name: str | None, *, whole: bool) -> None:
-        if deadline is None or not sem.locked():  # NOTE: a free slot is taken at once (wait_for: one loop pass more)
-            await sem.acquire()
-            return
+    def _give_back(self, share: _Share) -> None:
+        share.held -= 1
+        self.num_held -= 1
+        if self._waiting:
+            self._grant()
+
+    def _grant(self) -> None:
+        """Free slots to the waiting keys under their share, the one holding the fewest first."""
+        while self._waiting:
+            ready = [(s.held, k) for k, s in self._waiting.items() if self._may_take(s)]
+            if not ready:
+                return
+            key = min(ready, key=lambda hk: hk[0])[1]
+            share = self._waiting[key]
+            fut = share.waiters.popleft()
+            if not share.waiters:
+                del self._waiting[key]
+            if fut.done():  # NOTE: cancelled, its caller not resumed yet; it takes itself out of the queue
+                continue
+            share.held += 1
+            self.num_held += 1
+            fut.set_result(None)
+
+    async def _wait(self, key: Hashable, share: _Share, timeout_s: float | None, what: str,
+                    key_name: str | None) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        share.waiters.append(fut)
+        self._waiting.setdefault(key, share)
         try:
-            await asyncio.wait_for(sem.acquire(), max(0.0, deadline - asyncio.get_running_loop().time()))
-        except TimeoutError:  # NOTE: the message is built only here, never on the way in
-            busy = (f"all {self.total} were busy" if whole
-                    else f"this {key_name or self.key_name} already has {self.per_key} of them")
-            raise Unavailable(f"{what}: {self.name}: {busy}, and none was free within {timeout_s}s") from None
+            async with asyncio.timeout(timeout_s):
+                await fut
+        except BaseException as e:
+            if fut.done() and not fut.cancelled():  # granted as the wait ended: the slot goes to the next
+                self._give_back(share)
+            else:
+                with contextlib.suppress(ValueError):
+                    share.waiters.remove(fut)
+                if not share.waiters and self._waiting.get(key) is share:
+                    del self._waiting[key]
+            if isinstance(e, TimeoutError):  # NOTE: the message is built only here, never on the way in
+                raise self._refusal(share, what, timeout_s, key_name) from None
+            raise
+
+    def _refusal(self, share: _Share, what: str, timeout_s: float | None, key_name: str | None) -> Unavailable:
+        if share.held >= self.share():
+            busy = f"this {key_name or self.key_name} already has {share.held} of them"
+            if self.total is not None and len(self._shares) > 1:
+                busy += f" (its share while {len(self._shares)} callers use them)"
+        else:
+            busy = f"all {self.total} were busy"
+        return Unavailable(f"{what}: {self.name}: {busy}, and none was free within {timeout_s}s")

@@ -145,3 +145,58 @@ async def test_a_tenants_tokens_share_one_tenants_slots(tmp_path: Path) -> None:
         await asyncio.gather(*flood, return_exceptions=True)
         await http.close()
         await stack.stop()
+
+
+async def test_two_flooding_tenants_leave_slots_for_a_third(tmp_path: Path) -> None:
+    """Tenants acme and bravo each flood requests whose judging waits in their own lane, each holding one of the
+    proxy's 8 RPC slots meanwhile; charlie's ordinary request is answered at once. Before, each flood's share was
+    three quarters (6) whatever the other held: together they held all 8, and charlie's Route waited behind their
+    waiting calls route_timeout_s, then got a 503. Control: acme flooding alone holds its 6 slots."""
+    stack = await start_stack(StackConfig(
+        store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
+        block_size=BLOCK, model=MODEL, tenants=("acme", "bravo", "charlie"), operator="ops", operator_name="",
+        sessions=False, metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
+        controller={"detector_layers": ("rules",), "judge": JudgeLimits(tenant_cpu=0.001, burst_s=0.001)},
+        proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
+    assert stack.proxy is not None
+    await stack.client.close()
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    url = stack.proxy.url + "/v1/chat/completions"
+    plain = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+
+    async def post(tenant: str, body: dict[str, Any]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        async with http.post(url, json=body, headers={"Authorization": f"Bearer {stack.tokens[tenant]}"}) as r:
+            await r.read()
+            return r.status, time.perf_counter() - t0
+
+    lanes = stack.ctl.ctx.judge_lanes
+
+    def judged(tenant: str) -> int:  # the tenant's judge calls at the controller: each holds one of the proxy's slots
+        return sum(lanes.stats(tenant)[k] for k in ("queued", "inflight"))
+
+    async def held(tenant: str, num: int) -> None:
+        deadline = time.monotonic() + 10
+        while judged(tenant) < num:
+            assert time.monotonic() < deadline, lanes.stats(tenant)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the rest of the floods' calls take what slots they can
+
+    flood: list[asyncio.Future[tuple[int, float]]] = []
+    try:
+        for tenant in ("acme", "bravo", "charlie"):
+            assert (await post(tenant, plain))[0] == 200  # each token's WhoAmI answered (and cached)
+        flood = [asyncio.ensure_future(post("acme", _tool_chat(i))) for i in range(12)]
+        await held("acme", 6)
+        assert judged("acme") == 6, "control: a tenant alone holds three quarters of the slots"
+        flood += [asyncio.ensure_future(post("bravo", _tool_chat(100 + i))) for i in range(12)]
+        await held("bravo", 1)
+        status, took = await post("charlie", plain)
+        assert status == 200 and took < 0.5, f"charlie's request: {status} after {took:.2f}s behind two floods"
+        assert not any(f.done() for f in flood)  # control: both floods were still held meanwhile
+    finally:
+        for f in flood:
+            f.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        await http.close()
+        await stack.stop()
