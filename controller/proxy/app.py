@@ -180,7 +180,7 @@ class Handlers:
         try:
             token = self._token(req)
             with self._asked(token):
-                caller = await self.p.control.whoami(token)
+                caller = await self.p.control.whoami(token, req.remote)
             self.p.bodies.check(caller.tenant, announced_size(req, self.p.cfg.max_body_bytes))
         except ProxyError as e:
             return error_response(e.status, e.message, e.param)
@@ -224,7 +224,7 @@ class Handlers:
         """(the token the controller sees, its tenant); 401 or 403 here, before the body is read."""
         token = self._token(req)
         with self._asked(token):
-            caller = await self.p.control.whoami(token)
+            caller = await self.p.control.whoami(token, req.remote)
         return token, caller.tenant
 
     async def _complete(self, req: web.Request, kind: str) -> web.StreamResponse:
@@ -326,7 +326,7 @@ class Handlers:
     async def models(self, req: web.Request) -> web.Response:
         token = self._token(req)
         with self._asked(token):
-            await self.p.control.whoami(token)
+            await self.p.control.whoami(token, req.remote)
         return web.json_response({"object": "list", "data": self.p.directory.models()})
 
     async def workers(self, req: web.Request) -> web.Response:

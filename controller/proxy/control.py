@@ -27,6 +27,7 @@ import grpc
 
 from controller.keyed_slots import KeyedSlots
 from controller.periodic import Periodic
+from controller.proxy.lookups import TokenLookups
 from controller.proxy.refused import RefusedTokens
 from controller.proxy.route_stream import RouteStreams, StreamUnsupported
 from controller.tls_reload import CHECK_INTERVAL_S, Stamp, file_stamp
@@ -73,6 +74,7 @@ class ControlClient:
         self._tls_watch: Periodic | None = None
         self._callers: dict[str | None, tuple[float, types.Caller]] = {}
         self._refused = RefusedTokens(MAX_REFUSED, auth_refused_s)  # a refusal answered here (refused.py)
+        self._lookups = TokenLookups()  # the WhoAmIs of tokens not known yet, a few per client address (lookups.py)
         self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
         self._renewing: set[str | None] = set()
 
@@ -221,8 +223,9 @@ class ControlClient:
             outcome = "failed"
         return outcome
 
-    async def whoami(self, token: str | None) -> types.Caller:
-        """Who the controller says `token` is; good answers are cached auth_cache_s (Route re-checks anyway).
+    async def whoami(self, token: str | None, client: str | None = None) -> types.Caller:
+        """Who the controller says `token` is; good answers are cached auth_cache_s (Route re-checks anyway). A token
+        not known yet is looked up once for all its requests, a few tokens at once per `client` address (lookups.py).
 
         NOTE: a token in use is asked again in the background once half its answer's life is gone, so a steady
         client never waits for a WhoAmI on its request path (one did every auth_cache_s); no answer is used
@@ -241,7 +244,7 @@ class ControlClient:
                 self._releases.add(task)  # NOTE: held (and awaited on close) with the releases
                 task.add_done_callback(self._releases.discard)
             return hit[1]
-        return await self._ask_whoami(token)
+        return await self._lookups.look_up(token, client, lambda: self._ask_whoami(token))
 
     async def _renew(self, token: str | None) -> None:
         try:
