@@ -45,6 +45,7 @@ from fleet.sdk.quarantine import Judgement, QuarantineRecord  # the types the SD
 OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
 ACTIONS = ("placeholder", "refuse")
 MAX_RESULTS = 256  # tool results per JudgeToolResults call
+MAX_REFS = 1024  # refs per KnownVerdicts call
 MAX_REASONS, MAX_REASON_LEN = 16, 200
 RECORD_TTL_S = 30 * 86400.0  # a quarantine record no request carried for this long is pruned by the leader's GC
 HEAVY_LAYERS = frozenset({"encoder"})  # run off the request path when the config has a faster layer too
@@ -179,6 +180,36 @@ class Judge:
             v = full.inspect(data, tenant)
         return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), False
 
+    def known(self, refs: list[str], tenant: str) -> list[Judgement]:
+        """The verdict known now on each ref for `tenant`, without its bytes: the operator's, then the tenant's
+        blob, then the tenant's stored full or fast verdict (a heavy layer's late one among them); not
+        quarantined where none says so. Nothing is inspected or recorded (KnownVerdicts: the proxy checks the
+        tool results a stored response carries, docs/proxy.md).
+
+        Raises:
+            InvalidArgument: too many refs, or one that is not a SHA-256 in hex.
+        """
+        if len(refs) > MAX_REFS:
+            raise InvalidArgument(f"{len(refs)} refs in one call; at most {MAX_REFS}")
+        for ref in refs:
+            _check_ref(ref)
+        return [self._known(ref, tenant) for ref in refs]
+
+    def _known(self, ref: str, tenant: str) -> Judgement:
+        raw = self.store.kv_get(OPERATOR_NS, ref)
+        if raw is not None:
+            op = json.loads(raw)
+            return Judgement(ref, op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator")
+        blob = self._blob_verdict(ref, tenant)
+        if blob is not None:
+            return blob
+        for cache in (self.cache_for(tenant), self.fast_for(tenant)):
+            got = None if cache is None else cache.store.kv_get(cache.namespace, f"{tenant}/{ref}:{cache.config_id}")
+            doc = json.loads(got) if got is not None else None
+            if doc is not None and doc.get("quarantined"):
+                return Judgement(ref, True, tuple(doc.get("reasons", ())), "detector")
+        return Judgement(ref, False, (), "detector")
+
     def heavy(self, data: bytes, tenant: str) -> Judgement:
         """The full verdict (every layer), stored in the tenant's verdict space; a quarantine found late is
         recorded for the tenant (action "late") and marks the tenant's blob of these bytes, if it has one, so
@@ -225,8 +256,7 @@ class Judge:
 
     def set_verdict(self, ref: str, verdict: str, reasons: list[str]) -> None:
         """Set (or with verdict "" drop) the operator's verdict on the bytes whose sha256 is `ref`."""
-        if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
-            raise InvalidArgument(f"ref {ref!r}: expected the 64 lowercase hex digits of the bytes' SHA-256")
+        _check_ref(ref)
         if verdict == "":
             self.store.kv_delete(OPERATOR_NS, ref)
             return
@@ -242,6 +272,11 @@ class Judge:
         recs = [_record_of(v) for k, v in self.store.kv_scan(SEEN_NS).items()
                 if tenant is None or k.startswith(tenant + "/")]
         return sorted(recs, key=lambda r: -r.last_seen)[:limit]
+
+
+def _check_ref(ref: str) -> None:
+    if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
+        raise InvalidArgument(f"ref {ref[:80]!r}: expected the 64 lowercase hex digits of the bytes' SHA-256")
 
 
 def prune_records(store: Any, now: float, ttl_s: float = RECORD_TTL_S) -> int:

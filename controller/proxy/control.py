@@ -296,6 +296,16 @@ class ControlClient:
             raise base.to_error(e, "JudgeToolResults", self.target) from e
         return list(r.judgements)
 
+    async def known(self, refs: list[str], token: str | None) -> list[quarantine_pb2.Judgement]:
+        """The verdict the controller knows now on each ref, bytes not sent (KnownVerdicts, the client's token)."""
+        req = quarantine_pb2.KnownVerdictsRequest(refs=refs)
+        try:
+            async with self._slot("KnownVerdicts", token):
+                r = await self._quarantine.KnownVerdicts(req, timeout=self.timeout_s, metadata=base.metadata(token))
+        except grpc.RpcError as e:
+            raise base.to_error(e, "KnownVerdicts", self.target) from e
+        return list(r.judgements)
+
     @contextlib.asynccontextmanager
     async def _slot(self, rpc: str, token: str | None) -> AsyncIterator[None]:
         """One of the channel's max_rpcs open RPCs, waited for at most timeout_s (then Unavailable: 503).

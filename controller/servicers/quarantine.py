@@ -36,6 +36,15 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
                         for x in out],
             detector_config_id=j.config_id_for(ident.tenant))
 
+    @unary(Role.TENANT)
+    async def KnownVerdicts(self, request: pb.KnownVerdictsRequest, context: grpc.aio.ServicerContext,
+                            ident: Identity) -> pb.KnownVerdictsResponse:
+        j = await self.ctx.judge()  # NOTE: store reads only, in the tenant's lane as its judging is
+        out = await self.ctx.judge_lanes.run(ident.tenant, j.known, list(request.refs), ident.tenant)
+        return pb.KnownVerdictsResponse(
+            judgements=[pb.Judgement(ref=x.ref, quarantined=x.quarantined, reasons=x.reasons, source=x.source)
+                        for x in out])
+
     @unary(Role.OPERATOR)
     async def SetVerdict(self, request: pb.SetVerdictRequest, context: grpc.aio.ServicerContext,
                          ident: Identity) -> pb.SetVerdictResponse:

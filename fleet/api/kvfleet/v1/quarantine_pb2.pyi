@@ -86,3 +86,15 @@ class ListQuarantinesResponse(_message.Message):
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[QuarantineRecord]
     def __init__(self, records: _Optional[_Iterable[_Union[QuarantineRecord, _Mapping]]] = ...) -> None: ...
+
+class KnownVerdictsRequest(_message.Message):
+    __slots__ = ("refs",)
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    refs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, refs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KnownVerdictsResponse(_message.Message):
+    __slots__ = ("judgements",)
+    JUDGEMENTS_FIELD_NUMBER: _ClassVar[int]
+    judgements: _containers.RepeatedCompositeFieldContainer[Judgement]
+    def __init__(self, judgements: _Optional[_Iterable[_Union[Judgement, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class QuarantineServiceStub:
                 request_serializer=kvfleet_dot_v1_dot_quarantine__pb2.ListQuarantinesRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_quarantine__pb2.ListQuarantinesResponse.FromString,
                 _registered_method=True)
+        self.KnownVerdicts = channel.unary_unary(
+                '/kvfleet.v1.QuarantineService/KnownVerdicts',
+                request_serializer=kvfleet_dot_v1_dot_quarantine__pb2.KnownVerdictsRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_quarantine__pb2.KnownVerdictsResponse.FromString,
+                _registered_method=True)
 
 
 class QuarantineServiceServicer:
@@ -80,6 +85,15 @@ class QuarantineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KnownVerdicts(self, request, context):
+        """Wraps Judge.known: the verdict known now on each ref for the caller's tenant, the bytes not sent (an
+        operator's verdict, the tenant's blob, the tenant's stored verdicts); nothing is inspected or recorded.
+        The proxy asks it for the tool results a stored response's conversation carries. Tenant role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QuarantineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_QuarantineServiceServicer_to_server(servicer, server):
                     servicer.ListQuarantines,
                     request_deserializer=kvfleet_dot_v1_dot_quarantine__pb2.ListQuarantinesRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_quarantine__pb2.ListQuarantinesResponse.SerializeToString,
+            ),
+            'KnownVerdicts': grpc.unary_unary_rpc_method_handler(
+                    servicer.KnownVerdicts,
+                    request_deserializer=kvfleet_dot_v1_dot_quarantine__pb2.KnownVerdictsRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_quarantine__pb2.KnownVerdictsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +199,33 @@ class QuarantineService:
             '/kvfleet.v1.QuarantineService/ListQuarantines',
             kvfleet_dot_v1_dot_quarantine__pb2.ListQuarantinesRequest.SerializeToString,
             kvfleet_dot_v1_dot_quarantine__pb2.ListQuarantinesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KnownVerdicts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.QuarantineService/KnownVerdicts',
+            kvfleet_dot_v1_dot_quarantine__pb2.KnownVerdictsRequest.SerializeToString,
+            kvfleet_dot_v1_dot_quarantine__pb2.KnownVerdictsResponse.FromString,
             options,
             channel_credentials,
             insecure,
