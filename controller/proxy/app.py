@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp_cors
 from aiohttp import HttpVersion11, web
 
-from controller.proxy import passthrough, prefill, responses
+from controller.proxy import lineage, passthrough, prefill, responses
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.reading import announced_size, client_salt, read_json, upstream_headers
 from controller.proxy.relay import PREPARED, relay
@@ -259,8 +259,11 @@ class Handlers:
         base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
         salt = client_salt(body)  # the client's own (400 where vLLM refuses it), before any worker is asked
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token, req.path)
+        responses_api = req.path == "/v1/responses"
+        # NOTE: before any route: a follow-up whose stored conversation holds a result quarantined since is a 409
+        chain = await lineage.follow_up(p, body, tenant, token, responses.chat_of(body)) if responses_api else None
         d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt)
-        responses_api, to = req.path == "/v1/responses", d  # `to`: where it is sent first (a stored response's holder)
+        to = d  # where it is sent first (a stored response's holder)
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
         try:
@@ -295,6 +298,8 @@ class Handlers:
                 t = opened.target
                 if responses_api and opened.resp.status == 200 and (rid := responses.response_id(opened.first)):
                     p.responses.pin(tenant, rid, t.worker)
+                    if chain is not None:
+                        p.lineage.add(tenant, rid, chain)
                 extra = {
                     "x-kvfleet-worker": t.worker,
                     "x-kvfleet-verdict": t.verdict,

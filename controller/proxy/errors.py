@@ -16,7 +16,8 @@ log = logging.getLogger("kvfleet.proxy")
 _last_logged = ""  # the last controller-link error from_fleet logged
 
 TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-         405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+         405: "MethodNotAllowedError", 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
+         415: "UnsupportedMediaTypeError",
          429: "RateLimitError", 500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
          504: "GatewayTimeoutError"}
 

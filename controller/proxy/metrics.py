@@ -98,6 +98,13 @@ class ProxyMetrics:
             ["outcome"],
             registry=r,
         )
+        self.chains = Counter(
+            "kvfleet_proxy_response_chains",
+            "/v1/responses follow-ups checked for tool results quarantined since their chain was stored, by outcome "
+            "(clean, quarantined: refused, unknown: the proxy has no record of the chain, answered)",
+            ["outcome"],
+            registry=r,
+        )
         self.cancelled = Counter(
             "kvfleet_proxy_client_disconnects",
             "Client disconnects that cancelled the upstream request",

@@ -230,6 +230,12 @@ def as_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, str]]
     return {"messages": msgs}, came + said
 
 
+def chat_of(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`as_chat`'s chat alone (None: no tool output)."""
+    chat = as_chat(body)
+    return None if chat is None else chat[0]
+
+
 async def judged(p: Proxy, body: dict[str, Any], tenant: str, token: str | None) -> tuple[dict[str, Any], list[Hit]]:
     """A /v1/responses body's tool outputs judged as a chat's tool messages are (each alone, a turn's together,
     assistant messages quoting a withheld one), with the tenant's policy applied to the items they came from; the

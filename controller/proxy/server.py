@@ -21,6 +21,7 @@ from controller.proxy.control import ControlClient
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.fair import FairPriority
 from controller.proxy.forward import Forwarder
+from controller.proxy.lineage import Lineage
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.quarantine import Enforcer
 from controller.proxy.responses import ResponsePins
@@ -40,6 +41,7 @@ class Proxy:
         self.bodies = BodyGate(cfg)
         self.fair = FairPriority() if cfg.fair_priority else None
         self.responses = ResponsePins()  # which worker stored each /v1/responses answer (controller/proxy/responses.py)
+        self.lineage = Lineage()  # the tool results each one's conversation carries (controller/proxy/lineage.py)
         stamp = file_stamp(cfg.tls_files())  # NOTE: before the files are read: a renewal in between is seen
         self.control = ControlClient(cfg.controller, timeout_s=cfg.route_timeout_s, auth_cache_s=cfg.auth_cache_s,
                                      auth_refused_s=cfg.auth_refused_s, credentials=cfg.credentials(),
