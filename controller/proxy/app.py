@@ -246,7 +246,7 @@ class Handlers:
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await self.p.enforcer.enforce(body, chat, tenant, token)
         # NOTE: the ids the worker keeps under truncate_prompt_tokens, which /tokenize does not apply
-        k = prefill.kept(body, chat, self.p.directory.max_model_len(body["model"]))
+        k = prefill.kept(body, chat, lambda: self.p.directory.max_model_len(body["model"]))
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
         ids = await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
         return body, hits, enc, prefill.prefilled(ids, body, k)

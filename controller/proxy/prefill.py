@@ -19,7 +19,7 @@ conversation, for all of it, where the worker reused none (tests/controller/prox
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 COMPLETION_MAX_TOKENS = 16  # vLLM's max_tokens for a completion that gives none
@@ -46,8 +46,10 @@ def _max_output_tokens(body: dict[str, Any], chat: bool) -> int:
     return out if isinstance(out, int) and not isinstance(out, bool) else 0  # NOTE: a bad value is the worker's 400
 
 
-def kept(body: dict[str, Any], chat: bool, max_model_len: int | None) -> int | None:
+def kept(body: dict[str, Any], chat: bool, context_len: Callable[[], int | None]) -> int | None:
     """How many of the prompt's tokens the worker keeps: None, all of them; 0, none known (routed by load alone).
+    `context_len()`: the model's context length from its card, or None; asked only for -1 (NOTE: it looks over
+    every worker's cards, so not on every request).
 
     None known: -1 where the card gave no context length, and a value that is not an integer of at least -1. NOTE:
     such a value is forwarded as sent, for the worker to take or refuse in its own words (vLLM's validation reads a
@@ -58,7 +60,8 @@ def kept(body: dict[str, Any], chat: bool, max_model_len: int | None) -> int | N
     if isinstance(k, bool) or not isinstance(k, int) or k < -1:
         return 0
     if k == -1:
-        return 0 if max_model_len is None else max(0, max_model_len - _max_output_tokens(body, chat))
+        n = context_len()
+        return 0 if n is None else max(0, n - _max_output_tokens(body, chat))
     return k
 
 
