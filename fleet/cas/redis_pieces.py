@@ -15,7 +15,8 @@ script commits it:
 
 So a put is still all or nothing: until the commit nothing is visible or charged, and the commit is one
 script (the dedup check, the quota check and the count with the write, as the one-command put did). A put
-that fails between pieces deletes its stage; one whose process dies leaves a stage that Redis expires
+that fails between pieces deletes its stage (when Redis cannot take the delete, before the store's next pieced
+put: PiecedPut._drop); one whose process dies leaves a stage that Redis expires
 STAGE_TTL_MS after its last piece (each stage key is its put's own: `kvf:t:{tenant}:p:{ref}:{nonce}`).
 The stored blob is the same single STRING key as before, so blobs stored the old way need nothing.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import redis
 
@@ -48,6 +50,9 @@ PIECE_BYTES = 512 << 10
 # A stage lives this long after its last piece. A live put sends its next piece within the client's socket
 # timeout (60 s) or fails, so twice that never expires a live put's stage.
 STAGE_TTL_MS = 120_000
+
+# Reservations a failed put could not give back (Redis was down) that one store remembers to give back later.
+MAX_UNDROPPED = 1024
 
 # Prepended to the scripts that admit a put. The charge of the tenant's puts in flight (each distinct ref once,
 # lapsed reservations dropped first) and whether `ref` is one of them; and Redis's clock in ms.
@@ -161,6 +166,8 @@ class PiecedPut:
         self._s_begin = r.register_script(_BEGIN)
         self._s_append = r.register_script(_APPEND)
         self._s_commit = r.register_script(_COMMIT)
+        self._undropped: list[_Put] = []  # failed puts whose stage and reservation Redis did not take back yet
+        self._lock = threading.Lock()
 
     def put(self, tenant: str, ref: str, keys: list[str], data: memoryview, now: float, quota: int,
             lease: str) -> tuple[int, int] | None:
@@ -175,10 +182,11 @@ class PiecedPut:
         """
         charge, nonce = blob_charge(data.nbytes), os.urandom(8).hex()
         put = _Put(f"kvf:t:{tenant}:p:{ref}:{nonce}", in_flight_key(tenant), f"{charge}:{ref}:{nonce}")
-        out = self._s_begin(keys=[*keys[1:], put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
-        if out != 1:
-            return over_quota_out(out)
-        try:
+        self._drop_undropped()
+        try:  # NOTE: the begin too: a reply lost after Redis applied it leaves a reservation
+            out = self._s_begin(keys=[*keys[1:], put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
+            if out != 1:
+                return over_quota_out(out)
             self._send(put, ref, data)
             out = self._s_commit(keys=[*keys, put.stage, put.flying],
                                  args=[data.nbytes, repr(now), lease, UNKNOWN, quota, charge, put.member])
@@ -199,15 +207,26 @@ class PiecedPut:
                                                                    put.member]):
             raise self._lost(ref)
 
-    def _drop(self, put: _Put) -> None:
-        """Best effort: a stage or reservation not deleted here lapses by its TTL."""
+    def _drop(self, *puts: _Put) -> None:
+        """Give back failed puts' stages and reservations. Those Redis did not take (it was down, or restarted
+        mid-put) are kept and given back before this store's next pieced put (or lapse by their TTL if this
+        process ends first). NOTE: before, one failed put while Redis restarted held its reservation for
+        STAGE_TTL_MS: the tenant's other puts were refused over a quota that only the failed put filled."""
         try:
             pipe = self.r.pipeline(transaction=False)
-            pipe.delete(put.stage)
-            pipe.zrem(put.flying, put.member)
+            for put in puts:
+                pipe.delete(put.stage)
+                pipe.zrem(put.flying, put.member)
             pipe.execute()
         except redis.exceptions.RedisError:
-            pass
+            with self._lock:
+                self._undropped = [*puts, *self._undropped][:MAX_UNDROPPED]
+
+    def _drop_undropped(self) -> None:
+        with self._lock:
+            puts, self._undropped = self._undropped, []
+        if puts:
+            self._drop(*puts)
 
     def _lost(self, ref: str) -> Unavailable:
         return Unavailable(f"{self.where} dropped the pieces of blob {ref} while it was being put (its staging key "
