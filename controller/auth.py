@@ -211,6 +211,10 @@ class Authenticator:
             raise PermissionDenied(f"{method} needs the {roles} role; token {ident.name!r} of tenant "
                                    f"{ident.tenant!r} has role {ident.role.value!r}")
 
+    @property
+    def salt_secret(self) -> bytes:
+        return self._secret
+
     def cache_salt(self, tenant: str, client_salt: str | None = None) -> str:
         """The tenant's vLLM cache_salt: HMAC-SHA256(secret, tenant), hex. Stable across restarts. With the client's own
         `client_salt` (a multi-user app's salt per end user): HMAC-SHA256(the tenant's salt, client_salt), hex, so

@@ -181,6 +181,10 @@ class Metrics:
             "1 while the last store probe (one read every 5 s by default) was answered within 2 s, else 0.",
             registry=r,
         )
+        self.store_data_lost = Counter(
+            "kvfleet_store_data_lost", "Times a store probe found the store had lost its data (its marker key gone).",
+            registry=r,
+        )
         self.rpc_errors = Counter(
             "kvfleet_rpc_errors_total", "RPCs answered with an error status.", ["method", "code"], registry=r
         )

@@ -113,8 +113,14 @@ class Controller:
         self.health, self._router_config = health_servicer, router_config
         self._lead_task: asyncio.Task[None] | None = None
         self._lock: LeaderLock | None = None
-        self.store_probe = StoreProbe(ctx.store, ctx.metrics, health_servicer, cfg.store_ping_interval_s)
+        self.store_probe = StoreProbe(ctx.store, ctx.metrics, health_servicer, cfg.store_ping_interval_s,
+                                      on_lost=None if cfg.salt_secret else self._restore_salt_secret)
         self.stopped = False
+
+    def _restore_salt_secret(self) -> None:
+        """After the store lost its data: write back the cache_salt secret this controller holds (unless another
+        controller wrote one first), so one started later derives the same salts (the store probe calls it)."""
+        self.ctx.store.kv_swap(*SALT_SECRET_KEY, None, self.ctx.auth.salt_secret)
 
     @property
     def address(self) -> str:
@@ -207,14 +213,17 @@ class Controller:
         await self.server.wait_for_termination()
 
 
+SALT_SECRET_KEY = ("controller", "cache_salt_secret")
+
+
 def _salt_secret(store: Any, cfg: ControllerConfig) -> bytes:
     """The cache_salt secret must survive restarts (or every warm prefix would go cold): keep it in the store."""
     if cfg.salt_secret:
         return cfg.salt_secret
-    secret = store.kv_get("controller", "cache_salt_secret")
+    secret = store.kv_get(*SALT_SECRET_KEY)
     if not secret:
-        store.kv_put("controller", "cache_salt_secret", secrets.token_bytes(32))
-        secret = store.kv_get("controller", "cache_salt_secret")
+        store.kv_put(*SALT_SECRET_KEY, secrets.token_bytes(32))
+        secret = store.kv_get(*SALT_SECRET_KEY)
     return bytes(secret)
 
 

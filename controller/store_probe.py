@@ -5,10 +5,17 @@
     await probe.start()       # one probe now, then one every interval_s (0: off, neither is set)
     await probe.stop()
 
-A probe is one read of a key nobody writes (`kv_get`: one HGET on Redis, one SELECT on SQLite) on a thread of its
+A probe is one read of the store's marker (`kv_get`: one HGET on Redis, one SELECT on SQLite) on a thread of its
 own, so it never waits behind the store threads' queue, and counts as failed when the store raises or has not
 answered within timeout_s. At most one read is in flight: while a hung one waits (the Redis client's socket
 timeout is 60 s) the next probes wait on it instead of starting another, so a hung store holds one thread.
+
+Data lost: the first probe that finds no marker writes it (kv_swap: absent -> written), and nothing deletes it. A
+probe that later finds it gone after one had seen it means the store lost its data (a Redis restarted without
+persistence, flushed, or swapped for another behind its address): logged as an error naming what went with it,
+counted in kvfleet_store_data_lost_total, the marker written again, and `on_lost` run (the controller writes back the
+cache_salt secret it holds, so a controller started later derives the same salts). NOTE: before, a Redis that came
+back empty was only "up" again: nothing said that every blob, verdict, quota count and registration was gone.
 
 NOTE: the overall health ("" and the kvfleet.v1 services, what a readiness probe asks) stays set by leadership
 alone. Every controller shares the one store, so a Redis blip would take every controller out of its Service
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -32,28 +40,51 @@ log = logging.getLogger("kvfleet.controller.store")
 STORE_HEALTH_SERVICE = "kvfleet.store"
 DEFAULT_STORE_PING_INTERVAL_S = 5.0
 STORE_PING_TIMEOUT_S = 2.0
-_PROBE_KEY = ("controller", "store_probe")  # never written: the read answers None
+_PROBE_KEY = ("controller", "store_marker")  # written once (the first probe), never deleted: gone = data lost
+_MARK = b"kvfleet store marker: if this key is gone, the store lost its data"
+LOST_WHAT = ("every blob and its pins and verdict, the tenants' stored-byte counts, the quarantine verdicts and "
+             "records (operators' verdicts too), the session op logs, the worker registrations and the kernel "
+             "placement it held")
 
 
 class StoreProbe:
     def __init__(self, store: Any, metrics: Metrics, health: Any, interval_s: float = DEFAULT_STORE_PING_INTERVAL_S,
-                 timeout_s: float = STORE_PING_TIMEOUT_S) -> None:
+                 timeout_s: float = STORE_PING_TIMEOUT_S, on_lost: Callable[[], None] | None = None) -> None:
         self.store, self.metrics, self.health, self.timeout_s = store, metrics, health, timeout_s
+        self.on_lost = on_lost  # run on a thread when the store is found to have lost its data
         self.up: bool | None = None  # None: not probed yet
+        self._seen = False  # a probe found the marker (or wrote it): from then on, its absence is a loss
         self._read: asyncio.Future[Any] | None = None
         self._schedule = Periodic("kvfleet-store-probe", interval_s, self.probe, self._failed)
 
     async def probe(self) -> bool:
         """Probe once and publish the answer; True: the store answered within timeout_s."""
         if self._read is None or self._read.done():
-            self._read = asyncio.ensure_future(asyncio.to_thread(self.store.kv_get, *_PROBE_KEY))
+            self._read = asyncio.ensure_future(asyncio.to_thread(self._check))
             self._read.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "never retrieved"
         # NOTE: asyncio.wait, not wait_for: on Python 3.11 wait_for swallows a cancel that comes as the read ends,
         # and the stopped schedule went on for ever (a controller's stop() hung, 1 run in 6)
         done, _ = await asyncio.wait({self._read}, timeout=self.timeout_s)
         error = self._read.exception() if done else TimeoutError(f"no answer within {self.timeout_s:g} s")
         await self._publish(error is None, str(error))
+        if error is None:
+            self._seen = True
         return error is None
+
+    def _check(self) -> None:
+        """The probe's read (a thread); the marker written when absent, and a loss reported when it was seen."""
+        if self.store.kv_get(*_PROBE_KEY) is not None:
+            return
+        self.store.kv_swap(*_PROBE_KEY, None, _MARK)
+        if self._seen:
+            self._lost()
+
+    def _lost(self) -> None:
+        log.error("the store lost its data (its marker key is gone: a Redis restarted without persistence, flushed, "
+                  "or another store behind its address): %s are gone; blobs must be put again", LOST_WHAT)
+        self.metrics.store_data_lost.inc()
+        if self.on_lost is not None:
+            self.on_lost()
 
     async def _publish(self, up: bool, why: str) -> None:
         if not up and self.up is not False:

@@ -1,0 +1,67 @@
+"""A real redis-server restarted without its data under a running controller: the store probe says so (an error in
+the log, kvfleet_store_data_lost_total) and writes back the cache_salt secret the controller holds; a restart that
+keeps the data (AOF) is not a loss (controller/store_probe.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from support.controller import make_tokens, start_controller
+
+from controller.server import SALT_SECRET_KEY, Controller
+from fleet.app.redis_server import RedisServer
+
+
+def _lost(ctl: Controller) -> float:
+    return ctl.ctx.metrics.registry.get_sample_value("kvfleet_store_data_lost_total") or 0.0
+
+
+async def _probed_again(ctl: Controller, timeout_s: float = 5.0) -> None:
+    """Until the probe has answered twice more since now (with the store up)."""
+    for _ in range(2):
+        deadline = time.monotonic() + timeout_s
+        ctl.store_probe.up = None
+        while ctl.store_probe.up is not True:
+            assert time.monotonic() < deadline, "the store probe never answered"
+            await asyncio.sleep(0.05)
+
+
+def _restart(srv: RedisServer, *, keep_data: bool) -> None:
+    srv.kill()
+    if not keep_data:  # a Redis with no persistence (or a new empty volume) comes back empty
+        for name in os.listdir(srv.dir):
+            path = os.path.join(srv.dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    srv.start()
+
+
+@pytest.mark.parametrize("keep_data", [False, True])
+async def test_redis_back_without_its_data_is_reported(redis_url: str, redis_server: RedisServer, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture, keep_data: bool) -> None:
+    ctl = await start_controller(redis_url, make_tokens(tmp_path), store_ping_interval_s=0.1, gc_interval_s=0)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        await _probed_again(ctl)
+        ref = await asyncio.to_thread(ctl.ctx.store.put, b"a tool result", "acme")
+        caplog.set_level(logging.ERROR, "kvfleet.controller.store")
+        _restart(redis_server, keep_data=keep_data)  # on this thread: the server dies with the thread that started it
+        await _probed_again(ctl)
+        assert await asyncio.to_thread(ctl.ctx.store.exists, ref, "acme") is keep_data
+        if keep_data:  # control: the same restart with the data kept is no loss
+            assert _lost(ctl) == 0 and "lost its data" not in caplog.text
+        else:  # NOTE: before, nothing: the probe's read of a never-written key answered None either way
+            assert _lost(ctl) == 1
+            assert "the store lost its data" in caplog.text and "every blob" in caplog.text
+        assert r.hget(f"kvf:kv:{SALT_SECRET_KEY[0]}", SALT_SECRET_KEY[1]) == ctl.ctx.auth.salt_secret
+        await _probed_again(ctl)
+        assert _lost(ctl) == (0 if keep_data else 1)  # reported once: the marker is written again
+    finally:
+        r.close()
+        await ctl.stop(0)
