@@ -101,50 +101,72 @@ def _tool_chat(i: int) -> dict[str, Any]:
         {"role": "tool", "tool_call_id": "c1", "content": f"result {i}: " + "plain search text " * 200}]}
 
 
+class _Starved:
+    """A stack whose judging is starved (each tenant's judge lane has almost no CPU), so a tenant's tool-result
+    requests each hold one of the proxy's 8 RPC slots while they wait; `post` times one request."""
+
+    def __init__(self, stack: Any, tokens: dict[str, str]) -> None:
+        self.stack, self.tokens, self.lanes = stack, tokens, stack.ctl.ctx.judge_lanes
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    @classmethod
+    async def start(cls, tmp_path: Path, tenants: tuple[str, ...]) -> _Starved:
+        stack = await start_stack(StackConfig(
+            store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
+            block_size=BLOCK, model=MODEL, tenants=tenants, operator="ops", operator_name="", sessions=False,
+            metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
+            controller={"detector_layers": ("rules",), "judge": JudgeLimits(tenant_cpu=0.001, burst_s=0.001)},
+            proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
+        assert stack.proxy is not None
+        await stack.client.close()
+        return cls(stack, dict(stack.tokens))
+
+    async def post(self, token: str, body: dict[str, Any]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        async with self.http.post(self.stack.proxy.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {token}"}) as r:
+            await r.read()
+            return r.status, time.perf_counter() - t0
+
+    def judged(self, tenant: str) -> int:  # the tenant's judge calls at the controller: each holds one proxy slot
+        return sum(self.lanes.stats(tenant)[k] for k in ("queued", "inflight"))
+
+    async def held(self, tenant: str, num: int) -> None:
+        deadline = time.monotonic() + 10
+        while self.judged(tenant) < num:
+            assert time.monotonic() < deadline, self.lanes.stats(tenant)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the rest of the floods' calls take what slots they can
+
+    async def stop(self, flood: list[asyncio.Future[tuple[int, float]]]) -> None:
+        for f in flood:
+            f.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        await self.http.close()
+        await self.stack.stop()
+
+
+PLAIN = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
+
+
 async def test_a_tenants_tokens_share_one_tenants_slots(tmp_path: Path) -> None:
     """A tenant with two tokens floods requests whose judging waits in its lane (its CPU budget spent), each
     holding one of the proxy's 8 RPC slots meanwhile; another tenant's ordinary request is answered at once.
     Before, each token had its own three quarters (6 + 6 of 8): the flood held all 8, and the other tenant's
     Route waited route_timeout_s, then got a 503 (or a slot another call happened to free)."""
-    stack = await start_stack(StackConfig(
-        store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
-        block_size=BLOCK, model=MODEL, tenants=("acme", "bravo"), operator="ops", operator_name="", sessions=False,
-        metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
-        controller={"detector_layers": ("rules",), "judge": JudgeLimits(tenant_cpu=0.001, burst_s=0.001)},
-        proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
-    assert stack.proxy is not None
-    await stack.client.close()
-    acme = [stack.tokens["acme"], mint_token(tmp_path / "tokens.json", "acme", "tenant", "acme-2")]
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    url = stack.proxy.url + "/v1/chat/completions"
-    plain = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
-
-    async def post(token: str, body: dict[str, Any]) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        async with http.post(url, json=body, headers={"Authorization": f"Bearer {token}"}) as r:
-            await r.read()
-            return r.status, time.perf_counter() - t0
-
-    lanes = stack.ctl.ctx.judge_lanes
+    st = await _Starved.start(tmp_path, ("acme", "bravo"))
+    acme = [st.tokens["acme"], mint_token(tmp_path / "tokens.json", "acme", "tenant", "acme-2")]
     flood: list[asyncio.Future[tuple[int, float]]] = []
     try:
-        for token in [*acme, stack.tokens["bravo"]]:
-            assert (await post(token, plain))[0] == 200  # each token's WhoAmI answered (and cached)
-        flood = [asyncio.ensure_future(post(acme[i % 2], _tool_chat(i))) for i in range(16)]
-        deadline = time.monotonic() + 10
-        while sum(lanes.stats("acme")[k] for k in ("queued", "inflight")) < 6:  # 6 judge calls held at least
-            assert time.monotonic() < deadline, lanes.stats("acme")
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # the rest of the flood's calls take what slots they can
-        status, took = await post(stack.tokens["bravo"], plain)
+        for token in [*acme, st.tokens["bravo"]]:
+            assert (await st.post(token, PLAIN))[0] == 200  # each token's WhoAmI answered (and cached)
+        flood = [asyncio.ensure_future(st.post(acme[i % 2], _tool_chat(i))) for i in range(16)]
+        await st.held("acme", 6)  # 6 judge calls held at least
+        status, took = await st.post(st.tokens["bravo"], PLAIN)
         assert status == 200 and took < 0.5, f"bravo's request: {status} after {took:.2f}s behind acme's flood"
         assert not any(f.done() for f in flood)  # control: the flood was still held meanwhile
     finally:
-        for f in flood:
-            f.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
-        await http.close()
-        await stack.stop()
+        await st.stop(flood)
 
 
 async def test_two_flooding_tenants_leave_slots_for_a_third(tmp_path: Path) -> None:
@@ -152,51 +174,18 @@ async def test_two_flooding_tenants_leave_slots_for_a_third(tmp_path: Path) -> N
     proxy's 8 RPC slots meanwhile; charlie's ordinary request is answered at once. Before, each flood's share was
     three quarters (6) whatever the other held: together they held all 8, and charlie's Route waited behind their
     waiting calls route_timeout_s, then got a 503. Control: acme flooding alone holds its 6 slots."""
-    stack = await start_stack(StackConfig(
-        store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
-        block_size=BLOCK, model=MODEL, tenants=("acme", "bravo", "charlie"), operator="ops", operator_name="",
-        sessions=False, metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
-        controller={"detector_layers": ("rules",), "judge": JudgeLimits(tenant_cpu=0.001, burst_s=0.001)},
-        proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
-    assert stack.proxy is not None
-    await stack.client.close()
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    url = stack.proxy.url + "/v1/chat/completions"
-    plain = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
-
-    async def post(tenant: str, body: dict[str, Any]) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        async with http.post(url, json=body, headers={"Authorization": f"Bearer {stack.tokens[tenant]}"}) as r:
-            await r.read()
-            return r.status, time.perf_counter() - t0
-
-    lanes = stack.ctl.ctx.judge_lanes
-
-    def judged(tenant: str) -> int:  # the tenant's judge calls at the controller: each holds one of the proxy's slots
-        return sum(lanes.stats(tenant)[k] for k in ("queued", "inflight"))
-
-    async def held(tenant: str, num: int) -> None:
-        deadline = time.monotonic() + 10
-        while judged(tenant) < num:
-            assert time.monotonic() < deadline, lanes.stats(tenant)
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # the rest of the floods' calls take what slots they can
-
+    st = await _Starved.start(tmp_path, ("acme", "bravo", "charlie"))
     flood: list[asyncio.Future[tuple[int, float]]] = []
     try:
         for tenant in ("acme", "bravo", "charlie"):
-            assert (await post(tenant, plain))[0] == 200  # each token's WhoAmI answered (and cached)
-        flood = [asyncio.ensure_future(post("acme", _tool_chat(i))) for i in range(12)]
-        await held("acme", 6)
-        assert judged("acme") == 6, "control: a tenant alone holds three quarters of the slots"
-        flood += [asyncio.ensure_future(post("bravo", _tool_chat(100 + i))) for i in range(12)]
-        await held("bravo", 1)
-        status, took = await post("charlie", plain)
+            assert (await st.post(st.tokens[tenant], PLAIN))[0] == 200  # each token's WhoAmI answered (and cached)
+        flood = [asyncio.ensure_future(st.post(st.tokens["acme"], _tool_chat(i))) for i in range(12)]
+        await st.held("acme", 6)
+        assert st.judged("acme") == 6, "control: a tenant alone holds three quarters of the slots"
+        flood += [asyncio.ensure_future(st.post(st.tokens["bravo"], _tool_chat(100 + i))) for i in range(12)]
+        await st.held("bravo", 1)
+        status, took = await st.post(st.tokens["charlie"], PLAIN)
         assert status == 200 and took < 0.5, f"charlie's request: {status} after {took:.2f}s behind two floods"
         assert not any(f.done() for f in flood)  # control: both floods were still held meanwhile
     finally:
-        for f in flood:
-            f.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
-        await http.close()
-        await stack.stop()
+        await st.stop(flood)
