@@ -645,7 +645,7 @@ def test_chart_packages_and_the_package_renders(tmp_path: Path) -> None:
         assert "files/register_workers.py" in {f["name"] for f in packed.files}
         kinds = sorted(o["kind"] for o in _docs(packed.render({}, name=RELEASE, namespace=NAMESPACE)))
     print(kinds)
-    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget",
+    assert kinds == ["Deployment", "Deployment", *["NetworkPolicy"] * 5, "PodDisruptionBudget",
                      "RayCluster", "Secret", "Secret", "Service", "Service", "Service", "ServiceAccount", "StatefulSet"]
 
 

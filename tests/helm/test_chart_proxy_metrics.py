@@ -40,17 +40,6 @@ def test_metrics_port_reaches_the_proxy_service_and_servicemonitor(chart: Any, v
     assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
 
 
-def test_the_metrics_port_is_admitted_as_the_controllers_is(chart: Any) -> None:
-    """No NetworkPolicy selects the controller's pods (its metrics port admits whatever reaches it, Prometheus
-    included): none selects the proxy's either, so the same scrapers reach the proxy's metrics port."""
-    objs = _render(chart, {})
-    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
-    assert policies  # the control: the chart does render NetworkPolicies (Redis, Ray)
-    for comp in ("controller", "proxy"):
-        labels = one(objs, "Deployment", f"-{comp}")["spec"]["template"]["metadata"]["labels"]
-        assert not [p for p in policies if _matches(p["spec"]["podSelector"]["matchLabels"], labels)], comp
-
-
 def test_the_http_port_as_metrics_port_is_refused(chart: Any, chart_without_schema: Any) -> None:
     for ch in (chart, chart_without_schema):
         with pytest.raises(helm.HelmRenderError) as e:

@@ -12,6 +12,7 @@ import base64
 from typing import Any
 
 import kubernetes_validate
+from support.netpol import Pod, admits
 from test_chart import KUBE_VERSION, NAMESPACE, RELEASE, _docs, container, one
 
 RAY_PORTS = (6379, 10001)
@@ -35,24 +36,8 @@ def _auth(c: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
 
 
 def _admits(policies: list[dict[str, Any]], target: dict[str, str], peer: dict[str, str], port: int) -> bool:
-    """Whether `peer` (pod labels, same namespace) may reach `target` on TCP `port` under these
-    policies (a pod no policy selects admits everything, as Kubernetes does)."""
-    mine = [p for p in policies if _selects(p["spec"]["podSelector"], target)]
-    if not mine:
-        return True
-    for p in mine:
-        for rule in p["spec"].get("ingress", []):
-            peers = rule.get("from")
-            ports = rule.get("ports")
-            ok_peer = peers is None or any(_selects(f.get("podSelector", {}), peer) for f in peers)
-            ok_port = ports is None or any(q.get("port") == port for q in ports)
-            if ok_peer and ok_port:
-                return True
-    return False
-
-
-def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    """Whether `peer` (pod labels, same namespace) may reach `target` on TCP `port` under these policies."""
+    return admits(policies, Pod(target, NAMESPACE), Pod(peer, NAMESPACE), port)
 
 
 def _pod_labels(obj: dict[str, Any], path: str = "template") -> dict[str, str]:
