@@ -23,6 +23,7 @@ from fleet.sdk.failures import to_error as to_error
 from fleet.sdk.retry import NO_RETRY as NO_RETRY  # re-exported: it lived here before fleet/sdk/retry.py
 from fleet.sdk.retry import RetryPolicy as RetryPolicy
 from fleet.sdk.sessions import SESSION_TIMEOUT_S
+from fleet.sdk.target import target as checked_target
 
 CHUNK = 1 << 20  # 1 MiB per streamed message, well under gRPC's 4 MiB default limit
 # NOTE: gRPC's reconnect backoff grows to 120 s by default: a proxy whose controller was down for 75 s answered 503
@@ -167,7 +168,7 @@ class Transport:
                  client_key: bytes | str | Path | None = None, timeout: float = 10.0,
                  blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
                  options: Sequence[tuple[str, Any]] = (), session_timeout: float = SESSION_TIMEOUT_S) -> None:
-        self.target, self.timeout, self.blob_timeout = target, timeout, blob_timeout
+        self.target, self.timeout, self.blob_timeout = checked_target(target), timeout, blob_timeout
         self.session_timeout = session_timeout  # NOTE: before, a session call always waited 120 s, whatever was set
         self.retry = retry or RetryPolicy()
         self._md = metadata(bearer(token))
