@@ -53,3 +53,10 @@ def table_width(heads: Sequence[str], rows: Sequence[Sequence[Any]]) -> int:
     line or cell, padding 1 each side, and the borders."""
     widest = [max([*(len(line) for line in h.split("\n")), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads)]
     return sum(widest) + 3 * len(heads) + 1
+
+
+def least_width(heads: Sequence[str], rows: Sequence[Sequence[Any]], whole: Sequence[bool], text_min: int = 6) -> int:
+    """The columns a rich table of these headers and rows takes with no padding, the columns marked `whole` (numbers:
+    never wrapped) at their widest and each other column folded to at most `text_min`: below it a number is cut."""
+    widest = [max([*(len(line) for line in h.split("\n")), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads)]
+    return sum(w if keep else min(w, text_min) for w, keep in zip(widest, whole, strict=True)) + len(heads) + 1

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.app.cli.cells import cell, cells, fit, show
+from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls, client_tls
 
@@ -78,6 +79,7 @@ FOLDED: tuple[tuple[str, Cell, bool], ...] = (
 LAYOUTS = (FULL, tuple(c for c in FULL if c[0] != "node / host"),
            tuple(c for c in FULL if c[0] not in ("node / host", "kernel")), FOLDED)
 TEXT_MIN = 6  # the least width a text column is given when choosing a layout
+RECORDS_TEXT_MIN = 3  # narrower still than FOLDED with text columns this wide: one record per session
 
 
 def layout_for(rows: Sequence[Any], width: int | None, now: float) -> tuple[tuple[str, Cell, bool], ...]:
@@ -90,33 +92,40 @@ def layout_for(rows: Sequence[Any], width: int | None, now: float) -> tuple[tupl
     return FOLDED
 
 
-def _need(cols: Sequence[tuple[str, Cell, bool]], rows: Sequence[Any], now: float, folded: bool) -> int:
-    """Columns the table takes with every number whole and each text column TEXT_MIN wide."""
+def _need(cols: Sequence[tuple[str, Cell, bool]], rows: Sequence[Any], now: float, folded: bool,
+          text_min: int = TEXT_MIN) -> int:
+    """Columns the table takes with every number whole and each text column `text_min` wide."""
     def widest(col: tuple[str, Cell, bool]) -> int:
         texts = [col[0], *(col[1](r, now) for r in rows)]
         return max(len(line) for t in texts for line in t.split("\n"))
 
-    cells_w = sum(widest(c) if c[2] else TEXT_MIN for c in cols)
+    cells_w = sum(widest(c) if c[2] else text_min for c in cols)
     return cells_w + (len(cols) + 1 if folded else 3 * len(cols) + 1)  # borders (+ padding 1 each side unfolded)
 
 
 def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)", now: float | None = None,
                     width: int | None = None) -> Table:
     """The dashboard table (rows: fleet.sdk.sessions.SessionRow) for a terminal `width` columns wide (None: as
-    wide as it needs): node/host, then kernel are left out, then numbers folded two to a cell, so that no
-    number is ever cut."""
+    wide as it needs): node/host, then kernel are left out, then numbers folded two to a cell, and below that each
+    session is a record (fleet/app/cli/records.py), so that no number is ever cut."""
     now = time.time() if now is None else now
     cols = layout_for(rows, width, now)
+    if width is not None and _need(FOLDED, rows, now, folded=True, text_min=RECORDS_TEXT_MIN) > width:  # records
+        return records(title, [h for h, _, _ in FULL], [[cell(get(r, now)) for _, get, _ in FULL] for r in rows],
+                       "(no sessions)", [_style(r) for r in rows])
     folded = cols is FOLDED
     t = Table(title=title, title_justify="left", padding=(0, 0) if folded else (0, 1), show_lines=folded)
     for head, _, numeric in cols:
         t.add_column(head, justify="right" if numeric else "left", no_wrap=numeric, overflow="fold")
     for r in rows:
-        style = "red" if r.state == "lost" else "yellow" if r.state == "regenerated" else None
-        t.add_row(*(_cell(get(r, now), numeric) for _, get, numeric in cols), style=style)
+        t.add_row(*(_cell(get(r, now), numeric) for _, get, numeric in cols), style=_style(r))
     if not rows:
         t.add_row("(no sessions)", *[""] * (len(cols) - 1))
     return t
+
+
+def _style(r: Any) -> str | None:
+    return "red" if r.state == "lost" else "yellow" if r.state == "regenerated" else None
 
 
 def _cell(value: str, numeric: bool) -> Text:

@@ -20,7 +20,8 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from fleet.app.cli.cells import cell, cells, show, table_width
+from fleet.app.cli.cells import cell, cells, least_width, show, table_width
+from fleet.app.cli.records import records
 from fleet.app.cli.session import add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 
@@ -52,6 +53,10 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
             break
         keep.remove(gone)
     tight = width is not None and needed() > width
+    fold = least_width(keep, [[r[WORKER_COLUMNS.index(c)] for c in keep] for r, _ in rows], [c in NUMERIC for c in keep])
+    if width is not None and fold > width:  # not even unpadded with text folded: records, every column
+        return Group(records("vLLM workers", WORKER_COLUMNS, [r for r, _ in rows], "(none registered)",
+                             [None if serving else "yellow" for _, serving in rows]), _nodes(nodes, nodes_error, width))
     w = Table(title="vLLM workers", title_justify="left", padding=(0, 0) if tight else (0, 1))
     for col in keep:
         w.add_column(col, justify="right" if col in NUMERIC else "left", no_wrap=col in NUMERIC, overflow="fold")
@@ -59,11 +64,19 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
         w.add_row(*(row[WORKER_COLUMNS.index(c)] for c in keep), style=None if serving else "yellow")
     if not workers:
         w.add_row("(none registered)", *[""] * (len(keep) - 1))
+    return Group(w, _nodes(nodes, nodes_error, width))
+
+
+def _nodes(nodes: Sequence[Any], nodes_error: str, width: int | None) -> Table:
+    """The kernel nodes' table (fleet.sdk.sessions.NodeRow), with why they are not listed below it."""
     node_rows = [cells(x.node[:12], str(x.num_sessions), f"{x.cached_tokens:,}", f"{x.capacity_tokens:,}",
                        f"{x.queried_tokens:,}", f"{x.hit_tokens:,}", str(x.evicted_blocks), f"{100 * x.hit_rate:.1f}%")
                  for x in nodes]
     heads = ("node", "sessions", "cached\ntokens", "capacity", "queried", "hit\ntokens", "evicted\nblocks", "hit\nrate")
     tight = width is not None and table_width(heads, node_rows) > width
+    if width is not None and least_width(heads, node_rows, [h != "node" for h in heads]) > width:
+        return records("kernel nodes", heads, node_rows,
+                       f"(not listed: {nodes_error})" if nodes_error else "(no kernel nodes yet)")
     n = Table(title="kernel nodes", title_justify="left", padding=(0, 0) if tight else (0, 1))
     for col in heads:
         n.add_column(col, justify="left" if col == "node" else "right", no_wrap=True, overflow="fold")
@@ -74,8 +87,7 @@ def render_workers(workers: Sequence[Any], nodes: Sequence[Any], nodes_error: st
         n.caption, n.caption_justify = cell(f"(not listed: {nodes_error})"), "left"
     elif not nodes:
         n.caption, n.caption_justify = "(no kernel nodes yet)", "left"
-    return Group(w, n)
-
+    return n
 
 
 def snapshot(c: Any) -> dict[str, Any]:

@@ -136,3 +136,64 @@ def test_worker_ls_at_80_columns_shows_why_the_nodes_are_not_listed_whole() -> N
     out = io.StringIO()
     Console(file=out, width=80, force_terminal=True, color_system=None).print(render_workers([], [], why, width=80))
     assert why in " ".join(out.getvalue().split())
+
+
+def _unfolded(text: str) -> str:
+    """The text without its white space: a value a record folds onto more lines is whole again (the lines after
+    the first are blank in the field column)."""
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("width", [52, 40, 30])
+def test_session_ls_below_the_folded_layout_shows_records_with_nothing_cut(width: int) -> None:
+    # before: at 40 columns the session ids, tenants and states were gone and the numbers cut to "1,234,56"
+    import io
+
+    from rich.console import Console
+
+    from fleet.app.cli.session import render_sessions
+
+    out = io.StringIO()
+    rows = [_row(), _row(session_id="s2", tenant="t", state="active", epoch=0)]
+    Console(file=out, width=width, force_terminal=True, color_system=None).print(
+        render_sessions(rows, now=1100.0, width=width))
+    text = out.getvalue()
+    print(text)
+    assert [n for n in NUMBERS if n not in text] == [] and "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    for whole in (SESSION, "acme-research", "regenerated/17", "s2", "active/0", "01234567/host:kvfleet"):
+        assert f"{whole}" in _unfolded(text), whole
+    # control: at 80 columns the same rows stay one table (a record per session only where no table fits)
+    wide = io.StringIO()
+    Console(file=wide, width=80, force_terminal=True, color_system=None).print(render_sessions(rows, now=1100.0,
+                                                                                               width=80))
+    assert "┃" in wide.getvalue() and "┃" not in text
+
+
+@pytest.mark.parametrize("width", [50, 30])
+def test_worker_ls_below_its_narrowest_table_shows_records_with_nothing_cut(width: int) -> None:
+    import io
+    from types import SimpleNamespace as NS
+
+    from rich.console import Console
+
+    from fleet.app.cli.worker import render_workers
+
+    rank = NS(dp_rank=0, serving=True, warm=True, phase="serving", kv="preserved", epoch=123456, num_blocks=1234567,
+              last_seq=9876543, load=12.5)
+    worker = NS(name="vllm-worker-0", url=URL, model=MODEL, ranks=[rank])
+    node = NS(node="0123456789abcdef", num_sessions=12, cached_tokens=1234567, capacity_tokens=9999999,
+              queried_tokens=12345678, hit_tokens=2345678, evicted_blocks=123456, hit_rate=0.4567)
+    out = io.StringIO()
+    Console(file=out, width=width, force_terminal=True, color_system=None).print(
+        render_workers([worker], [node], width=width))
+    text = out.getvalue()
+    print(text)
+    numbers = ["123456", "1,234,567", "9876543", "12.5", "9,999,999", "12,345,678", "2,345,678", "45.7%"]
+    assert [n for n in numbers if n not in text] == [] and "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert f"url{URL}model{MODEL}" in _unfolded(text)
+    why = "Unavailable: could not reach Ray at 10.0.0.7:6379 within 5 s"
+    out = io.StringIO()
+    Console(file=out, width=width, force_terminal=True, color_system=None).print(render_workers([], [], why, width=width))
+    assert why in " ".join(out.getvalue().split()) and "(none registered)" in out.getvalue()
