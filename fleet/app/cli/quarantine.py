@@ -20,21 +20,32 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleet.app.cli.cells import cells, show
-from fleet.app.cli.session import add_connection_options, add_ls_options
+from fleet.app.cli.cells import cells, least_width, show
+from fleet.app.cli.records import records as as_records
+from fleet.app.cli.session import add_connection_options, add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
 
+COLUMNS = ("tenant", "ref", "action", "source", "reasons", "seen", "last seen")
+NUMERIC = frozenset({"seen", "last seen"})
 
-def render(records: Sequence[Any], now: float | None = None) -> Table:
-    """One row per (tenant, ref), most recently seen first."""
+
+def render(records: Sequence[Any], now: float | None = None, width: int | None = None) -> Table:
+    """One row per (tenant, ref), most recently seen first, for a terminal `width` columns wide (None: as wide as it
+    needs): text folds onto more lines and numbers never wrap; where they cannot stay whole, one record per row.
+    NOTE: before, text cells were cut with "…" (at 80 columns "acme-res…", "placehol…", the reasons), and at 40
+    the counts too (found by review)."""
     now = time.time() if now is None else now
-    t = Table(title="quarantined tool results", title_justify="left")
-    for col in ("tenant", "ref", "action", "source", "reasons", "seen", "last seen"):
-        t.add_column(col, justify="right" if col in ("seen", "last seen") else "left")
-    for r in records:
-        t.add_row(*cells(r.tenant, r.ref[:16] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
-                         f"{max(now - r.last_seen, 0):.0f}s ago"))
+    rows = [cells(r.tenant, r.ref[:16] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
+                  f"{max(now - r.last_seen, 0):.0f}s ago") for r in records]
+    title = "quarantined tool results"
+    if width is not None and least_width(COLUMNS, rows, [c in NUMERIC for c in COLUMNS]) > width:
+        return as_records(title, COLUMNS, rows, "(none)")
+    t = Table(title=title, title_justify="left")
+    for col in COLUMNS:
+        t.add_column(col, justify="right" if col in NUMERIC else "left", no_wrap=col in NUMERIC, overflow="fold")
+    for row in rows:
+        t.add_row(*row)
     if not records:
         t.add_row("(none)", *[""] * 6)
     return t
@@ -99,9 +110,9 @@ def main(argv: list[str]) -> int:
             elif args.watch:
                 from fleet.app.cli.session import watch
 
-                watch(console, lambda: render(records()), args.interval, args.count)
+                watch(console, lambda: render(records(), width=width_of(console)), args.interval, args.count)
             else:
-                show(console, render(records()))
+                show(console, render(records(), width=width_of(console)))
     except KvfleetError as e:
         print(f"kvfleet quarantine {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
