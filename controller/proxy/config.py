@@ -9,6 +9,7 @@ import grpc
 
 from controller.proxy.quarantine import MEDIA_POLICIES, POLICIES
 from fleet.core.errors import InvalidArgument
+from fleet.sdk.target import target
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,10 @@ class ProxyConfig:
             if not port.isdigit() or int(port) > 65535:
                 flag = "--" + name.replace("_", "-")
                 raise InvalidArgument(f"{flag} {value!r} must be HOST:PORT, the port 0-65535")
+        try:  # NOTE: --controller 127.0.0.1:0 was taken, and the proxy ran knowing no worker, forever (found by review)
+            target(self.controller)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"--controller: {e}") from None
         if self.metrics_listen is not None and self.metrics_listen == self.listen and self.port != 0:
             raise InvalidArgument(f"--metrics-listen {self.metrics_listen!r} must differ from --listen: the metrics "
                                   "get a listener of their own")

@@ -61,3 +61,12 @@ def test_a_negative_watch_count_is_refused_naming_the_flag(command: str, capsys:
         parse(["ls", "--watch", "--count", "-1"])
     assert e.value.code == 2 and "argument --count: -1: give 0 (until Ctrl-C) or more refreshes" in capsys.readouterr().err
     assert parse(["ls", "--watch", "--count", "0"]).count == 0 and parse(["ls", "--count", "3"]).count == 3  # control
+
+
+def test_the_proxy_refuses_a_controller_address_no_client_can_reach() -> None:
+    from controller.proxy.config import ProxyConfig
+
+    for bad in ("127.0.0.1:0", ":50051"):   # before: taken; the proxy ran knowing no worker, 503 to every request
+        with pytest.raises(InvalidArgument, match="--controller: the controller's address"):
+            ProxyConfig(controller=bad, listen="127.0.0.1:0")
+    assert ProxyConfig(controller="kvfleet-controller:50051", listen="127.0.0.1:0").controller  # control
