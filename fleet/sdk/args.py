@@ -10,6 +10,7 @@ route([]) was sent and answered COLD (found by review).
 from __future__ import annotations
 
 import array
+import math
 import operator
 from collections.abc import Iterable
 
@@ -107,3 +108,18 @@ def text(name: str, value: object) -> str:
 def ref(value: object, name: str = "ref") -> str:
     """A blob ref (a BlobRef, or its sha256 hex) as the str a request carries."""
     return text(name, str(value))
+
+
+def seconds(name: str, value: object) -> float:
+    """`value` as a client deadline: a finite number of seconds above 0 (an int or a float, not a bool or a str).
+
+    Raises:
+        InvalidArgument: naming `name`. NOTE: before, FleetClient(timeout=-1, 0, nan or inf) failed every call with
+            "deadline exceeded ... the controller is slow or unreachable" while the controller was fine, and
+            timeout="10" raised TypeError from inside the retry loop (found by review).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {type(value).__name__} {value!r:.40}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"{name} must be a finite number of seconds above 0, got {value!r}")
+    return float(value)

@@ -168,8 +168,10 @@ class Transport:
                  client_key: bytes | str | Path | None = None, timeout: float = 10.0,
                  blob_timeout: float = 120.0, retry: RetryPolicy | None = None,
                  options: Sequence[tuple[str, Any]] = (), session_timeout: float = SESSION_TIMEOUT_S) -> None:
-        self.target, self.timeout, self.blob_timeout = checked_target(target), timeout, blob_timeout
-        self.session_timeout = session_timeout  # NOTE: before, a session call always waited 120 s, whatever was set
+        self.target = checked_target(target)
+        self.timeout, self.blob_timeout = args.seconds("timeout", timeout), args.seconds("blob_timeout", blob_timeout)
+        # NOTE: before, a session call always waited 120 s, whatever was set
+        self.session_timeout = args.seconds("session_timeout", session_timeout)
         self.retry = retry or RetryPolicy()
         self._md = metadata(bearer(token))
         self._creds, self._options = credentials(tls, root_certificates, client_cert, client_key), reconnecting(options)

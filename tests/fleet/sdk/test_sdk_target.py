@@ -60,3 +60,15 @@ async def test_every_form_of_a_good_address_still_reaches_the_controller(tmp_pat
 def _whoami(address: str, token: str) -> object:
     with FleetClient(address, token, retry=SHORT) as c:
         return c.whoami()
+
+
+@pytest.mark.parametrize("setting", ["timeout", "blob_timeout", "session_timeout"])
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), float("inf"), "10", True, None])
+def test_a_deadline_that_is_not_a_positive_number_of_seconds_is_refused(setting: str, bad: object) -> None:
+    # before: -1, 0, nan and inf failed every call with "deadline exceeded ... the controller is slow or
+    # unreachable" (the controller was fine); "10" raised TypeError from inside the retry loop
+    for make in (FleetClient, AsyncFleetClient):
+        with pytest.raises(InvalidArgument, match=f"^{setting} must be a"):
+            make("127.0.0.1:50051", **{setting: bad})  # type: ignore[arg-type]
+    with FleetClient("127.0.0.1:50051", **{setting: 2}) as c:  # control: a whole number of seconds is one
+        assert getattr(c, setting) == 2.0
