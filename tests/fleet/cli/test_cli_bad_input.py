@@ -70,3 +70,15 @@ def test_the_proxy_refuses_a_controller_address_no_client_can_reach() -> None:
         with pytest.raises(InvalidArgument, match="--controller: the controller's address"):
             ProxyConfig(controller=bad, listen="127.0.0.1:0")
     assert ProxyConfig(controller="kvfleet-controller:50051", listen="127.0.0.1:0").controller  # control
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--num-cpus", "-2"), ("--sim-workers", "-1"), ("--num-cpus", "two")])
+def test_up_refuses_a_negative_count_before_starting_anything(flag: str, value: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.cli.up import parse
+
+    # before: --num-cpus -2 started Ray and ended in its ValueError traceback; --sim-workers -1 ran as 0
+    with pytest.raises(SystemExit) as e:
+        parse([flag, value])
+    assert e.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
+    assert (parse(["--num-cpus", "0"]).num_cpus, parse(["--sim-workers", "2"]).sim_workers) == (0, 2)  # control
