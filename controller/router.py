@@ -211,6 +211,22 @@ class Router:
         w = await self._launch(spec, ranks, catch_up=False)
         return status_row(w, spec.dp_rank_start, self.index)  # its first rank's row
 
+    async def rewrite_records(self) -> None:
+        """Write back every registered worker's record and rank states (the store lost its data: Controller._store_lost).
+        NOTE: on the event loop, as a rank's own persist: a put cannot land after an unregister's delete of the same
+        name (that delete runs once the worker has stopped, after this)."""
+        for w in list(self._workers.values()):
+            try:
+                self.registry.put(w.spec)
+            except Exception as e:  # noqa: BLE001  # the store failed again: the next loss report writes them
+                log.warning("could not write back worker %s's registration after the store lost its data: %s",
+                            w.spec.name, e)
+                continue
+            for rank in w.ranks:
+                w.persist(rank)
+        log.warning("the store lost its data: wrote back %d worker registrations and their rank states",
+                    len(self._workers))
+
     async def unregister_worker(self, name: str) -> None:
         w = self._get(name)
         await w.stop()

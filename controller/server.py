@@ -114,13 +114,20 @@ class Controller:
         self._lead_task: asyncio.Task[None] | None = None
         self._lock: LeaderLock | None = None
         self.store_probe = StoreProbe(ctx.store, ctx.metrics, health_servicer, cfg.store_ping_interval_s,
-                                      on_lost=None if cfg.salt_secret else self._restore_salt_secret)
+                                      on_lost=self._store_lost)
         self.stopped = False
 
-    def _restore_salt_secret(self) -> None:
-        """After the store lost its data: write back the cache_salt secret this controller holds (unless another
-        controller wrote one first), so one started later derives the same salts (the store probe calls it)."""
-        self.ctx.store.kv_swap(*SALT_SECRET_KEY, None, self.ctx.auth.salt_secret)
+    async def _store_lost(self) -> None:
+        """After the store lost its data (the store probe calls it): write back the cache_salt secret this controller
+        holds (unless another controller wrote one first, or it came from the config), so one started later derives
+        the same salts; and, as leader, the worker registrations and rank states it holds, so one started later (a
+        restart, the next leader) watches the same workers. NOTE: before, the registrations went with the data: the
+        next controller started with no worker, and every request was refused until each was registered again."""
+        if not self.cfg.salt_secret:
+            ns, key = SALT_SECRET_KEY
+            await asyncio.to_thread(self.ctx.store.kv_swap, ns, key, None, self.ctx.auth.salt_secret)
+        if self.ctx.router is not None:
+            await self.ctx.router.rewrite_records()
 
     @property
     def address(self) -> str:

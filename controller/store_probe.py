@@ -13,8 +13,10 @@ timeout is 60 s) the next probes wait on it instead of starting another, so a hu
 Data lost: the first probe that finds no marker writes it (kv_swap: absent -> written), and nothing deletes it. A
 probe that later finds it gone after one had seen it means the store lost its data (a Redis restarted without
 persistence, flushed, or swapped for another behind its address): logged as an error naming what went with it,
-counted in kvfleet_store_data_lost_total, the marker written again, and `on_lost` run (the controller writes back the
-cache_salt secret it holds, so a controller started later derives the same salts). NOTE: before, a Redis that came
+counted in kvfleet_store_data_lost_total, the marker written again, and `on_lost` awaited on the event loop (the
+controller writes back the cache_salt secret it holds, so a controller started later derives the same salts, and the
+leader writes back the worker registrations and rank states it holds, so a controller started later watches the same
+workers). NOTE: before, a Redis that came
 back empty was only "up" again: nothing said that every blob, verdict, quota count and registration was gone.
 
 NOTE: the overall health ("" and the kvfleet.v1 services, what a readiness probe asks) stays set by leadership
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -49,9 +51,9 @@ LOST_WHAT = ("every blob and its pins and verdict, the tenants' stored-byte coun
 
 class StoreProbe:
     def __init__(self, store: Any, metrics: Metrics, health: Any, interval_s: float = DEFAULT_STORE_PING_INTERVAL_S,
-                 timeout_s: float = STORE_PING_TIMEOUT_S, on_lost: Callable[[], None] | None = None) -> None:
+                 timeout_s: float = STORE_PING_TIMEOUT_S, on_lost: Callable[[], Awaitable[None]] | None = None) -> None:
         self.store, self.metrics, self.health, self.timeout_s = store, metrics, health, timeout_s
-        self.on_lost = on_lost  # run on a thread when the store is found to have lost its data
+        self.on_lost = on_lost  # awaited when the store is found to have lost its data
         self.up: bool | None = None  # None: not probed yet
         self._seen = False  # a probe found the marker (or wrote it): from then on, its absence is a loss
         self._read: asyncio.Future[Any] | None = None
@@ -69,22 +71,24 @@ class StoreProbe:
         await self._publish(error is None, str(error))
         if error is None:
             self._seen = True
+            if self._read.result() and self.on_lost is not None:  # this read found the data lost
+                await self.on_lost()
         return error is None
 
-    def _check(self) -> None:
-        """The probe's read (a thread); the marker written when absent, and a loss reported when it was seen."""
+    def _check(self) -> bool:
+        """The probe's read (a thread); the marker written when absent, and a loss reported when it was seen.
+        True: a loss."""
         if self.store.kv_get(*_PROBE_KEY) is not None:
-            return
+            return False
         self.store.kv_swap(*_PROBE_KEY, None, _MARK)
         if self._seen:
             self._lost()
+        return self._seen
 
     def _lost(self) -> None:
         log.error("the store lost its data (its marker key is gone: a Redis restarted without persistence, flushed, "
                   "or another store behind its address): %s are gone; blobs must be put again", LOST_WHAT)
         self.metrics.store_data_lost.inc()
-        if self.on_lost is not None:
-            self.on_lost()
 
     async def _publish(self, up: bool, why: str) -> None:
         if not up and self.up is not False:

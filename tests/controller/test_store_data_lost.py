@@ -15,8 +15,12 @@ import pytest
 import redis
 from support.controller import make_tokens, start_controller
 
+from controller.registry import EpochTable, WorkerRegistry
 from controller.server import SALT_SECRET_KEY, Controller
 from fleet.app.redis_server import RedisServer
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.sdk import AsyncFleetClient
 
 
 def _lost(ctl: Controller) -> float:
@@ -65,3 +69,36 @@ async def test_redis_back_without_its_data_is_reported(redis_url: str, redis_ser
     finally:
         r.close()
         await ctl.stop(0)
+
+
+async def test_the_leader_writes_back_its_workers_after_the_store_lost_them(
+        redis_url: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """A worker registered with the leader, then Redis back empty: the leader writes the registration and the rank
+    states back, so the controller started next (a restart) watches the same worker. NOTE: before, the registration
+    went with the data: the next controller listed no worker and refused every route."""
+    tokens = make_tokens(tmp_path)
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
+    ctl: Controller | None = await start_controller(redis_url, tokens, store_ping_interval_s=0.1, gc_interval_s=0,
+                                                    start_router=True)
+    later: Controller | None = None
+    try:
+        assert ctl is not None
+        async with AsyncFleetClient(ctl.address, token=tokens.op) as c:
+            await c.register_worker("w0", url=sim.url, kv_events=sim.kv_events, replay=sim.replay or "", model="m")
+        await _probed_again(ctl)
+        registry, epochs = WorkerRegistry(ctl.ctx.store), EpochTable(ctl.ctx.store)
+        assert [name for name, _ in registry.entries()] == ["w0"] and epochs.get("w0", 0) is not None
+        _restart(redis_server, keep_data=False)
+        await _probed_again(ctl)
+        assert _lost(ctl) == 1
+        assert [name for name, _ in registry.entries()] == ["w0"] and epochs.get("w0", 0) is not None
+        await ctl.stop(0)
+        ctl = None
+        later = await start_controller(redis_url, tokens, gc_interval_s=0, start_router=True)
+        async with AsyncFleetClient(later.address, token=tokens.op) as c:
+            assert [w.name for w in await c.workers()] == ["w0"]
+    finally:
+        for c_ in (ctl, later):
+            if c_ is not None:
+                await c_.stop(0)
+        await sim.stop()
