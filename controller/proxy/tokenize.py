@@ -28,6 +28,7 @@ import aiohttp
 import msgspec
 
 from controller.keyed_slots import KeyedSlots
+from controller.proxy.chat_args import chat_template_args
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
@@ -295,9 +296,6 @@ class Tokenizer:
     def _hf_ids(self, req: dict[str, Any]) -> list[int]:
         tok = self._hf
         if "messages" in req:
-            kw = {k: req[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template", "tools")
-                  if k in req}
-            kw.setdefault("add_generation_prompt", True)
-            ids = tok.apply_chat_template(req["messages"], tokenize=True, **kw, **(req.get("chat_template_kwargs") or {}))
+            ids = tok.apply_chat_template(req["messages"], tokenize=True, **chat_template_args(req))
             return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]  # BatchEncoding or list
         return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))]

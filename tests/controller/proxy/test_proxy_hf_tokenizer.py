@@ -137,3 +137,33 @@ async def test_one_tenants_long_prompts_do_not_queue_anothers_local_tokenizing(t
         assert done.index("bravo") <= 8
     finally:
         await fleet.stop()
+
+
+async def test_chat_template_kwargs_repeating_the_requests_own_fields_tokenize_as_the_workers_do(
+        tmp_path: Path) -> None:
+    """`chat_template_kwargs` may repeat a field the request has (add_generation_prompt, continue_final_message,
+    tools, chat_template, even tokenize): vLLM merges them, the request's own field winning where it is set, and the
+    local tokenizer gives the worker's /tokenize ids. Before, the proxy passed both to apply_chat_template: a
+    TypeError ("got multiple values for keyword argument"), a 500 for the chat."""
+    hf = build_hf_tokenizer(tmp_path / "tok")
+    fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
+    try:
+        msgs = [{"role": "user", "content": PROMPTS[0]}]
+        kwargs = {"add_generation_prompt": False, "continue_final_message": True, "tools": [], "tokenize": False}
+        for extra in ({}, {"add_generation_prompt": True}, {"add_generation_prompt": False}):
+            body = {"model": MODEL, "messages": msgs, "max_tokens": 1, "chat_template_kwargs": kwargs, **extra}
+            status, h, raw = await fleet.post("/v1/chat/completions", body)
+            sim = next(iter(fleet.sims.values()))
+            remote = await fleet.proxy.tokenizer._post_tokenize(sim.url, json.dumps(
+                {"model": MODEL, "messages": msgs, "chat_template_kwargs": kwargs, **extra}).encode())
+            local = fleet.proxy.tokenizer._hf_ids({"messages": msgs, "chat_template_kwargs": kwargs, **extra})
+            print(extra, "->", status, "| local ids == the worker's /tokenize ids:", local == remote, len(local))
+            assert status == 200, raw
+            assert local == remote == simtok.apply_chat_template(msgs, add_generation_prompt=extra.get(
+                "add_generation_prompt", True))
+        assert fleet.proxy.tokenizer.parity == {MODEL: True}  # the chats were tokenized locally
+        status, _, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                                   "chat_template_kwargs": ["add_generation_prompt"]})
+        assert status == 400 and b"'chat_template_kwargs' must be an object" in raw, raw  # was a 500 (TypeError)
+    finally:
+        await fleet.stop()
