@@ -22,7 +22,7 @@ from rich.table import Table
 
 from fleet.app.cli.cells import cells, least_width, show
 from fleet.app.cli.records import records as as_records
-from fleet.app.cli.session import add_connection_options, add_ls_options, width_of
+from fleet.app.cli.session import INTERRUPTED, add_connection_options, add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
 
@@ -117,5 +117,5 @@ def main(argv: list[str]) -> int:
         print(f"kvfleet quarantine {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 0
+        return INTERRUPTED
     return 0

@@ -11,6 +11,7 @@ defaults of --controller / --token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -27,6 +28,10 @@ from fleet.app.cli.cells import cell, cells, fit, show
 from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls, client_tls
+
+# NOTE: Ctrl-C on a one-shot command exits 128 + SIGINT, as a shell reports a command SIGINT ended; it exited 0, as
+# if the listing had been shown (found by review). Ctrl-C is how --watch ends: a normal end there (watch)
+INTERRUPTED = 130
 
 
 def _bytes(n: int) -> str:
@@ -213,18 +218,20 @@ def main(argv: list[str]) -> int:
         print(f"kvfleet session ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 0
+        return INTERRUPTED
     return 0
 
 
 def watch(console: Console, render: Callable[[], Any], interval: float, count: int = 0) -> None:
     """Redraw `render()` in place every `interval` s (it re-polls the controller); `count` > 0 stops
     after that many polls. Shared by `session ls --watch` and `worker ls --watch`. Into a pipe, each frame is as
-    wide as it needs, as show() prints (NOTE: before, piped frames were cut to 80 columns)."""
+    wide as it needs, as show() prints (NOTE: before, piped frames were cut to 80 columns). Ctrl-C ends it normally.
+    """
     from rich.live import Live
 
     polls = 1
-    with Live(fit(console, render()), console=console, refresh_per_second=4) as live:
+    with contextlib.suppress(KeyboardInterrupt), Live(fit(console, render()), console=console,
+                                                      refresh_per_second=4) as live:
         while not count or polls < count:
             time.sleep(max(0.1, interval))
             live.update(fit(console, render()), refresh=True)
