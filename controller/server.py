@@ -48,6 +48,15 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def listen_error(listen: str) -> str | None:
+    """Why `listen` is not an address the controller can listen on (HOST:PORT, the port 0-65535), or None. Also
+    `kvfleet up`'s check of --listen before anything starts."""
+    port = listen.rsplit(":", 1)[-1]
+    if ":" not in listen or not port.isdigit() or int(port) > 65535 or listen != listen.strip():
+        return f"{listen!r} must be HOST:PORT with a port in 0-65535, e.g. 0.0.0.0:50051"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
     """Everything `kvfleet controller` configures. tokens_file=None turns auth off (one machine only)."""
@@ -84,9 +93,8 @@ class ControllerConfig:
     judge: JudgeLimits = field(default_factory=JudgeLimits)  # judge pool and per-tenant lanes (--judge-*)
 
     def __post_init__(self) -> None:
-        port = self.listen.rsplit(":", 1)[-1]
-        if ":" not in self.listen or not port.isdigit() or int(port) > 65535 or self.listen != self.listen.strip():
-            raise InvalidArgument(f"--listen {self.listen!r} must be HOST:PORT with a port in 0-65535, e.g. 0.0.0.0:50051")
+        if (why := listen_error(self.listen)) is not None:
+            raise InvalidArgument(f"--listen {why}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("TLS needs both --tls-cert and --tls-key (PEM files)")
         if self.tls_client_ca and not self.tls_cert:

@@ -41,6 +41,16 @@ def _whole(text: str) -> int:
     return n
 
 
+def _listen(text: str) -> str:
+    """--listen: HOST:PORT, the port 0-65535, as the controller takes it. NOTE: before, a bad port was refused by the
+    controller's config, after the local Ray (about 10 s) and the state dir had been made (found by review)."""
+    from controller.server import listen_error
+
+    if (why := listen_error(text)) is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     from controller.edge import add_edge_flags
     from controller.kernel_placement import add_kernel_flags
@@ -51,7 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument(
-        "--listen", default="127.0.0.1:50051", help="HOST:PORT of the controller (port 0: any free)"
+        "--listen", type=_listen, default="127.0.0.1:50051", help="HOST:PORT of the controller (port 0: any free)"
     )
     p.add_argument("--state-dir", default="./var", help="where the embedded store and the tokens file live")
     p.add_argument(

@@ -82,3 +82,22 @@ def test_up_refuses_a_negative_count_before_starting_anything(flag: str, value: 
         parse([flag, value])
     assert e.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
     assert (parse(["--num-cpus", "0"]).num_cpus, parse(["--sim-workers", "2"]).sim_workers) == (0, 2)  # control
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1:abc", "50051"])
+def test_up_refuses_a_bad_listen_address_before_anything_starts(listen: str, tmp_path: Path) -> None:
+    # before: refused by the controller's config only after the state dir and the local Ray (about 10 s) were made
+    import os
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    r = subprocess.run([sys.executable, "-m", "fleet.app.cli.main", "up", "--listen", listen, "--state-dir", str(state),
+                        "--num-cpus", "1"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "RAY_ADDRESS": ""})
+    print(r.returncode, r.stderr)
+    assert r.returncode == 2 and f"argument --listen: {listen!r} must be HOST:PORT" in r.stderr
+    assert not state.exists() and "Ray" not in r.stderr  # nothing was started (the state dir comes before Ray)
+    from fleet.app.cli.up import parse
+
+    assert parse(["--listen", "127.0.0.1:0"]).listen == "127.0.0.1:0"  # control: port 0 (any free) is taken
