@@ -5,7 +5,8 @@
 
 `ref` is the SHA-256 (hex) of the tool result's bytes, as the proxy's x-kvfleet-quarantined header and
 the answer's kvfleet.quarantined field name it. An operator verdict overrides the detector for every later
-request that carries those bytes, in every tenant; `clear` drops it (docs/quarantine.md).
+request that carries those bytes, in every tenant; `clear` drops it (docs/quarantine.md). `ls` shows a ref's first
+16 digits (`--json`: whole); `set` takes such a prefix (16 digits or more) of a recent quarantine's ref too.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from rich.table import Table
 from fleet.app.cli.cells import cells, least_width, show
 from fleet.app.cli.records import records as as_records
 from fleet.app.cli.session import INTERRUPTED, add_connection_options, add_ls_options, width_of
-from fleet.core.errors import KvfleetError
+from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
 
 COLUMNS = ("tenant", "ref", "action", "source", "reasons", "seen", "last seen")
 NUMERIC = frozenset({"seen", "last seen"})
+SHORT_REF = 16  # the ref's digits `ls` shows, and the fewest `set` takes
+MAX_LISTED = 1000  # the most rows the controller lists (an operator: every tenant's), which `set` resolves against
 
 
 def render(records: Sequence[Any], now: float | None = None, width: int | None = None) -> Table:
@@ -36,7 +39,7 @@ def render(records: Sequence[Any], now: float | None = None, width: int | None =
     NOTE: before, text cells were cut with "…" (at 80 columns "acme-res…", "placehol…", the reasons), and at 40
     the counts too (found by review)."""
     now = time.time() if now is None else now
-    rows = [cells(r.tenant, r.ref[:16] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
+    rows = [cells(r.tenant, r.ref[:SHORT_REF] + "…", r.action, r.source, ", ".join(r.reasons), str(r.num_seen),
                   f"{max(now - r.last_seen, 0):.0f}s ago") for r in records]
     title = "quarantined tool results"
     if width is not None and least_width(COLUMNS, rows, [c in NUMERIC for c in COLUMNS]) > width:
@@ -57,14 +60,38 @@ def as_json(records: Sequence[Any]) -> str:
                         "last_seen": r.last_seen} for r in records], indent=1)
 
 
+def resolve_ref(ref: str, known: Sequence[str]) -> str:
+    """The whole ref `ref` names: itself when 64 digits long (the controller checks it), else the one ref of `known`
+    it begins (at least SHORT_REF hex digits; a trailing "…", as `ls` prints it, is dropped). NOTE: `ls` showed 16
+    digits and `set` took only the whole 64, so a ref copied from the table was refused (found by review).
+
+    Raises:
+        InvalidArgument: too short or not hex, no ref of `known` begins so, or more than one does (naming them).
+    """
+    prefix = ref.removesuffix("…").lower()
+    if len(prefix) == 64:
+        return prefix
+    if len(prefix) < SHORT_REF or any(c not in "0123456789abcdef" for c in prefix):
+        raise InvalidArgument(f"ref {ref[:80]!r}: give the 64 hex digits of the bytes' SHA-256, or the first "
+                              f"{SHORT_REF} or more as `kvfleet quarantine ls` shows them")
+    matches = sorted({k for k in known if k.startswith(prefix)})
+    if len(matches) > 1:
+        raise InvalidArgument(f"ref {prefix}… is more than one quarantined tool result's: {', '.join(matches)}; "
+                              "give more digits")
+    if not matches:
+        raise InvalidArgument(f"ref {prefix}… begins no ref of the {len(known)} most recent quarantined tool results; "
+                              "give the whole ref (`kvfleet quarantine ls --json` lists them)")
+    return matches[0]
+
+
 def _limit(text: str) -> int:
     """--limit: 1..1000 (the controller answers at most 1000 rows; the field is unsigned)."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= n <= 1000:
-        raise argparse.ArgumentTypeError(f"{n}: expected 1 to 1000")
+    if not 1 <= n <= MAX_LISTED:
+        raise argparse.ArgumentTypeError(f"{n}: expected 1 to {MAX_LISTED}")
     return n
 
 
@@ -76,7 +103,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ls.add_argument("--limit", type=_limit, default=100, help="at most this many rows, 1-1000 (default 100)")
     add_ls_options(ls)
     st = sub.add_parser("set", help="operator: set or clear a verdict on a tool result's bytes")
-    st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes")
+    st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes, or its first 16+ digits as ls shows them")
     st.add_argument("verdict", choices=(QUARANTINED, CLEAN, "clear"))
     st.add_argument("--reason", action="append", default=[], help="why (repeatable)")
     add_connection_options(st)  # NOTE: not ls's --watch/--interval/--count/--json: a verdict is set once, one line
@@ -98,8 +125,10 @@ def main(argv: list[str]) -> int:
     try:
         with _client(args) as c:
             if args.cmd == "set":
-                c.set_verdict(args.ref, "" if args.verdict == "clear" else args.verdict, reasons=args.reason)
-                print(f"{args.ref}: {args.verdict}")
+                known = [] if len(args.ref) == 64 else [r.ref for r in c.list_quarantines(limit=MAX_LISTED)]
+                ref = resolve_ref(args.ref, known)
+                c.set_verdict(ref, "" if args.verdict == "clear" else args.verdict, reasons=args.reason)
+                print(f"{ref}: {args.verdict}")
                 return 0
 
             def records() -> Any:

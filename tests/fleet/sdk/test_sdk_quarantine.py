@@ -66,3 +66,41 @@ async def test_judge_list_and_set_verdicts_through_the_sdk_and_the_cli(tmp_path:
             assert not (await asyncio.to_thread(c.judge_tool_results, [CLEAN])).judgements[0].quarantined
     finally:
         await ctl.stop(0)
+
+
+async def test_set_takes_the_ref_as_ls_shows_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Found by review: `quarantine ls` shows a ref's first 16 digits and `set` took only the whole 64, so a ref
+    # copied from the table was refused. Before the fix: the controller's InvalidArgument ("expected the 64
+    # lowercase hex digits"), exit 2, no verdict set.
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok)
+    try:
+        async with AsyncFleetClient(ctl.address, token=tok.a, retry=NO_RETRY) as a:
+            await a.judge_tool_results([POISON])  # a recent quarantine of acme's
+            connect = ["--controller", ctl.address, "--token", tok.op]
+            cli = lambda *argv: asyncio.to_thread(cli_quarantine.main, [*argv, *connect])  # noqa: E731
+            assert await cli("ls") == 0
+            shown = POISON_REF[:16] + "…"
+            assert shown in capsys.readouterr().out
+            assert await cli("set", shown, "CLEAN", "--reason", "reviewed") == 0  # as copied from the table
+            assert capsys.readouterr().out == f"{POISON_REF}: CLEAN\n"
+            again = await a.judge_tool_results([POISON])
+            assert [(x.quarantined, x.source) for x in again.judgements] == [(False, "operator")]
+            assert await cli("set", POISON_REF[:20].upper(), "clear") == 0
+            assert capsys.readouterr().out == f"{POISON_REF}: clear\n"
+            # refused, naming why: a prefix no recent quarantine's ref begins, and one too short to name one
+            for ref, why in ((CLEAN_REF[:16], "begins no ref of the 1 most recent"), (POISON_REF[:15], "or the first 16")):
+                assert await cli("set", ref, "CLEAN") == 2
+                assert why in capsys.readouterr().err
+            assert await cli("set", CLEAN_REF, "QUARANTINED") == 0  # control: a whole ref needs no record
+            assert capsys.readouterr().out == f"{CLEAN_REF}: QUARANTINED\n"
+    finally:
+        await ctl.stop(0)
+
+
+def test_a_prefix_of_more_than_one_ref_is_refused_naming_them() -> None:
+    # two refs sharing 16 digits cannot be made from real bytes (64 bits of SHA-256): the rule alone
+    refs = ["ab" * 8 + "0" * 48, "ab" * 8 + "1" * 48, "cd" * 32]
+    with pytest.raises(InvalidArgument, match=f"more than one.*{refs[0]}, {refs[1]}; give more digits"):
+        cli_quarantine.resolve_ref("ab" * 8, refs)
+    assert cli_quarantine.resolve_ref("ab" * 8 + "1", refs) == refs[1]  # control: one more digit names one
