@@ -24,7 +24,8 @@ each call as a message, matched to its answer by id. Measured in bench/proxy_loa
 - Messages that queue while a write is in flight go in the next write together (`more`), and the controller
   answers several in one, where it says it takes them (BATCHED): under load a write of a stream, and its read on
   the other side, cost about as much CPU as the routing it carries (docs/proxy.md, "RouteStream batches"). Nothing
-  waits for a batch to fill: a quiet stream sends each message alone, as before.
+  waits for a batch to fill: a quiet stream sends each message alone, as before. A write's messages together stay
+  within MAX_BATCH_BYTES (a message alone goes whatever its size), well under the controller's receive limit.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ BATCH_S = 0.002  # the longest a release waits for a message to ride on
 CARRIED = ("kvfleet-route-stream", "carried-releases")  # the controller's initial metadata: it takes carried releases
 BATCHED = ("kvfleet-route-stream", "batched")  # the controller's initial metadata, and the proxy's call metadata
 MAX_BATCH = 32  # messages sent in one write
+# NOTE: the messages of one write together; a message alone goes whatever its size. Without it six Routes of 250k
+# tokens asked at once went in one write of 4.5 MB, over the controller's receive limit (--grpc-max-receive-bytes,
+# 4 MiB by default): it ended the stream, and every call waiting on it failed RESOURCE_EXHAUSTED (each alone fits)
+MAX_BATCH_BYTES = 256 << 10
 Done = Callable[[str], None]  # a carried release's outcome: "released", "unknown" or "failed"
 
 
@@ -134,15 +139,25 @@ class _Stream:
             _tell(d, ("released" if msg.released[i] else "unknown") if i < len(msg.released) else "failed")
 
     async def _write(self) -> None:
+        held: route_pb2.RouteStreamRequest | None = None  # taken off the outbox, over the last write's bytes
         try:
             while True:
-                msg = self._load(await self.outbox.get())
+                msg, held = (held, None) if held is not None else (self._load(await self.outbox.get()), None)
+                size = 0  # msg's bytes with its `more`, taken once a message would join it
                 while self.batches and not self.outbox.empty() and (msg is None or len(msg.more) < MAX_BATCH - 1):
                     nxt = self._load(self.outbox.get_nowait())  # what queued while the last write was in flight
                     if msg is None:
                         msg = nxt
-                    elif nxt is not None:
-                        msg.more.append(nxt)
+                        continue
+                    if nxt is None:
+                        continue
+                    size = size or msg.ByteSize()
+                    grown = size + nxt.ByteSize() + 16  # its tag and length in `more`: 16 bytes is more than they take
+                    if grown > MAX_BATCH_BYTES:
+                        held = nxt  # the next write's first
+                        break
+                    msg.more.append(nxt)
+                    size = grown
                 if msg is not None:
                     await self.call.write(msg)
         except asyncio.CancelledError:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from support.proxy_fleet import MODEL, start_fleet
 
+from controller.edge import GrpcLimits
 from controller.proxy import route_stream
 from controller.proxy.control import ControlClient
 from controller.servicers import route as route_servicer
@@ -105,6 +106,27 @@ async def test_a_caller_that_does_not_say_it_reads_batches_gets_each_answer_alon
             assert sorted(o.id for o in outs) == list(range(1, 7)) and not any(o.more for o in outs)
         finally:
             call.cancel()
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def test_long_routes_asked_at_once_stay_under_the_controllers_receive_limit(tmp_path: Path) -> None:
+    # six Routes of 250k tokens (750 kB each): together over the controller's default receive limit, each alone under
+    # NOTE: before, they went in one write of 4.5 MB; the controller refused it and ended the stream: all six failed
+    # RESOURCE_EXHAUSTED ("Received message larger than max")
+    ids = [[100_000 + i] * 250_000 for i in range(N)]
+    sizes = [pb.RouteStreamRequest(route=pb.RouteRequest(token_ids=t, model=MODEL)).ByteSize() for t in ids]
+    assert max(sizes) < GrpcLimits().max_receive_bytes < sum(sizes)  # control: one batch of them would be refused
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token = fleet.tokens["a"]
+        await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and says batched
+        asked = await asyncio.gather(*(control.route(t, MODEL, lora=None, token=token) for t in ids),
+                                     return_exceptions=True)
+        assert [type(d).__name__ for d in asked] == ["RouteDecision"] * N, asked
+        assert (await control.route([9, 9, 9, 9], MODEL, lora=None, token=token)).worker  # the stream goes on
     finally:
         await control.close()
         await fleet.stop()
