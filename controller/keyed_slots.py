@@ -8,12 +8,18 @@ waiting): `per_key // n`, at least 1. Alone, a key holds `per_key` (three quarte
 sets it); two keys flooding at once hold half of that each. The keys together take at most `per_key` slots, except
 a key's first one: so the rest stays free for a key that comes, which takes one at once, even while the keys that
 held more than their share before it came still hold it. A freed slot goes to the waiting key that holds the
-fewest, among those under their share.
+fewest, among those under their share. A key past its share takes (is lent) a slot still free within `per_key`
+where, that one taken, every key in use could still reach its share within `per_key` (the fewest-held first
+again): the slots the others leave idle are used, and no key under its share waits for a lent one to come back.
+NOTE: before, a key at its share waited whatever was free: with 4 tenants in use (a share of 6 // 4 = 1 of 8
+slots), a tenant whose one slot was held by a slow call had its next Route wait the route timeout beside 4 idle
+slots, then a 503 (test_proxy_fair_slots.py). A lent slot comes back as its call ends, as a share does.
 NOTE: before, each key's share was `per_key` whatever the others held: two keys flooding at once held every slot
 between them, and a third key's caller waited behind their waiters for a freed slot, in arrival order, until its
 timeout (tests/controller/proxy/test_proxy_fair_slots.py).
-Cost: a slot taken with one free is a dict lookup and a `len` of the map; a freed slot with callers waiting looks
-over the keys that wait (a loop over them, only when some wait).
+Cost: a slot taken with one free is a dict lookup and a `len` of the map (past the key's share, a look over the
+keys in use); a freed slot with callers waiting looks over the keys that wait (a loop over them per slot granted,
+and over the keys in use for a key past its share: only when some wait).
 """
 
 from __future__ import annotations
@@ -54,10 +60,24 @@ class KeyedSlots:
         return max(1, self.per_key // max(1, len(self._shares)))
 
     def _may_take(self, share: _Share) -> bool:
-        """Under its share, and within `per_key` held by all the keys together, or the key's first (see above)."""
-        if share.held >= self.share():
+        """Within `per_key` held by all the keys together, or the key's first (see above); and under its share, or
+        lendable (an idle slot no key in use needs to reach its share)."""
+        if not self._within(share):
             return False
-        return self.total is None or self.num_held < self.per_key or (share.held == 0 and self.num_held < self.total)
+        fair = self.share()
+        return share.held < fair or self._lendable(fair)
+
+    def _lendable(self, fair: int) -> bool:
+        """A slot may go to a key past its share: one more taken, every key in use can still reach its share
+        within `per_key` (no key under its share waits for a lent slot to come back)."""
+        owed = sum(fair - s.held for s in self._shares.values() if s.held < fair)
+        return self.num_held + 1 + owed <= self.per_key
+
+    def _within(self, share: _Share) -> bool:
+        """Within `per_key` held by all the keys together, or the key's first (its share aside)."""
+        if self.total is None:
+            return share.held < self.per_key
+        return self.num_held < self.per_key or (share.held == 0 and self.num_held < self.total)
 
     @contextlib.asynccontextmanager
     async def hold(self, key: Hashable, timeout_s: float | None, what: str,
@@ -68,6 +88,8 @@ class KeyedSlots:
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = _Share()
+            if self._waiting and self.total is not None:
+                self._grant()  # one key more: the shares shrank, so a slot may be lendable now
         share.users += 1
         try:
             if share.waiters or not self._may_take(share):  # NOTE: a key's callers get its slots in arrival order
@@ -93,12 +115,16 @@ class KeyedSlots:
             self._grant()
 
     def _grant(self) -> None:
-        """Free slots to the waiting keys under their share, the one holding the fewest first."""
+        """Free slots to the waiting keys under their share, the one holding the fewest first; then, where lendable,
+        to the waiting key past its share holding the fewest."""
         while self._waiting:
-            ready = [(s.held, k) for k, s in self._waiting.items() if self._may_take(s)]
+            fair = self.share()
+            ready = [(s.held, k) for k, s in self._waiting.items() if self._within(s)]
             if not ready:
                 return
-            key = min(ready, key=lambda hk: hk[0])[1]
+            held, key = min(ready, key=lambda hk: hk[0])
+            if held >= fair and not self._lendable(fair):
+                return
             share = self._waiting[key]
             fut = share.waiters.popleft()
             if not share.waiters:

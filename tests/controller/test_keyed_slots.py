@@ -63,3 +63,23 @@ async def test_a_waiter_cancelled_as_it_is_granted_gives_the_slot_back() -> None
     with contextlib.suppress(asyncio.CancelledError):
         await waiter
     assert slots.num_held == 0 and len(slots) == 0
+
+
+async def test_a_key_past_its_share_takes_an_idle_slot_no_key_needs_to_reach_its_own() -> None:
+    slots = KeyedSlots(6, 8)
+    async with contextlib.AsyncExitStack() as a, contextlib.AsyncExitStack() as others:
+        for key in ("b", "c", "d"):
+            await _take(others, slots, key, 1)
+        await _take(a, slots, "a", 1)
+        assert slots.share() == 1
+        await _take(a, slots, "a", 2)  # past its share of 1: lent, each key holds its share (before: refused)
+        assert slots.num_held == 6  # per_key: the keys together take no more, the reserve stays free
+        with pytest.raises(Unavailable, match="this caller already has 3 of them"):
+            await _take(a, slots, "a", 1)
+    async with contextlib.AsyncExitStack() as a, contextlib.AsyncExitStack() as b:
+        await _take(b, slots, "b", 1)
+        await _take(a, slots, "a", 3)  # a's share of 3
+        with pytest.raises(Unavailable, match="this caller already has 3 of them"):
+            await _take(a, slots, "a", 1)  # not lent: b's share needs 2 more of the 6
+        await _take(b, slots, "b", 2)  # taken at once
+    assert len(slots) == 0 and slots.num_held == 0 and not slots._waiting

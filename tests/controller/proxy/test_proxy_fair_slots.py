@@ -101,6 +101,9 @@ def _tool_chat(i: int) -> dict[str, Any]:
         {"role": "tool", "tool_call_id": "c1", "content": f"result {i}: " + "plain search text " * 200}]}
 
 
+STARVED = JudgeLimits(tenant_cpu=0.001, burst_s=0.001)  # a tenant's judge lane: almost no CPU
+
+
 class _Starved:
     """A stack whose judging is starved (each tenant's judge lane has almost no CPU), so a tenant's tool-result
     requests each hold one of the proxy's 8 RPC slots while they wait; `post` times one request."""
@@ -110,12 +113,13 @@ class _Starved:
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
     @classmethod
-    async def start(cls, tmp_path: Path, tenants: tuple[str, ...]) -> _Starved:
+    async def start(cls, tmp_path: Path, tenants: tuple[str, ...],
+                    judge: JudgeLimits = STARVED) -> _Starved:
         stack = await start_stack(StackConfig(
             store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
             block_size=BLOCK, model=MODEL, tenants=tenants, operator="ops", operator_name="", sessions=False,
             metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
-            controller={"detector_layers": ("rules",), "judge": JudgeLimits(tenant_cpu=0.001, burst_s=0.001)},
+            controller={"detector_layers": ("rules",), "judge": judge},
             proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
         assert stack.proxy is not None
         await stack.client.close()
@@ -189,3 +193,31 @@ async def test_two_flooding_tenants_leave_slots_for_a_third(tmp_path: Path) -> N
         assert not any(f.done() for f in flood)  # control: both floods were still held meanwhile
     finally:
         await st.stop(flood)
+
+
+async def test_a_tenant_past_its_share_takes_an_idle_slot_when_no_one_under_theirs_waits(tmp_path: Path) -> None:
+    """bravo, charlie and delta each have one request whose judging waits in their lane, and acme one: four tenants
+    in use, a share of 6 // 4 = 1 slot each, 4 of the 8 slots held. acme's ordinary request is answered at once.
+    Before, a tenant at its share waited whatever was free: acme's Route waited route_timeout_s beside 4 idle slots,
+    then got a 503. Control: a fifth tenant's first request is answered at once too (the reserve is kept)."""
+    tenants = ("acme", "bravo", "charlie", "delta", "echo")
+    # the first tool result judged overdraws its tenant's budget (refilled in seconds): the next waits in its lane
+    st = await _Starved.start(tmp_path, tenants, JudgeLimits(tenant_cpu=0.0001, burst_s=0.0001))
+    slow: list[asyncio.Future[tuple[int, float]]] = []
+    try:
+        for tenant in tenants:
+            assert (await st.post(st.tokens[tenant], PLAIN))[0] == 200  # each token's WhoAmI answered (and cached)
+        firsts = await asyncio.gather(*(st.post(st.tokens[t], _tool_chat(i)) for i, t in enumerate(tenants[:4])))
+        assert [status for status, _ in firsts] == [200] * 4
+        slow = [asyncio.ensure_future(st.post(st.tokens[t], _tool_chat(10 + i))) for i, t in enumerate(tenants[:4])]
+        for tenant in tenants[:4]:
+            await st.held(tenant, 1)
+        slots = st.stack.proxy.control._slots
+        assert slots.share() == 1 and slots._shares[("tenant", "acme")].held >= 1 and slots.num_held < 6
+        status, took = await st.post(st.tokens["acme"], PLAIN)
+        assert status == 200 and took < 0.5, f"acme's request: {status} after {took:.2f}s beside 4 idle slots"
+        status, took = await st.post(st.tokens["echo"], PLAIN)
+        assert status == 200 and took < 0.5, f"control: echo's request: {status} after {took:.2f}s"
+        assert not any(f.done() for f in slow)  # control: the four were still held meanwhile
+    finally:
+        await st.stop(slow)
