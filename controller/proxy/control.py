@@ -244,7 +244,9 @@ class ControlClient:
                 self._releases.add(task)  # NOTE: held (and awaited on close) with the releases
                 task.add_done_callback(self._releases.discard)
             return hit[1]
-        return await self._lookups.look_up(token, client, lambda: self._ask_whoami(token))
+        # NOTE: a token the controller named a tenant for, its answer aged out, is no made-up one: not held to the
+        # address's bound (before, a gateway's 5th token back after a pause got a 429); its WhoAmI takes its tenant's share
+        return await self._lookups.look_up(token, client if hit is None else None, lambda: self._ask_whoami(token))
 
     async def _renew(self, token: str | None) -> None:
         try:

@@ -8,7 +8,8 @@ So a client address may have at most `per_client` distinct tokens in lookup at o
 that is answered 429 at once (Retry-After), with no WhoAmI: a flood of made-up tokens from one address costs the
 controller `per_client` WhoAmIs at a time, and a token sent from another address is looked up at once. Requests with
 the same token share its one lookup, so a client that sends many requests with a new token (every client's token is
-new after a proxy restart) is never refused by this bound.
+new after a proxy restart) is never refused by this bound; nor is a token the controller named a tenant for whose
+cached answer aged out (the caller passes no address for it: controller/proxy/control.py).
 NOTE: the address is the connection's peer. Behind a load balancer that hides the clients' addresses (an ingress,
 a Service with SNAT), all the clients behind it share one address's budget: a new token's first request during a
 flood from behind it gets the 429, at once, where it waited up to the route timeout for a 503 before.
