@@ -10,6 +10,10 @@ controller `per_client` WhoAmIs at a time, and a token sent from another address
 the same token share its one lookup, so a client that sends many requests with a new token (every client's token is
 new after a proxy restart) is never refused by this bound; nor is a token the controller named a tenant for whose
 cached answer aged out (the caller passes no address for it: controller/proxy/control.py).
+An IPv6 address counts as its /64 (what one host or one subscriber is given: it may send from any address in it),
+an IPv4-mapped one as its IPv4 address. NOTE: before, each IPv6 address had a bound of its own, and one client
+holding a /64 sent each made-up token from another address: the flood took the controller's WhoAmIs as if there
+were no bound (test_proxy_token_lookups.py).
 NOTE: the address is the connection's peer. Behind a load balancer that hides the clients' addresses (an ingress,
 a Service with SNAT), all the clients behind it share one address's budget: a new token's first request during a
 flood from behind it gets the 429, at once, where it waited up to the route timeout for a 503 before.
@@ -19,12 +23,27 @@ Cost: none for a known token (the proxy asks its own cache first); a token not k
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import Awaitable, Callable
 
 from controller.proxy.errors import ProxyError
 from fleet.sdk import types
 
 PER_CLIENT = 4  # distinct tokens in lookup at once from one client address
+V6_PREFIX = 64  # an IPv6 client is its /64
+
+
+def client_of(address: str) -> str:
+    """The client an address counts as: itself (IPv4, or not an IP address), an IPv6 address's /64."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network((ip, V6_PREFIX), strict=False))
 
 
 class TokenLookups:
@@ -50,6 +69,7 @@ class TokenLookups:
     def _start(self, token: str | None, client: str | None,
                ask: Callable[[], Awaitable[types.Caller]]) -> asyncio.Future[types.Caller]:
         if client is not None:
+            client = client_of(client)
             num = self._by_client.get(client, 0)
             if num >= self.per_client:
                 raise ProxyError(429, f"{num} bearer tokens the proxy does not know yet are being checked for your "
