@@ -12,9 +12,10 @@ withheld), and before a follow-up it asks the controller what it knows now of th
 no bytes, nothing inspected); one quarantined: 409, nothing forwarded, and the client resends the conversation
 without `previous_response_id` (its tool results are then judged, and withheld, as any request's).
 
-A chain the proxy has no record of (it restarted, another replica answered, the record was evicted) is answered,
-logged and counted (`kvfleet_proxy_response_chains_total{outcome="unknown"}`): failing closed would refuse every
-follow-up after each proxy restart and across replicas, where vLLM answers them; docs/proxy.md states the choice.
+A chain the proxy has no whole record of (it restarted, another replica answered, the record was evicted) is
+refused where a digest of the part it holds is quarantined, and otherwise answered, logged and counted
+(`kvfleet_proxy_response_chains_total{outcome="unknown"}`): failing closed would refuse every follow-up after each
+proxy restart and across replicas, where vLLM answers them; docs/proxy.md states the choice.
 """
 
 from __future__ import annotations
@@ -77,9 +78,15 @@ class Lineage:
     def chain(self, tenant: str, rid: str) -> list[str] | None:
         """The digests (hex, first seen first, once each) of every response of `rid`'s chain, or None: some id of it
         is not held."""
+        found, whole = self.walk(tenant, rid)
+        return found if whole else None
+
+    def walk(self, tenant: str, rid: str) -> tuple[list[str], bool]:
+        """The digests (hex, first seen first, once each) of the responses of `rid`'s chain held here, from `rid`
+        back until an id is not held; and whether that reached its first response (the whole chain)."""
         recs = self._records.get(tenant)
         if recs is None:
-            return None
+            return [], False
         self._records.move_to_end(tenant)
         found: dict[str, None] = {}
         ids: list[str] = []
@@ -87,15 +94,13 @@ class Lineage:
         while at is not None and len(ids) < len(recs):  # NOTE: bounded: more ids than held is a cycle
             rec = recs.get(at)
             if rec is None:
-                return None
+                break
             ids.append(at)
             found.update(dict.fromkeys(rec.digests[k:k + DIGEST].hex() for k in range(0, len(rec.digests), DIGEST)))
             at = rec.parent
-        if at is not None:
-            return None
         for i in reversed(ids):  # used: the first response first, so that `rid` is the last to leave
             recs.move_to_end(i)
-        return list(found)
+        return list(found), at is None
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._records.values())
@@ -120,15 +125,18 @@ async def check(p: Proxy, tenant: str, token: str | None, prev: str) -> None:
     Raises:
         ProxyError(409): a tool result of the chain is quarantined now.
     """
-    refs = p.lineage.chain(tenant, prev)
-    if refs is None:  # NOTE: the id is a capability: not logged
-        log.info("proxy: a /v1/responses follow-up of tenant %s names a response the proxy has no record of; "
-                 "its stored tool results were not checked again", tenant)
-        p.metrics.chains.labels("unknown").inc()
-        return
+    # NOTE: the part of a chain held here is checked even where the rest is not: before, a chain with one id not held
+    # (a response answered before a restart, or by another replica) was answered unchecked, the tool results its
+    # later turns carried through this proxy, quarantined since, with it
+    refs, whole = p.lineage.walk(tenant, prev)
     bad = []
     for k in range(0, len(refs), MAX_ASKED):
         bad += [j for j in await p.control.known(refs[k:k + MAX_ASKED], token) if j.quarantined]
+    if not bad and not whole:  # NOTE: the id is a capability: not logged
+        log.info("proxy: a /v1/responses follow-up of tenant %s names a response whose chain the proxy has no "
+                 "whole record of; its stored tool results were not all checked again", tenant)
+        p.metrics.chains.labels("unknown").inc()
+        return
     if not bad:
         p.metrics.chains.labels("clean").inc()
         return

@@ -84,6 +84,30 @@ async def test_a_response_the_proxy_has_no_record_of_is_answered_and_counted(tmp
         await fleet.stop()
 
 
+async def test_the_part_of_a_chain_the_proxy_holds_is_checked_when_the_rest_is_not(tmp_path: Path) -> None:
+    """A conversation begun before the proxy restarted goes on through it: a turn carries a tool output (judged
+    clean, recorded), which is quarantined later. A follow-up naming that turn's response is refused, though the
+    chain's first response is not held. NOTE: before, the whole chain counted as unknown and the follow-up was
+    answered 200 from the stored history, the quarantined output the proxy had recorded in it."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        rid1, _ = await _chain(fleet, BENIGN)
+        fleet.proxy.lineage = Lineage()  # a restarted proxy: rid1's chain is not held
+        body = {"input": [{"type": "function_call", "call_id": "call_2", "name": "invoice", "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "call_2", "output": OTHER}],
+                "previous_response_id": rid1}
+        status, later = await _ask(fleet, body)
+        assert status == 200, later
+        await fleet.op.set_verdict(hashlib.sha256(OTHER.encode()).hexdigest(), "QUARANTINED", reasons=["op"])
+        status, got = await _ask(fleet, {"input": "Thanks!", "previous_response_id": later["id"]})
+        assert status == 409 and "quarantined" in got["error"]["message"], got
+        # control: with nothing quarantined in the part held, the follow-up is answered and counted unknown
+        status, got = await _ask(fleet, {"input": "Thanks!", "previous_response_id": rid1})
+        assert status == 200 and fleet.proxy.metrics.chains.labels("unknown")._value.get() >= 1, got
+    finally:
+        await fleet.stop()
+
+
 def _rec(parent: str | None, *names: str) -> Record:
     return Record(parent, b"".join(hashlib.sha256(n.encode()).digest() for n in names))
 
@@ -109,6 +133,7 @@ def test_the_records_are_bounded_per_tenant_and_walk_the_chain() -> None:
     assert rec.chain("b", "resp_huge") is None and rec.chain("b", "resp_big") is not None
     rec.add("a", "resp_4", _rec("resp_3"))  # resp_1 leaves: the chain past it is unknown
     assert rec.chain("a", "resp_4") is None and rec.chain("a", "resp_2") is None
+    assert rec.walk("a", "resp_4") == (_hex("r3", "r1"), False)  # what is held of it is still read
     rec.add("c", "resp_c", _rec(None))  # a third tenant: the least recently active one leaves with its records
     assert rec.chain("b", "resp_big") is None and rec.chain("c", "resp_c") == []
     rec.add("a", "resp_loop", _rec("resp_loop"))  # a cycle ends
