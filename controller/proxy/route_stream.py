@@ -58,6 +58,7 @@ MAX_BATCH = 32  # messages sent in one write
 # tokens asked at once went in one write of 4.5 MB, over the controller's receive limit (--grpc-max-receive-bytes,
 # 4 MiB by default): it ended the stream, and every call waiting on it failed RESOURCE_EXHAUSTED (each alone fits)
 MAX_BATCH_BYTES = 256 << 10
+MAX_CARRIED = 1024  # releases carried on one message (the rest on the next); the controller takes up to 4x that
 Done = Callable[[str], None]  # a carried release's outcome: "released", "unknown" or "failed"
 
 
@@ -117,17 +118,20 @@ class _Stream:
             self.outbox.put_nowait(None)
 
     def _load(self, msg: route_pb2.RouteStreamRequest | None) -> route_pb2.RouteStreamRequest | None:
-        """`msg` carrying every queued release (a message of their own where msg is None); None: nothing to send."""
+        """`msg` carrying the queued releases, MAX_CARRIED at most (a message of their own where msg is None; the
+        rest go on the next message, sent at once); None: nothing to send."""
         if not self.releases:
             return msg
         if msg is None:
             msg = route_pb2.RouteStreamRequest(id=next(self.ids))
-        msg.releases.extend(req for req, _ in self.releases)
-        self.carried[msg.id] = [done for _, done in self.releases]
-        self.releases = []
+        took, self.releases = self.releases[:MAX_CARRIED], self.releases[MAX_CARRIED:]
+        msg.releases.extend(req for req, _ in took)
+        self.carried[msg.id] = [done for _, done in took]
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
+        if self.releases:
+            self.outbox.put_nowait(None)
         return msg
 
     def _settle(self, msg: route_pb2.RouteStreamResponse) -> None:

@@ -21,7 +21,8 @@ Several messages may come in one (`more`), and several answers go in one to a ca
 BATCHED (the answers written together are those finished by the time the writer takes the next): each write of a
 stream costs about as much CPU as the routing it carries (docs/proxy.md, "RouteStream batches"). The initial
 metadata (BATCHED) says this controller takes them. A message in `more` carries none of its own, and at most
-MAX_BATCH - 1 ride in one: past that the stream ends INVALID_ARGUMENT, none of them run.
+MAX_BATCH - 1 ride in one, each with at most MAX_CARRIED releases: past that the stream ends INVALID_ARGUMENT, none
+of them run.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ BATCHED = ("kvfleet-route-stream", "batched")  # initial metadata: messages may 
 # NOTE: `more` was read whatever its length: one 2.7 MB message of 1.4M empty ones took 300 MB and 0.75 s of the
 # controller's loop (one Python object each) before the first ran, and a caller that then did not read held it
 MAX_BATCH = 32
+# releases carried on one message (the proxy sends at most a quarter of it)
+# NOTE: unbounded before: one 1.9 MB message of 1M empty releases held the controller's loop for seconds, each refused
+MAX_CARRIED = 4096
 _OPS = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
 log = logging.getLogger("kvfleet.controller")
 
@@ -171,8 +175,14 @@ class RouteServicer(pbg.RouteServiceServicer):
                             f"a RouteStream message carries at most {MAX_BATCH - 1} others in `more`, got "
                             f"{len(msg.more)}; send the rest in further messages"))  # refused by the writer below
                         return
+                    batch = (msg, *msg.more)  # the messages sent in this one, each alone
+                    if (most := max(len(one.releases) for one in batch)) > MAX_CARRIED:
+                        answers.put_nowait(InvalidArgument(
+                            f"a RouteStream message carries at most {MAX_CARRIED} releases, got {most}; send the "
+                            "rest on further messages"))  # refused by the writer below
+                        return
                     reads.inc()
-                    for i, one in enumerate((msg, *msg.more)):  # the messages sent in this one, each alone
+                    for i, one in enumerate(batch):
                         received.inc()
                         await slots.acquire()
                         task = loop.create_task(answer(one, i > 0))

@@ -174,7 +174,54 @@ async def test_a_message_carrying_more_than_a_batch_ends_the_stream_with_a_clear
         await fleet.stop()
 
 
+async def test_a_message_carrying_too_many_releases_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
+    # NOTE: before, each was run (1M empty ones in a 1.9 MB message: seconds of the controller's loop), each refused
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token, received = fleet.tokens["a"], fleet.ctl.ctx.metrics.route_stream_messages.labels("received")
+        call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
+        try:
+            await call.initial_metadata()
+            head = pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids=[1] * 20, model=MODEL))
+            head.more.add(id=2).releases.extend(pb.ReleaseRouteRequest() for _ in range(5000))
+            r0 = _count(received)
+            await call.write(head)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(call.read(), 5.0)  # before: the answers came, 5000 released = False
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 4096 releases, got 5000" in (e.value.details() or "")
+            assert _count(received) == r0  # none of the batch ran
+        finally:
+            call.cancel()
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def test_releases_queued_past_what_one_message_carries_go_on_the_next(tmp_path: Path) -> None:
+    # 5000 releases queued at once (made-up route ids: each answered unknown)
+    # NOTE: before, all went on one message, which the controller refuses: the stream ended, each release failed
+    fleet = await start_fleet(tmp_path)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
+        await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and takes releases
+        outcomes: list[str] = []
+        m0 = _count(metrics.route_stream_messages.labels("received"))
+        for i in range(5000):
+            control.release_soon(f"{i:032x}", token, outcomes.append)
+        await control._streams.drain(10.0)
+        assert len(outcomes) == 5000 and set(outcomes) == {"unknown"}, set(outcomes)
+        assert _count(metrics.route_stream_messages.labels("received")) - m0 == 5  # 1024 a message
+        assert (await control.route([9, 9, 9, 9], MODEL, lora=None, token=token)).worker  # the stream goes on
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
 def test_the_batch_bounds_agree() -> None:
     assert route_stream.BATCHED == route_servicer.BATCHED
     assert route_stream.MAX_BATCH <= route_servicer.MAX_BATCH  # the controller reads what the proxy sends in one
+    assert route_stream.MAX_CARRIED <= route_servicer.MAX_CARRIED
     assert route_stream.MAX_BATCH <= route_servicer.STREAM_IN_FLIGHT
