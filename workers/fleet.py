@@ -40,6 +40,7 @@ from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.session_types import OpResult, check_token_ids
 from workers.fleet_create import FleetCreate
+from workers.host import check_evict_start
 from workers.nodes import NodeGone
 from workers.placement import node_of
 from workers.registry import LOST, Stored
@@ -116,9 +117,13 @@ class KernelFleet(FleetCreate):
 
     def evict_prefix(self, tenant: str, prompt: str | list[int], start: int = 0) -> int:
         """Policy eviction by name on every node: drop the cached blocks of this prompt prefix from
-        position `start` (a block multiple) on, and everything below them, regardless of recency. Sessions that
-        already adopted the blocks keep their own references. Returns blocks dropped fleet-wide."""
+        position `start` (a block multiple inside the prompt) on, and everything below them, regardless of recency.
+        Sessions that already adopted the blocks keep their own references. Returns blocks dropped fleet-wide.
+
+        Raises:
+            InvalidArgument: `start` is not a block multiple inside the prompt; nothing was dropped."""
         tokens = self._tokens(prompt)
+        check_evict_start(start, self.spec.block_size, len(tokens))  # before any node drops anything
         total = 0
         for node in self.refresh_nodes():
             try:

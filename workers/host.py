@@ -53,6 +53,16 @@ VERBS = frozenset({
 ORPHAN_TRIES = 3  # looks at a name a create or fork finds held (an orphan replaced, or the holder changed meanwhile)
 
 
+def check_evict_start(start: Any, block_size: int, num_tokens: int) -> None:
+    """The one rule for a policy eviction's `start`: an int (not a bool), a block multiple, inside the path's
+    `num_tokens` tokens. NOTE: the host puts the tenant's salt page in front of the path and shifts `start` by
+    one block; unchecked, `start=-block_size` named the salt page, and the eviction dropped every block the
+    tenant had cached on the node, for every prompt."""
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num_tokens or start % block_size:
+        raise InvalidArgument(f"evict_prefix: start must be a multiple of the block size {block_size} in "
+                              f"[0, {num_tokens}) (the prompt's tokens), got {start!r}; nothing was evicted")
+
+
 def resident_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 where it cannot be read)."""
     try:
@@ -212,8 +222,10 @@ class KernelHost(Orphans):
 
     async def evict_node(self, tenant: str, tokens: list[int], start: int = 0) -> dict[str, Any]:
         """Policy eviction by name: drop the tenant's cached blocks on this token path from
-        position `start` (a block multiple) down, with everything cached below them, regardless
-        of recency. Raises NotFound when the path is not cached here."""
+        position `start` (a block multiple inside `tokens`) down, with everything cached below them,
+        regardless of recency. Raises NotFound when the path is not cached here, InvalidArgument for a
+        `start` outside it (`check_evict_start`: nothing is dropped)."""
+        check_evict_start(start, self.block_size, len(tokens))
         r = self.tree.evict_node(self._key(tenant, tokens), start=self.block_size + start)
         self._drain_events()
         return {"num_evicted": r.num_evicted, "block_ids": list(r.block_ids)}
