@@ -1,0 +1,76 @@
+"""An eviction moves the pieces in the KV cache after it, and visits no other piece: a session's log of many
+appends and evictions is replayed (a rebuild after its host died, every fork) in work linear in its length.
+
+NOTE: both evictions (`evict_piece`, and the ledger's in `replay_over`) visited every piece the session ever
+appended, evicted ones included, so a sliding-window agent's log of n append/evict pairs cost O(n^2) to replay:
+5,000 pairs 2.4 s, 100,000 pairs 408 s for one rebuild on a kernel host (in one process on the shared 2-core
+machine), far past the 60 s call timeout, on a lane thread of its tenant that holds the interpreter lock with no
+yield point for the host's CPU share. The cost is counted in lines executed (sys.settrace), not by a clock.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from fleet.core import context as context_module
+from fleet.core.context import SessionContext
+from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.core.oplog import AppendOp, EvictOp, Op
+
+SYSTEM = tuple(range(32, 64))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    return Kernel.synthetic(ModelConfig.tiny(), seed=0)
+
+
+def sliding_window(num_pairs: int) -> list[Op]:
+    """A system prompt, then `num_pairs` times: append a one-token message, evict the one before it."""
+    ops: list[Op] = [AppendOp(0, "system", "acme", SYSTEM, role="system")]
+    for i in range(1, num_pairs + 1):
+        ops.append(AppendOp(i, "message", "acme", (65 + i % 26,), role="user"))
+        if i > 1:
+            ops.append(EvictOp(i - 1, len(SYSTEM), 1, "exact"))
+    return ops
+
+
+def lines_run(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """fn()'s result, and the lines of fleet/core/context.py it executed."""
+    count = [0]
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != context_module.__file__:
+            return None
+        if event == "line":
+            count[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        return fn(), count[0]
+    finally:
+        sys.settrace(None)
+
+
+def test_replaying_a_sliding_window_log_is_linear_and_exact(kernel: Kernel) -> None:
+    tok = ByteTokenizer(512)
+    ledger = {n: lines_run(lambda n=n: SessionContext.replay_over(sliding_window(n), kernel.session(), tok,
+                                                                    lambda r: b"")) for n in (400, 800)}
+    by_op = {n: lines_run(lambda n=n: SessionContext.replay(sliding_window(n), kernel, tok, lambda r: b""))
+             for n in (100, 200)}
+    print({n: c for n, (_, c) in ledger.items()}, {n: c for n, (_, c) in by_op.items()})
+    # twice the log, about twice the work (it was about four times: every eviction visited every piece)
+    assert ledger[800][1] < 2.3 * ledger[400][1], ledger
+    assert by_op[200][1] < 2.3 * by_op[100][1], by_op
+    # and the same ledger and cache either way, the session holding its system prompt and its last message
+    short, over = by_op[200][0], SessionContext.replay_over(sliding_window(200), kernel.session(), tok, lambda r: b"")
+    assert short.pieces == over.pieces and short.digest() == over.digest()
+    assert [(p.piece_id, p.start, p.state) for p in short.pieces if p.state != "evicted"] == [
+        (0, 0, "resident"), (200, 32, "resident")]
+    assert list(short.session.tokens) == [*SYSTEM, 65 + 200 % 26]
