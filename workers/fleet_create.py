@@ -13,6 +13,7 @@ from fleet.core.oplog import ForkOp, kv_follows_tokens
 from fleet.core.session_types import check_session_id
 from workers.fleet_rebuild import PLACE_TRIES, FleetRebuild
 from workers.nodes import NodeGone
+from workers.packed import pack_ops, unpack_ops
 from workers.registry import CREATING, SessionRecord
 from workers.session_kernel import SessionKernel
 
@@ -106,9 +107,10 @@ class FleetCreate(FleetRebuild):
         if taken is not None and taken.state != CREATING:
             raise AlreadyExists(f"session {child_id!r} already exists")  # early; the claim below decides
         point = self._call(tenant, session_id, SessionKernel.fork_point)  # ops and tokens read together
+        point["ops"] = unpack_ops(point["ops"])                    # packed on the parent's host (workers/packed.py)
         parent = self._record(tenant, session_id)                  # its node, after any regeneration
         op_id = uuid.uuid4().hex                                   # the fork's: its marker and record carry it
-        ops = [*point["ops"], ForkOp(session_id, len(point["ops"]), op_id)]
+        ops = pack_ops([*point["ops"], ForkOp(session_id, len(point["ops"]), op_id)])  # the child's log, packed
         with self._names.hold((tenant, child_id)):                 # NOTE: not the parent's: no lock is held twice
             self._claim(tenant, child_id)
             named = node is not None                               # a node the caller named is not placed again

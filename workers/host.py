@@ -40,6 +40,7 @@ from fleet.core.oplog import ForkOp, Op, kv_follows_tokens
 from fleet.core.radix import RadixTree
 from workers.lanes import TenantLanes, interpreter_bound
 from workers.orphans import ORPHAN_SWEEP_S, Orphans
+from workers.packed import unpack_ops
 from workers.placement import NODE_MAX_SESSIONS, fleet_scope, host_name, tenant_salt
 from workers.registry import SessionRegistry
 from workers.session_kernel import SessionGone, SessionKernel
@@ -61,6 +62,12 @@ def check_evict_start(start: Any, block_size: int, num_tokens: int) -> None:
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num_tokens or start % block_size:
         raise InvalidArgument(f"evict_prefix: start must be a multiple of the block size {block_size} in "
                               f"[0, {num_tokens}) (the prompt's tokens), got {start!r}; nothing was evicted")
+
+
+def _read_log(packed: bytes) -> tuple[list[Op], bool]:
+    """A fork's packed log, and whether its KV follows its tokens (`kv_follows_tokens`)."""
+    ops = unpack_ops(packed)
+    return ops, kv_follows_tokens(ops)
 
 
 def resident_bytes() -> int:
@@ -393,10 +400,12 @@ class KernelHost(Orphans):
         """This host's kernel's model_id: its weights, backend, device and CPU code path (Kernel.model_id)."""
         return str((await self._kernel())[0].model_id)
 
-    async def fork(self, tenant: str, ops: list[Op], child_id: str, parent_id: str | None = None,
+    async def fork(self, tenant: str, packed: bytes, child_id: str, parent_id: str | None = None,
                    tokens: list[int] | None = None, prefix_refs: list[Any] | None = None,
                    prefix_model_id: str | None = None) -> dict[str, Any]:
-        """A branch, isolated from its parent: `ops` (the parent's log + a fork marker) become its log.
+        """A branch, isolated from its parent: `packed` (the parent's log + a fork marker, workers/packed.py)
+        becomes its log. It is unpacked, and read, on the tenant's lane: a log of 200,000 ops took the host's event
+        loop most of a second, every other tenant's call on the host waiting.
 
         With `parent_id` (a live session on this host) and `tokens` (its tokens at the fork
         point), the branch shares the parent's blocks copy-on-write instead of recomputing them:
@@ -411,15 +420,16 @@ class KernelHost(Orphans):
         `prefix_model_id` the kernel that computed them), the child adopts those blocks, which Ray
         fetches from the parent's node. Without either (the parent is gone) the child replays the log.
         """
+        ops, follows = await self.lanes.run(tenant, lambda: _read_log(packed))
         owner = ops[-1].op_id if ops and isinstance(ops[-1], ForkOp) else ""   # the fork's op id: its marker's
         # NOTE: `_insert` decides whether the child's name is free (an orphan held under it is replaced); an early
         # refusal here, before the parent's blocks were published, refused a fork where an orphan held the name
-        if prefix_refs and tokens and kv_follows_tokens(ops):
+        if prefix_refs and tokens and follows:
             s = await self._insert(tenant, child_id, owner)
             self.remote_adopters.add((tenant, child_id))
             return await self._restore(s, ops, prefix_refs, tokens, prefix_model_id)
         parent = self.sessions.get((tenant, parent_id)) if parent_id is not None else None
-        if parent is None or not tokens or not kv_follows_tokens(ops):
+        if parent is None or not tokens or not follows:
             return await self._restore(await self._insert(tenant, child_id, owner), ops)
         await self._publish(tenant, tokens, parent)          # the blocks the tree lacks, once
         s = await self._insert(tenant, child_id, owner)

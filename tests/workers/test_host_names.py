@@ -17,6 +17,7 @@ from support.workers import SPEC
 from fleet.core.errors import AlreadyExists
 from fleet.core.oplog import ForkOp, parse_log
 from workers.host import KernelHost
+from workers.packed import pack_ops
 from workers.registry import SessionRecord, SessionRegistry
 from workers.session_kernel import SessionGone
 
@@ -63,8 +64,11 @@ def test_a_fork_and_a_create_of_one_name_and_a_retry_of_the_same_try(ray_cluster
 
     async def main() -> list[Any]:
         await host.create_session("acme", "parent", PROMPT_A, "op-p")
-        ops = [*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 1, "op-f")]
-        tries = [host.fork("acme", ops, "s", "parent", PROMPT_A), host.create_session("acme", "s", PROMPT_B, "op-c")]
+        ops = pack_ops([*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 1, "op-f")])
+        fork = asyncio.ensure_future(host.fork("acme", ops, "s", "parent", PROMPT_A))
+        while ("acme", "s") not in host.sessions and not fork.done():   # the fork first (it unpacks its log on the lane)
+            await asyncio.sleep(0)
+        tries = [fork, host.create_session("acme", "s", PROMPT_B, "op-c")]
         out = await asyncio.gather(*tries, return_exceptions=True)
         retried = await host.fork("acme", ops, "s", "parent", PROMPT_A)
         return [*out, retried, await host.call("acme", "s", "tokens")]
@@ -99,13 +103,17 @@ def test_a_create_the_record_names_replaces_an_orphan_and_its_log(ray_cluster: N
     assert _log(host, "s") == [("op-b", "AppendOp")] and len(host.sessions) == 1
 
 
-def _gate(host: KernelHost) -> tuple[asyncio.Event, asyncio.Event]:
-    """Hold the next job the host's lanes run until the returned `gate` is set; `entered` is set once it waits."""
+def _gate(host: KernelHost, skip: int = 0) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold the next job the host's lanes run (past the first `skip`: a fork's first unpacks its log) until the
+    returned `gate` is set; `entered` is set once it waits."""
     real: Callable[[str, Callable[[], Any]], Awaitable[Any]] = host.lanes.run
     entered, gate = asyncio.Event(), asyncio.Event()
+    skipped = [0]
 
     async def gated(tenant: str, fn: Callable[[], Any]) -> Any:
-        if not gate.is_set():
+        if skipped[0] < skip:
+            skipped[0] += 1
+        elif not gate.is_set():
             entered.set()
             await gate.wait()
         return await real(tenant, fn)
@@ -153,10 +161,10 @@ def test_a_retried_fork_restores_the_child_once(ray_cluster: None, tmp_path: Pat
         ref = host.store.put(b"some tool output, clean", "acme")
         await host.create_session("acme", "parent", PROMPT_A, "op-p")
         await host.call("acme", "parent", "add_tool_result", ref, "op-t")
-        ops = [*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 2, "op-f")]
+        ops = pack_ops([*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 2, "op-f")])
         tokens = await host.call("acme", "parent", "tokens")
         refs = [_refs(host, ref)]
-        entered, gate = _gate(host)
+        entered, gate = _gate(host, skip=1)
         first = asyncio.ensure_future(host.fork("acme", ops, "c", "parent", tokens))
         await entered.wait()                               # the first try's restore is under way
         joined = asyncio.ensure_future(host.fork("acme", ops, "c", "parent", tokens))
@@ -186,8 +194,8 @@ def test_a_fork_whose_restore_a_close_overtook_writes_nothing(ray_cluster: None,
         ref = host.store.put(b"some tool output, clean", "acme")
         await host.create_session("acme", "parent", PROMPT_A, "op-p")
         await host.call("acme", "parent", "add_tool_result", ref, "op-t")
-        ops = [*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 2, "op-f")]
-        entered, gate = _gate(host)
+        ops = pack_ops([*parse_log(host.store.oplog_read("acme", "parent")), ForkOp("parent", 2, "op-f")])
+        entered, gate = _gate(host, skip=1)
         fork = asyncio.ensure_future(host.fork("acme", ops, "c"))   # no sharing: the restore replays the log
         await entered.wait()
         await host.sessions[("acme", "c")].close(timeout_s=0.01)    # a close that gave up waiting
