@@ -12,6 +12,7 @@ from typing import Any
 from fleet.core.errors import NotFound, ResourceExhausted, Unavailable
 from workers.fleet_base import FleetBase
 from workers.nodes import NodeGone
+from workers.packed import Packed
 from workers.registry import CREATING, IDLE, LOST, SessionRecord, Stored
 from workers.session_kernel import SessionGone, SessionKernel
 
@@ -47,7 +48,8 @@ class FleetRebuild(FleetBase):
                     rec, _ = self._rebuild(tenant, session_id)
                 node = self._where[key] = rec.node
             try:
-                return self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
+                out = self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
+                return out.unpack() if isinstance(out, Packed) else out   # packed on its tenant's lane there
             except (SessionGone, NodeGone) as e:
                 self._where.pop(key, None)
                 if attempt:

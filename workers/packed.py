@@ -10,8 +10,30 @@ Between the processes of one fleet only: Ray pickles what they exchange already.
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 from fleet.core.oplog import Op
+
+
+class Packed:
+    """A session call's answer that grows with its log (its pieces, its working set), packed on the tenant's lane:
+    Ray moves its bytes, and the fleet unpacks it (`FleetRebuild._call`). NOTE: not a bytes subclass: Ray moves
+    one as plain bytes, and the fleet could not tell it from an answer."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[type[Packed], tuple[bytes]]:
+        return Packed, (self.data,)
+
+    @classmethod
+    def of(cls, value: Any) -> Packed:
+        return cls(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def unpack(self) -> Any:
+        return pickle.loads(self.data)
 
 
 def pack_ops(ops: list[Op]) -> bytes:

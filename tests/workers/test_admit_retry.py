@@ -64,7 +64,7 @@ async def test_a_failure_between_the_quarantine_and_its_eviction_is_finished_by_
     with pytest.raises(SessionGone):
         await sk.admit_tool_result(ref, VERDICT, op_id="adm-1")
     rebuilt = await _rebuilt(store, "s1")
-    tool = (await rebuilt.pieces())[1]                         # before: resident, its bytes in the live tokens
+    tool = (await rebuilt.pieces()).unpack()[1]                         # before: resident, its bytes in the live tokens
     assert tool.state == QUARANTINED and bytes(BAD) not in bytes(t for t in await rebuilt.tokens() if t < 256)
     assert _ops(store, "s1")[-2:] == ["quarantine:adm-1", "evict:adm-1"]          # finished, in the log
     assert await rebuilt.digest() == await clean.digest()     # as the admission that never failed left it
@@ -140,10 +140,10 @@ async def test_an_admission_near_the_context_limit_evicts_without_a_proof_and_it
     assert limit - len(await sk.tokens()) < len(sk.context.tokenizer.encode(DEFAULT_PROBE))
     r = await sk.admit_tool_result(ref, VERDICT, op_id="adm-1")
     assert (r.result.verdict, r.result.evicted, r.result.proof) == ("QUARANTINED", True, None)  # before: SessionTorn
-    assert (await sk.pieces())[1].state == QUARANTINED
+    assert (await sk.pieces()).unpack()[1].state == QUARANTINED
     half = parse_log(store.oplog_read("acme", "s1"))[:-1]     # as a host that died before the eviction left it
     assert isinstance(half[-1], QuarantineOp)
     store.oplog_replace("acme", "s2", [to_dict(op) for op in half])
     rebuilt = inline_session(store, "s2")
     await rebuilt.restore()                                   # before: ResourceExhausted, on every rebuild
-    assert (await rebuilt.pieces())[1].state == QUARANTINED and await rebuilt.digest() == await sk.digest()
+    assert (await rebuilt.pieces()).unpack()[1].state == QUARANTINED and await rebuilt.digest() == await sk.digest()

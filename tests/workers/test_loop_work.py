@@ -2,7 +2,8 @@
 packed, unpacked and searched on the tenant's lane (workers/lanes.py), and Ray moves bytes.
 
 A host answers every tenant's calls on one event loop. NOTE: a fork point returned its log as a list, which Ray
-pickled on that loop (1.2 s for 200,000 ops), and a retried op searched the log there (50 ms); beside one tenant's
+pickled on that loop (1.2 s for 200,000 ops), a working set or the pieces (an item per piece, evicted ones too) the
+same, and a retried op searched the log there (50 ms); beside one tenant's
 fork points of such a session, another tenant's `info` on the host took 2.7 s at the median (1 ms alone). Here the
 loop's work is counted in lines run on the loop's thread (sys.settrace traces only its own thread; the lanes run
 on threads of their own), not by a clock: twice the log, the same work.
@@ -66,7 +67,7 @@ async def _loop_lines(call: Callable[[], Awaitable[Any]]) -> tuple[Any, int]:
 
 
 async def test_a_fork_point_and_a_retry_cost_the_loop_the_same_whatever_the_log(store: Any) -> None:
-    work: dict[str, dict[int, int]] = {"fork_point": {}, "retry": {}}
+    work: dict[str, dict[int, int]] = {"fork_point": {}, "retry": {}, "working_set": {}, "pieces": {}}
     for n in (1000, 2000):
         sk = await _rebuilt(store, n)
         point, work["fork_point"][n] = await _loop_lines(sk.fork_point)
@@ -74,6 +75,9 @@ async def test_a_fork_point_and_a_retry_cost_the_loop_the_same_whatever_the_log(
         r, work["retry"][n] = await _loop_lines(lambda sk=sk, n=n: sk.evict(n, "exact", f"e{n}"))  # type: ignore[misc]
         assert r.replayed and r.result.start == 64 and r.num_tokens == 64
         assert len(store.oplog_read("acme", sk.session_id)) == 2 * n + 1   # answered from the log, nothing logged
+        ws, work["working_set"][n] = await _loop_lines(lambda sk=sk: sk.working_set(10_000))  # type: ignore[misc]
+        pieces, work["pieces"][n] = await _loop_lines(sk.pieces)
+        assert len(ws.unpack().items) == len(pieces.unpack()) == n + 1   # one per piece, evicted too
     print(work)
     # the loop's work is the same for twice the log (it grew with it: the log pickled and searched on the loop)
     for verb, lines in work.items():
