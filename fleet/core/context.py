@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from fleet.core.kernel.pacing import checkpoint
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import KINDS, AppendOp, EvictOp, ForkOp, Op, QuarantineOp
 from fleet.core.session_types import EvictionProof, check_token_ids
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from fleet.core.kernel import EvictReport, Kernel, Session
 
 RESIDENT, EVICTED, QUARANTINED, SHIFTED = "resident", "evicted", "quarantined", "shifted"
+LEDGER_OPS_PER_CHECKPOINT = 128  # ops the ledger replays between two yield points (about 2 ms)
 
 
 class Tokenizer(Protocol):
@@ -314,7 +316,11 @@ class SessionContext:
         """
         ctx = cls(session, tokenizer, tenant, session_id)
         toks: list[int] = []
-        for op in ops:
+        for i, op in enumerate(ops):
+            if i % LEDGER_OPS_PER_CHECKPOINT == 0:
+                # NOTE: a yield point, as the kernel's per layer (kernel/pacing.py): a long log's ledger (3 s for
+                # 200,000 ops) ran with none, so the host's CPU share could not hold its tenant back for another's
+                checkpoint()
             ctx._ledger_one(op, fetch, toks)
         m = len(session)
         if m == len(toks) == 0:  # NOTE: before, an emptied session fell back to the op-by-op replay of its history

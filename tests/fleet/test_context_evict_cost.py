@@ -20,6 +20,7 @@ import pytest
 from fleet.core import context as context_module
 from fleet.core.context import SessionContext
 from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
+from fleet.core.kernel.pacing import paced
 from fleet.core.oplog import AppendOp, EvictOp, Op
 
 SYSTEM = tuple(range(32, 64))
@@ -74,3 +75,21 @@ def test_replaying_a_sliding_window_log_is_linear_and_exact(kernel: Kernel) -> N
     assert [(p.piece_id, p.start, p.state) for p in short.pieces if p.state != "evicted"] == [
         (0, 0, "resident"), (200, 32, "resident")]
     assert list(short.session.tokens) == [*SYSTEM, 65 + 200 % 26]
+
+
+def test_the_ledger_stops_at_yield_points_as_the_kernel_does(kernel: Kernel) -> None:
+    """A host shares its CPU between tenants at the kernel's yield points (workers/lanes.py `CpuShare`): the ledger of
+    a long log stops at them too. NOTE: it had none, so a tenant's rebuild or fork of a long log held the CPU from
+    the share; only the final prefill stopped (control: the same prefill alone)."""
+    ops, calls = sliding_window(2000), [0]
+
+    def hook() -> None:
+        calls[0] += 1
+
+    with paced(hook):
+        ctx = SessionContext.replay_over(ops, kernel.session(), ByteTokenizer(512), lambda r: b"")
+        replayed, calls[0] = calls[0], 0
+        kernel.session().append(list(ctx.session.tokens))   # the final prefill alone
+    assert len(ops) == 4000 and list(ctx.session.tokens) == [*SYSTEM, 65 + 2000 % 26]
+    print(f"yield points: {replayed} in the replay, {calls[0]} in its final prefill")
+    assert calls[0] > 0 and replayed >= calls[0] + len(ops) // 128, (replayed, calls[0])
