@@ -129,8 +129,15 @@ class FleetRebuild(FleetBase):
         if rec.node != node:
             rec.node = node
             raw = self._replace(rec, raw)  # still lost: the node a later rebuild of this loss asks first
-        out = self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch, _rebuild_owner(rec),
-                              rec.create_op_id)
+        try:
+            out = self.nodes.call(node, "regenerate", rec.tenant, rec.session, rec.epoch, _rebuild_owner(rec),
+                                  rec.create_op_id)
+        except NodeGone:
+            raise                       # placed again (`_regenerate_placed`)
+        except Unavailable as e:        # the call timed out (a long log): the host goes on with the rebuild
+            raise Unavailable(f"session {rec.session!r} was lost with its kernel host and is being rebuilt from its op "
+                              f"log on node {node}, which took longer than this call ({e}); the rebuild goes on: "
+                              "retry the call (it joins the rebuild, or finds the session rebuilt)") from e
         return raw, str(out.get("model_id", ""))
 
     def _replace(self, rec: SessionRecord, raw: bytes) -> bytes:

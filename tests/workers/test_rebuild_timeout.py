@@ -107,19 +107,22 @@ def test_a_replay_longer_than_the_call_timeout_settles(kfleet: KernelFleet, tena
     node = kfleet.registry.get(tenant, "slow").node           # type: ignore[union-attr]
     kfleet.release_session(tenant, "slow")
     kfleet.nodes.call_timeout_s = kfleet.call_timeout_s = 0.5
-    timeouts, answer = 0, None
+    timeouts, answer, said = 0, None, []
     deadline = time.monotonic() + 120                         # a bound on the loop, not a measurement
     while answer is None and time.monotonic() < deadline:
         try:
             answer = kfleet.digest(tenant, "slow")
-        except Unavailable:
+        except Unavailable as e:
             timeouts += 1
+            said.append(str(e))
             time.sleep(0.5)
     kfleet.nodes.call_timeout_s = kfleet.call_timeout_s = 120.0
     rec = kfleet.registry.get(tenant, "slow")
     print(f"calls timed out before the rebuild settled: {timeouts}; host replays: {_replays(kfleet, node)}; "
           f"record {rec.state if rec else None} at epoch {rec.epoch if rec else None}")
     assert timeouts >= 1                                      # control: the replay outlasted a call
+    # NOTE: the caller was told "a worker did not answer within 0s": not which session, nor that a retry joins it
+    assert "session 'slow'" in said[0] and "retry the call" in said[0], said[0]
     assert answer == digest                                   # NOTE: before, every call timed out, forever
     assert _replays(kfleet, node) == 1
     assert rec is not None and (rec.state, rec.epoch, rec.regenerated) == ("regenerated", 1, 1)
