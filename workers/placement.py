@@ -27,7 +27,8 @@ def fleet_scope(store_url: str) -> str:
 # the previous version would refuse: the host's name carries it, so a controller of a new version starts hosts of
 # its own instead of reattaching to a previous version's detached ones (their sessions are rebuilt from their logs).
 # NOTE: reattached, a previous version's host refused close and rebuild (a new `owner` argument): INTERNAL.
-HOST_API_VERSION = 2
+# 3: a fork's log travels packed, and fork_point, working_set and pieces answer packed (workers/packed.py).
+HOST_API_VERSION = 3
 
 
 def host_name(host_id: str, scope: str) -> str:
