@@ -261,7 +261,7 @@ class Handlers:
         body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token, req.path)
         responses_api = req.path == "/v1/responses"
         # NOTE: before any route: a follow-up whose stored conversation holds a result quarantined since is a 409
-        chain = await lineage.follow_up(p, body, tenant, token, responses.chat_of(body)) if responses_api else None
+        chain = await lineage.follow_up(p, body, tenant, token) if responses_api else None
         d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt)
         to = d  # where it is sent first (a stored response's holder)
         num_prompt = len(ids)

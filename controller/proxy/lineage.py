@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from controller.proxy.errors import ProxyError
 from controller.proxy.judged import JOIN, turns, windows
 from controller.proxy.quarantine import tool_results
-from controller.proxy.responses import valid_id
+from controller.proxy.responses import chat_of, valid_id
 from controller.proxy.tool_parts import TOOL_ROLES
 
 if TYPE_CHECKING:
@@ -149,14 +149,14 @@ async def check(p: Proxy, tenant: str, token: str | None, prev: str) -> None:
                      "previous_response_id")
 
 
-async def follow_up(p: Proxy, body: dict[str, Any], tenant: str, token: str | None,
-                    chat: dict[str, Any] | None) -> Record | None:
-    """What to record for the answer to /v1/responses `body` (as forwarded; `chat`: its input read as a chat): its
-    parent (`previous_response_id`) and the digests it carries; the follow-up refused first per `check`. None: the
-    tenant's quarantine policy is off (nothing is judged, so nothing is recorded or checked)."""
+async def follow_up(p: Proxy, body: dict[str, Any], tenant: str, token: str | None) -> Record | None:
+    """What to record for the answer to /v1/responses `body` (as forwarded): its parent (`previous_response_id`) and
+    the digests it carries; the follow-up refused first per `check`. None: the tenant's quarantine policy is off
+    (nothing is judged, so nothing is recorded or checked). NOTE: the input is read as a chat only past that check
+    (before, every tenant's request paid for it: ~35 us for 40 tool outputs of 4 KiB)."""
     if p.enforcer.policy(tenant) == "off":
         return None
     prev = valid_id(body.get("previous_response_id"))
     if prev is not None:
         await check(p, tenant, token, prev)
-    return Record(prev, b"".join(bytes.fromhex(r) for r in carried(chat)))
+    return Record(prev, b"".join(bytes.fromhex(r) for r in carried(chat_of(body))))
