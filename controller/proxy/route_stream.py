@@ -25,7 +25,8 @@ each call as a message, matched to its answer by id. Measured in bench/proxy_loa
   answers several in one, where it says it takes them (BATCHED): under load a write of a stream, and its read on
   the other side, cost about as much CPU as the routing it carries (docs/proxy.md, "RouteStream batches"). Nothing
   waits for a batch to fill: a quiet stream sends each message alone, as before. A write's messages together stay
-  within MAX_BATCH_BYTES (a message alone goes whatever its size), well under the controller's receive limit.
+  within stream_batch.MAX_BATCH_BYTES (a message alone goes whatever its size), well under the controller's receive
+  limit; controller/stream_batch.py holds the one rule both sides batch by.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from controller.stream_batch import Batch, route_bytes
 from fleet.api.kvfleet.v1 import route_pb2
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.core.errors import Unavailable
@@ -53,11 +55,6 @@ SWEEPS = 4  # looks per idle_s: an idle stream is closed within 1.25 x idle_s
 BATCH_S = 0.002  # the longest a release waits for a message to ride on
 CARRIED = ("kvfleet-route-stream", "carried-releases")  # the controller's initial metadata: it takes carried releases
 BATCHED = ("kvfleet-route-stream", "batched")  # the controller's initial metadata, and the proxy's call metadata
-MAX_BATCH = 32  # messages sent in one write
-# NOTE: the messages of one write together; a message alone goes whatever its size. Without it six Routes of 250k
-# tokens asked at once went in one write of 4.5 MB, over the controller's receive limit (--grpc-max-receive-bytes,
-# 4 MiB by default): it ended the stream, and every call waiting on it failed RESOURCE_EXHAUSTED (each alone fits)
-MAX_BATCH_BYTES = 256 << 10
 MAX_CARRIED = 1024  # releases carried on one message (the rest on the next); the controller takes up to 4x that
 Done = Callable[[str], None]  # a carried release's outcome: "released", "unknown" or "failed"
 
@@ -147,21 +144,18 @@ class _Stream:
         try:
             while True:
                 msg, held = (held, None) if held is not None else (self._load(await self.outbox.get()), None)
-                size = 0  # msg's bytes with its `more`, taken once a message would join it
-                while self.batches and not self.outbox.empty() and (msg is None or len(msg.more) < MAX_BATCH - 1):
+                batch = None if msg is None else Batch(msg, route_bytes)
+                while self.batches and not self.outbox.empty():
                     nxt = self._load(self.outbox.get_nowait())  # what queued while the last write was in flight
-                    if msg is None:
-                        msg = nxt
-                        continue
                     if nxt is None:
                         continue
-                    size = size or msg.ByteSize()
-                    grown = size + nxt.ByteSize() + 16  # its tag and length in `more`: 16 bytes is more than they take
-                    if grown > MAX_BATCH_BYTES:
+                    if batch is None:
+                        msg, batch = nxt, Batch(nxt, route_bytes)
+                    elif batch.take(nxt):
+                        batch.first.more.append(nxt)
+                    else:
                         held = nxt  # the next write's first
                         break
-                    msg.more.append(nxt)
-                    size = grown
                 if msg is not None:
                     await self.call.write(msg)
         except asyncio.CancelledError:

@@ -46,6 +46,7 @@ from controller.servicers.common import (
     unary,
 )
 from controller.servicers.convert import decision_to_proto
+from controller.stream_batch import MAX_BATCH, Batch
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg
 from fleet.core.errors import InvalidArgument, KvfleetError
@@ -58,10 +59,6 @@ BATCHED = ("kvfleet-route-stream", "batched")  # initial metadata: messages may 
 # answers written in one message, and messages read in one (`more` holds the others)
 # NOTE: `more` was read whatever its length: one 2.7 MB message of 1.4M empty ones took 300 MB and 0.75 s of the
 # controller's loop (one Python object each) before the first ran, and a caller that then did not read held it
-MAX_BATCH = 32
-# the answers written in one message together (one alone goes whatever its size). NOTE: an answer names every serving
-# rank (about 58 bytes each), so past ~2,200 ranks 32 answers went over the proxy's 4 MiB receive limit
-MAX_BATCH_BYTES = 256 << 10
 # releases carried on one message (the proxy sends at most a quarter of it)
 # NOTE: unbounded before: one 1.9 MB message of 1M empty releases held the controller's loop for seconds, each refused
 MAX_CARRIED = 4096
@@ -212,19 +209,14 @@ class RouteServicer(pbg.RouteServiceServicer):
                     if isinstance(out, asyncio.CancelledError):
                         return
                     raise out
-                n, size = 1, 0  # size: out's bytes with its `more`, taken once an answer would join it
-                while batched and n < MAX_BATCH and not answers.empty():  # the answers finished by now go with it
+                batch = Batch(out, pb.RouteStreamResponse.ByteSize)  # (answers are small: sized exactly)
+                while batched and not answers.empty():  # the answers finished by now go with it
                     nxt = answers.get_nowait()
-                    if not isinstance(nxt, pb.RouteStreamResponse):
-                        ahead.append(nxt)
-                        break
-                    size = size or out.ByteSize()
-                    grown = size + nxt.ByteSize() + 16  # its tag and length in `more`: 16 bytes is more than they take
-                    if grown > MAX_BATCH_BYTES:
+                    if not isinstance(nxt, pb.RouteStreamResponse) or not batch.take(nxt):
                         ahead.append(nxt)  # the next write's first
                         break
                     out.more.append(nxt)
-                    n, size = n + 1, grown
+                n = batch.n
                 yield out
                 written.inc()
                 answered.inc(n)

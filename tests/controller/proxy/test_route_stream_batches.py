@@ -9,6 +9,7 @@ the proxy and the controller about as much CPU as the routing it carried.
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ import grpc
 import pytest
 from support.proxy_fleet import MODEL, start_fleet
 
+from controller import stream_batch
 from controller.edge import GrpcLimits
 from controller.proxy import route_stream
 from controller.proxy.control import ControlClient
 from controller.servicers import route as route_servicer
 from controller.servicers.route import BATCHED
+from controller.stream_batch import route_bytes
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 
 N = 6
@@ -222,16 +225,41 @@ async def test_releases_queued_past_what_one_message_carries_go_on_the_next(tmp_
 
 def test_the_batch_bounds_agree() -> None:
     assert route_stream.BATCHED == route_servicer.BATCHED
-    assert route_stream.MAX_BATCH <= route_servicer.MAX_BATCH  # the controller reads what the proxy sends in one
     assert route_stream.MAX_CARRIED <= route_servicer.MAX_CARRIED
-    assert route_stream.MAX_BATCH <= route_servicer.STREAM_IN_FLIGHT
+    assert stream_batch.MAX_BATCH <= route_servicer.STREAM_IN_FLIGHT
+
+
+def test_a_routes_size_bound_is_never_below_its_encoded_size() -> None:
+    """`route_bytes` sizes a Route without encoding its ids (ByteSize costs a full encode); a bound below the real size
+    could let a batch past the controller's receive limit. Where the bounds go past the limit the batch is measured:
+    32 Routes of 2,000 small ids (2 KB each, bound 10 KB) still go in one write; of 9,000 (9 KB each), as many as fit."""
+    rng = random.Random(7)
+    for n in (0, 1, 200, 2000):
+        for top in (1, 1 << 17, (1 << 32) - 1):  # token ids of 1, 3 and 5 varint bytes
+            route = pb.RouteRequest(token_ids=[rng.randrange(top) for _ in range(n)], model="m" * rng.randrange(300),
+                                    track=True, probe=True)
+            if n % 2:
+                route.lora, route.client_salt = "ä-adapter" * 20, "\U0001f511" * 256  # 2- and 4-byte characters
+            msg = pb.RouteStreamRequest(id=(1 << 64) - 1, route=route)
+            assert route_bytes(msg) >= msg.ByteSize(), (n, top)
+    for n in (2000, 9000):
+        first = pb.RouteStreamRequest(id=1, route=pb.RouteRequest(token_ids=[100] * n, model=MODEL, track=True))
+        batch, one = stream_batch.Batch(first, route_bytes), pb.RouteStreamRequest()
+        one.CopyFrom(first)
+        while batch.take(one):
+            first.more.append(one)
+        assert batch.n == len(first.more) + 1 and first.ByteSize() <= stream_batch.MAX_BATCH_BYTES
+        if n == 2000:
+            assert batch.n == stream_batch.MAX_BATCH
+        else:  # as many as fit: one more would go past the bound
+            assert first.ByteSize() + one.ByteSize() + stream_batch.IN_MORE > stream_batch.MAX_BATCH_BYTES
 
 
 async def test_the_controllers_batched_answers_stay_within_its_byte_bound(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the bound below one answer's size, twelve answers finished together go in twelve writes, every one
     answered (NOTE: unbounded before, 32 answers of a fleet of ~2,200 ranks went over the proxy's receive limit)."""
-    monkeypatch.setattr(route_servicer, "MAX_BATCH_BYTES", 1)
+    monkeypatch.setattr(stream_batch, "MAX_BATCH_BYTES", 1)
     fleet = await start_fleet(tmp_path)
     control = ControlClient(fleet.proxy.control.target)
     try:
