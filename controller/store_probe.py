@@ -10,8 +10,9 @@ own, so it never waits behind the store threads' queue, and counts as failed whe
 answered within timeout_s. At most one read is in flight: while a hung one waits (the Redis client's socket
 timeout is 60 s) the next probes wait on it instead of starting another, so a hung store holds one thread.
 
-Data lost: the first probe that finds no marker writes it (kv_swap: absent -> written), and nothing deletes it. A
-probe that later finds it gone after one had seen it means the store lost its data (a Redis restarted without
+Data lost: the first probe that finds no marker writes it (kv_swap: absent -> written, with a nonce), and nothing
+deletes it. A probe that later finds it gone, or replaced by another controller that found it gone (another nonce),
+after one had read it means the store lost its data (a Redis restarted without
 persistence, flushed, or swapped for another behind its address): logged as an error naming what went with it,
 counted in kvfleet_store_data_lost_total, the marker written again, and `on_lost` awaited on the event loop (the
 controller writes back the cache_salt secret it holds, so a controller started later derives the same salts, and the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,7 +45,7 @@ STORE_HEALTH_SERVICE = "kvfleet.store"
 DEFAULT_STORE_PING_INTERVAL_S = 5.0
 STORE_PING_TIMEOUT_S = 2.0
 _PROBE_KEY = ("controller", "store_marker")  # written once (the first probe), never deleted: gone = data lost
-_MARK = b"kvfleet store marker: if this key is gone, the store lost its data"
+_MARK = b"kvfleet store marker (gone or replaced: the store lost its data): "  # + a nonce per writing
 LOST_WHAT = ("every blob and its pins and verdict, the tenants' stored-byte counts, the quarantine verdicts and "
              "records (operators' verdicts too), the session op logs, the worker registrations and the kernel "
              "placement it held")
@@ -55,7 +57,10 @@ class StoreProbe:
         self.store, self.metrics, self.health, self.timeout_s = store, metrics, health, timeout_s
         self.on_lost = on_lost  # awaited when the store is found to have lost its data
         self.up: bool | None = None  # None: not probed yet
-        self._seen = False  # a probe found the marker (or wrote it): from then on, its absence is a loss
+        # the marker this controller last read (or wrote): from then on, its absence or another one is a loss
+        # NOTE: one marker, no nonce, was lost to the leader where a standby's probe found it gone first and wrote it
+        # again: the leader read it present and never wrote back the registrations it held (found by review)
+        self._mark: bytes | None = None
         self._read: asyncio.Future[Any] | None = None
         self._schedule = Periodic("kvfleet-store-probe", interval_s, self.probe, self._failed)
 
@@ -70,20 +75,22 @@ class StoreProbe:
         error = self._read.exception() if done else TimeoutError(f"no answer within {self.timeout_s:g} s")
         await self._publish(error is None, str(error))
         if error is None:
-            self._seen = True
             if self._read.result() and self.on_lost is not None:  # this read found the data lost
                 await self.on_lost()
         return error is None
 
     def _check(self) -> bool:
-        """The probe's read (a thread); the marker written when absent, and a loss reported when it was seen.
-        True: a loss."""
-        if self.store.kv_get(*_PROBE_KEY) is not None:
+        """The probe's read (a thread); the marker written when absent, and a loss reported where this controller had
+        seen another marker (gone, or written anew by another controller that found it gone). True: a loss."""
+        mark = self.store.kv_get(*_PROBE_KEY)
+        if mark is None:
+            new = _MARK + os.urandom(8).hex().encode()
+            mark = new if self.store.kv_swap(*_PROBE_KEY, None, new) else self.store.kv_get(*_PROBE_KEY)
+        seen, self._mark = self._mark, mark
+        if seen is None or mark == seen:
             return False
-        self.store.kv_swap(*_PROBE_KEY, None, _MARK)
-        if self._seen:
-            self._lost()
-        return self._seen
+        self._lost()
+        return True
 
     def _lost(self) -> None:
         log.error("the store lost its data (its marker key is gone: a Redis restarted without persistence, flushed, "

@@ -102,3 +102,32 @@ async def test_the_leader_writes_back_its_workers_after_the_store_lost_them(
             if c_ is not None:
                 await c_.stop(0)
         await sim.stop()
+
+
+async def test_the_leader_learns_of_a_loss_another_controller_found_first(
+        redis_url: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """Two controllers on one store; after Redis comes back empty, the other one's probe finds the marker gone first
+    and writes it again; the leader's next probe still sees a loss (another marker) and writes its worker back.
+    NOTE: before, one marker with no nonce: the leader read it present and never wrote back the registration."""
+    tokens = make_tokens(tmp_path)
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
+    leader = await start_controller(redis_url, tokens, store_ping_interval_s=0, gc_interval_s=0, start_router=True)
+    other = await start_controller(redis_url, tokens, store_ping_interval_s=0.05, gc_interval_s=0)
+    try:
+        async with AsyncFleetClient(leader.address, token=tokens.op) as c:
+            await c.register_worker("w0", url=sim.url, kv_events=sim.kv_events, replay=sim.replay or "", model="m")
+        assert await leader.store_probe.probe()  # the leader has read the marker (its schedule is off: probed here)
+        await _probed_again(other)
+        _restart(redis_server, keep_data=False)
+        deadline = time.monotonic() + 5
+        while _lost(other) < 1:  # the other controller found the loss and wrote the marker again
+            assert time.monotonic() < deadline, "the other controller's probe never found the loss"
+            await asyncio.sleep(0.05)
+        registry = WorkerRegistry(leader.ctx.store)
+        assert registry.entries() == []  # control: the loss took the registration
+        assert await leader.store_probe.probe()
+        assert _lost(leader) == 1 and [name for name, _ in registry.entries()] == ["w0"]
+    finally:
+        await other.stop(0)
+        await leader.stop(0)
+        await sim.stop()
