@@ -193,22 +193,27 @@ class Judge:
             raise InvalidArgument(f"{len(refs)} refs in one call; at most {MAX_REFS}")
         for ref in refs:
             _check_ref(ref)
-        return [self._known(ref, tenant) for ref in refs]
-
-    def _known(self, ref: str, tenant: str) -> Judgement:
-        raw = self.store.kv_get(OPERATOR_NS, ref)
-        if raw is not None:
-            op = json.loads(raw)
-            return Judgement(ref, op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator")
-        blob = self._blob_verdict(ref, tenant)
-        if blob is not None:
-            return blob
+        # NOTE: each source read for every ref at once (one round trip each on Redis): one read per ref and source
+        # took ~0.1 ms apiece, so a chain of 1,000 digests added 191 ms to its follow-up's first byte
+        out: list[Judgement | None] = [None] * len(refs)
+        for i, raw in enumerate(self.store.kv_get_many(OPERATOR_NS, refs)):
+            if raw is not None:
+                op = json.loads(raw)
+                out[i] = Judgement(refs[i], op["verdict"] == QUARANTINED, tuple(op["reasons"]), "operator")
+        left = [i for i, j in enumerate(out) if j is None]
+        for i, meta in zip(left, self.store.stat_many([refs[i] for i in left], tenant), strict=True):
+            if meta is not None and meta.verdict == QUARANTINED:
+                out[i] = Judgement(refs[i], True, tuple(meta.reasons), "blob")
         for cache in (self.cache_for(tenant), self.fast_for(tenant)):
-            got = None if cache is None else cache.store.kv_get(cache.namespace, f"{tenant}/{ref}:{cache.config_id}")
-            doc = json.loads(got) if got is not None else None
-            if doc is not None and doc.get("quarantined"):
-                return Judgement(ref, True, tuple(doc.get("reasons", ())), "detector")
-        return Judgement(ref, False, (), "detector")
+            left = [i for i, j in enumerate(out) if j is None]
+            if cache is None or not left:
+                continue
+            keys = [f"{tenant}/{refs[i]}:{cache.config_id}" for i in left]
+            for i, got in zip(left, cache.store.kv_get_many(cache.namespace, keys), strict=True):
+                doc = json.loads(got) if got is not None else None
+                if doc is not None and doc.get("quarantined"):
+                    out[i] = Judgement(refs[i], True, tuple(doc.get("reasons", ())), "detector")
+        return [j if j is not None else Judgement(r, False, (), "detector") for r, j in zip(refs, out, strict=True)]
 
     def heavy(self, data: bytes, tenant: str) -> Judgement:
         """The full verdict (every layer), stored in the tenant's verdict space; a quarantine found late is

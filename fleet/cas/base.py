@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 from fleet.cas.types import (
@@ -215,6 +215,14 @@ class BlobStore(ABC):
             raise not_found(ref, tenant)
         return meta
 
+    def stat_many(self, refs: Sequence[str], tenant: str) -> list[BlobMeta | None]:
+        """Each blob's metadata, in order, None where the tenant has none: one round trip where the backend can (a
+        Responses follow-up's check reads a chain of hundreds, controller/verdicts.py `Judge.known`)."""
+        check_tenant(tenant)
+        for ref in refs:
+            check_ref(ref)
+        return self._stat_many(tenant, list(refs))
+
     def exists(self, ref: str, tenant: str) -> bool:
         check_tenant(tenant)
         check_ref(ref)
@@ -266,6 +274,13 @@ class BlobStore(ABC):
 
     def kv_get(self, namespace: str, key: str) -> bytes | None:
         return self._kv_get(check_name("namespace", namespace), check_key(key))
+
+    def kv_get_many(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]:
+        """kv_get of each key, in order: one round trip where the backend can."""
+        check_name("namespace", namespace)
+        for key in keys:
+            check_key(key)
+        return self._kv_get_many(namespace, list(keys))
 
     def kv_scan(self, namespace: str) -> dict[str, bytes]:
         return self._kv_scan(check_name("namespace", namespace))
@@ -386,6 +401,12 @@ class BlobStore(ABC):
     def _kv_put(self, namespace: str, key: str, value: bytes) -> None: ...
     @abstractmethod
     def _kv_get(self, namespace: str, key: str) -> bytes | None: ...
+
+    def _kv_get_many(self, namespace: str, keys: list[str]) -> list[bytes | None]:
+        return [self._kv_get(namespace, key) for key in keys]  # a backend that can read them at once overrides it
+
+    def _stat_many(self, tenant: str, refs: list[str]) -> list[BlobMeta | None]:
+        return [self._stat(tenant, ref) for ref in refs]  # likewise
     @abstractmethod
     def _kv_scan(self, namespace: str) -> dict[str, bytes]: ...
     @abstractmethod

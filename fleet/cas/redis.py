@@ -291,11 +291,20 @@ class RedisBlobStore(BlobStore):
     @store_call
     def _stat(self, tenant: str, ref: str) -> BlobMeta | None:
         h: dict[bytes, bytes] = self.r.hgetall(self._keys(tenant, ref)[1])  # type: ignore[assignment]
-        if not h:
-            return None
+        return self._meta(ref, h) if h else None
+
+    @staticmethod
+    def _meta(ref: str, h: dict[bytes, bytes]) -> BlobMeta:
         return BlobMeta(ref=ref, size=int(h[b"size"]), created=float(h[b"created"]), pins=int(h[b"pins"]),
                         refs=int(h[b"refs"]), verdict=h[b"verdict"].decode(),
                         reasons=tuple(json.loads(h[b"reasons"])), lease_expires=float(h[b"lease_expires"]))
+
+    @store_call
+    def _stat_many(self, tenant: str, refs: list[str]) -> list[BlobMeta | None]:
+        pipe = self.r.pipeline(transaction=False)  # one round trip (NOTE: one HGETALL each was ~0.1 ms apiece)
+        for ref in refs:
+            pipe.hgetall(self._keys(tenant, ref)[1])
+        return [None if not h else self._meta(ref, h) for ref, h in zip(refs, pipe.execute(), strict=True)]
 
     @store_call
     def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
@@ -331,6 +340,10 @@ class RedisBlobStore(BlobStore):
     @store_call
     def _kv_get(self, namespace: str, key: str) -> bytes | None:
         return self.r.hget(f"kvf:kv:{namespace}", key)  # type: ignore[return-value]
+
+    @store_call
+    def _kv_get_many(self, namespace: str, keys: list[str]) -> list[bytes | None]:
+        return self.r.hmget(f"kvf:kv:{namespace}", keys) if keys else []  # type: ignore[return-value]
 
     @store_call
     def _kv_scan(self, namespace: str) -> dict[str, bytes]:

@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from fleet.core.errors import ResourceExhausted, Unavailable
@@ -36,6 +36,7 @@ PRUNE_PAGE, PRUNE_ROWS = 500, 50_000  # `prune`: rows per store call, rows looke
 
 class KVStore(Protocol):
     def kv_get(self, namespace: str, key: str) -> bytes | None: ...
+    def kv_get_many(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]: ...
     def kv_put(self, namespace: str, key: str, value: bytes) -> None: ...
 
 
