@@ -263,6 +263,7 @@ class Handlers:
         # NOTE: before any route: a follow-up whose stored conversation holds a result quarantined since is a 409
         chain = await lineage.follow_up(p, body, tenant, token) if responses_api else None
         d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt)
+        p.directory.watch.routed(body["model"], {c.worker for c in d.candidates})  # (watch.py: waiters it left out)
         to = d  # where it is sent first (a stored response's holder)
         num_prompt = len(ids)
         del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes

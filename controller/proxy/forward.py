@@ -179,7 +179,7 @@ class Forwarder:
                 continue
             sends += 1
             try:
-                return await self._attempt(t, path, body, headers, sends, failures)
+                return await self._attempt(t, path, body, headers, sends, failures, name or base)
             except AttemptFailed as e:
                 found = await self._judge(t, e)
                 self.metrics.retries.labels(t.worker, t.verdict, str(e).split(":")[0]).inc()
@@ -189,8 +189,8 @@ class Forwarder:
         raise ProxyError(503, "no serving worker answered (" + "; ".join(said or ["no candidate"]) + "); retry shortly")
 
     async def _attempt(self, t: Target, path: str, body: bytes, headers: dict[str, str], sends: int,
-                       failures: list[str]) -> Opened:
-        ticket = self.directory.watch.ticket(t.worker)  # taken before the send: a finding after it covers it
+                       failures: list[str], model: str) -> Opened:
+        ticket = self.directory.watch.ticket(t.worker, model)  # taken before the send: a finding after it covers it
         t_sent = time.perf_counter()
         task = asyncio.create_task(self._open(t, t.url.rstrip("/") + path, body, headers))
         try:

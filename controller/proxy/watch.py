@@ -9,6 +9,8 @@ that the worker was found asleep (or gone), so that every one of them fails over
                                  own timeouts; requests sent to W after this take a new Ticket
     the controller stops listing W as serving ──► nudge(W): W's waiters probe now (one shared probe),
                                                   not at their own next timeout
+    a Route for the same model names no rank of W ──► nudge(W), once a Ticket (routed): the controller knew
+        (a KV event, its reconcile) before the proxy's next listing, up to --refresh later
 
 NOTE: only a probe's finding (or the controller's word followed by a probe) fails the waiters over: a worker that
 stops serving is first asked, as each request's own probe would ask it (docs/proxy.md, failover).
@@ -20,6 +22,7 @@ import asyncio
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 
 import aiohttp
 
@@ -31,11 +34,13 @@ class Ticket:
     """One generation of a worker's waiters: `lost` says why they were given up (None: not given up), and
     `wake` resolves when they were given up or must probe now (then a fresh one replaces it)."""
 
-    __slots__ = ("lost", "wake", "__weakref__")
+    __slots__ = ("lost", "wake", "models", "routed", "__weakref__")
 
     def __init__(self) -> None:
         self.lost: str | None = None
         self.wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.models: set[str] = set()  # the model ids (or adapters) of the requests waiting under it
+        self.routed = False  # nudged already because a Route named none of its worker's ranks
 
     def _wake(self) -> None:
         if not self.wake.done():
@@ -55,12 +60,30 @@ class WorkerWatch:
         self.num_lost = 0  # lose() calls that gave up at least one waiting attempt's Ticket
         self.num_nudged = 0
 
-    def ticket(self, worker: str) -> Ticket:
-        """The Ticket an attempt sent to `worker` now waits under (shared by every such attempt)."""
+    def ticket(self, worker: str, model: str | None = None) -> Ticket:
+        """The Ticket an attempt sent to `worker` now waits under (shared by every such attempt); `model`: the
+        request's model id (or adapter), for `routed`."""
         t = self._tickets.get(worker)
         if t is None:
             t = self._tickets[worker] = Ticket()
+        if model is not None:
+            t.models.add(model)
         return t
+
+    def routed(self, model: str, workers: AbstractSet[str]) -> None:
+        """A Route for `model` just named `workers` (every worker with a rank the controller calls serving for it): a
+        worker with requests for `model` waiting on it that it does not name has stopped serving in the controller's
+        view; its waiters probe now, once a Ticket (an awake one, still not routed to, is not asked again and again).
+        NOTE: they waited for the proxy's next listing (--refresh, 1 s) or their own probe (up to
+        --first-byte-timeout): three turns sent just as a worker was slept waited 0.25 s each before they failed over
+        (the fleet-routing bench, agents16x8). Cost: nothing while no request waits; else a look at each worker with
+        requests waiting."""
+        if not self._tickets:
+            return
+        for worker, t in list(self._tickets.items()):
+            if not t.routed and worker not in workers and model in t.models:
+                t.routed = True
+                self.nudge(worker)
 
     def lose(self, worker: str, why: str) -> None:
         """Every attempt sent to `worker` so far fails over (`why` is its reason); later sends get a new Ticket."""
