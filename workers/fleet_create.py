@@ -12,7 +12,8 @@ from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import ForkOp, kv_follows_tokens
 from fleet.core.session_types import check_session_id
 from workers.fleet_rebuild import PLACE_TRIES, FleetRebuild
-from workers.nodes import NodeGone
+from workers.call_timeout import fork_timeout
+from workers.nodes import CallTimeout, NodeGone
 from workers.packed import pack_ops, unpack_ops
 from workers.registry import CREATING, SessionRecord
 from workers.session_kernel import SessionKernel
@@ -128,6 +129,9 @@ class FleetCreate(FleetRebuild):
                             raise
                         raw = self._place_again(rec, raw, point["tokens"])
                 node = rec.node
+            except CallTimeout as e:  # not acknowledged either; named (NOTE: before, "a worker did not answer")
+                self._abandon(rec, raw)
+                raise fork_timeout(session_id, child_id, e) from e
             except BaseException:  # not acknowledged: leave nothing of it behind, and nothing else removed
                 self._abandon(rec, raw)
                 raise

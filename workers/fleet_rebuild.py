@@ -11,7 +11,8 @@ from typing import Any
 
 from fleet.core.errors import NotFound, ResourceExhausted, Unavailable
 from workers.fleet_base import FleetBase
-from workers.nodes import NodeGone
+from workers.call_timeout import session_timeout
+from workers.nodes import CallTimeout, NodeGone
 from workers.packed import Packed
 from workers.registry import CREATING, IDLE, LOST, SessionRecord, Stored
 from workers.session_kernel import SessionGone, SessionKernel
@@ -50,6 +51,8 @@ class FleetRebuild(FleetBase):
             try:
                 out = self.nodes.call(node, "call", tenant, session_id, method.__name__, *args)
                 return out.unpack() if isinstance(out, Packed) else out   # packed on its tenant's lane there
+            except CallTimeout as e:  # NOTE: before, "a worker did not answer within 60s": no session, no advice
+                raise session_timeout(session_id, method.__name__, args, e) from e
             except (SessionGone, NodeGone) as e:
                 self._where.pop(key, None)
                 if attempt:

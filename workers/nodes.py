@@ -55,12 +55,17 @@ class NodeGone(Unavailable):
     """A node's host is dead (the node left the cluster); it has been dropped."""
 
 
+class CallTimeout(Unavailable):
+    """A host did not answer a call within the call timeout (it may still be running it): the caller that knows
+    the call's session and verb says so (workers/call_timeout.py)."""
+
+
 def ray_get(refs: Any, timeout_s: float) -> Any:
     """ray.get with the fleet's errors: a timeout is Unavailable, a kvfleet error raised in an actor is itself."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
-        raise Unavailable(f"a worker did not answer within {timeout_s:.0f}s") from e
+        raise CallTimeout(f"a worker did not answer within {timeout_s:g}s") from e
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, KvfleetError):
             raise e.cause from None

@@ -32,3 +32,22 @@ def host_exits_in_next_mlp(host: Any) -> None:
         os._exit(1)
 
     host._loading.result()[0].ops.mlp = exit_
+
+
+def host_mlp_waits_for(host: Any, gate: str, most_s: float = 60.0) -> None:
+    """(In a kernel host's process, by __ray_call__; send it with this module pickled by value.) Its kernel's next
+    MLP waits until the file `gate` exists (at most `most_s`), then works as before: the host's answer to the call
+    running it is late by as long as the test wants, whatever the machine's speed."""
+    import time
+
+    kernel = host._loading.result()[0]
+    real = kernel.ops.mlp
+
+    def held(*args: Any) -> Any:
+        kernel.ops.mlp = real
+        deadline = time.monotonic() + most_s
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return real(*args)
+
+    kernel.ops.mlp = held
