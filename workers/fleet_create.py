@@ -11,8 +11,8 @@ from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Resource
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import ForkOp, kv_follows_tokens
 from fleet.core.session_types import check_session_id
-from workers.fleet_rebuild import PLACE_TRIES, FleetRebuild
 from workers.call_timeout import fork_timeout
+from workers.fleet_rebuild import PLACE_TRIES, FleetRebuild
 from workers.nodes import CallTimeout, NodeGone
 from workers.packed import pack_ops, unpack_ops
 from workers.registry import CREATING, SessionRecord

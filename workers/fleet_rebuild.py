@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fleet.core.errors import NotFound, ResourceExhausted, Unavailable
-from workers.fleet_base import FleetBase
 from workers.call_timeout import session_timeout
+from workers.fleet_base import FleetBase
 from workers.nodes import CallTimeout, NodeGone
 from workers.packed import Packed
 from workers.registry import CREATING, IDLE, LOST, SessionRecord, Stored
