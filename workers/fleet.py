@@ -38,6 +38,7 @@ import ray
 
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.kernel.tokenizer import encode_message
+from fleet.core.roles import check_role
 from fleet.core.session_types import OpResult, check_token_ids
 from workers.fleet_create import FleetCreate
 from workers.host import check_evict_start
@@ -75,6 +76,7 @@ class KernelFleet(FleetCreate):
             return self.append_output(tenant, session_id, self._tokens(content), op_id)
         if not isinstance(content, str):
             raise InvalidArgument(f"append takes text or token ids, got {type(content).__name__}")
+        check_role(role)  # before the template renders it
         return self.append_message(tenant, session_id, encode_message(self.tokenizer, role, content), role, op_id)
 
     def append_message(self, tenant: str, session_id: str, tokens: list[int], role: str,
@@ -82,6 +84,7 @@ class KernelFleet(FleetCreate):
         """Append a chat message already encoded (`encode_message(self.tokenizer, role, text)`) by a caller
         that counted its tokens: it is never encoded again."""
         key = op_id or uuid.uuid4().hex
+        check_role(role)  # before anything is logged
         return self._call(tenant, session_id, SessionKernel.append_message, tokens, role, key)  # type: ignore[no-any-return]
 
     def append_output(self, tenant: str, session_id: str, tokens: list[int], op_id: str = "") -> OpResult:

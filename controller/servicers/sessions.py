@@ -25,6 +25,7 @@ from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine.detector import Verdict
+from fleet.core.roles import check_role
 from fleet.core.session_types import ToolAdmission, check_op_id, check_session_id
 from fleet.core.verdict import QUARANTINED
 
@@ -53,7 +54,7 @@ class SessionServicer(pbg.SessionServiceServicer):
         sid, which = check_session_id("session_id", request.session_id), request.WhichOneof("content")
         op_id, t, s = check_op_id(request.op_id), ident.tenant, self.sessions
         if which == "text":
-            role = request.role or "user"
+            role = check_role(request.role or "user")  # NOTE: before, any text, logged with the message ("bogus")
             r = await s.append_text(t, sid, role, request.text, op_id)
         elif which == "token_ids":
             r = await s.append_output(t, sid, request.token_ids.ids, op_id)  # NOTE: not list(): refused if too long
