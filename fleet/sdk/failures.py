@@ -129,7 +129,9 @@ def with_op_id(err: KvfleetError, op_id: str) -> KvfleetError:
     session) also says the op may have been applied and how to finish it without applying it twice."""
     if not op_id:
         return err
-    if isinstance(err, Unavailable):
+    # NOTE: not where the controller's message already names the retry (a session call its kernel host did not answer
+    # in time: workers/call_timeout.py); the advice came twice
+    if isinstance(err, Unavailable) and f"op_id {op_id!r}" not in str(err):
         err = Unavailable(f"{err}. The op may have been applied: call again with op_id={op_id!r} (the error's "
                           "op_id) and it is answered from the session's op log (replayed=True), never applied twice")
     err.op_id = op_id
