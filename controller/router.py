@@ -130,6 +130,7 @@ class Router:
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
+        self.metrics.inflight = self._inflight_rows  # read when scraped
         self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, self._settle_flights,
                                  on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
 
@@ -238,7 +239,6 @@ class Router:
             del self._workers[name]
             self.index.drop_worker(name)
             self._ended(self.flights.drop_worker(name), "unregistered")
-            self._gauge(name)  # gone: its series go (NOTE: each gone worker's name kept 2 series for good)
             for r in w.ranks:
                 self.demand.forget_rank((name, r))
             self.shadow.drop_worker(name)
@@ -394,7 +394,6 @@ class Router:
                     time.monotonic(),
                 )
             )
-            self._gauge(name)
             if len(ordering.ordered) > 1:
                 self._alternatives.put(route_id, owner, (ordering, len(token_ids)))
         cands = tuple(
@@ -460,7 +459,6 @@ class Router:
         if f is not None:
             self._alternatives.pop(route_id)
             self.shadow.free(route_id, time.monotonic())
-            self._gauge(f.key[0])
         return f is not None
 
     def _observe(self, token_ids: Sequence[int], t: RouteCost, cands: tuple[RouteCandidate, ...]) -> None:
@@ -521,8 +519,6 @@ class Router:
             if worker in self._workers:
                 self._shadow_route(key, route_id, chain, num_tokens, now, owner)
         self.metrics.route_releases.labels("moved").inc()
-        self._gauge(f.key[0])
-        self._gauge(worker)
         return True
 
     def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
@@ -583,19 +579,14 @@ class Router:
         for f in flights:
             self.shadow.free(f.route_id, now)
             self._alternatives.pop(f.route_id)
-        for worker in {f.key[0] for f in flights}:
-            self._gauge(worker)
 
-    def _gauge(self, worker: str) -> None:
-        w = self._workers.get(worker)
-        if w is None:  # unregistered: its label series are removed, never set again
-            for gauge in (self.metrics.inflight_requests, self.metrics.inflight_queued_tokens):
-                with contextlib.suppress(KeyError):  # never set (older prometheus-client raises)
-                    gauge.remove(worker)
-            return
-        loads = [self.flights.load((worker, r)) for r in w.spec.dp_rank_ids]
-        self.metrics.inflight_requests.labels(worker).set(sum(n for n, _, _ in loads))
-        self.metrics.inflight_queued_tokens.labels(worker).set(sum(k for _, _, k in loads))
+    def _inflight_rows(self) -> list[tuple[str, float, float]]:
+        """(worker, tracked routes, their queued tokens) of every registered worker, for the scrape (Metrics.inflight)."""
+        rows = []
+        for name, w in list(self._workers.items()):
+            loads = [self.flights.load((name, r)) for r in w.spec.dp_rank_ids]
+            rows.append((name, float(sum(n for n, _, _ in loads)), float(sum(k for _, _, k in loads))))
+        return rows
 
     async def _settle_flights(self) -> None:
         """Between routes too: expire and reconcile tracked routes, so routes a dead caller never released

@@ -455,10 +455,11 @@ async def test_live_cold_sessions_spread_with_cost_terms_and_runner_up(tmp_path)
         assert (
             w0.cost is not None and (w0.matched_tokens, w0.cost.total) == (64, 48) and len(d.candidates) == 3
         )
-        assert r.metrics.inflight_requests.labels("w0")._value.get() == 2
+        inflight = r.metrics.registry.get_sample_value  # the gauge as a scrape reads it
+        assert inflight("kvfleet_route_inflight_requests", {"worker": "w0"}) == 2
         for x in ds:
             assert r.release_route(x.route_id, owner="acme")
-        assert len(r.flights) == 0 and r.metrics.inflight_requests.labels("w0")._value.get() == 0
+        assert len(r.flights) == 0 and inflight("kvfleet_route_inflight_requests", {"worker": "w0"}) == 0
         assert not r.release_route(ds[0].route_id, owner="acme")
         with pytest.raises(InvalidArgument):
             r.release_route("not-an-id")

@@ -54,13 +54,13 @@ async def test_a_stream_is_in_flight_until_the_client_leaves(tmp_path: Path) -> 
             worker = r.headers["x-kvfleet-worker"]
             await r.content.readuntil(b"\n\n")
             n, _, _ = router.flights.load((worker, 0))
-            assert n == 1 and router.metrics.inflight_requests.labels(worker)._value.get() == 1
+            assert n == 1 and router.metrics.registry.get_sample_value("kvfleet_route_inflight_requests", {"worker": worker}) == 1
             d = await fleet.op.route([1, 2, 3], model=MODEL)  # what a route sees meanwhile
             costs = {c.worker: c.cost for c in d.candidates}
             assert costs[worker] is not None and costs[worker].active_requests == 1
             r.close()  # the client leaves mid-stream
         await until(lambda: _flights(router), lambda k: k == 0)
-        assert router.metrics.inflight_requests.labels(worker)._value.get() == 0
+        assert router.metrics.registry.get_sample_value("kvfleet_route_inflight_requests", {"worker": worker}) == 0
         assert fleet.proxy.metrics.releases.labels("released")._value.get() == 1
         print(
             f"a 100000-token stream held 1 route in flight on {worker}; the client left and the proxy released it"
