@@ -4,8 +4,10 @@ slows another).
 The proxy keeps at most `controller_max_rpcs` RPCs open to the controller; the others wait (at most the route
 timeout, then 503). A token may hold at most three quarters of them, so a flood from one token leaves room
 for the rest.
-The controller here is a real grpc.aio server whose Route holds the flooding token's calls for a while. (Tokens
-not known yet share one share of their own: tests/controller/proxy/test_proxy_bad_tokens.py.)
+The controller here is a real grpc.aio server whose Route holds the flooding token's calls until the test lets
+it, or a real stack whose controller holds the flooding tenants' judging so: each test releases them only once the
+request it checks was answered, and asserts they were still held then, so the order is the test's, never a race
+against a timer. (Tokens not known yet share one share of their own: tests/controller/proxy/test_proxy_bad_tokens.py.)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,6 @@ from support.proxy_fleet import BLOCK, MODEL
 from support.stub_control import stub_control
 
 from controller.auth import mint_token
-from controller.judge_lanes import JudgeLimits
 from controller.proxy.control import ControlClient
 from controller.router import RouterConfig
 from fleet.api.kvfleet.v1 import fleet_pb2, fleet_pb2_grpc
@@ -32,20 +34,24 @@ from fleet.app.testkit.stack import StackConfig, start_stack
 from fleet.core.errors import Unavailable
 from fleet.sdk import types
 
-HOLD_S = 1.0
-
 
 class _SlowForOne(pbg.RouteServiceServicer, fleet_pb2_grpc.FleetServiceServicer):
-    """Answers Route at once, except for the token "flood", whose calls it holds HOLD_S; WhoAmI: each token is a
-    tenant of its own name."""
+    """Answers Route at once, except for the token "flood", whose calls it holds until `release` is set (`held` of
+    them at once now, `peak` at most); WhoAmI: each token is a tenant of its own name."""
 
     def __init__(self) -> None:
-        self.routes = 0
+        self.routes = self.held = self.peak = 0
+        self.release = asyncio.Event()
 
     async def Route(self, request: pb.RouteRequest, context: Any) -> pb.RouteResponse:
         self.routes += 1
         if dict(context.invocation_metadata()).get("authorization") == "Bearer flood":
-            await asyncio.sleep(HOLD_S)
+            self.held += 1
+            self.peak = max(self.peak, self.held)
+            try:
+                await self.release.wait()
+            finally:
+                self.held -= 1
         return pb.RouteResponse(worker="w0", url="http://127.0.0.1:1", route_id=f"r{self.routes}")
 
     async def WhoAmI(self, request: fleet_pb2.WhoAmIRequest, context: Any) -> fleet_pb2.WhoAmIResponse:
@@ -53,23 +59,33 @@ class _SlowForOne(pbg.RouteServiceServicer, fleet_pb2_grpc.FleetServiceServicer)
         return fleet_pb2.WhoAmIResponse(tenant=token, role="tenant", name=token)
 
 
-async def _route_s(control: ControlClient, token: str) -> float:
-    t0 = time.perf_counter()
-    await control.route([1, 2], "m", lora=None, token=token)
-    return time.perf_counter() - t0
+async def _until(ready: Any, what: Any) -> None:
+    """Wait for ready() (a bound on the loop, not a measurement: `what` says where it stopped)."""
+    deadline = time.monotonic() + 10
+    while not ready():
+        assert time.monotonic() < deadline, what()
+        await asyncio.sleep(0.02)
+
+
+def _users(control: ControlClient) -> int:  # the calls holding or waiting for one of the proxy's slots
+    return sum(share.users for share in control._slots._shares.values())
 
 
 async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
-    async with stub_control(_SlowForOne()) as control:
+    """16 Routes of one token, held at the controller: another token's Route is answered while they are held
+    (before any per-key bound, the flood held all 8 slots and it waited for one: the timeout, then Unavailable)."""
+    stub = _SlowForOne()
+    async with stub_control(stub) as control:
         for token in ("flood", "calm"):  # the proxy asks WhoAmI before it routes: each token's tenant is known
             await control.whoami(token)
-        flood = [asyncio.ensure_future(_route_s(control, "flood")) for _ in range(16)]
-        await asyncio.sleep(0.2)  # the flood's calls hold their slots (and wait for more)
-        calm = await _route_s(control, "calm")
-        assert calm < HOLD_S / 2, f"another token's route waited {calm:.2f}s behind the flood"
-        took = await asyncio.gather(*flood)
-        # control: the flood itself was held, 6 calls at a time (three quarters of the 8 slots): 3 rounds of HOLD_S
-        assert min(took) >= HOLD_S * 0.9 and max(took) >= HOLD_S * 2.7
+        flood = [asyncio.ensure_future(control.route([1, 2], "m", lora=None, token="flood")) for _ in range(16)]
+        await _until(lambda: stub.held >= 6 and _users(control) == 16, lambda: (stub.held, control._slots))
+        await control.route([1, 2], "m", lora=None, token="calm")
+        assert stub.held == 6 and not any(f.done() for f in flood), "calm's Route waited for the flood's calls to end"
+        stub.release.set()
+        await asyncio.gather(*flood)
+        # control: the flood itself was held 6 calls at a time (three quarters of the 8 slots), never more
+        assert stub.peak == 6 and stub.routes == 17
 
 
 async def test_a_call_past_its_share_fails_saying_so() -> None:
@@ -101,48 +117,53 @@ def _tool_chat(i: int) -> dict[str, Any]:
         {"role": "tool", "tool_call_id": "c1", "content": f"result {i}: " + "plain search text " * 200}]}
 
 
-STARVED = JudgeLimits(tenant_cpu=0.001, burst_s=0.001)  # a tenant's judge lane: almost no CPU
-
-
-class _Starved:
-    """A stack whose judging is starved (each tenant's judge lane has almost no CPU), so a tenant's tool-result
-    requests each hold one of the proxy's 8 RPC slots while they wait; `post` times one request."""
+class _Held:
+    """A stack whose controller holds the judging of tool results (JudgeToolResults, in the tenant's judge lane)
+    until the test lets it (a loaded judge: the hold is put in the lanes' call), so a tenant's tool-result requests
+    each hold one of the proxy's 8 RPC slots meanwhile; `post` sends one request."""
 
     def __init__(self, stack: Any, tokens: dict[str, str]) -> None:
-        self.stack, self.tokens, self.lanes = stack, tokens, stack.ctl.ctx.judge_lanes
+        self.stack, self.tokens, self.control = stack, tokens, stack.proxy.control
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.held, self.release = Counter[str](), asyncio.Event()
+        lanes = stack.ctl.ctx.judge_lanes
+        real = lanes.run_many
+
+        async def run_many(tenant: str, fn: Any, args: Any) -> Any:
+            self.held[tenant] += 1
+            try:
+                await self.release.wait()
+            finally:
+                self.held[tenant] -= 1
+            return await real(tenant, fn, args)
+
+        lanes.run_many = run_many
 
     @classmethod
-    async def start(cls, tmp_path: Path, tenants: tuple[str, ...],
-                    judge: JudgeLimits = STARVED) -> _Starved:
+    async def start(cls, tmp_path: Path, tenants: tuple[str, ...]) -> _Held:
         stack = await start_stack(StackConfig(
             store_url=f"sqlite:///{tmp_path / 'kv.db'}", state_dir=str(tmp_path), workers=1, num_blocks=512,
             block_size=BLOCK, model=MODEL, tenants=tenants, operator="ops", operator_name="", sessions=False,
-            metrics=True, router=RouterConfig(reconcile_interval_s=0.5),
-            controller={"detector_layers": ("rules",), "judge": judge},
+            metrics=True, router=RouterConfig(reconcile_interval_s=0.5), controller={"detector_layers": ("rules",)},
             proxy={"controller_max_rpcs": 8, "route_timeout_s": 1.5, "refresh_s": 0.2}))
         assert stack.proxy is not None
         await stack.client.close()
         return cls(stack, dict(stack.tokens))
 
-    async def post(self, token: str, body: dict[str, Any]) -> tuple[int, float]:
-        t0 = time.perf_counter()
+    async def post(self, token: str, body: dict[str, Any]) -> int:
         async with self.http.post(self.stack.proxy.url + "/v1/chat/completions", json=body,
                                   headers={"Authorization": f"Bearer {token}"}) as r:
             await r.read()
-            return r.status, time.perf_counter() - t0
+            return r.status
 
-    def judged(self, tenant: str) -> int:  # the tenant's judge calls at the controller: each holds one proxy slot
-        return sum(self.lanes.stats(tenant)[k] for k in ("queued", "inflight"))
+    async def sent(self, tenant: str, num_held: int, num: int) -> None:
+        """Wait until `num_held` of the tenant's judge calls (or more) are held and `num` requests in all have reached
+        the proxy's slots (holding one or waiting for one)."""
+        await _until(lambda: self.held[tenant] >= num_held and _users(self.control) == num,
+                     lambda: (tenant, self.held, self.control._slots._shares))
 
-    async def held(self, tenant: str, num: int) -> None:
-        deadline = time.monotonic() + 10
-        while self.judged(tenant) < num:
-            assert time.monotonic() < deadline, self.lanes.stats(tenant)
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # the rest of the floods' calls take what slots they can
-
-    async def stop(self, flood: list[asyncio.Future[tuple[int, float]]]) -> None:
+    async def stop(self, flood: list[asyncio.Future[int]]) -> None:
+        self.release.set()
         for f in flood:
             f.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
@@ -155,42 +176,40 @@ PLAIN = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content
 
 async def test_a_tenants_tokens_share_one_tenants_slots(tmp_path: Path) -> None:
     """A tenant with two tokens floods requests whose judging waits in its lane (its CPU budget spent), each
-    holding one of the proxy's 8 RPC slots meanwhile; another tenant's ordinary request is answered at once.
-    Before, each token had its own three quarters (6 + 6 of 8): the flood held all 8, and the other tenant's
-    Route waited route_timeout_s, then got a 503 (or a slot another call happened to free)."""
-    st = await _Starved.start(tmp_path, ("acme", "bravo"))
+    holding one of the proxy's 8 RPC slots meanwhile; another tenant's ordinary request is answered while they are
+    held. Before, each token had its own three quarters (6 + 6 of 8): the flood held all 8, and the other tenant's
+    Route waited route_timeout_s, then got a 503."""
+    st = await _Held.start(tmp_path, ("acme", "bravo"))
     acme = [st.tokens["acme"], mint_token(tmp_path / "tokens.json", "acme", "tenant", "acme-2")]
-    flood: list[asyncio.Future[tuple[int, float]]] = []
+    flood: list[asyncio.Future[int]] = []
     try:
         for token in [*acme, st.tokens["bravo"]]:
-            assert (await st.post(token, PLAIN))[0] == 200  # each token's WhoAmI answered (and cached)
+            assert await st.post(token, PLAIN) == 200  # each token's WhoAmI answered (and cached)
         flood = [asyncio.ensure_future(st.post(acme[i % 2], _tool_chat(i))) for i in range(16)]
-        await st.held("acme", 6)  # 6 judge calls held at least
-        status, took = await st.post(st.tokens["bravo"], PLAIN)
-        assert status == 200 and took < 0.5, f"bravo's request: {status} after {took:.2f}s behind acme's flood"
-        assert not any(f.done() for f in flood)  # control: the flood was still held meanwhile
+        await st.sent("acme", 6, 16)  # 6 judge calls held, the other 10 waiting for a slot
+        assert await st.post(st.tokens["bravo"], PLAIN) == 200, "bravo's request behind acme's flood"
+        assert st.held["acme"] == 6 and not any(f.done() for f in flood)  # the flood was still held meanwhile
     finally:
         await st.stop(flood)
 
 
 async def test_two_flooding_tenants_leave_slots_for_a_third(tmp_path: Path) -> None:
     """Tenants acme and bravo each flood requests whose judging waits in their own lane, each holding one of the
-    proxy's 8 RPC slots meanwhile; charlie's ordinary request is answered at once. Before, each flood's share was
-    three quarters (6) whatever the other held: together they held all 8, and charlie's Route waited behind their
-    waiting calls route_timeout_s, then got a 503. Control: acme flooding alone holds its 6 slots."""
-    st = await _Starved.start(tmp_path, ("acme", "bravo", "charlie"))
-    flood: list[asyncio.Future[tuple[int, float]]] = []
+    proxy's 8 RPC slots meanwhile; charlie's ordinary request is answered while they are held. Before, each flood's
+    share was three quarters (6) whatever the other held: together they held all 8, and charlie's Route waited
+    behind their waiting calls route_timeout_s, then got a 503. Control: acme flooding alone holds its 6 slots."""
+    st = await _Held.start(tmp_path, ("acme", "bravo", "charlie"))
+    flood: list[asyncio.Future[int]] = []
     try:
         for tenant in ("acme", "bravo", "charlie"):
-            assert (await st.post(st.tokens[tenant], PLAIN))[0] == 200  # each token's WhoAmI answered (and cached)
+            assert await st.post(st.tokens[tenant], PLAIN) == 200  # each token's WhoAmI answered (and cached)
         flood = [asyncio.ensure_future(st.post(st.tokens["acme"], _tool_chat(i))) for i in range(12)]
-        await st.held("acme", 6)
-        assert st.judged("acme") == 6, "control: a tenant alone holds three quarters of the slots"
+        await st.sent("acme", 6, 12)  # 6 held, the rest waiting
+        assert st.held["acme"] == 6, "control: a tenant alone holds three quarters of the slots"
         flood += [asyncio.ensure_future(st.post(st.tokens["bravo"], _tool_chat(100 + i))) for i in range(12)]
-        await st.held("bravo", 1)
-        status, took = await st.post(st.tokens["charlie"], PLAIN)
-        assert status == 200 and took < 0.5, f"charlie's request: {status} after {took:.2f}s behind two floods"
-        assert not any(f.done() for f in flood)  # control: both floods were still held meanwhile
+        await st.sent("bravo", 1, 24)  # bravo's first slot at once (a key's first), the rest wait
+        assert await st.post(st.tokens["charlie"], PLAIN) == 200, "charlie's request behind two floods"
+        assert st.held == {"acme": 6, "bravo": 1} and not any(f.done() for f in flood)  # both still held meanwhile
     finally:
         await st.stop(flood)
 
@@ -199,25 +218,21 @@ async def test_a_tenant_past_its_share_takes_an_idle_slot_when_no_one_under_thei
     """bravo, charlie and delta each have one request whose judging waits in their lane, and acme one: four tenants
     in use, a share of 6 // 4 = 1 slot each, 4 of the 8 slots held. acme's ordinary request is answered at once.
     Before, a tenant at its share waited whatever was free: acme's Route waited route_timeout_s beside 4 idle slots,
-    then got a 503. Control: a fifth tenant's first request is answered at once too (the reserve is kept)."""
+    then got a 503. Control: a fifth tenant's first request is answered while they are held too (the reserve is
+    kept)."""
     tenants = ("acme", "bravo", "charlie", "delta", "echo")
-    # the first tool result judged overdraws its tenant's budget (refilled in seconds): the next waits in its lane
-    st = await _Starved.start(tmp_path, tenants, JudgeLimits(tenant_cpu=0.0001, burst_s=0.0001))
-    slow: list[asyncio.Future[tuple[int, float]]] = []
+    st = await _Held.start(tmp_path, tenants)
+    slow: list[asyncio.Future[int]] = []
     try:
         for tenant in tenants:
-            assert (await st.post(st.tokens[tenant], PLAIN))[0] == 200  # each token's WhoAmI answered (and cached)
-        firsts = await asyncio.gather(*(st.post(st.tokens[t], _tool_chat(i)) for i, t in enumerate(tenants[:4])))
-        assert [status for status, _ in firsts] == [200] * 4
+            assert await st.post(st.tokens[tenant], PLAIN) == 200  # each token's WhoAmI answered (and cached)
         slow = [asyncio.ensure_future(st.post(st.tokens[t], _tool_chat(10 + i))) for i, t in enumerate(tenants[:4])]
         for tenant in tenants[:4]:
-            await st.held(tenant, 1)
-        slots = st.stack.proxy.control._slots
-        assert slots.share() == 1 and slots._shares[("tenant", "acme")].held >= 1 and slots.num_held < 6
-        status, took = await st.post(st.tokens["acme"], PLAIN)
-        assert status == 200 and took < 0.5, f"acme's request: {status} after {took:.2f}s beside 4 idle slots"
-        status, took = await st.post(st.tokens["echo"], PLAIN)
-        assert status == 200 and took < 0.5, f"control: echo's request: {status} after {took:.2f}s"
-        assert not any(f.done() for f in slow)  # control: the four were still held meanwhile
+            await st.sent(tenant, 1, 4)
+        slots = st.control._slots
+        assert slots.share() == 1 and slots._shares[("tenant", "acme")].held == 1 and slots.num_held == 4
+        assert await st.post(st.tokens["acme"], PLAIN) == 200, "acme's request beside 4 idle slots"
+        assert await st.post(st.tokens["echo"], PLAIN) == 200, "control: echo's request"
+        assert sum(st.held.values()) == 4 and not any(f.done() for f in slow)  # the four were still held meanwhile
     finally:
         await st.stop(slow)
