@@ -214,18 +214,23 @@ async def test_a_flood_of_made_up_tokens_from_one_address_leaves_a_new_token_fro
 
 async def test_known_tokens_whose_answer_aged_out_are_not_held_to_the_address_bound(tmp_path: Path) -> None:
     """One address (a gateway in front of its users) sends requests with 6 valid tokens, each answered before; their
-    cached WhoAmI answers age out (auth_cache_s) and the 6 come again at once, the controller answering WhoAmI after
-    0.5 s (a loaded controller). Before, each was looked up as a token not known yet: 4 at once for the address, and
-    the other 2 requests got a 429 (no flood anywhere). Now a token the controller has named a tenant for is looked
-    up outside the address's bound (in its tenant's share, as before); each token still one lookup."""
+    cached WhoAmI answers age out (auth_cache_s) and the 6 come again at once, the controller holding each WhoAmI
+    until every request is in a WhoAmI or answered (a loaded controller; the order is the test's, not a race against
+    a timer). Before, each was looked up as a token not known yet: 4 at once for the address, and the other 2
+    requests got a 429 (no flood anywhere). Now a token the controller has named a tenant for is looked up outside
+    the address's bound (in its tenant's share, as before); each token still one lookup."""
     fleet = await start_fleet(tmp_path, num_workers=1, auth_cache_s=0.5)
     control = fleet.proxy.control
-    real, asked = control._fleet.WhoAmI, Counter[str]()
+    real, asked, held, release = control._fleet.WhoAmI, Counter[str](), [0], [asyncio.Event()]
 
     async def who_am_i(request: Any, *, timeout: float, metadata: Any) -> Any:
         token = dict(metadata)["authorization"].removeprefix("Bearer ")
         asked[token] += 1
-        await asyncio.sleep(0.5)
+        held[0] += 1
+        try:
+            await release[0].wait()
+        finally:
+            held[0] -= 1
         return await real(request, timeout=timeout, metadata=metadata)
 
     url = fleet.proxy.url + "/v1/chat/completions"
@@ -235,15 +240,26 @@ async def test_known_tokens_whose_answer_aged_out_are_not_held_to_the_address_bo
             await r.read()
             return r.status
 
+    async def at_once(tokens: list[str]) -> list[int]:
+        """The tokens' requests, their WhoAmIs held until each request is in one or answered without one."""
+        release[0] = asyncio.Event()
+        posts = [asyncio.ensure_future(post(t)) for t in tokens]
+        deadline = time.monotonic() + 10  # a bound on the loop, not a measurement
+        while held[0] + sum(p.done() for p in posts) < len(posts):
+            assert time.monotonic() < deadline, (held, [p.done() for p in posts])
+            await asyncio.sleep(0.02)
+        release[0].set()
+        return list(await asyncio.gather(*posts))
+
     try:
         tokens = [mint_token(tmp_path / "tokens.json", "acme", "tenant", f"acme-user-{i}") for i in range(6)]
         assert [await post(t) for t in tokens] == [200] * 6  # each named a tenant (cached)
         control._fleet.WhoAmI = who_am_i  # type: ignore[method-assign]
         await asyncio.sleep(0.6)  # every answer aged out
-        assert await asyncio.gather(*(post(t) for t in tokens)) == [200] * 6
+        assert await at_once(tokens) == [200] * 6
         assert all(asked[t] == 1 for t in tokens), asked
         # control: the address's bound still holds for tokens never named: 6 made-up ones at once, 2 refused
-        made_up = await asyncio.gather(*(post(f"kvf_made-up-{i}") for i in range(6)))
+        made_up = await at_once([f"kvf_made-up-{i}" for i in range(6)])
         assert sorted(made_up) == [401] * 4 + [429] * 2, made_up
     finally:
         await fleet.stop()
