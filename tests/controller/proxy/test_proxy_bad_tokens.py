@@ -27,7 +27,6 @@ from fleet.api.kvfleet.v1 import fleet_pb2_grpc as fleet_grpc
 from fleet.api.kvfleet.v1 import route_pb2_grpc as route_grpc
 from fleet.core.errors import Unauthenticated
 
-HOLD_S = 1.0
 PLAIN = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -87,10 +86,11 @@ async def test_a_flood_of_made_up_tokens_asks_the_controller_once_a_token(tmp_pa
 
 
 class _Fake(fleet_grpc.FleetServiceServicer, route_grpc.RouteServiceServicer):
-    """WhoAmI: "calm" and "fresh" are tenant bravo at once; any other token is refused after HOLD_S."""
+    """WhoAmI: "calm" and "fresh" are tenant bravo at once; any other token is refused once `release` is set."""
 
     def __init__(self) -> None:
         self.held = self.peak = 0
+        self.release = asyncio.Event()
 
     async def WhoAmI(self, request: fleet_pb2.WhoAmIRequest, context: Any) -> fleet_pb2.WhoAmIResponse:
         token = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
@@ -99,7 +99,7 @@ class _Fake(fleet_grpc.FleetServiceServicer, route_grpc.RouteServiceServicer):
         self.held += 1
         self.peak = max(self.peak, self.held)
         try:
-            await asyncio.sleep(HOLD_S)
+            await self.release.wait()
         finally:
             self.held -= 1
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
@@ -117,15 +117,15 @@ async def test_tokens_not_known_yet_share_one_share_of_the_slots() -> None:
     async with stub_control(fake) as control:
         assert (await control.whoami("calm")).tenant == "bravo"
         flood = [asyncio.ensure_future(control.whoami(f"made-up-{i}")) for i in range(16)]
-        deadline = time.monotonic() + 5
-        while fake.held < 6:
-            assert time.monotonic() < deadline, fake.held
+        deadline = time.monotonic() + 10  # a bound on the loop, not a measurement
+        while fake.held < 6 or sum(s.users for s in control._slots._shares.values()) < 16:  # 6 held, 10 waiting
+            assert time.monotonic() < deadline, (fake.held, control._slots._shares)
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)  # the rest of the flood takes what slots it can
         first = asyncio.ensure_future(control.whoami("fresh"))  # a legitimate token's first request, behind them
         await control.route([1, 2], "m", lora=None, token="calm")
         assert not any(f.done() for f in flood), "the known tenant's Route waited for the flood's WhoAmIs to end"
-        assert fake.peak == 6, f"{fake.peak} of the 8 slots held by tokens not known yet"
+        assert fake.held == fake.peak == 6, f"{fake.peak} of the 8 slots held by tokens not known yet"
+        fake.release.set()
         assert (await first).tenant == "bravo"
         for f in flood:
             with pytest.raises(Unauthenticated):
@@ -161,7 +161,7 @@ async def test_a_flood_of_made_up_tokens_from_one_address_leaves_a_new_token_fro
     control = fleet.proxy.control
     real, asked, held = control._fleet.WhoAmI, Counter[str](), [0, 0]  # lookups of each token; made-up held, peak
     release = asyncio.Event()  # NOTE: the made-up tokens' WhoAmIs are held until the valid token is answered, so
-    # the test orders the two instead of timing the answer (it held them HOLD_S, and asked for an answer within HOLD_S/2)
+    # the test orders the two instead of timing the answer (it held them 1 s, and asked for an answer within 0.5 s)
 
     async def who_am_i(request: Any, *, timeout: float, metadata: Any) -> Any:
         token = dict(metadata)["authorization"].removeprefix("Bearer ")
