@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.app.cli.cells import cell, cells, fit, show
+from fleet.app.cli.numbers import whole
 from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
 from fleet.sdk.tls_flags import add_client_tls, client_tls
@@ -159,22 +160,13 @@ def _seconds(text: str) -> float:
     return v
 
 
-def _refreshes(text: str) -> int:
-    """--count: a whole number >= 0 (before, `--count -1` drew one frame and stopped, as if it were 1)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n}: give 0 (until Ctrl-C) or more refreshes")
-    return n
 
 
 def add_ls_options(ls: argparse.ArgumentParser) -> None:
     """The options `session ls` and `worker ls` share: live refresh, JSON, where and as whom."""
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
     ls.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes with --watch")
-    ls.add_argument("--count", type=_refreshes, default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
+    ls.add_argument("--count", type=whole("until Ctrl-C"), default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
     add_connection_options(ls)
 

@@ -23,22 +23,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleet.app.cli.numbers import whole
 from fleet.core.errors import InvalidArgument, KvfleetError
 
 if TYPE_CHECKING:
     from fleet.app.testkit.stack import Stack
 
 
-def _whole(text: str) -> int:
-    """--num-cpus, --sim-workers: a whole number >= 0. NOTE: before, --num-cpus -2 started Ray and ended in its
-    ValueError traceback, and --sim-workers -1 ran as 0 (found by review)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n}: give 0 or more")
-    return n
 
 
 def _listen(text: str) -> str:
@@ -70,8 +61,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="store URL (default: sqlite:///STATE_DIR/kvfleet.db); redis://… uses a real Redis",
     )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
-    p.add_argument("--num-cpus", type=_whole, default=None, help="CPUs of the local Ray (default: all)")
-    p.add_argument("--sim-workers", type=_whole, default=0, help="also start N vLLM stand-ins and register them")
+    p.add_argument("--num-cpus", type=whole(), default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--sim-workers", type=whole(), default=0, help="also start N vLLM stand-ins and register them")
     p.add_argument("--tenant", default="local", help="tenant of the extra tenant token printed")
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
     add_cost_flags(p, os.environ)  # KVFLEET_ROUTE_*, as `kvfleet controller` reads them

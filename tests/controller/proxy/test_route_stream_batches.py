@@ -9,7 +9,9 @@ the proxy and the controller about as much CPU as the routing it carried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +35,27 @@ def _count(counter: Any) -> float:
     return float(counter._value.get())
 
 
-async def _six_at_once(tmp_path: Path) -> tuple[float, float, list[str]]:
-    """Six routes asked in one event-loop turn on an open stream: (writes the controller read, messages, workers)."""
+@contextlib.asynccontextmanager
+async def _fleet(tmp_path: Path) -> AsyncIterator[tuple[Any, ControlClient]]:
+    """A real controller, stand-ins and proxy (support.proxy_fleet), and a ControlClient of the proxy's own kind."""
     fleet = await start_fleet(tmp_path)
     control = ControlClient(fleet.proxy.control.target)
     try:
+        yield fleet, control
+    finally:
+        await control.close()
+        await fleet.stop()
+
+
+async def _six_at_once(tmp_path: Path) -> tuple[float, float, list[str]]:
+    """Six routes asked in one event-loop turn on an open stream: (writes the controller read, messages, workers)."""
+    async with _fleet(tmp_path) as (fleet, control):
         metrics, token = fleet.ctl.ctx.metrics, fleet.tokens["a"]
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and its metadata read
         reads, msgs = metrics.route_stream_writes.labels("received"), metrics.route_stream_messages.labels("received")
         r0, m0 = _count(reads), _count(msgs)
         asked = await asyncio.gather(*(control.route([i + 1] * 20, MODEL, lora=None, token=token) for i in range(N)))
         return _count(reads) - r0, _count(msgs) - m0, [d.worker for d in asked]
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 async def test_routes_queued_while_a_write_is_out_go_in_one_write(tmp_path: Path) -> None:
@@ -65,9 +74,7 @@ async def test_control_a_controller_that_does_not_say_batched_gets_each_message_
 
 
 async def test_the_controller_answers_every_message_of_a_batch_and_refuses_a_nested_one(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
         try:
@@ -92,15 +99,10 @@ async def test_the_controller_answers_every_message_of_a_batch_and_refuses_a_nes
             assert _count(metrics.route_stream_writes.labels("answered")) - written0 < 12
         finally:
             call.cancel()
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 async def test_a_caller_that_does_not_say_it_reads_batches_gets_each_answer_alone(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token = fleet.tokens["a"]
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"),))  # a proxy from before
         try:
@@ -110,9 +112,6 @@ async def test_a_caller_that_does_not_say_it_reads_batches_gets_each_answer_alon
             assert sorted(o.id for o in outs) == list(range(1, 7)) and not any(o.more for o in outs)
         finally:
             call.cancel()
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 async def test_long_routes_asked_at_once_stay_under_the_controllers_receive_limit(tmp_path: Path) -> None:
@@ -122,26 +121,19 @@ async def test_long_routes_asked_at_once_stay_under_the_controllers_receive_limi
     ids = [[100_000 + i] * 250_000 for i in range(N)]
     sizes = [pb.RouteStreamRequest(route=pb.RouteRequest(token_ids=t, model=MODEL)).ByteSize() for t in ids]
     assert max(sizes) < GrpcLimits().max_receive_bytes < sum(sizes)  # control: one batch of them would be refused
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token = fleet.tokens["a"]
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and says batched
         asked = await asyncio.gather(*(control.route(t, MODEL, lora=None, token=token) for t in ids),
                                      return_exceptions=True)
         assert [type(d).__name__ for d in asked] == ["RouteDecision"] * N, asked
         assert (await control.route([9, 9, 9, 9], MODEL, lora=None, token=token)).worker  # the stream goes on
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 async def test_a_message_carrying_more_than_a_batch_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
     # a hostile (or broken) caller: 10,000 messages in one's `more` (20 kB), where the proxy sends at most 31
     # NOTE: before, each was made a Python object and run (1.4M in 2.7 MB: 300 MB and 0.75 s of the controller's loop)
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         received = metrics.route_stream_messages.labels("received")
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
@@ -172,16 +164,11 @@ async def test_a_message_carrying_more_than_a_batch_ends_the_stream_with_a_clear
                 got |= {one.id for one in (out, *out.more) if one.WhichOneof("result") == "route"}
         finally:
             call.cancel()
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 async def test_a_message_carrying_too_many_releases_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
     # NOTE: before, each was run (1M empty ones in a 1.9 MB message: seconds of the controller's loop), each refused
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token, received = fleet.tokens["a"], fleet.ctl.ctx.metrics.route_stream_messages.labels("received")
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
         try:
@@ -197,17 +184,12 @@ async def test_a_message_carrying_too_many_releases_ends_the_stream_with_a_clear
             assert _count(received) == r0  # none of the batch ran
         finally:
             call.cancel()
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 async def test_releases_queued_past_what_one_message_carries_go_on_the_next(tmp_path: Path) -> None:
     # 5000 releases queued at once (made-up route ids: each answered unknown)
     # NOTE: before, all went on one message, which the controller refuses: the stream ended, each release failed
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and takes releases
         outcomes: list[str] = []
@@ -218,9 +200,6 @@ async def test_releases_queued_past_what_one_message_carries_go_on_the_next(tmp_
         assert len(outcomes) == 5000 and set(outcomes) == {"unknown"}, set(outcomes)
         assert _count(metrics.route_stream_messages.labels("received")) - m0 == 5  # 1024 a message
         assert (await control.route([9, 9, 9, 9], MODEL, lora=None, token=token)).worker  # the stream goes on
-    finally:
-        await control.close()
-        await fleet.stop()
 
 
 def test_the_batch_bounds_agree() -> None:
@@ -260,9 +239,7 @@ async def test_the_controllers_batched_answers_stay_within_its_byte_bound(
     """With the bound below one answer's size, twelve answers finished together go in twelve writes, every one
     answered (NOTE: unbounded before, 32 answers of a fleet of ~2,200 ranks went over the proxy's receive limit)."""
     monkeypatch.setattr(stream_batch, "MAX_BATCH_BYTES", 1)
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
+    async with _fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
         try:
@@ -277,6 +254,3 @@ async def test_the_controllers_batched_answers_stay_within_its_byte_bound(
             assert _count(metrics.route_stream_writes.labels("answered")) - written0 == 12
         finally:
             call.cancel()
-    finally:
-        await control.close()
-        await fleet.stop()

@@ -98,9 +98,11 @@ def test_a_piped_watch_is_as_wide_as_it_needs() -> None:
     assert max(len(line) for line in text.splitlines()) > 80
 
 
-@pytest.mark.parametrize("width", [200, 100, 80])
-def test_worker_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> None:
-    # before: at 80 columns every cell was squeezed, numbers to "123…" and "1,2…" (found by review)
+WORKER_NUMBERS = ["123456", "1,234,567", "9876543", "12.5", "9,999,999", "12,345,678", "2,345,678", "45.7%"]
+
+
+def _worker_ls(width: int) -> str:
+    """`worker ls` of one worker and one kernel node, drawn at `width` columns."""
     import io
     from types import SimpleNamespace as NS
 
@@ -116,10 +118,15 @@ def test_worker_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> 
     out = io.StringIO()
     Console(file=out, width=width, force_terminal=True, color_system=None).print(
         render_workers([worker], [node], width=width))
-    text = out.getvalue()
-    print(text)
-    numbers = ["123456", "1,234,567", "9876543", "12.5", "9,999,999", "12,345,678", "2,345,678", "45.7%"]
-    assert [n for n in numbers if n not in text] == [] and "…" not in text
+    print(out.getvalue())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("width", [200, 100, 80])
+def test_worker_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> None:
+    # before: at 80 columns every cell was squeezed, numbers to "123…" and "1,2…" (found by review)
+    text = _worker_ls(width)
+    assert [n for n in WORKER_NUMBERS if n not in text] == [] and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
     assert (URL in text) == (width >= 200)  # the url (then the model) is left out where there is no room
 
@@ -172,27 +179,16 @@ def test_session_ls_below_the_folded_layout_shows_records_with_nothing_cut(width
 
 @pytest.mark.parametrize("width", [50, 30])
 def test_worker_ls_below_its_narrowest_table_shows_records_with_nothing_cut(width: int) -> None:
+    text = _worker_ls(width)
+    assert [n for n in WORKER_NUMBERS if n not in text] == [] and "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert f"url{URL}model{MODEL}" in _unfolded(text)
     import io
-    from types import SimpleNamespace as NS
 
     from rich.console import Console
 
     from fleet.app.cli.worker import render_workers
 
-    rank = NS(dp_rank=0, serving=True, warm=True, phase="serving", kv="preserved", epoch=123456, num_blocks=1234567,
-              last_seq=9876543, load=12.5)
-    worker = NS(name="vllm-worker-0", url=URL, model=MODEL, ranks=[rank])
-    node = NS(node="0123456789abcdef", num_sessions=12, cached_tokens=1234567, capacity_tokens=9999999,
-              queried_tokens=12345678, hit_tokens=2345678, evicted_blocks=123456, hit_rate=0.4567)
-    out = io.StringIO()
-    Console(file=out, width=width, force_terminal=True, color_system=None).print(
-        render_workers([worker], [node], width=width))
-    text = out.getvalue()
-    print(text)
-    numbers = ["123456", "1,234,567", "9876543", "12.5", "9,999,999", "12,345,678", "2,345,678", "45.7%"]
-    assert [n for n in numbers if n not in text] == [] and "…" not in text
-    assert max(len(line) for line in text.splitlines()) <= width
-    assert f"url{URL}model{MODEL}" in _unfolded(text)
     why = "Unavailable: could not reach Ray at 10.0.0.7:6379 within 5 s"
     out = io.StringIO()
     Console(file=out, width=width, force_terminal=True, color_system=None).print(render_workers([], [], why, width=width))
