@@ -7,9 +7,10 @@ exactly which requests a worker received and whether it saw the client go away. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from multidict import CIMultiDict
 
 from controller.cost import CostConfig
 from controller.proxy import Proxy
+from controller.proxy.control import ControlClient
 from controller.router import RouterConfig
 from controller.server import Controller
 from fleet.app.testkit.sim_vllm.main import SimVllm
@@ -134,6 +136,18 @@ async def start_fleet(
     tokens = {"a": stack.tokens["acme"], "b": stack.tokens["bravo"], "op": stack.tokens["ops"]}
     return Fleet(stack.ctl, stack.sims, tokens, stack.proxy, aiohttp.ClientSession(), stack.admin)
 
+
+
+@contextlib.asynccontextmanager
+async def linked_fleet(tmp_path: Path, **kw: Any) -> AsyncIterator[tuple[Fleet, ControlClient]]:
+    """start_fleet(tmp_path, **kw) and a ControlClient of the test's own to its controller (the proxy's kept apart)."""
+    fleet = await start_fleet(tmp_path, **kw)
+    control = ControlClient(fleet.proxy.control.target)
+    try:
+        yield fleet, control
+    finally:
+        await control.close()
+        await fleet.stop()
 
 async def until(fn: Callable[[], Awaitable[Any]], pred: Callable[[Any], bool], timeout: float = 10.0) -> Any:
     """Poll an async call until pred(result) holds; fail loudly on timeout."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support.proxy_fleet import MODEL, Fleet, start_fleet, until
+from support.proxy_fleet import MODEL, Fleet, linked_fleet, start_fleet, until
 
 from controller.auth import hash_token
 from controller.proxy.control import ControlClient
@@ -62,13 +62,8 @@ async def _flights(router: Any) -> int:
 @pytest.fixture
 async def linked(tmp_path: Path) -> AsyncIterator[tuple[Fleet, ControlClient]]:
     """A fleet and a ControlClient of the test's own to its controller (the proxy's kept apart)."""
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
-        yield fleet, control
-    finally:
-        await control.close()
-        await fleet.stop()
+    async with linked_fleet(tmp_path) as both:
+        yield both
 
 
 async def test_a_failed_message_is_its_answer_and_the_stream_goes_on(linked: tuple[Fleet, ControlClient]) -> None:

@@ -9,20 +9,17 @@ the proxy and the controller about as much CPU as the routing it carried.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from support.proxy_fleet import MODEL, start_fleet
+from support.proxy_fleet import MODEL, linked_fleet
 
 from controller import stream_batch
 from controller.edge import GrpcLimits
 from controller.proxy import route_stream
-from controller.proxy.control import ControlClient
 from controller.servicers import route as route_servicer
 from controller.servicers.route import BATCHED
 from controller.stream_batch import route_bytes
@@ -35,21 +32,10 @@ def _count(counter: Any) -> float:
     return float(counter._value.get())
 
 
-@contextlib.asynccontextmanager
-async def _fleet(tmp_path: Path) -> AsyncIterator[tuple[Any, ControlClient]]:
-    """A real controller, stand-ins and proxy (support.proxy_fleet), and a ControlClient of the proxy's own kind."""
-    fleet = await start_fleet(tmp_path)
-    control = ControlClient(fleet.proxy.control.target)
-    try:
-        yield fleet, control
-    finally:
-        await control.close()
-        await fleet.stop()
-
 
 async def _six_at_once(tmp_path: Path) -> tuple[float, float, list[str]]:
     """Six routes asked in one event-loop turn on an open stream: (writes the controller read, messages, workers)."""
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         metrics, token = fleet.ctl.ctx.metrics, fleet.tokens["a"]
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and its metadata read
         reads, msgs = metrics.route_stream_writes.labels("received"), metrics.route_stream_messages.labels("received")
@@ -74,7 +60,7 @@ async def test_control_a_controller_that_does_not_say_batched_gets_each_message_
 
 
 async def test_the_controller_answers_every_message_of_a_batch_and_refuses_a_nested_one(tmp_path: Path) -> None:
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
         try:
@@ -102,7 +88,7 @@ async def test_the_controller_answers_every_message_of_a_batch_and_refuses_a_nes
 
 
 async def test_a_caller_that_does_not_say_it_reads_batches_gets_each_answer_alone(tmp_path: Path) -> None:
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token = fleet.tokens["a"]
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"),))  # a proxy from before
         try:
@@ -121,7 +107,7 @@ async def test_long_routes_asked_at_once_stay_under_the_controllers_receive_limi
     ids = [[100_000 + i] * 250_000 for i in range(N)]
     sizes = [pb.RouteStreamRequest(route=pb.RouteRequest(token_ids=t, model=MODEL)).ByteSize() for t in ids]
     assert max(sizes) < GrpcLimits().max_receive_bytes < sum(sizes)  # control: one batch of them would be refused
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token = fleet.tokens["a"]
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and says batched
         asked = await asyncio.gather(*(control.route(t, MODEL, lora=None, token=token) for t in ids),
@@ -133,7 +119,7 @@ async def test_long_routes_asked_at_once_stay_under_the_controllers_receive_limi
 async def test_a_message_carrying_more_than_a_batch_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
     # a hostile (or broken) caller: 10,000 messages in one's `more` (20 kB), where the proxy sends at most 31
     # NOTE: before, each was made a Python object and run (1.4M in 2.7 MB: 300 MB and 0.75 s of the controller's loop)
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         received = metrics.route_stream_messages.labels("received")
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
@@ -168,7 +154,7 @@ async def test_a_message_carrying_more_than_a_batch_ends_the_stream_with_a_clear
 
 async def test_a_message_carrying_too_many_releases_ends_the_stream_with_a_clear_error(tmp_path: Path) -> None:
     # NOTE: before, each was run (1M empty ones in a 1.9 MB message: seconds of the controller's loop), each refused
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token, received = fleet.tokens["a"], fleet.ctl.ctx.metrics.route_stream_messages.labels("received")
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
         try:
@@ -189,7 +175,7 @@ async def test_a_message_carrying_too_many_releases_ends_the_stream_with_a_clear
 async def test_releases_queued_past_what_one_message_carries_go_on_the_next(tmp_path: Path) -> None:
     # 5000 releases queued at once (made-up route ids: each answered unknown)
     # NOTE: before, all went on one message, which the controller refuses: the stream ended, each release failed
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and takes releases
         outcomes: list[str] = []
@@ -239,7 +225,7 @@ async def test_the_controllers_batched_answers_stay_within_its_byte_bound(
     """With the bound below one answer's size, twelve answers finished together go in twelve writes, every one
     answered (NOTE: unbounded before, 32 answers of a fleet of ~2,200 ranks went over the proxy's receive limit)."""
     monkeypatch.setattr(stream_batch, "MAX_BATCH_BYTES", 1)
-    async with _fleet(tmp_path) as (fleet, control):
+    async with linked_fleet(tmp_path) as (fleet, control):
         token, metrics = fleet.tokens["a"], fleet.ctl.ctx.metrics
         call = control._route.RouteStream(metadata=(("authorization", f"Bearer {token}"), BATCHED))
         try:

@@ -62,9 +62,8 @@ def _row(**kw: object) -> object:
 NUMBERS = ["1,234,567", "1,000,000", "3.0 GiB", "513.0 MiB", "45.7%", "12", "17", "100s ago"]
 
 
-@pytest.mark.parametrize("width", [200, 80, 60])
-def test_session_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> None:
-    # before: at 80 columns the numbers were squeezed to "1,23…" (found by review)
+def _session_ls(width: int) -> str:
+    """`session ls --fleet` of two sessions, drawn at `width` columns."""
     import io
 
     from rich.console import Console
@@ -75,8 +74,14 @@ def test_session_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) ->
     rows = [_row(), _row(session_id="s2", tenant="t", state="active", epoch=0)]
     Console(file=out, width=width, force_terminal=True, color_system=None).print(
         render_sessions(rows, now=1100.0, width=width))
-    text = out.getvalue()
-    print(text)
+    print(out.getvalue())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("width", [200, 80, 60])
+def test_session_ls_at_a_narrow_terminal_keeps_every_number_whole(width: int) -> None:
+    # before: at 80 columns the numbers were squeezed to "1,23…" (found by review)
+    text = _session_ls(width)
     assert [n for n in NUMBERS if n not in text] == [] and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
     assert ("/ host:kvfleet" in text) == (width >= 200)  # node / host: shown only where there is room
@@ -154,27 +159,13 @@ def _unfolded(text: str) -> str:
 @pytest.mark.parametrize("width", [52, 40, 30])
 def test_session_ls_below_the_folded_layout_shows_records_with_nothing_cut(width: int) -> None:
     # before: at 40 columns the session ids, tenants and states were gone and the numbers cut to "1,234,56"
-    import io
-
-    from rich.console import Console
-
-    from fleet.app.cli.session import render_sessions
-
-    out = io.StringIO()
-    rows = [_row(), _row(session_id="s2", tenant="t", state="active", epoch=0)]
-    Console(file=out, width=width, force_terminal=True, color_system=None).print(
-        render_sessions(rows, now=1100.0, width=width))
-    text = out.getvalue()
-    print(text)
+    text = _session_ls(width)
     assert [n for n in NUMBERS if n not in text] == [] and "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
     for whole in (SESSION, "acme-research", "regenerated/17", "s2", "active/0", "01234567/host:kvfleet"):
         assert f"{whole}" in _unfolded(text), whole
     # control: at 80 columns the same rows stay one table (a record per session only where no table fits)
-    wide = io.StringIO()
-    Console(file=wide, width=80, force_terminal=True, color_system=None).print(render_sessions(rows, now=1100.0,
-                                                                                               width=80))
-    assert "┃" in wide.getvalue() and "┃" not in text
+    assert "┃" in _session_ls(80) and "┃" not in text
 
 
 @pytest.mark.parametrize("width", [50, 30])
