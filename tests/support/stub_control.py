@@ -4,6 +4,7 @@ calls to the controller (its RPC slots), where the real controller's answers wou
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,3 +29,19 @@ async def stub_control(servicer: Any, max_rpcs: int = 8, timeout_s: float = 5.0)
     finally:
         await control.close()
         await server.stop(0)
+
+
+class Holds:
+    """Calls a stub holds until `release` is set: how many are held now (`held`) and at most at once (`peak`)."""
+
+    def __init__(self) -> None:
+        self.held = self.peak = 0
+        self.release = asyncio.Event()
+
+    async def hold(self) -> None:
+        self.held += 1
+        self.peak = max(self.peak, self.held)
+        try:
+            await self.release.wait()
+        finally:
+            self.held -= 1

@@ -18,7 +18,7 @@ import aiohttp
 import grpc
 import pytest
 from support.proxy_fleet import MODEL, start_fleet
-from support.stub_control import stub_control
+from support.stub_control import Holds, stub_control
 
 from controller.auth import mint_token
 from controller.proxy.refused import RefusedTokens
@@ -89,19 +89,13 @@ class _Fake(fleet_grpc.FleetServiceServicer, route_grpc.RouteServiceServicer):
     """WhoAmI: "calm" and "fresh" are tenant bravo at once; any other token is refused once `release` is set."""
 
     def __init__(self) -> None:
-        self.held = self.peak = 0
-        self.release = asyncio.Event()
+        self.holds = Holds()
 
     async def WhoAmI(self, request: fleet_pb2.WhoAmIRequest, context: Any) -> fleet_pb2.WhoAmIResponse:
         token = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
         if token in ("calm", "fresh"):
             return fleet_pb2.WhoAmIResponse(tenant="bravo", role="tenant", name=token)
-        self.held += 1
-        self.peak = max(self.peak, self.held)
-        try:
-            await self.release.wait()
-        finally:
-            self.held -= 1
+        await self.holds.hold()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
         raise AssertionError("unreachable")
 
@@ -118,14 +112,14 @@ async def test_tokens_not_known_yet_share_one_share_of_the_slots() -> None:
         assert (await control.whoami("calm")).tenant == "bravo"
         flood = [asyncio.ensure_future(control.whoami(f"made-up-{i}")) for i in range(16)]
         deadline = time.monotonic() + 10  # a bound on the loop, not a measurement
-        while fake.held < 6 or sum(s.users for s in control._slots._shares.values()) < 16:  # 6 held, 10 waiting
-            assert time.monotonic() < deadline, (fake.held, control._slots._shares)
+        while fake.holds.held < 6 or sum(s.users for s in control._slots._shares.values()) < 16:  # 6 held, 10 waiting
+            assert time.monotonic() < deadline, (fake.holds.held, control._slots._shares)
             await asyncio.sleep(0.02)
         first = asyncio.ensure_future(control.whoami("fresh"))  # a legitimate token's first request, behind them
         await control.route([1, 2], "m", lora=None, token="calm")
         assert not any(f.done() for f in flood), "the known tenant's Route waited for the flood's WhoAmIs to end"
-        assert fake.held == fake.peak == 6, f"{fake.peak} of the 8 slots held by tokens not known yet"
-        fake.release.set()
+        assert fake.holds.held == fake.holds.peak == 6, f"{fake.holds.peak} of the 8 slots held by tokens not known yet"
+        fake.holds.release.set()
         assert (await first).tenant == "bravo"
         for f in flood:
             with pytest.raises(Unauthenticated):

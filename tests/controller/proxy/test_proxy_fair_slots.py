@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from support.proxy_fleet import BLOCK, MODEL
-from support.stub_control import stub_control
+from support.stub_control import Holds, stub_control
 
 from controller.auth import mint_token
 from controller.proxy.control import ControlClient
@@ -40,18 +40,12 @@ class _SlowForOne(pbg.RouteServiceServicer, fleet_pb2_grpc.FleetServiceServicer)
     them at once now, `peak` at most); WhoAmI: each token is a tenant of its own name."""
 
     def __init__(self) -> None:
-        self.routes = self.held = self.peak = 0
-        self.release = asyncio.Event()
+        self.routes, self.holds = 0, Holds()
 
     async def Route(self, request: pb.RouteRequest, context: Any) -> pb.RouteResponse:
         self.routes += 1
         if dict(context.invocation_metadata()).get("authorization") == "Bearer flood":
-            self.held += 1
-            self.peak = max(self.peak, self.held)
-            try:
-                await self.release.wait()
-            finally:
-                self.held -= 1
+            await self.holds.hold()
         return pb.RouteResponse(worker="w0", url="http://127.0.0.1:1", route_id=f"r{self.routes}")
 
     async def WhoAmI(self, request: fleet_pb2.WhoAmIRequest, context: Any) -> fleet_pb2.WhoAmIResponse:
@@ -79,13 +73,13 @@ async def test_a_flooding_token_leaves_slots_for_the_others() -> None:
         for token in ("flood", "calm"):  # the proxy asks WhoAmI before it routes: each token's tenant is known
             await control.whoami(token)
         flood = [asyncio.ensure_future(control.route([1, 2], "m", lora=None, token="flood")) for _ in range(16)]
-        await _until(lambda: stub.held >= 6 and _users(control) == 16, lambda: (stub.held, control._slots))
+        await _until(lambda: stub.holds.held >= 6 and _users(control) == 16, lambda: (stub.holds.held, control._slots))
         await control.route([1, 2], "m", lora=None, token="calm")
-        assert stub.held == 6 and not any(f.done() for f in flood), "calm's Route waited for the flood's calls to end"
-        stub.release.set()
+        assert stub.holds.held == 6 and not any(f.done() for f in flood), "calm's Route waited for the flood's calls to end"
+        stub.holds.release.set()
         await asyncio.gather(*flood)
         # control: the flood itself was held 6 calls at a time (three quarters of the 8 slots), never more
-        assert stub.peak == 6 and stub.routes == 17
+        assert stub.holds.peak == 6 and stub.routes == 17
 
 
 async def test_a_call_past_its_share_fails_saying_so() -> None:
