@@ -27,6 +27,10 @@ from controller.vllm.watcher import Worker
 from fleet.core.block_hash import external_chain
 from fleet.core.errors import InvalidArgument, KvfleetError, NotFound, Unavailable
 
+# NOTE: what a caller does about a model none of whose workers serves now (the proxy relays it as a 503): it said
+# only "asleep, paused or down", which names no next step (found by a new user's OpenAI-client run)
+AGAIN = "retry later; `kvfleet worker ls` shows each worker's phase"
+
 
 class Ordering(NamedTuple):
     """The serving candidates, cheapest first, and what the router keeps of the prompt's chains."""
@@ -211,9 +215,10 @@ class CandidateOrder:
             try:
                 v = w.view()
             except Exception:  # NOTE: a worker we cannot read may serve it: not a NotFound
-                return Unavailable(f"no serving worker for model {model!r}; a worker's state could not be read")
+                return Unavailable(f"no serving worker for model {model!r}; a worker's state could not be read ({AGAIN})")
             if v.adapter(model, lora) is not False:
-                return Unavailable(f"no serving worker for model {model!r}; every candidate is asleep, paused or down")
+                return Unavailable(f"no serving worker for model {model!r}; every candidate is asleep, paused or down "
+                                   f"({AGAIN})")
             served[v.model] = None
             served.update(dict.fromkeys(f"{name} (LoRA of {v.model})" for name in sorted(v.loras)))
         what = f"model {model!r}" + (f" with LoRA {lora!r}" if lora else "")

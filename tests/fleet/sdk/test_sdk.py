@@ -236,6 +236,7 @@ async def test_a_route_for_a_model_no_worker_serves_is_not_found_at_once(tmp_pat
     msg = str(ei.value)
     print(msg)
     assert len(policy.log) >= 1 and "asleep, paused or down" in msg
+    assert "retry later; `kvfleet worker ls` shows each worker's phase" in msg  # what to do (it named no next step)
     assert f"the controller at {ctl.address} answered UNAVAILABLE" in msg and "kvfleet controller" not in msg
 
 
