@@ -26,7 +26,7 @@ from aiohttp import HttpVersion11, web
 
 from controller.proxy import lineage, passthrough, prefill, responses
 from controller.proxy.errors import ProxyError, error_response, from_fleet
-from controller.proxy.reading import announced_size, client_salt, read_json, upstream_headers
+from controller.proxy.reading import announced_size, client_salt, read_json, too_large, upstream_headers
 from controller.proxy.relay import PREPARED, relay
 from controller.proxy.tokenize import EncodedBody
 from fleet.core.errors import KvfleetError, Unauthenticated
@@ -124,9 +124,7 @@ def _errors(proxy: Proxy) -> Any:
         except KvfleetError as e:
             err = from_fleet(e, proxy.cfg.controller)
         except web.HTTPRequestEntityTooLarge:
-            err = ProxyError(
-                413, f"request body is larger than the proxy's limit of {proxy.cfg.max_body_bytes} bytes"
-            )
+            err = ProxyError(413, too_large(proxy.cfg.max_body_bytes))
         except web.HTTPException as e:
             if e.status < 400:
                 raise

@@ -26,11 +26,16 @@ def announced_size(req: web.Request, limit: int) -> int:
     if req.content_length is None:
         return limit
     if req.content_length > limit:
-        raise ProxyError(
-            413,
-            f"request body of {req.content_length} bytes is larger than the proxy's limit of {limit} bytes",
-        )
+        raise ProxyError(413, too_large(limit, req.content_length))
     return req.content_length
+
+
+def too_large(limit: int, size: int | None = None) -> str:
+    """The 413's message. NOTE: it named the limit only; a client could not tell what to change (found by a new
+    user's OpenAI-client run)."""
+    of = f" of {size} bytes" if size is not None else ""
+    return (f"request body{of} is larger than the proxy's limit of {limit} bytes: send a smaller one (a long "
+            "conversation: fewer or shorter messages), or ask the proxy's operator to raise --max-body-bytes")
 
 
 async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
