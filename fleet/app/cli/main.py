@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> "module:function" taking (argv: list[str]) -> int. Modules are imported lazily so
@@ -22,6 +23,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand; its output piped into a reader that stops early (`| head`) ends it quietly, exit 1.
+
+    NOTE: it printed a BrokenPipeError traceback (`kvfleet worker ls --json | head -c 600`, `kvfleet sim-vllm |
+    head -1`; found by a new user's run). Output still buffered is flushed here, so a closed pipe fails here rather
+    than at the interpreter's exit; the rest goes to /dev/null, as Python's documentation of SIGPIPE advises."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         p = argparse.ArgumentParser(prog="kvfleet", description="kvfleet: the KV-cache layer for LLM agent fleets")
