@@ -104,7 +104,8 @@ def _response(body: dict[str, Any], model: str, previous: dict[str, Any] | None)
     """/v1/responses, non-streamed: `input` is a string or a list of message items; `previous` the stored response a
     `previous_response_id` names (its conversation comes first). The answer, and the ids of the conversation."""
     if body.get("stream"):
-        raise InvalidArgument("the stand-in answers /v1/responses unstreamed only")
+        raise InvalidArgument('the stand-in answers /v1/responses unstreamed only: send it without "stream": true '
+                              "(a vLLM server streams it; docs/sim_vllm.md lists what the stand-in leaves out)")
     items = body.get("input")
     ids = (tok.apply_chat_template(_as_messages(items)) if isinstance(items, list) else tok.tokenize(items))
     if previous is not None:
