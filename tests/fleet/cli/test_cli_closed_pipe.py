@@ -29,6 +29,9 @@ def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
 
 
 def test_control_help_into_a_closed_pipe_and_an_open_one() -> None:
-    assert _into_a_closed_pipe(["proxy", "--help"]) == (0, "")  # argparse's own help already ignored the closed pipe
+    # argparse's help ignores a failed write of its own; whether the closed pipe meets that write or the flush at the
+    # end (then exit 1) depends on how stdout is buffered: either way quietly
+    rc, err = _into_a_closed_pipe(["proxy", "--help"])
+    assert rc in (0, 1) and err == ""
     p = subprocess.run([*CLI, "sim-vllm", "--help"], capture_output=True, timeout=120, check=False)
     assert p.returncode == 0 and b"--kv-events-port" in p.stdout and not p.stderr  # an open pipe gets all of it
