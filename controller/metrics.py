@@ -68,6 +68,13 @@ class Metrics:
             ["direction"],
             registry=r,
         )
+        self.kv_events_silent = Gauge(
+            "kvfleet_kv_events_silent",
+            "1 while a rank's worker computes prompts and none of its KV events arrive (its publisher is not where it "
+            "was registered): its routes stay COLD.",
+            ["worker", "dp_rank"],
+            registry=r,
+        )
         self.route_stream_writes = Counter(
             "kvfleet_route_stream_writes_total",
             "RouteStream writes received from callers and written to them (a write may carry several messages).",

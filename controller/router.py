@@ -95,6 +95,9 @@ class RouterConfig:
     # each worker's LoRA adapters are read again from its /v1/models this often (one GET, on the reconcile loop); a
     # route for an adapter no worker lists has them read again, at most once every LORA_MISS_LOOK_S per worker
     lora_refresh_s: float = 10.0
+    # a rank whose worker computed prompts while none of its KV events arrived for this long is reported silent
+    # (a warning, kvfleet_kv_events_silent; controller/vllm/silence.py)
+    events_silent_s: float = 30.0
     stream: StreamLimits = field(default_factory=StreamLimits)
     cost: CostConfig = field(default_factory=CostConfig)
 

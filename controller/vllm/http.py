@@ -41,6 +41,7 @@ class WorkerMetrics:
     sleep_ops: float | None = None  # count of /sleep operations (histogram created on first use)
     num_gpu_blocks: int | None = None  # KV pool size, vllm:cache_config_info{num_gpu_blocks} (None: absent)
     hash_algo: str | None = None  # vllm:cache_config_info{prefix_caching_hash_algo} (None: absent)
+    prefix_hits: float | None = None  # vllm:prefix_cache_hits_total: prompt tokens found cached (None: absent)
 
     @property
     def awake(self) -> float | None:
@@ -52,8 +53,9 @@ LOAD_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:k
 SAMPLES = frozenset((
     "process_start_time_seconds", "vllm:engine_sleep_state", "vllm:cache_config_info",
     "vllm:sleep_mode_operation_duration_seconds_count", "vllm:sleep_mode_operations_in_flight", *LOAD_GAUGES,
+    "vllm:prefix_cache_hits_total",
 ))
-FAMILIES = SAMPLES | {"vllm:sleep_mode_operation_duration_seconds"}
+FAMILIES = SAMPLES | {"vllm:sleep_mode_operation_duration_seconds", "vllm:prefix_cache_hits"}
 _NAME_START = frozenset(string.ascii_letters + "_:")
 
 
@@ -117,6 +119,7 @@ def _fold(families: list[Metric], engine: str) -> WorkerMetrics:
     start: float | None = None
     in_flight = 0.0
     sleep_ops: float | None = None
+    hits: float | None = None
     for fam in families:
         for s in fam.samples:
             if not (math.isfinite(s.value) and s.value >= 0):  # NOTE: a NaN load failed every route's reconcile
@@ -139,6 +142,8 @@ def _fold(families: list[Metric], engine: str) -> WorkerMetrics:
                 sleep_ops = (sleep_ops or 0.0) + s.value
             elif s.name == "vllm:sleep_mode_operations_in_flight":
                 in_flight += s.value
+            elif s.name == "vllm:prefix_cache_hits_total":
+                hits = (hits or 0.0) + s.value
             elif s.name in LOAD_GAUGES:
                 vals[s.name] = s.value
     return WorkerMetrics(
@@ -152,6 +157,7 @@ def _fold(families: list[Metric], engine: str) -> WorkerMetrics:
         sleep_ops,
         num_gpu_blocks,
         hash_algo,
+        hits,
     )
 
 

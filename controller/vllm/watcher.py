@@ -44,6 +44,7 @@ from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
 from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
 from controller.vllm.loras import LoraLooks
 from controller.vllm.ratelog import RateLog
+from controller.vllm.silence import Silence
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.core import lifecycle as lc
 from fleet.core.block_hash import HashConfig
@@ -83,6 +84,9 @@ class WatchConfig(Protocol):
 
     @property
     def stream(self) -> StreamLimits: ...
+
+    @property
+    def events_silent_s(self) -> float: ...
 
     @property
     def reset_drain_s(self) -> float: ...
@@ -184,6 +188,7 @@ class Worker(LoraLooks):
         self._closing = False
         self.errors = Contained(metrics, spec.name)
         lim = cfg.stream
+        self.silence = Silence(cfg.events_silent_s)  # KV events that stopped arriving (controller/vllm/silence.py)
         self.guard = FaultGuard(spec.name, spec.dp_rank_ids, rate=lim.max_events_per_s, depth=lim.max_event_burst,
                                 hold_s=lim.faulty_hold_s, metrics=metrics)
         self.slicer = Slicer()
@@ -272,6 +277,9 @@ class Worker(LoraLooks):
         key = (self.spec.name, rank)
         if self._closing:  # a stopped worker touches no index (see _apply)
             return
+        if self.silence.heard(rank):
+            log.info("worker %s rank %d: its KV events arrive again", self.spec.name, rank)
+            self.metrics.kv_events_silent.labels(self.spec.name, str(rank)).set(0)
         if seq > self.ranks[rank].seq + 1 and self.ranks[rank].fence == "clear":
             self._clear_maybe_gone(rank)  # the head of a fresh stream, never read (no replay held it) may hold it
         if rank in self.resumed and not any(isinstance(ev, AllBlocksCleared) for ev in batch.events):
@@ -516,6 +524,8 @@ class Worker(LoraLooks):
         sleeping, loads, _, version = obs
         m = loads[0]
         self.load, self.loads, self.load_at = m, loads, self._look_at or time.monotonic()
+        if self._subs:
+            self._check_silence(loads, self.load_at)
         self._check_algo(m.hash_algo, "/metrics")
         new_process = m.start_time is not None and any(
             st.start_time is not None and st.start_time != m.start_time for st in self.ranks.values())
@@ -534,6 +544,18 @@ class Worker(LoraLooks):
         for r in list(self.ranks):
             self._apply(r, self.ranks[r].observed(look))
             self._apply(r, self.ranks[r].counted(look.sleep_ops))
+
+    def _check_silence(self, loads: tuple[WorkerMetrics, ...], now: float) -> None:
+        """A rank whose worker reused its cache while the index held none of its blocks and none of its KV events arrived
+        for events_silent_s: said once (a warning, kvfleet_kv_events_silent) until its events arrive again. NOTE: a worker restarted on other event ports
+        stayed COLD for every route, listed serving, and nothing said why (found by a new user's run)."""
+        for r, m in zip(self.ranks, loads, strict=False):
+            if self.silence.looked(r, m.prefix_hits, self.index.num_blocks((self.spec.name, r)), now):
+                log.warning("worker %s rank %d reused its prefix cache for %gs and none of its KV events arrived at %s: "
+                            "its publisher is not where it was registered (restarted on other --kv-events-config "
+                            "ports?); its routes stay COLD until they do: register it again with its endpoints",
+                            self.spec.name, r, self.silence.after_s, self.spec.kv_events)
+                self.metrics.kv_events_silent.labels(self.spec.name, str(r)).set(1)
 
     def _mark_down(self, reason: str) -> None:
         for r in list(self.ranks):
@@ -636,3 +658,6 @@ class Worker(LoraLooks):
         self._subs = []
         self._persist_seqs()  # a graceful stop leaves the last seq in the store
         self.guard.forget()
+        for r in self.ranks:  # its series go with it
+            with contextlib.suppress(KeyError):
+                self.metrics.kv_events_silent.remove(self.spec.name, str(r))
