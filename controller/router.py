@@ -168,6 +168,8 @@ class Router:
                 w.mark_down_contained("start_error")
 
     async def stop(self) -> None:
+        if self.metrics.inflight == self._inflight_rows:  # a controller that stops leading reports no routes in flight
+            self.metrics.inflight = None
         await self._settler.stop()
         for w in list(self._workers.values()):
             await w.stop()

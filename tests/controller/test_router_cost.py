@@ -616,3 +616,23 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         reconcile_grace_s=0.5,
         affinity_margin=0.0,
     )
+
+
+async def test_a_stopped_router_reports_no_routes_in_flight(tmp_path: Path) -> None:
+    """The in-flight gauges are read from the router when scraped; a router that stopped (its controller no longer
+    leads) leaves them empty, not frozen at its last ledger (the rows read while it runs: the test above)."""
+    from controller.metrics import Metrics
+    from controller.router import Router
+    from fleet.cas import open_store
+
+    with open_store(f"sqlite:///{tmp_path / 'kv.db'}") as store:
+        m = Metrics()
+        r = Router(store, m)
+        assert m.inflight == r._inflight_rows  # read from this router when scraped
+        await r.stop()
+        assert m.inflight is None
+        other = Router(store, m)  # the next leader's router reads its own
+        assert m.inflight == other._inflight_rows
+        await r.stop()  # a stop of the old one again leaves the new one's
+        assert m.inflight == other._inflight_rows
+        await other.stop()
