@@ -25,9 +25,6 @@ class Packed:
     def __init__(self, data: bytes) -> None:
         self.data = data
 
-    def __reduce__(self) -> tuple[type[Packed], tuple[bytes]]:
-        return Packed, (self.data,)
-
     @classmethod
     def of(cls, value: Any) -> Packed:
         return cls(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))

@@ -102,9 +102,6 @@ class Lineage:
             recs.move_to_end(i)
         return list(found), at is None
 
-    def __len__(self) -> int:
-        return sum(len(r) for r in self._records.values())
-
 
 def carried(chat: dict[str, Any] | None) -> tuple[str, ...]:
     """The digests of the tool results a /v1/responses body carries, read as a chat (responses.as_chat): each alone
