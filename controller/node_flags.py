@@ -10,17 +10,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
+from fleet.core.whole import whole
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
+_positive = whole(1)
 
 
 def _from_env(p: argparse.ArgumentParser, env: Mapping[str, str] | None, name: str, default: int) -> int:

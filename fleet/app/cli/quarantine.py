@@ -26,6 +26,7 @@ from fleet.app.cli.records import records as as_records
 from fleet.app.cli.session import INTERRUPTED, add_connection_options, add_ls_options, width_of
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
+from fleet.core.whole import whole
 
 COLUMNS = ("tenant", "ref", "action", "source", "reasons", "seen", "last seen")
 NUMERIC = frozenset({"seen", "last seen"})
@@ -84,15 +85,6 @@ def resolve_ref(ref: str, known: Sequence[str]) -> str:
     return matches[0]
 
 
-def _limit(text: str) -> int:
-    """--limit: 1..1000 (the controller answers at most 1000 rows; the field is unsigned)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= n <= MAX_LISTED:
-        raise argparse.ArgumentTypeError(f"{n}: expected 1 to {MAX_LISTED}")
-    return n
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -100,7 +92,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="recent quarantined tool results")
     ls.add_argument("--tenant", default="", help="operator: one tenant (default: every tenant)")
-    ls.add_argument("--limit", type=_limit, default=100, help="at most this many rows, 1-1000 (default 100)")
+    ls.add_argument("--limit", type=whole(1, MAX_LISTED), default=100, help="at most this many rows, 1-1000 (default 100)")
     add_ls_options(ls)
     st = sub.add_parser("set", help="operator: set or clear a verdict on a tool result's bytes")
     st.add_argument("ref", help="SHA-256 (hex) of the tool result's bytes, or its first 16+ digits as ls shows them")

@@ -25,9 +25,9 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.app.cli.cells import cell, cells, fit, show
-from fleet.app.cli.numbers import whole
 from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
+from fleet.core.whole import whole
 from fleet.sdk.tls_flags import add_client_tls, client_tls
 
 # NOTE: Ctrl-C on a one-shot command exits 128 + SIGINT, as a shell reports a command SIGINT ended; it exited 0, as
@@ -166,7 +166,7 @@ def add_ls_options(ls: argparse.ArgumentParser) -> None:
     """The options `session ls` and `worker ls` share: live refresh, JSON, where and as whom."""
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
     ls.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes with --watch")
-    ls.add_argument("--count", type=whole("until Ctrl-C"), default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
+    ls.add_argument("--count", type=whole(zero_means="until Ctrl-C"), default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print as JSON")
     add_connection_options(ls)
 

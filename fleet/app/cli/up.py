@@ -23,8 +23,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleet.app.cli.numbers import whole
 from fleet.core.errors import InvalidArgument, KvfleetError
+from fleet.core.whole import whole
 
 if TYPE_CHECKING:
     from fleet.app.testkit.stack import Stack
