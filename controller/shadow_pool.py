@@ -147,14 +147,26 @@ class RankPool:
         return matched
 
     def at_risk(self) -> set[int]:
-        """Hashes the waiting requests will evict when admitted: the front of the queue they will take."""
+        """Hashes the waiting requests will evict when admitted: the front of the queue they will take. Their own
+        hits in the queue are not taken (admission touches them out of it first), so they are skipped. NOTE:
+        before, they counted toward the blocks taken: a waiting turn whose previous turn's blocks lay at the front
+        left as many of the next conversation's blocks out of the risk, and a route trusted them (a stale WARM
+        route in the agents16x4/very-tight cell, issued with no reset or sleep near it)."""
         n = self._pending - self._fresh
         if n <= 0:
             return set()
+        free = self._free.has
+        touched: set[int] = set()
+        for chain, *_ in self._waiting.values():
+            for h in chain[:self._hit(chain)]:
+                if h in free:
+                    touched.add(h)
         out = set()
         for k in self._free:
             if n <= 0:
                 break
+            if k in touched:
+                continue
             if isinstance(k, int):
                 out.add(k)
             n -= 1

@@ -304,3 +304,21 @@ def test_a_request_larger_than_the_pool_is_not_modelled() -> None:
     p.free("huge", now=3.0)                                               # its end is a no-op
     assert p.allocate("fits", [5, 6, 7], 0, now=4.0) == [] and p.num_waiting() == 1
     assert p.at_risk() == {1, 2} and p.resident_prefix([1, 2], 2, now=4.0) == 0
+
+
+def test_a_waiting_requests_own_hits_at_the_front_are_touched_not_taken_so_the_blocks_behind_are_at_risk() -> None:
+    """A waiting turn whose previous turn's blocks lie at the queue's front touches them out of the queue when it is
+    admitted, then takes its new blocks from what lies behind them: another conversation's blocks there are at risk.
+    Before, its hits counted toward the blocks it takes, and a route trusted blocks that its admission evicted."""
+    p = RankPool(num_gpu_blocks=9)  # 8 usable
+    p.allocate("x", [10, 11, 12, 13], 0, now=0.0)  # running: pinned until the end
+    p.allocate("w", [1, 2], 0, now=0.0)
+    p.allocate("c", [30, 31], 0, now=0.0)
+    p.free("w", now=1.0)
+    p.free("c", now=1.0)
+    assert p.queue() == [2, 1, 31, 30]
+    assert p.allocate("w2", [1, 2, 3, 4, 5], 0, now=2.0) == []  # touches 1, 2 and needs 3 new: 5 > 4 free, waits
+    assert p.num_waiting() == 1
+    assert p.at_risk() == {30, 31}
+    assert p.resident_prefix([30, 31], 2, now=2.0) == 0
+    assert p.free("x", now=3.0) == [31, 30, 13]  # w2 admitted: what it evicts is what was at risk (and 13, freed now)
