@@ -155,12 +155,14 @@ class RankPool:
         n = self._pending - self._fresh
         if n <= 0:
             return set()
-        free = self._free.has
+        free, ref = self._free.has, self._ref
         touched: set[int] = set()
         for chain, *_ in self._waiting.values():
-            for h in chain[:self._hit(chain)]:
+            for h in chain:  # its hit (`_hit`): the leading blocks cached here, free or pinned
                 if h in free:
                     touched.add(h)
+                elif h not in ref:
+                    break
         out = set()
         for k in self._free:
             if n <= 0:
