@@ -147,23 +147,30 @@ class RankPool:
         return matched
 
     def at_risk(self) -> set[int]:
-        """Hashes the waiting requests will evict when admitted: the front of the queue they will take. Their own
-        hits in the queue are not taken (admission touches them out of it first), so they are skipped. NOTE:
-        before, they counted toward the blocks taken: a waiting turn whose previous turn's blocks lay at the front
-        left as many of the next conversation's blocks out of the risk, and a route trusted them (a stale WARM
-        route in the agents16x4/very-tight cell, issued with no reset or sleep near it)."""
-        n = self._pending - self._fresh
-        if n <= 0:
+        """Hashes the waiting requests will evict when admitted: the front of the queue they will take. Each takes a
+        new block for every block after its hit as the pool holds it now, and its own hits in the queue are not
+        taken (admission touches them out of it first), so they are skipped. NOTE: before, their hits counted toward
+        the blocks taken, and the count of new blocks was the one at arrival: a waiting turn whose previous turn's
+        blocks lay at the front, or whose hit blocks were evicted while it waited, left as many of the next blocks
+        out of the risk, and a route trusted them (stale WARM routes in the agents16x4/very-tight cell, issued with
+        no reset or sleep near them; the lockstep test against the stand-in's pool found the second)."""
+        if not self._waiting:
             return set()
         free, ref = self._free.has, self._ref
         touched: set[int] = set()
-        for chain, *_ in self._waiting.values():
+        n = -self._fresh
+        for chain, num_partial, _, _ in self._waiting.values():
+            hit = 0
             for h in chain:  # its hit (`_hit`): the leading blocks cached here, free or pinned
                 if h in free:
                     touched.add(h)
                 elif h not in ref:
                     break
-        out = set()
+                hit += 1
+            n += len(chain) - hit + num_partial
+        out: set[int] = set()
+        if n <= 0:
+            return out
         for k in self._free:
             if n <= 0:
                 break
