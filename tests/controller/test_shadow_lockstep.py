@@ -22,8 +22,11 @@ from fleet.core.block_hash import HashConfig
 B = 16
 
 
-def _replay(seed: int, num_blocks: int, agents: int, turns: int) -> list[tuple[int, int, int]]:
-    """(index match, shadow's resident prefix, stand-in's hit) in blocks, per request, in the order they ended."""
+def _replay(seed: int, num_blocks: int, agents: int, turns: int,
+            reset_after: int | None = None) -> list[tuple[int, int, int, bool]]:
+    """(index match, shadow's resident prefix, stand-in's hit) in blocks, and whether it was routed after the reset,
+    per request, in the order they ended. `reset_after`: once that many requests ended, the stand-in's cache is reset
+    as vLLM resets with reset_running_requests (running requests preempted, recomputed later)."""
     rng = random.Random(seed)
     pool = PrefixCache(HashConfig(), num_blocks, {}, lambda evs: None)
     sched = Scheduler(CostModel(0.002, 15000.0, 0.008, 8e-5), 1024, 8192, pool)
@@ -32,8 +35,9 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int) -> list[tuple[i
     next_id = 21
     arrivals = [(rng.expovariate(10.0), a, 0) for a in range(agents)]
     heapq.heapify(arrivals)
-    live: dict[int, tuple[str, int, int, int]] = {}
-    out: list[tuple[int, int, int]] = []
+    live: dict[int, tuple[str, int, int, int, int, object, bool]] = {}
+    out: list[tuple[int, int, int, bool]] = []
+    reset = False
 
     def events() -> None:  # what the stand-in published, seen at once
         evs, pool.pending = pool.pending, []
@@ -44,8 +48,17 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int) -> list[tuple[i
             elif isinstance(e, wire.VllmBlockRemoved):
                 index.difference_update(e.block_hashes)
                 shadow.removed(e.block_hashes)
+            elif isinstance(e, wire.VllmAllBlocksCleared):
+                index.clear()
+                shadow.cleared()
 
     while arrivals or sched.running or sched.waiting:
+        if reset_after is not None and not reset and len(out) >= reset_after:
+            reset = True
+            sched.preempt_all()
+            pool.cache.clear()
+            pool.pending.append(wire.VllmAllBlocksCleared())
+            events()
         if arrivals and (arrivals[0][0] <= sched.now or not (sched.running or sched.waiting)):
             at, a, t = heapq.heappop(arrivals)
             sched.advance(at - sched.now)
@@ -59,7 +72,7 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int) -> list[tuple[i
             route = f"a{a}t{t}"
             shadow.allocate(route, chain, 0, sched.now)
             seq = sched.add(list(range(len(chain) * B)), 16, digests=[h.to_bytes(32, "big") for h in chain])
-            live[seq.seq_id] = (route, a, t, matched, resident, seq)  # type: ignore[assignment]
+            live[seq.seq_id] = (route, a, t, matched, resident, seq, reset)
             continue
         step = sched.plan()
         assert step is not None
@@ -68,8 +81,8 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int) -> list[tuple[i
         for o in sched.take_outputs():
             if o.finish_reason is None:
                 continue
-            route, a, t, matched, resident, seq = live.pop(o.seq_id)  # type: ignore[misc]
-            out.append((matched, resident, seq.num_cached_tokens // B))
+            route, a, t, matched, resident, seq, after = live.pop(o.seq_id)
+            out.append((matched, resident, seq.num_cached_tokens // B, after))  # type: ignore[attr-defined]
             shadow.free(route, sched.now)
             if t + 1 < turns:
                 heapq.heappush(arrivals, (sched.now + rng.expovariate(10.0), a, t + 1))
@@ -84,10 +97,21 @@ def test_the_shadow_never_claims_a_block_the_stand_in_evicted_before_admitting_t
     take: 8 of the first shape's 720 requests and 2 of the second's 1,440 were claimed resident beyond what the
     stand-in held when it admitted them (by up to 43 blocks), with every event already applied."""
     rows = [r for seed in range(12) for r in _replay(seed, num_blocks, agents, turns=10)]
-    over = [(m, res, hit) for m, res, hit in rows if res > hit]
+    over = [(m, res, hit) for m, res, hit, _ in rows if res > hit]
     assert over == []
-    assert all(hit - res <= 1 for m, res, hit in rows if m >= hit)  # conservative by the null block at most
+    assert all(hit - res <= 1 for m, res, hit, _ in rows if m >= hit)  # conservative by the null block at most
     # control: the pool was under pressure, so the shadow had to predict evictions the index had not seen
-    trimmed = sum(1 for m, res, hit in rows if res < m)
+    trimmed = sum(1 for m, res, hit, _ in rows if res < m)
     assert trimmed >= 10, trimmed
-    assert sum(1 for m, res, hit in rows if hit < m) >= 10
+    assert sum(1 for m, res, hit, _ in rows if hit < m) >= 10
+
+
+def test_after_a_reset_that_preempts_running_requests_the_shadow_still_claims_nothing_evicted() -> None:
+    """The reset preempts the running requests (their blocks freed, the cache cleared, each recomputed when admitted
+    again): a route decided after it must not be claimed beyond what the stand-in holds. A route decided before it and
+    admitted after may be (the blocks were there when it was routed); the replay has some, so the reset landed among
+    requests in flight."""
+    rows = [r for seed in range(12) for r in _replay(seed, 500, 8, turns=10, reset_after=30)]
+    assert [(m, res, hit) for m, res, hit, after in rows if after and res > hit] == []
+    assert any(res > hit for m, res, hit, after in rows if not after)  # control: raced routes are seen
+    assert sum(1 for *_, after in rows if after) >= 400
