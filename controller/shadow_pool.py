@@ -147,38 +147,41 @@ class RankPool:
         return matched
 
     def at_risk(self) -> set[int]:
-        """Hashes the waiting requests will evict when admitted: the front of the queue they will take. Each takes a
-        new block for every block after its hit as the pool holds it now, and its own hits in the queue are not
-        taken (admission touches them out of it first), so they are skipped. NOTE: before, their hits counted toward
-        the blocks taken, and the count of new blocks was the one at arrival: a waiting turn whose previous turn's
-        blocks lay at the front, or whose hit blocks were evicted while it waited, left as many of the next blocks
-        out of the risk, and a route trusted them (stale WARM routes in the agents16x4/very-tight cell, issued with
-        no reset or sleep near them; the lockstep test against the stand-in's pool found the second)."""
+        """Hashes the waiting requests will evict when admitted, replayed in their order (first come, first served):
+        each touches its hit out of the queue (the leading blocks cached now and not taken by one admitted before
+        it), then takes a new block for every block after it from the queue's front, fresh blocks first, past the
+        blocks the ones before it touched. NOTE: before, their need was a sum counted at each one's arrival and
+        their hits in the queue counted as blocks taken: a waiting turn whose previous turn's blocks lay at the
+        front, or whose hit was evicted while it waited (by one admitted before it, too), left as many of the next
+        blocks out of the risk, and a route trusted them (stale WARM routes in the agents16x4/very-tight cell,
+        issued with no reset or sleep near them; tests/controller/test_shadow_lockstep.py found the second)."""
         if not self._waiting:
             return set()
-        free, ref = self._free.has, self._ref
+        free, ref, fresh = self._free.has, self._ref, self._fresh
+        front = iter(self._free)
         touched: set[int] = set()
-        n = -self._fresh
+        out: set[int] = set()
         for chain, num_partial, _, _ in self._waiting.values():
             hit = 0
-            for h in chain:  # its hit (`_hit`): the leading blocks cached here, free or pinned
-                if h in free:
+            for h in chain:  # its hit (`_hit`), as the pool will be when it is admitted
+                if h in free and h not in out:
                     touched.add(h)
-                elif h not in ref:
+                elif h not in ref and h not in touched:
                     break
                 hit += 1
-            n += len(chain) - hit + num_partial
-        out: set[int] = set()
-        if n <= 0:
-            return out
-        for k in self._free:
-            if n <= 0:
-                break
-            if k in touched:
+            need = len(chain) - hit + num_partial
+            if fresh >= need:
+                fresh -= need
                 continue
-            if isinstance(k, int):
-                out.add(k)
-            n -= 1
+            need, fresh = need - fresh, 0
+            for k in front:
+                if k in touched:
+                    continue
+                if isinstance(k, int):
+                    out.add(k)
+                need -= 1
+                if need <= 0:
+                    break
         return out
 
     def num_waiting(self) -> int:

@@ -322,3 +322,23 @@ def test_a_waiting_requests_own_hits_at_the_front_are_touched_not_taken_so_the_b
     assert p.at_risk() == {30, 31}
     assert p.resident_prefix([30, 31], 2, now=2.0) == 0
     assert p.free("x", now=3.0) == [31, 30, 13]  # w2 admitted: what it evicts is what was at risk (and 13, freed now)
+
+
+def test_waiting_requests_are_replayed_in_order_so_a_later_ones_hit_can_be_taken_by_an_earlier_one() -> None:
+    """Two requests wait, first come, first served. The first takes its new blocks from the queue's front, where the
+    second's hit lies (a prefix another conversation shares, say): those blocks are evicted, not touched, and a
+    route for that prefix must not count on them. Before, every waiting request's hit counted as touched, and the
+    shared prefix was claimed resident."""
+    p = RankPool(num_gpu_blocks=11)  # 10 usable
+    p.allocate("x", [10, 11, 12, 13, 14, 15], 0, now=0.0)  # running: 6 pinned
+    p.allocate("b1", [1, 2], 0, now=0.0)
+    p.free("b1", now=0.5)
+    p.allocate("c", [30, 31], 0, now=0.6)
+    p.free("c", now=0.7)
+    assert p.queue() == [2, 1, 31, 30]
+    assert p.allocate("a", [50, 51, 52, 53, 54], 0, now=1.0) == []  # 5 new, 4 free: waits
+    assert p.allocate("b2", [1, 2, 3], 0, now=1.1) == []  # behind it
+    assert p.at_risk() == {1, 2, 30, 31}
+    assert p.resident_prefix([1, 2, 60], 2, now=1.2) == 0
+    # x's blocks join the tail, last first; a takes 2, 1, 31, 30, 15; b2, its hit gone, needs 3 new: 14, 13, 12
+    assert p.free("x", now=2.0) == [2, 1, 31, 30, 15, 14, 13, 12]
