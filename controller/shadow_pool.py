@@ -103,9 +103,8 @@ class RankPool:
         self._anon_pinned = 0  # pinned unhashed blocks (partial ones)
         self._ghost: dict[int, int] = {}  # pinned blocks whose hash was dropped meanwhile -> ref_cnt
         self._held: dict[str, list[int | None]] = {}  # route -> its blocks in order (None: unhashed)
-        # routes not admitted yet (FCFS): their chain, partial blocks, the new blocks they will take, their owner
-        self._waiting: OrderedDict[str, tuple[Sequence[int], int, int, str | None]] = OrderedDict()
-        self._pending = 0  # sum of the waiting routes' new blocks
+        # routes not admitted yet (FCFS): their chain, partial blocks, their owner
+        self._waiting: OrderedDict[str, tuple[Sequence[int], int, str | None]] = OrderedDict()
         # predicted evictions -> (when, the tenant whose Routes alone believe it: an untracked route's, or, once
         # past unsent_s, a tracked one's not shown sent (an _Unconfirmed); None: every tenant's), oldest first
         self.evicted: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
@@ -161,7 +160,7 @@ class RankPool:
         front = iter(self._free)
         touched: set[int] = set()
         out: set[int] = set()
-        for chain, num_partial, _, _ in self._waiting.values():
+        for chain, num_partial, _ in self._waiting.values():
             hit = 0
             for h in chain:  # its hit (`_hit`), as the pool will be when it is admitted
                 if h in free and h not in out:
@@ -210,9 +209,7 @@ class RankPool:
             return self.speculate(chain, num_partial, now, speculative)
         hit = self._hit(chain)
         if self._waiting or (self._need(chain, num_partial, hit) > self.num_free() and self._pinned()):
-            new = len(chain) - hit + num_partial
-            self._waiting[route] = (chain, num_partial, new, owner)
-            self._pending += new
+            self._waiting[route] = (chain, num_partial, owner)
             return []
         return self._admit(route, chain, num_partial, hit, now, owner)
 
@@ -265,12 +262,11 @@ class RankPool:
         """Admit waiting requests in arrival order while they fit."""
         out: list[int] = []
         while self._waiting:
-            route, (chain, num_partial, new, owner) = next(iter(self._waiting.items()))
+            route, (chain, num_partial, owner) = next(iter(self._waiting.items()))
             hit = self._hit(chain)
             if self._need(chain, num_partial, hit) > self.num_free() and self._pinned():
                 break
             del self._waiting[route]
-            self._pending -= new
             out += self._admit(route, chain, num_partial, hit, now, owner)
         return out
 
@@ -327,9 +323,7 @@ class RankPool:
     def free(self, route: str, now: float) -> list[int]:
         """The request ended: its blocks return to the queue's tail, last block first; then waiting
         requests are admitted while they fit. Returns the hashes their admission evicted."""
-        w = self._waiting.pop(route, None)
-        if w is not None:  # ended (or dropped) before it was admitted
-            self._pending -= w[2]
+        if self._waiting.pop(route, None) is not None:  # ended (or dropped) before it was admitted
             return self._drain(now)
         held = self._held.pop(route, [])
         u = self._unsent.pop(route, None)
