@@ -16,8 +16,8 @@ import pytest
 from controller.shadow_pool import RankPool
 from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.cache import PrefixCache
-from fleet.app.testkit.sim_vllm.sched import CostModel, Scheduler
-from fleet.core.block_hash import HashConfig
+from fleet.app.testkit.sim_vllm.sched import CostModel, Scheduler, Seq
+from fleet.core.block_hash import HashConfig, normalize
 
 B = 16
 
@@ -35,7 +35,7 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int,
     next_id = 21
     arrivals = [(rng.expovariate(10.0), a, 0) for a in range(agents)]
     heapq.heapify(arrivals)
-    live: dict[int, tuple[str, int, int, int, int, object, bool]] = {}
+    live: dict[int, tuple[str, int, int, int, int, Seq, bool]] = {}
     out: list[tuple[int, int, int, bool]] = []
     reset = False
 
@@ -43,11 +43,14 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int,
         evs, pool.pending = pool.pending, []
         for e in evs:
             if isinstance(e, wire.VllmBlockStored):
-                index.update(e.block_hashes)
-                shadow.stored(e.block_hashes, sched.now, e.parent_block_hash)
+                stored = [normalize(h) for h in e.block_hashes]
+                index.update(stored)
+                parent = None if e.parent_block_hash is None else normalize(e.parent_block_hash)
+                shadow.stored(stored, sched.now, parent)
             elif isinstance(e, wire.VllmBlockRemoved):
-                index.difference_update(e.block_hashes)
-                shadow.removed(e.block_hashes)
+                removed = [normalize(h) for h in e.block_hashes]
+                index.difference_update(removed)
+                shadow.removed(removed)
             elif isinstance(e, wire.VllmAllBlocksCleared):
                 index.clear()
                 shadow.cleared()
@@ -82,7 +85,7 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int,
             if o.finish_reason is None:
                 continue
             route, a, t, matched, resident, seq, after = live.pop(o.seq_id)
-            out.append((matched, resident, seq.num_cached_tokens // B, after))  # type: ignore[attr-defined]
+            out.append((matched, resident, seq.num_cached_tokens // B, after))
             shadow.free(route, sched.now)
             if t + 1 < turns:
                 heapq.heappush(arrivals, (sched.now + rng.expovariate(10.0), a, t + 1))
