@@ -1,10 +1,11 @@
 """Upload admission: what unfinished blob puts may hold, per tenant and in total, and for how long.
 
 A put buffers its chunks until the stream ends (the store writes data and metadata in one step),
-so every open stream holds memory. The gate reserves a put's announced size when its header
-arrives and frees it when the put ends, whatever the outcome:
+so every open stream holds memory. The gate counts a put from its start (a put waiting for its header
+holds a server RPC slot), reserves its announced size when its header arrives, and frees both when the
+put ends, whatever the outcome:
 
-    header(size) ─ admit(tenant, size) ─► chunks … (progress within idle_s, then min_rate) ─► release
+    admit(tenant, 0) ─ header(size) ─ grow(size) ─► chunks … (progress within idle_s, then min_rate) ─► release
 
 Invariants: the bytes reserved by a tenant never exceed `tenant_bytes`, nor `tenant_share` of what
 the other tenants leave of `total_bytes` (so tenants that hold the budget always leave a share for
@@ -30,7 +31,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -177,7 +178,7 @@ class StreamGate:
         return sum(self.reserved.values())
 
     def _refuse(self, tenant: str, size: int) -> str | None:
-        c, (f_tn, f_n, f_tb, f_b, f_share) = self.caps, self.caps.flags
+        c, (f_tn, f_n, _, _, f_share) = self.caps, self.caps.flags
         if c.tenant_n is not None and self.open[tenant] >= c.tenant_n:
             return (f"tenant {tenant!r} already has {self.open[tenant]} {c.what} (quota "
                     f"{f_tn}={c.tenant_n}); {c.advice}")
@@ -187,6 +188,11 @@ class StreamGate:
             return (f"tenant {tenant!r} already has {self.open[tenant]} {c.what}, its share of {c.where}'s "
                     f"{share_n} ({f_share}={c.share:g} of what other tenants leave of {f_n}={c.total_n}); "
                     f"{c.advice}")
+        return self._refuse_bytes(tenant, size)
+
+    def _refuse_bytes(self, tenant: str, size: int) -> str | None:
+        """Why `size` more bytes for `tenant` would break a bytes cap or share (None: they fit)."""
+        c, (_, _, f_tb, f_b, f_share) = self.caps, self.caps.flags
         if self.reserved[tenant] + size > c.tenant_bytes:
             return (f"tenant {tenant!r}: this {c.one} of {_mib(size)} on top of {_mib(self.reserved[tenant])} in "
                     f"flight exceeds the quota {f_tb}={c.tenant_bytes}; finish other {c.one}s first, or raise "
@@ -224,26 +230,43 @@ class StreamGate:
             raise self.caps.refused(why)
 
     @contextlib.contextmanager
-    def admit(self, tenant: str, size: int) -> Iterator[Callable[[int], None]]:
-        """Reserve one stream of `size` bytes for `tenant` while the block runs; refuse over a cap. Yields
-        `shrink(n)`: from then on the stream holds only n bytes (at most what it holds)."""
+    def admit(self, tenant: str, size: int) -> Iterator[Held]:
+        """Reserve one stream of `size` bytes for `tenant` while the block runs; refuse over a cap. Yields the
+        reservation: `held(n)` shrinks it to n bytes, `held.grow(n)` grows it to n (refused over a bytes cap)."""
         self.check(tenant, size)
         self.open[tenant] += 1
         self.reserved[tenant] += size
-        held = [size]
-
-        def shrink(n: int) -> None:
-            n = max(0, min(n, held[0]))
-            self.reserved[tenant] -= held[0] - n
-            held[0] = n
-
+        held = Held(self, tenant, size)
         try:
-            yield shrink
+            yield held
         finally:
             self.open[tenant] -= 1
-            self.reserved[tenant] -= held[0]
+            self.reserved[tenant] -= held.size
             self.open += Counter()  # drop zero entries
             self.reserved += Counter()
+
+
+class Held:
+    """One admitted stream's bytes in its gate (StreamGate.admit)."""
+
+    def __init__(self, gate: StreamGate, tenant: str, size: int) -> None:
+        self.gate, self.tenant, self.size = gate, tenant, size
+
+    def __call__(self, n: int) -> None:
+        """From now on the stream holds only n bytes (at most what it holds)."""
+        n = max(0, min(n, self.size))
+        self.gate.reserved[self.tenant] -= self.size - n
+        self.size = n
+
+    def grow(self, n: int) -> None:
+        """From now on the stream holds n bytes (at least what it holds); refused (the gate's error, naming the
+        cap) if they do not fit, the reservation then unchanged."""
+        more = max(0, n - self.size)
+        why = self.gate._refuse_bytes(self.tenant, more)
+        if why is not None:
+            raise self.gate.caps.refused(why)
+        self.gate.reserved[self.tenant] += more
+        self.size += more
 
 
 class UploadGate(StreamGate):

@@ -2,8 +2,8 @@
 
 Memory: a put holds the received chunks (one copy) and the store joins them (a second copy), so a
 put never holds more than ~2 copies of the blob; a get streams the store's chunks as they come.
-Unfinished puts are bounded by controller/uploads.py: a put reserves its announced size per tenant
-and in total when its header arrives, and one that sends no bytes for the idle timeout is dropped.
+Unfinished puts are bounded by controller/uploads.py: a put counts per tenant and in total from its start,
+reserves its announced size when its header arrives, and one that sends no bytes for the idle timeout is dropped.
 Stored bytes are bounded per tenant (--max-blob-bytes-per-tenant): the store checks the quota in the
 same transaction as the write; a header with an expected_ref (not yet stored) that cannot fit is
 refused before any chunk is buffered. A stored blob is queued for the heavy detector layers in the tenant's
@@ -62,9 +62,13 @@ class BlobServicer(pbg.BlobServiceServicer):
         # the upload's clock runs only while waiting on the client (controller/uploads.py)
         requests = aiter(progressing(request_iterator, idle_s=gate.limits.idle_s, min_rate=gate.limits.min_rate))
         try:
-            header = await self._header(requests)
-            await self._check_stored(ident.tenant, header)
-            with gate.admit(ident.tenant, header.size):  # held until the store has the bytes (or refused them)
+            # NOTE: counted from the call's start, not from its header: a put waiting for its header held a server
+            # RPC slot outside the gate, so one tenant's header-less puts took all of --grpc-max-concurrent-rpcs
+            # and every other tenant's calls were refused
+            with gate.admit(ident.tenant, 0) as held:  # held until the store has the bytes (or refused them)
+                header = await self._header(requests)
+                await self._check_stored(ident.tenant, header)
+                held.grow(header.size)
                 ref = await self._store(requests, header, ident.tenant)
         except UploadStalled:  # counted here: a client still writing may read gRPC's own error, not ours
             self.ctx.metrics.cas_ops.labels(op="put", outcome="stalled").inc()
