@@ -203,6 +203,7 @@ class RedisBlobStore(BlobStore):
     def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> tuple[int, int] | None:
         keys = self._put_keys(tenant, ref)
         lease = repr(self._lease(now))
+        self._pieces.drop_undropped()  # NOTE: only a pieced put did: a small one counted a failed put's reservation
         if data.nbytes > PIECE_BYTES:
             return self._pieces.put(tenant, ref, keys, data, now, quota, lease)
         if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):

@@ -15,8 +15,8 @@ script commits it:
 
 So a put is still all or nothing: until the commit nothing is visible or charged, and the commit is one
 script (the dedup check, the quota check and the count with the write, as the one-command put did). A put
-that fails between pieces deletes its stage (when Redis cannot take the delete, before the store's next pieced
-put: PiecedPut._drop); one whose process dies leaves a stage that Redis expires
+that fails between pieces deletes its stage (when Redis cannot take the delete, before the store's next put:
+PiecedPut._drop); one whose process dies leaves a stage that Redis expires
 STAGE_TTL_MS after its last piece (each stage key is its put's own: `kvf:t:{tenant}:p:{ref}:{nonce}`).
 The stored blob is the same single STRING key as before, so blobs stored the old way need nothing.
 
@@ -182,7 +182,7 @@ class PiecedPut:
         """
         charge, nonce = blob_charge(data.nbytes), os.urandom(8).hex()
         put = _Put(f"kvf:t:{tenant}:p:{ref}:{nonce}", in_flight_key(tenant), f"{charge}:{ref}:{nonce}")
-        self._drop_undropped()
+        self.drop_undropped()
         try:  # NOTE: the begin too: a reply lost after Redis applied it leaves a reservation
             out = self._s_begin(keys=[*keys[1:], put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
             if out != 1:
@@ -209,9 +209,10 @@ class PiecedPut:
 
     def _drop(self, *puts: _Put) -> None:
         """Give back failed puts' stages and reservations. Those Redis did not take (it was down, or restarted
-        mid-put) are kept and given back before this store's next pieced put (or lapse by their TTL if this
+        mid-put) are kept and given back before this store's next put, of any size (or lapse by their TTL if this
         process ends first). NOTE: before, one failed put while Redis restarted held its reservation for
-        STAGE_TTL_MS: the tenant's other puts were refused over a quota that only the failed put filled."""
+        STAGE_TTL_MS: the tenant's other puts were refused over a quota that only the failed put filled; then a small put
+        (one command, never in pieces) did not give them back and was refused so for those 120 s."""
         try:
             pipe = self.r.pipeline(transaction=False)
             for put in puts:
@@ -222,7 +223,8 @@ class PiecedPut:
             with self._lock:
                 self._undropped = [*puts, *self._undropped][:MAX_UNDROPPED]
 
-    def _drop_undropped(self) -> None:
+    def drop_undropped(self) -> None:
+        """Give back what `_drop` could not (before any put of the store: a put of any size counts reservations)."""
         with self._lock:
             puts, self._undropped = self._undropped, []
         if puts:
