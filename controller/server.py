@@ -214,7 +214,7 @@ class Controller:
                 await self._lock.close()
         if self.ctx.router is not None:
             await self.ctx.router.stop()
-        await self.ctx.store_gc.stop()
+        await self.ctx.store_gc.stop(drain=True)  # a run whose caller is gone ends before the store closes
         await self.store_probe.stop()
         await self.ctx.fleet_metrics.stop()
         await self.ctx.judge_lanes.aclose()  # queued verdicts dropped, running ones finish before the store closes

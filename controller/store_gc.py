@@ -102,11 +102,35 @@ class StoreGc:
         self.record_ttl_s = record_ttl_s
         self._verdicts_cursor = ""  # where the next run's verdict prune goes on
         self._lock = asyncio.Lock()
+        self._runs: set[asyncio.Task[int]] = set()  # runs in progress, a caller gone or not
+        self._collecting: asyncio.Task[Any] | None = None  # the run holding the lock
         self._schedule = Periodic("kvfleet-store-gc", self.cfg.interval_s, self._scheduled, self._failed)
 
     async def run_once(self) -> int:
-        """One collection; returns the blobs deleted. Raises what the store raised (counted)."""
+        """One collection; returns the blobs deleted. Raises what the store raised (counted).
+
+        A caller cancelled meanwhile (a CollectGarbage whose client gave up, the schedule stopped) returns at once;
+        the run goes on, holding the lock until its store calls end. NOTE: the cancel let go of the lock while the
+        store's thread went on collecting, so every retry of a cut-off CollectGarbage started one more collection
+        beside it, each holding one of the store threads that every tenant's blob calls share."""
+        run = asyncio.ensure_future(self._run())
+        self._runs.add(run)
+        run.add_done_callback(self._ended)
+        try:
+            return await asyncio.shield(run)
+        except asyncio.CancelledError:
+            if run is not self._collecting:  # still waiting for the lock: nothing to finish, no run to queue
+                run.cancel()
+            raise
+
+    def _ended(self, run: asyncio.Task[int]) -> None:
+        self._runs.discard(run)
+        if not run.cancelled():
+            run.exception()  # counted in _run; retrieved here for a run whose caller is gone
+
+    async def _run(self) -> int:
         async with self._lock:  # the schedule and the RPC never collect at the same time
+            self._collecting = asyncio.current_task()
             t0 = time.monotonic()
             try:
                 n = int(await self._blocking(self.store.gc))
@@ -140,8 +164,11 @@ class StoreGc:
         """Start the schedule (no-op when interval_s is 0 or it already runs)."""
         await self._schedule.start()
 
-    async def stop(self) -> None:
+    async def stop(self, *, drain: bool = False) -> None:
+        """Stop the schedule; with `drain`, wait for the runs in progress too (before the store closes)."""
         await self._schedule.stop()
+        if drain and self._runs:
+            await asyncio.gather(*self._runs, return_exceptions=True)
 
     @property
     def running(self) -> bool:
