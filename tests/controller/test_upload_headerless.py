@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -46,7 +47,7 @@ async def test_header_less_puts_cannot_take_the_servers_rpc_slots(tmp_path: Path
         async with grpc.aio.insecure_channel(ctl.address) as ch:
             stub = BlobServiceStub(ch)
 
-            async def header_later():  # type: ignore[no-untyped-def]
+            async def header_later() -> AsyncIterator[blobs_pb2.PutBlobRequest]:
                 await go.wait()
                 yield _header(data)
                 yield blobs_pb2.PutBlobRequest(chunk=data)
