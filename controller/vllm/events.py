@@ -180,11 +180,20 @@ def decode_event(raw: bytes) -> Event:
     """Decode one event (map or legacy array) by its tag."""
     dec = _MAP if _is_map(raw) else _ARR
     try:
-        return _convert(dec.decode(raw))
+        ev = dec.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         tag = _tag_of(raw)
         if isinstance(tag, str) and tag not in KNOWN_TYPES:
             raise UnknownEventType(f"unknown KV event type {tag!r}") from e
+        raise EventDecodeError(f"malformed KV event: {e}") from e
+    try:
+        return _convert(ev)
+    except EventDecodeError:
+        raise
+    except InvalidArgument as e:
+        # NOTE: a hash that is no hash (normalize: a bytes hash under 8 bytes, a negative int) raised InvalidArgument,
+        # which the subscriber did not take for a decode error: the batch's seq was never taken, every later message
+        # was a gap whose replay raised again, and the rank ingested nothing while vLLM's replay buffer held it
         raise EventDecodeError(f"malformed KV event: {e}") from e
 
 
