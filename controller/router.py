@@ -148,11 +148,14 @@ class Router:
         """Open clients and resume every worker the store knows (cold, rebuilt by replay).
 
         NOTE: one worker's bad record or failing start is contained to that worker (counted in
-        kvfleet_worker_errors_total{where="start"}); it used to abort the whole start.
+        kvfleet_worker_errors_total{where="start"}); it used to abort the whole start. The workers start side by
+        side: one after another, each one's catch-up replays (up to StreamLimits' deadline per rank) held back the
+        next one's ingestion, and the sum held the start (a controller leads only once it returns).
         """
         self._session = aiohttp.ClientSession()
         self._zctx = zmq.asyncio.Context()
         await self._settler.start()
+        workers = []
         for name, raw in await self._blocking(self.registry.entries):
             try:
                 spec = self.registry.decode(raw)
@@ -160,12 +163,16 @@ class Router:
                 self.metrics.worker_errors.labels("start").inc()
                 log.exception("worker %r: its stored spec is unreadable; skipped (re-register it)", name)
                 continue
-            w = self._new_worker(spec, await self._blocking(resumed_ranks, self.epochs, spec, self.metrics))
-            try:
-                await w.start(catch_up=True)
-            except Exception as e:
-                w.errors.failed("start", e)
-                w.mark_down_contained("start_error")
+            workers.append(self._new_worker(spec, await self._blocking(resumed_ranks, self.epochs, spec, self.metrics)))
+        await asyncio.gather(*(self._resume(w) for w in workers))
+
+    @staticmethod
+    async def _resume(w: Worker) -> None:
+        try:
+            await w.start(catch_up=True)
+        except Exception as e:
+            w.errors.failed("start", e)
+            w.mark_down_contained("start_error")
 
     async def stop(self) -> None:
         if self.metrics.inflight == self._inflight_rows:  # a controller that stops leading reports no routes in flight

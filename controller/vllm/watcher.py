@@ -586,22 +586,31 @@ class Worker(LoraLooks):
         self._check_algo(seen.get("hash_algo"), "the worker")
 
     async def start(self, *, catch_up: bool) -> None:
+        """Discover, look once, then start every rank's stream. NOTE: the ranks catch up side by side: one after
+        another, a rank whose replay did not answer held back the next rank's stream for its whole replay."""
         await self.discover()
         await self.reconcile_once()
         for r in self.ranks:
             ep = rank_endpoint(self.spec.kv_events, r)
             rp = rank_endpoint(self.spec.replay, r) if self.spec.replay else None
-            sub = Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics, limits=self.cfg.stream,
-                             label=f"worker {self.spec.name} rank {r}")
-            st = self.ranks[r]
-            # a restarted controller rebuilds the current epoch from its first seq; a new worker
-            # replays whatever its publisher still buffers (a suffix of the stream is sound)
-            caught_up = await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
-            self._subs.append(sub)
-            if catch_up and caught_up:
-                self._apply(r, self.ranks[r].caught_up())
+            self._subs.append(Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics, limits=self.cfg.stream,
+                                         label=f"worker {self.spec.name} rank {r}"))
+        # every stream is in _subs before any starts, so that stop() ends the ones started if another one fails
+        done = await asyncio.gather(*(self._start_rank(r, sub, catch_up) for r, sub in zip(self.ranks, self._subs, strict=True)),
+                                    return_exceptions=True)
+        for e in done:
+            if isinstance(e, BaseException):
+                raise e
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reconcile_loop()), loop.create_task(self._tail_loop())]
+
+    async def _start_rank(self, r: int, sub: Subscriber, catch_up: bool) -> None:
+        # a restarted controller rebuilds the current epoch from its first seq; a new worker
+        # replays whatever its publisher still buffers (a suffix of the stream is sound)
+        st = self.ranks[r]
+        caught_up = await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
+        if catch_up and caught_up:
+            self._apply(r, self.ranks[r].caught_up())
 
     async def _reconcile_loop(self) -> None:
         """Health, sleep state, restarts: never waits on the event stream or its replay."""
