@@ -23,7 +23,7 @@ def verdict(cfg: HashConfig, ev: BlockStored) -> tuple[HashConfig, bool | None]:
     hashes nothing here and is never matched. NOTE: one such event used to fail calibration: the rank's index was
     dropped and the worker stayed COLD until a new prompt's block 0 came. A block size other than the config's is
     a failure; a parentless, LoRA-free block 0 whose extra keys are none or one salt is recomputed."""
-    if tier_of(ev.group_idx, ev.medium)[1] != "GPU" or not ev.token_ids:
+    if not evidence(ev):
         return cfg, None
     if ev.block_size != cfg.block_size:
         return cfg, False
@@ -33,6 +33,12 @@ def verdict(cfg: HashConfig, ev: BlockStored) -> tuple[HashConfig, bool | None]:
     if salt is False:
         return cfg, None
     return _recomputed(cfg, ev, salt if isinstance(salt, str) else None)
+
+
+def evidence(ev: BlockStored) -> bool:
+    """The GPU pool's own event, with its tokens: what calibrates, and what may give a worker's block size (the
+    watcher's, when it could not read it from the worker)."""
+    return tier_of(ev.group_idx, ev.medium)[1] == "GPU" and bool(ev.token_ids)
 
 
 def _recomputed(cfg: HashConfig, ev: BlockStored, salt: str | None) -> tuple[HashConfig, bool]:

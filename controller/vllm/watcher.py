@@ -376,6 +376,10 @@ class Worker(LoraLooks):
     def _calibrate(self, ev: BlockStored) -> bool:
         """Self-calibration on one BlockStored (controller/vllm/calibration.py); False: the worker is not warm-able."""
         if self.hash_cfg is None:
+            if not calibration.evidence(ev):
+                # NOTE: a KV connector's (vLLM's OffloadingConnector: block size 0, or its own offloaded one) was
+                # taken for the pool's block size: 0 raised out of the batch, 64 on a pool of 16 was never WARM
+                return self.calibrated
             self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, ev.block_size)
         cfg, proven = calibration.verdict(self.hash_cfg, ev)
         if cfg != self.hash_cfg:
