@@ -23,11 +23,12 @@ class RateLog:
         self.logger, self.every_s = logger, every_s
         self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, lines held back since)
 
-    def log(self, level: int, key: str, msg: str, *args: Any) -> None:
+    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         now = time.monotonic()
         at, held = self._last.get(key, (-self.every_s, 0))
         if now - at < self.every_s:
             self._last[key] = (at, held + 1)
             return
         self._last[key] = (now, 0)
-        self.logger.log(level, msg + (f" ({held} more like it since the last such line)" if held else ""), *args)
+        self.logger.log(level, msg + (f" ({held} more like it since the last such line)" if held else ""), *args,
+                        exc_info=exc_info)

@@ -211,11 +211,12 @@ class Subscriber:
         if not self._closing:
             self._sock = self._connect()
 
-    def _invalidate(self, reason: str, seq: int | None, why: str) -> None:
+    def _invalidate(self, reason: str, seq: int | None, why: str, *, exc_info: bool = False) -> None:
         """Tell the sink the stream failed at `seq`, and log why (RateLog): a restart (seq reset) at INFO."""
         level = logging.INFO if reason == "seq_reset" else logging.WARNING
         self.lines.log(level, reason, "KV events of %s (%s): %s%s: %s; its index is dropped until new events prove it "
-                       "again", self.label, self.endpoint, reason, "" if seq is None else f" at seq {seq}", why)
+                       "again", self.label, self.endpoint, reason, "" if seq is None else f" at seq {seq}", why,
+                       exc_info=exc_info)
         self.sink.on_invalidate(reason, seq)
 
     async def handle(self, frames: list[bytes]) -> None:
@@ -349,9 +350,14 @@ class Subscriber:
         if not catch_up and admit is not None and not admit(seq, blocks_cost(batch)):
             return  # its blocks are over the rank's budget: the sink made its worker faulty
         self.metrics.kv_event_batches.inc()
-        done = self.sink.on_batch(seq, batch)
-        if inspect.isawaitable(done):
-            await done
+        try:
+            done = self.sink.on_batch(seq, batch)
+            if inspect.isawaitable(done):
+                await done
+        except Exception as e:
+            # NOTE: raised out of here, the batch's seq was left untaken (each later message a gap whose replay raised
+            # again), a tail poll's raise marked every rank of the worker down, a catch-up's ended the worker's start
+            self._invalidate("apply_error", seq, f"applying it failed: {e!r}", exc_info=True)
 
     async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure.
