@@ -151,7 +151,11 @@ class Controller:
 
             router = Router(self.ctx.store, self.ctx.metrics, self._router_config or RouterConfig(),
                             blocking=self.ctx.blocking)  # its store calls share the store's threads
-            await router.start()
+            try:
+                await router.start()
+            except BaseException:  # failed, or cancelled (the lease was lost meanwhile): nothing of it stays open
+                await router.stop()
+                raise
             self.ctx.router = router
         self.ctx.leader = True
         await self.ctx.store_gc.start()
@@ -176,16 +180,39 @@ class Controller:
                 await asyncio.sleep(lock.ttl_s / 5)
                 continue
             log.info("controller on %s took the leader lock", self.address)
+            # NOTE: renewed from the moment it is taken, while the router starts too: a start that outlasted the lease
+            # (a worker's catch-up replay or HTTP that does not answer, up to their deadlines) lost the lock as soon
+            # as it was done, stepped down and started over; a lease lost during the start now ends the start
+            hold = asyncio.create_task(self._hold(lock))
+            become = asyncio.create_task(self.become_leader())
             try:
-                await self.become_leader()
-                while await self._renewed(lock):
-                    await asyncio.sleep(lock.ttl_s / 3)
+                await asyncio.wait((hold, become), return_when=asyncio.FIRST_COMPLETED)
+                if not become.done():
+                    become.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await become
+                else:
+                    become.result()
+                    await hold
                 log.warning("controller on %s lost the leader lock; standing by", self.address)
             except Exception:
                 log.exception("controller on %s failed while leading; handing the lock on", self.address)
                 await lock.release()
                 await asyncio.sleep(lock.ttl_s)
+            finally:
+                hold.cancel()
+                if not become.done():  # this task cancelled (the controller stops): the start ends with it
+                    become.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await become
             await self.step_down()
+
+    async def _hold(self, lock: LeaderLock) -> None:
+        """Renew the lock every ttl/3; return once a renew fails (the lease is lost, or cannot be shown held)."""
+        while True:
+            await asyncio.sleep(lock.ttl_s / 3)
+            if not await self._renewed(lock):
+                return
 
     @staticmethod
     async def _renewed(lock: LeaderLock) -> bool:
