@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -140,7 +141,8 @@ class JudgeLanes:
         return await fut
 
     async def run_many(self, tenant: str, fn: Callable[..., T], args: list[tuple[Any, ...]]) -> list[T]:
-        """[fn(*a) for a in args], each a job in `tenant`'s lane, all queued at once or none.
+        """[fn(*a) for a in args], each a job in `tenant`'s lane, all queued at once or none; when one fails,
+        the others still queued are dropped (nobody reads their verdicts).
 
         Raises:
             ResourceExhausted: the tenant's queue has no room for all of them (nothing is queued).
@@ -153,7 +155,18 @@ class JudgeLanes:
                 f"{self.limits.tenant_cpu:g} CPU-seconds per second: --judge-cpu-per-tenant); retry when its "
                 "earlier requests have finished"
             )
-        return list(await asyncio.gather(*(self.run(tenant, fn, *a) for a in args)))
+        # NOTE: queued here, with no await after the check: queued by tasks of their own, two batches of one tenant
+        # both passed the check, and the second was refused after some of its jobs were queued (and then run)
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[T]] = [loop.create_future() for _ in args]
+        for fut, a in zip(futs, args, strict=True):
+            self._push(tenant, lane, 0, _Job(functools.partial(fn, *a), fut))
+        try:
+            return list(await asyncio.gather(*futs))
+        except BaseException:
+            for fut in futs:
+                fut.cancel()
+            raise
 
     def background(self, tenant: str, fn: Callable[..., Any], *args: Any) -> bool:
         """Queue fn(*args) in `tenant`'s lane after its waited-for jobs; nobody waits for it. False (and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 import time
 
 import pytest
@@ -112,6 +113,55 @@ async def test_a_cancelled_callers_job_is_skipped() -> None:
         await first
         assert await lanes.run("a", burn, 0.0, "next") == "next"
         assert lanes.stats("a")["jobs"] == 2  # the cancelled one never ran
+    finally:
+        await lanes.aclose()
+
+
+async def test_two_batches_of_one_tenant_are_queued_whole_or_not_at_all() -> None:
+    """Two run_many of one tenant at once, 3 jobs each, room for 4: one batch is queued, the other refused with
+    none of its jobs queued. Before, both passed the check before either queued (the jobs were queued by tasks
+    of their own), and the refused batch's first job was queued and run: ran x1 x2 x3 y1."""
+    lanes = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0, tenant_queue=4))
+    gate, ran = threading.Event(), []
+
+    def job(tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    try:
+        blocker = asyncio.ensure_future(lanes.run("a", gate.wait))  # holds a's one slot: the rest wait queued
+        await asyncio.sleep(0)
+        x = asyncio.ensure_future(lanes.run_many("a", job, [("x1",), ("x2",), ("x3",)]))
+        y = asyncio.ensure_future(lanes.run_many("a", job, [("y1",), ("y2",), ("y3",)]))
+        with pytest.raises(ResourceExhausted, match="sent 3 more"):
+            await y
+        assert lanes.stats("a")["queued"] == 3  # x's three, none of y's
+        gate.set()
+        assert await x == ["x1", "x2", "x3"]
+        await blocker
+        assert await lanes.run("a", job, "next") == "next" and ran == ["x1", "x2", "x3", "next"]
+    finally:
+        gate.set()
+        await lanes.aclose()
+
+
+async def test_a_batch_whose_job_fails_drops_its_jobs_still_queued() -> None:
+    """The first of four jobs raises: the caller gets its error, and the jobs still queued then are dropped, not
+    judged for nobody (before, all three ran). The one started as the failing job ended may still run."""
+    lanes = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0))
+    ran: list[str] = []
+
+    def job(tag: str) -> str:
+        if tag == "bad":
+            raise ValueError("bad result")
+        ran.append(tag)
+        return tag
+
+    try:
+        with pytest.raises(ValueError, match="bad result"):
+            await lanes.run_many("a", job, [("bad",), ("ok1",), ("ok2",), ("ok3",)])
+        assert await lanes.run("a", job, "next") == "next"  # after whatever of the batch was left
+        assert ran in (["next"], ["ok1", "next"]) and lanes.stats("a")["queued"] == 0
     finally:
         await lanes.aclose()
 
