@@ -224,8 +224,18 @@ class JudgeLanes:
                     order.remove(tenant)
                 tried = 0
                 self._start(tenant, lane, kind, job)
-        if wait is not None and self._wake is None and not self._closed:
-            self._wake = asyncio.get_running_loop().call_later(wait, self._woken)
+        if wait is not None and not self._closed:
+            self._wake_at(wait)
+
+    def _wake_at(self, wait: float) -> None:
+        """Pump again in `wait` s, unless a wake is due sooner. NOTE: a wake already set was kept even when later:
+        a lane a few ms short of budget waited for another tenant's, refilling a long overrun (20 s, not 0.05)."""
+        loop = asyncio.get_running_loop()
+        if self._wake is not None:
+            if self._wake.when() <= loop.time() + wait:
+                return
+            self._wake.cancel()
+        self._wake = loop.call_later(wait, self._woken)
 
     def _woken(self) -> None:
         self._wake = None

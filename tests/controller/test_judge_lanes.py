@@ -166,6 +166,24 @@ async def test_a_batch_whose_job_fails_drops_its_jobs_still_queued() -> None:
         await lanes.aclose()
 
 
+async def test_a_lane_short_of_budget_is_not_woken_at_another_tenants_refill() -> None:
+    """a overran its bucket by 0.04 CPU-s (refilled in 20 s at 0.002 CPU-s/s) and has a job waiting; b is short by
+    about 0.0001 CPU-s (0.05 s). b's next job runs when b's bucket has refilled: before, the wake already set for
+    a's refill was kept, and b's job waited the 20 s of a's. Control: a's job is still throttled then."""
+    lanes = JudgeLanes(JudgeLimits(threads=2, tenant_cpu=0.002, burst_s=0.01))
+    try:
+        await lanes.run("a", burn, 0.05)
+        a_next = asyncio.ensure_future(lanes.run("a", burn, 0.0, "a"))
+        await asyncio.sleep(0)
+        assert lanes.stats("a")["throttled"] > 0 and not a_next.done()
+        await lanes.run("b", burn, 0.0101)
+        # NOTE: not a speed bound: b's own refill is 0.05 s, a's 20 s; the bound only keeps a failure short
+        assert await asyncio.wait_for(lanes.run("b", burn, 0.0, "b"), timeout=10.0) == "b"
+        assert not a_next.done() and lanes.stats("a")["queued"] == 1
+    finally:
+        await lanes.aclose()
+
+
 def test_bad_limits_name_the_flag() -> None:
     for kw, flag in (
         ({"threads": 0}, "--judge-threads"),
