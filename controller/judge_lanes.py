@@ -129,16 +129,7 @@ class JudgeLanes:
         Raises:
             ResourceExhausted: the tenant already has `tenant_queue` jobs waiting.
         """
-        lane = self._lane(tenant)
-        if len(lane.now) >= self.limits.tenant_queue:
-            raise ResourceExhausted(
-                f"tenant {tenant!r} has {len(lane.now)} tool results waiting to be judged (at most "
-                f"{self.limits.tenant_queue}, and {self.limits.tenant_cpu:g} CPU-seconds per second for its "
-                "judging: --judge-cpu-per-tenant); retry when its earlier requests have finished"
-            )
-        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._push(tenant, lane, 0, _Job(lambda: fn(*args), fut))
-        return await fut
+        return (await self.run_many(tenant, fn, [args]))[0]
 
     async def run_many(self, tenant: str, fn: Callable[..., T], args: list[tuple[Any, ...]]) -> list[T]:
         """[fn(*a) for a in args], each a job in `tenant`'s lane, all queued at once or none; when one fails,
@@ -148,6 +139,10 @@ class JudgeLanes:
             ResourceExhausted: the tenant's queue has no room for all of them (nothing is queued).
         """
         lane = self._lane(tenant)
+        if len(lane.now) + len(args) > self.limits.tenant_queue:
+            # NOTE: jobs whose callers went away left the queue only when their lane's turn came; until then they
+            # counted, and a tenant whose calls had timed out was refused with nothing waiting
+            lane.now = deque(job for job in lane.now if job.fut is None or not job.fut.done())
         if len(lane.now) + len(args) > self.limits.tenant_queue:
             raise ResourceExhausted(
                 f"tenant {tenant!r} has {len(lane.now)} tool results waiting to be judged and sent "

@@ -184,6 +184,29 @@ async def test_a_lane_short_of_budget_is_not_woken_at_another_tenants_refill() -
         await lanes.aclose()
 
 
+async def test_jobs_whose_callers_went_away_do_not_fill_the_queue() -> None:
+    """b holds the one thread; a's two queued calls (its queue's room) time out. a's next call is queued and runs
+    once the thread is free. Before, the two cancelled jobs still counted until a's turn came, and a was refused
+    "has 2 tool results waiting" with nothing waiting."""
+    lanes = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0, tenant_queue=2))
+    gate = threading.Event()
+    try:
+        blocker = asyncio.ensure_future(lanes.run("b", gate.wait))
+        gone = [asyncio.ensure_future(lanes.run("a", burn, 0.0, "gone")) for _ in range(2)]
+        await asyncio.sleep(0)
+        for f in gone:
+            f.cancel()
+        nxt = asyncio.ensure_future(lanes.run("a", burn, 0.0, "next"))
+        await asyncio.sleep(0)
+        assert lanes.stats("a")["queued"] == 1 and not nxt.done()  # queued, not refused
+        gate.set()
+        assert await nxt == "next" and lanes.stats("a")["jobs"] == 1  # the cancelled ones never ran
+        await blocker
+    finally:
+        gate.set()
+        await lanes.aclose()
+
+
 def test_bad_limits_name_the_flag() -> None:
     for kw, flag in (
         ({"threads": 0}, "--judge-threads"),
