@@ -62,7 +62,9 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
             # NOTE: another tenant's records answer like none at all would leak nothing, but a refusal is clearer
             raise PermissionDenied("a tenant token lists only its own tenant's quarantines; leave --tenant out")
         limit = min(request.limit or DEFAULT_LIMIT, MAX_LIMIT)
-        recs = await self.ctx.blocking((await self.ctx.judge()).recent, tenant, limit)
+        # NOTE: within the caller's share of the store threads, as blob calls are: with any thread (ctx.blocking), one
+        # tenant's listings (each a scan of every tenant's records) held all four, and another's StatBlob waited
+        recs = await self.ctx.tenant_blocking(ident.tenant, (await self.ctx.judge()).recent, tenant, limit)
         return pb.ListQuarantinesResponse(records=[_to_proto(r) for r in recs])
 
 
