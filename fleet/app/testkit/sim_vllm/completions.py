@@ -7,6 +7,7 @@ and a client that leaves frees its slot. Instant (time_scale 0): everything at o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from fleet.core.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from fleet.app.testkit.sim_vllm.loop import Ticket
+    from fleet.app.testkit.sim_vllm.sched import Output
 
 
 def _j(body: Any, status: int = 200) -> web.Response:
@@ -49,30 +51,34 @@ def unknown_model(c: SimEngineConfig, model: Any) -> web.Response | None:
     return _j({"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}}, 404)
 
 
-def _prompt_ids(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int]:
-    """What the engine prefills: the rendered chat or the prompt, truncated as the request asks (prompts.py)."""
-    if chat:
-        ids = prompts.chat_ids(body)
-    else:
-        p = body.get("prompt")
-        if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            ids = list(p)
-        else:
-            ids = tok.tokenize(p)
-    ids = prompts.truncated(ids, body, chat, max_model_len)
-    if not ids:  # NOTE: vLLM refuses an empty prompt
+def _prompts(body: dict[str, Any], chat: bool, max_model_len: int) -> list[list[int]]:
+    """What the engine prefills, per prompt: the rendered chat, or each prompt of the completion (a batch has
+    several), truncated as the request asks (prompts.py)."""
+    each = [prompts.chat_ids(body)] if chat else prompts.completion_prompts(body.get("prompt"))
+    out = [prompts.truncated(ids, body, chat, max_model_len) for ids in each]
+    if not all(out):  # NOTE: vLLM refuses an empty prompt
         raise InvalidArgument("The decoder prompt cannot be empty")
-    return ids
+    return out
+
+
+@dataclass(slots=True)
+class _Seq:
+    """One engine request of the answer: choice `index` (prompt i's j-th of n is i * n + j), its prompt and its
+    (deterministic) output ids."""
+
+    index: int
+    ids: list[int]
+    out: list[int]
 
 
 @dataclass(slots=True)
 class _Reply:
-    """One response's fixed parts: what it is, its prompt and its (deterministic) output ids."""
+    """One response's fixed parts: what it is, its sequences (one per prompt x n) and its prompts."""
 
     model: str
     chat: bool
-    ids: list[int]
-    out: list[int]
+    seqs: list[_Seq]
+    prompts: list[list[int]]
     rid: str = ""
     created: int = 0
 
@@ -80,59 +86,41 @@ class _Reply:
     def kind(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def usage(self, n: int, cached: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": len(self.ids),
-            "completion_tokens": n,
-            "total_tokens": len(self.ids) + n,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+    def usage(self, outs: list[int], cached: int) -> dict[str, Any]:
+        """As vLLM sums it: each prompt's tokens once (not n times), every sequence's output tokens."""
+        p, c = sum(len(ids) for ids in self.prompts), sum(outs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def body(self, n: int, fin: str, cached: int) -> dict[str, Any]:
-        text = tok.detokenize(self.out[:n])
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin}
-            if self.chat
-            else {"index": 0, "text": text, "finish_reason": fin}
-        )
-        return {
-            "id": self.rid,
-            "object": self.kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(n, cached),
-        }
+    def body(self, outs: list[int], fins: list[str], cached: int) -> dict[str, Any]:
+        choices = []
+        for s, n, fin in zip(self.seqs, outs, fins, strict=True):
+            text = tok.detokenize(s.out[:n])
+            choices.append({"index": s.index, "message": {"role": "assistant", "content": text}, "finish_reason": fin}
+                           if self.chat else {"index": s.index, "text": text, "finish_reason": fin})
+        return {"id": self.rid, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(outs, cached)}
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = {
-            "id": self.rid,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        chunk = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         return f"data: {json.dumps({**chunk, **extra})}\n\n".encode()
 
-    def _piece(self, i: int | None, fin: str | None) -> bytes:
-        piece = tok.detokenize([self.out[i]]) if i is not None else ""
-        choice = (
-            {"index": 0, "delta": {"content": piece}, "finish_reason": fin}
-            if self.chat
-            else {"index": 0, "text": piece, "finish_reason": fin}
-        )
+    def _piece(self, s: _Seq, i: int | None, fin: str | None) -> bytes:
+        piece = tok.detokenize([s.out[i]]) if i is not None else ""
+        choice = ({"index": s.index, "delta": {"content": piece}, "finish_reason": fin} if self.chat
+                  else {"index": s.index, "text": piece, "finish_reason": fin})
         return self._chunk([choice])
 
-    async def write_tokens(self, resp: web.StreamResponse, start: int, end: int, fin: str | None) -> None:
-        """One chunk per token out[start:end]; the last carries `fin` (an empty chunk if none is new)."""
+    async def write_tokens(self, resp: web.StreamResponse, s: _Seq, start: int, end: int, fin: str | None) -> None:
+        """One chunk per token out[start:end] of `s`; the last carries `fin` (an empty chunk if none is new)."""
         for i in range(start, end):
-            await resp.write(self._piece(i, fin if i == end - 1 else None))
+            await resp.write(self._piece(s, i, fin if i == end - 1 else None))
         if fin is not None and start == end:
-            await resp.write(self._piece(None, fin))
+            await resp.write(self._piece(s, None, fin))
 
-    async def write_end(self, resp: web.StreamResponse, n: int, cached: int) -> None:
-        await resp.write(self._chunk([], usage=self.usage(n, cached)) + b"data: [DONE]\n\n")
+    async def write_end(self, resp: web.StreamResponse, outs: list[int], cached: int) -> None:
+        await resp.write(self._chunk([], usage=self.usage(outs, cached)) + b"data: [DONE]\n\n")
         await resp.write_eof()
 
 
@@ -151,7 +139,8 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     if refused is not None:
         return refused
     model = model if model in c.loras else c.names[0]  # what vLLM answers with: the adapter, or its first name
-    ids = _prompt_ids(body, chat, c.max_model_len)
+    each = _prompts(body, chat, c.max_model_len)
+    k = prompts.num_choices(body)
     n = int(body.get("max_tokens") or 16)
     if n < 1:
         raise InvalidArgument(f"max_tokens must be at least 1, got {n}")
@@ -165,58 +154,89 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
         raise InvalidArgument(f"priority must be an integer, got {priority!r}")
     if priority != 0 and c.scheduling_policy != "priority":  # NOTE: vLLM's own check and words
         raise InvalidArgument(f"Got priority {priority} but Priority scheduling is not enabled.")
-    reply = _Reply(model, chat, ids, tok.synthetic_output(ids, n), created=int(time.time()))
+    # NOTE: as vLLM: every prompt of a batch is its own engine request, and so is each of its n sequences
+    seqs = [_Seq(i * k + j, ids, tok.synthetic_output(ids, n)) for i, ids in enumerate(each) for j in range(k)]
+    reply = _Reply(model, chat, seqs, each, created=int(time.time()))
     if sim.loop is None:  # instant: every request runs at once, alone; there is no queue to order
         return await _instant(sim, req, reply, bool(body.get("stream")), kw)
+    tickets: list[Ticket] = []
     try:
-        ticket = sim.loop.submit(ids, n, priority=priority, **kw)
-    except EnginePaused as e:
-        return _unavailable(str(e))
-    reply.rid = f"cmpl-{ticket.seq.seq_id}"
-    try:
-        return await _clocked(req, reply, bool(body.get("stream")), ticket)
+        try:
+            for s in seqs:
+                tickets.append(sim.loop.submit(s.ids, n, priority=priority, **kw))
+        except EnginePaused as e:
+            return _unavailable(str(e))
+        reply.rid = f"cmpl-{tickets[0].seq.seq_id}"
+        return await _clocked(req, reply, bool(body.get("stream")), tickets)
     finally:
-        sim.loop.release(ticket)  # NOTE: also on cancellation (client gone): frees the slot
+        for t in tickets:
+            sim.loop.release(t)  # NOTE: also on cancellation (client gone): frees the slots
 
 
 async def _instant(
     sim: Sim, req: web.Request, reply: _Reply, stream: bool, kw: dict[str, Any]
 ) -> web.StreamResponse:
-    n = len(reply.out)
-    try:
-        res = await sim.engine.run(reply.ids, max_tokens=n, **kw)
-    except (EnginePaused, EngineRestarted) as e:
-        return _unavailable(str(e))
+    cached = []
+    for s in reply.seqs:
+        try:
+            res = await sim.engine.run(s.ids, max_tokens=len(s.out), **kw)
+        except (EnginePaused, EngineRestarted) as e:
+            return _unavailable(str(e))
+        cached.append(res.num_cached_tokens)
     reply.rid = f"cmpl-{sim.engine.queries}"
-    if not stream:
-        return _j(reply.body(n, "length", res.num_cached_tokens))
+    outs = [len(s.out) for s in reply.seqs]
+    if not stream:  # NOTE: vLLM's answer reports the last prompt's cached tokens, its stream the first's
+        return _j(reply.body(outs, ["length"] * len(outs), cached[-1]))
     resp = await _prepare(req)
-    await reply.write_tokens(resp, 0, n, "length")
-    await reply.write_end(resp, n, res.num_cached_tokens)
+    for s in reply.seqs:
+        await reply.write_tokens(resp, s, 0, len(s.out), "length")
+    await reply.write_end(resp, outs, cached[0])
     return resp
 
 
-async def _clocked(req: web.Request, reply: _Reply, stream: bool, t: Ticket) -> web.StreamResponse:
+async def _finished(t: Ticket) -> Output:
     o = await t.next()
-    if not stream:
-        while o.finish_reason is None:
-            o = await t.next()
-    if o.finish_reason == "restart":
-        return _unavailable("engine restarted while the request waited")
-    cached = max(t.seq.num_cached_tokens, 0)
-    if not stream:
-        return _j(reply.body(o.num_output, o.finish_reason or "length", cached))
-    resp = await _prepare(req)
-    sent = 0
-    while True:
-        await reply.write_tokens(resp, sent, o.num_output, o.finish_reason)
-        sent = o.num_output
-        if o.finish_reason is not None:
-            break
+    while o.finish_reason is None:
         o = await t.next()
-        if o.finish_reason == "restart":  # a restarted process drops its connections
-            if req.transport is not None:
-                req.transport.close()
-            return resp
-    await reply.write_end(resp, sent, cached)
-    return resp
+    return o
+
+
+async def _clocked(req: web.Request, reply: _Reply, stream: bool, tickets: list[Ticket]) -> web.StreamResponse:
+    if not stream:
+        done = await asyncio.gather(*(_finished(t) for t in tickets))
+        if any(o.finish_reason == "restart" for o in done):
+            return _unavailable("engine restarted while the request waited")
+        return _j(reply.body([o.num_output for o in done], [o.finish_reason or "length" for o in done],
+                             max(tickets[-1].seq.num_cached_tokens, 0)))
+    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+
+    async def feed(i: int, t: Ticket) -> None:
+        while True:
+            o = await t.next()
+            merged.put_nowait((i, o))
+            if o.finish_reason is not None:
+                return
+
+    feeders = [asyncio.create_task(feed(i, t)) for i, t in enumerate(tickets)]
+    try:
+        i, o = await merged.get()  # NOTE: headers go out with the first token of any sequence
+        if o.finish_reason == "restart":
+            return _unavailable("engine restarted while the request waited")
+        resp = await _prepare(req)
+        sent, left = [0] * len(tickets), len(tickets)
+        while True:
+            if o.finish_reason == "restart":  # a restarted process drops its connections
+                if req.transport is not None:
+                    req.transport.close()
+                return resp
+            await reply.write_tokens(resp, reply.seqs[i], sent[i], o.num_output, o.finish_reason)
+            sent[i] = o.num_output
+            left -= o.finish_reason is not None
+            if not left:
+                break
+            i, o = await merged.get()
+        await reply.write_end(resp, sent, max(tickets[0].seq.num_cached_tokens, 0))
+        return resp
+    finally:
+        for f in feeders:
+            f.cancel()

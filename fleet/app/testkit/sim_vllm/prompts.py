@@ -13,6 +13,10 @@ left; a request whose `truncation_side` is "right" keeps the first k. None (or a
 stands for the longest prompt the request allows: the model's context length less the output tokens asked for
 (`max_completion_tokens`, else `max_tokens`; a completion's `max_tokens` defaults to 16). A k over that, or a
 value that is not an integer of at least -1, is a 400. /tokenize never truncates.
+
+Batches (`completion_prompts`). A completion's `prompt` is one prompt (a string, or a list of token ids) or a batch of
+them (a list of strings, or a list of token-id lists); vLLM runs each prompt of a batch as its own engine request,
+and each of those `n` times (`num_choices`). Anything else (an empty list, a list mixing the shapes) is a 400.
 """
 
 from __future__ import annotations
@@ -23,6 +27,37 @@ from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.core.errors import InvalidArgument
 
 COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the request gives none
+
+
+def _is_ids(p: Any) -> bool:
+    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def completion_prompts(p: Any) -> list[list[int]]:
+    """The ids of each prompt a completion's `prompt` holds, in order (one, or a batch's)."""
+    if isinstance(p, str):
+        return [tok.tokenize(p)]
+    if isinstance(p, list) and p:
+        if _is_ids(p):
+            return [list(p)]
+        if all(isinstance(x, str) for x in p):
+            return [tok.tokenize(x) for x in p]
+        if all(_is_ids(x) for x in p):
+            return [list(x) for x in p]
+    raise InvalidArgument("prompt must be a string, a list of token ids, a non-empty list of strings or a non-empty "
+                          "list of token-id lists (not a mix)")
+
+
+def num_choices(body: dict[str, Any]) -> int:
+    """`n`, the sequences run for each prompt (default 1); vLLM's own words for one under 1."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidArgument(f"n must be an integer, got {n!r}")
+    if n < 1:
+        raise InvalidArgument(f"n must be at least 1, got {n}.")
+    return n
 
 
 def chat_ids(body: dict[str, Any], *, tokenize_route: bool = False) -> list[int]:
