@@ -238,6 +238,9 @@ class Driver:
             "messages": s.messages(t),
             "max_tokens": MAX_TOKENS,
             "stream": True,
+            # NOTE: vLLM sends a stream's usage chunk (prompt and cached tokens) only when asked; the stand-in always
+            # did, so the bench never asked, and against vLLM itself it would have read no cached tokens
+            "stream_options": {"include_usage": True},
             "user": s.session_id,
         }
         headers = {**self.run.headers(s.tenant), "x-session-id": s.session_id}
