@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.core.errors import ResourceExhausted
-from fleet.core.oplog import Op, blob_refs
+from fleet.core.oplog import Op, blob_refs, to_dict
 
 RAY_NAMESPACE = "kvfleet"
 NODE_MIN_CPUS = 0.05  # a node hosts sessions only with some CPU (the chart's head runs with num-cpus 0)
@@ -158,3 +158,22 @@ def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
             store.drop_ref(ref, tenant)
         except NotFound:
             pass
+
+
+def undo_blob_ref(store: Any, tenant: str, session_id: str, op: Op) -> None:
+    """Give back the reference add_blob_refs took for `op`, whose op log write raised, unless the log holds the op
+    all the same (its last entry: a session's ops are serialised) or may (the log cannot be read either). A reference
+    kept for an op that never landed only delays its blob's GC; one given back for an op the log holds lets GC
+    collect a blob the session's rebuild fetches.
+
+    NOTE: a Redis reply lost after the RPUSH was applied (a reset connection) gave the reference back: the log held
+    the tool result at 0 references, GC collected the blob, and the rebuild of the session from its log (the failed
+    call tore it) failed with NotFound for good."""
+    if not blob_refs([op]):
+        return
+    try:
+        log = store.oplog_read(tenant, session_id)
+    except Exception:  # noqa: BLE001 - the store is still out: the reference stays (see above)
+        return
+    if not log or log[-1] != to_dict(op):
+        drop_blob_refs(store, [op])

@@ -53,7 +53,7 @@ from fleet.core.oplog import (
 )
 from fleet.core.session_types import OpResult
 from workers.packed import Packed, pack_ops
-from workers.placement import add_blob_refs, drop_blob_refs
+from workers.placement import add_blob_refs, drop_blob_refs, undo_blob_ref
 
 Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]  # (tenant, fn) -> fn's result, on a lane thread
 
@@ -110,7 +110,8 @@ class SessionKernel:
 
         The reference is taken first: a blob the leader's GC collected meanwhile (its lease ran
         out after the actor read it) refuses the op with nothing logged, instead of a log entry
-        no replay could ever fetch; an op log write that fails gives the reference back.
+        no replay could ever fetch; an op log write that fails gives the reference back, unless the op
+        landed all the same (`undo_blob_ref`).
 
         A closed session refuses the op (SessionGone) with nothing logged and no reference taken.
         NOTE: `close` stops waiting for the op in flight after its timeout and the fleet then deletes
@@ -124,7 +125,7 @@ class SessionKernel:
         try:
             self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, to_dict(op)))
         except BaseException:
-            drop_blob_refs(self.store, [op])
+            undo_blob_ref(self.store, self.tenant, self.session_id, op)
             raise
         if op.op_id:
             self.op_fps[op.op_id] = op.op_fp
