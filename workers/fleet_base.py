@@ -14,7 +14,7 @@ from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavaila
 from fleet.core.oplog import made_by, parse_log
 from workers.name_locks import NameLocks
 from workers.nodes import FleetNodes, NodeGone
-from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS, RAY_NAMESPACE, drop_blob_refs, node_resources
+from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS, RAY_NAMESPACE, delete_log, node_resources
 from workers.registry import CREATING, SessionRecord, SessionRegistry, Stored
 from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
@@ -152,5 +152,4 @@ class FleetBase:
         log = parse_log(self.store.oplog_read(tenant, session_id))
         if not log or (owner is not None and not made_by(log, owner)):
             return
-        drop_blob_refs(self.store, log)
-        self.store.oplog_delete(tenant, session_id)
+        delete_log(self.store, tenant, session_id, log)

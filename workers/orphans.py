@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fleet.core.oplog import made_by, parse_log
-from workers.placement import drop_blob_refs
+from workers.placement import delete_log
 
 if TYPE_CHECKING:
     from fleet.cas import BlobStore
@@ -83,7 +83,6 @@ class Orphans:
         def drop_log() -> None:
             log = parse_log(self.store.oplog_read(held.tenant, held.session_id))
             if made_by(log, held.create_op_id):
-                drop_blob_refs(self.store, log)
-                self.store.oplog_delete(held.tenant, held.session_id)
+                delete_log(self.store, held.tenant, held.session_id, log)
 
         await asyncio.to_thread(drop_log)

@@ -160,6 +160,18 @@ def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
             pass
 
 
+def delete_log(store: Any, tenant: str, session_id: str, log: Sequence[Op]) -> None:
+    """Delete a session's op log (`log`, as read), then give back the blob references it held. In this order, a
+    store that fails half-way leaves references too many (they only delay their blobs' GC), never too few.
+
+    NOTE: the references went first and the log after: a close cut off half-way (the store went out) kept the
+    log and its record, so the caller retried, and the retry gave back every reference again, those already given
+    included. A blob another session (the fork's parent) still logged then stood at 0 references, GC collected it,
+    and that session could never be rebuilt from its log."""
+    store.oplog_delete(tenant, session_id)
+    drop_blob_refs(store, log)
+
+
 def undo_blob_ref(store: Any, tenant: str, session_id: str, op: Op) -> None:
     """Give back the reference add_blob_refs took for `op`, whose op log write raised, unless the log holds the op
     all the same (its last entry: a session's ops are serialised) or may (the log cannot be read either). A reference

@@ -53,7 +53,7 @@ from fleet.core.oplog import (
 )
 from fleet.core.session_types import OpResult
 from workers.packed import Packed, pack_ops
-from workers.placement import add_blob_refs, drop_blob_refs, undo_blob_ref
+from workers.placement import add_blob_refs, delete_log, undo_blob_ref
 
 Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]  # (tenant, fn) -> fn's result, on a lane thread
 
@@ -257,8 +257,7 @@ class SessionKernel:
             return
         if not self.op_id or log[0].op_id != self.op_id or (log[0].op_fp and log[0].op_fp != self.op_fp):
             raise AlreadyExists(f"session {self.session_id} already has an op log")
-        drop_blob_refs(self.store, log)
-        self.store.oplog_delete(self.tenant, self.session_id)
+        delete_log(self.store, self.tenant, self.session_id, log)
 
     async def _blocks(self, refs: list[Any]) -> list[Any]:
         """The shared blocks `refs` name (read-only views of the object store), fetched with one ray.get on this

@@ -1,0 +1,82 @@
+"""A close cut off by a store outage half-way through giving back its blob references, then retried, never gives
+one back twice: the references the other sessions hold stay (real Ray, real redis-server killed mid-close)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from support.workers import SPEC
+
+from fleet.app.redis_server import RedisServer
+from fleet.core.errors import NotFound, Unavailable
+from workers.fleet import KernelFleet
+
+LATER = 10 * 365 * 86400.0  # every lease has long run out
+
+
+@pytest.fixture
+def rfleet(ray_cluster: None, redis_url: str) -> Iterator[KernelFleet]:
+    f = KernelFleet(redis_url, SPEC, call_timeout_s=120.0)
+    yield f
+    f.shutdown()
+
+
+def _store_dies_at_drop(store: Any, srv: RedisServer, n: int) -> list[str]:
+    """The Redis server is SIGKILLed as the fleet gives back its `n`-th reference (that call then fails on a real
+    dead connection); the refs whose drop was asked, in order."""
+    drop, asked = store.drop_ref, []
+
+    def dies(ref: str, tenant: str) -> None:
+        asked.append(ref)
+        if len(asked) == n:
+            srv.kill()
+        drop(ref, tenant)
+
+    store.drop_ref = dies
+    return asked
+
+
+def test_a_close_cut_off_half_way_and_retried_gives_no_reference_back_twice(
+        rfleet: KernelFleet, redis_server: RedisServer, tenant: str) -> None:
+    # before: the close gave back r1's reference, died at r2's, kept the log; its retry gave back both again, so r1
+    # stood at 0 references while the parent's log held it: GC collected it and the parent never rebuilt again
+    store = rfleet.store
+    r1, r2 = store.put(b'{"weather": "sunny"}', tenant), store.put(b'{"weather": "rain"}', tenant)
+    rfleet.create_session(tenant, "a", "You are agent zero.")
+    rfleet.add_tool_result(tenant, "a", r1)
+    rfleet.add_tool_result(tenant, "a", r2)
+    rfleet.fork(tenant, "a", "b")                                   # both logs hold r1 and r2
+    assert [store.stat(r, tenant).refs for r in (r1, r2)] == [2, 2]
+    asked = _store_dies_at_drop(store, redis_server, 2)
+    with pytest.raises(Unavailable):
+        rfleet.close(tenant, "b")
+    assert asked == [r1, r2]
+    del store.drop_ref                                              # the store's own again
+    redis_server.start()
+    rfleet.close(tenant, "b")                                       # the caller retries
+    with pytest.raises(NotFound):
+        rfleet.info(tenant, "b")
+    # before: r1 at 0. Now the cut-off close deleted b's log first: the reference to r2 it never gave back stays,
+    # one too many (GC keeps r2 after its last session closes), never one too few
+    assert [store.stat(r, tenant).refs for r in (r1, r2)] == [1, 2]
+    assert store.gc(now=time.time() + LATER) == 0                   # before: 1 (r1 collected)
+    rfleet.release_session(tenant, "a")                             # idle: rebuilt from its log on its next call
+    assert len(rfleet.pieces(tenant, "a")) == 3                     # before: NotFound (r1 could not be fetched)
+
+
+def test_a_close_gives_back_each_reference_once(rfleet: KernelFleet, tenant: str) -> None:
+    # the control: the same close, uncut, leaves exactly the parent's references, and closing it frees the blobs
+    store = rfleet.store
+    r1, r2 = store.put(b'{"weather": "sunny"}', tenant), store.put(b'{"weather": "rain"}', tenant)
+    rfleet.create_session(tenant, "a", "You are agent zero.")
+    rfleet.add_tool_result(tenant, "a", r1)
+    rfleet.add_tool_result(tenant, "a", r2)
+    rfleet.fork(tenant, "a", "b")
+    rfleet.close(tenant, "b")
+    assert [store.stat(r, tenant).refs for r in (r1, r2)] == [1, 1]
+    rfleet.close(tenant, "a")
+    assert [store.stat(r, tenant).refs for r in (r1, r2)] == [0, 0]
+    assert store.gc(now=time.time() + LATER) == 2
