@@ -149,6 +149,32 @@ def add_blob_refs(store: Any, ops: Sequence[Op]) -> None:
         store.add_ref(ref, tenant)
 
 
+def write_fork_log(store: Any, tenant: str, session_id: str, ops: Sequence[Op]) -> None:
+    """A fork's log (its parent's ops and its marker, `ops`) in one write, with a reference to each of its tool
+    results: the references first, then the log. A write that fails takes back the references it took unless the log
+    holds `ops` (or may: it cannot be read), so a log is never written without all of its references, and the failed
+    fork's cleanup (delete_log: a reference back per tool result its log holds) gives back none it did not take.
+
+    NOTE: the log went first and its references after: a store that failed between two references left the child's
+    log with some of them, and the cleanup gave back one for each of its tool results, the parent's references to
+    those it never took included (GC then collected a blob the parent still logged)."""
+    taken: list[tuple[str, str]] = []
+    entries = [to_dict(op) for op in ops]
+    try:
+        for ref, owner in blob_refs(ops):
+            store.add_ref(ref, owner)
+            taken.append((ref, owner))
+        store.oplog_replace(tenant, session_id, entries)
+    except BaseException:
+        try:
+            if store.oplog_read(tenant, session_id) != entries:
+                for ref, owner in taken:
+                    store.drop_ref(ref, owner)
+        except Exception:  # noqa: BLE001 - the store is still out: what is left stays referenced (one too many)
+            pass
+        raise
+
+
 def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
     """Undo add_blob_refs when a session's log is deleted (a blob already collected is skipped)."""
     from fleet.core.errors import NotFound

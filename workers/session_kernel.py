@@ -53,7 +53,7 @@ from fleet.core.oplog import (
 )
 from fleet.core.session_types import OpResult
 from workers.packed import Packed, pack_ops
-from workers.placement import add_blob_refs, delete_log, undo_blob_ref
+from workers.placement import add_blob_refs, delete_log, undo_blob_ref, write_fork_log
 
 Runner = Callable[[str, Callable[[], Any]], Awaitable[Any]]  # (tenant, fn) -> fn's result, on a lane thread
 
@@ -296,8 +296,8 @@ class SessionKernel:
                     raise SessionGone(f"session {self.session_id} was closed on this host: nothing restored")
                 if ops is not None:  # NOTE: one write; op by op, each a store transaction, a fork of a long log
                     # held SQLite's writer lock against every tenant's writes (another's create: 8 -> 357 ms)
-                    self.store.oplog_replace(self.tenant, self.session_id, [to_dict(op) for op in ops])
-                    add_blob_refs(self.store, ops)  # the fork references its parent's tool results too
+                    # the fork references its parent's tool results too (those references first, then the log)
+                    write_fork_log(self.store, self.tenant, self.session_id, ops)
                 log = parse_log(self.store.oplog_read(self.tenant, self.session_id))
                 if not log:
                     raise NotFound(f"session {self.session_id}: no op log to regenerate from")

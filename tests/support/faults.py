@@ -51,3 +51,22 @@ def host_mlp_waits_for(host: Any, gate: str, most_s: float = 60.0) -> None:
         return real(*args)
 
     kernel.ops.mlp = held
+
+
+def host_store_dies_at_add_ref(host: Any, redis_pid: int, n: int) -> None:
+    """(In a kernel host's process, by __ray_call__; send it with this module pickled by value.) As its store takes
+    its `n`-th blob reference from now on, the Redis server `redis_pid` is SIGKILLed first: that call, and every
+    later one until the server is started again, fails on a real dead connection."""
+    import signal
+
+    store, calls = host.store, [0]
+    real = store.add_ref
+
+    def dies(ref: str, tenant: str) -> None:
+        calls[0] += 1
+        if calls[0] == n:
+            store.add_ref = real
+            os.kill(redis_pid, signal.SIGKILL)
+        real(ref, tenant)
+
+    store.add_ref = dies

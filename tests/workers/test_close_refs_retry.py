@@ -1,5 +1,5 @@
-"""A close cut off by a store outage half-way through giving back its blob references, then retried, never gives
-one back twice: the references the other sessions hold stay (real Ray, real redis-server killed mid-close)."""
+"""A close, or a fork, cut off by a store outage half-way through its blob references, then retried, never gives one
+back twice: the references the other sessions hold stay (real Ray, real redis-server killed in the middle)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,35 @@ def test_a_close_gives_back_each_reference_once(rfleet: KernelFleet, tenant: str
     rfleet.close(tenant, "a")
     assert [store.stat(r, tenant).refs for r in (r1, r2)] == [0, 0]
     assert store.gc(now=time.time() + LATER) == 2
+
+
+def test_a_fork_cut_off_half_way_through_its_references_takes_none_from_its_parent(
+        rfleet: KernelFleet, redis_server: RedisServer, tenant: str) -> None:
+    # before: the fork wrote the child's log, took r1's reference and died at r2's; the cleanup (the retried fork's
+    # claim of the name) gave back a reference for every tool result of that log, r2's too, which it never took:
+    # the parent's r2 stood at 0 references once the child closed, and GC collected it under the parent
+    import ray
+    import ray.cloudpickle
+    import support.faults
+
+    ray.cloudpickle.register_pickle_by_value(support.faults)  # the host's process cannot import tests/support
+    store = rfleet.store
+    r1, r2 = store.put(b'{"weather": "sunny"}', tenant), store.put(b'{"weather": "rain"}', tenant)
+    rfleet.create_session(tenant, "a", "You are agent zero.")
+    rfleet.add_tool_result(tenant, "a", r1)
+    rfleet.add_tool_result(tenant, "a", r2)
+    host = rfleet.hosts[rfleet.registry.get(tenant, "a").node]
+    assert redis_server.proc is not None
+    ray.get(host.__ray_call__.remote(support.faults.host_store_dies_at_add_ref, redis_server.proc.pid, 2))
+    with pytest.raises(Unavailable):
+        rfleet.fork(tenant, "a", "b")
+    redis_server.kill()                                             # reaped (the host's kill left it a zombie)
+    redis_server.start()
+    rfleet.fork(tenant, "a", "b")                                   # the caller retries: the name's claim cleans up
+    rfleet.close(tenant, "b")
+    # before: r2 at 0. Now the cut-off fork took r1's reference and could not give it back (the store was down):
+    # one too many, never one too few
+    assert [store.stat(r, tenant).refs for r in (r1, r2)] == [2, 1]
+    assert store.gc(now=time.time() + LATER) == 0                   # before: 1 (r2 collected)
+    rfleet.release_session(tenant, "a")
+    assert len(rfleet.pieces(tenant, "a")) == 3                     # before: NotFound (r2 could not be fetched)
