@@ -154,12 +154,18 @@ def write_fork_log(store: Any, tenant: str, session_id: str, ops: Sequence[Op]) 
     results: the references first, then the log. A write that fails takes back the references it took unless the log
     holds `ops` (or may: it cannot be read), so a log is never written without all of its references, and the failed
     fork's cleanup (delete_log: a reference back per tool result its log holds) gives back none it did not take.
+    A log that starts with `ops` already is this fork's, written with its references by an earlier run of it (its
+    fork marker carries the fork's own op id): nothing is taken or written again.
 
     NOTE: the log went first and its references after: a store that failed between two references left the child's
     log with some of them, and the cleanup gave back one for each of its tool results, the parent's references to
-    those it never took included (GC then collected a blob the parent still logged)."""
+    those it never took included (GC then collected a blob the parent still logged). And a fork the fleet ran again
+    after its host died (in the child's prefill, past the log) took every reference a second time: the blobs
+    outlived both sessions."""
     taken: list[tuple[str, str]] = []
     entries = [to_dict(op) for op in ops]
+    if store.oplog_read(tenant, session_id)[:len(entries)] == entries:  # NOTE: the earlier run may have logged
+        return                                              # the end of an admission past them (finish_admissions)
     try:
         for ref, owner in blob_refs(ops):
             store.add_ref(ref, owner)
