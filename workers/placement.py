@@ -199,9 +199,10 @@ def delete_log(store: Any, tenant: str, session_id: str, log: Sequence[Op]) -> N
     NOTE: the references went first and the log after: a close cut off half-way (the store went out) kept the
     log and its record, so the caller retried, and the retry gave back every reference again, those already given
     included. A blob another session (the fork's parent) still logged then stood at 0 references, GC collected it,
-    and that session could never be rebuilt from its log."""
-    store.oplog_delete(tenant, session_id)
-    drop_blob_refs(store, log)
+    and that session could never be rebuilt from its log. And two closes of one session at once (two controllers
+    in a leader change) both read the log before either deleted it, and both gave back its references."""
+    if store.oplog_delete(tenant, session_id):  # of two deletes of the log (two controllers), one gives them back
+        drop_blob_refs(store, log)
 
 
 def undo_blob_ref(store: Any, tenant: str, session_id: str, op: Op) -> None:

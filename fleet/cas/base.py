@@ -336,10 +336,11 @@ class BlobStore(ABC):
         check_name("session_id", session_id)
         return [json.loads(s) for s in self._oplog_read(tenant, session_id)]
 
-    def oplog_delete(self, tenant: str, session_id: str) -> None:
+    def oplog_delete(self, tenant: str, session_id: str) -> bool:
+        """Delete the session's log; whether there was one (of two deletes of a log, one answers True)."""
         check_tenant(tenant)
         check_name("session_id", session_id)
-        self._oplog_delete(tenant, session_id)
+        return self._oplog_delete(tenant, session_id)
 
     def oplog_replace(self, tenant: str, session_id: str, ops: list[dict[str, Any]]) -> None:
         """Make `ops` the session's whole log (indices 0..n-1), in one write: a fork's copy of its parent's
@@ -422,6 +423,6 @@ class BlobStore(ABC):
     @abstractmethod
     def _oplog_read(self, tenant: str, session_id: str) -> list[str]: ...
     @abstractmethod
-    def _oplog_delete(self, tenant: str, session_id: str) -> None: ...
+    def _oplog_delete(self, tenant: str, session_id: str) -> bool: ...
     @abstractmethod
     def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None: ...

@@ -385,8 +385,8 @@ class RedisBlobStore(BlobStore):
         return [i.decode() for i in items]
 
     @store_call
-    def _oplog_delete(self, tenant: str, session_id: str) -> None:
-        self.r.delete(f"kvf:t:{tenant}:op:{session_id}")
+    def _oplog_delete(self, tenant: str, session_id: str) -> bool:
+        return int(self.r.delete(f"kvf:t:{tenant}:op:{session_id}")) > 0
 
     @store_call
     def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None:

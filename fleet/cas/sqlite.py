@@ -376,9 +376,10 @@ class SqliteBlobStore(BlobStore):
             ).fetchall()
         return [str(r[0]) for r in rows]
 
-    def _oplog_delete(self, tenant: str, session_id: str) -> None:
+    def _oplog_delete(self, tenant: str, session_id: str) -> bool:
         with self._tx() as db:
-            db.execute("DELETE FROM oplog WHERE tenant = ? AND session_id = ?", (tenant, session_id))
+            cur = db.execute("DELETE FROM oplog WHERE tenant = ? AND session_id = ?", (tenant, session_id))
+            return cur.rowcount > 0
 
     def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None:
         with self._tx() as db:

@@ -330,7 +330,8 @@ def test_oplog_append_read_delete(store_env: StoreEnv) -> None:
         with pytest.raises(InvalidArgument):
             store.oplog_append("acme", "s1", bad)  # type: ignore[arg-type]
     assert store_env.footprint() == before
-    store.oplog_delete("acme", "s1")
+    assert store.oplog_delete("acme", "s1") is True
+    assert store.oplog_delete("acme", "s1") is False  # of two deletes of a log, one deleted it
     assert store.oplog_read("acme", "s1") == [] and store.oplog_read("globex", "s1") == [{"op": "append", "tokens": [9]}]
 
 
