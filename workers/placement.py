@@ -182,13 +182,16 @@ def write_fork_log(store: Any, tenant: str, session_id: str, ops: Sequence[Op]) 
 
 
 def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
-    """Undo add_blob_refs when a session's log is deleted (a blob already collected is skipped)."""
-    from fleet.core.errors import NotFound
+    """Undo add_blob_refs when a session's log is deleted. A blob already collected, or whose references are
+    already 0, is skipped: there is nothing of it to give back, and the others' references still are. NOTE: a
+    reference already at 0 (data from an older release) raised FailedPrecondition and ended the loop: the log was
+    deleted by then, so the rest of its references were never given back and their blobs never collected."""
+    from fleet.core.errors import FailedPrecondition, NotFound
 
     for ref, tenant in blob_refs(ops):
         try:
             store.drop_ref(ref, tenant)
-        except NotFound:
+        except (NotFound, FailedPrecondition):
             pass
 
 

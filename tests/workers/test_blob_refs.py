@@ -11,8 +11,9 @@ import pytest
 
 from fleet.cas import open_store
 from fleet.core.errors import NotFound
-from fleet.core.oplog import AppendOp
+from fleet.core.oplog import AppendOp, to_dict
 from workers.fleet import KernelFleet
+from workers.placement import delete_log
 from workers.session_kernel import SessionKernel
 from workers.spec import KernelSpec, make_kernel
 
@@ -58,3 +59,21 @@ def test_a_blob_collected_before_its_op_is_logged_leaves_nothing_logged(tmp_path
         actor._write(dataclasses.replace(op, ref=kept))
         assert actor.last_op_index == 0                            # control: a present blob is logged
         assert store.stat(kept, "acme").refs == 1 and store.gc() == 0
+
+
+def test_a_close_gives_back_every_other_reference_when_one_is_already_at_zero(tmp_path: Path) -> None:
+    """A log whose first tool result's blob has no reference left (data from an older release, or an earlier
+    failure): deleting the log still gives back the references of the rest. Before, FailedPrecondition on the first
+    ended the loop after the log was gone: the second blob kept its reference for good and was never collected."""
+    url = f"sqlite:///{tmp_path / 'refs.db'}"
+    with open_store(url, lease_s=0.0) as store:
+        a, b = store.put(b"first tool output", "acme"), store.put(b"second tool output", "acme")
+        ops = [AppendOp(0, "tool_result", "acme", ref=a, num_tokens=3),
+               AppendOp(1, "tool_result", "acme", ref=b, num_tokens=3)]
+        for op in ops:
+            store.oplog_append("acme", "s1", to_dict(op))
+        store.add_ref(b, "acme")                                   # a's reference is already gone
+        delete_log(store, "acme", "s1", ops)
+        assert store.oplog_read("acme", "s1") == []
+        assert store.stat(b, "acme").refs == 0                     # before: 1, for good
+        assert store.gc() == 2                                     # both collected
