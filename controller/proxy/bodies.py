@@ -16,7 +16,7 @@ a bound: 429 naming the flag, with Retry-After.
 from __future__ import annotations
 
 from controller.proxy.config import ProxyConfig
-from controller.uploads import GateCaps, StreamGate
+from controller.stream_gate import GateCaps, StreamGate
 from fleet.core.errors import ResourceExhausted
 
 

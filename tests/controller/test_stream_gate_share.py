@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from controller.uploads import GetGate, GetLimits, StreamGate, UploadGate, UploadLimits
+from controller.stream_gate import StreamGate
+from controller.uploads import GetGate, GetLimits, UploadGate, UploadLimits
 from fleet.core.errors import ResourceExhausted
 
 
