@@ -10,7 +10,8 @@ nothing; a sleeping vLLM's API server answers it too); an id no worker holds is 
 
 A response id is what vLLM makes it, a capability: `resp_` and 128 random bits. Whoever holds one can read and
 continue that response, on vLLM alone as through the proxy; the pins are kept per tenant so that one tenant's
-answers never push out another's, and a lookup is only ever for an id the caller sent.
+answers never push out another's, and a lookup is only ever for an id the caller sent. The ids no worker held are
+remembered the same way: past their bound, the tenant that sent the most loses its oldest.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from controller.owned import OwnedLru
 from controller.proxy.errors import ProxyError
 from controller.proxy.forward import Opened, Target
 from controller.proxy.quarantine import Hit
@@ -61,24 +63,30 @@ def valid_id(rid: object) -> str | None:
 class ResponsePins:
     """Response id -> the worker that answered it, per tenant: at most `per_tenant` ids each, least recently used
     first out, and at most `max_tenants` tenants, the least recently active leaving with its pins (about 160 bytes a
-    pin: 40 MiB at most with the defaults). An id no worker held is kept apart (`missed`) for MISS_S."""
+    pin: 40 MiB at most with the defaults). An id no worker held is kept apart (`missed`) for `miss_s`: at most
+    4 x `per_tenant` of them, all tenants together; past that, the tenant holding the most loses its oldest.
+    NOTE: they were one queue, oldest out first: one tenant's stream of made-up ids pushed out every other tenant's,
+    whose next request for its own unknown id cost every worker a GET again (tests/controller/proxy/test_proxy_responses.py)."""
 
-    def __init__(self, per_tenant: int = 1024, max_tenants: int = 256) -> None:
-        self.per_tenant, self.max_tenants = per_tenant, max_tenants
+    def __init__(self, per_tenant: int = 1024, max_tenants: int = 256, miss_s: float = MISS_S) -> None:
+        self.per_tenant, self.max_tenants, self.miss_s = per_tenant, max_tenants, miss_s
         self._pins: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
-        self._misses: OrderedDict[tuple[str, str], float] = OrderedDict()  # (tenant, id) -> when, oldest first
+        self._misses: OwnedLru[tuple[str, str], float] = OwnedLru(per_tenant * 4)  # (tenant, id) -> when, by tenant
 
     def missed(self, tenant: str, rid: str, now: float, seen: bool = False) -> bool:
-        """Whether no worker held `rid` for the tenant within MISS_S; `seen`: none did just now (remember it)."""
-        misses = self._misses
-        while misses and now - next(iter(misses.values())) >= MISS_S:
-            misses.popitem(last=False)
+        """Whether no worker held `rid` for the tenant within `miss_s`; `seen`: none did just now (remember it)."""
+        key = (tenant, rid)
         if seen:
-            misses[(tenant, rid)] = now
-            misses.move_to_end((tenant, rid))
-            if len(misses) > self.per_tenant * 4:
-                misses.popitem(last=False)
-        return (tenant, rid) in misses
+            self._misses.put(key, tenant, now)
+            return True
+        when = self._misses.get(key)
+        if when is not None and now - when >= self.miss_s:
+            self._misses.pop(key)  # NOTE: one aged out and never asked for again stays, its tenant's, until the bound
+            return False
+        return when is not None
+
+    def num_misses(self) -> int:
+        return len(self._misses)
 
     def pin(self, tenant: str, rid: str, worker: str) -> None:
         pins = self._pins.get(tenant)

@@ -19,8 +19,8 @@ from controller.cost import CostConfig
 from controller.proxy.responses import ResponsePins, response_id, valid_id
 
 
-async def _get(fleet: Fleet, path: str, method: str = "GET") -> tuple[int, dict[str, str], Any]:
-    async with fleet.http.request(method, fleet.proxy.url + path, headers=fleet.headers()) as r:
+async def _get(fleet: Fleet, path: str, method: str = "GET", who: str = "a") -> tuple[int, dict[str, str], Any]:
+    async with fleet.http.request(method, fleet.proxy.url + path, headers=fleet.headers(who)) as r:
         return r.status, dict(r.headers), await r.json()
 
 
@@ -69,6 +69,31 @@ async def test_a_follow_up_get_and_cancel_reach_the_worker_that_stored_the_respo
         assert status == 404 and missing in json.loads(raw)["error"]["message"]  # vLLM's own answer, passed on
         for d in held:
             router.release_route(d.route_id, owner="acme")
+    finally:
+        await fleet.stop()
+
+
+async def test_one_tenants_unknown_ids_never_push_out_anothers(tmp_path: Path) -> None:
+    """An id no worker holds is answered 404 for a while without asking the workers again; one tenant's stream of
+    made-up ids must not push out another tenant's. NOTE: before, the ids were one queue, oldest out first: bravo's 17
+    made-up ids pushed out acme's, and acme's next GET of its unknown id cost every worker a GET again."""
+    fleet = await start_fleet(tmp_path, num_workers=2)
+    try:
+        fleet.proxy.responses = ResponsePins(per_tenant=4, miss_s=3600.0)  # 16 ids no worker held; none ages out here
+
+        def asked(rid: str) -> int:
+            return sum(len(served(s, f"/v1/responses/{rid}")) for s in fleet.sims.values())
+
+        mine = "resp_" + "a" * 32
+        assert (await _get(fleet, f"/v1/responses/{mine}"))[0] == 404 and asked(mine) == 2  # each worker asked once
+        flood = [f"resp_b{i:031d}" for i in range(17)]
+        for rid in flood:  # one past the bound
+            assert (await _get(fleet, f"/v1/responses/{rid}", who="b"))[0] == 404
+        assert fleet.proxy.responses.num_misses() == 16
+        assert (await _get(fleet, f"/v1/responses/{mine}"))[0] == 404
+        assert asked(mine) == 2  # acme's is still held: no worker asked again (before: 4)
+        assert (await _get(fleet, f"/v1/responses/{flood[0]}", who="b"))[0] == 404
+        assert asked(flood[0]) == 4  # control: the bound binds, on bravo's own oldest
     finally:
         await fleet.stop()
 
