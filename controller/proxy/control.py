@@ -27,6 +27,7 @@ import grpc
 
 from controller.keyed_slots import KeyedSlots
 from controller.periodic import Periodic
+from controller.proxy.callers import KnownCallers
 from controller.proxy.lookups import TokenLookups
 from controller.proxy.refused import RefusedTokens
 from controller.proxy.route_stream import RouteStreams, StreamUnsupported
@@ -72,7 +73,7 @@ class ControlClient:
         self._retiring: set[asyncio.Task[None]] = set()  # channels replaced by a TLS renewal, closing after a grace
         self._tls: tuple[tuple[str, ...], Callable[[], grpc.ChannelCredentials | None], Stamp] | None = None
         self._tls_watch: Periodic | None = None
-        self._callers: dict[str | None, tuple[float, types.Caller]] = {}
+        self._callers = KnownCallers()  # WhoAmI answers by token, fair between tenants at the bound (callers.py)
         self._refused = RefusedTokens(MAX_REFUSED, auth_refused_s)  # a refusal answered here (refused.py)
         self._lookups = TokenLookups()  # the WhoAmIs of tokens not known yet, a few per client address (lookups.py)
         self._releases: set[asyncio.Task[None]] = set()  # releases and WhoAmI renewals in the background
@@ -271,8 +272,6 @@ class ControlClient:
                 self._refused.add(token, err)
             raise err from e
         caller = types.Caller(r.tenant, r.role, r.name)
-        if len(self._callers) > 10000:
-            self._callers.clear()
         self._callers[token] = (time.monotonic() + self.auth_cache_s, caller)
         return caller
 
