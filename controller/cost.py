@@ -308,10 +308,22 @@ class Branches:
         with self._lock:
             return self._observe(chain)
 
+    def num_blocks(self) -> int:
+        """Hashes held, both generations (a hash in both counts twice)."""
+        return len(self._next) + len(self._old)
+
+    def rotate(self) -> None:
+        """Forget the older generation; the newer one becomes the older."""
+        with self._lock:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        self._old, self._next = self._next, {}
+        self._old_forks, self._forks = self._forks, set()
+
     def _observe(self, chain: Sequence[int]) -> int:
         if len(self._next) > self.max_blocks // 2:
-            self._old, self._next = self._next, {}
-            self._old_forks, self._forks = self._forks, set()
+            self._rotate()
         nxt, forks, k, old, old_forks = self._next, self._forks, self.fanout, self._old, self._old_forks
         for h, after in zip(chain, chain[1:], strict=False):  # NOTE: each block and the next
             seen = nxt.get(h)

@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from controller import cost
-from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, Scored
+from controller.cost import CandidateState, CostConfig, Flight, InFlight, Scored
 from controller.demand import Conversation, DemandLedger
 from controller.index import PrefixIndex, RankKey
 from controller.shadow_pool import ShadowPools
+from controller.tenant_branches import TenantBranches
 from controller.view import WorkerView
 from controller.vllm.watcher import Worker
 from fleet.core.block_hash import external_chain
@@ -59,7 +60,7 @@ class CandidateOrder:
         index: PrefixIndex,
         flights: InFlight,
         demand: DemandLedger,
-        branches: Branches,
+        branches: TenantBranches,
         cost_config: Callable[[], CostConfig],
         ended: Callable[[list[Flight], str], None],
         shadow: ShadowPools | None = None,
@@ -138,7 +139,7 @@ class CandidateOrder:
                                 chain = external_chain(v.hash_cfg, token_ids, lora=v.lora_key(adapter), cache_salt=salt)
                             nshared = (observed or {}).get(ck)
                             if nshared is None:
-                                nshared = self.branches.observe(chain)
+                                nshared = self.branches.observe(chain, owner)
                             prev = self.demand.previous(chain)
                             hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
                             shared = max(shared, nshared * v.hash_cfg.block_size)

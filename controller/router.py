@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
-from controller.cost import Branches, CostConfig, Flight, InFlight
+from controller.cost import CostConfig, Flight, InFlight
 from controller.demand import DemandLedger
 from controller.index import PrefixIndex
 from controller.keyed_slots import KeyedSlots
@@ -42,6 +42,7 @@ from controller.owned import OwnedLru
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.shadow_pool import ShadowPools
+from controller.tenant_branches import TenantBranches
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from controller.vllm.http import VllmHttp
 from controller.vllm.subscriber import StreamLimits
@@ -120,7 +121,7 @@ class Router:
         self._routed = self._matched = 0
         c = self.cfg.cost
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
-        self.branches = Branches()
+        self.branches = TenantBranches()  # per tenant, one bound (controller/tenant_branches.py)
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
         self._hash_slots = KeyedSlots(HASH_THREADS_PER_TENANT, key_name="tenant", name="long prompts hashed")
@@ -374,7 +375,7 @@ class Router:
                 # NOTE: the workers as they are once its turn came (a wait can be long): fewer chains left to the loop
                 jobs, warm = self.candidates.hash_jobs(model, lora), self.candidates.warm_keys(model, lora)
                 token_ids, pre, seed, observed = await asyncio.to_thread(
-                    _hashed_long, jobs, warm, token_ids, model, cache_salt, lora, self.branches
+                    _hashed_long, jobs, warm, token_ids, model, cache_salt, lora, self.branches, owner
                 )
             ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed, owner)
         if probe if probe is not None else self.cfg.probe_on_route:
@@ -634,7 +635,8 @@ class Router:
 
 
 def _hashed_long(jobs: dict[Any, Any], warm: Sequence[Any], token_ids: Sequence[int], model: str, salt: str | None,
-                 lora: str | None, branches: Branches) -> tuple[Sequence[int], dict[Any, list[int]], int, dict[Any, int]]:
+                 lora: str | None, branches: TenantBranches,
+                 owner: str | None = None) -> tuple[Sequence[int], dict[Any, list[int]], int, dict[Any, int]]:
     """A long prompt's O(tokens) work, in its hashing thread: its ids as a list (a protobuf repeated field arrives
     as is), checked and hashed (checked_chains), their tuple hash (the ordering's tie-break seed), and the chains of
     the `warm` keys observed in `branches` in the order the ordering would observe them. Returns (ids, chains,
@@ -642,5 +644,5 @@ def _hashed_long(jobs: dict[Any, Any], warm: Sequence[Any], token_ids: Sequence[
     if not isinstance(token_ids, list | tuple | str | bytes | bytearray) and isinstance(token_ids, Sequence):
         token_ids = list(token_ids)
     chains = checked_chains(jobs, token_ids, model, salt, lora)
-    observed = {ck: branches.observe(chains[ck]) for ck in warm if ck in chains}
+    observed = {ck: branches.observe(chains[ck], owner) for ck in warm if ck in chains}
     return token_ids, chains, seed_of(token_ids), observed
