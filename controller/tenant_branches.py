@@ -8,7 +8,8 @@ older generation (its newer one becomes the older), until they fit. A lone tenan
 NOTE: the generations were shared: one tenant's 17 distinct 1M-token prompts (1.1M new hashes) turned them over twice,
 and another tenant's system prompt, not sent meanwhile, was forgotten (64 shared blocks, then 0): its next turns were
 weighed as if they shared nothing, until three of its conversations had taught the fork again.
-Cost: one look at each tenant's count per observation while several hold hashes (a few tenants: well under a us).
+Cost: the running total is kept as each observation changes it (O(1) in the tenants); only past the bound is the
+largest tenant looked for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class TenantBranches:
     def __init__(self, max_blocks: int = 1 << 20, fanout: int = 3) -> None:
         self.max_blocks, self.fanout = max_blocks, fanout
         self._by: dict[str, Branches] = {}
+        self._total = 0  # every tenant's hashes: kept as they change, so a route never sums over the tenants
         self._lock = threading.Lock()  # NOTE: a long prompt's chain is observed in its hashing thread (router.py)
 
     def observe(self, chain: Sequence[int], owner: str | None = None) -> int:
@@ -33,11 +35,16 @@ class TenantBranches:
             mine = self._by.get(owner or "")
             if mine is None:
                 mine = self._by[owner or ""] = Branches(self.max_blocks, self.fanout)
+            before = mine.num_blocks()
             shared = mine.observe(chain)
-            while len(self._by) > 1 and self.num_blocks() > self.max_blocks:
-                largest = max(self._by, key=lambda o: self._by[o].num_blocks())
-                self._by[largest].rotate()
-                if not self._by[largest].num_blocks():
+            self._total += mine.num_blocks() - before
+            while len(self._by) > 1 and self._total > self.max_blocks:
+                largest = max(self._by, key=lambda o: self._by[o].num_blocks())  # only past the bound
+                b = self._by[largest]
+                before = b.num_blocks()
+                b.rotate()
+                self._total += b.num_blocks() - before
+                if not b.num_blocks():
                     del self._by[largest]
             return shared
 
