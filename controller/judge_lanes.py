@@ -51,7 +51,7 @@ DEFAULT_TENANT_QUEUE = 1024
 @dataclass(frozen=True, slots=True)
 class JudgeLimits:
     """The judge pool and per-tenant lanes (`--judge-*` flags). Invariants: threads >= 1,
-    1 <= tenant_inflight, tenant_cpu >= 0 (0: no CPU budget), burst_s > 0, tenant_queue >= 1."""
+    1 <= tenant_inflight < threads (or both 1), tenant_cpu >= 0 (0: no CPU budget), burst_s > 0, tenant_queue >= 1."""
 
     threads: int = DEFAULT_THREADS
     heavy_threads: int = 1  # the background (heavy layer) pool
@@ -67,6 +67,13 @@ class JudgeLimits:
             raise InvalidArgument(f"heavy judge threads must be >= 1, got {self.heavy_threads}")
         if self.tenant_inflight < 1:
             raise InvalidArgument(f"--judge-inflight-per-tenant must be >= 1, got {self.tenant_inflight}")
+        if self.threads > 1 and self.tenant_inflight >= self.threads:
+            # NOTE: accepted silently before: one tenant could then hold every thread, and the guarantee that another
+            # tenant always finds one free did not hold (one thread cannot keep it: 1 and 1 stay allowed)
+            raise InvalidArgument(
+                f"--judge-inflight-per-tenant ({self.tenant_inflight}) must be below --judge-threads ({self.threads}), "
+                "so that another tenant always finds a thread free"
+            )
         if not self.tenant_cpu >= 0:
             raise InvalidArgument(
                 f"--judge-cpu-per-tenant must be >= 0 (0: no budget), got {self.tenant_cpu}"

@@ -212,9 +212,12 @@ def test_bad_limits_name_the_flag() -> None:
         ({"threads": 0}, "--judge-threads"),
         ({"tenant_inflight": 0}, "--judge-inflight-per-tenant"),
         ({"tenant_cpu": -1.0}, "--judge-cpu-per-tenant"),
+        ({"threads": 2, "tenant_inflight": 2}, "must be below --judge-threads"),  # before: accepted
     ):
         with pytest.raises(InvalidArgument, match=flag):
             JudgeLimits(**kw)  # type: ignore[arg-type]
+    JudgeLimits(threads=1, tenant_inflight=1)  # controls: one thread cannot keep a thread free; 3 and 2 can
+    JudgeLimits(threads=3, tenant_inflight=2)
 
 
 @pytest.mark.parametrize(
