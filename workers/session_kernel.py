@@ -209,12 +209,13 @@ class SessionKernel:
                     self.ctx.op_id = self.ctx.op_fp = ""
             self.num_prefilled_tokens += self._s.num_computed - before
             self.last_active = time.time()
-            return self._reply(result)
+            # NOTE: None when the call logged nothing (a clean verdict): it answered the previous call's index, and
+            # None once the session was rebuilt (last_op_index is not kept), so the same call answered two ways
+            return self._reply(result, self.last_op_index if self.num_log_writes != writes else None)
 
-    def _reply(self, result: Any, replayed: bool = False, op_index: int | None = None) -> OpResult:
+    def _reply(self, result: Any, op_index: int | None, replayed: bool = False) -> OpResult:
         s = self._s
-        return OpResult(result, s.last_logits, len(s), self.last_op_index if op_index is None else op_index, replayed,
-                        self.history_tokens)
+        return OpResult(result, s.last_logits, len(s), op_index, replayed, self.history_tokens)
 
     def _replayed(self, op_id: str, logged: Callable[[], Any] | None = None) -> OpResult:
         """The answer to a retried op already in the log: `logged()`, or the piece its append added (None
@@ -224,7 +225,7 @@ class SessionKernel:
         op = ops[index] if index is not None else None
         pieces = self.context.pieces
         piece = pieces[op.piece] if isinstance(op, AppendOp) and op.piece < len(pieces) else None
-        return self._reply(logged() if logged is not None else piece, replayed=True, op_index=index)
+        return self._reply(logged() if logged is not None else piece, index, replayed=True)
 
     # -- verbs --------------------------------------------------------------------------------
 

@@ -118,3 +118,22 @@ async def test_a_call_that_fails_before_logging_changes_nothing(store: Any, monk
     assert not sk.torn and len(store.oplog_read("acme", "s1")) == 3
     r = await sk.evict(1, "exact", op_id="e1")                    # served as before, no rebuild
     assert (r.replayed, r.num_tokens, sk.torn) == (False, 30, "")
+
+
+# ---- op_index: the op's index in the log, None when the call logged nothing ---------------------------------
+
+async def test_a_call_that_logs_nothing_answers_no_op_index_before_and_after_a_rebuild(store: Any) -> None:
+    """A clean verdict logs nothing: its answer names no op of the log. Before, it named the previous call's (1, the
+    append's) on the live session and None after a rebuild: the same call answered two ways."""
+    from fleet.core.quarantine.detector import Verdict
+
+    ref, clean = store.put(b"a harmless tool output", "acme"), Verdict(False, [])
+    sk = await _started(store)
+    r = await sk.admit_tool_result(ref, clean, op_id="adm-1")
+    assert (r.op_index, r.replayed, len(store.oplog_read("acme", "s1"))) == (None, False, 2)   # before: 1
+    rebuilt = inline_session(store)
+    await rebuilt.restore()
+    again = await rebuilt.admit_tool_result(ref, clean, op_id="adm-1")
+    assert (again.op_index, again.result) == (r.op_index, r.result)
+    logged = await rebuilt.append_output(IDS[30:35], op_id="a9")       # control: a call that logs answers its index
+    assert (logged.op_index, (await rebuilt.append_output(IDS[30:35], op_id="a9")).op_index) == (2, 2)
