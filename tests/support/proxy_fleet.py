@@ -149,6 +149,19 @@ async def linked_fleet(tmp_path: Path, **kw: Any) -> AsyncIterator[tuple[Fleet, 
         await control.close()
         await fleet.stop()
 
+def count_whoami(control: ControlClient) -> list[int]:
+    """Count the proxy's WhoAmI calls to the controller from now on: [calls], read as it grows."""
+    calls = [0]
+    real = control._fleet.WhoAmI
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        return real(*a, **k)
+
+    control._fleet.WhoAmI = counted
+    return calls
+
+
 async def until(fn: Callable[[], Awaitable[Any]], pred: Callable[[Any], bool], timeout: float = 10.0) -> Any:
     """Poll an async call until pred(result) holds; fail loudly on timeout."""
     deadline = time.monotonic() + timeout

@@ -10,9 +10,8 @@ front of stand-ins; its ControlClient's WhoAmI is wrapped only to count calls.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from support.proxy_fleet import start_fleet
+from support.proxy_fleet import count_whoami, start_fleet
 
 from controller.auth import mint_token
 from controller.proxy.callers import KnownCallers
@@ -24,14 +23,7 @@ async def test_one_tenants_many_tokens_never_push_out_another_tenants_answer(tmp
         control = fleet.proxy.control
         control._callers = KnownCallers(cap=4)
         bravo = [mint_token(tmp_path / "tokens.json", "bravo", "tenant", f"bravo-user-{i}") for i in range(5)]
-        calls = [0]
-        real = control._fleet.WhoAmI
-
-        def counted(*a: Any, **k: Any) -> Any:
-            calls[0] += 1
-            return real(*a, **k)
-
-        control._fleet.WhoAmI = counted
+        calls = count_whoami(control)
 
         async def version(token: str) -> int:
             async with fleet.http.get(fleet.proxy.url + "/version", headers={"Authorization": f"Bearer {token}"}) as r:

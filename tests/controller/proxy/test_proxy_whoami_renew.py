@@ -14,29 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.proxy_fleet import start_fleet, until
+from support.proxy_fleet import count_whoami, start_fleet, until
 
 from controller.auth import hash_token
 from fleet.core.errors import Unauthenticated
-
-
-def _count_whoami(control: Any) -> list[int]:
-    calls = [0]
-    real = control._fleet.WhoAmI
-
-    def counted(*a: Any, **k: Any) -> Any:
-        calls[0] += 1
-        return real(*a, **k)
-
-    control._fleet.WhoAmI = counted
-    return calls
 
 
 async def test_a_token_in_steady_use_waits_for_whoami_once(tmp_path: Path) -> None:
     fleet = await start_fleet(tmp_path, auth_cache_s=0.6)
     try:
         control, token = fleet.proxy.control, fleet.tokens["a"]
-        calls = _count_whoami(control)
+        calls = count_whoami(control)
         waited, t0 = [], time.monotonic()
         while time.monotonic() - t0 < 2.5:  # a request every 0.1 s for about 4 cache lives
             before = calls[0]
