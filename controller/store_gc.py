@@ -131,26 +131,32 @@ class StoreGc:
     async def _run(self) -> int:
         async with self._lock:  # the schedule and the RPC never collect at the same time
             self._collecting = asyncio.current_task()
-            t0 = time.monotonic()
             try:
-                n = int(await self._blocking(self.store.gc))
-                pruned = await self._blocking(prune_records, self.store, time.time(), self.record_ttl_s)
-                idle = await self._blocking(prune_verdicts, self.store, time.time(), self.cfg.verdict_ttl_s,
-                                            max(self.cfg.verdict_ttl_s, self.record_ttl_s), self._verdicts_cursor)
-                self._verdicts_cursor = idle.cursor
-            except Exception:
-                self.metrics.store_gc_runs.labels(outcome="error").inc()
-                raise
+                return await self._collect()
             finally:
-                self.metrics.store_gc_duration.observe(time.monotonic() - t0)
-            self.metrics.store_gc_runs.labels(outcome="ok").inc()
-            self.metrics.store_gc_collected.inc(n)
-            self.metrics.store_gc_last_success.set(time.time())
-            if pruned:
-                log.info("store gc pruned %d quarantine record(s) older than %.0fs", pruned, self.record_ttl_s)
-            if idle.num_pruned:
-                log.info("store gc pruned %d of %d cached verdict(s) looked at", idle.num_pruned, idle.num_seen)
-            return n
+                self._collecting = None
+
+    async def _collect(self) -> int:
+        t0 = time.monotonic()
+        try:
+            n = int(await self._blocking(self.store.gc))
+            pruned = await self._blocking(prune_records, self.store, time.time(), self.record_ttl_s)
+            idle = await self._blocking(prune_verdicts, self.store, time.time(), self.cfg.verdict_ttl_s,
+                                        max(self.cfg.verdict_ttl_s, self.record_ttl_s), self._verdicts_cursor)
+            self._verdicts_cursor = idle.cursor
+        except Exception:
+            self.metrics.store_gc_runs.labels(outcome="error").inc()
+            raise
+        finally:
+            self.metrics.store_gc_duration.observe(time.monotonic() - t0)
+        self.metrics.store_gc_runs.labels(outcome="ok").inc()
+        self.metrics.store_gc_collected.inc(n)
+        self.metrics.store_gc_last_success.set(time.time())
+        if pruned:
+            log.info("store gc pruned %d quarantine record(s) older than %.0fs", pruned, self.record_ttl_s)
+        if idle.num_pruned:
+            log.info("store gc pruned %d of %d cached verdict(s) looked at", idle.num_pruned, idle.num_seen)
+        return n
 
     async def _scheduled(self) -> None:
         n = await self.run_once()
