@@ -187,11 +187,7 @@ class Controller:
             become = asyncio.create_task(self.become_leader())
             try:
                 await asyncio.wait((hold, become), return_when=asyncio.FIRST_COMPLETED)
-                if not become.done():
-                    become.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await become
-                else:
+                if become.done():  # started (or failed: raised here): lead until a renew fails
                     become.result()
                     await hold
                 log.warning("controller on %s lost the leader lock; standing by", self.address)
@@ -201,7 +197,7 @@ class Controller:
                 await asyncio.sleep(lock.ttl_s)
             finally:
                 hold.cancel()
-                if not become.done():  # this task cancelled (the controller stops): the start ends with it
+                if not become.done():  # the lease lost during the start, or this task cancelled: the start ends
                     become.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await become
