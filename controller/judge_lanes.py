@@ -20,7 +20,8 @@ would hold those threads and stall every other tenant's uploads and chats. Inste
                again the next time its bytes are seen
 
 A job whose caller went away (the RPC was cancelled) is skipped when its turn comes. The lanes live on
-one asyncio loop (the controller's); the jobs run on the pool.
+one asyncio loop (the controller's); the jobs run on the pool. One tenant's books (its queues, jobs in
+flight and CPU bucket) are a JudgeLane (controller/judge_lane.py); this module decides whose turn it is.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from controller.judge_lane import JudgeJob, JudgeLane
 from fleet.core.errors import InvalidArgument, ResourceExhausted
 
 log = logging.getLogger("kvfleet.controller")
@@ -84,31 +86,6 @@ class JudgeLimits:
             raise InvalidArgument(f"judge queue per tenant must be >= 1, got {self.tenant_queue}")
 
 
-@dataclass(slots=True)
-class _Job:
-    fn: Callable[[], Any]
-    fut: asyncio.Future[Any] | None  # None: a background job nobody waits for
-
-
-@dataclass(slots=True)
-class _Lane:
-    balance: float  # CPU-seconds left in the bucket (may go below 0 by the last job's overrun)
-    stamp: float  # when balance was last refilled (monotonic)
-    now: deque[_Job] = field(default_factory=deque)
-    later: deque[_Job] = field(default_factory=deque)
-    running: list[int] = field(default_factory=lambda: [0, 0])  # jobs in flight, "now" and "later"
-    cpu_s: float = 0.0  # CPU charged in total
-    jobs: int = 0
-    dropped: int = 0  # background jobs dropped on a full queue
-    throttled: int = 0  # times its turn came with jobs waiting and its budget spent
-
-    def pending(self) -> int:
-        return len(self.now) + len(self.later)
-
-    def queue(self, kind: int) -> deque[_Job]:
-        return self.later if kind else self.now
-
-
 class JudgeLanes:
     """Per-tenant lanes over one bounded judge pool; see the module docstring."""
 
@@ -118,16 +95,16 @@ class JudgeLanes:
         self.heavy_pool = ThreadPoolExecutor(
             self.limits.heavy_threads, thread_name_prefix="kvfleet-judge-heavy"
         )
-        self._lanes: dict[str, _Lane] = {}
+        self._lanes: dict[str, JudgeLane] = {}
         self._order: tuple[deque[str], deque[str]] = (deque(), deque())  # per kind: tenants with jobs queued
         self._running = [0, 0]
         self._wake: asyncio.TimerHandle | None = None
         self._closed = False
 
-    def _lane(self, tenant: str) -> _Lane:
+    def _lane(self, tenant: str) -> JudgeLane:
         lane = self._lanes.get(tenant)
         if lane is None:
-            lane = self._lanes[tenant] = _Lane(self.limits.burst_s, time.monotonic())
+            lane = self._lanes[tenant] = JudgeLane(self.limits.burst_s, time.monotonic())
         return lane
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
@@ -147,9 +124,7 @@ class JudgeLanes:
         """
         lane = self._lane(tenant)
         if len(lane.now) + len(args) > self.limits.tenant_queue:
-            # NOTE: jobs whose callers went away left the queue only when their lane's turn came; until then they
-            # counted, and a tenant whose calls had timed out was refused with nothing waiting
-            lane.now = deque(job for job in lane.now if job.fut is None or not job.fut.done())
+            lane.drop_gone()
         if len(lane.now) + len(args) > self.limits.tenant_queue:
             raise ResourceExhausted(
                 f"tenant {tenant!r} has {len(lane.now)} tool results waiting to be judged and sent "
@@ -162,7 +137,7 @@ class JudgeLanes:
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[T]] = [loop.create_future() for _ in args]
         for fut, a in zip(futs, args, strict=True):
-            self._push(tenant, lane, 0, _Job(functools.partial(fn, *a), fut))
+            self._push(tenant, lane, 0, JudgeJob(functools.partial(fn, *a), fut))
         try:
             return list(await asyncio.gather(*futs))
         except BaseException:
@@ -177,22 +152,16 @@ class JudgeLanes:
         if self._closed or len(lane.later) >= self.limits.tenant_queue:
             lane.dropped += 1
             return False
-        self._push(tenant, lane, 1, _Job(lambda: fn(*args), None))
+        self._push(tenant, lane, 1, JudgeJob(lambda: fn(*args), None))
         return True
 
-    def _push(self, tenant: str, lane: _Lane, kind: int, job: _Job) -> None:
+    def _push(self, tenant: str, lane: JudgeLane, kind: int, job: JudgeJob) -> None:
         if self._closed:
             raise ResourceExhausted("the controller is stopping; retry on another controller")
         lane.queue(kind).append(job)
         if tenant not in self._order[kind]:
             self._order[kind].append(tenant)
         self._pump()
-
-    def _refill(self, lane: _Lane, now: float) -> None:
-        rate = self.limits.tenant_cpu
-        if rate > 0:
-            lane.balance = min(self.limits.burst_s, lane.balance + (now - lane.stamp) * rate)
-        lane.stamp = now
 
     def _pump(self) -> None:
         """Start jobs while threads are free, for each pool: tenants round-robin, skipping a lane at its
@@ -208,8 +177,8 @@ class JudgeLanes:
                 tenant = order[0]
                 order.rotate(-1)
                 lane = self._lanes[tenant]
-                self._refill(lane, now)
-                job = self._next(lane, kind)
+                lane.refill(now, rate, self.limits.burst_s)
+                job = lane.next(kind)
                 if job is None:
                     order.remove(tenant)
                     tried = 0
@@ -243,16 +212,8 @@ class JudgeLanes:
         self._wake = None
         self._pump()
 
-    @staticmethod
-    def _next(lane: _Lane, kind: int) -> _Job | None:
-        """The lane's next live job of `kind`; cancelled ones are dropped on the way."""
-        q = lane.queue(kind)
-        while q and q[0].fut is not None and q[0].fut.done():
-            q.popleft()
-        return q[0] if q else None
-
-    def _start(self, tenant: str, lane: _Lane, kind: int, job: _Job) -> None:
-        lane.running[kind] += 1
+    def _start(self, tenant: str, lane: JudgeLane, kind: int, job: JudgeJob) -> None:
+        lane.started(kind)
         self._running[kind] += 1
 
         def timed() -> tuple[float, Any, BaseException | None]:
@@ -266,17 +227,14 @@ class JudgeLanes:
         cf = asyncio.get_running_loop().run_in_executor(self.heavy_pool if kind else self.pool, timed)
         cf.add_done_callback(lambda f: self._done(tenant, lane, kind, job, f))
 
-    def _done(self, tenant: str, lane: _Lane, kind: int, job: _Job, f: asyncio.Future[Any]) -> None:
-        lane.running[kind] -= 1
+    def _done(self, tenant: str, lane: JudgeLane, kind: int, job: JudgeJob, f: asyncio.Future[Any]) -> None:
         self._running[kind] -= 1
-        lane.jobs += 1
         if f.cancelled():
             err: BaseException | None = asyncio.CancelledError()
             cpu, value = 0.0, None
         else:
             cpu, value, err = f.result()
-        lane.cpu_s += cpu
-        lane.balance -= cpu
+        lane.ended(kind, cpu)
         if job.fut is not None and not job.fut.done():
             if err is not None:
                 job.fut.set_exception(err)
@@ -289,27 +247,9 @@ class JudgeLanes:
 
     def stats(self, tenant: str) -> dict[str, float]:
         """{"cpu_s", "jobs", "queued", "inflight", "dropped", "throttled", "balance"} of `tenant`'s lane (zeros if
-        none)."""
+        none: a fresh lane's, with a full bucket; none is made for it)."""
         lane = self._lanes.get(tenant)
-        if lane is None:
-            return {
-                "cpu_s": 0.0,
-                "jobs": 0,
-                "queued": 0,
-                "inflight": 0,
-                "dropped": 0,
-                "throttled": 0,
-                "balance": self.limits.burst_s,
-            }
-        return {
-            "cpu_s": lane.cpu_s,
-            "jobs": lane.jobs,
-            "queued": lane.pending(),
-            "inflight": sum(lane.running),
-            "dropped": lane.dropped,
-            "throttled": lane.throttled,
-            "balance": lane.balance,
-        }
+        return (lane if lane is not None else JudgeLane(self.limits.burst_s, 0.0)).stats()
 
     async def aclose(self) -> None:
         """close(), then wait for the running jobs (they may still use the store the caller closes next)."""
@@ -323,11 +263,7 @@ class JudgeLanes:
         if self._wake is not None:
             self._wake.cancel()
         for lane in self._lanes.values():
-            for q in (lane.now, lane.later):
-                for job in q:
-                    if job.fut is not None and not job.fut.done():
-                        job.fut.cancel()
-                q.clear()
+            lane.cancel_queued()
         for order in self._order:
             order.clear()
         self.pool.shutdown(wait=False, cancel_futures=True)
