@@ -25,6 +25,9 @@ serving (worker, dp_rank) from its index, its in-flight ledger and the last /met
                 `kv_high_water` implies. 0 when every full block of the prompt is resident on w:
                 a request that adds no block evicts nothing
 
+A batch (one request, several prompts: a completions `prompt` list) is costed by the same terms, its cached,
+prefill and amortized tokens summed over its prompts (`terms(batch=...)`, controller/batch_route.py).
+
 Hard rules stay outside the arithmetic: a candidate that is not serving is never ranked, and one
 that is not proven (epoch, calibration, fences) gets no cached tokens, whatever it would cost.
 """
@@ -145,6 +148,8 @@ class CandidateState(NamedTuple):
     # the size a waiting request the router did not track counts at on this rank (InFlight.mean_tokens);
     # None: the `mean_request_tokens` the caller of `terms` passes
     mean_request_tokens: float | None = None
+    # a batch's later prompts (controller/batch_route.py): the proven-warm prefix of each here, in the batch's order
+    batch_cached: tuple[int, ...] = ()
 
 
 class Scored(NamedTuple):
@@ -184,23 +189,34 @@ def terms(
     s: CandidateState,
     mean_request_tokens: float,
     num_shared_tokens: int = 0,
+    batch: Sequence[tuple[int, int]] = (),
 ) -> RouteCost:
     """The cost of sending a `num_prompt_tokens` request to the candidate, term by term.
 
     `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`).
     `mean_request_tokens`: the size of an untracked waiting request where the state names none.
+    `batch`: a batched request's later prompts, each (num_prompt_tokens, num_shared_tokens); their cached prefixes
+    here are `s.batch_cached`. The batch is one request to the worker that runs each prompt with its own prefix-cache
+    hit, so its cached, prefill and amortized tokens are the sums over its prompts; it evicts nothing only if each
+    prompt's full blocks are all resident.
     """
     _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage = s[:14]
     cached = min(cached, num_prompt_tokens) if proven else 0
     prefill = num_prompt_tokens - cached
     amortized = max(0, min(num_shared_tokens, num_prompt_tokens) - cached)
+    resident = s.block_size > 0 and num_prompt_tokens // s.block_size <= cached // s.block_size
+    if batch:
+        for (n, shared), c in zip(batch, s.batch_cached or (0,) * len(batch), strict=True):
+            c = min(c, n) if proven else 0
+            cached, prefill, amortized = cached + c, prefill + n - c, amortized + max(0, min(shared, n) - c)
+            resident = resident and n // s.block_size <= c // s.block_size
     queued = float(tracked)
     if waiting > n_queued:  # waiting requests /metrics shows beyond the ones we track, at the mean size
         mean = s.mean_request_tokens
         queued += (waiting - n_queued) * (mean_request_tokens if mean is None else mean)
     active = max(n_active, running + waiting)
     # NOTE: the fast path skips the block arithmetic where nothing can be evicted
-    if s.block_size > 0 and num_prompt_tokens // s.block_size <= cached // s.block_size:
+    if resident:
         evicted = 0  # every full block is resident there: it adds none, so it evicts none (issue #27)
     elif s.num_demand_blocks >= 0 and capacity and s.block_size > 0:
         # NOTE: the working set over capacity, not only this request's new blocks: on an
@@ -225,6 +241,7 @@ def order(
     states: Iterable[CandidateState],
     mean_request_tokens: float,
     num_shared_tokens: int = 0,
+    batch: Sequence[tuple[int, int]] = (),
 ) -> list[Scored]:
     """Serving candidates, cheapest first.
 
@@ -237,7 +254,7 @@ def order(
     for i, s in enumerate(states):
         worker, dp_rank, serving = s[0], s[1], s[2]
         if serving:
-            t = terms(cfg, num_prompt_tokens, s, mean_request_tokens, num_shared_tokens)
+            t = terms(cfg, num_prompt_tokens, s, mean_request_tokens, num_shared_tokens, batch)
             keyed.append((t[0], s.num_resident_blocks, s.spread, worker, dp_rank, i, t, s))
     keyed.sort()
     return with_affinity(cfg.affinity_margin, [Scored(k[6], k[7]) for k in keyed], num_shared_tokens)

@@ -17,7 +17,8 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from controller import cost
+from controller import batch_route, cost
+from controller.batch_route import Hashed, LaterPrompt
 from controller.cost import CandidateState, CostConfig, Flight, InFlight, Scored
 from controller.demand import Conversation, DemandLedger
 from controller.index import PrefixIndex, RankKey
@@ -39,6 +40,8 @@ class Ordering(NamedTuple):
     ordered: list[Scored]
     last_hash: dict[RankKey, int | None]  # the prompt's last full block hash per proven rank
     chains: dict[RankKey, tuple[list[int], int, int]]  # per proven rank: the prompt's chain, its shared blocks, its group
+    # per proven rank, a batch's later prompts as `chains` holds the first (controller/batch_route.py)
+    batch: dict[RankKey, list[tuple[list[int], int, int]]] = {}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,15 +108,21 @@ class CandidateOrder:
 
     def order(self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
               pre: dict[Any, list[int]] | None = None, seed: int | None = None,
-              observed: dict[Any, int] | None = None, owner: str | None = None) -> Ordering:
+              observed: dict[Any, int] | None = None, owner: str | None = None,
+              batch: Sequence[Sequence[int]] = (), batch_pre: Sequence[Hashed] | None = None) -> Ordering:
         """Rank the candidates; `pre` holds chains hashed off the event loop (see checked_chains), `seed` the
         prompt's seed_of and `observed` what Branches.observe returned there for the chains of warm_keys; a chain
         or key missing from them (a worker that came or woke meanwhile) is hashed or observed here. `owner`, the
-        tenant: a conversation with no shared prefix pools its return evidence with that tenant's alone."""
+        tenant: a conversation with no shared prefix pools its return evidence with that tenant's alone. `batch`: a
+        batched request's later prompts (`token_ids` is its first), `batch_pre` their work done off the loop; the
+        candidates are then costed by the whole batch (controller/batch_route.py)."""
         # per hash config: the prompt's chain, and the tracked routes it extends
         chains: dict[Any, tuple[list[int], dict[RankKey, int], int, tuple[int, Conversation] | None]] = {}
         last: dict[RankKey, int | None] = {}
         placed: dict[RankKey, tuple[list[int], int, int]] = {}
+        later: dict[Any, list[LaterPrompt]] = {}  # per hash config: the batch's later prompts
+        placed_later: dict[RankKey, list[tuple[list[int], int, int]]] = {}
+        later_shared = [0] * len(batch)  # per later prompt, as `shared`
         solo = solo_group(owner)
         self.demand.expire(time.monotonic())
         states = []
@@ -143,21 +152,37 @@ class CandidateOrder:
                             prev = self.demand.previous(chain)
                             hit = chains[ck] = (chain, self.flights.extended(chain), nshared, prev)
                             shared = max(shared, nshared * v.hash_cfg.block_size)
+                            if batch:
+                                parts = later[ck] = batch_route.later_prompts(
+                                    ck, v.hash_cfg, v.lora_key(adapter), batch, batch_pre, salt, self.branches,
+                                    self.demand, owner)
+                                later_shared = [max(a, p.num_shared * v.hash_cfg.block_size)
+                                                for a, p in zip(later_shared, parts, strict=True)]
                         chain, ext, nshared, prev = hit
                         last[key] = chain[-1] if chain else None
                         group = chain[nshared - 1] if nshared else solo
                         placed[key] = (hit[0], nshared, group)
                         need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared, group)
+                        if batch:
+                            parts = later[ck]
+                            placed_later[key] = batch_route.placed(parts, solo)
+                            need = batch_route.demand_with(self.demand, key, need, parts, solo)
                     else:
                         need = -1
-                    mine.append(self._state(v, key, proven, chain, ext, seed, need, owner or ""))
+                    s = self._state(v, key, proven, chain, ext, seed, need, owner or "")
+                    if batch and proven and v.hash_cfg is not None:
+                        s = s._replace(batch_cached=batch_route.cached_tokens(
+                            self.index, self.shadow, key, later[v.chain_key(adapter)], v.hash_cfg.block_size,
+                            owner or ""))
+                    mine.append(s)
             except Exception as e:  # one worker's bad state costs that worker its candidacy, no more
                 w.errors.failed("route", e)
                 continue
             states += mine
         cfg = self.cost()
-        ranked = cost.order(cfg, len(token_ids), states, cfg.untracked_request_tokens, shared)
-        return Ordering(ranked, last, placed)
+        sizes = [(len(ids), n) for ids, n in zip(batch, later_shared, strict=True)]
+        ranked = cost.order(cfg, len(token_ids), states, cfg.untracked_request_tokens, shared, sizes)
+        return Ordering(ranked, last, placed, placed_later)
 
     def _state(
         self,

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
+from controller.batch_route import MAX_BATCH_PROMPTS, Hashed
 from controller.cost import CostConfig, Flight, InFlight
 from controller.demand import DemandLedger
 from controller.index import PrefixIndex
@@ -130,7 +131,8 @@ class Router:
         # dropped when the route ends (release, TTL, reconcile, worker gone)
         # NOTE: past MAX_MOVABLE_ROUTES the tenant with the most loses its oldest: one tenant's flood of
         # tracked Routes evicted every other tenant's, whose MoveRoute then moved nothing
-        self._alternatives: OwnedLru[str, tuple[Ordering, int]] = OwnedLru(MAX_MOVABLE_ROUTES)
+        # (the ordering, each prompt's number of tokens: one, or a batch's)
+        self._alternatives: OwnedLru[str, tuple[Ordering, tuple[int, ...]]] = OwnedLru(MAX_MOVABLE_ROUTES)
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
@@ -342,6 +344,7 @@ class Router:
         probe: bool | None = None,
         track: bool = False,
         owner: str | None = None,
+        batch: Sequence[Sequence[int]] = (),
     ) -> RouteDecision:
         """Pick the cheapest serving (worker, rank).
 
@@ -355,6 +358,11 @@ class Router:
         list only in its hashing thread. The tenant's long prompts waiting for a thread hold at most
         LONG_WAIT_TOKENS_PER_TENANT tokens.
 
+        `batch`: a batched request's later prompts (`token_ids` is its first; at most MAX_BATCH_PROMPTS in all): the
+        candidates are costed by the whole batch, and every prompt is recorded where it goes (controller/batch_route.py).
+        The decision's cached tokens are then the sum over the prompts. Its prompts count as one prompt of their total
+        length for the hashing rules above.
+
         Raises:
             InvalidArgument: bad token ids, model or salt.
             ResourceExhausted: the tenant's long prompts waiting to be hashed would hold over LONG_WAIT_TOKENS_PER_TENANT.
@@ -363,39 +371,51 @@ class Router:
         """
         t0 = time.perf_counter()
         check_route_args((), model, cache_salt, lora)  # the cheap part; the tokens are checked off the loop
+        if len(batch) >= MAX_BATCH_PROMPTS:
+            raise InvalidArgument(f"a batch of {len(batch) + 1} prompts is over the route's limit of "
+                                  f"{MAX_BATCH_PROMPTS}; route it by its first {MAX_BATCH_PROMPTS}")
         if expired := self.flights.expire(time.monotonic()):  # hot path: most routes expire nothing
             self._ended(expired, "ttl")
-        if isinstance(token_ids, list | tuple) and len(token_ids) <= INLINE_HASH_TOKENS:
-            pre = checked_chains(self.candidates.hash_jobs(model, lora), token_ids, model, cache_salt, lora)
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, owner=owner)
+        num_tokens = sum(len(p) if isinstance(p, Sized) else INLINE_HASH_TOKENS + 1 for p in (token_ids, *batch))
+        if all(isinstance(p, list | tuple) for p in (token_ids, *batch)) and num_tokens <= INLINE_HASH_TOKENS:
+            jobs = self.candidates.hash_jobs(model, lora)
+            pre = checked_chains(jobs, token_ids, model, cache_salt, lora)
+            bpre = [Hashed(checked_chains(jobs, p, model, cache_salt, lora), {}) for p in batch]
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, owner=owner, batch=batch,
+                                             batch_pre=bpre)
         else:
             # NOTE: a long prompt's O(tokens) work (its ids made a list, checked, hashed, its tuple hash and the
             # Branches it extends) runs in the thread; its ordering reads the ledgers on the loop, as a short one's
-            async with self._long_turn(owner, len(token_ids) if isinstance(token_ids, Sized) else 0):
+            async with self._long_turn(owner, num_tokens):
                 # NOTE: the workers as they are once its turn came (a wait can be long): fewer chains left to the loop
                 jobs, warm = self.candidates.hash_jobs(model, lora), self.candidates.warm_keys(model, lora)
                 token_ids, pre, seed, observed = await asyncio.to_thread(
                     _hashed_long, jobs, warm, token_ids, model, cache_salt, lora, self.branches, owner
                 )
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed, owner)
+                later = await asyncio.to_thread(_hashed_batch, jobs, warm, batch, model, cache_salt, lora,
+                                                self.branches, owner) if batch else []
+            batch, bpre = [ids for ids, _ in later], [h for _, h in later]
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed, owner, batch,
+                                             bpre)
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
-                ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner)
-            ordering = await self._probe(ordering, token_ids, model, cache_salt, lora, owner)
+                ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner, batch=batch)
+            ordering = await self._probe(ordering, token_ids, model, cache_salt, lora, owner, batch)
         if not ordering.ordered and await self._looked_again(model, lora):
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner)
+            ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner, batch=batch)
         if not ordering.ordered:
             raise self.candidates.none_serving(model, lora)
         best = ordering.ordered[0]
         name, r, t = best.state.worker, best.state.dp_rank, best.terms
         placed = ordering.chains.get((name, r))
         route_id = secrets.token_hex(16) if track else ""
-        if placed is not None:  # this turn's conversation now lives on (name, r)
-            chain, nshared, group = placed
+        sizes = (len(token_ids), *map(len, batch))
+        if placed is not None:  # this turn's conversation now lives on (name, r); a batch's every prompt's too
             now = time.monotonic()
-            self.demand.place((name, r), chain, nshared, now, group, owner)
-            self._shadow_route((name, r), route_id, chain, len(token_ids), now, owner)
+            for part, (chain, nshared, group) in enumerate((placed, *ordering.batch.get((name, r), ()))):
+                self.demand.place((name, r), chain, nshared, now, group, owner)
+                self._shadow_route((name, r), route_id, chain, sizes[part], now, owner, part)
         if track:
             self.flights.add(
                 Flight(
@@ -408,11 +428,11 @@ class Router:
                 )
             )
             if len(ordering.ordered) > 1:
-                self._alternatives.put(route_id, owner, (ordering, len(token_ids)))
+                self._alternatives.put(route_id, owner, (ordering, sizes))
         cands = tuple(
             RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ordering.ordered
         )
-        self._observe(token_ids, t, cands)
+        self._observe(sum(sizes), t, cands)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
         v = self._workers[name].view()
         return RouteDecision(
@@ -474,13 +494,13 @@ class Router:
             self.shadow.free(route_id, time.monotonic())
         return f is not None
 
-    def _observe(self, token_ids: Sequence[int], t: RouteCost, cands: tuple[RouteCandidate, ...]) -> None:
+    def _observe(self, num_tokens: int, t: RouteCost, cands: tuple[RouteCandidate, ...]) -> None:
         m = self.metrics
         m.route_total.labels(verdict_of(t.cached_tokens)).inc()
         m.route_cost.observe(t.total)
         if len(cands) > 1 and cands[1].cost is not None:
             m.route_cost_margin.observe(cands[1].cost.total - t.total)
-        self._routed += len(token_ids)
+        self._routed += num_tokens
         self._matched += t.cached_tokens
         if self._routed:
             m.hit_rate.set(self._matched / self._routed)
@@ -515,7 +535,7 @@ class Router:
         if v is None or not v.has_rank(dp_rank) or not v.rank(dp_rank).serving:
             raise FailedPrecondition(f"worker {worker!r} rank {dp_rank} is not serving now (asleep, paused, down, "
                                      "faulty, a lifecycle verb in flight, or gone): send the request elsewhere")
-        ordering, num_tokens = alt
+        ordering, sizes = alt
         to = next((c for c in ordering.ordered if (c.state.worker, c.state.dp_rank) == key), None)
         if to is None or key == f.key:
             return False
@@ -526,29 +546,30 @@ class Router:
                                     t=now))
         placed = ordering.chains.get(key)
         if placed is not None:
-            chain = placed[0]
-            if chain:
-                self.demand.move(chain[-1], key)
-            if worker in self._workers:
-                self._shadow_route(key, route_id, chain, num_tokens, now, owner)
+            for part, (chain, _, _) in enumerate((placed, *ordering.batch.get(key, ()))):
+                if chain:
+                    self.demand.move(chain[-1], key)
+                if worker in self._workers:
+                    self._shadow_route(key, route_id, chain, sizes[part], now, owner, part)
         self.metrics.route_releases.labels("moved").inc()
         return True
 
     def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
-                      now: float, owner: str | None = None) -> None:
+                      now: float, owner: str | None = None, part: int = 0) -> None:
         """Replay the route on the rank's block-pool shadow (controller.shadow_pool): the blocks LRU
         drops for it are known before their BlockRemoved arrives. An untracked route (it may never be sent,
         and its end is never told) leaves the pool as it is: only `owner`'s own Routes believe what it would
         evict. A tracked one is freed when released or dropped from the ledger; other tenants' Routes believe what
         it evicts while it may be on its way (shadow_pool.UNSENT_S), then once a BlockStored of its new blocks shows
         it sent, and if it ends before that, its admission is undone (track is the caller's choice: a tracked Route,
-        never sent, used to hide every tenant's blocks for the 5 s grace)."""
+        never sent, used to hide every tenant's blocks for the 5 s grace). `part`: which prompt of a batch (0: the
+        first), each its own request in the pool, all freed with the route."""
         w = self._workers[key[0]].view()
         B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
         if not B:
             return
         self.shadow.allocate(key, route_id, chain, 1 if num_tokens % B else 0, self._pool_size(key), now,
-                             None if route_id else owner or "", owner or "")
+                             None if route_id else owner or "", owner or "", part)
 
     def _pool_size(self, key: tuple[str, int]) -> int | None:
         """The rank's num_gpu_blocks as its shadow is sized (/metrics, else learned from evictions). NOTE: one helper
@@ -616,7 +637,7 @@ class Router:
 
     async def _probe(
         self, ordering: Ordering, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
-        owner: str | None = None,
+        owner: str | None = None, batch: Sequence[Sequence[int]] = (),
     ) -> Ordering:
         """Route-time probe of the chosen worker; on a bad answer, fail over to the next one."""
         tried: set[str] = set()
@@ -630,7 +651,7 @@ class Router:
             if await w.probe() and self._workers.get(name) is w and w.view().rank(r).epoch == epoch:
                 return ordering  # NOTE: without the `is w`, a worker unregistered during its probe was still chosen
             self.metrics.stale_route_guard.labels("probe").inc()
-            ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner)
+            ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner, batch=batch)
         return ordering
 
 
@@ -646,3 +667,15 @@ def _hashed_long(jobs: dict[Any, Any], warm: Sequence[Any], token_ids: Sequence[
     chains = checked_chains(jobs, token_ids, model, salt, lora)
     observed = {ck: branches.observe(chains[ck], owner) for ck in warm if ck in chains}
     return token_ids, chains, seed_of(token_ids), observed
+
+
+def _hashed_batch(jobs: dict[Any, Any], warm: Sequence[Any], batch: Sequence[Sequence[int]], model: str,
+                  salt: str | None, lora: str | None, branches: TenantBranches,
+                  owner: str | None = None) -> list[tuple[Sequence[int], Hashed]]:
+    """_hashed_long for a batch's later prompts, in the same thread: each one's ids as a list, checked, hashed and
+    observed."""
+    out = []
+    for ids in batch:
+        ids, chains, _, observed = _hashed_long(jobs, warm, ids, model, salt, lora, branches, owner)
+        out.append((ids, Hashed(chains, observed)))
+    return out

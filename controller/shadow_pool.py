@@ -534,6 +534,7 @@ class ShadowPools:
         self.grace_s, self.unsent_s = grace_s, unsent_s
         self._pools: dict[RankKey, RankPool] = {}
         self._route_key: dict[str, RankKey] = {}
+        self._parts: dict[str, int] = {}  # a batch's route -> its prompts (only where more than one)
 
     def get(self, key: RankKey) -> RankPool | None:
         return self._pools.get(key)
@@ -556,20 +557,27 @@ class ShadowPools:
         now: float,
         speculative: str | None = None,
         owner: str | None = None,
+        part: int = 0,
     ) -> list[int]:
+        """`part`: the prompt of a batch (0: the first, or the only one); vLLM runs each prompt of a batch as a request
+        of its own, so each is one in the pool, and all are freed with the route."""
         p = self.pool(key, num_gpu_blocks)
         if p is None:
             return []
         if speculative is not None:
             return p.speculate(chain, num_partial, now, speculative)
         self._route_key[route] = key
-        return p.allocate(route, chain, num_partial, now, owner=owner)
+        if part:
+            self._parts[route] = max(self._parts.get(route, 1), part + 1)
+        return p.allocate(_part_name(route, part), chain, num_partial, now, owner=owner)
 
     def free(self, route: str, now: float) -> None:
         key = self._route_key.pop(route, None)
         p = self._pools.get(key) if key is not None else None
+        num_parts = self._parts.pop(route, 1)
         if p is not None:
-            p.free(route, now)
+            for part in range(num_parts):
+                p.free(_part_name(route, part), now)
 
     def resident_prefix(self, key: RankKey, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
         p = self._pools.get(key)
@@ -586,3 +594,9 @@ class ShadowPools:
             del self._pools[k]
         for r in [r for r, k in self._route_key.items() if k[0] == worker]:
             del self._route_key[r]
+            self._parts.pop(r, None)
+
+
+def _part_name(route: str, part: int) -> str:
+    """The pool's name for one prompt of a route: the route's own for its first (route ids are hex, never with '/')."""
+    return f"{route}/{part}" if part else route

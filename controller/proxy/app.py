@@ -232,14 +232,15 @@ class Handlers:
             return await self._answer(req, kind, t0, token, tenant, shrink)
 
     async def _tokens(self, body: dict[str, Any], kind: str, base: str, tenant: str, token: str | None,
-                      path: str = "") -> tuple[dict[str, Any], list[Hit], EncodedBody, Sequence[int]]:
-        """(the body to forward, what was withheld of it, its encoder, the ids to route it by). A request routed by
-        load alone has no ids; of those, a /v1/responses request's tool outputs are judged (responses.judged)."""
+                      path: str = "") -> tuple[dict[str, Any], list[Hit], EncodedBody, Sequence[int], list[Sequence[int]]]:
+        """(the body to forward, what was withheld of it, its encoder, the ids to route it by, a batched completions
+        request's later prompts' ids). A request routed by load alone has no ids; of those, a /v1/responses request's
+        tool outputs are judged (responses.judged)."""
         if kind == BY_LOAD:
             hits: list[Hit] = []
             if path == "/v1/responses":
                 body, hits = await responses.judged(self.p, body, tenant, token)
-            return body, hits, EncodedBody(body), []
+            return body, hits, EncodedBody(body), [], []
         chat = kind == CHAT
         # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
         body, hits = await self.p.enforcer.enforce(body, chat, tenant, token)
@@ -247,7 +248,8 @@ class Handlers:
         k = prefill.kept(body, chat, lambda: self.p.directory.max_model_len(body["model"]))
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
         ids = await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
-        return body, hits, enc, prefill.prefilled(ids, body, k)
+        later = await self.p.tokenizer.batch_ids(body, chat, base, tenant)  # each prompt truncated as the first
+        return body, hits, enc, prefill.prefilled(ids, body, k), [prefill.prefilled(b, body, k) for b in later]
 
     async def _answer(self, req: web.Request, kind: str, t0: float, token: str | None, tenant: str,
                       shrink: Callable[[int], None]) -> web.StreamResponse:
@@ -256,15 +258,15 @@ class Handlers:
         shrink(len(await req.read()))  # NOTE: a chunked body reserved --max-body-bytes until its size was known
         base, lora, body["model"] = p.directory.resolve(body.get("model"))  # a missing model is named, as vLLM does
         salt = client_salt(body)  # the client's own (400 where vLLM refuses it), before any worker is asked
-        body, hits, enc, ids = await self._tokens(body, kind, base, tenant, token, req.path)
+        body, hits, enc, ids, later = await self._tokens(body, kind, base, tenant, token, req.path)
         responses_api = req.path == "/v1/responses"
         # NOTE: before any route: a follow-up whose stored conversation holds a result quarantined since is a 409
         chain = await lineage.follow_up(p, body, tenant, token) if responses_api else None
-        d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt)
+        d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt, batch=later)
         p.directory.watch.routed(body["model"], {c.worker for c in d.candidates})  # (watch.py: waiters it left out)
         to = d  # where it is sent first (a stored response's holder)
-        num_prompt = len(ids)
-        del ids  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
+        num_prompt = len(ids) + sum(map(len, later))
+        del ids, later  # NOTE: about 9x the body's bytes (Python ints); an answer may stream for minutes
         try:
             if responses_api and (prev := responses.valid_id(body.get("previous_response_id"))):
                 # NOTE: inside the try: a client gone during the lookup still releases the route

@@ -138,12 +138,14 @@ class ControlClient:
 
     async def route(
         self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None,
-        client_salt: str | None = None,
+        client_salt: str | None = None, batch: Sequence[Sequence[int]] = (),
     ) -> types.RouteDecision:
         """`client_salt`: the client's own cache_salt; the decision's salt is then the controller's derivation of the
-        tenant's and it (controller/auth.py)."""
+        tenant's and it (controller/auth.py). `batch`: a batched request's later prompts (`token_ids` is its first);
+        a controller from before ignores them and routes by the first alone."""
         try:  # NOTE: as table.route, with protobuf's own range check instead of a Python pass over the ids
-            req = route_pb2.RouteRequest(token_ids=token_ids, model=model, track=True)
+            req = route_pb2.RouteRequest(token_ids=token_ids, model=model, track=True,
+                                         batch=[route_pb2.BatchPrompt(token_ids=b) for b in batch])
         except (ValueError, TypeError):
             raise InvalidArgument("token ids must be integers in [0, 2**32)") from None
         if lora is not None:

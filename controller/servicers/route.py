@@ -4,6 +4,8 @@ cache_salt and ownership come from its token (a client's own salt, `client_salt`
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
 MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop, and
 refuses one (RESOURCE_EXHAUSTED) while the tenant's others waiting to be hashed hold router.LONG_WAIT_TOKENS_PER_TENANT.
+A batched request's later prompts (`batch`, at most batch_route.MAX_BATCH_PROMPTS prompts in all) count towards the
+same token limit, all its prompts together.
 
 RouteStream (the proxy's path, docs/proxy.md): the caller's token is checked when the stream opens and again at
 each message, which runs as its own task; at most STREAM_IN_FLIGHT of one stream's messages are running or
@@ -34,6 +36,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from controller.auth import Identity, Role
+from controller.batch_route import MAX_BATCH_PROMPTS
 from controller.edge import Undecodable, refuse
 from controller.router import INLINE_HASH_TOKENS
 from controller.servicers.common import (
@@ -93,22 +96,27 @@ class RouteServicer(pbg.RouteServiceServicer):
         if len(request.model) > MAX_MODEL_CHARS:
             raise InvalidArgument(f"model name of {len(request.model)} characters ({clip(request.model)}) is over "
                                   f"the limit of {MAX_MODEL_CHARS}; use the name the workers were registered with")
-        if len(request.token_ids) > self.ctx.max_route_tokens:
-            raise InvalidArgument(f"route of {len(request.token_ids)} tokens is over the controller's limit of "
+        if len(request.batch) >= MAX_BATCH_PROMPTS:
+            raise InvalidArgument(f"a batch of {len(request.batch) + 1} prompts is over the route's limit of "
+                                  f"{MAX_BATCH_PROMPTS}; route it by its first {MAX_BATCH_PROMPTS}")
+        num_tokens = len(request.token_ids) + sum(len(p.token_ids) for p in request.batch)
+        if num_tokens > self.ctx.max_route_tokens:
+            raise InvalidArgument(f"route of {num_tokens} tokens is over the controller's limit of "
                                   f"{self.ctx.max_route_tokens} (--max-route-tokens); send at most the model's "
                                   "context length, or raise the limit")
         salt = self.ctx.auth.cache_salt(ident.tenant, _client_salt(request))
-        ids = request.token_ids
+        ids, inline = request.token_ids, num_tokens <= INLINE_HASH_TOKENS
         decision = await self.ctx.need_router().route(
             # NOTE: a long prompt's ids stay the request's 4-byte ints until its hashing thread makes them a list (1M
             # tokens: 34 MB of Python ints, built on the event loop before it waited its turn, however many waited)
-            list(ids) if len(ids) <= INLINE_HASH_TOKENS else ids,
+            list(ids) if inline else ids,
             request.model,
             cache_salt=salt,
             lora=request.lora if request.HasField("lora") else None,
             probe=request.probe if request.HasField("probe") else None,
             track=request.track,
             owner=ident.tenant,
+            batch=[list(p.token_ids) if inline else p.token_ids for p in request.batch],
         )
         return decision_to_proto(decision)
 

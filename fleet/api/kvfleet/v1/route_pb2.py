@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvfleet/v1/route.proto\x12\nkvfleet.v1\"\x94\x02\n\x12RouteStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x05route\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.RouteRequestH\x00\x12\x32\n\x07release\x18\x03 \x01(\x0b\x32\x1f.kvfleet.v1.ReleaseRouteRequestH\x00\x12,\n\x04move\x18\x04 \x01(\x0b\x32\x1c.kvfleet.v1.MoveRouteRequestH\x00\x12\x31\n\x08releases\x18\x05 \x03(\x0b\x32\x1f.kvfleet.v1.ReleaseRouteRequest\x12,\n\x04more\x18\x06 \x03(\x0b\x32\x1e.kvfleet.v1.RouteStreamRequestB\x04\n\x02op\"1\n\x10RouteStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xab\x02\n\x13RouteStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05route\x18\x02 \x01(\x0b\x32\x19.kvfleet.v1.RouteResponseH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .kvfleet.v1.ReleaseRouteResponseH\x00\x12-\n\x04move\x18\x04 \x01(\x0b\x32\x1d.kvfleet.v1.MoveRouteResponseH\x00\x12-\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1c.kvfleet.v1.RouteStreamErrorH\x00\x12\x10\n\x08released\x18\x06 \x03(\x08\x12-\n\x04more\x18\x07 \x03(\x0b\x32\x1f.kvfleet.v1.RouteStreamResponseB\x08\n\x06result\"\xa3\x01\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\x04lora\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05probe\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05track\x18\x05 \x01(\x08\x12\x18\n\x0b\x63lient_salt\x18\x06 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_loraB\x08\n\x06_probeB\x0e\n\x0c_client_salt\"\xab\x01\n\tRouteCost\x12\r\n\x05total\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x01\x12\x16\n\x0e\x65victed_tokens\x18\x06 \x01(\x04\x12\x18\n\x10\x61mortized_tokens\x18\x07 \x01(\x04\"n\n\x0eRouteCandidate\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\x04\x12#\n\x04\x63ost\x18\x04 \x01(\x0b\x32\x15.kvfleet.v1.RouteCost\"\x9f\x02\n\rRouteResponse\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x0f\n\x07verdict\x18\x04 \x01(\t\x12\x16\n\x0ematched_tokens\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12.\n\ncandidates\x18\x07 \x03(\x0b\x32\x1a.kvfleet.v1.RouteCandidate\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12#\n\x04\x63ost\x18\t \x01(\x0b\x32\x15.kvfleet.v1.RouteCost\x12-\n\trunner_up\x18\n \x01(\x0b\x32\x1a.kvfleet.v1.RouteCandidate\x12\x10\n\x08route_id\x18\x0b \x01(\t\"\'\n\x13ReleaseRouteRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\"E\n\x10MoveRouteRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\"\"\n\x11MoveRouteResponse\x12\r\n\x05moved\x18\x01 \x01(\x08\"(\n\x14ReleaseRouteResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xbd\x02\n\x0cRouteService\x12<\n\x05Route\x12\x18.kvfleet.v1.RouteRequest\x1a\x19.kvfleet.v1.RouteResponse\x12Q\n\x0cReleaseRoute\x12\x1f.kvfleet.v1.ReleaseRouteRequest\x1a .kvfleet.v1.ReleaseRouteResponse\x12H\n\tMoveRoute\x12\x1c.kvfleet.v1.MoveRouteRequest\x1a\x1d.kvfleet.v1.MoveRouteResponse\x12R\n\x0bRouteStream\x12\x1e.kvfleet.v1.RouteStreamRequest\x1a\x1f.kvfleet.v1.RouteStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvfleet/v1/route.proto\x12\nkvfleet.v1\"\x94\x02\n\x12RouteStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x05route\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.RouteRequestH\x00\x12\x32\n\x07release\x18\x03 \x01(\x0b\x32\x1f.kvfleet.v1.ReleaseRouteRequestH\x00\x12,\n\x04move\x18\x04 \x01(\x0b\x32\x1c.kvfleet.v1.MoveRouteRequestH\x00\x12\x31\n\x08releases\x18\x05 \x03(\x0b\x32\x1f.kvfleet.v1.ReleaseRouteRequest\x12,\n\x04more\x18\x06 \x03(\x0b\x32\x1e.kvfleet.v1.RouteStreamRequestB\x04\n\x02op\"1\n\x10RouteStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xab\x02\n\x13RouteStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05route\x18\x02 \x01(\x0b\x32\x19.kvfleet.v1.RouteResponseH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .kvfleet.v1.ReleaseRouteResponseH\x00\x12-\n\x04move\x18\x04 \x01(\x0b\x32\x1d.kvfleet.v1.MoveRouteResponseH\x00\x12-\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1c.kvfleet.v1.RouteStreamErrorH\x00\x12\x10\n\x08released\x18\x06 \x03(\x08\x12-\n\x04more\x18\x07 \x03(\x0b\x32\x1f.kvfleet.v1.RouteStreamResponseB\x08\n\x06result\"\xcb\x01\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\x04lora\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05probe\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\r\n\x05track\x18\x05 \x01(\x08\x12\x18\n\x0b\x63lient_salt\x18\x06 \x01(\tH\x02\x88\x01\x01\x12&\n\x05\x62\x61tch\x18\x07 \x03(\x0b\x32\x17.kvfleet.v1.BatchPromptB\x07\n\x05_loraB\x08\n\x06_probeB\x0e\n\x0c_client_salt\" \n\x0b\x42\x61tchPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xab\x01\n\tRouteCost\x12\r\n\x05total\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x01\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x01\x12\x16\n\x0e\x65victed_tokens\x18\x06 \x01(\x04\x12\x18\n\x10\x61mortized_tokens\x18\x07 \x01(\x04\"n\n\x0eRouteCandidate\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\x04\x12#\n\x04\x63ost\x18\x04 \x01(\x0b\x32\x15.kvfleet.v1.RouteCost\"\x9f\x02\n\rRouteResponse\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x0f\n\x07verdict\x18\x04 \x01(\t\x12\x16\n\x0ematched_tokens\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12.\n\ncandidates\x18\x07 \x03(\x0b\x32\x1a.kvfleet.v1.RouteCandidate\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12#\n\x04\x63ost\x18\t \x01(\x0b\x32\x15.kvfleet.v1.RouteCost\x12-\n\trunner_up\x18\n \x01(\x0b\x32\x1a.kvfleet.v1.RouteCandidate\x12\x10\n\x08route_id\x18\x0b \x01(\t\"\'\n\x13ReleaseRouteRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\"E\n\x10MoveRouteRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\"\"\n\x11MoveRouteResponse\x12\r\n\x05moved\x18\x01 \x01(\x08\"(\n\x14ReleaseRouteResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xbd\x02\n\x0cRouteService\x12<\n\x05Route\x12\x18.kvfleet.v1.RouteRequest\x1a\x19.kvfleet.v1.RouteResponse\x12Q\n\x0cReleaseRoute\x12\x1f.kvfleet.v1.ReleaseRouteRequest\x1a .kvfleet.v1.ReleaseRouteResponse\x12H\n\tMoveRoute\x12\x1c.kvfleet.v1.MoveRouteRequest\x1a\x1d.kvfleet.v1.MoveRouteResponse\x12R\n\x0bRouteStream\x12\x1e.kvfleet.v1.RouteStreamRequest\x1a\x1f.kvfleet.v1.RouteStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,21 +39,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTESTREAMRESPONSE']._serialized_start=369
   _globals['_ROUTESTREAMRESPONSE']._serialized_end=668
   _globals['_ROUTEREQUEST']._serialized_start=671
-  _globals['_ROUTEREQUEST']._serialized_end=834
-  _globals['_ROUTECOST']._serialized_start=837
-  _globals['_ROUTECOST']._serialized_end=1008
-  _globals['_ROUTECANDIDATE']._serialized_start=1010
-  _globals['_ROUTECANDIDATE']._serialized_end=1120
-  _globals['_ROUTERESPONSE']._serialized_start=1123
-  _globals['_ROUTERESPONSE']._serialized_end=1410
-  _globals['_RELEASEROUTEREQUEST']._serialized_start=1412
-  _globals['_RELEASEROUTEREQUEST']._serialized_end=1451
-  _globals['_MOVEROUTEREQUEST']._serialized_start=1453
-  _globals['_MOVEROUTEREQUEST']._serialized_end=1522
-  _globals['_MOVEROUTERESPONSE']._serialized_start=1524
-  _globals['_MOVEROUTERESPONSE']._serialized_end=1558
-  _globals['_RELEASEROUTERESPONSE']._serialized_start=1560
-  _globals['_RELEASEROUTERESPONSE']._serialized_end=1600
-  _globals['_ROUTESERVICE']._serialized_start=1603
-  _globals['_ROUTESERVICE']._serialized_end=1920
+  _globals['_ROUTEREQUEST']._serialized_end=874
+  _globals['_BATCHPROMPT']._serialized_start=876
+  _globals['_BATCHPROMPT']._serialized_end=908
+  _globals['_ROUTECOST']._serialized_start=911
+  _globals['_ROUTECOST']._serialized_end=1082
+  _globals['_ROUTECANDIDATE']._serialized_start=1084
+  _globals['_ROUTECANDIDATE']._serialized_end=1194
+  _globals['_ROUTERESPONSE']._serialized_start=1197
+  _globals['_ROUTERESPONSE']._serialized_end=1484
+  _globals['_RELEASEROUTEREQUEST']._serialized_start=1486
+  _globals['_RELEASEROUTEREQUEST']._serialized_end=1525
+  _globals['_MOVEROUTEREQUEST']._serialized_start=1527
+  _globals['_MOVEROUTEREQUEST']._serialized_end=1596
+  _globals['_MOVEROUTERESPONSE']._serialized_start=1598
+  _globals['_MOVEROUTERESPONSE']._serialized_end=1632
+  _globals['_RELEASEROUTERESPONSE']._serialized_start=1634
+  _globals['_RELEASEROUTERESPONSE']._serialized_end=1674
+  _globals['_ROUTESERVICE']._serialized_start=1677
+  _globals['_ROUTESERVICE']._serialized_end=1994
 # @@protoc_insertion_point(module_scope)

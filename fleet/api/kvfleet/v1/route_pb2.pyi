@@ -50,20 +50,28 @@ class RouteStreamResponse(_message.Message):
     def __init__(self, id: _Optional[int] = ..., route: _Optional[_Union[RouteResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseRouteResponse, _Mapping]] = ..., move: _Optional[_Union[MoveRouteResponse, _Mapping]] = ..., error: _Optional[_Union[RouteStreamError, _Mapping]] = ..., released: _Optional[_Iterable[bool]] = ..., more: _Optional[_Iterable[_Union[RouteStreamResponse, _Mapping]]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("token_ids", "model", "lora", "probe", "track", "client_salt")
+    __slots__ = ("token_ids", "model", "lora", "probe", "track", "client_salt", "batch")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TRACK_FIELD_NUMBER: _ClassVar[int]
     CLIENT_SALT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     model: str
     lora: str
     probe: bool
     track: bool
     client_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., probe: _Optional[bool] = ..., track: _Optional[bool] = ..., client_salt: _Optional[str] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[BatchPrompt]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., probe: _Optional[bool] = ..., track: _Optional[bool] = ..., client_salt: _Optional[str] = ..., batch: _Optional[_Iterable[_Union[BatchPrompt, _Mapping]]] = ...) -> None: ...
+
+class BatchPrompt(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteCost(_message.Message):
     __slots__ = ("total", "prefill_tokens", "cached_tokens", "queued_tokens", "active_requests", "evicted_tokens", "amortized_tokens")
