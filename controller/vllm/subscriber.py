@@ -81,6 +81,8 @@ class StreamLimits:
     max_events_per_s: int = 20_000  # per rank: the event budget's refill (controller/vllm/budget.py)
     max_event_burst: int = 200_000  # per rank: the budget's depth (a full honest catch-up replay fits)
     faulty_hold_s: float = 60.0  # a worker over its budget is faulty (not serving) this long
+    # one worker's ranks whose tail polls run at once (each replay may hold up to replay_max_bytes while it is read)
+    max_tail_polls: int = 4
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout_s", "replay_deadline_s", "faulty_hold_s"):
@@ -88,7 +90,7 @@ class StreamLimits:
             if not isinstance(v, int | float) or not v > 0:
                 raise InvalidArgument(f"{name} must be > 0 seconds, got {v!r}")
         for name in ("replay_max_batches", "replay_max_bytes", "max_msg_bytes", "max_resident_blocks",
-                     "max_events_per_s", "max_event_burst"):
+                     "max_events_per_s", "max_event_burst", "max_tail_polls"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {v!r}")

@@ -46,6 +46,7 @@ from controller.vllm.loras import LoraLooks
 from controller.vllm.ratelog import RateLog
 from controller.vllm.silence import Silence
 from controller.vllm.subscriber import StreamLimits, Subscriber
+from controller.vllm.tail_polls import TailPolls
 from fleet.core import lifecycle as lc
 from fleet.core.block_hash import HashConfig
 from fleet.core.errors import FailedPrecondition
@@ -187,6 +188,7 @@ class Worker(LoraLooks):
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.errors = Contained(metrics, spec.name)
+        self._tail_failing: set[int] = set()  # ranks whose last tail poll raised
         lim = cfg.stream
         self.silence = Silence(cfg.events_silent_s)  # KV events that stopped arriving (controller/vllm/silence.py)
         self.guard = FaultGuard(spec.name, spec.dp_rank_ids, rate=lim.max_events_per_s, depth=lim.max_event_burst,
@@ -631,17 +633,26 @@ class Worker(LoraLooks):
                 self.errors.ok("reconcile")
 
     async def _tail_loop(self) -> None:
-        """Replay of a lost final batch; bounded by StreamLimits, and off the reconcile path."""
-        while not self._closing:
-            await asyncio.sleep(self.cfg.reconcile_interval_s)
-            try:
-                for sub in self._subs:
-                    await sub.poll_tail()
-            except Exception as e:
-                self.errors.failed("tail_replay", e)
-                self.mark_down_contained("tail_replay_error")
-            else:
+        """Replay of a lost final batch; bounded by StreamLimits, and off the reconcile path. The ranks' polls run
+        side by side (controller/vllm/tail_polls.py): a rank whose replay does not answer holds no other rank's."""
+        polls = TailPolls(self.cfg.stream.max_tail_polls, self._tail_polled)
+        try:
+            while not self._closing:
+                await asyncio.sleep(self.cfg.reconcile_interval_s)
+                polls.start(list(zip(self.ranks, self._subs, strict=False)))
+        finally:
+            await polls.stop()
+
+    def _tail_polled(self, rank: int, error: Exception | None) -> None:
+        """How one rank's tail poll ended: a raise marks the worker down; "works again" once no rank's last one raised."""
+        if error is None:
+            self._tail_failing.discard(rank)
+            if not self._tail_failing:
                 self.errors.ok("tail_replay")
+            return
+        self._tail_failing.add(rank)
+        self.errors.failed("tail_replay", error)
+        self.mark_down_contained("tail_replay_error")
 
     def mark_down_contained(self, reason: str) -> None:
         try:

@@ -19,14 +19,16 @@ HELD = StreamLimits(replay_timeout_s=60.0, replay_deadline_s=120.0)
 
 class HeldReplay:
     """Replay ROUTERs at `port`, `port + 1`, ... (rank r's at + r) that take requests and answer none until
-    `release()`: then an empty replay (the end marker) to each."""
+    `released` is set: then an empty replay (the end marker) to each, and to every request while it stays set
+    (cleared again, the next requests are held). `port`: where the first one binds (default: a free port)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, ranks: int) -> None:
-        self.socks, self.requests = [], 0
-        for _ in range(100):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = int(s.getsockname()[1])
+    def __init__(self, ctx: zmq.asyncio.Context, ranks: int, port: int | None = None) -> None:
+        self.socks, self.requests, given = [], 0, port
+        for _ in range(1 if given is not None else 100):
+            if given is None:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = int(s.getsockname()[1])
             try:
                 for r in range(ranks):
                     sock = ctx.socket(zmq.ROUTER)
@@ -38,6 +40,7 @@ class HeldReplay:
                 for sock in self.socks:
                     sock.close(0)
                 self.socks = []
+        assert self.socks, f"no free ports for {ranks} replay sockets"
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.released = asyncio.Event()
         self._tasks = [asyncio.get_running_loop().create_task(self._serve(s)) for s in self.socks]
