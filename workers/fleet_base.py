@@ -148,8 +148,10 @@ class FleetBase:
 
     def _drop_log(self, tenant: str, session_id: str, owner: str | None) -> None:
         """Delete the session's op log and give back its blob references (with `owner`: only the log that
-        create or fork wrote)."""
+        create or fork wrote). With no log, the references the session still holds: a close cut off after its log
+        went (a retry), or a fork cut off before it wrote its log. NOTE: with no log, nothing was given back: the
+        rest of a cut-off close's references, and those a cut-off fork took, stayed for good."""
         log = parse_log(self.store.oplog_read(tenant, session_id))
-        if not log or (owner is not None and not made_by(log, owner)):
+        if log and owner is not None and not made_by(log, owner):
             return
         delete_log(self.store, tenant, session_id, log)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.core.errors import ResourceExhausted
-from fleet.core.oplog import Op, blob_refs, to_dict
+from fleet.core.oplog import Op, blob_refs, parse_log, to_dict
 
 RAY_NAMESPACE = "kvfleet"
 NODE_MIN_CPUS = 0.05  # a node hosts sessions only with some CPU (the chart's head runs with num-cpus 0)
@@ -143,17 +143,25 @@ def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_toke
     return best.node_id
 
 
-def add_blob_refs(store: Any, ops: Sequence[Op]) -> None:
-    """Each logged tool result references its blob once per session log that holds it."""
-    for ref, tenant in blob_refs(ops):
-        store.add_ref(ref, tenant)
+def session_holder(tenant: str, session_id: str) -> str:
+    """Who holds a session's blob references in the store (BlobStore.add_ref's `holder`): one reference per (blob,
+    session), however many of its tool results name the blob. Tenants exclude ':', so it names one session."""
+    return f"{tenant}:{session_id}"
+
+
+def add_blob_refs(store: Any, tenant: str, session_id: str, ops: Sequence[Op]) -> None:
+    """The session's reference on the blob of each tool result in `ops` (taken again, it changes nothing)."""
+    holder = session_holder(tenant, session_id)
+    for ref, owner in blob_refs(ops):
+        store.add_ref(ref, owner, holder)
 
 
 def write_fork_log(store: Any, tenant: str, session_id: str, ops: Sequence[Op]) -> None:
-    """A fork's log (its parent's ops and its marker, `ops`) in one write, with a reference to each of its tool
-    results: the references first, then the log. A write that fails takes back the references it took unless the log
-    holds `ops` (or may: it cannot be read), so a log is never written without all of its references, and the failed
-    fork's cleanup (delete_log: a reference back per tool result its log holds) gives back none it did not take.
+    """A fork's log (its parent's ops and its marker, `ops`) in one write, with the child's reference on each of its
+    tool results' blobs: the references first, then the log. A write that fails gives back the references unless the
+    log holds `ops` (or may: it cannot be read), so a log is never written without all of its references; those a
+    store still out kept are the child's own (named), taken once by a retry of the fork and given back by the
+    child's close or its name's cleanup (delete_log), never a reference of its parent.
     A log that starts with `ops` already is this fork's, written with its references by an earlier run of it (its
     fork marker carries the fork's own op id): nothing is taken or written again.
 
@@ -162,66 +170,74 @@ def write_fork_log(store: Any, tenant: str, session_id: str, ops: Sequence[Op]) 
     those it never took included (GC then collected a blob the parent still logged). And a fork the fleet ran again
     after its host died (in the child's prefill, past the log) took every reference a second time: the blobs
     outlived both sessions."""
-    taken: list[tuple[str, str]] = []
     entries = [to_dict(op) for op in ops]
     if store.oplog_read(tenant, session_id)[:len(entries)] == entries:  # NOTE: the earlier run may have logged
         return                                              # the end of an admission past them (finish_admissions)
     try:
-        for ref, owner in blob_refs(ops):
-            store.add_ref(ref, owner)
-            taken.append((ref, owner))
+        add_blob_refs(store, tenant, session_id, ops)
         store.oplog_replace(tenant, session_id, entries)
     except BaseException:
         try:
             if store.oplog_read(tenant, session_id) != entries:
-                for ref, owner in taken:
-                    store.drop_ref(ref, owner)
-        except Exception:  # noqa: BLE001 - the store is still out: what is left stays referenced (one too many)
+                drop_blob_refs(store, blob_refs(ops), session_holder(tenant, session_id))
+        except Exception:  # noqa: BLE001 - the store is still out: the child's references stay until its cleanup
             pass
         raise
 
 
-def drop_blob_refs(store: Any, ops: Sequence[Op]) -> None:
-    """Undo add_blob_refs when a session's log is deleted. A blob already collected, or whose references are
-    already 0, is skipped: there is nothing of it to give back, and the others' references still are. NOTE: a
-    reference already at 0 (data from an older release) raised FailedPrecondition and ended the loop: the log was
-    deleted by then, so the rest of its references were never given back and their blobs never collected."""
+def drop_blob_refs(store: Any, refs: Iterable[tuple[str, str]], holder: str | None) -> None:
+    """Give back `holder`'s reference on each (ref, tenant) of `refs` (None: one taken with no holder, by a release
+    before holders). A blob already collected, or whose reference is given back already, is skipped: there is
+    nothing of it to give back, and the others' references still are. NOTE: a reference already at 0 (data from an
+    older release) raised FailedPrecondition and ended the loop: the log was deleted by then, so the rest of its
+    references were never given back and their blobs never collected."""
     from fleet.core.errors import FailedPrecondition, NotFound
 
-    for ref, tenant in blob_refs(ops):
+    for ref, tenant in sorted(set(refs)):
         try:
-            store.drop_ref(ref, tenant)
+            store.drop_ref(ref, tenant, holder)
         except (NotFound, FailedPrecondition):
             pass
 
 
 def delete_log(store: Any, tenant: str, session_id: str, log: Sequence[Op]) -> None:
-    """Delete a session's op log (`log`, as read), then give back the blob references it held. In this order, a
-    store that fails half-way leaves references too many (they only delay their blobs' GC), never too few.
+    """Delete a session's op log (`log`, as read), then give back the session's blob references: every one the store
+    says it holds (held_refs), so a delete cut off half-way and run again, the log gone by then, gives back the rest
+    and none twice: each reference is the session's own, given back once however often it is asked (BlobStore.
+    add_ref's holder). References the log names but the session does not hold were taken with no holder, by a
+    release before holders: the delete that removed the log gives those back (of two closes at once, one).
 
     NOTE: the references went first and the log after: a close cut off half-way (the store went out) kept the
     log and its record, so the caller retried, and the retry gave back every reference again, those already given
-    included. A blob another session (the fork's parent) still logged then stood at 0 references, GC collected it,
-    and that session could never be rebuilt from its log. And two closes of one session at once (two controllers
-    in a leader change) both read the log before either deleted it, and both gave back its references."""
-    if store.oplog_delete(tenant, session_id):  # of two deletes of the log (two controllers), one gives them back
-        drop_blob_refs(store, log)
+    included: a blob another session (the fork's parent) still logged then stood at 0 references, GC collected it,
+    and that session could never be rebuilt from its log. Then the log went first and the rest of its references
+    stayed for good after a cut-off: one too many, the blob never collected."""
+    holder = session_holder(tenant, session_id)
+    held = set(store.held_refs(holder))  # NOTE: before the log goes: the session is closed, nothing adds to it
+    if store.oplog_delete(tenant, session_id):
+        drop_blob_refs(store, set(blob_refs(log)) - held, None)
+    drop_blob_refs(store, held, holder)
 
 
 def undo_blob_ref(store: Any, tenant: str, session_id: str, op: Op) -> None:
     """Give back the reference add_blob_refs took for `op`, whose op log write raised, unless the log holds the op
-    all the same (its last entry: a session's ops are serialised) or may (the log cannot be read either). A reference
-    kept for an op that never landed only delays its blob's GC; one given back for an op the log holds lets GC
-    collect a blob the session's rebuild fetches.
+    all the same (its last entry: a session's ops are serialised) or may (the log cannot be read either), or another
+    of its tool results names the same blob (the session's one reference on it is theirs too). A reference kept for
+    an op that never landed is the session's own, given back by its close; one given back for an op the log holds
+    lets GC collect a blob the session's rebuild fetches.
 
     NOTE: a Redis reply lost after the RPUSH was applied (a reset connection) gave the reference back: the log held
     the tool result at 0 references, GC collected the blob, and the rebuild of the session from its log (the failed
     call tore it) failed with NotFound for good."""
-    if not blob_refs([op]):
+    mine = blob_refs([op])
+    if not mine:
         return
     try:
         log = store.oplog_read(tenant, session_id)
     except Exception:  # noqa: BLE001 - the store is still out: the reference stays (see above)
         return
-    if not log or log[-1] != to_dict(op):
-        drop_blob_refs(store, [op])
+    if log and log[-1] == to_dict(op):
+        return
+    if set(mine) & set(blob_refs(parse_log(log))):
+        return
+    drop_blob_refs(store, mine, session_holder(tenant, session_id))

@@ -120,7 +120,7 @@ class SessionKernel:
         op whose store write was already under way when close gave up can still land after it."""
         if self.closed:
             raise SessionGone(f"session {self.session_id} was closed on this host: its op was not logged")
-        add_blob_refs(self.store, [op])
+        add_blob_refs(self.store, self.tenant, self.session_id, [op])
         self.num_log_writes += 1  # NOTE: before the write: one that raises may still be durable
         try:
             self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, to_dict(op)))

@@ -11,6 +11,8 @@ Key layout (tenant names exclude ':', so a tenant can never reach another tenant
     kvf:t:{tenant}:p:{ref}:{nonce}  STRING  one put's pieces so far, with a TTL (fleet/cas/redis_pieces.py)
     kvf:t:{tenant}:inflight         ZSET    the charges of the tenant's pieced puts in flight, which its quota
                                             counts (fleet/cas/redis_pieces.py)
+    kvf:t:{tenant}:h:{ref}          SET     the blob's named holders; kvf:holds:{holder}: what a holder holds
+                                            (fleet/cas/redis_holders.py)
     kvf:kv:{namespace}              HASH    controller state, key -> value
 
 Atomicity: a put of up to PIECE_BYTES is ONE EVALSHA whose arguments carry the bytes; Redis runs a script
@@ -40,6 +42,7 @@ from redis.retry import Retry
 
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.redis_errors import store_call
+from fleet.cas.redis_holders import RedisHolders
 from fleet.cas.redis_pieces import IN_FLIGHT_LUA, PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
@@ -150,6 +153,7 @@ class RedisBlobStore(BlobStore):
         self._s_put = self.r.register_script(_PUT)
         self._s_touch = self.r.register_script(_TOUCH)
         self._s_incr = self.r.register_script(_INCR)
+        self._holders = RedisHolders(self.r)
         self._s_verdict = self.r.register_script(_VERDICT)
         self._s_gc = self.r.register_script(_GC_MANY)
         self._s_kv_swap = self.r.register_script(_KV_SWAP)
@@ -311,6 +315,14 @@ class RedisBlobStore(BlobStore):
     def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
         out = self._s_incr(keys=[self._keys(tenant, ref)[1]], args=[counter, delta])
         return None if out is None else int(out)
+
+    @store_call
+    def _hold_one(self, tenant: str, ref: str, holder: str, delta: int) -> int | None:
+        return self._holders.hold(self._keys(tenant, ref)[1], tenant, ref, holder, delta)
+
+    @store_call
+    def _held(self, holder: str) -> list[tuple[str, str]]:
+        return self._holders.held(holder)
 
     @store_call
     def _set_verdict(self, tenant: str, ref: str, verdict: str, reasons_json: str) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from fleet.cas import sqlite_holders
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.core.errors import InvalidArgument, KvfleetError, Unavailable
 from fleet.core.verdict import UNKNOWN
@@ -126,7 +127,7 @@ class SqliteBlobStore(BlobStore):
         """WAL mode, the schema, and the byte count of a file from before it (the first writes to the file)."""
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        self._db.executescript(_SCHEMA + sqlite_holders.SCHEMA)
         with self._tx() as db:  # one writer at a time: the backfill below runs once per file
             fresh = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tenant_bytes'").fetchone() is None
             if not any(col[1] == "charge" for col in db.execute("PRAGMA table_info(blobs)")):
@@ -275,6 +276,14 @@ class SqliteBlobStore(BlobStore):
                 return -1
             db.execute(f"UPDATE blobs SET {counter} = ? WHERE tenant = ? AND ref = ?", (value, tenant, ref))
             return value
+
+    def _hold_one(self, tenant: str, ref: str, holder: str, delta: int) -> int | None:
+        with self._tx() as db:
+            return sqlite_holders.hold(db, tenant, ref, holder, delta)
+
+    def _held(self, holder: str) -> list[tuple[str, str]]:
+        with self._tx() as db:
+            return sqlite_holders.held(db, holder)
 
     def _set_verdict(self, tenant: str, ref: str, verdict: str, reasons_json: str) -> bool:
         with self._tx() as db:

@@ -227,6 +227,30 @@ def test_gc_removes_only_unpinned_unreferenced_expired(store_env: StoreEnv) -> N
     assert store.get(referenced, "acme") == b"ref'd"
 
 
+def test_a_holders_reference_counts_once_however_often_it_is_taken_or_given_back(store_env: StoreEnv) -> None:
+    # a call retried after a lost reply, or a close run again after a store that failed half-way, asks twice
+    clock = Clock(1000.0)
+    store = store_env.open(clock=clock, lease_s=10.0)
+    a, b = store.put(b"a tool result", "acme"), store.put(b"another", "acme")
+    store.add_ref(a, "acme", "acme:s1"), store.add_ref(a, "acme", "acme:s1")
+    store.add_ref(a, "acme", "acme:s2"), store.add_ref(b, "acme", "acme:s1"), store.add_ref(b, "acme")
+    assert [store.stat(r, "acme").refs for r in (a, b)] == [2, 2]          # s1 and s2; s1 and one unnamed
+    assert sorted(store.held_refs("acme:s1")) == sorted([(a, "acme"), (b, "acme")])
+    assert store.held_refs("acme:s2") == [(a, "acme")] and store.held_refs("acme:nobody") == []
+    store.drop_ref(a, "acme", "acme:s1"), store.drop_ref(a, "acme", "acme:s1")  # the second changes nothing
+    store.drop_ref(b, "acme", "acme:s2")                                     # s2 never held b: nothing
+    assert [store.stat(r, "acme").refs for r in (a, b)] == [1, 2]
+    assert store.held_refs("acme:s1") == [(b, "acme")]
+    store.drop_ref(a, "acme", "acme:s2"), store.drop_ref(b, "acme", "acme:s1"), store.drop_ref(b, "acme")
+    assert [store.stat(r, "acme").refs for r in (a, b)] == [0, 0]
+    assert store.gc(now=2000.0) == 2
+    with pytest.raises(NotFound):                                            # a collected blob: NotFound, as before
+        store.add_ref(a, "acme", "acme:s1")
+    assert store.held_refs("acme:s1") == []
+    with pytest.raises(InvalidArgument):
+        store.add_ref(a, "acme", "")
+
+
 # ---- controller state and op log ----------------------------------------------------------------------
 def test_kv_namespaces(store_env: StoreEnv) -> None:
     store = store_env.open()

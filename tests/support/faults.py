@@ -62,11 +62,11 @@ def host_store_dies_at_add_ref(host: Any, redis_pid: int, n: int) -> None:
     store, calls = host.store, [0]
     real = store.add_ref
 
-    def dies(ref: str, tenant: str) -> None:
+    def dies(ref: str, tenant: str, *holder: str | None) -> None:
         calls[0] += 1
         if calls[0] == n:
             store.add_ref = real
             os.kill(redis_pid, signal.SIGKILL)
-        real(ref, tenant)
+        real(ref, tenant, *holder)
 
     store.add_ref = dies

@@ -17,7 +17,7 @@ import pytest
 from support.inline_session import inline_session
 
 from fleet.core.oplog import parse_log
-from workers.placement import drop_blob_refs
+from workers.placement import delete_log
 from workers.session_kernel import SessionGone, SessionKernel
 
 IDS = np.random.default_rng(3).integers(0, 256, 20).tolist()
@@ -51,8 +51,7 @@ async def test_an_op_that_runs_after_close_gave_up_logs_nothing_and_holds_no_ref
     ref = store.put(b"a tool result the session reads", "acme")
     sk, lane, call = await _waiting_tool_result(store, ref)
     await sk.close(timeout_s=0.1)                               # gives up waiting for the op in flight
-    drop_blob_refs(store, parse_log(store.oplog_read("acme", "s1")))   # then the fleet's _discard
-    store.oplog_delete("acme", "s1")
+    delete_log(store, "acme", "s1", parse_log(store.oplog_read("acme", "s1")))   # then the fleet's _discard
     lane.free.set()                                             # the op finally gets its thread
     with pytest.raises(SessionGone, match="closed"):           # before: acknowledged, op_index 0
         await call
