@@ -25,6 +25,7 @@ import aiohttp_cors
 from aiohttp import HttpVersion11, web
 
 from controller.proxy import lineage, passthrough, prefill, responses
+from controller.proxy.batch_prompts import batch_ids
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.reading import announced_size, client_salt, read_json, too_large, upstream_headers
 from controller.proxy.relay import PREPARED, relay
@@ -248,7 +249,7 @@ class Handlers:
         k = prefill.kept(body, chat, lambda: self.p.directory.max_model_len(body["model"]))
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
         ids = await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
-        later = await self.p.tokenizer.batch_ids(body, chat, base, tenant)  # each prompt truncated as the first
+        later = await batch_ids(self.p.tokenizer.ids_of, body, chat, base, tenant)  # each truncated as the first
         return body, hits, enc, prefill.prefilled(ids, body, k), [prefill.prefilled(b, body, k) for b in later]
 
     async def _answer(self, req: web.Request, kind: str, t0: float, token: str | None, tenant: str,

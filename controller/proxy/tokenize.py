@@ -6,11 +6,8 @@ before the router has chosen one. Or, with `--tokenizer hf:PATH`, a local Huggin
 
 The cache (controller/proxy/token_cache.py) is keyed by (tenant, model, SHA-256 of the tokenize request), so one
 tenant's hit never reveals another tenant's text through timing; it is bounded in bytes as well as entries, and
-one tenant's flood evicts its own entries before another's.
-
-A batched completions prompt (a list of prompts) is tokenized prompt by prompt (vLLM's /tokenize takes one): the
-first as any prompt, the others (batch_ids) one call per distinct prompt the cache does not hold,
-BATCH_TOKENIZE_AT_ONCE at a time, each cached as a prompt of its own; the route carries them all.
+one tenant's flood evicts its own entries before another's. A batched completions prompt's later prompts are
+tokenized by controller/proxy/batch_prompts.py, each through `Tokenizer.ids_of`.
 
 A local tokenizer runs on LOCAL_THREADS threads of its own, a tenant's prompts on at most three quarters of them
 (the rest wait their turn in the tenant's lane), so one tenant's flood of long prompts leaves another a thread.
@@ -31,8 +28,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from controller.batch_route import MAX_BATCH_PROMPTS
 from controller.keyed_slots import KeyedSlots
+from controller.proxy.batch_prompts import batch_of, prompt_request
 from controller.proxy.chat_args import chat_template_args
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
@@ -51,8 +48,6 @@ PROBES: tuple[dict[str, Any], ...] = (
 )
 JSON_HEADERS = {"Content-Type": "application/json"}
 LOCAL_THREADS = min(32, (os.cpu_count() or 1) + 4)  # the size of asyncio's default pool, which they ran on before
-# a batch's prompts tokenized at once (vLLM's /tokenize takes one prompt: one call per distinct prompt not cached)
-BATCH_TOKENIZE_AT_ONCE = 8
 JSON = msgspec.json.Encoder()
 ANSWER = msgspec.json.Decoder()
 
@@ -98,57 +93,17 @@ class EncodedBody:
         return b"".join(out)
 
 
-def _ids(p: Any) -> list[int] | None:
-    """`p` as token ids (a non-empty list of ints, no bools), else None.
-
-    NOTE: msgspec checks and copies the list in C: 1M ids take about 10 ms where a Python loop took 110 ms on
-    the proxy's one event loop (the project machine, one process), which every tenant's requests share.
-    """
-    if not isinstance(p, list) or not p:
-        return None
-    try:
-        return msgspec.convert(p, list[int], strict=True)
-    except msgspec.ValidationError:
-        return None
-
-
 def max_answer_bytes(max_body_bytes: int) -> int:
     """The most of a worker's /tokenize-sized answer read: the ids of the largest prompt the proxy accepts (a prompt
     of n bytes has at most n ids, each at most 8 bytes of JSON), plus 64 KiB."""
     return 8 * max_body_bytes + (64 << 10)
 
 
-def _batch(p: Any) -> list[Any] | None:
-    """A completions `prompt` that is a batch (a list of prompts: strings or lists of ids), else None."""
-    return p if isinstance(p, list) and p and (isinstance(p[0], str) or isinstance(p[0], list)) else None
-
-
-def _prompt_request(body: dict[str, Any], p: Any) -> dict[str, Any] | list[int]:
-    """One completions prompt's /tokenize body, or its ids when it is ids already."""
-    ids = _ids(p)
-    if ids is not None:
-        return ids
-    if not isinstance(p, str):
-        raise ProxyError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
-    out: dict[str, Any] = {"model": body["model"], "prompt": p}
-    if "add_special_tokens" in body:
-        out["add_special_tokens"] = body["add_special_tokens"]
-    return out
-
-
-def batch_requests(body: dict[str, Any], chat: bool) -> list[dict[str, Any] | list[int]]:
-    """A batched completions request's later prompts (after the first: tokenize_request), as tokenize_request gives
-    the first: routed with it, at most batch_route.MAX_BATCH_PROMPTS prompts in all (a larger batch is routed by its
-    first ones, and sent whole). [] for anything else."""
-    p = None if chat else _batch(body.get("prompt"))
-    return [] if p is None else [_prompt_request(body, q) for q in p[1:MAX_BATCH_PROMPTS]]
-
-
 def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[int]:
     """The /tokenize body for an OpenAI request, or the ids themselves when the prompt is already ids.
 
-    Of a batched completions prompt (a list of prompts), its first (batch_requests: the others); `prompt_embeds`
-    with no prompt is routed by load alone (no ids).
+    Of a batched completions prompt (a list of prompts), its first (batch_prompts.batch_requests: the others);
+    `prompt_embeds` with no prompt is routed by load alone (no ids).
     """
     model = body["model"]
     if chat:
@@ -162,8 +117,8 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
         # NOTE: vLLM (--enable-prompt-embeds) takes embeddings in place of a prompt; there are no ids to match
         # against any worker's blocks, so the request is routed by load alone (the worker checks the embeddings)
         return []
-    batch = _batch(p)
-    return _prompt_request(body, p if batch is None else batch[0])  # a batch: its first prompt here
+    batch = batch_of(p)
+    return prompt_request(body, p if batch is None else batch[0])  # a batch: its first prompt here
 
 
 def load_hf_tokenizer(path: str) -> Any:
@@ -227,30 +182,11 @@ class Tokenizer:
     async def token_ids(self, body: dict[str, Any], chat: bool, base: str, tenant: str,
                         enc: EncodedBody | None = None) -> Sequence[int]:
         """`enc`: the body's encoder, whose encoding of the messages (or prompt) the forward then reuses."""
-        return await self._ids_of(tokenize_request(body, chat), body, base, tenant, enc)
+        return await self.ids_of(tokenize_request(body, chat), body, base, tenant, enc)
 
-    async def batch_ids(self, body: dict[str, Any], chat: bool, base: str, tenant: str) -> list[Sequence[int]]:
-        """The ids of a batched completions request's later prompts (batch_requests; [] when it is no batch): one
-        /tokenize per distinct prompt the cache does not hold, BATCH_TOKENIZE_AT_ONCE at a time."""
-        reqs = batch_requests(body, chat)
-        if not reqs:
-            return []
-        # NOTE: the /tokenize bodies differ by their prompt alone
-        todo = list({r["prompt"]: r for r in reqs if isinstance(r, dict)}.items())
-        got: dict[str, Sequence[int]] = {}
-        for i in range(0, len(todo), BATCH_TOKENIZE_AT_ONCE):
-            part = todo[i:i + BATCH_TOKENIZE_AT_ONCE]
-            tasks = [asyncio.ensure_future(self._ids_of(r, body, base, tenant)) for _, r in part]
-            try:
-                got.update(zip((text for text, _ in part), await asyncio.gather(*tasks), strict=True))
-            except BaseException:  # NOTE: one failed (the request's error), or the client went away: the rest stop
-                for t in tasks:
-                    t.cancel()
-                raise
-        return [r if isinstance(r, list) else got[r["prompt"]] for r in reqs]
-
-    async def _ids_of(self, req: dict[str, Any] | list[int], body: dict[str, Any], base: str, tenant: str,
+    async def ids_of(self, req: dict[str, Any] | list[int], body: dict[str, Any], base: str, tenant: str,
                       enc: EncodedBody | None = None) -> Sequence[int]:
+        """The ids of one /tokenize request `req` of `body` (cached per tenant), or `req` when it is ids already."""
         if isinstance(req, list):
             return req
         # NOTE: encoded once: the same bytes key the cache and are POSTed to /tokenize (a long conversation's body
