@@ -49,9 +49,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import count
 
-from controller.free_queue import FreeQueue, Key
+from controller.free_queue import Key
+from controller.shadow_blocks import anon_key
+from controller.shadow_unsent import Unconfirmed, UnsentRoutes
 
 RankKey = tuple[str, int]
 # NOTE: how long every tenant believes what a tracked route evicts before an event shows its request on the engine:
@@ -61,71 +62,19 @@ RankKey = tuple[str, int]
 UNSENT_S = 1.0
 
 
-_ANON = count()
-
-
-def _anon() -> str:
-    """A name for an unhashed free block (a partial block freed, or a hash cleared in place): a str, never a hash
-    (an int). NOTE: was an instance of a class of its own, which the cyclic collector tracks: as a key it would make
-    the free queue's dicts tracked, and the collector walk every block in them (controller/free_queue.py)."""
-    return f"anon{next(_ANON)}"
-
-
-class _Unconfirmed(tuple[float, str]):
-    """A tracked route's predicted eviction before an event showed it sent: (when, owner). Every tenant's Routes
-    believe it for `RankPool.unsent_s` after `when`, then its owner's only."""
-
-    __slots__ = ()
-
-
-class _Unsent:
-    """A tracked route admitted here whose request no event has shown sent yet: its hit count, the entry its
-    evictions share in `evicted`, and what its new blocks took off the queue's front, in order (fresh blocks
-    first, then hashes or _anon names), to undo its admission if it ends unsent; `seq` numbers the first of `popped`
-    among every unsent route's (the rest follow it), to put them back in the order they were taken."""
-
-    __slots__ = ("hit", "entry", "num_fresh", "popped", "seq")
-
-    def __init__(self, hit: int, entry: _Unconfirmed, num_fresh: int, popped: list[Key], seq: int) -> None:
-        self.hit, self.entry, self.num_fresh, self.popped, self.seq = hit, entry, num_fresh, popped, seq
-
-
-class RankPool:
-    """One rank's pool: the free queue in eviction order, ref counts of pinned hashed blocks."""
+class RankPool(UnsentRoutes):
+    """One rank's pool: requests admitted first come, first served, freed, and corrected by KV events, over its
+    blocks (controller/shadow_blocks.py) and its unsent tracked routes (controller/shadow_unsent.py)."""
 
     def __init__(self, num_gpu_blocks: int, grace_s: float = 5.0, unsent_s: float = UNSENT_S) -> None:
-        if num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be >= 2 (one is vLLM's null block), got {num_gpu_blocks}")
-        self.num_gpu_blocks, self.grace_s, self.unsent_s = num_gpu_blocks, grace_s, unsent_s
-        self._fresh = num_gpu_blocks - 1  # never-used blocks at the queue's front
-        self._free = FreeQueue()  # then these, front first: hashes or _anon names
-        self._ref: dict[int, int] = {}  # pinned hashed blocks: hash -> ref_cnt (> 0)
-        self._anon_pinned = 0  # pinned unhashed blocks (partial ones)
-        self._ghost: dict[int, int] = {}  # pinned blocks whose hash was dropped meanwhile -> ref_cnt
-        self._held: dict[str, list[int | None]] = {}  # route -> its blocks in order (None: unhashed)
+        super().__init__(num_gpu_blocks)
+        self.grace_s, self.unsent_s = grace_s, unsent_s
         # routes not admitted yet (FCFS): their chain, partial blocks, their owner
         self._waiting: OrderedDict[str, tuple[Sequence[int], int, str | None]] = OrderedDict()
-        # predicted evictions -> (when, the tenant whose Routes alone believe it: an untracked route's, or, once
-        # past unsent_s, a tracked one's not shown sent (an _Unconfirmed); None: every tenant's), oldest first
-        self.evicted: OrderedDict[int, tuple[float, str | None]] = OrderedDict()
-        self._unsent: dict[str, _Unsent] = {}  # tracked routes with an owner, admitted, not shown sent
-        self._unsent_block: dict[int, str] = {}  # their new hashed blocks -> the route
-        self._num_taken = 0  # blocks unsent routes took off the queue's front, ever (`_Unsent.seq`)
-        self._front_seq: dict[Key, int] = {}  # blocks an undo put back at the front -> when they were taken
         self._parent: dict[int, int] = {}  # a hash -> the block before it in its chain (stored events); kept
         # through predicted evictions and undone routes (pruned when over twice the pool), dropped on BlockRemoved
 
     # what the router reads
-    def cached(self, h: int) -> bool:
-        return h in self._ref or h in self._free.has
-
-    def queue(self) -> list[int | None]:
-        """The free queue, front (next evicted) first: hashes, None for unhashed blocks (fresh last seen)."""
-        return [None] * self._fresh + [k if isinstance(k, int) else None for k in self._free]
-
-    def num_free(self) -> int:
-        return self._fresh + len(self._free)
-
     def resident_prefix(self, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
         """Of the `matched` leading blocks the index holds, how many are not known to be evicted, nor
         at risk from the waiting requests admitted before this one. `owner`'s Route believes the evictions
@@ -141,47 +90,13 @@ class RankPool:
                     return i
                 e = ev.get(h)
                 if e is not None and (e[1] is None or e[1] == owner
-                                      or (type(e) is _Unconfirmed and now - e[0] < self.unsent_s)):
+                                      or (type(e) is Unconfirmed and now - e[0] < self.unsent_s)):
                     return i
         return matched
 
     def at_risk(self) -> set[int]:
-        """Hashes the waiting requests will evict when admitted, replayed in their order (first come, first served):
-        each touches its hit out of the queue (the leading blocks cached now and not taken by one admitted before
-        it), then takes a new block for every block after it from the queue's front, fresh blocks first, past the
-        blocks the ones before it touched. NOTE: before, their need was a sum counted at each one's arrival and
-        their hits in the queue counted as blocks taken: a waiting turn whose previous turn's blocks lay at the
-        front, or whose hit was evicted while it waited (by one admitted before it, too), left as many of the next
-        blocks out of the risk, and a route trusted them (stale WARM routes in the agents16x4/very-tight cell,
-        issued with no reset or sleep near them; tests/controller/test_shadow_lockstep.py found the second)."""
-        if not self._waiting:
-            return set()
-        free, ref, fresh = self._free.has, self._ref, self._fresh
-        front = iter(self._free)
-        touched: set[int] = set()
-        out: set[int] = set()
-        for chain, num_partial, _ in self._waiting.values():
-            hit = 0
-            for h in chain:  # its hit (`_hit`), as the pool will be when it is admitted
-                if h in free and h not in out:
-                    touched.add(h)
-                elif h not in ref and h not in touched:
-                    break
-                hit += 1
-            need = len(chain) - hit + num_partial
-            if fresh >= need:
-                fresh -= need
-                continue
-            need, fresh = need - fresh, 0
-            for k in front:
-                if k in touched:
-                    continue
-                if isinstance(k, int):
-                    out.add(k)
-                need -= 1
-                if need <= 0:
-                    break
-        return out
+        """Hashes the waiting requests will evict when admitted, replayed in their order (`_taken_by`)."""
+        return self._taken_by(self._waiting.values()) if self._waiting else set()
 
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -282,7 +197,7 @@ class RankPool:
         out: list[int] = []
         popped: list[Key] = []  # NOTE: kept for an owner's route only, to undo it (`_withdraw`)
         unsent = owner is not None
-        entry = _Unconfirmed((now, owner)) if owner is not None else (now, None)
+        entry = Unconfirmed((now, owner)) if owner is not None else (now, None)
         num_fresh = self._fresh
         avail = self._fresh + len(free)
         for h in [*chain[hit:], *([None] * num_partial)]:
@@ -315,9 +230,8 @@ class RankPool:
                     self._unsent_block[h] = route
             held.append(h)
         self._held[route] = held
-        if isinstance(entry, _Unconfirmed):
-            self._unsent[route] = _Unsent(hit, entry, num_fresh - self._fresh, popped, self._num_taken)
-            self._num_taken += len(popped)
+        if isinstance(entry, Unconfirmed):
+            self._track(route, hit, entry, num_fresh - self._fresh, popped)
         return out
 
     def free(self, route: str, now: float) -> list[int]:
@@ -334,12 +248,12 @@ class RankPool:
         for h in reversed(held):
             if h is None:
                 self._anon_pinned = max(0, self._anon_pinned - 1)
-                back.append(_anon())
+                back.append(anon_key())
             elif h in self._ghost:  # its hash was dropped while it ran: the block comes back unhashed
                 self._ghost[h] -= 1
                 if not self._ghost[h]:
                     del self._ghost[h]
-                    back.append(_anon())
+                    back.append(anon_key())
             elif h not in self._ref:
                 continue
             elif self._ref[h] > 1:
@@ -349,69 +263,6 @@ class RankPool:
                 back.append(h)
         self._free.extend(back)
         return self._drain(now)
-
-    def _withdraw(self, u: _Unsent, new: list[int | None]) -> None:
-        """Undo the admission of a tracked route that ended with no event showing it sent (it may never have been):
-        each of its `new` blocks gives its slot back as it was taken, at the front, in the order taken; an eviction
-        it predicted and nothing confirmed is withdrawn. A slot whose block another route holds too stays with it."""
-        ref, ghost, ev = self._ref, self._ghost, self.evicted
-        withdrawn = set()
-        for g in u.popped:
-            if isinstance(g, int) and ev.get(g) is u.entry:
-                del ev[g]
-                withdrawn.add(g)
-        back: list[tuple[Key | None, int]] = []  # (the slot, when it was taken)
-        seqs = [*[-1] * u.num_fresh, *range(u.seq, u.seq + len(u.popped))]
-        for h, k, seq in zip(new, [*[None] * u.num_fresh, *u.popped], seqs, strict=False):
-            if h is None:
-                self._anon_pinned = max(0, self._anon_pinned - 1)
-            else:
-                self._unsent_block.pop(h, None)
-                if h in ghost:  # a clear came meanwhile: the slot comes back unhashed, once its last holder ends
-                    ghost[h] -= 1
-                    if ghost[h]:
-                        continue  # NOTE: another route still holds it; `free` gives it back at 0 (not twice)
-                    del ghost[h]
-                elif ref.get(h, 0) > 1:
-                    ref[h] -= 1
-                    continue
-                elif ref.pop(h, None) is None:
-                    continue
-            back.append((k, seq))
-        for k, seq in reversed(back):
-            if k is None:
-                self._fresh += 1
-                continue
-            if isinstance(k, int) and (k not in withdrawn or self.cached(k) or k in ghost):
-                k = _anon()  # its eviction was confirmed (or is past the grace), or it is held again: unhashed
-            self._put_back(k, seq)
-
-    def _put_back(self, k: Key, seq: int) -> None:
-        """Put an undone route's slot back at the queue's front, behind the slots other undone routes took before it
-        (taken in that order, they were in that order). NOTE: at the absolute front, two routes undone in the order
-        they came left their blocks reversed ([1, 2, 3, 4] -> [2, 1, 3, 4]): vLLM, which got neither, evicts 1."""
-        free, front = self._free, self._front_seq
-        before = []
-        for j in free:
-            if front.get(j, seq) >= seq:
-                break
-            before.append(j)
-        free.add(k)
-        free.move_to_front(k)
-        for j in reversed(before):
-            free.move_to_front(j)
-        front[k] = seq
-
-    def _sent(self, route: str) -> None:
-        """An event showed the route's request sent: every tenant believes its evictions from now."""
-        u = self._unsent.pop(route)
-        for h in self._held.get(route, [])[u.hit:]:
-            if h is not None:
-                self._unsent_block.pop(h, None)
-        ev, public = self.evicted, (u.entry[0], None)
-        for g in u.popped:
-            if isinstance(g, int) and ev.get(g) is u.entry:
-                ev[g] = public  # NOTE: in place: its age (and so its expiry) is unchanged
 
     # KV events
     def stored(self, hashes: Iterable[int], now: float, parent: int | None = None) -> None:
@@ -504,27 +355,6 @@ class RankPool:
         ev = self.evicted
         while ev and now - next(iter(ev.values()))[0] >= self.grace_s:
             ev.popitem(last=False)
-
-    # internals
-    def _pinned(self) -> bool:
-        return bool(self._ref or self._anon_pinned or self._ghost)
-
-    def _touch(self, h: int) -> None:
-        if h in self._free.has:
-            self._free.remove(h)
-            self._front_seq.pop(h, None)
-            self._ref[h] = 1
-        else:
-            self._ref[h] += 1
-
-    def _popleft(self) -> int | None:
-        """Take the front block; the hash it carried (evicted), or None."""
-        if self._fresh:
-            self._fresh -= 1
-            return None
-        k = self._free.popleft()
-        self._front_seq.pop(k, None)
-        return k if isinstance(k, int) else None
 
 
 class ShadowPools:
