@@ -2,7 +2,8 @@
 
 The gRPC SessionServicer translates proto <-> domain and calls this; everything else lives here: the fleet
 (built on first use: it joins the Ray cluster `ray.init` already started in this process, or starts a local
-one), the tenants' quotas and call lanes (controller/quotas.py), the calls in flight and the idle reaper.
+one), the tenants' quotas and call lanes (controller/quotas.py), the calls in flight and the idle reaper
+(controller/session_reaper.py).
 
     RPC ──▶ SessionServicer (validate) ──▶ Sessions.append_text(tenant, sid, role, text): encoded once
               quota: reserve ▶ tenant's lane thread ▶ KernelFleet.append_message ▶ actor (token ids, no re-encode)
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 from controller.kernel_placement import kernel_spec_of
 from controller.quotas import SessionLimits, TenantLanes, TenantLedger
 from controller.ray_address import check_ray, on_daemon_thread
+from controller.session_reaper import SessionActivity, reap_loop
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.oplog import (
@@ -63,9 +65,7 @@ class Sessions:
         self._lanes = TenantLanes(1)  # its width is set from the limits when the fleet is built
         self._ledger: TenantLedger | None = None
         self._creating: set[tuple[str, str]] = set()
-        self._in_flight: dict[tuple[str, str], int] = {}
-        self._touched: dict[tuple[str, str], float] = {}
-        self._reaping: dict[tuple[str, str], asyncio.Event] = {}  # sessions whose actor is being released
+        self._activity = SessionActivity()  # calls in flight, last touches, releases (controller/session_reaper.py)
         self._reaper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -204,7 +204,8 @@ class Sessions:
                     self._ledger = TenantLedger(fleet.kernel.block_bytes // fleet.kernel.block_size)
                     self._lanes.width = self.limits.tenant_concurrency
                     self._loop = asyncio.get_running_loop()
-                    self._reaper = asyncio.create_task(self._reap_loop())
+                    self._reaper = asyncio.create_task(reap_loop(lambda: self.limits, self._lanes.prune,
+                                                                 self.reap_idle))
                     self.fleet = fleet
         return self.fleet
 
@@ -244,27 +245,10 @@ class Sessions:
             self._lanes.release(tenant)
 
     async def _call(self, tenant: str, sid: str, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` (a KernelFleet call) on `tenant`'s lane; session `sid` is marked in flight and touched, so
-        the reaper leaves it alone. A call for a session whose actor the reaper is releasing waits for the
-        release to end, then runs on the regenerated actor (never on an actor being stopped under it)."""
-        key = (tenant, sid)  # NOTE: callers hold the fleet already (get_fleet)
-        while (releasing := self._reaping.get(key)) is not None:
-            await releasing.wait()
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1  # NOTE: no await since the check above
-        exists = True
-        try:
+        """`fn(*args)` (a KernelFleet call) on `tenant`'s lane, with session `sid` in use (`SessionActivity.calling`:
+        the reaper leaves it alone, and a release in progress ends first)."""
+        async with self._activity.calling((tenant, sid)):  # NOTE: callers hold the fleet already (get_fleet)
             return await self._run(tenant, fn, *args)
-        except NotFound:
-            exists = False  # no such session: nothing to remember about it (ids a tenant made up)
-            raise
-        finally:
-            self._in_flight[key] -= 1
-            if not self._in_flight[key]:
-                del self._in_flight[key]
-            if exists:
-                self._touched[key] = time.time()
-            else:
-                self._touched.pop(key, None)
 
     async def _quota(self, tenant: str) -> TenantLedger:
         """The ledger, with `tenant`'s sessions counted (rebuilt from the store the first time)."""
@@ -389,22 +373,9 @@ class Sessions:
     def _forget(self, tenant: str, sid: str) -> None:
         if self._ledger is not None and (tenant, sid) not in self._creating:  # a create's reservation stays
             self._ledger.drop(tenant, sid)
-        self._touched.pop((tenant, sid), None)
+        self._activity.touched.pop((tenant, sid), None)
 
     # -- idle reaping -----------------------------------------------------------------------------
-
-    async def _reap_loop(self) -> None:
-        """Every reap interval, release the actors of sessions idle past the TTL (0: never)."""
-        while True:
-            limits = self.limits
-            await asyncio.sleep(limits.reap_interval_s)
-            self._lanes.prune()  # the lanes of tenants with no call running or waiting
-            if not limits.idle_ttl_s:
-                continue
-            try:
-                await self.reap_idle(limits.idle_ttl_s)
-            except Exception:  # noqa: BLE001 - one failed pass (a node going away) never stops reaping
-                log.exception("idle-session reaping failed; retrying next interval")
 
     async def reap_idle(self, ttl_s: float, now: float | None = None,
                         rows: list[dict[str, Any]] | None = None) -> list[tuple[str, str]]:
@@ -414,26 +385,8 @@ class Sessions:
         pairs released."""
         now = time.time() if now is None else now
         listed: list[dict[str, Any]] = rows if rows is not None else await self._run_admin(self.fleet.list_sessions, True)
-        out = []
-        for r in listed:
-            key = (r["tenant"], r["session"])
-            if r.get("state") not in ("active", "regenerated") or key in self._in_flight or key in self._creating \
-                    or key in self._reaping:
-                continue
-            last = max(float(r.get("last_active") or 0.0), float(r.get("created") or 0.0), self._touched.get(key, 0.0))
-            if now - last <= ttl_s:
-                continue
-            released = self._reaping[key] = asyncio.Event()  # NOTE: no await since the checks above
-            try:
-                with contextlib.suppress(NotFound):   # closed meanwhile
-                    await self._run_admin(self.fleet.release_session, *key)
-                    out.append(key)
-            finally:
-                del self._reaping[key]
-                released.set()
-        if out:
-            log.info("released %d idle session kernel(s) (idle > %.0fs): %s", len(out), ttl_s, out)
-        return out
+        release = functools.partial(self._run_admin, self.fleet.release_session)
+        return await self._activity.reap_idle(listed, ttl_s, now, self._creating, release)
 
     def close(self) -> None:
         """Stop the reaper and the lanes (run by Controller.stop, from any thread): queued calls are dropped,
