@@ -12,8 +12,9 @@ the watcher touches the router's index only through `IndexSink` (controller/inde
 
 Failures stay with their worker (controller/contain.py): a store write that fails is retried on
 the next tick, a reconcile or tail replay that raises marks this worker down and is counted and
-logged once. Health polling and tail replay run as two loops, so a slow or flooding replay
-endpoint cannot delay the look that notices a worker put to sleep behind the controller's back.
+logged once. The Worker's parts live beside it: its lifecycle verbs in controller/vllm/verbs.py,
+its reconcile look and its two loops (health polling, tail replay) in controller/vllm/reconcile.py,
+each rank's stream sink in controller/vllm/rank_sink.py, its LoRA looks in controller/vllm/loras.py.
 Events are applied in slices that yield to the loop, within a per-rank event budget; a worker
 over its budget is faulty for a while (controller/vllm/budget.py): not serving, its index
 dropped, its stream only counted, no replay asked.
@@ -27,8 +28,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 import zmq.asyncio
@@ -41,37 +41,19 @@ from controller.view import RankView, WorkerView
 from controller.vllm import calibration
 from controller.vllm.budget import STEP_COST, FaultGuard, Slicer, batch_cost
 from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
-from controller.vllm.http import VllmHttp, WorkerHttpError, WorkerMetrics, worker_hash_settings
-from controller.vllm.loras import LoraLooks
+from controller.vllm.http import VllmHttp, WorkerMetrics
+from controller.vllm.rank_sink import RankSink, rank_endpoint
 from controller.vllm.ratelog import RateLog
+from controller.vllm.reconcile import Reconcile
 from controller.vllm.silence import Silence
 from controller.vllm.subscriber import StreamLimits, Subscriber
-from controller.vllm.tail_polls import TailPolls
-from fleet.core import lifecycle as lc
+from controller.vllm.verbs import Verbs
 from fleet.core.block_hash import HashConfig
-from fleet.core.errors import FailedPrecondition
-from fleet.core.lifecycle import Witness
-from fleet.core.rank_state import Look, RankState, Transition
+from fleet.core.rank_state import RankState, Transition
 
 log = logging.getLogger(__name__)
 AWAITED_CLEAR = AllBlocksCleared(awaited=True)  # the clear a forgetting verb queued (events.py)
 CLEAR_SETTLE_S = 2.0  # after a fence "clear" went up, a batch read this much later was produced after the clear
-DRAIN_POLL_S = 0.02  # how often a refused prefix-cache reset is asked again while the worker drains
-
-
-def _refused(resp: Any) -> bool:
-    """vLLM's /reset_prefix_cache answer says it did nothing (blocks still held): {"success": false}."""
-    return isinstance(resp, dict) and resp.get("success") is False
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """vLLM's per-DP-rank endpoint: TCP port + rank (inproc/ipc get a _dp<rank> suffix)."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        host, port = endpoint.rsplit(":", 1)
-        return f"{host}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
 
 
 class WatchConfig(Protocol):
@@ -96,56 +78,7 @@ class WatchConfig(Protocol):
     def lora_refresh_s(self) -> float: ...
 
 
-class _Sink:
-    def __init__(self, worker: Worker, rank: int) -> None:
-        self.w, self.r = worker, rank
-
-    def last_seq(self) -> int:
-        return self.w.ranks[self.r].seq
-
-    async def on_batch(self, seq: int, batch: EventBatch) -> None:
-        await self.w.on_batch(self.r, seq, batch)
-
-    def muted(self) -> bool:
-        return self.w.guard.faulty()
-
-    def refuse(self, seq: int, n: int, what: str = "") -> None:
-        """A message refused undecoded (budget.refusal: too many events, or too many bytes for them): faulty."""
-        self.w.guard.trip(n)
-        self.w._trip(self.r, seq, n, what)
-
-    def admit(self, seq: int, cost: int) -> bool:
-        """A message's cost before it is decoded (budget.message_cost), or its blocks' once decoded (budget.blocks_cost);
-        False: faulty, not applied."""
-        if self.w.guard.admit(self.r, cost, 0):
-            return True
-        self.w._trip(self.r, seq, 0, f"a message costing {cost:,} (1 plus 1 per 4 KiB, then 1 per 4 block hashes)")
-        return False
-
-    def skip(self, seq: int) -> None:
-        self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq)
-
-    def resume(self, seq: int) -> None:
-        """The stream goes on at `seq` after a faulty hold, nothing sent meanwhile read (Subscriber._sit_out). An
-        AllBlocksCleared the rank awaited (fence "clear") may have been among it: Worker.lift_settled.
-        NOTE: a reset or sleep the controller drove while the worker was faulty left the fence up for good, the
-        worker serving and always COLD until the next clear."""
-        self.w.ranks[self.r] = self.w.ranks[self.r].at_seq(seq - 1)
-        if self.w.ranks[self.r].fence == "clear":
-            self.w.resumed.add(self.r)
-            self.w.lift_settled(self.r)
-
-    def on_invalidate(self, reason: str, seq: int | None) -> None:
-        """An invalidation steps the epoch and writes the store: it costs STEP_COST of the rank's budget.
-        NOTE: uncharged, a flood of seq resets stepped the epoch 11,709 times in 4 s, never faulty."""
-        if not self.w.guard.admit(self.r, STEP_COST, 0):
-            self.w._trip(self.r, self.w.ranks[self.r].seq if seq is None else max(seq, self.w.ranks[self.r].seq), 0,
-                         f"a stream invalidation ({reason}) costing {STEP_COST:,}")
-            return
-        self.w.on_stream_invalidate(self.r, reason, seq)
-
-
-class Worker(LoraLooks):
+class Worker(Verbs, Reconcile):
     """Runtime of one worker. All mutation happens on the event loop (no threads)."""
 
     def __init__(self, spec: WorkerSpec, *, store: KvStore, metrics: Metrics, index: IndexSink, cfg: WatchConfig,
@@ -214,6 +147,14 @@ class Worker(LoraLooks):
             return
         self._unpersisted.discard(rank)
         self.errors.ok("persist")
+
+    def _persist_seqs(self) -> None:
+        """The last seq seen, persisted at most once per reconcile tick (epoch changes persist at once)."""
+        for r, st in self.ranks.items():
+            if self._persisted_seq.get(r) != st.seq or r in self._unpersisted:
+                self.persist(r)
+                if r not in self._unpersisted:
+                    self._persisted_seq[r] = st.seq
 
     def _apply(self, rank: int, t: Transition) -> None:
         """Carry out one transition: adopt its state, drop the index, count the bump, persist. Nothing once
@@ -392,205 +333,12 @@ class Worker(LoraLooks):
             self.calibrated = proven
         return self.calibrated
 
-    def _check_algo(self, algo: str | None, where: str) -> None:
-        """A worker that says it hashes otherwise than we compute is never warm (fail closed)."""
-        if algo and self.hash_cfg is not None and algo != self.hash_cfg.algo and self.calibrated:
-            self.calibrated = False
-            self.errors.failed("hash_algo", FailedPrecondition(
-                f"{where} says prefix_caching_hash_algo={algo!r}, the spec {self.hash_cfg.algo!r}"))
-
     def warmable(self, rank: int) -> bool:
         st = self.ranks[rank]
         return (st.serving and self.calibrated and self.hash_cfg is not None and not self.transitioning
                 and not self.guard.faulty())
 
-    # lifecycle verbs
-    async def lifecycle(self, call: lc.Call, settle: Callable[[], Awaitable[None]] | None = None) -> Witness:
-        """Demote (or stop serving) first, then let routes already decided for this worker reach it
-        (`settle`: nothing new is routed here meanwhile), then call vLLM, then adopt and record the witness."""
-        async with self.lock:
-            self._unsent_if_stopped(call)
-            self.transitioning, self.draining = True, lc.drains(call)
-            try:
-                w = await self._lifecycle(call, settle)
-            except WorkerHttpError as e:
-                self._stopped_under(call, e)
-                raise
-            finally:
-                self.transitioning = self.draining = False
-            self._stopped_under(call)
-            return w
-
-    def _unsent_if_stopped(self, call: lc.Call) -> None:
-        """A verb the worker's stop came before (it waited for the lock, or for `settle`) is not sent."""
-        if self._closing:
-            raise FailedPrecondition(f"worker {self.spec.name!r} was unregistered (or the controller stopped) before "
-                                     f"its {call.verb} was sent; nothing was sent")
-
-    def _stopped_under(self, call: lc.Call, cause: Exception | None = None) -> None:
-        """A verb the worker's stop overtook (unregistered, or the controller stopping) answers FailedPrecondition:
-        vLLM may have acted, but nothing of its answer was recorded (_apply), and the name may be another
-        registration's by now."""
-        if self._closing:
-            raise FailedPrecondition(
-                f"worker {self.spec.name!r} was unregistered (or the controller stopped) while its {call.verb} ran: "
-                f"the verb may have reached {self.spec.url}, and its outcome was not recorded") from cause
-
-    async def _lifecycle(self, call: lc.Call, settle: Callable[[], Awaitable[None]] | None) -> Witness:
-        for r in self.ranks:
-            self._apply(r, self.ranks[r].verb_started(call))
-        if settle is not None:
-            await settle()
-        self._unsent_if_stopped(call)
-        self._verb_clears = set()
-        try:
-            return await self._called(call)
-        finally:
-            self._verb_clears = None
-
-    async def _called(self, call: lc.Call) -> Witness:
-        """Call vLLM and adopt its answer. A rank an AllBlocksCleared reached while the call was out may have read
-        the one this verb queued before the fence went up for it (a request behind the controller's back ran a
-        step first): that fence lifts once settled (`lift_settled`). NOTE: it waited for that clear for good, the
-        worker served, always COLD, until some later clear."""
-        try:
-            resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True,
-                                        timeout_s=self._verb_timeout(call))
-            if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
-                resp = await self._drained_reset(call, resp)
-            w = lc.witness(call, resp)
-            if w.serving:
-                w = lc.confirm_awake(w, await self.http.is_sleeping())
-        except WorkerHttpError:
-            for r in self.ranks:
-                self._apply(r, self.ranks[r].verb_failed())
-            raise
-        clear = lc.queues_clear(call, resp)
-        for r in self.ranks:
-            self._apply(r, self.ranks[r].verb_answered(w, clear_queued=clear))
-            if self.ranks[r].fence == "clear" and r in (self._verb_clears or ()):
-                self._clear_maybe_gone(r)
-        if call.verb == "sleep":
-            # its own /sleep moves the op count: the next look takes a fresh baseline. NOTE: every verb
-            # dropped the baseline, so a /sleep and /wake_up behind the controller's back between a pause
-            # (or a resume, wake or reset) and the next look went unseen, and the wake kept the old index
-            self.sleep_ops = None
-        self.metrics.lifecycle_actions.labels(call.verb, w.kv).inc()
-        return dataclasses.replace(w, epoch=self.ranks[self.spec.dp_rank_start].epoch)
-
-    def _verb_timeout(self, call: lc.Call) -> float | None:
-        """The bound on the verb's call to vLLM (None: the usual http_timeout_s). vLLM answers a draining verb
-        (lc.drains: a pause with mode=wait) once the requests in flight have finished, so it gets `reset_drain_s`
-        more, the time a refused reset is asked again too. NOTE: bounded by http_timeout_s alone, a drain longer
-        than 2 s failed the verb: the rank was invalidated (phase error, its index dropped, where the pause was to
-        keep the cache) and the SDK's retry, once the drain ended, left the worker paused and COLD (found by review)."""
-        return self.cfg.http_timeout_s + self.cfg.reset_drain_s if lc.drains(call) else None
-
-    async def _drained_reset(self, call: lc.Call, resp: Any) -> Any:
-        """vLLM refuses a prefix-cache reset while requests hold blocks (success:false, nothing changed). The
-        worker is not serving while a verb runs (`transitioning`: the router sends it nothing new), so its
-        requests drain; the reset is asked again every DRAIN_POLL_S until it succeeds or `reset_drain_s`
-        passes, and the last answer is the witness (still refused: kv unknown, as before).
-
-        NOTE: asking once and giving up left the rank's index dropped (a refused reset is "unknown") while the
-        router went on sending the worker requests, cold, into a cache that was still whole, and the requests it
-        sent kept the reset refused: through the controller, a busy worker's reset took up to 75 asks and 2 s
-        (issue #27, agents16x4/very-tight), and the blocks prefilled meanwhile were wiped when it finally ran.
-        """
-        deadline = time.monotonic() + self.cfg.reset_drain_s
-        asks = 1
-        while _refused(resp) and time.monotonic() < deadline and not self._closing:
-            await asyncio.sleep(min(DRAIN_POLL_S, max(deadline - time.monotonic(), 0.0)))
-            resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
-            asks += 1
-        self.metrics.reset_drains.labels("reset" if not _refused(resp) else "refused").inc()
-        log.info("worker %s: prefix-cache reset %s after %d asks, draining %.2fs", self.spec.name,
-                 "refused" if _refused(resp) else "done", asks, self.cfg.reset_drain_s - (deadline - time.monotonic()))
-        return resp
-
-    # reconcile
-    async def fetch(self) -> tuple[bool, tuple[WorkerMetrics, ...], bool, str] | None:
-        """One look: /is_sleeping, every rank's engine's series of one /metrics (NOTE: engine 0's alone was read
-        and charged to every rank, so a busy engine 0 priced an idle rank 1 out of its own warm prompts), /health,
-        /version."""
-        self._look_at = time.monotonic()
-        try:
-            s, m, h, v = await asyncio.gather(self.http.is_sleeping(), self.http.engine_metrics(tuple(self.ranks)),
-                                              self.http.health(), self.http.version())
-        except WorkerHttpError as e:
-            log.info("worker %s unreachable or junk: %s", self.spec.name, e)
-            return None
-        return s, m, h, v
-
-    def apply_observation(self, obs: tuple[bool, tuple[WorkerMetrics, ...], bool, str] | None) -> None:
-        """Fold one look at the worker into the rank states (fail closed on anything odd)."""
-        if obs is None or not obs[2]:
-            self._mark_down("health")
-            return
-        sleeping, loads, _, version = obs
-        m = loads[0]
-        self.load, self.loads, self.load_at = m, loads, self._look_at or time.monotonic()
-        if self._subs:
-            self._check_silence(loads, self.load_at)
-        self._check_algo(m.hash_algo, "/metrics")
-        new_process = m.start_time is not None and any(
-            st.start_time is not None and st.start_time != m.start_time for st in self.ranks.values())
-        for r in self.ranks:
-            self._apply(r, self.ranks[r].restarted(m.start_time, version, stream_reset_seen=r in self._reset_seen,
-                                                   subscribed=bool(self._subs)))
-            self._reset_seen.discard(r)
-        # NOTE: a new process counts its /sleep calls from 0: compared with the old one's count, the look read as
-        # "slept between", and its invalidation replaced the restart's fence "reset" with none
-        # NOTE: a restarted controller had no count to compare its first look with: a /sleep level 1 and /wake_up while
-        # no controller ran (no step since, so the clear it queued unpublished) went unseen, and the catch-up replay
-        # rebuilt the wiped blocks: WARM routes to an empty cache. The count is persisted now (RankState.sleep_ops)
-        look = Look.of(sleeping, m.sleep_state, m.sleep_ops, None if new_process else self.sleep_ops,
-                       unread=not self._subs)
-        self.sleep_ops = look.sleep_ops
-        for r in list(self.ranks):
-            self._apply(r, self.ranks[r].observed(look))
-            self._apply(r, self.ranks[r].counted(look.sleep_ops))
-
-    def _check_silence(self, loads: tuple[WorkerMetrics, ...], now: float) -> None:
-        """A rank whose worker reused its cache while the index held none of its blocks and none of its KV events arrived
-        for events_silent_s: said once (a warning, kvfleet_kv_events_silent) until its events arrive again. NOTE: a worker restarted on other event ports
-        stayed COLD for every route, listed serving, and nothing said why (found by a new user's run)."""
-        for r, m in zip(self.ranks, loads, strict=False):
-            if self.silence.looked(r, m.prefix_hits, self.index.num_blocks((self.spec.name, r)), now):
-                log.warning("worker %s rank %d reused its prefix cache for %gs and none of its KV events arrived at %s: "
-                            "its publisher is not where it was registered (restarted on other --kv-events-config "
-                            "ports?); its routes stay COLD until they do: register it again with its endpoints",
-                            self.spec.name, r, self.silence.after_s, self.spec.kv_events)
-                self.metrics.kv_events_silent.labels(self.spec.name, str(r)).set(1)
-
-    def _mark_down(self, reason: str) -> None:
-        for r in list(self.ranks):
-            has_blocks = bool(self.index.num_blocks((self.spec.name, r)))
-            self._apply(r, self.ranks[r].marked_down(reason, has_blocks=has_blocks))
-
-    async def reconcile_once(self) -> None:
-        if self.lock.locked():
-            return
-        async with self.lock:
-            self.apply_observation(await self.fetch())
-
-    async def probe(self) -> bool:
-        """Route-time probe: one fresh look; True when the worker is serving right now."""
-        if self.transitioning:
-            return False
-        async with self.lock:
-            self.apply_observation(await self.fetch())
-        return all(st.serving for st in self.ranks.values())
-
-    async def discover(self) -> None:
-        """Block size (/server_info, else first events) and LoRA adapter paths (/v1/models root)."""
-        await self.refresh_loras(0.0)
-        seen = await worker_hash_settings(self.http)
-        bs = seen.get("block_size")
-        if self.hash_cfg is None and isinstance(bs, int) and bs > 0:
-            self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, bs)
-        self._check_algo(seen.get("hash_algo"), "the worker")
-
+    # start and stop
     async def start(self, *, catch_up: bool) -> None:
         """Discover, look once, then start every rank's stream. NOTE: the ranks catch up side by side: one after
         another, a rank whose replay did not answer held back the next rank's stream for its whole replay."""
@@ -599,7 +347,7 @@ class Worker(LoraLooks):
         for r in self.ranks:
             ep = rank_endpoint(self.spec.kv_events, r)
             rp = rank_endpoint(self.spec.replay, r) if self.spec.replay else None
-            self._subs.append(Subscriber(self.zctx, ep, rp, _Sink(self, r), self.metrics, limits=self.cfg.stream,
+            self._subs.append(Subscriber(self.zctx, ep, rp, RankSink(self, r), self.metrics, limits=self.cfg.stream,
                                          label=f"worker {self.spec.name} rank {r}"))
         # every stream is in _subs before any starts, so that stop() ends the ones started if another one fails
         done = await asyncio.gather(*(self._start_rank(r, sub, catch_up) for r, sub in zip(self.ranks, self._subs, strict=True)),
@@ -617,56 +365,6 @@ class Worker(LoraLooks):
         caught_up = await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
         if catch_up and caught_up:
             self._apply(r, self.ranks[r].caught_up())
-
-    async def _reconcile_loop(self) -> None:
-        """Health, sleep state, restarts: never waits on the event stream or its replay."""
-        while not self._closing:
-            await asyncio.sleep(self.cfg.reconcile_interval_s)
-            try:
-                await asyncio.gather(self.reconcile_once(), self.refresh_loras(self.cfg.lora_refresh_s))
-                self._persist_seqs()
-                self.guard.settle()
-            except Exception as e:
-                self.errors.failed("reconcile", e)
-                self.mark_down_contained("reconcile_error")
-            else:
-                self.errors.ok("reconcile")
-
-    async def _tail_loop(self) -> None:
-        """Replay of a lost final batch; bounded by StreamLimits, and off the reconcile path. The ranks' polls run
-        side by side (controller/vllm/tail_polls.py): a rank whose replay does not answer holds no other rank's."""
-        polls = TailPolls(self.cfg.stream.max_tail_polls, self._tail_polled)
-        try:
-            while not self._closing:
-                await asyncio.sleep(self.cfg.reconcile_interval_s)
-                polls.start(list(zip(self.ranks, self._subs, strict=False)))
-        finally:
-            await polls.stop()
-
-    def _tail_polled(self, rank: int, error: Exception | None) -> None:
-        """How one rank's tail poll ended: a raise marks the worker down; "works again" once no rank's last one raised."""
-        if error is None:
-            self._tail_failing.discard(rank)
-            if not self._tail_failing:
-                self.errors.ok("tail_replay")
-            return
-        self._tail_failing.add(rank)
-        self.errors.failed("tail_replay", error)
-        self.mark_down_contained("tail_replay_error")
-
-    def mark_down_contained(self, reason: str) -> None:
-        try:
-            self._mark_down(reason)
-        except Exception as e:  # NOTE: used to escape the except clause and end the loop for good
-            self.errors.failed("mark_down", e)
-
-    def _persist_seqs(self) -> None:
-        """The last seq seen, persisted at most once per reconcile tick (epoch changes persist at once)."""
-        for r, st in self.ranks.items():
-            if self._persisted_seq.get(r) != st.seq or r in self._unpersisted:
-                self.persist(r)
-                if r not in self._unpersisted:
-                    self._persisted_seq[r] = st.seq
 
     async def stop(self) -> None:
         # NOTE: on Python 3.11 asyncio.wait_for can swallow a cancel that lands as its inner
