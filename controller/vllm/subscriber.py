@@ -1,20 +1,17 @@
-"""ZMQ SUB for one (worker, dp_rank) KV-event stream, with gap repair over a DEALER replay socket.
+"""ZMQ SUB for one (worker, dp_rank) KV-event stream, with gap repair over a DEALER replay socket
+(controller/vllm/replay.py).
 
 Frames: [topic, seq (>= 8 bytes, first 8 big-endian), payload]. The subscriber keeps the stream
-contiguous: a gap asks the replay ROUTER for `[b"", start_seq]` and accepts 3-frame (>= 0.26:
-topic, seq, payload) or 2-frame (older: seq, payload) replies up to the end marker (seq = 0xFF*8).
+contiguous: a gap is repaired by a replay from the worker's replay ROUTER.
 A gap that replay does not fill, a seq going backwards (publisher restart), a decode error or an
 unknown event type is reported to the sink as an invalidation; the sink then fails closed.
 
 Everything a worker sends is bounded (`StreamLimits`): a live frame larger than `max_msg_bytes`
 is dropped by ZMQ itself (ZMQ_MAXMSGSIZE; the peer is disconnected and the gap shows on the next
-frame), and one replay stops at an overall deadline, a batch count and a byte total. A replay
-over any bound fails like one that got no answer: the gap is unrepaired and the rank fails closed.
+frame), and so is one replay (controller/vllm/replay.py).
 Events are applied in slices that yield to the event loop (controller/vllm/budget.py), and a sink
 that is muted (its worker overran its event budget: faulty) gets only the seqs, nothing decoded,
 and no replay is asked for it.
-NOTE: a ROUTER that trickles frames just under the per-frame timeout, or floods without an end
-marker, used to hold the replay (and the reconcile loop behind it) forever and grow without bound.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import contextlib
 import hashlib
 import inspect
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,20 +29,12 @@ import zmq.asyncio
 
 from controller.metrics import Metrics
 from controller.vllm.budget import Slicer, blocks_cost, message_cost, refusal
-from controller.vllm.events import (
-    END_SEQ,
-    MAX_SEQ,
-    EventBatch,
-    EventDecodeError,
-    UnknownEventType,
-    decode_batch,
-    parse_seq,
-)
+from controller.vllm.events import EventBatch, EventDecodeError, UnknownEventType, decode_batch, parse_seq
 from controller.vllm.ratelog import RateLog
+from controller.vllm.replay import Replays
 from fleet.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
-REPLAYED_WINDOW = 4096  # seqs behind the last one whose replayed payload a live duplicate may still match
 # while its worker is faulty, a stream's socket is closed; every MUTED_POLL_S the subscriber looks whether the hold
 # has ended (then it connects again). NOTE: read at full speed, a faulty worker's flood of 65,000 messages a second
 # cost other tenants' Routes 6.9 ms at the median (0.7 without it); read one message per 10 ms, the rest queued in
@@ -96,10 +84,6 @@ class StreamLimits:
                 raise InvalidArgument(f"{name} must be a positive int, got {v!r}")
 
 
-class _OverLimit(Exception):
-    """A replay passed one of its StreamLimits bounds (the message says which)."""
-
-
 class StreamSink(Protocol):
     """Where a stream's batches go. `on_batch` may be a coroutine function (it then yields while it
     applies a large batch); a sink may also have `muted() -> bool` and `skip(seq)`: while muted, it
@@ -116,7 +100,7 @@ class StreamSink(Protocol):
     def on_invalidate(self, reason: str, seq: int | None) -> None: ...
 
 
-class Subscriber:
+class Subscriber(Replays):
     """Reads one PUB endpoint; calls the sink in strict seq order."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay: str | None, sink: StreamSink,
@@ -280,48 +264,6 @@ class Subscriber:
             self._prune_replayed()
             return n
 
-    def _prune_replayed(self) -> None:
-        """Keep the digests of the last REPLAYED_WINDOW seqs up to the last one applied: anything
-        older, or newer (the stream's seq went back since), can no longer be a live duplicate."""
-        last = self.sink.last_seq()
-        for s in [s for s in self._replayed if not last - REPLAYED_WINDOW <= s <= last]:
-            del self._replayed[s]
-
-    async def _repair(self, last: int, seq: int) -> None:
-        self.metrics.kv_event_gaps.inc()
-        batches = await self.replay(last + 1) if self.replay_endpoint else None
-        got = {s: p for s, p in (batches or []) if last < s < seq}
-        if last < 0:
-            # first message of a fresh stream: any contiguous tail ending at seq-1 is sound
-            tail = []
-            for s in range(seq - 1, -1, -1):
-                if s not in got:
-                    break
-                tail.append(s)
-            for s in reversed(tail):
-                if self.muted():
-                    break
-                await self._apply(s, got[s])
-            self.metrics.kv_event_replays.labels("ok" if batches is not None else "failed").inc()
-            return
-        if all(s in got for s in range(last + 1, seq)):
-            self.metrics.kv_event_replays.labels("ok").inc()
-            self.metrics.kv_event_replayed_batches.inc(seq - last - 1)
-            for s in range(last + 1, seq):
-                if self.muted():
-                    break
-                await self._apply(s, got[s])
-            return
-        self.metrics.kv_event_replays.labels("unrepaired").inc()
-        if not self.replay_endpoint:
-            how = "no replay endpoint is registered to repair it"
-        elif batches is None:
-            how = f"replay ({self.replay_endpoint}) gave no answer"
-        else:
-            how = f"replay ({self.replay_endpoint}) no longer holds seq {min(set(range(last + 1, seq)) - set(got))}"
-        self._invalidate("gap", seq - 1, f"seqs {last + 1}..{seq - 1} were lost (PUB high-water mark or a "
-                         f"reconnect) and {how}")
-
     async def _apply(self, seq: int, payload: bytes, *, catch_up: bool = False) -> None:
         await self.slicer.tick()
         if self.muted():
@@ -360,58 +302,3 @@ class Subscriber:
             # NOTE: raised out of here, the batch's seq was left untaken (each later message a gap whose replay raised
             # again), a tail poll's raise marked every rank of the worker down, a catch-up's ended the worker's start
             self._invalidate("apply_error", seq, f"applying it failed: {e!r}", exc_info=True)
-
-    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """Ask the replay ROUTER for every buffered batch with seq >= start; None on failure.
-
-        Failure includes passing any `StreamLimits` bound (counted as outcome "over_limit").
-        """
-        assert self.replay_endpoint is not None
-        if not 0 <= start <= MAX_SEQ:
-            return None  # an impossible start (e.g. a corrupt persisted seq): replay cannot help
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_msg_bytes)
-        sock.connect(self.replay_endpoint)
-        try:
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
-            return await self._read_replay(sock)
-        except _OverLimit as e:
-            self.metrics.kv_event_replays.labels("over_limit").inc()
-            log.warning("replay from %s abandoned: %s", self.replay_endpoint, e)
-            return None
-        except (TimeoutError, EventDecodeError, zmq.ZMQError):
-            return None
-        finally:
-            sock.close(0)
-
-    async def _read_replay(self, sock: zmq.asyncio.Socket) -> list[tuple[int, bytes]] | None:
-        lim = self.limits
-        deadline = time.monotonic() + lim.replay_deadline_s
-        out: list[tuple[int, bytes]] = []
-        nbytes = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _OverLimit(f"no end marker within {lim.replay_deadline_s}s ({len(out)} batches)")
-            try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), min(lim.replay_timeout_s, left))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise _OverLimit(f"no end marker within {lim.replay_deadline_s}s ({len(out)} batches)") from None
-                raise
-            body = frames[1:] if frames and frames[0] == b"" else frames
-            if len(body) == 3:      # >= 0.26: topic, seq, payload
-                seq_f, payload = body[1], body[2]
-            elif len(body) == 2:    # older: seq, payload
-                seq_f, payload = body[0], body[1]
-            else:
-                return None
-            seq = parse_seq(seq_f, allow_end=True)
-            if seq == END_SEQ:
-                return out
-            nbytes += len(payload)
-            await self.slicer.tick()  # NOTE: a ready ZMQ socket answers recv without yielding
-            if len(out) >= lim.replay_max_batches or nbytes > lim.replay_max_bytes:
-                raise _OverLimit(f"more than {lim.replay_max_batches} batches or {lim.replay_max_bytes} bytes")
-            out.append((seq, payload))
