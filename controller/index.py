@@ -35,7 +35,7 @@ RankKey = tuple[str, int]  # (worker, dp_rank)
 Tier = tuple[int | None, str]  # (group_idx, medium)
 # Tiers one rank may report: vLLM's KV groups (1, or a few for hybrid models) times its media (GPU, and
 # CPU or disk with an offloading connector). A store that would open one more trips the worker
-# (controller/vllm/watcher.py). NOTE: the tiers were unbounded and each non-GPU tier had its own block
+# (controller/vllm/rank_events.py). NOTE: the tiers were unbounded and each non-GPU tier had its own block
 # bound: 6 events of 1,048,576 CPU hashes, one tier each, held 6.3M blocks (+538 MiB) for one rank.
 MAX_TIERS = 32
 # One tier's resident hashes: a dict's keys, values None (never a set: see the module's docstring).

@@ -14,7 +14,8 @@ Failures stay with their worker (controller/contain.py): a store write that fail
 the next tick, a reconcile or tail replay that raises marks this worker down and is counted and
 logged once. The Worker's parts live beside it: its lifecycle verbs in controller/vllm/verbs.py,
 its reconcile look and its two loops (health polling, tail replay) in controller/vllm/reconcile.py,
-each rank's stream sink in controller/vllm/rank_sink.py, its LoRA looks in controller/vllm/loras.py.
+each rank's stream sink in controller/vllm/rank_sink.py, its KV-event path in
+controller/vllm/rank_events.py, its LoRA looks in controller/vllm/loras.py.
 Events are applied in slices that yield to the loop, within a per-rank event budget; a worker
 over its budget is faulty for a while (controller/vllm/budget.py): not serving, its index
 dropped, its stream only counted, no replay asked.
@@ -34,14 +35,13 @@ import aiohttp
 import zmq.asyncio
 
 from controller.contain import Contained
-from controller.index import MAX_TIERS, IndexSink, tier_of
+from controller.index import IndexSink
 from controller.metrics import Metrics
 from controller.registry import EpochTable, KvStore, WorkerSpec
 from controller.view import RankView, WorkerView
-from controller.vllm import calibration
-from controller.vllm.budget import STEP_COST, FaultGuard, Slicer, batch_cost
-from controller.vllm.events import AllBlocksCleared, BlockStored, EventBatch
+from controller.vllm.budget import FaultGuard, Slicer
 from controller.vllm.http import VllmHttp, WorkerMetrics
+from controller.vllm.rank_events import RankEvents
 from controller.vllm.rank_sink import RankSink, rank_endpoint
 from controller.vllm.ratelog import RateLog
 from controller.vllm.reconcile import Reconcile
@@ -52,7 +52,6 @@ from fleet.core.block_hash import HashConfig
 from fleet.core.rank_state import RankState, Transition
 
 log = logging.getLogger(__name__)
-AWAITED_CLEAR = AllBlocksCleared(awaited=True)  # the clear a forgetting verb queued (events.py)
 CLEAR_SETTLE_S = 2.0  # after a fence "clear" went up, a batch read this much later was produced after the clear
 
 
@@ -78,7 +77,7 @@ class WatchConfig(Protocol):
     def lora_refresh_s(self) -> float: ...
 
 
-class Worker(Verbs, Reconcile):
+class Worker(RankEvents, Verbs, Reconcile):
     """Runtime of one worker. All mutation happens on the event loop (no threads)."""
 
     def __init__(self, spec: WorkerSpec, *, store: KvStore, metrics: Metrics, index: IndexSink, cfg: WatchConfig,
@@ -185,15 +184,6 @@ class Worker(Verbs, Reconcile):
         return WorkerView(s.name, s.url, s.model, self.loras, self.hash_cfg, self.load, self.load_at, ranks, self.loads)
 
     # events
-    def on_stream_invalidate(self, rank: int, reason: str, seq: int | None) -> None:
-        if reason == "seq_reset":
-            self._reset_seen.add(rank)  # the next look's restart check must not count it again
-        self._apply(rank, self.ranks[rank].stream_invalidated(reason, seq))
-        if self.ranks[rank].fence == "clear":
-            # NOTE: what was lost may have been the awaited clear: the fence stayed up for good, every store ignored,
-            # and the worker served, always COLD, until some later clear
-            self._clear_maybe_gone(rank)
-
     def _clear_maybe_gone(self, rank: int) -> None:
         """The clear the rank's fence awaits may be gone (read already, or lost): `lift_settled` from now on, counting
         from when the fence went up (from now, if this process did not see it go up: a state read back from the store)."""
@@ -213,125 +203,9 @@ class Worker(Verbs, Reconcile):
             self.resumed.discard(rank)
             self._apply(rank, Transition(dataclasses.replace(st, fence=""), persist=True))
 
-    async def on_batch(self, rank: int, seq: int, batch: EventBatch) -> None:
-        """Apply one batch in slices: each slice's state is adopted before yielding to the loop (a
-        verb may run meanwhile), and the next slice starts from the rank's state as it then is. The
-        store write, if the batch stepped the epoch, is one, at its end."""
-        key = (self.spec.name, rank)
-        if self._closing:  # a stopped worker touches no index (see _apply)
-            return
-        if self.silence.heard(rank):
-            log.info("worker %s rank %d: its KV events arrive again", self.spec.name, rank)
-            self.metrics.kv_events_silent.labels(self.spec.name, str(rank)).set(0)
-        if seq > self.ranks[rank].seq + 1 and self.ranks[rank].fence == "clear":
-            self._clear_maybe_gone(rank)  # the head of a fresh stream, never read (no replay held it) may hold it
-        if rank in self.resumed and not any(isinstance(ev, AllBlocksCleared) for ev in batch.events):
-            self.lift_settled(rank)
-        st = self.ranks[rank].at_seq(seq)
-        if batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
-            if not self.guard.admit(rank, STEP_COST, len(batch.events)):  # an epoch step, like any invalidation
-                self._trip(rank, seq, len(batch.events), f"a batch of rank {batch.data_parallel_rank}")
-                return
-            self.lines.log(logging.WARNING, f"wrong_dp_rank{rank}", "KV events of worker %s rank %d: seq %d is a batch of "
-                           "data_parallel_rank %d; the rank's index is dropped (is the registered endpoint, dp_ranks or "
-                           "dp_rank_start wrong?)", self.spec.name, rank, seq, batch.data_parallel_rank)
-            self._apply(rank, st.invalidated("wrong_dp_rank"))  # another rank's batch on this socket: fail closed
-            return
-        if not self.guard.admit(rank, batch_cost(batch), len(batch.events)):
-            self._trip(rank, seq, len(batch.events))
-            return
-        t = st.stamped(batch.ts)
-        st, persist = t.state, t.persist
-        for ev in batch.events:
-            if self.slicer.due():
-                self.ranks[rank] = st
-                await self.slicer.tick()
-                st = self.ranks[rank]
-                if self._closing:  # stopped meanwhile: the index may be a new registration's now
-                    return
-                if self.guard.faulty():  # another rank tripped the worker meanwhile
-                    if persist:
-                        self.persist(rank)
-                    return
-            self.metrics.kv_events.labels(type(ev).__name__).inc()
-            if isinstance(ev, AllBlocksCleared):
-                awaited = st.fence == "clear"
-                if self._verb_clears is not None:
-                    self._verb_clears.add(rank)
-                t = st.cleared(seq)
-                st, persist = t.state, persist or t.persist
-                self.metrics.epoch_bumps.labels(t.reason).inc()
-                self.index.apply(key, AWAITED_CLEAR if awaited else ev)
-            elif isinstance(ev, BlockStored):
-                if not st.accepts_stores:
-                    continue
-                if self.index.opens_tier(key, ev) > MAX_TIERS:
-                    self.ranks[rank] = st
-                    self.guard.trip(len(batch.events))
-                    self._trip(rank, seq, len(batch.events), f"a BlockStored opening a tier (group_idx {ev.group_idx}, "
-                               f"medium {ev.medium!r}) past {MAX_TIERS}")
-                    return
-                if self._over_capacity(key, ev):
-                    continue
-                if not self._calibrate(ev):
-                    self._apply(rank, st.invalidated("calibration"))
-                    return
-                self.index.apply(key, ev)
-            else:
-                self.index.apply(key, ev)
-        self._apply(rank, Transition(st, persist=persist))
-
-    def _trip(self, rank: int, seq: int, n: int, what: str = "") -> None:
-        """Over the event budget, or a message refused undecoded: faulty; every rank's index dropped
-        (epoch step); seq kept. `what`: what the worker sent (default: a batch of `n` events)."""
-        self.ranks[rank] = self.ranks[rank].at_seq(seq)
-        log.warning("worker %s rank %d sent %s over its budget (--kv-max-events-per-s %d, --kv-max-event-burst %d, "
-                    "--kv-event-max-message-bytes %d): faulty, not serving, for %g s", self.spec.name, rank,
-                    what or f"a batch of {n} events", self.cfg.stream.max_events_per_s,
-                    self.cfg.stream.max_event_burst, self.cfg.stream.max_msg_bytes, self.guard.hold_s)
-        for r in self.ranks:
-            self._apply(r, self.ranks[r].stream_invalidated("event_budget", None))
-
     def faulty(self) -> bool:
         """Over its event budget lately: not serving, whatever its ranks say (controller/vllm/budget.py)."""
         return self.guard.faulty()
-
-    def _over_capacity(self, key: tuple[str, int], ev: BlockStored) -> bool:
-        """A store that would take the rank past what it can hold is refused and counted.
-
-        The bound is the pool's size from /metrics (vllm:cache_config_info num_gpu_blocks), else
-        StreamLimits.max_resident_blocks; non-GPU tiers (offloaded copies, never matched) share one
-        max_resident_blocks between them, whatever their count (index.MAX_TIERS); the pool's size never
-        raises the bound past max_resident_blocks. NOTE: vLLM announces an eviction (BlockRemoved) before
-        the store that reuses the block, so an honest stream never passes it; one claiming
-        millions of blocks used to grow the index (and the controller) without bound, and a worker whose
-        /metrics claimed a pool of 10^12 blocks still did (4.6M blocks indexed, +292 MiB in 7.5 s).
-        """
-        cap = self.cfg.stream.max_resident_blocks
-        gpu = tier_of(ev.group_idx, ev.medium)[1] == "GPU"
-        bound = min(self.loads[key[1] - self.spec.dp_rank_start].num_gpu_blocks or cap, cap) if gpu else cap
-        held, new = self.index.held_and_new(key, ev)
-        if held + new <= bound:
-            return False
-        self.metrics.kv_blocks_refused.inc(new)
-        return True
-
-    def _calibrate(self, ev: BlockStored) -> bool:
-        """Self-calibration on one BlockStored (controller/vllm/calibration.py); False: the worker is not warm-able."""
-        if self.hash_cfg is None:
-            if not calibration.evidence(ev):
-                # NOTE: a KV connector's (vLLM's OffloadingConnector: block size 0, or its own offloaded one) was
-                # taken for the pool's block size: 0 raised out of the batch, 64 on a pool of 16 was never WARM
-                return self.calibrated
-            self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, ev.block_size)
-        cfg, proven = calibration.verdict(self.hash_cfg, ev)
-        if cfg != self.hash_cfg:
-            log.info("worker %s hashes a block's extra keys %s (its salted block 0 says so): predicted so from now on",
-                     self.spec.name, cfg.extra_format)
-            self.hash_cfg = cfg
-        if proven is not None:
-            self.calibrated = proven
-        return self.calibrated
 
     def warmable(self, rank: int) -> bool:
         st = self.ranks[rank]

@@ -7,7 +7,7 @@
 `extra_i` = ("lora", name, path) on every block, then ("cache_salt", salt) on block 0 only: the domain-tagged
 keys of the vLLM releases this project follows (HashConfig.extra_format "tagged"). vLLM releases before the tags
 hashed the plain strings its events publish, (lora_name, salt) ("untagged"); a worker's self-calibration on a
-salted block 0 tells which one it runs (controller/vllm/watcher.py).
+salted block 0 tells which one it runs (controller/vllm/rank_events.py).
 The chain continues with the FULL digest; events carry only the low 64 bits, so an event's
 parent hash cannot continue a chain (we keep the full digests we computed).
 """
