@@ -1,8 +1,9 @@
 """Placement by cost: what one request costs on each serving candidate, in prefill-token units.
 
 Pure: no I/O, no clock of its own (callers pass `now`). The router builds one `CandidateState` per
-serving (worker, dp_rank) from its index, its in-flight ledger and the last /metrics look, and
-`order` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and SGLang compare.
+serving (worker, dp_rank) from its index, its in-flight ledger (controller/inflight.py) and the last
+/metrics look, and `order` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and
+SGLang compare.
 
     cost(w) = prefill(w) - (1 - shared_prefix_weight) * amortized(w)
               + queue_weight * queued(w) + request_weight * active(w) + pressure_weight * evicted(w)
@@ -35,16 +36,12 @@ that is not proven (epoch, calibration, fences) gets no cached tokens, whatever 
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from fleet.core.errors import InvalidArgument
 from fleet.core.route_types import RouteCost
-
-RankKey = tuple[str, int]  # (worker, dp_rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +190,8 @@ def terms(
 ) -> RouteCost:
     """The cost of sending a `num_prompt_tokens` request to the candidate, term by term.
 
-    `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`).
+    `num_shared_tokens`: the request's leading tokens that other conversations share (`Branches`,
+    controller/branches.py).
     `mean_request_tokens`: the size of an untracked waiting request where the state names none.
     `batch`: a batched request's later prompts, each (num_prompt_tokens, num_shared_tokens); their cached prefixes
     here are `s.batch_cached`. The batch is one request to the worker that runs each prompt with its own prefix-cache
@@ -288,244 +286,3 @@ def with_affinity(margin: float, ranked: list[Scored], num_shared_tokens: int = 
     if cheapest.active_requests <= (holder.active_requests - 1) * 2 / 3:
         return ranked  # NOTE: a lasting imbalance (far fewer requests there), not a passing queue
     return [ranked[i], *ranked[:i], *ranked[i + 1 :]]
-
-
-class Branches:
-    """Which block hashes are shared prefixes: seen followed by `fanout` different blocks (a radix fork
-    that several conversations continue).
-
-    A system prompt or a few-shot preamble is one (every conversation continues it differently); a
-    conversation's own history is not (each turn continues it the same way), so warm affinity keeps
-    its full credit. Three, not two: a conversation whose last block is rewritten by its next turn
-    (a partial block that fills with different tokens, a regenerated answer) continues its own
-    history a second way, and counting that as shared cancelled its warm credit: on the Mooncake
-    trace (issue #27) every turn forked its conversation's previous one, so kvfleet placed returning
-    turns by load alone and hit barely more than round robin.
-    Bounded in two generations of `max_blocks` / 2 hashes each: when the newer one is full, the older one
-    is forgotten and the newer one becomes the older. A hash observed again is carried into the newer
-    generation with what was known of it, so a prefix in use survives any flood of new ones; what no
-    request observed for a whole generation is learned again. Before, past `max_blocks` it forgot
-    everything at once: one tenant's 17 distinct 1M-token prompts reset every tenant's shared prefixes to 0.
-    Thread-safe: a long prompt's chain is observed in its hashing thread (controller/router.py), a short one's on
-    the event loop; each observation is whole under a lock, so each sees the others' all or not at all.
-    """
-
-    def __init__(self, max_blocks: int = 1 << 20, fanout: int = 3) -> None:
-        if fanout < 2:
-            raise InvalidArgument(f"fanout must be >= 2, got {fanout}")
-        self.max_blocks, self.fanout = max_blocks, fanout
-        self._next: dict[int, tuple[int, ...]] = {}  # block hash -> the distinct blocks seen after it
-        self._forks: set[int] = set()
-        self._old: dict[int, tuple[int, ...]] = {}  # the older generation of both
-        self._old_forks: set[int] = set()
-        self._lock = threading.Lock()
-
-    def observe(self, chain: Sequence[int]) -> int:
-        """Record the chain's transitions; return how many leading blocks are shared (up to its last fork)."""
-        with self._lock:
-            return self._observe(chain)
-
-    def num_blocks(self) -> int:
-        """Hashes held, both generations (a hash in both counts twice)."""
-        return len(self._next) + len(self._old)
-
-    def rotate(self) -> None:
-        """Forget the older generation; the newer one becomes the older."""
-        with self._lock:
-            self._rotate()
-
-    def _rotate(self) -> None:
-        self._old, self._next = self._next, {}
-        self._old_forks, self._forks = self._forks, set()
-
-    def _observe(self, chain: Sequence[int]) -> int:
-        if len(self._next) > self.max_blocks // 2:
-            self._rotate()
-        nxt, forks, k, old, old_forks = self._next, self._forks, self.fanout, self._old, self._old_forks
-        for h, after in zip(chain, chain[1:], strict=False):  # NOTE: each block and the next
-            seen = nxt.get(h)
-            if seen is None and h in old:  # in use again: carried into the newer generation
-                seen = nxt[h] = old[h]
-                if h in old_forks:
-                    forks.add(h)
-            if seen is None:
-                nxt[h] = (after,)
-            elif after not in seen and h not in forks:
-                if len(seen) + 1 >= k:
-                    forks.add(h)
-                else:
-                    nxt[h] = (*seen, after)
-        if forks or old_forks:
-            for i in range(len(chain) - 1, -1, -1):  # NOTE: the last fork; usually a system prompt's end
-                if chain[i] in forks or chain[i] in old_forks:
-                    return i + 1
-        return 0
-
-
-class Flight(NamedTuple):
-    """One tracked route the router has not seen end. `t` is the caller's clock at routing."""
-
-    route_id: str
-    key: RankKey
-    num_tokens: int  # prompt tokens it had to prefill there (uncached at routing time)
-    last_hash: int | None  # its prompt's last full block hash on that rank (None: under one block)
-    owner: str | None
-    t: float
-
-
-class InFlight:
-    """The router's ledger of tracked, unfinished routes per (worker, dp_rank).
-
-    A route is added when decided and queued until vLLM is seen to schedule it; it leaves by
-    `release` (the proxy's answer ended), `expire` (older than the TTL: a leaked route decays) or
-    `reconcile` (the worker no longer shows it). Like Dynamo's active-sequence tracking and llm-d's
-    active-request scorer, it raises a worker's cost at once, before any /metrics look could.
-
-    Per rank it also keeps the mean prefill of the tracked routes a look saw that rank schedule
-    (`mean_tokens`): the size at which the rank's untracked waiting requests count.
-    """
-
-    def __init__(self, ttl_s: float, grace_s: float, default_tokens: int) -> None:
-        self.ttl_s, self.grace_s, self.default_tokens = ttl_s, grace_s, default_tokens
-        self._all: OrderedDict[str, Flight] = OrderedDict()  # routing order == time order
-        self._by_key: dict[RankKey, OrderedDict[str, Flight]] = {}
-        self._queued: dict[RankKey, OrderedDict[str, Flight]] = {}  # not yet scheduled, oldest first
-        self._queued_tokens: dict[RankKey, int] = {}
-        self._by_hash: dict[int, dict[str, Flight]] = {}  # queued routes by their last block hash
-        self._means: dict[RankKey, tuple[float, int]] = {}  # per rank: mean prefill of routes seen scheduled, count
-
-    def __len__(self) -> int:
-        return len(self._all)
-
-    def add(self, f: Flight) -> None:
-        """Track a route (its id must be new); it counts as queued until scheduled."""
-        assert f.route_id not in self._all, f.route_id
-        self._all[f.route_id] = f
-        self._by_key.setdefault(f.key, OrderedDict())[f.route_id] = f
-        self._queued.setdefault(f.key, OrderedDict())[f.route_id] = f
-        self._queued_tokens[f.key] = self._queued_tokens.get(f.key, 0) + f.num_tokens
-        if f.last_hash is not None:
-            self._by_hash.setdefault(f.last_hash, {})[f.route_id] = f
-
-    def _unqueue(self, f: Flight) -> bool:
-        """Take the route out of the queue; False if it was not queued."""
-        queued = self._queued.get(f.key)
-        if queued is None or f.route_id not in queued:
-            return False
-        del queued[f.route_id]
-        self._queued_tokens[f.key] -= f.num_tokens
-        if not queued:
-            del self._queued[f.key], self._queued_tokens[f.key]
-        if f.last_hash is not None:
-            same = self._by_hash[f.last_hash]
-            del same[f.route_id]
-            if not same:
-                del self._by_hash[f.last_hash]
-        return True
-
-    def _ran(self, f: Flight) -> None:
-        """A look saw the rank schedule `f`: its prefill joins the rank's running mean (the last 64 weigh most)."""
-        mean, n = self._means.get(f.key, (0.0, 0))
-        n += 1
-        self._means[f.key] = (mean + (f.num_tokens - mean) / min(n, 64), n)
-
-    def _remove(self, f: Flight) -> None:
-        self._unqueue(f)
-        del self._all[f.route_id]
-        by_key = self._by_key[f.key]
-        del by_key[f.route_id]
-        if not by_key:
-            del self._by_key[f.key]
-
-    def get(self, route_id: str) -> Flight | None:
-        return self._all.get(route_id)
-
-    def release(self, route_id: str, owner: str | None = None) -> Flight | None:
-        """End a route; None if unknown, already ended, or `owner` is not the one that routed it."""
-        f = self._all.get(route_id)
-        if f is None or (owner is not None and f.owner is not None and f.owner != owner):
-            return None
-        self._remove(f)
-        return f
-
-    def expire(self, now: float) -> list[Flight]:
-        """Drop routes older than the TTL (oldest first)."""
-        out = []
-        while self._all:
-            f = next(iter(self._all.values()))
-            if now - f.t < self.ttl_s:
-                break
-            self._remove(f)
-            out.append(f)
-        return out
-
-    def reconcile(
-        self, key: RankKey, num_running: float, num_waiting: float, polled_at: float
-    ) -> list[Flight]:
-        """Fold in a /metrics look that began at `polled_at`; return the routes found ended.
-
-        Routes older than the grace have reached the worker. vLLM schedules first come, first
-        served, so where it shows fewer requests than such routes the oldest have ended unreleased
-        (dropped), and of the rest all but the newest `num_waiting` have been scheduled (their
-        prefill no longer waits; they stay active until released).
-        """
-        flights = self._by_key.get(key)
-        if not flights:
-            return []
-        due = [f for f in flights.values() if f.t <= polled_at - self.grace_s]
-        num_ended = max(len(due) - math.floor(num_running + num_waiting), 0)
-        for f in due[:num_ended]:
-            self._remove(f)
-        for f in due[num_ended : max(len(due) - math.floor(num_waiting), num_ended)]:
-            if self._unqueue(f):
-                self._ran(f)
-        return due[:num_ended]
-
-    def newest(self, worker: str) -> float | None:
-        """When the newest tracked route to any rank of `worker` was decided (None: it has none)."""
-        return max((next(reversed(fl.values())).t for key, fl in self._by_key.items() if key[0] == worker),
-                   default=None)
-
-    def drop_worker(self, worker: str) -> list[Flight]:
-        out = [f for f in self._all.values() if f.key[0] == worker]
-        for f in out:
-            self._remove(f)
-        for key in [key for key in self._means if key[0] == worker]:
-            del self._means[key]
-        return out
-
-    def load(self, key: RankKey) -> tuple[int, int, int]:
-        """(active requests, queued requests, queued tokens) tracked on the rank."""
-        flights = self._by_key.get(key)
-        if not flights:
-            return 0, 0, 0
-        queued = self._queued.get(key)
-        return (len(flights), len(queued), self._queued_tokens[key]) if queued else (len(flights), 0, 0)
-
-    def extended(self, chain: Sequence[int]) -> dict[RankKey, int]:
-        """Queued tokens per rank of routes whose whole prompt this chain extends (or repeats).
-
-        Such a route is this conversation's earlier turn (turns are sequential: it has ended) or the
-        same prompt, which vLLM prefills once; either way its tokens are not queued ahead of this one.
-        """
-        out: dict[RankKey, int] = {}
-        if not self._by_hash:
-            return out
-        for h in chain:
-            same = self._by_hash.get(h)
-            if same:
-                for f in same.values():
-                    out[f.key] = out.get(f.key, 0) + f.num_tokens
-        return out
-
-    def mean_tokens(self, key: RankKey) -> float:
-        """The size an untracked waiting request counts at on the rank: the running mean prefill of the tracked
-        routes a /metrics look saw it schedule (the configured default before any).
-
-        NOTE: it was one mean for every rank, moved by every tracked route when it was decided: one tenant's
-        64 tracked 8,192-token Routes, released at once and never sent, raised it from 256 to 5,295 tokens, and
-        another tenant's fully warm prompt left a worker with 2 untracked requests waiting (queued 512 -> 10,591
-        tokens) COLD. Now only a route the rank's own count showed scheduled moves that rank's mean.
-        """
-        seen = self._means.get(key)
-        return float(self.default_tokens) if seen is None else seen[0]

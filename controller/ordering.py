@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 from controller import batch_route, cost
 from controller.batch_route import Hashed, LaterPrompt
-from controller.cost import CandidateState, CostConfig, Flight, InFlight, Scored
+from controller.cost import CandidateState, CostConfig, Scored
 from controller.demand import Conversation, DemandLedger
 from controller.index import PrefixIndex, RankKey
+from controller.inflight import Flight, InFlight
 from controller.shadow_pool import ShadowPools
 from controller.tenant_branches import TenantBranches
 from controller.view import WorkerView

@@ -33,9 +33,10 @@ import aiohttp
 import zmq.asyncio
 
 from controller.batch_route import MAX_BATCH_PROMPTS, Hashed
-from controller.cost import CostConfig, Flight, InFlight
+from controller.cost import CostConfig
 from controller.demand import DemandLedger
 from controller.index import PrefixIndex
+from controller.inflight import Flight, InFlight
 from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains, seed_of

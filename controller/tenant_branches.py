@@ -1,4 +1,4 @@
-"""The Branches (controller/cost.py) of each tenant, sharing one bound: one tenant's flood of new prompts never makes
+"""The Branches (controller/branches.py) of each tenant, sharing one bound: one tenant's flood of new prompts never makes
 another tenant's shared prefixes forgotten.
 
 Each tenant's chains are hashed with its own cache_salt, so no fork is shared across tenants: each tenant's
@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from controller.cost import Branches
+from controller.branches import Branches
 
 
 class TenantBranches:

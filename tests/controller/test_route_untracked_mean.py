@@ -1,4 +1,4 @@
-"""The size at which a worker's untracked waiting requests count (controller/cost.py InFlight.mean_tokens).
+"""The size at which a worker's untracked waiting requests count (controller/inflight.py InFlight.mean_tokens).
 
 It was one running mean for every rank, moved by every tenant's tracked routes when they were decided, sent
 or not: one tenant could price every other worker's queue. Now it is kept per rank and moved only by tracked
@@ -12,7 +12,8 @@ import contextlib
 
 import aiohttp
 
-from controller.cost import CandidateState, CostConfig, Flight, InFlight, terms
+from controller.cost import CandidateState, CostConfig, terms
+from controller.inflight import Flight, InFlight
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig

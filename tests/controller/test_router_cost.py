@@ -15,8 +15,10 @@ import grpc
 import pytest
 
 from controller.auth import mint_token
-from controller.cost import Branches, CandidateState, CostConfig, Flight, InFlight, order, terms
+from controller.branches import Branches
+from controller.cost import CandidateState, CostConfig, order, terms
 from controller.index import PrefixIndex
+from controller.inflight import Flight, InFlight
 from controller.metrics import Metrics
 from controller.router import RouteDecision, Router, RouterConfig, WorkerSpec
 from controller.server import ControllerConfig, build_server
