@@ -2,7 +2,7 @@
 
 Pure: no I/O, no clock of its own (callers pass `t` and `now`). The cost (controller/cost.py) reads a rank's
 load from it (`load`, `extended`, `mean_tokens`); the router adds, releases, moves and expires its routes
-(controller/router.py), and the candidate ordering reconciles it against each rank's /metrics look
+(controller/route_book.py), and the candidate ordering reconciles it against each rank's /metrics look
 (controller/ordering.py).
 """
 

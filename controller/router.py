@@ -14,6 +14,10 @@ Among the serving candidates the cheapest wins (controller/cost.py, docs/routing
 tokens there, plus the work queued there (what this router sent and has not seen end: released
 by the proxy, reconciled against /metrics, or expired), plus the warm prefixes its new blocks
 would evict. Serving and proven warmth stay hard rules; cost only orders what they allow.
+
+`route` runs in four named phases: hash and order, probe or look again, record the placement, build the decision.
+What is kept of a route once decided, until it ends (record, release, move, expire, reconcile), is
+controller/route_book.py's RouteBook.
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
-import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence, Sized
 from dataclasses import dataclass, field
@@ -36,13 +39,14 @@ from controller.batch_route import MAX_BATCH_PROMPTS, Hashed
 from controller.cost import CostConfig
 from controller.demand import DemandLedger
 from controller.index import PrefixIndex
-from controller.inflight import Flight, InFlight
+from controller.inflight import InFlight
 from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains, seed_of
 from controller.owned import OwnedLru
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
+from controller.route_book import Movable, RouteBook
 from controller.shadow_pool import ShadowPools
 from controller.tenant_branches import TenantBranches
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -53,18 +57,16 @@ from controller.worker_status import WorkerStatus, agreed_spec, error_status, re
 from fleet.core import lifecycle as lc
 from fleet.core.errors import (
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import RankState
-from fleet.core.route_types import RouteCandidate, RouteCost, RouteDecision, verdict_of
+from fleet.core.route_types import RouteCandidate, RouteDecision, verdict_of
 
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
-_ROUTE_ID = re.compile(r"^[0-9a-f]{32}$")
 MAX_MOVABLE_ROUTES = 1 << 14  # a backstop: candidates are kept only while their route is tracked
 # NOTE: a prompt of at most this many tokens is checked and hashed on the event loop (about 0.9 ms at 4,096
 # tokens, 1.8 ms at 8,192, one sha256 block chain); a longer one in a thread. The thread buys nothing below
@@ -120,7 +122,6 @@ class Router:
         self._workers: dict[str, Worker] = {}
         self._session: aiohttp.ClientSession | None = None
         self._zctx: zmq.asyncio.Context | None = None
-        self._routed = self._matched = 0
         c = self.cfg.cost
         self.flights = InFlight(c.inflight_ttl_s, c.reconcile_grace_s, c.untracked_request_tokens)
         self.branches = TenantBranches()  # per tenant, one bound (controller/tenant_branches.py)
@@ -133,12 +134,17 @@ class Router:
         # NOTE: past MAX_MOVABLE_ROUTES the tenant with the most loses its oldest: one tenant's flood of
         # tracked Routes evicted every other tenant's, whose MoveRoute then moved nothing
         # (the ordering, each prompt's number of tokens: one, or a batch's)
-        self._alternatives: OwnedLru[str, tuple[Ordering, tuple[int, ...]]] = OwnedLru(MAX_MOVABLE_ROUTES)
+        self._alternatives: Movable = OwnedLru(MAX_MOVABLE_ROUTES)
+        # what is kept of a route once decided, until it ends (controller/route_book.py)
+        self.book = RouteBook(self._workers, self.index, self.flights, self.demand, self.shadow, self.metrics,
+                              self._alternatives)
+        self._ended, self._inflight_rows = self.book.ended, self.book.inflight_rows  # the book's, not copies
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
         self.metrics.inflight = self._inflight_rows  # read when scraped
-        self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, self._settle_flights,
+        settle = functools.partial(self.book.settle, self.candidates.reconcile)
+        self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, settle,
                                  on_error=lambda e: log.warning("in-flight ledger settle failed: %s", e))
 
     def set_cost_config(self, c: CostConfig) -> None:
@@ -375,80 +381,95 @@ class Router:
         if len(batch) >= MAX_BATCH_PROMPTS:
             raise InvalidArgument(f"a batch of {len(batch) + 1} prompts is over the route's limit of "
                                   f"{MAX_BATCH_PROMPTS}; route it by its first {MAX_BATCH_PROMPTS}")
-        if expired := self.flights.expire(time.monotonic()):  # hot path: most routes expire nothing
-            self._ended(expired, "ttl")
+        self.book.expire()
+        # 1. hash the prompts and order the candidates (a long prompt's ids come back from its thread as a list)
+        ordering, token_ids, batch = await self._ordered(token_ids, model, cache_salt, lora, owner, batch)
+        # 2. probe the choice; where none serves, look again
+        ordering = await self._looked_at(ordering, token_ids, model, cache_salt, lora, probe, owner, batch)
+        # 3. record the placement: working set, block-pool shadow; a tracked route in flight, and movable
+        sizes = (len(token_ids), *map(len, batch))
+        route_id = self.book.record(ordering, sizes, track, owner)
+        # 4. the decision, counted in the metrics
+        return self._decision(ordering, route_id, cache_salt, sum(sizes), t0)
+
+    async def _ordered(
+        self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None, owner: str | None,
+        batch: Sequence[Sequence[int]],
+    ) -> tuple[Ordering, Sequence[int], Sequence[Sequence[int]]]:
+        """Phase 1 of `route`: the candidates in order, and the prompt's and batch's ids as ordered. Hashed here, on
+        the event loop, up to INLINE_HASH_TOKENS in all; longer, in a hashing thread (`_ordered_long`)."""
         num_tokens = sum(len(p) if isinstance(p, Sized) else INLINE_HASH_TOKENS + 1 for p in (token_ids, *batch))
-        if all(isinstance(p, list | tuple) for p in (token_ids, *batch)) and num_tokens <= INLINE_HASH_TOKENS:
-            jobs = self.candidates.hash_jobs(model, lora)
-            pre = checked_chains(jobs, token_ids, model, cache_salt, lora)
-            bpre = [Hashed(checked_chains(jobs, p, model, cache_salt, lora), {}) for p in batch]
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, owner=owner, batch=batch,
-                                             batch_pre=bpre)
-        else:
-            # NOTE: a long prompt's O(tokens) work (its ids made a list, checked, hashed, its tuple hash and the
-            # Branches it extends) runs in the thread; its ordering reads the ledgers on the loop, as a short one's
-            async with self._long_turn(owner, num_tokens):
-                # NOTE: the workers as they are once its turn came (a wait can be long): fewer chains left to the loop
-                jobs, warm = self.candidates.hash_jobs(model, lora), self.candidates.warm_keys(model, lora)
-                token_ids, pre, seed, observed = await asyncio.to_thread(
-                    _hashed_long, jobs, warm, token_ids, model, cache_salt, lora, self.branches, owner
-                )
-                later = await asyncio.to_thread(_hashed_batch, jobs, warm, batch, model, cache_salt, lora,
-                                                self.branches, owner) if batch else []
-            batch, bpre = [ids for ids, _ in later], [h for _, h in later]
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, pre, seed, observed, owner, batch,
-                                             bpre)
+        if not all(isinstance(p, list | tuple) for p in (token_ids, *batch)) or num_tokens > INLINE_HASH_TOKENS:
+            return await self._ordered_long(token_ids, model, salt, lora, owner, batch, num_tokens)
+        jobs = self.candidates.hash_jobs(model, lora)
+        pre = checked_chains(jobs, token_ids, model, salt, lora)
+        bpre = [Hashed(checked_chains(jobs, p, model, salt, lora), {}) for p in batch]
+        ordering = self.candidates.order(token_ids, model, salt, lora, pre, owner=owner, batch=batch, batch_pre=bpre)
+        return ordering, token_ids, batch
+
+    async def _ordered_long(
+        self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None, owner: str | None,
+        batch: Sequence[Sequence[int]], num_tokens: int,
+    ) -> tuple[Ordering, Sequence[int], Sequence[Sequence[int]]]:
+        """`_ordered` for a long prompt (or batch): its ids come back from the hashing thread as lists."""
+        # NOTE: a long prompt's O(tokens) work (its ids made a list, checked, hashed, its tuple hash and the
+        # Branches it extends) runs in the thread; its ordering reads the ledgers on the loop, as a short one's
+        async with self._long_turn(owner, num_tokens):
+            # NOTE: the workers as they are once its turn came (a wait can be long): fewer chains left to the loop
+            jobs, warm = self.candidates.hash_jobs(model, lora), self.candidates.warm_keys(model, lora)
+            token_ids, pre, seed, observed = await asyncio.to_thread(
+                _hashed_long, jobs, warm, token_ids, model, salt, lora, self.branches, owner
+            )
+            later = await asyncio.to_thread(_hashed_batch, jobs, warm, batch, model, salt, lora,
+                                            self.branches, owner) if batch else []
+        batch, bpre = [ids for ids, _ in later], [h for _, h in later]
+        ordering = self.candidates.order(token_ids, model, salt, lora, pre, seed, observed, owner, batch, bpre)
+        return ordering, token_ids, batch
+
+    async def _looked_at(
+        self, ordering: Ordering, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
+        probe: bool | None, owner: str | None, batch: Sequence[Sequence[int]],
+    ) -> Ordering:
+        """Phase 2 of `route`: with `probe` (None: RouterConfig.probe_on_route) the choice is probed, failing over on
+        a bad answer; where no candidate serves, the workers look at their adapters again (`_looked_again`).
+
+        Raises:
+            NotFound, Unavailable: still no candidate (CandidateOrder.none_serving).
+        """
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker
                 await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
-                ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner, batch=batch)
-            ordering = await self._probe(ordering, token_ids, model, cache_salt, lora, owner, batch)
+                ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner, batch=batch)
+            ordering = await self._probe(ordering, token_ids, model, salt, lora, owner, batch)
         if not ordering.ordered and await self._looked_again(model, lora):
-            ordering = self.candidates.order(token_ids, model, cache_salt, lora, owner=owner, batch=batch)
+            ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner, batch=batch)
         if not ordering.ordered:
             raise self.candidates.none_serving(model, lora)
+        return ordering
+
+    def _decision(self, ordering: Ordering, route_id: str, salt: str | None, num_tokens: int,
+                  t0: float) -> RouteDecision:
+        """Phase 4 of `route`: the answer for `ordering`'s first candidate, every candidate listed cheapest first;
+        the route counted in the metrics (`num_tokens`: its prompts' in all; `t0`: when it came)."""
         best = ordering.ordered[0]
         name, r, t = best.state.worker, best.state.dp_rank, best.terms
-        placed = ordering.chains.get((name, r))
-        route_id = secrets.token_hex(16) if track else ""
-        sizes = (len(token_ids), *map(len, batch))
-        if placed is not None:  # this turn's conversation now lives on (name, r); a batch's every prompt's too
-            now = time.monotonic()
-            for part, (chain, nshared, group) in enumerate((placed, *ordering.batch.get((name, r), ()))):
-                self.demand.place((name, r), chain, nshared, now, group, owner)
-                self._shadow_route((name, r), route_id, chain, sizes[part], now, owner, part)
-        if track:
-            self.flights.add(
-                Flight(
-                    route_id,
-                    (name, r),
-                    t.prefill_tokens,
-                    ordering.last_hash.get((name, r)),
-                    owner,
-                    time.monotonic(),
-                )
-            )
-            if len(ordering.ordered) > 1:
-                self._alternatives.put(route_id, owner, (ordering, sizes))
         cands = tuple(
             RouteCandidate(c.state.worker, c.state.dp_rank, c.terms.cached_tokens, c.terms) for c in ordering.ordered
         )
-        self._observe(sum(sizes), t, cands)
+        self.book.observe(num_tokens, t, cands)
         self.metrics.route_latency.observe(time.perf_counter() - t0)
         v = self._workers[name].view()
-        return RouteDecision(
-            name,
-            v.url,
-            r,
-            verdict_of(t.cached_tokens),
-            t.cached_tokens,
-            v.rank(r).epoch,
-            cache_salt or "",
-            cands,
-            route_id,
-            t,
-            cands[1] if len(cands) > 1 else None,
-        )
+        return RouteDecision(name, v.url, r, verdict_of(t.cached_tokens), t.cached_tokens, v.rank(r).epoch, salt or "",
+                             cands, route_id, t, cands[1] if len(cands) > 1 else None)
+
+    def release_route(self, route_id: str, owner: str | None = None) -> bool:
+        """The routed request ended: its worker's in-flight load drops now (RouteBook.release: what it raises)."""
+        return self.book.release(route_id, owner)
+
+    def move_route(self, route_id: str, worker: str, dp_rank: int, owner: str | None = None) -> bool:
+        """The caller sent the routed request to another of its candidates: its in-flight load, block-pool shadow and
+        working-set record follow it (RouteBook.move: what it refuses and raises)."""
+        return self.book.move(route_id, worker, dp_rank, owner)
 
     @contextlib.asynccontextmanager
     async def _long_turn(self, owner: str | None, num_tokens: int) -> AsyncIterator[None]:
@@ -480,104 +501,6 @@ class Router:
         else:
             del self._long_waiting[owner]
 
-    def release_route(self, route_id: str, owner: str | None = None) -> bool:
-        """The routed request ended: its worker's in-flight load drops now. False if already gone.
-
-        Raises:
-            InvalidArgument: `route_id` is not the 32 hex digits a route answer carries.
-        """
-        if not isinstance(route_id, str) or not _ROUTE_ID.match(route_id):
-            raise InvalidArgument("route_id must be the 32 lowercase hex digits a Route answer carried")
-        f = self.flights.release(route_id, owner)
-        self.metrics.route_releases.labels("released" if f else "unknown").inc()
-        if f is not None:
-            self._alternatives.pop(route_id)
-            self.shadow.free(route_id, time.monotonic())
-        return f is not None
-
-    def _observe(self, num_tokens: int, t: RouteCost, cands: tuple[RouteCandidate, ...]) -> None:
-        m = self.metrics
-        m.route_total.labels(verdict_of(t.cached_tokens)).inc()
-        m.route_cost.observe(t.total)
-        if len(cands) > 1 and cands[1].cost is not None:
-            m.route_cost_margin.observe(cands[1].cost.total - t.total)
-        self._routed += num_tokens
-        self._matched += t.cached_tokens
-        if self._routed:
-            m.hit_rate.set(self._matched / self._routed)
-
-    def move_route(self, route_id: str, worker: str, dp_rank: int, owner: str | None = None) -> bool:
-        """The caller sent the routed request to another of its candidates (it skipped the chosen
-        worker, or failed over from it): the request's in-flight load, its blocks in the block-pool
-        shadow and its conversation's working-set record move there. Without this the router went on
-        counting the request on a worker it never reached, and its shadow of the worker that did run
-        it missed those blocks, so later routes trusted blocks that worker had evicted (stale WARM
-        routes after a sleep behind the controller's back, issue #27). False (nothing moves) if the
-        route is unknown, ended, another tenant's, or `worker`/`dp_rank` (serving) was not one of its candidates.
-        The moved route counts from now, so a lifecycle verb on its new worker waits for it (`_settle`).
-
-        Raises:
-            InvalidArgument: a malformed `route_id`, `worker` or `dp_rank`.
-            FailedPrecondition: the candidate is not serving now (asleep, paused, down, faulty, a verb in
-                flight, or gone): the caller must not send the request there. NOTE: the proxy used to send
-                its failover to a runner-up the controller had put to sleep since the route (its listing
-                lags by up to --refresh), and the request waited there until the client gave up.
-        """
-        if not isinstance(route_id, str) or not _ROUTE_ID.match(route_id):
-            raise InvalidArgument("route_id must be the 32 lowercase hex digits a Route answer carried")
-        if not isinstance(worker, str) or not worker or isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
-            raise InvalidArgument("move_route needs the worker name and dp_rank of one of the route's candidates")
-        alt = self._alternatives.get(route_id)
-        f = self.flights.get(route_id)
-        key = (worker, dp_rank)
-        if alt is None or f is None or (owner is not None and f.owner is not None and f.owner != owner):
-            return False
-        v = w.view() if (w := self._workers.get(worker)) is not None else None
-        if v is None or not v.has_rank(dp_rank) or not v.rank(dp_rank).serving:
-            raise FailedPrecondition(f"worker {worker!r} rank {dp_rank} is not serving now (asleep, paused, down, "
-                                     "faulty, a lifecycle verb in flight, or gone): send the request elsewhere")
-        ordering, sizes = alt
-        to = next((c for c in ordering.ordered if (c.state.worker, c.state.dp_rank) == key), None)
-        if to is None or key == f.key:
-            return False
-        now = time.monotonic()
-        self.flights.release(route_id, owner)
-        self.shadow.free(route_id, now)
-        self.flights.add(f._replace(key=key, num_tokens=to.terms.prefill_tokens, last_hash=ordering.last_hash.get(key),
-                                    t=now))
-        placed = ordering.chains.get(key)
-        if placed is not None:
-            for part, (chain, _, _) in enumerate((placed, *ordering.batch.get(key, ()))):
-                if chain:
-                    self.demand.move(chain[-1], key)
-                if worker in self._workers:
-                    self._shadow_route(key, route_id, chain, sizes[part], now, owner, part)
-        self.metrics.route_releases.labels("moved").inc()
-        return True
-
-    def _shadow_route(self, key: tuple[str, int], route_id: str, chain: list[int], num_tokens: int,
-                      now: float, owner: str | None = None, part: int = 0) -> None:
-        """Replay the route on the rank's block-pool shadow (controller.shadow_pool): the blocks LRU
-        drops for it are known before their BlockRemoved arrives. An untracked route (it may never be sent,
-        and its end is never told) leaves the pool as it is: only `owner`'s own Routes believe what it would
-        evict. A tracked one is freed when released or dropped from the ledger; other tenants' Routes believe what
-        it evicts while it may be on its way (shadow_pool.UNSENT_S), then once a BlockStored of its new blocks shows
-        it sent, and if it ends before that, its admission is undone (track is the caller's choice: a tracked Route,
-        never sent, used to hide every tenant's blocks for the 5 s grace). `part`: which prompt of a batch (0: the
-        first), each its own request in the pool, all freed with the route."""
-        w = self._workers[key[0]].view()
-        B = w.hash_cfg.block_size if w.hash_cfg is not None else 0
-        if not B:
-            return
-        self.shadow.allocate(key, route_id, chain, 1 if num_tokens % B else 0, self._pool_size(key), now,
-                             None if route_id else owner or "", owner or "", part)
-
-    def _pool_size(self, key: tuple[str, int]) -> int | None:
-        """The rank's num_gpu_blocks as its shadow is sized (/metrics, else learned from evictions). NOTE: one helper
-        for routes and events: sized otherwise by either, the shadow would be rebuilt, empty, at each turn."""
-        w = self._workers.get(key[0])
-        return (w.load.num_gpu_blocks if w is not None else None) or self.index.learned_capacity(key)
-
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a
         cache loss, so the rank's conversations leave its working set.
@@ -599,42 +522,13 @@ class Router:
         # controller (or a worker registered again) rebuilds the index by replay, and the shadow must see that
         # replay in stored order. Made at the first route, it started empty (every block free and unhashed)
         # beside a full index and predicted no eviction until a pool's worth of new blocks had gone by.
-        pool = self.shadow.pool(key, self._pool_size(key))
+        pool = self.shadow.pool(key, self.book.pool_size(key))
         if pool is None:
             return
         if isinstance(ev, BlockStored):
             pool.stored(ev.block_hashes, time.monotonic(), ev.parent_block_hash)
         elif isinstance(ev, BlockRemoved):
             pool.removed(ev.block_hashes)
-
-    def _ended(self, flights: list[Flight], reason: str) -> None:
-        if flights:
-            self.metrics.inflight_dropped.labels(reason).inc(len(flights))
-        now = time.monotonic()
-        for f in flights:
-            self.shadow.free(f.route_id, now)
-            self._alternatives.pop(f.route_id)
-
-    def _inflight_rows(self) -> list[tuple[str, float, float]]:
-        """(worker, tracked routes, their queued tokens) of every registered worker, for the scrape (Metrics.inflight)."""
-        rows = []
-        for name, w in list(self._workers.items()):
-            loads = [self.flights.load((name, r)) for r in w.spec.dp_rank_ids]
-            rows.append((name, float(sum(n for n, _, _ in loads)), float(sum(k for _, _, k in loads))))
-        return rows
-
-    async def _settle_flights(self) -> None:
-        """Between routes too: expire and reconcile tracked routes, so routes a dead caller never released
-        (a proxy SIGKILLed mid-request) leave the ledger once the worker's /metrics show them ended, not
-        only when the next route happens to look at that worker."""
-        if not self.flights:
-            return
-        if expired := self.flights.expire(time.monotonic()):
-            self._ended(expired, "ttl")
-        for w in list(self._workers.values()):
-            v = w.view()
-            for r in v.ranks:
-                self.candidates.reconcile(v, (v.name, r.dp_rank))
 
     async def _probe(
         self, ordering: Ordering, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None,
