@@ -94,7 +94,7 @@ class RouterConfig:
     probe_on_route: bool = False
     http_timeout_s: float = 2.0
     # a prefix-cache reset vLLM refuses while requests hold blocks is asked again, the worker taking no new
-    # requests, for up to this long (controller/vllm/watcher.py Worker._drained_reset); 0: ask once. A pause with
+    # requests, for up to this long (controller/vllm/verbs.py, Worker._drained_reset); 0: ask once. A pause with
     # mode=wait, which vLLM answers once its requests have finished, waits this much past http_timeout_s
     reset_drain_s: float = 5.0
     # each worker's LoRA adapters are read again from its /v1/models this often (one GET, on the reconcile loop); a
