@@ -14,6 +14,9 @@ is sent to, then its blocks become the most recently used there. Policies:
 - `oracle-tiers`: knows the future: a request whose blocks recur later goes to a "keep" tier of workers,
   one that never returns to a separate "scratch" worker unless its prefix is resident elsewhere, so
   one-shots cannot evict conversations that come back (what a perfect return predictor could do).
+- `scratch-tier`: the oracle's tiers without the oracle, as an online router could run them: a request with
+  nothing beyond its shared prefix resident anywhere (a new conversation, or one whose blocks are gone) goes to
+  the scratch worker, any other to its holder (as `affinity`), so it stays on the tier it began on.
 - `pooled-lru`: one LRU cache of all workers' blocks together (affinity with perfect sharing).
 - `unbounded`: every block ever seen stays (the trace's own reuse; no router can beat it).
 
@@ -97,6 +100,10 @@ def replay(rows: list[dict], num_workers: int, capacity: int | None, policy: str
 
         if policy == "round-robin":
             j = i % len(workers)
+        elif policy == "scratch-tier" and len(workers) > 1:
+            j = _best(everyone, m, shared, workers)
+            if m[j] <= shared:
+                j = 0
         elif policy == "oracle-tiers" and len(workers) > 1:
             keep = range(1, len(workers))
             if recurs[i]:
@@ -129,7 +136,7 @@ def return_rates(rows: list[dict]) -> tuple[float, float]:
     return n[False][1] / max(1, n[False][0]), n[True][1] / max(1, n[True][0])
 
 
-POLICIES = ("round-robin", "affinity", "oracle-tiers", "pooled-lru", "unbounded")
+POLICIES = ("round-robin", "affinity", "oracle-tiers", "scratch-tier", "pooled-lru", "unbounded")
 
 
 def table(rows: list[dict], num_workers: int, capacities: Sequence[int]) -> list[dict[str, object]]:
@@ -142,8 +149,10 @@ def table(rows: list[dict], num_workers: int, capacities: Sequence[int]) -> list
             {
                 "capacity": cap,
                 **{p: round(r["hit"], 4) for p, r in res.items()},
+                **{f"{p}_max_share": round(res[p]["max_load_share"], 3) for p in ("oracle-tiers", "scratch-tier")},
                 "unbounded": round(unbounded, 4),
                 "oracle_vs_affinity": round((1 - aff) / (1 - res["oracle-tiers"]["hit"]), 3),
+                "scratch_vs_affinity": round((1 - aff) / (1 - res["scratch-tier"]["hit"]), 3),
                 "bound_vs_affinity": round((1 - aff) / (1 - unbounded), 3),
             }
         )
@@ -159,16 +168,18 @@ def section(source: str, num_workers: int, runs: list[Run]) -> str:
         "found resident on the chosen worker. Capacities are per worker, in trace blocks (one trace block is "
         "one 16-token stand-in block in the routing bench's mooncake cells: very-tight 2,285, tight 6,856).",
         "",
-        "| requests (distinct blocks) | blocks per worker | round-robin | affinity | oracle-tiers | pooled LRU "
-        "| unbounded | affinity prefill / oracle-tiers | affinity prefill / unbounded |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| requests (distinct blocks) | blocks per worker | round-robin | affinity | oracle-tiers | scratch-tier "
+        "| pooled LRU | unbounded | affinity prefill / oracle-tiers | affinity prefill / scratch-tier "
+        "| affinity prefill / unbounded | busiest worker's prefill share: oracle-tiers / scratch-tier |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, distinct, out, _ in runs:
         for r in out:
             lines.append(
                 f"| {n:,} ({distinct:,}) | {r['capacity']:,} | {r['round-robin']:.3f} | {r['affinity']:.3f} | "
-                f"{r['oracle-tiers']:.3f} | {r['pooled-lru']:.3f} | {r['unbounded']:.3f} | "
-                f"{r['oracle_vs_affinity']:.3f}x | {r['bound_vs_affinity']:.3f}x |"
+                f"{r['oracle-tiers']:.3f} | {r['scratch-tier']:.3f} | {r['pooled-lru']:.3f} | {r['unbounded']:.3f} | "
+                f"{r['oracle_vs_affinity']:.3f}x | {r['scratch_vs_affinity']:.3f}x | {r['bound_vs_affinity']:.3f}x | "
+                f"{100 * r['oracle-tiers_max_share']:.0f}% / {100 * r['scratch-tier_max_share']:.0f}% |"
             )
     lines.append("")
     for n, _, _, (first, later) in runs:
