@@ -40,7 +40,7 @@ class LaterPrompt(NamedTuple):
 
 class Hashed(NamedTuple):
     """A later prompt's work done off the event loop: its chains per chain key, and what Branches.observe returned
-    for those of the warm keys (router._hashed_long). A key missing (a worker that came meanwhile) is done in order."""
+    for those of the warm keys (hash_lane._hashed_long). A key missing (a worker that came meanwhile) is done in order."""
 
     chains: dict[Any, list[int]]
     observed: dict[Any, int]

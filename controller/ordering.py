@@ -269,7 +269,7 @@ def seed_of(token_ids: Sequence[int]) -> int:
 def checked_chains(jobs: dict[Any, Any], token_ids: Sequence[int], model: str, salt: str | None,
                     lora: str | None) -> dict[Any, list[int]]:
     """Check a prompt's tokens, then hash its block chains. Pure: both are O(tokens) (about 0.2 s and 1 s per
-    million tokens), so the router runs a long prompt's in a thread (router.INLINE_HASH_TOKENS)."""
+    million tokens), so the router runs a long prompt's in a thread (hash_lane.INLINE_HASH_TOKENS)."""
     check_route_args(token_ids, model, salt, lora)
     return {ck: external_chain(cfg, token_ids, lora=lk, cache_salt=salt) for ck, (cfg, lk) in jobs.items()}
 

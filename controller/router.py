@@ -23,12 +23,11 @@ controller/route_book.py's RouteBook.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence, Sized
+from collections.abc import Awaitable, Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +37,11 @@ import zmq.asyncio
 from controller.batch_route import MAX_BATCH_PROMPTS, Hashed
 from controller.cost import CostConfig
 from controller.demand import DemandLedger
+from controller.hash_lane import INLINE_HASH_TOKENS, HashLane
 from controller.index import PrefixIndex
 from controller.inflight import InFlight
-from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
-from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains, seed_of
+from controller.ordering import CandidateOrder, Ordering, check_route_args, checked_chains
 from controller.owned import OwnedLru
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
@@ -55,12 +54,7 @@ from controller.vllm.subscriber import StreamLimits
 from controller.vllm.watcher import Worker
 from controller.worker_status import WorkerStatus, agreed_spec, error_status, resumed_ranks, status_row
 from fleet.core import lifecycle as lc
-from fleet.core.errors import (
-    AlreadyExists,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
+from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound
 from fleet.core.lifecycle import Witness
 from fleet.core.rank_state import RankState
 from fleet.core.route_types import RouteCandidate, RouteDecision, verdict_of
@@ -68,21 +62,6 @@ from fleet.core.route_types import RouteCandidate, RouteDecision, verdict_of
 __all__ = ["RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
 Blocking = Callable[..., Awaitable[Any]]  # runs a blocking call off the event loop (ServiceContext.blocking)
 MAX_MOVABLE_ROUTES = 1 << 14  # a backstop: candidates are kept only while their route is tracked
-# NOTE: a prompt of at most this many tokens is checked and hashed on the event loop (about 0.9 ms at 4,096
-# tokens, 1.8 ms at 8,192, one sha256 block chain); a longer one in a thread. The thread buys nothing below
-# this: hashing holds the GIL, so the loop waits for it either way (up to the 5 ms switch interval), and
-# the hop itself cost 0.1-0.4 ms a route (measured: 53 us inline against 214 us via the thread at 200 tokens)
-INLINE_HASH_TOKENS = 8192
-# a tenant's longer prompts hashed at once in the shared thread pool (more buy nothing: hashing holds the GIL);
-# its others wait their turn, so one tenant's flood of long prompts leaves the pool's other threads to the rest
-HASH_THREADS_PER_TENANT = 2
-# a tenant's longer prompts waiting for one of those threads hold at most this many tokens in all: eight prompts of the
-# default --max-route-tokens (1,048,576), that is 4 x HASH_THREADS_PER_TENANT waiting beyond those hashing, about four
-# rounds of its hashing. One that would pass it is refused (RESOURCE_EXHAUSTED) unless none waits. Counted in tokens,
-# not prompts: a waiter holds its request's ids (4 bytes a token: 32 MiB at most per tenant), and a burst of 16,000-
-# token prompts (an agent's chats) fits hundreds where it fits eight of the longest. Unbounded, every waiter held its
-# ids as Python ints (36 MB per 1M tokens): 24 waiting 1M-token Routes took the controller to 889 MiB.
-LONG_WAIT_TOKENS_PER_TENANT = 4 * HASH_THREADS_PER_TENANT << 20
 LORA_MISS_LOOK_S = 0.5  # a route for an adapter (or model) no worker lists looks again at most this often per worker
 
 log = logging.getLogger(__name__)
@@ -127,8 +106,6 @@ class Router:
         self.branches = TenantBranches()  # per tenant, one bound (controller/tenant_branches.py)
         self.demand = DemandLedger(c.working_set_ttl_s)
         self.shadow = ShadowPools()
-        self._hash_slots = KeyedSlots(HASH_THREADS_PER_TENANT, key_name="tenant", name="long prompts hashed")
-        self._long_waiting: dict[Hashable, int] = {}  # per tenant: tokens of its long prompts waiting for a slot
         # live tracked routes' candidates (chains, prefill), so a route the proxy sent elsewhere can move;
         # dropped when the route ends (release, TTL, reconcile, worker gone)
         # NOTE: past MAX_MOVABLE_ROUTES the tenant with the most loses its oldest: one tenant's flood of
@@ -142,6 +119,7 @@ class Router:
         self.index.observer = self._on_cache_event
         self.candidates = CandidateOrder(self._workers, self.index, self.flights, self.demand, self.branches,
                              lambda: self.cfg.cost, self._ended, self.shadow)
+        self.hash_lane = HashLane(self.candidates, self.branches)  # long prompts (controller/hash_lane.py)
         self.metrics.inflight = self._inflight_rows  # read when scraped
         settle = functools.partial(self.book.settle, self.candidates.reconcile)
         self._settler = Periodic("kvfleet-inflight-settle", self.cfg.reconcile_interval_s, settle,
@@ -358,7 +336,7 @@ class Router:
         Only serving ranks are candidates, and only proven warmth (current epoch) lowers a cost.
         With `track` the request counts as in flight on the chosen rank until `release_route` (or
         the reconcile/TTL fallbacks); only `owner` (the tenant) may release it. The tenant's prompts over
-        INLINE_HASH_TOKENS are hashed at most HASH_THREADS_PER_TENANT at a time. A caller that will
+        INLINE_HASH_TOKENS are hashed at most HASH_THREADS_PER_TENANT at a time (controller/hash_lane.py). A caller that will
         not release leaves `track` off: its requests are seen through /metrics alone.
 
         `token_ids` is a list or tuple; a long prompt may come as another sequence (a protobuf repeated field), made a
@@ -397,33 +375,14 @@ class Router:
         batch: Sequence[Sequence[int]],
     ) -> tuple[Ordering, Sequence[int], Sequence[Sequence[int]]]:
         """Phase 1 of `route`: the candidates in order, and the prompt's and batch's ids as ordered. Hashed here, on
-        the event loop, up to INLINE_HASH_TOKENS in all; longer, in a hashing thread (`_ordered_long`)."""
+        the event loop, up to INLINE_HASH_TOKENS in all; longer, in a hashing thread (HashLane.ordered)."""
         num_tokens = sum(len(p) if isinstance(p, Sized) else INLINE_HASH_TOKENS + 1 for p in (token_ids, *batch))
         if not all(isinstance(p, list | tuple) for p in (token_ids, *batch)) or num_tokens > INLINE_HASH_TOKENS:
-            return await self._ordered_long(token_ids, model, salt, lora, owner, batch, num_tokens)
+            return await self.hash_lane.ordered(token_ids, model, salt, lora, owner, batch, num_tokens)
         jobs = self.candidates.hash_jobs(model, lora)
         pre = checked_chains(jobs, token_ids, model, salt, lora)
         bpre = [Hashed(checked_chains(jobs, p, model, salt, lora), {}) for p in batch]
         ordering = self.candidates.order(token_ids, model, salt, lora, pre, owner=owner, batch=batch, batch_pre=bpre)
-        return ordering, token_ids, batch
-
-    async def _ordered_long(
-        self, token_ids: Sequence[int], model: str, salt: str | None, lora: str | None, owner: str | None,
-        batch: Sequence[Sequence[int]], num_tokens: int,
-    ) -> tuple[Ordering, Sequence[int], Sequence[Sequence[int]]]:
-        """`_ordered` for a long prompt (or batch): its ids come back from the hashing thread as lists."""
-        # NOTE: a long prompt's O(tokens) work (its ids made a list, checked, hashed, its tuple hash and the
-        # Branches it extends) runs in the thread; its ordering reads the ledgers on the loop, as a short one's
-        async with self._long_turn(owner, num_tokens):
-            # NOTE: the workers as they are once its turn came (a wait can be long): fewer chains left to the loop
-            jobs, warm = self.candidates.hash_jobs(model, lora), self.candidates.warm_keys(model, lora)
-            token_ids, pre, seed, observed = await asyncio.to_thread(
-                _hashed_long, jobs, warm, token_ids, model, salt, lora, self.branches, owner
-            )
-            later = await asyncio.to_thread(_hashed_batch, jobs, warm, batch, model, salt, lora,
-                                            self.branches, owner) if batch else []
-        batch, bpre = [ids for ids, _ in later], [h for _, h in later]
-        ordering = self.candidates.order(token_ids, model, salt, lora, pre, seed, observed, owner, batch, bpre)
         return ordering, token_ids, batch
 
     async def _looked_at(
@@ -470,36 +429,6 @@ class Router:
         """The caller sent the routed request to another of its candidates: its in-flight load, block-pool shadow and
         working-set record follow it (RouteBook.move: what it refuses and raises)."""
         return self.book.move(route_id, worker, dp_rank, owner)
-
-    @contextlib.asynccontextmanager
-    async def _long_turn(self, owner: str | None, num_tokens: int) -> AsyncIterator[None]:
-        """One of the tenant's hashing slots while the block runs. The tokens of its prompts waiting for one are
-        counted; past LONG_WAIT_TOKENS_PER_TENANT a prompt is refused before it waits (a lone waiter never is)."""
-        waiting = self._long_waiting.get(owner, 0)
-        if waiting and waiting + num_tokens > LONG_WAIT_TOKENS_PER_TENANT:
-            raise ResourceExhausted(
-                f"tenant {owner!r} has {waiting:,} tokens of long prompts (over {INLINE_HASH_TOKENS:,} tokens) waiting "
-                f"to be hashed, {HASH_THREADS_PER_TENANT} at a time; another {num_tokens:,} would pass the limit of "
-                f"{LONG_WAIT_TOKENS_PER_TENANT:,} tokens waiting per tenant; retry once its earlier Routes are answered, "
-                "or send fewer long prompts at once"
-            )
-        self._long_waiting[owner] = waiting + num_tokens
-        waiting_here = True
-        try:
-            async with self._hash_slots.hold(owner, None, "Route"):
-                waiting_here = False
-                self._unwait(owner, num_tokens)
-                yield
-        finally:
-            if waiting_here:  # cancelled (the caller went away) while it waited
-                self._unwait(owner, num_tokens)
-
-    def _unwait(self, owner: str | None, num_tokens: int) -> None:
-        left = self._long_waiting[owner] - num_tokens
-        if left:
-            self._long_waiting[owner] = left
-        else:
-            del self._long_waiting[owner]
 
     def _on_cache_event(self, key: tuple[str, int], ev: Event | None) -> None:
         """The index applied `ev` (None: dropped the rank): the shadow follows; a clear or a drop is a
@@ -548,29 +477,3 @@ class Router:
             self.metrics.stale_route_guard.labels("probe").inc()
             ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner, batch=batch)
         return ordering
-
-
-def _hashed_long(jobs: dict[Any, Any], warm: Sequence[Any], token_ids: Sequence[int], model: str, salt: str | None,
-                 lora: str | None, branches: TenantBranches,
-                 owner: str | None = None) -> tuple[Sequence[int], dict[Any, list[int]], int, dict[Any, int]]:
-    """A long prompt's O(tokens) work, in its hashing thread: its ids as a list (a protobuf repeated field arrives
-    as is), checked and hashed (checked_chains), their tuple hash (the ordering's tie-break seed), and the chains of
-    the `warm` keys observed in `branches` in the order the ordering would observe them. Returns (ids, chains,
-    seed, leading shared blocks per observed key)."""
-    if not isinstance(token_ids, list | tuple | str | bytes | bytearray) and isinstance(token_ids, Sequence):
-        token_ids = list(token_ids)
-    chains = checked_chains(jobs, token_ids, model, salt, lora)
-    observed = {ck: branches.observe(chains[ck], owner) for ck in warm if ck in chains}
-    return token_ids, chains, seed_of(token_ids), observed
-
-
-def _hashed_batch(jobs: dict[Any, Any], warm: Sequence[Any], batch: Sequence[Sequence[int]], model: str,
-                  salt: str | None, lora: str | None, branches: TenantBranches,
-                  owner: str | None = None) -> list[tuple[Sequence[int], Hashed]]:
-    """_hashed_long for a batch's later prompts, in the same thread: each one's ids as a list, checked, hashed and
-    observed."""
-    out = []
-    for ids in batch:
-        ids, chains, _, observed = _hashed_long(jobs, warm, ids, model, salt, lora, branches, owner)
-        out.append((ids, Hashed(chains, observed)))
-    return out

@@ -2,8 +2,8 @@
 cache_salt and ownership come from its token (a client's own salt, `client_salt`, is derived from the tenant's).
 
 A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a model name of at most
-MAX_MODEL_CHARS characters; the router hashes a prompt over router.INLINE_HASH_TOKENS tokens off the event loop, and
-refuses one (RESOURCE_EXHAUSTED) while the tenant's others waiting to be hashed hold router.LONG_WAIT_TOKENS_PER_TENANT.
+MAX_MODEL_CHARS characters; the router hashes a prompt over hash_lane.INLINE_HASH_TOKENS tokens off the event loop, and
+refuses one (RESOURCE_EXHAUSTED) while the tenant's others waiting to be hashed hold hash_lane.LONG_WAIT_TOKENS_PER_TENANT.
 A batched request's later prompts (`batch`, at most batch_route.MAX_BATCH_PROMPTS prompts in all) count towards the
 same token limit, all its prompts together.
 
@@ -38,7 +38,7 @@ import grpc
 from controller.auth import Identity, Role
 from controller.batch_route import MAX_BATCH_PROMPTS
 from controller.edge import Undecodable, refuse
-from controller.router import INLINE_HASH_TOKENS
+from controller.hash_lane import INLINE_HASH_TOKENS
 from controller.servicers.common import (
     ServiceContext,
     check_caller,

@@ -13,8 +13,9 @@ from support.controller import code_of, make_tokens, md, start_controller, store
 
 import controller.ordering as ordering_mod
 from controller.edge import GrpcLimits
+from controller.hash_lane import INLINE_HASH_TOKENS
 from controller.metrics import Metrics
-from controller.router import INLINE_HASH_TOKENS, Router, RouterConfig, WorkerSpec
+from controller.router import Router, RouterConfig, WorkerSpec
 from controller.uploads import UploadLimits
 from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub

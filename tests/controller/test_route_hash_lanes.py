@@ -1,6 +1,6 @@
 """One tenant's flood of long prompts cannot take the controller's shared hashing threads from the others.
 
-A prompt over router.INLINE_HASH_TOKENS is hashed in the loop's default thread pool, which the fleet metrics
+A prompt over hash_lane.INLINE_HASH_TOKENS is hashed in the loop's default thread pool, which the fleet metrics
 poll and the store GC use too. A tenant's long prompts are hashed at most HASH_THREADS_PER_TENANT at a time;
 its others wait their turn, so another tenant's long prompt starts at once. Real Router; the hashing
 function is wrapped only to record which tenant's hashing runs when, and to make each take 0.2 s.
@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-import controller.router as router_mod
+import controller.hash_lane as hash_lane_mod
+from controller.hash_lane import HASH_THREADS_PER_TENANT, INLINE_HASH_TOKENS
 from controller.metrics import Metrics
-from controller.router import HASH_THREADS_PER_TENANT, INLINE_HASH_TOKENS, Router, RouterConfig
+from controller.router import Router, RouterConfig
 from fleet.cas import open_store
 from fleet.core.errors import NotFound
 
@@ -30,7 +31,7 @@ async def test_a_tenants_long_prompts_take_at_most_its_share_of_the_hashing_thre
     most: dict[str, int] = {"a": 0, "b": 0}
     started: list[tuple[str, float]] = []
     lock = threading.Lock()
-    real = router_mod.checked_chains
+    real = hash_lane_mod.checked_chains
 
     def recorded(jobs: Any, token_ids: Any, model: str, salt: str | None, lora: str | None) -> Any:
         tenant = salt or "?"
@@ -45,7 +46,7 @@ async def test_a_tenants_long_prompts_take_at_most_its_share_of_the_hashing_thre
             with lock:
                 running[tenant] -= 1
 
-    monkeypatch.setattr(router_mod, "checked_chains", recorded)
+    monkeypatch.setattr(hash_lane_mod, "checked_chains", recorded)
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     r = Router(store, Metrics(), RouterConfig())
     long_prompt = list(range(INLINE_HASH_TOKENS + 16))
@@ -64,4 +65,4 @@ async def test_a_tenants_long_prompts_take_at_most_its_share_of_the_hashing_thre
         store.close()
     assert most["a"] == HASH_THREADS_PER_TENANT  # the flood ran 2 at a time (control: it did run concurrently)
     assert sum(1 for who, t in started if who == "a" and t > t_b) >= 2  # b did not queue behind all of a's
-    assert len(r._hash_slots) == 0
+    assert len(r.hash_lane.slots) == 0

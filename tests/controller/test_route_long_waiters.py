@@ -1,6 +1,6 @@
 """A tenant's long Routes waiting for a hashing thread are bounded, and hold no list of their ids while they wait.
 
-A prompt over router.INLINE_HASH_TOKENS is hashed in a thread, HASH_THREADS_PER_TENANT of a tenant's at a time
+A prompt over hash_lane.INLINE_HASH_TOKENS is hashed in a thread, HASH_THREADS_PER_TENANT of a tenant's at a time
 (tests/controller/test_route_hash_lanes.py). Its others wait; before, without limit, each holding its ids as
 a list of Python ints built on the event loop (36 MB per 1M tokens): 24 waiting 1M-token Routes took the
 controller from 75 to 889 MiB. Now the tokens of a tenant's waiting long prompts are capped at
@@ -20,9 +20,10 @@ from pathlib import Path
 import grpc
 
 from controller.auth import mint_token
+from controller.hash_lane import HASH_THREADS_PER_TENANT, INLINE_HASH_TOKENS
 from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
-from controller.router import HASH_THREADS_PER_TENANT, INLINE_HASH_TOKENS, Router, RouterConfig
+from controller.router import Router, RouterConfig
 from controller.server import ControllerConfig, build_server
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
@@ -68,7 +69,7 @@ async def test_a_tenants_long_prompts_past_its_waiting_limit_are_refused_and_oth
     assert len(refused) == OVER, outcomes
     assert outcomes.count("hashed") == HASH_THREADS_PER_TENANT + WAITING
     assert "'a' has 8,388,608 tokens of long prompts" in refused[0] and "retry" in refused[0]
-    assert len(r._hash_slots) == 0 and not r._long_waiting
+    assert len(r.hash_lane.slots) == 0 and not r.hash_lane.waiting
     # its flood answered, the tenant's next long prompt is taken again
     assert await route("a", prompt) == "hashed"
 
@@ -94,7 +95,7 @@ async def test_long_routes_waiting_over_grpc_hold_no_list_of_their_ids(tmp_path:
         async with contextlib.AsyncExitStack() as held:
             # NOTE: acme's hashing threads are taken, as two long prompts being hashed would: all its Routes wait
             for _ in range(HASH_THREADS_PER_TENANT):
-                await held.enter_async_context(router._hash_slots.hold("acme", None, "test"))
+                await held.enter_async_context(router.hash_lane.slots.hold("acme", None, "test"))
             tracemalloc.start()
             try:
                 call = stub.RouteStream(metadata=base.metadata(acme))
@@ -109,10 +110,10 @@ async def test_long_routes_waiting_over_grpc_hold_no_list_of_their_ids(tmp_path:
 
                 reader = asyncio.ensure_future(read())
                 for _ in range(3000):  # until every message waits or was refused
-                    if _waiting(router._hash_slots, "acme", HASH_THREADS_PER_TENANT) + len(answers) == sent:
+                    if _waiting(router.hash_lane.slots, "acme", HASH_THREADS_PER_TENANT) + len(answers) == sent:
                         break
                     await asyncio.sleep(0.01)
-                waiting, refused_early = _waiting(router._hash_slots, "acme", HASH_THREADS_PER_TENANT), len(answers)
+                waiting, refused_early = _waiting(router.hash_lane.slots, "acme", HASH_THREADS_PER_TENANT), len(answers)
                 peak = tracemalloc.get_traced_memory()[1]
             finally:
                 tracemalloc.stop()
@@ -132,7 +133,7 @@ async def test_long_routes_waiting_over_grpc_hold_no_list_of_their_ids(tmp_path:
         assert codes == ["NOT_FOUND"] * WAITING + ["RESOURCE_EXHAUSTED"] * OVER
         refusal = next(a.error.message for a in answers if a.error.code == "RESOURCE_EXHAUSTED")
         assert "8,388,608 tokens waiting per tenant" in refusal
-        assert not router._long_waiting and len(router._hash_slots) == 0
+        assert not router.hash_lane.waiting and len(router.hash_lane.slots) == 0
         call.cancel()
     finally:
         await channel.close()
