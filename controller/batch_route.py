@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from controller.demand import Conversation, DemandLedger
 from controller.index import PrefixIndex, RankKey
-from controller.shadow_pool import ShadowPools
+from controller.shadow import ShadowPools
 from controller.tenant_branches import TenantBranches
 from fleet.core.block_hash import external_chain
 

@@ -23,7 +23,7 @@ from controller.cost import CandidateState, CostConfig, Scored
 from controller.demand import Conversation, DemandLedger
 from controller.index import PrefixIndex, RankKey
 from controller.inflight import Flight, InFlight
-from controller.shadow_pool import ShadowPools
+from controller.shadow import ShadowPools
 from controller.tenant_branches import TenantBranches
 from controller.view import WorkerView
 from controller.vllm.watcher import Worker
@@ -70,7 +70,7 @@ class CandidateOrder:
         shadow: ShadowPools | None = None,
     ) -> None:
         """`workers` is the router's live registry (read, never changed here); `ended` is told of
-        tracked routes the reconcile ends; `shadow` (controller.shadow_pool) hides blocks it knows
+        tracked routes the reconcile ends; `shadow` (controller.shadow) hides blocks it knows
         LRU dropped before their BlockRemoved arrived."""
         self.workers, self.index, self.flights, self.demand, self.branches = workers, index, flights, demand, branches
         self.shadow = shadow or ShadowPools()

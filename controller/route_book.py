@@ -24,7 +24,7 @@ from controller.inflight import Flight, InFlight
 from controller.metrics import Metrics
 from controller.ordering import Ordering
 from controller.owned import OwnedLru
-from controller.shadow_pool import ShadowPools
+from controller.shadow import ShadowPools
 from controller.view import WorkerView
 from controller.vllm.watcher import Worker
 from fleet.core.errors import FailedPrecondition, InvalidArgument

@@ -46,7 +46,7 @@ from controller.owned import OwnedLru
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.route_book import Movable, RouteBook
-from controller.shadow_pool import ShadowPools
+from controller.shadow import ShadowPools
 from controller.tenant_branches import TenantBranches
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from controller.vllm.http import VllmHttp

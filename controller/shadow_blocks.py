@@ -5,7 +5,7 @@ makes on them (a hit touched out of the queue, a block taken off its front, what
 would take).
 
 Its parts build on it: controller/shadow_unsent.py (tracked routes no event has shown sent, and how one is undone),
-then `RankPool` (admission, frees, KV events).
+controller/shadow_events.py (the KV events' corrections), then `RankPool` (admission, frees).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ kv_cache_utils.py):
   first (waiting requests' new blocks) of the eviction order ("at risk").
 
 Every block here is named by its hash; unhashed ones (never used, a prompt's partial last block)
-are anonymous. Events correct the model: a BlockStored it did not predict takes a slot (the real
-pool had to), a BlockRemoved it did not predict frees the hash, a clear or an epoch drop empties
-it. A predicted eviction is kept until its BlockRemoved confirms it, or for `grace_s` (a
+are anonymous. Events correct the model (controller/shadow_events.py): a BlockStored it did not
+predict takes a slot (the real pool had to), a BlockRemoved it did not predict frees the hash, a
+clear or an epoch drop empties it. A predicted eviction is kept until its BlockRemoved confirms it, or for `grace_s` (a
 prediction the events never confirm was wrong: the index's view is trusted again).
 
 A Route is only a question until its request reaches the worker, and whether it is tracked is its caller's
@@ -37,6 +37,7 @@ choice. An untracked route does not change the pool (`speculate`): only its own 
 would evict. A tracked one is admitted, and every tenant believes its evictions for `unsent_s`, the time its
 request needs to reach the engine; past that only its own tenant's, until a BlockStored of one of its new blocks
 shows it sent (every tenant's from then). If it ends before that, its admission is undone (`free`).
+The router keeps a pool per rank in controller/shadow.py (ShadowPools).
 
     pool = RankPool(num_gpu_blocks=5)             # 4 usable blocks
     pool.allocate("r1", [11, 12], 1, now=0.0)     # 2 hashed blocks + 1 partial: [] evicted
@@ -48,13 +49,13 @@ shows it sent (every tenant's from then). If it ends before that, its admission 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from controller.free_queue import Key
 from controller.shadow_blocks import anon_key
-from controller.shadow_unsent import Unconfirmed, UnsentRoutes
+from controller.shadow_events import ShadowEvents
+from controller.shadow_unsent import Unconfirmed
 
-RankKey = tuple[str, int]
 # NOTE: how long every tenant believes what a tracked route evicts before an event shows its request on the engine:
 # the stand-in admitted requests 10-12 ms after their route at the median and 236-270 ms at p95 (docs/routing.md),
 # and the events take a few ms more. Past it the route may never have been sent (tracking is the caller's choice):
@@ -62,17 +63,16 @@ RankKey = tuple[str, int]
 UNSENT_S = 1.0
 
 
-class RankPool(UnsentRoutes):
-    """One rank's pool: requests admitted first come, first served, freed, and corrected by KV events, over its
-    blocks (controller/shadow_blocks.py) and its unsent tracked routes (controller/shadow_unsent.py)."""
+class RankPool(ShadowEvents):
+    """One rank's pool: requests admitted first come, first served, freed, and corrected by KV events
+    (controller/shadow_events.py), over its blocks (controller/shadow_blocks.py) and its unsent tracked routes
+    (controller/shadow_unsent.py)."""
 
     def __init__(self, num_gpu_blocks: int, grace_s: float = 5.0, unsent_s: float = UNSENT_S) -> None:
         super().__init__(num_gpu_blocks)
         self.grace_s, self.unsent_s = grace_s, unsent_s
         # routes not admitted yet (FCFS): their chain, partial blocks, their owner
         self._waiting: OrderedDict[str, tuple[Sequence[int], int, str | None]] = OrderedDict()
-        self._parent: dict[int, int] = {}  # a hash -> the block before it in its chain (stored events); kept
-        # through predicted evictions and undone routes (pruned when over twice the pool), dropped on BlockRemoved
 
     # what the router reads
     def resident_prefix(self, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
@@ -264,169 +264,7 @@ class RankPool(UnsentRoutes):
         self._free.extend(back)
         return self._drain(now)
 
-    # KV events
-    def stored(self, hashes: Iterable[int], now: float, parent: int | None = None) -> None:
-        """BlockStored: a block the model did not place takes a slot, the way the pool had to, and they queue last
-        block first (a BlockStored is one request's chain: vLLM frees a request's blocks tail first). One of an
-        unsent tracked route's new blocks shows that route sent: every tenant believes its evictions from now.
-        `parent` (the event's parent_block_hash) and the blocks before it were that request's cache hit: vLLM
-        touched them, and they rejoin the tail after its new blocks, the chain's first block last (`_hit_chain`).
-
-        NOTE: they queued in stored order, head first: after a replay (a restart) the shadow expected LRU to evict
-        the oldest prompt's first block, hiding all of it, where vLLM drops its last blocks first."""
-        hit = self._hit_chain(parent)  # NOTE: out of the queue first, as vLLM touches a hit before taking blocks
-        new: list[int] = []
-        prev = parent
-        for h in hashes:
-            if prev is not None:
-                self._parent[h] = prev
-            prev = h
-            if self._unsent_block:
-                r = self._unsent_block.get(h)
-                if r is not None:
-                    self._sent(r)
-            self.evicted.pop(h, None)
-            if self.cached(h):
-                continue
-            if h in self._ghost:
-                # a block of a request still running, stored again after a clear (it ran, or was preempted and
-                # ran again, after the reset): pinned and hashed again in its slot, so that when the request
-                # ends it rejoins the tail, last block first. Queued as free here, it went head first, and the
-                # shadow expected LRU to evict a rebuilt history's first block at once.
-                self._ref[h] = self._ghost.pop(h)
-                continue
-            if self.num_free():
-                gone = self._popleft()
-                if gone is not None:
-                    self.evicted[gone] = (now, None)
-                new.append(h)
-        self._free.extend([*reversed(new), *hit])  # NOTE: its request may still hold them; unknown here, so evictable
-        if len(self._parent) > 2 * self.num_gpu_blocks:  # links of hashes no longer cached here
-            self._parent = {h: p for h, p in self._parent.items() if self.cached(h) or h in self.evicted}
-
-    def _hit_chain(self, h: int | None) -> list[int]:
-        """A stored request hit `h` and every block before it in its chain: the free ones leave the queue (they rejoin
-        its tail after the request's new blocks, `h` first and the chain's first block last, as vLLM frees a request
-        when it ends), and are returned in that order; pinned ones stay with their route; one predicted evicted is
-        not (the hit shows vLLM kept it: the index is trusted again). NOTE: an untracked Route leaves the pool as it
-        is, so before, the hits of a request that was sent never moved: a long conversation's prefix kept the place
-        its first turn gave it, and the shadow predicted LRU evicting what vLLM, which touched it every turn, kept
-        (WARM routed COLD). Taken out after the new blocks' slots, a hit could be the block a new one evicted."""
-        free, parent, ev = self._free, self._parent, self.evicted
-        out: list[int] = []
-        for _ in range(self.num_gpu_blocks):  # NOTE: a bound, not a count: a chain is never longer than the pool
-            if h is None:
-                break
-            if h in free.has:
-                free.remove(h)
-                self._front_seq.pop(h, None)
-                out.append(h)
-            elif h in ev:
-                del ev[h]
-            elif h not in self._ref:
-                break
-            h = parent.get(h)
-        return out
-
-    def removed(self, hashes: Iterable[int]) -> None:
-        """BlockRemoved: confirmed. A hash the model still held frees its slot (an unknown request took it)."""
-        for h in hashes:
-            self.evicted.pop(h, None)
-            self._parent.pop(h, None)
-            if h in self._free.has:
-                self._free.remove(h)
-                self._front_seq.pop(h, None)
-                self._fresh += 1  # NOTE: at the front: reused by someone, it is the next slot taken
-            elif h in self._ref:
-                self._ghost[h] = self._ghost.get(h, 0) + self._ref.pop(h)
-
-    def cleared(self) -> None:
-        """AllBlocksCleared, an epoch drop (sleep, reset, restart): every hash is gone, blocks stay."""
-        for h, n in self._ref.items():
-            self._ghost[h] = self._ghost.get(h, 0) + n
-        self._ref.clear()
-        self._fresh += len(self._free)
-        self._free.clear()
-        self._front_seq.clear()
-        self.evicted.clear()
-        self._parent.clear()
-
     def expire(self, now: float) -> None:
         ev = self.evicted
         while ev and now - next(iter(ev.values()))[0] >= self.grace_s:
             ev.popitem(last=False)
-
-
-class ShadowPools:
-    """A RankPool per (worker, dp_rank), created once its capacity is known, rebuilt if it changes."""
-
-    def __init__(self, grace_s: float = 5.0, unsent_s: float = UNSENT_S) -> None:
-        self.grace_s, self.unsent_s = grace_s, unsent_s
-        self._pools: dict[RankKey, RankPool] = {}
-        self._route_key: dict[str, RankKey] = {}
-        self._parts: dict[str, int] = {}  # a batch's route -> its prompts (only where more than one)
-
-    def get(self, key: RankKey) -> RankPool | None:
-        return self._pools.get(key)
-
-    def pool(self, key: RankKey, num_gpu_blocks: int | None) -> RankPool | None:
-        p = self._pools.get(key)
-        if num_gpu_blocks is None or num_gpu_blocks < 2:
-            return p
-        if p is None or p.num_gpu_blocks != num_gpu_blocks:
-            p = self._pools[key] = RankPool(num_gpu_blocks, self.grace_s, self.unsent_s)
-        return p
-
-    def allocate(
-        self,
-        key: RankKey,
-        route: str,
-        chain: Sequence[int],
-        num_partial: int,
-        num_gpu_blocks: int | None,
-        now: float,
-        speculative: str | None = None,
-        owner: str | None = None,
-        part: int = 0,
-    ) -> list[int]:
-        """`part`: the prompt of a batch (0: the first, or the only one); vLLM runs each prompt of a batch as a request
-        of its own, so each is one in the pool, and all are freed with the route."""
-        p = self.pool(key, num_gpu_blocks)
-        if p is None:
-            return []
-        if speculative is not None:
-            return p.speculate(chain, num_partial, now, speculative)
-        self._route_key[route] = key
-        if part:
-            self._parts[route] = max(self._parts.get(route, 1), part + 1)
-        return p.allocate(_part_name(route, part), chain, num_partial, now, owner=owner)
-
-    def free(self, route: str, now: float) -> None:
-        key = self._route_key.pop(route, None)
-        p = self._pools.get(key) if key is not None else None
-        num_parts = self._parts.pop(route, 1)
-        if p is not None:
-            for part in range(num_parts):
-                p.free(_part_name(route, part), now)
-
-    def resident_prefix(self, key: RankKey, chain: Sequence[int], matched: int, now: float, owner: str = "") -> int:
-        p = self._pools.get(key)
-        return p.resident_prefix(chain, matched, now, owner) if p is not None and matched else matched
-
-    def forget(self, key: RankKey) -> None:
-        """Every hash on the rank is gone (a clear, an epoch drop)."""
-        p = self._pools.get(key)
-        if p is not None:
-            p.cleared()
-
-    def drop_worker(self, worker: str) -> None:
-        for k in [k for k in self._pools if k[0] == worker]:
-            del self._pools[k]
-        for r in [r for r, k in self._route_key.items() if k[0] == worker]:
-            del self._route_key[r]
-            self._parts.pop(r, None)
-
-
-def _part_name(route: str, part: int) -> str:
-    """The pool's name for one prompt of a route: the route's own for its first (route ids are hex, never with '/')."""
-    return f"{route}/{part}" if part else route

@@ -5,7 +5,7 @@ The end-to-end behaviour (proxy, controller, stand-ins) is tests/controller/prox
 from __future__ import annotations
 
 from controller.cost import CandidateState, CostConfig, order, terms
-from controller.shadow_pool import ShadowPools
+from controller.shadow import ShadowPools
 
 CFG = CostConfig()
 B = 16

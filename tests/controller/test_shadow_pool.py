@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.shadow_pool import RankPool, ShadowPools
+from controller.shadow import ShadowPools
+from controller.shadow_pool import RankPool
 
 
 def test_the_docstring_walk_through_null_block_fresh_blocks_then_lru_tail_first() -> None:
