@@ -2,8 +2,8 @@
 
 The gRPC SessionServicer translates proto <-> domain and calls this; everything else lives here: the fleet
 (built on first use: it joins the Ray cluster `ray.init` already started in this process, or starts a local
-one), the tenants' quotas and call lanes (controller/quotas.py), the calls in flight and the idle reaper
-(controller/session_reaper.py).
+one), the tenants' quotas and call lanes (controller/quotas.py; the token ledger: controller/session_quota.py), the
+calls in flight and the idle reaper (controller/session_reaper.py).
 
     RPC ──▶ SessionServicer (validate) ──▶ Sessions.append_text(tenant, sid, role, text): encoded once
               quota: reserve ▶ tenant's lane thread ▶ KernelFleet.append_message ▶ actor (token ids, no re-encode)
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
@@ -30,8 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from controller.kernel_placement import kernel_spec_of
-from controller.quotas import SessionLimits, TenantLanes, TenantLedger
+from controller.quotas import SessionLimits, TenantLanes
 from controller.ray_address import check_ray, on_daemon_thread
+from controller.session_quota import SessionQuota
 from controller.session_reaper import SessionActivity, reap_loop
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from fleet.core.kernel.tokenizer import encode_message
@@ -39,8 +39,6 @@ from fleet.core.oplog import (
     call_fingerprint,
     check_op_reuse,
     history_charge,
-    history_tokens,
-    num_tokens,
     own_op_fps,
     parse_log,
 )
@@ -60,10 +58,9 @@ class Sessions:
         self.ctx = ctx  # the controller's ServiceContext: store, Ray address, limits, stop hooks
         self.fleet: Any = None
         self._init = asyncio.Lock()
-        self._seed_locks: dict[str, asyncio.Lock] = {}  # per tenant, while its counts are rebuilt after a start
         self._admin = ThreadPoolExecutor(2, thread_name_prefix="kvfleet-sessions-admin")  # build, seed, reap
         self._lanes = TenantLanes(1)  # its width is set from the limits when the fleet is built
-        self._ledger: TenantLedger | None = None
+        self.quota = SessionQuota(self.get_fleet, self._run)  # the token ledger (controller/session_quota.py)
         self._creating: set[tuple[str, str]] = set()
         self._activity = SessionActivity()  # calls in flight, last touches, releases (controller/session_reaper.py)
         self._reaper: asyncio.Task[None] | None = None
@@ -111,7 +108,7 @@ class Sessions:
 
     async def add_tool_result(self, tenant: str, sid: str, ref: str, op_id: str) -> OpResult:
         fleet = await self.get_fleet()
-        n = await self._run(tenant, self._blob_tokens, tenant, ref)
+        n = await self._run(tenant, self.quota.blob_tokens, tenant, ref)
         return await self._mutate(tenant, sid, n, op_id, fleet.add_tool_result, ref, op_id)
 
     async def generate(self, tenant: str, sid: str, n: int, op_id: str) -> OpResult:
@@ -125,12 +122,12 @@ class Sessions:
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         fleet = await self.get_fleet()
         r: OpResult = await self._call(tenant, sid, fleet.evict, tenant, sid, piece_id, mode)
-        self._set_tokens(tenant, sid, r.num_tokens, r.history_tokens)  # exact, like an append's
+        self.quota.set_tokens(tenant, sid, r.num_tokens, r.history_tokens)  # exact, like an append's
         return r
 
     async def fork(self, tenant: str, sid: str, child: str) -> SessionRow:
         fleet = await self.get_fleet()
-        ledger = await self._quota(tenant)
+        ledger = await self.quota.counted(tenant)
         n, history = ledger.num_tokens(tenant, sid), ledger.num_history(tenant, sid)  # its log copies the parent's
         rec = await self._new_session(tenant, child, n, sid, fleet.fork, tenant, sid, child, history=history)
         return await self.row(tenant, rec)  # the child's own count: its log may hold an append the parent's lacked
@@ -144,7 +141,7 @@ class Sessions:
         await self._call(tenant, sid, fleet.check_session, tenant, sid)
         verdict = await judge(ref, tenant)
         r: OpResult = await self._call(tenant, sid, fleet.admit_tool_result, tenant, sid, ref, verdict)
-        self._set_tokens(tenant, sid, r.num_tokens, r.history_tokens)  # a quarantine evicts: exact, like an append's
+        self.quota.set_tokens(tenant, sid, r.num_tokens, r.history_tokens)  # a quarantine evicts: exact, like an append's
         return r
 
     async def working_set(self, tenant: str, sid: str, budget_tokens: int) -> Any:
@@ -174,15 +171,7 @@ class Sessions:
         fleet = await self.get_fleet()
         rows = await self._run(caller, fleet.list_sessions, live, tenant)
         nodes = await self._run(caller, fleet.node_stats) if with_nodes else []
-        return [self._with_history(SessionRow.from_row(r)) for r in rows], list(nodes)
-
-    def _with_history(self, row: SessionRow) -> SessionRow:
-        """The row's history as the quota charges it, where the ledger counts the tenant: a session no host
-        holds (idle, lost) has no info of its own, and a charge may be pending a timed-out call's answer."""
-        ledger = self._ledger
-        if ledger is None or not ledger.seeded(row.tenant) or row.session_id not in ledger.history.get(row.tenant, {}):
-            return row
-        return dataclasses.replace(row, history_tokens=ledger.num_history(row.tenant, row.session_id))
+        return [self.quota.with_history(SessionRow.from_row(r)) for r in rows], list(nodes)
 
     async def row(self, tenant: str, rec: dict[str, Any]) -> SessionRow:
         """The session's row: its registry record `rec` and its actor's info (whose epoch is the
@@ -190,7 +179,7 @@ class Sessions:
         fleet, sid = await self.get_fleet(), str(rec["session"])
         info = await self._call(tenant, sid, fleet.info, tenant, sid)
         row = SessionRow.from_row({**rec, **info})
-        self._set_tokens(tenant, row.session_id, row.num_tokens, int(info.get("history_tokens", -1)))
+        self.quota.set_tokens(tenant, row.session_id, row.num_tokens, int(info.get("history_tokens", -1)))
         return row
 
     # -- the fleet, its lanes and the ledger ------------------------------------------------------
@@ -201,7 +190,7 @@ class Sessions:
             async with self._init:
                 if self.fleet is None:
                     fleet = await on_daemon_thread(self._build)
-                    self._ledger = TenantLedger(fleet.kernel.block_bytes // fleet.kernel.block_size)
+                    self.quota.open(fleet)
                     self._lanes.width = self.limits.tenant_concurrency
                     self._loop = asyncio.get_running_loop()
                     self._reaper = asyncio.create_task(reap_loop(lambda: self.limits, self._lanes.prune,
@@ -250,39 +239,11 @@ class Sessions:
         async with self._activity.calling((tenant, sid)):  # NOTE: callers hold the fleet already (get_fleet)
             return await self._run(tenant, fn, *args)
 
-    async def _quota(self, tenant: str) -> TenantLedger:
-        """The ledger, with `tenant`'s sessions counted (rebuilt from the store the first time)."""
-        if self._ledger is None:
-            await self.get_fleet()
-        ledger = self._ledger
-        assert ledger is not None
-        if not ledger.seeded(tenant):
-            # NOTE: one lock and the shared admin threads for every tenant made a tenant's first call after a
-            # restart wait for another's logs to be read (7-11 -> 386-405 ms behind 4M tokens of history)
-            lock = self._seed_locks.setdefault(tenant, asyncio.Lock())
-            async with lock:
-                if not ledger.seeded(tenant):
-                    ledger.seed(tenant, await self._run(tenant, self._held_tokens, tenant))
-            self._seed_locks.pop(tenant, None)
-        return ledger
-
-    def _held_tokens(self, tenant: str) -> dict[str, tuple[int, int]]:
-        """(tokens held, history charged) per registered session of `tenant`, from the op logs (a restart
-        loses nothing)."""
-        from workers.registry import CREATING
-
-        store, out = self.fleet.store, {}
-        for r in self.fleet.registry.records(tenant):
-            if r.state != CREATING:
-                ops = parse_log(store.oplog_read(tenant, r.session))
-                out[r.session] = num_tokens(ops), history_tokens(ops)
-        return out
-
     async def _mutate(self, tenant: str, sid: str, grow: int, op_id: str, fn: Callable[..., OpResult],
                       *args: Any) -> OpResult:
         """`fn(tenant, sid, *args)`, a KernelFleet call that may grow session `sid` by up to `grow` tokens, within the KV quota. A retry of
         an op already in the session's log (its `op_id`) is answered even at the quota: it grows nothing."""
-        ledger = await self._quota(tenant)
+        ledger = await self.quota.counted(tenant)
         try:
             held = ledger.reserve(self.limits, tenant, grow)
         except ResourceExhausted:
@@ -326,14 +287,6 @@ class Sessions:
         check_op_reuse(op_id, fps[op_id], op_fp)
         return True
 
-    def _blob_tokens(self, tenant: str, ref: str) -> int:
-        """An upper bound of a stored tool result's tokens (its size: a token is >= 1 byte); 0 when
-        the blob is missing or malformed (the append itself then says why)."""
-        try:
-            return int(self.fleet.store.stat(ref, tenant).size)
-        except Exception:  # noqa: BLE001 - the append reports the real error
-            return 0
-
     async def _new_session(self, tenant: str, sid: str, grow: int, touched: str,
                            fn: Callable[..., dict[str, Any]], *args: Any, history: int | None = None) -> dict[str, Any]:
         """`fn(*args)`, a create or fork of session `sid`: one session, `grow` tokens and `history` (default:
@@ -345,7 +298,7 @@ class Sessions:
             raise AlreadyExists(f"session {sid!r} is being created by another call")
         self._creating.add(key)  # NOTE: before any await, so two creates of one name never interleave
         try:
-            ledger = await self._quota(tenant)
+            ledger = await self.quota.counted(tenant)
             existed = sid in ledger.tokens.get(tenant, {})
             # a name already counted reserves nothing: the fleet answers ALREADY_EXISTS, not the quota
             held = ledger.reserve(self.limits, tenant, 0 if existed else grow, new_session=None if existed else sid,
@@ -364,15 +317,9 @@ class Sessions:
 
         return await self._settled(asyncio.ensure_future(self._call(tenant, touched, fn, *args)), settle)
 
-    def _set_tokens(self, tenant: str, sid: str, num_tokens: int, history: int = -1) -> None:
-        """The session now holds `num_tokens` tokens and its log `history` (a call's answer; -1: not said)."""
-        ledger = self._ledger
-        if ledger is not None and ledger.seeded(tenant):
-            ledger.update(tenant, sid, num_tokens, history)
-
     def _forget(self, tenant: str, sid: str) -> None:
-        if self._ledger is not None and (tenant, sid) not in self._creating:  # a create's reservation stays
-            self._ledger.drop(tenant, sid)
+        if (tenant, sid) not in self._creating:  # a create's reservation stays
+            self.quota.forget(tenant, sid)
         self._activity.touched.pop((tenant, sid), None)
 
     # -- idle reaping -----------------------------------------------------------------------------
