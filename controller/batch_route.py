@@ -16,7 +16,7 @@ what is here is the later prompts' share. Pure bookkeeping over the ledgers the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Any, NamedTuple
 
 from controller.demand import Conversation, DemandLedger
@@ -28,6 +28,21 @@ from fleet.core.block_hash import external_chain
 # NOTE: the most prompts of one batch a route looks at (the controller refuses more; the proxy routes a larger batch
 # by its first MAX_BATCH_PROMPTS prompts). Each is a chain per hash config and a few ledger look-ups per candidate.
 MAX_BATCH_PROMPTS = 256
+
+
+def within(num_first: int, batch: Sequence[Sized], max_tokens: int) -> int:
+    """How many of a batch's later prompts, in order, fit with its first (`num_first` tokens) in `max_tokens`.
+
+    NOTE: --max-route-tokens bounds a Route, not a request: vLLM runs a batch whose prompts each fit the model
+    however many tokens they make together. A Route over it refused the whole batch (the proxy answered 400 for a
+    request vLLM runs); now the batch is routed by its leading prompts that fit, as a batch over MAX_BATCH_PROMPTS is
+    by its first ones."""
+    n = num_first
+    for i, p in enumerate(batch):
+        n += len(p)
+        if n > max_tokens:
+            return i
+    return len(batch)
 
 
 class LaterPrompt(NamedTuple):

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp_cors
 from aiohttp import HttpVersion11, web
 
+from controller.batch_route import within
 from controller.proxy import lineage, passthrough, prefill, responses
-from controller.proxy.batch_prompts import batch_ids
+from controller.proxy.batch_prompts import ROUTE_TOKENS, batch_ids
 from controller.proxy.errors import ProxyError, error_response, from_fleet
 from controller.proxy.reading import announced_size, client_salt, read_json, too_large, upstream_headers
 from controller.proxy.relay import PREPARED, relay
@@ -250,7 +251,8 @@ class Handlers:
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
         ids = await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
         later = await batch_ids(self.p.tokenizer.ids_of, body, chat, base, tenant)  # each truncated as the first
-        return body, hits, enc, prefill.prefilled(ids, body, k), [prefill.prefilled(b, body, k) for b in later]
+        ids, later = prefill.prefilled(ids, body, k), [prefill.prefilled(b, body, k) for b in later]
+        return body, hits, enc, ids, later[:within(len(ids), later, ROUTE_TOKENS)]  # batch_prompts.ROUTE_TOKENS
 
     async def _answer(self, req: web.Request, kind: str, t0: float, token: str | None, tenant: str,
                       shrink: Callable[[int], None]) -> web.StreamResponse:

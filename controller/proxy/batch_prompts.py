@@ -14,10 +14,15 @@ from typing import Any
 import msgspec
 
 from controller.batch_route import MAX_BATCH_PROMPTS
+from controller.edge import DEFAULT_MAX_ROUTE_TOKENS
 from controller.proxy.errors import ProxyError
 
 # a batch's prompts tokenized at once (vLLM's /tokenize takes one prompt: one call per distinct prompt not cached)
 BATCH_TOKENIZE_AT_ONCE = 8
+# NOTE: the most tokens of a batch's prompts a Route carries: the controller's default --max-route-tokens, which keeps
+# the Route within its default --grpc-max-receive-bytes (4 MiB: about 3 bytes an id). The later prompts past it are
+# left out of the route (batch_route.within; a controller with a lower limit leaves out more), the batch sent whole.
+ROUTE_TOKENS = DEFAULT_MAX_ROUTE_TOKENS
 # Tokenizer.ids_of: (one /tokenize request or its ids, the body, the registered model, the tenant) -> the ids
 IdsOf = Callable[[dict[str, Any] | list[int], dict[str, Any], str, str], Awaitable[Sequence[int]]]
 

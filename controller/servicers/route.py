@@ -5,7 +5,8 @@ A Route carries at most ctx.max_route_tokens tokens (--max-route-tokens) and a m
 MAX_MODEL_CHARS characters; the router hashes a prompt over hash_lane.INLINE_HASH_TOKENS tokens off the event loop, and
 refuses one (RESOURCE_EXHAUSTED) while the tenant's others waiting to be hashed hold hash_lane.LONG_WAIT_TOKENS_PER_TENANT.
 A batched request's later prompts (`batch`, at most batch_route.MAX_BATCH_PROMPTS prompts in all) count towards the
-same token limit, all its prompts together.
+same token limit, all its prompts together: those past it are left out of the route (batch_route.within), which is
+refused only when the first prompt alone is over it.
 
 RouteStream (the proxy's path, docs/proxy.md): the caller's token is checked when the stream opens and again at
 each message, which runs as its own task; at most STREAM_IN_FLIGHT of one stream's messages are running or
@@ -36,7 +37,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from controller.auth import Identity, Role
-from controller.batch_route import MAX_BATCH_PROMPTS
+from controller.batch_route import MAX_BATCH_PROMPTS, within
 from controller.edge import Undecodable, refuse
 from controller.hash_lane import INLINE_HASH_TOKENS
 from controller.servicers.common import (
@@ -99,7 +100,9 @@ class RouteServicer(pbg.RouteServiceServicer):
         if len(request.batch) >= MAX_BATCH_PROMPTS:
             raise InvalidArgument(f"a batch of {len(request.batch) + 1} prompts is over the route's limit of "
                                   f"{MAX_BATCH_PROMPTS}; route it by its first {MAX_BATCH_PROMPTS}")
-        num_tokens = len(request.token_ids) + sum(len(p.token_ids) for p in request.batch)
+        num_first, later = len(request.token_ids), [p.token_ids for p in request.batch]
+        later = later[:within(num_first, later, self.ctx.max_route_tokens)]  # a batch: by its leading prompts that fit
+        num_tokens = num_first + sum(map(len, later))
         if num_tokens > self.ctx.max_route_tokens:
             raise InvalidArgument(f"route of {num_tokens} tokens is over the controller's limit of "
                                   f"{self.ctx.max_route_tokens} (--max-route-tokens); send at most the model's "
@@ -116,7 +119,7 @@ class RouteServicer(pbg.RouteServiceServicer):
             probe=request.probe if request.HasField("probe") else None,
             track=request.track,
             owner=ident.tenant,
-            batch=[list(p.token_ids) if inline else p.token_ids for p in request.batch],
+            batch=[list(p) if inline else p for p in later],
         )
         return decision_to_proto(decision)
 

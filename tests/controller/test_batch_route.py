@@ -4,6 +4,7 @@ The end-to-end behaviour (proxy, controller, stand-ins) is tests/controller/prox
 
 from __future__ import annotations
 
+from controller.batch_route import within
 from controller.cost import CandidateState, CostConfig, order, terms
 from controller.shadow import ShadowPools
 
@@ -63,3 +64,12 @@ def test_each_prompt_of_a_batch_is_a_request_in_the_pool_and_all_are_freed_with_
     pools.free("r", now=1.0)
     # both freed, each tail first, in the order they ran: the first prompt's, then the second's
     assert p.num_free() == 8 and p.queue()[-5:] == [2, 1, 5, 4, 3]
+
+
+def test_a_batch_over_the_token_limit_keeps_its_leading_prompts_that_fit() -> None:
+    batch = [[1] * 10, [2] * 20, [3] * 5]
+    assert within(10, batch, 10) == 0  # the first alone fills it
+    assert within(10, batch, 29) == 1
+    assert within(10, batch, 40) == 2  # the third (5) would fit after the second, but the prompts keep their order
+    assert within(10, batch, 45) == 3
+    assert within(50, [], 10) == 0

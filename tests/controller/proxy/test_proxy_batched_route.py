@@ -108,3 +108,21 @@ async def test_a_route_with_no_batch_is_unchanged(fleet: Fleet) -> None:
     assert (with_cold.worker, with_cold.verdict, with_cold.matched_tokens) == (holder, "WARM", 240)
     for d in (plain, with_cold):
         control.release_soon(d.route_id, token)
+
+
+async def test_a_batch_over_the_route_token_limit_is_routed_by_its_leading_prompts_that_fit(fleet: Fleet) -> None:
+    """vLLM takes a batch whose prompts each fit the model, however many tokens they make together; --max-route-tokens
+    bounds a Route, not a request. NOTE: before, the controller refused the whole Route and the proxy answered 400
+    ("route of N tokens is over the controller's limit") for a batch vLLM runs."""
+    cold, warm, other = [await _ids(fleet, t) for t in (COLD, WARM, OTHER)]
+    holder, _, _, _ = await _post(fleet, WARM, _blocks(warm))
+    fleet.ctl.ctx.max_route_tokens = len(cold) + len(warm) + len(other) - 1  # the first two fit, the third does not
+    status, h, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": [COLD, WARM, OTHER],
+                                                          "max_tokens": 2})
+    assert status == 200, raw
+    assert len(json.loads(raw)["choices"]) == 3  # sent whole
+    assert (h["x-kvfleet-worker"], h["x-kvfleet-verdict"], h["x-kvfleet-matched-tokens"]) == (holder, "WARM", "240")
+    # control: a first prompt over the limit alone is still refused, as a single prompt is
+    fleet.ctl.ctx.max_route_tokens = len(cold) - 1
+    status, _, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": [COLD, WARM], "max_tokens": 2})
+    assert status == 400 and b"--max-route-tokens" in raw, raw
