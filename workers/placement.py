@@ -193,7 +193,8 @@ def drop_blob_refs(store: Any, refs: Iterable[tuple[str, str]], holder: str | No
     references were never given back and their blobs never collected."""
     from fleet.core.errors import FailedPrecondition, NotFound
 
-    for ref, tenant in sorted(set(refs)):
+    # NOTE: a named reference is one per (blob, holder); unnamed ones are one per logged tool result, so each counts
+    for ref, tenant in sorted(set(refs) if holder is not None else refs):
         try:
             store.drop_ref(ref, tenant, holder)
         except (NotFound, FailedPrecondition):
@@ -205,7 +206,9 @@ def delete_log(store: Any, tenant: str, session_id: str, log: Sequence[Op]) -> N
     says it holds (held_refs), so a delete cut off half-way and run again, the log gone by then, gives back the rest
     and none twice: each reference is the session's own, given back once however often it is asked (BlobStore.
     add_ref's holder). References the log names but the session does not hold were taken with no holder, by a
-    release before holders: the delete that removed the log gives those back (of two closes at once, one).
+    release before holders, one per tool result of the log (a blob logged twice, two; a fork's, one per tool result of
+its log, its parent's included): the delete that removed the log gives those back, each (of two closes at once,
+one). NOTE: it gave back one per blob: a blob a legacy session logged twice kept a reference for good.
 
     NOTE: the references went first and the log after: a close cut off half-way (the store went out) kept the
     log and its record, so the caller retried, and the retry gave back every reference again, those already given
@@ -214,8 +217,8 @@ def delete_log(store: Any, tenant: str, session_id: str, log: Sequence[Op]) -> N
     stayed for good after a cut-off: one too many, the blob never collected."""
     holder = session_holder(tenant, session_id)
     held = set(store.held_refs(holder))  # NOTE: before the log goes: the session is closed, nothing adds to it
-    if store.oplog_delete(tenant, session_id):
-        drop_blob_refs(store, set(blob_refs(log)) - held, None)
+    if store.oplog_delete(tenant, session_id):  # NOTE: one unnamed reference per tool result: each is given back
+        drop_blob_refs(store, [r for r in blob_refs(log) if r not in held], None)
     drop_blob_refs(store, held, holder)
 
 
