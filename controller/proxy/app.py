@@ -250,7 +250,8 @@ class Handlers:
         k = prefill.kept(body, chat, lambda: self.p.directory.max_model_len(body["model"]))
         enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker
         ids = await self.p.tokenizer.token_ids(body, chat, base, tenant, enc)
-        later = await batch_ids(self.p.tokenizer.ids_of, body, chat, base, tenant)  # each truncated as the first
+        tok = self.p.tokenizer
+        later = await batch_ids(tok.ids_of, tok.batch_lanes, body, chat, base, tenant)  # each truncated as the first
         ids, later = prefill.prefilled(ids, body, k), [prefill.prefilled(b, body, k) for b in later]
         return body, hits, enc, ids, later[:within(len(ids), later, ROUTE_TOKENS)]  # batch_prompts.ROUTE_TOKENS
 

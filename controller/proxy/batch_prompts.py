@@ -2,7 +2,8 @@
 
 A batched completions prompt (a list of prompts) is tokenized prompt by prompt (vLLM's /tokenize takes one): the
 first as any prompt (tokenize.tokenize_request), the others (batch_ids) one call per distinct prompt the cache does
-not hold, BATCH_TOKENIZE_AT_ONCE at a time, each cached as a prompt of its own; the route carries them all.
+not hold, BATCH_TOKENIZE_AT_ONCE at a time per tenant (Tokenizer.batch_lanes), each cached as a prompt of its own;
+the route carries them all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 
 from controller.batch_route import MAX_BATCH_PROMPTS
 from controller.edge import DEFAULT_MAX_ROUTE_TOKENS
+from controller.keyed_slots import KeyedSlots
 from controller.proxy.errors import ProxyError
 
 # a batch's prompts tokenized at once (vLLM's /tokenize takes one prompt: one call per distinct prompt not cached)
@@ -67,9 +69,15 @@ def batch_requests(body: dict[str, Any], chat: bool) -> list[dict[str, Any] | li
     return [] if p is None else [prompt_request(body, q) for q in p[1:MAX_BATCH_PROMPTS]]
 
 
-async def batch_ids(ids_of: IdsOf, body: dict[str, Any], chat: bool, base: str, tenant: str) -> list[Sequence[int]]:
+async def batch_ids(ids_of: IdsOf, lanes: KeyedSlots, body: dict[str, Any], chat: bool, base: str,
+                    tenant: str) -> list[Sequence[int]]:
     """The ids of a batched completions request's later prompts (batch_requests; [] when it is no batch): one
-    /tokenize per distinct prompt the cache does not hold, BATCH_TOKENIZE_AT_ONCE at a time."""
+    /tokenize per distinct prompt the cache does not hold, BATCH_TOKENIZE_AT_ONCE at a time, each in one of the
+    tenant's `lanes` (at most BATCH_TOKENIZE_AT_ONCE of them: all of the tenant's batches share them).
+
+    NOTE: the bound was per request: a tenant's batches in flight ran 8 calls each at once, as many as it sent
+    batches, on the workers' API servers that every tenant's /tokenize shares (3 batches: 24 calls;
+    tests/controller/proxy/test_proxy_batch_tokenize_lanes.py)."""
     reqs = batch_requests(body, chat)
     if not reqs:
         return []
@@ -78,7 +86,7 @@ async def batch_ids(ids_of: IdsOf, body: dict[str, Any], chat: bool, base: str, 
     got: dict[str, Sequence[int]] = {}
     for i in range(0, len(todo), BATCH_TOKENIZE_AT_ONCE):
         part = todo[i:i + BATCH_TOKENIZE_AT_ONCE]
-        tasks = [asyncio.ensure_future(ids_of(r, body, base, tenant)) for _, r in part]
+        tasks = [asyncio.ensure_future(_in_lane(lanes, ids_of, r, body, base, tenant)) for _, r in part]
         try:
             got.update(zip((text for text, _ in part), await asyncio.gather(*tasks), strict=True))
         except BaseException:  # NOTE: one failed (the request's error), or the client went away: the rest stop
@@ -86,3 +94,9 @@ async def batch_ids(ids_of: IdsOf, body: dict[str, Any], chat: bool, base: str, 
                 t.cancel()
             raise
     return [r if isinstance(r, list) else got[r["prompt"]] for r in reqs]
+
+
+async def _in_lane(lanes: KeyedSlots, ids_of: IdsOf, req: dict[str, Any], body: dict[str, Any], base: str,
+                   tenant: str) -> Sequence[int]:
+    async with lanes.hold(tenant, None, "a batch's /tokenize"):
+        return await ids_of(req, body, base, tenant)

@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 
 from controller.keyed_slots import KeyedSlots
-from controller.proxy.batch_prompts import batch_of, prompt_request
+from controller.proxy.batch_prompts import BATCH_TOKENIZE_AT_ONCE, batch_of, prompt_request
 from controller.proxy.chat_args import chat_template_args
 from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
@@ -154,6 +154,8 @@ class Tokenizer:
         self._pool: ThreadPoolExecutor | None = None  # the local tokenizer's threads
         self._lanes = KeyedSlots(LOCAL_THREADS - LOCAL_THREADS // 4, LOCAL_THREADS, key_name="tenant",
                                  name="local tokenizer threads")
+        # a batch's later prompts' /tokenize calls, per tenant (batch_prompts.batch_ids)
+        self.batch_lanes = KeyedSlots(BATCH_TOKENIZE_AT_ONCE, key_name="tenant", name="batch /tokenize calls")
 
     async def start(self) -> None:
         if self.cfg.tokenizer:
