@@ -97,10 +97,8 @@ class RouteServicer(pbg.RouteServiceServicer):
         if len(request.model) > MAX_MODEL_CHARS:
             raise InvalidArgument(f"model name of {len(request.model)} characters ({clip(request.model)}) is over "
                                   f"the limit of {MAX_MODEL_CHARS}; use the name the workers were registered with")
-        if len(request.batch) >= MAX_BATCH_PROMPTS:
-            raise InvalidArgument(f"a batch of {len(request.batch) + 1} prompts is over the route's limit of "
-                                  f"{MAX_BATCH_PROMPTS}; route it by its first {MAX_BATCH_PROMPTS}")
-        num_first, later = len(request.token_ids), [p.token_ids for p in request.batch]
+        # a batch is routed by its first MAX_BATCH_PROMPTS prompts, of those its leading ones that fit together
+        num_first, later = len(request.token_ids), [p.token_ids for p in request.batch[:MAX_BATCH_PROMPTS - 1]]
         later = later[:within(num_first, later, self.ctx.max_route_tokens)]  # a batch: by its leading prompts that fit
         num_tokens = num_first + sum(map(len, later))
         if num_tokens > self.ctx.max_route_tokens:

@@ -11,6 +11,7 @@ from typing import Any
 
 from support.proxy_fleet import BLOCK, MODEL, Fleet, until
 
+from controller.batch_route import MAX_BATCH_PROMPTS
 from controller.demand import Conversation
 from fleet.api.kvfleet.v1 import route_pb2
 from fleet.core.block_hash import external_chain
@@ -126,3 +127,21 @@ async def test_a_batch_over_the_route_token_limit_is_routed_by_its_leading_promp
     fleet.ctl.ctx.max_route_tokens = len(cold) - 1
     status, _, raw = await fleet.post("/v1/completions", {"model": MODEL, "prompt": [COLD, WARM], "max_tokens": 2})
     assert status == 400 and b"--max-route-tokens" in raw, raw
+
+
+async def test_a_route_past_the_batch_bound_is_routed_by_its_first_prompts(fleet: Fleet) -> None:
+    """A Route's batch is looked at up to MAX_BATCH_PROMPTS prompts (one route's work on the controller's event loop,
+    which every tenant shares, is bounded); the prompts past it are not refused, and not counted. NOTE: before, a
+    Route over the bound was refused InvalidArgument, so a client with a larger bound than the controller's got no
+    route at all."""
+    cold, warm = await _ids(fleet, COLD), await _ids(fleet, WARM)
+    holder, _, _, _ = await _post(fleet, WARM, _blocks(warm))
+    control, token = fleet.proxy.control, fleet.tokens["a"]
+    inside = [cold] * (MAX_BATCH_PROMPTS - 2) + [warm]  # the warm prompt is the last one looked at
+    d = await control.route(cold, MODEL, lora=None, token=token, batch=inside + [warm] * 5)
+    assert (d.worker, d.verdict, d.matched_tokens) == (holder, "WARM", 240)  # one warm prompt counted, not six
+    control.release_soon(d.route_id, token)
+    # control: the warm prompt just past the bound is not looked at
+    d = await control.route(cold, MODEL, lora=None, token=token, batch=[cold] * (MAX_BATCH_PROMPTS - 1) + [warm])
+    assert (d.verdict, d.matched_tokens) == ("COLD", 0)
+    control.release_soon(d.route_id, token)
