@@ -24,8 +24,8 @@ from controller.servicers.common import ServiceContext, fail_call, unary
 from controller.uploads import GetRefused, GetStalled, UploadRefused, UploadStalled, progressing, written
 from fleet.api.kvfleet.v1 import blobs_pb2 as pb
 from fleet.api.kvfleet.v1 import blobs_pb2_grpc as pbg
-from fleet.cas.base import OverQuota, blob_charge, over_quota
-from fleet.cas.types import check_ref
+from fleet.cas.quota import OverQuota, over_quota
+from fleet.cas.types import blob_charge, check_ref
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 log = logging.getLogger("kvfleet.controller")

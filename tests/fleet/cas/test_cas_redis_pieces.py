@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from fleet.cas import blob_charge, open_store
-from fleet.cas.base import BlobStore, OverQuota
+from fleet.cas.base import BlobStore
+from fleet.cas.quota import OverQuota
 from fleet.cas.redis_pieces import PIECE_BYTES
 from fleet.core.errors import NotFound, Unavailable
 
