@@ -60,11 +60,11 @@ def store_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreE
 def test_sqlite_file_from_before_the_byte_count_is_counted_once(tmp_path: Path) -> None:
     """A database written before tenant_bytes existed gets its blobs counted when first opened, once."""
     from fleet.cas import open_store
-    from fleet.cas.sqlite import _SCHEMA
+    from fleet.cas.sqlite_schema import SCHEMA
 
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as db:
-        db.executescript(_SCHEMA)
+        db.executescript(SCHEMA)
         for tenant, data in (("acme", b"a" * 700), ("acme", b"b" * 300), ("beta", b"c" * 50)):
             db.execute("INSERT INTO blobs (tenant, ref, data, size, created, verdict, lease_expires) "
                        "VALUES (?, ?, ?, ?, 0, 'UNKNOWN', 0)",

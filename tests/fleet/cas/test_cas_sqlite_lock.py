@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-import fleet.cas.sqlite as sqlite_store
+import fleet.cas.sqlite_conns as sqlite_conns
+import fleet.cas.sqlite_gc as sqlite_gc
 from fleet.cas import blob_charge, open_store
 from fleet.core.errors import NotFound, Unavailable
 
@@ -122,8 +123,8 @@ def test_gc_deletes_in_bounded_transactions(tmp_path: Path, monkeypatch: pytest.
     """Each hold of the lock deletes one window of rows, bounded by count and by blob bytes, so another
     tenant's call waits one window at most. Before, one transaction deleted them all (1M expired 1-byte
     blobs held every call for 11 s)."""
-    monkeypatch.setattr(sqlite_store, "_GC_BATCH_ROWS", batch_rows, raising=False)
-    monkeypatch.setattr(sqlite_store, "_GC_BATCH_BYTES", batch_bytes, raising=False)
+    monkeypatch.setattr(sqlite_gc, "_GC_BATCH_ROWS", batch_rows, raising=False)
+    monkeypatch.setattr(sqlite_gc, "_GC_BATCH_BYTES", batch_bytes, raising=False)
     blobs = [i.to_bytes(1, "big") * size for i, size in enumerate(sizes)]
     store, lock, spy = _expired_store(tmp_path, blobs)
     first = lock.holds + 1
@@ -137,7 +138,7 @@ def test_gc_keeps_a_blob_pinned_or_referenced_between_its_windows(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls that land while GC lets go of the lock are judged by the next window's DELETE: a blob pinned
     and one referenced after GC started, before their window, are kept; the other expired blobs go."""
-    monkeypatch.setattr(sqlite_store, "_GC_BATCH_ROWS", 4, raising=False)
+    monkeypatch.setattr(sqlite_gc, "_GC_BATCH_ROWS", 4, raising=False)
     blobs = [bytes([i]) for i in range(10)]
     store, lock, _ = _expired_store(tmp_path, blobs)
     pinned, referenced = (hashlib.sha256(b).hexdigest() for b in blobs[8:10])  # the third window's
@@ -159,7 +160,7 @@ def test_a_store_closed_between_gc_windows_ends_the_gc_without_an_error(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The controller closes the store at stop while a GC thread may be between windows: the next window
     raised sqlite3.ProgrammingError (closed database). Now GC stops there and returns what it deleted."""
-    monkeypatch.setattr(sqlite_store, "_GC_BATCH_ROWS", 4, raising=False)
+    monkeypatch.setattr(sqlite_gc, "_GC_BATCH_ROWS", 4, raising=False)
     store = open_store(f"sqlite:///{tmp_path / 'kv.db'}", lease_s=10.0, clock=lambda: 1000.0)
     for i in range(10):
         store.put(bytes([i]), "flood")
@@ -226,7 +227,7 @@ def test_close_refuses_a_read_waiting_for_a_connection_and_waits_for_the_reads_i
     whose thread it held), close() returned at once and the WAL stayed. Control: the reads in flight finish."""
     store = open_store(f"sqlite:///{tmp_path / 'kv.db'}")
     store.kv_put("ns", "k", b"v")
-    reads = [store._read() for _ in range(sqlite_store.READERS)]  # type: ignore[attr-defined]
+    reads = [store._read() for _ in range(sqlite_conns.READERS)]  # type: ignore[attr-defined]
     for r in reads:
         assert r.__enter__().execute("SELECT value FROM kv").fetchone() == (b"v",)  # every connection in use
     got: list[object] = []
