@@ -20,7 +20,7 @@ only after its whole command has arrived, and runs it without interleaving, so t
 hash appear together or not at all. A client killed mid-transfer leaves nothing. A larger blob is sent in
 pieces to a staging key and made visible by one commit script (fleet/cas/redis_pieces.py: no command carries
 more than a piece, so other tenants' calls run between them). The put (or commit) script keeps the
-tenant's byte count (and checks its quota), and the GC script that deletes a blob lowers it by the
+tenant's byte count (and checks its quota), and the GC script (fleet/cas/redis_gc.py) that deletes a blob lowers it by the
 `charge` the put recorded in the blob's metadata (a blob stored before charges were recorded gave
 its size alone, and gives back its size alone), so a put then its collection leaves the count exactly
 where it was, whatever PER_BLOB_OVERHEAD was or becomes.
@@ -28,117 +28,33 @@ Refusals, lost connections and a failover behind the store's address (READONLY: 
 call runs once more): fleet/cas/redis_errors.py.
 NOTE: blobs a Redis store held before the byte count existed are not in it (no backfill scan: it
 would race live puts); they leave it as they are collected, the count never going below 0.
+The put's, counters', verdicts' and compare-and-swap's scripts are in fleet/cas/redis_scripts.py, whole-blob reads
+in chunks in fleet/cas/redis_reads.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from urllib.parse import urlparse
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from fleet.cas import redis_reads
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.redis_errors import store_call
+from fleet.cas.redis_gc import RedisGc
 from fleet.cas.redis_holders import RedisHolders
-from fleet.cas.redis_pieces import IN_FLIGHT_LUA, PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
+from fleet.cas.redis_pieces import PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
+from fleet.cas.redis_scripts import INCR_LUA, KV_SWAP_LUA, PUT_LUA, TOUCH_LUA, VERDICT_LUA
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
 
-# KEYS: data, meta, byte count, in flight; ARGV: data, size, now, lease, verdict, quota, charge, ref.
-# 1: stored; 0: stored already (lease extended); {used, in flight}: over quota (pieced puts in flight count)
-_PUT = IN_FLIGHT_LUA + """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  local cur = tonumber(redis.call('HGET', KEYS[2], 'lease_expires'))
-  if cur == nil or cur < tonumber(ARGV[4]) then redis.call('HSET', KEYS[2], 'lease_expires', ARGV[4]) end
-  return 0
-end
-local used = tonumber(redis.call('GET', KEYS[3]) or '0')
-local quota = tonumber(ARGV[6])
-if quota > 0 then
-  local flying = in_flight(KEYS[4], ARGV[8])
-  if used + flying + tonumber(ARGV[7]) > quota then return {used, flying} end
-end
-redis.call('INCRBY', KEYS[3], ARGV[7])
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[2], 'size', ARGV[2], 'charge', ARGV[7], 'created', ARGV[3], 'pins', '0', 'refs', '0',
-           'verdict', ARGV[5], 'reasons', '[]', 'lease_expires', ARGV[4])
-return 1
-"""
-
-_TOUCH = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local cur = tonumber(redis.call('HGET', KEYS[1], 'lease_expires'))
-if cur == nil or cur < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'lease_expires', ARGV[1]) end
-return 1
-"""
-
-_INCR = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local v = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) + tonumber(ARGV[2])
-if v < 0 then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], v)
-return v
-"""
-
-_VERDICT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'verdict', ARGV[1], 'reasons', ARGV[2])
-return 1
-"""
-
-# KEYS[1]: a kv namespace's hash; ARGV: key, '1' + old value or '0' (absent), '1' + new value or '0' (delete).
-_KV_SWAP = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if ARGV[2] == '0' then
-  if cur then return 0 end
-elseif cur ~= string.sub(ARGV[2], 2) then
-  return 0
-end
-if ARGV[3] == '0' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], string.sub(ARGV[3], 2)) end
-return 1
-"""
-
-# KEYS: (data, metadata, byte count) of each blob in turn; ARGV[1]: now. Returns how many it deleted.
-# Each blob is judged on its own as before (a damaged one is skipped, never deleted blind); one call
-# takes a batch of blobs (_GC_BATCH) instead of one round trip each.
-_GC_MANY = """
-local now, deleted = tonumber(ARGV[1]), 0
-for i = 1, #KEYS, 3 do
-  local m = KEYS[i + 1]
-  if redis.call('TYPE', m)['ok'] == 'hash' then
-    local f = redis.call('HMGET', m, 'pins', 'refs', 'lease_expires', 'charge', 'size')
-    local pins, refs, lease = tonumber(f[1]), tonumber(f[2]), tonumber(f[3])
-    -- unreadable metadata (a field missing or not a number): never collected
-    if pins ~= nil and refs ~= nil and lease ~= nil and pins == 0 and refs == 0 and lease <= now then
-      local charge = tonumber(f[4]) or tonumber(f[5]) or 0  -- no charge: stored before charges, counted its size
-      redis.call('DEL', KEYS[i], m)
-      if redis.call('DECRBY', KEYS[i + 2], charge) <= 0 then redis.call('DEL', KEYS[i + 2]) end
-      deleted = deleted + 1
-    end
-  end
-end
-return deleted
-"""
-
-# Blobs judged per GC script call. A call that deletes all 128 holds Redis about 1 ms (less when it
-# keeps them); one call per blob cost a round trip (and, under appendfsync always, a write) each:
-# 20,000 expired blobs took 10.6 s that way, 0.4 s in batches of 128.
-_GC_BATCH = 128
-
-# A blob's metadata key, exactly: tenants exclude ':' and a ref is 64 lowercase hex.
-_META_KEY = re.compile(r"kvf:t:([A-Za-z0-9_.-]{1,64}):m:([0-9a-f]{64})")
-
 # NOTE: a duplicate of a large blob is detected with one small round trip before the bytes are sent.
 _PRECHECK_BYTES = 256 << 10
-_GET_CHUNK = 512 << 10
-# NOTE: chunks a whole-blob read asks for in one round trip. Redis runs every command of a pipeline that has
-# arrived before it serves another client, so one pipeline of all of a 64 MiB blob's chunks copied 64 MiB into
-# its reply before anyone else was served.
-_GET_WINDOW = 4
 _PIPE_BYTES = 16 << 20
+
 
 class RedisBlobStore(BlobStore):
     """BlobStore on a Redis server (production; AOF on for durability)."""
@@ -150,13 +66,13 @@ class RedisBlobStore(BlobStore):
         # NOTE: no automatic retries: a retried RPUSH/HINCR after a lost reply would apply twice.
         self.r = redis.Redis.from_url(cfg.url, socket_connect_timeout=3.0, socket_timeout=60.0,
                                       retry=Retry(NoBackoff(), 0))
-        self._s_put = self.r.register_script(_PUT)
-        self._s_touch = self.r.register_script(_TOUCH)
-        self._s_incr = self.r.register_script(_INCR)
+        self._s_put = self.r.register_script(PUT_LUA)
+        self._s_touch = self.r.register_script(TOUCH_LUA)
+        self._s_incr = self.r.register_script(INCR_LUA)
         self._holders = RedisHolders(self.r)
-        self._s_verdict = self.r.register_script(_VERDICT)
-        self._s_gc = self.r.register_script(_GC_MANY)
-        self._s_kv_swap = self.r.register_script(_KV_SWAP)
+        self._s_verdict = self.r.register_script(VERDICT_LUA)
+        self._gc_scan = RedisGc(self.r)
+        self._s_kv_swap = self.r.register_script(KV_SWAP_LUA)
         self._pieces = PiecedPut(self.r, f"redis at {self.host}:{self.port}")
         try:
             self.ping()
@@ -255,38 +171,11 @@ class RedisBlobStore(BlobStore):
 
     @store_call
     def _get_many(self, tenant: str, refs: list[str]) -> list[bytes | None]:
-        # one round trip of GETRANGE 0..CHUNK-1 each; only blobs that fill the chunk need more
-        pipe = self.r.pipeline(transaction=False)
-        for ref in refs:
-            pipe.getrange(self._keys(tenant, ref)[0], 0, _GET_CHUNK - 1)
-        firsts = pipe.execute()
-        return [self._rest(self._keys(tenant, ref)[0], first) for ref, first in zip(refs, firsts, strict=True)]
+        return redis_reads.get_many(self.r, [self._keys(tenant, ref)[0] for ref in refs])
 
     @store_call
     def _get(self, tenant: str, ref: str) -> bytes | None:
-        key = self._keys(tenant, ref)[0]
-        return self._rest(key, self.r.getrange(key, 0, _GET_CHUNK - 1))  # type: ignore[arg-type]
-
-    def _rest(self, key: str, first: bytes) -> bytes | None:
-        """Complete a read that fetched the first chunk (an empty one means empty or missing).
-
-        NOTE: a plain GET of a large value peaks at ~3 copies inside redis-py's reader; reading it
-        in pipelined GETRANGE chunks and joining them peaks at ~2 (the chunks + the result).
-        """
-        if not first:
-            return b"" if self.r.exists(key) else None
-        if len(first) < _GET_CHUNK:
-            return first
-        size, chunks = int(self.r.strlen(key)), [first]
-        starts = list(range(_GET_CHUNK, size, _GET_CHUNK))
-        for i in range(0, len(starts), _GET_WINDOW):  # NOTE: a window a round trip (module NOTE at _GET_WINDOW)
-            pipe = self.r.pipeline(transaction=False)
-            for start in starts[i:i + _GET_WINDOW]:
-                pipe.getrange(key, start, min(start + _GET_CHUNK, size) - 1)
-            chunks += pipe.execute()
-        if sum(map(len, chunks)) != size:  # collected by gc while we read: as if missing
-            return None
-        return b"".join(chunks) if len(chunks) > 1 else first
+        return redis_reads.get(self.r, self._keys(tenant, ref)[0])
 
     @store_call
     def _get_range(self, tenant: str, ref: str, start: int, length: int) -> bytes | None:
@@ -330,20 +219,7 @@ class RedisBlobStore(BlobStore):
 
     @store_call
     def _gc(self, now: float) -> int:
-        """Collect blob by blob, _GC_BATCH blobs a script call; a key that only looks like metadata (the
-        op log of a session named `x:m:y` matches the scan pattern too), or metadata that is not a hash
-        of numbers, is skipped and kept, so no key can abort GC for every tenant."""
-        deleted, batch = 0, []
-        for key in self.r.scan_iter(match="kvf:t:*:m:*", count=1000):
-            m = _META_KEY.fullmatch(key.decode("utf-8", "replace"))
-            if m is not None:
-                batch += self._put_keys(*m.groups())
-            if len(batch) >= 3 * _GC_BATCH:
-                deleted += int(self._s_gc(keys=batch, args=[repr(now)]))
-                batch = []
-        if batch:
-            deleted += int(self._s_gc(keys=batch, args=[repr(now)]))
-        return deleted
+        return self._gc_scan.collect(now, self._put_keys)
 
     # ---- controller state -------------------------------------------------------------------------
     @store_call

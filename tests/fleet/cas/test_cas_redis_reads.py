@@ -14,7 +14,7 @@ import socket
 import threading
 
 from fleet.cas import open_store
-from fleet.cas.redis import _GET_CHUNK, _GET_WINDOW
+from fleet.cas.redis_reads import _GET_CHUNK, _GET_WINDOW
 
 
 class CountingProxy:
