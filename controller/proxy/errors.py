@@ -60,5 +60,17 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return web.json_response(error_body(status, message, param), status=status, headers=headers)
+    return web.json_response(error_body(status, message, param), status=status, headers=_retry_headers(status))
+
+
+def _retry_headers(status: int) -> dict[str, str] | None:
+    """What tells a client whether to retry: Retry-After on a 429 or 503 (the OpenAI SDKs wait that long), and
+    `x-should-retry: false` on a 409.
+    NOTE: the OpenAI SDKs retry a 409 by default (an API's lock timeout); the proxy's 409s are final (a stored
+    conversation with a tool result quarantined since: the client must resend it; the controller's ALREADY_EXISTS),
+    and the official Python client sent the same refused request three times, each asking the controller again."""
+    if status in (429, 503):
+        return {"Retry-After": "1"}
+    if status == 409:
+        return {"x-should-retry": "false"}
+    return None
