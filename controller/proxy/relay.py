@@ -22,6 +22,8 @@ log = logging.getLogger("kvfleet.proxy")
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate", "upgrade"}
 MAX_NOTED_BYTES = 8 << 20  # the most of a worker's answer read whole (or held back) to add the quarantine note
+MAX_HELD_BYTES = 1 << 20  # the most of a stream's incomplete last event held back (_WholeEvents)
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # an SSE event ends with a blank line
 # request key: the answer's status and headers are out (relay); a web.RequestKey where aiohttp has them (3.12+)
 PREPARED: Any = web.RequestKey("kvfleet.prepared", bool) if hasattr(web, "RequestKey") else "kvfleet.prepared"
 
@@ -43,7 +45,8 @@ class _Relayed(web.StreamResponse):
 
 async def relay(request: web.Request, o: Opened, extra: dict[str, str], metrics: ProxyMetrics,
                 note: dict[str, Any] | None = None) -> tuple[web.StreamResponse, float]:
-    """Relay status, headers and body bytes unchanged as they come; returns (response, t_first_client).
+    """Relay status, headers and body bytes unchanged as they come (a stream's events whole: _WholeEvents); returns
+    (response, t_first_client).
 
     With `note`, a complete (non-streamed, uncompressed) JSON object answer gets it as its top-level
     "kvfleet" field, and so does a stream's usage chunk (the SSE event whose JSON has a "usage");
@@ -57,7 +60,9 @@ async def relay(request: web.Request, o: Opened, extra: dict[str, str], metrics:
     headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS)
     headers.update(extra)
     out = _Relayed(status=resp.status, reason=resp.reason, headers=headers)
-    sse = _SseNoter(note) if note is not None and resp.content_type == "text/event-stream" else None
+    sse: _SseNoter | _WholeEvents | None = None
+    if resp.content_type == "text/event-stream":
+        sse = _SseNoter(note) if note is not None else _WholeEvents()
     try:
         await out.prepare(request)
         request[PREPARED] = True  # from here on, an error cannot be a response of its own (app._errors)
@@ -92,8 +97,8 @@ async def relay(request: web.Request, o: Opened, extra: dict[str, str], metrics:
 async def _broken(request: web.Request, out: web.StreamResponse, o: Opened, e: BaseException,
                   metrics: ProxyMetrics) -> None:
     """The worker broke off an answer the client has begun to get. A stream ends with an OpenAI-shaped error
-    event and `data: [DONE]`, as vLLM ends a stream that fails; any other answer's connection is cut at once,
-    so the client sees it short of its announced length.
+    event and `data: [DONE]`, as vLLM ends a stream that fails (after the last whole event: an incomplete one was
+    held back); any other answer's connection is cut at once, so the client sees it short of its announced length.
     NOTE: the error went up to the error middleware, whose fresh 500 response aiohttp wrote into the body
     already under way: the client got a status line inside its stream (curl: illegal chunked encoding) and
     then waited for the keep-alive timeout (30 s)."""
@@ -120,6 +125,40 @@ async def _relay_noted(request: web.Request, o: Opened, extra: dict[str, str],
     headers.update(extra)
     out = web.Response(status=o.resp.status, reason=o.resp.reason, body=raw, headers=headers)
     return out, time.perf_counter()
+
+
+class _WholeEvents:
+    """A stream's bytes up to the end of its last complete event; the incomplete event after it is held until it
+    completes (at most MAX_HELD_BYTES of it: past that, relayed as it comes).
+
+    NOTE: a worker that broke off inside an event had that event's first part relayed, and the error event _broken
+    adds was read as its continuation: an OpenAI SDK raised json.JSONDecodeError (not an APIError) where, straight
+    from the worker, it raised APIConnectionError. A worker writes whole events, so the first test passes nearly
+    always and nothing is held.
+    """
+
+    def __init__(self) -> None:
+        self.held: list[bytes] = []
+        self.size = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.held and chunk.endswith(_EVENT_ENDS):
+            return chunk
+        if b"\n" not in chunk:  # NOTE: every event's end is a "\n": none can end in this chunk
+            if chunk:
+                self.held.append(chunk)
+                self.size += len(chunk)
+            return self.flush() if self.size > MAX_HELD_BYTES else b""
+        data = b"".join((*self.held, chunk))
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)  # after the last event's end
+        self.held, self.size = ([data[end:]] if end < len(data) else []), len(data) - end
+        return data[:end] + (self.flush() if self.size > MAX_HELD_BYTES else b"")
+
+    def flush(self) -> bytes:
+        rest = b"".join(self.held)
+        self.held, self.size = [], 0
+        return rest
 
 
 class _SseNoter:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from aiohttp import web
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 from support.proxy_fleet import MODEL, Fleet, served, start_fleet, until
@@ -29,6 +30,31 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
 TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
               {"role": "assistant", "content": None, "tool_calls": [CALL]},
               {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny, 21 C"}]}]
+CHUNK = (b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "sim-model", '
+         b'"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": null}]}\n\n')
+
+
+def _breaks_off(sim: Any) -> Any:
+    """A stand-in that, asked with X-Request-Id "break-whole" or "break-mid", sends one chat chunk (and, mid, the
+    first part of the next) and dies."""
+
+    @web.middleware
+    async def middleware(req: web.Request, handler: Any) -> web.StreamResponse:
+        cue = req.headers.get("X-Request-Id", "")
+        if cue not in ("break-whole", "break-mid"):
+            return await handler(req)  # type: ignore[no-any-return]
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(req)
+        await out.write(CHUNK + (CHUNK[:40] if cue == "break-mid" else b""))
+        await asyncio.sleep(0.05)
+        assert req.transport is not None
+        req.transport.abort()  # the worker's process dies
+        await asyncio.sleep(3600)
+        return out
+
+    return middleware
+
+
 def _clients(fleet: Fleet, who: str = "a", **kw: Any) -> tuple[openai.OpenAI, openai.AsyncOpenAI]:
     kw = {"base_url": fleet.proxy.url + "/v1", "api_key": fleet.tokens.get(who, who), "max_retries": 0, **kw}
     return openai.OpenAI(**kw), openai.AsyncOpenAI(**kw)
@@ -194,3 +220,41 @@ async def _no_serving_worker_is_retried_after_retry_after(fleet: Fleet) -> None:
     finally:
         for name in fleet.sims:
             await fleet.op.lifecycle(name, "wake_up")
+
+
+async def test_a_stream_the_worker_breaks_off_raises_the_sdks_api_error(tmp_path: Path) -> None:
+    """The worker dies mid-stream: the client gets the chunks sent so far, then the proxy's error event, which the
+    SDK raises as an APIError with its body, as it raises vLLM's own error event. Also when the worker died inside
+    an event: that event's first part is not relayed.
+    NOTE: it was (the relay passed bytes on as they came), and the error event read as its continuation: the SDK
+    raised json.JSONDecodeError, not an openai error; straight from the worker it raised APIConnectionError."""
+    fleet = await start_fleet(tmp_path, num_workers=1, worker_middleware=_breaks_off)
+    try:
+        sync, aio = _clients(fleet)
+        for cue in ("break-whole", "break-mid"):
+            got: list[str | None] = []
+            try:
+                stream = await aio.chat.completions.create(model=MODEL, messages=USER, stream=True,
+                                                           extra_headers={"X-Request-Id": cue})
+                async for chunk in stream:
+                    got.append(chunk.choices[0].delta.content)
+                raise AssertionError("the stream ended without an error")
+            except openai.APIError as e:
+                print(f"{cue}: {got} then {type(e).__name__}: {e.message}")
+                assert got == ["a"] and isinstance(e.body, dict) and e.body["code"] == 502
+                assert "broke off its answer" in e.message and not isinstance(e, openai.APIStatusError)
+
+        def read_sync() -> list[str | None]:
+            with sync.chat.completions.create(model=MODEL, messages=USER, stream=True,
+                                              extra_headers={"X-Request-Id": "break-mid"}) as stream:
+                return [chunk.choices[0].delta.content for chunk in stream]
+
+        try:
+            await asyncio.to_thread(read_sync)
+            raise AssertionError("the stream ended without an error")
+        except openai.APIError as e:
+            assert e.body is not None and "broke off its answer" in e.message
+        chat = await aio.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)  # control: it answers
+        assert chat.choices[0].message.content
+    finally:
+        await fleet.stop()

@@ -3,7 +3,8 @@
 The proxy adds a "kvfleet" note to a stream's usage event (holding back the incomplete event after the last
 blank line) and to a JSON answer it reads whole. A worker's stream with no blank line, or a JSON answer of no
 stated length or a huge one, used to be held or read whole: now at most MAX_NOTED_BYTES is, and the rest is
-relayed as it comes.
+relayed as it comes. A stream without a note is relayed in whole events (an incomplete last one held back, so a
+worker that breaks off inside one leaves no part of it for the error event to continue), at most MAX_HELD_BYTES held.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import aiohttp
 from aiohttp import web
 from support.http_stub import serving
 
-from controller.proxy.relay import MAX_NOTED_BYTES, _annotatable, _SseNoter
+from controller.proxy.relay import MAX_HELD_BYTES, MAX_NOTED_BYTES, _annotatable, _SseNoter, _WholeEvents
 
 NOTE = {"quarantined": [{"ref": "ab" * 32}]}
 
@@ -44,6 +45,23 @@ def test_a_stream_split_anywhere_is_noted_as_if_it_came_whole() -> None:
         for j in range(i, min(len(stream), i + 3)):
             sse = _SseNoter(NOTE)
             assert sse.feed(stream[:i]) + sse.feed(stream[i:j]) + sse.feed(stream[j:]) + sse.flush() == expected
+
+
+def test_a_stream_is_relayed_in_whole_events_however_it_is_split() -> None:
+    for end in (b"\n\n", b"\r\n\r\n"):
+        stream = end.join([b'data: {"choices": [{"text": "a"}]}', b'data: {"choices": []}', b"data: [DONE]"]) + end
+        for i in range(len(stream)):
+            for j in range(i, min(len(stream), i + 5)):
+                sse = _WholeEvents()
+                parts = [sse.feed(stream[:i]), sse.feed(stream[i:j]), sse.feed(stream[j:])]
+                assert b"".join(parts) == stream and sse.size == 0  # everything out once the stream is whole
+                assert all(not p or p.endswith(end) for p in parts)  # and only whole events on the way
+        sse = _WholeEvents()
+        assert sse.feed(stream + b"data: {") == stream and sse.flush() == b"data: {"  # the rest only at the end
+    sse, blob, sent = _WholeEvents(), b"x\n" * (1 << 16), b""  # an event with no end: relayed, not held for good
+    for _ in range(MAX_HELD_BYTES // len(blob) + 1):
+        sent += sse.feed(blob)
+    assert sent == blob * (MAX_HELD_BYTES // len(blob) + 1) and sse.size == 0
 
 
 async def _content_length_seen(handler) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
