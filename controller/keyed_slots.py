@@ -41,6 +41,13 @@ from collections.abc import AsyncIterator, Hashable
 from fleet.core.errors import Unavailable
 
 
+class SlotsBusy(Unavailable):
+    """No slot was free in time. `local`: refused by this process's own slots, not relayed from another (the proxy
+    answers it as its own, controller/proxy/errors.py from_fleet)."""
+
+    local = True
+
+
 @dataclasses.dataclass(slots=True)
 class _Share:
     held: int = 0
@@ -198,11 +205,11 @@ class KeyedSlots:
                 raise self._refusal(share, what, timeout_s, key_name) from None
             raise
 
-    def _refusal(self, share: _Share, what: str, timeout_s: float | None, key_name: str | None) -> Unavailable:
+    def _refusal(self, share: _Share, what: str, timeout_s: float | None, key_name: str | None) -> SlotsBusy:
         if share.held >= self.share():
             busy = f"this {key_name or self.key_name} already has {share.held} of them"
             if self.total is not None and len(self._shares) > 1:
                 busy += f" (its share while {len(self._shares)} callers use them)"
         else:
             busy = f"all {self.total} were busy"
-        return Unavailable(f"{what}: {self.name}: {busy}, and none was free within {timeout_s}s")
+        return SlotsBusy(f"{what}: {self.name}: {busy}, and none was free within {timeout_s}s")

@@ -21,7 +21,10 @@ from fleet.core.errors import ResourceExhausted
 
 
 class BodiesRefused(ResourceExhausted):
-    """A request whose body the proxy's budget of bodies in flight cannot take."""
+    """A request whose body the proxy's budget of bodies in flight cannot take (`local`: the proxy's own refusal,
+    controller/proxy/errors.py from_fleet)."""
+
+    local = True
 
 
 class BodyGate(StreamGate):

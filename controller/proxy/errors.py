@@ -40,8 +40,13 @@ def from_fleet(e: KvfleetError, controller: str) -> ProxyError:
     address. An error that names it was worded by the proxy's gRPC client (fleet.sdk.base, route_stream.py): the
     controller unreachable or too slow, or a status with no class of its own (INTERNAL, UNKNOWN: any text). The
     client is told what happened and which call (the message's first word); the address and the rest go to the log.
-    NOTE: every client got them (found by review); the controller's own messages are worded for its clients."""
+    NOTE: every client got them (found by review); the controller's own messages are worded for its clients.
+    An error the proxy raised itself (`local`: its bodies' budget, its own slots) is answered as it is worded.
+    NOTE: those got the "controller: " prefix too: a 429 for the proxy's --max-inflight-bytes-per-tenant read as the
+    controller's (found with the official OpenAI client)."""
     status, text = STATUS_OF_CODE.get(e.code, 500), str(e)
+    if getattr(e, "local", False):
+        return ProxyError(status, text)
     if controller not in text:
         return ProxyError(status, f"controller: {text}")
     global _last_logged

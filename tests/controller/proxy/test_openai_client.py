@@ -174,6 +174,7 @@ async def _rate_limited_then_served(fleet: Fleet) -> None:
     try:
         e = await _raised(aio.chat.completions.create(model=MODEL, messages=big, max_tokens=2))
         assert isinstance(e, openai.RateLimitError) and "--max-inflight-bytes-per-tenant" in e.message
+        assert "controller" not in e.message  # NOTE: the proxy's own budget was said as the controller's refusal
         assert e.response.headers["retry-after"] == "1"
         hooked = openai.DefaultAsyncHttpxClient(event_hooks={"response": [on_response]})
         retrying = openai.AsyncOpenAI(base_url=fleet.proxy.url + "/v1", api_key=fleet.tokens["a"], max_retries=5,
