@@ -1,7 +1,7 @@
 """The per-node budget flags of the session fleet (shared by `kvfleet controller` and `up`).
 
 Each Ray node's kernel host holds at most `--node-kv-bytes` of KV (its radix cache's blocks plus its
-sessions' private blocks, workers/host.py `used_bytes`) and at most `--node-max-sessions` sessions.
+sessions' private blocks, workers/host_slots.py `used_bytes`) and at most `--node-max-sessions` sessions.
 Placement skips a node whose budget is spent; when no node has room, creating a session is
 RESOURCE_EXHAUSTED (workers/placement.py)."""
 

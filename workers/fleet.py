@@ -41,7 +41,7 @@ from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.roles import check_role
 from fleet.core.session_types import OpResult, check_token_ids
 from workers.fleet_create import FleetCreate
-from workers.host import check_evict_start
+from workers.host_cache import check_evict_start
 from workers.nodes import NodeGone
 from workers.placement import node_of
 from workers.registry import LOST, Stored

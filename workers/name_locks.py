@@ -5,7 +5,7 @@ op log): a create or fork, a close, a release, a rebuild. Two such calls of one 
 interleave, so a create that loses to another never clears the winner's session, and a close waits for a
 rebuild instead of running under it. Calls of other names do not wait. Writers in other processes (a second
 controller during a leader change) are kept apart by the registry's compare-and-set (workers/registry.py)
-and the kernel host's check-and-insert (workers/host.py) instead.
+and the kernel host's check-and-insert (workers/host_slots.py `_insert`) instead.
 
 A name's lock lives while someone holds or waits for it (so a fleet that saw a million names keeps none),
 and every caller of one name gets the same lock while it lives.

@@ -1,4 +1,5 @@
-"""A host's orphans: kernels no registry record names (workers/host.py's KernelHost takes these as a mixin).
+"""A host's orphans: kernels no registry record names (workers/host.py's KernelHost takes these as a mixin, the base
+of workers/host_slots.py's HostSlots, whose `_insert` replaces an orphan).
 
 An orphan is left by a create or fork whose call timed out and that the host ran after the fleet had cleaned up (its
 record, its log), or by a close that never reached the host. The registry decides what is one: a record is saved

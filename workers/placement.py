@@ -23,9 +23,10 @@ def fleet_scope(store_url: str) -> str:
     return hashlib.sha256(store_url.encode()).hexdigest()[:10]
 
 
-# The kernel host's call API (workers/host.py: its methods and their arguments). Raise it with any change a host of
-# the previous version would refuse: the host's name carries it, so a controller of a new version starts hosts of
-# its own instead of reattaching to a previous version's detached ones (their sessions are rebuilt from their logs).
+# The kernel host's call API (workers/host.py, with its mixins' in host_slots.py and host_restore.py: its methods and
+# their arguments). Raise it with any change a host of the previous version would refuse: the host's name carries it,
+# so a controller of a new version starts hosts of its own instead of reattaching to a previous version's detached
+# ones (their sessions are rebuilt from their logs).
 # NOTE: reattached, a previous version's host refused close and rebuild (a new `owner` argument): INTERNAL.
 # 3: a fork's log travels packed, and fork_point, working_set and pieces answer packed (workers/packed.py).
 HOST_API_VERSION = 3
