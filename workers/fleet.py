@@ -10,7 +10,7 @@ sessions). Calls go to that host, which runs them on the session's SessionKernel
 no longer holds (the host died and Ray restarted it empty, or its node is gone) is marked lost
 (witness kv="forgotten", epoch + 1) and regenerated from its op log, then the call is retried once
 with the same op id (so an op that was logged just before the crash is not applied twice). A session whose
-call failed after logging its op answers SessionGone too (workers/session_kernel.py SessionTorn): it is
+call failed after logging its op answers SessionGone too (workers/session_ops.py SessionTorn): it is
 rebuilt from its log the same way. Every wait has a timeout: a fault never hangs a caller.
 
 Calls that change what stands behind a name (create, fork, close, release, rebuild) may overlap: threads of

@@ -226,7 +226,7 @@ def test_session_ids_have_one_rule() -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_a_ledger_replay_then_one_prefill_equals_the_op_by_op_replay(kernel: Kernel, tmp_path: Path,
                                                                      seed: int) -> None:
-    """What a regeneration runs (workers/session_kernel.py `_replay`): the ledger replayed without the
+    """What a regeneration runs (workers/session_restore.py `_replay`): the ledger replayed without the
     model, then the final tokens prefilled once. On random histories of appends, tool results, exact
     evictions, tail evictions in either mode and quarantines it must give what the op-by-op replay
     gives (and the live session had): digest, last logits, pieces, quarantines and ops; a reposition
