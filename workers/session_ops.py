@@ -38,6 +38,12 @@ class SessionTorn(Unavailable):
     state is not served again; a retry with the same op id is answered from the log once rebuilt."""
 
 
+# NOTE: Ray pickles an exception a host raises by its module and name; these were defined in
+# workers.session_kernel (which still exports them), so they keep that name on the wire: a controller from
+# before the move, reattaching to detached hosts of this release, still finds them
+SessionGone.__module__ = SessionTorn.__module__ = "workers.session_kernel"
+
+
 class SessionOps:
     """Running one mutating call of a session (`_mutate`), writing its ops ahead (`_write`), and the guards."""
 
