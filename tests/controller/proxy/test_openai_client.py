@@ -19,6 +19,7 @@ import openai
 from aiohttp import web
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
+from support.dying_worker import die_after
 from support.proxy_fleet import MODEL, Fleet, served, start_fleet, until
 
 KIB = 1 << 10
@@ -43,14 +44,8 @@ def _breaks_off(sim: Any) -> Any:
         cue = req.headers.get("X-Request-Id", "")
         if cue not in ("break-whole", "break-mid"):
             return await handler(req)  # type: ignore[no-any-return]
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(req)
-        await out.write(CHUNK + (CHUNK[:40] if cue == "break-mid" else b""))
-        await asyncio.sleep(0.05)
-        assert req.transport is not None
-        req.transport.abort()  # the worker's process dies
-        await asyncio.sleep(3600)
-        return out
+        return await die_after(req, {"Content-Type": "text/event-stream"},
+                               CHUNK + (CHUNK[:40] if cue == "break-mid" else b""))
 
     return middleware
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from support.dying_worker import die_after
 from support.proxy_fleet import BLOCK, MODEL, Fleet, served, start_fleet, until
 
 PROMPT = "Summarise the quarterly report for the board, section by section, with numbers. " * 3
@@ -227,14 +228,7 @@ def _dies_on_cue(sim: Any) -> Any:
         sse = cue == "die-stream"
         headers = {"Content-Type": "text/event-stream"} if sse else {"Content-Type": "application/json",
                                                                      "Content-Length": "1000"}
-        out = web.StreamResponse(headers=headers)
-        await out.prepare(req)
-        await out.write(b'data: {"choices": [{"text": "t0"}]}\n\n' if sse else b'{"id": "x", "choices": [')
-        await asyncio.sleep(0.05)
-        assert req.transport is not None
-        req.transport.abort()  # the worker's process dies
-        await asyncio.sleep(3600)
-        return out
+        return await die_after(req, headers, b'data: {"choices": [{"text": "t0"}]}\n\n' if sse else b'{"id": "x", "choices": [')
 
     return middleware
 
