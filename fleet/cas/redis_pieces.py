@@ -56,6 +56,14 @@ MAX_UNDROPPED = 1024
 
 # Prepended to the scripts that admit a put. The charge of the tenant's puts in flight (each distinct ref once,
 # lapsed reservations dropped first) and whether `ref` is one of them; and Redis's clock in ms.
+# a blob's lease extended to `lease` (never shortened): a put of a blob stored already, a touch
+LEASE_LUA = """
+local function extend_lease(meta, lease)
+  local cur = tonumber(redis.call('HGET', meta, 'lease_expires'))
+  if cur == nil or cur < tonumber(lease) then redis.call('HSET', meta, 'lease_expires', lease) end
+end
+"""
+
 IN_FLIGHT_LUA = """
 local function now_ms()
   local t = redis.call('TIME')
@@ -77,10 +85,9 @@ end
 
 # KEYS: meta, byte count, in flight; ARGV: lease, quota, charge, reservation, ttl ms, ref.
 # 0: stored already (lease extended); {used, in flight}: over quota; 1: go (reserved)
-_BEGIN = IN_FLIGHT_LUA + """
+_BEGIN = LEASE_LUA + IN_FLIGHT_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local cur = tonumber(redis.call('HGET', KEYS[1], 'lease_expires'))
-  if cur == nil or cur < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'lease_expires', ARGV[1]) end
+  extend_lease(KEYS[1], ARGV[1])
   return 0
 end
 local used, quota = tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2])
@@ -112,11 +119,10 @@ return 1
 # KEYS: data, meta, byte count, stage, in flight; ARGV: size, now, lease, verdict, quota, charge, reservation.
 # 1: stored; 0: stored already (lease extended); -1: the stage is gone or short; {used, 0}: over quota.
 # Every outcome ends the put's reservation (stored, its charge is in the byte count).
-_COMMIT = """
+_COMMIT = LEASE_LUA + """
 redis.call('ZREM', KEYS[5], ARGV[7])
 if redis.call('EXISTS', KEYS[2]) == 1 then
-  local cur = tonumber(redis.call('HGET', KEYS[2], 'lease_expires'))
-  if cur == nil or cur < tonumber(ARGV[3]) then redis.call('HSET', KEYS[2], 'lease_expires', ARGV[3]) end
+  extend_lease(KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[4])
   return 0
 end

@@ -4,14 +4,13 @@ named references' in redis_holders.py, GC's in redis_gc.py."""
 
 from __future__ import annotations
 
-from fleet.cas.redis_pieces import IN_FLIGHT_LUA
+from fleet.cas.redis_pieces import IN_FLIGHT_LUA, LEASE_LUA
 
 # KEYS: data, meta, byte count, in flight; ARGV: data, size, now, lease, verdict, quota, charge, ref.
 # 1: stored; 0: stored already (lease extended); {used, in flight}: over quota (pieced puts in flight count)
-PUT_LUA = IN_FLIGHT_LUA + """
+PUT_LUA = LEASE_LUA + IN_FLIGHT_LUA + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
-  local cur = tonumber(redis.call('HGET', KEYS[2], 'lease_expires'))
-  if cur == nil or cur < tonumber(ARGV[4]) then redis.call('HSET', KEYS[2], 'lease_expires', ARGV[4]) end
+  extend_lease(KEYS[2], ARGV[4])
   return 0
 end
 local used = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -27,10 +26,9 @@ redis.call('HSET', KEYS[2], 'size', ARGV[2], 'charge', ARGV[7], 'created', ARGV[
 return 1
 """
 
-TOUCH_LUA = """
+TOUCH_LUA = LEASE_LUA + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local cur = tonumber(redis.call('HGET', KEYS[1], 'lease_expires'))
-if cur == nil or cur < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'lease_expires', ARGV[1]) end
+extend_lease(KEYS[1], ARGV[1])
 return 1
 """
 
