@@ -72,7 +72,7 @@ def batch_requests(body: dict[str, Any], chat: bool) -> list[dict[str, Any] | li
 async def batch_ids(ids_of: IdsOf, lanes: KeyedSlots, body: dict[str, Any], chat: bool, base: str,
                     tenant: str) -> list[Sequence[int]]:
     """The ids of a batched completions request's later prompts (batch_requests; [] when it is no batch): one
-    /tokenize per distinct prompt the cache does not hold, BATCH_TOKENIZE_AT_ONCE at a time, each in one of the
+    /tokenize per distinct prompt the cache does not hold, each in one of the
     tenant's `lanes` (at most BATCH_TOKENIZE_AT_ONCE of them: all of the tenant's batches share them).
 
     NOTE: the bound was per request: a tenant's batches in flight ran 8 calls each at once, as many as it sent
@@ -82,17 +82,16 @@ async def batch_ids(ids_of: IdsOf, lanes: KeyedSlots, body: dict[str, Any], chat
     if not reqs:
         return []
     # NOTE: the /tokenize bodies differ by their prompt alone
-    todo = list({r["prompt"]: r for r in reqs if isinstance(r, dict)}.items())
-    got: dict[str, Sequence[int]] = {}
-    for i in range(0, len(todo), BATCH_TOKENIZE_AT_ONCE):
-        part = todo[i:i + BATCH_TOKENIZE_AT_ONCE]
-        tasks = [asyncio.ensure_future(_in_lane(lanes, ids_of, r, body, base, tenant)) for _, r in part]
-        try:
-            got.update(zip((text for text, _ in part), await asyncio.gather(*tasks), strict=True))
-        except BaseException:  # NOTE: one failed (the request's error), or the client went away: the rest stop
-            for t in tasks:
-                t.cancel()
-            raise
+    # NOTE: all at once, the tenant's lanes bounding how many run (it went in chunks of BATCH_TOKENIZE_AT_ONCE as
+    # well: a second bound on the same calls, and each chunk waited for its slowest call before the next began)
+    todo = {r["prompt"]: r for r in reqs if isinstance(r, dict)}
+    tasks = [asyncio.ensure_future(_in_lane(lanes, ids_of, r, body, base, tenant)) for r in todo.values()]
+    try:
+        got = dict(zip(todo, await asyncio.gather(*tasks), strict=True))
+    except BaseException:  # NOTE: one failed (the request's error), or the client went away: the rest stop
+        for t in tasks:
+            t.cancel()
+        raise
     return [r if isinstance(r, list) else got[r["prompt"]] for r in reqs]
 
 
