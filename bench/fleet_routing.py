@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         import mooncake
 
         mooncake.SOURCE = a.trace
-    names = list(CONTENDERS) if a.contenders == "all" else a.contenders.split(",")
+    names = [n for n, s in CONTENDERS.items() if s.in_all] if a.contenders == "all" else a.contenders.split(",")
     bad = [n for n in names if n not in CONTENDERS]
     if bad:
         raise SystemExit(f"unknown contender(s) {bad}; expected some of {', '.join(CONTENDERS)}")
@@ -635,6 +635,7 @@ def meta(a: argparse.Namespace, opt: Options, cfg: Any, took: float) -> dict[str
         "max_tokens": MAX_TOKENS,
         "sleep_mode": launch.SLEEP_MODE,
         "reset_mode": launch.RESET_MODE,
+        "ctl_reset": launch.CTL_RESET,
         "versions": {p: ver(p) for p in ("vllm-router", "sglang-router")},
         "detector": detector_setting(),
         "cells_arg": a.cells,

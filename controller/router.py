@@ -261,6 +261,7 @@ class Router:
         tags: list[str] | None = None,
         clear_cache: bool | None = None,
         dp_rank: int | None = None,
+        reset_running_requests: bool | None = None,
     ) -> Witness:
         """Drive one lifecycle verb through the controller and return its witness.
 
@@ -268,7 +269,8 @@ class Router:
         rank's epoch the witness reports.
         """
         w = self._get(name)
-        call = lc.plan(verb, level=level, mode=mode, tags=tags, clear_cache=clear_cache)
+        call = lc.plan(verb, level=level, mode=mode, tags=tags, clear_cache=clear_cache,
+                       reset_running_requests=reset_running_requests)
         if dp_rank is not None and dp_rank not in w.ranks:
             ids = w.spec.dp_rank_ids
             raise InvalidArgument(f"dp_rank {dp_rank} out of range for {name} ({ids.start}..{ids.stop - 1})")

@@ -39,6 +39,8 @@ _LIVE: set[subprocess.Popen[bytes]] = set()
 # (the cache is dropped once they have) while new ones wait for the wake, so every prompt runs once.
 SLEEP_MODE = "wait"
 RESET_MODE = "preempt"  # behind the back the reset preempts what runs there (recorded in the results; see _direct)
+# through the controller kvfleet-ctl's reset preempts too (recorded as ctl_reset; runs before it recorded none: drained)
+CTL_RESET = "preempt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,10 @@ class Spec:
     policy: str = ""
     via: str = "direct"  # how lifecycle actions reach the workers: direct | controller
     proxy_args: tuple[str, ...] = ()  # kvfleet: more flags of `kvfleet proxy`
+    # via the controller: its reset preempts what runs there (reset_running_requests=true, the action behind the
+    # back) or drains the worker first (the controller's default)
+    reset: str = "preempt"
+    in_all: bool = True  # run by `--contenders all`
 
     @property
     def is_kvfleet(self) -> bool:
@@ -60,6 +66,8 @@ CONTENDERS = {
     for s in (
         Spec("kvfleet", "kvfleet proxy, lifecycle behind its back", "kvfleet"),
         Spec("kvfleet-ctl", "kvfleet proxy, lifecycle through the controller", "kvfleet", via="controller"),
+        Spec("kvfleet-ctl-drain", "kvfleet proxy, lifecycle through the controller, its reset draining first",
+             "kvfleet", via="controller", reset="drain", in_all=False),
         Spec("kvfleet-blind", "kvfleet lifecycle-blind prefix router (fleet/app/testkit/baseline.py)", "blind"),
         Spec("vllm-kv_aware", "vllm-router kv_aware (KV events)", "vllm", "kv_aware"),
         Spec("vllm-cache_aware", "vllm-router cache_aware", "vllm", "cache_aware"),
@@ -135,9 +143,9 @@ class Running:
 
     async def lifecycle(self, verb: str, worker: str, fleet: SimFleet) -> dict[str, Any]:
         """Sleep (level 1, mode SLEEP_MODE), wake_up or reset_prefix_cache one worker. Behind the router's back
-        the reset preempts the requests running there (`_direct`); through the kvfleet controller the verb
-        drains the worker first (docs/lifecycle.md). A reset answered success:false is asked again, at most
-        100 times, 20 ms apart."""
+        the reset preempts the requests running there (`_direct`); through the kvfleet controller it does the same
+        (reset_running_requests=true), or, for a spec whose `reset` is "drain", the verb drains the worker first
+        (docs/lifecycle.md). A reset answered success:false is asked again, at most 100 times, 20 ms apart."""
         t0, attempts, ok = time.monotonic(), 0, False
         while not ok and attempts < (100 if verb == "reset_prefix_cache" else 1):
             if attempts:
@@ -171,8 +179,10 @@ class Running:
     async def _via_controller(self, verb: str, worker: str) -> bool:
         assert self.op is not None
         sleep = verb == "sleep"
+        preempt = verb == "reset_prefix_cache" and self.spec.reset == "preempt"
         w = await self.op.lifecycle(
-            worker, verb, level=1 if sleep else None, mode=SLEEP_MODE if sleep else None
+            worker, verb, level=1 if sleep else None, mode=SLEEP_MODE if sleep else None,
+            reset_running_requests=True if preempt else None,
         )
         return verb != "reset_prefix_cache" or w.kv == "forgotten"
 

@@ -70,5 +70,6 @@ class WorkerServicer(pbg.WorkerServiceServicer):
             tags=list(r.tags) or None,
             clear_cache=r.clear_cache if r.HasField("clear_cache") else None,
             dp_rank=r.dp_rank if r.HasField("dp_rank") else None,
+            reset_running_requests=r.reset_running_requests if r.HasField("reset_running_requests") else None,
         )
         return pb.LifecycleResponse(worker=r.name, witness=witness_to_proto(witness))

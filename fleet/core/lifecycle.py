@@ -118,7 +118,7 @@ def restart_witness() -> Witness:
 
 
 def plan(verb: str, *, level: Any = None, mode: str | None = None, tags: list[str] | None = None,
-         clear_cache: bool | None = None) -> Call:
+         clear_cache: bool | None = None, reset_running_requests: bool | None = None) -> Call:
     """Validate a verb and its parameters; return the call and the witness expected before it.
 
     Args:
@@ -127,6 +127,9 @@ def plan(verb: str, *, level: Any = None, mode: str | None = None, tags: list[st
         mode: abort | wait | keep (sleep, pause).
         tags: wake_up tags (weights, kv_cache, scheduling); None wakes everything.
         clear_cache: pause only; None means vLLM's default (true).
+        reset_running_requests: reset_prefix_cache only; true preempts the requests running there (vLLM computes
+            them again), None or false leaves them (vLLM refuses the reset while they hold blocks; the controller
+            then drains the worker first, controller/vllm/verbs.py).
 
     Returns:
         The `Call`; its `before` witness is the worst case the controller must assume.
@@ -136,7 +139,7 @@ def plan(verb: str, *, level: Any = None, mode: str | None = None, tags: list[st
     """
     if verb not in VERBS:
         raise InvalidArgument(f"unknown lifecycle verb {verb!r}; expected one of {', '.join(VERBS)}")
-    _check_params(verb, level, mode, tags, clear_cache)
+    _check_params(verb, level, mode, tags, clear_cache, reset_running_requests)
     params: list[tuple[str, str]] = []
     if level is not None:
         params.append(("level", str(level)))
@@ -144,15 +147,17 @@ def plan(verb: str, *, level: Any = None, mode: str | None = None, tags: list[st
         params.append(("mode", mode))
     for t in tags or []:
         params.append(("tags", t))
-    if clear_cache is not None:
-        params.append(("clear_cache", "true" if clear_cache else "false"))
+    for key, flag in (("clear_cache", clear_cache), ("reset_running_requests", reset_running_requests)):
+        if flag is not None:
+            params.append((key, "true" if flag else "false"))
     return Call(verb, "POST", "/" + verb, tuple(params), _before(verb, level, mode, clear_cache))
 
 
-def _check_params(verb: str, level: Any, mode: Any, tags: Any, clear_cache: Any) -> None:
-    allowed = {"sleep": {"level", "mode"}, "wake_up": {"tags"}, "pause": {"mode", "clear_cache"}}.get(verb, set())
-    given = {k for k, v in (("level", level), ("mode", mode), ("tags", tags), ("clear_cache", clear_cache))
-             if v is not None}
+def _check_params(verb: str, level: Any, mode: Any, tags: Any, clear_cache: Any, running: Any) -> None:
+    allowed = {"sleep": {"level", "mode"}, "wake_up": {"tags"}, "pause": {"mode", "clear_cache"},
+               "reset_prefix_cache": {"reset_running_requests"}}.get(verb, set())
+    given = {k for k, v in (("level", level), ("mode", mode), ("tags", tags), ("clear_cache", clear_cache),
+                            ("reset_running_requests", running)) if v is not None}
     extra = given - allowed
     if extra:
         raise InvalidArgument(f"{verb} takes no {', '.join(sorted(extra))} parameter")
@@ -162,8 +167,9 @@ def _check_params(verb: str, level: Any, mode: Any, tags: Any, clear_cache: Any)
         raise InvalidArgument(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
     if tags is not None and (not isinstance(tags, list | tuple) or any(t not in WAKE_TAGS for t in tags)):
         raise InvalidArgument(f"wake_up tags must be a list drawn from {', '.join(WAKE_TAGS)}, got {tags!r}")
-    if clear_cache is not None and not isinstance(clear_cache, bool):
-        raise InvalidArgument(f"clear_cache must be a bool, got {clear_cache!r}")
+    for key, flag in (("clear_cache", clear_cache), ("reset_running_requests", running)):
+        if flag is not None and not isinstance(flag, bool):
+            raise InvalidArgument(f"{key} must be a bool, got {flag!r}")
 
 
 def _before(verb: str, level: Any, mode: str | None, clear_cache: bool | None) -> Witness:

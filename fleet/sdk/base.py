@@ -143,13 +143,15 @@ def worker_spec(name: str, url: str, kv_events: str, replay: str, model: str, dp
 
 
 def lifecycle_request(name: str, verb: str, level: int | None, mode: str | None, tags: Sequence[str] | None,
-                      clear_cache: bool | None, dp_rank: int | None) -> workers_pb2.LifecycleRequest:
+                      clear_cache: bool | None, dp_rank: int | None,
+                      reset_running_requests: bool | None = None) -> workers_pb2.LifecycleRequest:
     req = workers_pb2.LifecycleRequest(name=args.text("name", name), verb=args.text("verb", verb),
                                        tags=args.strings("tags", tags))
     mode = None if mode is None else args.text("mode", mode)
     level = None if level is None else args.count("level", level, 0, args.INT32_MAX)
     dp_rank = None if dp_rank is None else args.count("dp_rank", dp_rank)
-    for key, val in (("level", level), ("mode", mode), ("clear_cache", clear_cache), ("dp_rank", dp_rank)):
+    for key, val in (("level", level), ("mode", mode), ("clear_cache", clear_cache), ("dp_rank", dp_rank),
+                     ("reset_running_requests", reset_running_requests)):
         if val is not None:
             setattr(req, key, val)
     return req

@@ -168,9 +168,10 @@ def workers() -> workers_pb2.ListWorkersRequest:
 
 def lifecycle(name: str, verb: str, *, level: int | None = None, mode: str | None = None,
               tags: Sequence[str] | None = None, clear_cache: bool | None = None,
-              dp_rank: int | None = None) -> workers_pb2.LifecycleRequest:
-    """Drive a lifecycle verb through the controller; returns its cache-loss witness."""
-    return base.lifecycle_request(name, verb, level, mode, tags, clear_cache, dp_rank)
+              dp_rank: int | None = None, reset_running_requests: bool | None = None) -> workers_pb2.LifecycleRequest:
+    """Drive a lifecycle verb through the controller; returns its cache-loss witness. `reset_running_requests`
+    (reset_prefix_cache only): true preempts the requests running there instead of draining them first."""
+    return base.lifecycle_request(name, verb, level, mode, tags, clear_cache, dp_rank, reset_running_requests)
 
 
 def route(token_ids: Sequence[int], model: str, *, lora: str | None = None,

@@ -98,7 +98,7 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class LifecycleRequest(_message.Message):
-    __slots__ = ("name", "verb", "level", "mode", "tags", "clear_cache", "dp_rank")
+    __slots__ = ("name", "verb", "level", "mode", "tags", "clear_cache", "dp_rank", "reset_running_requests")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERB_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class LifecycleRequest(_message.Message):
     TAGS_FIELD_NUMBER: _ClassVar[int]
     CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    RESET_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     verb: str
     level: int
@@ -113,7 +114,8 @@ class LifecycleRequest(_message.Message):
     tags: _containers.RepeatedScalarFieldContainer[str]
     clear_cache: bool
     dp_rank: int
-    def __init__(self, name: _Optional[str] = ..., verb: _Optional[str] = ..., level: _Optional[int] = ..., mode: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., clear_cache: _Optional[bool] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    reset_running_requests: bool
+    def __init__(self, name: _Optional[str] = ..., verb: _Optional[str] = ..., level: _Optional[int] = ..., mode: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., clear_cache: _Optional[bool] = ..., dp_rank: _Optional[int] = ..., reset_running_requests: _Optional[bool] = ...) -> None: ...
 
 class Witness(_message.Message):
     __slots__ = ("action", "phase", "kv", "warm_demoted", "serving", "epoch")

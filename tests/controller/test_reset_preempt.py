@@ -1,0 +1,108 @@
+"""A prefix-cache reset through the controller that preempts the requests running there (reset_running_requests).
+
+vLLM's `/reset_prefix_cache?reset_running_requests=true` preempts every running request, drops every hash and
+computes the preempted requests again, so their blocks are stored again after the AllBlocksCleared. Through the
+controller that is the same action as behind its back: no drain (one ask), the witness `forgotten`, and the index
+learns the blocks the preempted requests stored again, while a prefix whose request had ended before the reset is
+gone. Without the flag the controller drains the worker first (tests/controller/test_reset_drain.py). The real
+Router on two `kvfleet sim-vllm` workers with a clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.cas import open_store
+from fleet.core.errors import InvalidArgument
+
+RUNNING = list(range(1000, 1100))  # 6 full blocks, running while the reset comes
+ENDED = list(range(5000, 5100))  # 6 full blocks, its request ended before the reset
+BLOCK = 16
+
+
+async def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens}
+    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def _warm_on_w0(r: Router, prompt: list[int]) -> int:
+    """The tokens of `prompt` the router counts resident on w0 (0 when it routes elsewhere or COLD)."""
+    d = await r.route(prompt, "m")
+    return d.matched_tokens if d.worker == "w0" and d.verdict == "WARM" else 0
+
+
+async def _warm(r: Router, prompt: list[int], tokens: int) -> bool:
+    return await _warm_on_w0(r, prompt) == tokens
+
+
+async def _now(v: bool) -> bool:
+    return v
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(500):
+        if await cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("preempt", [True, None])
+async def test_a_preempting_reset_answers_at_once_and_the_preempted_requests_blocks_are_warm_again(
+    tmp_path, preempt: bool | None
+) -> None:
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    eng = SimEngineConfig(model="m", num_blocks=64, time_scale=1.0, decode_base_s=0.04)
+    sims = [await SimVllm(SimConfig(engine=eng)).start() for _ in range(2)]
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, reset_drain_s=10.0))
+    await r.start()
+    try:
+        for i, sim in enumerate(sims):
+            await r.register_worker(WorkerSpec(f"w{i}", sim.url, sim.kv_events, sim.replay, "m"))
+        await _complete(sims[0].url, ENDED, 1)
+        full = len(ENDED) // BLOCK * BLOCK
+        await _until(lambda: _warm(r, ENDED, full), "the index to hold the ended request's blocks")
+        running = asyncio.create_task(_complete(sims[0].url, RUNNING, 20))  # decodes for about 0.8 s
+        await _until(lambda: _now(bool(sims[0].engine.running)), "the request to run")
+
+        w = await r.lifecycle("w0", "reset_prefix_cache", reset_running_requests=preempt)
+        assert w.kv == "forgotten" and w.serving
+        drains = r.metrics.reset_drains
+        out = await running
+        assert out["choices"][0]["finish_reason"] == "length"
+        # the request that had ended before the reset lost its blocks, and the index knows it
+        assert await _warm_on_w0(r, ENDED) == 0
+        if not preempt:  # control: the controller's drain let the request end first, and the reset wiped its blocks
+            assert drains.labels("reset")._value.get() == 1
+            assert await _warm_on_w0(r, RUNNING) == 0
+            return
+        assert drains.labels("reset")._value.get() == 0 and drains.labels("refused")._value.get() == 0  # one ask
+        # the preempted request ran again and stored its blocks after the clear: the index learns them, WARM
+        await _until(lambda: _warm(r, RUNNING, full), "the recomputed blocks' events")
+        d = await r.route(RUNNING + [7], "m")
+        assert d.worker == "w0" and d.verdict == "WARM" and d.matched_tokens == full
+        got = await _complete(sims[0].url, RUNNING + [7], 1)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= d.matched_tokens  # not a stale claim
+    finally:
+        await r.stop()
+        for sim in sims:
+            await sim.stop()
+
+
+@pytest.mark.parametrize("verb, value", [("sleep", True), ("pause", False), ("reset_prefix_cache", "yes")])
+def test_reset_running_requests_is_a_bool_of_the_reset_alone(verb: str, value: object) -> None:
+    from fleet.core import lifecycle as lc
+
+    with pytest.raises(InvalidArgument, match="reset_running_requests"):
+        lc.plan(verb, reset_running_requests=value)  # type: ignore[arg-type]
+    call = lc.plan("reset_prefix_cache", reset_running_requests=True)
+    assert ("reset_running_requests", "true") in call.params
