@@ -635,7 +635,6 @@ def meta(a: argparse.Namespace, opt: Options, cfg: Any, took: float) -> dict[str
         "max_tokens": MAX_TOKENS,
         "sleep_mode": launch.SLEEP_MODE,
         "reset_mode": launch.RESET_MODE,
-        "ctl_reset": launch.CTL_RESET,
         "versions": {p: ver(p) for p in ("vllm-router", "sglang-router")},
         "detector": detector_setting(),
         "cells_arg": a.cells,

@@ -39,8 +39,6 @@ _LIVE: set[subprocess.Popen[bytes]] = set()
 # (the cache is dropped once they have) while new ones wait for the wake, so every prompt runs once.
 SLEEP_MODE = "wait"
 RESET_MODE = "preempt"  # behind the back the reset preempts what runs there (recorded in the results; see _direct)
-# through the controller kvfleet-ctl's reset preempts too (recorded as ctl_reset; runs before it recorded none: drained)
-CTL_RESET = "preempt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +49,9 @@ class Spec:
     policy: str = ""
     via: str = "direct"  # how lifecycle actions reach the workers: direct | controller
     proxy_args: tuple[str, ...] = ()  # kvfleet: more flags of `kvfleet proxy`
-    # via the controller: its reset preempts what runs there (reset_running_requests=true, the action behind the
-    # back) or drains the worker first (the controller's default)
-    reset: str = "preempt"
+    # via the controller: its reset drains the worker first (the controller's default) or preempts what runs there
+    # (reset_running_requests=true, the action behind the back)
+    reset: str = "drain"
     in_all: bool = True  # run by `--contenders all`
 
     @property
@@ -66,8 +64,8 @@ CONTENDERS = {
     for s in (
         Spec("kvfleet", "kvfleet proxy, lifecycle behind its back", "kvfleet"),
         Spec("kvfleet-ctl", "kvfleet proxy, lifecycle through the controller", "kvfleet", via="controller"),
-        Spec("kvfleet-ctl-drain", "kvfleet proxy, lifecycle through the controller, its reset draining first",
-             "kvfleet", via="controller", reset="drain", in_all=False),
+        Spec("kvfleet-ctl-preempt", "kvfleet proxy, lifecycle through the controller, its reset preempting",
+             "kvfleet", via="controller", reset="preempt", in_all=False),
         Spec("kvfleet-blind", "kvfleet lifecycle-blind prefix router (fleet/app/testkit/baseline.py)", "blind"),
         Spec("vllm-kv_aware", "vllm-router kv_aware (KV events)", "vllm", "kv_aware"),
         Spec("vllm-cache_aware", "vllm-router cache_aware", "vllm", "cache_aware"),
@@ -143,9 +141,9 @@ class Running:
 
     async def lifecycle(self, verb: str, worker: str, fleet: SimFleet) -> dict[str, Any]:
         """Sleep (level 1, mode SLEEP_MODE), wake_up or reset_prefix_cache one worker. Behind the router's back
-        the reset preempts the requests running there (`_direct`); through the kvfleet controller it does the same
-        (reset_running_requests=true), or, for a spec whose `reset` is "drain", the verb drains the worker first
-        (docs/lifecycle.md). A reset answered success:false is asked again, at most 100 times, 20 ms apart."""
+        the reset preempts the requests running there (`_direct`); through the kvfleet controller the verb drains the
+        worker first, or, for a spec whose `reset` is "preempt", preempts the same way (reset_running_requests=true;
+        docs/lifecycle.md). A reset answered success:false is asked again, at most 100 times, 20 ms apart."""
         t0, attempts, ok = time.monotonic(), 0, False
         while not ok and attempts < (100 if verb == "reset_prefix_cache" else 1):
             if attempts:

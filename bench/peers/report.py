@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 PEER_KINDS = ("vllm", "sglang", "sticky")
-OURS = ("kvfleet", "kvfleet-ctl", "kvfleet-ctl-drain", "kvfleet-blind")
+OURS = ("kvfleet", "kvfleet-ctl", "kvfleet-ctl-preempt", "kvfleet-blind")
 SLEEP_MODES = {  # how vLLM's /sleep meets requests in flight
     "abort": ": requests in flight end unfinished",
     "wait": ": requests in flight finish first, new ones wait for the wake",
@@ -340,10 +340,8 @@ def report(results: dict[str, Any]) -> str:
            f"reset lands at {at['reset_at']} whatever the router's load)" if results.get("reset_mode") == "preempt" else
            " (asked every 20 ms, up to 100 times, until the worker is idle enough to accept it)")
         + ". `kvfleet-ctl` gets the same actions through the kvfleet controller instead"
-        + ((" (its reset preempts the same way, `reset_running_requests=true`; `kvfleet-ctl-drain`, where it ran, "
-            "gets a reset that drains the worker first, the controller's default)"
-            if results.get("ctl_reset") == "preempt" else " (its reset drains the worker first)")
-           if results.get("reset_mode") == "preempt" else "")
+        + (" (its reset drains the worker first; `kvfleet-ctl-preempt`, where it ran, gets the reset behind the backs "
+           "through the controller, `reset_running_requests=true`)" if results.get("reset_mode") == "preempt" else "")
         + ". "
         f"Client timeout {o['timeout_s']:.0f} s per request. Peers: vllm-router "
         f"{v['vllm-router']}, sglang-router {v['sglang-router']} (PyPI)."
