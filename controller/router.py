@@ -274,10 +274,7 @@ class Router:
         if dp_rank is not None and dp_rank not in w.ranks:
             ids = w.spec.dp_rank_ids
             raise InvalidArgument(f"dp_rank {dp_rank} out of range for {name} ({ids.start}..{ids.stop - 1})")
-        # NOTE: a preempting reset does not wait for the routes on their way: one that arrives after it runs cold and
-        # stores its blocks again, one that arrived before is preempted and computed twice (measured, docs/lifecycle.md)
-        preempts = verb == "reset_prefix_cache" and bool(reset_running_requests)
-        wit = await w.lifecycle(call, settle=None if preempts else lambda: self._settle(name))
+        wit = await w.lifecycle(call, settle=lambda: self._settle(name))
         return dataclasses.replace(wit, epoch=w.ranks[w.spec.dp_rank_start if dp_rank is None else dp_rank].epoch)
 
     async def _settle(self, name: str) -> None:
