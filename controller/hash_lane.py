@@ -2,7 +2,7 @@
 the loop's default thread pool, not on the event loop, at most HASH_THREADS_PER_TENANT of one tenant's at a time;
 its others wait their turn, holding at most LONG_WAIT_TOKENS_PER_TENANT tokens (past it, RESOURCE_EXHAUSTED).
 
-Router._ordered (controller/router.py, phase 1 of a route) hands such a route to `HashLane.ordered`; the servicer
+Router._ordered (controller/route_phases.py, phase 1 of a route) hands such a route to `HashLane.ordered`; the servicer
 (controller/servicers/route.py) reads INLINE_HASH_TOKENS to keep a long prompt's ids as they came.
 """
 
