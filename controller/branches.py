@@ -27,7 +27,7 @@ class Branches:
     generation with what was known of it, so a prefix in use survives any flood of new ones; what no
     request observed for a whole generation is learned again. Before, past `max_blocks` it forgot
     everything at once: one tenant's 17 distinct 1M-token prompts reset every tenant's shared prefixes to 0.
-    Thread-safe: a long prompt's chain is observed in its hashing thread (controller/router.py), a short one's on
+    Thread-safe: a long prompt's chain is observed in its hashing thread (controller/hash_lane.py), a short one's on
     the event loop; each observation is whole under a lock, so each sees the others' all or not at all.
     """
 

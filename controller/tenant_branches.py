@@ -27,7 +27,7 @@ class TenantBranches:
         self.max_blocks, self.fanout = max_blocks, fanout
         self._by: dict[str, Branches] = {}
         self._total = 0  # every tenant's hashes: kept as they change, so a route never sums over the tenants
-        self._lock = threading.Lock()  # NOTE: a long prompt's chain is observed in its hashing thread (router.py)
+        self._lock = threading.Lock()  # NOTE: a long prompt's chain is observed in its hashing thread (hash_lane.py)
 
     def observe(self, chain: Sequence[int], owner: str | None = None) -> int:
         """Record the chain's transitions for `owner`; return how many leading blocks are shared (to its last fork)."""
