@@ -3,7 +3,8 @@
 A verb stops the worker serving (`transitioning`), lets the routes already decided reach it (`settle`), calls vLLM,
 and adopts the witness of its answer (fleet/core/lifecycle.py) into every rank's state. A prefix-cache reset vLLM
 refuses while requests hold blocks is asked again while the worker drains (`_drained_reset`). A verb the worker's
-stop came before is not sent; one the stop overtook answers FailedPrecondition, its outcome not recorded.
+stop came before is not sent; one the stop overtook answers FailedPrecondition, its outcome not recorded. A verb
+whose caller is cancelled once it was sent runs to its answer all the same (`_to_its_answer`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from controller.vllm.http import WorkerHttpError
@@ -29,6 +30,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("controller.vllm.watcher")  # the worker's own log, as before the move
 DRAIN_POLL_S = 0.02  # how often a refused prefix-cache reset is asked again while the worker drains
+
+
+async def _to_its_answer(sent: Coroutine[Any, Any, Witness]) -> Witness:
+    """Run a verb sent to vLLM to its answer, and adopt it, even when its caller is cancelled meanwhile (a client
+    deadline, a client gone, the server's stop grace over); the caller's cancel is raised once it is adopted, and
+    the worker's lock is held until then (no other verb overlaps it).
+
+    NOTE: cancelled while vLLM ran it, a verb adopted nothing: its rank kept the state it got before the call (an
+    index dropped but no fence), a pause with mode=wait went on draining in vLLM, the blocks its drained requests
+    stored were indexed, then its cache reset, and the resume that followed routed WARM to blocks vLLM no longer
+    held (found by review: a verb queued behind a draining reset passes the SDK's 10 s deadline)."""
+    task = asyncio.ensure_future(sent)
+    gone = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            gone = True
+    if gone:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 def _refused(resp: Any) -> bool:
@@ -94,6 +118,9 @@ class Verbs:
         if settle is not None:
             await settle()
         self._unsent_if_stopped(call)
+        return await _to_its_answer(self._sent(call))
+
+    async def _sent(self, call: lc.Call) -> Witness:
         self._verb_clears = set()
         try:
             return await self._called(call)

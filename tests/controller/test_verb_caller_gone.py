@@ -1,0 +1,78 @@
+"""A lifecycle verb whose caller gives up while vLLM runs it is still answered, and its witness adopted.
+
+grpc.aio cancels a handler whose client's deadline passes (or whose client goes away). A verb cancelled while its
+call to vLLM was out adopted nothing: its rank kept the state it took before the call (index dropped, no fence
+"clear"). A pause with mode=wait then went on in vLLM: the requests it let finish stored their blocks, which were
+indexed, vLLM reset its cache (the AllBlocksCleared queued, published with the next step), and once resumed the
+worker was routed WARM to blocks it no longer held. A verb queued behind a draining reset meets the SDK's 10 s
+deadline this way; here the deadline is short. The real controller over gRPC on loopback, two `kvfleet sim-vllm`
+workers with a clock (one request at a time, so the second one is still waiting when the pause comes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from support.proxy_fleet import MODEL, Fleet, start_fleet, until
+
+from fleet.core.block_hash import external_chain
+from fleet.sdk import AsyncFleetClient
+
+LONG = list(range(9000, 9040))
+HISTORY = list(range(1000, 1100))  # 6 full blocks
+BLOCK = 16
+
+
+async def _complete(url: str, prompt: list[int], max_tokens: int) -> int:
+    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions",
+                                                    json={"prompt": prompt, "max_tokens": max_tokens}) as resp:
+        await resp.read()
+        return resp.status
+
+
+def _held(fleet: Fleet, prompt: list[int]) -> int:
+    """The leading tokens of `prompt` the stand-in w0 really holds."""
+    cfg = fleet.ctl.ctx.router.worker("w0").view().hash_cfg
+    resident, n = set(fleet.sims["w0"].engine.resident_external()), 0
+    for h in external_chain(cfg, prompt):
+        if h not in resident:
+            break
+        n += 1
+    return n * BLOCK
+
+
+@pytest.mark.parametrize("deadline_s", [0.3, None])
+async def test_a_wait_pause_whose_caller_gave_up_still_fences_the_blocks_its_drain_stored(
+    tmp_path, deadline_s: float | None
+) -> None:
+    fleet = await start_fleet(tmp_path, num_workers=2, reconcile_s=0.1,
+                              engine_kw={"time_scale": 1.0, "decode_base_s": 0.04, "max_num_seqs": 1})
+    sim = fleet.sims["w0"]
+    caller = AsyncFleetClient(fleet.ctl.address, fleet.tokens["op"], timeout=deadline_s or 10.0)
+    try:
+        busy = asyncio.create_task(_complete(sim.url, LONG, 20))  # decodes for about 0.8 s
+        await until(lambda: asyncio.sleep(0, sim.engine.running), bool)
+        queued = asyncio.create_task(_complete(sim.url, HISTORY, 2))  # waits for it, then prefills 6 blocks
+        await until(lambda: asyncio.sleep(0, sim.engine.waiting), bool)
+
+        verb = caller.lifecycle("w0", "pause", mode="wait")
+        if deadline_s:
+            with pytest.raises(Exception, match="(?i)deadline"):
+                await verb
+        else:
+            assert (await verb).kv == "forgotten"
+        assert await busy == 200 and await queued == 200  # the pause let both finish, then reset the cache
+        await until(lambda: asyncio.sleep(0, sim.engine.is_sleeping() and not sim.engine.running), bool)
+        rank = fleet.ctl.ctx.router.worker("w0").ranks[0]
+        assert (rank.phase, rank.kv, rank.fence) == ("paused", "forgotten", "clear")  # before: paused, unknown, ""
+
+        await fleet.op.lifecycle("w0", "resume")
+        d = await fleet.ctl.ctx.router.route(HISTORY + [7], MODEL)
+        assert _held(fleet, HISTORY + [7]) == 0  # the drained request's blocks went with the pause's reset
+        # before: w0 WARM with 96 tokens matched, none of them held
+        assert (d.verdict, d.matched_tokens) == ("COLD", 0)
+    finally:
+        await caller.close()
+        await fleet.stop()
