@@ -137,6 +137,9 @@ class Verbs:
                                         timeout_s=self._verb_timeout(call))
             if call.verb == "reset_prefix_cache" and _refused(resp) and self.cfg.reset_drain_s > 0:
                 resp = await self._drained_reset(call, resp)
+                # NOTE: a drain its worker's stop ended went on to read /is_sleeping, on the router's closed HTTP
+                # session when the router stopped: the caller got RuntimeError("Session is closed"), gRPC INTERNAL
+                self._stopped_under(call)
             w = lc.witness(call, resp)
             if w.serving:
                 w = lc.confirm_awake(w, await self.http.is_sleeping())
