@@ -144,8 +144,11 @@ class Verbs:
             if w.serving:
                 w = lc.confirm_awake(w, await self.http.is_sleeping())
         except WorkerHttpError:
+            maybe = lc.queues_clear(call, None)
             for r in self.ranks:
-                self._apply(r, self.ranks[r].verb_failed())
+                self._apply(r, self.ranks[r].verb_failed(clear_maybe_queued=maybe))
+                if maybe:
+                    self._clear_maybe_gone(r)  # vLLM may never have acted: then no clear comes
             raise
         clear = lc.queues_clear(call, resp)
         for r in self.ranks:

@@ -195,11 +195,13 @@ class Worker(RankEvents, Verbs, Reconcile):
         nothing was read (a hold), lost (a gap not repaired), or read before the fence went up (while the verb's
         answer was on its way). vLLM publishes it with the step after the verb, so once CLEAR_SETTLE_S have passed
         since the fence went up, whatever is read now was produced after it, and the fence lifts (the caller leaves
-        a batch that carries a clear to that clear)."""
+        a batch that carries a clear to that clear). Only while the rank serves: a verb that failed while vLLM drained
+        it (a pause or sleep with mode=wait) queues its clear at the drain's end and publishes it with the first step
+        after the resume, and what the drain stores meanwhile, however late, is not proof."""
         st = self.ranks[rank]
         if st.fence != "clear":
             self.resumed.discard(rank)
-        elif time.monotonic() - self.fenced_at.get(rank, 0.0) >= CLEAR_SETTLE_S:
+        elif st.serving and time.monotonic() - self.fenced_at.get(rank, 0.0) >= CLEAR_SETTLE_S:
             self.resumed.discard(rank)
             self._apply(rank, Transition(dataclasses.replace(st, fence=""), persist=True))
 

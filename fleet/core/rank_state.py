@@ -109,9 +109,13 @@ class RankState:
         """After a verb answered: `finish`. Its second epoch bump is not counted again."""
         return Transition(self.finish(w, clear_queued=clear_queued), drop_index=w.warm_demoted, persist=True)
 
-    def verb_failed(self) -> Transition:
-        """The verb's HTTP call failed: we cannot know what vLLM did (error, unknown, not serving)."""
-        t = self.invalidated("verb_failed", fence=self.fence)
+    def verb_failed(self, *, clear_maybe_queued: bool = False) -> Transition:
+        """The verb's HTTP call failed: we cannot know what vLLM did (error, unknown, not serving). A verb that queues
+        an AllBlocksCleared when it acts (`clear_maybe_queued`: lifecycle.queues_clear) may have acted: fence "clear".
+
+        NOTE: the fence was kept as it was: a pause with mode=wait that outlasted its call went on in vLLM, the blocks
+        its drained requests stored were indexed, then vLLM reset its cache, and a resume routed WARM to them."""
+        t = self.invalidated("verb_failed", fence="clear" if clear_maybe_queued else self.fence)
         return t.with_state(phase="error", kv="unknown", serving=False)
 
     def marked_down(self, reason: str, *, has_blocks: bool) -> Transition:

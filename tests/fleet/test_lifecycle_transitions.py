@@ -81,6 +81,15 @@ def test_a_failed_verb_leaves_the_rank_in_error_and_keeps_its_fence() -> None:
     assert (t.drop_index, t.reason) == (True, "verb_failed")
 
 
+def test_a_failed_verb_that_may_have_queued_a_clear_awaits_it() -> None:
+    st = RankState(epoch=1, phase="serving", serving=True, seq=3)
+    t = st.verb_failed(clear_maybe_queued=lc.queues_clear(lc.plan("pause", mode="wait"), None))
+    assert (t.state.epoch, t.state.phase, t.state.serving, t.state.fence, t.drop_index) == (2, "error", False, "clear",
+                                                                                           True)
+    w = st.verb_failed(clear_maybe_queued=lc.queues_clear(lc.plan("wake_up"), None))  # control: a wake queues none
+    assert w.state.fence == ""
+
+
 def test_a_serving_witness_is_checked_against_is_sleeping() -> None:
     resumed = lc.witness(lc.plan("resume"), {})
     assert lc.confirm_awake(resumed, sleeping=True) == lc.Witness("resume", "sleeping", P, False, False)

@@ -1,0 +1,124 @@
+"""A forgetting verb whose call to vLLM fails may still have acted: the rank awaits the clear it may have queued.
+
+A pause with mode=wait is answered once vLLM's requests in flight have finished; a drain longer than the verb's
+bound (the HTTP timeout plus --reset-drain-timeout) fails the call while vLLM goes on. The rank was marked
+`error` and its index dropped, but its fence was kept: the blocks the drained requests stored were indexed, vLLM
+then reset its cache (the AllBlocksCleared queued, published with the first step after a resume), and once resumed
+the worker was routed WARM to blocks it no longer held. Now a failed verb that would queue a clear puts fence
+"clear" up; it lifts with the clear, or, where vLLM never acted, once the rank serves again and CLEAR_SETTLE_S
+have passed (docs/lifecycle.md). The real Router on two `kvfleet sim-vllm` workers with a clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from controller.metrics import Metrics
+from controller.router import Router, RouterConfig, WorkerSpec
+from controller.vllm.http import WorkerHttpError
+from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+from fleet.cas import open_store
+from fleet.core.block_hash import external_chain
+
+LONG = list(range(9000, 9040))
+HISTORY = list(range(1000, 1100))  # 6 full blocks
+BLOCK = 16
+
+
+async def _complete(url: str, prompt: list[int], max_tokens: int) -> int:
+    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions",
+                                                    json={"prompt": prompt, "max_tokens": max_tokens}) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(600):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _held(r: Router, sim: SimVllm, prompt: list[int]) -> int:
+    """The leading tokens of `prompt` the stand-in really holds."""
+    resident, n = set(sim.engine.resident_external()), 0
+    for h in external_chain(r.worker("w0").view().hash_cfg, prompt):
+        if h not in resident:
+            break
+        n += 1
+    return n * BLOCK
+
+
+async def _route(r: Router, prompt: list[int]) -> tuple[str, str, int]:
+    d = await r.route(prompt, "m")
+    return d.worker, d.verdict, d.matched_tokens
+
+
+@pytest.fixture
+async def fleet(tmp_path):
+    store = open_store(f"sqlite:///{tmp_path}/kv.db")
+    eng = SimEngineConfig(model="m", num_blocks=64, time_scale=1.0, decode_base_s=0.04, max_num_seqs=1)
+    sims = [await SimVllm(SimConfig(engine=eng)).start() for _ in range(2)]
+    # the pause's call is bounded by 0.3 s: the drain below outlasts it
+    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, http_timeout_s=0.3, reset_drain_s=0.0))
+    await r.start()
+    try:
+        for i, sim in enumerate(sims):
+            await r.register_worker(WorkerSpec(f"w{i}", sim.url, sim.kv_events, sim.replay, "m"))
+        yield r, sims[0]
+    finally:
+        await r.stop()
+        for sim in sims:
+            await sim.stop()
+
+
+async def test_a_wait_pause_that_outlasts_its_call_fences_what_its_drain_stores(fleet) -> None:
+    r, sim = fleet
+    busy = asyncio.create_task(_complete(sim.url, LONG, 70))  # decodes for about 2.8 s
+    await _until(lambda: sim.engine.running, "the long request to run")
+    queued = asyncio.create_task(_complete(sim.url, HISTORY, 2))  # waits for it: stores its blocks > 2 s later
+    await _until(lambda: sim.engine.waiting, "the second request to wait")
+
+    with pytest.raises(WorkerHttpError, match="TimeoutError"):
+        await r.lifecycle("w0", "pause", mode="wait")
+    assert r.worker("w0").ranks[0].fence == "clear"  # before: ""
+    assert await busy == 200 and await queued == 200  # vLLM's pause went on: both finished, then the cache reset
+    await _until(lambda: not sim.engine.running and not sim.engine.waiting, "the drain to end")
+    await asyncio.sleep(0.3)  # three looks at the paused worker
+
+    await r.lifecycle("w0", "resume")
+    assert _held(r, sim, HISTORY + [7]) == 0
+    # before: ("w0", "WARM", 96), none of the 96 tokens held
+    assert await _route(r, HISTORY + [7]) in (("w0", "COLD", 0), ("w1", "COLD", 0))
+
+    # the next step publishes vLLM's clear first: the fence lifts with it, and what follows is proof again
+    assert await _complete(sim.url, HISTORY, 1) == 200
+    await _until(lambda: r.worker("w0").ranks[0].fence == "", "the clear")
+    await asyncio.sleep(0.2)
+    assert _held(r, sim, HISTORY + [7]) == 96
+    assert await _route(r, HISTORY + [7]) == ("w0", "WARM", 96)
+
+
+async def test_a_failed_verb_vllm_never_acted_on_leaves_no_fence_for_good(fleet) -> None:
+    """Control: vLLM refuses a release of a worker it has not paused (HTTP 400, nothing done, no clear queued). The
+    fence the failure put up lifts once the worker serves again and CLEAR_SETTLE_S have passed, at its next batch."""
+    r, sim = fleet
+    with pytest.raises(WorkerHttpError, match="400"):
+        await r.lifecycle("w0", "release_kv_cache_memory")
+    assert r.worker("w0").ranks[0].fence == "clear"
+    await _until(lambda: r.worker("w0").ranks[0].serving, "a look to find it serving")
+    for i in range(40):  # a new prompt a tenth of a second, each stored in a batch of its own
+        assert await _complete(sim.url, list(range(20_000 + 100 * i, 20_032 + 100 * i)), 1) == 200
+        if r.worker("w0").ranks[0].fence == "":
+            break
+        await asyncio.sleep(0.1)
+    assert r.worker("w0").ranks[0].fence == ""
+    assert await _complete(sim.url, HISTORY, 1) == 200
+    await _until(lambda: _held(r, sim, HISTORY + [7]) == 96, "the stand-in to hold the prompt")
+    await asyncio.sleep(0.2)
+    assert await _route(r, HISTORY + [7]) == ("w0", "WARM", 96)
