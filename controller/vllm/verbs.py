@@ -186,6 +186,8 @@ class Verbs:
         asks = 1
         while _refused(resp) and time.monotonic() < deadline and not self._closing:
             await asyncio.sleep(min(DRAIN_POLL_S, max(deadline - time.monotonic(), 0.0)))
+            if self._closing:  # stopped while it waited: ask nothing more (the router's session may be closed)
+                break
             resp = await self.http.json(call.method, call.path, list(call.params), empty_ok=True)
             asks += 1
         self.metrics.reset_drains.labels("reset" if not _refused(resp) else "refused").inc()
