@@ -44,7 +44,7 @@ def status_row(w: Worker, r: int, index: PrefixIndex) -> WorkerStatus:
     """One rank's row; every field checked for its wire type (a bad one raises here, not in proto)."""
     st, v, key = w.ranks[r], w.view(), (w.spec.name, r)
     faulty = w.faulty()  # over its KV-event budget (controller/vllm/budget.py): listed as such, not serving
-    # "draining": a verb of this controller lets the requests in flight finish (fleet.core.lifecycle.drains): not
+    # "draining": a verb of this controller lets the requests in flight finish (lifecycle.lists_draining): not
     # serving, yet what was sent there is answered there (the proxy waits for it; NOTE: it pulled every request)
     return WorkerStatus(
         v.name,

@@ -7,7 +7,7 @@ itself found asleep or gone behind the controller's back, or that failed several
 requests skip it until the controller's reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
 is what the requests waiting on one worker's first byte share; a worker the controller stops listing as
 serving is nudged there, so its waiters ask it at once whether it sleeps, unless the controller lists it draining
-(a pause with mode=wait of its own: the requests already there finish there). A worker the controller stops
+(a pause with mode=wait or a reset of its own: the requests already there finish there). A worker the controller stops
 listing at all (unregistered) is forgotten: its cards and suspect mark here, and whatever `on_gone` drops
 (the proxy's per-worker metrics and first-byte waits).
 """
@@ -182,9 +182,10 @@ class WorkerDirectory:
         return w is not None and w.serving and not self.is_suspect(name)
 
     def draining(self, name: str) -> bool:
-        """The listing says the controller drains it: a pause with mode=wait of its own runs there, so what was sent
-        there is answered there (vLLM's /is_sleeping says true meanwhile). A pause behind the controller's back
-        cannot be told from a sleep by vLLM's endpoints, and is not this."""
+        """The listing says the controller drains it: a pause with mode=wait, or a reset that does not preempt, of its
+        own runs there, so what was sent there is answered there (vLLM's /is_sleeping says true meanwhile, for the
+        pause). A pause behind the controller's back cannot be told from a sleep by vLLM's endpoints, and is not
+        this."""
         w = self.workers.get(name)
         return w is not None and w.draining
 

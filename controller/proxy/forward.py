@@ -27,8 +27,9 @@ times out says the worker is busy or unknown, not asleep: a loaded vLLM answers 
 failing over every slow worker turned load into 503s (#13 finding 8).
 The requests waiting on one worker share its probe and its finding (controller/proxy/watch.py): a probe that
 gives the worker up fails every attempt waiting on it over at once, and a worker the controller stops listing
-as serving is probed at once for all of them, unless it lists it draining: a pause with mode=wait of its own runs
-there, and what was sent there is answered there ("asleep" gives nothing up; Forwarder._drains).
+as serving is probed at once for all of them, unless it lists it draining: a pause with mode=wait, or a reset that
+does not preempt, of its own runs there, and what was sent there is answered there ("asleep" or "busy" gives nothing
+up; Forwarder._drains).
 """
 
 from __future__ import annotations
@@ -266,9 +267,9 @@ class Forwarder:
                               "send it with \"stream\": true, or ask for fewer tokens")
 
     async def _drains(self, t: Target, seen: str) -> bool:
-        """Whether the controller drains the worker (a pause with mode=wait of its own): the request sent there is
-        answered there, so a probe finding it "asleep" (what vLLM says meanwhile) or too busy to answer gives
-        nothing up. Found asleep while the listing says otherwise, the controller is asked now (drains_now)."""
+        """Whether the controller drains the worker (a pause with mode=wait, a reset that does not preempt): the
+        request sent there is answered there, so a probe finding it "asleep" (what vLLM says during a pause) or too
+        busy to answer gives nothing up. Found asleep while the listing says otherwise, the controller is asked now (drains_now)."""
         if self.directory.draining(t.worker):
             return True
         return seen == ASLEEP and await self.directory.drains_now(t.worker)

@@ -86,7 +86,7 @@ class Verbs:
         (`settle`: nothing new is routed here meanwhile), then call vLLM, then adopt and record the witness."""
         async with self.lock:
             self._unsent_if_stopped(call)
-            self.transitioning, self.draining = True, lc.drains(call)
+            self.transitioning, self.draining = True, lc.lists_draining(call)
             try:
                 w = await self._lifecycle(call, settle)
             except WorkerHttpError as e:
@@ -173,8 +173,8 @@ class Verbs:
 
     async def _drained_reset(self, call: lc.Call, resp: Any) -> Any:
         """vLLM refuses a prefix-cache reset while requests hold blocks (success:false, nothing changed). The
-        worker is not serving while a verb runs (`transitioning`: the router sends it nothing new), so its
-        requests drain; the reset is asked again every DRAIN_POLL_S until it succeeds or `reset_drain_s`
+        worker is not serving while a verb runs (`transitioning`: the router sends it nothing new; listed "draining",
+        lc.lists_draining: the proxy waits for what it sent there), so its requests drain; the reset is asked again every DRAIN_POLL_S until it succeeds or `reset_drain_s`
         passes, and the last answer is the witness (still refused: kv unknown, as before).
 
         NOTE: asking once and giving up left the rank's index dropped (a refused reset is "unknown") while the

@@ -104,7 +104,7 @@ class Worker(RankEvents, Verbs, Reconcile):
         self.calibrated = True
         self.lock = asyncio.Lock()
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
-        self.draining = False  # .. one that lets the requests in flight finish (lc.drains): listed "draining"
+        self.draining = False  # .. one whose requests in flight finish there (lc.lists_draining): listed "draining"
         # the /sleep count of the last look; a restarted controller starts from the one its predecessor persisted
         first = self.ranks.get(spec.dp_rank_start)
         self.sleep_ops: float | None = first.sleep_ops if first is not None else None

@@ -214,10 +214,21 @@ def queues_clear(call: Call, response: Any) -> bool:
 def drains(call: Call) -> bool:
     """Whether vLLM finishes the requests in flight before the verb takes effect, and answers it only then:
     `/pause?mode=wait`, and `/sleep?mode=wait`, whose first step is the same pause (no new request starts; meanwhile
-    /is_sleeping already answers true; a sleep's cache reset and its memory's sleep follow the drain). The worker is
-    listed "draining" while such a verb of the controller runs, so the proxy keeps waiting for the answers it sent
-    there. NOTE: the sleep was left out at first: its requests in flight were pulled as the pause's had been."""
+    /is_sleeping already answers true; a sleep's cache reset and its memory's sleep follow the drain): its call to
+    vLLM lasts the drain. NOTE: the sleep was left out at first: its requests in flight were pulled as the pause's
+    had been."""
     return call.verb in ("pause", "sleep") and dict(call.params).get("mode") == "wait"
+
+
+def lists_draining(call: Call) -> bool:
+    """Whether the worker is listed "draining" while this verb of the controller runs: the requests in flight there
+    are answered there, so the proxy keeps waiting for them. A `drains` verb, and a prefix-cache reset that does not
+    preempt: vLLM refuses it while requests hold blocks, and the controller asks again while they finish
+    (controller/vllm/verbs.py, `_drained_reset`). NOTE: the reset was listed "unknown" (not serving) while it
+    drained, and a probe too busy to answer gave up the requests it waited for: sent again elsewhere from scratch,
+    or a 503 on a model's only worker, and the reset then drained nothing (found by review)."""
+    return drains(call) or (call.verb == "reset_prefix_cache"
+                            and dict(call.params).get("reset_running_requests") != "true")
 
 
 def confirm_awake(w: Witness, sleeping: bool) -> Witness:
