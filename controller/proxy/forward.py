@@ -269,7 +269,8 @@ class Forwarder:
     async def _drains(self, t: Target, seen: str) -> bool:
         """Whether the controller drains the worker (a pause with mode=wait, a reset that does not preempt): the
         request sent there is answered there, so a probe finding it "asleep" (what vLLM says during a pause) or too
-        busy to answer gives nothing up. Found asleep while the listing says otherwise, the controller is asked now (drains_now)."""
+        busy to answer gives nothing up. Found asleep while the listing says otherwise, the controller is asked now
+        (drains_now)."""
         if self.directory.draining(t.worker):
             return True
         return seen == ASLEEP and await self.directory.drains_now(t.worker)

@@ -174,8 +174,9 @@ class Verbs:
     async def _drained_reset(self, call: lc.Call, resp: Any) -> Any:
         """vLLM refuses a prefix-cache reset while requests hold blocks (success:false, nothing changed). The
         worker is not serving while a verb runs (`transitioning`: the router sends it nothing new; listed "draining",
-        lc.lists_draining: the proxy waits for what it sent there), so its requests drain; the reset is asked again every DRAIN_POLL_S until it succeeds or `reset_drain_s`
-        passes, and the last answer is the witness (still refused: kv unknown, as before).
+        lc.lists_draining: the proxy waits for what it sent there), so its requests drain; the reset is asked again
+        every DRAIN_POLL_S until it succeeds or `reset_drain_s` passes, and the last answer is the witness (still
+        refused: kv unknown, as before).
 
         NOTE: asking once and giving up left the rank's index dropped (a refused reset is "unknown") while the
         router went on sending the worker requests, cold, into a cache that was still whole, and the requests it

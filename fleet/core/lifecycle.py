@@ -222,13 +222,14 @@ def drains(call: Call) -> bool:
 
 def lists_draining(call: Call) -> bool:
     """Whether the worker is listed "draining" while this verb of the controller runs: the requests in flight there
-    are answered there, so the proxy keeps waiting for them. A `drains` verb, and a prefix-cache reset that does not
-    preempt: vLLM refuses it while requests hold blocks, and the controller asks again while they finish
-    (controller/vllm/verbs.py, `_drained_reset`). NOTE: the reset was listed "unknown" (not serving) while it
-    drained, and a probe too busy to answer gave up the requests it waited for: sent again elsewhere from scratch,
-    or a 503 on a model's only worker, and the reset then drained nothing (found by review)."""
-    return drains(call) or (call.verb == "reset_prefix_cache"
-                            and dict(call.params).get("reset_running_requests") != "true")
+    are answered there, so the proxy keeps waiting for them. A `drains` verb, and a prefix-cache reset: one that does
+    not preempt is refused by vLLM while requests hold blocks, and the controller asks again while they finish
+    (controller/vllm/verbs.py, `_drained_reset`); one that preempts (reset_running_requests) has vLLM compute them
+    again there. NOTE: a reset was listed "unknown" (not serving) while it ran, and a probe too busy to answer gave
+    up the requests it waited for: sent again elsewhere from scratch, or a 503 on a model's only worker, and a
+    draining reset then drained nothing (found by review). The preempting reset's window is short (its settle and one
+    call), and listed "unknown" a probe that got no answer in time could give up its request the same way."""
+    return drains(call) or call.verb == "reset_prefix_cache"
 
 
 def confirm_awake(w: Witness, sleeping: bool) -> Witness:

@@ -223,3 +223,17 @@ def test_the_sleep_count_is_remembered_when_it_moves_and_a_junk_one_reads_as_non
     assert RankState.from_json(t.state.to_json()) == t.state
     for junk in ("2", True, -1.0, float("nan"), [1]):
         assert RankState.from_json(t.state.to_json() | {"sleep_ops": junk}).sleep_ops is None
+
+
+def test_every_reset_and_the_wait_mode_pause_and_sleep_are_listed_draining_and_nothing_else() -> None:
+    """lists_draining: the verbs whose requests in flight are answered where they run (finished first, or preempted
+    and computed again), so the proxy waits for them (docs/lifecycle.md)."""
+    from fleet.core.lifecycle import lists_draining, plan
+
+    listed = [plan("reset_prefix_cache"), plan("reset_prefix_cache", reset_running_requests=True),
+              plan("reset_prefix_cache", reset_running_requests=False), plan("pause", mode="wait"),
+              plan("sleep", level=1, mode="wait")]
+    not_listed = [plan("sleep", level=1), plan("sleep", level=1, mode="abort"), plan("pause", mode="abort"),
+                  plan("pause", mode="keep"), plan("wake_up"), plan("resume"), plan("release_kv_cache_memory")]
+    assert all(lists_draining(c) for c in listed)
+    assert not any(lists_draining(c) for c in not_listed)

@@ -5,8 +5,9 @@ The controller lists the worker "draining" while such a reset runs (fleet.core.l
 listed "unknown" (not serving), and a probe of the worker that did not answer in time (a loaded vLLM answers
 /is_sleeping slowly; probe_timeout_s=1e-6 here makes every probe that) gave up the request it was finishing: sent
 again to another worker from scratch (x-kvfleet-attempts 2), or a 503 on a model's only worker, whose reset then
-"drained" in a moment, the request abandoned. Control: a preempting reset (reset_running_requests=true) does not
-drain and is not listed draining; its request is answered where it ran. Real parts: a controller, clocked sim-vllm
+"drained" in a moment, the request abandoned. A preempting reset (reset_running_requests=true) does not drain, but
+its request too is answered where it ran (computed again), so it is listed draining as well (its window is short:
+the listing's poll may miss it, so that is checked on the rule itself, tests/fleet/test_lifecycle_transitions.py). Real parts: a controller, clocked sim-vllm
 workers (~10 ms a token), a proxy in front; the verb goes through the SDK.
 """
 
@@ -89,16 +90,16 @@ async def test_a_draining_reset_of_the_only_worker_waits_for_its_request(tmp_pat
         await fleet.stop()
 
 
-async def test_control_a_preempting_reset_is_not_listed_draining(tmp_path) -> None:
-    """reset_running_requests=true: vLLM preempts the request and computes it again; no drain, never listed
-    draining, and the request is still answered where it ran."""
+async def test_a_preempting_reset_answers_its_request_where_it_ran(tmp_path) -> None:
+    """reset_running_requests=true: vLLM preempts the request and computes it again; no drain, and the request is
+    answered where it ran."""
     fleet = await start_fleet(tmp_path, num_workers=2, engine_kw=ENGINE, **SILENT_PROBES)
     try:
         status, h, raw, x, w, phases = await _reset_under_a_request(fleet, False, reset_running_requests=True)
         print(f"preempting reset: {status} from {h.get('x-kvfleet-worker')} (reset {x}), attempts "
               f"{h.get('x-kvfleet-attempts')}; listed {sorted(phases)}")
         assert status == 200 and h["x-kvfleet-worker"] == x and h["x-kvfleet-attempts"] == "1", raw[:300]
-        assert "draining" not in phases and (w.kv, w.serving) == ("forgotten", True)
+        assert (w.kv, w.serving) == ("forgotten", True)
         assert fleet.sims[x].engine.preempted_prefill > 0
     finally:
         await fleet.stop()
