@@ -96,7 +96,7 @@ class Record:
     issued: int = 0  # its place in issue order (lifecycle events carry the same count: at_request)
     issued_s: float | None = None  # when, seconds into the run (lifecycle events carry t_s, when they ended)
     finish_reason: str | None = None  # the stream's last one; "abort": the worker ended it unfinished
-    worker: str | None = None  # where kvfleet's proxy sent it (its x-kvfleet-worker header)
+    worker: str | None = None  # where kvfleet's proxy (x-kvfleet-worker) or the blind front (x-blind-worker) sent it
 
 
 @dataclass(slots=True)
@@ -257,7 +257,9 @@ class Driver:
                         h.get("x-kvfleet-matched-tokens") or h.get("x-blind-matched-tokens") or 0
                     )
                     rec.attempts = int(h.get("x-kvfleet-attempts") or 1)
-                    rec.worker = h.get("x-kvfleet-worker")
+                    # NOTE: the blind front names its worker in its own header; without it every kvfleet-blind record
+                    # had no worker, so none of its stale warm routes could be counted raced (report.stale_raced)
+                    rec.worker = h.get("x-kvfleet-worker") or h.get("x-blind-worker")
                     first = await r.content.readuntil(b"\n\n") if r.status == 200 else b""
                     rec.ttft_s = time.perf_counter() - t0 if first else None
                     raw = first + await r.read()
