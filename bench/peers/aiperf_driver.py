@@ -101,6 +101,19 @@ def command(aiperf: str, url: str, model: str, trace: Path, out: Path, headers: 
     return cmd
 
 
+# NOTE: AIPerf's error types for a request its --request-timeout-seconds (the bench's --timeout) cut: aiohttp's total
+# timeout raises TimeoutError (no code), and a request never sent within it is RequestSendTimeout (code 0). They were
+# read as failures (status -1), so the report neither counted them timed out nor put them in the TTFT percentiles at
+# the timeout, as it does for the bench's own driver: a contender whose requests timed out got a better TTFT tail
+TIMEOUT_ERRORS = ("TimeoutError", "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError",
+                  "RequestSendTimeout")
+
+
+def timed_out(err: Any) -> bool:
+    """Whether AIPerf's error for a request says the client timeout cut it (the bench's status 0)."""
+    return isinstance(err, dict) and err.get("type") in TIMEOUT_ERRORS
+
+
 def records(export: Path, name: str) -> tuple[list[dict[str, Any]], float]:
     """AIPerf's per-request export as the bench's Record fields, and the wall time from first send to last end."""
     out, starts, ends = [], [], []
@@ -118,10 +131,11 @@ def records(export: Path, name: str) -> tuple[list[dict[str, Any]], float]:
         ends.append(md.get("request_end_ns", 0))
         ttft = val("time_to_first_token")
         lat = val("request_latency")
-        status = 200 if not err else int(err.get("code") or -1) if isinstance(err, dict) else -1
+        cut = timed_out(err)
+        status = 200 if not err else 0 if cut else int(err.get("code") or -1) if isinstance(err, dict) else -1
         out.append({
             "session": f"{name}-r{i}", "turn": 0, "status": status,
-            "ttft_s": ttft / 1000 if ttft is not None and not err else None,
+            "ttft_s": ttft / 1000 if ttft is not None and (not err or cut) else None,
             "total_s": lat / 1000 if lat is not None else None,
             "prompt_tokens": val("usage_prompt_tokens"), "cached_tokens": val("usage_prompt_cache_read_tokens"),
             "verdict": None, "matched_tokens": 0, "attempts": 1,

@@ -1,7 +1,9 @@
-"""The fleet routing report's TTFT percentiles: which requests count, and at what."""
+"""The fleet routing report's TTFT percentiles: which requests count, and at what, for the bench's own driver and
+for AIPerf's (bench/peers/aiperf_driver.py reads AIPerf's per-request export)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+from peers.aiperf_driver import records  # noqa: E402
 from peers.report import pct, summarize  # noqa: E402
 
 
@@ -36,3 +39,34 @@ def test_a_request_that_timed_out_after_its_first_token_keeps_that_ttft() -> Non
     s = summarize(_run([*fast, _rec(0, None), _rec(0, None)]))
     assert s["ttft_p99"] == 10.0 and s["ttft_lower_bound"]
 
+
+def _export(path: Path, errors: list[dict[str, Any] | None]) -> Path:
+    """AIPerf 0.13's profile_export.jsonl shape: one line per request (the error's shape as AIPerf wrote it for a
+    request its --request-timeout-seconds cut)."""
+    lines = []
+    for i, err in enumerate(errors):
+        md = {"session_num": i, "request_start_ns": i * 10**9, "request_end_ns": i * 10**9 + 10**8}
+        m = {"error_isl": {"value": 531, "unit": "tokens"}} if err else {
+            "time_to_first_token": {"value": 50.0, "unit": "ms"}, "request_latency": {"value": 100.0, "unit": "ms"},
+            "usage_prompt_tokens": {"value": 531, "unit": "tokens"},
+            "usage_prompt_cache_read_tokens": {"value": 0, "unit": "tokens"}}
+        lines.append(json.dumps({"metadata": md, "metrics": m, **({"error": err} if err else {})}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+TIMEOUT = {"type": "TimeoutError", "message": "TimeoutError()", "cause": "CancelledError()",
+           "cause_chain": ["TimeoutError", "CancelledError"]}
+
+
+def test_requests_aiperf_timed_out_count_as_timed_out(tmp_path: Path) -> None:
+    recs, _ = records(_export(tmp_path / "x.jsonl", [None] * 8 + [TIMEOUT] * 2), "mooncake")
+    assert [r["status"] for r in recs] == [200] * 8 + [0] * 2
+    s = summarize(_run(recs, driver={"name": "aiperf"}))
+    assert s["timed_out"] == 2 and s["ok"] == 8
+    assert s["ttft_p99"] == 10.0 and s["ttft_lower_bound"]  # at the client timeout, as the bench's own driver
+    # control: another error stays a failure, outside the TTFT percentiles
+    other = {"type": "ClientConnectorError", "message": "refused", "code": None}
+    recs, _ = records(_export(tmp_path / "y.jsonl", [None] * 8 + [other] * 2), "mooncake")
+    s = summarize(_run(recs, driver={"name": "aiperf"}))
+    assert s["timed_out"] == 0 and s["errors"] == 2 and s["ttft_p99"] == 0.05 and not s["ttft_lower_bound"]
