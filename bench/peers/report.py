@@ -1,8 +1,9 @@
 """The fleet routing bench's figures: per-run summaries, the markdown section and the plot.
 
 Ratios are against the best PEER (vllm-router, sglang-router, the sticky hash) of the same cell,
-on each metric separately: prefilled tokens against the peer that prefilled least, TTFT p99
-against the peer with the lowest p99, requests/s against the fastest peer.
+on each metric separately: prefilled tokens against the peer that prefilled least of those that
+completed every request, TTFT p99 against the peer with the lowest p99, requests/s against the
+fastest peer.
 """
 
 from __future__ import annotations
@@ -121,8 +122,12 @@ def best_peers(cell: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]] | N
     if not peers:
         return {"prefilled": None, "ttft_p99": None, "rps": None}
     with_ttft = [p for p in peers if p[1]["ttft_p99"] is not None]
+    # NOTE: a request that failed before a worker admitted it prefilled nothing, so a peer that lost requests could be
+    # the best on prefill by the prompts it never ran; only a peer that completed every request is compared (any peer
+    # where none did). A peer's TTFT counts its timed-out requests at the timeout, and req/s counts completed ones
+    whole = [p for p in peers if p[1]["ok"] == p[1]["n"]] or peers
     return {
-        "prefilled": min(peers, key=lambda p: p[1]["prefilled"]),
+        "prefilled": min(whole, key=lambda p: p[1]["prefilled"]),
         "ttft_p99": min(with_ttft, key=lambda p: p[1]["ttft_p99"]) if with_ttft else None,
         "rps": max(peers, key=lambda p: p[1]["rps"]),
     }
@@ -365,7 +370,9 @@ def report(results: dict[str, Any]) -> str:
         "an eviction its index had not yet seen); \"raced\" counts those of them that raced a reset or a sleep "
         "behind the router's back on their own worker (issued before the action ended, first token after it "
         "began: the blocks were there when it routed). Ratios are against the best peer of the cell on "
-        "each metric (lower is better for prefill and TTFT, higher for req/s). There is no oracle here (no "
+        "each metric (lower is better for prefill and TTFT, higher for req/s; on prefill, of the peers that "
+        "completed every request, where one did: a request that failed before it ran prefilled nothing). There "
+        "is no oracle here (no "
         "offline optimum is computed anywhere in this repo; the greedy rule with perfect knowledge in the "
         "fleet prefill section is not one). Each contender ran once per cell, and placement "
         "depends on how concurrent requests interleave: while this bench was written, three runs of one quick "
