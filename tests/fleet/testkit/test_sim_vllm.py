@@ -371,3 +371,17 @@ async def test_a_reset_with_reset_running_requests_preempts_and_the_request_stil
         if "AllBlocksCleared" in kinds and kinds[-1] == "BlockStored":
             break
     assert "AllBlocksCleared" in kinds and kinds.index("AllBlocksCleared") < len(kinds) - 1
+
+
+async def test_a_reset_with_only_waiting_requests_succeeds_as_in_vllm(clocked) -> None:
+    """vLLM refuses a reset while blocks are held; a waiting request holds none (a preempted one gave its back), so
+    with requests queued and none running the reset succeeds, and the queued request then runs. Before, the stand-in
+    refused it too, so the controller's drain waited on the whole queue (a sleeping engine's waiters here)."""
+    s, http, _sub = clocked
+    await _post(http, s.url + "/sleep", params={"level": "1"})
+    queued = asyncio.create_task(_post(http, s.url + "/v1/completions", json={"prompt": list(range(700, 732))}))
+    await _until_waiting(http, s, 1)
+    assert s.engine.running == 0
+    assert await _post(http, s.url + "/reset_prefix_cache") == (200, {"success": True})
+    await _post(http, s.url + "/wake_up")
+    assert (await queued)[0] == 200

@@ -222,13 +222,16 @@ class SimEngine(PrefixCache):
         self._update_serving()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's reset: refused (success:false, nothing changed) while requests hold blocks, unless
+        """vLLM's reset: refused (success:false, nothing changed) while running requests hold blocks, unless
         `reset_running_requests`: then the running requests are preempted (their blocks freed, their work
         recomputed when they are scheduled again) and the cache is reset at once."""
         if self._instant_running or self._instant_waiting:
             return False  # the time_scale 0 path cannot preempt a request it is answering
-        if (self.running or self.waiting) and not reset_running_requests:
-            return False  # blocks are held by requests in flight: vLLM answers success:false
+        if self.running and not reset_running_requests:
+            # blocks are held by the running requests: vLLM answers success:false. NOTE: waiting ones hold none (a
+            # preempted request gave its back), and vLLM resets with them queued; refused, a drain here waited on
+            # the whole queue, where vLLM's waits for the running requests alone (found by review)
+            return False
         self._reset_cache()
         self.kick.set()
         return True
