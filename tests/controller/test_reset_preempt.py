@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
+from support.stand_ins import complete, routed_stand_ins
 
-from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
+from controller.router import Router
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument
 
 RUNNING = list(range(1000, 1100))  # 6 full blocks, running while the reset comes
@@ -28,10 +25,9 @@ BLOCK = 16
 
 
 async def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens}
-    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200
-        return await resp.json()
+    status, body = await complete(url, prompt, max_tokens)
+    assert status == 200
+    return body
 
 
 async def _warm_on_w0(r: Router, prompt: list[int]) -> int:
@@ -60,14 +56,8 @@ async def _until(cond, what: str) -> None:
 async def test_a_preempting_reset_answers_at_once_and_the_preempted_requests_blocks_are_warm_again(
     tmp_path, preempt: bool | None
 ) -> None:
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
     eng = SimEngineConfig(model="m", num_blocks=64, time_scale=1.0, decode_base_s=0.04)
-    sims = [await SimVllm(SimConfig(engine=eng)).start() for _ in range(2)]
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, reset_drain_s=10.0))
-    await r.start()
-    try:
-        for i, sim in enumerate(sims):
-            await r.register_worker(WorkerSpec(f"w{i}", sim.url, sim.kv_events, sim.replay, "m"))
+    async with routed_stand_ins(tmp_path, eng, reset_drain_s=10.0) as (r, sims):
         await _complete(sims[0].url, ENDED, 1)
         full = len(ENDED) // BLOCK * BLOCK
         await _until(lambda: _warm(r, ENDED, full), "the index to hold the ended request's blocks")
@@ -92,10 +82,6 @@ async def test_a_preempting_reset_answers_at_once_and_the_preempted_requests_blo
         assert d.worker == "w0" and d.verdict == "WARM" and d.matched_tokens == full
         got = await _complete(sims[0].url, RUNNING + [7], 1)
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= d.matched_tokens  # not a stale claim
-    finally:
-        await r.stop()
-        for sim in sims:
-            await sim.stop()
 
 
 @pytest.mark.parametrize("verb, value", [("sleep", True), ("pause", False), ("reset_prefix_cache", "yes")])
@@ -114,13 +100,7 @@ async def test_a_reset_waits_for_the_routes_on_their_way_preempting_or_not(tmp_p
     docs/lifecycle.md), a preempting reset too: let through, its own verb would break the WARM claim it had just made.
     Measured without the settle for the preempting reset: 0-2 such stale claims per run in two bench cells, and no
     consistent prefill saving (docs/lifecycle.md)."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sims = [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=64))).start() for _ in range(2)]
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, reset_drain_s=10.0))
-    await r.start()
-    try:
-        for i, sim in enumerate(sims):
-            await r.register_worker(WorkerSpec(f"w{i}", sim.url, sim.kv_events, sim.replay, "m"))
+    async with routed_stand_ins(tmp_path, SimEngineConfig(model="m", num_blocks=64), reset_drain_s=10.0) as (r, sims):
         await _complete(sims[0].url, ENDED, 1)
         await _until(lambda: _warm(r, ENDED, len(ENDED) // BLOCK * BLOCK), "the index to hold the blocks")
         d = await r.route(ENDED + [7], "m", track=True)  # on its way: tracked, never released here
@@ -128,7 +108,3 @@ async def test_a_reset_waits_for_the_routes_on_their_way_preempting_or_not(tmp_p
         w = await r.lifecycle("w0", "reset_prefix_cache", reset_running_requests=preempt)
         assert w.kv == "forgotten"
         assert r.metrics.lifecycle_settles._value.get() == 1
-    finally:
-        await r.stop()
-        for sim in sims:
-            await sim.stop()

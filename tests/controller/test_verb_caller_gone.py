@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 from support.proxy_fleet import MODEL, Fleet, start_fleet, until
+from support.stand_ins import complete
 
 from fleet.core.block_hash import external_chain
 from fleet.sdk import AsyncFleetClient
@@ -26,10 +26,7 @@ BLOCK = 16
 
 
 async def _complete(url: str, prompt: list[int], max_tokens: int) -> int:
-    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions",
-                                                    json={"prompt": prompt, "max_tokens": max_tokens}) as resp:
-        await resp.read()
-        return resp.status
+    return (await complete(url, prompt, max_tokens))[0]
 
 
 def _held(fleet: Fleet, prompt: list[int]) -> int:

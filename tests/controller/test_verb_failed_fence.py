@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
+from support.stand_ins import complete, routed_stand_ins
 
-from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
+from controller.router import Router
 from controller.vllm.http import WorkerHttpError
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-from fleet.cas import open_store
+from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 
 LONG = list(range(9000, 9040))
@@ -30,10 +28,7 @@ BLOCK = 16
 
 
 async def _complete(url: str, prompt: list[int], max_tokens: int) -> int:
-    async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions",
-                                                    json={"prompt": prompt, "max_tokens": max_tokens}) as resp:
-        await resp.read()
-        return resp.status
+    return (await complete(url, prompt, max_tokens))[0]
 
 
 async def _until(cond, what: str) -> None:
@@ -61,20 +56,10 @@ async def _route(r: Router, prompt: list[int]) -> tuple[str, str, int]:
 
 @pytest.fixture
 async def fleet(tmp_path):
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
     eng = SimEngineConfig(model="m", num_blocks=64, time_scale=1.0, decode_base_s=0.04, max_num_seqs=1)
-    sims = [await SimVllm(SimConfig(engine=eng)).start() for _ in range(2)]
     # the pause's call is bounded by 0.3 s: the drain below outlasts it
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, http_timeout_s=0.3, reset_drain_s=0.0))
-    await r.start()
-    try:
-        for i, sim in enumerate(sims):
-            await r.register_worker(WorkerSpec(f"w{i}", sim.url, sim.kv_events, sim.replay, "m"))
+    async with routed_stand_ins(tmp_path, eng, http_timeout_s=0.3, reset_drain_s=0.0) as (r, sims):
         yield r, sims[0]
-    finally:
-        await r.stop()
-        for sim in sims:
-            await sim.stop()
 
 
 async def test_a_wait_pause_that_outlasts_its_call_fences_what_its_drain_stores(fleet) -> None:
