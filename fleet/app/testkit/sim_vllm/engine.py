@@ -8,7 +8,7 @@ restart empties the cache silently and the publisher's seq starts again at 0.
 The clock (docs/sim_vllm.md): with `time_scale > 0` requests go through `sched.Scheduler` and the
 shell in `loop.py` plays its steps out; with `time_scale == 0` each runs at once, alone (`run`), and
 only its modelled TTFT is recorded. Requests in flight meet a pause as vLLM's modes say: abort ends
-them, keep freezes them (a cache reset preempts them), wait drains them before the pause takes effect.
+them, keep freezes them (a cache reset preempts them), wait drains the running ones before the pause takes effect (waiting ones stay queued).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class SimEngine(PrefixCache):
         self.kick = asyncio.Event()  # set on every change the shell must look at
         self._clock = clock
         self._asleep_since: float | None = None
-        self._drain: set[int] = set()  # seq ids a pause(wait) lets finish
+        self._drain: set[int] = set()  # seq ids a pause(wait) lets finish: those running when it came
         self._drained_ev = asyncio.Event()  # set while no pause(wait) drains (`drained`)
         self._drained_ev.set()
         self._deferred_reset = False
@@ -168,11 +168,14 @@ class SimEngine(PrefixCache):
         self.pending.append(wire.VllmAllBlocksCleared())  # NOTE: queued, published with the next step
 
     def _hold_in_flight(self, mode: str, reset: bool) -> None:
-        """What a pause does to requests in flight: abort ends them, keep freezes, wait drains first."""
+        """What a pause does to requests in flight: abort ends them, keep freezes, wait drains the running ones
+        first. NOTE: vLLM's wait (PAUSED_NEW) lets only the requests holding blocks finish: a waiting one stays
+        queued, unscheduled, until resume or wake (Scheduler.get_num_unfinished_requests). The stand-in drained the
+        waiting ones too, so a slept or paused worker's queue finished there, where vLLM's waits for the wake."""
         if mode == "abort":
             self.sched.abort_all("abort")
-        elif mode == "wait" and self.sched.in_flight():
-            self._drain = {s.seq_id for s in self.sched.in_flight()}
+        elif mode == "wait" and self.sched.running:
+            self._drain = {s.seq_id for s in self.sched.running}
             self._drained_ev.clear()
             self._deferred_reset = self._deferred_reset or reset
             return
@@ -349,7 +352,7 @@ class SimEngine(PrefixCache):
 
     def _drained(self) -> None:
         if self._drain:
-            self._drain &= {s.seq_id for s in self.sched.in_flight()}
+            self._drain &= {s.seq_id for s in self.sched.running}  # a preempted one holds no blocks: not drained
             if not self._drain:
                 self._drained_ev.set()
             if not self._drain and self._deferred_reset:
