@@ -7,7 +7,7 @@ waiting ones staying queued until resume or wake. These drive a real SimEngine s
 
 from __future__ import annotations
 
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import EnginePaused, SimEngine, SimEngineConfig
 from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING
 from fleet.app.testkit.sim_vllm.wire import VllmAllBlocksCleared
 
@@ -51,3 +51,44 @@ def test_a_wait_pause_with_only_waiting_requests_completes_at_once() -> None:
     eng.pause("wait", clear_cache=True)
     assert eng.plan() is None and queued.state == WAITING  # nothing to drain: not run
     assert len(eng.pending) == 1 and isinstance(eng.pending[0], VllmAllBlocksCleared)  # the reset came at once
+
+
+def test_a_full_wake_resumes_a_pause_and_a_released_worker_as_vllm_does() -> None:
+    eng, _ = make_engine()
+    eng.pause("abort", clear_cache=False)
+    assert eng.wake_up(None) and not eng.is_sleeping()  # vLLM: "awake", scheduling (the stand-in: "sleeping")
+    eng.submit(list(range(16)), 1)  # no longer refused
+    play(eng)
+    eng.pause("keep", clear_cache=False)
+    assert eng.release_kv_cache_memory() and eng.is_sleeping()
+    assert eng.wake_up(["kv_cache"]) and not eng.is_sleeping()  # the documented restore: a wake
+
+
+def test_resume_clears_a_sleeps_pause_and_a_sleep_keeps_a_pauses_refusal() -> None:
+    eng, _ = make_engine()
+    eng.sleep(0, "abort")
+    eng.resume()
+    assert not eng.is_sleeping()  # vLLM's resume_scheduler, whoever paused (the stand-in: still asleep)
+    eng.sleep(1, "abort")
+    eng.resume()
+    assert eng.is_sleeping()  # its memory is still asleep: only a wake brings it back
+    eng.wake_up(None)
+    eng.pause("abort", clear_cache=True)
+    eng.sleep(1, "keep")  # a sleep's pause leaves the /pause's refusal of new requests as it is
+    try:
+        eng.submit(list(range(16)), 1)
+    except EnginePaused:
+        pass
+    else:
+        raise AssertionError("a request to a paused, then slept worker was accepted; vLLM answers 503")
+    assert eng.wake_up(None) and eng.submit(list(range(16)), 1).state == WAITING  # the wake lifts it
+
+
+def test_a_release_waits_for_a_wait_pause_to_complete() -> None:
+    eng, _ = make_engine()
+    eng.submit(list(range(32)), 3)
+    eng.finish(eng.plan())
+    eng.pause("wait", clear_cache=False)
+    assert not eng.release_kv_cache_memory()  # vLLM: "requires a completed pause first"
+    play(eng)
+    assert eng.release_kv_cache_memory()

@@ -162,7 +162,7 @@ def build_app(sim: Sim) -> web.Application:
         return _j({"is_sleeping": eng.is_sleeping()})
 
     async def is_paused(req: web.Request) -> web.Response:
-        return _j({"is_paused": eng.paused_by == "pause"})
+        return _j({"is_paused": eng.paused_by is not None})  # vLLM: the scheduler paused, a sleep's pause included
 
     async def health(req: web.Request) -> web.Response:
         return web.Response(status=200)  # NOTE: 200 while asleep or paused, as vLLM

@@ -110,8 +110,10 @@ class SimEngine(PrefixCache):
         )
         self.cfg = cfg
         self.sleeping_tags: set[str] = set()
-        self.paused_by: str | None = None  # "sleep" | "pause" | None
-        self.pause_mode = "abort"
+        # vLLM's one scheduler pause state, whoever set it (is_scheduler_paused): "sleep" | "pause" | None, the last
+        # verb that paused it; /resume and a full wake clear it either way (EngineCore.resume_scheduler)
+        self.paused_by: str | None = None
+        self.reject_new = False  # vLLM's reject_new_requests: set by /pause abort|wait alone, cleared with the pause
         self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         self.sched = Scheduler(cfg.cost_model(), cfg.max_num_seqs, cfg.max_num_batched_tokens, pool=self,
                                policy=cfg.scheduling_policy)
@@ -188,7 +190,7 @@ class SimEngine(PrefixCache):
         executor's sleep, a no-op while its memory is asleep already. NOTE: a sleep while asleep was a no-op here
         as a whole: a level-1 sleep after a level-0 one kept the cache vLLM discards, and no clear came."""
         self.sleep_ops["sleep"] = self.sleep_ops.get("sleep", 0) + 1
-        self.paused_by, self.pause_mode = "sleep", mode
+        self.paused_by = "sleep"
         self._hold_in_flight(mode, reset=level >= 1)
         if not self.sleeping_tags:
             if level >= 1:
@@ -204,8 +206,10 @@ class SimEngine(PrefixCache):
         else:
             self.sleeping_tags.difference_update(tags)
         if not self.sleeping_tags:
-            if self.paused_by == "sleep":
-                self.paused_by = None
+            # NOTE: vLLM resumes its scheduler once no memory is asleep, whoever paused it (a /pause, or a pause
+            # before /release_kv_cache_memory, included); the stand-in resumed a sleep's pause alone and answered
+            # "sleeping" to a wake of a paused or released worker that vLLM answers "awake" and serves
+            self.paused_by, self.reject_new = None, False
             self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         self._update_serving()
         return not self.is_sleeping()
@@ -213,15 +217,16 @@ class SimEngine(PrefixCache):
     def pause(self, mode: str, clear_cache: bool) -> None:
         if self.paused_by is None:
             self.paused_by = "pause"
-        self.pause_mode = mode
+        self.reject_new = mode != "keep"  # vLLM's pause_generation; a sleep leaves the flag as it is
         # NOTE: vLLM's engine resets with clear_cache in every mode (EngineCoreProc.pause_scheduler), keep included,
         # whatever its /pause docstring says; the stand-in ignored it for keep, so a pause keep kept the cache here
         self._hold_in_flight(mode, reset=clear_cache)
         self._update_serving()
 
     def resume(self) -> None:
-        if self.paused_by == "pause":
-            self.paused_by = None
+        """vLLM's resume_scheduler: clears the pause whoever set it (a level-0 sleep's too; memory asleep stays
+        asleep). NOTE: the stand-in resumed a /pause alone."""
+        self.paused_by, self.reject_new = None, False
         self._update_serving()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -240,7 +245,8 @@ class SimEngine(PrefixCache):
         return True
 
     def release_kv_cache_memory(self) -> bool:
-        if self.paused_by is None or self.sleeping_tags:
+        """vLLM's: needs a completed pause (a wait pause still draining is not) and all memory resident."""
+        if self.paused_by is None or self.sleeping_tags or self._drain:
             return False
         self._reset_cache()
         self.sleeping_tags = {"kv_cache"}
@@ -257,7 +263,7 @@ class SimEngine(PrefixCache):
         self.cache.clear()
         self.pending.clear()
         self.sleeping_tags.clear()
-        self.paused_by = None
+        self.paused_by, self.reject_new = None, False
         self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         self.start_time = time.time()
         self.sleep_ops = {}
@@ -297,7 +303,7 @@ class SimEngine(PrefixCache):
         return res
 
     def _check_admit(self) -> None:
-        if self.paused_by == "pause" and self.pause_mode in ("abort", "wait"):
+        if self.reject_new:
             raise EnginePaused("engine_paused")
 
     # requests: clocked (time_scale > 0), driven by loop.EngineLoop
