@@ -2,9 +2,10 @@
 the history their logs are charged, made once the fleet is built; a tenant's counts are rebuilt from the registry
 and the op logs the first time it calls (a restart loses nothing).
 
-Sessions (controller/sessions.py) reserves a call's tokens in it before the call runs and settles them when the call
-ends, and sets a session's counts from each answer. What reads the store here runs on the tenant's lane: the fleet
-and the lane are Sessions' own (`Sessions.get_fleet`, `Sessions._run`), passed in.
+Sessions (controller/sessions.py; its calls: controller/session_calls.py) reserves a call's tokens in it before the
+call runs and settles them when the call ends, and sets a session's counts from each answer. What reads the store
+here runs on the tenant's lane: the fleet and the lane are Sessions' own (`Sessions.get_fleet`, `Sessions._run`),
+passed in.
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ def call_fingerprint(verb: str, *args: object) -> str:
     """The fingerprint of one mutating call: its verb (the SessionKernel / KernelFleet method) and a hash of
     the arguments that say what it does (token ids and role, a blob ref, a count, a piece and a mode), never
     its op id. The host stamps it on every op the call logs; the controller computes the same for the same
-    call (`controller/sessions.py` `_logged`), so both refuse an op id reused for another call.
+    call (`controller/session_calls.py` `_logged`), so both refuse an op id reused for another call.
 
     NOTE: token ids are hashed as little-endian int64s, not as JSON: 1 ms for 32k ids (JSON: 3.6 ms), on the
     host's event loop.
