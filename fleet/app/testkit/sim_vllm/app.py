@@ -47,14 +47,16 @@ def build_app(sim: Sim) -> web.Application:
         mode = req.query.get("mode", "abort")
         if level not in (0, 1, 2) or mode not in ("abort", "wait", "keep"):
             return _j({"detail": "invalid level or mode"}, 422)
-        eng.sleep(level, mode)
-        if mode == "wait":  # NOTE: vLLM's sleep pauses first, as /pause does, and answers once the drain is done
-            await eng.drained()
+        with eng.ops.record("sleep"):  # in flight until the sleep has completed (sleep_ops.py)
+            eng.sleep(level, mode)
+            if mode == "wait":  # NOTE: vLLM's sleep pauses first, as /pause does, and answers once the drain is done
+                await eng.drained()
         return _j({"status": "sleeping", "level": level})
 
     async def wake_up(req: web.Request) -> web.Response:
         tags = req.query.getall("tags", None)
-        awake = eng.wake_up(list(tags) if tags else None)
+        with eng.ops.record("wake"):
+            awake = eng.wake_up(list(tags) if tags else None)
         return _j({"status": "awake" if awake else "sleeping", "tags": list(tags) if tags else None})
 
     async def pause(req: web.Request) -> web.Response:
@@ -77,7 +79,9 @@ def build_app(sim: Sim) -> web.Application:
         return _j({"success": eng.reset_prefix_cache(reset_running_requests=preempt)})
 
     async def release(req: web.Request) -> web.Response:
-        if not eng.release_kv_cache_memory():
+        with eng.ops.record("release_kv_cache_memory"):  # vLLM counts a refused one too (its engine raised)
+            released = eng.release_kv_cache_memory()
+        if not released:
             return _j(
                 {"error": "release_kv_cache_memory needs a completed pause with all memory resident"}, 400
             )

@@ -22,6 +22,7 @@ from typing import Any
 from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.cache import PrefixCache, StepResult
 from fleet.app.testkit.sim_vllm.sched import POLICIES, CostModel, Scheduler, Seq, Step, lone_ttft_s
+from fleet.app.testkit.sim_vllm.sleep_ops import SleepOps
 from fleet.core.block_hash import HashConfig
 from fleet.core.errors import InvalidArgument
 
@@ -127,8 +128,8 @@ class SimEngine(PrefixCache):
         self._instant_running = self._instant_waiting = 0  # requests on the time_scale 0 path
         self.start_time = time.time()
         self.generation = 0
-        # vllm:sleep_mode_operation_duration_seconds_count, lazily created
-        self.sleep_ops: dict[str, int] = {}
+        self.ops = SleepOps()  # the sleep-mode operation series, kept by the HTTP handlers (app.py)
+        self._slept_state: dict[str, int] | None = None  # the sleep state a /sleep still draining sets once done
         self._serving = asyncio.Event()
         self._serving.set()
 
@@ -159,6 +160,7 @@ class SimEngine(PrefixCache):
         self._asleep_since = None
         self._drain.clear()
         self._drained_ev.set()  # a drain cut short (woken, resumed, restarted) ends too
+        self._slept_state = None
         if self._deferred_reset:
             self._deferred_reset = False
             self._reset_cache()
@@ -188,19 +190,26 @@ class SimEngine(PrefixCache):
     def sleep(self, level: int, mode: str) -> None:
         """vLLM's EngineCore.sleep: pause (level >= 1: with the cache reset, AllBlocksCleared queued), then the
         executor's sleep, a no-op while its memory is asleep already. NOTE: a sleep while asleep was a no-op here
-        as a whole: a level-1 sleep after a level-0 one kept the cache vLLM discards, and no clear came."""
-        self.sleep_ops["sleep"] = self.sleep_ops.get("sleep", 0) + 1
+        as a whole: a level-1 sleep after a level-0 one kept the cache vLLM discards, and no clear came.
+
+        The sleep state changes once the sleep has completed, as vLLM's frontend records it after the engine answered:
+        at once, or, with mode=wait, when the drain is done (`_drained`). NOTE: set at the start, a draining sleep
+        showed asleep where vLLM shows awake, with the operation in flight (`vllm:sleep_mode_operations_in_flight`)."""
         self.paused_by = "sleep"
         self._hold_in_flight(mode, reset=level >= 1)
+        state = None
         if not self.sleeping_tags:
             if level >= 1:
                 self.sleeping_tags = {"weights", "kv_cache"}
-            self.sleep_state = {"awake": 0, "weights_offloaded": int(level == 1), "discard_all": int(level == 2)}
+            state = {"awake": 0, "weights_offloaded": int(level == 1), "discard_all": int(level == 2)}
         self._update_serving()
+        if state is not None and self._drain:
+            self._slept_state = state
+        elif state is not None:
+            self.sleep_state = state
 
     def wake_up(self, tags: list[str] | None) -> bool:
         """Returns True when fully awake; partial wakes leave the engine asleep."""
-        self.sleep_ops["wake"] = self.sleep_ops.get("wake", 0) + 1
         if tags is None:
             self.sleeping_tags.clear()
         else:
@@ -266,7 +275,7 @@ class SimEngine(PrefixCache):
         self.paused_by, self.reject_new = None, False
         self.sleep_state = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         self.start_time = time.time()
-        self.sleep_ops = {}
+        self.ops = SleepOps()  # a new process: its series are created again on its first sleep-mode call
         self.generation += 1
         self._update_serving()
 
@@ -361,6 +370,8 @@ class SimEngine(PrefixCache):
             self._drain &= {s.seq_id for s in self.sched.running}  # a preempted one holds no blocks: not drained
             if not self._drain:
                 self._drained_ev.set()
+            if not self._drain and self._slept_state is not None:
+                self.sleep_state, self._slept_state = self._slept_state, None  # the draining sleep has completed
             if not self._drain and self._deferred_reset:
                 self._deferred_reset = False
                 self._reset_cache()  # NOTE: queued, published with the step after wake

@@ -153,13 +153,23 @@ def metrics_text(e: SimEngine, dp_rank: int = 0) -> str:
         [f"vllm:cache_config_info{{{info}}} 1.0"],
     )
     lines += ["# TYPE process_start_time_seconds gauge", f"process_start_time_seconds {e.start_time}"]
-    if e.sleep_ops:  # created lazily on the first sleep-mode call, as vLLM does: absent != 0
-        lines.append("# TYPE vllm:sleep_mode_operation_duration_seconds histogram")
-        for op, n in sorted(e.sleep_ops.items()):
-            ol = f'{lab},operation="{op}"'
-            lines += [
-                f'vllm:sleep_mode_operation_duration_seconds_bucket{{{ol},le="+Inf"}} {float(n)}',
-                f"vllm:sleep_mode_operation_duration_seconds_count{{{ol}}} {float(n)}",
-                f"vllm:sleep_mode_operation_duration_seconds_sum{{{ol}}} {0.001 * n}",
-            ]
+    lines += _sleep_mode(e)
     return "\n".join(lines) + "\n"
+
+
+def _sleep_mode(e: SimEngine) -> list[str]:
+    """vLLM's sleep-mode families (fleet/app/testkit/sim_vllm/sleep_ops.py): created on the first sleep-mode call,
+    so absent before it (absent != 0), and labelled by `operation` alone, as vLLM's frontend labels them."""
+    ops = e.ops
+    if not ops.in_flight:
+        return []
+    name = "vllm:sleep_mode_operations_in_flight"
+    lines = _family(name, "gauge", "Sleep-mode operations currently awaited.",
+                    [f'{name}{{operation="{op}"}} {float(n)}' for op, n in ops.in_flight.items()])
+    name = "vllm:sleep_mode_operation_duration_seconds"
+    rows: list[str] = []
+    for op, n in sorted(ops.done.items()):
+        ol = f'operation="{op}"'
+        rows += [f'{name}_bucket{{{ol},le="+Inf"}} {float(n)}', f"{name}_count{{{ol}}} {float(n)}",
+                 f"{name}_sum{{{ol}}} {ops.total_s[op]}"]
+    return lines + _family(name, "histogram", "Duration of one sleep-mode operation.", rows)
