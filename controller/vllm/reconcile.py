@@ -100,7 +100,7 @@ class Reconcile(LoraLooks):
         # no controller ran (no step since, so the clear it queued unpublished) went unseen, and the catch-up replay
         # rebuilt the wiped blocks: WARM routes to an empty cache. The count is persisted now (RankState.sleep_ops)
         look = Look.of(sleeping, m.sleep_state, m.sleep_ops, None if new_process else self.sleep_ops,
-                       unread=not self._subs)
+                       unread=not self._subs, in_flight=m.in_flight)  # NOTE: parsed, and never read before
         self.sleep_ops = look.sleep_ops
         for r in list(self.ranks):
             self._apply(r, self.ranks[r].observed(look))

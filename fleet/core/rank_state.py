@@ -166,11 +166,17 @@ class RankState:
         look and a stream not read since (`look.unread`: a restarted controller's catch-up replay is still to
         come), the replay may bring stores from before the sleep, and the clear it queued may not be published
         yet: fence "clear" until the replay is read (`caught_up`).
+
+        A sleep-mode operation in flight (`look.in_flight`: a /sleep, /wake_up or /release_kv_cache_memory vLLM has
+        not finished) is a transition in progress, as reference §6 rule 1 has it: never serving, never warm, and a
+        new /sleep for a rank paused keeping its KV (vLLM counts it, and records its sleep state, only once done).
+        NOTE: read as awake, a rank went on serving WARM while vLLM held a /sleep it had not applied yet.
         """
-        if not (look.asleep or look.slept_between):
+        down = look.asleep or look.in_flight  # NOTE: an operation in flight read as awake (below)
+        if not (down or look.slept_between):
             return Transition(self) if self.serving else self._resumed(Transition(self))
         preserved = self.phase == "paused" and self.kv == "preserved"
-        if preserved and not (look.slept_between or look.sleep_level):
+        if preserved and not (look.slept_between or look.sleep_level or look.in_flight):
             return Transition(self)  # a preserving verb the controller drove: keep the index, do not serve
         # NOTE: a rank the controller paused kept its index through any sleep it was then found in: a /sleep
         # level 1 behind the controller's back wiped the cache, and the wake that followed routed WARM to it
@@ -178,9 +184,10 @@ class RankState:
         if self.serving or self.phase in ("serving", "unknown") or preserved or look.slept_between:
             lvl = look.sleep_level
             fence = "clear" if lvl or (look.slept_between and look.unread) else ""
-            t = self.invalidated("is_sleeping" if look.asleep else "sleep_ops", fence=fence)
+            reason = "is_sleeping" if look.asleep else "sleep_op_in_flight" if look.in_flight else "sleep_ops"
+            t = self.invalidated(reason, fence=fence)
             t = t.with_state(phase="sleeping" if lvl else "paused", kv="unknown", serving=False)
-        return t if look.asleep or t.state.serving else self._resumed(t)
+        return t if down or t.state.serving else self._resumed(t)
 
     def counted(self, sleep_ops: float) -> Transition:
         """Remember one look's /sleep count (persisted only when it moved)."""
@@ -253,7 +260,8 @@ class Look:
     operation count changed since the previous look. `sleep_level`: 2 if weights discarded, 1 if
     offloaded, else 0 (from engine_sleep_state). `sleep_ops`: this look's count (absent: 0), to
     compare the next look with. `unread`: the worker's event stream is not read yet (a controller's first look,
-    before it subscribes and catches up by replay).
+    before it subscribes and catches up by replay). `in_flight`: vllm:sleep_mode_operations_in_flight > 0, a
+    sleep, wake or release vLLM has started and not finished (the count and the sleep state move only then).
     """
 
     asleep: bool
@@ -261,13 +269,14 @@ class Look:
     sleep_level: int
     sleep_ops: float = 0.0
     unread: bool = False
+    in_flight: bool = False
 
     @classmethod
     def of(cls, sleeping: bool, sleep_state: dict[str, float], sleep_ops: float | None,
-           prev_sleep_ops: float | None, *, unread: bool = False) -> Look:
+           prev_sleep_ops: float | None, *, unread: bool = False, in_flight: float = 0.0) -> Look:
         """Fold one look's answers; `prev_sleep_ops` None means no earlier look to compare with (a restarted
         controller compares its first look with the count its predecessor persisted, RankState.sleep_ops)."""
         ops = sleep_ops or 0.0
         level = 2 if sleep_state.get("discard_all") else 1 if sleep_state.get("weights_offloaded") else 0
         return cls(sleeping or sleep_state.get("awake") == 0.0,
-                   prev_sleep_ops is not None and ops != prev_sleep_ops, level, ops, unread)
+                   prev_sleep_ops is not None and ops != prev_sleep_ops, level, ops, unread, in_flight > 0)

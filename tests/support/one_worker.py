@@ -19,10 +19,11 @@ from fleet.cas import open_store
 
 
 @contextlib.asynccontextmanager
-async def one_worker(tmp_path: Path, num_blocks: int,
-                     cost: CostConfig | None = None) -> AsyncIterator[tuple[Router, SimVllm]]:
+async def one_worker(tmp_path: Path, num_blocks: int, cost: CostConfig | None = None,
+                     engine: SimEngineConfig | None = None) -> AsyncIterator[tuple[Router, SimVllm]]:
+    """`engine`: the stand-in's config where the default (model m, `num_blocks`, instant answers) will not do."""
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", num_blocks=num_blocks))).start()
+    sim = await SimVllm(SimConfig(engine=engine or SimEngineConfig(model="m", num_blocks=num_blocks))).start()
     # NOTE: http_timeout_s 10 (default 2): the stand-in shares this test's event loop, and on a loaded machine a look
     # that waited 2 s marked it down, dropping its index (fail closed, as it should), so a "before" route went COLD
     r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, http_timeout_s=10.0, cost=cost or CostConfig()))
