@@ -7,7 +7,9 @@ itself found asleep or gone behind the controller's back, or that failed several
 requests skip it until the controller's reconcile loop catches up, instead of each paying a failed attempt). Its `watch` (controller/proxy/watch.py)
 is what the requests waiting on one worker's first byte share; a worker the controller stops listing as
 serving is nudged there, so its waiters ask it at once whether it sleeps, unless the controller lists it draining
-(a pause with mode=wait or a reset of its own: the requests already there finish there). A worker the controller stops
+(a pause with mode=wait or a reset of its own: the requests already running there finish there); the drain's end, the
+worker listed paused or sleeping, nudges them too (those still waiting were queued, and wait there for the resume or
+the wake). A worker the controller stops
 listing at all (unregistered) is forgotten: its cards and suspect mark here, and whatever `on_gone` drops
 (the proxy's per-worker metrics and first-byte waits).
 """
@@ -116,7 +118,9 @@ class WorkerDirectory:
         for w in workers:  # the controller lists one entry per (worker, dp_rank): merge the ranks
             prev = merged.get(w.name)
             merged[w.name] = w if prev is None else dataclasses.replace(prev, ranks=prev.ranks + w.ranks)
-        was_serving = {n for n, w in self.workers.items() if w.serving}
+        # NOTE: a drain's end (paused, sleeping) nudges too: a request queued behind the drained ones waits there for
+        # the resume or wake, and waited for its own next probe (up to 8 s) with other workers free (found by review)
+        was_serving = {n for n, w in self.workers.items() if w.serving or w.draining}
         gone = set(self.workers) - set(merged)
         self.workers, self.last_error, self.loaded_at = merged, None, time.monotonic()
         if self.on_listed is not None:  # at once, before any await: whatever named a worker not listed ran before
@@ -183,8 +187,8 @@ class WorkerDirectory:
 
     def draining(self, name: str) -> bool:
         """The listing says the controller drains it: a pause with mode=wait, or a reset that does not preempt, of its
-        own runs there, so what was sent there is answered there (vLLM's /is_sleeping says true meanwhile, for the
-        pause). A pause behind the controller's back cannot be told from a sleep by vLLM's endpoints, and is not
+        own runs there, so what runs there is answered there (vLLM's /is_sleeping says true meanwhile, for the
+        pause); what waits in vLLM's queue stays there until the resume or the wake. A pause behind the controller's back cannot be told from a sleep by vLLM's endpoints, and is not
         this."""
         w = self.workers.get(name)
         return w is not None and w.draining

@@ -28,8 +28,8 @@ failing over every slow worker turned load into 503s (#13 finding 8).
 The requests waiting on one worker share its probe and its finding (controller/proxy/watch.py): a probe that
 gives the worker up fails every attempt waiting on it over at once, and a worker the controller stops listing
 as serving is probed at once for all of them, unless it lists it draining: a pause with mode=wait, or a reset that
-does not preempt, of its own runs there, and what was sent there is answered there ("asleep" or "busy" gives nothing
-up; Forwarder._drains).
+does not preempt, of its own runs there, and what runs there is answered there ("asleep" or "busy" gives nothing
+up; Forwarder._drains); the drain's end (listed paused or sleeping) nudges the rest, queued there till the resume.
 """
 
 from __future__ import annotations
