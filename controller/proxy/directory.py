@@ -186,10 +186,10 @@ class WorkerDirectory:
         return w is not None and w.serving and not self.is_suspect(name)
 
     def draining(self, name: str) -> bool:
-        """The listing says the controller drains it: a pause with mode=wait, or a reset that does not preempt, of its
-        own runs there, so what runs there is answered there (vLLM's /is_sleeping says true meanwhile, for the
-        pause); what waits in vLLM's queue stays there until the resume or the wake. A pause behind the controller's back cannot be told from a sleep by vLLM's endpoints, and is not
-        this."""
+        """The listing says the controller drains it: a pause or sleep with mode=wait, or a reset, of its own runs
+        there, so what runs there is answered there (vLLM's /is_sleeping says true meanwhile, for the pause); what
+        waits in vLLM's queue stays there until the resume or the wake. A pause behind the controller's back cannot
+        be told from a sleep by vLLM's endpoints, and is not this."""
         w = self.workers.get(name)
         return w is not None and w.draining
 
