@@ -8,12 +8,12 @@ real `kvfleet sim-vllm` (real time, a request of 200 decode steps); the drain en
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 import aiohttp
 import pytest
 from support.one_worker import complete_direct, one_worker, warm
+from support.stand_ins import wait_sleep_under_a_request
 
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.core.errors import Unavailable
@@ -29,18 +29,7 @@ async def test_a_look_during_a_wait_sleeps_drain_sees_awake_with_one_operation_i
         await warm(r, PROMPT)
         (before,) = r.workers()
 
-        async def long_request() -> None:
-            async with h.post(sim.url + "/v1/completions",
-                              json={"prompt": list(range(7000, 7040)), "max_tokens": 200}) as resp:
-                await resp.read()
-
-        req = asyncio.create_task(long_request())
-        for _ in range(500):
-            if sim.engine.sched.running:
-                break
-            await asyncio.sleep(0.01)
-        verb = asyncio.create_task(h.post(sim.url + "/sleep", params={"level": "1", "mode": "wait"}))
-        try:
+        async with wait_sleep_under_a_request(h, sim, list(range(7000, 7040))) as verb:
             for _ in range(500):  # the reconcile looks every 0.1 s
                 (st,) = r.workers()
                 if not st.serving:
@@ -53,12 +42,6 @@ async def test_a_look_during_a_wait_sleeps_drain_sees_awake_with_one_operation_i
             assert (st.serving, st.warm) == (False, False) and st.epoch > before.epoch
             with pytest.raises(Unavailable):  # its only worker: no route at all, WARM least of all
                 await r.route(PROMPT, "m")
-        finally:
-            req.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await req
-            async with await asyncio.wait_for(verb, 10.0) as resp:
-                assert resp.status == 200
         for _ in range(500):  # control: once done, the look reads it asleep at level 1, the count moved
             (st,) = r.workers()
             if st.phase == "sleeping":

@@ -3,6 +3,7 @@ plain completion sent straight to one of them (behind the router's back, as vLLM
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -44,3 +45,30 @@ async def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[int, A
             return resp.status, await resp.json(content_type=None)
         except ValueError:
             return resp.status, None
+
+
+@contextlib.asynccontextmanager
+async def wait_sleep_under_a_request(http: aiohttp.ClientSession, sim: SimVllm,
+                                     prompt: list[int]) -> AsyncIterator[asyncio.Task[aiohttp.ClientResponse]]:
+    """A `/sleep?level=1&mode=wait` sent behind any router's back while a long request (200 tokens) runs on `sim`:
+    yields the sleep's task, still draining; on leaving, the request's client goes away (the request is aborted, so
+    the drain ends) and the sleep must answer 200 within 10 s."""
+
+    async def request() -> None:
+        async with http.post(sim.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 200}) as resp:
+            await resp.read()
+
+    req = asyncio.create_task(request())
+    for _ in range(500):
+        if sim.engine.sched.running:
+            break
+        await asyncio.sleep(0.01)
+    verb = asyncio.create_task(http.post(sim.url + "/sleep", params={"level": "1", "mode": "wait"}))
+    try:
+        yield verb
+    finally:
+        req.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        async with await asyncio.wait_for(verb, 10.0) as resp:
+            assert resp.status == 200

@@ -6,10 +6,10 @@ with mode=wait is still draining while a request runs: vLLM shows awake, with on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from support.stand_ins import wait_sleep_under_a_request
 
 from controller.vllm.http import parse_metrics
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
@@ -43,36 +43,22 @@ async def test_a_wait_sleep_draining_shows_awake_with_one_operation_in_flight() 
         async with aiohttp.ClientSession() as http:
             assert await _series(http, sim.url) == {}  # created on the first sleep-mode call: absent != 0
 
-            async def request() -> None:
-                async with http.post(sim.url + "/v1/completions",
-                                     json={"model": "m", "prompt": list(range(40)), "max_tokens": 200}) as r:
-                    await r.read()
-
-            req = asyncio.create_task(request())
-            for _ in range(500):
-                if sim.engine.sched.running:
-                    break
-                await asyncio.sleep(0.01)
-            verb = asyncio.create_task(http.post(sim.url + "/sleep", params={"level": "1", "mode": "wait"}))
-            for _ in range(500):
-                if sim.engine.is_sleeping():
-                    break
-                await asyncio.sleep(0.01)
-            draining = await _series(http, sim.url)
-            m = parse_metrics(await (await http.get(sim.url + "/metrics")).text())
-            async with http.get(sim.url + "/is_sleeping") as r:
-                sleeping = (await r.json())["is_sleeping"]
-            assert not verb.done()
-            # vLLM: the scheduler is paused (is_sleeping), the state is recorded once the sleep completes, the gauge
-            # is up while the handler awaits it, and the duration is observed only then
-            assert sleeping and m.sleep_state == AWAKE and m.in_flight == 1.0 and m.sleep_ops is None
-            assert _gauge(draining) == {"sleep": 1.0, "wake": 0.0, "release_kv_cache_memory": 0.0}
-            assert _count(draining) == {}
-            req.cancel()  # the client goes away: its request is aborted, and the drain is done
-            with contextlib.suppress(asyncio.CancelledError):
-                await req
-            async with await asyncio.wait_for(verb, 10.0) as r:
-                assert r.status == 200
+            async with wait_sleep_under_a_request(http, sim, list(range(40))) as verb:
+                for _ in range(500):
+                    if sim.engine.is_sleeping():
+                        break
+                    await asyncio.sleep(0.01)
+                draining = await _series(http, sim.url)
+                m = parse_metrics(await (await http.get(sim.url + "/metrics")).text())
+                async with http.get(sim.url + "/is_sleeping") as r:
+                    sleeping = (await r.json())["is_sleeping"]
+                assert not verb.done()
+                # vLLM: the scheduler is paused (is_sleeping), the state is recorded once the sleep completes, the
+                # gauge is up while the handler awaits it, and the duration is observed only then
+                assert sleeping and m.sleep_state == AWAKE and m.in_flight == 1.0 and m.sleep_ops is None
+                assert _gauge(draining) == {"sleep": 1.0, "wake": 0.0, "release_kv_cache_memory": 0.0}
+                assert _count(draining) == {}
+            # leaving it: the client goes away, its request is aborted, and the drain is done
             done = await _series(http, sim.url)
             m = parse_metrics(await (await http.get(sim.url + "/metrics")).text())
             assert m.sleep_state == OFFLOADED and m.in_flight == 0.0 and m.sleep_ops == 1.0
