@@ -62,7 +62,15 @@ from controller.worker_status import WorkerStatus
 from fleet.core.errors import InvalidArgument
 from fleet.core.route_types import RouteCandidate, RouteDecision
 
-__all__ = ["LORA_MISS_LOOK_S", "RouteCandidate", "RouteDecision", "Router", "RouterConfig", "WorkerSpec", "WorkerStatus"]
+__all__ = [
+    "LORA_MISS_LOOK_S",
+    "RouteCandidate",
+    "RouteDecision",
+    "Router",
+    "RouterConfig",
+    "WorkerSpec",
+    "WorkerStatus",
+]
 MAX_MOVABLE_ROUTES = 1 << 14  # a backstop: candidates are kept only while their route is tracked
 
 log = logging.getLogger(__name__)

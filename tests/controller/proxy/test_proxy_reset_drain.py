@@ -7,8 +7,9 @@ listed "unknown" (not serving), and a probe of the worker that did not answer in
 again to another worker from scratch (x-kvfleet-attempts 2), or a 503 on a model's only worker, whose reset then
 "drained" in a moment, the request abandoned. A preempting reset (reset_running_requests=true) does not drain, but
 its request too is answered where it ran (computed again), so it is listed draining as well (its window is short:
-the listing's poll may miss it, so that is checked on the rule itself, tests/fleet/test_lifecycle_transitions.py). Real parts: a controller, clocked sim-vllm
-workers (~10 ms a token), a proxy in front; the verb goes through the SDK.
+the listing's poll may miss it, so that is checked on the rule itself, tests/fleet/test_lifecycle_transitions.py).
+Real parts: a controller, clocked sim-vllm workers (~10 ms a token), a proxy in front; the verb goes through the
+SDK.
 """
 
 from __future__ import annotations

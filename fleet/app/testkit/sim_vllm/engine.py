@@ -8,7 +8,8 @@ restart empties the cache silently and the publisher's seq starts again at 0.
 The clock (docs/sim_vllm.md): with `time_scale > 0` requests go through `sched.Scheduler` and the
 shell in `loop.py` plays its steps out; with `time_scale == 0` each runs at once, alone (`run`), and
 only its modelled TTFT is recorded. Requests in flight meet a pause as vLLM's modes say: abort ends
-them, keep freezes them (a cache reset preempts them), wait drains the running ones before the pause takes effect (waiting ones stay queued).
+them, keep freezes them (a cache reset preempts them), wait drains the running ones before the pause takes
+effect (waiting ones stay queued).
 """
 
 from __future__ import annotations
