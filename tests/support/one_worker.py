@@ -1,5 +1,5 @@
-"""The real Router on a fresh SQLite store with one `kvfleet sim-vllm` stand-in registered as w0, its pool size
-known (its /metrics read) before the test starts."""
+"""The real Router on a fresh SQLite store with one `kvfleet sim-vllm` stand-in registered as w0
+(tests/support/stand_ins.py), its pool size known (its /metrics read) before the test starts."""
 
 from __future__ import annotations
 
@@ -11,34 +11,25 @@ from pathlib import Path
 import aiohttp
 
 from controller.cost import CostConfig
-from controller.metrics import Metrics
-from controller.router import Router, RouterConfig, WorkerSpec
+from controller.router import Router
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
-from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
-from fleet.cas import open_store
+from fleet.app.testkit.sim_vllm.main import SimVllm
+from support.stand_ins import routed_stand_ins
 
 
 @contextlib.asynccontextmanager
 async def one_worker(tmp_path: Path, num_blocks: int, cost: CostConfig | None = None,
                      engine: SimEngineConfig | None = None) -> AsyncIterator[tuple[Router, SimVllm]]:
     """`engine`: the stand-in's config where the default (model m, `num_blocks`, instant answers) will not do."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sim = await SimVllm(SimConfig(engine=engine or SimEngineConfig(model="m", num_blocks=num_blocks))).start()
     # NOTE: http_timeout_s 10 (default 2): the stand-in shares this test's event loop, and on a loaded machine a look
     # that waited 2 s marked it down, dropping its index (fail closed, as it should), so a "before" route went COLD
-    r = Router(store, Metrics(), RouterConfig(reconcile_interval_s=0.1, http_timeout_s=10.0, cost=cost or CostConfig()))
-    await r.start()
-    try:
-        await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
+    async with routed_stand_ins(tmp_path, engine or SimEngineConfig(model="m", num_blocks=num_blocks), n=1,
+                                http_timeout_s=10.0, cost=cost or CostConfig()) as (r, (sim,)):
         for _ in range(200):
             if r.worker("w0").view().load.num_gpu_blocks:
                 break
             await asyncio.sleep(0.02)
         yield r, sim
-    finally:
-        await r.stop()
-        await sim.stop()
-        store.close()
 
 
 async def complete_direct(sim: SimVllm, r: Router, toks: list[int]) -> None:
