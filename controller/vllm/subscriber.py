@@ -146,10 +146,15 @@ class Subscriber(Replays):
             batches = await self.replay(catch_up_from)
             self.metrics.kv_event_replays.labels("catch_up" if batches is not None else "failed").inc()
             caught_up = batches is not None
+            prev: int | None = None
             for seq, payload in batches or []:
-                if self.muted():
+                # NOTE: applied whatever came, a reply with a hole (a batch missing between two it holds) skipped the
+                # missing batch's removals and clears: a block evicted there stayed WARM. Stopped at the hole, the
+                # live stream's next message is a gap, repaired by replay or failed closed (controller/vllm/replay.py)
+                if self.muted() or (prev is not None and seq != prev + 1):
                     caught_up = False
                     break
+                prev = seq
                 self._replayed[seq] = _digest(payload)
                 await self._apply(seq, payload, catch_up=True)
             del batches
