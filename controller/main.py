@@ -11,8 +11,9 @@ KVFLEET_METRICS_HOST, and KVFLEET_ + each --route-* and --kv-* flag in capitals.
 The edge limits (--max-route-tokens, --max-upload*, --upload-idle-timeout, --grpc-*) are in
 controller/edge.py and controller/uploads.py; each refusal names the flag that sets it.
 
-The --route-* flags set the placement cost's weights (controller/cost.py, docs/routing.md); unset
-ones keep CostConfig's defaults.
+The --route-* flags set the placement cost's weights (controller/cost.py, docs/routing.md) and the --kv-*
+flags bound each worker's KV-event stream; both are in controller/route_flags.py, and unset ones keep their
+dataclass's defaults. The --detector-* flags are in controller/detector_flags.py.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from controller import ray_local
 from controller.auth import mint_token
-from controller.cost import CostConfig
+from controller.detector_flags import (
+    add_detector_flags,
+    detector_layers_from,
+    detector_tenants_from,
+    encoder_gate_from,
+)
 from controller.edge import add_edge_flags, edge_config_from
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
 from controller.judge_lanes import add_judge_flags, judge_limits_from
@@ -38,6 +43,16 @@ from controller.kernel_placement import add_kernel_flags, kernel_overrides_from
 from controller.metrics import Metrics
 from controller.node_flags import add_node_flags
 from controller.quotas import add_session_flags, session_limits_from
+from controller.route_flags import (
+    STREAM_FLAGS as STREAM_FLAGS,  # re-exported: it lived here before route_flags.py
+)
+from controller.route_flags import (
+    add_cost_flags,
+    add_stream_flags,
+    cost_config_from,
+    env_typed,
+    stream_limits_from,
+)
 from controller.router import RouterConfig
 from controller.server import ControllerConfig, build_server
 from controller.servicers.fleet import redact
@@ -46,149 +61,7 @@ from controller.store_probe import DEFAULT_STORE_PING_INTERVAL_S
 from controller.uploads import add_get_flags, with_get_limits
 from fleet.core import event_loop
 from fleet.core.errors import InvalidArgument, KvfleetError
-from fleet.core.quarantine.layered import (
-    DEFAULT_LAYERS,
-    LAYERS,
-    DetectorConfig,
-    default_layers,
-    gate_problem,
-    layers_report,
-    parse_detector,
-    parse_layers,
-)
-
-# flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
-COST_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--route-queue-weight": ("queue_weight", float, "cost of one prefill token waiting ahead on a worker"),
-    "--route-request-weight": (
-        "request_weight",
-        float,
-        "cost, in tokens, of one more active request on a worker",
-    ),
-    "--route-pressure-weight": ("pressure_weight", float, "cost of one token of another prefix evicted"),
-    "--route-shared-prefix-weight": (
-        "shared_prefix_weight",
-        float,
-        "share of a missing shared prefix (a system prompt) that counts, 0..1",
-    ),
-    "--route-kv-high-water": (
-        "kv_high_water",
-        float,
-        "without a known KV capacity, usage above this share counts as eviction",
-    ),
-    "--route-untracked-request-tokens": (
-        "untracked_request_tokens",
-        int,
-        "size assumed for a waiting request the router did not track",
-    ),
-    "--route-inflight-ttl": (
-        "inflight_ttl_s",
-        float,
-        "seconds after which an unreleased route stops counting",
-    ),
-    "--route-working-set-ttl": (
-        "working_set_ttl_s",
-        float,
-        "seconds after its last turn that a conversation leaves its worker's working set",
-    ),
-    "--route-reconcile-grace": (
-        "reconcile_grace_s",
-        float,
-        "seconds after which a route must show in the worker's /metrics; a lifecycle verb waits (at most this) "
-        "for routes decided just before it to reach the worker",
-    ),
-    "--route-affinity-margin": (
-        "affinity_margin",
-        float,
-        "how much cheaper, in tokens, another worker must be before a conversation leaves the one holding "
-        "its history (0: off)",
-    ),
-}
-
-
-# flag -> (StreamLimits field, type, help): bounds on each vLLM worker's KV-event stream
-STREAM_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--kv-replay-deadline": ("replay_deadline_s", float, "seconds one KV-event replay may take in all"),
-    "--kv-replay-max-batches": ("replay_max_batches", int, "batches one KV-event replay may return"),
-    "--kv-replay-max-bytes": ("replay_max_bytes", int, "payload bytes one KV-event replay may return"),
-    "--kv-event-max-message-bytes": ("max_msg_bytes", int, "largest KV-event ZMQ message (ZMQ_MAXMSGSIZE)"),
-    "--kv-max-resident-blocks": (
-        "max_resident_blocks",
-        int,
-        "blocks one worker rank may hold: its /metrics num_gpu_blocks where smaller, never more",
-    ),
-    "--kv-max-events-per-s": (
-        "max_events_per_s",
-        int,
-        "KV events per second one worker rank may send, live or replayed (an AllBlocksCleared counts 1,000); "
-        "past its budget the worker is faulty: not routed to",
-    ),
-    "--kv-max-event-burst": ("max_event_burst", int, "depth of that event budget (events at once)"),
-    "--kv-faulty-hold": ("faulty_hold_s", float, "seconds a worker over its event budget stays faulty"),
-}
-
-
-def env_typed(kind: type, var: str) -> Any:
-    """argparse's `type=` for a flag also read from `var`: a value that does not parse names the variable too (a
-    flag's default from the environment is parsed as a command-line value is, and its error named the flag only)."""
-    def parse(text: str) -> Any:
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r} (from the flag or {var})") from None
-
-    return parse
-
-
-def add_stream_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-    """The --kv-* flags: StreamLimits (controller/vllm/subscriber.py); each also read from the
-    environment as KVFLEET_ + the flag in capitals (--kv-max-events-per-s: KVFLEET_KV_MAX_EVENTS_PER_S)."""
-    from controller.vllm.subscriber import StreamLimits
-
-    defaults = StreamLimits()
-    for flag, (field, kind, text) in STREAM_FLAGS.items():
-        var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
-        p.add_argument(flag, type=env_typed(kind, var), default=(env or {}).get(var), dest=field,
-                       help=f"{text} (default {getattr(defaults, field)}; env {var})")
-
-
-def stream_limits_from(args: argparse.Namespace) -> Any:
-    """StreamLimits from the --kv-* flags given; raises InvalidArgument naming the flag."""
-    from controller.vllm.subscriber import StreamLimits
-
-    given = {f: getattr(args, f) for f, _, _ in STREAM_FLAGS.values() if getattr(args, f, None) is not None}
-    try:
-        return StreamLimits(**given)
-    except InvalidArgument as e:
-        flag = next((f for f, (field, _, _) in STREAM_FLAGS.items() if str(e).startswith(field)), "--kv-*")
-        raise InvalidArgument(f"{flag}: {e}") from None
-
-
-def add_cost_flags(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
-    """The --route-* flags (shared by `kvfleet controller` and `kvfleet up`); with `env`, each also read from the
-    environment as KVFLEET_ + the flag in capitals (--route-affinity-margin: KVFLEET_ROUTE_AFFINITY_MARGIN)."""
-    defaults = CostConfig()
-    for flag, (field, kind, text) in COST_FLAGS.items():
-        var = "KVFLEET_" + flag[2:].upper().replace("-", "_")
-        p.add_argument(
-            flag,
-            type=env_typed(kind, var),
-            default=(env or {}).get(var),  # NOTE: argparse parses a string default with type=
-            dest=field,
-            help=f"{text} (default {getattr(defaults, field)}; docs/routing.md" + (f"; env {var})" if env is not None else ")"),
-        )
-
-
-def cost_config_from(args: argparse.Namespace) -> CostConfig:
-    """CostConfig from the --route-* flags given; raises InvalidArgument on a bad weight."""
-    given = {
-        field: getattr(args, field) for field, _, _ in COST_FLAGS.values() if getattr(args, field) is not None
-    }
-    try:
-        return CostConfig(**given)
-    except InvalidArgument as e:
-        flag = next((f for f, (field, _, _) in COST_FLAGS.items() if str(e).startswith(field)), "--route-*")
-        raise InvalidArgument(f"{flag}: {e}") from None
+from fleet.core.quarantine.layered import layers_report
 
 
 def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
@@ -255,31 +128,7 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
         help="seconds between two polls of the kernel fleet for its Prometheus metrics; 0: off "
         f"(default {DEFAULT_FLEET_METRICS_INTERVAL_S:.0f})",
     )
-    p.add_argument(
-        "--detector-layers",
-        default=e("KVFLEET_DETECTOR_LAYERS"),
-        help="quarantine detector layers the controller judges tool results with, comma-separated, of "
-        f"{', '.join(LAYERS)} (default {','.join(DEFAULT_LAYERS)}, less any not installed, which the start line "
-        "names; a layer named here and not installed is an error; encoder needs kvfleet[encoder]; docs/quarantine.md)",
-    )
-    p.add_argument(
-        "--detector-encoder-gate",
-        type=float,
-        metavar="TAU",
-        default=e("KVFLEET_DETECTOR_ENCODER_GATE"),  # NOTE: argparse parses a string default with type=float
-        help="with the encoder layer in --detector-layers: the encoder judges only tool results whose learned score "
-        "is >= TAU (a cascade: far fewer benign results withheld and a fraction of the CPU, fewer attacks caught; "
-        "0.918 was chosen on validation, docs/quarantine_default.md); per tenant: gate:TAU in --detector-tenant",
-    )
-    p.add_argument(
-        "--detector-tenant",
-        action="append",
-        metavar="TENANT=LAYERS",
-        default=[x for x in e("KVFLEET_DETECTOR_TENANTS", "").split(";") if x.strip()],
-        help="a tenant's own detector (repeatable; env KVFLEET_DETECTOR_TENANTS, ';'-separated): its layers, "
-        "each with an optional threshold, e.g. acme=rules,learned:0.99 or beta=rules,encoder:0.995 (every encoder member) or "
-        "encoder:0.97/0.98 (one per member) (other tenants: --detector-layers)",
-    )
+    add_detector_flags(p, env)
     add_cost_flags(p, env)
     p.add_argument(
         "--reset-drain-timeout",
@@ -337,41 +186,6 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         judge=judge_limits_from(args),
     )
 
-
-def detector_layers_from(text: str | None) -> tuple[str, ...]:
-    """--detector-layers parsed (None, not given: the default layers that are installed here); InvalidArgument
-    names the flag and the fix, also for a layer named here whose packages are not installed."""
-    if text is None:
-        return default_layers()
-    try:
-        return parse_layers(text)
-    except ValueError as e:
-        raise InvalidArgument(f"--detector-layers: {e}") from None
-
-
-def encoder_gate_from(gate: float | None, layers: tuple[str, ...]) -> float | None:
-    """--detector-encoder-gate checked against the layers; InvalidArgument names the flag and the fix."""
-    if gate is None:
-        return None
-    if problem := gate_problem(gate, layers):
-        raise InvalidArgument(f"--detector-encoder-gate {gate:g}: {problem} (--detector-layers)")
-    return gate
-
-
-def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig], ...]:
-    """--detector-tenant TENANT=LAYERS, each parsed; InvalidArgument names the flag, the item and the fix."""
-    out: dict[str, DetectorConfig] = {}
-    for item in items:
-        tenant, sep, spec = (x.strip() for x in item.partition("="))
-        if not sep or not tenant or not spec:
-            raise InvalidArgument(f"--detector-tenant {item!r}: expected TENANT=LAYERS, e.g. acme=rules,learned:0.99")
-        if tenant in out:
-            raise InvalidArgument(f"--detector-tenant: tenant {tenant!r} is given twice")
-        try:
-            out[tenant] = parse_detector(spec)
-        except ValueError as e:
-            raise InvalidArgument(f"--detector-tenant {tenant}: {e}") from None
-    return tuple(out.items())
 
 
 def metrics_host(listen: str, host: str | None) -> str:

@@ -45,7 +45,7 @@ def _listen(text: str) -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     from controller.edge import add_edge_flags
     from controller.kernel_placement import add_kernel_flags
-    from controller.main import add_cost_flags
+    from controller.route_flags import add_cost_flags
     from controller.node_flags import add_node_flags
     from controller.quotas import add_session_flags
     from controller.store_gc import add_gc_flag
@@ -85,7 +85,7 @@ def controller_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 async def serve(args: argparse.Namespace) -> int:
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
-    from controller.main import cost_config_from
+    from controller.route_flags import cost_config_from
     from controller.quotas import session_limits_from
     from fleet.app.testkit.stack import StackConfig, start_stack
 
