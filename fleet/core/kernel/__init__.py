@@ -6,8 +6,9 @@ Pure core: imports no ray, grpc, redis or zmq. See docs/kernel.md for the exactn
 from __future__ import annotations
 
 from fleet.core.kernel.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from fleet.core.kernel.inputs import EVICT_MODES
 from fleet.core.kernel.kernel import BACKENDS, Kernel
-from fleet.core.kernel.session import EVICT_MODES, Session
+from fleet.core.kernel.session import Session
 from fleet.core.kernel.tokenizer import ByteTokenizer
 from fleet.core.kernel.types import EvictReport, MemoryReport, PrefixKV, max_abs_delta
 

@@ -15,7 +15,8 @@ import numpy as np
 from fleet.core.errors import InvalidArgument
 from fleet.core.kernel.cache import Block, PagedKV
 from fleet.core.kernel.config import ModelConfig
-from fleet.core.kernel.session import Session, as_int
+from fleet.core.kernel.inputs import as_int
+from fleet.core.kernel.session import Session
 from fleet.core.kernel.types import PrefixKV
 from fleet.core.kernel.weights import Weights, load_pretrained, synthetic
 

@@ -4,35 +4,19 @@ span eviction, copy-on-write forks and block-aligned prefix export."""
 from __future__ import annotations
 
 import hashlib
-import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fleet.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from fleet.core.kernel.cache import KVWindow, PagedKV
-from fleet.core.kernel.pacing import checkpoint
-from fleet.core.kernel.types import K_POST, K_RAW, EvictReport, MemoryReport, PrefixKV, max_abs_delta
+from fleet.core.errors import FailedPrecondition, InvalidArgument
+from fleet.core.kernel.cache import PagedKV
+from fleet.core.kernel.deltas import layer0_delta, rope_delta
+from fleet.core.kernel.forward import run_tiles
+from fleet.core.kernel.inputs import as_int, check_count, check_ids, check_range, check_span
+from fleet.core.kernel.types import K_POST, K_RAW, EvictReport, MemoryReport, PrefixKV
 
 if TYPE_CHECKING:
     from fleet.core.kernel.kernel import Kernel
-
-EVICT_MODES = ("exact", "reposition")
-GROUP_TOKENS = 2048  # positions per layer-major group of tiles (bounds the working set)
-
-
-def as_int(x: Any) -> int | None:
-    """`x` as a Python int (any integer type, numpy's included), or None for anything else,
-    bools included.
-
-    NOTE: converted at the door, before any arithmetic. A numpy int kept its width: np.int16(100) +
-    np.int16(32700) wrapped to a negative end that passed the span check (found by review)."""
-    if isinstance(x, bool | np.bool_):
-        return None
-    try:
-        return operator.index(x)
-    except TypeError:
-        return None
 
 
 class Session:
@@ -91,7 +75,7 @@ class Session:
             InvalidArgument: empty, non-integer or out-of-vocabulary ids (cache unchanged).
             ResourceExhausted: the sequence would exceed the model's context (cache unchanged).
         """
-        arr = self._check_ids(ids)
+        arr = check_ids(ids, self.kernel.config, len(self._tokens))
         logits = self._forward(arr, len(self._tokens))
         self._tokens.extend(int(i) for i in arr)
         self._last = logits
@@ -105,87 +89,16 @@ class Session:
             InvalidArgument: empty, non-integer or out-of-vocabulary ids.
             ResourceExhausted: the sequence would exceed the model's context.
         """
-        self._check_ids(ids)
-
-    def _check_ids(self, ids: Any) -> np.ndarray:
-        if isinstance(ids, str | bytes | bytearray):
-            raise InvalidArgument("append takes token ids, not text: encode it first (ByteTokenizer.encode)")
-        if not isinstance(ids, np.ndarray) and any(isinstance(i, bool | np.bool_) for i in ids):
-            raise InvalidArgument("token ids must be integers, not bool")  # np.asarray([1, True]) is int64
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or arr.size == 0:
-            raise InvalidArgument(
-                f"append needs a non-empty 1-D sequence of token ids, got shape {arr.shape}"
-            )
-        if arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"token ids must be integers, got dtype {arr.dtype}")
-        V = self.kernel.config.vocab_size
-        bad = np.flatnonzero((arr < 0) | (arr >= V))
-        if bad.size:
-            raise InvalidArgument(
-                f"token id {int(arr[bad[0]])} at index {int(bad[0])} is outside the vocabulary [0, {V})"
-            )
-        limit = self.kernel.config.max_context
-        if len(self._tokens) + arr.size > limit:
-            raise ResourceExhausted(
-                f"{len(self._tokens)} + {arr.size} tokens exceed the context of {limit} "
-                f"(max_seq_len / sliding_window): evict or start a new session"
-            )
-        return arr.astype(np.int64)
+        check_ids(ids, self.kernel.config, len(self._tokens))
 
     def _forward(self, ids: np.ndarray, p0: int) -> np.ndarray:
-        """Run tokens `ids` at positions [p0, p0+n) tile by tile; store their K/Kraw/V in place of
-        whatever the cache holds from p0 on (positions past p0+n are dropped); return logits after
-        the last one. Tile t covers absolute positions [t*T, (t+1)*T). The caller updates the tokens.
-
-        NOTE: all or nothing. Everything that can fail (the tiles, the logits, the allocations of
-        `prepare`) runs before the block table changes: the tiles write a contiguous window, and a
-        failure (out of memory) leaves the cache as it was. The exact evict used to truncate first
-        and recompute after, so a failure left 50 of 200 tokens (found by review).
-        """
-        k, ops = self.kernel, self.kernel.ops
-        T, BS, p1 = k.tile_size, k.block_size, p0 + len(ids)
-        t0, t1 = p0 // T, (p1 - 1) // T
-        win = self._kv.window(p0, p1, -(-(t1 + 1) * T // BS))  # the last tile's key blocks
-        with ops.limit():
-            for g0 in range(t0, t1 + 1, self._group(T)):
-                x = self._tile_group(ids, p0, p1, range(g0, min(g0 + self._group(T), t1 + 1)), win)
-            logits: np.ndarray = ops.logits(x[(p1 - 1) % T])  # [V]: the last token's row
-        self._kv.install(self._kv.prepare(p0, p1))  # allocates first, then swaps the table
-        win.commit()
+        """Run tokens `ids` at positions [p0, p0+n) (fleet/core/kernel/forward.py `run_tiles`: all or nothing),
+        count them, and return logits after the last one. The caller updates the tokens."""
+        logits = run_tiles(self.kernel, self._kv, ids, p0)
         self.num_computed += len(ids)
         # [p0, p1) attended to [0, p0): exactly a prefill's when that prefix is; positions past p1 are gone
-        self._exact_upto = p1 if self._exact_upto >= p0 else self._exact_upto
+        self._exact_upto = p0 + len(ids) if self._exact_upto >= p0 else self._exact_upto
         return logits
-
-    @staticmethod
-    def _group(T: int) -> int:
-        """Tiles run layer by layer in groups of about GROUP_TOKENS positions (bounded memory)."""
-        return max(1, GROUP_TOKENS // T)
-
-    def _tile_group(self, ids: np.ndarray, p0: int, p1: int, tiles: range, win: KVWindow) -> Any:
-        """Run tiles t in `tiles` (positions [t*T, (t+1)*T)) through every layer, layer-major: each
-        tile's ops keep their fixed shapes (a function of t alone), only their order changes, so the
-        bits are those of one tile at a time. Returns the last tile's hidden states [T, dim]."""
-        k, ops, T, BS = self.kernel, self.kernel.ops, self.kernel.tile_size, self.kernel.block_size
-        spans = [(t * T, max(p0, t * T), min(p1, t * T + T)) for t in tiles]  # (pos0, lo, hi)
-        xs = [ops.embed(ids[lo - p0 : hi - p0], lo - pos0, T) for pos0, lo, hi in spans]  # [T, dim] each
-        for l in range(k.config.n_layers):
-            checkpoint()  # the host may let another tenant's work run first (fleet/core/kernel/pacing.py)
-            qs = []
-            for x, (pos0, lo, hi) in zip(xs, spans, strict=True):
-                # q [KV, G*T, hd]; k/kraw/v [KV, T, hd]; layer 0 from the token ids (slot-invariant)
-                q, kk, kraw, v = ops.qkv(x, l, pos0, ids[lo - p0 : hi - p0], lo - pos0)
-                win.write(l, pos0, lo, hi, kk, kraw, v)
-                qs.append(q)
-            # tile t attends over key positions [0, ceil((t+1)*T / BS) * BS): fixed by t alone
-            os_ = [
-                ops.attention(q, *win.read(l, -(-(pos0 + T) // BS) * BS), pos0)
-                for q, (pos0, _, _) in zip(qs, spans, strict=True)
-            ]
-            for x, o in zip(xs, os_, strict=True):
-                ops.mlp(x, l, o)  # in place
-        return xs[-1]
 
     def _truncate(self, n: int) -> None:
         self._kv.truncate(n)
@@ -236,7 +149,7 @@ class Session:
         Raises:
             InvalidArgument: bad mode, non-integer or out-of-range span (cache unchanged).
         """
-        start, length = self._check_span(start, length, mode)
+        start, length = check_span(start, length, mode, len(self._tokens))
         n, end = len(self._tokens), start + length
         survivors, tail = self._tokens[end:], end == n
         # NOTE: each branch computes everything before it changes the session (a failure leaves it
@@ -261,18 +174,6 @@ class Session:
         exact = self._exact_upto == len(self._tokens)
         return EvictReport(mode, start, length, False, length, 0, len(survivors), exact, delta, False)
 
-    def _check_span(self, start: Any, length: Any, mode: Any) -> tuple[int, int]:
-        if mode not in EVICT_MODES:
-            raise InvalidArgument(f"evict mode must be one of {EVICT_MODES}, got {mode!r}")
-        s, n = as_int(start), as_int(length)
-        if s is None or n is None:
-            raise InvalidArgument(f"evict start/length must be integers, got {start!r}, {length!r}")
-        if s < 0 or n < 1 or s + n > len(self._tokens):
-            raise InvalidArgument(
-                f"evict span [{s}, {s + n}) is not a non-empty range inside [0, {len(self._tokens)})"
-            )
-        return s, n
-
     def _reposition(self, start: int, end: int) -> float:
         ops, n = self.kernel.ops, len(self._tokens)
         survivors = self._tokens[end:]
@@ -281,7 +182,7 @@ class Session:
         data[K_POST] = ops.rope(data[K_RAW], np.arange(start, start + m))  # [L, KV, m, hd]: once, from Kraw
         # NOTE: checked before it is stored (`data` is the bytes put_rows copies), so a failure in the
         # rotation or the checks leaves the session as it was; then the table swaps, allocation first.
-        delta = max(self._rope_delta(data, start), self._layer0_delta(data, start, survivors))
+        delta = max(rope_delta(ops, data, start), layer0_delta(ops, data, start, survivors))
         self._kv.install(self._kv.prepare(start, start + m))
         self._kv.put_rows(start, data)
         self._tokens[start:] = survivors
@@ -303,8 +204,8 @@ class Session:
         `lo`), not by `ops.rope` that `reposition` uses: a rotation at a wrong position or a wrong
         table row in the eviction path shows up here as > 0.
         """
-        lo, hi = self._range(lo, hi)
-        return self._rope_delta(self._kv.rows(lo, hi), lo) if hi > lo else 0.0
+        lo, hi = check_range(lo, hi, len(self._tokens))
+        return rope_delta(self.kernel.ops, self._kv.rows(lo, hi), lo) if hi > lo else 0.0
 
     def layer0_delta(self, lo: int = 0, hi: int | None = None, memo: bool = True) -> float:
         """max|stored - recomputed| of layer-0 (K, Kraw, V) over positions [lo, hi), recomputed from
@@ -315,25 +216,9 @@ class Session:
         position or rotated wrongly, not a wrong memo row. memo=False recomputes every projection
         afresh (one GEMV per token, `kvfleet witness` runs it): a wrong memo row shows up too.
         """
-        lo, hi = self._range(lo, hi)
+        lo, hi = check_range(lo, hi, len(self._tokens))
         rows = self._kv.rows(lo, hi)
-        return self._layer0_delta(rows, lo, self._tokens[lo:hi], memo) if hi > lo else 0.0
-
-    def _range(self, lo: Any, hi: Any) -> tuple[int, int]:
-        a, b = as_int(lo), as_int(len(self._tokens) if hi is None else hi)
-        if a is None or b is None or not 0 <= a <= b <= len(self._tokens):
-            raise InvalidArgument(f"needs 0 <= lo <= hi <= {len(self._tokens)}, got {lo!r}, {hi!r}")
-        return a, b
-
-    def _rope_delta(self, rows: Any, lo: int) -> float:
-        ops = self.kernel.ops  # rows [3, L, KV, m, hd] of positions lo..
-        return max_abs_delta(ops.to_numpy(rows[K_POST]), ops.to_numpy(ops.rope_rows(rows[K_RAW], lo)))
-
-    def _layer0_delta(self, rows: Any, lo: int, tokens: list[int], memo: bool = True) -> float:
-        ops = self.kernel.ops  # rows [3, L, KV, m, hd] of `tokens` at positions lo..
-        with ops.limit():
-            ref = ops.layer0(np.asarray(tokens, np.int64), lo, memo)  # 3 x [KV, m, hd]
-        return max(max_abs_delta(ops.to_numpy(rows[i, 0]), ops.to_numpy(r)) for i, r in enumerate(ref))
+        return layer0_delta(self.kernel.ops, rows, lo, self._tokens[lo:hi], memo) if hi > lo else 0.0
 
     # -- decode --
     def generate(self, n: int) -> list[int]:
@@ -344,18 +229,7 @@ class Session:
             ResourceExhausted: len(self) + n exceeds the model's context (checked first: nothing
                 appended; it used to append up to the limit and then raise).
         """
-        count = as_int(n)
-        if count is None or count < 0:
-            raise InvalidArgument(f"generate needs a non-negative integer count, got {n!r}")
-        n = count
-        if n and not self._tokens:
-            raise InvalidArgument("generate needs at least one token in the session")
-        limit = self.kernel.config.max_context
-        if len(self._tokens) + n > limit:
-            raise ResourceExhausted(
-                f"{len(self._tokens)} + {n} generated tokens exceed the context of {limit} "
-                f"(max_seq_len / sliding_window): evict or start a new session"
-            )
+        n = check_count(n, len(self._tokens), self.kernel.config.max_context)
         out: list[int] = []
         for _ in range(n):
             if self._last is None:
