@@ -64,7 +64,7 @@ class ProxyConfig:
     tool_media: str = "pass"  # a tool result's media parts (not inspectable as text): pass | withhold | refuse
     # CORS, as vLLM's own server answers it (its --allowed-origins, --allow-credentials, --allowed-methods,
     # --allowed-headers, same defaults): a browser client that calls vLLM directly works through the proxy.
-    # No origins: no CORS headers and no preflight answers (controller/proxy/app.py)
+    # No origins: no CORS headers and no preflight answers (controller/proxy/middleware.py)
     allowed_origins: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     allowed_methods: tuple[str, ...] = ("*",)

@@ -152,7 +152,7 @@ class ControlClient:
             req.lora = lora
         if client_salt is not None:
             req.client_salt = client_salt
-        # track: the proxy releases every route when its answer ends (Handlers._complete)
+        # track: the proxy releases every route when its answer ends (controller/proxy/routed.py answer)
         async with self._slot("Route", token):
             r = await self._over_stream(token, route=req)
             if r is None:
