@@ -13,60 +13,30 @@ Every mutation is one typed op (fleet/core/oplog.py: `AppendOp`, `EvictOp`, `Qua
 with the call's `op_id` and handed to `sink` (the shell writes it to `store.oplog_append`) BEFORE it is
 applied, then recorded in `ops`. `SessionContext.replay(ops, ...)` rebuilds a context whose cache is
 bit-identical (equal `digest()`). A child's log is the parent's first `at` ops + a `ForkOp(parent, at)`.
+
+The ledger's entries (`Piece`, its states) are in fleet/core/pieces.py; `replay_over`'s replay of the ledger
+without the kernel is in fleet/core/ledger.py.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from fleet.core.kernel.pacing import checkpoint
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.core.kernel.tokenizer import encode_message
-from fleet.core.oplog import KINDS, AppendOp, EvictOp, ForkOp, Op, QuarantineOp
+from fleet.core.ledger import logged_tokens, replay_ledger
+from fleet.core.oplog import AppendOp, EvictOp, ForkOp, Op, QuarantineOp
+from fleet.core.pieces import EVICTED, QUARANTINED, RESIDENT, SHIFTED, Piece, Tokenizer, drop
 from fleet.core.session_types import EvictionProof, check_token_ids
 
 if TYPE_CHECKING:
     from fleet.core.kernel import EvictReport, Kernel, Session
 
-RESIDENT, EVICTED, QUARANTINED, SHIFTED = "resident", "evicted", "quarantined", "shifted"
-LEDGER_OPS_PER_CHECKPOINT = 128  # ops the ledger replays between two yield points (about 2 ms)
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str | bytes) -> list[int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One ledger entry. `start`/`length` locate its tokens in the KV cache while it is resident.
-
-    state: resident (KV valid) | evicted (dropped, bytes elsewhere) | quarantined (held out) |
-           shifted (a reposition eviction moved it; its layer>=1 KV still carries the evicted span).
-           A resident piece whose tokens the live session no longer holds at its span reads as
-           "KV cache lost" in the working set (`is_resident`); no state marks it (docs/kernel.md).
-    """
-
-    piece_id: int
-    kind: str
-    start: int
-    length: int
-    tenant: str
-    tokens: tuple[int, ...]
-    ref: str | None = None
-    role: str | None = None
-    state: str = RESIDENT
-
-    def __post_init__(self) -> None:
-        assert self.kind in KINDS and self.length == len(self.tokens), self
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+# the ledger's entries live in pieces.py; importers of context.py still find them here
+__all__ = ["EVICTED", "QUARANTINED", "RESIDENT", "SHIFTED", "Piece", "SessionContext", "Tokenizer"]
 
 
 class SessionContext:
@@ -162,7 +132,7 @@ class SessionContext:
         if n and (n >= len(tokens) or self.session.tokens != tokens[:n]):
             raise InvalidArgument("the adopted prefix must be a strict prefix of the first piece")
         self.session.check_append(tokens[n:])  # NOTE: before the log: a refused append must leave no op behind
-        self._log(op)
+        self.log_op(op)
         self.session.append(tokens[n:])
         piece = Piece(op.piece, op.kind, len(self.session) - len(tokens), len(tokens), op.tenant,
                       held, op.ref, op.role)
@@ -185,30 +155,16 @@ class SessionContext:
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         if p.state not in (RESIDENT, SHIFTED):
             raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")
-        self._log(EvictOp(piece_id, p.start, p.length, mode, reason, self.op_id, self.op_fp))
+        self.log_op(EvictOp(piece_id, p.start, p.length, mode, reason, self.op_id, self.op_fp))
         report = self.session.evict(p.start, p.length, mode)
         # exact mode re-derived the survivors; reposition keeps them exact only if the kernel says so
-        self._drop(piece_id, QUARANTINED if reason == "quarantine" else EVICTED,
+        drop(self.pieces, self.live, piece_id, QUARANTINED if reason == "quarantine" else EVICTED,
                    lambda q: RESIDENT if report.exact and mode == "exact" else q.state if report.exact else SHIFTED)
         return report
 
-    def _drop(self, index: int, gone: str, survivor: Callable[[Piece], str]) -> None:
-        """Mark `pieces[index]` (in the KV cache) `gone`, and move the pieces after it in the cache down by its
-        length, each in the state `survivor(piece)`. NOTE: only the pieces in the cache are visited (`live`): every
-        piece ever appended was, evicted ones included, so a log of n appends and evictions cost O(n^2) to replay
-        (100,000 pairs: 408 s for a rebuild on a host; tests/fleet/test_context_evict_cost.py)."""
-        p = self.pieces[index]
-        self.pieces[index] = dataclasses.replace(p, state=gone)
-        at = bisect.bisect_left(self.live, index)
-        assert self.live[at] == index, (index, self.live[at:at + 1])
-        for i in self.live[at + 1:]:
-            q = self.pieces[i]
-            self.pieces[i] = dataclasses.replace(q, start=q.start - p.length, state=survivor(q))
-        del self.live[at]
-
     def quarantine(self, ref: str, reasons: list[str]) -> None:
         """Hold `ref` out of this context from now on (recorded in the op log)."""
-        self._log(QuarantineOp(ref, tuple(reasons), self.op_id, self.op_fp))
+        self.log_op(QuarantineOp(ref, tuple(reasons), self.op_id, self.op_fp))
         self.quarantined[ref] = list(reasons)
         self.logged_quarantines[ref] = tuple(reasons)
 
@@ -218,8 +174,8 @@ class SessionContext:
         child.pieces, child.live, child.quarantined = list(self.pieces), list(self.live), dict(self.quarantined)
         child.logged_quarantines = dict(self.logged_quarantines)
         for op in self.ops:
-            child._log(op)
-        child._log(ForkOp(self.session_id, len(self.ops)))
+            child.log_op(op)
+        child.log_op(ForkOp(self.session_id, len(self.ops)))
         return child
 
     # ---- queries ----------------------------------------------------------------------------------------
@@ -238,7 +194,8 @@ class SessionContext:
         return self.session.digest()
 
     # ---- op log -----------------------------------------------------------------------------------------
-    def _log(self, op: Op) -> None:
+    def log_op(self, op: Op) -> None:
+        """Hand `op` to the sink, then record it in `ops` (fleet/core/ledger.py logs a replayed fork with it)."""
         if self.sink is not None:
             self.sink(op)  # durable before the op is applied (write-ahead)
         self.ops.append(op)
@@ -270,13 +227,13 @@ class SessionContext:
     def _replay_one(self, op: Op, fetch: Callable[[str], bytes]) -> None:
         self.op_id, self.op_fp = op.op_id, op.op_fp  # a replayed op keeps the id (and fingerprint) it was logged under
         if isinstance(op, AppendOp):
-            self._apply_append(op, self._logged_tokens(op, fetch))
+            self._apply_append(op, logged_tokens(self.tokenizer, op, fetch))
         elif isinstance(op, EvictOp):
             self.evict_piece(op.piece, op.mode, op.reason)
         elif isinstance(op, QuarantineOp):
             self.quarantine(op.ref, list(op.reasons))
         elif isinstance(op, ForkOp):
-            self._log(op)
+            self.log_op(op)
         else:
             raise InvalidArgument(f"replay: unknown op {op!r}")
         self.op_id = self.op_fp = ""
@@ -315,13 +272,7 @@ class SessionContext:
                 (no ids, ids outside the vocabulary, past the context), as it would.
         """
         ctx = cls(session, tokenizer, tenant, session_id)
-        toks: list[int] = []
-        for i, op in enumerate(ops):
-            if i % LEDGER_OPS_PER_CHECKPOINT == 0:
-                # NOTE: a yield point, as the kernel's per layer (kernel/pacing.py): a long log's ledger (3 s for
-                # 200,000 ops) ran with none, so the host's CPU share could not hold its tenant back for another's
-                checkpoint()
-            ctx._ledger_one(op, fetch, toks)
+        toks = replay_ledger(ctx, ops, fetch)  # the ledger alone (fleet/core/ledger.py)
         m = len(session)
         if m == len(toks) == 0:  # NOTE: before, an emptied session fell back to the op-by-op replay of its history
             return ctx
@@ -330,52 +281,6 @@ class SessionContext:
                                      f"log's {len(toks)} tokens")
         session.append(toks[m:])  # only what the adopted blocks lack (>= 1 token: own last logits)
         return ctx
-
-    def _ledger_one(self, op: Op, fetch: Callable[[str], bytes], toks: list[int]) -> None:
-        """Apply one op to the ledger and to `toks` (the token list), never to the kernel."""
-        if isinstance(op, AppendOp):
-            tokens = check_token_ids(self._logged_tokens(op, fetch), self.kernel.config.vocab_size)
-            if op.piece != len(self.pieces):
-                raise FailedPrecondition(f"replay: op {op!r} is out of sequence")
-            if len(toks) + len(tokens) > self.kernel.config.max_context:  # as the op-by-op replay's append
-                raise ResourceExhausted(f"replay: piece {op.piece} takes the session past its context of "
-                                        f"{self.kernel.config.max_context} tokens")
-            held = tuple(tokens)
-            self.pieces.append(Piece(op.piece, op.kind, len(toks), len(tokens), op.tenant, held, op.ref, op.role))
-            self.live.append(op.piece)
-            toks.extend(tokens)
-            self.ops.append(op if op.tokens is None else dataclasses.replace(op, tokens=held))
-        elif isinstance(op, EvictOp):
-            self._ledger_evict(op, toks)
-        elif isinstance(op, QuarantineOp):
-            self.op_id, self.op_fp = op.op_id, op.op_fp
-            self.quarantine(op.ref, list(op.reasons))
-            self.op_id = self.op_fp = ""
-        elif isinstance(op, ForkOp):
-            self._log(op)
-        else:
-            raise InvalidArgument(f"replay: unknown op {op!r}")
-
-    def _ledger_evict(self, op: EvictOp, toks: list[int]) -> None:
-        p = self.piece(op.piece)
-        if p.state not in (RESIDENT, SHIFTED) or (p.start, p.length) != (op.start, op.length):
-            raise FailedPrecondition(f"replay: evict op {op!r} does not match the ledger")
-        if op.mode != "exact" and p.end != len(toks):
-            raise FailedPrecondition("replay_over: a reposition eviction with survivors leaves KV that is not a "
-                                     "function of the tokens; replay the log instead")
-        del toks[p.start:p.end]
-        self._drop(op.piece, QUARANTINED if op.reason == "quarantine" else EVICTED, lambda q: RESIDENT)  # as exact
-        self.ops.append(op)  # as `replay` logs it
-
-    def _logged_tokens(self, op: AppendOp, fetch: Callable[[str], bytes]) -> list[int]:
-        """The token ids an append op added (a tool result's are re-tokenized from its bytes)."""
-        if op.ref is None:
-            return list(op.tokens or ())
-        tokens = self.tokenizer.encode(fetch(op.ref))
-        if len(tokens) != op.num_tokens:
-            raise FailedPrecondition(f"replay: ref {op.ref} tokenizes to {len(tokens)} tokens, "
-                                     f"the log says {op.num_tokens} (different tokenizer?)")
-        return tokens
 
 
 def _role(role: object) -> str:

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from fleet.core import context as context_module
+from fleet.core import ledger as ledger_module
+from fleet.core import pieces as pieces_module
 from fleet.core.context import SessionContext
 from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
 from fleet.core.kernel.pacing import paced
@@ -42,11 +44,11 @@ def sliding_window(num_pairs: int) -> list[Op]:
 
 
 def lines_run(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """fn()'s result, and the lines of fleet/core/context.py it executed."""
-    count = [0]
+    """fn()'s result, and the lines of the ledger's modules (fleet/core/context.py, ledger.py, pieces.py) it executed."""
+    count, files = [0], {m.__file__ for m in (context_module, ledger_module, pieces_module)}
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename != context_module.__file__:
+        if frame.f_code.co_filename not in files:
             return None
         if event == "line":
             count[0] += 1
