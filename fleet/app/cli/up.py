@@ -45,9 +45,9 @@ def _listen(text: str) -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     from controller.edge import add_edge_flags
     from controller.kernel_placement import add_kernel_flags
-    from controller.route_flags import add_cost_flags
     from controller.node_flags import add_node_flags
     from controller.quotas import add_session_flags
+    from controller.route_flags import add_cost_flags
     from controller.store_gc import add_gc_flag
 
     p = argparse.ArgumentParser(prog="kvfleet up", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -85,8 +85,8 @@ def controller_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 async def serve(args: argparse.Namespace) -> int:
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
-    from controller.route_flags import cost_config_from
     from controller.quotas import session_limits_from
+    from controller.route_flags import cost_config_from
     from fleet.app.testkit.stack import StackConfig, start_stack
 
     cost = cost_config_from(args)  # bad weights fail before anything starts
