@@ -73,7 +73,11 @@ class ServiceContext:
 
     def __post_init__(self) -> None:
         self.gets = GetGate(self.uploads.limits.gets)
-        self.store_lanes = KeyedSlots(store_share(self.executor), key_name="tenant", name="store threads")
+        # NOTE: with no total, each tenant had its three quarters whatever the others held: two tenants flooding
+        # submitted 6 calls to the 4 threads, and a third tenant's call queued behind theirs (first come, first
+        # served) instead of taking the next thread that freed (tests/controller/test_store_threads_share.py)
+        self.store_lanes = KeyedSlots(store_share(self.executor), self.executor._max_workers, key_name="tenant",
+                                      name="store threads")
 
     async def judge(self) -> Judge:
         """The controller's one Judge (proxy verdicts and session admissions), built on first use: calls that
@@ -145,7 +149,9 @@ class ServiceContext:
     async def tenant_blocking(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """`blocking` for one tenant's blob call: it waits for one of the tenant's store_share(executor) slots
         first, so one tenant's flood (64 GetBlob streams) never holds every store thread and another tenant's
-        StatBlob or PutBlob finds one free (else it queued behind the flood's reads, FIFO)."""
+        StatBlob or PutBlob finds one free (else it queued behind the flood's reads, FIFO). Tenants calling at
+        once split those three quarters evenly (controller/keyed_slots.py), and a freed thread goes to the
+        waiting tenant holding the fewest, so a tenant arriving beside two floods runs next."""
         async with self.store_lanes.hold(tenant, None, "store call"):
             fut = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
             try:
