@@ -1,7 +1,7 @@
 """BlobService: chunked put/get and stat over fleet.cas, tenant taken from the token.
 
-Memory: a put holds the received chunks (one copy) and the store joins them (a second copy), so a
-put never holds more than ~2 copies of the blob; a get streams the store's chunks as they come.
+Memory: a put holds the received chunks in one buffer, which the store hashes and writes as it is (one copy of
+the blob: what the upload gate reserved); a get streams the store's chunks as they come.
 Unfinished puts are bounded by controller/uploads.py: a put counts per tenant and in total from its start,
 reserves its announced size when its header arrives, and one that sends no bytes for the idle timeout is dropped.
 Stored bytes are bounded per tenant (--max-blob-bytes-per-tenant): the store checks the quota in the
@@ -82,10 +82,13 @@ class BlobServicer(pbg.BlobServiceServicer):
         return pb.PutBlobResponse(ref=ref, size=header.size)
 
     async def _store(self, requests: AsyncIterator[pb.PutBlobRequest], header: pb.PutBlobHeader, tenant: str) -> str:
-        chunks = await self._chunks(requests, header)
-        put = functools.partial(self.ctx.store.put_stream, quota=self.ctx.blob_bytes_per_tenant)
+        # NOTE: the buffer went to store.put_stream as a one-chunk stream, which gathered it into a second buffer:
+        # a put peaked at two copies of its blob while the upload gate reserved one. store.put hashes and writes
+        # the buffer itself.
+        (buf,) = await self._chunks(requests, header)
+        put = functools.partial(self.ctx.store.put, quota=self.ctx.blob_bytes_per_tenant)
         try:
-            ref: str = await self.ctx.tenant_blocking(tenant, put, iter(chunks), tenant, header.expected_ref or None)
+            ref: str = await self.ctx.tenant_blocking(tenant, put, buf, tenant, header.expected_ref or None)
         except OverQuota:
             self.ctx.metrics.cas_ops.labels(op="put", outcome="over_quota").inc()
             raise

@@ -73,9 +73,10 @@ class BlobServiceServicer:
     """
 
     def PutBlob(self, request_iterator, context):
-        """Wraps fleet.cas.BlobStore.put_stream. Client-streaming: the first message carries the
-        header, every later one a chunk (at most 1 MiB each is a good size). Verifies size and
-        expected_ref; nothing is written unless the whole blob arrived and matched.
+        """Wraps fleet.cas.BlobStore.put (the chunks gathered in one buffer). Client-streaming: the
+        first message carries the header, every later one a chunk (at most 1 MiB each is a good
+        size). Verifies size and expected_ref; nothing is written unless the whole blob arrived and
+        matched.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
