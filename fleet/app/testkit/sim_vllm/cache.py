@@ -3,8 +3,14 @@
 `num_blocks` blocks hold full prompt blocks. A block is pinned while a running request holds it
 (ref_cnt > 0) and cached-but-free once none does; new blocks take free slots first, then evict the
 least recently used unpinned block (one BlockRemoved each). As in vLLM, a request's blocks are
-released in reverse order, so of one request the tail blocks are evicted first and its prefix stays. Events are queued and published
-with the engine step (`_flush`). Pure: the publisher is a callable, no I/O here.
+released in reverse order, so of one request the tail blocks are evicted first and its prefix stays.
+
+As in vLLM's KV cache manager, a request's blocks are cached as its prefill computes them: `allocate` pins its
+prefix-cache hit when it is admitted, and `cache_blocks` caches the full blocks each scheduled chunk completes (one
+BlockStored per request and step, vLLM's `cache_full_blocks`), so a long prompt is stored, and announced, over the
+steps that compute it. Blocks a running request has still to compute are reserved: another request is admitted only
+beside them. Events are queued and published with the engine step (`_flush`). Pure: the publisher is a callable, no
+I/O here.
 """
 
 from __future__ import annotations
@@ -12,13 +18,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleet.app.testkit.sim_vllm import wire
+from fleet.app.testkit.sim_vllm.sched import Seq
 from fleet.core.block_hash import HashConfig, chain, to_external
-
-if TYPE_CHECKING:
-    from fleet.app.testkit.sim_vllm.sched import Seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +41,14 @@ class PrefixCache:
         num_blocks: int,
         loras: dict[str, str],
         publish: Callable[[list[Any]], None],
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.hash_cfg, self.num_blocks, self.loras = hash_cfg, num_blocks, loras
+        self.max_num_batched_tokens = max_num_batched_tokens  # the instant path's chunk (None: one step)
         self._publish = publish
         self.cache: OrderedDict[bytes, None] = OrderedDict()  # full digest -> (), LRU order
         self.ref_cnt: dict[bytes, int] = {}  # digest -> running seqs holding it (pinned: never evicted)
+        self.num_reserved = 0  # blocks the running seqs have still to compute (`cache_blocks`)
         self.pending: list[Any] = []
         self.queries = 0
         self.hits = 0
@@ -60,9 +67,21 @@ class PrefixCache:
     def _step(
         self, token_ids: Sequence[int], lora: str | None, salt: str | None, report_full: bool
     ) -> StepResult:
-        """One request's prompt through the cache at once (admit, publish, release): the instant path."""
-        res, _ = self._admit(token_ids, self._digests(token_ids, lora, salt), lora, salt, report_full)
-        self._flush()
+        """One request's prompt through the cache at once, alone (the instant path): admitted, its prefill computed in
+        chunks of `max_num_batched_tokens`, each chunk's blocks published as one step's batch, then released.
+
+        NOTE: with nothing pinned, the cache ends as the stand-in's original one-shot step left it (the demo's
+        offline model replays it); before, a prompt longer than the budget went out in one batch."""
+        seq = Seq(-1, token_ids, 1, 0.0, lora, salt, report_full, digests=self._digests(token_ids, lora, salt))
+        hit = self.allocate(seq)
+        num_computed, todo = hit, max(len(token_ids) - hit, 1)
+        while todo > 0:
+            n = min(todo, self.max_num_batched_tokens or todo)
+            num_computed, todo = num_computed + n, todo - n
+            self.cache_blocks(seq, num_computed)
+            self._flush()
+        res = StepResult(len(token_ids), hit, len(seq.pinned) - hit // self.hash_cfg.block_size)
+        self.free(seq)
         return res
 
     # sched.BlockPool
@@ -71,21 +90,54 @@ class PrefixCache:
             return True  # NOTE: a prompt larger than the pool runs alone, only its head cached
         hit = self._num_hit(seq.digests)
         extra = sum(d not in self.ref_cnt for d in seq.digests[:hit]) + len(seq.digests) - hit
-        return len(self.ref_cnt) + extra <= self.num_blocks
+        return len(self.ref_cnt) + self.num_reserved + extra <= self.num_blocks
 
     def allocate(self, seq: Seq) -> int:
-        first = seq.num_cached_tokens < 0  # a preempted seq's readmission is not a new query (vLLM)
-        res, held = self._admit(seq.token_ids, seq.digests, seq.lora, seq.cache_salt, seq.report_full, first)
-        if not first:
-            self.preempted_prefill += res.num_prompt_tokens - res.num_cached_tokens
-        for d in held:
+        """Admit the seq: pin its prefix-cache hit and reserve the blocks its prefill will compute. Returns the hit
+        in tokens. The hit counts in `queries`/`hits` (vllm:prefix_cache_*_total) at a request's first admission only,
+        as vLLM counts it; a preempted request's readmission goes to `preempted_prefill` instead."""
+        digests, B = seq.digests, self.hash_cfg.block_size
+        hit = self._num_hit(digests)
+        for d in digests[:hit]:
+            self.cache.move_to_end(d)
             self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
-        seq.pinned = held
-        return res.num_cached_tokens
+        room = max(self.num_blocks - len(self.ref_cnt) - self.num_reserved, 0)
+        seq.pinned = digests[:hit]
+        seq.num_blocks_to_hold = hit + min(len(digests) - hit, room)  # all of them, unless it runs alone and big
+        self.num_reserved += seq.num_blocks_to_hold - hit
+        if seq.report_full and hit:  # vLLM's kv_cache_report_mode "full": the reused prefix, at admission
+            self.pending.append(self._stored_event(seq.token_ids, digests, 0, hit, seq.lora, seq.cache_salt))
+        if seq.num_cached_tokens < 0:
+            self.queries += len(seq.token_ids)
+            self.hits += hit * B
+        else:
+            self.preempted_prefill += len(seq.token_ids) - hit * B
+        return hit * B
+
+    def cache_blocks(self, seq: Seq, num_computed_tokens: int) -> None:
+        """Cache the seq's full blocks up to `num_computed_tokens` (its position once the scheduled chunk is
+        computed): those not held yet take a slot (LRU-evicting unpinned ones), are pinned, and go out as one
+        BlockStored (vLLM's `KVCacheManager.allocate_slots` -> `cache_full_blocks`, at the step that schedules them)."""
+        start = len(seq.pinned)
+        upto = min(num_computed_tokens // self.hash_cfg.block_size, seq.num_blocks_to_hold)
+        if upto <= start:
+            return
+        new = seq.digests[start:upto]
+        num_missing = sum(d not in self.cache for d in new)
+        self._evict(len(self.cache) + num_missing - self.num_blocks, keep=set(self.ref_cnt) | set(seq.digests))
+        for d in reversed(new):
+            self.cache[d] = None
+            self.cache.move_to_end(d)  # tail first: vLLM frees a request's blocks in reverse order
+            self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
+        seq.pinned = seq.pinned + new
+        self.num_reserved -= len(new)
+        self.pending.append(self._stored_event(seq.token_ids, seq.digests, start, len(new), seq.lora, seq.cache_salt))
 
     def free(self, seq: Seq) -> None:
-        """Unpin the request's blocks; those no running request holds join the LRU end in reverse
-        order, so the tail blocks are evicted first (vLLM's `KVCacheManager.free`)."""
+        """Unpin the request's blocks and drop what it had still to compute; those no running request holds join
+        the LRU end in reverse order, so the tail blocks are evicted first (vLLM's `KVCacheManager.free`)."""
+        self.num_reserved -= seq.num_blocks_to_hold - len(seq.pinned)
+        seq.num_blocks_to_hold = 0
         for d in reversed(seq.pinned):
             if self.ref_cnt.get(d, 0) > 1:
                 self.ref_cnt[d] -= 1
@@ -105,42 +157,6 @@ class PrefixCache:
         while hit < len(digests) and digests[hit] in self.cache:
             hit += 1
         return hit
-
-    def _admit(
-        self,
-        token_ids: Sequence[int],
-        digests: list[bytes],
-        lora: str | None,
-        salt: str | None,
-        report_full: bool,
-        count: bool = True,
-    ) -> tuple[StepResult, list[bytes]]:
-        """Match the prefix, cache the new full blocks (LRU-evicting unpinned ones), queue the events.
-
-        Returns the result and the blocks the request now holds (hit + new). `count`: add the prompt
-        to `queries`/`hits` (vllm:prefix_cache_*_total), as vLLM does for a request's first scheduling
-        only; a preempted request's readmission goes to its separate preempted stats, which it does not
-        export. NOTE: with nothing pinned this is exactly the stand-in's original one-shot step (the
-        demo's offline model replays it).
-        """
-        hit = self._num_hit(digests)
-        for d in digests[:hit]:
-            self.cache.move_to_end(d)
-        held = set(self.ref_cnt) | set(digests[:hit])
-        new = digests[hit:][: max(self.num_blocks - len(held), 0)]
-        self._evict(len(self.cache) + len(new) - self.num_blocks, keep=held | set(digests))
-        for d in new:
-            self.cache[d] = None
-        for d in reversed(digests[: hit + len(new)]):
-            self.cache.move_to_end(d)  # tail first: vLLM frees a request's blocks in reverse order
-        first_new = 0 if report_full else hit
-        stored = digests[first_new : hit + len(new)]
-        if stored:
-            self.pending.append(self._stored_event(token_ids, digests, first_new, len(stored), lora, salt))
-        if count:
-            self.queries += len(token_ids)
-            self.hits += hit * self.hash_cfg.block_size
-        return StepResult(len(token_ids), hit * self.hash_cfg.block_size, len(new)), digests[: hit + len(new)]
 
     def _evict(self, n: int, keep: set[bytes]) -> None:
         """Evict the `n` least recently used blocks not in `keep`.

@@ -108,7 +108,7 @@ class SimEngine(PrefixCache):
     ) -> None:
         super().__init__(
             HashConfig(cfg.hash_algo, cfg.hash_seed, cfg.block_size, cfg.hash_extra_keys), cfg.num_blocks, cfg.loras,
-            publish
+            publish, cfg.max_num_batched_tokens
         )
         self.cfg = cfg
         self.sleeping_tags: set[str] = set()
@@ -168,7 +168,7 @@ class SimEngine(PrefixCache):
 
     def _reset_cache(self) -> None:
         self.sched.preempt_all()  # NOTE: vLLM resets with reset_running_requests=True
-        assert not self.ref_cnt, "blocks still pinned after preemption"
+        assert not self.ref_cnt and not self.num_reserved, "blocks still held after preemption"
         self.cache.clear()
         self.pending.append(wire.VllmAllBlocksCleared())  # NOTE: queued, published with the next step
 

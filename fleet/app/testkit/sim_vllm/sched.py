@@ -7,6 +7,7 @@ One engine step, scheduled as vLLM v1 does it (FCFS, one token budget shared by 
                         blocks fit; the first that does not fit blocks those behind it
                         (policy "priority", vLLM's --scheduling-policy priority: ordered by
                         (priority, arrival) instead, lower first)
+    each chunk          the full blocks it completes are cached as it is scheduled (pool.cache_blocks)
     duration            step_s(prefill tokens of the step, decode seqs of the step)
 
 Modelled time is data: `plan` stamps a step at `now` and moves `now` to its end, `complete` applies
@@ -78,7 +79,9 @@ class Seq:
     report_full: bool = False
     priority: int = 0  # the request's `priority` (policy "priority": lower runs first)
     digests: list[bytes] = field(default_factory=list)  # full prompt blocks, for the pool
-    pinned: list[bytes] = field(default_factory=list)  # blocks the pool holds for this seq
+    pinned: list[bytes] = field(default_factory=list)  # blocks the pool holds for this seq (a prefix of digests)
+    num_blocks_to_hold: int = 0  # of digests, those it holds once its prefill is computed (the pool's reservation)
+    num_hit_tokens: int = 0  # this admission's prefix-cache hit: its prefill computes the tokens after it
     state: str = WAITING
     num_cached_tokens: int = -1  # hit at the first admission (-1: never admitted), as vLLM reports it
     num_prefill_tokens: int = 0
@@ -134,7 +137,11 @@ class BlockPool(Protocol):
         ...
 
     def allocate(self, seq: Seq) -> int:
-        """Pin the seq's blocks (prefix match, LRU eviction, events); returns the hit in tokens."""
+        """Pin the seq's prefix-cache hit and reserve the rest of its blocks; returns the hit in tokens."""
+        ...
+
+    def cache_blocks(self, seq: Seq, num_computed_tokens: int) -> None:
+        """Cache (and announce) the seq's full blocks up to `num_computed_tokens`, as a chunk is scheduled."""
         ...
 
     def free(self, seq: Seq) -> None:
@@ -218,7 +225,7 @@ class Scheduler:
                 continue
             if s.prefilling:
                 n = min(s.num_prefill_tokens - s.num_computed, budget)
-                prefill.append((s, n))
+                self._chunk(prefill, s, n)
             else:
                 n = 1
                 decode.append(s)
@@ -231,7 +238,7 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(s)
             n = min(s.num_prefill_tokens, budget)
-            prefill.append((s, n))
+            self._chunk(prefill, s, n)
             budget -= n
         if not prefill and not decode:
             return None
@@ -239,6 +246,13 @@ class Scheduler:
         step = Step(self.now, dur, tuple(prefill), tuple(decode))
         self.now = step.end_s
         return step
+
+    def _chunk(self, prefill: list[tuple[Seq, int]], s: Seq, n: int) -> None:
+        """Schedule `n` prefill tokens of `s` in this step. NOTE: the blocks they complete are cached (and their
+        BlockStored queued, published with this step) now, as vLLM's scheduler caches them when it allocates the
+        chunk's slots: a request admitted later in this step or after hits them, none beyond them."""
+        prefill.append((s, n))
+        self.pool.cache_blocks(s, s.num_hit_tokens + s.num_computed + n)
 
     def complete(self, step: Step) -> None:
         """Apply a planned step at its end: prefill progress, one token per finished prefill or decode.
@@ -277,6 +291,7 @@ class Scheduler:
 
     def _admit(self, s: Seq) -> None:
         hit = self.pool.allocate(s)
+        s.num_hit_tokens = hit
         if s.num_cached_tokens < 0:
             s.num_cached_tokens = hit
         s.num_prefill_tokens = max(len(s.token_ids) + s.num_output - hit, 1)
