@@ -23,13 +23,15 @@ B = 16
 
 
 def _replay(seed: int, num_blocks: int, agents: int, turns: int,
-            reset_after: int | None = None) -> list[tuple[int, int, int, bool]]:
+            reset_after: int | None = None, budget: int = 8192) -> list[tuple[int, int, int, bool]]:
     """(index match, shadow's resident prefix, stand-in's hit) in blocks, and whether it was routed after the reset,
     per request, in the order they ended. `reset_after`: once that many requests ended, the stand-in's cache is reset
-    as vLLM resets with reset_running_requests (running requests preempted, recomputed later)."""
+    as vLLM resets with reset_running_requests (running requests preempted, recomputed later). `budget`: the
+    scheduler's max_num_batched_tokens (a prompt longer than a step's remaining budget is stored and announced chunk
+    by chunk, as vLLM does)."""
     rng = random.Random(seed)
     pool = PrefixCache(HashConfig(), num_blocks, {}, lambda evs: None)
-    sched = Scheduler(CostModel(0.002, 15000.0, 0.008, 8e-5), 1024, 8192, pool)
+    sched = Scheduler(CostModel(0.002, 15000.0, 0.008, 8e-5), 1024, budget, pool)
     shadow, index = RankPool(num_blocks), set()
     history = [list(range(1, 21)) for _ in range(agents)]  # a 20-block system prompt every agent shares
     next_id = 21
@@ -92,14 +94,17 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int,
     return out
 
 
-@pytest.mark.parametrize("num_blocks,agents", [(300, 6), (250, 12)])
+@pytest.mark.parametrize("num_blocks,agents,budget", [(300, 6, 8192), (250, 12, 8192), (250, 12, 256)])
 def test_the_shadow_never_claims_a_block_the_stand_in_evicted_before_admitting_the_request(
-    num_blocks: int, agents: int
+    num_blocks: int, agents: int, budget: int
 ) -> None:
     """Before, a waiting request's need was the one at its arrival, and its own queued hits counted as blocks it would
     take: 8 of the first shape's 720 requests and 2 of the second's 1,440 were claimed resident beyond what the
-    stand-in held when it admitted them (by up to 43 blocks), with every event already applied."""
-    rows = [r for seed in range(12) for r in _replay(seed, num_blocks, agents, turns=10)]
+    stand-in held when it admitted them (by up to 43 blocks), with every event already applied. The third shape
+    prefills every prompt in 256-token chunks: the stand-in stores and evicts a prompt's blocks chunk by chunk, where
+    the shadow takes them all at the route, and the bounds still hold (each later request is admitted once the
+    chunks before it are computed)."""
+    rows = [r for seed in range(12) for r in _replay(seed, num_blocks, agents, turns=10, budget=budget)]
     over = [(m, res, hit) for m, res, hit, _ in rows if res > hit]
     assert over == []
     assert all(hit - res <= 1 for m, res, hit, _ in rows if m >= hit)  # conservative by the null block at most
