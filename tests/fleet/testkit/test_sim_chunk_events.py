@@ -6,7 +6,7 @@ the blocks its running requests compute. Before, every full block of a prompt wa
 request was admitted.
 
 The engine test steps a real SimEngine in modelled time (exact, no sockets); the HTTP tests run a real SimVllm with
-its ZMQ publisher, its clock in real time with slow prefill steps (a quarter second per 64-token chunk), and assert on
+its ZMQ publisher, its clock in real time with slow prefill steps (half a second per 64-token chunk), and assert on
 what was published and answered, never on durations.
 """
 
@@ -30,8 +30,8 @@ from fleet.core.block_hash import HashConfig, external_chain
 B, BUDGET = 16, 64  # a chunk is 64 tokens: 4 blocks
 PROMPT = list(range(1000, 1512))  # 512 tokens: 32 blocks, 8 chunks
 CHAIN = external_chain(HashConfig("sha256", None, B), PROMPT)
-# a quarter second of modelled (and, at time_scale 1, wall) time per 64-token chunk; a decode step 5 ms
-SLOW = {"max_num_batched_tokens": BUDGET, "prefill_tokens_per_s": 256.0, "decode_base_s": 0.005}
+# half a second of modelled (and, at time_scale 1, wall) time per 64-token chunk; a decode step 5 ms
+SLOW = {"max_num_batched_tokens": BUDGET, "prefill_tokens_per_s": 128.0, "decode_base_s": 0.005}
 
 
 def test_each_step_stores_and_publishes_the_blocks_its_chunk_computed() -> None:
