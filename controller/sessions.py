@@ -141,12 +141,13 @@ class Sessions(SessionCalls):
         return await self._call(tenant, sid, fleet.working_set, tenant, sid, budget_tokens)
 
     async def get(self, tenant: str, sid: str, include_tokens: bool) -> tuple[SessionRow, str, list[int]]:
-        """The session's row, its cache digest and (if asked) its tokens."""
+        """The session's row, its cache digest and (if asked) its tokens, all of one state (`KernelFleet.snapshot`)."""
         fleet = await self.get_fleet()
-        row = await self.row(tenant, {"session": sid})
-        digest = await self._call(tenant, sid, fleet.digest, tenant, sid)
-        tokens = await self._call(tenant, sid, fleet.tokens, tenant, sid) if include_tokens else []
-        return row, str(digest), list(tokens)
+        snap = await self._call(tenant, sid, fleet.snapshot, tenant, sid, include_tokens)
+        info = snap["info"]
+        row = SessionRow.from_row({"session": sid, **info})
+        self.quota.set_tokens(tenant, row.session_id, row.num_tokens, int(info.get("history_tokens", -1)))
+        return row, str(snap["digest"]), list(snap["tokens"])
 
     async def close_session(self, tenant: str, sid: str) -> None:
         fleet = await self.get_fleet()

@@ -15,7 +15,7 @@ from workers.nodes import CallTimeout
 # SessionKernel methods -> the verb a caller named; the mutating ones take the op id as their last argument
 MUTATING = {"append_message": "append", "append_output": "append", "add_tool_result": "append",
             "generate": "generate", "evict": "evict", "admit_tool_result": "admit_tool_result"}
-READS = {"info": "info", "digest": "info", "tokens": "info", "pieces": "info", "last_logits": "info",
+READS = {"info": "info", "digest": "info", "tokens": "info", "pieces": "info", "last_logits": "info", "snapshot": "info",
          "working_set": "working_set", "fork_point": "fork"}
 
 

@@ -189,6 +189,10 @@ class KernelFleet(FleetCreate):
     def info(self, tenant: str, session_id: str) -> dict[str, Any]:
         return dict(self._call(tenant, session_id, SessionKernel.info))
 
+    def snapshot(self, tenant: str, session_id: str, include_tokens: bool = False) -> dict[str, Any]:
+        """`info`, `digest` and (if asked) `tokens` of one state of the session (SessionKernel.snapshot)."""
+        return dict(self._call(tenant, session_id, SessionKernel.snapshot, include_tokens))
+
     def node_stats(self) -> list[dict[str, Any]]:
         """One row per alive node of the fleet (sessions, cache, KV budget used)."""
         return [row for row in self.nodes.ask_all("stats").values() if isinstance(row, dict)]

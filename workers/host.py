@@ -48,7 +48,7 @@ from workers.spec import KernelSpec, make_kernel, make_tokenizer, model_config, 
 # The SessionKernel methods a fleet may call through `call` (its verbs and reads), nothing else.
 VERBS = frozenset({
     "append_message", "append_output", "generate", "evict", "add_tool_result", "admit_tool_result",
-    "working_set", "fork_point", "digest", "last_logits", "tokens", "pieces", "info", "stall", "unstall",
+    "working_set", "fork_point", "digest", "last_logits", "tokens", "pieces", "info", "snapshot", "stall", "unstall",
 })
 
 

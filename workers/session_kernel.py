@@ -201,6 +201,14 @@ class SessionKernel(SessionRestore):
         async with self._served():
             return str(await self._run(self._s.digest))
 
+    async def snapshot(self, include_tokens: bool = False) -> dict[str, Any]:
+        """The session's row (`info_row`), digest and, if asked, tokens, read in one hold of its lock: of one state.
+        NOTE: GetSession read them in three calls (the row without the lock), so an op between them answered the
+        row of one state and the digest or tokens of another (35 tokens in the row, 69 token ids)."""
+        async with self._served():
+            digest = str(await self._run(self._s.digest))
+            return {"info": self.info_row(), "digest": digest, "tokens": list(self._s.tokens) if include_tokens else []}
+
     async def last_logits(self) -> Any:
         async with self._served():
             return self._s.last_logits
