@@ -44,7 +44,7 @@ from workers.fleet_create import FleetCreate
 from workers.host_cache import check_evict_start
 from workers.nodes import NodeGone
 from workers.placement import node_of
-from workers.registry import LOST, Stored
+from workers.registry import LOST, SessionRecord, Stored
 from workers.session_kernel import SessionKernel
 
 __all__ = ["KernelFleet", "NodeGone", "OpResult"]
@@ -190,8 +190,14 @@ class KernelFleet(FleetCreate):
         return dict(self._call(tenant, session_id, SessionKernel.info))
 
     def snapshot(self, tenant: str, session_id: str, include_tokens: bool = False) -> dict[str, Any]:
-        """`info`, `digest` and (if asked) `tokens` of one state of the session (SessionKernel.snapshot)."""
-        return dict(self._call(tenant, session_id, SessionKernel.snapshot, include_tokens))
+        """`info` (its row, as `list_sessions` lists it), `digest` and (if asked) `tokens` of one state of the
+        session (SessionKernel.snapshot). NOTE: the row was the host's counts alone: a fork's GetSession named no
+        parent and no state, where ListSessions named both."""
+        snap = dict(self._call(tenant, session_id, SessionKernel.snapshot, include_tokens))
+        stored = self.registry.read(tenant, session_id)
+        if stored is not None:
+            snap["info"] = session_row(stored.rec, snap["info"])
+        return snap
 
     def node_stats(self) -> list[dict[str, Any]]:
         """One row per alive node of the fleet (sessions, cache, KV budget used)."""
@@ -216,11 +222,7 @@ class KernelFleet(FleetCreate):
         for rec in self.registry.records(tenant):
             if not fleet and rec.node not in sups:
                 continue  # fleet=True also lists sessions whose node is gone (state: lost)
-            held = live.get((rec.tenant, rec.session))
-            row = {**rec.to_dict(), **(held or {"tokens": 0})}    # the host's counts over the record's
-            row["state"] = LOST if rec.live and held is None else rec.state  # not held: lost until rebuilt
-            row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
-            out.append(row)
+            out.append(session_row(rec, live.get((rec.tenant, rec.session))))
         return out
 
     def release(self) -> None:
@@ -235,3 +237,11 @@ class KernelFleet(FleetCreate):
             ray.kill(s, no_restart=True)
         self.nodes.hosts = {}
         self.store.close()
+
+
+def session_row(rec: SessionRecord, held: dict[str, Any] | None) -> dict[str, Any]:
+    """A session's row: its registry record `rec` under its host's counts `held` (None: no host holds it)."""
+    row = {**rec.to_dict(), **(held or {"tokens": 0})}
+    row["state"] = LOST if rec.live and held is None else rec.state  # not held: lost until rebuilt
+    row["hit_rate"] = row.get("adopted_tokens", 0) / row["tokens"] if row.get("tokens") else 0.0
+    return row

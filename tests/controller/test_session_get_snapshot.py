@@ -48,3 +48,24 @@ async def test_get_session_reads_row_digest_and_tokens_of_one_state(ray_cluster:
     finally:
         await c.close()
         await ctl.stop(grace=1)
+
+
+async def test_get_session_answers_the_row_list_sessions_answers(ray_cluster: None, tmp_path: Path) -> None:
+    """A fork's GetSession names its parent and its state, as ListSessions does (the registry's record under the
+    host's counts)."""
+    ctl = await start_controller(f"sqlite:///{tmp_path / 'kvfleet.db'}", None)
+    c = AsyncFleetClient(ctl.address)
+    try:
+        await c.create_session("s1", SYSTEM)
+        await c.append("s1", " hello.")
+        await c.fork("s1", "s1.b")
+        listed = {r.session_id: r for r in await c.sessions()}
+        for sid in ("s1", "s1.b"):
+            got = (await c.get_session(sid)).row
+            print(f"{sid}: GetSession parent={got.parent!r} state={got.state!r} hit_rate={got.hit_rate}; "
+                  f"ListSessions parent={listed[sid].parent!r} state={listed[sid].state!r}")
+            assert got == listed[sid]
+        assert listed["s1.b"].parent == "s1" and listed["s1.b"].state == "active"  # control: not two empty rows
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
