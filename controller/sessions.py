@@ -144,10 +144,7 @@ class Sessions(SessionCalls):
         """The session's row, its cache digest and (if asked) its tokens, all of one state (`KernelFleet.snapshot`)."""
         fleet = await self.get_fleet()
         snap = await self._call(tenant, sid, fleet.snapshot, tenant, sid, include_tokens)
-        info = snap["info"]
-        row = SessionRow.from_row({"session": sid, **info})
-        self.quota.set_tokens(tenant, row.session_id, row.num_tokens, int(info.get("history_tokens", -1)))
-        return row, str(snap["digest"]), list(snap["tokens"])
+        return self._counted(tenant, {"session": sid}, snap["info"]), str(snap["digest"]), list(snap["tokens"])
 
     async def close_session(self, tenant: str, sid: str) -> None:
         fleet = await self.get_fleet()
@@ -170,7 +167,10 @@ class Sessions(SessionCalls):
         """The session's row: its registry record `rec` and its actor's info (whose epoch is the
         registry's: one counter, kept by KernelFleet)."""
         fleet, sid = await self.get_fleet(), str(rec["session"])
-        info = await self._call(tenant, sid, fleet.info, tenant, sid)
+        return self._counted(tenant, rec, await self._call(tenant, sid, fleet.info, tenant, sid))
+
+    def _counted(self, tenant: str, rec: dict[str, Any], info: dict[str, Any]) -> SessionRow:
+        """The row of `rec` under its actor's `info`, its tokens counted in the tenant's quota."""
         row = SessionRow.from_row({**rec, **info})
         self.quota.set_tokens(tenant, row.session_id, row.num_tokens, int(info.get("history_tokens", -1)))
         return row
