@@ -35,7 +35,6 @@ up; Forwarder._drains); the drain's end (listed paused or sleeping) nudges the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -48,8 +47,9 @@ from controller.proxy.config import ProxyConfig
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.metrics import ProxyMetrics
+from controller.proxy.targets import Target, targets
+from controller.proxy.upstream import AttemptFailed, Upstream, discard
 from controller.proxy.watch import ASLEEP, AWAKE, BUSY, GONE, FirstBytes, Ticket, ask_is_sleeping
-from fleet.core.route_types import COLD, verdict_of
 from fleet.sdk.types import RouteDecision
 
 log = logging.getLogger("kvfleet.proxy")
@@ -70,16 +70,6 @@ MAX_PROBE_WAIT_S = 8.0  # .. or, past that, doubling up to 8 s apart: a long ans
 # a short first-byte timeout (0.25 s) than with the old default's (1 s)
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    worker: str
-    url: str
-    verdict: str
-    matched_tokens: int
-    epoch: int  # of its DP rank `dp_rank`: the route's, or the proxy's listing's for a fallback
-    dp_rank: int = 0
-
-
 @dataclass(slots=True)
 class Opened:
     """An upstream response whose first body bytes arrived (t_sent/t_first: perf_counter seconds)."""
@@ -91,39 +81,6 @@ class Opened:
     t_first: float
     num_sends: int
     failures: tuple[str, ...]
-
-
-class AttemptFailed(Exception):
-    """The worker failed before the first byte: retry elsewhere. `found`: a probe found it asleep or gone (True),
-    was asked and found neither (False), or was not asked since the failure (None: Forwarder._judge asks)."""
-
-    def __init__(self, why: str, found: bool | None = None) -> None:
-        super().__init__(why)
-        self.found = found
-
-
-def targets(d: RouteDecision, directory: WorkerDirectory, base: str, name: str | None = None) -> Iterator[Target]:
-    """The chosen worker, then the router's other candidates, then any other worker of the model; of the fallbacks,
-    only those whose cards list `name`, the request's model id (None: any).
-
-    NOTE: lazy: nearly every request is answered by the first, and the fallbacks cost a directory walk.
-    NOTE: the walk took every worker of the base model: a request for an adapter loaded on some workers only, whose
-    chosen worker was asleep, was sent to one without it and the client got its 404 ("The model `x` does not
-    exist."), a permanent error to an OpenAI SDK, where the fleet was only short of a worker for a moment.
-    """
-    yield Target(d.worker, d.url, d.verdict, d.matched_tokens, d.epoch, d.dp_rank)
-    seen = {d.worker}
-    for c in d.candidates:
-        w = directory.get(c.worker)
-        if w is not None and c.worker not in seen and directory.lists(c.worker, name):
-            seen.add(c.worker)
-            epoch = next((r.epoch for r in w.ranks if r.dp_rank == c.dp_rank), 0)
-            yield Target(c.worker, w.url, verdict_of(c.matched_tokens), c.matched_tokens, epoch, c.dp_rank)
-    for w in sorted(directory.workers.values(), key=lambda w: w.name):
-        if w.model == base and w.name not in seen and directory.lists(w.name, name):
-            rank = directory.first_rank(w.name)  # where MoveRoute puts it (app.py)
-            epoch = next((r.epoch for r in w.ranks if r.dp_rank == rank), 0)
-            yield Target(w.name, w.url, COLD, 0, epoch, rank)
 
 
 def probe_waits(first_byte_timeout_s: float, first_s: float | None = None) -> Iterator[float]:
@@ -139,12 +96,12 @@ def probe_waits(first_byte_timeout_s: float, first_s: float | None = None) -> It
 class Forwarder:
     """`http` is the proxy's pooled session to the workers, `fresh` one that opens a new connection per request
     (TCPConnector(force_close=True)): a send the worker's closing of its connection cut off is repeated on it once
-    (None: not repeated)."""
+    (None: not repeated; the sends: controller/proxy/upstream.py)."""
 
     def __init__(self, cfg: ProxyConfig, directory: WorkerDirectory, http: aiohttp.ClientSession,
                  metrics: ProxyMetrics, fresh: aiohttp.ClientSession | None = None) -> None:
-        self.cfg, self.directory, self.http, self.metrics, self.fresh = cfg, directory, http, metrics, fresh
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)  # one for every send
+        self.cfg, self.directory, self.http, self.metrics = cfg, directory, http, metrics
+        self.upstream = Upstream(http, fresh, cfg.connect_timeout_s, metrics)
         self.first_bytes = FirstBytes(cfg.first_byte_min_s, cfg.first_byte_timeout_s)
 
     async def open(self, path: str, body: bytes, d: RouteDecision, base: str, headers: dict[str, str],
@@ -193,12 +150,12 @@ class Forwarder:
                        failures: list[str], model: str) -> Opened:
         ticket = self.directory.watch.ticket(t.worker, model)  # taken before the send: a finding after it covers it
         t_sent = time.perf_counter()
-        task = asyncio.create_task(self._open(t, t.url.rstrip("/") + path, body, headers))
+        task = asyncio.create_task(self.upstream.open(t, t.url.rstrip("/") + path, body, headers))
         try:
             await self._wait_first_byte(t, task, ticket)
             resp, first = await task
         except BaseException:
-            await _discard(task)
+            await discard(task)
             raise
         t_first = time.perf_counter()
         self.first_bytes.seen(t.worker, t_first - t_sent)
@@ -318,45 +275,3 @@ class Forwarder:
         seen, detail = await ask_is_sleeping(self.http, t.url, self.cfg.probe_timeout_s)
         self.metrics.probes.labels(t.worker, seen).inc()
         return seen, detail
-
-    async def _post(self, t: Target, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """POST on a pooled connection; if the worker closed the connection under the send, send once more, on a
-        fresh connection to the same worker.
-        NOTE: a server closes a kept-alive connection it found idle too long (uvicorn, vLLM's server: 5 s; aiohttp's
-        pool keeps one 15 s), and a send that takes it from the pool as the close is on its way meets a reset: the
-        worker never read the request. That failed the attempt over (and, before, marked the worker suspect).
-        A connection the pool had kept is not told from a new one: aiohttp says so only through its trace hooks,
-        which cost 19 us per request on loopback (176 against 157 us, 2,000 sends x 6); a new connection closed
-        under the send costs one more connection to the worker before the failover."""
-        try:
-            return await self.http.post(url, data=body, headers=headers, timeout=self._timeout)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError) as e:
-            if isinstance(e, aiohttp.ClientConnectorError) or self.fresh is None:  # could not connect: not a close
-                raise
-        self.metrics.reconnects.labels(t.worker).inc()
-        return await self.fresh.post(url, data=body, headers=headers, timeout=self._timeout)
-
-    async def _open(self, t: Target, url: str, body: bytes,
-                    headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes]:
-        try:
-            resp = await self._post(t, url, body, headers)
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            raise AttemptFailed(f"connect: {type(e).__name__}: {e}") from e
-        try:
-            if resp.status == 503:
-                raise AttemptFailed(f"503: {(await resp.content.read(512)).decode(errors='replace')}")
-            return resp, await resp.content.readany()
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            resp.close()
-            raise AttemptFailed(f"broken: {type(e).__name__}: {e}") from e
-        except BaseException:
-            resp.close()
-            raise
-
-
-async def _discard(task: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]]) -> None:
-    """Cancel an attempt; close its response if it had already opened one."""
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        resp, _ = await task
-        resp.close()

@@ -29,10 +29,11 @@ from aiohttp import web
 
 from controller.owned import OwnedLru
 from controller.proxy.errors import ProxyError
-from controller.proxy.forward import Opened, Target
+from controller.proxy.forward import Opened
 from controller.proxy.quarantine import Hit
 from controller.proxy.reading import upstream_headers
 from controller.proxy.relay import relay
+from controller.proxy.targets import Target
 from fleet.core.route_types import COLD, RouteDecision
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from controller.proxy.relay import relay
 from controller.proxy.tokenize import EncodedBody
 
 if TYPE_CHECKING:
-    from controller.proxy.forward import Target
     from controller.proxy.quarantine import Hit
     from controller.proxy.server import Proxy
+    from controller.proxy.targets import Target
 
 MAX_LISTED_BYTES = 2048  # of a header listing what was withheld; the body's `kvfleet` field lists it all
 CHAT, COMPLETION, BY_LOAD = "chat", "completion", "by_load"  # the kinds of routed request (Handlers._complete)
