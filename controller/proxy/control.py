@@ -26,12 +26,12 @@ from typing import Any
 import grpc
 
 from controller.keyed_slots import KeyedSlots
-from controller.periodic import Periodic
 from controller.proxy.callers import KnownCallers
 from controller.proxy.lookups import TokenLookups
 from controller.proxy.refused import RefusedTokens
 from controller.proxy.route_stream import RouteStreams, StreamUnsupported
-from controller.tls_reload import CHECK_INTERVAL_S, Stamp, file_stamp
+from controller.proxy.tls_renewal import TlsRenewal
+from controller.tls_reload import CHECK_INTERVAL_S, Stamp
 from fleet.api.kvfleet.v1 import fleet_pb2, quarantine_pb2, route_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
@@ -47,7 +47,6 @@ from fleet.core.errors import (
 from fleet.sdk import base, types
 
 log = logging.getLogger("kvfleet.proxy")
-RETIRE_S = 60.0  # how long a channel a TLS renewal replaced stays open for the calls begun on it
 MAX_REFUSED = 10000  # refused tokens remembered at once (controller/proxy/refused.py)
 UNKNOWN = ("tokens not known yet",)  # the one slot share of every token no WhoAmI has named a tenant for yet
 OWN = ("the proxy's own token",)  # the proxy's ListWorkers: a share of its own, apart from the clients' tokens
@@ -70,9 +69,7 @@ class ControlClient:
                                  name="the proxy's RPCs to the controller")
         self._use_streams = stream
         self._link(credentials)
-        self._retiring: set[asyncio.Task[None]] = set()  # channels replaced by a TLS renewal, closing after a grace
-        self._tls: tuple[tuple[str, ...], Callable[[], grpc.ChannelCredentials | None], Stamp] | None = None
-        self._tls_watch: Periodic | None = None
+        self._tls: TlsRenewal | None = None
         self._callers = KnownCallers()  # WhoAmI answers by token, fair between tenants at the bound (callers.py)
         self._refused = RefusedTokens(MAX_REFUSED, auth_refused_s)  # a refusal answered here (refused.py)
         self._lookups = TokenLookups()  # the WhoAmIs of tokens not known yet, a few per client address (lookups.py)
@@ -94,47 +91,18 @@ class ControlClient:
                   interval_s: float = CHECK_INTERVAL_S) -> None:
         """Look at the TLS files every `interval_s` (from `start`): when they changed since `stamp` (taken before the
         channel's credentials were read) and `load` reads them whole, new calls go over a new channel with the new
-        credentials; the old channel closes RETIRE_S later (the proxy's calls to the controller take seconds at
-        most; one still running then is cut). NOTE: before, the files were read once: a client certificate renewed
-        in the mounted Secret was not presented until the proxy restarted, and once the old one expired the
-        controller refused every new connection (the proxy fails closed: every request a 503)."""
-        self._tls = (paths, load, stamp)
-        self._tls_watch = Periodic("kvfleet-proxy-tls", interval_s, self._check_tls,
-                                   on_error=lambda e: log.warning("proxy: looking at the TLS files failed: %s", e))
+        credentials (controller/proxy/tls_renewal.py)."""
+        self._tls = TlsRenewal(paths, load, stamp, self._relink, interval_s)
 
-    async def start(self) -> None:
-        if self._tls_watch is not None:
-            await self._tls_watch.start()
-
-    async def _check_tls(self) -> None:
-        assert self._tls is not None
-        paths, load, stamp = self._tls
-        now = file_stamp(paths)
-        if now == stamp:
-            return
-        try:
-            credentials = load()
-        except InvalidArgument as e:
-            log.warning("proxy: the TLS files changed but do not load (%s); still using the previous ones", e)
-            return
-        if file_stamp(paths) != now:
-            return  # changed while read: load them at the next look
-        self._tls = (paths, load, now)
+    def _relink(self, credentials: grpc.ChannelCredentials | None) -> tuple[grpc.aio.Channel, RouteStreams | None]:
+        """New calls go over a new channel with these credentials; returns the channel and streams it replaced."""
         old = (self._channel, self._streams)
         self._link(credentials)
-        task = asyncio.get_running_loop().create_task(self._retire(*old))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-        log.info("proxy: TLS files renewed (%s); new calls to the controller use them", ", ".join(paths))
+        return old
 
-    async def _retire(self, channel: grpc.aio.Channel, streams: RouteStreams | None) -> None:
-        """Close a replaced channel RETIRE_S from now: the calls begun on it have had that long to end."""
-        try:
-            await asyncio.sleep(RETIRE_S)
-        finally:
-            if streams is not None:
-                await streams.close()
-            await channel.close()
+    async def start(self) -> None:
+        if self._tls is not None:
+            await self._tls.start()
 
     async def route(
         self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None,
@@ -338,11 +306,8 @@ class ControlClient:
 
     async def close(self) -> None:
         """Let pending releases finish (up to the RPC timeout), then close the channel (and any a renewal replaced)."""
-        if self._tls_watch is not None:
-            await self._tls_watch.stop()
-        for task in list(self._retiring):
-            task.cancel()  # NOTE: its finally closes that channel
-        await asyncio.gather(*self._retiring, return_exceptions=True)
+        if self._tls is not None:
+            await self._tls.stop()
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.timeout_s)
         if self._streams is not None:
