@@ -18,8 +18,9 @@ import heapq
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.radix.events import AllPagesCleared, PagesRemoved, PagesStored, RadixEvent
+from fleet.core.radix.lookup import common_pages, page_key, resolve
 from fleet.core.radix.node import NO_EVICTION, EvictedPages, InsertResult, MatchResult, TreeNode
 from fleet.core.radix.policies import EvictionPolicy, make_policy
 
@@ -82,7 +83,7 @@ class RadixTree:
         Returns:
             MatchResult; `node` is the root when nothing matched.
         """
-        key = self._page_key(tokens)
+        key = page_key(tokens, self.page_size)
         self._clock += 1
         path = self._walk(key)
         for node in path:
@@ -106,7 +107,7 @@ class RadixTree:
         Raises:
             InvalidArgument: `value` has the wrong length (nothing is changed).
         """
-        key = self._page_key(tokens)
+        key = page_key(tokens, self.page_size)
         num_pages = len(key) // self.page_size
         values = [None] * num_pages if value is None else list(value)
         if len(values) != num_pages:
@@ -182,7 +183,7 @@ class RadixTree:
             NotFound: the node or path is not cached. FailedPrecondition: it is locked.
             InvalidArgument: bad `start`. Nothing is changed on error.
         """
-        node = self._resolve(target, start)
+        node = resolve(self.root, target, start, self.page_size)
         if node.lock_ref > 0:
             raise FailedPrecondition(f"node {node.node_id} is locked by {node.lock_ref} in-flight user(s)")
         if start is not None and not isinstance(target, TreeNode):
@@ -212,12 +213,6 @@ class RadixTree:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _page_key(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        if isinstance(tokens, (str, bytes)) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise InvalidArgument("tokens must be a sequence of non-negative ints")
-        n = len(tokens) - len(tokens) % self.page_size
-        return tuple(tokens[:n])
-
     def _new_node(self, key: tuple[int, ...], block_ids: list[int], values: list[Any],
                   parent: TreeNode | None) -> TreeNode:
         node = TreeNode(self._next_node_id, key, block_ids, values, parent)
@@ -232,7 +227,7 @@ class RadixTree:
             child = node.children.get(key[pos:pos + p])
             if child is None:
                 break
-            n = self._common_pages(child.key, key, pos)
+            n = common_pages(child.key, key, pos, p)
             if n < child.num_tokens:
                 child = self._split(child, n)
             path.append(child)
@@ -244,13 +239,6 @@ class RadixTree:
         node = path[-1] if path else self.root
         block_ids = tuple(b for n in path for b in n.block_ids)
         return MatchResult(num_matched, node, block_ids, tuple(v for n in path for v in n.values))
-
-    def _common_pages(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        n, p = 0, self.page_size
-        limit = min(len(node_key), len(key) - pos)
-        while n < limit and node_key[n:n + p] == key[pos + n:pos + n + p]:
-            n += p
-        return n
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after `n` tokens; the new upper node keeps the child's stats and locks."""
@@ -305,35 +293,6 @@ class RadixTree:
             stack.extend(reversed(n.children.values()))
         self.num_cached_tokens -= freed
         return freed
-
-    def _resolve(self, target: TreeNode | Sequence[int], start: int | None) -> TreeNode:
-        if isinstance(target, TreeNode):
-            node: TreeNode | None = target
-            while node is not None and node is not self.root:
-                parent = node.parent
-                if parent is None or parent.children.get(node.key[:self.page_size]) is not node:
-                    break
-                node = parent
-            if node is not self.root or target is self.root:
-                raise NotFound(f"node {target.node_id} is not in this tree")
-            return target
-        return self._resolve_path(target, start)
-
-    def _resolve_path(self, tokens: Sequence[int], start: int | None) -> TreeNode:
-        key = self._page_key(tokens)
-        if not key or len(key) != len(tokens):
-            raise InvalidArgument(f"evict_node: the path must be a non-empty multiple of {self.page_size} tokens")
-        if start is not None and (start < 0 or start >= len(key) or start % self.page_size):
-            raise InvalidArgument(f"evict_node: start={start} must be a page multiple in [0, {len(key)})")
-        node, pos, found = self.root, 0, None
-        while pos < len(key):  # read-only walk: nothing splits before we know the path is cached
-            child = node.children.get(key[pos:pos + self.page_size])
-            if child is None or self._common_pages(child.key, key, pos) < min(child.num_tokens, len(key) - pos):
-                raise NotFound("evict_node: that token path is not cached")
-            if start is not None and pos <= start < pos + child.num_tokens:
-                found = child
-            node, pos = child, pos + child.num_tokens
-        return found if start is not None and found is not None else node
 
     def _split_to_start(self, node: TreeNode, start: int) -> TreeNode:
         node_start = len(node.path_tokens()) - node.num_tokens
