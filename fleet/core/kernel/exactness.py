@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from fleet.core.kernel.check_bench import Bench as _Bench
+from fleet.core.kernel.check_bench import exact_row, random_ids
 from fleet.core.kernel.checks import ExactnessCheck
 from fleet.core.kernel.config import ModelConfig
 from fleet.core.kernel.kernel import Kernel
@@ -22,70 +24,9 @@ from fleet.core.kernel.rope import rope_np, tables
 from fleet.core.kernel.types import K_POST, K_RAW, PrefixKV, max_abs_delta
 
 
-def _ids(seed: int, n: int, vocab: int) -> list[int]:
-    out: list[int] = np.random.default_rng(seed).integers(0, vocab, n).tolist()
-    return out
-
-
-def _exact(name: str, value: float, control: float, ulp: float | None, note: str = "") -> ExactnessCheck:
-    ok = value == 0.0 and control > 0 and (ulp is None or ulp > 0)
-    return ExactnessCheck(name, "== 0", value, control, ok, note, ulp)
-
-
-def nudge_embedding(k: Kernel, tok: int) -> None:
-    """Move one element of token `tok`'s embedding up by one ulp (in place, this kernel only)."""
-    e = k.ops.embed_w
-    if isinstance(e, np.ndarray):
-        e[tok, 0] = np.nextafter(e[tok, 0], np.float32(np.inf))
-    else:
-        import torch
-
-        e[tok, 0] = torch.nextafter(e[tok, 0], torch.tensor(float("inf"), device=e.device))
-
-
-class _Bench:
-    """Kernels and token streams shared by the checks of one run."""
-
-    def __init__(self, backend: str, device: str, threads: int, seed: int) -> None:
-        self.kw = dict(seed=seed, backend=backend, device=device, threads=threads)
-        self.kernels: dict[tuple[int, int | None], Kernel] = {}
-        V = ModelConfig.tiny().vocab_size
-        self.pre, self.span, self.post, self.query = (
-            _ids(s, n, V) for s, n in ((1, 45), (2, 13), (3, 37), (4, 6))
-        )
-
-    def kernel(self, n_layers: int = 2, nudged: int | None = None) -> Kernel:
-        """The shared kernel, or (nudged=tok) a twin whose embedding of `tok` is 1 ulp off."""
-        key = (n_layers, nudged)
-        if key not in self.kernels:
-            k = Kernel.synthetic(ModelConfig.tiny(n_layers=n_layers), **self.kw)  # type: ignore[arg-type]
-            if nudged is not None:
-                nudge_embedding(k, nudged)
-            self.kernels[key] = k
-        return self.kernels[key]
-
-    def run(self, tokens: list[int], n_layers: int = 2, nudged: bool = False) -> np.ndarray:
-        s = self.kernel(n_layers, self.query[-1] if nudged else None).session()
-        s.append(tokens)
-        return s.append(self.query)
-
-    def ulp(self, tokens: list[int], ref: np.ndarray, n_layers: int = 2) -> float:
-        """The 1-ulp control: `tokens` + query with the last token's embedding 1 ulp off, vs ref.
-
-        NOTE: the last token, because its own embedding feeds the logits through the residual
-        stream; a 1-ulp change further back can round away inside one attention sum."""
-        return max_abs_delta(self.run(tokens, n_layers, nudged=True), ref)
-
-    def evicted(self, mode: str, n_layers: int) -> tuple[np.ndarray, Any]:
-        s = self.kernel(n_layers).session()
-        s.append(self.pre + self.span + self.post)
-        r = s.evict(len(self.pre), len(self.span), mode=mode)
-        return s.append(self.query), r
-
-
 def prefix_reuse(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
-    ids = _ids(9, 400, k.config.vocab_size)
+    ids = random_ids(9, 400, k.config.vocab_size)
     ref = k.session().append(ids)
     worst = 0.0
     for split in (1, 31, 32, 177, 399):
@@ -93,7 +34,7 @@ def prefix_reuse(b: _Bench) -> ExactnessCheck:
         s.append(ids[:split])
         worst = max(worst, max_abs_delta(s.append(ids[split:]), ref))
     poke = [(ids[0] + 1) % k.config.vocab_size] + ids[1:]
-    return _exact(
+    return exact_row(
         "prefix reuse (A then B == A+B, 5 splits of 400)",
         worst,
         max_abs_delta(k.session().append(poke), ref),
@@ -104,14 +45,14 @@ def prefix_reuse(b: _Bench) -> ExactnessCheck:
 
 def decode(b: _Bench) -> ExactnessCheck:
     k = b.kernel()
-    ids = _ids(10, 120, k.config.vocab_size)
+    ids = random_ids(10, 120, k.config.vocab_size)
     ref = k.session().append(ids)
     s = k.session()
     s.append(ids[:80])
     for t in ids[80:]:
         got = s.append([t])  # token-by-token decode across a tile boundary (tile 64)
     poke = ids[:-1] + [(ids[-1] + 1) % k.config.vocab_size]
-    return _exact(
+    return exact_row(
         "decode (80 + 40 one at a time == 120 at once)",
         max_abs_delta(got, ref),
         max_abs_delta(k.session().append(poke), ref),
@@ -132,17 +73,17 @@ def evict_vs_never(b: _Bench) -> list[ExactnessCheck]:
     d = max_abs_delta(s.append(b.post + b.query), ref)
     c = max_abs_delta(b.run(b.pre + b.span + b.post), ref)
     return [
-        _exact(
+        exact_row(
             "evict-vs-never (write-time span)", d, c, b.ulp(b.pre + b.post, ref), "control: poison-vs-never"
         ),
         ExactnessCheck("poison-vs-never (control: span kept)", "> 0", c, None, c > 0),
     ]
 
 
-def middle_exact(b: _Bench) -> ExactnessCheck:
+def middleexact_row(b: _Bench) -> ExactnessCheck:
     ref = b.run(b.pre + b.post)
     got, _ = b.evicted("exact", 2)
-    return _exact(
+    return exact_row(
         "middle eviction, exact mode (2 layers)",
         max_abs_delta(got, ref),
         max_abs_delta(b.run(b.pre + b.span + b.post), ref),
@@ -195,7 +136,7 @@ def reposition_depth(b: _Bench) -> list[ExactnessCheck]:
         got, r = b.evicted("reposition", L)
         d, c = max_abs_delta(got, ref), max_abs_delta(b.run(b.pre + b.span + b.post, L), ref)
         if L == 1:
-            row = _exact(
+            row = exact_row(
                 "reposition vs never-saw (1 layer)",
                 d,
                 c,
@@ -238,7 +179,7 @@ def layer0_recomputed(b: _Bench) -> ExactnessCheck:
     s.evict(len(b.pre), len(b.span), mode="reposition")
     got, toks, i = s.kv_numpy(0, len(s))[:, 0], s.tokens, len(b.pre)  # [3, KV, n, hd]
     poke = toks[:i] + [(toks[i] + 1) % k.config.vocab_size] + toks[i + 1 :]
-    return _exact(
+    return exact_row(
         "layer 0 after reposition vs recomputed (memo bypassed)",
         max(max_abs_delta(got, _layer0_direct(k, toks)), s.layer0_delta(memo=False)),
         max_abs_delta(got, _layer0_direct(k, poke)),
@@ -258,7 +199,7 @@ def sibling_isolation(b: _Bench) -> ExactnessCheck:
     alone = k.session()
     alone.append(b.pre + b.span)
     ref = alone.append(b.query)
-    return _exact(
+    return exact_row(
         "sibling isolation (evict+append in A; B vs B alone)",
         max_abs_delta(got, ref),
         max_abs_delta(a.append(b.query), ref),
@@ -284,7 +225,7 @@ def prefix_adoption(b: _Bench) -> ExactnessCheck:
     p = other.export_prefix(48)
     forged = PrefixKV(tuple(ids[:48]), p.block_size, p.blocks, p.model_id)
     control = max_abs_delta(k.session(prefix=forged).append(ids[48:]), ref)
-    return _exact(
+    return exact_row(
         "exported prefix adopted (zero-copy) + suffix",
         max_abs_delta(got, ref),
         control,
@@ -302,7 +243,7 @@ def run_checks(
         prefix_reuse(b),
         decode(b),
         *evict_vs_never(b),
-        middle_exact(b),
+        middleexact_row(b),
         reposition_invariant(b),
         *reposition_depth(b),
         layer0_recomputed(b),

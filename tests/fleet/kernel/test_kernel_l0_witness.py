@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fleet.core.kernel import Kernel, exactness
+from fleet.core.kernel import Kernel, check_bench, exactness
 
 POST = exactness._Bench("numpy", "cpu", 1, 0).post
 
@@ -32,6 +32,7 @@ def test_a_wrong_memo_row_fails_the_witness(backend: str, monkeypatch: pytest.Mo
     clean = exactness.run_checks(backend, hf=False)
     assert all(r.ok for r in clean)  # control: holds with the memo intact
     monkeypatch.setattr(exactness, "Kernel", _PoisonedMemo)
+    monkeypatch.setattr(check_bench, "Kernel", _PoisonedMemo)  # the checks' shared kernels (check_bench.Bench)
     rows = exactness.run_checks(backend, hf=False)
     failing = [r for r in rows if not r.ok]
     for r in rows:
