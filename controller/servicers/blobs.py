@@ -226,9 +226,11 @@ class BlobServicer(pbg.BlobServiceServicer):
         return await self._pin(request, ident, self.ctx.store.unpin)
 
     async def _pin(self, request: pb.PinBlobRequest, ident: Identity, verb: Any) -> pb.PinBlobResponse:
+        """The answer is the metadata the pin or unpin itself read (one store transaction/script). NOTE: a stat()
+        after the unpin found the blob gone when GC collected it in between (unpinned, no reference, lease run
+        out), and the client read NOT_FOUND for an unpin that had happened."""
         tenant = _pin_tenant(request, ident)
-        await self.ctx.tenant_blocking(ident.tenant, verb, request.ref, tenant)
-        meta = await self.ctx.tenant_blocking(ident.tenant, self.ctx.store.stat, request.ref, tenant)
+        meta = await self.ctx.tenant_blocking(ident.tenant, verb, request.ref, tenant)
         return pb.PinBlobResponse(meta=meta_to_proto(meta))
 
     @unary(Role.OPERATOR)

@@ -48,6 +48,7 @@ from fleet.cas.redis_gc import RedisGc
 from fleet.cas.redis_holders import RedisHolders
 from fleet.cas.redis_pieces import PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
 from fleet.cas.redis_scripts import INCR_LUA, KV_SWAP_LUA, PUT_LUA, TOUCH_LUA, VERDICT_LUA
+from fleet.cas.types import at_zero
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
 
@@ -201,9 +202,13 @@ class RedisBlobStore(BlobStore):
         return [None if not h else self._meta(ref, h) for ref, h in zip(refs, pipe.execute(), strict=True)]
 
     @store_call
-    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
+    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> BlobMeta | None:
         out = self._s_incr(keys=[self._keys(tenant, ref)[1]], args=[counter, delta])
-        return None if out is None else int(out)
+        if out is None:
+            return None
+        if not isinstance(out, list):
+            raise at_zero(ref, tenant, counter)
+        return self._meta(ref, dict(zip(out[::2], out[1::2], strict=True)))
 
     @store_call
     def _hold_one(self, tenant: str, ref: str, holder: str, delta: int) -> int | None:

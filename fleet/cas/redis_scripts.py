@@ -32,12 +32,15 @@ extend_lease(KEYS[1], ARGV[1])
 return 1
 """
 
+# KEYS: meta; ARGV: counter, delta. The metadata after the change (HGETALL's pairs); -1: refused below 0; nil: missing.
+# NOTE: answered from the change itself: a stat() after it could find the blob collected meanwhile (BlobRefs.unpin,
+# fleet/cas/store_refs.py).
 INCR_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local v = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) + tonumber(ARGV[2])
 if v < 0 then return -1 end
 redis.call('HSET', KEYS[1], ARGV[1], v)
-return v
+return redis.call('HGETALL', KEYS[1])
 """
 
 VERDICT_LUA = """

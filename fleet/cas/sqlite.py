@@ -7,12 +7,14 @@ references (sqlite_holders.py). This module holds the store's calls, each one tr
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from typing import Any
 
 from fleet.cas import sqlite_gc, sqlite_holders, sqlite_schema
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.sqlite_conns import SqliteConnections, unusable
+from fleet.cas.types import at_zero
 from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.core.verdict import UNKNOWN
 
@@ -97,17 +99,18 @@ class SqliteBlobStore(SqliteConnections, BlobStore):
         row = self._one(f"SELECT {_META_COLS} FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref))
         return _meta(row) if row is not None else None
 
-    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
+    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> BlobMeta | None:
         assert counter in ("pins", "refs")
         with self._tx() as db:
-            row = db.execute(f"SELECT {counter} FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref)).fetchone()
+            row = db.execute(f"SELECT {_META_COLS} FROM blobs WHERE tenant = ? AND ref = ?", (tenant, ref)).fetchone()
             if row is None:
                 return None
-            value = int(row[0]) + delta
+            meta = _meta(tuple(row))
+            value = getattr(meta, counter) + delta
             if value < 0:
-                return -1
+                raise at_zero(ref, tenant, counter)
             db.execute(f"UPDATE blobs SET {counter} = ? WHERE tenant = ? AND ref = ?", (value, tenant, ref))
-            return value
+            return dataclasses.replace(meta, **{counter: value})
 
     def _hold_one(self, tenant: str, ref: str, holder: str, delta: int) -> int | None:
         with self._tx() as db:

@@ -6,17 +6,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from fleet.cas.types import check_key, check_ref, check_tenant, not_found
+from fleet.cas.types import BlobMeta, check_key, check_ref, check_tenant, not_found
 
 
 class BlobRefs(ABC):
     """The pins and references part of BlobStore."""
 
-    def pin(self, ref: str, tenant: str) -> None:
-        self._bump(ref, tenant, "pins", +1)
+    def pin(self, ref: str, tenant: str) -> BlobMeta:
+        """Pin the blob (GC never collects it until as many unpins); returns its metadata right after the pin.
 
-    def unpin(self, ref: str, tenant: str) -> None:
-        self._bump(ref, tenant, "pins", -1)
+        Raises:
+            NotFound: no such blob (collected, or never stored).
+        """
+        return self._bump(ref, tenant, "pins", +1)
+
+    def unpin(self, ref: str, tenant: str) -> BlobMeta:
+        """Drop one pin; returns the blob's metadata right after the unpin, read in the same transaction/script.
+        NOTE: the caller read it with a stat() after the unpin, and GC could collect the blob in between (unpinned,
+        no reference, lease run out): an unpin that happened answered NotFound.
+
+        Raises:
+            NotFound: no such blob. FailedPrecondition: it has no pin (nothing changed).
+        """
+        return self._bump(ref, tenant, "pins", -1)
 
     def add_ref(self, ref: str, tenant: str, holder: str | None = None) -> None:
         """Take a reference on the blob (GC never collects a referenced blob). With `holder` (who holds it: a
@@ -51,21 +63,19 @@ class BlobRefs(ABC):
         if self._hold_one(tenant, ref, check_key(holder), delta) is None:
             raise not_found(ref, tenant)
 
-    def _bump(self, ref: str, tenant: str, counter: str, delta: int) -> None:
+    def _bump(self, ref: str, tenant: str, counter: str, delta: int) -> BlobMeta:
         check_tenant(tenant)
         check_ref(ref)
-        result = self._incr(tenant, ref, counter, delta)
-        if result is None:
+        meta = self._incr(tenant, ref, counter, delta)
+        if meta is None:
             raise not_found(ref, tenant)
-        if result < 0:
-            from fleet.core.errors import FailedPrecondition  # noqa: PLC0415
-
-            raise FailedPrecondition(f"blob {ref}: {counter} is already 0 for tenant {tenant!r}")
+        return meta
 
     # ---- backend primitives ----------------------------------------------------------------------
     @abstractmethod
-    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> int | None:
-        """Apply delta unless it would go below 0; return the new value, -1 if refused, None if missing."""
+    def _incr(self, tenant: str, ref: str, counter: str, delta: int) -> BlobMeta | None:
+        """Apply delta unless it would go below 0 (then raise `at_zero`); return the blob's metadata after it, read
+        in the same transaction/script; None if missing."""
     @abstractmethod
     def _hold_one(self, tenant: str, ref: str, holder: str, delta: int) -> int | None:
         """+1: add `holder` to the blob's holders, -1: remove it; `refs` moves only when the holders changed. One

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fleet.core.errors import InvalidArgument, NotFound
+from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.core.verdict import QUARANTINED
 
 DEFAULT_MAX_BLOB_BYTES = 64 << 20
@@ -117,6 +117,11 @@ def not_found(ref: str, tenant: str) -> NotFound:
     # NOTE: the message names only what the caller supplied, so another tenant's ref and a ref that
     # was never stored are indistinguishable (same type, same text).
     return NotFound(f"blob {ref} not found for tenant {tenant!r}")
+
+
+def at_zero(ref: str, tenant: str, counter: str) -> FailedPrecondition:
+    """An unpin or drop_ref of a blob whose `counter` (pins, refs) is 0: refused, nothing changed."""
+    return FailedPrecondition(f"blob {ref}: {counter} is already 0 for tenant {tenant!r}")
 
 
 def encode_op(op: object) -> str:

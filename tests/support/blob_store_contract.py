@@ -15,7 +15,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -200,7 +200,9 @@ def test_metadata_counters_and_verdict(store_env: StoreEnv) -> None:
     m = store.stat(ref, "acme")
     assert (m.pins, m.refs, m.verdict, m.reasons, m.quarantined) == \
         (1, 2, "QUARANTINED", ("instruction_override", "exfiltration"), True)
-    store.unpin(ref, "acme")
+    # pin and unpin answer the metadata their own change left (no second read that GC could come before)
+    assert store.unpin(ref, "acme") == replace(m, pins=0)
+    assert store.pin(ref, "acme").pins == 1 and store.unpin(ref, "acme").pins == 0
     before = store_env.footprint()
     with pytest.raises(FailedPrecondition, match="pins is already 0"):
         store.unpin(ref, "acme")
