@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 
 import redis
 
+from fleet.cas.redis_undropped import Undropped
 from fleet.cas.types import blob_charge
 from fleet.core.errors import Unavailable
 from fleet.core.verdict import UNKNOWN
@@ -51,8 +51,9 @@ PIECE_BYTES = 512 << 10
 # timeout (60 s) or fails, so twice that never expires a live put's stage.
 STAGE_TTL_MS = 120_000
 
-# Reservations a failed put could not give back (Redis was down) that one store remembers to give back later.
-MAX_UNDROPPED = 1024
+# Failed puts whose stage and reservation one store remembers to give back (Redis was down): in all, and per tenant
+# (fleet/cas/redis_undropped.py: one tenant's failures push out only its own).
+MAX_UNDROPPED, MAX_UNDROPPED_PER_TENANT = 1024, 64
 
 # Prepended to the scripts that admit a put. The charge of the tenant's puts in flight (each distinct ref once,
 # lapsed reservations dropped first) and whether `ref` is one of them; and Redis's clock in ms.
@@ -159,6 +160,7 @@ def over_quota_out(out: object) -> tuple[int, int] | None:
 @dataclasses.dataclass(frozen=True)
 class _Put:
     """One pieced put's keys: its staging key (its own nonce), the tenant's in-flight set and its reservation."""
+    tenant: str
     stage: str
     flying: str
     member: str
@@ -172,8 +174,8 @@ class PiecedPut:
         self._s_begin = r.register_script(_BEGIN)
         self._s_append = r.register_script(_APPEND)
         self._s_commit = r.register_script(_COMMIT)
-        self._undropped: list[_Put] = []  # failed puts whose stage and reservation Redis did not take back yet
-        self._lock = threading.Lock()
+        # failed puts whose stage and reservation Redis did not take back yet
+        self._undropped: Undropped[_Put] = Undropped(MAX_UNDROPPED_PER_TENANT, MAX_UNDROPPED)
 
     def put(self, tenant: str, ref: str, keys: list[str], data: memoryview, now: float, quota: int,
             lease: str) -> tuple[int, int] | None:
@@ -187,7 +189,7 @@ class PiecedPut:
             Unavailable: the staging key vanished mid-put (nothing stored); redis errors as they come.
         """
         charge, nonce = blob_charge(data.nbytes), os.urandom(8).hex()
-        put = _Put(f"kvf:t:{tenant}:p:{ref}:{nonce}", in_flight_key(tenant), f"{charge}:{ref}:{nonce}")
+        put = _Put(tenant, f"kvf:t:{tenant}:p:{ref}:{nonce}", in_flight_key(tenant), f"{charge}:{ref}:{nonce}")
         self.drop_undropped()
         try:  # NOTE: the begin too: a reply lost after Redis applied it leaves a reservation
             out = self._s_begin(keys=[*keys[1:], put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
@@ -226,13 +228,12 @@ class PiecedPut:
                 pipe.zrem(put.flying, put.member)
             pipe.execute()
         except redis.exceptions.RedisError:
-            with self._lock:
-                self._undropped = [*puts, *self._undropped][:MAX_UNDROPPED]
+            for put in puts:  # each tenant's within its own bound (fleet/cas/redis_undropped.py)
+                self._undropped.add(put.tenant, put)
 
     def drop_undropped(self) -> None:
         """Give back what `_drop` could not (before any put of the store: a put of any size counts reservations)."""
-        with self._lock:
-            puts, self._undropped = self._undropped, []
+        puts = [put for _, put in self._undropped.take_all()]
         if puts:
             self._drop(*puts)
 

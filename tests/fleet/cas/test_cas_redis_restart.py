@@ -104,3 +104,39 @@ def test_small_put_after_a_failed_large_put_sees_no_reservation(store: BlobStore
     assert not [k for k in r.scan_iter() if b":p:" in k or b"inflight" in k]
     assert store.stored_bytes("acme") == blob_charge(len(small))
     r.close()
+
+
+def test_one_tenants_failed_puts_never_push_out_anothers(store: BlobStore, redis_server: RedisServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """While Redis is down, acme's failed large puts (more than the store remembers in all) leave bravo's failed put
+    remembered: bravo's next put gives its stage and reservation back at once.
+
+    NOTE: before, the failed puts were one list for every tenant, the newest MAX_UNDROPPED kept: acme's failures
+    pushed bravo's out, and bravo's reservation (its blob's charge) then held bravo's quota, and its stage (the
+    pieces sent) held Redis memory, until they lapsed STAGE_TTL_MS (120 s) after bravo's last piece."""
+    from fleet.cas import redis_pieces
+    from fleet.cas.quota import OverQuota
+
+    quota = blob_charge(SIZE) + 100  # room for one of bravo's blobs
+    _kill_at_piece(store, redis_server, monkeypatch, 2)
+    with pytest.raises(Unavailable, match="unreachable"):
+        store.put(_blob(5), "bravo", quota=quota)
+    monkeypatch.undo()
+    other = b"a" * (PIECE_BYTES + 1)  # pieced, and cheap to hash a thousand times
+    for _ in range(redis_pieces.MAX_UNDROPPED):
+        with pytest.raises(Unavailable, match="unreachable"):
+            store.put(other, "acme", quota=quota)
+    redis_server.start()
+    r = redis.Redis.from_url(redis_server.url)
+    (stage,) = [k for k in r.scan_iter(b"kvf:t:bravo:p:*")]
+    held, (member,) = r.strlen(stage), r.zrange("kvf:t:bravo:inflight", 0, -1)
+    print(f"bravo's failed put after the restart: stage {held} bytes (ttl {r.pttl(stage)} ms), "
+          f"reservation {member.split(b':')[0].decode()} bytes")
+    assert held == 2 * PIECE_BYTES and int(member.split(b":")[0]) == blob_charge(SIZE)  # control: what is at stake
+    try:
+        ref = store.put(_blob(6), "bravo", quota=quota)  # before: OverQuota, "... and 1573397 more in puts in progress"
+    except OverQuota as e:
+        pytest.fail(f"bravo's reservation, pushed out by acme's failures, still held its quota: {e}")
+    assert store.get(ref, "bravo") == _blob(6)
+    assert not [k for k in r.scan_iter() if b":p:" in k or b"inflight" in k]  # nothing of either tenant's left
+    r.close()
