@@ -47,6 +47,12 @@ async def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[int, A
             return resp.status, None
 
 
+def runs_a_request(sim: SimVllm) -> bool:
+    """Whether the stand-in runs a request (in its batch, holding blocks): what a pause or sleep with mode=wait lets
+    finish. NOTE: one still queued (waiting) is not drained: it waits for the resume or wake, as in vLLM."""
+    return bool(sim.engine.sched.running)
+
+
 @contextlib.asynccontextmanager
 async def wait_sleep_under_a_request(http: aiohttp.ClientSession, sim: SimVllm,
                                      prompt: list[int]) -> AsyncIterator[asyncio.Task[aiohttp.ClientResponse]]:
@@ -60,7 +66,7 @@ async def wait_sleep_under_a_request(http: aiohttp.ClientSession, sim: SimVllm,
 
     req = asyncio.create_task(request())
     for _ in range(500):
-        if sim.engine.sched.running:
+        if runs_a_request(sim):
             break
         await asyncio.sleep(0.01)
     verb = asyncio.create_task(http.post(sim.url + "/sleep", params={"level": "1", "mode": "wait"}))

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from support.proxy_fleet import MODEL, Fleet, served, start_fleet, until
+from support.stand_ins import runs_a_request
 
 PROMPT = "Draft the release notes for the storage layer, one item per change. " * 2
 ENGINE = {"time_scale": 1.0, "decode_base_s": 0.01}  # ~10 ms a token: 120 tokens take ~1.2 s
@@ -31,11 +32,12 @@ async def _phase(fleet: Fleet, name: str) -> str:
 
 
 async def _started(fleet: Fleet) -> tuple[asyncio.Task[tuple[int, dict[str, str], bytes]], str]:
-    """A non-streamed request through the proxy, running on its worker (the sim has it in flight)."""
+    """A non-streamed request through the proxy, running on its worker (in its batch, not queued: a pause with
+    mode=wait drains only what runs)."""
     task = asyncio.create_task(fleet.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS}))
 
     def running() -> str | None:
-        return next((n for n, s in fleet.sims.items() if s.engine.sched.in_flight()), None)
+        return next((n for n, s in fleet.sims.items() if runs_a_request(s)), None)
 
     async def poll() -> str | None:
         return running()
@@ -134,24 +136,31 @@ async def test_a_wait_pause_longer_than_the_http_timeout_keeps_the_cache(tmp_pat
         blocks, epoch = await until(lambda: _index(fleet, x), lambda be: be[0] > 0)
         task = asyncio.create_task(fleet.post("/v1/completions", {"model": MODEL, "prompt": "Long: " + PROMPT,
                                                                   "max_tokens": 300}))  # ~3 s
-        await until(lambda: _in_flight(fleet, x), bool, timeout=5.0)
+        await until(lambda: _running(fleet, x), bool, timeout=5.0)
         w = await fleet.op.lifecycle(x, "pause", mode="wait", clear_cache=False)
         status, h, raw = await task
         after = await _index(fleet, x)
         print(f"drain {drain_s}s: witness {w.phase}/{w.kv} epoch {w.epoch}; index {blocks} blocks epoch {epoch} -> "
               f"{after}; request {status}, attempts {h.get('x-kvfleet-attempts')}")
-        assert (w.phase, w.kv) == ("paused", "preserved") and status == 200
+        assert (w.phase, w.kv) == ("paused", "preserved")
         if drain_s:
+            assert status == 200, raw[:300]
             assert after[0] >= blocks and after[1] == epoch == w.epoch
         else:
+            # NOTE: the request's answer is no part of the control. Each call of the verb fails at 2 s while vLLM still
+            # drains, and from that failure until the SDK's retry (after its backoff) the rank is listed error, not
+            # draining: a probe of the proxy in that gap finds the worker asleep with no verb in flight and gives the
+            # request up (503), as before the drain wait. On a loaded machine the drain outlasted two calls and the
+            # probe met the second gap ("asleep: no first byte after 4.52s"); a drain of 5 s does so on a quiet one.
+            assert status == 200 or (status == 503 and b"(a worker asleep)" in raw), raw[:300]
             assert after[0] == 0 and after[1] > epoch
     finally:
         await fleet.op.lifecycle(x, "resume")
         await fleet.stop()
 
 
-async def _in_flight(fleet: Fleet, name: str) -> bool:
-    return bool(fleet.sims[name].engine.sched.in_flight())
+async def _running(fleet: Fleet, name: str) -> bool:
+    return runs_a_request(fleet.sims[name])
 
 
 async def test_control_a_keep_pause_still_fails_the_request_over(tmp_path: Path) -> None:
