@@ -241,6 +241,10 @@ class Worker(RankEvents, Verbs, Reconcile):
         caught_up = await sub.start(catch_up_from=st.epoch_seq if catch_up and st.seq >= 0 else 0)
         if catch_up and caught_up:
             self._apply(r, self.ranks[r].caught_up())
+        elif catch_up and self.ranks[r].fence == "clear":
+            # NOTE: a catch-up replay that did not answer (past StreamLimits, or no replay endpoint) may have held the
+            # awaited clear, or it was read before the fence went up: kept up, the worker served, always COLD, for good
+            self._clear_maybe_gone(r)
 
     async def stop(self) -> None:
         # NOTE: on Python 3.11 asyncio.wait_for can swallow a cancel that lands as its inner
