@@ -84,7 +84,8 @@ def test_chaos_behind_the_back() -> None:
     print("    (b') is invisible to polling and to the probe: only the AllBlocksCleared that vLLM publishes with "
           "the next step reveals it; owning the verbs (a) is the fix")
     assert (b.errors, bp.errors, inv.errors) == ([], [], [])       # nothing swallowed
-    assert bp.router.stale == 0 and bp.router.warm > 50           # the probe closes the window
+    assert bp.router.stale == 0, bp.stale_why                    # the probe closes the window
+    assert bp.router.warm > 50
     assert b.detect_ms and b.undetected == 0 and bp.undetected == 0
     assert b.baseline.stale > b.router.stale                      # (c) the baseline is worse on the same trace
     assert inv.router.stale <= inv.baseline.stale

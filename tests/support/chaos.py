@@ -60,6 +60,7 @@ class Result:
     restarts_of_controller: int = 0
     rebuilt: tuple[dict[str, Any], dict[str, Any]] | None = None
     errors: list[str] = field(default_factory=list)
+    stale_why: list[str] = field(default_factory=list)  # what the router had seen at each of its stale routes
 
 
 class Chaos:
@@ -75,6 +76,8 @@ class Chaos:
         self.sessions: list[tuple[str, list[int]]] = []
         self._pending: list[tuple[float, str, int, str]] = []
         self._sent: dict[str, int] = {}  # worker -> seq of the last batch its PUB really sent (drops left out)
+        self._acted: dict[str, tuple[str, float]] = {}  # worker -> its last action, when (monotonic)
+        self._unsettled: set[str] = set()  # workers whose last _settle ran out
 
     async def __aenter__(self) -> Chaos:
         self.tmp = tempfile.TemporaryDirectory()
@@ -141,6 +144,9 @@ class Chaos:
         if len(toks) > 320:  # a new conversation
             toks = [self.rng.randrange(100, 150000) for _ in range(40)]
         toks = toks + [self.rng.randrange(100, 150000) for _ in range(self.rng.randrange(8, 40))]
+        seen = {s.name: (self.router.worker(s.name).ranks[0].seq, p.seq - 1) for s, p in
+                zip(self.specs, (sim.publisher for sim in self.sims), strict=True) if p is not None}
+        t_route = time.monotonic()
         try:
             d = await self.router.route(toks, "m", cache_salt=salt)
         except Unavailable:
@@ -172,6 +178,12 @@ class Chaos:
             if verdict == "WARM":
                 tally.warm += 1
                 if not serving or true_match(worker) < matched:
+                    if tally is self.res.router:  # NOTE: said when the test fails (a stale route on a loaded machine)
+                        act = self._acted.get(worker, ("none", t_route))
+                        self.res.stale_why.append(
+                            f"{worker}: WARM {matched} tokens, truly {true_match(worker)}, serving {serving}; (read, "
+                            f"published) seq {seen[worker]}; last action {act[0]} {t_route - act[1]:.3f}s before; "
+                            f"settle ran out for {sorted(self._unsettled)}")
                     tally.stale += 1
                     tally.stale_not_serving += int(not serving)
                 else:
@@ -203,8 +215,10 @@ class Chaos:
         while time.monotonic() - t0 < timeout:
             st = self.router.worker(name).ranks[0]
             if st.seq >= want and self.baseline.seq.get(name, -1) >= min(want, self._sent.get(name, -1)):
+                self._unsettled.discard(name)
                 return
             await asyncio.sleep(0.002)
+        self._unsettled.add(name)
 
     # ---- one action
     async def act(self) -> None:
@@ -218,6 +232,7 @@ class Chaos:
             verb = self.rng.choice([v for v in verbs if v not in ("wake_up", "resume")])
         kw = self._params(verb)
         self.res.actions[verb] = self.res.actions.get(verb, 0) + 1
+        self._acted[name] = (verb, time.monotonic())
         if verb == "drop":
             await self.http.post(sim.url + f"/sim/drop_next_events?n={self.rng.randint(1, 3)}")
         elif verb == "restart":
