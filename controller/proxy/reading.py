@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import msgspec
@@ -48,8 +49,8 @@ async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
         raise ProxyError(408, f"the request body did not arrive within {timeout_s}s (the proxy's "
                               "client body timeout); send it at once") from None
     try:
-        body = BODY.decode(raw)  # RFC 8259: NaN, Infinity and numbers past a double's range are refused
-    except msgspec.DecodeError as e:
+        body = BODY.decode(json_text(raw))  # RFC 8259: NaN, Infinity and numbers past a double's range are refused
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProxyError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ProxyError(400, "request body is nested too deeply to parse (arrays/objects within each "
@@ -68,6 +69,15 @@ async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
     elif not isinstance(stream, bool):
         raise ProxyError(400, "'stream' must be true or false", "stream")
     return body
+
+
+def json_text(raw: bytes) -> bytes | str:
+    """A JSON body as vLLM's server reads it (json.loads on the bytes): UTF-8 as it is; a UTF-8 byte order mark, or
+    UTF-16 or UTF-32 (with a mark or without), decoded by the encoding json.detect_encoding finds in its first bytes.
+    NOTE: a body starting with a UTF-8 BOM (some Windows tools write one) was the proxy's 400 "invalid character
+    (byte 0)", where vLLM answers it (found by review). The worker gets it re-encoded, as UTF-8 without the mark."""
+    enc = json.detect_encoding(raw)
+    return raw if enc == "utf-8" else raw.decode(enc)
 
 
 def client_salt(body: dict[str, Any]) -> str | None:
