@@ -53,6 +53,9 @@ def prompt_request(body: dict[str, Any], p: Any) -> dict[str, Any] | list[int]:
     ids = _ids(p)
     if ids is not None:
         return ids
+    if p == []:  # NOTE: named as a shape error, which a list of token-id lists holding an empty one is not (review)
+        raise ProxyError(400, "The decoder prompt cannot be empty: 'prompt' (or a prompt of its batch) is an empty "
+                              "list of token ids; send at least one id", "prompt")
     if not isinstance(p, str):
         raise ProxyError(400, "'prompt' must be a string, a list of token ids, or a list of those", "prompt")
     out: dict[str, Any] = {"model": body["model"], "prompt": p}
