@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from fleet.app.testkit.sim_vllm import prompts
+from fleet.app.testkit.sim_vllm import context, prompts
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.engine import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
@@ -51,14 +51,18 @@ def unknown_model(c: SimEngineConfig, model: Any) -> web.Response | None:
     return _j({"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}}, 404)
 
 
-def _prompts(body: dict[str, Any], chat: bool, max_model_len: int) -> list[list[int]]:
+def _prompts(body: dict[str, Any], chat: bool, max_model_len: int) -> tuple[list[list[int]], int | None]:
     """What the engine prefills, per prompt: the rendered chat, or each prompt of the completion (a batch has
-    several), truncated as the request asks (prompts.py)."""
+    several), truncated as the request asks (prompts.py); and the output tokens asked for (None: none named).
+    Every prompt is checked against the context length (context.py) before any of them runs."""
+    out = context.check_output(body, chat, max_model_len)
     each = [prompts.chat_ids(body)] if chat else prompts.completion_prompts(body.get("prompt"))
-    out = [prompts.truncated(ids, body, chat, max_model_len) for ids in each]
-    if not all(out):  # NOTE: vLLM refuses an empty prompt
+    ids = [prompts.truncated(p, body, chat, max_model_len) for p in each]
+    if not all(ids):  # NOTE: vLLM refuses an empty prompt
         raise InvalidArgument("The decoder prompt cannot be empty")
-    return out
+    for p in ids:
+        context.check_prompt(len(p), out, max_model_len)
+    return ids, out
 
 
 @dataclass(slots=True)
@@ -139,11 +143,10 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     if refused is not None:
         return refused
     model = model if model in c.loras else c.names[0]  # what vLLM answers with: the adapter, or its first name
-    each = _prompts(body, chat, c.max_model_len)
+    each, out = _prompts(body, chat, c.max_model_len)
     k = prompts.num_choices(body)
-    n = int(body.get("max_tokens") or 16)
-    if n < 1:
-        raise InvalidArgument(f"max_tokens must be at least 1, got {n}")
+    if out is not None and out < 1:
+        raise InvalidArgument(f"max_tokens must be at least 1, got {out}")
     kw: dict[str, Any] = {
         "lora": model if model in c.loras else None,
         "cache_salt": body.get("cache_salt"),
@@ -155,7 +158,8 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     if priority != 0 and c.scheduling_policy != "priority":  # NOTE: vLLM's own check and words
         raise InvalidArgument(f"Got priority {priority} but Priority scheduling is not enabled.")
     # NOTE: as vLLM: every prompt of a batch is its own engine request, and so is each of its n sequences
-    seqs = [_Seq(i * k + j, ids, tok.synthetic_output(ids, n)) for i, ids in enumerate(each) for j in range(k)]
+    seqs = [_Seq(i * k + j, ids, tok.synthetic_output(ids, context.output_len(out, len(ids), c.max_model_len)))
+            for i, ids in enumerate(each) for j in range(k)]
     reply = _Reply(model, chat, seqs, each, created=int(time.time()))
     if sim.loop is None:  # instant: every request runs at once, alone; there is no queue to order
         return await _instant(sim, req, reply, bool(body.get("stream")), kw)
@@ -163,7 +167,7 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     try:
         try:
             for s in seqs:
-                tickets.append(sim.loop.submit(s.ids, n, priority=priority, **kw))
+                tickets.append(sim.loop.submit(s.ids, len(s.out), priority=priority, **kw))
         except EnginePaused as e:
             return _unavailable(str(e))
         reply.rid = f"cmpl-{tickets[0].seq.seq_id}"

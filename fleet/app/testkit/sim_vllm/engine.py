@@ -71,6 +71,7 @@ class SimEngineConfig:
         for name, ok, rule in (
             ("block_size", self.block_size >= 1, "at least 1"),
             ("num_blocks", self.num_blocks >= 2, "at least 2"),
+            ("max_model_len", self.max_model_len >= 1, "at least 1"),
             ("time_scale", self.time_scale >= 0, ">= 0 (0: instant answers)"),
             ("max_num_seqs", self.max_num_seqs >= 1, "at least 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "at least 1"),

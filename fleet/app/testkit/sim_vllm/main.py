@@ -145,6 +145,8 @@ def _parse(argv: list[str]) -> SimConfig:
     p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                    help="the names it serves the model under, as vLLM's (default: --model); the first answers")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=SimEngineConfig().max_model_len,
+                   help="context length, prompt and output together, as vLLM's (a longer request is a 400)")
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor"])
     p.add_argument("--hash-extra-keys", default="tagged", choices=["tagged", "untagged"],
@@ -221,6 +223,7 @@ def _parse(argv: list[str]) -> SimConfig:
             runtime_lora=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
             block_size=a.block_size,
             num_blocks=a.num_blocks,
+            max_model_len=a.max_model_len,
             hash_algo=a.hash_algo,
             hash_seed=a.hash_seed,
             hash_extra_keys=a.hash_extra_keys,

@@ -24,9 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
+from fleet.app.testkit.sim_vllm.context import requested_output
 from fleet.core.errors import InvalidArgument
-
-COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when the request gives none
 
 
 def _is_ids(p: Any) -> bool:
@@ -76,12 +75,7 @@ def chat_ids(body: dict[str, Any], *, tokenize_route: bool = False) -> list[int]
 
 def max_input_tokens(body: dict[str, Any], chat: bool, max_model_len: int) -> int:
     """The longest prompt the request allows: the context length less the output tokens it asks for."""
-    if chat:
-        out = body.get("max_completion_tokens")
-        out = body.get("max_tokens") if out is None else out
-    else:
-        out = body.get("max_tokens", COMPLETION_MAX_TOKENS)
-    return max_model_len - int(out or 0)
+    return max_model_len - (requested_output(body, chat)[0] or 0)
 
 
 def truncated(ids: list[int], body: dict[str, Any], chat: bool, max_model_len: int) -> list[int]:
