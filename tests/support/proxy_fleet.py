@@ -107,6 +107,11 @@ class Fleet:
             await s.stop()
 
 
+# the stand-ins' context length for a test that needs an answer far longer than the default 8192 allows (a stream that
+# must still be running when the client leaves)
+LONG_CONTEXT: dict[str, Any] = {"max_model_len": 1 << 20}
+
+
 async def start_fleet(
     tmp_path: Path,
     num_workers: int = 3,

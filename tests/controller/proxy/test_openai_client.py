@@ -20,7 +20,7 @@ from aiohttp import web
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 from support.dying_worker import die_after
-from support.proxy_fleet import MODEL, Fleet, served, start_fleet, until
+from support.proxy_fleet import LONG_CONTEXT, MODEL, Fleet, served, start_fleet, until
 
 KIB = 1 << 10
 USER = [{"role": "user", "content": "Summarise the release notes in one line."}]
@@ -107,7 +107,7 @@ async def _now(x: Any) -> Any:
 
 
 async def test_every_answer_parses_with_the_sdk_types(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path, num_workers=2)
+    fleet = await start_fleet(tmp_path, num_workers=2, engine_kw=LONG_CONTEXT)
     try:
         sync, aio = _clients(fleet)
         await asyncio.to_thread(_answers_sync, sync)
@@ -125,7 +125,7 @@ async def _raised(call: Any) -> openai.APIStatusError:
 
 
 async def test_errors_raise_the_class_their_status_implies_with_the_proxys_message(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path, num_workers=1, max_body_bytes=200 * KIB,
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw=LONG_CONTEXT, max_body_bytes=200 * KIB,
                               max_inflight_bytes_per_tenant=256 * KIB, max_inflight_bytes=1 << 20)
     try:
         sync, aio = _clients(fleet)

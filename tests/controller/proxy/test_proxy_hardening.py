@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-from support.proxy_fleet import MODEL, served, start_fleet, until
+from support.proxy_fleet import LONG_CONTEXT, MODEL, served, start_fleet, until
 
 PROMPT = "Draft the incident review for the storage outage, with a timeline and the follow-ups."
 
@@ -89,7 +89,7 @@ async def test_a_client_reset_mid_answer_is_not_a_500(tmp_path: Path, caplog: py
         init(self, app, **{**kw, "handler_cancellation": False})
 
     monkeypatch.setattr(web.AppRunner, "__init__", no_cancellation)
-    fleet = await start_fleet(tmp_path, num_workers=1)
+    fleet = await start_fleet(tmp_path, num_workers=1, engine_kw=LONG_CONTEXT)
     caplog.set_level(logging.INFO, logger="kvfleet.proxy")
     try:
         for stream in (True, False, True, False):

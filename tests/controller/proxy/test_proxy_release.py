@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.proxy_fleet import MODEL, start_fleet, until
+from support.proxy_fleet import LONG_CONTEXT, MODEL, start_fleet, until
 
 from controller.cost import CostConfig
 from controller.router import Router
@@ -44,7 +44,7 @@ async def test_answers_and_worker_errors_release_their_routes(tmp_path: Path) ->
 
 
 async def test_a_stream_is_in_flight_until_the_client_leaves(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path, cost=NO_RECONCILE)
+    fleet = await start_fleet(tmp_path, cost=NO_RECONCILE, engine_kw=LONG_CONTEXT)
     try:
         router = fleet.ctl.ctx.need_router()
         body = {"model": MODEL, "prompt": "Count to a million.", "max_tokens": 100_000, "stream": True}

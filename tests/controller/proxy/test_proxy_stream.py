@@ -6,7 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from support.proxy_fleet import MODEL, Fleet, served, sse_events, start_fleet, until
+from support.proxy_fleet import LONG_CONTEXT, MODEL, Fleet, served, sse_events, start_fleet, until
 
 from fleet.app.testkit.sim_vllm import tokenizer as simtok
 
@@ -41,7 +41,15 @@ async def test_stream_arrives_intact_and_in_order(fleet: Fleet) -> None:
     assert status == 200 and deltas == [simtok.detokenize([t]) for t in simtok.synthetic_output(ids, 12)]
 
 
-async def test_client_disconnect_mid_stream_cancels_upstream(fleet: Fleet) -> None:
+async def test_client_disconnect_mid_stream_cancels_upstream(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, engine_kw=LONG_CONTEXT)  # an answer far past the default context length
+    try:
+        await _disconnect_mid_stream(fleet)
+    finally:
+        await fleet.stop()
+
+
+async def _disconnect_mid_stream(fleet: Fleet) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100_000, "stream": True}
     async with fleet.http.post(fleet.proxy.url + "/v1/completions", json=body, headers=fleet.headers()) as r:
         worker = r.headers["x-kvfleet-worker"]
