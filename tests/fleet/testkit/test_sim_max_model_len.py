@@ -73,15 +73,21 @@ async def test_a_prompt_that_leaves_no_room_is_refused_and_one_that_fits_exactly
         await sim.stop()
 
 
-async def test_a_chat_without_an_output_count_runs_to_the_context_length() -> None:
+async def test_a_chat_without_an_output_count_runs_16_tokens_within_the_context_length() -> None:
+    """vLLM lets such a chat run to max_model_len less its prompt, and a real model stops at its end of sequence
+    long before; the stand-in has none, so it runs 16 tokens (context.output_len), fewer where the context ends."""
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", max_model_len=L))).start()
     try:
         async with aiohttp.ClientSession() as http:
             url = sim.url + "/v1/chat/completions"
             msgs = [{"role": "user", "content": "one two three"}]
             n = len(tok.apply_chat_template(msgs))
-            status, doc = await _post(http, url, {"messages": msgs})  # vLLM: max_tokens = max_model_len - prompt
-            assert status == 200 and doc["usage"]["completion_tokens"] == L - n, doc
+            status, doc = await _post(http, url, {"messages": msgs})
+            assert status == 200 and doc["usage"]["completion_tokens"] == min(16, L - n), doc
+            near = [{"role": "user", "content": " ".join(["w"] * (L - n - 2))}]  # 5 tokens of room: 5, not 16
+            m = len(tok.apply_chat_template(near))
+            status, doc = await _post(http, url, {"messages": near})
+            assert 0 < L - m < 16 and status == 200 and doc["usage"]["completion_tokens"] == L - m, (m, doc)
             status, doc = await _post(http, url, {"messages": msgs, "max_completion_tokens": 5, "max_tokens": 7})
             assert status == 200 and doc["usage"]["completion_tokens"] == 5, doc  # max_completion_tokens wins
             # a rendered chat of exactly max_model_len tokens leaves no room for the token it must compute

@@ -8,9 +8,11 @@ refuses the whole request with a 400 and nothing runs:
   `max_tokens`, 16 when the request does not name it. Over `max_model_len` alone, it is refused before any
   prompt is read.
 - each prompt (after `truncate_prompt_tokens`): longer than `max_model_len` less that output, it is refused.
-- a request that asks for no output count (a chat request without either field, or `max_tokens: null`) gets
-  `max_model_len` less its prompt's length; a prompt of exactly `max_model_len` tokens leaves no room for the
-  one token it must compute, and the engine refuses it.
+- a request that asks for no output count (a chat request without either field, or `max_tokens: null`) may run
+  to `max_model_len` less its prompt's length in vLLM, where a real model stops at its end-of-sequence token
+  long before; the stand-in has no end of sequence (every request runs to its output count), so such a request
+  runs 16 tokens, as a completion without `max_tokens` does. A prompt of exactly `max_model_len` tokens leaves no
+  room for the one token it must compute, and the engine refuses it.
 
 The words are vLLM's; a refusal names its parameter and value as vLLM's validation errors do.
 """
@@ -62,5 +64,7 @@ def check_prompt(num_tokens: int, out: int | None, max_model_len: int) -> None:
 
 
 def output_len(out: int | None, num_tokens: int, max_model_len: int) -> int:
-    """The output a prompt of `num_tokens` runs to: what was asked, else what the context leaves."""
-    return out if out is not None else max_model_len - num_tokens
+    """The output a prompt of `num_tokens` runs to: what was asked, else COMPLETION_MAX_TOKENS within what the context
+    leaves. NOTE: not all the context leaves, as vLLM allows: with no end of sequence here, a chat without an output
+    count (the demo's, many tests') would run about 8,000 tokens where a real model stops after a few dozen."""
+    return out if out is not None else min(COMPLETION_MAX_TOKENS, max_model_len - num_tokens)
