@@ -94,6 +94,7 @@ class KernelHost(HostRestores):
         self.kv_budget_bytes, self.max_sessions = kv_budget_bytes, max_sessions
         self.sessions: dict[tuple[str, str], SessionKernel] = {}
         self.remote_adopters: set[tuple[str, str]] = set()  # adopted blocks copied from another node
+        self.reserved: dict[SessionKernel, int] = {}  # creates in flight: the KV bytes each was admitted for
         self.num_replays = 0  # op-log replays started here (regenerations, forks that replay)
         # session -> (epoch, its rebuild): a rebuild is the host's job, not its caller's (`regenerate`)
         self._rebuilds: dict[tuple[str, str], tuple[int, asyncio.Future[dict[str, Any]]]] = {}
@@ -130,7 +131,7 @@ class KernelHost(HostRestores):
         if len(self.sessions) >= self.max_sessions:
             await self._sweep_for_room()
         return {"matched": self.cache.num_warm(tenant, tokens), "sessions": len(self.sessions),
-                "max_sessions": self.max_sessions, "free_bytes": self.kv_budget_bytes - self.used_bytes(),
+                "max_sessions": self.max_sessions, "free_bytes": self.free_bytes(),
                 "model_id": self._loaded_model_id()}
 
     def _loaded_model_id(self) -> str:
@@ -160,17 +161,20 @@ class KernelHost(HostRestores):
         Args:
             tokens: the system prompt, encoded (its first piece, and the radix key).
         """
-        s = await self._insert(tenant, session_id, op_id)
-        node, refs = self.cache.adoptable(tenant, tokens)
+        s = await self._insert(tenant, session_id, op_id, tokens)   # ResourceExhausted: no room (KV or slots)
         try:
-            await s.create(tokens, refs, op_id)   # a retry that joined its try is answered from its log (op id)
-        except BaseException:
-            self._drop(s)
-            raise
+            node, refs = self.cache.adoptable(tenant, tokens)
+            try:
+                await s.create(tokens, refs, op_id)   # a retry that joined its try is answered from its log (op id)
+            except BaseException:
+                self._drop(s)
+                raise
+            finally:
+                self.cache.tree.dec_lock_ref(node)
+            self.cache.count_hits(tokens, refs)
+            await self.cache.publish(tenant, tokens, s)
         finally:
-            self.cache.tree.dec_lock_ref(node)
-        self.cache.count_hits(tokens, refs)
-        await self.cache.publish(tenant, tokens, s)
+            self.release(s)   # what it holds (and filed in the tree) counts from here on
         return {"adopted_tokens": s.num_adopted_tokens, "epoch": s.epoch, "model_id": str(s.kernel.model_id)}
 
     async def model_id(self) -> str:

@@ -3,8 +3,9 @@ host, who may open a kernel under it, and the room a host has for one more.
 
 A create or fork opens its kernel with `_insert` (refused while the name is held, unless the holder is an orphan,
 workers/orphans.py, or the same try's), a rebuild with `_open` (in place of the session's own kernel); both are
-refused on a full host (`_check_room`: `max_sessions`). A try that failed removes only the kernel it opened
-(`_drop`). `used_bytes` is the node's KV use that placement weighs against its budget.
+refused on a full host (`_check_room`: `max_sessions`); a create also when the node's KV budget has no room for it
+(`free_bytes`, the creates still prefilling here counted at what they need: `reserved`). A try that failed removes
+only the kernel it opened (`_drop`). `used_bytes` is the node's KV use that placement weighs against its budget.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.core.errors import AlreadyExists, ResourceExhausted
 from workers.orphans import Orphans
+from workers.placement import has_room, need_bytes
 from workers.session_kernel import SessionGone, SessionKernel
 
 if TYPE_CHECKING:
@@ -34,10 +36,12 @@ class HostSlots(Orphans):
     store: BlobStore
     lanes: TenantLanes
     cache: NodeCache
+    block_size: int
     bytes_per_token: int
     kv_budget_bytes: int
     max_sessions: int
     remote_adopters: set[tuple[str, str]]
+    reserved: dict[SessionKernel, int]  # a create in flight -> the KV bytes it needs (`_check_room`)
     _loading: Future[tuple[Any, Any]]
 
     async def _kernel(self) -> tuple[Any, Any]:
@@ -56,6 +60,12 @@ class HostSlots(Orphans):
         private = sum(self._held(k, s) for k, s in list(self.sessions.items()))
         return self.cache.cached_bytes() + private
 
+    def free_bytes(self) -> int:
+        """KV bytes left of the node's budget: less what it holds, and less what each create still prefilling here
+        needs beyond what it holds so far (it was admitted for them). May be negative (budget overspent)."""
+        pending = sum(max(0, n - self._held((s.tenant, s.session_id), s)) for s, n in list(self.reserved.items()))
+        return self.kv_budget_bytes - self.used_bytes() - pending
+
     async def _open(self, tenant: str, session_id: str, epoch: int, owner: str, create_op_id: str) -> SessionKernel:
         """A new, empty SessionKernel for a rebuild of the session at `epoch` (the registry's: KernelFleet
         counts them), in place of the one the host holds (a torn or older one); `create_op_id`: the session's.
@@ -69,7 +79,7 @@ class HostSlots(Orphans):
             old.closed = True
         return self._put(tenant, session_id, kernel, tokenizer, epoch, owner, create_op_id)
 
-    async def _insert(self, tenant: str, session_id: str, owner: str) -> SessionKernel:
+    async def _insert(self, tenant: str, session_id: str, owner: str, tokens: list[int] | None = None) -> SessionKernel:
         """A new, empty SessionKernel for a create or fork (`owner`: its op id), refused while the host holds
         the session: AlreadyExists. The check and the insert run with no await between them, so of two tries
         of one name (two callers, two controllers) one gets the name and the other is refused; neither replaces
@@ -79,14 +89,20 @@ class HostSlots(Orphans):
 
         One exception: a held kernel no record names, while the session's record names this try (an orphan,
         `_orphaned`), is closed with its log and the try goes on (`_replace_orphan`). The registry decides, as it
-        does between controllers (its compare-and-set): the record names one try of a name at a time."""
+        does between controllers (its compare-and-set): the record names one try of a name at a time.
+
+        With `tokens` (a create's prompt), the session is admitted only while the node's KV budget has room for them
+        (`_check_room`), and they stay reserved for it until the create ends (`release`)."""
         kernel, tokenizer = await self._kernel()
         key = (tenant, session_id)
         for _ in range(ORPHAN_TRIES):
             held = self.sessions.get(key)
             if held is None:
-                self._check_room()  # a retry that joins its try's session below takes no new room
-                return self._put(tenant, session_id, kernel, tokenizer, 0, owner)
+                need = self._check_room(tenant, tokens)  # a retry that joins its try's session below takes no new room
+                s = self._put(tenant, session_id, kernel, tokenizer, 0, owner)
+                if tokens is not None:
+                    self.reserved[s] = need  # NOTE: with no await since the check: the next create sees it
+                return s
             if owner and held.owner == owner and not held.closed:
                 return held
             if not await self._orphaned(held, owner):
@@ -104,13 +120,31 @@ class HostSlots(Orphans):
         self.sessions[key] = s
         return s
 
-    def _check_room(self) -> None:
-        """ResourceExhausted when this host holds its most sessions (`max_sessions`). Placement skips a full host;
-        this refuses a create, fork or rebuild that reaches it all the same (a fork that names its node, a rebuild
-        on the session's own host, a placement that raced another for the last slot)."""
+    def _check_room(self, tenant: str = "", tokens: list[int] | None = None) -> int:
+        """ResourceExhausted when this host holds its most sessions (`max_sessions`), or (with `tokens`, a create's
+        prompt) when the node's KV budget has no room for them (placement's rule, `has_room`); the KV bytes the
+        create will take (its private blocks and the blocks it files in the node's tree), reserved for it meanwhile. Placement skips a full host; this refuses a create, fork or rebuild that reaches it all the same (a
+        fork that names its node, a rebuild on the session's own host, a placement that raced another for the last
+        slot or the last KV bytes: creates placed at once all read the same offer).
+        NOTE: the KV budget was placement's alone: six creates at once on a node of 6 blocks' budget all read the
+        same offer, and the node took all six (31 blocks)."""
         if len(self.sessions) >= self.max_sessions:
             raise ResourceExhausted(f"the kernel host of node {self.node_id} holds its most sessions "
                                     f"({self.max_sessions}): close idle sessions, add nodes, or raise --node-max-sessions")
+        if tokens is None:
+            return 0
+        warm, free = self.cache.num_warm(tenant, tokens), self.free_bytes()
+        need = need_bytes(len(tokens), warm, self.bytes_per_token)
+        if not has_room(free, need):
+            raise ResourceExhausted(f"node {self.node_id} has no KV room left for a session of {len(tokens)} tokens "
+                                    f"(~{need} bytes; {max(free, 0)} of its {self.kv_budget_bytes} free, creates in "
+                                    "flight counted): close idle sessions, add nodes, or raise --node-kv-bytes")
+        filed = need_bytes(len(tokens) - len(tokens) % self.block_size, warm, self.bytes_per_token)
+        return need + filed   # what it will hold: its own blocks, and the full ones it files in the tree (publish)
+
+    def release(self, s: SessionKernel) -> None:
+        """A create has ended (done, or failed): what it holds counts from now on, not what it reserved."""
+        self.reserved.pop(s, None)
 
     def _drop(self, s: SessionKernel) -> None:
         """A try that failed removes the session it opened, if the host still holds that one (never the
@@ -119,6 +153,7 @@ class HostSlots(Orphans):
         if self.sessions.get(key) is s:
             del self.sessions[key]
             self.remote_adopters.discard(key)
+        self.reserved.pop(s, None)
         s.closed = True
 
     def _session(self, tenant: str, session_id: str) -> SessionKernel:

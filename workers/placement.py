@@ -112,6 +112,18 @@ class NodeOffer:
     model_id: str = ""  # its kernel's (Kernel.model_id); "" while its weights load
 
 
+def need_bytes(num_tokens: int, num_matched: int, bytes_per_token: int) -> int:
+    """KV bytes a new session of `num_tokens` takes on a node that holds `num_matched` of them warm (adopted, not
+    held twice)."""
+    return max(0, num_tokens - num_matched) * bytes_per_token
+
+
+def has_room(num_free_bytes: int, num_need_bytes: int) -> bool:
+    """The KV budget's one rule, for placement (`choose_node`) and for the host that admits the session
+    (workers/host_slots.py): some budget left, and at least what the new session needs."""
+    return num_free_bytes > 0 and num_free_bytes >= num_need_bytes
+
+
 def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_token: int = 0,
                 model_id: str = "") -> str:
     """Among the nodes with room for a session of `num_tokens` (what a node holds warm is
@@ -122,10 +134,7 @@ def choose_node(offers: Sequence[NodeOffer], num_tokens: int = 0, bytes_per_toke
     Raises:
         ResourceExhausted: no node has room (every KV budget is spent), or there is no node.
     """
-    def need(o: NodeOffer) -> int:
-        return max(0, num_tokens - o.num_matched) * bytes_per_token
-
-    fits = [o for o in offers if o.num_free_bytes > 0 and o.num_free_bytes >= need(o)
+    fits = [o for o in offers if has_room(o.num_free_bytes, need_bytes(num_tokens, o.num_matched, bytes_per_token))
             and o.num_sessions < o.max_sessions]
     if not fits:
         free = max((o.num_free_bytes for o in offers), default=0)
