@@ -123,8 +123,9 @@ class HostSlots(Orphans):
     def _check_room(self, tenant: str = "", tokens: list[int] | None = None) -> int:
         """ResourceExhausted when this host holds its most sessions (`max_sessions`), or (with `tokens`, a create's
         prompt) when the node's KV budget has no room for them (placement's rule, `has_room`); the KV bytes the
-        create will take (its private blocks and the blocks it files in the node's tree), reserved for it meanwhile. Placement skips a full host; this refuses a create, fork or rebuild that reaches it all the same (a
-        fork that names its node, a rebuild on the session's own host, a placement that raced another for the last
+        create will take (its private blocks and the blocks it files in the node's tree), reserved for it meanwhile.
+        Placement skips a full host; this refuses a create, fork or rebuild that reaches it all the same (a fork that
+        names its node, a rebuild on the session's own host, a placement that raced another for the last
         slot or the last KV bytes: creates placed at once all read the same offer).
         NOTE: the KV budget was placement's alone: six creates at once on a node of 6 blocks' budget all read the
         same offer, and the node took all six (31 blocks)."""
