@@ -15,6 +15,7 @@ from workers.call_timeout import fork_timeout
 from workers.fleet_rebuild import PLACE_TRIES, FleetRebuild
 from workers.nodes import CallTimeout, NodeGone
 from workers.packed import pack_ops, unpack_ops
+from workers.placement import has_room, need_bytes
 from workers.registry import CREATING, SessionRecord
 from workers.session_kernel import SessionKernel
 
@@ -143,13 +144,15 @@ class FleetCreate(FleetRebuild):
         return rec.to_dict()
 
     def _fork_node(self, tenant: str, parent_node: str, tokens: list[int]) -> str:
-        """The parent's node while its KV and session budgets have room (zero-copy sharing), else placement.
+        """The parent's node while its KV and session budgets have room for the child (zero-copy sharing; the KV
+        budget's rule, `has_room`), else placement. Its host checks again as it admits the child (forks at once).
         NOTE: the session budget was not asked: with --node-max-sessions 2, six forks went to a full node (8)."""
         try:
             offer = self.nodes.call(parent_node, "offer", tenant, tokens)
         except Unavailable:
             return self.nodes.place(tenant, tokens, exclude=parent_node)
-        if offer["free_bytes"] > 0 and offer["sessions"] < offer["max_sessions"]:
+        need = need_bytes(len(tokens), offer["matched"], self.nodes.bytes_per_token)
+        if has_room(offer["free_bytes"], need) and offer["sessions"] < offer["max_sessions"]:
             return parent_node
         return self.nodes.place(tenant, tokens)  # the parent's node skipped as full (named when every node is)
 
@@ -158,22 +161,25 @@ class FleetCreate(FleetRebuild):
         """The host's fork arguments past (tenant, ops, child), from the parent's fork `point` (its ops and
         tokens): same node: the parent's id (zero-copy); another node: the parent's block refs (fetched
         across); no sharing, a log whose KV does not follow its tokens (the child replays it op by op), a
-        node of another kernel spec (node group), or a parent its host no longer knows: none (replay)."""
+        node of another kernel spec (node group), or a parent its host no longer knows: none (replay). The
+        tokens always go (the host admits the child by them: its KV budget). NOTE: a replay got none, and no
+        fork's host checked its KV budget."""
         tokens = point["tokens"]
+        replay = (None, tokens)
         if not share:
-            return ()
+            return replay
         if node == parent_node:
             return (parent_id, tokens)
         if not kv_follows_tokens(point["ops"]):
-            return ()  # the child would refuse the blocks (a reposition eviction re-rotated them): export none
+            return replay  # the child would refuse the blocks (a reposition eviction re-rotated them): export none
         if self.nodes.specs.get(node) != self.nodes.specs.get(parent_node):
-            return ()  # another backend/device (node group): its KV is not portable, replay it there
+            return replay  # another backend/device (node group): its KV is not portable, replay it there
         try:
             if self.nodes.call(parent_node, "model_id") != self.nodes.call(node, "model_id"):
                 # NOTE: compared by backend and device alone, nodes of one spec on CPUs of other code paths (AVX-512
                 # and AVX2) exchanged blocks whose bits differ from what the child's node computes (1.4e-6)
-                return ()  # another CPU code path, or other weights: replay it there, exporting nothing
+                return replay  # another CPU code path, or other weights: replay it there, exporting nothing
             shared = self.nodes.call(parent_node, "share_prefix", tenant, parent_id, tokens)
         except (NotFound, Unavailable):
-            return ()
+            return replay
         return (None, tokens, shared["refs"], shared["model_id"])

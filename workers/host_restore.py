@@ -107,20 +107,23 @@ class HostRestores(HostSlots):
         With `prefix_refs` instead (the parent lives on another node: its host's `share_prefix`, and
         `prefix_model_id` the kernel that computed them), the child adopts those blocks, which Ray
         fetches from the parent's node. Without either (the parent is gone) the child replays the log.
+        With `tokens`, the child is admitted only while the node's KV budget has room for it (`_insert`): its tokens
+        past the blocks it adopts from this node's tree; all of them when it replays or adopts another node's blocks.
         """
         ops, follows = await self.lanes.run(tenant, lambda: _read_log(packed))
         owner = ops[-1].op_id if ops and isinstance(ops[-1], ForkOp) else ""   # the fork's op id: its marker's
         # NOTE: `_insert` decides whether the child's name is free (an orphan held under it is replaced); an early
         # refusal here, before the parent's blocks were published, refused a fork where an orphan held the name
         if prefix_refs and tokens and follows:
-            s = await self._insert(tenant, child_id, owner)
+            s = await self._insert(tenant, child_id, owner, tokens, adopts=False, files=False)   # copies: they count
             self.remote_adopters.add((tenant, child_id))
             return await self._restore(s, ops, prefix_refs, tokens, prefix_model_id)
         parent = self.sessions.get((tenant, parent_id)) if parent_id is not None else None
         if parent is None or not tokens or not follows:
-            return await self._restore(await self._insert(tenant, child_id, owner), ops)
+            return await self._restore(await self._insert(tenant, child_id, owner, tokens, adopts=False, files=False),
+                                       ops)
         await self.cache.publish(tenant, tokens, parent)          # the blocks the tree lacks, once
-        s = await self._insert(tenant, child_id, owner)
+        s = await self._insert(tenant, child_id, owner, tokens, files=False)   # after the publish: it adopts them
         node, refs = self.cache.adoptable(tenant, tokens)
         try:
             return await self._restore(s, ops, refs, tokens)
@@ -148,3 +151,5 @@ class HostRestores(HostSlots):
         except BaseException:
             self._drop(s)
             raise
+        finally:
+            self.release(s)   # what it holds counts from here on, not what it was admitted for
