@@ -52,10 +52,10 @@ class FleetCreate(FleetRebuild):
                     try:
                         out = self.nodes.call(rec.node, "create_session", tenant, session_id, tokens, rec.create_op_id)
                         break
-                    except (NodeGone, ResourceExhausted):
+                    except (NodeGone, ResourceExhausted) as e:
                         if attempt == PLACE_TRIES - 1:
                             raise
-                        raw = self._place_again(rec, raw, tokens)
+                        raw = self._place_again(rec, raw, tokens, e)
             except BaseException:  # not acknowledged: leave nothing of it behind, and nothing else removed
                 self._abandon(rec, raw)
                 raise
@@ -63,13 +63,13 @@ class FleetCreate(FleetRebuild):
             self._acknowledge(rec, raw)
         return rec.to_dict()
 
-    def _place_again(self, rec: SessionRecord, raw: bytes, tokens: list[int]) -> bytes:
-        """A create's or fork's host refused it (full: another create took its last slot since the placement read
-        the offers) or its node died: what the try left there goes, and the record names another node (the one
-        refused skipped); the record's bytes. NOTE: a create that raced another for a host's last slot got
-        ResourceExhausted although another host had room."""
+    def _place_again(self, rec: SessionRecord, raw: bytes, tokens: list[int], refused: Exception) -> bytes:
+        """A create's or fork's host refused it (`refused`; full: another create took its last slot or KV bytes since
+        the placement read the offers) or its node died: what the try left there goes, and the record names another
+        node (the one refused skipped; none with room: that host's refusal, `_place_elsewhere`); the record's bytes.
+        NOTE: a create that raced another for a host's last slot got ResourceExhausted although another host had room."""
         self._clear(rec)
-        rec.node = self.nodes.place(rec.tenant, tokens, exclude=rec.node)
+        rec.node = self._place_elsewhere(rec.tenant, tokens, rec.node, refused)
         return self.registry.replace(rec, raw) or raw   # unchanged unless another controller cleared it
 
     def _insert(self, rec: SessionRecord) -> bytes:
@@ -125,10 +125,10 @@ class FleetCreate(FleetRebuild):
                         args = self._fork_args(tenant, session_id, parent.node, rec.node, point, share)
                         out = self.nodes.call(rec.node, "fork", tenant, ops, child_id, *args)
                         break
-                    except ResourceExhausted:   # its host was full after all: another node, where one has room
+                    except ResourceExhausted as e:   # its host was full after all: another node, where one has room
                         if named or attempt == PLACE_TRIES - 1:
                             raise
-                        raw = self._place_again(rec, raw, point["tokens"])
+                        raw = self._place_again(rec, raw, point["tokens"], e)
                 node = rec.node
             except CallTimeout as e:  # not acknowledged either; named (NOTE: before, "a worker did not answer")
                 self._abandon(rec, raw)

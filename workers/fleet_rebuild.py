@@ -120,11 +120,25 @@ class FleetRebuild(FleetBase):
             try:
                 raw, model_id = self._regenerate_on(rec, raw, node)
                 return raw, node, model_id
-            except (NodeGone, ResourceExhausted):
+            except (NodeGone, ResourceExhausted) as e:
                 if attempt == PLACE_TRIES - 1:
                     raise
-                node = self.nodes.place(rec.tenant, [], exclude=node, model_id=rec.model_id)
+                node = self._place_elsewhere(rec.tenant, [], node, e, rec.model_id)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _place_elsewhere(self, tenant: str, tokens: list[int], node: str, refused: Exception,
+                         model_id: str = "") -> str:
+        """Another node than `node`, whose host turned a create, fork or rebuild away (`refused`: ResourceExhausted,
+        it is full after all) or whose node died (NodeGone). Where no other node has room, a host's refusal is what
+        the caller gets (it names the node, what it has free and the flag to raise), and placement's word on the rest
+        its cause. NOTE: placement's word alone said "0 eligible nodes, the most free: 0 bytes" when the one node
+        there was full: it had refused a create that raced another for its last KV bytes."""
+        try:
+            return self.nodes.place(tenant, tokens, exclude=node, model_id=model_id)
+        except ResourceExhausted as e:
+            if not isinstance(refused, ResourceExhausted):
+                raise
+            raise ResourceExhausted(f"{refused}; no other node has room for it either") from e
 
     def _regenerate_on(self, rec: SessionRecord, raw: bytes, node: str) -> tuple[bytes, str]:
         """Ask `node`'s host to rebuild the lost session, the record naming that node first; the record's bytes,

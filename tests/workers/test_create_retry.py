@@ -113,7 +113,7 @@ def test_a_create_retried_on_a_survivor_after_node_gone_logs_its_prompt_once(
         return out
 
     monkeypatch.setattr(kfleet.nodes, "call", call)
-    monkeypatch.setattr(kfleet.nodes, "place", lambda t, tok, exclude="": node if exclude else real_place(t, tok))
+    monkeypatch.setattr(kfleet.nodes, "place", lambda t, tok, exclude="", **_: node if exclude else real_place(t, tok))
     row = kfleet.create_session(tenant, "s1", _prompt(300))
     ops = _system_ops(kfleet, tenant, "s1")
     print(f"create tried {len(tries)} times (op ids equal: {len(set(tries)) == 1}); op log: {ops}")

@@ -2,7 +2,7 @@
 all read the parent's node's offer, so the host that admits a fork checks its room again, counting the forks still
 restoring there (workers/host_slots.py `_check_room`). NOTE: before, a fork's host checked its session budget only:
 six forks at once of a parent on a node of 8 blocks' budget all stayed there (13 blocks; one at a time: one fork,
-8 blocks)."""
+8 blocks). A fork refused there, with no other node left, is told so by that host (its node, what it has free)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def test_forks_placed_at_once_never_overfill_a_nodes_kv_budget(ray_cluster: None
         assert len(ok) == serial_ok and used == used_serial                # before: 6 forks
         refused = [o for o in at_once.values() if not isinstance(o, str)]
         assert all(e.code == "RESOURCE_EXHAUSTED" and "--node-kv-bytes" in str(e) for e in refused)
+        # a fork its host refused, with no other node left, says so (the host's word, its node named); placement's
+        # word alone said "0 eligible nodes, the most free: 0 bytes" beside a node that was there and full
+        [nid] = f.hosts
+        assert all(f"node {nid} has no KV room" in str(e) or " 1 eligible nodes" in str(e) for e in refused)
         assert sorted(r["session"] for r in f.list_sessions(tenant=tenant)) == sorted(["p", *(f"c{i}" for i in ok)])
         assert all(f.store.oplog_read(tenant, f"c{i}") == [] for i in at_once if i not in ok)   # nothing left behind
     finally:

@@ -55,6 +55,10 @@ def test_creates_placed_at_once_never_overfill_a_nodes_kv_budget(ray_cluster: No
         assert len(ok) == 1 and used == used_serial                     # before: 6 sessions, 31 blocks
         refused = [o for o in at_once.values() if not isinstance(o, str)]
         assert all(e.code == "RESOURCE_EXHAUSTED" and "--node-kv-bytes" in str(e) for e in refused)
+        # one its host refused, with no other node left, says so (the host's word: its node, what it has free);
+        # NOTE: placement's word alone said "0 eligible nodes, the most free: 0 bytes" beside a full node
+        [nid] = f.hosts
+        assert all(f"node {nid} has no KV room" in str(e) or " 1 eligible nodes" in str(e) for e in refused)
         assert [r["session"] for r in f.list_sessions(tenant=tenant)] == [f"s{i}" for i in ok]   # nothing left behind
         assert all(f.store.oplog_read(tenant, f"s{i}") == [] for i in at_once if i not in ok)
         f.close(tenant, f"s{ok[0]}")
