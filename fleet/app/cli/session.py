@@ -216,11 +216,14 @@ def main(argv: list[str]) -> int:
 
 def watch(console: Console, render: Callable[[], Any], interval: float, count: int = 0) -> None:
     """Redraw `render()` in place every `interval` s (it re-polls the controller); `count` > 0 stops
-    after that many polls. Shared by `session ls --watch` and `worker ls --watch`. Into a pipe, each frame is as
-    wide as it needs, as show() prints (NOTE: before, piped frames were cut to 80 columns). Ctrl-C ends it normally.
+    after that many polls. Shared by `session ls --watch`, `worker ls --watch` and `quarantine ls --watch`. Into a
+    pipe, each frame is printed as it comes (_frames). Ctrl-C ends it normally.
     """
     from rich.live import Live
 
+    if not console.is_terminal:
+        _frames(console, render, interval, count)
+        return
     polls = 1
     with contextlib.suppress(KeyboardInterrupt), Live(fit(console, render()), console=console,
                                                       refresh_per_second=4) as live:
@@ -228,3 +231,20 @@ def watch(console: Console, render: Callable[[], Any], interval: float, count: i
             time.sleep(max(0.1, interval))
             live.update(fit(console, render()), refresh=True)
             polls += 1
+
+
+def _frames(console: Console, render: Callable[[], Any], interval: float, count: int) -> None:
+    """A watch into a pipe: each frame printed (as wide as it needs, as show() prints) and flushed when it is
+    polled, a blank line between frames. NOTE: rich's Live draws nothing where stdout is not a terminal until it
+    stops, so `--watch > log` wrote 0 bytes while it ran, then only the last frame, or nothing on SIGTERM."""
+    polls = 0
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            if polls:
+                console.print()
+            show(console, render())
+            console.file.flush()
+            polls += 1
+            if count and polls >= count:
+                return
+            time.sleep(max(0.1, interval))
