@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("fleet.app.cli.worker:main", "worker ls: vLLM workers and kernel nodes"),
     "quarantine": ("fleet.app.cli.quarantine:main", "quarantine ls: tool results the proxy withheld; set: a verdict"),
 }
+# Ctrl-C's exit status: 128 + SIGINT, as a shell reports a command SIGINT ended. NOTE: a one-shot listing exited 0
+# on Ctrl-C, as if it had been shown (found by review); Ctrl-C is how --watch ends, a normal end there (session.watch)
+INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +60,11 @@ def _run(argv: list[str] | None) -> int:
             print(f"kvfleet {argv[0]}: not available in this build ({e})", file=sys.stderr)
             return 2
         raise
-    rc = getattr(mod, fn_name)(argv[1:])
+    try:
+        rc = getattr(mod, fn_name)(argv[1:])
+    except KeyboardInterrupt:  # NOTE: was Python's traceback, deep in torch (`kvfleet witness`; found by review)
+        print(f"kvfleet {argv[0]}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return int(rc or 0)
 
 

@@ -22,8 +22,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.app.cli.cells import cells, least_width, show
+from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records as as_records
-from fleet.app.cli.session import INTERRUPTED, add_connection_options, add_ls_options, width_of
+from fleet.app.cli.session import add_connection_options, add_ls_options, width_of
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.verdict import CLEAN, QUARANTINED
 from fleet.core.whole import whole

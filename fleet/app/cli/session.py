@@ -25,14 +25,11 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.app.cli.cells import cell, cells, fit, show
+from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
 from fleet.core.whole import whole
 from fleet.sdk.tls_flags import add_client_tls, client_tls
-
-# NOTE: Ctrl-C on a one-shot command exits 128 + SIGINT, as a shell reports a command SIGINT ended; it exited 0, as
-# if the listing had been shown (found by review). Ctrl-C is how --watch ends: a normal end there (watch)
-INTERRUPTED = 130
 
 
 def _bytes(n: int) -> str:

@@ -3,7 +3,8 @@
     kvfleet witness [--backend numpy|torch] [--device cpu|cuda] [--threads N] [--no-hf] [--json]
 
 Exit status 0 when every witness ran and holds; 1 when one fails or could not run (the row says
-"not run" and what to install); 2 on bad arguments.
+"not run" and what to install); 2 on bad arguments; 130 on Ctrl-C
+(fleet/app/cli/main.py).
 """
 
 from __future__ import annotations

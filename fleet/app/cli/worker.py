@@ -21,8 +21,9 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from fleet.app.cli.cells import cell, cells, least_width, show, table_width
+from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records
-from fleet.app.cli.session import INTERRUPTED, add_ls_options, width_of
+from fleet.app.cli.session import add_ls_options, width_of
 from fleet.core.errors import KvfleetError
 
 NODES_S = 8.0  # the kernel nodes' deadline (above the controller's 5 s check of an unreachable Ray)
