@@ -1,6 +1,7 @@
 """The tests' shared support package (importable as `support`: pytest puts tests/ on the path).
 
     support.controller         tokens files and a real controller on a loopback port (the gRPC tests)
+    support.kvfleet_up         `kvfleet up --json` as a real process (the CLI tests)
     support.proxy_fleet        controller + stand-ins + proxy, each stand-in's requests recorded
     support.chaos              the lifecycle chaos harness (kvfleet's router against a lifecycle-blind one)
     support.vllm_vectors       the byte-exact vLLM KV-event and block-hash vectors of shared/reference

@@ -7,7 +7,13 @@
     kvfleet up --gc-interval 60                  # the store's GC every minute (default 300 s; 0: off)
 
 Prints the controller's address and an operator token (minted into STATE_DIR/tokens.json), and
-the commands to look at the fleet.
+the commands to look at the fleet. With --json, stdout holds that one JSON line and nothing else: the status lines
+and what Ray prints (a worker's death) go to stderr.
+
+NOTE: Ray's driver prints the errors the cluster publishes (a worker died, ...) on stdout, in colour, whatever
+`log_to_driver` says (that flag covers the workers' own output, and is off here): with --json those lines followed
+the JSON line on stdout and broke a script reading it as JSON lines (found by review). Ray has no option to send
+them elsewhere, so --json points sys.stdout at stderr for the run, which is where Ray's thread looks them up.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import signal
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.whole import whole
@@ -83,7 +89,8 @@ def controller_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {**edge_config_from(args), "gc_interval_s": gc_interval_from(args), "verdict_ttl_s": verdict_ttl_from(args)}
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run the fleet until SIGINT/SIGTERM; `out`: where --json's line goes (default: stdout)."""
     from controller.kernel_placement import kernel_overrides_from, set_kernel_placement
     from controller.quotas import session_limits_from
     from controller.route_flags import cost_config_from
@@ -124,7 +131,7 @@ async def serve(args: argparse.Namespace) -> int:
     stack.ctl.ctx.session_limits = limits  # before any session call: the fleet reads them when it starts
     stack.ctl.ctx.node_kv_bytes = args.node_kv_bytes
     stack.ctl.ctx.node_max_sessions = args.node_max_sessions
-    _announce(args, stack, store)
+    _announce(args, stack, store, out or sys.stdout)
     await stop.wait()
     print("kvfleet up: stopping (controller, stand-ins, Ray)", flush=True)
     await stack.stop()
@@ -147,7 +154,7 @@ async def _start_unless_stopped(start: Coroutine[Any, Any, Stack], stop: asyncio
     return None
 
 
-def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
+def _announce(args: argparse.Namespace, stack: Stack, store: str, out: TextIO) -> None:
     from controller.servicers.fleet import redact
 
     addr = stack.ctl.address
@@ -160,7 +167,7 @@ def _announce(args: argparse.Namespace, stack: Stack, store: str) -> None:
         "workers": {n: s.url for n, s in stack.sims.items()},
     }
     if args.json:
-        print(json.dumps(info), flush=True)
+        print(json.dumps(info), file=out, flush=True)
         return
     print(
         f"kvfleet up: controller on {addr}; store {redact(store)}; Ray {'at ' + args.ray_address if args.ray_address else 'local'}"
@@ -180,10 +187,15 @@ def main(argv: list[str]) -> int:
 
     quiet_ray_signals()  # a stop longer than 3 s must not end in Ray's SIGABRT (see there)
     args = parse(argv)
+    out = sys.stdout
+    if args.json:  # stdout is the JSON line's alone: everything else printed from here on goes to stderr
+        sys.stdout = sys.stderr
     try:
-        return asyncio.run(serve(args))
+        return asyncio.run(serve(args, out))
     except KvfleetError as e:
         print(f"kvfleet up: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
+    finally:
+        sys.stdout = out

@@ -4,41 +4,21 @@ the SDK and looked at with `kvfleet session ls --fleet --json` and `kvfleet work
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.kvfleet_up import start_up, stop_up
 
 from fleet.app.cli import session as session_cli
 from fleet.app.cli import worker as worker_cli
 from fleet.sdk import FleetClient
 
 
-def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    cmd = [sys.executable, "-m", "fleet.app.cli.main", "up", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path),
-           "--sim-workers", "1", "--num-cpus", "2", "--tenant", "acme", "--json"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_ADDRESS": ""})
-    deadline = time.monotonic() + 240
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("{"):
-            return proc, json.loads(line)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    pytest.fail(f"kvfleet up did not come up: rc={proc.poll()} stderr={proc.stderr.read() if proc.stderr else ''}")
-
-
 def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    proc, info = _start_up(tmp_path)
+    proc, info = start_up(tmp_path, "--sim-workers", "1", "--tenant", "acme")
     try:
         addr, op, tok = str(info["controller"]), str(info["operator_token"]), str(info["tenant_token"])
         assert str(info["store"]).startswith("sqlite:///") and (tmp_path / "kvfleet.db").exists()
@@ -108,12 +88,7 @@ def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert session_cli.main(["ls", "--fleet", "--controller", addr, "--token", "kvf_wrong"]) == 2
         assert "Unauthenticated" in capsys.readouterr().err
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        rc, _, _ = stop_up(proc)
     assert rc == 0
 
 
