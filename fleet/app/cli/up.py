@@ -29,6 +29,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from fleet.app.cli.up_checks import check_can_start
 from fleet.core.errors import InvalidArgument, KvfleetError
 from fleet.core.whole import whole
 
@@ -100,6 +101,7 @@ async def serve(args: argparse.Namespace, out: TextIO | None = None) -> int:
     kernel = kernel_overrides_from(args)
     overrides = controller_overrides(args)
     limits = session_limits_from(args)
+    await asyncio.to_thread(check_can_start, args.listen, args.store)  # before Ray and the state dir (up_checks.py)
     state = Path(args.state_dir).expanduser().resolve()
     try:
         state.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,18 @@
 """`kvfleet up`'s output and its refusals, on a real `kvfleet up` process.
 
 --json: stdout is the one JSON line and nothing else (before, Ray's worker-death lines, in colour, followed it on
-stdout)."""
+stdout). A taken --listen port or an unreachable Redis is refused before Ray starts, leaving the state dir untouched
+(before: after about 10 s of Ray, exit 2, with tokens.json and the SQLite store left in the state dir)."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 import psutil
-from support.kvfleet_up import start_up, stop_up
+from support.kvfleet_up import UP, start_up, stop_up
 
 DIED = "A worker died or was killed"
 
@@ -34,3 +37,42 @@ def test_up_json_keeps_stdout_for_its_json_line(tmp_path: Path) -> None:
     assert rest == ""  # before: "\x1b[33m(raylet)\x1b[0m A worker died or was killed ...", and "kvfleet up: stopping"
     assert DIED in err and "kvfleet up: stopping" in err  # the control: Ray did print it, and up its status
     assert rc == 0
+
+
+def _refused(state: Path, *flags: str) -> tuple[int, str]:
+    done = subprocess.run([*UP, "--state-dir", str(state), "--num-cpus", "2", *flags], capture_output=True,
+                          text=True, timeout=240)
+    return done.returncode, done.stderr
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, err = _refused(tmp_path / "state", "--listen", f"127.0.0.1:{port}")
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "--listen" in err, err
+    assert "Ray" not in err  # before: Ray's start-up lines, then the refusal
+    assert not (tmp_path / "state").exists()  # before: tokens.json, tokens.json.lock and kvfleet.db in it
+
+
+def test_an_unreachable_redis_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, err = _refused(tmp_path / "state", "--listen", "127.0.0.1:0", "--store", f"redis://127.0.0.1:{port}/0")
+    assert rc == 2 and f"redis at 127.0.0.1:{port} unreachable" in err, err
+    assert "Ray" not in err and not (tmp_path / "state").exists()  # before: both, after about 10 s
+
+
+def test_the_checks_pass_a_free_port_and_a_live_redis(redis_url: str) -> None:
+    # the controls: what the refusals above refuse is what they check, not every start
+    from fleet.app.cli.up_checks import check_can_start, port_taken
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert port_taken(f"127.0.0.1:{port}") is not None  # bound (not even listening) is taken
+    assert port_taken(f"127.0.0.1:{port}") is None and port_taken("127.0.0.1:0") is None
+    check_can_start(f"127.0.0.1:{port}", redis_url)
+    check_can_start("127.0.0.1:0", None)
