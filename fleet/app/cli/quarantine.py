@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.app.cli.cells import cells, least_width, show
+from fleet.app.cli.ls_modes import check_watch_flags, watch_json
 from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records as as_records
 from fleet.app.cli.session import add_connection_options, add_ls_options, width_of
@@ -56,10 +57,13 @@ def render(records: Sequence[Any], now: float | None = None, width: int | None =
     return t
 
 
+def as_data(records: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"tenant": r.tenant, "ref": r.ref, "action": r.action, "source": r.source, "reasons": list(r.reasons),
+             "num_seen": r.num_seen, "first_seen": r.first_seen, "last_seen": r.last_seen} for r in records]
+
+
 def as_json(records: Sequence[Any]) -> str:
-    return json.dumps([{"tenant": r.tenant, "ref": r.ref, "action": r.action, "source": r.source,
-                        "reasons": list(r.reasons), "num_seen": r.num_seen, "first_seen": r.first_seen,
-                        "last_seen": r.last_seen} for r in records], indent=1)
+    return json.dumps(as_data(records), indent=1)
 
 
 def resolve_ref(ref: str, known: Sequence[str]) -> str:
@@ -100,7 +104,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     st.add_argument("verdict", choices=(QUARANTINED, CLEAN, "clear"))
     st.add_argument("--reason", action="append", default=[], help="why (repeatable)")
     add_connection_options(st)  # NOTE: not ls's --watch/--interval/--count/--json: a verdict is set once, one line
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cmd == "ls":
+        check_watch_flags(ls, args)
+    return args
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -127,7 +134,9 @@ def main(argv: list[str]) -> int:
             def records() -> Any:
                 return c.list_quarantines(tenant=args.tenant, limit=args.limit)
 
-            if args.json:
+            if args.json and args.watch:
+                watch_json(lambda: as_data(records()), args.interval, args.count)
+            elif args.json:
                 print(as_json(records()))
             elif args.watch:
                 from fleet.app.cli.session import watch

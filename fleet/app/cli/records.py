@@ -16,7 +16,7 @@ from rich.text import Text
 from fleet.app.cli.cells import cell
 
 
-def records(title: str, heads: Sequence[str], rows: Sequence[Sequence[Text]], empty: str,
+def records(title: str | Text, heads: Sequence[str], rows: Sequence[Sequence[Text]], empty: str,
             styles: Sequence[str | None] = ()) -> Table:
     """`rows` (cells under `heads`) as records, a blank line between two; `empty` where there is no row; `styles`:
     each row's style (None: none)."""

@@ -1,10 +1,10 @@
 """`kvfleet session ls --fleet`: the fleet dashboard of agent sessions.
 
-    kvfleet session ls --fleet [--watch [--interval S]] [--json] [--controller HOST:PORT] [--token T]
+    kvfleet session ls --fleet [--watch [--interval S] [--count N]] [--json] [--controller HOST:PORT] [--token T]
 
 Columns: session, tenant, node and actor, kernel backend and device, tokens, bytes held alone and
 shared, hit rate (shared prefix tokens / tokens), quarantined spans, lifecycle state and epoch, last active. --watch
-refreshes live; --json prints the rows for scripts. KVFLEET_CONTROLLER / KVFLEET_TOKEN are the
+refreshes live; --json prints the rows for scripts (with --watch: one JSON line per refresh). KVFLEET_CONTROLLER / KVFLEET_TOKEN are the
 defaults of --controller / --token.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.app.cli.cells import cell, cells, fit, show
+from fleet.app.cli.ls_modes import check_watch_flags, watch_json
 from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
@@ -106,7 +108,7 @@ def _need(cols: Sequence[tuple[str, Cell, bool]], rows: Sequence[Any], now: floa
     return cells_w + (len(cols) + 1 if folded else 3 * len(cols) + 1)  # borders (+ padding 1 each side unfolded)
 
 
-def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)", now: float | None = None,
+def render_sessions(rows: Sequence[Any], title: str | Text = "kvfleet sessions", now: float | None = None,
                     width: int | None = None) -> Table:
     """The dashboard table (rows: fleet.sdk.sessions.SessionRow) for a terminal `width` columns wide (None: as
     wide as it needs): node/host, then kernel are left out, then numbers folded two to a cell, and below that each
@@ -125,6 +127,19 @@ def render_sessions(rows: Sequence[Any], title: str = "kvfleet sessions (fleet)"
     if not rows:
         t.add_row("(no sessions)", *[""] * (len(cols) - 1))
     return t
+
+
+def listing_title(caller: Any, fleet: bool, tenant: str | None) -> Text:
+    """What the listing is: whose sessions (the caller's own, as a tenant; one tenant's or every tenant's, as the
+    operator) and where from (every node, or the controller's node). `caller`: fleet.sdk.types.Caller (WhoAmI).
+    NOTE: the title said "kvfleet sessions (fleet)" whatever was listed: without --fleet, or for a tenant token
+    (found by review)."""
+    where = "fleet-wide" if fleet else "the controller's node only"
+    if caller.role == "operator":
+        whose = f"tenant {tenant}" if tenant else "every tenant"
+    else:
+        whose = f"tenant {caller.tenant} (yours)"
+    return cell(f"kvfleet sessions: {whose}, {where}")  # the tenant as sent, as a cell shows it
 
 
 def _style(r: Any) -> str | None:
@@ -163,8 +178,9 @@ def add_ls_options(ls: argparse.ArgumentParser) -> None:
     """The options `session ls` and `worker ls` share: live refresh, JSON, where and as whom."""
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
     ls.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes with --watch")
-    ls.add_argument("--count", type=whole(zero_means="until Ctrl-C"), default=0, help="with --watch: stop after N refreshes (0: until Ctrl-C)")
-    ls.add_argument("--json", action="store_true", help="print as JSON")
+    ls.add_argument("--count", type=whole(zero_means="until Ctrl-C"), default=None,
+                    help="with --watch: stop after N refreshes (0: until Ctrl-C)")
+    ls.add_argument("--json", action="store_true", help="print as JSON (with --watch: one JSON line per refresh)")
     add_connection_options(ls)
 
 
@@ -184,7 +200,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ls.add_argument("--fleet", action="store_true", help="every node of the fleet (default: the controller's node)")
     ls.add_argument("--tenant", default=None, help="operator only: one tenant")
     add_ls_options(ls)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_watch_flags(ls, args)
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -197,12 +215,24 @@ def main(argv: list[str]) -> int:
             def rows() -> list[Any]:
                 return c.sessions(fleet=args.fleet, tenant=args.tenant)
 
-            if args.json:
-                print(json.dumps([r.to_dict() for r in rows()], indent=1))
+            def as_data() -> list[dict[str, Any]]:
+                return [r.to_dict() for r in rows()]
+
+            @functools.cache
+            def title() -> Text:  # asked once, in the first frame (a Ctrl-C there ends a --watch as one later does)
+                return listing_title(c.whoami(), args.fleet, args.tenant)
+
+            def table() -> Table:
+                return render_sessions(rows(), title=title(), width=width_of(console))
+
+            if args.json and args.watch:
+                watch_json(as_data, args.interval, args.count)
+            elif args.json:
+                print(json.dumps(as_data(), indent=1))
             elif args.watch:
-                watch(console, lambda: render_sessions(rows(), width=width_of(console)), args.interval, args.count)
+                watch(console, table, args.interval, args.count)
             else:
-                show(console, render_sessions(rows(), width=width_of(console)))
+                show(console, table())
     except KvfleetError as e:
         print(f"kvfleet session ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

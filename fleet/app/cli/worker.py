@@ -21,6 +21,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from fleet.app.cli.cells import cell, cells, least_width, show, table_width
+from fleet.app.cli.ls_modes import check_watch_flags, watch_json
 from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records
 from fleet.app.cli.session import add_ls_options, width_of
@@ -102,11 +103,15 @@ def snapshot(c: Any) -> dict[str, Any]:
         return {"workers": workers, "nodes": [], "nodes_error": f"{type(e).__name__}: {e}"}
 
 
-def as_json(snap: dict[str, Any]) -> str:
+def as_data(snap: dict[str, Any]) -> dict[str, Any]:
     from dataclasses import asdict
 
     out = {"workers": [asdict(w) for w in snap["workers"]], "nodes": [n.to_dict() for n in snap["nodes"]]}
-    return json.dumps({**out, **({"nodes_error": snap["nodes_error"]} if snap["nodes_error"] else {})}, indent=1)
+    return {**out, **({"nodes_error": snap["nodes_error"]} if snap["nodes_error"] else {})}
+
+
+def as_json(snap: dict[str, Any]) -> str:
+    return json.dumps(as_data(snap), indent=1)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -114,7 +119,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list vLLM workers and kernel nodes")
     add_ls_options(ls)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_watch_flags(ls, args)
+    return args
 
 
 def main(argv: list[str]) -> int:
@@ -127,7 +134,9 @@ def main(argv: list[str]) -> int:
 
         with FleetClient(args.controller, args.token, session_timeout=NODES_S, retry=RetryPolicy(deadline_s=NODES_S),
                          **client_tls(args)) as c:
-            if args.json:
+            if args.json and args.watch:
+                watch_json(lambda: as_data(snapshot(c)), args.interval, args.count)
+            elif args.json:
                 print(as_json(snapshot(c)))
             elif args.watch:
                 from fleet.app.cli.session import watch

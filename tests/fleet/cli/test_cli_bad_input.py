@@ -60,7 +60,7 @@ def test_a_negative_watch_count_is_refused_naming_the_flag(command: str, capsys:
     with pytest.raises(SystemExit) as e:   # before: accepted, and the watch drew one frame and stopped
         parse(["ls", "--watch", "--count", "-1"])
     assert e.value.code == 2 and "argument --count: -1: give 0 (until Ctrl-C) or more" in capsys.readouterr().err
-    assert parse(["ls", "--watch", "--count", "0"]).count == 0 and parse(["ls", "--count", "3"]).count == 3  # control
+    assert parse(["ls", "--watch", "--count", "0"]).count == 0 and parse(["ls", "--watch", "--count", "3"]).count == 3  # control
 
 
 def test_the_proxy_refuses_a_controller_address_no_client_can_reach() -> None:

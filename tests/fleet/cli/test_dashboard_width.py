@@ -30,6 +30,7 @@ class Client:
     def workers(self): return [worker]
     def fleet_sessions(self, fleet): return NS(nodes=[])
     def sessions(self, fleet, tenant): return [row]
+    def whoami(self): return NS(tenant="ops", role="operator", name="ops-admin")
 fleet.sdk.FleetClient = Client
 from fleet.app.cli import session as session_cli, worker as worker_cli
 sys.exit({{"worker": worker_cli, "session": session_cli}}[sys.argv[1]].main(["ls", *sys.argv[2:]]))

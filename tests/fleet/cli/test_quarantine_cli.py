@@ -18,7 +18,7 @@ def test_set_takes_no_listing_options(extra: list[str], capsys: pytest.CaptureFi
         cli_quarantine.parse(["set", REF, "CLEAN", *extra])
     assert e.value.code == 2 and f"unrecognized arguments: {extra[0]}" in capsys.readouterr().err
     # Control: `ls` takes each of them, and `set` still takes where and as whom.
-    assert cli_quarantine.parse(["ls", *extra])
+    assert cli_quarantine.parse(["ls", "--watch", *extra])  # --count counts --watch's refreshes (ls_modes.py)
     a = cli_quarantine.parse(["set", REF, "CLEAN", "--reason", "r", "--controller", "h:1", "--token", "t", "--tls"])
     assert (a.controller, a.token, a.tls, a.reason) == ("h:1", "t", True, ["r"])
 
