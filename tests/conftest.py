@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.short_dirs import remove_all, short_tmpdir
@@ -36,6 +37,15 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
         redis_server.start()
     redis.Redis.from_url(redis_server.url).flushdb()
     yield redis_server.url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A blob store URL, once per backend: SQLite in the test's tmp dir, and the shared Redis (flushed). The tests
+    that run the same checks on both stores take it by this name."""
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    return f"sqlite:///{tmp_path / 'kvfleet.db'}"
 
 
 @pytest.fixture(scope="session")

@@ -8,22 +8,13 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from support.controller import make_tokens, start_controller, store_url
+from support.controller import make_tokens, start_controller
 
 from controller.main import config_from, parse_args
 from controller.store_gc import GcConfig
 from fleet.cas import open_store
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from fleet.sdk import NO_RETRY, FleetClient
-
-KINDS = ["sqlite", "redis"]
-
-
-@pytest.fixture(params=KINDS)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "redis":
-        return request.getfixturevalue("redis_url")
-    return store_url("sqlite", tmp_path)
 
 
 def _seed(url: str) -> tuple[str, str]:

@@ -14,19 +14,12 @@ import os
 import tracemalloc
 from pathlib import Path
 
-import pytest
-from support.controller import make_tokens, start_controller, store_url
+from support.controller import make_tokens, start_controller
 
 from fleet.sdk import NO_RETRY, AsyncFleetClient
 
 SIZE = 16 << 20
 
-
-@pytest.fixture(params=["sqlite", "redis"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "redis":
-        return str(request.getfixturevalue("redis_url"))
-    return store_url("sqlite", tmp_path)
 
 
 async def test_a_put_holds_its_blob_once_while_it_is_stored(url: str, tmp_path: Path) -> None:

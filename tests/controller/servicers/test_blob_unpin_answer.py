@@ -7,20 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.controller import make_tokens, start_controller, store_url
+from support.controller import make_tokens, start_controller
 
 from fleet.cas import open_store
 from fleet.core.errors import NotFound
 from fleet.sdk import NO_RETRY, AsyncFleetClient
-
-KINDS = ["sqlite", "redis"]
-
-
-@pytest.fixture(params=KINDS)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "redis":
-        return request.getfixturevalue("redis_url")
-    return store_url("sqlite", tmp_path)
 
 
 def _gc_right_after(store: Any, verb: str) -> None:

@@ -9,21 +9,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.controller import make_tokens, md, start_controller, store_url
+from support.controller import make_tokens, md, start_controller
 
 from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from fleet.sdk import NO_RETRY, AsyncFleetClient, FleetClient
-
-KINDS = ["sqlite", "redis"]
-
-
-@pytest.fixture(params=KINDS)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "redis":
-        return request.getfixturevalue("redis_url")
-    return store_url("sqlite", tmp_path)
 
 
 def _absent(ctl, data: bytes, tenant: str) -> bool:

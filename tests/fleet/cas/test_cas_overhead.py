@@ -29,12 +29,6 @@ class Clock:
         return self.now
 
 
-@pytest.fixture(params=["sqlite", "redis"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'kvfleet.db'}"
-    return str(request.getfixturevalue("redis_url"))
-
 
 @pytest.fixture
 def store(url: str) -> Iterator[BlobStore]:
