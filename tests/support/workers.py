@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,15 @@ def scenario_result(out: Path, scenario: Any) -> None:
         except Exception:  # noqa: BLE001 - reported to the test, which prints it
             result = {"error": traceback.format_exc()}
     out.write_text(json.dumps(result))
+
+
+def together(n: int, call: Callable[[int], Any]) -> dict[int, Any]:
+    """`call(i)` for i in range(n), each on its own thread, all released at once by a barrier; i -> its result."""
+    out: dict[int, Any] = {}
+    go = threading.Barrier(n)
+    threads = [threading.Thread(target=lambda i=i: (go.wait(), out.__setitem__(i, call(i)))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

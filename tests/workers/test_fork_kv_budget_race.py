@@ -6,11 +6,10 @@ six forks at once of a parent on a node of 8 blocks' budget all stayed there (13
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
-from support.workers import SPEC
+from support.workers import SPEC, together
 
 from fleet.core.errors import ResourceExhausted
 from workers.fleet import KernelFleet
@@ -30,15 +29,8 @@ def _fork(f: KernelFleet, tenant: str, i: int, share: bool) -> Any:
 def _run(url: str, tenant: str, at_once: bool, share: bool = True) -> tuple[dict[int, Any], int, KernelFleet]:
     f = KernelFleet(url, SPEC, node_kv_bytes=8 * make_kernel(SPEC).block_bytes, call_timeout_s=120.0)
     f.create_session(tenant, "p", PROMPT)
-    out: dict[int, Any] = {}
     if at_once:
-        go = threading.Barrier(N)
-        threads = [threading.Thread(target=lambda i=i: (go.wait(), out.__setitem__(i, _fork(f, tenant, i, share))))
-                   for i in range(N)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = together(N, lambda i: _fork(f, tenant, i, share))
     else:
         out = {i: _fork(f, tenant, i, share) for i in range(N)}
     [stats] = f.node_stats()

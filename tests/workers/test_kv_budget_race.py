@@ -5,11 +5,10 @@ all went there, and it held 31 blocks (one create at a time: one session, 6 bloc
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
-from support.workers import SPEC
+from support.workers import SPEC, together
 
 from fleet.core.errors import ResourceExhausted
 from workers.fleet import KernelFleet
@@ -27,15 +26,8 @@ def _create(f: KernelFleet, tenant: str, i: int) -> Any:
 
 def _run(url: str, tenant: str, at_once: bool) -> tuple[dict[int, Any], int, KernelFleet]:
     f = KernelFleet(url, SPEC, node_kv_bytes=6 * make_kernel(SPEC).block_bytes, call_timeout_s=120.0)
-    out: dict[int, Any] = {}
     if at_once:
-        go = threading.Barrier(len(PROMPTS))
-        threads = [threading.Thread(target=lambda i=i: (go.wait(), out.__setitem__(i, _create(f, tenant, i))))
-                   for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        out = together(len(PROMPTS), lambda i: _create(f, tenant, i))
     else:
         out = {i: _create(f, tenant, i) for i in range(len(PROMPTS))}
     [stats] = f.node_stats()
