@@ -154,7 +154,9 @@ class InFlight:
         if not flights:
             return 0, 0, 0
         queued = self._queued.get(key)
-        return (len(flights), len(queued), self._queued_tokens[key]) if queued else (len(flights), 0, 0)
+        # NOTE: .get: the scrape reads this from the metrics server's thread while the loop changes it; a queue that
+        # emptied between the two reads raised KeyError and failed the whole scrape (found by review, not reproduced)
+        return (len(flights), len(queued), self._queued_tokens.get(key, 0)) if queued else (len(flights), 0, 0)
 
     def extended(self, chain: Sequence[int]) -> dict[RankKey, int]:
         """Queued tokens per rank of routes whose whole prompt this chain extends (or repeats).
