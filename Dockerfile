@@ -144,7 +144,7 @@ ENV PATH=/opt/kvfleet/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
 WORKDIR /home/kvfleet
-# controller gRPC, controller metrics, proxy HTTP, sim-vllm HTTP / KV events / replay
-EXPOSE 50051 9400 8080 8000 5557 5558
+# controller gRPC, controller metrics, proxy HTTP, proxy metrics, sim-vllm HTTP / KV events / replay
+EXPOSE 50051 9400 8080 9401 8000 5557 5558
 ENTRYPOINT ["kvfleet"]
 CMD ["--help"]

@@ -219,7 +219,8 @@ def test_chart_agrees_with_the_image(instrs: list[Instr]) -> None:
     assert values["podSecurityContext"]["runAsUser"] == int(uid)
     assert values["controller"]["grpcPort"] == 50051 and values["proxy"]["port"] == 8080
     exposed = {int(p) for i in instrs if i.op == "EXPOSE" for p in i.args.split()}
-    assert {values["controller"]["grpcPort"], values["controller"]["metricsPort"], values["proxy"]["port"]} <= exposed
+    assert {values["controller"]["grpcPort"], values["controller"]["metricsPort"], values["proxy"]["port"],
+            values["proxy"]["metricsPort"]} <= exposed  # NOTE: the proxy's metrics port was missing
 
 
 def test_parser_sees_a_broken_dockerfile() -> None:
@@ -269,8 +270,9 @@ def test_the_wheel_built_from_the_docker_context_is_complete(instrs: list[Instr]
 
 
 def test_the_image_runs_the_full_detector_policy(instrs: list[Instr]) -> None:
-    """The image installs the encoder extra (so the chart's default, every layer, can start), checks at build
-    time that every detector layer can run there, and carries no peft (the adapter merges with plain torch)."""
+    """The image installs the encoder extra (so every layer the chart may name, the opt-in encoder included, can
+    start), checks at build time that every detector layer can run there, and carries no peft (the adapter merges
+    with plain torch)."""
     runs = " ".join(i.args for i in instrs if i.op == "RUN")
     assert re.search(r"kvfleet-\*\.whl\)\[[a-z,]*\bencoder\b", runs), "the image must install kvfleet[encoder]"
     (check,) = [i for i in instrs if i.op == "RUN" and "installed_layers" in i.heredoc]
