@@ -62,6 +62,14 @@ class AsyncTransport(base.Transport):
     async def _send(self, rpc: t.Rpc[..., Any], req: Any) -> Any:
         try:
             return await self._send_open(rpc, req)
+        except asyncio.CancelledError:
+            # NOTE: grpc.aio ends the calls in flight on its channel's close() with CancelledError: a call whose
+            # client another task closed raised it into a task nobody cancelled (found by review). A task that is
+            # being cancelled (cancelling()) stays cancelled.
+            task = asyncio.current_task()
+            if not self._closed or task is None or task.cancelling():
+                raise
+            raise self._closed_in_flight(req.op_id if rpc.keyed else "") from None
         except Exception as e:
             self._raced_close(e)
             raise

@@ -237,6 +237,15 @@ class Transport:
         return FailedPrecondition(f"the client is closed ({type(self).__name__} of {self.target}: close() was called "
                                   "or its with block ended); make a new client")
 
+    def _closed_in_flight(self, op_id: str = "") -> FailedPrecondition:
+        """The error of a call that was in flight when close() ended it: the controller may have applied it."""
+        again = (f"; call again with op_id={op_id!r} on a new client and it is answered from the session's op log, "
+                 "never applied twice" if op_id else "")
+        err = FailedPrecondition(f"{self._closed_error()}. This call was in flight when the client was closed and its "
+                                 f"answer is lost: the controller may have applied it{again}")
+        err.op_id = op_id
+        return err
+
     def _mark_closed(self) -> bool:
         """Mark the client closed; False when it already was (close() is idempotent)."""
         with self._guard:
@@ -245,6 +254,14 @@ class Transport:
 
     def _raced_close(self, e: Exception) -> None:
         """Raise FailedPrecondition for grpc's own error of a call that a close() raced (a closed channel's
-        ValueError or UsageError); return for any other error."""
-        if self._closed and isinstance(e, ValueError | grpc.aio.UsageError) and not isinstance(e, KvfleetError):
+        ValueError or UsageError), or ended in flight (its CANCELLED); return for any other error.
+
+        NOTE: a call in flight when another thread closed the client raised KvfleetError "CANCELLED: Channel
+        closed!" (found by review); an op id it carried stays on the error."""
+        if not self._closed:
+            return
+        if isinstance(e, ValueError | grpc.aio.UsageError) and not isinstance(e, KvfleetError):
             raise self._closed_error() from e
+        cause = e.__cause__
+        if isinstance(cause, grpc.RpcError) and hasattr(cause, "code") and cause.code() == grpc.StatusCode.CANCELLED:
+            raise self._closed_in_flight(getattr(e, "op_id", "")) from e
