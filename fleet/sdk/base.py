@@ -174,6 +174,8 @@ class Transport:
         self.timeout, self.blob_timeout = args.seconds("timeout", timeout), args.seconds("blob_timeout", blob_timeout)
         # NOTE: before, a session call always waited 120 s, whatever was set
         self.session_timeout = args.seconds("session_timeout", session_timeout)
+        if retry is not None and not isinstance(retry, RetryPolicy):  # NOTE: was an AttributeError at the first call
+            raise InvalidArgument(f"retry must be a RetryPolicy (or None), got {type(retry).__name__} {retry!r:.40}")
         self.retry = retry or RetryPolicy()
         self._md = metadata(bearer(token))
         self._creds, self._options = credentials(tls, root_certificates, client_cert, client_key), reconnecting(options)

@@ -12,6 +12,7 @@ into the SDK layer.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import time
@@ -19,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+
+from fleet.core.errors import InvalidArgument
+from fleet.sdk import args
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +42,35 @@ class RetryPolicy:
     deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
-        assert self.max_attempts >= 1 and self.initial_backoff_s >= 0 and self.multiplier >= 1
-        assert 0 <= self.jitter < 1 and self.deadline_s > 0
+        """Raises InvalidArgument naming the field that is out of range (fleet/sdk/args.py's checks).
+
+        NOTE: these were asserts: a bad policy raised a bare AssertionError naming nothing (none at all under
+        python -O), and max_backoff_s was not checked: -1 or nan made every pause 0, so the retries spun (found by
+        review)."""
+        args.count("RetryPolicy.max_attempts", self.max_attempts, 1)
+        for name in ("initial_backoff_s", "max_backoff_s"):
+            _number(name, getattr(self, name), 0.0)
+        _number("multiplier", self.multiplier, 1.0)
+        if not _number("jitter", self.jitter, 0.0) < 1:
+            raise InvalidArgument(f"RetryPolicy.jitter must be below 1 (a fraction of the backoff), got {self.jitter!r}")
+        args.seconds("RetryPolicy.deadline_s", self.deadline_s)
 
     def backoff(self, attempt: int) -> float:
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** attempt)
+        # NOTE: multiplier ** attempt overflows a float past about 1,000 doublings: a policy with that many attempts
+        # raised OverflowError out of a call's retries (found by review); its backoff has long been max_backoff_s
+        try:
+            grown = self.initial_backoff_s * self.multiplier ** attempt
+        except OverflowError:
+            grown = self.max_backoff_s if self.initial_backoff_s else 0.0
+        base = min(self.max_backoff_s, grown)
         return base * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+def _number(name: str, value: object, low: float) -> float:
+    """`value` as a finite number >= low (not a bool, not a str)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < low:
+        raise InvalidArgument(f"RetryPolicy.{name} must be a finite number >= {low:g}, got {value!r:.40}")
+    return float(value)
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)

@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from fleet.core.errors import NotFound, Unavailable
+from fleet.app.redis_server import free_port
+from fleet.core.errors import InvalidArgument, NotFound, Unavailable
 from fleet.sdk import NO_RETRY, FleetClient, RetryPolicy, base
 from fleet.sdk import client as client_module
 from fleet.sdk import retry as retry_module
@@ -54,10 +55,29 @@ def test_backoff_grows_by_the_multiplier_is_capped_and_jittered() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(max_attempts=0), dict(multiplier=0.5), dict(jitter=1.0), dict(deadline_s=0),
-                                 dict(initial_backoff_s=-1)])
-def test_a_policy_refuses_nonsense(bad: dict[str, Any]) -> None:
-    with pytest.raises(AssertionError):
+                                 dict(initial_backoff_s=-1), dict(max_backoff_s=-1), dict(max_backoff_s=float("nan")),
+                                 dict(initial_backoff_s=float("inf")), dict(deadline_s=float("nan")),
+                                 dict(max_attempts=2.5), dict(jitter="0.1"), dict(max_attempts=True)])
+def test_a_policy_refuses_nonsense_naming_the_field(bad: dict[str, Any]) -> None:
+    # before: a bare AssertionError (nothing at all under python -O), and max_backoff_s -1 or nan was taken: every
+    # pause 0, the retries spun
+    (field_name,) = bad
+    with pytest.raises(InvalidArgument, match=f"RetryPolicy.{field_name} must be"):
         RetryPolicy(**bad)
+
+
+def test_a_client_refuses_a_retry_that_is_not_a_policy() -> None:
+    with pytest.raises(InvalidArgument, match="retry must be a RetryPolicy"):  # before: AttributeError at a call
+        FleetClient("127.0.0.1:1", retry=3)  # type: ignore[arg-type]
+
+
+def test_a_policy_of_many_attempts_keeps_its_longest_backoff() -> None:
+    # before: multiplier ** attempt overflowed past about 1,000 doublings and the call's retries raised OverflowError
+    assert RetryPolicy(jitter=0.0).backoff(1100) == 3.0 and RetryPolicy(initial_backoff_s=0).backoff(1100) == 0.0
+    port = free_port()  # nothing listens: every attempt is refused at once, over real gRPC on loopback
+    many = RetryPolicy(max_attempts=1100, initial_backoff_s=0.0, max_backoff_s=0.0, deadline_s=120.0)
+    with FleetClient(f"127.0.0.1:{port}", retry=many) as c, pytest.raises(Unavailable, match="1100 attempt"):
+        c.whoami()
 
 
 def test_only_unavailable_is_retryable() -> None:
