@@ -104,6 +104,9 @@ def bearer(token: object) -> str | None:
     if not isinstance(token, str):
         raise Unauthenticated(f"the token must be a str, got {type(token).__name__}")
     bad = next((i for i, ch in enumerate(token) if not "!" <= ch <= "~"), None)
+    if bad is not None and token[:7].lower() == "bearer ":  # NOTE: was told to strip() it, which kept the prefix
+        raise Unauthenticated("the token starts with 'Bearer ': pass the token alone (kvf_...); the client sends "
+                              "the 'authorization: Bearer <token>' header itself")
     if bad is not None:
         raise Unauthenticated(f"the token holds {token[bad]!r} at position {bad} of {len(token)}: a bearer token is "
                               "visible ASCII only (one read from a file keeps its newline: strip() it)")

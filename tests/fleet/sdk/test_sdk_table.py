@@ -302,3 +302,13 @@ def test_a_token_that_cannot_be_a_header_is_unauthenticated_at_once(token: str) 
     with pytest.raises(Unauthenticated, match="the token must be a str, got bytes"):
         AsyncFleetClient("127.0.0.1:1", token=b"kvf_abc")  # type: ignore[arg-type]
     FleetClient("127.0.0.1:1", token="kvf_abc").close()  # control: visible ASCII is a header
+
+
+@pytest.mark.parametrize("token", ["Bearer kvf_abc", "bearer kvf_abc"])
+def test_a_token_given_with_its_bearer_prefix_says_to_drop_it(token: str) -> None:
+    # Found by review: "Bearer kvf_..." (the header's value, copied whole) was told to strip() the token, which
+    # keeps the prefix
+    with pytest.raises(Unauthenticated, match="pass the token alone"):
+        FleetClient("127.0.0.1:1", token=token)
+    with pytest.raises(Unauthenticated, match="strip\\(\\) it"):  # control: another space keeps its advice
+        FleetClient("127.0.0.1:1", token="kvf_abc ")
