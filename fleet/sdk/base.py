@@ -15,6 +15,7 @@ import grpc
 from fleet.api.kvfleet.v1 import blobs_pb2, workers_pb2
 from fleet.core.errors import FailedPrecondition, InvalidArgument, KvfleetError, Unauthenticated
 from fleet.sdk import args
+from fleet.sdk import retry as retrying
 from fleet.sdk.failures import Sent
 from fleet.sdk.failures import answered as answered  # re-exported (and the three below): they lived here
 from fleet.sdk.failures import error_of as error_of
@@ -177,7 +178,7 @@ class Transport:
         self.timeout, self.blob_timeout = args.seconds("timeout", timeout), args.seconds("blob_timeout", blob_timeout)
         # NOTE: before, a session call always waited 120 s, whatever was set
         self.session_timeout = args.seconds("session_timeout", session_timeout)
-        if retry is not None and not isinstance(retry, RetryPolicy):  # NOTE: was an AttributeError at the first call
+        if retry is not None and not isinstance(retry, retrying.RetryPolicy):  # NOTE: was an AttributeError at first call
             raise InvalidArgument(f"retry must be a RetryPolicy (or None), got {type(retry).__name__} {retry!r:.40}")
         self.retry = retry or RetryPolicy()
         self._md = metadata(bearer(token))
