@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import aiohttp
@@ -11,6 +10,7 @@ import msgspec
 import pytest
 import zmq
 from aiohttp import web
+from support.stand_ins import routed_stand_ins
 from support.vllm_vectors import frames, load
 
 from controller.metrics import Metrics
@@ -70,21 +70,10 @@ def _spec(i, s, **kw):
     return WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m", **kw)
 
 
-@contextlib.asynccontextmanager
-async def _fleet(tmp_path, n: int = 1, **router_kw):
-    """A Router on a fresh SQLite store with `n` stand-ins registered as w0, w1, ...; yields (router, sims)."""
-    store = open_store(f"sqlite:///{tmp_path}/kv.db")
-    sims = await _sims(n)
-    r = await _router(store, **router_kw)
-    try:
-        for i, s in enumerate(sims):
-            await r.register_worker(_spec(i, s))
-        yield r, sims
-    finally:
-        await r.stop()
-        for s in sims:
-            await s.stop()
-        store.close()
+def _fleet(tmp_path, n: int = 1, **router_kw):
+    """A Router on a fresh SQLite store with `n` stand-ins (as `_sims` makes them) registered as w0, w1, ...;
+    yields (router, sims)."""
+    return routed_stand_ins(tmp_path, SimEngineConfig(model="m", num_blocks=64), n, **router_kw)
 
 
 async def test_warm_cold_through_verbs_and_restart_from_store(store) -> None:
