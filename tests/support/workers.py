@@ -112,8 +112,11 @@ def scenario_result(out: Path, scenario: Any) -> None:
     out.write_text(json.dumps(result))
 
 
-def together(n: int, call: Callable[[int], Any]) -> dict[int, Any]:
-    """`call(i)` for i in range(n), each on its own thread, all released at once by a barrier; i -> its result."""
+def together(n: int, call: Callable[[int], Any], at_once: bool = True) -> dict[int, Any]:
+    """`call(i)` for i in range(n), each on its own thread, all released at once by a barrier (at_once=False: one
+    after another, the control); i -> its result."""
+    if not at_once:
+        return {i: call(i) for i in range(n)}
     out: dict[int, Any] = {}
     go = threading.Barrier(n)
     threads = [threading.Thread(target=lambda i=i: (go.wait(), out.__setitem__(i, call(i)))) for i in range(n)]
