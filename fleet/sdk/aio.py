@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 import grpc
 
 from fleet.core.errors import FailedPrecondition
-from fleet.sdk import base, failures
+from fleet.sdk import aio_status, base, failures
 from fleet.sdk import table as t
 from fleet.sdk.failures import Sent
 from fleet.sdk.retry import Attempts, retryable
@@ -81,6 +81,8 @@ class AsyncTransport(base.Transport):
 
         async def attempt(timeout: float) -> Any:
             reply = stub_method(req if rpc.wire is None else rpc.wire(req), timeout=timeout, metadata=self._md)
+            if rpc.streaming == "client":
+                return await aio_status.awaited(reply)
             return await reply if rpc.each is None else [rpc.each(m) async for m in reply]
 
         sent = self._sent(rpc.method, per, rpc.timeout, req.op_id if rpc.keyed else "")
