@@ -17,10 +17,14 @@ from typing import Any
 
 
 def check_watch_flags(ls: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit 2 with `ls`'s usage where --count is given without --watch; else --count's default (0: until Ctrl-C)."""
+    """Exit 2 with `ls`'s usage where --count or --interval is given without --watch; else their defaults (--count 0:
+    until Ctrl-C; --interval 1 s). Before, `ls --interval 5` printed once and ignored the interval, silently."""
     if args.count is not None and not args.watch:
         ls.error("argument --count: it counts the refreshes of --watch: add --watch, or leave --count out")
+    if args.interval is not None and not args.watch:
+        ls.error("argument --interval: it spaces the refreshes of --watch: add --watch, or leave --interval out")
     args.count = args.count or 0
+    args.interval = 1.0 if args.interval is None else args.interval
 
 
 def watch_json(data: Callable[[], Any], interval: float, count: int = 0) -> None:

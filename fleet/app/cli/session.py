@@ -177,7 +177,7 @@ def _seconds(text: str) -> float:
 def add_ls_options(ls: argparse.ArgumentParser) -> None:
     """The options `session ls` and `worker ls` share: live refresh, JSON, where and as whom."""
     ls.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    ls.add_argument("--interval", type=_seconds, default=1.0, help="seconds between refreshes with --watch")
+    ls.add_argument("--interval", type=_seconds, default=None, help="with --watch: seconds between refreshes (default 1)")
     ls.add_argument("--count", type=whole(zero_means="until Ctrl-C"), default=None,
                     help="with --watch: stop after N refreshes (0: until Ctrl-C)")
     ls.add_argument("--json", action="store_true", help="print as JSON (with --watch: one JSON line per refresh)")

@@ -64,9 +64,10 @@ def test_json_watch_prints_one_json_line_per_refresh(up: Up, command: str, key: 
     assert plain.returncode == 0 and plain.stdout == json.dumps(docs[-1], indent=1) + "\n"
 
 
+@pytest.mark.parametrize("flag,value", [("--count", "1"), ("--interval", "0.2")])
 @pytest.mark.parametrize("command", ["session", "worker", "quarantine"])
-def test_count_without_watch_is_a_usage_error(up: Up, command: str) -> None:
-    done = _kvfleet(up, command, "ls", "--count", "3")
-    assert done.returncode == 2 and "--count" in done.stderr and "add --watch" in done.stderr, done  # before: rc 0
+def test_count_or_interval_without_watch_is_a_usage_error(up: Up, command: str, flag: str, value: str) -> None:
+    done = _kvfleet(up, command, "ls", flag, value)
+    assert done.returncode == 2 and flag in done.stderr and "add --watch" in done.stderr, done  # before: rc 0
     assert done.stdout == "" and "usage:" in done.stderr
-    assert _kvfleet(up, command, "ls", "--watch", "--count", "1").returncode == 0  # the control
+    assert _kvfleet(up, command, "ls", "--watch", "--count", "1", flag, value).returncode == 0  # the control

@@ -119,7 +119,7 @@ def test_a_refresh_interval_must_be_a_finite_positive_number(interval: str, caps
     with pytest.raises(SystemExit) as e:
         session_cli.parse(["ls", "--watch", "--interval", interval])
     assert e.value.code == 2 and "argument --interval" in capsys.readouterr().err
-    assert session_cli.parse(["ls", "--interval", "0.5"]).interval == 0.5  # the control
+    assert session_cli.parse(["ls", "--watch", "--interval", "0.5"]).interval == 0.5  # the control
 
 
 async def test_a_signal_while_the_fleet_starts_stops_the_start() -> None:
