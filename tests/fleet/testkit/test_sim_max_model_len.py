@@ -23,7 +23,10 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
 
 
 def _refused(status: int, doc: dict[str, Any], message: str) -> bool:
-    return status == 400 and doc == {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    """vLLM's 400: its message, and the parameter it names as "param" (before, the stand-in's body had no "param")."""
+    param = message.rsplit("(parameter=", 1)[1].split(",")[0] if "(parameter=" in message else None
+    return status == 400 and doc == {"error": {"message": message, "type": "BadRequestError", "param": param,
+                                               "code": 400}}
 
 
 async def test_output_past_the_context_length_is_refused_and_the_worker_keeps_serving() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -242,4 +243,9 @@ async def _errors(
     try:
         return await handler(req)
     except (InvalidArgument, KeyError, ValueError, TypeError) as e:
-        return _j({"error": {"message": str(e), "type": "BadRequestError", "code": 400}}, 400)
+        message = str(e)  # NOTE: vLLM's error body always has "param": the parameter its validation error names
+        param = m.group(1) if (m := _PARAMETER.search(message)) else None
+        return _j({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}, 400)
+
+
+_PARAMETER = re.compile(r"\(parameter=(\w+), value=[^)]*\)$")  # how vLLM's validation errors end
