@@ -51,7 +51,7 @@ class RankEvents:
     hash_cfg: HashConfig | None
     calibrated: bool
     resumed: set[int]
-    _reset_seen: set[int]
+    _reset_seen: dict[int, float | None]
     _verb_clears: set[int] | None
     _closing: bool
 
@@ -66,7 +66,7 @@ class RankEvents:
 
     def on_stream_invalidate(self, rank: int, reason: str, seq: int | None) -> None:
         if reason == "seq_reset":
-            self._reset_seen.add(rank)  # the next look's restart check must not count it again
+            self._reset_seen[rank] = None  # the next look's restart check: the stamp of the batch after it tells whose
         self._apply(rank, self.ranks[rank].stream_invalidated(reason, seq))
         if self.ranks[rank].fence == "clear":
             # NOTE: what was lost may have been the awaited clear: the fence stayed up for good, every store ignored,
@@ -83,6 +83,8 @@ class RankEvents:
         if self.silence.heard(rank):
             log.info("worker %s rank %d: its KV events arrive again", self.spec.name, rank)
             self.metrics.kv_events_silent.labels(self.spec.name, str(rank)).set(0)
+        if rank in self._reset_seen and self._reset_seen[rank] is None:
+            self._reset_seen[rank] = batch.ts  # the first batch of the new publisher (RankState.restarted)
         if seq > self.ranks[rank].seq + 1 and self.ranks[rank].fence == "clear":
             self._clear_maybe_gone(rank)  # the head of a fresh stream, never read (no replay held it) may hold it
         if rank in self.resumed and not any(isinstance(ev, AllBlocksCleared) for ev in batch.events):

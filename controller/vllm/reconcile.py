@@ -55,7 +55,7 @@ class Reconcile(LoraLooks):
     load_at: float | None
     _look_at: float | None
     _subs: list[Subscriber]
-    _reset_seen: set[int]
+    _reset_seen: dict[int, float | None]
     _tail_failing: set[int]
     _closing: bool
 
@@ -92,8 +92,8 @@ class Reconcile(LoraLooks):
             st.start_time is not None and st.start_time != m.start_time for st in self.ranks.values())
         for r in self.ranks:
             self._apply(r, self.ranks[r].restarted(m.start_time, version, stream_reset_seen=r in self._reset_seen,
-                                                   subscribed=bool(self._subs)))
-            self._reset_seen.discard(r)
+                                                   subscribed=bool(self._subs), reset_stamp=self._reset_seen.get(r)))
+            self._reset_seen.pop(r, None)
         # NOTE: a new process counts its /sleep calls from 0: compared with the old one's count, the look read as
         # "slept between", and its invalidation replaced the restart's fence "reset" with none
         # NOTE: a restarted controller had no count to compare its first look with: a /sleep level 1 and /wake_up while

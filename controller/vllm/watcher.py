@@ -108,7 +108,8 @@ class Worker(RankEvents, Verbs, Reconcile):
         # the /sleep count of the last look; a restarted controller starts from the one its predecessor persisted
         first = self.ranks.get(spec.dp_rank_start)
         self.sleep_ops: float | None = first.sleep_ops if first is not None else None
-        self._reset_seen: set[int] = set()
+        # ranks whose stream saw a seq reset since the last look -> the stamp of the first batch read after it
+        self._reset_seen: dict[int, float | None] = {}
         self.fenced_at: dict[int, float] = {}  # when each rank's fence "clear" went up (monotonic)
         # ranks whose fence "clear" may await a clear already gone (lift_settled): back from a hold, a gap not
         # repaired, or a clear read while a verb's call was out

@@ -126,25 +126,32 @@ class RankState:
         return t.with_state(phase="unknown", kv="unknown", serving=False)
 
     def restarted(self, start_time: float | None, version: str, *, stream_reset_seen: bool,
-                  subscribed: bool) -> Transition:
+                  subscribed: bool, reset_stamp: float | None = None) -> Transition:
         """One look's start time and /version; a change from what we knew is a restart.
 
         Args:
             start_time: process_start_time_seconds (None: absent).
             version: the /version answer.
-            stream_reset_seen: the event stream already saw this restart (a seq reset) and
-                invalidated the rank; the restart is not counted twice.
+            stream_reset_seen: the event stream saw a restart (a seq reset) since the last look and
+                invalidated the rank; where it is this restart, the restart is not counted twice.
+            reset_stamp: the stamp (`ts`, the worker's clock) of the first batch read after that seq reset
+                (None: none read yet). With a start time, the reset was this restart only where that batch is
+                stamped at or after it (as `stamped`): one stamped before is an earlier process's publisher.
             subscribed: our SUB socket is open: old batches may still sit in its queue, so stores
                 wait for the new publisher's seq (fence "reset"). Not subscribed yet (controller
                 start), the stream we will read is the new publisher's: it starts at -1.
 
         NOTE: the restart witness's `serving` is not adopted here: the same look's sleep state
         decides it (`observed`), as for any other look.
+        NOTE: any seq reset since the last look stood for the restart the look found: one the look before had counted
+        already (its seq reset read after it), or the first of two restarts between two looks, hid the second, and
+        the first restarted process's blocks stayed indexed: WARM routes to an empty cache (the chaos test's probe).
         """
         moved = (self.start_time is not None and start_time is not None and start_time != self.start_time) \
             or (self.version is not None and version != self.version)
+        seen = stream_reset_seen and (start_time is None or (reset_stamp is not None and reset_stamp >= start_time))
         t = Transition(self)
-        if moved and not stream_reset_seen:
+        if moved and not seen:
             w = restart_witness()
             if subscribed:
                 t = self.invalidated("restart", fence="reset" if self.seq >= 0 else "")

@@ -135,8 +135,20 @@ def test_a_restart_seen_before_subscribing_starts_the_stream_over() -> None:
 
 
 def test_a_restart_the_stream_already_reported_is_not_counted_twice() -> None:
-    t = SERVING.restarted(200.0, "0.33.0", stream_reset_seen=True, subscribed=True)
+    t = SERVING.restarted(200.0, "0.33.0", stream_reset_seen=True, subscribed=True, reset_stamp=200.5)
     assert (t.state.epoch, t.drop_index, t.reason, t.state.start_time, t.persist) == (3, False, "", 200.0, True)
+    v = SERVING.restarted(None, "0.34.0", stream_reset_seen=True, subscribed=True)  # no start time: the reset is it
+    assert (v.state.epoch, v.drop_index, v.state.version) == (3, False, "0.34.0")
+
+
+def test_a_seq_reset_of_an_earlier_process_does_not_hide_a_later_restart() -> None:
+    """The seq reset's first batch, stamped before the start time the look found, is an earlier process's publisher:
+    its reset says nothing of this restart. NOTE: any seq reset since the last look hid it, and the earlier process's
+    blocks stayed indexed (the chaos test's stale WARM route behind the probe)."""
+    for stamp in (150.0, None):  # an earlier process's batch; no batch read since the reset
+        t = SERVING.restarted(200.0, "0.33.0", stream_reset_seen=True, subscribed=True, reset_stamp=stamp)
+        assert (t.state.epoch, t.drop_index, t.reason, t.state.fence, t.state.start_time) == (4, True, "restart",
+                                                                                             "reset", 200.0)
 
 
 def test_a_first_look_records_start_time_and_version_without_a_restart() -> None:
