@@ -146,6 +146,9 @@ class Chaos:
         toks = toks + [self.rng.randrange(100, 150000) for _ in range(self.rng.randrange(8, 40))]
         seen = {s.name: (self.router.worker(s.name).ranks[0].seq, p.seq - 1) for s, p in
                 zip(self.specs, (sim.publisher for sim in self.sims), strict=True) if p is not None}
+        # each process's publisher counts from 0: with its restarts, (read, published) (0, 0) may be two processes'
+        lives = {s.name: (self.router.worker(s.name).ranks[0], self.router.index.num_blocks((s.name, 0)), sim.engine)
+                 for s, sim in zip(self.specs, self.sims, strict=True)}
         t_route = time.monotonic()
         try:
             d = await self.router.route(toks, "m", cache_salt=salt)
@@ -180,10 +183,14 @@ class Chaos:
                 if not serving or true_match(worker) < matched:
                     if tally is self.res.router:  # NOTE: said when the test fails (a stale route on a loaded machine)
                         act = self._acted.get(worker, ("none", t_route))
+                        st, num_indexed, eng = lives[worker]
                         self.res.stale_why.append(
                             f"{worker}: WARM {matched} tokens, truly {true_match(worker)}, serving {serving}; (read, "
                             f"published) seq {seen[worker]}; last action {act[0]} {t_route - act[1]:.3f}s before; "
-                            f"settle ran out for {sorted(self._unsettled)}")
+                            f"settle ran out for {sorted(self._unsettled)}; before the route the router's rank had "
+                            f"epoch {st.epoch} fence {st.fence!r} start time {st.start_time} and {num_indexed} blocks "
+                            f"indexed, the stand-in's process started {eng.start_time} (restart {eng.generation}) and "
+                            f"holds {len(truth[worker]['block_hashes'])}")
                     tally.stale += 1
                     tally.stale_not_serving += int(not serving)
                 else:
