@@ -5,11 +5,15 @@ serving (worker, dp_rank) from its index, its in-flight ledger (controller/infli
 /metrics look, and `order` orders them; docs/routing.md gives the reasoning and how llm-d, Dynamo and
 SGLang compare.
 
-    cost(w) = prefill(w) - (1 - shared_prefix_weight) * amortized(w)
+    cost(w) = prefill(w) - (1 - share(w)) * amortized(w)
               + queue_weight * queued(w) + request_weight * active(w) + pressure_weight * evicted(w)
+    share(w) = max(shared_prefix_weight, mixed_prefix_weight) where w serves conversations of another first
+               block (another system prompt or tenant), else shared_prefix_weight
 
     prompt      |<------------------------- num_prompt_tokens ------------------------->|
     on w        |<--- cached: proven warm under the current epoch --->|<-- prefill(w) -->|
+    in flight   |<--- pending: in the prompts of tracked routes on w not yet ended --->|   (inflight_prefix:
+                prefill(w) is what neither covers, as vLLM finds both cached at admission)
 
     amortized(w) the part of prefill(w) that is a prefix other conversations share (a system
                 prompt: a block seen followed by two different blocks): each worker pays it once
@@ -76,6 +80,11 @@ class CostConfig:
             routing bench, 128 stopped short chats from crossing between equally loaded workers, but
             with sleeps and resets behind the router's back it was a wash, and it kept sessions on a
             slept worker longer (docs/routing.md, "Affinity margin: tried, opt-in").
+        mixed_prefix_weight: share of a missing shared prefix that counts on a rank serving conversations of
+            another shared prefix (the larger of this and shared_prefix_weight): a rank that serves one tenant's
+            system prompt takes another's only when it is cheaper by that much. 0: as anywhere else.
+        inflight_prefix: a prompt prefix that tracked routes not yet ended are computing on a rank counts as
+            cached there (InFlight.pending), as vLLM will find it at admission; off, only KV events prove it.
     """
 
     queue_weight: float = 0.25
@@ -88,20 +97,20 @@ class CostConfig:
     working_set_ttl_s: float = 600.0
     reconcile_grace_s: float = 0.25
     affinity_margin: float = 0.0
+    inflight_prefix: bool = False
+    mixed_prefix_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.shared_prefix_weight, bool)
-            or not isinstance(self.shared_prefix_weight, int | float)
-            or not 0 <= self.shared_prefix_weight <= 1
-        ):
-            raise InvalidArgument(
-                f"shared_prefix_weight must be in [0, 1], got {self.shared_prefix_weight!r}"
-            )
+        for name in ("shared_prefix_weight", "mixed_prefix_weight"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+                raise InvalidArgument(f"{name} must be in [0, 1], got {v!r}")
         for name in ("queue_weight", "request_weight", "pressure_weight", "reconcile_grace_s", "affinity_margin"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise InvalidArgument(f"{name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.inflight_prefix, bool):
+            raise InvalidArgument(f"inflight_prefix must be true or false, got {self.inflight_prefix!r}")
         if (
             isinstance(self.kv_high_water, bool)
             or not isinstance(self.kv_high_water, int | float)
@@ -147,6 +156,12 @@ class CandidateState(NamedTuple):
     mean_request_tokens: float | None = None
     # a batch's later prompts (controller/batch_route.py): the proven-warm prefix of each here, in the batch's order
     batch_cached: tuple[int, ...] = ()
+    # the prompt's leading tokens that tracked routes on the rank, not yet ended, have in their prompts
+    # (InFlight.pending): cached when this request is admitted, whether KV events have proven them yet or not
+    num_pending_tokens: int = 0
+    # the rank serves conversations of another first block than this request's: another system prompt or tenant
+    # (DemandLedger.serves_other_prefix)
+    serves_other_prefix: bool = False
 
 
 class Scored(NamedTuple):
@@ -200,9 +215,11 @@ def terms(
     """
     _, _, _, proven, _, cached, n_active, n_queued, tracked, running, waiting, _, capacity, kv_usage = s[:14]
     cached = min(cached, num_prompt_tokens) if proven else 0
-    prefill = num_prompt_tokens - cached
-    amortized = max(0, min(num_shared_tokens, num_prompt_tokens) - cached)
-    resident = s.block_size > 0 and num_prompt_tokens // s.block_size <= cached // s.block_size
+    # what it will find cached: the proven prefix, or more where routes in flight there compute more of it
+    found = max(cached, min(s.num_pending_tokens, num_prompt_tokens)) if proven and cfg.inflight_prefix else cached
+    prefill = num_prompt_tokens - found
+    amortized = max(0, min(num_shared_tokens, num_prompt_tokens) - found)
+    resident = s.block_size > 0 and num_prompt_tokens // s.block_size <= found // s.block_size
     if batch:
         for (n, shared), c in zip(batch, s.batch_cached or (0,) * len(batch), strict=True):
             c = min(c, n) if proven else 0
@@ -223,9 +240,10 @@ def terms(
     else:
         pressured = prefill > 0 and (capacity or kv_usage > cfg.kv_high_water)
         evicted = evicted_tokens(cfg, prefill, s) if pressured else 0
+    share = max(cfg.shared_prefix_weight, cfg.mixed_prefix_weight) if s.serves_other_prefix else cfg.shared_prefix_weight
     total = (
         prefill
-        - (1.0 - cfg.shared_prefix_weight) * amortized
+        - (1.0 - share) * amortized
         + cfg.queue_weight * queued
         + cfg.request_weight * active
         + cfg.pressure_weight * evicted

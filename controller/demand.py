@@ -63,6 +63,7 @@ class Conversation(NamedTuple):
     group: int = 0
     turns: int = 1
     tenant: str = ""  # who placed its last turn (the record's share of the cap is theirs)
+    root: int | None = None  # its first block's hash: conversations of one system prompt (and tenant) share it
 
     @property
     def stage(self) -> Stage:
@@ -112,10 +113,11 @@ class Evidence:
 class _Rank:
     """One rank's records and both terms of its demand, kept up to date."""
 
-    __slots__ = ("own", "records", "sizes", "top", "total")
+    __slots__ = ("own", "records", "roots", "sizes", "top", "total")
 
     def __init__(self) -> None:
         self.records: dict[int, None] = {}  # last hashes of its conversations
+        self.roots: dict[int | None, int] = {}  # records per first block hash
         self.own: dict[Stage, int] = {}  # own (unshared) blocks per stage
         self.sizes: dict[Stage, SizeMultiset] = {}  # shared blocks of each stage's records
         self.total = 0.0  # sum over stages of rate * own blocks
@@ -186,6 +188,12 @@ class DemandLedger:
             top = max(top, rs * k)
         return round(total + top)
 
+    def serves_other_prefix(self, key: RankKey, root: int) -> bool:
+        """Whether the rank holds a conversation whose first block is not `root`: one of another system prompt or
+        another tenant (vLLM's block hashes carry the tenant's cache salt)."""
+        r = self._ranks.get(key)
+        return r is not None and len(r.roots) > (root in r.roots)
+
     def place(self, key: RankKey, chain: Sequence[int], num_shared: int, now: float, group: int = 0,
               tenant: str | None = "") -> None:
         """This turn of the conversation, `tenant`'s, went to `key` (an earlier turn's record moves with it,
@@ -203,7 +211,7 @@ class DemandLedger:
             turns, group = prev[1].turns + 1, prev[1].group
         self._drop_hash(chain[-1])
         tenant = tenant or ""
-        c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns, tenant)
+        c = Conversation(key, len(chain), min(num_shared, len(chain)), now, group, turns, tenant, chain[0])
         old = self.evidence.rate(c.stage)
         for st, was in self.evidence.placed(c.stage, tenant).items():  # the largest tenant's evidence, dropped
             self._rerate(st, was)
@@ -258,6 +266,7 @@ class DemandLedger:
         if r is None:
             r = self._ranks[c.key] = _Rank()
         r.records[h] = None
+        r.roots[c.root] = r.roots.get(c.root, 0) + 1
         st, n = c.stage, c.num_blocks - c.num_shared
         rate = self.evidence.rate(st)
         r.own[st] = r.own.get(st, 0) + n
@@ -291,6 +300,10 @@ class DemandLedger:
             for st in r.sizes:
                 self._unhold(st, c.key)
             return
+        if (left := r.roots[c.root] - 1) > 0:
+            r.roots[c.root] = left
+        else:
+            del r.roots[c.root]
         st, n = c.stage, c.num_blocks - c.num_shared
         rate = self.evidence.rate(st)
         left = r.own.get(st, 0) - n

@@ -25,6 +25,15 @@ class Flight(NamedTuple):
     last_hash: int | None  # its prompt's last full block hash on that rank (None: under one block)
     owner: str | None
     t: float
+    # its prompt's leading block hashes on that rank (at most PENDING_BLOCKS): what it computes there, which a
+    # request sharing that prefix finds cached when it is admitted after it (`pending`)
+    blocks: tuple[int, ...] = ()
+
+
+PENDING_BLOCKS = 1024  # the leading blocks of a route that `pending` credits (16,384 tokens at 16 a block)
+# distinct block hashes `pending` keeps per rank; a route that would pass it is tracked without them (its prefix is
+# credited by KV events alone): a flood of tracked routes that never end stays bounded (8 bytes and a dict slot each)
+PENDING_HASHES_PER_RANK = 1 << 16
 
 
 class InFlight:
@@ -47,6 +56,7 @@ class InFlight:
         self._queued_tokens: dict[RankKey, int] = {}
         self._by_hash: dict[int, dict[str, Flight]] = {}  # queued routes by their last block hash
         self._means: dict[RankKey, tuple[float, int]] = {}  # per rank: mean prefill of routes seen scheduled, count
+        self._blocks: dict[RankKey, dict[int, int]] = {}  # per rank: block hash -> tracked routes whose prompt has it
 
     def __len__(self) -> int:
         return len(self._all)
@@ -54,12 +64,18 @@ class InFlight:
     def add(self, f: Flight) -> None:
         """Track a route (its id must be new); it counts as queued until scheduled."""
         assert f.route_id not in self._all, f.route_id
+        if f.blocks and len(self._blocks.get(f.key, ())) + len(f.blocks) > PENDING_HASHES_PER_RANK:
+            f = f._replace(blocks=())
         self._all[f.route_id] = f
         self._by_key.setdefault(f.key, OrderedDict())[f.route_id] = f
         self._queued.setdefault(f.key, OrderedDict())[f.route_id] = f
         self._queued_tokens[f.key] = self._queued_tokens.get(f.key, 0) + f.num_tokens
         if f.last_hash is not None:
             self._by_hash.setdefault(f.last_hash, {})[f.route_id] = f
+        if f.blocks:
+            held = self._blocks.setdefault(f.key, {})
+            for h in f.blocks:
+                held[h] = held.get(h, 0) + 1
 
     def _unqueue(self, f: Flight) -> bool:
         """Take the route out of the queue; False if it was not queued."""
@@ -85,6 +101,15 @@ class InFlight:
 
     def _remove(self, f: Flight) -> None:
         self._unqueue(f)
+        if f.blocks:
+            held = self._blocks[f.key]
+            for h in f.blocks:
+                if (n := held[h]) > 1:
+                    held[h] = n - 1
+                else:
+                    del held[h]
+            if not held:
+                del self._blocks[f.key]
         del self._all[f.route_id]
         by_key = self._by_key[f.key]
         del by_key[f.route_id]
@@ -173,6 +198,24 @@ class InFlight:
                 for f in same.values():
                     out[f.key] = out.get(f.key, 0) + f.num_tokens
         return out
+
+    def pending(self, key: RankKey, chain: Sequence[int]) -> int:
+        """How many leading blocks of `chain` a tracked route on the rank, not yet ended, has in its prompt.
+
+        vLLM caches a prompt's full blocks in the step that schedules them (`cache_full_blocks` at allocation), so
+        a request admitted with or after that route finds them cached, proven by KV events or not yet: two
+        conversations of one system prompt routed 5 ms apart share its prefill on one worker, where the index
+        alone (events only) saw it nowhere and sent the second to prefill it again elsewhere (issue #27).
+        """
+        held = self._blocks.get(key)
+        if not held:
+            return 0
+        n = 0
+        for h in chain:
+            if h not in held:
+                break
+            n += 1
+        return n
 
     def mean_tokens(self, key: RankKey) -> float:
         """The size an untracked waiting request counts at on the rank: the running mean prefill of the tracked

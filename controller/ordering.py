@@ -164,13 +164,14 @@ class CandidateOrder:
                         group = chain[nshared - 1] if nshared else solo
                         placed[key] = (hit[0], nshared, group)
                         need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared, group)
+                        mixed = bool(nshared) and self.demand.serves_other_prefix(key, hit[0][0])
                         if batch:
                             parts = later[ck]
                             placed_later[key] = batch_route.placed(parts, solo)
                             need = batch_route.demand_with(self.demand, key, need, parts, solo)
                     else:
-                        need = -1
-                    s = self._state(v, key, proven, chain, ext, seed, need, owner or "")
+                        need, mixed = -1, False
+                    s = self._state(v, key, proven, chain, ext, seed, need, owner or "", mixed)
                     if batch and proven and v.hash_cfg is not None:
                         s = s._replace(batch_cached=batch_route.cached_tokens(
                             self.index, self.shadow, key, later[v.chain_key(adapter)], v.hash_cfg.block_size,
@@ -195,6 +196,7 @@ class CandidateOrder:
         seed: int,
         demand_blocks: int = -1,
         owner: str = "",
+        mixed: bool = False,
     ) -> CandidateState:
         """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look (of the
         rank's own engine: engine 0's load was charged to every rank)."""
@@ -209,6 +211,7 @@ class CandidateOrder:
         matched, resident, learned = self.index.residency(key, chain)
         if matched and chain:
             matched = self.shadow.resident_prefix(key, chain, matched, time.monotonic(), owner)
+        pending = self.flights.pending(key, chain) if n and chain else 0
         return CandidateState(
             key[0],
             key[1],
@@ -227,6 +230,8 @@ class CandidateOrder:
             zlib.crc32(key[0].encode(), seed),
             demand_blocks,
             self.flights.mean_tokens(key),
+            num_pending_tokens=pending * B,
+            serves_other_prefix=mixed,
         )
 
     def none_serving(self, model: str, lora: str | None) -> KvfleetError:

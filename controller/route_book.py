@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 from controller.demand import DemandLedger
 from controller.index import PrefixIndex, RankKey
-from controller.inflight import Flight, InFlight
+from controller.inflight import PENDING_BLOCKS, Flight, InFlight
 from controller.metrics import Metrics
 from controller.ordering import Ordering
 from controller.owned import OwnedLru
@@ -62,7 +62,8 @@ class RouteBook:
                 self._shadow_route(key, route_id, chain, sizes[part], now, owner, part)
         if track:
             last_hash = ordering.last_hash.get(key)
-            self.flights.add(Flight(route_id, key, best.terms.prefill_tokens, last_hash, owner, time.monotonic()))
+            self.flights.add(Flight(route_id, key, best.terms.prefill_tokens, last_hash, owner, time.monotonic(),
+                                    _blocks(placed)))
             if len(ordering.ordered) > 1:
                 self.alternatives.put(route_id, owner, (ordering, sizes))
         return route_id
@@ -119,9 +120,9 @@ class RouteBook:
         now = time.monotonic()
         self.flights.release(route_id, owner)
         self.shadow.free(route_id, now)
-        self.flights.add(f._replace(key=key, num_tokens=to.terms.prefill_tokens, last_hash=ordering.last_hash.get(key),
-                                    t=now))
         placed = ordering.chains.get(key)
+        self.flights.add(f._replace(key=key, num_tokens=to.terms.prefill_tokens, last_hash=ordering.last_hash.get(key),
+                                    t=now, blocks=_blocks(placed)))
         if placed is not None:
             for part, (chain, _, _) in enumerate((placed, *ordering.batch.get(key, ()))):
                 if chain:
@@ -200,3 +201,8 @@ class RouteBook:
         self._matched += t.cached_tokens
         if self._routed:
             m.hit_rate.set(self._matched / self._routed)
+
+
+def _blocks(placed: tuple[list[int], int, int] | None) -> tuple[int, ...]:
+    """A route's leading block hashes on its rank, as the in-flight ledger credits them (InFlight.pending)."""
+    return tuple(placed[0][:PENDING_BLOCKS]) if placed is not None else ()

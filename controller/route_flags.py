@@ -12,6 +12,17 @@ from typing import Any
 from controller.cost import CostConfig
 from fleet.core.errors import InvalidArgument
 
+
+def on_off(text: str) -> bool:
+    """A switch's value: on/true/yes/1 or off/false/no/0."""
+    v = text.strip().lower()
+    if v in ("on", "true", "yes", "1"):
+        return True
+    if v in ("off", "false", "no", "0"):
+        return False
+    raise ValueError(text)
+
+
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
 COST_FLAGS: dict[str, tuple[str, type, str]] = {
     "--route-queue-weight": ("queue_weight", float, "cost of one prefill token waiting ahead on a worker"),
@@ -57,6 +68,16 @@ COST_FLAGS: dict[str, tuple[str, type, str]] = {
         float,
         "how much cheaper, in tokens, another worker must be before a conversation leaves the one holding "
         "its history (0: off)",
+    ),
+    "--route-mixed-prefix-weight": (
+        "mixed_prefix_weight",
+        float,
+        "share of a missing shared prefix that counts on a worker serving another shared prefix, 0..1",
+    ),
+    "--route-inflight-prefix": (
+        "inflight_prefix",
+        on_off,
+        "count a prompt prefix that routes still in flight on a worker are computing as cached there (on/off)",
     ),
 }
 

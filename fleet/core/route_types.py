@@ -20,8 +20,8 @@ def verdict_of(matched_tokens: int) -> str:
 
 class RouteCost(NamedTuple):
     """A candidate's cost in prefill-token units (docs/routing.md):
-    prefill - (1 - shared_prefix_weight) * amortized + queue_weight * queued + request_weight * active
-    + pressure_weight * evicted."""
+    prefill - (1 - share) * amortized + queue_weight * queued + request_weight * active + pressure_weight * evicted,
+    share: shared_prefix_weight, or mixed_prefix_weight where that is larger and the rank serves another prefix."""
 
     total: float
     prefill_tokens: int
@@ -29,7 +29,7 @@ class RouteCost(NamedTuple):
     queued_tokens: float
     active_requests: float
     evicted_tokens: int
-    amortized_tokens: int = 0  # of prefill_tokens: a shared prefix the rank lacks (counted at shared_prefix_weight)
+    amortized_tokens: int = 0  # of prefill_tokens: a shared prefix the rank lacks (counted at its share)
 
 
 class RouteCandidate(NamedTuple):

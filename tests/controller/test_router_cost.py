@@ -605,6 +605,8 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         "reconcileGraceSeconds": 0.5,
         "pressureWeight": 2.5,
         "affinityMargin": 0,
+        "mixedPrefixWeight": 0.25,
+        "inflightPrefix": False,
     }
     got = cost_config_from(parse_args(args({"controller": {"routing": routing}})[1:], {}))
     assert got == CostConfig(
@@ -617,6 +619,8 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         working_set_ttl_s=900.0,
         reconcile_grace_s=0.5,
         affinity_margin=0.0,
+        mixed_prefix_weight=0.25,
+        inflight_prefix=False,
     )
 
 
