@@ -97,8 +97,8 @@ class CostConfig:
     working_set_ttl_s: float = 600.0
     reconcile_grace_s: float = 0.25
     affinity_margin: float = 0.0
-    inflight_prefix: bool = False
-    mixed_prefix_weight: float = 0.0
+    inflight_prefix: bool = True
+    mixed_prefix_weight: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("shared_prefix_weight", "mixed_prefix_weight"):

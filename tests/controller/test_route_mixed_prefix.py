@@ -46,16 +46,17 @@ async def _placed(path: str, cost: CostConfig) -> dict[str, list[str]]:
             await s.stop()
 
 
-async def test_each_tenants_system_prompt_is_prefilled_on_two_workers_not_four(tmp_path) -> None:
-    out = await _placed(f"{tmp_path}/kv.db", CostConfig(inflight_prefix=True, mixed_prefix_weight=1.0))
+@pytest.mark.parametrize("cost", [CostConfig(), CostConfig(mixed_prefix_weight=1.0)], ids=["defaults", "weight_1"])
+async def test_each_tenants_system_prompt_is_prefilled_on_two_workers_not_four(tmp_path, cost: CostConfig) -> None:
+    out = await _placed(f"{tmp_path}/kv.db", cost)
     t0, t1 = set(out["t0"]), set(out["t1"])
     assert len(t0) == len(t1) == 2 and not t0 & t1  # 4 prefills of a system prompt, not 8
     assert sorted(out["t0"] + out["t1"]).count("w0") == 4  # and the load still even: 4 conversations a worker
     assert {w: (out["t0"] + out["t1"]).count(w) for w in t0 | t1} == {w: 4 for w in t0 | t1}
 
 
-@pytest.mark.parametrize("cost", [CostConfig(), CostConfig(inflight_prefix=True)],
-                         ids=["defaults", "inflight_prefix_alone"])
+@pytest.mark.parametrize("cost", [CostConfig(inflight_prefix=False, mixed_prefix_weight=0.0),
+                                  CostConfig(mixed_prefix_weight=0.0)], ids=["both_off", "inflight_prefix_alone"])
 async def test_control_without_the_weight_every_worker_prefills_both(tmp_path, cost: CostConfig) -> None:
     out = await _placed(f"{tmp_path}/kv.db", cost)
     # by load: each tenant on (nearly) every worker, 7 system prompt prefills in both runs here

@@ -433,7 +433,8 @@ async def test_live_cold_sessions_spread_with_cost_terms_and_runner_up(tmp_path)
 
         # control, the old glue: with the missing prompt counted in full, w0 costs 48 + 0.25 * 48k + 16k
         # after k routes (48, 76, 104, ...) against 112 + load elsewhere: w0, w0, then the others, 4 / 1 / 1
-        r.set_cost_config(CostConfig(shared_prefix_weight=1.0, reconcile_grace_s=30.0))
+        # (without the in-flight credit, which spreads that glue over the routes' own workers: 3 / 2 / 1)
+        r.set_cost_config(CostConfig(shared_prefix_weight=1.0, reconcile_grace_s=30.0, inflight_prefix=False))
         glued = [d.worker for d in await sessions(5000)]
         assert glued[:2] == ["w0", "w0"] and sorted(glued.count(w) for w in set(glued)) == [1, 1, 4]
         assert all(await _released(r))
