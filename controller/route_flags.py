@@ -6,7 +6,7 @@ the environment as KVFLEET_ + the flag in capitals, and a refusal names the flag
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from controller.cost import CostConfig
@@ -24,7 +24,7 @@ def on_off(text: str) -> bool:
 
 
 # flag -> (CostConfig field, type, help); defaults are CostConfig's, shown in --help
-COST_FLAGS: dict[str, tuple[str, type, str]] = {
+COST_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "--route-queue-weight": ("queue_weight", float, "cost of one prefill token waiting ahead on a worker"),
     "--route-request-weight": (
         "request_weight",
@@ -104,7 +104,7 @@ STREAM_FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
-def env_typed(kind: type, var: str) -> Any:
+def env_typed(kind: Callable[[str], Any], var: str) -> Any:
     """argparse's `type=` for a flag also read from `var`: a value that does not parse names the variable too (a
     flag's default from the environment is parsed as a command-line value is, and its error named the flag only)."""
     def parse(text: str) -> Any:
