@@ -62,6 +62,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     slept = [e.get("slept_s") for e in run["events"] if e["verb"] == "wake_up"]
     return {
         "prefilled": prefilled(ws),
+        # of them, the prompts a preemption made the workers compute again (a reset of running requests behind the
+        # router's back): it moves a cell's totals from run to run more than most placements do
+        "recomputed": sum(w.get("recomputed", 0) for w in ws),
         "queries": q,
         "hit_rate": hits / q if q else 0.0,
         "ttft_p50": pct(ttft, 50),
@@ -184,7 +187,7 @@ def detail(cell: dict[str, Any]) -> list[str]:
         + (f" Requests sent by AIPerf {sent_by['version']} (`--driver aiperf`, bench/peers/aiperf_driver.py), which "
            "does not read kvfleet's verdict headers: no stale-warm count." if sent_by else ""),
         "",
-        "| contender | prefilled tokens | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
+        "| contender | prefilled tokens (of them computed again after a preemption) | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
         "to sleeping | req share max / min | token share max | stale warm (of WARM) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -203,7 +206,7 @@ def detail(cell: dict[str, Any]) -> list[str]:
         stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})" + (
             f", {s['stale_raced']} raced" if s.get("stale_raced") else "")
         rows.append(
-            f"| {r['contender']} | {s['prefilled']:,} | {_ratio(s['prefilled'], b, 'prefilled')} | "
+            f"| {r['contender']} | {s['prefilled']:,} ({s.get('recomputed', 0):,}) | {_ratio(s['prefilled'], b, 'prefilled')} | "
             f"{100 * s['hit_rate']:.1f}% | {_ttft(s)} | "
             + (f"{_ms(s['sim_ttft_p50'])} / {_ms(s['sim_ttft_p99'])} | " if sim else "")
             + f"{s['rps']:.0f} | "

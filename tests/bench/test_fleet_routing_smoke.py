@@ -41,7 +41,7 @@ async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: 
         # by kvfleet's proxy before the worker ran it), and the shared system prompt was reused
         assert s["queries"] == wl.prompt_tokens()
         again = sum(w["recomputed"] for w in r["workers"].values())  # prompts the reset preempted, computed again
-        assert 0 < s["prefilled"] - again < s["queries"] and again >= 0
+        assert 0 < s["prefilled"] - again < s["queries"] and again >= 0 and s["recomputed"] == again
         assert sum(w["arrivals"] for w in r["workers"].values()) >= wl.num_requests
         if name == "kvfleet":
             assert {x["verdict"] for x in r["records"]} <= {"WARM", "COLD"}
@@ -60,6 +60,9 @@ async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: 
         }
     )
     assert "| sticky |" in doc and "| kvfleet |" in doc
+    for r in cell["runs"]:  # each total with the part a preemption made the workers compute again
+        s = summarize(r)
+        assert f"| {r['contender']} | {s['prefilled']:,} ({s['recomputed']:,}) |" in doc
 
 
 async def test_the_mooncake_slice_replays_open_loop_and_shares_prefixes_as_its_hash_ids_say(
