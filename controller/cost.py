@@ -81,8 +81,9 @@ class CostConfig:
             with sleeps and resets behind the router's back it was a wash, and it kept sessions on a
             slept worker longer (docs/routing.md, "Affinity margin: tried, opt-in").
         mixed_prefix_weight: share of a missing shared prefix that counts on a rank serving conversations of
-            another shared prefix (the larger of this and shared_prefix_weight): a rank that serves one tenant's
-            system prompt takes another's only when it is cheaper by that much. 0: as anywhere else.
+            another first block (another system prompt or tenant; the larger of this and shared_prefix_weight):
+            a rank that serves one tenant's system prompt takes another's only when it is cheaper by that much.
+            0: as anywhere else.
         inflight_prefix: a prompt prefix that tracked routes not yet ended are computing on a rank counts as
             cached there (InFlight.pending), as vLLM will find it at admission; off, only KV events prove it.
     """

@@ -126,6 +126,9 @@ class CandidateOrder:
         later_shared = [0] * len(batch)  # per later prompt, as `shared`
         solo = solo_group(owner)
         self.demand.expire(time.monotonic())
+        cfg = self.cost()
+        # NOTE: the two shared-prefix terms' inputs are read only where the cost uses them (both a walk per candidate)
+        use_pending, use_mixed = cfg.inflight_prefix, cfg.mixed_prefix_weight > cfg.shared_prefix_weight
         states = []
         shared = 0  # leading tokens other conversations share (a system prompt): amortized, not glue
         if seed is None:
@@ -164,14 +167,14 @@ class CandidateOrder:
                         group = chain[nshared - 1] if nshared else solo
                         placed[key] = (hit[0], nshared, group)
                         need = self.demand.demand_with(key, prev[1] if prev else None, len(hit[0]), nshared, group)
-                        mixed = bool(nshared) and self.demand.serves_other_prefix(key, hit[0][0])
+                        mixed = use_mixed and bool(nshared) and self.demand.serves_other_prefix(key, hit[0][0])
                         if batch:
                             parts = later[ck]
                             placed_later[key] = batch_route.placed(parts, solo)
                             need = batch_route.demand_with(self.demand, key, need, parts, solo)
                     else:
                         need, mixed = -1, False
-                    s = self._state(v, key, proven, chain, ext, seed, need, owner or "", mixed)
+                    s = self._state(v, key, proven, chain, ext, seed, need, owner or "", mixed, use_pending)
                     if batch and proven and v.hash_cfg is not None:
                         s = s._replace(batch_cached=batch_route.cached_tokens(
                             self.index, self.shadow, key, later[v.chain_key(adapter)], v.hash_cfg.block_size,
@@ -181,7 +184,6 @@ class CandidateOrder:
                 w.errors.failed("route", e)
                 continue
             states += mine
-        cfg = self.cost()
         sizes = [(len(ids), n) for ids, n in zip(batch, later_shared, strict=True)]
         ranked = cost.order(cfg, len(token_ids), states, cfg.untracked_request_tokens, shared, sizes)
         return Ordering(ranked, last, placed, placed_later)
@@ -197,6 +199,7 @@ class CandidateOrder:
         demand_blocks: int = -1,
         owner: str = "",
         mixed: bool = False,
+        use_pending: bool = True,
     ) -> CandidateState:
         """One candidate's inputs to the cost: index, in-flight ledger (reconciled), last /metrics look (of the
         rank's own engine: engine 0's load was charged to every rank)."""
@@ -211,7 +214,7 @@ class CandidateOrder:
         matched, resident, learned = self.index.residency(key, chain)
         if matched and chain:
             matched = self.shadow.resident_prefix(key, chain, matched, time.monotonic(), owner)
-        pending = self.flights.pending(key, chain) if n and chain else 0
+        pending = self.flights.pending(key, chain) if use_pending and n and chain else 0
         return CandidateState(
             key[0],
             key[1],
