@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quarantine": ("fleet.app.cli.quarantine:main", "quarantine ls: tool results the proxy withheld; set: a verdict"),
 }
 # Ctrl-C's exit status: 128 + SIGINT, as a shell reports a command SIGINT ended. NOTE: a one-shot listing exited 0
-# on Ctrl-C, as if it had been shown (found by review); Ctrl-C is how --watch ends, a normal end there (session.watch)
+# on Ctrl-C, as if it had been shown (found by review); Ctrl-C is how --watch ends, a normal end there (ls_modes.watch)
 INTERRUPTED = 130
 
 

@@ -12,7 +12,6 @@ request that carries those bytes, in every tenant; `clear` drops it (docs/quaran
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -21,8 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fleet.app.cli.cells import cells, least_width, show
-from fleet.app.cli.ls_modes import check_watch_flags, watch_json
+from fleet.app.cli.cells import cells, least_width
+from fleet.app.cli.ls_modes import check_watch_flags, listing
 from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records as as_records
 from fleet.app.cli.session import add_connection_options, add_ls_options, width_of
@@ -60,10 +59,6 @@ def render(records: Sequence[Any], now: float | None = None, width: int | None =
 def as_data(records: Sequence[Any]) -> list[dict[str, Any]]:
     return [{"tenant": r.tenant, "ref": r.ref, "action": r.action, "source": r.source, "reasons": list(r.reasons),
              "num_seen": r.num_seen, "first_seen": r.first_seen, "last_seen": r.last_seen} for r in records]
-
-
-def as_json(records: Sequence[Any]) -> str:
-    return json.dumps(as_data(records), indent=1)
 
 
 def resolve_ref(ref: str, known: Sequence[str]) -> str:
@@ -134,16 +129,7 @@ def main(argv: list[str]) -> int:
             def records() -> Any:
                 return c.list_quarantines(tenant=args.tenant, limit=args.limit)
 
-            if args.json and args.watch:
-                watch_json(lambda: as_data(records()), args.interval, args.count)
-            elif args.json:
-                print(as_json(records()))
-            elif args.watch:
-                from fleet.app.cli.session import watch
-
-                watch(console, lambda: render(records(), width=width_of(console)), args.interval, args.count)
-            else:
-                show(console, render(records(), width=width_of(console)))
+            listing(args, console, lambda: as_data(records()), lambda: render(records(), width=width_of(console)))
     except KvfleetError as e:
         print(f"kvfleet quarantine {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

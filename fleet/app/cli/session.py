@@ -11,9 +11,7 @@ defaults of --controller / --token.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import json
 import math
 import os
 import sys
@@ -25,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from fleet.app.cli.cells import cell, cells, fit, show
-from fleet.app.cli.ls_modes import check_watch_flags, watch_json
+from fleet.app.cli.cells import cell, cells
+from fleet.app.cli.ls_modes import check_watch_flags, listing
 from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records
 from fleet.core.errors import KvfleetError
@@ -225,14 +223,7 @@ def main(argv: list[str]) -> int:
             def table() -> Table:
                 return render_sessions(rows(), title=title(), width=width_of(console))
 
-            if args.json and args.watch:
-                watch_json(as_data, args.interval, args.count)
-            elif args.json:
-                print(json.dumps(as_data(), indent=1))
-            elif args.watch:
-                watch(console, table, args.interval, args.count)
-            else:
-                show(console, table())
+            listing(args, console, as_data, table)
     except KvfleetError as e:
         print(f"kvfleet session ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -241,37 +232,3 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def watch(console: Console, render: Callable[[], Any], interval: float, count: int = 0) -> None:
-    """Redraw `render()` in place every `interval` s (it re-polls the controller); `count` > 0 stops
-    after that many polls. Shared by `session ls --watch`, `worker ls --watch` and `quarantine ls --watch`. Into a
-    pipe, each frame is printed as it comes (_frames). Ctrl-C ends it normally.
-    """
-    from rich.live import Live
-
-    if not console.is_terminal:
-        _frames(console, render, interval, count)
-        return
-    polls = 1
-    with contextlib.suppress(KeyboardInterrupt), Live(fit(console, render()), console=console,
-                                                      refresh_per_second=4) as live:
-        while not count or polls < count:
-            time.sleep(max(0.1, interval))
-            live.update(fit(console, render()), refresh=True)
-            polls += 1
-
-
-def _frames(console: Console, render: Callable[[], Any], interval: float, count: int) -> None:
-    """A watch into a pipe: each frame printed (as wide as it needs, as show() prints) and flushed when it is
-    polled, a blank line between frames. NOTE: rich's Live draws nothing where stdout is not a terminal until it
-    stops, so `--watch > log` wrote 0 bytes while it ran, then only the last frame, or nothing on SIGTERM."""
-    polls = 0
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            if polls:
-                console.print()
-            show(console, render())
-            console.file.flush()
-            polls += 1
-            if count and polls >= count:
-                return
-            time.sleep(max(0.1, interval))

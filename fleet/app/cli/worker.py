@@ -12,7 +12,6 @@ or is slow (a reader token, the session fleet's Ray down) the workers are shown 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,8 +19,8 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from fleet.app.cli.cells import cell, cells, least_width, show, table_width
-from fleet.app.cli.ls_modes import check_watch_flags, watch_json
+from fleet.app.cli.cells import cell, cells, least_width, table_width
+from fleet.app.cli.ls_modes import check_watch_flags, listing
 from fleet.app.cli.main import INTERRUPTED
 from fleet.app.cli.records import records
 from fleet.app.cli.session import add_ls_options, width_of
@@ -110,10 +109,6 @@ def as_data(snap: dict[str, Any]) -> dict[str, Any]:
     return {**out, **({"nodes_error": snap["nodes_error"]} if snap["nodes_error"] else {})}
 
 
-def as_json(snap: dict[str, Any]) -> str:
-    return json.dumps(as_data(snap), indent=1)
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfleet worker", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -134,16 +129,8 @@ def main(argv: list[str]) -> int:
 
         with FleetClient(args.controller, args.token, session_timeout=NODES_S, retry=RetryPolicy(deadline_s=NODES_S),
                          **client_tls(args)) as c:
-            if args.json and args.watch:
-                watch_json(lambda: as_data(snapshot(c)), args.interval, args.count)
-            elif args.json:
-                print(as_json(snapshot(c)))
-            elif args.watch:
-                from fleet.app.cli.session import watch
-
-                watch(console, lambda: render_workers(**snapshot(c), width=width_of(console)), args.interval, args.count)
-            else:
-                show(console, render_workers(**snapshot(c), width=width_of(console)))
+            listing(args, console, lambda: as_data(snapshot(c)),
+                    lambda: render_workers(**snapshot(c), width=width_of(console)))
     except KvfleetError as e:
         print(f"kvfleet worker ls: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -94,7 +94,8 @@ def test_a_piped_watch_is_as_wide_as_it_needs() -> None:
 
     from rich.console import Console
 
-    from fleet.app.cli.session import render_sessions, watch, width_of
+    from fleet.app.cli.ls_modes import watch
+    from fleet.app.cli.session import render_sessions, width_of
 
     out = io.StringIO()
     console = Console(file=out, width=80)  # a pipe: not a terminal
