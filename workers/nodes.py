@@ -231,6 +231,24 @@ class FleetNodes:
     def alive(self, nid: str) -> bool:
         return nid in self.refresh()
 
+    def alive_or_revived(self, nid: str) -> bool:
+        """Whether `nid` is up, asking its host once more if it is held down only on suspicion (a late answer in a
+        fan-out: its host is still known): one that answers a ping within PROBE_S now is up again, its hold lifted.
+        For a node a caller names, which a late answer alone must not refuse for the rest of the hold."""
+        if self.alive(nid):
+            return True
+        with self._lock:
+            sup = self.hosts.get(nid) if nid in self.down else None
+        if sup is None:
+            return False
+        try:
+            ray.get(sup.ping.remote(), timeout=PROBE_S)
+        except ray.exceptions.RayError:  # late again, dead or unschedulable: the hold stands
+            return False
+        with self._lock:
+            self.down.pop(nid, None)
+        return True
+
     def _replaced(self, nid: str) -> Any:
         """After its host died: the node's new one (Ray's restart, or a new one) if the node is still up."""
         with self._lock:

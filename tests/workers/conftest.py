@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from support.workers import SPEC
 
 from fleet.cas import open_store
@@ -35,6 +36,9 @@ def two_hosts(ray_cluster: None, tmp_path: Path) -> Iterator[KernelFleet]:
     nid = next(iter(f.hosts))
     f.nodes.specs[nid + ":gpu1"] = f.nodes.specs[nid]
     f.nodes.hosts[nid + ":gpu1"] = f.nodes._host(nid + ":gpu1", f.nodes.specs[nid], 1)
+    # Both hosts answer before the test's first fan-out: a host still starting 1 s after the other answered is held
+    # down for 10 s (workers/nodes.py ask_all), and a test naming it then finds it "not an alive node".
+    ray.get([h.ping.remote() for h in f.hosts.values()], timeout=120)
     yield f
     f.shutdown()
 
