@@ -16,7 +16,8 @@ import pytest
 from controller.shadow_pool import RankPool
 from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.cache import PrefixCache
-from fleet.app.testkit.sim_vllm.sched import CostModel, Scheduler, Seq
+from fleet.app.testkit.sim_vllm.sched import Scheduler, Seq
+from fleet.app.testkit.sim_vllm.step_cost import CostModel
 from fleet.core.block_hash import HashConfig, normalize
 
 B = 16

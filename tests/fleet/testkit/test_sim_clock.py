@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
-from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output, lone_ttft_s
+from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output
+from fleet.app.testkit.sim_vllm.step_cost import lone_ttft_s
 from fleet.app.testkit.sim_vllm.wire import VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
 from fleet.core.block_hash import HashConfig, external_chain
 from fleet.core.errors import InvalidArgument

@@ -22,8 +22,9 @@ from typing import Any
 
 from fleet.app.testkit.sim_vllm import wire
 from fleet.app.testkit.sim_vllm.cache import PrefixCache, StepResult
-from fleet.app.testkit.sim_vllm.sched import POLICIES, CostModel, Scheduler, Seq, Step, lone_ttft_s
+from fleet.app.testkit.sim_vllm.sched import POLICIES, Scheduler, Seq, Step
 from fleet.app.testkit.sim_vllm.sleep_ops import SleepOps
+from fleet.app.testkit.sim_vllm.step_cost import CostModel, lone_ttft_s
 from fleet.core.block_hash import HashConfig
 from fleet.core.errors import InvalidArgument
 
