@@ -67,7 +67,10 @@ def prepare(aiperf: str, workdir: Path) -> tuple[dict[str, str], str]:
         snap.mkdir(parents=True, exist_ok=True)
         (snap.parent.parent / "refs").mkdir(exist_ok=True)
         (snap.parent.parent / "refs" / "main").write_text(_SNAPSHOT)
-        subprocess.run([aiperf_python(aiperf), "-c", _BUILD, str(snap)], check=True, capture_output=True, text=True)
+        built = subprocess.run([aiperf_python(aiperf), "-c", _BUILD, str(snap)], capture_output=True, text=True)
+        if built.returncode:  # NOTE: its stderr said why (an aiperf venv missing a package); a bare exit code did not
+            raise SystemExit(f"--aiperf {aiperf}: writing the tokenizer failed (exit {built.returncode}): "
+                             f"{built.stderr.strip()[-1500:]}")
     version = subprocess.run([aiperf_python(aiperf), "-c", "from importlib.metadata import version as v; "
                               "print(v('aiperf'))"], capture_output=True, text=True).stdout.strip()
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
