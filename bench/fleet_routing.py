@@ -161,6 +161,18 @@ class Driver:
             await asyncio.wait_for(asyncio.gather(*self._tasks), self.opt.sleep_max_s + 30)
         return wall
 
+    def note_cleared(self) -> None:
+        """Each reset: when its worker published the AllBlocksCleared (`cleared_s`, seconds into the run), where it
+        did. vLLM sends it with the next engine step, after that step's forward pass (docs/reference/vllm-surfaces.md
+        1.4), so it reaches a router that long after the reset answered (bench/peers/report.py stale_raced)."""
+        for e in self.events:
+            if e["verb"] != "reset_prefix_cache" or not e.get("ok"):
+                continue
+            start = self._t0 + e["t_s"] - e.get("took_s", 0.0)
+            t = next((t for t in self.fleet.sims[e["worker"]].cleared_at if t >= start), None)
+            if t is not None:
+                e["cleared_s"] = round(t - self._t0, 3)
+
     async def follow(self, sender: Awaitable[Any]) -> None:
         """Another load generator (`sender`) sends the trace's requests: from the first one that reaches a
         worker, count them as issued on the trace's schedule, so the lifecycle actions fire as under drive()."""
@@ -394,6 +406,7 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
                     out["driver"] = {"name": "aiperf", "version": ran.version, "command": ran.command}
                 else:
                     wall = await d.drive()
+                d.note_cleared()
                 h1 = await sim_ttft(fleet, http)
                 stats = await fleet.stats(http)
                 if spec.kind == "kvfleet":

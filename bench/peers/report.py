@@ -98,10 +98,15 @@ def stale(r: dict[str, Any]) -> bool:
 def stale_raced(recs: list[dict[str, Any]], events: list[dict[str, Any]]) -> int | None:
     """Stale warm routes that raced a reset or a sleep behind the router's back on their own worker: issued
     before that action ended, first token (or end) after it began. No router could have known: the blocks were
-    there when it routed. None for records without their issue time (results from before it was recorded)."""
+    there when it routed. A reset's window runs on until its AllBlocksCleared was published (`cleared_s`, where
+    the run recorded it): vLLM publishes it with its next engine step, after that step's forward pass, and no
+    other signal of a reset reaches a router. A sleep's does not: the router watches the sleep itself.
+    None for records without their issue time (results from before it was recorded)."""
     if any(r.get("issued_s") is None for r in recs):
         return None
-    behind = [(e["worker"], e["t_s"] - e.get("took_s", 0.0), e["t_s"]) for e in events
+    behind = [(e["worker"], e["t_s"] - e.get("took_s", 0.0),
+               max(e["t_s"], e.get("cleared_s") or 0.0) if e["verb"] == "reset_prefix_cache" else e["t_s"])
+              for e in events
               if e.get("via") == "direct" and e.get("ok") and e["verb"] in ("reset_prefix_cache", "sleep")]
     n = 0
     for r in recs:
@@ -372,7 +377,9 @@ def report(results: dict[str, Any]) -> str:
         "the worker reported cached for that request (whatever the cause: a lifecycle action behind its back, or "
         "an eviction its index had not yet seen); \"raced\" counts those of them that raced a reset or a sleep "
         "behind the router's back on their own worker (issued before the action ended, first token after it "
-        "began: the blocks were there when it routed). Ratios are against the best peer of the cell on "
+        "began: the blocks were there when it routed; for a reset, issued before the worker published its "
+        "AllBlocksCleared, which vLLM sends with its next engine step, after that step's forward pass: no event had "
+        "told any router). Ratios are against the best peer of the cell on "
         "each metric (lower is better for prefill and TTFT, higher for req/s; on prefill, of the peers that "
         "completed every request, where one did: a request that failed before it ran prefilled nothing). There "
         "is no oracle here (no "

@@ -38,3 +38,17 @@ def test_only_stale_routes_in_flight_across_an_action_behind_the_back_on_their_w
 
 def test_results_without_issue_times_say_nothing() -> None:
     assert stale_raced([_rec("w1", None, 0.2, 512, 0)], [RESET]) is None
+
+
+def test_a_reset_races_until_its_cleared_event_is_published() -> None:
+    """vLLM publishes a reset's AllBlocksCleared with its next engine step, after that step's forward pass (the
+    stand-in too): until then no event has told any router, so a stale route issued in between raced it. A sleep's
+    is not extended: the router watches the sleep itself."""
+    recs = [
+        _rec("w1", 2.1, 0.2, 512, 0),    # after the reset ended, before its event was published: raced
+        _rec("w1", 2.4, 0.2, 512, 0),    # after the event: the router could have known
+    ]
+    published = {**RESET, "cleared_s": 2.3}
+    assert stale_raced(recs, [published]) == 1
+    assert stale_raced(recs, [RESET]) == 0  # control: without the publish time, only the action's own window
+    assert stale_raced(recs, [{**published, "verb": "sleep"}]) == 0

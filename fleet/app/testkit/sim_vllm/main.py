@@ -18,6 +18,8 @@ import json
 import os
 import signal
 import sys
+import time
+from collections import deque
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +29,7 @@ from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
 from fleet.app.testkit.sim_vllm.loop import EngineLoop
 from fleet.app.testkit.sim_vllm.parts import Received, SimConfig, StoredResponses
 from fleet.app.testkit.sim_vllm.publisher import BindError, Publisher
+from fleet.app.testkit.sim_vllm.wire import VllmAllBlocksCleared
 from fleet.core.errors import InvalidArgument
 
 __all__ = ["SimConfig", "SimVllm", "main"]  # SimConfig lives in parts.py; importers of main.py still find it
@@ -47,10 +50,15 @@ class SimVllm:
         self.responses = StoredResponses()
         self._runner: web.AppRunner | None = None
         self.port = 0
+        # when (time.monotonic) a batch carrying AllBlocksCleared went out, the latest 256: a bench tells by it when
+        # a reset behind a router's back first reached any router (bench/peers/report.py stale_raced)
+        self.cleared_at: deque[float] = deque(maxlen=256)
 
     def _publish(self, events: list[object]) -> None:
         assert self.publisher is not None
         self.publisher.publish(events)
+        if any(isinstance(e, VllmAllBlocksCleared) for e in events):
+            self.cleared_at.append(time.monotonic())
 
     async def start(self) -> SimVllm:
         c = self.cfg
