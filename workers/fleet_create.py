@@ -102,7 +102,7 @@ class FleetCreate(FleetRebuild):
         bit-identically. A parent whose node is gone is regenerated first (by its fork point).
         """
         check_session_id("child_id", child_id)
-        if node is not None and not self.nodes.alive_or_revived(node):
+        if node is not None and not self.nodes.alive(node):
             raise InvalidArgument(f"node {node!r} is not an alive node of this fleet: see node_stats()")
         self._record(tenant, session_id)
         taken = self.registry.get(tenant, child_id)

@@ -18,6 +18,8 @@ be restarting it), and with no other node up, placement asks it anyway.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
 import logging
 import threading
@@ -226,28 +228,21 @@ class FleetNodes:
                 deadline = min(deadline, time.monotonic() + PROBE_S)
         for ref in pending:
             self.hold_down(refs[ref], SUSPECT_S)
+            # NOTE: its answer, when it comes, lifts the hold: a host only late (still starting, or a loaded machine)
+            # was refused by name ("not an alive node") and left out of every placement for the whole hold
+            ref.future().add_done_callback(functools.partial(self._late_answer, refs[ref]))
         return out
+
+    def _late_answer(self, nid: str, answer: concurrent.futures.Future[Any]) -> None:
+        """A held-down node's host answered after all: up again (unless it failed, or Ray dropped it meanwhile)."""
+        if answer.exception() is not None:
+            return
+        with self._lock:
+            if nid in self.hosts:
+                self.down.pop(nid, None)
 
     def alive(self, nid: str) -> bool:
         return nid in self.refresh()
-
-    def alive_or_revived(self, nid: str) -> bool:
-        """Whether `nid` is up, asking its host once more if it is held down only on suspicion (a late answer in a
-        fan-out: its host is still known): one that answers a ping within PROBE_S now is up again, its hold lifted.
-        For a node a caller names, which a late answer alone must not refuse for the rest of the hold."""
-        if self.alive(nid):
-            return True
-        with self._lock:
-            sup = self.hosts.get(nid) if nid in self.down else None
-        if sup is None:
-            return False
-        try:
-            ray.get(sup.ping.remote(), timeout=PROBE_S)
-        except ray.exceptions.RayError:  # late again, dead or unschedulable: the hold stands
-            return False
-        with self._lock:
-            self.down.pop(nid, None)
-        return True
 
     def _replaced(self, nid: str) -> Any:
         """After its host died: the node's new one (Ray's restart, or a new one) if the node is still up."""
