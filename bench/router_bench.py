@@ -133,7 +133,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 async def _grpc(router: Router, store: Any, prompts: list[list[int]], args: argparse.Namespace) -> Any:
     try:
         from controller.auth import mint_token
-        from controller.server import ControllerConfig, build_server
+        from controller.config import ControllerConfig
+        from controller.server import build_server
         from fleet.sdk import AsyncFleetClient
     except ImportError as e:
         return f"not available in this build ({e})"

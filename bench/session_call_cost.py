@@ -68,7 +68,8 @@ def interleaved(fns: dict[str, Callable[[], Any]], calls: int) -> dict[str, floa
 @contextmanager
 def controller(store_url: str) -> Iterator[str]:
     """A controller (auth off) serving on 127.0.0.1 from a background event loop; yields its address."""
-    from controller.server import ControllerConfig, build_server
+    from controller.config import ControllerConfig
+    from controller.server import build_server
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from controller import ray_local
 from controller.auth import mint_token
+from controller.config import ControllerConfig
 from controller.detector_flags import (
     add_detector_flags,
     detector_layers_from,
@@ -54,7 +55,7 @@ from controller.route_flags import (
     stream_limits_from,
 )
 from controller.router import RouterConfig
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from controller.servicers.fleet import redact
 from controller.store_gc import add_gc_flag
 from controller.store_probe import DEFAULT_STORE_PING_INTERVAL_S

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import aiohttp
 
+from controller.config import ControllerConfig
 from controller.metrics import Metrics
 from controller.router import RouterConfig, WorkerSpec
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 

@@ -282,7 +282,7 @@ async def test_worker_endpoints_need_real_ports_and_no_control_characters(tmp_pa
 
 
 def test_listen_port_must_be_a_port() -> None:
-    from controller.server import ControllerConfig
+    from controller.config import ControllerConfig
     from fleet.core.errors import InvalidArgument
 
     for bad in ("127.0.0.1:70000", "127.0.0.1:http", "127.0.0.1:50051\n"):

@@ -17,10 +17,11 @@ import redis
 import zmq.asyncio
 from support.held_replay import HELD, HeldReplay
 
+from controller.config import ControllerConfig
 from controller.leader import KEY
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.config import ControllerConfig
 from controller.main import config_from, parse_args
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from fleet.core.errors import ResourceExhausted
 from fleet.sdk import AsyncFleetClient
 from workers.placement import NODE_KV_BYTES

@@ -20,11 +20,12 @@ from pathlib import Path
 import grpc
 
 from controller.auth import mint_token
+from controller.config import ControllerConfig
 from controller.hash_lane import HASH_THREADS_PER_TENANT, INLINE_HASH_TOKENS
 from controller.keyed_slots import KeyedSlots
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.cas import open_store

@@ -17,10 +17,11 @@ import grpc
 import pytest
 
 from controller.auth import mint_token
+from controller.config import ControllerConfig
 from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from fleet.api.kvfleet.v1 import route_pb2
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig

@@ -16,12 +16,13 @@ import pytest
 
 from controller.auth import mint_token
 from controller.branches import Branches
+from controller.config import ControllerConfig
 from controller.cost import CandidateState, CostConfig, order, terms
 from controller.index import PrefixIndex
 from controller.inflight import Flight, InFlight
 from controller.metrics import Metrics
 from controller.router import RouteDecision, Router, RouterConfig, WorkerSpec
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from controller.vllm.events import BlockRemoved, BlockStored
 from controller.vllm.http import parse_metrics
 from fleet.api.kvfleet.v1 import route_pb2

@@ -128,7 +128,7 @@ def test_a_bad_gc_interval_env_is_a_usage_error(capsys: pytest.CaptureFixture[st
 
 def test_kvfleet_up_takes_gc_interval() -> None:
     """`kvfleet up --gc-interval` reaches the stack's ControllerConfig; a bad one is refused, naming it."""
-    from controller.server import ControllerConfig
+    from controller.config import ControllerConfig
     from fleet.app.cli.up import controller_overrides
     from fleet.app.cli.up import parse as up_parse
 

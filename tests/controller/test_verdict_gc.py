@@ -113,8 +113,8 @@ def test_prune_is_bounded_per_call_and_goes_on_where_it_stopped(url: str) -> Non
 def test_verdict_ttl_flag() -> None:
     """--verdict-ttl (env KVFLEET_VERDICT_TTL) reaches the controller's config from `kvfleet controller`
     and `kvfleet up`; one under two touch intervals (a verdict in use could be pruned) is refused, naming it."""
+    from controller.config import ControllerConfig
     from controller.main import config_from, parse_args
-    from controller.server import ControllerConfig
     from fleet.app.cli.up import controller_overrides
     from fleet.app.cli.up import parse as up_parse
 

@@ -10,8 +10,9 @@ from typing import Any
 import grpc
 
 from controller.auth import mint_token
+from controller.config import ControllerConfig
 from controller.metrics import Metrics
-from controller.server import Controller, ControllerConfig, build_server
+from controller.server import Controller, build_server
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

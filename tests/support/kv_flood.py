@@ -17,9 +17,10 @@ import grpc
 import zmq
 import zmq.asyncio
 
+from controller.config import ControllerConfig
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from controller.server import ControllerConfig, build_server
+from controller.server import build_server
 from controller.vllm.subscriber import StreamLimits
 from fleet.api.kvfleet.v1 import fleet_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 def _listen(text: str) -> str:
     """--listen: HOST:PORT, the port 0-65535, as the controller takes it. NOTE: before, a bad port was refused by the
     controller's config, after the local Ray (about 10 s) and the state dir had been made (found by review)."""
-    from controller.server import listen_error
+    from controller.config import listen_error
 
     if (why := listen_error(text)) is not None:
         raise argparse.ArgumentTypeError(why)

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from controller.auth import mint_token
+from controller.config import ControllerConfig
 from controller.kernel_placement import kernel_spec_of
 from controller.metrics import Metrics
 from controller.proxy import Proxy, ProxyConfig
 from controller.ray_address import check_reachable
 from controller.router import RouterConfig
-from controller.server import Controller, ControllerConfig, build_server
+from controller.server import Controller, build_server
 from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.app.testkit.sim_vllm.parts import SimConfig

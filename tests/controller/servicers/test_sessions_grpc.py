@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from controller.auth import mint_token
-from controller.server import ControllerConfig, build_server
+from controller.config import ControllerConfig
+from controller.server import build_server
 from fleet.cas import open_store
 from fleet.core.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
 from fleet.core.kernel import max_abs_delta
