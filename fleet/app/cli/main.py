@@ -7,6 +7,8 @@ import importlib
 import os
 import sys
 
+from fleet.app.cli.sigint import sigint_as_interrupt
+
 # subcommand -> "module:function" taking (argv: list[str]) -> int. Modules are imported lazily so
 # that `kvfleet witness` never pays for grpc/ray imports and vice versa.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -54,15 +56,17 @@ def _run(argv: list[str] | None) -> int:
     target, _ = COMMANDS[argv[0]]
     mod_name, fn_name = target.split(":")
     try:
-        mod = importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        if e.name and (e.name == mod_name or mod_name.startswith(e.name + ".")):
-            print(f"kvfleet {argv[0]}: not available in this build ({e})", file=sys.stderr)
-            return 2
-        raise
-    try:
+        with sigint_as_interrupt():  # the command's modules load (not its run: asyncio.run handles Ctrl-C there)
+            try:
+                mod = importlib.import_module(mod_name)
+            except ModuleNotFoundError as e:
+                if e.name and (e.name == mod_name or mod_name.startswith(e.name + ".")):
+                    print(f"kvfleet {argv[0]}: not available in this build ({e})", file=sys.stderr)
+                    return 2
+                raise
         rc = getattr(mod, fn_name)(argv[1:])
-    except KeyboardInterrupt:  # NOTE: was Python's traceback, deep in torch (`kvfleet witness`; found by review)
+    except KeyboardInterrupt:  # NOTE: was Python's traceback, deep in torch (`kvfleet witness`; found by review), and
+        # while the command's modules loaded, which this handler did not cover
         print(f"kvfleet {argv[0]}: interrupted", file=sys.stderr)
         return INTERRUPTED
     return int(rc or 0)

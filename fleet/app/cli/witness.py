@@ -15,6 +15,7 @@ import math
 import sys
 from typing import Any
 
+from fleet.app.cli.sigint import sigint_as_interrupt
 from fleet.core.errors import KvfleetError
 
 
@@ -67,11 +68,13 @@ def _table(env: dict[str, Any], rows: list[Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from fleet.core.kernel.exactness import environment, run_checks
-
     try:
-        env = environment(args.backend, args.device, args.threads)
-        rows = run_checks(args.backend, args.device, args.threads, hf=not args.no_hf)
+        # NOTE: a Ctrl-C in numpy's or torch's init (they load here) became their ImportError: a traceback, exit 1
+        with sigint_as_interrupt():
+            from fleet.core.kernel.exactness import environment, run_checks
+
+            env = environment(args.backend, args.device, args.threads)
+            rows = run_checks(args.backend, args.device, args.threads, hf=not args.no_hf)
     except KvfleetError as e:
         print(f"kvfleet witness: {e}", file=sys.stderr)
         return 2
