@@ -41,13 +41,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from controller.evidence import MAX_GROUPS, Evidence, Stage
 from controller.lazy_heaps import KeyedMax, SizeMultiset
 from controller.owned import Counts
 
 RankKey = tuple[str, int]
-Stage = tuple[int, int]  # (group, 0: a first request | 1: a later turn)
 LOOKBACK = 4096  # blocks searched backwards for the previous turn's last hash
-MAX_GROUPS = 1 << 14  # evidence kept for this many (group, stage) pairs, then relearned
 # Conversation records kept, all ranks together (then the oldest leaves first): ~320 bytes each with
 # the rank's terms, ~900 where each is a group of its own, so 20-60 MiB. The largest bench/fleet_routing.py
 # cell places 600 requests (mooncake), the others fewer; this is 100x that, or 109 new conversations a
@@ -68,46 +67,6 @@ class Conversation(NamedTuple):
     @property
     def stage(self) -> Stage:
         return self.group, 1 if self.turns > 1 else 0
-
-
-class Evidence:
-    """Decayed counts of records placed and records that came back, per (group, stage); each stage is
-    charged to the tenant that began it, and past `max_groups` stages the tenant that began the most
-    loses its own (others keep theirs)."""
-
-    def __init__(self, window: float = 64, max_groups: int = MAX_GROUPS) -> None:
-        self.decay = 1.0 - 1.0 / window
-        self.max_groups = max_groups
-        self._placed: dict[Stage, float] = {}
-        self._returned: dict[Stage, float] = {}
-        self._stages: dict[str, set[Stage]] = {}  # per tenant: the stages it began
-        self._count = Counts()  # the same, counted
-
-    def placed(self, st: Stage, tenant: str = "") -> dict[Stage, float]:
-        """Count a record placed. Returns the stages whose evidence was dropped to make room (the
-        largest tenant's), with the rates they had: theirs are 0 now."""
-        dropped: dict[Stage, float] = {}
-        if st not in self._placed and len(self._placed) >= self.max_groups:
-            top = self._count.largest()
-            for gone in self._stages.pop(top):
-                dropped[gone] = self.rate(gone)
-                del self._placed[gone], self._returned[gone]
-                self._count.add(top, -1)
-        if st not in self._placed:
-            self._stages.setdefault(tenant, set()).add(st)
-            self._count.add(tenant, 1)
-        self._placed[st] = self._placed.get(st, 0.0) * self.decay + 1.0
-        self._returned[st] = self._returned.get(st, 0.0) * self.decay
-        return dropped
-
-    def returned(self, st: Stage) -> None:
-        if st in self._placed:
-            self._returned[st] = min(self._returned[st] + 1.0, self._placed[st])
-
-    def rate(self, st: Stage) -> float:
-        """Share of recent records of this (group, stage) that came back (0 without evidence)."""
-        p = self._placed.get(st)
-        return self._returned[st] / (p + 1.0) if p is not None else 0.0
 
 
 class _Rank:
