@@ -660,7 +660,7 @@ def detector_setting() -> str:
     """The quarantine detector kvfleet's controller judged tool results with in this run (the bench
     passes no --detector-layers, so the tree's default)."""
     try:
-        from fleet.core.quarantine.layered import default_layers
+        from fleet.core.quarantine.detector_config import default_layers
 
         return "controller default (no --detector-layers): " + ",".join(default_layers())
     except Exception as e:  # the report says so rather than failing the run

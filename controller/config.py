@@ -14,7 +14,7 @@ from controller.store_gc import DEFAULT_GC_INTERVAL_S, DEFAULT_VERDICT_TTL_S, Gc
 from controller.store_probe import DEFAULT_STORE_PING_INTERVAL_S
 from controller.uploads import UploadLimits
 from fleet.core.errors import InvalidArgument
-from fleet.core.quarantine.layered import DetectorConfig, default_layers
+from fleet.core.quarantine.detector_config import DetectorConfig, default_layers
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 

@@ -1,5 +1,5 @@
 """The --detector-* flags: the quarantine detector layers the controller judges tool results with
-(fleet/core/quarantine/layered.py, docs/quarantine.md), for every tenant and per tenant."""
+(fleet/core/quarantine/detector_config.py, docs/quarantine.md), for every tenant and per tenant."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Mapping
 
 from fleet.core.errors import InvalidArgument
-from fleet.core.quarantine.layered import (
+from fleet.core.quarantine.detector_config import (
     DEFAULT_LAYERS,
     LAYERS,
     DetectorConfig,

@@ -62,7 +62,7 @@ from controller.store_probe import DEFAULT_STORE_PING_INTERVAL_S
 from controller.uploads import add_get_flags, with_get_limits
 from fleet.core import event_loop
 from fleet.core.errors import InvalidArgument, KvfleetError
-from fleet.core.quarantine.layered import layers_report
+from fleet.core.quarantine.detector_config import layers_report
 
 
 def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:

@@ -33,7 +33,7 @@ from controller.store_gc import GcConfig, StoreGc
 from controller.store_probe import StoreProbe
 from controller.uploads import UploadGate
 from fleet.core.errors import InvalidArgument
-from fleet.core.quarantine.layered import DetectorConfig
+from fleet.core.quarantine.detector_config import DetectorConfig
 
 log = logging.getLogger("kvfleet.controller")
 SERVING = health_pb2.HealthCheckResponse.SERVING

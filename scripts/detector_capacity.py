@@ -26,8 +26,9 @@ from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
 from fleet.core.quarantine import text as T  # noqa: E402
 from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.core.quarantine.detector_config import DetectorConfig  # noqa: E402
 from fleet.core.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
-from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.core.quarantine.layered import LayeredDetector  # noqa: E402
 from fleet.core.quarantine.learned import LearnedModel, window_starts  # noqa: E402
 
 WIN = 512

@@ -60,8 +60,9 @@ from injection_corpus.sources import FRACTIONS, SEED, Example  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
 from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
+from fleet.core.quarantine.detector_config import DetectorConfig  # noqa: E402
 from fleet.core.quarantine.features import FeaturizerConfig, bag, feature_events  # noqa: E402
-from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.core.quarantine.layered import LayeredDetector  # noqa: E402
 from fleet.core.quarantine.learned import LearnedModel, window_starts  # noqa: E402
 
 MODEL_STEM = ROOT / "fleet" / "core" / "quarantine" / "model" / "injection_lr"

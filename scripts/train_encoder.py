@@ -59,6 +59,7 @@ from injection_corpus.extra import extra_slabs  # noqa: E402
 from injection_corpus.tool_outputs import benign_tool_outputs  # noqa: E402
 
 from fleet.core.quarantine.detector import Verdict, unquoted_view  # noqa: E402
+from fleet.core.quarantine.detector_config import DetectorConfig  # noqa: E402
 from fleet.core.quarantine.encoder import (  # noqa: E402
     BASE_PACKAGE,
     ENCODER_NAME,
@@ -68,7 +69,7 @@ from fleet.core.quarantine.encoder import (  # noqa: E402
     model_dir,
     token_windows,
 )
-from fleet.core.quarantine.layered import DetectorConfig, LayeredDetector  # noqa: E402
+from fleet.core.quarantine.layered import LayeredDetector  # noqa: E402
 from fleet.core.quarantine.learned import load_model  # noqa: E402
 
 WINDOW_TOKENS, STRIDE_TOKENS, MAX_WINDOWS = 128, 94, 16

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet.core.quarantine import layered
-from fleet.core.quarantine.layered import (
+from fleet.core.quarantine import detector_config
+from fleet.core.quarantine.detector_config import (
     DEFAULT_LAYERS,
     LAYERS,
     DetectorConfig,
@@ -77,7 +77,7 @@ def test_default_layers_are_those_installed_and_the_start_line_names_the_rest(mo
     """Without the encoder's packages the default drops it (a plain install starts) and the controller's start
     line names the command that adds it; with them, the default is DEFAULT_LAYERS. Named layers are checked
     by parse_layers (tests/controller/servicers/test_quarantine_service.py)."""
-    monkeypatch.setattr(layered, "missing_modules", lambda: ["torch", "transformers"])
+    monkeypatch.setattr(detector_config, "missing_modules", lambda: ["torch", "transformers"])
     plain = default_layers()
     assert "encoder" not in plain and set(plain) == set(DEFAULT_LAYERS) - {"encoder"}
     assert DetectorConfig().layers == plain
@@ -88,7 +88,7 @@ def test_default_layers_are_those_installed_and_the_start_line_names_the_rest(mo
     for spec in ("encoder", "rules,encoder:0.9"):  # named (--detector-layers, a tenant's spec): an error with the fix
         with pytest.raises(ValueError, match=r"needs torch, transformers \(pip install 'kvfleet\[encoder\]'\)"):
             parse_detector(spec)
-    monkeypatch.setattr(layered, "missing_modules", lambda: [])  # control: everything installed
+    monkeypatch.setattr(detector_config, "missing_modules", lambda: [])  # control: everything installed
     assert default_layers() == tuple(n for n in LAYERS if n in DEFAULT_LAYERS) and DetectorConfig().layers == default_layers()
     line = layers_report(("rules",), named=True)
     print(line)

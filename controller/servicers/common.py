@@ -31,7 +31,7 @@ from controller.quotas import SessionLimits
 from controller.uploads import GetGate, UploadGate, UploadLimits
 from controller.verdicts import Judge
 from fleet.core.errors import ANSWERED_TRAILER, KvfleetError, Unavailable
-from fleet.core.quarantine.layered import DetectorConfig
+from fleet.core.quarantine.detector_config import DetectorConfig
 from fleet.sdk.quarantine import Judgement
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 

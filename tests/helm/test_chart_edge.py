@@ -175,8 +175,8 @@ def test_detector_layers_reach_the_controller_flag(chart: Any) -> None:
 
 def test_the_schema_takes_every_detector_layer(chart: Any) -> None:
     """Each layer the controller knows passes the chart's schema, alone and in a tenant's spec (a layer
-    added to fleet/core/quarantine/layered.py's LAYERS must be added to values.schema.json's patterns)."""
-    from fleet.core.quarantine.layered import LAYERS
+    added to fleet/core/quarantine/detector_config.py's LAYERS must be added to values.schema.json's patterns)."""
+    from fleet.core.quarantine.detector_config import LAYERS
 
     for name in LAYERS:
         _objs(chart, {"controller": {"detectorLayers": name, "detectorTenants": {"acme": f"{name}:0.5"}}})

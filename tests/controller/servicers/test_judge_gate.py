@@ -12,7 +12,7 @@ from support.extras import require_encoder
 
 from controller.verdicts import Judge
 from fleet.cas import open_store
-from fleet.core.quarantine.layered import DetectorConfig
+from fleet.core.quarantine.detector_config import DetectorConfig
 
 require_encoder()
 

@@ -16,7 +16,7 @@ from fleet.api.kvfleet.v1 import blobs_pb2
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
-from fleet.core.quarantine.layered import DetectorConfig
+from fleet.core.quarantine.detector_config import DetectorConfig
 
 require_encoder()
 

@@ -186,7 +186,7 @@ async def test_detector_layers_flag_sets_the_judges_policy(tmp_path: Path, monke
     the verdict once the background job has stored it, so the second call carries it."""
     from controller.main import config_from, parse_args
     from fleet.core.errors import InvalidArgument
-    from fleet.core.quarantine import layered
+    from fleet.core.quarantine import detector_config
 
     assert config_from(parse_args([], {}), {}).detector_layers == ("rules", "learned")
     two = config_from(parse_args(["--detector-layers", "learned, rules"], {}), {}).detector_layers
@@ -210,7 +210,7 @@ async def test_detector_layers_flag_sets_the_judges_policy(tmp_path: Path, monke
     print(f"three layers: {reasons[0]}; rules,learned: {reasons[1]}")
     assert ids[0] != ids[1]
     assert any(x.startswith("encoder:") for x in reasons[0][1]) and not any(x.startswith("encoder:") for x in reasons[1][1])
-    monkeypatch.setattr(layered, "missing_modules", lambda: ["torch"])  # as on a machine without kvfleet[encoder]
+    monkeypatch.setattr(detector_config, "missing_modules", lambda: ["torch"])  # as on a machine without kvfleet[encoder]
     # not named: the default layers installed here run (a plain install starts); named: refused with the fix
     assert "encoder" not in config_from(parse_args([], {}), {}).detector_layers
     with pytest.raises(InvalidArgument, match=r"needs torch \(pip install 'kvfleet\[encoder\]'\).*rules,learned"):

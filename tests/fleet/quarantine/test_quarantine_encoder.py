@@ -19,6 +19,7 @@ from support.extras import require_encoder
 
 require_encoder()
 
+from fleet.core.errors import InvalidArgument  # noqa: E402
 from fleet.core.quarantine import DetectorConfig, make_detector  # noqa: E402
 from fleet.core.quarantine.detector import unquoted_view  # noqa: E402
 from fleet.core.quarantine.encoder import (  # noqa: E402
@@ -39,7 +40,7 @@ ATTACK = (
 )
 CLEAN = "Hotel list: Sea View Inn, 80 EUR; Harbour Hostel, 25 EUR; Old Town Rooms, 60 EUR."
 # the encoder with the n-gram layers (the policy the held-out table calls rules + learned + encoder), named
-# explicitly: the default layers (layered.DEFAULT_LAYERS) need not hold the encoder
+# explicitly: the default layers (detector_config.DEFAULT_LAYERS) need not hold the encoder
 WITH_ENCODER = DetectorConfig(layers=("rules", "learned", "encoder"))
 
 
@@ -91,7 +92,7 @@ def test_layered_verdict_carries_the_encoder_score_and_its_config_counts() -> No
     assert off.inspect(ATTACK).encoder_score is None
     lax = make_detector(replace(WITH_ENCODER, encoder_threshold=1.0))
     assert len({det.config_id, off.config_id, lax.config_id}) == 3  # cached verdicts never cross configs
-    with pytest.raises(AssertionError, match="encoder_threshold"):
+    with pytest.raises(InvalidArgument, match="encoder_threshold"):
         DetectorConfig(encoder_threshold=1.5)
 
 

@@ -14,9 +14,11 @@ from support.extras import require_encoder
 
 require_encoder()
 
+from fleet.core.errors import InvalidArgument  # noqa: E402
 from fleet.core.quarantine import DetectorConfig  # noqa: E402
+from fleet.core.quarantine.detector_config import parse_detector  # noqa: E402
 from fleet.core.quarantine.encoder import ENCODER_MODELS, load_encoder  # noqa: E402
-from fleet.core.quarantine.layered import LayeredDetector, member_scores, parse_detector  # noqa: E402
+from fleet.core.quarantine.layered import LayeredDetector, member_scores  # noqa: E402
 
 LOW = "Build 8812 passed: 412 tests, 0 failures, coverage 81.4%."  # learned 0.0037
 MID = "Order 4412 shipped on 3 March via DHL, expected delivery Friday."  # learned 0.3692: clean for rules + learned
@@ -71,10 +73,10 @@ def test_control_without_a_gate_the_encoder_judges_the_low_text() -> None:
 def test_the_gate_is_in_the_config_id_and_checked() -> None:
     ids = {LayeredDetector(DetectorConfig(layers=ANY.layers, encoder_gate=g)).config_id for g in (None, 0.1, 0.2)}
     assert len(ids) == 3
-    with pytest.raises(AssertionError, match="encoder_gate"):
+    with pytest.raises(InvalidArgument, match="encoder_gate"):
         DetectorConfig(layers=("rules", "encoder"), encoder_gate=0.5)  # no learned score to gate on
     for bad in (-0.1, 1.5, float("nan")):
-        with pytest.raises(AssertionError, match="encoder_gate"):
+        with pytest.raises(InvalidArgument, match="encoder_gate"):
             DetectorConfig(layers=ANY.layers, encoder_gate=bad)
     assert parse_detector("rules,learned,encoder").encoder_gate is None  # the specs name no gate: ungated
 

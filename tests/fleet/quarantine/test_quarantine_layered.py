@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import quarantine_corpus as C
 
+from fleet.core.errors import InvalidArgument
 from fleet.core.quarantine import (
     DetectorConfig,
     PromptInjectionDetector,
@@ -18,8 +19,9 @@ from fleet.core.quarantine import (
     default_detector,
     make_detector,
 )
+from fleet.core.quarantine.detector_config import parse_detector
 from fleet.core.quarantine.encoder import ENCODER_MODELS
-from fleet.core.quarantine.layered import member_scores, parse_detector
+from fleet.core.quarantine.layered import member_scores
 from fleet.core.quarantine.learned import load_model
 
 DATA = Path(__file__).parent / "data"
@@ -108,7 +110,7 @@ def test_config_per_tenant_changes_the_verdict() -> None:
     assert make_detector(DetectorConfig(layers=("rules",))).inspect(hijack).quarantined
     no_override = DetectorConfig(layers=("rules",), rule_categories=("exfiltration", "system_prompt_leak"))
     assert not make_detector(no_override).inspect(hijack).quarantined
-    with pytest.raises(AssertionError, match="unknown rule categories"):
+    with pytest.raises(InvalidArgument, match="unknown rule categories"):
         DetectorConfig(rule_categories=("no_such_rule",))
 
 
@@ -152,7 +154,7 @@ def test_detector_spec_takes_one_encoder_threshold_or_one_per_member() -> None:
                      ("encoder:0.9/x", "'x' is not a number"), ("encoder:0.9/1.5", "must be in")]:
         with pytest.raises(ValueError, match=re.escape(why)):
             parse_detector(bad)
-    with pytest.raises(AssertionError, match="one per member"):
+    with pytest.raises(InvalidArgument, match="one per member"):
         DetectorConfig(encoder_threshold=(0.9,))
 
 
@@ -169,3 +171,18 @@ def test_learned_windows_vectorised_equal_the_reference_loop() -> None:
     for t in texts:
         fast, ref = m.window_logits(t), m.window_logits_reference(t)
         assert fast.shape == ref.shape and np.allclose(fast, ref, rtol=0, atol=1e-9), t
+
+
+def test_a_bad_config_is_refused_under_python_o_too() -> None:
+    """DetectorConfig's checks were asserts: `python -O` dropped them and a library caller's bad config ran
+    unchecked. The control is the same script without -O (it must be refused there as well)."""
+    import subprocess
+    import sys
+
+    script = ("from fleet.core.quarantine import DetectorConfig\n"
+              "for bad in ({'layers': ('bogus',)}, {'learned_threshold': 5.0}, {'rule_categories': ('no_such',)}):\n"
+              "    try:\n        DetectorConfig(**bad)\n    except ValueError as e:\n        print('refused', e)\n")
+    for flags in ([], ["-O"]):
+        out = subprocess.run([sys.executable, *flags, "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("refused") == 3, (flags, out.stdout)
