@@ -55,9 +55,13 @@ class AppendOp:
     op_fp: str = ""
 
     def __post_init__(self) -> None:
-        assert self.kind in KINDS, f"append kind {self.kind!r} not in {KINDS}"
-        assert (self.ref is not None) == (self.kind == "tool_result"), "a tool result (and only it) has a ref"
-        assert (self.tokens is None) == (self.kind == "tool_result"), "tool results log a count, not tokens"
+        # NOTE: these were asserts, and parse() relied on them: under `python -O` a stored op of an unknown kind parsed
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"append kind {self.kind!r} not in {KINDS}")
+        if (self.ref is not None) != (self.kind == "tool_result"):
+            raise InvalidArgument("a tool result (and only it) has a ref")
+        if (self.tokens is None) != (self.kind == "tool_result"):
+            raise InvalidArgument("tool results log a count, not tokens")
 
     @property
     def length(self) -> int:
@@ -78,7 +82,8 @@ class EvictOp:
     op_fp: str = ""
 
     def __post_init__(self) -> None:
-        assert self.mode in EVICT_MODES, f"evict mode {self.mode!r} not in {EVICT_MODES}"
+        if self.mode not in EVICT_MODES:  # NOTE: was an assert (see AppendOp)
+            raise InvalidArgument(f"evict mode {self.mode!r} not in {EVICT_MODES}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +154,7 @@ def parse(d: Mapping[str, Any]) -> Op:
             return QuarantineOp(str(d["ref"]), tuple(str(r) for r in d["reasons"]), op_id, op_fp)
         if verb == "fork":
             return ForkOp(str(d["parent"]), int(d["at"]), op_id, op_fp)
-    except (KeyError, TypeError, ValueError, AssertionError) as e:
+    except (KeyError, TypeError, ValueError) as e:  # InvalidArgument is a ValueError
         raise InvalidArgument(f"op log: malformed {verb} op {dict(d)!r}: {e!r}") from e
     raise InvalidArgument(f"op log: unknown op {dict(d)!r}")
 

@@ -61,6 +61,24 @@ def test_a_malformed_op_is_refused_with_what_is_wrong(bad: dict[str, object]) ->
         parse(bad)
 
 
+def test_a_malformed_op_is_refused_under_python_o_too() -> None:
+    """The kind, ref and mode checks were asserts: `python -O` dropped them, and a stored log with an unknown kind or
+    evict mode parsed as if it were well formed. The control runs the same script without -O."""
+    import subprocess
+    import sys
+
+    bad = [{"op": "append", "piece": 0, "kind": "poem", "tenant": "a", "tokens": [1]},
+           {"op": "append", "piece": 0, "kind": "tool_result", "tenant": "a", "tokens": [1]},
+           {"op": "evict", "piece": 0, "start": 0, "length": 1, "mode": "fast"}]
+    script = ("import sys\nfrom fleet.core.errors import InvalidArgument\nfrom fleet.core.oplog import parse\n"
+              f"for d in {bad!r}:\n    try:\n        parse(d)\n    except InvalidArgument as e:\n"
+              "        print('refused', e)\n")
+    for flags in ([], ["-O"]):
+        out = subprocess.run([sys.executable, *flags, "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.count("refused") == len(bad), (flags, out.stdout)
+
+
 def test_own_op_ids_stop_at_the_last_fork_marker() -> None:
     assert own_op_ids(LOG) == {"o1"}                      # the parent's o2, o3 are not the child's
     assert own_op_ids(LOG[:4]) == {"o1", "o2", "o3"}      # control: without the marker they are its own
