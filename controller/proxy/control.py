@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -124,10 +124,7 @@ class ControlClient:
         async with self._slot("Route", token):
             r = await self._over_stream(token, route=req)
             if r is None:
-                try:
-                    r = await self._route.Route(req, timeout=self.timeout_s, metadata=base.metadata(token))
-                except grpc.RpcError as e:
-                    raise base.to_error(e, "Route", self.target) from e
+                r = await self._call("Route", self._route.Route, req, token)
         return types.route_decision(r)
 
     async def _over_stream(self, token: str | None, **op: Any) -> Any:
@@ -159,10 +156,7 @@ class ControlClient:
         try:
             async with self._slot("MoveRoute", token):
                 if await self._over_stream(token, move=req) is None:
-                    try:
-                        await self._route.MoveRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
-                    except grpc.RpcError as e:
-                        raise base.to_error(e, "MoveRoute", self.target) from e
+                    await self._call("MoveRoute", self._route.MoveRoute, req, token)
         except FailedPrecondition as e:
             log.info("proxy: MoveRoute %s refused: %s", route_id, e)
             return False
@@ -182,15 +176,10 @@ class ControlClient:
             async with self._slot("ReleaseRoute", token):
                 r = await self._over_stream(token, release=req)
                 if r is None:
-                    r = await self._route.ReleaseRoute(req, timeout=self.timeout_s, metadata=base.metadata(token))
+                    r = await self._call("ReleaseRoute", self._route.ReleaseRoute, req, token)
             outcome = "released" if r.released else "unknown"
-        except KvfleetError as e:  # the slot's wait ran out (not sent), or the stream's answer was an error
+        except KvfleetError as e:  # the slot's wait ran out (not sent), or the answer was an error
             log.info("proxy: ReleaseRoute %s failed: %s", route_id, e)
-            outcome = "failed"
-        except grpc.RpcError as e:
-            log.info(
-                "proxy: ReleaseRoute %s failed: %s", route_id, base.to_error(e, "ReleaseRoute", self.target)
-            )
             outcome = "failed"
         return outcome
 
@@ -231,51 +220,45 @@ class ControlClient:
 
     async def _ask_whoami(self, token: str | None) -> types.Caller:
         try:
-            async with self._slot("WhoAmI", token):
-                r = await self._fleet.WhoAmI(
-                    fleet_pb2.WhoAmIRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
-                )
-        except grpc.RpcError as e:
-            err = base.to_error(e, "WhoAmI", self.target)
-            if isinstance(err, Unauthenticated):  # NOTE: refused: answered here for a while (refused.py)
-                self._callers.pop(token, None)  # .. and no longer its tenant's: its calls take the unknown share
-                self._refused.add(token, err)
-            raise err from e
+            r = await self._unary("WhoAmI", self._fleet.WhoAmI, fleet_pb2.WhoAmIRequest(), token)
+        except Unauthenticated as err:  # NOTE: refused: answered here for a while (refused.py)
+            self._callers.pop(token, None)  # .. and no longer its tenant's: its calls take the unknown share
+            self._refused.add(token, err)
+            raise
         caller = types.Caller(r.tenant, r.role, r.name)
         self._callers[token] = (time.monotonic() + self.auth_cache_s, caller)
         return caller
 
     async def workers(self, token: str | None) -> list[types.WorkerInfo]:
-        try:
-            async with self._slot("ListWorkers", token):
-                r = await self._workers.ListWorkers(
-                    workers_pb2.ListWorkersRequest(), timeout=self.timeout_s, metadata=base.metadata(token)
-                )
-        except grpc.RpcError as e:
-            raise base.to_error(e, "ListWorkers", self.target) from e
+        r = await self._unary("ListWorkers", self._workers.ListWorkers, workers_pb2.ListWorkersRequest(), token)
         return [types.worker_info(w) for w in r.workers]
 
     async def judge(self, results: list[bytes], action: str, token: str | None,
                     timeout_s: float | None = None) -> list[quarantine_pb2.Judgement]:
         """The controller's verdict on each tool result (JudgeToolResults, with the client's token)."""
         req = quarantine_pb2.JudgeToolResultsRequest(results=results, action=action)
-        try:
-            async with self._slot("JudgeToolResults", token):
-                r = await self._quarantine.JudgeToolResults(req, timeout=timeout_s or self.timeout_s,
-                                                            metadata=base.metadata(token))
-        except grpc.RpcError as e:
-            raise base.to_error(e, "JudgeToolResults", self.target) from e
+        r = await self._unary("JudgeToolResults", self._quarantine.JudgeToolResults, req, token, timeout_s)
         return list(r.judgements)
 
     async def known(self, refs: list[str], token: str | None) -> list[quarantine_pb2.Judgement]:
         """The verdict the controller knows now on each ref, bytes not sent (KnownVerdicts, the client's token)."""
         req = quarantine_pb2.KnownVerdictsRequest(refs=refs)
-        try:
-            async with self._slot("KnownVerdicts", token):
-                r = await self._quarantine.KnownVerdicts(req, timeout=self.timeout_s, metadata=base.metadata(token))
-        except grpc.RpcError as e:
-            raise base.to_error(e, "KnownVerdicts", self.target) from e
+        r = await self._unary("KnownVerdicts", self._quarantine.KnownVerdicts, req, token)
         return list(r.judgements)
+
+    async def _call(self, rpc: str, call: Callable[..., Awaitable[Any]], req: Any, token: str | None,
+                    timeout_s: float | None = None) -> Any:
+        """One unary RPC with the token's metadata; a gRPC error raised as fleet.core.errors.*."""
+        try:
+            return await call(req, timeout=timeout_s or self.timeout_s, metadata=base.metadata(token))
+        except grpc.RpcError as e:
+            raise base.to_error(e, rpc, self.target) from e
+
+    async def _unary(self, rpc: str, call: Callable[..., Awaitable[Any]], req: Any, token: str | None,
+                     timeout_s: float | None = None) -> Any:
+        """`_call` in one of the token's slots."""
+        async with self._slot(rpc, token):
+            return await self._call(rpc, call, req, token, timeout_s)
 
     @contextlib.asynccontextmanager
     async def _slot(self, rpc: str, token: str | None) -> AsyncIterator[None]:
