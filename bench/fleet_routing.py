@@ -65,6 +65,7 @@ DEFAULT_CELLS = (
 QUICK_CELLS = (("agents16x4", "tight"), ("cold-burst", "tight"))
 BLOCK_SIZE = 16
 MAX_TOKENS = 16
+RESET_TARGETS = ("received", "cached")  # Options.reset_target
 # NOTE: applied only where the stand-in has the field: its clock in real time, as `kvfleet sim-vllm` serves
 SIM_DEFAULTS: dict[str, Any] = {"time_scale": 1.0}
 # a kvfleet contender run again with other proxy settings (--first-byte-timeouts): its name -> the proxy's env
@@ -110,6 +111,10 @@ class Options:
     driver: str = "bench"  # "aiperf": trace workloads are replayed by AIPerf (bench/peers/aiperf_driver.py)
     aiperf: str = "aiperf"  # its executable (the bench keeps it in its own virtualenv)
     hazards: bool = True  # False: no sleep, wake or reset behind the routers' backs (a control run)
+    # the worker the reset hits: "received", the awake one that received the most requests since the start (requests
+    # that reached a sleeping worker count, so the target depends on where each router sent them); "cached", the
+    # awake one holding the most cached blocks, the reset that costs each router the most (bench/peers/workers.py)
+    reset_target: str = "received"
 
 
 def usage_of(raw: bytes) -> tuple[int | None, int | None]:
@@ -215,7 +220,8 @@ class Driver:
         if self.issued == self.sleep_n:
             self._tasks.append(asyncio.create_task(self._sleep_window()))
         if self.issued == self.reset_n:
-            self._tasks.append(asyncio.create_task(self._action("reset_prefix_cache", self.fleet.busiest())))
+            target = self.fleet.busiest(self.opt.reset_target)
+            self._tasks.append(asyncio.create_task(self._action("reset_prefix_cache", target)))
 
     async def _action(self, verb: str, worker: str) -> None:
         """One lifecycle action; an HTTP call that times out (a loaded machine) is tried twice more,
@@ -551,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each kvfleet contender with these KVFLEET_ variables set for its controller and proxy "
         "(their flags, e.g. m96:KVFLEET_ROUTE_AFFINITY_MARGIN=96), as contenders named NAME@TAG; repeatable",
     )
+    p.add_argument(
+        "--reset-target",
+        choices=RESET_TARGETS,
+        default="received",
+        help="the awake worker the reset hits: the one that received the most requests since the start (default), "
+        "or the one holding the most cached blocks",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
@@ -594,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown contender(s) {bad}; expected some of {', '.join(CONTENDERS)}")
     opt = Options(a.timeout, a.sleep_min, a.sleep_max, a.seed, a.think_ms / 1000, parse_sim_opts(a.sim_opt),
-                  a.driver, a.aiperf, not a.no_hazards)
+                  a.driver, a.aiperf, not a.no_hazards, a.reset_target)
     cfg, ignored = engine_config(1024, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
     if ignored:
         print(f"warning: this sim-vllm has no config field(s) {sorted(ignored)}; ignored", file=sys.stderr)

@@ -350,8 +350,9 @@ def report(results: dict[str, Any]) -> str:
         f"worker) the busiest worker is slept (level 1, mode {mode}{SLEEP_MODES.get(mode, '')}) when {at['sleep_at']} of the "
         "trace's requests were issued and woken once "
         f"{at['wake_at']} were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s); at "
-        f"{at['reset_at']} the busiest "
-        "awake worker's prefix cache is reset"
+        f"{at['reset_at']} "
+        + ("the prefix cache of the awake worker holding the most cached blocks is reset"
+           if o.get("reset_target") == "cached" else "the busiest awake worker's prefix cache is reset")
         + (" (`reset_running_requests=true`: requests running there are preempted and computed again, so the "
            f"reset lands at {at['reset_at']} whatever the router's load)" if results.get("reset_mode") == "preempt" else
            " (asked every 20 ms, up to 100 times, until the worker is idle enough to accept it)")

@@ -116,9 +116,12 @@ class SimFleet:
             )
         return out
 
-    def busiest(self) -> str:
-        """The awake worker that received the most requests so far (ties: the larger name)."""
+    def busiest(self, by: str = "received") -> str:
+        """The awake worker that received the most requests so far ("received"; requests that reached it while it
+        slept count), or that holds the most cached blocks now ("cached"); ties: the larger name."""
         awake = [n for n in self.sims if not self.asleep(n)] or list(self.sims)
+        if by == "cached":
+            return max(awake, key=lambda n: (len(self.sims[n].engine.cache), n))
         return max(awake, key=lambda n: (self._arrivals(n) - self._base[n].arrivals, n))
 
     @property
