@@ -67,9 +67,10 @@ async def _rank_1_heard(fleet: Any, e1: SimVllm, body: dict[str, Any]) -> None:
     socket connects some time after the registration, and a batch published before that is lost (ZMQ PUB drops it; no
     replay here). NOTE: on a loaded machine the
     first reset's clear went out before the socket was connected and the epoch never stepped (seen once in a
-    fresh-clone run)."""
-    for _ in range(100):
-        warm = {**body, "prompt": "warm up the stream " * 20}
+    fresh-clone run). NOTE: each try's prompt is new: the same prompt every try was cached after the first, so
+    only the first published a batch, and when that one was lost no later try published any (a fresh-clone run)."""
+    for i in range(100):
+        warm = {**body, "prompt": f"warm up the stream {i} " * 20}
         async with fleet.http.post(e1.url + "/v1/completions", json=warm) as r:
             assert r.status == 200
         ws = await fleet.op.workers()
