@@ -50,7 +50,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 from peers import launch  # noqa: E402
 from peers.launch import CONTENDERS, Running, Spec, Unavailable  # noqa: E402
 from peers.report import plot, prefilled, report  # noqa: E402
-from peers.workers import MODEL, SimFleet, engine_config  # noqa: E402
+from peers.workers import MODEL, RESET_TARGETS, SimFleet, engine_config  # noqa: E402
 from routing_trace import CACHES, WORKLOADS, Session, Workload, workload  # noqa: E402
 
 DEFAULT_CELLS = (
@@ -65,7 +65,6 @@ DEFAULT_CELLS = (
 QUICK_CELLS = (("agents16x4", "tight"), ("cold-burst", "tight"))
 BLOCK_SIZE = 16
 MAX_TOKENS = 16
-RESET_TARGETS = ("received", "cached")  # Options.reset_target
 # NOTE: applied only where the stand-in has the field: its clock in real time, as `kvfleet sim-vllm` serves
 SIM_DEFAULTS: dict[str, Any] = {"time_scale": 1.0}
 # a kvfleet contender run again with other proxy settings (--first-byte-timeouts): its name -> the proxy's env

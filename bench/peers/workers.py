@@ -68,6 +68,9 @@ def _observe(sim: SimVllm) -> list[Any]:
     return [observe]
 
 
+RESET_TARGETS = ("received", "cached")  # SimFleet.busiest's `by`: the bench's --reset-target
+
+
 class SimFleet:
     """Named stand-ins w0..w{n-1} on loopback; `stats()` is what they did since `snapshot()`."""
 
@@ -119,6 +122,8 @@ class SimFleet:
     def busiest(self, by: str = "received") -> str:
         """The awake worker that received the most requests so far ("received"; requests that reached it while it
         slept count), or that holds the most cached blocks now ("cached"); ties: the larger name."""
+        if by not in RESET_TARGETS:
+            raise ValueError(f"busiest by {by!r}: one of {', '.join(RESET_TARGETS)}")
         awake = [n for n in self.sims if not self.asleep(n)] or list(self.sims)
         if by == "cached":
             return max(awake, key=lambda n: (len(self.sims[n].engine.cache), n))

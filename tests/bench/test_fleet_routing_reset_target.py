@@ -47,6 +47,8 @@ async def test_received_and_cached_pick_different_workers_and_never_a_sleeping_o
                 pass
             assert fleet.asleep("w1")
             assert fleet.busiest("cached") != "w1"  # an asleep worker is never the target
+            with pytest.raises(ValueError, match="one of received, cached"):
+                fleet.busiest("most")  # a misspelt target is refused, not taken for the default
     finally:
         await fleet.stop()
 
