@@ -49,6 +49,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 
 from peers import launch  # noqa: E402
 from peers.launch import CONTENDERS, Running, Spec, Unavailable  # noqa: E402
+from peers.repeats import merge  # noqa: E402
 from peers.report import plot, prefilled, report  # noqa: E402
 from peers.workers import MODEL, RESET_TARGETS, SimFleet, engine_config  # noqa: E402
 from routing_trace import CACHES, WORKLOADS, Session, Workload, workload  # noqa: E402
@@ -113,7 +114,7 @@ class Options:
     # the worker the reset hits: "received", the awake one that received the most requests since the start (requests
     # that reached a sleeping worker count, so the target depends on where each router sent them); "cached", the
     # awake one holding the most cached blocks, the reset that costs each router the most (bench/peers/workers.py)
-    reset_target: str = "received"
+    reset_target: str = "cached"
 
 
 def usage_of(raw: bytes) -> tuple[int | None, int | None]:
@@ -436,23 +437,26 @@ async def run_one(spec: Spec, wl: Workload, num_blocks: int, opt: Options, tmp: 
 
 
 async def run_all(
-    cells: list[tuple[str, str]], contenders: list[Spec], opt: Options, quick: bool
+    cells: list[tuple[str, str]], contenders: list[Spec], opt: Options, quick: bool, repeat: int = 1
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {"cells": []}
+    """Every contender on every cell, `repeat` times in a row per cell, the contenders' order rotating with the
+    cell and the repeat so that no contender always runs first (the machine drifts)."""
+    results: dict[str, Any] = {"cells": [], "repeats": repeat}
     with tempfile.TemporaryDirectory(prefix="fleet_routing_") as tmp:
         for i, (wname, size) in enumerate(cells):
             wl = workload(wname, opt.seed, quick=quick, think_s=opt.think_s)
             nb = wl.cache_blocks(size, BLOCK_SIZE)
             cell: dict[str, Any] = {"workload": wl.describe(), "cache": size, "num_blocks": nb, "runs": []}
-            order = contenders[i % len(contenders) :] + contenders[: i % len(contenders)]  # spread drift
-            for spec in order:
-                t0 = time.monotonic()
-                state = Path(tmp) / f"{i}-{spec.name}"  # a fresh store and tokens file per run
-                state.mkdir()
-                r = await run_one(spec, wl, nb, opt, state)
-                cell["runs"].append(r)
-                print(progress(wname, size, r, time.monotonic() - t0), flush=True)
-            cell["runs"].sort(key=lambda r: [c.name for c in contenders].index(r["contender"]))
+            for k in range(repeat):
+                turn = (i + k) % len(contenders)
+                for spec in contenders[turn:] + contenders[:turn]:
+                    t0 = time.monotonic()
+                    state = Path(tmp) / f"{i}-{k}-{spec.name}"  # a fresh store and tokens file per run
+                    state.mkdir()
+                    r = await run_one(spec, wl, nb, opt, state)
+                    cell["runs"].append(r)
+                    print(progress(wname, size, r, time.monotonic() - t0), flush=True)
+            cell["runs"].sort(key=lambda r: [c.name for c in contenders].index(r["contender"]))  # stable: runs in order
             results["cells"].append(cell)
     return results
 
@@ -559,9 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--reset-target",
         choices=RESET_TARGETS,
-        default="received",
-        help="the awake worker the reset hits: the one that received the most requests since the start (default), "
-        "or the one holding the most cached blocks",
+        default="cached",
+        help="the awake worker the reset hits: the one holding the most cached blocks (default; ties: the larger "
+        "name), or the one that received the most requests since the start (requests that reached it while it "
+        "slept count, so a router that sent requests to the slept worker has it reset once woken, empty)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
@@ -592,7 +597,13 @@ def main(argv: list[str] | None = None) -> int:
                    "fleet_routing --driver aiperf installs one in .venv-aiperf)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     p.add_argument(
-        "--from-json", type=Path, default=None, help="run nothing: report the results saved by --json"
+        "--repeat", type=int, default=1, metavar="N",
+        help="run every contender N times per cell; the report gives each figure's median and range",
+    )
+    p.add_argument(
+        "--from-json", type=Path, nargs="+", default=None,
+        help="run nothing: report the results saved by --json (several runs of one commit and the same cells: "
+        "their medians, as --repeat)",
     )
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -616,12 +627,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.SIGTERM, lambda *_: sys.exit(143)
     )  # so that finally blocks and atexit stop everything
     t0 = time.monotonic()
+    if a.repeat < 1:
+        raise SystemExit(f"--repeat {a.repeat}: at least 1")
     if a.from_json:
-        results = json.loads(a.from_json.read_text())
+        try:
+            results = merge([json.loads(f.read_text()) for f in a.from_json])
+        except ValueError as e:
+            raise SystemExit(f"--from-json: {e}") from None
     else:
         try:
             specs = variants([CONTENDERS[n] for n in names], a.first_byte_timeouts, a.variant)
-            results = asyncio.run(run_all(parse_cells(a), specs, opt, a.quick))
+            results = asyncio.run(run_all(parse_cells(a), specs, opt, a.quick, a.repeat))
         finally:
             launch.kill_all()
         results.update(meta(a, opt, cfg, time.monotonic() - t0))

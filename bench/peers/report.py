@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from peers.repeats import collapse
+
 PEER_KINDS = ("vllm", "sglang", "sticky")
 OURS = ("kvfleet", "kvfleet-ctl", "kvfleet-ctl-preempt", "kvfleet-blind")
 SLEEP_MODES = {  # how vLLM's /sleep meets requests in flight
@@ -183,6 +185,7 @@ def headline(cells: list[dict[str, Any]]) -> list[str]:
 def detail(cell: dict[str, Any]) -> list[str]:
     w = cell["workload"]
     sent_by = next((r["driver"] for r in cell["runs"] if r.get("driver")), None)
+    repeated = any("spread" in r.get("summary", {}) for r in cell["runs"])
     rows = [
         f"**{cell_title(cell)}**: {w['description']}; {w['requests']} requests, working set "
         f"{w['working_set_tokens']:,} tokens, longest prompt {w['longest_prompt']:,}"
@@ -192,14 +195,16 @@ def detail(cell: dict[str, Any]) -> list[str]:
         + (f" Requests sent by AIPerf {sent_by['version']} (`--driver aiperf`, bench/peers/aiperf_driver.py), which "
            "does not read kvfleet's verdict headers: no stale-warm count." if sent_by else ""),
         "",
-        "| contender | prefilled tokens (of them computed again after a preemption) | x best peer | hit rate | TTFT p50 / p99 ms | req/s | ok / timed out | "
+        "| contender | prefilled tokens (" + ("range over the runs; " if repeated else "") + "of them computed again "
+        "after a preemption) | x best peer | hit rate | TTFT p50 / p99 ms" + (" (p99's range)" if repeated else "")
+        + " | req/s | ok / timed out | "
         "to sleeping | req share max / min | token share max | stale warm (of WARM) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     b = cell["best"]["prefilled"]
     sim = any(r.get("summary", {}).get("sim_ttft_p50") is not None for r in cell["runs"])
     if sim:
-        rows[2] = rows[2].replace("TTFT p50 / p99 ms |", "TTFT p50 / p99 ms | workers' TTFT p50 / p99 ms (bucket bound) |")
+        rows[2] = rows[2].replace(" | req/s |", " | workers' TTFT p50 / p99 ms (bucket bound) | req/s |")
         rows[3] += "---:|"
     for r in cell["runs"]:
         if "summary" not in r:
@@ -211,14 +216,23 @@ def detail(cell: dict[str, Any]) -> list[str]:
         stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})" + (
             f", {s['stale_raced']} raced" if s.get("stale_raced") else "")
         rows.append(
-            f"| {r['contender']} | {s['prefilled']:,} ({s.get('recomputed', 0):,}) | {_ratio(s['prefilled'], b, 'prefilled')} | "
-            f"{100 * s['hit_rate']:.1f}% | {_ttft(s)} | "
+            f"| {r['contender']} | {s['prefilled']:,} ({_range(s, 'prefilled', '{:,}-{:,}; ')}{s.get('recomputed', 0):,}) | "
+            f"{_ratio(s['prefilled'], b, 'prefilled')} | "
+            f"{100 * s['hit_rate']:.1f}% | {_ttft(s)}{_range(s, 'ttft_p99', ' ({}-{})', scale=_ms)} | "
             + (f"{_ms(s['sim_ttft_p50'])} / {_ms(s['sim_ttft_p99'])} | " if sim else "")
             + f"{s['rps']:.0f} | "
             f"{s['ok']} / {s['timed_out']} | {s['to_sleeping']} | {100 * s['req_share_max']:.0f}% / "
             f"{100 * s['req_share_min']:.0f}% | {100 * s['tok_share_max']:.0f}% | {stale} |"
         )
     return rows
+
+
+def _range(s: dict[str, Any], key: str, fmt: str, scale: Any = None) -> str:
+    """A repeated contender's range over its runs in `fmt` (its low and its high), or nothing for a single run."""
+    lo_hi = s.get("spread", {}).get(key)
+    if not lo_hi:
+        return ""
+    return fmt.format(*(scale(x) if scale else x for x in lo_hi))
 
 
 def first_sentence(text: str) -> str:
@@ -310,7 +324,11 @@ def report(results: dict[str, Any]) -> str:
         for r in c["runs"]:
             if "records" in r:
                 r["summary"] = summarize(r)
+    facts, launched = observations(cells), commands(cells)  # every run's, before the repeats become medians
+    for c in cells:
+        collapse(c)
         c["best"] = best_peers(c)
+    repeats = results.get("repeats", 1)
     o, v, sc = results["options"], results["versions"], results["sim_config"]
     mode = results.get("sleep_mode", "abort")  # runs that did not record it used vLLM's default
     not_run = sorted(
@@ -385,15 +403,19 @@ def report(results: dict[str, Any]) -> str:
         "completed every request, where one did: a request that failed before it ran prefilled nothing). There "
         "is no oracle here (no "
         "offline optimum is computed anywhere in this repo; the greedy rule with perfect knowledge in the "
-        "fleet prefill section is not one). Each contender ran once per cell, and placement "
-        "depends on how concurrent requests interleave: while this bench was written, three runs of one quick "
-        "cell moved kvfleet's prefilled tokens by about +-10%, so smaller differences are not findings.",
+        "fleet prefill section is not one). "
+        + (f"Each contender ran {repeats} times per cell, the contenders' order rotating from run to run; every "
+           "figure is the median of those runs (the middle one; its range in parentheses in the tables below), "
+           "except the stale warm routes, requests to sleeping workers and failures, which are their sums. "
+           if repeats > 1 else "Each contender ran once per cell. ")
+        + "Placement depends on how concurrent requests interleave: while this bench was written, three runs of "
+        "one quick cell moved kvfleet's prefilled tokens by about +-10%, so smaller differences are not findings.",
         "",
         *headline(cells),
         "",
         *verdicts(cells),
         "",
-        *[f"- {x}" for x in observations(cells)],
+        *[f"- {x}" for x in facts],
         "",
         "![prefilled tokens per contender, relative to the best peer](fleet_routing.png)",
         "",
@@ -404,7 +426,7 @@ def report(results: dict[str, Any]) -> str:
         "How each contender was launched (ports, tokens and paths replaced):",
         "",
         "```",
-        *commands(cells),
+        *launched,
         "```",
         "",
     ]

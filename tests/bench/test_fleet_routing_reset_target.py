@@ -1,9 +1,9 @@
 """The fleet routing bench's reset target (`--reset-target`, bench/peers/workers.py `SimFleet.busiest`).
 
-"received" (the default) resets the awake worker that received the most requests since the start, and requests
-that reached a worker while it slept count: the target then depends on where each router sent its requests (in
-tenants2 a router that sent requests to the slept worker had its reset land on that worker once woken, its cache
-already emptied by the sleep; docs/routing.md). "cached" resets the awake worker holding the most cached blocks.
+"cached" (the default) resets the awake worker holding the most cached blocks. "received" resets the awake worker
+that received the most requests since the start, and requests that reached a worker while it slept count: the
+target then depends on where each router sent its requests (in tenants2 a router that sent requests to the slept
+worker had its reset land on that worker once woken, its cache already emptied by the sleep; docs/routing.md).
 Real stand-ins on loopback; the two targets must differ here, or the option would change nothing."""
 
 from __future__ import annotations
