@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCH))
 
 from peers.workers import SimFleet  # noqa: E402
 
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig  # noqa: E402
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

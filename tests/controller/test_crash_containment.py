@@ -18,7 +18,7 @@ from support.one_worker import warm
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.sdk import NO_RETRY, AsyncFleetClient

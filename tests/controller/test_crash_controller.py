@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from fleet.app.redis_server import RedisServer
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.core.block_hash import HashConfig, external_chain
 from fleet.core.errors import Unavailable

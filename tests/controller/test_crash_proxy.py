@@ -24,7 +24,7 @@ from controller.config import ControllerConfig
 from controller.metrics import Metrics
 from controller.router import RouterConfig, WorkerSpec
 from controller.server import build_server
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.vllm.subscriber import StreamLimits, Subscriber
 from fleet.app.testkit.sim_vllm import wire
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import HashConfig, external_chain

@@ -16,7 +16,7 @@ import pytest
 from support.controller import make_tokens, start_controller, store_url
 
 from controller.registry import EpochTable, WorkerRegistry, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
 from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument

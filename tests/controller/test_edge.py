@@ -20,7 +20,7 @@ from controller.uploads import UploadLimits
 from fleet.api.kvfleet.v1 import blobs_pb2, route_pb2
 from fleet.api.kvfleet.v1.blobs_pb2_grpc import BlobServiceStub
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import blob_charge, open_store
 

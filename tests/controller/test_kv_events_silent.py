@@ -11,7 +11,7 @@ from pathlib import Path
 from support.proxy_fleet import MODEL, start_fleet, until
 
 from fleet.app.redis_server import free_port
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 PROMPT = {"model": MODEL, "prompt": "Count the crates on dock four, then on dock five. " * 6, "max_tokens": 2}

@@ -22,7 +22,7 @@ from controller.leader import KEY
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.server import build_server
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 

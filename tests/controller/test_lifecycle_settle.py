@@ -20,7 +20,7 @@ import pytest
 from controller.cost import CostConfig
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 

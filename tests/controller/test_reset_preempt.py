@@ -16,7 +16,7 @@ import pytest
 from support.stand_ins import complete, routed_stand_ins
 
 from controller.router import Router
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.core.errors import InvalidArgument
 
 RUNNING = list(range(1000, 1100))  # 6 full blocks, running while the reset comes

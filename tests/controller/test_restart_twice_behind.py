@@ -18,7 +18,7 @@ from support.one_worker import synced, warm
 from support.stand_ins import complete, routed_stand_ins
 
 from controller.router import Router
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 
 A, B = list(range(1000, 1100)), list(range(3000, 3100))  # 6 full blocks each

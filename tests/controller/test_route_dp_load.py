@@ -19,7 +19,7 @@ from support.dp_front import dp_front, free_pair
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.vllm.http import WorkerMetrics, parse_engines, parse_metrics
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 

@@ -24,7 +24,7 @@ from controller.router import Router, RouterConfig, WorkerSpec
 from controller.server import build_server
 from fleet.api.kvfleet.v1 import route_pb2
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import external_chain

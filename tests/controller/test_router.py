@@ -15,7 +15,7 @@ from support.vllm_vectors import frames, load
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument, NotFound, Unavailable

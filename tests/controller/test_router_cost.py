@@ -27,7 +27,7 @@ from controller.vllm.events import BlockRemoved, BlockStored
 from controller.vllm.http import parse_metrics
 from fleet.api.kvfleet.v1 import route_pb2
 from fleet.api.kvfleet.v1.route_pb2_grpc import RouteServiceStub
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument

@@ -15,7 +15,7 @@ from controller.cost import CandidateState, CostConfig, order
 from controller.demand import DemandLedger
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import external_chain

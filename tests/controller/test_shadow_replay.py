@@ -19,7 +19,7 @@ from support.one_worker import complete_direct, synced
 from controller.metrics import Metrics
 from controller.registry import KvStore
 from controller.router import Router, RouterConfig, WorkerSpec
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import external_chain

@@ -15,7 +15,7 @@ import pytest
 from support.one_worker import complete_direct, one_worker, warm
 from support.stand_ins import wait_sleep_under_a_request
 
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.core.errors import Unavailable
 
 PROMPT = list(range(1000, 1100))  # 6 blocks

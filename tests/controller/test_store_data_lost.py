@@ -18,7 +18,7 @@ from support.controller import make_tokens, start_controller
 from controller.registry import EpochTable, WorkerRegistry
 from controller.server import SALT_SECRET_KEY, Controller
 from fleet.app.redis_server import RedisServer
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.sdk import AsyncFleetClient
 

@@ -19,7 +19,7 @@ import fleet.sdk.base as sdk_base
 from controller.auth import mint_token
 from controller.proxy import Proxy, ProxyConfig
 from fleet.app.cli import worker as worker_cli
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.core.errors import InvalidArgument, Unavailable
 from fleet.sdk import NO_RETRY, AsyncFleetClient, FleetClient, RetryPolicy

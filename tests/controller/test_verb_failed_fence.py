@@ -19,7 +19,7 @@ from support.stand_ins import complete, routed_stand_ins
 
 from controller.router import Router
 from controller.vllm.http import WorkerHttpError
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.core.block_hash import external_chain
 

@@ -80,7 +80,7 @@ async def run_job(objs: list[dict[str, Any]], address: str, token: str) -> tuple
 async def test_controller_and_registration_job_run_as_rendered(tmp_path: Path, redis_url: str) -> None:
     from controller.metrics import Metrics
     from controller.server import build_server
-    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.config import SimEngineConfig
     from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
     from fleet.sdk import AsyncFleetClient
 

@@ -19,7 +19,7 @@ import aiohttp
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from fleet.app.testkit.baseline import BaselineRouter
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import HashConfig, external_chain

@@ -26,7 +26,7 @@ from fleet.api.kvfleet.v1 import fleet_pb2, workers_pb2
 from fleet.api.kvfleet.v1.fleet_pb2_grpc import FleetServiceStub
 from fleet.api.kvfleet.v1.workers_pb2_grpc import WorkerServiceStub
 from fleet.app.testkit.sim_vllm import wire
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from support.controller import make_tokens, md

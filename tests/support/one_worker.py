@@ -12,7 +12,7 @@ import aiohttp
 
 from controller.cost import CostConfig
 from controller.router import Router
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 from support.stand_ins import routed_stand_ins
 

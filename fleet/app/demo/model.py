@@ -31,7 +31,8 @@ from controller.index import PrefixIndex
 from controller.vllm.events import decode_batch
 from fleet.app.demo.trace import Lifecycle, Request, Trace
 from fleet.app.testkit.sim_vllm import wire
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.core.block_hash import chain, external_chain
 
 

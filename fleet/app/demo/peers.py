@@ -27,7 +27,7 @@ from fleet.app.children import dies_with_parent
 from fleet.app.demo.model import PolicyResult
 from fleet.app.demo.trace import Lifecycle, Request, Trace
 from fleet.app.redis_server import free_port
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.app.testkit.sim_vllm.parts import SimConfig
 

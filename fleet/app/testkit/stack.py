@@ -33,7 +33,7 @@ from controller.proxy import Proxy, ProxyConfig
 from controller.ray_address import check_reachable
 from controller.router import RouterConfig
 from controller.server import Controller, build_server
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.app.testkit.sim_vllm.parts import SimConfig
 from fleet.core.errors import Unavailable

@@ -19,7 +19,7 @@ from support.controller import start_controller, store_url
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from controller.vllm.http import parse_metrics
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 from fleet.core.block_hash import HashConfig, calibrates, external_chain

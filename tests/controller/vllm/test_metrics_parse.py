@@ -13,7 +13,7 @@ from support.http_stub import serving
 
 import controller.vllm.http as vhttp
 from controller.vllm.http import WorkerHttpError, parse_metrics, wanted_lines
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 LE = ("0.001", "0.01", "0.1", "0.5", "1.0", "2.5", "10.0", "40.0", "160.0", "+Inf")

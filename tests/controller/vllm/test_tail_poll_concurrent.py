@@ -23,7 +23,7 @@ from support.held_replay import HELD, HeldReplay
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
 from fleet.app.testkit.sim_vllm import wire
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.cas import open_store
 

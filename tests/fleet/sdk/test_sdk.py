@@ -147,7 +147,7 @@ async def _until(fn, pred, timeout: float = 10.0):
 async def test_workers_route_lifecycle_through_the_sdk(tmp_path: Path) -> None:
     import aiohttp
 
-    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.config import SimEngineConfig
     from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
     sims = [await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
@@ -206,7 +206,7 @@ async def test_a_route_for_a_model_no_worker_serves_is_not_found_at_once(tmp_pat
     # Found by review: route(model="m") with only sim-model registered was UNAVAILABLE, retried 8 times over 9 s,
     # and ended with "check that `kvfleet controller` is running". Before the fix this failed at the first raises:
     # Unavailable instead of NotFound.
-    from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.config import SimEngineConfig
     from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
     sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 A, B = "alpha beta gamma delta", "epsilon zeta"

@@ -22,7 +22,8 @@ import zmq.asyncio
 
 from controller.vllm.events import AllBlocksCleared, BlockStored, decode_batch, parse_seq
 from controller.vllm.http import parse_metrics
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.app.testkit.sim_vllm.wire import VllmBlockStored
 from fleet.core.block_hash import HashConfig, external_chain

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm, _parse
 from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING, Output
 from fleet.app.testkit.sim_vllm.step_cost import lone_ttft_s

@@ -7,7 +7,8 @@ therefore not count its prompt again (the bench reads prefilled = queries - hits
 
 from __future__ import annotations
 
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.app.testkit.sim_vllm.metrics import metrics_text
 from fleet.app.testkit.sim_vllm.sched import FINISHED
 

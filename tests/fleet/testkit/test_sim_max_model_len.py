@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from fleet.app.testkit.sim_vllm import tokenizer as tok
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 L = 64  # a small context, so prompts at and past it stay small

@@ -7,7 +7,8 @@ waiting ones staying queued until resume or wake. These drive a real SimEngine s
 
 from __future__ import annotations
 
-from fleet.app.testkit.sim_vllm.engine import EnginePaused, SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import EnginePaused, SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.app.testkit.sim_vllm.sched import FINISHED, RUNNING, WAITING
 from fleet.app.testkit.sim_vllm.wire import VllmAllBlocksCleared
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.stand_ins import wait_sleep_under_a_request
 
 from controller.vllm.http import parse_metrics
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 AWAKE = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}

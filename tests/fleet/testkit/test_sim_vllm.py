@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from controller.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
 from controller.vllm.http import parse_metrics
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 from fleet.core.block_hash import HashConfig, external_chain
 
@@ -269,7 +269,7 @@ def test_the_engine_settings_are_checked_without_asserts() -> None:
 
     with pytest.raises(InvalidArgument, match="--block-size must be at least 1, got 0"):
         SimEngineConfig(block_size=0)
-    r = subprocess.run([sys.executable, "-O", "-c", "from fleet.app.testkit.sim_vllm.engine import SimEngineConfig\n"
+    r = subprocess.run([sys.executable, "-O", "-c", "from fleet.app.testkit.sim_vllm.config import SimEngineConfig\n"
                         "SimEngineConfig(block_size=0)"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--block-size must be at least 1" in r.stderr
 

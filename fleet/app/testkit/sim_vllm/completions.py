@@ -17,7 +17,7 @@ from aiohttp import web
 
 from fleet.app.testkit.sim_vllm import context, prompts
 from fleet.app.testkit.sim_vllm import tokenizer as tok
-from fleet.app.testkit.sim_vllm.engine import EnginePaused, EngineRestarted, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
 

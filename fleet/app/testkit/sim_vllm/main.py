@@ -25,7 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from fleet.app.testkit.sim_vllm.app import build_app
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.app.testkit.sim_vllm.loop import EngineLoop
 from fleet.app.testkit.sim_vllm.parts import Received, SimConfig, StoredResponses
 from fleet.app.testkit.sim_vllm.publisher import BindError, Publisher

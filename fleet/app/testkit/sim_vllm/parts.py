@@ -7,7 +7,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fleet.app.testkit.sim_vllm.engine import SimEngine, SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+from fleet.app.testkit.sim_vllm.engine import SimEngine
 from fleet.app.testkit.sim_vllm.loop import EngineLoop
 from fleet.app.testkit.sim_vllm.publisher import Publisher
 
