@@ -140,7 +140,7 @@ class ControlClient:
         self, route_id: str, token: str | None, done: Callable[[str], None] | None = None
     ) -> None:
         """Release a route in the background; `done` gets "released", "unknown" or "failed". Over the token's open
-        RouteStream it rides on the stream's next message (route_stream.BATCH_S at most later), taking no slot."""
+        RouteStream it rides on the stream's next message (token_stream.BATCH_S at most later), taking no slot."""
         if self._streams is not None and self._streams.carry_release(token, route_id, done or _ignore):
             return
         task = asyncio.get_running_loop().create_task(self._release(route_id, token, done))

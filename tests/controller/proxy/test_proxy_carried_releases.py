@@ -1,5 +1,5 @@
 """The proxy's releases ride on its next RouteStream message (a Route, usually), or go together in one of their own
-within route_stream.BATCH_S: at load a request costs the stream one message, not two (controller/proxy/route_stream.py,
+within token_stream.BATCH_S: at load a request costs the stream one message, not two (controller/proxy/token_stream.py,
 controller/servicers/route.py, docs/proxy.md). Real controller, sims and proxy on loopback (support.proxy_fleet); the
 controller from before carried releases is a real grpc.aio server with a RouteService servicer of its own.
 
@@ -20,7 +20,7 @@ from support.proxy_fleet import MODEL, start_fleet, until
 
 from controller.cost import CostConfig
 from controller.proxy.control import ControlClient
-from controller.proxy.route_stream import BATCH_S
+from controller.proxy.token_stream import BATCH_S
 from controller.servicers.route import CARRIED
 from fleet.api.kvfleet.v1 import route_pb2 as pb
 from fleet.api.kvfleet.v1 import route_pb2_grpc as pbg

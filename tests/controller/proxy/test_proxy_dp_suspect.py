@@ -10,7 +10,7 @@ from typing import Any
 from support.dp_front import dp_front, free_pair
 from support.proxy_fleet import start_fleet, until
 
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
 
 DP_MODEL = "dp-model"

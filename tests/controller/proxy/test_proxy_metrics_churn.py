@@ -18,7 +18,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from support.proxy_fleet import BLOCK, MODEL, Fleet, start_fleet, until
 
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.stack import register_sims, start_sims
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from support.proxy_fleet import BLOCK, MODEL, Fleet, start_fleet, until
 
-from fleet.app.testkit.sim_vllm.engine import SimEngineConfig
+from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
 from fleet.app.testkit.sim_vllm.parts import SimConfig
 

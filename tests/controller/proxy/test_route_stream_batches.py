@@ -1,5 +1,5 @@
 """RouteStream batches: messages that queue while the proxy's last write is in flight go in its next write together
-(`more`), and the controller answers several in one to a caller that says it reads them (controller/proxy/route_stream.py,
+(`more`), and the controller answers several in one to a caller that says it reads them (controller/proxy/token_stream.py,
 controller/servicers/route.py, docs/proxy.md "RouteStream batches"). Real controller, sims and proxy on loopback.
 
 NOTE: before, every message was a write of its own each way: under load a write (and its read on the other side) cost
@@ -19,7 +19,7 @@ from support.proxy_fleet import MODEL, linked_fleet
 
 from controller import stream_batch
 from controller.edge import GrpcLimits
-from controller.proxy import route_stream
+from controller.proxy import token_stream
 from controller.servicers import route as route_servicer
 from controller.servicers.route import BATCHED
 from controller.stream_batch import route_bytes
@@ -189,8 +189,8 @@ async def test_releases_queued_past_what_one_message_carries_go_on_the_next(tmp_
 
 
 def test_the_batch_bounds_agree() -> None:
-    assert route_stream.BATCHED == route_servicer.BATCHED
-    assert route_stream.MAX_CARRIED <= route_servicer.MAX_CARRIED
+    assert token_stream.BATCHED == route_servicer.BATCHED
+    assert token_stream.MAX_CARRIED <= route_servicer.MAX_CARRIED
     assert stream_batch.MAX_BATCH <= route_servicer.STREAM_IN_FLIGHT
 
 
