@@ -269,31 +269,39 @@ def _ttft(s: dict[str, Any]) -> str:
 
 
 def observations(cells: list[dict[str, Any]]) -> list[str]:
-    """Facts of this run worth a sentence: idle workers under kvfleet, failed requests, the workers' TTFT."""
-    out, idle = [], []
+    """Facts of this run worth a sentence: idle workers under kvfleet, failed requests. A contender that ran
+    several times in a cell gets one sentence there, its runs' figures listed in order."""
+    idle: dict[str, list[str]] = {}
+    failed: dict[tuple[str, str], list[tuple[int, int, dict[str, int]]]] = {}
     for c in cells:
+        where = f"{c['workload']['name']}/{c['cache']}"
         for r in c["runs"]:
             if r["contender"] == "kvfleet" and "workers" in r:
-                n = sum(w["arrivals"] == 0 for w in r["workers"].values())
-                if n:
-                    idle.append(f"{c['workload']['name']}/{c['cache']} ({n} of {len(r['workers'])})")
-            if "summary" in r and r["summary"]["ok"] < r["summary"]["n"]:
+                idle.setdefault(where, []).append(
+                    f"{sum(w['arrivals'] == 0 for w in r['workers'].values())} of {len(r['workers'])}")
+            if "summary" in r:
                 errs: dict[str, int] = {}
                 for x in r["records"]:
                     if not completed(x):
                         key = first_sentence(x["error"])[:110]
                         errs[key] = errs.get(key, 0) + 1
-                top = max(errs, key=lambda k: errs[k])
-                out.append(
-                    f"{r['contender']} in {c['workload']['name']}/{c['cache']}: "
-                    f"{r['summary']['n'] - r['summary']['ok']} of {r['summary']['n']} requests failed "
-                    f"(most often, {errs[top]}x: `{top}`)."
-                )
-    if idle:
-        out.insert(
-            0,
-            "kvfleet sent no request at all to some workers in: " + ", ".join(idle) + ".",
-        )
+                failed.setdefault((r["contender"], where), []).append((r["summary"]["n"] - r["summary"]["ok"],
+                                                                       r["summary"]["n"], errs))
+    out = []
+    for (name, where), runs in failed.items():
+        errs = {}
+        for _, _, e in runs:
+            for k, v in e.items():
+                errs[k] = errs.get(k, 0) + v
+        if errs:
+            top = max(errs, key=lambda k: errs[k])
+            counts = ", ".join(str(f) for f, _, _ in runs)
+            out.append(f"{name} in {where}: {counts} of {runs[0][1]} requests failed"
+                       + (f" (its {len(runs)} runs)" if len(runs) > 1 else "")
+                       + f" (most often, {errs[top]}x: `{top}`).")
+    shown = [f"{where} ({', '.join(n)})" for where, n in idle.items() if any(not x.startswith("0 ") for x in n)]
+    if shown:
+        out.insert(0, "kvfleet sent no request at all to some workers in: " + ", ".join(shown) + ".")
     return out
 
 

@@ -72,3 +72,18 @@ def test_saved_runs_merge_only_within_one_commit_and_the_same_cells() -> None:
         merge([_results("a" * 40, 100), _results("b" * 40, 100)])
     with pytest.raises(ValueError, match="different cells"):
         merge([_results("a" * 40, 100), _results("a" * 40, 100, cache="ample")])
+
+
+def test_failures_of_a_repeated_contender_make_one_sentence_with_each_runs_count() -> None:
+    from peers.report import observations
+
+    def run(failed: int) -> dict[str, Any]:
+        r = _run("sticky", "sticky", 100, 1.0, None)
+        r["records"] = [{"status": 0, "error": "no complete answer within 10.0s", "ttft_s": None}] * failed
+        r["summary"].update(ok=192 - failed)
+        return r
+
+    lines = observations([_cell(run(2), run(0), run(3))])
+    assert lines == ["sticky in agents16x4/tight: 2, 0, 3 of 192 requests failed (its 3 runs) "
+                     "(most often, 5x: `no complete answer within 10.0s`)."]
+    assert observations([_cell(run(0), run(0))]) == []  # control: no failure, no sentence
