@@ -513,11 +513,11 @@ def git_head() -> str:
     return head + (" (plus uncommitted changes under controller/ or fleet/)" if dirty else "")
 
 
-def section_title(section: str, cells: str | None, driver: str | None) -> str:
+def section_title(section: str, cells: str | None, driver: str | None, repeats: int = 1) -> str:
     return (
         f"Fleet routing, section {section}: cells {cells or 'default'} "
         "(`./dev.sh bench fleet_routing --cells ... --section " + section
-        + (" --driver aiperf" if driver == "aiperf" else "") + "`)"
+        + (" --driver aiperf" if driver == "aiperf" else "") + (f" --repeat {repeats}" if repeats > 1 else "") + "`)"
     )
 
 
@@ -645,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps(results))
     if a.section != "fleet-routing" and not (a.from_json and results.get("title")):
         # NOTE: from the saved run's own cells and driver, so a run saved with --no-docs publishes the same title
-        results["title"] = section_title(a.section, results.get("cells_arg"), results.get("options", {}).get("driver"))
+        results["title"] = section_title(a.section, results.get("cells_arg"), results.get("options", {}).get("driver"),
+                                         results.get("repeats", 1))
     section = report(results)
     if a.notes is not None:
         section += "\n\n" + a.notes.read_text().strip() + "\n"

@@ -355,7 +355,8 @@ def report(results: dict[str, Any]) -> str:
         if k not in ("model", "block_size", "num_blocks", "hash_algo", "hash_seed", "loras", "max_model_len")
     }
     title = results.get("title") or (
-        "Fleet routing: kvfleet vs vllm-router, sglang-router and a sticky hash (`./dev.sh bench fleet_routing`)"
+        "Fleet routing: kvfleet vs vllm-router, sglang-router and a sticky hash (`./dev.sh bench fleet_routing"
+        + (f" --repeat {repeats}" if repeats > 1 else "") + "`)"
     )
     lines = [
         f"## {title}",
