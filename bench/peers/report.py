@@ -499,7 +499,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_ylabel("prefilled tokens / best peer's (log; lower is better)")
     ax.set_title(
-        f"Fleet routing: prefilled tokens relative to the best peer per cell (commit {results['commit'][:7]})"
+        "Fleet routing: prefilled tokens relative to the best peer per cell ("
+        + (f"medians of {results['repeats']} runs, " if results.get("repeats", 1) > 1 else "")
+        + f"commit {results['commit'][:7]})"
     )
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
