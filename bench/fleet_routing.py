@@ -50,7 +50,8 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 from peers import launch  # noqa: E402
 from peers.launch import CONTENDERS, Running, Spec, Unavailable  # noqa: E402
 from peers.repeats import merge  # noqa: E402
-from peers.report import plot, prefilled, report  # noqa: E402
+from peers.report import plot, report  # noqa: E402
+from peers.summary import prefilled  # noqa: E402
 from peers.workers import MODEL, RESET_TARGETS, SimFleet, engine_config  # noqa: E402
 from routing_trace import CACHES, WORKLOADS, Session, Workload, workload  # noqa: E402
 
@@ -169,7 +170,7 @@ class Driver:
     def note_cleared(self) -> None:
         """Each reset: when its worker published the AllBlocksCleared (`cleared_s`, seconds into the run), where it
         did. vLLM sends it with the next engine step, after that step's forward pass (docs/reference/vllm-surfaces.md
-        1.4), so it reaches a router that long after the reset answered (bench/peers/report.py stale_raced)."""
+        1.4), so it reaches a router that long after the reset answered (bench/peers/summary.py stale_raced)."""
         for e in self.events:
             if e["verb"] != "reset_prefix_cache" or not e.get("ok"):
                 continue
@@ -276,7 +277,7 @@ class Driver:
                     )
                     rec.attempts = int(h.get("x-kvfleet-attempts") or 1)
                     # NOTE: the blind front names its worker in its own header; without it every kvfleet-blind record
-                    # had no worker, so none of its stale warm routes could be counted raced (report.stale_raced)
+                    # had no worker, so none of its stale warm routes could be counted raced (summary.stale_raced)
                     rec.worker = h.get("x-kvfleet-worker") or h.get("x-blind-worker")
                     first = await r.content.readuntil(b"\n\n") if r.status == 200 else b""
                     rec.ttft_s = time.perf_counter() - t0 if first else None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from peers.report import summarize  # noqa: E402
+from peers.summary import summarize  # noqa: E402
 
 FRACTIONS = ("sleep_at", "wake_at", "reset_at")
 

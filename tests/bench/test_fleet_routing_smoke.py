@@ -15,7 +15,8 @@ sys.path.insert(0, str(BENCH))
 
 import fleet_routing as fr  # noqa: E402
 from peers.launch import CONTENDERS  # noqa: E402
-from peers.report import report, summarize  # noqa: E402
+from peers.report import report  # noqa: E402
+from peers.summary import summarize  # noqa: E402
 from routing_trace import agents  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from peers.report import stale_raced  # noqa: E402
+from peers.summary import stale_raced  # noqa: E402
 
 
 def _rec(worker: str, issued_s: float | None, ttft_s: float | None, matched: int, cached: int) -> dict[str, Any]:

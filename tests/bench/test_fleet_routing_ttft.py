@@ -12,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 from peers.aiperf_driver import records  # noqa: E402
-from peers.report import pct, summarize  # noqa: E402
+from peers.summary import pct, summarize  # noqa: E402
 
 
 def _run(recs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The stand-in records when it published an AllBlocksCleared (`SimVllm.cleared_at`): with its next engine step, as
 vLLM does, not when the reset answered. The routing bench reads it to tell a stale route that raced a reset behind
-the routers' backs from one a router could have avoided (bench/peers/report.py stale_raced)."""
+the routers' backs from one a router could have avoided (bench/peers/summary.py stale_raced)."""
 
 from __future__ import annotations
 
