@@ -68,9 +68,7 @@ def _median(xs: list[Any]) -> Any:
         return None
     if all(isinstance(x, bool) for x in vals):
         return any(vals)  # e.g. ttft_lower_bound: one run's timeouts make the median's bound a bound too
-    if all(isinstance(x, (int, float)) for x in vals):
-        return median_low(vals)
-    return vals[0]
+    return median_low(vals)  # every other figure of a summary is a number
 
 
 def _range(xs: list[Any]) -> tuple[Any, Any] | None:

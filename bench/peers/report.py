@@ -120,9 +120,9 @@ def detail(cell: dict[str, Any]) -> list[str]:
         stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})" + (
             f", {s['stale_raced']} raced" if s.get("stale_raced") else "")
         rows.append(
-            f"| {r['contender']} | {s['prefilled']:,} ({_range(s, 'prefilled', '{:,}-{:,}; ')}{s.get('recomputed', 0):,}) | "
+            f"| {r['contender']} | {s['prefilled']:,} ({_spread_text(s, 'prefilled', '{:,}-{:,}; ')}{s.get('recomputed', 0):,}) | "
             f"{_ratio(s['prefilled'], b, 'prefilled')} | "
-            f"{100 * s['hit_rate']:.1f}% | {_ttft(s)}{_range(s, 'ttft_p99', ' ({}-{})', scale=_ms)} | "
+            f"{100 * s['hit_rate']:.1f}% | {_ttft(s)}{_spread_text(s, 'ttft_p99', ' ({}-{})', scale=_ms)} | "
             + (f"{_ms(s['sim_ttft_p50'])} / {_ms(s['sim_ttft_p99'])} | " if sim else "")
             + f"{s['rps']:.0f} | "
             f"{s['ok']} / {s['timed_out']} | {s['to_sleeping']} | {100 * s['req_share_max']:.0f}% / "
@@ -131,7 +131,7 @@ def detail(cell: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _range(s: dict[str, Any], key: str, fmt: str, scale: Any = None) -> str:
+def _spread_text(s: dict[str, Any], key: str, fmt: str, scale: Any = None) -> str:
     """A repeated contender's range over its runs in `fmt` (its low and its high), or nothing for a single run."""
     lo_hi = s.get("spread", {}).get(key)
     if not lo_hi:
