@@ -116,6 +116,10 @@ class Options:
     # that reached a sleeping worker count, so the target depends on where each router sent them); "cached", the
     # awake one holding the most cached blocks, the reset that costs each router the most (bench/peers/workers.py)
     reset_target: str = "cached"
+    # True: the sleep window ends at the latest when the reset is due, and the reset follows the wake, so every router
+    # meets the sleep, the wake and the reset in that order (Driver._sleep_window); False: the reset fires at its point
+    # even while a worker sleeps (the rule before round forty-two, --reset-in-sleep)
+    wake_before_reset: bool = True
 
 
 def usage_of(raw: bytes) -> tuple[int | None, int | None]:
@@ -152,6 +156,8 @@ class Driver:
         self._tasks: list[asyncio.Task[None]] = []
         self._done = False
         self._t0 = 0.0
+        self._slept = False  # the sleep window is open: a reset due now waits for the wake
+        self._reset_due = False
 
     async def drive(self) -> float:
         """Run every session to its end; returns the wall time from the first request to the last answer."""
@@ -219,10 +225,17 @@ class Driver:
     def _issue(self) -> None:
         self.issued += 1
         if self.issued == self.sleep_n:
+            self._slept = True
             self._tasks.append(asyncio.create_task(self._sleep_window()))
         if self.issued == self.reset_n:
-            target = self.fleet.busiest(self.opt.reset_target)
-            self._tasks.append(asyncio.create_task(self._action("reset_prefix_cache", target)))
+            if self._slept and self.opt.wake_before_reset:  # the wake comes first (_sleep_window): every router meets sleep, wake, reset in order
+                self._reset_due = True
+            else:
+                self._reset()
+
+    def _reset(self) -> None:
+        target = self.fleet.busiest(self.opt.reset_target)
+        self._tasks.append(asyncio.create_task(self._action("reset_prefix_cache", target)))
 
     async def _action(self, verb: str, worker: str) -> None:
         """One lifecycle action; an HTTP call that times out (a loaded machine) is tried twice more,
@@ -238,17 +251,30 @@ class Driver:
 
     async def _sleep_window(self) -> None:
         """Sleep the busiest worker; wake it once the wake point of the trace was issued and at least
-        sleep_min_s went by, or after sleep_max_s (or when every session is done)."""
+        sleep_min_s went by, or after sleep_max_s (or when every session is done), and at the latest when the
+        reset is due, which then follows the wake.
+
+        NOTE: before, a router that issued its requests from the sleep to the reset point within sleep_min_s (one that
+        kept its agents off the slept worker, so none of them waited) had the reset while a worker still slept, on one of
+        fewer awake workers, each carrying more sessions: a harder hazard than the slower routers met
+        (agents16x4/very-tight, docs/benchmarks.md). Every router now meets sleep, wake and reset in that order, the
+        reset at its own point of the trace."""
         w = self.fleet.busiest()
         await self._action("sleep", w)
         t = time.monotonic()
-        while not self._done:
+        while not self._done and not self._reset_due:  # _reset_due: only with opt.wake_before_reset
             el = time.monotonic() - t
             if el >= self.opt.sleep_max_s or (self.issued >= self.wake_n and el >= self.opt.sleep_min_s):
                 break
             await asyncio.sleep(0.02)
         await self._action("wake_up", w)
         self.events[-1]["slept_s"] = round(time.monotonic() - t, 3)
+        if self._reset_due:
+            self.events[-1]["cut_by_reset"] = True
+        self._slept = False
+        if self._reset_due:
+            self._reset_due = False
+            self._reset()
 
     async def _send(self, s: Session, t: int) -> Record:
         rec = Record(s.session_id, t)
@@ -569,6 +595,13 @@ def main(argv: list[str] | None = None) -> int:
         "name), or the one that received the most requests since the start (requests that reached it while it "
         "slept count, so a router that sent requests to the slept worker has it reset once woken, empty)",
     )
+    p.add_argument(
+        "--reset-in-sleep",
+        action="store_true",
+        help="fire the reset at its point of the trace even while the slept worker has not woken (the rule before "
+        "round forty-two: a router that issued its requests faster had the reset during the sleep); by default the "
+        "wake comes first, at the latest when the reset is due",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout, seconds")
     p.add_argument("--think-ms", type=float, default=100.0, help="mean pause between an agent's turns")
@@ -618,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown contender(s) {bad}; expected some of {', '.join(CONTENDERS)}")
     opt = Options(a.timeout, a.sleep_min, a.sleep_max, a.seed, a.think_ms / 1000, parse_sim_opts(a.sim_opt),
-                  a.driver, a.aiperf, not a.no_hazards, a.reset_target)
+                  a.driver, a.aiperf, not a.no_hazards, a.reset_target, not a.reset_in_sleep)
     cfg, ignored = engine_config(1024, BLOCK_SIZE, opt.sim_opts, SIM_DEFAULTS)
     if ignored:
         print(f"warning: this sim-vllm has no config field(s) {sorted(ignored)}; ignored", file=sys.stderr)

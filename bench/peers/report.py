@@ -280,8 +280,10 @@ def report(results: dict[str, Any]) -> str:
         f"{1e3 * o['think_s']:.0f} ms) between an agent's turns. Behind every router's back (HTTP straight to the "
         f"worker) the busiest worker is slept (level 1, mode {mode}{SLEEP_MODES.get(mode, '')}) when {at['sleep_at']} of the "
         "trace's requests were issued and woken once "
-        f"{at['wake_at']} were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s); at "
-        f"{at['reset_at']} "
+        f"{at['wake_at']} were and at least {o['sleep_min_s']} s passed (at most {o['sleep_max_s']} s"
+        + (f", and at the latest at {at['reset_at']}: every router meets the sleep, the wake and the reset in that "
+           "order" if o.get("wake_before_reset") else "")
+        + f"); at {at['reset_at']} "
         + ("the prefix cache of the awake worker holding the most cached blocks is reset"
            if o.get("reset_target") == "cached" else "the busiest awake worker's prefix cache is reset")
         + (" (`reset_running_requests=true`: requests running there are preempted and computed again, so the "
