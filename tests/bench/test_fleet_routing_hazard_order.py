@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
