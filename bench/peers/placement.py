@@ -6,8 +6,9 @@ RUN.json is what `bench/fleet_routing.py --json` saved. Phases are the trace's l
 asleep, woken, after the reset (by the issued count at which the bench fires each). A request's prefill here is its
 prompt less the tokens its worker reported cached; the preempted requests' recompute, which the stand-ins count apart,
 is the contender's table figure less the sum of these. (The bench wakes the slept worker at its wake fraction only
-once the sleep has lasted its shortest window, so a fast router can reach the reset's fraction first: the events
-line says when each action came.) `--sessions A:B` prints, for the requests issued from A to B,
+once the sleep has lasted its shortest window, and at the latest at the reset's fraction, the reset then following the
+wake; a run saved with --reset-in-sleep, or before that rule, may have its reset inside the sleep: the events line says
+when each action came.) `--sessions A:B` prints, for the requests issued from A to B,
 one column per session: the worker each went to (kvfleet's records name it; the peers' do not) and its prefill / prompt.
 This is how docs/benchmarks.md's request-by-request accounts were read.
 """
