@@ -84,6 +84,9 @@ class CostConfig:
             another first block (another system prompt or tenant; the larger of this and shared_prefix_weight):
             a rank that serves one tenant's system prompt takes another's only when it is cheaper by that much.
             0: as anywhere else.
+        scheduled_by_events: a tracked route leaves its rank's queue when a BlockStored event of that rank carries its
+            prompt's last full block (vLLM stores it in the step that schedules the prompt: InFlight.scheduled); off,
+            only a /metrics look at least `reconcile_grace_s` after the route, or its release, takes it out.
         inflight_prefix: a prompt prefix that tracked routes not yet ended are computing on a rank counts as
             cached there (InFlight.pending), as vLLM will find it at admission; off, only KV events prove it.
     """
@@ -100,6 +103,7 @@ class CostConfig:
     affinity_margin: float = 0.0
     inflight_prefix: bool = True
     mixed_prefix_weight: float = 0.5
+    scheduled_by_events: bool = True
 
     def __post_init__(self) -> None:
         for name in ("shared_prefix_weight", "mixed_prefix_weight"):
@@ -110,8 +114,9 @@ class CostConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 raise InvalidArgument(f"{name} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.inflight_prefix, bool):
-            raise InvalidArgument(f"inflight_prefix must be true or false, got {self.inflight_prefix!r}")
+        for name in ("inflight_prefix", "scheduled_by_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be true or false, got {getattr(self, name)!r}")
         if (
             isinstance(self.kv_high_water, bool)
             or not isinstance(self.kv_high_water, int | float)

@@ -116,6 +116,27 @@ class InFlight:
         if not by_key:
             del self._by_key[f.key]
 
+    def scheduled(self, key: RankKey, block_hashes: Sequence[int]) -> int:
+        """A BlockStored on the rank: its queued routes whose last full block is among `block_hashes` leave the queue
+        (they stay active until released); returns how many did.
+
+        vLLM stores a prompt's full blocks in the step that schedules them, so the route's prefill no longer waits,
+        and the events say so within a step. Before, a route counted as queued until a /metrics look at least the
+        reconcile grace after it (0.25-0.75 s): a request that was long scheduled and decoding, or done, still charged
+        its whole prefill to its worker's queue, and warm conversations left a worker for a queue it did not have.
+        """
+        n = 0
+        if not self._by_hash:  # NOTE: no queued route anywhere (the common case): an event costs one test
+            return n
+        for h in block_hashes:
+            same = self._by_hash.get(h)
+            if same:
+                for f in [f for f in same.values() if f.key == key]:
+                    if self._unqueue(f):
+                        self._ran(f)
+                        n += 1
+        return n
+
     def get(self, route_id: str) -> Flight | None:
         return self._all.get(route_id)
 

@@ -79,6 +79,12 @@ COST_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         on_off,
         "count a prompt prefix that routes still in flight on a worker are computing as cached there (on/off)",
     ),
+    "--route-scheduled-by-events": (
+        "scheduled_by_events",
+        on_off,
+        "a route stops counting as queued on its worker when the worker's KV events store its prompt's last block "
+        "(on/off; off: only a /metrics look takes it out)",
+    ),
 }
 
 

@@ -218,6 +218,8 @@ class Router(RouterLifecycle, RoutePhases):
             return
         if (ev.medium or "GPU").upper() != "GPU":
             return
+        if isinstance(ev, BlockStored) and self.cfg.cost.scheduled_by_events:
+            self.flights.scheduled(key, ev.block_hashes)  # their prefill no longer waits (InFlight.scheduled)
         # NOTE: the pool is made here once the capacity is known, not at the rank's first route: a restarted
         # controller (or a worker registered again) rebuilds the index by replay, and the shadow must see that
         # replay in stored order. Made at the first route, it started empty (every block free and unhashed)
