@@ -25,6 +25,8 @@ SLEEP_MODES = {  # how vLLM's /sleep meets requests in flight
 
 def stale_cell(s: dict[str, Any]) -> str:
     """The stale warm count, with how many of them raced an action behind the router's back."""
+    if s["stale_warm"] is None:  # no verdicts to count (a driver that does not read kvfleet's headers: AIPerf)
+        return "n/a"
     raced = s.get("stale_raced")
     return str(s["stale_warm"]) + (f" ({raced} raced)" if raced else "")
 

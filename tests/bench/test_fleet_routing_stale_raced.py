@@ -52,3 +52,11 @@ def test_a_reset_races_until_its_cleared_event_is_published() -> None:
     assert stale_raced(recs, [published]) == 1
     assert stale_raced(recs, [RESET]) == 0  # control: without the publish time, only the action's own window
     assert stale_raced(recs, [{**published, "verb": "sleep"}]) == 0
+
+
+def test_the_summary_table_says_na_where_no_verdict_was_read() -> None:
+    from peers.report import stale_cell
+
+    assert stale_cell({"stale_warm": None, "stale_raced": None}) == "n/a"  # AIPerf's records carry no verdict
+    assert stale_cell({"stale_warm": 0, "stale_raced": 0}) == "0"  # counted, none: not "n/a"
+    assert stale_cell({"stale_warm": 5, "stale_raced": 5}) == "5 (5 raced)"
