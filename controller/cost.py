@@ -85,8 +85,10 @@ class CostConfig:
             a rank that serves one tenant's system prompt takes another's only when it is cheaper by that much.
             0: as anywhere else.
         scheduled_by_events: a tracked route leaves its rank's queue when a BlockStored event of that rank carries its
-            prompt's last full block (vLLM stores it in the step that schedules the prompt: InFlight.scheduled); off,
-            only a /metrics look at least `reconcile_grace_s` after the route, or its release, takes it out.
+            prompt's last full block (vLLM stores it in the step that schedules the prompt: InFlight.scheduled); off
+            (the default), only a /metrics look at least `reconcile_grace_s` after the route, or its release, takes it
+            out. Off: on the routing bench the truer queue prefilled 11% more in agents16x4/very-tight and 4.6% less
+            in tenants2, a wash elsewhere (docs/routing.md, "Queued until seen scheduled: tried, opt-in").
         inflight_prefix: a prompt prefix that tracked routes not yet ended are computing on a rank counts as
             cached there (InFlight.pending), as vLLM will find it at admission; off, only KV events prove it.
     """
@@ -103,7 +105,7 @@ class CostConfig:
     affinity_margin: float = 0.0
     inflight_prefix: bool = True
     mixed_prefix_weight: float = 0.5
-    scheduled_by_events: bool = True
+    scheduled_by_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("shared_prefix_weight", "mixed_prefix_weight"):

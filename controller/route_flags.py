@@ -83,7 +83,7 @@ COST_FLAGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
         "scheduled_by_events",
         on_off,
         "a route stops counting as queued on its worker when the worker's KV events store its prompt's last block "
-        "(on/off; off: only a /metrics look takes it out)",
+        "(on/off; off: only a /metrics look or its release takes it out)",
     ),
 }
 

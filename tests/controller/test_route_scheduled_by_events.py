@@ -1,12 +1,13 @@
-"""A tracked route leaves its worker's queue when the worker's KV events store its prompt's last full block
-(`scheduled_by_events`, InFlight.scheduled; issue #27).
+"""With `scheduled_by_events` on (opt-in), a tracked route leaves its worker's queue when the worker's KV events store
+its prompt's last full block (InFlight.scheduled; issue #27).
 
 vLLM stores a prompt's full blocks in the step that schedules it, so from that event on the route's prefill no longer
-waits. Before, a route counted as queued until a /metrics look at least the reconcile grace after it: a request long
-scheduled (decoding, or done and not yet released) still charged its whole prefill to its worker's queue, and warm
-conversations moved off a worker for a queue it did not have (cold-burst: 12-18 conversations a run moved during the
-burst). The real Router on a `kvfleet sim-vllm` worker; the request really runs there. The reconcile grace is set
-past the test's length, so no /metrics look can take the route out: the control (off) shows it stays queued.
+waits. Off (the default), a route counts as queued until a /metrics look at least the reconcile grace after it, or its
+release: a request long scheduled (decoding, or done and not yet released) still charges its whole prefill to its
+worker's queue. On the routing bench that inflated queue placed better (docs/routing.md, "Queued until seen
+scheduled"), so the truer one is opt-in. The real Router on a `kvfleet sim-vllm` worker; the request really runs
+there. The reconcile grace is set past the test's length, so no /metrics look can take the route out: the control
+(off) shows it stays queued.
 """
 
 from __future__ import annotations

@@ -609,7 +609,7 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         "affinityMargin": 0,
         "mixedPrefixWeight": 0.25,
         "inflightPrefix": False,
-        "scheduledByEvents": False,
+        "scheduledByEvents": True,
     }
     got = cost_config_from(parse_args(args({"controller": {"routing": routing}})[1:], {}))
     assert got == CostConfig(
@@ -624,7 +624,7 @@ def test_helm_routing_values_become_flags_the_controller_parses() -> None:
         affinity_margin=0.0,
         mixed_prefix_weight=0.25,
         inflight_prefix=False,
-        scheduled_by_events=False,
+        scheduled_by_events=True,
     )
 
 
