@@ -228,8 +228,8 @@ class Driver:
             self._slept = True
             self._tasks.append(asyncio.create_task(self._sleep_window()))
         if self.issued == self.reset_n:
-            if self._slept and self.opt.wake_before_reset:  # the wake comes first (_sleep_window): every router meets sleep, wake, reset in order
-                self._reset_due = True
+            if self._slept and self.opt.wake_before_reset:
+                self._reset_due = True  # _sleep_window wakes the worker now, then resets: sleep, wake, reset in order
             else:
                 self._reset()
 
@@ -269,10 +269,9 @@ class Driver:
             await asyncio.sleep(0.02)
         await self._action("wake_up", w)
         self.events[-1]["slept_s"] = round(time.monotonic() - t, 3)
-        if self._reset_due:
-            self.events[-1]["cut_by_reset"] = True
         self._slept = False
         if self._reset_due:
+            self.events[-1]["cut_by_reset"] = True
             self._reset_due = False
             self._reset()
 

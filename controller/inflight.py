@@ -121,9 +121,8 @@ class InFlight:
         (they stay active until released); returns how many did.
 
         vLLM stores a prompt's full blocks in the step that schedules them, so the route's prefill no longer waits,
-        and the events say so within a step. Before, a route counted as queued until a /metrics look at least the
-        reconcile grace after it (0.25-0.75 s): a request that was long scheduled and decoding, or done, still charged
-        its whole prefill to its worker's queue, and warm conversations left a worker for a queue it did not have.
+        and the events say so within a step. Without it (CostConfig.scheduled_by_events off, the default), a route
+        counts as queued until a /metrics look at least the reconcile grace after it (0.25-0.75 s), or its release.
         """
         n = 0
         if not self._by_hash:  # NOTE: no queued route anywhere (the common case): an event costs one test
