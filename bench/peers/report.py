@@ -23,11 +23,14 @@ SLEEP_MODES = {  # how vLLM's /sleep meets requests in flight
 }
 
 
-def stale_cell(s: dict[str, Any]) -> str:
-    """The stale warm count, with how many of them raced an action behind the router's back."""
-    if s["stale_warm"] is None:  # no verdicts to count (a driver that does not read kvfleet's headers: AIPerf)
+def stale_cell(s: dict[str, Any], of_warm: bool = False) -> str:
+    """The stale warm count, with how many of them raced an action behind the router's back (`of_warm`: and of how
+    many WARM verdicts, as the contenders' tables show it)."""
+    if s["stale_warm"] is None:  # no verdicts to count: a peer, or a driver that does not read them (AIPerf)
         return "n/a"
     raced = s.get("stale_raced")
+    if of_warm:
+        return f"{s['stale_warm']} ({s['warm']})" + (f", {raced} raced" if raced else "")
     return str(s["stale_warm"]) + (f" ({raced} raced)" if raced else "")
 
 
@@ -119,8 +122,7 @@ def detail(cell: dict[str, Any]) -> list[str]:
             )
             continue
         s = r["summary"]
-        stale = "n/a" if s["stale_warm"] is None else f"{s['stale_warm']} ({s['warm']})" + (
-            f", {s['stale_raced']} raced" if s.get("stale_raced") else "")
+        stale = stale_cell(s, of_warm=True)
         rows.append(
             f"| {r['contender']} | {s['prefilled']:,} ({_spread_text(s, 'prefilled', '{:,}-{:,}; ')}{s.get('recomputed', 0):,}) | "
             f"{_ratio(s['prefilled'], b, 'prefilled')} | "

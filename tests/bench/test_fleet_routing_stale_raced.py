@@ -60,3 +60,5 @@ def test_the_summary_table_says_na_where_no_verdict_was_read() -> None:
     assert stale_cell({"stale_warm": None, "stale_raced": None}) == "n/a"  # AIPerf's records carry no verdict
     assert stale_cell({"stale_warm": 0, "stale_raced": 0}) == "0"  # counted, none: not "n/a"
     assert stale_cell({"stale_warm": 5, "stale_raced": 5}) == "5 (5 raced)"
+    assert stale_cell({"stale_warm": 5, "stale_raced": 5, "warm": 440}, of_warm=True) == "5 (440), 5 raced"
+    assert stale_cell({"stale_warm": None, "stale_raced": None, "warm": None}, of_warm=True) == "n/a"
