@@ -59,7 +59,7 @@ def tenant() -> str:
 def multinode(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario of multinode_scenarios.py (node_loss_scenario.py's last), run once in a child
     process with a timeout, on one cluster started once (starting raylets costs seconds on 2 cores):
-    its JSON, by scenario name. test_multinode.py and test_multinode_node_loss.py assert on it."""
+    its JSON, by scenario name. Only test_multinode.py asserts on it: one file, so one xdist worker starts it."""
     out = tmp_path_factory.mktemp("multinode") / "out.json"
     script = Path(__file__).with_name("multinode_scenarios.py")
     root = Path(__file__).resolve().parents[2]
