@@ -66,8 +66,9 @@ case "$cmd" in
       # Two pytest-xdist workers, each test file whole on one of them (its module fixtures shared), each worker
       # with its own session fixtures (redis-server, local Ray: tests/conftest.py). About half the serial
       # suite's time is waiting (processes starting, Ray, timeouts), which a second worker fills on 2 cores.
-      # KVFLEET_TEST_WORKERS=0 runs it serially.
-      set -- -n "${KVFLEET_TEST_WORKERS:-2}" --dist loadfile
+      # KVFLEET_TEST_WORKERS=0 runs it serially. Files go out in tests/conftest.py's order (slow ones first), not
+      # xdist's (most tests first), so no slow file is left for one worker at the end.
+      set -- -n "${KVFLEET_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
     fi
     exec python -m pytest "$@" ;;
   bench) name=${1:?usage: ./dev.sh bench NAME (a script in bench/, without .py)}; shift

@@ -73,7 +73,22 @@ def _has_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Order the test files for `./dev.sh test`'s two xdist workers, which take one file at a time in this order
+    (it passes --no-loadscope-reorder): files holding a `slow` test first, then by number of tests, most first
+    (xdist's own order). Left to xdist, files of one slow test (a crash test, a multi-node cluster) came last, and
+    one worker ran them alone at the end of the run. A file's tests keep their order (the sort is stable)."""
+    files: dict[str, tuple[bool, int, int]] = {}
+    for i, item in enumerate(items):
+        name = item.nodeid.split("::", 1)[0]
+        slow, n, first = files.get(name, (False, 0, i))
+        files[name] = (slow or item.get_closest_marker("slow") is not None, n + 1, first)
+    rank = {name: (not slow, -n, first) for name, (slow, n, first) in files.items()}
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_files_first(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")

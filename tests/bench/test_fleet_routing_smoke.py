@@ -22,6 +22,7 @@ from routing_trace import agents  # noqa: E402
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.slow
 async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: Path) -> None:
     wl = agents("smoke", 0, num_agents=4, num_workers=2, turns=3, think_s=0.02, system_words=120)
     opt = fr.Options(timeout_s=5.0, sleep_min_s=0.3, sleep_max_s=2.0, think_s=0.02)

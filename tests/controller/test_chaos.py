@@ -14,6 +14,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+import pytest
 from support.chaos import Result, run_chaos
 
 STEPS = 300
@@ -40,6 +41,7 @@ def _runs(*runs: dict[str, Any]) -> list[Result]:
         return list(pool.map(run_chaos, [r.pop("steps", STEPS) for r in runs], runs))
 
 
+@pytest.mark.slow
 def test_chaos_through_controller_and_restart() -> None:
     *a, d = _runs(*[dict(seed=seed, mode="through", steps=200) for seed in SEEDS],
                   dict(seed=7, mode="through", steps=200, restart_controller_at=100))
@@ -75,6 +77,7 @@ def test_chaos_through_controller_and_restart() -> None:
     assert all(d.rebuilt[1][k][0] >= e for k, (e, _) in d.rebuilt[0].items())
 
 
+@pytest.mark.slow
 def test_chaos_behind_the_back() -> None:
     b, bp, inv = _runs(dict(seed=11, mode="behind"), dict(seed=11, mode="behind", probe=True),
                        dict(seed=13, mode="invisible", probe=True))

@@ -54,6 +54,7 @@ def _ray_left(tmp: str) -> list[str]:
     return left
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_leaves_no_ray_and_prints_no_password(private_redis: RedisServer) -> None:
     tmp = tempfile.mkdtemp(prefix="kvf-ray-")  # short: Ray's socket paths must fit 107 bytes
     env = dict(os.environ, RAY_TMPDIR=tmp, PYTHONUNBUFFERED="1")

@@ -132,6 +132,7 @@ async def fleet(redis_url: str) -> AsyncIterator[Fleet]:
             await s.stop()
 
 
+@pytest.mark.slow
 async def test_controller_sigkill_mid_traffic_and_redis_sigkill(fleet: Fleet, redis_server: RedisServer) -> None:
     f = fleet
     await f.start_controller()

@@ -98,6 +98,7 @@ def controller(redis_url: str) -> Iterator[Controller]:
 # starts a local Ray from inside the running gRPC server, and gRPC's fork handlers crashed the forked child
 # before it could exec Ray's GCS server, so ray.init waited out its 30 s start. fleet/__init__.py turns
 # those handlers off (GRPC_ENABLE_FORK_SUPPORT=false); no retry or xfail hides a slow first call any more.
+@pytest.mark.slow
 def test_sigkill_mid_appends_keeps_every_acknowledged_write(controller: Controller) -> None:
     controller.start()
     texts = [f"turn {i}: look up order {1000 + i}" for i in range(40)]

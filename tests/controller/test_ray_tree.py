@@ -185,6 +185,7 @@ def started(request: pytest.FixtureRequest,
             _kill_tree(f.result())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_nothing_of_a_local_ray_outlives_its_controller(
         started: dict[tuple[str, str], Future[subprocess.Popen[str]]], sig: signal.Signals) -> None:

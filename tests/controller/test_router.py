@@ -197,6 +197,7 @@ async def test_a_worker_unregistered_while_its_route_is_probed_is_not_chosen(tmp
         assert d.worker == "w1" and [w.name for w in r.workers()] == ["w1"]  # before: KeyError 'w0' (INTERNAL)
 
 
+@pytest.mark.slow
 async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     (sim,) = await _sims(1)

@@ -140,6 +140,7 @@ async def test_a_tls_handshake_that_cannot_succeed_is_not_retried_and_says_why(t
         await tls.stop(0)
 
 
+@pytest.mark.slow
 async def test_cli_tls_flags(tmp_path: Path, pki: Pki, capsys: pytest.CaptureFixture[str], ray_cluster: None,
                             monkeypatch: pytest.MonkeyPatch) -> None:
     # NOTE: a controller refusing a client with no certificate closes the socket, which a client cannot tell from a

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 from support.workers import SPEC
 
@@ -29,6 +30,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_sessions_come_back_after_the_driver_dies(ray_cluster: None, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'kv.db'}"
     root = Path(__file__).resolve().parents[2]

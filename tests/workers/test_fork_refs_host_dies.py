@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from workers.fleet import KernelFleet
 
 LATER = 10 * 365 * 86400.0  # every lease has long run out
 
 
+@pytest.mark.slow
 def test_a_fork_run_again_after_its_host_died_takes_its_references_once(kfleet: KernelFleet, tenant: str) -> None:
     # before: the first run wrote the child's log with a reference per tool result, the host died in the child's
     # prefill, and the run again on the restarted host took them once more: 3 references for 2 logs, so the blob

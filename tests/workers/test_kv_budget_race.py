@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support.workers import SPEC, together
 
 from fleet.core.errors import ResourceExhausted
@@ -82,6 +83,7 @@ def test_creates_placed_at_once_never_overfill_a_nodes_kv_budget(ray_cluster: No
         f.shutdown()
 
 
+@pytest.mark.slow
 def test_forks_placed_at_once_never_overfill_a_nodes_kv_budget(ray_cluster: None, tmp_path: Path,
                                                                tenant: str) -> None:
     bb = make_kernel(SPEC).block_bytes

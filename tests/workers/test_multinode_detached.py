@@ -10,11 +10,13 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from support.workers import SPEC
 
 from workers.fleet import KernelFleet
 
 
+@pytest.mark.slow
 def test_a_restarted_host_loses_its_sessions_and_reconcile_rebuilds_them(ray_cluster: None, tmp_path: Path,
                                                                          tenant: str) -> None:
     f = KernelFleet(f"sqlite:///{tmp_path / 'detached.db'}", SPEC, detached=True, call_timeout_s=120.0)

@@ -32,6 +32,7 @@ def _named(name: str) -> ray.actor.ActorHandle:
     return actor
 
 
+@pytest.mark.slow
 def test_a_new_fleet_stops_its_previous_versions_hosts(ray_cluster: None, tmp_path: Path, tenant: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE: before, the previous version's detached host ran on, holding its session, after the new fleet had

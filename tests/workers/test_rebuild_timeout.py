@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import ray
 from support.workers import host_of
 
@@ -32,6 +33,7 @@ def _history(f: KernelFleet, tenant: str, sid: str, cycles: int, mode: str = "ex
     f.append(tenant, sid, " and then?")
 
 
+@pytest.mark.slow
 def test_a_regeneration_computes_what_the_session_holds_not_its_history(kfleet: KernelFleet, tenant: str) -> None:
     """A released session's next call replays its log's ledger and computes its final tokens once:
     48,000 ids appended and evicted exactly are not computed again. Control: the same history with
@@ -97,6 +99,7 @@ def test_a_rebuild_its_caller_gave_up_on_is_joined_not_started_over(kfleet: Kern
     assert rec is not None and (rec.state, rec.epoch) == ("regenerated", 3)
 
 
+@pytest.mark.slow
 def test_a_replay_longer_than_the_call_timeout_settles(kfleet: KernelFleet, tenant: str) -> None:
     """The auditor's case end to end: a session released, then called with a call timeout far below
     its replay. Every call that times out used to start another full replay (the record stayed

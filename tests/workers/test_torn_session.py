@@ -45,6 +45,7 @@ def test_a_retry_after_a_failure_past_the_log_matches_a_session_that_never_faile
     assert kfleet.num_regenerations == 1
 
 
+@pytest.mark.slow
 def test_an_admission_whose_host_dies_between_its_log_writes_is_finished_and_answered(
         kfleet: KernelFleet, tenant: str) -> None:
     import ray

@@ -16,6 +16,7 @@ from fleet.app.cli import worker as worker_cli
 from fleet.sdk import FleetClient
 
 
+@pytest.mark.slow
 def test_up_session_ls_worker_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     proc, info = start_up(tmp_path, "--sim-workers", "1", "--tenant", "acme")

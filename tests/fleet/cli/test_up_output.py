@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from support.kvfleet_up import UP, start_up, stop_up
 
 DIED = "A worker died or was killed"
 
 
+@pytest.mark.slow
 def test_up_json_keeps_stdout_for_its_json_line(tmp_path: Path) -> None:
     log = tmp_path / "up.err"
     proc, info = start_up(tmp_path / "state", stderr=log)

@@ -10,6 +10,7 @@ from fleet.app.cli.demo import run_demo
 from fleet.app.demo.workload import DemoConfig
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_blocks", [2048, 96], ids=["ample", "tight"])
 async def test_short_demo_invariants(ray_cluster: None, num_blocks: int) -> None:
     # The demo's fleet is scoped by its own store (actor names carry a hash of the store URL) and its

@@ -139,6 +139,7 @@ async def test_a_request_sent_between_the_chunks_hits_only_the_blocks_computed(s
     assert parse_metrics(text).prefix_hits == hit and queries == [2 * len(PROMPT)]
 
 
+@pytest.mark.slow
 async def test_a_wait_drain_publishes_the_blocks_a_running_request_computes(slow) -> None:
     """`/sleep?level=1&mode=wait` lets the running request finish: its later chunks are computed during the drain
     and their blocks announced then, before the sleep answers; the cache reset comes after them, with the step
