@@ -179,6 +179,19 @@ async def until(fn: Callable[[], Awaitable[Any]], pred: Callable[[Any], bool], t
         await asyncio.sleep(0.05)
 
 
+async def proxy_released(fleet: Any, n: int) -> None:
+    """Wait until the proxy has counted `n` routes released. The proxy counts a release when the controller
+    answers its ReleaseRoute, after the router has dropped the route: a test that saw the router's flights fall
+    to 0 can still find the proxy's counter one short (it did, on a loaded machine)."""
+    await until(_released_by_proxy(fleet), lambda k: k == n)
+
+
+def _released_by_proxy(fleet: Any) -> Callable[[], Awaitable[float]]:
+    async def value() -> float:
+        return float(fleet.proxy.metrics.releases.labels("released")._value.get())
+    return value
+
+
 def sse_events(raw: bytes) -> list[str]:
     """The `data:` payloads of an SSE body, in order."""
     return [line[len("data: ") :] for line in raw.decode().split("\n\n") if line.startswith("data: ")]

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from support.proxy_fleet import MODEL, Fleet, served, start_fleet, until
+from support.proxy_fleet import MODEL, Fleet, proxy_released, served, start_fleet, until
 
 from controller.cost import CostConfig
 from fleet.app.testkit.sim_vllm.app import VERSION
@@ -53,7 +53,7 @@ async def test_the_pooling_routes_and_responses_are_routed_by_load_and_forwarded
             print(f"{path}: {status} via {h['x-kvfleet-worker']}, {json.loads(raw).get('object')}")
         assert not any(served(s, "/tokenize") for s in fleet.sims.values())  # nothing was tokenized to route them
         await until(lambda: _num(router.flights), lambda n: n == 0)  # every route released
-        assert fleet.proxy.metrics.releases.labels("released")._value.get() == len(BODIES)
+        await proxy_released(fleet, len(BODIES))
         # control: auth, model and body limits hold as for the completions; none of these reaches a worker
         async with fleet.http.post(fleet.proxy.url + "/v1/embeddings", json=BODIES["/v1/embeddings"]) as r:
             assert r.status == 401

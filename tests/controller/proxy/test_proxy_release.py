@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.proxy_fleet import LONG_CONTEXT, MODEL, start_fleet, until
+from support.proxy_fleet import LONG_CONTEXT, MODEL, proxy_released, start_fleet, until
 
 from controller.cost import CostConfig
 from controller.router import Router
@@ -34,7 +34,7 @@ async def test_answers_and_worker_errors_release_their_routes(tmp_path: Path) ->
         )
         assert status == 400, body  # the worker's own error answer, relayed
         await until(lambda: _flights(router), lambda n: n == 0)
-        assert fleet.proxy.metrics.releases.labels("released")._value.get() == 4
+        await proxy_released(fleet, 4)
         assert router.metrics.route_releases.labels("released")._value.get() == 4
         assert (
             router.metrics.inflight_dropped.labels("reconcile")._value.get() == 0
@@ -61,7 +61,7 @@ async def test_a_stream_is_in_flight_until_the_client_leaves(tmp_path: Path) -> 
             r.close()  # the client leaves mid-stream
         await until(lambda: _flights(router), lambda k: k == 0)
         assert router.metrics.registry.get_sample_value("kvfleet_route_inflight_requests", {"worker": worker}) == 0
-        assert fleet.proxy.metrics.releases.labels("released")._value.get() == 1
+        await proxy_released(fleet, 1)
         print(
             f"a 100000-token stream held 1 route in flight on {worker}; the client left and the proxy released it"
         )

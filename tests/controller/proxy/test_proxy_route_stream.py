@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support.proxy_fleet import MODEL, Fleet, linked_fleet, start_fleet, until
+from support.proxy_fleet import MODEL, Fleet, linked_fleet, proxy_released, start_fleet, until
 
 from controller.auth import hash_token
 from controller.proxy.control import ControlClient
@@ -47,7 +47,7 @@ async def test_the_proxy_routes_and_releases_over_one_stream(tmp_path: Path) -> 
                                                                       "max_tokens": 4})
             assert status == 200 and headers["x-kvfleet-worker"]
         await until(lambda: _flights(router), lambda n: n == 0)  # every route released
-        assert fleet.proxy.metrics.releases.labels("released")._value.get() == 4
+        await proxy_released(fleet, 4)
         assert unary == {"Route": 0, "ReleaseRoute": 0, "MoveRoute": 0}
         streams = control._streams._streams
         assert list(streams) == [fleet.tokens["a"]] and streams[fleet.tokens["a"]].broken is None
