@@ -13,9 +13,10 @@ bench's own agent tool results (bench/routing_trace.py, every workload); the rep
 Cost: median process CPU ms per KiB at 1 / 4 / 16 / 256 KiB (and 1 MiB, the learned layer's max_chars, for the numpy
 policies), and resident MB (a fresh process per policy: its RSS after import, after building the detector, and its
 peak after judging a 256 KiB and a 1 MiB result).
-The gated policy (rules + learned + the encoder where the learned score >= ENCODER_GATE, the encoder's verdicts
-off the request path; docs/quarantine_default.md) also reports, per benign set, the share of texts that pass the
-gate and the CPU of its heavy jobs (the full verdict of the texts that pass; a text below the gate gets none).
+The gated policies (rules + learned + the encoder where the learned score >= ENCODER_GATE, or on the windows its
+tokenizer cuts into word pieces at most MAX_FRAGMENTATION; the encoder's verdicts off the request path;
+docs/quarantine_default.md) also report, per benign set, the share of texts that pass the gate and the CPU of
+their heavy jobs (the full verdict of the texts that pass; a text the gate stops gets none).
 Writes the figures to tests/fleet/quarantine/data/heldout_report.json.
 """
 
@@ -71,6 +72,14 @@ ENCODER_ALONE = "encoder committee alone (opt-in heavier judge)"
 ENCODER_GATE = 0.918
 GATED = f"rules + learned + encoder gated at learned >= {ENCODER_GATE} (heavy path)"
 GATED_CONFIG = DetectorConfig(layers=("rules", "learned", "encoder"), encoder_gate=ENCODER_GATE)
+# The window gate chosen on validation by its own pre-registered rule (same bounds; docs/quarantine_default.md): an
+# encoder window counts only if at most this share of its tokens are word pieces; not the default either.
+MAX_FRAGMENTATION = 0.2
+FRAG = f"rules + learned + encoder on windows of fragmentation <= {MAX_FRAGMENTATION} (heavy path)"
+FRAG_CONFIG = DetectorConfig(layers=("rules", "learned", "encoder"), encoder_max_fragmentation=MAX_FRAGMENTATION)
+# each heavy-path policy: its config, and what lets a text reach the encoder (the cost table's words)
+HEAVY = {GATED: (GATED_CONFIG, f"its learned score >= {ENCODER_GATE}"),
+         FRAG: (FRAG_CONFIG, f"one of its windows is cut into word pieces at most {MAX_FRAGMENTATION}")}
 BENIGN_SETS = ("multilingual_benign", "routing_bench_tool_results", "real_benign", "tool_outputs")
 KIBS = (1, 4, 16, 256)
 NUMPY_KIBS = (*KIBS, 1024)  # the encoder policies take minutes per MiB
@@ -160,13 +169,13 @@ def evaluate(encoder: bool, gated: bool = False) -> dict[str, Any]:
         verdicts[name] = {k: vs for k, (vs, _) in got.items()}
         if name == "rules + learned":
             fast_cpu = {k: cpu for k, (_, cpu) in got.items()}
-    gate: dict[str, dict[str, float]] = {}
-    if gated:
-        det = make_detector(GATED_CONFIG)
+    gate: dict[str, dict[str, dict[str, float]]] = {}
+    for name, (cfg, _) in HEAVY.items() if gated else ():
+        det = make_detector(cfg)
         det.inspect("warm up: the encoder's first call")
         got = {k: timed(det, texts) for k, (texts, _) in data.items()}
-        verdicts[GATED] = {k: vs for k, (vs, _) in got.items()}
-        gate = {k: gate_costs(data[k][0], *got[k], fast_cpu[k]) for k in data}
+        verdicts[name] = {k: vs for k, (vs, _) in got.items()}
+        gate[name] = {k: gate_costs(data[k][0], *got[k], fast_cpu[k]) for k in data}
     if encoder:
         det = make_detector(DetectorConfig(layers=("rules", "learned", "encoder")))
         full = {k: [det.inspect(t) for t in texts] for k, (texts, _) in data.items()}
@@ -186,8 +195,8 @@ def evaluate(encoder: bool, gated: bool = False) -> dict[str, Any]:
             if (idx := [i for i, r in enumerate(rows) if r["source"] == src])
         }
         out["detectors"][name] = d
-    if gate:
-        out["detectors"][GATED]["gate"] = gate
+    for name, g in gate.items():
+        out["detectors"][name]["gate"] = g
     return out
 
 
@@ -200,7 +209,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fleet.core.quarantine import DetectorConfig, make_detector
 from bench.detector_heldout import tool_outputs
 a = rss()
-det = make_detector(DetectorConfig(layers={layers!r}, encoder_gate={gate!r}))
+det = make_detector(DetectorConfig(layers={layers!r}, encoder_gate={gate!r}, encoder_max_fragmentation={frag!r}))
 judge = ThreadPoolExecutor(1)  # NOTE: on a pool thread, as the controller's judge lanes run it
 blob = "\\n".join(t for _, t in tool_outputs())
 judge.submit(det.inspect, blob[:4096]).result()
@@ -219,7 +228,7 @@ print(json.dumps(out))
 
 
 def cost(layers: tuple[str, ...], kibs: tuple[int, ...] = KIBS, gate: float | None = None,
-         processes: int = 1) -> dict[str, float]:
+         processes: int = 1, frag: float | None = None) -> dict[str, float]:
     """CPU ms per KiB (median of max(3, 192 // KiB) runs, process CPU time: other load on the machine counts only
     through the cache and the cores it shares) and resident MB of a fresh process that builds and runs the policy
     (its peak after each size, smallest first). Each text is judged on a pool thread, as the controller's judge
@@ -231,7 +240,7 @@ def cost(layers: tuple[str, ...], kibs: tuple[int, ...] = KIBS, gate: float | No
 
     NOTE: the peak is the process's VmHWM, not ru_maxrss: Linux carries the forking parent's peak into a child's
     ru_maxrss across exec, so after `evaluate` every policy read the bench's own 61 MB."""
-    code = PROBE.format(root=str(ROOT), layers=layers, kibs=kibs, gate=gate)
+    code = PROBE.format(root=str(ROOT), layers=layers, kibs=kibs, gate=gate, frag=frag)
     runs = []
     for _ in range(processes):
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -246,8 +255,8 @@ def latency(encoder: bool, gated: bool = False) -> dict[str, dict[str, float]]:
     # NOTE: the numpy policies in 5 fresh processes each: one process's CPU per call moves by up to 25% with no
     # other load (3.96-5.24 ms per 4 KiB result over six, all user time: its memory layout), so one is not a figure
     out = {name: cost(cfg.layers, NUMPY_KIBS, processes=NUMPY_PROCESSES) for name, cfg in NUMPY_CONFIGS.items()}
-    if gated:
-        out[GATED] = cost(GATED_CONFIG.layers, KIBS, ENCODER_GATE)
+    for name, (cfg, _) in HEAVY.items() if gated else ():
+        out[name] = cost(cfg.layers, KIBS, cfg.encoder_gate, frag=cfg.encoder_max_fragmentation)
     if encoder:
         out[ENCODER_FULL] = cost(("rules", "learned", "encoder"))
         out[ENCODER_ALONE] = cost(("encoder",))
@@ -273,8 +282,8 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
         "## Quarantine detector, held-out (bench/detector_eval.py)",
         "",
         f"{took}. Test split: {sz['test'][0]} tool results ({sz['test'][1]} injections; "
-        "read for seven configurations, the seventh the rules' escape view, whose letters-only rule was chosen after a "
-        "false positive it showed; docs/quarantine_default.md). "
+        "read for eight configurations, the seventh the rules' escape view, whose letters-only rule was chosen after a "
+        "false positive it showed, the eighth the encoder's fragmentation gate; docs/quarantine_default.md). "
         f"Multilingual benign test part: {sz['multilingual_benign'][0]} tool outputs (real Django / Sphinx "
         f"translations in ~100 languages as messages, JSON, logs, CSV; shell output, tracebacks, code, base64 / hex). "
         f"Routing bench agent tool results: {sz['routing_bench_tool_results'][0]}. Real benign files: "
@@ -320,14 +329,16 @@ def render(ev: dict[str, Any], lat: dict[str, dict[str, float]], elapsed: float)
             f"| {n} | {v['1 KiB']} | {v['4 KiB']} | {v['16 KiB']} | {v['256 KiB']} | {mib[0]} | {per4(v)} | "
             f"{v['import_mb']:.0f} / {v['loaded_mb']:.0f} / {v['peak_mb 256 KiB']:.0f} / {mib[1]} |"
         )
-    if GATED in ev["detectors"]:
-        lines += ["", f"The gated policy's heavy path: a text reaches the encoder only when its learned score >= {ENCODER_GATE} "
-                  "(below it the fast verdict is final and no heavy job is queued). Per set: texts (KiB) that pass the "
-                  "gate, and the process CPU of their full verdicts (the heavy jobs) in ms per KiB of the whole set and "
-                  "of the texts that pass; the fast path's (rules + learned) per KiB of the set beside it:", "",
+    for name, (_, passes) in HEAVY.items():
+        if name not in ev["detectors"]:
+            continue
+        lines += ["", f"The heavy path of \"{name}\": a text reaches the encoder only when {passes} (otherwise the "
+                  "fast verdict is final). Per set: texts (KiB) that pass the gate, and the process CPU of their full "
+                  "verdicts (the heavy jobs) in ms per KiB of the whole set and of the texts that pass; the fast path's "
+                  "(rules + learned) per KiB of the set beside it:", "",
                   "| set | pass the gate | KiB passing | heavy ms / KiB of the set | heavy ms / KiB passing "
                   "| fast ms / KiB of the set |", "|---|---|---|---|---|---|"]
-        for k, g in ev["detectors"][GATED]["gate"].items():
+        for k, g in ev["detectors"][name]["gate"].items():
             lines.append(f"| {k} | {g['passed']}/{g['texts']} | {g['kib_passed']} of {g['kib']} | "
                          f"{g['heavy_ms_per_kib']} | {g['heavy_ms_per_kib_passed']} | {g['fast_ms_per_kib']} |")
     if ENCODER_ALONE not in lat:
@@ -340,12 +351,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--no-encoder", action="store_true", help="leave out the ungated torch policies")
-    ap.add_argument("--no-gated", action="store_true", help="leave out the gated policy (it needs the encoder extra)")
+    ap.add_argument("--no-gated", action="store_true", help="leave out the gated policies (they need the encoder extra)")
     ap.add_argument("--json", type=Path, help="also write the figures here (with --no-doc: only here)")
     a = ap.parse_args()
     gated = not a.no_gated
     if gated and missing_modules():
-        print(f"the gated policy needs {', '.join(missing_modules())}; left out", file=sys.stderr)
+        print(f"the gated policies need {', '.join(missing_modules())}; left out", file=sys.stderr)
         gated = False
     t0 = time.perf_counter()
     ev = evaluate(not a.no_encoder, gated)

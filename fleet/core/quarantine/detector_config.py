@@ -70,6 +70,11 @@ class DetectorConfig:
             (the 4-decimal P(injection) in the verdict) is >= this; below it the encoder does not run and
             cannot quarantine, and the controller queues no heavy job for the bytes. Needs the learned layer.
             docs/quarantine_default.md has the figures.
+        encoder_max_fragmentation: a gate per window (None: none): an encoder window counts only if at most this
+            share of its tokens are word-piece continuations or [UNK] (`EncoderModel.fragmentation`): the
+            encoder judges text in the language it learned (English), not text its tokenizer cuts into pieces
+            (other languages, base64, hex). A text none of whose windows pass is not read by the encoder. Needs
+            the encoder layer. 0.2 was chosen on validation (docs/quarantine_default.md).
     """
 
     layers: tuple[str, ...] = field(default_factory=default_layers)
@@ -80,10 +85,12 @@ class DetectorConfig:
     encoder_threshold: float | tuple[float, ...] | None = None
     encoder_models: tuple[str, ...] = ENCODER_MODELS
     encoder_gate: float | None = None
+    encoder_max_fragmentation: float | None = None
 
     def __post_init__(self) -> None:
         # NOTE: these were asserts: `python -O` drops them, and a bad config from a library caller ran unchecked
-        t, g = self.encoder_threshold, self.encoder_gate
+        t, g, f = self.encoder_threshold, self.encoder_gate, self.encoder_max_fragmentation
+        frag_problem = None if f is None else fragmentation_problem(f, self.layers)
         ts = () if t is None else t if isinstance(t, tuple) else (t,)
         unknown = set(self.rule_categories or ()) - R.CATEGORIES
         for ok, why in (
@@ -99,6 +106,7 @@ class DetectorConfig:
             (g is None or (isinstance(g, float | int) and 0.0 <= g <= 1.0), f"encoder_gate {g!r}: in [0, 1] or None"),
             (g is None or "learned" in self.layers,
              "encoder_gate reads the learned layer's score: add 'learned' to layers, or set encoder_gate=None"),
+            (frag_problem is None, f"encoder_max_fragmentation {f!r}: {frag_problem}"),
             (not unknown, f"unknown rule categories {sorted(unknown)}; known: {sorted(R.CATEGORIES)}"),
         ):
             if not ok:
@@ -128,16 +136,20 @@ def parse_detector(text: str) -> DetectorConfig:
     in [0, 1]; none given: the shipped threshold). The encoder takes one threshold for every member or one
     per member, in ENCODER_MODELS order, joined by "/" ("encoder:0.9702/0.9764"). An item `gate:TAU` (not a
     layer) sets `encoder_gate`: the encoder judges only texts whose learned score is >= TAU (it needs both
-    layers; docs/quarantine_default.md chose 0.918). ValueError names what is wrong."""
+    layers; docs/quarantine_default.md chose 0.918). An item `frag:PHI` sets `encoder_max_fragmentation`: an
+    encoder window counts only if at most PHI of its tokens are word pieces (it needs the encoder; 0.2 was
+    chosen there). ValueError names what is wrong."""
     names: list[str] = []
     thresholds: dict[str, tuple[float, ...]] = {}
     gate: float | None = None
+    frag: float | None = None
     for item in (x.strip() for x in text.split(",")):
         name, sep, value = (x.strip() for x in item.partition(":"))
-        if name == "gate":  # not a layer: the encoder's gate on the learned score (DetectorConfig.encoder_gate)
-            gate = _threshold(text, "gate", value) if sep else None
-            if gate is None:
-                raise ValueError(f"detector {text!r}: gate needs a value, e.g. gate:0.918")
+        if name in ("gate", "frag"):  # not layers: the encoder's gates (encoder_gate, encoder_max_fragmentation)
+            if not sep:
+                raise ValueError(f"detector {text!r}: {name} needs a value, e.g. {name}:{'0.918' if name == 'gate' else '0.2'}")
+            v = _threshold(text, name, value)
+            gate, frag = (v, frag) if name == "gate" else (gate, v)
             continue
         names.append(name)
         if not sep or name not in LAYERS:
@@ -150,10 +162,13 @@ def parse_detector(text: str) -> DetectorConfig:
     layers = parse_layers(",".join(names))
     if gate is not None and (problem := gate_problem(gate, layers)):
         raise ValueError(f"detector {text!r}: {problem}")
+    if frag is not None and (problem := fragmentation_problem(frag, layers)):
+        raise ValueError(f"detector {text!r}: {problem}")
     enc = thresholds.get("encoder")
     return DetectorConfig(layers=layers, rule_threshold=thresholds.get("rules", (THRESHOLD,))[0],
                           learned_threshold=thresholds.get("learned", (None,))[0],
-                          encoder_threshold=enc if enc is None or len(enc) > 1 else enc[0], encoder_gate=gate)
+                          encoder_threshold=enc if enc is None or len(enc) > 1 else enc[0], encoder_gate=gate,
+                          encoder_max_fragmentation=frag)
 
 
 def gate_problem(gate: float, layers: tuple[str, ...]) -> str | None:
@@ -163,6 +178,15 @@ def gate_problem(gate: float, layers: tuple[str, ...]) -> str | None:
     if not {"learned", "encoder"} <= set(layers):
         return ("the gate reads the learned score to decide whether the encoder runs; name both layers "
                 "(e.g. rules,learned,encoder) or leave the gate out")
+    return None
+
+
+def fragmentation_problem(frag: float, layers: tuple[str, ...]) -> str | None:
+    """What is wrong with an encoder window gate for these layers (None: nothing), in words a flag's error can carry."""
+    if isinstance(frag, bool) or not isinstance(frag, float | int) or not math.isfinite(frag) or not 0.0 < frag <= 1.0:
+        return f"the fragmentation {frag} must be a share of a window's tokens in (0, 1], e.g. 0.2"
+    if "encoder" not in layers:
+        return "the fragmentation gate decides which windows the encoder reads; name the encoder layer or leave it out"
     return None
 
 

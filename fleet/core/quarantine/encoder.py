@@ -56,6 +56,7 @@ class EncoderModel:
     threshold: float
     meta: dict[str, Any]
     digest_hex: str  # see digest()
+    pieces: Any  # numpy bool (vocabulary,): the token is a word-piece continuation ("##...") or [UNK]
 
     def windows(self, text: str) -> list[tuple[list[int], tuple[int, int]]]:
         """Token windows of `text`: ([CLS] ids [SEP], (first char, end char)), at least one."""
@@ -103,6 +104,13 @@ class EncoderModel:
                 keep = sorted(sorted(range(len(ws)), key=lambda i: -keys[i])[: self.max_windows])
                 ws = [ws[i] for i in keep]
         return [w for w, _ in ws]
+
+    def fragmentation(self, window: list[int]) -> float:
+        """The share of a window's tokens ([CLS] and [SEP] aside) that are word-piece continuations or [UNK]: how
+        far the tokenizer had to cut its text. English prose is cut little; text in a language its vocabulary lacks,
+        base64 and hex into many pieces (DetectorConfig.encoder_max_fragmentation reads it)."""
+        body = window[1:-1]
+        return float(np.count_nonzero(self.pieces[body])) / len(body) if body else 0.0
 
     def score_windows(self, windows: list[list[int]]) -> float:
         """P(injection) of the strongest of `windows` (from `read_windows`), in [0, 1]."""
@@ -215,6 +223,8 @@ def load_encoder_from(folder: Path) -> EncoderModel:
             h.update(p.name.encode() + file_sha256(p).encode())
     win = doc["window"]
     h.update(json.dumps([win, doc["threshold"]], sort_keys=True).encode())
+    pieces = np.zeros(len(tok), dtype=bool)
+    pieces[[i for t, i in tok.get_vocab().items() if t.startswith("##")] + [tok.unk_token_id]] = True
     return EncoderModel(
         tokenizer=tok,
         encoder=enc,
@@ -226,6 +236,7 @@ def load_encoder_from(folder: Path) -> EncoderModel:
         threshold=float(doc["threshold"]),
         meta=doc,
         digest_hex=h.hexdigest(),
+        pieces=pieces,
     )
 
 

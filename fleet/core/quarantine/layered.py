@@ -8,6 +8,8 @@ encoder (layer 3), per-tenant config.
                                      both read `unquoted_view`: quotations inside texts about attacks are blanked
     encoder_gate (optional)          the encoder runs only when the learned score >= encoder_gate; below it the
                                      encoder is not run and cannot quarantine (reason "encoder-gated:learned<0.5000")
+    encoder_max_fragmentation (opt.) an encoder window counts only if at most this share of its tokens are word
+                                     pieces; none passing: the encoder reads nothing ("encoder-gated:fragmentation>0.20")
 
 Policy: a tool result is quarantined when *any* enabled layer says so; every verdict lists the rule
 categories that fired and the score of every model layer that ran. The model layers run on every
@@ -96,12 +98,17 @@ class LayeredDetector:
         if self.encoders and gated_out(self.cfg, p):
             reasons.append(gate_reason(self.cfg))  # NOTE: the encoder is not run; it cannot quarantine
             return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p)
-        ranker = self._ranker
+        ranker, phi = self._ranker, self.cfg.encoder_max_fragmentation
         read: dict[tuple[int, int, int], list[list[int]]] = {}  # members that window alike tokenize and rank once
         for enc, threshold, name in zip(self.encoders, self.encoder_thresholds, self.member_names, strict=True):
             assert ranker is not None
             if enc.window_key not in read:
-                read[enc.window_key] = enc.read_windows(view, rank=lambda s: float(np.max(ranker.window_logits(s))))
+                ws = enc.read_windows(view, rank=lambda s: float(np.max(ranker.window_logits(s))))
+                # NOTE: the windows are chosen first (the learned layer's ranking, as measured), then gated
+                read[enc.window_key] = ws if phi is None else [w for w in ws if enc.fragmentation(w) <= phi]
+            if not read[enc.window_key]:  # every window cut into word pieces past the gate: the encoder reads none
+                reasons.append(fragmentation_reason(self.cfg))
+                return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p)
             qm = round(enc.score_windows(read[enc.window_key]), 4)
             reasons.append(f"encoder:{name}:{qm:.4f}")
             hit = hit or qm >= threshold
@@ -115,10 +122,19 @@ def gated_out(cfg: DetectorConfig, learned_score: float | None) -> bool:
     return cfg.encoder_gate is not None and (learned_score is None or learned_score < cfg.encoder_gate)
 
 
+def fragmentation_reason(cfg: DetectorConfig) -> str:
+    """The reason a verdict carries when no window of the text passed the encoder's fragmentation gate."""
+    assert cfg.encoder_max_fragmentation is not None
+    return f"encoder-gated:fragmentation>{cfg.encoder_max_fragmentation:.2f}"
+
+
 def gate_reason(cfg: DetectorConfig) -> str:
     """The reason a verdict carries when the encoder gate kept the encoder from running."""
     assert cfg.encoder_gate is not None
     return f"encoder-gated:learned<{cfg.encoder_gate:.4f}"
+
+
+OPTIONAL_GATES = ("encoder_gate", "encoder_max_fragmentation")  # left out of a config's id while unset
 
 
 def member_scores(v: Verdict) -> dict[str, float]:
@@ -140,8 +156,8 @@ def _config_id(
 ) -> str:
     """sha256 of the config, the effective thresholds and the models' weights: equal ids, equal verdicts."""
     doc = {
-        # NOTE: an ungated config keeps the id it had before encoder_gate existed
-        "cfg": {k: v for k, v in asdict(cfg).items() if k != "encoder_gate" or v is not None},
+        # NOTE: an ungated config keeps the id it had before the gates existed
+        "cfg": {k: v for k, v in asdict(cfg).items() if k not in OPTIONAL_GATES or v is not None},
         "learned_threshold": learned_threshold,
         "model": model.digest() if model else None,
         "encoder_thresholds": list(encoder_thresholds),
