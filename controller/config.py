@@ -59,6 +59,8 @@ class ControllerConfig:
     # the Judge's detector layers (--detector-layers; default: the default layers installed here)
     detector_layers: tuple[str, ...] = field(default_factory=default_layers)
     detector_encoder_gate: float | None = None  # the encoder's gate on the learned score (--detector-encoder-gate)
+    # the encoder's gate on each window's word pieces (--detector-encoder-max-fragmentation)
+    detector_encoder_max_fragmentation: float | None = None
     detector_tenants: tuple[tuple[str, DetectorConfig], ...] = ()  # per-tenant detectors (--detector-tenant)
     judge: JudgeLimits = field(default_factory=JudgeLimits)  # judge pool and per-tenant lanes (--judge-*)
 

@@ -12,6 +12,7 @@ from fleet.core.quarantine.detector_config import (
     LAYERS,
     DetectorConfig,
     default_layers,
+    fragmentation_problem,
     gate_problem,
     parse_detector,
     parse_layers,
@@ -19,8 +20,9 @@ from fleet.core.quarantine.detector_config import (
 
 
 def add_detector_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """--detector-layers (env KVFLEET_DETECTOR_LAYERS), --detector-encoder-gate (env KVFLEET_DETECTOR_ENCODER_GATE)
-    and --detector-tenant (repeatable; env KVFLEET_DETECTOR_TENANTS, ';'-separated)."""
+    """--detector-layers (env KVFLEET_DETECTOR_LAYERS), --detector-encoder-gate (env KVFLEET_DETECTOR_ENCODER_GATE),
+    --detector-encoder-max-fragmentation (env KVFLEET_DETECTOR_ENCODER_MAX_FRAGMENTATION) and --detector-tenant
+    (repeatable; env KVFLEET_DETECTOR_TENANTS, ';'-separated)."""
     e = env.get
     p.add_argument(
         "--detector-layers",
@@ -37,6 +39,15 @@ def add_detector_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         help="with the encoder layer in --detector-layers: the encoder judges only tool results whose learned score "
         "is >= TAU (a cascade: far fewer benign results withheld and a fraction of the CPU, fewer attacks caught; "
         "0.918 was chosen on validation, docs/quarantine_default.md); per tenant: gate:TAU in --detector-tenant",
+    )
+    p.add_argument(
+        "--detector-encoder-max-fragmentation",
+        type=float,
+        metavar="PHI",
+        default=e("KVFLEET_DETECTOR_ENCODER_MAX_FRAGMENTATION"),
+        help="with the encoder layer in --detector-layers: an encoder window counts only if at most PHI of its tokens "
+        "are word pieces, so the English encoder judges English text, not other languages, base64 or hex (0.2 was "
+        "chosen on validation, docs/quarantine_default.md); per tenant: frag:PHI in --detector-tenant",
     )
     p.add_argument(
         "--detector-tenant",
@@ -67,6 +78,15 @@ def encoder_gate_from(gate: float | None, layers: tuple[str, ...]) -> float | No
     if problem := gate_problem(gate, layers):
         raise InvalidArgument(f"--detector-encoder-gate {gate:g}: {problem} (--detector-layers)")
     return gate
+
+
+def max_fragmentation_from(frag: float | None, layers: tuple[str, ...]) -> float | None:
+    """--detector-encoder-max-fragmentation checked against the layers; InvalidArgument names the flag and the fix."""
+    if frag is None:
+        return None
+    if problem := fragmentation_problem(frag, layers):
+        raise InvalidArgument(f"--detector-encoder-max-fragmentation {frag:g}: {problem} (--detector-layers)")
+    return frag
 
 
 def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig], ...]:

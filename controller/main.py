@@ -36,6 +36,7 @@ from controller.detector_flags import (
     detector_layers_from,
     detector_tenants_from,
     encoder_gate_from,
+    max_fragmentation_from,
 )
 from controller.edge import add_edge_flags, edge_config_from
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
@@ -183,6 +184,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         node_max_sessions=args.node_max_sessions,
         detector_layers=(layers := detector_layers_from(args.detector_layers)),
         detector_encoder_gate=encoder_gate_from(args.detector_encoder_gate, layers),
+        detector_encoder_max_fragmentation=max_fragmentation_from(args.detector_encoder_max_fragmentation, layers),
         detector_tenants=detector_tenants_from(args.detector_tenant),
         judge=judge_limits_from(args),
     )
@@ -277,6 +279,8 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         report = layers_report(cfg.detector_layers, named=args.detector_layers is not None)
         if cfg.detector_encoder_gate is not None:
             report += f"; the encoder judges only learned scores >= {cfg.detector_encoder_gate:g}"
+        if cfg.detector_encoder_max_fragmentation is not None:
+            report += f"; the encoder reads only windows of word pieces <= {cfg.detector_encoder_max_fragmentation:g}"
         print(report, flush=True)
         if not 0 <= args.reset_drain_timeout < math.inf:
             raise InvalidArgument(f"--reset-drain-timeout must be a number of seconds >= 0, got {args.reset_drain_timeout}")

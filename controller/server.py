@@ -234,7 +234,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          blob_bytes_per_tenant=cfg.max_blob_bytes_per_tenant,
                          session_limits=cfg.sessions, node_kv_bytes=cfg.node_kv_bytes,
                          node_max_sessions=cfg.node_max_sessions,
-                         detector=DetectorConfig(layers=cfg.detector_layers, encoder_gate=cfg.detector_encoder_gate),
+                         detector=DetectorConfig(layers=cfg.detector_layers, encoder_gate=cfg.detector_encoder_gate,
+                                                  encoder_max_fragmentation=cfg.detector_encoder_max_fragmentation),
                          detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s, cfg.verdict_ttl_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec

@@ -89,8 +89,9 @@ class Judge:
 
         def fast_of(cfg: DetectorConfig) -> VerdictCache | None:
             fast = tuple(x for x in cfg.layers if x not in HEAVY_LAYERS)
-            # the gate decides whether the heavy layer runs, not the fast verdict: gated or not, one fast space
-            return cache_of(replace(cfg, layers=fast, encoder_gate=None)) if fast and fast != cfg.layers else None
+            # the gates decide what the heavy layer reads, not the fast verdict: gated or not, one fast space
+            fast_cfg = replace(cfg, layers=fast, encoder_gate=None, encoder_max_fragmentation=None)
+            return cache_of(fast_cfg) if fast and fast != cfg.layers else None
 
         default = config or DetectorConfig()
         self.config, self.tenant_configs = default, dict(tenants or {})

@@ -225,3 +225,22 @@ def test_tool_media_policy_reaches_the_proxy_flag(chart: Any) -> None:
     assert config_from(proxy_args(args[1:], {})).tool_media == "withhold"
     with pytest.raises(Exception, match="media|enum"):
         _objs(chart, {"proxy": {"quarantine": {"media": "drop"}}})
+
+
+def test_the_encoder_window_gate_reaches_the_controller_flag(chart: Any) -> None:
+    """controller.detectorEncoderMaxFragmentation becomes --detector-encoder-max-fragmentation (absent when null); a
+    tenant's spec can carry frag:PHI; 0 or above 1 fails the schema."""
+    require_encoder()
+    from controller.main import config_from
+
+    values = {"controller": {"detectorLayers": "rules,learned,encoder", "detectorEncoderMaxFragmentation": 0.2,
+                             "detectorTenants": {"acme": "rules,learned,encoder,frag:0.3"}}}
+    args = container(one(_objs(chart, values), "Deployment", "-controller"))["args"]
+    assert args[args.index("--detector-encoder-max-fragmentation") + 1] == "0.2"
+    cfg = config_from(parse_args(args[1:], {}), {})
+    assert cfg.detector_encoder_max_fragmentation == 0.2
+    assert dict(cfg.detector_tenants)["acme"].encoder_max_fragmentation == 0.3
+    assert "--detector-encoder-max-fragmentation" not in container(one(_objs(chart, {}), "Deployment", "-controller"))["args"]
+    for bad in (0, 1.5):
+        with pytest.raises(Exception, match="detectorEncoderMaxFragmentation|maximum|exclusiveMinimum"):
+            _objs(chart, {"controller": {"detectorEncoderMaxFragmentation": bad}})
