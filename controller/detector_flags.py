@@ -73,20 +73,19 @@ def detector_layers_from(text: str | None) -> tuple[str, ...]:
 
 def encoder_gate_from(gate: float | None, layers: tuple[str, ...]) -> float | None:
     """--detector-encoder-gate checked against the layers; InvalidArgument names the flag and the fix."""
-    if gate is None:
-        return None
-    if problem := gate_problem(gate, layers):
-        raise InvalidArgument(f"--detector-encoder-gate {gate:g}: {problem} (--detector-layers)")
-    return gate
+    return _checked("--detector-encoder-gate", gate, gate_problem(gate, layers) if gate is not None else None)
 
 
 def max_fragmentation_from(frag: float | None, layers: tuple[str, ...]) -> float | None:
     """--detector-encoder-max-fragmentation checked against the layers; InvalidArgument names the flag and the fix."""
-    if frag is None:
-        return None
-    if problem := fragmentation_problem(frag, layers):
-        raise InvalidArgument(f"--detector-encoder-max-fragmentation {frag:g}: {problem} (--detector-layers)")
-    return frag
+    problem = fragmentation_problem(frag, layers) if frag is not None else None
+    return _checked("--detector-encoder-max-fragmentation", frag, problem)
+
+
+def _checked(flag: str, value: float | None, problem: str | None) -> float | None:
+    if problem:
+        raise InvalidArgument(f"{flag} {value:g}: {problem} (--detector-layers)")
+    return value
 
 
 def detector_tenants_from(items: list[str]) -> tuple[tuple[str, DetectorConfig], ...]:
