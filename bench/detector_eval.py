@@ -65,7 +65,7 @@ NUMPY_CONFIGS = {
 }
 # The committee alone is read off the previous default's verdicts (each member's score is in them), so the
 # encoder runs once per text.
-ENCODER_FULL = "rules + learned + encoder committee (the default with the encoder extra)"
+ENCODER_FULL = "rules + learned + encoder committee, ungated (opt-in heavier judge)"
 ENCODER_ALONE = "encoder committee alone (opt-in heavier judge)"
 # The encoder gate chosen on validation by the pre-registered rule (docs/quarantine_default.md: the best validation
 # recall with precision >= 0.95, generated FPR <= 0.5%, multilingual validation FPR <= 0.5%); not the default.
