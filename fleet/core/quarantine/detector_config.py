@@ -130,6 +130,9 @@ def parse_layers(text: str) -> tuple[str, ...]:
     return tuple(n for n in LAYERS if n in names)
 
 
+GATE_EXAMPLES = {"gate": "0.918", "frag": "0.2"}  # a spec's gate items, each with the value chosen on validation
+
+
 def parse_detector(text: str) -> DetectorConfig:
     """`"rules,learned:0.99,encoder:0.995"` -> the DetectorConfig: the layers (as `parse_layers`), each with
     an optional threshold after a colon (rules: the summed rule score, > 0; learned and encoder: P(injection)
@@ -141,15 +144,13 @@ def parse_detector(text: str) -> DetectorConfig:
     chosen there). ValueError names what is wrong."""
     names: list[str] = []
     thresholds: dict[str, tuple[float, ...]] = {}
-    gate: float | None = None
-    frag: float | None = None
+    gates: dict[str, float] = {}  # not layers: the encoder's gates, gate (encoder_gate), frag (encoder_max_fragmentation)
     for item in (x.strip() for x in text.split(",")):
         name, sep, value = (x.strip() for x in item.partition(":"))
-        if name in ("gate", "frag"):  # not layers: the encoder's gates (encoder_gate, encoder_max_fragmentation)
+        if name in GATE_EXAMPLES:
             if not sep:
-                raise ValueError(f"detector {text!r}: {name} needs a value, e.g. {name}:{'0.918' if name == 'gate' else '0.2'}")
-            v = _threshold(text, name, value)
-            gate, frag = (v, frag) if name == "gate" else (gate, v)
+                raise ValueError(f"detector {text!r}: {name} needs a value, e.g. {name}:{GATE_EXAMPLES[name]}")
+            gates[name] = _threshold(text, name, value)
             continue
         names.append(name)
         if not sep or name not in LAYERS:
@@ -160,6 +161,7 @@ def parse_detector(text: str) -> DetectorConfig:
                              + (f" or {len(ENCODER_MODELS)} ({'/'.join(ENCODER_MODELS)})" if name == "encoder" else ""))
         thresholds[name] = tuple(_threshold(text, name, v) for v in parts)
     layers = parse_layers(",".join(names))
+    gate, frag = gates.get("gate"), gates.get("frag")
     if gate is not None and (problem := gate_problem(gate, layers)):
         raise ValueError(f"detector {text!r}: {problem}")
     if frag is not None and (problem := fragmentation_problem(frag, layers)):

@@ -106,13 +106,14 @@ class LayeredDetector:
                 ws = enc.read_windows(view, rank=lambda s: float(np.max(ranker.window_logits(s))))
                 # NOTE: the windows are chosen first (the learned layer's ranking, as measured), then gated
                 read[enc.window_key] = ws if phi is None else [w for w in ws if enc.fragmentation(w) <= phi]
-            if not read[enc.window_key]:  # every window cut into word pieces past the gate: the encoder reads none
-                reasons.append(fragmentation_reason(self.cfg))
-                return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p)
+            if not read[enc.window_key]:  # every window cut into word pieces past the gate: this member reads none
+                continue
             qm = round(enc.score_windows(read[enc.window_key]), 4)
             reasons.append(f"encoder:{name}:{qm:.4f}")
             hit = hit or qm >= threshold
             q = qm if q is None else max(q, qm)
+        if self.encoders and q is None:  # only the fragmentation gate leaves every member without a window
+            reasons.append(fragmentation_reason(self.cfg))
         return Verdict(quarantined=hit, reasons=reasons, score=rv.score, learned_score=p, encoder_score=q)
 
 
