@@ -11,6 +11,17 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp=$VENV/.kvfleet-installed
+# `./dev.sh test` with no arguments also runs the plain install check (scripts/plain_install_check.sh: a venv
+# with `pip install .` alone, .venv-plain, runs `kvfleet demo` and starts `kvfleet controller`). It needs
+# nothing from .venv, so it starts here, while .venv installs: both installs are mostly one core's CPU each
+# (unpacking and compiling wheels), and on a fresh clone they overlap instead of running one after the other.
+plain=
+if [ "${1:-}" = test ] && [ $# -eq 1 ]; then
+  plain_log=$(mktemp)
+  scripts/plain_install_check.sh >"$plain_log" 2>&1 &
+  plain=$!
+  trap 'kill "$plain" 2>/dev/null || true; rm -f "$plain_log"' EXIT  # a failed pass leaves nothing behind
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
@@ -38,16 +49,13 @@ case "$cmd" in
       # The whole suite runs natively; before it, the kernel's exactness tests and `kvfleet witness`
       # run again with the AVX2 (Haswell) code paths of OpenBLAS, numpy and torch forced, so a
       # claim of max|Δ| = 0 is checked on two CPU paths on every machine (docs/kernel.md).
-      # Alongside it, on the other core: the plain install check (a `pip install .` with no extras: no
+      # Alongside it: the plain install check, started above (a `pip install .` with no extras: no
       # torch, transformers or peft, in its own cached venv .venv-plain, runs `kvfleet demo` and starts
       # `kvfleet controller`), and a mypy run that only fills mypy's incremental cache (.mypy_cache), so the
       # suite's own strict mypy test (tests/test_typing.py, which still checks every file) takes seconds,
       # not most of a minute, on a fresh clone. Its output is dropped: the test is the check.
       python -m mypy >/dev/null 2>&1 &
       mypy_warm=$!
-      plain_log=$(mktemp)
-      scripts/plain_install_check.sh >"$plain_log" 2>&1 &
-      plain=$!
       trap 'kill "$plain" "$mypy_warm" 2>/dev/null || true; rm -f "$plain_log"' EXIT  # a failed pass leaves nothing behind
       paths=$(python scripts/cpu_paths.py)
       echo "== kernel exactness on forced AVX2 paths: ${paths:0:300}"

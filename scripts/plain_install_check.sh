@@ -8,6 +8,9 @@
 # Cost: the dependencies are installed only when pyproject.toml changed (stamp file, as dev.sh does for
 # .venv); every run reinstalls the kvfleet package itself from this tree (a wheel build, --no-deps), so
 # the check always reads today's code and package data, never an editable link to the source tree.
+# Both installs build from a copy of what a source distribution holds (pyproject.toml, README.md and the
+# three packages), never in the tree itself: setuptools writes build/ and kvfleet.egg-info where it builds,
+# and dev.sh runs this check while it installs .venv (an editable install writing kvfleet.egg-info in the tree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,24 +23,27 @@ step() { echo "== plain install: $* ($((SECONDS - t0)) s)"; }
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
+src=$(mktemp -d)
+trap 'rm -rf "$src"' EXIT
+cp pyproject.toml README.md "$src"/
+tar -cf - --exclude=__pycache__ fleet workers controller | tar -xf - -C "$src"
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   step "installing the dependencies of pyproject.toml (no extras)"
   rm -f "$stamp"
-  "$VENV/bin/python" -m pip install -q 'setuptools>=68' . > "$VENV/pip.log" 2>&1 \
+  "$VENV/bin/python" -m pip install -q 'setuptools>=68' "$src" > "$VENV/pip.log" 2>&1 \
     || { cat "$VENV/pip.log" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
 step "reinstalling kvfleet from this tree"
-"$VENV/bin/python" -m pip install -q --no-deps --force-reinstall --no-build-isolation . > "$VENV/pip.log" 2>&1 \
+"$VENV/bin/python" -m pip install -q --no-deps --force-reinstall --no-build-isolation "$src" > "$VENV/pip.log" 2>&1 \
   || { cat "$VENV/pip.log" >&2; exit 1; }
-rm -rf build  # setuptools' scratch folder in the tree
 
 work=$(mktemp -d)
 ctl_pid=
 cleanup() {
   if [ -n "$ctl_pid" ] && kill -0 "$ctl_pid" 2>/dev/null; then kill -KILL "$ctl_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
+  rm -rf "$work" "$src"
 }
 trap cleanup EXIT
 cd "$work"  # never the source tree: every import comes from the installed package
