@@ -1,0 +1,171 @@
+"""The same cells under several trace seeds, pooled: is a loss at one seed the workload's, or that seed's?
+
+    python bench/peers/seeds.py RUN.json [RUN.json ...] [--section fleet-routing-seeds] [--notes F] [--no-docs]
+
+Each RUN.json is what `bench/fleet_routing.py --seed S --repeat N --json` saved. They must share the commit, the
+cells and every option but the seed, and each seed must come once. The seed draws the trace (the agents' think times,
+their tool results and instructions), so each seed is another sample of the same workload, where `--repeat` reruns
+one trace. Per cell and contender: each seed's median prefill (its runs' lower median, as the bench's tables give
+it), the median over every run of every seed, and the median TTFT p99 over every run.
+
+Two comparisons with the best peer, which answer different questions:
+- pooled: the peer whose pooled median is lowest, fixed for the cell, against kvfleet's pooled median;
+- seed by seed: the lowest peer median of each seed, against kvfleet's median of that seed. The minimum of several
+  noisy peers' medians is biased low, so this count leans against kvfleet; it says how often a single
+  `--repeat` section would have shown a loss.
+As in the bench's tables, only peers that completed every request of a run are compared on prefill (a request that
+failed before it ran prefilled nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import median_low
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from peers.report import PEER_KINDS  # noqa: E402
+from peers.summary import summarize  # noqa: E402
+
+Runs = dict[str, dict[int, list[dict[str, Any]]]]  # contender -> seed -> each run's summary
+
+
+def check(results: list[dict[str, Any]]) -> list[int]:
+    """The runs' seeds, in order; refuses runs that differ in anything but the seed, or repeat a seed."""
+    first = results[0]
+    for r in results[1:]:
+        if r["commit"] != first["commit"]:
+            raise ValueError(f"runs of different commits ({first['commit'][:7]}, {r['commit'][:7]}) are not pooled")
+        if [_key(c) for c in r["cells"]] != [_key(c) for c in first["cells"]]:
+            raise ValueError("runs of different cells are not pooled")
+        if {**r["options"], "seed": 0} != {**first["options"], "seed": 0}:
+            raise ValueError("runs whose options differ in more than the seed are not pooled")
+    seeds = [r["options"]["seed"] for r in results]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"a seed comes more than once ({seeds}): pool --repeat runs with fleet_routing --from-json")
+    return seeds
+
+
+def _key(cell: dict[str, Any]) -> str:
+    return f"{cell['workload']['name']}/{cell['cache']}"
+
+
+def gather(results: list[dict[str, Any]], i: int) -> tuple[Runs, dict[str, str]]:
+    """Cell i's run summaries by contender and seed, and each contender's kind."""
+    runs: Runs = {}
+    kinds: dict[str, str] = {}
+    for res in results:
+        seed = res["options"]["seed"]
+        for run in res["cells"][i]["runs"]:
+            runs.setdefault(run["contender"], {}).setdefault(seed, []).append(summarize(run))
+            kinds[run["contender"]] = run["kind"]
+    return runs, kinds
+
+
+def _med(xs: list[Any]) -> Any:
+    vals = [x for x in xs if x is not None]
+    return median_low(vals) if vals else None
+
+
+def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None) -> str | None:
+    """The peer with the lowest median prefill over the given seeds' runs (all seeds: the pooled best); a peer that
+    lost a request in one of those runs is compared only where no peer completed them all."""
+    peers = [c for c in runs if kinds[c] in PEER_KINDS]
+    want = seeds or sorted({s for c in peers for s in runs[c]})
+
+    def picked(c: str) -> list[dict[str, Any]]:
+        return [s for seed in want for s in runs[c].get(seed, [])]
+
+    whole = [c for c in peers if picked(c) and all(s["ok"] == s["n"] for s in picked(c))]
+    pool = whole or [c for c in peers if picked(c)]
+    return min(pool, key=lambda c: _med([s["prefilled"] for s in picked(c)])) if pool else None
+
+
+def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -> list[str]:
+    pooled = {c: _med([s["prefilled"] for ss in by.values() for s in ss]) for c, by in runs.items()}
+    best = best_peer(runs, kinds)
+    out = [
+        f"**{name}**: prefilled tokens, each seed's median of its runs, and every run pooled"
+        + (f" (the pooled best peer: {best})" if best else ""),
+        "",
+        "| contender | " + " | ".join(f"seed {s}" for s in seeds) + " | pooled (runs) | x pooled best peer | TTFT p99 ms, pooled |",
+        "|---|" + "---:|" * (len(seeds) + 3),
+    ]
+    for c, by in runs.items():
+        per = [_med([s["prefilled"] for s in by.get(seed, [])]) for seed in seeds]
+        p99 = _med([s["ttft_p99"] for ss in by.values() for s in ss])
+        ratio = f"{pooled[c] / pooled[best]:.2f}x" if best and pooled[best] else "-"
+        out.append(
+            f"| {c} | " + " | ".join("-" if v is None else f"{v:,}" for v in per)
+            + f" | {pooled[c]:,} ({sum(len(ss) for ss in by.values())}) | {ratio} | "
+            + ("-" if p99 is None else f"{1000 * p99:,.0f}") + " |"
+        )
+    return out
+
+
+def seed_verdicts(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -> str:
+    """Seed by seed: kvfleet's median against that seed's best peer median."""
+    if "kvfleet" not in runs:
+        return f"- {name}: no kvfleet runs"
+    parts, wins = [], 0
+    for seed in seeds:
+        best = best_peer(runs, kinds, [seed])
+        ours = _med([s["prefilled"] for s in runs["kvfleet"].get(seed, [])])
+        theirs = _med([s["prefilled"] for s in runs[best].get(seed, [])]) if best else None
+        if ours is None or not theirs:
+            parts.append(f"seed {seed}: -")
+            continue
+        wins += ours <= theirs
+        parts.append(f"seed {seed}: {ours / theirs:.2f}x {best}")
+    return f"- {name}: kvfleet at or below that seed's best peer in {wins} of {len(seeds)} seeds ({'; '.join(parts)})"
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    seeds = check(results)
+    first = results[0]
+    lines = [
+        "## Fleet routing across trace seeds (`python bench/peers/seeds.py`)",
+        "",
+        f"Measured at commit `{first['commit'][:7]}`: `bench/fleet_routing.py --cells {first.get('cells_arg')} "
+        f"--repeat {first.get('repeats', 1)} --seed S` for seeds {', '.join(map(str, seeds))}, everything else as in "
+        "the section that published the cells (stand-ins, hazards, timeouts). A seed draws another trace of the same "
+        "workload (think times, tool results, instructions); `--repeat` reruns one trace. The seed-by-seed "
+        "comparison takes the lowest peer median of each seed, a minimum of noisy figures that leans against "
+        "kvfleet; the pooled one fixes the cell's best peer over every run.",
+        "",
+    ]
+    verdicts = []
+    for i, cell in enumerate(first["cells"]):
+        runs, kinds = gather(results, i)
+        lines += cell_table(_key(cell), seeds, runs, kinds) + [""]
+        verdicts.append(seed_verdicts(_key(cell), seeds, runs, kinds))
+    return "\n".join(lines + verdicts) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", type=Path, nargs="+")
+    p.add_argument("--section", default="fleet-routing-seeds", help="the docs/benchmarks.md section to write")
+    p.add_argument("--notes", type=Path, help="markdown appended to the section")
+    p.add_argument("--no-docs", action="store_true", help="print the section only")
+    a = p.parse_args(argv)
+    try:
+        section = report([json.loads(f.read_text()) for f in a.runs])
+    except ValueError as e:
+        raise SystemExit(f"seeds: {e}") from None
+    if a.notes is not None:
+        section += "\n" + a.notes.read_text().strip() + "\n"
+    print(section)
+    if not a.no_docs:
+        from benchdoc import write_section
+
+        write_section(a.section, section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
