@@ -2,8 +2,8 @@
 
     python bench/peers/seeds.py RUN.json [RUN.json ...] [--section fleet-routing-seeds] [--notes F] [--no-docs]
 
-Each RUN.json is what `bench/fleet_routing.py --seed S --repeat N --json` saved. They must share the commit, the
-cells and every option but the seed, and each seed must come once. The seed draws the trace (the agents' think times,
+Each RUN.json is what `bench/fleet_routing.py --seed S --repeat N --json` saved. They must share the commit and every
+option but the seed; a cell may come in several files, once per seed, and each cell is pooled alone. The seed draws the trace (the agents' think times,
 their tool results and instructions), so each seed is another sample of the same workload, where `--repeat` reruns
 one trace. Per cell and contender: each seed's median prefill (its runs' lower median, as the bench's tables give
 it), the median over every run of every seed, and the median TTFT p99 over every run.
@@ -34,19 +34,22 @@ from peers.summary import summarize  # noqa: E402
 Runs = dict[str, dict[int, list[dict[str, Any]]]]  # contender -> seed -> each run's summary
 
 
-def check(results: list[dict[str, Any]]) -> list[int]:
-    """The runs' seeds, in order; refuses runs that differ in anything but the seed, or repeat a seed."""
+def check(results: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Each cell's seeds, in the order given; refuses runs that differ in anything but the seed and the cells, or
+    that hold one cell twice under one seed (several files may hold different cells: each cell is pooled alone)."""
     first = results[0]
-    for r in results[1:]:
+    seeds: dict[str, list[int]] = {}
+    for r in results:
         if r["commit"] != first["commit"]:
             raise ValueError(f"runs of different commits ({first['commit'][:7]}, {r['commit'][:7]}) are not pooled")
-        if [_key(c) for c in r["cells"]] != [_key(c) for c in first["cells"]]:
-            raise ValueError("runs of different cells are not pooled")
         if {**r["options"], "seed": 0} != {**first["options"], "seed": 0}:
             raise ValueError("runs whose options differ in more than the seed are not pooled")
-    seeds = [r["options"]["seed"] for r in results]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"a seed comes more than once ({seeds}): pool --repeat runs with fleet_routing --from-json")
+        for c in r["cells"]:
+            have = seeds.setdefault(_key(c), [])
+            if r["options"]["seed"] in have:
+                raise ValueError(f"{_key(c)} comes twice under seed {r['options']['seed']}: pool --repeat runs with "
+                                 "fleet_routing --from-json")
+            have.append(r["options"]["seed"])
     return seeds
 
 
@@ -54,15 +57,18 @@ def _key(cell: dict[str, Any]) -> str:
     return f"{cell['workload']['name']}/{cell['cache']}"
 
 
-def gather(results: list[dict[str, Any]], i: int) -> tuple[Runs, dict[str, str]]:
-    """Cell i's run summaries by contender and seed, and each contender's kind."""
+def gather(results: list[dict[str, Any]], name: str) -> tuple[Runs, dict[str, str]]:
+    """One cell's run summaries by contender and seed, and each contender's kind."""
     runs: Runs = {}
     kinds: dict[str, str] = {}
     for res in results:
         seed = res["options"]["seed"]
-        for run in res["cells"][i]["runs"]:
-            runs.setdefault(run["contender"], {}).setdefault(seed, []).append(summarize(run))
-            kinds[run["contender"]] = run["kind"]
+        for cell in res["cells"]:
+            if _key(cell) != name:
+                continue
+            for run in cell["runs"]:
+                runs.setdefault(run["contender"], {}).setdefault(seed, []).append(summarize(run))
+                kinds[run["contender"]] = run["kind"]
     return runs, kinds
 
 
@@ -125,24 +131,27 @@ def seed_verdicts(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    seeds = check(results)
+    cells = check(results)
     first = results[0]
+    runs_of = sorted({(r.get("cells_arg"), ",".join(dict.fromkeys(run["contender"] for run in r["cells"][0]["runs"])),
+                       r.get("repeats", 1)) for r in results}, key=str)
     lines = [
         "## Fleet routing across trace seeds (`python bench/peers/seeds.py`)",
         "",
-        f"Measured at commit `{first['commit'][:7]}`: `bench/fleet_routing.py --cells {first.get('cells_arg')} "
-        f"--repeat {first.get('repeats', 1)} --seed S` for seeds {', '.join(map(str, seeds))}, everything else as in "
-        "the section that published the cells (stand-ins, hazards, timeouts). A seed draws another trace of the same "
-        "workload (think times, tool results, instructions); `--repeat` reruns one trace. The seed-by-seed "
-        "comparison takes the lowest peer median of each seed, a minimum of noisy figures that leans against "
-        "kvfleet; the pooled one fixes the cell's best peer over every run.",
+        f"Measured at commit `{first['commit'][:7]}`: "
+        + "; ".join(f"`bench/fleet_routing.py --cells {c} --contenders {k} --repeat {n} --seed S`" for c, k, n in runs_of)
+        + ", everything else as in the sections that published the cells (stand-ins, hazards, timeouts). A seed draws "
+        "another trace of the same workload (think times, tool results, instructions); `--repeat` reruns one trace. "
+        "The seed-by-seed comparison takes the lowest peer median of each seed, a minimum of noisy figures that leans "
+        "against kvfleet; the pooled one fixes the cell's best peer over every run. Only peers that completed every "
+        "request of every run are compared on prefill, as in the bench's tables.",
         "",
     ]
     verdicts = []
-    for i, cell in enumerate(first["cells"]):
-        runs, kinds = gather(results, i)
-        lines += cell_table(_key(cell), seeds, runs, kinds) + [""]
-        verdicts.append(seed_verdicts(_key(cell), seeds, runs, kinds))
+    for name, seeds in cells.items():
+        runs, kinds = gather(results, name)
+        lines += cell_table(name, seeds, runs, kinds) + [""]
+        verdicts.append(seed_verdicts(name, seeds, runs, kinds))
     return "\n".join(lines + verdicts) + "\n"
 
 

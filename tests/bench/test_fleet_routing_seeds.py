@@ -1,6 +1,6 @@
 """The fleet routing bench's runs under several trace seeds, pooled (bench/peers/seeds.py): runs that differ in more
-than the seed are refused, the pooled best peer is fixed by every run, and the seed-by-seed count takes each
-seed's own best peer."""
+than the seed are refused, files of different cells are pooled cell by cell, the pooled best peer is fixed by every
+run, and the seed-by-seed count takes each seed's own best peer."""
 
 from __future__ import annotations
 
@@ -26,20 +26,24 @@ def _run(name: str, kind: str, prefilled: int, lost: int = 0) -> dict[str, Any]:
             "wall_s": 1.0, "timeout_s": 10.0}
 
 
-def _results(seed: int, runs: list[dict[str, Any]], commit: str = "abc1234", think_s: float = 0.1) -> dict[str, Any]:
-    return {"commit": commit, "repeats": 3, "cells_arg": "demo/tight",
+def _results(seed: int, runs: list[dict[str, Any]], commit: str = "abc1234", think_s: float = 0.1,
+             workload: str = "demo") -> dict[str, Any]:
+    return {"commit": commit, "repeats": 3, "cells_arg": f"{workload}/tight",
             "options": {"seed": seed, "think_s": think_s, "timeout_s": 10.0},
-            "cells": [{"workload": {"name": "demo"}, "cache": "tight", "runs": runs}]}
+            "cells": [{"workload": {"name": workload}, "cache": "tight", "runs": runs}]}
 
 
 def test_runs_that_differ_in_more_than_the_seed_or_repeat_one_are_refused() -> None:
     a = _results(1, [_run("kvfleet", "kvfleet", 100)])
-    assert check([a, _results(2, [_run("kvfleet", "kvfleet", 100)])]) == [1, 2]
+    assert check([a, _results(2, [_run("kvfleet", "kvfleet", 100)])]) == {"demo/tight": [1, 2]}
+    # files of other cells are pooled cell by cell; the same seed may come once per cell
+    assert check([a, _results(1, [], workload="tenants2"), _results(0, [])]) == {"demo/tight": [1, 0],
+                                                                               "tenants2/tight": [1]}
     with pytest.raises(ValueError, match="different commits"):
         check([a, _results(2, [], commit="def5678")])
     with pytest.raises(ValueError, match="more than the seed"):
         check([a, _results(2, [], think_s=0.5)])
-    with pytest.raises(ValueError, match="more than once"):
+    with pytest.raises(ValueError, match="demo/tight comes twice under seed 1"):
         check([a, _results(1, [])])
 
 
