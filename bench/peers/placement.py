@@ -41,7 +41,10 @@ def phases(cell: dict[str, Any], run: dict[str, Any]) -> list[int]:
     bounds = [int(wl[k] * n) for k in FRACTIONS]
     out = [0] * (len(bounds) + 1)
     for r in run["records"]:
-        out[sum(r["issued"] >= b for b in bounds)] += r["prompt_tokens"] - r["cached_tokens"]
+        # NOTE: a request that failed before its worker answered has no counts; it is left out here (the table's total
+        # has whatever the worker computed for it)
+        if r["prompt_tokens"] is not None and r["cached_tokens"] is not None:
+            out[sum(r["issued"] >= b for b in bounds)] += r["prompt_tokens"] - r["cached_tokens"]
     return out
 
 

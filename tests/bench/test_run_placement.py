@@ -22,6 +22,9 @@ def test_phases_split_prefill_by_the_issued_count_at_each_hazard_fraction() -> N
     run = {"records": [_rec(0, "a", 100, 0), _rec(2, "b", 50, 10), _rec(3, "a", 120, 100), _rec(5, "b", 60, 40),
                        _rec(6, "a", 130, 0), _rec(7, "b", 70, 0), _rec(9, "a", 140, 130)]}
     assert phases(CELL, run) == [100 + 40, 20, 20 + 130, 70 + 10]
+    # a request that failed before its worker answered has no counts: it adds nothing (it raised TypeError before)
+    run["records"].append(_rec(8, "b", None, None))  # type: ignore[arg-type]
+    assert phases(CELL, run) == [100 + 40, 20, 20 + 130, 70 + 10]
     assert phase_names(CELL) == ["issued 0-30%", "issued 30-50%", "issued 50-70%", "issued 70-100%"]
 
 
