@@ -32,6 +32,7 @@ from peers.report import PEER_KINDS  # noqa: E402
 from peers.summary import summarize  # noqa: E402
 
 Runs = dict[str, dict[int, list[dict[str, Any]]]]  # contender -> seed -> each run's summary
+TOP = 1.4  # the plot's scale ends here: a peer that put every request on one worker ran 2.6x
 
 
 def check(results: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -155,6 +156,44 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines + verdicts) + "\n"
 
 
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Every run of every seed as a point, relative to its cell's pooled best peer; a bar at each pooled median."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = check(results)
+    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 4.2), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], cells, strict=True):
+        runs, kinds = gather(results, name)
+        best = best_peer(runs, kinds)
+        ref = _med([s["prefilled"] for ss in runs[best].values() for s in ss]) if best else None
+        for x, (c, by) in enumerate(runs.items()):
+            ys = [s["prefilled"] / ref for ss in by.values() for s in ss] if ref else []
+            color = "tab:red" if kinds[c] not in PEER_KINDS else "tab:blue"
+            dx = [x + 0.08 * ((i % 5) - 2) for i in range(len(ys))]
+            ax.scatter([d for d, y in zip(dx, ys, strict=True) if y <= TOP], [y for y in ys if y <= TOP], s=10,
+                       alpha=0.6, color=color)
+            over = [y for y in ys if y > TOP]  # off the scale: a triangle at the top, with the largest value
+            if over:
+                ax.scatter([x], [TOP], marker="^", s=24, color=color)
+                ax.annotate(f"{len(over)} up to {max(over):.1f}x", (x, TOP), fontsize=6, ha="center",
+                            xytext=(0, -10), textcoords="offset points")
+            if ys:
+                ax.hlines(_med(ys), x - 0.3, x + 0.3, color="black", linewidth=1.5)
+        ax.axhline(1.0, color="grey", linewidth=0.6, linestyle="--")
+        ax.set_ylim(None, TOP * 1.01)
+        ax.set_xticks(range(len(runs)), list(runs), rotation=30, ha="right", fontsize=7)
+        ax.set_title(name, fontsize=9)
+    axes[0][0].set_ylabel("prefilled / pooled best peer's median (lower is better)")
+    fig.suptitle(f"Fleet routing across trace seeds: every run (bar: pooled median), commit {results[0]['commit'][:7]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path, nargs="+")
@@ -162,17 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--notes", type=Path, help="markdown appended to the section")
     p.add_argument("--no-docs", action="store_true", help="print the section only")
     a = p.parse_args(argv)
+    results = [json.loads(f.read_text()) for f in a.runs]
     try:
-        section = report([json.loads(f.read_text()) for f in a.runs])
+        section = report(results)
     except ValueError as e:
         raise SystemExit(f"seeds: {e}") from None
+    png = Path(__file__).resolve().parents[2] / "docs" / (a.section.replace("-", "_") + ".png")
+    section += f"\n![every run of every seed, relative to the cell's pooled best peer]({png.name})\n"
     if a.notes is not None:
         section += "\n" + a.notes.read_text().strip() + "\n"
     print(section)
     if not a.no_docs:
-        from benchdoc import write_section
+        from benchdoc import DOC, write_section
 
+        plot(results, png)
         write_section(a.section, section)
+        print(f"wrote {DOC} (section {a.section}) and {png}")
     return 0
 
 
