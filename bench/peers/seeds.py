@@ -28,7 +28,7 @@ from statistics import median_low
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from peers.report import PEER_KINDS  # noqa: E402
+from peers.report import PEER_KINDS, best_peers  # noqa: E402
 from peers.summary import summarize  # noqa: E402
 
 Runs = dict[str, dict[int, list[dict[str, Any]]]]  # contender -> seed -> each run's summary
@@ -79,17 +79,18 @@ def _med(xs: list[Any]) -> Any:
 
 
 def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None) -> str | None:
-    """The peer with the lowest median prefill over the given seeds' runs (all seeds: the pooled best); a peer that
-    lost a request in one of those runs is compared only where no peer completed them all."""
-    peers = [c for c in runs if kinds[c] in PEER_KINDS]
-    want = seeds or sorted({s for c in peers for s in runs[c]})
-
-    def picked(c: str) -> list[dict[str, Any]]:
-        return [s for seed in want for s in runs[c].get(seed, [])]
-
-    whole = [c for c in peers if picked(c) and all(s["ok"] == s["n"] for s in picked(c))]
-    pool = whole or [c for c in peers if picked(c)]
-    return min(pool, key=lambda c: _med([s["prefilled"] for s in picked(c)])) if pool else None
+    """The peer with the lowest median prefill over the given seeds' runs (all seeds: the pooled best), by the bench's
+    own rule (peers.report.best_peers: a peer that lost a request in one of those runs is compared only where no peer
+    completed them all)."""
+    pooled = []
+    for c, by in runs.items():
+        picked = [s for seed, ss in by.items() if seeds is None or seed in seeds for s in ss]
+        if picked:
+            summary = {"prefilled": _med([s["prefilled"] for s in picked]), "ttft_p99": None, "rps": 0.0,
+                       "ok": sum(s["ok"] for s in picked), "n": sum(s["n"] for s in picked)}
+            pooled.append({"contender": c, "kind": kinds[c], "summary": summary})
+    best = best_peers({"runs": pooled})["prefilled"]
+    return best[0] if best else None
 
 
 def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -> list[str]:
@@ -99,8 +100,8 @@ def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -
         f"**{name}**: prefilled tokens, each seed's median of its runs, and every run pooled"
         + (f" (the pooled best peer: {best})" if best else ""),
         "",
-        "| contender | " + " | ".join(f"seed {s}" for s in seeds) + " | pooled (runs) | x pooled best peer | TTFT p99 ms, pooled |",
-        "|---|" + "---:|" * (len(seeds) + 3),
+        "| contender | " + " | ".join(f"seed {s}" for s in seeds) + " | pooled (runs) | x pooled best peer | TTFT p99 ms, pooled | requests not completed |",
+        "|---|" + "---:|" * (len(seeds) + 4),
     ]
     for c, by in runs.items():
         per = [_med([s["prefilled"] for s in by.get(seed, [])]) for seed in seeds]
@@ -109,7 +110,8 @@ def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -
         out.append(
             f"| {c} | " + " | ".join("-" if v is None else f"{v:,}" for v in per)
             + f" | {pooled[c]:,} ({sum(len(ss) for ss in by.values())}) | {ratio} | "
-            + ("-" if p99 is None else f"{1000 * p99:,.0f}") + " |"
+            + ("-" if p99 is None else f"{1000 * p99:,.0f}")
+            + f" | {sum(s['n'] - s['ok'] for ss in by.values() for s in ss)} |"
         )
     return out
 

@@ -66,5 +66,7 @@ def test_a_peer_that_lost_requests_is_not_the_best_on_prefill() -> None:
     runs = [_run("kvfleet", "kvfleet", 100), _run("sticky", "sticky", 110), _run("vllm-cache_aware", "vllm", 50, 2)]
     text = report([_results(0, runs)])
     assert "(the pooled best peer: sticky)" in text and "in 1 of 1 seeds (seed 0: 0.91x sticky)" in text
+    # its 2 requests not completed are shown, and its TTFT p99 counts them at the 10 s client timeout
+    assert "| vllm-cache_aware | 50 | 50 (1) | 0.45x | 10,000 | 2 |" in text
     control = report([_results(0, [*runs[:2], _run("vllm-cache_aware", "vllm", 50)])])
     assert "(the pooled best peer: vllm-cache_aware)" in control
