@@ -43,7 +43,7 @@ def check(results: list[dict[str, Any]]) -> dict[str, list[int]]:
     for r in results:
         if r["commit"] != first["commit"]:
             raise ValueError(f"runs of different commits ({first['commit'][:7]}, {r['commit'][:7]}) are not pooled")
-        if {**r["options"], "seed": 0} != {**first["options"], "seed": 0}:
+        if {**r["options"], "seed": 0} != {**first["options"], "seed": 0} or r.get("quick") != first.get("quick"):
             raise ValueError("runs whose options differ in more than the seed are not pooled")
         for c in r["cells"]:
             have = seeds.setdefault(_key(c), [])

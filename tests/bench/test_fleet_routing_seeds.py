@@ -43,6 +43,8 @@ def test_runs_that_differ_in_more_than_the_seed_or_repeat_one_are_refused() -> N
         check([a, _results(2, [], commit="def5678")])
     with pytest.raises(ValueError, match="more than the seed"):
         check([a, _results(2, [], think_s=0.5)])
+    with pytest.raises(ValueError, match="more than the seed"):  # a --quick run's cells are smaller
+        check([a, {**_results(2, []), "quick": True}])
     with pytest.raises(ValueError, match="demo/tight comes twice under seed 1"):
         check([a, _results(1, [])])
 
