@@ -36,7 +36,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       || "$VENV/bin/python" -m pip install -q 'torch==2.13.0+cpu' --extra-index-url https://download.pytorch.org/whl/cpu
   fi
   # pip byte-compiles what it installs; that is kept. Skipped (--no-compile), this install took 41 s instead of
-  # 56 on a fresh clone, and the suite that followed 604 s instead of 390: every process then compiles what it imports.
+  # 56 on a fresh clone, and the suite that followed 604 s instead of 390 (one run each): every process then compiles
+  # what it imports.
   "$VENV/bin/python" -m pip install -q -e '.[dev]'
   echo "$want" > "$stamp"
 fi

@@ -52,7 +52,7 @@ def _one(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) == 1 or not done:
         return runs[0]
     sums = [r["summary"] for r in done]
-    summary = {k: _median([s[k] for s in sums]) for k in sums[0]}
+    summary = {k: median_of([s[k] for s in sums]) for k in sums[0]}
     summary.update({k: sum(s[k] or 0 for s in sums) for k in SUMMED if k in sums[0]})
     if all(s.get("stale_warm") is None for s in sums):
         summary["stale_warm"] = summary["stale_raced"] = None  # a peer: no verdicts to count
@@ -61,7 +61,7 @@ def _one(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(done[0], summary=summary)
 
 
-def _median(xs: list[Any]) -> Any:
+def median_of(xs: list[Any]) -> Any:
     """The lower median of the runs that measured it (a TTFT is None where no request completed)."""
     vals = [x for x in xs if x is not None]
     if not vals:

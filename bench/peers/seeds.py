@@ -24,10 +24,10 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from statistics import median_low
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from peers.repeats import median_of  # noqa: E402
 from peers.report import PEER_KINDS, best_peers  # noqa: E402
 from peers.summary import summarize  # noqa: E402
 
@@ -73,11 +73,6 @@ def gather(results: list[dict[str, Any]], name: str) -> tuple[Runs, dict[str, st
     return runs, kinds
 
 
-def _med(xs: list[Any]) -> Any:
-    vals = [x for x in xs if x is not None]
-    return median_low(vals) if vals else None
-
-
 def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None) -> str | None:
     """The peer with the lowest median prefill over the given seeds' runs (all seeds: the pooled best), by the bench's
     own rule (peers.report.best_peers: a peer that lost a request in one of those runs is compared only where no peer
@@ -86,7 +81,7 @@ def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None)
     for c, by in runs.items():
         picked = [s for seed, ss in by.items() if seeds is None or seed in seeds for s in ss]
         if picked:
-            summary = {"prefilled": _med([s["prefilled"] for s in picked]), "ttft_p99": None, "rps": 0.0,
+            summary = {"prefilled": median_of([s["prefilled"] for s in picked]), "ttft_p99": None, "rps": 0.0,
                        "ok": sum(s["ok"] for s in picked), "n": sum(s["n"] for s in picked)}
             pooled.append({"contender": c, "kind": kinds[c], "summary": summary})
     best = best_peers({"runs": pooled})["prefilled"]
@@ -94,7 +89,7 @@ def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None)
 
 
 def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -> list[str]:
-    pooled = {c: _med([s["prefilled"] for ss in by.values() for s in ss]) for c, by in runs.items()}
+    pooled = {c: median_of([s["prefilled"] for ss in by.values() for s in ss]) for c, by in runs.items()}
     best = best_peer(runs, kinds)
     out = [
         f"**{name}**: prefilled tokens, each seed's median of its runs, and every run pooled"
@@ -104,8 +99,8 @@ def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -
         "|---|" + "---:|" * (len(seeds) + 4),
     ]
     for c, by in runs.items():
-        per = [_med([s["prefilled"] for s in by.get(seed, [])]) for seed in seeds]
-        p99 = _med([s["ttft_p99"] for ss in by.values() for s in ss])
+        per = [median_of([s["prefilled"] for s in by.get(seed, [])]) for seed in seeds]
+        p99 = median_of([s["ttft_p99"] for ss in by.values() for s in ss])
         ratio = f"{pooled[c] / pooled[best]:.2f}x" if best and pooled[best] else "-"
         out.append(
             f"| {c} | " + " | ".join("-" if v is None else f"{v:,}" for v in per)
@@ -123,8 +118,8 @@ def seed_verdicts(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]
     parts, wins = [], 0
     for seed in seeds:
         best = best_peer(runs, kinds, [seed])
-        ours = _med([s["prefilled"] for s in runs["kvfleet"].get(seed, [])])
-        theirs = _med([s["prefilled"] for s in runs[best].get(seed, [])]) if best else None
+        ours = median_of([s["prefilled"] for s in runs["kvfleet"].get(seed, [])])
+        theirs = median_of([s["prefilled"] for s in runs[best].get(seed, [])]) if best else None
         if ours is None or not theirs:
             parts.append(f"seed {seed}: -")
             continue
@@ -170,7 +165,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for ax, name in zip(axes[0], cells, strict=True):
         runs, kinds = gather(results, name)
         best = best_peer(runs, kinds)
-        ref = _med([s["prefilled"] for ss in runs[best].values() for s in ss]) if best else None
+        ref = median_of([s["prefilled"] for ss in runs[best].values() for s in ss]) if best else None
         for x, (c, by) in enumerate(runs.items()):
             ys = [s["prefilled"] / ref for ss in by.values() for s in ss] if ref else []
             color = "tab:red" if kinds[c] not in PEER_KINDS else "tab:blue"
@@ -183,7 +178,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                 ax.annotate(f"{len(over)} up to {max(over):.1f}x", (x, TOP), fontsize=6, ha="center",
                             xytext=(0, -10), textcoords="offset points")
             if ys:
-                ax.hlines(_med(ys), x - 0.3, x + 0.3, color="black", linewidth=1.5)
+                ax.hlines(median_of(ys), x - 0.3, x + 0.3, color="black", linewidth=1.5)
         ax.axhline(1.0, color="grey", linewidth=0.6, linestyle="--")
         ax.set_ylim(None, TOP * 1.01)
         ax.set_xticks(range(len(runs)), list(runs), rotation=30, ha="right", fontsize=7)
