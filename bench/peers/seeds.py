@@ -6,7 +6,8 @@ Each RUN.json is what `bench/fleet_routing.py --seed S --repeat N --json` saved.
 option but the seed; a cell may come in several files, once per seed, and each cell is pooled alone. The seed draws the trace (the agents' think times,
 their tool results and instructions), so each seed is another sample of the same workload, where `--repeat` reruns
 one trace. Per cell and contender: each seed's median prefill (its runs' lower median, as the bench's tables give
-it), the median over every run of every seed, and the median TTFT p99 over every run.
+it), the median over every run of every seed, the median TTFT p50 and p99 over every run, and, where kvfleet's proxy
+judged tool results (the agents-tools workload), how many it judged and withheld, summed.
 
 Two comparisons with the best peer, which answer different questions:
 - pooled: the peer whose pooled median is lowest, fixed for the cell, against kvfleet's pooled median;
@@ -68,7 +69,11 @@ def gather(results: list[dict[str, Any]], name: str) -> tuple[Runs, dict[str, st
             if _key(cell) != name:
                 continue
             for run in cell["runs"]:
-                runs.setdefault(run["contender"], {}).setdefault(seed, []).append(summarize(run))
+                summary = summarize(run)
+                counters = run.get("proxy_counters") or {}
+                for what in ("judged", "withheld"):  # tool results the proxy judged and withheld (agents-tools)
+                    summary[what] = sum(v for k, v in counters.items() if k.split(" ")[0] == what)
+                runs.setdefault(run["contender"], {}).setdefault(seed, []).append(summary)
                 kinds[run["contender"]] = run["kind"]
     return runs, kinds
 
@@ -90,23 +95,27 @@ def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None)
 
 def cell_table(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]) -> list[str]:
     pooled = {c: median_of([s["prefilled"] for ss in by.values() for s in ss]) for c, by in runs.items()}
+    judged = any(s["judged"] for by in runs.values() for ss in by.values() for s in ss)
     best = best_peer(runs, kinds)
     out = [
         f"**{name}**: prefilled tokens, each seed's median of its runs, and every run pooled"
         + (f" (the pooled best peer: {best})" if best else ""),
         "",
-        "| contender | " + " | ".join(f"seed {s}" for s in seeds) + " | pooled (runs) | x pooled best peer | TTFT p99 ms, pooled | requests not completed |",
-        "|---|" + "---:|" * (len(seeds) + 4),
+        "| contender | " + " | ".join(f"seed {s}" for s in seeds) + " | pooled (runs) | x pooled best peer | TTFT p50 / p99 ms, pooled | requests not completed |"
+        + (" tool results judged / withheld |" if judged else ""),
+        "|---|" + "---:|" * (len(seeds) + 4 + judged),
     ]
     for c, by in runs.items():
         per = [median_of([s["prefilled"] for s in by.get(seed, [])]) for seed in seeds]
-        p99 = median_of([s["ttft_p99"] for ss in by.values() for s in ss])
+        every = [s for ss in by.values() for s in ss]
+        p50, p99 = (median_of([s[k] for s in every]) for k in ("ttft_p50", "ttft_p99"))
         ratio = f"{pooled[c] / pooled[best]:.2f}x" if best and pooled[best] else "-"
         out.append(
             f"| {c} | " + " | ".join("-" if v is None else f"{v:,}" for v in per)
-            + f" | {pooled[c]:,} ({sum(len(ss) for ss in by.values())}) | {ratio} | "
-            + ("-" if p99 is None else f"{1000 * p99:,.0f}")
-            + f" | {sum(s['n'] - s['ok'] for ss in by.values() for s in ss)} |"
+            + f" | {pooled[c]:,} ({len(every)}) | {ratio} | "
+            + " / ".join("-" if t is None else f"{1000 * t:,.0f}" for t in (p50, p99))
+            + f" | {sum(s['n'] - s['ok'] for s in every)} |"
+            + (f" {sum(s['judged'] for s in every):,.0f} / {sum(s['withheld'] for s in every):,.0f} |" if judged else "")
         )
     return out
 

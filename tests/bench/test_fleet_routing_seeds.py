@@ -16,14 +16,14 @@ sys.path.insert(0, str(BENCH))
 from peers.seeds import check, report  # noqa: E402
 
 
-def _run(name: str, kind: str, prefilled: int, lost: int = 0) -> dict[str, Any]:
+def _run(name: str, kind: str, prefilled: int, lost: int = 0, counters: dict[str, float] | None = None) -> dict[str, Any]:
     """A saved run as fleet_routing writes it: 4 requests (`lost` of them timed out), one worker's counters."""
     recs = [{"status": 0 if i < lost else 200, "finish_reason": "stop", "ttft_s": None if i < lost else 0.05,
              "verdict": "", "cached_tokens": 0, "matched_tokens": 0, "attempts": 1, "issued_s": 0.0, "total_s": 0.1,
              "worker": "w0"} for i in range(4)]
     worker = {"queries": prefilled, "hits": 0, "arrivals": 4, "to_sleeping": 0}
     return {"contender": name, "kind": kind, "records": recs, "workers": {"w0": worker}, "events": [],
-            "wall_s": 1.0, "timeout_s": 10.0}
+            "wall_s": 1.0, "timeout_s": 10.0, "proxy_counters": counters or {}}
 
 
 def _results(seed: int, runs: list[dict[str, Any]], commit: str = "abc1234", think_s: float = 0.1,
@@ -68,7 +68,18 @@ def test_a_peer_that_lost_requests_is_not_the_best_on_prefill() -> None:
     runs = [_run("kvfleet", "kvfleet", 100), _run("sticky", "sticky", 110), _run("vllm-cache_aware", "vllm", 50, 2)]
     text = report([_results(0, runs)])
     assert "(the pooled best peer: sticky)" in text and "in 1 of 1 seeds (seed 0: 0.91x sticky)" in text
-    # its 2 requests not completed are shown, and its TTFT p99 counts them at the 10 s client timeout
-    assert "| vllm-cache_aware | 50 | 50 (1) | 0.45x | 10,000 | 2 |" in text
+    # its 2 requests not completed are shown, and its TTFT percentiles count them at the 10 s client timeout
+    assert "| vllm-cache_aware | 50 | 50 (1) | 0.45x | 10,000 / 10,000 | 2 |" in text
+    assert "judged" not in text  # no proxy judged tool results in these runs: no such column
     control = report([_results(0, [*runs[:2], _run("vllm-cache_aware", "vllm", 50)])])
     assert "(the pooled best peer: vllm-cache_aware)" in control
+
+
+def test_the_tool_results_kvfleets_proxy_judged_and_withheld_are_summed_over_every_run() -> None:
+    judged = {"judged CLEAN": 10.0, "judged SUSPECT": 1.0, "withheld placeholder": 1.0, "probes awake": 3.0}
+    runs = [_run("kvfleet", "kvfleet", 100, counters=judged), _run("kvfleet", "kvfleet", 100, counters=judged),
+            _run("sticky", "sticky", 110)]
+    text = report([_results(0, runs)])
+    assert "| TTFT p50 / p99 ms, pooled | requests not completed | tool results judged / withheld |" in text
+    assert "| kvfleet | 100 | 100 (2) | 0.91x | 50 / 50 | 0 | 22 / 2 |" in text  # probes are not judged results
+    assert "| sticky | 110 | 110 (1) | 1.00x | 50 / 50 | 0 | 0 / 0 |" in text
