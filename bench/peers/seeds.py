@@ -2,8 +2,8 @@
 
     python bench/peers/seeds.py RUN.json [RUN.json ...] [--section fleet-routing-seeds] [--notes F] [--no-docs]
 
-Each RUN.json is what `bench/fleet_routing.py --seed S --repeat N --json` saved. They must share the commit and every
-option but the seed; a cell may come in several files, once per seed, and each cell is pooled alone. The seed draws the trace (the agents' think times,
+Each RUN.json is what `bench/fleet_routing.py --seed S --repeat N --json` saved. They must share every option but the
+seed; a cell may come in several files, once per seed and all at one commit, and each cell is pooled alone. The seed draws the trace (the agents' think times,
 their tool results and instructions), so each seed is another sample of the same workload, where `--repeat` reruns
 one trace. Per cell and contender: each seed's median prefill (its runs' lower median, as the bench's tables give
 it), the median over every run of every seed, the median TTFT p50 and p99 over every run, and, where kvfleet's proxy
@@ -37,21 +37,24 @@ TOP = 1.4  # the plot's scale ends here: a peer that put every request on one wo
 
 
 def check(results: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """Each cell's seeds, in the order given; refuses runs that differ in anything but the seed and the cells, or
-    that hold one cell twice under one seed (several files may hold different cells: each cell is pooled alone)."""
+    """Each cell's seeds, in the order given. Refused: runs that differ in anything but the seed and the cells, a cell
+    measured at two commits, or a cell twice under one seed (files may hold different cells, of different commits:
+    each cell is pooled alone)."""
     first = results[0]
     seeds: dict[str, list[int]] = {}
+    commits: dict[str, str] = {}
     for r in results:
-        if r["commit"] != first["commit"]:
-            raise ValueError(f"runs of different commits ({first['commit'][:7]}, {r['commit'][:7]}) are not pooled")
         if {**r["options"], "seed": 0} != {**first["options"], "seed": 0} or r.get("quick") != first.get("quick"):
             raise ValueError("runs whose options differ in more than the seed are not pooled")
         for c in r["cells"]:
-            have = seeds.setdefault(_key(c), [])
-            if r["options"]["seed"] in have:
-                raise ValueError(f"{_key(c)} comes twice under seed {r['options']['seed']}: pool --repeat runs with "
-                                 "fleet_routing --from-json")
-            have.append(r["options"]["seed"])
+            name, seed = _key(c), r["options"]["seed"]
+            if commits.setdefault(name, r["commit"]) != r["commit"]:
+                raise ValueError(f"{name}: runs of different commits ({commits[name][:7]}, {r['commit'][:7]}) are "
+                                 "not pooled")
+            have = seeds.setdefault(name, [])
+            if seed in have:
+                raise ValueError(f"{name} comes twice under seed {seed}: pool --repeat runs with fleet_routing --from-json")
+            have.append(seed)
     return seeds
 
 
@@ -139,14 +142,15 @@ def seed_verdicts(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]
 
 def report(results: list[dict[str, Any]]) -> str:
     cells = check(results)
-    first = results[0]
-    runs_of = sorted({(r.get("cells_arg"), ",".join(dict.fromkeys(run["contender"] for run in r["cells"][0]["runs"])),
-                       r.get("repeats", 1)) for r in results}, key=str)
+    runs_of = sorted({(r["commit"][:7], r.get("cells_arg"),
+                       ",".join(dict.fromkeys(run["contender"] for run in r["cells"][0]["runs"])), r.get("repeats", 1))
+                      for r in results}, key=str)
     lines = [
         "## Fleet routing across trace seeds (`python bench/peers/seeds.py`)",
         "",
-        f"Measured at commit `{first['commit'][:7]}`: "
-        + "; ".join(f"`bench/fleet_routing.py --cells {c} --contenders {k} --repeat {n} --seed S`" for c, k, n in runs_of)
+        "Measured with "
+        + "; ".join(f"`bench/fleet_routing.py --cells {c} --contenders {k} --repeat {n} --seed S` at commit `{h}`"
+                    for h, c, k, n in runs_of)
         + ", everything else as in the sections that published the cells (stand-ins, hazards, timeouts). A seed draws "
         "another trace of the same workload (think times, tool results, instructions); `--repeat` reruns one trace. "
         "The seed-by-seed comparison takes the lowest peer median of each seed, a minimum of noisy figures that leans "
@@ -193,8 +197,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(range(len(runs)), list(runs), rotation=30, ha="right", fontsize=7)
         ax.set_title(name, fontsize=9)
     axes[0][0].set_ylabel("prefilled / pooled best peer's median (lower is better)")
-    fig.suptitle(f"Fleet routing across trace seeds: every run (bar: pooled median), commit {results[0]['commit'][:7]}",
-                 fontsize=9)
+    commits = ", ".join(sorted({r["commit"][:7] for r in results}))
+    fig.suptitle(f"Fleet routing across trace seeds: every run (bar: pooled median), commit {commits}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,6 +1,6 @@
 """The fleet routing bench's runs under several trace seeds, pooled (bench/peers/seeds.py): runs that differ in more
-than the seed are refused, files of different cells are pooled cell by cell, the pooled best peer is fixed by every
-run, and the seed-by-seed count takes each seed's own best peer."""
+than the seed are refused, files of different cells (and commits) are pooled cell by cell, the pooled best peer is
+fixed by every run, and the seed-by-seed count takes each seed's own best peer."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ def test_runs_that_differ_in_more_than_the_seed_or_repeat_one_are_refused() -> N
     # files of other cells are pooled cell by cell; the same seed may come once per cell
     assert check([a, _results(1, [], workload="tenants2"), _results(0, [])]) == {"demo/tight": [1, 0],
                                                                                "tenants2/tight": [1]}
-    with pytest.raises(ValueError, match="different commits"):
+    with pytest.raises(ValueError, match="demo/tight: runs of different commits"):
         check([a, _results(2, [], commit="def5678")])
+    # another cell may come from another commit: each cell is pooled alone
+    assert check([a, _results(1, [], commit="def5678", workload="tenants2")]) == {"demo/tight": [1], "tenants2/tight": [1]}
     with pytest.raises(ValueError, match="more than the seed"):
         check([a, _results(2, [], think_s=0.5)])
     with pytest.raises(ValueError, match="more than the seed"):  # a --quick run's cells are smaller
