@@ -174,8 +174,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = check(results)
-    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 4.2), sharey=True, squeeze=False)
-    for ax, name in zip(axes[0], cells, strict=True):
+    cols = min(4, len(cells))
+    rows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.9 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    low = 1.0
+    for ax, name in zip(axes.flat, cells, strict=False):
         runs, kinds = gather(results, name)
         best = best_peer(runs, kinds)
         ref = median_of([s["prefilled"] for ss in runs[best].values() for s in ss]) if best else None
@@ -191,12 +196,14 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                 ax.annotate(f"{len(over)} up to {max(over):.1f}x", (x, TOP), fontsize=6, ha="center",
                             xytext=(0, -10), textcoords="offset points")
             if ys:
+                low = min(low, *ys)
                 ax.hlines(median_of(ys), x - 0.3, x + 0.3, color="black", linewidth=1.5)
         ax.axhline(1.0, color="grey", linewidth=0.6, linestyle="--")
-        ax.set_ylim(None, TOP * 1.01)
         ax.set_xticks(range(len(runs)), list(runs), rotation=30, ha="right", fontsize=7)
         ax.set_title(name, fontsize=9)
-    axes[0][0].set_ylabel("prefilled / pooled best peer's median (lower is better)")
+    axes.flat[0].set_ylim(low - 0.02, TOP * 1.01)  # shared by every cell
+    for row in axes:
+        row[0].set_ylabel("prefilled / pooled best peer's median\n(lower is better)", fontsize=8)
     commits = ", ".join(sorted({r["commit"][:7] for r in results}))
     fig.suptitle(f"Fleet routing across trace seeds: every run (bar: pooled median), commit {commits}", fontsize=9)
     fig.tight_layout()
