@@ -183,13 +183,12 @@ async def proxy_released(fleet: Any, n: int) -> None:
     """Wait until the proxy has counted `n` routes released. The proxy counts a release when the controller
     answers its ReleaseRoute, after the router has dropped the route: a test that saw the router's flights fall
     to 0 can still find the proxy's counter one short (it did, on a loaded machine)."""
-    await until(_released_by_proxy(fleet), lambda k: k == n)
+    released = fleet.proxy.metrics.releases.labels("released")
 
-
-def _released_by_proxy(fleet: Any) -> Callable[[], Awaitable[float]]:
     async def value() -> float:
-        return float(fleet.proxy.metrics.releases.labels("released")._value.get())
-    return value
+        return float(released._value.get())
+
+    await until(value, lambda k: k == n)
 
 
 def sse_events(raw: bytes) -> list[str]:

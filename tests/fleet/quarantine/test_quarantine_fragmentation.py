@@ -94,7 +94,8 @@ def test_the_gate_is_in_the_config_id_and_checked() -> None:
             parse_detector(bad)
 
 
-def test_the_controller_flag_and_the_chart_value_set_it() -> None:
+def test_the_controller_flag_and_its_env_set_it() -> None:
+    # the chart's value: tests/helm/test_chart_edge.py
     from controller.main import config_from, parse_args
 
     args = ["--detector-layers", "rules,learned,encoder", "--detector-encoder-max-fragmentation", "0.2"]
