@@ -25,7 +25,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from peers.repeats import median_of  # noqa: E402
@@ -62,15 +62,19 @@ def _key(cell: dict[str, Any]) -> str:
     return f"{cell['workload']['name']}/{cell['cache']}"
 
 
-def gather(results: list[dict[str, Any]], name: str) -> tuple[Runs, dict[str, str]]:
-    """One cell's run summaries by contender and seed, and each contender's kind."""
-    runs: Runs = {}
-    kinds: dict[str, str] = {}
+class Cell(NamedTuple):
+    seeds: list[int]  # in the order given
+    runs: Runs
+    kinds: dict[str, str]  # contender -> its kind
+
+
+def pool(results: list[dict[str, Any]]) -> dict[str, Cell]:
+    """Every cell's run summaries by contender and seed (each run summarized once), after `check`."""
+    cells = {name: Cell(seeds, {}, {}) for name, seeds in check(results).items()}
     for res in results:
         seed = res["options"]["seed"]
         for cell in res["cells"]:
-            if _key(cell) != name:
-                continue
+            runs, kinds = cells[_key(cell)].runs, cells[_key(cell)].kinds
             for run in cell["runs"]:
                 summary = summarize(run)
                 counters = run.get("proxy_counters") or {}
@@ -78,7 +82,7 @@ def gather(results: list[dict[str, Any]], name: str) -> tuple[Runs, dict[str, st
                     summary[what] = sum(v for k, v in counters.items() if k.split(" ")[0] == what)
                 runs.setdefault(run["contender"], {}).setdefault(seed, []).append(summary)
                 kinds[run["contender"]] = run["kind"]
-    return runs, kinds
+    return cells
 
 
 def best_peer(runs: Runs, kinds: dict[str, str], seeds: list[int] | None = None) -> str | None:
@@ -140,8 +144,9 @@ def seed_verdicts(name: str, seeds: list[int], runs: Runs, kinds: dict[str, str]
     return f"- {name}: kvfleet at or below that seed's best peer in {wins} of {len(seeds)} seeds ({'; '.join(parts)})"
 
 
-def report(results: list[dict[str, Any]]) -> str:
-    cells = check(results)
+def report(results: list[dict[str, Any]], cells: dict[str, Cell] | None = None) -> str:
+    """The section's markdown (`cells`: `pool(results)`, pooled here when not given)."""
+    cells = pool(results) if cells is None else cells
     runs_of = sorted({(r["commit"][:7], r.get("cells_arg"),
                        ",".join(dict.fromkeys(run["contender"] for run in r["cells"][0]["runs"])), r.get("repeats", 1))
                       for r in results}, key=str)
@@ -159,29 +164,26 @@ def report(results: list[dict[str, Any]]) -> str:
         "",
     ]
     verdicts = []
-    for name, seeds in cells.items():
-        runs, kinds = gather(results, name)
+    for name, (seeds, runs, kinds) in cells.items():
         lines += cell_table(name, seeds, runs, kinds) + [""]
         verdicts.append(seed_verdicts(name, seeds, runs, kinds))
     return "\n".join(lines + verdicts) + "\n"
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot(results: list[dict[str, Any]], cells: dict[str, Cell], path: Path) -> None:
     """Every run of every seed as a point, relative to its cell's pooled best peer; a bar at each pooled median."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = check(results)
     cols = min(4, len(cells))
     rows = -(-len(cells) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.9 * rows), sharey=True, squeeze=False)
     for ax in axes.flat[len(cells):]:
         ax.set_visible(False)
     low = 1.0
-    for ax, name in zip(axes.flat, cells, strict=False):
-        runs, kinds = gather(results, name)
+    for ax, (name, (_, runs, kinds)) in zip(axes.flat, cells.items(), strict=False):
         best = best_peer(runs, kinds)
         ref = median_of([s["prefilled"] for ss in runs[best].values() for s in ss]) if best else None
         for x, (c, by) in enumerate(runs.items()):
@@ -220,9 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     results = [json.loads(f.read_text()) for f in a.runs]
     try:
-        section = report(results)
+        cells = pool(results)
     except ValueError as e:
         raise SystemExit(f"seeds: {e}") from None
+    section = report(results, cells)
     png = Path(__file__).resolve().parents[2] / "docs" / (a.section.replace("-", "_") + ".png")
     section += f"\n![every run of every seed, relative to the cell's pooled best peer]({png.name})\n"
     if a.notes is not None:
@@ -231,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.no_docs:
         from benchdoc import DOC, write_section
 
-        plot(results, png)
+        plot(results, cells, png)
         write_section(a.section, section)
         print(f"wrote {DOC} (section {a.section}) and {png}")
     return 0
