@@ -220,11 +220,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--notes", type=Path, help="markdown appended to the section")
     p.add_argument("--no-docs", action="store_true", help="print the section only")
     a = p.parse_args(argv)
-    results = [json.loads(f.read_text()) for f in a.runs]
+    results = []
+    for f in a.runs:
+        try:
+            results.append(json.loads(f.read_text()))
+        except (OSError, ValueError) as e:  # a JSONDecodeError is a ValueError
+            raise SystemExit(f"seeds: {f}: not a saved fleet_routing run ({e})") from None
     try:
         cells = pool(results)
     except ValueError as e:
         raise SystemExit(f"seeds: {e}") from None
+    except KeyError as e:
+        raise SystemExit(f"seeds: a run has no {e} (not what fleet_routing --json saves)") from None
     section = report(results, cells)
     png = Path(__file__).resolve().parents[2] / "docs" / (a.section.replace("-", "_") + ".png")
     section += f"\n![every run of every seed, relative to the cell's pooled best peer]({png.name})\n"

@@ -13,7 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from peers.seeds import check, report  # noqa: E402
+from peers.seeds import check, main, report  # noqa: E402
 
 
 def _run(name: str, kind: str, prefilled: int, lost: int = 0, counters: dict[str, float] | None = None) -> dict[str, Any]:
@@ -85,3 +85,15 @@ def test_the_tool_results_kvfleets_proxy_judged_and_withheld_are_summed_over_eve
     assert "| TTFT p50 / p99 ms, pooled | requests not completed | tool results judged / withheld |" in text
     assert "| kvfleet | 100 | 100 (2) | 0.91x | 50 / 50 | 0 | 22 / 2 |" in text  # probes are not judged results
     assert "| sticky | 110 | 110 (1) | 1.00x | 50 / 50 | 0 | 0 / 0 |" in text
+
+
+def test_a_file_that_is_not_a_saved_run_is_refused_by_name(tmp_path: Path) -> None:
+    bad, partial = tmp_path / "bad.json", tmp_path / "partial.json"
+    bad.write_text("{not json")
+    partial.write_text('{"options": {"seed": 0}}')
+    with pytest.raises(SystemExit, match="bad.json: not a saved fleet_routing run"):
+        main([str(bad), "--no-docs"])
+    with pytest.raises(SystemExit, match="seeds: a run has no 'cells'"):
+        main([str(partial), "--no-docs"])
+    with pytest.raises(SystemExit, match="missing.json: not a saved fleet_routing run"):
+        main([str(tmp_path / "missing.json"), "--no-docs"])
