@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets up .venv (idempotent), then runs what you ask.
 #   ./dev.sh demo [args]   the main job: kvfleet demo on the embedded defaults
-#   ./dev.sh test [args]   the whole test suite (pytest args pass through); with no args it first reruns
+#   ./dev.sh test [args]   the whole test suite (pytest args pass through); with no args it also reruns
 #                          the kernel exactness tests on forced AVX2 code paths and checks that a plain
 #                          `pip install .` runs the demo and the controller (scripts/plain_install_check.sh)
 #   ./dev.sh bench NAME    a benchmark from bench/ (writes docs/benchmarks.md sections)
@@ -48,40 +48,43 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   demo)  exec kvfleet demo "$@" ;;
   test)
-    if [ $# -eq 0 ]; then
-      # The whole suite runs natively; before it, the kernel's exactness tests and `kvfleet witness`
-      # run again with the AVX2 (Haswell) code paths of OpenBLAS, numpy and torch forced, so a
-      # claim of max|Δ| = 0 is checked on two CPU paths on every machine (docs/kernel.md).
-      # Alongside it: the plain install check, started above (a `pip install .` with no extras: no
-      # torch, transformers or peft, in its own cached venv .venv-plain, runs `kvfleet demo` and starts
-      # `kvfleet controller`), and a mypy run that only fills mypy's incremental cache (.mypy_cache), so the
-      # suite's own strict mypy test (tests/test_typing.py, which still checks every file) takes seconds,
-      # not most of a minute, on a fresh clone. Its output is dropped: the test is the check.
-      python -m mypy >/dev/null 2>&1 &
-      mypy_warm=$!
-      trap 'kill "$plain" "$mypy_warm" 2>/dev/null || true; rm -f "$plain_log"' EXIT  # a failed pass leaves nothing behind
-      paths=$(python scripts/cpu_paths.py)
-      echo "== kernel exactness on forced AVX2 paths: ${paths:0:300}"
-      ( eval "$paths"
-        python -m pytest -q -p no:cacheprovider tests/fleet/kernel
-        kvfleet witness >/dev/null || { kvfleet witness; exit 1; } )
-      plain_rc=0
-      wait "$plain" || plain_rc=$?
-      cat "$plain_log"; rm -f "$plain_log"
-      wait "$mypy_warm" || true
-      trap - EXIT
-      [ "$plain_rc" -eq 0 ] || { echo "plain install check failed (exit $plain_rc)" >&2; exit "$plain_rc"; }
-    fi
     export KVFLEET_TEST_EXTRAS=all  # .[dev] holds every extra: a test needing one fails if it is missing (tests/support/extras.py)
-    if [ $# -eq 0 ]; then
-      # Two pytest-xdist workers, each test file whole on one of them (its module fixtures shared), each worker
-      # with its own session fixtures (redis-server, local Ray: tests/conftest.py). About half the serial
-      # suite's time is waiting (processes starting, Ray, timeouts), which a second worker fills on 2 cores.
-      # KVFLEET_TEST_WORKERS=0 runs it serially. Files go out in tests/conftest.py's order (slow ones first), not
-      # xdist's (most tests first), so no slow file is left for one worker at the end.
-      set -- -n "${KVFLEET_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
-    fi
-    exec python -m pytest "$@" ;;
+    if [ $# -gt 0 ]; then exec python -m pytest "$@"; fi
+    # The whole suite, natively, in two pytest-xdist workers: each test file whole on one of them (its module
+    # fixtures shared), each worker with its own session fixtures (redis-server, local Ray: tests/conftest.py).
+    # About half the serial suite's time is waiting (processes starting, Ray, timeouts), which a second worker
+    # fills on 2 cores. KVFLEET_TEST_WORKERS=0 runs it serially. Files go out in tests/conftest.py's order (slow
+    # ones first), not xdist's (most tests first), so no slow file is left for one worker at the end.
+    # Beside the suite, not before it (at two workers it still leaves about half of the 2 cores idle):
+    # - the kernel's exactness tests and `kvfleet witness` again, with the AVX2 (Haswell) code paths of
+    #   OpenBLAS, numpy and torch forced, so a claim of max|Δ| = 0 is checked on two CPU paths on every
+    #   machine (docs/kernel.md);
+    # - the plain install check, started above (a `pip install .` with no extras: no torch, transformers or
+    #   peft, in its own cached venv .venv-plain, runs `kvfleet demo` and starts `kvfleet controller`);
+    # - a mypy run that only fills mypy's incremental cache (.mypy_cache), so the suite's own strict mypy test
+    #   (tests/test_typing.py, which still checks every file, late in the files' order) takes seconds, not most
+    #   of a minute, on a fresh clone. Its output is dropped: the test is the check.
+    # The first two print their output at the end, and a failure of either fails the run.
+    python -m mypy >/dev/null 2>&1 &
+    mypy_warm=$!
+    paths=$(python scripts/cpu_paths.py)
+    avx2_log=$(mktemp); avx2_tmp=$(mktemp -d)
+    ( eval "$paths"
+      python -m pytest -q -p no:cacheprovider --basetemp "$avx2_tmp" tests/fleet/kernel
+      kvfleet witness >/dev/null || { kvfleet witness; exit 1; } ) >"$avx2_log" 2>&1 &
+    avx2=$!
+    trap 'kill "$plain" "$mypy_warm" "$avx2" 2>/dev/null || true; rm -rf "$plain_log" "$avx2_log" "$avx2_tmp"' EXIT
+    suite_rc=0
+    python -m pytest -n "${KVFLEET_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder || suite_rc=$?
+    avx2_rc=0; wait "$avx2" || avx2_rc=$?
+    plain_rc=0; wait "$plain" || plain_rc=$?
+    wait "$mypy_warm" || true
+    echo "== kernel exactness on forced AVX2 paths: ${paths:0:300}"; cat "$avx2_log"
+    cat "$plain_log"
+    [ "$avx2_rc" -eq 0 ] || echo "kernel exactness on forced AVX2 paths failed (exit $avx2_rc)" >&2
+    [ "$plain_rc" -eq 0 ] || echo "plain install check failed (exit $plain_rc)" >&2
+    for rc in "$suite_rc" "$avx2_rc" "$plain_rc"; do [ "$rc" -eq 0 ] || exit "$rc"; done
+    exit 0 ;;
   bench) name=${1:?usage: ./dev.sh bench NAME (a script in bench/, without .py)}; shift
     # The CAS benchmark compares against redis-benchmark (Debian's redis-tools) when it can be had.
     if [ "$name" = cas_throughput ] && ! command -v redis-benchmark >/dev/null && [ "$(id -u)" = 0 ] \
