@@ -50,12 +50,13 @@ case "$cmd" in
   test)
     export KVFLEET_TEST_EXTRAS=all  # .[dev] holds every extra: a test needing one fails if it is missing (tests/support/extras.py)
     if [ $# -gt 0 ]; then exec python -m pytest "$@"; fi
-    # The whole suite, natively, in two pytest-xdist workers: each test file whole on one of them (its module
+    # The whole suite, natively, in three pytest-xdist workers: each test file whole on one of them (its module
     # fixtures shared), each worker with its own session fixtures (redis-server, local Ray: tests/conftest.py).
-    # About half the serial suite's time is waiting (processes starting, Ray, timeouts), which a second worker
-    # fills on 2 cores. KVFLEET_TEST_WORKERS=0 runs it serially. Files go out in tests/conftest.py's order (slow
+    # Much of a test's time is waiting (processes starting, Ray, timeouts), which other workers fill: on 2 cores,
+    # two workers left 24% of the CPU idle and took 448-470 s, three left 8% and took 402-411 s (two runs each,
+    # alternating). KVFLEET_TEST_WORKERS=0 runs it serially. Files go out in tests/conftest.py's order (slow
     # ones first), not xdist's (most tests first), so no slow file is left for one worker at the end.
-    # Beside the suite, not before it (at two workers it still leaves about half of the 2 cores idle):
+    # Beside the suite, not before it (in the CPU the suite leaves idle):
     # - the kernel's exactness tests and `kvfleet witness` again, with the AVX2 (Haswell) code paths of
     #   OpenBLAS, numpy and torch forced, so a claim of max|Δ| = 0 is checked on two CPU paths on every
     #   machine (docs/kernel.md);
@@ -75,7 +76,7 @@ case "$cmd" in
     avx2=$!
     trap 'kill "$plain" "$mypy_warm" "$avx2" 2>/dev/null || true; rm -rf "$plain_log" "$avx2_log" "$avx2_tmp"' EXIT
     suite_rc=0
-    python -m pytest -n "${KVFLEET_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder || suite_rc=$?
+    python -m pytest -n "${KVFLEET_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder || suite_rc=$?
     avx2_rc=0; wait "$avx2" || avx2_rc=$?
     plain_rc=0; wait "$plain" || plain_rc=$?
     wait "$mypy_warm" || true

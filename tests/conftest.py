@@ -1,5 +1,5 @@
 """Fixtures own infrastructure: one real redis-server and one local Ray cluster for the whole run (per pytest-xdist
-worker: `./dev.sh test` runs two, each test file whole on one of them, so each worker has its own of each)."""
+worker: `./dev.sh test` runs three, each test file whole on one of them, so each worker has its own of each)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _has_cuda() -> bool:
 
 
 def _slow_files_first(items: list[pytest.Item]) -> None:
-    """Order the test files for `./dev.sh test`'s two xdist workers, which take one file at a time in this order
+    """Order the test files for `./dev.sh test`'s xdist workers, which take one file at a time in this order
     (it passes --no-loadscope-reorder): files holding a `slow` test first, then by number of tests, most first
     (xdist's own order). Left to xdist, files of one slow test (a crash test, a multi-node cluster) came last, and
     one worker ran them alone at the end of the run. A file's tests keep their order (the sort is stable)."""
