@@ -18,7 +18,7 @@ stamp=$VENV/.kvfleet-installed
 plain=
 if [ "${1:-}" = test ] && [ $# -eq 1 ]; then
   plain_log=$(mktemp)
-  scripts/plain_install_check.sh >"$plain_log" 2>&1 &
+  nice -n 19 scripts/plain_install_check.sh >"$plain_log" 2>&1 &  # niced: see `test` below
   plain=$!
   trap 'kill "$plain" 2>/dev/null || true; rm -f "$plain_log"' EXIT  # a failed pass leaves nothing behind
 fi
@@ -65,14 +65,17 @@ case "$cmd" in
     # - a mypy run that only fills mypy's incremental cache (.mypy_cache), so the suite's own strict mypy test
     #   (tests/test_typing.py, which still checks every file, late in the files' order) takes seconds, not most
     #   of a minute, on a fresh clone. Its output is dropped: the test is the check.
-    # The first two print their output at the end, and a failure of either fails the run.
-    python -m mypy >/dev/null 2>&1 &
+    # The first two print their output at the end, and a failure of either fails the run. All three run niced
+    # (nice 19): they take the CPU the suite leaves idle, and leave the suite's timing as it is without them (run
+    # beside it at the same priority, they slowed the slow files that go first: two tests waiting on fixed delays
+    # failed in one run).
+    nice -n 19 python -m mypy >/dev/null 2>&1 &
     mypy_warm=$!
     paths=$(python scripts/cpu_paths.py)
     avx2_log=$(mktemp); avx2_tmp=$(mktemp -d)
     ( eval "$paths"
-      python -m pytest -q -p no:cacheprovider --basetemp "$avx2_tmp" tests/fleet/kernel
-      kvfleet witness >/dev/null || { kvfleet witness; exit 1; } ) >"$avx2_log" 2>&1 &
+      nice -n 19 python -m pytest -q -p no:cacheprovider --basetemp "$avx2_tmp" tests/fleet/kernel
+      nice -n 19 kvfleet witness >/dev/null || { kvfleet witness; exit 1; } ) >"$avx2_log" 2>&1 &
     avx2=$!
     trap 'kill "$plain" "$mypy_warm" "$avx2" 2>/dev/null || true; rm -rf "$plain_log" "$avx2_log" "$avx2_tmp"' EXIT
     suite_rc=0

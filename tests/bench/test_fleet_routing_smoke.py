@@ -39,9 +39,14 @@ async def test_sticky_and_kvfleet_run_the_trace_and_the_counts_add_up(tmp_path: 
             ("wake_up", True),
         ], r["events"]
         s = summarize(r)
-        # every prompt ran exactly once on some worker (a request to the sleeper waited, or was retried
-        # by kvfleet's proxy before the worker ran it), and the shared system prompt was reused
-        assert s["queries"] == wl.prompt_tokens()
+        # every prompt ran once on some worker (a request to the sleeper waited, or was retried by kvfleet's proxy),
+        # and the shared system prompt was reused. A retried request may have started on the worker it left (the
+        # proxy probes a worker whose first byte is late; a loaded machine once counted 859 tokens more than the
+        # prompts): it counts at most once more per extra attempt. Sticky never retries.
+        again_at_most = sum((x["prompt_tokens"] or 0) * (x["attempts"] - 1) for x in r["records"])
+        print(f"{name}: queries {s['queries']:,}, prompts {wl.prompt_tokens():,}, retried "
+              f"{sum(x['attempts'] > 1 for x in r['records'])} (their extra attempts' prompts {again_at_most:,})")
+        assert wl.prompt_tokens() <= s["queries"] <= wl.prompt_tokens() + again_at_most
         again = sum(w["recomputed"] for w in r["workers"].values())  # prompts the reset preempted, computed again
         assert 0 < s["prefilled"] - again < s["queries"] and again >= 0 and s["recomputed"] == again
         assert sum(w["arrivals"] for w in r["workers"].values()) >= wl.num_requests
