@@ -47,24 +47,43 @@ FCFS_RECHECK_S = 300.0  # a worker found without the priority policy gets no pri
 REFUSAL = re.compile(r"Got priority -?\d+ but Priority scheduling is not enabled\.?")  # vLLM's words, whole
 MAX_ERROR_BYTES = 65536  # of a worker's 400 read to tell a refusal of the priority
 MAX_PRUNED = 1024  # tenants' last tags kept per busy worker before those behind its virtual time are dropped
+COMPACT_SLACK = 64  # ended tags a busy worker's heap may hold past twice its requests in flight before it is rebuilt
 
 
 class _Queue:
     """One worker's fair queue, as this proxy sends to it."""
 
-    __slots__ = ("floor", "gone", "last", "tags", "top")
+    __slots__ = ("floor", "gone", "inflight", "last", "tags", "top")
 
     def __init__(self) -> None:
         self.tags: list[int] = []        # tags in flight (heap; ended ones removed lazily, via `gone`)
-        self.gone: Counter[int] = Counter()
+        self.gone: Counter[int] = Counter()  # ended tags still in `tags`, with how many times (no zero counts)
+        self.inflight = 0                # requests in flight: `tags` less `gone`
         self.last: dict[str, int] = {}   # tenant -> its last tag
         self.floor: dict[str, list[int]] = {}  # tenant with requests in flight -> [how many, the last priority sent]
         self.top = -1                    # the largest tag given
 
     def virtual_time(self) -> int:
-        while self.tags and self.gone[self.tags[0]]:
-            self.gone[heapq.heappop(self.tags)] -= 1
+        while self.tags and self.tags[0] in self.gone:
+            self._drop(heapq.heappop(self.tags))
         return self.tags[0] if self.tags else self.top + 1
+
+    def _drop(self, tag: int) -> None:
+        self.gone[tag] -= 1
+        if not self.gone[tag]:
+            del self.gone[tag]
+
+    def end(self, tag: int) -> None:
+        """`tag`'s request ended. NOTE: an ended tag leaves the heap only when it reaches the top, so a request
+        that stays in flight (a slow reader's stream) would keep every later one's tag; past twice the requests in
+        flight (and some slack), the heap is rebuilt from those in flight alone, so it stays their size."""
+        self.inflight -= 1
+        self.gone[tag] += 1
+        if len(self.tags) > 2 * self.inflight + COMPACT_SLACK:
+            left = Counter(self.tags)
+            left.subtract(self.gone)
+            self.tags = sorted(left.elements())   # a sorted list is a heap
+            self.gone.clear()
 
 
 class FairPriority:
@@ -121,6 +140,7 @@ class FairPriority:
         tag = max(q.last.get(tenant, v - 1) + 1, v)
         q.last[tenant], q.top = tag, max(q.top, tag)
         heapq.heappush(q.tags, tag)
+        q.inflight += 1
         if len(q.last) > MAX_PRUNED:   # a tenant behind V would start at V anyway
             q.last = {t: last for t, last in q.last.items() if last >= v}
         mine = q.floor.setdefault(tenant, [0, 0])
@@ -135,4 +155,4 @@ class FairPriority:
             if not q.floor:
                 del self.queues[worker]   # none in flight: no backlog to remember
             else:
-                q.gone[tag] += 1
+                q.end(tag)
