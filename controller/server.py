@@ -28,6 +28,7 @@ from controller.kernel_placement import set_kernel_placement
 from controller.leader import LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
+from controller.servicers.common import RpcShares
 from controller.servicers.fleet import redact
 from controller.store_gc import GcConfig, StoreGc
 from controller.store_probe import StoreProbe
@@ -236,7 +237,8 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          node_max_sessions=cfg.node_max_sessions,
                          detector=DetectorConfig(layers=cfg.detector_layers, encoder_gate=cfg.detector_encoder_gate,
                                                   encoder_max_fragmentation=cfg.detector_encoder_max_fragmentation),
-                         detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge))
+                         detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge),
+                         rpc_shares=RpcShares(cfg.grpc_limits.max_concurrent_rpcs))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s, cfg.verdict_ttl_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
         await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)

@@ -20,6 +20,7 @@ import grpc
 from controller.auth import Authenticator, Identity, Role
 from controller.edge import (
     DEFAULT_MAX_ROUTE_TOKENS,
+    GrpcLimits,
     Undecodable,
     checked_stream,
     refuse,
@@ -30,13 +31,43 @@ from controller.metrics import Metrics
 from controller.quotas import SessionLimits
 from controller.uploads import GetGate, UploadGate, UploadLimits
 from controller.verdicts import Judge
-from fleet.core.errors import ANSWERED_TRAILER, KvfleetError, Unavailable
+from fleet.core.errors import ANSWERED_TRAILER, KvfleetError, ResourceExhausted, Unavailable
 from fleet.core.quarantine.detector_config import DetectorConfig
 from fleet.sdk.quarantine import Judgement
 from workers.placement import NODE_KV_BYTES, NODE_MAX_SESSIONS
 
 log = logging.getLogger("kvfleet.controller")
 T = TypeVar("T")
+
+
+class RpcShares:
+    """The server's open RPCs (`--grpc-max-concurrent-rpcs`), at most three quarters of them per tenant: past that a
+    tenant's next call is refused at once, so the other tenants keep a quarter of the server (one tenant never slows
+    another). NOTE: before, only some calls had a per-tenant bound of their own (uploads, gets, session calls), and a
+    tenant's calls that wait held a server slot each while they waited: 1,000 JudgeToolResults in its judge lane
+    (which queues up to 1,024 jobs) or 1,000 RouteStreams left open took every slot, and gRPC refused every other
+    tenant's calls ("Concurrent RPC limit exceeded"; tests/controller/test_rpc_shares.py)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.per_tenant = max(1, total - total // 4)
+        self.held: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, tenant: str) -> Any:
+        n = self.held.get(tenant, 0)
+        if n >= self.per_tenant:
+            raise ResourceExhausted(
+                f"tenant {tenant!r} already has {n} calls open on this controller (at most {self.per_tenant}, three "
+                f"quarters of --grpc-max-concurrent-rpcs {self.total}); retry when some have finished")
+        self.held[tenant] = n + 1
+        try:
+            yield
+        finally:
+            if self.held[tenant] > 1:
+                self.held[tenant] -= 1
+            else:
+                del self.held[tenant]
 
 
 @dataclass(slots=True)
@@ -65,6 +96,7 @@ class ServiceContext:
     detector: DetectorConfig = field(default_factory=DetectorConfig)  # the Judge's policy (--detector-layers)
     detector_tenants: dict[str, DetectorConfig] = field(default_factory=dict)  # --detector-tenant overrides
     judge_lanes: JudgeLanes = field(default_factory=JudgeLanes)  # the detector's own pool, per-tenant lanes
+    rpc_shares: RpcShares = field(default_factory=lambda: RpcShares(GrpcLimits().max_concurrent_rpcs))
     gets: GetGate = field(init=False)  # open GetBlob streams per tenant (uploads.limits.gets)
     store_lanes: KeyedSlots = field(init=False)  # a tenant's blob calls hold at most 3/4 of the store threads
     _judge: Judge | None = None
@@ -240,7 +272,8 @@ def unary(role: Role | frozenset[Role]) -> Callable[[Handler], Handler]:
                 elif hasattr(request, "__aiter__"):  # client streaming: each message is checked as it comes
                     request = checked_stream(request, fn.__name__, context)
                 ident = check_caller(self.ctx, context, role, fn.__name__)
-                return await fn(self, request, context, ident)
+                with self.ctx.rpc_shares.hold(ident.tenant):
+                    return await fn(self, request, context, ident)
             except grpc.aio.AbortError:
                 raise
             except Exception as e:
@@ -261,8 +294,9 @@ def server_stream(role: Role | frozenset[Role]) -> Callable[[Callable[..., Async
                 if isinstance(request, Undecodable):
                     await refuse(request, fn.__name__, context)
                 ident = check_caller(self.ctx, context, role, fn.__name__)
-                async for msg in fn(self, request, context, ident):
-                    yield msg
+                with self.ctx.rpc_shares.hold(ident.tenant):
+                    async for msg in fn(self, request, context, ident):
+                        yield msg
             except grpc.aio.AbortError:
                 raise
             except Exception as e:

@@ -31,6 +31,7 @@ of them run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -147,10 +148,22 @@ class RouteServicer(pbg.RouteServiceServicer):
 
     async def RouteStream(self, requests: AsyncIterator[pb.RouteStreamRequest],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouteStreamResponse]:
+        shares = contextlib.ExitStack()  # the stream holds one of its tenant's server RPC slots while it is open
         try:
-            check_caller(self.ctx, context, Role.TENANT, "RouteStream")
+            ident = check_caller(self.ctx, context, Role.TENANT, "RouteStream")
+            shares.enter_context(self.ctx.rpc_shares.hold(ident.tenant))
         except KvfleetError as e:
             await fail_call(self.ctx, context, "RouteStream", e)
+        with shares:
+            stream = self._stream(requests, context)
+            try:
+                async for out in stream:
+                    yield out
+            finally:
+                await stream.aclose()  # its own finally stops its reader now, not when it is collected
+
+    async def _stream(self, requests: AsyncIterator[pb.RouteStreamRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouteStreamResponse]:
         await context.send_initial_metadata((CARRIED, BATCHED))
         batched = BATCHED in tuple(context.invocation_metadata() or ())  # (key, value) pairs
         counted = self.ctx.metrics.route_stream_messages
