@@ -19,6 +19,7 @@ from typing import Any
 class JudgeJob:
     fn: Callable[[], Any]
     fut: asyncio.Future[Any] | None  # None: a background job nobody waits for
+    nbytes: int = 0  # bytes of tool results the job holds until it ends (a background job's, counted in later_bytes)
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class JudgeLane:
     cpu_s: float = 0.0  # CPU charged in total
     jobs: int = 0
     dropped: int = 0  # background jobs dropped on a full queue
+    later_bytes: int = 0  # bytes the background jobs queued or running hold
     throttled: int = 0  # times its turn came with jobs waiting and its budget spent
 
     def pending(self) -> int:
@@ -61,15 +63,19 @@ class JudgeLane:
     def started(self, kind: int) -> None:
         self.running[kind] += 1
 
-    def ended(self, kind: int, cpu: float) -> None:
-        """A job of `kind` ended, having used `cpu` CPU-seconds: charged to the total and the bucket."""
+    def ended(self, kind: int, cpu: float, nbytes: int = 0) -> None:
+        """A job of `kind` holding `nbytes` ended, having used `cpu` CPU-seconds: charged to the total and the
+        bucket."""
         self.running[kind] -= 1
+        if kind:
+            self.later_bytes -= nbytes
         self.jobs += 1
         self.cpu_s += cpu
         self.balance -= cpu
 
     def cancel_queued(self) -> None:
         """Drop every queued job (waiters get CancelledError)."""
+        self.later_bytes -= sum(job.nbytes for job in self.later)   # running ones give theirs back as they end
         for q in (self.now, self.later):
             for job in q:
                 if job.fut is not None and not job.fut.done():
@@ -83,6 +89,7 @@ class JudgeLane:
             "queued": self.pending(),
             "inflight": sum(self.running),
             "dropped": self.dropped,
+            "later_bytes": self.later_bytes,
             "throttled": self.throttled,
             "balance": self.balance,
         }

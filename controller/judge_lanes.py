@@ -16,8 +16,9 @@ would hold those threads and stall every other tenant's uploads and chats. Inste
                refills at `tenant_cpu` CPU-seconds per wall-second up to `burst_s`; a lane whose bucket
                is empty waits until it refills (only that tenant waits: the others keep being served)
     bounds     `tenant_queue` queued "now" jobs per tenant, then RESOURCE_EXHAUSTED naming the flag;
-               past `tenant_queue` queued "later" jobs a background job is dropped (counted): it is run
-               again the next time its bytes are seen
+               past `tenant_queue` queued "later" jobs, or `tenant_later_bytes` of tool results held by
+               them (queued or running), a background job is dropped (counted): it is run again the next
+               time its bytes are seen
 
 A job whose caller went away (the RPC was cancelled) is skipped when its turn comes. The lanes live on
 one asyncio loop (the controller's); the jobs run on the pool. One tenant's books (its queues, jobs in
@@ -48,6 +49,7 @@ DEFAULT_TENANT_INFLIGHT = 1
 DEFAULT_TENANT_CPU = 0.5  # CPU-seconds per wall-second one tenant's judging may use on average
 DEFAULT_BURST_S = 5.0  # CPU-seconds a tenant may use at once before its budget paces it
 DEFAULT_TENANT_QUEUE = 1024
+DEFAULT_TENANT_LATER_BYTES = 64 << 20  # tool results a tenant's background jobs may hold, queued or running
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class JudgeLimits:
     tenant_cpu: float = DEFAULT_TENANT_CPU
     burst_s: float = DEFAULT_BURST_S
     tenant_queue: int = DEFAULT_TENANT_QUEUE
+    tenant_later_bytes: int = DEFAULT_TENANT_LATER_BYTES
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -84,6 +87,8 @@ class JudgeLimits:
             raise InvalidArgument(f"judge burst must be > 0 CPU-seconds, got {self.burst_s}")
         if self.tenant_queue < 1:
             raise InvalidArgument(f"judge queue per tenant must be >= 1, got {self.tenant_queue}")
+        if self.tenant_later_bytes < 1:
+            raise InvalidArgument(f"background judge bytes per tenant must be >= 1, got {self.tenant_later_bytes}")
 
 
 class JudgeLanes:
@@ -145,14 +150,20 @@ class JudgeLanes:
                 fut.cancel()
             raise
 
-    def background(self, tenant: str, fn: Callable[..., Any], *args: Any) -> bool:
-        """Queue fn(*args) in `tenant`'s lane after its waited-for jobs; nobody waits for it. False (and
-        counted in `dropped`) when the tenant's background queue is full or the lanes are closed."""
+    def background(self, tenant: str, fn: Callable[..., Any], *args: Any, nbytes: int = 0) -> bool:
+        """Queue fn(*args), which holds `nbytes` of tool results until it ends, in `tenant`'s lane after its
+        waited-for jobs; nobody waits for it. False (and counted in `dropped`) when the tenant's background queue
+        is full, in jobs or in bytes, or the lanes are closed.
+        NOTE: bounded in jobs alone, a tenant's 1,024 queued jobs could each hold a 3 MiB tool result (about 3 GiB
+        per tenant) while the heavy layer drained them far slower than the fast layers queued them (review
+        finding); a session's admission now queues its blob's ref, not its bytes."""
         lane = self._lane(tenant)
-        if self._closed or len(lane.later) >= self.limits.tenant_queue:
+        if self._closed or len(lane.later) >= self.limits.tenant_queue \
+                or lane.later_bytes + nbytes > self.limits.tenant_later_bytes:
             lane.dropped += 1
             return False
-        self._push(tenant, lane, 1, JudgeJob(lambda: fn(*args), None))
+        lane.later_bytes += nbytes
+        self._push(tenant, lane, 1, JudgeJob(lambda: fn(*args), None, nbytes))
         return True
 
     def _push(self, tenant: str, lane: JudgeLane, kind: int, job: JudgeJob) -> None:
@@ -234,7 +245,7 @@ class JudgeLanes:
             cpu, value = 0.0, None
         else:
             cpu, value, err = f.result()
-        lane.ended(kind, cpu)
+        lane.ended(kind, cpu, job.nbytes)
         if job.fut is not None and not job.fut.done():
             if err is not None:
                 job.fut.set_exception(err)

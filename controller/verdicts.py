@@ -136,11 +136,11 @@ class Judge:
         if action not in ACTIONS:
             raise InvalidArgument(f"action {action!r}: expected one of {ACTIONS}")
 
-    def admission(self, ref: str, tenant: str, fast: bool = False) -> tuple[Judgement, bytes | None]:
+    def admission(self, ref: str, tenant: str, fast: bool = False) -> tuple[Judgement, bool]:
         """The verdict on the tenant's stored blob `ref` for AdmitToolResult: the same rule, detector and
         verdict cache as the proxy's (so a session and the proxy agree on the same bytes, and bytes judged
         once are not judged again); a quarantine is recorded for the tenant with action "evict". With
-        `fast`, (the fast verdict, the blob's bytes) when the full verdict is still to come (`heavy`).
+        `fast`, (the fast verdict, whether the full verdict is still to come: `heavy_blob`).
 
         Raises:
             NotFound: the tenant has no blob `ref`.
@@ -149,7 +149,7 @@ class Judge:
         j, later = self.now(data, tenant, fast)
         if j.quarantined:
             self._record(tenant, j, "evict", time.time())
-        return j, data if later else None
+        return j, later
 
     def _one(self, data: bytes, tenant: str) -> Judgement:
         j, _ = self.now(data, tenant, fast=False)

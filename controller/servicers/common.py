@@ -144,9 +144,9 @@ class ServiceContext:
     async def admission(self, ref: str, tenant: str) -> Judgement:
         """AdmitToolResult's verdict on the tenant's blob `ref`, in the tenant's lane (as judge_now)."""
         j = await self.judge()
-        jm, data = await self.judge_lanes.run(tenant, j.admission, ref, tenant, True)
-        if data is not None:
-            self.judge_later(j, tenant, jm.ref, data)
+        jm, later = await self.judge_lanes.run(tenant, j.admission, ref, tenant, True)
+        if later:  # NOTE: queued by ref, read when it runs: it held the blob's bytes (up to 64 MiB) while it waited
+            self.judge_later(j, tenant, jm.ref, None)
         return jm
 
     def judge_blob_later(self, tenant: str, ref: str) -> None:
@@ -171,7 +171,7 @@ class ServiceContext:
                 self._heavy_pending.discard(key)  # NOTE: set.discard is atomic under the GIL
 
         self._heavy_pending.add(key)
-        if not self.judge_lanes.background(tenant, heavy):
+        if not self.judge_lanes.background(tenant, heavy, nbytes=0 if data is None else len(data)):
             self._heavy_pending.discard(key)  # the tenant's background queue is full: judged when next seen
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:

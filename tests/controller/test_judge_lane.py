@@ -36,4 +36,4 @@ async def test_cancelled_jobs_are_skipped_and_dropped() -> None:
     assert lane.next(1) is not None  # control: a background job has no waiter to go away
     lane.cancel_queued()
     assert lane.stats() == {"cpu_s": 0.0, "jobs": 0, "queued": 0, "inflight": 0, "dropped": 0, "throttled": 0,
-                            "balance": 5.0}
+                            "balance": 5.0, "later_bytes": 0}

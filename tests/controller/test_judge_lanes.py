@@ -85,6 +85,35 @@ async def test_a_full_queue_is_resource_exhausted_and_background_jobs_are_droppe
         await lanes.aclose()
 
 
+async def test_background_jobs_hold_at_most_the_tenants_bytes_until_they_end() -> None:
+    """A background job holds its tool result's bytes until it ends: past `tenant_later_bytes` held (queued or
+    running), the next is dropped, another tenant's is not, and the bytes come back as the jobs end. NOTE: bounded
+    in jobs alone (1,024), a tenant's queue could hold about 3 GiB of 3 MiB results (review finding); the control
+    is the same jobs under the job bound alone."""
+    lanes = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0, tenant_later_bytes=10))
+    gate = threading.Event()
+    try:
+        assert lanes.background("a", gate.wait, 5.0, nbytes=4)    # runs, holding its 4 bytes until it ends
+        assert lanes.background("a", gate.wait, 5.0, nbytes=6)    # queued: 10 held
+        assert not lanes.background("a", burn, 0.0, nbytes=1)      # 11 > 10: dropped
+        assert lanes.background("b", burn, 0.0, nbytes=10)        # another tenant's bytes are its own
+        assert lanes.stats("a")["later_bytes"] == 10 and lanes.stats("a")["dropped"] == 1
+        gate.set()
+        for _ in range(500):
+            if not lanes.stats("a")["later_bytes"] and not lanes.stats("b")["later_bytes"]:
+                break
+            await asyncio.sleep(0.01)
+        assert lanes.stats("a")["later_bytes"] == 0 and lanes.stats("b")["later_bytes"] == 0
+        assert lanes.background("a", burn, 0.0, nbytes=10)         # room again
+    finally:
+        await lanes.aclose()
+    control = JudgeLanes(JudgeLimits(threads=1, tenant_inflight=1, tenant_cpu=0, tenant_later_bytes=1 << 40))
+    try:
+        assert all(control.background("a", burn, 0.0, nbytes=6) for _ in range(3))   # 18 bytes, jobs alone bound it
+    finally:
+        await control.aclose()
+
+
 async def test_a_request_never_waits_behind_its_own_tenants_heavy_job() -> None:
     """A background (heavy layer) job runs on its own pool: the tenant's next waited-for job starts while it
     runs (before, with one job in flight per tenant, the request waited for the encoder's inspection)."""
