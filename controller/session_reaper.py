@@ -37,9 +37,10 @@ class SessionActivity:
         while (releasing := self.reaping.get(key)) is not None:
             await releasing.wait()
         self.in_flight[key] = self.in_flight.get(key, 0) + 1  # NOTE: no await since the check above
-        exists = True
+        exists = key in self.touched
         try:
             yield
+            exists = True
         except NotFound:
             exists = False  # no such session: nothing to remember about it (ids a tenant made up)
             raise
@@ -50,6 +51,8 @@ class SessionActivity:
             if exists:
                 self.touched[key] = time.time()
             else:
+                # NOTE: a call that failed on a session never seen to exist (a create refused: the fleet had no room)
+                # left an entry for good, one per new id a tenant tried (review finding)
                 self.touched.pop(key, None)
 
     async def reap_idle(self, listed: list[dict[str, Any]], ttl_s: float, now: float, creating: Container[Key],
