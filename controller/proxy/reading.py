@@ -11,6 +11,7 @@ from aiohttp import web
 
 from controller.proxy.errors import ProxyError
 from controller.proxy.forward import FORWARDED
+from fleet.core.lax import stream_of
 
 BODY = msgspec.json.Decoder()  # NOTE: msgspec, not json: about 2x faster on a conversation (docs/proxy.md)
 
@@ -57,17 +58,19 @@ async def read_json(req: web.Request, timeout_s: float) -> dict[str, Any]:
                               "other, ~1000 levels)") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object")
-    # NOTE: vLLM takes a missing or null model (its one served model) and a null stream (false); both were 400 here
+    # NOTE: vLLM takes a missing, null or empty model (its one served model: `if not model_name` in its check) and a
+    # null stream (false); all were 400 here (an empty model until a review found it)
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
+    if model == "":
+        body["model"] = model = None
+    if model is not None and not isinstance(model, str):
         raise ProxyError(400, "'model' must be a model id from GET /v1/models (or left out: the fleet's one model)",
                          "model")
-    stream = body.get("stream")
-    if stream is None or (type(stream) is int and stream in (0, 1)):
-        if "stream" in body:
-            body["stream"] = bool(stream)  # as vLLM's request model reads it (pydantic: null -> default, 0/1)
-    elif not isinstance(stream, bool):
-        raise ProxyError(400, "'stream' must be true or false", "stream")
+    if "stream" in body:
+        try:
+            body["stream"] = stream_of(body)   # the worker gets a JSON bool, as vLLM's request model holds it
+        except ValueError as e:
+            raise ProxyError(400, str(e), "stream") from None
     return body
 
 

@@ -20,6 +20,7 @@ from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.config import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
+from fleet.core.lax import stream_of
 
 if TYPE_CHECKING:
     from fleet.app.testkit.sim_vllm.loop import Ticket
@@ -41,6 +42,11 @@ async def body_of(req: web.Request) -> dict[str, Any]:
         raise InvalidArgument(f"body is not JSON: {e}") from e
     if not isinstance(body, dict):
         raise InvalidArgument("body must be a JSON object")
+    if "stream" in body:
+        try:
+            body["stream"] = stream_of(body)   # as vLLM's request models read it (a 400 where they refuse it)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
     return body
 
 
@@ -162,7 +168,7 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
             for i, ids in enumerate(each) for j in range(k)]
     reply = _Reply(model, chat, seqs, each, created=int(time.time()))
     if sim.loop is None:  # instant: every request runs at once, alone; there is no queue to order
-        return await _instant(sim, req, reply, bool(body.get("stream")), kw)
+        return await _instant(sim, req, reply, stream_of(body), kw)
     tickets: list[Ticket] = []
     try:
         try:
@@ -171,7 +177,7 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
         except EnginePaused as e:
             return _unavailable(str(e))
         reply.rid = f"cmpl-{tickets[0].seq.seq_id}"
-        return await _clocked(req, reply, bool(body.get("stream")), tickets)
+        return await _clocked(req, reply, stream_of(body), tickets)
     finally:
         for t in tickets:
             sim.loop.release(t)  # NOTE: also on cancellation (client gone): frees the slots

@@ -22,6 +22,7 @@ from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.completions import body_of, unknown_model
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
+from fleet.core.lax import stream_of
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 NUM_DIMS = 8  # of a stand-in embedding
@@ -103,7 +104,7 @@ def _rerank(body: dict[str, Any], model: str) -> dict[str, Any]:
 def _response(body: dict[str, Any], model: str, previous: dict[str, Any] | None) -> tuple[dict[str, Any], list[int]]:
     """/v1/responses, non-streamed: `input` is a string or a list of message items; `previous` the stored response a
     `previous_response_id` names (its conversation comes first). The answer, and the ids of the conversation."""
-    if body.get("stream"):
+    if stream_of(body):
         raise InvalidArgument('the stand-in answers /v1/responses unstreamed only: send it without "stream": true '
                               "(a vLLM server streams it; docs/sim_vllm.md lists what the stand-in leaves out)")
     items = body.get("input")
