@@ -65,11 +65,15 @@ async def test_slow_clients_are_cut_off(tmp_path: Path) -> None:
                                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
                           + b'{"model": "sim-model", "prompt": "')
         answer = await asyncio.wait_for(r.readuntil(b"}}"), 5.0)  # before: waits for the body forever
+        t0 = asyncio.get_running_loop().time()
+        rest = await asyncio.wait_for(r.read(), 20.0)  # the connection closes after the 408
+        closed_after = asyncio.get_running_loop().time() - t0
         w.close()
         head, _, body = answer.partition(b"\r\n\r\n")
         print(f"trickled headers -> connection closed ({closed!r}); stalled body -> {head.splitlines()[0]!r} "
-              f"{body[-160:]!r}")
+              f"{body[-160:]!r}, connection closed {closed_after:.2f} s after it")
         assert closed == b""
+        assert rest == b"" and closed_after < 2.0, closed_after  # before: 10 s later (aiohttp's lingering time)
         assert head.startswith(b"HTTP/1.1 408")
         assert b'"RequestTimeoutError"' in body and b"client body timeout" in body
         # control: a prompt client on a fresh connection is served
