@@ -107,10 +107,13 @@ class ControlClient:
     async def route(
         self, token_ids: Sequence[int], model: str, *, lora: str | None, token: str | None,
         client_salt: str | None = None, batch: Sequence[Sequence[int]] = (),
+        orphaned: Callable[[str], None] | None = None,
     ) -> types.RouteDecision:
         """`client_salt`: the client's own cache_salt; the decision's salt is then the controller's derivation of the
         tenant's and it (controller/auth.py). `batch`: a batched request's later prompts (`token_ids` is its first);
-        a controller from before ignores them and routes by the first alone."""
+        a controller from before ignores them and routes by the first alone. `orphaned`: the outcome of releasing
+        a route whose answer came over the RouteStream after this call was cancelled or timed out (the proxy
+        releases it; a unary Route cancelled so leaves it to the controller's reconcile, as it has no route id)."""
         try:  # NOTE: as table.route, with protobuf's own range check instead of a Python pass over the ids
             req = route_pb2.RouteRequest(token_ids=token_ids, model=model, track=True,
                                          batch=[route_pb2.BatchPrompt(token_ids=b) for b in batch])
@@ -122,17 +125,21 @@ class ControlClient:
             req.client_salt = client_salt
         # track: the proxy releases every route when its answer ends (controller/proxy/routed.py answer)
         async with self._slot("Route", token):
-            r = await self._over_stream(token, route=req)
+            def orphan(late: route_pb2.RouteResponse) -> None:
+                if late.route_id:
+                    self.release_soon(late.route_id, token, orphaned)
+
+            r = await self._over_stream(token, route=req, orphan=orphan)
             if r is None:
                 r = await self._call("Route", self._route.Route, req, token)
         return types.route_decision(r)
 
-    async def _over_stream(self, token: str | None, **op: Any) -> Any:
+    async def _over_stream(self, token: str | None, orphan: Callable[[Any], Any] | None = None, **op: Any) -> Any:
         """The op's answer over the token's RouteStream; None where it must go unary (no stream for it)."""
         if self._streams is None or not self._streams.usable(token):
             return None
         try:
-            return await self._streams.ask(token, self.timeout_s, **op)
+            return await self._streams.ask(token, self.timeout_s, orphan, **op)
         except StreamUnsupported:
             return None
 

@@ -18,9 +18,11 @@ Each stream's own mechanics (its writer, its breaking, carried releases, batches
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -36,6 +38,12 @@ _ANSWER = {"route": "Route", "release": "ReleaseRoute", "move": "MoveRoute"}
 MAX_STREAMS = 64
 IDLE_S = 60.0  # a stream unused this long is closed
 SWEEPS = 4  # looks per idle_s: an idle stream is closed within 1.25 x idle_s
+
+
+def _orphaned(kind: str, orphan: Callable[[Any], None], fut: asyncio.Future[Any]) -> None:
+    """An answer whose caller left: its op's part goes to `orphan` (nothing when the stream broke, or it failed)."""
+    if not fut.cancelled() and fut.exception() is None and (msg := fut.result()).WhichOneof("result") == kind:
+        orphan(getattr(msg, kind))
 
 
 class StreamUnsupported(Exception):
@@ -54,16 +62,21 @@ class RouteStreams:
         self._closing: set[asyncio.Task[None]] = set()  # streams being closed (held until done)
         self._sweep: asyncio.TimerHandle | None = None  # armed while a stream is open
 
-    async def ask(self, token: str | None, timeout_s: float, **op: Any) -> Any:
+    async def ask(self, token: str | None, timeout_s: float, orphan: Callable[[Any], None] | None = None,
+                  **op: Any) -> Any:
         """The answer to one op (route=, release= or move=); raises StreamUnsupported (call unary instead) or
-        the fleet.core.errors class of the status the unary call would have failed with."""
+        the fleet.core.errors class of the status the unary call would have failed with. `orphan`: given the op's
+        answer when it comes after its caller left (cancelled, or timed out), e.g. to release a route nobody uses.
+        NOTE: the answer was dropped then, and a route the controller made for a client gone meanwhile was never
+        released by the proxy: it counted as the worker's load until the controller's reconcile dropped it (review
+        finding)."""
         kind = next(iter(op))
         method = _ANSWER[kind]
         stream = self._stream(token)
         ident, fut = stream.send(**op)
         try:
             async with asyncio.timeout(timeout_s):
-                msg = await fut
+                msg = await (fut if orphan is None else asyncio.shield(fut))  # (a cancel would cancel `fut` too)
         except TimeoutError:
             raise Unavailable(f"{method} at {self.target}: deadline exceeded (no answer on the RouteStream within "
                               f"{timeout_s}s); the controller is slow or unreachable, raise the client's timeout "
@@ -75,7 +88,10 @@ class RouteStreams:
                 raise StreamUnsupported() from None
             raise base.to_error(e, method, self.target) from e
         finally:
-            stream.waiting.pop(ident, None)  # answered, timed out, or its caller cancelled
+            if orphan is not None and not fut.done():   # its caller left: its answer, when it comes, is the orphan's
+                fut.add_done_callback(functools.partial(_orphaned, kind, orphan))
+            else:
+                stream.waiting.pop(ident, None)  # answered, timed out, or its caller cancelled
         if msg.WhichOneof("result") == "error":
             raise base.error_of(msg.error.code, msg.error.message, method, self.target)
         return getattr(msg, kind)

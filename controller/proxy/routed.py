@@ -92,7 +92,8 @@ async def answer(p: Proxy, req: web.Request, kind: str, t0: float, token: str | 
     responses_api = req.path == "/v1/responses"
     # NOTE: before any route: a follow-up whose stored conversation holds a result quarantined since is a 409
     chain = await lineage.follow_up(p, body, tenant, token) if responses_api else None
-    d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt, batch=later)
+    released = lambda outcome: p.metrics.releases.labels(outcome).inc()  # noqa: E731
+    d = await p.control.route(ids, base, lora=lora, token=token, client_salt=salt, batch=later, orphaned=released)
     p.directory.watch.routed(body["model"], {c.worker for c in d.candidates})  # (watch.py: waiters it left out)
     to = d  # where it is sent first (a stored response's holder)
     num_prompt = len(ids) + sum(map(len, later))
@@ -137,9 +138,7 @@ async def answer(p: Proxy, req: web.Request, kind: str, t0: float, token: str | 
             return out
     finally:  # answered, failed, or the client went away (cancelled): the worker's in-flight load ends
         if d.route_id:
-            p.control.release_soon(
-                d.route_id, token, lambda outcome: p.metrics.releases.labels(outcome).inc()
-            )
+            p.control.release_soon(d.route_id, token, released)
 
 
 def record(p: Proxy, t: Any, status: int, num_prompt: int, added_s: float) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -163,7 +163,7 @@ class RouteServicer(pbg.RouteServiceServicer):
                 await stream.aclose()  # its own finally stops its reader now, not when it is collected
 
     async def _stream(self, requests: AsyncIterator[pb.RouteStreamRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouteStreamResponse]:
+                      context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.RouteStreamResponse, None]:
         await context.send_initial_metadata((CARRIED, BATCHED))
         batched = BATCHED in tuple(context.invocation_metadata() or ())  # (key, value) pairs
         counted = self.ctx.metrics.route_stream_messages
