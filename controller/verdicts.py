@@ -39,10 +39,10 @@ import fleet.core.quarantine as quarantine_pkg
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
 from fleet.core.quarantine.layered import gate_reason, gated_out
-from fleet.core.verdict import CLEAN, QUARANTINED
+from fleet.core.verdict import CLEAN, OPERATOR_NS, QUARANTINED
 from fleet.sdk.quarantine import Judgement, QuarantineRecord  # the types the SDK answers with
 
-OPERATOR_NS, SEEN_NS = "quarantine.operator", "quarantine.seen"
+SEEN_NS = "quarantine.seen"
 ACTIONS = ("placeholder", "refuse")
 MAX_RESULTS = 256  # tool results per JudgeToolResults call
 MAX_REFS = 1024  # refs per KnownVerdicts call

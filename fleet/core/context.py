@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fleet.core import verdict
 from fleet.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from fleet.core.kernel.tokenizer import encode_message
 from fleet.core.ledger import logged_tokens, replay_ledger
@@ -201,12 +203,21 @@ class SessionContext:
         self.ops.append(op)
 
     def _refuse_quarantined(self, ref: str) -> None:
+        """Refuse `ref` if this session quarantined it, the tenant's blob of it is, or an operator quarantined its
+        bytes (SetVerdict, for every tenant). NOTE: the operator's verdict was not asked: bytes it had quarantined
+        entered the cache until the tenant's own AdmitToolResult evicted them, while the proxy withheld them (review
+        finding). It is read at each add, not kept: an operator may drop it. An operator's CLEAN does not lift the
+        session's or the blob's own quarantine here (this refuses; it does not admit)."""
         if ref not in self.quarantined and self.store is not None and self.store.exists(ref, self.tenant):
             meta = self.store.stat(ref, self.tenant)
             if meta.quarantined:
                 self.quarantined[ref] = list(meta.reasons)
         if ref in self.quarantined:
             raise FailedPrecondition(f"blob {ref} is quarantined ({', '.join(self.quarantined[ref])}); "
+                                     "it is held out of every context")
+        raw = self.store.kv_get(verdict.OPERATOR_NS, ref) if self.store is not None else None
+        if raw is not None and (op := json.loads(raw)).get("verdict") == verdict.QUARANTINED:
+            raise FailedPrecondition(f"blob {ref} is quarantined by an operator ({', '.join(op.get('reasons') or [])}); "
                                      "it is held out of every context")
 
     @classmethod

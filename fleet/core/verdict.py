@@ -16,3 +16,5 @@ from __future__ import annotations
 
 UNKNOWN, CLEAN, QUARANTINED = "UNKNOWN", "CLEAN", "QUARANTINED"
 VERDICTS = (UNKNOWN, CLEAN, QUARANTINED)
+OPERATOR_NS = "quarantine.operator"  # the store's kv space of operators' verdicts on bytes (SetVerdict): "<sha256>" ->
+                                     # {"verdict", "reasons", "at"}, for every tenant (controller/verdicts.py)

@@ -154,3 +154,24 @@ def test_a_quarantine_learned_from_a_refusal_is_still_logged_by_the_admit(kernel
                   SessionContext.replay_over(ctx.ops, kernel.session(), ByteTokenizer(512), fetch, "acme", "s1")):
         assert again.quarantined == ctx.quarantined == {ref: ["instruction_override"]}
         assert again.digest() == ctx.digest() and again.pieces == ctx.pieces
+
+
+def test_bytes_an_operator_quarantined_are_refused_until_the_verdict_is_dropped(kernel: Kernel,
+                                                                               store: BlobStore) -> None:
+    """An operator's verdict on bytes (SetVerdict) holds them out of a session too, before any AdmitToolResult, as
+    the proxy withholds them; dropped, the bytes are taken again. NOTE: before, the append took them into the cache
+    (review finding). The control: the same bytes before the verdict are taken."""
+    from controller.verdicts import Judge
+
+    judge = Judge(store)
+    ctx = _ctx(kernel, store)
+    ref = store.put(CLEAN, "acme")
+    ctx.add_tool_result(ref, CLEAN)                                    # control: no verdict yet, taken
+    judge.set_verdict(ref, "QUARANTINED", ["pii"])
+    with pytest.raises(FailedPrecondition, match=r"quarantined by an operator \(pii\)"):
+        ctx.add_tool_result(ref, CLEAN)
+    with pytest.raises(FailedPrecondition, match="quarantined by an operator"):
+        _ctx(kernel, store).add_tool_result(ref, CLEAN)               # any session of any tenant's bytes
+    judge.set_verdict(ref, "", [])
+    ctx.add_tool_result(ref, CLEAN)                                    # dropped: taken again
+    assert [p.kind for p in ctx.pieces].count("tool_result") == 2
