@@ -29,6 +29,12 @@ def target(value: object) -> str:
         raise InvalidArgument(f"the controller's address {value!r} is not an address: {FORM}")
     if value.startswith(SCHEMES):
         return value
+    scheme, sep, _ = value.partition("://")
+    if sep and scheme.isascii() and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        # NOTE: a URL (a worker's http://..., https://, grpc://) was read as an IPv6 address outside brackets, or as
+        # a port "//HOST" (review finding)
+        raise InvalidArgument(f"the controller's address {value!r} is a URL ({scheme}://), not a controller address: "
+                              f"{FORM}")
     host, port = _split(value)
     if not host:
         raise InvalidArgument(f"the controller's address {value!r} names no host: {FORM}")

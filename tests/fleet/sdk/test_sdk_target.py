@@ -36,7 +36,10 @@ def test_a_port_past_65535_never_reaches_the_port_it_wraps_to() -> None:
 @pytest.mark.parametrize(("address", "says"), [
     ("", "is not an address"), ("not an address", "is not an address"), ("127.0.0.1:50051\n", "is not an address"),
     ("[::1", "IPv6 address is written"), ("::1:50051", "in brackets"), ("127.0.0.1:abc", "port 'abc'"),
-    ("127.0.0.1:0", "port '0'"), ("127.0.0.1:", "port ''"), (":50051", "names no host"), (50051, "must be a str")])
+    ("127.0.0.1:0", "port '0'"), ("127.0.0.1:", "port ''"), (":50051", "names no host"), (50051, "must be a str"),
+    # NOTE: a URL was called an IPv6 address outside brackets, or a port '//HOST' (review finding)
+    ("http://127.0.0.1:50051", r"is a URL \(http://\)"), ("https://ctl.example.com:443", r"is a URL \(https://\)"),
+    ("grpc://127.0.0.1:50051", r"is a URL \(grpc://\)"), ("http://127.0.0.1", r"is a URL \(http://\)")])
 async def test_a_malformed_address_is_invalid_argument_naming_it(address: object, says: str) -> None:
     for make in (FleetClient, AsyncFleetClient):
         with pytest.raises(InvalidArgument, match=f"the controller's address.*{says}"):
