@@ -30,9 +30,10 @@ STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_D
 class ProxyError(Exception):
     """An error the proxy answers itself, with an HTTP status and a message a person can act on."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.err_type = err_type  # None: the OpenAI client's exception name for the status (TYPES)
 
 
 def from_fleet(e: KvfleetError, controller: str) -> ProxyError:
@@ -60,12 +61,14 @@ def from_fleet(e: KvfleetError, controller: str) -> ProxyError:
     return ProxyError(status, f"the controller failed the proxy's {call} call ({e.code}); the proxy's log has more")
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": TYPES.get(status, "APIError"), "param": param, "code": status}}
+def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": err_type or TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param), status=status, headers=_retry_headers(status))
+def error_response(status: int, message: str, param: str | None = None, err_type: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, err_type), status=status,
+                             headers=_retry_headers(status))
 
 
 def _retry_headers(status: int) -> dict[str, str] | None:

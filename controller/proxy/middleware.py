@@ -63,7 +63,7 @@ def error_middleware(proxy: Proxy) -> Any:
                 raise  # NOTE: its answer is under way: a response of its own went into that body; aiohttp closes it
             err = ProxyError(500, f"internal proxy error ({type(e).__name__}); the proxy logged it")
         proxy.metrics.errors.labels(str(err.status)).inc()
-        resp = error_response(err.status, err.message, err.param)
+        resp = error_response(err.status, err.message, err.param, err.err_type)
         if err.status == 408:
             # NOTE: the rest of a stalled body would never come; do not wait for it. The answer's keep-alive off
             # alone was not enough: aiohttp then read the unread body for its lingering time (10 s) before it

@@ -171,8 +171,9 @@ async def send_on(p: Proxy, req: web.Request, tenant: str, data: bytes) -> web.S
     headers = upstream_headers(req)
     w = await holder(p, tenant, rid, None, headers) if rid is not None else None
     info = p.directory.get(w) if w is not None else None
-    if info is None:  # vLLM's own words, in the proxy's error shape
-        raise ProxyError(404, f"Response with id '{req.match_info['response_id'][:200]}' not found.", "response_id")
+    if info is None:  # vLLM's own words and type (NOTE: the type was the proxy's NotFoundError; review finding)
+        raise ProxyError(404, f"Response with id '{req.match_info['response_id'][:200]}' not found.", "response_id",
+                         "invalid_request_error")
     epoch = max((r.epoch for r in info.ranks), default=0)
     t_sent = time.perf_counter()
     try:

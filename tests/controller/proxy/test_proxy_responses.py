@@ -61,6 +61,7 @@ async def test_a_follow_up_get_and_cancel_reach_the_worker_that_stored_the_respo
         missing = "resp_" + "0" * 32
         status, _, got = await _get(fleet, f"/v1/responses/{missing}")
         assert status == 404 and got["error"]["message"] == f"Response with id '{missing}' not found."
+        assert got["error"]["type"] == "invalid_request_error"  # vLLM's (it was the proxy's NotFoundError)
         asked = sum(len(served(s, f"/v1/responses/{missing}")) for s in fleet.sims.values())
         assert asked == len(fleet.sims)  # every worker was asked once
         status, _, _ = await _get(fleet, f"/v1/responses/{missing}")
