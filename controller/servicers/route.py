@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -154,100 +154,91 @@ class RouteServicer(pbg.RouteServiceServicer):
             shares.enter_context(self.ctx.rpc_shares.hold(ident.tenant))
         except KvfleetError as e:
             await fail_call(self.ctx, context, "RouteStream", e)
-        with shares:
-            stream = self._stream(requests, context)
-            try:
-                async for out in stream:
-                    yield out
-            finally:
-                await stream.aclose()  # its own finally stops its reader now, not when it is collected
+        with shares:  # (the body indented here: a generator of its own cost a hop per answer)
+            await context.send_initial_metadata((CARRIED, BATCHED))
+            batched = BATCHED in tuple(context.invocation_metadata() or ())  # (key, value) pairs
+            counted = self.ctx.metrics.route_stream_messages
+            received, answered = counted.labels("received"), counted.labels("answered")
+            writes = self.ctx.metrics.route_stream_writes
+            reads, written = writes.labels("received"), writes.labels("answered")
+            answers: asyncio.Queue[pb.RouteStreamResponse | BaseException | None] = asyncio.Queue()
+            slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
+            running: set[asyncio.Task[None]] = set()
+            loop = asyncio.get_running_loop()
 
-    async def _stream(self, requests: AsyncIterator[pb.RouteStreamRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.RouteStreamResponse, None]:
-        await context.send_initial_metadata((CARRIED, BATCHED))
-        batched = BATCHED in tuple(context.invocation_metadata() or ())  # (key, value) pairs
-        counted = self.ctx.metrics.route_stream_messages
-        received, answered = counted.labels("received"), counted.labels("answered")
-        writes = self.ctx.metrics.route_stream_writes
-        reads, written = writes.labels("received"), writes.labels("answered")
-        answers: asyncio.Queue[pb.RouteStreamResponse | BaseException | None] = asyncio.Queue()
-        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
-        running: set[asyncio.Task[None]] = set()
-        loop = asyncio.get_running_loop()
-
-        async def answer(msg: pb.RouteStreamRequest, inner: bool) -> None:
-            # NOTE: the message's slot is released once its answer is written (below), not once it is queued: an
-            # unread stream then stops being read at STREAM_IN_FLIGHT answers. Before, a caller that sent and never
-            # read grew the queue without bound (82,000 answers, +89 MiB in 30 s)
-            try:
-                out = await self._answer(msg, context, inner)
-            except BaseException:
-                slots.release()
-                raise
-            answers.put_nowait(out)
-
-        async def read() -> None:
-            try:
-                async for msg in requests:
-                    if isinstance(msg, Undecodable):
-                        answers.put_nowait(msg)  # refused by the writer below
-                        return
-                    if len(msg.more) >= MAX_BATCH:  # NOTE: len() of the field builds none of its messages
-                        answers.put_nowait(InvalidArgument(
-                            f"a RouteStream message carries at most {MAX_BATCH - 1} others in `more`, got "
-                            f"{len(msg.more)}; send the rest in further messages"))  # refused by the writer below
-                        return
-                    batch = (msg, *msg.more)  # the messages sent in this one, each alone
-                    if (most := max(len(one.releases) for one in batch)) > MAX_CARRIED:
-                        answers.put_nowait(InvalidArgument(
-                            f"a RouteStream message carries at most {MAX_CARRIED} releases, got {most}; send the "
-                            "rest on further messages"))  # refused by the writer below
-                        return
-                    reads.inc()
-                    for i, one in enumerate(batch):
-                        received.inc()
-                        await slots.acquire()
-                        task = loop.create_task(answer(one, i > 0))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
-                if running:
-                    await asyncio.wait(set(running))
-                answers.put_nowait(None)  # the caller half-closed and every message is answered
-            except BaseException as e:  # noqa: BLE001  # the stream broke: handed to the writer, which ends it
-                answers.put_nowait(e)
-
-        reader = loop.create_task(read())
-        ahead: list[pb.RouteStreamResponse | BaseException | None] = []  # taken off the queue behind a batch
-        try:
-            while True:
-                out = ahead.pop() if ahead else await answers.get()
-                if out is None:
-                    return
-                if isinstance(out, Undecodable):
-                    await refuse(out, "RouteStream", context)
-                if isinstance(out, KvfleetError):
-                    await fail_call(self.ctx, context, "RouteStream", out)
-                if isinstance(out, BaseException):
-                    if isinstance(out, asyncio.CancelledError):
-                        return
-                    raise out
-                batch = Batch(out, pb.RouteStreamResponse.ByteSize)  # (answers are small: sized exactly)
-                while batched and not answers.empty():  # the answers finished by now go with it
-                    nxt = answers.get_nowait()
-                    if not isinstance(nxt, pb.RouteStreamResponse) or not batch.take(nxt):
-                        ahead.append(nxt)  # the next write's first
-                        break
-                    out.more.append(nxt)
-                n = batch.n
-                yield out
-                written.inc()
-                answered.inc(n)
-                for _ in range(n):
+            async def answer(msg: pb.RouteStreamRequest, inner: bool) -> None:
+                # NOTE: the message's slot is released once its answer is written (below), not once it is queued: an
+                # unread stream then stops being read at STREAM_IN_FLIGHT answers. Before, a caller that sent and never
+                # read grew the queue without bound (82,000 answers, +89 MiB in 30 s)
+                try:
+                    out = await self._answer(msg, context, inner)
+                except BaseException:
                     slots.release()
-        finally:
-            reader.cancel()
-            for task in list(running):
-                task.cancel()
+                    raise
+                answers.put_nowait(out)
+
+            async def read() -> None:
+                try:
+                    async for msg in requests:
+                        if isinstance(msg, Undecodable):
+                            answers.put_nowait(msg)  # refused by the writer below
+                            return
+                        if len(msg.more) >= MAX_BATCH:  # NOTE: len() of the field builds none of its messages
+                            answers.put_nowait(InvalidArgument(
+                                f"a RouteStream message carries at most {MAX_BATCH - 1} others in `more`, got "
+                                f"{len(msg.more)}; send the rest in further messages"))  # refused by the writer below
+                            return
+                        batch = (msg, *msg.more)  # the messages sent in this one, each alone
+                        if (most := max(len(one.releases) for one in batch)) > MAX_CARRIED:
+                            answers.put_nowait(InvalidArgument(
+                                f"a RouteStream message carries at most {MAX_CARRIED} releases, got {most}; send the "
+                                "rest on further messages"))  # refused by the writer below
+                            return
+                        reads.inc()
+                        for i, one in enumerate(batch):
+                            received.inc()
+                            await slots.acquire()
+                            task = loop.create_task(answer(one, i > 0))
+                            running.add(task)
+                            task.add_done_callback(running.discard)
+                    if running:
+                        await asyncio.wait(set(running))
+                    answers.put_nowait(None)  # the caller half-closed and every message is answered
+                except BaseException as e:  # noqa: BLE001  # the stream broke: handed to the writer, which ends it
+                    answers.put_nowait(e)
+
+            reader = loop.create_task(read())
+            ahead: list[pb.RouteStreamResponse | BaseException | None] = []  # taken off the queue behind a batch
+            try:
+                while True:
+                    out = ahead.pop() if ahead else await answers.get()
+                    if out is None:
+                        return
+                    if isinstance(out, Undecodable):
+                        await refuse(out, "RouteStream", context)
+                    if isinstance(out, KvfleetError):
+                        await fail_call(self.ctx, context, "RouteStream", out)
+                    if isinstance(out, BaseException):
+                        if isinstance(out, asyncio.CancelledError):
+                            return
+                        raise out
+                    batch = Batch(out, pb.RouteStreamResponse.ByteSize)  # (answers are small: sized exactly)
+                    while batched and not answers.empty():  # the answers finished by now go with it
+                        nxt = answers.get_nowait()
+                        if not isinstance(nxt, pb.RouteStreamResponse) or not batch.take(nxt):
+                            ahead.append(nxt)  # the next write's first
+                            break
+                        out.more.append(nxt)
+                    n = batch.n
+                    yield out
+                    written.inc()
+                    answered.inc(n)
+                    for _ in range(n):
+                        slots.release()
+            finally:
+                reader.cancel()
+                for task in list(running):
+                    task.cancel()
 
     async def _answer(self, msg: pb.RouteStreamRequest, context: grpc.aio.ServicerContext,
                       inner: bool = False) -> pb.RouteStreamResponse:
