@@ -23,6 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet.core.errors import Unavailable
 
 
+# The sleep-mode operations that can drop the KV cache, counted together between looks. NOTE: only "sleep" was: a
+# release (which discards the cache and shows as sleep level 0) and a wake between two looks went unseen, and the
+# worker was routed WARM to an empty cache until its next step (review finding)
+CACHE_DROPPING_OPS = ("sleep", "release_kv_cache_memory")
+
+
 class WorkerHttpError(Unavailable):
     """The worker did not answer, or answered something that is not vLLM's contract."""
 
@@ -38,7 +44,8 @@ class WorkerMetrics:
     block_size: int | None = None
     start_time: float | None = None
     in_flight: float = 0.0
-    sleep_ops: float | None = None  # count of /sleep operations (histogram created on first use)
+    sleep_ops: float | None = None  # count of /sleep and /release_kv_cache_memory operations (CACHE_DROPPING_OPS;
+                                    # the histogram is created on first use)
     num_gpu_blocks: int | None = None  # KV pool size, vllm:cache_config_info{num_gpu_blocks} (None: absent)
     hash_algo: str | None = None  # vllm:cache_config_info{prefix_caching_hash_algo} (None: absent)
     prefix_hits: float | None = None  # vllm:prefix_cache_hits_total: prompt tokens found cached (None: absent)
@@ -137,7 +144,7 @@ def _fold(families: list[Metric], engine: str) -> WorkerMetrics:
                 hash_algo = s.labels.get("prefix_caching_hash_algo") or hash_algo
             elif (
                 s.name == "vllm:sleep_mode_operation_duration_seconds_count"
-                and s.labels.get("operation") == "sleep"
+                and s.labels.get("operation") in CACHE_DROPPING_OPS
             ):
                 sleep_ops = (sleep_ops or 0.0) + s.value
             elif s.name == "vllm:sleep_mode_operations_in_flight":

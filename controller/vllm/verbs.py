@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from controller.vllm.http import WorkerHttpError
+from controller.vllm.http import CACHE_DROPPING_OPS, WorkerHttpError
 from fleet.core import lifecycle as lc
 from fleet.core.errors import FailedPrecondition
 from fleet.core.lifecycle import Witness
@@ -155,8 +155,8 @@ class Verbs:
             self._apply(r, self.ranks[r].verb_answered(w, clear_queued=clear))
             if self.ranks[r].fence == "clear" and r in (self._verb_clears or ()):
                 self._clear_maybe_gone(r)
-        if call.verb == "sleep":
-            # its own /sleep moves the op count: the next look takes a fresh baseline. NOTE: every verb
+        if call.verb in CACHE_DROPPING_OPS:
+            # its own /sleep (or release) moves the op count: the next look takes a fresh baseline. NOTE: every verb
             # dropped the baseline, so a /sleep and /wake_up behind the controller's back between a pause
             # (or a resume, wake or reset) and the next look went unseen, and the wake kept the old index
             self.sleep_ops = None

@@ -137,6 +137,37 @@ async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_pat
         assert (await r.route(TOKS, "m")).verdict == "WARM"
 
 
+@pytest.mark.parametrize("paused_by", ["controller", "behind"])
+async def test_a_release_of_the_kv_cache_behind_the_controllers_back_leaves_the_worker_cold(tmp_path,
+                                                                                            paused_by) -> None:
+    """A paused worker (by the controller keeping its KV, or behind its back) has its KV cache released
+    (/release_kv_cache_memory: the cache discarded, its AllBlocksCleared queued until the next step) and is woken,
+    between two looks. The next route is COLD. NOTE: only the /sleep count was compared between looks, and a
+    release shows as sleep level 0: the worker was routed WARM to an empty cache until its next step (review
+    finding). The oracle is the stand-in's true cache."""
+    async with _fleet(tmp_path, reconcile_interval_s=30.0) as (r, (sim,)):
+        w0 = r._workers["w0"]
+        await _complete(sim, TOKS, r)
+        await w0.reconcile_once()  # the baseline of the count
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+        async with aiohttp.ClientSession() as h:
+            if paused_by == "controller":
+                await r.lifecycle("w0", "pause", mode="keep", clear_cache=False)
+            else:
+                async with h.post(sim.url + "/pause", params={"mode": "keep", "clear_cache": "false"}) as resp:
+                    assert resp.status == 200
+            async with h.post(sim.url + "/release_kv_cache_memory") as resp:
+                assert resp.status == 200, await resp.text()
+            async with h.post(sim.url + "/wake_up") as resp:
+                assert resp.status == 200
+        assert not sim.engine.resident_external()  # the oracle: the cache is empty
+        await w0.reconcile_once()
+        d = await r.route(TOKS, "m")
+        assert (d.verdict, d.matched_tokens) == ("COLD", 0)  # was WARM with an empty cache
+        await _complete(sim, TOKS, r)
+        assert (await r.route(TOKS, "m")).verdict == "WARM"
+
+
 async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -> None:
     """The worker restarts (cache empty, seq from 0) and the controller misses its new publisher's first batches,
     so the first seq it sees is past the old publisher's last: no seq reset is seen, only the look's new start
