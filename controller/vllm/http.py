@@ -33,6 +33,15 @@ class WorkerHttpError(Unavailable):
     """The worker did not answer, or answered something that is not vLLM's contract."""
 
 
+class WorkerRefused(WorkerHttpError):
+    """The worker answered HTTP 4xx: it refused the call as sent, in its state (vLLM's 400 for a
+    /release_kv_cache_memory with no completed pause). FAILED_PRECONDITION, not UNAVAILABLE: asked again, it refuses
+    again. NOTE: it was UNAVAILABLE, and the SDK sent a refused release 8 times over 9 s, each one taking the worker
+    out of routing and dropping its index (review finding)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerMetrics:
     """What /metrics says about one engine (DP rank: vLLM's `engine` label). None = series absent."""
@@ -223,7 +232,8 @@ class VllmHttp:
                    timeout_s: float | None = None) -> Any:
         status, text = await self.request(method, path, params, timeout_s=timeout_s)
         if not 200 <= status < 300:
-            raise WorkerHttpError(f"{self.url}{path} answered HTTP {status}: {text[:200]}")
+            cls = WorkerRefused if 400 <= status < 500 else WorkerHttpError
+            raise cls(f"{self.url}{path} answered HTTP {status}: {text[:200]}")
         if empty_ok and not text.strip():
             return None
         try:

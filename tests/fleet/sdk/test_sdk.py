@@ -15,6 +15,7 @@ from support.controller import make_tokens, start_controller, store_url
 
 from fleet.app.redis_server import free_port
 from fleet.core.errors import (
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -238,6 +239,32 @@ async def test_a_route_for_a_model_no_worker_serves_is_not_found_at_once(tmp_pat
     assert len(policy.log) >= 1 and "asleep, paused or down" in msg
     assert "retry later; `kvfleet worker ls` shows each worker's phase" in msg  # what to do (it named no next step)
     assert f"the controller at {ctl.address} answered UNAVAILABLE" in msg and "kvfleet controller" not in msg
+
+
+async def test_a_verb_the_worker_refuses_is_failed_precondition_and_sent_once(tmp_path: Path) -> None:
+    """vLLM answers 400 to a /release_kv_cache_memory of a worker with no completed pause: asked again, it refuses
+    again. NOTE: the controller answered UNAVAILABLE, and the SDK sent it 8 times over 9 s, each taking the worker out
+    of routing and dropping its index (review finding). The control: a verb the worker takes (pause, then release)."""
+    from fleet.app.testkit.sim_vllm.config import SimEngineConfig
+    from fleet.app.testkit.sim_vllm.main import SimConfig, SimVllm
+
+    sim = await SimVllm(SimConfig(engine=SimEngineConfig(model="m", block_size=16, num_blocks=64))).start()
+    tok = make_tokens(tmp_path)
+    ctl = await start_controller(store_url("sqlite", tmp_path), tok, start_router=True)
+    policy = CountingPolicy(initial_backoff_s=0.05, max_backoff_s=0.1, deadline_s=2.0)
+    try:
+        async with AsyncFleetClient(ctl.address, token=tok.op, retry=policy) as op:
+            await op.register_worker("w0", url=sim.url, kv_events=sim.kv_events, replay=sim.replay, model="m")
+            await _until(op.workers, lambda ws: all(w.serving for w in ws))
+            with pytest.raises(FailedPrecondition, match="answered HTTP 400"):
+                await op.lifecycle("w0", "release_kv_cache_memory")
+            assert policy.log == []  # not retried
+            await op.lifecycle("w0", "pause", clear_cache=False)
+            w = await op.lifecycle("w0", "release_kv_cache_memory")  # control: taken after a pause
+            assert (w.phase, w.kv) == ("paused", "forgotten")
+    finally:
+        await ctl.stop(0)
+        await sim.stop()
 
 
 def _errors_answered(ctl) -> float:
