@@ -33,6 +33,7 @@ from rich.progress import (
 )
 
 from fleet.app.demo.workload import DemoConfig
+from fleet.core.errors import KvfleetError
 
 T = TypeVar("T")
 
@@ -186,6 +187,9 @@ def main(argv: list[str]) -> int:
     except Stopped as e:
         print(f"kvfleet demo: stopped by {e}", file=sys.stderr)
         return 128 + e.signum
+    except KvfleetError as e:  # NOTE: a bad --ray-address was a traceback and exit 1 (review finding); `up` says one line
+        print(f"kvfleet demo: error: {e}", file=sys.stderr)
+        return 2
     if a.json:
         print(json.dumps(out.summary, indent=1))
         return 0

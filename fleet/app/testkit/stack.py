@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -116,11 +117,30 @@ async def register_sims(op: AsyncFleetClient, sims: Mapping[str, SimVllm], model
                                  block_size=block_size)
 
 
-async def wait_serving(op: AsyncFleetClient, n: int, timeout_s: float = 30.0) -> None:
-    """Until the controller sees n workers, all serving (its first reconcile)."""
+SIMS_FILE = "sim-workers.json"  # in the state dir: the stand-ins a stack registered, unregistered by its next start
+
+
+async def replace_earlier_sims(op: AsyncFleetClient, state_dir: str, names: Sequence[str]) -> None:
+    """Unregister the stand-ins an earlier stack on this state dir registered (their ports died with it), and any
+    worker registered under a name the new ones take, then record the new names. NOTE: a second `kvfleet up
+    --sim-workers 2` on the same state dir (its default, ./var) stopped at "worker 'w0' is registered with another
+    spec" (review finding)."""
+    f = Path(state_dir) / SIMS_FILE
+    earlier = json.loads(f.read_text()) if f.exists() else []
+    registered = {w.name for w in await op.workers()}
+    for name in sorted(registered & {*earlier, *names}):
+        await op.unregister_worker(name)
+    f.write_text(json.dumps(list(names)))
+
+
+async def wait_serving(op: AsyncFleetClient, n: int, timeout_s: float = 30.0,
+                       names: Sequence[str] | None = None) -> None:
+    """Until the controller sees n workers, all serving (its first reconcile); with `names`, those n."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ws = await op.workers()
+        if names is not None:
+            ws = [w for w in ws if w.name in names]
         if len(ws) == n and all(w.serving for w in ws):
             return
         await asyncio.sleep(0.05)
@@ -234,8 +254,9 @@ async def start_stack(cfg: StackConfig, *, observe: Observe | None = None) -> St
     stack = Stack(cfg, ctl, {}, tokens, owns_ray)
     try:
         stack.sims.update(await start_sims(cfg.workers, eng, observe=observe))
+        await replace_earlier_sims(stack.admin, cfg.state_dir, list(stack.sims))
         await register_sims(stack.admin, stack.sims, cfg.model, cfg.block_size)
-        await wait_serving(stack.admin, len(stack.sims))
+        await wait_serving(stack.admin, len(stack.sims), names=list(stack.sims))
         if cfg.sessions:
             await stack.admin.fleet_sessions()  # builds the session fleet (its Ray kernel hosts) now
         if cfg.proxy is not None:

@@ -101,3 +101,25 @@ def test_up_refuses_a_bad_listen_address_before_anything_starts(listen: str, tmp
     from fleet.app.cli.up import parse
 
     assert parse(["--listen", "127.0.0.1:0"]).listen == "127.0.0.1:0"  # control: port 0 (any free) is taken
+
+
+def test_a_demo_with_a_bad_ray_address_is_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.cli.demo import main
+
+    assert main(["--ray-address", "nonsense", "--quiet"]) == 2   # before: a traceback and exit 1
+    err = capsys.readouterr().err
+    assert "kvfleet demo: error: --ray-address" in err and "Traceback" not in err, err
+
+
+def test_up_reads_the_gc_variables_its_help_names(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.cli.up import parse
+
+    monkeypatch.setenv("KVFLEET_GC_INTERVAL", "7")
+    monkeypatch.setenv("KVFLEET_VERDICT_TTL", "9000")
+    a = parse([])
+    assert (float(a.gc_interval), float(a.verdict_ttl)) == (7.0, 9000.0)   # before: 300 and the default, unread
+    monkeypatch.setenv("KVFLEET_GC_INTERVAL", "abc")
+    with pytest.raises(SystemExit) as e:
+        parse([])
+    assert e.value.code == 2 and "--gc-interval" in capsys.readouterr().err
