@@ -162,6 +162,10 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
 
 def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerConfig:
     secret = env.get("KVFLEET_SALT_SECRET")
+    try:
+        salt = bytes.fromhex(secret) if secret else None
+    except ValueError as e:  # NOTE: the message named no variable (review finding)
+        raise InvalidArgument(f"KVFLEET_SALT_SECRET must be hex digits (e.g. `openssl rand -hex 32`): {e}") from None
     return ControllerConfig(
         listen=args.listen,
         store_url=args.store,
@@ -170,7 +174,7 @@ def config_from(args: argparse.Namespace, env: Mapping[str, str]) -> ControllerC
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         max_blob_bytes=args.max_blob_bytes,
-        salt_secret=bytes.fromhex(secret) if secret else None,
+        salt_secret=salt,
         ray_address=args.ray_address,
         leader_election=args.leader_election,
         **with_get_limits(edge_config_from(args), args),
@@ -257,6 +261,9 @@ def quiet_ray_signals() -> None:
 
 
 def _mint(args: argparse.Namespace) -> int:
+    if not args.mint_token:
+        print("kvfleet controller: --mint-token needs a tenant name, got ''", file=sys.stderr)
+        return 2
     if not args.tokens_file:
         print("kvfleet controller: --mint-token needs --tokens-file", file=sys.stderr)
         return 2
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.mint_token:
+        if args.mint_token is not None:  # NOTE: an empty name (an unset $TENANT) started a server (review finding)
             return _mint(args)
         cfg = config_from(args, env)
         report = layers_report(cfg.detector_layers, named=args.detector_layers is not None)

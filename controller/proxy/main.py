@@ -67,6 +67,10 @@ def parse_args(argv: list[str], env: Mapping[str, str]) -> argparse.Namespace:
                    help="the earliest probe: a worker is probed after twice its recent 90th-percentile first-byte "
                         "wait, at least this and at most --first-byte-timeout (default 0.05; set it to the timeout "
                         "for a fixed wait)")
+    # NOTE: docs/proxy.md and docs/routing.md named --refresh; it was a config field only (review finding)
+    p.add_argument("--refresh", type=float, default=e("KVFLEET_PROXY_REFRESH", "1"),
+                   help="seconds between the proxy's listings of the workers (ListWorkers): a verb that puts a worker "
+                        "back in routing reaches the proxy within this (env KVFLEET_PROXY_REFRESH; default 1)")
     p.add_argument("--max-first-byte-wait", type=float, default=600.0,
                    help="seconds an attempt may go without a first byte: then a worker a probe found awake (working "
                         "on it) ends the request with a 504, and one no probe found awake fails over (once); set it "
@@ -135,7 +139,7 @@ def config_from(a: argparse.Namespace) -> ProxyConfig:
                        tokenizer=a.tokenizer, tokenize_cache_bytes=a.tokenize_cache_mib << 20,
                        worker_api_key=a.worker_api_key,
                        first_byte_timeout_s=a.first_byte_timeout, first_byte_min_s=a.first_byte_min,
-                       max_first_byte_wait_s=a.max_first_byte_wait,
+                       max_first_byte_wait_s=a.max_first_byte_wait, refresh_s=a.refresh,
                        client_header_timeout_s=a.client_header_timeout, client_body_timeout_s=a.client_body_timeout,
                        quarantine_policy=a.quarantine_policy,
                        quarantine_tenant_policies=tuple(_pair(x) for x in a.quarantine_tenant_policy),

@@ -123,3 +123,30 @@ def test_up_reads_the_gc_variables_its_help_names(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SystemExit) as e:
         parse([])
     assert e.value.code == 2 and "--gc-interval" in capsys.readouterr().err
+
+
+def test_an_empty_mint_name_and_a_bad_salt_secret_are_one_line_naming_them(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from controller.main import main
+
+    tokens = str(tmp_path / "tokens.json")
+    assert main(["--mint-token", "", "--tokens-file", tokens], {}) == 2      # before: started a server
+    assert "--mint-token needs a tenant name" in capsys.readouterr().err
+    assert main(["--listen", "127.0.0.1:0", "--store", f"sqlite:///{tmp_path}/k.db"],
+                {"KVFLEET_SALT_SECRET": "zz"}) == 2                            # before: fromhex()'s words alone
+    assert "KVFLEET_SALT_SECRET must be hex digits" in capsys.readouterr().err
+
+
+def test_sim_vllm_names_a_host_it_cannot_resolve(capsys: pytest.CaptureFixture[str]) -> None:
+    from fleet.app.testkit.sim_vllm.main import _parse
+
+    with pytest.raises(SystemExit) as e:   # before: "choose another --kv-events-port"
+        _parse(["--host", "999.1.1.1"])
+    assert e.value.code == 2 and "--host '999.1.1.1'" in capsys.readouterr().err
+
+
+def test_the_proxy_takes_the_refresh_its_docs_name() -> None:
+    from controller.proxy.main import config_from, parse_args
+
+    assert config_from(parse_args(["--refresh", "2.5"], {})).refresh_s == 2.5   # before: unrecognized arguments
+    assert config_from(parse_args([], {"KVFLEET_PROXY_REFRESH": "3"})).refresh_s == 3.0

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -213,6 +214,10 @@ def _parse(argv: list[str]) -> SimConfig:
         help="added per decoding sequence in the step",
     )
     a = p.parse_args(argv)
+    try:  # NOTE: a host no address resolves to failed its first bind, said as "choose another --kv-events-port"
+        socket.getaddrinfo(a.host, None)
+    except (OSError, UnicodeError) as e:
+        p.error(f"--host {a.host!r} is not an address this machine can listen on ({e})")
     for flag, value, least in (("--port", a.port, 0), ("--kv-events-port", a.kv_events_port, 0),
                                ("--replay-port", a.replay_port, -1)):
         if not least <= value <= 65535:
