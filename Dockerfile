@@ -128,6 +128,7 @@ CHECK
 # ---- runtime: slim, non-root, no compilers, no pip cache -----------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 ARG VARIANT=cpu
+LABEL io.kvfleet.variant=${VARIANT}
 # wget: KubeRay's default Ray-pod probes run `wget ... | grep success`.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends wget \
@@ -140,11 +141,12 @@ RUN apt-get update \
 COPY --from=build /opt/kvfleet /opt/kvfleet
 ENV PATH=/opt/kvfleet/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    KVFLEET_IMAGE_VARIANT=${VARIANT} \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
 WORKDIR /home/kvfleet
-# controller gRPC, controller metrics, proxy HTTP, proxy metrics, sim-vllm HTTP / KV events / replay
+# The ports the chart gives the commands (each command's own default listens on loopback; pass --listen / --host):
+# controller gRPC, controller metrics, proxy HTTP (--listen 0.0.0.0:8080), proxy metrics (--metrics-listen
+# 0.0.0.0:9401), and for `kvfleet sim-vllm --host 0.0.0.0 --port 8000 --kv-events-port 5557 --replay-port 5558`
 EXPOSE 50051 9400 8080 9401 8000 5557 5558
 ENTRYPOINT ["kvfleet"]
 CMD ["--help"]
