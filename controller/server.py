@@ -238,7 +238,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          detector=DetectorConfig(layers=cfg.detector_layers, encoder_gate=cfg.detector_encoder_gate,
                                                   encoder_max_fragmentation=cfg.detector_encoder_max_fragmentation),
                          detector_tenants=dict(cfg.detector_tenants), judge_lanes=JudgeLanes(cfg.judge),
-                         rpc_shares=RpcShares(cfg.grpc_limits.max_concurrent_rpcs))
+                         rpc_shares=RpcShares(cfg.grpc_limits.max_concurrent_rpcs, one_tenant=book is None))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s, cfg.verdict_ttl_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
         await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)
