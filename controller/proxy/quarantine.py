@@ -209,15 +209,22 @@ class Enforcer:
         # resending it, a tool answering the same) lost its placeholders, and its pieces went through
         joined = [(JOIN.join(text_of[w] for w in g), g) for g in groups if any(w not in repl for w in g)]
         together = await self._verdicts([t for t, _ in joined], [(g[0], t) for t, g in joined], policy, token)
+        # what an assistant may not quote back: each withheld text (a result, a name, a turn withheld as a whole)
+        # with its placeholder and the hit it came from. NOTE: names and turns were left out: a turn withheld only
+        # joined (each piece shorter than a quote), or a withheld name, quoted by the assistant, reached the worker
+        # whole (review finding)
+        quotable = {text_of[h.where]: (repl[h.where], h) for h in hits}
         for text, g in joined:
             j = together[text]
             if j.quarantined:
                 for w in (w for w in g if w not in repl):
                     hits.append(Hit(w, j.ref, (*j.reasons, f"turn:{g[0]}..{g[-1]}"), j.source, policy))
                     repl[w] = PLACEHOLDER.format(ref=j.ref)
-        body, quoted = unquote(body, chat, {text_of[w]: repl[w] for w in repl if not w.endswith(".name")})
+                    quotable.setdefault(text_of[w], (repl[w], hits[-1]))
+                quotable.setdefault(text, (PLACEHOLDER.format(ref=j.ref), hits[-1]))
+        body, quoted = unquote(body, chat, {t: p for t, (p, _) in quotable.items()})
         for where, t in quoted:
-            src = next(h for h in hits if h.where in text_of and text_of[h.where] == t)
+            src = quotable[t][1]
             hits.append(Hit(where, src.ref, (*src.reasons, f"quotes:{src.where}"), src.source, policy))
         for h in hits:
             self.metrics.quarantined.labels(policy, h.source).inc()

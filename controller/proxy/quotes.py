@@ -9,6 +9,7 @@ its placeholder.
                                      has the arguments written again by json.dumps with it replaced
     reasoning_content, reasoning     the model's reasoning, which templates render in an agent's tool-calling turns
                                      (Qwen3's `<think>` after the last user message)
+    tool_calls[k].function.name      the name of a tool the model called (a withheld tool message's name quoted back)
 
 NOTE: before, content alone was searched: a model that had passed a tool's output on to another tool
 (`save_note({"text": <the output>})`) or thought it through handed the withheld bytes back to the worker on the next
@@ -28,7 +29,7 @@ MIN_QUOTE = 32
 CHUNK = MIN_QUOTE // 2  # any MIN_QUOTE characters of a text cover a whole chunk at a multiple of CHUNK
 MAX_QUOTE_SCAN = 256 << 20  # characters of assistant text searched for quotes per request, at most (~0.1 s)
 REASONING = ("reasoning_content", "reasoning")
-Loc = tuple[str, int | None]  # ("content", None | part), ("arguments", call), (a REASONING field, None)
+Loc = tuple[str, int | None]  # ("content", None | part), ("arguments" | "name", call), (a REASONING field, None)
 
 
 def _role(m: Any) -> str | None:
@@ -36,12 +37,13 @@ def _role(m: Any) -> str | None:
     return role.strip().lower() if isinstance(role, str) else None
 
 
-def _arguments(m: dict[str, Any]) -> Iterator[tuple[int, str]]:
+def _calls(m: dict[str, Any], key: str) -> Iterator[tuple[int, str]]:
+    """Each tool call's function `key` ("arguments", "name") that is a string, with the call's index."""
     calls = m.get("tool_calls")
     for k, c in enumerate(calls if isinstance(calls, list) else []):
         f = c.get("function") if isinstance(c, dict) else None
-        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
-            yield k, f["arguments"]
+        if isinstance(f, dict) and isinstance(f.get(key), str):
+            yield k, f[key]
 
 
 def _texts(m: Any) -> Iterator[tuple[Loc, str]]:
@@ -54,7 +56,8 @@ def _texts(m: Any) -> Iterator[tuple[Loc, str]]:
     elif isinstance(c, list):
         yield from ((("content", j), t) for j, p in enumerate(c)
                     if isinstance(t := p.get(_key(p)) if isinstance(p, dict) else p, str))
-    yield from ((("arguments", k), a) for k, a in _arguments(m))
+    yield from ((("arguments", k), a) for k, a in _calls(m, "arguments"))
+    yield from ((("name", k), a) for k, a in _calls(m, "name"))
     yield from (((f, None), m[f]) for f in REASONING if isinstance(m.get(f), str))
 
 
@@ -69,8 +72,8 @@ def _where(i: int, loc: Loc) -> str:
     field, at = loc
     if field == "content":
         return f"messages[{i}].content" + ("" if at is None else f"[{at}]")
-    if field == "arguments":
-        return f"messages[{i}].tool_calls[{at}].function.arguments"
+    if field in ("arguments", "name"):
+        return f"messages[{i}].tool_calls[{at}].function.{field}"
     return f"messages[{i}].{field}"
 
 
@@ -145,12 +148,12 @@ def _put(m: dict[str, Any], news: Mapping[Loc, str]) -> dict[str, Any]:
             assert at is not None
             parts = out["content"] = out["content"] if out["content"] is not m["content"] else list(m["content"])
             parts[at] = {**parts[at], _key(parts[at]): new} if isinstance(parts[at], dict) else new
-        elif field == "arguments":
+        elif field in ("arguments", "name"):
             assert at is not None
             calls = out["tool_calls"] = out["tool_calls"] if out["tool_calls"] is not m["tool_calls"] \
                 else list(m["tool_calls"])
             call = calls[at]
-            calls[at] = {**call, "function": {**call["function"], "arguments": new}}
+            calls[at] = {**call, "function": {**call["function"], field: new}}
         else:
             out[field] = new
     return out
@@ -177,7 +180,9 @@ def unquote(
     read = [t for _, _, t in texts] + [s for _, loc, t in texts if loc[0] == "arguments"
                                        for s in _strings(_decoded(t)) if len(s) >= MIN_QUOTE]
     chunks = {t[q:q + CHUNK] for t in read for q in range(0, len(t) - CHUNK + 1, CHUNK)}
-    maybe = [f for f in forms if any(f[o:o + CHUNK] in chunks for o in range(CHUNK))]
+    # longest first: a withheld text inside a longer one (a piece of a turn withheld joined) must not cut the longer
+    # one's quote before it is found
+    maybe = sorted((f for f in forms if any(f[o:o + CHUNK] in chunks for o in range(CHUNK))), key=len, reverse=True)
     if (scan := len(maybe) * sum(map(len, read))) > MAX_QUOTE_SCAN:
         raise ProxyError(413, f"the assistant messages may quote {len(maybe)} of this request's withheld tool "
                               f"results; checking them would scan {scan:,} characters, over the proxy's limit of "

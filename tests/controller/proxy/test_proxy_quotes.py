@@ -124,3 +124,44 @@ async def test_a_quote_in_an_assistant_part_of_any_text_type_is_withheld(tmp_pat
         assert INJECTION not in json.dumps(_sent(fleet))
     finally:
         await fleet.stop()
+
+
+async def test_a_quote_of_a_turn_withheld_joined_or_of_a_withheld_name_is_withheld(tmp_path: Path) -> None:
+    """A turn withheld only as a whole (each piece shorter than a quote), quoted back by the assistant as the proxy
+    judged it; and a withheld tool name, quoted in the assistant's content or as the name of a tool it called. NOTE:
+    both reached the worker whole: the quote search was given the pieces alone (each under 32 characters) and no
+    names (review finding). Control: the same assistant text without the quotes goes through as sent."""
+    from test_proxy_judged import NAME, PIECES, _parallel
+
+    from controller.proxy.judged import JOIN
+
+    fleet = await start_fleet(tmp_path)
+    try:
+        said = "The pages said: " + JOIN.join(PIECES)
+        msgs = [*_parallel(PIECES), {"role": "assistant", "content": said}, {"role": "user", "content": "Go on."}]
+        status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        assert status == 200, raw
+        quoted = [q for q in json.loads(raw)["kvfleet"]["quarantined"] if q["where"] == "messages[10].content"]
+        assert quoted and quoted[0]["ref"] == _ref(JOIN.join(PIECES)), raw
+        got = _sent(fleet)["messages"][10]["content"]
+        assert got == "The pages said: " + PLACEHOLDER.format(ref=_ref(JOIN.join(PIECES))), got
+
+        call = {"id": "c9", "type": "function", "function": {"name": NAME, "arguments": "{}"}}
+        msgs = [{"role": "user", "content": "Look it up."},
+                {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "search",
+                                                                                           "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c9", "name": NAME, "content": "no results"},
+                {"role": "assistant", "content": "I called the tool named " + NAME, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c9", "content": "done"}]
+        status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        assert status == 200, raw
+        where = {q["where"] for q in json.loads(raw)["kvfleet"]["quarantined"]}
+        assert {"messages[2].name", "messages[3].content", "messages[3].tool_calls[0].function.name"} <= where, where
+        assert NAME not in json.dumps(_sent(fleet))
+        # control: no quote, nothing changed in the assistant's message
+        msgs[3] = {"role": "assistant", "content": "I called the tool.", "tool_calls": [
+            {**call, "function": {"name": "lookup", "arguments": "{}"}}]}
+        status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        assert status == 200 and _sent(fleet)["messages"][3] == msgs[3]
+    finally:
+        await fleet.stop()
