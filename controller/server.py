@@ -189,7 +189,10 @@ def _salt_secret(store: Any, cfg: ControllerConfig) -> bytes:
         return cfg.salt_secret
     secret = store.kv_get(*SALT_SECRET_KEY)
     if not secret:
-        store.kv_put(*SALT_SECRET_KEY, secrets.token_bytes(32))
+        # NOTE: a compare-and-set: two controllers starting at once on a new store both found none, and each
+        # overwrote the other's; the first kept serving with a secret no later controller would use, so its tenants'
+        # warm prefixes went cold at the next failover (review finding)
+        store.kv_swap(*SALT_SECRET_KEY, None, secrets.token_bytes(32))
         secret = store.kv_get(*SALT_SECRET_KEY)
     return bytes(secret)
 
