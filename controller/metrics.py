@@ -32,7 +32,7 @@ class Metrics:
         )
         self.stale_route_guard = Counter(
             "kvfleet_stale_route_guard_total",
-            "Warm candidates refused at route time because the worker's epoch, serving state or probe disagreed.",
+            "Chosen candidates refused at route time by the route-time probe (worker down, epoch changed, unregistered).",
             ["reason"],
             registry=r,
         )
@@ -89,7 +89,7 @@ class Metrics:
         )
         # lifecycle
         self.epoch_bumps = Counter(
-            "kvfleet_epoch_bumps_total", "Epoch bumps per (worker) by reason.", ["reason"], registry=r
+            "kvfleet_epoch_bumps_total", "Epoch bumps by reason.", ["reason"], registry=r
         )
         self.lifecycle_actions = Counter(
             "kvfleet_lifecycle_actions_total", "Lifecycle verbs driven.", ["verb", "kv"], registry=r
@@ -144,7 +144,7 @@ class Metrics:
         )
         self.worker_errors = Counter(
             "kvfleet_worker_errors_total",
-            "Failures contained to one worker (start, reconcile, tail replay, status), by where.",
+            "Failures contained to one worker, by where (docs/metrics.md lists the places).",
             ["where"],
             registry=r,
         )
