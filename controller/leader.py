@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from redis.exceptions import RedisError
 
 from fleet.cas.redis_errors import is_connection_lost, is_readonly
+from fleet.core.errors import Unavailable
 
 KEY = "kvfleet:controller:leader"
 LEASE_SHARE = 0.8  # of the ttl, from the start of a set or renew, that the holder trusts it still holds the lock
@@ -126,3 +127,36 @@ def make_leader_lock(store_url: str, ttl_s: float = 10.0) -> LeaderLock:
     if store_url.startswith(("redis://", "rediss://", "unix://")):
         return RedisLock(store_url, ttl_s)
     return NoopLock()
+
+
+class FencedStore:
+    """The store as a leader's router writes it: every kv write (kv_put, kv_delete, kv_swap) is refused (Unavailable)
+    once `leading()` is false, that is once the leader's lease has run out by its own clock; reads and everything else
+    go through. NOTE: a leader paused past its lease (a GC pause, a frozen VM) woke with its timers due before its
+    renew: a verb that had timed out meanwhile wrote its worker's rank state over the new leader's (an older epoch,
+    no fence), and the next leader read it back and routed WARM to a cache the new leader had seen reset (review
+    finding, on a real Redis). A write issued within the lease and delivered after it is not caught here; the
+    lease's margin (LEASE_SHARE) is what covers that window."""
+
+    def __init__(self, store: Any, leading: Callable[[], bool]) -> None:
+        self._store, self._leading = store, leading
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def _fence(self, what: str, namespace: str, key: str) -> None:
+        if not self._leading():
+            raise Unavailable(f"{what} {namespace}/{key} refused: this controller's leader lease has run out (it "
+                              "will stand by); the leader's writes are its alone")
+
+    def kv_put(self, namespace: str, key: str, value: bytes) -> None:
+        self._fence("kv_put", namespace, key)
+        self._store.kv_put(namespace, key, value)
+
+    def kv_delete(self, namespace: str, key: str) -> Any:
+        self._fence("kv_delete", namespace, key)
+        return self._store.kv_delete(namespace, key)
+
+    def kv_swap(self, namespace: str, key: str, old: bytes | None, new: bytes | None) -> bool:
+        self._fence("kv_swap", namespace, key)
+        return bool(self._store.kv_swap(namespace, key, old, new))

@@ -25,7 +25,7 @@ from controller.edge import DecodeGuard, server_credentials
 from controller.fleet_metrics import FleetMetricsPoller
 from controller.judge_lanes import JudgeLanes
 from controller.kernel_placement import set_kernel_placement
-from controller.leader import LeaderLock, make_leader_lock
+from controller.leader import FencedStore, LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
 from controller.servicers.common import RpcShares
@@ -78,7 +78,10 @@ class Controller:
         if self.cfg.start_router and self.ctx.router is None:
             from controller.router import Router, RouterConfig
 
-            router = Router(self.ctx.store, self.ctx.metrics, self._router_config or RouterConfig(),
+            lock = self._lock
+            store = self.ctx.store if lock is None else \
+                FencedStore(self.ctx.store, lambda: time.monotonic() < lock.valid_until)  # (controller/leader.py)
+            router = Router(store, self.ctx.metrics, self._router_config or RouterConfig(),
                             blocking=self.ctx.blocking)  # its store calls share the store's threads
             try:
                 await router.start()
