@@ -69,10 +69,14 @@ async def test_dev_endpoints_exact_bodies(sim) -> None:
     assert await _post(http, u + "/wake_up") == (200, {"status": "awake", "tags": None})
     assert await _post(http, u + "/reset_prefix_cache") == (200, {"success": True})
     assert (await _post(http, u + "/release_kv_cache_memory"))[0] == 400  # needs a completed pause
-    assert await _post(http, u + "/pause", params={"mode": "bogus"}) == (
-        400,
-        {"error": "invalid pause mode 'bogus' or clear_cache"},
-    )
+    assert await _post(http, u + "/pause", params={"mode": "bogus"}) == (400, {"error": "invalid pause mode 'bogus'"})
+    # a bool query parameter as FastAPI reads one: a value it refuses is a 422 (it was a 400), "yes" is true (was
+    # refused)
+    assert (await _post(http, u + "/pause", params={"clear_cache": "garbage"}))[0] == 422
+    assert (await _post(http, u + "/reset_prefix_cache", params={"reset_running_requests": "no"})) == \
+        (200, {"success": True})
+    assert await _post(http, u + "/pause", params={"clear_cache": "yes"}) == (200, {"status": "paused"})
+    assert await _post(http, u + "/resume") == (200, {"status": "resumed"})
     assert await _post(http, u + "/pause") == (200, {"status": "paused"})
     assert (await _post(http, u + "/v1/completions", json={"prompt": [1, 2, 3]}))[0] == 503  # abort: rejected
     assert await _post(http, u + "/release_kv_cache_memory") == (200, {"status": "kv_cache_released"})
@@ -385,3 +389,24 @@ async def test_a_reset_with_only_waiting_requests_succeeds_as_in_vllm(clocked) -
     assert await _post(http, s.url + "/reset_prefix_cache") == (200, {"success": True})
     await _post(http, s.url + "/wake_up")
     assert (await queued)[0] == 200
+
+
+async def test_the_publisher_and_metrics_settings_are_vllms() -> None:
+    """vLLM's KVEventsConfig defaults: the PUB's high-water mark 100,000 (ZMQ's own, 1,000, dropped a slow
+    subscriber's batches 100x sooner), and /kv_event_sources lists it; /metrics labels the served model name, as
+    vLLM's loggers do (the --model path was given). Review findings."""
+    from fleet.app.testkit.sim_vllm.publisher import PUB_HWM
+
+    s = await SimVllm(SimConfig(engine=SimEngineConfig(model="/models/m", served_model_names=("served-a", "b"),
+                                                       num_blocks=8))).start()
+    try:
+        assert s.publisher is not None and s.publisher._pub.getsockopt(zmq.SNDHWM) == PUB_HWM == 100_000
+        async with aiohttp.ClientSession() as http:
+            async with http.get(s.url + "/kv_event_sources") as r:
+                src = (await r.json())["0"]
+            async with http.get(s.url + "/metrics") as r:
+                text = await r.text()
+        assert (src["hwm"], src["max_queue_size"]) == (100_000, 100_000)
+        assert 'model_name="served-a"' in text and 'model_name="/models/m"' not in text
+    finally:
+        await s.stop()

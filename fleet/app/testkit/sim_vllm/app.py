@@ -20,7 +20,9 @@ from fleet.app.testkit.sim_vllm.extra_routes import (
 )
 from fleet.app.testkit.sim_vllm.metrics import metrics_text
 from fleet.app.testkit.sim_vllm.parts import Sim
+from fleet.app.testkit.sim_vllm.publisher import PUB_HWM
 from fleet.core.errors import InvalidArgument
+from fleet.core.lax import lax_bool
 
 VERSION = "0.33.0"
 
@@ -30,9 +32,9 @@ def _j(body: Any, status: int = 200) -> web.Response:
 
 
 def _bool(q: str | None, default: bool) -> bool | None:
-    if q is None:
-        return default
-    return {"true": True, "1": True, "false": False, "0": False}.get(q.lower())
+    """A bool query parameter as FastAPI reads one (pydantic's lax mode: yes/no, on/off, t/f, ... in any case); None
+    for a value it refuses (a 422). NOTE: true/1/false/0 alone were read (review finding)."""
+    return default if q is None else lax_bool(q)
 
 
 def build_app(sim: Sim) -> web.Application:
@@ -62,8 +64,10 @@ def build_app(sim: Sim) -> web.Application:
 
     async def pause(req: web.Request) -> web.Response:
         mode, clear = req.query.get("mode", "abort"), _bool(req.query.get("clear_cache"), True)
-        if mode not in ("abort", "wait", "keep") or clear is None:
-            return _j({"error": f"invalid pause mode {mode!r} or clear_cache"}, 400)
+        if clear is None:  # NOTE: FastAPI's Query validation, as vLLM's level=3 (it was a 400; review finding)
+            return _j({"detail": "clear_cache must be a boolean"}, 422)
+        if mode not in ("abort", "wait", "keep"):
+            return _j({"error": f"invalid pause mode {mode!r}"}, 400)
         eng.pause(mode, clear)
         if mode == "wait":  # NOTE: vLLM answers once the requests in flight have finished; this answered at once
             await eng.drained()
@@ -215,6 +219,8 @@ def build_app(sim: Sim) -> web.Application:
                     "endpoint": pub.endpoint,
                     "replay_endpoint": pub.replay_endpoint,
                     "buffer_steps": sim.cfg.buffer_steps,
+                    "hwm": PUB_HWM,
+                    "max_queue_size": PUB_HWM,   # vLLM's default, as hwm's (the stand-in publishes in its step)
                     "topic": sim.cfg.topic,
                 }
             }

@@ -84,7 +84,7 @@ def _histogram(name: str, doc: str, lab: str, h: Histogram) -> list[str]:
 def metrics_text(e: SimEngine, dp_rank: int = 0) -> str:
     """Prometheus text: the vLLM series a router reads, labelled as vLLM labels them (engine: the global DP rank)."""
     c, st = e.cfg, e.sched.stats
-    lab = f'engine="{dp_rank}",model_name="{c.model}"'
+    lab = f'engine="{dp_rank}",model_name="{c.names[0]}"'  # vLLM's served_model_name (review finding: was --model)
 
     def one(name: str, typ: str, doc: str, v: float) -> list[str]:
         return _family(name, typ, doc, [f"{name}{{{lab}}} {float(v)}"])

@@ -21,6 +21,9 @@ from fleet.app.testkit.sim_vllm.wire import encode_batch
 END_SEQ = b"\xff" * 8
 
 
+PUB_HWM = 100_000  # vLLM's KVEventsConfig hwm (and max_queue_size) default: past it the PUB drops silently
+
+
 class BindError(OSError):
     """A port the stand-in cannot listen on; `what` says which: "http", "kv_events" or "replay"."""
 
@@ -62,7 +65,8 @@ class Publisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(self._pub, host, port, "kv_events")
+        self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)  # NOTE: ZMQ's default (1000) dropped a slow subscriber's batches
+        self.port = _bind(self._pub, host, port, "kv_events")                      # 100x sooner than vLLM (review)
         self._ctx = zmq.asyncio.Context()
         self.endpoint = f"tcp://{host}:{self.port}"
         self._router: zmq.asyncio.Socket | None = None
