@@ -95,3 +95,14 @@ async def test_one_tenants_open_calls_leave_the_others_a_quarter_of_the_server(t
     assert bravo_route.error.code == "UNAVAILABLE" and "router is not running" in bravo_route.error.message, \
         bravo_route                                               # served: this controller runs no router
     assert control[0] is Code.RESOURCE_EXHAUSTED and "Concurrent RPC limit exceeded" in control[1], control
+
+
+async def test_with_auth_off_the_one_identity_may_hold_the_whole_server(tmp_path: Path) -> None:
+    """Every caller is one identity without a tokens file: its share is every slot (three quarters would only have
+    cut a single-tenant server to 12 of 16 here); with tokens, three quarters."""
+    for tokens, share in ((None, 16), (make_tokens(tmp_path), 12)):
+        ctl = await start_controller(store_url("sqlite", tmp_path), tokens, grpc_limits=GrpcLimits(max_concurrent_rpcs=16))
+        try:
+            assert ctl.ctx.rpc_shares.per_tenant == share
+        finally:
+            await ctl.stop()
