@@ -7,9 +7,9 @@ message. Every `--probe-interval` seconds each worker is probed: GET /health mus
 GET /is_sleeping must not say true (a sleeping vLLM keeps /health at 200). A probe with no answer within
 `--probe-timeout` (2 s) leaves the worker as it was, up to two in a row: a slow answer on a loaded machine is not
 a sleep, and a worker that refuses connections or answers wrong is out at once. NOTE: at 0.5 s, a fresh-clone run
-of the suite on a loaded machine still had every probe of the smoke test time out, both stand-ins out for the whole
-run and all 40 requests answered 503 "no serving worker"; a sleeping stand-in answers /is_sleeping at once, so the
-longer bound changes nothing the bench's hazards do. A request goes to the
+of the suite on a loaded machine had all 40 requests of the smoke test answered 503 "no serving worker", most likely
+every probe timing out; a sleeping stand-in answers /is_sleeping at once, so the longer bound changes nothing the
+bench's hazards do. A request goes to the
 first serving worker clockwise from the session's point on the ring (64 virtual nodes per
 worker), so a session moves only while its worker is out, and comes back after.
 """
