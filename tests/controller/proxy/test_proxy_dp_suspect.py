@@ -42,10 +42,18 @@ async def test_a_woken_dp_worker_is_routed_to_under_its_trailing_ranks_epoch(tmp
                 async with fleet.http.post(e1.url + "/v1/completions", json={**body, "prompt": "x"}) as r:
                     assert r.status == 200
                 await until(fleet.op.workers, lambda ws, k=k: _ranks(ws)[1] > _ranks(ws)[0] + k)
-            await fleet.proxy.directory.refresh()  # the proxy lists both ranks' epochs
-            async with fleet.http.post(url + "/sleep?level=1") as r:  # NOT through the controller
-                assert r.status == 200
-            s, _, raw = await fleet.post("/v1/completions", body)
+            for _ in range(5):
+                await fleet.proxy.directory.refresh()  # the proxy lists both ranks' epochs
+                async with fleet.http.post(url + "/sleep?level=1") as r:  # NOT through the controller
+                    assert r.status == 200
+                s, _, raw = await fleet.post("/v1/completions", body)
+                if b"controller: no serving worker" not in raw:  # (the proxy's own 503 says "no serving worker answered")
+                    break
+                # NOTE: the controller's look (every 0.2 s here) saw the sleep before the request came (a loaded
+                # machine, a fresh-clone run): it refused the route, and the proxy never met the sleeper. Again.
+                async with fleet.http.post(url + "/wake_up") as r:
+                    assert r.status == 200
+                await until(fleet.op.workers, lambda ws: next(w for w in ws if w.name == "dp").serving)
             assert s == 503 and b"a worker asleep" in raw  # control: routed to the sleeper, found asleep, marked
             assert fleet.proxy.directory.is_suspect("dp")
             await until(fleet.op.workers, lambda ws: not next(w for w in ws if w.name == "dp").serving)
