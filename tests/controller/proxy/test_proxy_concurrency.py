@@ -12,7 +12,9 @@ from support.proxy_fleet import MODEL, start_fleet
 
 
 async def test_200_concurrent_streams_all_answer(tmp_path: Path) -> None:
-    fleet = await start_fleet(tmp_path)
+    # NOTE: the route's bound raised from 2 s: on a loaded machine 3 of the 200 routes took longer and were 503s (a
+    # fresh-clone run); what this test checks is the multiplexing past 100 streams, not that bound
+    fleet = await start_fleet(tmp_path, route_timeout_s=10.0)
     try:
         async def one(i: int) -> int:
             status, _, raw = await fleet.post("/v1/chat/completions", {
