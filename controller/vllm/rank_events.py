@@ -51,6 +51,7 @@ class RankEvents:
     hash_cfg: HashConfig | None
     calibrated: bool
     resumed: set[int]
+    applying: dict[int, int]
     _reset_seen: dict[int, float | None]
     _verb_clears: set[int] | None
     _closing: bool
@@ -104,8 +105,19 @@ class RankEvents:
             return
         t = st.stamped(batch.ts)
         st, persist = t.state, t.persist
+        try:
+            await self._apply_events(rank, key, seq, batch, st, persist)
+        finally:
+            self.applying.pop(rank, None)
+
+    async def _apply_events(self, rank: int, key: tuple[str, int], seq: int, batch: EventBatch, st: RankState,
+                            persist: bool) -> None:
+        """on_batch's slices. Until the batch's last event is applied, `applying` holds the seq applied before it:
+        the rank's state carries `seq` from the first slice on (a verb meanwhile reads it), while what the router
+        reports as read (WorkerStatus.last_seq) is only what is applied."""
         for ev in batch.events:
             if self.slicer.due():
+                self.applying.setdefault(rank, self.ranks[rank].seq)
                 self.ranks[rank] = st
                 await self.slicer.tick()
                 st = self.ranks[rank]

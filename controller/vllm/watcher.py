@@ -114,6 +114,7 @@ class Worker(RankEvents, Verbs, Reconcile):
         # ranks whose fence "clear" may await a clear already gone (lift_settled): back from a hold, a gap not
         # repaired, or a clear read while a verb's call was out
         self.resumed: set[int] = set()
+        self.applying: dict[int, int] = {}  # rank -> the seq applied before the batch it is applying in slices
         self._verb_clears: set[int] | None = None  # while a verb's call is out: ranks an AllBlocksCleared reached
         self._persisted_seq: dict[int, int] = {}
         self._unpersisted: set[int] = set()
