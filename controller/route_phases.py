@@ -71,7 +71,7 @@ class RoutePhases:
         """
         if probe if probe is not None else self.cfg.probe_on_route:
             if not ordering.ordered:  # nobody serving as far as we know: one fresh look at every worker
-                await asyncio.gather(*(w.reconcile_once() for w in self._workers.values()))
+                await asyncio.gather(*(w.look() for w in self._workers.values()))
                 ordering = self.candidates.order(token_ids, model, salt, lora, owner=owner, batch=batch)
             ordering = await self._probe(ordering, token_ids, model, salt, lora, owner, batch)
         if not ordering.ordered and await self._looked_again(model, lora):

@@ -124,17 +124,24 @@ class Reconcile(LoraLooks):
             self._apply(r, self.ranks[r].marked_down(reason, has_blocks=has_blocks))
 
     async def reconcile_once(self) -> None:
+        """The reconcile loop's look: none where one is in progress."""
         if self.lock.locked():
             return
+        await self.look()
+
+    async def look(self) -> None:
+        """One fresh look, begun after this call: a look in progress is waited for, then the worker looked at again.
+        NOTE: a route that found no worker serving had every worker look with `reconcile_once`, which skipped a worker
+        whose look was in progress; that look may have been fetched before the worker woke, and the route was refused
+        "every candidate is asleep" with the worker awake (a fresh-clone CI run on a loaded machine)."""
         async with self.lock:
             self.apply_observation(await self.fetch())
 
     async def probe(self) -> bool:
-        """Route-time probe: one fresh look; True when the worker is serving right now."""
+        """Route-time probe: one fresh look (`look`); True when the worker is serving right now."""
         if self.transitioning:
             return False
-        async with self.lock:
-            self.apply_observation(await self.fetch())
+        await self.look()
         return all(st.serving for st in self.ranks.values())
 
     async def discover(self) -> None:

@@ -121,18 +121,18 @@ async def test_a_sleep_behind_the_back_of_a_pause_leaves_the_worker_cold(tmp_pat
     async with _fleet(tmp_path, reconcile_interval_s=0.1 if look_while_asleep else 30.0) as (r, (sim,)):
         w0 = r._workers["w0"]
         await _complete(sim, TOKS, r)
-        await w0.reconcile_once()  # the baseline of the /sleep count
+        await w0.look()  # the baseline of the /sleep count
         assert (await r.route(TOKS, "m")).verdict == "WARM"
         await r.lifecycle("w0", "pause", mode="keep", clear_cache=False)
         async with aiohttp.ClientSession() as h:
             async with h.post(sim.url + "/sleep", params={"level": "1"}) as resp:
                 assert resp.status == 200
             if look_while_asleep:
-                await w0.reconcile_once()
+                await w0.look()
                 assert [(s.phase, s.kv, s.serving) for s in r.workers()] == [("sleeping", "unknown", False)]
             async with h.post(sim.url + "/wake_up") as resp:
                 assert resp.status == 200
-        await w0.reconcile_once()
+        await w0.look()
         d = await r.route(TOKS, "m")
         assert (d.verdict, d.matched_tokens) == ("COLD", 0)  # was WARM 96 with an empty cache
         await _complete(sim, TOKS, r)
@@ -150,7 +150,7 @@ async def test_a_release_of_the_kv_cache_behind_the_controllers_back_leaves_the_
     async with _fleet(tmp_path, reconcile_interval_s=30.0) as (r, (sim,)):
         w0 = r._workers["w0"]
         await _complete(sim, TOKS, r)
-        await w0.reconcile_once()  # the baseline of the count
+        await w0.look()  # the baseline of the count
         assert (await r.route(TOKS, "m")).verdict == "WARM"
         async with aiohttp.ClientSession() as h:
             if paused_by == "controller":
@@ -163,7 +163,7 @@ async def test_a_release_of_the_kv_cache_behind_the_controllers_back_leaves_the_
             async with h.post(sim.url + "/wake_up") as resp:
                 assert resp.status == 200
         assert not sim.engine.resident_external()  # the oracle: the cache is empty
-        await w0.reconcile_once()
+        await w0.look()
         d = await r.route(TOKS, "m")
         assert (d.verdict, d.matched_tokens) == ("COLD", 0)  # was WARM with an empty cache
         await _complete(sim, TOKS, r)
@@ -179,7 +179,7 @@ async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -
         w0 = r._workers["w0"]
         for k in range(4):
             await _complete(sim, [5000 + 200 * k + i for i in range(96)], r)
-        await w0.reconcile_once()
+        await w0.look()
         async with aiohttp.ClientSession() as h:
             for path, params in (("/sim/restart", {}), ("/sim/drop_next_events", {"n": "6"})):
                 async with h.post(sim.url + path, params=params) as resp:
@@ -187,7 +187,7 @@ async def test_a_restart_whose_first_batches_were_lost_is_warm_again(tmp_path) -
         for k in range(10, 17):
             await _complete(sim, [5000 + 200 * k + i for i in range(96)])
         await asyncio.sleep(0.2)
-        await w0.reconcile_once()  # sees the new start time
+        await w0.look()  # sees the new start time
         assert [s.fence for s in r.workers()] in (["reset"], [""])
         await _complete(sim, TOKS, r)
         d = await r.route(TOKS, "m")
@@ -203,12 +203,12 @@ async def test_a_restart_after_sleeps_keeps_its_fence_until_the_new_publisher(tm
         await _complete(sim, TOKS, r)
         await r.lifecycle("w0", "sleep", level=1)
         await r.lifecycle("w0", "wake_up")
-        await w0.reconcile_once()
-        await w0.reconcile_once()  # the baseline: one /sleep
+        await w0.look()
+        await w0.look()  # the baseline: one /sleep
         slept = r.metrics.epoch_bumps.labels("sleep_ops")._value.get()
         async with aiohttp.ClientSession() as h, h.post(sim.url + "/sim/restart") as resp:
             assert resp.status == 200
-        await w0.reconcile_once()
+        await w0.look()
         print("after the restart's look:", [(s.fence, s.serving) for s in r.workers()])
         bumps = r.metrics.epoch_bumps
         assert bumps.labels("sleep_ops")._value.get() == slept  # before: +1, its invalidation dropping fence 'reset'
