@@ -254,7 +254,7 @@ async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
         await r.lifecycle("w0", "sleep", level=0)
         async with aiohttp.ClientSession() as h:
             held = asyncio.create_task(h.post(sim.url + "/v1/completions", json={"prompt": TOKS}))
-            await asyncio.sleep(0.1)
+            await _until(lambda: sim.engine.waiting, "the request to wait on the sleeping worker")
             w = await r.lifecycle("w0", "reset_prefix_cache")
             assert (w.kv, w.warm_demoted) == ("unknown", True)
             await r.lifecycle("w0", "wake_up")
@@ -321,6 +321,15 @@ async def _routed(r: Router, toks: list[int], verdict: str, timeout_s: float = 5
     return d
 
 
+async def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
+    """Until `cond()` holds (a fixed wait for the router to read a frame or look at a worker fell short on a loaded
+    machine), else fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"still waiting for: {what}"
+        await asyncio.sleep(0.02)
+
+
 async def test_junk_http_and_malformed_frames_fail_closed(tmp_path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/kv.db")
     (sim,) = await _sims(1)
@@ -343,7 +352,7 @@ async def test_junk_http_and_malformed_frames_fail_closed(tmp_path) -> None:
             await asyncio.sleep(0.1)
 
         await send(0, payload)
-        d = await r.route(toks, "m")
+        d = await _routed(r, toks, "WARM")
         assert (d.worker, d.verdict, d.matched_tokens) == ("ev", "WARM", 48)   # the vector re-proves residency
         seq = 1
         for bad in (b"\xc1junk", msgspec.msgpack.encode([1.0, [{"type": "BlockTeleported"}], 0]), None):
@@ -360,11 +369,11 @@ async def test_junk_http_and_malformed_frames_fail_closed(tmp_path) -> None:
         # an unrepaired gap (no replay endpoint) voids everything before it; the batch after it counts
         other = V["vectors"][2]  # stored_lora: different hashes (LoRA chain), parentless
         await send(seq + 1, frames(other)[2])
-        assert (await r.route(toks, "m")).verdict == "COLD"
+        assert (await _routed(r, toks, "COLD")).verdict == "COLD"
         assert r.metrics.kv_event_gaps._value.get() == 1
         assert r.metrics.kv_event_replays.labels("unrepaired")._value.get() == 1
         await send(0, payload)                            # seq back to 0: a publisher restart, then re-proof
-        assert r.worker("ev").ranks[0].seq == 0 and (await r.route(toks, "m")).verdict == "WARM"
+        assert (await _routed(r, toks, "WARM")).verdict == "WARM" and r.worker("ev").ranks[0].seq == 0
         junk = [s for s in r.workers() if s.name == "junk"][0]
         assert not junk.serving and not junk.warm and junk.kv == "unknown"
         with pytest.raises(Unavailable):
@@ -453,10 +462,11 @@ async def test_worker_restarted_while_controller_was_down(tmp_path) -> None:
             async with h.post(sim.url + "/v1/completions", json={"prompt": other}) as resp:
                 assert resp.status == 200
         r = await _router(store)
-        await asyncio.sleep(0.3)
+        restarts = r.metrics.epoch_bumps.labels("restart")
+        await _until(lambda: restarts._value.get() >= 1, "the restart seen")
         assert (await r.route(TOKS, "m")).verdict == "COLD"                    # died with the old process
-        assert (await r.route(other, "m")).verdict == "WARM"                   # rebuilt from the new publisher
-        assert r.metrics.epoch_bumps.labels("restart")._value.get() == 1
+        assert (await _routed(r, other, "WARM")).verdict == "WARM"             # rebuilt from the new publisher
+        assert restarts._value.get() == 1
     finally:
         await r.stop()
         await sim.stop()
@@ -484,11 +494,10 @@ async def test_dp_ranks_are_keyed_separately(tmp_path) -> None:
         assert sorted(s.dp_rank for s in r.workers()) == [0, 1]
         topic, seq_f, payload = frames(by["dp_rank1_default_topic"])  # data_parallel_rank = 1, seq 0
         pubs[1].send_multipart([topic, seq_f, payload])
-        await asyncio.sleep(0.1)
-        dec = await r.route(toks, "m")
+        dec = await _routed(r, toks, "WARM")
         assert (dec.dp_rank, dec.verdict, dec.matched_tokens) == (1, "WARM", 16)
         pubs[0].send_multipart([topic, seq_f, payload])               # a rank-1 batch on rank 0's socket
-        await asyncio.sleep(0.1)
+        await _until(lambda: {s.dp_rank: s for s in r.workers()}[0].epoch == 1, "rank 0 to read the batch")
         st = {s.dp_rank: s for s in r.workers()}
         assert st[0].num_blocks == 0 and st[0].epoch == 1 and st[1].num_blocks == 1
     finally:
