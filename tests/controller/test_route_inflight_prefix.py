@@ -9,9 +9,10 @@ proves anything: the only evidence is the route in flight.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+
+from support.stand_ins import capacities_known
 
 from controller.cost import CostConfig
 from controller.inflight import PENDING_HASHES_PER_RANK, Flight, InFlight
@@ -37,7 +38,7 @@ async def _router(path: str, inflight_prefix: bool) -> AsyncIterator[Router]:
     try:
         for i, s in enumerate(sims):
             await r.register_worker(WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m"))
-        await asyncio.sleep(0.3)  # both workers' capacities looked at
+        await capacities_known(r)
         yield r
     finally:
         await r.stop()

@@ -8,9 +8,8 @@ system prompt and 40 tokens of its own, routed and tracked (nothing runs: the ro
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from support.stand_ins import capacities_known
 
 from controller.cost import CostConfig
 from controller.demand import DemandLedger
@@ -31,7 +30,7 @@ async def _placed(path: str, cost: CostConfig) -> dict[str, list[str]]:
     try:
         for i, s in enumerate(sims):
             await r.register_worker(WorkerSpec(f"w{i}", s.url, s.kv_events, s.replay, "m"))
-        await asyncio.sleep(0.6)  # the workers' capacities looked at
+        await capacities_known(r)
         out: dict[str, list[str]] = {"t0": [], "t1": []}
         for k in range(16):
             tenant = f"t{k % 2}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+from support.stand_ins import capacities_known
 
 from controller.cost import CostConfig
 from controller.inflight import Flight, InFlight
@@ -36,7 +37,7 @@ async def _load_after_it_ran(path: str, on: bool) -> tuple[int, int, int]:
     await r.start()
     try:
         await r.register_worker(WorkerSpec("w0", sim.url, sim.kv_events, sim.replay, "m"))
-        await asyncio.sleep(0.3)  # the worker's capacity looked at
+        await capacities_known(r)
         d = await r.route(PROMPT, "m", track=True)
         key = (d.worker, 0)
         assert d.verdict == "COLD" and r.flights.load(key) == (1, 1, 352)  # queued until it is seen scheduled

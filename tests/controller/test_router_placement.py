@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
+from support.stand_ins import capacities_known
 
 from controller.cost import CandidateState, CostConfig, order
 from controller.demand import DemandLedger
@@ -74,7 +75,7 @@ async def test_a_fully_resident_prompt_goes_warm_to_its_holder_after_one_shots(t
             assert d.worker == "w0"
             await _run(r, s0, "w0", one_shot(i))
         await r.register_worker(WorkerSpec("w1", s1.url, s1.kv_events, s1.replay, "m"))
-        await asyncio.sleep(0.4)  # both workers' capacities (vllm:cache_config_info) looked at
+        await capacities_known(r)  # both workers' capacities (vllm:cache_config_info) looked at
         d = await r.route(one_shot(N_ONE_SHOTS - 1), "m")
         print(d.worker, d.verdict, [(c.worker, c.cost) for c in d.candidates])
         assert (d.worker, d.verdict, d.matched_tokens) == ("w0", "WARM", PROMPT)
@@ -178,7 +179,7 @@ async def test_another_tenants_returning_conversations_do_not_reweigh_mine(tmp_p
                 await r.route(toks, "m", owner="a")
                 await _run(r, s0, "w0", toks)
             await r.register_worker(WorkerSpec("w1", s1.url, s1.kv_events, s1.replay, "m"))
-            await asyncio.sleep(0.4)  # both capacities looked at
+            await capacities_known(r)
             if flood:
                 for j in range(100):
                     h1 = [3_000_000 + 100 * j + k for k in range(32)]

@@ -37,6 +37,16 @@ async def routed_stand_ins(tmp_path: Path, engine: SimEngineConfig, n: int = 2,
         store.close()
 
 
+async def capacities_known(r: Router, timeout_s: float = 10.0) -> None:
+    """Wait until the router has looked at every registered worker's pool size (vllm:cache_config_info): what a
+    route's cost needs. NOTE: a fixed wait for it fell short on a loaded machine."""
+    for _ in range(int(timeout_s / 0.02)):
+        if all(r.worker(s.name).view().load.num_gpu_blocks for s in r.workers()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the workers' capacities were never looked at")
+
+
 async def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[int, Any]:
     """POST /v1/completions with token ids: (status, the parsed body, or None when it is not JSON)."""
     async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions",
