@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.one_worker import warm
 from support.stand_ins import complete, routed_stand_ins
 
 from controller.router import Router
@@ -84,7 +85,7 @@ async def test_a_wait_pause_that_outlasts_its_call_fences_what_its_drain_stores(
     # the first step after it publishes vLLM's clear, then the queued request's blocks: the fence lifts with the clear
     assert await queued == 200
     await _until(lambda: r.worker("w0").ranks[0].fence == "", "the clear")
-    await asyncio.sleep(0.2)
+    await warm(r, HISTORY + [7])  # the queued request's blocks, stored after the clear, read
     assert _held(r, sim, LONG + [7]) == 0  # the drained request's blocks went with the pause's reset
     assert await _route(r, LONG + [7]) in (("w0", "COLD", 0), ("w1", "COLD", 0))  # before: WARM, none held
     assert _held(r, sim, HISTORY + [7]) == 96  # what follows the clear is proof again
@@ -107,5 +108,5 @@ async def test_a_failed_verb_vllm_never_acted_on_leaves_no_fence_for_good(fleet)
     assert r.worker("w0").ranks[0].fence == ""
     assert await _complete(sim.url, HISTORY, 1) == 200
     await _until(lambda: _held(r, sim, HISTORY + [7]) == 96, "the stand-in to hold the prompt")
-    await asyncio.sleep(0.2)
+    await warm(r, HISTORY + [7])
     assert await _route(r, HISTORY + [7]) == ("w0", "WARM", 96)

@@ -54,6 +54,7 @@ async def test_a_batch_that_fails_to_apply_drops_its_rank_once_and_the_stream_go
                 break
             await asyncio.sleep(0.02)
         pub.publish([_stored(1 << 40)])  # and a live batch after it
+        await synced(r, sim)
         await asyncio.sleep(0.3)  # a few more tail polls (every 0.1 s)
         print(f"bad batch at seq {bad}: rank at seq {w.ranks[0].seq} of {pub.seq - 1}, epoch +{w.ranks[0].epoch - epoch}"
               f", apply errors {bumps('apply_error'):.0f}, tail replay errors {bumps('tail_replay_error'):.0f}")
