@@ -138,7 +138,9 @@ async def test_a_woken_worker_is_no_longer_skipped_once_the_controller_has_seen_
             assert r.status == 200
         ws = await until(fleet.op.workers, lambda ws: next(w for w in ws if w.name == x).serving)
         assert max(r.epoch for r in next(w for w in ws if w.name == x).ranks) > epoch
-        await asyncio.sleep(3 * fleet.proxy.cfg.refresh_s)  # the proxy's directory lists the new epoch
+        # the proxy's directory lists the new epoch (polled: a fixed 3 refreshes can fall short on a loaded machine)
+        await until(lambda: asyncio.sleep(0, (fleet.proxy.directory.is_suspect(x), fleet.proxy.directory.serving(x))),
+                    lambda v: v == (False, True))
         assert not fleet.proxy.directory.is_suspect(x)
         assert fleet.proxy.directory.serving(x)
     finally:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 from support.proxy_fleet import BLOCK, MODEL, Fleet, start_fleet, until
+from support.stand_ins import runs_a_request
 
 from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.stack import register_sims, start_sims
@@ -41,7 +42,7 @@ async def test_an_answer_ending_after_its_worker_left_leaves_no_series(tmp_path:
     try:
         body = {"model": MODEL, "max_tokens": 60, "messages": [{"role": "user", "content": "a long answer"}]}
         slow = asyncio.create_task(fleet.post("/v1/chat/completions", body))  # ~1.2 s on w0
-        await asyncio.sleep(0.3)  # sent to w0, answering
+        await until(lambda: asyncio.sleep(0, runs_a_request(fleet.sims["w0"])), bool)  # sent to w0, answering
         await register_sims(fleet.op, extra, MODEL, BLOCK)
         await fleet.op.unregister_worker("w0")
         await until(lambda: _listed(fleet), lambda names: names == {"pod-0"})

@@ -94,10 +94,16 @@ async def test_sigterm_turns_ready_503_keeps_accepting_then_drains(tmp_path: Pat
 
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
-        await asyncio.sleep(0.2)
-        during = [await _get(url + "/ready"), await _get(url + "/health")]  # within the delay: 503, and accepted
+        ready = await _get(url + "/ready")
+        while ready == 200 and time.monotonic() < t0 + DELAY_S:  # until the proxy has taken the signal (a fixed
+            await asyncio.sleep(0.05)                             # 0.2 s can fall short on a loaded machine)
+            ready = await _get(url + "/ready")
+        during = [ready, await _get(url + "/health")]  # within the delay: 503, and accepted
         await asyncio.sleep(max(0.0, t0 + DELAY_S + 0.5 - time.monotonic()))
         after = await _get(url + "/health")  # past the delay: the listener is closed
+        while after != "refused" and time.monotonic() < t0 + DELAY_S + 5.0:  # (the delay began when it took the signal)
+            await asyncio.sleep(0.1)
+            after = await _get(url + "/health")
         short, long = await asyncio.gather(*streams)
         rc = await asyncio.to_thread(proc.wait, 20)
         exited = time.monotonic() - t0
