@@ -166,7 +166,7 @@ async def test_an_append_whose_call_timed_out_is_charged(ray_cluster: None, tmp_
         nodes.call_timeout_s = 0.02                                    # stands for a call queued past 60 s
         cut = await _code(append("p", IDS * 20, "op-1"))
         nodes.call_timeout_s = 120.0
-        await asyncio.sleep(1.0)                                       # the host finishes and logs it
+        await until(lambda: asyncio.sleep(0, _logged(url, "local", "p")), lambda n: n == big, timeout=20.0)  # logged
         assert cut == "UNAVAILABLE" and _logged(url, "local", "p") == big
         assert await _code(append("q", [1])) == "RESOURCE_EXHAUSTED"   # NOTE: before, accepted
         r = await append("p", IDS * 20, "op-1")                        # control: the retry, answered from the log
@@ -213,8 +213,10 @@ async def test_a_create_its_client_gave_up_on_still_counts_against_the_sessions_
                                           timeout=0.2))
         meanwhile = await _code(s.CreateSession(sessions_pb2.CreateSessionRequest(session_id="c1",
                                                                                   system_prompt=SYSTEM)))
-        await asyncio.sleep(1.0)  # c0's thread finishes
-        held = sorted(r["session"] for r in ctl.ctx.kernel_fleet.list_sessions(True, "local"))
+        async def held_now() -> list[str]:
+            return sorted(r["session"] for r in ctl.ctx.kernel_fleet.list_sessions(True, "local"))
+
+        held = await until(held_now, lambda h: "c0" in h, timeout=20.0)  # c0's thread finishes (a fixed 1 s can fall short)
         after = await _code(s.CreateSession(sessions_pb2.CreateSessionRequest(session_id="c2", system_prompt=SYSTEM)))
         print(f"cut short: {cut}; meanwhile: {meanwhile}; held {held}; after: {after}")
         assert cut == "DEADLINE_EXCEEDED" and held == ["c0", "s0"]
