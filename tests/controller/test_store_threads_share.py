@@ -54,6 +54,12 @@ async def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def _callers(ctl: Any, tenant: str) -> int:
+    """The tenant's blob calls holding or waiting for a store thread."""
+    share = ctl.ctx.store_lanes._shares.get(tenant)
+    return 0 if share is None else int(share.users)
+
+
 async def test_a_third_tenant_gets_the_next_free_store_thread_while_two_tenants_flood(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
     carol = mint_token(tok.file, "carol", "tenant")
@@ -74,9 +80,11 @@ async def test_a_third_tenant_gets_the_next_free_store_thread_while_two_tenants_
             await _until(lambda: held.waiting == 3, "acme's 3 stats running")
             flood += [stat("bravo", tok.b) for _ in range(6)]
             await _until(lambda: held.waiting == 4, "bravo's first stat running")
-            await asyncio.sleep(0.3)  # bravo's other calls are queued wherever the controller queues them
+            # bravo's other calls are queued where the controller queues them, then carol's behind them (polled: a
+            # fixed 0.3 s each can fall short on a loaded machine, and a call not queued yet is not chosen next)
+            await _until(lambda: _callers(ctl, "bravo") == 6, "bravo's other calls queued")
             third = stat("carol", carol)
-            await asyncio.sleep(0.3)
+            await _until(lambda: _callers(ctl, "carol") == 1, "carol's call queued")
             assert held.started == ["acme"] * 3 + ["bravo"], held.started  # every thread held, carol waits
             held.permits.release()  # one of the flooders' calls ends: its thread is free
             await _until(lambda: len(held.started) == 5, "the next stat started")
