@@ -22,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleet.core.errors import Unavailable
 
-
 # The sleep-mode operations that can drop the KV cache, counted together between looks. NOTE: only "sleep" was: a
 # release (which discards the cache and shows as sleep level 0) and a wake between two looks went unseen, and the
 # worker was routed WARM to an empty cache until its next step (review finding)

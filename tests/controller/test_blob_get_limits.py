@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 from support.controller import make_tokens, md, start_controller, store_url
+from support.waits import wait_until
 
 from controller.auth import mint_token
 from controller.uploads import GetLimits, UploadLimits
@@ -56,13 +57,6 @@ async def _read_all(stub: BlobServiceStub, ref: str, token: str, chunk: int = 0)
     return Code.OK, "", n, got
 
 
-async def _until(cond: Any, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"still waiting for: {what}"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_tenant_holds_at_most_its_quota_of_unread_gets(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
     ctl = await start_controller(store_url("sqlite", tmp_path), tok)
@@ -73,7 +67,7 @@ async def test_a_tenant_holds_at_most_its_quota_of_unread_gets(tmp_path: Path) -
             ref_b = await _put(stub, os.urandom(3 * MIB), tok.b)
             calls = [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref_a), metadata=md(tok.a), timeout=30)
                      for _ in range(12)]  # never read
-            await _until(lambda: sum(c.done() for c in calls) >= 4, "4 of acme's 12 unread gets refused")
+            await wait_until(lambda: sum(c.done() for c in calls) >= 4, "4 of acme's 12 unread gets refused")
             refused = [c for c in calls if c.done()]
             codes = {await c.code() for c in refused}
             details = {await c.details() for c in refused}
@@ -83,7 +77,7 @@ async def test_a_tenant_holds_at_most_its_quota_of_unread_gets(tmp_path: Path) -
             open_a = sum(not c.done() for c in calls)
             for c in calls:
                 c.cancel()
-            await _until(lambda: ctl.ctx.gets.total_open == 0, "the cancelled gets' slots freed")
+            await wait_until(lambda: ctl.ctx.gets.total_open == 0, "the cancelled gets' slots freed")
             again = await _read_all(stub, ref_a, tok.a)  # acme's quota is back once its streams ended
     finally:
         await ctl.stop(0)
@@ -117,7 +111,7 @@ async def test_eight_tenants_at_their_cap_leave_a_ninth_a_get(tmp_path: Path) ->
             for ref, token in zip(refs, tenants, strict=True):
                 calls += [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref), metadata=md(token), timeout=30)
                           for _ in range(8)]  # never read
-                await _until(settled, "this tenant's 8 gets admitted or refused")
+                await wait_until(settled, "this tenant's 8 gets admitted or refused")
             num_open = gate.total_open
             refused = [c for c in calls if c.done()]
             codes = {await c.code() for c in refused}
@@ -125,7 +119,7 @@ async def test_eight_tenants_at_their_cap_leave_a_ninth_a_get(tmp_path: Path) ->
             ninth = await _read_all(stub, mine, tok.a)
             for c in calls:
                 c.cancel()
-            await _until(lambda: gate.total_open == 0, "the cancelled gets' slots freed")
+            await wait_until(lambda: gate.total_open == 0, "the cancelled gets' slots freed")
     finally:
         await ctl.stop(0)
     assert ninth == (Code.OK, "", 1, len(b"acme's own small blob")), ninth
@@ -153,7 +147,7 @@ async def test_a_get_whose_client_stops_reading_ends_after_the_idle_timeout(tmp_
                     got, n = got + len(msg.chunk), n + 1
             except grpc.aio.AioRpcError as e:
                 code, details = e.code(), e.details() or ""
-            await _until(lambda: ctl.ctx.gets.total_open == 0, "the stalled get's slot freed")
+            await wait_until(lambda: ctl.ctx.gets.total_open == 0, "the stalled get's slot freed")
     finally:
         await ctl.stop(0)
     assert prompt == (Code.OK, "", 8, 8 * MIB)
@@ -180,7 +174,7 @@ async def test_gets_whose_client_never_reads_again_free_their_slots_at_the_idle_
             calls = [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref), metadata=md(tok.a)) for _ in range(8)]
             for c in calls:
                 await c.read()  # one message each, then never again
-            await _until(lambda: gate.total_open == 0, "the 8 unread gets' slots freed")
+            await wait_until(lambda: gate.total_open == 0, "the 8 unread gets' slots freed")
             held = (gate.total_bytes, dict(gate.unread), stalled())
             ninth = await _read_all(stub, ref, tok.a)  # while its client keeps the 8 open
             code, details = Code.OK, ""
@@ -189,11 +183,11 @@ async def test_gets_whose_client_never_reads_again_free_their_slots_at_the_idle_
                     pass
             except grpc.aio.AioRpcError as e:
                 code, details = e.code(), e.details() or ""
-            await _until(lambda: gate.unread["acme"] == 7, "the read call's status taken")
+            await wait_until(lambda: gate.unread["acme"] == 7, "the read call's status taken")
             tenth = await _read_all(stub, ref, tok.a)
             for c in calls[1:]:
                 c.cancel()
-            await _until(lambda: not gate.unread, "the cancelled calls' count dropped")
+            await wait_until(lambda: not gate.unread, "the cancelled calls' count dropped")
     finally:
         await ctl.stop(0)
     assert held == (0, {"acme": 8}, 8.0), held
@@ -214,7 +208,7 @@ async def test_gets_whose_client_never_reads_a_message_are_counted_and_get_their
             stub = BlobServiceStub(ch)
             ref = await _put(stub, os.urandom(4 * MIB), tok.a)
             calls = [stub.GetBlob(blobs_pb2.GetBlobRequest(ref=ref), metadata=md(tok.a)) for _ in range(8)]
-            await _until(lambda: gate.unread["acme"] == 8, "the 8 never-read gets counted unread")
+            await wait_until(lambda: gate.unread["acme"] == 8, "the 8 never-read gets counted unread")
             ninth = await _read_all(stub, ref, tok.a)
             code = Code.OK
             try:  # the client reads at last: what gRPC kept, then the status
@@ -224,7 +218,7 @@ async def test_gets_whose_client_never_reads_a_message_are_counted_and_get_their
                 code = e.code()
             for c in calls[1:]:
                 c.cancel()
-            await _until(lambda: not gate.unread, "the calls' count dropped")
+            await wait_until(lambda: not gate.unread, "the calls' count dropped")
     finally:
         await ctl.stop(0)
     assert ninth[0] is Code.RESOURCE_EXHAUSTED and "neither read their status nor cancelled" in ninth[1], ninth

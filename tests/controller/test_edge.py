@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support.controller import code_of, make_tokens, md, start_controller, store_url
+from support.waits import wait_until
 
 import controller.ordering as ordering_mod
 from controller.edge import GrpcLimits
@@ -135,14 +136,6 @@ async def _put(stub: BlobServiceStub, data: bytes, token: str, expected: bool = 
     return Code.OK
 
 
-async def _until(cond, what: str) -> None:
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(what)
-
-
 async def test_unfinished_uploads_are_capped_per_tenant_and_in_total(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
     # total_bytes leaves bravo's 2500 within its share (half of what acme's 2000 leave free)
@@ -154,11 +147,11 @@ async def test_unfinished_uploads_are_capped_per_tenant_and_in_total(tmp_path: P
             stub = BlobServiceStub(ch)
             held = [asyncio.ensure_future(stub.PutBlob(_held(1000, b"a", release), metadata=md(tok.a)))
                     for _ in range(2)]
-            await _until(lambda: gate.uploads["acme"] == 2, "two acme uploads admitted")
+            await wait_until(lambda: gate.uploads["acme"] == 2, "two acme uploads admitted")
             assert await _put(stub, b"x" * 10, tok.a) == Code.RESOURCE_EXHAUSTED  # acme: 2 open uploads
             assert await _put(stub, b"y" * 1500, tok.b) == Code.OK  # control: another tenant is not blocked
             held.append(asyncio.ensure_future(stub.PutBlob(_held(2500, b"b", release), metadata=md(tok.b))))
-            await _until(lambda: gate.uploads["bravo"] == 1, "a bravo upload admitted")
+            await wait_until(lambda: gate.uploads["bravo"] == 1, "a bravo upload admitted")
             assert await _put(stub, b"z" * 600, tok.b) == Code.RESOURCE_EXHAUSTED  # total: 3 open uploads
             assert gate.total_bytes == 4500  # announced sizes are reserved, not bytes received
             release.set()
@@ -183,7 +176,7 @@ async def test_byte_quota_names_its_flag(tmp_path: Path) -> None:
         async with grpc.aio.insecure_channel(ctl.address) as ch:
             stub, release = BlobServiceStub(ch), asyncio.Event()
             t = asyncio.ensure_future(stub.PutBlob(_held(800, b"a", release), metadata=md(tok.a)))
-            await _until(lambda: ctl.ctx.uploads.total_bytes == 800, "800 bytes reserved")
+            await wait_until(lambda: ctl.ctx.uploads.total_bytes == 800, "800 bytes reserved")
             async def reqs(n: int):
                 yield blobs_pb2.PutBlobRequest(header=blobs_pb2.PutBlobHeader(size=n))
                 yield blobs_pb2.PutBlobRequest(chunk=b"c" * n)
@@ -242,7 +235,7 @@ async def test_transport_limits_reach_the_server(tmp_path: Path) -> None:
             assert await _put(stub, b"s" * (60 << 10), tok.a) == Code.OK  # under the message limit
             assert await _put(stub, b"s" * (70 << 10), tok.a) == Code.RESOURCE_EXHAUSTED  # one message over it
             held = asyncio.ensure_future(stub.PutBlob(_held(1000, b"a", release), metadata=md(tok.a)))
-            await _until(lambda: ctl.ctx.uploads.total_uploads == 1, "the held upload admitted")
+            await wait_until(lambda: ctl.ctx.uploads.total_uploads == 1, "the held upload admitted")
             assert await _put(stub, b"t", tok.a) == Code.RESOURCE_EXHAUSTED  # max_concurrent_rpcs=1
             release.set()
             with pytest.raises(grpc.aio.AioRpcError):
@@ -361,7 +354,7 @@ async def test_stored_blob_bytes_quota_per_tenant(tmp_path: Path) -> None:
             go = asyncio.Event()
             racing = [asyncio.ensure_future(code_of(stub.PutBlob(_gated(bytes([c]) * 300, go), metadata=md(tok.a))))
                       for c in b"xy"]
-            await _until(lambda: ctl.ctx.uploads.uploads["acme"] == 2, "both puts admitted")
+            await wait_until(lambda: ctl.ctx.uploads.uploads["acme"] == 2, "both puts admitted")
             go.set()
             assert sorted(c.name for c in await asyncio.gather(*racing)) == ["OK", "RESOURCE_EXHAUSTED"]
             assert ctl.ctx.store.stored_bytes("acme") == blob_charge(600) + blob_charge(300)

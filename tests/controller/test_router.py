@@ -14,6 +14,7 @@ import zmq
 from aiohttp import web
 from support.stand_ins import routed_stand_ins
 from support.vllm_vectors import frames, load
+from support.waits import wait_until
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -254,7 +255,7 @@ async def test_sleep_partial_wake_reset_false_and_tenants(tmp_path) -> None:
         await r.lifecycle("w0", "sleep", level=0)
         async with aiohttp.ClientSession() as h:
             held = asyncio.create_task(h.post(sim.url + "/v1/completions", json={"prompt": TOKS}))
-            await _until(lambda: sim.engine.waiting, "the request to wait on the sleeping worker")
+            await wait_until(lambda: sim.engine.waiting, "the request to wait on the sleeping worker")
             w = await r.lifecycle("w0", "reset_prefix_cache")
             assert (w.kv, w.warm_demoted) == ("unknown", True)
             await r.lifecycle("w0", "wake_up")
@@ -319,15 +320,6 @@ async def _routed(r: Router, toks: list[int], verdict: str, timeout_s: float = 5
     while (d := await r.route(toks, "m")).verdict != verdict and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     return d
-
-
-async def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
-    """Until `cond()` holds (a fixed wait for the router to read a frame or look at a worker fell short on a loaded
-    machine), else fail naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"still waiting for: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_junk_http_and_malformed_frames_fail_closed(tmp_path) -> None:
@@ -463,7 +455,7 @@ async def test_worker_restarted_while_controller_was_down(tmp_path) -> None:
                 assert resp.status == 200
         r = await _router(store)
         restarts = r.metrics.epoch_bumps.labels("restart")
-        await _until(lambda: restarts._value.get() >= 1, "the restart seen")
+        await wait_until(lambda: restarts._value.get() >= 1, "the restart seen")
         assert (await r.route(TOKS, "m")).verdict == "COLD"                    # died with the old process
         assert (await _routed(r, other, "WARM")).verdict == "WARM"             # rebuilt from the new publisher
         assert restarts._value.get() == 1
@@ -497,7 +489,7 @@ async def test_dp_ranks_are_keyed_separately(tmp_path) -> None:
         dec = await _routed(r, toks, "WARM")
         assert (dec.dp_rank, dec.verdict, dec.matched_tokens) == (1, "WARM", 16)
         pubs[0].send_multipart([topic, seq_f, payload])               # a rank-1 batch on rank 0's socket
-        await _until(lambda: {s.dp_rank: s for s in r.workers()}[0].epoch == 1, "rank 0 to read the batch")
+        await wait_until(lambda: {s.dp_rank: s for s in r.workers()}[0].epoch == 1, "rank 0 to read the batch")
         st = {s.dp_rank: s for s in r.workers()}
         assert st[0].num_blocks == 0 and st[0].epoch == 1 and st[1].num_blocks == 1
     finally:

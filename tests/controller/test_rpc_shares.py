@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 from support.controller import make_tokens, md, start_controller, store_url
+from support.waits import wait_until
 
 from controller.edge import GrpcLimits
 from fleet.api.kvfleet.v1 import blobs_pb2
@@ -45,14 +46,6 @@ async def _stat(stub: BlobServiceStub, token: str) -> tuple[grpc.StatusCode, str
     return Code.OK, ""
 
 
-async def _until(cond: object, what: str) -> None:
-    for _ in range(1000):
-        if cond():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(what)
-
-
 async def test_one_tenants_open_calls_leave_the_others_a_quarter_of_the_server(tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
     ctl = await start_controller(store_url("sqlite", tmp_path), tok, grpc_limits=GrpcLimits(max_concurrent_rpcs=16))
@@ -67,7 +60,7 @@ async def test_one_tenants_open_calls_leave_the_others_a_quarter_of_the_server(t
                 return asyncio.ensure_future(_ended(calls[-1]))
 
             ends = [stream() for _ in range(16)]
-            await _until(lambda: shares.held.get("acme", 0) + sum(f.done() for f in ends) == 16,
+            await wait_until(lambda: shares.held.get("acme", 0) + sum(f.done() for f in ends) == 16,
                          "every stream held or refused")
             held, refused = shares.held["acme"], [f.result() for f in ends if f.done()]
             acme_stat = await _stat(blobs, tok.a)          # a unary call of acme's is refused by its share too
@@ -78,12 +71,12 @@ async def test_one_tenants_open_calls_leave_the_others_a_quarter_of_the_server(t
             # control: the old bound (a tenant may hold the whole server): acme takes every slot, bravo is refused
             shares.per_tenant = 16
             more = [stream() for _ in range(4)]
-            await _until(lambda: shares.held.get("acme", 0) == 16, "acme holds the whole server")
+            await wait_until(lambda: shares.held.get("acme", 0) == 16, "acme holds the whole server")
             control = await _stat(blobs, tok.b)
             for c in calls:
                 c.cancel()
             await asyncio.gather(*ends, *more)
-            await _until(lambda: not shares.held, "every slot given back")
+            await wait_until(lambda: not shares.held, "every slot given back")
     finally:
         await ctl.stop()
     print(f"acme held {held}, refused {len(refused)}; bravo {bravo_stat[0].name}; control {control}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from support.controller import make_tokens, start_controller
+from support.waits import wait_until
 
 from controller.main import config_from, parse_args
 from controller.store_gc import GcConfig
@@ -31,19 +32,11 @@ def _gc_sample(ctl, name: str, labels: dict[str, str] | None = None) -> float:
     return ctl.ctx.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
-async def _until(cond, what: str) -> None:
-    for _ in range(200):  # a bound on waiting, not a timing assertion
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
-
-
 async def test_leader_collects_expired_blobs_on_its_schedule(url: str, tmp_path: Path) -> None:
     gone, kept = _seed(url)
     ctl = await start_controller(url, make_tokens(tmp_path), gc_interval_s=0.1)
     try:
-        await _until(lambda: _gc_sample(ctl, "kvfleet_store_gc_runs_total", {"outcome": "ok"}) >= 2, "two gc runs")
+        await wait_until(lambda: _gc_sample(ctl, "kvfleet_store_gc_runs_total", {"outcome": "ok"}) >= 2, "two gc runs")
         store = ctl.ctx.store
         assert not store.exists(gone, "acme") and store.exists(kept, "bravo")
         assert store.oplog_read("acme", "x:m:y") == [{"op": "append", "tokens": [1, 2]}]
@@ -58,11 +51,11 @@ async def test_leader_collects_expired_blobs_on_its_schedule(url: str, tmp_path:
 async def test_only_the_leader_collects(redis_url: str, tmp_path: Path) -> None:
     tok = make_tokens(tmp_path)
     leader = await start_controller(redis_url, tok, leader_election=True, leader_ttl_s=5.0, gc_interval_s=0.05)
-    await _until(lambda: leader.ctx.leader, "the first controller leads")
+    await wait_until(lambda: leader.ctx.leader, "the first controller leads")
     standby = await start_controller(redis_url, tok, leader_election=True, leader_ttl_s=5.0, gc_interval_s=0.05)
     try:
         runs = _gc_sample(leader, "kvfleet_store_gc_runs_total", {"outcome": "ok"})
-        await _until(lambda: _gc_sample(leader, "kvfleet_store_gc_runs_total", {"outcome": "ok"}) >= runs + 3,
+        await wait_until(lambda: _gc_sample(leader, "kvfleet_store_gc_runs_total", {"outcome": "ok"}) >= runs + 3,
                      "the leader keeps collecting")
         assert not standby.ctx.leader and not standby.ctx.store_gc.running
         assert _gc_sample(standby, "kvfleet_store_gc_runs_total", {"outcome": "ok"}) == 0.0

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 from support.controller import make_tokens, md, start_controller, store_url
+from support.waits import wait_until
 
 from controller.auth import mint_token
 from fleet.api.kvfleet.v1 import blobs_pb2
@@ -47,13 +47,6 @@ class _HeldStore:
         return self._store.stat(ref, tenant)
 
 
-async def _until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"still waiting for: {what}"
-        await asyncio.sleep(0.02)
-
-
 def _callers(ctl: Any, tenant: str) -> int:
     """The tenant's blob calls holding or waiting for a store thread."""
     share = ctl.ctx.store_lanes._shares.get(tenant)
@@ -77,17 +70,17 @@ async def test_a_third_tenant_gets_the_next_free_store_thread_while_two_tenants_
                 return asyncio.ensure_future(stub.StatBlob(blobs_pb2.StatBlobRequest(ref=refs[name]),
                                                            metadata=md(token), timeout=60))
             flood = [stat("acme", tok.a) for _ in range(6)]
-            await _until(lambda: held.waiting == 3, "acme's 3 stats running")
+            await wait_until(lambda: held.waiting == 3, "acme's 3 stats running")
             flood += [stat("bravo", tok.b) for _ in range(6)]
-            await _until(lambda: held.waiting == 4, "bravo's first stat running")
+            await wait_until(lambda: held.waiting == 4, "bravo's first stat running")
             # bravo's other calls are queued where the controller queues them, then carol's behind them (polled: a
             # fixed 0.3 s each can fall short on a loaded machine, and a call not queued yet is not chosen next)
-            await _until(lambda: _callers(ctl, "bravo") == 6, "bravo's other calls queued")
+            await wait_until(lambda: _callers(ctl, "bravo") == 6, "bravo's other calls queued")
             third = stat("carol", carol)
-            await _until(lambda: _callers(ctl, "carol") == 1, "carol's call queued")
+            await wait_until(lambda: _callers(ctl, "carol") == 1, "carol's call queued")
             assert held.started == ["acme"] * 3 + ["bravo"], held.started  # every thread held, carol waits
             held.permits.release()  # one of the flooders' calls ends: its thread is free
-            await _until(lambda: len(held.started) == 5, "the next stat started")
+            await wait_until(lambda: len(held.started) == 5, "the next stat started")
             nxt = held.started[4]
             held.permits.release(len(flood))
             answers = await asyncio.gather(*flood, third)

@@ -17,6 +17,7 @@ import asyncio
 import pytest
 from support.one_worker import warm
 from support.stand_ins import complete, routed_stand_ins
+from support.waits import wait_until
 
 from controller.router import Router
 from controller.vllm.http import WorkerHttpError
@@ -31,14 +32,6 @@ BLOCK = 16
 
 async def _complete(url: str, prompt: list[int], max_tokens: int) -> int:
     return (await complete(url, prompt, max_tokens))[0]
-
-
-async def _until(cond, what: str) -> None:
-    for _ in range(600):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _held(r: Router, sim: SimVllm, prompt: list[int]) -> int:
@@ -67,15 +60,15 @@ async def fleet(tmp_path):
 async def test_a_wait_pause_that_outlasts_its_call_fences_what_its_drain_stores(fleet) -> None:
     r, sim = fleet
     busy = asyncio.create_task(_complete(sim.url, LONG, 70))  # decodes for about 2.8 s
-    await _until(lambda: sim.engine.running, "the long request to run")
+    await wait_until(lambda: sim.engine.running, "the long request to run")
     queued = asyncio.create_task(_complete(sim.url, HISTORY, 2))  # waits for it: stores its blocks > 2 s later
-    await _until(lambda: sim.engine.waiting, "the second request to wait")
+    await wait_until(lambda: sim.engine.waiting, "the second request to wait")
 
     with pytest.raises(WorkerHttpError, match="TimeoutError"):
         await r.lifecycle("w0", "pause", mode="wait")
     assert r.worker("w0").ranks[0].fence == "clear"  # before: ""
     assert await busy == 200  # vLLM's pause went on: the running request finished, then the cache reset
-    await _until(lambda: not sim.engine.running, "the drain to end")
+    await wait_until(lambda: not sim.engine.running, "the drain to end")
     # NOTE: as in vLLM, whose wait pause drains the requests holding blocks alone, the queued one waits for the
     # resume (the stand-in ran it in the drain, and this test relied on it, until round thirty-six)
     assert not queued.done() and sim.engine.waiting == 1
@@ -84,7 +77,7 @@ async def test_a_wait_pause_that_outlasts_its_call_fences_what_its_drain_stores(
     await r.lifecycle("w0", "resume")
     # the first step after it publishes vLLM's clear, then the queued request's blocks: the fence lifts with the clear
     assert await queued == 200
-    await _until(lambda: r.worker("w0").ranks[0].fence == "", "the clear")
+    await wait_until(lambda: r.worker("w0").ranks[0].fence == "", "the clear")
     await warm(r, HISTORY + [7])  # the queued request's blocks, stored after the clear, read
     assert _held(r, sim, LONG + [7]) == 0  # the drained request's blocks went with the pause's reset
     assert await _route(r, LONG + [7]) in (("w0", "COLD", 0), ("w1", "COLD", 0))  # before: WARM, none held
@@ -99,7 +92,7 @@ async def test_a_failed_verb_vllm_never_acted_on_leaves_no_fence_for_good(fleet)
     with pytest.raises(WorkerHttpError, match="400"):
         await r.lifecycle("w0", "release_kv_cache_memory")
     assert r.worker("w0").ranks[0].fence == "clear"
-    await _until(lambda: r.worker("w0").ranks[0].serving, "a look to find it serving")
+    await wait_until(lambda: r.worker("w0").ranks[0].serving, "a look to find it serving")
     for i in range(40):  # a new prompt a tenth of a second, each stored in a batch of its own
         assert await _complete(sim.url, list(range(20_000 + 100 * i, 20_032 + 100 * i)), 1) == 200
         if r.worker("w0").ranks[0].fence == "":
@@ -107,6 +100,6 @@ async def test_a_failed_verb_vllm_never_acted_on_leaves_no_fence_for_good(fleet)
         await asyncio.sleep(0.1)
     assert r.worker("w0").ranks[0].fence == ""
     assert await _complete(sim.url, HISTORY, 1) == 200
-    await _until(lambda: _held(r, sim, HISTORY + [7]) == 96, "the stand-in to hold the prompt")
+    await wait_until(lambda: _held(r, sim, HISTORY + [7]) == 96, "the stand-in to hold the prompt")
     await warm(r, HISTORY + [7])
     assert await _route(r, HISTORY + [7]) == ("w0", "WARM", 96)

@@ -14,7 +14,7 @@ from controller.cost import CostConfig
 from controller.router import Router
 from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.app.testkit.sim_vllm.main import SimVllm
-from support.stand_ins import routed_stand_ins
+from support.stand_ins import capacities_known, routed_stand_ins
 
 
 @contextlib.asynccontextmanager
@@ -25,10 +25,7 @@ async def one_worker(tmp_path: Path, num_blocks: int, cost: CostConfig | None = 
     # that waited 2 s marked it down, dropping its index (fail closed, as it should), so a "before" route went COLD
     async with routed_stand_ins(tmp_path, engine or SimEngineConfig(model="m", num_blocks=num_blocks), n=1,
                                 http_timeout_s=10.0, cost=cost or CostConfig()) as (r, (sim,)):
-        for _ in range(200):
-            if r.worker("w0").view().load.num_gpu_blocks:
-                break
-            await asyncio.sleep(0.02)
+        await capacities_known(r)
         yield r, sim
 
 
