@@ -14,6 +14,7 @@ import asyncio
 
 import aiohttp
 import pytest
+from support.waits import wait_until
 
 from controller.metrics import Metrics
 from controller.router import Router, RouterConfig, WorkerSpec
@@ -26,7 +27,7 @@ HISTORY = list(range(1000, 1100))  # 6 full blocks
 
 
 async def _busy(url: str) -> int:
-    body = {"prompt": HISTORY, "max_tokens": 40}  # decodes for about 1.6 s
+    body = {"prompt": HISTORY, "max_tokens": 100}  # decodes for about 4 s: in flight until the checks below, on a loaded machine too
     async with aiohttp.ClientSession() as h, h.post(url + "/v1/completions", json=body) as resp:
         await resp.read()
         return resp.status
@@ -50,6 +51,7 @@ async def test_a_draining_reset_whose_worker_stops_answers_failed_precondition(t
             await asyncio.sleep(0.01)
         w0 = r.worker("w0")
         verb = asyncio.create_task(r.lifecycle("w0", "reset_prefix_cache"))
+        await wait_until(lambda: w0.transitioning, "the reset to begin")
         await asyncio.sleep(0.3)
         assert not verb.done() and w0.transitioning  # draining: refused, asked again
         if how == "unregister":
