@@ -32,6 +32,7 @@ from controller.keyed_slots import KeyedSlots
 from controller.proxy.batch_prompts import BATCH_TOKENIZE_AT_ONCE, batch_of, prompt_request
 from controller.proxy.chat_args import chat_template_args
 from controller.proxy.config import ProxyConfig
+from controller.proxy.conversation import conversation
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.errors import ProxyError
 from controller.proxy.prefill import with_documents
@@ -44,6 +45,11 @@ log = logging.getLogger("kvfleet.proxy")
 PROBES: tuple[dict[str, Any], ...] = (
     {"prompt": "Hello, world! The quick brown fox jumps over the lazy dog."},
     {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is 2 + 2?"}]},
+    # NOTE: a chat of text parts, which vLLM joins with "\n" (controller/proxy/conversation.py) unless the template
+    # reads the parts themselves: a local render that differs from the workers' is refused here, not routed on
+    {"messages": [{"role": "system", "content": [{"type": "text", "text": "You are a helpful assistant."},
+                                                 {"type": "text", "text": "Answer in one word."}]},
                   {"role": "user", "content": "What is 2 + 2?"}]},
 )
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -168,7 +174,7 @@ class Tokenizer:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _local(self, tenant: str, req: dict[str, Any]) -> list[int]:
+    async def _local(self, tenant: str, req: dict[str, Any]) -> list[int] | None:
         """The local tokenizer's ids, on one of the tenant's threads. A request cancelled meanwhile (its client went
         away) keeps the thread's slot until the job ends: freed at once, a tenant that kept cancelling would run
         more jobs than its share, and the next tenant's would queue in the pool behind them."""
@@ -200,7 +206,9 @@ class Tokenizer:
             self.num_hits += 1
             return hit
         local = self._hf is not None and await self.local_ok(base)
-        ids = await (self._local(tenant, req) if local else self._remote(data, base, body["model"]))
+        ids = await self._local(tenant, req) if local else None
+        if ids is None:  # no local tokenizer for the model, or a chat it does not render (a media part)
+            ids = await self._remote(data, base, body["model"])
         self.cache.put(tenant, key, ids)
         return ids
 
@@ -223,8 +231,8 @@ class Tokenizer:
                 local = await asyncio.to_thread(self._hf_ids, req)
                 if remote != local:
                     log.error("local tokenizer %s differs from the workers of %s (%s: %d vs %d ids); using the "
-                              "workers' /tokenize for it", self.cfg.tokenizer, base, next(iter(probe)), len(local),
-                              len(remote))
+                              "workers' /tokenize for it", self.cfg.tokenizer, base, next(iter(probe)),
+                              len(local or ()), len(remote))
                     self.parity[base] = False
                     return
         except (aiohttp.ClientError, TimeoutError, ProxyError) as e:
@@ -278,9 +286,12 @@ class Tokenizer:
         # NOTE: a 404 is the worker's "model does not exist" (an adapter it no longer serves), relayed as such
         raise ProxyError(400 if r.status in (400, 422) else 404 if r.status == 404 else 502, f"tokenize: {msg}")
 
-    def _hf_ids(self, req: dict[str, Any]) -> list[int]:
+    def _hf_ids(self, req: dict[str, Any]) -> list[int] | None:
+        """The local tokenizer's ids for a /tokenize request; None for a chat left to the workers' /tokenize."""
         tok = self._hf
         if "messages" in req:
-            ids = tok.apply_chat_template(req["messages"], tokenize=True, **chat_template_args(req))
+            if (msgs := conversation(req["messages"])) is None:
+                return None
+            ids = tok.apply_chat_template(msgs, tokenize=True, **chat_template_args(req))
             return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]  # BatchEncoding or list
         return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
+from support.hf_tokenizer import build_hf_tokenizer
 from support.proxy_fleet import MODEL, served, start_fleet, until
 
 from controller.proxy.config import ProxyConfig
@@ -21,33 +20,10 @@ from fleet.app.testkit.sim_vllm import tokenizer as simtok
 from fleet.core.errors import InvalidArgument
 
 PROMPTS = ["Plan the delivery route for truck seven, then report.", "And the return trip?"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def build_hf_tokenizer(path: Path, skew_word: str | None = None) -> Path:
-    """A WordLevel tokenizer with the stand-in's ids and ChatML template; skew_word gets a wrong id."""
-    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    texts = [p["prompt"] if "prompt" in p else json.dumps(p["messages"]) for p in PROBES] + PROMPTS
-    words = set(re.findall(r"\w+|[^\w\s]", " ".join(texts + ["system user assistant"])))
-    vocab = {w: 100 + zlib.crc32(w.encode()) % simtok.VOCAB for w in words}
-    if skew_word is not None:
-        vocab[skew_word] += 1
-    vocab.update({"[UNK]": 0, "\n": simtok.NEWLINE, "<|im_start|>": simtok.IM_START, "<|im_end|>": simtok.IM_END})
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), "removed"),
-                                                pre_tokenizers.Split(Regex(r"\w+|[^\w\s]|\n"), "isolated")])
-    tk.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(path)
-    return path
 
 
 async def test_local_tokenizer_with_parity_replaces_the_tokenize_hop(tmp_path: Path) -> None:
-    hf = build_hf_tokenizer(tmp_path / "tok")
+    hf = build_hf_tokenizer(tmp_path / "tok", PROMPTS)
     fleet = await start_fleet(tmp_path, tokenizer=f"hf:{hf}")
     try:
         msgs = [{"role": "user", "content": PROMPTS[0]}]
@@ -76,7 +52,7 @@ async def test_local_tokenizer_with_parity_replaces_the_tokenize_hop(tmp_path: P
 
 
 async def test_a_tokenizer_that_differs_is_not_used(tmp_path: Path) -> None:
-    hf = build_hf_tokenizer(tmp_path / "tok", skew_word="fox")  # one probe word maps to another id
+    hf = build_hf_tokenizer(tmp_path / "tok", PROMPTS, skew_word="fox")  # one probe word maps to another id
     fleet = await start_fleet(tmp_path, tokenizer=f"hf:{hf}")
     try:
         for _ in range(2):
@@ -116,7 +92,7 @@ async def test_one_tenants_long_prompts_do_not_queue_anothers_local_tokenizing(t
     prompt a thread: it is tokenized while most of the flood still waits. Before, every prompt went to the one
     default thread pool, first come first served (6 threads on 2 cores): the short prompt waited for the flood,
     finishing after 19 or more of its 24, about a second at 0.1 s of tokenizing each."""
-    hf = build_hf_tokenizer(tmp_path / "tok")
+    hf = build_hf_tokenizer(tmp_path / "tok", PROMPTS)
     fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
     try:
         status, _, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
@@ -145,7 +121,7 @@ async def test_chat_template_kwargs_repeating_the_requests_own_fields_tokenize_a
     tools, chat_template, even tokenize): vLLM merges them, the request's own field winning where it is set, and the
     local tokenizer gives the worker's /tokenize ids. Before, the proxy passed both to apply_chat_template: a
     TypeError ("got multiple values for keyword argument"), a 500 for the chat."""
-    hf = build_hf_tokenizer(tmp_path / "tok")
+    hf = build_hf_tokenizer(tmp_path / "tok", PROMPTS)
     fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
     try:
         msgs = [{"role": "user", "content": PROMPTS[0]}]

@@ -1,0 +1,84 @@
+"""`--tokenizer hf:PATH` renders a chat as vLLM does before its chat template runs (controller/proxy/conversation.py):
+the local ids are the worker's /tokenize ids for the chats the parity probes do not spell out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.hf_tokenizer import build_hf_tokenizer
+from support.proxy_fleet import MODEL, served, start_fleet, until
+
+from controller.proxy import tokenize
+from controller.proxy.conversation import conversation
+from controller.proxy.tokenize import PROBES
+from fleet.app.testkit.sim_vllm import tokenizer as simtok
+
+TEXT = " ".join(f"word{i} is here." for i in range(60))  # 240 ids: 15 blocks of 16
+PARTS = [{"role": "system", "content": [{"type": "text", "text": TEXT}, "Be brief."]},
+         {"role": "user", "content": [{"type": "input_text", "text": "Plan a trip."}]}]
+
+
+async def test_a_chat_of_text_parts_is_tokenized_as_the_workers_do(tmp_path: Path) -> None:
+    """Content given as a list of text parts: vLLM joins their texts with "\\n" before templating, and so does the
+    local tokenizer, so a repeat of the chat is WARM. Before, the template got the list itself and rendered its
+    Python repr ("[{'type': 'text', ..."): 299 ids where the worker computes 260 (they differ from the 4th), so a
+    repeat was routed COLD, away from the worker holding 256 of its tokens."""
+    hf = build_hf_tokenizer(tmp_path / "tok", [TEXT, "Be brief.", "Plan a trip."])
+    fleet = await start_fleet(tmp_path, num_workers=2, tokenizer=f"hf:{hf}")
+    try:
+        sim = next(iter(fleet.sims.values()))
+        remote = await fleet.proxy.tokenizer._post_tokenize(sim.url, json.dumps(
+            {"model": MODEL, "messages": PARTS}).encode())
+        local = fleet.proxy.tokenizer._hf_ids({"messages": PARTS})
+        print("local ids == the worker's /tokenize ids:", local == remote, len(local or ()), len(remote))
+        assert local == remote == simtok.apply_chat_template(PARTS)
+        rows = []
+        for _ in range(2):
+            status, h, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": PARTS,
+                                                                       "max_tokens": 2})
+            assert status == 200, raw
+            usage = json.loads(raw)["usage"]
+            rows.append((h["x-kvfleet-verdict"], int(h["x-kvfleet-matched-tokens"]),
+                         usage["prompt_tokens_details"]["cached_tokens"]))
+            await until(lambda w=h["x-kvfleet-worker"]: fleet.blocks_known(w),
+                        lambda n, p=usage["prompt_tokens"]: n >= p // 16)
+        tokenize_calls = sum(len(served(s, "/tokenize")) for s in fleet.sims.values())
+        print("turns (verdict, matched, worker-cached):", rows, "| worker /tokenize calls:", tokenize_calls)
+        assert fleet.proxy.tokenizer.parity == {MODEL: True}
+        assert tokenize_calls == len(PROBES) + 1  # the probes and the comparison above: the chats were local
+        assert rows == [("COLD", 0, 0), ("WARM", 256, 256)]
+    finally:
+        await fleet.stop()
+
+
+async def test_the_probes_refuse_a_local_render_of_parts_that_differs(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local render that leaves the parts as a list (the code before) no longer passes parity: a probe is a chat
+    of parts. Before, every probe was plain text and such a tokenizer was trusted."""
+    monkeypatch.setattr(tokenize, "conversation", lambda msgs: msgs, raising=False)
+    hf = build_hf_tokenizer(tmp_path / "tok", ["Plan a trip."])
+    fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
+    try:
+        status, _, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "Plan a trip."}]})
+        print("parity of a render that keeps the parts as a list:", fleet.proxy.tokenizer.parity)
+        assert status == 200, raw
+        assert fleet.proxy.tokenizer.parity == {MODEL: False}
+    finally:
+        await fleet.stop()
+
+
+def test_conversation_renders_content_and_keeps_the_fields_vllm_keeps() -> None:
+    msgs = [{"role": "system", "content": ["a", {"type": "refusal", "refusal": "b"}, {"type": "text", "text": None},
+                                           {"type": "thinking", "thinking": "c"}], "x": 1},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}], "name": "bot", "tool_call_id": "t"},
+            {"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c1", "name": 7}]
+    assert conversation(msgs) == [
+        {"role": "system", "content": "a\nb\nc"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}], "name": "bot"},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert conversation([{"role": "user", "content": ["look", image]}]) is None  # the workers' /tokenize
+    assert conversation([{"role": "user", "content": [{"type": "text", "text": 5}]}]) is None
