@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from controller.proxy.errors import ProxyError
+from fleet.core.lax import lax_bool
 
 # the request's own fields and their values when left out (None: no value of its own)
 OWN_FIELDS: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
@@ -28,3 +29,15 @@ def chat_template_args(req: dict[str, Any]) -> dict[str, Any]:
         raise ProxyError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
     own = {k: v for k, default in OWN_FIELDS.items() if (v := req.get(k, default)) is not None}
     return {k: v for k, v in {**kw, **own}.items() if k != "tokenize"}
+
+
+def add_special_tokens(req: dict[str, Any], chat: bool) -> bool:
+    """Whether vLLM adds the tokenizer's special tokens (a BOS) when it tokenizes `req`'s text (a chat's rendered
+    template, or a prompt): the request's `add_special_tokens` as vLLM's models read a bool; left out, false for a
+    chat (its template writes them) and true for a prompt. A value vLLM refuses is its 400: the default here.
+
+    NOTE: a chat's flag was ignored (apply_chat_template tokenizes with false), so a chat sent with true had one id
+    fewer than the worker prefilled; a prompt's "false" (a string) was taken as true.
+    """
+    flag = lax_bool(req.get("add_special_tokens"))
+    return not chat if flag is None else flag

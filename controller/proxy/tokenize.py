@@ -30,7 +30,7 @@ import msgspec
 
 from controller.keyed_slots import KeyedSlots
 from controller.proxy.batch_prompts import BATCH_TOKENIZE_AT_ONCE, batch_of, prompt_request
-from controller.proxy.chat_args import chat_template_args
+from controller.proxy.chat_args import add_special_tokens, chat_template_args
 from controller.proxy.config import ProxyConfig
 from controller.proxy.conversation import conversation
 from controller.proxy.directory import WorkerDirectory
@@ -292,6 +292,7 @@ class Tokenizer:
         if "messages" in req:
             if (msgs := conversation(req["messages"])) is None:
                 return None
-            ids = tok.apply_chat_template(msgs, tokenize=True, **chat_template_args(req))
-            return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]  # BatchEncoding or list
-        return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True))]
+            # NOTE: rendered, then tokenized with the request's add_special_tokens, as vLLM does
+            text = tok.apply_chat_template(msgs, tokenize=False, **chat_template_args(req))
+            return [int(t) for t in tok.encode(text, add_special_tokens=add_special_tokens(req, chat=True))]
+        return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=add_special_tokens(req, chat=False))]

@@ -82,3 +82,37 @@ def test_conversation_renders_content_and_keeps_the_fields_vllm_keeps() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     assert conversation([{"role": "user", "content": ["look", image]}]) is None  # the workers' /tokenize
     assert conversation([{"role": "user", "content": [{"type": "text", "text": 5}]}]) is None
+
+
+def bos_tokenizer() -> tokenize.Tokenizer:
+    """A proxy Tokenizer whose local tokenizer adds a BOS (id 1) when asked to, with a template that writes each
+    tool call's arguments as JSON: what the special-tokens and tool-call renders depend on."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0, "<bos>": 1}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", "removed")
+    tk.add_special_tokens([AddedToken("<bos>", special=True)])
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<bos>")
+    fast.chat_template = ("{% for m in messages %}<s_{{ m.role }}>{{ m.content }}{% for tc in m.tool_calls or [] %}"
+                          "<call>{{ tc.function.name }} {{ tc.function.arguments | tojson }}{% endfor %}{% endfor %}"
+                          "{% if add_generation_prompt %}<s_assistant>{% endif %}")
+    tok = tokenize.Tokenizer.__new__(tokenize.Tokenizer)
+    tok._hf = fast
+    return tok
+
+
+def test_a_chats_add_special_tokens_is_applied_as_vllm_applies_it() -> None:
+    """vLLM renders the chat, then tokenizes the text with the request's `add_special_tokens` (default false for a
+    chat, true for a prompt; read as its models read a bool). Before, a chat's flag was ignored: [0] where vLLM
+    prefills [1, 0] for true; and a prompt's "false" (a string) was taken as true."""
+    tok, msgs = bos_tokenizer(), [{"role": "user", "content": "hi"}]
+    text = tok._hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    got = {flag: tok._hf_ids({"messages": msgs, **({} if flag is None else {"add_special_tokens": flag})})
+           for flag in (None, False, True, "yes", "off")}
+    print("local ids by add_special_tokens:", got)
+    assert got == {None: [0], False: [0], True: [1, 0], "yes": [1, 0], "off": [0]}
+    assert got[True] == tok._hf(text, add_special_tokens=True)["input_ids"]  # vLLM's own call
+    assert tok._hf_ids({"prompt": "hi"}) == [1, 0]
+    assert tok._hf_ids({"prompt": "hi", "add_special_tokens": "false"}) == [0]
