@@ -71,13 +71,14 @@ async def test_the_probes_refuse_a_local_render_of_parts_that_differs(tmp_path: 
 
 
 def test_conversation_renders_content_and_keeps_the_fields_vllm_keeps() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
     msgs = [{"role": "system", "content": ["a", {"type": "refusal", "refusal": "b"}, {"type": "text", "text": None},
                                            {"type": "thinking", "thinking": "c"}], "x": 1},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}], "name": "bot", "tool_call_id": "t"},
+            {"role": "assistant", "content": None, "tool_calls": [call], "name": "bot", "tool_call_id": "t"},
             {"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c1", "name": 7}]
     assert conversation(msgs) == [
         {"role": "system", "content": "a\nb\nc"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}], "name": "bot"},
+        {"role": "assistant", "content": "", "tool_calls": [call], "name": "bot"},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     assert conversation([{"role": "user", "content": ["look", image]}]) is None  # the workers' /tokenize
@@ -116,3 +117,21 @@ def test_a_chats_add_special_tokens_is_applied_as_vllm_applies_it() -> None:
     assert got[True] == tok._hf(text, add_special_tokens=True)["input_ids"]  # vLLM's own call
     assert tok._hf_ids({"prompt": "hi"}) == [1, 0]
     assert tok._hf_ids({"prompt": "hi", "add_special_tokens": "false"}) == [0]
+
+
+def test_tool_call_arguments_reach_the_template_decoded_as_vllm_decodes_them() -> None:
+    """vLLM json.loads each assistant tool call's `arguments` before the template runs ({} when it is not JSON) and
+    drops an empty `tool_calls`. Before, the template got the JSON string: `tojson` wrote it quoted and escaped,
+    "{\\"city\\": \\"Paris\\"}" where vLLM writes {"city": "Paris"}."""
+    tok = bos_tokenizer()
+    call = {"id": "c1", "type": "function", "function": {"name": "get", "arguments": '{"city": "Paris"}'}}
+    bad = {"id": "c2", "type": "function", "function": {"name": "put", "arguments": "{city"}}
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call, bad]},
+            {"role": "assistant", "content": "ok", "tool_calls": []}]
+    sent = json.dumps(msgs)
+    text = tok._hf.apply_chat_template(conversation(msgs), tokenize=False, add_generation_prompt=False)
+    print("local rendering:", text)
+    assert text == '<s_user>weather?<s_assistant><call>get {"city": "Paris"}<call>put {}<s_assistant>ok'
+    assert "tool_calls" not in (conversation(msgs) or [])[2]
+    assert json.dumps(msgs) == sent  # the request's own messages are forwarded as sent
