@@ -292,6 +292,13 @@ class WorkerDirectory:
         k = next(self._rr) % len(ws) if ws else 0
         return ws[k:] + ws[:k]
 
+    def served_name(self, base: str) -> str:
+        """A name the workers of `base` serve it under (a card without a parent): the registered name where one does,
+        as vLLM's /tokenize answers only a name it serves (404 for the registered one under --served-model-name)."""
+        names = {c.get("id") for w in self.workers.values() if w.model == base for c in self._cards_of(w.name)
+                 if not c.get("parent")}
+        return base if base in names or not names else str(min(names, key=str))
+
     def tokenizer_urls(self, base: str, listing: str | None = None) -> list[str]:
         """URLs of workers of `base` (serving ones, else any), rotated so tokenize load spreads; with `listing`, of
         those whose cards list that id. NOTE: an adapter loaded on some workers only (at runtime) is a 404 at the

@@ -221,12 +221,15 @@ class Tokenizer:
         return self.parity.get(base, False)
 
     async def _check_parity(self, base: str) -> None:
-        urls = self.directory.tokenizer_urls(base)
+        # NOTE: probed under the registered name, workers serving the model under other names answered 404: parity
+        # was never known, and every request paid a failed probe and the workers' /tokenize (and a warning)
+        name = self.directory.served_name(base)
+        urls = self.directory.tokenizer_urls(base, listing=name)
         if not urls:
             return  # no worker to compare with yet: use the workers' /tokenize, check again next time
         try:
             for probe in PROBES:
-                req = {"model": base, **probe}
+                req = {"model": name, **probe}
                 remote = await self._post_tokenize(urls[0], JSON.encode(req))
                 local = await asyncio.to_thread(self._hf_ids, req)
                 if remote != local:

@@ -143,3 +143,24 @@ async def test_chat_template_kwargs_repeating_the_requests_own_fields_tokenize_a
         assert status == 400 and b"'chat_template_kwargs' must be an object" in raw, raw  # was a 500 (TypeError)
     finally:
         await fleet.stop()
+
+
+async def test_parity_is_checked_under_a_name_the_workers_serve(tmp_path: Path) -> None:
+    """Workers that serve the registered model only under another name (vLLM's --served-model-name) are probed under
+    that name. Before, the probes named the registered model: the workers' 404, so parity stayed unknown and each
+    chat not in the token cache paid a failed probe and the workers' /tokenize, with a warning (4 calls here)."""
+    hf = build_hf_tokenizer(tmp_path / "tok", PROMPTS)
+    fleet = await start_fleet(tmp_path, num_workers=2, tokenizer=f"hf:{hf}",
+                              engine_kw={"served_model_names": ("sim-alias",)})
+    try:
+        for i in range(3):
+            msgs = [{"role": "user", "content": PROMPTS[i % 2]}]
+            status, _, raw = await fleet.post("/v1/chat/completions", {"model": "sim-alias", "max_tokens": 1,
+                                                                       "messages": msgs})
+            assert status == 200, raw
+        tokenize_calls = sum(len(served(s, "/tokenize")) for s in fleet.sims.values())
+        print("parity:", fleet.proxy.tokenizer.parity, "| worker /tokenize calls for 3 chats:", tokenize_calls)
+        assert fleet.proxy.tokenizer.parity == {MODEL: True}
+        assert tokenize_calls == len(PROBES)  # the probes only: every chat was tokenized locally
+    finally:
+        await fleet.stop()
