@@ -16,6 +16,7 @@ from controller.proxy.batch_prompts import ROUTE_TOKENS, batch_ids
 from controller.proxy.reading import client_salt, read_json, upstream_headers
 from controller.proxy.relay import relay
 from controller.proxy.tokenize import EncodedBody
+from fleet.core.lax import reads_prefix_cache
 
 if TYPE_CHECKING:
     from controller.proxy.quarantine import Hit
@@ -70,6 +71,8 @@ async def prompt_of(p: Proxy, body: dict[str, Any], kind: str, base: str, tenant
     chat = kind == CHAT
     # NOTE: before tokenizing: what is tokenized, routed and forwarded is the body without quarantined bytes
     body, hits = await p.enforcer.enforce(body, chat, tenant, token)
+    if not reads_prefix_cache(body, chat):  # vLLM prefills it whole, whatever a worker holds: routed by load alone
+        return body, hits, EncodedBody(body), [], []
     # NOTE: the ids the worker keeps under truncate_prompt_tokens, which /tokenize does not apply
     k = prefill.kept(body, chat, lambda: p.directory.max_model_len(body["model"]))
     enc = EncodedBody(body)  # NOTE: the messages (or prompt) are encoded once, for /tokenize and the worker

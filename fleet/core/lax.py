@@ -33,3 +33,19 @@ def stream_of(body: dict[str, Any]) -> bool:
         raise ValueError("'stream' must be true or false (or what vLLM reads as one: 0 or 1, \"true\" or \"false\", "
                          "\"yes\" or \"no\", \"on\" or \"off\")")
     return bool(stream)
+
+
+def reads_prefix_cache(body: dict[str, Any], chat: bool) -> bool:
+    """Whether vLLM reads its prefix cache for this completion (`chat`: chat completion) request.
+
+    vLLM prefills the whole prompt of a request that asks for its prompt's logprobs (SamplingParams sets
+    `skip_reading_prefix_cache` when `prompt_logprobs` is not None: a cached block has no logits), though it still
+    caches the blocks it computes. A request's prompt logprobs are its `prompt_logprobs`, else, with `echo`, a
+    completion's `logprobs` or a chat's `top_logprobs` (0 when left out, so a chat's `echo` alone asks for them).
+    NOTE: the proxy claimed such a request WARM on the worker holding its prefix, for all of it, and the stand-in
+    reused its cache for it; vLLM reports 0 cached tokens."""
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if lax_bool(body.get("echo")) is not True:
+        return True
+    return (body.get("top_logprobs", 0) if chat else body.get("logprobs")) is None

@@ -96,3 +96,30 @@ async def test_a_media_part_for_a_text_only_model_is_the_workers_400(fleet: Flee
     status, _, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs})
     assert status == 400 and "text-only" in json.loads(raw)["error"]["message"], raw
     assert not any(s.path == "/v1/chat/completions" for sim in fleet.sims.values() for s in sim.seen)  # type: ignore[attr-defined]
+
+
+async def test_a_request_for_its_prompts_logprobs_claims_no_cache_and_the_stand_in_reads_none(fleet: Fleet) -> None:
+    """vLLM prefills the whole prompt of a request asking for its prompt's logprobs (SamplingParams'
+    skip_reading_prefix_cache): `prompt_logprobs`, a completion's `echo` with `logprobs`, a chat's `echo` (its
+    `top_logprobs` is 0 when left out). The proxy routes it by load alone, with no cached tokens claimed; before, it
+    was claimed WARM on the holder of its prefix for all of it (and the stand-in reused its cache for it)."""
+    msgs = [{"role": "system", "content": TEXT}, {"role": "user", "content": "Plan a trip."}]
+    w, _, _, _, full = await _send(fleet, "/v1/completions", {"prompt": TEXT})
+    wc, _, _, _, chat_full = await _send(fleet, "/v1/chat/completions", {"messages": msgs})
+    cases = [("/v1/completions", {"prompt": TEXT, "prompt_logprobs": 1}),
+             ("/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 1}),
+             ("/v1/chat/completions", {"messages": msgs, "prompt_logprobs": 0}),
+             ("/v1/chat/completions", {"messages": msgs, "echo": "true"})]
+    for path, body in cases:  # (their blocks are all held already: nothing new to wait for, as _send does)
+        status, h, raw = await fleet.post(path, {"model": MODEL, "max_tokens": 4, **body})
+        assert status == 200, raw
+        verdict, matched = h["x-kvfleet-verdict"], int(h["x-kvfleet-matched-tokens"])
+        cached = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        print(path, sorted(body)[-1], verdict, matched, cached)
+        assert (verdict, matched, cached) == ("COLD", 0, 0), body
+    # control: without them (an echo without logprobs, a chat whose top_logprobs is null), WARM on the holder, as cached
+    for path, body, holder, n in [("/v1/completions", {"prompt": TEXT, "echo": True}, w, full),
+                                  ("/v1/chat/completions", {"messages": msgs, "echo": True, "top_logprobs": None},
+                                   wc, chat_full)]:
+        got, verdict, matched, cached, _ = await _send(fleet, path, body)
+        assert (got, verdict, matched) == (holder, "WARM", cached) and cached == (n // BLOCK) * BLOCK, body

@@ -65,14 +65,15 @@ class PrefixCache:
         return [to_external(d) for d in self.cache]
 
     def _step(
-        self, token_ids: Sequence[int], lora: str | None, salt: str | None, report_full: bool
+        self, token_ids: Sequence[int], lora: str | None, salt: str | None, report_full: bool, skip_cache: bool = False
     ) -> StepResult:
         """One request's prompt through the cache at once, alone (the instant path): admitted, its prefill computed in
         chunks of `max_num_batched_tokens`, each chunk's blocks published as one step's batch, then released.
 
         NOTE: with nothing pinned, the cache ends as the stand-in's original one-shot step left it (the demo's
         offline model replays it); before, a prompt longer than the budget went out in one batch."""
-        seq = Seq(-1, token_ids, 1, 0.0, lora, salt, report_full, digests=self._digests(token_ids, lora, salt))
+        seq = Seq(-1, token_ids, 1, 0.0, lora, salt, report_full, digests=self._digests(token_ids, lora, salt),
+                  skip_cache=skip_cache)
         hit = self.allocate(seq)
         num_computed, todo = hit, max(len(token_ids) - hit, 1)
         while todo > 0:
@@ -88,7 +89,7 @@ class PrefixCache:
     def can_allocate(self, seq: Seq, alone: bool) -> bool:
         if alone:
             return True  # NOTE: a prompt larger than the pool runs alone, only its head cached
-        hit = self._num_hit(seq.digests)
+        hit = self._num_hit(seq)
         extra = sum(d not in self.ref_cnt for d in seq.digests[:hit]) + len(seq.digests) - hit
         return len(self.ref_cnt) + self.num_reserved + extra <= self.num_blocks
 
@@ -97,7 +98,7 @@ class PrefixCache:
         in tokens. The hit counts in `queries`/`hits` (vllm:prefix_cache_*_total) at a request's first admission only,
         as vLLM counts it; a preempted request's readmission goes to `preempted_prefill` instead."""
         digests, B = seq.digests, self.hash_cfg.block_size
-        hit = self._num_hit(digests)
+        hit = self._num_hit(seq)
         for d in digests[:hit]:
             self.cache.move_to_end(d)
             self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
@@ -108,8 +109,9 @@ class PrefixCache:
         if seq.report_full and hit:  # vLLM's kv_cache_report_mode "full": the reused prefix, at admission
             self.pending.append(self._stored_event(seq.token_ids, digests, 0, hit, seq.lora, seq.cache_salt))
         if seq.num_cached_tokens < 0:
-            self.queries += len(seq.token_ids)
-            self.hits += hit * B
+            if not seq.skip_cache:  # vLLM's get_computed_blocks returns before it counts a query for it
+                self.queries += len(seq.token_ids)
+                self.hits += hit * B
         else:
             self.preempted_prefill += len(seq.token_ids) - hit * B
         return hit * B
@@ -152,8 +154,11 @@ class PrefixCache:
         lora_kv = (lora, self.loras[lora]) if lora else None
         return chain(self.hash_cfg, token_ids, lora=lora_kv, cache_salt=salt)
 
-    def _num_hit(self, digests: list[bytes]) -> int:
-        hit = 0
+    def _num_hit(self, seq: Seq) -> int:
+        """The seq's leading blocks in the cache; none for a request vLLM prefills whole (Seq.skip_cache)."""
+        if seq.skip_cache:
+            return 0
+        digests, hit = seq.digests, 0
         while hit < len(digests) and digests[hit] in self.cache:
             hit += 1
         return hit

@@ -20,7 +20,7 @@ from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.config import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
-from fleet.core.lax import stream_of
+from fleet.core.lax import reads_prefix_cache, stream_of
 
 if TYPE_CHECKING:
     from fleet.app.testkit.sim_vllm.loop import Ticket
@@ -157,6 +157,7 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
         "lora": model if model in c.loras else None,
         "cache_salt": body.get("cache_salt"),
         "report_full": (body.get("extra_args") or {}).get("kv_cache_report_mode") == "full",
+        "skip_cache": not reads_prefix_cache(body, chat),
     }
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):

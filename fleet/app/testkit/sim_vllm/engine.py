@@ -223,6 +223,7 @@ class SimEngine(PrefixCache):
         lora: str | None = None,
         cache_salt: str | None = None,
         report_full: bool = False,
+        skip_cache: bool = False,
     ) -> StepResult:
         """Admit a request (waiting while asleep), then run its prompt at once, alone."""
         self._check_admit()
@@ -236,7 +237,7 @@ class SimEngine(PrefixCache):
             raise EngineRestarted("engine restarted while the request waited")
         self._instant_running += 1
         try:
-            res = self._step(token_ids, lora, cache_salt, report_full)
+            res = self._step(token_ids, lora, cache_salt, report_full, skip_cache)
         finally:
             self._instant_running -= 1
         st, c = self.sched.stats, self.cfg
@@ -260,6 +261,7 @@ class SimEngine(PrefixCache):
         cache_salt: str | None = None,
         report_full: bool = False,
         priority: int = 0,
+        skip_cache: bool = False,
     ) -> Seq:
         """Queue a request for the scheduler (it waits there while the engine sleeps)."""
         self._check_admit()
@@ -271,6 +273,7 @@ class SimEngine(PrefixCache):
             report_full=report_full,
             digests=self._digests(token_ids, lora, cache_salt),
             priority=priority,
+            skip_cache=skip_cache,
         )
         self.kick.set()
         return seq

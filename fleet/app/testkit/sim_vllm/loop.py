@@ -59,10 +59,12 @@ class EngineLoop:
         cache_salt: str | None = None,
         report_full: bool = False,
         priority: int = 0,
+        skip_cache: bool = False,
     ) -> Ticket:
         """Queue a request; raises EnginePaused while paused with abort|wait."""
         seq = self.engine.submit(
-            token_ids, max_tokens, lora=lora, cache_salt=cache_salt, report_full=report_full, priority=priority
+            token_ids, max_tokens, lora=lora, cache_salt=cache_salt, report_full=report_full, priority=priority,
+            skip_cache=skip_cache,
         )
         t = self._tickets[seq.seq_id] = Ticket(seq)
         return t

@@ -56,6 +56,7 @@ class Seq:
     num_prefill_tokens: int = 0
     num_computed: int = 0
     num_output: int = 0
+    skip_cache: bool = False  # vLLM's skip_reading_prefix_cache (fleet/core/lax.py reads_prefix_cache): no hit
     first_token_s: float | None = None
     finish_reason: str | None = None
 
@@ -149,11 +150,12 @@ class Scheduler:
         report_full: bool = False,
         digests: list[bytes] | None = None,
         priority: int = 0,
+        skip_cache: bool = False,
     ) -> Seq:
         """Queue a request (FIFO, or by priority), stamped with the modelled `now`."""
         seq = Seq(
             self._next_id, token_ids, max_tokens, self.now, lora, cache_salt, report_full, priority,
-            list(digests or [])
+            list(digests or []), skip_cache=skip_cache
         )
         self._next_id += 1
         self._queue(seq)
