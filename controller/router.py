@@ -108,6 +108,8 @@ class Router(RouterLifecycle, RoutePhases):
         self._blocking: Blocking = blocking or asyncio.to_thread
         self.index = PrefixIndex()
         self._workers: dict[str, Worker] = {}
+        self._registering: set[str] = set()
+        self._stopped = False
         self._session: aiohttp.ClientSession | None = None
         self._zctx: zmq.asyncio.Context | None = None
         c = self.cfg.cost

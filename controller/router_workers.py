@@ -58,6 +58,8 @@ class RouterWorkers:
     shadow: ShadowPools
     _blocking: Blocking
     _workers: dict[str, Worker]
+    _registering: set[str]  # names whose registration is checking, storing or starting them
+    _stopped: bool
     _session: aiohttp.ClientSession | None
     _zctx: zmq.asyncio.Context | None
     _settler: Periodic
@@ -75,16 +77,34 @@ class RouterWorkers:
         self._session = aiohttp.ClientSession()
         self._zctx = zmq.asyncio.Context()
         await self._settler.start()
+        await self.load_registry()
+
+    async def load_registry(self) -> list[str]:
+        """Resume every worker the store holds that this router does not watch yet (cold, rebuilt by replay); return
+        their names. At start, and again where registrations may have come back since (the store lost its data and
+        another controller wrote back the ones it held: Controller._store_lost, Controller._lead). A name registered
+        or unregistered meanwhile is this router's own and is left alone.
+
+        NOTE: the registry was read once, at start: a standby that took the lead while a flush had emptied the store
+        (the lock went with it) watched no worker for good, though the old leader wrote its registrations back.
+        """
         workers = []
         for name, raw in await self._blocking(self.registry.entries):
+            if name in self._workers or name in self._registering:
+                continue
             try:
                 spec = self.registry.decode(raw)
             except Exception:
                 self.metrics.worker_errors.labels("start").inc()
                 log.exception("worker %r: its stored spec is unreadable; skipped (re-register it)", name)
                 continue
-            workers.append(self._new_worker(spec, await self._blocking(resumed_ranks, self.epochs, spec, self.metrics)))
+            ranks = await self._blocking(resumed_ranks, self.epochs, spec, self.metrics)
+            if self._stopped:  # a worker started now would outlive the router
+                break
+            if spec.name not in self._workers and spec.name not in self._registering:  # not registered meanwhile
+                workers.append(self._new_worker(spec, ranks))
         await asyncio.gather(*(self._resume(w) for w in workers))
+        return [w.spec.name for w in workers]
 
     @staticmethod
     async def _resume(w: Worker) -> None:
@@ -95,6 +115,7 @@ class RouterWorkers:
             w.mark_down_contained("start_error")
 
     async def stop(self) -> None:
+        self._stopped = True
         if self.metrics.inflight == self._inflight_rows:  # a controller that stops leading reports no routes in flight
             self.metrics.inflight = None
         await self._settler.stop()
@@ -138,10 +159,14 @@ class RouterWorkers:
                 return status_row(known, known.spec.dp_rank_start, self.index)
             raise AlreadyExists(f"worker {spec.name!r} is registered with another spec; unregister it first")
         assert self._session is not None, "Router.start() first"
-        spec = await agreed_spec(spec, VllmHttp(spec.url, self._session, self.cfg.http_timeout_s))
-        await self._blocking(self.registry.put, spec)
-        ranks = await self._blocking(self.epochs.next_epochs, spec)  # epochs stay monotonic across re-registration
-        w = await self._launch(spec, ranks, catch_up=False)
+        self._registering.add(spec.name)  # stored before it is watched: load_registry leaves it alone meanwhile
+        try:
+            spec = await agreed_spec(spec, VllmHttp(spec.url, self._session, self.cfg.http_timeout_s))
+            await self._blocking(self.registry.put, spec)
+            ranks = await self._blocking(self.epochs.next_epochs, spec)  # epochs stay monotonic across re-registration
+            w = await self._launch(spec, ranks, catch_up=False)
+        finally:
+            self._registering.discard(spec.name)
         return status_row(w, spec.dp_rank_start, self.index)  # its first rank's row
 
     async def rewrite_records(self) -> None:

@@ -65,6 +65,24 @@ class Controller:
             await asyncio.to_thread(self.ctx.store.kv_swap, ns, key, None, self.ctx.auth.salt_secret)
         if self.ctx.router is not None:
             await self.ctx.router.rewrite_records()
+        await self._reload_registry("the store lost its data")
+
+    async def _reload_registry(self, why: str, delay_s: float = 0.0) -> None:
+        """As leader, after `delay_s`, watch the workers the store holds and the router does not: registrations
+        another controller wrote back after a loss (Router.load_registry). NOTE: a standby that took the lead after a
+        flush (the lock went with the data) read an empty registry once and watched no worker for good, though the
+        old leader wrote its registrations back."""
+        await asyncio.sleep(delay_s)
+        router = self.ctx.router
+        if router is None or not self.ctx.leader:
+            return
+        try:
+            started = await router.load_registry()
+        except Exception as e:  # noqa: BLE001  # the store failed again: the next loss or lead reads it again
+            log.warning("could not read the worker registry again (%s): %s", why, e)
+            return
+        if started:
+            log.warning("%s: now watching %d more workers the store holds: %s", why, len(started), ", ".join(started))
 
     @property
     def address(self) -> str:
@@ -97,6 +115,14 @@ class Controller:
         self.ctx.leader = False
         await self._set_serving(False)
         await self.ctx.store_gc.stop()
+        if self.ctx.router is not None and self.store_probe.scheduled:
+            # NOTE: a flush takes the leader lock with the data: the leader's renew found it gone and it stepped down
+            # before its probe found the loss, and the registrations it held went with it. Probed here, its write-back
+            # runs while its lease still holds (FencedStore refuses it after), for the next leader to read.
+            try:
+                await self.store_probe.probe()
+            except Exception as e:  # noqa: BLE001  # the write-back failed: standing by must not
+                log.warning("controller on %s could not write back after the store lost its data: %s", self.address, e)
         router, self.ctx.router = self.ctx.router, None
         if router is not None:
             await router.stop()
@@ -117,6 +143,8 @@ class Controller:
             # as it was done, stepped down and started over; a lease lost during the start now ends the start
             hold = asyncio.create_task(self._hold(lock))
             become = asyncio.create_task(self.become_leader())
+            # the old leader writes back what a flush took (with the lock) until its lease ends: read it then
+            again = asyncio.create_task(self._reload_registry("took the lead", lock.ttl_s))
             try:
                 await asyncio.wait((hold, become), return_when=asyncio.FIRST_COMPLETED)
                 if become.done():  # started (or failed: raised here): lead until a renew fails
@@ -129,6 +157,7 @@ class Controller:
                 await asyncio.sleep(lock.ttl_s)
             finally:
                 hold.cancel()
+                again.cancel()
                 if not become.done():  # the lease lost during the start, or this task cancelled: the start ends
                     become.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

@@ -17,7 +17,7 @@ persistence, flushed, or swapped for another behind its address): logged as an e
 counted in kvfleet_store_data_lost_total, the marker written again, and `on_lost` awaited on the event loop (the
 controller writes back the cache_salt secret it holds, so a controller started later derives the same salts, and the
 leader writes back the worker registrations and rank states it holds, so a controller started later watches the same
-workers). NOTE: before, a Redis that came
+workers, then watches those another controller wrote back). NOTE: before, a Redis that came
 back empty was only "up" again: nothing said that every blob, verdict, quota count and registration was gone.
 
 NOTE: the overall health ("" and the kvfleet.v1 services, what a readiness probe asks) stays set by leadership
@@ -63,6 +63,11 @@ class StoreProbe:
         self._mark: bytes | None = None
         self._read: asyncio.Future[Any] | None = None
         self._schedule = Periodic("kvfleet-store-probe", interval_s, self.probe, self._failed)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether probes run on a schedule (a loss is found only by a controller that has read the marker before)."""
+        return self._schedule.interval_s > 0
 
     async def probe(self) -> bool:
         """Probe once and publish the answer; True: the store answered within timeout_s."""
