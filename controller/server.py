@@ -51,7 +51,7 @@ class Controller:
         self._lead_task: asyncio.Task[None] | None = None
         self._lock: LeaderLock | None = None
         self.store_probe = StoreProbe(ctx.store, ctx.metrics, health_servicer, cfg.store_ping_interval_s,
-                                      on_lost=self._store_lost)
+                                      on_lost=self._store_lost, on_unfit=lambda: self._set_serving(self.ctx.leader))
         self.stopped = False
 
     async def _store_lost(self) -> None:
@@ -89,6 +89,8 @@ class Controller:
         return f"{self.cfg.listen.rsplit(':', 1)[0]}:{self.port}"
 
     async def _set_serving(self, on: bool) -> None:
+        """Serving: leading, on a store that can keep its data (not one that evicts keys: controller/store_probe.py)."""
+        on = on and self.store_probe.unfit is None
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, SERVING if on else NOT_SERVING)
 

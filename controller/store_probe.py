@@ -20,8 +20,12 @@ leader writes back the worker registrations and rank states it holds, so a contr
 workers, then watches those another controller wrote back). NOTE: before, a Redis that came
 back empty was only "up" again: nothing said that every blob, verdict, quota count and registration was gone.
 
-NOTE: the overall health ("" and the kvfleet.v1 services, what a readiness probe asks) stays set by leadership
-alone. Every controller shares the one store, so a Redis blip would take every controller out of its Service
+Unfit: each probe also asks whether the store can keep its data (BlobStore.unfit: one INFO on Redis, whose
+maxmemory-policy must not evict keys); while it cannot, "kvfleet.store" and the overall health read NOT_SERVING, as a
+store refused when it is opened (fleet/cas/redis.py), and `on_unfit` is awaited at each change.
+
+NOTE: otherwise the overall health ("" and the kvfleet.v1 services, what a readiness probe asks) stays set by
+leadership alone. Every controller shares the one store, so a Redis blip would take every controller out of its Service
 at once: clients would find no controller (no reason given) instead of one that answers UNAVAILABLE naming the
 store, calls that need no store would fail too, and the way back would wait on the readiness probe's period.
 Alert on kvfleet_store_up, or probe "kvfleet.store" where a store outage should count (docs/metrics.md).
@@ -33,7 +37,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from grpc_health.v1 import health_pb2
 
@@ -51,12 +55,20 @@ LOST_WHAT = ("every blob and its pins and verdict, the tenants' stored-byte coun
              "placement it held")
 
 
+class _Read(NamedTuple):
+    lost: bool  # the store lost its data since this controller's last read
+    unfit: str | None  # why the store cannot keep its data (BlobStore.unfit), else None
+
+
 class StoreProbe:
     def __init__(self, store: Any, metrics: Metrics, health: Any, interval_s: float = DEFAULT_STORE_PING_INTERVAL_S,
-                 timeout_s: float = STORE_PING_TIMEOUT_S, on_lost: Callable[[], Awaitable[None]] | None = None) -> None:
+                 timeout_s: float = STORE_PING_TIMEOUT_S, on_lost: Callable[[], Awaitable[None]] | None = None,
+                 on_unfit: Callable[[], Awaitable[None]] | None = None) -> None:
         self.store, self.metrics, self.health, self.timeout_s = store, metrics, health, timeout_s
         self.on_lost = on_lost  # awaited when the store is found to have lost its data
+        self.on_unfit = on_unfit  # awaited when `unfit` changes
         self.up: bool | None = None  # None: not probed yet
+        self.unfit: str | None = None  # why the store cannot keep its data, from the last probe that answered
         # the marker this controller last read (or wrote): from then on, its absence or another one is a loss
         # NOTE: one marker, no nonce, was lost to the leader where a standby's probe found it gone first and wrote it
         # again: the leader read it present and never wrote back the registrations it held (found by review)
@@ -78,24 +90,40 @@ class StoreProbe:
         # and the stopped schedule went on for ever (a controller's stop() hung, 1 run in 6)
         done, _ = await asyncio.wait({self._read}, timeout=self.timeout_s)
         error = self._read.exception() if done else TimeoutError(f"no answer within {self.timeout_s:g} s")
+        read: _Read | None = self._read.result() if error is None else None
+        if read is not None and read.unfit != self.unfit:
+            await self._unfit(read.unfit)
         await self._publish(error is None, str(error))
-        if error is None:
-            if self._read.result() and self.on_lost is not None:  # this read found the data lost
-                await self.on_lost()
+        if read is not None and read.lost and self.on_lost is not None:  # this read found the data lost
+            await self.on_lost()
         return error is None
 
-    def _check(self) -> bool:
+    def _check(self) -> _Read:
         """The probe's read (a thread); the marker written when absent, and a loss reported where this controller had
-        seen another marker (gone, or written anew by another controller that found it gone). True: a loss."""
+        seen another marker (gone, or written anew by another controller that found it gone); then whether the store
+        can keep its data (one INFO on Redis: BlobStore.unfit)."""
         mark = self.store.kv_get(*_PROBE_KEY)
         if mark is None:
             new = _MARK + os.urandom(8).hex().encode()
             mark = new if self.store.kv_swap(*_PROBE_KEY, None, new) else self.store.kv_get(*_PROBE_KEY)
         seen, self._mark = self._mark, mark
+        unfit = getattr(self.store, "unfit", lambda: None)()
         if seen is None or mark == seen:
-            return False
+            return _Read(False, unfit)
         self._lost()
-        return True
+        return _Read(True, unfit)
+
+    async def _unfit(self, why: str | None) -> None:
+        """NOTE: a Redis refused at open (an evicting maxmemory-policy) that replaced the store behind its address, or
+        was set so while it ran, was served as if fit: health SERVING while one tenant's puts evicted another's
+        blobs. Now the store and the controller's overall health read NOT_SERVING until the policy is fixed."""
+        if why is not None:
+            log.error("the store cannot keep its data, %s and the controller NOT_SERVING: %s", STORE_HEALTH_SERVICE, why)
+        else:
+            log.warning("the store can keep its data again: %s and the controller serve again", STORE_HEALTH_SERVICE)
+        self.unfit = why
+        if self.on_unfit is not None:
+            await self.on_unfit()
 
     def _lost(self) -> None:
         log.error("the store lost its data (its marker key is gone: a Redis restarted without persistence, flushed, "
@@ -109,7 +137,8 @@ class StoreProbe:
             log.info("the store answers probes again")
         self.up = up
         self.metrics.store_up.set(1 if up else 0)
-        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = up and self.unfit is None
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set(STORE_HEALTH_SERVICE, status)
 
     def _failed(self, e: Exception) -> None:  # probe() catches the store's errors: only a bug lands here

@@ -224,6 +224,11 @@ class BlobStore(BlobRefs, KvState, OpLogs):
         """Delete unpinned, unreferenced blobs whose lease ran out; return how many were deleted."""
         return self._gc(self.cfg.clock() if now is None else float(now))
 
+    def unfit(self) -> str | None:
+        """Why this store cannot keep what it is given (a Redis that evicts keys), else None: checked when it is
+        opened, and by the controller's store probe while it runs (a store can be replaced behind its address)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the store must not be used afterwards."""
 

@@ -86,9 +86,15 @@ class RedisBlobStore(BlobStore):
     def ping(self) -> None:
         self.r.ping()
 
-    @store_call
     def _refuse_eviction(self) -> None:
-        """Refuse a Redis whose maxmemory-policy evicts keys that have no TTL (allkeys-*): every key here is data.
+        why = self.unfit()
+        if why is not None:
+            raise FailedPrecondition(why)
+
+    @store_call
+    def unfit(self) -> str | None:
+        """Why this Redis is refused: its maxmemory-policy evicts keys that have no TTL (allkeys-*), and every key
+        here is data. One INFO; the controller's store probe asks it at each probe too (controller/store_probe.py).
 
         NOTE: such a Redis was opened without a word, and at its maxmemory one tenant's puts evicted other tenants'
         pinned blobs (a later get: NOT_FOUND) and their own byte count (so their quota counted from 0 again). The
@@ -100,10 +106,10 @@ class RedisBlobStore(BlobStore):
         try:
             policy = str(self.r.info("memory").get("maxmemory_policy", ""))
         except redis.exceptions.ResponseError:  # INFO refused (an ACL, a renamed command): nothing to check
-            return
-        if policy.startswith("allkeys-"):
-            raise FailedPrecondition(
-                f"redis at {self.host}:{self.port} evicts keys when it is full (maxmemory-policy {policy}): it "
+            return None
+        if not policy.startswith("allkeys-"):
+            return None
+        return (f"redis at {self.host}:{self.port} evicts keys when it is full (maxmemory-policy {policy}): it "
                 "would drop blobs, op logs and byte counts, any tenant's to make room for another's, without an "
                 "error. Set maxmemory-policy noeviction on it (a full store then refuses writes with "
                 "RESOURCE_EXHAUSTED and keeps what it holds), or give kvfleet a Redis of its own")
@@ -127,7 +133,7 @@ class RedisBlobStore(BlobStore):
         self._pieces.drop_undropped()  # NOTE: only a pieced put did: a small one counted a failed put's reservation
         if data.nbytes > PIECE_BYTES:
             return self._pieces.put(tenant, ref, keys, data, now, quota, lease)
-        if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1]], args=[lease]):
+        if data.nbytes >= _PRECHECK_BYTES and self._s_touch(keys=[keys[1], keys[0]], args=[lease]):
             return None
         out = self._s_put(keys=[*keys, in_flight_key(tenant)], args=[data, data.nbytes, repr(now), lease, UNKNOWN, quota,
                                            blob_charge(data.nbytes), ref])
@@ -160,7 +166,7 @@ class RedisBlobStore(BlobStore):
         lease, pipe = repr(self._lease(now)), self.r.pipeline(transaction=False)
         large = [ref for ref, data in group if data.nbytes >= _PRECHECK_BYTES]
         for ref in large:  # dedup pre-check of the large ones: one small round trip for the group
-            self._s_touch(keys=[self._keys(tenant, ref)[1]], args=[lease], client=pipe)
+            self._s_touch(keys=[*reversed(self._keys(tenant, ref))], args=[lease], client=pipe)
         present = {ref for ref, hit in zip(large, pipe.execute() if large else [], strict=True) if hit}
         for ref, data in group:
             if ref not in present:  # one atomic script per blob

@@ -7,11 +7,12 @@ tenant's call wait for that whole write: another process's stat() of a small blo
 staging key of its own, one command per piece (other clients' commands run between them), and one small
 script commits it:
 
-    begin   KEYS meta, bytes              stored already: extend the lease, done; over quota: refuse, done
+    begin   KEYS data, meta, bytes        stored already: extend the lease, done; over quota: refuse, done
     append  KEYS stage (once per piece)   the first piece SETs the stage with a TTL, each next one APPENDs
                                           and renews it; a stage that is gone (expired, evicted) fails the put
     commit  KEYS data, meta, bytes, stage stored meanwhile: drop the stage, extend the lease; else the quota
                                           check, the byte count, RENAME stage -> data (O(1)), PERSIST, metadata
+                                          (metadata whose bytes went: the bytes back under it, nothing charged)
 
 So a put is still all or nothing: until the commit nothing is visible or charged, and the commit is one
 script (the dedup check, the quota check and the count with the write, as the one-command put did). A put
@@ -84,20 +85,20 @@ local function in_flight(key, ref)
 end
 """
 
-# KEYS: meta, byte count, in flight; ARGV: lease, quota, charge, reservation, ttl ms, ref.
+# KEYS: data, meta, byte count, in flight; ARGV: lease, quota, charge, reservation, ttl ms, ref.
 # 0: stored already (lease extended); {used, in flight}: over quota; 1: go (reserved)
 _BEGIN = LEASE_LUA + IN_FLIGHT_LUA + """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  extend_lease(KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[1], KEYS[2]) == 2 then
+  extend_lease(KEYS[2], ARGV[1])
   return 0
 end
-local used, quota = tonumber(redis.call('GET', KEYS[2]) or '0'), tonumber(ARGV[2])
-local flying, mine = in_flight(KEYS[3], ARGV[6])
+local used, quota = tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(ARGV[2])
+local flying, mine = in_flight(KEYS[4], ARGV[6])
 local charge = tonumber(ARGV[3])
 if mine then charge = 0 end
 if quota > 0 and used + flying + charge > quota then return {used, flying} end
-redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[5]), ARGV[4])
-redis.call('PEXPIRE', KEYS[3], ARGV[5])
+redis.call('ZADD', KEYS[4], now_ms() + tonumber(ARGV[5]), ARGV[4])
+redis.call('PEXPIRE', KEYS[4], ARGV[5])
 return 1
 """
 
@@ -118,11 +119,12 @@ return 1
 """
 
 # KEYS: data, meta, byte count, stage, in flight; ARGV: size, now, lease, verdict, quota, charge, reservation.
-# 1: stored; 0: stored already (lease extended); -1: the stage is gone or short; {used, 0}: over quota.
+# 1: stored; 0: stored already (lease extended), or its bytes put back under metadata whose bytes went (as PUT_LUA);
+# -1: the stage is gone or short; {used, 0}: over quota.
 # Every outcome ends the put's reservation (stored, its charge is in the byte count).
 _COMMIT = LEASE_LUA + """
 redis.call('ZREM', KEYS[5], ARGV[7])
-if redis.call('EXISTS', KEYS[2]) == 1 then
+if redis.call('EXISTS', KEYS[1], KEYS[2]) == 2 then
   extend_lease(KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[4])
   return 0
@@ -130,6 +132,12 @@ end
 if redis.call('STRLEN', KEYS[4]) ~= tonumber(ARGV[1]) then
   redis.call('DEL', KEYS[4])
   return -1
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('RENAME', KEYS[4], KEYS[1])
+  redis.call('PERSIST', KEYS[1])
+  extend_lease(KEYS[2], ARGV[3])
+  return 0
 end
 local used, quota = tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(ARGV[5])
 if quota > 0 and used + tonumber(ARGV[6]) > quota then
@@ -192,7 +200,7 @@ class PiecedPut:
         put = _Put(tenant, f"kvf:t:{tenant}:p:{ref}:{nonce}", in_flight_key(tenant), f"{charge}:{ref}:{nonce}")
         self.drop_undropped()
         try:  # NOTE: the begin too: a reply lost after Redis applied it leaves a reservation
-            out = self._s_begin(keys=[*keys[1:], put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
+            out = self._s_begin(keys=[*keys, put.flying], args=[lease, quota, charge, put.member, STAGE_TTL_MS, ref])
             if out != 1:
                 return over_quota_out(out)
             self._send(put, ref, data)

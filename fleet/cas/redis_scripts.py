@@ -8,8 +8,12 @@ from fleet.cas.redis_pieces import IN_FLIGHT_LUA, LEASE_LUA
 
 # KEYS: data, meta, byte count, in flight; ARGV: data, size, now, lease, verdict, quota, charge, ref.
 # 1: stored; 0: stored already (lease extended); {used, in flight}: over quota (pieced puts in flight count)
+# A blob whose metadata stayed and whose bytes went (evicted, deleted behind the store's back) gets its bytes back under
+# that metadata (pins, verdict, charge, counted already). NOTE: the metadata alone meant "stored": the re-put of such a
+# blob "succeeded" and it stayed unreadable (NOT_FOUND) for good.
 PUT_LUA = LEASE_LUA + IN_FLIGHT_LUA + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
+  if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) end
   extend_lease(KEYS[2], ARGV[4])
   return 0
 end
@@ -26,8 +30,9 @@ redis.call('HSET', KEYS[2], 'size', ARGV[2], 'charge', ARGV[7], 'created', ARGV[
 return 1
 """
 
+# KEYS: meta, data. 1: both there (lease extended): a put's dedup check; 0: put it (PUT_LUA)
 TOUCH_LUA = LEASE_LUA + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[1], KEYS[2]) < 2 then return 0 end
 extend_lease(KEYS[1], ARGV[1])
 return 1
 """

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from fleet.cas import open_store
-from fleet.core.errors import FailedPrecondition
+from fleet.core.errors import FailedPrecondition, NotFound
 
 
 @pytest.fixture
@@ -42,3 +42,26 @@ def test_control_a_redis_that_never_evicts_the_stores_keys_is_opened(redis_url: 
         ref = store.put(b"kept", "acme")
         assert store.get(ref, "acme") == b"kept"
     assert policy.ttl(f"kvf:t:acme:b:{ref}") == -1 and policy.ttl(f"kvf:t:acme:m:{ref}") == -1
+
+
+@pytest.mark.parametrize("size", [1000, 300 << 10, 1 << 20])  # one command, its dedup pre-check, in pieces
+def test_a_blob_whose_bytes_went_behind_the_stores_back_can_be_put_again(redis_url: str, size: int) -> None:
+    """Its metadata stayed (evicted or deleted bytes): the put puts the bytes back under it, its pin and charge kept.
+    NOTE: before, the metadata alone meant stored: the put "succeeded" and its get stayed NOT_FOUND for good."""
+    r = redis.Redis.from_url(redis_url)
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    with open_store(redis_url) as store:
+        ref = store.put(data, "acme")
+        store.pin(ref, "acme")
+        used = store.stored_bytes("acme")
+        assert store.put(data, "acme") == ref and store.stored_bytes("acme") == used  # control: a dedup
+        assert r.delete(f"kvf:t:acme:b:{ref}") == 1
+        with pytest.raises(NotFound):
+            store.get(ref, "acme")
+        assert store.stat(ref, "acme") is not None
+        assert store.put(data, "acme") == ref
+        assert store.get(ref, "acme") == data  # before: NotFound
+        meta = store.stat(ref, "acme")
+        assert meta is not None and meta.pins == 1 and store.stored_bytes("acme") == used
+        assert r.ttl(f"kvf:t:acme:b:{ref}") == -1
+    r.close()
