@@ -32,6 +32,14 @@ def kernel_spec_of(store: Any, default: dict[str, Any] | None = None) -> dict[st
     return dict(json.loads(raw))
 
 
+def write_back_spec(store: Any, spec: dict[str, Any]) -> bool:
+    """After the store lost its data: write back the spec this controller holds (the one its --kernel-* flags wrote,
+    or its fleet was built with), unless another controller wrote one first; True: written. NOTE: the spec went with
+    the data, and the first session call wrote the default (the synthetic tiny model, numpy) in its place: a
+    controller started later built its fleet with another model and placement than the live hosts ran."""
+    return bool(store.kv_swap(*KERNEL_SPEC_KEY, None, json.dumps(spec, sort_keys=True).encode()))
+
+
 def add_kernel_flags(p: argparse.ArgumentParser) -> None:
     """--kernel-backend, --kernel-device, --kernel-group (shared by `kvfleet controller` and `up`)."""
     p.add_argument("--kernel-backend", default=None, choices=("numpy", "torch"),

@@ -24,7 +24,7 @@ from controller.config import ControllerConfig
 from controller.edge import DecodeGuard, server_credentials
 from controller.fleet_metrics import FleetMetricsPoller
 from controller.judge_lanes import JudgeLanes
-from controller.kernel_placement import set_kernel_placement
+from controller.kernel_placement import set_kernel_placement, write_back_spec
 from controller.leader import FencedStore, LeaderLock, make_leader_lock
 from controller.metrics import Metrics
 from controller.servicers import SERVICE_NAMES, ServiceContext, add_servicers
@@ -57,12 +57,15 @@ class Controller:
     async def _store_lost(self) -> None:
         """After the store lost its data (the store probe calls it): write back the cache_salt secret this controller
         holds (unless another controller wrote one first, or it came from the config), so one started later derives
-        the same salts; and, as leader, the worker registrations and rank states it holds, so one started later (a
-        restart, the next leader) watches the same workers. NOTE: before, the registrations went with the data: the
-        next controller started with no worker, and every request was refused until each was registered again."""
+        the same salts; the kernel spec it holds, likewise (controller/kernel_placement.py); and, as leader, the
+        worker registrations and rank states it holds, so one started later (a restart, the next leader) watches the
+        same workers. NOTE: before, the registrations went with the data: the next controller started with no worker,
+        and every request was refused until each was registered again."""
         if not self.cfg.salt_secret:
             ns, key = SALT_SECRET_KEY
             await asyncio.to_thread(self.ctx.store.kv_swap, ns, key, None, self.ctx.auth.salt_secret)
+        if self.ctx.kernel_spec is not None:
+            await asyncio.to_thread(write_back_spec, self.ctx.store, self.ctx.kernel_spec)
         if self.ctx.router is not None:
             await self.ctx.router.rewrite_records()
         await self._reload_registry("the store lost its data")
@@ -278,7 +281,7 @@ async def build_server(cfg: ControllerConfig, *, metrics: Metrics | None = None,
                          rpc_shares=RpcShares(cfg.grpc_limits.max_concurrent_rpcs, one_tenant=book is None))
     ctx.store_gc = StoreGc(store, ctx.metrics, GcConfig(cfg.gc_interval_s, cfg.verdict_ttl_s), ctx.blocking)
     if cfg.kernel:  # before any session call builds the fleet from the stored spec
-        await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)
+        ctx.kernel_spec = await asyncio.to_thread(set_kernel_placement, store, cfg.kernel)
     ctx.fleet_metrics = FleetMetricsPoller(lambda: ctx.kernel_fleet, ctx.metrics, cfg.fleet_metrics_interval_s)
     await ctx.fleet_metrics.start()
     server = grpc.aio.server(interceptors=[DecodeGuard()], options=cfg.grpc_limits.options(),

@@ -208,7 +208,8 @@ class Sessions(SessionCalls):
         # On a cluster (--ray-address) the fleet is detached: a restarted or newly elected controller
         # reattaches to its kernel hosts and sessions (no re-prefill); a local Ray dies with us anyway.
         detached = bool(self.ctx.ray_address)
-        fleet = KernelFleet(self.ctx.store_url, kernel_spec_of(self.ctx.store), detached=detached,
+        self.ctx.kernel_spec = kernel_spec_of(self.ctx.store)  # written back if the store loses it (Controller)
+        fleet = KernelFleet(self.ctx.store_url, self.ctx.kernel_spec, detached=detached,
                             node_kv_bytes=self.ctx.node_kv_bytes, node_max_sessions=self.ctx.node_max_sessions)
         self.ctx.kernel_fleet = fleet  # the fleet metrics poller reads it (controller/fleet_metrics.py)
         self.ctx.on_stop.append(self.close)         # the reaper first, then the fleet

@@ -84,6 +84,7 @@ class ServiceContext:
     ray_address: str | None = None  # the Ray cluster the kernel hosts run on (None: local / RAY_ADDRESS)
     store_gc: Any = None  # controller.store_gc.StoreGc (the CollectGarbage RPC and the leader's schedule)
     kernel_fleet: Any = None  # workers.fleet.KernelFleet, once the first session call built it
+    kernel_spec: dict[str, Any] | None = None  # the one this controller wrote (--kernel-*) or built its fleet with
     fleet_metrics: Any = None  # controller.fleet_metrics.FleetMetricsPoller
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # run by Controller.stop
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="kvfleet-store"))

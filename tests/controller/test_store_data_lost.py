@@ -15,6 +15,7 @@ import pytest
 import redis
 from support.controller import make_tokens, start_controller
 
+from controller.kernel_placement import KERNEL_SPEC_KEY, kernel_spec_of
 from controller.registry import EpochTable, WorkerRegistry
 from controller.server import SALT_SECRET_KEY, Controller
 from fleet.app.redis_server import RedisServer
@@ -131,3 +132,26 @@ async def test_the_leader_learns_of_a_loss_another_controller_found_first(
         await other.stop(0)
         await leader.stop(0)
         await sim.stop()
+
+
+@pytest.mark.parametrize("flags", [{"backend": "torch", "device": "cpu"}, {}])
+async def test_the_kernel_spec_the_controller_holds_is_written_back(redis_url: str, tmp_path: Path,
+                                                                   flags: dict[str, str]) -> None:
+    """Started with --kernel-* flags, the controller holds the spec they wrote and writes it back after a flush, so the
+    first session call builds the fleet with it. NOTE: before, it went with the data and that call wrote the default
+    (numpy, the synthetic model) in its place. Control: one with no flag (and no fleet built yet) holds none."""
+    ctl = await start_controller(redis_url, make_tokens(tmp_path), store_ping_interval_s=0.1, gc_interval_s=0,
+                                 kernel=flags)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        await _probed_again(ctl)
+        before = r.hget(f"kvf:kv:{KERNEL_SPEC_KEY[0]}", KERNEL_SPEC_KEY[1])
+        assert (before is not None) == bool(flags)
+        r.flushall()
+        await _probed_again(ctl)
+        assert _lost(ctl) == 1
+        assert r.hget(f"kvf:kv:{KERNEL_SPEC_KEY[0]}", KERNEL_SPEC_KEY[1]) == before  # before: None
+        assert kernel_spec_of(ctl.ctx.store).get("backend") == flags.get("backend")  # before: the default's (none)
+    finally:
+        r.close()
+        await ctl.stop(0)
