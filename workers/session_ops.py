@@ -82,17 +82,38 @@ class SessionOps:
         op whose store write was already under way when close gave up can still land after it."""
         if self.closed:
             raise SessionGone(f"session {self.session_id} was closed on this host: its op was not logged")
+        logged = self.ctx is not None and bool(self.ctx.ops)  # its log holds ops: this one's index is not 0
         add_blob_refs(self.store, self.tenant, self.session_id, [op])
         self.num_log_writes += 1  # NOTE: before the write: one that raises may still be durable
         try:
-            self.last_op_index = int(self.store.oplog_append(self.tenant, self.session_id, to_dict(op)))
+            index = int(self.store.oplog_append(self.tenant, self.session_id, to_dict(op)))
         except BaseException:
             undo_blob_ref(self.store, self.tenant, self.session_id, op)
             raise
+        if index == 0 and logged:
+            self._log_gone(op)
+        self.last_op_index = index
         if op.op_id:
             self.op_fps[op.op_id] = op.op_fp
         if isinstance(op, AppendOp):
             self.history_tokens += history_charge(op.length)
+
+    def _log_gone(self, op: Op) -> None:
+        """The op landed first in a log that held the session's ops: the log went (the store lost its data, and the
+        session's record with it). Take the op back out, tear the session (never served again: the fleet finds its
+        record gone, NotFound) and refuse the call with nothing logged. Costs no read: the append's index tells.
+
+        NOTE: the host kept acknowledging such a session's calls from its live state, each op logged into a new log
+        that began mid-session, which no rebuild could ever replay, and no record named."""
+        self.num_log_writes -= 1  # taken back: the call logged nothing (SessionGone, not SessionTorn)
+        try:
+            self.store.oplog_delete(self.tenant, self.session_id)
+            undo_blob_ref(self.store, self.tenant, self.session_id, op)
+        except Exception:  # noqa: BLE001  # the store failed too: an orphan's sweep deletes the log (workers/orphans.py)
+            pass
+        self.torn = "its op log is gone (the store lost its data)"
+        raise SessionGone(f"session {self.session_id}: {self.torn}; its op was not logged and the session is not "
+                          "served again")
 
     @property
     def context(self) -> SessionContext:
