@@ -130,11 +130,17 @@ class Reconcile(LoraLooks):
         await self.look()
 
     async def look(self) -> None:
-        """One fresh look, begun after this call: a look in progress is waited for, then the worker looked at again.
+        """One fresh look, begun after this call: a look in progress is waited for, then the worker looked at again,
+        unless a look begun after this call came ended meanwhile (as fresh: the calls waiting share it).
         NOTE: a route that found no worker serving had every worker look with `reconcile_once`, which skipped a worker
         whose look was in progress; that look may have been fetched before the worker woke, and the route was refused
-        "every candidate is asleep" with the worker awake (a fresh-clone CI run on a loaded machine)."""
+        "every candidate is asleep" with the worker awake (a fresh-clone CI run on a loaded machine). Each waiting
+        call looking again in turn would have made a burst of such routes a queue of looks, each up to the HTTP
+        timeout against a worker that does not answer."""
+        asked = time.monotonic()
         async with self.lock:
+            if self._look_at is not None and self._look_at >= asked:
+                return
             self.apply_observation(await self.fetch())
 
     async def probe(self) -> bool:

@@ -31,3 +31,27 @@ async def test_a_route_finding_none_serving_waits_for_a_fresh_look(tmp_path) -> 
         asyncio.get_running_loop().call_later(0.3, w.lock.release)
         d = await r.route(TOKS, "m", probe=True)  # before: Unavailable, the look skipped
         assert (d.worker, d.verdict) == ("w0", "COLD")  # its level-1 sleep wiped the cache
+
+
+async def test_calls_waiting_for_a_look_share_the_one_begun_after_them(tmp_path) -> None:
+    """Twenty routes that find no worker serving while a look is in progress: one fresh look answers them all, not a
+    queue of twenty (each up to the HTTP timeout against a worker that does not answer)."""
+    async with one_worker(tmp_path, 64) as (r, sim), aiohttp.ClientSession() as h:
+        w = r._workers["w0"]
+        async with h.post(sim.url + "/sleep", params={"level": "1"}) as resp:
+            assert resp.status == 200
+        await w.look()
+        fetches = 0
+        fetch = w.fetch
+
+        async def counted():  # type: ignore[no-untyped-def]
+            nonlocal fetches
+            fetches += 1
+            return await fetch()
+
+        w.fetch = counted  # type: ignore[method-assign]
+        await w.lock.acquire()  # a look in progress
+        asyncio.get_running_loop().call_later(0.3, w.lock.release)
+        got = await asyncio.gather(*(r.route(TOKS, "m", probe=True) for _ in range(20)), return_exceptions=True)
+        assert all(isinstance(e, Unavailable) for e in got)  # asleep, as the fresh look saw
+        assert fetches == 1
