@@ -140,6 +140,8 @@ class Subscriber(Replays):
         Returns:
             True when a catch-up replay was answered and every batch of it read (the sink not muted meanwhile).
         """
+        if self._closing:  # stopped before it began: a socket opened now would never be closed
+            return False
         self._sock = self._connect()
         caught_up = False
         if catch_up_from is not None and self.replay_endpoint:

@@ -222,6 +222,11 @@ class Worker(RankEvents, Verbs, Reconcile):
         another, a rank whose replay did not answer held back the next rank's stream for its whole replay."""
         await self.discover()
         await self.reconcile_once()
+        if self._closing:
+            # NOTE: stopped meanwhile (a router stopping while it resumed the workers the store holds): the streams
+            # opened after stop() closed what it saw were never closed, and the router's ZMQ context then waited
+            # for them for good (a CI run: a controller's stop hung)
+            return
         for r in self.ranks:
             ep = rank_endpoint(self.spec.kv_events, r)
             rp = rank_endpoint(self.spec.replay, r) if self.spec.replay else None
@@ -233,6 +238,8 @@ class Worker(RankEvents, Verbs, Reconcile):
         for e in done:
             if isinstance(e, BaseException):
                 raise e
+        if self._closing:  # stopped while the streams started (stop() ended them): no loop outlives it
+            return
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._reconcile_loop()), loop.create_task(self._tail_loop())]
 
