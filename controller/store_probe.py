@@ -107,7 +107,7 @@ class StoreProbe:
             new = _MARK + os.urandom(8).hex().encode()
             mark = new if self.store.kv_swap(*_PROBE_KEY, None, new) else self.store.kv_get(*_PROBE_KEY)
         seen, self._mark = self._mark, mark
-        unfit = getattr(self.store, "unfit", lambda: None)()
+        unfit = self.store.unfit()
         if seen is None or mark == seen:
             return _Read(False, unfit)
         self._lost()
