@@ -125,7 +125,11 @@ class RouterWorkers:
         if self._session is not None:
             await self._session.close()
         if self._zctx is not None:
-            self._zctx.term()
+            # NOTE: term() waits for every socket of the context to be closed, on the event loop's own thread: a
+            # socket still held by a coroutine this stop does not own (a worker resumed from the store by
+            # load_registry, awaiting its catch-up replay) could never close, and the controller's stop hung for good
+            # (a loaded CI run, twice). destroy closes what is left first; such a coroutine's next call fails, caught
+            self._zctx.destroy(linger=0)
 
     async def _launch(
         self, spec: WorkerSpec, ranks: dict[int, RankState] | None, *, catch_up: bool

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import zmq
 from support.one_worker import one_worker
 
 from controller.vllm.watcher import Worker
@@ -39,3 +40,13 @@ async def test_a_worker_stopped_while_it_starts_leaves_no_socket_open(tmp_path, 
         opened = {s for s in ctx._sockets if not s.closed} - before
         await w.stop()  # (the streams a start opened past its stop, stopped now, so that the router's stop ends)
         assert not opened, f"{len(opened)} sockets left open"  # before: the rank's SUB, which nothing closed
+
+
+@pytest.mark.timeout(30)  # before: stop never returned (Context.term waits for the socket), ended by this bound
+async def test_the_routers_stop_ends_with_a_socket_of_its_context_still_held(tmp_path) -> None:
+    """A socket of the router's context still held by a coroutine the stop does not own (a worker resumed from the
+    store, awaiting its catch-up replay's DEALER) is closed by the stop, which returns."""
+    async with one_worker(tmp_path, 64) as (r, _):
+        assert r._zctx is not None
+        held = r._zctx.socket(zmq.DEALER)
+    assert held.closed
