@@ -56,7 +56,7 @@ def status_row(w: Worker, r: int, index: PrefixIndex) -> WorkerStatus:
         _typed(st.serving, bool) and not faulty,
         _typed(v.rank(r).warmable, bool) and bool(index.resident(key)),
         _typed(st.epoch, int),
-        _typed(w.applying.get(r, st.seq), int),  # a batch being applied in slices is not read yet
+        _typed(w.applied_seq(r), int),  # a batch being applied in slices is not read yet
         index.num_blocks(key),
         float(v.rank_load(r).running + v.rank_load(r).waiting),
         float(v.rank_load(r).kv_usage),

@@ -216,6 +216,11 @@ class Worker(RankEvents, Verbs, Reconcile):
         return (st.serving and self.calibrated and self.hash_cfg is not None and not self.transitioning
                 and not self.guard.faulty())
 
+    def applied_seq(self, rank: int) -> int:
+        """The seq of the last batch whose every event the rank has applied (its state carries a batch's seq from the
+        batch's first slice: controller/vllm/rank_events.py on_batch)."""
+        return self.applying.get(rank, self.ranks[rank].seq)
+
     # start and stop
     async def start(self, *, catch_up: bool) -> None:
         """Discover, look once, then start every rank's stream. NOTE: the ranks catch up side by side: one after

@@ -93,7 +93,7 @@ class Sender:
             assert resp.status == 200
         assert self.sim.publisher is not None
         for _ in range(500):
-            if lost or self.r.worker("w0").ranks[0].seq >= self.sim.publisher.seq - 1:
+            if lost or self.r.worker("w0").applied_seq(0) >= self.sim.publisher.seq - 1:
                 return True
             await asyncio.sleep(0.01)
         if self.r.worker("w0").ranks[0].seq < 0:

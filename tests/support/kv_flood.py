@@ -201,7 +201,7 @@ class LiveStream:
         await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
         w = self.r.worker("w0")
         for _ in range(500):
-            if w.ranks[0].seq >= seq:
+            if w.applied_seq(0) >= seq:
                 return
             await asyncio.sleep(0.01)
         raise AssertionError(f"seq {seq} never handled")

@@ -74,7 +74,7 @@ async def test_a_kv_connectors_event_does_not_set_the_block_size(tmp_path: Path,
                     assert resp.status == 200
 
                 async def ingested() -> bool:
-                    return w.ranks[0].seq == sim.publisher.seq - 1  # type: ignore[union-attr]
+                    return w.applied_seq(0) == sim.publisher.seq - 1  # type: ignore[union-attr]
 
                 # before the fix (block size 0): the rank stayed at seq -1, the CPU event's batch raising again
                 await _until(ingested, f"the rank never ingested past the offloaded copy (seq {w.ranks[0].seq})")

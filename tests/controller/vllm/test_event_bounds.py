@@ -239,7 +239,7 @@ async def test_a_clear_awaited_while_the_worker_sat_out_its_hold_does_not_fence_
             await publish([_stored([h])])
             h += 1
             await asyncio.sleep(0.02)
-            if early is None and w.ranks[0].seq >= live.seq - 1:
+            if early is None and w.applied_seq(0) >= live.seq - 1:
                 early = (w.ranks[0].fence, live.blocks(), time.monotonic() - fenced)  # read again, not yet settled
             if live.blocks():
                 break

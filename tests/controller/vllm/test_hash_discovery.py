@@ -43,9 +43,10 @@ async def _complete_until_seen(r: Router, sim: SimVllm, name: str, indexed: bool
     assert sim.publisher is not None
     # NOTE: the seq and every block of the prompt: a batch's seq is adopted with its first slice (watcher.on_batch
     # yields between slices under load), so its last blocks could land after the seq alone said "seen", and a route
-    # came back COLD (two fresh-clone runs, two tests; the wait was mended in one test only, then here)
+    # came back COLD (two fresh-clone runs, two tests; the wait was mended in one test only, then here). The seq is the
+    # applied one (Worker.applied_seq): with indexed=False nothing else says the batch's calibration has been read
     for _ in range(300):
-        if (r.worker(name).ranks[0].seq >= sim.publisher.seq - 1
+        if (r.worker(name).applied_seq(0) >= sim.publisher.seq - 1
                 and (not indexed or r.index.num_blocks((name, 0)) >= len(TOKS) // 16)):
             return
         await asyncio.sleep(0.01)

@@ -57,7 +57,7 @@ async def test_a_rank_whose_replay_is_silent_holds_no_other_ranks_tail_poll(tmp_
         await r.register_worker(WorkerSpec("w", sim.url, sim.kv_events, sim.replay, "m", dp_ranks=2))
         w = r.worker("w")
         pub.publish([_stored(7)])
-        await _until(lambda: w.ranks[0].seq == pub.seq - 1, "rank 0 never ingested its first batch")
+        await _until(lambda: w.applied_seq(0) == pub.seq - 1, "rank 0 never ingested its first batch")
         held.released.clear()
         seen = held.requests
         await _until(lambda: held.requests > seen, "rank 1's tail poll never asked")  # now held, for up to 60 s
@@ -69,7 +69,7 @@ async def test_a_rank_whose_replay_is_silent_holds_no_other_ranks_tail_poll(tmp_
         pub.drop_next = 1  # rank 0's last batch is lost live: only its tail poll can bring it
         lost = pub.publish([_stored(8)])
         # before the fix: rank 0's next poll waited for rank 1's held one (60 s here; 1 s of silence by default)
-        await _until(lambda: w.ranks[0].seq >= lost, f"rank 0 stuck at seq {w.ranks[0].seq} < {lost} behind rank 1's "
+        await _until(lambda: w.applied_seq(0) >= lost, f"rank 0 stuck at seq {w.ranks[0].seq} < {lost} behind rank 1's "
                      "silent replay", n=250)
         assert tails() == before + 1  # brought by a tail poll, not a live message
         assert not held.released.is_set() and held.requests == seen + 1  # control: rank 1's poll is still out
