@@ -22,13 +22,14 @@ def verdict(cfg: HashConfig, ev: BlockStored) -> tuple[HashConfig, bool | None]:
     OffloadingConnector: medium "CPU", parent None, token_ids [], block_size 0 or its own offloaded block size)
     hashes nothing here and is never matched. NOTE: one such event used to fail calibration: the rank's index was
     dropped and the worker stayed COLD until a new prompt's block 0 came. A block size other than the config's is
-    a failure; a parentless, LoRA-free block 0 whose extra keys are none or one salt is recomputed."""
+    a failure; a parentless, LoRA-free block 0 whose extra keys are none or one salt is recomputed, where the
+    event's hashes name its tokens block for block (BlockStored.covers_tokens)."""
     if not evidence(ev):
         return cfg, None
     if ev.block_size != cfg.block_size:
         return cfg, False
-    if ev.parent_block_hash is not None or ev.lora_name is not None or not ev.block_hashes:
-        return cfg, None
+    if ev.parent_block_hash is not None or ev.lora_name is not None or not ev.block_hashes or not ev.covers_tokens():
+        return cfg, None  # NOTE: a store that left null blocks out failed here: its first hash is no block 0's
     salt = _block0_salt(ev.extra_keys)
     if salt is False:
         return cfg, None

@@ -115,6 +115,15 @@ class BlockStored:
     kind: str | None = None
     window: int | None = None
 
+    def covers_tokens(self) -> bool:
+        """Its hashes name its tokens block for block: hash i is the block of token_ids[i*B:(i+1)*B].
+
+        False where vLLM left null blocks out: BlockPool.cache_full_blocks skips a null block (a sliding-window
+        group's blocks outside the window, a Mamba group's in align mode) in block_hashes and extra_keys but not
+        in token_ids, which span every new block (vllm#44451). Such an event names GPU-resident hashes all the
+        same, but which of its token blocks each one hashes, it does not say: no calibration evidence."""
+        return len(self.token_ids) == len(self.block_hashes) * self.block_size
+
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
@@ -161,12 +170,14 @@ def _tag_of(raw: bytes) -> Any:
 
 def _convert(ev: Any) -> Event:
     if isinstance(ev, _MapStored | _ArrStored):
-        # vLLM's block pool sends block_size tokens per hash; its offloading connector sends none
-        # (kv_connector/v1/offloading/scheduler.py take_events: token_ids=[]). NOTE: a one-hash event
-        # used to pass with any number of tokens (30M held the loop and 677 MiB).
-        if ev.token_ids and len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
+        # vLLM's block pool sends whole blocks of tokens: block_size per hash, or more where it left null blocks
+        # out of the hashes but not out of the tokens (BlockStored.covers_tokens); its offloading connector's
+        # placeholder sends none (token_ids=[], block_size 0). NOTE: a one-hash event used to pass with any number
+        # of tokens (30M held the loop and 677 MiB; the message's byte bound, budget.refusal, now refuses those).
+        n = len(ev.token_ids)
+        if n and (ev.block_size <= 0 or n % ev.block_size or n < len(ev.block_hashes) * ev.block_size):
             raise EventDecodeError(f"BlockStored with {len(ev.block_hashes)} hashes of block size {ev.block_size} "
-                                   f"but {len(ev.token_ids)} tokens")
+                                   f"but {n} tokens")
         parent = None if ev.parent_block_hash is None else normalize(ev.parent_block_hash)
         return BlockStored(tuple(normalize(h) for h in ev.block_hashes), parent, tuple(ev.token_ids), ev.block_size,
                            ev.medium, ev.lora_name, None if ev.extra_keys is None else tuple(ev.extra_keys),

@@ -83,6 +83,20 @@ async def test_a_group_of_a_kind_not_modelled_fails_closed(tmp_path: Path) -> No
         assert (await _route(r, sim, mamba))[1] == 0
 
 
+async def test_a_window_group_store_that_skips_its_null_blocks_routes_warm(tmp_path: Path) -> None:
+    """vLLM's BlockPool.cache_full_blocks leaves a null block out of `block_hashes` (and `extra_keys`) but not out of
+    `token_ids`, which span every new block (vllm#44451): a sliding-window group whose blocks outside the window are
+    null (external tokens a KV connector loaded, SWA allocation) stores only the window's hashes, parent None, with
+    all the prompt's tokens. NOTE: such an event was a decode error (tokens != hashes x block size): the batch was
+    dropped, the rank invalidated, and the prompt routed COLD; its block 0 is no calibration evidence either."""
+    window_only = wire.VllmBlockStored(
+        block_hashes=H[N - 2:N], parent_block_hash=None, token_ids=TOKS[:N * B], block_size=B, lora_id=None,
+        medium="GPU", lora_name=None, extra_keys=[None, None], group_idx=1, kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=WINDOW)
+    async with one_worker(tmp_path, 256) as (r, sim):
+        assert await _route(r, sim, [_stored(0, "full_attention", 0, N), window_only]) == ("WARM", N * B)
+
+
 async def test_control_one_group_routes_warm(tmp_path: Path) -> None:
     async with one_worker(tmp_path, 256) as (r, sim):
         assert await _route(r, sim, [_stored(0, "full_attention", 0, N)]) == ("WARM", N * B)

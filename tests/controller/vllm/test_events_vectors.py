@@ -13,9 +13,10 @@ from support.vllm_vectors import frames, load
 
 from controller.index import PrefixIndex, tier_of
 from controller.metrics import Metrics
-from controller.vllm.events import EventDecodeError, UnknownEventType, decode_batch, parse_seq
+from controller.vllm.calibration import verdict
+from controller.vllm.events import BlockStored, EventDecodeError, UnknownEventType, decode_batch, parse_seq
 from controller.vllm.subscriber import Subscriber
-from fleet.core.block_hash import normalize
+from fleet.core.block_hash import HashConfig, normalize
 
 V = load()
 KEY = ("w", 0)
@@ -72,6 +73,31 @@ def test_named_vectors_end_state() -> None:
     assert gpu("cpu_tier") == set()                     # CPU tier never counts as warm
     assert gpu("bytes_hashes") == {H[0]}                # raw digests normalise to the same 64-bit keys
     assert gpu("all_cleared") == set() and gpu("empty_batch") == set()
+
+
+def test_a_store_that_left_null_blocks_out_is_indexed_but_no_calibration_evidence() -> None:
+    """vLLM's block pool leaves null blocks (outside a sliding window, Mamba align mode) out of block_hashes but not
+    out of token_ids (vllm#44451). NOTE: this vector was a decode error (1 hash of block size 16 but 48 tokens): the
+    batch was dropped and the rank invalidated; and, decoded, its first hash was taken for block 0's and failed
+    calibration. Controls: tokens that are no whole number of blocks, or fewer than the hashes name, still raise."""
+    by = {v["name"]: v for v in V["vectors"]}
+    H = [b["external_int"] for b in V["main_chain"]]
+    (ev,) = decode_batch(frames(by["stored_null_blocks_skipped"])[2]).events
+    assert isinstance(ev, BlockStored) and ev.block_hashes == (H[2],) and len(ev.token_ids) == 48
+    assert not ev.covers_tokens()
+    idx = PrefixIndex()
+    idx.apply(KEY, ev)
+    assert set(idx.rank(KEY).tiers[(1, "GPU")]) == {H[2]}
+    cfg = HashConfig("sha256", None, 16)
+    assert verdict(cfg, ev) == (cfg, None)
+    (root,) = decode_batch(frames(by["stored_root_chain"])[2]).events  # control: an aligned block 0 calibrates
+    assert isinstance(root, BlockStored) and root.covers_tokens() and verdict(cfg, root) == (cfg, True)
+    for hashes, tokens in ((1, 47), (2, 16)):  # 47: no whole number of blocks; 16 for 2 hashes of 16: too few
+        bad = {"type": "BlockStored", "block_hashes": [7, 8][:hashes], "parent_block_hash": None,
+               "token_ids": list(range(tokens)), "block_size": 16, "lora_id": None, "medium": "GPU",
+               "lora_name": None}
+        with pytest.raises(EventDecodeError):
+            decode_batch(msgspec.msgpack.encode([1.0, [bad], 0]))
 
 
 def test_unknown_type_and_malformed_frames_raise() -> None:
