@@ -75,6 +75,7 @@ class RedisBlobStore(BlobStore):
         self._gc_scan = RedisGc(self.r)
         self._s_kv_swap = self.r.register_script(KV_SWAP_LUA)
         self._pieces = PiecedPut(self.r, f"redis at {self.host}:{self.port}")
+        self._evicting: str | None = None  # what the last unfit() found: data writes are refused while it is set
         try:
             self.ping()
             self._refuse_eviction()
@@ -106,13 +107,23 @@ class RedisBlobStore(BlobStore):
         try:
             policy = str(self.r.info("memory").get("maxmemory_policy", ""))
         except redis.exceptions.ResponseError:  # INFO refused (an ACL, a renamed command): nothing to check
-            return None
-        if not policy.startswith("allkeys-"):
-            return None
-        return (f"redis at {self.host}:{self.port} evicts keys when it is full (maxmemory-policy {policy}): it "
+            policy = ""
+        self._evicting = None if not policy.startswith("allkeys-") else (
+                f"redis at {self.host}:{self.port} evicts keys when it is full (maxmemory-policy {policy}): it "
                 "would drop blobs, op logs and byte counts, any tenant's to make room for another's, without an "
                 "error. Set maxmemory-policy noeviction on it (a full store then refuses writes with "
                 "RESOURCE_EXHAUSTED and keeps what it holds), or give kvfleet a Redis of its own")
+        return self._evicting
+
+    def _refuse_while_evicting(self) -> None:
+        """Refuse a write of tenant data (a blob, an op log) while the last unfit() found this Redis evicting.
+
+        NOTE: a Redis set to evict while the controller ran read NOT_SERVING (its store probe asks unfit() every
+        interval), but a client that called on went on storing blobs and op logs into it, acknowledged, for it to drop
+        without an error at its maxmemory. Now they are refused as an open is, until a probe finds the policy fixed.
+        The controller's own keys (kv_*) are still written: they are what it rebuilds from after a loss."""
+        if self._evicting is not None:
+            raise FailedPrecondition(f"write refused, the store cannot keep it: {self._evicting}")
 
     @staticmethod
     def _keys(tenant: str, ref: str) -> tuple[str, str]:
@@ -128,6 +139,7 @@ class RedisBlobStore(BlobStore):
     # ---- blobs ----------------------------------------------------------------------------------
     @store_call
     def _put(self, tenant: str, ref: str, data: memoryview, now: float, quota: int) -> tuple[int, int] | None:
+        self._refuse_while_evicting()
         keys = self._put_keys(tenant, ref)
         lease = repr(self._lease(now))
         self._pieces.drop_undropped()  # NOTE: only a pieced put did: a small one counted a failed put's reservation
@@ -147,6 +159,7 @@ class RedisBlobStore(BlobStore):
     def _put_many(self, tenant: str, items: list[tuple[str, memoryview]], now: float) -> list[str]:
         # pipelined groups of <= _PIPE_BYTES: one round trip each, bounded server-side buffering; a blob
         # larger than a piece goes in pieces on its own (no command carries more than a piece)
+        self._refuse_while_evicting()
         refs: list[str] = []
         group: list[tuple[str, memoryview]] = []
         for ref, data in items:
@@ -276,6 +289,7 @@ class RedisBlobStore(BlobStore):
     # ---- op log -------------------------------------------------------------------------------------
     @store_call
     def _oplog_append(self, tenant: str, session_id: str, op_json: str) -> int:
+        self._refuse_while_evicting()
         return int(self.r.rpush(f"kvf:t:{tenant}:op:{session_id}", op_json)) - 1
 
     @store_call
@@ -289,6 +303,7 @@ class RedisBlobStore(BlobStore):
 
     @store_call
     def _oplog_replace(self, tenant: str, session_id: str, ops_json: list[str]) -> None:
+        self._refuse_while_evicting()
         key, pipe = f"kvf:t:{tenant}:op:{session_id}", self.r.pipeline(transaction=True)  # MULTI/EXEC: all or none
         pipe.delete(key)
         for i in range(0, len(ops_json), 4096):

@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.controller import make_tokens, start_controller
 
 from controller.store_probe import STORE_HEALTH_SERVICE
+from fleet.core.errors import FailedPrecondition
+from fleet.sdk import NO_RETRY, AsyncFleetClient
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -51,15 +53,20 @@ async def _until_health(address: str, want: tuple[int, int], timeout_s: float = 
 async def test_an_evicting_redis_under_a_running_controller_is_not_serving(
         redis_url: str, policy: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, "kvfleet.controller.store")
-    ctl = await start_controller(redis_url, make_tokens(tmp_path), store_ping_interval_s=0.1, gc_interval_s=0)
+    tokens = make_tokens(tmp_path)
+    ctl = await start_controller(redis_url, tokens, store_ping_interval_s=0.1, gc_interval_s=0)
     try:
-        await _until_health(ctl.address, (SERVING, SERVING))
-        policy.config_set("maxmemory-policy", "allkeys-lru")
-        await _until_health(ctl.address, (NOT_SERVING, NOT_SERVING))  # before: SERVING, SERVING
-        assert "evicts keys when it is full (maxmemory-policy allkeys-lru)" in caplog.text
-        assert "noeviction" in caplog.text
-        policy.config_set("maxmemory-policy", "volatile-lru")  # control: evicts only keys with a TTL
-        await _until_health(ctl.address, (SERVING, SERVING))
-        assert ctl.store_probe.unfit is None and ctl.ctx.leader
+        async with AsyncFleetClient(ctl.address, token=tokens.a, retry=NO_RETRY) as c:
+            await _until_health(ctl.address, (SERVING, SERVING))
+            policy.config_set("maxmemory-policy", "allkeys-lru")
+            await _until_health(ctl.address, (NOT_SERVING, NOT_SERVING))  # before: SERVING, SERVING
+            assert "evicts keys when it is full (maxmemory-policy allkeys-lru)" in caplog.text
+            assert "noeviction" in caplog.text
+            with pytest.raises(FailedPrecondition, match="noeviction"):  # before: stored, for Redis to drop
+                await c.put_blob(b"a tool result")
+            policy.config_set("maxmemory-policy", "volatile-lru")  # control: evicts only keys with a TTL
+            await _until_health(ctl.address, (SERVING, SERVING))
+            assert ctl.store_probe.unfit is None and ctl.ctx.leader
+            assert await c.get_blob(await c.put_blob(b"a tool result")) == b"a tool result"
     finally:
         await ctl.stop(0)

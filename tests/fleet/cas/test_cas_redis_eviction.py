@@ -65,3 +65,26 @@ def test_a_blob_whose_bytes_went_behind_the_stores_back_can_be_put_again(redis_u
         assert meta is not None and meta.pins == 1 and store.stored_bytes("acme") == used
         assert r.ttl(f"kvf:t:acme:b:{ref}") == -1
     r.close()
+
+
+def test_a_redis_set_to_evict_while_open_refuses_data_writes_until_fixed(redis_url: str, policy: redis.Redis) -> None:
+    """Opened fit, then set to evict: once unfit() (the controller's store probe) has seen it, puts and op-log writes
+    are refused naming the policy and the fix, and nothing is written; once it sees noeviction again, they go through.
+    NOTE: before, they were acknowledged into a Redis that would drop them at its maxmemory without an error."""
+    with open_store(redis_url) as store:
+        kept = store.put(b"stored before", "acme")
+        policy.config_set("maxmemory-policy", "allkeys-lru")
+        assert store.put(b"before the probe looked", "acme")  # control: the refusal follows what the probe saw
+        assert store.unfit() is not None
+        keys = policy.dbsize()
+        for write in (lambda: store.put(b"x" * 100, "acme"), lambda: store.put(b"y" * (2 << 20), "acme"),
+                      lambda: store.put_many([b"z"], "acme"), lambda: store.oplog_append("acme", "s1", {"op": 1}),
+                      lambda: store.oplog_replace("acme", "s1", [{"op": 1}])):
+            with pytest.raises(FailedPrecondition) as ei:
+                write()
+            assert "maxmemory-policy allkeys-lru" in str(ei.value) and "noeviction" in str(ei.value)
+        assert policy.dbsize() == keys and store.get(kept, "acme") == b"stored before"  # reads go on
+        policy.config_set("maxmemory-policy", "noeviction")
+        assert store.unfit() is None
+        assert store.get(store.put(b"after the fix", "acme"), "acme") == b"after the fix"
+        assert store.oplog_append("acme", "s1", {"op": 1}) == 0
