@@ -124,7 +124,7 @@ def tokenize_request(body: dict[str, Any], chat: bool) -> dict[str, Any] | list[
         # against any worker's blocks, so the request is routed by load alone (the worker checks the embeddings)
         return []
     batch = batch_of(p)
-    return prompt_request(body, p if batch is None else batch[0])  # a batch: its first prompt here
+    return prompt_request(body, p) if batch is None else prompt_request(body, batch[0], "prompt[0]")  # its first
 
 
 def load_hf_tokenizer(path: str) -> Any:

@@ -15,7 +15,8 @@ stands for the longest prompt the request allows: the model's context length les
 value that is not an integer of at least -1, is a 400. /tokenize never truncates.
 
 Batches (`completion_prompts`). A completion's `prompt` is one prompt (a string, or a list of token ids) or a batch of
-them (a list of strings, or a list of token-id lists); vLLM runs each prompt of a batch as its own engine request,
+them (a list of strings, or a list of token-id lists; an id is what pydantic's lax mode reads as an int: 1000.0,
+"1000", true); vLLM runs each prompt of a batch as its own engine request,
 and each of those `n` times (`num_choices`). Anything else (an empty list, a list mixing the shapes) is a 400.
 """
 
@@ -26,25 +27,31 @@ from typing import Any
 from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.context import requested_output
 from fleet.core.errors import InvalidArgument
+from fleet.core.lax import lax_token_ids
+
+SHAPES = ("prompt must be a string, a list of token ids, a non-empty list of strings or a non-empty list of token-id "
+          "lists (not a mix)")
 
 
-def _is_ids(p: Any) -> bool:
-    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+def _ids(p: list[Any], where: str) -> list[int]:
+    try:
+        return lax_token_ids(p)
+    except ValueError as e:
+        raise InvalidArgument(f"{SHAPES}: {where}{e}") from None
 
 
 def completion_prompts(p: Any) -> list[list[int]]:
-    """The ids of each prompt a completion's `prompt` holds, in order (one, or a batch's)."""
+    """The ids of each prompt a completion's `prompt` holds, in order (one, or a batch's), read as vLLM's union of
+    shapes reads it (pydantic's lax mode: 1000.0, "1000" and true are token ids; fleet.core.lax.lax_token_ids)."""
     if isinstance(p, str):
         return [tok.tokenize(p)]
     if isinstance(p, list) and p:
-        if _is_ids(p):
-            return [list(p)]
         if all(isinstance(x, str) for x in p):
             return [tok.tokenize(x) for x in p]
-        if all(_is_ids(x) for x in p):
-            return [list(x) for x in p]
-    raise InvalidArgument("prompt must be a string, a list of token ids, a non-empty list of strings or a non-empty "
-                          "list of token-id lists (not a mix)")
+        if all(isinstance(x, list) for x in p):
+            return [_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        return [_ids(p, "prompt")]
+    raise InvalidArgument(SHAPES)
 
 
 def num_choices(body: dict[str, Any]) -> int:
