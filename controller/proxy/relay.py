@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "server", "date"
 MAX_NOTED_BYTES = 8 << 20  # the most of a worker's answer read whole (or held back) to add the quarantine note
 MAX_HELD_BYTES = 1 << 20  # the most of a stream's incomplete last event held back (_WholeEvents)
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # an SSE event ends with a blank line
+_EVENT_END = re.compile(rb"(\r\n\r\n|\n\n)")
 # request key: the answer's status and headers are out (relay); a web.RequestKey where aiohttp has them (3.12+)
 PREPARED: Any = web.RequestKey("kvfleet.prepared", bool) if hasattr(web, "RequestKey") else "kvfleet.prepared"
 
@@ -128,69 +130,72 @@ async def _relay_noted(request: web.Request, o: Opened, extra: dict[str, str],
 
 
 class _WholeEvents:
-    """A stream's bytes up to the end of its last complete event; the incomplete event after it is held until it
-    completes (at most MAX_HELD_BYTES of it: past that, relayed as it comes).
+    """A stream's bytes up to the end of its last complete event (a blank line: "\n\n" or "\r\n\r\n"); the incomplete
+    event after it is held until it completes (at most `limit` bytes of it: past that, relayed as it comes).
 
     NOTE: a worker that broke off inside an event had that event's first part relayed, and the error event _broken
     adds was read as its continuation: an OpenAI SDK raised json.JSONDecodeError (not an APIError) where, straight
     from the worker, it raised APIConnectionError. A worker writes whole events, so the first test passes nearly
-    always and nothing is held.
+    always and nothing is held. Linear in the stream: a chunk is searched once, with the held bytes' last 3 (an
+    event's end may straddle chunks), and the held bytes are joined only once an event completes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_HELD_BYTES) -> None:
+        self.limit = limit
         self.held: list[bytes] = []
         self.size = 0
+        self._tail = b""  # the held bytes' last 3
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.held and chunk.endswith(_EVENT_ENDS):
             return chunk
-        if b"\n" not in chunk:  # NOTE: every event's end is a "\n": none can end in this chunk
+        window = self._tail + chunk
+        lf, crlf = window.rfind(b"\n\n"), window.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0) - len(self._tail)  # in `chunk`
+        if end <= 0:  # no event ends in this chunk
             if chunk:
                 self.held.append(chunk)
                 self.size += len(chunk)
-            return self.flush() if self.size > MAX_HELD_BYTES else b""
-        data = b"".join((*self.held, chunk))
-        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)  # after the last event's end
-        self.held, self.size = ([data[end:]] if end < len(data) else []), len(data) - end
-        return data[:end] + (self.flush() if self.size > MAX_HELD_BYTES else b"")
+                self._tail = window[-3:]
+            return self.flush() if self.size > self.limit else b""
+        data = b"".join((*self.held, chunk[:end]))
+        rest = chunk[end:]
+        self.held, self.size, self._tail = ([rest] if rest else []), len(rest), rest[-3:]
+        return data + (self.flush() if self.size > self.limit else b"")
 
     def flush(self) -> bytes:
         rest = b"".join(self.held)
-        self.held, self.size = [], 0
+        self.held, self.size, self._tail = [], 0, b""
         return rest
 
 
 class _SseNoter:
     """Adds `note` as "kvfleet" to a stream's usage chunk; passes every other event through unchanged.
 
-    NOTE: holds back at most one incomplete event (bytes after the last blank line) until it completes, and
+    NOTE: holds back at most one incomplete event (bytes after the last event's end) until it completes, and
     at most MAX_NOTED_BYTES of it: past that, a worker's stream is relayed as it comes.
+    NOTE: it knew only "\n\n" as an event's end: a stream framed with "\r\n\r\n" (SSE allows either; _WholeEvents,
+    relaying a stream with nothing withheld, took both) was held whole, up to 8 MiB, whenever a tool result had been
+    withheld, so the client got no token until the answer ended, and its usage chunk went without the note.
     """
 
     def __init__(self, note: dict[str, Any]) -> None:
         self.note = note
-        self.held: list[bytes] = []  # the incomplete event's chunks, joined only once it completes
-        self.size = 0
+        self.events = _WholeEvents(MAX_NOTED_BYTES)
+
+    @property
+    def size(self) -> int:
+        return self.events.size
 
     def feed(self, chunk: bytes) -> bytes:
-        # NOTE: linear in the stream: a chunk without an event's end is only appended (before, the held bytes were
-        # joined and searched again on every chunk: 16 MiB without a blank line, in 4 KiB chunks, took 10.7 s)
-        straddles = chunk[:1] == b"\n" and self.held and self.held[-1][-1:] == b"\n"
-        if b"\n\n" not in chunk and not straddles:
-            if chunk:
-                self.held.append(chunk)
-                self.size += len(chunk)
-            return self.flush() if self.size > MAX_NOTED_BYTES else b""  # no usage event is this long: relay it
-        head, sep, rest = (b"".join(self.held) + chunk).rpartition(b"\n\n")
-        self.held, self.size = ([rest] if rest else []), len(rest)
-        out = b"\n\n".join(self._event(e) for e in head.split(b"\n\n")) + sep
-        return out + self.flush() if self.size > MAX_NOTED_BYTES else out
+        data = self.events.feed(chunk)
+        if b'"usage"' not in data:
+            return data
+        parts = _EVENT_END.split(data)  # events at even places, their ends between them
+        return b"".join(self._event(e) if i % 2 == 0 else e for i, e in enumerate(parts))
 
     def flush(self) -> bytes:
-        rest = b"".join(self.held)
-        self.held, self.size = [], 0
-        return rest
+        return self.events.flush()
 
     def _event(self, e: bytes) -> bytes:
         if not e.startswith(b"data: {") or b'"usage"' not in e:
