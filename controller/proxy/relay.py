@@ -170,7 +170,8 @@ class _WholeEvents:
 
 
 class _SseNoter:
-    """Adds `note` as "kvfleet" to a stream's usage chunk; passes every other event through unchanged.
+    """Adds `note` as "kvfleet" to a stream's usage chunk (an event with a usage and no choices); passes every other
+    event through unchanged.
 
     NOTE: holds back at most one incomplete event (bytes after the last event's end) until it completes, and
     at most MAX_NOTED_BYTES of it: past that, a worker's stream is relayed as it comes.
@@ -204,7 +205,9 @@ class _SseNoter:
             doc = json.loads(e[len(b"data: "):])
         except ValueError:
             return e
-        if not isinstance(doc, dict) or not doc.get("usage"):
+        # NOTE: the usage chunk is the one with no choices (vLLM's last): with stream_options' continuous_usage_stats
+        # every chunk has a usage, and each was re-encoded with the note, the note sent once per token
+        if not isinstance(doc, dict) or not doc.get("usage") or doc.get("choices"):
             return e
         return b"data: " + json.dumps({**doc, "kvfleet": self.note}).encode()
 

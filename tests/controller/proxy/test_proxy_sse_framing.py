@@ -1,6 +1,11 @@
-"""A stream framed with "\\r\\n\\r\\n" (SSE ends an event with any blank line) is relayed as it comes, and its usage chunk
-noted, when the request had a tool result withheld, as a "\\n\\n"-framed one is. NOTE: the noter knew only "\\n\\n": such
-a stream was held whole (up to 8 MiB), so the client got no token until the answer ended, and the note was lost."""
+"""A stream whose request had a tool result withheld gets the quarantine note in its usage chunk alone, relayed as it
+comes however its events are framed.
+
+- A stream framed with "\\r\\n\\r\\n" (SSE ends an event with any blank line) is relayed as a "\\n\\n"-framed one is.
+  NOTE: the noter knew only "\\n\\n": such a stream was held whole (up to 8 MiB), so the client got no token until the
+  answer ended, and the note was lost.
+- With stream_options' continuous_usage_stats every chunk has a usage; the note goes in the last (no choices) only.
+  NOTE: every chunk was re-encoded with the note: the note sent once per token."""
 
 from __future__ import annotations
 
@@ -83,3 +88,19 @@ def test_a_crlf_stream_split_anywhere_is_noted_as_if_it_came_whole() -> None:
                 parts = [sse.feed(stream[:i]), sse.feed(stream[i:j]), sse.feed(stream[j:])]
                 assert b"".join(parts) + sse.flush() == expected and sse.size == 0
                 assert all(not p or p.endswith(end) for p in parts)  # whole events only, on the way
+
+
+async def test_with_continuous_usage_only_the_usage_chunk_is_noted(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        body = {"model": MODEL, "messages": TURN, "stream": True, "n": 2, "max_tokens": 3,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        status, h, raw = await fleet.post("/v1/chat/completions", body)
+    finally:
+        await fleet.stop()
+    assert status == 200 and h["x-kvfleet-quarantined-count"] == "1", raw
+    events = [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    tokens = [e for e in events if e["choices"]]
+    assert len(tokens) == 6 and all(e["usage"]["completion_tokens"] >= 1 for e in tokens)  # control: continuous
+    assert [e for e in events if "kvfleet" in e] == [events[-1]] and events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 6 and events[-1]["kvfleet"]["quarantined"][0]["where"]

@@ -20,7 +20,7 @@ from fleet.app.testkit.sim_vllm import tokenizer as tok
 from fleet.app.testkit.sim_vllm.config import EnginePaused, EngineRestarted, SimEngineConfig
 from fleet.app.testkit.sim_vllm.parts import Sim
 from fleet.core.errors import InvalidArgument
-from fleet.core.lax import reads_prefix_cache, stream_of
+from fleet.core.lax import lax_bool, reads_prefix_cache, stream_of
 
 if TYPE_CHECKING:
     from fleet.app.testkit.sim_vllm.loop import Ticket
@@ -91,6 +91,7 @@ class _Reply:
     prompts: list[list[int]]
     rid: str = ""
     created: int = 0
+    continuous: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
 
     @property
     def kind(self) -> str:
@@ -116,18 +117,23 @@ class _Reply:
         chunk = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         return f"data: {json.dumps({**chunk, **extra})}\n\n".encode()
 
-    def _piece(self, s: _Seq, i: int | None, fin: str | None) -> bytes:
+    def _piece(self, s: _Seq, i: int | None, fin: str | None, done: int) -> bytes:
+        """`s`'s chunk of output id `i` (None: none, the finish alone); `done`: its output ids sent with it."""
         piece = tok.detokenize([s.out[i]]) if i is not None else ""
         choice = ({"index": s.index, "delta": {"content": piece}, "finish_reason": fin} if self.chat
                   else {"index": s.index, "text": piece, "finish_reason": fin})
-        return self._chunk([choice])
+        if not self.continuous:
+            return self._chunk([choice])
+        # NOTE: as vLLM's continuous usage: the chunk's own sequence, its prompt and its output so far
+        return self._chunk([choice], usage={"prompt_tokens": len(s.ids), "completion_tokens": done,
+                                            "total_tokens": len(s.ids) + done})
 
     async def write_tokens(self, resp: web.StreamResponse, s: _Seq, start: int, end: int, fin: str | None) -> None:
         """One chunk per token out[start:end] of `s`; the last carries `fin` (an empty chunk if none is new)."""
         for i in range(start, end):
-            await resp.write(self._piece(s, i, fin if i == end - 1 else None))
+            await resp.write(self._piece(s, i, fin if i == end - 1 else None, i + 1))
         if fin is not None and start == end:
-            await resp.write(self._piece(s, None, fin))
+            await resp.write(self._piece(s, None, fin, end))
 
     async def write_end(self, resp: web.StreamResponse, outs: list[int], cached: int) -> None:
         await resp.write(self._chunk([], usage=self.usage(outs, cached)) + b"data: [DONE]\n\n")
@@ -167,7 +173,7 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     # NOTE: as vLLM: every prompt of a batch is its own engine request, and so is each of its n sequences
     seqs = [_Seq(i * k + j, ids, tok.synthetic_output(ids, context.output_len(out, len(ids), c.max_model_len)))
             for i, ids in enumerate(each) for j in range(k)]
-    reply = _Reply(model, chat, seqs, each, created=int(time.time()))
+    reply = _Reply(model, chat, seqs, each, created=int(time.time()), continuous=_continuous(body))
     if sim.loop is None:  # instant: every request runs at once, alone; there is no queue to order
         return await _instant(sim, req, reply, stream_of(body), kw)
     tickets: list[Ticket] = []
@@ -182,6 +188,14 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     finally:
         for t in tickets:
             sim.loop.release(t)  # NOTE: also on cancellation (client gone): frees the slots
+
+
+def _continuous(body: dict[str, Any]) -> bool:
+    """Whether vLLM puts usage in every chunk of the stream: stream_options' continuous_usage_stats, with its
+    include_usage (true when left out, as vLLM's StreamOptions defaults it)."""
+    so = body.get("stream_options")
+    return (isinstance(so, dict) and lax_bool(so.get("include_usage", True)) is True
+            and lax_bool(so.get("continuous_usage_stats")) is True)
 
 
 async def _instant(
