@@ -104,9 +104,10 @@ async def test_poisoned_tool_result_is_withheld_and_the_next_turn_routes_warm(
         assert h3["x-kvfleet-worker"] == worker and h3["x-kvfleet-verdict"] == "WARM"
         assert int(h3["x-kvfleet-matched-tokens"]) >= n2 // BLOCK * BLOCK
         assert _stand_ins_saw(fleet, POISON) == []
-        # streamed: the usage chunk carries the same field; every other event is the worker's own
-        status, hs, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs3,
-                                                                    "max_tokens": 4, "stream": True})
+        # streamed: the usage chunk (asked for, as vLLM sends it only then) carries the same field; every other event
+        # is the worker's own
+        status, hs, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs3, "max_tokens": 4,
+                                                                    "stream": True, "stream_options": {}})
         events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
         print("streamed turn 3, last event:", events[-1])
         assert status == 200 and hs["x-kvfleet-quarantined"] == ref and sse_events(raw)[-1] == "[DONE]"

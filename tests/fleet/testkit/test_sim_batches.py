@@ -43,7 +43,7 @@ async def test_a_batch_times_n_gives_one_choice_per_prompt_and_sequence_with_usa
             assert [c["index"] for c in doc["choices"]] == [0, 1, 2] and doc["usage"]["completion_tokens"] == 6
             # streamed: every choice's chunks, then one usage chunk over them all
             r = await http.post(sim.url + "/v1/completions", json={"prompt": [A, B], "n": 2, "max_tokens": 2,
-                                                                  "stream": True})
+                                                                  "stream": True, "stream_options": {}})
             raw = (await r.read()).decode()
             events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
             ended = sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"])

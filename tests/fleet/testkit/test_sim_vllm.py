@@ -107,7 +107,14 @@ async def test_tokenize_and_completions(sim) -> None:
         json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2},
     ) as r:
         text = await r.text()
-    assert text.count("data: ") == 4 and text.rstrip().endswith("data: [DONE]")
+    assert text.count("data: ") == 3 and text.rstrip().endswith("data: [DONE]")  # as vLLM: no usage chunk unasked
+    async with http.post(
+        s.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2,
+              "stream_options": {}},  # include_usage true by default there
+    ) as r:
+        text = await r.text()
+    assert text.count("data: ") == 4 and '"choices": [], "usage": {' in text and text.rstrip().endswith("data: [DONE]")
     assert (await _post(http, s.url + "/v1/completions", json={"model": "nope", "prompt": "x"}))[0] == 404
     assert (await _post(http, s.url + "/v1/completions", data=b"{junk"))[0] == 400
 
@@ -312,7 +319,8 @@ async def test_clocked_hazards_still_hold(clocked) -> None:
     assert seq == 1 and isinstance(evs[0], AllBlocksCleared) and isinstance(evs[1], BlockStored)
     # a stream in flight holds its blocks: reset answers success:false; sleep(abort) ends the stream
     async with http.post(
-        s.url + "/v1/completions", json={"prompt": list(range(32)), "max_tokens": 8000, "stream": True}
+        s.url + "/v1/completions", json={"prompt": list(range(32)), "max_tokens": 8000, "stream": True,
+                                   "stream_options": {"include_usage": True}}
     ) as r:
         await r.content.readuntil(b"\n\n")
         assert await _post(http, s.url + "/reset_prefix_cache") == (200, {"success": False})

@@ -92,6 +92,7 @@ class _Reply:
     rid: str = ""
     created: int = 0
     continuous: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage in every chunk
+    usage_chunk: bool = True  # stream_options.include_usage: the stream ends with a usage chunk (no choices)
 
     @property
     def kind(self) -> str:
@@ -136,7 +137,9 @@ class _Reply:
             await resp.write(self._piece(s, None, fin, end))
 
     async def write_end(self, resp: web.StreamResponse, outs: list[int], cached: int) -> None:
-        await resp.write(self._chunk([], usage=self.usage(outs, cached)) + b"data: [DONE]\n\n")
+        # NOTE: as vLLM, the usage chunk only where stream_options asks for it: it was sent on every stream
+        usage = self._chunk([], usage=self.usage(outs, cached)) if self.usage_chunk else b""
+        await resp.write(usage + b"data: [DONE]\n\n")
         await resp.write_eof()
 
 
@@ -173,7 +176,8 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     # NOTE: as vLLM: every prompt of a batch is its own engine request, and so is each of its n sequences
     seqs = [_Seq(i * k + j, ids, tok.synthetic_output(ids, context.output_len(out, len(ids), c.max_model_len)))
             for i, ids in enumerate(each) for j in range(k)]
-    reply = _Reply(model, chat, seqs, each, created=int(time.time()), continuous=_continuous(body))
+    reply = _Reply(model, chat, seqs, each, created=int(time.time()), continuous=_continuous(body),
+                   usage_chunk=_include_usage(body))
     if sim.loop is None:  # instant: every request runs at once, alone; there is no queue to order
         return await _instant(sim, req, reply, stream_of(body), kw)
     tickets: list[Ticket] = []
@@ -190,12 +194,18 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
             sim.loop.release(t)  # NOTE: also on cancellation (client gone): frees the slots
 
 
+def _include_usage(body: dict[str, Any]) -> bool:
+    """Whether vLLM ends the stream with a usage chunk: stream_options given, with include_usage true (its default
+    there, as vLLM's StreamOptions has it); no stream_options, no usage chunk."""
+    so = body.get("stream_options")
+    return isinstance(so, dict) and lax_bool(so.get("include_usage", True)) is True
+
+
 def _continuous(body: dict[str, Any]) -> bool:
     """Whether vLLM puts usage in every chunk of the stream: stream_options' continuous_usage_stats, with its
-    include_usage (true when left out, as vLLM's StreamOptions defaults it)."""
+    include_usage."""
     so = body.get("stream_options")
-    return (isinstance(so, dict) and lax_bool(so.get("include_usage", True)) is True
-            and lax_bool(so.get("continuous_usage_stats")) is True)
+    return _include_usage(body) and isinstance(so, dict) and lax_bool(so.get("continuous_usage_stats")) is True
 
 
 async def _instant(
