@@ -74,9 +74,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the endpoints and tokens as one JSON line")
     add_cost_flags(p, os.environ)  # KVFLEET_ROUTE_*, as `kvfleet controller` reads them
     add_kernel_flags(p)
-    add_edge_flags(p)
+    # NOTE: both read {} here: `KVFLEET_NODE_KV_BYTES=… kvfleet up` and the edge limits' KVFLEET_UPLOAD_MIN_RATE, …
+    # (docs/deploy.md, section 10: "flags on kvfleet controller are also on kvfleet up") were ignored without a word
+    add_edge_flags(p, os.environ)
     add_session_flags(p)
-    add_node_flags(p)
+    add_node_flags(p, os.environ)
     add_gc_flag(p, os.environ)  # NOTE: {} here left KVFLEET_GC_INTERVAL / KVFLEET_VERDICT_TTL unread (review finding)
     return p.parse_args(argv)
 
