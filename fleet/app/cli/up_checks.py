@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import socket
 
-from fleet.core.errors import InvalidArgument
+from fleet.core.errors import InvalidArgument, KvfleetError
 
 
 def check_can_start(listen: str, store_url: str | None) -> None:
-    """Raises InvalidArgument naming --listen when its port is taken, and the store's own error (Unavailable: Redis
-    down; InvalidArgument: an unknown URL or a Redis that evicts keys) when `store_url` is not SQLite's."""
+    """Raises InvalidArgument naming --listen when its port is taken, and the store's own error naming --store
+    (Unavailable: Redis down; InvalidArgument: an unknown URL or a Redis that evicts keys) when `store_url` is not
+    SQLite's."""
     if (why := port_taken(listen)) is not None:
         raise InvalidArgument(f"cannot listen on {listen}: {why}; pick another --listen HOST:PORT")
     if store_url and not store_url.startswith("sqlite:"):
         from fleet.cas import open_store
 
-        open_store(store_url).close()  # redis: connects, pings and checks its eviction policy
+        try:
+            open_store(store_url).close()  # redis: connects, pings and checks its eviction policy
+        except KvfleetError as e:  # NOTE: the flag was not named, as the README says it is (a new user's run)
+            raise type(e)(f"--store: {e}") from None
 
 
 def port_taken(listen: str) -> str | None:

@@ -63,7 +63,7 @@ def test_an_unreachable_redis_is_refused_before_anything_starts(tmp_path: Path) 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rc, err = _refused(tmp_path / "state", "--listen", "127.0.0.1:0", "--store", f"redis://127.0.0.1:{port}/0")
-    assert rc == 2 and f"redis at 127.0.0.1:{port} unreachable" in err, err
+    assert rc == 2 and f"--store: redis at 127.0.0.1:{port} unreachable" in err, err  # the flag named, as README.md says
     assert "Ray" not in err and not (tmp_path / "state").exists()  # before: both, after about 10 s
 
 
