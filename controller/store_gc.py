@@ -6,7 +6,7 @@
     await gc.stop()
 
 A run deletes every unpinned, unreferenced blob whose lease ran out (`BlobStore.gc`), then prunes the
-quarantine records no request carried for `record_ttl_s` (controller.verdicts.prune_records), then the
+quarantine records no request carried for `record_ttl_s` (controller.quarantine_records.prune_records), then the
 cached verdicts idle for `verdict_ttl_s` (`record_ttl_s` for a QUARANTINED one; fleet.core.quarantine.cache.
 prune): at most PRUNE_ROWS rows of them per run, the next run going on where this one stopped, so a backlog
 of millions is worked off over runs instead of holding one. A failing run (the store down) is logged and
@@ -25,7 +25,7 @@ from typing import Any
 
 from controller.metrics import Metrics
 from controller.periodic import Periodic
-from controller.verdicts import RECORD_TTL_S, prune_records
+from controller.quarantine_records import RECORD_TTL_S, prune_records
 from fleet.core.errors import InvalidArgument
 from fleet.core.quarantine.cache import TOUCH_INTERVAL_S
 from fleet.core.quarantine.cache import prune as prune_verdicts

@@ -18,7 +18,8 @@ Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
 
     quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict, "used" (fleet.core.quarantine.cache)
     quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
-    quarantine.seen      "<tenant>/<sha256>"              QuarantineRecord as JSON (recent quarantines)
+    quarantine.seen/<tenant>  "<sha256>"                  QuarantineRecord as JSON (recent quarantines, per tenant:
+                                                          controller/quarantine_records.py)
 
 Verdicts are cached per tenant (issue #28): a tenant never reads a verdict another tenant's bytes made.
 Blocking (store I/O, the detector's CPU): the servicers run these methods in the tenant's judge lane
@@ -31,23 +32,22 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import fleet.core.quarantine as quarantine_pkg
+from controller.quarantine_records import recent, record
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
 from fleet.core.quarantine.layered import gate_reason, gated_out
 from fleet.core.verdict import CLEAN, OPERATOR_NS, QUARANTINED
 from fleet.sdk.quarantine import Judgement, QuarantineRecord  # the types the SDK answers with
 
-SEEN_NS = "quarantine.seen"
 ACTIONS = ("placeholder", "refuse")
 MAX_RESULTS = 256  # tool results per JudgeToolResults call
 MAX_REFS = 1024  # refs per KnownVerdicts call
 MAX_REASONS, MAX_REASON_LEN = 16, 200
-RECORD_TTL_S = 30 * 86400.0  # a quarantine record no request carried for this long is pruned by the leader's GC
 HEAVY_LAYERS = frozenset({"encoder"})  # run off the request path when the config has a faster layer too
 
 
@@ -253,12 +253,7 @@ class Judge:
         return Judgement(ref, True, tuple(meta.reasons), "blob") if meta.verdict == QUARANTINED else None
 
     def _record(self, tenant: str, j: Judgement, action: str, now: float) -> None:
-        # NOTE: read-modify-write; two proxies recording the same ref at once may lose one count, never a record
-        key = f"{tenant}/{j.ref}"
-        raw = self.store.kv_get(SEEN_NS, key)
-        first, n = (now, 0) if raw is None else (float(json.loads(raw)["first_seen"]), int(json.loads(raw)["num_seen"]))
-        rec = QuarantineRecord(tenant, j.ref, j.reasons, j.source, action, first, now, n + 1)
-        self.store.kv_put(SEEN_NS, key, json.dumps(asdict(rec)).encode())
+        record(self.store, tenant, j, action, now)  # in the tenant's own namespace (controller/quarantine_records.py)
 
     def set_verdict(self, ref: str, verdict: str, reasons: list[str]) -> None:
         """Set (or with verdict "" drop) the operator's verdict on the bytes whose sha256 is `ref`."""
@@ -274,34 +269,11 @@ class Judge:
         self.store.kv_put(OPERATOR_NS, ref, json.dumps(doc).encode())
 
     def recent(self, tenant: str | None, limit: int) -> list[QuarantineRecord]:
-        """Quarantine records of `tenant` (None: every tenant), most recently seen first, at most `limit`."""
-        recs = [_record_of(v) for k, v in self.store.kv_scan(SEEN_NS).items()
-                if tenant is None or k.startswith(tenant + "/")]
-        return sorted(recs, key=lambda r: -r.last_seen)[:limit]
+        """Quarantine records of `tenant` (None: every tenant), most recently seen first, at most `limit`; a tenant's
+        listing reads its own records alone (controller/quarantine_records.py)."""
+        return recent(self.store, tenant, limit)
 
 
 def _check_ref(ref: str) -> None:
     if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
         raise InvalidArgument(f"ref {ref[:80]!r}: expected the 64 lowercase hex digits of the bytes' SHA-256")
-
-
-def prune_records(store: Any, now: float, ttl_s: float = RECORD_TTL_S) -> int:
-    """Delete the quarantine records (every tenant's) last seen more than `ttl_s` before `now`, and any that
-    cannot be read (they would fail every listing); returns how many. Only the "recent quarantines" listing:
-    the cached verdicts have their own prune (fleet.core.quarantine.cache.prune, from the same GC run)."""
-    n = 0
-    for key, raw in store.kv_scan(SEEN_NS).items():
-        try:
-            last = float(json.loads(raw)["last_seen"])
-        except (ValueError, KeyError, TypeError):
-            last = float("-inf")
-        if now - last > ttl_s:
-            store.kv_delete(SEEN_NS, key)
-            n += 1
-    return n
-
-
-def _record_of(raw: bytes) -> QuarantineRecord:
-    d = json.loads(raw)
-    return QuarantineRecord(d["tenant"], d["ref"], tuple(d["reasons"]), d["source"], d["action"],
-                            float(d["first_seen"]), float(d["last_seen"]), int(d["num_seen"]))

@@ -139,27 +139,34 @@ def test_kvfleet_up_takes_gc_interval() -> None:
 
 async def test_gc_prunes_quarantine_records_past_their_ttl(url: str) -> None:
     """A GC run prunes the "recent quarantines" records no request carried for record_ttl_s, and any
-    record that cannot be read (it would fail every ListQuarantines); fresh records and verdicts stay."""
+    record that cannot be read (it would fail every ListQuarantines); fresh records and verdicts stay. Records of
+    the layout before (every tenant's in one namespace) are pruned alike, and the fresh one moves to its tenant's."""
     import json
     import time
 
     from controller.metrics import Metrics
+    from controller.quarantine_records import SEEN_NS, TENANTS_NS, seen_ns
     from controller.store_gc import StoreGc
-    from controller.verdicts import OPERATOR_NS, SEEN_NS
+    from controller.verdicts import OPERATOR_NS
 
     now = time.time()
     with open_store(url) as s:
         rec = {"tenant": "acme", "reasons": ["x"], "source": "detector", "action": "refuse", "num_seen": 1}
-        s.kv_put(SEEN_NS, "acme/" + "a" * 64, json.dumps({**rec, "ref": "a" * 64, "first_seen": now - 100,
-                                                          "last_seen": now - 100}).encode())
-        s.kv_put(SEEN_NS, "acme/" + "b" * 64, json.dumps({**rec, "ref": "b" * 64, "first_seen": now - 5,
+        s.kv_put(TENANTS_NS, "acme", b"")
+        for ns, key in ((seen_ns("acme"), ""), (SEEN_NS, "acme/")):
+            s.kv_put(ns, key + "a" * 64, json.dumps({**rec, "ref": "a" * 64, "first_seen": now - 100,
+                                                     "last_seen": now - 100}).encode())
+            s.kv_put(ns, key + "damaged", b"{not json")
+        s.kv_put(seen_ns("acme"), "b" * 64, json.dumps({**rec, "ref": "b" * 64, "first_seen": now - 5,
+                                                        "last_seen": now - 5}).encode())
+        s.kv_put(SEEN_NS, "acme/" + "c" * 64, json.dumps({**rec, "ref": "c" * 64, "first_seen": now - 5,
                                                           "last_seen": now - 5}).encode())
-        s.kv_put(SEEN_NS, "acme/damaged", b"{not json")
         s.kv_put(OPERATOR_NS, "a" * 64, json.dumps({"verdict": "QUARANTINED", "reasons": ["op"]}).encode())
         gc = StoreGc(s, Metrics(), GcConfig(0), record_ttl_s=60.0)
         await gc.run_once()
-        assert sorted(s.kv_scan(SEEN_NS)) == ["acme/" + "b" * 64]  # the old one and the damaged one went
+        assert sorted(s.kv_scan(seen_ns("acme"))) == ["b" * 64, "c" * 64]  # the old ones and the damaged ones went
+        assert s.kv_scan(SEEN_NS) == {}                                    # the fresh one of the layout before moved
         assert s.kv_get(OPERATOR_NS, "a" * 64) is not None            # the verdict itself stays
         # control: a TTL longer than the record's age keeps it
         await StoreGc(s, Metrics(), GcConfig(0), record_ttl_s=3600.0).run_once()
-        assert sorted(s.kv_scan(SEEN_NS)) == ["acme/" + "b" * 64]
+        assert sorted(s.kv_scan(seen_ns("acme"))) == ["b" * 64, "c" * 64]

@@ -14,8 +14,9 @@ import pytest
 from support.controller import store_url
 
 from controller.metrics import Metrics
+from controller.quarantine_records import RECORD_TTL_S, seen_ns
 from controller.store_gc import DEFAULT_VERDICT_TTL_S, GcConfig, StoreGc
-from controller.verdicts import OPERATOR_NS, RECORD_TTL_S, SEEN_NS, Judge
+from controller.verdicts import OPERATOR_NS, Judge
 from fleet.cas import open_store
 from fleet.core.errors import InvalidArgument
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
@@ -49,8 +50,8 @@ async def test_gc_prunes_the_verdicts_no_request_used_for_the_ttl(url: str, monk
         await gc.run_once()
         in_use, poisoned = judge.cache.key(results[0], "acme"), judge.cache.key(POISON, "acme")
         assert sorted(s.kv_scan(NAMESPACE)) == sorted([in_use, poisoned])
-        assert s.kv_get(OPERATOR_NS, op_ref) is not None and list(s.kv_scan(SEEN_NS)) == [
-            "acme/" + hashlib.sha256(POISON).hexdigest()]
+        assert s.kv_get(OPERATOR_NS, op_ref) is not None and list(s.kv_scan(seen_ns("acme"))) == [
+            hashlib.sha256(POISON).hexdigest()]
 
         clock[0] = t0 + 2 * DAY + RECORD_TTL_S + 1
         await gc.run_once()

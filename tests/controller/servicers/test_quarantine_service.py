@@ -13,7 +13,8 @@ from support.controller import code_of, lanes_idle, make_tokens, md, start_contr
 
 from controller import verdicts
 from controller.auth import mint_token
-from controller.verdicts import OPERATOR_NS, SEEN_NS, Judge
+from controller.quarantine_records import TENANTS_NS
+from controller.verdicts import OPERATOR_NS, Judge
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1.quarantine_pb2_grpc import QuarantineServiceStub
 from fleet.cas import open_store
@@ -96,7 +97,7 @@ async def test_bad_input_gets_a_clear_status_and_writes_nothing(url: str, tmp_pa
             for name, call, want in cases:
                 assert await code_of(call) == want, name
             store = ctl.ctx.store
-            assert store.kv_scan(OPERATOR_NS) == {} and store.kv_scan(SEEN_NS) == {}  # nothing half-written
+            assert store.kv_scan(OPERATOR_NS) == {} and store.kv_scan(TENANTS_NS) == {}  # nothing half-written
     finally:
         await ctl.stop(0)
 
