@@ -62,7 +62,7 @@ def _replay(seed: int, num_blocks: int, agents: int, turns: int,
         if reset_after is not None and not reset and len(out) >= reset_after:
             reset = True
             sched.preempt_all()
-            pool.cache.clear()
+            pool.clear_blocks()
             pool.pending.append(wire.VllmAllBlocksCleared())
             events()
         if arrivals and (arrivals[0][0] <= sched.now or not (sched.running or sched.waiting)):

@@ -42,7 +42,7 @@ async def test_a_clients_own_cache_salt_keeps_its_users_apart(tmp_path: Path) ->
         # the same user is routed WARM to its own blocks (the controller hashes with the salt it forwards)
         await until(lambda: fleet.blocks_known("w0"), lambda n: n >= 3 * 4)
         _, cached, verdict, _ = await _send(fleet, "a", cache_salt="user-1")
-        assert (cached, verdict) == (4 * BLOCK, "WARM")
+        assert (cached, verdict) == (3 * BLOCK, "WARM")  # all but the last of its 4 blocks (vLLM: prompt - 1 at most)
         # control: without a salt of its own a client gets its tenant's, as before
         _, cached, _, got = await _send(fleet, "a")
         assert cached == 0 and got["cache_salt"] == auth.cache_salt("acme")

@@ -33,8 +33,9 @@ async def test_whole_float_ids_are_routed_as_the_ints_vllm_reads(fleet: Fleet) -
         status, h, doc = await _send(fleet, prompt)
         assert status == 200, (prompt[:2], doc)
         cached = doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # the worker reuses all but the last block: vLLM hits at most prompt - 1 tokens
         assert (h["x-kvfleet-worker"], h["x-kvfleet-verdict"], h["x-kvfleet-matched-tokens"], cached) == \
-            (holder, "WARM", "64", 64), prompt[:2]
+            (holder, "WARM", "64", 64 - BLOCK), prompt[:2]
     status, h, doc = await _send(fleet, [True, *IDS[1:]])  # true is id 1
     assert status == 200 and doc["usage"]["prompt_tokens"] == len(IDS), doc
     sent = sum(len(served(s, "/v1/completions")) for s in fleet.sims.values())

@@ -46,7 +46,7 @@ def test_each_step_stores_and_publishes_the_blocks_its_chunk_computed() -> None:
         stored = [h for e in eng.pending if isinstance(e, VllmBlockStored) for h in e.block_hashes if h in CHAIN]
         # cached as the step is scheduled (a request admitted after it hits them), published when it ends
         assert stored == CHAIN[n : (seq.num_computed + chunk) // B], (n, stored)
-        assert set(seq.pinned) <= eng.cache.keys() and len(seq.pinned) == len(stored) + n
+        assert {eng.lru[b] for b in seq.pinned} <= eng.cache.keys() and len(seq.pinned) == len(stored) + n
         before = len(published)
         eng.finish(step)
         if stored:

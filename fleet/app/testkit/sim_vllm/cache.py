@@ -4,6 +4,9 @@
 (ref_cnt > 0) and cached-but-free once none does; new blocks take free slots first, then evict the
 least recently used unpinned block (one BlockRemoved each). As in vLLM, a request's blocks are
 released in reverse order, so of one request the tail blocks are evicted first and its prefix stays.
+As in vLLM's BlockPool, blocks are physical and not de-duplicated: a block a request computes takes a block of its
+own even when its hash is cached already (a fully cached prompt's last block, which vLLM recomputes), the hash then
+maps to both copies, a hit takes the first one stored, and each copy is evicted, with its own BlockRemoved, in turn.
 
 As in vLLM's KV cache manager, a request's blocks are cached as its prefill computes them: `allocate` pins its
 prefix-cache hit when it is admitted, and `cache_blocks` caches the full blocks each scheduled chunk completes (one
@@ -46,8 +49,10 @@ class PrefixCache:
         self.hash_cfg, self.num_blocks, self.loras = hash_cfg, num_blocks, loras
         self.max_num_batched_tokens = max_num_batched_tokens  # the instant path's chunk (None: one step)
         self._publish = publish
-        self.cache: OrderedDict[bytes, None] = OrderedDict()  # full digest -> (), LRU order
-        self.ref_cnt: dict[bytes, int] = {}  # digest -> running seqs holding it (pinned: never evicted)
+        self.cache: dict[bytes, list[int]] = {}  # full digest -> its blocks, the first stored first (hits take it)
+        self.lru: OrderedDict[int, bytes] = OrderedDict()  # cached block id -> its digest, least recently freed first
+        self.ref_cnt: dict[int, int] = {}  # block id -> running seqs holding it (pinned: never evicted)
+        self._next_block_id = 0
         self.num_reserved = 0  # blocks the running seqs have still to compute (`cache_blocks`)
         self.pending: list[Any] = []
         self.queries = 0
@@ -63,6 +68,11 @@ class PrefixCache:
     def resident_external(self) -> list[int]:
         """The TRUE resident hashes (64-bit, as events carry them), for oracle checks."""
         return [to_external(d) for d in self.cache]
+
+    def clear_blocks(self) -> None:
+        """Drop every cached block (a reset or a restart); no event here."""
+        self.cache.clear()
+        self.lru.clear()
 
     def _step(
         self, token_ids: Sequence[int], lora: str | None, salt: str | None, report_full: bool, skip_cache: bool = False
@@ -90,7 +100,7 @@ class PrefixCache:
         if alone:
             return True  # NOTE: a prompt larger than the pool runs alone, only its head cached
         hit = self._num_hit(seq)
-        extra = sum(d not in self.ref_cnt for d in seq.digests[:hit]) + len(seq.digests) - hit
+        extra = sum(self.cache[d][0] not in self.ref_cnt for d in seq.digests[:hit]) + len(seq.digests) - hit
         return len(self.ref_cnt) + self.num_reserved + extra <= self.num_blocks
 
     def allocate(self, seq: Seq) -> int:
@@ -99,11 +109,10 @@ class PrefixCache:
         as vLLM counts it; a preempted request's readmission goes to `preempted_prefill` instead."""
         digests, B = seq.digests, self.hash_cfg.block_size
         hit = self._num_hit(seq)
-        for d in digests[:hit]:
-            self.cache.move_to_end(d)
-            self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
+        seq.pinned = [self.cache[d][0] for d in digests[:hit]]  # vLLM's touch: the first copy of each
+        for b in seq.pinned:
+            self.ref_cnt[b] = self.ref_cnt.get(b, 0) + 1
         room = max(self.num_blocks - len(self.ref_cnt) - self.num_reserved, 0)
-        seq.pinned = digests[:hit]
         seq.num_blocks_to_hold = hit + min(len(digests) - hit, room)  # all of them, unless it runs alone and big
         self.num_reserved += seq.num_blocks_to_hold - hit
         if seq.report_full and hit:  # vLLM's kv_cache_report_mode "full": the reused prefix, at admission
@@ -118,20 +127,21 @@ class PrefixCache:
 
     def cache_blocks(self, seq: Seq, num_computed_tokens: int) -> None:
         """Cache the seq's full blocks up to `num_computed_tokens` (its position once the scheduled chunk is
-        computed): those not held yet take a slot (LRU-evicting unpinned ones), are pinned, and go out as one
-        BlockStored (vLLM's `KVCacheManager.allocate_slots` -> `cache_full_blocks`, at the step that schedules them)."""
+        computed): each takes a block of its own (LRU-evicting unpinned ones once no slot is free), even one whose
+        hash is cached already (vLLM does not de-duplicate), is pinned, and they go out as one BlockStored (vLLM's
+        `KVCacheManager.allocate_slots` -> `cache_full_blocks`, at the step that schedules them)."""
         start = len(seq.pinned)
         upto = min(num_computed_tokens // self.hash_cfg.block_size, seq.num_blocks_to_hold)
         if upto <= start:
             return
         new = seq.digests[start:upto]
-        num_missing = sum(d not in self.cache for d in new)
-        self._evict(len(self.cache) + num_missing - self.num_blocks, keep=set(self.ref_cnt) | set(seq.digests))
-        for d in reversed(new):
-            self.cache[d] = None
-            self.cache.move_to_end(d)  # tail first: vLLM frees a request's blocks in reverse order
-            self.ref_cnt[d] = self.ref_cnt.get(d, 0) + 1
-        seq.pinned = seq.pinned + new
+        self._evict(len(self.lru) + len(new) - self.num_blocks)
+        for d in new:
+            b, self._next_block_id = self._next_block_id, self._next_block_id + 1
+            self.lru[b] = d
+            self.cache.setdefault(d, []).append(b)
+            self.ref_cnt[b] = 1
+            seq.pinned.append(b)
         self.num_reserved -= len(new)
         self.pending.append(self._stored_event(seq.token_ids, seq.digests, start, len(new), seq.lora, seq.cache_salt))
 
@@ -140,13 +150,13 @@ class PrefixCache:
         the LRU end in reverse order, so the tail blocks are evicted first (vLLM's `KVCacheManager.free`)."""
         self.num_reserved -= seq.num_blocks_to_hold - len(seq.pinned)
         seq.num_blocks_to_hold = 0
-        for d in reversed(seq.pinned):
-            if self.ref_cnt.get(d, 0) > 1:
-                self.ref_cnt[d] -= 1
+        for b in reversed(seq.pinned):
+            if self.ref_cnt.get(b, 0) > 1:
+                self.ref_cnt[b] -= 1
             else:
-                self.ref_cnt.pop(d, None)
-                if d in self.cache:
-                    self.cache.move_to_end(d)
+                self.ref_cnt.pop(b, None)
+                if b in self.lru:
+                    self.lru.move_to_end(b)
         seq.pinned = []
 
     # internals
@@ -155,16 +165,23 @@ class PrefixCache:
         return chain(self.hash_cfg, token_ids, lora=lora_kv, cache_salt=salt)
 
     def _num_hit(self, seq: Seq) -> int:
-        """The seq's leading blocks in the cache; none for a request vLLM prefills whole (Seq.skip_cache)."""
+        """The seq's leading blocks in the cache, short of its last token; none for a request vLLM prefills whole
+        (Seq.skip_cache).
+
+        NOTE: vLLM's `KVCacheManager.get_computed_blocks` looks up at most `num_tokens - 1` tokens (prompt and any
+        output a preempted request recomputes): the last token must be computed for its logits, and the hit is whole
+        blocks, so a fully cached prompt of whole blocks hits all but its last block, recomputes it and stores it
+        again (a BlockStored). The stand-in hit the whole prompt and computed one token."""
         if seq.skip_cache:
             return 0
         digests, hit = seq.digests, 0
-        while hit < len(digests) and digests[hit] in self.cache:
+        limit = min(len(digests), (len(seq.token_ids) + seq.num_output - 1) // self.hash_cfg.block_size)
+        while hit < limit and digests[hit] in self.cache:
             hit += 1
         return hit
 
-    def _evict(self, n: int, keep: set[bytes]) -> None:
-        """Evict the `n` least recently used blocks not in `keep`.
+    def _evict(self, n: int) -> None:
+        """Evict the `n` least recently used blocks no running request holds (vLLM's free queue, front first).
 
         NOTE: it listed every block not kept and took the first n, on every admission, n = 0 included: O(blocks
         cached) per request, so a stand-in slowed as its cache filled (bench/proxy_load.py's 65,536-block workers
@@ -172,14 +189,18 @@ class PrefixCache:
         each request's CPU by the 14th). It walks from the front now, and stops once it has n."""
         if n <= 0:
             return
-        gone: list[bytes] = []
-        for d in self.cache:
-            if d not in keep:
-                gone.append(d)
+        gone: list[int] = []
+        for b in self.lru:
+            if b not in self.ref_cnt:
+                gone.append(b)
                 if len(gone) == n:
                     break
-        for d in gone:
-            del self.cache[d]
+        for b in gone:
+            d = self.lru.pop(b)
+            copies = self.cache[d]
+            copies.remove(b)
+            if not copies:
+                del self.cache[d]
             self.pending.append(
                 wire.VllmBlockRemoved(block_hashes=[to_external(d)], medium="GPU", group_idx=0)
             )

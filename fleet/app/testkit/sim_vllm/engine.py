@@ -103,7 +103,7 @@ class SimEngine(PrefixCache):
     def _reset_cache(self) -> None:
         self.sched.preempt_all()  # NOTE: vLLM resets with reset_running_requests=True
         assert not self.ref_cnt and not self.num_reserved, "blocks still held after preemption"
-        self.cache.clear()
+        self.clear_blocks()
         self.pending.append(wire.VllmAllBlocksCleared())  # NOTE: queued, published with the next step
 
     def _hold_in_flight(self, mode: str, reset: bool) -> None:
@@ -204,7 +204,7 @@ class SimEngine(PrefixCache):
         self._drain.clear()
         self._drained_ev.set()  # a drain cut short (woken, resumed, restarted) ends too
         self._deferred_reset = False
-        self.cache.clear()
+        self.clear_blocks()
         self.pending.clear()
         self.sleeping_tags.clear()
         self.paused_by, self.reject_new = None, False

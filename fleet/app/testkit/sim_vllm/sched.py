@@ -36,7 +36,7 @@ class Seq:
         |<------------------- prompt ------------------->|<-- output so far -->|
         |<-- hit (cached blocks) -->|<------------- num_prefill_tokens -------------->|
 
-    num_prefill_tokens >= 1: a fully cached prompt still computes one token for the logits.
+    num_prefill_tokens >= 1: the hit stops short of the last token (vLLM computes it for the logits; pool.allocate).
     """
 
     seq_id: int
@@ -48,7 +48,7 @@ class Seq:
     report_full: bool = False
     priority: int = 0  # the request's `priority` (policy "priority": lower runs first)
     digests: list[bytes] = field(default_factory=list)  # full prompt blocks, for the pool
-    pinned: list[bytes] = field(default_factory=list)  # blocks the pool holds for this seq (a prefix of digests)
+    pinned: list[int] = field(default_factory=list)  # the pool's blocks this seq holds (one per leading digest)
     num_blocks_to_hold: int = 0  # of digests, those it holds once its prefill is computed (the pool's reservation)
     num_hit_tokens: int = 0  # this admission's prefix-cache hit: its prefill computes the tokens after it
     state: str = WAITING
