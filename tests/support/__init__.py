@@ -5,6 +5,7 @@
     support.proxy_fleet        controller + stand-ins + proxy, each stand-in's requests recorded
     support.chaos              the lifecycle chaos harness (kvfleet's router against a lifecycle-blind one)
     support.vllm_vectors       the byte-exact vLLM KV-event and block-hash vectors of shared/reference
+    support.vllm_pool_ref      a model of vLLM v1's block pool and KV cache manager (the stand-in's differential tests)
     support.kernels            tiny seeded kernels and token factories for the kernel contract suite
     support.workers            the kernel spec and helpers of the Ray session-fleet tests
     support.blob_store_contract  the BlobStore contract every store backend runs
