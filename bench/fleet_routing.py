@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
-from peers import launch  # noqa: E402
+from peers import launch, summary  # noqa: E402
 from peers.launch import CONTENDERS, Running, Spec, Unavailable  # noqa: E402
 from peers.repeats import merge  # noqa: E402
 from peers.report import plot, report  # noqa: E402
@@ -65,7 +65,7 @@ DEFAULT_CELLS = (
     ("cold-burst", "tight"),
 )
 QUICK_CELLS = (("agents16x4", "tight"), ("cold-burst", "tight"))
-BLOCK_SIZE = 16
+BLOCK_SIZE = summary.BLOCK_SIZE  # the stand-ins' (bench/peers/summary.py: the stale-route rule needs it)
 MAX_TOKENS = 16
 # NOTE: applied only where the stand-in has the field: its clock in real time, as `kvfleet sim-vllm` serves
 SIM_DEFAULTS: dict[str, Any] = {"time_scale": 1.0}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+BLOCK_SIZE = 16  # the stand-ins' block size in every cell of the routing bench (bench/fleet_routing.py)
+
 
 def pct(xs: list[float], p: float) -> float | None:
     s = sorted(xs)
@@ -77,9 +79,18 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stale(r: dict[str, Any]) -> bool:
-    """A stale warm route: a WARM verdict whose matched tokens exceed what the worker reported cached."""
-    return bool(r["verdict"] == "WARM" and r["cached_tokens"] is not None and r["cached_tokens"] < r["matched_tokens"])
+def stale(r: dict[str, Any], block_size: int = BLOCK_SIZE) -> bool:
+    """A stale warm route: a WARM verdict whose matched tokens exceed what the worker reported cached, of those vLLM
+    reuses. NOTE: vLLM computes a prompt's last token whatever it holds, so it reuses at most the whole blocks of the
+    first prompt_tokens - 1: a prompt of whole blocks resident entirely (matched == prompt_tokens) is owed one block
+    less. Since the stand-in does as vLLM does (a fully cached prompt hits all but its last block), such a route read
+    stale here, with nothing stale about it."""
+    if r["verdict"] != "WARM" or r["cached_tokens"] is None:
+        return False
+    owed, n = r["matched_tokens"], r.get("prompt_tokens")
+    if n is not None and owed >= n > 0:
+        owed = (n - 1) // block_size * block_size
+    return bool(r["cached_tokens"] < owed)
 
 
 def stale_raced(recs: list[dict[str, Any]], events: list[dict[str, Any]]) -> int | None:

@@ -62,3 +62,18 @@ def test_the_summary_table_says_na_where_no_verdict_was_read() -> None:
     assert stale_cell({"stale_warm": 5, "stale_raced": 5}) == "5 (5 raced)"
     assert stale_cell({"stale_warm": 5, "stale_raced": 5, "warm": 440}, of_warm=True) == "5 (440), 5 raced"
     assert stale_cell({"stale_warm": None, "stale_raced": None, "warm": None}, of_warm=True) == "n/a"
+
+
+def test_a_prompt_resident_whole_is_owed_all_but_its_last_block() -> None:
+    """vLLM reuses at most the whole blocks of a prompt's first n - 1 tokens (the stand-in too, since it models
+    that): a 64-token prompt matched whole and answered 48 cached is not stale; 32 is, and so is 48 where the match
+    was not the whole prompt. NOTE: before, the first read stale."""
+    from peers.summary import stale
+
+    def rec(matched: int, cached: int, n: int | None) -> dict[str, Any]:
+        return {**_rec("w1", 1.0, 0.1, matched, cached), "prompt_tokens": n}
+
+    assert not stale(rec(64, 48, 64)) and stale(rec(64, 32, 64))
+    assert stale(rec(64, 48, 70)) and not stale(rec(64, 64, 70))  # control: more prompt than match
+    assert stale(rec(64, 48, None))  # no usage to read the prompt's length from: the match is owed whole
+    assert not stale(rec(16, 0, 16))  # one block, resident whole: vLLM reuses none of it
