@@ -260,6 +260,13 @@ class CandidateOrder:
         known = f"registered models: {', '.join(sorted(served))}" if served else "no worker is registered"
         return NotFound(f"no registered worker serves {what} ({known})")
 
+    def drop_worker(self, worker: str) -> None:
+        """The worker was unregistered: forget the looks its ranks were reconciled with. NOTE: kept, one entry per
+        rank of every worker ever routed to stayed for the controller's life (a fleet whose pods register under new
+        names grew it by each pod)."""
+        for key in [key for key in self._looked if key[0] == worker]:
+            del self._looked[key]
+
     def reconcile(self, w: WorkerView, key: RankKey) -> None:
         """Fold the worker's newest /metrics look into the in-flight ledger, once per look."""
         if len(w.ranks) == 1 and w.load_at is not None and self._looked.get(key) != w.load_at:

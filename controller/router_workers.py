@@ -5,7 +5,8 @@ registry (register, unregister, write back, look up) and the listing of every (w
 settle loop and resumes every worker the store knows, cold, its index rebuilt by replay; `stop` undoes it. A worker is
 registered once it has been validated against its /v1/models (controller/worker_status.py agreed_spec) and persisted
 (controller/registry.py): its ranks' epochs move on, so its warmth starts empty. Unregistering drops all the router
-keeps of it: its index, its routes in flight, its working set and its block-pool shadow.
+keeps of it: its index, its routes in flight, its working set, its block-pool shadow and the /metrics looks its
+ranks were reconciled with.
 
 These share the Router's parts: its store and registry, its live `_workers` (the RouteBook and the candidate ordering
 read the same dict), index, in-flight ledger, working set, shadow and metrics. Single event loop; the store calls run
@@ -27,6 +28,7 @@ from controller.demand import DemandLedger
 from controller.index import PrefixIndex
 from controller.inflight import Flight, InFlight
 from controller.metrics import Metrics
+from controller.ordering import CandidateOrder
 from controller.periodic import Periodic
 from controller.registry import EpochTable, KvStore, WorkerRegistry, WorkerSpec
 from controller.shadow import ShadowPools
@@ -56,6 +58,7 @@ class RouterWorkers:
     flights: InFlight
     demand: DemandLedger
     shadow: ShadowPools
+    candidates: CandidateOrder
     _blocking: Blocking
     _workers: dict[str, Worker]
     _registering: set[str]  # names whose registration is checking, storing or starting them
@@ -203,6 +206,7 @@ class RouterWorkers:
             for r in w.ranks:
                 self.demand.forget_rank((name, r))
             self.shadow.drop_worker(name)
+            self.candidates.drop_worker(name)
 
     def _get(self, name: str) -> Worker:
         w = self._workers.get(name)
