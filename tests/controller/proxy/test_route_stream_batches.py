@@ -108,6 +108,9 @@ async def test_long_routes_asked_at_once_stay_under_the_controllers_receive_limi
     sizes = [pb.RouteStreamRequest(route=pb.RouteRequest(token_ids=t, model=MODEL)).ByteSize() for t in ids]
     assert max(sizes) < GrpcLimits().max_receive_bytes < sum(sizes)  # control: one batch of them would be refused
     async with linked_fleet(tmp_path) as (fleet, control):
+        # NOTE: hashing six 250k-token prompts took the controller past the client's 2 s in two loaded fresh-clone
+        # runs (load average 26-33); this test is about message sizes, not latency
+        control.timeout_s = 30.0
         token = fleet.tokens["a"]
         await control.route([9, 9, 9], MODEL, lora=None, token=token)  # the stream is open and says batched
         asked = await asyncio.gather(*(control.route(t, MODEL, lora=None, token=token) for t in ids),
