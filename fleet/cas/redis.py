@@ -47,7 +47,7 @@ from fleet.cas.redis_errors import store_call
 from fleet.cas.redis_gc import RedisGc
 from fleet.cas.redis_holders import RedisHolders
 from fleet.cas.redis_pieces import PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
-from fleet.cas.redis_scripts import INCR_LUA, KV_SWAP_LUA, PUT_LUA, TOUCH_LUA, VERDICT_LUA
+from fleet.cas.redis_scripts import INCR_LUA, KV_PUT_BOUNDED_LUA, KV_SWAP_LUA, PUT_LUA, TOUCH_LUA, VERDICT_LUA
 from fleet.cas.types import at_zero
 from fleet.core.errors import FailedPrecondition, InvalidArgument
 from fleet.core.verdict import UNKNOWN
@@ -74,6 +74,7 @@ class RedisBlobStore(BlobStore):
         self._s_verdict = self.r.register_script(VERDICT_LUA)
         self._gc_scan = RedisGc(self.r)
         self._s_kv_swap = self.r.register_script(KV_SWAP_LUA)
+        self._s_kv_put_bounded = self.r.register_script(KV_PUT_BOUNDED_LUA)
         self._pieces = PiecedPut(self.r, f"redis at {self.host}:{self.port}")
         self._evicting: str | None = None  # what the last unfit() found: data writes are refused while it is set
         try:
@@ -262,6 +263,14 @@ class RedisBlobStore(BlobStore):
     def _kv_scan(self, namespace: str) -> dict[str, bytes]:
         h: dict[bytes, bytes] = self.r.hgetall(f"kvf:kv:{namespace}")  # type: ignore[assignment]
         return {k.decode(): v for k, v in h.items()}
+
+    @store_call
+    def _kv_len(self, namespace: str) -> int:
+        return int(self.r.hlen(f"kvf:kv:{namespace}"))
+
+    @store_call
+    def _kv_put_bounded(self, namespace: str, key: str, value: bytes, max_keys: int) -> bool:
+        return bool(self._s_kv_put_bounded(keys=[f"kvf:kv:{namespace}"], args=[key, value, max_keys]))
 
     @store_call
     def _kv_delete(self, namespace: str, key: str) -> None:

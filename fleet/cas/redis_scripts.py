@@ -65,3 +65,10 @@ end
 if ARGV[3] == '0' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], string.sub(ARGV[3], 2)) end
 return 1
 """
+
+# KEYS[1]: a kv namespace's hash; ARGV: key, value, max keys. 1: written; 0: a new key and the hash holds max keys already
+KV_PUT_BOUNDED_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""

@@ -155,6 +155,19 @@ class SqliteBlobStore(SqliteConnections, BlobStore):
             rows = db.execute("SELECT key, value FROM kv WHERE namespace = ?", (namespace,)).fetchall()
         return {str(k): bytes(v) for k, v in rows}
 
+    def _kv_len(self, namespace: str) -> int:
+        row = self._one("SELECT num_keys FROM kv_counts WHERE namespace = ?", (namespace,))
+        return int(row[0]) if row is not None else 0
+
+    def _kv_put_bounded(self, namespace: str, key: str, value: bytes, max_keys: int) -> bool:
+        with self._tx() as db:  # IMMEDIATE: no other writer between the count and the insert
+            if db.execute("SELECT 1 FROM kv WHERE namespace = ? AND key = ?", (namespace, key)).fetchone() is None:
+                row = db.execute("SELECT num_keys FROM kv_counts WHERE namespace = ?", (namespace,)).fetchone()
+                if (int(row[0]) if row is not None else 0) >= max_keys:
+                    return False
+            db.execute("INSERT OR REPLACE INTO kv (namespace, key, value) VALUES (?, ?, ?)", (namespace, key, value))
+        return True
+
     def _kv_delete(self, namespace: str, key: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM kv WHERE namespace = ? AND key = ?", (namespace, key))

@@ -5,6 +5,7 @@ Tables (every blob row is keyed by (tenant, ref), so tenants never see each othe
     blobs(id, tenant, ref, data, size, created, pins, refs, verdict, reasons, lease_expires, charge)
     tenant_bytes(tenant, num_bytes)   the sum of blobs.charge per tenant, kept by triggers on blobs
     kv(namespace, key, value)
+    kv_counts(namespace, num_keys)    the keys of each kv namespace, kept by triggers on kv (BlobStore.kv_len)
     oplog(tenant, session_id, idx, op)
 
 A blob's charge is what it counts against its tenant's quota: size + PER_BLOB_OVERHEAD, recorded in
@@ -53,10 +54,28 @@ _USAGE_DDL = (
     END""",
 )
 
+# Keys per kv namespace (kv_len, kv_put_bounded), kept by triggers so every write path counts. The insert is counted
+# BEFORE it, only for a key not there yet: INSERT OR REPLACE deletes the old row without firing delete triggers
+# (recursive_triggers is off), so counting after every insert counted each replacement once more. A failed insert
+# takes its trigger's change back with it (statement atomicity).
+_KV_COUNT_DDL = (
+    "CREATE TABLE IF NOT EXISTS kv_counts (namespace TEXT PRIMARY KEY, num_keys INTEGER NOT NULL)",
+    """CREATE TRIGGER IF NOT EXISTS kv_count_in BEFORE INSERT ON kv
+        WHEN NOT EXISTS (SELECT 1 FROM kv WHERE namespace = NEW.namespace AND key = NEW.key) BEGIN
+        INSERT INTO kv_counts (namespace, num_keys) VALUES (NEW.namespace, 1)
+            ON CONFLICT (namespace) DO UPDATE SET num_keys = num_keys + 1;
+    END""",
+    """CREATE TRIGGER IF NOT EXISTS kv_count_out AFTER DELETE ON kv BEGIN
+        UPDATE kv_counts SET num_keys = num_keys - 1 WHERE namespace = OLD.namespace;
+        DELETE FROM kv_counts WHERE namespace = OLD.namespace AND num_keys <= 0;
+    END""",
+)
+
 
 def migrate(db: sqlite3.Connection) -> None:
-    """Bring a file up to SCHEMA inside the caller's transaction: the charge column, the byte-count triggers, and the
-    count of the blobs a file from before tenant_bytes already holds (once: the caller holds the only writer)."""
+    """Bring a file up to SCHEMA inside the caller's transaction: the charge column, the byte-count and key-count
+    triggers, and the counts of what a file from before tenant_bytes or kv_counts already holds (once: the caller
+    holds the only writer)."""
     fresh = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'tenant_bytes'").fetchone() is None
     if not any(col[1] == "charge" for col in db.execute("PRAGMA table_info(blobs)")):
         db.execute("ALTER TABLE blobs ADD COLUMN charge INTEGER")  # a file from before charges: rows NULL
@@ -65,6 +84,11 @@ def migrate(db: sqlite3.Connection) -> None:
     if fresh:  # a file from before the table: count the blobs it already holds
         db.execute(f"INSERT INTO tenant_bytes SELECT tenant, SUM({_CHARGE.format(row='blobs')}) "
                    "FROM blobs GROUP BY tenant")
+    uncounted = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'kv_counts'").fetchone() is None
+    for stmt in _KV_COUNT_DDL:
+        db.execute(stmt)
+    if uncounted:  # a file from before the count: count the keys it already holds (once, as above)
+        db.execute("INSERT INTO kv_counts SELECT namespace, COUNT(*) FROM kv GROUP BY namespace")
 
 
 def tenant_bytes(db: sqlite3.Connection, tenant: str) -> int:

@@ -33,6 +33,21 @@ class KvState(ABC):
     def kv_scan(self, namespace: str) -> dict[str, bytes]:
         return self._kv_scan(check_name("namespace", namespace))
 
+    def kv_len(self, namespace: str) -> int:
+        """The number of keys in `namespace`, in O(1): Redis HLEN; SQLite a count per namespace kept by triggers on
+        the kv table (a COUNT over the namespace's index took 12 ms at 100,000 keys)."""
+        return self._kv_len(check_name("namespace", namespace))
+
+    def kv_put_bounded(self, namespace: str, key: str, value: bytes, max_keys: int) -> bool:
+        """kv_put, unless the key is new and `namespace` holds `max_keys` keys already; returns whether it wrote.
+        The check and the write are one transaction (SQLite) or script (Redis), so writers in any number of
+        threads or processes never take a namespace past `max_keys`. Replacing a key it holds always writes."""
+        check_name("namespace", namespace)
+        check_key(key)
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 0:
+            raise InvalidArgument(f"invalid max_keys {max_keys!r}: expected an int >= 0")
+        return self._kv_put_bounded(namespace, key, bytes(check_bytes("value", value)), max_keys)
+
     def kv_delete(self, namespace: str, key: str) -> None:
         self._kv_delete(check_name("namespace", namespace), check_key(key))
 
@@ -83,6 +98,10 @@ class KvState(ABC):
 
     @abstractmethod
     def _kv_scan(self, namespace: str) -> dict[str, bytes]: ...
+    @abstractmethod
+    def _kv_len(self, namespace: str) -> int: ...
+    @abstractmethod
+    def _kv_put_bounded(self, namespace: str, key: str, value: bytes, max_keys: int) -> bool: ...
     @abstractmethod
     def _kv_delete(self, namespace: str, key: str) -> None: ...
     @abstractmethod
