@@ -6,7 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.edge import DEFAULT_MAX_BLOB_BYTES_PER_TENANT, DEFAULT_MAX_ROUTE_TOKENS, GrpcLimits
+from controller.edge import (
+    DEFAULT_MAX_BLOB_BYTES_PER_TENANT,
+    DEFAULT_MAX_ROUTE_TOKENS,
+    DEFAULT_MAX_VERDICTS_PER_TENANT,
+    GrpcLimits,
+)
 from controller.fleet_metrics import DEFAULT_FLEET_METRICS_INTERVAL_S
 from controller.judge_lanes import JudgeLimits
 from controller.quotas import SessionLimits
@@ -40,6 +45,8 @@ class ControllerConfig:
     max_blob_bytes: int = 64 << 20
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS
     max_blob_bytes_per_tenant: int = DEFAULT_MAX_BLOB_BYTES_PER_TENANT  # stored blob bytes per tenant, 0: no quota
+    # cached verdicts and quarantine records per tenant, 0: no bound (--max-verdicts-per-tenant)
+    max_verdicts_per_tenant: int = DEFAULT_MAX_VERDICTS_PER_TENANT
     uploads: UploadLimits = field(default_factory=UploadLimits)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
     sessions: SessionLimits = field(default_factory=SessionLimits)  # per-tenant session quotas, idle TTL
@@ -78,6 +85,10 @@ class ControllerConfig:
         if self.max_blob_bytes_per_tenant < 0:
             raise InvalidArgument(f"--max-blob-bytes-per-tenant must be >= 0 (0: no quota), "
                                   f"got {self.max_blob_bytes_per_tenant}")
+        if isinstance(self.max_verdicts_per_tenant, bool) or not isinstance(self.max_verdicts_per_tenant, int) \
+                or self.max_verdicts_per_tenant < 0:
+            raise InvalidArgument(f"--max-verdicts-per-tenant must be an int >= 0 (0: no bound), "
+                                  f"got {self.max_verdicts_per_tenant!r}")
         GcConfig(self.gc_interval_s, self.verdict_ttl_s)  # raises InvalidArgument on a bad interval or TTL
         if not 0 <= self.store_ping_interval_s < float("inf"):
             raise InvalidArgument(f"--store-probe-interval (store_ping_interval_s) must be finite and >= 0 (0: off), "

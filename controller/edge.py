@@ -179,6 +179,9 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--max-route-tokens": ("config", "max_route_tokens", int, "most tokens one Route may carry"),
     "--max-blob-bytes-per-tenant": ("config", "max_blob_bytes_per_tenant", int,
                                     "blob bytes one tenant may have stored until GC collects them, 0 = no quota"),
+    "--max-verdicts-per-tenant": ("config", "max_verdicts_per_tenant", int,
+                                  "cached quarantine verdicts, and quarantine records, one tenant keeps in the store; "
+                                  "past it they are answered and not stored, 0 = no bound"),
     "--max-uploads-per-tenant": ("uploads", "tenant_uploads", int, "unfinished blob uploads per tenant"),
     "--max-uploads": ("uploads", "total_uploads", int, "unfinished blob uploads in total"),
     "--max-upload-bytes-per-tenant": ("uploads", "tenant_bytes", int, "bytes of unfinished uploads per tenant"),
@@ -198,7 +201,10 @@ EDGE_FLAGS: dict[str, tuple[str, str, type, str]] = {
 
 DEFAULT_MAX_ROUTE_TOKENS = 1 << 20
 DEFAULT_MAX_BLOB_BYTES_PER_TENANT = 1 << 30  # --max-blob-bytes-per-tenant (0: no quota)
-_ZERO_IS_OFF = frozenset({"--max-blob-bytes-per-tenant"})
+# --max-verdicts-per-tenant (0: no bound): a tenant's cached verdicts, about 70 MB of Redis at ~290 B each, and as
+# many quarantine records at most (docs/quarantine_path.md#a-tenants-verdicts-are-bounded)
+DEFAULT_MAX_VERDICTS_PER_TENANT = 250_000
+_ZERO_IS_OFF = frozenset({"--max-blob-bytes-per-tenant", "--max-verdicts-per-tenant"})
 
 
 def add_edge_flags(p: Any, env: Any = None) -> None:
@@ -207,7 +213,8 @@ def add_edge_flags(p: Any, env: Any = None) -> None:
     from controller.uploads import UploadLimits
 
     defaults = {"config": {"max_route_tokens": DEFAULT_MAX_ROUTE_TOKENS,
-                          "max_blob_bytes_per_tenant": DEFAULT_MAX_BLOB_BYTES_PER_TENANT},
+                          "max_blob_bytes_per_tenant": DEFAULT_MAX_BLOB_BYTES_PER_TENANT,
+                          "max_verdicts_per_tenant": DEFAULT_MAX_VERDICTS_PER_TENANT},
                 "uploads": UploadLimits(),
                 "grpc": GrpcLimits()}
     for flag, (where, name, kind, text) in EDGE_FLAGS.items():

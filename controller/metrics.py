@@ -155,6 +155,13 @@ class Metrics:
         self.cas_bytes = Counter("kvfleet_cas_bytes_total", "Blob bytes moved.", ["direction"], registry=r)
         # quarantine / kernel witnesses
         self.quarantines = Counter("kvfleet_quarantines_total", "Tool results quarantined.", registry=r)
+        self.quarantine_not_stored = Counter(
+            "kvfleet_quarantine_not_stored_total",
+            "Verdicts answered and not cached (kind=verdict), and quarantines not recorded (kind=record), by reason "
+            "(tenant_bound: the tenant's space held --max-verdicts-per-tenant entries).",
+            ["kind", "reason"],
+            registry=r,
+        )
         self.witness_max_delta = Gauge(
             "kvfleet_witness_max_abs_delta", "Last witness max|delta| by kind.", ["kind"], registry=r
         )

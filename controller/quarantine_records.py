@@ -35,8 +35,10 @@ def seen_ns(tenant: str) -> str:
     return f"{SEEN_NS}/{tenant}"
 
 
-def record(store: Any, tenant: str, j: Judgement, action: str, now: float) -> None:
-    """Record `j` (quarantined) for `tenant`: a new record, or its `num_seen` and `last_seen` moved on.
+def record(store: Any, tenant: str, j: Judgement, action: str, now: float, max_records: int | None = None) -> bool:
+    """Record `j` (quarantined) for `tenant`: a new record, or its `num_seen` and `last_seen` moved on. With
+    `max_records`, a new record is not written while the tenant has that many (its existing ones still move on);
+    returns whether it was written.
     NOTE: read-modify-write; two proxies recording the same ref at once may lose one count, never a record."""
     ns = seen_ns(tenant)
     raw = store.kv_get(ns, j.ref)
@@ -45,8 +47,11 @@ def record(store: Any, tenant: str, j: Judgement, action: str, now: float) -> No
         first, n = now, 0
     else:
         first, n = float(json.loads(raw)["first_seen"]), int(json.loads(raw)["num_seen"])
-    rec = QuarantineRecord(tenant, j.ref, j.reasons, j.source, action, first, now, n + 1)
-    store.kv_put(ns, j.ref, json.dumps(asdict(rec)).encode())
+    rec = json.dumps(asdict(QuarantineRecord(tenant, j.ref, j.reasons, j.source, action, first, now, n + 1))).encode()
+    if max_records is None:
+        store.kv_put(ns, j.ref, rec)
+        return True
+    return bool(store.kv_put_bounded(ns, j.ref, rec, max_records))
 
 
 def tenants(store: Any) -> list[str]:

@@ -16,12 +16,15 @@ whole rule inline: tests, scripts). docs/quarantine_path.md states the policy.
 
 Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
 
-    quarantine.verdicts  "<tenant>/<sha256>:<config id>.<code>"  JSON Verdict, "used" (fleet.core.quarantine.cache)
+    quarantine.verdicts/<tenant>  "<sha256>:<config id>.<code>"  JSON Verdict, "used" (fleet.core.quarantine.cache)
     quarantine.operator  "<sha256>"                       {"verdict","reasons","at"}
     quarantine.seen/<tenant>  "<sha256>"                  QuarantineRecord as JSON (recent quarantines, per tenant:
                                                           controller/quarantine_records.py)
 
-Verdicts are cached per tenant (issue #28): a tenant never reads a verdict another tenant's bytes made.
+Verdicts are cached per tenant (issue #28): a tenant never reads a verdict another tenant's bytes made. A tenant's
+verdicts, and its records, are each bounded (`max_verdicts`, --max-verdicts-per-tenant): past it they are answered
+and not stored, and a tenant whose verdict space is full is judged in full at once (below, `now`), since its heavy
+layer's verdict could not be kept for its next request.
 Blocking (store I/O, the detector's CPU): the servicers run these methods in the tenant's judge lane
 (controller/judge_lanes.py), never on the event loop or the store executor.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ import fleet.core.quarantine as quarantine_pkg
 from controller.quarantine_records import recent, record
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
+from fleet.core.quarantine.cache import TENANT_BOUND
 from fleet.core.quarantine.layered import gate_reason, gated_out
 from fleet.core.verdict import CLEAN, OPERATOR_NS, QUARANTINED
 from fleet.sdk.quarantine import Judgement, QuarantineRecord  # the types the SDK answers with
@@ -76,15 +80,20 @@ class Judge:
     tenant named in `tenants` gets its own (its own verdict space: another config id)."""
 
     def __init__(self, store: Any, config: DetectorConfig | None = None,
-                 tenants: Mapping[str, DetectorConfig] | None = None) -> None:
-        self.store = store
+                 tenants: Mapping[str, DetectorConfig] | None = None, max_verdicts: int | None = None,
+                 on_not_stored: Callable[[str, str], None] | None = None) -> None:
+        """max_verdicts: the most cached verdicts, and the most quarantine records, one tenant keeps in the store
+        (None: no bound); on_not_stored(kind, reason) is called for each one not stored (kind "verdict", "record")."""
+        self.store, self.max_verdicts = store, max_verdicts
+        self._not_stored = on_not_stored or (lambda kind, reason: None)
         code = detector_code_digest()  # the verdict space names the code that judges too
         caches: dict[DetectorConfig, VerdictCache] = {}
 
         def cache_of(cfg: DetectorConfig) -> VerdictCache:
             if cfg not in caches:  # tenants with equal configs share one detector (and the models are shared)
                 det = make_detector(cfg)
-                caches[cfg] = VerdictCache(store, det, config_id=f"{det.config_id}.{code}")
+                caches[cfg] = VerdictCache(store, det, config_id=f"{det.config_id}.{code}", max_entries=max_verdicts,
+                                           on_not_cached=lambda reason: self._not_stored("verdict", reason))
             return caches[cfg]
 
         def fast_of(cfg: DetectorConfig) -> VerdictCache | None:
@@ -158,7 +167,9 @@ class Judge:
     def now(self, data: bytes, tenant: str, fast: bool = True) -> tuple[Judgement, bool]:
         """(the verdict a request gets now, whether the full verdict is still to come: run `heavy` later).
 
-        fast=False: the full verdict, computed now if need be (the second element is then False).
+        fast=False: the full verdict, computed now if need be (the second element is then False). A tenant whose
+        verdict space is full gets the full verdict now too: the heavy layer's, computed later, could not be cached,
+        so its next request would get the fast verdict again, and a late QUARANTINED would never be enforced.
         """
         ref = sha256_hex(data)
         raw = self.store.kv_get(OPERATOR_NS, ref)
@@ -176,7 +187,9 @@ class Judge:
                 cfg = self.tenant_configs.get(tenant, self.config)
                 if not v.quarantined and gated_out(cfg, v.learned_score):  # the heavy layer will not run: final
                     return Judgement(ref, False, (*v.reasons, gate_reason(cfg)), "detector"), False
-                return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), not v.quarantined
+                if v.quarantined or full.has_room(tenant):
+                    return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), not v.quarantined
+                v = full.inspect(data, tenant)  # at its bound: the full verdict now (its own lane's CPU)
         else:
             v = full.inspect(data, tenant)
         return Judgement(ref, v.quarantined, tuple(v.reasons), "detector"), False
@@ -209,8 +222,8 @@ class Judge:
             left = [i for i, j in enumerate(out) if j is None]
             if cache is None or not left:
                 continue
-            keys = [f"{tenant}/{refs[i]}:{cache.config_id}" for i in left]
-            for i, got in zip(left, cache.store.kv_get_many(cache.namespace, keys), strict=True):
+            keys = [cache.ref_key(refs[i]) for i in left]
+            for i, got in zip(left, cache.store.kv_get_many(cache.ns(tenant), keys), strict=True):
                 doc = json.loads(got) if got is not None else None
                 if doc is not None and doc.get("quarantined"):
                     out[i] = Judgement(refs[i], True, tuple(doc.get("reasons", ())), "detector")
@@ -253,7 +266,9 @@ class Judge:
         return Judgement(ref, True, tuple(meta.reasons), "blob") if meta.verdict == QUARANTINED else None
 
     def _record(self, tenant: str, j: Judgement, action: str, now: float) -> None:
-        record(self.store, tenant, j, action, now)  # in the tenant's own namespace (controller/quarantine_records.py)
+        # in the tenant's own namespace (controller/quarantine_records.py), within its bound
+        if not record(self.store, tenant, j, action, now, self.max_verdicts):
+            self._not_stored("record", TENANT_BOUND)
 
     def set_verdict(self, ref: str, verdict: str, reasons: list[str]) -> None:
         """Set (or with verdict "" drop) the operator's verdict on the bytes whose sha256 is `ref`."""

@@ -92,6 +92,7 @@ class ServiceContext:
     uploads: UploadGate = field(default_factory=lambda: UploadGate(UploadLimits()))
     max_route_tokens: int = DEFAULT_MAX_ROUTE_TOKENS  # a Route longer than this is refused (--max-route-tokens)
     blob_bytes_per_tenant: int = 0  # blob bytes a tenant may have stored, 0: no quota (--max-blob-bytes-per-tenant)
+    verdicts_per_tenant: int = 0  # cached verdicts and records a tenant keeps, 0: no bound (--max-verdicts-per-tenant)
     session_limits: SessionLimits = field(default_factory=SessionLimits)  # per-tenant quotas, lanes, idle TTL
     node_kv_bytes: int = NODE_KV_BYTES  # KV budget of one Ray node of the session fleet (--node-kv-bytes)
     node_max_sessions: int = NODE_MAX_SESSIONS  # sessions one node's kernel host holds (--node-max-sessions)
@@ -120,10 +121,14 @@ class ServiceContext:
         async with self._judge_lock:
             if self._judge is None:
                 loop = asyncio.get_running_loop()
-                build = functools.partial(Judge, self.store, self.detector, self.detector_tenants)
+                build = functools.partial(Judge, self.store, self.detector, self.detector_tenants,
+                                          self.verdicts_per_tenant or None, self._not_stored)
                 self._judge = await loop.run_in_executor(self.judge_lanes.pool, build)
                 pin_torch_threads()
         return self._judge
+
+    def _not_stored(self, kind: str, reason: str) -> None:
+        self.metrics.quarantine_not_stored.labels(kind, reason).inc()
 
     async def judge_now(self, tenant: str, results: list[bytes], action: str) -> list[Judgement]:
         """JudgeToolResults' verdicts: each distinct result judged in `tenant`'s lane (fast layers; a heavy

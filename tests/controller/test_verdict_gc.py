@@ -42,20 +42,20 @@ async def test_gc_prunes_the_verdicts_no_request_used_for_the_ttl(url: str, monk
         assert judge.judge([POISON], "acme", "placeholder")[0].quarantined
         op_ref = hashlib.sha256(b"an operator's call").hexdigest()
         judge.set_verdict(op_ref, "QUARANTINED", ["op"])
-        assert len(s.kv_scan(NAMESPACE)) == 101
+        assert s.kv_len(f"{NAMESPACE}/acme") == 101
 
         clock[0] = t0 + 2 * DAY
         judge.judge(results[:1], "acme", "placeholder")  # still in use: the hit moves its last use
         gc = StoreGc(s, Metrics(), GcConfig(0))
         await gc.run_once()
         in_use, poisoned = judge.cache.key(results[0], "acme"), judge.cache.key(POISON, "acme")
-        assert sorted(s.kv_scan(NAMESPACE)) == sorted([in_use, poisoned])
+        assert sorted(s.kv_scan(f"{NAMESPACE}/acme")) == sorted([in_use, poisoned])
         assert s.kv_get(OPERATOR_NS, op_ref) is not None and list(s.kv_scan(seen_ns("acme"))) == [
             hashlib.sha256(POISON).hexdigest()]
 
         clock[0] = t0 + 2 * DAY + RECORD_TTL_S + 1
         await gc.run_once()
-        assert s.kv_scan(NAMESPACE) == {} and s.kv_get(OPERATOR_NS, op_ref) is not None
+        assert s.kv_scan(f"{NAMESPACE}/acme") == {} and s.kv_get(OPERATOR_NS, op_ref) is not None
 
 
 def test_a_hit_moves_last_use_at_most_once_per_touch_interval(tmp_path: Path) -> None:
@@ -71,13 +71,13 @@ def test_a_hit_moves_last_use_at_most_once_per_touch_interval(tmp_path: Path) ->
             return self.inner.kv_get(namespace, key)
 
         def kv_put(self, namespace: str, key: str, value: bytes) -> None:
-            self.num_puts += 1
+            self.num_puts += namespace != f"{NAMESPACE}.tenants"  # the tenant's index entry is not a touch
             self.inner.kv_put(namespace, key, value)
 
     store = Counting()
     cache = VerdictCache(store, make_detector(DetectorConfig(layers=("rules",))), clock=lambda: clock[0])
     cache.inspect(b"tool output", "acme")
-    used = lambda: json.loads(store.inner.kv_get(NAMESPACE, cache.key(b"tool output", "acme")) or b"")["used"]  # noqa: E731
+    used = lambda: json.loads(store.inner.kv_get(cache.ns("acme"), cache.key(b"tool output", "acme")) or b"")["used"]  # noqa: E731
     assert store.num_puts == 1 and used() == clock[0]
     for _ in range(100):
         clock[0] += (TOUCH_INTERVAL_S - 1) / 100
@@ -109,6 +109,31 @@ def test_prune_is_bounded_per_call_and_goes_on_where_it_stopped(url: str) -> Non
             cursor = prune(s, now, DAY, 30 * DAY, cursor, max_rows=500).cursor
             num_calls += 1
         assert list(s.kv_scan(NAMESPACE)) == ["acme/fresh:cfg"] and num_calls <= 10
+
+
+def test_prune_walks_the_layout_before_and_every_tenants_space_across_calls(url: str) -> None:
+    """The verdicts of the layout before (one namespace, keys "<tenant>/...": no Judge reads them now) and those in
+    each tenant's own namespace (found by the index the cache writes) are pruned alike, the walk going on across
+    calls and spaces from its cursor; the fresh verdict of each space stays."""
+    now = 10 * DAY
+    v = make_detector(DetectorConfig(layers=("rules",))).inspect(b"clean")
+    with open_store(url) as s:
+        for i in range(300):
+            s.kv_put(NAMESPACE, f"acme/{i:064x}:cfg", verdict_to_json(v, used=now - 2 * DAY))
+        for tenant in ("acme", "bravo"):
+            s.kv_put(f"{NAMESPACE}.tenants", tenant, b"")
+            for i in range(300):
+                s.kv_put(f"{NAMESPACE}/{tenant}", f"{i:064x}:cfg", verdict_to_json(v, used=now - 2 * DAY))
+            s.kv_put(f"{NAMESPACE}/{tenant}", "fresh:cfg", verdict_to_json(v, used=now - 60))
+        cursor, num_calls, num_pruned = "", 0, 0
+        while True:
+            got = prune(s, now, DAY, 30 * DAY, cursor, max_rows=200)
+            cursor, num_calls, num_pruned = got.cursor, num_calls + 1, num_pruned + got.num_pruned
+            if not cursor:
+                break
+        assert num_pruned == 900 and num_calls >= 3  # a page (500 rows) at least per call: one call per space
+        assert s.kv_scan(NAMESPACE) == {} and s.kv_len(NAMESPACE) == 0
+        assert [list(s.kv_scan(f"{NAMESPACE}/{t}")) for t in ("acme", "bravo")] == [["fresh:cfg"]] * 2
 
 
 def test_verdict_ttl_flag() -> None:

@@ -7,8 +7,16 @@ reads a verdict computed under someone else's policy, and no tenant ever reads a
 bytes produced (issue #28: a shared entry answered in 111 ms where a miss took 600 ms, so one tenant could
 test whether another's tool result held a given text):
 
-    kv  namespace "quarantine.verdicts"   key "<tenant>/<sha256 hex>:<config_id>"   value JSON Verdict + "used"
-                                          ("<sha256 hex>:<config_id>" when no tenant is given: one-tenant use)
+    kv  namespace "quarantine.verdicts/<tenant>"   key "<sha256 hex>:<config_id>"   value JSON Verdict + "used"
+        namespace "quarantine.verdicts.tenants"  key "<tenant>"  b"": the tenants that have a verdict space (the GC's)
+        namespace "quarantine.verdicts"          key "<sha256 hex>:<config_id>" when no tenant is given (one-tenant
+                                                 use); "<tenant>/<sha256 hex>:<config_id>": the layout before, read by
+                                                 nobody, pruned by the GC until it is empty
+
+A tenant's space holds at most `max_entries` verdicts (--max-verdicts-per-tenant): at the bound a new verdict is
+answered and not cached (`num_not_cached`, `on_not_cached("tenant_bound")`), so one tenant judging distinct texts
+fills its own space, never the store every tenant writes to. The count is the store's (`kv_len`, O(1)) and the
+check is in the write's own transaction or script (`kv_put_bounded`): concurrent writers never pass it.
 
 "used" is the entry's last use: set when it is written, moved by a hit at most once per TOUCH_INTERVAL_S
 (not a write per hit). `prune` (the leader's store GC) deletes entries idle past a TTL, a bounded number of
@@ -24,12 +32,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from fleet.core.errors import ResourceExhausted, Unavailable
+from fleet.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from fleet.core.quarantine.detector import Verdict
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "quarantine.verdicts"
+TENANTS_SUFFIX = ".tenants"  # NAMESPACE + it: the index of the tenants' verdict spaces
+TENANT_BOUND = "tenant_bound"  # why a verdict was not cached: its tenant's space held max_entries
 TOUCH_INTERVAL_S = 3600.0  # a hit rewrites its entry's "used" when it is at least this old
 PRUNE_PAGE, PRUNE_ROWS = 500, 50_000  # `prune`: rows per store call, rows looked at per call of it
 
@@ -38,6 +48,9 @@ class KVStore(Protocol):
     def kv_get(self, namespace: str, key: str) -> bytes | None: ...
     def kv_get_many(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]: ...
     def kv_put(self, namespace: str, key: str, value: bytes) -> None: ...
+    def kv_put_bounded(self, namespace: str, key: str, value: bytes, max_keys: int) -> bool: ...
+    def kv_len(self, namespace: str) -> int: ...
+    def kv_scan(self, namespace: str) -> dict[str, bytes]: ...
 
 
 class PagedKVStore(KVStore, Protocol):
@@ -57,29 +70,48 @@ class VerdictCache:
     """Memoises `detector.inspect` in `store`'s kv space, keyed by tenant + sha256(bytes) + detector config id."""
 
     def __init__(self, store: KVStore, detector: ConfiguredDetector, namespace: str = NAMESPACE,
-                 config_id: str | None = None, clock: Callable[[], float] | None = None) -> None:
+                 config_id: str | None = None, clock: Callable[[], float] | None = None,
+                 max_entries: int | None = None, on_not_cached: Callable[[str], None] | None = None) -> None:
         """config_id: the verdict space (default: the detector's own; a caller may name more, e.g. the code).
-        clock: the time an entry is used at (default time.time), injectable for tests."""
+        clock: the time an entry is used at (default time.time), injectable for tests. max_entries: the most
+        verdicts one tenant's space holds (None: no bound); on_not_cached(reason) is called for each one not cached."""
+        if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)
+                                        or max_entries < 1):
+            raise InvalidArgument(f"max_entries {max_entries!r}: expected an int >= 1 (None: no bound)")
         self.store, self.detector, self.namespace = store, detector, namespace
         self.config_id = detector.config_id if config_id is None else config_id
-        self.clock = clock
+        self.clock, self.max_entries, self.on_not_cached = clock, max_entries, on_not_cached
         self.num_hits = self.num_misses = 0
         self.num_touch_failures = 0  # hits answered whose last-use touch the store refused
+        self.num_not_cached = 0  # verdicts answered and not cached: the tenant's space held max_entries
+        self._indexed: set[str] = set()  # tenants whose space this cache has put in the index
 
     def _now(self) -> float:
         return time.time() if self.clock is None else self.clock()
 
+    def ns(self, tenant: str | None = None) -> str:
+        """The namespace of `tenant`'s verdicts (None: the unscoped one); tenant names hold no '/'."""
+        return self.namespace if tenant is None else f"{self.namespace}/{tenant}"
+
     def key(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> str:
-        """The store key of `data`'s verdict in `tenant`'s verdict space (None: the unscoped one)."""
-        digest = f"{hashlib.sha256(data).hexdigest()}:{self.config_id}"
-        return digest if tenant is None else f"{tenant}/{digest}"
+        """The store key of `data`'s verdict in its namespace, `ns(tenant)` (the same for every tenant)."""
+        return self.ref_key(hashlib.sha256(data).hexdigest())
+
+    def ref_key(self, ref: str) -> str:
+        """The store key of the verdict on the bytes whose sha256 hex is `ref`."""
+        return f"{ref}:{self.config_id}"
+
+    def has_room(self, tenant: str | None = None) -> bool:
+        """Whether `tenant`'s space holds fewer than max_entries verdicts (one O(1) store call), so a verdict
+        computed now would be cached."""
+        return self.max_entries is None or self.store.kv_len(self.ns(tenant)) < self.max_entries
 
     def cached(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> Verdict | None:
         """The stored verdict for `data` in `tenant`'s space, or None; inspects nothing, counts nothing
         (a hit is a use all the same: it keeps the entry from being pruned)."""
-        key = self.key(data, tenant)
-        raw = self.store.kv_get(self.namespace, key)
-        return None if raw is None else self._hit(key, raw)
+        ns, key = self.ns(tenant), self.key(data, tenant)
+        raw = self.store.kv_get(ns, key)
+        return None if raw is None else self._hit(ns, key, raw)
 
     def inspect(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> Verdict:
         """The cached verdict for `data`, or the detector's (then stored).
@@ -92,17 +124,30 @@ class VerdictCache:
         Returns:
             The Verdict; equal to `detector.inspect(data)` for the same bytes and config.
         """
-        key = self.key(data, tenant)
-        raw = self.store.kv_get(self.namespace, key)
+        ns, key = self.ns(tenant), self.key(data, tenant)
+        raw = self.store.kv_get(ns, key)
         if raw is not None:
             self.num_hits += 1
-            return self._hit(key, raw)
+            return self._hit(ns, key, raw)
         self.num_misses += 1
         v = self.detector.inspect(data)
-        self.store.kv_put(self.namespace, key, verdict_to_json(v, used=self._now()))
+        if not self._put(ns, key, verdict_to_json(v, used=self._now()), tenant):
+            self.num_not_cached += 1
+            if self.on_not_cached is not None:
+                self.on_not_cached(TENANT_BOUND)
         return v
 
-    def _hit(self, key: str, raw: bytes) -> Verdict:
+    def _put(self, ns: str, key: str, value: bytes, tenant: str | None) -> bool:
+        """Write one entry, within the bound; False: the space held max_entries and `key` was not among them."""
+        if tenant is not None and tenant not in self._indexed:  # before its first entry: none outside the index
+            self.store.kv_put(f"{self.namespace}{TENANTS_SUFFIX}", tenant, b"")
+            self._indexed.add(tenant)
+        if self.max_entries is None:
+            self.store.kv_put(ns, key, value)
+            return True
+        return self.store.kv_put_bounded(ns, key, value, self.max_entries)
+
+    def _hit(self, ns: str, key: str, raw: bytes) -> Verdict:
         """The verdict in `raw`; its "used" moved to now if it is TOUCH_INTERVAL_S old (or missing)."""
         doc = json.loads(raw)
         now, used = self._now(), doc.get("used")
@@ -110,7 +155,7 @@ class VerdictCache:
             # NOTE: best-effort: a store refusing writes (Redis at maxmemory, SQLite behind a long write) failed the
             # read of a verdict it holds; untouched, the entry is touched by a later hit, or pruned and judged again
             try:
-                self.store.kv_put(self.namespace, key, json.dumps({**doc, "used": now}, sort_keys=True).encode())
+                self._put(ns, key, json.dumps({**doc, "used": now}, sort_keys=True).encode(), None)
             except (Unavailable, ResourceExhausted) as e:
                 self.num_touch_failures += 1
                 log.debug("verdict cache: the last-use touch of %s was not written: %s", key, e)
@@ -130,23 +175,32 @@ def prune(store: PagedKVStore, now: float, ttl_s: float, quarantined_ttl_s: floa
     """Delete the verdicts (every tenant's, every config's) whose last use is more than `ttl_s` before `now`
     (`quarantined_ttl_s` for a QUARANTINED one), and any without a last use or that cannot be read.
 
-    Bounded: it reads the namespace from `cursor` in pages of PRUNE_PAGE rows (one store call each, the
-    store free between them) and stops after about `max_rows`, or at the end of the namespace; the caller
-    passes the returned cursor to the next call. An entry without "used" was written before it was
-    recorded, so under another code digest (this module is part of it): no Judge reads it again.
+    The spaces walked: `namespace` itself (the unscoped verdicts, and the layout before per-tenant spaces, until it
+    is empty), then each tenant's in the index, in name order. Bounded: it reads from `cursor` in pages of
+    PRUNE_PAGE rows (one store call each, the store free between them) and stops after about `max_rows`, or at the
+    end of the last space; the caller passes the returned cursor to the next call. An entry without "used" was
+    written before it was recorded, so under another code digest (this module is part of it): no Judge reads it.
 
     Returns:
         PruneResult(cursor for the next call, rows looked at, rows deleted).
     """
+    spaces = [namespace, *(f"{namespace}/{t}" for t in sorted(store.kv_scan(f"{namespace}{TENANTS_SUFFIX}")))]
+    space, _, inner = cursor.partition("\n")
+    i = spaces.index(space) if space in spaces else 0  # a cursor of another walk (or of the layout before): restart
+    inner = inner if space in spaces else ""
     num_seen = num_pruned = 0
     while True:
-        cursor, rows = store.kv_scan_page(namespace, cursor, PRUNE_PAGE)
+        inner, rows = store.kv_scan_page(spaces[i], inner, PRUNE_PAGE)
         idle = [k for k, raw in rows.items() if _idle(raw, now, ttl_s, quarantined_ttl_s)]
         if idle:
-            store.kv_delete_many(namespace, idle)
+            store.kv_delete_many(spaces[i], idle)
         num_seen, num_pruned = num_seen + len(rows), num_pruned + len(idle)
-        if not cursor or num_seen >= max_rows:
-            return PruneResult(cursor, num_seen, num_pruned)
+        if not inner:
+            i += 1
+            if i == len(spaces):
+                return PruneResult("", num_seen, num_pruned)
+        if num_seen >= max_rows:
+            return PruneResult(f"{spaces[i]}\n{inner}", num_seen, num_pruned)
 
 
 def _idle(raw: bytes, now: float, ttl_s: float, quarantined_ttl_s: float) -> bool:

@@ -66,7 +66,7 @@ def test_a_verdict_cache_hit_at_maxmemory_is_answered_and_a_kv_put_is_resource_e
     verdict was readable. Now kv_put raises ResourceExhausted and the hit is answered, its touch counted as not
     written. Control: a hit with no touch due is answered either way, and the touch is written without the limit."""
     from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
-    from fleet.core.quarantine.cache import NAMESPACE, TOUCH_INTERVAL_S
+    from fleet.core.quarantine.cache import TOUCH_INTERVAL_S
 
     r = redis.Redis.from_url(redis_url)
     store = open_store(redis_url)
@@ -87,5 +87,5 @@ def test_a_verdict_cache_hit_at_maxmemory_is_answered_and_a_kv_put_is_resource_e
     finally:
         r.config_set("maxmemory", 0)
     assert cache.inspect(data, "acme") == first and cache.num_touch_failures == 2
-    assert json.loads(store.kv_get(NAMESPACE, cache.key(data, "acme")) or b"{}")["used"] == now[0]
+    assert json.loads(store.kv_get(cache.ns("acme"), cache.key(data, "acme")) or b"{}")["used"] == now[0]
     store.close()

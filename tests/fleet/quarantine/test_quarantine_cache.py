@@ -68,7 +68,8 @@ def test_a_tenant_never_reads_another_tenants_verdict(tmp_path: Path) -> None:
     assert (det.num_calls, cache.num_misses, cache.num_hits) == (2, 2, 0)
     assert cache.inspect(POISON, tenant="acme") == cache.inspect(POISON, tenant="bravo")  # control: both hit now
     assert (det.num_calls, cache.num_hits) == (2, 2)
-    assert sorted(store.kv_scan(NAMESPACE)) == sorted([cache.key(POISON, "acme"), cache.key(POISON, "bravo")])
+    assert [list(store.kv_scan(cache.ns(t))) for t in ("acme", "bravo")] == [[cache.key(POISON, "acme")]] * 2
+    assert store.kv_scan(NAMESPACE) == {}  # each tenant's verdicts in its own namespace
 
 
 class _RefusingWrites:
@@ -100,4 +101,4 @@ def test_a_hit_is_answered_when_the_store_refuses_its_last_use_touch() -> None:
     assert cache.num_touch_failures == 2 and det.num_calls == 1
     store.refuse = False
     assert cache.inspect(POISON, "acme") == first and cache.num_touch_failures == 2
-    assert json.loads(store.kv[NAMESPACE, cache.key(POISON, "acme")])["used"] == now[0]
+    assert json.loads(store.kv[cache.ns("acme"), cache.key(POISON, "acme")])["used"] == now[0]
