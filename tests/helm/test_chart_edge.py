@@ -15,7 +15,8 @@ from controller.edge import EDGE_FLAGS
 from controller.main import parse_args
 
 LIMITS = {"maxRouteTokens": 65536, "uploadsPerTenant": 4, "uploads": 32, "uploadBytesPerTenant": 1 << 27,
-          "uploadBytes": 1 << 29, "blobBytesPerTenant": 0, "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
+          "uploadBytes": 1 << 29, "blobBytesPerTenant": 0, "verdictsPerTenant": 1000,
+          "uploadIdleTimeoutSeconds": 12.5, "grpcMaxReceiveBytes": 8 << 20,
           "grpcMaxConcurrentStreams": 50, "grpcMaxConcurrentRpcs": 500, "grpcKeepaliveSeconds": 30,
           "grpcMinPingIntervalSeconds": 5, "uploadMinRate": 4096, "uploadTenantShare": 0.25, "getsPerTenant": 3,
           "gets": 24, "getBytesPerTenant": 1 << 23, "getBytes": 1 << 26, "getIdleTimeoutSeconds": 7.5}
@@ -34,6 +35,7 @@ def test_limits_reach_the_controller_flags(chart: Any) -> None:
     assert flag["--max-route-tokens"] == "65536" and flag["--max-upload-bytes-per-tenant"] == str(1 << 27)
     assert flag["--upload-idle-timeout"] == "12.5" and flag["--grpc-min-ping-interval"] == "5"
     assert flag["--max-blob-bytes-per-tenant"] == "0"  # 0 (no quota) is a value, not "unset"
+    assert flag["--max-verdicts-per-tenant"] == "1000"
     assert flag["--upload-min-rate"] == "4096" and flag["--upload-tenant-share"] == "0.25"
     assert (flag["--max-gets-per-tenant"], flag["--max-gets"], flag["--max-get-bytes-per-tenant"], flag["--max-get-bytes"],
             flag["--get-idle-timeout"]) == ("3", "24", str(1 << 23), str(1 << 26), "7.5")
