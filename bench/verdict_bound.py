@@ -110,6 +110,7 @@ def main() -> None:
     lite = _sqlite(a.rows, a.calls, a.rounds)
     red, per_entry = _redis(a.rows, a.calls, a.rounds)
     body = "\n".join([
+        "## Verdict cache: the per-tenant bound's cost (`python bench/verdict_bound.py`)", "",
         f"One call on a fresh key of a tenant's verdict namespace holding {a.rows:,} keys; median of each round's "
         f"median over {a.calls:,} calls, {a.rounds} rounds interleaved (range across rounds), microseconds. "
         "One process, loopback Redis (AOF as `fleet/app/redis_server.py` runs it).", "",
@@ -120,7 +121,7 @@ def main() -> None:
     ])
     print(body)
     if not a.no_docs:
-        write_section("Verdict cache: the per-tenant bound's cost (`python bench/verdict_bound.py`)", body)
+        write_section("verdict-bound", body)
 
 
 if __name__ == "__main__":
