@@ -53,10 +53,12 @@ class RoutePhases:
         num_tokens = sum(len(p) if isinstance(p, Sized) else INLINE_HASH_TOKENS + 1 for p in (token_ids, *batch))
         if not all(isinstance(p, list | tuple) for p in (token_ids, *batch)) or num_tokens > INLINE_HASH_TOKENS:
             return await self.hash_lane.ordered(token_ids, model, salt, lora, owner, batch, num_tokens)
-        jobs = self.candidates.hash_jobs(model, lora)
-        pre = checked_chains(jobs, token_ids, model, salt, lora)
-        bpre = [Hashed(checked_chains(jobs, p, model, salt, lora), {}) for p in batch]
-        ordering = self.candidates.order(token_ids, model, salt, lora, pre, owner=owner, batch=batch, batch_pre=bpre)
+        async with self.hash_lane.inline_turn(owner, num_tokens):  # one such route of the tenant's at a time
+            jobs = self.candidates.hash_jobs(model, lora)
+            pre = checked_chains(jobs, token_ids, model, salt, lora)
+            bpre = [Hashed(checked_chains(jobs, p, model, salt, lora), {}) for p in batch]
+            ordering = self.candidates.order(token_ids, model, salt, lora, pre, owner=owner, batch=batch,
+                                             batch_pre=bpre)
         return ordering, token_ids, batch
 
     async def _looked_at(
