@@ -3,7 +3,7 @@
 A prompt of up to hash_lane.INLINE_HASH_TOKENS is hashed on the event loop. Every route of one tenant that arrived at
 once was ready on the loop together and ran its hashing in turn, so another tenant's route, ready after them, waited
 for them all: with 64 of one tenant's 8,192-token routes in flight, another's 64-token route waited 50 ms at the
-median (230 ms behind 256), against 0.4 ms alone (a probe of the real Router on this machine). Now a tenant's such
+median (230 ms behind 256), against 0.4 ms alone (a probe of the real Router with no worker registered). Now a tenant's such
 routes take one turn at a time (HashLane.inline_turn), so the other route waits for one of them at most.
 Real Router; the hashing is wrapped only to record whose runs in which order.
 """
