@@ -44,6 +44,7 @@ from redis.retry import Retry
 from fleet.cas import redis_reads
 from fleet.cas.base import BlobMeta, BlobStore, StoreConfig, blob_charge
 from fleet.cas.redis_errors import store_call
+from fleet.cas.redis_fit import eviction_refusal
 from fleet.cas.redis_gc import RedisGc
 from fleet.cas.redis_holders import RedisHolders
 from fleet.cas.redis_pieces import PIECE_BYTES, PiecedPut, in_flight_key, over_quota_out
@@ -95,34 +96,15 @@ class RedisBlobStore(BlobStore):
 
     @store_call
     def unfit(self) -> str | None:
-        """Why this Redis is refused: its maxmemory-policy evicts keys that have no TTL (allkeys-*), and every key
-        here is data. One INFO; the controller's store probe asks it at each probe too (controller/store_probe.py).
-
-        NOTE: such a Redis was opened without a word, and at its maxmemory one tenant's puts evicted other tenants'
-        pinned blobs (a later get: NOT_FOUND) and their own byte count (so their quota counted from 0 again). The
-        volatile-* policies evict only keys with a TTL, and the store sets one only on a large put's pieces in
-        flight and on the tenant's set of their reservations: evicting pieces fails that put (Unavailable, nothing
-        stored), evicting reservations leaves those puts to the commit's quota check, and stored data is refused writes as
-        under noeviction. INFO, not CONFIG GET, which managed Redis services often forbid; one that forbids INFO too is opened.
-        """
-        try:
-            policy = str(self.r.info("memory").get("maxmemory_policy", ""))
-        except redis.exceptions.ResponseError:  # INFO refused (an ACL, a renamed command): nothing to check
-            policy = ""
-        self._evicting = None if not policy.startswith("allkeys-") else (
-                f"redis at {self.host}:{self.port} evicts keys when it is full (maxmemory-policy {policy}): it "
-                "would drop blobs, op logs and byte counts, any tenant's to make room for another's, without an "
-                "error. Set maxmemory-policy noeviction on it (a full store then refuses writes with "
-                "RESOURCE_EXHAUSTED and keeps what it holds), or give kvfleet a Redis of its own")
+        """Why this Redis is refused (fleet/cas/redis_fit.py: its maxmemory-policy evicts keys without a TTL), else
+        None; what it finds also refuses or lets through the data writes (`_refuse_while_evicting`). One INFO; the
+        controller's store probe asks it at each probe too (controller/store_probe.py)."""
+        self._evicting = eviction_refusal(self.r, f"{self.host}:{self.port}")
         return self._evicting
 
     def _refuse_while_evicting(self) -> None:
-        """Refuse a write of tenant data (a blob, an op log) while the last unfit() found this Redis evicting.
-
-        NOTE: a Redis set to evict while the controller ran read NOT_SERVING (its store probe asks unfit() every
-        interval), but a client that called on went on storing blobs and op logs into it, acknowledged, for it to drop
-        without an error at its maxmemory. Now they are refused as an open is, until a probe finds the policy fixed.
-        The controller's own keys (kv_*) are still written: they are what it rebuilds from after a loss."""
+        """Refuse a write of tenant data (a blob, an op log) while the last unfit() found this Redis evicting
+        (fleet/cas/redis_fit.py says why); the controller's own keys (kv_*) are still written."""
         if self._evicting is not None:
             raise FailedPrecondition(f"write refused, the store cannot keep it: {self._evicting}")
 
