@@ -26,7 +26,9 @@ BATCH_TOKENIZE_AT_ONCE = 8
 # the Route within its default --grpc-max-receive-bytes (4 MiB: about 3 bytes an id). The later prompts past it are
 # left out of the route (batch_route.within; a controller with a lower limit leaves out more), the batch sent whole.
 ROUTE_TOKENS = DEFAULT_MAX_ROUTE_TOKENS
-TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0)]]  # vLLM's `list[Annotated[int, Field(ge=0)]]`
+# vLLM's `list[Annotated[int, Field(ge=0)]]`, below 2**32: every id the router takes (its ids are 4 bytes)
+MAX_ID = (1 << 32) - 1
+TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]]
 SHAPES = "'prompt' must be a string, a list of token ids, or a list of those"
 # Tokenizer.ids_of: (one /tokenize request or its ids, the body, the registered model, the tenant) -> the ids
 IdsOf = Callable[[dict[str, Any] | list[int], dict[str, Any], str, str], Awaitable[Sequence[int]]]
@@ -56,9 +58,14 @@ def _ids(p: Any, where: str) -> list[int] | None:
     except msgspec.ValidationError:
         pass
     try:
-        return lax_token_ids(p)
+        ids = lax_token_ids(p)
     except ValueError as e:
         raise ProxyError(400, f"{SHAPES}: {where}{e}", where) from None
+    # NOTE: an id of 2**32 or more passed here and was refused by the route's packing, a 400 naming no element
+    if (top := max(ids)) > MAX_ID:
+        raise ProxyError(400, f"{SHAPES}: {where}[{ids.index(top)}] is {top}, over the largest token id the router "
+                              f"takes ({MAX_ID})", where)
+    return ids
 
 
 def batch_of(p: Any) -> list[Any] | None:
