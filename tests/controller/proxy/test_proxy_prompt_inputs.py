@@ -108,8 +108,8 @@ async def test_a_request_for_its_prompts_logprobs_claims_no_cache_and_the_stand_
     `top_logprobs` is 0 when left out). The proxy routes it by load alone, with no cached tokens claimed; before, it
     was claimed WARM on the holder of its prefix for all of it (and the stand-in reused its cache for it)."""
     msgs = [{"role": "system", "content": TEXT}, {"role": "user", "content": "Plan a trip."}]
-    w, _, _, _, full = await _send(fleet, "/v1/completions", {"prompt": TEXT})
-    wc, _, _, _, chat_full = await _send(fleet, "/v1/chat/completions", {"messages": msgs})
+    _, _, _, _, full = await _send(fleet, "/v1/completions", {"prompt": TEXT})
+    _, _, _, _, chat_full = await _send(fleet, "/v1/chat/completions", {"messages": msgs})
     cases = [("/v1/completions", {"prompt": TEXT, "prompt_logprobs": 1}),
              ("/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 1}),
              ("/v1/chat/completions", {"messages": msgs, "prompt_logprobs": 0}),
@@ -121,12 +121,13 @@ async def test_a_request_for_its_prompts_logprobs_claims_no_cache_and_the_stand_
         cached = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
         print(path, sorted(body)[-1], verdict, matched, cached)
         assert (verdict, matched, cached) == ("COLD", 0, 0), body
-    # control: without them (an echo without logprobs, a chat whose top_logprobs is null), WARM on the holder, as cached
-    for path, body, holder, n in [("/v1/completions", {"prompt": TEXT, "echo": True}, w, full),
-                                  ("/v1/chat/completions", {"messages": msgs, "echo": True, "top_logprobs": None},
-                                   wc, chat_full)]:
+    # control: without them (an echo without logprobs, a chat whose top_logprobs is null), WARM, as cached
+    for path, body, n in [("/v1/completions", {"prompt": TEXT, "echo": True}, full),
+                          ("/v1/chat/completions", {"messages": msgs, "echo": True, "top_logprobs": None}, chat_full)]:
         got, verdict, matched, cached, _ = await _send(fleet, path, body)
         # the route claims every whole block; vLLM hits at most prompt - 1 tokens (a fully cached prompt of whole
         # blocks computes its last block again)
-        assert (got, verdict, matched) == (holder, "WARM", n // BLOCK * BLOCK), body
+        # NOTE: on the first holder, or on a worker a request above (routed by load, prefilled whole) left the prompt
+        # on: each holds all of it, so either is right (a run saw w1 chosen where w2 held it first, 2 in 10)
+        assert (verdict, matched) == ("WARM", n // BLOCK * BLOCK), (got, body)
         assert cached == (n - 1) // BLOCK * BLOCK, body
