@@ -27,7 +27,7 @@ async def test_whole_float_ids_are_routed_as_the_ints_vllm_reads(fleet: Fleet) -
     holder = h["x-kvfleet-worker"]
     await until(lambda: fleet.blocks_known(holder), lambda n: n >= len(IDS) // BLOCK)
     # the same ids as floats, with the first as a string, and as a batch of one list of floats: WARM on the holder for
-    # all 4 blocks, the worker reusing exactly as many (NOTE: before the fix, each a 400 from the proxy)
+    # all 4 blocks (NOTE: before the fix, each a 400 from the proxy)
     resent: list[Any] = [[float(t) for t in IDS], [str(t) for t in IDS[:1]] + IDS[1:], [[float(t) for t in IDS]]]
     for prompt in resent:
         status, h, doc = await _send(fleet, prompt)
