@@ -50,6 +50,8 @@ class RankEvents:
     loads: tuple[WorkerMetrics, ...]
     hash_cfg: HashConfig | None
     calibrated: bool
+    group_block_sizes: dict[int | None, int]  # each KV group's block size, as the GPU pool's events give it
+    mixed_noted: bool  # its groups' different block sizes were logged
     resumed: set[int]
     applying: dict[int, int]
     _reset_seen: dict[int, float | None]
@@ -194,6 +196,21 @@ class RankEvents:
                 # taken for the pool's block size: 0 raised out of the batch, 64 on a pool of 16 was never WARM
                 return self.calibrated
             self.hash_cfg = HashConfig(self.spec.hash_algo or "sha256", self.spec.hash_seed, ev.block_size)
+        sizes = self.group_block_sizes
+        if not calibration.evidence(ev):
+            pass  # a KV connector's: calibration.verdict says it is no evidence
+        elif sizes.setdefault(ev.group_idx, ev.block_size) != ev.block_size:
+            sizes[ev.group_idx] = ev.block_size  # a group's own size changed (a restart): a failure as ever, below
+        elif ev.block_size != self.hash_cfg.block_size and len(set(sizes.values())) > 1:
+            # NOTE: a hybrid model whose KV groups have different block sizes (vLLM stores each group's blocks at its
+            # own size) failed calibration at every event of the other group's: its index dropped and its state
+            # written at every step. Such a rank is matched by no route (controller/index.py: groups of different
+            # block sizes fail closed), so the other size is no evidence about the hash config, and no failure.
+            if not self.mixed_noted:
+                self.mixed_noted = True
+                log.warning("worker %s has KV groups of different block sizes %s: its prompts route COLD (no hit is "
+                            "predicted across block sizes)", self.spec.name, sorted(set(sizes.values())))
+            return self.calibrated
         cfg, proven = calibration.verdict(self.hash_cfg, ev)
         if cfg != self.hash_cfg:
             log.info("worker %s hashes a block's extra keys %s (its salted block 0 says so): predicted so from now on",

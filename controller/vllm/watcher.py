@@ -102,6 +102,8 @@ class Worker(RankEvents, Verbs, Reconcile):
         self.load_at: float | None = None  # time.monotonic() when the look that gave `loads` began
         self._look_at: float | None = None
         self.calibrated = True
+        self.group_block_sizes: dict[int | None, int] = {}  # (RankEvents._calibrate)
+        self.mixed_noted = False
         self.lock = asyncio.Lock()
         self.transitioning = False  # a lifecycle verb is in flight: not serving, not warm
         self.draining = False  # .. one whose requests in flight finish there (lc.lists_draining): listed "draining"

@@ -100,3 +100,30 @@ async def test_a_window_group_store_that_skips_its_null_blocks_routes_warm(tmp_p
 async def test_control_one_group_routes_warm(tmp_path: Path) -> None:
     async with one_worker(tmp_path, 256) as (r, sim):
         assert await _route(r, sim, [_stored(0, "full_attention", 0, N)]) == ("WARM", N * B)
+
+
+def _stored_at(g: int, size: int, hashes: list[int], first_token: int) -> Any:
+    """A GPU BlockStored of group `g` at its own block size (the hashes are not checked: no route can match them)."""
+    toks = list(range(first_token, first_token + size * len(hashes)))
+    return wire.VllmBlockStored(
+        block_hashes=hashes, parent_block_hash=None, token_ids=toks, block_size=size, lora_id=None, medium="GPU",
+        lora_name=None, extra_keys=[None] * len(hashes), group_idx=g, kv_cache_spec_kind="full_attention")
+
+
+async def test_groups_of_different_block_sizes_route_cold_without_dropping_the_rank_at_every_step(
+        tmp_path: Path) -> None:
+    """A hybrid whose KV groups have different block sizes (group 0 at 16, group 1 at 32): no route can be matched
+    across them (the index fails closed), so they route COLD; the second size is no calibration failure. NOTE: it was
+    one at every step carrying group 1's blocks: the rank's index dropped and its state written each time (5 epoch
+    bumps for 5 steps here). Control: a second size in the one group that calibrates still fails it."""
+    async with one_worker(tmp_path, 256) as (r, sim):
+        assert sim.publisher is not None
+        bumps = r.metrics.epoch_bumps.labels("calibration")
+        for step in range(5):
+            sim.publisher.publish([_stored(0, "full_attention", step, 1) if step else HYBRID[0],
+                                   _stored_at(1, 2 * B, [10_000 + step], 50_000 + 64 * step)])
+        await synced(r, sim)
+        assert bumps._value.get() == 0 and (await r.route(TOKS, "m")).verdict == "COLD"  # before: 5
+        sim.publisher.publish([_stored_at(0, 2 * B, [20_000], 90_000)])  # control: group 0's own size changed
+        await synced(r, sim)
+        assert bumps._value.get() == 1
