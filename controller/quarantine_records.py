@@ -23,6 +23,7 @@ from typing import Any
 
 from fleet.cas.types import check_tenant
 from fleet.core.errors import InvalidArgument
+from fleet.core.quarantine.cache import TenantIndex
 from fleet.sdk.quarantine import Judgement, QuarantineRecord
 
 SEEN_NS = "quarantine.seen"  # every tenant's records, keyed "<tenant>/<ref>": the layout before (read by the GC)
@@ -35,15 +36,16 @@ def seen_ns(tenant: str) -> str:
     return f"{SEEN_NS}/{tenant}"
 
 
-def record(store: Any, tenant: str, j: Judgement, action: str, now: float, max_records: int | None = None) -> bool:
+def record(store: Any, index: TenantIndex, tenant: str, j: Judgement, action: str, now: float,
+           max_records: int | None = None) -> bool:
     """Record `j` (quarantined) for `tenant`: a new record, or its `num_seen` and `last_seen` moved on. With
     `max_records`, a new record is not written while the tenant has that many (its existing ones still move on);
-    returns whether it was written.
+    returns whether it was written. `index`: TenantIndex of TENANTS_NS.
     NOTE: read-modify-write; two proxies recording the same ref at once may lose one count, never a record."""
     ns = seen_ns(tenant)
     raw = store.kv_get(ns, j.ref)
     if raw is None:
-        store.kv_put(TENANTS_NS, tenant, b"")  # before the record: no record is outside the index
+        index.note(tenant)  # before the record: no record is outside the index
         first, n = now, 0
     else:
         first, n = float(json.loads(raw)["first_seen"]), int(json.loads(raw)["num_seen"])

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import fleet.core.quarantine as quarantine_pkg
-from controller.quarantine_records import recent, record
+from controller.quarantine_records import TENANTS_NS, recent, record
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine import DetectorConfig, VerdictCache, make_detector
-from fleet.core.quarantine.cache import TENANT_BOUND
+from fleet.core.quarantine.cache import TENANT_BOUND, TenantIndex
 from fleet.core.quarantine.layered import gate_reason, gated_out
 from fleet.core.verdict import CLEAN, OPERATOR_NS, QUARANTINED
 from fleet.sdk.quarantine import Judgement, QuarantineRecord  # the types the SDK answers with
@@ -85,6 +85,7 @@ class Judge:
         """max_verdicts: the most cached verdicts, and the most quarantine records, one tenant keeps in the store
         (None: no bound); on_not_stored(kind, reason) is called for each one not stored (kind "verdict", "record")."""
         self.store, self.max_verdicts = store, max_verdicts
+        self._records_index = TenantIndex(store, TENANTS_NS)  # the tenants with quarantine records, for the GC
         self._not_stored = on_not_stored or (lambda kind, reason: None)
         code = detector_code_digest()  # the verdict space names the code that judges too
         caches: dict[DetectorConfig, VerdictCache] = {}
@@ -267,7 +268,7 @@ class Judge:
 
     def _record(self, tenant: str, j: Judgement, action: str, now: float) -> None:
         # in the tenant's own namespace (controller/quarantine_records.py), within its bound
-        if not record(self.store, tenant, j, action, now, self.max_verdicts):
+        if not record(self.store, self._records_index, tenant, j, action, now, self.max_verdicts):
             self._not_stored("record", TENANT_BOUND)
 
     def set_verdict(self, ref: str, verdict: str, reasons: list[str]) -> None:

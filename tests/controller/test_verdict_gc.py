@@ -48,7 +48,7 @@ async def test_gc_prunes_the_verdicts_no_request_used_for_the_ttl(url: str, monk
         judge.judge(results[:1], "acme", "placeholder")  # still in use: the hit moves its last use
         gc = StoreGc(s, Metrics(), GcConfig(0))
         await gc.run_once()
-        in_use, poisoned = judge.cache.key(results[0], "acme"), judge.cache.key(POISON, "acme")
+        in_use, poisoned = judge.cache.key(results[0]), judge.cache.key(POISON)
         assert sorted(s.kv_scan(f"{NAMESPACE}/acme")) == sorted([in_use, poisoned])
         assert s.kv_get(OPERATOR_NS, op_ref) is not None and list(s.kv_scan(seen_ns("acme"))) == [
             hashlib.sha256(POISON).hexdigest()]
@@ -77,7 +77,7 @@ def test_a_hit_moves_last_use_at_most_once_per_touch_interval(tmp_path: Path) ->
     store = Counting()
     cache = VerdictCache(store, make_detector(DetectorConfig(layers=("rules",))), clock=lambda: clock[0])
     cache.inspect(b"tool output", "acme")
-    used = lambda: json.loads(store.inner.kv_get(cache.ns("acme"), cache.key(b"tool output", "acme")) or b"")["used"]  # noqa: E731
+    used = lambda: json.loads(store.inner.kv_get(cache.ns("acme"), cache.key(b"tool output")) or b"")["used"]  # noqa: E731
     assert store.num_puts == 1 and used() == clock[0]
     for _ in range(100):
         clock[0] += (TOUCH_INTERVAL_S - 1) / 100

@@ -30,7 +30,7 @@ def test_known_reads_operator_and_the_tenants_stored_verdicts_only(tmp_path: Pat
         judge = Judge(s, DetectorConfig(layers=("rules",)))
         assert judge.judge([POISON], "acme", "placeholder")[0].quarantined
         # a heavy layer's late verdict, as Judge.heavy stores it in the tenant's full verdict space
-        s.kv_put(judge.cache_for("acme").ns("acme"), judge.cache_for("acme").key(LATE, "acme"),
+        s.kv_put(judge.cache_for("acme").ns("acme"), judge.cache_for("acme").key(LATE),
                  verdict_to_json(Verdict(True, ["encoder:0.9990"], 0.0, None, 0.999)))
         got = judge.known([_ref(POISON), _ref(LATE), _ref(b"never seen")], "acme")
         assert [(j.quarantined, j.source) for j in got] == [(True, "detector"), (True, "detector"), (False, "detector")]

@@ -41,6 +41,7 @@ NAMESPACE = "quarantine.verdicts"
 TENANTS_SUFFIX = ".tenants"  # NAMESPACE + it: the index of the tenants' verdict spaces
 TENANT_BOUND = "tenant_bound"  # why a verdict was not cached: its tenant's space held max_entries
 TOUCH_INTERVAL_S = 3600.0  # a hit rewrites its entry's "used" when it is at least this old
+REINDEX_S = 300.0  # TenantIndex: a tenant is written to its index again at most this often by one process
 PRUNE_PAGE, PRUNE_ROWS = 500, 50_000  # `prune`: rows per store call, rows looked at per call of it
 
 
@@ -66,6 +67,26 @@ class ConfiguredDetector(Protocol):
     def inspect(self, text: str | bytes | bytearray | memoryview) -> Verdict: ...
 
 
+class TenantIndex:
+    """The tenants that have a space of entries under a prefix (the GC walks theirs), kept in kv namespace `namespace`.
+
+    A tenant is written there before this process's first entry for it, and again when it last wrote it REINDEX_S
+    ago: one write per tenant per REINDEX_S, not one per entry. NOTE: the verdict cache wrote it once per process and
+    the quarantine records before every new record; once per process, an index the store lost (a flush) was never
+    written again, and the GC never found the entries written since (they were never pruned)."""
+
+    def __init__(self, store: KVStore, namespace: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.namespace, self.clock = store, namespace, clock
+        self._written: dict[str, float] = {}  # tenant -> when this process last wrote it (one per tenant)
+
+    def note(self, tenant: str) -> None:
+        """`tenant` is about to write an entry of its space."""
+        now, at = self.clock(), self._written.get(tenant)
+        if at is None or now - at >= REINDEX_S:
+            self.store.kv_put(self.namespace, tenant, b"")
+            self._written[tenant] = now
+
+
 class VerdictCache:
     """Memoises `detector.inspect` in `store`'s kv space, keyed by tenant + sha256(bytes) + detector config id."""
 
@@ -84,7 +105,7 @@ class VerdictCache:
         self.num_hits = self.num_misses = 0
         self.num_touch_failures = 0  # hits answered whose last-use touch the store refused
         self.num_not_cached = 0  # verdicts answered and not cached: the tenant's space held max_entries
-        self._indexed: set[str] = set()  # tenants whose space this cache has put in the index
+        self.index = TenantIndex(store, f"{namespace}{TENANTS_SUFFIX}")  # the tenants' spaces, for the GC
 
     def _now(self) -> float:
         return time.time() if self.clock is None else self.clock()
@@ -93,8 +114,8 @@ class VerdictCache:
         """The namespace of `tenant`'s verdicts (None: the unscoped one); tenant names hold no '/'."""
         return self.namespace if tenant is None else f"{self.namespace}/{tenant}"
 
-    def key(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> str:
-        """The store key of `data`'s verdict in its namespace, `ns(tenant)` (the same for every tenant)."""
+    def key(self, data: bytes | bytearray | memoryview) -> str:
+        """The store key of `data`'s verdict in a tenant's namespace (`ns(tenant)`: the key is the same in each)."""
         return self.ref_key(hashlib.sha256(data).hexdigest())
 
     def ref_key(self, ref: str) -> str:
@@ -109,7 +130,7 @@ class VerdictCache:
     def cached(self, data: bytes | bytearray | memoryview, tenant: str | None = None) -> Verdict | None:
         """The stored verdict for `data` in `tenant`'s space, or None; inspects nothing, counts nothing
         (a hit is a use all the same: it keeps the entry from being pruned)."""
-        ns, key = self.ns(tenant), self.key(data, tenant)
+        ns, key = self.ns(tenant), self.key(data)
         raw = self.store.kv_get(ns, key)
         return None if raw is None else self._hit(ns, key, raw)
 
@@ -124,7 +145,7 @@ class VerdictCache:
         Returns:
             The Verdict; equal to `detector.inspect(data)` for the same bytes and config.
         """
-        ns, key = self.ns(tenant), self.key(data, tenant)
+        ns, key = self.ns(tenant), self.key(data)
         raw = self.store.kv_get(ns, key)
         if raw is not None:
             self.num_hits += 1
@@ -139,9 +160,8 @@ class VerdictCache:
 
     def _put(self, ns: str, key: str, value: bytes, tenant: str | None) -> bool:
         """Write one entry, within the bound; False: the space held max_entries and `key` was not among them."""
-        if tenant is not None and tenant not in self._indexed:  # before its first entry: none outside the index
-            self.store.kv_put(f"{self.namespace}{TENANTS_SUFFIX}", tenant, b"")
-            self._indexed.add(tenant)
+        if tenant is not None:
+            self.index.note(tenant)  # before its entry: none outside the index
         if self.max_entries is None:
             self.store.kv_put(ns, key, value)
             return True

@@ -87,5 +87,5 @@ def test_a_verdict_cache_hit_at_maxmemory_is_answered_and_a_kv_put_is_resource_e
     finally:
         r.config_set("maxmemory", 0)
     assert cache.inspect(data, "acme") == first and cache.num_touch_failures == 2
-    assert json.loads(store.kv_get(cache.ns("acme"), cache.key(data, "acme")) or b"{}")["used"] == now[0]
+    assert json.loads(store.kv_get(cache.ns("acme"), cache.key(data)) or b"{}")["used"] == now[0]
     store.close()

@@ -68,7 +68,7 @@ def test_a_tenant_never_reads_another_tenants_verdict(tmp_path: Path) -> None:
     assert (det.num_calls, cache.num_misses, cache.num_hits) == (2, 2, 0)
     assert cache.inspect(POISON, tenant="acme") == cache.inspect(POISON, tenant="bravo")  # control: both hit now
     assert (det.num_calls, cache.num_hits) == (2, 2)
-    assert [list(store.kv_scan(cache.ns(t))) for t in ("acme", "bravo")] == [[cache.key(POISON, "acme")]] * 2
+    assert [list(store.kv_scan(cache.ns(t))) for t in ("acme", "bravo")] == [[cache.key(POISON)]] * 2
     assert store.kv_scan(NAMESPACE) == {}  # each tenant's verdicts in its own namespace
 
 
@@ -101,4 +101,27 @@ def test_a_hit_is_answered_when_the_store_refuses_its_last_use_touch() -> None:
     assert cache.num_touch_failures == 2 and det.num_calls == 1
     store.refuse = False
     assert cache.inspect(POISON, "acme") == first and cache.num_touch_failures == 2
-    assert json.loads(store.kv[cache.ns("acme"), cache.key(POISON, "acme")])["used"] == now[0]
+    assert json.loads(store.kv[cache.ns("acme"), cache.key(POISON)])["used"] == now[0]
+
+
+def test_a_tenants_index_is_written_again_after_the_store_lost_it(tmp_path: Path) -> None:
+    """TenantIndex: one write per tenant per REINDEX_S, not one per entry; an index the store lost (a flush) is
+    written again once REINDEX_S has passed, so the GC finds the entries written since. NOTE: the verdict cache
+    wrote it once per process (lost for good after a flush) and the quarantine records once per new record."""
+    from fleet.core.quarantine.cache import REINDEX_S, TenantIndex
+
+    store, now = open_store(f"sqlite:///{tmp_path}/kvfleet.db"), [0.0]
+    puts: list[str] = []
+    real = store.kv_put
+    store.kv_put = lambda ns, key, value: (puts.append(ns), real(ns, key, value))[1]  # type: ignore[method-assign]
+    index = TenantIndex(store, "spaces", clock=lambda: now[0])
+    for _ in range(100):
+        index.note("acme")
+    assert puts == ["spaces"] and list(store.kv_scan("spaces")) == ["acme"]  # once for 100 entries
+    store.kv_delete("spaces", "acme")  # the store lost it
+    now[0] = REINDEX_S - 1
+    index.note("acme")
+    assert list(store.kv_scan("spaces")) == []  # not yet: within the interval
+    now[0] = REINDEX_S
+    index.note("acme")
+    assert list(store.kv_scan("spaces")) == ["acme"] and len(puts) == 2  # control of the interval: written again
