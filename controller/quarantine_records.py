@@ -8,7 +8,8 @@ Store layout (kv space; fleet.cas.BlobStore, SQLite or Redis):
                                                      each record it finds there into its tenant's namespace
 
 A tenant's listing reads its own namespace alone; the operator's listing of every tenant, and the GC, read each
-tenant's in turn. A tenant's index entry is written before its first record, so no record is outside the index.
+tenant's in turn. A tenant's index entry is written before its first record (and again at most every REINDEX_S, should the store
+lose it: fleet.core.quarantine.cache.TenantIndex), so no record stays outside the index.
 NOTE: one namespace held every tenant's records, and a tenant's listing read all of them (`kv_scan`: every key and
 value, then filtered by tenant): bravo's 20,224 quarantined results (94 s of JudgeToolResults, which any tenant
 may send; records live 30 days) took acme's ListQuarantines from 1.2 ms to 374 ms at the median, on Redis, with
