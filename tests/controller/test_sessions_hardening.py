@@ -255,6 +255,11 @@ async def test_a_tenant_saturating_its_calls_does_not_starve_another(ray_cluster
     await a.create_session("a1", SYSTEM)
     await b.create_session("b1", SYSTEM)
     _host_call(url, "acme", "a1", "stall", 600)                     # acme's session stops answering
+    # NOTE: the stall was sent without waiting, and the calls below reach the host from another caller: a fresh-clone
+    # run saw one answered before the stall held the session. A call of ours sent after it starts after it (Ray starts
+    # one caller's calls to an actor in order), and the stall takes the session's lock as it starts: once `info`
+    # answers, the session is held.
+    ray.get(_host_call(url, "acme", "a1", "info"), timeout=60)
     stuck: list[Any] = []
     try:
         stuck = [asyncio.ensure_future(stub.GetSession(pb.GetSessionRequest(session_id="a1"), timeout=120,
