@@ -26,9 +26,11 @@ from controller.router import RouterConfig
 from fleet.app.testkit.stack import StackConfig, start_stack
 
 ROOT = Path(__file__).resolve().parents[3]
-DELAY_S, DRAIN_S = 1.0, 2.5
+DELAY_S, DRAIN_S = 1.0, 4.0
 CUT_S = 3.0  # the most a cut may take past the drain (controller/proxy/server.py CUT_GRACE_S, twice), and slack
-SHORT, LONG = 250, 3000  # tokens: about 2 s and 25 s at the sim's ~8 ms per decode step
+SHORT, LONG = 200, 3000  # tokens: about 1.6 s and 25 s at the sim's ~8 ms per decode step; the short one must end
+# between DELAY_S and DELAY_S + DRAIN_S after the signal: on a loaded machine (load 17 on 2 cores) decode steps took
+# ~14 ms, and 250 tokens within a 2.5 s drain fell 4 tokens short of it
 
 
 def _start_proxy(controller: str, token: str) -> tuple[subprocess.Popen[str], str, list[str]]:
