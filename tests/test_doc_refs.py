@@ -111,3 +111,10 @@ def test_every_kvfleet_variable_in_the_docs_is_read(parsers: dict[str, Any]) -> 
             if name not in known and not (name != prefix and any(k.startswith(prefix + "_") for k in known)):
                 unread.append(f"{where}: {name}")
     assert seen > 60 and unread == []
+
+
+def test_the_quarantine_page_stays_under_200_lines() -> None:
+    """Issue #28 asks docs/quarantine.md to give the shipped policy, its figures and how to reproduce them in under
+    200 lines (the tried models and the long measurements live in its companions). NOTE: it had grown to 200."""
+    lines = (ROOT / "docs" / "quarantine.md").read_text().count("\n")
+    assert lines < 200, f"docs/quarantine.md has {lines} lines: move detail to quarantine_default.md or quarantine_path.md"
