@@ -226,14 +226,19 @@ def as_chat(body: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[int, str]]
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             continue
-        if item.get("type") in TOOL_OUTPUTS:
+        # NOTE: a type that is not a string (an object, a list) is no item vLLM reads (its 400); looked up in the sets
+        # below it was the proxy's 500 (unhashable), found by scripts/fuzz_proxy.py
+        kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            continue
+        if kind in TOOL_OUTPUTS:
             msgs.append({"role": "tool", "content": item.get("output")})
             came.append((i, "output"))
-        elif item.get("type", "message") == "message" and isinstance(item.get("role"), str):
+        elif kind == "message" and isinstance(item.get("role"), str):
             msgs.append({"role": item["role"], "content": item.get("content")})
             came.append((i, "content"))
-        elif item.get("type") in _SAID:
-            said += [(i, f) for f in _SAID[item["type"]] if item.get(f) is not None]
+        elif kind in _SAID:
+            said += [(i, f) for f in _SAID[kind] if item.get(f) is not None]
     if not any(m["role"] == "tool" for m in msgs):
         return None
     msgs += [_said(f, items[i][f]) for i, f in said]
