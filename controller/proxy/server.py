@@ -21,6 +21,7 @@ from controller.proxy.control import ControlClient
 from controller.proxy.directory import WorkerDirectory
 from controller.proxy.fair import FairPriority
 from controller.proxy.forward import Forwarder
+from controller.proxy.http_log import HTTP_LOG
 from controller.proxy.lineage import Lineage
 from controller.proxy.metrics import ProxyMetrics
 from controller.proxy.quarantine import Enforcer
@@ -98,9 +99,10 @@ class Proxy:
         # a stream's handler outlives aiohttp's first cancel, of the request's body only)
         app = build_app(self)
         app.middlewares.insert(0, _counted(self))
+        # NOTE: logger: a request aiohttp's parser refuses is one warning, not an error with a traceback (http_log.py)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                      keepalive_timeout=self.cfg.client_header_timeout_s, auto_decompress=False,
-                                     shutdown_timeout=CUT_GRACE_S)
+                                     shutdown_timeout=CUT_GRACE_S, logger=HTTP_LOG)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
@@ -113,7 +115,7 @@ class Proxy:
         if where is None:
             return
         self._metrics_runner = web.AppRunner(build_metrics_app(self), access_log=None,
-                                             keepalive_timeout=self.cfg.client_header_timeout_s)
+                                             keepalive_timeout=self.cfg.client_header_timeout_s, logger=HTTP_LOG)
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, *where)
         await site.start()

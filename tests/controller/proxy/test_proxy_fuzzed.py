@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
+import pytest
 from support.proxy_fleet import MODEL, proxy_released, served, start_fleet
 
 
@@ -25,5 +28,40 @@ async def test_a_responses_item_whose_type_is_not_a_string_is_the_workers_to_ref
         judged = [s for m in fleet.proxy.metrics.judged.collect() for s in m.samples if s.name.endswith("_total")]
         assert sum(s.value for s in judged) == 2  # "sunny", once per request
         await proxy_released(fleet, 2)
+    finally:
+        await fleet.stop()
+
+
+async def _raw(url: str, data: bytes) -> bytes:
+    """The proxy's whole answer to `data`, sent as it is on a connection of its own."""
+    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        async with asyncio.timeout(5):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_a_request_the_http_parser_refuses_is_one_warning_not_a_traceback(tmp_path: Path,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A request aiohttp's parser refuses (a header over 8,190 bytes, two Content-Lengths) is answered 400 by aiohttp
+    itself, before any handler. It was logged as an ERROR with a traceback, and a too-long Authorization header's first
+    bytes with it; now one warning naming the client and the reason, with nothing of the header's value."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        caplog.set_level(logging.INFO)
+        secret = "kvf_" + "s" * 9000
+        for head in (f"Authorization: Bearer {secret}\r\nContent-Length: 2", "Content-Length: 2\r\nContent-Length: 3"):
+            answer = await _raw(fleet.proxy.url, f"POST /v1/completions HTTP/1.1\r\nHost: p\r\n{head}\r\n\r\n{{}}".encode())
+            assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+        parsed = [r for r in caplog.records if "malformed HTTP request" in r.getMessage()]
+        assert [(r.levelno, r.exc_info) for r in parsed] == [(logging.WARNING, None)] * 2, caplog.text[-2000:]
+        assert "LineTooLong" in parsed[0].getMessage() and "Duplicate Content-Length" in parsed[1].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
+        assert "sssss" not in caplog.text
+        status, _, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "still here", "max_tokens": 2})
+        assert status == 200
     finally:
         await fleet.stop()
