@@ -65,3 +65,20 @@ async def test_a_request_the_http_parser_refuses_is_one_warning_not_a_traceback(
         assert status == 200
     finally:
         await fleet.stop()
+
+
+async def test_a_content_part_neither_string_nor_object_is_the_workers_400(tmp_path: Path) -> None:
+    """A chat whose message content holds a part that is neither a string nor an object ([[]], [7], [null]) is vLLM's
+    400 at /tokenize. The stand-in's /tokenize raised AttributeError on it (a 500), which the proxy answered as 502
+    "the worker answered 500"; now the worker's 400 comes back, naming what is wrong, and nothing is routed."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        for part in ([], 7, None):
+            body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "developer", "content": [part]},
+                                                                  {"role": "user", "content": "hi"}]}
+            status, _, raw = await fleet.post("/v1/chat/completions", body)
+            assert status == 400, raw
+            assert "content part must be a string or an object" in raw.decode(), raw
+        assert served(fleet.sims["w0"], "/v1/chat/completions") == []
+    finally:
+        await fleet.stop()

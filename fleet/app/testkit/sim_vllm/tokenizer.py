@@ -45,8 +45,12 @@ def content_text(content: Any) -> str:
         raise InvalidArgument("each message needs string 'role' and string, list or null 'content'")
     texts = []
     for p in content:
+        # NOTE: vLLM's request model refuses a part that is neither (its 400); p.get raised AttributeError, the
+        # stand-in's 500, which the proxy's /tokenize relayed as a 502 (found by scripts/fuzz_proxy.py)
+        if not isinstance(p, str | dict):
+            raise InvalidArgument(f"a content part must be a string or an object, got {type(p).__name__}")
         t = p.get("type") if isinstance(p, dict) else "text"
-        if t not in TEXT_PARTS:
+        if not isinstance(t, str) or t not in TEXT_PARTS:
             raise InvalidArgument(f"this model is text-only: a content part of type {t!r} is not supported")
         text = p if isinstance(p, str) else p.get(TEXT_PARTS[t])
         if not isinstance(text, str):
