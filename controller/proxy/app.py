@@ -83,7 +83,13 @@ class Handlers:
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise ProxyError(401, "malformed Authorization header: expected 'Bearer <token>'")
-        return token.strip()
+        token = token.strip()
+        if not (token.isascii() and token.isprintable()):
+            # NOTE: it goes to the controller as gRPC metadata, which is printable ASCII: a byte past it (\xe9) was a
+            # UnicodeEncodeError there, the proxy's 500 with a traceback (found by scripts/fuzz_proxy.py)
+            raise ProxyError(401, "malformed Authorization header: the bearer token must be printable ASCII (a "
+                                  "kvfleet token is)")
+        return token
 
     @contextlib.contextmanager
     def _asked(self, token: str | None) -> Iterator[None]:

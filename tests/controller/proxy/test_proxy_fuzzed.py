@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -80,5 +81,27 @@ async def test_a_content_part_neither_string_nor_object_is_the_workers_400(tmp_p
             assert status == 400, raw
             assert "content part must be a string or an object" in raw.decode(), raw
         assert served(fleet.sims["w0"], "/v1/chat/completions") == []
+    finally:
+        await fleet.stop()
+
+
+async def test_a_bearer_token_that_is_not_printable_ascii_is_a_401(tmp_path: Path) -> None:
+    """A bearer token with a byte past ASCII (Latin-1's \\xe9, UTF-8's "é") went to the controller as gRPC metadata,
+    which must be printable ASCII: a UnicodeEncodeError, the proxy's 500 with a traceback. Now a 401 in vLLM's shape
+    saying what is wrong with the header, before the body is read. (A control character is the HTTP parser's 400.)"""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        body = b'{"model": "sim-model", "prompt": "hi", "max_tokens": 2}'
+        for token in (b"\xe9", "é".encode(), fleet.tokens["a"].encode() + b"\xff"):
+            answer = await _raw(fleet.proxy.url, b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
+                                b"Authorization: Bearer " + token + b"\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            head, _, raw = answer.partition(b"\r\n\r\n")
+            assert head.split(b" ", 2)[1] == b"401", answer[:300]
+            err = json.loads(raw)["error"]
+            assert err["code"] == 401 and "must be printable ASCII" in err["message"], err
+        assert served(fleet.sims["w0"]) == []
+        status, _, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert status == 200
     finally:
         await fleet.stop()
