@@ -105,3 +105,22 @@ async def test_a_bearer_token_that_is_not_printable_ascii_is_a_401(tmp_path: Pat
         assert status == 200
     finally:
         await fleet.stop()
+
+
+async def test_a_lone_surrogate_escape_is_named_not_called_a_truncated_body(tmp_path: Path) -> None:
+    """A body whose string ends with a lone surrogate escape ("\\ud800") is refused (400: it is not Unicode text), and
+    the decoder's words were "Input data was truncated" of a whole body: the client looked for a cut-off upload. Now
+    the message names the escape; a body really cut short is still called truncated (the control)."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        url, headers = fleet.proxy.url + "/v1/completions", {**fleet.headers(), "Content-Type": "application/json"}
+        cases = ((b'{"model": "sim-model", "prompt": "hi", "user": "\\ud800"}', "lone UTF-16 surrogate escape"),
+                 (b'{"model": "sim-model", "prompt": "hi \\udbff"}', "lone UTF-16 surrogate escape"),
+                 (b'{"model": "sim-model", "prompt": "hi', "Input data was truncated"))
+        for data, said in cases:
+            async with fleet.http.post(url, data=data, headers=headers) as r:
+                assert r.status == 400
+                assert said in (await r.json())["error"]["message"], data
+        assert served(fleet.sims["w0"]) == []
+    finally:
+        await fleet.stop()
