@@ -56,7 +56,11 @@ def error_middleware(proxy: Proxy) -> Any:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            err = ProxyError(e.status, f"{e.reason}: {req.method} {req.path}")
+            # NOTE: the text an exception was raised with says why (aiohttp_cors: "CORS preflight request failed: origin
+            # 'https://x' is not allowed"); only the reason went out, "Forbidden: OPTIONS /v1/models" (found by
+            # scripts/fuzz_proxy.py). aiohttp's own exceptions carry "404: Not Found" there, which says no more.
+            why = "" if e.text in (None, f"{e.status}: {e.reason}") else f" ({e.text})"
+            err = ProxyError(e.status, f"{e.reason}: {req.method} {req.path}{why}")
         except Exception as e:  # the proxy stays up; the client gets a 500 it can report
             log.exception("proxy: %s %s failed", req.method, req.path)
             if req.get(PREPARED):

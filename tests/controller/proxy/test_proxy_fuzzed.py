@@ -124,3 +124,28 @@ async def test_a_lone_surrogate_escape_is_named_not_called_a_truncated_body(tmp_
         assert served(fleet.sims["w0"]) == []
     finally:
         await fleet.stop()
+
+
+async def test_a_refused_cors_preflight_says_why(tmp_path: Path) -> None:
+    """An OPTIONS request that is no preflight the proxy's CORS allows (no Origin, no Access-Control-Request-Method,
+    an origin not allowed) is refused 403 by aiohttp_cors with its reason; the proxy's answer was "Forbidden: OPTIONS
+    /v1/models" alone, which does not say that CORS refused it, nor why. The control: an allowed preflight, 200."""
+    fleet = await start_fleet(tmp_path, num_workers=1, allowed_origins=("https://app.example",))
+    try:
+        url = fleet.proxy.url + "/v1/chat/completions"
+        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        cases = (({}, "origin header is not specified"),
+                 ({"Origin": "https://app.example"}, "'Access-Control-Request-Method' header is not specified"),
+                 ({**preflight, "Origin": "https://evil.example"}, "origin 'https://evil.example' is not allowed"))
+        for headers, said in cases:
+            async with fleet.http.options(url, headers=headers) as r:
+                assert r.status == 403
+                err = (await r.json())["error"]
+            assert err["code"] == 403 and "CORS preflight request failed" in err["message"], err
+            assert said in err["message"], err
+        async with fleet.http.options(url, headers=preflight) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        async with fleet.http.get(fleet.proxy.url + "/nowhere") as r:  # aiohttp's own text says no more: left out
+            assert (await r.json())["error"]["message"] == "Not Found: GET /nowhere"
+    finally:
+        await fleet.stop()
