@@ -149,3 +149,30 @@ async def test_a_refused_cors_preflight_says_why(tmp_path: Path) -> None:
             assert (await r.json())["error"]["message"] == "Not Found: GET /nowhere"
     finally:
         await fleet.stop()
+
+
+async def test_the_stand_in_refuses_odd_extra_args_and_reasoning_items_in_words(tmp_path: Path) -> None:
+    """Two bodies vLLM's request models refuse (400) that the stand-in answered 500 "Server got itself in trouble"
+    (relayed by the proxy, a 5xx from the fleet for a client's mistake): `extra_args` that is not an object, and a
+    /v1/responses reasoning item whose content is not a list of parts (a string: AttributeError; an object: a 400
+    whose message was "0"). Now the stand-in's 400 names the field, relayed through the proxy."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        cases = (("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "extra_args": 1.5},
+                  "extra_args must be an object"),
+                 ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                           "extra_args": "full"}, "extra_args must be an object"))
+        cases += tuple(("/v1/responses", {"model": MODEL, "max_output_tokens": 2,
+                                          "input": [{"type": "reasoning", "content": content},
+                                                    {"role": "user", "content": "hi"}]},
+                        "a reasoning item's content and summary must be lists of objects")
+                       for content in ("thinking", {"a": 1}, ["thinking"]))
+        for path, body, said in cases:
+            status, headers, raw = await fleet.post(path, body)
+            assert (status, "x-kvfleet-worker" in headers) == (400, True), raw
+            assert said in raw.decode(), raw
+        status, _, _ = await fleet.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                            "extra_args": {"kv_cache_report_mode": "full"}})
+        assert status == 200  # the control: an object is taken
+    finally:
+        await fleet.stop()

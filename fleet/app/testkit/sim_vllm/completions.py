@@ -162,10 +162,13 @@ async def completions(sim: Sim, req: web.Request, *, chat: bool) -> web.StreamRe
     k = prompts.num_choices(body)
     if out is not None and out < 1:
         raise InvalidArgument(f"max_tokens must be at least 1, got {out}")
+    extra = body.get("extra_args") or {}
+    if not isinstance(extra, dict):  # NOTE: vLLM's `dict[str, Any] | None` (its 400); .get on it was the stand-in's 500
+        raise InvalidArgument(f"extra_args must be an object, got {type(extra).__name__}")
     kw: dict[str, Any] = {
         "lora": model if model in c.loras else None,
         "cache_salt": body.get("cache_salt"),
-        "report_full": (body.get("extra_args") or {}).get("kv_cache_report_mode") == "full",
+        "report_full": extra.get("kv_cache_report_mode") == "full",
         "skip_cache": not reads_prefix_cache(body, chat),
     }
     priority = body.get("priority", 0)

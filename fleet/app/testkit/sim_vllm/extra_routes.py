@@ -132,6 +132,9 @@ def _as_messages(items: list[Any]) -> list[Any]:
             out.append({"role": "assistant", "content": f"{item.get('name')}({item.get('arguments')})"})
         elif kind == "reasoning":  # vLLM: the assistant's reasoning, its first content text (else summary text)
             parts = item.get("content") or item.get("summary") or [{}]
+            if not isinstance(parts, list) or not isinstance(parts[0], dict):  # NOTE: parts[0].get was a 500, or a 400
+                # saying "0" (found by scripts/fuzz_proxy.py); vLLM's item model refuses it (400)
+                raise InvalidArgument("a reasoning item's content and summary must be lists of objects")
             out.append({"role": "assistant", "content": str(parts[0].get("text", ""))})
         elif isinstance(kind, str) and kind.endswith("_output"):
             output = item.get("output")
