@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 # NOTE: vLLM's routes that the proxy forwards routed by load alone (COLD): their prompts are not a chat or a
 # completion prompt it can tokenize as the worker does, and /v1/responses' prompt is mostly the conversation a
 # `previous_response_id` names, which only the worker that stored it holds (docs/proxy.md, "Endpoints")
+# the longest bearer token sent on to the controller: a kvfleet token is 47 characters (controller/auth.py), and the
+# gRPC metadata that carries it is bounded at 8 KiB in all
+MAX_TOKEN_CHARS = 4096
 BY_LOAD_PATHS = ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
                  "/classify", "/v1/responses")
 
@@ -84,6 +87,12 @@ class Handlers:
         if scheme.lower() != "bearer" or not token.strip():
             raise ProxyError(401, "malformed Authorization header: expected 'Bearer <token>'")
         token = token.strip()
+        if len(token) > MAX_TOKEN_CHARS:
+            # NOTE: sent on as gRPC metadata, a token near 8 KiB passed aiohttp's header limit and broke the gRPC
+            # channel's (8 KiB of metadata): RESOURCE_EXHAUSTED, a 429 with Retry-After naming gRPC's internals, which
+            # a client retries for ever (found by scripts/fuzz_proxy.py)
+            raise ProxyError(401, f"malformed Authorization header: the bearer token is {len(token)} characters, "
+                                  f"more than any kvfleet token (at most {MAX_TOKEN_CHARS})")
         if not (token.isascii() and token.isprintable()):
             # NOTE: it goes to the controller as gRPC metadata, which is printable ASCII: a byte past it (\xe9) was a
             # UnicodeEncodeError there, the proxy's 500 with a traceback (found by scripts/fuzz_proxy.py)

@@ -176,3 +176,23 @@ async def test_the_stand_in_refuses_odd_extra_args_and_reasoning_items_in_words(
         assert status == 200  # the control: an object is taken
     finally:
         await fleet.stop()
+
+
+async def test_a_bearer_token_too_long_for_grpc_metadata_is_a_401_not_a_429(tmp_path: Path) -> None:
+    """A bearer token of 8,000 characters fits aiohttp's header limit (8,190 bytes) but not the gRPC metadata the proxy
+    sends it on in: past its soft limit (8 KiB) gRPC refuses such a call at random (RESOURCE_EXHAUSTED), which the
+    proxy answered 429 with Retry-After and gRPC's own words ("received metadata size exceeds soft limit (8587 vs.
+    8192)"), a refusal a client retries, and otherwise the controller's 401. Now always a 401 saying the token is too
+    long, without asking the controller; a 4,000-character one is still the controller's to refuse (the control)."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for n, said in ((8000, "bearer token is 8004 characters"), (4000, "")):
+            headers = {"Authorization": "Bearer kvf_" + "a" * n}
+            async with fleet.http.post(fleet.proxy.url + "/v1/completions", json=body, headers=headers) as r:
+                err = (await r.json())["error"]
+                assert (r.status, "Retry-After" in r.headers) == (401, False), err
+                assert said in err["message"], err
+        assert served(fleet.sims["w0"]) == []
+    finally:
+        await fleet.stop()
