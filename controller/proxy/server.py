@@ -40,6 +40,7 @@ class Proxy:
         self.cfg = cfg
         self.metrics = ProxyMetrics()
         self.bodies = BodyGate(cfg)
+        self.metrics.in_flight = lambda: (self.bodies.total_open, self.bodies.total_bytes)
         self.fair = FairPriority() if cfg.fair_priority else None
         self.responses = ResponsePins()  # which worker stored each /v1/responses answer (controller/proxy/responses.py)
         self.lineage = Lineage()  # the tool results each one's conversation carries (controller/proxy/lineage.py)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
-from support.proxy_fleet import MODEL, proxy_released, served, start_fleet
+from support.proxy_fleet import MODEL, Fleet, proxy_released, served, start_fleet, until
 
 
 async def test_a_responses_item_whose_type_is_not_a_string_is_the_workers_to_refuse(tmp_path: Path) -> None:
@@ -194,5 +195,37 @@ async def test_a_bearer_token_too_long_for_grpc_metadata_is_a_401_not_a_429(tmp_
                 assert (r.status, "Retry-After" in r.headers) == (401, False), err
                 assert said in err["message"], err
         assert served(fleet.sims["w0"]) == []
+    finally:
+        await fleet.stop()
+
+
+async def _in_flight(fleet: Fleet) -> tuple[float, float]:
+    async with fleet.http.get(fleet.proxy.url + "/metrics") as r:
+        text = await r.text()
+    found = dict(re.findall(r"^(kvfleet_proxy_requests_in_flight|kvfleet_proxy_inflight_body_bytes) (\S+)$", text, re.M))
+    return float(found["kvfleet_proxy_requests_in_flight"]), float(found["kvfleet_proxy_inflight_body_bytes"])
+
+
+async def test_metrics_show_the_requests_and_body_bytes_in_flight(tmp_path: Path) -> None:
+    """/metrics shows the requests holding the proxy's budget of bodies in flight and their bytes: a request whose body
+    is still arriving holds its Content-Length, and both fall back to 0 once it is answered. Before, nothing showed
+    them, so a reservation never given back (its tenant refused 429 from then on) was invisible."""
+    fleet = await start_fleet(tmp_path, num_workers=1)
+    try:
+        assert await _in_flight(fleet) == (0, 0)
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        host, port = fleet.proxy.url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nConnection: close\r\nContent-Type: "
+                         b"application/json\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                         % (fleet.tokens["a"].encode(), len(body), body[:10]))
+            await until(lambda: _in_flight(fleet), lambda v: v == (1, len(body)))
+            writer.write(body[10:])
+            answer = await reader.read()
+        finally:
+            writer.close()
+        assert answer.split(b" ", 2)[1] == b"200", answer[:300]
+        await until(lambda: _in_flight(fleet), lambda v: v == (0, 0))
     finally:
         await fleet.stop()
