@@ -138,6 +138,17 @@ def _one(loc: Loc, text: str, maybe: list[str], forms: Mapping[str, tuple[str, s
     return new, list(dict.fromkeys(got))
 
 
+def _too_deep(i: int, loc: Loc) -> ProxyError:
+    """The 400 for tool call arguments nested too deeply to decode and search (about 1,000 levels). NOTE: they were a
+    RecursionError, the proxy's 500, whenever the request withheld a tool result (found reading the proxy's JSON
+    walkers after a scripts/fuzz_proxy.py run). Not searched as text alone: a quote in them that another encoder
+    escapes differently would reach the worker."""
+    where = _where(i, loc)
+    return ProxyError(400, f"{where} is JSON nested too deeply (about 1,000 levels) for the proxy to search it for "
+                           "quotes of the tool results it withholds from this request; send the arguments less deeply "
+                           "nested", where)
+
+
 def _put(m: dict[str, Any], news: Mapping[Loc, str]) -> dict[str, Any]:
     """`m` with the texts at `news` replaced (copied, each list once)."""
     out = dict(m)
@@ -177,8 +188,13 @@ def unquote(
     if not forms or not isinstance(msgs, list):
         return body, []
     texts = [(i, loc, t) for i, m in enumerate(msgs) for loc, t in _texts(m) if len(t) >= MIN_QUOTE]
-    read = [t for _, _, t in texts] + [s for _, loc, t in texts if loc[0] == "arguments"
-                                       for s in _strings(_decoded(t)) if len(s) >= MIN_QUOTE]
+    read = [t for _, _, t in texts]
+    for i, loc, t in texts:
+        if loc[0] == "arguments":
+            try:
+                read += [s for s in _strings(_decoded(t)) if len(s) >= MIN_QUOTE]
+            except RecursionError:
+                raise _too_deep(i, loc) from None
     chunks = {t[q:q + CHUNK] for t in read for q in range(0, len(t) - CHUNK + 1, CHUNK)}
     # longest first: a withheld text inside a longer one (a piece of a turn withheld joined) must not cut the longer
     # one's quote before it is found
@@ -191,7 +207,10 @@ def unquote(
     found: list[tuple[str, str]] = []
     changed: dict[int, dict[Loc, str]] = {}  # message -> {where in it: new text}
     for i, loc, text in texts:
-        new, got = _one(loc, text, maybe, forms)
+        try:
+            new, got = _one(loc, text, maybe, forms)
+        except RecursionError:
+            raise _too_deep(i, loc) from None
         found += [(_where(i, loc), t) for t in got]
         if got:
             changed.setdefault(i, {})[loc] = new
