@@ -293,9 +293,15 @@ class Tokenizer:
         """The local tokenizer's ids for a /tokenize request; None for a chat left to the workers' /tokenize."""
         tok = self._hf
         if "messages" in req:
-            if (msgs := conversation(req["messages"])) is None:
+            try:
+                if (msgs := conversation(req["messages"])) is None:
+                    return None
+                # NOTE: rendered, then tokenized with the request's add_special_tokens, as vLLM does
+                text = tok.apply_chat_template(msgs, tokenize=False, **chat_template_args(req))
+            except RecursionError:
+                # NOTE: tool call arguments nested ~1,000 deep (a shallow body: the nesting is in a string), decoded
+                # and rendered here, were the proxy's 500; left to the workers' /tokenize, which answers as vLLM
+                # does (found reading the proxy's JSON walkers after a scripts/fuzz_proxy.py run)
                 return None
-            # NOTE: rendered, then tokenized with the request's add_special_tokens, as vLLM does
-            text = tok.apply_chat_template(msgs, tokenize=False, **chat_template_args(req))
             return [int(t) for t in tok.encode(text, add_special_tokens=add_special_tokens(req, chat=True))]
         return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=add_special_tokens(req, chat=False))]

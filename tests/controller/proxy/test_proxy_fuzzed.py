@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from support.hf_tokenizer import build_hf_tokenizer
 from support.proxy_fleet import MODEL, Fleet, proxy_released, served, start_fleet, until
 
 
@@ -261,5 +262,29 @@ async def test_tool_call_arguments_nested_too_deeply_to_search_are_a_400_not_a_5
             else:
                 assert headers["x-kvfleet-quarantined-count"] == "1", headers
                 assert not fleet.sims["w0"].received.contains(POISON), "the quote reached the worker"
+    finally:
+        await fleet.stop()
+
+
+async def test_a_local_tokenizer_leaves_arguments_it_cannot_decode_to_the_workers(tmp_path: Path) -> None:
+    """With `--tokenizer hf:PATH` the proxy renders a chat itself, its tool calls' arguments decoded as vLLM decodes
+    them. Arguments nested 900 or 5,000 deep (inside a string of a shallow body) were a RecursionError in that
+    render: the proxy's 500. Now such a chat is tokenized by the workers' /tokenize, as any chat the local tokenizer
+    does not render, and served; the control, nested 10 deep, is rendered locally (no /tokenize call)."""
+    hf = build_hf_tokenizer(tmp_path / "tok", ["weather", "sunny", "hi"])
+    fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
+    try:
+        status, _, _ = await fleet.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and fleet.proxy.tokenizer.parity == {MODEL: True}  # the parity check's probes, done
+        for depth, remote in ((10, 0), (900, 1), (5000, 1)):
+            calls = fleet.proxy.tokenizer.num_calls
+            msgs = [{"role": "user", "content": f"weather {depth}?"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": "[" * depth + "]" * depth}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "hi"}]
+            status, _, raw = await fleet.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2})
+            assert status == 200, raw[:300]
+            assert fleet.proxy.tokenizer.num_calls - calls == remote, depth
     finally:
         await fleet.stop()
