@@ -298,10 +298,17 @@ class Tokenizer:
                     return None
                 # NOTE: rendered, then tokenized with the request's add_special_tokens, as vLLM does
                 text = tok.apply_chat_template(msgs, tokenize=False, **chat_template_args(req))
-            except RecursionError:
-                # NOTE: tool call arguments nested ~1,000 deep (a shallow body: the nesting is in a string), decoded
-                # and rendered here, were the proxy's 500; left to the workers' /tokenize, which answers as vLLM
-                # does (found reading the proxy's JSON walkers after a scripts/fuzz_proxy.py run)
+            except ProxyError:
+                raise  # chat_template_args' own 400, in vLLM's words
+            except Exception as e:  # noqa: BLE001 - whatever the local render fails on, the workers' /tokenize answers
+                # NOTE: the local render stands in for the workers' /tokenize; a chat it cannot render is theirs to
+                # tokenize or refuse, in vLLM's words and status. It raised to the client as the proxy's 500: tool call
+                # arguments nested ~1,000 deep (RecursionError; the nesting is inside a string of a shallow body), a
+                # request's chat_template that is not a string (TypeError) or does not render (TemplateSyntaxError,
+                # raise_exception), a continue_final_message the template cannot honour (ValueError), kwargs such as
+                # {"messages": 5} (found probing the local tokenizer's path after a scripts/fuzz_proxy.py run)
+                log.debug("proxy: the local tokenizer did not render a chat (%s: %s); asking a worker's /tokenize",
+                          type(e).__name__, e)
                 return None
             return [int(t) for t in tok.encode(text, add_special_tokens=add_special_tokens(req, chat=True))]
         return [int(t) for t in tok.encode(req["prompt"], add_special_tokens=add_special_tokens(req, chat=False))]

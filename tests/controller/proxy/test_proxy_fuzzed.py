@@ -288,3 +288,25 @@ async def test_a_local_tokenizer_leaves_arguments_it_cannot_decode_to_the_worker
             assert fleet.proxy.tokenizer.num_calls - calls == remote, depth
     finally:
         await fleet.stop()
+
+
+async def test_a_chat_the_local_tokenizer_cannot_render_is_the_workers_to_answer(tmp_path: Path) -> None:
+    """With `--tokenizer hf:PATH`, a chat whose own fields the local render fails on raised to the client as the proxy's
+    500: a chat_template that is not a string (TypeError) or does not parse (TemplateSyntaxError), a truthy
+    continue_final_message the template cannot honour (ValueError), chat_template_kwargs {"messages": 5}
+    (TypeError). Each now goes to the workers' /tokenize (one call), whose answer decides, as for any chat the local
+    tokenizer does not render; none is a 5xx."""
+    hf = build_hf_tokenizer(tmp_path / "tok", ["hi"])
+    fleet = await start_fleet(tmp_path, num_workers=1, tokenizer=f"hf:{hf}")
+    try:
+        base = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        status, _, _ = await fleet.post("/v1/chat/completions", base)
+        assert status == 200 and fleet.proxy.tokenizer.parity == {MODEL: True}
+        for odd in ({"chat_template": 5}, {"chat_template": "{% for %}"}, {"continue_final_message": "x"},
+                    {"chat_template_kwargs": {"messages": 5}}):
+            calls = fleet.proxy.tokenizer.num_calls
+            status, _, raw = await fleet.post("/v1/chat/completions", {**base, **odd})
+            assert status < 500, (odd, raw[:300])
+            assert fleet.proxy.tokenizer.num_calls - calls == 1, odd
+    finally:
+        await fleet.stop()
