@@ -1,6 +1,7 @@
 """A seeded fuzzer of `kvfleet proxy`'s HTTP surface, against real parts.
 
     python scripts/fuzz_proxy.py --seed 1 --requests 500     # exit status 1 when it flags anything; -v: each answer
+    python scripts/fuzz_proxy.py --seed 1 --local-tokenizer   # the proxy renders chats itself (--tokenizer hf:PATH)
 
 It starts a real controller and two vLLM stand-ins (the code `kvfleet sim-vllm` runs, in this process, so it can see
 what each worker received), then the real `kvfleet proxy` process in front of them (its log kept apart), and sends
@@ -522,8 +523,8 @@ def parser_answer(a: Answer) -> bool:
 class Fleet:
     """The controller and stand-ins in this process, the proxy as a process of its own."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, local_tokenizer: bool = False) -> None:
+        self.tmp, self.local_tokenizer = tmp, local_tokenizer
         self.seen: dict[str, list[tuple[str, str, int]]] = defaultdict(list)  # request id -> (worker, path, status)
         self.fuzzed_log_at = 0  # the proxy log's length when the one-at-a-time run ended
 
@@ -556,7 +557,7 @@ class Fleet:
              "--listen", "127.0.0.1:0", "--max-body-bytes", str(MAX_BODY), "--max-inflight-bytes-per-tenant",
              str(MAX_BODY), "--max-inflight-bytes", str(8 * MAX_BODY), "--client-body-timeout", str(BODY_TIMEOUT_S),
              "--client-header-timeout", "5", "--max-first-byte-wait", str(FIRST_BYTE_WAIT_S), "--shutdown-delay", "0",
-             "--shutdown-drain", "2", "--refresh", "0.5"],
+             "--shutdown-drain", "2", "--refresh", "0.5", *self._tokenizer_args()],
             cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", KVFLEET_PROXY_TOKEN=self.tokens["ops"],
                                PYTHONPATH=str(ROOT)),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -578,6 +579,16 @@ class Fleet:
                 return
             await asyncio.sleep(0.1)
         raise SystemExit("the proxy never became ready")
+
+    def _tokenizer_args(self) -> list[str]:
+        """--tokenizer hf:PATH with a tokenizer giving the stand-ins' ids (the tests' own), when asked for."""
+        if not self.local_tokenizer:
+            return []
+        sys.path.insert(0, str(ROOT / "tests"))
+        from support.hf_tokenizer import build_hf_tokenizer  # needs transformers
+
+        words = ["hello", "once", "upon", "a", "time", "be", "brief", "hi", "text", "weather", POISON]
+        return ["--tokenizer", f"hf:{build_hf_tokenizer(self.tmp / 'tok', words)}"]
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
@@ -622,11 +633,11 @@ def describe(req: Req) -> str:
     return f"{req.method} {req.path[:100]} [{req.framing}, Content-Type {req.content_type!r}, +{heads!r}] {shown!r}"
 
 
-async def run(seed: int, n: int, verbose: bool) -> int:
+async def run(seed: int, n: int, verbose: bool, local_tokenizer: bool = False) -> int:
     rng = random.Random(seed)
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # the stand-ins' (their 5xx: worker-5xx)
     with tempfile.TemporaryDirectory(prefix="fuzz-proxy-") as d:
-        fleet = Fleet(Path(d))
+        fleet = Fleet(Path(d), local_tokenizer)
         await fleet.start()
         try:
             findings, notes = await fuzz(fleet, rng, n, verbose)
@@ -779,6 +790,9 @@ async def leaks(fleet: Fleet) -> list[Finding]:
           f"{total(b'kvfleet_proxy_quarantined_tool_results_total'):.0f} withheld, "
           f"{total(b'kvfleet_proxy_route_releases_total'):.0f} routes released, "
           f"{total(b'kvfleet_proxy_client_disconnects_total'):.0f} client disconnects")
+    health = await exchange(fleet.host, fleet.port, b"GET /health HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n",
+                            "GET", 5)
+    print(f"local tokenizer: {json.loads(health.body)['tokenizer'] if health.status == 200 else health.status}")
     failed = re.search(rb'kvfleet_proxy_route_releases_total\{outcome="failed"\} ([0-9.e+]+)', metrics.body)
     if failed and float(failed.group(1)) > 0:
         out.append(Finding("leak", Req("metrics", "GET", "/metrics"), f"route releases failed: {failed.group(1)!r}",
@@ -806,8 +820,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("-v", "--verbose", action="store_true", help="print every request's answer")
+    ap.add_argument("--local-tokenizer", action="store_true",
+                    help="run the proxy with --tokenizer hf:PATH (a tokenizer giving the stand-ins' ids; needs "
+                         "transformers), so that chats are rendered by the proxy itself")
     args = ap.parse_args()
-    sys.exit(asyncio.run(run(args.seed, args.requests, args.verbose)))
+    sys.exit(asyncio.run(run(args.seed, args.requests, args.verbose, args.local_tokenizer)))
 
 
 if __name__ == "__main__":
