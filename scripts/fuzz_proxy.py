@@ -2,6 +2,7 @@
 
     python scripts/fuzz_proxy.py --seed 1 --requests 500     # exit status 1 when it flags anything; -v: each answer
     python scripts/fuzz_proxy.py --seed 1 --local-tokenizer   # the proxy renders chats itself (--tokenizer hf:PATH)
+    python scripts/fuzz_proxy.py --seed 1 --proxy-arg=--fair-priority --proxy-arg=--quarantine-policy=refuse
 
 It starts a real controller and two vLLM stand-ins (the code `kvfleet sim-vllm` runs, in this process, so it can see
 what each worker received), then the real `kvfleet proxy` process in front of them (its log kept apart), and sends
@@ -497,8 +498,11 @@ async def cut_short(host: str, port: int, data: bytes, rng: random.Random) -> st
 # Infinity, numbers past a double, lone surrogates: tests/controller/proxy/test_proxy_bad_input.py)
 AS_VLLM = ("Parameter 'cache_salt' must be a non-empty string", "'model' must be a model id", "invalid character",
            "Number out of range", "surrogate", "a tool result's content must be")
-# kvfleet's own bounds where vLLM has none (listed, not flagged): the controller's on a client's cache_salt
-KVFLEET_BOUNDS = ("cache_salt must be a non-empty string of at most",)
+# kvfleet's own refusals where vLLM has none (listed, not flagged): the controller's bound on a client's cache_salt,
+# the quarantine policies (`refuse`, --tool-media refuse) and what the proxy cannot inspect (fail closed)
+KVFLEET_BOUNDS = ("cache_salt must be a non-empty string of at most", "policy refuses", "for the proxy to search it",
+                  "a tool result's content must be", "content part must be a string or an object",
+                  "is not a content part type the proxy can inspect")
 def shape_problem(a: Answer) -> str | None:
     """Why a 4xx of the proxy's own is not in vLLM's error shape, or says nothing of what is wrong (None: fine)."""
     try:
@@ -523,8 +527,8 @@ def parser_answer(a: Answer) -> bool:
 class Fleet:
     """The controller and stand-ins in this process, the proxy as a process of its own."""
 
-    def __init__(self, tmp: Path, local_tokenizer: bool = False) -> None:
-        self.tmp, self.local_tokenizer = tmp, local_tokenizer
+    def __init__(self, tmp: Path, local_tokenizer: bool = False, proxy_args: tuple[str, ...] = ()) -> None:
+        self.tmp, self.local_tokenizer, self.proxy_args = tmp, local_tokenizer, proxy_args
         self.seen: dict[str, list[tuple[str, str, int]]] = defaultdict(list)  # request id -> (worker, path, status)
         self.fuzzed_log_at = 0  # the proxy log's length when the one-at-a-time run ended
 
@@ -557,7 +561,7 @@ class Fleet:
              "--listen", "127.0.0.1:0", "--max-body-bytes", str(MAX_BODY), "--max-inflight-bytes-per-tenant",
              str(MAX_BODY), "--max-inflight-bytes", str(8 * MAX_BODY), "--client-body-timeout", str(BODY_TIMEOUT_S),
              "--client-header-timeout", "5", "--max-first-byte-wait", str(FIRST_BYTE_WAIT_S), "--shutdown-delay", "0",
-             "--shutdown-drain", "2", "--refresh", "0.5", *self._tokenizer_args()],
+             "--shutdown-drain", "2", "--refresh", "0.5", *self._tokenizer_args(), *self.proxy_args],
             cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1", KVFLEET_PROXY_TOKEN=self.tokens["ops"],
                                PYTHONPATH=str(ROOT)),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -633,11 +637,11 @@ def describe(req: Req) -> str:
     return f"{req.method} {req.path[:100]} [{req.framing}, Content-Type {req.content_type!r}, +{heads!r}] {shown!r}"
 
 
-async def run(seed: int, n: int, verbose: bool, local_tokenizer: bool = False) -> int:
+async def run(seed: int, n: int, verbose: bool, local_tokenizer: bool = False, proxy_args: tuple[str, ...] = ()) -> int:
     rng = random.Random(seed)
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # the stand-ins' (their 5xx: worker-5xx)
     with tempfile.TemporaryDirectory(prefix="fuzz-proxy-") as d:
-        fleet = Fleet(Path(d), local_tokenizer)
+        fleet = Fleet(Path(d), local_tokenizer, proxy_args)
         await fleet.start()
         try:
             findings, notes = await fuzz(fleet, rng, n, verbose)
@@ -706,7 +710,7 @@ async def fuzz(fleet: Fleet, rng: random.Random, n: int, verbose: bool) -> tuple
                 if direct is not None and 200 <= direct < 300 and any(k in said for k in AS_VLLM):
                     notes["refused as vLLM refuses (the stand-in is laxer)"][said[:90]] += 1
                 elif direct is not None and 200 <= direct < 300 and any(k in said for k in KVFLEET_BOUNDS):
-                    notes["refused by kvfleet's own bounds (vLLM has none)"][said[:90]] += 1
+                    notes["refused by kvfleet's own rules (vLLM has none)"][said[:90]] += 1
                 elif direct is not None and 200 <= direct < 300:
                     findings.append(Finding("refused-served", req, f"proxy {a.status} "
                                             f"{a.body[:200].decode(errors='replace')}; the stand-in answers {direct}", rid))
@@ -823,8 +827,10 @@ def main() -> None:
     ap.add_argument("--local-tokenizer", action="store_true",
                     help="run the proxy with --tokenizer hf:PATH (a tokenizer giving the stand-ins' ids; needs "
                          "transformers), so that chats are rendered by the proxy itself")
+    ap.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for `kvfleet proxy` (repeatable), e.g. --proxy-arg=--fair-priority")
     args = ap.parse_args()
-    sys.exit(asyncio.run(run(args.seed, args.requests, args.verbose, args.local_tokenizer)))
+    sys.exit(asyncio.run(run(args.seed, args.requests, args.verbose, args.local_tokenizer, tuple(args.proxy_arg))))
 
 
 if __name__ == "__main__":
