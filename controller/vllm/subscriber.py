@@ -153,7 +153,10 @@ class Subscriber(Replays):
                 # NOTE: applied whatever came, a reply with a hole (a batch missing between two it holds) skipped the
                 # missing batch's removals and clears: a block evicted there stayed WARM. Stopped at the hole, the
                 # live stream's next message is a gap, repaired by replay or failed closed (controller/vllm/replay.py)
-                if self.muted() or (prev is not None and seq != prev + 1):
+                # NOTE: a batch older than asked (vLLM's replay sends seq >= start only) was applied too: batches from
+                # before the rank's epoch began, where an old AllBlocksCleared could lift the fence "clear" of a sleep
+                # this controller drove and the old stores after it index blocks the worker's sleep had discarded
+                if self.muted() or seq < catch_up_from or (prev is not None and seq != prev + 1):
                     caught_up = False
                     break
                 prev = seq

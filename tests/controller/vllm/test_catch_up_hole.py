@@ -23,8 +23,8 @@ from fleet.app.testkit.sim_vllm import wire
 PAYLOAD = wire.encode_batch(0.0, [wire.VllmBlockRemoved(block_hashes=[7], medium="GPU")], 0)
 
 
-async def _catch_up(seqs: list[int]) -> tuple[bool, list[int]]:
-    """A Subscriber catching up from seq 0 against a replay ROUTER that answers `seqs`, then the end marker: whether
+async def _catch_up(seqs: list[int], start: int = 0) -> tuple[bool, list[int]]:
+    """A Subscriber catching up from seq `start` against a replay ROUTER that answers `seqs`, then the end marker: whether
     it says it caught up, and the seqs its sink was handed."""
     ctx = zmq.asyncio.Context()
     router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
@@ -43,7 +43,7 @@ async def _catch_up(seqs: list[int]) -> tuple[bool, list[int]]:
     sink = RecordingSink()
     sub = Subscriber(ctx, live, replay, sink, Metrics(), limits=StreamLimits(replay_timeout_s=5.0))
     try:
-        caught_up = await sub.start(catch_up_from=0)
+        caught_up = await sub.start(catch_up_from=start)
         return caught_up, list(sink.applied)
     finally:
         await sub.stop()
@@ -69,3 +69,13 @@ async def test_a_whole_catch_up_is_applied() -> None:
 async def test_a_catch_up_out_of_order_stops_at_the_first_step_back() -> None:
     caught_up, applied = await _catch_up([5, 6, 6, 7])
     assert (caught_up, applied) == (False, [5, 6])
+
+
+async def test_a_catch_up_stops_at_a_batch_older_than_asked() -> None:
+    """vLLM's replay answers seq >= start only; a batch before the start (before the rank's epoch began) is no
+    catch-up. Found by the KV-event fuzz audit: they were applied, so an old AllBlocksCleared among them could lift the
+    fence "clear" of a sleep the controller drove, and the old stores after it be indexed."""
+    caught_up, applied = await _catch_up([3, 4, 5, 6], start=5)
+    assert (caught_up, applied) == (False, [])  # before the fix: (True, [3, 4, 5, 6])
+    assert await _catch_up([5, 6], start=5) == (True, [5, 6])  # control: from the start asked
+    assert await _catch_up([7, 8], start=5) == (True, [7, 8])  # and a suffix of the stream, as before
