@@ -159,7 +159,7 @@ def _is_map(raw: bytes) -> bool:
 def _tag_of(raw: bytes) -> Any:
     try:
         obj = _ANY.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # NOTE: see decode_batch
         return None
     if isinstance(obj, dict):
         return obj.get("type")
@@ -230,7 +230,17 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise EventDecodeError(f"malformed KV event batch: {e}") from e
     except Exception as e:  # msgspec raises plain errors on some truncated inputs
         raise EventDecodeError(f"malformed KV event batch: {e!r}") from e
-    return EventBatch(b.ts, tuple(decode_event(bytes(r)) for r in b.events), b.data_parallel_rank)
+    try:
+        events = tuple(decode_event(bytes(r)) for r in b.events)
+    except EventDecodeError:
+        raise
+    except Exception as e:
+        # NOTE: an event nested just short of the recursion limit passed the batch's decode (its events are Raw) and
+        # raised RecursionError in the event's: at 984 lists deep (an unknown tag's field, read again for the tag),
+        # that escaped the subscriber as a traceback, the batch's seq was never taken, and each later message was a
+        # gap whose replay handed back the same batch, which raised again
+        raise EventDecodeError(f"malformed KV event: {e!r:.200}") from e
+    return EventBatch(b.ts, events, b.data_parallel_rank)
 
 
 END_SEQ = (1 << 64) - 1  # the replay stream's end marker (vLLM sends (-1).to_bytes(8, signed=True))
