@@ -307,7 +307,8 @@ def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker) -> Fault:
     if kind == "batch":
         what = rng.choice(["ts_nan", "ts_inf", "ts_neg_inf", "ts_str", "ts_none", "ts_huge_int", "dp_other",
                            "dp_junk", "events_not_list", "events_dict", "batch_4_items", "batch_1_item",
-                           "batch_map", "events_empty", "unknown_tag", "legacy_array", "legacy_array_junk",
+                           "batch_map", "events_empty", "unknown_tag", "unknown_tag_deep", "legacy_array",
+                           "legacy_array_junk",
                            "clear_then_store", "store_then_clear", "event_not_map"])
         ts: Any = time.time()
         if what == "ts_nan":
@@ -342,6 +343,9 @@ def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker) -> Fault:
             return Fault("batch:events_empty", [("seq", ENC.encode([ts, [], 0]))], True)
         if what == "unknown_tag":
             return Fault("batch:unknown_tag", [("seq", ENC.encode([ts, [{"type": "BlockPinned", "x": 1}, ev], 0]))])
+        if what == "unknown_tag_deep":  # nested near the decoder's recursion limit (what is left of it varies)
+            x = nested(rng.randrange(850, 1000))
+            return Fault("batch:unknown_tag_deep", [("seq", ENC.encode([ts, [{"type": "BlockPinned", "x": x}, ev], 0]))])
         if what == "legacy_array":  # vLLM <= 0.23: events as arrays
             arr = ["BlockStored", list(p.hashes), None, list(p.tokens), BS, None, "GPU", None,
                    [[salt]] + [None] * (len(p.hashes) - 1)]
