@@ -50,6 +50,7 @@ class RankEvents:
     loads: tuple[WorkerMetrics, ...]
     hash_cfg: HashConfig | None
     calibrated: bool
+    dropped_uncalibrated: set[int]  # ranks whose index a failed calibration dropped, while it stays failed
     group_block_sizes: dict[int | None, int]  # each KV group's block size, as the GPU pool's events give it
     mixed_noted: bool  # its groups' different block sizes were logged
     resumed: set[int]
@@ -150,6 +151,13 @@ class RankEvents:
                 if self._over_capacity(key, ev):
                     continue
                 if not self._calibrate(ev):
+                    if rank in self.dropped_uncalibrated:
+                        # NOTE: the rank's index was dropped when calibration failed, and no store is indexed until a
+                        # block 0 proves the worker's hashing again: every batch with a store used to drop it again,
+                        # stepping its epoch and writing its state at each engine step of a worker whose hashing differs
+                        # (another PYTHONHASHSEED: 20 epoch steps and store writes for 20 steps)
+                        continue
+                    self.dropped_uncalibrated.add(rank)
                     self._apply(rank, st.invalidated("calibration"))
                     return
                 self.index.apply(key, ev)
@@ -218,4 +226,6 @@ class RankEvents:
             self.hash_cfg = cfg
         if proven is not None:
             self.calibrated = proven
+        if self.calibrated:
+            self.dropped_uncalibrated.clear()
         return self.calibrated

@@ -102,6 +102,7 @@ class Worker(RankEvents, Verbs, Reconcile):
         self.load_at: float | None = None  # time.monotonic() when the look that gave `loads` began
         self._look_at: float | None = None
         self.calibrated = True
+        self.dropped_uncalibrated: set[int] = set()  # (RankEvents._apply_events)
         self.group_block_sizes: dict[int | None, int] = {}  # (RankEvents._calibrate)
         self.mixed_noted = False
         self.lock = asyncio.Lock()
