@@ -285,8 +285,11 @@ def mutate_stored(rng: random.Random, p: Prompt, salt: str) -> tuple[str, dict[s
     return what, ev, legal, poisons
 
 
-def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker) -> Fault:
-    kind = rng.choice(["field"] * 6 + ["batch", "wire", "seq", "replay", "flood", "removed", "frames", "restart"])
+KINDS = ("field", "batch", "wire", "seq", "replay", "flood", "removed", "frames", "restart")
+
+
+def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker, only: str = "") -> Fault:
+    kind = only or rng.choice(["field"] * 6 + list(KINDS[1:]))
     if kind == "field":
         what, ev, legal, poisons = mutate_stored(rng, p, salt)
         return Fault("field:" + what, [("seq", ENC.encode([time.time(), [ev], 0]))], legal, poisons_groups=poisons)
@@ -419,8 +422,10 @@ def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker) -> Fault:
         # blocks, so whatever the replay answers, the prompt must not route WARM
         return Fault(f"replay:{mode}", [("lost", good), ("lost", batch([removed(list(p.hashes))])),
                                          ("seq", batch([removed([rng.getrandbits(64)])]))], False, replay=mode)
-    what = rng.choice(["valid", "stores", "clears", "resets", "junk"])  # flood
-    n = rng.choice([200, 2000])
+    what = rng.choice(["valid", "stores", "clears", "resets", "junk", "big"])  # flood
+    n = rng.choice([200, 2000]) if what != "big" else 60
+    # under the controller's --kv-event-max-message-bytes (8 MiB), with no batch header
+    big = rng.randbytes(7 << 20) if what == "big" else b""
     frames: list[Any] = []
     for i in range(n):
         if what == "valid":
@@ -430,6 +435,8 @@ def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker) -> Fault:
                                                 rng.getrandbits(64))])))
         elif what == "clears":
             frames.append(("seq", batch([{"type": "AllBlocksCleared"}] * 50)))
+        elif what == "big":
+            frames.append(("seq", big))
         elif what == "resets":
             frames.append(("at", (i % 3, batch([removed([7])]))))
         else:
@@ -613,7 +620,7 @@ class Fuzz:
 
     async def round(self, rnd: int) -> int:
         p = new_prompt(self.rng, self.salt)
-        f = make_fault(self.rng, p, self.salt, self.w)
+        f = make_fault(self.rng, p, self.salt, self.w, self.args.only)
         self.last_fault = f.name
         self.found.counts[f.name.split(":")[0]] = self.found.counts.get(f.name.split(":")[0], 0) + 1
         self.w.replay_mode = f.replay
@@ -646,7 +653,7 @@ class Fuzz:
             self.found.flag(rnd, f.name, "the controller exited")
             raise SystemExit(1)
         if self.args.verbose:
-            print(f"round {rnd}: {f.name} ({len(f.frames)} frames)", flush=True)
+            print(f"{time.strftime('%H:%M:%S')} round {rnd}: {f.name} ({len(f.frames)} frames)", flush=True)
         return 1
 
     async def run(self) -> Findings:
@@ -655,6 +662,8 @@ class Fuzz:
             spec = workers_pb2.WorkerSpec(name="fz", url=sim.url, kv_events=self.w.pub_ep, replay=self.w.replay_ep,
                                           model="m", block_size=BS, hash_algo="sha256")
             await self.workers.RegisterWorker(workers_pb2.RegisterWorkerRequest(spec=spec), timeout=60)
+            if self.args.verbose:
+                print(f"controller pid {self.ctl.proc.pid} at {self.ctl.address}", flush=True)
             self.salt = (await self.route(Prompt([1] * BS, [0]))).cache_salt
             # warm-up: until the subscription is up (ZMQ's slow joiner) and a stored prompt routes WARM
             q = new_prompt(self.rng, self.salt)
@@ -715,6 +724,7 @@ def main() -> int:
     p.add_argument("--frames", type=int, default=200, help="faults to send (one round each; a flood counts once)")
     p.add_argument("--max-seconds", type=float, default=240.0, help="stop after this long whatever was sent")
     p.add_argument("--max-rss-growth-mb", type=float, default=100.0)
+    p.add_argument("--only", choices=KINDS, default="", help="send faults of this kind only")
     p.add_argument("-v", "--verbose", action="store_true", help="print each round's fault")
     p.add_argument("--keep-log", default="", help="copy the controller's log here")
     return asyncio.run(main_async(p.parse_args()))
