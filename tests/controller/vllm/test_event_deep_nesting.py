@@ -1,12 +1,12 @@
 """An event nested near the recursion limit is a decode error of its batch, at whatever depth it fails (regression).
 
-Found by the KV-event fuzzer (scripts/fuzz_kv_events.py): the batch is decoded with its events left raw, then each
-event on its own; an event of an unknown type is decoded a second time, whole, to read its tag. An event nested just
-short of the recursion limit passed the first and raised RecursionError in the second, which only msgspec's own
-errors were caught around: in a real Router, an unknown event with a field 984 lists deep escaped the subscriber as a
-traceback, its batch's seq was never taken, and every later message was a gap whose replay (vLLM keeps 10,000
-batches) handed back the same batch, which raised again. Where the window lies depends on the stack the decode runs
-on, so every depth up to past the limit is tried.
+Found by the KV-event fuzz audit (scripts/fuzz_kv_events.py, then a probe of every depth): the batch is decoded
+with its events left raw, then each event on its own; an event of an unknown type is decoded a second time, whole, to
+read its tag. An event nested just short of the recursion limit passed the first and raised RecursionError in the
+second, which only msgspec's own errors were caught around: in a real Router, an unknown event with a field 984 lists
+deep escaped the subscriber as a traceback and its batch's seq was never taken, so with vLLM's replay (10,000 batches
+kept) every later message would be a gap whose replay hands back the same batch, which raises again. Where the window
+lies depends on the stack the decode runs on, so every depth up to past the limit is tried.
 """
 
 from __future__ import annotations
