@@ -9,6 +9,7 @@ skip it), anything else malformed raises `EventDecodeError`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +231,11 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise EventDecodeError(f"malformed KV event batch: {e}") from e
     except Exception as e:  # msgspec raises plain errors on some truncated inputs
         raise EventDecodeError(f"malformed KV event batch: {e!r}") from e
+    if not math.isfinite(b.ts):
+        # NOTE: vLLM stamps a batch with time.time(); the stamp is read as the worker's clock (a restart's fence "reset"
+        # lifts at a batch stamped at or after the new process's start), and a +inf stamp lifted it from any batch: the
+        # old publisher's queued stores were indexed, and routed WARM to the restarted worker's empty cache
+        raise EventDecodeError(f"malformed KV event batch: stamp {b.ts} is no time")
     try:
         events = tuple(decode_event(bytes(r)) for r in b.events)
     except EventDecodeError:

@@ -192,8 +192,9 @@ class LiveStream:
     """A real Router (sqlite store) with one worker "w0" (sim-vllm HTTP, block size 16, `num_blocks` in its pool)
     whose KV events come from a PUB the test writes (`live_stream`); its subscription is up and seq 0 handled; `send(events)` publishes the next seq and waits until it is handled."""
 
-    def __init__(self, r: Any, m: Metrics, pub: zmq.asyncio.Socket) -> None:
+    def __init__(self, r: Any, m: Metrics, pub: zmq.asyncio.Socket, sim: SimVllm | None = None) -> None:
         self.r, self.m, self.pub, self.seq = r, m, pub, 0
+        self.sim = sim  # the worker's HTTP (its /metrics: start time, sleep state)
 
     async def send_payload(self, payload: bytes, seq: int | None = None) -> None:
         seq = self.seq if seq is None else seq
@@ -245,7 +246,7 @@ async def live_stream(tmp_path: Path, num_blocks: int = 4096, **limits: Any) -> 
             if r.worker("w0").ranks[0].seq >= 0:
                 break
         await asyncio.sleep(0.1)  # a straggling seq 0 (a reset) lands before the test starts
-        live = LiveStream(r, m, pub)
+        live = LiveStream(r, m, pub, sim)
         live.seq = 1
         yield live
     finally:
