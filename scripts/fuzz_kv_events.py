@@ -315,11 +315,11 @@ def make_fault(rng: random.Random, p: Prompt, salt: str, w: Worker, only: str = 
                            "clear_then_store", "store_then_clear", "event_not_map"])
         ts: Any = time.time()
         if what == "ts_nan":
-            return Fault("batch:ts_nan", [("seq", ENC.encode([math.nan, [ev], 0]))], True)
+            return Fault("batch:ts_nan", [("seq", ENC.encode([math.nan, [ev], 0]))], False)
         if what == "ts_inf":
-            return Fault("batch:ts_inf", [("seq", ENC.encode([math.inf, [ev], 0]))], True)
+            return Fault("batch:ts_inf", [("seq", ENC.encode([math.inf, [ev], 0]))], False)
         if what == "ts_neg_inf":
-            return Fault("batch:ts_neg_inf", [("seq", ENC.encode([-math.inf, [ev], 0]))], True)
+            return Fault("batch:ts_neg_inf", [("seq", ENC.encode([-math.inf, [ev], 0]))], False)
         if what == "ts_str":
             return Fault("batch:ts_str", [("seq", ENC.encode(["now", [ev], 0]))], False)
         if what == "ts_none":
