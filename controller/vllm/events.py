@@ -243,8 +243,8 @@ def decode_batch(payload: bytes) -> EventBatch:
     except Exception as e:
         # NOTE: an event nested just short of the recursion limit passed the batch's decode (its events are Raw) and
         # raised RecursionError in the event's: at 984 lists deep (an unknown tag's field, read again for the tag),
-        # that escaped the subscriber as a traceback, the batch's seq was never taken, and each later message was a
-        # gap whose replay handed back the same batch, which raised again
+        # that escaped the subscriber as a traceback and the batch's seq was never taken (with vLLM's replay, each
+        # later message a gap whose replay hands back the same batch, which raises again)
         raise EventDecodeError(f"malformed KV event: {e!r:.200}") from e
     return EventBatch(b.ts, events, b.data_parallel_rank)
 

@@ -72,7 +72,7 @@ class Replays:
             return
         # NOTE: the first seq the answer lacks, walked from last + 1: at most len(got) + 1 steps, however far the
         # live seq jumped. It was `min(set(range(last + 1, seq)) - set(got))`: one live frame whose seq jumped by
-        # 2**24 held the event loop 8 s building that set (every Route and the gRPC server waited), by 2**40 for
+        # 2**24 held the event loop 7.8 s building that set (every Route and the gRPC server waited), by 2**40 for
         # good, growing until the controller ran out of memory
         missing = next((s for s in range(last + 1, seq) if s not in got), None)
         if missing is None:
