@@ -35,6 +35,9 @@ def check_ids(ids: Any, cfg: ModelConfig, num_tokens: int) -> np.ndarray:
     """`ids` as int64 token ids a session of `num_tokens` tokens may append (what `Session.append` raises)."""
     if isinstance(ids, str | bytes | bytearray):
         raise InvalidArgument("append takes token ids, not text: encode it first (ByteTokenizer.encode)")
+    if not isinstance(ids, np.ndarray) and not hasattr(ids, "__iter__"):
+        # NOTE: the bool scan below iterated it first: append(7) and append(None) raised a bare TypeError
+        raise InvalidArgument(f"append needs a non-empty 1-D sequence of token ids, got {type(ids).__name__} {ids!r}")
     if not isinstance(ids, np.ndarray) and any(isinstance(i, bool | np.bool_) for i in ids):
         raise InvalidArgument("token ids must be integers, not bool")  # np.asarray([1, True]) is int64
     arr = np.asarray(ids)

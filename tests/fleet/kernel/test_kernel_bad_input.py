@@ -22,6 +22,8 @@ BAD_IDS = [
     ([[1, 2]], "1-D"),
     ("hello", "not text"),
     ([1, "2"], "must be integers"),
+    (7, "1-D sequence of token ids, got int"),  # not iterable: a bare TypeError before
+    (None, "1-D sequence of token ids, got NoneType"),
 ]
 BAD_SPANS = [
     (dict(start=-1, length=2), "not a non-empty range"),
@@ -47,6 +49,8 @@ def test_bad_token_ids_leave_cache_unchanged(backend: str, ids: object, msg: str
     before, logits = s.digest(), s.last_logits
     with pytest.raises(InvalidArgument, match=msg):
         s.append(ids)
+    with pytest.raises(InvalidArgument, match=msg):
+        s.check_append(ids)
     assert s.digest() == before and len(s) == 40 and np.array_equal(s.last_logits, logits)
     assert s.append([5]).shape == (512,)  # control: a good append still changes the cache
     assert s.digest() != before
