@@ -1,0 +1,988 @@
+"""Seeded differential fuzzer of the KV kernel's exactness contract (docs/kernel.md, "The exactness contract").
+
+    python scripts/fuzz_kernel.py --seed 3 --ops 400                  # numpy backend, in process
+    python scripts/fuzz_kernel.py --seed 3 --ops 400 --backend torch  # torch backend (CPU)
+    python scripts/fuzz_kernel.py --seed 3 --ops 30 --fleet           # also a short run through a local Ray fleet
+
+It applies a random sequence of session operations to `fleet.core.kernel` directly: new sessions, sessions adopting
+an exported prefix, appends (length 1, tile- and block-crossing, long, ids at 0 and vocab-1), tool-result spans
+appended and later evicted, evictions of random spans in both modes (at position 0, at the end, the whole session,
+length 1, a span evicted again at the same positions), truncations (tail evictions), forks (of forks), decoding,
+close, and bad input of every kind the docs name. The model is one of a few tiny seeded configs (1 or 2 layers, GQA,
+biases, tied embeddings, a short context, small blocks and tiles), picked by the seed. After every step it checks
+every live session against references computed from scratch:
+
+- a float64 reference model written here (independent of the kernel's code: its own RMSNorm, RoPE, GQA attention and
+  SwiGLU) that follows each session's own history, reposition eviction included: K/Kraw/V of every position and the
+  last logits within `TOL`;
+- a fresh prefill of the tokens the session should hold, on the same kernel: bit for bit (max|d| = 0) on the
+  positions the contract calls exact (all of them unless a reposition on a deep model shifted survivors: then those
+  before the span, as `num_exact_tokens` must say), digest and last logits included when the whole session is;
+- `K == RoPE(Kraw)` and layer 0 against the prefill path (memo and memo bypassed): 0 on every state;
+- each eviction's `EvictReport` (exact, tail, counts, logits_fresh, invariant_delta) against what the docs say;
+- isolation: every session the step did not touch keeps its digest, tokens and last logits bit for bit (a fork must
+  never see its sibling's or its parent's writes, nor an adopter its exporter's, nor the reverse), and arrays handed
+  out (logits, tokens, exported blocks) can be written by the caller without changing any session;
+- bad input: refused with a `fleet.core.errors` error whose message names the argument or rule, leaving the session
+  unchanged (digest, tokens, last logits, num_exact_tokens); valid input must not be refused.
+
+At the end each session's whole history (its ancestors' ops, then its own) is replayed on a second kernel of the same
+model (a fresh layer-0 memo) and must give the same digest and last logits bit for bit: what the fleet's op-log
+replay relies on, also on the states that are not a prefill's.
+
+With --fleet it then drives a few ops through the real path (a local Ray cluster, a KernelFleet on a SQLite store, as
+tests/workers start them, on the fleet's default model): create, messages, model output, tool results, piece
+evictions (an already evicted piece again), quarantine verdicts (evictions with a proof), forks (sharing blocks or
+not), decode, releases (the next call rebuilds the session from its op log), close, and bad calls, comparing the fleet's tokens, digest and logits after each step with an
+in-process SessionContext given the same ops and, while the session is a prefill of its tokens, with a fresh prefill.
+
+Exit status 0 when nothing was flagged, 1 otherwise (each finding printed with the step that caused it).
+"""
+
+# ruff: noqa: B023  (the loop's lambdas are called before the loop moves on: `both`, `refused`)
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted  # noqa: E402
+from fleet.core.kernel import (  # noqa: E402
+    Kernel,
+    ModelConfig,
+    Session,
+    l0memo,  # noqa: E402
+)
+from fleet.core.kernel.rope import inv_freq  # noqa: E402
+from fleet.core.kernel.weights import Weights  # noqa: E402
+
+TOL = 1e-4  # float32 kernel vs the float64 reference: K/Kraw/V and logits (docs: HF parity <= 1e-4)
+
+# (name, ModelConfig.tiny overrides, Kernel keyword arguments); the seed picks one
+CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("tiny", {}, dict(tile_size=32, block_size=16)),
+    ("tiny-1layer", dict(n_layers=1), dict(tile_size=32, block_size=16)),
+    ("tiny-short-ctx", dict(max_seq_len=96), dict(tile_size=8, block_size=4)),
+    ("qwen-like", dict(qkv_bias=True, tie_embeddings=True, vocab_size=300), dict(tile_size=16, block_size=8)),
+    ("mqa-3layer", dict(n_layers=3, n_kv_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     dict(tile_size=16, block_size=16)),
+    ("window", dict(sliding_window=80, max_seq_len=4096, mlp_bias=True, o_bias=True), dict(tile_size=32, block_size=8)),
+    ("odd-geometry", dict(max_seq_len=400), dict(tile_size=5, block_size=3)),
+    ("tile1-block1", dict(max_seq_len=200), dict(tile_size=1, block_size=1)),
+    ("small-memo", {}, dict(tile_size=16, block_size=16, memo_rows=8)),  # a layer-0 memo of 8 rows (FIFO reuse)
+    ("long", dict(max_seq_len=4600), dict(tile_size=64, block_size=16, long=True)),  # appends past GROUP_TOKENS (2048) positions
+    ("threads2", dict(max_seq_len=300), dict(tile_size=32, block_size=16, threads=2)),  # two BLAS/torch threads
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The float64 reference model (independent of the kernel's tile code)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RefModel:
+    """The decoder in float64, token rows at once with a causal mask, over a cache the caller holds."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights) -> None:
+        self.cfg = cfg
+        f = np.float64
+        self.embed = w.embed.astype(f)
+        self.layers = [{k: (None if v is None else np.asarray(v, f)) for k, v in
+                        ((fl.name, getattr(L, fl.name)) for fl in dataclasses.fields(L))} for L in w.layers]
+        self.final_norm = w.final_norm.astype(f)
+        self.lm_head = w.lm_head.astype(f)
+        self.inv = inv_freq(cfg)  # float64 [hd/2]
+
+    def _rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps) * w
+
+    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """x [..., P, hd] at positions pos [P], rotate-half, angles in float64."""
+        ang = pos[:, None] * self.inv[None, :]  # [P, hd/2]
+        c, s = np.cos(ang), np.sin(ang)
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+    @staticmethod
+    def _lin(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+        y = x @ w.T
+        return y if b is None else y + b
+
+    def forward(self, kv: np.ndarray, ids: list[int], p0: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of `ids` at positions [p0, p0+m) over the cache kv [3, L, KV, p0, hd] (K, Kraw, V).
+
+        Returns: their rows [3, L, KV, m, hd] and the logits [V] after the last one."""
+        cfg = self.cfg
+        H, KV, hd, G, m = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_groups, len(ids)
+        pos = np.arange(p0, p0 + m, dtype=np.float64)
+        x = self.embed[np.asarray(ids, np.int64)]  # [m, dim]
+        out = np.zeros((3, cfg.n_layers, KV, m, hd))
+        causal = np.arange(p0 + m)[None, :] > (p0 + np.arange(m))[:, None]  # [m, p0+m]
+        for l, L in enumerate(self.layers):
+            h = self._rms(x, L["attn_norm"])
+            q = self._lin(h, L["wq"], L["bq"]).reshape(m, H, hd).transpose(1, 0, 2)  # [H, m, hd]
+            kraw = self._lin(h, L["wk"], L["bk"]).reshape(m, KV, hd).transpose(1, 0, 2)  # [KV, m, hd]
+            v = self._lin(h, L["wv"], L["bv"]).reshape(m, KV, hd).transpose(1, 0, 2)
+            k = self.rope(kraw, pos)
+            q = self.rope(q, pos)
+            out[0, l], out[1, l], out[2, l] = k, kraw, v
+            K = np.concatenate([kv[0, l], k], axis=1)  # [KV, p0+m, hd]
+            Vv = np.concatenate([kv[2, l], v], axis=1)
+            o = np.zeros((m, H, hd))
+            for head in range(H):
+                s = q[head] @ K[head // G].T / math.sqrt(hd)  # [m, p0+m]
+                s[causal] = -np.inf
+                s = np.exp(s - s.max(axis=-1, keepdims=True))
+                o[:, head] = (s / s.sum(axis=-1, keepdims=True)) @ Vv[head // G]
+            x = x + self._lin(o.reshape(m, H * hd), L["wo"], L["bo"])
+            h2 = self._rms(x, L["mlp_norm"])
+            g, u = self._lin(h2, L["w_gate"], L["b_gate"]), self._lin(h2, L["w_up"], L["b_up"])
+            x = x + self._lin(g / (1.0 + np.exp(-g)) * u, L["w_down"], L["b_down"])
+        logits = self._rms(x[-1], self.final_norm) @ self.lm_head.T
+        return out, logits
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each session should hold
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Shadow:
+    """The expected state of one session: its tokens, the float64 reference rows and logits, how many leading
+    positions are a prefill's (the contract's `num_exact_tokens`), and its history (for the replay check)."""
+
+    tokens: list[int]
+    kv: np.ndarray  # [3, L, KV, n, hd] float64
+    logits: np.ndarray | None
+    exact_upto: int
+    history: list[tuple[Any, ...]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # tool-result spans appended (start, length)
+    evicted: list[tuple[int, int]] = field(default_factory=list)  # spans already evicted (at their old positions)
+
+    def copy(self) -> Shadow:
+        return Shadow(list(self.tokens), self.kv.copy(), None if self.logits is None else self.logits.copy(),
+                      self.exact_upto, list(self.history), list(self.spans), list(self.evicted))
+
+
+@dataclass
+class Snap:
+    """What a session holds, bit for bit, at one instant."""
+
+    digest: str
+    tokens: list[int]
+    logits: np.ndarray | None
+    num_exact: int
+    num_blocks: int
+
+    @classmethod
+    def of(cls, s: Session) -> Snap:
+        return cls(s.digest(), s.tokens, s.last_logits, s.num_exact_tokens, s.memory().num_blocks)
+
+    def same(self, other: Snap) -> bool:
+        if (self.logits is None) != (other.logits is None):
+            return False
+        return (self.digest == other.digest and self.tokens == other.tokens and self.num_exact == other.num_exact
+                and self.num_blocks == other.num_blocks
+                and (self.logits is None or np.array_equal(self.logits, other.logits)))
+
+
+class Finding(Exception):
+    pass
+
+
+def delta(a: Any, b: Any) -> float:
+    x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if x.shape != y.shape:
+        return math.inf
+    return float(np.max(np.abs(x - y))) if x.size else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The in-process fuzzer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class KernelFuzz:
+    def __init__(self, seed: int, backend: str, config: str | None = None, verbose: bool = False) -> None:
+        self.rng = random.Random(seed)
+        name, over, kw = CONFIGS[seed % len(CONFIGS)] if config is None else next(c for c in CONFIGS if c[0] == config)
+        self.name, self.backend, self.verbose = name, backend, verbose
+        self.cfg = ModelConfig.tiny(**over)
+        kw = dict(kw)
+        self.memo_rows, self.long = kw.pop("memo_rows", None), kw.pop("long", False)
+        self.kw, self.wseed = kw, seed % 5
+        self.kernel = self.make_kernel()
+        self.ref = RefModel(self.cfg, self.kernel.weights)
+        self.V, self.ctx, self.BS = self.cfg.vocab_size, self.cfg.max_context, self.kernel.block_size
+        self.sessions: dict[int, Session] = {}
+        self.shadows: dict[int, Shadow] = {}
+        self.snaps: dict[int, Snap] = {}
+        self.next_id = 0
+        self.findings: list[str] = []
+        self.step = 0
+        self.max_ref_delta = 0.0
+        self.counts: dict[str, int] = {}
+        self.longest = 0
+
+    def make_kernel(self) -> Kernel:
+        """The run's model; with `memo_rows`, its layer-0 memo holds that many rows (FIFO reuse from the start)."""
+        saved = l0memo.L0_MIN_ROWS, l0memo.L0_MEMO_BYTES
+        if self.memo_rows:
+            l0memo.L0_MIN_ROWS, l0memo.L0_MEMO_BYTES = self.memo_rows, 0
+        try:
+            return Kernel.synthetic(self.cfg, seed=self.wseed, backend=self.backend, **self.kw)
+        finally:
+            l0memo.L0_MIN_ROWS, l0memo.L0_MEMO_BYTES = saved
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+    def flag(self, msg: str) -> None:
+        self.findings.append(f"[{self.name}/{self.backend} step {self.step}] {msg}")
+        print("FINDING:", self.findings[-1], flush=True)
+
+    def empty_kv(self) -> np.ndarray:
+        c = self.cfg
+        return np.zeros((3, c.n_layers, c.n_kv_heads, 0, c.head_dim))
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def ids(self, n: int) -> list[int]:
+        """n token ids, often at the vocabulary's bounds."""
+        r = self.rng
+        return [r.choice((0, self.V - 1)) if r.random() < 0.15 else r.randrange(self.V) for _ in range(n)]
+
+    def length(self, room: int) -> int:
+        r = self.rng
+        pick = r.random()
+        n = (1 if pick < 0.3 else r.randint(2, 12) if pick < 0.7 else r.randint(13, 70) if pick < 0.95
+             else r.randint(71, 260))
+        return max(0, min(n, room))
+
+    # -- the expected effects --------------------------------------------------------------------------------------
+    def sh_append(self, sh: Shadow, ids: list[int]) -> None:
+        n = len(sh.tokens)
+        rows, logits = self.ref.forward(sh.kv, ids, n)
+        sh.kv = np.concatenate([sh.kv, rows], axis=3)
+        sh.tokens += ids
+        sh.logits = logits
+        sh.exact_upto = n + len(ids) if sh.exact_upto >= n else sh.exact_upto
+
+    def sh_recompute_last(self, sh: Shadow, n: int) -> None:
+        """Keep n tokens; token n-1 recomputed in place over [0, n-1) (its row and the logits)."""
+        sh.kv, sh.tokens = sh.kv[:, :, :, :n], sh.tokens[:n]
+        sh.exact_upto = min(sh.exact_upto, n)
+        if n == 0:
+            sh.logits = None
+            return
+        rows, sh.logits = self.ref.forward(sh.kv[:, :, :, : n - 1], sh.tokens[n - 1:], n - 1)
+        sh.kv = np.concatenate([sh.kv[:, :, :, : n - 1], rows], axis=3)
+        sh.exact_upto = n if sh.exact_upto >= n - 1 else sh.exact_upto
+
+    def sh_evict(self, sh: Shadow, start: int, length: int, mode: str) -> dict[str, Any]:
+        """Apply an eviction to the shadow; return the report fields the docs promise."""
+        end = start + length
+        survivors = sh.tokens[end:]
+        m = len(survivors)
+        if m == 0:  # a tail: a truncation, exact when the positions before it are
+            self.sh_recompute_last(sh, start)
+            return dict(tail=True, num_recomputed=0, num_rerotated=0, logits_fresh=True,
+                        exact=sh.exact_upto == len(sh.tokens), invariant_delta=None)
+        if mode == "exact":
+            rows, logits = self.ref.forward(sh.kv[:, :, :, :start], survivors, start)
+            sh.kv = np.concatenate([sh.kv[:, :, :, :start], rows], axis=3)
+            sh.tokens = sh.tokens[:start] + survivors
+            sh.logits = logits
+            sh.exact_upto = start + m if sh.exact_upto >= start else sh.exact_upto
+            return dict(tail=False, num_recomputed=m, num_rerotated=0, logits_fresh=True,
+                        exact=sh.exact_upto == len(sh.tokens), invariant_delta=None)
+        keep = sh.kv[:, :, :, end:].copy()
+        keep[0] = self.ref.rope(keep[1], np.arange(start, start + m, dtype=np.float64))
+        sh.kv = np.concatenate([sh.kv[:, :, :, :start], keep], axis=3)
+        sh.tokens = sh.tokens[:start] + survivors
+        sh.logits = None
+        if self.cfg.n_layers == 1:  # every row a function of (id, position): a prefill's
+            sh.exact_upto = len(sh.tokens) if sh.exact_upto >= start else sh.exact_upto
+        else:
+            sh.exact_upto = min(sh.exact_upto, start)
+        return dict(tail=False, num_recomputed=0, num_rerotated=m, logits_fresh=False,
+                    exact=sh.exact_upto == len(sh.tokens), invariant_delta=0.0)
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def check_session(self, sid: int, what: str) -> None:
+        s, sh = self.sessions[sid], self.shadows[sid]
+        n = len(sh.tokens)
+        if s.tokens != sh.tokens or len(s) != n or s.positions != list(range(n)):
+            self.flag(f"{what}: session {sid} holds tokens {s.tokens[:8]}..(n={len(s)}), expected n={n}")
+            return
+        if s.num_exact_tokens != sh.exact_upto:
+            self.flag(f"{what}: session {sid} num_exact_tokens={s.num_exact_tokens}, expected {sh.exact_upto}")
+        mem = s.memory()
+        if mem.num_tokens != n or mem.num_blocks != -(-n // self.BS) or mem.bytes_total != mem.num_blocks * mem.block_bytes:
+            self.flag(f"{what}: session {sid} memory {mem} for {n} tokens")
+        last = s.last_logits
+        if (last is None) != (sh.logits is None):
+            self.flag(f"{what}: session {sid} last_logits is {'None' if last is None else 'set'}, expected "
+                      f"{'None' if sh.logits is None else 'set'}")
+        elif last is not None:
+            d = delta(last, sh.logits)
+            self.max_ref_delta = max(self.max_ref_delta, d)
+            if d > TOL:
+                self.flag(f"{what}: session {sid} logits vs the float64 reference max|d| = {d:.3g}")
+        if n == 0:
+            if s.digest() != self.kernel.session().digest():
+                self.flag(f"{what}: empty session {sid} digest differs from a new session's")
+            return
+        kv = s.kv_numpy(0, n)
+        d = delta(kv, sh.kv)
+        self.max_ref_delta = max(self.max_ref_delta, d)
+        if d > TOL:
+            where = np.argwhere(np.abs(kv - sh.kv) > TOL)[0]
+            self.flag(f"{what}: session {sid} KV vs the float64 reference max|d| = {d:.3g} (first at tensor/layer/"
+                      f"head/position {tuple(int(i) for i in where)})")
+        for name, val in (("rope_invariant_delta", s.rope_invariant_delta()), ("layer0_delta", s.layer0_delta()),
+                          ("layer0_delta(memo=False)", s.layer0_delta(memo=False))):
+            if val != 0.0:
+                self.flag(f"{what}: session {sid} {name} = {val:.3g}, expected 0")
+        # bit for bit against a fresh prefill of the tokens, on the positions the contract calls exact
+        fresh = self.kernel.session()
+        flog = fresh.append(sh.tokens)
+        e = sh.exact_upto
+        if e:
+            d = delta(kv[:, :, :, :e], fresh.kv_numpy(0, e))
+            if d != 0.0:
+                self.flag(f"{what}: session {sid} positions [0, {e}) differ from a fresh prefill by {d:.3g}")
+        if e == n:
+            if s.digest() != fresh.digest():
+                self.flag(f"{what}: session {sid} digest differs from a fresh prefill's of its {n} tokens")
+            if last is not None and not np.array_equal(last, flog):
+                self.flag(f"{what}: session {sid} last logits differ from a fresh prefill's by {delta(last, flog):.3g}")
+        fresh.close()
+
+    def check_all(self, what: str, touched: set[int]) -> None:
+        for sid in list(self.sessions):
+            if sid in touched or sid not in self.snaps:
+                self.check_session(sid, what)
+            else:
+                now = Snap.of(self.sessions[sid])
+                if not now.same(self.snaps[sid]):
+                    self.flag(f"{what}: session {sid} changed although the step did not touch it (branch leak)")
+            self.snaps[sid] = Snap.of(self.sessions[sid])
+            self.longest = max(self.longest, len(self.sessions[sid]))
+
+    def expect_refused(self, sid: int, what: str, fn: Any, kinds: tuple[type, ...], words: tuple[str, ...]) -> None:
+        """`fn()` must raise one of `kinds` with a message naming one of `words`, and change nothing."""
+        s = self.sessions[sid]
+        before = Snap.of(s)
+        try:
+            fn()
+        except kinds as e:
+            msg = str(e)
+            if words and not any(w in msg for w in words):
+                self.flag(f"{what}: refused with an unclear message {type(e).__name__}: {msg!r}")
+        except Exception as e:  # noqa: BLE001
+            self.flag(f"{what}: raised {type(e).__name__}: {e!r}, expected one of {[k.__name__ for k in kinds]}")
+        else:
+            self.flag(f"{what}: accepted, the contract refuses it")
+            # the session changed: take what it holds now as expected, or every later check repeats this finding
+            self.rebase(sid)
+            return
+        if not Snap.of(s).same(before):
+            self.flag(f"{what}: refused but the session changed")
+            self.rebase(sid)
+
+    def rebase(self, sid: int) -> None:
+        """After a finding that changed a session: drop it from the run (it can no longer be predicted)."""
+        self.sessions.pop(sid).close()
+        self.shadows.pop(sid)
+        self.snaps.pop(sid, None)
+
+    # -- ops ---------------------------------------------------------------------------------------------------
+    def pick(self) -> int | None:
+        return self.rng.choice(sorted(self.sessions)) if self.sessions else None
+
+    def op_new(self) -> set[int]:
+        sid = self.new_id()
+        self.sessions[sid] = self.kernel.session()
+        self.shadows[sid] = Shadow([], self.empty_kv(), None, 0)
+        return {sid}
+
+    def op_append(self, sid: int, n: int | None = None, span: bool = False) -> set[int]:
+        s, sh = self.sessions[sid], self.shadows[sid]
+        room = self.ctx - len(sh.tokens)
+        n = self.length(room) if n is None else min(n, room)
+        if n == 0:
+            return self.op_bad_append(sid)
+        ids = self.ids(n)
+        arg: Any = self.rng.choice([ids, np.asarray(ids, np.int64), np.asarray(ids, np.int32), tuple(ids),
+                                    np.asarray(ids, np.uint16) if self.V <= 65536 else ids])
+        try:
+            out = s.append(arg)
+        except Exception as e:  # noqa: BLE001
+            self.flag(f"append of {n} ids to session {sid} ({len(sh.tokens)} tokens) refused: {e!r}")
+            self.rebase(sid)
+            return set()
+        start = len(sh.tokens)
+        self.sh_append(sh, ids)
+        sh.history.append(("append", ids))
+        if span:
+            sh.spans.append((start, n))
+        out[:] = 12345.0  # the caller's copy: the session must not see it
+        return {sid}
+
+    def op_bad_append(self, sid: int) -> set[int]:
+        V, n = self.V, len(self.shadows[sid].tokens)
+        s = self.sessions[sid]
+        cases: list[tuple[str, Any, tuple[type, ...], tuple[str, ...]]] = [
+            ("[]", [], (InvalidArgument,), ("non-empty",)),
+            ("np.array([], int64)", np.array([], np.int64), (InvalidArgument,), ("non-empty",)),
+            ("[vocab]", [V], (InvalidArgument,), ("vocabulary",)),
+            ("[-1]", [1, -1], (InvalidArgument,), ("vocabulary",)),
+            ("[0, vocab+7]", np.array([0, V + 7], np.int64), (InvalidArgument,), ("vocabulary",)),
+            ("floats", [1.0, 2.0], (InvalidArgument,), ("integer",)),
+            ("bools", [True], (InvalidArgument,), ("bool", "integer")),
+            ("bool array", np.array([True, False]), (InvalidArgument,), ("integer", "bool")),
+            ("mixed int/bool", [3, np.bool_(True)], (InvalidArgument,), ("bool", "integer")),
+            ("2-D", [[1, 2]], (InvalidArgument,), ("1-D",)),
+            ("text", "hi", (InvalidArgument,), ("text",)),
+            ("bytes", b"hi", (InvalidArgument,), ("text",)),
+            ("int scalar", 7, (InvalidArgument,), ("1-D", "sequence", "token ids")),
+            ("None", None, (InvalidArgument,), ("1-D", "sequence", "token ids")),
+            ("0-d array", np.array(5), (InvalidArgument,), ("1-D",)),
+            ("str ids", [1, "2"], (InvalidArgument,), ("integer",)),
+            ("uint64 huge", np.array([2**63 + 5], np.uint64), (InvalidArgument,), ("vocabulary",)),
+            ("past the context", [1] * (self.ctx - n + 1), (ResourceExhausted,), ("context",)),
+        ]
+        label, arg, kinds, words = self.rng.choice(cases)
+        self.expect_refused(sid, f"append({label}) to session {sid}", lambda: s.append(arg), kinds, words)
+        self.expect_refused(sid, f"check_append({label}) to session {sid}", lambda: s.check_append(arg), kinds, words)
+        return set()
+
+    def op_evict(self, sid: int) -> set[int]:
+        s, sh = self.sessions[sid], self.shadows[sid]
+        n, r = len(sh.tokens), self.rng
+        if n == 0:
+            return self.op_bad_evict(sid)
+        mode = r.choice(["exact", "reposition"])
+        kind = r.random()
+        if kind < 0.35 and sh.spans:  # a tool-result span appended earlier
+            start, length = sh.spans.pop(r.randrange(len(sh.spans)))
+            if start + length > n:
+                return self.op_bad_evict(sid)
+        elif kind < 0.45 and sh.evicted:  # the positions of a span evicted before: valid if still inside
+            start, length = r.choice(sh.evicted)
+            if start + length > n:
+                self.expect_refused(sid, f"evict({start}, {length}) again, past the end of session {sid} (n={n})",
+                                    lambda: s.evict(start, length, mode), (InvalidArgument,), ("span",))
+                return set()
+        elif kind < 0.55:
+            start, length = 0, r.randint(1, n)  # at position 0 (the whole session sometimes)
+        elif kind < 0.65:
+            length = r.randint(1, min(n, 20))
+            start = n - length  # at the end: a truncation
+        elif kind < 0.72:
+            start, length = 0, n
+        else:
+            start = r.randrange(n)
+            length = r.randint(1, min(n - start, 1 + r.choice([0, 3, 20, 100])))
+        ints = r.choice([int, np.int64, np.int16 if n < 30000 else int, np.uint32])
+        try:
+            rep = s.evict(ints(start), ints(length), mode)
+        except Exception as e:  # noqa: BLE001
+            self.flag(f"evict({start}, {length}, {mode}) of session {sid} (n={n}) refused: {e!r}")
+            self.rebase(sid)
+            return set()
+        want = self.sh_evict(sh, start, length, mode)
+        sh.history.append(("evict", start, length, mode))
+        sh.evicted.append((start, length))
+        sh.spans = self.shift_spans(sh.spans, start, length)
+        got = dict(tail=rep.tail, num_recomputed=rep.num_recomputed, num_rerotated=rep.num_rerotated,
+                   logits_fresh=rep.logits_fresh, exact=rep.exact, invariant_delta=rep.invariant_delta)
+        if (rep.mode, rep.start, rep.length, rep.num_evicted) != (mode, start, length, length) or got != want:
+            self.flag(f"evict({start}, {length}, {mode}) of session {sid} (n={n}): report {rep}, expected {want}")
+        for v in (rep.start, rep.length, rep.num_evicted):
+            if type(v) is not int:
+                self.flag(f"evict report holds a {type(v).__name__}, not an int")
+        return {sid}
+
+    @staticmethod
+    def shift_spans(spans: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+        out = []
+        for a, n in spans:
+            if a + n <= start:
+                out.append((a, n))
+            elif a >= start + length:
+                out.append((a - length, n))
+        return out
+
+    def op_bad_evict(self, sid: int) -> set[int]:
+        s, n = self.sessions[sid], len(self.shadows[sid].tokens)
+        cases: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+            ("start=-1", dict(start=-1, length=1), ("span",)),
+            ("length=0", dict(start=0, length=0), ("span",)),
+            ("past the end", dict(start=n, length=1), ("span",)),
+            ("overlapping the end", dict(start=max(0, n - 1), length=2), ("span",)),
+            ("float start", dict(start=0.0, length=1), ("integer",)),
+            ("bool length", dict(start=0, length=True), ("integer",)),
+            ("str start", dict(start="0", length=1), ("integer",)),
+            ("None length", dict(start=0, length=None), ("integer",)),
+            ("bad mode", dict(start=0, length=1, mode="fast"), ("mode",)),
+            ("mode None", dict(start=0, length=1, mode=None), ("mode",)),
+            ("np.int8 wrap", dict(start=np.int8(100), length=np.int8(100)), ("span",)),
+            ("huge length", dict(start=0, length=2**70), ("span",)),
+        ]
+        label, kw, words = self.rng.choice(cases)
+        if label == "np.int8 wrap" and n >= 200:
+            return set()
+        self.expect_refused(sid, f"evict({label}) of session {sid} (n={n})", lambda: s.evict(**kw),
+                            (InvalidArgument,), words)
+        return set()
+
+    def op_fork(self, sid: int) -> set[int]:
+        child = self.new_id()
+        self.sessions[child] = self.sessions[sid].fork()
+        sh = self.shadows[sid].copy()
+        self.shadows[child] = sh
+        return {child}
+
+    def op_generate(self, sid: int) -> set[int]:
+        s, sh = self.sessions[sid], self.shadows[sid]
+        n = len(sh.tokens)
+        if n == 0 or self.rng.random() < 0.1:
+            cases = [("negative", -1, (InvalidArgument,), ("non-negative",)),
+                     ("float", 1.5, (InvalidArgument,), ("integer",)),
+                     ("bool", True, (InvalidArgument,), ("integer",)),
+                     ("past the context", self.ctx - n + 1, (ResourceExhausted,) if n else (ResourceExhausted,
+                      InvalidArgument), ("context", "at least one token"))]
+            if n == 0:
+                cases.append(("on an empty session", 1, (InvalidArgument,), ("at least one token",)))
+            label, arg, kinds, words = self.rng.choice(cases)
+            self.expect_refused(sid, f"generate({label}) on session {sid} (n={n})", lambda: s.generate(arg), kinds, words)
+            return set()
+        k = min(self.rng.choice([0, 1, 1, 2, 5]), self.ctx - n)
+        try:
+            got = s.generate(k)
+        except Exception as e:  # noqa: BLE001
+            self.flag(f"generate({k}) on session {sid} (n={n}) raised {e!r}")
+            self.rebase(sid)
+            return set()
+        if k and sh.logits is None:
+            self.sh_recompute_last(sh, n)
+        for tok in got:
+            assert sh.logits is not None
+            top = np.sort(sh.logits)[-2:]
+            if int(np.argmax(sh.logits)) != tok and top[1] - top[0] > 2 * TOL:
+                self.flag(f"generate on session {sid}: decoded {tok}, the reference's argmax is "
+                          f"{int(np.argmax(sh.logits))} (margin {top[1] - top[0]:.3g})")
+            self.sh_append(sh, [tok])
+        if len(got) != k:
+            self.flag(f"generate({k}) returned {len(got)} ids")
+        sh.history.append(("generate", k, tuple(got)))
+        return {sid}
+
+    def op_export(self, sid: int) -> set[int]:
+        s, sh = self.sessions[sid], self.shadows[sid]
+        n, BS = len(sh.tokens), self.BS
+        r = self.rng
+        if n < BS or r.random() < 0.15:
+            bad = r.choice([0, -BS, BS + 1 if BS > 1 else 0, (n // BS + 1) * BS, 1.0 * BS, True])
+            self.expect_refused(sid, f"export_prefix({bad!r}) of session {sid} (n={n})", lambda: s.export_prefix(bad),
+                                (InvalidArgument,), ("multiple of block_size",))
+            return set()
+        num = BS * r.randint(1, n // BS)
+        if num > sh.exact_upto:
+            self.expect_refused(sid, f"export_prefix({num}) of session {sid} past num_exact_tokens={sh.exact_upto}",
+                                lambda: s.export_prefix(num), (FailedPrecondition,), ("reposition",))
+            return set()
+        try:
+            p = s.export_prefix(num)
+        except Exception as e:  # noqa: BLE001
+            self.flag(f"export_prefix({num}) of session {sid} (n={n}, exact {sh.exact_upto}) raised {e!r}")
+            return set()
+        for a in p.blocks:  # read-only: a caller writing them must get an error, not change the cache
+            try:
+                a[...] = 7.0
+                self.flag(f"export_prefix({num}) of session {sid}: a block array is writable")
+            except ValueError:
+                pass
+        child = self.new_id()
+        if r.random() < 0.2:  # a doctored prefix: tokens off by one id are refused only by... nothing (same model_id)
+            bad = dataclasses.replace(p, tokens=(*p.tokens[:-1], self.V))
+            try:
+                self.kernel.session(prefix=bad)
+                self.flag("a prefix holding an id outside the vocabulary was adopted")
+            except InvalidArgument:
+                pass
+        t = self.kernel.session(prefix=p)
+        self.sessions[child] = t
+        csh = Shadow(list(sh.tokens[:num]), sh.kv[:, :, :, :num].copy(), None, num)
+        csh.history = [("append", list(sh.tokens[:num]), "adopted")]
+        self.shadows[child] = csh
+        return {child}
+
+    def op_close(self, sid: int) -> set[int]:
+        s = self.sessions[sid]
+        if self.rng.random() < 0.5:
+            s.close()
+            self.sessions.pop(sid)
+            self.shadows.pop(sid)
+            self.snaps.pop(sid, None)
+            return set()
+        s.close()  # closed, then used again: an empty session
+        sh = self.shadows[sid]
+        sh.tokens, sh.kv, sh.logits, sh.exact_upto, sh.spans, sh.evicted = [], self.empty_kv(), None, 0, [], []
+        sh.history.append(("close",))
+        return {sid}
+
+    def op_caller_writes(self, sid: int) -> set[int]:
+        """Arrays and lists handed out are the caller's: writing them changes nothing."""
+        s = self.sessions[sid]
+        lg = s.last_logits
+        if lg is not None:
+            lg[:] = -1.0
+        toks = s.tokens
+        toks[:] = [0] * len(toks)
+        toks.append(1)
+        pos = s.positions
+        pos.clear()
+        if len(s):
+            kv = s.kv_numpy(0, len(s))
+            kv[...] = 0.0
+        return set()
+
+    def op_bad_reads(self, sid: int) -> set[int]:
+        s, n = self.sessions[sid], len(self.shadows[sid].tokens)
+        cases = [("kv_numpy(0, 0)", lambda: s.kv_numpy(0, 0)), ("kv_numpy(-1, n)", lambda: s.kv_numpy(-1, n)),
+                 ("kv_numpy(0, n+1)", lambda: s.kv_numpy(0, n + 1)),
+                 ("rope_invariant_delta(0, n+1)", lambda: s.rope_invariant_delta(0, n + 1)),
+                 ("layer0_delta(2, 1)", lambda: s.layer0_delta(2, 1))]
+        label, fn = self.rng.choice(cases)
+        self.expect_refused(sid, f"{label} on session {sid} (n={n})", fn, (InvalidArgument,), ("<=",))
+        return set()
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def run(self, num_ops: int) -> None:
+        r = self.rng
+        ops = [("new", 3), ("append", 30), ("span", 10), ("evict", 22), ("fork", 8), ("generate", 7),
+               ("export", 5), ("close", 3), ("bad_append", 5), ("bad_evict", 4), ("caller_writes", 2),
+               ("bad_reads", 2), ("long", 2)]
+        names, weights = zip(*ops, strict=True)
+        self.op_new()
+        self.check_all("new", {0})
+        for self.step in range(1, num_ops + 1):
+            op = r.choices(names, weights)[0]
+            if op != "new" and not self.sessions:
+                op = "new"
+            if len(self.sessions) >= 8 and op in ("fork", "export", "new"):
+                op = "close"
+            sid = self.pick()
+            self.counts[op] = self.counts.get(op, 0) + 1
+            assert sid is not None or op == "new"
+            before_n = len(self.shadows[sid].tokens) if sid is not None else 0
+            try:
+                if op == "new":
+                    touched = self.op_new()
+                elif op == "append":
+                    touched = self.op_append(sid)  # type: ignore[arg-type]
+                elif op == "span":
+                    touched = self.op_append(sid, self.rng.randint(1, 40), span=True)  # type: ignore[arg-type]
+                elif op == "long":
+                    n = self.rng.randint(2049, 2300) if self.long and self.rng.random() < 0.3 else self.rng.randint(100, 400)
+                    touched = self.op_append(sid, n)  # type: ignore[arg-type]
+                else:
+                    touched = getattr(self, f"op_{op}")(sid)
+            except Finding:
+                continue
+            except Exception:  # noqa: BLE001
+                self.flag(f"{op} on session {sid}: the fuzzer itself failed:\n{traceback.format_exc()}")
+                continue
+            if self.verbose:
+                print(f"step {self.step}: {op} on {sid} (n {before_n} -> "
+                      f"{len(self.shadows[sid].tokens) if sid in self.shadows else '-'}), touched {sorted(touched)}")
+            self.check_all(f"{op} on session {sid}", touched)
+        self.replay_all()
+
+    def replay_all(self) -> None:
+        """Each session's history on a second kernel of the same model: the same digest and logits, bit for bit."""
+        k2 = self.make_kernel()
+        if k2.model_id != self.kernel.model_id:
+            self.flag("a second kernel of the same model has another model_id")
+        for sid, s in self.sessions.items():
+            t = k2.session()
+            for h in self.shadows[sid].history:
+                if h[0] == "append":
+                    t.append(h[1])
+                elif h[0] == "evict":
+                    t.evict(h[1], h[2], h[3])
+                elif h[0] == "generate":
+                    got = t.generate(h[1])
+                    if tuple(got) != h[2]:
+                        self.flag(f"replay of session {sid}: generate decoded {got}, the original {list(h[2])}")
+                elif h[0] == "close":
+                    t.close()
+            a, b = Snap.of(s), Snap.of(t)
+            if a.digest != b.digest or a.tokens != b.tokens:
+                self.flag(f"replay of session {sid} ({len(self.shadows[sid].history)} ops) on a second kernel: digest "
+                          "differs")
+            la, lb = s.last_logits, t.last_logits
+            if la is not None and lb is not None and not np.array_equal(la, lb):
+                self.flag(f"replay of session {sid}: last logits differ by {delta(la, lb):.3g}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Through the real path: a local Ray cluster and a KernelFleet (as tests/workers start them)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
+    """A short random sequence through a KernelFleet on a local Ray cluster, each op given to an in-process
+    SessionContext too: the same answers (or the same refusal), tokens, digest, logits and piece states."""
+    import tempfile
+    import uuid
+
+    import ray
+
+    from fleet.core.context import EVICTED, RESIDENT, SHIFTED, SessionContext
+    from fleet.core.errors import KvfleetError, NotFound
+    from fleet.core.oplog import parse_log
+    from fleet.core.quarantine.admit import admit_tool_result
+    from fleet.core.quarantine.detector import Verdict
+    from workers.fleet import KernelFleet
+    from workers.spec import KernelSpec, make_kernel, make_tokenizer
+
+    rng = random.Random(seed)
+    findings: list[str] = []
+    spec = KernelSpec(block_size=16, backend=backend)
+    kernel = make_kernel(spec)
+    tok = make_tokenizer(kernel)
+    V = kernel.config.vocab_size
+
+    def flag(msg: str) -> None:
+        findings.append(f"[fleet/{backend}] {msg}")
+        print("FINDING:", findings[-1], flush=True)
+
+    tmp = tempfile.mkdtemp(prefix="kvf-fuzz-")
+    ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _temp_dir=f"{tmp}/ray")
+    fleet = KernelFleet(f"sqlite:///{tmp}/kvfleet.db", spec, call_timeout_s=120.0)
+    tenant = "fz" + uuid.uuid4().hex[:6]
+    local: dict[str, SessionContext] = {}
+    counts: dict[str, int] = {}
+
+    def fetch(ref: str) -> bytes:
+        return bytes(fleet.store.get(ref, tenant))
+
+    def compare(sid: str, what: str) -> None:
+        ctx = local[sid]
+        snap = fleet.snapshot(tenant, sid, include_tokens=True)
+        toks = snap["tokens"]
+        if toks != ctx.session.tokens:
+            flag(f"{what}: fleet session {sid} holds {len(toks)} tokens, the in-process context {len(ctx.session)}")
+            return
+        if snap["digest"] != ctx.digest():
+            flag(f"{what}: fleet session {sid} digest differs from the in-process context given the same ops")
+        fl, ll = fleet.last_logits(tenant, sid), ctx.session.last_logits
+        if (fl is None) != (ll is None) or (fl is not None and not np.array_equal(fl, ll)):
+            flag(f"{what}: fleet session {sid} last logits differ from the in-process context's")
+        if ctx.session.num_exact_tokens == len(toks) and toks:
+            fresh = kernel.session()
+            fresh.append(toks)
+            if fresh.digest() != snap["digest"]:
+                flag(f"{what}: fleet session {sid} is not a fresh prefill of its {len(toks)} tokens")
+        if [p.state for p in fleet.pieces(tenant, sid)] != [p.state for p in ctx.pieces]:
+            flag(f"{what}: fleet session {sid} piece states differ from the in-process context's")
+
+    def both(sid: str, what: str, on_fleet: Any, on_local: Any) -> tuple[Any, Any] | None:
+        """Run an op on the fleet and in process: both answer, or both refuse with the same error (and the fleet's
+        session is unchanged). Returns the two answers, or None after a refusal."""
+        before = fleet.digest(tenant, sid)
+        errs: list[BaseException | None] = []
+        outs: list[Any] = []
+        for fn in (on_fleet, on_local):
+            try:
+                outs.append(fn())
+                errs.append(None)
+            except KvfleetError as e:
+                outs.append(None)
+                errs.append(e)
+        if type(errs[0]) is not type(errs[1]):
+            flag(f"{what}: the fleet answered {errs[0]!r}, the in-process context {errs[1]!r}")
+        if errs[0] is not None:
+            if fleet.digest(tenant, sid) != before:
+                flag(f"{what}: refused ({errs[0]!r}) but the session changed")
+            return None
+        return outs[0], outs[1]
+
+    def bad_calls(s: str, n: int) -> list[tuple[str, Any, tuple[type, ...]]]:
+        return [
+            ("evict a piece that does not exist", lambda: fleet.evict(tenant, s, n + 3), (NotFound,)),
+            ("evict piece -1", lambda: fleet.evict(tenant, s, -1), (NotFound,)),
+            ("evict with a bad mode", lambda: fleet.evict(tenant, s, 0, mode="fast"), (InvalidArgument,)),
+            ("append no ids", lambda: fleet.append_output(tenant, s, []), (InvalidArgument,)),
+            ("append an id outside the vocabulary", lambda: fleet.append(tenant, s, [1, V]), (InvalidArgument,)),
+            ("append id -1", lambda: fleet.append(tenant, s, [-1]), (InvalidArgument,)),
+            ("generate -1", lambda: fleet.generate(tenant, s, -1), (InvalidArgument,)),
+            ("append a bool id", lambda: fleet.append(tenant, s, [True]), (InvalidArgument,)),
+            ("append empty text", lambda: fleet.append(tenant, s, ""), (InvalidArgument,)),
+            ("a tool result never stored", lambda: fleet.add_tool_result(tenant, s, "0" * 64), (NotFound,)),
+        ]
+
+    def refused(sid: str, what: str, fn: Any, kinds: tuple[type, ...]) -> None:
+        before = fleet.digest(tenant, sid)
+        try:
+            fn()
+        except kinds:
+            pass
+        except Exception as e:  # noqa: BLE001
+            flag(f"{what}: raised {type(e).__name__}: {e}, expected {[k.__name__ for k in kinds]}")
+        else:
+            flag(f"{what}: accepted")
+        if fleet.digest(tenant, sid) != before:
+            flag(f"{what}: refused but the session changed")
+
+    try:
+        prompt = "You are a fuzzer. Be exact. " * 2
+        fleet.create_session(tenant, "s0", prompt)
+        local["s0"] = SessionContext.new(kernel, tok, tenant, "s0", store=fleet.store)
+        local["s0"].add_system(prompt)
+        compare("s0", "create")
+        nsess = 1
+        for step in range(1, num_ops + 1):
+            sid = rng.choice(sorted(local))
+            ctx = local[sid]
+            op = rng.choice(["msg", "msg", "output", "tool", "tool", "evict", "evict", "fork", "generate", "bad",
+                             "quarantine", "release", "close"])
+            counts[op] = counts.get(op, 0) + 1
+            what = f"step {step}: {op} on {sid}"
+            if op == "msg":
+                text = "".join(rng.choice("abc xyz.\n") for _ in range(rng.randint(1, 40)))
+                role = rng.choice(["user", "assistant"])
+                both(sid, what, lambda: fleet.append(tenant, sid, text, role=role), lambda: ctx.add_message(role, text))
+            elif op == "output":
+                ids = [rng.choice([0, V - 1, rng.randrange(V)]) for _ in range(rng.randint(1, 20))]
+                both(sid, what, lambda: fleet.append(tenant, sid, ids), lambda: ctx.add_output(ids))
+            elif op == "tool":
+                data = f"tool result {step}: {rng.random()}".encode() * rng.randint(1, 4)
+                ref = fleet.store.put(data, tenant)
+                both(sid, what, lambda: fleet.add_tool_result(tenant, sid, ref),
+                     lambda: ctx.add_tool_result(ref, data))
+            elif op == "evict":
+                mode = rng.choice(["exact", "reposition"])
+                dead = [p.piece_id for p in ctx.pieces if p.state == EVICTED]
+                live = [p.piece_id for p in ctx.pieces if p.state in (RESIDENT, SHIFTED)]
+                again = bool(dead) and rng.random() < 0.3
+                pid = rng.choice(dead if again else live or [0])
+                what += f" (piece {pid}{', evicted before' if again else ''}, {mode})"
+                got = both(sid, what, lambda: fleet.evict(tenant, sid, pid, mode=mode).result,
+                           lambda: ctx.evict_piece(pid, mode))
+                if again and got is not None:
+                    flag(f"{what}: an evicted piece was evicted again")
+                if got is not None and got[0] != got[1] and dataclasses.replace(got[0], invariant_delta=None) != \
+                        dataclasses.replace(got[1], invariant_delta=None):
+                    flag(f"{what}: fleet report {got[0]} differs from the in-process context's {got[1]}")
+            elif op == "quarantine":  # a verdict on a tool result: its pieces evicted ("exact") with a proof each
+                refs = sorted({str(p.ref) for p in ctx.pieces if p.ref is not None})
+                if not refs:
+                    continue
+                ref = rng.choice(refs)
+                v = Verdict(True, ["fuzz"])
+                got = both(sid, what, lambda: fleet.admit_tool_result(tenant, sid, ref, verdict=v).result,
+                           lambda: admit_tool_result(ctx, ref, fleet.store, tenant, verdict=v))
+                if got is not None:
+                    a, b = got
+                    if (a.verdict, a.evicted, a.proof is None) != (b.verdict, b.evicted, b.proof is None):
+                        flag(f"{what}: fleet admission {a} differs from the in-process one {b}")
+                    pr = a.proof
+                    if pr is not None and pr.exact and (not pr.cache_digest_equal or pr.max_abs_delta_evict_vs_never):
+                        flag(f"{what}: the proof says exact but the cache differs from never-saw's: {pr}")
+                    if pr is not None and ctx.session.num_exact_tokens == len(ctx.session) and not pr.exact:
+                        flag(f"{what}: the proof says not exact on a session that is a prefill of its tokens: {pr}")
+            elif op == "fork":
+                child = f"s{nsess}"
+                nsess += 1
+                fleet.fork(tenant, sid, child, share=rng.random() < 0.7)
+                local[child] = ctx.fork(child)
+                compare(child, what)
+            elif op == "generate":
+                k = rng.choice([1, 2, 4])
+                got = both(sid, what, lambda: fleet.generate(tenant, sid, k).result, lambda: ctx.generate(k))
+                if got is not None and tuple(got[0].tokens) != tuple(got[1].tokens):
+                    flag(f"{what}: fleet decoded {got[0].tokens}, the in-process context {got[1].tokens}")
+            elif op == "bad":
+                label, fn, kinds = rng.choice(bad_calls(sid, len(ctx.pieces)))
+                refused(sid, f"{what}: {label}", fn, kinds)
+            elif op == "release":  # its kernel dropped: the next call rebuilds it from its op log
+                fleet.release_session(tenant, sid)
+            elif op == "close":
+                if len(local) < 2:
+                    continue
+                fleet.close(tenant, sid)
+                local.pop(sid)
+                try:
+                    fleet.digest(tenant, sid)
+                    flag(f"{what}: a closed session still answers")
+                except NotFound:
+                    pass
+                continue
+            compare(sid, what)
+            for other in local:  # isolation: every other session still equals its in-process twin
+                if other != sid and fleet.digest(tenant, other) != local[other].digest():
+                    flag(f"{what}: session {other} changed (branch leak)")
+        for sid in local:  # each log replayed from scratch gives the same cache
+            replayed = SessionContext.replay(parse_log(fleet.store.oplog_read(tenant, sid)), kernel, tok, fetch,
+                                             tenant, sid)
+            if replayed.digest() != fleet.digest(tenant, sid):
+                flag(f"the op log of {sid} replayed in process gives another digest")
+    finally:
+        fleet.shutdown()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"fleet ops: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}")
+    return findings
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ops", type=int, default=200)
+    ap.add_argument("--backend", choices=["numpy", "torch"], default="numpy")
+    ap.add_argument("--config", choices=[c[0] for c in CONFIGS], default=None,
+                    help="the model (default: picked by the seed)")
+    ap.add_argument("--fleet", action="store_true", help="also run a short sequence through a local Ray fleet")
+    ap.add_argument("--fleet-ops", type=int, default=30)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    fz = KernelFuzz(a.seed, a.backend, a.config, a.verbose)
+    print(f"seed {a.seed}: model {fz.name} ({fz.cfg.n_layers} layers, vocab {fz.V}, context {fz.ctx}, "
+          f"block {fz.BS}, tile {fz.kernel.tile_size}), backend {a.backend}, {a.ops} ops", flush=True)
+    fz.run(a.ops)
+    findings = list(fz.findings)
+    print(f"kernel: {a.ops} ops ({', '.join(f'{k} {v}' for k, v in sorted(fz.counts.items()))}), "
+          f"{len(fz.sessions)} sessions live at the end, longest {fz.longest} tokens, max|d| vs the float64 reference {fz.max_ref_delta:.3g}, "
+          f"{len(fz.findings)} findings, {time.monotonic() - t0:.1f} s", flush=True)
+    if a.fleet:
+        t1 = time.monotonic()
+        ff = run_fleet(a.seed, a.fleet_ops, a.backend)
+        print(f"fleet: {a.fleet_ops} ops, {len(ff)} findings, {time.monotonic() - t1:.1f} s")
+        findings += ff
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
