@@ -3,6 +3,7 @@
     python scripts/fuzz_kernel.py --seed 3 --ops 400                  # numpy backend, in process
     python scripts/fuzz_kernel.py --seed 3 --ops 400 --backend torch  # torch backend (CPU)
     python scripts/fuzz_kernel.py --seed 3 --ops 30 --fleet           # also a short run through a local Ray fleet
+    python scripts/fuzz_kernel.py --seed 3 --ops 30 --sdk             # ... and through the SDK and a controller
 
 It applies a random sequence of session operations to `fleet.core.kernel` directly: new sessions, sessions adopting
 an exported prefix, appends (length 1, tile- and block-crossing, long, ids at 0 and vocab-1), tool-result spans
@@ -35,6 +36,9 @@ tests/workers start them, on the fleet's default model): create, messages, model
 evictions (an already evicted piece again), quarantine verdicts (evictions with a proof), forks (sharing blocks or
 not), decode, releases (the next call rebuilds the session from its op log), close, and bad calls, comparing the fleet's tokens, digest and logits after each step with an
 in-process SessionContext given the same ops and, while the session is a prefill of its tokens, with a fresh prefill.
+With --sdk the same kind of sequence goes through the SDK (AsyncFleetClient) to a controller serving gRPC on a
+loopback port (its own kernel fleet on the local Ray cluster): tokens, digests, returned logits, evict results and
+refusals (their error types) against the in-process context.
 
 Exit status 0 when nothing was flagged, 1 otherwise (each finding printed with the step that caused it).
 """
@@ -942,7 +946,7 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
             compare(sid, what)
             for other in local:  # isolation: every other session still equals its in-process twin
                 if other != sid and fleet.digest(tenant, other) != local[other].digest():
-                    flag(f"{what}: session {other} changed (branch leak)")
+                    flag(f"{what}: session {other} changed, or differs from its in-process twin (branch leak)")
         for sid in local:  # each log replayed from scratch gives the same cache
             replayed = SessionContext.replay(parse_log(fleet.store.oplog_read(tenant, sid)), kernel, tok, fetch,
                                              tenant, sid)
@@ -956,6 +960,156 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
     return findings
 
 
+async def run_sdk(seed: int, num_ops: int) -> list[str]:
+    """A short random sequence through the SDK: AsyncFleetClient -> a controller on 127.0.0.1:0 (gRPC) -> its kernel
+    fleet on a local Ray cluster (the default model, numpy), each op given to an in-process SessionContext too."""
+    import asyncio
+    import hashlib
+    import tempfile
+
+    import ray
+
+    from controller.config import ControllerConfig
+    from controller.metrics import Metrics
+    from controller.server import build_server
+    from fleet.core.context import EVICTED, RESIDENT, SHIFTED, SessionContext
+    from fleet.core.errors import KvfleetError, NotFound
+    from fleet.sdk import AsyncFleetClient
+    from workers.spec import KernelSpec, make_kernel, make_tokenizer
+
+    rng = random.Random(seed)
+    findings: list[str] = []
+    kernel = make_kernel(KernelSpec(block_size=16))
+    tok = make_tokenizer(kernel)
+    V = kernel.config.vocab_size
+
+    def flag(msg: str) -> None:
+        findings.append(f"[sdk] {msg}")
+        print("FINDING:", findings[-1], flush=True)
+
+    tmp = tempfile.mkdtemp(prefix="kvf-fuzz-")
+    ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _temp_dir=f"{tmp}/ray")
+    ctl = await build_server(ControllerConfig(store_url=f"sqlite:///{tmp}/kvfleet.db", tokens_file=None,
+                                              start_router=False, listen="127.0.0.1:0"), metrics=Metrics())
+    c = AsyncFleetClient(ctl.address)
+    local: dict[str, SessionContext] = {}
+
+    async def compare(sid: str, what: str, logits: np.ndarray | None = None) -> None:
+        ctx = local[sid]
+        st = await c.get_session(sid, include_tokens=True)
+        if list(st.token_ids) != ctx.session.tokens or st.row.num_tokens != len(ctx.session):
+            flag(f"{what}: session {sid} holds {len(st.token_ids)} tokens over the SDK, the in-process context "
+                 f"{len(ctx.session)}")
+            return
+        if st.digest != ctx.digest():
+            flag(f"{what}: session {sid} digest over the SDK differs from the in-process context's")
+        last = ctx.session.last_logits
+        if logits is not None and (last is None or not np.array_equal(logits, last)):
+            flag(f"{what}: the logits the SDK returned differ from the in-process context's")
+        if ctx.session.num_exact_tokens == len(ctx.session) and len(ctx.session):
+            fresh = kernel.session()
+            fresh.append(ctx.session.tokens)
+            if fresh.digest() != st.digest:
+                flag(f"{what}: session {sid} over the SDK is not a fresh prefill of its tokens")
+
+    async def both(what: str, on_sdk: Any, on_local: Any) -> tuple[Any, Any] | None:
+        errs: list[BaseException | None] = []
+        outs: list[Any] = []
+        for i, fn in enumerate((on_sdk, on_local)):
+            try:
+                outs.append(await fn() if i == 0 else fn())
+                errs.append(None)
+            except KvfleetError as e:
+                outs.append(None)
+                errs.append(e)
+        if type(errs[0]) is not type(errs[1]):
+            flag(f"{what}: the SDK answered {errs[0]!r}, the in-process context {errs[1]!r}")
+        return None if errs[0] is not None or errs[1] is not None else (outs[0], outs[1])
+
+    try:
+        prompt = "You are the SDK's fuzzer."
+        await c.create_session("s0", prompt)
+        local["s0"] = SessionContext.new(kernel, tok, "local", "s0")
+        local["s0"].add_system(prompt)
+        await compare("s0", "create")
+        n = 1
+        for step in range(1, num_ops + 1):
+            sid = rng.choice(sorted(local))
+            ctx = local[sid]
+            op = rng.choice(["text", "ids", "tool", "evict", "evict", "fork", "generate", "bad"])
+            what = f"step {step}: {op} on {sid}"
+            logits = None
+            if op == "text":
+                text = "".join(rng.choice("pqr st.") for _ in range(rng.randint(1, 30)))
+                got = await both(what, lambda: c.append(sid, text, return_logits=True),
+                                 lambda: ctx.add_message("user", text))
+                logits = got[0].logits if got else None
+            elif op == "ids":
+                ids = [rng.choice([0, V - 1, rng.randrange(V)]) for _ in range(rng.randint(1, 12))]
+                got = await both(what, lambda: c.append(sid, ids, return_logits=True), lambda: ctx.add_output(ids))
+                logits = got[0].logits if got else None
+            elif op == "tool":
+                data = f"result {step} {rng.random()}".encode()
+                ref = await c.put_blob(data)
+                if str(ref) != hashlib.sha256(data).hexdigest():
+                    flag(f"{what}: put_blob answered ref {ref}")
+                await both(what, lambda: c.add_tool_result(sid, ref), lambda: ctx.add_tool_result(str(ref), data))
+            elif op == "evict":
+                mode = rng.choice(["exact", "reposition"])
+                dead = [p.piece_id for p in ctx.pieces if p.state == EVICTED]
+                live = [p.piece_id for p in ctx.pieces if p.state in (RESIDENT, SHIFTED)]
+                pid = rng.choice(dead if dead and rng.random() < 0.3 else live or [0])
+                got = await both(f"{what} (piece {pid}, {mode})", lambda: c.evict(sid, pid, mode),
+                                 lambda: ctx.evict_piece(pid, mode))
+                if got is not None:
+                    a, b = got
+                    if (a.mode, a.start, a.length, a.tail, a.num_evicted, a.num_recomputed, a.num_rerotated, a.exact,
+                            a.logits_fresh) != (b.mode, b.start, b.length, b.tail, b.num_evicted, b.num_recomputed,
+                                                b.num_rerotated, b.exact, b.logits_fresh):
+                        flag(f"{what}: the SDK's evict result {a} differs from the in-process report {b}")
+            elif op == "fork":
+                child = f"s{n}"
+                n += 1
+                await c.fork(sid, child)
+                local[child] = ctx.fork(child)
+                sid = child
+            elif op == "generate":
+                k = rng.choice([1, 3])
+                got = await both(what, lambda: c.generate(sid, k), lambda: ctx.generate(k))
+                if got is not None and tuple(got[0]) != tuple(got[1].tokens):
+                    flag(f"{what}: the SDK decoded {got[0]}, the in-process context {got[1].tokens}")
+            else:
+                label, fn, kinds = rng.choice([
+                    ("evict a piece that does not exist", lambda: c.evict(sid, len(ctx.pieces) + 2), (NotFound,)),
+                    ("append an id outside the vocabulary", lambda: c.append(sid, [1, V]), (InvalidArgument,)),
+                    ("append no ids", lambda: c.append(sid, []), (InvalidArgument,)),
+                    ("evict with a bad mode", lambda: c.evict(sid, 0, "fast"), (InvalidArgument,)),
+                    ("generate 0", lambda: c.generate(sid, 0), (InvalidArgument,)),
+                ])
+                before = (await c.get_session(sid)).digest
+                try:
+                    await fn()
+                    flag(f"{what}: {label} accepted")
+                except kinds:
+                    pass
+                except Exception as e:  # noqa: BLE001
+                    flag(f"{what}: {label} raised {type(e).__name__}: {e}")
+                if (await c.get_session(sid)).digest != before:
+                    flag(f"{what}: {label} refused but the session changed")
+            await compare(sid, what, logits)
+            for other in local:
+                if other != sid and (await c.get_session(other)).digest != local[other].digest():
+                    flag(f"{what}: session {other} changed, or differs from its in-process twin (branch leak)")
+    finally:
+        await c.close()
+        await ctl.stop(grace=1)
+        await asyncio.sleep(0)
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return findings
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -965,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model (default: picked by the seed)")
     ap.add_argument("--fleet", action="store_true", help="also run a short sequence through a local Ray fleet")
     ap.add_argument("--fleet-ops", type=int, default=30)
+    ap.add_argument("--sdk", action="store_true", help="also run a short sequence through the SDK and a controller")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -981,6 +1136,13 @@ def main(argv: list[str] | None = None) -> int:
         ff = run_fleet(a.seed, a.fleet_ops, a.backend)
         print(f"fleet: {a.fleet_ops} ops, {len(ff)} findings, {time.monotonic() - t1:.1f} s")
         findings += ff
+    if a.sdk:
+        import asyncio
+
+        t2 = time.monotonic()
+        fs = asyncio.run(run_sdk(a.seed, a.fleet_ops))
+        print(f"sdk: {a.fleet_ops} ops, {len(fs)} findings, {time.monotonic() - t2:.1f} s")
+        findings += fs
     return 1 if findings else 0
 
 
