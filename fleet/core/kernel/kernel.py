@@ -105,6 +105,15 @@ def _numpy_blas() -> str:
     )
 
 
+def _geometry(name: str, value: Any, upper: int | None = None) -> int:
+    """`value` as a Python int in [1, upper] (any integer type; not a bool), or InvalidArgument naming `name`."""
+    n = as_int(value)
+    if n is None or n < 1 or (upper is not None and n > upper):
+        rule = "a positive integer" if upper is None else f"an integer in [1, {upper}]"
+        raise InvalidArgument(f"{name} must be {rule} (not a bool), got {value!r}")
+    return n
+
+
 class Kernel:
     """A Llama-family decoder bound to one backend, with the cache geometry its sessions use.
 
@@ -122,12 +131,10 @@ class Kernel:
         block_size: int = DEFAULT_BLOCK,
         tile_size: int = DEFAULT_TILE,
     ) -> None:
-        if not (isinstance(threads, int) and threads >= 1):
-            raise InvalidArgument(f"threads must be a positive integer, got {threads!r}")
-        if not (isinstance(block_size, int) and block_size >= 1):
-            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
-        if not (isinstance(tile_size, int) and 1 <= tile_size <= MAX_TILE):
-            raise InvalidArgument(f"tile_size must be an integer in [1, {MAX_TILE}], got {tile_size!r}")
+        # NOTE: as_int, as the session's arguments: isinstance(x, int) refused np.int64(16) ("block_size must be a
+        # positive integer, got 16") and took True for 1
+        threads, block_size, tile_size = (_geometry("threads", threads), _geometry("block_size", block_size),
+                                          _geometry("tile_size", tile_size, MAX_TILE))
         self.config, self.weights = cfg, weights
         self.backend, self.block_size, self.tile_size, self.threads = backend, block_size, tile_size, threads
         self.ops = _make_ops(backend, cfg, weights, threads, device)

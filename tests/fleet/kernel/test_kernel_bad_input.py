@@ -123,6 +123,20 @@ def test_bad_configs_and_backends() -> None:
         Kernel.synthetic(ModelConfig.tiny(), tile_size=0)
 
 
+@pytest.mark.parametrize("name", ["threads", "block_size", "tile_size"])
+def test_kernel_geometry_takes_any_integer_type_and_refuses_bools(name: str) -> None:
+    """np.int64(16) was refused ("block_size must be a positive integer, got 16") and True taken for 1."""
+    cfg = ModelConfig.tiny()
+    plain = Kernel.synthetic(cfg, **{name: 2})
+    wide = Kernel.synthetic(cfg, **{name: np.int64(2)})
+    assert getattr(wide, name) == 2 and type(getattr(wide, name)) is int
+    assert wide.model_id == plain.model_id  # the same bits: the same id, so they share prefixes
+    with pytest.raises(InvalidArgument, match=f"{name} must be .*not a bool.*got True"):
+        Kernel.synthetic(cfg, **{name: True})
+    with pytest.raises(InvalidArgument, match=name):
+        Kernel.synthetic(cfg, **{name: 2.0})
+
+
 NARROW_INTS = [  # found by review: narrow numpy ints wrapped around past the range check
     # 20 + 32760 wrapped: accepted, the session grew 40 -> 80
     ("evict", (np.int16(20), np.int16(32760)), "not a non-empty range"),
