@@ -159,10 +159,22 @@ class SessionContext:
             raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")
         self.log_op(EvictOp(piece_id, p.start, p.length, mode, reason, self.op_id, self.op_fp))
         report = self.session.evict(p.start, p.length, mode)
-        # exact mode re-derived the survivors; reposition keeps them exact only if the kernel says so
+        # the survivors are what a prefill stores only when the kernel says the whole cache is (report.exact)
         drop(self.pieces, self.live, piece_id, QUARANTINED if reason == "quarantine" else EVICTED,
-                   lambda q: RESIDENT if report.exact and mode == "exact" else q.state if report.exact else SHIFTED)
+             lambda q: RESIDENT if report.exact else SHIFTED)
+        if report.exact:
+            self._unshift()
         return report
+
+    def _unshift(self) -> None:
+        """Every piece in the KV cache is resident: the kernel says all of it is what a prefill stores.
+
+        NOTE: a tail eviction re-derives the last token it keeps; when that token was the only one a reposition
+        had shifted (a 1-token piece), the cache is a prefill's again (exact=True, the digest a fresh prefill's) but
+        the piece stayed `shifted`, and the working set answered RECOMPUTE for KV it could reuse."""
+        for i in self.live:
+            if self.pieces[i].state == SHIFTED:
+                self.pieces[i] = dataclasses.replace(self.pieces[i], state=RESIDENT)
 
     def quarantine(self, ref: str, reasons: list[str]) -> None:
         """Hold `ref` out of this context from now on (recorded in the op log)."""

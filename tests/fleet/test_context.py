@@ -94,6 +94,28 @@ def test_eviction_states_exact_vs_reposition(kernel: Kernel, tmp_path: Path) -> 
     assert [p.state for p in b.pieces] == [RESIDENT, EVICTED, EVICTED, EVICTED, RESIDENT]
 
 
+def test_a_tail_eviction_that_leaves_a_prefill_unshifts_the_piece_before_it(kernel: Kernel) -> None:
+    """A tail eviction re-derives the last token it keeps: when a reposition shifted that token alone (a 1-token
+    piece), the cache is a prefill's again and no piece is shifted. It stayed `shifted` (RECOMPUTE in the working
+    set) beside exact=True and a digest equal to a fresh prefill's."""
+    from fleet.core.working_set import working_set
+
+    ctx = SessionContext.new(kernel, ByteTokenizer(512))
+    ctx.add_system("system prompt.")
+    ctx.add_output([5] * 5)
+    ctx.add_output([7])                                    # the survivor that will be shifted alone
+    ctx.add_output([9] * 5)
+    assert not ctx.evict_piece(1, mode="reposition").exact
+    assert [p.state for p in ctx.pieces] == [RESIDENT, EVICTED, SHIFTED, SHIFTED]  # control: shifted first
+    report = ctx.evict_piece(3, mode="exact")              # the tail: token 14 (piece 2) re-derived over 0..13
+    fresh = kernel.session()
+    fresh.append(ctx.session.tokens)
+    assert report.exact and report.tail and ctx.digest() == fresh.digest()
+    assert [p.state for p in ctx.pieces] == [RESIDENT, EVICTED, RESIDENT, EVICTED]
+    # a context of 15 tokens (the evicted pieces do not fit): pieces 0 and 2 reused where they are
+    assert working_set(ctx, 15).verdicts() == ["HIT", "ABSTAIN", "HIT", "ABSTAIN"]
+
+
 def test_fork_log_starts_with_the_parents_ops_and_replays(kernel: Kernel, tmp_path: Path) -> None:
     store = open_store(f"sqlite:///{tmp_path}/s.db")
     parent = _build(kernel, store)
