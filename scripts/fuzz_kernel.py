@@ -27,9 +27,18 @@ every live session against references computed from scratch:
 - bad input: refused with a `fleet.core.errors` error whose message names the argument or rule, leaving the session
   unchanged (digest, tokens, last logits, num_exact_tokens); valid input must not be refused.
 
+- sharing: `memory()`'s shared blocks are those another live session holds too, or exported / adopted ones, and each
+  block's ref_cnt is the number of live sessions holding it.
+
 At the end each session's whole history (its ancestors' ops, then its own) is replayed on a second kernel of the same
 model (a fresh layer-0 memo) and must give the same digest and last logits bit for bit: what the fleet's op-log
 replay relies on, also on the states that are not a prefill's.
+
+Then (--context-ops, default 150) the piece ledger in process (fleet.core.context.SessionContext on a 1-3 layer
+model): pieces (many of one token), evictions in both modes (the tail often), forks and decode, checking after each op
+that no piece is `shifted` where the kernel holds a prefill's KV, that the pieces in the cache tile it, the session
+against a fresh prefill while it is exact, and its op log replayed op by op (and over its ledger when the log's KV
+follows its tokens) to the same digest and piece states.
 
 With --fleet it then drives a few ops through the real path (a local Ray cluster, a KernelFleet on a SQLite store, as
 tests/workers start them, on the fleet's default model): create, messages, model output, tool results, piece
@@ -378,7 +387,27 @@ class KernelFuzz:
                 self.flag(f"{what}: session {sid} last logits differ from a fresh prefill's by {delta(last, flog):.3g}")
         fresh.close()
 
+    def check_sharing(self, what: str) -> None:
+        """memory() against who holds each block: a block is shared when another live session's table holds it too,
+        or it was exported / adopted (a PrefixKV may be read elsewhere); alone otherwise."""
+        holders: dict[int, int] = {}
+        for s in self.sessions.values():
+            for b in s._kv.blocks:
+                holders[id(b)] = holders.get(id(b), 0) + 1
+        for sid, s in self.sessions.items():
+            want = sum(1 for b in s._kv.blocks if holders[id(b)] > 1 or b.external)
+            mem = s.memory()
+            if mem.num_shared_blocks != want:
+                self.flag(f"{what}: session {sid} memory() says {mem.num_shared_blocks} shared blocks, {want} are "
+                          f"(held by another live session, or exported/adopted)")
+            for b in s._kv.blocks:
+                if b.ref_cnt != holders[id(b)]:
+                    self.flag(f"{what}: a block of session {sid} has ref_cnt {b.ref_cnt}, {holders[id(b)]} live "
+                              "sessions hold it")
+                    break
+
     def check_all(self, what: str, touched: set[int]) -> None:
+        self.check_sharing(what)
         for sid in list(self.sessions):
             if sid in touched or sid not in self.snaps:
                 self.check_session(sid, what)
@@ -753,6 +782,91 @@ class KernelFuzz:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def ledger_vs_kernel(ctx: Any, what: str, flag: Any) -> None:
+    """The ledger's piece states against the kernel's exactness: a `shifted` piece holds a position past
+    `num_exact_tokens` (its KV is not a prefill's), and the pieces in the cache tile it in order."""
+    from fleet.core.context import RESIDENT, SHIFTED
+
+    e, at = ctx.session.num_exact_tokens, 0
+    for p in ctx.pieces:
+        if p.state == SHIFTED and p.end <= e:
+            flag(f"{what}: piece {p.piece_id} [{p.start}, {p.end}) is 'shifted' but the kernel holds a prefill's KV "
+                 f"up to {e}")
+        if p.state in (RESIDENT, SHIFTED):
+            if p.start != at:
+                flag(f"{what}: piece {p.piece_id} starts at {p.start}, the pieces before it end at {at}")
+            at = p.end
+    if at != len(ctx.session):
+        flag(f"{what}: the pieces in the cache hold {at} tokens, the session {len(ctx.session)}")
+
+
+def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
+    """The piece ledger in process (fleet.core.context.SessionContext, no Ray): random pieces (many of one token),
+    evictions in both modes (the tail often), forks, decode; after each op the ledger against the kernel
+    (`ledger_vs_kernel`), the session against a fresh prefill while it is exact, and its op log replayed (op by op,
+    and over its ledger when the log's KV follows its tokens) to the same digest."""
+    from fleet.core.context import EVICTED, RESIDENT, SHIFTED, SessionContext
+    from fleet.core.errors import KvfleetError
+    from fleet.core.oplog import kv_follows_tokens
+    from workers.spec import KernelSpec, make_kernel, make_tokenizer
+
+    rng = random.Random(seed)
+    findings: list[str] = []
+    kernel = make_kernel(KernelSpec(block_size=16, backend=backend, config=(("n_layers", 1 + seed % 3),)))
+    tok = make_tokenizer(kernel)
+    V = kernel.config.vocab_size
+
+    def flag(msg: str) -> None:
+        findings.append(f"[context/{backend}] {msg}")
+        print("FINDING:", findings[-1], flush=True)
+
+    ctxs = {"c0": SessionContext.new(kernel, tok, "t", "c0")}
+    ctxs["c0"].add_system("Be brief.")
+    n = 1
+    for step in range(1, num_ops + 1):
+        sid = rng.choice(sorted(ctxs))
+        ctx = ctxs[sid]
+        op = rng.choice(["output", "output", "one", "one", "evict", "evict", "tail", "fork", "generate"])
+        what = f"step {step}: {op} on {sid}"
+        live = [p.piece_id for p in ctx.pieces if p.state in (RESIDENT, SHIFTED)]
+        try:
+            if op in ("output", "one"):
+                ctx.add_output([rng.randrange(V) for _ in range(1 if op == "one" else rng.randint(2, 30))])
+            elif op in ("evict", "tail") and live:
+                pid = live[-1] if op == "tail" else rng.choice(live)
+                ctx.evict_piece(pid, rng.choice(["exact", "reposition"]))
+            elif op == "fork":
+                child = f"c{n}"
+                n += 1
+                ctxs[child] = ctx.fork(child)
+            elif op == "generate" and len(ctx.session):
+                ctx.generate(rng.choice([1, 2]))
+        except KvfleetError as e:
+            flag(f"{what}: refused {e!r}")
+            continue
+        ledger_vs_kernel(ctx, what, flag)
+        if ctx.session.num_exact_tokens == len(ctx.session) and len(ctx.session):
+            fresh = kernel.session()
+            fresh.append(ctx.session.tokens)
+            if fresh.digest() != ctx.digest():
+                flag(f"{what}: {sid} is exact by num_exact_tokens but not a fresh prefill of its tokens")
+        if [p.state for p in ctx.pieces if p.state == EVICTED] and step % 5:
+            continue
+        again = SessionContext.replay(list(ctx.ops), kernel, tok, lambda r: b"", "t", sid)
+        if again.digest() != ctx.digest() or [p.state for p in again.pieces] != [p.state for p in ctx.pieces]:
+            flag(f"{what}: {sid}'s op log replayed op by op gives another digest or other piece states")
+        if kv_follows_tokens(ctx.ops):
+            try:
+                over = SessionContext.replay_over(list(ctx.ops), kernel.session(), tok, lambda r: b"", "t", sid)
+            except KvfleetError as e:
+                if "reposition" not in str(e):
+                    flag(f"{what}: replay_over refused {sid}'s log: {e!r}")
+            else:
+                if over.digest() != ctx.digest():
+                    flag(f"{what}: {sid}'s log replayed over its ledger gives another digest")
+    return findings
+
+
 def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
     """A short random sequence through a KernelFleet on a local Ray cluster, each op given to an in-process
     SessionContext too: the same answers (or the same refusal), tokens, digest, logits and piece states."""
@@ -761,7 +875,7 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
 
     import ray
 
-    from fleet.core.context import EVICTED, RESIDENT, SHIFTED, SessionContext
+    from fleet.core.context import EVICTED, QUARANTINED, RESIDENT, SHIFTED, SessionContext
     from fleet.core.errors import KvfleetError, NotFound
     from fleet.core.oplog import parse_log
     from fleet.core.quarantine.admit import admit_tool_result
@@ -810,6 +924,7 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
                 flag(f"{what}: fleet session {sid} is not a fresh prefill of its {len(toks)} tokens")
         if [p.state for p in fleet.pieces(tenant, sid)] != [p.state for p in ctx.pieces]:
             flag(f"{what}: fleet session {sid} piece states differ from the in-process context's")
+        ledger_vs_kernel(ctx, what, flag)
 
     def both(sid: str, what: str, on_fleet: Any, on_local: Any) -> tuple[Any, Any] | None:
         """Run an op on the fleet and in process: both answer, or both refuse with the same error (and the fleet's
@@ -860,7 +975,9 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
             flag(f"{what}: refused but the session changed")
 
     try:
-        prompt = "You are a fuzzer. Be exact. " * 2
+        prompts = ["You are a fuzzer. Be exact. " * 2, "You are a fuzzer. Be exact. " * 3 + "Reply briefly.", "x"]
+        adopted_total = [0]
+        prompt = prompts[0]
         fleet.create_session(tenant, "s0", prompt)
         local["s0"] = SessionContext.new(kernel, tok, tenant, "s0", store=fleet.store)
         local["s0"].add_system(prompt)
@@ -870,7 +987,7 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
             sid = rng.choice(sorted(local))
             ctx = local[sid]
             op = rng.choice(["msg", "msg", "output", "tool", "tool", "evict", "evict", "fork", "generate", "bad",
-                             "quarantine", "release", "close"])
+                             "quarantine", "release", "create", "close"])
             counts[op] = counts.get(op, 0) + 1
             what = f"step {step}: {op} on {sid}"
             if op == "msg":
@@ -887,7 +1004,7 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
                      lambda: ctx.add_tool_result(ref, data))
             elif op == "evict":
                 mode = rng.choice(["exact", "reposition"])
-                dead = [p.piece_id for p in ctx.pieces if p.state == EVICTED]
+                dead = [p.piece_id for p in ctx.pieces if p.state in (EVICTED, QUARANTINED)]
                 live = [p.piece_id for p in ctx.pieces if p.state in (RESIDENT, SHIFTED)]
                 again = bool(dead) and rng.random() < 0.3
                 pid = rng.choice(dead if again else live or [0])
@@ -930,6 +1047,14 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
             elif op == "bad":
                 label, fn, kinds = rng.choice(bad_calls(sid, len(ctx.pieces)))
                 refused(sid, f"{what}: {label}", fn, kinds)
+            elif op == "create":  # prompts sharing whole blocks: a create adopts them from the node's radix tree
+                sid = f"s{nsess}"
+                nsess += 1
+                text = rng.choice(prompts) + "".join(rng.choice("uvw ") for _ in range(rng.randint(0, 20)))
+                row = fleet.create_session(tenant, sid, text)
+                local[sid] = SessionContext.new(kernel, tok, tenant, sid, store=fleet.store)
+                local[sid].add_system(text)
+                adopted_total[0] += int(row.get("adopted_tokens", 0) or 0)
             elif op == "release":  # its kernel dropped: the next call rebuilds it from its op log
                 fleet.release_session(tenant, sid)
             elif op == "close":
@@ -956,7 +1081,8 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
         fleet.shutdown()
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"fleet ops: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}")
+    print(f"fleet ops: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}; tokens adopted by creates "
+          f"{adopted_total[0]}")
     return findings
 
 
@@ -1012,6 +1138,7 @@ async def run_sdk(seed: int, num_ops: int) -> list[str]:
             fresh.append(ctx.session.tokens)
             if fresh.digest() != st.digest:
                 flag(f"{what}: session {sid} over the SDK is not a fresh prefill of its tokens")
+        ledger_vs_kernel(ctx, what, flag)
 
     async def both(what: str, on_sdk: Any, on_local: Any) -> tuple[Any, Any] | None:
         errs: list[BaseException | None] = []
@@ -1120,6 +1247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet", action="store_true", help="also run a short sequence through a local Ray fleet")
     ap.add_argument("--fleet-ops", type=int, default=30)
     ap.add_argument("--sdk", action="store_true", help="also run a short sequence through the SDK and a controller")
+    ap.add_argument("--context-ops", type=int, default=150,
+                    help="ops of the in-process piece-ledger run (fleet.core.context) after the kernel's; 0: none")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -1131,6 +1260,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kernel: {a.ops} ops ({', '.join(f'{k} {v}' for k, v in sorted(fz.counts.items()))}), "
           f"{len(fz.sessions)} sessions live at the end, longest {fz.longest} tokens, max|d| vs the float64 reference {fz.max_ref_delta:.3g}, "
           f"{len(fz.findings)} findings, {time.monotonic() - t0:.1f} s", flush=True)
+    if a.context_ops:
+        t1 = time.monotonic()
+        fc = run_context(a.seed, a.context_ops, a.backend)
+        print(f"context: {a.context_ops} ops, {len(fc)} findings, {time.monotonic() - t1:.1f} s", flush=True)
+        findings += fc
     if a.fleet:
         t1 = time.monotonic()
         ff = run_fleet(a.seed, a.fleet_ops, a.backend)
