@@ -32,7 +32,9 @@ every live session against references computed from scratch:
 
 At the end each session's whole history (its ancestors' ops, then its own) is replayed on a second kernel of the same
 model (a fresh layer-0 memo) and must give the same digest and last logits bit for bit: what the fleet's op-log
-replay relies on, also on the states that are not a prefill's.
+replay relies on, also on the states that are not a prefill's; and on the other backend, within 1e-4 (K/Kraw/V and
+logits: the contract's "numpy vs torch" row). A third of the adopted prefixes go through pickle first, as Ray's
+object store hands them to another actor.
 
 Then (--context-ops, default 150) the piece ledger in process (fleet.core.context.SessionContext on a 1-3 layer
 model): pieces (many of one token), evictions in both modes (the tail often), forks and decode, checking after each op
@@ -43,8 +45,9 @@ follows its tokens) to the same digest and piece states.
 With --fleet it then drives a few ops through the real path (a local Ray cluster, a KernelFleet on a SQLite store, as
 tests/workers start them, on the fleet's default model): create, messages, model output, tool results, piece
 evictions (an already evicted piece again), quarantine verdicts (evictions with a proof), forks (sharing blocks or
-not), decode, releases (the next call rebuilds the session from its op log), close, and bad calls, comparing the fleet's tokens, digest and logits after each step with an
-in-process SessionContext given the same ops and, while the session is a prefill of its tokens, with a fresh prefill.
+not), decode, releases (the next call rebuilds the session from its op log), close, and bad calls, comparing the
+fleet's tokens, digest, logits and piece states after each step with an in-process SessionContext given the same ops
+and, while the session is a prefill of its tokens, with a fresh prefill.
 With --sdk the same kind of sequence goes through the SDK (AsyncFleetClient) to a controller serving gRPC on a
 loopback port (its own kernel fleet on the local Ray cluster): tokens, digests, returned logits, evict results and
 refusals (their error types) against the in-process context.
@@ -59,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pickle
 import random
 import shutil
 import sys
@@ -96,7 +100,8 @@ CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("odd-geometry", dict(max_seq_len=400), dict(tile_size=5, block_size=3)),
     ("tile1-block1", dict(max_seq_len=200), dict(tile_size=1, block_size=1)),
     ("small-memo", {}, dict(tile_size=16, block_size=16, memo_rows=8)),  # a layer-0 memo of 8 rows (FIFO reuse)
-    ("long", dict(max_seq_len=4600), dict(tile_size=64, block_size=16, long=True)),  # appends past GROUP_TOKENS (2048) positions
+    # appends past GROUP_TOKENS (2048) positions
+    ("long", dict(max_seq_len=4600), dict(tile_size=64, block_size=16, long=True)),
     ("threads2", dict(max_seq_len=300), dict(tile_size=32, block_size=16, threads=2)),  # two BLAS/torch threads
 ]
 
@@ -251,14 +256,15 @@ class KernelFuzz:
         self.max_ref_delta = 0.0
         self.counts: dict[str, int] = {}
         self.longest = 0
+        self.max_cross_delta = 0.0
 
-    def make_kernel(self) -> Kernel:
+    def make_kernel(self, backend: str | None = None) -> Kernel:
         """The run's model; with `memo_rows`, its layer-0 memo holds that many rows (FIFO reuse from the start)."""
         saved = l0memo.L0_MIN_ROWS, l0memo.L0_MEMO_BYTES
         if self.memo_rows:
             l0memo.L0_MIN_ROWS, l0memo.L0_MEMO_BYTES = self.memo_rows, 0
         try:
-            return Kernel.synthetic(self.cfg, seed=self.wseed, backend=self.backend, **self.kw)
+            return Kernel.synthetic(self.cfg, seed=self.wseed, backend=backend or self.backend, **self.kw)
         finally:
             l0memo.L0_MIN_ROWS, l0memo.L0_MEMO_BYTES = saved
 
@@ -346,7 +352,8 @@ class KernelFuzz:
         if s.num_exact_tokens != sh.exact_upto:
             self.flag(f"{what}: session {sid} num_exact_tokens={s.num_exact_tokens}, expected {sh.exact_upto}")
         mem = s.memory()
-        if mem.num_tokens != n or mem.num_blocks != -(-n // self.BS) or mem.bytes_total != mem.num_blocks * mem.block_bytes:
+        if (mem.num_tokens != n or mem.num_blocks != -(-n // self.BS)
+                or mem.bytes_total != mem.num_blocks * mem.block_bytes):
             self.flag(f"{what}: session {sid} memory {mem} for {n} tokens")
         last = s.last_logits
         if (last is None) != (sh.logits is None):
@@ -605,7 +612,8 @@ class KernelFuzz:
             if n == 0:
                 cases.append(("on an empty session", 1, (InvalidArgument,), ("at least one token",)))
             label, arg, kinds, words = self.rng.choice(cases)
-            self.expect_refused(sid, f"generate({label}) on session {sid} (n={n})", lambda: s.generate(arg), kinds, words)
+            self.expect_refused(sid, f"generate({label}) on session {sid} (n={n})", lambda: s.generate(arg), kinds,
+                                words)
             return set()
         k = min(self.rng.choice([0, 1, 1, 2, 5]), self.ctx - n)
         try:
@@ -661,6 +669,8 @@ class KernelFuzz:
                 self.flag("a prefix holding an id outside the vocabulary was adopted")
             except InvalidArgument:
                 pass
+        if r.random() < 0.3:  # as Ray's object store hands it to another actor: pickled, plain numpy arrays
+            p = pickle.loads(pickle.dumps(p))
         t = self.kernel.session(prefix=p)
         self.sessions[child] = t
         csh = Shadow(list(sh.tokens[:num]), sh.kv[:, :, :, :num].copy(), None, num)
@@ -735,7 +745,8 @@ class KernelFuzz:
                 elif op == "span":
                     touched = self.op_append(sid, self.rng.randint(1, 40), span=True)  # type: ignore[arg-type]
                 elif op == "long":
-                    n = self.rng.randint(2049, 2300) if self.long and self.rng.random() < 0.3 else self.rng.randint(100, 400)
+                    huge = self.long and self.rng.random() < 0.3
+                    n = self.rng.randint(2049, 2300) if huge else self.rng.randint(100, 400)
                     touched = self.op_append(sid, n)  # type: ignore[arg-type]
                 else:
                     touched = getattr(self, f"op_{op}")(sid)
@@ -751,12 +762,23 @@ class KernelFuzz:
         self.replay_all()
 
     def replay_all(self) -> None:
-        """Each session's history on a second kernel of the same model: the same digest and logits, bit for bit."""
-        k2 = self.make_kernel()
-        if k2.model_id != self.kernel.model_id:
+        """Each session's history on a second kernel of the same model: the same digest and logits, bit for bit;
+        and on the other backend: K/Kraw/V and logits within 1e-4 (docs/kernel.md, "numpy vs torch")."""
+        self.replay_on(self.make_kernel(), exact=True)
+        other = "torch" if self.backend == "numpy" else "numpy"
+        try:
+            kx = self.make_kernel(other)
+        except ImportError:
+            return
+        self.replay_on(kx, exact=False)
+
+    def replay_on(self, k2: Kernel, exact: bool) -> None:
+        """Replay every live session's history on `k2`: bit for bit (`exact`), or within TOL (another backend)."""
+        if exact and k2.model_id != self.kernel.model_id:
             self.flag("a second kernel of the same model has another model_id")
+        where = "a second kernel" if exact else f"the {k2.backend} backend"
         for sid, s in self.sessions.items():
-            t = k2.session()
+            t, diverged = k2.session(), False
             for h in self.shadows[sid].history:
                 if h[0] == "append":
                     t.append(h[1])
@@ -765,16 +787,31 @@ class KernelFuzz:
                 elif h[0] == "generate":
                     got = t.generate(h[1])
                     if tuple(got) != h[2]:
-                        self.flag(f"replay of session {sid}: generate decoded {got}, the original {list(h[2])}")
+                        if exact:
+                            self.flag(f"replay of session {sid}: generate decoded {got}, the original {list(h[2])}")
+                        diverged = True  # another backend may break a near-tie the other way: not comparable
+                        break
                 elif h[0] == "close":
                     t.close()
-            a, b = Snap.of(s), Snap.of(t)
-            if a.digest != b.digest or a.tokens != b.tokens:
-                self.flag(f"replay of session {sid} ({len(self.shadows[sid].history)} ops) on a second kernel: digest "
-                          "differs")
+            if diverged:
+                continue
             la, lb = s.last_logits, t.last_logits
-            if la is not None and lb is not None and not np.array_equal(la, lb):
-                self.flag(f"replay of session {sid}: last logits differ by {delta(la, lb):.3g}")
+            if exact:
+                a, b = Snap.of(s), Snap.of(t)
+                if a.digest != b.digest or a.tokens != b.tokens:
+                    self.flag(f"replay of session {sid} ({len(self.shadows[sid].history)} ops) on {where}: digest "
+                              "differs")
+                if la is not None and lb is not None and not np.array_equal(la, lb):
+                    self.flag(f"replay of session {sid}: last logits differ by {delta(la, lb):.3g}")
+                continue
+            if s.tokens != t.tokens or (la is None) != (lb is None):
+                self.flag(f"replay of session {sid} on {where}: other tokens or last logits")
+                continue
+            d = max(delta(la, lb) if la is not None else 0.0, delta(s.kv_numpy(0, len(s)), t.kv_numpy(0, len(t)))
+                    if len(s) else 0.0)
+            self.max_cross_delta = max(self.max_cross_delta, d)
+            if d > TOL:
+                self.flag(f"replay of session {sid} on {where}: K/Kraw/V or logits differ by {d:.3g} (> {TOL})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -805,9 +842,14 @@ def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
     evictions in both modes (the tail often), forks, decode; after each op the ledger against the kernel
     (`ledger_vs_kernel`), the session against a fresh prefill while it is exact, and its op log replayed (op by op,
     and over its ledger when the log's KV follows its tokens) to the same digest."""
+    import tempfile
+
+    from fleet.cas import open_store
     from fleet.core.context import EVICTED, RESIDENT, SHIFTED, SessionContext
     from fleet.core.errors import KvfleetError
-    from fleet.core.oplog import kv_follows_tokens
+    from fleet.core.oplog import exact_tokens, kv_follows_tokens
+    from fleet.core.quarantine.admit import admit_tool_result
+    from fleet.core.quarantine.detector import Verdict
     from workers.spec import KernelSpec, make_kernel, make_tokenizer
 
     rng = random.Random(seed)
@@ -820,17 +862,43 @@ def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
         findings.append(f"[context/{backend}] {msg}")
         print("FINDING:", findings[-1], flush=True)
 
-    ctxs = {"c0": SessionContext.new(kernel, tok, "t", "c0")}
+    tmp = tempfile.mkdtemp(prefix="kvf-fuzz-")
+    store = open_store(f"sqlite:///{tmp}/ctx.db")
+    blobs = [f"tool output {i}: {'z' * i}".encode() for i in range(1, 6)] + [b"!"]  # one of a single token
+    ctxs = {"c0": SessionContext.new(kernel, tok, "t", "c0", store=store)}
     ctxs["c0"].add_system("Be brief.")
     n = 1
     for step in range(1, num_ops + 1):
         sid = rng.choice(sorted(ctxs))
         ctx = ctxs[sid]
-        op = rng.choice(["output", "output", "one", "one", "evict", "evict", "tail", "fork", "generate"])
+        op = rng.choice(["output", "output", "one", "one", "evict", "evict", "tail", "fork", "generate", "tool",
+                         "quarantine"])
         what = f"step {step}: {op} on {sid}"
         live = [p.piece_id for p in ctx.pieces if p.state in (RESIDENT, SHIFTED)]
         try:
-            if op in ("output", "one"):
+            if op == "tool":
+                data = rng.choice(blobs)
+                ref = store.put(data, "t")
+                if store.stat(ref, "t").quarantined:  # held out of every context: refused, nothing changes
+                    before = ctx.digest(), len(ctx.ops)
+                    try:
+                        ctx.add_tool_result(ref, data)
+                        flag(f"{what}: a quarantined blob was appended")
+                    except FailedPrecondition:
+                        pass
+                    if (ctx.digest(), len(ctx.ops)) != before:
+                        flag(f"{what}: a refused tool result changed the session or its log")
+                    continue
+                ctx.add_tool_result(ref, data)
+            elif op == "quarantine" and any(p.ref for p in ctx.pieces):
+                ref = str(rng.choice([p.ref for p in ctx.pieces if p.ref]))
+                adm = admit_tool_result(ctx, ref, store, "t", verdict=Verdict(True, ["fuzz"]))
+                pr = adm.proof
+                if pr is not None and pr.exact != (pr.cache_digest_equal and pr.max_abs_delta_evict_vs_never == 0.0):
+                    flag(f"{what}: the eviction proof's exact={pr.exact} disagrees with its own measurements {pr}")
+                if any(p.ref == ref and p.state in (RESIDENT, SHIFTED) for p in ctx.pieces):
+                    flag(f"{what}: a quarantined ref still has pieces in the cache")
+            elif op in ("output", "one"):
                 ctx.add_output([rng.randrange(V) for _ in range(1 if op == "one" else rng.randint(2, 30))])
             elif op in ("evict", "tail") and live:
                 pid = live[-1] if op == "tail" else rng.choice(live)
@@ -845,6 +913,9 @@ def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
             flag(f"{what}: refused {e!r}")
             continue
         ledger_vs_kernel(ctx, what, flag)
+        logged, e = exact_tokens(ctx.ops), ctx.session.num_exact_tokens
+        if logged > e or (logged != e and kernel.config.n_layers > 1):  # 1 layer: the log does not measure
+            flag(f"{what}: the op log says {logged} exact tokens (oplog.exact_tokens), the kernel {e}")
         if ctx.session.num_exact_tokens == len(ctx.session) and len(ctx.session):
             fresh = kernel.session()
             fresh.append(ctx.session.tokens)
@@ -852,18 +923,21 @@ def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
                 flag(f"{what}: {sid} is exact by num_exact_tokens but not a fresh prefill of its tokens")
         if [p.state for p in ctx.pieces if p.state == EVICTED] and step % 5:
             continue
-        again = SessionContext.replay(list(ctx.ops), kernel, tok, lambda r: b"", "t", sid)
+        again = SessionContext.replay(list(ctx.ops), kernel, tok, lambda r: bytes(store.get(r, "t")), "t", sid)
         if again.digest() != ctx.digest() or [p.state for p in again.pieces] != [p.state for p in ctx.pieces]:
             flag(f"{what}: {sid}'s op log replayed op by op gives another digest or other piece states")
         if kv_follows_tokens(ctx.ops):
             try:
-                over = SessionContext.replay_over(list(ctx.ops), kernel.session(), tok, lambda r: b"", "t", sid)
+                over = SessionContext.replay_over(list(ctx.ops), kernel.session(), tok,
+                                                  lambda r: bytes(store.get(r, "t")), "t", sid)
             except KvfleetError as e:
                 if "reposition" not in str(e):
                     flag(f"{what}: replay_over refused {sid}'s log: {e!r}")
             else:
                 if over.digest() != ctx.digest():
                     flag(f"{what}: {sid}'s log replayed over its ledger gives another digest")
+    store.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     return findings
 
 
@@ -1258,7 +1332,8 @@ def main(argv: list[str] | None = None) -> int:
     fz.run(a.ops)
     findings = list(fz.findings)
     print(f"kernel: {a.ops} ops ({', '.join(f'{k} {v}' for k, v in sorted(fz.counts.items()))}), "
-          f"{len(fz.sessions)} sessions live at the end, longest {fz.longest} tokens, max|d| vs the float64 reference {fz.max_ref_delta:.3g}, "
+          f"{len(fz.sessions)} sessions live at the end, longest {fz.longest} tokens, max|d| vs the float64 "
+          f"reference {fz.max_ref_delta:.3g}, vs the other backend {fz.max_cross_delta:.3g}, "
           f"{len(fz.findings)} findings, {time.monotonic() - t0:.1f} s", flush=True)
     if a.context_ops:
         t1 = time.monotonic()
