@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.core.errors import InvalidArgument
+from fleet.core.kernel.inputs import as_int
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -43,11 +44,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-        if self.head_dim == 0 and self.n_heads > 0:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        # NOTE: each size is a Python int at the door: int(x) > 0 let True, 512.0 and "64" through (a TypeError deep in
+        # the weights), and np.int64(64) got a model_id of its own (its repr), so equal models shared no prefix
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
-            if int(getattr(self, name)) <= 0:
-                raise InvalidArgument(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+        if self.sliding_window is not None:
+            object.__setattr__(self, "sliding_window", _positive("sliding_window", self.sliding_window))
+        if as_int(self.head_dim) == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        object.__setattr__(self, "head_dim", _positive("head_dim", self.head_dim, "(dim // n_heads when 0)"))
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgument(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
@@ -131,6 +136,14 @@ class ModelConfig:
             sliding_window=_sliding_window(hf, arch),
             arch=arch,
         )
+
+
+def _positive(name: str, value: Any, note: str = "") -> int:
+    """`value` as a positive Python int (any integer type, not a bool), or InvalidArgument naming the field."""
+    n = as_int(value)
+    if n is None or n <= 0:
+        raise InvalidArgument(f"ModelConfig.{name} must be a positive integer{' ' + note if note else ''}, got {value!r}")
+    return n
 
 
 def _sliding_window(hf: dict[str, Any], arch: str) -> int | None:

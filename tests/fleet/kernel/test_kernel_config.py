@@ -73,3 +73,20 @@ def test_byte_tokenizer_round_trip() -> None:
     assert tok.decode([*ids, 300]) == "héllo, agent".encode()  # ids past the byte range are dropped
     with pytest.raises(InvalidArgument):
         ByteTokenizer(100)
+
+
+@pytest.mark.parametrize(("field", "bad"), [("n_layers", True), ("vocab_size", 512.0), ("dim", "64"),
+                                            ("sliding_window", 0), ("head_dim", 15.9)])
+def test_config_sizes_are_positive_integers(field: str, bad: object) -> None:
+    """True, 512.0 and "64" passed int(x) > 0 and failed later with a TypeError inside the weights; a sliding
+    window of 0 made a model that refused every append."""
+    with pytest.raises(InvalidArgument, match=f"ModelConfig.{field} must be a positive integer"):
+        ModelConfig.tiny(**{field: bad})
+
+
+def test_config_head_dim_of_zero_is_refused_and_numpy_sizes_are_python_ints() -> None:
+    with pytest.raises(InvalidArgument, match=r"head_dim must be a positive integer \(dim // n_heads when 0\), got 0"):
+        ModelConfig.tiny(dim=2)  # 2 // 4 heads: a ZeroDivisionError in the kernel before
+    wide = ModelConfig.tiny(dim=np.int64(64), max_seq_len=np.uint32(8192))
+    assert wide == ModelConfig.tiny() and repr(wide) == repr(ModelConfig.tiny())  # repr goes into model_id
+    assert type(wide.dim) is int and type(wide.head_dim) is int
