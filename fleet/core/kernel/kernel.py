@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,9 +218,15 @@ class Kernel:
                 "KV caches are not portable across weights, backends, devices, CPU code paths, threads "
                 "or cache geometries (model_id folds them all in)"
             )
+        if not (isinstance(prefix.tokens, Sequence | np.ndarray) and isinstance(prefix.blocks, Sequence)):
+            # NOTE: len() of a None raised TypeError, a block given as a list AttributeError (found by review)
+            raise InvalidArgument(f"prefix tokens and blocks must be sequences, got {type(prefix.tokens).__name__} "
+                                  f"and {type(prefix.blocks).__name__}")
         if prefix.block_size != self.block_size or len(prefix.tokens) != prefix.num_blocks * self.block_size:
             raise InvalidArgument("prefix tokens must fill whole blocks of this kernel's block_size")
         for a in prefix.blocks:
+            if not isinstance(a, np.ndarray):
+                raise InvalidArgument(f"prefix blocks must be numpy arrays (read-only views), got {type(a).__name__}")
             if tuple(a.shape) != (3, *shape) or a.dtype != np.float32:
                 raise InvalidArgument(
                     f"prefix block has shape {a.shape} {a.dtype}, expected {(3, *shape)} float32"

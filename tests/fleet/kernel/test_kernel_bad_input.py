@@ -83,6 +83,22 @@ def test_bad_export_and_foreign_prefix(backend: str) -> None:
         s.generate(-1)
 
 
+@pytest.mark.parametrize(("field", "forge", "msg"), [
+    ("blocks", lambda p: tuple(a.tolist() for a in p.blocks), "must be numpy arrays"),  # AttributeError before
+    ("blocks", lambda p: None, "must be sequences"),                                    # TypeError before
+    ("tokens", lambda p: None, "must be sequences"),
+])
+def test_a_malformed_prefix_is_refused(backend: str, field: str, forge: object, msg: str) -> None:
+    """Kernel.session documents InvalidArgument for a malformed prefix; a hand-built one raised a bare error."""
+    import dataclasses
+
+    prefix = _session(backend).export_prefix(16)
+    bad = dataclasses.replace(prefix, **{field: forge(prefix)})  # type: ignore[operator]
+    with pytest.raises(InvalidArgument, match=msg):
+        make_kernel(backend).session(prefix=bad)
+    assert len(make_kernel(backend).session(prefix=prefix)) == 16  # control: the prefix itself is adopted
+
+
 def test_unsupported_checkpoints_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="no config.json"):
         Kernel.from_pretrained(tmp_path)
