@@ -662,13 +662,25 @@ class KernelFuzz:
             except ValueError:
                 pass
         child = self.new_id()
-        if r.random() < 0.2:  # a doctored prefix: tokens off by one id are refused only by... nothing (same model_id)
-            bad = dataclasses.replace(p, tokens=(*p.tokens[:-1], self.V))
+        if r.random() < 0.3:  # a forged prefix: refused with InvalidArgument, whatever is wrong with it
+            label, bad = r.choice([
+                ("an id outside the vocabulary", dataclasses.replace(p, tokens=(*p.tokens[:-1], self.V))),
+                ("a float id", dataclasses.replace(p, tokens=(*p.tokens[:-1], 1.0))),
+                ("a bool id", dataclasses.replace(p, tokens=(True, *p.tokens[1:]))),
+                ("another model's", dataclasses.replace(p, model_id="0" * 16)),
+                ("one token short", dataclasses.replace(p, tokens=p.tokens[:-1])),
+                ("tokens None", dataclasses.replace(p, tokens=None)),
+                ("blocks as lists", dataclasses.replace(p, blocks=tuple(a.tolist() for a in p.blocks))),
+                ("float64 blocks", dataclasses.replace(p, blocks=tuple(a.astype(np.float64) for a in p.blocks))),
+                ("another block_size", dataclasses.replace(p, block_size=BS + 1)),
+            ])
             try:
                 self.kernel.session(prefix=bad)
-                self.flag("a prefix holding an id outside the vocabulary was adopted")
+                self.flag(f"a forged prefix ({label}) was adopted")
             except InvalidArgument:
                 pass
+            except Exception as e:  # noqa: BLE001
+                self.flag(f"a forged prefix ({label}) raised {type(e).__name__}: {e!r}, not InvalidArgument")
         if r.random() < 0.3:  # as Ray's object store hands it to another actor: pickled, plain numpy arrays
             p = pickle.loads(pickle.dumps(p))
         t = self.kernel.session(prefix=p)
@@ -780,7 +792,11 @@ class KernelFuzz:
         for sid, s in self.sessions.items():
             t, diverged = k2.session(), False
             for h in self.shadows[sid].history:
-                if h[0] == "append":
+                if h[0] == "append" and h[2:] == ("adopted",):  # adopt them, exported by a session of k2
+                    src = k2.session()
+                    src.append(h[1])
+                    t = k2.session(prefix=src.export_prefix(len(h[1])))
+                elif h[0] == "append":
                     t.append(h[1])
                 elif h[0] == "evict":
                     t.evict(h[1], h[2], h[3])
@@ -805,7 +821,9 @@ class KernelFuzz:
                     self.flag(f"replay of session {sid}: last logits differ by {delta(la, lb):.3g}")
                 continue
             if s.tokens != t.tokens or (la is None) != (lb is None):
-                self.flag(f"replay of session {sid} on {where}: other tokens or last logits")
+                self.flag(f"replay of session {sid} on {where}: {len(t)} tokens (here {len(s)}, equal: "
+                          f"{s.tokens == t.tokens}), last logits {'None' if lb is None else 'set'} (here "
+                          f"{'None' if la is None else 'set'}); history {[h[0] for h in self.shadows[sid].history]}")
                 continue
             d = max(delta(la, lb) if la is not None else 0.0, delta(s.kv_numpy(0, len(s)), t.kv_numpy(0, len(t)))
                     if len(s) else 0.0)
