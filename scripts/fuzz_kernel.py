@@ -4,6 +4,7 @@
     python scripts/fuzz_kernel.py --seed 3 --ops 400 --backend torch  # torch backend (CPU)
     python scripts/fuzz_kernel.py --seed 3 --ops 30 --fleet           # also a short run through a local Ray fleet
     python scripts/fuzz_kernel.py --seed 3 --ops 30 --sdk             # ... and through the SDK and a controller
+    python scripts/fuzz_kernel.py --seed 3 --ops 400 --faults         # primitives failing part way through ops
 
 It applies a random sequence of session operations to `fleet.core.kernel` directly: new sessions, sessions adopting
 an exported prefix, appends (length 1, tile- and block-crossing, long, ids at 0 and vocab-1), tool-result spans
@@ -27,6 +28,10 @@ every live session against references computed from scratch:
 - bad input: refused with a `fleet.core.errors` error whose message names the argument or rule, leaving the session
   unchanged (digest, tokens, last logits, num_exact_tokens); valid input must not be refused.
 
+- with --faults: one of the backend's primitives (allocation, copy, RoPE, layer 0 and its memo fill, attention, MLP,
+  logits, ...) raises at its k-th call during an op, as an out-of-memory would: an append, eviction, export or
+  fork that fails leaves every session bit for bit as it was, and a decode keeps exactly the tokens of the steps
+  before the failing one (docs/kernel.md, "A failure part way ... is all or nothing too");
 - sharing: `memory()`'s shared blocks are those another live session holds too, or exported / adopted ones, and each
   block's ref_cnt is the number of live sessions holding it.
 
@@ -223,6 +228,10 @@ class Finding(Exception):
     pass
 
 
+class InjectedFault(Exception):
+    """Raised by a primitive the --faults mode armed (as an out-of-memory would be, part way through an op)."""
+
+
 def delta(a: Any, b: Any) -> float:
     x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if x.shape != y.shape:
@@ -257,6 +266,7 @@ class KernelFuzz:
         self.counts: dict[str, int] = {}
         self.longest = 0
         self.max_cross_delta = 0.0
+        self.faults, self.armed, self.faults_fired = False, "", 0
 
     def make_kernel(self, backend: str | None = None) -> Kernel:
         """The run's model; with `memo_rows`, its layer-0 memo holds that many rows (FIFO reuse from the start)."""
@@ -436,6 +446,8 @@ class KernelFuzz:
             if words and not any(w in msg for w in words):
                 self.flag(f"{what}: refused with an unclear message {type(e).__name__}: {msg!r}")
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, InjectedFault):
+                raise
             self.flag(f"{what}: raised {type(e).__name__}: {e!r}, expected one of {[k.__name__ for k in kinds]}")
         else:
             self.flag(f"{what}: accepted, the contract refuses it")
@@ -474,6 +486,8 @@ class KernelFuzz:
         try:
             out = s.append(arg)
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, InjectedFault):
+                raise
             self.flag(f"append of {n} ids to session {sid} ({len(sh.tokens)} tokens) refused: {e!r}")
             self.rebase(sid)
             return set()
@@ -544,6 +558,8 @@ class KernelFuzz:
         try:
             rep = s.evict(ints(start), ints(length), mode)
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, InjectedFault):
+                raise
             self.flag(f"evict({start}, {length}, {mode}) of session {sid} (n={n}) refused: {e!r}")
             self.rebase(sid)
             return set()
@@ -616,13 +632,26 @@ class KernelFuzz:
                                 words)
             return set()
         k = min(self.rng.choice([0, 1, 1, 2, 5]), self.ctx - n)
+        partial = False
         try:
             got = s.generate(k)
+        except InjectedFault:
+            # it keeps the tokens decoded before the failing step (docs/kernel.md), each step all or nothing; the
+            # last token re-derived first (last_logits None after a reposition) is a step of its own
+            got, partial = s.tokens[n:], True
+            self.faults_fired += 1
+            self.counts["generate failed part way"] = self.counts.get("generate failed part way", 0) + 1
+            if s.tokens[:n] != sh.tokens:
+                self.flag(f"generate({k}) on session {sid} failed part way and its first {n} tokens changed")
+                self.rebase(sid)
+                return set()
+            if not got and (s.last_logits is None) == (sh.logits is None):
+                return set()  # nothing done: the run's check compares it with its state before
         except Exception as e:  # noqa: BLE001
             self.flag(f"generate({k}) on session {sid} (n={n}) raised {e!r}")
             self.rebase(sid)
             return set()
-        if k and sh.logits is None:
+        if (k or partial) and sh.logits is None:
             self.sh_recompute_last(sh, n)
         for tok in got:
             assert sh.logits is not None
@@ -631,9 +660,9 @@ class KernelFuzz:
                 self.flag(f"generate on session {sid}: decoded {tok}, the reference's argmax is "
                           f"{int(np.argmax(sh.logits))} (margin {top[1] - top[0]:.3g})")
             self.sh_append(sh, [tok])
-        if len(got) != k:
+        if len(got) != k and not partial:
             self.flag(f"generate({k}) returned {len(got)} ids")
-        sh.history.append(("generate", k, tuple(got)))
+        sh.history.append(("generate", k, tuple(got)) if not partial else ("generate_partial", tuple(got)))
         return {sid}
 
     def op_export(self, sid: int) -> set[int]:
@@ -653,6 +682,8 @@ class KernelFuzz:
         try:
             p = s.export_prefix(num)
         except Exception as e:  # noqa: BLE001
+            if isinstance(e, InjectedFault):
+                raise
             self.flag(f"export_prefix({num}) of session {sid} (n={n}, exact {sh.exact_upto}) raised {e!r}")
             return set()
         for a in p.blocks:  # read-only: a caller writing them must get an error, not change the cache
@@ -680,6 +711,8 @@ class KernelFuzz:
             except InvalidArgument:
                 pass
             except Exception as e:  # noqa: BLE001
+                if isinstance(e, InjectedFault):
+                    raise
                 self.flag(f"a forged prefix ({label}) raised {type(e).__name__}: {e!r}, not InvalidArgument")
         if r.random() < 0.3:  # as Ray's object store hands it to another actor: pickled, plain numpy arrays
             p = pickle.loads(pickle.dumps(p))
@@ -749,6 +782,7 @@ class KernelFuzz:
             self.counts[op] = self.counts.get(op, 0) + 1
             assert sid is not None or op == "new"
             before_n = len(self.shadows[sid].tokens) if sid is not None else 0
+            fault = self.arm(op)
             try:
                 if op == "new":
                     touched = self.op_new()
@@ -764,14 +798,59 @@ class KernelFuzz:
                     touched = getattr(self, f"op_{op}")(sid)
             except Finding:
                 continue
+            except InjectedFault as e:  # all or nothing: every session as it was before the op
+                self.disarm()
+                self.faults_fired += 1
+                for other in list(self.sessions):
+                    if other in self.snaps and not Snap.of(self.sessions[other]).same(self.snaps[other]):
+                        self.flag(f"{op} on session {sid} failed part way ({e}) and session {other} changed")
+                        self.rebase(other)
+                self.check_sharing(f"{op} on session {sid} failed part way ({e})")
+                continue
             except Exception:  # noqa: BLE001
                 self.flag(f"{op} on session {sid}: the fuzzer itself failed:\n{traceback.format_exc()}")
                 continue
+            finally:
+                if fault:
+                    self.disarm()
             if self.verbose:
                 print(f"step {self.step}: {op} on {sid} (n {before_n} -> "
                       f"{len(self.shadows[sid].tokens) if sid in self.shadows else '-'}), touched {sorted(touched)}")
             self.check_all(f"{op} on session {sid}", touched)
         self.replay_all()
+
+    @staticmethod
+    def refresh(t: Session) -> None:
+        """Re-derive the last token of `t` as generate's first step does (a generate that failed right after it)."""
+        t._refresh_last()
+
+    FAULT_POINTS = ("zeros", "copy", "cat", "rope", "rope_rows", "layer0", "qkv", "attention", "mlp", "logits",
+                    "embed", "_row0")
+
+    def arm(self, op: str) -> bool:
+        """With --faults, make one of the ops' primitives raise at its k-th call during the next op (an out of
+        memory part way, say): the op must then leave every session as it was (docs/kernel.md, "A failure part way
+        ... is all or nothing too"); a decode keeps the tokens decoded before its failing step (op_generate)."""
+        if not self.faults or op not in ("append", "span", "long", "evict", "export", "fork", "generate") \
+                or self.rng.random() > 0.5:
+            return False
+        name, k = self.rng.choice(self.FAULT_POINTS), self.rng.randint(1, 6)
+        ops, real, calls = self.kernel.ops, getattr(self.kernel.ops, name), [0]
+
+        def faulty(*a: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == k:
+                raise InjectedFault(f"{name} failed at its call {k}")
+            return real(*a, **kw)
+
+        setattr(ops, name, faulty)  # an instance attribute: shadows the method for this kernel only
+        self.armed = name
+        return True
+
+    def disarm(self) -> None:
+        if self.armed:
+            delattr(self.kernel.ops, self.armed)
+            self.armed = ""
 
     def replay_all(self) -> None:
         """Each session's history on a second kernel of the same model: the same digest and logits, bit for bit;
@@ -807,6 +886,16 @@ class KernelFuzz:
                             self.flag(f"replay of session {sid}: generate decoded {got}, the original {list(h[2])}")
                         diverged = True  # another backend may break a near-tie the other way: not comparable
                         break
+                elif h[0] == "generate_partial":  # the steps that succeeded: the same greedy tokens
+                    if h[1]:
+                        got = t.generate(len(h[1]))
+                        if tuple(got) != h[1]:
+                            diverged = True
+                            if exact:
+                                self.flag(f"replay of session {sid}: generate decoded {got}, the original {h[1]}")
+                            break
+                    else:  # only the last token re-derived: what generate does first, then nothing
+                        t.generate(0) if t.last_logits is not None else self.refresh(t)
                 elif h[0] == "close":
                     t.close()
             if diverged:
@@ -1341,10 +1430,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdk", action="store_true", help="also run a short sequence through the SDK and a controller")
     ap.add_argument("--context-ops", type=int, default=150,
                     help="ops of the in-process piece-ledger run (fleet.core.context) after the kernel's; 0: none")
+    ap.add_argument("--faults", action="store_true",
+                    help="make a primitive fail part way through some ops: each must leave every session as it was")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     fz = KernelFuzz(a.seed, a.backend, a.config, a.verbose)
+    fz.faults = a.faults
     print(f"seed {a.seed}: model {fz.name} ({fz.cfg.n_layers} layers, vocab {fz.V}, context {fz.ctx}, "
           f"block {fz.BS}, tile {fz.kernel.tile_size}), backend {a.backend}, {a.ops} ops", flush=True)
     fz.run(a.ops)
@@ -1352,6 +1444,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kernel: {a.ops} ops ({', '.join(f'{k} {v}' for k, v in sorted(fz.counts.items()))}), "
           f"{len(fz.sessions)} sessions live at the end, longest {fz.longest} tokens, max|d| vs the float64 "
           f"reference {fz.max_ref_delta:.3g}, vs the other backend {fz.max_cross_delta:.3g}, "
+          f"{fz.faults_fired} injected failures, "
           f"{len(fz.findings)} findings, {time.monotonic() - t0:.1f} s", flush=True)
     if a.context_ops:
         t1 = time.monotonic()
