@@ -108,6 +108,7 @@ CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     # appends past GROUP_TOKENS (2048) positions
     ("long", dict(max_seq_len=4600), dict(tile_size=64, block_size=16, long=True)),
     ("threads2", dict(max_seq_len=300), dict(tile_size=32, block_size=16, threads=2)),  # two BLAS/torch threads
+    ("big-vocab", dict(vocab_size=5000), dict(tile_size=32, block_size=16)),  # the layer-0 memo grows past 1,024 rows
 ]
 
 
