@@ -970,7 +970,7 @@ def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
         findings.append(f"[context/{backend}] {msg}")
         print("FINDING:", findings[-1], flush=True)
 
-    tmp = tempfile.mkdtemp(prefix="kvf-fuzz-")
+    tmp = tempfile.mkdtemp(prefix="kvfleet-fuzz-")
     store = open_store(f"sqlite:///{tmp}/ctx.db")
     blobs = [f"tool output {i}: {'z' * i}".encode() for i in range(1, 6)] + [b"!"]  # one of a single token
     ctxs = {"c0": SessionContext.new(kernel, tok, "t", "c0", store=store)}
@@ -1076,7 +1076,7 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
         findings.append(f"[fleet/{backend}] {msg}")
         print("FINDING:", findings[-1], flush=True)
 
-    tmp = tempfile.mkdtemp(prefix="kvf-fuzz-")
+    tmp = tempfile.mkdtemp(prefix="kvfleet-fuzz-")
     ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
              configure_logging=False, _temp_dir=f"{tmp}/ray")
     fleet = KernelFleet(f"sqlite:///{tmp}/kvfleet.db", spec, call_timeout_s=120.0)
@@ -1295,7 +1295,7 @@ async def run_sdk(seed: int, num_ops: int) -> list[str]:
         findings.append(f"[sdk] {msg}")
         print("FINDING:", findings[-1], flush=True)
 
-    tmp = tempfile.mkdtemp(prefix="kvf-fuzz-")
+    tmp = tempfile.mkdtemp(prefix="kvfleet-fuzz-")
     ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
              configure_logging=False, _temp_dir=f"{tmp}/ray")
     ctl = await build_server(ControllerConfig(store_url=f"sqlite:///{tmp}/kvfleet.db", tokens_file=None,
