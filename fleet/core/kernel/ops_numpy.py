@@ -18,6 +18,7 @@ from threadpoolctl import ThreadpoolController
 from fleet.core.kernel.config import ModelConfig
 from fleet.core.kernel.l0memo import L0Slots, memo_rows
 from fleet.core.kernel.rope import rope_np, tables
+from fleet.core.kernel.threads import ThreadPin
 from fleet.core.kernel.weights import Weights
 
 _TPC: ThreadpoolController | None = None
@@ -28,6 +29,11 @@ def _controller() -> ThreadpoolController:
     if _TPC is None:
         _TPC = ThreadpoolController()
     return _TPC
+
+
+# BLAS's thread count is process-wide: one pin for every kernel of the process (fleet/core/kernel/threads.py)
+_BLAS_PIN = ThreadPin(lambda n: _controller().limit(limits=n, user_api="blas"),
+                      lambda limiter: limiter.restore_original_limits())
 
 
 def _cat_bias(parts: list[np.ndarray | None], sizes: list[int]) -> np.ndarray | None:
@@ -87,8 +93,9 @@ class NumpyOps:
     # -- array primitives (the cache code is backend-agnostic through these) --
     @contextmanager
     def limit(self) -> Iterator[None]:
-        """Pin BLAS to the kernel's thread count (the caller's OMP settings change nothing)."""
-        with _controller().limit(limits=self.threads, user_api="blas"):
+        """Pin BLAS to the kernel's thread count (the caller's OMP settings change nothing), also while another
+        session's pass overlaps this one (`ThreadPin`: the last one out restores the caller's count)."""
+        with _BLAS_PIN.hold(self.threads):
             yield
 
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:

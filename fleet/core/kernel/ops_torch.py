@@ -20,6 +20,7 @@ from fleet.core.kernel.config import ModelConfig
 from fleet.core.kernel.l0memo import L0Slots, memo_rows
 from fleet.core.kernel.ops_numpy import _cat_bias
 from fleet.core.kernel.rope import tables
+from fleet.core.kernel.threads import ThreadPin
 from fleet.core.kernel.weights import Weights
 
 
@@ -28,6 +29,23 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _pin_torch(n: int) -> tuple[int, bool]:
+    """Pin torch's intra-op threads to `n` and fp32 matmuls on CUDA; what it replaced."""
+    prev = torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32
+    torch.set_num_threads(n)
+    torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: fp32 means fp32 on CUDA too (HF parity)
+    return prev
+
+
+def _restore_torch(prev: tuple[int, bool]) -> None:
+    torch.set_num_threads(prev[0])
+    torch.backends.cuda.matmul.allow_tf32 = prev[1]
+
+
+# torch's thread count is process-wide: one pin for every kernel of the process (fleet/core/kernel/threads.py)
+_TORCH_PIN = ThreadPin(_pin_torch, _restore_torch)
 
 
 def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,16 +99,10 @@ class TorchOps:
 
     @contextmanager
     def limit(self) -> Iterator[None]:
-        """Pin torch's intra-op threads to the kernel's count for the duration (then restore)."""
-        prev, tf32 = torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32
-        torch.set_num_threads(self.threads)
-        torch.backends.cuda.matmul.allow_tf32 = False  # NOTE: fp32 means fp32 on CUDA too (HF parity)
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            torch.set_num_threads(prev)
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+        """Pin torch's intra-op threads to the kernel's count for the duration, also while another session's pass
+        overlaps this one (`ThreadPin`: the last one out restores the caller's settings)."""
+        with _TORCH_PIN.hold(self.threads), torch.no_grad():
+            yield
 
     def blas_info(self) -> str:
         cuda = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else ""
