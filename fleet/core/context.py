@@ -153,7 +153,7 @@ class SessionContext:
             reason: recorded in the op ("evict", "quarantine", ...).
         """
         p = self.piece(piece_id)
-        if mode not in ("exact", "reposition"):
+        if not isinstance(mode, str) or mode not in ("exact", "reposition"):  # an array passed `in` (the kernel's too)
             raise InvalidArgument(f"evict mode must be 'exact' or 'reposition', got {mode!r}")
         if p.state not in (RESIDENT, SHIFTED):
             raise FailedPrecondition(f"piece {piece_id} is {p.state}, not in the KV cache")

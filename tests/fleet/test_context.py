@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fleet.cas import open_store
@@ -142,6 +143,8 @@ def test_bad_input_changes_nothing(kernel: Kernel, tmp_path: Path) -> None:
         ctx.add_message("user", b"bytes")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="evict mode"):
         ctx.evict_piece(1, mode="fast")
+    with pytest.raises(InvalidArgument, match="evict mode"):  # logged as an array (no JSON for the log) before
+        ctx.evict_piece(1, mode=np.array(["exact"]))  # type: ignore[arg-type]
     with pytest.raises(NotFound, match="no piece 9"):
         ctx.evict_piece(9)
     for bad in (True, False, "1", 1.0):  # a bool is an int to isinstance: True evicted piece 1

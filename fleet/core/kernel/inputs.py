@@ -64,7 +64,9 @@ def check_ids(ids: Any, cfg: ModelConfig, num_tokens: int) -> np.ndarray:
 
 def check_span(start: Any, length: Any, mode: Any, num_tokens: int) -> tuple[int, int]:
     """(start, length) of an eviction of a session of `num_tokens` tokens (what `Session.evict` raises)."""
-    if mode not in EVICT_MODES:
+    # NOTE: a str first: np.array(["exact"]) passed `in` (and went into the report as an array), and a 2-element
+    # array raised numpy's ValueError
+    if not isinstance(mode, str) or mode not in EVICT_MODES:
         raise InvalidArgument(f"evict mode must be one of {EVICT_MODES}, got {mode!r}")
     s, n = as_int(start), as_int(length)
     if s is None or n is None:

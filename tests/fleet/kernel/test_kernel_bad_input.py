@@ -34,6 +34,8 @@ BAD_SPANS = [
     (dict(start=1.0, length=2), "integers"),
     (dict(start=1, length=True), "integers"),
     (dict(start=1, length=2, mode="fast"), "mode"),
+    (dict(start=1, length=2, mode=np.array(["exact"])), "mode"),  # accepted before: an array as the report's mode
+    (dict(start=1, length=2, mode=np.array(["exact", "exact"])), "mode"),  # ValueError before
 ]
 
 
