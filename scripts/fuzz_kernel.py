@@ -600,6 +600,7 @@ class KernelFuzz:
             ("None length", dict(start=0, length=None), ("integer",)),
             ("bad mode", dict(start=0, length=1, mode="fast"), ("mode",)),
             ("mode None", dict(start=0, length=1, mode=None), ("mode",)),
+            ("mode as an array", dict(start=0, length=1, mode=np.array(["exact"])), ("mode",)),
             ("np.int8 wrap", dict(start=np.int8(100), length=np.int8(100)), ("span",)),
             ("huge length", dict(start=0, length=2**70), ("span",)),
         ]
