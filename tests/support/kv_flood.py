@@ -1,5 +1,5 @@
 """KV-event streams for the event tests and bench/event_flood.py: a replay ROUTER that answers every request
-with many batches (vLLM's wire format), a sink that records what a Subscriber hands it, a live Router whose
+with many batches (vLLM's wire format), one a test serves itself (`replay_router`), a sink that records what a Subscriber hands it, a live Router whose
 worker's events the test publishes (`live_stream`), and another tenant's WhoAmI timed from its own thread."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import contextlib
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,26 @@ from fleet.cas import open_store
 from support.controller import make_tokens, md
 
 END = b"\xff" * 8
+
+
+@contextlib.asynccontextmanager
+async def replay_router(
+        serve: Callable[[zmq.asyncio.Socket], Awaitable[None]]) -> AsyncIterator[tuple[zmq.asyncio.Context, str]]:
+    """A replay ROUTER on loopback answered by `serve(router)` in a task: yields its context (for the test's other
+    sockets, which it closes before leaving) and its address; then stops the task and closes the ROUTER and context."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    url = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    server = asyncio.get_running_loop().create_task(serve(router))
+    try:
+        yield ctx, url
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        router.close(0)
+        ctx.term()
 
 
 class RecordingSink:

@@ -9,12 +9,9 @@ that no longer held it. Real ZMQ ROUTER and SUB sockets on loopback; the sink re
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import zmq
 import zmq.asyncio
-from support.kv_flood import END, RecordingSink
+from support.kv_flood import END, RecordingSink, replay_router
 
 from controller.metrics import Metrics
 from controller.vllm.subscriber import StreamLimits, Subscriber
@@ -26,33 +23,25 @@ PAYLOAD = wire.encode_batch(0.0, [wire.VllmBlockRemoved(block_hashes=[7], medium
 async def _catch_up(seqs: list[int], start: int = 0) -> tuple[bool, list[int]]:
     """A Subscriber catching up from seq `start` against a replay ROUTER that answers `seqs`, then the end marker: whether
     it says it caught up, and the seqs its sink was handed."""
-    ctx = zmq.asyncio.Context()
-    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
-    for s in (router, pub):
-        s.setsockopt(zmq.LINGER, 0)
-    replay = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    live = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
 
-    async def serve() -> None:
+    async def serve(router: zmq.asyncio.Socket) -> None:
         ident, _, _start = await router.recv_multipart()
         for seq in seqs:
             await router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), PAYLOAD])
         await router.send_multipart([ident, b"", b"", END, b""])
 
-    server = asyncio.get_running_loop().create_task(serve())
-    sink = RecordingSink()
-    sub = Subscriber(ctx, live, replay, sink, Metrics(), limits=StreamLimits(replay_timeout_s=5.0))
-    try:
-        caught_up = await sub.start(catch_up_from=start)
-        return caught_up, list(sink.applied)
-    finally:
-        await sub.stop()
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-        router.close(0)
-        pub.close(0)
-        ctx.term()
+    async with replay_router(serve) as (ctx, replay):
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        live = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+        sink = RecordingSink()
+        sub = Subscriber(ctx, live, replay, sink, Metrics(), limits=StreamLimits(replay_timeout_s=5.0))
+        try:
+            caught_up = await sub.start(catch_up_from=start)
+            return caught_up, list(sink.applied)
+        finally:
+            await sub.stop()
+            pub.close(0)
 
 
 async def test_a_catch_up_stops_at_a_hole_in_the_replay() -> None:
