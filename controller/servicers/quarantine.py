@@ -15,6 +15,7 @@ from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, unary
 from fleet.api.kvfleet.v1 import quarantine_pb2 as pb
 from fleet.api.kvfleet.v1 import quarantine_pb2_grpc as pbg
+from fleet.cas.types import check_tenant
 from fleet.core.errors import PermissionDenied
 from fleet.sdk.quarantine import QuarantineRecord
 
@@ -57,7 +58,9 @@ class QuarantineServicer(pbg.QuarantineServiceServicer):
                               ident: Identity) -> pb.ListQuarantinesResponse:
         tenant: str | None = request.tenant or ident.tenant
         if ident.role is Role.OPERATOR:
-            tenant = request.tenant or None
+            # NOTE: unchecked, a name no tenant can have reached the store, which refused the namespace it makes
+            # ("invalid namespace 'quarantine.seen/a b'"), naming neither the field nor the rule
+            tenant = check_tenant(request.tenant) if request.tenant else None
         elif tenant != ident.tenant:
             # NOTE: another tenant's records answer like none at all would leak nothing, but a refusal is clearer
             raise PermissionDenied("a tenant token lists only its own tenant's quarantines; leave --tenant out")
