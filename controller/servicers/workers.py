@@ -9,6 +9,7 @@ import grpc
 from controller.auth import Identity, Role
 from controller.servicers.common import ServiceContext, clip, unary
 from controller.servicers.convert import spec_from_proto, statuses_to_proto, witness_to_proto
+from controller.servicers.route import MAX_MODEL_CHARS
 from fleet.api.kvfleet.v1 import workers_pb2 as pb
 from fleet.api.kvfleet.v1 import workers_pb2_grpc as pbg
 from fleet.core.errors import InvalidArgument
@@ -23,6 +24,20 @@ def check_endpoint(what: str, value: str) -> None:
     m = _PORT.match(value)
     if m and not 1 <= int(m.group(1)) <= 65535:
         raise InvalidArgument(f"worker {what} {clip(value)}: port {int(m.group(1))} is outside 1-65535")
+
+
+# NOTE: a worker spec's model and hash_seed were unbounded: a worker registered with a model of 1,025 characters was
+# listed and never routed to (Route refuses a model over MAX_MODEL_CHARS, "use the name the workers were registered
+# with"), and a 1 MiB model or seed was kept in the worker's store record and sent in every ListWorkers and GetFleet
+# (the proxy polls it). The seed is PYTHONHASHSEED's value: at most 10 digits, or "random".
+MAX_SPEC_CHARS = {"model": MAX_MODEL_CHARS, "hash_seed": 64}
+_WHY = {"model": "the model name a Route may carry", "hash_seed": "the worker's PYTHONHASHSEED: 0-4294967295 or random"}
+
+
+def check_length(what: str, value: str) -> None:
+    if len(value) > (limit := MAX_SPEC_CHARS[what]):
+        raise InvalidArgument(f"worker {what} of {len(value)} characters ({clip(value)}) is over the limit of {limit} "
+                              f"({_WHY[what]})")
 
 
 VERBS = ("sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "release_kv_cache_memory")
@@ -41,6 +56,9 @@ class WorkerServicer(pbg.WorkerServiceServicer):
         for what, value in (("name", spec.name), ("url", spec.url), ("kv_events", spec.kv_events),
                             ("replay", spec.replay), ("model", spec.model)):
             check_endpoint(what, value)
+        check_length("model", spec.model)
+        if spec.HasField("hash_seed"):
+            check_length("hash_seed", spec.hash_seed)
         router = self.ctx.need_router()
         status = await router.register_worker(spec_from_proto(request.spec))
         ranks = [s for s in router.workers() if s.name == status.name] or [status]  # every DP rank
