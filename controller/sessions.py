@@ -82,6 +82,9 @@ class Sessions(SessionCalls):
         tenant's wait); the same tokens are counted against the quota and appended, never encoded again."""
         fleet = await self.get_fleet()
         tokens = await self._run(tenant, encode_message, fleet.tokenizer, role, text)
+        if not tokens:  # NOTE: the kernel refused it, naming token ids the caller never sent ("a piece needs >= 1 token id")
+            raise InvalidArgument(f"the message's text {text[:64]!r} encodes to no tokens; send at least one character "
+                                  "of text; nothing was appended")
         _within_context(len(tokens), fleet.kernel.config.max_context, "tokens of the message are")  # before the quota: NOTE:
         # a message over the context was refused as over the KV quota, which named the wrong fix
         return await self._mutate(tenant, sid, len(tokens), op_id, fleet.append_message, tokens, role, op_id)
