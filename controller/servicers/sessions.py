@@ -23,6 +23,7 @@ from controller.servicers.session_convert import (
 from controller.sessions import Sessions
 from fleet.api.kvfleet.v1 import sessions_pb2 as pb
 from fleet.api.kvfleet.v1 import sessions_pb2_grpc as pbg
+from fleet.cas.types import check_tenant
 from fleet.core.errors import InvalidArgument, NotFound
 from fleet.core.quarantine.detector import Verdict
 from fleet.core.roles import check_role
@@ -137,6 +138,8 @@ class SessionServicer(pbg.SessionServiceServicer):
         operator = ident.role is Role.OPERATOR
         if request.tenant and not operator and request.tenant != ident.tenant:
             raise NotFound(f"no sessions visible for tenant {request.tenant!r}")
+        if request.tenant and operator:  # NOTE: a name no tenant can have listed nothing, as a tenant without sessions
+            check_tenant(request.tenant)
         tenant = (request.tenant or None) if operator else ident.tenant
         rows, nodes = await self.sessions.list_sessions(ident.tenant, tenant, request.fleet, operator)
         out = pb.ListSessionsResponse(sessions=[row_to_proto(r) for r in rows])
