@@ -10,23 +10,26 @@ each tenant stores and pins a blob, has a tool result quarantined and routes a p
 session and appends to it).
 
 --sweep first sends each unary-request method its valid message with one field (or a field of a sub-message) set to
-each boundary value of its type in turn: '', '\x00', '/', '..', 'a/../b', unicode, a bidi control, a trailing newline,
+each boundary value of its type in turn: '', '\\x00', '/', '..', 'a/../b', unicode, a bidi control, a trailing newline,
 1,025 characters, 1 MiB; 0, -1, 2**31, 2**53+1, 2**63-1, 2**64-1, the type's minimum; NaN, +-inf, -0.0; empty, one,
 4,097 and 100,000 elements (the outcome of each is written to RUN/sweep.tsv). Then `--calls` calls of every RPC of
 every kvfleet.v1 service (--only narrows them), as acme (the junk tenant), the operator, no token or a malformed or
-forged one, or acme and bravo's tokens both (the first counts); bravo sends nothing. Their messages are: the default
-(empty) message; the valid message (as the tests send); random field combinations of boundary values (unknown values
-of the string enums, huge repeated fields, nesting); the valid message with one to three fields mutated; and any of
-those mangled at the wire (invalid UTF-8 in a string field, truncated, a byte flipped, an unknown field, a wrong wire
-type). PutBlob also gets chunks before the header, two headers, too few or too many bytes, an empty message, and a
-cancel midway; GetBlob a cancel after its first message; RouteStream duplicate ids, releases and moves of routes it
-never had or of bravo's, nested `more`, mutated routes, a cancel midway. --burst sends that share of the draws as 2-8
-calls at once (half the time all of one method). Session RPCs are fuzzed with --sessions (the controller starts a
-local Ray: slower).
+forged one, or acme and bravo's tokens both (the first counts). Their messages are: the default (empty) message; the
+valid message (as the tests send); random field combinations of boundary values (unknown values of the string enums,
+huge repeated fields, nesting); the valid message with one to three fields mutated; and any of those mangled at the
+wire (invalid UTF-8 in a string field, truncated, a byte flipped, an unknown field, a wrong wire type). PutBlob also
+gets chunks before the header, two headers, too few or too many bytes, an empty message, and a cancel midway; GetBlob
+a cancel after its first message; RouteStream duplicate ids, releases and moves of routes it never had or of bravo's,
+nested `more`, mutated routes, a cancel midway. --burst sends that share of the draws as 2-8 calls at once (half the
+time all of one method). Session RPCs are fuzzed with --sessions (the controller starts a local Ray: slower). Bravo
+sends only a WhoAmI every 0.5 s (the heartbeat, which also measures the fuzzer's own event-loop lag: a HANG while the
+fuzzer's loop lagged is the fuzzer's own, one while bravo's WhoAmI was slow too is the controller's).
 
 Flagged:
   INTERNAL / UNKNOWN   any call (or RouteStream answer) that ended with either;
-  HANG                 any call past its deadline (--deadline, default 20 s);
+  HANG                 any call past its deadline (--deadline, default 20 s) while the fuzzer's own loop did not lag
+                       (one that did is counted as HANG-FUZZER: a huge message took that long to build);
+  STALL                bravo's heartbeat WhoAmI taking over 5 s while the fuzzer's loop did not lag;
   LOG                  any traceback, "Exception" or "Error" line the controller logged during the run;
   UNNAMED              an INVALID_ARGUMENT whose message names none of the request's fields;
   CROSS-TENANT         afterwards, bravo's blob metadata, quarantine records, whoami (and session's digest and tokens,
@@ -81,6 +84,7 @@ from fleet.sdk.aio_status import first_status, server_error  # noqa: E402
 
 MODULES = (blobs_pb2, workers_pb2, route_pb2, fleet_pb2, sessions_pb2, quarantine_pb2)
 MIB = 1 << 20
+MAX_ELEMENTS = 400_000  # repeated-field elements in one generated message, nested ones together (a little over 4 MiB)
 OPERATOR_ONLY = {"RegisterWorker", "UnregisterWorker", "Lifecycle", "CollectGarbage", "SetVerdict", "GetFleet"}
 LOG_BAD = re.compile(r"Traceback|Exception|Error")
 CORE = "Internal error from Core"  # grpc.aio's own INTERNAL for a write that failed as the call ended
@@ -181,6 +185,7 @@ class Known:
 class Gen:
     def __init__(self, rng: random.Random, known: Known, operator_names: list[str]) -> None:
         self.rng, self.known, self.op_names = rng, known, operator_names
+        self.budget = MAX_ELEMENTS  # repeated elements left to the message being built
 
     def string(self, name: str) -> str:
         r = self.rng
@@ -232,6 +237,8 @@ class Gen:
     def fill(self, msg: Any, depth: int = 0, p_set: float = 0.6) -> Any:
         """Random fields of `msg` set (one per oneof), recursing into messages up to depth 3."""
         r = self.rng
+        if depth == 0:
+            self.budget = MAX_ELEMENTS
         oneof_pick = {o.name: r.choice(o.fields) for o in msg.DESCRIPTOR.oneofs if not o.name.startswith("_")}
         for f in msg.DESCRIPTOR.fields:
             o = f.containing_oneof
@@ -246,6 +253,8 @@ class Gen:
         r = self.rng
         if f.is_repeated:
             n = r.choice([0, 1, 2, 3, 5, 64, 300, 1025, 4097] + ([100_000] if f.type != f.TYPE_MESSAGE else []))
+            n = min(n, self.budget)  # NOTE: nested repeated fields multiply: one draw built for 34 s unbounded
+            self.budget -= n
             if f.type == f.TYPE_MESSAGE:
                 n = min(n, 40) if depth >= 1 else n
                 for _ in range(n):
@@ -274,6 +283,7 @@ class Gen:
 
     def mutate(self, msg: Any) -> Any:
         """Change one to three fields (anywhere in the message) to boundary values, or clear them."""
+        self.budget = MAX_ELEMENTS
         for _ in range(self.rng.randint(1, 3)):
             target = msg
             for _ in range(3):  # sometimes go into a set sub-message
@@ -376,6 +386,7 @@ class Flag:
     method: str
     detail: str
     request: str
+    at: float = field(default_factory=time.monotonic)  # the loop's clock (asyncio's is time.monotonic)
 
     def __str__(self) -> str:
         return f"[{self.kind}] call #{self.index} {self.method}: {self.detail}\n    request: {self.request}"
@@ -451,6 +462,8 @@ class Fuzzer:
         self.last_sent: list[Any] = []  # the messages of the last call, written out when it is flagged
         self.last_shown = ""
         self.t_call = 0.0
+        self.beats: list[tuple[float, float, float]] = []  # (when, this loop's lag, bravo's WhoAmI seconds)
+        self.ticks: list[tuple[float, float]] = []  # (when, this loop's lag)
         self.last_code = self.last_details = ""
         self.slowest: list[tuple[float, int, str, str]] = []  # (seconds, index, method, request)
 
@@ -541,7 +554,10 @@ class Fuzzer:
         if code in ("INTERNAL", "UNKNOWN"):
             self.flags.append(Flag(code, index, name, details[:500], shown))
         elif code == "DEADLINE_EXCEEDED":
-            self.flags.append(Flag("HANG", index, name, f"past its {self.args.deadline} s deadline", shown))
+            kind = "HANG" if not self.lagged() else "HANG-FUZZER"  # the fuzzer's own stall: counted, not flagged
+            if kind == "HANG":
+                self.flags.append(Flag("HANG", index, name, f"past its {self.args.deadline} s deadline", shown))
+            self.codes[(name, kind)] += 1
         elif code != "OK":
             self.refusals.setdefault((name, f"{code}: {re.sub(r'[0-9]+', 'N', details)[:90]}"), shown)
         if code == "INVALID_ARGUMENT":
@@ -551,9 +567,15 @@ class Fuzzer:
                 self.flags.append(Flag("UNNAMED", index, name, details[:300], shown))
 
     def scan_log(self, index: int, name: str, shown: str) -> None:
-        with open(self.parts.log_path, "rb") as f:
-            f.seek(self.log_pos)
-            new = f.read()
+        try:
+            with open(self.parts.log_path, "rb") as f:
+                f.seek(self.log_pos)
+                new = f.read()
+        except FileNotFoundError:  # something removed the run's directory (a shared machine's /tmp cleaner)
+            if self.log_pos >= 0:
+                self.flags.append(Flag("LOG", index, name, f"the controller's log {self.parts.log_path} is gone", ""))
+            self.log_pos = -1
+            return
         self.log_pos += len(new)
         text = new.decode(errors="replace")
         if LOG_BAD.search(text):
@@ -884,6 +906,7 @@ class Fuzzer:
             if self.args.replay:
                 await self.replay()
                 return self.report()
+            beat = asyncio.create_task(self.heartbeat())
             if self.args.sweep:
                 await self.sweep()
             t0 = time.monotonic()
@@ -901,9 +924,67 @@ class Fuzzer:
                     shown = i // 200
                     print(f"  {i} calls, {time.monotonic() - t0:.0f} s, {len(self.flags)} flagged", flush=True)
             await asyncio.sleep(1.0)  # background work (heavy verdicts, stream tails) logs what it logs
+            beat.cancel()
             self.scan_log(self.args.calls, "(after the run)", "")
             await checker.check(before)
         return self.report()
+
+    async def heartbeat(self) -> None:
+        """Every 0.5 s: this process's own event-loop lag (`tick`), and a WhoAmI of bravo's (deadline 30 s). A HANG
+        while this process's loop lagged is the fuzzer's own (it built a huge message); one while bravo's WhoAmI was
+        slow too is the controller's, and another tenant felt it."""
+        assert self.channel is not None
+        path, m = self.methods["WhoAmI"]
+        who = self.channel.unary_unary(path, request_serializer=lambda x: x.SerializeToString(),
+                                       response_deserializer=msg_class(m.output_type).FromString)
+        loop = asyncio.get_running_loop()
+        ticker = asyncio.create_task(self.tick())
+        try:
+            while True:
+                await asyncio.sleep(0.5)
+                t1 = loop.time()
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await who(fleet_pb2.WhoAmIRequest(),
+                              metadata=(("authorization", f"Bearer {self.parts.tokens['bravo']}"),), timeout=30)
+                self.beats.append((t1, self.lag_at(t1), took := loop.time() - t1))
+                if took > 5.0 and self.lag_at(loop.time()) < 1.0:  # the controller kept another tenant waiting
+                    self.flags.append(Flag("STALL", -1, "WhoAmI (bravo's heartbeat)", f"took {took:.1f} s", ""))
+        finally:
+            ticker.cancel()
+
+    async def tick(self) -> None:
+        """This process's event-loop lag, every 0.25 s (self.ticks: (when, lag))."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(0.25)
+            self.ticks.append((loop.time(), loop.time() - t0 - 0.25))
+
+    def lag_at(self, t: float) -> float:
+        return max((lag for when, lag in self.ticks if t - 1.0 <= when <= t + 1.0), default=0.0)
+
+    def lagged(self) -> bool:
+        """Whether this process's own event loop lagged a second or more within the last deadline (or is lagging
+        now: its ticker has not run for over a second)."""
+        now = time.monotonic()
+        if self.ticks and now - self.ticks[-1][0] > 1.25:
+            return True
+        return any(lag >= 1.0 for when, lag in self.ticks if when >= now - self.args.deadline - 1)
+
+    def beat_report(self) -> None:
+        if not self.beats:
+            return
+        lag = max(self.ticks, key=lambda b: b[1]) if self.ticks else self.beats[0]
+        rpc = max(self.beats, key=lambda b: b[2])
+        t0 = self.beats[0][0]
+        print(f"\n== heartbeat: {len(self.beats)} beats; this process's loop lagged at most {lag[1]:.2f} s "
+              f"(at +{lag[0] - t0:.0f} s); bravo's WhoAmI took at most {rpc[2]:.2f} s (at +{rpc[0] - t0:.0f} s)")
+        for f in self.flags:
+            if f.kind == "HANG":
+                near = [b for b in self.beats if abs(b[0] - f.at) < self.args.deadline + 1]
+                lag = max((x[1] for x in self.ticks if abs(x[0] - f.at) < self.args.deadline + 1), default=0.0)
+                print(f"  HANG #{f.index} at +{f.at - t0:.0f} s: within a deadline of it, this loop lagged at most "
+                      f"{lag:.2f} s, bravo's WhoAmI took at most {max((b[2] for b in near), default=0):.2f} s")
 
     async def sweep(self) -> None:
         """Each unary-request method's valid message with one field (or a field of a field) set to each boundary value
@@ -968,6 +1049,7 @@ class Fuzzer:
         print(f"replayed {name} ({len(msgs)} messages) as {who} in {time.monotonic() - t0:.2f} s")
 
     def report(self) -> int:
+        self.beat_report()
         print("\n== outcomes (method, code: count)")
         for (name, code), n in sorted(self.codes.items()):
             print(f"  {name:22} {code:20} {n}")
@@ -1158,7 +1240,7 @@ def main(argv: list[str] | None = None) -> int:
                    "time); a flagged call's dumped messages may then be another's of the burst")
     p.add_argument("--keep", action="store_true", help="keep the run's temporary directory (the controller's log)")
     args = p.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="kvf-fuzz-"))
+    tmp = Path(tempfile.mkdtemp(prefix="kvfleet-grpc-fuzz-"))
     parts = start_parts(args, tmp)
     print(f"controller on {parts.address} ({args.store}), stand-ins {[s['url'] for s in parts.sims]}; "
           f"seed {args.seed}, {args.calls} calls", flush=True)
