@@ -15,6 +15,7 @@ import asyncio
 import pytest
 from support.stand_ins import complete, routed_stand_ins
 
+from controller.cost import CostConfig
 from controller.router import Router
 from fleet.app.testkit.sim_vllm.config import SimEngineConfig
 from fleet.core.errors import InvalidArgument
@@ -100,7 +101,10 @@ async def test_a_reset_waits_for_the_routes_on_their_way_preempting_or_not(tmp_p
     docs/lifecycle.md), a preempting reset too: let through, its own verb would break the WARM claim it had just made.
     Measured without the settle for the preempting reset: 0-2 such stale claims per run in two bench cells, and no
     consistent prefill saving (docs/lifecycle.md)."""
-    async with routed_stand_ins(tmp_path, SimEngineConfig(model="m", num_blocks=64), reset_drain_s=10.0) as (r, sims):
+    # NOTE: a grace of 1 s, not 0.25: the verb waits for the worker's lock (a /metrics look may hold it) before it
+    # settles, and on a loaded fresh-clone run more than 0.25 s passed after the route, so there was nothing to wait for
+    async with routed_stand_ins(tmp_path, SimEngineConfig(model="m", num_blocks=64), reset_drain_s=10.0,
+                                cost=CostConfig(reconcile_grace_s=1.0)) as (r, sims):
         await _complete(sims[0].url, ENDED, 1)
         await _until(lambda: _warm(r, ENDED, len(ENDED) // BLOCK * BLOCK), "the index to hold the blocks")
         d = await r.route(ENDED + [7], "m", track=True)  # on its way: tracked, never released here
