@@ -331,7 +331,7 @@ class KernelFuzz:
         m = len(survivors)
         if m == 0:  # a tail: a truncation, exact when the positions before it are
             self.sh_recompute_last(sh, start)
-            return dict(tail=True, num_recomputed=0, num_rerotated=0, logits_fresh=True,
+            return dict(tail=True, num_recomputed=0, num_rerotated=0, logits_fresh=start > 0,
                         exact=sh.exact_upto == len(sh.tokens), invariant_delta=None)
         if mode == "exact":
             rows, logits = self.ref.forward(sh.kv[:, :, :, :start], survivors, start)

@@ -287,5 +287,6 @@ def logged_eviction(ops: list[Any], op_id: str) -> EvictReport | None:
     survivors = max(0, num_tokens(ops[:i]) - end)
     if survivors == 0 or op.mode == "exact":  # exact unless the tokens before its span carry an earlier reposition's
         exact = exact_tokens(ops[: i + 1]) == num_tokens(ops[: i + 1])
-        return EvictReport(op.mode, op.start, op.length, survivors == 0, op.length, survivors, 0, exact, None, True)
+        return EvictReport(op.mode, op.start, op.length, survivors == 0, op.length, survivors, 0, exact, None,
+                           op.start + survivors > 0)  # (an emptied session has no logits: Session.evict)
     return EvictReport(op.mode, op.start, op.length, False, op.length, 0, survivors, False, None, False)

@@ -94,7 +94,7 @@ class EvictResult:
     exact: bool
     # the kernel's measured check of a reposition: max|K - RoPE(Kraw)| over the re-rotated rows (None: none was)
     invariant_delta: float | None = None
-    logits_fresh: bool = True  # False after a non-tail reposition: the next append computes the last logits
+    logits_fresh: bool = True  # False after a non-tail reposition (the next append computes the last logits) or none left
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,3 +141,23 @@ def test_exact_tokens_read_from_the_log_are_the_kernels() -> None:
         assert logged is not None and logged.exact == report.exact, (piece, mode, report)
     assert [c.exact for c in (logged_eviction(ctx.ops, f"e{i}") for i in range(6))] == [
         False, False, False, True, False, True]
+
+
+def test_a_logged_eviction_that_emptied_the_session_claims_no_fresh_logits() -> None:
+    """A retried evict answered from the log says what the kernel said of an eviction that left no token: no fresh
+    logits (there are none). Control: the tail eviction before it, which left the first piece, re-derived them."""
+    from fleet.core.context import SessionContext
+    from fleet.core.kernel import ByteTokenizer, Kernel, ModelConfig
+    from workers.session_kernel import logged_eviction
+
+    ctx = SessionContext.new(Kernel.synthetic(ModelConfig.tiny(), seed=0), ByteTokenizer(512))
+    ctx.add_message("user", "system prompt")
+    ctx.add_message("user", "a tool result")
+    reports = []
+    for i, piece in enumerate((1, 0)):
+        ctx.op_id = f"e{i}"
+        reports.append(ctx.evict_piece(piece, "exact"))
+    assert [r.logits_fresh for r in reports] == [True, False] and len(ctx.session) == 0
+    for i, r in enumerate(reports):
+        logged = logged_eviction(ctx.ops, f"e{i}")
+        assert logged is not None and (logged.tail, logged.exact, logged.logits_fresh) == (r.tail, r.exact, r.logits_fresh)

@@ -162,7 +162,9 @@ class Session:
             self._last = last
         if tail or mode == "exact":  # never-saw's unless the positions before the span carry an earlier span
             exact = self._exact_upto == len(self._tokens)
-            return EvictReport(mode, start, length, tail, length, len(survivors), 0, exact, None, True)
+            # NOTE: logits are fresh only where a token is left to have them: a tail eviction from position 0 empties
+            # the session (last_logits None), and it said logits_fresh=True
+            return EvictReport(mode, start, length, tail, length, len(survivors), 0, exact, None, bool(self._tokens))
         delta = self._reposition(start, end)
         # NOTE: measured, not assumed. A 1-layer cache is exactly never-saw's when every survivor's
         # layer-0 row equals the one the prefill path derives from its token id at its new

@@ -29,7 +29,8 @@ class EvictReport:
         invariant_delta: max|K[i] - RoPE(Kraw[i], i)| over re-rotated rows (0.0 expected), or
             None when nothing was re-rotated.
         logits_fresh: `last_logits` was re-derived; False after a non-tail "reposition" (the next
-            append returns fresh logits; `generate` re-derives them itself).
+            append returns fresh logits; `generate` re-derives them itself), and after an eviction
+            that left no token (there are no logits).
     """
 
     mode: str

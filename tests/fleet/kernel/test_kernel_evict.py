@@ -226,3 +226,15 @@ def test_an_exact_eviction_after_a_reposition_claims_only_what_it_holds(backend:
     assert (r.exact, u.num_exact_tokens) == (True, 60) and u.digest() == never(a + d + e)
     f = shifted().fork()
     assert f.num_exact_tokens == 20 and not f.evict(59, 1, mode="exact").exact
+
+
+def test_a_tail_eviction_that_empties_the_session_claims_no_fresh_logits(backend: str) -> None:
+    """NOTE: evicting every token (a tail from position 0) reported logits_fresh=True beside last_logits None (found by
+    scripts/fuzz_kernel.py's audit). Control: a tail eviction that leaves a token re-derives its logits."""
+    s = make_kernel(backend).session()
+    s.append(PRE + SPAN)
+    r = s.evict(len(PRE), len(SPAN))
+    assert r.tail and r.logits_fresh and s.last_logits is not None  # control
+    r = s.evict(0, len(PRE))
+    assert r.tail and r.exact and len(s) == 0 and s.last_logits is None
+    assert not r.logits_fresh
