@@ -98,6 +98,9 @@ class RouteServicer(pbg.RouteServiceServicer):
         if len(request.model) > MAX_MODEL_CHARS:
             raise InvalidArgument(f"model name of {len(request.model)} characters ({clip(request.model)}) is over "
                                   f"the limit of {MAX_MODEL_CHARS}; use the name the workers were registered with")
+        if len(request.lora) > MAX_MODEL_CHARS:  # NOTE: unbounded, it was echoed whole in the NOT_FOUND that lists adapters
+            raise InvalidArgument(f"lora name of {len(request.lora)} characters ({clip(request.lora)}) is over the limit "
+                                  f"of {MAX_MODEL_CHARS}; use an adapter name the workers list in /v1/models")
         # a batch is routed by its first MAX_BATCH_PROMPTS prompts, of those its leading ones that fit together
         num_first, later = len(request.token_ids), [p.token_ids for p in request.batch[:MAX_BATCH_PROMPTS - 1]]
         later = later[:within(num_first, later, self.ctx.max_route_tokens)]  # a batch: by its leading prompts that fit

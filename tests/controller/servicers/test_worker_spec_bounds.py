@@ -49,6 +49,16 @@ async def test_a_worker_spec_names_a_model_a_route_can_carry(tmp_path: Path) -> 
             got = await routes.Route(route_pb2.RouteRequest(token_ids=list(range(32)), model="m" * 1024),
                                      metadata=md(tok.a))
             assert got.worker == "w0"
+            # a Route's lora is bounded as its model is (found by the same fuzz audit: a 1 MiB name was taken)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await routes.Route(route_pb2.RouteRequest(token_ids=[1], model="m" * 1024, lora="l" * 1025),
+                                   metadata=md(tok.a))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lora name of 1025 characters" in (
+                e.value.details() or ""), e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # control: at the bound, an adapter no worker has
+                await routes.Route(route_pb2.RouteRequest(token_ids=[1], model="m" * 1024, lora="l" * 1024),
+                                   metadata=md(tok.a))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
     finally:
         await ctl.stop(0)
         await sim.stop()
