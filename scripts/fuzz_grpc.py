@@ -93,6 +93,16 @@ ENUM_WORDS = ("sleep", "wake_up", "pause", "resume", "reset_prefix_cache", "rele
               "user", "assistant", "system", "tool", "bogus", "SLEEP", "sha256", "sha256_cbor", "md5")
 
 
+async def _send(call: Any, msgs: list[Any], cancel_at: int | None) -> None:
+    """Write `msgs` on a client stream, cancelling it before message `cancel_at` (None: all, then done_writing)."""
+    for i, m in enumerate(msgs):
+        if i == cancel_at:
+            call.cancel()
+            return
+        await call.write(m)
+    await call.done_writing()
+
+
 # -- the parts: store, stand-ins, controller ---------------------------------------------------------------------
 
 
@@ -711,13 +721,7 @@ class Fuzzer:
         first = first_status(call)  # NOTE: grpc.aio's own INTERNAL for a failed write can replace the server's status
         words = {"header", "size", "chunk", "expected_ref", "ref", "bytes", "PutBlob"}
         try:
-            for i, m in enumerate(msgs):
-                if i == cancel_at:
-                    call.cancel()
-                    break
-                await call.write(m)
-            else:
-                await call.done_writing()
+            await _send(call, msgs, cancel_at)
             resp = await call
             self.outcome(index, "PutBlob", _Desc(desc), "OK", "", words)
             if who in ("acme", "bravo") and resp.size == len(data) and resp.ref != hashlib.sha256(data).hexdigest():
@@ -826,13 +830,7 @@ class Fuzzer:
 
         task = asyncio.create_task(reader())
         try:
-            for i, m in enumerate(msgs):
-                if i == cancel_at:
-                    call.cancel()
-                    break
-                await call.write(m)
-            else:
-                await call.done_writing()
+            await _send(call, msgs, cancel_at)
             await task
             self.outcome(index, "RouteStream", _Desc(desc), "OK", "", set())
         except asyncio.CancelledError:
