@@ -71,8 +71,10 @@ import pickle
 import random
 import shutil
 import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,24 @@ CONFIGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("threads2", dict(max_seq_len=300), dict(tile_size=32, block_size=16, threads=2)),  # two BLAS/torch threads
     ("big-vocab", dict(vocab_size=5000), dict(tile_size=32, block_size=16)),  # the layer-0 memo grows past 1,024 rows
 ]
+
+
+def _flagger(findings: list[str], where: str) -> Callable[[str], None]:
+    """A finding recorder: appends `[where] msg` to `findings` and prints it at once."""
+    def flag(msg: str) -> None:
+        findings.append(f"[{where}] {msg}")
+        print("FINDING:", findings[-1], flush=True)
+    return flag
+
+
+def _local_ray() -> str:
+    """A temporary directory with a local Ray started in it (2 CPUs, no dashboard): the fleet and SDK modes' cluster."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="kvfleet-fuzz-")
+    ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _temp_dir=f"{tmp}/ray")
+    return tmp
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1053,7 +1073,6 @@ def run_context(seed: int, num_ops: int, backend: str) -> list[str]:
 def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
     """A short random sequence through a KernelFleet on a local Ray cluster, each op given to an in-process
     SessionContext too: the same answers (or the same refusal), tokens, digest, logits and piece states."""
-    import tempfile
     import uuid
 
     import ray
@@ -1073,13 +1092,9 @@ def run_fleet(seed: int, num_ops: int, backend: str) -> list[str]:
     tok = make_tokenizer(kernel)
     V = kernel.config.vocab_size
 
-    def flag(msg: str) -> None:
-        findings.append(f"[fleet/{backend}] {msg}")
-        print("FINDING:", findings[-1], flush=True)
+    flag = _flagger(findings, f"fleet/{backend}")
 
-    tmp = tempfile.mkdtemp(prefix="kvfleet-fuzz-")
-    ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir=f"{tmp}/ray")
+    tmp = _local_ray()
     fleet = KernelFleet(f"sqlite:///{tmp}/kvfleet.db", spec, call_timeout_s=120.0)
     tenant = "fz" + uuid.uuid4().hex[:6]
     local: dict[str, SessionContext] = {}
@@ -1274,7 +1289,6 @@ async def run_sdk(seed: int, num_ops: int) -> list[str]:
     fleet on a local Ray cluster (the default model, numpy), each op given to an in-process SessionContext too."""
     import asyncio
     import hashlib
-    import tempfile
 
     import ray
 
@@ -1292,13 +1306,9 @@ async def run_sdk(seed: int, num_ops: int) -> list[str]:
     tok = make_tokenizer(kernel)
     V = kernel.config.vocab_size
 
-    def flag(msg: str) -> None:
-        findings.append(f"[sdk] {msg}")
-        print("FINDING:", findings[-1], flush=True)
+    flag = _flagger(findings, "sdk")
 
-    tmp = tempfile.mkdtemp(prefix="kvfleet-fuzz-")
-    ray.init(address="local", num_cpus=2, namespace="kvfleet", include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _temp_dir=f"{tmp}/ray")
+    tmp = _local_ray()
     ctl = await build_server(ControllerConfig(store_url=f"sqlite:///{tmp}/kvfleet.db", tokens_file=None,
                                               start_router=False, listen="127.0.0.1:0"), metrics=Metrics())
     c = AsyncFleetClient(ctl.address)
